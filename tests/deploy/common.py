@@ -1,0 +1,66 @@
+"""Shared loaders for the deploy tests: compose interpolation, rendered overlays, the metric list, and a
+check of one container's command + PDSERVE_* environment through ``pdserve.cli.build_parser``."""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from deploy.kustomize_lite import render
+from pdserve.cli import build_parser
+from pdserve.settings import settings_from_args
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ("cpu", "gpu", "rdma")
+K8S_VERSION = "1.35.0"  # Kubernetes schema version the manifests are validated against
+# PDSERVE_* variables that are not CLI flags, and who reads them.
+NON_FLAG_ENV = {"PDSERVE_CACHE_DIR": "engine.models.registry.cache_dir"}
+_INTERP = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+
+
+def interpolate(text: str) -> str:
+    """Compose-style ``${VAR:-default}`` / ``${VAR}`` → default (or ""), as with an empty environment."""
+    return _INTERP.sub(lambda m: m.group(2) or "", text)
+
+
+def load_compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load(interpolate((DEPLOY / "docker-compose.yml").read_text()))
+    return data
+
+
+@functools.cache
+def rendered(overlay: str) -> tuple[dict[str, Any], ...]:
+    return tuple(render(DEPLOY / "k8s" / "overlays" / overlay))
+
+
+def known_metrics() -> set[str]:
+    spec = yaml.safe_load((DEPLOY / "metrics.yaml").read_text())
+    names: set[str] = set()
+    for m in spec["metrics"]:
+        names.add(m["name"])
+        if m["type"] == "histogram":
+            names |= {m["name"] + s for s in ("_bucket", "_sum", "_count")}
+    return names
+
+
+def pdserve_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith("PDSERVE_")}
+
+
+def check_cli(args: list[str], env: dict[str, str], where: str) -> None:
+    """Assert ``pdserve <args>`` with ``env`` parses and builds valid settings, and that every
+    ``PDSERVE_X`` in ``env`` is a flag ``--x`` of that subcommand giving the same value as the env."""
+    env = {k: v for k, v in pdserve_env(env).items() if k not in NON_FLAG_ENV}
+    ns = build_parser(env).parse_args(args)
+    settings_from_args(ns)  # raises ValueError on out-of-range values
+    for name, value in env.items():
+        dest = name.removeprefix("PDSERVE_").lower()
+        flag = "--" + dest.replace("_", "-")
+        assert dest in vars(ns), f"{where}: {name} is not a flag of `pdserve {args[0]}`"
+        by_flag = build_parser({}).parse_args([*args, flag, value])
+        assert getattr(by_flag, dest) == getattr(ns, dest), f"{where}: {name}={value!r} not read from env"

@@ -1,0 +1,136 @@
+"""docker-compose.yml against the compose-spec JSON schema; Dockerfiles; the Grafana dashboard."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tests.deploy.common import DEPLOY, NON_FLAG_ENV, check_cli, known_metrics, load_compose
+
+
+def compose_schema() -> dict[str, Any]:
+    # The Compose Specification JSON schema as shipped in PyPI's docker-compose 1.29.2 wheel
+    # (compose/config/compose_spec.json, Apache-2.0). Located without importing the package.
+    spec = importlib.util.find_spec("compose")
+    assert spec is not None and spec.submodule_search_locations, (
+        "install docker-compose==1.29.2 with --no-deps (it ships the compose-spec JSON schema)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "config" / "compose_spec.json"
+    schema: dict[str, Any] = json.loads(path.read_text())
+    return schema
+
+
+def test_compose_validates_against_compose_spec() -> None:
+    schema = compose_schema()
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    validator.validate(load_compose())
+    broken = load_compose()
+    broken["services"]["gateway"]["restart_policy"] = "always"  # not a compose key: must be refused
+    assert not validator.is_valid(broken)
+
+
+def _services(profile: str) -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in load_compose()["services"].items() if profile in s.get("profiles", [profile])}
+
+
+def test_gpu_profile_pins_each_worker_to_its_own_gpu() -> None:
+    workers = {n: s for n, s in _services("gpu").items() if n != "gateway"}
+    assert {s["command"][0] for s in workers.values()} == {"prefill", "decode"}
+    seen: list[str] = []
+    for svc in workers.values():
+        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["capabilities"] == ["gpu"]
+        seen += dev["device_ids"]
+        assert svc["ipc"] == "host" and svc["pid"] == "host"
+        assert svc["environment"]["PDSERVE_DEVICE"] == "cuda"
+    assert len(seen) == len(set(seen)), f"two workers share a GPU: {seen}"
+
+
+def test_cpu_profile_runs_the_embedded_model_without_gpus() -> None:
+    workers = {n: s for n, s in _services("cpu").items() if n != "gateway"}
+    assert {s["command"][0] for s in workers.values()} == {"prefill", "decode"}
+    for svc in workers.values():
+        assert "deploy" not in svc
+        assert svc["environment"]["PDSERVE_DEVICE"] == "cpu"
+        assert svc["environment"]["PDSERVE_MODEL"] == "smollm2-135m"
+        assert svc["image"] == "pdserve:cpu"
+
+
+def test_every_service_health_checked_restarted_and_accepted_by_cli() -> None:
+    for name, svc in load_compose()["services"].items():
+        assert svc["restart"] == "unless-stopped"
+        test = svc["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "/app/deploy/healthcheck.py"] and test[3] == svc["command"][0]
+        env = {k: str(v) for k, v in svc["environment"].items()}
+        check_cli(list(svc["command"]), env, f"compose service {name}")
+        if name != "gateway":
+            assert env["PDSERVE_GATEWAY_CONTROL"] == "tcp://gateway:7100"
+            assert env["PDSERVE_ADVERTISE_HOST"] == name
+            assert svc["depends_on"]["gateway"]["condition"] == "service_healthy"
+
+
+def test_check_cli_rejects_unknown_and_misplaced_variables() -> None:
+    with pytest.raises(AssertionError, match="PDSERVE_MODEL is not a flag"):
+        check_cli(["gateway"], {"PDSERVE_MODEL": "x"}, "t")  # gateway has --model-name, not --model
+    with pytest.raises(AssertionError, match="PDSERVE_NUM_PREFILL is not a flag"):
+        check_cli(["decode"], {"PDSERVE_NUM_PREFILL": "2"}, "t")
+
+
+def _instructions(name: str) -> list[tuple[str, str]]:
+    text = (DEPLOY / name).read_text().replace("\\\n", " ")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln else "") for ln in lines]
+
+
+@pytest.mark.parametrize(("name", "base"), [("Dockerfile.cpu", "python:3.11-slim"),
+                                            ("Dockerfile.gpu", "nvidia/cuda:13.")])
+def test_dockerfile_installs_with_setup_sh_as_non_root(name: str, base: str) -> None:
+    ins = _instructions(name)
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for k, a in ins if k == "ARG" and "=" in a}
+    (from_,) = [a for k, a in ins if k == "FROM"]
+    assert re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], from_).startswith(base)
+    runs = [a for k, a in ins if k == "RUN"]
+    installs = [r for r in runs if "pip install" in r or "setup.sh" in r]
+    assert installs and all("bash scripts/setup.sh" in r for r in installs), installs
+    kinds = [k for k, _ in ins]
+    assert ("COPY", "--chown=pdserve:pdserve . /app") in ins
+    assert kinds.index("USER") < kinds.index("RUN", kinds.index("COPY")), "setup.sh must not run as root"
+    assert dict(ins)["USER"] == "pdserve"
+    assert json.loads(dict(ins)["VOLUME"]) == ["/cache", "/models"]
+    env = dict(kv.split("=", 1) for k, a in ins if k == "ENV" for kv in shlex.split(a))
+    assert env["PDSERVE_CACHE_DIR"] == "/cache"
+    assert "/app/deploy/healthcheck.py" in dict(ins)["HEALTHCHECK"]
+    entry, cmd = json.loads(dict(ins)["ENTRYPOINT"]), json.loads(dict(ins)["CMD"])
+    assert entry == ["pdserve"]
+    check_cli(cmd, {k: v for k, v in env.items() if k.startswith("PDSERVE_")}, f"{name} CMD")
+
+
+def test_cache_dir_variable_is_read_by_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.models.registry import cache_dir
+
+    assert NON_FLAG_ENV == {"PDSERVE_CACHE_DIR": "engine.models.registry.cache_dir"}
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", "/cache")
+    assert cache_dir() == Path("/cache")
+
+
+def test_dashboard_queries_name_only_known_metrics() -> None:
+    dash = json.loads((DEPLOY / "grafana" / "pdserve.json").read_text())
+    known = known_metrics()
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\bpdserve_\w+", e)}
+    assert used <= known, used - known
+    for needed in ("pdserve_ttft_seconds_bucket", "pdserve_tpot_seconds_bucket", "pdserve_itl_seconds_bucket",
+                   "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds_total",
+                   "pdserve_worker_waiting_requests", "pdserve_kv_blocks_used", "pdserve_requests_total"):
+        assert needed in used, needed
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    for e in exprs:
+        assert e.count("(") == e.count(")"), e
+        if "_bucket" in e:
+            assert e.startswith("histogram_quantile(") and "by (le)" in e, e

@@ -1,0 +1,123 @@
+"""The Kubernetes overlays: render, validate against the Kubernetes schemas, check the wiring."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from deploy.kustomize_lite import render
+from tests.deploy.common import DEPLOY, K8S_VERSION, OVERLAYS, check_cli, known_metrics, rendered
+
+WORKERS = ("pdserve-prefill", "pdserve-decode")
+
+
+def _get(resources: tuple[dict[str, Any], ...], kind: str, name: str) -> dict[str, Any]:
+    (hit,) = [r for r in resources if r["kind"] == kind and r["metadata"]["name"] == name]
+    return hit
+
+
+def _check_service_monitor(sm: dict[str, Any]) -> None:
+    # ServiceMonitor is a Prometheus Operator CRD: kubernetes-validate has no schema for it, so its
+    # structure is checked here against the fields of monitoring.coreos.com/v1 that we use.
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(sm["spec"]) == {"selector", "endpoints"}
+    for ep in sm["spec"]["endpoints"]:
+        assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme"}
+        assert ep["path"] == "/metrics"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_manifest_validates(overlay: str) -> None:
+    resources = rendered(overlay)
+    kinds = {r["kind"] for r in resources}
+    assert {"Deployment", "Service", "ConfigMap", "Secret", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+            "ServiceMonitor", "Namespace"} <= kinds
+    for r in resources:
+        if r["kind"] == "ServiceMonitor":
+            _check_service_monitor(r)
+            continue
+        kubernetes_validate.validate(r, K8S_VERSION, strict=True)
+        if r["kind"] != "Namespace":
+            assert r["metadata"]["namespace"] == "pdserve", r["metadata"]["name"]
+
+
+def test_monitoring_adapter_rules_validate_and_name_known_metrics() -> None:
+    (cm,) = render(DEPLOY / "k8s" / "monitoring")
+    kubernetes_validate.validate(cm, K8S_VERSION, strict=True)
+    rules = yaml.safe_load(cm["data"]["config.yaml"])["externalRules"]
+    known = known_metrics()
+    served = set()
+    for rule in rules:
+        for text in (rule["seriesQuery"], rule["metricsQuery"]):
+            used = {w for w in text.replace("(", " ").replace("{", " ").split() if w.startswith("pdserve_")}
+            assert used and used <= known, used - known
+        served.add(rule["name"]["as"])
+    for hpa in [r for r in rendered("gpu") if r["kind"] == "HorizontalPodAutoscaler"]:
+        for metric in hpa["spec"]["metrics"]:
+            assert metric["external"]["metric"]["name"] in served
+
+
+def _pod(resources: tuple[dict[str, Any], ...], name: str) -> dict[str, Any]:
+    spec: dict[str, Any] = _get(resources, "Deployment", name)["spec"]["template"]["spec"]
+    return spec
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_wiring(overlay: str) -> None:
+    resources = rendered(overlay)
+    for name in (*WORKERS, "pdserve-gateway"):
+        pod = _pod(resources, name)
+        assert pod["enableServiceLinks"] is False  # keeps kubelet's *_PORT variables out of PDSERVE_*
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        (c,) = pod["containers"]
+        assert {"readinessProbe", "livenessProbe", "startupProbe"} <= set(c)
+        gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert gpus == ("1" if overlay != "cpu" and name in WORKERS else None), (overlay, name)
+    worker_cfg = _get(resources, "ConfigMap", "pdserve-worker-config")["data"]
+    assert worker_cfg["PDSERVE_GATEWAY_CONTROL"] == "tcp://pdserve-gateway:7100"
+    service = _get(resources, "Service", "pdserve-gateway")
+    assert {p["port"] for p in service["spec"]["ports"]} == {8000, 7100}
+    for hpa_name in WORKERS:
+        hpa = _get(resources, "HorizontalPodAutoscaler", hpa_name)
+        assert hpa["spec"]["scaleTargetRef"]["name"] == hpa_name
+        _get(resources, "PodDisruptionBudget", hpa_name)
+    rdma = overlay == "rdma"
+    for name in WORKERS:
+        assert _pod(resources, name).get("hostNetwork", False) is rdma
+
+
+def _container_env(resources: tuple[dict[str, Any], ...], c: dict[str, Any], tmp: Path) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for src in c.get("envFrom", []):
+        env.update(_get(resources, "ConfigMap", src["configMapRef"]["name"])["data"])
+    for e in c.get("env", []):
+        # Downward-API values (pod IP, pod name) get a sample of the right shape.
+        env[e["name"]] = e.get("value", "10.0.0.7" if "podIP" in str(e) else "pdserve-decode-abc12")
+    if "PDSERVE_API_KEY_FILE" in env:
+        keys = tmp / "api-keys"
+        keys.write_text(_get(resources, "Secret", "pdserve-api-keys")["stringData"]["api-keys"])
+        env["PDSERVE_API_KEY_FILE"] = str(keys)
+    return env
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_commands_and_env_accepted_by_cli(overlay: str, tmp_path: Path) -> None:
+    resources = rendered(overlay)
+    for name in (*WORKERS, "pdserve-gateway"):
+        (c,) = _pod(resources, name)["containers"]
+        check_cli(list(c["args"]), _container_env(resources, c, tmp_path), f"{overlay}/{name}")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probe_ports_match_worker_control_ports(overlay: str, tmp_path: Path) -> None:
+    resources = rendered(overlay)
+    for name in WORKERS:
+        (c,) = _pod(resources, name)["containers"]
+        env = _container_env(resources, c, tmp_path)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["control"] == int(env["PDSERVE_PORT"])
+        assert c["livenessProbe"]["tcpSocket"]["port"] == "control"
