@@ -1,0 +1,1 @@
+"""pdserve engine: model loading, KV cache, attention, sampling, scheduling (imports nothing here)."""

@@ -1,0 +1,211 @@
+"""KV block allocator with ref counts, prefix caching and LRU eviction (no torch).
+
+Modelled on nano-vllm's ``block_manager.py`` and vLLM's automatic prefix caching: the hash of full block
+``i`` is ``hash((hash of block i-1, tuple(token ids of block i)))`` so a hit on block ``i`` implies the
+whole prefix matches. Free blocks are either *uncached* (no hash; handed out lowest id first) or *cached*
+(hash kept, reusable by a prefix hit until evicted least-recently-freed first).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable
+
+from engine.sequence import Sequence
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when more KV blocks are requested than are free (or than exist at all)."""
+
+
+class _Block:
+    __slots__ = ("block_hash", "block_id", "ref_count", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Hands out KV cache blocks (ids ``0..num_blocks-1``) of ``block_size`` tokens to sequences.
+
+    Raises:
+        ValueError: non-positive ``num_blocks`` or ``block_size``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._hash_to_block: dict[int, int] = {}
+        self._free_uncached: set[int] = set(range(num_blocks))
+        self._uncached_heap: list[int] = list(range(num_blocks))  # lazy: may hold ids no longer free
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_count 0, cached-but-free ones included."""
+        return len(self._free_uncached) + len(self._free_cached)
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to add so ``seq.block_table`` covers ``num_computed_tokens + num_new_tokens`` tokens."""
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """True if :meth:`allocate` for ``num_new_tokens`` tokens would succeed now."""
+        return self.num_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow ``seq.block_table`` to cover ``num_computed_tokens + num_new_tokens`` tokens.
+
+        Raises:
+            NoFreeBlocksError: not enough free blocks (nothing is allocated then).
+        """
+        need = self.num_blocks_needed(seq, num_new_tokens)
+        if need > self.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"request {seq.request_id!r} needs {need} more blocks, {self.num_free_blocks} free "
+                f"of {self.num_blocks}"
+            )
+        seq.block_table.extend(self._take_free_block() for _ in range(need))
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Fill an empty ``seq.block_table`` with cached full blocks matching its tokens (ref + 1 each).
+
+        Never covers the last token, so at least one token is computed and logits exist.
+        Returns the number of cached tokens (a multiple of ``block_size``; 0 without prefix caching).
+
+        Raises:
+            ValueError: ``seq`` already has blocks or computed tokens.
+        """
+        if seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"allocate_prefix needs a fresh sequence, {seq.request_id!r} has state")
+        if not self.enable_prefix_caching:
+            return 0
+        parent: int | None = None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = hash((parent, tokens))
+            block_id = self._hash_to_block.get(block_hash)
+            if block_id is None or self._blocks[block_id].token_ids != tokens:
+                break
+            self._ref(block_id)
+            seq.block_table.append(block_id)
+            parent = block_hash
+        return len(seq.block_table) * self.block_size
+
+    def allocate_contiguous(self, num_blocks: int) -> list[int] | None:
+        """Take a run of ``num_blocks`` consecutive free block ids (ref_count 1 each), or None.
+
+        Runs of uncached blocks are preferred; otherwise cached free blocks in the run are evicted.
+        The decode worker uses this so each request-layer arrives as one transfer.
+
+        Raises:
+            NoFreeBlocksError: ``num_blocks`` exceeds the number of blocks that exist.
+            ValueError: ``num_blocks < 1``.
+        """
+        if num_blocks < 1:
+            raise ValueError(f"allocate_contiguous needs num_blocks >= 1, got {num_blocks}")
+        if num_blocks > self.num_blocks:
+            raise NoFreeBlocksError(f"{num_blocks} contiguous blocks asked, only {self.num_blocks} exist")
+        start = self._find_run(num_blocks, self._free_uncached.__contains__)
+        if start is None:
+            start = self._find_run(num_blocks, lambda b: self._blocks[b].ref_count == 0)
+        if start is None:
+            return None
+        run = list(range(start, start + num_blocks))
+        for block_id in run:
+            self._take_specific(block_id)
+        return run
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register hashes of the blocks of ``seq`` whose tokens are all computed (call after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        parent: int | None = None
+        for i in range(num_full):
+            block = self._blocks[seq.block_table[i]]
+            if block.block_hash is None:
+                tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                block.block_hash = hash((parent, tokens))
+                block.token_ids = tokens
+                self._hash_to_block.setdefault(block.block_hash, block.block_id)
+            parent = block.block_hash
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s reference to each of its blocks and empty its ``block_table``.
+
+        Blocks reaching ref_count 0 keep their hash (reusable by prefix hits); the tail blocks of the
+        sequence are queued for eviction first.
+        """
+        for block_id in reversed(seq.block_table):
+            block = self._blocks[block_id]
+            if block.ref_count <= 0:
+                raise AssertionError(f"double free of block {block_id} by {seq.request_id!r}")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._release(block)
+        seq.block_table = []
+
+    def check_no_leaks(self) -> None:
+        """Raise ``AssertionError`` listing blocks still referenced (or lost from the free lists)."""
+        held = [b.block_id for b in self._blocks if b.ref_count != 0]
+        if held:
+            raise AssertionError(f"KV blocks still referenced: {held[:32]} ({len(held)} in all)")
+        if self.num_free_blocks != self.num_blocks:
+            raise AssertionError(f"free lists hold {self.num_free_blocks} of {self.num_blocks} blocks")
+
+    def _find_run(self, n: int, is_free: Callable[[int], bool]) -> int | None:
+        run = 0
+        for block_id in range(self.num_blocks):
+            run = run + 1 if is_free(block_id) else 0
+            if run == n:
+                return block_id - n + 1
+        return None
+
+    def _ref(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            self._free_cached.pop(block_id, None)
+            self._free_uncached.discard(block_id)
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        while self._uncached_heap:
+            block_id = heapq.heappop(self._uncached_heap)
+            if block_id in self._free_uncached:
+                self._take_specific(block_id)
+                return block_id
+        block_id, _ = self._free_cached.popitem(last=False)  # evict the least recently freed
+        self._take_specific(block_id)
+        return block_id
+
+    def _take_specific(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        assert block.ref_count == 0, f"block {block_id} is in use"
+        self._free_uncached.discard(block_id)
+        self._free_cached.pop(block_id, None)
+        if block.block_hash is not None:  # evict: its old content is about to be overwritten
+            if self._hash_to_block.get(block.block_hash) == block_id:
+                del self._hash_to_block[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+
+    def _release(self, block: _Block) -> None:
+        if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block.block_id:
+            self._free_cached[block.block_id] = None
+            self._free_cached.move_to_end(block.block_id)
+        else:
+            block.block_hash = None
+            block.token_ids = ()
+            self._free_uncached.add(block.block_id)
+            heapq.heappush(self._uncached_heap, block.block_id)

@@ -1,0 +1,92 @@
+"""Engine configuration: frozen dataclasses shared by the scheduler, the KV cache and the model runner.
+
+Each config validates itself in ``__post_init__`` and raises ``ValueError`` naming the bad field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_LOAD_FORMATS = ("auto", "dummy")
+_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache shape and prefix caching.
+
+    ``block_size`` is in tokens per block; ``num_blocks`` is an explicit block count (else sized from
+    ``memory_fraction`` of free device memory, or of ``cpu_kv_bytes`` bytes on CPU).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_fraction: float = 0.9
+    cpu_kv_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1 token, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 or None, got {self.num_blocks}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.cpu_kv_bytes < 1:
+            raise ValueError(f"cpu_kv_bytes must be >= 1 byte, got {self.cpu_kv_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batch limits per step: ``max_num_seqs`` running sequences, ``max_num_batched_tokens`` tokens.
+
+    With ``enable_chunked_prefill`` a prompt larger than the remaining token budget is split across steps;
+    without it such a prompt waits until it fits whole.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1 token, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how: path or alias, dtype, weight format, device, attention backend."""
+
+    model: str
+    dtype: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    device: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a non-empty path or alias")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 tokens or None, got {self.max_model_len}")
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The three configs of one engine instance."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig

@@ -1,0 +1,108 @@
+"""Per-request sampling parameters (no torch).
+
+Semantics follow the OpenAI API (presence/frequency penalties over output tokens) and Hugging Face
+transformers (``repetition_penalty`` over prompt + output, ``top_k``/``top_p``/``min_p`` filters).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+def _require(ok: bool, field: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's tokens; validated on construction.
+
+    Units: ``max_tokens`` / ``min_tokens`` count output tokens. ``temperature == 0`` means greedy.
+    ``logprobs``: None = off, 0 = the sampled token's logprob only, N = also the top-N (N <= 20).
+
+    Raises:
+        ValueError: naming the field and its allowed range, for any out-of-range value.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        # Lists from JSON/msgspec become tuples so the dataclass stays hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate_numbers()
+        self._validate_lists()
+
+    def _validate_numbers(self) -> None:
+        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an int >= 1",
+                 self.max_tokens)
+        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        _require(_is_num(self.temperature) and self.temperature >= 0.0, "temperature",
+                 "a finite number >= 0 (0 = greedy)", self.temperature)
+        _require(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "a number in (0, 1]", self.top_p)
+        _require(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
+                 "-1 (off) or an int >= 1", self.top_k)
+        _require(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "a number in [0, 1]", self.min_p)
+        _require(_is_num(self.repetition_penalty) and self.repetition_penalty > 0.0, "repetition_penalty",
+                 "a number > 0 (1 = off)", self.repetition_penalty)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_num(value) and -2.0 <= value <= 2.0, name, "a number in [-2, 2]", value)
+        _require(self.seed is None or _is_int(self.seed), "seed", "None or an int", self.seed)
+        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                 "logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
+
+    def _validate_lists(self) -> None:
+        for s in self.stop:
+            _require(isinstance(s, str) and len(s) > 0, "stop", "a tuple of non-empty strings", self.stop)
+        for t in self.stop_token_ids:
+            _require(_is_int(t) and t >= 0, "stop_token_ids", "a tuple of ints >= 0", self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        """True when ``temperature == 0``: the argmax token is taken and the seed is irrelevant."""
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (lists for tuples) that msgspec/JSON can encode; inverse of :meth:`from_dict`."""
+        d = asdict(self)
+        d["stop"] = list(self.stop)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Build from :meth:`to_dict` output. Raises ``ValueError`` on unknown keys or bad values."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"SamplingParams got unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -1,0 +1,299 @@
+"""vLLM-v1-style unified scheduler: one token budget per step, decodes first, then prefills (no torch).
+
+Life of a request: ``add`` → WAITING → (prefix hit, blocks) RUNNING → prefill chunks → decodes →
+FINISHED_*. Out of blocks, the latest-arrived running sequence is preempted by recompute (blocks freed,
+front of WAITING, recomputes prompt + output so far). Prefill worker (``prefill_only=True``): the step
+sampling the first token makes it FINISHED_PREFILLED, blocks kept until :meth:`Scheduler.release`.
+Decode worker: ``add_waiting_for_kv`` reserves blocks (WAITING_FOR_KV); ``kv_landed`` makes it RUNNING.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, SchedulerConfig
+from engine.sequence import Sequence, SequenceStatus, check_stop
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    ``num_scheduled_tokens`` tokens start at ``seq.num_computed_tokens`` (read it before ``update``).
+    ``samples`` is True when this step reaches the end of the known tokens, so the runner must sample a
+    token for it (False for a non-final prefill chunk, whose logits are discarded).
+    """
+
+    seq: Sequence
+    num_scheduled_tokens: int
+    samples: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one step computes; handed to the model runner and then back to :meth:`Scheduler.update`.
+
+    ``scheduled``: decodes first (query length 1, as ``AttentionMetadata`` expects), then prefills.
+    ``num_decodes``: how many leading entries are decodes, so the runner need not re-derive it.
+    ``preempted``: request ids whose KV was dropped this step; workers with per-request device state
+    (e.g. sampler penalties, KV transfers) must reset it, and they recompute later.
+    """
+
+    scheduled: tuple[ScheduledSeq, ...]
+    num_decodes: int
+    preempted: tuple[str, ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Total tokens in this step (≤ ``max_num_batched_tokens``)."""
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing is scheduled (skip the forward pass)."""
+        return not self.scheduled
+
+
+class Scheduler:
+    """Chooses each step's tokens under ``max_num_batched_tokens`` / ``max_num_seqs`` and the free blocks.
+
+    ``max_model_len`` (tokens) defaults to the cache capacity ``num_blocks * block_size`` and is capped
+    by it, so a single sequence always fits and preemption always makes progress.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        block_manager: BlockManager,
+        *,
+        prefill_only: bool = False,
+        max_model_len: int | None = None,
+    ) -> None:
+        if block_manager.block_size != cache_config.block_size:
+            raise ValueError(f"block_size mismatch: cache_config {cache_config.block_size}, "
+                             f"block_manager {block_manager.block_size}")
+        self.config = scheduler_config
+        self.block_manager = block_manager
+        self.prefill_only = prefill_only
+        capacity = block_manager.num_blocks * block_manager.block_size
+        self.max_model_len = min(max_model_len or capacity, capacity)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._requests: dict[str, Sequence] = {}  # every sequence not yet fully released
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence for prefill.
+
+        Raises:
+            ValueError: duplicate request id, status not WAITING, prompt ≥ ``max_model_len`` tokens
+                (includes: longer than the whole KV cache), or — without chunked prefill — a prompt
+                larger than ``max_num_batched_tokens`` (it could never be scheduled). Nothing is queued.
+        """
+        self._validate_new(seq)
+        if not self.config.enable_chunked_prefill and seq.num_tokens > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"request {seq.request_id!r}: prompt of {seq.num_tokens} tokens exceeds "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens} and chunked prefill is off"
+            )
+        self._requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def add_waiting_for_kv(self, seq: Sequence) -> bool:
+        """Decode side: reserve blocks for ``seq``'s prompt while its KV is sent from a prefill worker.
+
+        Prefers one contiguous run of blocks (one transfer per request-layer), else any free blocks.
+        Returns False (nothing reserved, ``seq`` untouched) when too few blocks are free now.
+
+        Raises:
+            ValueError: as :meth:`add` for bad or over-long sequences.
+        """
+        self._validate_new(seq)
+        num_blocks = -(-seq.num_prompt_tokens // self.block_manager.block_size)
+        run = self.block_manager.allocate_contiguous(num_blocks)
+        if run is not None:
+            seq.block_table = run
+        elif self.block_manager.can_allocate(seq, seq.num_prompt_tokens):
+            self.block_manager.allocate(seq, seq.num_prompt_tokens)
+        else:
+            return False
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self._requests[seq.request_id] = seq
+        return True
+
+    def kv_landed(self, request_id: str, first_token: int) -> Sequence:
+        """Decode side: the prompt's KV arrived and the prefill sampled ``first_token``.
+
+        Marks the prompt computed, appends the token and moves the sequence to running (the next step
+        decodes it), or finishes it at once if that token already ends it. Returns the sequence.
+
+        Raises: KeyError (unknown ``request_id``), ValueError (not WAITING_FOR_KV).
+        """
+        seq = self._get(request_id)
+        if seq.status is not SequenceStatus.WAITING_FOR_KV:
+            raise ValueError(f"kv_landed for {request_id!r} in status {seq.status.name}, not WAITING_FOR_KV")
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.append_token(first_token)
+        self.block_manager.cache_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        status = check_stop(seq, self.max_model_len)
+        if status is not None:
+            self._finish(seq, status)
+        return seq
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Abort in any state: blocks freed, status FINISHED_ABORTED. Returns None for unknown ids.
+
+        Decode side: call only once no transfer can still write the sequence's blocks.
+        """
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seq
+
+    def release(self, request: str | Sequence) -> None:
+        """Prefill side: free a FINISHED_PREFILLED sequence's blocks once its KV was sent.
+
+        Raises: KeyError (unknown request), ValueError (not FINISHED_PREFILLED).
+        """
+        seq = self._get(request if isinstance(request, str) else request.request_id)
+        if seq.status is not SequenceStatus.FINISHED_PREFILLED:
+            raise ValueError(f"release of {seq.request_id!r} in status {seq.status.name}")
+        self.block_manager.free(seq)
+        del self._requests[seq.request_id]
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence is waiting, waiting for KV, or running."""
+        return any(not s.is_finished for s in self._requests.values())
+
+    def get(self, request_id: str) -> Sequence | None:
+        """The held sequence with this id (unfinished or FINISHED_PREFILLED), else None."""
+        return self._requests.get(request_id)
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        """Sequences with blocks reserved and KV in flight."""
+        return sum(s.status is SequenceStatus.WAITING_FOR_KV for s in self._requests.values())
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens: running sequences (arrival order), then waiting ones if no preemption."""
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda s: s.arrival_time)
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, num_new):
+                victim = self.running[-1]  # latest arrival among those not yet scheduled (or seq itself)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            scheduled.append(self._take(seq, num_new))
+            budget -= num_new
+            i += 1
+        if not preempted:
+            scheduled.extend(self._admit_waiting(budget))
+        decodes = [s for s in scheduled if s.num_scheduled_tokens == 1 and s.samples]
+        prefills = [s for s in scheduled if not (s.num_scheduled_tokens == 1 and s.samples)]
+        return SchedulerOutput(tuple(decodes + prefills), len(decodes), tuple(preempted))
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledSeq]:
+        admitted: list[ScheduledSeq] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.allocate_prefix(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens = cached
+            num_new = seq.num_tokens - cached
+            recompute = seq.status is SequenceStatus.PREEMPTED  # may exceed the budget: always chunked
+            if num_new > budget and (self.config.enable_chunked_prefill or recompute):
+                num_new = budget
+            if num_new > budget or not self.block_manager.can_allocate(seq, num_new):
+                self.block_manager.free(seq)  # undo the prefix hit; try again next step
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            admitted.append(self._take(seq, num_new))
+            budget -= num_new
+        return admitted
+
+    def _take(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        self.block_manager.allocate(seq, num_new)
+        samples = seq.num_computed_tokens + num_new == seq.num_tokens
+        return ScheduledSeq(seq, num_new, samples)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Apply a finished step: advance ``num_computed_tokens``, append sampled tokens, stop checks.
+
+        ``sampled`` maps request id → token id for every entry with ``samples=True``. Sequences aborted
+        since :meth:`schedule` are skipped. Returns sequences that finished (or, in prefill-only mode,
+        became FINISHED_PREFILLED) in this step; finished ones have their blocks freed.
+
+        Raises:
+            KeyError: a sampling sequence has no token in ``sampled`` (checked before any change).
+        """
+        live = [s for s in output.scheduled if s.seq.status is SequenceStatus.RUNNING]
+        missing = [s.seq.request_id for s in live if s.samples and s.seq.request_id not in sampled]
+        if missing:
+            raise KeyError(f"no sampled token for request(s) {missing}")
+        done: list[Sequence] = []
+        for s in live:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_scheduled_tokens
+            if s.samples:
+                seq.append_token(sampled[seq.request_id])
+            self.block_manager.cache_full_blocks(seq)
+            if not s.samples:
+                continue
+            status = SequenceStatus.FINISHED_PREFILLED if self.prefill_only else check_stop(
+                seq, self.max_model_len)
+            if status is not None:
+                self._finish(seq, status)
+                done.append(seq)
+        return done
+
+    def _validate_new(self, seq: Sequence) -> None:
+        if seq.request_id in self._requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in the scheduler")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"request {seq.request_id!r} is not a fresh WAITING sequence: {seq!r}")
+        if seq.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"request {seq.request_id!r}: prompt of {seq.num_tokens} tokens does not fit: "
+                f"max_model_len={self.max_model_len} tokens (KV cache holds "
+                f"{self.block_manager.num_blocks * self.block_manager.block_size})"
+            )
+
+    def _get(self, request_id: str) -> Sequence:
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"unknown request id {request_id!r}")
+        return seq
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.status = status
+        if status is not SequenceStatus.FINISHED_PREFILLED:
+            self.block_manager.free(seq)
+            self._requests.pop(seq.request_id, None)
+

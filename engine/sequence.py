@@ -1,0 +1,115 @@
+"""Per-request state inside a worker: token ids, KV progress and status (no torch)."""
+
+from __future__ import annotations
+
+import enum
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Lifecycle of a :class:`Sequence` in a worker's scheduler."""
+
+    WAITING = "waiting"                      # queued for prefill, holds no blocks
+    WAITING_FOR_KV = "waiting_for_kv"        # decode worker: blocks reserved, KV in flight from prefill
+    RUNNING = "running"                      # scheduled each step (prefill chunks, then decode)
+    PREEMPTED = "preempted"                  # blocks taken back; will recompute prompt + output so far
+    FINISHED_STOPPED = "finished_stopped"    # eos or a stop token id
+    FINISHED_LENGTH = "finished_length"      # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "finished_aborted"    # aborted by the client / gateway
+    FINISHED_PREFILLED = "finished_prefilled"  # prefill worker: prompt done, first token sampled, blocks held
+
+    @property
+    def is_finished(self) -> bool:
+        """True for every ``FINISHED_*`` status."""
+        return self.value.startswith("finished")
+
+
+class Sequence:
+    """One request's tokens and KV bookkeeping.
+
+    ``token_ids`` is prompt + output; ``num_computed_tokens`` counts tokens whose KV is in the cache;
+    ``block_table[i]`` is the block holding tokens ``[i*block_size, (i+1)*block_size)``;
+    ``num_cached_tokens`` is the prefix-cache hit (tokens) at the last admission.
+
+    Raises:
+        ValueError: empty prompt or negative token ids.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+        eos_token_id: int | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
+        if any(t < 0 for t in prompt_token_ids):
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must be >= 0")
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.eos_token_id = eos_token_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids (a copy)."""
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens known so far."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the status is any ``FINISHED_*``."""
+        return self.status.is_finished
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one token is left to compute (so this step is not a plain decode)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def append_token(self, token_id: int) -> None:
+        """Append one sampled output token (its KV is computed in the next step)."""
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
+
+
+def check_stop(seq: Sequence, max_model_len: int) -> SequenceStatus | None:
+    """Finish status implied by ``seq``'s last output token, or None to continue.
+
+    eos (unless ``ignore_eos``) and ``stop_token_ids`` stop only once ``min_tokens`` outputs exist;
+    ``max_tokens`` output tokens or ``max_model_len`` total tokens finish with FINISHED_LENGTH.
+    """
+    params = seq.sampling_params
+    last = seq.output_token_ids[-1]
+    if seq.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and seq.eos_token_id is not None and last == seq.eos_token_id:
+            return SequenceStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+    if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+        return SequenceStatus.FINISHED_LENGTH
+    return None

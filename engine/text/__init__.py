@@ -1,0 +1,1 @@
+"""Text processing without torch: tokenizer loading, chat templates, incremental detokenization."""
