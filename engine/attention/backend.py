@@ -1,0 +1,129 @@
+"""The attention backend interface and ``get_backend``.
+
+A backend does one layer's attention for a packed step: it stores the new K/V at ``meta.slot_mapping``,
+then attends every query token over its sequence's paged KV. Sequence ``i`` has
+``n = query_start_loc[i+1] - query_start_loc[i]`` new tokens; its first ``seq_lens[i] - n`` KV entries
+come from the cache, the new ones are causal: new token ``j`` sees KV positions ``<= seq_lens[i] - n + j``
+(bottom-right aligned causal mask, as in FlashAttention-2 for ``seqlen_q != seqlen_k``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache import KVCachePool
+
+BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
+
+
+class AttentionBackend(ABC):
+    """One layer's paged attention with KV store; stateless, one instance serves every layer."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCachePool,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store ``k``, ``v`` into layer ``layer`` of ``kv_cache`` and return the attention output.
+
+        Args:
+            layer: layer index into ``kv_cache``.
+            q: ``[T, H, D]`` queries (after RoPE), the cache's dtype.
+            k: ``[T, Hkv, D]`` new keys; ``H % Hkv == 0`` (GQA: head ``h`` uses KV head
+                ``h // (H // Hkv)``).
+            v: ``[T, Hkv, D]`` new values.
+            kv_cache: the paged cache.
+            meta: the step's metadata (decodes first).
+            scale: softmax scale, usually ``D ** -0.5``.
+
+        Returns:
+            ``[T, H, D]`` in ``q``'s dtype. Calls ``meta.layer_hook(layer)`` after the store.
+
+        Raises:
+            ValueError: shapes, dtypes or devices that do not fit the cache or the metadata.
+        """
+
+
+def check_inputs(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCachePool,
+    meta: AttentionMetadata,
+) -> None:
+    """Shared argument checks (shapes only: no device reads). Raises ``ValueError`` naming the problem."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [T, heads, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    num_tokens, num_heads, head_dim = q.shape
+    if k.shape[0] != num_tokens or meta.slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"token counts differ: q {num_tokens}, k {k.shape[0]}, "
+                         f"slot_mapping {meta.slot_mapping.shape[0]}")
+    if k.shape[1] != kv_cache.num_kv_heads or k.shape[2] != kv_cache.head_dim or head_dim != k.shape[2]:
+        raise ValueError(f"k {tuple(k.shape)} / q {tuple(q.shape)} do not fit the cache's "
+                         f"num_kv_heads={kv_cache.num_kv_heads}, head_dim={kv_cache.head_dim}")
+    if num_heads % k.shape[1] != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {k.shape[1]}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != kv_cache.dtype:
+            raise ValueError(f"{name} dtype {t.dtype} != cache dtype {kv_cache.dtype}")
+        if t.device != kv_cache.device:
+            raise ValueError(f"{name} on {t.device}, cache on {kv_cache.device}")
+    if not 0 <= layer < kv_cache.num_layers:
+        raise ValueError(f"layer {layer} out of range [0, {kv_cache.num_layers})")
+
+
+def flash_attn_available() -> bool:
+    """True when the ``flash_attn`` package can be imported (nothing is imported)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """Return the backend ``name`` for ``device``.
+
+    ``"auto"``: ``flash_attn`` if importable and on CUDA, else ``triton`` on CUDA, else ``torch``.
+    ``"triton"`` on CPU is allowed only under Triton's interpreter (``TRITON_INTERPRET=1``, tests).
+
+    Raises:
+        ValueError: unknown name, ``flash_attn`` off CUDA or not installed, ``triton`` on CPU without the
+            interpreter.
+    """
+    dev = torch.device(device)
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
+    if name == "auto":
+        on_cuda = dev.type == "cuda"
+        name = ("flash_attn" if flash_attn_available() else "triton") if on_cuda else "torch"
+    if name == "torch":
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"triton backend needs CUDA (or TRITON_INTERPRET=1), got device {dev}")
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if dev.type != "cuda":
+        raise ValueError(f"flash_attn backend needs CUDA, got device {dev}")
+    if not flash_attn_available():
+        raise ValueError("flash_attn backend requested but the flash_attn package is not installed")
+    from engine.attention.flash_attn_backend import FlashAttnBackend
+
+    return FlashAttnBackend()

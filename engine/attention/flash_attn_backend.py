@@ -1,0 +1,72 @@
+"""The ``flash_attn`` attention backend (FlashAttention-2, Dao 2023, package ``flash_attn``).
+
+UNTESTED: written against the flash-attn 2.6 API docs, never run (no GPU and no flash_attn wheel on the
+development machines, none on the H200 hosts either). Treat it as unverified until
+``tests/engine/test_attention_backends.py`` is run on a GPU with flash-attn installed.
+
+Decodes: ``flash_attn_with_kvcache(q [N,1,H,D], k_cache, v_cache, cache_seqlens, block_table)``;
+prefills: ``flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, ..., causal=True,
+block_table)`` whose causal mask is bottom-right aligned when ``seqlen_q != seqlen_k`` (what a cached
+prefix needs). K/V are stored first by the Triton ``store_kv`` kernel. Upstream flash-attn 2 requires the
+paged block size to be a multiple of 256 tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionBackend, check_inputs
+from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache import KVCachePool
+from engine.ops.store_kv import store_kv
+
+FLASH_ATTN_BLOCK_MULTIPLE = 256
+
+
+class FlashAttnBackend(AttentionBackend):
+    """flash-attn backend (see ``AttentionBackend.forward``). UNTESTED until run on a GPU with flash-attn.
+
+    Raises:
+        ValueError: (in ``forward``) a block size that is not a multiple of 256 tokens.
+    """
+
+    name = "flash_attn"
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCachePool,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """See ``AttentionBackend.forward``: ``q [T,H,D]``, ``k``/``v [T,Hkv,D]`` → ``[T,H,D]``."""
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        check_inputs(layer, q, k, v, kv_cache, meta)
+        if kv_cache.block_size % FLASH_ATTN_BLOCK_MULTIPLE != 0:
+            raise ValueError(f"flash_attn paged KV needs block_size % {FLASH_ATTN_BLOCK_MULTIPLE} == 0, "
+                             f"got {kv_cache.block_size}; use the triton backend")
+        k_cache, v_cache = kv_cache.k_cache(layer), kv_cache.v_cache(layer)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.layer_hook is not None:
+            meta.layer_hook(layer)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd > 0:
+            out[:nd] = flash_attn_with_kvcache(
+                q[:nd].unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens[:nd],
+                block_table=meta.block_tables[:nd], softmax_scale=scale, causal=True,
+            ).squeeze(1)
+        if meta.num_seqs > nd:
+            seq_lens = meta.seq_lens[nd:]
+            cu_seqlens_k = torch.nn.functional.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+            out[nd:] = flash_attn_varlen_func(
+                q[nd:], k_cache, v_cache, cu_seqlens_q=meta.query_start_loc[nd:] - nd,
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=meta.max_query_len,
+                max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
+                block_table=meta.block_tables[nd:],
+            )
+        return out

@@ -1,0 +1,145 @@
+"""Per-step attention inputs (``AttentionMetadata``) and the helper that builds them from python lists.
+
+All sequences of a step are packed into one row of ``T`` tokens, decodes first (vLLM v1 layout). The
+python ints (``num_decodes``, ``max_query_len``, ``max_seq_len``) let backends size their launch grids
+without reading device tensors back (no host synchronisation inside ``forward``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What every attention layer of one step needs (shapes: T new tokens, S sequences).
+
+    Attributes:
+        slot_mapping: int64 ``[T]``, cache slot of each new token (``block_id * block_size + offset``).
+        query_start_loc: int32 ``[S+1]``, cumulative query lengths (new tokens per sequence).
+        seq_lens: int32 ``[S]``, tokens in KV after this step (context incl. the new tokens).
+        block_tables: int32 ``[S, max_blocks]``, each sequence's block ids, padded with 0.
+        num_decodes: sequences ``[0, num_decodes)`` have query length 1.
+        num_decode_tokens: ``== num_decodes``.
+        max_query_len: longest query (tokens) in the step.
+        max_seq_len: longest ``seq_lens`` entry (tokens).
+        layer_hook: called with the layer index after that layer's KV is stored (KV transfer).
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    num_decode_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    layer_hook: Callable[[int], None] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the step (S)."""
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens in the step (T)."""
+        return int(self.slot_mapping.shape[0])
+
+
+def _validate(
+    block_tables: Sequence[Sequence[int]],
+    num_computed_tokens: Sequence[int],
+    query_lens: Sequence[int],
+    block_size: int,
+) -> None:
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not query_lens:
+        raise ValueError("build_attention_metadata needs at least one sequence")
+    if not len(block_tables) == len(num_computed_tokens) == len(query_lens):
+        raise ValueError(
+            f"length mismatch: {len(block_tables)} block_tables, {len(num_computed_tokens)} "
+            f"num_computed_tokens, {len(query_lens)} query_lens"
+        )
+    rows = zip(block_tables, num_computed_tokens, query_lens, strict=True)
+    for i, (table, computed, qlen) in enumerate(rows):
+        if qlen < 1:
+            raise ValueError(f"sequence {i}: query length must be >= 1, got {qlen}")
+        if computed < 0:
+            raise ValueError(f"sequence {i}: num_computed_tokens must be >= 0, got {computed}")
+        if len(table) * block_size < computed + qlen:
+            raise ValueError(
+                f"sequence {i}: block_table of {len(table)} blocks x {block_size} tokens cannot hold "
+                f"{computed + qlen} tokens"
+            )
+        if any(b < 0 for b in table):
+            raise ValueError(f"sequence {i}: negative block id in block_table {list(table)}")
+
+
+def _slot_mapping(
+    block_tables: Sequence[Sequence[int]],
+    num_computed_tokens: Sequence[int],
+    query_lens: Sequence[int],
+    block_size: int,
+) -> list[int]:
+    slots: list[int] = []
+    for table, computed, qlen in zip(block_tables, num_computed_tokens, query_lens, strict=True):
+        for pos in range(computed, computed + qlen):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return slots
+
+
+def build_attention_metadata(
+    block_tables: Sequence[Sequence[int]],
+    num_computed_tokens: Sequence[int],
+    query_lens: Sequence[int],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    layer_hook: Callable[[int], None] | None = None,
+) -> AttentionMetadata:
+    """Build ``AttentionMetadata`` for one packed step.
+
+    Args:
+        block_tables: per sequence, its block ids (covering at least ``num_computed + query_len`` tokens).
+        num_computed_tokens: per sequence, tokens already in the KV cache (cached prefix, earlier chunks,
+            decode context).
+        query_lens: per sequence, new tokens this step (>= 1). Sequences must come decodes first; the
+            leading run of query length 1 is counted as ``num_decodes``.
+        block_size: tokens per block.
+        device: where the tensors go (built on CPU, then copied once each).
+        layer_hook: passed through.
+
+    Returns:
+        The metadata; ``seq_lens[i] = num_computed_tokens[i] + query_lens[i]``.
+
+    Raises:
+        ValueError: empty batch, mismatched list lengths, a query length < 1, a negative
+            ``num_computed_tokens`` or block id, or a block table too short for its tokens.
+    """
+    _validate(block_tables, num_computed_tokens, query_lens, block_size)
+    seq_lens = [c + q for c, q in zip(num_computed_tokens, query_lens, strict=True)]
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    max_blocks = max(1, max(len(t) for t in block_tables))
+    padded = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    dev = torch.device(device)
+    slots = _slot_mapping(block_tables, num_computed_tokens, query_lens, block_size)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+        block_tables=torch.tensor(padded, dtype=torch.int32).to(dev),
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        layer_hook=layer_hook,
+    )

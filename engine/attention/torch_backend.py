@@ -1,0 +1,52 @@
+"""The ``torch`` attention backend: the correctness baseline, on CPU and GPU.
+
+Stores K/V with ``index_copy_`` and computes attention with the plain-torch references of
+``engine/ops`` (gather the sequences' KV from their blocks, mask, ``scaled_dot_product_attention`` in
+float32). Decodes and prefills are padded separately so a long prompt does not pad every decode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionBackend, check_inputs
+from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache import KVCachePool
+from engine.ops.paged_decode import paged_decode_attention_reference
+from engine.ops.paged_prefill import paged_prefill_attention_reference
+from engine.ops.store_kv import store_kv_reference
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """SDPA reference backend (see ``AttentionBackend.forward``); no host synchronisation."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCachePool,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """See ``AttentionBackend.forward``: ``q [T,H,D]``, ``k``/``v [T,Hkv,D]`` → ``[T,H,D]``."""
+        check_inputs(layer, q, k, v, kv_cache, meta)
+        k_cache, v_cache = kv_cache.k_cache(layer), kv_cache.v_cache(layer)
+        store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.layer_hook is not None:
+            meta.layer_hook(layer)
+        nd = meta.num_decodes
+        parts = []
+        if nd > 0:
+            parts.append(paged_decode_attention_reference(
+                q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], meta.max_seq_len, scale
+            ))
+        if meta.num_seqs > nd:
+            parts.append(paged_prefill_attention_reference(
+                q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
+                meta.query_start_loc[nd:] - nd, meta.max_query_len, meta.max_seq_len, scale,
+            ))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -1,0 +1,56 @@
+"""The ``triton`` attention backend: fused Triton kernels from ``engine/ops``.
+
+``store_kv`` scatters the new K/V; the first ``num_decodes`` sequences go through the split-K paged decode
+kernel (Flash-Decoding), the rest through the paged prefill kernel (FlashAttention-2 with a cached
+prefix). Grid sizes come from the python ints of ``AttentionMetadata``: no host synchronisation. On CPU
+it runs only under Triton's interpreter (``TRITON_INTERPRET=1``: tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionBackend, check_inputs
+from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache import KVCachePool
+from engine.ops.paged_decode import paged_decode_attention
+from engine.ops.paged_prefill import paged_prefill_attention
+from engine.ops.store_kv import store_kv
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton kernel backend (see ``AttentionBackend.forward``)."""
+
+    name = "triton"
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCachePool,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """See ``AttentionBackend.forward``: ``q [T,H,D]``, ``k``/``v [T,Hkv,D]`` → ``[T,H,D]``."""
+        check_inputs(layer, q, k, v, kv_cache, meta)
+        k_cache, v_cache = kv_cache.k_cache(layer), kv_cache.v_cache(layer)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.layer_hook is not None:
+            meta.layer_hook(layer)
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd = meta.num_decodes
+        if nd > 0:
+            paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale,
+                out=out[:nd],
+            )
+        if meta.num_seqs > nd:
+            paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                meta.max_query_len, scale, seq_offset=nd, out=out,
+            )
+        return out

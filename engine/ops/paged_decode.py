@@ -1,0 +1,193 @@
+"""Paged decode attention: one query token per sequence over its paged KV (Triton kernel + reference).
+
+Split-K ("Flash-Decoding", Dao, Haziza, Massa, Sizov, 2023, https://crfm.stanford.edu/2023/10/12/
+flashdecoding.html): each sequence's KV is cut into ``num_splits`` ranges; step 1 runs one program per
+(sequence, KV head, split) and writes an unnormalised partial output plus its running max and sum; step 2
+merges the splits with the log-sum-exp rescaling. Paged KV gathers follow vLLM PagedAttention (Kwon et al.,
+SOSP'23). GQA: a program handles all ``H // Hkv`` query heads of its KV head as the rows of one ``tl.dot``
+(padded to 16 rows), so each KV block is read once per split, not once per query head.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+_NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: no inf - inf = NaN
+
+
+@triton.jit
+def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    scale_log2, split_len,
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+    NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    rows = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * QUERIES_PER_KV + rows
+    row_mask = rows < QUERIES_PER_KV
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile in range(start, end, BLOCK_N):
+        cols = tile + tl.arange(0, BLOCK_N)
+        col_mask = cols < end
+        block = tl.load(table + cols // BLOCK_SIZE, mask=col_mask, other=0).to(tl.int64)
+        kv_off = block[:, None] * stride_cb + (cols % BLOCK_SIZE)[:, None] * stride_cs
+        kv_off += kv_head * stride_ch + dims[None, :]
+        kv_mask = col_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(col_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+    tl.store(part_m_ptr + part, m_i, mask=row_mask)
+    tl.store(part_l_ptr + part, l_i, mask=row_mask)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+             mask=row_mask[:, None] & dim_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_mask = splits < NUM_SPLITS
+    part = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(part_m_ptr + part, mask=split_mask, other=-1.0e30)
+    l_s = tl.load(part_l_ptr + part, mask=split_mask, other=0.0)
+    weight = tl.exp2(m - tl.max(m, 0))
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_mask[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_s * weight, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
+    """Heuristic split count: enough (sequence, KV head, split) programs for two waves over ``num_sms``
+    SMs, but at least 4 tiles of ``block_n`` tokens per split (less work per split would not pay for the
+    reduce) and at most 64 splits. Returns >= 1."""
+    tiles = triton.cdiv(max_seq_len, block_n)
+    wanted = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
+    return max(1, min(wanted, triton.cdiv(tiles, 4), 64))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention for ``N`` sequences with one query token each (Triton, two launches).
+
+    Args:
+        q: ``[N, H, D]``; token ``i`` belongs to sequence ``i``; innermost dim contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (same strides), ``q``'s dtype.
+        block_tables: int32 ``[>= N, max_blocks]``; seq_lens: int32 ``[>= N]`` (tokens incl. the query).
+        max_seq_len: python int >= every ``seq_lens[i]`` (sizes the split grid; no device read).
+        scale: softmax scale. out: optional ``[N, H, D]`` output. num_splits: override the heuristic.
+
+    Returns:
+        ``[N, H, D]`` in ``q``'s dtype.
+
+    Tuning (Hopper): tiles of 64 KV tokens, 4 warps, 2 stages for step 1; splits from
+    ``choose_num_splits`` (132 SMs on H200). Under the interpreter: 16-token tiles.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    if n == 0:
+        return out
+    on_gpu = q.is_cuda
+    block_n = 64 if on_gpu else 16
+    if num_splits is None:
+        sms = _num_sms(q.device.index or 0) if on_gpu else 8
+        num_splits = choose_num_splits(n, num_kv_heads, max_seq_len, block_n, sms)
+    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(max_seq_len, split_len))
+    part_acc = torch.empty((n, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    part_m = torch.empty((n, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    qpk = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _decode_split_kernel[(n, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_m, part_l,
+        scale * LOG2E, split_len,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads, QUERIES_PER_KV=qpk, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(qpk)), BLOCK_D=block_d,
+        BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
+    )
+    _decode_reduce_kernel[(n, num_heads)](
+        part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+    )
+    return out
+
+
+def gather_paged_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Gather each sequence's first ``max_len`` KV positions: ``[S, max_len, Hkv, D]`` from ``cache``
+    ``[num_blocks, block_size, Hkv, D]`` and int32 ``block_tables [S, max_blocks]`` (no host sync)."""
+    block_size = cache.shape[1]
+    num_blocks = math.ceil(max_len / block_size)
+    gathered = cache[block_tables[:, :num_blocks].long()]  # [S, nb, bs, Hkv, D]
+    return gathered.flatten(1, 2)[:, :max_len]
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+) -> torch.Tensor:
+    """Plain-torch ``paged_decode_attention`` (same arguments): gather, mask positions ``>= seq_len``,
+    SDPA in float32 with GQA. Returns ``[N, H, D]`` in ``q``'s dtype."""
+    n = q.shape[0]
+    k = gather_paged_kv(k_cache, block_tables[:n], max_seq_len).float().transpose(1, 2)
+    v = gather_paged_kv(v_cache, block_tables[:n], max_seq_len).float().transpose(1, 2)
+    positions = torch.arange(max_seq_len, device=q.device)
+    mask = positions[None, :] < seq_lens[:n, None]  # [N, L]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float()[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0, :].to(q.dtype)

@@ -1,0 +1,179 @@
+"""Paged prefill attention: varlen query chunks over a paged KV with a cached prefix (Triton + reference).
+
+FlashAttention-2 forward (Dao, 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+Partitioning", Alg. 1): one program per (query tile, sequence, query head) keeps a running max, sum and
+output in registers while it walks the KV in tiles (online softmax, exp2 with the scale folded in). The
+KV is read through the block table (vLLM PagedAttention, Kwon et al., SOSP'23); the new tokens' K/V are
+already stored, so the cached prefix and the new tokens come through one path. Query ``i`` of a sequence
+with ``c = seq_len - query_len`` cached tokens sees KV positions ``<= c + i`` (bottom-right causal). KV
+tiles wholly below the tile's diagonal run without masks; only the last ones are masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.ops.paged_decode import LOG2E, gather_paged_kv
+
+
+@triton.jit
+def _attend_tiles(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, lo, hi, context,
+    scale_log2, stride_cb, stride_cs, stride_ch,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    for tile in range(lo, hi, BLOCK_N):
+        cols = tile + tl.arange(0, BLOCK_N)
+        col_mask = cols < hi
+        block = tl.load(table + cols // BLOCK_SIZE, mask=col_mask, other=0).to(tl.int64)
+        kv_off = block[:, None] * stride_cb + (cols % BLOCK_SIZE)[:, None] * stride_cs
+        kv_off += kv_head * stride_ch + dims[None, :]
+        kv_mask = col_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if MASKED:
+            visible = (cols[None, :] <= context + rows[:, None]) & col_mask[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    scale_log2, seq_offset,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile_m = tl.program_id(0)
+    seq = tl.program_id(1) + seq_offset
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile_m * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+    kv_head = head // QUERIES_PER_KV
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    io_mask = (rows < q_len)[:, None] & (dims < HEAD_DIM)[None, :]
+    tokens = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=io_mask,
+                other=0.0)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # KV below every row's diagonal: no mask needed.
+    full_end = ((context + tile_m * BLOCK_M) // BLOCK_N) * BLOCK_N
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, 0, full_end, context,
+        scale_log2, stride_cb, stride_cs, stride_ch,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, False, PRECISION,
+    )
+    kv_end = tl.minimum(seq_len, context + (tile_m + 1) * BLOCK_M)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, full_end, kv_end, context,
+        scale_log2, stride_cb, stride_cs, stride_ch,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, True, PRECISION,
+    )
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def prefill_tiles(head_dim: int, on_gpu: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. Hopper: 128x64 tiles with 8 warps for
+    ``head_dim <= 64``, 64x64 with 4 warps for larger heads (register pressure), 3 stages to overlap the
+    paged loads; the interpreter uses 16x16 (it is slow per element)."""
+    if not on_gpu:
+        return 16, 16, 1, 1
+    if head_dim <= 64:
+        return 128, 64, 8, 3
+    return 64, 64, 4, 3
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
+    seq_offset: int = 0, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen attention over paged KV for sequences ``seq_offset .. S-1`` of a packed step (Triton).
+
+    Args:
+        q: ``[T, H, D]`` packed queries of the whole step (tokens of sequence ``s`` at
+            ``query_start_loc[s] .. query_start_loc[s+1]``); innermost dim contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (same strides) holding every sequence's KV,
+            the new tokens included.
+        block_tables: int32 ``[S, max_blocks]``; seq_lens: int32 ``[S]``; query_start_loc: int32 ``[S+1]``.
+        max_query_len: python int >= every query length (sizes the grid; no device read).
+        scale: softmax scale. seq_offset: first sequence to compute (``num_decodes`` in the backend).
+        out: optional ``[T, H, D]`` output; only the rows of the computed sequences are written.
+
+    Returns:
+        ``out`` (``[T, H, D]``, ``q``'s dtype).
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0] - seq_offset
+    if num_seqs <= 0 or max_query_len <= 0:
+        return out
+    block_m, block_n, warps, stages = prefill_tiles(head_dim, q.is_cuda)
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * LOG2E, seq_offset,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        QUERIES_PER_KV=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def paged_prefill_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-torch varlen paged attention: pad the queries to ``[S, max_query_len]``, gather the KV to
+    ``[S, max_seq_len]``, mask (bottom-right causal, ``< seq_len``), SDPA in float32 with GQA, unpad.
+
+    Args: as ``paged_prefill_attention`` with ``seq_offset=0``: ``q [T, H, D]`` where
+    ``T == query_start_loc[-1]`` and ``query_start_loc[0] == 0``; ``max_seq_len`` >= every ``seq_lens``.
+    Returns ``[T, H, D]`` in ``q``'s dtype. No host synchronisation.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    device = q.device
+    token_ids = torch.arange(num_tokens, device=device, dtype=torch.int32)
+    seq_of_token = torch.searchsorted(query_start_loc[1:].contiguous(), token_ids, right=True)
+    row_of_token = token_ids - query_start_loc[seq_of_token]
+    num_seqs = seq_lens.shape[0]
+    padded = torch.zeros((num_seqs, max_query_len, num_heads, head_dim), dtype=torch.float32, device=device)
+    padded[seq_of_token, row_of_token] = q.float()
+    k = gather_paged_kv(k_cache, block_tables, max_seq_len).float().transpose(1, 2)
+    v = gather_paged_kv(v_cache, block_tables, max_seq_len).float().transpose(1, 2)
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    context = (seq_lens - query_lens)[:, None, None]
+    rows = torch.arange(max_query_len, device=device)[None, :, None]
+    cols = torch.arange(max_seq_len, device=device)[None, None, :]
+    mask = (cols <= context + rows) & (cols < seq_lens[:, None, None])  # [S, Mq, L]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        padded.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )  # [S, H, Mq, D]
+    return out.transpose(1, 2)[seq_of_token, row_of_token].to(q.dtype)
