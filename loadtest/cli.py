@@ -1,0 +1,162 @@
+"""`pdserve bench` / `python -m loadtest`: flags, the run action and the compare action.
+
+``pdserve bench --base-url URL [flags]`` runs the load and writes the outputs; ``pdserve bench compare
+A.json B.json`` prints two result files side by side. Every flag ``--foo-bar`` also reads the
+environment variable ``PDSERVE_FOO_BAR`` (the project's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from loadtest.config import BenchConfig, SLOConfig, WorkloadConfig
+from loadtest.faults import FaultSpec, parse_duration
+from loadtest.lengths import LengthDist
+
+
+def _add(parser: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
+    """``add_argument`` whose default comes from ``PDSERVE_<FLAG>`` when that is set."""
+    env = os.environ.get("PDSERVE_" + flag.lstrip("-").replace("-", "_").upper())
+    if env is not None:
+        if kw.get("action") == "store_true":
+            kw["default"] = env.lower() in ("1", "true", "yes", "on")
+        elif kw.get("action") == "append":
+            kw["default"] = [env]
+        else:
+            kw["default"] = env
+    parser.add_argument(flag, **kw)
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``bench`` flags and positionals (``[run|compare] [FILES...]``) to ``parser``."""
+    parser.add_argument("bench_action", metavar="action", nargs="?", default="run",
+                        choices=("run", "compare"), help="run the load (default) or compare two results")
+    parser.add_argument("bench_files", metavar="files", nargs="*", help="compare: A.json B.json")
+    _add(parser, "--base-url", default="http://127.0.0.1:8000", help="server URL; no other host is used")
+    _add(parser, "--model", help="model name to send (default: the first of GET /v1/models)")
+    _add(parser, "--endpoint", default="completions", choices=("completions", "chat"))
+    _add(parser, "--api-key", help="sent as 'Authorization: Bearer KEY'")
+    _add(parser, "--workload", default="random", choices=("random", "sharegpt", "multi-turn"))
+    _add(parser, "--prompt-format", default="tokens", choices=("tokens", "text"))
+    _add(parser, "--input-len", default="fixed:128", help="fixed:N | uniform:LO,HI | normal:MEAN,STD")
+    _add(parser, "--output-len", default="fixed:64", help="max_tokens distribution (same syntax)")
+    _add(parser, "--dataset-path", help="ShareGPT JSON file (workload sharegpt)")
+    _add(parser, "--num-turns", type=int, default=1, help="turns per conversation (multi-turn, sharegpt)")
+    _add(parser, "--ignore-eos", action="store_true", help="pin output lengths to max_tokens")
+    _add(parser, "--temperature", type=float, default=0.0)
+    _add(parser, "--arrival", default="poisson", choices=("poisson", "gamma", "constant", "closed"))
+    _add(parser, "--request-rate", default="inf", help="req/s; comma list = sweep (e.g. 1,2,4)")
+    _add(parser, "--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
+    _add(parser, "--concurrency", type=int, default=1, help="sessions in flight (arrival closed)")
+    _add(parser, "--num-requests", type=int, help="measured requests per run (default 100 w/o duration)")
+    _add(parser, "--duration", help="stop issuing after this long, e.g. 30s")
+    _add(parser, "--warmup", type=int, default=0, help="uncounted requests sent first")
+    _add(parser, "--seed", type=int, default=0)
+    _add(parser, "--request-timeout", default="60s", help="per-request bound, e.g. 60s")
+    _add(parser, "--slo-ttft-ms", type=float, default=1000.0, help="goodput TTFT SLO (ms)")
+    _add(parser, "--slo-tpot-ms", type=float, default=100.0, help="goodput TPOT SLO (ms)")
+    _add(parser, "--fault", action="append", default=[], help='repeatable: "at=5s[,timeout=30s],cmd=..."')
+    _add(parser, "--metrics-path", default="/metrics", help="KV-gauge page on the server; '' = off")
+    _add(parser, "--leak-settle", default="2s", help="how long to wait for KV blocks to come back")
+    _add(parser, "--output-dir", help="write results.json, summary.md and PNG plots here")
+    _add(parser, "--no-progress", action="store_true", help="no progress bar")
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"bad --request-rate {text!r}: numbers (or inf) separated by commas") from None
+
+
+def config_from_args(args: argparse.Namespace, model: str) -> BenchConfig:
+    """Build and validate the frozen config. Raises ValueError naming the bad flag value."""
+    workload = WorkloadConfig(
+        kind=args.workload, prompt_format=args.prompt_format,
+        input_len=LengthDist.parse(args.input_len), output_len=LengthDist.parse(args.output_len),
+        dataset_path=args.dataset_path, num_turns=int(args.num_turns),
+    )
+    duration = parse_duration(args.duration) if args.duration else None
+    num = int(args.num_requests) if args.num_requests is not None else (None if duration else 100)
+    return BenchConfig(
+        base_url=args.base_url.rstrip("/"), model=model, endpoint=args.endpoint, api_key=args.api_key,
+        workload=workload, arrival=args.arrival, rates=_rates(args.request_rate),
+        burstiness=float(args.burstiness), concurrency=int(args.concurrency), num_requests=num,
+        duration_s=duration, warmup=int(args.warmup), seed=int(args.seed),
+        request_timeout_s=parse_duration(args.request_timeout), ignore_eos=bool(args.ignore_eos),
+        temperature=float(args.temperature),
+        slo=SLOConfig(ttft_ms=float(args.slo_ttft_ms), tpot_ms=float(args.slo_tpot_ms)),
+        faults=tuple(FaultSpec.parse(f) for f in args.fault), metrics_path=args.metrics_path or None,
+        leak_settle_s=parse_duration(args.leak_settle), progress=not args.no_progress,
+    )
+
+
+def _compare(files: list[str]) -> int:
+    from loadtest.report import compare, load_json
+
+    if len(files) != 2:
+        print(f"error: compare needs exactly two result files, got {len(files)}", file=sys.stderr)
+        return 2
+    try:
+        print(compare(load_json(files[0]), load_json(files[1]), files[0], files[1]), end="")
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the ``bench`` action in ``args``; return the exit code.
+
+    0: done; 1: no request completed or KV blocks leaked; 2: bad arguments or input files.
+    """
+    if args.bench_action == "compare":
+        return _compare(args.bench_files)
+    if args.bench_files:
+        print(f"error: unexpected arguments {args.bench_files}", file=sys.stderr)
+        return 2
+    from loadtest.models import first_model
+    from loadtest.runner import run_bench as run_all
+
+    try:
+        config_from_args(args, args.model or "placeholder")  # validate before touching the network
+        model = args.model or asyncio.run(first_model(args.base_url.rstrip("/"), args.api_key))
+        cfg = config_from_args(args, model)
+        result = asyncio.run(run_all(cfg))
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return _write_outputs(result, args.output_dir)
+
+
+def _write_outputs(result: Any, output_dir: str | None) -> int:
+    from loadtest.plots import write_plots
+    from loadtest.report import markdown_summary, save_json
+
+    text = markdown_summary(result)
+    print(text, end="")
+    if output_dir:
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_json(result, out / "results.json")
+        (out / "summary.md").write_text(text, encoding="utf-8")
+        write_plots(result, out)
+        print(f"results written to {out}/ (results.json, summary.md, *.png)")
+    leaked = any((run.kv.leaked or 0) > 0 for run in result.runs)
+    none_ok = any(run.summary.completed == 0 for run in result.runs)
+    return 1 if leaked or none_ok else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loadtest``: parse ``argv`` and run."""
+    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
+    add_bench_arguments(parser)
+    return run_bench(parser.parse_args(argv))
+
+
+__all__ = ["add_bench_arguments", "config_from_args", "main", "run_bench"]

@@ -1,0 +1,118 @@
+"""Frozen configuration of one `pdserve bench` invocation (validated on construction)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loadtest.faults import FaultSpec
+from loadtest.lengths import LengthDist
+
+WorkloadKind = Literal["random", "sharegpt", "multi-turn"]
+PromptFormat = Literal["tokens", "text"]
+Endpoint = Literal["completions", "chat"]
+ArrivalKind = Literal["poisson", "gamma", "constant", "closed"]
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """What to send.
+
+    ``kind``: ``random`` (synthetic prompts), ``sharegpt`` (a ShareGPT-format JSON file at
+    ``dataset_path``), ``multi-turn`` (synthetic conversations of ``num_turns`` turns that share a growing
+    prefix). ``prompt_format``: ``tokens`` sends token-id prompts (exact lengths, completions endpoint
+    only) and ``text`` sends words (about one token each). ``num_turns`` caps turns per ShareGPT
+    conversation too. Token ids are drawn uniformly from ``[vocab_low, vocab_high)``.
+    """
+
+    kind: WorkloadKind = "random"
+    prompt_format: PromptFormat = "tokens"
+    input_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 128))
+    output_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 64))
+    dataset_path: str | None = None
+    num_turns: int = 1
+    vocab_low: int = 100
+    vocab_high: int = 10000
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("random", "sharegpt", "multi-turn"):
+            raise ValueError(f"workload must be random|sharegpt|multi-turn, got {self.kind!r}")
+        if self.prompt_format not in ("tokens", "text"):
+            raise ValueError(f"prompt_format must be tokens|text, got {self.prompt_format!r}")
+        if self.kind == "sharegpt" and not self.dataset_path:
+            raise ValueError("workload sharegpt needs dataset_path (--dataset-path)")
+        if self.kind != "random" and self.prompt_format == "tokens":
+            raise ValueError(f"workload {self.kind} sends text: use --prompt-format text")
+        if self.num_turns < 1:
+            raise ValueError(f"num_turns must be >= 1, got {self.num_turns}")
+        if not 0 <= self.vocab_low < self.vocab_high:
+            raise ValueError(f"need 0 <= vocab_low < vocab_high, got {self.vocab_low}, {self.vocab_high}")
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """Service-level objectives for goodput (DistServe, OSDI'24): TTFT and TPOT limits, milliseconds."""
+
+    ttft_ms: float = 1000.0
+    tpot_ms: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.ttft_ms <= 0 or self.tpot_ms <= 0:
+            raise ValueError(f"SLOs must be > 0 ms, got ttft {self.ttft_ms}, tpot {self.tpot_ms}")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark: a sweep over ``rates`` (requests/s; ``inf`` = all at once) or one closed loop.
+
+    Stopping: after ``num_requests`` measured requests or ``duration_s`` seconds of issuing, whichever
+    comes first (at least one must be set); each request is bounded by ``request_timeout_s``.
+    ``burstiness`` is the gamma shape (1 = Poisson, < 1 burstier). Traffic goes only to ``base_url``.
+    """
+
+    base_url: str
+    model: str
+    endpoint: Endpoint = "completions"
+    api_key: str | None = None
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    arrival: ArrivalKind = "poisson"
+    rates: tuple[float, ...] = (math.inf,)
+    burstiness: float = 1.0
+    concurrency: int = 1
+    num_requests: int | None = 100
+    duration_s: float | None = None
+    warmup: int = 0
+    seed: int = 0
+    request_timeout_s: float = 60.0
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    faults: tuple[FaultSpec, ...] = ()
+    metrics_path: str | None = "/metrics"
+    leak_settle_s: float = 2.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        if self.endpoint not in ("completions", "chat"):
+            raise ValueError(f"endpoint must be completions|chat, got {self.endpoint!r}")
+        if self.endpoint == "chat" and self.workload.prompt_format == "tokens":
+            raise ValueError("token-id prompts need the completions endpoint; use --prompt-format text")
+        if self.arrival not in ("poisson", "gamma", "constant", "closed"):
+            raise ValueError(f"arrival must be poisson|gamma|constant|closed, got {self.arrival!r}")
+        if not self.rates or any(not r > 0 for r in self.rates):
+            raise ValueError(f"rates must be > 0 requests/s, got {self.rates}")
+        if self.arrival != "closed" and self.num_requests is None and any(math.isinf(r) for r in self.rates):
+            raise ValueError("an infinite rate sends everything at once: set num_requests")
+        if self.burstiness <= 0 or self.concurrency < 1:
+            raise ValueError("burstiness must be > 0 and concurrency >= 1")
+        if self.num_requests is None and self.duration_s is None:
+            raise ValueError("set num_requests or duration_s so the run ends on its own")
+        if (self.num_requests is not None and self.num_requests < 1) or (
+            self.duration_s is not None and self.duration_s <= 0
+        ):
+            raise ValueError("num_requests must be >= 1 and duration_s > 0")
+        if self.request_timeout_s <= 0 or self.warmup < 0 or self.leak_settle_s < 0:
+            raise ValueError("request_timeout_s must be > 0; warmup and leak_settle_s >= 0")

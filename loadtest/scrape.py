@@ -1,0 +1,66 @@
+"""Read the server's KV-block gauge from its Prometheus ``/metrics`` page, to catch leaked blocks.
+
+The gauge is ``pdserve_kv_blocks_used`` (one series per worker); the harness sums every series. The page
+is parsed with prometheus-client's text-format parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.records import KVScrape
+
+KV_GAUGE = "pdserve_kv_blocks_used"
+
+
+def kv_blocks_used(metrics_text: str, name: str = KV_GAUGE) -> float | None:
+    """Sum of every sample of gauge ``name`` (blocks) in a Prometheus text page; None if absent.
+
+    Raises ValueError if the page is not valid Prometheus text format.
+    """
+    total: float | None = None
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == name:
+                total = (total or 0.0) + sample.value
+    return total
+
+
+async def scrape_kv(client: httpx.AsyncClient, path: str, timeout_s: float = 5.0) -> float:
+    """GET ``path`` on the client's base URL and return the summed gauge (blocks).
+
+    Raises RuntimeError naming the problem (HTTP status, missing gauge, bad page, connection).
+    """
+    try:
+        resp = await client.get(path, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"GET {path} failed: {type(exc).__name__}: {exc}") from exc
+    if resp.status_code != 200:
+        raise RuntimeError(f"GET {path} answered HTTP {resp.status_code}")
+    try:
+        value = kv_blocks_used(resp.text)
+    except ValueError as exc:
+        raise RuntimeError(f"GET {path}: not Prometheus text format: {exc}") from exc
+    if value is None:
+        raise RuntimeError(f"GET {path}: no {KV_GAUGE} gauge on the page")
+    return value
+
+
+async def scrape_after(client: httpx.AsyncClient, path: str, before: float, settle_s: float) -> KVScrape:
+    """Poll the gauge until it is back to ``before`` or ``settle_s`` seconds pass; report the leak.
+
+    The server may free blocks a moment after the last stream ends, hence the settling time.
+    """
+    deadline = time.monotonic() + settle_s
+    while True:
+        try:
+            after = await scrape_kv(client, path)
+        except RuntimeError as exc:
+            return KVScrape(before=before, error=str(exc))
+        if after <= before or time.monotonic() >= deadline:
+            return KVScrape(before=before, after=after, leaked=after - before)
+        await asyncio.sleep(0.1)

@@ -1,0 +1,157 @@
+"""Workloads, arrivals, fault specs, phases, the /metrics parser and config validation (pure, fast)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+from loadtest.arrivals import arrival_times
+from loadtest.config import BenchConfig, SLOConfig, WorkloadConfig
+from loadtest.conversation import Conversation
+from loadtest.faults import FaultSpec, parse_duration, phase_report
+from loadtest.lengths import LengthDist
+from loadtest.records import FaultResult, RequestRecord
+from loadtest.scrape import kv_blocks_used
+from loadtest.workload import Turn, load_sharegpt, make_sessions
+
+
+def test_length_dists() -> None:
+    rng = random.Random(0)
+    assert LengthDist.parse("128").sample(rng) == 128
+    uni = [LengthDist.parse("uniform:5,9").sample(rng) for _ in range(500)]
+    assert min(uni) == 5 and max(uni) == 9
+    norm = [LengthDist.parse("normal:100,10").sample(rng) for _ in range(2000)]
+    assert statistics.mean(norm) == pytest.approx(100, abs=1.5)  # std of the mean = 10/sqrt(2000) = 0.22
+    assert min(LengthDist("normal", 1, 50).sample(rng) for _ in range(200)) == 1  # clipped
+    for bad in ("uniform:9,5", "normal:1", "fixed:0", "zipf:3", "fixed:x"):
+        with pytest.raises(ValueError):
+            LengthDist.parse(bad)
+
+
+def test_arrivals_rates_and_seed() -> None:
+    n = 4000
+    poisson = list(itertools.islice(arrival_times("poisson", 10.0, seed=1), n))
+    assert poisson == sorted(poisson)
+    assert poisson[-1] / n == pytest.approx(0.1, rel=0.05)  # mean gap 1/rate; rel. s.e. 1/sqrt(n)=1.6%
+    assert poisson == list(itertools.islice(arrival_times("poisson", 10.0, seed=1), n))
+    bursty = list(itertools.islice(arrival_times("gamma", 10.0, seed=1, burstiness=0.25), n))
+    gaps = [b - a for a, b in itertools.pairwise(bursty)]
+    # gamma(k, 1/(rate k)): mean 1/rate, coefficient of variation 1/sqrt(k) = 2
+    assert statistics.mean(gaps) == pytest.approx(0.1, rel=0.12)
+    assert statistics.stdev(gaps) / statistics.mean(gaps) == pytest.approx(2.0, rel=0.15)
+    assert list(itertools.islice(arrival_times("constant", 4.0, seed=0), 3)) == [0.0, 0.25, 0.5]
+    assert list(itertools.islice(arrival_times("poisson", float("inf"), seed=0), 3)) == [0.0] * 3
+    with pytest.raises(ValueError, match="arrival kind"):
+        arrival_times("closed", 1.0, 0)
+
+
+def test_random_token_workload_is_seeded() -> None:
+    cfg = WorkloadConfig(input_len=LengthDist("uniform", 3, 6), output_len=LengthDist("fixed", 7))
+    a = list(itertools.islice(make_sessions(cfg, 5), 20))
+    assert a == list(itertools.islice(make_sessions(cfg, 5), 20))
+    assert a != list(itertools.islice(make_sessions(cfg, 6), 20))
+    for s in a:
+        (turn,) = s.turns
+        assert isinstance(turn.prompt, tuple) and 3 <= len(turn.prompt) <= 6
+        assert all(100 <= t < 10000 for t in turn.prompt) and turn.max_tokens == 7
+
+
+def test_sharegpt_loader(tmp_path: Path) -> None:
+    data = [
+        {"conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "a b c d e f"},
+                           {"from": "human", "value": "more"}, {"from": "gpt", "value": "x"}]},
+        {"conversations": [{"from": "gpt", "value": "no human here"}]},
+        {"id": "broken"},
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(data))
+    assert load_sharegpt(path, 1) == [[("hi there", 8)]]  # ceil(6 words * 4/3)
+    assert load_sharegpt(path, 5) == [[("hi there", 8), ("more", 2)]]
+    cfg = WorkloadConfig(kind="sharegpt", prompt_format="text", dataset_path=str(path), num_turns=2)
+    s = next(make_sessions(cfg, 0))
+    assert s.turns == (Turn("hi there", 8), Turn("more", 2))
+    path.write_text(json.dumps([{"id": 1}]))
+    with pytest.raises(ValueError, match="no ShareGPT conversation"):
+        load_sharegpt(path, 1)
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="JSON list"):
+        load_sharegpt(path, 1)
+
+
+def test_conversation_grows_prefix() -> None:
+    chat = Conversation("chat")
+    t1, t2 = Turn("hello", 4), Turn("again", 4)
+    assert chat.body(t1, "m", ignore_eos=True, temperature=0.0)["messages"] == [
+        {"role": "user", "content": "hello"}]
+    chat.add_reply(t1, " hi!")
+    body = chat.body(t2, "m", ignore_eos=False, temperature=0.0)
+    assert body["messages"][-2:] == [{"role": "assistant", "content": " hi!"},
+                                     {"role": "user", "content": "again"}]
+    assert body["stream"] and body["stream_options"] == {"include_usage": True} and "ignore_eos" not in body
+    comp = Conversation("completions")
+    comp.add_reply(t1, " hi!")
+    assert comp.body(t2, "m", ignore_eos=True, temperature=0.5)["prompt"] == "hello hi!\nagain"
+    tokens = Conversation("completions")
+    tokens.add_reply(Turn((5, 6), 2), " x")  # regression: raised for token-id turns
+    assert tokens.body(Turn((5, 6), 2), "m", ignore_eos=True, temperature=0)["prompt"] == [5, 6]
+    with pytest.raises(ValueError, match="chat"):
+        chat.body(Turn((5, 6), 2), "m", ignore_eos=False, temperature=0)
+
+
+def test_fault_spec_parse() -> None:
+    assert parse_duration("500ms") == pytest.approx(0.5) and parse_duration("2m") == 120
+    spec = FaultSpec.parse("at=1.5s,timeout=2s,cmd=echo a,b; true")
+    assert spec == FaultSpec(1.5, "echo a,b; true", 2.0)
+    assert FaultSpec.parse("at=3,cmd=x").timeout_s == 30.0
+    for bad, msg in [("at=1s", "cmd="), ("cmd=ls", "at="), ("at=soon,cmd=x", "bad duration"),
+                     ("when=1,cmd=x", "unknown field")]:
+        with pytest.raises(ValueError, match=msg):
+            FaultSpec.parse(bad)
+
+
+def test_phase_report_splits_at_faults() -> None:
+    def r(start: float, ok: bool, kind: str | None = None) -> RequestRecord:
+        return RequestRecord(index=0, session_id=0, turn=0, start_s=start, success=ok, error_kind=kind)
+
+    records = [r(0.1, True), r(0.9, True), r(1.2, False, "http_status"), r(1.5, False, "timeout"),
+               r(2.5, True)]
+    faults = [FaultResult(at_s=1.0, cmd="a", status="ran", started_s=1.0),
+              FaultResult(at_s=2.0, cmd="b", status="ran", started_s=2.0),
+              FaultResult(at_s=9.0, cmd="c", status="skipped")]
+    phases = phase_report(records, faults)
+    assert [(p.name, p.completed, p.failed, p.timed_out) for p in phases] == [
+        ("before fault 1", 2, 0, 0), ("after fault 1", 0, 2, 1), ("after fault 2", 1, 0, 0)]
+    assert [(p.start_s, p.end_s) for p in phases] == [(0.0, 1.0), (1.0, 2.0), (2.0, None)]
+    assert [p.name for p in phase_report(records, [])] == ["all"]
+
+
+def test_kv_gauge_sums_labels() -> None:
+    page = ('# TYPE pdserve_kv_blocks_used gauge\npdserve_kv_blocks_used{worker="a"} 3\n'
+            'pdserve_kv_blocks_used{worker="b"} 4.5\n# TYPE x gauge\nx 100\n')
+    assert kv_blocks_used(page) == 7.5
+    assert kv_blocks_used("# TYPE x gauge\nx 1\n") is None
+
+
+def test_config_validation_names_the_problem() -> None:
+    url = "http://127.0.0.1:1"
+    with pytest.raises(ValueError, match="completions endpoint"):
+        BenchConfig(url, "m", endpoint="chat")
+    with pytest.raises(ValueError, match="num_requests or duration_s"):
+        BenchConfig(url, "m", num_requests=None, arrival="closed")
+    with pytest.raises(ValueError, match="infinite rate"):
+        BenchConfig(url, "m", num_requests=None, duration_s=5.0)
+    with pytest.raises(ValueError, match="base_url"):
+        BenchConfig("127.0.0.1:8000", "m")
+    with pytest.raises(ValueError, match="rates"):
+        BenchConfig(url, "m", rates=(0.0,))
+    with pytest.raises(ValueError, match="dataset_path"):
+        WorkloadConfig(kind="sharegpt", prompt_format="text")
+    with pytest.raises(ValueError, match="prompt-format text"):
+        WorkloadConfig(kind="multi-turn")
+    with pytest.raises(ValueError, match="SLOs"):
+        SLOConfig(ttft_ms=0)
