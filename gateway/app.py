@@ -1,0 +1,78 @@
+"""FastAPI application factory: wires routes, middleware, OpenAI-style error handlers and the service.
+
+The gateway imports no torch: tokenization uses ``tokenizers`` + Jinja2 (gateway/text.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from gateway.errors import APIError, bad_request
+from gateway.metrics import GatewayMetrics
+from gateway.middleware import GatewayMiddleware
+from gateway.routes import router
+from gateway.service import GatewayService
+from gateway.text import TextProcessor, resolve_tokenizer_dir
+from pdserve.settings import GatewaySettings
+
+log = logging.getLogger("pdserve.gateway")
+
+
+def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        err = bad_request("request body is not valid JSON")
+    else:
+        err = bad_request(f"{param or 'body'}: {first.get('msg', 'invalid value')}", param)
+    return _api_error(_, err)
+
+
+def _unhandled(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    return _api_error(_, APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    """Build the gateway app. The control socket binds when the app starts (lifespan).
+
+    Raises:
+        TokenizerNotFoundError: ``--tokenizer`` is set but has no ``tokenizer.json`` (checked up front).
+    """
+    text = TextProcessor.from_dir(resolve_tokenizer_dir(settings.tokenizer, None)) if settings.tokenizer \
+        else None
+    metrics = GatewayMetrics()
+    svc = GatewayService(settings, metrics, text)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await svc.start()
+        log.info("gateway control socket bound", extra={"endpoint": svc.control.endpoint if svc.control
+                                                         else ""})
+        try:
+            yield
+        finally:
+            await svc.stop()
+
+    app = FastAPI(title="pdserve gateway", lifespan=lifespan)
+    app.state.service = svc
+    app.include_router(router)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unhandled)
+    app.add_middleware(GatewayMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)
+    return app

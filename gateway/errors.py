@@ -1,0 +1,51 @@
+"""OpenAI-style API errors: ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status.
+
+Error shape: OpenAI API reference, "Error codes" (https://platform.openai.com/docs/guides/error-codes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class APIError(Exception):
+    """An error answered to the client. ``status`` is the HTTP status (never 200)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {...}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """400 naming the offending field in ``param``."""
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def not_found_model(model: str) -> APIError:
+    """404: the requested model is not served here."""
+    return APIError(404, f"The model '{model}' does not exist", "invalid_request_error", "model",
+                    "model_not_found")
+
+
+def unavailable(message: str) -> APIError:
+    """503: no worker can serve the request now."""
+    return APIError(503, message, "service_unavailable", None, "no_worker")
+
+
+def queue_full(retry_after_s: int = 1) -> APIError:
+    """429 with ``Retry-After`` (seconds)."""
+    return APIError(429, "Too many requests in flight; retry later", "rate_limit_error", None,
+                    "queue_full", {"Retry-After": str(retry_after_s)})
+
+
+def upstream_failed(message: str) -> APIError:
+    """502: a worker failed while serving the request."""
+    return APIError(502, message, "server_error", None, "worker_failed")

@@ -1,0 +1,82 @@
+"""ASGI middleware: X-Request-Id (accepted or generated, echoed back), body-size limit, request metrics.
+
+Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client disconnects pass through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics"}
+
+
+def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
+    """The client's X-Request-Id if it is safe (≤128 chars of [A-Za-z0-9._:-]), else a new random id."""
+    for key, value in headers:
+        if key.lower() == b"x-request-id":
+            text = value.decode("latin-1")
+            if _SAFE_ID.match(text):
+                return text
+    return uuid.uuid4().hex
+
+
+class GatewayMiddleware:
+    """Sets ``scope["state"]["request_id"]``, refuses bodies over ``max_body_bytes`` (413), counts
+    ``pdserve_requests_total{endpoint,status}``."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body_bytes: int) -> None:
+        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = request_id_from(scope.get("headers", []))
+        scope.setdefault("state", {})["request_id"] = rid
+        path = scope.get("path", "")
+        endpoint = path if path in _ENDPOINTS else "other"
+        status: dict[str, int] = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            length = self._content_length(scope)
+            if length is not None and length > self.max_body_bytes:
+                err = APIError(413, f"request body of {length} bytes exceeds the limit of "
+                               f"{self.max_body_bytes} bytes", param=None, code="body_too_large")
+                await self._send_error(send_wrapper, err)
+                return
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+    @staticmethod
+    def _content_length(scope: Scope) -> int | None:
+        for key, value in scope.get("headers", []):
+            if key.lower() == b"content-length":
+                try:
+                    return int(value)
+                except ValueError:
+                    return None
+        return None
+
+    @staticmethod
+    async def _send_error(send: Send, err: APIError) -> None:
+        body = json.dumps(err.body()).encode()
+        headers: list[Any] = [(b"content-type", b"application/json"),
+                              (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})

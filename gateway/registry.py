@@ -1,0 +1,111 @@
+"""Worker registry: registration with epochs, heartbeats, liveness, pairing compatibility (no torch).
+
+A worker is live while its last message is younger than ``heartbeat_timeout`` seconds. A registration
+with a higher epoch for a known ``worker_id`` replaces the old entry (the caller fails the old entry's
+requests); a lower or equal epoch is refused as stale.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.messages import RegisterWorker, Role, WorkerLoad
+
+
+@dataclass
+class WorkerEntry:
+    """One registered worker: its registration, zmq routing identity, last-seen time and load."""
+
+    info: RegisterWorker
+    identity: bytes
+    last_seen: float
+    load: WorkerLoad
+    requests: set[str] = field(default_factory=set)  # request ids this worker holds state for
+
+    @property
+    def worker_id(self) -> str:
+        """The worker's id."""
+        return self.info.worker_id
+
+    @property
+    def role(self) -> Role:
+        """prefill, decode or colocated."""
+        return self.info.role
+
+    def load_score(self) -> int:
+        """Sequences queued or running, including requests routed since the last heartbeat."""
+        return max(self.load.num_waiting + self.load.num_running, len(self.requests))
+
+
+def pairing_mismatch(prefill: RegisterWorker, decode: RegisterWorker) -> str | None:
+    """Why a prefill/decode pair cannot exchange KV (naming each differing field), or None if it can."""
+    diffs = []
+    if prefill.model != decode.model:
+        diffs.append(f"model {prefill.model!r} != {decode.model!r}")
+    pc, dc = prefill.compat, decode.compat
+    for name in ("dtype", "block_size", "kv_layout", "num_layers", "num_kv_heads", "head_dim",
+                 "tp_size", "transfer_backend"):
+        if getattr(pc, name) != getattr(dc, name):
+            diffs.append(f"{name} {getattr(pc, name)!r} != {getattr(dc, name)!r}")
+    if not diffs:
+        return None
+    return f"{prefill.worker_id} / {decode.worker_id}: " + ", ".join(diffs)
+
+
+class WorkerRegistry:
+    """Live workers by id. ``clock`` returns seconds (monotonic); injectable for tests."""
+
+    def __init__(self, heartbeat_timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.heartbeat_timeout = heartbeat_timeout
+        self._clock = clock
+        self._workers: dict[str, WorkerEntry] = {}
+
+    def register(self, msg: RegisterWorker, identity: bytes) -> tuple[WorkerEntry | None, str]:
+        """Add or replace a worker. Returns (the replaced old entry or None, refusal reason or "").
+
+        A refused registration (stale epoch) leaves the registry unchanged.
+        """
+        old = self._workers.get(msg.worker_id)
+        if old is not None and msg.epoch <= old.info.epoch:
+            return None, f"stale epoch {msg.epoch} <= registered {old.info.epoch} for {msg.worker_id}"
+        self._workers[msg.worker_id] = WorkerEntry(msg, identity, self._clock(), msg.load)
+        return old, ""
+
+    def touch(self, worker_id: str, epoch: int, load: WorkerLoad | None = None) -> WorkerEntry | None:
+        """Record a sign of life (and load) from ``worker_id``/``epoch``; None if unknown or stale."""
+        entry = self._workers.get(worker_id)
+        if entry is None or entry.info.epoch != epoch:
+            return None
+        entry.last_seen = self._clock()
+        if load is not None:
+            entry.load = load
+        return entry
+
+    def remove(self, worker_id: str, epoch: int | None = None) -> WorkerEntry | None:
+        """Drop a worker (only if ``epoch`` matches, when given); returns the dropped entry."""
+        entry = self._workers.get(worker_id)
+        if entry is None or (epoch is not None and entry.info.epoch != epoch):
+            return None
+        return self._workers.pop(worker_id)
+
+    def reap(self) -> list[WorkerEntry]:
+        """Remove and return every worker silent for longer than ``heartbeat_timeout``."""
+        now = self._clock()
+        dead = [e for e in self._workers.values() if now - e.last_seen > self.heartbeat_timeout]
+        for entry in dead:
+            del self._workers[entry.worker_id]
+        return dead
+
+    def get(self, worker_id: str) -> WorkerEntry | None:
+        """The entry of ``worker_id`` or None."""
+        return self._workers.get(worker_id)
+
+    def live(self, role: Role | None = None) -> list[WorkerEntry]:
+        """Registered workers (of ``role``), in registration order."""
+        return [e for e in self._workers.values() if role is None or e.role == role]
+
+    def first_model_path(self) -> str | None:
+        """The ``model_path`` of some registered worker (for loading the tokenizer)."""
+        return next((e.info.model_path for e in self._workers.values() if e.info.model_path), None)

@@ -1,0 +1,105 @@
+"""Routing: choose workers for one request (no torch).
+
+Policy:
+* a prompt shorter than ``disagg_threshold`` tokens goes to a live colocated worker when one exists;
+* otherwise disaggregated: the decode worker with the least load (ties: more free blocks), and the
+  prefill worker with the longest cached prefix (``PrefixIndex``) among the least loaded (load within
+  ``prefill_slack`` of the minimum), restricted to pairs that are compatible (``pairing_mismatch``);
+* ``max_tokens == 1``: prefill only, no decode worker;
+* a deployment with no prefill and no decode workers serves everything colocated;
+* prefill or decode missing while colocated workers exist: colocated only with ``allow_local_prefill``
+  (counted as a fallback), else ``NoWorkerError`` (→ 503).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.prefix_index import PrefixIndex, block_hashes
+from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
+
+RouteKind = Literal["disaggregated", "prefill_only", "colocated"]
+
+
+class NoWorkerError(RuntimeError):
+    """No live (compatible) worker can take the request; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes. ``fallback`` marks colocated serving because prefill/decode were missing."""
+
+    kind: RouteKind
+    prefill: WorkerEntry | None = None
+    decode: WorkerEntry | None = None
+    colocated: WorkerEntry | None = None
+    fallback: bool = False
+    prefix_blocks: int = 0
+
+
+class Router:
+    """Chooses workers from ``registry``; remembers routed prompts in ``prefix_index``."""
+
+    def __init__(self, registry: WorkerRegistry, prefix_index: PrefixIndex, disagg_threshold: int = 0,
+                 allow_local_prefill: bool = False, prefill_slack: int = 2) -> None:
+        self.registry, self.prefix_index = registry, prefix_index
+        self.disagg_threshold, self.allow_local_prefill = disagg_threshold, allow_local_prefill
+        self.prefill_slack = prefill_slack
+
+    def route(self, prompt_token_ids: list[int], max_tokens: int) -> Route:
+        """Pick the workers for a prompt (token ids) producing up to ``max_tokens`` tokens.
+
+        Raises:
+            NoWorkerError: nothing can serve it (message names the missing role or the mismatch).
+        """
+        coloc = self.registry.live("colocated")
+        prefills, decodes = self.registry.live("prefill"), self.registry.live("decode")
+        if coloc and len(prompt_token_ids) < self.disagg_threshold:
+            return Route("colocated", colocated=_least_loaded(coloc))
+        if coloc and not prefills and not decodes:
+            return Route("colocated", colocated=_least_loaded(coloc))
+        try:
+            return self._disaggregated(prompt_token_ids, max_tokens, prefills, decodes)
+        except NoWorkerError:
+            if coloc and self.allow_local_prefill:
+                return Route("colocated", colocated=_least_loaded(coloc), fallback=True)
+            raise
+
+    def _disaggregated(self, prompt: list[int], max_tokens: int, prefills: list[WorkerEntry],
+                       decodes: list[WorkerEntry]) -> Route:
+        if not prefills:
+            raise NoWorkerError("no live prefill worker (start one, or run the gateway with "
+                                "--allow-local-prefill and a colocated worker)")
+        ranked = self._rank_prefills(prompt, prefills)
+        if max_tokens <= 1:
+            best, hit = ranked[0]
+            self._remember(best, prompt)
+            return Route("prefill_only", prefill=best, prefix_blocks=hit)
+        if not decodes:
+            raise NoWorkerError("no live decode worker")
+        reasons = []
+        for prefill, hit in ranked:
+            ok = [d for d in decodes if pairing_mismatch(prefill.info, d.info) is None]
+            if ok:
+                self._remember(prefill, prompt)
+                return Route("disaggregated", prefill=prefill, decode=_least_loaded(ok), prefix_blocks=hit)
+            reasons += [m for d in decodes if (m := pairing_mismatch(prefill.info, d.info))]
+        raise NoWorkerError("no compatible prefill/decode pair: " + "; ".join(reasons))
+
+    def _rank_prefills(self, prompt: list[int], prefills: list[WorkerEntry]) -> list[tuple[WorkerEntry, int]]:
+        floor = min(p.load_score() for p in prefills)
+        scored = []
+        for p in prefills:
+            hit = self.prefix_index.match(p.worker_id, block_hashes(prompt, p.info.compat.block_size))
+            near = p.load_score() <= floor + self.prefill_slack
+            scored.append((p, hit, near))
+        scored.sort(key=lambda s: (not s[2], -s[1], s[0].load_score()))
+        return [(p, hit) for p, hit, _ in scored]
+
+    def _remember(self, prefill: WorkerEntry, prompt: list[int]) -> None:
+        self.prefix_index.insert(prefill.worker_id, block_hashes(prompt, prefill.info.compat.block_size))
+
+
+def _least_loaded(workers: list[WorkerEntry]) -> WorkerEntry:
+    return min(workers, key=lambda w: (w.load_score(), -w.load.num_free_blocks))

@@ -1,0 +1,191 @@
+"""The ``pdserve`` command line: ``up``, ``gateway``, ``prefill``, ``decode``, ``colocated``, ``bench``.
+
+Every flag ``--foo-bar`` also reads the environment variable ``PDSERVE_FOO_BAR`` (the command line wins;
+repeatable flags take a comma-separated env value). Flags and defaults: docs/contracts.md.
+Worker roles and ``up`` dispatch lazily to ``prefill_worker.main:run``, ``decode_worker.main:run``,
+``pdserve.colocated:run`` and ``pdserve.launcher:run``; ``bench`` to ``loadtest.cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+_RUNNERS = {
+    "prefill": "prefill_worker.main:run",
+    "decode": "decode_worker.main:run",
+    "colocated": "pdserve.colocated:run",
+    "up": "pdserve.launcher:run",
+}
+
+
+def parse_bool(text: str | bool) -> bool:
+    """``true/false/1/0/yes/no/on/off`` (any case) → bool. Raises ``argparse.ArgumentTypeError``."""
+    if isinstance(text, bool):
+        return text
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+class _EnvAdder:
+    """Adds flags to a parser, taking each default from ``PDSERVE_<FLAG>`` when set."""
+
+    def __init__(self, parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+        self.parser, self.env = parser, env
+
+    def __call__(self, flag: str, **kw: Any) -> None:
+        env_name = "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+        raw = self.env.get(env_name)
+        if raw is not None:
+            conv: Callable[[str], Any] = kw.get("type", str)
+            try:
+                if kw.get("action") == "append":
+                    kw["default"] = [conv(x) for x in raw.split(",") if x]
+                else:
+                    kw["default"] = conv(raw)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise SystemExit(f"pdserve: bad value for {env_name}: {exc}") from exc
+        kw["help"] = (kw.get("help", "") + f" [env {env_name}]").strip()
+        self.parser.add_argument(flag, **kw)
+
+
+def _bool_flag(add: _EnvAdder, flag: str, default: bool, help: str) -> None:
+    add(flag, type=parse_bool, nargs="?", const=True, default=default, help=help)
+
+
+def _add_common(add: _EnvAdder) -> None:
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    add("--log-format", default="text", choices=["text", "json"])
+
+
+def _add_gateway(add: _EnvAdder) -> None:
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8000)
+    add("--control-bind", default="tcp://127.0.0.1:7100", help="zmq ROUTER endpoint for workers")
+    add("--model-name", default=None, help="served model name (default: from workers)")
+    add("--tokenizer", default=None, help="tokenizer dir (default: the registered model_path)")
+    add("--api-key", action="append", default=None, help="accepted bearer key (repeatable)")
+    add("--api-key-file", default=None, help="file with one key per line")
+    _bool_flag(add, "--public-health", True, "serve /health and /ready without a key")
+    _bool_flag(add, "--public-metrics", True, "serve /metrics without a key")
+    add("--disagg-threshold", type=int, default=0, help="prompts shorter (tokens) go colocated")
+    _bool_flag(add, "--allow-local-prefill", False, "no prefill worker → colocated instead of 503")
+    add("--max-queue", type=int, default=1024, help="requests in flight before 429")
+    add("--request-timeout", type=float, default=600.0, help="seconds")
+    add("--max-body-bytes", type=int, default=4 << 20)
+    add("--max-prompt-tokens", type=int, default=None)
+    add("--max-n", type=int, default=16)
+    add("--max-stop", type=int, default=16)
+    add("--heartbeat-timeout", type=float, default=5.0, help="seconds of silence → worker dead")
+
+
+def _add_worker(add: _EnvAdder, role: str) -> None:
+    add("--model", default="smollm2-135m")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add("--device", default="auto")
+    add("--attention-backend", default="auto")
+    add("--block-size", type=int, default=16, help="tokens per KV block")
+    add("--num-blocks", type=int, default=None)
+    add("--kv-memory-fraction", type=float, default=0.9)
+    add("--max-num-seqs", type=int, default=256)
+    add("--max-num-batched-tokens", type=int, default=2048)
+    add("--gateway-control", default="tcp://127.0.0.1:7100")
+    add("--host", default="127.0.0.1")
+    add("--advertise-host", default=None)
+    add("--port", type=int, default=0)
+    add("--worker-id", default="", help="default hostname-pid")
+    if role != "colocated":
+        add("--transfer-backend", default="nixl", choices=["nixl", "ucx", "loopback"])
+
+
+def _add_up(add: _EnvAdder) -> None:
+    add("--model", default="smollm2-135m")
+    add("--port", type=int, default=8000)
+    add("--device", default="auto")
+    add("--transfer-backend", default="nixl", choices=["nixl", "ucx", "loopback"])
+    add("--num-prefill", type=int, default=1)
+    add("--num-decode", type=int, default=1)
+    add("--colocated", type=int, default=0)
+
+
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The full ``pdserve`` parser; ``env`` (default ``os.environ``) supplies ``PDSERVE_*`` defaults.
+
+    Raises:
+        SystemExit: an env value cannot be converted to the flag's type (the message names the variable).
+    """
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode serving")
+    subs = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("up", "gateway + workers on this host"), ("gateway", "OpenAI API gateway"),
+                            ("prefill", "prefill worker"), ("decode", "decode worker"),
+                            ("colocated", "prefill+decode worker")):
+        add = _EnvAdder(subs.add_parser(name, help=help_text), env)
+        _add_common(add)
+        if name == "gateway":
+            _add_gateway(add)
+        elif name == "up":
+            _add_up(add)
+        else:
+            _add_worker(add, name)
+    bench = subs.add_parser("bench", help="load test a running server")
+    try:
+        from loadtest.cli import add_bench_arguments
+    except ImportError:
+        bench.set_defaults(bench_missing=True)
+    else:
+        add_bench_arguments(bench)
+    return parser
+
+
+def _load_runner(spec: str) -> Callable[[Any], int | None]:
+    module_name, func = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise SystemExit(f"pdserve: {module_name} is not available ({exc}); is this build complete?") from exc
+    runner: Callable[[Any], int | None] = getattr(module, func)
+    return runner
+
+
+def _run_gateway(settings: Any) -> int:
+    from gateway.server import serve
+
+    serve(settings)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``pdserve``; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        if getattr(args, "bench_missing", False):
+            print("pdserve: loadtest is not available", file=sys.stderr)
+            return 2
+        from loadtest.cli import run_bench
+
+        return int(run_bench(args))
+    from pdserve.logging import configure_logging
+    from pdserve.settings import settings_from_args
+
+    configure_logging(args.log_level, args.log_format)
+    try:
+        settings = settings_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"pdserve {args.command}: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "gateway":
+        return _run_gateway(settings)
+    return int(_load_runner(_RUNNERS[args.command])(settings) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

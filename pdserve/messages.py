@@ -1,0 +1,245 @@
+"""Control-plane messages: one msgspec Struct per process hop (no torch).
+
+Transport: the gateway binds a pyzmq ROUTER socket at ``--control-bind``; every worker connects a DEALER
+socket to it and sends ``RegisterWorker`` first. Each frame holds exactly one message encoded with
+``encode`` (msgpack); ``decode`` returns the concrete Struct (a tagged union on the ``type`` field).
+
+Request lifecycle (disaggregated):
+  1. gateway → decode D: ``ReserveKV`` (prompt + sampling; D reserves blocks, status WAITING_FOR_KV)
+  2. D → gateway: ``KVReserved`` (the opaque, msgspec-encoded kvtransfer ``KVHandle``)
+  3. gateway → prefill P: ``PrefillRequest`` (with that handle)
+  4. P → gateway: ``FirstToken`` (streamed to the client at once: TTFT); P sends the KV to D (kvtransfer)
+  5. gateway → D: ``DecodeRequest`` (the first token); D starts decoding once the KV has landed too
+  6. D → gateway: ``TokenBatch`` … ``RequestFinished`` (or ``RequestFailed``)
+``max_tokens=1``: step 3 without a handle, and nothing reaches a decode worker. Colocated:
+``ColocatedRequest`` → ``FirstToken``, ``TokenBatch`` …, ``RequestFinished``. At any point the gateway may
+send ``AbortRequest`` (client gone, stop string matched, peer failed) to every worker holding state.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Role = Literal["prefill", "decode", "colocated"]
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class WireSamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Sampling parameters as sent to workers (field meanings: engine ``SamplingParams``).
+
+    Stop *strings* stay in the gateway (it detokenizes); workers see only ``stop_token_ids``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+
+
+class WorkerCompat(msgspec.Struct, frozen=True, kw_only=True):
+    """What must match between a prefill and a decode worker for KV to be exchanged.
+
+    ``kv_layout`` names the KV buffer layout (e.g. ``"LTBHD"`` for [layers, 2, blocks, block_size, heads,
+    head_dim]); ``block_size`` is in tokens; ``max_model_len`` in tokens (not part of the pairing key).
+    """
+
+    dtype: str
+    block_size: int
+    kv_layout: str = "LTBHD"
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    tp_size: int = 1
+    transfer_backend: str = "none"
+    max_model_len: int = 2048
+
+    def pairing_key(self) -> tuple[object, ...]:
+        """The fields that must be equal on both sides (everything except ``max_model_len``)."""
+        return (self.dtype, self.block_size, self.kv_layout, self.num_layers, self.num_kv_heads,
+                self.head_dim, self.tp_size, self.transfer_backend)
+
+
+class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's load: sequences waiting/running, KV blocks free/total (blocks, not bytes)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+class RegisterWorker(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Worker → gateway, first message. A new ``epoch`` for a known ``worker_id`` replaces the old one.
+
+    ``model`` is the served name, ``model_path`` the local model dir (the gateway may load the tokenizer
+    from it when on the same host); ``transfer_address`` is where peers reach this worker's KV transport.
+    """
+
+    role: Role
+    worker_id: str
+    epoch: int
+    model: str
+    model_path: str
+    compat: WorkerCompat
+    transfer_address: str = ""
+    max_num_seqs: int = 256
+    load: WorkerLoad = WorkerLoad()
+
+
+class RegisterAck(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → worker: registration accepted or refused (``reason`` says why)."""
+
+    worker_id: str
+    epoch: int
+    accepted: bool
+    reason: str = ""
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Worker → gateway, periodically; silence longer than ``--heartbeat-timeout`` s marks it dead."""
+
+    worker_id: str
+    epoch: int
+    load: WorkerLoad
+
+
+class WorkerShutdown(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Worker → gateway: leaving cleanly; its in-flight requests fail at once."""
+
+    worker_id: str
+    epoch: int
+
+
+class ReserveKV(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → decode: reserve blocks for ``prompt_token_ids`` and keep the request for decoding."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: WireSamplingParams
+    prefill_worker_id: str
+
+
+class KVReserved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Decode → gateway: blocks reserved; ``kv_handle`` is a msgspec-encoded kvtransfer ``KVHandle``."""
+
+    request_id: str
+    worker_id: str
+    kv_handle: bytes
+
+
+class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → prefill: compute the prompt, sample the first token; send KV to ``kv_handle`` if set."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: WireSamplingParams
+    kv_handle: bytes | None = None
+    decode_worker_id: str | None = None
+
+
+class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → decode: the first token sampled by prefill; decoding starts when the KV has landed."""
+
+    request_id: str
+    first_token_id: int
+    num_cached_tokens: int = 0
+
+
+class ColocatedRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → colocated worker: prefill and decode in one place."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: WireSamplingParams
+
+
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One alternative: token id and its log-probability (natural log)."""
+
+    token_id: int
+    logprob: float
+
+
+class FirstToken(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Prefill (or colocated) → gateway: the first output token.
+
+    ``finish_reason`` is set when this token already ends the request (eos, or ``max_tokens == 1``).
+    """
+
+    request_id: str
+    worker_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] | None = None
+    num_cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+
+
+class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Decode (or colocated) → gateway: the next output tokens, in order."""
+
+    request_id: str
+    worker_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+
+
+class RequestFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Worker → gateway: the request ended on the worker; counts are tokens."""
+
+    request_id: str
+    worker_id: str
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class RequestFailed(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Worker → gateway: the request failed on the worker (``error`` says why)."""
+
+    request_id: str
+    worker_id: str
+    error: str
+
+
+class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → worker: drop the request and free its blocks (once no transfer can still write them)."""
+
+    request_id: str
+    reason: str = "abort"
+
+
+Message = (
+    RegisterWorker | RegisterAck | Heartbeat | WorkerShutdown | ReserveKV | KVReserved | PrefillRequest
+    | DecodeRequest | ColocatedRequest | FirstToken | TokenBatch | RequestFinished | RequestFailed
+    | AbortRequest
+)
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """Encode one control message to msgpack bytes (the type name travels in the ``type`` field)."""
+    return _ENCODER.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Decode bytes made by ``encode``.
+
+    Raises:
+        msgspec.ValidationError / msgspec.DecodeError: the bytes are not a valid control message.
+    """
+    return _DECODER.decode(data)

@@ -1,0 +1,158 @@
+"""Frozen per-role settings built from parsed CLI arguments (``settings_from_args``).
+
+Every field mirrors a flag of ``pdserve.cli`` (flag ``--foo-bar`` → field ``foo_bar``; env
+``PDSERVE_FOO_BAR``). Validation happens in ``__post_init__`` and raises ``ValueError`` naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _check(cond: bool, flag: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"--{flag}: {msg}")
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """``pdserve gateway``: HTTP front-end, worker registry and router. Times in seconds, sizes in bytes."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    control_bind: str = "tcp://127.0.0.1:7100"
+    model_name: str | None = None
+    tokenizer: str | None = None
+    api_keys: tuple[str, ...] = ()
+    public_health: bool = True
+    public_metrics: bool = True
+    disagg_threshold: int = 0
+    allow_local_prefill: bool = False
+    max_queue: int = 1024
+    request_timeout: float = 600.0
+    max_body_bytes: int = 4 << 20
+    max_prompt_tokens: int | None = None
+    max_n: int = 16
+    max_stop: int = 16
+    heartbeat_timeout: float = 5.0
+    log_level: str = "info"
+    log_format: str = "text"
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _check(self.control_bind.startswith(("tcp://", "ipc://", "inproc://")), "control-bind",
+               f"must be a zmq endpoint like tcp://host:port, got {self.control_bind!r}")
+        _check(self.disagg_threshold >= 0, "disagg-threshold", "must be >= 0")
+        _check(self.max_queue >= 1, "max-queue", "must be >= 1")
+        _check(self.request_timeout > 0, "request-timeout", "must be > 0 seconds")
+        _check(self.max_body_bytes > 0, "max-body-bytes", "must be > 0")
+        _check(self.max_prompt_tokens is None or self.max_prompt_tokens > 0, "max-prompt-tokens",
+               "must be > 0")
+        _check(self.max_n >= 1, "max-n", "must be >= 1")
+        _check(self.max_stop >= 0, "max-stop", "must be >= 0")
+        _check(self.heartbeat_timeout > 0, "heartbeat-timeout", "must be > 0 seconds")
+        _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
+        _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """``pdserve prefill|decode|colocated``: one engine process. ``block_size`` in tokens."""
+
+    role: str
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_fraction: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    gateway_control: str = "tcp://127.0.0.1:7100"
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    port: int = 0
+    worker_id: str = ""
+    transfer_backend: str = "nixl"
+    log_level: str = "info"
+    log_format: str = "text"
+
+    def __post_init__(self) -> None:
+        _check(self.role in ("prefill", "decode", "colocated"), "role", f"unknown role {self.role!r}")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"bad {self.dtype!r}")
+        _check(self.block_size >= 1, "block-size", "must be >= 1")
+        _check(self.num_blocks is None or self.num_blocks >= 1, "num-blocks", "must be >= 1")
+        _check(0 < self.kv_memory_fraction <= 1, "kv-memory-fraction", "must be in (0, 1]")
+        _check(self.max_num_seqs >= 1, "max-num-seqs", "must be >= 1")
+        _check(self.max_num_batched_tokens >= 1, "max-num-batched-tokens", "must be >= 1")
+        _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _check(self.transfer_backend in ("nixl", "ucx", "loopback"), "transfer-backend",
+               f"must be nixl, ucx or loopback, got {self.transfer_backend!r}")
+        _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
+        _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
+        if not self.worker_id:
+            object.__setattr__(self, "worker_id", f"{socket.gethostname()}-{os.getpid()}")
+
+
+@dataclass(frozen=True)
+class UpSettings:
+    """``pdserve up``: gateway + workers on one host."""
+
+    model: str = "smollm2-135m"
+    port: int = 8000
+    device: str = "auto"
+    transfer_backend: str = "nixl"
+    num_prefill: int = 1
+    num_decode: int = 1
+    colocated: int = 0
+    log_level: str = "info"
+    log_format: str = "text"
+
+    def __post_init__(self) -> None:
+        _check(self.num_prefill >= 0, "num-prefill", "must be >= 0")
+        _check(self.num_decode >= 0, "num-decode", "must be >= 0")
+        _check(self.colocated >= 0, "colocated", "must be >= 0")
+        _check(self.colocated > 0 or (self.num_prefill > 0 and self.num_decode > 0), "num-prefill",
+               "need at least one prefill and one decode worker, or --colocated >= 1")
+
+
+Settings = GatewaySettings | WorkerSettings | UpSettings
+
+
+def _read_api_key_file(path: str | None) -> tuple[str, ...]:
+    if not path:
+        return ()
+    lines = Path(path).read_text().splitlines()
+    return tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Build the settings of ``args.command`` (``gateway``, ``prefill``, ``decode``, ``colocated``, ``up``).
+
+    Raises:
+        ValueError: unknown command, or a flag value out of range (the message names the flag).
+        OSError: ``--api-key-file`` cannot be read.
+    """
+    values: dict[str, Any] = dict(vars(args))
+    command = values.pop("command", None)
+    if command == "gateway":
+        keys = tuple(values.pop("api_key", None) or ()) + _read_api_key_file(values.pop("api_key_file"))
+        values["api_keys"] = keys
+        cls: type[Settings] = GatewaySettings
+    elif command in ("prefill", "decode", "colocated"):
+        values["role"] = command
+        cls = WorkerSettings
+    elif command == "up":
+        cls = UpSettings
+    else:
+        raise ValueError(f"no settings for command {command!r}")
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names})

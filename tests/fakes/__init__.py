@@ -1,0 +1,1 @@
+"""Test doubles that behave like real pdserve processes."""

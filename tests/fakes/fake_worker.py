@@ -1,0 +1,198 @@
+"""A fake pdserve worker process (prefill, decode or colocated), in the style of Dynamo's mocker.
+
+It registers with the gateway like a real worker (DEALER → the gateway's ROUTER), heartbeats its load,
+and produces deterministic tokens with known timings: output position i is ``output_ids[i % len]``;
+prefill takes ``--prefill-delay`` s, each later token ``--token-delay`` s. The decode role "reserves"
+``ceil(prompt / block_size) + 1`` blocks per request from ``--total-blocks`` and frees them on finish or
+abort, so heartbeats show leaks. Every received message is appended to ``--record`` (JSON lines:
+type, request_id) for tests to inspect. Run: ``python -m tests.fakes.fake_worker --role decode ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+
+import zmq
+import zmq.asyncio
+
+from pdserve.messages import (
+    AbortRequest,
+    ColocatedRequest,
+    DecodeRequest,
+    FinishReason,
+    FirstToken,
+    Heartbeat,
+    KVReserved,
+    Message,
+    PrefillRequest,
+    RegisterAck,
+    RegisterWorker,
+    RequestFinished,
+    ReserveKV,
+    TokenBatch,
+    WireSamplingParams,
+    WorkerCompat,
+    WorkerLoad,
+    WorkerShutdown,
+    decode,
+    encode,
+)
+
+
+class FakeWorker:
+    """The worker's state: pending decode reservations, running generation tasks, free blocks."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.output_ids = [int(x) for x in args.output_ids.split(",")]
+        self.epoch = args.epoch or time.time_ns()
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(args.gateway_control)
+        self.free_blocks = args.total_blocks
+        self.reserved: dict[str, tuple[ReserveKV, int]] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def send(self, msg: Message) -> None:
+        await self.sock.send(encode(msg))
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(num_waiting=len(self.reserved) - len(self.tasks) if self.reserved else 0,
+                          num_running=len(self.tasks), num_free_blocks=self.free_blocks,
+                          num_total_blocks=self.args.total_blocks)
+
+    def record(self, msg: Message) -> None:
+        if self.args.record:
+            with open(self.args.record, "a") as f:
+                f.write(json.dumps({"type": type(msg).__name__,
+                                    "request_id": getattr(msg, "request_id", None)}) + "\n")
+
+    def token(self, i: int) -> int:
+        return self.output_ids[i % len(self.output_ids)]
+
+    def finish_of(self, sampling: WireSamplingParams, i: int, tok: int) -> FinishReason | None:
+        if tok == self.args.eos_id and not sampling.ignore_eos:
+            return "stop"
+        return "length" if i + 1 >= sampling.max_tokens else None
+
+    async def register(self) -> None:
+        a = self.args
+        compat = WorkerCompat(dtype=a.dtype, block_size=a.block_size, num_layers=2, num_kv_heads=1,
+                              head_dim=8, transfer_backend="loopback", max_model_len=a.max_model_len)
+        await self.send(RegisterWorker(role=a.role, worker_id=a.worker_id, epoch=self.epoch, model=a.model,
+                                       model_path=a.model_path, compat=compat, load=self.load()))
+
+    async def heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.args.heartbeat_interval)
+            await self.send(Heartbeat(worker_id=self.args.worker_id, epoch=self.epoch, load=self.load()))
+
+    async def generate(self, rid: str, prompt: list[int], sampling: WireSamplingParams, start: int) -> None:
+        """Tokens from output position ``start``; position 0 (prefill) is a FirstToken."""
+        wid = self.args.worker_id
+        try:
+            i = start
+            while True:
+                tok = self.token(i)
+                finish = self.finish_of(sampling, i, tok)
+                if i == 0:
+                    await asyncio.sleep(self.args.prefill_delay)
+                    await self.send(FirstToken(request_id=rid, worker_id=wid, token_id=tok,
+                                               finish_reason=finish))
+                    if self.args.role == "prefill":
+                        return
+                else:
+                    await asyncio.sleep(self.args.token_delay)
+                    await self.send(TokenBatch(request_id=rid, worker_id=wid, token_ids=[tok]))
+                if finish is not None:
+                    if i > 0 or self.args.role == "colocated":
+                        await self.send(RequestFinished(request_id=rid, worker_id=wid, finish_reason=finish,
+                                                        num_prompt_tokens=len(prompt),
+                                                        num_output_tokens=i + 1))
+                    return
+                i += 1
+        finally:
+            self.tasks.pop(rid, None)
+            self.release(rid)
+
+    def release(self, rid: str) -> None:
+        entry = self.reserved.pop(rid, None)
+        if entry is not None:
+            self.free_blocks += entry[1]
+
+    def start(self, rid: str, prompt: list[int], sampling: WireSamplingParams, pos: int) -> None:
+        self.tasks[rid] = asyncio.create_task(self.generate(rid, prompt, sampling, pos))
+
+    async def handle(self, msg: Message) -> None:
+        self.record(msg)
+        if isinstance(msg, PrefillRequest | ColocatedRequest):
+            self.start(msg.request_id, msg.prompt_token_ids, msg.sampling, 0)
+        elif isinstance(msg, ReserveKV):
+            need = math.ceil(len(msg.prompt_token_ids) / self.args.block_size) + 1
+            self.free_blocks -= need
+            self.reserved[msg.request_id] = (msg, need)
+            await self.send(KVReserved(request_id=msg.request_id, worker_id=self.args.worker_id,
+                                       kv_handle=f"fake-handle:{msg.request_id}".encode()))
+        elif isinstance(msg, DecodeRequest) and msg.request_id in self.reserved:
+            res = self.reserved[msg.request_id][0]
+            self.start(msg.request_id, res.prompt_token_ids, res.sampling, 1)
+        elif isinstance(msg, AbortRequest):
+            task = self.tasks.pop(msg.request_id, None)
+            if task is not None:
+                task.cancel()
+            self.release(msg.request_id)
+        elif isinstance(msg, RegisterAck) and not msg.accepted:
+            raise SystemExit(f"registration refused: {msg.reason}")
+
+    async def run(self) -> None:
+        await self.register()
+        hb = asyncio.create_task(self.heartbeat_loop())
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        recv = asyncio.create_task(self.recv_loop())
+        await asyncio.wait([asyncio.create_task(stop.wait()), recv], return_when=asyncio.FIRST_COMPLETED)
+        await self.send(WorkerShutdown(worker_id=self.args.worker_id, epoch=self.epoch))
+        for task in (hb, recv):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, SystemExit):
+                await task
+        await asyncio.sleep(0.05)
+        self.sock.close(linger=100)
+        self.ctx.term()
+
+    async def recv_loop(self) -> None:
+        while True:
+            await self.handle(decode(await self.sock.recv()))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
+    p.add_argument("--gateway-control", required=True)
+    p.add_argument("--worker-id", default=f"fake-{os.getpid()}")
+    p.add_argument("--epoch", type=int, default=0)
+    p.add_argument("--model", default="fake-model")
+    p.add_argument("--model-path", default="")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--total-blocks", type=int, default=64)
+    p.add_argument("--output-ids", default="42,43,44")
+    p.add_argument("--eos-id", type=int, default=-1)
+    p.add_argument("--prefill-delay", type=float, default=0.01)
+    p.add_argument("--token-delay", type=float, default=0.005)
+    p.add_argument("--heartbeat-interval", type=float, default=0.2)
+    p.add_argument("--record", default="")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    asyncio.run(FakeWorker(parse_args()).run())

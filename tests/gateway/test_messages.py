@@ -1,0 +1,82 @@
+"""Control-plane messages: every Struct round-trips through encode/decode; bad bytes are refused."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from pdserve.messages import (
+    AbortRequest,
+    ColocatedRequest,
+    DecodeRequest,
+    FirstToken,
+    Heartbeat,
+    KVReserved,
+    PrefillRequest,
+    RegisterAck,
+    RegisterWorker,
+    RequestFailed,
+    RequestFinished,
+    ReserveKV,
+    TokenBatch,
+    TopLogprob,
+    WireSamplingParams,
+    WorkerCompat,
+    WorkerLoad,
+    WorkerShutdown,
+    decode,
+    encode,
+)
+
+SP = WireSamplingParams(max_tokens=7, temperature=0.0, seed=3, stop_token_ids=(2,))
+COMPAT = WorkerCompat(dtype="bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
+
+ALL = [
+    RegisterWorker(role="decode", worker_id="d", epoch=5, model="m", model_path="/x", compat=COMPAT,
+                   transfer_address="tcp://h:1", load=WorkerLoad(num_free_blocks=9, num_total_blocks=10)),
+    RegisterAck(worker_id="d", epoch=5, accepted=False, reason="stale"),
+    Heartbeat(worker_id="d", epoch=5, load=WorkerLoad(num_waiting=1, num_running=2)),
+    WorkerShutdown(worker_id="d", epoch=5),
+    ReserveKV(request_id="r", prompt_token_ids=[1, 2, 3], sampling=SP, prefill_worker_id="p"),
+    KVReserved(request_id="r", worker_id="d", kv_handle=b"\x00\xffhandle"),
+    PrefillRequest(request_id="r", prompt_token_ids=[1], sampling=SP, kv_handle=b"h", decode_worker_id="d"),
+    PrefillRequest(request_id="r", prompt_token_ids=[1], sampling=SP),
+    DecodeRequest(request_id="r", first_token_id=17, num_cached_tokens=16),
+    ColocatedRequest(request_id="r", prompt_token_ids=[4, 5], sampling=SP),
+    FirstToken(request_id="r", worker_id="p", token_id=9, logprob=-0.5,
+               top_logprobs=[TopLogprob(9, -0.5), TopLogprob(3, -1.5)], finish_reason="length"),
+    TokenBatch(request_id="r", worker_id="d", token_ids=[1, 2], logprobs=[-0.1, -0.2]),
+    RequestFinished(request_id="r", worker_id="d", finish_reason="stop", num_prompt_tokens=3,
+                    num_output_tokens=4),
+    RequestFailed(request_id="r", worker_id="d", error="boom"),
+    AbortRequest(request_id="r", reason="client disconnected"),
+]
+
+
+@pytest.mark.parametrize("msg", ALL, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: object) -> None:
+    back = decode(encode(msg))  # type: ignore[arg-type]
+    assert type(back) is type(msg)
+    assert back == msg
+
+
+def test_tag_names_the_type() -> None:
+    raw = msgspec.msgpack.decode(encode(AbortRequest(request_id="x")))
+    assert raw["type"] == "AbortRequest"
+
+
+def test_bad_bytes_and_wrong_fields_raise() -> None:
+    with pytest.raises(msgspec.DecodeError):
+        decode(b"\xc1not msgpack")
+    with pytest.raises(msgspec.ValidationError):
+        decode(msgspec.msgpack.encode({"type": "AbortRequest"}))  # request_id missing
+    with pytest.raises(msgspec.ValidationError):
+        decode(msgspec.msgpack.encode({"type": "NoSuchMessage", "request_id": "x"}))
+
+
+def test_pairing_key_ignores_max_model_len_only() -> None:
+    a = WorkerCompat(dtype="bfloat16", block_size=16, max_model_len=100)
+    b = WorkerCompat(dtype="bfloat16", block_size=16, max_model_len=200)
+    c = WorkerCompat(dtype="bfloat16", block_size=32)
+    assert a.pairing_key() == b.pairing_key()
+    assert a.pairing_key() != c.pairing_key()

@@ -1,0 +1,131 @@
+"""Worker registry (epochs, heartbeats, death) and routing (load, prefix, pairing, conditional disagg)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.prefix_index import PrefixIndex, block_hashes
+from gateway.registry import WorkerRegistry, pairing_mismatch
+from gateway.router import NoWorkerError, Router
+from pdserve.messages import RegisterWorker, WorkerCompat, WorkerLoad
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def reg(wid: str, role: str, epoch: int = 1, block_size: int = 4, dtype: str = "bfloat16",
+        running: int = 0, free: int = 100) -> RegisterWorker:
+    return RegisterWorker(role=role, worker_id=wid, epoch=epoch, model="m", model_path="",  # type: ignore[arg-type]
+                          compat=WorkerCompat(dtype=dtype, block_size=block_size),
+                          load=WorkerLoad(num_running=running, num_free_blocks=free, num_total_blocks=100))
+
+
+def make(*workers: RegisterWorker, threshold: int = 0, local: bool = False) -> tuple[WorkerRegistry, Router]:
+    registry = WorkerRegistry(heartbeat_timeout=5.0, clock=Clock())
+    for w in workers:
+        assert registry.register(w, w.worker_id.encode()) == (None, "")
+    return registry, Router(registry, PrefixIndex(), threshold, local)
+
+
+def test_epochs_replace_and_refuse_stale() -> None:
+    registry, _ = make(reg("d", "decode", epoch=5))
+    old, reason = registry.register(reg("d", "decode", epoch=4), b"x")
+    assert old is None and "stale epoch 4" in reason
+    assert registry.get("d").info.epoch == 5  # type: ignore[union-attr]
+    old, reason = registry.register(reg("d", "decode", epoch=6), b"y")
+    assert reason == "" and old is not None and old.info.epoch == 5
+    assert registry.get("d").identity == b"y"  # type: ignore[union-attr]
+    assert registry.touch("d", 5) is None  # heartbeats of the old epoch are ignored
+
+
+def test_dead_after_heartbeat_timeout() -> None:
+    clock = Clock()
+    registry = WorkerRegistry(heartbeat_timeout=5.0, clock=clock)
+    registry.register(reg("a", "decode"), b"a")
+    registry.register(reg("b", "decode"), b"b")
+    clock.now += 4.0
+    assert registry.touch("a", 1, WorkerLoad(num_running=3)) is not None
+    clock.now += 2.0  # b silent for 6 s, a for 2 s
+    dead = registry.reap()
+    assert [e.worker_id for e in dead] == ["b"]
+    assert [e.worker_id for e in registry.live()] == ["a"]
+    assert registry.get("a").load.num_running == 3  # type: ignore[union-attr]
+
+
+def test_pairing_mismatch_names_each_field() -> None:
+    msg = pairing_mismatch(reg("p", "prefill", block_size=16), reg("d", "decode", block_size=32,
+                                                                   dtype="float16"))
+    assert msg is not None and "block_size 16 != 32" in msg and "dtype 'bfloat16' != 'float16'" in msg
+    assert pairing_mismatch(reg("p", "prefill"), reg("d", "decode")) is None
+
+
+def test_least_loaded_decode_and_compatible_pair_only() -> None:
+    _, router = make(reg("p", "prefill"), reg("d1", "decode", running=5), reg("d2", "decode", running=1),
+                     reg("d3", "decode", running=0, block_size=8))
+    route = router.route(list(range(10)), max_tokens=8)
+    assert route.kind == "disaggregated"
+    assert route.prefill.worker_id == "p"  # type: ignore[union-attr]
+    assert route.decode is not None
+    assert route.decode.worker_id == "d2"  # d3 is idle but incompatible
+
+
+def test_incompatible_only_raises_with_reason() -> None:
+    _, router = make(reg("p", "prefill"), reg("d", "decode", block_size=8))
+    with pytest.raises(NoWorkerError, match="block_size 4 != 8"):
+        router.route([1, 2, 3], max_tokens=5)
+
+
+def test_prefix_affinity_among_least_loaded() -> None:
+    registry, router = make(reg("p1", "prefill"), reg("p2", "prefill"), reg("d", "decode"))
+    prompt = list(range(40))
+    router.prefix_index.insert("p2", block_hashes(prompt[:32], 4))
+    route = router.route(prompt, max_tokens=4)
+    assert route.prefill.worker_id == "p2" and route.prefix_blocks == 8  # type: ignore[union-attr]
+    # p2 far more loaded than p1: load wins over the cached prefix
+    registry.touch("p2", 1, WorkerLoad(num_running=10))
+    assert router.route(prompt, max_tokens=4).prefill.worker_id == "p1"  # type: ignore[union-attr]
+
+
+def test_max_tokens_one_is_prefill_only() -> None:
+    _, router = make(reg("p", "prefill"), reg("d", "decode"))
+    route = router.route([1, 2, 3], max_tokens=1)
+    assert route.kind == "prefill_only" and route.decode is None
+
+
+def test_conditional_disaggregation_and_fallback() -> None:
+    _, router = make(reg("p", "prefill"), reg("d", "decode"), reg("c", "colocated"), threshold=8)
+    assert router.route([1] * 7, 4).kind == "colocated"
+    assert router.route([1] * 8, 4).kind == "disaggregated"
+    _, strict = make(reg("d", "decode"), reg("c", "colocated"))
+    with pytest.raises(NoWorkerError, match="no live prefill worker"):
+        strict.route([1] * 20, 4)
+    _, lenient = make(reg("d", "decode"), reg("c", "colocated"), local=True)
+    route = lenient.route([1] * 20, 4)
+    assert route.kind == "colocated" and route.fallback
+    _, coloc_only = make(reg("c", "colocated"))
+    route = coloc_only.route([1] * 20, 4)
+    assert route.kind == "colocated" and not route.fallback
+
+
+def test_no_workers_raises() -> None:
+    _, router = make()
+    with pytest.raises(NoWorkerError):
+        router.route([1], 4)
+
+
+def test_block_hashes_chain_and_validation() -> None:
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    b = block_hashes([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert len(a) == 2 and len(b) == 2
+    assert a[1] != b[1]  # same second block, different prefix → different hash
+    with pytest.raises(ValueError, match="block_size"):
+        block_hashes([1], 0)
+    index = PrefixIndex(max_blocks=2)
+    index.insert("w", a + b)
+    assert index.match("w", a) == 0  # a's blocks evicted (LRU bound 2)
+    assert index.match("w", b) == 2
