@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.errors import APIError, bad_request
 from gateway.metrics import GatewayMetrics
@@ -40,6 +41,20 @@ def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     else:
         err = bad_request(f"{param or 'body'}: {first.get('msg', 'invalid value')}", param)
     return _api_error(_, err)
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 415: "unsupported_media_type"}
+
+
+def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    """Starlette/FastAPI ``HTTPException`` (unknown path, wrong method, unparsable body) → OpenAI body."""
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code if 400 <= exc.status_code < 500 else 400
+    message = exc.detail if isinstance(exc.detail, str) else "invalid request"
+    if "parsing the body" in message:
+        message = "request body is not valid JSON (or not UTF-8)"
+    return _api_error(_, APIError(status, message, "invalid_request_error", None,
+                                  _HTTP_CODES.get(status), dict(exc.headers or {})))
 
 
 def _unhandled(_: Request, exc: Exception) -> JSONResponse:
@@ -73,6 +88,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(router)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unhandled)
     app.add_middleware(GatewayMiddleware, metrics=metrics, max_body_bytes=settings.max_body_bytes)
     return app

@@ -47,12 +47,23 @@ class RequestHandle:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability (natural log) and its top alternatives ``(token_id, logprob)``."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
-    """What the HTTP layer streams: new text, new tokens counted, and the finish reason at the end."""
+    """What the HTTP layer streams: new text, new tokens counted, the finish reason at the end, and the
+    counted tokens' logprobs (empty unless the request asked for logprobs and the worker sent them)."""
 
     text: str
     num_tokens: int
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class GenerationFailed(RuntimeError):

@@ -54,14 +54,40 @@ class GatewayMiddleware:
 
         try:
             length = self._content_length(scope)
-            if length is not None and length > self.max_body_bytes:
-                err = APIError(413, f"request body of {length} bytes exceeds the limit of "
-                               f"{self.max_body_bytes} bytes", param=None, code="body_too_large")
+            replay = None if length is not None and length > self.max_body_bytes else \
+                await self._read_body(receive)
+            if replay is None:
+                err = APIError(413, f"request body of {length or 'more than ' + str(self.max_body_bytes)}"
+                               f" bytes exceeds the limit of {self.max_body_bytes} bytes", param=None,
+                               code="body_too_large")
                 await self._send_error(send_wrapper, err)
                 return
-            await self.app(scope, receive, send_wrapper)
+            await self.app(scope, replay, send_wrapper)
         finally:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+    async def _read_body(self, receive: Receive) -> Receive | None:
+        """Read the whole body (bounded by ``max_body_bytes`` whatever Content-Length says, so chunked
+        uploads are capped too); return a ``receive`` that replays it, then passes through (disconnects),
+        or None when the body is too large."""
+        chunks, total, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                chunks.append(b"")
+                break
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_body_bytes:
+                return None
+            chunks.append(body)
+            more = message.get("more_body", False)
+        buffered: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            return buffered.pop() if buffered else await receive()
+
+        return replay
 
     @staticmethod
     def _content_length(scope: Scope) -> int | None:

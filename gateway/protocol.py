@@ -2,7 +2,10 @@
 
 Fields follow the OpenAI API reference (Chat Completions and legacy Completions), plus vLLM's extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``). Unknown fields are ignored.
+``stop_token_ids``). Unknown fields are ignored. Integers are bounded so that every accepted value fits the
+msgpack wire (int64) and floats must be finite (no NaN/Infinity): a bad value is a 400, never a 5xx.
+Caps that depend on the deployment (``--max-n``, ``--max-stop``, the vocabulary, the context length) are
+checked later, in ``gateway/prepare.py``.
 """
 
 from __future__ import annotations
@@ -11,9 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+INT64_MAX = (1 << 63) - 1
+INT32_MAX = (1 << 31) - 1
+MAX_STOP_CHARS = 1024  # characters per stop string
+
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a final chunk with usage."""
+    """``stream_options``: ``include_usage`` adds a final chunk with usage and empty ``choices``."""
 
     include_usage: bool = False
 
@@ -40,25 +47,29 @@ class ChatMessage(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Sampling fields shared by both endpoints; ranges as in the OpenAI reference."""
+    """Sampling fields shared by both endpoints; ranges as in the OpenAI reference.
 
-    model_config = ConfigDict(extra="ignore")
+    ``seed`` is an int64; choice ``i`` of ``n`` samples with ``seed + i`` (wrapped into int64), so a
+    seeded request is reproducible choice by choice. ``user`` is accepted and ignored.
+    """
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=INT32_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
     user: str | None = None
 
@@ -70,11 +81,11 @@ class SamplingFields(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions body."""
+    """POST /v1/chat/completions body. ``top_logprobs`` (0..20) needs ``logprobs: true``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
@@ -84,10 +95,16 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    """POST /v1/completions body: ``prompt`` is a string or a list of token ids."""
+    """POST /v1/completions body.
+
+    ``prompt`` is a string, a list of strings, a list of token ids, or a list of token-id lists; each
+    prompt of a list gives ``n`` choices, in prompt order (choice index = prompt index * n + sample).
+    ``logprobs`` (0..5) is the number of top alternatives per token. ``echo`` prepends the prompt text to
+    each choice's text (prompt-token logprobs are not returned: ``logprobs`` covers generated tokens only).
+    """
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None

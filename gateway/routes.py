@@ -8,12 +8,21 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.errors import APIError, unavailable
+from gateway.errors import APIError
+from gateway.prepare import prepare, served_model
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.registry import pairing_mismatch
-from gateway.router import NoWorkerError
+from gateway.schemas import (
+    SSE,
+    ChatCompletion,
+    Completion,
+    Health,
+    ModelList,
+    Readiness,
+    error_responses,
+)
 from gateway.service import GatewayService
-from gateway.serving import complete, prepare, served_model, sse_events
+from gateway.serving import complete, sse_events, submit_all
 
 router = APIRouter()
 
@@ -42,30 +51,32 @@ async def _generate(request: Request, body: ChatCompletionRequest | CompletionRe
     svc = service(request)
     rid: str = request.state.request_id
     prepared = prepare(svc, body, rid)
-    try:
-        handle = await svc.submit(prepared.inp)
-    except NoWorkerError as exc:
-        raise unavailable(str(exc)) from exc
-    svc.metrics.prompt_tokens.inc(len(prepared.inp.prompt_token_ids))
+    handles = await submit_all(svc, prepared)
     if body.stream:
-        return StreamingResponse(sse_events(svc, prepared, handle), media_type="text/event-stream",
+        return StreamingResponse(sse_events(svc, prepared, handles), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return JSONResponse(await complete(svc, prepared, handle))
+    return JSONResponse(await complete(svc, prepared, handles, request.is_disconnected))
 
 
-@router.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+_GEN_ERRORS = error_responses(400, 401, 404, 413, 429, 502, 503)
+
+
+@router.post("/v1/chat/completions", dependencies=[Depends(require_key)], response_model=ChatCompletion,
+             responses={200: {"content": SSE}, **_GEN_ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     """OpenAI Chat Completions (streaming SSE or not)."""
     return await _generate(request, body)
 
 
-@router.post("/v1/completions", dependencies=[Depends(require_key)])
+@router.post("/v1/completions", dependencies=[Depends(require_key)], response_model=Completion,
+             responses={200: {"content": SSE}, **_GEN_ERRORS})
 async def completions(body: CompletionRequest, request: Request) -> Response:
     """OpenAI (legacy) Completions (streaming SSE or not)."""
     return await _generate(request, body)
 
 
-@router.get("/v1/models", dependencies=[Depends(require_key)])
+@router.get("/v1/models", dependencies=[Depends(require_key)], response_model=ModelList,
+            responses=error_responses(401))
 async def models(request: Request) -> dict[str, Any]:
     """The served model (one entry once a worker registered or --model-name is set)."""
     name = served_model(service(request))
@@ -74,7 +85,7 @@ async def models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-@router.get("/health")
+@router.get("/health", response_model=Health, responses=error_responses(401))
 async def health(request: Request) -> dict[str, str]:
     """Liveness of the gateway process itself."""
     if not service(request).settings.public_health:
@@ -93,7 +104,8 @@ def readiness(svc: GatewayService) -> tuple[bool, str]:
     return False, f"no compatible prefill+decode pair ({len(prefills)} prefill, {len(decodes)} decode)"
 
 
-@router.get("/ready")
+@router.get("/ready", response_model=Readiness,
+            responses={503: {"model": Readiness, "description": "not ready"}, **error_responses(401)})
 async def ready(request: Request) -> JSONResponse:
     """200 when requests can be served, else 503 with the reason."""
     svc = service(request)
@@ -103,7 +115,8 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"ready": ok, "reason": reason}, status_code=200 if ok else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **error_responses(401)})
 async def metrics(request: Request) -> Response:
     """Prometheus metrics (text exposition)."""
     svc = service(request)

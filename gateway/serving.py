@@ -1,196 +1,179 @@
-"""OpenAI endpoint logic: request → ``GenerationInput`` (validation, chat template, tokenization,
-context check) and generation → response JSON or SSE chunks (``data: {...}`` … ``data: [DONE]``).
+"""Running a prepared request: submit every choice to the workers (all or none), then gather the choices
+into one JSON body, or merge their deltas into one SSE stream (``data: {...}`` … ``data: [DONE]``).
 
-Response shapes: OpenAI API reference (chat.completion, chat.completion.chunk, text_completion).
+Stream layout (OpenAI chat.completion.chunk / text_completion reference): a chat choice's first chunk
+carries ``delta.role``; afterwards a chunk is sent only when there is text or a finish reason (a delta
+with tokens but no text yet, e.g. a held-back stop-string prefix, rides along with the next chunk with its
+logprobs), so no empty chunks repeat and ``finish_reason`` is in each choice's last chunk. With
+``stream_options.include_usage`` a final chunk has ``choices: []`` and ``usage``. A worker failure ends
+the stream with an error event; a non-streaming request whose client went away is aborted on the workers.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from gateway.errors import APIError, bad_request, not_found_model, unavailable, upstream_failed
-from gateway.handle import GenerationFailed, GenerationInput, RequestHandle
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.errors import APIError, bad_request, queue_full, unavailable, upstream_failed
+from gateway.handle import Delta, GenerationFailed, RequestHandle, TokenLogprob
+from gateway.prepare import Prepared
+from gateway.render import ChoiceState, chunk_choice, envelope, final_choice, usage
+from gateway.router import NoWorkerError
 from gateway.service import GatewayService
-from gateway.text import TokenizerNotFoundError
-from pdserve.messages import WireSamplingParams
+
+DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """A validated request: the generation input, served model name, and response kind."""
+async def submit_all(svc: GatewayService, p: Prepared) -> list[RequestHandle]:
+    """Submit every choice; if one cannot be admitted, release those already sent and raise.
 
-    inp: GenerationInput
-    model: str
-    chat: bool
-    include_usage: bool
-
-
-def served_model(svc: GatewayService) -> str | None:
-    """``--model-name`` or the model the workers registered (None before any registration)."""
-    if svc.settings.model_name:
-        return svc.settings.model_name
-    live = svc.registry.live()
-    return live[0].info.model if live else None
-
-
-def max_model_len(svc: GatewayService) -> int:
-    """Smallest ``max_model_len`` (tokens) over live workers (2048 with none)."""
-    return min((w.info.compat.max_model_len for w in svc.registry.live()), default=2048)
-
-
-def _check_common(svc: GatewayService, body: ChatCompletionRequest | CompletionRequest) -> str:
-    model = served_model(svc)
-    if model is None:
-        raise unavailable("no worker has registered yet")
-    if body.model != model:
-        raise not_found_model(body.model)
-    if body.n > svc.settings.max_n:
-        raise bad_request(f"n must be <= {svc.settings.max_n}, got {body.n}", "n")
-    if body.n != 1:
-        raise bad_request("n > 1 is not supported by this gateway yet", "n")
-    n_stop = len(body.stop_list())
-    if n_stop > svc.settings.max_stop:
-        raise bad_request(f"at most {svc.settings.max_stop} stop strings, got {n_stop}", "stop")
-    if body.logprobs:
-        raise bad_request("logprobs are not supported by this gateway yet", "logprobs")
-    return model
-
-
-def _tokenize(svc: GatewayService, body: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    Raises:
+        APIError: 400 (a request with the same X-Request-Id is still in flight), 429 (queue full, counting
+            all choices) or 503 (no worker can serve).
+    """
+    if any(c.inp.request_id in svc.requests for c in p.choices):
+        raise bad_request(f"request id {p.request_id!r} is already in flight (X-Request-Id must be unique)",
+                          None, "duplicate_request_id")
+    if len(svc.requests) + len(p.choices) > svc.settings.max_queue:
+        raise queue_full()
+    handles: list[RequestHandle] = []
     try:
-        text = svc.text()
-    except TokenizerNotFoundError as exc:
-        raise unavailable(f"tokenizer unavailable: {exc}") from exc
-    if isinstance(body, ChatCompletionRequest):
-        try:
-            return text.encode(text.render_chat(body.message_dicts()))
-        except ValueError as exc:
-            raise bad_request(str(exc), "messages") from exc
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        return text.encode(prompt, add_special_tokens=True)
-    if prompt and all(isinstance(t, int) for t in prompt):
-        return [int(t) for t in prompt]  # type: ignore[arg-type]
-    if len(prompt) == 1:
-        first = prompt[0]
-        return text.encode(first, True) if isinstance(first, str) else list(first)  # type: ignore[arg-type]
-    raise bad_request("prompt must be one string or one list of token ids (batches are not supported)",
-                      "prompt")
+        for choice in p.choices:
+            handles.append(await svc.submit(choice.inp))
+    except NoWorkerError as exc:
+        for h in handles:
+            svc.release(h)
+        raise unavailable(str(exc)) from exc
+    except BaseException:
+        for h in handles:
+            svc.release(h)
+        raise
+    svc.metrics.prompt_tokens.inc(p.num_prompt_tokens)
+    return handles
 
 
-def _max_tokens(svc: GatewayService, body: ChatCompletionRequest | CompletionRequest, n_prompt: int) -> int:
-    limit = max_model_len(svc)
-    if svc.settings.max_prompt_tokens is not None and n_prompt > svc.settings.max_prompt_tokens:
-        raise bad_request(f"prompt has {n_prompt} tokens, more than --max-prompt-tokens "
-                          f"{svc.settings.max_prompt_tokens}", "messages" if isinstance(
-                              body, ChatCompletionRequest) else "prompt", "context_length_exceeded")
-    asked = body.max_tokens
-    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        asked = body.max_completion_tokens
-    wanted = asked if asked is not None else limit - n_prompt
-    if n_prompt + wanted > limit or wanted < 1:
-        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
-                          f"{n_prompt + max(wanted, 1)} tokens ({n_prompt} in the prompt, "
-                          f"{max(wanted, 1)} for the completion).", "max_tokens", "context_length_exceeded")
-    return wanted
+async def _collect(svc: GatewayService, handle: RequestHandle, state: ChoiceState) -> None:
+    async for delta in svc.stream(handle):
+        state.text += delta.text
+        state.num_tokens += delta.num_tokens
+        state.finish_reason = delta.finish_reason or state.finish_reason
+        state.logprobs.extend(delta.logprobs)
 
 
-def prepare(svc: GatewayService, body: ChatCompletionRequest | CompletionRequest,
-            request_id: str) -> Prepared:
-    """Validate and tokenize. Raises ``APIError`` (400/404/503) naming the problem."""
-    model = _check_common(svc, body)
-    if isinstance(body, CompletionRequest) and (body.echo or body.suffix):
-        raise bad_request("echo and suffix are not supported", "echo" if body.echo else "suffix")
-    prompt = _tokenize(svc, body)
-    if not prompt:
-        raise bad_request("the prompt is empty", "prompt")
-    max_tokens = _max_tokens(svc, body, len(prompt))
+async def complete(svc: GatewayService, p: Prepared, handles: list[RequestHandle],
+                   is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
+    """The whole (non-streaming) body; polls ``is_disconnected`` and aborts the workers if the client left.
+
+    Raises:
+        APIError: 502 when a worker failed, 499 when the client disconnected.
+    """
+    states = [ChoiceState(c.index) for c in p.choices]
+    gather = asyncio.ensure_future(asyncio.gather(
+        *(_collect(svc, h, s) for h, s in zip(handles, states, strict=True))))
     try:
-        sampling = WireSamplingParams(
-            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens)
-    except (TypeError, ValueError) as exc:
-        raise bad_request(str(exc)) from exc
-    inp = GenerationInput(request_id, prompt, sampling, tuple(body.stop_list()))
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Prepared(inp, model, isinstance(body, ChatCompletionRequest), include_usage)
-
-
-def _chunk(p: Prepared, created: int, text: str | None, finish: str | None, role: bool = False) -> str:
-    rid = p.inp.request_id
-    if p.chat:
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-        if text:
-            delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        obj = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
-               "model": p.model, "choices": [choice]}
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        obj = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": p.model,
-               "choices": [choice]}
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def usage(p: Prepared, n_out: int) -> dict[str, int]:
-    """OpenAI usage object (token counts)."""
-    n_in = len(p.inp.prompt_token_ids)
-    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
-
-
-async def sse_events(svc: GatewayService, p: Prepared, handle: RequestHandle) -> AsyncIterator[str]:
-    """SSE lines for a streaming response; ends with ``data: [DONE]`` (after an error event on failure)."""
-    created, n_out = int(time.time()), 0
-    try:
-        if p.chat:
-            yield _chunk(p, created, None, None, role=True)
-        async for delta in svc.stream(handle):
-            n_out += delta.num_tokens
-            if delta.text or delta.finish_reason:
-                yield _chunk(p, created, delta.text, delta.finish_reason)
-        svc.metrics.generation_tokens.inc(n_out)
-        if p.include_usage:
-            obj: dict[str, Any] = {"id": f"{'chatcmpl' if p.chat else 'cmpl'}-{p.inp.request_id}", "object":
-                   "chat.completion.chunk" if p.chat else "text_completion", "created": created,
-                   "model": p.model, "choices": [], "usage": usage(p, n_out)}
-            yield f"data: {json.dumps(obj)}\n\n"
-    except GenerationFailed as exc:
-        yield f"data: {json.dumps(upstream_failed(str(exc)).body())}\n\n"
-    finally:
-        svc.release(handle)
-    yield "data: [DONE]\n\n"
-
-
-async def complete(svc: GatewayService, p: Prepared, handle: RequestHandle) -> dict[str, Any]:
-    """The whole (non-streaming) response body. Raises ``APIError`` 502 when a worker failed."""
-    parts, n_out, finish = [], 0, None
-    try:
-        async for delta in svc.stream(handle):
-            parts.append(delta.text)
-            n_out += delta.num_tokens
-            finish = delta.finish_reason or finish
+        while not gather.done():
+            await asyncio.wait([gather], timeout=DISCONNECT_POLL_S)
+            if not gather.done() and await is_disconnected():
+                raise APIError(499, "client disconnected", "invalid_request_error", None, "client_closed")
+        gather.result()
     except GenerationFailed as exc:
         raise upstream_failed(str(exc)) from exc
     finally:
-        svc.release(handle)
+        gather.cancel()
+        with contextlib.suppress(BaseException):
+            await gather
+        for h in handles:
+            svc.release(h)
+    n_out = sum(s.num_tokens for s in states)
     svc.metrics.generation_tokens.inc(n_out)
-    text, rid, created = "".join(parts), p.inp.request_id, int(time.time())
-    if p.chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": finish}
-        return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": p.model,
-                "choices": [choice], "usage": usage(p, n_out)}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": p.model,
-            "choices": [choice], "usage": usage(p, n_out)}
+    body = envelope(p, int(time.time()), chunk=False)
+    body["choices"] = [final_choice(p, svc.text(), s, c.echo_text)
+                       for s, c in zip(states, p.choices, strict=True)]
+    body["usage"] = usage(p, n_out)
+    return body
 
 
-__all__ = ["APIError", "Prepared", "complete", "prepare", "sse_events"]
+_END = object()
+
+
+async def _pump(svc: GatewayService, index: int, handle: RequestHandle,
+                queue: asyncio.Queue[tuple[int, object]]) -> None:
+    try:
+        async for delta in svc.stream(handle):
+            await queue.put((index, delta))
+    except GenerationFailed as exc:
+        await queue.put((index, exc))
+    await queue.put((index, _END))
+
+
+class _ChunkWriter:
+    """Turns (choice position, delta) into SSE lines, holding textless deltas' logprobs for the next."""
+
+    def __init__(self, svc: GatewayService, p: Prepared) -> None:
+        self.svc, self.p, self.created = svc, p, int(time.time())
+        self.prefix = [c.echo_text for c in p.choices]
+        self.offset = [0] * len(p.choices)
+        self.held: list[list[TokenLogprob]] = [[] for _ in p.choices]
+        self.n_out = 0
+
+    def line(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        obj = envelope(self.p, self.created, chunk=True)
+        obj["choices"] = choices
+        obj.update(extra)
+        return f"data: {json.dumps(obj)}\n\n"
+
+    def first(self) -> list[str]:
+        if not self.p.chat:
+            return []
+        return [self.line([chunk_choice(self.p, self.svc.text(), c.index, None, None, [], 0, role=True)])
+                for c in self.p.choices]
+
+    def delta(self, pos: int, d: Delta) -> str | None:
+        self.n_out += d.num_tokens
+        self.held[pos].extend(d.logprobs)
+        if not d.text and d.finish_reason is None:
+            return None
+        content = self.prefix[pos] + d.text
+        self.prefix[pos] = ""
+        entries, self.held[pos] = self.held[pos], []
+        choice = chunk_choice(self.p, self.svc.text(), self.p.choices[pos].index, content, d.finish_reason,
+                              entries, self.offset[pos] + len(self.p.choices[pos].echo_text))
+        self.offset[pos] += sum(len(self.svc.text().token_text(e.token_id)) for e in entries)
+        return self.line([choice])
+
+
+async def sse_events(svc: GatewayService, p: Prepared, handles: list[RequestHandle]) -> AsyncIterator[str]:
+    """SSE lines of a streaming response; ends with ``data: [DONE]`` (after an error event on failure)."""
+    writer = _ChunkWriter(svc, p)
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(svc, i, h, queue)) for i, h in enumerate(handles)]
+    try:
+        for line in writer.first():
+            yield line
+        live = len(tasks)
+        while live:
+            pos, item = await queue.get()
+            if item is _END:
+                live -= 1
+            elif isinstance(item, GenerationFailed):
+                yield f"data: {json.dumps(upstream_failed(str(item)).body())}\n\n"
+                break
+            elif isinstance(item, Delta) and (out := writer.delta(pos, item)) is not None:
+                yield out
+        else:
+            svc.metrics.generation_tokens.inc(writer.n_out)
+            if p.include_usage:
+                yield writer.line([], usage=usage(p, writer.n_out))
+    finally:
+        for task in tasks:
+            task.cancel()
+        for h in handles:
+            svc.release(h)
+    yield "data: [DONE]\n\n"
+
+
+__all__ = ["complete", "sse_events", "submit_all"]

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from gateway.handle import Delta, GenerationFailed, RequestHandle, WorkerLost
+from gateway.handle import Delta, GenerationFailed, RequestHandle, TokenLogprob, WorkerLost
 from gateway.text import IncrementalDetokenizer
 from pdserve.messages import (
     DecodeRequest,
@@ -23,6 +23,7 @@ from pdserve.messages import (
     RequestFailed,
     RequestFinished,
     TokenBatch,
+    TopLogprob,
 )
 
 if TYPE_CHECKING:
@@ -58,25 +59,42 @@ async def _on_first_token(svc: GatewayService, handle: RequestHandle, msg: First
                                              num_cached_tokens=msg.num_cached_tokens))
 
 
+def _logprobs(token_ids: list[int], lps: list[float] | None,
+              tops: list[list[TopLogprob]] | None) -> list[TokenLogprob | None]:
+    """Per-token logprob entries aligned with ``token_ids`` (None where the worker sent none)."""
+    out: list[TokenLogprob | None] = []
+    for i, tok in enumerate(token_ids):
+        if lps is None or i >= len(lps):
+            out.append(None)
+            continue
+        top = tops[i] if tops is not None and i < len(tops) else []
+        out.append(TokenLogprob(tok, lps[i], tuple((t.token_id, t.logprob) for t in top)))
+    return out
+
+
 class _Emitter:
-    """Counts tokens (capped at max_tokens) and runs them through the detokenizer."""
+    """Counts tokens (capped at max_tokens), runs them through the detokenizer, keeps their logprobs."""
 
     def __init__(self, handle: RequestHandle, detok: IncrementalDetokenizer) -> None:
         self.handle, self.detok = handle, detok
         self.max_tokens = handle.inp.sampling.max_tokens
 
-    def tokens(self, token_ids: list[int]) -> Delta:
-        text, n = [], 0
-        for tok in token_ids:
+    def tokens(self, token_ids: list[int], lps: list[float] | None = None,
+               tops: list[list[TopLogprob]] | None = None) -> Delta:
+        text, n, entries = [], 0, _logprobs(token_ids, lps, tops)
+        kept: list[TokenLogprob] = []
+        for tok, entry in zip(token_ids, entries, strict=True):
             if self.detok.stopped or len(self.handle.token_times) >= self.max_tokens:
                 break
             self.handle.token_times.append(time.monotonic())
             n += 1
             text.append(self.detok.add(tok))
+            if entry is not None:
+                kept.append(entry)
         reason = "stop" if self.detok.stopped else None
         if reason is None and len(self.handle.token_times) >= self.max_tokens:
             reason = "length"
-        return Delta("".join(text), n, reason)
+        return Delta("".join(text), n, reason, tuple(kept))
 
 
 async def run_stream(svc: GatewayService, handle: RequestHandle) -> AsyncIterator[Delta]:
@@ -94,11 +112,12 @@ async def run_stream(svc: GatewayService, handle: RequestHandle) -> AsyncIterato
             await _on_kv_reserved(svc, handle, msg)
         elif isinstance(msg, FirstToken):
             await _on_first_token(svc, handle, msg)
-            delta = emitter.tokens([msg.token_id])
+            delta = emitter.tokens([msg.token_id], None if msg.logprob is None else [msg.logprob],
+                                   None if msg.top_logprobs is None else [msg.top_logprobs])
             if delta.finish_reason is None and msg.finish_reason is not None:
-                delta = Delta(delta.text, delta.num_tokens, msg.finish_reason)
+                delta = Delta(delta.text, delta.num_tokens, msg.finish_reason, delta.logprobs)
         elif isinstance(msg, TokenBatch):
-            delta = emitter.tokens(msg.token_ids)
+            delta = emitter.tokens(msg.token_ids, msg.logprobs, msg.top_logprobs)
         elif isinstance(msg, RequestFinished):
             svc.drop_holder(handle, msg.worker_id)
             delta = Delta("", 0, msg.finish_reason if msg.finish_reason != "abort" else "abort")
@@ -116,7 +135,8 @@ async def run_stream(svc: GatewayService, handle: RequestHandle) -> AsyncIterato
             if delta.finish_reason == "length":  # workers stop at max_tokens too: no abort needed
                 for worker_id in list(handle.holders):
                     svc.drop_holder(handle, worker_id)
-            yield Delta(delta.text + emitter.detok.finish(), delta.num_tokens, delta.finish_reason)
+            yield Delta(delta.text + emitter.detok.finish(), delta.num_tokens, delta.finish_reason,
+                        delta.logprobs)
             return
         if delta.text or delta.num_tokens:
             yield delta

@@ -56,6 +56,15 @@ class TextProcessor:
         """Token ids → text, skipping special tokens (e.g. eos)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (valid ids are ``0 <= id < vocab_size``)."""
+        return self.tokenizer.vocab_size
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens kept; a partial UTF-8 piece decodes to U+FFFD)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Apply the model's chat template to OpenAI-style messages.
 

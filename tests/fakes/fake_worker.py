@@ -1,11 +1,14 @@
 """A fake pdserve worker process (prefill, decode or colocated), in the style of Dynamo's mocker.
 
 It registers with the gateway like a real worker (DEALER → the gateway's ROUTER), heartbeats its load,
-and produces deterministic tokens with known timings: output position i is ``output_ids[i % len]``;
-prefill takes ``--prefill-delay`` s, each later token ``--token-delay`` s. The decode role "reserves"
-``ceil(prompt / block_size) + 1`` blocks per request from ``--total-blocks`` and frees them on finish or
-abort, so heartbeats show leaks. Every received message is appended to ``--record`` (JSON lines:
-type, request_id) for tests to inspect. Run: ``python -m tests.fakes.fake_worker --role decode ...``.
+and produces deterministic tokens with known timings: output position i is
+``output_ids[(i + seed) % len]`` (seed 0 when unset, so a seed picks a rotation of the reply). With
+``sampling.logprobs`` set it sends logprob ``fake_logprob(i)`` for position i and, for N > 0, the top-N
+alternatives of ``fake_top``. Prefill takes ``--prefill-delay`` s, each later token ``--token-delay`` s.
+The decode role "reserves" ``ceil(prompt / block_size) + 1`` blocks per request from ``--total-blocks``
+and frees them on finish or abort, so heartbeats show leaks. Every received message is appended to
+``--record`` (JSON lines: type, request_id, and ``sampling`` (a dict) when it carries sampling
+params) for tests to inspect. Run: ``python -m tests.fakes.fake_worker --role decode ...``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import signal
 import time
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -37,6 +41,7 @@ from pdserve.messages import (
     RequestFinished,
     ReserveKV,
     TokenBatch,
+    TopLogprob,
     WireSamplingParams,
     WorkerCompat,
     WorkerLoad,
@@ -44,6 +49,16 @@ from pdserve.messages import (
     decode,
     encode,
 )
+
+
+def fake_logprob(pos: int) -> float:
+    """The fake log-probability of output position ``pos`` (exact in binary floating point)."""
+    return -0.125 * (pos % 8 + 1)
+
+
+def fake_top(token_id: int, pos: int, n: int) -> list[TopLogprob]:
+    """The fake top-``n`` alternatives of output position ``pos``: the sampled token first."""
+    return [TopLogprob(token_id + k, fake_logprob(pos) - k) for k in range(n)]
 
 
 class FakeWorker:
@@ -71,12 +86,16 @@ class FakeWorker:
 
     def record(self, msg: Message) -> None:
         if self.args.record:
+            entry: dict[str, object] = {"type": type(msg).__name__,
+                                        "request_id": getattr(msg, "request_id", None)}
+            sampling = getattr(msg, "sampling", None)
+            if sampling is not None:
+                entry["sampling"] = msgspec.to_builtins(sampling)
             with open(self.args.record, "a") as f:
-                f.write(json.dumps({"type": type(msg).__name__,
-                                    "request_id": getattr(msg, "request_id", None)}) + "\n")
+                f.write(json.dumps(entry) + "\n")
 
-    def token(self, i: int) -> int:
-        return self.output_ids[i % len(self.output_ids)]
+    def token(self, i: int, sampling: WireSamplingParams) -> int:
+        return self.output_ids[(i + (sampling.seed or 0)) % len(self.output_ids)]
 
     def finish_of(self, sampling: WireSamplingParams, i: int, tok: int) -> FinishReason | None:
         if tok == self.args.eos_id and not sampling.ignore_eos:
@@ -101,17 +120,21 @@ class FakeWorker:
         try:
             i = start
             while True:
-                tok = self.token(i)
+                tok = self.token(i, sampling)
                 finish = self.finish_of(sampling, i, tok)
+                lp = None if sampling.logprobs is None else fake_logprob(i)
+                top = fake_top(tok, i, sampling.logprobs) if sampling.logprobs else None
                 if i == 0:
                     await asyncio.sleep(self.args.prefill_delay)
-                    await self.send(FirstToken(request_id=rid, worker_id=wid, token_id=tok,
-                                               finish_reason=finish))
+                    await self.send(FirstToken(request_id=rid, worker_id=wid, token_id=tok, logprob=lp,
+                                               top_logprobs=top, finish_reason=finish))
                     if self.args.role == "prefill":
                         return
                 else:
                     await asyncio.sleep(self.args.token_delay)
-                    await self.send(TokenBatch(request_id=rid, worker_id=wid, token_ids=[tok]))
+                    await self.send(TokenBatch(request_id=rid, worker_id=wid, token_ids=[tok],
+                                               logprobs=None if lp is None else [lp],
+                                               top_logprobs=None if top is None else [top]))
                 if finish is not None:
                     if i > 0 or self.args.role == "colocated":
                         await self.send(RequestFinished(request_id=rid, worker_id=wid, finish_reason=finish,

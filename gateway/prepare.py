@@ -1,0 +1,194 @@
+"""Request → ``Prepared``: validation against the deployment (model, caps, vocabulary, context length),
+chat template, tokenization, and the fan-out into choices (``n`` samples of each prompt).
+
+Choice order follows the OpenAI Completions reference: for a list of prompts, prompt ``j``'s sample ``i``
+is choice ``j * n + i``. Each choice is its own worker request: request id ``<id>-<index>`` (just ``<id>``
+when there is one choice) and seed ``seed + i`` (wrapped into int64) when ``seed`` is set, so a seeded
+request reproduces every choice. Every check raises ``APIError`` (400/404/503) before anything is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.errors import bad_request, not_found_model, unavailable
+from gateway.handle import GenerationInput
+from gateway.protocol import INT64_MAX, MAX_STOP_CHARS, ChatCompletionRequest, CompletionRequest
+from gateway.service import GatewayService
+from gateway.text import TextProcessor, TokenizerNotFoundError
+from pdserve.messages import WireSamplingParams
+
+Body = ChatCompletionRequest | CompletionRequest
+
+
+@dataclass(frozen=True)
+class ChoiceInput:
+    """One choice: its ``index`` in the response, its worker request, and text to prepend (echo)."""
+
+    index: int
+    inp: GenerationInput
+    echo_text: str = ""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request. ``num_prompt_tokens`` counts each distinct prompt once (usage, tokens);
+    ``logprobs`` is None (off) or the number of top alternatives per token."""
+
+    request_id: str
+    model: str
+    chat: bool
+    include_usage: bool
+    choices: tuple[ChoiceInput, ...]
+    num_prompt_tokens: int
+    logprobs: int | None
+
+
+def served_model(svc: GatewayService) -> str | None:
+    """``--model-name`` or the model the workers registered (None before any registration)."""
+    if svc.settings.model_name:
+        return svc.settings.model_name
+    live = svc.registry.live()
+    return live[0].info.model if live else None
+
+
+def max_model_len(svc: GatewayService) -> int:
+    """Smallest ``max_model_len`` (tokens) over live workers (2048 with none)."""
+    return min((w.info.compat.max_model_len for w in svc.registry.live()), default=2048)
+
+
+def _check_caps(svc: GatewayService, body: Body) -> None:
+    s = svc.settings
+    if body.n > s.max_n:
+        raise bad_request(f"n must be <= {s.max_n}, got {body.n}", "n")
+    stops = body.stop_list()
+    if len(stops) > s.max_stop:
+        raise bad_request(f"at most {s.max_stop} stop strings, got {len(stops)}", "stop")
+    if any(len(x) > MAX_STOP_CHARS for x in stops):
+        raise bad_request(f"stop strings must be at most {MAX_STOP_CHARS} characters", "stop")
+    if len(body.stop_token_ids or ()) > s.max_stop:
+        raise bad_request(f"at most {s.max_stop} stop_token_ids", "stop_token_ids")
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if isinstance(body, CompletionRequest) and body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+
+
+def _check_ids(ids: list[int], vocab: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of range [0, {vocab})", param, "invalid_token_id")
+
+
+def _encode(text: TextProcessor, s: str, add_special_tokens: bool, param: str) -> list[int]:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON allows lone surrogates (\ud800); the tokenizer does not
+        raise bad_request(f"{param} is not valid Unicode: {exc.reason}", param) from exc
+    return text.encode(s, add_special_tokens=add_special_tokens)
+
+
+def _prompts(text: TextProcessor, body: Body) -> list[tuple[list[int], str]]:
+    """(token ids, prompt text for echo) of each prompt, in order."""
+    if isinstance(body, ChatCompletionRequest):
+        try:
+            rendered = text.render_chat(body.message_dicts())
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from exc
+        return [(_encode(text, rendered, False, "messages"), rendered)]
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [(_encode(text, prompt, True, "prompt"), prompt)]
+    if not prompt:
+        raise bad_request("the prompt list is empty", "prompt")
+    if all(isinstance(t, int) for t in prompt):
+        items: list[str | list[int]] = [[int(t) for t in prompt]]  # type: ignore[arg-type]
+    else:
+        items = list(prompt)  # type: ignore[arg-type]
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append((_encode(text, item, True, "prompt"), item))
+        else:
+            _check_ids(item, text.vocab_size, "prompt")
+            out.append((list(item), text.decode(item)))
+    return out
+
+
+def _max_tokens(svc: GatewayService, body: Body, n_prompt: int) -> int:
+    limit, param = max_model_len(svc), "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    if n_prompt == 0:
+        raise bad_request("the prompt is empty", param)
+    cap = svc.settings.max_prompt_tokens
+    if cap is not None and n_prompt > cap:
+        raise bad_request(f"prompt has {n_prompt} tokens, more than --max-prompt-tokens {cap}", param,
+                          "context_length_exceeded")
+    asked = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        asked = body.max_completion_tokens
+    wanted = asked if asked is not None else limit - n_prompt
+    if n_prompt + wanted > limit or wanted < 1:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{n_prompt + max(wanted, 1)} tokens ({n_prompt} in the prompt, "
+                          f"{max(wanted, 1)} for the completion).", "max_tokens", "context_length_exceeded")
+    if body.min_tokens > wanted:
+        raise bad_request(f"min_tokens {body.min_tokens} exceeds max_tokens {wanted}", "min_tokens")
+    return wanted
+
+
+def _wire_logprobs(body: Body) -> int | None:
+    if isinstance(body, ChatCompletionRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
+
+
+def _sampling(body: Body, max_tokens: int, seed: int | None) -> WireSamplingParams:
+    return WireSamplingParams(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=seed,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens, logprobs=_wire_logprobs(body))
+
+
+def derived_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of sample ``sample`` of a prompt: ``seed + sample`` wrapped into int64 (None stays None)."""
+    if seed is None:
+        return None
+    return (seed + sample + INT64_MAX + 1) % (1 << 64) - INT64_MAX - 1
+
+
+def _text(svc: GatewayService) -> TextProcessor:
+    try:
+        return svc.text()
+    except TokenizerNotFoundError as exc:
+        raise unavailable(f"tokenizer unavailable: {exc}") from exc
+
+
+def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
+    """Validate, tokenize and fan out into choices. Raises ``APIError`` (400/404/503) naming the problem."""
+    model = served_model(svc)
+    if model is None:
+        raise unavailable("no worker has registered yet")
+    if body.model != model:
+        raise not_found_model(body.model)
+    _check_caps(svc, body)
+    text = _text(svc)
+    _check_ids(list(body.stop_token_ids or ()), text.vocab_size, "stop_token_ids")
+    prompts = _prompts(text, body)
+    if len(prompts) * body.n > svc.settings.max_queue:
+        raise bad_request(f"{len(prompts)} prompts x n={body.n} choices exceed --max-queue "
+                          f"{svc.settings.max_queue}", "n")
+    echo = isinstance(body, CompletionRequest) and body.echo
+    many, choices = len(prompts) * body.n > 1, []
+    for j, (ids, prompt_text) in enumerate(prompts):
+        max_tokens = _max_tokens(svc, body, len(ids))
+        for i in range(body.n):
+            index = j * body.n + i
+            inp = GenerationInput(f"{request_id}-{index}" if many else request_id, ids,
+                                  _sampling(body, max_tokens, derived_seed(body.seed, i)),
+                                  tuple(body.stop_list()))
+            choices.append(ChoiceInput(index, inp, prompt_text if echo else ""))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Prepared(request_id, model, isinstance(body, ChatCompletionRequest), include_usage,
+                    tuple(choices), sum(len(ids) for ids, _ in prompts), _wire_logprobs(body))

@@ -1,0 +1,197 @@
+"""Bad and hostile requests: each gets its documented 4xx with the OpenAI error body
+(``error.message/type/param/code``), none a 5xx; afterwards the gateway and the fake workers are healthy,
+nothing is in flight and every fake decode KV block is free. One gateway (with an API key, ``--max-n 4``,
+``--max-stop 3``, ``--max-prompt-tokens 100``, 1 MiB body cap) + fake prefill/decode workers (context 128
+tokens) for the whole module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import Cluster
+
+pytestmark = pytest.mark.slow  # starts processes
+
+KEY = "k-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BODY_CAP = 1 << 20
+MSGS = [{"role": "user", "content": "hi"}]
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("bad"), tokenizer_dir, api_key=KEY, max_n=4, max_stop=3,
+                      max_prompt_tokens=100, max_body_bytes=BODY_CAP)
+    cluster.start_worker("prefill", "p1", max_model_len=128)
+    cluster.start_worker("decode", "d1", max_model_len=128)
+    yield cluster
+    cluster.close()
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "messages": MSGS, "max_tokens": 2, **fields}
+
+
+def comp(**fields: Any) -> dict[str, Any]:
+    return {"model": "fake-model", "prompt": "hi", "max_tokens": 2, **fields}
+
+
+def drop(body: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k != key}
+
+
+# (id, path, JSON body, expected status, expected error.param or None for "any")
+JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
+    ("no-model", CHAT, drop(chat(), "model"), 400, "model"),
+    ("model-int", CHAT, chat(model=123), 400, "model"),
+    ("unknown-model", CHAT, chat(model="gpt-9"), 404, "model"),
+    ("no-messages", CHAT, drop(chat(), "messages"), 400, "messages"),
+    ("empty-messages", CHAT, chat(messages=[]), 400, "messages"),
+    ("messages-string", CHAT, chat(messages="hi"), 400, "messages"),
+    ("unknown-role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, None),
+    ("no-content", CHAT, chat(messages=[{"role": "user"}]), 400, None),
+    ("content-int", CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, None),
+    ("image-part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url",
+                                                                       "image_url": "x"}]}]), 400, None),
+    ("temperature-negative", CHAT, chat(temperature=-0.5), 400, "temperature"),
+    ("temperature-huge", CHAT, chat(temperature=1e9), 400, "temperature"),
+    ("temperature-string", CHAT, chat(temperature="hot"), 400, "temperature"),
+    ("top_p-zero", CHAT, chat(top_p=0), 400, "top_p"),
+    ("top_p-over-one", CHAT, chat(top_p=1.5), 400, "top_p"),
+    ("top_k-negative", CHAT, chat(top_k=-5), 400, "top_k"),
+    ("top_k-huge", CHAT, chat(top_k=10**30), 400, "top_k"),
+    ("min_p-over-one", CHAT, chat(min_p=2), 400, "min_p"),
+    ("presence-penalty", CHAT, chat(presence_penalty=5), 400, "presence_penalty"),
+    ("frequency-penalty", CHAT, chat(frequency_penalty=-3), 400, "frequency_penalty"),
+    ("repetition-penalty-zero", CHAT, chat(repetition_penalty=0), 400, "repetition_penalty"),
+    ("max_tokens-zero", CHAT, chat(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens-negative", CHAT, chat(max_tokens=-1), 400, "max_tokens"),
+    ("max_tokens-huge", CHAT, chat(max_tokens=10**30), 400, "max_tokens"),
+    ("max_tokens-over-context", CHAT, chat(max_tokens=127), 400, "max_tokens"),
+    ("max_tokens-string", CHAT, chat(max_tokens="many"), 400, "max_tokens"),
+    ("max_completion_tokens-zero", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    ("n-zero", CHAT, chat(n=0), 400, "n"),
+    ("n-over-cap", CHAT, chat(n=5), 400, "n"),
+    ("n-huge", CHAT, chat(n=10**20), 400, "n"),
+    ("seed-huge", CHAT, chat(seed=2**70), 400, "seed"),
+    ("seed-string", CHAT, chat(seed="x"), 400, "seed"),
+    ("stop-over-cap", CHAT, chat(stop=["a", "b", "c", "d"]), 400, "stop"),
+    ("stop-int", CHAT, chat(stop=5), 400, None),
+    ("stop-too-long", CHAT, chat(stop="x" * 5000), 400, "stop"),
+    ("stop_token_ids-negative", CHAT, chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    ("stop_token_ids-over-vocab", CHAT, chat(stop_token_ids=[10**9]), 400, "stop_token_ids"),
+    ("top_logprobs-21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    ("top_logprobs-without-logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    ("min_tokens-over-max", CHAT, chat(min_tokens=5), 400, "min_tokens"),
+    ("stream-string", CHAT, chat(stream="yes please"), 400, "stream"),
+    ("stream_options-string", CHAT, chat(stream_options="usage"), 400, "stream_options"),
+    ("user-int", CHAT, chat(user=123), 400, "user"),
+    ("body-array", CHAT, [chat()], 400, None),
+    ("body-null", CHAT, None, 400, None),
+    ("no-prompt", COMP, drop(comp(), "prompt"), 400, "prompt"),
+    ("prompt-empty-string", COMP, comp(prompt=""), 400, "prompt"),
+    ("prompt-empty-list", COMP, comp(prompt=[]), 400, "prompt"),
+    ("prompt-empty-id-list", COMP, comp(prompt=[[]]), 400, "prompt"),
+    ("prompt-negative-id", COMP, comp(prompt=[1, -1]), 400, "prompt"),
+    ("prompt-id-over-vocab", COMP, comp(prompt=[49152]), 400, "prompt"),
+    ("prompt-id-huge", COMP, comp(prompt=[[1, 2], [10**12]]), 400, "prompt"),
+    ("prompt-mixed", COMP, comp(prompt=[1, "a"]), 400, None),
+    ("prompt-dict", COMP, comp(prompt={"a": 1}), 400, None),
+    ("prompt-over-context", COMP, comp(prompt=list(range(1, 91)), max_tokens=40), 400, "max_tokens"),
+    ("prompt-over-max-prompt-tokens", COMP, comp(prompt=list(range(1, 102))), 400, "prompt"),
+    ("prompt-batch-over-queue", COMP, comp(prompt=["a"] * 300, n=4), 400, "n"),
+    ("completion-logprobs-6", COMP, comp(logprobs=6), 400, "logprobs"),
+    ("completion-logprobs-negative", COMP, comp(logprobs=-1), 400, "logprobs"),
+    ("suffix", COMP, comp(suffix="tail"), 400, "suffix"),
+    ("echo-string", COMP, comp(echo="maybe"), 400, "echo"),
+]
+
+
+def check_error(resp: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [c[1:] for c in JSON_CASES],
+                         ids=[c[0] for c in JSON_CASES])
+def test_json_bad_input(gw: Cluster, path: str, body: Any, status: int, param: str | None) -> None:
+    check_error(httpx.post(gw.base + path, json=body, headers=AUTH, timeout=10), status, param)
+
+
+MSG_X = b'"messages": [{"role": "user", "content": "x"}]'
+RAW_CASES: list[tuple[str, str, str, bytes, dict[str, str], int]] = [
+    ("bad-json", "POST", CHAT, b'{"model": ', {}, 400),
+    ("invalid-utf8", "POST", CHAT, b'{"model": "fake-model", ' + MSG_X.replace(b"x", b"\xff\xfe") + b"}",
+     {}, 400),
+    ("lone-surrogate", "POST", CHAT, b'{"model": "fake-model", ' + MSG_X.replace(b"x", b"a\\ud800b") + b"}",
+     {}, 400),
+    ("nan-temperature", "POST", CHAT, b'{"model": "fake-model", ' + MSG_X + b', "temperature": NaN}', {},
+     400),
+    ("infinite-penalty", "POST", COMP, b'{"model": "fake-model", "prompt": "x", "repetition_penalty": '
+     b"Infinity}", {}, 400),
+    ("deeply-nested", "POST", COMP, b"[" * 100_000 + b"]" * 100_000, {}, 400),
+    ("not-json-content-type", "POST", COMP, b"prompt=hi", {"content-type": "text/plain"}, 400),
+    ("ten-megabytes", "POST", COMP, b'{"prompt": "' + b"a" * (10 << 20) + b'"}', {}, 413),
+    ("no-auth", "POST", COMP, b"{}", {"Authorization": ""}, 401),
+    ("wrong-key", "POST", CHAT, b"{}", {"Authorization": "Bearer nope"}, 401),
+    ("basic-auth", "GET", "/v1/models", b"", {"Authorization": f"Basic {KEY}"}, 401),
+    ("unknown-path", "GET", "/v1/nope", b"", {}, 404),
+    ("wrong-method", "GET", CHAT, b"", {}, 405),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "content", "headers", "status"), [c[1:] for c in RAW_CASES],
+                         ids=[c[0] for c in RAW_CASES])
+def test_raw_bad_input(gw: Cluster, method: str, path: str, content: bytes, headers: dict[str, str],
+                       status: int) -> None:
+    hdrs = {**AUTH, "content-type": "application/json", **headers}
+    check_error(httpx.request(method, gw.base + path, content=content, headers=hdrs, timeout=30), status)
+
+
+def test_chunked_body_over_cap_is_413(gw: Cluster) -> None:
+    def body() -> Iterator[bytes]:  # no Content-Length: the cap must hold while reading
+        yield b'{"model": "fake-model", "prompt": "'
+        for _ in range(20):
+            yield b"a" * (BODY_CAP // 10)
+        yield b'"}'
+
+    resp = httpx.post(gw.base + COMP, content=body(), headers={**AUTH, "content-type": "application/json"},
+                      timeout=30)
+    check_error(resp, 413)
+
+
+def test_duplicate_request_id_in_flight_is_400(gw: Cluster) -> None:
+    body = {**comp(max_tokens=100), "stream": True}
+    hdrs = {**AUTH, "X-Request-Id": "dup-1"}
+    with httpx.stream("POST", gw.base + COMP, json=body, headers=hdrs, timeout=10) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        assert next(lines).startswith("data: ")
+        err = check_error(httpx.post(gw.base + COMP, json=comp(), headers=hdrs, timeout=10), 400)
+        assert err["code"] == "duplicate_request_id"
+        assert sum('"finish_reason": "length"' in line for line in lines) == 1  # the first one finishes
+    gw.assert_no_leaks(("d1",))
+
+
+def test_healthy_after_bad_input(gw: Cluster) -> None:
+    """Runs last in the module: no 5xx was ever answered, the workers live, nothing leaked, still serving."""
+    text = gw.metrics()
+    fives = [line for line in text.splitlines()
+             if line.startswith("pdserve_requests_total{") and 'status="5' in line]
+    assert fives == []
+    assert 'status="400"' in text and 'status="413"' in text
+    assert all(p.poll() is None for p in gw.workers.values())
+    resp = httpx.post(gw.base + CHAT, json=chat(max_tokens=3), headers=AUTH, timeout=10)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+    assert httpx.get(gw.base + "/ready").status_code == 200
+    gw.assert_no_leaks(("d1",))

@@ -1,0 +1,188 @@
+"""The gateway's OpenAI surface through the official ``openai`` client: ``n`` with derived seeds,
+logprobs (chat and completions), ``echo``, batched prompts, ``max_completion_tokens``,
+``stream_options.include_usage``, vLLM sampling extras, stream chunk layout, and the abort of a
+non-streaming request whose client went away. One gateway + fake prefill/decode workers per module; every
+test ends with a leak check (nothing in flight, all fake decode KV blocks free)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.text import TextProcessor
+from tests.fakes.fake_worker import fake_logprob
+from tests.gateway.conftest import Cluster, read_record, wait_until
+
+pytestmark = pytest.mark.slow  # starts processes
+
+REPLY = "Hello world, this is a fake reply. The end."
+MSGS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def proc(tokenizer_dir: Path) -> TextProcessor:
+    return TextProcessor.from_dir(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def reply_ids(proc: TextProcessor) -> list[int]:
+    return proc.encode(REPLY)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path,
+       reply_ids: list[int]) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("surface"), tokenizer_dir, max_n=4)
+    ids = ",".join(map(str, reply_ids))
+    cluster.start_worker("prefill", "p1", output_ids=ids)
+    cluster.start_worker("decode", "d1", output_ids=ids)
+    yield cluster
+    cluster.close()
+
+
+def tokens(reply_ids: list[int], n: int, seed: int = 0) -> list[int]:
+    """What the fake worker generates: position i → reply_ids[(i + seed) % len]."""
+    return [reply_ids[(i + seed) % len(reply_ids)] for i in range(n)]
+
+
+def sampling_of(pd: Cluster, worker: str, rid: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(m["sampling"] for m in read_record(pd.tmp / f"{worker}.jsonl")  # type: ignore[misc]
+                                 if m["request_id"] == rid and "sampling" in m)
+    return found
+
+
+def test_n_choices_derive_seeds_and_reproduce(pd: Cluster, proc: TextProcessor, reply_ids: list[int]) -> None:
+    client = pd.client()
+    kw: dict[str, Any] = {"model": "fake-model", "messages": MSGS, "max_tokens": 4, "n": 3, "seed": 5}
+    r = client.chat.completions.create(**kw, extra_headers={"X-Request-Id": "nreq"})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for i, c in enumerate(r.choices):
+        assert c.message.content == proc.decode(tokens(reply_ids, 4, 5 + i))
+        assert sampling_of(pd, "p1", f"nreq-{i}")["seed"] == 5 + i
+    assert r.usage is not None and r.usage.completion_tokens == 12
+    again = client.chat.completions.create(**kw)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    pd.assert_no_leaks(("d1",))
+
+
+def test_n_streaming_layout(pd: Cluster, proc: TextProcessor, reply_ids: list[int]) -> None:
+    chunks = list(pd.client().chat.completions.create(  # type: ignore[call-overload]
+        model="fake-model", messages=MSGS, max_tokens=6, n=2, seed=1, stream=True,
+        stream_options={"include_usage": True}))
+    for idx in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == idx]
+        assert mine[0].delta.role == "assistant" and not mine[0].delta.content
+        assert all(ch.delta.role is None for ch in mine[1:])
+        assert all(ch.delta.content or ch.finish_reason for ch in mine[1:]), "an empty chunk was sent"
+        assert [ch.finish_reason for ch in mine] == [None] * (len(mine) - 1) + ["length"]
+        assert "".join(ch.delta.content or "" for ch in mine) == proc.decode(tokens(reply_ids, 6, 1 + idx))
+    assert all(len(c.choices) == 1 for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+    pd.assert_no_leaks(("d1",))
+
+
+def test_chat_logprobs(pd: Cluster, proc: TextProcessor, reply_ids: list[int]) -> None:
+    client = pd.client()
+    r = client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=5,  # type: ignore[arg-type]
+                                       logprobs=True, top_logprobs=2)
+    assert r.choices[0].logprobs is not None and r.choices[0].logprobs.content is not None
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == [proc.token_text(t) for t in reply_ids[:5]]
+    assert [e.logprob for e in content] == [fake_logprob(i) for i in range(5)]
+    assert content[1].bytes == list(proc.token_text(reply_ids[1]).encode())
+    tops = content[3].top_logprobs
+    assert [(t.token, t.logprob) for t in tops] == [(proc.token_text(reply_ids[3] + k), fake_logprob(3) - k)
+                                                    for k in range(2)]
+    stream: Any = client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=5,  # type: ignore[arg-type]
+                                                 logprobs=True, top_logprobs=2, stream=True)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content or []]
+    assert [(e.token, e.logprob, len(e.top_logprobs)) for e in streamed] == [
+        (e.token, e.logprob, 2) for e in content]
+    plain = client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=2)  # type: ignore[arg-type]
+    assert plain.choices[0].logprobs is None
+    assert sampling_of(pd, "p1", plain.id.removeprefix("chatcmpl-"))["logprobs"] is None
+    pd.assert_no_leaks(("d1",))
+
+
+def test_completion_logprobs_and_echo(pd: Cluster, proc: TextProcessor, reply_ids: list[int]) -> None:
+    client = pd.client()
+    prompt = "The capital of France is"
+    r = client.completions.create(model="fake-model", prompt=prompt, max_tokens=4, logprobs=3, echo=True)
+    gen = proc.decode(reply_ids[:4])
+    assert r.choices[0].text == prompt + gen
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens == [proc.token_text(t) for t in reply_ids[:4]]
+    assert lp.token_logprobs == [fake_logprob(i) for i in range(4)]
+    assert lp.top_logprobs is not None and lp.top_logprobs[0] == {
+        proc.token_text(reply_ids[0] + k): fake_logprob(0) - k for k in range(3)}
+    offsets = [len(prompt) + sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    assert lp.text_offset == offsets
+    chunks = list(client.completions.create(model="fake-model", prompt=prompt, max_tokens=4, logprobs=1,
+                                            echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == prompt + gen
+    streamed = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset or []]
+    assert streamed == offsets
+    pd.assert_no_leaks(("d1",))
+
+
+def test_batched_prompts_in_index_order(pd: Cluster, proc: TextProcessor, reply_ids: list[int]) -> None:
+    client = pd.client()
+    r = client.completions.create(model="fake-model", prompt=["one", "two words"], n=2, seed=0, max_tokens=3)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [proc.decode(tokens(reply_ids, 3, i % 2)) for i in range(4)]
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == len(proc.encode("one", True)) + len(proc.encode("two words", True))
+    assert r.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model="fake-model", prompt=[[5, 6], [7, 8, 9]], max_tokens=2,
+                                            stream=True, echo=True))
+    by_index: dict[int, str] = {}
+    for c in chunks:
+        by_index[c.choices[0].index] = by_index.get(c.choices[0].index, "") + c.choices[0].text
+    gen = proc.decode(reply_ids[:2])
+    assert by_index == {0: proc.decode([5, 6]) + gen, 1: proc.decode([7, 8, 9]) + gen}
+    pd.assert_no_leaks(("d1",))
+
+
+def test_max_completion_tokens_and_extras_reach_workers(pd: Cluster) -> None:
+    r = pd.client().chat.completions.create(
+        model="fake-model", messages=MSGS, max_tokens=9, max_completion_tokens=3, user="u-1",  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True, "min_p": 0.25, "top_k": 7, "repetition_penalty": 1.5},
+        extra_headers={"X-Request-Id": "extras"})
+    assert r.usage is not None and r.usage.completion_tokens == 3
+    s = sampling_of(pd, "d1", "extras")
+    assert (s["max_tokens"], s["ignore_eos"], s["min_p"], s["top_k"], s["repetition_penalty"]) == (
+        3, True, 0.25, 7, 1.5)
+    pd.assert_no_leaks(("d1",))
+
+
+def test_non_streaming_client_disconnect_aborts(pd: Cluster) -> None:
+    body = {"model": "fake-model", "messages": MSGS, "max_tokens": 200}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(pd.base + "/v1/chat/completions", json=body, timeout=0.4,
+                   headers={"X-Request-Id": "left-1"})
+    wait_until(lambda: {"type": "AbortRequest", "request_id": "left-1"} in read_record(pd.tmp / "d1.jsonl"),
+               5, "abort at decode after the client left")
+    pd.assert_no_leaks(("d1",))
+
+
+def test_eos_finish_in_last_chunk_and_ignore_eos(make_cluster, proc: TextProcessor,
+                                                 reply_ids: list[int]) -> None:
+    c = make_cluster()
+    eos = reply_ids[2]
+    ids = ",".join(map(str, reply_ids))
+    c.start_worker("colocated", "c1", output_ids=ids, eos_id=eos)
+    client = c.client()
+    chunks = list(client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=8,  # type: ignore[arg-type]
+                                                 stream=True))
+    assert [ch.choices[0].finish_reason for ch in chunks] == [None] * (len(chunks) - 1) + ["stop"]
+    assert all(ch.choices[0].delta.content or ch.choices[0].finish_reason for ch in chunks[1:])
+    r = client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=8,  # type: ignore[arg-type]
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage is not None and r.usage.completion_tokens == 8
+    c.assert_no_leaks()
