@@ -1,0 +1,138 @@
+"""EngineCore: a scheduler, a block manager and a model runner driven one step at a time.
+
+``add_request`` validates and queues a request (a random seed is drawn for a request without one, so
+its sampling is reproducible from then on — e.g. on a decode worker that continues it); ``step`` runs
+one continuous-batching step and reports the tokens sampled in it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+
+import msgspec
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+FINISH_REASONS: dict[SequenceStatus, str] = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_PREFILLED: "prefilled",
+}
+
+
+class StepOutput(msgspec.Struct, frozen=True):
+    """One token sampled for one request in one step.
+
+    ``logprob`` / ``top_logprobs``: raw model logprobs (see ``engine.sampler``), None unless requested.
+    ``finish_reason``: None while running, else ``"stop"`` (eos / stop token id), ``"length"``
+    (max_tokens or max_model_len) or ``"prefilled"`` (prefill-only engine).
+    """
+
+    request_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None
+
+
+class EngineCore:
+    """Scheduler + ``ModelRunner`` of one worker (or of the offline ``LLM``).
+
+    Args:
+        engine_config: model, cache and scheduler configs.
+        prefill_only: prefill-worker mode (sequences end FINISHED_PREFILLED and keep their blocks).
+
+    Raises:
+        ValueError / FileNotFoundError: from model loading or KV cache sizing.
+    """
+
+    def __init__(self, engine_config: EngineConfig, *, prefill_only: bool = False) -> None:
+        self.config = engine_config
+        self.runner = ModelRunner(engine_config)
+        cache = engine_config.cache
+        self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, cache.block_size,
+                                          cache.enable_prefix_caching)
+        self.scheduler = Scheduler(engine_config.scheduler, cache, self.block_manager,
+                                   prefill_only=prefill_only, max_model_len=self.runner.max_model_len)
+        self.eos_token_id = _eos_id(self.runner.hf_config)
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens per sequence (prompt + output), capped by the KV cache capacity."""
+        return self.scheduler.max_model_len
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ``ValueError`` naming the problem for an empty prompt, an id outside
+        ``[0, vocab_size)`` or a prompt of ``max_model_len`` tokens or more."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: it needs at least one token")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} outside [0, vocab_size={self.runner.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_token_ids)} tokens does not fit max_model_len="
+                             f"{self.max_model_len} tokens (room for at least one output token needed)")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    arrival_time: float | None = None) -> Sequence:
+        """Validate and queue one request; returns its ``Sequence`` (seed filled in if it had none).
+
+        Raises:
+            ValueError: bad prompt (see ``validate_prompt``) or a duplicate ``request_id``; nothing queued.
+        """
+        self.validate_prompt(prompt_token_ids)
+        if sampling_params.seed is None:
+            sampling_params = dataclasses.replace(sampling_params, seed=secrets.randbits(63))
+        seq = Sequence(request_id, list(prompt_token_ids), sampling_params,
+                       time.monotonic() if arrival_time is None else arrival_time, self.eos_token_id)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request in any state (its blocks are freed); unknown ids are ignored."""
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting or running."""
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        """Schedule, run the model, sample and update: one continuous-batching step.
+
+        Returns:
+            One ``StepOutput`` per token sampled in this step (none for pure prefill-chunk steps).
+        """
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        results = self.runner.execute(output)
+        self.scheduler.update(output, {rid: r.token_id for rid, r in results.items()})
+        outs = []
+        for s in output.scheduled:
+            r = results.get(s.seq.request_id)
+            if r is None or s.seq.status is SequenceStatus.FINISHED_ABORTED:
+                continue
+            outs.append(StepOutput(s.seq.request_id, r.token_id, r.logprob, r.top_logprobs,
+                                   FINISH_REASONS.get(s.seq.status)))
+        return outs
+
+    def check_no_leaks(self) -> None:
+        """Raise ``AssertionError`` if any KV block is still referenced or a request is still held."""
+        self.block_manager.check_no_leaks()
+        assert not self.scheduler.has_unfinished(), "requests still unfinished"
+
+
+def _eos_id(hf_config: object) -> int | None:
+    """The model's eos token id (the first one when the config lists several)."""
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        return int(eos[0]) if eos else None
+    return int(eos) if isinstance(eos, int) else None

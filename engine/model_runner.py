@@ -1,0 +1,160 @@
+"""ModelRunner: one step's ``SchedulerOutput`` → packed tensors → model forward → sampled tokens.
+
+All scheduled sequences are packed into one row (``input_ids [1, T]``, ``position_ids [1, T]``, decodes
+first), attention goes through the paged backend (``engine.models.hf_attention``), and logits are
+computed only for the rows that sample (the last scheduled token of each sampling sequence).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import torch
+
+from engine.attention.backend import get_backend
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata
+from engine.config import EngineConfig
+from engine.kv_cache import KVCachePool
+from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
+from engine.models.loader import load_model
+from engine.sampler import Sampler, SampleResult, SamplingRow
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+def fallback_seed(request_id: str) -> int:
+    """Seed for a sequence whose params carry none: CRC-32 of its id (stable across workers).
+    ``EngineCore.add_request`` normally fills in a random seed before this is ever needed."""
+    return zlib.crc32(request_id.encode())
+
+
+class ModelRunner:
+    """Owns the model, the ``KVCachePool`` and the sampler of one engine.
+
+    Attributes:
+        model, hf_config: from ``load_model``; attention switched to the paged implementation.
+        kv_cache: ``KVCachePool`` sized from ``engine_config.cache``.
+        max_model_len: tokens per sequence (config value, else ``max_position_embeddings``).
+        vocab_size: rows of the LM head (logit width).
+
+    Raises:
+        ValueError / FileNotFoundError: from loading, the backend choice or KV sizing; also when
+            ``max_model_len`` exceeds the model's ``max_position_embeddings``.
+    """
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.config = engine_config
+        self.model, self.hf_config = load_model(engine_config.model)
+        param = next(self.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.backend = get_backend(engine_config.model.attention_backend, self.device)
+        install_paged_attention(self.model)
+        cfg = self.hf_config
+        limit = int(cfg.max_position_embeddings)
+        wanted = engine_config.model.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
+        self.max_model_len = wanted or limit
+        self.vocab_size = int(cfg.vocab_size)
+        num_heads = int(cfg.num_attention_heads)
+        head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // num_heads
+        cache = engine_config.cache
+        self.kv_cache = KVCachePool.from_memory(
+            num_layers=int(cfg.num_hidden_layers),
+            block_size=cache.block_size,
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
+            head_dim=int(head_dim),
+            dtype=self.dtype,
+            device=self.device,
+            memory_fraction=cache.memory_fraction,
+            cpu_kv_bytes=cache.cpu_kv_bytes,
+            num_blocks=cache.num_blocks,
+        )
+        self.sampler = Sampler()
+
+    def _prepare_inputs(
+        self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Packed ``input_ids [1, T]``, ``position_ids [1, T]`` (int64), the indices ``[S_sample]`` of the
+        rows to compute logits for, and the step's ``AttentionMetadata``."""
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for s in output.scheduled:
+            start = s.seq.num_computed_tokens
+            end = start + s.num_scheduled_tokens
+            ids.extend(s.seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            if s.samples:
+                sample_rows.append(len(ids) - 1)
+        meta = build_attention_metadata(
+            [s.seq.block_table for s in output.scheduled],
+            [s.seq.num_computed_tokens for s in output.scheduled],
+            [s.num_scheduled_tokens for s in output.scheduled],
+            self.kv_cache.block_size,
+            device=self.device,
+            layer_hook=layer_hook,
+        )
+        dev = self.device
+        return (
+            torch.tensor(ids, dtype=torch.int64, device=dev)[None, :],
+            torch.tensor(positions, dtype=torch.int64, device=dev)[None, :],
+            torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            meta,
+        )
+
+    @torch.inference_mode()
+    def compute_logits(
+        self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Run the forward pass of one step, storing every scheduled token's K/V in ``kv_cache``.
+
+        Returns:
+            ``[S_sample, vocab_size]`` logits in the model dtype, one row per ``samples=True`` entry in
+            ``output.scheduled`` order.
+        """
+        input_ids, position_ids, sample_rows, meta = self._prepare_inputs(output, layer_hook)
+        result = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=sample_rows,
+            **{META_KWARG: meta, CACHE_KWARG: self.kv_cache, BACKEND_KWARG: self.backend},
+        )
+        return result.logits[0]
+
+    def execute(
+        self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
+    ) -> dict[str, SampleResult]:
+        """Run one step and sample a token for every sequence with ``samples=True``.
+
+        Args:
+            output: from ``Scheduler.schedule()``; read before ``Scheduler.update`` (uses
+                ``num_computed_tokens`` as the start of each sequence's scheduled tokens).
+            layer_hook: passed to ``AttentionMetadata.layer_hook`` (called after each layer's KV store).
+
+        Returns:
+            request id → ``SampleResult`` (empty for an empty step or one without sampling sequences).
+        """
+        if output.is_empty:
+            return {}
+        logits = self.compute_logits(output, layer_hook)
+        sampling = [s.seq for s in output.scheduled if s.samples]
+        if not sampling:
+            return {}
+        rows = [self._row(seq) for seq in sampling]
+        results = self.sampler(logits, rows)
+        return {seq.request_id: r for seq, r in zip(sampling, results, strict=True)}
+
+    @staticmethod
+    def _row(seq: Sequence) -> SamplingRow:
+        params = seq.sampling_params
+        return SamplingRow(
+            params=params,
+            seed=params.seed if params.seed is not None else fallback_seed(seq.request_id),
+            output_position=seq.num_output_tokens,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            output_token_ids=seq.output_token_ids,
+            eos_token_id=seq.eos_token_id,
+        )

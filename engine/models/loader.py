@@ -1,0 +1,135 @@
+"""Load a causal LM from a Hugging Face directory (safetensors) or with random ("dummy") weights.
+
+transformers provides the config and model classes (no layer is rewritten here). Supported
+architectures: ``registry.SUPPORTED_ARCHITECTURES``. Dummy weights are allocated without the default
+(slow) initialisation and filled in place with normal(0, 0.02) from a seeded generator, norms with 1 and
+biases with 0 — fast enough for Llama-3-8B shapes on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.initialization import no_init_weights
+
+from engine.config import ModelConfig
+from engine.models.registry import SUPPORTED_ARCHITECTURES, resolve_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` → ``cuda`` when available else ``cpu``; any other string is passed to torch."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, hf_config: PretrainedConfig) -> torch.dtype:
+    """``"auto"`` → the checkpoint's dtype (``config.dtype``), float32 if it names none.
+
+    Raises:
+        ValueError: ``dtype`` is not ``auto``, ``float32``, ``bfloat16`` or ``float16``.
+    """
+    if dtype == "auto":
+        found = getattr(hf_config, "dtype", None)
+        if isinstance(found, str):
+            found = _DTYPES.get(found)
+        return found if isinstance(found, torch.dtype) and found in _DTYPES.values() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_hf_config(path: Path) -> PretrainedConfig:
+    """Read and check ``path/config.json``.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` in ``path``.
+        ValueError: the file is not valid JSON, or the architecture is not supported.
+    """
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"model directory {path} has no config.json")
+    try:
+        raw: dict[str, Any] = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from exc
+    archs = raw.get("architectures") or []
+    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {archs!r} in {cfg_file}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    return AutoConfig.from_pretrained(str(path))
+
+
+def _check_safetensors(path: Path) -> list[Path]:
+    """Return the safetensors files of ``path`` after opening each header.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` file.
+        ValueError: a file is corrupt or truncated (named in the message).
+    """
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model directory {path} has no *.safetensors weights")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                keys = list(handle.keys())
+                if keys:  # reading one tensor catches files truncated after a valid header
+                    handle.get_slice(keys[-1])[:]
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise ValueError(f"corrupt safetensors file {f}: {exc}") from exc
+    return files
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter in place: matrices ~ normal(0, 0.02), norm weights 1, other vectors 0."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, 0.02, generator=gen)
+        elif "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.zero_()
+
+
+def _build_dummy(hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device, seed: int) -> Any:
+    with torch.device(device), no_init_weights():
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    init_dummy_weights(model, seed)
+    return model
+
+
+def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, PretrainedConfig]:
+    """Load ``model_config.model`` (alias or HF directory) as an eval-mode model on its device.
+
+    Returns:
+        ``(model, hf_config)``; the model's parameters have the resolved dtype and device.
+
+    Raises:
+        FileNotFoundError: unknown alias / path, missing config.json or weights.
+        ValueError: unsupported architecture, bad dtype or load_format, corrupt safetensors.
+    """
+    if model_config.load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format {model_config.load_format!r} is not supported; use auto or dummy")
+    path = resolve_model(model_config.model)
+    hf_config = load_hf_config(path)
+    dtype = resolve_dtype(model_config.dtype, hf_config)
+    device = resolve_device(model_config.device)
+    if model_config.load_format == "dummy":
+        model = _build_dummy(hf_config, dtype, device, model_config.seed)
+    else:
+        _check_safetensors(path)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=str(device))
+    model.eval()
+    model.requires_grad_(False)
+    return model, model.config

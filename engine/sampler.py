@@ -1,0 +1,210 @@
+"""Batched token sampling on the model's device, with per-request seeds that reproduce anywhere.
+
+Order of operations per row (all rows at once, no per-request loop over the vocabulary):
+1. Penalties on the raw logits: ``repetition_penalty`` with Hugging Face semantics over prompt + output
+   tokens (``RepetitionPenaltyLogitsProcessor``: a seen token's logit is divided by the penalty when
+   positive, multiplied when negative); ``presence_penalty`` / ``frequency_penalty`` with OpenAI semantics
+   over output tokens (``logit -= frequency * count + presence * (count > 0)``); ``min_tokens``: eos and
+   ``stop_token_ids`` masked while fewer output tokens exist.
+2. Greedy rows (``temperature == 0``) take the argmax. Other rows: divide by temperature, then top-k,
+   top-p (smallest set of tokens whose probability mass reaches ``top_p``), then min-p (drop tokens with
+   probability below ``min_p`` × the largest), as in transformers' warpers.
+3. Sampling by the Gumbel-max trick (equivalently an exponential race): ``argmax(logit + g)`` with
+   ``g = -log(-log(u))``, where ``u`` in (0, 1) comes from a counter-based integer hash of
+   ``(seed, output position, token id)``. No RNG state: the same seed gives the same token on any worker,
+   CPU or GPU, batched or alone (up to float rounding of the logits themselves).
+
+Logprobs are those of the model's raw distribution: ``log_softmax`` of the logits before penalties,
+temperature and filters (vLLM's "raw_logprobs" mode), in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+class SampleResult(msgspec.Struct, frozen=True):
+    """One sampled token: id, its raw logprob (None unless requested) and the raw top-N
+    ``(token_id, logprob)`` pairs, best first (None unless ``logprobs >= 1``)."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs about one sampling sequence (one row of the logits).
+
+    ``seed``: the request's seed (a random one is drawn at admission when the request has none);
+    ``output_position``: index of the output token being sampled (0 for the first).
+    """
+
+    params: SamplingParams
+    seed: int
+    output_position: int
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_id: int | None = None
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xorshift-multiply, after Wellons' "hash prospector" lowbias32) on
+    int64 tensors. Inputs are masked to 32 bits; both multipliers are < 2**31 so no product overflows
+    int64, which keeps the result bit-identical on every device. Returns int64 in [0, 2**32)."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x68E31DA5) & _M32
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform noise ``u [B, V]`` float32 in (0, 1) from ``hash(seed, position, token id)``.
+
+    Args:
+        seeds: int64 ``[B]``, any 64-bit value (taken modulo 2**64 by the caller).
+        positions: int64 ``[B]``, output positions.
+        vocab_size: V.
+    """
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    row = mix32(mix32(lo ^ mix32(hi + 0x9E3779B9)) ^ positions)
+    tok = mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) + 0x632BE5AB)
+    h = mix32(row[:, None] ^ tok[None, :])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def _token_counts(ids: list[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``[B, V]`` float32 counts of each token id per row (pad column V dropped)."""
+    width = max(1, max(len(r) for r in ids))
+    padded = torch.full((len(ids), width), vocab_size, dtype=torch.int64)
+    for i, r in enumerate(ids):
+        if r:
+            padded[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
+    padded = padded.to(device)
+    counts = torch.zeros(len(ids), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _as_int64(seed: int) -> int:
+    """``seed`` modulo 2**64 as a two's-complement int64 (so any Python int is a valid seed)."""
+    s = seed & ((1 << 64) - 1)
+    return s - (1 << 64) if s >= 1 << 63 else s
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Return ``logits [B, V]`` (float32) with repetition/presence/frequency penalties and the
+    ``min_tokens`` eos/stop mask applied (see module docstring). Rows without penalties are unchanged."""
+    dev, vocab = logits.device, logits.shape[1]
+    ps = [r.params for r in rows]
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        seen = _token_counts([[*r.prompt_token_ids, *r.output_token_ids] for r in rows], vocab, dev) > 0
+        pen = _column([p.repetition_penalty for p in ps], dev).expand_as(logits)
+        scaled = torch.where(logits > 0, logits / pen, logits * pen)
+        logits = torch.where(seen, scaled, logits)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in ps):
+        counts = _token_counts([r.output_token_ids for r in rows], vocab, dev)
+        logits = logits - _column([p.frequency_penalty for p in ps], dev) * counts
+        logits = logits - _column([p.presence_penalty for p in ps], dev) * (counts > 0).float()
+    banned = [
+        [*r.params.stop_token_ids, *([r.eos_token_id] if r.eos_token_id is not None else [])]
+        if len(r.output_token_ids) < r.params.min_tokens else []
+        for r in rows
+    ]
+    if any(banned):
+        mask = _token_counts([[t for t in b if t < vocab] for b in banned], vocab, dev) > 0
+        logits = logits.masked_fill(mask, float("-inf"))
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on ``logits [B, V]`` (non-greedy rows); filtered tokens get
+    ``-inf``. Returns a new float32 tensor."""
+    dev, vocab = logits.device, logits.shape[1]
+    ps = [r.params for r in rows]
+    logits = logits / _column([p.temperature if p.temperature > 0 else 1.0 for p in ps], dev)
+    if any(p.top_k != -1 or p.top_p < 1.0 for p in ps):
+        srt, idx = logits.sort(dim=-1, descending=True)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], device=dev)
+        ranks = torch.arange(vocab, device=dev)[None, :]
+        srt = srt.masked_fill(ranks >= top_k[:, None], float("-inf"))
+        probs = srt.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        srt = srt.masked_fill(mass_before >= _column([p.top_p for p in ps], dev), float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, idx, srt)
+    if any(p.min_p > 0.0 for p in ps):
+        probs = logits.softmax(dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * _column([p.min_p for p in ps], dev)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Samples one token per row of a logits batch; stateless (the seed lives in each row)."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
+        """Sample ``len(rows)`` tokens.
+
+        Args:
+            logits: ``[B, V]`` any float dtype, on the model's device; row ``i`` belongs to ``rows[i]``.
+            rows: per-row parameters, seeds, output positions and token histories.
+
+        Returns:
+            ``B`` results in row order.
+
+        Raises:
+            ValueError: ``logits`` is not 2-D or its row count differs from ``len(rows)``.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} must be [len(rows)={len(rows)}, vocab]")
+        raw = logits.float()
+        processed = apply_penalties(raw, rows)
+        tokens = processed.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            sub = [rows[i] for i in random_rows]
+            filtered = apply_filters(processed[random_rows], sub)
+            seeds = torch.tensor([_as_int64(r.seed) for r in sub], dtype=torch.int64)
+            pos = torch.tensor([r.output_position for r in sub], dtype=torch.int64)
+            u = seeded_uniform(seeds.to(raw.device), pos.to(raw.device), raw.shape[1])
+            gumbel = -torch.log(-torch.log(u))
+            tokens[random_rows] = (filtered + gumbel).argmax(dim=-1)
+        return self._results(raw, tokens, rows)
+
+    @staticmethod
+    def _results(raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
+        """Attach raw logprobs where requested; one device → host copy per tensor."""
+        want = [r.params.logprobs for r in rows]
+        token_list: list[int] = tokens.tolist()
+        if all(w is None for w in want):
+            return [SampleResult(token_id=t) for t in token_list]
+        logprobs = raw.log_softmax(dim=-1)
+        chosen: list[float] = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        top_n = max(w or 0 for w in want)
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if top_n > 0:
+            vals, ids = logprobs.topk(top_n, dim=-1)
+            top_vals, top_ids = vals.tolist(), ids.tolist()
+        out = []
+        for i, (t, w) in enumerate(zip(token_list, want, strict=True)):
+            if w is None:
+                out.append(SampleResult(token_id=t))
+                continue
+            top = list(zip(top_ids[i][:w], top_vals[i][:w], strict=True)) if w > 0 else None
+            out.append(SampleResult(token_id=t, logprob=chosen[i], top_logprobs=top))
+        return out

@@ -1,0 +1,221 @@
+"""Loader, registry and GGUF-conversion tests: the four supported architectures, dtypes, dummy weights,
+clear errors for bad directories, cache-dir resolution, atomic conversion under a file lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from engine.config import ModelConfig
+from engine.models import gguf_convert, registry
+from engine.models.loader import load_model
+
+ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+
+
+def tiny_config(arch: str, vocab: int = 256) -> PretrainedConfig:
+    """2 layers, hidden 64, 4 query heads / 2 KV heads (GQA), head_dim 16."""
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    cls = {
+        "LlamaForCausalLM": LlamaConfig,
+        "MistralForCausalLM": MistralConfig,
+        "Qwen2ForCausalLM": Qwen2Config,
+        "Qwen3ForCausalLM": Qwen3Config,
+    }[arch]
+    extra = {"head_dim": 16} if arch == "Qwen3ForCausalLM" else {}
+    cfg = cls(**common, **extra)
+    cfg.architectures = [arch]
+    return cfg
+
+
+def save_tiny_model(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """Random-weight tiny model of ``arch`` saved as an HF directory (safetensors) at ``path``."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=dtype)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_load_each_architecture_keeps_weights(arch, tmp_path):
+    path = save_tiny_model(arch, tmp_path / arch)
+    model, cfg = load_model(ModelConfig(str(path), dtype="float32", device="cpu"))
+    assert type(model).__name__ == arch and cfg.architectures == [arch]
+    saved = load_file(str(path / "model.safetensors"))
+    state = model.state_dict()
+    for name, tensor in saved.items():
+        assert torch.equal(state[name], tensor), name
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+
+
+def test_dtype_auto_uses_checkpoint_dtype_and_override(tmp_path):
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", dtype=torch.bfloat16)
+    auto, _ = load_model(ModelConfig(str(path), device="cpu"))
+    assert next(auto.parameters()).dtype == torch.bfloat16
+    for name, dtype in [("float16", torch.float16), ("float32", torch.float32)]:
+        model, _ = load_model(ModelConfig(str(path), dtype=name, device="cpu"))
+        assert {p.dtype for p in model.parameters()} == {dtype}
+
+
+def test_dummy_weights_shapes_values_and_seed(tmp_path):
+    cfg = tiny_config("Qwen2ForCausalLM")  # has q/k/v biases
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text(cfg.to_json_string())
+    mc = ModelConfig(str(tmp_path / "d"), load_format="dummy", dtype="float32", device="cpu", seed=7)
+    model, _ = load_model(mc)
+    ref = AutoModelForCausalLM.from_config(cfg)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {
+        k: v.shape for k, v in ref.state_dict().items()
+    }
+    params = dict(model.named_parameters())
+    assert torch.all(params["model.norm.weight"] == 1)
+    assert torch.all(params["model.layers.0.self_attn.q_proj.bias"] == 0)
+    w = params["model.layers.0.mlp.up_proj.weight"]
+    assert abs(float(w.std()) - 0.02) < 0.002 and abs(float(w.mean())) < 0.002
+    again, _ = load_model(mc)
+    assert torch.equal(
+        dict(again.named_parameters())["model.embed_tokens.weight"], params["model.embed_tokens.weight"]
+    )
+
+
+def test_llama3_8b_dummy_alias_is_config_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    path = registry.resolve_model("llama3-8b")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["hidden_size"] == 4096 and cfg["num_key_value_heads"] == 8 and cfg["num_hidden_layers"] == 32
+    assert not list(path.glob("*.safetensors"))
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        load_model(ModelConfig("llama3-8b", device="cpu"))
+
+
+def test_unsupported_architecture_named(tmp_path):
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel"):
+        load_model(ModelConfig(str(tmp_path / "gpt2"), device="cpu"))
+
+
+def test_missing_config_weights_and_unknown_path(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        load_model(ModelConfig(str(tmp_path / "empty"), device="cpu"))
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(tiny_config("LlamaForCausalLM").to_json_string())
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        load_model(ModelConfig(str(tmp_path / "noweights"), device="cpu"))
+    with pytest.raises(FileNotFoundError, match="not a directory and not a known alias"):
+        load_model(ModelConfig(str(tmp_path / "nope"), device="cpu"))
+    (tmp_path / "badjson").mkdir()
+    (tmp_path / "badjson" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_model(ModelConfig(str(tmp_path / "badjson"), device="cpu"))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_safetensors_named(tmp_path, damage):
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m")
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"\x00garbage" * 8 if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"corrupt safetensors file .*model\.safetensors"):
+        load_model(ModelConfig(str(path), device="cpu"))
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv("PDSERVE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert registry.cache_dir() == tmp_path / "xdg" / "pdserve"
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "explicit"))
+    assert registry.cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("PDSERVE_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert registry.cache_dir() == Path.home() / ".cache" / "pdserve"
+
+
+def test_conversion_failure_leaves_nothing(tmp_path, monkeypatch):
+    def broken(gguf_path, out, dtype):
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(gguf_convert, "_write_hf_dir", broken)
+    fake = tmp_path / "x.gguf"
+    fake.write_bytes(b"GGUF")
+    with pytest.raises(RuntimeError, match="disk full"):
+        gguf_convert.convert_gguf_to_hf(fake, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["x.gguf"]
+
+
+def test_concurrent_conversions_run_once_and_never_expose_half_dir(tmp_path, monkeypatch):
+    calls = []
+
+    def slow(gguf_path, out, dtype):
+        calls.append(out)
+        (out / "config.json").write_text("{}")
+        time.sleep(0.3)
+        (out / "model.safetensors").write_text("w")
+
+    monkeypatch.setattr(gguf_convert, "_write_hf_dir", slow)
+    fake = tmp_path / "x.gguf"
+    fake.write_bytes(b"GGUF")
+    target = tmp_path / "out"
+    seen: list[list[str]] = []
+
+    def worker():
+        result = gguf_convert.convert_gguf_to_hf(fake, target)
+        seen.append(sorted(os.listdir(result)))
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):  # whenever the target exists, it is complete
+        if target.exists():
+            assert (target / "model.safetensors").exists()
+        time.sleep(0.01)
+    assert len(calls) == 1
+    assert seen == [["config.json", "model.safetensors"]] * 3
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        gguf_convert.convert_gguf_to_hf(tmp_path / "none.gguf", tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_embedded_model_converted_bf16_with_tokenizer_and_template():
+    path = registry.resolve_model("smollm2-135m")  # user cache; converts once (~25 s) if absent
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_hidden_layers"] == 30
+    assert cfg["num_key_value_heads"] == 3 and cfg["vocab_size"] == 49152
+    weights = load_file(str(path / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert (path / "tokenizer.json").is_file()
+    assert "im_start" in (path / "chat_template.jinja").read_text()
