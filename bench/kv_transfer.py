@@ -1,0 +1,142 @@
+"""KV transfer bandwidth: one request of N tokens of a Llama-3-8B-shaped cache (32 layers, 8 KV heads,
+head_dim 128, bf16, block_size 16), sent layer by layer from this process (prefill side) into a
+receiver in a spawned process (decode side), for each backend.
+
+Reported GB/s = request KV bytes / (first send_layer → sender sees DONE), and its ratio to a baseline
+measured in the same run: on CPU a same-process memcpy of the same bytes (capped at 512 MiB);
+with `--device cuda` a torch peer copy GPU0 → GPU1 of the same bytes (the receiver then lives on cuda:1).
+
+    .venv/bin/python bench/kv_transfer.py [--device cpu|cuda] [--tokens 1024 4096 32768]
+        [--backends nixl ucx] [--repeat 3] [--scatter]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import multiprocessing as mp
+import os
+import platform
+import time
+from multiprocessing.connection import Connection
+
+import msgspec
+import torch
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+LAYERS, HEADS, DIM, BS, DTYPE = 32, 8, 128, 16, torch.bfloat16
+
+
+def _kv(num_blocks: int, device: str) -> torch.Tensor:
+    return torch.zeros(LAYERS, 2, num_blocks, BS, HEADS, DIM, dtype=DTYPE, device=device)
+
+
+def _config(worker_id: str, backend: str):  # type: ignore[no-untyped-def]
+    from kvtransfer import TransferConfig
+
+    return TransferConfig(worker_id=worker_id, model_id="llama-3-8b-shape", backend=backend, timeout_s=120)
+
+
+def receiver_main(conn: Connection, backend: str, num_blocks: int, device: str) -> None:
+    """Decode side: expect requests on demand, report when they are DONE."""
+    from kvtransfer import get_transfer_backend
+
+    rx = get_transfer_backend(backend).receiver(_config("bench-d", backend), _kv(num_blocks, device))
+    conn.send(None)
+    while (cmd := conn.recv())[0] != "close":
+        if cmd[0] == "expect":
+            conn.send(msgspec.msgpack.encode(rx.expect(cmd[1], cmd[2])))
+        elif cmd[0] == "wait":
+            conn.send(rx.wait(cmd[1], 120).name)
+            rx.release(cmd[1])
+    rx.close()
+    conn.send(None)
+
+
+def _baseline(nbytes: int, device: str) -> float:
+    """GB/s of copying `nbytes` (capped at 512 MiB to bound memory) between two fresh buffers: CPU
+    memcpy (ctypes.memmove), or a GPU0 → GPU1 peer copy. Best of 3."""
+    cpu = device == "cpu"
+    nbytes = min(nbytes, 512 << 20)
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cpu" if cpu else "cuda:0")
+    dst = torch.ones(nbytes, dtype=torch.uint8, device="cpu" if cpu else "cuda:1")
+    best = 0.0
+    for _ in range(3):
+        if not cpu:
+            torch.cuda.synchronize("cuda:0")
+        t = time.perf_counter()
+        if cpu:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+        else:
+            dst.copy_(src)
+            torch.cuda.synchronize("cuda:0")
+            torch.cuda.synchronize("cuda:1")
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool) -> float:
+    """Best GB/s of `repeat` transfers of one `tokens`-token request over `backend`."""
+    from kvtransfer import KVHandle, TransferStatus, get_transfer_backend
+
+    n = tokens // BS
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    rx_device = device if device == "cpu" else "cuda:1"
+    proc = ctx.Process(target=receiver_main, args=(child, backend, n, rx_device), daemon=True)
+    proc.start()
+    conn.recv()
+    src = torch.randn(LAYERS, 2, n, BS, HEADS, DIM, device=device if device == "cpu" else "cuda:0").to(DTYPE)
+    tx = get_transfer_backend(backend).sender(_config("bench-p", backend), src)
+    dst_ids = list(range(n))
+    if scatter:
+        dst_ids = dst_ids[::2] + dst_ids[1::2]  # no two adjacent: one piece per block
+    best = 0.0
+    try:
+        for i in range(repeat + 1):  # the first round warms up (handshake, registration)
+            rid = f"r{i}"
+            conn.send(("expect", rid, dst_ids))
+            handle = msgspec.msgpack.decode(conn.recv(), type=KVHandle)
+            t = time.perf_counter()
+            tx.add_request(handle, list(range(n)))
+            for layer in range(LAYERS):
+                tx.send_layer(rid, layer)
+            status = tx.wait(rid, 120)
+            dt = time.perf_counter() - t
+            conn.send(("wait", rid))
+            assert conn.recv() == "DONE" and status is TransferStatus.DONE, tx.reason(rid)
+            tx.release(rid)
+            if i:
+                best = max(best, src.numel() * src.element_size() / dt / 1e9)
+    finally:
+        tx.close()
+        conn.send(("close",))
+        conn.recv()
+        proc.join(30)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 32768])
+    p.add_argument("--backends", nargs="+", default=["nixl", "ucx"])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--scatter", action="store_true", help="destination blocks not adjacent (worst case)")
+    args = p.parse_args()
+    print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {platform.node()} {os.cpu_count()} cores, torch "
+          f"{torch.__version__}, device {args.device}{', scattered blocks' if args.scatter else ''}")
+    print("| tokens | MiB | baseline GB/s | backend | GB/s | ratio |")
+    print("|---|---|---|---|---|---|")
+    for tokens in args.tokens:
+        layer_bytes = 2 * tokens * HEADS * DIM * 2
+        base = _baseline(LAYERS * layer_bytes, args.device)
+        for backend in args.backends:
+            gbs = _one(backend, tokens, args.device, args.repeat, args.scatter)
+            print(f"| {tokens} | {LAYERS * layer_bytes / 2**20:.0f} | {base:.2f} | {backend} | {gbs:.2f} | "
+                  f"{gbs / base:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

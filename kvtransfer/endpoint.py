@@ -1,0 +1,139 @@
+"""Common machinery of KVSender and KVReceiver: the background loop thread and request bookkeeping.
+
+Each endpoint runs one daemon thread that owns its zmq socket(s) and transport (neither is thread
+safe); public methods only touch state under `self._lock` and queue commands for the thread. Status
+changes wake `wait()` callers through a condition variable. No torch here.
+"""
+
+from __future__ import annotations
+
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtransfer.types import KVHandle, TransferConfig, TransferError, TransferStatus
+
+
+@dataclass
+class RequestState:
+    """One request on one side. deadline: time.monotonic() seconds."""
+
+    handle: KVHandle
+    deadline: float
+    status: TransferStatus = TransferStatus.PENDING
+    reason: str = ""
+    layers: set[int] = field(default_factory=set)  # landed (receiver) / queued-or-sent (sender)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Endpoint:
+    """Base of KVSender/KVReceiver: thread, command queue, request table, waits."""
+
+    def __init__(self, config: TransferConfig) -> None:
+        self.config = config
+        self.epoch = secrets.randbits(62) + 1  # this incarnation; a restart draws a new one
+        self._lock = threading.Condition()
+        self._requests: dict[str, RequestState] = {}
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # ---- thread -------------------------------------------------------------------------------
+    def _start_thread(self, name: str) -> None:
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                while True:
+                    try:
+                        self._commands.get_nowait()()
+                    except queue.Empty:
+                        break
+                self._step()
+        except BaseException as exc:  # reported to every waiter instead of dying silently
+            self._error = exc
+            with self._lock:
+                for st in self._requests.values():
+                    if not st.status.is_terminal:
+                        self._set(st, TransferStatus.FAILED, f"endpoint loop crashed: {exc!r}")
+        finally:
+            self._teardown()
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _teardown(self) -> None:
+        """Close sockets and transport (runs on the loop thread)."""
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the loop thread and release sockets and transport. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        if self._thread is None or self._stop.is_set():
+            raise TransferError("endpoint is not running (call start() first)")
+        self._commands.put(fn)
+
+    # ---- request table ------------------------------------------------------------------------
+    def _set(self, st: RequestState, status: TransferStatus, reason: str = "") -> None:
+        """Change a request's status (caller holds the lock); terminal states are final."""
+        if st.status.is_terminal:
+            return
+        st.status, st.reason = status, reason
+        self._lock.notify_all()
+
+    def _get(self, request_id: str) -> RequestState:
+        st = self._requests.get(request_id)
+        if st is None:
+            raise KeyError(f"unknown request_id {request_id!r}")
+        return st
+
+    def status(self, request_id: str) -> TransferStatus:
+        """Current TransferStatus; raises KeyError for an unknown (or released) request."""
+        with self._lock:
+            return self._get(request_id).status
+
+    def reason(self, request_id: str) -> str:
+        """Why a request FAILED or was ABORTED ("" otherwise); raises KeyError if unknown."""
+        with self._lock:
+            return self._get(request_id).reason
+
+    def wait(self, request_id: str, timeout: float) -> TransferStatus:
+        """Block up to `timeout` seconds until the request is terminal; returns its status then
+        (possibly still non-terminal on timeout). Raises KeyError if unknown."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            st = self._get(request_id)
+            while not st.status.is_terminal and time.monotonic() < end:
+                self._lock.wait(min(0.05, max(0.0, end - time.monotonic())))
+            return st.status
+
+    def wait_until(self, pred: Callable[[], bool], timeout: float) -> bool:
+        """Block up to `timeout` seconds until `pred()` (evaluated under the lock) holds."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            while not pred():
+                if time.monotonic() >= end:
+                    return False
+                self._lock.wait(min(0.05, max(0.0, end - time.monotonic())))
+            return True
+
+    def pending(self) -> list[str]:
+        """Request ids still tracked (not yet released)."""
+        with self._lock:
+            return list(self._requests)
+
+    def check_no_leaks(self) -> None:
+        """Raise AssertionError if any request is still tracked (not released)."""
+        with self._lock:
+            assert not self._requests, f"{type(self).__name__} still tracks {sorted(self._requests)}"

@@ -1,0 +1,120 @@
+"""Control-plane messages between a KV sender and a KV receiver (msgspec, over pyzmq; no torch).
+
+Flow (sender = prefill worker, DEALER socket; receiver = decode worker, ROUTER socket):
+Hello → HelloReply (compatibility handshake, transport metadata); Begin → BeginReply (the sender claims a
+request before writing any block: the receiver refuses requests it no longer expects, which fences late
+writes into reused blocks); LayerNotice (two-sided transports only: data for a layer follows); Done /
+Fail / Abort from the receiver; Stopped from the sender (it will write nothing more for the request);
+Heartbeat both ways.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvtransfer.types import PROTOCOL_VERSION
+
+
+class PeerInfo(msgspec.Struct, frozen=True):
+    """What must match for two workers to exchange KV (checked by `kvtransfer.compat`)."""
+
+    protocol_version: int
+    model_id: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_strides: tuple[int, ...]  # element strides of dims (block, token, head, dim)
+    tp_size: int
+    tp_rank: int
+    backend: str
+
+    @classmethod
+    def version(cls) -> int:
+        """The protocol version this code speaks."""
+        return PROTOCOL_VERSION
+
+
+class Hello(msgspec.Struct, tag=True):
+    sender_id: str
+    epoch: int
+    info: PeerInfo
+    transport: bytes
+
+
+class HelloReply(msgspec.Struct, tag=True):
+    receiver_id: str
+    epoch: int
+    mismatches: list[str]
+    transport: bytes
+
+
+class Begin(msgspec.Struct, tag=True):
+    request_id: str
+    receiver_epoch: int
+
+
+class BeginReply(msgspec.Struct, tag=True):
+    """`rehandshake`: the receiver does not know this sender (it restarted or dropped us): Hello again."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""
+    rehandshake: bool = False
+
+
+class LayerNotice(msgspec.Struct, tag=True):
+    """Layer `layer` of `request_id` is written (one-sided) or follows under tags tag..tag+n (two-sided)."""
+
+    request_id: str
+    layer: int
+    tag: int
+    checksum: int | None = None
+
+
+class Done(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Fail(msgspec.Struct, tag=True):
+    request_id: str
+    reason: str
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Stopped(msgspec.Struct, tag=True):
+    """The sender will issue no more writes for this request; `aborted` if the sender aborted it."""
+
+    request_id: str
+    aborted: bool
+    reason: str = ""
+
+
+class Heartbeat(msgspec.Struct, tag=True):
+    epoch: int
+
+
+Message = Hello | HelloReply | Begin | BeginReply | LayerNotice | Done | Fail | Abort | Stopped | Heartbeat
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_notice_decoder = msgspec.msgpack.Decoder(LayerNotice)
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize a control message (msgpack)."""
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Parse a control message; raises msgspec.DecodeError/ValidationError on garbage."""
+    return _decoder.decode(data)
+
+
+def decode_notice(data: bytes) -> LayerNotice:
+    """Parse a LayerNotice carried as a transport notification (NIXL notif)."""
+    return _notice_decoder.decode(data)

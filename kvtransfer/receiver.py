@@ -1,0 +1,249 @@
+"""KVReceiver: the decode worker's side; owns the destination blocks and decides when they are free.
+
+A block is released only when no write can still land in it: after DONE, after the sender said
+Stopped, when the sender never claimed the request (Begin), or when the deadline passed and the sender
+is gone (heartbeats lost, or it came back with a new epoch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from kvtransfer import messages as m
+from kvtransfer.compat import mismatches, peer_info
+from kvtransfer.endpoint import Endpoint, RequestState
+from kvtransfer.runs import layer_pieces
+from kvtransfer.staging import layer_checksum, layout_of
+from kvtransfer.transport import RecvTransport
+from kvtransfer.types import KVHandle, TransferConfig, TransferStatus
+
+S = TransferStatus
+
+
+@dataclass
+class _Sender:
+    identity: bytes
+    sender_id: str
+    epoch: int
+    last_seen: float
+
+
+class KVReceiver(Endpoint):
+    """Receives requests' KV into `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]`.
+
+    Raises ValueError if kv_buffer is not a paged KV tensor with contiguous blocks.
+    """
+
+    def __init__(self, config: TransferConfig, kv_buffer: torch.Tensor, transport: RecvTransport) -> None:
+        super().__init__(config)
+        self.kv_buffer = kv_buffer
+        self.layout = layout_of(kv_buffer)
+        self.info = peer_info(config, self.layout)
+        self.transport = transport
+        self.address = ""
+        self._senders: dict[bytes, _Sender] = {}
+        self._posted: dict[int, tuple[str, int, int | None, bytes]] = {}
+        self._keys = itertools.count(1)
+        self._next_beat = 0.0
+
+    def start(self) -> KVReceiver:
+        """Bind the control socket (config.host, config.port; 0 = free port) and start the loop."""
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if self.config.port:
+            self._sock.bind(f"tcp://{self.config.host}:{self.config.port}")
+        else:
+            self._sock.bind_to_random_port(f"tcp://{self.config.host}")
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._start_thread(f"kv-receiver-{self.config.worker_id}")
+        return self
+
+    # ---- public API -----------------------------------------------------------------------------
+    def expect(self, request_id: str, block_ids: list[int], timeout_s: float | None = None) -> KVHandle:
+        """Register a request whose KV will land in `block_ids` (token order); returns its KVHandle.
+
+        Raises ValueError on a duplicate request id, empty or out-of-range block ids.
+        """
+        if not block_ids or len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"block_ids must be non-empty and distinct, got {block_ids[:8]}...")
+        layer_pieces(self.layout, tuple(block_ids), 0)  # range check
+        timeout = timeout_s or self.config.timeout_s
+        handle = KVHandle(worker_id=self.config.worker_id, epoch=self.epoch, request_id=request_id,
+                          block_ids=tuple(block_ids), layout=self.layout, address=self.address,
+                          backend=self.config.backend, timeout_s=timeout)
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request_id {request_id!r} already expected")
+            self._requests[request_id] = RequestState(handle, time.monotonic() + timeout,
+                                                      extra={"sender": None, "stopped": False,
+                                                             "gone": False})
+        return handle
+
+    def abort(self, request_id: str) -> None:
+        """Abort: status ABORTED now, the sender is told to stop; blocks stay held until releasable()."""
+        with self._lock:
+            st = self._get(request_id)
+            if st.status.is_terminal:
+                return
+            self._set(st, S.ABORTED, "aborted by receiver")
+            sender = st.extra["sender"]
+        if sender is not None:
+            self._call(lambda: self._send(sender, m.Abort(request_id)))
+
+    def releasable(self, request_id: str) -> bool:
+        """True when no write can still land in the request's blocks (see module docstring)."""
+        with self._lock:
+            return self._releasable(self._get(request_id))
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request so its blocks can be freed; raises RuntimeError if not releasable()."""
+        with self._lock:
+            st = self._get(request_id)
+            if not self._releasable(st):
+                raise RuntimeError(f"request {request_id!r} ({st.status.name}) may still be written")
+            del self._requests[request_id]
+
+    def _releasable(self, st: RequestState) -> bool:
+        if not st.status.is_terminal or any(p[0] == st.handle.request_id for p in self._posted.values()):
+            return False
+        x = st.extra
+        return bool(x["sender"] is None or x["stopped"] or (x["gone"] and time.monotonic() > st.deadline))
+
+    # ---- loop ---------------------------------------------------------------------------------
+    def _step(self) -> None:
+        if self._sock.poll(0 if self._posted else 1, zmq.POLLIN):  # busy-progress while data is due
+            while True:
+                try:
+                    identity, data = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_message(identity, m.decode(data))
+        notices, keys = self.transport.poll()
+        for raw in notices:
+            n = m.decode_notice(raw)
+            self._landed(n.request_id, n.layer, n.checksum)
+        for key in keys:
+            rid, layer, checksum, _ = self._posted.pop(key)
+            self._landed(rid, layer, checksum)
+        self._housekeeping()
+
+    def _send(self, identity: bytes, msg: m.Message) -> None:
+        self._sock.send_multipart([identity, m.encode(msg)], zmq.NOBLOCK)
+
+    def _on_message(self, identity: bytes, msg: m.Message) -> None:
+        sender = self._senders.get(identity)
+        if sender is not None:
+            sender.last_seen = time.monotonic()
+        if isinstance(msg, m.Hello):
+            self._on_hello(identity, msg)
+        elif sender is None:
+            if isinstance(msg, m.Begin):
+                self._send(identity, m.BeginReply(msg.request_id, False, "no handshake with this sender",
+                                                        rehandshake=True))
+        elif isinstance(msg, m.Begin):
+            self._send(identity, self._on_begin(identity, msg))
+        elif isinstance(msg, m.LayerNotice):
+            self._on_notice(identity, msg)
+        elif isinstance(msg, m.Stopped):
+            with self._lock:
+                st = self._requests.get(msg.request_id)
+                if st is not None and st.extra["sender"] == identity:
+                    st.extra["stopped"] = True
+                    self._set(st, S.ABORTED if msg.aborted else S.FAILED,
+                              "aborted by sender" if msg.aborted else f"sender stopped: {msg.reason}")
+                    self._lock.notify_all()
+
+    def _on_hello(self, identity: bytes, hello: m.Hello) -> None:
+        bad = mismatches(self.info, hello.info)
+        if not bad:
+            for old in [s for s in self._senders.values() if s.sender_id == hello.sender_id
+                        and s.epoch != hello.epoch]:
+                self._drop_sender(old, f"sender {hello.sender_id} restarted (new epoch)")
+            if identity not in self._senders:
+                self.transport.add_peer(identity.hex(), hello.transport)
+                self._senders[identity] = _Sender(identity, hello.sender_id, hello.epoch, time.monotonic())
+        self._send(identity, m.HelloReply(self.config.worker_id, self.epoch, bad,
+                                          b"" if bad else self.transport.metadata()))
+
+    def _on_begin(self, identity: bytes, msg: m.Begin) -> m.BeginReply:
+        if msg.receiver_epoch != self.epoch:
+            return m.BeginReply(msg.request_id, False, f"stale epoch {msg.receiver_epoch} != {self.epoch}")
+        with self._lock:
+            st = self._requests.get(msg.request_id)
+            if st is not None and st.extra["sender"] == identity and st.status is S.TRANSFERRING:
+                return m.BeginReply(msg.request_id, True)  # duplicate Begin
+            if st is None or st.status is not S.PENDING:
+                why = "unknown request" if st is None else f"request is {st.status.name}"
+                return m.BeginReply(msg.request_id, False, why)
+            st.extra["sender"] = identity
+            self._set(st, S.TRANSFERRING)
+        return m.BeginReply(msg.request_id, True)
+
+    def _on_notice(self, identity: bytes, n: m.LayerNotice) -> None:
+        with self._lock:
+            st = self._requests.get(n.request_id)
+            if st is None or st.extra["sender"] != identity:
+                return
+            pieces = layer_pieces(self.layout, st.handle.block_ids, n.layer)
+        key = next(self._keys)
+        self._posted[key] = (n.request_id, n.layer, n.checksum, identity)
+        self.transport.post(identity.hex(), key, [(dst, size) for _, dst, size in pieces], n.tag)
+
+    def _landed(self, request_id: str, layer: int, checksum: int | None) -> None:
+        with self._lock:
+            st = self._requests.get(request_id)
+            if st is None or st.status.is_terminal:
+                self._lock.notify_all()
+                return
+            sender = st.extra["sender"]
+            if self.config.checksum and checksum is not None:
+                got = layer_checksum(self.kv_buffer, layer, st.handle.block_ids)
+                if got != checksum:
+                    self._set(st, S.FAILED, f"checksum mismatch in layer {layer}: {got:#x} != {checksum:#x}")
+                    self._send(sender, m.Fail(request_id, st.reason))
+                    return
+            st.layers.add(layer)
+            if len(st.layers) == self.layout.num_layers:
+                st.extra["stopped"] = True
+                self._set(st, S.DONE)
+                self._send(sender, m.Done(request_id))
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        for s in list(self._senders.values()):
+            if now - s.last_seen > self.config.peer_timeout_s:
+                self._drop_sender(s, f"sender {s.sender_id} lost (no heartbeat for "
+                                     f"{self.config.peer_timeout_s}s)")
+        if now >= self._next_beat:
+            self._next_beat = now + self.config.heartbeat_interval_s
+            for s in self._senders.values():
+                self._send(s.identity, m.Heartbeat(self.epoch))
+        with self._lock:
+            for rid, st in self._requests.items():
+                if not st.status.is_terminal and now > st.deadline:
+                    self._set(st, S.FAILED, f"deadline of {st.handle.timeout_s}s passed")
+                    if st.extra["sender"] is not None:
+                        self._send(st.extra["sender"], m.Abort(rid))
+            self._lock.notify_all()
+
+    def _drop_sender(self, s: _Sender, reason: str) -> None:
+        del self._senders[s.identity]
+        self.transport.remove_peer(s.identity.hex())
+        self._posted = {k: v for k, v in self._posted.items() if v[3] != s.identity}
+        with self._lock:
+            for st in self._requests.values():
+                if st.extra["sender"] == s.identity:
+                    st.extra["gone"] = True
+                    self._set(st, S.FAILED, reason)
+            self._lock.notify_all()
+
+    def _teardown(self) -> None:
+        self.transport.close()
+        self._sock.close(0)
+        self._ctx.term()

@@ -1,0 +1,297 @@
+"""KVSender: the prefill worker's side; writes a request's KV, layer by layer, into a receiver's blocks.
+
+Per request-layer: gather the layer's K and V blocks into one contiguous staging buffer, then one
+transport write of 2 pieces per destination run (runs.py). Layers go out in the order send_layer()
+is called, one request-layer at a time (a single staging buffer, reused).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from kvtransfer import messages as m
+from kvtransfer.compat import peer_info
+from kvtransfer.endpoint import Endpoint, RequestState
+from kvtransfer.runs import layer_pieces, make_tag
+from kvtransfer.staging import StagingBuffer, checksum, gather_layer, layout_of
+from kvtransfer.transport import SendTransport
+from kvtransfer.types import IncompatiblePeerError, KVHandle, TransferConfig, TransferError, TransferStatus
+
+S = TransferStatus
+
+
+@dataclass
+class _Receiver:
+    address: str
+    sock: zmq.Socket
+    epoch: int = 0  # 0 = handshake not (yet) answered
+    last_seen: float = 0.0
+    hello_at: float = 0.0  # when the unanswered Hello went out (0 = none pending)
+    waiters: list[cf.Future[None]] = field(default_factory=list)
+
+
+class KVSender(Endpoint):
+    """Sends KV from `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]` (any dtype/device)."""
+
+    def __init__(self, config: TransferConfig, kv_buffer: torch.Tensor, transport: SendTransport) -> None:
+        super().__init__(config)
+        self.kv_buffer = kv_buffer
+        self.layout = layout_of(kv_buffer)
+        self.info = peer_info(config, self.layout)
+        self.transport = transport
+        self._ctx = zmq.Context()
+        self._peers: dict[str, _Receiver] = {}
+        self._queue: deque[tuple[str, int]] = deque()
+        self._staging = StagingBuffer(kv_buffer, transport.set_staging)
+        self._next_beat = 0.0
+
+    def start(self) -> KVSender:
+        """Start the loop thread."""
+        self._start_thread(f"kv-sender-{self.config.worker_id}")
+        return self
+
+    # ---- public API -----------------------------------------------------------------------------
+    def connect(self, address: str, timeout: float = 5.0) -> None:
+        """Handshake with the receiver at `address` (done implicitly by add_request too).
+
+        Raises IncompatiblePeerError naming each mismatch, or TransferError if no answer in `timeout` s.
+        """
+        fut: cf.Future[None] = cf.Future()
+        self._call(lambda: self._hello(address, fut))
+        try:
+            fut.result(timeout)
+        except cf.TimeoutError:
+            raise TransferError(f"no handshake answer from {address} within {timeout}s") from None
+
+    def add_request(self, handle: KVHandle, block_ids: list[int]) -> None:
+        """Start a transfer of this worker's `block_ids` (token order) into `handle`'s blocks.
+
+        Raises ValueError on a duplicate request id, a block count different from the handle's or a
+        block id out of range.
+        """
+        if len(block_ids) != len(handle.block_ids):
+            raise ValueError(f"{len(block_ids)} source blocks for {len(handle.block_ids)} destination blocks")
+        layer_pieces(self.layout, tuple(block_ids), 0)  # range check
+        # the receiver owns the deadline; ours is a backstop a heartbeat-timeout later
+        st = RequestState(handle, time.monotonic() + handle.timeout_s + self.config.peer_timeout_s)
+        st.extra.update(src=torch.tensor(block_ids, dtype=torch.int64, device=self.kv_buffer.device),
+                        begun=False)
+        with self._lock:
+            if handle.request_id in self._requests:
+                raise ValueError(f"request_id {handle.request_id!r} already added")
+            self._requests[handle.request_id] = st
+        self._call(lambda: self._begin(st))
+
+    def send_layer(self, request_id: str, layer: int) -> None:
+        """Queue `layer` of the request: its KV must already be in kv_buffer (call after the layer's
+        attention stored it). Raises KeyError for an unknown request, ValueError for a bad layer."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        with self._lock:
+            st = self._get(request_id)
+            if layer in st.layers:
+                raise ValueError(f"layer {layer} of {request_id!r} already sent")
+            st.layers.add(layer)
+        self._call(lambda: self._queue.append((request_id, layer)))
+
+    def abort(self, request_id: str) -> None:
+        """Stop sending the request: ABORTED here, the receiver is told (Stopped) after the in-flight
+        layer, if any, completes. Raises KeyError for an unknown request."""
+        self.status(request_id)
+
+        def run() -> None:
+            with self._lock:
+                st = self._requests.get(request_id)
+                if st is None or st.status.is_terminal:
+                    return
+                self._set(st, S.ABORTED, "aborted by sender")
+            self._stopped(st, aborted=True)
+        self._call(run)
+
+    def release(self, request_id: str) -> None:
+        """Forget a terminal request (its source blocks may be freed); RuntimeError if still active."""
+        with self._lock:
+            st = self._get(request_id)
+            if not st.status.is_terminal:
+                raise RuntimeError(f"request {request_id!r} is still {st.status.name}")
+            del self._requests[request_id]
+
+    # ---- control plane --------------------------------------------------------------------------
+    def _peer(self, address: str) -> _Receiver:
+        peer = self._peers.get(address)
+        if peer is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, f"{self.config.worker_id}:{self.epoch}".encode())
+            sock.connect(address)
+            peer = self._peers[address] = _Receiver(address, sock, last_seen=time.monotonic())
+        return peer
+
+    def _send(self, peer: _Receiver, msg: m.Message) -> None:
+        with contextlib.suppress(zmq.Again):  # peer unreachable: heartbeats/deadlines report it
+            peer.sock.send(m.encode(msg), zmq.NOBLOCK)
+
+    def _hello(self, address: str, fut: cf.Future[None] | None = None) -> None:
+        peer = self._peer(address)
+        if fut is not None:
+            peer.waiters.append(fut)
+        now = time.monotonic()
+        if peer.hello_at and now - peer.hello_at < self.config.heartbeat_interval_s * 5:
+            return  # one Hello in flight is enough
+        peer.last_seen = peer.hello_at = now
+        self._send(peer, m.Hello(self.config.worker_id, self.epoch, self.info, self.transport.metadata()))
+
+    def _begin(self, st: RequestState) -> None:
+        peer = self._peer(st.handle.address)
+        if peer.epoch == st.handle.epoch:
+            st.extra["begin_sent"] = True
+            self._send(peer, m.Begin(st.handle.request_id, peer.epoch))
+        else:
+            self._hello(st.handle.address)  # new or restarted receiver: (re)handshake first
+
+    def _on_hello_reply(self, peer: _Receiver, r: m.HelloReply) -> None:
+        err = IncompatiblePeerError(f"{r.receiver_id}@{peer.address}", r.mismatches) if r.mismatches else None
+        if err is None:
+            if peer.epoch and peer.epoch != r.epoch:
+                self.transport.remove_peer(peer.address)
+                self._fail_peer(peer, f"receiver {r.receiver_id} restarted", only_epoch=peer.epoch)
+            if peer.epoch != r.epoch:
+                self.transport.add_peer(peer.address, r.transport)
+            peer.epoch = r.epoch
+        peer.hello_at = 0.0
+        for fut in peer.waiters:
+            fut.set_exception(err) if err else fut.set_result(None)
+        peer.waiters.clear()
+        with self._lock:
+            waiting = [st for st in self._requests.values() if st.handle.address == peer.address
+                       and st.status is S.PENDING and not st.extra.get("begin_sent")]
+            for st in waiting:
+                if err is not None:
+                    self._set(st, S.FAILED, str(err))
+                elif st.handle.epoch != r.epoch:
+                    self._set(st, S.FAILED, f"stale handle: epoch {st.handle.epoch} != receiver's {r.epoch}")
+                else:
+                    st.extra["begin_sent"] = True
+                    self._send(peer, m.Begin(st.handle.request_id, r.epoch))
+
+    def _on_message(self, peer: _Receiver, msg: m.Message) -> None:
+        peer.last_seen = time.monotonic()
+        if isinstance(msg, m.HelloReply):
+            self._on_hello_reply(peer, msg)
+            return
+        rid = getattr(msg, "request_id", None)
+        with self._lock:
+            st = self._requests.get(rid) if rid is not None else None
+            if st is None:
+                return
+            if isinstance(msg, m.BeginReply) and msg.rehandshake and st.status is S.PENDING:
+                st.extra["begin_sent"] = False  # Begin again after a fresh handshake
+                self.transport.remove_peer(peer.address)
+                peer.epoch = 0
+                self._hello(peer.address)
+                return
+            if isinstance(msg, m.BeginReply):
+                st.extra["begun"] = msg.ok
+                self._set(st, S.TRANSFERRING if msg.ok else S.FAILED, msg.reason)
+            elif isinstance(msg, m.Done):
+                self._set(st, S.DONE)
+            elif isinstance(msg, m.Abort):
+                self._set(st, S.ABORTED, "aborted by receiver")
+            elif isinstance(msg, m.Fail):
+                self._set(st, S.FAILED, f"receiver failed it: {msg.reason}")
+        late_begin = isinstance(msg, m.BeginReply) and msg.ok and st.status in (S.ABORTED, S.FAILED)
+        if isinstance(msg, m.Fail | m.Abort) or late_begin:
+            # a request aborted while its Begin was in flight still needs its Stopped fence
+            self._stopped(st, aborted=st.status is S.ABORTED)
+
+    def _stopped(self, st: RequestState, aborted: bool) -> None:
+        """Tell the receiver we write nothing more for this request (only if it was begun)."""
+        if st.extra["begun"]:
+            self._send(self._peer(st.handle.address), m.Stopped(st.handle.request_id, aborted, st.reason))
+
+    def _fail_peer(self, peer: _Receiver, reason: str, only_epoch: int = 0) -> None:
+        with self._lock:
+            for st in self._requests.values():
+                if st.handle.address == peer.address and not st.status.is_terminal and (
+                        not only_epoch or st.handle.epoch == only_epoch):
+                    self._set(st, S.FAILED, reason)
+
+    # ---- loop ---------------------------------------------------------------------------------
+    def _step(self) -> None:
+        peers = list(self._peers.values())
+        if peers:
+            poller = zmq.Poller()
+            for p in peers:
+                poller.register(p.sock, zmq.POLLIN)
+            ready = dict(poller.poll(0 if self._queue else 1))
+            for p in peers:
+                while p.sock in ready:
+                    try:
+                        self._on_message(p, m.decode(p.sock.recv(zmq.NOBLOCK)))
+                    except zmq.Again:
+                        break
+        else:
+            time.sleep(0.001)
+        if self._queue:
+            self._send_one(*self._queue.popleft())
+        self._housekeeping()
+
+    def _send_one(self, request_id: str, layer: int) -> None:
+        with self._lock:
+            st = self._requests.get(request_id)
+            if st is None or st.status.is_terminal:
+                return
+            if not st.extra["begun"]:
+                self._queue.append((request_id, layer))  # Begin not answered yet: retry later
+                return
+        h = st.handle
+        pieces = layer_pieces(h.layout, h.block_ids, layer)
+        view = self._staging.view(len(h.block_ids))
+        gather_layer(self.kv_buffer, layer, st.extra["src"], view)
+        if view.is_cuda:
+            torch.cuda.current_stream(view.device).synchronize()  # staging complete before the write
+        key = zlib.crc32(f"{self.config.worker_id}:{self.epoch}:{request_id}".encode())
+        notice = m.LayerNotice(request_id, layer, make_tag(key, layer),
+                               checksum(view) if self.config.checksum else None)
+        peer = self._peer(h.address)
+        if not self.transport.one_sided:
+            self._send(peer, notice)
+        try:
+            self.transport.write(h.address, pieces, m.encode(notice), notice.tag, st.deadline)
+        except TransferError as exc:
+            with self._lock:
+                self._set(st, S.FAILED, f"transfer of layer {layer} failed: {exc}")
+            self._stopped(st, aborted=False)
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        for p in self._peers.values():
+            if p.epoch and now - p.last_seen > self.config.peer_timeout_s:
+                self._fail_peer(p, f"receiver at {p.address} lost (no heartbeat for "
+                                   f"{self.config.peer_timeout_s}s)")
+                self.transport.remove_peer(p.address)
+                p.epoch = 0
+        if now >= self._next_beat:
+            self._next_beat = now + self.config.heartbeat_interval_s
+            for p in self._peers.values():
+                if p.epoch:
+                    self._send(p, m.Heartbeat(self.epoch))
+        with self._lock:
+            for st in self._requests.values():
+                if not st.status.is_terminal and now > st.deadline:
+                    self._set(st, S.FAILED, f"deadline of {st.handle.timeout_s}s passed")
+                    self._stopped(st, aborted=False)
+
+    def _teardown(self) -> None:
+        self.transport.close()
+        for p in self._peers.values():
+            p.sock.close(0)
+        self._ctx.term()

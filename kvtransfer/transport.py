@@ -1,0 +1,76 @@
+"""The data-plane interface every backend implements (loopback.py, nixl.py, ucx.py).
+
+A sender transport writes byte pieces of its staging buffer into a peer's KV tensor; a receiver
+transport exposes its KV tensor. Control messages never go through it (see messages.py), except the
+layer notice of one-sided transports, which travels with the data (NIXL notif) so that it can only
+arrive after the data. All methods are called from one thread (the sender's or receiver's loop).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from kvtransfer.runs import Piece
+
+
+class SendTransport(ABC):
+    """Sender side. `one_sided` transports carry the notice with the data; two-sided ones need the
+    receiver to post receives after a LayerNotice on the control plane."""
+
+    one_sided: bool = True
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """What the receiver needs to reach us (sent in Hello)."""
+
+    @abstractmethod
+    def set_staging(self, staging: object) -> None:
+        """Use (and register) this flat uint8 torch tensor as the staging buffer."""
+
+    @abstractmethod
+    def add_peer(self, peer: str, remote: bytes) -> None:
+        """Connect to a receiver from its HelloReply metadata."""
+
+    @abstractmethod
+    def remove_peer(self, peer: str) -> None:
+        """Forget a receiver (dead, restarted or closed)."""
+
+    @abstractmethod
+    def write(self, peer: str, pieces: list[Piece], notice: bytes, tag: int, deadline: float) -> None:
+        """Copy `pieces` (staging offset, destination offset, bytes) to `peer` and block until done.
+
+        deadline: time.monotonic() seconds. Raises TransferError on failure or when the deadline passes.
+        """
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release transport resources."""
+
+
+class RecvTransport(ABC):
+    """Receiver side, owning the registered KV tensor."""
+
+    one_sided: bool = True
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """What a sender needs to write into our KV tensor (sent in HelloReply)."""
+
+    @abstractmethod
+    def add_peer(self, peer: str, remote: bytes) -> None:
+        """Accept a sender from its Hello metadata."""
+
+    @abstractmethod
+    def remove_peer(self, peer: str) -> None:
+        """Forget a sender; cancels receives posted for it."""
+
+    def post(self, peer: str, key: int, pieces: list[tuple[int, int]], tag: int) -> None:
+        """Two-sided only: receive (destination offset, bytes) pieces under tags tag, tag+1, ...;
+        `key` is reported by poll() once all have landed."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def poll(self) -> tuple[list[bytes], list[int]]:
+        """Make progress; return (notices that arrived with data, keys of completed posts)."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release transport resources."""

@@ -1,0 +1,125 @@
+"""Public data types of kvtransfer: layout, handle, status, config, errors (no torch).
+
+`KVLayout` describes one worker's paged KV tensor, `kv_buffer [num_layers, 2, num_blocks, block_size,
+num_kv_heads, head_dim]` (K = index 0, V = 1), as in docs/contracts.md. `KVHandle` is what the decode
+worker hands to the prefill worker (through the gateway): where and into which blocks to write.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class TransferStatus(enum.Enum):
+    """State of one request's KV transfer, on either side.
+
+    PENDING: known, nothing written yet. TRANSFERRING: the sender has started (at least the handshake
+    for the request is done). DONE: every layer landed (receiver) / the receiver confirmed it (sender).
+    FAILED: deadline, dead peer, transport error or checksum mismatch. ABORTED: aborted by either side.
+    """
+
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    @property
+    def is_terminal(self) -> bool:
+        """True for DONE, FAILED and ABORTED."""
+        return self in (TransferStatus.DONE, TransferStatus.FAILED, TransferStatus.ABORTED)
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """Shape of a paged KV tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    `dtype` is the torch dtype name without prefix ("bfloat16"); `strides` are element strides of all
+    six dims (torch `Tensor.stride()`); `itemsize` is bytes per element.
+    """
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    itemsize: int
+    strides: tuple[int, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer, K or V: block_size * num_kv_heads * head_dim * itemsize."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def offset(self, layer: int, kv: int, block: int) -> int:
+        """Byte offset of block `block` of K (kv=0) or V (kv=1) of `layer` from the tensor's start."""
+        s = self.strides
+        return (layer * s[0] + kv * s[1] + block * s[2]) * self.itemsize
+
+
+class KVHandle(msgspec.Struct, frozen=True):
+    """Destination of one request's KV, created by `KVReceiver.expect` on the decode worker.
+
+    worker_id/epoch: the receiving worker and its incarnation (a restart changes the epoch, which makes
+    old handles stale). block_ids: destination blocks in token order. address: the receiver's control
+    endpoint (zmq, e.g. "tcp://127.0.0.1:5555"); transport-specific metadata (NIXL agent metadata, ucxx
+    worker address) travels in the connect handshake, not in every handle. timeout_s: the deadline of
+    the whole transfer in seconds, counted by each side from when it learns of the request.
+    """
+
+    worker_id: str
+    epoch: int
+    request_id: str
+    block_ids: tuple[int, ...]
+    layout: KVLayout
+    address: str
+    backend: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Settings of one sender or receiver.
+
+    model_id/tp_size/tp_rank/backend enter the compatibility handshake. timeout_s is the default per
+    request deadline (seconds); heartbeat_interval_s and peer_timeout_s (seconds) decide when a silent
+    peer is declared dead. checksum: debug setting, CRC32 of every request-layer checked on arrival.
+    host/port: where a receiver binds its control socket (port 0 = pick a free one).
+    """
+
+    worker_id: str
+    model_id: str
+    backend: str = "loopback"
+    tp_size: int = 1
+    tp_rank: int = 0
+    timeout_s: float = 30.0
+    heartbeat_interval_s: float = 0.2
+    peer_timeout_s: float = 2.0
+    checksum: bool = False
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.heartbeat_interval_s <= 0:
+            raise ValueError("timeout_s and heartbeat_interval_s must be > 0")
+        if self.peer_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("peer_timeout_s must exceed heartbeat_interval_s")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} out of range for tp_size {self.tp_size}")
+
+
+class TransferError(RuntimeError):
+    """A transport operation failed (peer gone, deadline passed, transport error)."""
+
+
+class IncompatiblePeerError(RuntimeError):
+    """The peer's model/layout/backend/protocol differ; `mismatches` names each differing field."""
+
+    def __init__(self, peer: str, mismatches: list[str]) -> None:
+        self.mismatches = mismatches
+        super().__init__(f"incompatible KV peer {peer}: " + "; ".join(mismatches))

@@ -1,0 +1,141 @@
+"""ucxx transport: two-sided tag send/receive, endpoints created from worker addresses exchanged in
+the Hello/HelloReply handshake (not ucxx's listener: its forced peer-failure handling excludes the
+shared-memory transports, facts.md). The sender announces each request-layer with a LayerNotice on the
+control plane, then tag-sends one message per piece (tags tag..tag+n-1) from its staging buffer; the
+receiver posts tag receives straight into the destination runs of kv_buffer (no receiver staging) and
+reports the layer when all have completed. CPU buffers go as uint8 numpy views, CUDA tensors through
+__cuda_array_interface__. API: ucxx._lib.libucxx (UCXContext, UCXWorker, UCXEndpoint, tag_send/tag_recv).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from kvtransfer.runs import Piece
+from kvtransfer.transport import RecvTransport, SendTransport
+from kvtransfer.types import TransferError
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+def _worker(device: torch.device) -> tuple[object, object]:
+    """(context, worker): the caller keeps the context alive as long as the worker. For CUDA buffers
+    the device's primary context must exist before UCX starts (so cuda_ipc/cuda_copy are usable)."""
+    import ucxx._lib.libucxx as u
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.zeros(1, device=device)
+
+    ctx = u.UCXContext({}, feature_flags=(u.Feature.TAG,))
+    return ctx, u.UCXWorker(ctx, enable_delayed_submission=False, enable_python_future=False)
+
+
+def _endpoint(worker: object, address: bytes) -> object:
+    import ucxx._lib.libucxx as u
+
+    return u.UCXEndpoint.create_from_worker_address(worker, u.UCXAddress.create_from_buffer(address), False)
+
+
+def _array(t: torch.Tensor) -> object:
+    from ucxx._lib.arr import Array
+
+    return Array(t if t.is_cuda else t.numpy())
+
+
+def _tag(value: int) -> object:
+    from ucxx.types import Tag
+
+    return Tag(value)
+
+
+class UcxSendTransport(SendTransport):
+    """Tag-sends staging pieces over ucxx endpoints."""
+
+    one_sided = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.context, self.worker = _worker(device)
+        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._eps: dict[str, object] = {}
+
+    def metadata(self) -> bytes:
+        return self.worker.address.tobytes()  # type: ignore[attr-defined,no-any-return]
+
+    def set_staging(self, staging: object) -> None:
+        assert isinstance(staging, torch.Tensor)
+        self._staging = staging
+
+    def add_peer(self, peer: str, remote: bytes) -> None:
+        self._eps[peer] = _endpoint(self.worker, remote)
+
+    def remove_peer(self, peer: str) -> None:
+        ep = self._eps.pop(peer, None)
+        if ep is not None:
+            ep.close()  # type: ignore[attr-defined]
+
+    def write(self, peer: str, pieces: list[Piece], notice: bytes, tag: int, deadline: float) -> None:
+        ep = self._eps.get(peer)
+        if ep is None:
+            raise TransferError(f"no ucxx endpoint to {peer}")
+        reqs = [ep.tag_send(_array(self._staging[s:s + n]), _tag(tag + i))  # type: ignore[attr-defined]
+                for i, (s, _, n) in enumerate(pieces)]
+        while not all(r.completed for r in reqs):
+            if time.monotonic() > deadline:
+                raise TransferError("ucxx send did not complete before the deadline")
+            self.worker.progress()  # type: ignore[attr-defined]
+        for r in reqs:
+            try:
+                r.check_error()
+            except Exception as exc:
+                raise TransferError(f"ucxx send to {peer} failed: {exc}") from exc
+
+    def close(self) -> None:
+        for peer in list(self._eps):
+            self.remove_peer(peer)
+
+
+class UcxRecvTransport(RecvTransport):
+    """Posts tag receives into `kv_buffer` (flat byte view; must be contiguous)."""
+
+    one_sided = False
+
+    def __init__(self, kv_buffer: torch.Tensor) -> None:
+        self.context, self.worker = _worker(kv_buffer.device)
+        self.kv_bytes = kv_buffer.view(-1).view(torch.uint8)
+        self._eps: dict[str, object] = {}
+        self._posts: dict[int, tuple[str, list[object]]] = {}
+
+    def metadata(self) -> bytes:
+        return self.worker.address.tobytes()  # type: ignore[attr-defined,no-any-return]
+
+    def add_peer(self, peer: str, remote: bytes) -> None:
+        self._eps[peer] = _endpoint(self.worker, remote)
+
+    def remove_peer(self, peer: str) -> None:
+        ep = self._eps.pop(peer, None)
+        if ep is not None:
+            ep.close()  # type: ignore[attr-defined]  # cancels receives posted on it
+        self._posts = {k: v for k, v in self._posts.items() if v[0] != peer}
+
+    def post(self, peer: str, key: int, pieces: list[tuple[int, int]], tag: int) -> None:
+        from ucxx.types import TagMaskFull
+
+        ep = self._eps[peer]
+        reqs = [ep.tag_recv(_array(self.kv_bytes[d:d + n]), _tag(tag + i), TagMaskFull)  # type: ignore[attr-defined]
+                for i, (d, n) in enumerate(pieces)]
+        self._posts[key] = (peer, reqs)
+
+    def poll(self) -> tuple[list[bytes], list[int]]:
+        self.worker.progress()  # type: ignore[attr-defined]
+        done = [k for k, (_, reqs) in self._posts.items() if all(r.completed for r in reqs)]  # type: ignore[attr-defined]
+        for k in done:
+            del self._posts[k]
+        return [], done
+
+    def close(self) -> None:
+        for peer in list(self._eps):
+            self.remove_peer(peer)

@@ -1,0 +1,30 @@
+"""Shared helpers for kvtransfer tests: random KV tensors and configs."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtransfer import TransferConfig
+
+LAYERS, BLOCKS, BS, HEADS, DIM = 4, 32, 4, 2, 8
+
+
+def make_kv(seed: int | None, num_blocks: int = BLOCKS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[LAYERS, 2, num_blocks, BS, HEADS, DIM]: random if seed is given, else zeros."""
+    shape = (LAYERS, 2, num_blocks, BS, HEADS, DIM)
+    if seed is None:
+        return torch.zeros(shape, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def config(worker_id: str, backend: str, **kw: object) -> TransferConfig:
+    return TransferConfig(worker_id=worker_id, model_id="test-model", backend=backend,
+                          heartbeat_interval_s=0.1, peer_timeout_s=1.0, **kw)  # type: ignore[arg-type]
+
+
+def assert_landed(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> None:
+    """Every layer's K and V of src blocks arrived bit-exact in the matching dst blocks."""
+    a = src[:, :, src_ids].view(torch.uint8)
+    b = dst[:, :, dst_ids].view(torch.uint8)
+    assert torch.equal(a, b)

@@ -1,0 +1,50 @@
+"""A KV sender in a separate process, driven over a multiprocessing Pipe (for the nixl/ucx tests).
+
+Commands (tuples): ("connect", address) → None or error text; ("add", handle_bytes, src_ids) → None;
+("layers", request_id, [layers]) → None; ("abort", request_id) → None; ("wait", request_id, timeout) →
+status name; ("release", request_id) → None; ("leaks",) → None or error text; ("close",) → exits.
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing.connection import Connection
+
+import msgspec
+
+
+def sender_main(conn: Connection, backend: str, seed: int, worker_id: str, kv_kwargs: dict) -> None:
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    from kvtransfer import KVHandle, get_transfer_backend
+    from tests.kvtransfer.helpers import config, make_kv
+
+    tx = get_transfer_backend(backend).sender(config(worker_id, backend, checksum=True),
+                                              make_kv(seed, **kv_kwargs))
+    conn.send("ready")
+    while True:
+        cmd = conn.recv()
+        op = cmd[0]
+        try:
+            if op == "close":
+                tx.close()
+                conn.send(None)
+                return
+            if op == "connect":
+                tx.connect(cmd[1], timeout=10.0)
+            elif op == "add":
+                tx.add_request(msgspec.msgpack.decode(cmd[1], type=KVHandle), cmd[2])
+            elif op == "layers":
+                for layer in cmd[2]:
+                    tx.send_layer(cmd[1], layer)
+            elif op == "abort":
+                tx.abort(cmd[1])
+            elif op == "wait":
+                conn.send(tx.wait(cmd[1], cmd[2]).name)
+                continue
+            elif op == "release":
+                tx.release(cmd[1])
+            elif op == "leaks":
+                tx.check_no_leaks()
+            conn.send(None)
+        except Exception as exc:  # reported to the test, which asserts on it
+            conn.send(f"{type(exc).__name__}: {exc}")

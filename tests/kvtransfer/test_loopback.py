@@ -1,0 +1,266 @@
+"""State machine over the in-process loopback transport (real zmq control plane on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from kvtransfer import IncompatiblePeerError, TransferStatus, get_transfer_backend
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv
+
+S = TransferStatus
+WAIT = 5.0
+
+
+@pytest.fixture
+def pair():
+    backend = get_transfer_backend("loopback")
+    src, dst = make_kv(1), make_kv(None)
+    tx = backend.sender(config("p0", "loopback", checksum=True), src)
+    rx = backend.receiver(config("d0", "loopback", checksum=True), dst)
+    yield tx, rx, src, dst
+    tx.close()
+    rx.close()
+
+
+def _finish(tx, rx, rid):
+    """Release the request on both sides once terminal (and leak-check after)."""
+    assert rx.wait_until(lambda: rx._releasable(rx._requests[rid]), WAIT)
+    rx.release(rid)
+    tx.wait(rid, WAIT)
+    tx.release(rid)
+
+
+def test_layerwise_concurrent_requests_bit_exact(pair):
+    tx, rx, src, dst = pair
+    rng = random.Random(0)
+    free = list(range(32))
+    rng.shuffle(free)
+    reqs = {f"r{i}": (free[i * 8:i * 8 + 5], rng.sample(range(32), 5)) for i in range(3)}
+    for rid, (dst_ids, src_ids) in reqs.items():
+        tx.add_request(rx.expect(rid, dst_ids), src_ids)
+    for layer in range(LAYERS):  # interleave layers of all requests
+        for rid in reqs:
+            tx.send_layer(rid, layer)
+            if layer < LAYERS - 1:
+                assert rx.status(rid) is not S.DONE
+    for rid, (dst_ids, src_ids) in reqs.items():
+        assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
+        assert tx.wait(rid, WAIT) is S.DONE
+        assert_landed(src, src_ids, dst, dst_ids)
+        _finish(tx, rx, rid)
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def test_not_done_until_every_layer(pair):
+    tx, rx, _src, _dst = pair
+    tx.add_request(rx.expect("a", [3, 4]), [0, 1])
+    for layer in range(LAYERS - 1):
+        tx.send_layer("a", layer)
+    assert rx.wait_until(lambda: len(rx._requests["a"].layers) == LAYERS - 1, WAIT)
+    assert rx.status("a") is S.TRANSFERRING and not rx.releasable("a")
+    with pytest.raises(RuntimeError, match="may still be written"):
+        rx.release("a")
+    tx.send_layer("a", LAYERS - 1)
+    assert rx.wait("a", WAIT) is S.DONE
+    _finish(tx, rx, "a")
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+def test_abort_mid_transfer_fences_blocks(pair, side):
+    tx, rx, _src, dst = pair
+    tx.add_request(rx.expect("a", [5, 6, 7]), [1, 2, 3])
+    tx.send_layer("a", 0)
+    assert rx.wait_until(lambda: 0 in rx._requests["a"].layers, WAIT)
+    (tx if side == "sender" else rx).abort("a")
+    assert rx.wait("a", WAIT) is S.ABORTED and tx.wait("a", WAIT) is S.ABORTED
+    assert rx.wait_until(lambda: rx._releasable(rx._requests["a"]), WAIT)  # sender confirmed Stopped
+    with pytest.raises(KeyError):
+        tx.send_layer("b", 1)
+    tx.send_layer("a", 1)  # after abort: silently not written
+    _finish(tx, rx, "a")
+    assert dst[1].abs().sum() == 0
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def test_receiver_abort_before_begin_refuses_late_sender(pair):
+    tx, rx, _src, dst = pair
+    handle = rx.expect("a", [1, 2])
+    rx.abort("a")
+    assert rx.releasable("a")  # no sender claimed it: free at once
+    rx.release("a")
+    rx.expect("b", [1, 2])  # blocks reused by another request
+    tx.add_request(handle, [0, 1])
+    assert tx.wait("a", WAIT) is S.FAILED and "unknown request" in tx.reason("a")
+    tx.send_layer("a", 0)
+    rx.abort("b")
+    rx.release("b")
+    tx.release("a")
+    assert dst.abs().sum() == 0
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def test_deadline_fails_both_sides(pair):
+    tx, rx, _src, _dst = pair
+    tx.add_request(rx.expect("a", [1], timeout_s=0.5), [0])
+    tx.send_layer("a", 0)  # never the rest
+    assert rx.wait("a", WAIT) is S.FAILED and "deadline" in rx.reason("a")
+    assert tx.wait("a", WAIT) in (S.FAILED, S.ABORTED)
+    _finish(tx, rx, "a")
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def test_checksum_detects_corruption(pair):
+    tx, rx, _src, _dst = pair
+    tx.add_request(rx.expect("a", [1, 2]), [0, 1])
+    tx.transport.write = _corrupting(tx.transport.write, tx.transport)
+    tx.send_layer("a", 0)
+    assert rx.wait("a", WAIT) is S.FAILED and "checksum mismatch in layer 0" in rx.reason("a")
+    assert tx.wait("a", WAIT) is S.FAILED
+    _finish(tx, rx, "a")
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def _corrupting(write, transport):
+    def wrapped(peer, pieces, notice, tag, deadline):
+        transport._staging[0] ^= 0xFF  # flip a byte after the checksum was taken
+        return write(peer, pieces, notice, tag, deadline)
+    return wrapped
+
+
+def test_misplaced_blocks_detected_by_checksum(pair):
+    tx, rx, _src, _dst = pair
+    tx.add_request(rx.expect("a", [1, 2]), [0, 1])
+    orig = tx.transport.write
+    tx.transport.write = lambda peer, pieces, notice, tag, dl: orig(  # swap K and V destinations
+        peer, [(pieces[1][0], pieces[0][1], pieces[0][2]), (pieces[0][0], pieces[1][1], pieces[1][2])],
+        notice, tag, dl)
+    tx.send_layer("a", 0)
+    assert rx.wait("a", WAIT) is S.FAILED and "checksum" in rx.reason("a")
+    _finish(tx, rx, "a")
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def test_incompatible_peer_refused_at_connect():
+    backend = get_transfer_backend("loopback")
+    rx = backend.receiver(config("d0", "loopback"), make_kv(None))
+    cfg = dataclasses.replace(config("p0", "loopback"), model_id="other", tp_size=2)
+    tx = backend.sender(cfg, make_kv(1, dtype=torch.float16))
+    try:
+        with pytest.raises(IncompatiblePeerError) as info:
+            tx.connect(rx.address, timeout=WAIT)
+        text = str(info.value)
+        for word in ("model_id", "dtype", "tp_size"):
+            assert word in text
+        assert "block_size" not in text
+        handle = rx.expect("a", [1])
+        tx.add_request(handle, [0])
+        assert tx.wait("a", WAIT) is S.FAILED and "model_id" in tx.reason("a")
+        assert rx.status("a") is S.PENDING  # never claimed
+        rx.abort("a")
+        rx.release("a")
+        tx.release("a")
+        tx.check_no_leaks()
+        rx.check_no_leaks()
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_bad_input_is_named(pair):
+    tx, rx, _src, _dst = pair
+    with pytest.raises(ValueError, match="distinct"):
+        rx.expect("a", [1, 1])
+    with pytest.raises(ValueError, match="block ids"):
+        rx.expect("a", [99])
+    handle = rx.expect("a", [1, 2])
+    with pytest.raises(ValueError, match="already expected"):
+        rx.expect("a", [3])
+    with pytest.raises(ValueError, match="source blocks"):
+        tx.add_request(handle, [0])
+    with pytest.raises(ValueError, match="unknown transfer backend"):
+        get_transfer_backend("rdma")
+    tx.add_request(handle, [0, 1])
+    with pytest.raises(ValueError, match="layer 9"):
+        tx.send_layer("a", 9)
+    rx.abort("a")
+    _finish(tx, rx, "a")
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_restarted_receiver_new_epoch_rehandshakes():
+    backend = get_transfer_backend("loopback")
+    port = _free_port()
+    tx = backend.sender(config("p0", "loopback"), make_kv(1))
+    rx = backend.receiver(config("d0", "loopback", port=port), make_kv(None))
+    try:
+        old = rx.expect("a", [1, 2])
+        tx.add_request(old, [0, 1])
+        for layer in range(LAYERS):
+            tx.send_layer("a", layer)
+        assert rx.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE
+        _finish(tx, rx, "a")
+        rx.close()  # the decode worker restarts on the same address with a new epoch
+        dst = make_kv(None)
+        rx = backend.receiver(config("d0", "loopback", port=port), dst)
+        assert rx.epoch != old.epoch
+        tx.add_request(msgspec_replace(old, "stale"), [0, 1])  # a handle of the dead incarnation
+        new = rx.expect("b", [3, 4])
+        tx.add_request(new, [2, 3])
+        for layer in range(LAYERS):
+            tx.send_layer("b", layer)
+        assert rx.wait("b", WAIT) is S.DONE, rx.reason("b")
+        assert tx.wait("stale", WAIT) is S.FAILED and "stale" in tx.reason("stale")
+        assert_landed(make_kv(1), [2, 3], dst, [3, 4])
+        assert dst[:, :, [1, 2]].abs().sum() == 0
+        _finish(tx, rx, "b")
+        tx.release("stale")
+        tx.check_no_leaks()
+        rx.check_no_leaks()
+    finally:
+        tx.close()
+        rx.close()
+
+
+def msgspec_replace(handle, request_id):
+    import msgspec
+
+    return msgspec.structs.replace(handle, request_id=request_id)
+
+
+def test_dead_receiver_fails_sender_within_deadline():
+    backend = get_transfer_backend("loopback")
+    tx = backend.sender(config("p0", "loopback"), make_kv(1))
+    rx = backend.receiver(config("d0", "loopback"), make_kv(None))
+    try:
+        tx.add_request(rx.expect("a", [1, 2], timeout_s=5.0), [0, 1])
+        tx.send_layer("a", 0)
+        assert tx.wait_until(lambda: tx._requests["a"].status is S.TRANSFERRING, WAIT)
+        rx.close()  # the decode worker dies: no more heartbeats
+        start = __import__("time").monotonic()
+        assert tx.wait("a", 5.0) is S.FAILED and "lost" in tx.reason("a")
+        assert __import__("time").monotonic() - start < 5.0
+        tx.release("a")
+        tx.check_no_leaks()
+    finally:
+        tx.close()

@@ -1,0 +1,163 @@
+"""nixl and ucx between real processes (multiprocessing spawn) on 127.0.0.1: the parent is the decode
+side (receiver), a spawned child the prefill side (sender)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import time
+
+import msgspec
+import pytest
+
+from kvtransfer import TransferStatus, get_transfer_backend
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv
+from tests.kvtransfer.peer import sender_main
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+S = TransferStatus
+WAIT = 10.0
+SEED = 7
+
+
+class Child:
+    """The sender process and its command pipe."""
+
+    def __init__(self, backend: str, worker_id: str = "p0", **kv_kwargs: object) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=sender_main, args=(child_conn, backend, SEED, worker_id, kv_kwargs),
+                                daemon=True)
+        self.proc.start()
+        assert self.conn.poll(60), "sender process did not start"
+        assert self.conn.recv() == "ready"
+
+    def __call__(self, *cmd: object, timeout: float = WAIT + 5) -> object:
+        self.conn.send(cmd)
+        assert self.conn.poll(timeout), f"sender process did not answer {cmd[0]}"
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self("close")
+            self.proc.join(10)
+
+
+@pytest.fixture(params=["nixl", "ucx"])
+def backend(request):
+    return request.param
+
+
+@pytest.fixture
+def rx(backend):
+    dst = make_kv(None)
+    cfg = config("d0", backend, checksum=True, timeout_s=WAIT)
+    receiver = get_transfer_backend(backend).receiver(cfg, dst)
+    yield receiver
+    receiver.close()
+
+
+def _add(child, rx, rid, dst_ids, src_ids, timeout_s=None):
+    handle = rx.expect(rid, dst_ids, timeout_s=timeout_s)
+    assert child("add", msgspec.msgpack.encode(handle), src_ids) is None
+
+
+def _release_both(child, rx, rid):
+    assert rx.wait_until(lambda: rx._releasable(rx._requests[rid]), WAIT)
+    rx.release(rid)
+    assert child("wait", rid, WAIT) in ("DONE", "FAILED", "ABORTED")
+    assert child("release", rid) is None
+
+
+def test_concurrent_layerwise_bit_exact(backend, rx):
+    child = Child(backend)
+    try:
+        rng = random.Random(1)
+        free = list(range(20))  # a, b: shuffled blocks below 20; c: the contiguous run 20..27
+        rng.shuffle(free)
+        reqs = {"a": (free[:6], rng.sample(range(32), 6)), "b": (free[6:9], rng.sample(range(32), 3)),
+                "c": (list(range(20, 28)), list(range(8)))}  # c: one contiguous run
+        for rid, (dst_ids, src_ids) in reqs.items():
+            _add(child, rx, rid, dst_ids, src_ids)
+        for layer in range(LAYERS):
+            for rid in reqs:
+                assert child("layers", rid, [layer]) is None
+        for rid, (dst_ids, src_ids) in reqs.items():
+            assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
+            assert child("wait", rid, WAIT) == "DONE"
+            assert_landed(make_kv(SEED), src_ids, rx.kv_buffer, dst_ids)
+            _release_both(child, rx, rid)
+        assert child("leaks") is None
+        rx.check_no_leaks()
+    finally:
+        child.close()
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+def test_abort_mid_transfer(backend, rx, side):
+    child = Child(backend)
+    try:
+        _add(child, rx, "a", [3, 9, 4], [0, 1, 2])
+        assert child("layers", "a", [0]) is None
+        assert rx.wait_until(lambda: 0 in rx._requests["a"].layers, WAIT)
+        if side == "sender":
+            assert child("abort", "a") is None
+        else:
+            rx.abort("a")
+        assert rx.wait("a", WAIT) is S.ABORTED
+        assert child("wait", "a", WAIT) == "ABORTED"
+        assert child("layers", "a", [1, 2, 3]) is None  # too late: must not be written
+        _release_both(child, rx, "a")
+        time.sleep(0.2)
+        assert rx.kv_buffer[1:].abs().sum() == 0
+        assert child("leaks") is None
+        rx.check_no_leaks()
+    finally:
+        child.close()
+
+
+def test_killed_sender_fails_within_deadline_and_restart_rehandshakes(backend, rx):
+    child = Child(backend)
+    _add(child, rx, "a", [1, 2], [0, 1], timeout_s=4.0)
+    assert child("layers", "a", [0]) is None
+    assert rx.wait_until(lambda: 0 in rx._requests["a"].layers, WAIT)
+    start = time.monotonic()
+    child.kill()
+    assert rx.wait("a", 4.0) is S.FAILED
+    assert time.monotonic() - start < 4.0 and "lost" in rx.reason("a")
+    assert not rx.releasable("a")  # deadline not passed yet: a late write is still conceivable
+    assert rx.wait_until(lambda: rx._releasable(rx._requests["a"]), WAIT)
+    rx.release("a")
+    child = Child(backend)  # restarted prefill worker: same id, new epoch
+    try:
+        _add(child, rx, "b", [5, 6], [2, 3])
+        assert child("layers", "b", list(range(LAYERS))) is None
+        assert rx.wait("b", WAIT) is S.DONE, rx.reason("b")
+        assert_landed(make_kv(SEED), [2, 3], rx.kv_buffer, [5, 6])
+        _release_both(child, rx, "b")
+        assert child("leaks") is None
+        rx.check_no_leaks()
+    finally:
+        child.close()
+
+
+def test_incompatible_layout_refused_at_connect(backend, rx):
+    child = Child(backend, num_blocks=16)  # fine: block count may differ
+    bad = Child(backend, worker_id="p1", dtype=__import__("torch").float16)
+    try:
+        assert child("connect", rx.address) is None
+        err = bad("connect", rx.address)
+        assert isinstance(err, str) and err.startswith("IncompatiblePeerError") and "dtype" in err
+        assert "bfloat16" in err and "float16" in err and "block_size" not in err
+        assert child("leaks") is None and bad("leaks") is None
+        rx.check_no_leaks()
+    finally:
+        child.close()
+        bad.close()
