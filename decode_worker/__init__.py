@@ -1,0 +1,1 @@
+"""pdserve decode worker: KV reservation, KV receive, continuous batching, token streaming."""

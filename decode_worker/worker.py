@@ -1,0 +1,205 @@
+"""The decode worker: reserves blocks, receives a request's KV, decodes it in a continuous batch.
+
+Queues and states of a request:
+  1. ``ReserveKV`` → ``pending`` (no blocks free yet; retried every loop, failed after
+     ``reserve_timeout`` s) → blocks reserved, contiguous run preferred (WAITING_FOR_KV) and a ``KVHandle``
+     from the kvtransfer ``KVReceiver`` goes back in ``KVReserved``;
+  2. ``in_flight``: waits until every layer has landed (receiver DONE) AND the first token is known
+     (``DecodeRequest``); then ``Scheduler.kv_landed`` appends it and the request joins the running batch;
+  3. RUNNING: one token per step → ``TokenBatch``; FINISHED_STOPPED / FINISHED_LENGTH → ``RequestFinished``
+     (blocks freed);
+  4. ``draining``: aborted or failed while KV was in flight; the blocks are freed only once the receiver
+     says no write can still land in them (``KVReceiver.releasable``: the fence).
+Transfer FAILED/ABORTED by the peer → ``RequestFailed``. ``AbortRequest`` works in every state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from engine.sequence import Sequence, SequenceStatus
+from engine.serve.loop import WorkerLoop
+from engine.serve.outputs import token_messages
+from engine.serve.setup import compat_of, encode_handle, sampling_from_wire
+from engine.serve.step import run_step
+from kvtransfer import TransferConfig, TransferStatus, get_transfer_backend
+from pdserve.messages import (
+    AbortRequest,
+    DecodeRequest,
+    FinishReason,
+    KVReserved,
+    Message,
+    RequestFinished,
+    ReserveKV,
+    Role,
+    WorkerCompat,
+)
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineCore, StepOutput
+    from kvtransfer.receiver import KVReceiver
+    from pdserve.settings import WorkerSettings
+
+log = logging.getLogger("pdserve.decode")
+
+
+def make_receiver(settings: WorkerSettings, core: EngineCore) -> KVReceiver:
+    """A started ``KVReceiver`` over ``--transfer-backend`` into the engine's ``kv_buffer``, its control
+    socket bound at ``--host``:``--port`` (0 = any free port)."""
+    config = TransferConfig(worker_id=settings.worker_id, model_id=settings.model,
+                            backend=settings.transfer_backend, host=settings.host, port=settings.port,
+                            peer_timeout_s=5.0)
+    return get_transfer_backend(settings.transfer_backend).receiver(config, core.runner.kv_cache.kv_buffer)
+
+
+class DecodeWorker(WorkerLoop):
+    """Decode role; see the module docstring for ``pending`` / ``in_flight`` / ``draining``."""
+
+    role: Role = "decode"
+    reserve_timeout = 30.0  # seconds a ReserveKV may wait for free blocks
+
+    def __init__(self, settings: WorkerSettings, core: EngineCore, model_path: str,
+                 receiver: KVReceiver | None = None) -> None:
+        super().__init__(settings, core, model_path)
+        self.receiver = receiver if receiver is not None else make_receiver(settings, core)
+        self.pending: deque[tuple[Sequence, float]] = deque()
+        self.in_flight: dict[str, Sequence] = {}
+        self.first_tokens: dict[str, int] = {}
+        self.draining: set[str] = set()
+        self.seqs: dict[str, Sequence] = {}
+
+    def compat(self) -> WorkerCompat:
+        """Pairing key, with the transfer backend."""
+        return compat_of(self.core, self.settings.transfer_backend)
+
+    def transfer_address(self) -> str:
+        """The receiver's control endpoint."""
+        return self.receiver.address
+
+    def handle(self, msg: Message) -> None:
+        """``ReserveKV`` / ``DecodeRequest`` / ``AbortRequest``. Raises ``ValueError`` for a bad request."""
+        if isinstance(msg, ReserveKV):
+            self._reserve_new(msg)
+        elif isinstance(msg, DecodeRequest):
+            if msg.request_id not in self.in_flight:
+                raise ValueError(f"DecodeRequest for {msg.request_id!r}, which has no KV reservation here")
+            self.first_tokens[msg.request_id] = msg.first_token_id
+        elif isinstance(msg, AbortRequest):
+            self.drop(msg.request_id)
+
+    def _reserve_new(self, msg: ReserveKV) -> None:
+        params = sampling_from_wire(msg.sampling)
+        if params.seed is None:  # fixed here so a recompute after preemption samples the same tokens
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        self.core.validate_prompt(msg.prompt_token_ids)
+        if self._knows(msg.request_id):
+            raise ValueError(f"request id {msg.request_id!r} is already on this worker")
+        seq = Sequence(msg.request_id, list(msg.prompt_token_ids), params, time.monotonic(),
+                       self.core.eos_token_id)
+        if self.pending or not self._try_reserve(seq):
+            self.pending.append((seq, time.monotonic() + self.reserve_timeout))
+
+    def _knows(self, request_id: str) -> bool:
+        return (self.core.scheduler.get(request_id) is not None
+                or any(p[0].request_id == request_id for p in self.pending))
+
+    def _try_reserve(self, seq: Sequence) -> bool:
+        if not self.core.scheduler.add_waiting_for_kv(seq):
+            return False
+        try:
+            handle = self.receiver.expect(seq.request_id, list(seq.block_table))
+        except Exception:
+            self.core.scheduler.abort(seq.request_id)
+            raise
+        self.in_flight[seq.request_id] = seq
+        self.emit(KVReserved(request_id=seq.request_id, worker_id=self.worker_id,
+                             kv_handle=encode_handle(handle)))
+        return True
+
+    def drop(self, request_id: str) -> None:
+        """Abort in any state; blocks with KV possibly still in flight go to ``draining``."""
+        self.first_tokens.pop(request_id, None)
+        self.pending = deque(p for p in self.pending if p[0].request_id != request_id)
+        if self.in_flight.pop(request_id, None) is not None:
+            self.receiver.abort(request_id)
+            self.draining.add(request_id)
+        elif self.seqs.pop(request_id, None) is not None:
+            self.core.abort_request(request_id)
+
+    def poll(self) -> None:
+        """Admit landed requests, fail broken transfers, free drained blocks, then reserve blocks for
+        waiting requests (so blocks freed in this phase serve them at once)."""
+        for rid in list(self.in_flight):
+            status = self.receiver.status(rid)
+            if status is TransferStatus.DONE and rid in self.first_tokens:
+                self._admit(rid)
+            elif status in (TransferStatus.FAILED, TransferStatus.ABORTED):
+                self.fail(rid, f"KV transfer {status.value}: {self.receiver.reason(rid)}")
+        for rid in list(self.draining):
+            if self.receiver.releasable(rid):
+                self.receiver.release(rid)
+                self.core.scheduler.abort(rid)
+                self.draining.discard(rid)
+        self._poll_pending()
+
+    def _poll_pending(self) -> None:
+        now = time.monotonic()
+        while self.pending:
+            seq, deadline = self.pending[0]
+            if now > deadline:
+                self.pending.popleft()
+                self.fail(seq.request_id, f"no free KV blocks for {self.reserve_timeout:g} s")
+                continue
+            try:
+                reserved = self._try_reserve(seq)
+            except Exception as exc:  # e.g. the receiver refused the blocks: fail this request only
+                self.pending.popleft()
+                self.fail(seq.request_id, f"cannot reserve KV blocks: {type(exc).__name__}: {exc}")
+                continue
+            if not reserved:
+                return
+            self.pending.popleft()
+
+    def _admit(self, rid: str) -> None:
+        self.receiver.release(rid)
+        del self.in_flight[rid]
+        seq = self.core.scheduler.kv_landed(rid, self.first_tokens.pop(rid))
+        if seq.is_finished:  # the first token already ends it (e.g. a stop token id)
+            reason: FinishReason = "stop" if seq.status is SequenceStatus.FINISHED_STOPPED else "length"
+            self.emit(RequestFinished(request_id=rid, worker_id=self.worker_id, finish_reason=reason,
+                                      num_prompt_tokens=seq.num_prompt_tokens,
+                                      num_output_tokens=seq.num_output_tokens))
+        else:
+            self.seqs[rid] = seq
+
+    def step(self) -> list[StepOutput]:
+        """One decode step of the running batch (step thread)."""
+        return run_step(self.core)
+
+    def on_step(self, outs: list[StepOutput]) -> None:
+        """Stream each token; forget finished requests (the scheduler freed their blocks)."""
+        for out in outs:
+            seq = self.seqs.get(out.request_id)
+            if seq is None:
+                continue
+            for msg in token_messages(self.worker_id, seq, out):
+                self.emit(msg)
+            if seq.is_finished:
+                del self.seqs[out.request_id]
+
+    def num_waiting(self) -> int:
+        """Requests waiting for blocks, for their KV, or (after preemption) for recompute."""
+        return len(self.pending) + len(self.in_flight) + len(self.core.scheduler.waiting)
+
+    def busy(self) -> bool:
+        """Reservations or transfers to watch."""
+        return bool(self.pending or self.in_flight or self.draining)
+
+    def close(self) -> None:
+        """Stop the receiver thread and its transport."""
+        self.receiver.close()

@@ -1,0 +1,57 @@
+"""Start a worker process: logging is already set by the CLI; build the engine, then run the loop.
+
+``serve_worker(settings, factory)`` is what ``prefill_worker.main:run``, ``decode_worker.main:run`` and
+``pdserve.colocated:run`` call. Returns a process exit status (0 clean, 1 start-up or run failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from engine.serve.control import RegistrationError
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineCore
+    from engine.serve.loop import WorkerLoop
+    from pdserve.settings import WorkerSettings
+
+log = logging.getLogger("pdserve.worker")
+
+WorkerFactory = Callable[["WorkerSettings", "EngineCore", str], "WorkerLoop"]
+
+
+def build_core(settings: WorkerSettings, *, prefill_only: bool = False) -> tuple[EngineCore, str]:
+    """Load the model and size the KV cache; returns the engine and the local model directory.
+
+    Raises:
+        ValueError / FileNotFoundError: bad settings or a model that cannot be found or loaded.
+    """
+    from engine.engine_core import EngineCore
+    from engine.models.registry import resolve_model
+    from engine.serve.setup import engine_config_from_settings
+
+    path = str(resolve_model(settings.model))
+    core = EngineCore(engine_config_from_settings(settings), prefill_only=prefill_only)
+    return core, path
+
+
+def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_only: bool = False) -> int:
+    """Build the engine and the worker (``factory``), serve until SIGTERM/SIGINT. Returns an exit code."""
+    from engine.serve.setup import default_transport_env
+
+    default_transport_env()
+    try:
+        core, path = build_core(settings, prefill_only=prefill_only)
+        worker = factory(settings, core, path)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        log.error("pdserve %s: cannot start: %s", settings.role, exc)
+        return 1
+    try:
+        asyncio.run(worker.run())
+    except RegistrationError as exc:
+        log.error("pdserve %s: %s", settings.role, exc)
+        return 1
+    return 0

@@ -1,0 +1,256 @@
+"""The worker process loop: control messages on asyncio, engine steps on one background thread.
+
+Queues and states:
+  * ``inbox``: control messages from the gateway, applied between steps (the engine's scheduler is only
+    ever touched while no step runs, so no locks are needed around it);
+  * the engine's own queues (scheduler ``waiting`` / ``running``), advanced one step at a time by
+    ``run_in_executor`` on a single thread, so heartbeats and aborts are never stalled by a forward pass;
+  * ``outbox``: messages for the gateway, flushed after every phase.
+Subclasses (prefill, decode, colocated) implement ``handle`` / ``poll`` / ``has_work`` / ``step`` /
+``on_step`` / ``drop``. A failing step fails only the requests it carried (``RequestFailed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from engine.serve.control import ControlClient
+from engine.serve.setup import new_epoch
+from engine.serve.step import StepFailed
+from pdserve.logging import log_event
+from pdserve.messages import (
+    Heartbeat,
+    Message,
+    RegisterWorker,
+    RequestFailed,
+    Role,
+    WorkerCompat,
+    WorkerLoad,
+    WorkerShutdown,
+)
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineCore, StepOutput
+    from pdserve.settings import WorkerSettings
+
+log = logging.getLogger("pdserve.worker")
+
+
+class WorkerLoop:
+    """Base of the three worker roles. ``heartbeat_interval`` and ``idle_poll`` are seconds."""
+
+    role: Role = "colocated"
+    heartbeat_interval = 0.5
+    idle_poll = 0.5
+
+    def __init__(self, settings: WorkerSettings, core: EngineCore, model_path: str) -> None:
+        self.settings, self.core, self.model_path = settings, core, model_path
+        self.worker_id = settings.worker_id
+        self.epoch = new_epoch()
+        self.control = ControlClient(settings.gateway_control)
+        self.received: Counter[str] = Counter()  # control messages received, by type name
+        self._inbox: deque[Message] = deque()
+        self._outbox: list[Message] = []
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-step")
+        self._load = WorkerLoad()
+        self._wake: asyncio.Event | None = None
+        self._stop: asyncio.Event | None = None
+
+    # ---- what a role implements -------------------------------------------------------------------
+    def handle(self, msg: Message) -> None:
+        """Apply one control message (loop thread, between steps)."""
+        raise NotImplementedError
+
+    def poll(self) -> None:
+        """Between steps: advance transfers, release blocks, admit requests whose KV landed."""
+
+    def has_work(self) -> bool:
+        """True when a step would schedule something."""
+        return self.core.scheduler.has_unfinished() and bool(
+            self.core.scheduler.waiting or self.core.scheduler.running)
+
+    def step(self) -> list[StepOutput]:
+        """One engine step (runs on the step thread). Raises ``StepFailed``."""
+        raise NotImplementedError
+
+    def on_step(self, outs: list[StepOutput]) -> None:
+        """React to a step's sampled tokens (loop thread)."""
+        raise NotImplementedError
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request after a failure (abort it in the engine, free what can be freed)."""
+        self.core.abort_request(request_id)
+
+    def compat(self) -> WorkerCompat:
+        """The pairing key announced at registration."""
+        from engine.serve.setup import compat_of
+
+        return compat_of(self.core, "none")
+
+    def transfer_address(self) -> str:
+        """Where peers reach this worker's KV transport ("" if none)."""
+        return ""
+
+    def busy(self) -> bool:
+        """True while something must be polled soon (transfers in flight)."""
+        return False
+
+    def close(self) -> None:
+        """Release transports (called once on shutdown)."""
+
+    def num_waiting(self) -> int:
+        """Requests not yet running (the load reported in heartbeats)."""
+        return len(self.core.scheduler.waiting)
+
+    # ---- shared machinery ---------------------------------------------------------------------------
+    def emit(self, msg: Message) -> None:
+        """Queue a message for the gateway (sent at the end of the current phase)."""
+        self._outbox.append(msg)
+
+    def deliver(self, msg: Message) -> None:
+        """Queue a control message from the gateway; it is applied at the next phase boundary."""
+        self.received[type(msg).__name__] += 1
+        self._inbox.append(msg)
+
+    def take_outbox(self) -> list[Message]:
+        """Remove and return the messages emitted since the last flush (oldest first)."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def run_once(self) -> bool:
+        """One phase on the calling thread: apply queued messages, ``poll``, then one engine step if
+        ``has_work``. Returns True when a step ran. Emitted messages stay in the outbox
+        (``take_outbox``). The process loop does the same with the step on its own thread; this
+        synchronous form drives a worker without sockets or asyncio (tests, tools)."""
+        self._between_steps()
+        if not self.has_work():
+            return False
+        try:
+            outs = self.step()
+        except StepFailed as exc:
+            self._step_failed(exc)
+        else:
+            self.on_step(outs)
+        self._refresh_load()
+        return True
+
+    def _step_failed(self, exc: StepFailed) -> None:
+        log.error("%s", exc, exc_info=exc.__cause__)
+        for rid in exc.request_ids:
+            self.fail(rid, str(exc))
+
+    def fail(self, request_id: str, error: str) -> None:
+        """Drop the request here and tell the gateway (``RequestFailed``); the worker keeps serving."""
+        log_event(log, "request_failed", logging.WARNING, request_id=request_id, error=error)
+        with contextlib.suppress(Exception):
+            self.drop(request_id)
+        self.emit(RequestFailed(request_id=request_id, worker_id=self.worker_id, error=error))
+
+    def load(self) -> WorkerLoad:
+        """Load as of the last phase boundary: sequences waiting/running, KV blocks free/total."""
+        return self._load
+
+    def _refresh_load(self) -> None:
+        bm = self.core.block_manager
+        self._load = WorkerLoad(num_waiting=self.num_waiting(), num_running=len(self.core.scheduler.running),
+                                num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks)
+
+    def registration(self) -> RegisterWorker:
+        """The ``RegisterWorker`` message of this process."""
+        return RegisterWorker(role=self.role, worker_id=self.worker_id, epoch=self.epoch,
+                              model=self.settings.model, model_path=self.model_path, compat=self.compat(),
+                              transfer_address=self.transfer_address(),
+                              max_num_seqs=self.settings.max_num_seqs, load=self._load)
+
+    async def _flush(self) -> None:
+        for msg in self.take_outbox():
+            await self.control.send(msg)
+
+    def _between_steps(self) -> None:
+        while self._inbox:
+            msg = self._inbox.popleft()
+            try:
+                self.handle(msg)
+            except Exception as exc:  # a bad message fails its request only
+                rid = getattr(msg, "request_id", None)
+                log.exception("handling %s failed", type(msg).__name__)
+                if rid is not None:
+                    self.fail(rid, f"{type(exc).__name__}: {exc}")
+        self.poll()
+        self._refresh_load()
+
+    async def _recv_loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            msg = await self.control.recv()
+            if msg is not None:
+                if log.isEnabledFor(logging.DEBUG):
+                    log_event(log, "message_received", logging.DEBUG, type=type(msg).__name__,
+                              request_id=getattr(msg, "request_id", None))
+                self.deliver(msg)
+                self._wake.set()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            await self.control.send(Heartbeat(worker_id=self.worker_id, epoch=self.epoch, load=self._load))
+
+    async def _engine_loop(self) -> None:
+        assert self._wake is not None and self._stop is not None
+        loop = asyncio.get_running_loop()
+        while not self._stop.is_set():
+            self._wake.clear()
+            self._between_steps()
+            await self._flush()
+            if self.has_work():
+                try:
+                    outs = await loop.run_in_executor(self._executor, self.step)
+                except StepFailed as exc:
+                    self._step_failed(exc)
+                else:
+                    self.on_step(outs)
+                self._refresh_load()
+                await self._flush()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.002 if self.busy() else self.idle_poll)
+
+    def request_stop(self) -> None:
+        """Ask the loop to finish its current step and shut down (signal-handler safe)."""
+        if self._stop is not None and self._wake is not None:
+            self._stop.set()
+            self._wake.set()
+
+    async def run(self) -> None:
+        """Register, then serve until SIGTERM/SIGINT; sends ``WorkerShutdown`` on the way out.
+
+        Raises:
+            RegistrationError: the gateway refused this worker or never answered.
+        """
+        self._wake, self._stop = asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        self._refresh_load()
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            await self.control.register(self.registration())
+            log_event(log, "worker_ready", role=self.role, worker_id=self.worker_id, epoch=self.epoch)
+            tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
+            await self._engine_loop()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            self.close()
+            self._executor.shutdown(wait=True)
+            await self.control.close(WorkerShutdown(worker_id=self.worker_id, epoch=self.epoch))
+            log_event(log, "worker_stopped", role=self.role, worker_id=self.worker_id)

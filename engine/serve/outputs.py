@@ -1,0 +1,55 @@
+"""Engine step outputs → control-plane messages (``FirstToken``, ``TokenBatch``, ``RequestFinished``).
+
+Shared by the colocated and decode workers: an output is the request's first token when the sequence
+holds exactly one output token after the step; its finish reason (``stop`` / ``length``) ends it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdserve.messages import FinishReason, FirstToken, Message, RequestFinished, TokenBatch, TopLogprob
+
+if TYPE_CHECKING:
+    from engine.engine_core import StepOutput
+    from engine.sequence import Sequence
+
+
+def top_logprobs_of(out: StepOutput) -> list[TopLogprob] | None:
+    """The top-N alternatives of ``out`` as wire structs, or None when the request asked for none."""
+    if out.top_logprobs is None:
+        return None
+    return [TopLogprob(t, lp) for t, lp in out.top_logprobs]
+
+
+def finish_reason(out: StepOutput) -> FinishReason | None:
+    """``stop`` / ``length`` when ``out`` ended its request, else None (``prefilled`` → None)."""
+    if out.finish_reason == "stop":
+        return "stop"
+    if out.finish_reason == "length":
+        return "length"
+    return None
+
+
+def token_messages(worker_id: str, seq: Sequence, out: StepOutput) -> list[Message]:
+    """Messages for one sampled token of ``seq`` (``out.token_id`` is already appended to it).
+
+    The first output token becomes a ``FirstToken``, later ones a ``TokenBatch`` of one token; a finished
+    request is followed by ``RequestFinished`` with its prompt/output token counts.
+    """
+    rid, reason = out.request_id, finish_reason(out)
+    msgs: list[Message] = []
+    if seq.num_output_tokens == 1:
+        msgs.append(FirstToken(request_id=rid, worker_id=worker_id, token_id=out.token_id,
+                               logprob=out.logprob, top_logprobs=top_logprobs_of(out),
+                               num_cached_tokens=seq.num_cached_tokens, finish_reason=reason))
+    else:
+        tops = top_logprobs_of(out)
+        msgs.append(TokenBatch(request_id=rid, worker_id=worker_id, token_ids=[out.token_id],
+                               logprobs=None if out.logprob is None else [out.logprob],
+                               top_logprobs=None if tops is None else [tops]))
+    if reason is not None:
+        msgs.append(RequestFinished(request_id=rid, worker_id=worker_id, finish_reason=reason,
+                                    num_prompt_tokens=seq.num_prompt_tokens,
+                                    num_output_tokens=seq.num_output_tokens))
+    return msgs

@@ -1,0 +1,76 @@
+"""Worker set-up helpers: settings → ``EngineConfig``, the ``WorkerCompat`` pairing key, wire conversions.
+
+Kept free of torch at import time (``EngineCore`` is passed in, not built here).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.sampling_params import SamplingParams
+from pdserve.messages import WireSamplingParams, WorkerCompat
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineCore
+    from kvtransfer.types import KVHandle
+    from pdserve.settings import WorkerSettings
+
+KV_LAYOUT = "LTBHD"  # kv_buffer [num_layers, 2 (K,V), num_blocks, block_size, num_kv_heads, head_dim]
+
+
+def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
+    """The engine config of a worker: model, KV cache (``block_size`` tokens, ``num_blocks`` or
+    ``kv_memory_fraction``) and scheduler limits. Raises ``ValueError`` naming a bad value."""
+    return EngineConfig(
+        ModelConfig(settings.model, dtype=settings.dtype, device=settings.device,
+                    attention_backend=settings.attention_backend),
+        CacheConfig(block_size=settings.block_size, num_blocks=settings.num_blocks,
+                    memory_fraction=settings.kv_memory_fraction),
+        SchedulerConfig(max_num_seqs=settings.max_num_seqs,
+                        max_num_batched_tokens=settings.max_num_batched_tokens),
+    )
+
+
+def compat_of(core: EngineCore, transfer_backend: str) -> WorkerCompat:
+    """What a peer must match to exchange KV with this worker (dtype, block size, layout, shapes)."""
+    kv = core.runner.kv_cache
+    return WorkerCompat(dtype=str(kv.dtype).removeprefix("torch."), block_size=kv.block_size,
+                        kv_layout=KV_LAYOUT, num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
+                        head_dim=kv.head_dim, tp_size=1, transfer_backend=transfer_backend,
+                        max_model_len=core.max_model_len)
+
+
+def new_epoch() -> int:
+    """A fresh incarnation number for this process (nanoseconds since the epoch; grows on restart)."""
+    return time.time_ns()
+
+
+def default_transport_env() -> None:
+    """UCX settings for one host: stay on loopback, no warning about unused variables (facts.md)."""
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def sampling_from_wire(wire: WireSamplingParams) -> SamplingParams:
+    """Engine ``SamplingParams`` from the wire form. Raises ``ValueError`` naming the bad field."""
+    return SamplingParams.from_dict(msgspec.structs.asdict(wire))
+
+
+def encode_handle(handle: KVHandle) -> bytes:
+    """msgpack bytes of a kvtransfer ``KVHandle`` (the opaque ``KVReserved.kv_handle``)."""
+    return msgspec.msgpack.encode(handle)
+
+
+def decode_handle(data: bytes) -> KVHandle:
+    """Inverse of :func:`encode_handle`. Raises ``ValueError`` when the bytes are not a ``KVHandle``."""
+    from kvtransfer.types import KVHandle
+
+    try:
+        return msgspec.msgpack.decode(data, type=KVHandle)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(f"kv_handle is not a valid KVHandle: {exc}") from exc

@@ -1,0 +1,74 @@
+"""``pdserve colocated``: one process that prefills and decodes (plain ``EngineCore``, no KV transfer).
+
+Used for short prompts under conditional disaggregation (gateway ``--disagg-threshold``) and as the
+baseline the disaggregated path is compared with.
+
+Queues and states of a request: ``ColocatedRequest`` → inbox → engine ``waiting`` (WAITING) → chunked
+prefill → ``running`` (RUNNING) → FINISHED_STOPPED / FINISHED_LENGTH, or FINISHED_ABORTED on
+``AbortRequest``. Out: ``FirstToken`` (TTFT), one ``TokenBatch`` per later token, ``RequestFinished``.
+A request that cannot be served (bad params, prompt too long) gets ``RequestFailed``; others go on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.serve.loop import WorkerLoop
+from engine.serve.outputs import token_messages
+from engine.serve.setup import sampling_from_wire
+from engine.serve.step import run_step
+from pdserve.messages import AbortRequest, ColocatedRequest, Message, Role
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineCore, StepOutput
+    from engine.sequence import Sequence
+    from pdserve.settings import WorkerSettings
+
+
+class ColocatedWorker(WorkerLoop):
+    """Serves ``ColocatedRequest`` end to end; ``seqs`` maps request id → its live ``Sequence``."""
+
+    role: Role = "colocated"
+
+    def __init__(self, settings: WorkerSettings, core: EngineCore, model_path: str) -> None:
+        super().__init__(settings, core, model_path)
+        self.seqs: dict[str, Sequence] = {}
+
+    def handle(self, msg: Message) -> None:
+        """``ColocatedRequest`` → queued; ``AbortRequest`` → aborted (unknown ids ignored).
+
+        Raises:
+            ValueError: bad sampling params, bad prompt or duplicate id (the loop fails that request).
+        """
+        if isinstance(msg, ColocatedRequest):
+            params = sampling_from_wire(msg.sampling)
+            self.seqs[msg.request_id] = self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
+        elif isinstance(msg, AbortRequest):
+            self.drop(msg.request_id)
+
+    def drop(self, request_id: str) -> None:
+        """Abort the request in the engine (its blocks are freed)."""
+        self.seqs.pop(request_id, None)
+        self.core.abort_request(request_id)
+
+    def step(self) -> list[StepOutput]:
+        """One continuous-batching step (step thread)."""
+        return run_step(self.core)
+
+    def on_step(self, outs: list[StepOutput]) -> None:
+        """Stream each sampled token; forget finished requests."""
+        for out in outs:
+            seq = self.seqs.get(out.request_id)
+            if seq is None:
+                continue
+            for msg in token_messages(self.worker_id, seq, out):
+                self.emit(msg)
+            if seq.is_finished:
+                del self.seqs[out.request_id]
+
+
+def run(settings: WorkerSettings) -> int:
+    """Entry point of ``pdserve colocated``; returns the exit status."""
+    from engine.serve.boot import serve_worker
+
+    return serve_worker(settings, ColocatedWorker)

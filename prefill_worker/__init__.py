@@ -1,0 +1,1 @@
+"""pdserve prefill worker: chunked prefill, first-token sampling, layer-by-layer KV send (imports nothing)."""

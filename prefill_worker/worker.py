@@ -1,0 +1,186 @@
+"""The prefill worker: computes prompts, samples the first token, streams the KV to a decode worker.
+
+Queues and states of a request (``PrefillRequest`` from the gateway):
+  1. inbox → engine ``waiting`` (WAITING), prefill-only ``EngineCore``;
+  2. chunked prefill under ``--max-num-batched-tokens`` (RUNNING); in the step that runs the LAST prompt
+     chunk, the request is added to the kvtransfer ``KVSender`` and the attention ``layer_hook`` hands
+     each layer to it as soon as that layer's K/V is stored (layer-by-layer streaming);
+  3. the step samples the first token → FINISHED_PREFILLED; ``FirstToken`` goes out at once (TTFT);
+  4. ``sending``: blocks held until the transfer is terminal (DONE / FAILED / ABORTED), then released
+     (full blocks stay in the prefix cache). FAILED → ``RequestFailed``.
+``max_tokens == 1`` (no ``kv_handle``): steps 1–3, blocks released at once, nothing reaches a decode worker.
+``AbortRequest``: dropped from the engine, or its transfer aborted (blocks freed once terminal).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+from engine.sequence import SequenceStatus, check_stop
+from engine.serve.loop import WorkerLoop
+from engine.serve.outputs import top_logprobs_of
+from engine.serve.setup import compat_of, decode_handle, sampling_from_wire
+from engine.serve.step import LayerHook, run_step
+from kvtransfer import KVHandle, TransferConfig, TransferStatus, get_transfer_backend
+from pdserve.messages import (
+    AbortRequest,
+    FinishReason,
+    FirstToken,
+    Message,
+    PrefillRequest,
+    Role,
+    WorkerCompat,
+)
+
+if TYPE_CHECKING:
+    from engine.engine_core import EngineCore, StepOutput
+    from engine.scheduler import SchedulerOutput
+    from engine.sequence import Sequence
+    from kvtransfer.sender import KVSender
+    from pdserve.settings import WorkerSettings
+
+log = logging.getLogger("pdserve.prefill")
+_REASONS: dict[SequenceStatus, FinishReason] = {SequenceStatus.FINISHED_STOPPED: "stop",
+                                                SequenceStatus.FINISHED_LENGTH: "length"}
+
+
+def make_sender(settings: WorkerSettings, core: EngineCore) -> KVSender:
+    """A started ``KVSender`` over ``--transfer-backend`` reading from the engine's ``kv_buffer``."""
+    config = TransferConfig(worker_id=settings.worker_id, model_id=settings.model,
+                            backend=settings.transfer_backend, peer_timeout_s=5.0)
+    return get_transfer_backend(settings.transfer_backend).sender(config, core.runner.kv_cache.kv_buffer)
+
+
+class PrefillWorker(WorkerLoop):
+    """Prefill role. ``seqs``/``handles``: requests in the engine; ``sending``: KV transfer in flight."""
+
+    role: Role = "prefill"
+
+    def __init__(self, settings: WorkerSettings, core: EngineCore, model_path: str,
+                 sender: KVSender | None = None) -> None:
+        super().__init__(settings, core, model_path)
+        self.sender = sender if sender is not None else make_sender(settings, core)
+        self.seqs: dict[str, Sequence] = {}
+        self.handles: dict[str, KVHandle | None] = {}
+        self.sending: dict[str, Sequence | None] = {}  # None: blocks already freed (failed step)
+        self._aborted: set[str] = set()  # transfers we aborted ourselves: no RequestFailed for them
+        self._hook_errors: dict[str, str] = {}
+
+    def compat(self) -> WorkerCompat:
+        """Pairing key, with the transfer backend."""
+        return compat_of(self.core, self.settings.transfer_backend)
+
+    def handle(self, msg: Message) -> None:
+        """``PrefillRequest`` → engine; ``AbortRequest`` → drop. Raises ``ValueError`` for a bad request."""
+        if isinstance(msg, PrefillRequest):
+            self._admit(msg)
+        elif isinstance(msg, AbortRequest):
+            self.drop(msg.request_id)
+
+    def _admit(self, msg: PrefillRequest) -> None:
+        params = sampling_from_wire(msg.sampling)
+        handle = decode_handle(msg.kv_handle) if msg.kv_handle is not None else None
+        if handle is None and params.max_tokens > 1:
+            raise ValueError(f"PrefillRequest without kv_handle needs max_tokens=1, got {params.max_tokens}")
+        if handle is not None:
+            if handle.request_id != msg.request_id:
+                raise ValueError(f"kv_handle is for request {handle.request_id!r}, not {msg.request_id!r}")
+            need = math.ceil(len(msg.prompt_token_ids) / self.core.block_manager.block_size)
+            if len(handle.block_ids) != need or handle.backend != self.settings.transfer_backend:
+                raise ValueError(f"kv_handle has {len(handle.block_ids)} blocks over {handle.backend!r}; "
+                                 f"need {need} over {self.settings.transfer_backend!r}")
+        seq = self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
+        self.seqs[msg.request_id], self.handles[msg.request_id] = seq, handle
+
+    def drop(self, request_id: str) -> None:
+        """Abort in the engine, and abort the request's transfer if one was started (its source blocks
+        are released by ``poll`` once the transfer is terminal). A transfer can exist for a request still
+        in ``seqs`` when the step that started it failed: it goes to ``sending`` without blocks."""
+        self.handles.pop(request_id, None)
+        self._hook_errors.pop(request_id, None)
+        if self.seqs.pop(request_id, None) is not None:
+            self.core.abort_request(request_id)
+            if request_id in self.sender.pending():
+                self.sending[request_id] = None
+        if request_id in self.sending:
+            self._aborted.add(request_id)
+            self.sender.abort(request_id)
+
+    def step(self) -> list[StepOutput]:
+        """One prefill step; the layer hook streams the KV of requests finishing their prompt."""
+        return run_step(self.core, self._hook_for)
+
+    def _hook_for(self, output: SchedulerOutput) -> LayerHook | None:
+        rids = []
+        for s in output.scheduled:
+            rid = s.seq.request_id
+            handle = self.handles.get(rid)
+            if not s.samples or handle is None:
+                continue
+            try:
+                self.sender.add_request(handle, list(s.seq.block_table))
+            except (ValueError, RuntimeError) as exc:
+                self._hook_errors[rid] = f"KV transfer could not start: {exc}"
+                continue
+            rids.append(rid)
+        if not rids:
+            return None
+
+        def hook(layer: int) -> None:
+            for rid in rids:
+                self.sender.send_layer(rid, layer)
+        return hook
+
+    def on_step(self, outs: list[StepOutput]) -> None:
+        """First tokens out (TTFT); transfers move to ``sending``; requests without one release blocks."""
+        for out in outs:
+            seq = self.seqs.pop(out.request_id, None)
+            if seq is None:
+                continue
+            handle = self.handles.pop(out.request_id, None)
+            status = check_stop(seq, self.core.max_model_len)
+            reason = _REASONS.get(status) if status is not None else None
+            if handle is None:
+                reason = reason or "length"
+            self.emit(FirstToken(request_id=out.request_id, worker_id=self.worker_id, token_id=out.token_id,
+                                 logprob=out.logprob, top_logprobs=top_logprobs_of(out),
+                                 num_cached_tokens=seq.num_cached_tokens,
+                                 finish_reason=reason))
+            error = self._hook_errors.pop(out.request_id, None)
+            if handle is None or error is not None:
+                self.core.scheduler.release(seq)
+                if error is not None:
+                    self.fail(out.request_id, error)
+                continue
+            self.sending[out.request_id] = seq
+            if reason is not None:  # the request ends here: its KV is not needed
+                self.drop(out.request_id)
+
+    def poll(self) -> None:
+        """Release the blocks of every request whose transfer is terminal; FAILED → ``RequestFailed``."""
+        for rid, seq in list(self.sending.items()):
+            status = self.sender.status(rid)
+            if not status.is_terminal:
+                continue
+            reason = self.sender.reason(rid)
+            try:
+                self.sender.release(rid)
+            except RuntimeError:
+                continue  # a queued layer is still to be skipped by the sender thread: next poll
+            del self.sending[rid]
+            if seq is not None:
+                self.core.scheduler.release(seq)
+            if status is TransferStatus.FAILED and rid not in self._aborted:
+                self.fail(rid, f"KV transfer failed: {reason or 'see prefill log'}")
+            self._aborted.discard(rid)
+
+    def busy(self) -> bool:
+        """Transfers in flight need frequent polling."""
+        return bool(self.sending)
+
+    def close(self) -> None:
+        """Stop the sender thread and its transport."""
+        self.sender.close()
+

@@ -1,0 +1,45 @@
+"""``pdserve up`` pieces that need no model: the child plan and the supervisor's clean stop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from pdserve.launcher import Supervisor, example, plan
+from pdserve.settings import UpSettings
+
+
+def test_plan_starts_gateway_first_and_binds_loopback() -> None:
+    children = plan(UpSettings(port=9001, num_prefill=1, num_decode=2, colocated=1), control_port=7777)
+    names = [n for n, _ in children]
+    assert names == ["gateway", "prefill-0", "decode-0", "decode-1", "colocated-0"]
+    gateway = children[0][1]
+    assert gateway[gateway.index("--host") + 1] == "127.0.0.1"
+    assert gateway[gateway.index("--control-bind") + 1] == "tcp://127.0.0.1:7777"
+    for name, args in children[1:]:
+        assert args[args.index("--gateway-control") + 1] == "tcp://127.0.0.1:7777"
+        assert args[args.index("--host") + 1] == "127.0.0.1"
+        assert ("--transfer-backend" in args) == (not name.startswith("colocated"))
+
+
+def test_stop_all_kills_a_child_that_ignores_sigterm() -> None:
+    sup = Supervisor(grace=0.5)
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
+           "time.sleep(60)"
+    sup.children["stubborn"] = proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+    start = time.monotonic()
+    sup.stop_all()
+    assert proc.poll() is not None and proc.returncode < 0  # killed by a signal, not exited
+    assert time.monotonic() - start < 5
+    assert sup.dead() == [("stubborn", proc.returncode)]
+
+
+def test_example_request_is_valid_json_body() -> None:
+    import json
+    import shlex
+
+    words = shlex.split(example("http://127.0.0.1:8000", "smollm2-135m"))
+    body = json.loads(words[words.index("-d") + 1])
+    assert body["model"] == "smollm2-135m" and body["messages"][0]["role"] == "user"
