@@ -82,7 +82,8 @@ class DecodeWorker(WorkerLoop):
         return self.receiver.address
 
     def handle(self, msg: Message) -> None:
-        """``ReserveKV`` / ``DecodeRequest`` / ``AbortRequest``. Raises ``ValueError`` for a bad request."""
+        """``ReserveKV`` / ``DecodeRequest`` / ``AbortRequest``. Raises ``ValueError`` for a bad request
+        (bad prompt or params, an id already on this worker, a ``DecodeRequest`` without reservation)."""
         if isinstance(msg, ReserveKV):
             self._reserve_new(msg)
         elif isinstance(msg, DecodeRequest):

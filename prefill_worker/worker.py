@@ -73,7 +73,8 @@ class PrefillWorker(WorkerLoop):
         return compat_of(self.core, self.settings.transfer_backend)
 
     def handle(self, msg: Message) -> None:
-        """``PrefillRequest`` → engine; ``AbortRequest`` → drop. Raises ``ValueError`` for a bad request."""
+        """``PrefillRequest`` → engine; ``AbortRequest`` → drop. Raises ``ValueError`` for a bad request
+        (bad prompt or params; a ``kv_handle`` for another request id, backend or block count)."""
         if isinstance(msg, PrefillRequest):
             self._admit(msg)
         elif isinstance(msg, AbortRequest):

@@ -17,4 +17,5 @@ unset TRITON_INTERPRET  # compiled kernels, never the interpreter
 "$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
 "device", torch.cuda.get_device_name())'
 exec "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
-    tests/engine/test_kv_cache.py tests/engine/test_kernels.py tests/engine/test_attention_backends.py "$@"
+    tests/engine/test_kv_cache.py tests/engine/test_kernels.py tests/engine/test_attention_backends.py \
+    tests/engine/test_gpu_parity.py "$@"
