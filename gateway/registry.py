@@ -90,6 +90,11 @@ class WorkerRegistry:
             return None
         return self._workers.pop(worker_id)
 
+    def knows(self, worker_id: str, epoch: int) -> bool:
+        """Whether ``worker_id`` is registered with exactly this ``epoch``."""
+        entry = self._workers.get(worker_id)
+        return entry is not None and entry.info.epoch == epoch
+
     def reap(self) -> list[WorkerEntry]:
         """Remove and return every worker silent for longer than ``heartbeat_timeout``."""
         now = self._clock()

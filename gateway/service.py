@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 from gateway.control import ControlSocket
 from gateway.errors import queue_full
@@ -35,6 +36,7 @@ from pdserve.messages import (
     RegisterWorker,
     RequestFailed,
     RequestFinished,
+    ReRegister,
     ReserveKV,
     WorkerShutdown,
 )
@@ -56,7 +58,7 @@ class GatewayService:
         self.requests: dict[str, RequestHandle] = {}
         self.control: ControlSocket | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
         """Bind the control socket and start the receive and reaper loops. Raises OSError on bind."""
@@ -107,12 +109,32 @@ class GatewayService:
             entry = self.registry.touch(msg.worker_id, msg.epoch, msg.load)
             if entry is not None:
                 self.metrics.set_worker_load(entry.worker_id, entry.role, msg.load)
+            else:  # restarted gateway, or a worker reaped after a stall: ask it to register again
+                await self._ask_reregister(identity, msg)
         elif isinstance(msg, WorkerShutdown):
             entry = self.registry.remove(msg.worker_id, msg.epoch)
             if entry is not None:
                 self._worker_gone(entry, "worker shut down")
         elif type(msg).__name__ in _PER_REQUEST:
             await self._on_request_message(identity, msg)
+
+    async def _ask_reregister(self, identity: bytes, msg: Heartbeat) -> None:
+        assert self.control is not None
+        stale = self.registry.get(msg.worker_id)
+        if stale is not None and stale.info.epoch > msg.epoch:
+            return  # an older incarnation of a restarted worker: it is being replaced
+        await self.control.send(identity, ReRegister(worker_id=msg.worker_id, epoch=msg.epoch,
+                                                     reason="unknown to the gateway"))
+
+    async def _preload_tokenizer(self) -> None:
+        """Load the tokenizer in a thread at the first registration, so no request (and no heartbeat
+        handling) ever waits on the event loop for it."""
+        if self._text is not None:
+            return
+        try:
+            await asyncio.to_thread(self.text)
+        except Exception as exc:  # requests will report it (TokenizerNotFoundError → 503)
+            log_event(log, "tokenizer_not_loaded", logging.WARNING, error=str(exc))
 
     async def _on_register(self, identity: bytes, msg: RegisterWorker) -> None:
         old, reason = self.registry.register(msg, identity)
@@ -126,6 +148,7 @@ class GatewayService:
         if not reason:
             self.metrics.set_worker_load(msg.worker_id, msg.role, msg.load)
             self._update_worker_counts()
+            await self._preload_tokenizer()
 
     async def _on_request_message(self, identity: bytes, msg: Message) -> None:
         worker_id: str = getattr(msg, "worker_id", "")
@@ -149,8 +172,18 @@ class GatewayService:
             if handle is not None:
                 handle.holders.pop(entry.worker_id, None)
                 handle.inbox.put_nowait(WorkerLost(entry.worker_id, reason))
+        if entry.requests and self.control is not None:  # a stalled (not dead) worker frees them
+            for request_id in entry.requests:
+                self._spawn(self.control.send(entry.identity, AbortRequest(
+                    request_id=request_id, reason=f"worker declared lost: {reason}")))
         entry.requests.clear()
         self._update_worker_counts()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` as a task kept referenced (in ``_background``) until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _update_worker_counts(self) -> None:
         for role in ("prefill", "decode", "colocated"):
@@ -219,9 +252,7 @@ class GatewayService:
         """End the request now; aborts go out in a background task (safe inside a cancelled scope)."""
         if self.requests.pop(handle.request_id, None) is None:
             return
-        task = asyncio.create_task(self._finish(handle))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(self._finish(handle))
 
     async def _finish(self, handle: RequestHandle) -> None:
         self.metrics.in_flight.set(len(self.requests))

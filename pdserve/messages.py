@@ -106,6 +106,16 @@ class RegisterAck(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     reason: str = ""
 
 
+class ReRegister(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → worker: "I do not know you" — the gateway restarted, or it declared the worker dead after
+    a silence longer than ``--heartbeat-timeout`` and has failed its requests. The worker sends its
+    ``RegisterWorker`` again (same epoch: it did not restart) and keeps serving."""
+
+    worker_id: str
+    epoch: int
+    reason: str = ""
+
+
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Worker → gateway, periodically; silence longer than ``--heartbeat-timeout`` s marks it dead."""
 
@@ -222,9 +232,9 @@ class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 Message = (
-    RegisterWorker | RegisterAck | Heartbeat | WorkerShutdown | ReserveKV | KVReserved | PrefillRequest
-    | DecodeRequest | ColocatedRequest | FirstToken | TokenBatch | RequestFinished | RequestFailed
-    | AbortRequest
+    RegisterWorker | RegisterAck | ReRegister | Heartbeat | WorkerShutdown | ReserveKV | KVReserved
+    | PrefillRequest | DecodeRequest | ColocatedRequest | FirstToken | TokenBatch | RequestFinished
+    | RequestFailed | AbortRequest
 )
 
 _ENCODER = msgspec.msgpack.Encoder()

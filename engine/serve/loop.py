@@ -27,8 +27,10 @@ from pdserve.logging import log_event
 from pdserve.messages import (
     Heartbeat,
     Message,
+    RegisterAck,
     RegisterWorker,
     RequestFailed,
+    ReRegister,
     Role,
     WorkerCompat,
     WorkerLoad,
@@ -189,7 +191,14 @@ class WorkerLoop:
         assert self._wake is not None
         while True:
             msg = await self.control.recv()
-            if msg is not None:
+            if isinstance(msg, ReRegister):  # the gateway lost track of us: register again, same epoch
+                log_event(log, "reregistering", logging.WARNING, worker_id=self.worker_id, reason=msg.reason)
+                await self.control.send(self.registration())
+            elif isinstance(msg, RegisterAck):
+                log_event(log, "registered" if msg.accepted else "registration_refused",
+                          logging.INFO if msg.accepted else logging.ERROR, worker_id=self.worker_id,
+                          reason=msg.reason)
+            elif msg is not None:
                 if log.isEnabledFor(logging.DEBUG):
                     log_event(log, "message_received", logging.DEBUG, type=type(msg).__name__,
                               request_id=getattr(msg, "request_id", None))

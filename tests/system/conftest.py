@@ -64,7 +64,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
     sup = Supervisor(grace=10.0)
     ports = {name: free_port() for name in ("dh", "dc", "ch", "cc")}
     dctl, cctl = f"tcp://127.0.0.1:{ports['dc']}", f"tcp://127.0.0.1:{ports['cc']}"
-    gw = ["--heartbeat-timeout", "2", "--request-timeout", "120", "--log-level", "info"]
+    gw = ["--heartbeat-timeout", "5", "--request-timeout", "120", "--log-level", "info"]
     children = [
         ("gateway-disagg", ["gateway", "--port", str(ports["dh"]), "--control-bind", dctl, *gw]),
         ("gateway-colo", ["gateway", "--port", str(ports["ch"]), "--control-bind", cctl, *gw]),
