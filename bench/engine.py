@@ -4,18 +4,22 @@ CPU mode (default): prefill and decode tokens/s of pdserve's engine next to tran
 on the same model, machine and run, printed as ratios (engine / transformers), and written to
 ``docs/benchmarks/engine-cpu.md`` with the command, machine and date.
 
-GPU mode (``--device cuda --model llama3-8b --load-format dummy``): decode tokens/s at batch 1 as a
-fraction of the HBM roofline ``copy_bandwidth / weight_bytes`` (a batch-1 decode step must read every
-weight once; bandwidth measured in the same run as a device-to-device copy, read + write bytes counted).
+GPU mode (``--device cuda --model llama3-8b --load-format dummy``): decode tokens/s for each batch and
+context, with CUDA graphs and eager, as a fraction of the HBM roofline ``batch * bandwidth / (weight bytes
++ batch * context * KV bytes per token)`` (a decode step reads every weight once, except the input
+embedding, and each sequence's KV; bandwidth measured in the same run as a device-to-device copy, read +
+write bytes counted), then transformers ``generate`` on the same model at ``--hf-batches``.
 
     .venv/bin/python -m bench.engine                       # SmolLM2 on CPU, fp32
-    .venv/bin/python -m bench.engine --device cuda --model llama3-8b --load-format dummy --dtype bfloat16
+    .venv/bin/python -m bench.engine --device cuda --model llama3-8b --load-format dummy --dtype bfloat16 \
+        --attention-backend triton --num-blocks 34000 --max-num-seqs 128 --new-tokens 32
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import platform
 import sys
 import time
@@ -27,8 +31,10 @@ from transformers import AutoModelForCausalLM
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
+from engine.models.hf_attention import install_paged_attention
 from engine.models.registry import resolve_model
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "engine-cpu.md"
 
@@ -91,9 +97,11 @@ def _engine(args: argparse.Namespace, num_blocks: int | None) -> EngineCore:
                 load_format=args.load_format,
                 device=args.device,
                 attention_backend=args.attention_backend,
+                enforce_eager=args.enforce_eager,
             ),
             CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=False),
-            SchedulerConfig(max_num_batched_tokens=max(2048, args.batch * args.prompt_len)),
+            SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=max(2048, args.batch * args.prompt_len)),
         )
     )
 
@@ -163,25 +171,73 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10)
     return 2 * nbytes * iters / (time.perf_counter() - started)
 
 
-def run_gpu(args: argparse.Namespace) -> str:
-    """Batch-1 decode tokens/s as a fraction of the HBM roofline."""
+def decode_rate(core: EngineCore, batch: int, context: int, new_tokens: int) -> float:
+    """Decode tokens/s of ``batch`` sequences with ``context`` tokens of KV each, entered through the
+    decode-worker path (``add_waiting_for_kv`` + ``kv_landed``: no prefill run; the KV contents do not
+    change the speed). The first decode step is a warm-up and is not timed."""
+    sched, vocab = core.scheduler, core.runner.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    tag = time.monotonic_ns()
+    for i, prompt in enumerate(_prompts(batch, context, vocab, seed=context + batch)):
+        seq = Sequence(f"d{tag}-{i}", prompt, params, time.monotonic(), core.eos_token_id)
+        if not sched.add_waiting_for_kv(seq):
+            raise RuntimeError(f"no KV blocks for batch {batch} x {context} tokens: raise --num-blocks")
+        sched.kv_landed(seq.request_id, first_token=5)
+    core.step()
+    _sync(core.runner.device)
+    started, tokens = time.perf_counter(), 0
+    while core.has_unfinished():
+        tokens += len(core.step())
+    _sync(core.runner.device)
+    core.check_no_leaks()
+    return tokens / (time.perf_counter() - started)
+
+
+def _hf_decode(core: EngineCore, batch: int, context: int, new_tokens: int) -> float:
+    """transformers ``generate`` decode tokens/s on the engine's own model, switched to SDPA for the call."""
+    model = core.runner.model
+    model.set_attn_implementation("sdpa")
+    try:
+        return hf_rates(model, _prompts(batch, context, core.runner.vocab_size, seed=7), new_tokens)[1]
+    finally:
+        install_paged_attention(model)
+
+
+def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    """Decode tokens/s with and without CUDA graphs against the HBM roofline (see module docstring)."""
     core = _engine(args, num_blocks=args.num_blocks)
-    device = core.runner.device
-    weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
-    bandwidth = copy_bandwidth(device)
-    engine_rates(core, _prompts(1, 16, core.runner.vocab_size, seed=1), 4)  # warm-up / compile
-    _, decode = engine_rates(
-        core, _prompts(1, args.prompt_len, core.runner.vocab_size, seed=0), args.new_tokens
-    )
-    roofline = bandwidth / weight_bytes
-    report = (
-        f"{args.model} {core.runner.dtype} on {torch.cuda.get_device_name(device)}: weights "
-        f"{weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s, roofline "
-        f"{roofline:.1f} tok/s, engine batch-1 decode {decode:.1f} tok/s = "
-        f"{decode / roofline:.1%} of roofline"
-    )
-    print(report)
-    return report
+    runner = core.runner
+    graphs = runner.decode_graphs
+    read_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
+                     if "embed_tokens" not in n)  # the input embedding is gathered (B rows), not read whole
+    kv_token = runner.kv_cache.bytes_per_block // runner.kv_cache.block_size
+    bandwidth = copy_bandwidth(runner.device)
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(runner.device), "rows": [],
+                           "weight_read_bytes": read_bytes, "kv_bytes_per_token": kv_token,
+                           "copy_bandwidth": bandwidth,
+                           "capture_s": graphs.capture_seconds if graphs else None}
+    decode_rate(core, 2, 16, 4)  # warm-up: Triton compiles, eager and graph paths
+    runner.decode_graphs = None
+    decode_rate(core, 2, 16, 4)
+    for context in args.contexts:
+        for batch in args.batches:
+            kv_read = batch * kv_token * (context + args.new_tokens / 2)
+            roofline = batch * bandwidth / (read_bytes + kv_read)
+            for mode in ("graphs", "eager"):
+                runner.decode_graphs = graphs if mode == "graphs" else None
+                rate = decode_rate(core, batch, context, args.new_tokens)
+                row = dict(mode=mode, batch=batch, context=context, tok_s=rate, roofline=roofline)
+                res["rows"].append(row)
+                print(f"{mode:6s} batch {batch:4d} context {context:5d}: {rate:9.1f} tok/s "
+                      f"= {rate / roofline:6.1%} of roofline {roofline:9.1f} tok/s", flush=True)
+    runner.decode_graphs = graphs
+    for batch in args.hf_batches:
+        hf = _hf_decode(core, batch, args.hf_context, args.new_tokens)
+        ours = decode_rate(core, batch, args.hf_context, args.new_tokens)
+        res["rows"].append(dict(mode="hf", batch=batch, context=args.hf_context, tok_s=hf, engine_tok_s=ours))
+        print(f"transformers generate batch {batch} context {args.hf_context}: {hf:.1f} tok/s; "
+              f"engine (graphs) {ours:.1f} tok/s; ratio {ours / hf:.2f}", flush=True)
+    return res
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,10 +255,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--num-blocks", type=int, default=None, help="GPU: KV blocks")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128], help="GPU decode batches")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096], help="GPU KV tokens/seq")
+    parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32])
+    parser.add_argument("--hf-context", type=int, default=1024)
+    parser.add_argument("--json", type=Path, default=None, help="GPU: write the results here")
     parser.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks/engine-cpu.md")
     args = parser.parse_args(argv)
     if torch.device(args.device).type == "cuda":
-        run_gpu(args)
+        result = run_gpu(args)
+        if args.json is not None:
+            args.json.write_text(json.dumps({"argv": sys.argv[1:], **result}, indent=1))
         return
     report = run_cpu(args)
     if not args.no_write:

@@ -58,7 +58,11 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which model to load and how: path or alias, dtype, weight format, device, attention backend."""
+    """Which model to load and how: path or alias, dtype, weight format, device, attention backend.
+
+    ``enforce_eager``: never use CUDA graphs (by default decode-only steps replay graphs captured at
+    start-up when on CUDA with the ``triton`` backend; see ``engine.cuda_graphs``).
+    """
 
     model: str
     dtype: str = "auto"
@@ -67,6 +71,7 @@ class ModelConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     seed: int = 0
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:

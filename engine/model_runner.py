@@ -3,6 +3,10 @@
 All scheduled sequences are packed into one row (``input_ids [1, T]``, ``position_ids [1, T]``, decodes
 first), attention goes through the paged backend (``engine.models.hf_attention``), and logits are
 computed only for the rows that sample (the last scheduled token of each sampling sequence).
+
+Decode-only steps (every scheduled sequence has query length 1, no ``layer_hook``) replay a CUDA graph
+captured at start-up for the step's batch-size bucket (``engine.cuda_graphs``) when the model is on CUDA,
+the backend is ``triton`` and ``ModelConfig.enforce_eager`` is off; prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from engine.attention.backend import get_backend
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeCudaGraphs, mask_placeholder
 from engine.kv_cache import KVCachePool
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
 from engine.models.loader import load_model
@@ -37,10 +42,13 @@ class ModelRunner:
         kv_cache: ``KVCachePool`` sized from ``engine_config.cache``.
         max_model_len: tokens per sequence (config value, else ``max_position_embeddings``).
         vocab_size: rows of the LM head (logit width).
+        decode_graphs: ``DecodeCudaGraphs`` captured at start-up, or None (CPU, ``enforce_eager``, or a
+            backend other than ``triton``); setting it to None makes every step eager.
 
     Raises:
         ValueError / FileNotFoundError: from loading, the backend choice or KV sizing; also when
             ``max_model_len`` exceeds the model's ``max_position_embeddings``.
+        RuntimeError: from CUDA when graph capture fails (set ``enforce_eager`` to run without graphs).
     """
 
     def __init__(self, engine_config: EngineConfig) -> None:
@@ -72,6 +80,13 @@ class ModelRunner:
             num_blocks=cache.num_blocks,
         )
         self.sampler = Sampler()
+        self._mask = mask_placeholder(self.device)
+        self.decode_graphs: DecodeCudaGraphs | None = None
+        use_graphs = self.device.type == "cuda" and self.backend.name == "triton"
+        if use_graphs and not engine_config.model.enforce_eager:
+            self.decode_graphs = DecodeCudaGraphs(self.model, self.kv_cache, self.backend,
+                                                  engine_config.scheduler.max_num_seqs, self.max_model_len)
+            self.decode_graphs.capture()
 
     def _prepare_inputs(
         self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None
@@ -114,15 +129,34 @@ class ModelRunner:
             ``[S_sample, vocab_size]`` logits in the model dtype, one row per ``samples=True`` entry in
             ``output.scheduled`` order.
         """
+        graphs = self.decode_graphs
+        decode_only = all(s.num_scheduled_tokens == 1 for s in output.scheduled)
+        if graphs is not None and layer_hook is None and decode_only and graphs.fits(len(output.scheduled)):
+            return self._graph_logits(graphs, output)
         input_ids, position_ids, sample_rows, meta = self._prepare_inputs(output, layer_hook)
         result = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
+            attention_mask=self._mask,
             use_cache=False,
             logits_to_keep=sample_rows,
             **{META_KWARG: meta, CACHE_KWARG: self.kv_cache, BACKEND_KWARG: self.backend},
         )
         return result.logits[0]
+
+    def _graph_logits(self, graphs: DecodeCudaGraphs, output: SchedulerOutput) -> torch.Tensor:
+        """Decode-only step through the bucket's CUDA graph: logits ``[S_sample, vocab_size]``."""
+        seqs = [s.seq for s in output.scheduled]
+        logits = graphs.run(
+            [seq.token_ids[seq.num_computed_tokens] for seq in seqs],
+            [seq.num_computed_tokens for seq in seqs],
+            [seq.block_table for seq in seqs],
+        )
+        rows = [i for i, s in enumerate(output.scheduled) if s.samples]
+        if len(rows) == len(seqs):
+            return logits
+        return logits[torch.tensor(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+                      .to(self.device, non_blocking=True)]
 
     def execute(
         self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None = None

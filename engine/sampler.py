@@ -20,8 +20,10 @@ temperature and filters (vLLM's "raw_logprobs" mode), in float32.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
@@ -83,17 +85,23 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+def _to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values)`` on ``device``; on CUDA through pinned memory with an asynchronous copy, so
+    building the sampler's per-row tensors never waits for the forward pass (no host synchronisation)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _token_counts(ids: list[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """``[B, V]`` float32 counts of each token id per row (pad column V dropped)."""
-    width = max(1, max(len(r) for r in ids))
-    padded = torch.full((len(ids), width), vocab_size, dtype=torch.int64)
-    for i, r in enumerate(ids):
-        if r:
-            padded[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
-    padded = padded.to(device)
-    counts = torch.zeros(len(ids), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab_size]
+    """``[B, V]`` float32 counts of each token id per row (one flat index tensor, no per-row tensor)."""
+    flat = _to_device(list(itertools.chain.from_iterable(ids)), torch.int64, device)
+    row = torch.repeat_interleave(torch.arange(len(ids), device=device),
+                                  _to_device([len(r) for r in ids], torch.int64, device),
+                                  output_size=int(flat.shape[0]))
+    counts = torch.zeros(len(ids), vocab_size, dtype=torch.float32, device=device)
+    counts.index_put_((row, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+    return counts
 
 
 def _as_int64(seed: int) -> int:
@@ -103,7 +111,7 @@ def _as_int64(seed: int) -> int:
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    return _to_device(values, torch.float32, device)[:, None]
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -139,7 +147,7 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     logits = logits / _column([p.temperature if p.temperature > 0 else 1.0 for p in ps], dev)
     if any(p.top_k != -1 or p.top_p < 1.0 for p in ps):
         srt, idx = logits.sort(dim=-1, descending=True)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], device=dev)
+        top_k = _to_device([p.top_k if p.top_k > 0 else vocab for p in ps], torch.int64, dev)
         ranks = torch.arange(vocab, device=dev)[None, :]
         srt = srt.masked_fill(ranks >= top_k[:, None], float("-inf"))
         probs = srt.softmax(dim=-1)
@@ -177,12 +185,14 @@ class Sampler:
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             sub = [rows[i] for i in random_rows]
-            filtered = apply_filters(processed[random_rows], sub)
-            seeds = torch.tensor([_as_int64(r.seed) for r in sub], dtype=torch.int64)
-            pos = torch.tensor([r.output_position for r in sub], dtype=torch.int64)
-            u = seeded_uniform(seeds.to(raw.device), pos.to(raw.device), raw.shape[1])
+            dev = raw.device
+            index = _to_device(random_rows, torch.int64, dev)
+            filtered = apply_filters(processed.index_select(0, index), sub)
+            seeds = _to_device([_as_int64(r.seed) for r in sub], torch.int64, dev)
+            pos = _to_device([r.output_position for r in sub], torch.int64, dev)
+            u = seeded_uniform(seeds, pos, raw.shape[1])
             gumbel = -torch.log(-torch.log(u))
-            tokens[random_rows] = (filtered + gumbel).argmax(dim=-1)
+            tokens.index_copy_(0, index, (filtered + gumbel).argmax(dim=-1))
         return self._results(raw, tokens, rows)
 
     @staticmethod

@@ -63,7 +63,7 @@ def _bool_flag(add: _EnvAdder, flag: str, default: bool, help: str) -> None:
 
 def _add_common(add: _EnvAdder) -> None:
     add("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
-    add("--log-format", default="text", choices=["text", "json"])
+    add("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
 
 
 def _add_gateway(add: _EnvAdder) -> None:
@@ -88,32 +88,38 @@ def _add_gateway(add: _EnvAdder) -> None:
 
 
 def _add_worker(add: _EnvAdder, role: str) -> None:
-    add("--model", default="smollm2-135m")
-    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    add("--device", default="auto")
-    add("--attention-backend", default="auto")
+    add("--model", default="smollm2-135m", help="HF model dir or alias (smollm2-135m, llama3-8b)")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV cache dtype (auto: bf16 on GPU, fp32 on CPU)")
+    add("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
+    add("--attention-backend", default="auto", help="auto, torch, triton or flash_attn")
+    _bool_flag(add, "--enforce-eager", False, "never replay CUDA graphs for decode steps")
     add("--block-size", type=int, default=16, help="tokens per KV block")
-    add("--num-blocks", type=int, default=None)
-    add("--kv-memory-fraction", type=float, default=0.9)
-    add("--max-num-seqs", type=int, default=256)
-    add("--max-num-batched-tokens", type=int, default=2048)
-    add("--gateway-control", default="tcp://127.0.0.1:7100")
-    add("--host", default="127.0.0.1")
-    add("--advertise-host", default=None)
-    add("--port", type=int, default=0)
+    add("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-memory-fraction)")
+    add("--kv-memory-fraction", type=float, default=0.9,
+        help="share of free GPU memory (CPU: of a 1 GiB budget) for the KV cache")
+    add("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    add("--max-num-batched-tokens", type=int, default=2048,
+        help="token budget per step (chunked prefill splits prompts to fit)")
+    add("--gateway-control", default="tcp://127.0.0.1:7100", help="the gateway's --control-bind address")
+    add("--host", default="127.0.0.1", help="address this worker binds its sockets to")
+    add("--advertise-host", default=None, help="address peers use to reach this worker (default --host)")
+    add("--port", type=int, default=0, help="this worker's KV control port (0: any free port)")
     add("--worker-id", default="", help="default hostname-pid")
     if role != "colocated":
-        add("--transfer-backend", default="nixl", choices=["nixl", "ucx", "loopback"])
+        add("--transfer-backend", default="nixl", choices=["nixl", "ucx", "loopback"],
+            help="KV transport between prefill and decode workers")
 
 
 def _add_up(add: _EnvAdder) -> None:
-    add("--model", default="smollm2-135m")
-    add("--port", type=int, default=8000)
-    add("--device", default="auto")
-    add("--transfer-backend", default="nixl", choices=["nixl", "ucx", "loopback"])
-    add("--num-prefill", type=int, default=1)
-    add("--num-decode", type=int, default=1)
-    add("--colocated", type=int, default=0)
+    add("--model", default="smollm2-135m", help="HF model dir or alias for every worker")
+    add("--port", type=int, default=8000, help="the gateway's HTTP port (on 127.0.0.1)")
+    add("--device", default="auto", help="cpu or cuda (auto: one worker per GPU when present)")
+    add("--transfer-backend", default="nixl", choices=["nixl", "ucx", "loopback"],
+        help="KV transport between prefill and decode workers")
+    add("--num-prefill", type=int, default=1, help="prefill workers to start")
+    add("--num-decode", type=int, default=1, help="decode workers to start")
+    add("--colocated", type=int, default=0, help="colocated workers to start")
 
 
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:

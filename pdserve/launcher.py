@@ -35,21 +35,40 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def plan(settings: UpSettings, control_port: int) -> list[tuple[str, list[str]]]:
-    """The children to start, in order: (name, argv after ``python -m pdserve.cli``). Gateway first."""
+def gpu_count() -> int:
+    """CUDA devices visible to this process (0 without torch's CUDA build or a GPU)."""
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def placements(device: str, num_workers: int, num_gpus: int) -> list[list[str]]:
+    """Device flags of each worker: with ``--device auto|cuda`` and GPUs present, worker i gets GPU
+    ``i % num_gpus`` (one worker per GPU when there are enough) and, where k workers share a GPU, a KV
+    memory fraction of 0.85 / k of its free memory; otherwise every worker gets ``--device`` as given."""
+    if device not in ("auto", "cuda") or num_gpus == 0:
+        return [["--device", device]] * num_workers
+    share = -(-num_workers // num_gpus)  # workers on the busiest GPU
+    fraction = f"{0.85 / share:.3f}" if share > 1 else "0.9"
+    return [["--device", f"cuda:{i % num_gpus}", "--kv-memory-fraction", fraction]
+            for i in range(num_workers)]
+
+
+def plan(settings: UpSettings, control_port: int, num_gpus: int = 0) -> list[tuple[str, list[str]]]:
+    """The children to start, in order: (name, argv after ``python -m pdserve.cli``). Gateway first.
+    ``num_gpus``: visible GPUs, used to place workers (see ``placements``)."""
     control = f"tcp://127.0.0.1:{control_port}"
     common = ["--log-level", settings.log_level, "--log-format", settings.log_format]
     children = [("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(settings.port),
                              "--control-bind", control, *common])]
-    worker = ["--model", settings.model, "--device", settings.device, "--gateway-control", control,
-              "--host", "127.0.0.1", *common]
+    worker = ["--model", settings.model, "--gateway-control", control, "--host", "127.0.0.1", *common]
     transfer = ["--transfer-backend", settings.transfer_backend]
-    for role, count in (("prefill", settings.num_prefill), ("decode", settings.num_decode),
-                        ("colocated", settings.colocated)):
-        for i in range(count):
-            name = f"{role}-{i}"
-            extra = transfer if role != "colocated" else []
-            children.append((name, [role, "--worker-id", f"up-{name}", *worker, *extra]))
+    roles = [(role, i) for role, count in (("prefill", settings.num_prefill), ("decode", settings.num_decode),
+                                           ("colocated", settings.colocated)) for i in range(count)]
+    for (role, i), device in zip(roles, placements(settings.device, len(roles), num_gpus), strict=True):
+        name = f"{role}-{i}"
+        extra = transfer if role != "colocated" else []
+        children.append((name, [role, "--worker-id", f"up-{name}", *worker, *device, *extra]))
     return children
 
 
@@ -150,7 +169,8 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
 
 def _supervise(settings: UpSettings, sup: Supervisor, stop: list[bool], ready_timeout: float) -> int:
     url = f"http://127.0.0.1:{settings.port}"
-    for name, args in plan(settings, free_port()):
+    gpus = gpu_count() if settings.device in ("auto", "cuda") else 0
+    for name, args in plan(settings, free_port(), gpus):
         sup.start(name, args)
     why = wait_ready(sup, url, ready_timeout, stop)
     if why == "interrupted":

@@ -71,6 +71,7 @@ class WorkerSettings:
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.9

@@ -25,7 +25,7 @@ _NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: no inf - inf =
 def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2, split_len,
+    scale_log2,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -35,6 +35,9 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # each sequence spreads its own length over the NUM_SPLITS splits (whole tiles), read from device
+    # memory: the grid never depends on a step's lengths, so one CUDA graph serves every step
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     rows = tl.arange(0, BLOCK_G)
@@ -123,11 +126,18 @@ def paged_decode_attention(
         q: ``[N, H, D]``; token ``i`` belongs to sequence ``i``; innermost dim contiguous.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (same strides), ``q``'s dtype.
         block_tables: int32 ``[>= N, max_blocks]``; seq_lens: int32 ``[>= N]`` (tokens incl. the query).
-        max_seq_len: python int >= every ``seq_lens[i]`` (sizes the split grid; no device read).
+        max_seq_len: python int >= every ``seq_lens[i]``; only feeds the ``num_splits`` heuristic (no
+            device read). The kernel reads each ``seq_lens[i]`` from device memory and cuts that length
+            into ``num_splits`` ranges, so the launch grid ``(N, Hkv, num_splits)`` does not depend on the
+            step's lengths: with a fixed ``num_splits`` the two launches can be captured in a CUDA graph
+            once and replayed for any lengths (splits past a short sequence's end do no work).
         scale: softmax scale. out: optional ``[N, H, D]`` output. num_splits: override the heuristic.
 
     Returns:
         ``[N, H, D]`` in ``q``'s dtype.
+
+    Raises:
+        ValueError: ``num_splits < 1``.
 
     Tuning (Hopper): tiles of 64 KV tokens, 4 warps, 2 stages for step 1; splits from
     ``choose_num_splits`` (132 SMs on H200). Under the interpreter: 16-token tiles.
@@ -143,8 +153,8 @@ def paged_decode_attention(
     if num_splits is None:
         sms = _num_sms(q.device.index or 0) if on_gpu else 8
         num_splits = choose_num_splits(n, num_kv_heads, max_seq_len, block_n, sms)
-    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_seq_len, split_len))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     part_acc = torch.empty((n, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_m = torch.empty((n, num_heads, num_splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -152,7 +162,7 @@ def paged_decode_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_split_kernel[(n, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_m, part_l,
-        scale * LOG2E, split_len,
+        scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         NUM_HEADS=num_heads, QUERIES_PER_KV=qpk, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],

@@ -43,3 +43,17 @@ def test_example_request_is_valid_json_body() -> None:
     words = shlex.split(example("http://127.0.0.1:8000", "smollm2-135m"))
     body = json.loads(words[words.index("-d") + 1])
     assert body["model"] == "smollm2-135m" and body["messages"][0]["role"] == "user"
+
+
+def test_plan_places_one_worker_per_gpu_and_shares_when_short() -> None:
+    def devices(n_gpus: int, device: str = "auto") -> list[tuple[str, str | None]]:
+        out = []
+        for _, args in plan(UpSettings(device=device, num_prefill=1, num_decode=2), 7777, n_gpus)[1:]:
+            frac = args[args.index("--kv-memory-fraction") + 1] if "--kv-memory-fraction" in args else None
+            out.append((args[args.index("--device") + 1], frac))
+        return out
+
+    assert devices(0) == [("auto", None)] * 3  # CPU host: the workers resolve the device themselves
+    assert devices(4) == [("cuda:0", "0.9"), ("cuda:1", "0.9"), ("cuda:2", "0.9")]
+    assert devices(2) == [("cuda:0", "0.425"), ("cuda:1", "0.425"), ("cuda:0", "0.425")]
+    assert devices(4, "cpu") == [("cpu", None)] * 3  # an explicit device is kept as given
