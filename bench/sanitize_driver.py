@@ -1,0 +1,205 @@
+"""Driver for ``scripts/sanitize_kernels.sh``: every Triton kernel of ``engine/ops`` on a small shape grid.
+
+Under NVIDIA compute-sanitizer (memcheck: out-of-bounds / misaligned accesses; racecheck: shared-memory
+hazards) each kernel launch is ~100x slower, so the grid is small: block-boundary lengths with
+``block_size`` 16 (1, 15, 16, 17, 32, 33 tokens ...), GQA ratios 1 and 4, ``head_dim`` 64 and 128, bf16
+and fp16; ``store_kv``, ``paged_prefill_attention`` (cached prefixes included) and
+``paged_decode_attention`` at several ``num_splits``. Every output is also checked against the plain-torch
+references of ``engine/ops`` and the cache slots no sequence owns must still hold their sentinel (no
+stray writes), so a run without the sanitizer is a correctness smoke test too.
+
+On a machine without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` is set
+here before Triton is imported): use ``--tiny`` (fp16 only, one ``head_dim``; the interpreter has no
+bf16). The kernels use fixed tile sizes (no Triton autotuning), so what runs is what is sanitized.
+
+    python -m bench.sanitize_driver [--tiny] [--device cuda|cpu] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of triton (engine.ops, lazily)
+
+BLOCK_SIZE = 16
+SENTINEL = 7.0
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# (num_computed_tokens, query_len): prefixes and chunks that start/end on and next to block boundaries
+PREFILL_SPECS = ((0, 16), (15, 17), (16, 1), (0, 33), (31, 2))
+DECODE_SEQ_LENS = (1, 15, 16, 17, 33, 64, 65)
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    """One point of the shape grid: ``num_heads = num_kv_heads * gqa``; dtype is a ``torch`` dtype name."""
+
+    dtype: str
+    num_kv_heads: int
+    gqa: int
+    head_dim: int
+    num_splits: tuple[int, ...]
+
+
+def shape_grid(tiny: bool) -> list[KernelCase]:
+    """The cases to run. Full (GPU): {bf16, fp16} x GQA {1, 4} x head_dim {64, 128}, 2 KV heads, decode
+    at ``num_splits`` 1, 2 and 5. Tiny (CPU interpreter, seconds): one case, fp16, head_dim 64, GQA 4,
+    splits 1 and 3."""
+    if tiny:
+        return [KernelCase("float16", 2, 4, 64, (1, 3))]
+    return [KernelCase(dtype, 2, gqa, d, (1, 2, 5))
+            for dtype in ("bfloat16", "float16") for gqa in (1, 4) for d in (64, 128)]
+
+
+@dataclass
+class _Paged:
+    """A packed step over a sentinel-filled one-layer paged cache (inputs of all three kernels)."""
+
+    k_cache: torch.Tensor  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    seq_lens: torch.Tensor  # int32 [S]
+    query_start_loc: torch.Tensor  # int32 [S+1]
+    slot_mapping: torch.Tensor  # int64 [T]
+    q: torch.Tensor  # [T, H, D]
+    k_new: torch.Tensor  # [T, Hkv, D]
+    v_new: torch.Tensor
+    used: torch.Tensor  # bool [num_blocks * BLOCK_SIZE]: slots owned by a sequence
+    max_query_len: int
+    max_seq_len: int
+
+
+def _paged(specs: tuple[tuple[int, int], ...], case: KernelCase, device: str, seed: int) -> _Paged:
+    """Random K/V/Q for ``specs``; blocks permuted (scattered); cached prefixes written by indexing."""
+    dtype = DTYPES[case.dtype]
+    gen = torch.Generator().manual_seed(seed)
+    hkv, d = case.num_kv_heads, case.head_dim
+    needed = [math.ceil((c + q) / BLOCK_SIZE) for c, q in specs]
+    num_blocks = sum(needed) + 2
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [perm[sum(needed[:i]):sum(needed[:i + 1])] for i in range(len(specs))]
+    cache = torch.full((2, num_blocks * BLOCK_SIZE, hkv, d), SENTINEL, dtype=dtype)
+    used = torch.zeros(num_blocks * BLOCK_SIZE, dtype=torch.bool)
+    slots: list[int] = []
+    k_new, v_new = [], []
+    for (computed, qlen), table in zip(specs, tables, strict=True):
+        kv = torch.randn(2, computed + qlen, hkv, d, generator=gen).to(dtype)
+        seq_slots = [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(computed + qlen)]
+        used[seq_slots] = True
+        cache[:, seq_slots[:computed]] = kv[:, :computed]
+        slots += seq_slots[computed:]
+        k_new.append(kv[0, computed:])
+        v_new.append(kv[1, computed:])
+    width = max(needed)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    qlens = [q for _, q in specs]
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(qlens), hkv * case.gqa, d, generator=gen).to(dtype)
+    cache = cache.to(device).view(2, num_blocks, BLOCK_SIZE, hkv, d)
+    to = lambda t: t.to(device)  # noqa: E731
+    return _Paged(cache[0], cache[1], to(bt), to(torch.tensor([c + q for c, q in specs], dtype=torch.int32)),
+                  to(qsl), to(torch.tensor(slots, dtype=torch.int64)), to(q), to(torch.cat(k_new)),
+                  to(torch.cat(v_new)), used, max(qlens), max(c + q for c, q in specs))
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    err = (got.float() - want.float()).abs().max().item()
+    if not err <= TOL[dtype] * 4:
+        raise AssertionError(f"{name}: max abs error {err:.3g} > {TOL[dtype] * 4:.3g}")
+
+
+def _no_stray_writes(name: str, p: _Paged) -> None:
+    """Leak check of the cache: every slot no sequence owns still holds the sentinel."""
+    for cache in (p.k_cache, p.v_cache):
+        flat = cache.reshape(-1, *cache.shape[2:]).cpu()
+        if not bool((flat[~p.used] == SENTINEL).all()):
+            raise AssertionError(f"{name}: a kernel wrote outside its sequences' slots")
+
+
+def run_case(case: KernelCase, device: str, seed: int = 0) -> int:
+    """Run every kernel of ``case`` once (decode once per ``num_splits``) and check each against its
+    reference. Returns the number of kernel calls. Raises AssertionError naming the kernel on a mismatch."""
+    from engine.ops.paged_decode import paged_decode_attention, paged_decode_attention_reference
+    from engine.ops.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
+    from engine.ops.store_kv import store_kv
+
+    dtype, scale, calls = DTYPES[case.dtype], case.head_dim ** -0.5, 0
+    decode_specs = tuple((n - 1, 1) for n in DECODE_SEQ_LENS)
+    for kind, specs in (("prefill", PREFILL_SPECS), ("decode", decode_specs)):
+        p = _paged(specs, case, device, seed)
+        store_kv(p.k_new, p.v_new, p.k_cache, p.v_cache, p.slot_mapping)
+        calls += 1
+        flat_k = p.k_cache.reshape(-1, *p.k_cache.shape[2:])
+        _close(f"store_kv {case}", flat_k[p.slot_mapping], p.k_new, dtype)
+        if kind == "prefill":
+            args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.query_start_loc)
+            got = paged_prefill_attention(*args, p.max_query_len, scale)
+            want = paged_prefill_attention_reference(*args, p.max_query_len, p.max_seq_len, scale)
+            _close(f"paged_prefill_attention {case}", got, want, dtype)
+            calls += 1
+        else:
+            args2 = (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.max_seq_len, scale)
+            want = paged_decode_attention_reference(*args2)
+            for splits in case.num_splits:
+                got = paged_decode_attention(*args2, num_splits=splits)
+                _close(f"paged_decode_attention num_splits={splits} {case}", got, want, dtype)
+                calls += 2  # split + reduce launches
+        _no_stray_writes(f"{kind} {case}", p)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return calls
+
+
+def run(tiny: bool, device: str) -> dict[str, Any]:
+    """Run the whole grid; returns ``{"device", "cases", "kernel_launches", "seconds", "interpreter"}``.
+    Raises AssertionError on the first mismatch (named)."""
+    started = time.perf_counter()
+    grid = shape_grid(tiny)
+    launches = 0
+    for i, case in enumerate(grid):
+        n = run_case(case, device, seed=i)
+        launches += n
+        print(f"sanitize_driver: ok {case} ({n} launches)", flush=True)
+    return {"device": device, "cases": [asdict(c) for c in grid], "kernel_launches": launches,
+            "seconds": time.perf_counter() - started,
+            "interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: returns 0 when every kernel matched its reference, 1 on a mismatch, 2 on bad arguments."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU-interpreter sized grid")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", type=Path, default=None, help="write the summary here")
+    args = parser.parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print(f"sanitize_driver: --device {args.device} but CUDA is not available", file=sys.stderr)
+        return 2
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("sanitize_driver: on CPU set TRITON_INTERPRET=1 before Triton is imported", file=sys.stderr)
+        return 2
+    try:
+        result = run(args.tiny, args.device)
+    except AssertionError as exc:
+        print(f"sanitize_driver: MISMATCH {exc}", file=sys.stderr)
+        return 1
+    print(f"sanitize_driver: {len(result['cases'])} cases, {result['kernel_launches']} kernel launches, "
+          f"all match their references ({result['seconds']:.1f} s)")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
