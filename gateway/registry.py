@@ -2,7 +2,8 @@
 
 A worker is live while its last message is younger than ``heartbeat_timeout`` seconds. A registration
 with a higher epoch for a known ``worker_id`` replaces the old entry (the caller fails the old entry's
-requests); a lower or equal epoch is refused as stale.
+requests); the same epoch again (a worker answering several ``ReRegister`` messages) only refreshes it;
+a lower epoch is refused as stale.
 """
 
 from __future__ import annotations
@@ -68,8 +69,11 @@ class WorkerRegistry:
         A refused registration (stale epoch) leaves the registry unchanged.
         """
         old = self._workers.get(msg.worker_id)
-        if old is not None and msg.epoch <= old.info.epoch:
-            return None, f"stale epoch {msg.epoch} <= registered {old.info.epoch} for {msg.worker_id}"
+        if old is not None and msg.epoch < old.info.epoch:
+            return None, f"stale epoch {msg.epoch} < registered {old.info.epoch} for {msg.worker_id}"
+        if old is not None and msg.epoch == old.info.epoch:  # a repeated ReRegister answer: idempotent
+            old.identity, old.last_seen = identity, self._clock()
+            return None, ""
         self._workers[msg.worker_id] = WorkerEntry(msg, identity, self._clock(), msg.load)
         return old, ""
 

@@ -30,17 +30,21 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, hf_config: PretrainedConfig) -> torch.dtype:
-    """``"auto"`` → the checkpoint's dtype (``config.dtype``), float32 if it names none.
+def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device | None = None) -> torch.dtype:
+    """``"auto"`` → float32 on the CPU (half-precision matmuls there are slow and their rounding makes
+    results depend on the batch); on a GPU the checkpoint's dtype (``config.dtype``) when it is bf16 or
+    fp16, else bfloat16.
 
     Raises:
         ValueError: ``dtype`` is not ``auto``, ``float32``, ``bfloat16`` or ``float16``.
     """
     if dtype == "auto":
+        if device is None or device.type == "cpu":
+            return torch.float32
         found = getattr(hf_config, "dtype", None)
         if isinstance(found, str):
             found = _DTYPES.get(found)
-        return found if isinstance(found, torch.dtype) and found in _DTYPES.values() else torch.float32
+        return found if found in (torch.bfloat16, torch.float16) else torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
@@ -123,8 +127,8 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, PretrainedCo
         raise ValueError(f"load_format {model_config.load_format!r} is not supported; use auto or dummy")
     path = resolve_model(model_config.model)
     hf_config = load_hf_config(path)
-    dtype = resolve_dtype(model_config.dtype, hf_config)
     device = resolve_device(model_config.device)
+    dtype = resolve_dtype(model_config.dtype, hf_config, device)
     if model_config.load_format == "dummy":
         model = _build_dummy(hf_config, dtype, device, model_config.seed)
     else:

@@ -77,10 +77,18 @@ def test_load_each_architecture_keeps_weights(arch, tmp_path):
     assert not model.training and not any(p.requires_grad for p in model.parameters())
 
 
-def test_dtype_auto_uses_checkpoint_dtype_and_override(tmp_path):
+def test_dtype_auto_is_float32_on_cpu_checkpoint_half_on_gpu_and_override(tmp_path):
+    from engine.models.loader import load_hf_config, resolve_dtype
+
     path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", dtype=torch.bfloat16)
     auto, _ = load_model(ModelConfig(str(path), device="cpu"))
-    assert next(auto.parameters()).dtype == torch.bfloat16
+    assert {p.dtype for p in auto.parameters()} == {torch.float32}  # bf16 checkpoint, CPU → fp32
+    cfg = load_hf_config(path)
+    assert resolve_dtype("auto", cfg, torch.device("cuda")) == torch.bfloat16
+    cfg.dtype = torch.float16
+    assert resolve_dtype("auto", cfg, torch.device("cuda")) == torch.float16
+    cfg.dtype = torch.float32  # a full-precision checkpoint is served in bf16 on a GPU
+    assert resolve_dtype("auto", cfg, torch.device("cuda")) == torch.bfloat16
     for name, dtype in [("float16", torch.float16), ("float32", torch.float32)]:
         model, _ = load_model(ModelConfig(str(path), dtype=name, device="cpu"))
         assert {p.dtype for p in model.parameters()} == {dtype}

@@ -43,6 +43,17 @@ def test_epochs_replace_and_refuse_stale() -> None:
     assert registry.touch("d", 5) is None  # heartbeats of the old epoch are ignored
 
 
+def test_same_epoch_registration_is_idempotent() -> None:
+    """A worker answering several queued ReRegister messages registers the same epoch repeatedly:
+    the first is a registration, the rest only refresh it (no refusal, no failed requests)."""
+    registry, _ = make(reg("d", "decode", epoch=5))
+    registry.get("d").requests.add("r1")  # type: ignore[union-attr]
+    old, reason = registry.register(reg("d", "decode", epoch=5), b"z")
+    assert (old, reason) == (None, "")
+    entry = registry.get("d")
+    assert entry is not None and entry.identity == b"z" and entry.requests == {"r1"}
+
+
 def test_dead_after_heartbeat_timeout() -> None:
     clock = Clock()
     registry = WorkerRegistry(heartbeat_timeout=5.0, clock=clock)
