@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -43,6 +44,7 @@ from pdserve.messages import (
 from pdserve.settings import GatewaySettings
 
 log = logging.getLogger("pdserve.gateway")
+RECENT_IDS = 1 << 16  # released worker request ids remembered, so a reused X-Request-Id gets a new one
 _PER_REQUEST = ("KVReserved", "FirstToken", "TokenBatch", "RequestFinished", "RequestFailed")
 
 
@@ -56,6 +58,7 @@ class GatewayService:
         self.router = Router(self.registry, PrefixIndex(), settings.disagg_threshold,
                              settings.allow_local_prefill)
         self.requests: dict[str, RequestHandle] = {}
+        self.released: OrderedDict[str, None] = OrderedDict()  # worker ids that workers may still hold
         self.control: ControlSocket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
@@ -244,6 +247,23 @@ class GatewayService:
         if entry is not None:
             entry.requests.discard(handle.request_id)
 
+    def worker_request_id(self, request_id: str) -> str:
+        """The id workers see for a new request: ``request_id`` itself, or ``request_id~k`` (smallest free
+        k ≥ 1) when that id is in flight or was released recently. Workers may still hold a released
+        request (an abort in flight, a KV send finishing), and their late messages are matched by id,
+        so a client that reuses an X-Request-Id must not get the old incarnation's tokens or collide
+        with it in a worker's scheduler. (``~`` never occurs in client ids: see gateway/middleware.py.)"""
+        candidate, k = request_id, 0
+        while candidate in self.requests or candidate in self.released:
+            k += 1
+            candidate = f"{request_id}~{k}"
+        return candidate
+
+    @staticmethod
+    def client_request_id(worker_request_id: str) -> str:
+        """The X-Request-Id-derived id a worker request id was made from (``worker_request_id`` undone)."""
+        return worker_request_id.partition("~")[0]
+
     def stream(self, handle: RequestHandle) -> AsyncIterator[Delta]:
         """Text deltas of the request (see gateway/stream.py). Raises GenerationFailed."""
         return run_stream(self, handle)
@@ -252,6 +272,9 @@ class GatewayService:
         """End the request now; aborts go out in a background task (safe inside a cancelled scope)."""
         if self.requests.pop(handle.request_id, None) is None:
             return
+        self.released[handle.request_id] = None
+        while len(self.released) > RECENT_IDS:
+            self.released.popitem(last=False)
         self._spawn(self._finish(handle))
 
     async def _finish(self, handle: RequestHandle) -> None:

@@ -16,6 +16,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from gateway.errors import APIError, bad_request, queue_full, unavailable, upstream_failed
@@ -35,7 +36,8 @@ async def submit_all(svc: GatewayService, p: Prepared) -> list[RequestHandle]:
         APIError: 400 (a request with the same X-Request-Id is still in flight), 429 (queue full, counting
             all choices) or 503 (no worker can serve).
     """
-    if any(c.inp.request_id in svc.requests for c in p.choices):
+    wanted = {c.inp.request_id for c in p.choices}
+    if any(svc.client_request_id(rid) in wanted for rid in svc.requests):
         raise bad_request(f"request id {p.request_id!r} is already in flight (X-Request-Id must be unique)",
                           None, "duplicate_request_id")
     if len(svc.requests) + len(p.choices) > svc.settings.max_queue:
@@ -43,7 +45,8 @@ async def submit_all(svc: GatewayService, p: Prepared) -> list[RequestHandle]:
     handles: list[RequestHandle] = []
     try:
         for choice in p.choices:
-            handles.append(await svc.submit(choice.inp))
+            inp = replace(choice.inp, request_id=svc.worker_request_id(choice.inp.request_id))
+            handles.append(await svc.submit(inp))
     except NoWorkerError as exc:
         for h in handles:
             svc.release(h)

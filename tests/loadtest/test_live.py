@@ -1,0 +1,143 @@
+"""`pdserve bench` against the live system: real gateway + prefill + decode processes (embedded SmolLM2 on
+CPU, KV over NIXL on 127.0.0.1), driven through ``loadtest.cli.main`` exactly as the CLI runs it.
+
+* a small Poisson run (token-id prompts, ``ignore_eos``): every request completes with exactly
+  ``max_tokens`` tokens, TTFT/TPOT are positive, the output files exist, and the KV gauge — seen above 0
+  during the run — is back to 0 for every worker afterwards (leak check);
+* a fault run on a separate system: the decode worker is SIGKILLed mid-run through ``--fault``; the run
+  ends on its own, requests before the fault complete, those after it fail fast with the gateway's
+  errors (none hangs to its timeout), and the report carries the phases and the KV gauge before/after.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.disagg_vs_colocated import live_system
+from loadtest.cli import main
+from loadtest.metrics import tpot_s
+from loadtest.records import RequestRecord
+from loadtest.report import load_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+INPUT_LEN, MAX_TOKENS, TIMEOUT_S = 32, 8, 30.0
+
+
+def kv_used(url: str) -> dict[str, float]:
+    """worker_id → ``pdserve_kv_blocks_used`` (blocks) from the gateway's /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
+    return {s.labels["worker_id"]: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "pdserve_kv_blocks_used"}
+
+
+@contextmanager
+def gauge_watch(url: str, period_s: float = 0.2) -> Iterator[dict[str, float]]:
+    """Poll the KV gauge in a thread while the body runs; yields worker_id → the highest value seen."""
+    peak: dict[str, float] = {}
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(period_s):
+            try:
+                for wid, value in kv_used(url).items():
+                    peak[wid] = max(peak.get(wid, 0.0), value)
+            except httpx.HTTPError:
+                pass
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def bench_args(url: str, out: Path, *extra: str) -> list[str]:
+    return ["--base-url", url, "--input-len", f"fixed:{INPUT_LEN}", "--output-len", f"fixed:{MAX_TOKENS}",
+            "--ignore-eos", "--prompt-format", "tokens", "--arrival", "poisson", "--seed", "1",
+            "--request-timeout", f"{TIMEOUT_S:g}s", "--leak-settle", "5s", "--no-progress",
+            "--output-dir", str(out), *extra]
+
+
+def test_bench_live_poisson(tmp_path: Path) -> None:
+    with live_system("disagg", tmp_path / "logs", num_blocks=256) as system:
+        with gauge_watch(system.url) as peak:
+            rc = main(bench_args(system.url, tmp_path / "out", "--request-rate", "2", "--num-requests", "8"))
+        after = kv_used(system.url)
+        assert system.sup.dead() == [], system.log("decode")[-2000:]
+    assert rc == 0
+    assert (tmp_path / "out" / "summary.md").is_file() and (tmp_path / "out" / "latency_cdf.png").is_file()
+    result = load_json(tmp_path / "out" / "results.json")
+    (run,) = result.runs
+    assert run.rate == 2.0 and run.summary.completed == 8 and run.summary.failed == 0
+    assert len(run.records) == 8
+    for rec in run.records:
+        assert rec.success and rec.usage_reported, rec
+        assert rec.output_tokens == MAX_TOKENS and rec.prompt_tokens == INPUT_LEN
+        assert rec.ttft_s is not None and rec.ttft_s > 0
+        assert (tpot_s(rec) or 0.0) > 0 and len(rec.itl_s) == MAX_TOKENS - 1
+    assert run.summary.ttft_ms is not None and run.summary.ttft_ms.mean > 0
+    assert run.summary.tpot_ms is not None and run.summary.tpot_ms.mean > 0
+    # leak check: the gauge moved during the run (so 0 afterwards means something) and is back to 0
+    assert peak.get("bench-decode", 0) > 0, peak
+    assert after == {"bench-prefill": 0.0, "bench-decode": 0.0}
+    assert (run.kv.before, run.kv.after, run.kv.leaked, run.kv.error) == (0.0, 0.0, 0.0, "")
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| rate=2/s | 8/8 |" in summary and "before 0, after 0, leaked 0" in summary
+
+
+def _phase_split(records: list[RequestRecord], fault_s: float) -> tuple[list[RequestRecord], ...]:
+    before = [r for r in records if r.start_s < fault_s]
+    return before, [r for r in records if r.start_s >= fault_s]
+
+
+def test_bench_live_decode_killed(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with live_system("disagg", tmp_path / "logs", num_blocks=256) as system:
+        decode = system.pids["decode"]
+        rc = main(bench_args(system.url, out, "--request-rate", "1", "--num-requests", "10",
+                             "--fault", f"at=5s,timeout=5s,cmd=kill -9 {decode}"))
+        assert system.sup.children["decode"].poll() == -9  # the fault really killed it
+        after = kv_used(system.url)
+        assert not [n for n, _ in system.sup.dead() if n != "decode"], "only the decode worker may die"
+    assert rc == 0  # some requests completed, no leak
+    (run,) = load_json(out / "results.json").runs
+    (fault,) = run.faults
+    assert fault.status == "ran" and fault.returncode == 0 and fault.started_s is not None
+    assert [p.name for p in run.phases] == ["before fault 1", "after fault 1"]
+    early, late = _phase_split(run.records, fault.started_s)
+    assert (run.phases[0].completed, run.phases[0].failed) == (sum(r.success for r in early),
+                                                              sum(not r.success for r in early))
+    assert run.phases[0].completed >= 1  # requests that finished before the kill
+    assert late and run.phases[1].completed == 0 and run.phases[1].failed == len(late)
+    assert all(r.error_kind in ("stream_error", "http_status") for r in late), [r.error for r in late]
+    # no request hangs to its timeout: every one ended, and the run ended well before the bound
+    assert len(run.records) == 10 and run.phases[0].timed_out == run.phases[1].timed_out == 0
+    last_start = max(r.start_s for r in run.records)
+    assert run.summary.duration_s < last_start + TIMEOUT_S / 2, run.summary.duration_s
+    # the KV gauge: the dead decode worker's series is gone, the prefill worker holds no block
+    assert after == {"bench-prefill": 0.0}
+    assert (run.kv.before, run.kv.after, run.kv.leaked) == (0.0, 0.0, 0.0)
+    summary = (out / "summary.md").read_text()
+    assert "| before fault 1 |" in summary and "| after fault 1 |" in summary
+    assert f"kill -9 {decode}" in summary and "before 0, after 0, leaked 0" in summary
+    assert json.loads((out / "results.json").read_text())["config"]["faults"][0]["at_s"] == 5.0
+
+
+def test_live_system_rejects_bad_mode(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="mode must be"), live_system("both", tmp_path):  # type: ignore[arg-type]
+        pass
+    with pytest.raises(ValueError, match="num_blocks"), live_system("disagg", tmp_path, num_blocks=0):
+        pass
+    assert not any(tmp_path.iterdir())  # nothing started, no log written
+
