@@ -26,7 +26,6 @@ class AttentionBackend(ABC):
 
     name: str = "base"
 
-    @abstractmethod
     def forward(
         self,
         layer: int,
@@ -38,6 +37,9 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """Store ``k``, ``v`` into layer ``layer`` of ``kv_cache`` and return the attention output.
+
+        Checks the inputs, stores the new K/V (``store``), calls ``meta.layer_hook(layer)``, then attends
+        (``attend``); backends implement those two steps.
 
         Args:
             layer: layer index into ``kv_cache``.
@@ -55,6 +57,29 @@ class AttentionBackend(ABC):
         Raises:
             ValueError: shapes, dtypes or devices that do not fit the cache or the metadata.
         """
+        check_inputs(layer, q, k, v, kv_cache, meta)
+        self.check_cache(kv_cache)
+        k_cache, v_cache = kv_cache.k_cache(layer), kv_cache.v_cache(layer)
+        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.layer_hook is not None:
+            meta.layer_hook(layer)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def check_cache(self, kv_cache: KVCachePool) -> None:
+        """Backend-specific cache requirements; raises ``ValueError``. Default: none."""
+        return None
+
+    @abstractmethod
+    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Write ``k``/``v [T, Hkv, D]`` into ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]`` at
+        ``slot_mapping [T]`` (int64 slots ``block * block_size + offset``; negative slots are skipped)."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of ``q [T, H, D]`` over the paged KV of one layer (already holding this step's
+        tokens); decodes first. Returns ``[T, H, D]`` in ``q``'s dtype."""
 
 
 def check_inputs(

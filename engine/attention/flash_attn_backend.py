@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend, check_inputs
+from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCachePool
 from engine.ops.store_kv import store_kv
@@ -32,27 +32,22 @@ class FlashAttnBackend(AttentionBackend):
 
     name = "flash_attn"
 
-    def forward(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCachePool,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """See ``AttentionBackend.forward``: ``q [T,H,D]``, ``k``/``v [T,Hkv,D]`` → ``[T,H,D]``."""
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-
-        check_inputs(layer, q, k, v, kv_cache, meta)
+    def check_cache(self, kv_cache: KVCachePool) -> None:
+        """flash-attn's paged KV needs ``block_size % 256 == 0``; raises ``ValueError`` otherwise."""
         if kv_cache.block_size % FLASH_ATTN_BLOCK_MULTIPLE != 0:
             raise ValueError(f"flash_attn paged KV needs block_size % {FLASH_ATTN_BLOCK_MULTIPLE} == 0, "
                              f"got {kv_cache.block_size}; use the triton backend")
-        k_cache, v_cache = kv_cache.k_cache(layer), kv_cache.v_cache(layer)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.layer_hook is not None:
-            meta.layer_hook(layer)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """See ``AttentionBackend.store`` (the Triton ``store_kv`` kernel)."""
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """See ``AttentionBackend.attend``: ``flash_attn_with_kvcache`` / ``flash_attn_varlen_func``."""
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd > 0:

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend, check_inputs
+from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.kv_cache import KVCachePool
 from engine.ops.paged_decode import paged_decode_attention_reference
 from engine.ops.paged_prefill import paged_prefill_attention_reference
 from engine.ops.store_kv import store_kv_reference
@@ -22,22 +21,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCachePool,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """See ``AttentionBackend.forward``: ``q [T,H,D]``, ``k``/``v [T,Hkv,D]`` → ``[T,H,D]``."""
-        check_inputs(layer, q, k, v, kv_cache, meta)
-        k_cache, v_cache = kv_cache.k_cache(layer), kv_cache.v_cache(layer)
-        store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.layer_hook is not None:
-            meta.layer_hook(layer)
+    def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """See ``AttentionBackend.store`` (``index_copy_`` reference)."""
+        store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """See ``AttentionBackend.attend``: SDPA references, decodes and prefills padded separately."""
         nd = meta.num_decodes
         parts = []
         if nd > 0:
