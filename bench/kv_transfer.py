@@ -7,7 +7,11 @@ measured in the same run: on CPU a same-process memcpy of the same bytes (capped
 with `--device cuda` a torch peer copy GPU0 → GPU1 of the same bytes (the receiver then lives on cuda:1).
 
     .venv/bin/python bench/kv_transfer.py [--device cpu|cuda] [--tokens 1024 4096 32768]
-        [--backends nixl ucx] [--repeat 3] [--scatter]
+        [--backends nixl ucx] [--repeat 3] [--scatter] [--depth 4] [--verify]
+
+--depth: TransferConfig.max_inflight_layers of the sender. --trace: per-layer timeline of the last round
+(gather launched, write posted, write complete, in µs after the first send_layer). --verify: CRC32 of
+every request-layer checked on arrival (bit-exactness through the real transport; slow: copies to host).
 """
 
 from __future__ import annotations
@@ -32,23 +36,26 @@ def _kv(num_blocks: int, device: str) -> torch.Tensor:
     return torch.zeros(LAYERS, 2, num_blocks, BS, HEADS, DIM, dtype=DTYPE, device=device)
 
 
-def _config(worker_id: str, backend: str):  # type: ignore[no-untyped-def]
+def _config(worker_id: str, backend: str, depth: int = 4, verify: bool = False):  # type: ignore[no-untyped-def]
     from kvtransfer import TransferConfig
 
-    return TransferConfig(worker_id=worker_id, model_id="llama-3-8b-shape", backend=backend, timeout_s=120)
+    return TransferConfig(worker_id=worker_id, model_id="llama-3-8b-shape", backend=backend, timeout_s=120,
+                          max_inflight_layers=depth, checksum=verify)
 
 
-def receiver_main(conn: Connection, backend: str, num_blocks: int, device: str) -> None:
+def receiver_main(conn: Connection, backend: str, num_blocks: int, device: str, verify: bool = False) -> None:
     """Decode side: expect requests on demand, report when they are DONE."""
     from kvtransfer import get_transfer_backend
 
-    rx = get_transfer_backend(backend).receiver(_config("bench-d", backend), _kv(num_blocks, device))
+    rx = get_transfer_backend(backend).receiver(_config("bench-d", backend, verify=verify),
+                                                _kv(num_blocks, device))
     conn.send(None)
     while (cmd := conn.recv())[0] != "close":
         if cmd[0] == "expect":
             conn.send(msgspec.msgpack.encode(rx.expect(cmd[1], cmd[2])))
         elif cmd[0] == "wait":
-            conn.send(rx.wait(cmd[1], 120).name)
+            status = rx.wait(cmd[1], 120)
+            conn.send(status.name if status.name == "DONE" else f"{status.name}: {rx.reason(cmd[1])}")
             rx.release(cmd[1])
     rx.close()
     conn.send(None)
@@ -76,7 +83,8 @@ def _baseline(nbytes: int, device: str) -> float:
     return best
 
 
-def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool) -> float:
+def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, depth: int = 4,
+         verify: bool = False, trace: bool = False) -> float:
     """Best GB/s of `repeat` transfers of one `tokens`-token request over `backend`."""
     from kvtransfer import KVHandle, TransferStatus, get_transfer_backend
 
@@ -84,11 +92,11 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool) -> 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     rx_device = device if device == "cpu" else "cuda:1"
-    proc = ctx.Process(target=receiver_main, args=(child, backend, n, rx_device), daemon=True)
+    proc = ctx.Process(target=receiver_main, args=(child, backend, n, rx_device, verify), daemon=True)
     proc.start()
     conn.recv()
     src = torch.randn(LAYERS, 2, n, BS, HEADS, DIM, device=device if device == "cpu" else "cuda:0").to(DTYPE)
-    tx = get_transfer_backend(backend).sender(_config("bench-p", backend), src)
+    tx = get_transfer_backend(backend).sender(_config("bench-p", backend, depth, verify), src)
     dst_ids = list(range(n))
     if scatter:
         dst_ids = dst_ids[::2] + dst_ids[1::2]  # no two adjacent: one piece per block
@@ -96,6 +104,8 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool) -> 
     try:
         for i in range(repeat + 1):  # the first round warms up (handshake, registration)
             rid = f"r{i}"
+            if trace and i == repeat:
+                tx._pipe.trace = []
             conn.send(("expect", rid, dst_ids))
             handle = msgspec.msgpack.decode(conn.recv(), type=KVHandle)
             t = time.perf_counter()
@@ -105,16 +115,29 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool) -> 
             status = tx.wait(rid, 120)
             dt = time.perf_counter() - t
             conn.send(("wait", rid))
-            assert conn.recv() == "DONE" and status is TransferStatus.DONE, tx.reason(rid)
+            got = conn.recv()
+            assert got == "DONE" and status is TransferStatus.DONE, (got, tx.reason(rid))
             tx.release(rid)
             if i:
                 best = max(best, src.numel() * src.element_size() / dt / 1e9)
+            if tx._pipe.trace is not None:
+                _print_trace(tx._pipe.trace, t, dt)
     finally:
         tx.close()
         conn.send(("close",))
         conn.recv()
         proc.join(30)
     return best
+
+
+def _print_trace(trace: list[tuple[float, str, str, int]], t0: float, dt: float) -> None:
+    """One line per layer: µs after the first send_layer at which its gather, post and completion ran."""
+    rows: dict[int, dict[str, float]] = {}
+    for t, what, _rid, layer in trace:
+        rows.setdefault(layer, {})[what] = (t - t0) * 1e6
+    print(f"# trace: total {dt * 1e6:.0f} us; layer: gather / post / done (us)")
+    print("# " + "; ".join(f"{la}: {r.get('gather', -1):.0f}/{r.get('post', -1):.0f}/{r.get('done', -1):.0f}"
+                           for la, r in sorted(rows.items())))
 
 
 def main() -> None:
@@ -124,16 +147,21 @@ def main() -> None:
     p.add_argument("--backends", nargs="+", default=["nixl", "ucx"])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--scatter", action="store_true", help="destination blocks not adjacent (worst case)")
+    p.add_argument("--depth", type=int, default=4, help="request-layers in flight (max_inflight_layers)")
+    p.add_argument("--verify", action="store_true", help="CRC32 of every request-layer checked on arrival")
+    p.add_argument("--trace", action="store_true", help="per-layer timeline of the last round")
     args = p.parse_args()
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {platform.node()} {os.cpu_count()} cores, torch "
-          f"{torch.__version__}, device {args.device}{', scattered blocks' if args.scatter else ''}")
+          f"{torch.__version__}, device {args.device}, depth {args.depth}"
+          f"{', scattered blocks' if args.scatter else ''}{', verified (CRC32)' if args.verify else ''}")
     print("| tokens | MiB | baseline GB/s | backend | GB/s | ratio |")
     print("|---|---|---|---|---|---|")
     for tokens in args.tokens:
         layer_bytes = 2 * tokens * HEADS * DIM * 2
         base = _baseline(LAYERS * layer_bytes, args.device)
         for backend in args.backends:
-            gbs = _one(backend, tokens, args.device, args.repeat, args.scatter)
+            gbs = _one(backend, tokens, args.device, args.repeat, args.scatter, args.depth, args.verify,
+                       args.trace)
             print(f"| {tokens} | {LAYERS * layer_bytes / 2**20:.0f} | {base:.2f} | {backend} | {gbs:.2f} | "
                   f"{gbs / base:.2f} |", flush=True)
 

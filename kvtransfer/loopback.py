@@ -8,6 +8,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -50,10 +51,21 @@ class LoopbackRecvTransport(RecvTransport):
         self._registry.pop(self.key, None)
 
 
+@dataclass
+class _Write:
+    target: LoopbackRecvTransport
+    pieces: list[Piece]
+    notice: bytes
+    done: bool = False
+
+
 class LoopbackSendTransport(SendTransport):
-    """Copies staging pieces into an in-process LoopbackRecvTransport."""
+    """Copies staging pieces into an in-process LoopbackRecvTransport. Tests clear `deliver` (a
+    threading.Event, set by default) to keep posted writes in flight until it is set again."""
 
     def __init__(self) -> None:
+        self.deliver = threading.Event()
+        self.deliver.set()
         self._peers: dict[str, str] = {}
         self._staging = torch.empty(0, dtype=torch.uint8)
 
@@ -70,10 +82,28 @@ class LoopbackSendTransport(SendTransport):
     def remove_peer(self, peer: str) -> None:
         self._peers.pop(peer, None)
 
-    def write(self, peer: str, pieces: list[Piece], notice: bytes, tag: int, deadline: float) -> None:
+    def post(self, peer: str, pieces: list[Piece], notice: bytes, tag: int) -> object:
+        """Copy now (or, while `deliver` is cleared, when test() first finds it set) and queue the notice."""
         target = LoopbackRecvTransport._registry.get(self._peers.get(peer, ""))
         if target is None:
             raise TransferError(f"loopback peer {peer} is gone")
-        for src, dst, size in pieces:
-            target.kv_bytes[dst:dst + size].copy_(self._staging[src:src + size])
-        target.inbox.append(notice)
+        write = _Write(target, pieces, notice)
+        if self.deliver.is_set():
+            self._deliver(write)
+        return write
+
+    def test(self, handle: object) -> bool:
+        assert isinstance(handle, _Write)
+        if not handle.done and self.deliver.is_set():
+            self._deliver(handle)
+        return handle.done
+
+    def cancel(self, handle: object) -> None:
+        assert isinstance(handle, _Write)
+        handle.done = True  # never delivered
+
+    def _deliver(self, w: _Write) -> None:
+        for src, dst, size in w.pieces:
+            w.target.kv_bytes[dst:dst + size].copy_(self._staging[src:src + size])
+        w.target.inbox.append(w.notice)
+        w.done = True

@@ -3,7 +3,8 @@
 Flow (sender = prefill worker, DEALER socket; receiver = decode worker, ROUTER socket):
 Hello → HelloReply (compatibility handshake, transport metadata); Begin → BeginReply (the sender claims a
 request before writing any block: the receiver refuses requests it no longer expects, which fences late
-writes into reused blocks); LayerNotice (two-sided transports only: data for a layer follows); Done /
+writes into reused blocks); LayerNotice (two-sided transports only: data for a layer follows; one-sided
+ones carry it, or a LayerNotices batch, as the notification of the write itself); Done /
 Fail / Abort from the receiver; Stopped from the sender (it will write nothing more for the request);
 Heartbeat both ways.
 """
@@ -73,6 +74,12 @@ class LayerNotice(msgspec.Struct, tag=True):
     checksum: int | None = None
 
 
+class LayerNotices(msgspec.Struct, tag=True):
+    """Several LayerNotices carried by one one-sided write that moved several request-layers at once."""
+
+    notices: list[LayerNotice]
+
+
 class Done(msgspec.Struct, tag=True):
     request_id: str
 
@@ -98,11 +105,12 @@ class Heartbeat(msgspec.Struct, tag=True):
     epoch: int
 
 
-Message = Hello | HelloReply | Begin | BeginReply | LayerNotice | Done | Fail | Abort | Stopped | Heartbeat
+Message = (Hello | HelloReply | Begin | BeginReply | LayerNotice | LayerNotices | Done | Fail | Abort
+           | Stopped | Heartbeat)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
-_notice_decoder = msgspec.msgpack.Decoder(LayerNotice)
+_notice_decoder = msgspec.msgpack.Decoder(LayerNotice | LayerNotices)
 
 
 def encode(msg: Message) -> bytes:
@@ -116,5 +124,20 @@ def decode(data: bytes) -> Message:
 
 
 def decode_notice(data: bytes) -> LayerNotice:
-    """Parse a LayerNotice carried as a transport notification (NIXL notif)."""
-    return _notice_decoder.decode(data)
+    """Parse a notification that carries a single LayerNotice (see decode_notices for batches).
+
+    Raises ValueError for a LayerNotices batch, msgspec.DecodeError/ValidationError on garbage.
+    """
+    msg = _notice_decoder.decode(data)
+    if isinstance(msg, LayerNotices):
+        raise ValueError(f"notification carries {len(msg.notices)} layer notices: use decode_notices")
+    return msg
+
+
+def decode_notices(data: bytes) -> list[LayerNotice]:
+    """Parse the notification of a one-sided write (NIXL notif): a LayerNotice or a LayerNotices batch.
+
+    Raises msgspec.DecodeError/ValidationError on garbage.
+    """
+    msg = _notice_decoder.decode(data)
+    return msg.notices if isinstance(msg, LayerNotices) else [msg]

@@ -5,15 +5,16 @@ host): the same code, the memory type comes from the tensor's device.
 
 API flow (NIXL Python API, nixl_cu13._api.nixl_agent): register_memory → get_agent_metadata, exchanged in
 the Hello/HelloReply handshake → add_remote_agent → get_xfer_descs / initialize_xfer("WRITE") →
-transfer() → check_xfer_state; the target reads notifications with get_new_notifs().
+transfer() → check_xfer_state; the target reads notifications with get_new_notifs(). The sender posts
+a WRITE per request-layer and tests it later (several in flight, each from its own staging slot).
 Over CMA `transfer()` completes the copy before returning: it runs on the sender's loop thread, never
 on an event loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import time
 
 import msgspec
 import torch
@@ -76,7 +77,8 @@ class NixlRecvTransport(RecvTransport):
 
 
 class NixlSendTransport(SendTransport):
-    """WRITEs staging pieces with one NIXL transfer (one descriptor per piece) per request-layer."""
+    """WRITEs staging pieces with one NIXL transfer (one descriptor per piece) per request-layer; the
+    staging ring is registered once (again only when it grows)."""
 
     def __init__(self, name: str) -> None:
         self.agent = _agent(name)
@@ -102,7 +104,9 @@ class NixlSendTransport(SendTransport):
         if entry is not None:
             self.agent.remove_remote_agent(entry[0])  # type: ignore[attr-defined]
 
-    def write(self, peer: str, pieces: list[Piece], notice: bytes, tag: int, deadline: float) -> None:
+    def post(self, peer: str, pieces: list[Piece], notice: bytes, tag: int) -> object:
+        """One NIXL WRITE (one descriptor per piece) carrying `notice` as its notification; returns its
+        xfer handle without waiting (over CMA the copy has already happened when this returns)."""
         if peer not in self._peers or self._staging is None:
             raise TransferError(f"no NIXL connection to {peer}")
         name, meta = self._peers[peer]
@@ -113,13 +117,26 @@ class NixlSendTransport(SendTransport):
         handle = self.agent.initialize_xfer("WRITE", local, remote, name, notice)  # type: ignore[attr-defined]
         try:
             state = self.agent.transfer(handle)  # type: ignore[attr-defined]
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise TransferError("NIXL write did not complete before the deadline")
-                state = self.agent.check_xfer_state(handle)  # type: ignore[attr-defined]
-            if state != "DONE":
-                raise TransferError(f"NIXL write to {peer} failed ({state})")
-        finally:
+        except Exception as exc:
+            self.agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
+            raise TransferError(f"NIXL write to {peer} could not start: {exc}") from exc
+        if state == "ERR":
+            self.agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
+            raise TransferError(f"NIXL write to {peer} failed to start")
+        return handle
+
+    def test(self, handle: object) -> bool:
+        state = self.agent.check_xfer_state(handle)  # type: ignore[attr-defined]
+        if state == "PROC":
+            return False
+        self.agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
+        if state != "DONE":
+            raise TransferError(f"NIXL write failed ({state})")
+        return True
+
+    def cancel(self, handle: object) -> None:
+        """release_xfer_handle aborts a transfer still in progress (NIXL nixlAgent::releaseXferReq)."""
+        with contextlib.suppress(Exception):  # a failed abort leaves nothing for us to undo
             self.agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
 
     def close(self) -> None:

@@ -117,7 +117,9 @@ class KVReceiver(Endpoint):
 
     # ---- loop ---------------------------------------------------------------------------------
     def _step(self) -> None:
-        if self._sock.poll(0 if self._posted else 1, zmq.POLLIN):  # busy-progress while data is due
+        with self._lock:  # busy-poll while data is due: a 1 ms nap per step delays each notice
+            due = bool(self._posted) or any(st.status is S.TRANSFERRING for st in self._requests.values())
+        if self._sock.poll(0 if due else 1, zmq.POLLIN):
             while True:
                 try:
                     identity, data = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -126,8 +128,8 @@ class KVReceiver(Endpoint):
                 self._on_message(identity, m.decode(data))
         notices, keys = self.transport.poll()
         for raw in notices:
-            n = m.decode_notice(raw)
-            self._landed(n.request_id, n.layer, n.checksum)
+            for n in m.decode_notices(raw):
+                self._landed(n.request_id, n.layer, n.checksum)
         for key in keys:
             rid, layer, checksum, _ = self._posted.pop(key)
             self._landed(rid, layer, checksum)

@@ -1,8 +1,7 @@
 """KVSender: the prefill worker's side; writes a request's KV, layer by layer, into a receiver's blocks.
 
-Per request-layer: gather the layer's K and V blocks into one contiguous staging buffer, then one
-transport write of 2 pieces per destination run (runs.py). Layers go out in the order send_layer()
-is called, one request-layer at a time (a single staging buffer, reused).
+This file holds the public API and the control plane (handshake, Begin, fences, heartbeats); the data
+path (staging ring, several request-layers in flight, batched writes) is send_path.py + pipeline.py.
 """
 
 from __future__ import annotations
@@ -20,8 +19,10 @@ import zmq
 from kvtransfer import messages as m
 from kvtransfer.compat import peer_info
 from kvtransfer.endpoint import Endpoint, RequestState
-from kvtransfer.runs import layer_pieces, make_tag
-from kvtransfer.staging import StagingBuffer, checksum, gather_layer, layout_of
+from kvtransfer.pipeline import LayerPipeline
+from kvtransfer.runs import layer_pieces
+from kvtransfer.send_path import SendPath
+from kvtransfer.staging import layout_of
 from kvtransfer.transport import SendTransport
 from kvtransfer.types import IncompatiblePeerError, KVHandle, TransferConfig, TransferError, TransferStatus
 
@@ -38,7 +39,7 @@ class _Receiver:
     waiters: list[cf.Future[None]] = field(default_factory=list)
 
 
-class KVSender(Endpoint):
+class KVSender(SendPath, Endpoint):
     """Sends KV from `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]` (any dtype/device)."""
 
     def __init__(self, config: TransferConfig, kv_buffer: torch.Tensor, transport: SendTransport) -> None:
@@ -49,9 +50,10 @@ class KVSender(Endpoint):
         self.transport = transport
         self._ctx = zmq.Context()
         self._peers: dict[str, _Receiver] = {}
-        self._queue: deque[tuple[str, int]] = deque()
-        self._staging = StagingBuffer(kv_buffer, transport.set_staging)
+        self._queue: deque[tuple[str, int, torch.cuda.Event | None]] = deque()
+        self._pipe = LayerPipeline(kv_buffer, transport, config.max_inflight_layers)
         self._next_beat = 0.0
+        self._poller: zmq.Poller | None = None
 
     def start(self) -> KVSender:
         """Start the loop thread."""
@@ -75,20 +77,26 @@ class KVSender(Endpoint):
         """Start a transfer of this worker's `block_ids` (token order) into `handle`'s blocks.
 
         Raises ValueError on a duplicate request id, a block count different from the handle's or a
-        block id out of range.
+        block id out of range; TransferError if the sender is not running (nothing is kept then).
         """
         if len(block_ids) != len(handle.block_ids):
             raise ValueError(f"{len(block_ids)} source blocks for {len(handle.block_ids)} destination blocks")
         layer_pieces(self.layout, tuple(block_ids), 0)  # range check
         # the receiver owns the deadline; ours is a backstop a heartbeat-timeout later
         st = RequestState(handle, time.monotonic() + handle.timeout_s + self.config.peer_timeout_s)
+        key = zlib.crc32(f"{self.config.worker_id}:{self.epoch}:{handle.request_id}".encode())
         st.extra.update(src=torch.tensor(block_ids, dtype=torch.int64, device=self.kv_buffer.device),
-                        begun=False)
+                        begun=False, answered=False, key=key, inflight=0, stop=None)
         with self._lock:
             if handle.request_id in self._requests:
                 raise ValueError(f"request_id {handle.request_id!r} already added")
             self._requests[handle.request_id] = st
-        self._call(lambda: self._begin(st))
+        try:
+            self._call(lambda: self._begin(st))
+        except TransferError:
+            with self._lock:  # not running: forget the request again
+                del self._requests[handle.request_id]
+            raise
 
     def send_layer(self, request_id: str, layer: int) -> None:
         """Queue `layer` of the request: its KV must already be in kv_buffer (call after the layer's
@@ -100,11 +108,15 @@ class KVSender(Endpoint):
             if layer in st.layers:
                 raise ValueError(f"layer {layer} of {request_id!r} already sent")
             st.layers.add(layer)
-        self._call(lambda: self._queue.append((request_id, layer)))
+        event = None
+        if self.kv_buffer.is_cuda:  # the gather must follow the caller's stream up to now
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.kv_buffer.device))
+        self._call(lambda: self._queue.append((request_id, layer, event)))
 
     def abort(self, request_id: str) -> None:
-        """Stop sending the request: ABORTED here, the receiver is told (Stopped) after the in-flight
-        layer, if any, completes. Raises KeyError for an unknown request."""
+        """Stop sending the request: ABORTED here, the receiver is told (Stopped) once its in-flight
+        writes, if any, have completed. Raises KeyError for an unknown request."""
         self.status(request_id)
 
         def run() -> None:
@@ -113,16 +125,28 @@ class KVSender(Endpoint):
                 if st is None or st.status.is_terminal:
                     return
                 self._set(st, S.ABORTED, "aborted by sender")
-            self._stopped(st, aborted=True)
+                self._stop_later(st, aborted=True)
         self._call(run)
 
     def release(self, request_id: str) -> None:
-        """Forget a terminal request (its source blocks may be freed); RuntimeError if still active."""
+        """Forget a terminal request (its source blocks may be freed). Raises RuntimeError while it is
+        active, has request-layers in flight, a Stopped fence still to send or a Begin unanswered (the
+        receiver would otherwise never learn that nothing more comes); KeyError if unknown."""
         with self._lock:
             st = self._get(request_id)
-            if not st.status.is_terminal:
-                raise RuntimeError(f"request {request_id!r} is still {st.status.name}")
+            x = st.extra
+            busy = ("still " + st.status.name if not st.status.is_terminal else
+                    f"{x['inflight']} layers in flight" if x["inflight"] else
+                    "Stopped fence not sent yet" if x["stop"] is not None else
+                    "Begin not answered yet" if x.get("begin_sent") and not x["answered"] else "")
+            if busy:
+                raise RuntimeError(f"request {request_id!r} cannot be released: {busy}")
             del self._requests[request_id]
+
+    def check_no_leaks(self) -> None:
+        """Raise AssertionError if a request is still tracked or a staging slot is still in use."""
+        super().check_no_leaks()
+        assert self._pipe.ring.in_use == 0, f"{self._pipe.ring.in_use} staging slots still in use"
 
     # ---- control plane --------------------------------------------------------------------------
     def _peer(self, address: str) -> _Receiver:
@@ -133,6 +157,7 @@ class KVSender(Endpoint):
             sock.setsockopt(zmq.IDENTITY, f"{self.config.worker_id}:{self.epoch}".encode())
             sock.connect(address)
             peer = self._peers[address] = _Receiver(address, sock, last_seen=time.monotonic())
+            self._poller = None
         return peer
 
     def _send(self, peer: _Receiver, msg: m.Message) -> None:
@@ -199,7 +224,7 @@ class KVSender(Endpoint):
                 self._hello(peer.address)
                 return
             if isinstance(msg, m.BeginReply):
-                st.extra["begun"] = msg.ok
+                st.extra["begun"], st.extra["answered"] = msg.ok, True
                 self._set(st, S.TRANSFERRING if msg.ok else S.FAILED, msg.reason)
             elif isinstance(msg, m.Done):
                 self._set(st, S.DONE)
@@ -207,69 +232,45 @@ class KVSender(Endpoint):
                 self._set(st, S.ABORTED, "aborted by receiver")
             elif isinstance(msg, m.Fail):
                 self._set(st, S.FAILED, f"receiver failed it: {msg.reason}")
-        late_begin = isinstance(msg, m.BeginReply) and msg.ok and st.status in (S.ABORTED, S.FAILED)
-        if isinstance(msg, m.Fail | m.Abort) or late_begin:
-            # a request aborted while its Begin was in flight still needs its Stopped fence
-            self._stopped(st, aborted=st.status is S.ABORTED)
-
-    def _stopped(self, st: RequestState, aborted: bool) -> None:
-        """Tell the receiver we write nothing more for this request (only if it was begun)."""
-        if st.extra["begun"]:
-            self._send(self._peer(st.handle.address), m.Stopped(st.handle.request_id, aborted, st.reason))
+            late_begin = isinstance(msg, m.BeginReply) and msg.ok and st.status in (S.ABORTED, S.FAILED)
+            if isinstance(msg, m.Fail | m.Abort) or late_begin:
+                # a request aborted while its Begin was in flight still needs its Stopped fence
+                self._stop_later(st, aborted=st.status is S.ABORTED)
 
     def _fail_peer(self, peer: _Receiver, reason: str, only_epoch: int = 0) -> None:
+        """Fail the peer's requests and drop their writes in flight (the peer is gone or restarted)."""
         with self._lock:
             for st in self._requests.values():
-                if st.handle.address == peer.address and not st.status.is_terminal and (
-                        not only_epoch or st.handle.epoch == only_epoch):
+                if st.handle.address != peer.address or (only_epoch and st.handle.epoch != only_epoch):
+                    continue
+                st.extra["answered"] = True  # no Begin answer will come from a dead incarnation
+                if not st.status.is_terminal:
                     self._set(st, S.FAILED, reason)
+                self._dropped(self._pipe.cancel(st.handle.request_id, posted=True))
 
     # ---- loop ---------------------------------------------------------------------------------
     def _step(self) -> None:
+        busy = bool(self._queue or self._pipe.ops)
         peers = list(self._peers.values())
         if peers:
-            poller = zmq.Poller()
-            for p in peers:
-                poller.register(p.sock, zmq.POLLIN)
-            ready = dict(poller.poll(0 if self._queue else 1))
+            if self._poller is None:  # rebuilt only when a peer is added
+                self._poller = zmq.Poller()
+                for p in peers:
+                    self._poller.register(p.sock, zmq.POLLIN)
+            ready = dict(self._poller.poll(0 if busy else 1))
             for p in peers:
                 while p.sock in ready:
                     try:
                         self._on_message(p, m.decode(p.sock.recv(zmq.NOBLOCK)))
                     except zmq.Again:
                         break
-        else:
+        elif not busy:
             time.sleep(0.001)
-        if self._queue:
-            self._send_one(*self._queue.popleft())
+        self._start_gathers()
+        self._post_ready()
+        self._complete()
+        self._flush_stops()
         self._housekeeping()
-
-    def _send_one(self, request_id: str, layer: int) -> None:
-        with self._lock:
-            st = self._requests.get(request_id)
-            if st is None or st.status.is_terminal:
-                return
-            if not st.extra["begun"]:
-                self._queue.append((request_id, layer))  # Begin not answered yet: retry later
-                return
-        h = st.handle
-        pieces = layer_pieces(h.layout, h.block_ids, layer)
-        view = self._staging.view(len(h.block_ids))
-        gather_layer(self.kv_buffer, layer, st.extra["src"], view)
-        if view.is_cuda:
-            torch.cuda.current_stream(view.device).synchronize()  # staging complete before the write
-        key = zlib.crc32(f"{self.config.worker_id}:{self.epoch}:{request_id}".encode())
-        notice = m.LayerNotice(request_id, layer, make_tag(key, layer),
-                               checksum(view) if self.config.checksum else None)
-        peer = self._peer(h.address)
-        if not self.transport.one_sided:
-            self._send(peer, notice)
-        try:
-            self.transport.write(h.address, pieces, m.encode(notice), notice.tag, st.deadline)
-        except TransferError as exc:
-            with self._lock:
-                self._set(st, S.FAILED, f"transfer of layer {layer} failed: {exc}")
-            self._stopped(st, aborted=False)
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
@@ -288,7 +289,9 @@ class KVSender(Endpoint):
             for st in self._requests.values():
                 if not st.status.is_terminal and now > st.deadline:
                     self._set(st, S.FAILED, f"deadline of {st.handle.timeout_s}s passed")
-                    self._stopped(st, aborted=False)
+                    # posted writes may carry other requests' layers too: they complete or fail
+                    self._dropped(self._pipe.cancel(st.handle.request_id, posted=False))
+                    self._stop_later(st, aborted=False)
 
     def _teardown(self) -> None:
         self.transport.close()

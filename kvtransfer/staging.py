@@ -59,19 +59,66 @@ def layer_checksum(kv_buffer: torch.Tensor, layer: int, block_ids: tuple[int, ..
     return checksum(torch.index_select(kv_buffer[layer], 1, idx))
 
 
-class StagingBuffer:
-    """A growable flat uint8 staging tensor on kv_buffer's device; `on_new(tensor)` is called whenever
-    it is (re)allocated, so a transport can register it. Not thread-safe (the sender loop owns it)."""
+class StagingRing:
+    """`depth` staging slots in one flat uint8 tensor on kv_buffer's device, so that `depth`
+    request-layers can be in flight at once (gathered, being written) without registering memory per
+    transfer. The tensor is (re)allocated, and `on_new(tensor)` called so a transport can register it,
+    only when a request-layer needs a bigger slot and no slot is in use. Not thread-safe (the sender
+    loop owns it).
 
-    def __init__(self, kv_buffer: torch.Tensor, on_new: Callable[[torch.Tensor], None]) -> None:
+    Raises ValueError if depth < 1.
+    """
+
+    GRANULE = 1 << 20  # slot sizes are rounded up to whole MiB, so growth happens rarely
+
+    def __init__(self, kv_buffer: torch.Tensor, depth: int, on_new: Callable[[torch.Tensor], None]) -> None:
+        if depth < 1:
+            raise ValueError(f"staging ring depth must be >= 1, got {depth}")
         self.kv_buffer = kv_buffer
+        self.depth = depth
         self.on_new = on_new
+        self.slot_bytes = 0
         self.data = torch.empty(0, dtype=torch.uint8, device=kv_buffer.device)
+        self._free = list(range(depth - 1, -1, -1))  # a stack: the lowest free slot is reused first
 
-    def view(self, n: int) -> torch.Tensor:
-        """`[2, n, block_size, heads, head_dim]` view for n blocks, growing the buffer if needed."""
-        need = 2 * n * self.kv_buffer[0, 0, 0].numel() * self.kv_buffer.element_size()
-        if self.data.numel() < need:
-            self.data = torch.empty(need, dtype=torch.uint8, device=self.kv_buffer.device)
+    def bytes_for(self, n: int) -> int:
+        """Bytes of a request-layer of n blocks (K and V)."""
+        return 2 * n * self.kv_buffer[0, 0, 0].numel() * self.kv_buffer.element_size()
+
+    @property
+    def free_slots(self) -> int:
+        """Slots not acquired."""
+        return len(self._free)
+
+    @property
+    def in_use(self) -> int:
+        """Slots acquired and not yet released."""
+        return self.depth - len(self._free)
+
+    def acquire(self, n: int) -> int | None:
+        """A free slot for a request-layer of n blocks, or None (all slots busy, or the ring must grow
+        and has to drain first). Grows (reallocates and re-registers) only while no slot is in use."""
+        need = self.bytes_for(n)
+        if not self._free or (need > self.slot_bytes and self.in_use):
+            return None
+        if need > self.slot_bytes:
+            self.slot_bytes = -(-need // self.GRANULE) * self.GRANULE
+            self.data = torch.empty(self.depth * self.slot_bytes, dtype=torch.uint8,
+                                    device=self.kv_buffer.device)
             self.on_new(self.data)
-        return staging_view(self.data, self.kv_buffer, n)
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        """Return a slot; raises ValueError if it is not in use."""
+        if not 0 <= slot < self.depth or slot in self._free:
+            raise ValueError(f"staging slot {slot} is not in use")
+        self._free.append(slot)
+
+    def offset(self, slot: int) -> int:
+        """Byte offset of `slot` in the flat tensor."""
+        return slot * self.slot_bytes
+
+    def view(self, slot: int, n: int) -> torch.Tensor:
+        """`[2, n, block_size, heads, head_dim]` view of `slot` for n blocks."""
+        start = self.offset(slot)
+        return staging_view(self.data[start:start + self.slot_bytes], self.kv_buffer, n)

@@ -36,11 +36,26 @@ class SendTransport(ABC):
         """Forget a receiver (dead, restarted or closed)."""
 
     @abstractmethod
-    def write(self, peer: str, pieces: list[Piece], notice: bytes, tag: int, deadline: float) -> None:
-        """Copy `pieces` (staging offset, destination offset, bytes) to `peer` and block until done.
+    def post(self, peer: str, pieces: list[Piece], notice: bytes, tag: int) -> object:
+        """Start copying `pieces` (staging offset, destination offset, bytes) to `peer`; do not wait.
 
-        deadline: time.monotonic() seconds. Raises TransferError on failure or when the deadline passes.
+        Returns a handle for test()/cancel(). Several posts may be in flight at once (each from its own
+        staging region). Raises TransferError if the write cannot be started (e.g. unknown peer).
         """
+
+    @abstractmethod
+    def test(self, handle: object) -> bool:
+        """True once the posted write completed (its handle is then released); False while in flight.
+
+        Raises TransferError (handle released) if the write failed.
+        """
+
+    def cancel(self, handle: object) -> None:  # noqa: B027 (optional hook)
+        """Give up a posted write that has not completed (deadline passed, peer gone): release its
+        handle, aborting it if the transport can."""
+
+    def progress(self) -> None:  # noqa: B027 (optional hook)
+        """Make progress on posted writes (called by the sender loop while any are in flight)."""
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release transport resources."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: one-sided writes may carry a LayerNotices batch as their notification
 
 
 class TransferStatus(enum.Enum):
@@ -90,6 +90,8 @@ class TransferConfig:
     request deadline (seconds); heartbeat_interval_s and peer_timeout_s (seconds) decide when a silent
     peer is declared dead. checksum: debug setting, CRC32 of every request-layer checked on arrival.
     host/port: where a receiver binds its control socket (port 0 = pick a free one).
+    max_inflight_layers: request-layers a sender keeps in flight at once (gathered or being written),
+    each in its own slot of one staging ring: staging memory = this × the largest request-layer.
     """
 
     worker_id: str
@@ -103,8 +105,11 @@ class TransferConfig:
     checksum: bool = False
     host: str = "127.0.0.1"
     port: int = 0
+    max_inflight_layers: int = 4
 
     def __post_init__(self) -> None:
+        if self.max_inflight_layers < 1:
+            raise ValueError(f"max_inflight_layers must be >= 1, got {self.max_inflight_layers}")
         if self.timeout_s <= 0 or self.heartbeat_interval_s <= 0:
             raise ValueError("timeout_s and heartbeat_interval_s must be > 0")
         if self.peer_timeout_s <= self.heartbeat_interval_s:

@@ -1,7 +1,8 @@
 """ucxx transport: two-sided tag send/receive, endpoints created from worker addresses exchanged in
 the Hello/HelloReply handshake (not ucxx's listener: its forced peer-failure handling excludes the
 shared-memory transports, facts.md). The sender announces each request-layer with a LayerNotice on the
-control plane, then tag-sends one message per piece (tags tag..tag+n-1) from its staging buffer; the
+control plane, then tag-sends one message per piece (tags tag..tag+n-1) from its staging slot without
+waiting for earlier request-layers (several are in flight, each from its own slot); the
 receiver posts tag receives straight into the destination runs of kv_buffer (no receiver staging) and
 reports the layer when all have completed. CPU buffers go as uint8 numpy views, CUDA tensors through
 __cuda_array_interface__. API: ucxx._lib.libucxx (UCXContext, UCXWorker, UCXEndpoint, tag_send/tag_recv).
@@ -10,7 +11,6 @@ __cuda_array_interface__. API: ucxx._lib.libucxx (UCXContext, UCXWorker, UCXEndp
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
@@ -77,21 +77,31 @@ class UcxSendTransport(SendTransport):
         if ep is not None:
             ep.close()  # type: ignore[attr-defined]
 
-    def write(self, peer: str, pieces: list[Piece], notice: bytes, tag: int, deadline: float) -> None:
+    def post(self, peer: str, pieces: list[Piece], notice: bytes, tag: int) -> object:
+        """Tag-send each piece (tags tag, tag+1, ...) without waiting; returns the ucxx requests."""
         ep = self._eps.get(peer)
         if ep is None:
             raise TransferError(f"no ucxx endpoint to {peer}")
-        reqs = [ep.tag_send(_array(self._staging[s:s + n]), _tag(tag + i))  # type: ignore[attr-defined]
+        return [ep.tag_send(_array(self._staging[s:s + n]), _tag(tag + i))  # type: ignore[attr-defined]
                 for i, (s, _, n) in enumerate(pieces)]
-        while not all(r.completed for r in reqs):
-            if time.monotonic() > deadline:
-                raise TransferError("ucxx send did not complete before the deadline")
-            self.worker.progress()  # type: ignore[attr-defined]
-        for r in reqs:
+
+    def test(self, handle: object) -> bool:
+        assert isinstance(handle, list)
+        if not all(r.completed for r in handle):
+            return False
+        for r in handle:
             try:
                 r.check_error()
             except Exception as exc:
-                raise TransferError(f"ucxx send to {peer} failed: {exc}") from exc
+                raise TransferError(f"ucxx send failed: {exc}") from exc
+        return True
+
+    def cancel(self, handle: object) -> None:
+        """ucxx requests cannot be cancelled one by one: they end with their endpoint (remove_peer).
+        A send still reading a reused staging slot only reads, so nothing else is harmed."""
+
+    def progress(self) -> None:
+        self.worker.progress()  # type: ignore[attr-defined]
 
     def close(self) -> None:
         for peer in list(self._eps):

@@ -122,7 +122,7 @@ def test_deadline_fails_both_sides(pair):
 def test_checksum_detects_corruption(pair):
     tx, rx, _src, _dst = pair
     tx.add_request(rx.expect("a", [1, 2]), [0, 1])
-    tx.transport.write = _corrupting(tx.transport.write, tx.transport)
+    tx.transport.post = _corrupting(tx.transport.post, tx.transport)
     tx.send_layer("a", 0)
     assert rx.wait("a", WAIT) is S.FAILED and "checksum mismatch in layer 0" in rx.reason("a")
     assert tx.wait("a", WAIT) is S.FAILED
@@ -131,20 +131,20 @@ def test_checksum_detects_corruption(pair):
     rx.check_no_leaks()
 
 
-def _corrupting(write, transport):
-    def wrapped(peer, pieces, notice, tag, deadline):
-        transport._staging[0] ^= 0xFF  # flip a byte after the checksum was taken
-        return write(peer, pieces, notice, tag, deadline)
+def _corrupting(post, transport):
+    def wrapped(peer, pieces, notice, tag):
+        transport._staging[pieces[0][0]] ^= 0xFF  # flip a byte after the checksum was taken
+        return post(peer, pieces, notice, tag)
     return wrapped
 
 
 def test_misplaced_blocks_detected_by_checksum(pair):
     tx, rx, _src, _dst = pair
     tx.add_request(rx.expect("a", [1, 2]), [0, 1])
-    orig = tx.transport.write
-    tx.transport.write = lambda peer, pieces, notice, tag, dl: orig(  # swap K and V destinations
+    orig = tx.transport.post
+    tx.transport.post = lambda peer, pieces, notice, tag: orig(  # swap K and V destinations
         peer, [(pieces[1][0], pieces[0][1], pieces[0][2]), (pieces[0][0], pieces[1][1], pieces[1][2])],
-        notice, tag, dl)
+        notice, tag)
     tx.send_layer("a", 0)
     assert rx.wait("a", WAIT) is S.FAILED and "checksum" in rx.reason("a")
     _finish(tx, rx, "a")

@@ -176,8 +176,8 @@ class FakeReceiver:
             elif isinstance(msg, km.Begin):
                 self._send(km.BeginReply(msg.request_id, True))
         for raw in self.transport.poll()[0]:
-            n = km.decode_notice(raw)
-            self.layers.setdefault(n.request_id, set()).add(n.layer)
+            for n in km.decode_notices(raw):  # one write may carry several layers (LayerNotices)
+                self.layers.setdefault(n.request_id, set()).add(n.layer)
         if self.peer is not None:
             self._send(km.Heartbeat(self.epoch))
 

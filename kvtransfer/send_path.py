@@ -1,0 +1,128 @@
+"""The sender's data path (a mixin of KVSender): queued layers → staging ring → transport writes.
+
+Runs on the sender's loop thread only. Order of one loop step: `_start_gathers` (queued layers into free
+slots, pipeline.py), `_post_ready` (gathered layers of begun requests written: one write per receiver
+for one-sided transports, carrying a LayerNotices batch; one per request-layer for two-sided ones),
+`_complete` (finished writes free their slots; a failed one fails its request). Each request's
+`extra["inflight"]` counts its request-layers between gather and completion: its Stopped fence and
+release() wait for zero.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvtransfer import messages as m
+from kvtransfer.endpoint import RequestState
+from kvtransfer.pipeline import LayerOp, LayerPipeline
+from kvtransfer.runs import layer_pieces, make_tag
+from kvtransfer.staging import checksum
+from kvtransfer.transport import SendTransport
+from kvtransfer.types import TransferConfig, TransferError, TransferStatus
+
+S = TransferStatus
+
+
+class SendPath:
+    """Data-path methods of KVSender; the attributes below are KVSender's."""
+
+    config: TransferConfig
+    transport: SendTransport
+    _pipe: LayerPipeline
+    _lock: threading.Condition
+    _requests: dict[str, RequestState]
+    _queue: deque[tuple[str, int, torch.cuda.Event | None]]
+
+    if TYPE_CHECKING:
+        def _peer(self, address: str) -> Any: ...
+        def _send(self, peer: Any, msg: m.Message) -> None: ...
+        def _set(self, st: RequestState, status: TransferStatus, reason: str = "") -> None: ...
+
+    def _start_gathers(self) -> None:
+        """Move queued layers into free staging slots, in send_layer order (also before the request's
+        Begin is answered: the gathers overlap the round trip, only the write waits for it)."""
+        items: list[tuple[str, int, torch.Tensor, torch.cuda.Event | None]] = []
+        states: list[RequestState] = []
+        while self._queue and len(items) < self._pipe.ring.free_slots:
+            rid, layer, event = self._queue.popleft()
+            with self._lock:
+                st = self._requests.get(rid)
+            if st is not None and not st.status.is_terminal:
+                items.append((rid, layer, st.extra["src"], event))
+                states.append(st)
+        started = self._pipe.start(items)
+        for rid, layer, _src, event in reversed(items[started:]):  # no slot yet (the ring must drain)
+            self._queue.appendleft((rid, layer, event))
+        with self._lock:
+            for st in states[:started]:
+                st.extra["inflight"] += 1
+
+    def _post_ready(self) -> None:
+        """Start the writes of gathered request-layers (gather event completed) of begun requests: one
+        write per peer carrying all of them for one-sided transports, one per request-layer else."""
+        groups: dict[str, list[tuple[LayerOp, RequestState]]] = {}
+        for op in self._pipe.ready():
+            with self._lock:
+                st = self._requests[op.request_id]  # not releasable while in flight
+                if st.status.is_terminal:  # aborted/failed after the gather: nothing more is written
+                    self._dropped(self._pipe.cancel(op.request_id, posted=False))
+                    continue
+                if not st.extra["begun"]:
+                    continue  # the receiver has not claimed the request yet
+            key = st.handle.address if self.transport.one_sided else f"{op.request_id}:{op.layer}"
+            groups.setdefault(key, []).append((op, st))
+        for batch in groups.values():
+            self._post(batch)
+
+    def _post(self, batch: list[tuple[LayerOp, RequestState]]) -> None:
+        notices, pieces = [], []
+        for op, st in batch:
+            h = st.handle
+            notices.append(m.LayerNotice(h.request_id, op.layer, make_tag(st.extra["key"], op.layer),
+                                         checksum(self._pipe.staging(op)) if self.config.checksum else None))
+            pieces.append(layer_pieces(h.layout, h.block_ids, op.layer))
+        address = batch[0][1].handle.address
+        if not self.transport.one_sided:
+            self._send(self._peer(address), notices[0])
+        notice = notices[0] if len(notices) == 1 else m.LayerNotices(notices)
+        try:
+            self._pipe.post([op for op, _ in batch], address, pieces, m.encode(notice), notices[0].tag)
+        except TransferError as exc:
+            for op, _ in batch:
+                self._layer_done(op.request_id, op.layer, str(exc))
+
+    def _dropped(self, ops: list[LayerOp]) -> None:
+        """Account for ops dropped without completing (caller holds the lock)."""
+        for op in ops:
+            self._requests[op.request_id].extra["inflight"] -= 1
+
+    def _complete(self) -> None:
+        for op, error in self._pipe.poll():
+            self._layer_done(op.request_id, op.layer, error)
+
+    def _layer_done(self, request_id: str, layer: int, error: str | None) -> None:
+        with self._lock:
+            st = self._requests[request_id]
+            st.extra["inflight"] -= 1
+            if error is not None and not st.status.is_terminal:
+                self._set(st, S.FAILED, f"transfer of layer {layer} failed: {error}")
+                self._stop_later(st, aborted=False)
+
+    def _stop_later(self, st: RequestState, aborted: bool) -> None:
+        """Send Stopped (we write nothing more) once no write of the request is in flight (lock held)."""
+        st.extra["stop"] = aborted
+
+    def _flush_stops(self) -> None:
+        with self._lock:
+            for st in self._requests.values():
+                x = st.extra
+                if x["stop"] is None or x["inflight"]:
+                    continue
+                if x["begun"]:  # only a begun request can have written anything
+                    self._send(self._peer(st.handle.address), m.Stopped(st.handle.request_id, x["stop"],
+                                                                        st.reason))
+                x["stop"] = None

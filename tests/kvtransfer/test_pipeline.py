@@ -1,0 +1,212 @@
+"""Several request-layers in flight (staging ring), fences while they are, and add_request rollback.
+
+The loopback transport keeps posted writes in flight while `transport.deliver` is cleared, which makes
+every interleaving here deterministic."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtransfer import TransferError, TransferStatus, get_transfer_backend, messages
+from kvtransfer.staging import StagingRing
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv
+
+S = TransferStatus
+WAIT = 5.0
+DEPTH = 3  # < LAYERS: the last layer waits in the queue while the others are in flight
+
+
+@pytest.fixture
+def pair():
+    backend = get_transfer_backend("loopback")
+    src, dst = make_kv(1), make_kv(None)
+    tx = backend.sender(config("p0", "loopback", checksum=True, max_inflight_layers=DEPTH), src)
+    rx = backend.receiver(config("d0", "loopback", checksum=True), dst)
+    yield tx, rx, src, dst
+    tx.transport.deliver.set()  # type: ignore[attr-defined]
+    tx.close()
+    rx.close()
+
+
+def _in_flight(tx, n):
+    """Wait until n request-layers of the sender are in flight (posted, not completed)."""
+    return tx.wait_until(lambda: sum(op.posted for op in list(tx._pipe.ops)) == n, WAIT)
+
+
+def _stall(endpoint) -> threading.Event:
+    """Stall an endpoint's loop (it handles nothing) until the returned event is set."""
+    gate, stalled = threading.Event(), threading.Event()
+
+    def stall() -> None:
+        stalled.set()
+        gate.wait(WAIT)
+    endpoint._call(stall)
+    assert stalled.wait(WAIT)
+    return gate
+
+
+def _release_both(tx, rx, rid):
+    assert rx.wait_until(lambda: rx._releasable(rx._requests[rid]), WAIT)
+    rx.release(rid)
+    assert tx.wait_until(lambda: tx._requests[rid].extra["inflight"] == 0
+                         and tx._requests[rid].extra["stop"] is None, WAIT)
+    tx.release(rid)
+
+
+def test_several_layers_in_flight_then_bit_exact(pair):
+    tx, rx, src, dst = pair
+    tx.add_request(rx.expect("a", [7, 8, 9]), [2, 0, 5])
+    tx.transport.deliver.clear()
+    for layer in range(LAYERS):
+        tx.send_layer("a", layer)
+    assert _in_flight(tx, DEPTH)  # DEPTH writes posted at once, none waiting for the one before
+    assert tx._pipe.ring.in_use == DEPTH and len(tx._queue) == LAYERS - DEPTH
+    assert rx.status("a") is S.TRANSFERRING and not rx._requests["a"].layers
+    tx.transport.deliver.set()
+    assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
+    assert tx.wait("a", WAIT) is S.DONE
+    assert_landed(src, [2, 0, 5], dst, [7, 8, 9])
+    _release_both(tx, rx, "a")
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+def test_abort_with_layers_in_flight_fences_until_they_complete(pair, side):
+    tx, rx, _src, dst = pair
+    tx.add_request(rx.expect("a", [4, 5]), [1, 2])
+    tx.transport.deliver.clear()
+    for layer in range(LAYERS):
+        tx.send_layer("a", layer)
+    assert _in_flight(tx, DEPTH)
+    (tx if side == "sender" else rx).abort("a")
+    assert tx.wait("a", WAIT) is S.ABORTED
+    # a sender abort reaches the receiver only with the Stopped fence, after the writes in flight
+    assert rx.wait("a", 0.3) is (S.ABORTED if side == "receiver" else S.TRANSFERRING)
+    with pytest.raises(RuntimeError, match="in flight"):
+        tx.release("a")  # its writes still read staging: no Stopped yet, blocks stay fenced
+    assert not rx.wait_until(lambda: rx._releasable(rx._requests["a"]), 0.3)
+    tx.transport.deliver.set()  # the in-flight writes land (the blocks are still reserved)
+    assert rx.wait("a", WAIT) is S.ABORTED
+    _release_both(tx, rx, "a")
+    assert dst[LAYERS - 1].abs().sum() == 0  # the queued layer was never written
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def test_add_request_on_stopped_sender_keeps_nothing(pair):
+    tx, rx, _src, _dst = pair
+    handle = rx.expect("a", [1])
+    tx.close()
+    with pytest.raises(TransferError, match="not running"):
+        tx.add_request(handle, [0])
+    assert tx.pending() == []  # before the fix the request stayed tracked forever
+    rx.abort("a")
+    rx.release("a")
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def test_release_refused_while_begin_unanswered():
+    backend = get_transfer_backend("loopback")  # long peer timeout: the stalled receiver is not "lost"
+    tx = backend.sender(dataclasses.replace(config("p0", "loopback"), peer_timeout_s=30.0), make_kv(1))
+    rx = backend.receiver(dataclasses.replace(config("d0", "loopback"), peer_timeout_s=30.0), make_kv(None))
+    try:
+        _begin_unanswered(tx, rx)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def _begin_unanswered(tx, rx):
+    tx.connect(rx.address, timeout=WAIT)
+    handle = rx.expect("a", [1, 2])
+    gate = _stall(rx)  # the receiver loop stalls: Begin stays unanswered
+    tx.add_request(handle, [0, 1])
+    tx.abort("a")
+    assert tx.wait("a", WAIT) is S.ABORTED
+    assert tx.wait_until(lambda: tx._requests["a"].extra["stop"] is None, WAIT)  # nothing to fence yet
+    with pytest.raises(RuntimeError, match="Begin not answered"):
+        tx.release("a")  # else the late BeginReply finds no request and Stopped is never sent
+    gate.set()  # the receiver claims it now; the sender's Stopped fence frees the blocks
+    assert rx.wait("a", WAIT) is S.ABORTED and "sender" in rx.reason("a")
+    _release_both(tx, rx, "a")
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def test_ready_layers_of_several_requests_go_in_one_write(pair):
+    tx, rx, src, dst = pair
+    tx.connect(rx.address, timeout=WAIT)
+    posts: list[list[tuple[str, int]]] = []
+    orig = tx.transport.post
+
+    def counting(peer, pieces, notice, tag):
+        posts.append([(n.request_id, n.layer) for n in messages.decode_notices(notice)])
+        return orig(peer, pieces, notice, tag)
+    tx.transport.post = counting
+    gate = _stall(rx)  # Begins stay unanswered meanwhile
+    reqs = {"a": ([3, 4], [0, 1]), "b": ([9], [5])}
+    for rid, (dst_ids, src_ids) in reqs.items():
+        tx.add_request(rx.expect(rid, dst_ids), src_ids)
+    for rid, layer in (("a", 0), ("a", 1), ("b", 0)):
+        tx.send_layer(rid, layer)
+    assert tx.wait_until(lambda: tx._pipe.ring.in_use == DEPTH, WAIT)  # gathered before Begin's answer
+    assert posts == []
+    tx_gate = _stall(tx)  # both BeginReplies must reach the sender before its next step
+    gate.set()
+    assert rx.wait_until(lambda: all(rx._requests[r].status is S.TRANSFERRING for r in reqs), WAIT)
+    time.sleep(0.2)  # the replies cross the loopback socket
+    tx_gate.set()
+    assert tx.wait_until(lambda: len(posts) > 0 and not tx._pipe.ops, WAIT)
+    assert posts == [[("a", 0), ("a", 1), ("b", 0)]]  # one write, one LayerNotices batch
+    for rid, layer in [("a", la) for la in range(2, LAYERS)] + [("b", la) for la in range(1, LAYERS)]:
+        tx.send_layer(rid, layer)
+    for rid, (dst_ids, src_ids) in reqs.items():
+        assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
+        assert tx.wait(rid, WAIT) is S.DONE
+        assert_landed(src, src_ids, dst, dst_ids)
+        _release_both(tx, rx, rid)
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def test_staging_ring_registers_once_and_grows_only_when_idle():
+    kv = make_kv(None)
+    registered: list[int] = []
+    ring = StagingRing(kv, 2, lambda t: registered.append(t.numel()))
+    a = ring.acquire(3)
+    b = ring.acquire(3)
+    assert a is not None and b is not None and {a, b} == {0, 1}
+    assert ring.acquire(1) is None  # full
+    assert registered == [2 * StagingRing.GRANULE]  # one registration for both slots
+    assert ring.view(1, 3).data_ptr() == ring.data.data_ptr() + ring.slot_bytes
+    ring.release(a)
+    big = StagingRing.GRANULE // ring.bytes_for(1) + 1  # needs more than one MiB
+    assert ring.acquire(big) is None  # must grow, but slot b is in use
+    ring.release(b)
+    slot = ring.acquire(big)
+    assert slot is not None
+    assert registered == [2 * StagingRing.GRANULE, 4 * StagingRing.GRANULE]
+    ring.release(slot)
+    assert ring.in_use == 0
+    with pytest.raises(ValueError, match="not in use"):
+        ring.release(slot)
+    with pytest.raises(ValueError, match="depth"):
+        StagingRing(kv, 0, lambda t: None)
+    with pytest.raises(ValueError, match="max_inflight_layers"):
+        config("p0", "loopback", max_inflight_layers=0)
+
+
+def test_staging_view_shape_and_dtype():
+    kv = make_kv(3, dtype=torch.float16)
+    ring = StagingRing(kv, 1, lambda t: None)
+    slot = ring.acquire(5)
+    assert slot == 0
+    view = ring.view(slot, 5)
+    assert view.shape == (2, 5, *kv.shape[3:]) and view.dtype == torch.float16
