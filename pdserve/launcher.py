@@ -134,7 +134,7 @@ def wait_ready(sup: Supervisor, url: str, timeout: float, stop: list[bool]) -> s
 
 def example(url: str, model: str) -> str:
     """The curl command printed once the system is ready."""
-    body = json.dumps({"model": model, "max_tokens": 32,
+    body = json.dumps({"model": model, "max_tokens": 32, "temperature": 0,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
@@ -167,8 +167,22 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
             signal.signal(sig, handler)
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a TCP listener could not bind ``host:port`` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def _supervise(settings: UpSettings, sup: Supervisor, stop: list[bool], ready_timeout: float) -> int:
     url = f"http://127.0.0.1:{settings.port}"
+    if port_in_use(settings.port):  # fail now, not after the workers loaded (or converted) the model
+        print(f"pdserve up: port {settings.port} on 127.0.0.1 is in use; choose another with --port",
+              file=sys.stderr)
+        return 1
     gpus = gpu_count() if settings.device in ("auto", "cuda") else 0
     for name, args in plan(settings, free_port(), gpus):
         sup.start(name, args)

@@ -12,7 +12,8 @@ import sys
 import time
 from typing import Any
 
-_RESERVED = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+# record attributes that are not event fields (uvicorn adds ``color_message``: the message with ANSI codes)
+_RESERVED = set(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime", "color_message"}
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:

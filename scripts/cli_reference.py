@@ -31,7 +31,9 @@ def _row(action: argparse.Action) -> str:
     env = "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
     help_text = re.sub(r"\s*\[env [A-Z_]+\]", "", action.help or "").strip()
     if action.choices:
-        help_text = (help_text + " " if help_text else "") + "one of " + ", ".join(map(str, action.choices))
+        help_text = (help_text + "; " if help_text else "") + "one of " + ", ".join(map(str, action.choices))
+    if action.nargs == "?" and isinstance(action.default, bool):
+        help_text += " (`--flag false` turns it off)"
     default = "" if action.default in (None, "", []) else f"`{action.default}`"
     return f"| `{flag}` | `{env}` | {default} | {help_text.replace('|', '/')} |"
 

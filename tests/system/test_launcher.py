@@ -57,3 +57,17 @@ def test_plan_places_one_worker_per_gpu_and_shares_when_short() -> None:
     assert devices(4) == [("cuda:0", "0.9"), ("cuda:1", "0.9"), ("cuda:2", "0.9")]
     assert devices(2) == [("cuda:0", "0.425"), ("cuda:1", "0.425"), ("cuda:0", "0.425")]
     assert devices(4, "cpu") == [("cpu", None)] * 3  # an explicit device is kept as given
+
+
+def test_up_refuses_a_busy_port_at_once_and_names_the_flag() -> None:
+    import socket
+
+    from pdserve.launcher import run
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        assert run(UpSettings(port=port, device="cpu"), ready_timeout=5) == 1
+        assert time.monotonic() - start < 5  # refused before any child (and model load) started
