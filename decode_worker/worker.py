@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from engine.sequence import Sequence, SequenceStatus
 from engine.serve.loop import WorkerLoop
-from engine.serve.outputs import token_messages
+from engine.serve.outputs import stream_outputs
 from engine.serve.setup import compat_of, encode_handle, sampling_from_wire
 from engine.serve.step import run_step
 from kvtransfer import TransferConfig, TransferStatus, get_transfer_backend
@@ -184,14 +184,7 @@ class DecodeWorker(WorkerLoop):
 
     def on_step(self, outs: list[StepOutput]) -> None:
         """Stream each token; forget finished requests (the scheduler freed their blocks)."""
-        for out in outs:
-            seq = self.seqs.get(out.request_id)
-            if seq is None:
-                continue
-            for msg in token_messages(self.worker_id, seq, out):
-                self.emit(msg)
-            if seq.is_finished:
-                del self.seqs[out.request_id]
+        stream_outputs(self.worker_id, self.seqs, outs, self.emit)
 
     def num_waiting(self) -> int:
         """Requests waiting for blocks, for their KV, or (after preemption) for recompute."""

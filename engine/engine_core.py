@@ -16,8 +16,9 @@ import msgspec
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
+from engine.sampler import SampleResult
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 
 FINISH_REASONS: dict[SequenceStatus, str] = {
@@ -113,7 +114,11 @@ class EngineCore:
         output = self.scheduler.schedule()
         if output.is_empty:
             return []
-        results = self.runner.execute(output)
+        return self.commit(output, self.runner.execute(output))
+
+    def commit(self, output: SchedulerOutput, results: dict[str, SampleResult]) -> list[StepOutput]:
+        """Apply a step's sampled tokens to the scheduler (append, stop checks, free finished) and turn
+        them into ``StepOutput``s, in ``output.scheduled`` order (aborted sequences skipped)."""
         self.scheduler.update(output, {rid: r.token_id for rid, r in results.items()})
         outs = []
         for s in output.scheduled:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.serve.loop import WorkerLoop
-from engine.serve.outputs import token_messages
+from engine.serve.outputs import stream_outputs
 from engine.serve.setup import sampling_from_wire
 from engine.serve.step import run_step
 from pdserve.messages import AbortRequest, ColocatedRequest, Message, Role
@@ -57,14 +57,7 @@ class ColocatedWorker(WorkerLoop):
 
     def on_step(self, outs: list[StepOutput]) -> None:
         """Stream each sampled token; forget finished requests."""
-        for out in outs:
-            seq = self.seqs.get(out.request_id)
-            if seq is None:
-                continue
-            for msg in token_messages(self.worker_id, seq, out):
-                self.emit(msg)
-            if seq.is_finished:
-                del self.seqs[out.request_id]
+        stream_outputs(self.worker_id, self.seqs, outs, self.emit)
 
 
 def run(settings: WorkerSettings) -> int:

@@ -6,6 +6,7 @@ holds exactly one output token after the step; its finish reason (``stop`` / ``l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdserve.messages import FinishReason, FirstToken, Message, RequestFinished, TokenBatch, TopLogprob
@@ -53,3 +54,18 @@ def token_messages(worker_id: str, seq: Sequence, out: StepOutput) -> list[Messa
                                     num_prompt_tokens=seq.num_prompt_tokens,
                                     num_output_tokens=seq.num_output_tokens))
     return msgs
+
+
+def stream_outputs(worker_id: str, seqs: dict[str, Sequence], outs: list[StepOutput],
+                   emit: Callable[[Message], None]) -> None:
+    """Emit the messages of every output whose request is in ``seqs`` (request id → ``Sequence``), and
+    forget requests that finished (the scheduler already freed their blocks). Decode and colocated
+    workers stream their steps this way."""
+    for out in outs:
+        seq = seqs.get(out.request_id)
+        if seq is None:
+            continue
+        for msg in token_messages(worker_id, seq, out):
+            emit(msg)
+        if seq.is_finished:
+            del seqs[out.request_id]

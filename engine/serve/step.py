@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine.scheduler import SchedulerOutput
-from engine.sequence import SequenceStatus
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore, StepOutput
@@ -45,8 +44,6 @@ def run_step(core: EngineCore, layer_hook_for: LayerHookFactory | None = None) -
     Raises:
         StepFailed: the hook factory, the forward pass or sampling raised (nothing was updated).
     """
-    from engine.engine_core import FINISH_REASONS, StepOutput
-
     output = core.scheduler.schedule()
     if output.is_empty:
         return []
@@ -55,12 +52,4 @@ def run_step(core: EngineCore, layer_hook_for: LayerHookFactory | None = None) -
         results = core.runner.execute(output, hook)
     except Exception as exc:
         raise StepFailed([s.seq.request_id for s in output.scheduled], exc) from exc
-    core.scheduler.update(output, {rid: r.token_id for rid, r in results.items()})
-    outs = []
-    for s in output.scheduled:
-        r = results.get(s.seq.request_id)
-        if r is None or s.seq.status is SequenceStatus.FINISHED_ABORTED:
-            continue
-        outs.append(StepOutput(s.seq.request_id, r.token_id, r.logprob, r.top_logprobs,
-                               FINISH_REASONS.get(s.seq.status)))
-    return outs
+    return core.commit(output, results)
