@@ -1,0 +1,80 @@
+"""``bench.gateway_overhead``: config validation, delay subtraction on hand-built records, and a small
+end-to-end smoke run (real gateways + fake workers + the bare SSE baseline, a handful of requests) whose
+JSON must have sane fields and whose gateway targets must end with nothing in flight and all KV blocks
+free."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from bench.gateway_overhead import OverheadConfig, main, summarize_level
+from loadtest.records import RequestRecord
+
+
+@pytest.mark.parametrize(("field", "value"), [("requests", 0), ("concurrency", ()), ("concurrency", (1, 0)),
+                                              ("max_tokens", 1), ("token_delay_s", -0.1),
+                                              ("prefill_delay_s", -1.0), ("warmup", -1), ("timeout_s", 0.0)])
+def test_config_rejects_bad_values(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        OverheadConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def rec(ttft: float, itl: list[float], tokens: int, success: bool = True) -> RequestRecord:
+    return RequestRecord(index=0, session_id=0, turn=0, start_s=0.0, success=success, ttft_s=ttft,
+                         itl_s=itl, e2e_s=ttft + sum(itl) + 0.001, output_tokens=tokens)
+
+
+def test_summarize_subtracts_configured_delays() -> None:
+    cfg = OverheadConfig(max_tokens=3, prefill_delay_s=0.010, token_delay_s=0.002)
+    records = [rec(0.015, [0.003, 0.004], 3), rec(0.017, [0.005, 0.002], 3),
+               rec(0.020, [0.003], 2)]  # short: counted as failed
+    lv = summarize_level("disagg", 4, records, 2.0, cfg)
+    assert (lv.completed, lv.failed, lv.requests) == (2, 1, 3)
+    assert lv.first_error == "2 tokens, want 3"
+    assert lv.req_s == pytest.approx(1.0)
+    assert lv.ttft_ms is not None and lv.added_ttft_ms is not None
+    assert lv.ttft_ms.median == pytest.approx(16.0)
+    assert lv.added_ttft_ms.median == pytest.approx(6.0)  # 16 ms observed - 10 ms prefill delay
+    assert lv.added_itl_ms is not None and lv.added_itl_ms.count == 4
+    assert lv.added_itl_ms.median == pytest.approx(1.5)  # gaps 3,4,5,2 ms, median 3.5 - 2
+    # e2e: 0.023 and 0.025 s; minus 10 ms prefill and 2 × 2 ms tokens
+    assert lv.added_e2e_ms is not None and lv.added_e2e_ms.median == pytest.approx(10.0)
+    # TPOT per request: (e2e - ttft) / (3 - 1) - 2 ms = (7 + 1) / 2 - 2 = 2 ms for both
+    assert lv.added_tpot_ms is not None and lv.added_tpot_ms.median == pytest.approx(2.0)
+    base = summarize_level("baseline", 4, records[:2], 2.0, cfg)
+    assert base.added_ttft_ms is not None and base.added_ttft_ms.median == pytest.approx(16.0)
+
+
+@pytest.mark.parametrize("argv", [["--requests", "0"], ["--targets", "disagg,nope"],
+                                  ["--tokenizer", "/nonexistent/tokenizer-dir"], ["--concurrency", "x"]])
+def test_bad_arguments_exit_2_and_start_nothing(argv: list[str], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    assert main([*argv, "--json", str(out)]) == 2
+    assert "gateway_overhead:" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.slow  # starts two gateways, three fake workers and the baseline server
+def test_smoke_run_writes_sane_json(tokenizer_dir: Path, tmp_path: Path) -> None:
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    rc = main(["--requests", "4", "--warmup", "1", "--concurrency", "1,2", "--max-tokens", "4",
+               "--tokenizer", str(tokenizer_dir), "--json", str(out), "--out", str(md)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["machine"]["nproc"] == os.cpu_count()
+    assert res["leaks"] == {"disagg": "ok", "colocated": "ok"}  # nothing in flight, all KV blocks free
+    assert [(lv["target"], lv["concurrency"]) for lv in res["levels"]] == [
+        (t, c) for t in ("disagg", "colocated", "baseline") for c in (1, 2)]
+    for lv in res["levels"]:
+        assert (lv["requests"], lv["completed"], lv["failed"]) == (4, 4, 0), lv["first_error"]
+        assert lv["req_s"] > 0
+        assert lv["itl_ms"]["count"] == 4 * 3  # every token its own chunk
+        assert 0 < lv["ttft_ms"]["median"] <= lv["e2e_ms"]["median"] < 10_000
+        assert lv["added_e2e_ms"]["median"] == pytest.approx(lv["e2e_ms"]["median"])  # no delays set
+    text = md.read_text()
+    assert "| disagg | 1 | 4/4 |" in text and "| baseline | 2 | 4/4 |" in text
