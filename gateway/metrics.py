@@ -1,20 +1,67 @@
 """Prometheus metrics of the gateway (prefix ``pdserve_``), in a registry of their own per app.
 
 Latencies in seconds: TTFT (arrival → first token), TPOT (mean gap after the first token), ITL (each
-gap), E2E (arrival → last token). Per-worker gauges come from heartbeats and vanish with the worker.
+gap), E2E (arrival → last token). Per-worker series (label ``worker_id``) come from heartbeats and vanish
+with the worker. Names follow https://prometheus.io/docs/practices/naming/ (unit suffixes, ``_total`` on
+counters); ``deploy/metrics.yaml`` lists every served name and tests/gateway/test_metric_names.py keeps
+the two in step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from pdserve.messages import WorkerLoad
 
 _LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class KVTransferCollector(Collector):
+    """``pdserve_kv_transfer_bytes_total`` / ``pdserve_kv_transfer_seconds_total`` by ``worker_id``.
+
+    The prefill workers count their DONE transfers themselves and report the cumulative bytes and
+    seconds in every heartbeat (``WorkerLoad.kv_transfer_bytes`` / ``kv_transfer_seconds``); this
+    collector re-exposes the last reported values as counters (a custom collector, as in the
+    prometheus-client docs, "Custom Collectors"). A restarted worker starts again from 0, which
+    Prometheus' ``rate()`` treats as a counter reset.
+    """
+
+    def __init__(self) -> None:
+        self._totals: dict[str, tuple[int, float]] = {}
+
+    def set(self, worker_id: str, num_bytes: int, seconds: float) -> None:
+        """Record a worker's cumulative totals (bytes, seconds)."""
+        self._totals[worker_id] = (num_bytes, seconds)
+
+    def drop(self, worker_id: str) -> None:
+        """Forget a gone worker (its series disappear)."""
+        self._totals.pop(worker_id, None)
+
+    def _families(self) -> tuple[CounterMetricFamily, CounterMetricFamily]:
+        return (CounterMetricFamily("pdserve_kv_transfer_bytes", "KV bytes sent prefill -> decode by "
+                                    "completed transfers", labels=["worker_id"]),
+                CounterMetricFamily("pdserve_kv_transfer_seconds", "seconds from a transfer's first layer "
+                                    "handed to the sender to DONE, summed", labels=["worker_id"]))
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        """The two families without samples (lets the registry check for name clashes)."""
+        yield from self._families()
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """The two families with one sample per worker."""
+        num_bytes, seconds = self._families()
+        for worker_id, (b, s) in sorted(self._totals.items()):
+            num_bytes.add_metric([worker_id], b)
+            seconds.add_metric([worker_id], s)
+        yield num_bytes
+        yield seconds
 
 
 class GatewayMetrics:
@@ -35,26 +82,38 @@ class GatewayMetrics:
                               "(disaggregated, prefill_only, colocated)", ["kind"], registry=r)
         self.fallbacks = Counter("pdserve_local_prefill_fallbacks", "requests served colocated because "
                                  "prefill/decode workers were missing", registry=r)
-        self.running = Gauge("pdserve_worker_running", "running sequences", ["worker_id", "role"], registry=r)
-        self.waiting = Gauge("pdserve_worker_waiting", "waiting sequences", ["worker_id", "role"], registry=r)
-        self.kv_used = Gauge("pdserve_kv_blocks_used", "KV blocks in use", ["worker_id", "role"], registry=r)
-        self.kv_free = Gauge("pdserve_kv_blocks_free", "KV blocks free", ["worker_id", "role"], registry=r)
+        labels = ["worker_id", "role"]
+        self.running = Gauge("pdserve_worker_running_requests", "requests in the worker's running batch",
+                             labels, registry=r)
+        self.waiting = Gauge("pdserve_worker_waiting_requests", "requests waiting in the worker's queue",
+                             labels, registry=r)
+        self.kv_used = Gauge("pdserve_kv_blocks_used", "KV blocks in use", labels, registry=r)
+        self.kv_free = Gauge("pdserve_kv_blocks_free", "KV blocks free", labels, registry=r)
+        self.kv_total = Gauge("pdserve_kv_blocks_capacity", "KV blocks in the worker's pool", labels,
+                              registry=r)
+        self.kv_transfers = KVTransferCollector()
+        r.register(self.kv_transfers)
         self.workers = Gauge("pdserve_workers_live", "live workers", ["role"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "workers declared dead or replaced", registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "requests being served", registry=r)
 
     def set_worker_load(self, worker_id: str, role: str, load: WorkerLoad) -> None:
-        """Update one worker's gauges from a heartbeat."""
+        """Update one worker's series from a heartbeat or registration (counts in requests / blocks;
+        the transfer totals are cumulative bytes and seconds, exposed for prefill workers)."""
         self.running.labels(worker_id, role).set(load.num_running)
         self.waiting.labels(worker_id, role).set(load.num_waiting)
         self.kv_used.labels(worker_id, role).set(load.num_total_blocks - load.num_free_blocks)
         self.kv_free.labels(worker_id, role).set(load.num_free_blocks)
+        self.kv_total.labels(worker_id, role).set(load.num_total_blocks)
+        if role == "prefill" or load.kv_transfer_bytes:
+            self.kv_transfers.set(worker_id, load.kv_transfer_bytes, load.kv_transfer_seconds)
 
     def drop_worker(self, worker_id: str, role: str) -> None:
-        """Remove a gone worker's gauges."""
-        for gauge in (self.running, self.waiting, self.kv_used, self.kv_free):
+        """Remove a gone worker's series."""
+        for gauge in (self.running, self.waiting, self.kv_used, self.kv_free, self.kv_total):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id, role)
+        self.kv_transfers.drop(worker_id)
 
     def observe_tokens(self, arrival: float, token_times: list[float]) -> None:
         """Record TTFT/ITL/TPOT/E2E of a finished request from its token arrival times (seconds)."""

@@ -71,12 +71,19 @@ class WorkerCompat(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
-    """A worker's load: sequences waiting/running, KV blocks free/total (blocks, not bytes)."""
+    """A worker's load: sequences waiting/running, KV blocks free/total (blocks, not bytes).
+
+    ``kv_transfer_bytes`` / ``kv_transfer_seconds``: cumulative since the worker started, over its KV
+    transfers that reached DONE (prefill side: blocks sent × bytes per block of all layers, K and V;
+    seconds from the first layer handed to the sender to DONE). 0 on workers that send no KV.
+    """
 
     num_waiting: int = 0
     num_running: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
 
 
 class RegisterWorker(msgspec.Struct, frozen=True, kw_only=True, tag=True):

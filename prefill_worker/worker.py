@@ -10,12 +10,16 @@ Queues and states of a request (``PrefillRequest`` from the gateway):
      (full blocks stay in the prefix cache). FAILED → ``RequestFailed``.
 ``max_tokens == 1`` (no ``kv_handle``): steps 1–3, blocks released at once, nothing reaches a decode worker.
 ``AbortRequest``: dropped from the engine, or its transfer aborted (blocks freed once terminal).
+Transfer totals (heartbeat ``WorkerLoad.kv_transfer_bytes`` / ``kv_transfer_seconds``): per transfer that
+reaches DONE, blocks × ``KVCachePool.bytes_per_block`` and the seconds from the first layer handed to the
+sender to the ``poll`` that sees DONE (so at most one step late).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import TYPE_CHECKING
 
 from engine.sequence import SequenceStatus, check_stop
@@ -67,6 +71,10 @@ class PrefillWorker(WorkerLoop):
         self.sending: dict[str, Sequence | None] = {}  # None: blocks already freed (failed step)
         self._aborted: set[str] = set()  # transfers we aborted ourselves: no RequestFailed for them
         self._hook_errors: dict[str, str] = {}
+        self._transfer_blocks: dict[str, int] = {}  # blocks of each started transfer
+        self._first_layer_at: dict[str, float] = {}  # time.monotonic() when layer 0 went to the sender
+        self.kv_sent_bytes = 0  # cumulative over DONE transfers (bytes)
+        self.kv_sent_seconds = 0.0  # cumulative over DONE transfers (seconds)
 
     def compat(self) -> WorkerCompat:
         """Pairing key, with the transfer backend."""
@@ -126,11 +134,13 @@ class PrefillWorker(WorkerLoop):
                 self._hook_errors[rid] = f"KV transfer could not start: {exc}"
                 continue
             rids.append(rid)
+            self._transfer_blocks[rid] = len(s.seq.block_table)
         if not rids:
             return None
 
         def hook(layer: int) -> None:
             for rid in rids:
+                self._first_layer_at.setdefault(rid, time.monotonic())
                 self.sender.send_layer(rid, layer)
         return hook
 
@@ -171,11 +181,24 @@ class PrefillWorker(WorkerLoop):
             except RuntimeError:
                 continue  # a queued layer is still to be skipped by the sender thread: next poll
             del self.sending[rid]
+            self._count_transfer(rid, status)
             if seq is not None:
                 self.core.scheduler.release(seq)
             if status is TransferStatus.FAILED and rid not in self._aborted:
                 self.fail(rid, f"KV transfer failed: {reason or 'see prefill log'}")
             self._aborted.discard(rid)
+
+    def _count_transfer(self, request_id: str, status: TransferStatus) -> None:
+        """Add a terminal transfer to the totals if it is DONE (forget its bookkeeping either way)."""
+        num_blocks = self._transfer_blocks.pop(request_id, 0)
+        started = self._first_layer_at.pop(request_id, None)
+        if status is TransferStatus.DONE and started is not None:
+            self.kv_sent_bytes += num_blocks * self.core.runner.kv_cache.bytes_per_block
+            self.kv_sent_seconds += time.monotonic() - started
+
+    def transfer_totals(self) -> tuple[int, float]:
+        """Cumulative (bytes, seconds) over this worker's DONE transfers (see the module docstring)."""
+        return self.kv_sent_bytes, self.kv_sent_seconds
 
     def busy(self) -> bool:
         """Transfers in flight need frequent polling."""

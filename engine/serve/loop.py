@@ -110,6 +110,11 @@ class WorkerLoop:
         """Requests not yet running (the load reported in heartbeats)."""
         return len(self.core.scheduler.waiting)
 
+    def transfer_totals(self) -> tuple[int, float]:
+        """Cumulative (bytes, seconds) of this worker's completed KV transfers, reported in heartbeats
+        (``WorkerLoad.kv_transfer_bytes`` / ``kv_transfer_seconds``); (0, 0.0) for roles that send none."""
+        return 0, 0.0
+
     # ---- shared machinery ---------------------------------------------------------------------------
     def emit(self, msg: Message) -> None:
         """Queue a message for the gateway (sent at the end of the current phase)."""
@@ -155,13 +160,16 @@ class WorkerLoop:
         self.emit(RequestFailed(request_id=request_id, worker_id=self.worker_id, error=error))
 
     def load(self) -> WorkerLoad:
-        """Load as of the last phase boundary: sequences waiting/running, KV blocks free/total."""
+        """Load as of the last phase boundary: sequences waiting/running, KV blocks free/total, and the
+        cumulative KV transfer bytes/seconds (``transfer_totals``)."""
         return self._load
 
     def _refresh_load(self) -> None:
         bm = self.core.block_manager
+        sent_bytes, sent_seconds = self.transfer_totals()
         self._load = WorkerLoad(num_waiting=self.num_waiting(), num_running=len(self.core.scheduler.running),
-                                num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks)
+                                num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+                                kv_transfer_bytes=sent_bytes, kv_transfer_seconds=sent_seconds)
 
     def registration(self) -> RegisterWorker:
         """The ``RegisterWorker`` message of this process."""

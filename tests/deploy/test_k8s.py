@@ -26,8 +26,9 @@ def _check_service_monitor(sm: dict[str, Any]) -> None:
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert set(sm["spec"]) == {"selector", "endpoints"}
     for ep in sm["spec"]["endpoints"]:
-        assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme"}
+        assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "honorLabels"}
         assert ep["path"] == "/metrics"
+        assert ep["honorLabels"] is True  # keeps pdserve_requests_total's own `endpoint` label
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
