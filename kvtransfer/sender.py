@@ -36,6 +36,7 @@ class _Receiver:
     epoch: int = 0  # 0 = handshake not (yet) answered
     last_seen: float = 0.0
     hello_at: float = 0.0  # when the unanswered Hello went out (0 = none pending)
+    hello_since: float = 0.0  # when the first of the unanswered Hellos went out
     waiters: list[cf.Future[None]] = field(default_factory=list)
 
 
@@ -171,6 +172,8 @@ class KVSender(SendPath, Endpoint):
         now = time.monotonic()
         if peer.hello_at and now - peer.hello_at < self.config.heartbeat_interval_s * 5:
             return  # one Hello in flight is enough
+        if not peer.hello_at:
+            peer.hello_since = now
         peer.last_seen = peer.hello_at = now
         self._send(peer, m.Hello(self.config.worker_id, self.epoch, self.info, self.transport.metadata()))
 
@@ -280,6 +283,16 @@ class KVSender(SendPath, Endpoint):
                                    f"{self.config.peer_timeout_s}s)")
                 self.transport.remove_peer(p.address)
                 p.epoch = 0
+            elif p.hello_at and now - p.hello_since > 2 * self.config.peer_timeout_s:
+                # e.g. a decode worker that died before (or after) we first reached it: fail its
+                # requests now instead of holding their blocks until the deadline
+                why = (f"receiver at {p.address} did not answer the handshake for "
+                       f"{2 * self.config.peer_timeout_s}s")
+                self._fail_peer(p, why)
+                for fut in p.waiters:
+                    fut.set_exception(TransferError(why))
+                p.waiters.clear()
+                p.hello_at = p.hello_since = 0.0
         if now >= self._next_beat:
             self._next_beat = now + self.config.heartbeat_interval_s
             for p in self._peers.values():

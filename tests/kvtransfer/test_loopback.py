@@ -264,3 +264,31 @@ def test_dead_receiver_fails_sender_within_deadline():
         tx.check_no_leaks()
     finally:
         tx.close()
+
+
+def test_receiver_that_never_answers_the_handshake_fails_fast_and_frees():
+    """A decode worker that died before the prefill side first reached it never answers Hello: its
+    requests fail after 2 × peer_timeout_s (not the much longer deadline) and can be released."""
+    import socket
+    import time
+
+    import msgspec
+
+    backend = get_transfer_backend("loopback")
+    tx = backend.sender(config("p0", "loopback"), make_kv(1))
+    rx = backend.receiver(config("d0", "loopback"), make_kv(None))
+    try:
+        handle = rx.expect("a", [1, 2], timeout_s=60.0)
+        rx.close()  # dies before the sender ever connects
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        tx.add_request(msgspec.structs.replace(handle, address=dead), [0, 1])
+        start = time.monotonic()
+        limit = 2 * tx.config.peer_timeout_s + 2.0
+        assert tx.wait("a", limit) is S.FAILED and "handshake" in tx.reason("a")
+        assert time.monotonic() - start < limit
+        tx.release("a")
+        tx.check_no_leaks()
+    finally:
+        tx.close()

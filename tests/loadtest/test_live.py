@@ -63,9 +63,11 @@ def gauge_watch(url: str, period_s: float = 0.2) -> Iterator[dict[str, float]]:
 
 
 def bench_args(url: str, out: Path, *extra: str) -> list[str]:
+    # --leak-settle 10s: after a decode worker dies, a prefill transfer bound to it fails (and frees its
+    # blocks) within 2 × peer_timeout_s = 4 s, plus heartbeat lag; on a loaded 2-core CI box, give 10 s
     return ["--base-url", url, "--input-len", f"fixed:{INPUT_LEN}", "--output-len", f"fixed:{MAX_TOKENS}",
             "--ignore-eos", "--prompt-format", "tokens", "--arrival", "poisson", "--seed", "1",
-            "--request-timeout", f"{TIMEOUT_S:g}s", "--leak-settle", "5s", "--no-progress",
+            "--request-timeout", f"{TIMEOUT_S:g}s", "--leak-settle", "10s", "--no-progress",
             "--output-dir", str(out), *extra]
 
 
