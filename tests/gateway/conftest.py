@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 
+from gateway.text import TextProcessor
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -154,3 +156,19 @@ def make_cluster(tmp_path: Path, tokenizer_dir: Path) -> Iterator:
     yield make
     for c in clusters:
         c.close()
+
+
+REPLY = "Hello world, this is a fake reply. The end."  # what the fake workers generate (as token ids)
+MSGS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="session")
+def proc(tokenizer_dir: Path) -> TextProcessor:
+    """The gateway's text processor over the session's tokenizer dir."""
+    return TextProcessor.from_dir(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def reply_ids(proc: TextProcessor) -> list[int]:
+    """Token ids of ``REPLY``: the fake workers' output."""
+    return proc.encode(REPLY)

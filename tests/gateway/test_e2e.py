@@ -12,22 +12,10 @@ import openai
 import pytest
 
 from gateway.text import TextProcessor
-from tests.gateway.conftest import Cluster, read_record, wait_until
+from tests.gateway.conftest import MSGS, REPLY, Cluster, read_record, wait_until
 
 pytestmark = pytest.mark.slow  # starts processes
 
-REPLY = "Hello world, this is a fake reply. The end."
-MSGS = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def proc(tokenizer_dir: Path) -> TextProcessor:
-    return TextProcessor.from_dir(tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def reply_ids(proc: TextProcessor) -> list[int]:
-    return proc.encode(REPLY)
 
 
 @pytest.fixture(scope="module")
