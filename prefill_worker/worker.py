@@ -28,6 +28,7 @@ from engine.serve.outputs import top_logprobs_of
 from engine.serve.setup import compat_of, decode_handle, sampling_from_wire
 from engine.serve.step import LayerHook, run_step
 from kvtransfer import KVHandle, TransferConfig, TransferStatus, get_transfer_backend
+from pdserve.logging import log_event
 from pdserve.messages import (
     AbortRequest,
     FinishReason,
@@ -178,8 +179,10 @@ class PrefillWorker(WorkerLoop):
             reason = self.sender.reason(rid)
             try:
                 self.sender.release(rid)
-            except RuntimeError:
-                continue  # a queued layer is still to be skipped by the sender thread: next poll
+            except RuntimeError as exc:  # writes in flight or a fence still to send: next poll
+                if log.isEnabledFor(logging.DEBUG):
+                    log_event(log, "release_deferred", logging.DEBUG, request_id=rid, reason=str(exc))
+                continue
             del self.sending[rid]
             self._count_transfer(rid, status)
             if seq is not None:
