@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.paged_tiles import attend_paged_tiles
+
 LOG2E = 1.4426950408889634
 _NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: no inf - inf = NaN
 
@@ -51,23 +53,12 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile in range(start, end, BLOCK_N):
-        cols = tile + tl.arange(0, BLOCK_N)
-        col_mask = cols < end
-        block = tl.load(table + cols // BLOCK_SIZE, mask=col_mask, other=0).to(tl.int64)
-        kv_off = block[:, None] * stride_cb + (cols % BLOCK_SIZE)[:, None] * stride_cs
-        kv_off += kv_head * stride_ch + dims[None, :]
-        kv_mask = col_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(col_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # context = end: every row sees the whole split (positions >= end are masked)
+    acc, m_i, l_i = attend_paged_tiles(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, start, end, end,
+        scale_log2, stride_cb, stride_cs, stride_ch,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, True, PRECISION,
+    )
     part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
     tl.store(part_m_ptr + part, m_i, mask=row_mask)
     tl.store(part_l_ptr + part, l_i, mask=row_mask)

@@ -16,37 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.paged_decode import LOG2E, gather_paged_kv
-
-
-@triton.jit
-def _attend_tiles(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
-    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, lo, hi, context,
-    scale_log2, stride_cb, stride_cs, stride_ch,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr,
-):
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
-    for tile in range(lo, hi, BLOCK_N):
-        cols = tile + tl.arange(0, BLOCK_N)
-        col_mask = cols < hi
-        block = tl.load(table + cols // BLOCK_SIZE, mask=col_mask, other=0).to(tl.int64)
-        kv_off = block[:, None] * stride_cb + (cols % BLOCK_SIZE)[:, None] * stride_cs
-        kv_off += kv_head * stride_ch + dims[None, :]
-        kv_mask = col_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        if MASKED:
-            visible = (cols[None, :] <= context + rows[:, None]) & col_mask[None, :]
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    return acc, m_i, l_i
+from engine.ops.paged_tiles import attend_paged_tiles
 
 
 @triton.jit
@@ -79,13 +49,13 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # KV below every row's diagonal: no mask needed.
     full_end = ((context + tile_m * BLOCK_M) // BLOCK_N) * BLOCK_N
-    acc, m_i, l_i = _attend_tiles(
+    acc, m_i, l_i = attend_paged_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, 0, full_end, context,
         scale_log2, stride_cb, stride_cs, stride_ch,
         HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, False, PRECISION,
     )
     kv_end = tl.minimum(seq_len, context + (tile_m + 1) * BLOCK_M)
-    acc, m_i, l_i = _attend_tiles(
+    acc, m_i, l_i = attend_paged_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, full_end, kv_end, context,
         scale_log2, stride_cb, stride_cs, stride_ch,
         HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, True, PRECISION,
