@@ -41,6 +41,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of triton (engine.ops, lazily)
 
+from bench.common import add_model_args
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
 from engine.models.registry import DUMMY_CONFIGS, cache_dir
@@ -239,12 +240,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run, print a summary and write ``--json``; returns 0, or 2 on bad arguments."""
-    cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama3-8b", help="llama3-8b (dummy weights) or tiny")
-    p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--dtype", default="bfloat16" if cuda else "float32")
-    p.add_argument("--attention-backend", default="triton" if cuda else "torch")
+    add_model_args(p)
     p.add_argument("--tokens", type=int, default=8000, help="prompt tokens")
     p.add_argument("--attn-tokens", type=int, default=0, help="attention comparison tokens (0 = --tokens)")
     p.add_argument("--gemm-size", type=int, default=8192)

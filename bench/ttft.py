@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
+from bench.common import add_model_args
 from bench.prefill import BLOCK_SIZE, make_core, prompt, sync
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
@@ -256,12 +257,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run, write ``--json``; returns 0, 1 if a transfer failed, 2 on bad arguments."""
-    cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama3-8b", help="llama3-8b (dummy weights) or tiny")
-    p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--dtype", default="bfloat16" if cuda else "float32")
-    p.add_argument("--attention-backend", default="triton" if cuda else "torch")
+    add_model_args(p)
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
     p.add_argument("--backend", default="nixl", choices=["nixl", "ucx", "loopback"])
     p.add_argument("--repeats", type=int, default=3)
