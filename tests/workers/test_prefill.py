@@ -22,7 +22,6 @@ from pdserve.messages import (
     ReserveKV,
 )
 from tests.workers.helpers import (
-    FakeReceiver,
     assert_clean,
     close,
     decode_worker,
@@ -43,11 +42,6 @@ def prefill(model_dir):
     close(w)
 
 
-@pytest.fixture
-def fake(prefill):
-    f = FakeReceiver(prefill.core.runner.kv_cache.kv_buffer)
-    yield f
-    f.close()
 
 
 def _req(rid: str, handle: bytes | None, max_tokens: int = 4, prompt: list[int] = PROMPT) -> PrefillRequest:

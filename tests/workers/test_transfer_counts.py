@@ -11,7 +11,7 @@ import pytest
 from kvtransfer import TransferStatus
 from kvtransfer import messages as km
 from pdserve.messages import PrefillRequest
-from tests.workers.helpers import FakeReceiver, assert_clean, close, prefill_worker, pump, wire
+from tests.workers.helpers import assert_clean, close, prefill_worker, pump, wire
 
 PROMPT = list(range(10, 20))  # 10 tokens = 3 blocks of 4
 
@@ -23,11 +23,6 @@ def prefill(model_dir):
     close(w)
 
 
-@pytest.fixture
-def fake(prefill):
-    f = FakeReceiver(prefill.core.runner.kv_cache.kv_buffer)
-    yield f
-    f.close()
 
 
 def _start(prefill, fake, rid: str, blocks: list[int]) -> None:
