@@ -171,11 +171,18 @@ class PrefillWorker(WorkerLoop):
                 self.drop(out.request_id)
 
     def poll(self) -> None:
-        """Release the blocks of every request whose transfer is terminal; FAILED → ``RequestFailed``."""
+        """Release the source blocks of every request whose transfer is terminal, then forget the transfer
+        once the sender allows it (its writes done, its fences sent); FAILED → ``RequestFailed``."""
         for rid, seq in list(self.sending.items()):
             status = self.sender.status(rid)
             if not status.is_terminal:
                 continue
+            if seq is not None:
+                # terminal: nothing more is gathered from these blocks for the receiver (writes still in
+                # flight read the staging ring, and a terminal request's gathered layers are never
+                # posted), so they are free now even if a write to a dead peer never completes
+                self.core.scheduler.release(seq)
+                self.sending[rid] = seq = None
             reason = self.sender.reason(rid)
             try:
                 self.sender.release(rid)
@@ -185,8 +192,6 @@ class PrefillWorker(WorkerLoop):
                 continue
             del self.sending[rid]
             self._count_transfer(rid, status)
-            if seq is not None:
-                self.core.scheduler.release(seq)
             if status is TransferStatus.FAILED and rid not in self._aborted:
                 self.fail(rid, f"KV transfer failed: {reason or 'see prefill log'}")
             self._aborted.discard(rid)

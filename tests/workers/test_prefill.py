@@ -125,6 +125,32 @@ def test_transfer_failed_sends_request_failed_and_frees_blocks(prefill, fake):
     assert_clean(prefill)
 
 
+def test_terminal_transfer_frees_source_blocks_even_while_a_write_never_completes(prefill, fake,
+                                                                                   monkeypatch):
+    """Regression (seen in CI: a decode worker SIGKILLed mid-transfer): the sender kept reporting
+    "layers in flight" for a write to the dead peer, and the prefill worker held the request's blocks for
+    as long. Terminal means nothing more is gathered from them for the receiver (writes read staging), so
+    the blocks are freed at once; the transfer itself is forgotten once the sender allows it."""
+    prefill.deliver(_req("r", fake.handle("r", [3, 4, 5])))
+    _serve_until(prefill, fake, lambda: fake.layers.get("r") == {0, 1})
+    total = prefill.core.block_manager.num_blocks
+    assert prefill.core.block_manager.num_free_blocks < total  # held while in flight
+    real_status, real_release = prefill.sender.status, prefill.sender.release
+
+    def stuck_release(rid: str) -> None:
+        raise RuntimeError(f"request {rid!r} cannot be released: 4 layers in flight")
+    monkeypatch.setattr(prefill.sender, "status", lambda rid: TransferStatus.FAILED)
+    monkeypatch.setattr(prefill.sender, "release", stuck_release)
+    prefill.poll()
+    assert prefill.core.block_manager.num_free_blocks == total  # freed although the write is stuck
+    assert prefill.sending == {"r": None}  # the transfer is still tracked
+    monkeypatch.setattr(prefill.sender, "status", real_status)
+    monkeypatch.setattr(prefill.sender, "release", real_release)
+    fake.send(km.Fail("r", "peer lost"))
+    _serve_until(prefill, fake, lambda: not prefill.sending)
+    assert_clean(prefill)
+
+
 def test_abort_before_scheduling_starts_nothing(prefill, fake):
     assert run(prefill, _req("r", fake.handle("r", [0, 1, 2])), AbortRequest(request_id="r")) == []
     assert run(prefill) == [] and prefill.sender.pending() == []
