@@ -58,8 +58,13 @@ for tool in memcheck racecheck; do
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$LIMIT" "$SAN" --tool "$tool" --error-exitcode 99 \
         "${filter[@]}" --print-limit 50 --log-file "$log" "$PY" -m bench.sanitize_driver > "$LOGDIR/$tool.out" 2>&1
     rc=$?
+    # memcheck ends with "ERROR SUMMARY: N errors"; racecheck with "RACECHECK SUMMARY: H hazards
+    # displayed (N errors, W warnings)" and no ERROR SUMMARY line.
     errors=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$log" 2>/dev/null | tail -n 1 | grep -oE '[0-9]+$')
     extra=$(grep -oE 'RACECHECK SUMMARY: .*' "$log" 2>/dev/null | tail -n 1)
+    if [[ -z "$errors" && -n "$extra" ]]; then
+        errors=$(grep -oE '\(([0-9]+) errors' <<<"$extra" | grep -oE '[0-9]+')
+    fi
     if ((rc == 0)) && [[ "$errors" == "0" ]]; then
         echo "$tool: OK, 0 errors${extra:+; $extra} ($((SECONDS - started)) s)"
         continue
