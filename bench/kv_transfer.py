@@ -7,20 +7,25 @@ measured in the same run: on CPU a same-process memcpy of the same bytes (capped
 with `--device cuda` a torch peer copy GPU0 → GPU1 of the same bytes (the receiver then lives on cuda:1).
 
     .venv/bin/python bench/kv_transfer.py [--device cpu|cuda] [--tokens 1024 4096 32768]
-        [--backends nixl ucx] [--repeat 3] [--scatter] [--depth 4] [--verify]
+        [--backends nixl ucx] [--path staged|direct|both] [--repeat 3] [--scatter] [--depth 4] [--verify]
 
---depth: TransferConfig.max_inflight_layers of the sender. --trace: per-layer timeline of the last round
-(gather launched, write posted, write complete, in µs after the first send_layer). --verify: CRC32 of
-every request-layer checked on arrival (bit-exactness through the real transport; slow: copies to host).
+--path: "direct" sends from contiguous source blocks (one run: written straight from kv_buffer, no
+gather); "staged" from a shuffled permutation of them (fragmented: gathered into the staging ring).
+--depth: TransferConfig.max_inflight_layers of the sender. --trace: per-layer timeline of the last
+round (gather launched or direct layer started, write posted, write complete, in µs after the first
+send_layer). --verify: CRC32 of every request-layer checked on arrival (bit-exactness through the real
+transport; slow: copies to host).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import multiprocessing as mp
 import os
 import platform
+import random
 import time
 from multiprocessing.connection import Connection
 
@@ -84,8 +89,10 @@ def _baseline(nbytes: int, device: str) -> float:
 
 
 def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, depth: int = 4,
-         verify: bool = False, trace: bool = False) -> float:
-    """Best GB/s of `repeat` transfers of one `tokens`-token request over `backend`."""
+         verify: bool = False, trace: bool = False, path: str = "direct", begun: bool = False) -> float:
+    """Best GB/s of `repeat` transfers of one `tokens`-token request over `backend`, by `path`; with
+    `begun` the clock starts once the receiver answered the request's Begin (as in serving, where
+    add_request precedes the prefill forward pass, so the round trip overlaps compute)."""
     from kvtransfer import KVHandle, TransferStatus, get_transfer_backend
 
     n = tokens // BS
@@ -97,6 +104,9 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
     conn.recv()
     src = torch.randn(LAYERS, 2, n, BS, HEADS, DIM, device=device if device == "cpu" else "cuda:0").to(DTYPE)
     tx = get_transfer_backend(backend).sender(_config("bench-p", backend, depth, verify), src)
+    src_ids = list(range(n))
+    if path == "staged":
+        random.Random(0).shuffle(src_ids)
     dst_ids = list(range(n))
     if scatter:
         dst_ids = dst_ids[::2] + dst_ids[1::2]  # no two adjacent: one piece per block
@@ -109,14 +119,22 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
             conn.send(("expect", rid, dst_ids))
             handle = msgspec.msgpack.decode(conn.recv(), type=KVHandle)
             t = time.perf_counter()
-            tx.add_request(handle, list(range(n)))
+            tx.add_request(handle, src_ids)
+            if begun:
+                assert tx.wait_until(functools.partial(_begun, tx._requests[rid].extra), 30), "no BeginReply"
+                t = time.perf_counter()
             for layer in range(LAYERS):
                 tx.send_layer(rid, layer)
             status = tx.wait(rid, 120)
             dt = time.perf_counter() - t
+            direct = tx._requests[rid].extra["runs"] is not None
+            assert direct == (path == "direct"), f"{path} row went {'direct' if direct else 'staged'}"
             conn.send(("wait", rid))
             got = conn.recv()
             assert got == "DONE" and status is TransferStatus.DONE, (got, tx.reason(rid))
+            # DONE comes from the receiver; our own completion test of the last write may lag a step
+            extra: dict[str, int] = tx._requests[rid].extra
+            assert tx.wait_until(functools.partial(_drained, extra), 30), "writes stuck"
             tx.release(rid)
             if i:
                 best = max(best, src.numel() * src.element_size() / dt / 1e9)
@@ -128,6 +146,16 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
         conn.recv()
         proc.join(30)
     return best
+
+
+def _begun(extra: dict[str, int]) -> bool:
+    """The receiver answered the request's Begin."""
+    return bool(extra["answered"])
+
+
+def _drained(extra: dict[str, int]) -> bool:
+    """No request-layer of the request is in flight on the sender any more."""
+    return extra["inflight"] == 0
 
 
 def _print_trace(trace: list[tuple[float, str, str, int]], t0: float, dt: float) -> None:
@@ -150,21 +178,27 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=4, help="request-layers in flight (max_inflight_layers)")
     p.add_argument("--verify", action="store_true", help="CRC32 of every request-layer checked on arrival")
     p.add_argument("--trace", action="store_true", help="per-layer timeline of the last round")
+    p.add_argument("--begun", action="store_true",
+                   help="start the clock once the Begin round trip is done (it overlaps prefill compute)")
+    p.add_argument("--path", default="both", choices=["staged", "direct", "both"],
+                   help="direct: contiguous source blocks; staged: shuffled ones (gathered)")
     args = p.parse_args()
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {platform.node()} {os.cpu_count()} cores, torch "
           f"{torch.__version__}, device {args.device}, depth {args.depth}"
-          f"{', scattered blocks' if args.scatter else ''}{', verified (CRC32)' if args.verify else ''}")
-    print("| tokens | MiB | baseline GB/s | backend | GB/s | ratio |")
-    print("|---|---|---|---|---|---|")
+          f"{', scattered blocks' if args.scatter else ''}{', clock after Begin' if args.begun else ''}"
+          f"{', verified (CRC32)' if args.verify else ''}")
+    print("| tokens | MiB | baseline GB/s | backend | path | GB/s | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    paths = ["staged", "direct"] if args.path == "both" else [args.path]
     for tokens in args.tokens:
         layer_bytes = 2 * tokens * HEADS * DIM * 2
         base = _baseline(LAYERS * layer_bytes, args.device)
         for backend in args.backends:
-            gbs = _one(backend, tokens, args.device, args.repeat, args.scatter, args.depth, args.verify,
-                       args.trace)
-            print(f"| {tokens} | {LAYERS * layer_bytes / 2**20:.0f} | {base:.2f} | {backend} | {gbs:.2f} | "
-                  f"{gbs / base:.2f} |", flush=True)
-
+            for path in paths:
+                gbs = _one(backend, tokens, args.device, args.repeat, args.scatter, args.depth, args.verify,
+                           args.trace, path, args.begun)
+                print(f"| {tokens} | {LAYERS * layer_bytes / 2**20:.0f} | {base:.2f} | {backend} | {path} | "
+                      f"{gbs:.2f} | {gbs / base:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -13,8 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from kvtransfer.runs import Piece
-from kvtransfer.transport import RecvTransport, SendTransport
+from kvtransfer.transport import RecvTransport, SendTransport, SourcePiece
 from kvtransfer.types import TransferError
 
 
@@ -54,20 +53,22 @@ class LoopbackRecvTransport(RecvTransport):
 @dataclass
 class _Write:
     target: LoopbackRecvTransport
-    pieces: list[Piece]
+    pieces: list[SourcePiece]
     notice: bytes
     done: bool = False
 
 
 class LoopbackSendTransport(SendTransport):
-    """Copies staging pieces into an in-process LoopbackRecvTransport. Tests clear `deliver` (a
-    threading.Event, set by default) to keep posted writes in flight until it is set again."""
+    """Copies staging or kv_buffer pieces into an in-process LoopbackRecvTransport. Tests clear `deliver`
+    (a threading.Event, set by default) to keep posted writes in flight until it is set again; a write
+    in flight reads its source only when delivered (like a real transport's late read)."""
 
     def __init__(self) -> None:
         self.deliver = threading.Event()
         self.deliver.set()
         self._peers: dict[str, str] = {}
         self._staging = torch.empty(0, dtype=torch.uint8)
+        self._kv = torch.empty(0, dtype=torch.uint8)
 
     def metadata(self) -> bytes:
         return b"loopback"
@@ -76,13 +77,17 @@ class LoopbackSendTransport(SendTransport):
         assert isinstance(staging, torch.Tensor)
         self._staging = staging
 
+    def register_kv(self, kv_buffer: object) -> None:
+        assert isinstance(kv_buffer, torch.Tensor)
+        self._kv = kv_buffer.view(-1).view(torch.uint8)
+
     def add_peer(self, peer: str, remote: bytes) -> None:
         self._peers[peer] = remote.decode()
 
     def remove_peer(self, peer: str) -> None:
         self._peers.pop(peer, None)
 
-    def post(self, peer: str, pieces: list[Piece], notice: bytes, tag: int) -> object:
+    def post(self, peer: str, pieces: list[SourcePiece], notice: bytes, tag: int) -> object:
         """Copy now (or, while `deliver` is cleared, when test() first finds it set) and queue the notice."""
         target = LoopbackRecvTransport._registry.get(self._peers.get(peer, ""))
         if target is None:
@@ -103,7 +108,8 @@ class LoopbackSendTransport(SendTransport):
         handle.done = True  # never delivered
 
     def _deliver(self, w: _Write) -> None:
-        for src, dst, size in w.pieces:
-            w.target.kv_bytes[dst:dst + size].copy_(self._staging[src:src + size])
+        regions = (self._staging, self._kv)
+        for region, src, dst, size in w.pieces:
+            w.target.kv_bytes[dst:dst + size].copy_(regions[region][src:src + size])
         w.target.inbox.append(w.notice)
         w.done = True

@@ -66,12 +66,16 @@ class BeginReply(msgspec.Struct, tag=True):
 
 
 class LayerNotice(msgspec.Struct, tag=True):
-    """Layer `layer` of `request_id` is written (one-sided) or follows under tags tag..tag+n (two-sided)."""
+    """Layer `layer` of `request_id` is written (one-sided) or follows under tags tag..tag+n (two-sided).
+
+    cuts: token positions where the sender's source blocks stop being adjacent (a direct write splits
+    its pieces there too, runs.layer_pieces); empty for a staged write."""
 
     request_id: str
     layer: int
     tag: int
     checksum: int | None = None
+    cuts: tuple[int, ...] = ()
 
 
 class LayerNotices(msgspec.Struct, tag=True):

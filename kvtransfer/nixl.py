@@ -1,12 +1,14 @@
 """NIXL transport (nixl_cu13, UCX backend): one-sided WRITE from the sender's staging buffer into the
-receiver's registered kv_buffer; the LayerNotice rides on the transfer as its notification, so the
+receiver's registered kv_buffer, or (direct path) straight from the sender's own registered kv_buffer;
+the LayerNotice rides on the transfer as its notification, so the
 receiver sees it only after the data (NIXL notif semantics). DRAM on CPU, VRAM on GPU (CUDA IPC within a
 host): the same code, the memory type comes from the tensor's device.
 
 API flow (NIXL Python API, nixl_cu13._api.nixl_agent): register_memory → get_agent_metadata, exchanged in
 the Hello/HelloReply handshake → add_remote_agent → get_xfer_descs / initialize_xfer("WRITE") →
 transfer() → check_xfer_state; the target reads notifications with get_new_notifs(). The sender posts
-a WRITE per request-layer and tests it later (several in flight, each from its own staging slot).
+one WRITE per batch of ready request-layers bound for one receiver and tests it later (several in
+flight, each from its own staging slot or kv_buffer range).
 Over CMA `transfer()` completes the copy before returning: it runs on the sender's loop thread, never
 on an event loop.
 """
@@ -19,8 +21,7 @@ import os
 import msgspec
 import torch
 
-from kvtransfer.runs import Piece
-from kvtransfer.transport import RecvTransport, SendTransport
+from kvtransfer.transport import KV, STAGING, RecvTransport, SendTransport, SourcePiece
 from kvtransfer.types import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -77,43 +78,59 @@ class NixlRecvTransport(RecvTransport):
 
 
 class NixlSendTransport(SendTransport):
-    """WRITEs staging pieces with one NIXL transfer (one descriptor per piece) per request-layer; the
-    staging ring is registered once (again only when it grows)."""
+    """WRITEs pieces of the staging ring or (direct path) of the sender's kv_buffer with one NIXL
+    transfer (one descriptor per piece) per batch. Both regions are registered once (the ring again
+    only when it grows); their base addresses and memory type, and each peer's remote agent name,
+    base and device, are cached, so a post costs two descriptor lists, initialize_xfer and transfer."""
 
     def __init__(self, name: str) -> None:
         self.agent = _agent(name)
-        self._staging: torch.Tensor | None = None
-        self._reg: object = None
-        self._peers: dict[str, tuple[str, _RecvMeta]] = {}
+        self._bases = [0, 0]  # data_ptr of the STAGING and KV regions (0 = not registered)
+        self._regs: list[object] = [None, None]
+        self._mem, self._dev = "DRAM", 0
+        self._peers: dict[str, tuple[str, int, int, str]] = {}  # peer → (agent name, base, device, mem)
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()  # type: ignore[attr-defined,no-any-return]
 
+    def _register(self, region: int, t: torch.Tensor) -> None:
+        if self._regs[region] is not None:
+            self.agent.deregister_memory(self._regs[region])  # type: ignore[attr-defined]
+        self._regs[region] = self.agent.register_memory(t)  # type: ignore[attr-defined]
+        self._bases[region] = t.data_ptr()
+        self._mem, self._dev = _mem(t)
+
     def set_staging(self, staging: object) -> None:
         assert isinstance(staging, torch.Tensor)
-        if self._reg is not None:
-            self.agent.deregister_memory(self._reg)  # type: ignore[attr-defined]
-        self._staging, self._reg = staging, self.agent.register_memory(staging)  # type: ignore[attr-defined]
+        self._register(STAGING, staging)
+
+    def register_kv(self, kv_buffer: object) -> None:
+        """Register kv_buffer (VRAM on a GPU, DRAM on CPU) for direct writes; must be contiguous."""
+        assert isinstance(kv_buffer, torch.Tensor) and kv_buffer.is_contiguous()
+        self._register(KV, kv_buffer)
 
     def add_peer(self, peer: str, remote: bytes) -> None:
         meta = msgspec.msgpack.decode(remote, type=_RecvMeta)
-        self._peers[peer] = (self.agent.add_remote_agent(meta.agent), meta)  # type: ignore[attr-defined]
+        name = self.agent.add_remote_agent(meta.agent)  # type: ignore[attr-defined]
+        self._peers[peer] = (name, meta.base, meta.device, meta.mem)
 
     def remove_peer(self, peer: str) -> None:
         entry = self._peers.pop(peer, None)
         if entry is not None:
             self.agent.remove_remote_agent(entry[0])  # type: ignore[attr-defined]
 
-    def post(self, peer: str, pieces: list[Piece], notice: bytes, tag: int) -> object:
+    def post(self, peer: str, pieces: list[SourcePiece], notice: bytes, tag: int) -> object:
         """One NIXL WRITE (one descriptor per piece) carrying `notice` as its notification; returns its
         xfer handle without waiting (over CMA the copy has already happened when this returns)."""
-        if peer not in self._peers or self._staging is None:
+        entry = self._peers.get(peer)
+        if entry is None:
             raise TransferError(f"no NIXL connection to {peer}")
-        name, meta = self._peers[peer]
-        mem, dev = _mem(self._staging)
-        base = self._staging.data_ptr()
-        local = self.agent.get_xfer_descs([(base + s, n, dev) for s, _, n in pieces], mem)  # type: ignore[attr-defined]
-        remote = self.agent.get_xfer_descs([(meta.base + d, n, meta.device) for _, d, n in pieces], meta.mem)  # type: ignore[attr-defined]
+        if any(not self._bases[r] for r, _, _, _ in pieces):
+            raise TransferError("NIXL write from a source region that is not registered")
+        name, rbase, rdev, rmem = entry
+        bases, dev = self._bases, self._dev
+        local = self.agent.get_xfer_descs([(bases[r] + s, n, dev) for r, s, _, n in pieces], self._mem)  # type: ignore[attr-defined]
+        remote = self.agent.get_xfer_descs([(rbase + d, n, rdev) for _, _, d, n in pieces], rmem)  # type: ignore[attr-defined]
         handle = self.agent.initialize_xfer("WRITE", local, remote, name, notice)  # type: ignore[attr-defined]
         try:
             state = self.agent.transfer(handle)  # type: ignore[attr-defined]
@@ -140,6 +157,7 @@ class NixlSendTransport(SendTransport):
             self.agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
 
     def close(self) -> None:
-        if self._reg is not None:
-            self.agent.deregister_memory(self._reg)  # type: ignore[attr-defined]
-            self._reg = None
+        for region, reg in enumerate(self._regs):
+            if reg is not None:
+                self.agent.deregister_memory(reg)  # type: ignore[attr-defined]
+                self._regs[region], self._bases[region] = None, 0

@@ -2,15 +2,18 @@
 
 A request-layer goes through three stages, each started by the sender loop without blocking:
 
-1. gather: its K and V blocks are copied into a free slot of the staging ring (staging.py). On a GPU
-   the copy runs on a side CUDA stream, after an event recorded on the caller's stream when
-   send_layer() was called (so it reads the layer's KV only once attention has stored it), and
-   records its own event; on CPU it is synchronous.
+1. gather (staged request-layers only): its K and V blocks are copied into a free slot of the
+   staging ring (staging.py). On a GPU the copy runs on a side CUDA stream, after an event
+   recorded on the caller's stream when send_layer() was called (so it reads the layer's KV only
+   once attention has stored it), and records its own event; on CPU it is synchronous.
 2. post: once the gather event has completed, the transport write is started (SendTransport.post);
    the loop never calls synchronize().
 3. complete: the loop tests posted writes; a completed one frees its slot.
 
-`depth` (TransferConfig.max_inflight_layers) bounds the request-layers between stages 1 and 3. Before
+A direct request-layer (its source blocks form few runs, send_path.py) skips stage 1: it is written
+straight from kv_buffer once the event recorded at send_layer() has completed (on CPU at once), and
+holds no slot. `depth` (TransferConfig.max_inflight_layers) bounds all request-layers between stage 1
+(or send_layer, for direct ones) and stage 3. Before
 this file the sender gathered, synchronized and wrote one request-layer at a time (GPU 2×H200: nixl
 0.14 of a peer copy at 4k tokens, see docs/benchmarks/kv_transfer-h200.md).
 """
@@ -18,20 +21,22 @@ this file the sender gathered, synchronized and wrote one request-layer at a tim
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvtransfer.runs import Piece
 from kvtransfer.staging import StagingRing, gather_layer
-from kvtransfer.transport import SendTransport
+from kvtransfer.transport import KV, STAGING, SendTransport
 from kvtransfer.types import TransferError
 
 
 @dataclass
 class LayerOp:
-    """One request-layer in flight. `ready`: CUDA event of its gather (None on CPU: already done);
-    `handle`: the transport's handle once posted."""
+    """One request-layer in flight. `slot`: its staging slot, -1 for a direct one; `ready`: CUDA event
+    of its gather, or of send_layer for a direct one (None on CPU: ready at once); `handle`/`peer`: the
+    transport's handle and the receiver once posted."""
 
     request_id: str
     layer: int
@@ -40,20 +45,35 @@ class LayerOp:
     ready: torch.cuda.Event | None = None
     handle: object = None
     posted: bool = False
+    peer: str = ""
+
+    @property
+    def direct(self) -> bool:
+        """Written straight from kv_buffer (no staging slot)."""
+        return self.slot < 0
+
+
+Item = tuple[str, int, torch.Tensor, "torch.cuda.Event | None", bool]  # (rid, layer, src, after, direct)
 
 
 class LayerPipeline:
     """Staging ring and in-flight request-layers of one sender; used by the sender loop thread only.
 
     kv_buffer: `[num_layers, 2, num_blocks, block_size, H, D]`, the sender's paged KV (any dtype/device).
-    Raises ValueError if depth < 1.
+    direct: register kv_buffer with the transport (once, here) for direct writes. Raises ValueError if
+    depth < 1.
     """
 
-    def __init__(self, kv_buffer: torch.Tensor, transport: SendTransport, depth: int) -> None:
+    def __init__(self, kv_buffer: torch.Tensor, transport: SendTransport, depth: int,
+                 direct: bool = False) -> None:
         self.kv_buffer = kv_buffer
         self.transport = transport
+        self.depth = depth
         self.ring = StagingRing(kv_buffer, depth, transport.set_staging)
+        if direct:
+            transport.register_kv(kv_buffer)
         self.ops: list[LayerOp] = []
+        self.posted = {"staged": 0, "direct": 0}  # request-layers posted so far, by path
         # set to a list to record (time.perf_counter() s, "gather"|"post"|"done", request_id, layer)
         self.trace: list[tuple[float, str, str, int]] | None = None
         self._stream = torch.cuda.Stream(kv_buffer.device) if kv_buffer.is_cuda else None
@@ -62,32 +82,38 @@ class LayerPipeline:
         """Request-layers gathered or being written (of one request, or of all)."""
         return sum(1 for op in self.ops if request_id is None or op.request_id == request_id)
 
-    def start(self, items: list[tuple[str, int, torch.Tensor, torch.cuda.Event | None]]) -> int:
-        """Gather each (request_id, layer, src, after) into a free slot, in order, until none is free.
+    @property
+    def capacity(self) -> int:
+        """Request-layers that may still enter the pipeline (depth minus those in flight)."""
+        return self.depth - len(self.ops)
 
-        src: the request's source block ids, int64 [n] in token order, on kv_buffer's device. after:
-        event the gather must wait for (the caller's stream at send_layer time), or None. On a GPU the
-        gathers of one call share one side-stream context and one completion event. Returns how many
-        items were started (a prefix of `items`).
+    def start(self, items: list[Item]) -> int:
+        """Start each (request_id, layer, src, after, direct) in order while capacity (and, for staged
+        ones, a free slot) lasts: a staged one is gathered into a slot, a direct one just waits for
+        `after`. src: the request's source block ids, int64 [n] in token order, on kv_buffer's device.
+        after: the caller's stream event at send_layer time, or None (CPU). On a GPU the gathers of one
+        call share one side-stream context and one completion event. Returns how many items were
+        started (a prefix of `items`).
         """
         ops: list[LayerOp] = []
-        for request_id, layer, src, _after in items:
-            slot = self.ring.acquire(int(src.numel()))
+        for request_id, layer, src, after, direct in items[:self.capacity]:
+            slot = -1 if direct else self.ring.acquire(int(src.numel()))
             if slot is None:
                 break
-            ops.append(LayerOp(request_id, layer, slot, int(src.numel())))
+            ops.append(LayerOp(request_id, layer, slot, int(src.numel()), ready=after if direct else None))
+        gathers = [(op, item[2], item[3]) for op, item in zip(ops, items, strict=False) if not op.direct]
         if self._stream is None:
-            for op, (_, _, src, _) in zip(ops, items, strict=False):
+            for op, src, _ in gathers:
                 gather_layer(self.kv_buffer, op.layer, src, self.ring.view(op.slot, op.n_blocks))
-        elif ops:
+        elif gathers:
             with torch.cuda.stream(self._stream):
-                for op, (_, _, src, after) in zip(ops, items, strict=False):
+                for op, src, after in gathers:
                     if after is not None:
                         self._stream.wait_event(after)
                     gather_layer(self.kv_buffer, op.layer, src, self.ring.view(op.slot, op.n_blocks))
                 ready = torch.cuda.Event()
                 ready.record(self._stream)
-            for op in ops:
+            for op, _, _ in gathers:
                 op.ready = ready
         for op in ops:
             self.ops.append(op)
@@ -103,14 +129,15 @@ class LayerPipeline:
         return self.ring.view(op.slot, op.n_blocks)
 
     def post(self, ops: list[LayerOp], peer: str, pieces: list[list[Piece]], notice: bytes, tag: int) -> None:
-        """Start one write of several gathered ops to the same peer (one transport call, one notice:
+        """Start one write of several ready ops to the same peer (one transport call, one notice:
         the per-write cost, ~160 µs of NIXL calls per request-layer on an H200 host, is paid once).
-        `pieces[i]` are op i's pieces with staging offsets relative to its slot.
+        `pieces[i]` are op i's pieces: source offsets relative to its slot (staged) or to kv_buffer's
+        start (direct).
 
         Raises TransferError (the ops are then finished and their slots freed) if it cannot start.
         """
-        flat = [(self.ring.offset(op.slot) + s, d, n) for op, ps in zip(ops, pieces, strict=True)
-                for s, d, n in ps]
+        flat = [(KV, s, d, n) if op.direct else (STAGING, self.ring.offset(op.slot) + s, d, n)
+                for op, ps in zip(ops, pieces, strict=True) for s, d, n in ps]
         try:
             handle = self.transport.post(peer, flat, notice, tag)
         except TransferError:
@@ -118,7 +145,8 @@ class LayerPipeline:
                 self._finish(op)
             raise
         for op in ops:
-            op.handle, op.posted = handle, True
+            op.handle, op.posted, op.peer = handle, True, peer
+            self.posted["direct" if op.direct else "staged"] += 1
             self._note("post", op)
 
     def poll(self) -> list[tuple[LayerOp, str | None]]:
@@ -148,16 +176,27 @@ class LayerPipeline:
         mine = [op for op in self.ops if op.request_id == request_id]
         dropped = [op for op in mine if not op.posted]
         for op in dropped:
-            if op.ready is not None:
+            if op.ready is not None and not op.direct:
                 op.ready.synchronize()
             self._finish(op)
         if posted:
             handles = {id(op.handle) for op in mine if op.posted}
-            for ops in self._batches([op for op in self.ops if op.posted and id(op.handle) in handles]):
-                self.transport.cancel(ops[0].handle)
-                for op in ops:
-                    self._finish(op)
-                dropped += ops
+            dropped += self._cancel_posted(lambda op: id(op.handle) in handles)
+        return dropped
+
+    def cancel_peer(self, peer: str) -> list[LayerOp]:
+        """Cancel every posted write to `peer` (declared lost or restarted), whatever the state of the
+        requests it carries (terminal ones too: a WRITE to a SIGKILLed process may never complete nor
+        fail), and free their slots; returns the ops dropped."""
+        return self._cancel_posted(lambda op: op.peer == peer)
+
+    def _cancel_posted(self, which: Callable[[LayerOp], bool]) -> list[LayerOp]:
+        dropped: list[LayerOp] = []
+        for ops in self._batches([op for op in self.ops if op.posted and which(op)]):
+            self.transport.cancel(ops[0].handle)
+            for op in ops:
+                self._finish(op)
+            dropped += ops
         return dropped
 
     @staticmethod
@@ -174,4 +213,5 @@ class LayerPipeline:
 
     def _finish(self, op: LayerOp) -> None:
         self.ops.remove(op)
-        self.ring.release(op.slot)
+        if not op.direct:
+            self.ring.release(op.slot)

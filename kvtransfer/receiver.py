@@ -192,7 +192,7 @@ class KVReceiver(Endpoint):
             st = self._requests.get(n.request_id)
             if st is None or st.extra["sender"] != identity:
                 return
-            pieces = layer_pieces(self.layout, st.handle.block_ids, n.layer)
+            pieces = layer_pieces(self.layout, st.handle.block_ids, n.layer, n.cuts)
         key = next(self._keys)
         self._posted[key] = (n.request_id, n.layer, n.checksum, identity)
         self.transport.post(identity.hex(), key, [(dst, size) for _, dst, size in pieces], n.tag)

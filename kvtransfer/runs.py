@@ -8,6 +8,11 @@ A contiguous allocation (BlockManager.allocate_contiguous) therefore costs exact
 layer; a scattered one costs two per run (we chose "one descriptor per run" over a receiver staging
 area + scatter: no extra copy and no receiver staging memory, at a cost that only grows with
 fragmentation).
+
+Direct path: when the sender's SOURCE blocks form few runs too, the gather is skipped and each
+maximal range where source and destination ids are both consecutive (joint_runs) is written straight
+from the sender's kv_buffer (direct_pieces); the receiver of a two-sided transport reproduces the same
+pieces from the destination ids plus the source cuts carried by the LayerNotice.
 """
 
 from __future__ import annotations
@@ -15,13 +20,17 @@ from __future__ import annotations
 from kvtransfer.types import KVLayout
 
 Piece = tuple[int, int, int]  # (staging byte offset, destination byte offset, bytes)
+JointRun = tuple[int, int, int, int]  # (token position, first source block, first dest block, length)
 
 
-def merge_runs(block_ids: tuple[int, ...] | list[int]) -> list[tuple[int, int, int]]:
-    """Runs of adjacent destination blocks as (position in block_ids, first block id, length)."""
+def merge_runs(block_ids: tuple[int, ...] | list[int],
+               cuts: tuple[int, ...] | frozenset[int] = ()) -> list[tuple[int, int, int]]:
+    """Runs of adjacent destination blocks as (position in block_ids, first block id, length); a run
+    also ends before every position in `cuts` (where the sender's source blocks stop being adjacent)."""
     runs: list[tuple[int, int, int]] = []
+    cut = frozenset(cuts)
     for pos, block in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block:
+        if runs and runs[-1][1] + runs[-1][2] == block and pos not in cut:
             start, first, length = runs[-1]
             runs[-1] = (start, first, length + 1)
         else:
@@ -29,8 +38,11 @@ def merge_runs(block_ids: tuple[int, ...] | list[int]) -> list[tuple[int, int, i
     return runs
 
 
-def layer_pieces(layout: KVLayout, block_ids: tuple[int, ...], layer: int) -> list[Piece]:
-    """Copies that move a staging buffer of `block_ids` into `layer` of the destination tensor.
+def layer_pieces(layout: KVLayout, block_ids: tuple[int, ...], layer: int,
+                 cuts: tuple[int, ...] = ()) -> list[Piece]:
+    """Copies that move a staging buffer of `block_ids` into `layer` of the destination tensor: K runs
+    first, then V runs, each run also split at `cuts` (see merge_runs; the receiver of a two-sided
+    transport passes the notice's cuts so that its receives match the sender's direct pieces).
 
     Raises ValueError if a block id or the layer is out of range of `layout`.
     """
@@ -39,12 +51,41 @@ def layer_pieces(layout: KVLayout, block_ids: tuple[int, ...], layer: int) -> li
     bad = [b for b in block_ids if not 0 <= b < layout.num_blocks]
     if bad:
         raise ValueError(f"block ids {bad[:8]} out of range [0, {layout.num_blocks})")
-    n, bb = len(block_ids), layout.block_bytes
-    pieces: list[Piece] = []
-    for kv in (0, 1):
-        for pos, first, length in merge_runs(block_ids):
-            pieces.append(((kv * n + pos) * bb, layout.offset(layer, kv, first), length * bb))
-    return pieces
+    return staged_pieces(layout, len(block_ids), merge_runs(block_ids, cuts), layer)
+
+
+def staged_pieces(layout: KVLayout, n: int, runs: list[tuple[int, int, int]], layer: int) -> list[Piece]:
+    """layer_pieces from precomputed `runs` (merge_runs of n destination ids; no range check): the
+    sender computes the runs once per request, not once per request-layer."""
+    bb = layout.block_bytes
+    return [((kv * n + pos) * bb, layout.offset(layer, kv, first), length * bb)
+            for kv in (0, 1) for pos, first, length in runs]
+
+
+def source_cuts(src_ids: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """Positions p > 0 where src_ids[p] != src_ids[p-1] + 1 (a new run of source blocks starts)."""
+    return tuple(p for p in range(1, len(src_ids)) if src_ids[p] != src_ids[p - 1] + 1)
+
+
+def joint_runs(src_ids: tuple[int, ...] | list[int], dst_ids: tuple[int, ...] | list[int]) -> list[JointRun]:
+    """Maximal ranges of token positions where source AND destination block ids are both consecutive,
+    as (position, first source block, first destination block, length). One direct write piece each, for
+    K and for V. Raises ValueError if the lists differ in length."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+    runs = merge_runs(dst_ids, source_cuts(src_ids))
+    return [(pos, src_ids[pos], first, length) for pos, first, length in runs]
+
+
+def direct_pieces(src: KVLayout, dst: KVLayout, runs: list[JointRun], layer: int) -> list[Piece]:
+    """Copies of `layer` straight from the source tensor (byte offsets from its start) into the
+    destination tensor, K runs first, then V runs (the order layer_pieces(dst, ..., cuts) uses).
+    The two layouts must share block_bytes (checked at the handshake); raises ValueError otherwise."""
+    if src.block_bytes != dst.block_bytes:
+        raise ValueError(f"block bytes differ: source {src.block_bytes}, destination {dst.block_bytes}")
+    bb = src.block_bytes
+    return [(src.offset(layer, kv, s), dst.offset(layer, kv, d), n * bb)
+            for kv in (0, 1) for _, s, d, n in runs]
 
 
 def make_tag(key: int, layer: int) -> int:

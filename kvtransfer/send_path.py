@@ -4,8 +4,20 @@ Runs on the sender's loop thread only. Order of one loop step: `_start_gathers` 
 slots, pipeline.py), `_post_ready` (gathered layers of begun requests written: one write per receiver
 for one-sided transports, carrying a LayerNotices batch; one per request-layer for two-sided ones),
 `_complete` (finished writes free their slots; a failed one fails its request). Each request's
-`extra["inflight"]` counts its request-layers between gather and completion: its Stopped fence and
-release() wait for zero.
+`extra["inflight"]` counts its request-layers between gather (or, direct, leaving the queue) and
+completion: its Stopped fence and release() wait for zero.
+
+Direct path: a request whose source and destination blocks give few pieces (runs.joint_runs,
+`extra["runs"]`, decided at add_request) is written straight from kv_buffer, no gather. The prefill
+worker frees a request's source blocks as soon as its status is terminal, not when release() is
+allowed, so a direct write still in flight then may read blocks already reused by another request.
+That is safe: (1) DONE comes from the receiver after every layer landed, so every byte was read
+before; (2) for ABORTED/FAILED the receiver never uses the request's blocks and frees them only after
+the sender's Stopped fence, which _flush_stops sends only once no write of the request is in flight, or
+after the sender is gone / its epoch changed (then every write to it was cancelled, sender.py
+_fail_peer); garbage landing in such blocks is never read. (3) Nothing is posted after a request
+became terminal: _post_ready checks the status under the lock, and every status change of the
+sender runs on this loop thread, so it cannot change between that check and the post.
 """
 
 from __future__ import annotations
@@ -18,11 +30,11 @@ import torch
 
 from kvtransfer import messages as m
 from kvtransfer.endpoint import RequestState
-from kvtransfer.pipeline import LayerOp, LayerPipeline
-from kvtransfer.runs import layer_pieces, make_tag
-from kvtransfer.staging import checksum
+from kvtransfer.pipeline import Item, LayerOp, LayerPipeline
+from kvtransfer.runs import direct_pieces, make_tag, staged_pieces
+from kvtransfer.staging import checksum, layer_checksum
 from kvtransfer.transport import SendTransport
-from kvtransfer.types import TransferConfig, TransferError, TransferStatus
+from kvtransfer.types import KVLayout, TransferConfig, TransferError, TransferStatus
 
 S = TransferStatus
 
@@ -31,6 +43,8 @@ class SendPath:
     """Data-path methods of KVSender; the attributes below are KVSender's."""
 
     config: TransferConfig
+    kv_buffer: torch.Tensor
+    layout: KVLayout
     transport: SendTransport
     _pipe: LayerPipeline
     _lock: threading.Condition
@@ -43,19 +57,20 @@ class SendPath:
         def _set(self, st: RequestState, status: TransferStatus, reason: str = "") -> None: ...
 
     def _start_gathers(self) -> None:
-        """Move queued layers into free staging slots, in send_layer order (also before the request's
-        Begin is answered: the gathers overlap the round trip, only the write waits for it)."""
-        items: list[tuple[str, int, torch.Tensor, torch.cuda.Event | None]] = []
+        """Move queued layers into the pipeline, in send_layer order: staged ones gathered into free
+        staging slots, direct ones as they are (also before the request's Begin is answered: the
+        gathers overlap the round trip, only the write waits for it)."""
+        items: list[Item] = []
         states: list[RequestState] = []
-        while self._queue and len(items) < self._pipe.ring.free_slots:
+        while self._queue and len(items) < self._pipe.capacity:
             rid, layer, event = self._queue.popleft()
             with self._lock:
                 st = self._requests.get(rid)
             if st is not None and not st.status.is_terminal:
-                items.append((rid, layer, st.extra["src"], event))
+                items.append((rid, layer, st.extra["src"], event, st.extra["runs"] is not None))
                 states.append(st)
         started = self._pipe.start(items)
-        for rid, layer, _src, event in reversed(items[started:]):  # no slot yet (the ring must drain)
+        for rid, layer, _src, event, _ in reversed(items[started:]):  # no slot yet (the ring must drain)
             self._queue.appendleft((rid, layer, event))
         with self._lock:
             for st in states[:started]:
@@ -81,10 +96,17 @@ class SendPath:
     def _post(self, batch: list[tuple[LayerOp, RequestState]]) -> None:
         notices, pieces = [], []
         for op, st in batch:
-            h = st.handle
-            notices.append(m.LayerNotice(h.request_id, op.layer, make_tag(st.extra["key"], op.layer),
-                                         checksum(self._pipe.staging(op)) if self.config.checksum else None))
-            pieces.append(layer_pieces(h.layout, h.block_ids, op.layer))
+            h, x = st.handle, st.extra
+            crc = None
+            if op.direct:
+                pieces.append(direct_pieces(self.layout, h.layout, x["runs"], op.layer))
+                if self.config.checksum:  # debug setting: slow (index_select + host copy) is fine
+                    crc = layer_checksum(self.kv_buffer, op.layer, tuple(x["src_ids"]))
+            else:
+                pieces.append(staged_pieces(h.layout, len(h.block_ids), x["dst_runs"], op.layer))
+                crc = checksum(self._pipe.staging(op)) if self.config.checksum else None
+            notices.append(m.LayerNotice(h.request_id, op.layer, make_tag(x["key"], op.layer), crc,
+                                         x["cuts"] if op.direct else ()))
         address = batch[0][1].handle.address
         if not self.transport.one_sided:
             self._send(self._peer(address), notices[0])

@@ -11,7 +11,6 @@ import contextlib
 import time
 import zlib
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -19,8 +18,9 @@ import zmq
 from kvtransfer import messages as m
 from kvtransfer.compat import peer_info
 from kvtransfer.endpoint import Endpoint, RequestState
+from kvtransfer.liveness import PeerLiveness, Receiver
 from kvtransfer.pipeline import LayerPipeline
-from kvtransfer.runs import layer_pieces
+from kvtransfer.runs import direct_pieces, joint_runs, layer_pieces, merge_runs, source_cuts
 from kvtransfer.send_path import SendPath
 from kvtransfer.staging import layout_of
 from kvtransfer.transport import SendTransport
@@ -29,18 +29,7 @@ from kvtransfer.types import IncompatiblePeerError, KVHandle, TransferConfig, Tr
 S = TransferStatus
 
 
-@dataclass
-class _Receiver:
-    address: str
-    sock: zmq.Socket
-    epoch: int = 0  # 0 = handshake not (yet) answered
-    last_seen: float = 0.0
-    hello_at: float = 0.0  # when the unanswered Hello went out (0 = none pending)
-    hello_since: float = 0.0  # when the first of the unanswered Hellos went out
-    waiters: list[cf.Future[None]] = field(default_factory=list)
-
-
-class KVSender(SendPath, Endpoint):
+class KVSender(PeerLiveness, SendPath, Endpoint):
     """Sends KV from `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]` (any dtype/device)."""
 
     def __init__(self, config: TransferConfig, kv_buffer: torch.Tensor, transport: SendTransport) -> None:
@@ -50,9 +39,11 @@ class KVSender(SendPath, Endpoint):
         self.info = peer_info(config, self.layout)
         self.transport = transport
         self._ctx = zmq.Context()
-        self._peers: dict[str, _Receiver] = {}
+        self._peers: dict[str, Receiver] = {}
         self._queue: deque[tuple[str, int, torch.cuda.Event | None]] = deque()
-        self._pipe = LayerPipeline(kv_buffer, transport, config.max_inflight_layers)
+        # the direct path needs kv_buffer registered (once) and addressable as one flat byte range
+        self._direct = config.direct_max_pieces > 0 and kv_buffer.is_contiguous()
+        self._pipe = LayerPipeline(kv_buffer, transport, config.max_inflight_layers, self._direct)
         self._next_beat = 0.0
         self._poller: zmq.Poller | None = None
 
@@ -83,11 +74,18 @@ class KVSender(SendPath, Endpoint):
         if len(block_ids) != len(handle.block_ids):
             raise ValueError(f"{len(block_ids)} source blocks for {len(handle.block_ids)} destination blocks")
         layer_pieces(self.layout, tuple(block_ids), 0)  # range check
+        runs: list[tuple[int, int, int, int]] | None = joint_runs(block_ids, handle.block_ids)
+        if not self._direct or 2 * len(runs or ()) > self.config.direct_max_pieces:
+            runs = None  # fragmented: gather into staging
+        else:
+            direct_pieces(self.layout, handle.layout, runs or [], 0)  # block sizes must agree
         # the receiver owns the deadline; ours is a backstop a heartbeat-timeout later
         st = RequestState(handle, time.monotonic() + handle.timeout_s + self.config.peer_timeout_s)
         key = zlib.crc32(f"{self.config.worker_id}:{self.epoch}:{handle.request_id}".encode())
         st.extra.update(src=torch.tensor(block_ids, dtype=torch.int64, device=self.kv_buffer.device),
-                        begun=False, answered=False, key=key, inflight=0, stop=None)
+                        src_ids=list(block_ids), runs=runs, cuts=source_cuts(block_ids) if runs else (),
+                        dst_runs=merge_runs(handle.block_ids), begun=False, answered=False, key=key,
+                        inflight=0, stop=None)
         with self._lock:
             if handle.request_id in self._requests:
                 raise ValueError(f"request_id {handle.request_id!r} already added")
@@ -150,18 +148,18 @@ class KVSender(SendPath, Endpoint):
         assert self._pipe.ring.in_use == 0, f"{self._pipe.ring.in_use} staging slots still in use"
 
     # ---- control plane --------------------------------------------------------------------------
-    def _peer(self, address: str) -> _Receiver:
+    def _peer(self, address: str) -> Receiver:
         peer = self._peers.get(address)
         if peer is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, f"{self.config.worker_id}:{self.epoch}".encode())
             sock.connect(address)
-            peer = self._peers[address] = _Receiver(address, sock, last_seen=time.monotonic())
+            peer = self._peers[address] = Receiver(address, sock, last_seen=time.monotonic())
             self._poller = None
         return peer
 
-    def _send(self, peer: _Receiver, msg: m.Message) -> None:
+    def _send(self, peer: Receiver, msg: m.Message) -> None:
         with contextlib.suppress(zmq.Again):  # peer unreachable: heartbeats/deadlines report it
             peer.sock.send(m.encode(msg), zmq.NOBLOCK)
 
@@ -185,12 +183,12 @@ class KVSender(SendPath, Endpoint):
         else:
             self._hello(st.handle.address)  # new or restarted receiver: (re)handshake first
 
-    def _on_hello_reply(self, peer: _Receiver, r: m.HelloReply) -> None:
+    def _on_hello_reply(self, peer: Receiver, r: m.HelloReply) -> None:
         err = IncompatiblePeerError(f"{r.receiver_id}@{peer.address}", r.mismatches) if r.mismatches else None
         if err is None:
             if peer.epoch and peer.epoch != r.epoch:
-                self.transport.remove_peer(peer.address)
                 self._fail_peer(peer, f"receiver {r.receiver_id} restarted", only_epoch=peer.epoch)
+                self.transport.remove_peer(peer.address)
             if peer.epoch != r.epoch:
                 self.transport.add_peer(peer.address, r.transport)
             peer.epoch = r.epoch
@@ -210,7 +208,7 @@ class KVSender(SendPath, Endpoint):
                     st.extra["begin_sent"] = True
                     self._send(peer, m.Begin(st.handle.request_id, r.epoch))
 
-    def _on_message(self, peer: _Receiver, msg: m.Message) -> None:
+    def _on_message(self, peer: Receiver, msg: m.Message) -> None:
         peer.last_seen = time.monotonic()
         if isinstance(msg, m.HelloReply):
             self._on_hello_reply(peer, msg)
@@ -240,17 +238,6 @@ class KVSender(SendPath, Endpoint):
                 # a request aborted while its Begin was in flight still needs its Stopped fence
                 self._stop_later(st, aborted=st.status is S.ABORTED)
 
-    def _fail_peer(self, peer: _Receiver, reason: str, only_epoch: int = 0) -> None:
-        """Fail the peer's requests and drop their writes in flight (the peer is gone or restarted)."""
-        with self._lock:
-            for st in self._requests.values():
-                if st.handle.address != peer.address or (only_epoch and st.handle.epoch != only_epoch):
-                    continue
-                st.extra["answered"] = True  # no Begin answer will come from a dead incarnation
-                if not st.status.is_terminal:
-                    self._set(st, S.FAILED, reason)
-                self._dropped(self._pipe.cancel(st.handle.request_id, posted=True))
-
     # ---- loop ---------------------------------------------------------------------------------
     def _step(self) -> None:
         busy = bool(self._queue or self._pipe.ops)
@@ -274,37 +261,6 @@ class KVSender(SendPath, Endpoint):
         self._complete()
         self._flush_stops()
         self._housekeeping()
-
-    def _housekeeping(self) -> None:
-        now = time.monotonic()
-        for p in self._peers.values():
-            if p.epoch and now - p.last_seen > self.config.peer_timeout_s:
-                self._fail_peer(p, f"receiver at {p.address} lost (no heartbeat for "
-                                   f"{self.config.peer_timeout_s}s)")
-                self.transport.remove_peer(p.address)
-                p.epoch = 0
-            elif p.hello_at and now - p.hello_since > 2 * self.config.peer_timeout_s:
-                # e.g. a decode worker that died before (or after) we first reached it: fail its
-                # requests now instead of holding their blocks until the deadline
-                why = (f"receiver at {p.address} did not answer the handshake for "
-                       f"{2 * self.config.peer_timeout_s}s")
-                self._fail_peer(p, why)
-                for fut in p.waiters:
-                    fut.set_exception(TransferError(why))
-                p.waiters.clear()
-                p.hello_at = p.hello_since = 0.0
-        if now >= self._next_beat:
-            self._next_beat = now + self.config.heartbeat_interval_s
-            for p in self._peers.values():
-                if p.epoch:
-                    self._send(p, m.Heartbeat(self.epoch))
-        with self._lock:
-            for st in self._requests.values():
-                if not st.status.is_terminal and now > st.deadline:
-                    self._set(st, S.FAILED, f"deadline of {st.handle.timeout_s}s passed")
-                    # posted writes may carry other requests' layers too: they complete or fail
-                    self._dropped(self._pipe.cancel(st.handle.request_id, posted=False))
-                    self._stop_later(st, aborted=False)
 
     def _teardown(self) -> None:
         self.transport.close()

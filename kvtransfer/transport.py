@@ -1,6 +1,7 @@
 """The data-plane interface every backend implements (loopback.py, nixl.py, ucx.py).
 
-A sender transport writes byte pieces of its staging buffer into a peer's KV tensor; a receiver
+A sender transport writes byte pieces of one of its two registered source regions, the staging ring
+(STAGING) or its own kv_buffer (KV, the direct path), into a peer's KV tensor; a receiver
 transport exposes its KV tensor. Control messages never go through it (see messages.py), except the
 layer notice of one-sided transports, which travels with the data (NIXL notif) so that it can only
 arrive after the data. All methods are called from one thread (the sender's or receiver's loop).
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from kvtransfer.runs import Piece
+STAGING, KV = 0, 1  # source regions of a write piece
+SourcePiece = tuple[int, int, int, int]  # (STAGING | KV, source byte offset, destination byte offset, bytes)
 
 
 class SendTransport(ABC):
@@ -28,6 +30,10 @@ class SendTransport(ABC):
         """Use (and register) this flat uint8 torch tensor as the staging buffer."""
 
     @abstractmethod
+    def register_kv(self, kv_buffer: object) -> None:
+        """Use (and register, once) the sender's contiguous torch kv_buffer as the KV source region."""
+
+    @abstractmethod
     def add_peer(self, peer: str, remote: bytes) -> None:
         """Connect to a receiver from its HelloReply metadata."""
 
@@ -36,11 +42,13 @@ class SendTransport(ABC):
         """Forget a receiver (dead, restarted or closed)."""
 
     @abstractmethod
-    def post(self, peer: str, pieces: list[Piece], notice: bytes, tag: int) -> object:
-        """Start copying `pieces` (staging offset, destination offset, bytes) to `peer`; do not wait.
+    def post(self, peer: str, pieces: list[SourcePiece], notice: bytes, tag: int) -> object:
+        """Start copying `pieces` (source region, source offset, destination offset, bytes) to `peer`;
+        do not wait. Two-sided transports send piece i under tag + i.
 
         Returns a handle for test()/cancel(). Several posts may be in flight at once (each from its own
-        staging region). Raises TransferError if the write cannot be started (e.g. unknown peer).
+        staging slot or kv_buffer range). Raises TransferError if the write cannot be started (unknown
+        peer, unregistered source region).
         """
 
     @abstractmethod

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: one-sided writes may carry a LayerNotices batch as their notification
+PROTOCOL_VERSION = 3  # 2: one-sided writes may carry a LayerNotices batch as their notification;
+# 3: a LayerNotice carries the source cuts of a direct write (two-sided receives match its pieces)
 
 
 class TransferStatus(enum.Enum):
@@ -92,6 +93,9 @@ class TransferConfig:
     host/port: where a receiver binds its control socket (port 0 = pick a free one).
     max_inflight_layers: request-layers a sender keeps in flight at once (gathered or being written),
     each in its own slot of one staging ring: staging memory = this × the largest request-layer.
+    direct_max_pieces: a request-layer whose source and destination runs give at most this many pieces
+    (K and V counted; see runs.joint_runs) is written straight from kv_buffer without a gather (the
+    direct path); 0 disables it. Fragmented sources go through the staging ring.
     """
 
     worker_id: str
@@ -106,10 +110,13 @@ class TransferConfig:
     host: str = "127.0.0.1"
     port: int = 0
     max_inflight_layers: int = 4
+    direct_max_pieces: int = 16
 
     def __post_init__(self) -> None:
         if self.max_inflight_layers < 1:
             raise ValueError(f"max_inflight_layers must be >= 1, got {self.max_inflight_layers}")
+        if self.direct_max_pieces < 0:
+            raise ValueError(f"direct_max_pieces must be >= 0, got {self.direct_max_pieces}")
         if self.timeout_s <= 0 or self.heartbeat_interval_s <= 0:
             raise ValueError("timeout_s and heartbeat_interval_s must be > 0")
         if self.peer_timeout_s <= self.heartbeat_interval_s:

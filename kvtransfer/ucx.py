@@ -14,8 +14,7 @@ import os
 
 import torch
 
-from kvtransfer.runs import Piece
-from kvtransfer.transport import RecvTransport, SendTransport
+from kvtransfer.transport import RecvTransport, SendTransport, SourcePiece
 from kvtransfer.types import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -53,13 +52,15 @@ def _tag(value: int) -> object:
 
 
 class UcxSendTransport(SendTransport):
-    """Tag-sends staging pieces over ucxx endpoints."""
+    """Tag-sends pieces of the staging ring or (direct path) of kv_buffer over ucxx endpoints: CPU
+    slices as uint8 numpy views, CUDA slices through __cuda_array_interface__ (no copy either way)."""
 
     one_sided = False
 
     def __init__(self, device: torch.device) -> None:
         self.context, self.worker = _worker(device)
         self._staging = torch.empty(0, dtype=torch.uint8)
+        self._kv = torch.empty(0, dtype=torch.uint8)
         self._eps: dict[str, object] = {}
 
     def metadata(self) -> bytes:
@@ -69,6 +70,10 @@ class UcxSendTransport(SendTransport):
         assert isinstance(staging, torch.Tensor)
         self._staging = staging
 
+    def register_kv(self, kv_buffer: object) -> None:
+        assert isinstance(kv_buffer, torch.Tensor)
+        self._kv = kv_buffer.view(-1).view(torch.uint8)
+
     def add_peer(self, peer: str, remote: bytes) -> None:
         self._eps[peer] = _endpoint(self.worker, remote)
 
@@ -77,13 +82,14 @@ class UcxSendTransport(SendTransport):
         if ep is not None:
             ep.close()  # type: ignore[attr-defined]
 
-    def post(self, peer: str, pieces: list[Piece], notice: bytes, tag: int) -> object:
+    def post(self, peer: str, pieces: list[SourcePiece], notice: bytes, tag: int) -> object:
         """Tag-send each piece (tags tag, tag+1, ...) without waiting; returns the ucxx requests."""
         ep = self._eps.get(peer)
         if ep is None:
             raise TransferError(f"no ucxx endpoint to {peer}")
-        return [ep.tag_send(_array(self._staging[s:s + n]), _tag(tag + i))  # type: ignore[attr-defined]
-                for i, (s, _, n) in enumerate(pieces)]
+        regions = (self._staging, self._kv)
+        return [ep.tag_send(_array(regions[r][s:s + n]), _tag(tag + i))  # type: ignore[attr-defined]
+                for i, (r, s, _, n) in enumerate(pieces)]
 
     def test(self, handle: object) -> bool:
         assert isinstance(handle, list)

@@ -2,7 +2,9 @@
 
 Commands (tuples): ("connect", address) → None or error text; ("add", handle_bytes, src_ids) → None;
 ("layers", request_id, [layers]) → None; ("abort", request_id) → None; ("wait", request_id, timeout) →
-status name; ("release", request_id) → None; ("leaks",) → None or error text; ("close",) → exits.
+status name; ("release", request_id) → None; ("leaks",) → None or error text; ("posted",) →
+request-layers posted by path {"staged": n, "direct": n}; ("close",) → exits. kv_kwargs may hold
+"direct_max_pieces" (a TransferConfig field).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ def sender_main(conn: Connection, backend: str, seed: int, worker_id: str, kv_kw
     from kvtransfer import KVHandle, get_transfer_backend
     from tests.kvtransfer.helpers import config, make_kv
 
-    tx = get_transfer_backend(backend).sender(config(worker_id, backend, checksum=True),
+    extra = {k: kv_kwargs.pop(k) for k in ("direct_max_pieces",) if k in kv_kwargs}
+    tx = get_transfer_backend(backend).sender(config(worker_id, backend, checksum=True, **extra),
                                               make_kv(seed, **kv_kwargs))
     conn.send("ready")
     while True:
@@ -43,6 +46,9 @@ def sender_main(conn: Connection, backend: str, seed: int, worker_id: str, kv_kw
                 continue
             elif op == "release":
                 tx.release(cmd[1])
+            elif op == "posted":
+                conn.send(dict(tx._pipe.posted))
+                continue
             elif op == "leaks":
                 tx.check_no_leaks()
             conn.send(None)

@@ -133,7 +133,8 @@ def test_checksum_detects_corruption(pair):
 
 def _corrupting(post, transport):
     def wrapped(peer, pieces, notice, tag):
-        transport._staging[pieces[0][0]] ^= 0xFF  # flip a byte after the checksum was taken
+        region, offset, _, _ = pieces[0]  # staging ring or (direct path) kv_buffer
+        (transport._staging, transport._kv)[region][offset] ^= 0xFF  # flip a byte after the checksum
         return post(peer, pieces, notice, tag)
     return wrapped
 
@@ -143,8 +144,7 @@ def test_misplaced_blocks_detected_by_checksum(pair):
     tx.add_request(rx.expect("a", [1, 2]), [0, 1])
     orig = tx.transport.post
     tx.transport.post = lambda peer, pieces, notice, tag: orig(  # swap K and V destinations
-        peer, [(pieces[1][0], pieces[0][1], pieces[0][2]), (pieces[0][0], pieces[1][1], pieces[1][2])],
-        notice, tag)
+        peer, [(*pieces[0][:2], *pieces[1][2:]), (*pieces[1][:2], *pieces[0][2:])], notice, tag)
     tx.send_layer("a", 0)
     assert rx.wait("a", WAIT) is S.FAILED and "checksum" in rx.reason("a")
     _finish(tx, rx, "a")

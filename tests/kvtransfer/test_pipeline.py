@@ -21,11 +21,14 @@ WAIT = 5.0
 DEPTH = 3  # < LAYERS: the last layer waits in the queue while the others are in flight
 
 
-@pytest.fixture
-def pair():
+@pytest.fixture(params=["staged", "direct"])
+def pair(request):
+    """Sender/receiver pair; "staged" disables the direct path (direct_max_pieces=0), "direct" keeps
+    the default, under which every source here (at most 3 runs) is written straight from kv_buffer."""
     backend = get_transfer_backend("loopback")
     src, dst = make_kv(1), make_kv(None)
-    tx = backend.sender(config("p0", "loopback", checksum=True, max_inflight_layers=DEPTH), src)
+    tx = backend.sender(config("p0", "loopback", checksum=True, max_inflight_layers=DEPTH,
+                               direct_max_pieces=0 if request.param == "staged" else 16), src)
     rx = backend.receiver(config("d0", "loopback", checksum=True), dst)
     yield tx, rx, src, dst
     tx.transport.deliver.set()  # type: ignore[attr-defined]
@@ -65,7 +68,8 @@ def test_several_layers_in_flight_then_bit_exact(pair):
     for layer in range(LAYERS):
         tx.send_layer("a", layer)
     assert _in_flight(tx, DEPTH)  # DEPTH writes posted at once, none waiting for the one before
-    assert tx._pipe.ring.in_use == DEPTH and len(tx._queue) == LAYERS - DEPTH
+    assert len(tx._pipe.ops) == DEPTH and len(tx._queue) == LAYERS - DEPTH  # depth bounds both paths
+    assert tx._pipe.ring.in_use == (DEPTH if tx.config.direct_max_pieces == 0 else 0)
     assert rx.status("a") is S.TRANSFERRING and not rx._requests["a"].layers
     tx.transport.deliver.set()
     assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
@@ -156,7 +160,7 @@ def test_ready_layers_of_several_requests_go_in_one_write(pair):
         tx.add_request(rx.expect(rid, dst_ids), src_ids)
     for rid, layer in (("a", 0), ("a", 1), ("b", 0)):
         tx.send_layer(rid, layer)
-    assert tx.wait_until(lambda: tx._pipe.ring.in_use == DEPTH, WAIT)  # gathered before Begin's answer
+    assert tx.wait_until(lambda: len(tx._pipe.ops) == DEPTH, WAIT)  # started before Begin's answer
     assert posts == []
     tx_gate = _stall(tx)  # both BeginReplies must reach the sender before its next step
     gate.set()
