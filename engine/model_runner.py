@@ -11,6 +11,7 @@ the backend is ``triton`` and ``ModelConfig.enforce_eager`` is off; prefill and 
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Callable
 
@@ -56,6 +57,10 @@ class ModelRunner:
         self.model, self.hf_config = load_model(engine_config.model)
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if self.device.type == "cuda":
+            # Triton launches and CUDA graph capture use the thread's current device, not the tensors':
+            # a worker on cuda:1 would otherwise run its kernels on cuda:0, reading its KV over NVLink
+            torch.cuda.set_device(self.device)
         self.backend = get_backend(engine_config.model.attention_backend, self.device)
         install_paged_attention(self.model)
         cfg = self.hf_config
@@ -173,6 +178,18 @@ class ModelRunner:
         """
         if output.is_empty:
             return {}
+        with self.on_device():
+            return self._execute(output, layer_hook)
+
+    def on_device(self) -> contextlib.AbstractContextManager[object]:
+        """Context making ``self.device`` the calling thread's current CUDA device (steps run on an
+        executor thread whose current device is cuda:0 by default); a no-op off CUDA."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
+    def _execute(self, output: SchedulerOutput,
+                 layer_hook: Callable[[int], None] | None) -> dict[str, SampleResult]:
         logits = self.compute_logits(output, layer_hook)
         sampling = [s.seq for s in output.scheduled if s.samples]
         if not sampling:

@@ -235,3 +235,30 @@ def test_gpu_graph_step_has_no_host_sync(tiny_path):
     while core.has_unfinished():
         core.step()
     core.check_no_leaks()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_gpu_worker_on_second_device_runs_there_from_any_thread(tiny_path):
+    """A runner on cuda:1 stepped from a thread whose current device is cuda:0 (the worker loop's
+    executor) must launch its kernels on cuda:1 and produce cuda:0's tokens (found by reading the code:
+    the runner never set the device, so Triton and graph capture used cuda:0)."""
+    import concurrent.futures
+
+    prompts = _prompts(5, seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True) for _ in prompts]
+    expected = _generate(_core(tiny_path, "cuda:0", enforce_eager=False), prompts, params)
+    core = _core(tiny_path, "cuda:1", enforce_eager=False)
+    seen: list[int] = []
+    compute = core.runner.compute_logits
+
+    def spy(*args, **kwargs):
+        seen.append(torch.cuda.current_device())
+        return compute(*args, **kwargs)
+
+    core.runner.compute_logits = spy  # type: ignore[method-assign]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(torch.cuda.set_device, 0).result()
+        got = pool.submit(_generate, core, prompts, params).result()
+    assert got == expected
+    assert seen and set(seen) == {1}
