@@ -1,332 +1,298 @@
-"""Disaggregated (1 prefill + 1 decode) vs colocated (1 worker): the same `pdserve bench` workload on both.
+"""Disaggregated (1 prefill + 1 decode worker) vs colocated (N colocated workers, chunked prefill), the same
+``pdserve bench`` workload on both, plus a greedy-parity check between them.
 
-Run: ``.venv/bin/python -m bench.disagg_vs_colocated [--rates 0.5,1,2] [--num-requests 30]
-[--input-len 256] [--output-len 32] [--num-blocks 1024] [--work-dir DIR] [--doc PATH] [--report-only]``
-(about 10 minutes on 2 cores with the defaults; exit code 0 when both bench runs exited 0).
+GPU (2 GPUs, issue #8): ``python3 -m bench.disagg_vs_colocated --device cuda --work-dir $OUT/work
+--doc $OUT/bench-h200.md`` — Llama-3-8B shapes with dummy weights (same seed on every worker), bf16;
+disaggregated = prefill on cuda:0 + decode on cuda:1, KV over NIXL; colocated = two colocated workers
+(cuda:0, cuda:1) behind one gateway. Every worker: ``--max-num-batched-tokens 2048`` (chunked prefill)
+and the same ``--num-blocks``. Workload ``long`` = 3000 input / 150 output tokens (token-id prompts,
+``ignore_eos``), Poisson arrivals at 2, 4, 6, 8 req/s for 20 s each; SLOs TTFT p90 <= 1 s, TPOT p90 <= 25 ms.
+``--mixes long,short`` adds 1000 / 300 (or ``IN:OUT``); a mix after the first is skipped when it would
+end after ``--time-budget`` seconds (estimate: per rate and system, the duration + 15 s).
+CPU smoke (tiny-llama, ~1 min): ``--device cpu --mixes 256:32 --rates 1,2 --duration 10s``.
 
-For each mode it starts a fresh system of real processes on 127.0.0.1 (gateway plus workers with the
-embedded SmolLM2, KV over NIXL for the disaggregated one), waits for ``/ready``, runs ``pdserve bench``
-(``loadtest.cli.main``: Poisson sweep, token-id prompts, ``ignore_eos``) into ``WORK/<mode>/``, and stops
-the system. Then ``pdserve bench compare`` (B = disaggregated, A = colocated) and a Markdown report with
-the command, machine, date, tables, ratios and plots (``docs/benchmarks/bench-cpu/*.png``).
-``live_system`` is also what ``tests/loadtest/test_live.py`` starts its systems with.
+Both systems start together (their start-up overlaps; they share the GPUs' memory but only one is
+loaded at a time), then: parity (8 prompts, chat and completion, max_tokens 32, temperature 0, one at a
+time) → per mix, ``pdserve bench`` on colocated then disaggregated into ``WORK/<mix>/<mode>/`` →
+``pdserve bench compare`` → the Markdown report at ``--doc`` with plots in the folder beside it (same
+name without ``.md``) → a summary table printed last. Exit code: 0 all good; 1 a bench run failed (no
+request completed, or KV leaked); 2 bad arguments; 3 greedy outputs differ between the systems.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import asyncio
 import datetime
 import json
-import os
-import platform
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
-import httpx
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+from bench import disagg_report as rep
+from bench.live_system import LiveSystem, Mode, SystemSpec, live_system, live_systems
+from bench.machine import machine_info
+from engine.models.registry import is_dummy_alias
 
-from loadtest.records import BenchResult
-from pdserve.launcher import Supervisor, free_port
+__all__ = ["live_system", "main", "parse_args"]  # live_system: tests/loadtest/test_live.py imports it here
+MIXES = {"long": (3000, 150), "short": (1000, 300)}
+DEFAULTS = {  # per --device: model, rates, duration, blocks, colocated workers, TTFT and TPOT SLO (ms)
+    "cuda": dict(model="llama3-8b", rates="2,4,6,8", duration="20s", num_blocks=12000, colocated_workers=2,
+                 slo_ttft_ms=1000.0, slo_tpot_ms=25.0, request_timeout="30s"),
+    "cpu": dict(model="tiny-llama", rates="1,2", duration="10s", num_blocks=1024, colocated_workers=1,
+                slo_ttft_ms=2000.0, slo_tpot_ms=250.0, request_timeout="60s"),
+}
 
-Mode = Literal["disagg", "colocated"]
-MODEL = "smollm2-135m"
-
-
-@dataclass(frozen=True)
-class LiveSystem:
-    """A started system: the gateway ``url``, the ``sup``ervisor holding the children, their ``logs``
-    directory, and each child's pid by name (``gateway``, ``prefill``, ``decode`` or ``colocated``)."""
-
-    url: str
-    sup: Supervisor
-    logs: Path
-    pids: dict[str, int]
-
-    def log(self, name: str) -> str:
-        """The text child ``name`` has logged so far."""
-        return (self.logs / f"{name}.log").read_text(errors="replace")
+READING = """How to read it: both setups use the same devices. Colocated, each of the {n} workers runs prefill
+and decode on its own device and splits a new prompt into chunks of at most `--max-num-batched-tokens`
+that share steps with the running decodes (chunked prefill): prefill capacity is {n}x, but every chunk
+lengthens the steps of the requests decoding beside it (TPOT, and the ITL tail). Disaggregated, one
+device only prefills and one only decodes: decode steps never carry a prompt chunk, but all prefill
+work queues on one device (TTFT at high rates) and each request pays the KV handoff. Which effect wins
+depends on the rate; the crossover line of each mix says where it flips."""
 
 
-def _children(mode: Mode, http_port: int, control: str, worker_flags: Sequence[str],
-              gateway_flags: Sequence[str], transfer_backend: str) -> list[tuple[str, list[str]]]:
-    """(name, ``pdserve`` argv) of every child, gateway first. Raises ValueError for an unknown mode."""
-    gateway = ["gateway", "--host", "127.0.0.1", "--port", str(http_port), "--control-bind", control,
-               *gateway_flags]
-    worker = ["--model", MODEL, "--host", "127.0.0.1", "--gateway-control", control, *worker_flags]
-    if mode == "disagg":
-        worker += ["--transfer-backend", transfer_backend]
-        return [("gateway", gateway), ("prefill", ["prefill", "--worker-id", "bench-prefill", *worker]),
-                ("decode", ["decode", "--worker-id", "bench-decode", *worker])]
-    if mode == "colocated":
-        return [("gateway", gateway), ("colocated", ["colocated", "--worker-id", "bench-colo", *worker])]
-    raise ValueError(f"mode must be 'disagg' or 'colocated', got {mode!r}")
-
-
-def _wait_ready(sup: Supervisor, url: str, timeout_s: float, logs: Path) -> None:
-    """Poll ``url``/ready until 200. Raises RuntimeError if a child exits or ``timeout_s`` s pass."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sup.dead():
-            raise RuntimeError(f"child exited during start-up: {sup.dead()}; logs in {logs}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/ready", timeout=2, trust_env=False).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s; logs in {logs}")
-
-
-@contextlib.contextmanager
-def live_system(mode: Mode, logs: Path, *, num_blocks: int = 512, transfer_backend: str = "nixl",
-                gateway_flags: Sequence[str] = (), heartbeat_timeout_s: float = 5.0,
-                ready_timeout_s: float = 240.0) -> Iterator[LiveSystem]:
-    """Start a ``mode`` system (``disagg``: gateway + prefill + decode; ``colocated``: gateway + one
-    colocated worker) on free 127.0.0.1 ports, each worker with ``num_blocks`` KV blocks of 16 tokens;
-    child logs go to ``logs/<name>.log``; the gateway declares a worker dead after ``heartbeat_timeout_s``
-    seconds without a heartbeat (2 s proved too short on a loaded 2-core machine). Everything is stopped
-    on exit, also when start-up fails.
-
-    Raises ValueError (unknown mode, ``num_blocks`` < 1) before starting anything, RuntimeError when a
-    child dies during start-up or the gateway is not ready within ``ready_timeout_s`` seconds.
-    """
-    if num_blocks < 1:
-        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    http_port, control = free_port(), f"tcp://127.0.0.1:{free_port()}"
-    gateway = ["--heartbeat-timeout", f"{heartbeat_timeout_s:g}", *gateway_flags]
-    children = _children(mode, http_port, control, ["--num-blocks", str(num_blocks)], gateway,
-                         transfer_backend)
-    from engine.models.registry import resolve_model
-
-    resolve_model(MODEL)  # convert the embedded model once, before workers race for the cache
-    logs.mkdir(parents=True, exist_ok=True)
-    sup = Supervisor(grace=10.0)
-    url = f"http://127.0.0.1:{http_port}"
+def parse_mix(text: str) -> tuple[str, int, int]:
+    """``long`` / ``short`` / ``IN:OUT`` → (name, input tokens, output tokens). Raises ValueError."""
+    if text in MIXES:
+        return (text, *MIXES[text])
     try:
-        for name, args in children:
-            sup.start(name, args, str(logs / f"{name}.log"))
-        _wait_ready(sup, url, ready_timeout_s, logs)
-        yield LiveSystem(url, sup, logs, {n: p.pid for n, p in sup.children.items()})
-    finally:
-        sup.stop_all()
+        n_in, n_out = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"bad mix {text!r}: use long, short or IN:OUT token counts") from None
+    if n_in < 1 or n_out < 2:
+        raise ValueError(f"bad mix {text!r}: need input >= 1 and output >= 2 tokens")
+    return f"in{n_in}-out{n_out}", n_in, n_out
 
 
-def machine_info() -> dict[str, str]:
-    """nproc, CPU model (/proc/cpuinfo), RAM (/proc/meminfo, GiB), OS, Python and the load average."""
-    cpu, ram = platform.processor() or "unknown", "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                ram = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    return {"nproc": str(len(os.sched_getaffinity(0))), "cpu": cpu, "ram": ram,
-            "os": platform.platform(), "python": platform.python_version(),
-            "load average (1/5/15 min)": " / ".join(f"{x:.2f}" for x in os.getloadavg())}
+def devices(args: argparse.Namespace, mode: Mode) -> tuple[str, ...]:
+    """Worker devices: disagg = (prefill, decode), colocated = one per worker (``cuda:i`` on GPUs)."""
+    if args.device == "cuda":
+        return ("cuda:0", "cuda:1") if mode == "disagg" else tuple(
+            f"cuda:{i}" for i in range(args.colocated_workers))
+    return ("cpu", "cpu") if mode == "disagg" else ("cpu",) * args.colocated_workers
 
 
-def bench_argv(args: argparse.Namespace, url: str, out: Path) -> list[str]:
-    """The ``pdserve bench`` flags of one run (identical for both modes but the URL and output dir)."""
+def spec(args: argparse.Namespace, mode: Mode, work: Path) -> SystemSpec:
+    """The system ``mode`` of this benchmark (every worker gets the same engine flags)."""
+    flags = ("--dtype", args.dtype, "--attention-backend", args.attention_backend, "--load-format",
+             args.load_format, "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--max-num-seqs", str(args.max_num_seqs))
+    return SystemSpec(mode, work / f"{mode}-logs", args.model, devices(args, mode), args.num_blocks, flags,
+                      (), args.transfer_backend, args.heartbeat_timeout)
+
+
+def bench_argv(args: argparse.Namespace, url: str, out: Path, n_in: int | str, n_out: int | str) -> list[str]:
+    """The ``pdserve bench`` flags of one sweep (identical for both systems but URL and output dir)."""
     return ["--base-url", url, "--endpoint", "completions", "--prompt-format", "tokens",
-            "--input-len", f"fixed:{args.input_len}", "--output-len", f"fixed:{args.output_len}",
-            "--ignore-eos", "--temperature", "0", "--arrival", "poisson", "--request-rate", args.rates,
-            "--num-requests", str(args.num_requests), "--warmup", str(args.warmup), "--seed", "0",
-            "--request-timeout", "180s", "--slo-ttft-ms", str(args.slo_ttft_ms),
-            "--slo-tpot-ms", str(args.slo_tpot_ms), "--leak-settle", "5s", "--no-progress",
+            "--input-len", f"fixed:{n_in}", "--output-len", f"fixed:{n_out}", "--ignore-eos",
+            "--temperature", "0", "--arrival", "poisson", "--request-rate", args.rates,
+            "--duration", args.duration, "--warmup", str(args.warmup), "--seed", "0",
+            "--request-timeout", args.request_timeout, "--slo-ttft-ms", f"{args.slo_ttft_ms:g}",
+            "--slo-tpot-ms", f"{args.slo_tpot_ms:g}", "--leak-settle", "5s", "--no-progress",
             "--output-dir", str(out)]
 
 
-def run_mode(mode: Mode, args: argparse.Namespace, work: Path) -> int:
-    """Start a ``mode`` system, run ``pdserve bench`` into ``work/<mode>``, stop it; bench's exit code."""
+def _parity(systems: dict[str, LiveSystem], args: argparse.Namespace, work: Path) -> tuple[int, int]:
+    """Greedy parity disagg vs colocated; writes WORK/parity.json; (identical, total)."""
+    from bench.parity import check_parity, save_parity
+    from loadtest.models import first_model
+
+    model = asyncio.run(first_model(systems["colocated"].url, None))
+    cases = check_parity(systems["disagg"].url, systems["colocated"].url, model, args.parity_max_tokens)
+    save_parity(cases, work / "parity.json")
+    same = sum(c.identical for c in cases)
+    for c in cases:
+        if not c.identical:
+            print(f"!! PARITY MISMATCH ({c.kind} {c.prompt!r}):\n   disagg    {c.a}\n   colocated {c.b}",
+                  flush=True)
+    print(f"== greedy parity disaggregated == colocated: {same}/{len(cases)} identical", flush=True)
+    return same, len(cases)
+
+
+def _sweep_seconds(args: argparse.Namespace) -> float:
+    """Rough wall time of one mix on both systems: per rate the duration plus 15 s of warm-up/drain."""
+    from loadtest.faults import parse_duration
+
+    return 2 * len(args.rates.split(",")) * (parse_duration(args.duration) + 15.0)
+
+
+def run_all(args: argparse.Namespace, work: Path, t0: float) -> dict[str, Any]:
+    """Start both systems, check parity, run every mix that fits the time budget; the run's metadata."""
     from loadtest.cli import main as bench_main
 
-    with live_system(mode, work / f"{mode}-logs", num_blocks=args.num_blocks,
-                     heartbeat_timeout_s=args.heartbeat_timeout) as system:
-        print(f"== {mode}: ready at {system.url}; pdserve bench {' '.join(bench_argv(args, 'URL', work))}",
-              flush=True)
-        return bench_main(bench_argv(args, system.url, work / mode))
+    meta: dict[str, Any] = {"exit_codes": {}, "skipped": [], "parity": None}
+    specs = [spec(args, mode, work) for mode, _ in rep.MODES]
+    with live_systems(specs, args.ready_timeout) as started:
+        systems: dict[str, LiveSystem] = dict(zip([m for m, _ in rep.MODES], started, strict=True))
+        print(f"== both systems ready after {time.monotonic() - t0:.0f} s", flush=True)
+        meta["parity"] = _parity(systems, args, work)
+        for i, mix in enumerate(args.mixes.split(",")):
+            name, n_in, n_out = parse_mix(mix)
+            if i > 0 and time.monotonic() - t0 + _sweep_seconds(args) > args.time_budget:
+                print(f"== skipping mix {name}: it would not finish within --time-budget", flush=True)
+                meta["skipped"].append(name)
+                continue
+            for mode, _ in rep.MODES:
+                out = work / name / mode
+                flags = " ".join(bench_argv(args, "URL", out, n_in, n_out))
+                print(f"== {name} {mode}: pdserve bench {flags}", flush=True)
+                rc = bench_main(bench_argv(args, systems[mode].url, out, n_in, n_out))
+                meta["exit_codes"][f"{name}/{mode}"] = rc
+    return meta
 
 
-def plot_modes(results: dict[str, BenchResult], path: Path) -> None:
-    """TTFT p50, TPOT mean and output token throughput against the offered rate, one line per mode."""
-    fig = Figure(figsize=(10, 3.2), dpi=80)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, 3)
-    panels = [("TTFT p50 (ms)", lambda s: s.ttft_ms.median if s.ttft_ms else float("nan")),
-              ("TPOT mean (ms)", lambda s: s.tpot_ms.mean if s.tpot_ms else float("nan")),
-              ("output tokens/s", lambda s: s.output_token_throughput)]
-    for ax, (title, fn) in zip(axes, panels, strict=True):
-        for mode, result in results.items():
-            runs = [r for r in result.runs if r.rate is not None]
-            ax.plot([r.rate for r in runs], [fn(r.summary) for r in runs], "o-", label=mode)
-        ax.set(title=title, xlabel="offered rate (req/s)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-
-
-MEANING = """Both setups run on the same {nproc} CPU cores: the disaggregated one gets no extra hardware.
-What differs is how the work is scheduled. The colocated worker runs one step at a time, and a new
-256-token prompt is batched into the same step as the running decodes (chunked prefill), so every running
-request's next token waits for that prefill (the ITL/TPOT tail spikes). In the disaggregated setup
-prefill and decode are separate processes that the kernel runs side by side, one core each (their torch
-intra-op threads then compete), and each request pays the ReserveKV round trip and the KV copy (NIXL over
-CMA, ~5 GB/s here; 256 tokens x 23,040 B = 5.9 MB in bf16, about 1 ms) on its TTFT. Where the
-disaggregated setup shows lower TPOT/ITL tails here, the likely cause is that prefill no longer sits in
-the decode batch, which is the effect disaggregation is built for, but bought here by halving the cores
-each phase can use; nothing here measures the speed-up on separate accelerators. The machine was shared
-with other engineers' test runs (load average above, on 2 cores), so single-run differences of tens of
-percent are within the noise."""
-
-
-def _demote(markdown: str) -> str:
-    """Drop the first heading line and push the other headings two levels down."""
-    lines = markdown.splitlines()[1:]
-    return "\n".join("##" + ln if ln.startswith("#") else ln for ln in lines).strip()
-
-
-def _ratio_lines(a: BenchResult, b: BenchResult) -> list[str]:
-    """One sentence per rate: B/A of TTFT p50, TPOT mean and output token throughput."""
-    out = []
-    for ra, rb in zip(a.runs, b.runs, strict=False):
-        sa, sb = ra.summary, rb.summary
-        parts = []
-        if sa.ttft_ms and sb.ttft_ms and sa.ttft_ms.median:
-            parts.append(f"TTFT p50 x{sb.ttft_ms.median / sa.ttft_ms.median:.2f}")
-        if sa.tpot_ms and sb.tpot_ms and sa.tpot_ms.mean:
-            parts.append(f"TPOT mean x{sb.tpot_ms.mean / sa.tpot_ms.mean:.2f}")
-        if sa.output_token_throughput:
-            parts.append(f"output tok/s x{sb.output_token_throughput / sa.output_token_throughput:.2f}")
-        out.append(f"- {ra.label}: disaggregated vs colocated: {', '.join(parts) or 'no completed request'}; "
-                   f"completed {sb.completed}/{sb.num_requests} vs {sa.completed}/{sa.num_requests}")
-    return out
-
-
-def _verdict(results: Sequence[BenchResult], output_len: int) -> str:
-    """What the runs establish regardless of the noise: completions, exact output lengths, KV leaks."""
-    runs = [run for result in results for run in result.runs]
-    total = sum(len(run.records) for run in runs)
-    exact = sum(r.success and r.output_tokens == output_len for run in runs for r in run.records)
-    leaks = [run.label for run in runs if run.kv.error or (run.kv.leaked or 0) > 0]
-    leak_text = "no KV block leaked (gauge back to its start value after every run)" if not leaks else (
-        f"KV gauge NOT back to its start value (or not scraped) after: {', '.join(leaks)}")
-    return (f"Regardless of the noise: {exact} of {total} requests, over both setups and all rates, "
-            f"completed with exactly {output_len} output tokens; {leak_text}.")
-
-
-def _repeat_lines(repeat_dir: str | None) -> list[str]:
-    """The ratios of a repeat run (its ``meta.json`` and results), or nothing without one."""
-    if not repeat_dir:
-        return []
-    from loadtest.report import load_json
-
-    work = Path(repeat_dir)
-    meta = json.loads((work / "meta.json").read_text())
-    load = meta["machine"].get("load average (1/5/15 min)", "?")
-    res = [load_json(work / mode / "results.json") for mode in ("colocated", "disagg")]
-    return [f"Repeat run, same command, {meta['date']} (UTC), load average {load}, exit codes "
-            f"{meta['exit_codes']}:", "", *_ratio_lines(res[0], res[1]), ""]
-
-
-def _header(args: argparse.Namespace, work: Path, rcs: dict[str, int], info: dict[str, str],
-            started: str, argv: Sequence[str]) -> list[str]:
-    """Title and the bullet list: command, machine, date, systems, workload, exit codes."""
-    each = " ".join(bench_argv(args, "URL", work / "<mode>"))
-    return ["# Disaggregated vs colocated on CPU (`pdserve bench`)", "",
-            f"- command: `.venv/bin/python -m bench.disagg_vs_colocated {' '.join(argv)}`",
-            f"- each run: `pdserve bench {each}`",
-            "- comparison: `pdserve bench compare colocated/results.json disagg/results.json`"
-            " (A = colocated, B = disaggregated)",
-            f"- machine: {', '.join(f'{k} {v}' for k, v in info.items())}",
-            f"- date: {started} (UTC)",
-            f"- systems, model SmolLM2-135M-Instruct (embedded, bf16) on CPU, {args.num_blocks} KV blocks"
-            " of 16 tokens per worker: (a) gateway + 1 colocated worker; (b) gateway + 1 prefill + 1 decode"
-            " worker, KV over NIXL; gateway"
-            f" `--heartbeat-timeout {args.heartbeat_timeout:g}`",
-            f"- workload: Poisson arrivals at {args.rates} req/s, {args.num_requests} requests per rate"
-            f" (+{args.warmup} unmeasured warm-up), token-id prompts of {args.input_len} tokens,"
-            f" {args.output_len} output tokens (ignore_eos, greedy); goodput SLOs"
-            f" TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms (chosen for this CPU)",
-            f"- bench exit codes: colocated {rcs['colocated']}, disaggregated {rcs['disagg']}"
-            " (0 = every run completed requests and leaked no KV block)", ""]
-
-
-def write_report(args: argparse.Namespace, work: Path, rcs: dict[str, int], info: dict[str, str],
-                 started: str, argv: Sequence[str]) -> str:
-    """The Markdown report (returned); also writes the plots into ``args.plots_dir``."""
+def _mix_section(args: argparse.Namespace, work: Path, mix: str, plots: Path, rel: str
+                 ) -> tuple[list[str], dict[str, list[rep.RateRow]]]:
+    """The report section of one mix (tables, rep.crossover, plots, compare) and its rows per mode."""
     from loadtest.report import compare, load_json, markdown_summary
 
-    res = {mode: load_json(work / mode / "results.json") for mode in ("colocated", "disagg")}
-    plots = Path(args.plots_dir)
+    name, n_in, n_out = parse_mix(mix)
+    res = {mode: load_json(work / name / mode / "results.json") for mode, _ in rep.MODES}
+    slo = (args.slo_ttft_ms, args.slo_tpot_ms)
+    rows: dict[str, list[rep.RateRow]] = {mode: rep.rate_rows(res[mode], *slo) for mode in res}
+    rep.plot_mix({label: rows[mode] for mode, label in rep.MODES}, args.slo_ttft_ms, args.slo_tpot_ms,
+             f"{args.model}, {n_in} in / {n_out} out tokens", plots / f"{name}.png")
+    cmp = compare(res["colocated"], res["disagg"], "colocated", "disaggregated")
+    (work / name / "compare.md").write_text(cmp, encoding="utf-8")
+    goodput = {mode: rep.system_goodput(r) for mode, r in rows.items()}
+    exact, total, leaks = rep.exact_lengths([r for v in res.values() for r in v.runs], n_out)
+    lines = [f"## Mix `{name}`: {n_in} input / {n_out} output tokens", "",
+             *rep.goodput_table(rows["colocated"], rows["disagg"]), "",
+             f"System goodput (highest rate meeting both p90 SLOs): colocated {goodput['colocated']:g} req/s,"
+             f" disaggregated {goodput['disagg']:g} req/s.", "",
+             rep.crossover(rows["colocated"], rows["disagg"]), "",
+             f"{exact} of {total} requests completed with exactly {n_out} output tokens; KV leaks: "
+             f"{', '.join(leaks) or 'none (gauge back to its start value after every run)'}.", "",
+             f"![goodput, TTFT p90, TPOT p90, ITL p99 against rate]({rel}/{name}.png)", ""]
+    for mode, label in rep.MODES:
+        shutil.copyfile(work / name / mode / "latency_cdf.png", plots / f"{name}-{mode}-latency_cdf.png")
+        lines += [f"### {label}", "", rep.demote(rep.demote(markdown_summary(res[mode]))), "",
+                  f"![{label} latency CDFs]({rel}/{name}-{mode}-latency_cdf.png)", ""]
+    lines += ["### `pdserve bench compare` (A = colocated, B = disaggregated)", "",
+              rep.demote(rep.demote(cmp)), ""]
+    return lines, rows
+
+
+def write_report(args: argparse.Namespace, work: Path, meta: dict[str, Any]) -> list[str]:
+    """Write the Markdown report to ``args.doc`` (plots beside it); return the summary lines."""
+    doc = Path(args.doc)
+    plots = doc.with_suffix("")
     plots.mkdir(parents=True, exist_ok=True)
-    plot_modes({"colocated": res["colocated"], "disaggregated": res["disagg"]}, plots / "modes.png")
-    for mode in res:
-        shutil.copyfile(work / mode / "latency_cdf.png", plots / f"{mode}-latency_cdf.png")
-    rel = os.path.relpath(plots, Path(args.doc).parent)
-    lines = [*_header(args, work, rcs, info, started, argv),
-             "## Ratios", "", *_ratio_lines(res["colocated"], res["disagg"]), "",
-             *_repeat_lines(args.repeat_dir),
-             "## What this means", "", MEANING.format(nproc=info["nproc"]), "",
-             _verdict(list(res.values()), args.output_len), "", *[f"Note: {n}\n" for n in args.note],
-             f"![TTFT, TPOT and throughput against rate]({rel}/modes.png)", "",
-             "## (a) colocated", "", _demote(markdown_summary(res["colocated"])), "",
-             f"![colocated latency CDFs]({rel}/colocated-latency_cdf.png)", "",
-             "## (b) disaggregated", "", _demote(markdown_summary(res["disagg"])), "",
-             f"![disaggregated latency CDFs]({rel}/disagg-latency_cdf.png)", "",
-             "## `pdserve bench compare`", "", _demote(compare(res["colocated"], res["disagg"], "colocated",
-                                                                "disaggregated"))]
-    return "\n".join(lines) + "\n"
+    info: dict[str, str] = meta["machine"]
+    parity: tuple[int, int] | None = (meta["parity"][0], meta["parity"][1]) if meta["parity"] else None
+    n_colo = args.colocated_workers
+    weights = "dummy (seed 0)" if args.load_format == "dummy" or is_dummy_alias(args.model) else "real"
+    each = " ".join(bench_argv(args, "URL", Path("WORK/<mix>/<mode>"), "IN", "OUT"))
+    par = f"{parity[0]}/{parity[1]} identical (details: WORK/parity.json)" if parity else "not run"
+    lines = [f"# Disaggregated vs colocated on {args.device} (`pdserve bench`)", "",
+             f"- command: `python -m bench.disagg_vs_colocated {' '.join(meta['argv'])}`",
+             f"- each run: `pdserve bench {each}`"
+             " (IN/OUT: the mix's lengths)",
+             f"- machine: {'; '.join(f'{k} {v}' for k, v in info.items())}", f"- date: {meta['date']} (UTC)",
+             f"- model `{args.model}` ({weights} weights, dtype {args.dtype}), {args.num_blocks} KV "
+             f"blocks of 16 tokens per worker, `--max-num-batched-tokens {args.max_num_batched_tokens}` "
+             f"(chunked prefill) on every worker; (a) colocated: gateway + {n_colo} colocated worker(s) on "
+             f"{', '.join(devices(args, 'colocated'))}; (b) disaggregated: gateway + prefill on "
+             f"{devices(args, 'disagg')[0]} + decode on {devices(args, 'disagg')[1]}, KV over "
+             f"{args.transfer_backend}",
+             f"- workload: Poisson arrivals at {args.rates} req/s, {args.duration} per rate (+{args.warmup} "
+             f"warm-up requests), token-id prompts, ignore_eos, greedy; SLOs TTFT p90 <= "
+             f"{args.slo_ttft_ms:g} ms and TPOT p90 <= {args.slo_tpot_ms:g} ms",
+             f"- bench exit codes: {meta['exit_codes']}; mixes skipped for time: {meta['skipped'] or 'none'}",
+             f"- greedy parity (8 prompts, chat + completion, max_tokens {args.parity_max_tokens}): {par}",
+             "",
+             READING.format(n=n_colo), "", *[f"Note: {n}\n" for n in args.note]]
+    mixes: dict[str, dict[str, list[rep.RateRow]]] = {}
+    rel = plots.name
+    for mix in args.mixes.split(","):
+        name = parse_mix(mix)[0]
+        if name in meta["skipped"]:
+            continue
+        section, mixes[name] = _mix_section(args, work, mix, plots, rel)
+        lines += section
+    doc.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return rep.summary_lines(mixes, parity)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Command-line flags (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m bench.disagg_vs_colocated", description=__doc__)
-    p.add_argument("--rates", default="0.5,1,2", help="Poisson rates (req/s), comma-separated")
-    p.add_argument("--num-requests", type=int, default=30, help="measured requests per rate")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each run")
-    p.add_argument("--input-len", type=int, default=256, help="prompt tokens")
-    p.add_argument("--output-len", type=int, default=32, help="output tokens (ignore_eos)")
-    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per worker")
+    """Flags (see the module docstring); device-dependent defaults filled in. Raises SystemExit(2)."""
+    p = argparse.ArgumentParser(prog="python -m bench.disagg_vs_colocated", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    gpu = shutil.which("nvidia-smi") is not None
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if gpu else "cpu")
+    p.add_argument("--model", help="alias or HF dir (default: llama3-8b on cuda, tiny-llama on cpu)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--dtype", default="auto", help="auto = bf16 on GPU, fp32 on CPU")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--mixes", default="long", help="comma list of long (3000/150), short (1000/300), IN:OUT")
+    p.add_argument("--rates", help="Poisson rates (req/s), comma-separated")
+    p.add_argument("--duration", help="issuing time per rate, e.g. 30s")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each rate")
+    p.add_argument("--request-timeout", help="per-request bound of the bench (default 30s cuda, 60s cpu)")
+    p.add_argument("--num-blocks", type=int, help="KV blocks per worker (default 12000 cuda, 1024 cpu)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="chunked-prefill token budget")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--colocated-workers", type=int, help="default 2 on cuda (one per GPU), 1 on cpu")
+    p.add_argument("--transfer-backend", default="nixl", choices=("nixl", "ucx", "loopback"))
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="gateway flag (seconds)")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=250.0)
+    p.add_argument("--ready-timeout", type=float, default=240.0, help="start-up bound (seconds)")
+    p.add_argument("--time-budget", type=float, default=450.0,
+                   help="seconds: skip a mix after the first when it would end later than this")
+    p.add_argument("--slo-ttft-ms", type=float)
+    p.add_argument("--slo-tpot-ms", type=float)
+    p.add_argument("--parity-max-tokens", type=int, default=32)
     p.add_argument("--work-dir", default="/tmp/pdserve-disagg-vs-colocated", help="raw results and logs")
-    p.add_argument("--doc", default="docs/benchmarks/bench-cpu.md")
-    p.add_argument("--plots-dir", default="docs/benchmarks/bench-cpu")
-    p.add_argument("--repeat-dir", help="WORK dir of a repeat run: its ratios are listed to show the noise")
-    p.add_argument("--note", action="append", default=[], help="a paragraph added under 'What this means'")
-    p.add_argument("--report-only", action="store_true",
-                   help="skip the runs: rebuild the report from WORK (same flags as the run)")
-    return p.parse_args(argv)
+    p.add_argument("--doc", help="report path (default docs/benchmarks/bench-<device>.md)")
+    p.add_argument("--note", action="append", default=[], help="a paragraph added to the report")
+    p.add_argument("--report-only", action="store_true", help="rebuild the report from WORK/meta.json")
+    args = p.parse_args(argv)
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.doc = args.doc or f"docs/benchmarks/bench-{'h200' if args.device == 'cuda' else 'cpu'}.md"
+    try:
+        for mix in args.mixes.split(","):
+            parse_mix(mix)
+        if args.num_blocks < 1 or args.colocated_workers < 1 or args.warmup < 0:
+            raise ValueError("--num-blocks and --colocated-workers must be >= 1, --warmup >= 0")
+        [float(r) for r in args.rates.split(",")]
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run both modes, write the report; 0 when both bench runs exited 0, else 1."""
+    """Run everything (see the module docstring); the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+    args, t0 = parse_args(argv), time.monotonic()
     work = Path(args.work_dir)
-    info = machine_info()
-    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
-    meta = work / "meta.json"
-    if args.report_only:  # rebuild the report from an earlier run's raw results
-        saved = json.loads(meta.read_text())
-        info, started, rcs, argv = saved["machine"], saved["date"], saved["exit_codes"], saved["argv"]
+    work.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        meta = json.loads((work / "meta.json").read_text())
     else:
-        rcs = {mode: run_mode(mode, args, work) for mode in ("colocated", "disagg")}
-        meta.write_text(json.dumps({"machine": info, "date": started, "exit_codes": rcs, "argv": argv}))
-    report = write_report(args, work, rcs, info, started, argv)
-    Path(args.doc).write_text(report, encoding="utf-8")
-    print(f"report written to {args.doc}")
-    return 0 if not any(rcs.values()) else 1
+        started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
+        try:
+            meta = {"machine": machine_info(), "date": started, "argv": argv, **run_all(args, work, t0)}
+        except (RuntimeError, OSError, ValueError) as exc:  # start-up failed: show why, here and now
+            print(f"!! {type(exc).__name__}: {exc}", file=sys.stderr)
+            for log in sorted(work.glob("*-logs/*.log")):
+                tail = log.read_text(errors="replace").splitlines()[-25:]
+                print(f"---- {log} (last {len(tail)} lines)", *tail, sep="\n", file=sys.stderr)
+            return 1
+        (work / "meta.json").write_text(json.dumps(meta, indent=2))
+    summary = write_report(args, work, meta)
+    plots = Path(args.doc).with_suffix("")
+    print(f"report written to {args.doc} (plots in {plots}/), raw results in {work}/")
+    print("\n".join(summary), flush=True)
+    parity = meta["parity"]
+    if parity and parity[0] != parity[1]:
+        print(f"!! GREEDY PARITY FAILED: {parity[0]}/{parity[1]} identical (see {work}/parity.json)")
+        return 3
+    return 1 if any(meta["exit_codes"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -88,9 +88,11 @@ def _add_gateway(add: _EnvAdder) -> None:
 
 
 def _add_worker(add: _EnvAdder, role: str) -> None:
-    add("--model", default="smollm2-135m", help="HF model dir or alias (smollm2-135m, llama3-8b)")
+    add("--model", default="smollm2-135m", help="HF model dir or alias (smollm2-135m, llama3-8b, tiny-llama)")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
         help="weights and KV cache dtype (auto: bf16 on GPU, fp32 on CPU)")
+    add("--load-format", default="auto", choices=["auto", "dummy"],
+        help="dummy: random weights, the same (seed 0) on every worker (auto: dummy for a dummy alias)")
     add("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
     add("--attention-backend", default="auto", help="auto, torch, triton or flash_attn")
     _bool_flag(add, "--enforce-eager", False, "never replay CUDA graphs for decode steps")

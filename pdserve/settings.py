@@ -69,6 +69,7 @@ class WorkerSettings:
     role: str
     model: str = "smollm2-135m"
     dtype: str = "auto"
+    load_format: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -89,6 +90,8 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         _check(self.role in ("prefill", "decode", "colocated"), "role", f"unknown role {self.role!r}")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"bad {self.dtype!r}")
+        _check(self.load_format in ("auto", "dummy"), "load-format",
+               f"must be auto or dummy, got {self.load_format!r}")
         _check(self.block_size >= 1, "block-size", "must be >= 1")
         _check(self.num_blocks is None or self.num_blocks >= 1, "num-blocks", "must be >= 1")
         _check(0 < self.kv_memory_fraction <= 1, "kv-memory-fraction", "must be in (0, 1]")

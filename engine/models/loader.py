@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.initialization import no_init_weights
 
 from engine.config import ModelConfig
-from engine.models.registry import SUPPORTED_ARCHITECTURES, resolve_model
+from engine.models.registry import SUPPORTED_ARCHITECTURES, is_dummy_alias, resolve_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -129,7 +129,7 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, PretrainedCo
     hf_config = load_hf_config(path)
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, hf_config, device)
-    if model_config.load_format == "dummy":
+    if model_config.load_format == "dummy" or is_dummy_alias(model_config.model):  # auto: no weights
         model = _build_dummy(hf_config, dtype, device, model_config.seed)
     else:
         _check_safetensors(path)

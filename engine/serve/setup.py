@@ -28,7 +28,8 @@ def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
     ``kv_memory_fraction``) and scheduler limits. Raises ``ValueError`` naming a bad value."""
     return EngineConfig(
         ModelConfig(settings.model, dtype=settings.dtype, device=settings.device,
-                    attention_backend=settings.attention_backend, enforce_eager=settings.enforce_eager),
+                    attention_backend=settings.attention_backend, enforce_eager=settings.enforce_eager,
+                    load_format=settings.load_format),
         CacheConfig(block_size=settings.block_size, num_blocks=settings.num_blocks,
                     memory_fraction=settings.kv_memory_fraction),
         SchedulerConfig(max_num_seqs=settings.max_num_seqs,
