@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import platform
 import random
+import sys
 import time
 from multiprocessing.connection import Connection
 
@@ -61,7 +62,8 @@ def receiver_main(conn: Connection, backend: str, num_blocks: int, device: str, 
         elif cmd[0] == "wait":
             status = rx.wait(cmd[1], 120)
             conn.send(status.name if status.name == "DONE" else f"{status.name}: {rx.reason(cmd[1])}")
-            rx.release(cmd[1])
+            if status.name == "DONE":
+                rx.release(cmd[1])
     rx.close()
     conn.send(None)
 
@@ -89,55 +91,59 @@ def _baseline(nbytes: int, device: str) -> float:
 
 
 def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, depth: int = 4,
-         verify: bool = False, trace: bool = False, path: str = "direct", begun: bool = False) -> float:
-    """Best GB/s of `repeat` transfers of one `tokens`-token request over `backend`, by `path`; with
-    `begun` the clock starts once the receiver answered the request's Begin (as in serving, where
-    add_request precedes the prefill forward pass, so the round trip overlaps compute)."""
+         verify: bool = False, trace: bool = False, path: str = "direct", begun: bool = False,
+         concurrent: int = 1) -> float:
+    """Best GB/s of `repeat` rounds over `backend`, by `path`. A round sends `concurrent` requests of
+    `tokens` tokens each (layer by layer, interleaved across requests) and ends when all are DONE; GB/s =
+    all their KV bytes / (first send_layer → last DONE). With `begun` the clock starts once the receiver
+    answered every Begin (as in serving, where add_request precedes the prefill forward pass)."""
     from kvtransfer import KVHandle, TransferStatus, get_transfer_backend
 
     n = tokens // BS
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     rx_device = device if device == "cpu" else "cuda:1"
-    proc = ctx.Process(target=receiver_main, args=(child, backend, n, rx_device, verify), daemon=True)
+    proc = ctx.Process(target=receiver_main, args=(child, backend, n * concurrent, rx_device, verify),
+                       daemon=True)
     proc.start()
     conn.recv()
-    src = torch.randn(LAYERS, 2, n, BS, HEADS, DIM, device=device if device == "cpu" else "cuda:0").to(DTYPE)
+    src = torch.randn(LAYERS, 2, n * concurrent, BS, HEADS, DIM,
+                      device=device if device == "cpu" else "cuda:0").to(DTYPE)
     tx = get_transfer_backend(backend).sender(_config("bench-p", backend, depth, verify), src)
-    src_ids = list(range(n))
-    if path == "staged":
-        random.Random(0).shuffle(src_ids)
-    dst_ids = list(range(n))
-    if scatter:
-        dst_ids = dst_ids[::2] + dst_ids[1::2]  # no two adjacent: one piece per block
+    src_ids, dst_ids = [], []
+    for j in range(concurrent):
+        ids = list(range(j * n, (j + 1) * n))
+        if path == "staged":
+            random.Random(j).shuffle(ids)
+        src_ids.append(ids)
+        dst = list(range(j * n, (j + 1) * n))
+        dst_ids.append(dst[::2] + dst[1::2] if scatter else dst)  # scatter: no two adjacent
     best = 0.0
     try:
         for i in range(repeat + 1):  # the first round warms up (handshake, registration)
-            rid = f"r{i}"
+            rids = [f"r{i}-{j}" for j in range(concurrent)]
             if trace and i == repeat:
                 tx._pipe.trace = []
-            conn.send(("expect", rid, dst_ids))
-            handle = msgspec.msgpack.decode(conn.recv(), type=KVHandle)
+            handles = []
+            for rid, dst in zip(rids, dst_ids, strict=True):
+                conn.send(("expect", rid, dst))
+                handles.append(msgspec.msgpack.decode(conn.recv(), type=KVHandle))
             t = time.perf_counter()
-            tx.add_request(handle, src_ids)
+            for handle, ids in zip(handles, src_ids, strict=True):
+                tx.add_request(handle, ids)
             if begun:
-                assert tx.wait_until(functools.partial(_begun, tx._requests[rid].extra), 30), "no BeginReply"
+                for rid in rids:
+                    assert tx.wait_until(functools.partial(_begun, tx._requests[rid].extra), 30), "no Begin"
                 t = time.perf_counter()
             for layer in range(LAYERS):
-                tx.send_layer(rid, layer)
-            status = tx.wait(rid, 120)
+                for rid in rids:
+                    tx.send_layer(rid, layer)
+            statuses = [tx.wait(rid, 120) for rid in rids]
             dt = time.perf_counter() - t
-            direct = tx._requests[rid].extra["runs"] is not None
-            assert direct == (path == "direct"), f"{path} row went {'direct' if direct else 'staged'}"
-            conn.send(("wait", rid))
-            got = conn.recv()
-            assert got == "DONE" and status is TransferStatus.DONE, (got, tx.reason(rid))
-            # DONE comes from the receiver; our own completion test of the last write may lag a step
-            extra: dict[str, int] = tx._requests[rid].extra
-            assert tx.wait_until(functools.partial(_drained, extra), 30), "writes stuck"
-            tx.release(rid)
+            for rid, status in zip(rids, statuses, strict=True):
+                _finish(tx, conn, rid, status, path, TransferStatus.DONE)
             if i:
-                best = max(best, src.numel() * src.element_size() / dt / 1e9)
+                best = max(best, src.numel() * src.element_size() / dt / 1e9)  # src: all requests' KV
             if tx._pipe.trace is not None:
                 _print_trace(tx._pipe.trace, t, dt)
     finally:
@@ -146,6 +152,19 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
         conn.recv()
         proc.join(30)
     return best
+
+
+def _finish(tx: object, conn: Connection, rid: str, status: object, path: str, done: object) -> None:
+    """Check one request went by `path` and is DONE on both sides, then release it."""
+    extra: dict[str, int] = tx._requests[rid].extra  # type: ignore[attr-defined]
+    direct = extra["runs"] is not None
+    assert direct == (path == "direct"), f"{path} row went {'direct' if direct else 'staged'}"
+    conn.send(("wait", rid))
+    got = conn.recv()
+    assert got == "DONE" and status is done, (got, tx.reason(rid))  # type: ignore[attr-defined]
+    # DONE comes from the receiver; our own completion test of the last write may lag a step
+    assert tx.wait_until(functools.partial(_drained, extra), 30), "writes stuck"  # type: ignore[attr-defined]
+    tx.release(rid)  # type: ignore[attr-defined]
 
 
 def _begun(extra: dict[str, int]) -> bool:
@@ -180,13 +199,20 @@ def main() -> None:
     p.add_argument("--trace", action="store_true", help="per-layer timeline of the last round")
     p.add_argument("--begun", action="store_true",
                    help="start the clock once the Begin round trip is done (it overlaps prefill compute)")
+    p.add_argument("--concurrent", type=int, default=1,
+                   help="requests in flight per round (GB/s then counts all their bytes)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval (s) for this process: GIL hand-off latency")
     p.add_argument("--path", default="both", choices=["staged", "direct", "both"],
                    help="direct: contiguous source blocks; staged: shuffled ones (gathered)")
     args = p.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {platform.node()} {os.cpu_count()} cores, torch "
           f"{torch.__version__}, device {args.device}, depth {args.depth}"
           f"{', scattered blocks' if args.scatter else ''}{', clock after Begin' if args.begun else ''}"
-          f"{', verified (CRC32)' if args.verify else ''}")
+          f"{', verified (CRC32)' if args.verify else ''}, {args.concurrent} request(s) per round, "
+          f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms")
     print("| tokens | MiB | baseline GB/s | backend | path | GB/s | ratio |")
     print("|---|---|---|---|---|---|---|")
     paths = ["staged", "direct"] if args.path == "both" else [args.path]
@@ -196,9 +222,10 @@ def main() -> None:
         for backend in args.backends:
             for path in paths:
                 gbs = _one(backend, tokens, args.device, args.repeat, args.scatter, args.depth, args.verify,
-                           args.trace, path, args.begun)
-                print(f"| {tokens} | {LAYERS * layer_bytes / 2**20:.0f} | {base:.2f} | {backend} | {path} | "
-                      f"{gbs:.2f} | {gbs / base:.2f} |", flush=True)
+                           args.trace, path, args.begun, args.concurrent)
+                mib = args.concurrent * LAYERS * layer_bytes / 2**20
+                print(f"| {tokens} | {mib:.0f} | {base:.2f} | {backend} | {path} | {gbs:.2f} | "
+                      f"{gbs / base:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()

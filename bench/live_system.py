@@ -2,12 +2,12 @@
 
 A system is a gateway plus either one prefill and one decode worker (``disagg``, KV over NIXL by
 default) or one colocated worker per device (``colocated``; the gateway balances them by in-flight
-requests). A worker placed on ``cuda:N`` gets ``--device cuda:N``, as ``pdserve up`` places its
-workers (the engine makes that device current in every thread that runs a step); all GPUs stay
-visible, so NIXL/UCX ``cuda_ipc`` over NVLink can map the peer's KV blocks. The rest of the environment (e.g. ``NCCL_NVLS_ENABLE=0``) is
-inherited. ``live_systems`` starts several systems at once and waits for all of them (their start-ups
-overlap: CUDA graph capture, Triton JIT).
-``live_system`` (one system) is what ``tests/loadtest/test_live.py`` and the bench start systems with.
+requests). A worker placed on ``cuda:N`` gets ``--device cuda:N``, as ``pdserve up`` places its workers
+(the engine makes that device current in every thread that runs a step); all GPUs stay visible, so
+NIXL/UCX ``cuda_ipc`` over NVLink can map the peer's KV blocks. The rest of the environment (e.g.
+``NCCL_NVLS_ENABLE=0``) is inherited. ``live_systems`` starts several systems at once and waits for all
+of them (their start-ups overlap: CUDA graph capture, Triton JIT). ``live_system`` (one system) is what
+``tests/loadtest/test_live.py`` and the bench start systems with.
 """
 
 from __future__ import annotations
