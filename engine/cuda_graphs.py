@@ -229,6 +229,10 @@ class DecodeCudaGraphs:
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
+        # torch.cuda.graph's default capture stream is created once per process, on the device current
+        # at its first use: an engine on another device of the same process must capture on its own
+        # stream (seen on 2×H200: "operation not permitted when stream is capturing" for cuda:1)
+        capture_stream = torch.cuda.Stream(self.device)
         for bucket in reversed(self.buckets):
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
@@ -237,7 +241,7 @@ class DecodeCudaGraphs:
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
                 self._outputs[bucket] = self.forward(bucket)
             self._graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
