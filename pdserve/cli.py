@@ -108,6 +108,8 @@ def _add_worker(add: _EnvAdder, role: str) -> None:
     add("--advertise-host", default=None, help="address peers use to reach this worker (default --host)")
     add("--port", type=int, default=0, help="this worker's KV control port (0: any free port)")
     add("--worker-id", default="", help="default hostname-pid")
+    add("--engine-warmup", default="auto", choices=["auto", "on", "off"],
+        help="run throw-away requests before registering, so kernels compile first (auto: on CUDA only)")
     if role != "colocated":
         add("--transfer-backend", default="nixl", choices=["nixl", "ucx", "loopback"],
             help="KV transport between prefill and decode workers")

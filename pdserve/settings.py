@@ -84,6 +84,7 @@ class WorkerSettings:
     port: int = 0
     worker_id: str = ""
     transfer_backend: str = "nixl"
+    engine_warmup: str = "auto"
     log_level: str = "info"
     log_format: str = "text"
 
@@ -100,6 +101,8 @@ class WorkerSettings:
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         _check(self.transfer_backend in ("nixl", "ucx", "loopback"), "transfer-backend",
                f"must be nixl, ucx or loopback, got {self.transfer_backend!r}")
+        _check(self.engine_warmup in ("auto", "on", "off"), "engine-warmup",
+               f"must be auto, on or off, got {self.engine_warmup!r}")
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
         if not self.worker_id:

@@ -2,6 +2,8 @@
 
 ``serve_worker(settings, factory)`` is what ``prefill_worker.main:run``, ``decode_worker.main:run`` and
 ``pdserve.colocated:run`` call. Returns a process exit status (0 clean, 1 start-up or run failure).
+Between building the engine and building the worker (so before it registers and logs ``worker_ready``)
+the engine is warmed up per ``--engine-warmup`` (``engine.warmup``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from engine.serve.control import RegistrationError
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
     from engine.serve.loop import WorkerLoop
+    from engine.warmup import WarmupReport
     from pdserve.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.worker")
@@ -38,6 +41,31 @@ def build_core(settings: WorkerSettings, *, prefill_only: bool = False) -> tuple
     return core, path
 
 
+def warm_up_core(settings: WorkerSettings, core: EngineCore) -> WarmupReport | None:
+    """Run ``engine.warmup.warmup`` on ``core`` when ``settings.engine_warmup`` asks for it (``auto``: on
+    CUDA only); returns its report, or None when skipped or failed.
+
+    A warm-up that fails but leaves the engine clean (no request, every KV block free) is logged as a
+    warning and the worker serves without it: warming up is an optimisation, never a reason not to start.
+
+    Raises:
+        ValueError: bad mode. RuntimeError: the warm-up failed and left the engine holding something.
+    """
+    from engine.warmup import should_warm_up, warmup
+
+    if not should_warm_up(settings.engine_warmup, core.runner.device.type):
+        return None
+    try:
+        return warmup(core)
+    except Exception as exc:  # any failure of the optional warm-up is handled the same way
+        try:
+            core.check_no_leaks()
+        except AssertionError as leak:
+            raise RuntimeError(f"warm-up failed ({exc!r}) and left the engine unclean: {leak}") from exc
+        log.warning("warmup_failed error=%r: serving without warm-up", exc)
+        return None
+
+
 def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_only: bool = False) -> int:
     """Build the engine and the worker (``factory``), serve until SIGTERM/SIGINT. Returns an exit code."""
     from engine.serve.setup import default_transport_env
@@ -45,6 +73,7 @@ def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_on
     default_transport_env()
     try:
         core, path = build_core(settings, prefill_only=prefill_only)
+        warm_up_core(settings, core)
         worker = factory(settings, core, path)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         log.error("pdserve %s: cannot start: %s", settings.role, exc)

@@ -1,0 +1,303 @@
+"""Engine warm-up (``engine.warmup``): the step shapes it covers, the engine left exactly as before (no
+request, every KV block free, no prefix-cache entry), greedy outputs unchanged, every worker role's engine,
+the time bound, failures mid-way, and refused settings. Tiny fp32 CPU Llama with dummy weights (seed 0)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceStatus
+from engine.serve.boot import warm_up_core
+from engine.warmup import WarmupConfig, WarmupReport, should_warm_up, warmup
+from pdserve.cli import build_parser
+from pdserve.settings import WorkerSettings, settings_from_args
+from tests.engine.test_loader import tiny_config
+
+BUDGET = 32  # max_num_batched_tokens of the test engines
+BLOCK = 4
+SIZES = (1, 2, 4, 8)
+CFG = WarmupConfig(decode_batch_sizes=SIZES, num_output_tokens=3)
+SMALL = WarmupConfig(decode_batch_sizes=(1, 3), num_output_tokens=2)  # fewer steps where shapes don't matter
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread: on the shared 2-core machine two threads spin against other processes
+    (measured: ~200 ms per tiny step with 2 threads under load, ~5 ms with 1)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("warmup") / "tiny"
+    path.mkdir()
+    (path / "config.json").write_text(tiny_config("LlamaForCausalLM").to_json_string())
+    return path
+
+
+def make_core(model_dir: Path, *, prefill_only: bool = False, num_blocks: int = 128,
+              max_num_seqs: int = 8) -> EngineCore:
+    return EngineCore(EngineConfig(
+        ModelConfig(str(model_dir), load_format="dummy", dtype="float32", device="cpu",
+                    attention_backend="torch"),
+        CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=BUDGET)),
+        prefill_only=prefill_only)
+
+
+def spy_prompts(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Record every prompt given to ``core.add_request``."""
+    seen: list[list[int]] = []
+    real = core.add_request
+
+    def add(request_id: str, prompt: list[int], params: SamplingParams, arrival_time: float | None = None
+            ) -> Sequence:
+        seen.append(list(prompt))
+        return real(request_id, prompt, params, arrival_time)
+
+    monkeypatch.setattr(core, "add_request", add)
+    return seen
+
+
+def assert_clean(core: EngineCore, prompts: list[list[int]]) -> None:
+    """No request held, every block free, and no warm-up prompt hits the prefix cache."""
+    core.check_no_leaks()
+    sched, bm = core.scheduler, core.block_manager
+    assert not sched.waiting and not sched.running
+    assert all(sched.get(f"warmup-{i}") is None for i in range(len(prompts)))
+    assert bm.enable_prefix_caching
+    for prompt in prompts:
+        probe = Sequence("probe", prompt + [0] * BLOCK, SamplingParams(), 0.0, None)
+        assert bm.allocate_prefix(probe) == 0
+        bm.free(probe)
+    core.check_no_leaks()
+
+
+def generate(core: EngineCore, prompts: list[list[int]]) -> list[tuple[list[int], list[float | None]]]:
+    """Greedy, batched, with logprobs; returns (token ids, logprobs) per prompt."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", p, params)
+    out: dict[str, tuple[list[int], list[float | None]]] = {f"r{i}": ([], []) for i in range(len(prompts))}
+    while core.has_unfinished():
+        for o in core.step():
+            out[o.request_id][0].append(o.token_id)
+            out[o.request_id][1].append(o.logprob)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_colocated_warmup_covers_each_step_shape_and_leaves_engine_clean(model_dir, monkeypatch, caplog):
+    core = make_core(model_dir)
+    prompts = spy_prompts(core, monkeypatch)
+    with caplog.at_level(logging.INFO, logger="pdserve.warmup"):
+        report = warmup(core, CFG)
+    assert report.completed and report.num_requests == len(prompts) > 0
+    steps = report.steps
+    assert any(s.num_decodes == 0 and s.num_prefills == 1 and s.num_batched_tokens == BUDGET
+               and not s.chunk_after_kv for s in steps)                        # prefill chunk at the budget
+    assert any(s.num_decodes == 0 and s.chunk_after_kv for s in steps)          # second chunk over cached KV
+    decode_only = {s.num_decodes for s in steps if s.num_prefills == 0}
+    assert set(SIZES) <= decode_only                                            # decode batches 1, 2, 4, 8
+    mixed = [s for s in steps if s.num_decodes > 0 and s.num_prefills > 0]
+    assert any(s.num_batched_tokens == BUDGET and s.chunk_after_kv is False for s in mixed)
+    assert any(s.chunk_after_kv for s in mixed)                                 # chunk beside decodes
+    assert {1, 7} <= {s.num_decodes for s in mixed}                             # smallest, largest (8 - 1)
+    assert max(len(p) for p in prompts) == BUDGET + BUDGET // 2 + 1
+    record = next(r for r in caplog.records if r.getMessage() == "warmup_done")
+    assert record.levelno == logging.INFO and record.seconds == pytest.approx(report.seconds, abs=1e-3)
+    assert record.steps == len(steps) and record.requests == report.num_requests
+    assert_clean(core, prompts)
+
+
+def test_outputs_after_warmup_equal_a_cold_engine(model_dir):
+    prompts = [[5, 9, 33, 7, 100, 12, 3], list(range(10, 50)), [200] * 17, [42]]
+    cold = make_core(model_dir)
+    expected = generate(cold, prompts)
+    warm = make_core(model_dir)
+    assert warmup(warm, SMALL).completed
+    assert generate(warm, prompts) == expected
+    assert all(len(tokens) == 6 for tokens, _ in expected)
+    cold.check_no_leaks()
+    warm.check_no_leaks()
+
+
+def test_prefill_worker_engine_warms_up_and_then_prefills(model_dir, monkeypatch):
+    core = make_core(model_dir, prefill_only=True)
+    prompts = spy_prompts(core, monkeypatch)
+    report = warmup(core, CFG)
+    assert report.completed
+    assert any(s.num_prefills == 1 and s.num_batched_tokens == BUDGET for s in report.steps)
+    assert any(s.chunk_after_kv for s in report.steps)
+    assert any(s.num_decodes + s.num_prefills >= 8 for s in report.steps)     # several prompts in one step
+    assert_clean(core, prompts)
+    seq = core.add_request("real", [4, 5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0))
+    outs = core.step()
+    assert [o.finish_reason for o in outs] == ["prefilled"]
+    assert seq.status is SequenceStatus.FINISHED_PREFILLED
+    core.scheduler.release(seq)
+    core.check_no_leaks()
+
+
+def test_decode_worker_engine_warms_up_then_continues_landed_kv(model_dir, monkeypatch):
+    core = make_core(model_dir)  # a decode worker's engine: not prefill-only
+    prompts = spy_prompts(core, monkeypatch)
+    assert warmup(core, SMALL).completed
+    assert_clean(core, prompts)
+    seq = Sequence("d1", list(range(20, 31)), SamplingParams(max_tokens=3, temperature=0.0, seed=1), 0.0, 2)
+    assert core.scheduler.add_waiting_for_kv(seq)
+    core.scheduler.kv_landed("d1", 17)
+    tokens = [o.token_id for _ in range(2) for o in core.step()]
+    assert len(tokens) == 2 and seq.is_finished and seq.output_token_ids[0] == 17
+    core.check_no_leaks()
+
+
+def test_small_cache_preempts_and_still_ends_clean(model_dir, monkeypatch):
+    core = make_core(model_dir, num_blocks=16, max_num_seqs=8)  # 64 tokens of KV: preemption happens
+    prompts = spy_prompts(core, monkeypatch)
+    report = warmup(core, WarmupConfig(decode_batch_sizes=(64,), num_output_tokens=2))
+    assert report.completed and max(len(p) for p in prompts) < core.max_model_len
+    assert_clean(core, prompts)
+
+
+def test_time_bound_cuts_the_warmup_and_aborts_its_requests(model_dir, monkeypatch, caplog):
+    core = make_core(model_dir)
+    prompts = spy_prompts(core, monkeypatch)
+    with caplog.at_level(logging.INFO, logger="pdserve.warmup"):
+        report = warmup(core, WarmupConfig(max_seconds=1e-9))
+    assert not report.completed and report.steps == () and report.num_requests == 1
+    assert [r.getMessage() for r in caplog.records] == ["warmup_cut"]
+    assert_clean(core, prompts)
+
+
+def test_failing_step_propagates_and_leaves_nothing_held(model_dir, monkeypatch):
+    core = make_core(model_dir)
+    prompts = spy_prompts(core, monkeypatch)
+    real = core.runner.execute
+    calls = []
+
+    def execute(output, layer_hook=None):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("boom in step 4")
+        return real(output, layer_hook)
+
+    monkeypatch.setattr(core.runner, "execute", execute)
+    with pytest.raises(RuntimeError, match="boom in step 4"):
+        warmup(core, CFG)
+    assert len(calls) == 4
+    assert_clean(core, prompts)
+
+
+def test_busy_engine_is_refused_and_untouched(model_dir):
+    core = make_core(model_dir)
+    seq = core.add_request("real", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        warmup(core, CFG)
+    assert core.scheduler.get("real") is seq and list(core.scheduler.waiting) == [seq]
+    core.abort_request("real")
+    core.check_no_leaks()
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"decode_batch_sizes": ()}, "decode_batch_sizes"),
+    ({"decode_batch_sizes": (4, 0)}, "decode_batch_sizes"),
+    ({"num_output_tokens": 1}, "num_output_tokens"),
+    ({"max_seconds": 0.0}, "max_seconds"),
+    ({"max_seconds": float("nan")}, "max_seconds"),
+])
+def test_bad_warmup_config_is_refused(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        WarmupConfig(**kwargs)
+
+
+def test_mode_auto_warms_only_on_cuda_and_bad_modes_are_refused():
+    assert should_warm_up("auto", "cuda") and not should_warm_up("auto", "cpu")
+    assert should_warm_up("on", "cpu") and not should_warm_up("off", "cuda")
+    with pytest.raises(ValueError, match="engine warm-up mode"):
+        should_warm_up("yes", "cuda")
+    with pytest.raises(ValueError, match="--engine-warmup"):
+        WorkerSettings(role="colocated", engine_warmup="always")
+
+
+def worker_settings(env: dict[str, str], argv: list[str]) -> WorkerSettings:
+    settings = settings_from_args(build_parser(env).parse_args(argv))
+    assert isinstance(settings, WorkerSettings)
+    return settings
+
+
+def test_engine_warmup_flag_and_env_reach_worker_settings():
+    assert worker_settings({"PDSERVE_ENGINE_WARMUP": "on"}, ["prefill"]).engine_warmup == "on"
+    assert worker_settings({}, ["colocated", "--engine-warmup", "off"]).engine_warmup == "off"
+    assert worker_settings({"PDSERVE_ENGINE_WARMUP": "on"}, ["decode", "--engine-warmup", "off"]
+                           ).engine_warmup == "off"  # the command line wins
+    assert worker_settings({}, ["decode"]).engine_warmup == "auto"
+    with pytest.raises(ValueError, match="--engine-warmup"):
+        worker_settings({"PDSERVE_ENGINE_WARMUP": "maybe"}, ["decode"])
+    with pytest.raises(SystemExit):
+        build_parser({}).parse_args(["decode", "--engine-warmup", "maybe"])
+
+
+def test_boot_warms_up_per_setting(model_dir, monkeypatch):
+    import engine.warmup
+
+    calls: list[EngineCore] = []
+
+    def small_warmup(core: EngineCore, config: WarmupConfig | None = None) -> WarmupReport:
+        calls.append(core)
+        return warmup(core, SMALL)
+
+    monkeypatch.setattr(engine.warmup, "warmup", small_warmup)
+    core = make_core(model_dir)
+    on = WorkerSettings(role="colocated", model=str(model_dir), engine_warmup="on", worker_id="w")
+    report = warm_up_core(on, core)
+    assert calls == [core] and isinstance(report, WarmupReport) and report.completed and report.steps
+    auto = WorkerSettings(role="colocated", model=str(model_dir), worker_id="w")
+    assert warm_up_core(auto, core) is None and calls == [core]  # CPU: auto skips
+    core.check_no_leaks()
+
+
+def test_boot_serves_without_warmup_when_it_fails_cleanly(model_dir, monkeypatch, caplog):
+    core = make_core(model_dir)
+    real = core.runner.execute
+    calls = []
+
+    def execute(output, layer_hook=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom in step 3")
+        return real(output, layer_hook)
+
+    monkeypatch.setattr(core.runner, "execute", execute)
+    on = WorkerSettings(role="colocated", model=str(model_dir), engine_warmup="on", worker_id="w")
+    import engine.warmup
+
+    monkeypatch.setattr(engine.warmup, "warmup", lambda c, config=None: warmup(c, SMALL))
+    with caplog.at_level("WARNING", logger="pdserve.worker"):
+        assert warm_up_core(on, core) is None
+    assert len(calls) == 3 and "warmup_failed" in caplog.text and "boom in step 3" in caplog.text
+    core.check_no_leaks()
+
+
+def test_boot_refuses_to_start_when_a_failed_warmup_leaves_the_engine_unclean(model_dir, monkeypatch):
+    core = make_core(model_dir)
+    import engine.warmup
+
+    def leaky(c: EngineCore, config: WarmupConfig | None = None) -> WarmupReport:
+        c.add_request("stuck", [5, 6, 7], SamplingParams(max_tokens=2))
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.warmup, "warmup", leaky)
+    on = WorkerSettings(role="colocated", model=str(model_dir), engine_warmup="on", worker_id="w")
+    with pytest.raises(RuntimeError, match="left the engine unclean"):
+        warm_up_core(on, core)
