@@ -27,7 +27,10 @@ def pd(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path,
     cluster = Cluster(tmp_path_factory.mktemp("surface"), tokenizer_dir, max_n=4)
     ids = ",".join(map(str, reply_ids))
     cluster.start_worker("prefill", "p1", output_ids=ids)
-    cluster.start_worker("decode", "d1", output_ids=ids)
+    # 20 ms a token: test_non_streaming_client_disconnect_aborts needs its 200-token request to outlive
+    # the client's 0.4 s timeout by far (at 5 ms it sometimes finished, with nothing left to abort, before
+    # the gateway noticed the disconnect on a loaded CI machine)
+    cluster.start_worker("decode", "d1", output_ids=ids, token_delay=0.02)
     yield cluster
     cluster.close()
 
