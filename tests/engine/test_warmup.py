@@ -15,10 +15,8 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
-from engine.serve.boot import warm_up_core
-from engine.warmup import WarmupConfig, WarmupReport, should_warm_up, warmup
-from pdserve.cli import build_parser
-from pdserve.settings import WorkerSettings, settings_from_args
+from engine.warmup import WarmupConfig, should_warm_up, warmup
+from pdserve.settings import WorkerSettings
 from tests.engine.test_loader import tiny_config
 
 BUDGET = 32  # max_num_batched_tokens of the test engines
@@ -228,76 +226,3 @@ def test_mode_auto_warms_only_on_cuda_and_bad_modes_are_refused():
         should_warm_up("yes", "cuda")
     with pytest.raises(ValueError, match="--engine-warmup"):
         WorkerSettings(role="colocated", engine_warmup="always")
-
-
-def worker_settings(env: dict[str, str], argv: list[str]) -> WorkerSettings:
-    settings = settings_from_args(build_parser(env).parse_args(argv))
-    assert isinstance(settings, WorkerSettings)
-    return settings
-
-
-def test_engine_warmup_flag_and_env_reach_worker_settings():
-    assert worker_settings({"PDSERVE_ENGINE_WARMUP": "on"}, ["prefill"]).engine_warmup == "on"
-    assert worker_settings({}, ["colocated", "--engine-warmup", "off"]).engine_warmup == "off"
-    assert worker_settings({"PDSERVE_ENGINE_WARMUP": "on"}, ["decode", "--engine-warmup", "off"]
-                           ).engine_warmup == "off"  # the command line wins
-    assert worker_settings({}, ["decode"]).engine_warmup == "auto"
-    with pytest.raises(ValueError, match="--engine-warmup"):
-        worker_settings({"PDSERVE_ENGINE_WARMUP": "maybe"}, ["decode"])
-    with pytest.raises(SystemExit):
-        build_parser({}).parse_args(["decode", "--engine-warmup", "maybe"])
-
-
-def test_boot_warms_up_per_setting(model_dir, monkeypatch):
-    import engine.warmup
-
-    calls: list[EngineCore] = []
-
-    def small_warmup(core: EngineCore, config: WarmupConfig | None = None) -> WarmupReport:
-        calls.append(core)
-        return warmup(core, SMALL)
-
-    monkeypatch.setattr(engine.warmup, "warmup", small_warmup)
-    core = make_core(model_dir)
-    on = WorkerSettings(role="colocated", model=str(model_dir), engine_warmup="on", worker_id="w")
-    report = warm_up_core(on, core)
-    assert calls == [core] and isinstance(report, WarmupReport) and report.completed and report.steps
-    auto = WorkerSettings(role="colocated", model=str(model_dir), worker_id="w")
-    assert warm_up_core(auto, core) is None and calls == [core]  # CPU: auto skips
-    core.check_no_leaks()
-
-
-def test_boot_serves_without_warmup_when_it_fails_cleanly(model_dir, monkeypatch, caplog):
-    core = make_core(model_dir)
-    real = core.runner.execute
-    calls = []
-
-    def execute(output, layer_hook=None):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("boom in step 3")
-        return real(output, layer_hook)
-
-    monkeypatch.setattr(core.runner, "execute", execute)
-    on = WorkerSettings(role="colocated", model=str(model_dir), engine_warmup="on", worker_id="w")
-    import engine.warmup
-
-    monkeypatch.setattr(engine.warmup, "warmup", lambda c, config=None: warmup(c, SMALL))
-    with caplog.at_level("WARNING", logger="pdserve.worker"):
-        assert warm_up_core(on, core) is None
-    assert len(calls) == 3 and "warmup_failed" in caplog.text and "boom in step 3" in caplog.text
-    core.check_no_leaks()
-
-
-def test_boot_refuses_to_start_when_a_failed_warmup_leaves_the_engine_unclean(model_dir, monkeypatch):
-    core = make_core(model_dir)
-    import engine.warmup
-
-    def leaky(c: EngineCore, config: WarmupConfig | None = None) -> WarmupReport:
-        c.add_request("stuck", [5, 6, 7], SamplingParams(max_tokens=2))
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(engine.warmup, "warmup", leaky)
-    on = WorkerSettings(role="colocated", model=str(model_dir), engine_warmup="on", worker_id="w")
-    with pytest.raises(RuntimeError, match="left the engine unclean"):
-        warm_up_core(on, core)

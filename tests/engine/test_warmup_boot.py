@@ -1,0 +1,109 @@
+"""Worker start-up and the warm-up: the --engine-warmup flag and env, boot warming up per setting, a
+cleanly failed warm-up skipped, an unclean one refusing to start. Engine helpers from test_warmup.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+from engine.serve.boot import warm_up_core
+from engine.warmup import WarmupConfig, WarmupReport, warmup
+from pdserve.cli import build_parser
+from pdserve.settings import WorkerSettings, settings_from_args
+from tests.engine.test_loader import tiny_config
+from tests.engine.test_warmup import SMALL, make_core
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread (see test_warmup.py)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("warmup-boot") / "tiny"
+    path.mkdir()
+    (path / "config.json").write_text(tiny_config("LlamaForCausalLM").to_json_string())
+    return path
+
+
+def worker_settings(env: dict[str, str], argv: list[str]) -> WorkerSettings:
+    settings = settings_from_args(build_parser(env).parse_args(argv))
+    assert isinstance(settings, WorkerSettings)
+    return settings
+
+
+def test_engine_warmup_flag_and_env_reach_worker_settings():
+    assert worker_settings({"PDSERVE_ENGINE_WARMUP": "on"}, ["prefill"]).engine_warmup == "on"
+    assert worker_settings({}, ["colocated", "--engine-warmup", "off"]).engine_warmup == "off"
+    assert worker_settings({"PDSERVE_ENGINE_WARMUP": "on"}, ["decode", "--engine-warmup", "off"]
+                           ).engine_warmup == "off"  # the command line wins
+    assert worker_settings({}, ["decode"]).engine_warmup == "auto"
+    with pytest.raises(ValueError, match="--engine-warmup"):
+        worker_settings({"PDSERVE_ENGINE_WARMUP": "maybe"}, ["decode"])
+    with pytest.raises(SystemExit):
+        build_parser({}).parse_args(["decode", "--engine-warmup", "maybe"])
+
+
+def test_boot_warms_up_per_setting(model_dir, monkeypatch):
+    import engine.warmup
+
+    calls: list[EngineCore] = []
+
+    def small_warmup(core: EngineCore, config: WarmupConfig | None = None) -> WarmupReport:
+        calls.append(core)
+        return warmup(core, SMALL)
+
+    monkeypatch.setattr(engine.warmup, "warmup", small_warmup)
+    core = make_core(model_dir)
+    on = WorkerSettings(role="colocated", model=str(model_dir), engine_warmup="on", worker_id="w")
+    report = warm_up_core(on, core)
+    assert calls == [core] and isinstance(report, WarmupReport) and report.completed and report.steps
+    auto = WorkerSettings(role="colocated", model=str(model_dir), worker_id="w")
+    assert warm_up_core(auto, core) is None and calls == [core]  # CPU: auto skips
+    core.check_no_leaks()
+
+
+def test_boot_serves_without_warmup_when_it_fails_cleanly(model_dir, monkeypatch, caplog):
+    core = make_core(model_dir)
+    real = core.runner.execute
+    calls = []
+
+    def execute(output, layer_hook=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom in step 3")
+        return real(output, layer_hook)
+
+    monkeypatch.setattr(core.runner, "execute", execute)
+    on = WorkerSettings(role="colocated", model=str(model_dir), engine_warmup="on", worker_id="w")
+    import engine.warmup
+
+    monkeypatch.setattr(engine.warmup, "warmup", lambda c, config=None: warmup(c, SMALL))
+    with caplog.at_level("WARNING", logger="pdserve.worker"):
+        assert warm_up_core(on, core) is None
+    assert len(calls) == 3 and "warmup_failed" in caplog.text and "boom in step 3" in caplog.text
+    core.check_no_leaks()
+
+
+def test_boot_refuses_to_start_when_a_failed_warmup_leaves_the_engine_unclean(model_dir, monkeypatch):
+    core = make_core(model_dir)
+    import engine.warmup
+
+    def leaky(c: EngineCore, config: WarmupConfig | None = None) -> WarmupReport:
+        c.add_request("stuck", [5, 6, 7], SamplingParams(max_tokens=2))
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.warmup, "warmup", leaky)
+    on = WorkerSettings(role="colocated", model=str(model_dir), engine_warmup="on", worker_id="w")
+    with pytest.raises(RuntimeError, match="left the engine unclean"):
+        warm_up_core(on, core)
