@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +35,8 @@ import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.gateway_overhead_report import machine_info, render_markdown
+from bench.sse_baseline import baseline_app
 from gateway.text import TextProcessor, TokenizerNotFoundError, resolve_tokenizer_dir
 from loadtest.client import RequestIds, send_request
 from loadtest.metrics import latency_stats
@@ -44,7 +44,7 @@ from loadtest.records import LatencyStats, RequestRecord
 from pdserve.launcher import Supervisor, free_port, wait_ready
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
+    pass
 
 ROOT = Path(__file__).resolve().parents[1]
 REPLY = "Hello world, this is a fake reply from an instant worker. The end."
@@ -112,34 +112,6 @@ class OverheadResult(msgspec.Struct, kw_only=True):
     command: str
     levels: list[LevelResult]
     leaks: dict[str, str]
-
-
-def baseline_app(num_chunks: int) -> FastAPI:
-    """A FastAPI app whose ``POST /v1/completions`` streams ``num_chunks`` completions chunks, a usage
-    chunk and ``[DONE]`` as SSE, doing no other work (the no-gateway peer)."""
-    from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
-
-    app = FastAPI()
-
-    async def events() -> AsyncIterator[str]:
-        for i in range(num_chunks):
-            chunk = {"id": "cmpl-b", "object": "text_completion", "created": 0, "model": "baseline",
-                     "choices": [{"index": 0, "text": f" w{i}", "logprobs": None, "finish_reason": None}]}
-            yield f"data: {json.dumps(chunk)}\n\n"
-        usage = {"prompt_tokens": 1, "completion_tokens": num_chunks, "total_tokens": num_chunks + 1}
-        yield f"data: {json.dumps({'id': 'cmpl-b', 'choices': [], 'usage': usage})}\n\n"
-        yield "data: [DONE]\n\n"
-
-    @app.post("/v1/completions")
-    async def completions() -> StreamingResponse:
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.get("/ready")
-    async def ready() -> dict[str, str]:
-        return {"status": "ok"}
-
-    return app
 
 
 def _spawn(sup: Supervisor, name: str, argv: list[str], log_dir: Path) -> None:
@@ -239,14 +211,6 @@ def check_no_leaks(url: str, decode_id: str | None, deadline_s: float = 5.0) -> 
     return why
 
 
-def machine_info() -> dict[str, object]:
-    """nproc, CPU model, load average, OS and Python of this machine."""
-    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    model = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "")
-    return {"nproc": os.cpu_count(), "cpu": model, "loadavg_start": os.getloadavg(),
-            "platform": platform.platform(), "python": platform.python_version()}
-
-
 def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS) -> OverheadResult:
     """Start each target, measure every concurrency level, stop it. Raises ValueError for an unknown
     target or tokenizer dir, RuntimeError when a target does not start."""
@@ -270,40 +234,6 @@ def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS
                 sup.stop_all()
     return OverheadResult(config=asdict(cfg), machine=machine, levels=levels, leaks=leaks, command=command,
                           date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
-
-
-def _p(stats: LatencyStats | None) -> str:
-    return "–" if stats is None else f"{stats.median:.2f} / {stats.p90:.2f} / {stats.p99:.2f}"
-
-
-def render_markdown(res: OverheadResult) -> str:
-    """The report: command, machine, date, one table row per target and concurrency, ratios to baseline."""
-    c, m = res.config, res.machine
-    lines = ["# Gateway overhead on CPU: added latency and throughput ceiling with instant fake workers", "",
-             f"- command: `{res.command}`",
-             f"- machine: {m['nproc']} cores ({m['cpu']}), {m['platform']}, Python {m['python']}, "
-             "load average at start " + ", ".join(f"{x:.2f}" for x in m["loadavg_start"]),  # type: ignore[attr-defined]
-             f"- date: {res.date}",
-             f"- per level: {c['requests']} streamed `/v1/completions` requests after {c['warmup']} "
-             f"warm-up, {c['max_tokens']} output tokens each; fake delays: prefill {c['prefill_delay_s']} s, "
-             f"token {c['token_delay_s']} s", f"- leak check after each gateway target: {res.leaks}", "",
-             "Added latency = client-observed minus the fake workers' configured delays; p50/p90/p99 in ms.",
-             "", "| target | conc | ok/sent | TTFT added | TPOT added | ITL added | E2E added | req/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for lv in res.levels:
-        lines.append(f"| {lv.target} | {lv.concurrency} | {lv.completed}/{lv.requests} "
-                     f"| {_p(lv.added_ttft_ms)} | {_p(lv.added_tpot_ms)} | {_p(lv.added_itl_ms)} "
-                     f"| {_p(lv.added_e2e_ms)} "
-                     f"| {lv.req_s:.1f} |")
-    base = {lv.concurrency: lv for lv in res.levels if lv.target == "baseline"}
-    lines += ["", "Gateway vs the bare SSE baseline, same concurrency (p50 E2E; req/s baseline÷gateway):", ""]
-    for lv in res.levels:
-        b = base.get(lv.concurrency)
-        if lv.target != "baseline" and b and b.e2e_ms and lv.added_e2e_ms and lv.req_s > 0:
-            gw, bare = lv.added_e2e_ms.median, b.e2e_ms.median
-            lines.append(f"- {lv.target} @ {lv.concurrency}: p50 E2E ×{gw / bare:.1f} (+{gw - bare:.2f} ms), "
-                         f"req/s ÷{b.req_s / lv.req_s:.1f}")
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
