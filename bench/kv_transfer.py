@@ -42,18 +42,25 @@ def _kv(num_blocks: int, device: str) -> torch.Tensor:
     return torch.zeros(LAYERS, 2, num_blocks, BS, HEADS, DIM, dtype=DTYPE, device=device)
 
 
-def _config(worker_id: str, backend: str, depth: int = 4, verify: bool = False):  # type: ignore[no-untyped-def]
+PEER_TIMEOUT_S = [2.0]  # TransferConfig.peer_timeout_s of both sides (--peer-timeout; the default)
+
+
+def _config(worker_id: str, backend: str, depth: int = 4, verify: bool = False,  # type: ignore[no-untyped-def]
+            peer_timeout_s: float | None = None):
     from kvtransfer import TransferConfig
 
     return TransferConfig(worker_id=worker_id, model_id="llama-3-8b-shape", backend=backend, timeout_s=120,
-                          max_inflight_layers=depth, checksum=verify)
+                          max_inflight_layers=depth, checksum=verify,
+                          peer_timeout_s=peer_timeout_s or PEER_TIMEOUT_S[0])
 
 
-def receiver_main(conn: Connection, backend: str, num_blocks: int, device: str, verify: bool = False) -> None:
+def receiver_main(conn: Connection, backend: str, num_blocks: int, device: str, verify: bool = False,
+                  peer_timeout_s: float = 2.0) -> None:
     """Decode side: expect requests on demand, report when they are DONE."""
     from kvtransfer import get_transfer_backend
 
-    rx = get_transfer_backend(backend).receiver(_config("bench-d", backend, verify=verify),
+    rx = get_transfer_backend(backend).receiver(_config("bench-d", backend, verify=verify,
+                                                        peer_timeout_s=peer_timeout_s),
                                                 _kv(num_blocks, device))
     conn.send(None)
     while (cmd := conn.recv())[0] != "close":
@@ -97,51 +104,27 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
     `tokens` tokens each (layer by layer, interleaved across requests) and ends when all are DONE; GB/s =
     all their KV bytes / (first send_layer → last DONE). With `begun` the clock starts once the receiver
     answered every Begin (as in serving, where add_request precedes the prefill forward pass)."""
-    from kvtransfer import KVHandle, TransferStatus, get_transfer_backend
+    from kvtransfer import get_transfer_backend
 
     n = tokens // BS
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     rx_device = device if device == "cpu" else "cuda:1"
-    proc = ctx.Process(target=receiver_main, args=(child, backend, n * concurrent, rx_device, verify),
-                       daemon=True)
+    args = (child, backend, n * concurrent, rx_device, verify, PEER_TIMEOUT_S[0])
+    proc = ctx.Process(target=receiver_main, args=args, daemon=True)
     proc.start()
     conn.recv()
     src = torch.randn(LAYERS, 2, n * concurrent, BS, HEADS, DIM,
                       device=device if device == "cpu" else "cuda:0").to(DTYPE)
     tx = get_transfer_backend(backend).sender(_config("bench-p", backend, depth, verify), src)
-    src_ids, dst_ids = [], []
-    for j in range(concurrent):
-        ids = list(range(j * n, (j + 1) * n))
-        if path == "staged":
-            random.Random(j).shuffle(ids)
-        src_ids.append(ids)
-        dst = list(range(j * n, (j + 1) * n))
-        dst_ids.append(dst[::2] + dst[1::2] if scatter else dst)  # scatter: no two adjacent
+    src_ids, dst_ids = _block_ids(n, concurrent, path, scatter)
     best = 0.0
     try:
         for i in range(repeat + 1):  # the first round warms up (handshake, registration)
             rids = [f"r{i}-{j}" for j in range(concurrent)]
             if trace and i == repeat:
                 tx._pipe.trace = []
-            handles = []
-            for rid, dst in zip(rids, dst_ids, strict=True):
-                conn.send(("expect", rid, dst))
-                handles.append(msgspec.msgpack.decode(conn.recv(), type=KVHandle))
-            t = time.perf_counter()
-            for handle, ids in zip(handles, src_ids, strict=True):
-                tx.add_request(handle, ids)
-            if begun:
-                for rid in rids:
-                    assert tx.wait_until(functools.partial(_begun, tx._requests[rid].extra), 30), "no Begin"
-                t = time.perf_counter()
-            for layer in range(LAYERS):
-                for rid in rids:
-                    tx.send_layer(rid, layer)
-            statuses = [tx.wait(rid, 120) for rid in rids]
-            dt = time.perf_counter() - t
-            for rid, status in zip(rids, statuses, strict=True):
-                _finish(tx, conn, rid, status, path, TransferStatus.DONE)
+            t, dt = _round(tx, conn, rids, src_ids, dst_ids, begun, path)
             if i:
                 best = max(best, src.numel() * src.element_size() / dt / 1e9)  # src: all requests' KV
             if tx._pipe.trace is not None:
@@ -154,6 +137,48 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
     return best
 
 
+def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int]], dst_ids: list[list[int]],
+           begun: bool, path: str) -> tuple[float, float]:
+    """One round: expect, add, send every layer of every request, wait, check and release; returns
+    (clock start (perf_counter s), seconds to the last DONE)."""
+    from kvtransfer import KVHandle, TransferStatus
+
+    handles = []
+    for rid, dst in zip(rids, dst_ids, strict=True):
+        conn.send(("expect", rid, dst))
+        handles.append(msgspec.msgpack.decode(conn.recv(), type=KVHandle))
+    t = time.perf_counter()
+    for handle, ids in zip(handles, src_ids, strict=True):
+        tx.add_request(handle, ids)  # type: ignore[attr-defined]
+    if begun:
+        for rid in rids:
+            extra = tx._requests[rid].extra  # type: ignore[attr-defined]
+            assert tx.wait_until(functools.partial(_begun, extra), 30), "no Begin"  # type: ignore[attr-defined]
+        t = time.perf_counter()
+    for layer in range(LAYERS):
+        for rid in rids:
+            tx.send_layer(rid, layer)  # type: ignore[attr-defined]
+    statuses = [tx.wait(rid, 120) for rid in rids]  # type: ignore[attr-defined]
+    dt = time.perf_counter() - t
+    for rid, status in zip(rids, statuses, strict=True):
+        _finish(tx, conn, rid, status, path, TransferStatus.DONE)
+    return t, dt
+
+
+def _block_ids(n: int, concurrent: int, path: str, scatter: bool) -> tuple[list[list[int]], list[list[int]]]:
+    """(source, destination) block ids of each request, n blocks each: staged sources shuffled;
+    scattered destinations with no two adjacent."""
+    src_ids, dst_ids = [], []
+    for j in range(concurrent):
+        ids = list(range(j * n, (j + 1) * n))
+        if path == "staged":
+            random.Random(j).shuffle(ids)
+        src_ids.append(ids)
+        dst = list(range(j * n, (j + 1) * n))
+        dst_ids.append(dst[::2] + dst[1::2] if scatter else dst)
+    return src_ids, dst_ids
+
+
 def _finish(tx: object, conn: Connection, rid: str, status: object, path: str, done: object) -> None:
     """Check one request went by `path` and is DONE on both sides, then release it."""
     extra: dict[str, int] = tx._requests[rid].extra  # type: ignore[attr-defined]
@@ -161,7 +186,12 @@ def _finish(tx: object, conn: Connection, rid: str, status: object, path: str, d
     assert direct == (path == "direct"), f"{path} row went {'direct' if direct else 'staged'}"
     conn.send(("wait", rid))
     got = conn.recv()
-    assert got == "DONE" and status is done, (got, tx.reason(rid))  # type: ignore[attr-defined]
+    if got != "DONE" or status is not done:
+        why = f"receiver: {got}; sender: {status.name}: {tx.reason(rid)}"  # type: ignore[attr-defined]
+        hint = ("\n  a side heard nothing from its peer for peer_timeout_s: its loop thread was starved that "
+                "long (an overloaded machine), not a transfer bug; retry with a larger --peer-timeout"
+                if "lost (no heartbeat" in why else "")
+        raise AssertionError(f"request {rid} ({path}) did not end DONE on both sides: {why}{hint}")
     # DONE comes from the receiver; our own completion test of the last write may lag a step
     assert tx.wait_until(functools.partial(_drained, extra), 30), "writes stuck"  # type: ignore[attr-defined]
     tx.release(rid)  # type: ignore[attr-defined]
@@ -203,9 +233,12 @@ def main() -> None:
                    help="requests in flight per round (GB/s then counts all their bytes)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval (s) for this process: GIL hand-off latency")
+    p.add_argument("--peer-timeout", type=float, default=2.0,
+                   help="TransferConfig.peer_timeout_s (s of silence before a peer is declared lost)")
     p.add_argument("--path", default="both", choices=["staged", "direct", "both"],
                    help="direct: contiguous source blocks; staged: shuffled ones (gathered)")
     args = p.parse_args()
+    PEER_TIMEOUT_S[0] = args.peer_timeout
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {platform.node()} {os.cpu_count()} cores, torch "

@@ -75,6 +75,7 @@ class Endpoint:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the loop thread and release sockets and transport. Idempotent."""
         self._stop.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -83,6 +84,10 @@ class Endpoint:
         if self._thread is None or self._stop.is_set():
             raise TransferError("endpoint is not running (call start() first)")
         self._commands.put(fn)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the loop if it sleeps waiting for work (a subclass hook; by default it polls)."""
 
     # ---- request table ------------------------------------------------------------------------
     def _set(self, st: RequestState, status: TransferStatus, reason: str = "") -> None:

@@ -3,10 +3,12 @@ unanswered handshakes and request deadlines. Runs on the sender's loop thread on
 
 A receiver is lost when silent (no message, heartbeats included) for `peer_timeout_s` seconds, or when
 it leaves a Hello unanswered for 2 × `peer_timeout_s`; it restarted when a HelloReply carries a new
-epoch. Then every request bound to it fails, and EVERY write posted to it is cancelled (NIXL
-release_xfer_handle), also those of requests already terminal: a WRITE to a SIGKILLed decode worker may
-never complete nor fail, and would otherwise hold its staging slot and keep its requests "in flight"
-(unreleasable) forever.
+epoch. Liveness is checked right after the loop drained its sockets (sender.py `_step`; the receiver
+does the same), so a stall of our own loop is never counted as the peer's silence. When a receiver is
+lost or restarted, every request bound to it fails, and EVERY write posted to it is cancelled (NIXL
+release_xfer_handle), also those of requests already terminal: a WRITE to a SIGKILLed decode worker
+may never complete nor fail, and would otherwise hold its staging slot and keep its requests "in
+flight" (unreleasable) forever.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import cast
 
 import msgspec
 import torch
@@ -25,6 +26,8 @@ from kvtransfer.transport import KV, STAGING, RecvTransport, SendTransport, Sour
 from kvtransfer.types import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+_Desc = list[tuple[int, int, int]]  # NIXL descriptor tuples (address, bytes, device)
+_Prepared = tuple[tuple[str, int, int, str], _Desc, _Desc]  # (peer entry, local, remote)
 
 
 class _RecvMeta(msgspec.Struct, frozen=True):
@@ -119,19 +122,43 @@ class NixlSendTransport(SendTransport):
         if entry is not None:
             self.agent.remove_remote_agent(entry[0])  # type: ignore[attr-defined]
 
-    def post(self, peer: str, pieces: list[SourcePiece], notice: bytes, tag: int) -> object:
-        """One NIXL WRITE (one descriptor per piece) carrying `notice` as its notification; returns its
-        xfer handle without waiting (over CMA the copy has already happened when this returns)."""
+    def prepare(self, peer: str, pieces: list[SourcePiece]) -> object:
+        """The (peer entry, local (addr, bytes, device) tuples, remote tuples) of a later WRITE of
+        `pieces`. Raises TransferError for an unknown peer or an unregistered source region."""
         entry = self._peers.get(peer)
         if entry is None:
             raise TransferError(f"no NIXL connection to {peer}")
         if any(not self._bases[r] for r, _, _, _ in pieces):
             raise TransferError("NIXL write from a source region that is not registered")
-        name, rbase, rdev, rmem = entry
+        _, rbase, rdev, _ = entry
         bases, dev = self._bases, self._dev
-        local = self.agent.get_xfer_descs([(bases[r] + s, n, dev) for r, s, _, n in pieces], self._mem)  # type: ignore[attr-defined]
-        remote = self.agent.get_xfer_descs([(rbase + d, n, rdev) for _, _, d, n in pieces], rmem)  # type: ignore[attr-defined]
-        handle = self.agent.initialize_xfer("WRITE", local, remote, name, notice)  # type: ignore[attr-defined]
+        return (entry, [(bases[r] + s, n, dev) for r, s, _, n in pieces],
+                [(rbase + d, n, rdev) for _, _, d, n in pieces])
+
+    def post(self, peer: str, pieces: list[SourcePiece], notice: bytes, tag: int) -> object:
+        """One NIXL WRITE (one descriptor per piece) carrying `notice` as its notification; returns its
+        xfer handle without waiting (over CMA the copy has already happened when this returns)."""
+        return self.post_prepared(peer, [self.prepare(peer, pieces)], notice, tag)
+
+    def post_prepared(self, peer: str, parts: list[object], notice: bytes, tag: int) -> object:
+        """One NIXL WRITE of several prepare() results: two descriptor lists, initialize_xfer,
+        transfer. Raises TransferError if the peer changed since a part was prepared or if the write
+        cannot start."""
+        entry = self._peers.get(peer)
+        if entry is None or not parts:
+            raise TransferError(f"no NIXL connection to {peer}" if entry is None else "empty NIXL write")
+        local: list[tuple[int, int, int]] = []
+        remote: list[tuple[int, int, int]] = []
+        for part in parts:
+            owner, loc, rem = cast(_Prepared, part)
+            if owner is not entry:
+                raise TransferError(f"NIXL connection to {peer} changed since the write was prepared")
+            local += loc
+            remote += rem
+        name, _, _, rmem = entry
+        handle = self.agent.initialize_xfer(  # type: ignore[attr-defined]
+            "WRITE", self.agent.get_xfer_descs(local, self._mem),  # type: ignore[attr-defined]
+            self.agent.get_xfer_descs(remote, rmem), name, notice)  # type: ignore[attr-defined]
         try:
             state = self.agent.transfer(handle)  # type: ignore[attr-defined]
         except Exception as exc:

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.runs import Piece
 from kvtransfer.staging import StagingRing, gather_layer
-from kvtransfer.transport import KV, STAGING, SendTransport
+from kvtransfer.transport import SendTransport
 from kvtransfer.types import TransferError
 
 
@@ -128,18 +127,16 @@ class LayerPipeline:
         """The gathered `[2, n, block_size, H, D]` staging view of `op` (complete once in ready())."""
         return self.ring.view(op.slot, op.n_blocks)
 
-    def post(self, ops: list[LayerOp], peer: str, pieces: list[list[Piece]], notice: bytes, tag: int) -> None:
+    def post(self, ops: list[LayerOp], peer: str, parts: list[object], notice: bytes, tag: int) -> None:
         """Start one write of several ready ops to the same peer (one transport call, one notice:
         the per-write cost, ~160 µs of NIXL calls per request-layer on an H200 host, is paid once).
-        `pieces[i]` are op i's pieces: source offsets relative to its slot (staged) or to kv_buffer's
-        start (direct).
+        `parts[i]`: op i's pieces as `transport.prepare` returned them (staged ones with source offsets
+        from `staging_offset`).
 
         Raises TransferError (the ops are then finished and their slots freed) if it cannot start.
         """
-        flat = [(KV, s, d, n) if op.direct else (STAGING, self.ring.offset(op.slot) + s, d, n)
-                for op, ps in zip(ops, pieces, strict=True) for s, d, n in ps]
         try:
-            handle = self.transport.post(peer, flat, notice, tag)
+            handle = self.transport.post_prepared(peer, parts, notice, tag)
         except TransferError:
             for op in ops:
                 self._finish(op)
@@ -148,6 +145,15 @@ class LayerPipeline:
             op.handle, op.posted, op.peer = handle, True, peer
             self.posted["direct" if op.direct else "staged"] += 1
             self._note("post", op)
+
+    def discard(self, op: LayerOp) -> None:
+        """Drop an op that will not be posted (its write could not be prepared); frees its slot."""
+        if any(o is op for o in self.ops):
+            self._finish(op)
+
+    def staging_offset(self, op: LayerOp) -> int:
+        """Byte offset of a staged op's slot in the staging ring (its pieces' source base)."""
+        return self.ring.offset(op.slot)
 
     def poll(self) -> list[tuple[LayerOp, str | None]]:
         """Progress and test posted writes; return the ops that finished, each with an error or None."""
@@ -212,6 +218,6 @@ class LayerPipeline:
             self.trace.append((time.perf_counter(), what, op.request_id, op.layer))
 
     def _finish(self, op: LayerOp) -> None:
-        self.ops.remove(op)
+        self.ops = [o for o in self.ops if o is not op]
         if not op.direct:
             self.ring.release(op.slot)

@@ -126,6 +126,9 @@ class KVReceiver(Endpoint):
                 except zmq.Again:
                     break
                 self._on_message(identity, m.decode(data))
+        # liveness right after reading every pending message: a stall of this loop (a starved thread,
+        # a slow transport call) must not count as the senders' silence (their heartbeats wait unread)
+        self._housekeeping()
         notices, keys = self.transport.poll()
         for raw in notices:
             for n in m.decode_notices(raw):
@@ -133,7 +136,6 @@ class KVReceiver(Endpoint):
         for key in keys:
             rid, layer, checksum, _ = self._posted.pop(key)
             self._landed(rid, layer, checksum)
-        self._housekeeping()
 
     def _send(self, identity: bytes, msg: m.Message) -> None:
         self._sock.send_multipart([identity, m.encode(msg)], zmq.NOBLOCK)

@@ -88,6 +88,21 @@ def direct_pieces(src: KVLayout, dst: KVLayout, runs: list[JointRun], layer: int
             for kv in (0, 1) for _, s, d, n in runs]
 
 
+def shift_layers(pieces: list[Piece], num_layers: int, src_step: int, dst_step: int) -> list[list[Piece]]:
+    """`pieces` of layer 0 for every layer l < num_layers: source offsets + l * src_step, destination
+    offsets + l * dst_step (the layer strides of both tensors, in bytes; 0 for a staging-relative
+    source). Precomputed once per request so that a post does no offset arithmetic."""
+    return [[(s + layer * src_step, d + layer * dst_step, n) for s, d, n in pieces]
+            for layer in range(num_layers)]
+
+
+def direct_layers(src: KVLayout, dst: KVLayout, runs: list[JointRun]) -> list[list[Piece]]:
+    """direct_pieces of every layer (src.num_layers of them), from layer 0's shifted by both layer
+    strides. Raises ValueError if the block bytes differ."""
+    return shift_layers(direct_pieces(src, dst, runs, 0), src.num_layers, src.layer_stride_bytes,
+                        dst.layer_stride_bytes)
+
+
 def make_tag(key: int, layer: int) -> int:
     """64-bit tag base of a request-layer (two-sided transports): key<<32 | layer<<20; pieces add 0..2^20."""
     if not 0 <= layer < 4096:

@@ -3,7 +3,10 @@
 Runs on the sender's loop thread only. Order of one loop step: `_start_gathers` (queued layers into free
 slots, pipeline.py), `_post_ready` (gathered layers of begun requests written: one write per receiver
 for one-sided transports, carrying a LayerNotices batch; one per request-layer for two-sided ones),
-`_complete` (finished writes free their slots; a failed one fails its request). Each request's
+`_complete` (finished writes free their slots; a failed one fails its request). A direct request's
+pieces of every layer are computed at add_request (runs.direct_layers) and turned into the transport's
+own form once its Begin is answered (`_prepare`, SendTransport.prepare: NIXL descriptor tuples), so a
+post is list concatenation plus the transport call. Each request's
 `extra["inflight"]` counts its request-layers between gather (or, direct, leaving the queue) and
 completion: its Stopped fence and release() wait for zero.
 
@@ -31,9 +34,9 @@ import torch
 from kvtransfer import messages as m
 from kvtransfer.endpoint import RequestState
 from kvtransfer.pipeline import Item, LayerOp, LayerPipeline
-from kvtransfer.runs import direct_pieces, make_tag, staged_pieces
+from kvtransfer.runs import make_tag, staged_pieces
 from kvtransfer.staging import checksum, layer_checksum
-from kvtransfer.transport import SendTransport
+from kvtransfer.transport import KV, STAGING, SendTransport
 from kvtransfer.types import KVLayout, TransferConfig, TransferError, TransferStatus
 
 S = TransferStatus
@@ -94,28 +97,45 @@ class SendPath:
             self._post(batch)
 
     def _post(self, batch: list[tuple[LayerOp, RequestState]]) -> None:
-        notices, pieces = [], []
-        for op, st in batch:
-            h, x = st.handle, st.extra
-            crc = None
-            if op.direct:
-                pieces.append(direct_pieces(self.layout, h.layout, x["runs"], op.layer))
-                if self.config.checksum:  # debug setting: slow (index_select + host copy) is fine
-                    crc = layer_checksum(self.kv_buffer, op.layer, tuple(x["src_ids"]))
-            else:
-                pieces.append(staged_pieces(h.layout, len(h.block_ids), x["dst_runs"], op.layer))
-                crc = checksum(self._pipe.staging(op)) if self.config.checksum else None
-            notices.append(m.LayerNotice(h.request_id, op.layer, make_tag(x["key"], op.layer), crc,
-                                         x["cuts"] if op.direct else ()))
         address = batch[0][1].handle.address
-        if not self.transport.one_sided:
-            self._send(self._peer(address), notices[0])
-        notice = notices[0] if len(notices) == 1 else m.LayerNotices(notices)
+        notices: list[m.LayerNotice] = []
+        parts: list[object] = []
         try:
-            self._pipe.post([op for op, _ in batch], address, pieces, m.encode(notice), notices[0].tag)
-        except TransferError as exc:
+            for op, st in batch:
+                x = st.extra
+                if op.direct:
+                    parts.append((x["prep"] or self._prepare(st))[op.layer])
+                else:
+                    off = self._pipe.staging_offset(op)
+                    ps = staged_pieces(st.handle.layout, len(x["src_ids"]), x["dst_runs"], op.layer)
+                    parts.append(self.transport.prepare(address, [(STAGING, off + a, b, n)
+                                                                  for a, b, n in ps]))
+                notices.append(self._notice(op, st))
+            if not self.transport.one_sided:
+                self._send(self._peer(address), notices[0])
+            notice = notices[0] if len(notices) == 1 else m.LayerNotices(notices)
+            self._pipe.post([op for op, _ in batch], address, parts, m.encode(notice), notices[0].tag)
+        except TransferError as exc:  # the ops are finished (or were never posted): fail their requests
             for op, _ in batch:
+                self._pipe.discard(op)
                 self._layer_done(op.request_id, op.layer, str(exc))
+
+    def _prepare(self, st: RequestState) -> list[object]:
+        """A direct request's every layer in the transport's own form (once, after its Begin was
+        answered: the receiver's transport address is known then). Raises TransferError (unknown peer)."""
+        pieces = [[(KV, s, d, n) for s, d, n in layer] for layer in st.extra["pieces"]]
+        prep = [self.transport.prepare(st.handle.address, p) for p in pieces]
+        st.extra["prep"] = prep
+        return prep
+
+    def _notice(self, op: LayerOp, st: RequestState) -> m.LayerNotice:
+        x = st.extra
+        crc = None
+        if self.config.checksum:  # debug setting: slow (index_select + host copy) is fine
+            crc = (layer_checksum(self.kv_buffer, op.layer, tuple(x["src_ids"])) if op.direct
+                   else checksum(self._pipe.staging(op)))
+        return m.LayerNotice(st.handle.request_id, op.layer, make_tag(x["key"], op.layer), crc,
+                             x["cuts"] if op.direct else ())
 
     def _dropped(self, ops: list[LayerOp]) -> None:
         """Account for ops dropped without completing (caller holds the lock)."""

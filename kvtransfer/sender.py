@@ -20,13 +20,15 @@ from kvtransfer.compat import peer_info
 from kvtransfer.endpoint import Endpoint, RequestState
 from kvtransfer.liveness import PeerLiveness, Receiver
 from kvtransfer.pipeline import LayerPipeline
-from kvtransfer.runs import direct_pieces, joint_runs, layer_pieces, merge_runs, source_cuts
+from kvtransfer.runs import direct_layers, joint_runs, layer_pieces, merge_runs, source_cuts
 from kvtransfer.send_path import SendPath
 from kvtransfer.staging import layout_of
 from kvtransfer.transport import SendTransport
 from kvtransfer.types import IncompatiblePeerError, KVHandle, TransferConfig, TransferError, TransferStatus
+from kvtransfer.wakeup import Waker
 
 S = TransferStatus
+IDLE_POLL_MS = 10  # longest idle sleep of the loop (new work wakes it at once)
 
 
 class KVSender(PeerLiveness, SendPath, Endpoint):
@@ -46,6 +48,7 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
         self._pipe = LayerPipeline(kv_buffer, transport, config.max_inflight_layers, self._direct)
         self._next_beat = 0.0
         self._poller: zmq.Poller | None = None
+        self._waker = Waker()  # send_layer and commands cut the loop's idle poll short
 
     def start(self) -> KVSender:
         """Start the loop thread."""
@@ -74,16 +77,16 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
         if len(block_ids) != len(handle.block_ids):
             raise ValueError(f"{len(block_ids)} source blocks for {len(handle.block_ids)} destination blocks")
         layer_pieces(self.layout, tuple(block_ids), 0)  # range check
-        runs: list[tuple[int, int, int, int]] | None = joint_runs(block_ids, handle.block_ids)
-        if not self._direct or 2 * len(runs or ()) > self.config.direct_max_pieces:
-            runs = None  # fragmented: gather into staging
-        else:
-            direct_pieces(self.layout, handle.layout, runs or [], 0)  # block sizes must agree
+        runs = joint_runs(block_ids, handle.block_ids)
+        direct = self._direct and 2 * len(runs) <= self.config.direct_max_pieces  # else gather
+        # direct: every layer's pieces now (block sizes must agree), so a post only concatenates lists
+        pieces = direct_layers(self.layout, handle.layout, runs) if direct else []
         # the receiver owns the deadline; ours is a backstop a heartbeat-timeout later
         st = RequestState(handle, time.monotonic() + handle.timeout_s + self.config.peer_timeout_s)
         key = zlib.crc32(f"{self.config.worker_id}:{self.epoch}:{handle.request_id}".encode())
         st.extra.update(src=torch.tensor(block_ids, dtype=torch.int64, device=self.kv_buffer.device),
-                        src_ids=list(block_ids), runs=runs, cuts=source_cuts(block_ids) if runs else (),
+                        src_ids=list(block_ids), runs=runs if direct else None, pieces=pieces, prep=None,
+                        cuts=source_cuts(block_ids) if direct else (),
                         dst_runs=merge_runs(handle.block_ids), begun=False, answered=False, key=key,
                         inflight=0, stop=None)
         with self._lock:
@@ -99,9 +102,13 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
 
     def send_layer(self, request_id: str, layer: int) -> None:
         """Queue `layer` of the request: its KV must already be in kv_buffer (call after the layer's
-        attention stored it). Raises KeyError for an unknown request, ValueError for a bad layer."""
+        attention stored it). Runs on the caller's (forward pass) thread: a lock, one CUDA event on a
+        GPU, one deque append, and a wake-up byte only if the loop sleeps. Raises KeyError for an
+        unknown request, ValueError for a bad layer, TransferError if the sender is not running."""
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.layout.num_layers})")
+        if self._thread is None or self._stop.is_set():
+            raise TransferError("endpoint is not running (call start() first)")
         with self._lock:
             st = self._get(request_id)
             if layer in st.layers:
@@ -111,7 +118,8 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
         if self.kv_buffer.is_cuda:  # the gather must follow the caller's stream up to now
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.kv_buffer.device))
-        self._call(lambda: self._queue.append((request_id, layer, event)))
+        self._queue.append((request_id, layer, event))  # deque.append is atomic: no command closure
+        self._wake()
 
     def abort(self, request_id: str) -> None:
         """Stop sending the request: ABORTED here, the receiver is told (Stopped) once its in-flight
@@ -227,6 +235,9 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
             if isinstance(msg, m.BeginReply):
                 st.extra["begun"], st.extra["answered"] = msg.ok, True
                 self._set(st, S.TRANSFERRING if msg.ok else S.FAILED, msg.reason)
+                if msg.ok and st.extra["pieces"] and st.extra["prep"] is None:
+                    with contextlib.suppress(TransferError):  # else _post prepares it, and fails it
+                        self._prepare(st)
             elif isinstance(msg, m.Done):
                 self._set(st, S.DONE)
             elif isinstance(msg, m.Abort):
@@ -240,30 +251,43 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
 
     # ---- loop ---------------------------------------------------------------------------------
     def _step(self) -> None:
-        busy = bool(self._queue or self._pipe.ops)
-        peers = list(self._peers.values())
-        if peers:
-            if self._poller is None:  # rebuilt only when a peer is added
-                self._poller = zmq.Poller()
-                for p in peers:
-                    self._poller.register(p.sock, zmq.POLLIN)
-            ready = dict(self._poller.poll(0 if busy else 1))
-            for p in peers:
-                while p.sock in ready:
-                    try:
-                        self._on_message(p, m.decode(p.sock.recv(zmq.NOBLOCK)))
-                    except zmq.Again:
-                        break
-        elif not busy:
-            time.sleep(0.001)
+        self._poll_peers(bool(self._queue or self._pipe.ops))
+        # liveness right after reading every pending message: a stall of this loop (a long write, a
+        # starved thread) must not count as the peers' silence (their heartbeats wait unread)
+        self._housekeeping()
         self._start_gathers()
         self._post_ready()
         self._complete()
         self._flush_stops()
-        self._housekeeping()
+
+    def _poll_peers(self, busy: bool) -> None:
+        """Handle control messages; when not busy, sleep until one arrives, a caller wakes us
+        (_wake) or IDLE_POLL_MS pass (housekeeping: heartbeats, deadlines)."""
+        if self._poller is None:  # rebuilt only when a peer is added
+            self._poller = zmq.Poller()
+            self._poller.register(self._waker.fd, zmq.POLLIN)
+            for p in self._peers.values():
+                self._poller.register(p.sock, zmq.POLLIN)
+        if not busy:
+            self._waker.sleeping = True  # then look again: work queued before this sent no byte
+            busy = bool(self._queue) or not self._commands.empty()
+        ready = dict(self._poller.poll(0 if busy else IDLE_POLL_MS))
+        self._waker.sleeping = False
+        if self._waker.fd in ready:
+            self._waker.drain()
+        for p in list(self._peers.values()):
+            while p.sock in ready:
+                try:
+                    self._on_message(p, m.decode(p.sock.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+
+    def _wake(self) -> None:
+        self._waker.wake()
 
     def _teardown(self) -> None:
         self.transport.close()
         for p in self._peers.values():
             p.sock.close(0)
         self._ctx.term()
+        self._waker.close()

@@ -51,6 +51,19 @@ class SendTransport(ABC):
         peer, unregistered source region).
         """
 
+    def prepare(self, peer: str, pieces: list[SourcePiece]) -> object:
+        """What a post of `pieces` to `peer` needs in this transport's own form (NIXL: the local and
+        remote descriptor tuples), computed once per request-layer ahead of its post. Valid until the
+        peer is removed or re-added, or the staging ring is replaced. Raises TransferError for an
+        unknown peer or an unregistered source region. Default: the pieces themselves."""
+        return list(pieces)
+
+    def post_prepared(self, peer: str, parts: list[object], notice: bytes, tag: int) -> object:
+        """post() of the concatenation of several prepare() results (one write, one notice): the
+        sender's hot path, list concatenation plus the transport call. Raises TransferError as post()
+        does, and if `peer` was removed or re-added since a part was prepared."""
+        return self.post(peer, [p for part in parts for p in part], notice, tag)  # type: ignore[attr-defined]
+
     @abstractmethod
     def test(self, handle: object) -> bool:
         """True once the posted write completed (its handle is then released); False while in flight.

@@ -57,6 +57,11 @@ class KVLayout(msgspec.Struct, frozen=True):
         """Bytes of one block of one layer, K or V: block_size * num_kv_heads * head_dim * itemsize."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 
+    @property
+    def layer_stride_bytes(self) -> int:
+        """Bytes from one layer's start to the next one's (strides[0] * itemsize)."""
+        return self.strides[0] * self.itemsize
+
     def offset(self, layer: int, kv: int, block: int) -> int:
         """Byte offset of block `block` of K (kv=0) or V (kv=1) of `layer` from the tensor's start."""
         s = self.strides

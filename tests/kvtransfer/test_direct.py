@@ -7,7 +7,7 @@ import pytest
 
 from kvtransfer import TransferStatus, get_transfer_backend
 from kvtransfer.transport import KV, STAGING
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
 
 S = TransferStatus
 WAIT = 5.0
@@ -49,14 +49,6 @@ def _regions(tx) -> dict[str, set[int]]:
     return seen
 
 
-def _release_both(tx, rx, rid):
-    assert rx.wait_until(lambda: rx._releasable(rx._requests[rid]), WAIT)
-    rx.release(rid)
-    assert tx.wait_until(lambda: tx._requests[rid].extra["inflight"] == 0
-                         and tx._requests[rid].extra["stop"] is None, WAIT)
-    tx.release(rid)
-
-
 def test_direct_and_staged_requests_layerwise_bit_exact(pair):
     tx, rx, src, dst = pair
     tx.connect(rx.address, timeout=WAIT)
@@ -70,7 +62,7 @@ def test_direct_and_staged_requests_layerwise_bit_exact(pair):
         assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)  # the checksums matched too
         assert tx.wait(rid, WAIT) is S.DONE
         assert_landed(src, src_ids, dst, dst_ids)
-        _release_both(tx, rx, rid)
+        release_both(tx, rx, rid)
     assert tx._pipe.posted == {"direct": 2 * LAYERS, "staged": LAYERS}
     used = {b for _, ids in REQUESTS.values() for b in ids}
     assert dst[:, :, [b for b in range(32) if b not in used]].abs().sum() == 0
@@ -88,7 +80,7 @@ def test_direct_writes_read_kv_buffer_and_staged_read_the_ring(pair):
             tx.send_layer(rid, layer)
         assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
         assert_landed(src, src_ids, dst, dst_ids)
-        _release_both(tx, rx, rid)
+        release_both(tx, rx, rid)
     assert seen == {"a": {KV}, "c": {STAGING}}
     tx.check_no_leaks()
     rx.check_no_leaks()
@@ -106,7 +98,7 @@ def test_direct_disabled_goes_staged():
         assert rx.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE
         assert_landed(src, [0, 1], dst, [5, 6])
         assert tx._pipe.posted == {"direct": 0, "staged": LAYERS}
-        _release_both(tx, rx, "a")
+        release_both(tx, rx, "a")
         tx.check_no_leaks()
         rx.check_no_leaks()
     finally:

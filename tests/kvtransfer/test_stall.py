@@ -1,0 +1,84 @@
+"""Regression: a stall of an endpoint's OWN loop must not make it declare its peer lost.
+
+Bench failure (2-core box, nixl, 8 requests in flight): a sender loop step took 1.8 s (a starved
+gather and write) and a receiver step 1.56 s (a starved NIXL get_new_notifs); each side then checked
+liveness right after its stall, before reading the heartbeats waiting in its socket, and both declared
+the other lost ("no heartbeat for 2.0s") although neither had been silent that long. Liveness is now
+checked right after the control socket is drained. Each test stalls one side for 1.5 s × its
+peer_timeout_s (1.0 s) at the point where the old code went wrong; the other side never times out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from kvtransfer import TransferStatus, get_transfer_backend
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+
+S = TransferStatus
+WAIT = 5.0
+STALL_S = 1.5  # > peer_timeout_s (1.0 s, helpers.config)
+
+
+def _patient(worker_id: str):
+    return dataclasses.replace(config(worker_id, "loopback"), peer_timeout_s=30.0)
+
+
+def _transfer(tx, rx, src, dst) -> None:
+    tx.add_request(rx.expect("a", [4, 5, 6]), [1, 2, 3])
+    for layer in range(LAYERS):
+        tx.send_layer("a", layer)
+    assert rx.wait("a", WAIT + STALL_S) is S.DONE, rx.reason("a")
+    assert tx.wait("a", WAIT) is S.DONE, tx.reason("a")
+    assert_landed(src, [1, 2, 3], dst, [4, 5, 6])
+    release_both(tx, rx, "a", WAIT)
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def _stall_once(obj, name: str) -> list[float]:
+    """Make obj.name sleep STALL_S on its first call; returns [stall end time] once it happened."""
+    orig = getattr(obj, name)
+    done: list[float] = []
+
+    def stalled(*args, **kwargs):
+        if not done:
+            time.sleep(STALL_S)
+            done.append(time.monotonic())
+        return orig(*args, **kwargs)
+    setattr(obj, name, stalled)
+    return done
+
+
+def test_sender_stalled_in_a_write_keeps_its_receiver():
+    backend = get_transfer_backend("loopback")
+    src, dst = make_kv(1), make_kv(None)
+    tx = backend.sender(config("p0", "loopback"), src)  # peer_timeout_s 1.0
+    rx = backend.receiver(_patient("d0"), dst)  # heartbeats every 0.1 s, never gives up on tx
+    try:
+        stalled = _stall_once(tx.transport, "post")  # the loop blocks 1.5 s inside its first write
+        _transfer(tx, rx, src, dst)
+        assert stalled
+        assert all(p.epoch for p in tx._peers.values())  # the receiver was never declared lost
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_receiver_stalled_in_its_transport_keeps_its_sender():
+    backend = get_transfer_backend("loopback")
+    src, dst = make_kv(2), make_kv(None)
+    tx = backend.sender(_patient("p0"), src)
+    rx = backend.receiver(config("d0", "loopback"), dst)  # peer_timeout_s 1.0
+    try:
+        tx.connect(rx.address)
+        assert rx.wait_until(lambda: len(rx._senders) == 1, WAIT)
+        stalled = _stall_once(rx.transport, "poll")  # the loop blocks 1.5 s polling its transport
+        assert rx.wait_until(lambda: bool(stalled), WAIT)
+        time.sleep(0.3)  # a few more loop steps after the stall
+        assert len(rx._senders) == 1  # the sender was never dropped
+        _transfer(tx, rx, src, dst)
+    finally:
+        tx.close()
+        rx.close()

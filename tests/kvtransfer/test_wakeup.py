@@ -1,0 +1,119 @@
+"""The sender loop wakes at once when work arrives (Waker), and a direct request's writes are
+precomputed per layer (runs.direct_layers, transport.prepare) so a post only concatenates lists."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import zmq
+
+import kvtransfer.sender as sender_mod
+from kvtransfer import TransferError, TransferStatus, get_transfer_backend
+from kvtransfer.runs import direct_layers, direct_pieces, joint_runs
+from kvtransfer.staging import layout_of
+from kvtransfer.transport import KV
+from kvtransfer.wakeup import Waker
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+
+S = TransferStatus
+WAIT = 5.0
+LONG_IDLE_MS = 60_000  # an idle poll this long would fail every wait below unless a wake cut it short
+
+
+def test_waker_interrupts_a_sleeping_poll_only():
+    w = Waker()
+    poller = zmq.Poller()
+    poller.register(w.fd, zmq.POLLIN)
+    w.wake()  # loop not sleeping: no byte, nothing to poll
+    assert poller.poll(0) == []
+    w.sleeping = True
+    threading.Timer(0.05, w.wake).start()
+    t = time.monotonic()
+    assert dict(poller.poll(LONG_IDLE_MS)) == {w.fd: zmq.POLLIN}
+    assert time.monotonic() - t < WAIT
+    w.drain()
+    assert poller.poll(0) == []  # drained
+    w.close()
+    w.wake()  # after close: silently nothing (no write into a reused descriptor)
+
+
+def _quiet_pair(monkeypatch):
+    """A loopback pair whose loops would sleep LONG_IDLE_MS (heartbeats every 30 s) unless woken."""
+    monkeypatch.setattr(sender_mod, "IDLE_POLL_MS", LONG_IDLE_MS)
+    backend = get_transfer_backend("loopback")
+    src, dst = make_kv(3), make_kv(None)
+    slow = dataclasses.replace(config("p0", "loopback"), heartbeat_interval_s=30.0, peer_timeout_s=60.0)
+    tx = backend.sender(slow, src)
+    rx = backend.receiver(config("d0", "loopback"), dst)
+    return tx, rx, src, dst
+
+
+def test_command_and_send_layer_wake_the_idle_sender(monkeypatch):
+    tx, rx, src, dst = _quiet_pair(monkeypatch)
+    try:
+        assert tx.wait_until(lambda: tx._waker.sleeping, WAIT)  # idle: asleep in its poll
+        ran = threading.Event()
+        tx._call(ran.set)
+        assert ran.wait(WAIT)  # a command wakes it (not the 60 s idle timeout)
+        tx.add_request(rx.expect("a", [4, 5, 6]), [10, 11, 12])
+        assert tx.wait_until(lambda: tx._requests["a"].extra["answered"], WAIT)
+        assert tx.wait_until(lambda: tx._waker.sleeping, WAIT)  # idle again, Begin answered
+        t = time.monotonic()
+        for layer in range(LAYERS):
+            tx.send_layer("a", layer)
+        assert tx.wait("a", WAIT) is S.DONE and rx.wait("a", WAIT) is S.DONE, rx.reason("a")
+        assert time.monotonic() - t < WAIT
+        assert_landed(src, [10, 11, 12], dst, [4, 5, 6])
+        release_both(tx, rx, "a", WAIT)
+        tx.check_no_leaks()
+        rx.check_no_leaks()
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_send_layer_on_a_stopped_sender_raises_and_marks_nothing(monkeypatch):
+    tx, rx, _, _ = _quiet_pair(monkeypatch)
+    try:
+        tx.add_request(rx.expect("a", [1, 2]), [3, 4])
+        tx.close()
+        with pytest.raises(TransferError, match="not running"):
+            tx.send_layer("a", 0)
+        assert not tx._requests["a"].layers and not tx._queue
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_direct_layers_equal_direct_pieces_of_every_layer():
+    src_layout = layout_of(make_kv(None, num_blocks=40))
+    dst_layout = layout_of(make_kv(None, num_blocks=24))  # other block count: other layer stride
+    runs = joint_runs([3, 4, 5, 9, 10], [20, 21, 7, 8, 9])
+    per_layer = direct_layers(src_layout, dst_layout, runs)
+    assert len(per_layer) == LAYERS
+    for layer in range(LAYERS):
+        assert per_layer[layer] == direct_pieces(src_layout, dst_layout, runs, layer)
+
+
+def test_direct_request_is_prepared_once_begun():
+    backend = get_transfer_backend("loopback")
+    tx = backend.sender(config("p0", "loopback"), make_kv(5))
+    rx = backend.receiver(config("d0", "loopback"), make_kv(None))
+    try:
+        handle = rx.expect("a", [8, 9, 2])
+        tx.add_request(handle, [0, 1, 2])
+        assert tx.wait_until(lambda: tx._requests["a"].extra["prep"] is not None, WAIT)
+        runs = joint_runs([0, 1, 2], [8, 9, 2])
+        want = [[(KV, *p) for p in direct_pieces(tx.layout, handle.layout, runs, la)] for la in range(LAYERS)]
+        assert tx._requests["a"].extra["prep"] == want  # loopback's prepare: the pieces themselves
+        tx.abort("a")
+        assert rx.wait("a", WAIT) is S.ABORTED
+        release_both(tx, rx, "a", WAIT)
+        tx.check_no_leaks()
+        rx.check_no_leaks()
+    finally:
+        tx.close()
+        rx.close()
