@@ -168,8 +168,11 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a TCP listener could not bind ``host:port`` now."""
+    """Whether a TCP listener could not bind ``host:port`` now. Probes with ``SO_REUSEADDR``, as uvicorn
+    binds: a connection of a just-stopped server lingering in TIME_WAIT does not make the port busy
+    (it did, for up to a minute after a Ctrl-C during start-up), a live listener does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

@@ -71,3 +71,35 @@ def test_up_refuses_a_busy_port_at_once_and_names_the_flag() -> None:
         start = time.monotonic()
         assert run(UpSettings(port=port, device="cpu"), ready_timeout=5) == 1
         assert time.monotonic() - start < 5  # refused before any child (and model load) started
+
+
+def test_port_in_use_ignores_time_wait_but_not_a_listener() -> None:
+    """A port whose only socket is a closed connection in TIME_WAIT (the server closed first, as a stopped
+    `pdserve up` gateway does) is free for a SO_REUSEADDR listener like uvicorn; a live listener is not.
+    Found by a new-user trial: `pdserve up` refused to restart for ~1 min after a Ctrl-C during start-up."""
+    import socket
+
+    from pdserve.launcher import free_port, port_in_use
+
+    port = free_port()
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen()
+    assert port_in_use(port)
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    server.close()
+    conn.close()  # the server side closes first: its end of the connection enters TIME_WAIT
+    client.recv(1)
+    client.close()
+    plain = socket.socket()
+    try:  # the state the old probe mistook for "in use"
+        plain.bind(("127.0.0.1", port))
+        time_wait = False
+    except OSError:
+        time_wait = True
+    finally:
+        plain.close()
+    assert time_wait, "no TIME_WAIT was produced: the test would prove nothing"
+    assert not port_in_use(port)
