@@ -130,7 +130,8 @@ def _max_tokens(svc: GatewayService, body: Body, n_prompt: int) -> int:
     if n_prompt + wanted > limit or wanted < 1:
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                           f"{n_prompt + max(wanted, 1)} tokens ({n_prompt} in the prompt, "
-                          f"{max(wanted, 1)} for the completion).", "max_tokens", "context_length_exceeded")
+                          f"{max(wanted, 1)} for the completion).",
+                          param if n_prompt >= limit else "max_tokens", "context_length_exceeded")
     if body.min_tokens > wanted:
         raise bad_request(f"min_tokens {body.min_tokens} exceeds max_tokens {wanted}", "min_tokens")
     return wanted

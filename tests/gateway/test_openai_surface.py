@@ -177,3 +177,17 @@ def test_eos_finish_in_last_chunk_and_ignore_eos(make_cluster, proc: TextProcess
                                        extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length" and r.usage is not None and r.usage.completion_tokens == 8
     c.assert_no_leaks()
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": list(range(1, 301))}, "prompt"),  # the prompt alone exceeds 256
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 300}]}, "messages"),
+    ("/v1/completions", {"prompt": list(range(1, 201)), "max_tokens": 100}, "max_tokens"),  # fits alone
+])
+def test_context_overflow_names_the_prompt_when_it_alone_is_too_long(pd: Cluster, path: str,
+                                                                    body: dict[str, Any], param: str) -> None:
+    """A prompt longer than the context is the prompt's fault, not max_tokens' (a new-user trial got
+    param "max_tokens" for a 10,001-token prompt with max_tokens 2)."""
+    r = httpx.post(pd.base + path, json={"model": "fake-model", "max_tokens": 2, **body}, timeout=10)
+    err = r.json()["error"]
+    assert (r.status_code, err["code"], err["param"]) == (400, "context_length_exceeded", param), err
