@@ -5,11 +5,9 @@ the time bound, failures mid-way, and refused settings. Tiny fp32 CPU Llama with
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
@@ -17,7 +15,6 @@ from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.warmup import WarmupConfig, should_warm_up, warmup
 from pdserve.settings import WorkerSettings
-from tests.engine.test_loader import tiny_config
 
 BUDGET = 32  # max_num_batched_tokens of the test engines
 BLOCK = 4
@@ -26,28 +23,13 @@ CFG = WarmupConfig(decode_batch_sizes=SIZES, num_output_tokens=3)
 SMALL = WarmupConfig(decode_batch_sizes=(1, 3), num_output_tokens=2)  # fewer steps where shapes don't matter
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread: on the shared 2-core machine two threads spin against other processes
-    (measured: ~200 ms per tiny step with 2 threads under load, ~5 ms with 1)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("warmup") / "tiny"
-    path.mkdir()
-    (path / "config.json").write_text(tiny_config("LlamaForCausalLM").to_json_string())
-    return path
-
-
-def make_core(model_dir: Path, *, prefill_only: bool = False, num_blocks: int = 128,
+def make_core(tiny_dummy_dir: Path, *, prefill_only: bool = False, num_blocks: int = 128,
               max_num_seqs: int = 8) -> EngineCore:
     return EngineCore(EngineConfig(
-        ModelConfig(str(model_dir), load_format="dummy", dtype="float32", device="cpu",
+        ModelConfig(str(tiny_dummy_dir), load_format="dummy", dtype="float32", device="cpu",
                     attention_backend="torch"),
         CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=BUDGET)),
@@ -95,8 +77,8 @@ def generate(core: EngineCore, prompts: list[list[int]]) -> list[tuple[list[int]
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
-def test_colocated_warmup_covers_each_step_shape_and_leaves_engine_clean(model_dir, monkeypatch, caplog):
-    core = make_core(model_dir)
+def test_colocated_warmup_covers_each_step_shape_and_leaves_engine_clean(tiny_dummy_dir, monkeypatch, caplog):
+    core = make_core(tiny_dummy_dir)
     prompts = spy_prompts(core, monkeypatch)
     with caplog.at_level(logging.INFO, logger="pdserve.warmup"):
         report = warmup(core, CFG)
@@ -118,11 +100,11 @@ def test_colocated_warmup_covers_each_step_shape_and_leaves_engine_clean(model_d
     assert_clean(core, prompts)
 
 
-def test_outputs_after_warmup_equal_a_cold_engine(model_dir):
+def test_outputs_after_warmup_equal_a_cold_engine(tiny_dummy_dir):
     prompts = [[5, 9, 33, 7, 100, 12, 3], list(range(10, 50)), [200] * 17, [42]]
-    cold = make_core(model_dir)
+    cold = make_core(tiny_dummy_dir)
     expected = generate(cold, prompts)
-    warm = make_core(model_dir)
+    warm = make_core(tiny_dummy_dir)
     assert warmup(warm, SMALL).completed
     assert generate(warm, prompts) == expected
     assert all(len(tokens) == 6 for tokens, _ in expected)
@@ -130,8 +112,8 @@ def test_outputs_after_warmup_equal_a_cold_engine(model_dir):
     warm.check_no_leaks()
 
 
-def test_prefill_worker_engine_warms_up_and_then_prefills(model_dir, monkeypatch):
-    core = make_core(model_dir, prefill_only=True)
+def test_prefill_worker_engine_warms_up_and_then_prefills(tiny_dummy_dir, monkeypatch):
+    core = make_core(tiny_dummy_dir, prefill_only=True)
     prompts = spy_prompts(core, monkeypatch)
     report = warmup(core, CFG)
     assert report.completed
@@ -147,8 +129,8 @@ def test_prefill_worker_engine_warms_up_and_then_prefills(model_dir, monkeypatch
     core.check_no_leaks()
 
 
-def test_decode_worker_engine_warms_up_then_continues_landed_kv(model_dir, monkeypatch):
-    core = make_core(model_dir)  # a decode worker's engine: not prefill-only
+def test_decode_worker_engine_warms_up_then_continues_landed_kv(tiny_dummy_dir, monkeypatch):
+    core = make_core(tiny_dummy_dir)  # a decode worker's engine: not prefill-only
     prompts = spy_prompts(core, monkeypatch)
     assert warmup(core, SMALL).completed
     assert_clean(core, prompts)
@@ -160,16 +142,16 @@ def test_decode_worker_engine_warms_up_then_continues_landed_kv(model_dir, monke
     core.check_no_leaks()
 
 
-def test_small_cache_preempts_and_still_ends_clean(model_dir, monkeypatch):
-    core = make_core(model_dir, num_blocks=16, max_num_seqs=8)  # 64 tokens of KV: preemption happens
+def test_small_cache_preempts_and_still_ends_clean(tiny_dummy_dir, monkeypatch):
+    core = make_core(tiny_dummy_dir, num_blocks=16, max_num_seqs=8)  # 64 tokens of KV: preemption happens
     prompts = spy_prompts(core, monkeypatch)
     report = warmup(core, WarmupConfig(decode_batch_sizes=(64,), num_output_tokens=2))
     assert report.completed and max(len(p) for p in prompts) < core.max_model_len
     assert_clean(core, prompts)
 
 
-def test_time_bound_cuts_the_warmup_and_aborts_its_requests(model_dir, monkeypatch, caplog):
-    core = make_core(model_dir)
+def test_time_bound_cuts_the_warmup_and_aborts_its_requests(tiny_dummy_dir, monkeypatch, caplog):
+    core = make_core(tiny_dummy_dir)
     prompts = spy_prompts(core, monkeypatch)
     with caplog.at_level(logging.INFO, logger="pdserve.warmup"):
         report = warmup(core, WarmupConfig(max_seconds=1e-9))
@@ -178,8 +160,8 @@ def test_time_bound_cuts_the_warmup_and_aborts_its_requests(model_dir, monkeypat
     assert_clean(core, prompts)
 
 
-def test_failing_step_propagates_and_leaves_nothing_held(model_dir, monkeypatch):
-    core = make_core(model_dir)
+def test_failing_step_propagates_and_leaves_nothing_held(tiny_dummy_dir, monkeypatch):
+    core = make_core(tiny_dummy_dir)
     prompts = spy_prompts(core, monkeypatch)
     real = core.runner.execute
     calls = []
@@ -197,8 +179,8 @@ def test_failing_step_propagates_and_leaves_nothing_held(model_dir, monkeypatch)
     assert_clean(core, prompts)
 
 
-def test_busy_engine_is_refused_and_untouched(model_dir):
-    core = make_core(model_dir)
+def test_busy_engine_is_refused_and_untouched(tiny_dummy_dir):
+    core = make_core(tiny_dummy_dir)
     seq = core.add_request("real", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
     with pytest.raises(RuntimeError, match="idle engine"):
         warmup(core, CFG)

@@ -3,11 +3,7 @@ cleanly failed warm-up skipped, an unclean one refusing to start. Engine helpers
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
-import torch
 
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
@@ -15,25 +11,9 @@ from engine.serve.boot import warm_up_core
 from engine.warmup import WarmupConfig, WarmupReport, warmup
 from pdserve.cli import build_parser
 from pdserve.settings import WorkerSettings, settings_from_args
-from tests.engine.test_loader import tiny_config
 from tests.engine.test_warmup import SMALL, make_core
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """One intra-op thread (see test_warmup.py)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("warmup-boot") / "tiny"
-    path.mkdir()
-    (path / "config.json").write_text(tiny_config("LlamaForCausalLM").to_json_string())
-    return path
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def worker_settings(env: dict[str, str], argv: list[str]) -> WorkerSettings:
@@ -54,7 +34,7 @@ def test_engine_warmup_flag_and_env_reach_worker_settings():
         build_parser({}).parse_args(["decode", "--engine-warmup", "maybe"])
 
 
-def test_boot_warms_up_per_setting(model_dir, monkeypatch):
+def test_boot_warms_up_per_setting(tiny_dummy_dir, monkeypatch):
     import engine.warmup
 
     calls: list[EngineCore] = []
@@ -64,17 +44,17 @@ def test_boot_warms_up_per_setting(model_dir, monkeypatch):
         return warmup(core, SMALL)
 
     monkeypatch.setattr(engine.warmup, "warmup", small_warmup)
-    core = make_core(model_dir)
-    on = WorkerSettings(role="colocated", model=str(model_dir), engine_warmup="on", worker_id="w")
+    core = make_core(tiny_dummy_dir)
+    on = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w")
     report = warm_up_core(on, core)
     assert calls == [core] and isinstance(report, WarmupReport) and report.completed and report.steps
-    auto = WorkerSettings(role="colocated", model=str(model_dir), worker_id="w")
+    auto = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), worker_id="w")
     assert warm_up_core(auto, core) is None and calls == [core]  # CPU: auto skips
     core.check_no_leaks()
 
 
-def test_boot_serves_without_warmup_when_it_fails_cleanly(model_dir, monkeypatch, caplog):
-    core = make_core(model_dir)
+def test_boot_serves_without_warmup_when_it_fails_cleanly(tiny_dummy_dir, monkeypatch, caplog):
+    core = make_core(tiny_dummy_dir)
     real = core.runner.execute
     calls = []
 
@@ -85,7 +65,7 @@ def test_boot_serves_without_warmup_when_it_fails_cleanly(model_dir, monkeypatch
         return real(output, layer_hook)
 
     monkeypatch.setattr(core.runner, "execute", execute)
-    on = WorkerSettings(role="colocated", model=str(model_dir), engine_warmup="on", worker_id="w")
+    on = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w")
     import engine.warmup
 
     monkeypatch.setattr(engine.warmup, "warmup", lambda c, config=None: warmup(c, SMALL))
@@ -95,8 +75,8 @@ def test_boot_serves_without_warmup_when_it_fails_cleanly(model_dir, monkeypatch
     core.check_no_leaks()
 
 
-def test_boot_refuses_to_start_when_a_failed_warmup_leaves_the_engine_unclean(model_dir, monkeypatch):
-    core = make_core(model_dir)
+def test_boot_refuses_to_start_when_a_failed_warmup_leaves_the_engine_unclean(tiny_dummy_dir, monkeypatch):
+    core = make_core(tiny_dummy_dir)
     import engine.warmup
 
     def leaky(c: EngineCore, config: WarmupConfig | None = None) -> WarmupReport:
@@ -104,6 +84,6 @@ def test_boot_refuses_to_start_when_a_failed_warmup_leaves_the_engine_unclean(mo
         raise RuntimeError("boom")
 
     monkeypatch.setattr(engine.warmup, "warmup", leaky)
-    on = WorkerSettings(role="colocated", model=str(model_dir), engine_warmup="on", worker_id="w")
+    on = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w")
     with pytest.raises(RuntimeError, match="left the engine unclean"):
         warm_up_core(on, core)

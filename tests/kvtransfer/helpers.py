@@ -30,13 +30,17 @@ def assert_landed(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_
     assert torch.equal(a, b)
 
 
-def release_both(tx: object, rx: object, rid: str, wait: float = 10.0) -> None:
+def release_both(tx: object, rx: object, rid: str, wait: float = 10.0, leaks: bool = False) -> None:
     """Release a finished request on both sides once each may forget it (the receiver when releasable;
     the sender when terminal — it learns DONE from the receiver's Done message, which can come after its
-    last write completed — with nothing in flight and its Stopped fence sent). Callers check for leaks."""
+    last write completed — with nothing in flight and its Stopped fence sent); with `leaks`, then check
+    that both sides hold nothing."""
     assert rx.wait_until(lambda: rx._releasable(rx._requests[rid]), wait)  # type: ignore[attr-defined]
     rx.release(rid)  # type: ignore[attr-defined]
     st = tx._requests[rid]  # type: ignore[attr-defined]
     assert tx.wait_until(lambda: st.status.is_terminal and st.extra["inflight"] == 0  # type: ignore[attr-defined]
                          and st.extra["stop"] is None, wait)
     tx.release(rid)  # type: ignore[attr-defined]
+    if leaks:
+        tx.check_no_leaks()  # type: ignore[attr-defined]
+        rx.check_no_leaks()  # type: ignore[attr-defined]

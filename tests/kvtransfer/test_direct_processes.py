@@ -8,7 +8,16 @@ import pytest
 from kvtransfer import TransferStatus
 from tests.kvtransfer.helpers import LAYERS, assert_landed, make_kv
 from tests.kvtransfer.test_direct import REQUESTS
-from tests.kvtransfer.test_processes import SEED, WAIT, Child, _add, _release_both, backend, rx
+from tests.kvtransfer.test_processes import (
+    SEED,
+    WAIT,
+    Child,
+    _add,
+    _release_both,
+    backend,
+    rx,
+    send_layerwise,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 S = TransferStatus
@@ -21,16 +30,7 @@ def test_direct_and_staged_layerwise_bit_exact(backend, rx):
     (staged), interleaved layer by layer; CRC32 checked on arrival, then byte-compared."""
     child = Child(backend)
     try:
-        for rid, (src_ids, dst_ids) in REQUESTS.items():
-            _add(child, rx, rid, dst_ids, src_ids)
-        for layer in range(LAYERS):
-            for rid in REQUESTS:
-                assert child("layers", rid, [layer]) is None
-        for rid, (src_ids, dst_ids) in REQUESTS.items():
-            assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
-            assert child("wait", rid, WAIT) == "DONE"
-            assert_landed(make_kv(SEED), src_ids, rx.kv_buffer, dst_ids)
-            _release_both(child, rx, rid)
+        send_layerwise(child, rx, REQUESTS)
         assert child("posted") == {"direct": 2 * LAYERS, "staged": LAYERS}
         assert child("leaks") is None
         rx.check_no_leaks()

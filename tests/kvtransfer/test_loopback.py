@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtransfer import IncompatiblePeerError, TransferStatus, get_transfer_backend
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
 
 S = TransferStatus
 WAIT = 5.0
@@ -24,14 +24,6 @@ def pair():
     yield tx, rx, src, dst
     tx.close()
     rx.close()
-
-
-def _finish(tx, rx, rid):
-    """Release the request on both sides once terminal (and leak-check after)."""
-    assert rx.wait_until(lambda: rx._releasable(rx._requests[rid]), WAIT)
-    rx.release(rid)
-    tx.wait(rid, WAIT)
-    tx.release(rid)
 
 
 def test_layerwise_concurrent_requests_bit_exact(pair):
@@ -51,7 +43,7 @@ def test_layerwise_concurrent_requests_bit_exact(pair):
         assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
         assert tx.wait(rid, WAIT) is S.DONE
         assert_landed(src, src_ids, dst, dst_ids)
-        _finish(tx, rx, rid)
+        release_both(tx, rx, rid, WAIT)
     tx.check_no_leaks()
     rx.check_no_leaks()
 
@@ -67,9 +59,7 @@ def test_not_done_until_every_layer(pair):
         rx.release("a")
     tx.send_layer("a", LAYERS - 1)
     assert rx.wait("a", WAIT) is S.DONE
-    _finish(tx, rx, "a")
-    tx.check_no_leaks()
-    rx.check_no_leaks()
+    release_both(tx, rx, "a", WAIT, leaks=True)
 
 
 @pytest.mark.parametrize("side", ["sender", "receiver"])
@@ -84,7 +74,7 @@ def test_abort_mid_transfer_fences_blocks(pair, side):
     with pytest.raises(KeyError):
         tx.send_layer("b", 1)
     tx.send_layer("a", 1)  # after abort: silently not written
-    _finish(tx, rx, "a")
+    release_both(tx, rx, "a", WAIT)
     assert dst[1].abs().sum() == 0
     tx.check_no_leaks()
     rx.check_no_leaks()
@@ -114,9 +104,7 @@ def test_deadline_fails_both_sides(pair):
     tx.send_layer("a", 0)  # never the rest
     assert rx.wait("a", WAIT) is S.FAILED and "deadline" in rx.reason("a")
     assert tx.wait("a", WAIT) in (S.FAILED, S.ABORTED)
-    _finish(tx, rx, "a")
-    tx.check_no_leaks()
-    rx.check_no_leaks()
+    release_both(tx, rx, "a", WAIT, leaks=True)
 
 
 def test_checksum_detects_corruption(pair):
@@ -126,9 +114,7 @@ def test_checksum_detects_corruption(pair):
     tx.send_layer("a", 0)
     assert rx.wait("a", WAIT) is S.FAILED and "checksum mismatch in layer 0" in rx.reason("a")
     assert tx.wait("a", WAIT) is S.FAILED
-    _finish(tx, rx, "a")
-    tx.check_no_leaks()
-    rx.check_no_leaks()
+    release_both(tx, rx, "a", WAIT, leaks=True)
 
 
 def _corrupting(post, transport):
@@ -147,9 +133,7 @@ def test_misplaced_blocks_detected_by_checksum(pair):
         peer, [(*pieces[0][:2], *pieces[1][2:]), (*pieces[1][:2], *pieces[0][2:])], notice, tag)
     tx.send_layer("a", 0)
     assert rx.wait("a", WAIT) is S.FAILED and "checksum" in rx.reason("a")
-    _finish(tx, rx, "a")
-    tx.check_no_leaks()
-    rx.check_no_leaks()
+    release_both(tx, rx, "a", WAIT, leaks=True)
 
 
 def test_incompatible_peer_refused_at_connect():
@@ -195,9 +179,7 @@ def test_bad_input_is_named(pair):
     with pytest.raises(ValueError, match="layer 9"):
         tx.send_layer("a", 9)
     rx.abort("a")
-    _finish(tx, rx, "a")
-    tx.check_no_leaks()
-    rx.check_no_leaks()
+    release_both(tx, rx, "a", WAIT, leaks=True)
 
 
 def _free_port() -> int:
@@ -219,7 +201,7 @@ def test_restarted_receiver_new_epoch_rehandshakes():
         for layer in range(LAYERS):
             tx.send_layer("a", layer)
         assert rx.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE
-        _finish(tx, rx, "a")
+        release_both(tx, rx, "a", WAIT)
         rx.close()  # the decode worker restarts on the same address with a new epoch
         dst = make_kv(None)
         rx = backend.receiver(config("d0", "loopback", port=port), dst)
@@ -233,7 +215,7 @@ def test_restarted_receiver_new_epoch_rehandshakes():
         assert tx.wait("stale", WAIT) is S.FAILED and "stale" in tx.reason("stale")
         assert_landed(make_kv(1), [2, 3], dst, [3, 4])
         assert dst[:, :, [1, 2]].abs().sum() == 0
-        _finish(tx, rx, "b")
+        release_both(tx, rx, "b", WAIT)
         tx.release("stale")
         tx.check_no_leaks()
         rx.check_no_leaks()

@@ -14,7 +14,7 @@ import torch
 
 from kvtransfer import TransferError, TransferStatus, get_transfer_backend, messages
 from kvtransfer.staging import StagingRing
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
 
 S = TransferStatus
 WAIT = 5.0
@@ -53,14 +53,6 @@ def _stall(endpoint) -> threading.Event:
     return gate
 
 
-def _release_both(tx, rx, rid):
-    assert rx.wait_until(lambda: rx._releasable(rx._requests[rid]), WAIT)
-    rx.release(rid)
-    assert tx.wait_until(lambda: tx._requests[rid].extra["inflight"] == 0
-                         and tx._requests[rid].extra["stop"] is None, WAIT)
-    tx.release(rid)
-
-
 def test_several_layers_in_flight_then_bit_exact(pair):
     tx, rx, src, dst = pair
     tx.add_request(rx.expect("a", [7, 8, 9]), [2, 0, 5])
@@ -75,9 +67,7 @@ def test_several_layers_in_flight_then_bit_exact(pair):
     assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
     assert tx.wait("a", WAIT) is S.DONE
     assert_landed(src, [2, 0, 5], dst, [7, 8, 9])
-    _release_both(tx, rx, "a")
-    tx.check_no_leaks()
-    rx.check_no_leaks()
+    release_both(tx, rx, "a", WAIT, leaks=True)
 
 
 @pytest.mark.parametrize("side", ["sender", "receiver"])
@@ -97,7 +87,7 @@ def test_abort_with_layers_in_flight_fences_until_they_complete(pair, side):
     assert not rx.wait_until(lambda: rx._releasable(rx._requests["a"]), 0.3)
     tx.transport.deliver.set()  # the in-flight writes land (the blocks are still reserved)
     assert rx.wait("a", WAIT) is S.ABORTED
-    _release_both(tx, rx, "a")
+    release_both(tx, rx, "a", WAIT)
     assert dst[LAYERS - 1].abs().sum() == 0  # the queued layer was never written
     tx.check_no_leaks()
     rx.check_no_leaks()
@@ -139,9 +129,7 @@ def _begin_unanswered(tx, rx):
         tx.release("a")  # else the late BeginReply finds no request and Stopped is never sent
     gate.set()  # the receiver claims it now; the sender's Stopped fence frees the blocks
     assert rx.wait("a", WAIT) is S.ABORTED and "sender" in rx.reason("a")
-    _release_both(tx, rx, "a")
-    tx.check_no_leaks()
-    rx.check_no_leaks()
+    release_both(tx, rx, "a", WAIT, leaks=True)
 
 
 def test_ready_layers_of_several_requests_go_in_one_write(pair):
@@ -175,7 +163,7 @@ def test_ready_layers_of_several_requests_go_in_one_write(pair):
         assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
         assert tx.wait(rid, WAIT) is S.DONE
         assert_landed(src, src_ids, dst, dst_ids)
-        _release_both(tx, rx, rid)
+        release_both(tx, rx, rid, WAIT)
     tx.check_no_leaks()
     rx.check_no_leaks()
 

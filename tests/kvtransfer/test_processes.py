@@ -69,6 +69,21 @@ def _add(child, rx, rid, dst_ids, src_ids, timeout_s=None):
     assert child("add", msgspec.msgpack.encode(handle), src_ids) is None
 
 
+def send_layerwise(child: Child, rx, reqs: dict[str, tuple[list[int], list[int]]]) -> None:
+    """Add every request (id → (source ids, destination ids)) in the sender child, send their layers
+    interleaved layer by layer, and check each lands bit-exact and is released on both sides."""
+    for rid, (src_ids, dst_ids) in reqs.items():
+        _add(child, rx, rid, dst_ids, src_ids)
+    for layer in range(LAYERS):
+        for rid in reqs:
+            assert child("layers", rid, [layer]) is None
+    for rid, (src_ids, dst_ids) in reqs.items():
+        assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
+        assert child("wait", rid, WAIT) == "DONE"
+        assert_landed(make_kv(SEED), src_ids, rx.kv_buffer, dst_ids)
+        _release_both(child, rx, rid)
+
+
 def _release_both(child, rx, rid):
     assert rx.wait_until(lambda: rx._releasable(rx._requests[rid]), WAIT)
     rx.release(rid)
@@ -84,16 +99,7 @@ def test_concurrent_layerwise_bit_exact(backend, rx):
         rng.shuffle(free)
         reqs = {"a": (free[:6], rng.sample(range(32), 6)), "b": (free[6:9], rng.sample(range(32), 3)),
                 "c": (list(range(20, 28)), list(range(8)))}  # c: one contiguous run
-        for rid, (dst_ids, src_ids) in reqs.items():
-            _add(child, rx, rid, dst_ids, src_ids)
-        for layer in range(LAYERS):
-            for rid in reqs:
-                assert child("layers", rid, [layer]) is None
-        for rid, (dst_ids, src_ids) in reqs.items():
-            assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
-            assert child("wait", rid, WAIT) == "DONE"
-            assert_landed(make_kv(SEED), src_ids, rx.kv_buffer, dst_ids)
-            _release_both(child, rx, rid)
+        send_layerwise(child, rx, {rid: (src, dst) for rid, (dst, src) in reqs.items()})
         assert child("leaks") is None
         rx.check_no_leaks()
     finally:

@@ -67,9 +67,7 @@ def test_command_and_send_layer_wake_the_idle_sender(monkeypatch):
         assert tx.wait("a", WAIT) is S.DONE and rx.wait("a", WAIT) is S.DONE, rx.reason("a")
         assert time.monotonic() - t < WAIT
         assert_landed(src, [10, 11, 12], dst, [4, 5, 6])
-        release_both(tx, rx, "a", WAIT)
-        tx.check_no_leaks()
-        rx.check_no_leaks()
+        release_both(tx, rx, "a", WAIT, leaks=True)
     finally:
         tx.close()
         rx.close()
@@ -111,9 +109,7 @@ def test_direct_request_is_prepared_once_begun():
         assert tx._requests["a"].extra["prep"] == want  # loopback's prepare: the pieces themselves
         tx.abort("a")
         assert rx.wait("a", WAIT) is S.ABORTED
-        release_both(tx, rx, "a", WAIT)
-        tx.check_no_leaks()
-        rx.check_no_leaks()
+        release_both(tx, rx, "a", WAIT, leaks=True)
     finally:
         tx.close()
         rx.close()
