@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--fused-ops", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=24)

@@ -98,6 +98,7 @@ def _engine(args: argparse.Namespace, num_blocks: int | None) -> EngineCore:
                 device=args.device,
                 attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager,
+                fused_ops=getattr(args, "fused_ops", "auto"),
             ),
             CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=False),
             SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -257,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-blocks", type=int, default=None, help="GPU: KV blocks")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--fused-ops", default="auto", choices=["auto", "on", "off"],
+                        help="merged GEMMs + fused small kernels (ModelConfig.fused_ops)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128], help="GPU decode batches")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096], help="GPU KV tokens/seq")
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32])

@@ -4,9 +4,11 @@ Under NVIDIA compute-sanitizer (memcheck: out-of-bounds / misaligned accesses; r
 hazards) each kernel launch is ~100x slower, so the grid is small: block-boundary lengths with
 ``block_size`` 16 (1, 15, 16, 17, 32, 33 tokens ...), GQA ratios 1 and 4, ``head_dim`` 64 and 128, bf16
 and fp16; ``store_kv``, ``paged_prefill_attention`` (cached prefixes included) and
-``paged_decode_attention`` at several ``num_splits``. Every output is also checked against the plain-torch
-references of ``engine/ops`` and the cache slots no sequence owns must still hold their sentinel (no
-stray writes), so a run without the sanitizer is a correctness smoke test too.
+``paged_decode_attention`` at several ``num_splits``; the fused decoder-layer kernels ``rms_norm`` (with
+and without the residual add), ``apply_rotary`` (in place on views of a QKV row) and ``silu_mul``.
+Every output is also checked against the plain-torch references of ``engine/ops`` and the cache slots no
+sequence owns must still hold their sentinel (no stray writes), so a run without the sanitizer is a
+correctness smoke test too.
 
 On a machine without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` is set
 here before Triton is imported): use ``--tiny`` (fp16 only, one ``head_dim``; the interpreter has no
@@ -156,9 +158,43 @@ def run_case(case: KernelCase, device: str, seed: int = 0) -> int:
                 _close(f"paged_decode_attention num_splits={splits} {case}", got, want, dtype)
                 calls += 2  # split + reduce launches
         _no_stray_writes(f"{kind} {case}", p)
+    calls += run_layer_ops(case, device, seed)
     if device != "cpu":
         torch.cuda.synchronize()
     return calls
+
+
+def run_layer_ops(case: KernelCase, device: str, seed: int) -> int:
+    """``rms_norm`` (plain and residual), ``apply_rotary`` and ``silu_mul`` at 1, 3 and 17 tokens, each
+    against its reference; the V part of the QKV rows must stay untouched by the rotary. Returns the
+    number of kernel launches. Raises AssertionError naming the kernel on a mismatch."""
+    from engine.ops.rms_norm import rms_norm, rms_norm_reference
+    from engine.ops.rotary import apply_rotary, apply_rotary_reference
+    from engine.ops.silu_mul import silu_mul, silu_mul_reference
+
+    dtype, gen = DTYPES[case.dtype], torch.Generator().manual_seed(seed)
+    hkv, h, d = case.num_kv_heads, case.num_kv_heads * case.gqa, case.head_dim
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dtype).to(device)  # noqa: E731
+    for t in (1, 3, 17):
+        x, res, w = rnd(t, h * d), rnd(t, h * d), rnd(h * d)
+        _close(f"rms_norm {case} T={t}", rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5), dtype)
+        res_ref = res.clone()
+        _close(f"rms_norm+residual {case} T={t}", rms_norm(x, w, 1e-5, res),
+               rms_norm_reference(x, w, 1e-5, res_ref), dtype)
+        _close(f"rms_norm residual update {case} T={t}", res, res_ref, dtype)
+        qkv, angles = rnd(t, (h + 2 * hkv) * d), torch.rand(t, d // 2, generator=gen).to(device) * 6
+        cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+        want = qkv.clone()
+        views = [(buf[:, : h * d].view(t, h, d), buf[:, h * d:(h + hkv) * d].view(t, hkv, d))
+                 for buf in (qkv, want)]
+        apply_rotary(*views[0], cos, sin)
+        apply_rotary_reference(*views[1], cos, sin)
+        _close(f"apply_rotary {case} T={t}", qkv, want, dtype)
+        if not torch.equal(qkv[:, (h + hkv) * d:], want[:, (h + hkv) * d:]):
+            raise AssertionError(f"apply_rotary {case} T={t}: wrote into the V columns")
+        gate_up = rnd(t, 2 * (3 * h * d + 7))
+        _close(f"silu_mul {case} T={t}", silu_mul(gate_up), silu_mul_reference(gate_up), dtype)
+    return 3 * 4
 
 
 def run(tiny: bool, device: str) -> dict[str, Any]:

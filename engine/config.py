@@ -10,6 +10,7 @@ from dataclasses import dataclass
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
+_FUSED_OPS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class ModelConfig:
 
     ``enforce_eager``: never use CUDA graphs (by default decode-only steps replay graphs captured at
     start-up when on CUDA with the ``triton`` backend; see ``engine.cuda_graphs``).
+    ``fused_ops``: the forward with merged QKV / gate-up GEMMs and fused RMSNorm, rotary and SiLU kernels
+    (``engine.models.fused_model``): ``auto`` = on a CUDA device when the architecture is supported,
+    ``on`` = always (torch reference ops off CUDA; an unsupported model is an error), ``off`` = transformers'
+    own modules.
     """
 
     model: str
@@ -72,6 +77,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
+    fused_ops: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -82,6 +88,8 @@ class ModelConfig:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 tokens or None, got {self.max_model_len}")
+        if self.fused_ops not in _FUSED_OPS:
+            raise ValueError(f"fused_ops must be one of {_FUSED_OPS}, got {self.fused_ops!r}")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"

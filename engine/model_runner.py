@@ -22,6 +22,7 @@ from engine.attention.metadata import AttentionMetadata, build_attention_metadat
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs, mask_placeholder
 from engine.kv_cache import KVCachePool
+from engine.models.fused_model import FusedCausalLM, unsupported_reason
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
 from engine.models.loader import load_model
 from engine.sampler import Sampler, SampleResult, SamplingRow
@@ -40,6 +41,8 @@ class ModelRunner:
 
     Attributes:
         model, hf_config: from ``load_model``; attention switched to the paged implementation.
+        net: what a step calls: ``model`` itself, or a ``FusedCausalLM`` over its weights
+            (``ModelConfig.fused_ops``).
         kv_cache: ``KVCachePool`` sized from ``engine_config.cache``.
         max_model_len: tokens per sequence (config value, else ``max_position_embeddings``).
         vocab_size: rows of the LM head (logit width).
@@ -63,6 +66,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.backend = get_backend(engine_config.model.attention_backend, self.device)
         install_paged_attention(self.model)
+        self.net = self._forward_model(engine_config.model.fused_ops)
         cfg = self.hf_config
         limit = int(cfg.max_position_embeddings)
         wanted = engine_config.model.max_model_len
@@ -89,9 +93,23 @@ class ModelRunner:
         self.decode_graphs: DecodeCudaGraphs | None = None
         use_graphs = self.device.type == "cuda" and self.backend.name == "triton"
         if use_graphs and not engine_config.model.enforce_eager:
-            self.decode_graphs = DecodeCudaGraphs(self.model, self.kv_cache, self.backend,
+            self.decode_graphs = DecodeCudaGraphs(self.net, self.kv_cache, self.backend,
                                                   engine_config.scheduler.max_num_seqs, self.max_model_len)
             self.decode_graphs.capture()
+
+    def _forward_model(self, fused_ops: str) -> torch.nn.Module:
+        """``FusedCausalLM`` when ``fused_ops`` asks for it (``auto``: on CUDA and a supported model), with
+        Triton kernels when the attention backend is ``triton``; else the transformers model.
+
+        Raises:
+            ValueError: ``fused_ops="on"`` for a model ``FusedCausalLM`` does not support.
+        """
+        reason = unsupported_reason(self.model)
+        if fused_ops == "off" or (fused_ops == "auto" and (self.device.type != "cuda" or reason)):
+            return self.model
+        if reason is not None:
+            raise ValueError(f"fused_ops=on: {reason}")
+        return FusedCausalLM(self.model, use_triton=self.backend.name == "triton")
 
     def _prepare_inputs(
         self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None
@@ -139,7 +157,7 @@ class ModelRunner:
         if graphs is not None and layer_hook is None and decode_only and graphs.fits(len(output.scheduled)):
             return self._graph_logits(graphs, output)
         input_ids, position_ids, sample_rows, meta = self._prepare_inputs(output, layer_hook)
-        result = self.model(
+        result = self.net(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=self._mask,

@@ -73,6 +73,7 @@ class WorkerSettings:
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    fused_ops: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.9
@@ -93,6 +94,8 @@ class WorkerSettings:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"bad {self.dtype!r}")
         _check(self.load_format in ("auto", "dummy"), "load-format",
                f"must be auto or dummy, got {self.load_format!r}")
+        _check(self.fused_ops in ("auto", "on", "off"), "fused-ops",
+               f"must be auto, on or off, got {self.fused_ops!r}")
         _check(self.block_size >= 1, "block-size", "must be >= 1")
         _check(self.num_blocks is None or self.num_blocks >= 1, "num-blocks", "must be >= 1")
         _check(0 < self.kv_memory_fraction <= 1, "kv-memory-fraction", "must be in (0, 1]")

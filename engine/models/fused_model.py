@@ -1,0 +1,163 @@
+"""The decoder forward with merged projections and fused small kernels, over a transformers model's weights.
+
+transformers' Llama-family modules launch about ten small kernels per layer besides the GEMMs (separate
+q/k/v and gate/up projections, RMSNorm in five elementwise steps, the rotary ``cat``, SiLU, the residual
+adds). ``FusedCausalLM`` runs the same arithmetic (same rounding points, so greedy outputs agree with
+transformers') with:
+
+- one QKV GEMM and one gate/up GEMM per layer: the projections' weights are concatenated once, and the
+  transformers modules' own parameters are re-pointed to views of the merged tensors (no extra memory;
+  ``model.state_dict()`` is unchanged);
+- ``rms_norm`` with the residual add fused in, ``apply_rotary`` in place on the QKV output, ``silu_mul``
+  (``engine.ops``: Triton kernels, or their plain-torch references when ``use_triton`` is off);
+- attention through the paged backend exactly as ``engine.models.hf_attention`` calls it.
+
+Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (QKV bias) and
+``Qwen3ForCausalLM`` (per-head q/k RMSNorm, done by the model's own modules) with ``hidden_act`` silu.
+Method as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and fused ``RMSNorm``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
+from engine.ops.rms_norm import rms_norm, rms_norm_reference
+from engine.ops.rotary import apply_rotary, apply_rotary_reference
+from engine.ops.silu_mul import silu_mul, silu_mul_reference
+
+FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                 "Qwen3ForCausalLM"})
+
+
+@dataclass
+class FusedOutput:
+    """What ``FusedCausalLM.forward`` returns: ``logits [1, S, vocab]`` in the model dtype."""
+
+    logits: torch.Tensor
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run fused (``None`` when it can): architecture or activation not covered."""
+    cfg = getattr(model, "config", None)
+    archs = list(getattr(cfg, "architectures", None) or [type(model).__name__])
+    if archs[0] not in FUSED_ARCHITECTURES:
+        return f"architecture {archs[0]} has no fused forward (supported: {sorted(FUSED_ARCHITECTURES)})"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} is not silu"  # type: ignore[union-attr]
+    return None
+
+
+def _merge(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the linears' weights (and biases) along the output dim; re-point each module's
+    parameters to its slice of the merged tensor so nothing is stored twice."""
+    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = torch.cat([lin.bias.detach() for lin in linears], dim=0) if all(has_bias) else None  # type: ignore[union-attr]
+    if any(has_bias) and bias is None:
+        raise ValueError("cannot merge projections where only some have a bias")
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = torch.nn.Parameter(weight[start:start + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = torch.nn.Parameter(bias[start:start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
+class _FusedLayer:
+    """Merged weights of one decoder layer plus references to its transformers modules."""
+
+    def __init__(self, layer: Any) -> None:  # a transformers decoder layer
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn, self.mlp = attn, mlp
+        self.index = int(attn.layer_idx)
+        self.head_dim = int(attn.head_dim)
+        self.scale = float(attn.scaling)
+        self.q_width = attn.q_proj.weight.shape[0]
+        self.kv_width = attn.k_proj.weight.shape[0]
+        self.qkv_weight, self.qkv_bias = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up_weight, self.gate_up_bias = _merge([mlp.gate_proj, mlp.up_proj])
+        self.input_norm = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon))
+        self.post_norm = (layer.post_attention_layernorm.weight,
+                          float(layer.post_attention_layernorm.variance_epsilon))
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+
+
+class FusedCausalLM(torch.nn.Module):
+    """Callable like the transformers model in ``ModelRunner``: ``forward(input_ids [1, T], position_ids
+    [1, T], logits_to_keep, **pdserve kwargs) -> FusedOutput``.
+
+    Args:
+        model: a loaded transformers causal LM of ``FUSED_ARCHITECTURES`` (its projection parameters
+            become views of merged tensors; the model itself keeps working).
+        use_triton: Triton kernels (CUDA, or Triton's interpreter) instead of the torch references.
+
+    Raises:
+        ValueError: the model is not supported (``unsupported_reason``).
+    """
+
+    def __init__(self, model: Any, use_triton: bool) -> None:  # a transformers causal LM
+        super().__init__()
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(reason)
+        self.model: Any = model
+        self.use_triton = use_triton
+        inner = model.model
+        with torch.no_grad():
+            self.fused_layers = [_FusedLayer(layer) for layer in inner.layers]
+        self.final_norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
+
+    def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float],
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+        fn = rms_norm if self.use_triton else rms_norm_reference
+        return fn(x, norm[0], norm[1], residual)
+
+    def _attention(self, lay: _FusedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kwargs: dict[str, Any]) -> torch.Tensor:
+        qkv = torch.nn.functional.linear(x, lay.qkv_weight, lay.qkv_bias)  # [T, (H + 2 Hkv) D]
+        t, d = x.shape[0], lay.head_dim
+        q = qkv[:, :lay.q_width].view(t, -1, d)
+        k = qkv[:, lay.q_width:lay.q_width + lay.kv_width].view(t, -1, d)
+        v = qkv[:, lay.q_width + lay.kv_width:].view(t, -1, d)
+        if lay.q_norm is not None and lay.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = lay.q_norm(q), lay.k_norm(k)
+        (apply_rotary if self.use_triton else apply_rotary_reference)(q, k, cos, sin)
+        out = kwargs[BACKEND_KWARG].forward(lay.index, q, k, v, kwargs[CACHE_KWARG], kwargs[META_KWARG],
+                                            lay.scale)  # [T, H, D]; calls meta.layer_hook after the store
+        return lay.attn.o_proj(out.reshape(t, -1))
+
+    def _mlp(self, lay: _FusedLayer, x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.nn.functional.linear(x, lay.gate_up_weight, lay.gate_up_bias)
+        act = silu_mul(gate_up) if self.use_triton else silu_mul_reference(gate_up)
+        return lay.mlp.down_proj(act)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> FusedOutput:
+        """One packed step. ``input_ids``/``position_ids``: int64 ``[1, T]``; ``logits_to_keep``: 0 (all
+        rows), ``n`` (the last n) or an int64 index tensor ``[S]``; ``kwargs`` must hold the pdserve
+        attention keyword arguments (others, e.g. ``attention_mask``/``use_cache``, are ignored).
+
+        Raises:
+            KeyError: the pdserve keyword arguments are missing.
+        """
+        inner: Any = self.model.model
+        residual = inner.embed_tokens(input_ids[0])  # [T, hidden]
+        cos, sin = inner.rotary_emb(residual[None], position_ids=position_ids)
+        cos, sin = cos[0], sin[0]  # [T, D]
+        x = self._norm(residual, self.fused_layers[0].input_norm) if self.fused_layers else residual
+        for i, lay in enumerate(self.fused_layers):
+            x = self._norm(self._attention(lay, x, cos, sin, kwargs), lay.post_norm, residual)
+            nxt = self.fused_layers[i + 1].input_norm if i + 1 < len(self.fused_layers) else self.final_norm
+            x = self._norm(self._mlp(lay, x), nxt, residual)
+        if isinstance(logits_to_keep, torch.Tensor):
+            x = x[logits_to_keep]
+        elif logits_to_keep:
+            x = x[-logits_to_keep:]
+        return FusedOutput(logits=self.model.lm_head(x)[None])

@@ -1,0 +1,97 @@
+"""Rotary position embedding applied in place to a step's queries and keys (Triton kernel + reference).
+
+RoPE (Su et al., "RoFormer", 2021) in the "rotate half" layout of transformers' Llama:
+``x' = x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``; ``cos``/``sin`` come
+from the model's own ``rotary_emb`` module (so every RoPE scaling type transformers implements is kept).
+Each product is rounded to the tensor's dtype before the sum, as torch's elementwise ops do, so bf16
+results match transformers' ``apply_rotary_pos_emb``. One Triton program rotates every head of one token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(ptr, stride_h, c1, c2, s1, s2, d, dmask,  # type: ignore[no-untyped-def]
+                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)
+    mask = (heads[:, None] < NUM_HEADS) & dmask[None, :]
+    p1 = ptr + heads[:, None] * stride_h + d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+    dt = x1.dtype
+    a1 = (x1.to(tl.float32) * c1[None, :]).to(dt).to(tl.float32)
+    b1 = (-x2.to(tl.float32) * s1[None, :]).to(dt).to(tl.float32)
+    a2 = (x2.to(tl.float32) * c2[None, :]).to(dt).to(tl.float32)
+    b2 = (x1.to(tl.float32) * s2[None, :]).to(dt).to(tl.float32)
+    tl.store(p1, (a1 + b1).to(dt), mask=mask)
+    tl.store(p1 + HALF, (a2 + b2).to(dt), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    q_ptr, k_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    c1 = tl.load(cos_ptr + t * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_st + d, mask=dmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_st + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, c1, c2, s1, s2, d, dmask, NUM_Q_HEADS, HALF, BLOCK_QH)
+    _rotate_heads(k_ptr + t * stride_kt, stride_kh, c1, c2, s1, s2, d, dmask, NUM_K_HEADS, HALF, BLOCK_KH)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q must be [T, H, D] and k [T, Hkv, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    t, _, d = q.shape
+    if d % 2 or cos.shape != (t, d) or sin.shape != (t, d):
+        raise ValueError(f"cos and sin must be [{t}, {d}] with D even; "
+                         f"got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or sin.stride(1) != 1:
+        raise ValueError("q, k, cos and sin need a contiguous last dim")
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate ``q`` and ``k`` in place (Triton).
+
+    Args:
+        q: ``[T, H, D]`` queries (any float dtype), last dim contiguous; other strides free (a view of
+            the fused QKV projection's output works).
+        k: ``[T, Hkv, D]`` keys, same dtype and rules.
+        cos, sin: ``[T, D]`` from the model's ``rotary_emb`` (attention scaling already applied).
+
+    Raises:
+        ValueError: shapes or strides that do not fit.
+    """
+    _check(q, k, cos, sin)
+    t, num_heads, d = q.shape
+    if t == 0:
+        return
+    _rotary_kernel[(t,)](
+        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        NUM_Q_HEADS=num_heads, NUM_K_HEADS=k.shape[1], HALF=d // 2,
+        BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HALF=triton.next_power_of_2(d // 2),
+    )
+
+
+def apply_rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Plain-torch ``apply_rotary`` (transformers' ``apply_rotary_pos_emb`` arithmetic), in place.
+
+    Raises:
+        ValueError: shapes or strides that do not fit.
+    """
+    _check(q, k, cos, sin)
+    c, s = cos[:, None, :], sin[:, None, :]
+    for x in (q, k):
+        x1, x2 = x.chunk(2, dim=-1)
+        x.copy_(x * c + torch.cat((-x2, x1), dim=-1) * s)

@@ -1,0 +1,92 @@
+"""FusedCausalLM (merged QKV / gate-up GEMMs, fused RMSNorm, rotary and SiLU) against transformers: the same
+logits as the transformers model through the same paged attention, greedy tokens equal to ``generate``,
+weights stored once, and the ``fused_ops`` switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.llm import LLM
+from engine.model_runner import ModelRunner
+from engine.models.fused_model import FusedCausalLM
+from engine.sampling_params import SamplingParams
+from tests.engine.test_hf_parity import assert_matches_hf, make_prompts
+from tests.engine.test_loader import ARCHS, save_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+
+
+def _llm(path, fused_ops: str, backend: str = "torch", device: str = "cpu") -> LLM:
+    return LLM(str(path), dtype="float32", device=device, attention_backend=backend, block_size=4,
+               num_blocks=256, fused_ops=fused_ops, max_num_batched_tokens=24)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_greedy_matches_transformers_generate(arch, tmp_path):
+    path = save_tiny_model(arch, tmp_path / "m", seed=7)
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = _llm(path, "on")
+    assert isinstance(llm.core.runner.net, FusedCausalLM)
+    prompts = make_prompts(seed=7)[::2]
+    outs = llm.generate(prompts, GREEDY)  # chunked prefill (24-token budget), prefix hits, decode batches
+    assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=6)
+    llm.core.check_no_leaks()
+
+
+def test_fused_triton_kernels_match_transformers(tmp_path):
+    """The Triton kernels inside the whole forward with the triton attention backend (Triton's interpreter
+    on a CPU-only machine; compiled, fp32, with CUDA graphs for decode on a GPU)."""
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", seed=8)
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = _llm(path, "on", backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
+    assert llm.core.runner.net.use_triton
+    prompts = make_prompts(seed=8)[::5]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, logprobs=0))
+    assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
+    llm.core.check_no_leaks()
+
+
+def test_fused_and_unfused_logits_agree_and_weights_are_shared(tmp_path):
+    path = save_tiny_model("Qwen2ForCausalLM", tmp_path / "m", seed=9)  # QKV biases merged too
+    before = {k: v.clone() for k, v in
+              AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).state_dict().items()}
+    fused, plain = _llm(path, "on"), _llm(path, "off")
+    runner = fused.core.runner
+    assert runner.net is not runner.model and plain.core.runner.net is plain.core.runner.model
+    state = runner.model.state_dict()
+    assert state.keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(state[key], value), key
+    attn = runner.model.model.layers[0].self_attn
+    merged = runner.net.fused_layers[0].qkv_weight
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
+    prompt = make_prompts(seed=9)[10]
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=3)
+    a, b = fused.generate([prompt], params)[0], plain.generate([prompt], params)[0]
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_fused_ops_switch(tmp_path):
+    path = save_tiny_model("MistralForCausalLM", tmp_path / "m", seed=10)
+    auto = _llm(path, "auto")  # auto: transformers' modules off CUDA
+    assert auto.core.runner.net is auto.core.runner.model
+    with pytest.raises(ValueError, match="fused_ops must be one of"):
+        ModelConfig(str(path), fused_ops="yes")
+
+
+def test_fused_on_refuses_an_unsupported_model(tmp_path, monkeypatch):
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", seed=11)
+    monkeypatch.setattr("engine.models.fused_model.FUSED_ARCHITECTURES", frozenset({"GPT2LMHeadModel"}))
+    config = EngineConfig(ModelConfig(str(path), dtype="float32", device="cpu", fused_ops="on"),
+                          CacheConfig(block_size=4, num_blocks=16), SchedulerConfig())
+    with pytest.raises(ValueError, match="fused_ops=on: architecture LlamaForCausalLM has no fused forward"):
+        ModelRunner(config)
+    config_auto = EngineConfig(ModelConfig(str(path), dtype="float32", device="cpu", fused_ops="auto"),
+                               CacheConfig(block_size=4, num_blocks=16), SchedulerConfig())
+    runner = ModelRunner(config_auto)  # auto falls back to transformers' modules
+    assert runner.net is runner.model

@@ -1,0 +1,93 @@
+"""Fused small kernels (engine/ops: rms_norm, apply_rotary, silu_mul) against their plain-torch references
+and against transformers' own modules. On CPU they run through Triton's interpreter (fp32, fp16); bf16 needs
+a GPU (scripts/gpu_tests.sh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from engine.ops.rms_norm import rms_norm, rms_norm_reference
+from engine.ops.rotary import apply_rotary, apply_rotary_reference
+from engine.ops.silu_mul import silu_mul, silu_mul_reference
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _rand(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 96])
+def test_rms_norm_matches_transformers(dtype, n):
+    x, w = _rand(5, n, dtype=dtype), _rand(n, dtype=dtype, seed=1)
+    hf = LlamaRMSNorm(n, eps=1e-6).to(DEVICE, dtype)
+    hf.weight.data.copy_(w)
+    want = hf(x)
+    torch.testing.assert_close(rms_norm_reference(x, w, 1e-6), want, atol=0, rtol=0)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_updates_residual_in_place(dtype):
+    x, r, w = _rand(4, 64, dtype=dtype), _rand(4, 64, dtype=dtype, seed=2), _rand(64, dtype=dtype, seed=3)
+    summed = x + r
+    want = rms_norm_reference(summed.clone(), w, 1e-5)
+    res_ref, res = r.clone(), r.clone()
+    got_ref = rms_norm_reference(x, w, 1e-5, residual=res_ref)
+    got = rms_norm(x, w, 1e-5, residual=res)
+    torch.testing.assert_close(res_ref, summed, atol=0, rtol=0)
+    torch.testing.assert_close(res, summed, atol=0, rtol=0)
+    torch.testing.assert_close(got_ref, want, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_on_qkv_views_matches_transformers(dtype):
+    t, h, hkv, d = 3, 4, 2, 16
+    qkv = _rand(t, (h + 2 * hkv) * d, dtype=dtype)
+    angles = _rand(t, d // 2, dtype=torch.float32, seed=5) * 3
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    q0, k0 = qkv[:, : h * d].view(t, h, d).clone(), qkv[:, h * d: (h + hkv) * d].view(t, hkv, d).clone()
+    want_q, want_k = apply_rotary_pos_emb(q0.transpose(0, 1)[None], k0.transpose(0, 1)[None],
+                                          cos[None], sin[None])
+    for fn, tol in ((apply_rotary_reference, 0.0), (apply_rotary, TOL[dtype])):
+        buf = qkv.clone()
+        v_before = buf[:, (h + hkv) * d:].clone()
+        q, k = buf[:, : h * d].view(t, h, d), buf[:, h * d: (h + hkv) * d].view(t, hkv, d)
+        fn(q, k, cos, sin)
+        torch.testing.assert_close(q, want_q[0].transpose(0, 1), atol=tol, rtol=tol)
+        torch.testing.assert_close(k, want_k[0].transpose(0, 1), atol=tol, rtol=tol)
+        assert torch.equal(buf[:, (h + hkv) * d:], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_transformers(dtype):
+    gate_up = _rand(3, 2 * 1500, dtype=dtype)  # 1500: not a multiple of the kernel's 1024-wide tile
+    gate, up = gate_up[:, :1500], gate_up[:, 1500:]
+    want = torch.nn.SiLU()(gate) * up
+    torch.testing.assert_close(silu_mul_reference(gate_up), want, atol=0, rtol=0)
+    torch.testing.assert_close(silu_mul(gate_up), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_empty_batches_and_bad_shapes():
+    x = _rand(0, 64, dtype=torch.float32)
+    assert rms_norm(x, _rand(64, dtype=torch.float32), 1e-6).shape == (0, 64)
+    assert silu_mul(_rand(0, 8, dtype=torch.float32)).shape == (0, 4)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(_rand(2, 64, dtype=torch.float32), _rand(32, dtype=torch.float32), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(_rand(2, 64, dtype=torch.float32), _rand(64, dtype=torch.float32), 1e-6,
+                 residual=_rand(3, 64, dtype=torch.float32))
+    with pytest.raises(ValueError, match="gate_up"):
+        silu_mul(_rand(2, 7, dtype=torch.float32))
+    q, k = _rand(2, 4, 16, dtype=torch.float32), _rand(2, 2, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="cos and sin"):
+        apply_rotary(q, k, _rand(2, 8, dtype=torch.float32), _rand(2, 8, dtype=torch.float32))
