@@ -13,7 +13,11 @@ with `--device cuda` a torch peer copy GPU0 → GPU1 of the same bytes (the rece
 gather); "staged" from a shuffled permutation of them (fragmented: gathered into the staging ring).
 --depth: TransferConfig.max_inflight_layers of the sender. --trace: per-layer timeline of the last
 round (gather launched or direct layer started, write posted, write complete, in µs after the first
-send_layer). --verify: CRC32 of every request-layer checked on arrival (bit-exactness through the real
+send_layer) and its split into issue #3's gaps (bench/kv_trace.py: the send_layer loop, each write's
+build / descriptors / init / transfer(), the DONE round trip through the receiver). --extra-blocks:
+both kv_buffers get this many blocks more than the requests use, so a request's K and V (and layers)
+are not adjacent in memory as in serving (by default they are, and the direct pieces merge).
+--verify: CRC32 of every request-layer checked on arrival (bit-exactness through the real
 transport; slow: copies to host).
 """
 
@@ -32,6 +36,11 @@ from multiprocessing.connection import Connection
 
 import msgspec
 import torch
+
+try:
+    from bench.kv_trace import summarize
+except ImportError:  # run as a script (python bench/kv_transfer.py): bench/ is sys.path[0]
+    from kv_trace import summarize  # type: ignore[no-redef]
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -56,15 +65,21 @@ def _config(worker_id: str, backend: str, depth: int = 4, verify: bool = False, 
 
 def receiver_main(conn: Connection, backend: str, num_blocks: int, device: str, verify: bool = False,
                   peer_timeout_s: float = 2.0) -> None:
-    """Decode side: expect requests on demand, report when they are DONE."""
+    """Decode side: expect requests on demand, report when they are DONE; ("trace",) turns its trace
+    on and answers with the events recorded since the last such command."""
     from kvtransfer import get_transfer_backend
 
     rx = get_transfer_backend(backend).receiver(_config("bench-d", backend, verify=verify,
                                                         peer_timeout_s=peer_timeout_s),
                                                 _kv(num_blocks, device))
     conn.send(None)
+    trace: list[tuple[float, str, str, int]] = []
     while (cmd := conn.recv())[0] != "close":
-        if cmd[0] == "expect":
+        if cmd[0] == "trace":
+            conn.send(trace)
+            trace = []
+            rx.set_trace(trace)
+        elif cmd[0] == "expect":
             conn.send(msgspec.msgpack.encode(rx.expect(cmd[1], cmd[2])))
         elif cmd[0] == "wait":
             status = rx.wait(cmd[1], 120)
@@ -99,7 +114,7 @@ def _baseline(nbytes: int, device: str) -> float:
 
 def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, depth: int = 4,
          verify: bool = False, trace: bool = False, path: str = "direct", begun: bool = False,
-         concurrent: int = 1) -> float:
+         concurrent: int = 1, extra_blocks: int = 0) -> float:
     """Best GB/s of `repeat` rounds over `backend`, by `path`. A round sends `concurrent` requests of
     `tokens` tokens each (layer by layer, interleaved across requests) and ends when all are DONE; GB/s =
     all their KV bytes / (first send_layer → last DONE). With `begun` the clock starts once the receiver
@@ -110,11 +125,11 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     rx_device = device if device == "cpu" else "cuda:1"
-    args = (child, backend, n * concurrent, rx_device, verify, PEER_TIMEOUT_S[0])
+    args = (child, backend, n * concurrent + extra_blocks, rx_device, verify, PEER_TIMEOUT_S[0])
     proc = ctx.Process(target=receiver_main, args=args, daemon=True)
     proc.start()
     conn.recv()
-    src = torch.randn(LAYERS, 2, n * concurrent, BS, HEADS, DIM,
+    src = torch.randn(LAYERS, 2, n * concurrent + extra_blocks, BS, HEADS, DIM,
                       device=device if device == "cpu" else "cuda:0").to(DTYPE)
     tx = get_transfer_backend(backend).sender(_config("bench-p", backend, depth, verify), src)
     src_ids, dst_ids = _block_ids(n, concurrent, path, scatter)
@@ -122,13 +137,21 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
     try:
         for i in range(repeat + 1):  # the first round warms up (handshake, registration)
             rids = [f"r{i}-{j}" for j in range(concurrent)]
+            events: list[tuple[float, str, str, int]] | None = None
             if trace and i == repeat:
-                tx._pipe.trace = []
-            t, dt = _round(tx, conn, rids, src_ids, dst_ids, begun, path)
+                events = []
+                tx.set_trace(events)
+                conn.send(("trace",))
+                conn.recv()
+            t, dt = _round(tx, conn, rids, src_ids, dst_ids, begun, path, events)
             if i:
-                best = max(best, src.numel() * src.element_size() / dt / 1e9)  # src: all requests' KV
-            if tx._pipe.trace is not None:
-                _print_trace(tx._pipe.trace, t, dt)
+                best = max(best, LAYERS * 2 * n * concurrent * BS * HEADS * DIM * 2 / dt / 1e9)
+            if events is not None:
+                tx.set_trace(None)
+                conn.send(("trace",))
+                events += conn.recv()
+                _print_trace(events, t, dt)
+                print("\n".join(summarize(events, t, LAYERS, concurrent)))
     finally:
         tx.close()
         conn.send(("close",))
@@ -138,9 +161,11 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
 
 
 def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int]], dst_ids: list[list[int]],
-           begun: bool, path: str) -> tuple[float, float]:
+           begun: bool, path: str, events: list[tuple[float, str, str, int]] | None = None
+           ) -> tuple[float, float]:
     """One round: expect, add, send every layer of every request, wait, check and release; returns
-    (clock start (perf_counter s), seconds to the last DONE)."""
+    (clock start (perf_counter s), seconds to the last DONE). `events` gets the benchmark thread's
+    trace events (sl_begin, sl_end, wait_end) when given."""
     from kvtransfer import KVHandle, TransferStatus
 
     handles = []
@@ -155,11 +180,15 @@ def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int
             extra = tx._requests[rid].extra  # type: ignore[attr-defined]
             assert tx.wait_until(functools.partial(_begun, extra), 30), "no Begin"  # type: ignore[attr-defined]
         t = time.perf_counter()
+    t_sl = time.perf_counter()
     for layer in range(LAYERS):
         for rid in rids:
             tx.send_layer(rid, layer)  # type: ignore[attr-defined]
+    t_end = time.perf_counter()
     statuses = [tx.wait(rid, 120) for rid in rids]  # type: ignore[attr-defined]
     dt = time.perf_counter() - t
+    if events is not None:
+        events += [(t_sl, "sl_begin", "", -1), (t_end, "sl_end", "", -1), (t + dt, "wait_end", "", -1)]
     for rid, status in zip(rids, statuses, strict=True):
         _finish(tx, conn, rid, status, path, TransferStatus.DONE)
     return t, dt
@@ -211,7 +240,8 @@ def _print_trace(trace: list[tuple[float, str, str, int]], t0: float, dt: float)
     """One line per layer: µs after the first send_layer at which its gather, post and completion ran."""
     rows: dict[int, dict[str, float]] = {}
     for t, what, _rid, layer in trace:
-        rows.setdefault(layer, {})[what] = (t - t0) * 1e6
+        if what in ("gather", "post", "done"):  # the per-layer events of pipeline.py
+            rows.setdefault(layer, {})[what] = (t - t0) * 1e6
     print(f"# trace: total {dt * 1e6:.0f} us; layer: gather / post / done (us)")
     print("# " + "; ".join(f"{la}: {r.get('gather', -1):.0f}/{r.get('post', -1):.0f}/{r.get('done', -1):.0f}"
                            for la, r in sorted(rows.items())))
@@ -235,6 +265,8 @@ def main() -> None:
                    help="sys.setswitchinterval (s) for this process: GIL hand-off latency")
     p.add_argument("--peer-timeout", type=float, default=2.0,
                    help="TransferConfig.peer_timeout_s (s of silence before a peer is declared lost)")
+    p.add_argument("--extra-blocks", type=int, default=0,
+                   help="blocks beyond the requests' in both kv_buffers (K, V and layers not adjacent)")
     p.add_argument("--path", default="both", choices=["staged", "direct", "both"],
                    help="direct: contiguous source blocks; staged: shuffled ones (gathered)")
     args = p.parse_args()
@@ -244,7 +276,8 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {platform.node()} {os.cpu_count()} cores, torch "
           f"{torch.__version__}, device {args.device}, depth {args.depth}"
           f"{', scattered blocks' if args.scatter else ''}{', clock after Begin' if args.begun else ''}"
-          f"{', verified (CRC32)' if args.verify else ''}, {args.concurrent} request(s) per round, "
+          f"{', verified (CRC32)' if args.verify else ''}, {args.extra_blocks} extra blocks, "
+          f"{args.concurrent} request(s) per round, "
           f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms")
     print("| tokens | MiB | baseline GB/s | backend | path | GB/s | ratio |")
     print("|---|---|---|---|---|---|---|")
@@ -255,7 +288,7 @@ def main() -> None:
         for backend in args.backends:
             for path in paths:
                 gbs = _one(backend, tokens, args.device, args.repeat, args.scatter, args.depth, args.verify,
-                           args.trace, path, args.begun, args.concurrent)
+                           args.trace, path, args.begun, args.concurrent, args.extra_blocks)
                 mib = args.concurrent * LAYERS * layer_bytes / 2**20
                 print(f"| {tokens} | {mib:.0f} | {base:.2f} | {backend} | {path} | {gbs:.2f} | "
                       f"{gbs / base:.2f} |", flush=True)

@@ -5,10 +5,15 @@ receiver sees it only after the data (NIXL notif semantics). DRAM on CPU, VRAM o
 host): the same code, the memory type comes from the tensor's device.
 
 API flow (NIXL Python API, nixl_cu13._api.nixl_agent): register_memory → get_agent_metadata, exchanged in
-the Hello/HelloReply handshake → add_remote_agent → get_xfer_descs / initialize_xfer("WRITE") →
-transfer() → check_xfer_state; the target reads notifications with get_new_notifs(). The sender posts
-one WRITE per batch of ready request-layers bound for one receiver and tests it later (several in
-flight, each from its own staging slot or kv_buffer range).
+the Hello/HelloReply handshake → add_remote_agent; a direct request's descriptor lists (every layer's
+pieces, local and remote) are prepared once with prep_xfer_dlist when its Begin is answered, and each
+post is make_prepped_xfer("WRITE", ..., indices of the ready layers) → transfer() → check_xfer_state;
+staged writes (and batches mixing requests) build descriptor lists per post (get_xfer_descs /
+initialize_xfer), merging pieces contiguous on both sides first. The target reads notifications with
+get_new_notifs(). Measured on CPU (nixl_cu13 1.5.1, DRAM, docs/benchmarks/kv_transfer-h200.md step 5):
+make_prepped_xfer merges index-adjacent descriptors that are contiguous on both sides (64 contiguous
+4 KiB pieces: 38 µs, as one 256 KiB piece), initialize_xfer does not (138 µs); the Python calls
+themselves cost 2–8 µs each.
 Over CMA `transfer()` completes the copy before returning: it runs on the sender's loop thread, never
 on an event loop.
 """
@@ -17,17 +22,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import cast
 
 import msgspec
 import torch
 
+from kvtransfer.nixl_prep import Desc, Entry, PreppedRequest, merge_descs
 from kvtransfer.transport import KV, STAGING, RecvTransport, SendTransport, SourcePiece
 from kvtransfer.types import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-_Desc = list[tuple[int, int, int]]  # NIXL descriptor tuples (address, bytes, device)
-_Prepared = tuple[tuple[str, int, int, str], _Desc, _Desc]  # (peer entry, local, remote)
+_Prepared = tuple[Entry, Desc, Desc]  # prepare(): (peer entry, local, remote)
+
+
+_Layer = tuple[PreppedRequest, int]  # prepare_layers() part: (prepared request, layer)
 
 
 class _RecvMeta(msgspec.Struct, frozen=True):
@@ -82,16 +91,20 @@ class NixlRecvTransport(RecvTransport):
 
 class NixlSendTransport(SendTransport):
     """WRITEs pieces of the staging ring or (direct path) of the sender's kv_buffer with one NIXL
-    transfer (one descriptor per piece) per batch. Both regions are registered once (the ring again
-    only when it grows); their base addresses and memory type, and each peer's remote agent name,
-    base and device, are cached, so a post costs two descriptor lists, initialize_xfer and transfer."""
+    transfer per batch. Both regions are registered once (the ring again only when it grows); their base
+    addresses and memory type, and each peer's remote agent name, base and device, are cached. A direct
+    request's descriptor lists are prepared once (prepare_layers): its post is make_prepped_xfer by
+    index + transfer; other posts build two descriptor lists (merged), initialize_xfer, transfer."""
+
+    write_per_request = True
 
     def __init__(self, name: str) -> None:
         self.agent = _agent(name)
         self._bases = [0, 0]  # data_ptr of the STAGING and KV regions (0 = not registered)
         self._regs: list[object] = [None, None]
         self._mem, self._dev = "DRAM", 0
-        self._peers: dict[str, tuple[str, int, int, str]] = {}  # peer → (agent name, base, device, mem)
+        self._peers: dict[str, Entry] = {}  # peer → (agent name, base, device, mem)
+        self._preps: dict[str, list[PreppedRequest]] = {}  # peer → its requests' prepared lists
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()  # type: ignore[attr-defined,no-any-return]
@@ -118,6 +131,9 @@ class NixlSendTransport(SendTransport):
         self._peers[peer] = (name, meta.base, meta.device, meta.mem)
 
     def remove_peer(self, peer: str) -> None:
+        """Forget the peer: its prepared lists are released first (they name its agent)."""
+        for req in self._preps.pop(peer, []):
+            self._release(req)
         entry = self._peers.pop(peer, None)
         if entry is not None:
             self.agent.remove_remote_agent(entry[0])  # type: ignore[attr-defined]
@@ -125,9 +141,7 @@ class NixlSendTransport(SendTransport):
     def prepare(self, peer: str, pieces: list[SourcePiece]) -> object:
         """The (peer entry, local (addr, bytes, device) tuples, remote tuples) of a later WRITE of
         `pieces`. Raises TransferError for an unknown peer or an unregistered source region."""
-        entry = self._peers.get(peer)
-        if entry is None:
-            raise TransferError(f"no NIXL connection to {peer}")
+        entry = self._entry(peer)
         if any(not self._bases[r] for r, _, _, _ in pieces):
             raise TransferError("NIXL write from a source region that is not registered")
         _, rbase, rdev, _ = entry
@@ -135,39 +149,112 @@ class NixlSendTransport(SendTransport):
         return (entry, [(bases[r] + s, n, dev) for r, s, _, n in pieces],
                 [(rbase + d, n, rdev) for _, _, d, n in pieces])
 
+    def prepare_layers(self, peer: str, layers: list[list[SourcePiece]]) -> list[object]:
+        """Both descriptor lists of every layer prepared once (prep_xfer_dlist, local and remote);
+        part l = (request, l). Raises TransferError (unknown peer, unregistered region, NIXL refused)."""
+        preps = [cast(_Prepared, self.prepare(peer, pieces)) for pieces in layers]
+        entry = self._entry(peer)
+        loc = [p[1] for p in preps]
+        rem = [p[2] for p in preps]
+        try:
+            local = self.agent.prep_xfer_dlist("", [d for x in loc for d in x], self._mem)  # type: ignore[attr-defined]
+            remote = self.agent.prep_xfer_dlist(entry[0], [d for x in rem for d in x], entry[3])  # type: ignore[attr-defined]
+        except Exception as exc:
+            raise TransferError(f"NIXL could not prepare descriptor lists for {peer}: {exc}") from exc
+        req = PreppedRequest(entry, local, remote, loc, rem)
+        self._preps.setdefault(peer, []).append(req)
+        return [(req, layer) for layer in range(len(layers))]
+
+    def release_prepared(self, parts: list[object]) -> None:
+        """Release the prepared lists behind prepare_layers' `parts` (idempotent)."""
+        reqs = {id(p[0]): p[0] for p in parts if isinstance(p, tuple) and isinstance(p[0], PreppedRequest)}
+        for req in reqs.values():
+            self._release(req)
+            for peer, held in list(self._preps.items()):
+                if req in held:
+                    held.remove(req)
+                    if not held:
+                        del self._preps[peer]
+
+    def prepared_count(self) -> int:
+        return sum(len(v) for v in self._preps.values())
+
+    def _release(self, req: PreppedRequest) -> None:
+        if not req.released:
+            req.released = True
+            for h in (req.local, req.remote):
+                with contextlib.suppress(Exception):  # nothing left to undo if NIXL refuses
+                    self.agent.release_dlist_handle(h)  # type: ignore[attr-defined]
+
+    def _entry(self, peer: str) -> Entry:
+        entry = self._peers.get(peer)
+        if entry is None:
+            raise TransferError(f"no NIXL connection to {peer}")
+        return entry
+
     def post(self, peer: str, pieces: list[SourcePiece], notice: bytes, tag: int) -> object:
         """One NIXL WRITE (one descriptor per piece) carrying `notice` as its notification; returns its
         xfer handle without waiting (over CMA the copy has already happened when this returns)."""
         return self.post_prepared(peer, [self.prepare(peer, pieces)], notice, tag)
 
     def post_prepared(self, peer: str, parts: list[object], notice: bytes, tag: int) -> object:
-        """One NIXL WRITE of several prepare() results: two descriptor lists, initialize_xfer,
-        transfer. Raises TransferError if the peer changed since a part was prepared or if the write
-        cannot start."""
-        entry = self._peers.get(peer)
-        if entry is None or not parts:
-            raise TransferError(f"no NIXL connection to {peer}" if entry is None else "empty NIXL write")
-        local: list[tuple[int, int, int]] = []
-        remote: list[tuple[int, int, int]] = []
+        """One NIXL WRITE of several prepare()/prepare_layers() parts: by index from prepared lists when
+        every part is a layer of the same request, else from descriptor lists built now. Raises
+        TransferError if the peer changed (or its lists were released) since a part was prepared, or if
+        the write cannot start."""
+        entry = self._entry(peer) if parts else None
+        if entry is None:
+            raise TransferError("empty NIXL write")
+        self._mark("post:build", len(parts))
+        first = parts[0]
+        if isinstance(first[0], PreppedRequest) and all(p[0] is first[0] for p in parts):  # type: ignore[index]
+            req: PreppedRequest = first[0]  # type: ignore[index]
+            if req.entry is not entry or req.released:
+                raise TransferError(f"NIXL connection to {peer} changed since the write was prepared")
+            idx: list[int] = []
+            for part in parts:
+                idx += req.idx[cast(_Layer, part)[1]]
+            self._mark("post:descs", len(idx))
+            handle = self.agent.make_prepped_xfer("WRITE", req.local, idx, req.remote, idx, notice)  # type: ignore[attr-defined]
+        else:
+            handle = self._initialize(entry, peer, parts, notice)
+        self._mark("post:init", -1)
+        return self._start(handle, peer)
+
+    def _initialize(self, entry: Entry, peer: str, parts: list[object], notice: bytes) -> object:
+        local: Desc = []
+        remote: Desc = []
         for part in parts:
-            owner, loc, rem = cast(_Prepared, part)
+            if isinstance(part[0], PreppedRequest):  # type: ignore[index]
+                req, layer = cast(_Layer, part)
+                owner, loc, rem = req.entry, req.loc[layer], req.rem[layer]
+            else:
+                owner, loc, rem = cast(_Prepared, part)
             if owner is not entry:
                 raise TransferError(f"NIXL connection to {peer} changed since the write was prepared")
             local += loc
             remote += rem
-        name, _, _, rmem = entry
-        handle = self.agent.initialize_xfer(  # type: ignore[attr-defined]
-            "WRITE", self.agent.get_xfer_descs(local, self._mem),  # type: ignore[attr-defined]
-            self.agent.get_xfer_descs(remote, rmem), name, notice)  # type: ignore[attr-defined]
+        local, remote = merge_descs(local, remote)
+        descs = (self.agent.get_xfer_descs(local, self._mem),  # type: ignore[attr-defined]
+                 self.agent.get_xfer_descs(remote, entry[3]))  # type: ignore[attr-defined]
+        self._mark("post:descs", len(local))
+        return self.agent.initialize_xfer("WRITE", descs[0], descs[1], entry[0], notice)  # type: ignore[attr-defined]
+
+    def _start(self, handle: object, peer: str) -> object:
         try:
             state = self.agent.transfer(handle)  # type: ignore[attr-defined]
         except Exception as exc:
             self.agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
             raise TransferError(f"NIXL write to {peer} could not start: {exc}") from exc
+        self._mark("post:transfer", -1)
         if state == "ERR":
             self.agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
             raise TransferError(f"NIXL write to {peer} failed to start")
         return handle
+
+    def _mark(self, what: str, n: int) -> None:
+        if self.trace is not None:
+            self.trace.append((time.perf_counter(), what, "", n))
 
     def test(self, handle: object) -> bool:
         state = self.agent.check_xfer_state(handle)  # type: ignore[attr-defined]
@@ -184,6 +271,9 @@ class NixlSendTransport(SendTransport):
             self.agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        for peer in list(self._preps):
+            for req in self._preps.pop(peer):
+                self._release(req)
         for region, reg in enumerate(self._regs):
             if reg is not None:
                 self.agent.deregister_memory(reg)  # type: ignore[attr-defined]

@@ -59,12 +59,13 @@ class LayerPipeline:
     """Staging ring and in-flight request-layers of one sender; used by the sender loop thread only.
 
     kv_buffer: `[num_layers, 2, num_blocks, block_size, H, D]`, the sender's paged KV (any dtype/device).
-    direct: register kv_buffer with the transport (once, here) for direct writes. Raises ValueError if
-    depth < 1.
+    direct: register kv_buffer with the transport (once, here) for direct writes. recycle: called with
+    each send_layer event once nothing waits on it any more (events.EventPool.give_back). Raises
+    ValueError if depth < 1.
     """
 
     def __init__(self, kv_buffer: torch.Tensor, transport: SendTransport, depth: int,
-                 direct: bool = False) -> None:
+                 direct: bool = False, recycle: Callable[[torch.cuda.Event], None] | None = None) -> None:
         self.kv_buffer = kv_buffer
         self.transport = transport
         self.depth = depth
@@ -76,6 +77,7 @@ class LayerPipeline:
         # set to a list to record (time.perf_counter() s, "gather"|"post"|"done", request_id, layer)
         self.trace: list[tuple[float, str, str, int]] | None = None
         self._stream = torch.cuda.Stream(kv_buffer.device) if kv_buffer.is_cuda else None
+        self._recycle = recycle
 
     def inflight(self, request_id: str | None = None) -> int:
         """Request-layers gathered or being written (of one request, or of all)."""
@@ -109,6 +111,8 @@ class LayerPipeline:
                 for op, src, after in gathers:
                     if after is not None:
                         self._stream.wait_event(after)
+                        if self._recycle is not None:  # the wait holds the record it saw: reusable
+                            self._recycle(after)
                     gather_layer(self.kv_buffer, op.layer, src, self.ring.view(op.slot, op.n_blocks))
                 ready = torch.cuda.Event()
                 ready.record(self._stream)
@@ -171,7 +175,7 @@ class LayerPipeline:
             for op in ops:
                 done.append((op, error))
                 self._note("done", op)
-                self._finish(op)
+            self._finish(*ops)  # one pass over self.ops per write, not per request-layer
         return done
 
     def cancel(self, request_id: str, posted: bool) -> list[LayerOp]:
@@ -200,8 +204,7 @@ class LayerPipeline:
         dropped: list[LayerOp] = []
         for ops in self._batches([op for op in self.ops if op.posted and which(op)]):
             self.transport.cancel(ops[0].handle)
-            for op in ops:
-                self._finish(op)
+            self._finish(*ops)
             dropped += ops
         return dropped
 
@@ -217,7 +220,12 @@ class LayerPipeline:
         if self.trace is not None:
             self.trace.append((time.perf_counter(), what, op.request_id, op.layer))
 
-    def _finish(self, op: LayerOp) -> None:
-        self.ops = [o for o in self.ops if o is not op]
-        if not op.direct:
-            self.ring.release(op.slot)
+    def _finish(self, *ops: LayerOp) -> None:
+        gone = {id(op) for op in ops}
+        self.ops = [o for o in self.ops if id(o) not in gone]
+        for op in ops:
+            if not op.direct:
+                self.ring.release(op.slot)
+            elif op.ready is not None and self._recycle is not None:  # send_layer's event: nothing waits
+                self._recycle(op.ready)
+                op.ready = None

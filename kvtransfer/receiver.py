@@ -50,6 +50,13 @@ class KVReceiver(Endpoint):
         self._posted: dict[int, tuple[str, int, int | None, bytes]] = {}
         self._keys = itertools.count(1)
         self._next_beat = 0.0
+        self._trace: list[tuple[float, str, str, int]] | None = None
+
+    def set_trace(self, trace: list[tuple[float, str, str, int]] | None) -> None:
+        """Append (time.perf_counter() s, what, request_id, layer) events to `trace` (None: off):
+        "notice" when a layer's notice was read (with the data), "done_sent" when Done is handed to
+        zmq for the sender. For benchmarks (the list grows without bound)."""
+        self._trace = trace
 
     def start(self) -> KVReceiver:
         """Bind the control socket (config.host, config.port; 0 = free port) and start the loop."""
@@ -132,6 +139,8 @@ class KVReceiver(Endpoint):
         notices, keys = self.transport.poll()
         for raw in notices:
             for n in m.decode_notices(raw):
+                if self._trace is not None:
+                    self._trace.append((time.perf_counter(), "notice", n.request_id, n.layer))
                 self._landed(n.request_id, n.layer, n.checksum)
         for key in keys:
             rid, layer, checksum, _ = self._posted.pop(key)
@@ -216,6 +225,8 @@ class KVReceiver(Endpoint):
             if len(st.layers) == self.layout.num_layers:
                 st.extra["stopped"] = True
                 self._set(st, S.DONE)
+                if self._trace is not None:
+                    self._trace.append((time.perf_counter(), "done_sent", request_id, -1))
                 self._send(sender, m.Done(request_id))
 
     def _housekeeping(self) -> None:

@@ -5,8 +5,11 @@ slots, pipeline.py), `_post_ready` (gathered layers of begun requests written: o
 for one-sided transports, carrying a LayerNotices batch; one per request-layer for two-sided ones),
 `_complete` (finished writes free their slots; a failed one fails its request). A direct request's
 pieces of every layer are computed at add_request (runs.direct_layers) and turned into the transport's
-own form once its Begin is answered (`_prepare`, SendTransport.prepare: NIXL descriptor tuples), so a
-post is list concatenation plus the transport call. Each request's
+own form once its Begin is answered (`_prepare`, SendTransport.prepare_layers: NIXL prepared
+descriptor lists), so a post is an index list plus the transport call; those are released
+(`_release_preps`) once the request is terminal with nothing in flight, or released. With a transport's
+`write_per_request` (NIXL) the direct layers of each request go out as their own write (one prepared
+list pair per write), the staged ones of all requests as one write per receiver. Each request's
 `extra["inflight"]` counts its request-layers between gather (or, direct, leaving the queue) and
 completion: its Stopped fence and release() wait for zero.
 
@@ -26,6 +29,7 @@ sender runs on this loop thread, so it cannot change between that check and the 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +57,8 @@ class SendPath:
     _lock: threading.Condition
     _requests: dict[str, RequestState]
     _queue: deque[tuple[str, int, torch.cuda.Event | None]]
+    _preps: dict[str, list[object]]
+    _events: Any
 
     if TYPE_CHECKING:
         def _peer(self, address: str) -> Any: ...
@@ -72,6 +78,8 @@ class SendPath:
             if st is not None and not st.status.is_terminal:
                 items.append((rid, layer, st.extra["src"], event, st.extra["runs"] is not None))
                 states.append(st)
+            elif event is not None and self._events is not None:  # dropped: nothing waits on it
+                self._events.give_back(event)
         started = self._pipe.start(items)
         for rid, layer, _src, event, _ in reversed(items[started:]):  # no slot yet (the ring must drain)
             self._queue.appendleft((rid, layer, event))
@@ -91,13 +99,19 @@ class SendPath:
                     continue
                 if not st.extra["begun"]:
                     continue  # the receiver has not claimed the request yet
-            key = st.handle.address if self.transport.one_sided else f"{op.request_id}:{op.layer}"
+            if not self.transport.one_sided:
+                key = f"{op.request_id}:{op.layer}"
+            elif op.direct and self.transport.write_per_request:
+                key = f"{st.handle.address}\0{op.request_id}"
+            else:
+                key = st.handle.address
             groups.setdefault(key, []).append((op, st))
         for batch in groups.values():
             self._post(batch)
 
     def _post(self, batch: list[tuple[LayerOp, RequestState]]) -> None:
         address = batch[0][1].handle.address
+        self._mark("post:start", batch[0][0].request_id)
         notices: list[m.LayerNotice] = []
         parts: list[object] = []
         try:
@@ -124,9 +138,33 @@ class SendPath:
         """A direct request's every layer in the transport's own form (once, after its Begin was
         answered: the receiver's transport address is known then). Raises TransferError (unknown peer)."""
         pieces = [[(KV, s, d, n) for s, d, n in layer] for layer in st.extra["pieces"]]
-        prep = [self.transport.prepare(st.handle.address, p) for p in pieces]
-        st.extra["prep"] = prep
+        prep = self.transport.prepare_layers(st.handle.address, pieces)
+        old = self._preps.pop(st.handle.request_id, None)
+        if old is not None:
+            self.transport.release_prepared(old)
+        st.extra["prep"] = self._preps[st.handle.request_id] = prep
         return prep
+
+    def _release_preps(self) -> None:
+        """Free the prepared lists of requests released, or terminal with nothing in flight (nothing
+        is posted for a terminal request, see the module docstring)."""
+        if not self._preps:
+            return
+        with self._lock:
+            done = []
+            for rid, prep in self._preps.items():
+                st = self._requests.get(rid)
+                if st is None or st.extra["prep"] is not prep or (st.status.is_terminal
+                                                                   and not st.extra["inflight"]):
+                    done.append(rid)
+                    if st is not None and st.extra["prep"] is prep:
+                        st.extra["prep"] = None
+        for rid in done:
+            self.transport.release_prepared(self._preps.pop(rid))
+
+    def _mark(self, what: str, request_id: str) -> None:
+        if self._pipe.trace is not None:
+            self._pipe.trace.append((time.perf_counter(), what, request_id, -1))
 
     def _notice(self, op: LayerOp, st: RequestState) -> m.LayerNotice:
         x = st.extra

@@ -1,7 +1,8 @@
 """KVSender: the prefill worker's side; writes a request's KV, layer by layer, into a receiver's blocks.
 
-This file holds the public API and the control plane (handshake, Begin, fences, heartbeats); the data
-path (staging ring, several request-layers in flight, batched writes) is send_path.py + pipeline.py.
+This file holds the public API and the control plane (messages, fences, the loop); the handshake and
+Begin are handshake.py, heartbeats and deadlines liveness.py, the data path (staging ring, several
+request-layers in flight, batched writes) send_path.py + pipeline.py.
 """
 
 from __future__ import annotations
@@ -18,20 +19,22 @@ import zmq
 from kvtransfer import messages as m
 from kvtransfer.compat import peer_info
 from kvtransfer.endpoint import Endpoint, RequestState
+from kvtransfer.events import EventPool
+from kvtransfer.handshake import Handshake
 from kvtransfer.liveness import PeerLiveness, Receiver
 from kvtransfer.pipeline import LayerPipeline
 from kvtransfer.runs import direct_layers, joint_runs, layer_pieces, merge_runs, source_cuts
 from kvtransfer.send_path import SendPath
 from kvtransfer.staging import layout_of
 from kvtransfer.transport import SendTransport
-from kvtransfer.types import IncompatiblePeerError, KVHandle, TransferConfig, TransferError, TransferStatus
+from kvtransfer.types import KVHandle, TransferConfig, TransferError, TransferStatus
 from kvtransfer.wakeup import Waker
 
 S = TransferStatus
 IDLE_POLL_MS = 10  # longest idle sleep of the loop (new work wakes it at once)
 
 
-class KVSender(PeerLiveness, SendPath, Endpoint):
+class KVSender(Handshake, PeerLiveness, SendPath, Endpoint):
     """Sends KV from `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]` (any dtype/device)."""
 
     def __init__(self, config: TransferConfig, kv_buffer: torch.Tensor, transport: SendTransport) -> None:
@@ -45,7 +48,10 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
         self._queue: deque[tuple[str, int, torch.cuda.Event | None]] = deque()
         # the direct path needs kv_buffer registered (once) and addressable as one flat byte range
         self._direct = config.direct_max_pieces > 0 and kv_buffer.is_contiguous()
-        self._pipe = LayerPipeline(kv_buffer, transport, config.max_inflight_layers, self._direct)
+        self._events = EventPool(kv_buffer.device.index or 0) if kv_buffer.is_cuda else None
+        self._pipe = LayerPipeline(kv_buffer, transport, config.max_inflight_layers, self._direct,
+                                   self._events.give_back if self._events else None)
+        self._preps: dict[str, list[object]] = {}  # request → transport.prepare_layers parts (loop)
         self._next_beat = 0.0
         self._poller: zmq.Poller | None = None
         self._waker = Waker()  # send_layer and commands cut the loop's idle poll short
@@ -102,9 +108,10 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
 
     def send_layer(self, request_id: str, layer: int) -> None:
         """Queue `layer` of the request: its KV must already be in kv_buffer (call after the layer's
-        attention stored it). Runs on the caller's (forward pass) thread: a lock, one CUDA event on a
-        GPU, one deque append, and a wake-up byte only if the loop sleeps. Raises KeyError for an
-        unknown request, ValueError for a bad layer, TransferError if the sender is not running."""
+        attention stored it). Runs on the caller's (forward pass) thread: a lock, one CUDA event (from a
+        pool of reused ones, events.py) recorded on a GPU, one deque append, and a wake-up byte only
+        if the loop sleeps. Raises KeyError for an unknown request, ValueError for a bad layer,
+        TransferError if the sender is not running."""
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.layout.num_layers})")
         if self._thread is None or self._stop.is_set():
@@ -114,10 +121,8 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
             if layer in st.layers:
                 raise ValueError(f"layer {layer} of {request_id!r} already sent")
             st.layers.add(layer)
-        event = None
-        if self.kv_buffer.is_cuda:  # the gather must follow the caller's stream up to now
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.kv_buffer.device))
+        # the write (or gather) must follow the caller's stream up to now
+        event = self._events.record() if self._events is not None else None
         self._queue.append((request_id, layer, event))  # deque.append is atomic: no command closure
         self._wake()
 
@@ -150,10 +155,24 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
                 raise RuntimeError(f"request {request_id!r} cannot be released: {busy}")
             del self._requests[request_id]
 
-    def check_no_leaks(self) -> None:
-        """Raise AssertionError if a request is still tracked or a staging slot is still in use."""
+    def check_no_leaks(self, timeout: float = 2.0) -> None:
+        """Raise AssertionError if a request is still tracked, a staging slot is still in use or the
+        transport still holds prepared descriptor lists once the loop had `timeout` s to free those of
+        released requests."""
         super().check_no_leaks()
         assert self._pipe.ring.in_use == 0, f"{self._pipe.ring.in_use} staging slots still in use"
+        end = time.monotonic() + timeout
+        while self._preps and self._thread is not None and time.monotonic() < end:
+            time.sleep(0.005)
+        assert not self._preps, f"prepared descriptor lists still held for {sorted(self._preps)}"
+
+    def set_trace(self, trace: list[tuple[float, str, str, int]] | None) -> None:
+        """Append (time.perf_counter() s, what, request_id, layer or count) events of the data path and
+        of the DONE round trip to `trace` (None: off). Cheap (one append per event) but for benchmarks:
+        the list grows without bound. Events: gather/post/done per request-layer (pipeline.py),
+        post:build/descs/init/transfer per write (transport), done_msg/DONE per request (here)."""
+        self._pipe.trace = trace
+        self.transport.trace = trace
 
     # ---- control plane --------------------------------------------------------------------------
     def _peer(self, address: str) -> Receiver:
@@ -170,51 +189,6 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
     def _send(self, peer: Receiver, msg: m.Message) -> None:
         with contextlib.suppress(zmq.Again):  # peer unreachable: heartbeats/deadlines report it
             peer.sock.send(m.encode(msg), zmq.NOBLOCK)
-
-    def _hello(self, address: str, fut: cf.Future[None] | None = None) -> None:
-        peer = self._peer(address)
-        if fut is not None:
-            peer.waiters.append(fut)
-        now = time.monotonic()
-        if peer.hello_at and now - peer.hello_at < self.config.heartbeat_interval_s * 5:
-            return  # one Hello in flight is enough
-        if not peer.hello_at:
-            peer.hello_since = now
-        peer.last_seen = peer.hello_at = now
-        self._send(peer, m.Hello(self.config.worker_id, self.epoch, self.info, self.transport.metadata()))
-
-    def _begin(self, st: RequestState) -> None:
-        peer = self._peer(st.handle.address)
-        if peer.epoch == st.handle.epoch:
-            st.extra["begin_sent"] = True
-            self._send(peer, m.Begin(st.handle.request_id, peer.epoch))
-        else:
-            self._hello(st.handle.address)  # new or restarted receiver: (re)handshake first
-
-    def _on_hello_reply(self, peer: Receiver, r: m.HelloReply) -> None:
-        err = IncompatiblePeerError(f"{r.receiver_id}@{peer.address}", r.mismatches) if r.mismatches else None
-        if err is None:
-            if peer.epoch and peer.epoch != r.epoch:
-                self._fail_peer(peer, f"receiver {r.receiver_id} restarted", only_epoch=peer.epoch)
-                self.transport.remove_peer(peer.address)
-            if peer.epoch != r.epoch:
-                self.transport.add_peer(peer.address, r.transport)
-            peer.epoch = r.epoch
-        peer.hello_at = 0.0
-        for fut in peer.waiters:
-            fut.set_exception(err) if err else fut.set_result(None)
-        peer.waiters.clear()
-        with self._lock:
-            waiting = [st for st in self._requests.values() if st.handle.address == peer.address
-                       and st.status is S.PENDING and not st.extra.get("begin_sent")]
-            for st in waiting:
-                if err is not None:
-                    self._set(st, S.FAILED, str(err))
-                elif st.handle.epoch != r.epoch:
-                    self._set(st, S.FAILED, f"stale handle: epoch {st.handle.epoch} != receiver's {r.epoch}")
-                else:
-                    st.extra["begin_sent"] = True
-                    self._send(peer, m.Begin(st.handle.request_id, r.epoch))
 
     def _on_message(self, peer: Receiver, msg: m.Message) -> None:
         peer.last_seen = time.monotonic()
@@ -235,11 +209,13 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
             if isinstance(msg, m.BeginReply):
                 st.extra["begun"], st.extra["answered"] = msg.ok, True
                 self._set(st, S.TRANSFERRING if msg.ok else S.FAILED, msg.reason)
-                if msg.ok and st.extra["pieces"] and st.extra["prep"] is None:
+                if msg.ok and st.extra["pieces"] and st.extra["prep"] is None and not st.status.is_terminal:
                     with contextlib.suppress(TransferError):  # else _post prepares it, and fails it
                         self._prepare(st)
             elif isinstance(msg, m.Done):
+                self._mark("done_msg", st.handle.request_id)
                 self._set(st, S.DONE)
+                self._mark("DONE", st.handle.request_id)
             elif isinstance(msg, m.Abort):
                 self._set(st, S.ABORTED, "aborted by receiver")
             elif isinstance(msg, m.Fail):
@@ -259,6 +235,7 @@ class KVSender(PeerLiveness, SendPath, Endpoint):
         self._post_ready()
         self._complete()
         self._flush_stops()
+        self._release_preps()
 
     def _poll_peers(self, busy: bool) -> None:
         """Handle control messages; when not busy, sleep until one arrives, a caller wakes us

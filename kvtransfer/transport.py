@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 
 STAGING, KV = 0, 1  # source regions of a write piece
 SourcePiece = tuple[int, int, int, int]  # (STAGING | KV, source byte offset, destination byte offset, bytes)
+TraceEvent = tuple[float, str, str, int]  # (time.perf_counter() s, what, request_id, layer or count)
 
 
 class SendTransport(ABC):
@@ -20,6 +21,11 @@ class SendTransport(ABC):
     receiver to post receives after a LayerNotice on the control plane."""
 
     one_sided: bool = True
+    # post the direct layers of each request as their own write (prepare_layers made them cheap to
+    # post by index); else one write per peer carries every ready request-layer
+    write_per_request: bool = False
+    # a list to append TraceEvents of the post path to (bench --trace), or None (off)
+    trace: list[TraceEvent] | None = None
 
     @abstractmethod
     def metadata(self) -> bytes:
@@ -57,6 +63,21 @@ class SendTransport(ABC):
         peer is removed or re-added, or the staging ring is replaced. Raises TransferError for an
         unknown peer or an unregistered source region. Default: the pieces themselves."""
         return list(pieces)
+
+    def prepare_layers(self, peer: str, layers: list[list[SourcePiece]]) -> list[object]:
+        """prepare() of every layer of one direct request (layers[l]: layer l's pieces), once, when its
+        Begin is answered; part l goes to post_prepared like a prepare() result. NIXL prepares both
+        descriptor lists once here (prep_xfer_dlist) so that a post is make_prepped_xfer by index.
+        Release with release_prepared. Raises TransferError as prepare() does."""
+        return [self.prepare(peer, pieces) for pieces in layers]
+
+    def release_prepared(self, parts: list[object]) -> None:  # noqa: B027 (optional hook)
+        """Free what prepare_layers holds for `parts` (idempotent; also done by remove_peer/close).
+        Call once no post of them can follow (the request is terminal, nothing in flight)."""
+
+    def prepared_count(self) -> int:
+        """prepare_layers results still held (leak checks); 0 for transports that hold nothing."""
+        return 0
 
     def post_prepared(self, peer: str, parts: list[object], notice: bytes, tag: int) -> object:
         """post() of the concatenation of several prepare() results (one write, one notice): the

@@ -1,0 +1,84 @@
+"""The sender's handshake with receivers (a mixin of KVSender): Hello/HelloReply (compatibility, transport
+metadata, epochs) and the per-request Begin. Runs on the sender's loop thread only.
+
+A request's Begin goes out once its receiver's handshake (of the handle's epoch) is answered; a
+HelloReply with a new epoch means the receiver restarted: the old incarnation's requests fail and every
+write posted to it is cancelled (liveness.py) before the transport connects to the new one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from kvtransfer import messages as m
+from kvtransfer.endpoint import RequestState
+from kvtransfer.liveness import Receiver
+from kvtransfer.transport import SendTransport
+from kvtransfer.types import IncompatiblePeerError, TransferConfig, TransferStatus
+
+S = TransferStatus
+
+
+class Handshake:
+    """Handshake methods of KVSender; the attributes below are KVSender's."""
+
+    config: TransferConfig
+    epoch: int
+    info: m.PeerInfo
+    transport: SendTransport
+    _lock: threading.Condition
+    _requests: dict[str, RequestState]
+
+    if TYPE_CHECKING:
+        def _peer(self, address: str) -> Receiver: ...
+        def _send(self, peer: Receiver, msg: m.Message) -> None: ...
+        def _set(self, st: RequestState, status: TransferStatus, reason: str = "") -> None: ...
+        def _fail_peer(self, peer: Receiver, reason: str, only_epoch: int = 0) -> None: ...
+
+    def _hello(self, address: str, fut: cf.Future[None] | None = None) -> None:
+        peer = self._peer(address)
+        if fut is not None:
+            peer.waiters.append(fut)
+        now = time.monotonic()
+        if peer.hello_at and now - peer.hello_at < self.config.heartbeat_interval_s * 5:
+            return  # one Hello in flight is enough
+        if not peer.hello_at:
+            peer.hello_since = now
+        peer.last_seen = peer.hello_at = now
+        self._send(peer, m.Hello(self.config.worker_id, self.epoch, self.info, self.transport.metadata()))
+
+    def _begin(self, st: RequestState) -> None:
+        peer = self._peer(st.handle.address)
+        if peer.epoch == st.handle.epoch:
+            st.extra["begin_sent"] = True
+            self._send(peer, m.Begin(st.handle.request_id, peer.epoch))
+        else:
+            self._hello(st.handle.address)  # new or restarted receiver: (re)handshake first
+
+    def _on_hello_reply(self, peer: Receiver, r: m.HelloReply) -> None:
+        err = IncompatiblePeerError(f"{r.receiver_id}@{peer.address}", r.mismatches) if r.mismatches else None
+        if err is None:
+            if peer.epoch and peer.epoch != r.epoch:
+                self._fail_peer(peer, f"receiver {r.receiver_id} restarted", only_epoch=peer.epoch)
+                self.transport.remove_peer(peer.address)
+            if peer.epoch != r.epoch:
+                self.transport.add_peer(peer.address, r.transport)
+            peer.epoch = r.epoch
+        peer.hello_at = 0.0
+        for fut in peer.waiters:
+            fut.set_exception(err) if err else fut.set_result(None)
+        peer.waiters.clear()
+        with self._lock:
+            waiting = [st for st in self._requests.values() if st.handle.address == peer.address
+                       and st.status is S.PENDING and not st.extra.get("begin_sent")]
+            for st in waiting:
+                if err is not None:
+                    self._set(st, S.FAILED, str(err))
+                elif st.handle.epoch != r.epoch:
+                    self._set(st, S.FAILED, f"stale handle: epoch {st.handle.epoch} != receiver's {r.epoch}")
+                else:
+                    st.extra["begin_sent"] = True
+                    self._send(peer, m.Begin(st.handle.request_id, r.epoch))

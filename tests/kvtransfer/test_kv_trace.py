@@ -1,0 +1,32 @@
+"""bench/kv_trace.py: the --trace summary splits a round into issue #3's gaps from its events."""
+
+from __future__ import annotations
+
+from bench.kv_trace import summarize
+
+T0 = 100.0
+
+
+def _ev(us: float, what: str, n: int = -1) -> tuple[float, str, str, int]:
+    return (T0 + us * 1e-6, what, "r", n)
+
+
+def test_summary_splits_take_up_post_and_tail():
+    events = [_ev(0, "sl_begin"), _ev(64, "sl_end"), _ev(70, "gather", 0), _ev(72, "gather", 1),
+              _ev(80, "post:start"), _ev(90, "post:build", 2), _ev(93, "post:descs", 4),
+              _ev(100, "post:init"), _ev(150, "post:transfer"), _ev(151, "post", 0), _ev(151, "post", 1),
+              _ev(400, "done", 0), _ev(401, "done", 1), _ev(420, "notice", 0), _ev(425, "notice", 1),
+              _ev(430, "done_sent"), _ev(500, "done_msg"), _ev(505, "DONE"), _ev(530, "wait_end")]
+    lines = summarize(list(reversed(events)), T0, layers=2, requests=1)  # any order in, sorted inside
+    assert lines[0] == ("# (a) send_layer loop 0..64 us (32.0 us per call, 2 calls); layers taken up by "
+                        "the sender loop at 70..72")
+    assert lines[1] == ("# (b) write 0: start 80, +build 10, +descs 3 (4 descriptors), +init 7, "
+                        "+transfer() 50 → posted at 150 us")
+    assert lines[2] == ("# (c) writes complete (sender) 400..401; receiver read notices 420..425, sent Done "
+                        "430; sender read Done 500, set DONE 505; wait() returned 530")
+    assert len(lines) == 3
+
+
+def test_summary_without_transport_events_still_reports_the_gaps():
+    lines = summarize([_ev(0, "sl_begin"), _ev(10, "sl_end"), _ev(12, "gather", 0)], T0, 1, 1)
+    assert len(lines) == 2 and "10.0 us per call" in lines[0] and "notices -" in lines[1]
