@@ -25,12 +25,14 @@ from typing import Any
 import torch
 
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
+from engine.ops.gemv import gemv
 from engine.ops.rms_norm import rms_norm, rms_norm_reference
 from engine.ops.rotary import apply_rotary, apply_rotary_reference
 from engine.ops.silu_mul import silu_mul, silu_mul_reference
 
 FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                  "Qwen3ForCausalLM"})
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass
@@ -97,18 +99,26 @@ class FusedCausalLM(torch.nn.Module):
         model: a loaded transformers causal LM of ``FUSED_ARCHITECTURES`` (its projection parameters
             become views of merged tensors; the model itself keeps working).
         use_triton: Triton kernels (CUDA, or Triton's interpreter) instead of the torch references.
+        gemv_projections: names from ``PROJECTIONS`` computed by ``engine.ops.gemv`` when a step has one
+            token (batch-1 decode) and ``use_triton`` is on; others (and every multi-token step) use
+            ``torch.nn.functional.linear`` (cuBLAS).
 
     Raises:
-        ValueError: the model is not supported (``unsupported_reason``).
+        ValueError: the model is not supported (``unsupported_reason``), or an unknown projection name.
     """
 
-    def __init__(self, model: Any, use_triton: bool) -> None:  # a transformers causal LM
+    def __init__(self, model: Any, use_triton: bool,  # a transformers causal LM
+                 gemv_projections: tuple[str, ...] = ()) -> None:
         super().__init__()
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
         self.model: Any = model
         self.use_triton = use_triton
+        unknown = set(gemv_projections) - set(PROJECTIONS)
+        if unknown:
+            raise ValueError(f"unknown projections {sorted(unknown)}; choose from {PROJECTIONS}")
+        self.gemv_projections = frozenset(gemv_projections)
         inner = model.model
         with torch.no_grad():
             self.fused_layers = [_FusedLayer(layer) for layer in inner.layers]
@@ -119,9 +129,15 @@ class FusedCausalLM(torch.nn.Module):
         fn = rms_norm if self.use_triton else rms_norm_reference
         return fn(x, norm[0], norm[1], residual)
 
+    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] == 1 and self.use_triton and name in self.gemv_projections:
+            return gemv(x, weight, bias)
+        return torch.nn.functional.linear(x, weight, bias)
+
     def _attention(self, lay: _FusedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    kwargs: dict[str, Any]) -> torch.Tensor:
-        qkv = torch.nn.functional.linear(x, lay.qkv_weight, lay.qkv_bias)  # [T, (H + 2 Hkv) D]
+        qkv = self._linear("qkv", x, lay.qkv_weight, lay.qkv_bias)  # [T, (H + 2 Hkv) D]
         t, d = x.shape[0], lay.head_dim
         q = qkv[:, :lay.q_width].view(t, -1, d)
         k = qkv[:, lay.q_width:lay.q_width + lay.kv_width].view(t, -1, d)
@@ -131,12 +147,14 @@ class FusedCausalLM(torch.nn.Module):
         (apply_rotary if self.use_triton else apply_rotary_reference)(q, k, cos, sin)
         out = kwargs[BACKEND_KWARG].forward(lay.index, q, k, v, kwargs[CACHE_KWARG], kwargs[META_KWARG],
                                             lay.scale)  # [T, H, D]; calls meta.layer_hook after the store
-        return lay.attn.o_proj(out.reshape(t, -1))
+        o_proj = lay.attn.o_proj
+        return self._linear("o", out.reshape(t, -1), o_proj.weight, o_proj.bias)
 
     def _mlp(self, lay: _FusedLayer, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.nn.functional.linear(x, lay.gate_up_weight, lay.gate_up_bias)
+        gate_up = self._linear("gate_up", x, lay.gate_up_weight, lay.gate_up_bias)
         act = silu_mul(gate_up) if self.use_triton else silu_mul_reference(gate_up)
-        return lay.mlp.down_proj(act)
+        down = lay.mlp.down_proj
+        return self._linear("down", act, down.weight, down.bias)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> FusedOutput:

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.llm import LLM
 from engine.model_runner import ModelRunner
-from engine.models.fused_model import FusedCausalLM
+from engine.models.fused_model import PROJECTIONS, FusedCausalLM
 from engine.sampling_params import SamplingParams
 from tests.engine.test_hf_parity import assert_matches_hf, make_prompts
 from tests.engine.test_loader import ARCHS, save_tiny_model
@@ -43,11 +43,22 @@ def test_fused_triton_kernels_match_transformers(tmp_path):
     path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", seed=8)
     reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     llm = _llm(path, "on", backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
-    assert llm.core.runner.net.use_triton
+    net = llm.core.runner.net
+    assert net.use_triton
+    net.gemv_projections = frozenset(PROJECTIONS)  # one-token steps through engine.ops.gemv
+    llm.core.runner.decode_graphs = None  # (GPU) run decode steps eagerly so the change takes effect
+    calls = []
+    original = net._linear
+    net._linear = lambda name, x, w, b: calls.append((name, x.shape[0])) or original(name, x, w, b)
     prompts = make_prompts(seed=8)[::5]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, logprobs=0))
     assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
+    solo = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=3, logprobs=0))  # batch 1
+    assert_matches_hf(reference, prompts[:1], solo, eos=2, max_tokens=3)
+    assert {name for name, rows in calls if rows == 1} == set(PROJECTIONS)  # some batch-1 decode steps ran
     llm.core.check_no_leaks()
+    with pytest.raises(ValueError, match="unknown projections"):
+        FusedCausalLM(llm.core.runner.model, use_triton=True, gemv_projections=("qkv", "lm_head"))
 
 
 def test_fused_and_unfused_logits_agree_and_weights_are_shared(tmp_path):

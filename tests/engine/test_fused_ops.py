@@ -91,3 +91,25 @@ def test_empty_batches_and_bad_shapes():
     q, k = _rand(2, 4, 16, dtype=torch.float32), _rand(2, 2, 16, dtype=torch.float32)
     with pytest.raises(ValueError, match="cos and sin"):
         apply_rotary(q, k, _rand(2, 8, dtype=torch.float32), _rand(2, 8, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k", "bias"), [(40, 1100, False), (24, 512, True), (7, 64, False)])
+def test_gemv_matches_linear(dtype, n, k, bias):
+    """Ragged N (not a multiple of the 8-row tile) and K (not a multiple of 512), strided weight rows (a
+    slice of a merged matrix), optional bias."""
+    from engine.ops.gemv import gemv, gemv_reference
+
+    merged = _rand(n + 5, k, dtype=dtype, seed=6) * 0.05
+    weight, x = merged[3:3 + n], _rand(1, k, dtype=dtype, seed=7)
+    b = _rand(n, dtype=dtype, seed=8) if bias else None
+    want = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+    torch.testing.assert_close(gemv_reference(x, weight, b), want.to(dtype), atol=0, rtol=0)
+    got = gemv(x, weight, b)
+    assert got.shape == (1, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+    for block_n, block_k in ((16, 256), (4, 1024)):
+        torch.testing.assert_close(gemv(x, weight, b, block_n=block_n, block_k=block_k).float(), want,
+                                   atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
+    with pytest.raises(ValueError, match=r"x \[1, K\]"):
+        gemv(_rand(2, k, dtype=dtype), weight)

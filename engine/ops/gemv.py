@@ -1,0 +1,88 @@
+"""Matrix-vector product for one-row decode steps: ``y = x @ W^T`` with ``x [1, K]`` (Triton + reference).
+
+At batch 1 a decode step's projections are matrix-vector products bound by reading ``W`` once; cuBLAS
+reaches 62–76 % of the copy bandwidth on the small-N projections of Llama-3-8B (QKV 6144 × 4096, O
+4096 × 4096; docs/benchmarks/engine-h200.md) because its tiles leave too few thread blocks in flight.
+Here each program owns ``BLOCK_N`` output features and walks the whole ``K`` in ``BLOCK_K`` chunks with
+float32 accumulation (the row-blocked GEMV decomposition, as in CUTLASS's ``gemm/kernel/gemv.h``), so
+N = 4096 gives 512 programs of 64 KiB of weights each; no split-K, so no atomics and no reduction kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 8
+BLOCK_K = 512
+
+
+@triton.jit
+def _gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    x_ptr, w_ptr, b_ptr, y_ptr, n_out, k_in, stride_w,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_out
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    for k in range(0, k_in, BLOCK_K):
+        kk = k + cols
+        k_mask = kk < k_in
+        x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv needs x [1, K] and weight [N, K]; got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError("x and weight need a contiguous last dim and the same dtype")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype):
+        raise ValueError(f"bias must be [{weight.shape[0]}] of {weight.dtype}, got {tuple(bias.shape)} "
+                         f"{bias.dtype}")
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int = 4) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for one row (Triton), float32 accumulation.
+
+    Args:
+        x: ``[1, K]``; weight: ``[N, K]`` (an ``nn.Linear`` weight, rows may be strided); bias: ``[N]``
+            or None. One dtype for all (float32/float16/bfloat16).
+        block_n, block_k, num_warps: tile (output features × inputs per step, powers of two) and warps
+            per program; the defaults are the ones measured best on an H200 (bench.gemm_decode).
+
+    Returns:
+        ``[1, N]`` new tensor of ``x``'s dtype.
+
+    Raises:
+        ValueError: shapes, dtypes or strides that do not fit.
+    """
+    _check(x, weight, bias)
+    n, k = weight.shape
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )
+    return y
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-torch ``gemv``: ``torch.nn.functional.linear`` in float32, rounded to ``x``'s dtype.
+
+    Raises:
+        ValueError: shapes, dtypes or strides that do not fit.
+    """
+    _check(x, weight, bias)
+    b = bias.float() if bias is not None else None
+    return torch.nn.functional.linear(x.float(), weight.float(), b).to(x.dtype)
