@@ -69,6 +69,8 @@ class BlockManager:
             NoFreeBlocksError: not enough free blocks (nothing is allocated then).
         """
         need = self.num_blocks_needed(seq, num_new_tokens)
+        if need == 0:
+            return
         if need > self.num_free_blocks:
             raise NoFreeBlocksError(
                 f"request {seq.request_id!r} needs {need} more blocks, {self.num_free_blocks} free "
@@ -126,19 +128,31 @@ class BlockManager:
         return run
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register hashes of the blocks of ``seq`` whose tokens are all computed (call after a step)."""
+        """Register hashes of the blocks of ``seq`` whose tokens are all computed (call after a step).
+
+        Incremental: ``seq.hashed_blocks`` remembers how many leading blocks were registered and the hash
+        of the last one, so a decode step costs O(1) unless a block just filled (each block's tokens are
+        hashed once). A remembered state that no longer matches ``seq.block_table`` (a table rebuilt
+        without ``free``) restarts from block 0 when the next block fills.
+        """
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
-        parent: int | None = None
-        for i in range(num_full):
+        start, parent = seq.hashed_blocks
+        if start == num_full:  # no block filled since the last call (most decode steps)
+            return
+        if start > num_full or (start and self._blocks[seq.block_table[start - 1]].block_hash != parent):
+            start, parent = 0, None
+        bs = self.block_size
+        for i in range(start, num_full):
             block = self._blocks[seq.block_table[i]]
             if block.block_hash is None:
-                tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 block.block_hash = hash((parent, tokens))
                 block.token_ids = tokens
                 self._hash_to_block.setdefault(block.block_hash, block.block_id)
             parent = block.block_hash
+        seq.hashed_blocks = (num_full, parent)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s reference to each of its blocks and empty its ``block_table``.
@@ -154,6 +168,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self._release(block)
         seq.block_table = []
+        seq.hashed_blocks = (0, None)
 
     def check_no_leaks(self) -> None:
         """Raise ``AssertionError`` listing blocks still referenced (or lost from the free lists)."""

@@ -17,6 +17,9 @@ discarded. The decode kernel's grid depends only on ``B`` and a ``num_splits`` f
 ``seq_lens`` in device memory. Graphs need CUDA and the ``triton`` attention backend; everything else
 (prefill, mixed steps, steps with a ``layer_hook``) runs eagerly in ``ModelRunner``.
 
+The static buffers and their per-step fill (one host-to-device copy, block-table rows re-sent only when
+they changed) live in ``engine.decode_inputs``.
+
 On a CPU (tests) nothing is captured and ``DecodeCudaGraphs.run`` executes the same static-buffer forward
 eagerly, which is how padding and metadata are tested without a GPU.
 """
@@ -26,18 +29,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
+from engine.decode_inputs import PAD_SLOT, StaticDecodeInputs
 from engine.kv_cache import KVCachePool
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
 
 logger = logging.getLogger(__name__)
 
-PAD_SLOT = -1  # slot_mapping value of a padding row: store_kv writes nothing for it
+__all__ = ["PAD_SLOT", "DecodeCudaGraphs", "StaticDecodeInputs", "bucket_for", "decode_buckets",
+           "mask_placeholder"]
+
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -70,98 +74,6 @@ def mask_placeholder(device: torch.device) -> torch.Tensor:
     return a 4-D mask unchanged, so they skip their own work (which holds a host sync on the packed
     position ids); the paged attention function ignores the mask (causality comes from the metadata)."""
     return torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device)
-
-
-def _host(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """CPU tensor of ``values``, in pinned memory when ``device`` is CUDA (so ``copy_`` can be async)."""
-    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-
-
-class StaticDecodeInputs:
-    """The static device buffers of decode graphs (shared by every bucket: bucket ``B`` uses rows ``[:B]``).
-
-    Args:
-        max_batch: rows (the largest bucket).
-        max_blocks_per_seq: block-table width, ``ceil(max_model_len / block_size)``.
-        block_size: tokens per block.
-        max_model_len: tokens per sequence; every graph's ``AttentionMetadata.max_seq_len``.
-        device: where the buffers live.
-    """
-
-    def __init__(self, max_batch: int, max_blocks_per_seq: int, block_size: int, max_model_len: int,
-                 device: torch.device) -> None:
-        self.max_batch, self.max_blocks_per_seq = max_batch, max_blocks_per_seq
-        self.block_size, self.max_model_len, self.device = block_size, max_model_len, device
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.position_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_batch,), PAD_SLOT, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-
-    def metadata(self, bucket: int) -> AttentionMetadata:
-        """``AttentionMetadata`` over rows ``[:bucket]`` (views of the static buffers; all decodes)."""
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket],
-            query_start_loc=self.query_start_loc[: bucket + 1],
-            seq_lens=self.seq_lens[:bucket],
-            block_tables=self.block_tables[:bucket],
-            num_decodes=bucket,
-            num_decode_tokens=bucket,
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-        )
-
-    def fill(self, token_ids: Sequence[int], positions: Sequence[int],
-             block_tables: Sequence[Sequence[int]], bucket: int) -> None:
-        """Copy one decode step into rows ``[:bucket]``: real rows first, padding rows after them.
-
-        Args:
-            token_ids: per sequence, the token to run (``n`` entries, ``n <= bucket``).
-            positions: per sequence, that token's position (= its ``num_computed_tokens``).
-            block_tables: per sequence, its block ids; must cover ``position + 1`` tokens.
-            bucket: the graph's batch size.
-
-        Columns of ``block_tables`` past a row's length keep stale ids: the kernel never reads past
-        ``seq_lens``. Copies are asynchronous on CUDA (pinned host memory): no host synchronisation.
-
-        Raises:
-            ValueError: mismatched lengths, ``n`` outside ``[1, bucket]``, ``bucket`` over ``max_batch``,
-                a position outside ``[0, max_model_len)``, or a block table too short or too wide.
-        """
-        n = len(token_ids)
-        self._check(n, positions, block_tables, bucket)
-        pad = bucket - n
-        bs = self.block_size
-        slots = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions, strict=True)]
-        lens = [p + 1 for p in positions]
-        width = max(len(t) for t in block_tables)
-        rows = [[*t, *[0] * (width - len(t))] for t in block_tables]
-        copies = (
-            (self.input_ids[:bucket], [*token_ids, *[0] * pad], torch.int64),
-            (self.position_ids[:bucket], [*positions, *[0] * pad], torch.int64),
-            (self.slot_mapping[:bucket], [*slots, *[PAD_SLOT] * pad], torch.int64),
-            (self.seq_lens[:bucket], [*lens, *[1] * pad], torch.int32),
-            (self.block_tables[:n, :width], rows, torch.int32),
-        )
-        for dst, values, dtype in copies:
-            dst.copy_(_host(values, dtype, self.device), non_blocking=True)
-
-    def _check(self, n: int, positions: Sequence[int], block_tables: Sequence[Sequence[int]],
-               bucket: int) -> None:
-        if not 1 <= n <= bucket <= self.max_batch:
-            raise ValueError(f"need 1 <= sequences ({n}) <= bucket ({bucket}) <= max_batch "
-                             f"({self.max_batch})")
-        if len(positions) != n or len(block_tables) != n:
-            raise ValueError(f"length mismatch: {n} token_ids, {len(positions)} positions, "
-                             f"{len(block_tables)} block_tables")
-        for i, (p, t) in enumerate(zip(positions, block_tables, strict=True)):
-            if not 0 <= p < self.max_model_len:
-                raise ValueError(f"sequence {i}: position {p} outside [0, max_model_len="
-                                 f"{self.max_model_len})")
-            if len(t) * self.block_size <= p or len(t) > self.max_blocks_per_seq:
-                raise ValueError(f"sequence {i}: block_table of {len(t)} blocks does not fit position {p} "
-                                 f"(block_size {self.block_size}, at most {self.max_blocks_per_seq} blocks)")
 
 
 class DecodeCudaGraphs:
@@ -250,7 +162,7 @@ class DecodeCudaGraphs:
                     self.capture_seconds)
 
     def run(self, token_ids: Sequence[int], positions: Sequence[int],
-            block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+            block_tables: Sequence[list[int]]) -> torch.Tensor:
         """One decode step of ``n`` sequences (arguments as ``StaticDecodeInputs.fill``).
 
         Returns:

@@ -121,12 +121,15 @@ class EngineCore:
         them into ``StepOutput``s, in ``output.scheduled`` order (aborted sequences skipped)."""
         self.scheduler.update(output, {rid: r.token_id for rid, r in results.items()})
         outs = []
+        running, aborted = SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED
         for s in output.scheduled:
-            r = results.get(s.seq.request_id)
-            if r is None or s.seq.status is SequenceStatus.FINISHED_ABORTED:
+            seq = s.seq
+            r = results.get(seq.request_id)
+            status = seq.status
+            if r is None or status is aborted:
                 continue
-            outs.append(StepOutput(s.seq.request_id, r.token_id, r.logprob, r.top_logprobs,
-                                   FINISH_REASONS.get(s.seq.status)))
+            reason = None if status is running else FINISH_REASONS.get(status)
+            outs.append(StepOutput(seq.request_id, r.token_id, r.logprob, r.top_logprobs, reason))
         return outs
 
     def check_no_leaks(self) -> None:

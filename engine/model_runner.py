@@ -25,7 +25,7 @@ from engine.kv_cache import KVCachePool
 from engine.models.fused_model import FusedCausalLM, unsupported_reason
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
 from engine.models.loader import load_model
-from engine.sampler import Sampler, SampleResult, SamplingRow
+from engine.sampler import Sampler, SampleResult, SamplingRow, is_plain_greedy
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 
@@ -153,7 +153,9 @@ class ModelRunner:
             ``output.scheduled`` order.
         """
         graphs = self.decode_graphs
-        decode_only = all(s.num_scheduled_tokens == 1 for s in output.scheduled)
+        scheduled = output.scheduled
+        decode_only = output.num_decodes == len(scheduled) or all(
+            s.num_scheduled_tokens == 1 for s in scheduled)
         if graphs is not None and layer_hook is None and decode_only and graphs.fits(len(output.scheduled)):
             return self._graph_logits(graphs, output)
         input_ids, position_ids, sample_rows, meta = self._prepare_inputs(output, layer_hook)
@@ -168,7 +170,8 @@ class ModelRunner:
         return result.logits[0]
 
     def _graph_logits(self, graphs: DecodeCudaGraphs, output: SchedulerOutput) -> torch.Tensor:
-        """Decode-only step through the bucket's CUDA graph: logits ``[S_sample, vocab_size]``."""
+        """Decode-only step through the bucket's CUDA graph: logits ``[S_sample, vocab_size]``. Passes each
+        ``Sequence.block_table`` list itself, so ``StaticDecodeInputs`` re-sends only the changed rows."""
         seqs = [s.seq for s in output.scheduled]
         logits = graphs.run(
             [seq.token_ids[seq.num_computed_tokens] for seq in seqs],
@@ -208,22 +211,30 @@ class ModelRunner:
 
     def _execute(self, output: SchedulerOutput,
                  layer_hook: Callable[[int], None] | None) -> dict[str, SampleResult]:
+        """Forward, then sampling: a batch of only plain-greedy rows (``is_plain_greedy``) takes the
+        device argmax and one copy of ``S`` token ids, with no per-row ``SamplingRow``."""
         logits = self.compute_logits(output, layer_hook)
         sampling = [s.seq for s in output.scheduled if s.samples]
         if not sampling:
             return {}
+        if all(is_plain_greedy(seq.sampling_params, len(seq.output_token_ids)) for seq in sampling):
+            tokens = self.sampler.greedy(logits)
+            return {seq.request_id: SampleResult(t) for seq, t in zip(sampling, tokens, strict=True)}
         rows = [self._row(seq) for seq in sampling]
         results = self.sampler(logits, rows)
         return {seq.request_id: r for seq, r in zip(sampling, results, strict=True)}
 
     @staticmethod
     def _row(seq: Sequence) -> SamplingRow:
+        """The sampler's view of ``seq``; the prompt (O(prompt) to slice) only when a repetition
+        penalty reads it, the output tokens by reference."""
         params = seq.sampling_params
+        prompt = seq.token_ids[: seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else ()
         return SamplingRow(
             params=params,
             seed=params.seed if params.seed is not None else fallback_seed(seq.request_id),
             output_position=seq.num_output_tokens,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            prompt_token_ids=prompt,
             output_token_ids=seq.output_token_ids,
             eos_token_id=seq.eos_token_id,
         )

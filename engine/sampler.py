@@ -161,8 +161,31 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     return logits
 
 
+def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+    """True when a row's token is the plain argmax of its raw logits: greedy, no logprobs, no penalties,
+    and ``min_tokens`` reached (nothing masked). Such rows need no ``SamplingRow``
+    (see ``Sampler.greedy``)."""
+    return (params.temperature == 0.0 and params.logprobs is None and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and num_output_tokens >= params.min_tokens)
+
+
 class Sampler:
     """Samples one token per row of a logits batch; stateless (the seed lives in each row)."""
+
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> list[int]:
+        """Argmax token id of each row of ``logits [B, V]`` (any float dtype: the argmax of bf16 logits is
+        that of their float32 values): one argmax on the device and one device-to-host copy of ``B``
+        int64. For batches whose rows are all ``is_plain_greedy``; equals ``__call__``'s token ids there.
+
+        Raises:
+            ValueError: ``logits`` is not 2-D.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits {tuple(logits.shape)} must be [batch, vocab]")
+        tokens: list[int] = logits.argmax(dim=-1).tolist()
+        return tokens
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
         """Sample ``len(rows)`` tokens.

@@ -10,50 +10,17 @@ Decode worker: ``add_waiting_for_kv`` reserves blocks (WAITING_FOR_KV); ``kv_lan
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
+from engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus, check_stop
 
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence's share of a step.
-
-    ``num_scheduled_tokens`` tokens start at ``seq.num_computed_tokens`` (read it before ``update``).
-    ``samples`` is True when this step reaches the end of the known tokens, so the runner must sample a
-    token for it (False for a non-final prefill chunk, whose logits are discarded).
-    """
-
-    seq: Sequence
-    num_scheduled_tokens: int
-    samples: bool
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
 
 
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """What one step computes; handed to the model runner and then back to :meth:`Scheduler.update`.
-
-    ``scheduled``: decodes first (query length 1, as ``AttentionMetadata`` expects), then prefills.
-    ``num_decodes``: how many leading entries are decodes, so the runner need not re-derive it.
-    ``preempted``: request ids whose KV was dropped this step; workers with per-request device state
-    (e.g. sampler penalties, KV transfers) must reset it, and they recompute later.
-    """
-
-    scheduled: tuple[ScheduledSeq, ...]
-    num_decodes: int
-    preempted: tuple[str, ...] = ()
-
-    @property
-    def num_batched_tokens(self) -> int:
-        """Total tokens in this step (≤ ``max_num_batched_tokens``)."""
-        return sum(s.num_scheduled_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        """True when nothing is scheduled (skip the forward pass)."""
-        return not self.scheduled
+def _arrival(seq: Sequence) -> float:
+    return seq.arrival_time
 
 
 class Scheduler:
@@ -184,29 +151,42 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running sequences (arrival order), then waiting ones if no preemption."""
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=lambda s: s.arrival_time)
-        scheduled: list[ScheduledSeq] = []
-        preempted: list[str] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_allocate(seq, num_new):
-                victim = self.running[-1]  # latest arrival among those not yet scheduled (or seq itself)
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                break
-            scheduled.append(self._take(seq, num_new))
-            budget -= num_new
-            i += 1
+        scheduled, preempted, budget = self._schedule_running(budget)
         if not preempted:
             scheduled.extend(self._admit_waiting(budget))
         decodes = [s for s in scheduled if s.num_scheduled_tokens == 1 and s.samples]
+        if len(decodes) == len(scheduled):
+            return SchedulerOutput(tuple(scheduled), len(scheduled), tuple(preempted))
         prefills = [s for s in scheduled if not (s.num_scheduled_tokens == 1 and s.samples)]
         return SchedulerOutput(tuple(decodes + prefills), len(decodes), tuple(preempted))
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[str], int]:
+        """Running sequences in arrival order under ``budget`` tokens, preempting the latest arrivals when
+        blocks run out. A sequence whose block table already covers its new tokens (most decode steps)
+        costs no block-manager call. Returns (scheduled, preempted ids, budget left)."""
+        self.running.sort(key=_arrival)
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        bm, bs = self.block_manager, self.block_manager.block_size
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            computed, total = seq.num_computed_tokens, len(seq.token_ids)
+            num_new = min(total - computed, budget)
+            if computed + num_new > len(seq.block_table) * bs:
+                while not bm.can_allocate(seq, num_new):
+                    victim = self.running[-1]  # latest arrival not yet scheduled (or seq itself)
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    break
+                bm.allocate(seq, num_new)
+            scheduled.append(ScheduledSeq(seq, num_new, computed + num_new == total))
+            budget -= num_new
+            i += 1
+        return scheduled, preempted, budget
 
     def _admit_waiting(self, budget: int) -> list[ScheduledSeq]:
         admitted: list[ScheduledSeq] = []
@@ -244,17 +224,19 @@ class Scheduler:
         Raises:
             KeyError: a sampling sequence has no token in ``sampled`` (checked before any change).
         """
-        live = [s for s in output.scheduled if s.seq.status is SequenceStatus.RUNNING]
+        running = SequenceStatus.RUNNING
+        live = [s for s in output.scheduled if s.seq.status is running]
         missing = [s.seq.request_id for s in live if s.samples and s.seq.request_id not in sampled]
         if missing:
             raise KeyError(f"no sampled token for request(s) {missing}")
         done: list[Sequence] = []
+        cache_full_blocks = self.block_manager.cache_full_blocks
         for s in live:
             seq = s.seq
             seq.num_computed_tokens += s.num_scheduled_tokens
             if s.samples:
                 seq.append_token(sampled[seq.request_id])
-            self.block_manager.cache_full_blocks(seq)
+            cache_full_blocks(seq)
             if not s.samples:
                 continue
             status = SequenceStatus.FINISHED_PREFILLED if self.prefill_only else check_stop(

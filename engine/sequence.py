@@ -31,6 +31,10 @@ class Sequence:
     ``token_ids`` is prompt + output; ``num_computed_tokens`` counts tokens whose KV is in the cache;
     ``block_table[i]`` is the block holding tokens ``[i*block_size, (i+1)*block_size)``;
     ``num_cached_tokens`` is the prefix-cache hit (tokens) at the last admission.
+    ``block_table`` only grows by appending while the sequence holds its blocks; freeing replaces it by a
+    new empty list (the decode graphs' static inputs rely on this to re-send only changed rows).
+    ``hashed_blocks``: ``(n, hash of block n-1)``: the leading ``n`` blocks whose prefix hashes
+    ``BlockManager.cache_full_blocks`` registered (kept so each block is hashed once).
 
     Raises:
         ValueError: empty prompt or negative token ids.
@@ -58,6 +62,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        self.hashed_blocks: tuple[int, int | None] = (0, None)
         self.status = SequenceStatus.WAITING
 
     @property
@@ -104,12 +109,14 @@ def check_stop(seq: Sequence, max_model_len: int) -> SequenceStatus | None:
     ``max_tokens`` output tokens or ``max_model_len`` total tokens finish with FINISHED_LENGTH.
     """
     params = seq.sampling_params
-    last = seq.output_token_ids[-1]
-    if seq.num_output_tokens >= params.min_tokens:
+    outputs = seq.output_token_ids
+    num_outputs = len(outputs)
+    if num_outputs >= params.min_tokens:
+        last = outputs[-1]
         if not params.ignore_eos and seq.eos_token_id is not None and last == seq.eos_token_id:
             return SequenceStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED
-    if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+    if num_outputs >= params.max_tokens or len(seq.token_ids) >= max_model_len:
         return SequenceStatus.FINISHED_LENGTH
     return None

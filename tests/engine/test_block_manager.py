@@ -203,3 +203,44 @@ def _with_table(block_id: int) -> Sequence:
     s = _seq([0], f"b{block_id}")
     s.block_table = [block_id]
     return s
+
+
+def _chain(tokens: list[int], num_blocks: int) -> int | None:
+    parent: int | None = None
+    for i in range(num_blocks):
+        parent = hash((parent, tuple(tokens[i * BS : (i + 1) * BS])))
+    return parent
+
+
+def test_incremental_block_hashing_matches_full_chain_and_restarts_after_free() -> None:
+    """cache_full_blocks hashes each block once (``Sequence.hashed_blocks``) and gives the same chain as
+    hashing from block 0; a freed or replaced table restarts from block 0."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    seq = _seq(list(range(5)))
+    _computed(bm, seq)
+    assert seq.hashed_blocks == (1, _chain(seq.token_ids, 1))
+    for t in range(100, 109):  # decode steps, one token each
+        seq.append_token(t)
+        bm.allocate(seq, 1)
+        seq.num_computed_tokens += 1
+        bm.cache_full_blocks(seq)
+    assert seq.num_computed_tokens == 14
+    assert seq.hashed_blocks == (3, _chain(seq.token_ids, 3))
+    tokens = list(seq.token_ids)
+    bm.free(seq)
+    assert seq.hashed_blocks == (0, None)
+    again = _seq([*tokens, 7], rid="again")
+    assert bm.allocate_prefix(again) == 12  # the whole chain of 3 full blocks hits
+    bm.free(again)
+    # a state left from a table since replaced (not matching it) restarts at block 0 when a block fills
+    other = _seq([50 + i for i in range(9)], rid="other")
+    bm.allocate(other, 9)
+    other.num_computed_tokens = 9
+    other.hashed_blocks = (1, 12345)
+    bm.cache_full_blocks(other)
+    assert other.hashed_blocks == (2, _chain(other.token_ids, 2))
+    bm.free(other)
+    probe = _seq([50 + i for i in range(9)], rid="probe")
+    assert bm.allocate_prefix(probe) == 8
+    bm.free(probe)
+    bm.check_no_leaks()

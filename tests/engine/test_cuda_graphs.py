@@ -262,3 +262,32 @@ def test_gpu_worker_on_second_device_runs_there_from_any_thread(tiny_path):
         got = pool.submit(_generate, core, prompts, params).result()
     assert got == expected
     assert seen and set(seen) == {1}
+
+
+def test_plain_greedy_batches_take_the_fast_path_and_others_do_not(tiny_path):
+    """A batch whose every row is plain greedy is sampled by ``Sampler.greedy``; one row with a penalty,
+    logprobs or ``min_tokens`` not yet reached sends the whole batch through the full sampler (eos,
+    the argmax of these fixed logits, is masked for the ``min_tokens`` row)."""
+    core = _core(tiny_path, DEVICE, enforce_eager=True)
+    runner, eos = core.runner, core.eos_token_id
+    assert eos is not None
+    logits = torch.zeros(8, runner.vocab_size)
+    logits[:, eos], logits[:, 7] = 10.0, 5.0
+    runner.compute_logits = lambda out, hook=None: logits[: len(out.scheduled)]  # type: ignore[method-assign]
+    calls: list[str] = []
+    greedy, full = runner.sampler.greedy, type(runner.sampler).__call__
+    runner.sampler.greedy = lambda x: calls.append("greedy") or greedy(x)  # type: ignore[method-assign]
+    type(runner.sampler).__call__ = lambda self, x, rows: calls.append("full") or full(self, x, rows)
+    try:
+        core.add_request("plain", [5, 6], SamplingParams(temperature=0.0, max_tokens=4))
+        assert [o.token_id for o in core.step()] == [eos] and calls == ["greedy"]
+        core.add_request("min", [5, 6], SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4))
+        core.add_request("plain2", [5, 6], SamplingParams(temperature=0.0, max_tokens=4))
+        assert [(o.request_id, o.token_id) for o in core.step()] == [("min", 7), ("plain2", eos)]
+        assert calls == ["greedy", "full"]
+        assert [(o.request_id, o.token_id) for o in core.step()] == [("min", 7)]  # 1 output < min_tokens
+        assert [(o.request_id, o.token_id) for o in core.step()] == [("min", eos)]
+        assert calls == ["greedy", "full", "full", "greedy"]
+    finally:
+        type(runner.sampler).__call__ = full  # type: ignore[method-assign]
+    core.check_no_leaks()

@@ -192,3 +192,31 @@ def test_bad_logits_shape_raises():
         Sampler()(torch.zeros(3, V), [_row(SamplingParams())] * 2)
     with pytest.raises(ValueError, match="must be"):
         Sampler()(torch.zeros(V), [_row(SamplingParams())])
+
+
+def test_is_plain_greedy_only_without_processing() -> None:
+    from engine.sampler import is_plain_greedy
+
+    assert is_plain_greedy(SamplingParams(temperature=0.0), 0)
+    assert is_plain_greedy(SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4), 2)
+    for params, outputs in [
+        (SamplingParams(temperature=0.5), 0),
+        (SamplingParams(temperature=0.0, logprobs=0), 0),
+        (SamplingParams(temperature=0.0, repetition_penalty=1.1), 0),
+        (SamplingParams(temperature=0.0, presence_penalty=0.1), 0),
+        (SamplingParams(temperature=0.0, frequency_penalty=0.1), 0),
+        (SamplingParams(temperature=0.0, min_tokens=2, max_tokens=4), 1),
+    ]:
+        assert not is_plain_greedy(params, outputs), params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_equals_full_sampler(dtype) -> None:
+    logits = _logits(7, seed=12).to(dtype)
+    logits[3, 10] = logits[3, 11] = logits[3].max() + 1  # a tie: both take the first index
+    rows = [_row(SamplingParams(temperature=0.0))] * 7
+    fast = Sampler.greedy(logits)
+    assert fast == [r.token_id for r in Sampler()(logits, rows)]
+    assert fast == logits.float().argmax(-1).tolist() and fast[3] == 10
+    with pytest.raises(ValueError, match="must be \\[batch, vocab\\]"):
+        Sampler.greedy(logits[0])
