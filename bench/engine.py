@@ -89,6 +89,17 @@ def hf_rates(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[flo
 
 
 def _engine(args: argparse.Namespace, num_blocks: int | None) -> EngineCore:
+    core = _new_engine(args, num_blocks)
+    gemv = [p for p in (getattr(args, "gemv", "") or "").split(",") if p]
+    runner = core.runner
+    if gemv and hasattr(runner.net, "gemv_projections"):  # batch-1 projections through engine.ops.gemv
+        setattr(runner.net, "gemv_projections", frozenset(gemv))  # noqa: B010  (net is typed Module)
+        if runner.decode_graphs is not None:
+            runner.decode_graphs.capture()  # re-capture with the GEMV inside
+    return core
+
+
+def _new_engine(args: argparse.Namespace, num_blocks: int | None) -> EngineCore:
     return EngineCore(
         EngineConfig(
             ModelConfig(
@@ -260,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--fused-ops", default="auto", choices=["auto", "on", "off"],
                         help="merged GEMMs + fused small kernels (ModelConfig.fused_ops)")
+    parser.add_argument("--gemv", default="", help="comma list of qkv,o,gate_up,down: batch-1 projections "
+                        "through engine.ops.gemv instead of cuBLAS")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128], help="GPU decode batches")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096], help="GPU KV tokens/seq")
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32])

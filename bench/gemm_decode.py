@@ -5,7 +5,8 @@ so its ceiling is ``weight bytes / device copy bandwidth`` (read + write bytes o
 the same run, as in ``bench.engine``). For each Llama-3-8B projection (merged QKV, O, merged gate/up,
 down, LM head) and each ``M`` this prints the achieved weight-read bandwidth as a fraction of that
 ceiling (the GEMMs of one shape replayed from a CUDA graph, as in a decode step), for torch's
-default BLAS and for cuBLASLt (``torch.backends.cuda.preferred_blas_library``).
+default BLAS and for cuBLASLt (``torch.backends.cuda.preferred_blas_library``), and at one row for
+pdserve's Triton GEMV (``engine.ops.gemv``) over a few tile shapes.
 Eight copies of each weight are cycled so the 50 MB L2 cache never holds the matrix being read.
 
     python3 -m bench.gemm_decode --rows 1 8 32
@@ -14,6 +15,8 @@ Eight copies of each weight are cycled so the 50 MB L2 cache never holds the mat
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -24,10 +27,15 @@ SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
           ("lm_head", 128256, 4096))
 
 
-def gemm_seconds(rows: int, n: int, k: int, copies: int = 8, iters: int = 64) -> float:
+GEMV_TILES = ((8, 512, 4), (4, 512, 4), (16, 256, 4), (8, 1024, 8), (2, 1024, 4), (4, 256, 2), (16, 512, 8))
+
+
+def gemm_seconds(rows: int, n: int, k: int, copies: int = 8, iters: int = 64,
+                 fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> float:
     """Mean seconds of ``F.linear(x [rows, k], w [n, k])`` in bf16, cycling ``copies`` weights. The
     ``iters`` GEMMs are captured in one CUDA graph and replayed, as in a decode step, so Python launch
-    cost is not counted."""
+    cost is not counted. ``fn(x, w)`` replaces ``F.linear`` (e.g. ``engine.ops.gemv``)."""
+    op = fn or (lambda x, w: torch.nn.functional.linear(x, w))
     dev = torch.device("cuda")
     weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
@@ -35,12 +43,12 @@ def gemm_seconds(rows: int, n: int, k: int, copies: int = 8, iters: int = 64) ->
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):  # warm-up (cuBLAS picks and loads its kernels) off the capture
         for w in weights:
-            torch.nn.functional.linear(x, w)
+            op(x, w)
     torch.cuda.current_stream(dev).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(iters):
-            torch.nn.functional.linear(x, weights[i % copies])
+            op(x, weights[i % copies])
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -68,6 +76,24 @@ def main(argv: list[str] | None = None) -> None:
                 rate = n * k * 2 / sec
                 print(f"| {name} | {n} | {k} | {rows} | {lib} | {sec * 1e6:.1f} | {rate / 1e9:.0f} | "
                       f"{rate / bandwidth:.1%} |", flush=True)
+    if 1 in args.rows:
+        _gemv_rows(bandwidth)
+
+
+def _gemv_rows(bandwidth: float) -> None:
+    """One row per (shape, tile) of ``engine.ops.gemv`` at one row, checked against ``F.linear``."""
+    from engine.ops.gemv import gemv
+
+    for name, n, k in SHAPES:
+        for bn, bk, warps in GEMV_TILES:
+            fn = functools.partial(gemv, block_n=bn, block_k=bk, num_warps=warps)
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            err = (fn(x, w).float() - torch.nn.functional.linear(x, w).float()).abs().max().item()
+            sec = gemm_seconds(1, n, k, fn=fn)
+            rate = n * k * 2 / sec
+            print(f"| {name} | {n} | {k} | 1 | triton gemv {bn}x{bk} w{warps} (err {err:.2g}) | "
+                  f"{sec * 1e6:.1f} | {rate / 1e9:.0f} | {rate / bandwidth:.1%} |", flush=True)
 
 
 if __name__ == "__main__":
