@@ -23,23 +23,28 @@ LOG2E = 1.4426950408889634
 _NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: no inf - inf = NaN
 
 
-@triton.jit
+# num_splits is a run-time argument, never specialised: each value used to be a compile-time constant, so
+# an eager step (a mixed prefill + decode step) with a split count not seen before compiled two new kernels
+# on the serving path — ~2 s stalls on a fresh colocated worker (docs/benchmarks/bench-h200.md). Now the
+# split kernel compiles once and the reduce kernel once per power-of-two BLOCK_S (7 shapes up to 64 splits),
+# all met when the decode CUDA graphs are captured at start-up.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2,
+    scale_log2, num_splits,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # each sequence spreads its own length over the NUM_SPLITS splits (whole tiles), read from device
+    # each sequence spreads its own length over the num_splits splits (whole tiles), read from device
     # memory: the grid never depends on a step's lengths, so one CUDA graph serves every step
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     rows = tl.arange(0, BLOCK_G)
@@ -59,25 +64,25 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
         scale_log2, stride_cb, stride_cs, stride_ch,
         HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, True, PRECISION,
     )
-    part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split
+    part = (seq * NUM_HEADS + heads) * num_splits + split
     tl.store(part_m_ptr + part, m_i, mask=row_mask)
     tl.store(part_l_ptr + part, l_i, mask=row_mask)
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
              mask=row_mask[:, None] & dim_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    split_mask = splits < NUM_SPLITS
-    part = (seq * NUM_HEADS + head) * NUM_SPLITS + splits
+    split_mask = splits < num_splits
+    part = (seq * NUM_HEADS + head) * num_splits + splits
     m = tl.load(part_m_ptr + part, mask=split_mask, other=-1.0e30)
     l_s = tl.load(part_l_ptr + part, mask=split_mask, other=0.0)
     weight = tl.exp2(m - tl.max(m, 0))
@@ -153,16 +158,16 @@ def paged_decode_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_split_kernel[(n, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_m, part_l,
-        scale * LOG2E,
+        scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         NUM_HEADS=num_heads, QUERIES_PER_KV=qpk, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(qpk)), BLOCK_D=block_d,
+        BLOCK_G=max(16, triton.next_power_of_2(qpk)), BLOCK_D=block_d,
         BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
     )
     _decode_reduce_kernel[(n, num_heads)](
-        part_acc, part_m, part_l, out, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
     )
     return out

@@ -68,13 +68,16 @@ def warm_up_core(settings: WorkerSettings, core: EngineCore) -> WarmupReport | N
 
 def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_only: bool = False) -> int:
     """Build the engine and the worker (``factory``), serve until SIGTERM/SIGINT. Returns an exit code."""
+    from engine.compile_watch import CompileWatch
     from engine.serve.setup import default_transport_env
 
     default_transport_env()
+    watch = CompileWatch().install()  # a Triton compile after start-up is logged as a first-use stall
     try:
         core, path = build_core(settings, prefill_only=prefill_only)
         warm_up_core(settings, core)
         worker = factory(settings, core, path)
+        watch.serving()
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         log.error("pdserve %s: cannot start: %s", settings.role, exc)
         return 1

@@ -236,3 +236,25 @@ def test_paged_prefill_bf16_gpu(num_heads: int, num_kv_heads: int, head_dim: int
     out, ref = _prefill(batch, head_dim**-0.5)
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     assert_no_stray_writes(batch)
+
+
+@gpu_only
+def test_new_split_counts_compile_no_new_kernel() -> None:
+    """Regression (2×H200 serving): ``num_splits`` was a compile-time constant, so an eager mixed step
+    with a split count not met before compiled two new kernels on the serving path (~2 s stalls on a fresh
+    colocated worker). Now the split kernel compiles once for every count, and the reduce kernel once per
+    power-of-two ``BLOCK_S``; results stay equal to the reference."""
+    from engine.ops import paged_decode as pd
+
+    def variants(fn) -> int:  # type: ignore[no-untyped-def]
+        return sum(len(caches[0]) for caches in fn.device_caches.values())
+
+    dtype = torch.bfloat16
+    batch = make_batch([(95, 1), (60, 1)], 8, 2, 128, BS, dtype)
+    _decode(batch, 128**-0.5, 5)  # compiles the split kernel and the reduce kernel for BLOCK_S 8
+    split_before, reduce_before = variants(pd._decode_split_kernel), variants(pd._decode_reduce_kernel)
+    for splits in (6, 7, 3, 2):  # BLOCK_S 8, 8, 4, 2
+        out, ref = _decode(batch, 128**-0.5, splits)
+        torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert variants(pd._decode_split_kernel) == split_before
+    assert variants(pd._decode_reduce_kernel) <= reduce_before + 2  # BLOCK_S 4 and 2 at most
