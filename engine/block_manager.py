@@ -4,19 +4,52 @@ Modelled on nano-vllm's ``block_manager.py`` and vLLM's automatic prefix caching
 ``i`` is ``hash((hash of block i-1, tuple(token ids of block i)))`` so a hit on block ``i`` implies the
 whole prefix matches. Free blocks are either *uncached* (no hash; handed out lowest id first) or *cached*
 (hash kept, reusable by a prefix hit until evicted least-recently-freed first).
+
+Besides the free sets, two numpy boolean masks over block ids (``_free_mask``: ref_count 0;
+``_uncached_mask``: free and uncached) are kept in step with every state change, so
+:meth:`BlockManager.allocate_contiguous` finds a run with vectorised ops (:func:`first_run`) instead of
+a Python loop over every block id.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
 
 from engine.sequence import Sequence
+
+BoolArray = npt.NDArray[np.bool_]
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when more KV blocks are requested than are free (or than exist at all)."""
+
+
+def first_run(mask: BoolArray, n: int, scratch: tuple[BoolArray, BoolArray]) -> int | None:
+    """Lowest ``i`` with ``mask[i : i + n]`` all True (first fit), or None if no such run exists.
+
+    ``mask``: bool ``[num_blocks]``, not modified; ``scratch``: two bool ``[num_blocks]`` work buffers
+    (overwritten). Erosion by doubling: after a pass ``r[i]`` is True iff ``mask[i : i + k]`` is all
+    True; ``r_{k+s}[i] = r_k[i] & r_k[i + s]`` for ``s <= k``: binary-morphology erosion of the mask by a
+    length-``n`` segment, decomposed into ``ceil(log2 n)`` vectorised shift-and passes of O(num_blocks).
+
+    Raises:
+        ValueError: ``n < 1`` or ``n > len(mask)``.
+    """
+    if not 1 <= n <= len(mask):
+        raise ValueError(f"run length must be in [1, {len(mask)}], got {n}")
+    cur, k, turn = mask, 1, 0
+    while k < n:
+        step = min(k, n - k)
+        buf, turn = scratch[turn], 1 - turn
+        np.logical_and(cur[:-step], cur[step:], out=buf[:-step])
+        buf[-step:] = False
+        cur, k = buf, k + step
+    i = int(cur.argmax())  # the first True (argmax stops there)
+    return i if cur[i] else None
 
 
 class _Block:
@@ -46,7 +79,11 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self._free_uncached: set[int] = set(range(num_blocks))
         self._uncached_heap: list[int] = list(range(num_blocks))  # lazy: may hold ids no longer free
+        self._in_heap = np.ones(num_blocks, dtype=np.bool_)  # id has an entry in _uncached_heap
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
+        self._free_mask = np.ones(num_blocks, dtype=np.bool_)  # ref_count == 0
+        self._uncached_mask = np.ones(num_blocks, dtype=np.bool_)  # in _free_uncached
+        self._scratch = (np.empty(num_blocks, dtype=np.bool_), np.empty(num_blocks, dtype=np.bool_))
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,8 +143,10 @@ class BlockManager:
     def allocate_contiguous(self, num_blocks: int) -> list[int] | None:
         """Take a run of ``num_blocks`` consecutive free block ids (ref_count 1 each), or None.
 
-        Runs of uncached blocks are preferred; otherwise cached free blocks in the run are evicted.
-        The decode worker uses this so each request-layer arrives as one transfer.
+        First fit: the lowest-starting run of free *uncached* blocks; failing that, the lowest-starting
+        run of free blocks, whose cached ones are evicted (hashes dropped). The decode worker uses this
+        so each request-layer arrives as one transfer. Cost: ``ceil(log2 num_blocks)`` vectorised passes
+        over the block masks (:func:`first_run`; ~10-30 µs at 34k blocks) plus Python work per block taken.
 
         Raises:
             NoFreeBlocksError: ``num_blocks`` exceeds the number of blocks that exist.
@@ -117,15 +156,14 @@ class BlockManager:
             raise ValueError(f"allocate_contiguous needs num_blocks >= 1, got {num_blocks}")
         if num_blocks > self.num_blocks:
             raise NoFreeBlocksError(f"{num_blocks} contiguous blocks asked, only {self.num_blocks} exist")
-        start = self._find_run(num_blocks, self._free_uncached.__contains__)
-        if start is None:
-            start = self._find_run(num_blocks, lambda b: self._blocks[b].ref_count == 0)
+        start = None
+        if len(self._free_uncached) >= num_blocks:
+            start = first_run(self._uncached_mask, num_blocks, self._scratch)
+        if start is None and self.num_free_blocks >= num_blocks:
+            start = first_run(self._free_mask, num_blocks, self._scratch)
         if start is None:
             return None
-        run = list(range(start, start + num_blocks))
-        for block_id in run:
-            self._take_specific(block_id)
-        return run
+        return self._take_run(start, num_blocks)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register hashes of the blocks of ``seq`` whose tokens are all computed (call after a step).
@@ -178,24 +216,18 @@ class BlockManager:
         if self.num_free_blocks != self.num_blocks:
             raise AssertionError(f"free lists hold {self.num_free_blocks} of {self.num_blocks} blocks")
 
-    def _find_run(self, n: int, is_free: Callable[[int], bool]) -> int | None:
-        run = 0
-        for block_id in range(self.num_blocks):
-            run = run + 1 if is_free(block_id) else 0
-            if run == n:
-                return block_id - n + 1
-        return None
-
     def _ref(self, block_id: int) -> None:
         block = self._blocks[block_id]
         if block.ref_count == 0:
             self._free_cached.pop(block_id, None)
             self._free_uncached.discard(block_id)
+            self._free_mask[block_id] = self._uncached_mask[block_id] = False
         block.ref_count += 1
 
     def _take_free_block(self) -> int:
         while self._uncached_heap:
             block_id = heapq.heappop(self._uncached_heap)
+            self._in_heap[block_id] = False
             if block_id in self._free_uncached:
                 self._take_specific(block_id)
                 return block_id
@@ -208,14 +240,35 @@ class BlockManager:
         assert block.ref_count == 0, f"block {block_id} is in use"
         self._free_uncached.discard(block_id)
         self._free_cached.pop(block_id, None)
-        if block.block_hash is not None:  # evict: its old content is about to be overwritten
-            if self._hash_to_block.get(block.block_hash) == block_id:
-                del self._hash_to_block[block.block_hash]
-            block.block_hash = None
-            block.token_ids = ()
+        self._free_mask[block_id] = self._uncached_mask[block_id] = False
+        if block.block_hash is not None:
+            self._evict(block)
         block.ref_count = 1
 
+    def _take_run(self, start: int, n: int) -> list[int]:
+        """``_take_specific`` on blocks ``start..start+n-1`` (all free), the masks and sets in bulk."""
+        run = list(range(start, start + n))
+        self._free_mask[start : start + n] = False
+        self._uncached_mask[start : start + n] = False
+        self._free_uncached.difference_update(run)
+        for block_id in run:
+            block = self._blocks[block_id]
+            assert block.ref_count == 0, f"block {block_id} is in use"
+            if block.block_hash is not None:  # a free block with a hash is a cached one
+                del self._free_cached[block_id]
+                self._evict(block)
+            block.ref_count = 1
+        return run
+
+    def _evict(self, block: _Block) -> None:
+        """Drop a block's hash: its old content is about to be overwritten."""
+        if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block.block_id:
+            del self._hash_to_block[block.block_hash]
+        block.block_hash = None
+        block.token_ids = ()
+
     def _release(self, block: _Block) -> None:
+        self._free_mask[block.block_id] = True
         if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block.block_id:
             self._free_cached[block.block_id] = None
             self._free_cached.move_to_end(block.block_id)
@@ -223,4 +276,7 @@ class BlockManager:
             block.block_hash = None
             block.token_ids = ()
             self._free_uncached.add(block.block_id)
-            heapq.heappush(self._uncached_heap, block.block_id)
+            self._uncached_mask[block.block_id] = True
+            if not self._in_heap[block.block_id]:  # one entry per id keeps the heap <= num_blocks
+                self._in_heap[block.block_id] = True
+                heapq.heappush(self._uncached_heap, block.block_id)

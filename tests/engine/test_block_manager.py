@@ -1,4 +1,6 @@
-"""BlockManager: allocation, ref counts, prefix hits, LRU eviction, contiguous runs, leak checks."""
+"""BlockManager: allocation, ref counts, prefix hits, LRU eviction, contiguous runs, leak checks, and
+the numpy free masks behind allocate_contiguous (kept in step with the free sets; random-op property
+test against the former Python scan)."""
 
 from __future__ import annotations
 
