@@ -69,7 +69,8 @@ class GatewayMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("pdserve_requests", "HTTP requests by endpoint and status",
+        self.requests = Counter("pdserve_requests", "HTTP requests by endpoint and status "
+                                "(not /health, /ready or /metrics)",
                                 ["endpoint", "status"], registry=r)
         self.ttft = Histogram("pdserve_ttft_seconds", "time to first token", buckets=_LAT_BUCKETS, registry=r)
         self.tpot = Histogram("pdserve_tpot_seconds", "mean time per output token after the first",

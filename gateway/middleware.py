@@ -16,7 +16,12 @@ from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+# Health/readiness probes and Prometheus scrapes are not user traffic: `pdserve up`, Kubernetes probes and
+# Prometheus poll them every few seconds, which would swamp the request rate and error-ratio panels. As
+# vLLM does (vllm/entrypoints/serve/instrumentator/metrics.py: prometheus-fastapi-instrumentator with
+# excluded_handlers /metrics, /health, /load, /ping, /version, /server_info), they are not counted at all.
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
 def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
@@ -31,7 +36,8 @@ def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
 
 class GatewayMiddleware:
     """Sets ``scope["state"]["request_id"]``, refuses bodies over ``max_body_bytes`` (413), counts
-    ``pdserve_requests_total{endpoint,status}``."""
+    ``pdserve_requests_total{endpoint,status}`` for every path except the probes in ``PROBE_PATHS``
+    (``endpoint`` is the API path, or ``other`` for unknown paths)."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body_bytes: int) -> None:
         self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
@@ -64,7 +70,8 @@ class GatewayMiddleware:
                 return
             await self.app(scope, replay, send_wrapper)
         finally:
-            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+            if path not in PROBE_PATHS:
+                self.metrics.requests.labels(endpoint, str(status["code"])).inc()
 
     async def _read_body(self, receive: Receive) -> Receive | None:
         """Read the whole body (bounded by ``max_body_bytes`` whatever Content-Length says, so chunked

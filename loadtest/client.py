@@ -84,13 +84,25 @@ async def _read_stream(resp: httpx.Response, timing: _Timing, clock: Callable[[]
     raise StreamError("stream ended without [DONE]")
 
 
-def _error_message(body: bytes) -> str:
+def error_fields(body: bytes) -> tuple[str | None, str]:
+    """``(code, message)`` of an HTTP error body; ``message`` is cut to 300 characters.
+
+    OpenAI's shape is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI API reference, "Error
+    codes"). ``code`` is taken when it is a non-empty string, else ``type`` (vLLM sends ``"code": 404``
+    and ``"type": "NotFoundError"``), else None. A body without an ``error`` object gives ``(None, its
+    text)``.
+    """
+    text = body[:_MAX_ERROR_CHARS].decode("utf-8", "replace")
     try:
         err = json.loads(body).get("error")
-        msg = err.get("message") if isinstance(err, dict) else err
-        return str(msg)[:_MAX_ERROR_CHARS]
     except (ValueError, AttributeError):
-        return body[:_MAX_ERROR_CHARS].decode("utf-8", "replace")
+        return None, text
+    if err is None:
+        return None, text
+    if not isinstance(err, dict):
+        return None, str(err)[:_MAX_ERROR_CHARS]
+    code = next((c for c in (err.get("code"), err.get("type")) if isinstance(c, str) and c), None)
+    return code, str(err.get("message"))[:_MAX_ERROR_CHARS]
 
 
 @dataclass(frozen=True)
@@ -123,7 +135,7 @@ async def send_request(
         async with asyncio.timeout(timeout_s), client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
                 rec.error_kind, rec.http_status = "http_status", resp.status_code
-                rec.error = _error_message(await resp.aread())
+                rec.error_code, rec.error = error_fields(await resp.aread())
                 return rec, ""
             await _read_stream(resp, timing, clock)
     except (TimeoutError, httpx.TimeoutException):

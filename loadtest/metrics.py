@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from loadtest.config import SLOConfig
-from loadtest.records import LatencyStats, RequestRecord, Summary
+from loadtest.records import ErrorGroup, LatencyStats, RequestRecord, Summary
 
 
 def tpot_s(rec: RequestRecord) -> float | None:
@@ -42,6 +42,26 @@ def meets_slo(rec: RequestRecord, slo: SLOConfig) -> bool:
         return False
     tpot = tpot_s(rec)
     return tpot is None or tpot * 1000.0 <= slo.tpot_ms
+
+
+def error_label(rec: RequestRecord) -> str:
+    """How a failed request is grouped: ``"<status> <code>"`` for an HTTP error (``"404
+    model_not_found"``, or just ``"500"`` when the body had no code), else its ``error_kind``."""
+    if rec.error_kind == "http_status" and rec.http_status is not None:
+        return f"{rec.http_status} {rec.error_code}" if rec.error_code else str(rec.http_status)
+    return rec.error_kind or "unknown"
+
+
+def error_groups(records: Sequence[RequestRecord]) -> list[ErrorGroup]:
+    """Failed ``records`` grouped by ``error_label``: count and the first (lowest index) message of
+    each, most frequent first (ties by label)."""
+    failed = sorted((r for r in records if not r.success), key=lambda r: r.index)
+    counts = Counter(error_label(r) for r in failed)
+    examples: dict[str, str] = {}
+    for r in failed:
+        examples.setdefault(error_label(r), r.error)
+    return [ErrorGroup(label, n, examples[label])
+            for label, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLOConfig) -> Summary:
@@ -73,4 +93,5 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLOConfi
         tpot_ms=latency_stats(tpots),
         itl_ms=latency_stats([g for r in ok for g in r.itl_s]),
         e2e_ms=latency_stats([r.e2e_s for r in ok if r.e2e_s is not None]),
+        error_groups=error_groups(records),
     )

@@ -16,7 +16,9 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     ``start_s``: send time, seconds since the run started. ``ttft_s``: send → first non-empty token
     chunk. ``itl_s``: every gap between consecutive token chunks. ``e2e_s``: send → end of stream.
     ``output_tokens``: the server's ``usage.completion_tokens`` when it sent usage
-    (``usage_reported``), else the number of token chunks. ``error_kind`` is one of ``ERROR_KINDS``.
+    (``usage_reported``), else the number of token chunks. ``error_kind`` is one of ``ERROR_KINDS``;
+    for ``http_status`` errors ``error_code`` is the OpenAI error body's ``code`` (its ``type`` when the
+    code is not a string, as vLLM sends it) and ``error`` its ``message``.
     """
 
     index: int
@@ -32,6 +34,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     usage_reported: bool = False
     error_kind: str | None = None
     http_status: int | None = None
+    error_code: str | None = None
     error: str = ""
 
 
@@ -46,8 +49,21 @@ class LatencyStats(msgspec.Struct):
     max: float
 
 
+class ErrorGroup(msgspec.Struct):
+    """Failed requests of one kind: ``label`` (e.g. ``404 model_not_found``, ``timeout``), how many, and
+    the message of the first of them (so a summary says *why* requests failed, not only how many)."""
+
+    label: str
+    count: int
+    example: str
+
+
 class Summary(msgspec.Struct, kw_only=True):
-    """Aggregates of one run. Throughputs and goodput are per second of ``duration_s``."""
+    """Aggregates of one run. Throughputs and goodput are per second of ``duration_s``.
+
+    ``error_groups``: failures grouped by ``loadtest.metrics.error_label``, most frequent first (empty in
+    result files written before it existed).
+    """
 
     num_requests: int
     completed: int
@@ -64,6 +80,7 @@ class Summary(msgspec.Struct, kw_only=True):
     tpot_ms: LatencyStats | None
     itl_ms: LatencyStats | None
     e2e_ms: LatencyStats | None
+    error_groups: list[ErrorGroup] = msgspec.field(default_factory=list)
 
 
 class FaultResult(msgspec.Struct, kw_only=True):

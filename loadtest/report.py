@@ -47,7 +47,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def markdown_summary(result: BenchResult) -> str:
-    """A Markdown report: one row per run, then faults, phases and the KV-block scrape where present."""
+    """A Markdown report: one row per run, then per run its errors (kind, count, an example message),
+    faults, phases and the KV-block scrape where present."""
     first = result.runs[0].summary if result.runs else None
     slo = f"TTFT <= {first.slo_ttft_ms:g} ms, TPOT <= {first.slo_tpot_ms:g} ms" if first else "-"
     lines = ["# pdserve bench", "", f"Goodput SLOs: {slo}", ""]
@@ -58,8 +59,17 @@ def markdown_summary(result: BenchResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cell(text: str) -> str:
+    """``text`` made safe for one Markdown table cell (no pipe, no line break)."""
+    return " ".join(text.split()).replace("|", "\\|") or "-"
+
+
 def _run_details(run: RunResult) -> list[str]:
     lines: list[str] = []
+    if run.summary.error_groups:
+        lines += ["", f"## Errors ({run.label})", ""]
+        lines += _table(["error", "count", "example message"],
+                        [[g.label, str(g.count), _cell(g.example)] for g in run.summary.error_groups])
     if run.faults:
         lines += ["", f"## Faults ({run.label})", ""]
         lines += _table(["at s", "started s", "status", "rc", "cmd"],

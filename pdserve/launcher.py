@@ -3,8 +3,12 @@
 Steps: convert/locate the model once (so workers do not race on the cache), pick a free 127.0.0.1 port
 for the control socket, start the gateway, then the workers (each a ``python -m pdserve.cli <role>``
 child), wait until the gateway's ``/ready`` answers 200, print the URL and an example request, and
-supervise: on Ctrl-C / SIGTERM every child gets SIGTERM (SIGKILL after ``grace`` seconds); if a child
-dies on its own, that is reported and the rest are stopped. Internal ports bind 127.0.0.1 only.
+supervise: on Ctrl-C / SIGTERM / SIGHUP every child gets SIGTERM (SIGKILL after ``grace`` seconds), one
+line is printed per child stopped, and the exit code is 128 + the signal number (130 for Ctrl-C); if a
+child dies on its own, that is reported and the rest are stopped. Each child runs in a process group of
+its own, so a terminal's Ctrl-C (sent to the whole foreground group) reaches only the launcher: a child
+still importing torch is stopped by the launcher's SIGTERM, not interrupted mid-import with a
+KeyboardInterrupt traceback. Internal ports bind 127.0.0.1 only.
 On CPU the KV transport is ``nixl`` (measured working on the 2-core machines; ``ucx`` also works).
 """
 
@@ -80,40 +84,47 @@ class Supervisor:
     children: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(self, name: str, args: list[str], log_path: str | None = None) -> None:
-        """Start ``python -m pdserve.cli *args`` as child ``name``; its output goes to ``log_path`` (a
-        file, appended) or, by default, to this process's stdout/stderr."""
+        """Start ``python -m pdserve.cli *args`` as child ``name`` in a new process group (signals sent to
+        the terminal's foreground group do not reach it: only ``stop_all`` stops it); its output goes to
+        ``log_path`` (a file, appended) or, by default, to this process's stdout/stderr."""
         cmd = [sys.executable, "-m", "pdserve.cli", *args]
         if log_path is None:
-            self.children[name] = subprocess.Popen(cmd, env=dict(os.environ))
+            self.children[name] = subprocess.Popen(cmd, env=dict(os.environ), process_group=0)
         else:
             with open(log_path, "ab") as out:
                 self.children[name] = subprocess.Popen(cmd, env=dict(os.environ), stdout=out,
-                                                       stderr=subprocess.STDOUT)
+                                                       stderr=subprocess.STDOUT, process_group=0)
         log.info("started %s (pid %d)", name, self.children[name].pid)
 
     def dead(self) -> list[tuple[str, int]]:
         """(name, exit code) of every child that has exited."""
         return [(n, p.returncode) for n, p in self.children.items() if p.poll() is not None]
 
-    def stop_all(self) -> None:
-        """SIGTERM every live child (workers first, gateway last), wait, SIGKILL stragglers."""
+    def stop_all(self) -> list[tuple[str, int, str]]:
+        """SIGTERM every live child (workers first, gateway last), wait, SIGKILL stragglers.
+
+        Returns ``(name, pid, "stopped" | "killed")`` for each child that was still running (children
+        that had already exited are not listed); every child has been reaped on return."""
         order = [n for n in self.children if n != "gateway"] + [n for n in self.children if n == "gateway"]
+        live = [n for n in order if self.children[n].poll() is None]
+        for name in live:
+            self.children[name].send_signal(signal.SIGTERM)
+        deadline, done = time.monotonic() + self.grace, []
         for name in order:
-            proc = self.children[name]
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.grace
-        for name in order:
-            proc = self.children[name]
+            proc, how = self.children[name], "stopped"
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop within %.0f s: killing it", name, self.grace)
                 proc.kill()
                 proc.wait()
+                how = "killed"
+            if name in live:
+                done.append((name, proc.pid, how))
+        return done
 
 
-def wait_ready(sup: Supervisor, url: str, timeout: float, stop: list[bool]) -> str | None:
+def wait_ready(sup: Supervisor, url: str, timeout: float, stop: list[int]) -> str | None:
     """Poll ``url``/ready until 200. Returns None when ready, else why not (child died, timeout, signal)."""
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=2.0) as client:
@@ -139,32 +150,42 @@ def example(url: str, model: str) -> str:
     return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
     """Entry point of ``pdserve up``: start, wait for /ready, supervise until a signal or a child dies.
 
-    Returns 0 after a clean Ctrl-C/SIGTERM, 1 when a child died or start-up failed.
+    Returns 128 + the signal number after a stop by signal (130: Ctrl-C, 143: SIGTERM, 129: SIGHUP; also
+    when it comes during start-up or the model conversion), 1 when a child died or start-up failed.
     """
-    from engine.models.registry import resolve_model
-
     try:
+        from engine.models.registry import resolve_model
+
         resolve_model(settings.model)  # convert the embedded model once, before the workers race for it
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before any child started (the conversion leaves no partial dir)
+        print("pdserve up: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per /ready poll
-    stop: list[bool] = []
+    stop: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.append(True)
+        stop.append(signum)
 
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    old = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     sup = Supervisor()
     try:
-        return _supervise(settings, sup, stop, ready_timeout)
+        code = _supervise(settings, sup, stop, ready_timeout)
     finally:
-        sup.stop_all()
+        stopped = sup.stop_all()
         for sig, handler in old.items():
             signal.signal(sig, handler)
+    for name, pid, how in stopped:
+        print(f"pdserve up: {how} {name} (pid {pid})", file=sys.stderr, flush=True)
+    return 128 + stop[0] if stop else code
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -180,7 +201,7 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
-def _supervise(settings: UpSettings, sup: Supervisor, stop: list[bool], ready_timeout: float) -> int:
+def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_timeout: float) -> int:
     url = f"http://127.0.0.1:{settings.port}"
     if port_in_use(settings.port):  # fail now, not after the workers loaded (or converted) the model
         print(f"pdserve up: port {settings.port} on 127.0.0.1 is in use; choose another with --port",
@@ -188,6 +209,8 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[bool], ready_ti
         return 1
     gpus = gpu_count() if settings.device in ("auto", "cuda") else 0
     for name, args in plan(settings, free_port(), gpus):
+        if stop:
+            return 0  # interrupted while starting: start no more children
         sup.start(name, args)
     why = wait_ready(sup, url, ready_timeout, stop)
     if why == "interrupted":
@@ -204,5 +227,4 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[bool], ready_ti
             print(f"pdserve up: {name} exited with code {code}; stopping the rest", file=sys.stderr)
             return 1
         time.sleep(0.5)
-    print("pdserve up: stopping", file=sys.stderr)
     return 0

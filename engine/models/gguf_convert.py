@@ -103,7 +103,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") 
     with _file_lock(out_dir.parent / f".{out_dir.name}.lock"):
         if out_dir.is_dir():  # another process finished while we waited
             return out_dir
-        logger.warning("pdserve: converting %s → %s (%s, once; ~25 s)", gguf_path.name, out_dir, dtype)
+        logger.info("pdserve: converting %s → %s (%s, once; ~25 s)", gguf_path.name, out_dir, dtype)
         start = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
         try:
@@ -113,7 +113,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") 
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        logger.warning("pdserve: conversion done in %.1f s", time.monotonic() - start)
+        logger.info("pdserve: conversion done in %.1f s", time.monotonic() - start)
     return out_dir
 
 

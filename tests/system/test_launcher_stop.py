@@ -1,0 +1,106 @@
+"""Ctrl-C on ``pdserve up`` while the workers are still importing (torch takes seconds): the launcher
+stops every child quietly — one line per child stopped, no traceback, exit code 130 — and no child
+process outlives it. Found by a new-user trial: the terminal's SIGINT reached the children too (one
+process group), each died with a KeyboardInterrupt traceback from inside ``import torch``.
+
+The gateway is the real one and serving when the Ctrl-C comes; the workers are stand-ins slow to
+import: ``prefill_worker`` / ``decode_worker`` packages in the launcher's working directory (first on a
+``python -m`` child's ``sys.path``) whose ``main`` module sleeps at import time and marks that it does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import free_ports
+
+ROOT = Path(__file__).resolve().parents[2]
+SLOW_MAIN = '''import os, pathlib, time
+pathlib.Path(os.environ["MARK_DIR"], "{role}").write_text(str(os.getpid()))
+time.sleep(120)  # stands in for `import torch` on a slow machine
+
+
+def run(settings):
+    return 0
+'''
+
+
+def _slow_workers(cwd: Path) -> None:
+    for role in ("prefill", "decode"):
+        pkg = cwd / f"{role}_worker"
+        pkg.mkdir()
+        (pkg / "__init__.py").write_text("")
+        (pkg / "main.py").write_text(SLOW_MAIN.format(role=role))
+
+
+def _serving(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)  # each child leads its own process group: nothing of it may remain
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig, whole_group, code", [
+    (signal.SIGINT, True, 130),  # Ctrl-C in a terminal: SIGINT to the whole foreground process group
+    (signal.SIGTERM, False, 143),  # `kill PID`, `docker stop`: SIGTERM to the launcher alone
+])
+def test_stop_signal_during_worker_import_stops_children_quietly(tmp_path: Path, sig: signal.Signals,
+                                                                 whole_group: bool, code: int) -> None:
+    cwd, marks = tmp_path / "cwd", tmp_path / "marks"
+    cwd.mkdir()
+    marks.mkdir()
+    _slow_workers(cwd)
+    env = {**os.environ, "MARK_DIR": str(marks), "PDSERVE_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": str(ROOT)}
+    port = free_ports(1)[0]
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--model", "tiny-llama", "--device", "cpu",
+           "--port", str(port), "--transfer-backend", "loopback"]
+    # a new session: the launcher leads its own process group, as a shell job in a terminal does
+    up = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(marks.iterdir())) < 2 or not _serving(port):  # the gateway answers, workers import
+            assert up.poll() is None, up.communicate()
+            assert time.monotonic() < deadline, "workers never started importing"
+            time.sleep(0.05)
+        if whole_group:
+            os.killpg(up.pid, sig)
+        else:
+            os.kill(up.pid, sig)
+        _, err = up.communicate(timeout=30)
+    finally:
+        if up.poll() is None:  # the test failed before the launcher exited: let it stop its children
+            up.terminate()
+            try:
+                up.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+                up.wait()
+    text = err.decode()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert up.returncode == code, text
+    stopped = re.findall(r"^pdserve up: stopped (\S+) \(pid (\d+)\)$", text, re.MULTILINE)
+    assert sorted(name for name, _ in stopped) == ["decode-0", "gateway", "prefill-0"], text
+    pids = {name: int(pid) for name, pid in stopped}
+    for role in ("prefill", "decode"):  # the stand-ins that were mid-import are the ones reported
+        assert int((marks / role).read_text()) == pids[f"{role}-0"]
+    assert all(_gone(pid) for pid in pids.values())  # leak check: no child or grandchild outlives `up`
