@@ -3,7 +3,10 @@ metadata, epochs) and the per-request Begin. Runs on the sender's loop thread on
 
 A request's Begin goes out once its receiver's handshake (of the handle's epoch) is answered; a
 HelloReply with a new epoch means the receiver restarted: the old incarnation's requests fail and every
-write posted to it is cancelled (liveness.py) before the transport connects to the new one.
+write posted to it is cancelled (liveness.py) before the transport connects to the new one. A
+Rehandshake (the receiver answering a message of ours it cannot place: it dropped us, or restarted)
+fails at once every request begun there, cancels every write posted to it and says Hello again;
+PENDING requests of its current epoch get their Begin after the new handshake.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING
 from kvtransfer import messages as m
 from kvtransfer.endpoint import RequestState
 from kvtransfer.liveness import Receiver
+from kvtransfer.pipeline import LayerOp, LayerPipeline
 from kvtransfer.transport import SendTransport
 from kvtransfer.types import IncompatiblePeerError, TransferConfig, TransferStatus
 
@@ -31,12 +35,14 @@ class Handshake:
     transport: SendTransport
     _lock: threading.Condition
     _requests: dict[str, RequestState]
+    _pipe: LayerPipeline
 
     if TYPE_CHECKING:
         def _peer(self, address: str) -> Receiver: ...
         def _send(self, peer: Receiver, msg: m.Message) -> None: ...
         def _set(self, st: RequestState, status: TransferStatus, reason: str = "") -> None: ...
         def _fail_peer(self, peer: Receiver, reason: str, only_epoch: int = 0) -> None: ...
+        def _dropped(self, ops: list[LayerOp]) -> None: ...
 
     def _hello(self, address: str, fut: cf.Future[None] | None = None) -> None:
         peer = self._peer(address)
@@ -82,3 +88,29 @@ class Handshake:
                 else:
                     st.extra["begin_sent"] = True
                     self._send(peer, m.Begin(st.handle.request_id, r.epoch))
+
+    def _on_rehandshake(self, peer: Receiver, r: m.Rehandshake) -> None:
+        """The receiver at `peer` does not know us (messages.Rehandshake): it voided every write of ours
+        (its requests FAILED, their blocks held until their deadline), so fail each request bound to it
+        except PENDING ones of its current epoch (their Begin was refused unread: it goes out again once
+        the new Hello is answered), cancel every write posted to it, drop its transport state and Hello.
+        Stopped fences still to send are dropped: the receiver no longer waits for them."""
+        if not peer.epoch:
+            return  # answers a message sent before our Hello (or we had given this receiver up already)
+        why = (f"receiver {r.receiver_id} at {peer.address} restarted" if r.epoch != peer.epoch else
+               f"receiver {r.receiver_id} at {peer.address} dropped this sender: {r.reason}")
+        with self._lock:
+            for st in self._requests.values():
+                if st.handle.address != peer.address:
+                    continue
+                if st.status is S.PENDING and st.handle.epoch == r.epoch:
+                    st.extra["begin_sent"] = False
+                    continue
+                st.extra["answered"], st.extra["stop"] = True, None
+                stale = f"stale handle: epoch {st.handle.epoch} != receiver's {r.epoch} ({why})"
+                self._set(st, S.FAILED, stale if st.status is S.PENDING else why)  # PENDING: never begun
+                self._dropped(self._pipe.cancel(st.handle.request_id, posted=False))
+            self._dropped(self._pipe.cancel_peer(peer.address))
+        self.transport.remove_peer(peer.address)
+        peer.epoch = 0
+        self._hello(peer.address)

@@ -6,7 +6,9 @@ request before writing any block: the receiver refuses requests it no longer exp
 writes into reused blocks); LayerNotice (two-sided transports only: data for a layer follows; one-sided
 ones carry it, or a LayerNotices batch, as the notification of the write itself); Done /
 Fail / Abort from the receiver; Stopped from the sender (it will write nothing more for the request);
-Heartbeat both ways.
+Heartbeat both ways; Rehandshake from the receiver in answer to any message but Hello of a sender it
+does not know (it dropped the sender, or restarted): the sender fails what it had begun there and
+says Hello again (protocol version 4).
 """
 
 from __future__ import annotations
@@ -57,12 +59,22 @@ class Begin(msgspec.Struct, tag=True):
 
 
 class BeginReply(msgspec.Struct, tag=True):
-    """`rehandshake`: the receiver does not know this sender (it restarted or dropped us): Hello again."""
-
     request_id: str
     ok: bool
     reason: str = ""
-    rehandshake: bool = False
+
+
+class Rehandshake(msgspec.Struct, tag=True):
+    """The receiver does not know the sender of the message it answers: it dropped that sender (no
+    heartbeat for peer_timeout_s, e.g. while the sender's loop stalled) or restarted (`epoch` is then
+    new). Every write of that sender it had accepted is void (its requests FAILED there, their blocks
+    held until their deadline); the sender must fail the requests it began there, cancel its writes
+    to it and send Hello before any Begin. `reason`: why the receiver dropped it, for the request's
+    FAILED reason."""
+
+    receiver_id: str
+    epoch: int
+    reason: str
 
 
 class LayerNotice(msgspec.Struct, tag=True):
@@ -109,8 +121,8 @@ class Heartbeat(msgspec.Struct, tag=True):
     epoch: int
 
 
-Message = (Hello | HelloReply | Begin | BeginReply | LayerNotice | LayerNotices | Done | Fail | Abort
-           | Stopped | Heartbeat)
+Message = (Hello | HelloReply | Begin | BeginReply | Rehandshake | LayerNotice | LayerNotices | Done | Fail
+           | Abort | Stopped | Heartbeat)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

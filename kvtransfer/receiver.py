@@ -2,7 +2,10 @@
 
 A block is released only when no write can still land in it: after DONE, after the sender said
 Stopped, when the sender never claimed the request (Begin), or when the deadline passed and the sender
-is gone (heartbeats lost, or it came back with a new epoch).
+is gone (heartbeats lost, or it came back with a new epoch). A sender dropped while alive (its loop
+stalled past peer_timeout_s) is told so: any message but Hello from a sender we do not know is answered
+with messages.Rehandshake; its dropped requests stay FAILED and held until their deadline, whatever it
+says later (no Stopped of it is trusted for them: its writes were cancelled, not completed).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kvtransfer.transport import RecvTransport
 from kvtransfer.types import KVHandle, TransferConfig, TransferStatus
 
 S = TransferStatus
+FORGOTTEN_MAX = 1024  # dropped senders whose drop reason is kept for their Rehandshake
 
 
 @dataclass
@@ -47,6 +51,7 @@ class KVReceiver(Endpoint):
         self.transport = transport
         self.address = ""
         self._senders: dict[bytes, _Sender] = {}
+        self._forgotten: dict[bytes, str] = {}  # dropped sender identity → why (for its Rehandshake)
         self._posted: dict[int, tuple[str, int, int | None, bytes]] = {}
         self._keys = itertools.count(1)
         self._next_beat = 0.0
@@ -155,10 +160,9 @@ class KVReceiver(Endpoint):
             sender.last_seen = time.monotonic()
         if isinstance(msg, m.Hello):
             self._on_hello(identity, msg)
-        elif sender is None:
-            if isinstance(msg, m.Begin):
-                self._send(identity, m.BeginReply(msg.request_id, False, "no handshake with this sender",
-                                                        rehandshake=True))
+        elif sender is None:  # we dropped it (or restarted) while it lives on: tell it to Hello again
+            why = self._forgotten.get(identity, "no handshake with this sender (receiver restarted?)")
+            self._send(identity, m.Rehandshake(self.config.worker_id, self.epoch, why))
         elif isinstance(msg, m.Begin):
             self._send(identity, self._on_begin(identity, msg))
         elif isinstance(msg, m.LayerNotice):
@@ -166,7 +170,7 @@ class KVReceiver(Endpoint):
         elif isinstance(msg, m.Stopped):
             with self._lock:
                 st = self._requests.get(msg.request_id)
-                if st is not None and st.extra["sender"] == identity:
+                if st is not None and st.extra["sender"] == identity and not st.extra["gone"]:
                     st.extra["stopped"] = True
                     self._set(st, S.ABORTED if msg.aborted else S.FAILED,
                               "aborted by sender" if msg.aborted else f"sender stopped: {msg.reason}")
@@ -178,6 +182,7 @@ class KVReceiver(Endpoint):
             for old in [s for s in self._senders.values() if s.sender_id == hello.sender_id
                         and s.epoch != hello.epoch]:
                 self._drop_sender(old, f"sender {hello.sender_id} restarted (new epoch)")
+            self._forgotten.pop(identity, None)
             if identity not in self._senders:
                 self.transport.add_peer(identity.hex(), hello.transport)
                 self._senders[identity] = _Sender(identity, hello.sender_id, hello.epoch, time.monotonic())
@@ -201,7 +206,7 @@ class KVReceiver(Endpoint):
     def _on_notice(self, identity: bytes, n: m.LayerNotice) -> None:
         with self._lock:
             st = self._requests.get(n.request_id)
-            if st is None or st.extra["sender"] != identity:
+            if st is None or st.extra["sender"] != identity or st.extra["gone"]:
                 return
             pieces = layer_pieces(self.layout, st.handle.block_ids, n.layer, n.cuts)
         key = next(self._keys)
@@ -249,6 +254,9 @@ class KVReceiver(Endpoint):
 
     def _drop_sender(self, s: _Sender, reason: str) -> None:
         del self._senders[s.identity]
+        self._forgotten[s.identity] = reason
+        while len(self._forgotten) > FORGOTTEN_MAX:  # senders that never came back (oldest first)
+            del self._forgotten[next(iter(self._forgotten))]
         self.transport.remove_peer(s.identity.hex())
         self._posted = {k: v for k, v in self._posted.items() if v[3] != s.identity}
         with self._lock:

@@ -195,16 +195,13 @@ class KVSender(Handshake, PeerLiveness, SendPath, Endpoint):
         if isinstance(msg, m.HelloReply):
             self._on_hello_reply(peer, msg)
             return
+        if isinstance(msg, m.Rehandshake):
+            self._on_rehandshake(peer, msg)
+            return
         rid = getattr(msg, "request_id", None)
         with self._lock:
             st = self._requests.get(rid) if rid is not None else None
             if st is None:
-                return
-            if isinstance(msg, m.BeginReply) and msg.rehandshake and st.status is S.PENDING:
-                st.extra["begin_sent"] = False  # Begin again after a fresh handshake
-                self.transport.remove_peer(peer.address)
-                peer.epoch = 0
-                self._hello(peer.address)
                 return
             if isinstance(msg, m.BeginReply):
                 st.extra["begun"], st.extra["answered"] = msg.ok, True

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: one-sided writes may carry a LayerNotices batch as their notification;
-# 3: a LayerNotice carries the source cuts of a direct write (two-sided receives match its pieces)
+PROTOCOL_VERSION = 4  # 2: one-sided writes may carry a LayerNotices batch as their notification;
+# 3: a LayerNotice carries the source cuts of a direct write (two-sided receives match its pieces);
+# 4: a receiver answers a sender it does not know with Rehandshake (BeginReply lost `rehandshake`)
 
 
 class TransferStatus(enum.Enum):

@@ -2,9 +2,9 @@
 
 Commands (tuples): ("connect", address) → None or error text; ("add", handle_bytes, src_ids) → None;
 ("layers", request_id, [layers]) → None; ("abort", request_id) → None; ("wait", request_id, timeout) →
-status name; ("release", request_id) → None; ("leaks",) → None or error text; ("posted",) →
-request-layers posted by path {"staged": n, "direct": n}; ("close",) → exits. kv_kwargs may hold
-"direct_max_pieces" (a TransferConfig field).
+status name; ("reason", request_id) → reason text; ("release", request_id) → None; ("leaks",) → None
+or error text; ("posted",) → request-layers posted by path {"staged": n, "direct": n}; ("close",) → exits.
+kv_kwargs may hold "direct_max_pieces" (a TransferConfig field).
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ def sender_main(conn: Connection, backend: str, seed: int, worker_id: str, kv_kw
                 continue
             elif op == "release":
                 tx.release(cmd[1])
+            elif op == "reason":
+                conn.send(tx.reason(cmd[1]))
+                continue
             elif op == "posted":
                 conn.send(dict(tx._pipe.posted))
                 continue

@@ -167,3 +167,34 @@ def test_incompatible_layout_refused_at_connect(backend, rx):
     finally:
         child.close()
         bad.close()
+
+
+def test_receiver_drops_live_sender_which_rehandshakes(backend, rx):
+    """The decode side drops a prefill worker that is alive (as after a stall past peer_timeout_s)
+    while a new request is on its way: the sender learns it from the receiver's Rehandshake answer and
+    fails its in-flight request at once (before: TRANSFERRING until its deadline); the new request
+    completes bit-exact after a fresh handshake; the dropped one's blocks stay held until its deadline."""
+    child = Child(backend)
+    try:
+        _add(child, rx, "a", [1, 2], [0, 1], timeout_s=4.0)
+        assert child("layers", "a", [0]) is None
+        assert rx.wait_until(lambda: 0 in rx._requests["a"].layers, WAIT)
+        ident = next(iter(rx._senders))
+        rx._call(lambda: rx._drop_sender(rx._senders[ident], "dropped by test"))
+        assert rx.wait("a", WAIT) is S.FAILED
+        _add(child, rx, "b", [5, 6], [2, 3])  # its Begin reaches a receiver that no longer knows it
+        assert child("wait", "a", 2.0) == "FAILED"
+        assert "dropped by test" in str(child("reason", "a"))
+        assert child("layers", "b", list(range(LAYERS))) is None
+        assert rx.wait("b", WAIT) is S.DONE, rx.reason("b")
+        assert_landed(make_kv(SEED), [2, 3], rx.kv_buffer, [5, 6])
+        _release_both(child, rx, "b")
+        assert child("release", "a") is None
+        assert not rx.releasable("a")  # deadline not passed: a write of the dropped sender may land
+        assert rx.wait_until(lambda: rx._releasable(rx._requests["a"]), WAIT)
+        rx.release("a")
+        assert rx.kv_buffer[1:, :, [1, 2]].abs().sum() == 0  # layers 1.. of "a" were never written
+        assert child("leaks") is None
+        rx.check_no_leaks()
+    finally:
+        child.close()
