@@ -62,6 +62,11 @@ class DecodeWorker(WorkerLoop):
 
     role: Role = "decode"
     reserve_timeout = 30.0  # seconds a ReserveKV may wait for free blocks
+    # KV deadline of a request = TransferConfig.timeout_s + this many seconds per prompt token: the deadline
+    # runs while the prefill worker computes the prompt, and a long prompt on a slow (CPU) prefill took
+    # longer than the flat 30 s (a 5000-token prompt on 2 cores: HTTP 502 "deadline of 30.0s passed").
+    # A dead prefill worker is still caught within the peer timeout (heartbeats), not by this deadline.
+    kv_deadline_per_token_s = 0.02
 
     def __init__(self, settings: WorkerSettings, core: EngineCore, model_path: str,
                  receiver: KVReceiver | None = None) -> None:
@@ -113,7 +118,8 @@ class DecodeWorker(WorkerLoop):
         if not self.core.scheduler.add_waiting_for_kv(seq):
             return False
         try:
-            handle = self.receiver.expect(seq.request_id, list(seq.block_table))
+            handle = self.receiver.expect(seq.request_id, list(seq.block_table),
+                                          timeout_s=self.kv_deadline_s(seq.num_prompt_tokens))
         except Exception:
             self.core.scheduler.abort(seq.request_id)
             raise
@@ -121,6 +127,12 @@ class DecodeWorker(WorkerLoop):
         self.emit(KVReserved(request_id=seq.request_id, worker_id=self.worker_id,
                              kv_handle=encode_handle(handle)))
         return True
+
+    def kv_deadline_s(self, num_prompt_tokens: int) -> float:
+        """Seconds the KV of a prompt of ``num_prompt_tokens`` tokens may take to land, counted from the
+        reservation (so it includes the prefill compute): ``timeout_s`` + ``kv_deadline_per_token_s`` per
+        token."""
+        return self.receiver.config.timeout_s + num_prompt_tokens * self.kv_deadline_per_token_s
 
     def drop(self, request_id: str) -> None:
         """Abort in any state; blocks with KV possibly still in flight go to ``draining``."""

@@ -49,9 +49,12 @@ class _RecvMeta(msgspec.Struct, frozen=True):
 def _agent(name: str, progress_thread: bool = False) -> object:
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 
-    # The target needs a progress thread: large WRITEs use UCX rendezvous, which stalls between the
-    # receiver loop's polls (measured 0.3 → 1.4 GB/s at 16 MiB per layer on 2 cores). The initiator
-    # progresses while it polls check_xfer_state, so it runs without one (facts.md: faster on 2 cores).
+    # NIXL's progress thread spins (the Python binding sets its delay to 0): one full core per agent,
+    # busy or idle (measured: 3.0 s of CPU in 3 s idle). On a GPU host the target keeps it (cores are
+    # plentiful; the H200 figures were measured with it); on DRAM it is off: on a 2-core machine the spinning
+    # thread starved the prefill worker (a 5000-token prompt then missed its 30 s KV deadline). Without it
+    # large DRAM WRITEs (UCX rendezvous) progress only when the receiver loop polls: 1.4 → 0.3 GB/s at
+    # 16 MiB per layer (facts.md); the initiator progresses while it polls check_xfer_state.
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
 
 
@@ -63,7 +66,7 @@ class NixlRecvTransport(RecvTransport):
     """Registers `kv_buffer` with a NIXL agent named `name` (must be unique among peers)."""
 
     def __init__(self, name: str, kv_buffer: torch.Tensor) -> None:
-        self.agent = _agent(name, progress_thread=True)
+        self.agent = _agent(name, progress_thread=kv_buffer.is_cuda)
         self.kv_buffer = kv_buffer
         self._reg = self.agent.register_memory(kv_buffer)  # type: ignore[attr-defined]
         mem, dev = _mem(kv_buffer)

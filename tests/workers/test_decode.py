@@ -223,3 +223,15 @@ def test_abort_running_request_frees_blocks(model_dir):
     finally:
         close(prefill)
         close(decode)
+
+
+def test_kv_deadline_grows_with_the_prompt(decode):
+    """Regression (new-user trial, 2 cores): the KV deadline counts from the reservation, so it includes the
+    prefill compute; a flat 30 s failed a 5000-token prompt on a slow CPU prefill with HTTP 502."""
+    base = decode.receiver.config.timeout_s
+    short = _handle(_reserve(decode, "s", 4), "s")
+    long = _handle(_reserve(decode, "l", 20), "l")
+    assert short.timeout_s == pytest.approx(base + 4 * decode.kv_deadline_per_token_s)
+    assert long.timeout_s == pytest.approx(base + 20 * decode.kv_deadline_per_token_s)
+    assert decode.kv_deadline_s(5000) >= base + 100  # a 5000-token prompt gets minutes, not 30 s
+    _abort_all(decode, "s", "l")
