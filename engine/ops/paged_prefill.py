@@ -19,7 +19,9 @@ from engine.ops.paged_decode import LOG2E, gather_paged_kv
 from engine.ops.paged_tiles import attend_paged_tiles
 
 
-@triton.jit
+# seq_offset (the step's number of decode rows) is not specialised: Triton would otherwise compile separate
+# variants for 1, multiples of 16 and other values, met first on the serving path by mixed steps.
+@triton.jit(do_not_specialize=["seq_offset"])
 def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     scale_log2, seq_offset,

@@ -258,3 +258,22 @@ def test_new_split_counts_compile_no_new_kernel() -> None:
         torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
     assert variants(pd._decode_split_kernel) == split_before
     assert variants(pd._decode_reduce_kernel) <= reduce_before + 2  # BLOCK_S 4 and 2 at most
+
+
+@gpu_only
+def test_prefill_seq_offsets_compile_no_new_kernel() -> None:
+    """Like the split counts: a mixed step's number of decode rows (``seq_offset``) must not select a new
+    compiled variant (Triton specialises integers equal to 1 or divisible by 16 unless told not to)."""
+    from engine.ops import paged_prefill as pp
+
+    specs = [(3, 1)] * 17 + [(0, 9)]  # 17 decode rows, then one prompt chunk
+    batch = make_batch(specs, 4, 2, 64, BS, torch.bfloat16)
+    store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
+    m = batch.meta
+    args = (batch.q, batch.pool.k_cache(0), batch.pool.v_cache(0), m.block_tables, m.seq_lens,
+            m.query_start_loc, m.max_query_len, 0.125)
+    pp.paged_prefill_attention(*args, seq_offset=17)
+    before = sum(len(c[0]) for c in pp._prefill_kernel.device_caches.values())
+    for offset in (16, 1, 0, 5):
+        pp.paged_prefill_attention(*args, seq_offset=offset)
+    assert sum(len(c[0]) for c in pp._prefill_kernel.device_caches.values()) == before
