@@ -138,7 +138,7 @@ def paged_decode_attention(
     Tuning (Hopper): tiles of 64 KV tokens, 4 warps, 2 stages for step 1; splits from
     ``choose_num_splits`` (132 SMs on H200). Under the interpreter: 16-token tiles.
     """
-    n, num_heads, head_dim = q.shape
+    n = q.shape[0]
     num_kv_heads = k_cache.shape[2]
     if out is None:
         out = torch.empty_like(q)
@@ -151,6 +151,15 @@ def paged_decode_attention(
         num_splits = choose_num_splits(n, num_kv_heads, max_seq_len, block_n, sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n)
+    return out
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int, block_n: int) -> None:
+    """The two launches of ``paged_decode_attention`` (split, then reduce) over float32 partials."""
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
     part_acc = torch.empty((n, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_m = torch.empty((n, num_heads, num_splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -170,7 +179,6 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
     )
-    return out
 
 
 def gather_paged_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
