@@ -16,17 +16,16 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from tests.uvicorn_thread import serve_in_thread
 
 
 @dataclass
@@ -133,19 +132,5 @@ def make_app(state: FakeState) -> FastAPI:
 @contextmanager
 def serve(state: FakeState) -> Iterator[str]:
     """Run the fake server on 127.0.0.1 (a free port) in a thread; yield its base URL."""
-    config = uvicorn.Config(make_app(state), host="127.0.0.1", port=0, log_level="critical",
-                            lifespan="off", timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("fake server did not start")
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with serve_in_thread(make_app(state), "fake server", lifespan="off") as url:
+        yield url
