@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.warmup import WarmupConfig, should_warm_up, warmup
 from pdserve.settings import WorkerSettings
+from tests.workers.helpers import make_core as worker_core
 
 BUDGET = 32  # max_num_batched_tokens of the test engines
 BLOCK = 4
@@ -28,12 +28,25 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def make_core(tiny_dummy_dir: Path, *, prefill_only: bool = False, num_blocks: int = 128,
               max_num_seqs: int = 8) -> EngineCore:
-    return EngineCore(EngineConfig(
-        ModelConfig(str(tiny_dummy_dir), load_format="dummy", dtype="float32", device="cpu",
-                    attention_backend="torch"),
-        CacheConfig(block_size=BLOCK, num_blocks=num_blocks),
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=BUDGET)),
-        prefill_only=prefill_only)
+    """The workers' test engine (tests/workers/helpers.py) with this file's block size and budget."""
+    return worker_core(tiny_dummy_dir, prefill_only=prefill_only, num_blocks=num_blocks,
+                       max_num_batched_tokens=BUDGET, max_num_seqs=max_num_seqs, block_size=BLOCK)
+
+
+def fail_at_step(core: EngineCore, monkeypatch: pytest.MonkeyPatch, step: int) -> list[int]:
+    """Make the ``step``-th ``core.runner.execute`` call raise RuntimeError("boom in step N"); returns
+    the list that gets one entry per call."""
+    real = core.runner.execute
+    calls: list[int] = []
+
+    def execute(output, layer_hook=None):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == step:
+            raise RuntimeError(f"boom in step {step}")
+        return real(output, layer_hook)
+
+    monkeypatch.setattr(core.runner, "execute", execute)
+    return calls
 
 
 def spy_prompts(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
@@ -163,16 +176,7 @@ def test_time_bound_cuts_the_warmup_and_aborts_its_requests(tiny_dummy_dir, monk
 def test_failing_step_propagates_and_leaves_nothing_held(tiny_dummy_dir, monkeypatch):
     core = make_core(tiny_dummy_dir)
     prompts = spy_prompts(core, monkeypatch)
-    real = core.runner.execute
-    calls = []
-
-    def execute(output, layer_hook=None):
-        calls.append(1)
-        if len(calls) == 4:
-            raise RuntimeError("boom in step 4")
-        return real(output, layer_hook)
-
-    monkeypatch.setattr(core.runner, "execute", execute)
+    calls = fail_at_step(core, monkeypatch, 4)
     with pytest.raises(RuntimeError, match="boom in step 4"):
         warmup(core, CFG)
     assert len(calls) == 4

@@ -11,7 +11,7 @@ from engine.serve.boot import warm_up_core
 from engine.warmup import WarmupConfig, WarmupReport, warmup
 from pdserve.cli import build_parser
 from pdserve.settings import WorkerSettings, settings_from_args
-from tests.engine.test_warmup import SMALL, make_core
+from tests.engine.test_warmup import SMALL, fail_at_step, make_core
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -55,16 +55,7 @@ def test_boot_warms_up_per_setting(tiny_dummy_dir, monkeypatch):
 
 def test_boot_serves_without_warmup_when_it_fails_cleanly(tiny_dummy_dir, monkeypatch, caplog):
     core = make_core(tiny_dummy_dir)
-    real = core.runner.execute
-    calls = []
-
-    def execute(output, layer_hook=None):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("boom in step 3")
-        return real(output, layer_hook)
-
-    monkeypatch.setattr(core.runner, "execute", execute)
+    calls = fail_at_step(core, monkeypatch, 3)
     on = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w")
     import engine.warmup
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from typing import Any
+
 import torch
 
 from kvtransfer import TransferConfig
@@ -44,3 +48,23 @@ def release_both(tx: object, rx: object, rid: str, wait: float = 10.0, leaks: bo
     if leaks:
         tx.check_no_leaks()  # type: ignore[attr-defined]
         rx.check_no_leaks()  # type: ignore[attr-defined]
+
+
+def patient_config(worker_id: str, backend: str = "loopback", **kw: object) -> TransferConfig:
+    """``config`` with peer_timeout_s 30 s: this side never gives up on its peer during a test's stall."""
+    return dataclasses.replace(config(worker_id, backend, **kw), peer_timeout_s=30.0)
+
+
+def stall_once(obj: object, name: str, seconds: float) -> list[float]:
+    """Make ``obj.name`` sleep ``seconds`` on its first call; returns a list that receives the stall's
+    end time (``time.monotonic()``) once it happened."""
+    orig = getattr(obj, name)
+    done: list[float] = []
+
+    def stalled(*args: Any, **kwargs: Any) -> Any:
+        if not done:
+            time.sleep(seconds)
+            done.append(time.monotonic())
+        return orig(*args, **kwargs)
+    setattr(obj, name, stalled)
+    return done

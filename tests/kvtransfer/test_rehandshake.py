@@ -12,7 +12,6 @@ were cancelled, not completed).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import msgspec
@@ -20,7 +19,15 @@ import pytest
 
 from kvtransfer import TransferStatus, get_transfer_backend
 from kvtransfer import messages as m
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.helpers import (
+    LAYERS,
+    assert_landed,
+    config,
+    make_kv,
+    patient_config,
+    release_both,
+    stall_once,
+)
 
 S = TransferStatus
 WAIT = 5.0
@@ -28,22 +35,7 @@ STALL_S = 1.5  # > the receiver's peer_timeout_s (1.0 s, helpers.config)
 DEADLINE_S = 4.0  # the in-flight request's deadline: the sender must learn long before it
 
 
-def _patient(worker_id: str, **kw: object):
-    return dataclasses.replace(config(worker_id, "loopback", **kw), peer_timeout_s=30.0)
 
-
-def _stall_once(obj: object, name: str) -> list[float]:
-    """Make obj.name sleep STALL_S on its first call; returns [stall end time] once it happened."""
-    orig = getattr(obj, name)
-    done: list[float] = []
-
-    def stalled(*args: object, **kwargs: object) -> object:
-        if not done:
-            time.sleep(STALL_S)
-            done.append(time.monotonic())
-        return orig(*args, **kwargs)
-    setattr(obj, name, stalled)
-    return done
 
 
 def _send_all(tx, rid: str) -> None:
@@ -75,11 +67,11 @@ def _release_dropped(tx, rx, rid: str) -> None:
 def test_sender_stalled_past_receivers_timeout_learns_it_was_dropped():
     backend = get_transfer_backend("loopback")
     src, dst = make_kv(1), make_kv(None)
-    tx = backend.sender(_patient("p0"), src)  # never gives up on the receiver by itself
+    tx = backend.sender(patient_config("p0"), src)  # never gives up on the receiver by itself
     rx = backend.receiver(config("d0", "loopback"), dst)  # drops a sender silent for 1.0 s
     try:
         tx.add_request(rx.expect("a", [1, 2, 3], timeout_s=DEADLINE_S), [4, 5, 6])
-        stalled = _stall_once(tx.transport, "post")  # the sender's loop blocks 1.5 s in its first write
+        stalled = stall_once(tx.transport, "post", STALL_S)  # the sender loop blocks 1.5 s in its 1st write
         _send_all(tx, "a")
         assert rx.wait("a", WAIT) is S.FAILED and "lost" in rx.reason("a")
         assert tx.wait_until(lambda: bool(stalled), WAIT)
@@ -97,8 +89,8 @@ def test_sender_stalled_past_receivers_timeout_learns_it_was_dropped():
 def test_dropped_sender_fails_begun_rebegins_pending_and_cancels_writes():
     backend = get_transfer_backend("loopback")
     src, dst = make_kv(2), make_kv(None)
-    tx = backend.sender(_patient("p0", checksum=True), src)
-    rx = backend.receiver(_patient("d0", checksum=True), dst)
+    tx = backend.sender(patient_config("p0", checksum=True), src)
+    rx = backend.receiver(patient_config("d0", checksum=True), dst)
     try:
         tx.add_request(rx.expect("a", [1, 2], timeout_s=DEADLINE_S), [3, 4])
         assert tx.wait_until(lambda: tx._requests["a"].status is S.TRANSFERRING, WAIT)
@@ -139,7 +131,7 @@ def test_restarted_receiver_tells_sender_before_its_heartbeat_timeout():
     backend = get_transfer_backend("loopback")
     port = _free_port()
     src = make_kv(3)
-    tx = backend.sender(_patient("p0"), src)  # would take 30 s to notice the silence
+    tx = backend.sender(patient_config("p0"), src)  # would take 30 s to notice the silence
     rx = backend.receiver(config("d0", "loopback", port=port), make_kv(None))
     try:
         tx.add_request(rx.expect("a", [1, 2]), [0, 1])

@@ -10,19 +10,24 @@ peer_timeout_s (1.0 s) at the point where the old code went wrong; the other sid
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from kvtransfer import TransferStatus, get_transfer_backend
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.helpers import (
+    LAYERS,
+    assert_landed,
+    config,
+    make_kv,
+    patient_config,
+    release_both,
+    stall_once,
+)
 
 S = TransferStatus
 WAIT = 5.0
 STALL_S = 1.5  # > peer_timeout_s (1.0 s, helpers.config)
 
 
-def _patient(worker_id: str):
-    return dataclasses.replace(config(worker_id, "loopback"), peer_timeout_s=30.0)
 
 
 def _transfer(tx, rx, src, dst) -> None:
@@ -35,27 +40,14 @@ def _transfer(tx, rx, src, dst) -> None:
     release_both(tx, rx, "a", WAIT, leaks=True)
 
 
-def _stall_once(obj, name: str) -> list[float]:
-    """Make obj.name sleep STALL_S on its first call; returns [stall end time] once it happened."""
-    orig = getattr(obj, name)
-    done: list[float] = []
-
-    def stalled(*args, **kwargs):
-        if not done:
-            time.sleep(STALL_S)
-            done.append(time.monotonic())
-        return orig(*args, **kwargs)
-    setattr(obj, name, stalled)
-    return done
-
 
 def test_sender_stalled_in_a_write_keeps_its_receiver():
     backend = get_transfer_backend("loopback")
     src, dst = make_kv(1), make_kv(None)
     tx = backend.sender(config("p0", "loopback"), src)  # peer_timeout_s 1.0
-    rx = backend.receiver(_patient("d0"), dst)  # heartbeats every 0.1 s, never gives up on tx
+    rx = backend.receiver(patient_config("d0"), dst)  # heartbeats every 0.1 s, never gives up on tx
     try:
-        stalled = _stall_once(tx.transport, "post")  # the loop blocks 1.5 s inside its first write
+        stalled = stall_once(tx.transport, "post", STALL_S)  # the loop blocks 1.5 s inside its first write
         _transfer(tx, rx, src, dst)
         assert stalled
         assert all(p.epoch for p in tx._peers.values())  # the receiver was never declared lost
@@ -67,12 +59,12 @@ def test_sender_stalled_in_a_write_keeps_its_receiver():
 def test_receiver_stalled_in_its_transport_keeps_its_sender():
     backend = get_transfer_backend("loopback")
     src, dst = make_kv(2), make_kv(None)
-    tx = backend.sender(_patient("p0"), src)
+    tx = backend.sender(patient_config("p0"), src)
     rx = backend.receiver(config("d0", "loopback"), dst)  # peer_timeout_s 1.0
     try:
         tx.connect(rx.address)
         assert rx.wait_until(lambda: len(rx._senders) == 1, WAIT)
-        stalled = _stall_once(rx.transport, "poll")  # the loop blocks 1.5 s polling its transport
+        stalled = stall_once(rx.transport, "poll", STALL_S)  # the loop blocks 1.5 s polling its transport
         assert rx.wait_until(lambda: bool(stalled), WAIT)
         time.sleep(0.3)  # a few more loop steps after the stall
         assert len(rx._senders) == 1  # the sender was never dropped

@@ -42,13 +42,14 @@ def write_model_dir(path: Path) -> Path:
 
 
 def make_core(model_dir: Path, *, prefill_only: bool = False, num_blocks: int = 32,
-              max_num_batched_tokens: int = 64) -> EngineCore:
+              max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
+              block_size: int = BLOCK_SIZE) -> EngineCore:
     """fp32 CPU engine with dummy weights (seed 0, so every core has the same weights)."""
     return EngineCore(EngineConfig(
         ModelConfig(str(model_dir), load_format="dummy", dtype="float32", device="cpu",
                     attention_backend="torch"),
-        CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens)),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)),
         prefill_only=prefill_only)
 
 
