@@ -6,6 +6,8 @@ test ends with a leak check (nothing in flight, all fake decode KV blocks free).
 
 from __future__ import annotations
 
+import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,9 +29,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path,
     cluster = Cluster(tmp_path_factory.mktemp("surface"), tokenizer_dir, max_n=4)
     ids = ",".join(map(str, reply_ids))
     cluster.start_worker("prefill", "p1", output_ids=ids)
-    # 20 ms a token: test_non_streaming_client_disconnect_aborts needs its 200-token request to outlive
-    # the client's 0.4 s timeout by far (at 5 ms it sometimes finished, with nothing left to abort, before
-    # the gateway noticed the disconnect on a loaded CI machine)
+    # 20 ms a token: test_non_streaming_client_disconnect_aborts needs its 200-token request (4 s) to
+    # outlive the gateway's noticing that the client left, by far
     cluster.start_worker("decode", "d1", output_ids=ids, token_delay=0.02)
     yield cluster
     cluster.close()
@@ -153,11 +154,17 @@ def test_max_completion_tokens_and_extras_reach_workers(pd: Cluster) -> None:
 
 
 def test_non_streaming_client_disconnect_aborts(pd: Cluster) -> None:
-    body = {"model": "fake-model", "messages": MSGS, "max_tokens": 200}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(pd.base + "/v1/chat/completions", json=body, timeout=0.4,
-                   headers={"X-Request-Id": "left-1"})
-    wait_until(lambda: {"type": "AbortRequest", "request_id": "left-1"} in read_record(pd.tmp / "d1.jsonl"),
+    # The client leaves only once decode runs: a fixed client timeout raced the gateway on a loaded CI
+    # machine (a client gone before its body was read is, rightly, never sent to a worker at all).
+    body = json.dumps({"model": "fake-model", "messages": MSGS, "max_tokens": 200}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"X-Request-Id: left-1\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    record = pd.tmp / "d1.jsonl"
+    with socket.create_connection(("127.0.0.1", pd.port), timeout=5) as sock:
+        sock.sendall(head + body)
+        wait_until(lambda: {"type": "DecodeRequest", "request_id": "left-1"} in read_record(record),
+                   15, "decode of left-1 started")
+    wait_until(lambda: {"type": "AbortRequest", "request_id": "left-1"} in read_record(record),
                15, "abort at decode after the client left")
     pd.assert_no_leaks(("d1",))
 
