@@ -5,10 +5,12 @@ on the same model, machine and run, printed as ratios (engine / transformers), a
 ``docs/benchmarks/engine-cpu.md`` with the command, machine and date.
 
 GPU mode (``--device cuda --model llama3-8b --load-format dummy``): decode tokens/s for each batch and
-context, with CUDA graphs and eager, as a fraction of the HBM roofline ``batch * bandwidth / (weight bytes
+context in each of ``--modes`` (CUDA graphs; graphs with asynchronous scheduling, engine/async_step.py;
+eager), as a fraction of the HBM roofline ``batch * bandwidth / (weight bytes
 + batch * context * KV bytes per token)`` (a decode step reads every weight once, except the input
 embedding, and each sequence's KV; bandwidth measured in the same run as a device-to-device copy, read +
-write bytes counted), then transformers ``generate`` on the same model at ``--hf-batches``.
+write bytes counted), ``--parity-batches``: the same greedy tokens with and without asynchronous
+scheduling, then transformers ``generate`` on the same model at ``--hf-batches``.
 
     .venv/bin/python -m bench.engine                       # SmolLM2 on CPU, fp32
     .venv/bin/python -m bench.engine --device cuda --model llama3-8b --load-format dummy --dtype bfloat16 \
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.async_parity import async_parity
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
 from engine.models.hf_attention import install_paged_attention
@@ -215,6 +218,9 @@ def _hf_decode(core: EngineCore, batch: int, context: int, new_tokens: int) -> f
         install_paged_attention(model)
 
 
+MODES = ("graphs", "async", "eager")
+
+
 def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     """Decode tokens/s with and without CUDA graphs against the HBM roofline (see module docstring)."""
     core = _engine(args, num_blocks=args.num_blocks)
@@ -229,20 +235,27 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
                            "copy_bandwidth": bandwidth,
                            "capture_s": graphs.capture_seconds if graphs else None}
     decode_rate(core, 2, 16, 4)  # warm-up: Triton compiles, eager and graph paths
-    runner.decode_graphs = None
-    decode_rate(core, 2, 16, 4)
+    if "eager" in args.modes:
+        runner.decode_graphs = None
+        decode_rate(core, 2, 16, 4)
+    for batch in args.parity_batches:
+        same = async_parity(core, batch, args.new_tokens)
+        res["rows"].append(dict(mode="parity", batch=batch, equal=same))
+        verdict = "equal" if same else "DIFFERENT"
+        print(f"greedy tokens, async vs graphs, batch {batch}: {verdict}", flush=True)
     for context in args.contexts:
         for batch in args.batches:
             kv_read = batch * kv_token * (context + args.new_tokens / 2)
             roofline = batch * bandwidth / (read_bytes + kv_read)
-            for mode in ("graphs", "eager"):
-                runner.decode_graphs = graphs if mode == "graphs" else None
+            for mode in args.modes:
+                runner.decode_graphs = None if mode == "eager" else graphs
+                core.async_scheduling = mode == "async"
                 rate = decode_rate(core, batch, context, args.new_tokens)
                 row = dict(mode=mode, batch=batch, context=context, tok_s=rate, roofline=roofline)
                 res["rows"].append(row)
                 print(f"{mode:6s} batch {batch:4d} context {context:5d}: {rate:9.1f} tok/s "
                       f"= {rate / roofline:6.1%} of roofline {roofline:9.1f} tok/s", flush=True)
-    runner.decode_graphs = graphs
+    runner.decode_graphs, core.async_scheduling = graphs, False
     for batch in args.hf_batches:
         hf = _hf_decode(core, batch, args.hf_context, args.new_tokens)
         ours = decode_rate(core, batch, args.hf_context, args.new_tokens)
@@ -269,6 +282,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-blocks", type=int, default=None, help="GPU: KV blocks")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--modes", nargs="+", default=["graphs", "eager"], choices=MODES,
+                        help="GPU decode modes: graphs, async (graphs + asynchronous scheduling), eager")
+    parser.add_argument("--parity-batches", type=int, nargs="*", default=[],
+                        help="GPU: check that async and graphs modes give the same greedy tokens")
     parser.add_argument("--fused-ops", default="auto", choices=["auto", "on", "off"],
                         help="merged GEMMs + fused small kernels (ModelConfig.fused_ops)")
     parser.add_argument("--gemv", default="", help="comma list of qkv,o,gate_up,down: batch-1 projections "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -65,6 +66,10 @@ class _Block:
 class BlockManager:
     """Hands out KV cache blocks (ids ``0..num_blocks-1``) of ``block_size`` tokens to sequences.
 
+    ``before_free``: called (no arguments) at the start of every :meth:`free` while set; the engine sets it
+    while a launched step may still write the KV cache (asynchronous scheduling, engine/async_step.py), to
+    wait for that step, so no block is handed out again while it can still be written.
+
     Raises:
         ValueError: non-positive ``num_blocks`` or ``block_size``.
     """
@@ -75,6 +80,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.before_free: Callable[[], None] | None = None
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._hash_to_block: dict[int, int] = {}
         self._free_uncached: set[int] = set(range(num_blocks))
@@ -196,8 +202,10 @@ class BlockManager:
         """Drop ``seq``'s reference to each of its blocks and empty its ``block_table``.
 
         Blocks reaching ref_count 0 keep their hash (reusable by prefix hits); the tail blocks of the
-        sequence are queued for eviction first.
+        sequence are queued for eviction first. Calls ``before_free`` first when set.
         """
+        if self.before_free is not None and seq.block_table:
+            self.before_free()
         for block_id in reversed(seq.block_table):
             block = self._blocks[block_id]
             if block.ref_count <= 0:

@@ -43,12 +43,15 @@ class SchedulerConfig:
     """Batch limits per step: ``max_num_seqs`` running sequences, ``max_num_batched_tokens`` tokens.
 
     With ``enable_chunked_prefill`` a prompt larger than the remaining token budget is split across steps;
-    without it such a prompt waits until it fits whole.
+    without it such a prompt waits until it fits whole. ``async_scheduling``: plain-greedy decode-only
+    steps through the decode CUDA graphs launch their successor before their own tokens reach the host
+    (engine/async_step.py).
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -162,21 +162,30 @@ class DecodeCudaGraphs:
                     self.capture_seconds)
 
     def run(self, token_ids: Sequence[int], positions: Sequence[int],
-            block_tables: Sequence[list[int]]) -> torch.Tensor:
+            block_tables: Sequence[list[int]], device_token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step of ``n`` sequences (arguments as ``StaticDecodeInputs.fill``).
+
+        ``device_token_ids`` (int64 ``[n]`` on the device, e.g. the previous step's argmax: asynchronous
+        scheduling, engine/async_step.py) replaces ``token_ids`` in ``input_ids``, copied on the device after
+        the fill's host-to-device copy, in stream order.
 
         Returns:
             Logits ``[n, vocab]`` (model dtype): a view of the graph's static output, valid until the next
             ``run``. Replays the bucket's graph when captured, else runs ``forward`` eagerly.
 
         Raises:
-            ValueError: no bucket holds ``n`` sequences, or bad inputs (see ``fill``).
+            ValueError: no bucket holds ``n`` sequences, bad inputs (see ``fill``) or ``device_token_ids``
+                of another shape.
         """
         n = len(token_ids)
         bucket = bucket_for(n, self.buckets)
         if bucket is None:
             raise ValueError(f"{n} sequences exceed the largest decode graph bucket {self.buckets[-1]}")
+        if device_token_ids is not None and device_token_ids.shape != (n,):
+            raise ValueError(f"device_token_ids {tuple(device_token_ids.shape)} must be [{n}]")
         self.inputs.fill(token_ids, positions, block_tables, bucket)
+        if device_token_ids is not None:
+            self.inputs.input_ids[:n].copy_(device_token_ids)
         graph = self._graphs.get(bucket)
         if graph is None:
             return self.forward(bucket)[:n]

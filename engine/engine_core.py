@@ -13,10 +13,11 @@ import time
 
 import msgspec
 
+from engine.async_step import LaunchedStep
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.sampler import SampleResult
+from engine.sampler import SampleResult, is_plain_greedy
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -64,6 +65,9 @@ class EngineCore:
         self.scheduler = Scheduler(engine_config.scheduler, cache, self.block_manager,
                                    prefill_only=prefill_only, max_model_len=self.runner.max_model_len)
         self.eos_token_id = _eos_id(self.runner.hf_config)
+        self.step_request_ids: list[str] = []
+        self.async_scheduling = engine_config.scheduler.async_scheduling  # may be switched between steps
+        self._ahead: LaunchedStep | None = None  # launched by the last step, applied by the next
 
     @property
     def max_model_len(self) -> int:
@@ -108,13 +112,69 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         """Schedule, run the model, sample and update: one continuous-batching step.
 
+        With ``async_scheduling`` (from ``SchedulerConfig``; a benchmark may switch it between steps) a
+        plain-greedy decode-only step through the decode graphs also launches the next step
+        (``Scheduler.next_decode_step``) before reading its own tokens, and the next call applies that one
+        (engine/async_step.py). ``step_request_ids`` names the requests of the step(s) this call ran (for a
+        caller failing them after an exception).
+
         Returns:
             One ``StepOutput`` per token sampled in this step (none for pure prefill-chunk steps).
         """
-        output = self.scheduler.schedule()
-        if output.is_empty:
-            return []
-        return self.commit(output, self.runner.execute(output))
+        try:
+            launched = self._take_ahead()
+            if launched is None:
+                output = self.scheduler.schedule()
+                self.step_request_ids = [s.seq.request_id for s in output.scheduled]
+                if output.is_empty:
+                    return []
+                if not self._launchable(output, 0):
+                    return self.commit(output, self.runner.execute(output))
+                launched = self.runner.launch(output)
+            return self._apply(launched)
+        except BaseException:
+            self._ahead, self.block_manager.before_free = None, None
+            raise
+
+    def _take_ahead(self) -> LaunchedStep | None:
+        """The step launched ahead by the last call, unless none of its sequences still runs."""
+        launched, self._ahead = self._ahead, None
+        if launched is None:
+            return None
+        self.step_request_ids = [s.seq.request_id for s in launched.output.scheduled]
+        if any(s.seq.status is SequenceStatus.RUNNING for s in launched.output.scheduled):
+            return launched
+        launched.wait()  # all finished or aborted since: nothing to apply
+        self.block_manager.before_free = None
+        return None
+
+    def _apply(self, launched: LaunchedStep) -> list[StepOutput]:
+        """Launch the step after ``launched`` when certain, then read and apply ``launched``'s tokens
+        (its rows of sequences no longer running are dropped); while the next step is in flight, every
+        ``BlockManager.free`` first waits for it."""
+        output = launched.output
+        nxt = self.scheduler.next_decode_step(output) if self._launchable(output, 1) else None
+        ahead = self.runner.launch(nxt, launched) if nxt is not None else None
+        tokens = launched.token_ids()
+        self.block_manager.before_free = ahead.wait if ahead is not None else None
+        self._ahead = ahead
+        running = SequenceStatus.RUNNING
+        live = [(s, t) for s, t in zip(output.scheduled, tokens, strict=True) if s.seq.status is running]
+        if len(live) != len(output.scheduled):
+            output = SchedulerOutput(tuple(s for s, _ in live), len(live))
+        return self.commit(output, {s.seq.request_id: SampleResult(t) for s, t in live})
+
+    def _launchable(self, output: SchedulerOutput, later: int) -> bool:
+        """True when async scheduling may launch ``output`` (``later`` = 0) or the step after it (1): a
+        decode-only step through the decode graphs whose rows are all plain greedy then."""
+        graphs = self.runner.decode_graphs
+        n = len(output.scheduled)
+        if not self.async_scheduling or graphs is None or not graphs.fits(n):
+            return False
+        return output.num_decodes == n and all(
+            s.samples and s.num_scheduled_tokens == 1
+            and is_plain_greedy(s.seq.sampling_params, s.seq.num_output_tokens + later)
+            for s in output.scheduled)
 
     def commit(self, output: SchedulerOutput, results: dict[str, SampleResult]) -> list[StepOutput]:
         """Apply a step's sampled tokens to the scheduler (append, stop checks, free finished) and turn

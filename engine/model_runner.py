@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.async_step import LaunchedStep, TokenBuffers, launch_greedy
 from engine.attention.backend import get_backend
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.config import EngineConfig
@@ -91,6 +92,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._mask = mask_placeholder(self.device)
         self.decode_graphs: DecodeCudaGraphs | None = None
+        self._token_buffers: TokenBuffers | None = None  # host copies of launched steps' tokens
         use_graphs = self.device.type == "cuda" and self.backend.name == "triton"
         if use_graphs and not engine_config.model.enforce_eager:
             self.decode_graphs = DecodeCudaGraphs(self.net, self.kv_cache, self.backend,
@@ -205,6 +207,22 @@ class ModelRunner:
             return {}
         with self.on_device():
             return self._execute(output, layer_hook)
+
+    @torch.inference_mode()
+    def launch(self, output: SchedulerOutput, feed: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue a plain-greedy decode-only step through the decode graphs without waiting for it
+        (asynchronous scheduling; arguments and errors as ``engine.async_step.launch_greedy``).
+
+        Raises:
+            RuntimeError: no decode graphs (CPU, ``enforce_eager`` or a backend other than triton).
+        """
+        graphs = self.decode_graphs
+        if graphs is None:
+            raise RuntimeError("asynchronous decode steps need the decode graphs")
+        if self._token_buffers is None:
+            self._token_buffers = TokenBuffers(graphs.inputs.max_batch, self.device)
+        with self.on_device():
+            return launch_greedy(graphs, output, feed, self._token_buffers)
 
     def on_device(self) -> contextlib.AbstractContextManager[object]:
         """Context making ``self.device`` the calling thread's current CUDA device (steps run on an

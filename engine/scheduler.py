@@ -246,6 +246,28 @@ class Scheduler:
                 done.append(seq)
         return done
 
+    def next_decode_step(self, output: SchedulerOutput) -> SchedulerOutput | None:
+        """The step :meth:`schedule` will return once decode-only ``output`` (not yet :meth:`update`-d) is
+        applied, if certain now, else None (asynchronous scheduling, engine/async_step.py). Certain when
+        nothing waits, ``output`` holds every running sequence as a sampling decode, each stays below
+        ``max_tokens`` and ``max_model_len`` after ``update`` (a stop token may still end one: ``EngineCore``
+        drops its row), and the block each next token needs is allocated now from free ones (as that
+        schedule would; None rather than preempt)."""
+        n = len(output.scheduled)
+        if self.waiting or not n or n != len(self.running) or output.num_decodes != n:
+            return None
+        limit, running = self.max_model_len, SequenceStatus.RUNNING
+        if any(s.seq.status is not running or s.num_scheduled_tokens != 1 or not s.samples
+               or s.seq.num_computed_tokens + 2 >= limit
+               or s.seq.num_output_tokens + 1 >= s.seq.sampling_params.max_tokens for s in output.scheduled):
+            return None
+        bm = self.block_manager
+        for s in output.scheduled:  # room for the tokens known after update: num_computed_tokens + 2
+            if not bm.can_allocate(s.seq, 2):
+                return None
+            bm.allocate(s.seq, 2)
+        return SchedulerOutput(tuple(ScheduledSeq(s.seq, 1, True) for s in output.scheduled), n)
+
     def _validate_new(self, seq: Sequence) -> None:
         if seq.request_id in self._requests:
             raise ValueError(f"request id {seq.request_id!r} is already in the scheduler")

@@ -96,6 +96,8 @@ def _add_worker(add: _EnvAdder, role: str) -> None:
     add("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
     add("--attention-backend", default="auto", help="auto, torch, triton or flash_attn")
     _bool_flag(add, "--enforce-eager", False, "never replay CUDA graphs for decode steps")
+    _bool_flag(add, "--async-scheduling", False,
+               "launch each plain-greedy decode graph step before the last one's tokens reach the host")
     add("--fused-ops", default="auto", choices=["auto", "on", "off"],
         help="merged QKV/gate-up GEMMs and fused RMSNorm/rotary/SiLU kernels (auto: on CUDA, if supported)")
     add("--block-size", type=int, default=16, help="tokens per KV block")

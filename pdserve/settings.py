@@ -73,6 +73,7 @@ class WorkerSettings:
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool = False
     fused_ops: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None

@@ -33,7 +33,8 @@ def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
         CacheConfig(block_size=settings.block_size, num_blocks=settings.num_blocks,
                     memory_fraction=settings.kv_memory_fraction),
         SchedulerConfig(max_num_seqs=settings.max_num_seqs,
-                        max_num_batched_tokens=settings.max_num_batched_tokens),
+                        max_num_batched_tokens=settings.max_num_batched_tokens,
+                        async_scheduling=settings.async_scheduling),
     )
 
 

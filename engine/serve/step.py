@@ -1,7 +1,8 @@
 """One engine step with a per-step attention ``layer_hook`` (the prefill worker streams KV from it).
 
-Same sequence as ``EngineCore.step`` (schedule → ``ModelRunner.execute`` → ``Scheduler.update``), with
-two additions a worker needs: the ``SchedulerOutput`` is shown to ``layer_hook_for`` before the forward
+Same sequence as ``EngineCore.step`` (schedule → ``ModelRunner.execute`` → ``Scheduler.update``; without a
+hook factory it is ``EngineCore.step`` itself, asynchronous scheduling included), with two additions a
+worker needs: the ``SchedulerOutput`` is shown to ``layer_hook_for`` before the forward
 pass (so a hook can send each layer of the requests whose last prompt chunk runs in this step), and a
 failing forward pass raises ``StepFailed`` naming the requests it carried.
 """
@@ -42,8 +43,14 @@ def run_step(core: EngineCore, layer_hook_for: LayerHookFactory | None = None) -
         One ``StepOutput`` per token sampled (``finish_reason`` ``"prefilled"`` in prefill-only mode).
 
     Raises:
-        StepFailed: the hook factory, the forward pass or sampling raised (nothing was updated).
+        StepFailed: the hook factory, the forward pass or sampling raised (nothing was updated); without
+            a hook factory, anything ``EngineCore.step`` raised.
     """
+    if layer_hook_for is None:  # EngineCore.step (with asynchronous scheduling when configured)
+        try:
+            return core.step()
+        except Exception as exc:
+            raise StepFailed(core.step_request_ids, exc) from exc
     output = core.scheduler.schedule()
     if output.is_empty:
         return []

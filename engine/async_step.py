@@ -1,0 +1,109 @@
+"""Asynchronous scheduling of decode steps: launch step N+1 before the host has step N's tokens.
+
+A decode step through a CUDA graph leaves the GPU idle while the host waits for the step's token ids,
+applies them (``Scheduler.update``), schedules the next step and fills its inputs: 0.3–0.5 ms of an
+≈ 4.8 ms batch-1 step of an 8B model on an H200 (docs/benchmarks/engine-h200.md). With asynchronous
+scheduling (vLLM's ``--async-scheduling`` does the same; here only for plain-greedy decode-only batches) the
+engine enqueues step N+1 right after step N, feeding step N's argmax to step N+1's ``input_ids`` on the
+device, and does step N's host work while step N+1 runs.
+
+``LaunchedStep`` is one such enqueued step: its ``SchedulerOutput``, the sampled token ids on the device
+(int64 ``[n]``), their asynchronous copy to pinned host memory and a CUDA event after it. The engine keeps
+at most two alive (the one whose tokens it reads, and the one launched ahead of it); ``TokenBuffers``
+alternates two host buffers between them. Block lifetime: a launched step writes the KV of each of its
+sequences' tokens; ``EngineCore`` makes ``BlockManager.free`` wait for the newest launched step first
+(``BlockManager.before_free``), so no block is reused (by another sequence, or by a KV transfer landing
+in it) while a step in flight may still write it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.cuda_graphs import DecodeCudaGraphs
+from engine.scheduler_output import SchedulerOutput
+
+
+class TokenBuffers:
+    """Two host buffers of int64 ``[max_batch]`` (pinned on CUDA), each with a CUDA event (None off
+    CUDA), used in turn by launched steps."""
+
+    def __init__(self, max_batch: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self._bufs = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._turn = 0
+
+    def next(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The buffer and event whose previous user (two launches ago) has been read."""
+        self._turn ^= 1
+        return self._bufs[self._turn], self._events[self._turn]
+
+
+@dataclass
+class LaunchedStep:
+    """A decode step enqueued on the device: ``output``'s rows sampled greedily into ``tokens``.
+
+    ``tokens``: int64 ``[n]`` on the device (``n = len(output.scheduled)``); ``host``: its copy (int64
+    ``[n]``, written asynchronously on CUDA); ``event``: recorded after that copy (None off CUDA, where
+    everything already ran).
+    """
+
+    output: SchedulerOutput
+    tokens: torch.Tensor
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        """Block until the step's work on the device (forward, argmax, copy) is done."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def token_ids(self) -> list[int]:
+        """The sampled token ids, one per scheduled sequence (waits for the step)."""
+        self.wait()
+        ids: list[int] = self.host.tolist()
+        return ids
+
+
+def launch_greedy(graphs: DecodeCudaGraphs, output: SchedulerOutput, feed: LaunchedStep | None,
+                  buffers: TokenBuffers) -> LaunchedStep:
+    """Enqueue a decode-only step of plain-greedy rows (graph replay or, uncaptured, the static-buffer
+    forward) and its argmax; returns without waiting for the device.
+
+    Args:
+        graphs: the runner's ``DecodeCudaGraphs``.
+        output: decode-only, every row ``samples``; with ``feed``, the same sequences in the same order
+            as ``feed.output``, each one token further (``Scheduler.next_decode_step``).
+        feed: the step launched before this one, not yet applied to the scheduler: its device tokens
+            become this step's ``input_ids``, and positions are one past the sequences'
+            ``num_computed_tokens``.
+        buffers: where the host copy of the token ids goes.
+
+    Raises:
+        ValueError: from ``DecodeCudaGraphs.run`` (no bucket, bad positions or block tables), or a
+            ``feed`` whose rows differ in number from ``output``'s.
+    """
+    seqs = [s.seq for s in output.scheduled]
+    tables = [seq.block_table for seq in seqs]
+    if feed is None:
+        positions = [seq.num_computed_tokens for seq in seqs]
+        logits = graphs.run([seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)],
+                            positions, tables)
+    else:
+        if len(feed.output.scheduled) != len(seqs):
+            raise ValueError(f"feed step has {len(feed.output.scheduled)} rows, this step {len(seqs)}")
+        logits = graphs.run([0] * len(seqs), [seq.num_computed_tokens + 1 for seq in seqs], tables,
+                            device_token_ids=feed.tokens)
+    tokens = logits.argmax(dim=-1)
+    buf, event = buffers.next()
+    host = buf[: len(seqs)]
+    host.copy_(tokens, non_blocking=event is not None)
+    if event is not None:
+        event.record()
+    return LaunchedStep(output, tokens, host, event)
+
+
+__all__ = ["LaunchedStep", "TokenBuffers", "launch_greedy"]
