@@ -1,7 +1,8 @@
 """Asynchronous scheduling (engine/async_step.py, ``SchedulerConfig.async_scheduling``).
 
-CPU: the decode graphs' static-buffer forward runs uncaptured (Triton interpreter), so the same code path
-as on a GPU launches step N+1 from step N's device tokens. Checked against the synchronous engine: the
+The decode graphs' static-buffer forward runs uncaptured (on CPU under the Triton interpreter), so the
+same code path as with captured graphs launches step N+1 from step N's device tokens; on a GPU
+(scripts/gpu_tests.sh) one more test compares captured graphs with and without async scheduling. Checked against the synchronous engine: the
 same tokens for batches whose requests stop at different steps (``max_tokens``, eos, stop ids), cross
 block boundaries, mix greedy with seeded sampling, abort between steps and arrive between steps; that a
 launched step really is in flight across calls; that ``BlockManager.free`` waits for it; no leaks.
@@ -13,6 +14,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.cuda_graphs import DecodeCudaGraphs
@@ -21,6 +23,7 @@ from engine.sampling_params import SamplingParams
 from tests.engine.test_loader import save_tiny_model
 
 MAX_LEN = 96
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton interpreter; graphs uncaptured
 
 
 @pytest.fixture(scope="module")
@@ -30,12 +33,12 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def make_core(path: Path, async_scheduling: bool, graphs: bool = True, num_blocks: int = 160) -> EngineCore:
     core = EngineCore(EngineConfig(
-        ModelConfig(str(path), dtype="float32", device="cpu", attention_backend="triton",
+        ModelConfig(str(path), dtype="float32", device=DEVICE, attention_backend="triton",
                     max_model_len=MAX_LEN, enforce_eager=True),
         CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=True),
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, async_scheduling=async_scheduling),
     ))
-    if graphs:  # uncaptured off CUDA: the static-buffer forward a graph replays
+    if graphs:  # uncaptured (enforce_eager): the static-buffer forward a graph replays
         r = core.runner
         r.decode_graphs = DecodeCudaGraphs(r.net, r.kv_cache, r.backend, 8, r.max_model_len)
     return core
@@ -178,3 +181,26 @@ def test_preemption_under_block_pressure_same_tokens(tiny_path: Path) -> None:
 
     tokens, preemptions = go(True)
     assert (tokens, preemptions > 0) == (go(False)[0], True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by scripts/gpu_tests.sh)")
+def test_gpu_captured_graphs_same_tokens_with_and_without_async(tiny_path: Path) -> None:
+    def go(async_scheduling: bool) -> tuple[dict[str, list[int]], dict[str, int]]:
+        core = EngineCore(EngineConfig(
+            ModelConfig(str(tiny_path), dtype="float32", device="cuda", attention_backend="triton",
+                        max_model_len=MAX_LEN),
+            CacheConfig(block_size=4, num_blocks=200),
+            SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, async_scheduling=async_scheduling),
+        ))
+        assert core.runner.decode_graphs is not None and core.runner.decode_graphs.captured
+        counts = count_launches(core)
+        run = Run(core)
+        for i, p in enumerate(prompts(11, seed=21)):
+            run.add(f"q{i}", p, SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True))
+        run.drain()
+        return run.tokens, counts
+
+    tokens, counts = go(True)
+    assert tokens == go(False)[0]
+    assert counts["ahead"] > counts["first"] > 0
