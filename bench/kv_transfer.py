@@ -2,8 +2,12 @@
 head_dim 128, bf16, block_size 16), sent layer by layer from this process (prefill side) into a
 receiver in a spawned process (decode side), for each backend.
 
-Reported GB/s = request KV bytes / (first send_layer → sender sees DONE), and its ratio to a baseline
-measured in the same run: on CPU a same-process memcpy of the same bytes (capped at 512 MiB);
+Reported GB/s = request KV bytes / (clock start → sender sees DONE), and / (clock start → the receiver
+has every layer and knows it: "landed", when a decode worker may schedule the request; the
+sender hears of it one control message later), each with its ratio to a baseline measured in the same
+run. The clock starts before add_request (the Begin round trip counts), with --begun at the first
+send_layer (in serving add_request precedes the prefill forward pass). Baseline: on CPU a same-process
+memcpy of the same bytes (capped at 512 MiB);
 with `--device cuda` a torch peer copy GPU0 → GPU1 of the same bytes (the receiver then lives on cuda:1).
 
     .venv/bin/python bench/kv_transfer.py [--device cpu|cuda] [--tokens 1024 4096 32768]
@@ -83,7 +87,8 @@ def receiver_main(conn: Connection, backend: str, num_blocks: int, device: str, 
             conn.send(msgspec.msgpack.encode(rx.expect(cmd[1], cmd[2])))
         elif cmd[0] == "wait":
             status = rx.wait(cmd[1], 120)
-            conn.send(status.name if status.name == "DONE" else f"{status.name}: {rx.reason(cmd[1])}")
+            conn.send((status.name if status.name == "DONE" else f"{status.name}: {rx.reason(cmd[1])}",
+                       rx.ended_at(cmd[1])))
             if status.name == "DONE":
                 rx.release(cmd[1])
     rx.close()
@@ -114,10 +119,11 @@ def _baseline(nbytes: int, device: str) -> float:
 
 def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, depth: int = 4,
          verify: bool = False, trace: bool = False, path: str = "direct", begun: bool = False,
-         concurrent: int = 1, extra_blocks: int = 0) -> float:
-    """Best GB/s of `repeat` rounds over `backend`, by `path`. A round sends `concurrent` requests of
-    `tokens` tokens each (layer by layer, interleaved across requests) and ends when all are DONE; GB/s =
-    all their KV bytes / (first send_layer → last DONE). With `begun` the clock starts once the receiver
+         concurrent: int = 1, extra_blocks: int = 0) -> tuple[float, float]:
+    """Best GB/s of `repeat` rounds over `backend`, by `path`: (to the sender seeing DONE, to the receiver
+    knowing every layer landed). A round sends `concurrent` requests of `tokens` tokens each (layer by
+    layer, interleaved across requests) and ends when all are DONE; GB/s = all their KV bytes / (first
+    send_layer → last DONE). With `begun` the clock starts once the receiver
     answered every Begin (as in serving, where add_request precedes the prefill forward pass)."""
     from kvtransfer import get_transfer_backend
 
@@ -133,7 +139,7 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
                       device=device if device == "cpu" else "cuda:0").to(DTYPE)
     tx = get_transfer_backend(backend).sender(_config("bench-p", backend, depth, verify), src)
     src_ids, dst_ids = _block_ids(n, concurrent, path, scatter)
-    best = 0.0
+    best = best_landed = 0.0
     try:
         for i in range(repeat + 1):  # the first round warms up (handshake, registration)
             rids = [f"r{i}-{j}" for j in range(concurrent)]
@@ -143,9 +149,11 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
                 tx.set_trace(events)
                 conn.send(("trace",))
                 conn.recv()
-            t, dt = _round(tx, conn, rids, src_ids, dst_ids, begun, path, events)
+            t, dt, dt_landed = _round(tx, conn, rids, src_ids, dst_ids, begun, path, events)
             if i:
-                best = max(best, LAYERS * 2 * n * concurrent * BS * HEADS * DIM * 2 / dt / 1e9)
+                nbytes = LAYERS * 2 * n * concurrent * BS * HEADS * DIM * 2
+                best = max(best, nbytes / dt / 1e9)
+                best_landed = max(best_landed, nbytes / dt_landed / 1e9)
             if events is not None:
                 tx.set_trace(None)
                 conn.send(("trace",))
@@ -157,14 +165,15 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
         conn.send(("close",))
         conn.recv()
         proc.join(30)
-    return best
+    return best, best_landed
 
 
 def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int]], dst_ids: list[list[int]],
            begun: bool, path: str, events: list[tuple[float, str, str, int]] | None = None
-           ) -> tuple[float, float]:
+           ) -> tuple[float, float, float]:
     """One round: expect, add, send every layer of every request, wait, check and release; returns
-    (clock start (perf_counter s), seconds to the last DONE). `events` gets the benchmark thread's
+    (clock start (perf_counter s), seconds to the last DONE seen by the sender, seconds to the last
+    request DONE on the receiver: every layer landed and known there). `events` gets the benchmark thread's
     trace events (sl_begin, sl_end, wait_end) when given."""
     from kvtransfer import KVHandle, TransferStatus
 
@@ -189,9 +198,9 @@ def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int
     dt = time.perf_counter() - t
     if events is not None:
         events += [(t_sl, "sl_begin", "", -1), (t_end, "sl_end", "", -1), (t + dt, "wait_end", "", -1)]
-    for rid, status in zip(rids, statuses, strict=True):
-        _finish(tx, conn, rid, status, path, TransferStatus.DONE)
-    return t, dt
+    landed = max(_finish(tx, conn, rid, status, path, TransferStatus.DONE)
+                 for rid, status in zip(rids, statuses, strict=True))
+    return t, dt, landed - t
 
 
 def _block_ids(n: int, concurrent: int, path: str, scatter: bool) -> tuple[list[list[int]], list[list[int]]]:
@@ -208,13 +217,14 @@ def _block_ids(n: int, concurrent: int, path: str, scatter: bool) -> tuple[list[
     return src_ids, dst_ids
 
 
-def _finish(tx: object, conn: Connection, rid: str, status: object, path: str, done: object) -> None:
-    """Check one request went by `path` and is DONE on both sides, then release it."""
+def _finish(tx: object, conn: Connection, rid: str, status: object, path: str, done: object) -> float:
+    """Check one request went by `path` and is DONE on both sides, then release it; returns when it
+    became DONE on the receiver (time.perf_counter() s of that process: the same clock on Linux)."""
     extra: dict[str, int] = tx._requests[rid].extra  # type: ignore[attr-defined]
     direct = extra["runs"] is not None
     assert direct == (path == "direct"), f"{path} row went {'direct' if direct else 'staged'}"
     conn.send(("wait", rid))
-    got = conn.recv()
+    got, landed = conn.recv()
     if got != "DONE" or status is not done:
         why = f"receiver: {got}; sender: {status.name}: {tx.reason(rid)}"  # type: ignore[attr-defined]
         hint = ("\n  a side heard nothing from its peer for peer_timeout_s: its loop thread was starved that "
@@ -224,6 +234,7 @@ def _finish(tx: object, conn: Connection, rid: str, status: object, path: str, d
     # DONE comes from the receiver; our own completion test of the last write may lag a step
     assert tx.wait_until(functools.partial(_drained, extra), 30), "writes stuck"  # type: ignore[attr-defined]
     tx.release(rid)  # type: ignore[attr-defined]
+    return float(landed)
 
 
 def _begun(extra: dict[str, int]) -> bool:
@@ -279,19 +290,21 @@ def main() -> None:
           f"{', verified (CRC32)' if args.verify else ''}, {args.extra_blocks} extra blocks, "
           f"{args.concurrent} request(s) per round, "
           f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms")
-    print("| tokens | MiB | baseline GB/s | backend | path | GB/s | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tokens | MiB | baseline GB/s | backend | path | GB/s (sender DONE) | ratio | GB/s (landed) "
+          "| ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
     paths = ["staged", "direct"] if args.path == "both" else [args.path]
     for tokens in args.tokens:
         layer_bytes = 2 * tokens * HEADS * DIM * 2
         base = _baseline(LAYERS * layer_bytes, args.device)
         for backend in args.backends:
             for path in paths:
-                gbs = _one(backend, tokens, args.device, args.repeat, args.scatter, args.depth, args.verify,
-                           args.trace, path, args.begun, args.concurrent, args.extra_blocks)
+                gbs, landed = _one(backend, tokens, args.device, args.repeat, args.scatter, args.depth,
+                                   args.verify, args.trace, path, args.begun, args.concurrent,
+                                   args.extra_blocks)
                 mib = args.concurrent * LAYERS * layer_bytes / 2**20
                 print(f"| {tokens} | {mib:.0f} | {base:.2f} | {backend} | {path} | {gbs:.2f} | "
-                      f"{gbs / base:.2f} |", flush=True)
+                      f"{gbs / base:.2f} | {landed:.2f} | {landed / base:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()

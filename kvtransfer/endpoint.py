@@ -20,7 +20,9 @@ from kvtransfer.types import KVHandle, TransferConfig, TransferError, TransferSt
 
 @dataclass
 class RequestState:
-    """One request on one side. deadline: time.monotonic() seconds."""
+    """One request on one side. deadline: time.monotonic() seconds. ended_at: time.perf_counter() seconds
+    when the status became terminal (CLOCK_MONOTONIC on Linux: comparable between processes of a host),
+    None before."""
 
     handle: KVHandle
     deadline: float
@@ -28,6 +30,7 @@ class RequestState:
     reason: str = ""
     layers: set[int] = field(default_factory=set)  # landed (receiver) / queued-or-sent (sender)
     extra: dict[str, Any] = field(default_factory=dict)
+    ended_at: float | None = None
 
 
 class Endpoint:
@@ -95,6 +98,8 @@ class Endpoint:
         if st.status.is_terminal:
             return
         st.status, st.reason = status, reason
+        if status.is_terminal:
+            st.ended_at = time.perf_counter()
         self._lock.notify_all()
 
     def _get(self, request_id: str) -> RequestState:
@@ -112,6 +117,12 @@ class Endpoint:
         """Why a request FAILED or was ABORTED ("" otherwise); raises KeyError if unknown."""
         with self._lock:
             return self._get(request_id).reason
+
+    def ended_at(self, request_id: str) -> float | None:
+        """time.perf_counter() seconds at which the request became terminal (None while active); raises
+        KeyError if unknown."""
+        with self._lock:
+            return self._get(request_id).ended_at
 
     def wait(self, request_id: str, timeout: float) -> TransferStatus:
         """Block up to `timeout` seconds until the request is terminal; returns its status then

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import pytest
 import torch
@@ -55,10 +56,15 @@ def test_not_done_until_every_layer(pair):
         tx.send_layer("a", layer)
     assert rx.wait_until(lambda: len(rx._requests["a"].layers) == LAYERS - 1, WAIT)
     assert rx.status("a") is S.TRANSFERRING and not rx.releasable("a")
+    assert rx.ended_at("a") is None and tx.ended_at("a") is None
     with pytest.raises(RuntimeError, match="may still be written"):
         rx.release("a")
+    before = time.perf_counter()
     tx.send_layer("a", LAYERS - 1)
-    assert rx.wait("a", WAIT) is S.DONE
+    assert rx.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE
+    landed, heard = rx.ended_at("a"), tx.ended_at("a")
+    assert landed is not None and heard is not None
+    assert before < landed <= heard <= time.perf_counter()  # the sender hears of DONE from the receiver
     release_both(tx, rx, "a", WAIT, leaks=True)
 
 
