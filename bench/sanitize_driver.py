@@ -3,7 +3,7 @@
 Under NVIDIA compute-sanitizer (memcheck: out-of-bounds / misaligned accesses; racecheck: shared-memory
 hazards) each kernel launch is ~100x slower, so the grid is small: block-boundary lengths with
 ``block_size`` 16 (1, 15, 16, 17, 32, 33 tokens ...), GQA ratios 1 and 4, ``head_dim`` 64 and 128, bf16
-and fp16; ``store_kv``, ``paged_prefill_attention`` (cached prefixes included) and
+and fp16; ``store_kv``, ``rotary_store_kv``, ``paged_prefill_attention`` (cached prefixes included) and
 ``paged_decode_attention`` at several ``num_splits``; the fused decoder-layer kernels ``rms_norm`` (with
 and without the residual add), ``apply_rotary`` (in place on views of a QKV row) and ``silu_mul``.
 Every output is also checked against the plain-torch references of ``engine/ops`` and the cache slots no
@@ -158,10 +158,33 @@ def run_case(case: KernelCase, device: str, seed: int = 0) -> int:
                 _close(f"paged_decode_attention num_splits={splits} {case}", got, want, dtype)
                 calls += 2  # split + reduce launches
         _no_stray_writes(f"{kind} {case}", p)
+        calls += _rotary_store(kind, _paged(specs, case, device, seed + 1), case, seed)
     calls += run_layer_ops(case, device, seed)
     if device != "cpu":
         torch.cuda.synchronize()
     return calls
+
+
+def _rotary_store(kind: str, p: _Paged, case: KernelCase, seed: int) -> int:
+    """``rotary_store_kv`` on the step's new tokens against ``apply_rotary_reference`` + the cache slots;
+    nothing written outside them. Returns the number of kernel launches."""
+    from engine.ops.rotary import apply_rotary_reference
+    from engine.ops.rotary_store import rotary_store_kv
+
+    dtype, t = DTYPES[case.dtype], p.k_new.shape[0]
+    angles = torch.rand(t, case.head_dim // 2, generator=torch.Generator().manual_seed(seed)) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype).to(p.q.device) for f in (torch.cos, torch.sin))
+    q, k = p.q.clone(), p.k_new.clone()
+    want_q, want_k = p.q.clone(), p.k_new.clone()
+    apply_rotary_reference(want_q, want_k, cos, sin)
+    rotary_store_kv(q, k, p.v_new, cos, sin, p.k_cache, p.v_cache, p.slot_mapping)
+    _close(f"rotary_store_kv q {kind} {case}", q, want_q, dtype)
+    flat_k = p.k_cache.reshape(-1, *p.k_cache.shape[2:])
+    flat_v = p.v_cache.reshape(-1, *p.v_cache.shape[2:])
+    _close(f"rotary_store_kv k cache {kind} {case}", flat_k[p.slot_mapping], want_k, dtype)
+    _close(f"rotary_store_kv v cache {kind} {case}", flat_v[p.slot_mapping], p.v_new, dtype)
+    _no_stray_writes(f"rotary_store_kv {kind} {case}", p)
+    return 1
 
 
 def run_layer_ops(case: KernelCase, device: str, seed: int) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCachePool
+from engine.ops.rotary import apply_rotary_reference
 
 BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
 
@@ -35,11 +36,12 @@ class AttentionBackend(ABC):
         kv_cache: KVCachePool,
         meta: AttentionMetadata,
         scale: float,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Store ``k``, ``v`` into layer ``layer`` of ``kv_cache`` and return the attention output.
 
-        Checks the inputs, stores the new K/V (``store``), calls ``meta.layer_hook(layer)``, then attends
-        (``attend``); backends implement those two steps.
+        Checks the inputs, stores the new K/V (``store``; with ``rotary``, ``rotate_and_store``), calls
+        ``meta.layer_hook(layer)``, then attends (``attend``); backends implement those steps.
 
         Args:
             layer: layer index into ``kv_cache``.
@@ -50,6 +52,8 @@ class AttentionBackend(ABC):
             kv_cache: the paged cache.
             meta: the step's metadata (decodes first).
             scale: softmax scale, usually ``D ** -0.5``.
+            rotary: ``(cos, sin)`` ``[T, D]`` from the model's ``rotary_emb``: ``q`` and ``k`` are then
+                before RoPE, and are rotated in place here (engine/ops/rotary.py) as part of the store.
 
         Returns:
             ``[T, H, D]`` in ``q``'s dtype. Calls ``meta.layer_hook(layer)`` after the store.
@@ -60,10 +64,22 @@ class AttentionBackend(ABC):
         check_inputs(layer, q, k, v, kv_cache, meta)
         self.check_cache(kv_cache)
         k_cache, v_cache = kv_cache.k_cache(layer), kv_cache.v_cache(layer)
-        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        if rotary is not None:
+            self.rotate_and_store(q, k, v, rotary[0], rotary[1], k_cache, v_cache, meta.slot_mapping)
+        else:
+            self.store(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.layer_hook is not None:
             meta.layer_hook(layer)
         return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+        """RoPE on ``q`` and ``k`` in place (``cos``/``sin`` ``[T, D]``), then ``store``. Default: the
+        plain-torch rotation, then the backend's store; a backend may fuse the two. Raises
+        ``ValueError`` for shapes that do not fit."""
+        apply_rotary_reference(q, k, cos, sin)
+        self.store(k, v, k_cache, v_cache, slot_mapping)
 
     def check_cache(self, kv_cache: KVCachePool) -> None:
         """Backend-specific cache requirements; raises ``ValueError``. Default: none."""

@@ -1,6 +1,7 @@
 """The ``triton`` attention backend: fused Triton kernels from ``engine/ops``.
 
-``store_kv`` scatters the new K/V; the first ``num_decodes`` sequences go through the split-K paged decode
+``store_kv`` scatters the new K/V (``rotary_store_kv`` when the model hands RoPE to the backend: rotation
+and store in one kernel); the first ``num_decodes`` sequences go through the split-K paged decode
 kernel (Flash-Decoding), the rest through the paged prefill kernel (FlashAttention-2 with a cached
 prefix). Grid sizes come from the python ints of ``AttentionMetadata``: no host synchronisation. On CPU
 it runs only under Triton's interpreter (``TRITON_INTERPRET=1``: tests).
@@ -14,6 +15,8 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.ops.paged_decode import paged_decode_attention
 from engine.ops.paged_prefill import paged_prefill_attention
+from engine.ops.rotary import apply_rotary
+from engine.ops.rotary_store import rotary_store_kv
 from engine.ops.store_kv import store_kv
 
 
@@ -26,6 +29,17 @@ class TritonAttentionBackend(AttentionBackend):
               slot_mapping: torch.Tensor) -> None:
         """See ``AttentionBackend.store`` (the ``store_kv`` kernel)."""
         store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+        """See ``AttentionBackend.rotate_and_store``: one ``rotary_store_kv`` kernel (last dims contiguous,
+        else the two-kernel path)."""
+        if v.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
+            apply_rotary(q, k, cos, sin)
+            self.store(k, v, k_cache, v_cache, slot_mapping)
+            return
+        rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -8,8 +8,9 @@ transformers') with:
 - one QKV GEMM and one gate/up GEMM per layer: the projections' weights are concatenated once, and the
   transformers modules' own parameters are re-pointed to views of the merged tensors (no extra memory;
   ``model.state_dict()`` is unchanged);
-- ``rms_norm`` with the residual add fused in, ``apply_rotary`` in place on the QKV output, ``silu_mul``
-  (``engine.ops``: Triton kernels, or their plain-torch references when ``use_triton`` is off);
+- ``rms_norm`` with the residual add fused in, RoPE in place on the QKV output (with ``use_triton`` handed
+  to the attention backend, whose ``rotary_store_kv`` kernel rotates and stores K/V in one launch),
+  ``silu_mul`` (``engine.ops``: Triton kernels, or their plain-torch references when ``use_triton`` is off);
 - attention through the paged backend exactly as ``engine.models.hf_attention`` calls it.
 
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (QKV bias) and
@@ -27,7 +28,7 @@ import torch
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
 from engine.ops.gemv import gemv
 from engine.ops.rms_norm import rms_norm, rms_norm_reference
-from engine.ops.rotary import apply_rotary, apply_rotary_reference
+from engine.ops.rotary import apply_rotary_reference
 from engine.ops.silu_mul import silu_mul, silu_mul_reference
 
 FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -144,9 +145,13 @@ class FusedCausalLM(torch.nn.Module):
         v = qkv[:, lay.q_width + lay.kv_width:].view(t, -1, d)
         if lay.q_norm is not None and lay.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             q, k = lay.q_norm(q), lay.k_norm(k)
-        (apply_rotary if self.use_triton else apply_rotary_reference)(q, k, cos, sin)
+        rotary = None
+        if self.use_triton:  # the triton backend rotates and stores in one kernel (rotary_store_kv)
+            rotary = (cos, sin)
+        else:
+            apply_rotary_reference(q, k, cos, sin)
         out = kwargs[BACKEND_KWARG].forward(lay.index, q, k, v, kwargs[CACHE_KWARG], kwargs[META_KWARG],
-                                            lay.scale)  # [T, H, D]; calls meta.layer_hook after the store
+                                            lay.scale, rotary)  # [T, H, D]; meta.layer_hook after the store
         o_proj = lay.attn.o_proj
         return self._linear("o", out.reshape(t, -1), o_proj.weight, o_proj.bias)
 

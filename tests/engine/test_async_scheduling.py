@@ -2,10 +2,11 @@
 
 The decode graphs' static-buffer forward runs uncaptured (on CPU under the Triton interpreter), so the
 same code path as with captured graphs launches step N+1 from step N's device tokens; on a GPU
-(scripts/gpu_tests.sh) one more test compares captured graphs with and without async scheduling. Checked against the synchronous engine: the
-same tokens for batches whose requests stop at different steps (``max_tokens``, eos, stop ids), cross
-block boundaries, mix greedy with seeded sampling, abort between steps and arrive between steps; that a
-launched step really is in flight across calls; that ``BlockManager.free`` waits for it; no leaks.
+(scripts/gpu_tests.sh) one more test compares captured graphs with and without async scheduling.
+Checked against the synchronous engine: the same tokens for batches whose requests stop at different
+steps (``max_tokens``, eos, stop ids), cross block boundaries, mix greedy with seeded sampling, abort
+between steps and arrive between steps; that a launched step really is in flight across calls; that
+``BlockManager.free`` waits for it; no leaks.
 """
 
 from __future__ import annotations
