@@ -288,8 +288,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="GPU: check that async and graphs modes give the same greedy tokens")
     parser.add_argument("--fused-ops", default="auto", choices=["auto", "on", "off"],
                         help="merged GEMMs + fused small kernels (ModelConfig.fused_ops)")
-    parser.add_argument("--gemv", default="", help="comma list of qkv,o,gate_up,down: batch-1 projections "
-                        "through engine.ops.gemv instead of cuBLAS")
+    parser.add_argument("--gemv", default="", help="comma list of qkv,o,gate_up,down,silu_down: batch-1 "
+                        "projections through engine.ops.gemv (silu_down: SiLU·mul folded into down's GEMV)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128], help="GPU decode batches")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096], help="GPU KV tokens/seq")
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32])

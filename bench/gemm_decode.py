@@ -6,7 +6,8 @@ the same run, as in ``bench.engine``). For each Llama-3-8B projection (merged QK
 down, LM head) and each ``M`` this prints the achieved weight-read bandwidth as a fraction of that
 ceiling (the GEMMs of one shape replayed from a CUDA graph, as in a decode step), for torch's
 default BLAS and for cuBLASLt (``torch.backends.cuda.preferred_blas_library``), and at one row for
-pdserve's Triton GEMV (``engine.ops.gemv``) over a few tile shapes.
+pdserve's Triton GEMV (``engine.ops.gemv``) over a few tile shapes, and the down projection with
+``silu_mul`` as its own kernel against the gated GEMV that folds it in.
 Eight copies of each weight are cycled so the 50 MB L2 cache never holds the matrix being read.
 
     python3 -m bench.gemm_decode --rows 1 8 32
@@ -31,14 +32,16 @@ GEMV_TILES = ((8, 512, 4), (4, 512, 4), (16, 256, 4), (8, 1024, 8), (2, 1024, 4)
 
 
 def gemm_seconds(rows: int, n: int, k: int, copies: int = 8, iters: int = 64,
-                 fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> float:
+                 fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 x_cols: int | None = None) -> float:
     """Mean seconds of ``F.linear(x [rows, k], w [n, k])`` in bf16, cycling ``copies`` weights. The
     ``iters`` GEMMs are captured in one CUDA graph and replayed, as in a decode step, so Python launch
-    cost is not counted. ``fn(x, w)`` replaces ``F.linear`` (e.g. ``engine.ops.gemv``)."""
+    cost is not counted. ``fn(x, w)`` replaces ``F.linear`` (e.g. ``engine.ops.gemv``); ``x_cols``: the
+    width of ``x`` when it is not ``k`` (a gated GEMV's ``[gate | up]`` input)."""
     op = fn or (lambda x, w: torch.nn.functional.linear(x, w))
     dev = torch.device("cuda")
     weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(rows, x_cols or k, device=dev, dtype=torch.bfloat16)
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):  # warm-up (cuBLAS picks and loads its kernels) off the capture
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"{rate / bandwidth:.1%} |", flush=True)
     if 1 in args.rows:
         _gemv_rows(bandwidth)
+        _silu_down_rows(bandwidth)
 
 
 def _gemv_rows(bandwidth: float) -> None:
@@ -94,6 +98,21 @@ def _gemv_rows(bandwidth: float) -> None:
             rate = n * k * 2 / sec
             print(f"| {name} | {n} | {k} | 1 | triton gemv {bn}x{bk} w{warps} (err {err:.2g}) | "
                   f"{sec * 1e6:.1f} | {rate / 1e9:.0f} | {rate / bandwidth:.1%} |", flush=True)
+
+
+def _silu_down_rows(bandwidth: float) -> None:
+    """The down projection at one row as a decode step runs it: ``silu_mul`` then the GEMV (two launches)
+    against the gated GEMV that applies SiLU·mul while loading (``gemv(gated=True)``, one launch)."""
+    from engine.ops.gemv import gemv
+    from engine.ops.silu_mul import silu_mul
+
+    _, n, k = SHAPES[3]
+    for label, fn in (("silu_mul + triton gemv", lambda x, w: gemv(silu_mul(x), w)),
+                      ("triton gemv gated", functools.partial(gemv, gated=True))):
+        sec = gemm_seconds(1, n, k, fn=fn, x_cols=2 * k)
+        rate = n * k * 2 / sec
+        print(f"| down (from gate/up) | {n} | {k} | 1 | {label} | {sec * 1e6:.1f} | {rate / 1e9:.0f} | "
+              f"{rate / bandwidth:.1%} |", flush=True)
 
 
 if __name__ == "__main__":

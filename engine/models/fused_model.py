@@ -34,6 +34,9 @@ from engine.ops.silu_mul import silu_mul, silu_mul_reference
 FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                  "Qwen3ForCausalLM"})
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# "silu_down": the down projection's GEMV also computes SwiGLU's silu(gate) * up while loading (no
+# silu_mul launch); opt-in until measured on a GPU (the GEMV reads gate and up: twice its input bytes)
+GEMV_OPTIONS = (*PROJECTIONS, "silu_down")
 
 
 @dataclass
@@ -102,7 +105,8 @@ class FusedCausalLM(torch.nn.Module):
         use_triton: Triton kernels (CUDA, or Triton's interpreter) instead of the torch references.
         gemv_projections: names from ``PROJECTIONS`` computed by ``engine.ops.gemv`` when a step has one
             token (batch-1 decode) and ``use_triton`` is on; others (and every multi-token step) use
-            ``torch.nn.functional.linear`` (cuBLAS).
+            ``torch.nn.functional.linear`` (cuBLAS). ``"silu_down"`` (``GEMV_OPTIONS``): the down
+            projection's GEMV takes the gate/up output and applies SiLU·mul itself (``gemv(gated=True)``).
 
     Raises:
         ValueError: the model is not supported (``unsupported_reason``), or an unknown projection name.
@@ -116,9 +120,9 @@ class FusedCausalLM(torch.nn.Module):
             raise ValueError(reason)
         self.model: Any = model
         self.use_triton = use_triton
-        unknown = set(gemv_projections) - set(PROJECTIONS)
+        unknown = set(gemv_projections) - set(GEMV_OPTIONS)
         if unknown:
-            raise ValueError(f"unknown projections {sorted(unknown)}; choose from {PROJECTIONS}")
+            raise ValueError(f"unknown projections {sorted(unknown)}; choose from {GEMV_OPTIONS}")
         self.gemv_projections = frozenset(gemv_projections)
         inner = model.model
         with torch.no_grad():
@@ -157,8 +161,10 @@ class FusedCausalLM(torch.nn.Module):
 
     def _mlp(self, lay: _FusedLayer, x: torch.Tensor) -> torch.Tensor:
         gate_up = self._linear("gate_up", x, lay.gate_up_weight, lay.gate_up_bias)
-        act = silu_mul(gate_up) if self.use_triton else silu_mul_reference(gate_up)
         down = lay.mlp.down_proj
+        if gate_up.shape[0] == 1 and self.use_triton and "silu_down" in self.gemv_projections:
+            return gemv(gate_up, down.weight, down.bias, gated=True)
+        act = silu_mul(gate_up) if self.use_triton else silu_mul_reference(gate_up)
         return self._linear("down", act, down.weight, down.bias)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,

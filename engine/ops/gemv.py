@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.silu_mul import silu_mul_reference
+
 # Best of the tiles swept by bench.gemm_decode on an H200 (2026-11-30): 2 rows x 1024 inputs, 4 warps
 # reached 86 % (QKV), 75 % (O), 101 % (gate/up), 90 % (down) of the copy bandwidth at one row.
 BLOCK_N = 2
@@ -23,7 +25,7 @@ BLOCK_K = 1024
 @triton.jit
 def _gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
     x_ptr, w_ptr, b_ptr, y_ptr, n_out, k_in, stride_w,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_out
@@ -33,7 +35,14 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments ar
     for k in range(0, k_in, BLOCK_K):
         kk = k + cols
         k_mask = kk < k_in
-        x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        if GATED:  # x = [gate | up]: silu(gate) * up as engine/ops/silu_mul.py rounds it
+            gate = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
+            g = gate.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+            up = tl.load(x_ptr + k_in + kk, mask=k_mask, other=0.0).to(tl.float32)
+            x = (act * up).to(gate.dtype).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
         w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
@@ -42,9 +51,11 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments ar
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv needs x [1, K] and weight [N, K]; got {tuple(x.shape)} and "
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> None:
+    width = (2 if gated else 1) * weight.shape[1] if weight.dim() == 2 else -1
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != width:
+        need = "[1, 2 * K] (gate | up)" if gated else "[1, K]"
+        raise ValueError(f"gemv needs x {need} and weight [N, K]; got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
     if x.stride(1) != 1 or weight.stride(1) != 1 or x.dtype != weight.dtype:
         raise ValueError("x and weight need a contiguous last dim and the same dtype")
@@ -53,13 +64,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
                          f"{bias.dtype}")
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
          block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int = 4) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for one row (Triton), float32 accumulation.
 
     Args:
         x: ``[1, K]``; weight: ``[N, K]`` (an ``nn.Linear`` weight, rows may be strided); bias: ``[N]``
             or None. One dtype for all (float32/float16/bfloat16).
+        gated: ``x`` is ``[1, 2 * K]``, a fused gate/up projection's output, and the product is taken with
+            ``silu(x[:, :K]) * x[:, K:]`` computed while loading (SwiGLU's down projection without the
+            ``silu_mul`` launch; bit-identical to ``gemv(silu_mul(x), ...)``).
         block_n, block_k, num_warps: tile (output features × inputs per step, powers of two) and warps
             per program; the defaults are the ones measured best on an H200 (bench.gemm_decode).
 
@@ -69,22 +83,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     Raises:
         ValueError: shapes, dtypes or strides that do not fit.
     """
-    _check(x, weight, bias)
+    _check(x, weight, bias, gated)
     n, k = weight.shape
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )
     return y
 
 
-def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain-torch ``gemv``: ``torch.nn.functional.linear`` in float32, rounded to ``x``'s dtype.
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   gated: bool = False) -> torch.Tensor:
+    """Plain-torch ``gemv``: (with ``gated``, ``silu_mul_reference`` first) ``torch.nn.functional.linear``
+    in float32, rounded to ``x``'s dtype.
 
     Raises:
         ValueError: shapes, dtypes or strides that do not fit.
     """
-    _check(x, weight, bias)
+    _check(x, weight, bias, gated)
+    if gated:
+        x = silu_mul_reference(x)
     b = bias.float() if bias is not None else None
     return torch.nn.functional.linear(x.float(), weight.float(), b).to(x.dtype)

@@ -61,6 +61,29 @@ def test_fused_triton_kernels_match_transformers(tmp_path):
         FusedCausalLM(llm.core.runner.model, use_triton=True, gemv_projections=("qkv", "lm_head"))
 
 
+def test_silu_down_gemv_matches_transformers(tmp_path, monkeypatch):
+    """``gemv_projections`` with ``silu_down``: batch-1 decode steps take the down projection's gated GEMV
+    (no ``silu_mul`` launch) and greedy tokens still equal transformers'."""
+    from engine.models import fused_model
+
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", seed=11)
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = _llm(path, "on", backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
+    net = llm.core.runner.net
+    net.gemv_projections = frozenset((*PROJECTIONS, "silu_down"))
+    llm.core.runner.decode_graphs = None
+    gated, silu = [], []
+    real_gemv, real_silu = fused_model.gemv, fused_model.silu_mul
+    monkeypatch.setattr(fused_model, "gemv", lambda x, w, b=None, **kw: gated.append(kw.get("gated", False))
+                        or real_gemv(x, w, b, **kw))
+    monkeypatch.setattr(fused_model, "silu_mul", lambda x: silu.append(x.shape[0]) or real_silu(x))
+    prompts = make_prompts(seed=11)[:1]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, logprobs=0))
+    assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
+    assert True in gated and 1 not in silu  # one-token steps: gated GEMV, never silu_mul
+    llm.core.check_no_leaks()
+
+
 def test_fused_and_unfused_logits_agree_and_weights_are_shared(tmp_path):
     path = save_tiny_model("Qwen2ForCausalLM", tmp_path / "m", seed=9)  # QKV biases merged too
     before = {k: v.clone() for k, v in
