@@ -94,3 +94,18 @@ def test_bench_wired_to_loadtest(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loadtest.cli, "run_bench", run_bench)
     assert main(["bench", "--base-url", "http://127.0.0.1:9"]) == 3
     assert calls and calls[0].base_url == "http://127.0.0.1:9"  # type: ignore[attr-defined]
+
+
+def test_async_scheduling_reaches_the_scheduler_config() -> None:
+    """``--async-scheduling`` / ``PDSERVE_ASYNC_SCHEDULING`` → ``SchedulerConfig.async_scheduling`` (off by
+    default)."""
+    from engine.serve.setup import engine_config_from_settings
+
+    def scheduler_of(env: dict[str, str], *argv: str) -> bool:
+        s = settings_from_args(build_parser(env).parse_args(["decode", *argv]))
+        assert isinstance(s, WorkerSettings)
+        return engine_config_from_settings(s).scheduler.async_scheduling
+
+    assert (scheduler_of({}), scheduler_of({}, "--async-scheduling")) == (False, True)
+    assert (scheduler_of({"PDSERVE_ASYNC_SCHEDULING": "on"}),
+            scheduler_of({"PDSERVE_ASYNC_SCHEDULING": "on"}, "--async-scheduling", "false")) == (True, False)
