@@ -7,6 +7,7 @@ one continuous-batching step and reports the tokens sampled in it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import secrets
 import time
@@ -68,6 +69,7 @@ class EngineCore:
         self.step_request_ids: list[str] = []
         self.async_scheduling = engine_config.scheduler.async_scheduling  # may be switched between steps
         self._ahead: LaunchedStep | None = None  # launched by the last step, applied by the next
+        self._unread: list[LaunchedStep] = []  # launched, tokens maybe not read yet (waited for on errors)
 
     @property
     def max_model_len(self) -> int:
@@ -102,8 +104,11 @@ class EngineCore:
         return seq
 
     def abort_request(self, request_id: str) -> None:
-        """Abort a request in any state (its blocks are freed); unknown ids are ignored."""
+        """Abort a request in any state (its blocks are freed); unknown ids are ignored. A step launched
+        ahead (asynchronous scheduling) whose rows have all ended then is waited for and dropped."""
         self.scheduler.abort(request_id)
+        if self._ahead is not None and not _running_rows(self._ahead):
+            self._drop_ahead()
 
     def has_unfinished(self) -> bool:
         """True while any request is waiting or running."""
@@ -121,6 +126,7 @@ class EngineCore:
         Returns:
             One ``StepOutput`` per token sampled in this step (none for pure prefill-chunk steps).
         """
+        self._unread = [self._ahead] if self._ahead is not None else []
         try:
             launched = self._take_ahead()
             if launched is None:
@@ -130,23 +136,37 @@ class EngineCore:
                     return []
                 if not self._launchable(output, 0):
                     return self.commit(output, self.runner.execute(output))
-                launched = self.runner.launch(output)
+                launched = self._launch(output, None)
             return self._apply(launched)
         except BaseException:
-            self._ahead, self.block_manager.before_free = None, None
+            for unread in self._unread:  # may still run on the device: the caller frees their blocks next
+                with contextlib.suppress(Exception):
+                    unread.wait()
+            self._unread, self._ahead, self.block_manager.before_free = [], None, None
             raise
+
+    def _launch(self, output: SchedulerOutput, feed: LaunchedStep | None) -> LaunchedStep:
+        launched = self.runner.launch(output, feed)
+        self._unread.append(launched)
+        return launched
 
     def _take_ahead(self) -> LaunchedStep | None:
         """The step launched ahead by the last call, unless none of its sequences still runs."""
-        launched, self._ahead = self._ahead, None
+        launched = self._ahead
         if launched is None:
             return None
-        self.step_request_ids = [s.seq.request_id for s in launched.output.scheduled]
-        if any(s.seq.status is SequenceStatus.RUNNING for s in launched.output.scheduled):
+        self.step_request_ids = _running_rows(launched)
+        if self.step_request_ids:
+            self._ahead = None
             return launched
-        launched.wait()  # all finished or aborted since: nothing to apply
-        self.block_manager.before_free = None
+        self._drop_ahead()  # all finished or aborted since: nothing to apply
         return None
+
+    def _drop_ahead(self) -> None:
+        """Wait for the step launched ahead, then forget it (its rows have all ended)."""
+        if self._ahead is not None:
+            self._ahead.wait()
+        self._ahead, self.block_manager.before_free = None, None
 
     def _apply(self, launched: LaunchedStep) -> list[StepOutput]:
         """Launch the step after ``launched`` when certain, then read and apply ``launched``'s tokens
@@ -154,7 +174,7 @@ class EngineCore:
         ``BlockManager.free`` first waits for it."""
         output = launched.output
         nxt = self.scheduler.next_decode_step(output) if self._launchable(output, 1) else None
-        ahead = self.runner.launch(nxt, launched) if nxt is not None else None
+        ahead = self._launch(nxt, launched) if nxt is not None else None
         tokens = launched.token_ids()
         self.block_manager.before_free = ahead.wait if ahead is not None else None
         self._ahead = ahead
@@ -162,7 +182,10 @@ class EngineCore:
         live = [(s, t) for s, t in zip(output.scheduled, tokens, strict=True) if s.seq.status is running]
         if len(live) != len(output.scheduled):
             output = SchedulerOutput(tuple(s for s, _ in live), len(live))
-        return self.commit(output, {s.seq.request_id: SampleResult(t) for s, t in live})
+        outs = self.commit(output, {s.seq.request_id: SampleResult(t) for s, t in live})
+        if ahead is not None and not _running_rows(ahead):  # every row ended in this commit
+            self._drop_ahead()
+        return outs
 
     def _launchable(self, output: SchedulerOutput, later: int) -> bool:
         """True when async scheduling may launch ``output`` (``later`` = 0) or the step after it (1): a
@@ -196,6 +219,12 @@ class EngineCore:
         """Raise ``AssertionError`` if any KV block is still referenced or a request is still held."""
         self.block_manager.check_no_leaks()
         assert not self.scheduler.has_unfinished(), "requests still unfinished"
+        assert self._ahead is None, "a step launched ahead is still held"
+
+
+def _running_rows(launched: LaunchedStep) -> list[str]:
+    """Request ids of the launched step's rows whose sequence still runs."""
+    return [s.seq.request_id for s in launched.output.scheduled if s.seq.status is SequenceStatus.RUNNING]
 
 
 def _eos_id(hf_config: object) -> int | None:

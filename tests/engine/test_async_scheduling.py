@@ -84,7 +84,7 @@ def scenario(core: EngineCore, eos_of: dict[str, int] | None = None) -> Run:
     run.add("a", ps[0], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     run.add("b", ps[1], SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True))
     run.add("c", ps[2], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True,
-                                       stop_token_ids=list((eos_of or {}).values())))
+                                       stop_token_ids=tuple((eos_of or {}).values())))
     run.add("d", ps[3], SamplingParams(temperature=0.7, seed=3, max_tokens=6, ignore_eos=True))
     run.add("e", ps[4], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True))
     for _ in range(4):
@@ -135,7 +135,12 @@ def test_greedy_batch_runs_ahead_every_step_and_free_waits(tiny_path: Path) -> N
     assert core._ahead is not None and core.block_manager.before_free is not None
     waited: list[bool] = []
     wait = core._ahead.wait
-    core._ahead.wait = lambda: waited.append(True) or wait()  # type: ignore[method-assign]
+
+    def logged_wait() -> None:
+        waited.append(True)
+        wait()
+
+    core._ahead.wait = logged_wait  # type: ignore[method-assign]
     core.block_manager.before_free = core._ahead.wait
     core.abort_request("g1")  # frees g1's blocks: must wait for the step in flight first
     assert waited == [True]
