@@ -88,6 +88,15 @@ class LayerPipeline:
         """Request-layers that may still enter the pipeline (depth minus those in flight)."""
         return self.depth - len(self.ops)
 
+    def can_start(self, n_blocks: int, direct: bool) -> bool:
+        """Whether start() would take a request-layer of `n_blocks` blocks now: capacity left and, for a
+        staged one, a staging slot it fits in (or an empty ring that may grow)."""
+        if self.capacity <= 0:
+            return False
+        ring = self.ring
+        return direct or (ring.free_slots > 0 and (ring.bytes_for(n_blocks) <= ring.slot_bytes
+                                                    or ring.in_use == 0))
+
     def start(self, items: list[Item]) -> int:
         """Start each (request_id, layer, src, after, direct) in order while capacity (and, for staged
         ones, a free slot) lasts: a staged one is gathered into a slot, a direct one just waits for

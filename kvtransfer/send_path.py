@@ -3,7 +3,9 @@
 Runs on the sender's loop thread only. Order of one loop step: `_start_gathers` (queued layers into free
 slots, pipeline.py), `_post_ready` (gathered layers of begun requests written: one write per receiver
 for one-sided transports, carrying a LayerNotices batch; one per request-layer for two-sided ones),
-`_complete` (finished writes free their slots; a failed one fails its request). A direct request's
+`_complete` (finished writes free their slots; a failed one fails its request). When layers are queued
+or in flight but none can move (`_can_take_layer`, `_can_post` say no), the step waits in `_nap_busy`
+(GIL released, `TransferConfig.busy_wait_s` per nap) instead of stepping back to back. A direct request's
 pieces of every layer are computed at add_request (runs.direct_layers) and turned into the transport's
 own form once its Begin is answered (`_prepare`, SendTransport.prepare_layers: NIXL prepared
 descriptor lists), so a post is an index list plus the transport call; those are released
@@ -42,6 +44,7 @@ from kvtransfer.runs import make_tag, staged_pieces
 from kvtransfer.staging import checksum, layer_checksum
 from kvtransfer.transport import KV, STAGING, SendTransport
 from kvtransfer.types import KVLayout, TransferConfig, TransferError, TransferStatus
+from kvtransfer.wakeup import Waker, nap
 
 S = TransferStatus
 
@@ -59,16 +62,58 @@ class SendPath:
     _queue: deque[tuple[str, int, torch.cuda.Event | None]]
     _preps: dict[str, list[object]]
     _events: Any
+    _waker: Waker
 
     if TYPE_CHECKING:
         def _peer(self, address: str) -> Any: ...
         def _send(self, peer: Any, msg: m.Message) -> None: ...
         def _set(self, st: RequestState, status: TransferStatus, reason: str = "") -> None: ...
 
+    def _can_take_layer(self) -> bool:
+        """Whether the oldest queued request-layer can enter the pipeline now (or be dropped: its
+        request ended); False with an empty queue."""
+        if not self._queue:
+            return False
+        with self._lock:
+            st = self._requests.get(self._queue[0][0])
+        if st is None or st.status.is_terminal:
+            return True
+        return self._pipe.can_start(len(st.extra["src_ids"]), st.extra["runs"] is not None)
+
+    def _can_post(self) -> bool:
+        """Whether a request-layer not yet posted can be posted (or dropped) now: its request is
+        terminal, or begun and its CUDA event completed (always, on CPU). Only the oldest begun one's
+        event is queried (one query per look, not depth): events complete in the order send_layer
+        recorded them, so a later one found complete a nap later loses at most that nap."""
+        with self._lock:
+            states = [(op, self._requests[op.request_id]) for op in self._pipe.ops if not op.posted]
+        for op, st in states:
+            if st.status.is_terminal:
+                return True
+            if st.extra["begun"]:
+                return op.ready is None or bool(op.ready.query())
+        return False
+
+    def _nap_busy(self, socks: list[Any], cap_s: float) -> bool:
+        """Wait with the GIL released while the data path only waits for send_layer events or write
+        completions, which signal nothing: naps of `config.busy_wait_s` (wakeup.nap), and between two
+        only those are looked at (completions handled here, by _complete), so each look costs the
+        producer thread little GIL time. Returns True as soon as the waker or a socket in `socks` is
+        readable (a command, a send_layer, a message: the caller reads them), False once an event
+        completed, a write finished or `cap_s` seconds passed (housekeeping is due)."""
+        end = time.monotonic() + cap_s
+        while True:
+            if nap(self._waker, socks, min(self.config.busy_wait_s, cap_s)):
+                return True
+            if self._can_post() or self._complete() or time.monotonic() >= end:
+                return False
+
     def _start_gathers(self) -> None:
         """Move queued layers into the pipeline, in send_layer order: staged ones gathered into free
         staging slots, direct ones as they are (also before the request's Begin is answered: the
         gathers overlap the round trip, only the write waits for it)."""
+        if not self._queue:
+            return
         items: list[Item] = []
         states: list[RequestState] = []
         while self._queue and len(items) < self._pipe.capacity:
@@ -180,9 +225,12 @@ class SendPath:
         for op in ops:
             self._requests[op.request_id].extra["inflight"] -= 1
 
-    def _complete(self) -> None:
-        for op, error in self._pipe.poll():
+    def _complete(self) -> bool:
+        """Handle finished writes; True if any finished."""
+        done = self._pipe.poll()
+        for op, error in done:
             self._layer_done(op.request_id, op.layer, error)
+        return bool(done)
 
     def _layer_done(self, request_id: str, layer: int, error: str | None) -> None:
         with self._lock:

@@ -54,7 +54,8 @@ class KVSender(Handshake, PeerLiveness, SendPath, Endpoint):
         self._preps: dict[str, list[object]] = {}  # request → transport.prepare_layers parts (loop)
         self._next_beat = 0.0
         self._poller: zmq.Poller | None = None
-        self._waker = Waker()  # send_layer and commands cut the loop's idle poll short
+        self._waker = Waker()  # send_layer and commands cut the loop's idle poll (or nap) short
+        self._take_layers = True  # a send_layer may wake the loop (false: the pipeline is full)
 
     def start(self) -> KVSender:
         """Start the loop thread."""
@@ -110,8 +111,8 @@ class KVSender(Handshake, PeerLiveness, SendPath, Endpoint):
         """Queue `layer` of the request: its KV must already be in kv_buffer (call after the layer's
         attention stored it). Runs on the caller's (forward pass) thread: a lock, one CUDA event (from a
         pool of reused ones, events.py) recorded on a GPU, one deque append, and a wake-up byte only
-        if the loop sleeps. Raises KeyError for an unknown request, ValueError for a bad layer,
-        TransferError if the sender is not running."""
+        if the loop sleeps or naps with room in its pipeline (_poll_peers). Raises KeyError for an
+        unknown request, ValueError for a bad layer, TransferError if the sender is not running."""
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.layout.num_layers})")
         if self._thread is None or self._stop.is_set():
@@ -124,7 +125,8 @@ class KVSender(Handshake, PeerLiveness, SendPath, Endpoint):
         # the write (or gather) must follow the caller's stream up to now
         event = self._events.record() if self._events is not None else None
         self._queue.append((request_id, layer, event))  # deque.append is atomic: no command closure
-        self._wake()
+        if self._take_layers:  # else the pipeline is full: the loop could not take it up now
+            self._wake()
 
     def abort(self, request_id: str) -> None:
         """Stop sending the request: ABORTED here, the receiver is told (Stopped) once its in-flight
@@ -224,7 +226,7 @@ class KVSender(Handshake, PeerLiveness, SendPath, Endpoint):
 
     # ---- loop ---------------------------------------------------------------------------------
     def _step(self) -> None:
-        self._poll_peers(bool(self._queue or self._pipe.ops))
+        self._poll_peers()
         # liveness right after reading every pending message: a stall of this loop (a long write, a
         # starved thread) must not count as the peers' silence (their heartbeats wait unread)
         self._housekeeping()
@@ -234,18 +236,37 @@ class KVSender(Handshake, PeerLiveness, SendPath, Endpoint):
         self._flush_stops()
         self._release_preps()
 
-    def _poll_peers(self, busy: bool) -> None:
-        """Handle control messages; when not busy, sleep until one arrives, a caller wakes us
-        (_wake) or IDLE_POLL_MS pass (housekeeping: heartbeats, deadlines)."""
+    def _poll_peers(self) -> None:
+        """Handle control messages, after a wait unless this step has work it can do now (a command,
+        a queued layer that can enter the pipeline, a layer to post: send_path.py).
+
+        Idle (nothing queued or in flight): sleep in the zmq poller up to IDLE_POLL_MS (heartbeats,
+        deadlines). Busy but only waiting for CUDA events or write completions, which signal nothing:
+        naps of `config.busy_wait_s` with the GIL released (send_path._nap_busy, wakeup.nap: select()
+        on the waker and the sockets' fds; zmq's own poll counts whole milliseconds) up to
+        IDLE_POLL_MS, so the loop no longer spins and takes the GIL from the producer (issue #3), while
+        a Done, a command or a send_layer the pipeline has room for still ends the nap at once. Chosen
+        over a plain time.sleep(busy_wait_s), which a Done could not cut short. A send_layer into a
+        full pipeline sends no wake byte (`_take_layers`): the loop could not start it before a
+        completion, which a nap's timeout finds."""
         if self._poller is None:  # rebuilt only when a peer is added
             self._poller = zmq.Poller()
             self._poller.register(self._waker.fd, zmq.POLLIN)
             for p in self._peers.values():
                 self._poller.register(p.sock, zmq.POLLIN)
-        if not busy:
+        busy = bool(self._queue or self._pipe.ops)
+        now = not self._commands.empty() or (busy and (self._can_take_layer() or self._can_post()))
+        if not now:
+            self._take_layers = self._pipe.capacity > 0
             self._waker.sleeping = True  # then look again: work queued before this sent no byte
-            busy = bool(self._queue) or not self._commands.empty()
-        ready = dict(self._poller.poll(0 if busy else IDLE_POLL_MS))
+            now = not self._commands.empty() or self._can_take_layer()
+        if now:
+            ready = dict(self._poller.poll(0))
+        elif busy:
+            woke = self._nap_busy([p.sock for p in self._peers.values()], IDLE_POLL_MS / 1e3)
+            ready = dict(self._poller.poll(0)) if woke else {}
+        else:
+            ready = dict(self._poller.poll(IDLE_POLL_MS))
         self._waker.sleeping = False
         if self._waker.fd in ready:
             self._waker.drain()

@@ -102,6 +102,10 @@ class TransferConfig:
     direct_max_pieces: a request-layer whose source and destination runs give at most this many pieces
     (K and V counted; see runs.joint_runs) is written straight from kv_buffer without a gather (the
     direct path); 0 disables it. Fragmented sources go through the staging ring.
+    busy_wait_s: longest nap (seconds) of a sender loop that has request-layers queued or in flight but
+    nothing it can do now (waiting for CUDA events or write completions): the most latency the loop adds
+    to noticing a completion (plus the kernel's timer slack, 50 µs by default on Linux). Capped at the
+    loop's idle poll (10 ms). A command, a useful send_layer or a control message ends the nap at once.
     """
 
     worker_id: str
@@ -117,12 +121,15 @@ class TransferConfig:
     port: int = 0
     max_inflight_layers: int = 4
     direct_max_pieces: int = 16
+    busy_wait_s: float = 50e-6
 
     def __post_init__(self) -> None:
         if self.max_inflight_layers < 1:
             raise ValueError(f"max_inflight_layers must be >= 1, got {self.max_inflight_layers}")
         if self.direct_max_pieces < 0:
             raise ValueError(f"direct_max_pieces must be >= 0, got {self.direct_max_pieces}")
+        if not self.busy_wait_s > 0:  # also refuses NaN
+            raise ValueError(f"busy_wait_s must be > 0 seconds, got {self.busy_wait_s}")
         if self.timeout_s <= 0 or self.heartbeat_interval_s <= 0:
             raise ValueError("timeout_s and heartbeat_interval_s must be > 0")
         if self.peer_timeout_s <= self.heartbeat_interval_s:

@@ -1,4 +1,4 @@
-"""Wake a loop thread that sleeps in a poll (no torch).
+"""Wake a loop thread that sleeps in a poll, and nap briefly until woken (no torch).
 
 The sender loop sleeps in `zmq.Poller.poll(timeout)` when it has nothing to do; a caller that queues
 work (send_layer, a command) must cut that sleep short without the loop busy-spinning. A `Waker` is a
@@ -7,12 +7,23 @@ has announced (`sleeping = True`) that it is about to sleep, so a busy loop cost
 The loop must look for work once more after setting `sleeping` (work queued before that line sent no
 byte). Python socket objects are used, not raw fds: after close() a late wake() raises OSError
 (suppressed) instead of writing into a reused descriptor.
+
+`nap` is the short wait of a loop that has work in flight it can only poll for (CUDA events, write
+completions): zmq's poll counts its timeout in whole milliseconds, so it waits in `select.select`
+(microsecond timeout, GIL released) on the waker and the zmq sockets' `zmq.FD`s instead. That fd is
+edge-triggered (man zmq_getsockopt, ZMQ_FD): it signals a change of the socket's state, not "a message
+is queued", so `zmq.EVENTS` is read first (which also resets the fd) and the nap is skipped when a
+message is already waiting.
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
+import time
+
+import zmq
 
 
 class Waker:
@@ -41,3 +52,22 @@ class Waker:
         """Close both ends (loop thread, at teardown)."""
         self._rx.close()
         self._tx.close()
+
+
+def nap(waker: Waker, socks: list[zmq.Socket], timeout_s: float) -> bool:
+    """Sleep up to `timeout_s` seconds with the GIL released, until `waker` is woken or one of `socks`
+    has a message (see the module docstring). Returns True if one of them is readable (or may be: the
+    caller then polls them without waiting), False on timeout. Set `waker.sleeping` before (and look
+    for queued work once more after setting it). Where a descriptor is too large for select()
+    (>= FD_SETSIZE, 1024), it sleeps the whole `timeout_s` (the caller's bound on the added latency)."""
+    fds = [waker.fd]
+    for sock in socks:
+        if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            return True
+        fds.append(int(sock.getsockopt(zmq.FD)))
+    try:
+        readable, _, _ = select.select(fds, [], [], timeout_s)
+    except ValueError:  # "filedescriptor out of range in select()"
+        time.sleep(timeout_s)
+        return True
+    return bool(readable)
