@@ -3,9 +3,10 @@
 A decode step through a CUDA graph leaves the GPU idle while the host waits for the step's token ids,
 applies them (``Scheduler.update``), schedules the next step and fills its inputs: 0.3–0.5 ms of an
 ≈ 4.8 ms batch-1 step of an 8B model on an H200 (docs/benchmarks/engine-h200.md). With asynchronous
-scheduling (vLLM's ``--async-scheduling`` does the same; here only for plain-greedy decode-only batches) the
-engine enqueues step N+1 right after step N, feeding step N's argmax to step N+1's ``input_ids`` on the
-device, and does step N's host work while step N+1 runs.
+scheduling (vLLM's ``--async-scheduling`` does the same; here for decode-only batches whose rows are all
+``samples_on_device``: greedy or seeded sampling, no logprobs or penalties) the engine enqueues step N+1
+right after step N, feeding step N's sampled tokens to step N+1's ``input_ids`` on the device, and does
+step N's host work while step N+1 runs.
 
 ``LaunchedStep`` is one such enqueued step: its ``SchedulerOutput``, the sampled token ids on the device
 (int64 ``[n]``), their asynchronous copy to pinned host memory and a CUDA event after it. The engine keeps
@@ -18,11 +19,13 @@ in it) while a step in flight may still write it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.cuda_graphs import DecodeCudaGraphs
+from engine.sampler import Sampler, SamplingRow
 from engine.scheduler_output import SchedulerOutput
 
 
@@ -68,10 +71,10 @@ class LaunchedStep:
         return ids
 
 
-def launch_greedy(graphs: DecodeCudaGraphs, output: SchedulerOutput, feed: LaunchedStep | None,
-                  buffers: TokenBuffers) -> LaunchedStep:
-    """Enqueue a decode-only step of plain-greedy rows (graph replay or, uncaptured, the static-buffer
-    forward) and its argmax; returns without waiting for the device.
+def launch_decode(graphs: DecodeCudaGraphs, output: SchedulerOutput, feed: LaunchedStep | None,
+                  buffers: TokenBuffers, rows: Sequence[SamplingRow] | None = None) -> LaunchedStep:
+    """Enqueue a decode-only step (graph replay or, uncaptured, the static-buffer forward) and its
+    sampling; returns without waiting for the device.
 
     Args:
         graphs: the runner's ``DecodeCudaGraphs``.
@@ -81,13 +84,17 @@ def launch_greedy(graphs: DecodeCudaGraphs, output: SchedulerOutput, feed: Launc
             become this step's ``input_ids``, and positions are one past the sequences'
             ``num_computed_tokens``.
         buffers: where the host copy of the token ids goes.
+        rows: one ``SamplingRow`` per scheduled sequence, all ``samples_on_device``
+            (``Sampler.sample_tokens``); None when every row is plain greedy (one argmax).
 
     Raises:
         ValueError: from ``DecodeCudaGraphs.run`` (no bucket, bad positions or block tables), or a
-            ``feed`` whose rows differ in number from ``output``'s.
+            ``feed`` / ``rows`` whose row count differs from ``output``'s.
     """
     seqs = [s.seq for s in output.scheduled]
     tables = [seq.block_table for seq in seqs]
+    if rows is not None and len(rows) != len(seqs):
+        raise ValueError(f"{len(rows)} sampling rows for {len(seqs)} sequences")
     if feed is None:
         positions = [seq.num_computed_tokens for seq in seqs]
         logits = graphs.run([seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)],
@@ -97,7 +104,7 @@ def launch_greedy(graphs: DecodeCudaGraphs, output: SchedulerOutput, feed: Launc
             raise ValueError(f"feed step has {len(feed.output.scheduled)} rows, this step {len(seqs)}")
         logits = graphs.run([0] * len(seqs), [seq.num_computed_tokens + 1 for seq in seqs], tables,
                             device_token_ids=feed.tokens)
-    tokens = logits.argmax(dim=-1)
+    tokens = logits.argmax(dim=-1) if rows is None else Sampler.sample_tokens(logits, rows)
     buf, event = buffers.next()
     host = buf[: len(seqs)]
     host.copy_(tokens, non_blocking=event is not None)
@@ -106,4 +113,4 @@ def launch_greedy(graphs: DecodeCudaGraphs, output: SchedulerOutput, feed: Launc
     return LaunchedStep(output, tokens, host, event)
 
 
-__all__ = ["LaunchedStep", "TokenBuffers", "launch_greedy"]
+__all__ = ["LaunchedStep", "TokenBuffers", "launch_decode"]

@@ -43,8 +43,9 @@ class SchedulerConfig:
     """Batch limits per step: ``max_num_seqs`` running sequences, ``max_num_batched_tokens`` tokens.
 
     With ``enable_chunked_prefill`` a prompt larger than the remaining token budget is split across steps;
-    without it such a prompt waits until it fits whole. ``async_scheduling``: plain-greedy decode-only
-    steps through the decode CUDA graphs launch their successor before their own tokens reach the host
+    without it such a prompt waits until it fits whole. ``async_scheduling``: decode-only steps through
+    the decode CUDA graphs whose rows sample on the device (greedy or seeded; no logprobs or penalties)
+    launch their successor before their own tokens reach the host
     (engine/async_step.py).
     """
 

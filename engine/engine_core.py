@@ -18,7 +18,7 @@ from engine.async_step import LaunchedStep
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.sampler import SampleResult, is_plain_greedy
+from engine.sampler import SampleResult, samples_on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -118,7 +118,8 @@ class EngineCore:
         """Schedule, run the model, sample and update: one continuous-batching step.
 
         With ``async_scheduling`` (from ``SchedulerConfig``; a benchmark may switch it between steps) a
-        plain-greedy decode-only step through the decode graphs also launches the next step
+        decode-only step through the decode graphs whose rows sample on the device (greedy or seeded, no
+        logprobs or penalties) also launches the next step
         (``Scheduler.next_decode_step``) before reading its own tokens, and the next call applies that one
         (engine/async_step.py). ``step_request_ids`` names the requests of the step(s) this call ran (for a
         caller failing them after an exception).
@@ -134,7 +135,7 @@ class EngineCore:
                 self.step_request_ids = [s.seq.request_id for s in output.scheduled]
                 if output.is_empty:
                     return []
-                if not self._launchable(output, 0):
+                if not self._launchable(output):
                     return self.commit(output, self.runner.execute(output))
                 launched = self._launch(output, None)
             return self._apply(launched)
@@ -173,7 +174,7 @@ class EngineCore:
         (its rows of sequences no longer running are dropped); while the next step is in flight, every
         ``BlockManager.free`` first waits for it."""
         output = launched.output
-        nxt = self.scheduler.next_decode_step(output) if self._launchable(output, 1) else None
+        nxt = self.scheduler.next_decode_step(output) if self._launchable(output) else None
         ahead = self._launch(nxt, launched) if nxt is not None else None
         tokens = launched.token_ids()
         self.block_manager.before_free = ahead.wait if ahead is not None else None
@@ -187,16 +188,17 @@ class EngineCore:
             self._drop_ahead()
         return outs
 
-    def _launchable(self, output: SchedulerOutput, later: int) -> bool:
-        """True when async scheduling may launch ``output`` (``later`` = 0) or the step after it (1): a
-        decode-only step through the decode graphs whose rows are all plain greedy then."""
+    def _launchable(self, output: SchedulerOutput) -> bool:
+        """True when async scheduling may launch ``output`` or the step after it: a decode-only step
+        through the decode graphs whose rows all sample on the device (``samples_on_device`` with the
+        outputs the host has now, which the sampler's ``min_tokens`` mask reads)."""
         graphs = self.runner.decode_graphs
         n = len(output.scheduled)
         if not self.async_scheduling or graphs is None or not graphs.fits(n):
             return False
         return output.num_decodes == n and all(
             s.samples and s.num_scheduled_tokens == 1
-            and is_plain_greedy(s.seq.sampling_params, s.seq.num_output_tokens + later)
+            and samples_on_device(s.seq.sampling_params, s.seq.num_output_tokens)
             for s in output.scheduled)
 
     def commit(self, output: SchedulerOutput, results: dict[str, SampleResult]) -> list[StepOutput]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.async_step import LaunchedStep, TokenBuffers, launch_greedy
+from engine.async_step import LaunchedStep, TokenBuffers, launch_decode
 from engine.attention.backend import get_backend
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.config import EngineConfig
@@ -210,8 +210,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, output: SchedulerOutput, feed: LaunchedStep | None = None) -> LaunchedStep:
-        """Enqueue a plain-greedy decode-only step through the decode graphs without waiting for it
-        (asynchronous scheduling; arguments and errors as ``engine.async_step.launch_greedy``).
+        """Enqueue a decode-only step through the decode graphs, every row ``samples_on_device``, without
+        waiting for it (asynchronous scheduling; arguments and errors as
+        ``engine.async_step.launch_decode``). With ``feed`` each row samples its next output position.
 
         Raises:
             RuntimeError: no decode graphs (CPU, ``enforce_eager`` or a backend other than triton).
@@ -221,8 +222,13 @@ class ModelRunner:
             raise RuntimeError("asynchronous decode steps need the decode graphs")
         if self._token_buffers is None:
             self._token_buffers = TokenBuffers(graphs.inputs.max_batch, self.device)
+        later = 0 if feed is None else 1
+        seqs = [s.seq for s in output.scheduled]
+        rows = None
+        if not all(is_plain_greedy(seq.sampling_params, seq.num_output_tokens + later) for seq in seqs):
+            rows = [self._row(seq, later) for seq in seqs]
         with self.on_device():
-            return launch_greedy(graphs, output, feed, self._token_buffers)
+            return launch_decode(graphs, output, feed, self._token_buffers, rows)
 
     def on_device(self) -> contextlib.AbstractContextManager[object]:
         """Context making ``self.device`` the calling thread's current CUDA device (steps run on an
@@ -247,15 +253,17 @@ class ModelRunner:
         return {seq.request_id: r for seq, r in zip(sampling, results, strict=True)}
 
     @staticmethod
-    def _row(seq: Sequence) -> SamplingRow:
+    def _row(seq: Sequence, later: int = 0) -> SamplingRow:
         """The sampler's view of ``seq``; the prompt (O(prompt) to slice) only when a repetition
-        penalty reads it, the output tokens by reference."""
+        penalty reads it, the output tokens by reference. ``later``: 1 for a step launched before the
+        previous token reached ``seq`` (only for ``samples_on_device`` rows, which do not read the
+        output tokens)."""
         params = seq.sampling_params
         prompt = seq.token_ids[: seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else ()
         return SamplingRow(
             params=params,
             seed=params.seed if params.seed is not None else fallback_seed(seq.request_id),
-            output_position=seq.num_output_tokens,
+            output_position=seq.num_output_tokens + later,
             prompt_token_ids=prompt,
             output_token_ids=seq.output_token_ids,
             eos_token_id=seq.eos_token_id,

@@ -170,6 +170,15 @@ def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
             and num_output_tokens >= params.min_tokens)
 
 
+def samples_on_device(params: SamplingParams, num_output_tokens: int) -> bool:
+    """True when a row's token needs nothing the host learns later: no logprobs, no penalties (they read
+    the output so far) and ``min_tokens`` reached, greedy or seeded sampling (the Gumbel noise hashes
+    seed and output position). ``Sampler.sample_tokens`` of such rows can run for a step launched before
+    the previous step's token is on the host (asynchronous scheduling, engine/async_step.py)."""
+    return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and num_output_tokens >= params.min_tokens)
+
+
 class Sampler:
     """Samples one token per row of a logits batch; stateless (the seed lives in each row)."""
 
@@ -200,9 +209,18 @@ class Sampler:
         Raises:
             ValueError: ``logits`` is not 2-D or its row count differs from ``len(rows)``.
         """
+        raw = logits.float()
+        return self._results(raw, self.sample_tokens(logits, rows, raw), rows)
+
+    @staticmethod
+    def sample_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                      raw: torch.Tensor | None = None) -> torch.Tensor:
+        """The sampled token ids, int64 ``[B]`` on the device, without waiting for the device (no host
+        synchronisation: per-row values go through pinned memory). ``raw``: ``logits.float()`` if the
+        caller has it. Raises ``ValueError`` as ``__call__``."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} must be [len(rows)={len(rows)}, vocab]")
-        raw = logits.float()
+        raw = logits.float() if raw is None else raw
         processed = apply_penalties(raw, rows)
         tokens = processed.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -216,7 +234,7 @@ class Sampler:
             u = seeded_uniform(seeds, pos, raw.shape[1])
             gumbel = -torch.log(-torch.log(u))
             tokens.index_copy_(0, index, (filtered + gumbel).argmax(dim=-1))
-        return self._results(raw, tokens, rows)
+        return tokens
 
     @staticmethod
     def _results(raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:

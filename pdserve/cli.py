@@ -97,7 +97,8 @@ def _add_worker(add: _EnvAdder, role: str) -> None:
     add("--attention-backend", default="auto", help="auto, torch, triton or flash_attn")
     _bool_flag(add, "--enforce-eager", False, "never replay CUDA graphs for decode steps")
     _bool_flag(add, "--async-scheduling", False,
-               "launch each plain-greedy decode graph step before the last one's tokens reach the host")
+               "launch each decode graph step before the last one's tokens reach the host (rows without "
+               "logprobs or penalties)")
     add("--fused-ops", default="auto", choices=["auto", "on", "off"],
         help="merged QKV/gate-up GEMMs and fused RMSNorm/rotary/SiLU kernels (auto: on CUDA, if supported)")
     add("--block-size", type=int, default=16, help="tokens per KV block")

@@ -108,7 +108,7 @@ def test_same_tokens_as_synchronous_engine(tiny_path: Path) -> None:
     assert asy.tokens == sync.tokens
     assert asy.finish == sync.finish
     assert sync.finish["c"] == "stop" and len(sync.tokens["c"]) <= 4
-    assert launched["ahead"] > 0  # steps really went ahead (greedy-only batches after d finished)
+    assert launched["ahead"] > 0  # steps really went ahead
 
 
 def count_launches(core: EngineCore) -> dict[str, int]:
@@ -210,3 +210,49 @@ def test_gpu_captured_graphs_same_tokens_with_and_without_async(tiny_path: Path)
     tokens, counts = go(True)
     assert tokens == go(False)[0]
     assert counts["ahead"] > counts["first"] > 0
+
+
+def test_seeded_sampling_runs_ahead_with_the_same_tokens(tiny_path: Path) -> None:
+    """Seeded sampling rows (temperature, top-k, top-p, min-p; the Gumbel noise hashes seed and output
+    position) sample on the device, so they run ahead too; a ``min_tokens`` row joins only once its mask
+    is off, and a logprobs row keeps its batch synchronous until it finishes."""
+    def go(async_scheduling: bool) -> tuple[dict[str, list[int]], dict[str, int]]:
+        core = make_core(tiny_path, async_scheduling)
+        counts = count_launches(core)
+        run = Run(core)
+        ps = prompts(4, seed=13)
+        run.add("t", ps[0], SamplingParams(temperature=0.9, top_k=20, seed=1, max_tokens=9, ignore_eos=True))
+        run.add("p", ps[1], SamplingParams(temperature=0.7, top_p=0.8, min_p=0.05, seed=2, max_tokens=9,
+                                           ignore_eos=True))
+        run.add("m", ps[2], SamplingParams(temperature=0.8, seed=3, max_tokens=8, min_tokens=3,
+                                           stop_token_ids=(7, 11, 13), ignore_eos=True))
+        run.add("l", ps[3], SamplingParams(temperature=0.8, seed=4, max_tokens=3, logprobs=2,
+                                           ignore_eos=True))
+        run.drain()
+        return run.tokens, counts
+
+    (tokens, counts), (want, none) = go(True), go(False)
+    assert tokens == want
+    assert none == {"first": 0, "ahead": 0} and counts["ahead"] >= 3
+
+
+def test_min_tokens_boundary_is_not_sampled_ahead_with_a_stale_mask(tiny_path: Path) -> None:
+    """A greedy row whose ``min_tokens``-th output is a stop token must stop there: a step launched
+    before the row's previous token reached the host would still see the stop token masked (the sampler
+    counts the outputs the host has), so such a row joins launched steps only once its mask is off."""
+    ps = prompts(2, seed=17)
+
+    def go(async_scheduling: bool, stop: tuple[int, ...]) -> Run:
+        run = Run(make_core(tiny_path, async_scheduling))
+        run.add("g", ps[0], SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3, stop_token_ids=stop,
+                                           ignore_eos=True))
+        run.add("r", ps[1], SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True))
+        run.drain()
+        return run
+
+    free = go(False, ()).tokens["g"]
+    assert free[3] not in free[:3], "pick another prompt seed: the stop token must first come at output 3"
+    want = go(False, (free[3],))
+    assert want.tokens["g"] == free[:4] and want.finish["g"] == "stop"
+    got = go(True, (free[3],))
+    assert (got.tokens, got.finish) == (want.tokens, want.finish)
