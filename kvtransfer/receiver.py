@@ -24,8 +24,10 @@ from kvtransfer.runs import layer_pieces
 from kvtransfer.staging import layer_checksum, layout_of
 from kvtransfer.transport import RecvTransport
 from kvtransfer.types import KVHandle, TransferConfig, TransferStatus
+from kvtransfer.wakeup import Waker, nap_until
 
 S = TransferStatus
+IDLE_POLL_MS = 10  # longest sleep of an idle loop, and the longest run of naps while due
 FORGOTTEN_MAX = 1024  # dropped senders whose drop reason is kept for their Rehandshake
 
 
@@ -56,6 +58,7 @@ class KVReceiver(Endpoint):
         self._keys = itertools.count(1)
         self._next_beat = 0.0
         self._trace: list[tuple[float, str, str, int]] | None = None
+        self._waker = Waker()  # commands and close() cut the loop's idle poll (or nap) short
 
     def set_trace(self, trace: list[tuple[float, str, str, int]] | None) -> None:
         """Append (time.perf_counter() s, what, request_id, layer) events to `trace` (None: off):
@@ -73,6 +76,9 @@ class KVReceiver(Endpoint):
         else:
             self._sock.bind_to_random_port(f"tcp://{self.config.host}")
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._poller = zmq.Poller()  # idle sleep: a message or a command (the waker) ends it
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._waker.fd, zmq.POLLIN)
         self._start_thread(f"kv-receiver-{self.config.worker_id}")
         return self
 
@@ -129,18 +135,39 @@ class KVReceiver(Endpoint):
 
     # ---- loop ---------------------------------------------------------------------------------
     def _step(self) -> None:
-        with self._lock:  # busy-poll while data is due: a 1 ms nap per step delays each notice
-            due = bool(self._posted) or any(st.status is S.TRANSFERRING for st in self._requests.values())
-        if self._sock.poll(0 if due else 1, zmq.POLLIN):
-            while True:
-                try:
-                    identity, data = self._sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._on_message(identity, m.decode(data))
+        self._wait()
+        while int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # every message queued now
+            identity, data = self._sock.recv_multipart(zmq.NOBLOCK)
+            self._on_message(identity, m.decode(data))
         # liveness right after reading every pending message: a stall of this loop (a starved thread,
         # a slow transport call) must not count as the senders' silence (their heartbeats wait unread)
         self._housekeeping()
+        self._poll_transport()
+
+    def _wait(self) -> None:
+        """Wait before a step unless a command is queued. Idle: the zmq poller, up to IDLE_POLL_MS. Due (a
+        request TRANSFERRING, i.e. the sender's whole prefill; issue #3/#8): wakeup.nap_until, naps of
+        busy_wait_s with the GIL released and `transport.poll()` (no fd signals it) between two, up to
+        IDLE_POLL_MS: a landing is seen <= busy_wait_s (+ timer slack) late, a message, command or
+        close() ends a nap at once. A two-sided transport with receives posted (ucx: rendezvous
+        completes only inside progress calls) steps back to back, as before, while its data moves."""
+        if not self._commands.empty() or (self._posted and not self.transport.one_sided):
+            return
+        with self._lock:
+            due = bool(self._posted) or any(st.status is S.TRANSFERRING for st in self._requests.values())
+        self._waker.sleeping = True  # then look again: a command queued before this sent no byte
+        if self._commands.empty():
+            if due:
+                woke = nap_until(self._waker, [self._sock], self.config.busy_wait_s, IDLE_POLL_MS / 1e3,
+                                 self._poll_transport)
+            else:
+                woke = bool(self._poller.poll(IDLE_POLL_MS))
+            if woke:
+                self._waker.drain()
+        self._waker.sleeping = False
+
+    def _poll_transport(self) -> bool:
+        """Handle what the transport reports landed (one-sided notices, two-sided keys); True if any."""
         notices, keys = self.transport.poll()
         for raw in notices:
             for n in m.decode_notices(raw):
@@ -150,6 +177,10 @@ class KVReceiver(Endpoint):
         for key in keys:
             rid, layer, checksum, _ = self._posted.pop(key)
             self._landed(rid, layer, checksum)
+        return bool(notices or keys)
+
+    def _wake(self) -> None:
+        self._waker.wake()
 
     def _send(self, identity: bytes, msg: m.Message) -> None:
         self._sock.send_multipart([identity, m.encode(msg)], zmq.NOBLOCK)
@@ -270,3 +301,4 @@ class KVReceiver(Endpoint):
         self.transport.close()
         self._sock.close(0)
         self._ctx.term()
+        self._waker.close()

@@ -103,9 +103,11 @@ class TransferConfig:
     (K and V counted; see runs.joint_runs) is written straight from kv_buffer without a gather (the
     direct path); 0 disables it. Fragmented sources go through the staging ring.
     busy_wait_s: longest nap (seconds) of a sender loop that has request-layers queued or in flight but
-    nothing it can do now (waiting for CUDA events or write completions): the most latency the loop adds
-    to noticing a completion (plus the kernel's timer slack, 50 µs by default on Linux). Capped at the
-    loop's idle poll (10 ms). A command, a useful send_layer or a control message ends the nap at once.
+    nothing it can do now (waiting for CUDA events or write completions), and of a receiver loop while a
+    request is TRANSFERRING (from its Begin, i.e. during the sender's prefill, to its last layer): the
+    most latency a loop adds to noticing a completion or a landed layer (plus the kernel's timer slack,
+    50 µs by default on Linux). Capped at the loops' idle poll (10 ms). A command, a useful send_layer or a
+    control message ends the nap at once.
     """
 
     worker_id: str

@@ -14,6 +14,10 @@ completions): zmq's poll counts its timeout in whole milliseconds, so it waits i
 edge-triggered (man zmq_getsockopt, ZMQ_FD): it signals a change of the socket's state, not "a message
 is queued", so `zmq.EVENTS` is read first (which also resets the fd) and the nap is skipped when a
 message is already waiting.
+
+`nap_until` strings naps together for a loop that must also look at something no fd signals between
+them (the receiver's `transport.poll()`: NIXL notifications, ucx progress), up to a cap after which the
+loop's periodic work (heartbeats, deadlines) is due.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import contextlib
 import select
 import socket
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -71,3 +76,18 @@ def nap(waker: Waker, socks: list[zmq.Socket], timeout_s: float) -> bool:
         time.sleep(timeout_s)
         return True
     return bool(readable)
+
+
+def nap_until(waker: Waker, socks: list[zmq.Socket], nap_s: float, cap_s: float,
+              look: Callable[[], bool]) -> bool:
+    """Nap (`nap`) up to `nap_s` seconds at a time, calling `look()` after each nap that timed out, for
+    at most about `cap_s` seconds in all (monotonic clock). Returns True as soon as `waker` or one of
+    `socks` is readable (the caller reads them), False once `look()` returned True (it found
+    something) or `cap_s` passed. What `look()` watches is thus seen at most `nap_s` (plus the
+    kernel's timer slack) after it happens. Same preconditions as `nap` (`waker.sleeping` set)."""
+    end = time.monotonic() + cap_s
+    while True:
+        if nap(waker, socks, min(nap_s, cap_s)):
+            return True
+        if look() or time.monotonic() >= end:
+            return False

@@ -244,6 +244,8 @@ def test_dead_receiver_fails_sender_within_deadline():
         tx.add_request(rx.expect("a", [1, 2], timeout_s=5.0), [0, 1])
         tx.send_layer("a", 0)
         assert tx.wait_until(lambda: tx._requests["a"].status is S.TRANSFERRING, WAIT)
+        # layer 0 landed first: else its write could race the close and fail as "peer gone" instead
+        assert rx.wait_until(lambda: len(rx._requests["a"].layers) == 1, WAIT)
         rx.close()  # the decode worker dies: no more heartbeats
         start = __import__("time").monotonic()
         assert tx.wait("a", 5.0) is S.FAILED and "lost" in tx.reason("a")
