@@ -11,8 +11,9 @@ weights, Triton attention, decode CUDA graphs captured as in serving):
 - ``step``: ``EngineCore.step()`` of a real decode batch (scheduler, block tables, fill, replay, sampling,
   ``.tolist()``, detokenize-free bookkeeping), host clock (``bench.engine.decode_rate``).
 
-``step - replay`` is the host time a step does not overlap with the GPU; ``replay`` against the weight-read
-floor (weight bytes / device copy bandwidth, measured in the same run) is the forward pass's own
+``step - replay`` is the host time a step does not overlap with the GPU (``--async-scheduling``: also
+with step N+1 launched before step N's tokens are read, engine/async_step.py); ``replay`` against the
+weight-read floor (weight bytes / device copy bandwidth, measured in the same run) is the forward pass's own
 efficiency.
 
     python3 -m bench.decode_breakdown --batches 1 8 32 --context 1024 [--json out.json]
@@ -65,7 +66,9 @@ def breakdown(args: argparse.Namespace) -> dict[str, object]:
         replay_s, step_s = row["replay_s"], row["step_s"]
         print(f"batch {batch:4d}: replay {replay_s * 1e3:6.2f} ms ({weights / bandwidth / replay_s:5.1%} of "
               f"the weight floor) | run {row['run_s'] * 1e3:6.2f} | sample {row['sample_s'] * 1e3:6.2f} | "
-              f"step {step_s * 1e3:6.2f} ms | host not overlapped {(step_s - replay_s) * 1e3:6.2f} ms",
+              f"step {step_s * 1e3:6.2f} ms | host not overlapped {(step_s - replay_s) * 1e3:6.2f} ms"
+              + (f" | async step {row['async_step_s'] * 1e3:6.2f} ms, not overlapped "
+                 f"{(row['async_step_s'] - replay_s) * 1e3:6.2f} ms" if "async_step_s" in row else ""),
               flush=True)
     return out
 
@@ -92,9 +95,14 @@ def _measure(core: EngineCore, batch: int, args: argparse.Namespace) -> dict[str
     rows = [SamplingRow(params, 0, 0, [1], [], None) for _ in range(batch)]
     sample_s = _timed(functools.partial(runner.sampler, run(), rows), args.iters, device)
     step_s = batch / decode_rate(core, batch, args.context, args.new_tokens)
+    row = dict(batch=batch, replay_s=replay_s, run_s=run_s, sample_s=sample_s, step_s=step_s)
+    if args.async_scheduling:  # the same steps with asynchronous scheduling (engine/async_step.py)
+        core.async_scheduling = True
+        row["async_step_s"] = batch / decode_rate(core, batch, args.context, args.new_tokens)
+        core.async_scheduling = False
     if args.profile:
         _profile(graph, device)
-    return dict(batch=batch, replay_s=replay_s, run_s=run_s, sample_s=sample_s, step_s=step_s)
+    return row
 
 
 def _profile(graph: torch.cuda.CUDAGraph, device: torch.device, replays: int = 5) -> None:
@@ -127,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--prompt-len", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help="top kernels inside the graph (torch.profiler)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="also time the steps with asynchronous scheduling (step N+1 launched first)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     result = breakdown(args)
