@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import secrets
 import time
 
@@ -22,6 +23,8 @@ from engine.sampler import SampleResult, samples_on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 FINISH_REASONS: dict[SequenceStatus, str] = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -68,6 +71,9 @@ class EngineCore:
         self.eos_token_id = _eos_id(self.runner.hf_config)
         self.step_request_ids: list[str] = []
         self.async_scheduling = engine_config.scheduler.async_scheduling  # may be switched between steps
+        if self.async_scheduling and self.runner.decode_graphs is None:
+            logger.warning("async_scheduling has no effect here: it needs the decode CUDA graphs (CUDA, the "
+                           "triton attention backend, no enforce_eager)")
         self._ahead: LaunchedStep | None = None  # launched by the last step, applied by the next
         self._unread: list[LaunchedStep] = []  # launched, tokens maybe not read yet (waited for on errors)
 

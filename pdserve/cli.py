@@ -98,7 +98,7 @@ def _add_worker(add: _EnvAdder, role: str) -> None:
     _bool_flag(add, "--enforce-eager", False, "never replay CUDA graphs for decode steps")
     _bool_flag(add, "--async-scheduling", False,
                "launch each decode graph step before the last one's tokens reach the host (rows without "
-               "logprobs or penalties)")
+               "logprobs or penalties; needs CUDA graphs: no effect on a CPU or with --enforce-eager)")
     add("--fused-ops", default="auto", choices=["auto", "on", "off"],
         help="merged QKV/gate-up GEMMs and fused RMSNorm/rotary/SiLU kernels (auto: on CUDA, if supported)")
     add("--block-size", type=int, default=16, help="tokens per KV block")

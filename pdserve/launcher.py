@@ -65,7 +65,10 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0) -> list[tup
     common = ["--log-level", settings.log_level, "--log-format", settings.log_format]
     children = [("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(settings.port),
                              "--control-bind", control, *common])]
-    worker = ["--model", settings.model, "--gateway-control", control, "--host", "127.0.0.1", *common]
+    # --port 0: a worker's --port is its KV control port, and a PDSERVE_PORT meant for `up` (the HTTP port)
+    # reaches the children's environment too
+    worker = ["--model", settings.model, "--gateway-control", control, "--host", "127.0.0.1", "--port", "0",
+              *common]
     transfer = ["--transfer-backend", settings.transfer_backend]
     roles = [(role, i) for role, count in (("prefill", settings.num_prefill), ("decode", settings.num_decode),
                                            ("colocated", settings.colocated)) for i in range(count)]

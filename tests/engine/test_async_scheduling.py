@@ -158,9 +158,11 @@ def test_greedy_batch_runs_ahead_every_step_and_free_waits(tiny_path: Path) -> N
     assert counts == {"first": 2, "ahead": 9}
 
 
-def test_off_without_graphs_or_flag(tiny_path: Path) -> None:
-    for core in (make_core(tiny_path, async_scheduling=True, graphs=False),
-                 make_core(tiny_path, async_scheduling=False)):
+def test_off_without_graphs_or_flag(tiny_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="engine.engine_core"):
+        no_graphs = make_core(tiny_path, async_scheduling=True, graphs=False)
+    assert "async_scheduling has no effect here" in caplog.text  # the user is told, not silently ignored
+    for core in (no_graphs, make_core(tiny_path, async_scheduling=False)):
         counts = count_launches(core)
         run = Run(core)
         run.add("x", prompts(1, seed=9)[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))

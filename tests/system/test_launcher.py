@@ -23,6 +23,24 @@ def test_plan_starts_gateway_first_and_binds_loopback() -> None:
         assert ("--transfer-backend" in args) == (not name.startswith("colocated"))
 
 
+def test_up_settings_from_env_do_not_leak_into_children() -> None:
+    """``PDSERVE_PORT=18000 pdserve up`` (the HTTP port) reaches the children's environment: each child's
+    command line must still give every worker a free KV port (``--port 0``), not 18000 (the gateway's
+    port: the first worker died with "Address already in use" before)."""
+    from pdserve.cli import build_parser
+    from pdserve.settings import GatewaySettings, WorkerSettings, settings_from_args
+
+    env = {"PDSERVE_PORT": "18000", "PDSERVE_MODEL": "tiny-llama", "PDSERVE_NUM_DECODE": "2"}
+    up = settings_from_args(build_parser(env).parse_args(["up"]))
+    assert isinstance(up, UpSettings) and (up.port, up.num_decode) == (18000, 2)
+    for name, args in plan(up, control_port=7777):
+        child = settings_from_args(build_parser(env).parse_args(args))
+        if name == "gateway":
+            assert isinstance(child, GatewaySettings) and child.port == 18000
+        else:
+            assert isinstance(child, WorkerSettings) and (child.port, child.model) == (0, "tiny-llama")
+
+
 def test_stop_all_kills_a_child_that_ignores_sigterm() -> None:
     sup = Supervisor(grace=0.5)
     code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
