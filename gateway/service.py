@@ -117,7 +117,7 @@ class GatewayService:
         elif isinstance(msg, WorkerShutdown):
             entry = self.registry.remove(msg.worker_id, msg.epoch)
             if entry is not None:
-                self._worker_gone(entry, "worker shut down")
+                self._worker_gone(entry, "worker shut down", announced=True)
         elif type(msg).__name__ in _PER_REQUEST:
             await self._on_request_message(identity, msg)
 
@@ -165,11 +165,14 @@ class GatewayService:
         elif not isinstance(msg, RequestFinished | RequestFailed) and self.control is not None:
             await self.control.send(identity, AbortRequest(request_id=request_id, reason="unknown request"))
 
-    def _worker_gone(self, entry: WorkerEntry, reason: str) -> None:
+    def _worker_gone(self, entry: WorkerEntry, reason: str, announced: bool = False) -> None:
+        """Forget a worker; its requests get ``WorkerLost``. ``announced``: it said so itself (a clean
+        shutdown, logged at INFO when it held no request; WARNING otherwise)."""
         self.metrics.worker_deaths.inc()
         self.metrics.drop_worker(entry.worker_id, entry.role)
         self.router.prefix_index.remove_worker(entry.worker_id)
-        log_event(log, "worker_lost", logging.WARNING, worker_id=entry.worker_id, reason=reason)
+        level = logging.INFO if announced and not entry.requests else logging.WARNING
+        log_event(log, "worker_lost", level, worker_id=entry.worker_id, reason=reason)
         for request_id in list(entry.requests):
             handle = self.requests.get(request_id)
             if handle is not None:

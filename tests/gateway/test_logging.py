@@ -1,4 +1,5 @@
-"""pdserve.logging: one line per event; JSON lines carry the event's fields (request_id...)."""
+"""pdserve.logging: one line per event; JSON lines carry the event's fields (request_id...); the gateway
+logs a clean worker shutdown at INFO, a lost worker at WARNING."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import logging
 
 import pytest
 
+from gateway.metrics import GatewayMetrics
+from gateway.service import GatewayService
 from pdserve.logging import configure_logging, log_event
+from pdserve.messages import RegisterWorker, WorkerCompat, WorkerLoad, WorkerShutdown
+from pdserve.settings import GatewaySettings
+from tests.gateway.test_metric_names import _FakeControl
 
 
 def test_json_and_text_lines(capsys: pytest.CaptureFixture[str]) -> None:
@@ -33,3 +39,22 @@ def test_json_and_text_lines(capsys: pytest.CaptureFixture[str]) -> None:
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
+
+
+async def test_clean_worker_shutdown_is_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker that announces its shutdown holding no request is no incident (INFO); one the gateway
+    declares lost is (WARNING)."""
+    svc = GatewayService(GatewaySettings(), GatewayMetrics(), text=object())  # type: ignore[arg-type]
+    svc.control = _FakeControl()  # type: ignore[assignment]
+    compat = WorkerCompat(dtype="float32", block_size=16, transfer_backend="loopback")
+    for wid in ("d0", "d1"):
+        await svc._dispatch(wid.encode(), RegisterWorker(role="decode", worker_id=wid, epoch=1, model="m",
+                                                         model_path="", compat=compat, load=WorkerLoad()))
+    with caplog.at_level(logging.INFO):
+        await svc._dispatch(b"d0", WorkerShutdown(worker_id="d0", epoch=1))
+        entry = svc.registry.get("d1")
+        assert entry is not None
+        svc._worker_gone(entry, "no heartbeat for 5 s")
+    levels = {getattr(r, "worker_id", None): r.levelno for r in caplog.records
+              if r.getMessage() == "worker_lost"}
+    assert levels == {"d0": logging.INFO, "d1": logging.WARNING}

@@ -200,3 +200,4 @@ async def test_transfer_counters_follow_heartbeats_and_vanish_with_the_worker() 
     assert _value(metrics, "pdserve_kv_transfer_seconds_total", worker_id="p0") is None
     assert _value(metrics, "pdserve_kv_blocks_capacity", worker_id="p0", role="prefill") is None
     assert not svc.requests  # leak check: the gateway holds no request
+
