@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.config import BenchConfig, SLOConfig, WorkloadConfig
-from loadtest.faults import FaultSpec, parse_duration
+from loadtest.faults import FaultSpec
 from loadtest.lengths import LengthDist
+from pdserve.durations import parse_duration
 
 
 def _add(parser: argparse.ArgumentParser, flag: str, **kw: Any) -> None:

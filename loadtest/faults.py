@@ -9,25 +9,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from loadtest.records import FaultResult, PhaseReport, RequestRecord
+from pdserve.durations import parse_duration
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
 _MAX_OUTPUT_CHARS = 2000
-
-
-def parse_duration(text: str) -> float:
-    """``"500ms"``, ``"5s"``, ``"5"`` (seconds) or ``"1m"`` → seconds. Raises ValueError otherwise."""
-    m = _DURATION.match(text)
-    if not m:
-        raise ValueError(f"bad duration {text!r}: use a number with ms, s or m (e.g. 5s)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pdserve.durations import parse_duration
+
 _RUNNERS = {
     "prefill": "prefill_worker.main:run",
     "decode": "decode_worker.main:run",
@@ -79,12 +81,13 @@ def _add_gateway(add: _EnvAdder) -> None:
     add("--disagg-threshold", type=int, default=0, help="prompts shorter (tokens) go colocated")
     _bool_flag(add, "--allow-local-prefill", False, "no prefill worker → colocated instead of 503")
     add("--max-queue", type=int, default=1024, help="requests in flight before 429")
-    add("--request-timeout", type=float, default=600.0, help="seconds")
+    add("--request-timeout", type=parse_duration, default=600.0, help="seconds, or e.g. 30s, 500ms, 10m")
     add("--max-body-bytes", type=int, default=4 << 20)
     add("--max-prompt-tokens", type=int, default=None)
     add("--max-n", type=int, default=16)
     add("--max-stop", type=int, default=16)
-    add("--heartbeat-timeout", type=float, default=5.0, help="seconds of silence → worker dead")
+    add("--heartbeat-timeout", type=parse_duration, default=5.0,
+        help="silence (seconds, or e.g. 1500ms) → worker dead")
 
 
 def _add_worker(add: _EnvAdder, role: str) -> None:

@@ -109,3 +109,15 @@ def test_async_scheduling_reaches_the_scheduler_config() -> None:
     assert (scheduler_of({}), scheduler_of({}, "--async-scheduling")) == (False, True)
     assert (scheduler_of({"PDSERVE_ASYNC_SCHEDULING": "on"}),
             scheduler_of({"PDSERVE_ASYNC_SCHEDULING": "on"}, "--async-scheduling", "false")) == (True, False)
+
+
+def test_seconds_flags_take_durations_like_pdserve_bench() -> None:
+    """``PDSERVE_REQUEST_TIMEOUT=30s`` means 30 s to the gateway too (it was a float-only flag there, so
+    a value set for ``pdserve bench`` stopped the gateway: "could not convert string to float")."""
+    s = settings_from_args(build_parser({"PDSERVE_REQUEST_TIMEOUT": "30s"}).parse_args(
+        ["gateway", "--heartbeat-timeout", "1500ms"]))
+    assert isinstance(s, GatewaySettings) and (s.request_timeout, s.heartbeat_timeout) == (30.0, 1.5)
+    two = settings_from_args(build_parser({}).parse_args(["gateway", "--request-timeout", "2m"]))
+    assert isinstance(two, GatewaySettings) and two.request_timeout == 120.0
+    with pytest.raises(SystemExit, match="PDSERVE_REQUEST_TIMEOUT"):
+        build_parser({"PDSERVE_REQUEST_TIMEOUT": "soon"})

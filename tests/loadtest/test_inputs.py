@@ -13,11 +13,12 @@ import pytest
 from loadtest.arrivals import arrival_times
 from loadtest.config import BenchConfig, SLOConfig, WorkloadConfig
 from loadtest.conversation import Conversation
-from loadtest.faults import FaultSpec, parse_duration, phase_report
+from loadtest.faults import FaultSpec, phase_report
 from loadtest.lengths import LengthDist
 from loadtest.records import FaultResult, RequestRecord
 from loadtest.scrape import kv_blocks_used
 from loadtest.workload import Turn, load_sharegpt, make_sessions
+from pdserve.durations import parse_duration
 
 
 def test_length_dists() -> None:

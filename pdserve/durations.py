@@ -1,0 +1,24 @@
+"""Durations on the command line: ``"500ms"``, ``"5s"``, ``"5"`` (seconds) or ``"1m"`` (no torch).
+
+One parser for every seconds-valued flag, so ``PDSERVE_REQUEST_TIMEOUT=30s`` means the same to the gateway
+as ``--request-timeout 30s`` to ``pdserve bench``.
+"""
+
+from __future__ import annotations
+
+import re
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """``"500ms"``, ``"5s"``, ``"5"`` (seconds) or ``"1m"`` → seconds (float).
+
+    Raises:
+        ValueError: anything else (negative numbers and other units included).
+    """
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"bad duration {text!r}: use a number with ms, s or m (e.g. 5s)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
