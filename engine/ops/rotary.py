@@ -15,20 +15,37 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(ptr, stride_h, c1, c2, s1, s2, d, dmask,  # type: ignore[no-untyped-def]
-                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    heads = tl.arange(0, BLOCK_H)
-    mask = (heads[:, None] < NUM_HEADS) & dmask[None, :]
-    p1 = ptr + heads[:, None] * stride_h + d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
+def _cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, d, dmask,  # type: ignore[no-untyped-def]
+             HALF: tl.constexpr):
+    """Token ``t``'s cos and sin halves (float32 ``[BLOCK_HALF]`` each): c1, c2, s1, s2."""
+    c1 = tl.load(cos_ptr + t * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_st + d, mask=dmask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_st + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def _rotated(x1, x2, c1, c2, s1, s2):  # type: ignore[no-untyped-def]
+    """The two rotated halves of ``[x1 | x2]`` in ``x1``'s dtype, each product rounded to it first."""
     dt = x1.dtype
     a1 = (x1.to(tl.float32) * c1[None, :]).to(dt).to(tl.float32)
     b1 = (-x2.to(tl.float32) * s1[None, :]).to(dt).to(tl.float32)
     a2 = (x2.to(tl.float32) * c2[None, :]).to(dt).to(tl.float32)
     b2 = (x1.to(tl.float32) * s2[None, :]).to(dt).to(tl.float32)
-    tl.store(p1, (a1 + b1).to(dt), mask=mask)
-    tl.store(p1 + HALF, (a2 + b2).to(dt), mask=mask)
+    return (a1 + b1).to(dt), (a2 + b2).to(dt)
+
+
+@triton.jit
+def _rotate_heads(ptr, stride_h, c1, c2, s1, s2, d, dmask,  # type: ignore[no-untyped-def]
+                  NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    heads = tl.arange(0, BLOCK_H)
+    mask = (heads[:, None] < NUM_HEADS) & dmask[None, :]
+    p1 = ptr + heads[:, None] * stride_h + d[None, :]
+    r1, r2 = _rotated(tl.load(p1, mask=mask, other=0.0), tl.load(p1 + HALF, mask=mask, other=0.0),
+                      c1, c2, s1, s2)
+    tl.store(p1, r1, mask=mask)
+    tl.store(p1 + HALF, r2, mask=mask)
 
 
 @triton.jit
@@ -41,10 +58,7 @@ def _rotary_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments 
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     dmask = d < HALF
-    c1 = tl.load(cos_ptr + t * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d, mask=dmask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_st + d, mask=dmask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_st + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, d, dmask, HALF)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, c1, c2, s1, s2, d, dmask, NUM_Q_HEADS, HALF, BLOCK_QH)
     _rotate_heads(k_ptr + t * stride_kt, stride_kh, c1, c2, s1, s2, d, dmask, NUM_K_HEADS, HALF, BLOCK_KH)
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.rotary import _check as _check_rotary
-from engine.ops.rotary import _rotate_heads, apply_rotary_reference
+from engine.ops.rotary import _cos_sin, _rotate_heads, _rotated, apply_rotary_reference
 from engine.ops.store_kv import _check as _check_store
 from engine.ops.store_kv import store_kv_reference
 
@@ -32,22 +32,13 @@ def _rotary_store_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     dmask = d < HALF
-    c1 = tl.load(cos_ptr + t * stride_ct + d, mask=dmask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d, mask=dmask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_st + d, mask=dmask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_st + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, d, dmask, HALF)
     _rotate_heads(q_ptr + t * stride_qt, stride_qh, c1, c2, s1, s2, d, dmask, NUM_Q_HEADS, HALF, BLOCK_QH)
     heads = tl.arange(0, BLOCK_KH)
     mask = (heads[:, None] < NUM_K_HEADS) & dmask[None, :]
     p1 = k_ptr + t * stride_kt + heads[:, None] * stride_kh + d[None, :]
-    x1 = tl.load(p1, mask=mask, other=0.0)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0)
-    dt = x1.dtype
-    a1 = (x1.to(tl.float32) * c1[None, :]).to(dt).to(tl.float32)
-    b1 = (-x2.to(tl.float32) * s1[None, :]).to(dt).to(tl.float32)
-    a2 = (x2.to(tl.float32) * c2[None, :]).to(dt).to(tl.float32)
-    b2 = (x1.to(tl.float32) * s2[None, :]).to(dt).to(tl.float32)
-    r1, r2 = (a1 + b1).to(dt), (a2 + b2).to(dt)
+    r1, r2 = _rotated(tl.load(p1, mask=mask, other=0.0), tl.load(p1 + HALF, mask=mask, other=0.0),
+                      c1, c2, s1, s2)
     tl.store(p1, r1, mask=mask)
     tl.store(p1 + HALF, r2, mask=mask)
     slot = tl.load(slot_ptr + t).to(tl.int64)

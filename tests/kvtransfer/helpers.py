@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import zmq
 
 from kvtransfer import TransferConfig
+from kvtransfer.wakeup import Waker
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 4, 32, 4, 2, 8
 
@@ -68,3 +72,21 @@ def stall_once(obj: object, name: str, seconds: float) -> list[float]:
         return orig(*args, **kwargs)
     setattr(obj, name, stalled)
     return done
+
+
+@contextlib.contextmanager
+def waker_and_pair(name: str) -> Iterator[tuple[Waker, zmq.Socket, zmq.Socket]]:
+    """A ``Waker`` and a connected inproc PAIR ``(a, b)`` (``a`` sends, a loop naps on ``b``) for the
+    wakeup.nap tests; all closed afterwards."""
+    w = Waker()
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind(f"inproc://{name}")
+    b.connect(f"inproc://{name}")
+    try:
+        yield w, a, b
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
+        w.close()

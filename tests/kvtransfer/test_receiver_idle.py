@@ -14,13 +14,12 @@ from collections import deque
 from typing import Any
 
 import pytest
-import zmq
 
 import kvtransfer.receiver as receiver_mod
 from kvtransfer import TransferStatus, get_transfer_backend
 from kvtransfer.receiver import KVReceiver
-from kvtransfer.wakeup import Waker, nap_until
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from kvtransfer.wakeup import nap_until
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, waker_and_pair
 
 S = TransferStatus
 WAIT = 5.0
@@ -184,19 +183,14 @@ def test_close_ends_a_long_nap(monkeypatch):
 
 
 def test_nap_until_stops_on_wake_look_or_cap():
-    w = Waker()
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    a.bind("inproc://nap-until")
-    b.connect("inproc://nap-until")
-    calls = [0]
+    with waker_and_pair("nap-until") as (w, a, b):
+        calls = [0]
 
-    def look(after: int) -> Any:
-        def fn() -> bool:
-            calls[0] += 1
-            return calls[0] >= after
-        return fn
-    try:
+        def look(after: int) -> Any:
+            def fn() -> bool:
+                calls[0] += 1
+                return calls[0] >= after
+            return fn
         w.sleeping = True
         t = time.monotonic()
         assert nap_until(w, [b], 0.005, 10.0, look(3)) is False  # look() found something
@@ -211,8 +205,3 @@ def test_nap_until_stops_on_wake_look_or_cap():
         threading.Timer(0.05, a.send, (b"x",)).start()
         assert nap_until(w, [b], 0.005, 10.0, look(10**9)) is True  # a message
         assert b.recv() == b"x"
-    finally:
-        a.close(0)
-        b.close(0)
-        ctx.term()
-        w.close()

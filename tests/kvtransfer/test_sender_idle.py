@@ -19,8 +19,8 @@ from kvtransfer import TransferConfig, TransferStatus, get_transfer_backend
 from kvtransfer.events import EventPool
 from kvtransfer.loopback import LoopbackSendTransport
 from kvtransfer.sender import KVSender
-from kvtransfer.wakeup import Waker, nap
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from kvtransfer.wakeup import nap
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, waker_and_pair
 
 S = TransferStatus
 WAIT = 5.0
@@ -230,12 +230,7 @@ def test_send_layer_into_a_full_pipeline_does_not_wake_the_loop(monkeypatch):
 
 
 def test_nap_returns_on_timeout_wake_or_a_queued_message():
-    w = Waker()
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    a.bind("inproc://nap")
-    b.connect("inproc://nap")
-    try:
+    with waker_and_pair("nap") as (w, a, b):
         t = time.monotonic()
         assert nap(w, [b], 0.02) is False
         assert 0.015 < time.monotonic() - t < 1.0
@@ -251,11 +246,6 @@ def test_nap_returns_on_timeout_wake_or_a_queued_message():
         threading.Timer(0.05, a.send, (b"y",)).start()
         t = time.monotonic()
         assert nap(w, [b], 10.0) is True and time.monotonic() - t < 5.0  # arrives during the nap
-    finally:
-        a.close(0)
-        b.close(0)
-        ctx.term()
-        w.close()
 
 
 @pytest.mark.parametrize("bad", [0.0, -1e-6, math.nan])
