@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -90,3 +91,14 @@ def waker_and_pair(name: str) -> Iterator[tuple[Waker, zmq.Socket, zmq.Socket]]:
         b.close(0)
         ctx.term()
         w.close()
+
+
+def loop_cost(thread: threading.Thread | None, counter: list[int], window: float) -> tuple[float, int]:
+    """(the loop ``thread``'s CPU seconds / wall seconds, growth of ``counter[0]``) over ``window``
+    seconds: how hard an endpoint loop works while it should only wait (its steps or transport looks are
+    counted in ``counter``)."""
+    assert thread is not None and thread.ident is not None
+    clock = time.pthread_getcpuclockid(thread.ident)
+    c0, n0, t0 = time.clock_gettime(clock), counter[0], time.monotonic()
+    time.sleep(window)
+    return (time.clock_gettime(clock) - c0) / (time.monotonic() - t0), counter[0] - n0

@@ -19,7 +19,15 @@ import kvtransfer.receiver as receiver_mod
 from kvtransfer import TransferStatus, get_transfer_backend
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.wakeup import nap_until
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, waker_and_pair
+from tests.kvtransfer.helpers import (
+    LAYERS,
+    assert_landed,
+    config,
+    loop_cost,
+    make_kv,
+    release_both,
+    waker_and_pair,
+)
 
 S = TransferStatus
 WAIT = 5.0
@@ -66,15 +74,6 @@ def _count_looks(rx: KVReceiver) -> list[int]:
     return looks
 
 
-def _loop_cost(rx: KVReceiver, looks: list[int]) -> tuple[float, int]:
-    """(loop thread CPU seconds / wall seconds, looks) over WINDOW seconds."""
-    assert rx._thread is not None and rx._thread.ident is not None
-    clock = time.pthread_getcpuclockid(rx._thread.ident)
-    c0, n0, t0 = time.clock_gettime(clock), looks[0], time.monotonic()
-    time.sleep(WINDOW)
-    return (time.clock_gettime(clock) - c0) / (time.monotonic() - t0), looks[0] - n0
-
-
 @pytest.mark.parametrize(("nap", "max_cpu"), NAPS)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_loop_naps_while_a_begun_request_waits_for_its_layers(backend, nap, max_cpu):
@@ -82,7 +81,7 @@ def test_loop_naps_while_a_begun_request_waits_for_its_layers(backend, nap, max_
     try:
         _begin(tx, rx, "a", [3, 4, 5], [9, 10, 11])
         looks = _count_looks(rx)
-        cpu, n = _loop_cost(rx, looks)
+        cpu, n = loop_cost(rx._thread, looks, WINDOW)
         print(f"\nreceiver loop while due ({backend}, busy_wait_s {nap * 1e6:.0f} us): {cpu:.0%} of a core, "
               f"{n / WINDOW:.0f} looks/s")  # docs/benchmarks/kv_transfer-cpu.md (pytest -s)
         # the old loop stepped back to back here: 60k-160k looks/s and 40-99 % of a core

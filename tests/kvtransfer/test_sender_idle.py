@@ -20,7 +20,15 @@ from kvtransfer.events import EventPool
 from kvtransfer.loopback import LoopbackSendTransport
 from kvtransfer.sender import KVSender
 from kvtransfer.wakeup import nap
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, waker_and_pair
+from tests.kvtransfer.helpers import (
+    LAYERS,
+    assert_landed,
+    config,
+    loop_cost,
+    make_kv,
+    release_both,
+    waker_and_pair,
+)
 
 S = TransferStatus
 WAIT = 5.0
@@ -91,15 +99,6 @@ def _count_steps(tx: KVSender) -> list[int]:
     return steps
 
 
-def _loop_cost(tx: KVSender, steps: list[int]) -> tuple[float, int]:
-    """(loop thread CPU seconds / wall seconds, steps) over WINDOW seconds."""
-    assert tx._thread is not None and tx._thread.ident is not None
-    clock = time.pthread_getcpuclockid(tx._thread.ident)
-    c0, s0, t0 = time.clock_gettime(clock), steps[0], time.monotonic()
-    time.sleep(WINDOW)
-    return (time.clock_gettime(clock) - c0) / (time.monotonic() - t0), steps[0] - s0
-
-
 def _begin(tx: KVSender, rx: Any, rid: str, src_ids: list[int], dst_ids: list[int]) -> None:
     tx.add_request(rx.expect(rid, dst_ids), src_ids)
     assert tx.wait_until(lambda: tx._requests[rid].extra["answered"], WAIT)
@@ -120,7 +119,7 @@ def test_loop_naps_while_its_writes_are_in_flight():
         for layer in range(LAYERS):
             tx.send_layer("a", layer)
         assert tx.wait_until(lambda: _posted(tx, LAYERS), WAIT)
-        cpu, n = _loop_cost(tx, steps)
+        cpu, n = loop_cost(tx._thread, steps, WINDOW)
         # the old loop stepped back to back here: ~10^4 steps and 50-100 % of a core in WINDOW
         assert n <= 1.5 * WINDOW / NAP + 20, f"{n} steps in {WINDOW}s: the loop spins"
         assert cpu < 0.15, f"the waiting loop used {cpu:.0%} of a core"
@@ -149,7 +148,7 @@ def test_loop_naps_while_send_layer_events_are_pending():
         for layer in range(LAYERS):
             tx.send_layer("a", layer)
         assert tx.wait_until(lambda: not tx._queue and len(tx._pipe.ops) == LAYERS, WAIT)
-        cpu, n = _loop_cost(tx, steps)
+        cpu, n = loop_cost(tx._thread, steps, WINDOW)
         assert n <= 1.5 * WINDOW / NAP + 20, f"{n} steps in {WINDOW}s: the loop spins"
         assert cpu < 0.15, f"the waiting loop used {cpu:.0%} of a core"
         assert not any(op.posted for op in tx._pipe.ops)  # nothing written before its event
