@@ -94,6 +94,7 @@ def _measure(core: EngineCore, batch: int, args: argparse.Namespace) -> dict[str
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     rows = [SamplingRow(params, 0, 0, [1], [], None) for _ in range(batch)]
     sample_s = _timed(functools.partial(runner.sampler, run(), rows), args.iters, device)
+    core.async_scheduling = False  # synchronous steps first (the default is on)
     step_s = batch / decode_rate(core, batch, args.context, args.new_tokens)
     row = dict(batch=batch, replay_s=replay_s, run_s=run_s, sample_s=sample_s, step_s=step_s)
     if args.async_scheduling:  # the same steps with asynchronous scheduling (engine/async_step.py)
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--fused-ops", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--pdl", choices=["on", "off"], default="on", help="ModelConfig.pdl")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=24)

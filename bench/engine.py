@@ -6,6 +6,7 @@ on the same model, machine and run, printed as ratios (engine / transformers), a
 
 GPU mode (``--device cuda --model llama3-8b --load-format dummy``): decode tokens/s for each batch and
 context in each of ``--modes`` (CUDA graphs; graphs with asynchronous scheduling, engine/async_step.py;
+the same with a second set of graphs captured without programmatic dependent launch, engine/ops/pdl.py;
 eager), as a fraction of the HBM roofline ``batch * bandwidth / (weight bytes
 + batch * context * KV bytes per token)`` (a decode step reads every weight once, except the input
 embedding, and each sequence's KV; bandwidth measured in the same run as a device-to-device copy, read +
@@ -33,9 +34,11 @@ from transformers import AutoModelForCausalLM
 
 from bench.async_parity import async_parity
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.cuda_graphs import DecodeCudaGraphs
 from engine.engine_core import EngineCore
 from engine.models.hf_attention import install_paged_attention
 from engine.models.registry import resolve_model
+from engine.ops.pdl import pdl_enabled, set_pdl
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
@@ -113,6 +116,7 @@ def _new_engine(args: argparse.Namespace, num_blocks: int | None) -> EngineCore:
                 attention_backend=args.attention_backend,
                 enforce_eager=args.enforce_eager,
                 fused_ops=getattr(args, "fused_ops", "auto"),
+                pdl=getattr(args, "pdl", "on") == "on",
             ),
             CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=False),
             SchedulerConfig(max_num_seqs=args.max_num_seqs,
@@ -218,7 +222,22 @@ def _hf_decode(core: EngineCore, batch: int, context: int, new_tokens: int) -> f
         install_paged_attention(model)
 
 
-MODES = ("graphs", "async", "eager")
+MODES = ("graphs", "async", "async-nopdl", "eager")
+
+
+def _graphs_without_pdl(core: EngineCore, max_num_seqs: int) -> DecodeCudaGraphs:
+    """A second set of decode graphs captured with programmatic dependent launch off (engine/ops/pdl.py),
+    replayed by the ``async-nopdl`` mode beside the default set, so PDL is compared in one process."""
+    runner = core.runner
+    before = pdl_enabled()
+    set_pdl(False)
+    try:
+        graphs = DecodeCudaGraphs(runner.net, runner.kv_cache, runner.backend, max_num_seqs,
+                                  runner.max_model_len)
+        graphs.capture()
+    finally:
+        set_pdl(before)
+    return graphs
 
 
 def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
@@ -235,6 +254,7 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
                            "copy_bandwidth": bandwidth,
                            "capture_s": graphs.capture_seconds if graphs else None}
     decode_rate(core, 2, 16, 4)  # warm-up: Triton compiles, eager and graph paths
+    no_pdl = _graphs_without_pdl(core, args.max_num_seqs) if "async-nopdl" in args.modes and graphs else None
     if "eager" in args.modes:
         runner.decode_graphs = None
         decode_rate(core, 2, 16, 4)
@@ -248,8 +268,9 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
             kv_read = batch * kv_token * (context + args.new_tokens / 2)
             roofline = batch * bandwidth / (read_bytes + kv_read)
             for mode in args.modes:
-                runner.decode_graphs = None if mode == "eager" else graphs
-                core.async_scheduling = mode == "async"
+                chosen = no_pdl if mode == "async-nopdl" else graphs
+                runner.decode_graphs = None if mode == "eager" else chosen
+                core.async_scheduling = mode.startswith("async")
                 rate = decode_rate(core, batch, context, args.new_tokens)
                 row = dict(mode=mode, batch=batch, context=context, tok_s=rate, roofline=roofline)
                 res["rows"].append(row)
@@ -283,11 +304,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--modes", nargs="+", default=["graphs", "eager"], choices=MODES,
-                        help="GPU decode modes: graphs, async (graphs + asynchronous scheduling), eager")
+                        help="GPU decode modes: graphs, async (graphs + asynchronous scheduling), "
+                        "async-nopdl (the same, graphs captured without programmatic dependent launch), "
+                        "eager")
     parser.add_argument("--parity-batches", type=int, nargs="*", default=[],
                         help="GPU: check that async and graphs modes give the same greedy tokens")
     parser.add_argument("--fused-ops", default="auto", choices=["auto", "on", "off"],
                         help="merged GEMMs + fused small kernels (ModelConfig.fused_ops)")
+    parser.add_argument("--pdl", choices=["on", "off"], default="on",
+                        help="programmatic dependent launch of the Triton kernels (ModelConfig.pdl)")
     parser.add_argument("--gemv", default="", help="comma list of qkv,o,gate_up,down,silu_down: batch-1 "
                         "projections through engine.ops.gemv (silu_down: SiLU·mul folded into down's GEMV)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128], help="GPU decode batches")

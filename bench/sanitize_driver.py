@@ -5,16 +5,16 @@ hazards) each kernel launch is ~100x slower, so the grid is small: block-boundar
 ``block_size`` 16 (1, 15, 16, 17, 32, 33 tokens ...), GQA ratios 1 and 4, ``head_dim`` 64 and 128, bf16
 and fp16; ``store_kv``, ``rotary_store_kv``, ``paged_prefill_attention`` (cached prefixes included) and
 ``paged_decode_attention`` at several ``num_splits``; the fused decoder-layer kernels ``rms_norm`` (with
-and without the residual add), ``apply_rotary`` (in place on views of a QKV row) and ``silu_mul``.
-Every output is also checked against the plain-torch references of ``engine/ops`` and the cache slots no
-sequence owns must still hold their sentinel (no stray writes), so a run without the sanitizer is a
-correctness smoke test too.
+and without the residual add), ``apply_rotary`` (in place on views of a QKV row) and ``silu_mul``; the
+one-row ``gemv``, plain and gated, at an N of each tile class. Every output is also checked against the
+plain-torch references of ``engine/ops`` and the cache slots no sequence owns must still hold their
+sentinel (no stray writes), so a run without the sanitizer is a correctness smoke test too.
 
-On a machine without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` is set
-here before Triton is imported): use ``--tiny`` (fp16 only, one ``head_dim``; the interpreter has no
-bf16). The kernels use fixed tile sizes (no Triton autotuning), so what runs is what is sanitized.
+On a machine without CUDA the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` is set here
+before Triton is imported): use ``--tiny`` (fp16 only, one ``head_dim``; the interpreter has no bf16). The
+kernels use fixed tile sizes (no Triton autotuning), so what runs is what is sanitized.
 
-    python -m bench.sanitize_driver [--tiny] [--device cuda|cpu] [--json PATH]
+python -m bench.sanitize_driver [--tiny] [--device cuda|cpu] [--json PATH]
 """
 
 from __future__ import annotations
@@ -160,6 +160,7 @@ def run_case(case: KernelCase, device: str, seed: int = 0) -> int:
         _no_stray_writes(f"{kind} {case}", p)
         calls += _rotary_store(kind, _paged(specs, case, device, seed + 1), case, seed)
     calls += run_layer_ops(case, device, seed)
+    calls += run_gemv(case, device, seed)
     if device != "cpu":
         torch.cuda.synchronize()
     return calls
@@ -218,6 +219,23 @@ def run_layer_ops(case: KernelCase, device: str, seed: int) -> int:
         gate_up = rnd(t, 2 * (3 * h * d + 7))
         _close(f"silu_mul {case} T={t}", silu_mul(gate_up), silu_mul_reference(gate_up), dtype)
     return 3 * 4
+
+
+def run_gemv(case: KernelCase, device: str, seed: int) -> int:
+    """The one-row ``gemv``, plain and gated (SiLU·mul folded in), at an N of each tile class of
+    ``gemv_tile`` (<= 4096, in between, >= 16384) and a K that is no multiple of the tile, against
+    ``gemv_reference``. Returns the number of kernel launches. Raises AssertionError on a mismatch."""
+    from engine.ops.gemv import gemv, gemv_reference
+
+    dtype, gen = DTYPES[case.dtype], torch.Generator().manual_seed(seed + 7)
+    k = case.num_kv_heads * case.gqa * case.head_dim + 7
+    for n in (1000, 6000, 17000):
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(dtype).to(device)
+        x, gate_up = (torch.randn(1, m, generator=gen).to(dtype).to(device) for m in (k, 2 * k))
+        _close(f"gemv {case} N={n} K={k}", gemv(x, w), gemv_reference(x, w), dtype)
+        _close(f"gemv gated {case} N={n} K={k}", gemv(gate_up, w, gated=True),
+               gemv_reference(gate_up, w, gated=True), dtype)
+    return 3 * 2
 
 
 def run(tiny: bool, device: str) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    async_scheduling: bool = False
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -71,6 +71,8 @@ class ModelConfig:
     (``engine.models.fused_model``): ``auto`` = on a CUDA device when the architecture is supported,
     ``on`` = always (torch reference ops off CUDA; an unsupported model is an error), ``off`` = transformers'
     own modules.
+    ``pdl``: launch the Triton kernels with programmatic dependent launch on Hopper and newer GPUs, so each
+    kernel's launch overlaps the tail of the one before it (``engine.ops.pdl``; no effect elsewhere).
     """
 
     model: str
@@ -82,6 +84,7 @@ class ModelConfig:
     seed: int = 0
     enforce_eager: bool = False
     fused_ops: str = "auto"
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -26,6 +26,7 @@ from engine.kv_cache import KVCachePool
 from engine.models.fused_model import PROJECTIONS, FusedCausalLM, unsupported_reason
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
 from engine.models.loader import load_model
+from engine.ops.pdl import set_pdl
 from engine.sampler import Sampler, SampleResult, SamplingRow, is_plain_greedy
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
@@ -65,6 +66,7 @@ class ModelRunner:
             # Triton launches and CUDA graph capture use the thread's current device, not the tensors':
             # a worker on cuda:1 would otherwise run its kernels on cuda:0, reading its KV over NVLink
             torch.cuda.set_device(self.device)
+        set_pdl(engine_config.model.pdl)  # before any kernel compiles or graph is captured
         self.backend = get_backend(engine_config.model.attention_backend, self.device)
         install_paged_attention(self.model)
         self.net = self._forward_model(engine_config.model.fused_ops)

@@ -99,11 +99,13 @@ def _add_worker(add: _EnvAdder, role: str) -> None:
     add("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
     add("--attention-backend", default="auto", help="auto, torch, triton or flash_attn")
     _bool_flag(add, "--enforce-eager", False, "never replay CUDA graphs for decode steps")
-    _bool_flag(add, "--async-scheduling", False,
+    _bool_flag(add, "--async-scheduling", True,
                "launch each decode graph step before the last one's tokens reach the host (rows without "
                "logprobs or penalties; needs CUDA graphs: no effect on a CPU or with --enforce-eager)")
     add("--fused-ops", default="auto", choices=["auto", "on", "off"],
         help="merged QKV/gate-up GEMMs and fused RMSNorm/rotary/SiLU kernels (auto: on CUDA, if supported)")
+    _bool_flag(add, "--pdl", True,
+               "programmatic dependent launch of the Triton kernels (Hopper and newer GPUs; else no effect)")
     add("--block-size", type=int, default=16, help="tokens per KV block")
     add("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-memory-fraction)")
     add("--kv-memory-fraction", type=float, default=0.9,

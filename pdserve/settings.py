@@ -73,8 +73,9 @@ class WorkerSettings:
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     fused_ops: str = "auto"
+    pdl: bool = True
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.9

@@ -101,8 +101,8 @@ def test_sanitize_driver_tiny_runs_through_the_interpreter(tmp_path):
     assert res["interpreter"] is True
     (case,) = sanitize_driver.shape_grid(tiny=True)
     # store x2, rotary_store x2, prefill, split+reduce per num_splits, then 3 token counts x (rms_norm x2,
-    # rotary, silu_mul)
-    assert res["kernel_launches"] == 2 + 2 + 1 + 2 * len(case.num_splits) + 3 * 4
+    # rotary, silu_mul), then gemv plain and gated at 3 output sizes
+    assert res["kernel_launches"] == 2 + 2 + 1 + 2 * len(case.num_splits) + 3 * 4 + 3 * 2
 
 
 def test_sanitize_driver_reports_a_wrong_kernel(monkeypatch):

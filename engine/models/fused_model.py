@@ -33,10 +33,11 @@ from engine.ops.silu_mul import silu_mul, silu_mul_reference
 
 FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                  "Qwen3ForCausalLM"})
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
-# "silu_down": the down projection's GEMV also computes SwiGLU's silu(gate) * up while loading (no
-# silu_mul launch); opt-in until measured on a GPU (the GEMV reads gate and up: twice its input bytes)
-GEMV_OPTIONS = (*PROJECTIONS, "silu_down")
+# one-row steps' projections through engine.ops.gemv on CUDA; "silu_down": the down projection's GEMV also
+# computes SwiGLU's silu(gate) * up while loading, so no silu_mul launch (H200, 16 x 512 tiles: 32.6 µs
+# against 34.9 µs for silu_mul + GEMV, docs/benchmarks/engine-h200.md)
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head", "silu_down")
+GEMV_OPTIONS = PROJECTIONS
 
 
 @dataclass
@@ -189,4 +190,5 @@ class FusedCausalLM(torch.nn.Module):
             x = x[logits_to_keep]
         elif logits_to_keep:
             x = x[-logits_to_keep:]
-        return FusedOutput(logits=self.model.lm_head(x)[None])
+        head = self.model.lm_head
+        return FusedOutput(logits=self._linear("lm_head", x, head.weight, head.bias)[None])

@@ -1,6 +1,7 @@
 """Triton kernels, each beside its plain-torch reference: ``store_kv``, ``rotary_store_kv`` (RoPE fused with
 the store), ``paged_decode_attention``, ``paged_prefill_attention``, and the decoder layer's ``rms_norm``,
-``apply_rotary``, ``silu_mul`` and one-row ``gemv`` (import the submodules).
+``apply_rotary``, ``silu_mul`` and one-row ``gemv`` (import the submodules); ``pdl``: programmatic dependent
+launch, which every kernel here supports (``gdc_enter``, ``pdl_kwargs``).
 
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1``, the tests on machines without CUDA) this package
 first patches one incompatibility between Triton 3.6's interpreter and NumPy >= 2.4: the interpreter

@@ -4,8 +4,9 @@ At batch 1 a decode step's projections are matrix-vector products bound by readi
 reaches 62–76 % of the copy bandwidth on the small-N projections of Llama-3-8B (QKV 6144 × 4096, O
 4096 × 4096; docs/benchmarks/engine-h200.md) because its tiles leave too few thread blocks in flight.
 Here each program owns ``BLOCK_N`` output features and walks the whole ``K`` in ``BLOCK_K`` chunks with
-float32 accumulation (the row-blocked GEMV decomposition, as in CUTLASS's ``gemm/kernel/gemv.h``), so
-N = 4096 gives 2048 programs of 16 KiB of weights each; no split-K, so no atomics and no reduction kernel.
+float32 accumulation (the row-blocked GEMV decomposition, as in CUTLASS's ``gemm/kernel/gemv.h``); the tile
+depends on N (``gemv_tile``); no split-K, so no atomics and no reduction kernel. The first weight tile is
+loaded before the wait for the kernel producing ``x`` (programmatic dependent launch, engine/ops/pdl.py).
 """
 
 from __future__ import annotations
@@ -14,24 +15,38 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.pdl import gdc_enter, pdl_kwargs
 from engine.ops.silu_mul import silu_mul_reference
 
-# Best of the tiles swept by bench.gemm_decode on an H200 (2026-11-30): 2 rows x 1024 inputs, 4 warps
-# reached 86 % (QKV), 75 % (O), 101 % (gate/up), 90 % (down) of the copy bandwidth at one row.
-BLOCK_N = 2
-BLOCK_K = 1024
+
+def gemv_tile(n: int) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)`` for a ``[N, K]`` weight: the best tiles of the sweep of
+    ``bench.gemm_decode --rows 1`` on an H200 with programmatic dependent launch (2026-11-30,
+    docs/benchmarks/engine-h200.md): wide matrices (gate/up, LM head) 2 x 1024 with 4 warps (~101-106 %
+    of the copy bandwidth), N <= 4096 (O, down) 16 x 512 with 8 warps (80 %, 90 %), in between (QKV) 8 x 1024
+    with 8 warps (89 %); the sweep found no dependence on K."""
+    if n >= 16384:
+        return 2, 1024, 4
+    if n <= 4096:
+        return 16, 512, 8
+    return 8, 1024, 8
 
 
 @triton.jit
 def _gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
     x_ptr, w_ptr, b_ptr, y_ptr, n_out, k_in, stride_w,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_out
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    # the first weight tile is loaded before waiting for the kernel that produces x (weights are never
+    # written during a step: engine/ops/pdl.py); each iteration then loads the next tile before its FMA
+    w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & (cols < k_in)[None, :], other=0.0)
+    gdc_enter(USE_GDC)
     for k in range(0, k_in, BLOCK_K):
         kk = k + cols
         k_mask = kk < k_in
@@ -43,8 +58,10 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments ar
             x = (act * up).to(gate.dtype).to(tl.float32)
         else:
             x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        nk = kk + BLOCK_K
+        w_next = tl.load(w_rows + nk[None, :], mask=row_mask[:, None] & (nk < k_in)[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
+        w = w_next
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -65,7 +82,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gat
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
-         block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int = 4) -> torch.Tensor:
+         block_n: int | None = None, block_k: int | None = None,
+         num_warps: int | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for one row (Triton), float32 accumulation.
 
     Args:
@@ -75,7 +93,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             ``silu(x[:, :K]) * x[:, K:]`` computed while loading (SwiGLU's down projection without the
             ``silu_mul`` launch; bit-identical to ``gemv(silu_mul(x), ...)``).
         block_n, block_k, num_warps: tile (output features × inputs per step, powers of two) and warps
-            per program; the defaults are the ones measured best on an H200 (bench.gemm_decode).
+            per program; each one left None comes from ``gemv_tile(N)`` (measured best on an H200).
 
     Returns:
         ``[1, N]`` new tensor of ``x``'s dtype.
@@ -85,10 +103,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """
     _check(x, weight, bias, gated)
     n, k = weight.shape
+    tile = gemv_tile(n)
+    block_n, block_k, num_warps = block_n or tile[0], block_k or tile[1], num_warps or tile[2]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        **pdl_kwargs(x),
     )
     return y
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.paged_tiles import attend_paged_tiles
+from engine.ops.pdl import gdc_enter, pdl_kwargs
 
 LOG2E = 1.4426950408889634
 _NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: no inf - inf = NaN
@@ -37,7 +38,9 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -76,7 +79,9 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arg
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ot, stride_oh, num_splits,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -173,11 +178,13 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
         NUM_HEADS=num_heads, QUERIES_PER_KV=qpk, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(qpk)), BLOCK_D=block_d,
         BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
+        **pdl_kwargs(q),
     )
     _decode_reduce_kernel[(n, num_heads)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        **pdl_kwargs(out),
     )
 
 

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from engine.ops.paged_decode import LOG2E, gather_paged_kv
 from engine.ops.paged_tiles import attend_paged_tiles
+from engine.ops.pdl import gdc_enter, pdl_kwargs
 
 
 # seq_offset (the step's number of decode rows) is not specialised: Triton would otherwise compile separate
@@ -28,7 +29,9 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     tile_m = tl.program_id(0)
     seq = tl.program_id(1) + seq_offset
     head = tl.program_id(2)
@@ -114,6 +117,7 @@ def paged_prefill_attention(
         QUERIES_PER_KV=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        **pdl_kwargs(q),
     )
     return out
 

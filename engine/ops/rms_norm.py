@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.pdl import gdc_enter, pdl_kwargs
+
 
 @triton.jit
 def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
@@ -21,8 +23,9 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argument
     stride_x, stride_r, stride_o,
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
@@ -76,6 +79,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(x.shape[0],)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
         HAS_RESIDUAL=residual is not None, BLOCK_N=block, num_warps=min(16, max(1, block // 256)),
+        **pdl_kwargs(x),
     )
     return out
 

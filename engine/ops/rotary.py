@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.pdl import gdc_enter, pdl_kwargs
+
 
 @triton.jit
 def _cos_sin(cos_ptr, sin_ptr, t, stride_ct, stride_st, d, dmask,  # type: ignore[no-untyped-def]
@@ -54,7 +56,9 @@ def _rotary_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments 
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     dmask = d < HALF
@@ -95,6 +99,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         NUM_Q_HEADS=num_heads, NUM_K_HEADS=k.shape[1], HALF=d // 2,
         BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
+        **pdl_kwargs(q),
     )
 
 

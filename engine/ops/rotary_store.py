@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.pdl import gdc_enter, pdl_kwargs
 from engine.ops.rotary import _check as _check_rotary
 from engine.ops.rotary import _cos_sin, _rotate_heads, _rotated, apply_rotary_reference
 from engine.ops.store_kv import _check as _check_store
@@ -28,7 +29,9 @@ def _rotary_store_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     stride_cb, stride_cs, stride_ch,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
     dmask = d < HALF
@@ -88,6 +91,7 @@ def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
         NUM_Q_HEADS=num_heads, NUM_K_HEADS=num_kv_heads, HALF=d // 2, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
+        **pdl_kwargs(q),
     )
 
 

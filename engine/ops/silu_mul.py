@@ -12,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.pdl import gdc_enter, pdl_kwargs
+
 
 @triton.jit
 def _silu_mul_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
     x_ptr, out_ptr, stride_x, stride_o, n_cols,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -53,6 +56,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(t, triton.cdiv(width // 2, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), width // 2, BLOCK=block, num_warps=4,
+        **pdl_kwargs(gate_up),
     )
     return out
 

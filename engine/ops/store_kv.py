@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.pdl import gdc_enter, pdl_kwargs
+
 
 @triton.jit
 def _store_kv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
@@ -30,7 +32,9 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argument
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    gdc_enter(USE_GDC)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # padding token: nothing to store
@@ -94,6 +98,7 @@ def store_kv(
         BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        **pdl_kwargs(k),
     )
 
 

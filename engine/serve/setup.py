@@ -29,7 +29,8 @@ def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
     return EngineConfig(
         ModelConfig(settings.model, dtype=settings.dtype, device=settings.device,
                     attention_backend=settings.attention_backend, enforce_eager=settings.enforce_eager,
-                    load_format=settings.load_format, fused_ops=settings.fused_ops),
+                    load_format=settings.load_format, fused_ops=settings.fused_ops,
+                    pdl=settings.pdl),
         CacheConfig(block_size=settings.block_size, num_blocks=settings.num_blocks,
                     memory_fraction=settings.kv_memory_fraction),
         SchedulerConfig(max_num_seqs=settings.max_num_seqs,

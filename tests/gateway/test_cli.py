@@ -96,19 +96,21 @@ def test_bench_wired_to_loadtest(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls and calls[0].base_url == "http://127.0.0.1:9"  # type: ignore[attr-defined]
 
 
-def test_async_scheduling_reaches_the_scheduler_config() -> None:
-    """``--async-scheduling`` / ``PDSERVE_ASYNC_SCHEDULING`` → ``SchedulerConfig.async_scheduling`` (off by
-    default)."""
+def test_async_scheduling_and_pdl_reach_the_engine_config() -> None:
+    """``--async-scheduling`` / ``PDSERVE_ASYNC_SCHEDULING`` → ``SchedulerConfig.async_scheduling`` and
+    ``--pdl`` / ``PDSERVE_PDL`` → ``ModelConfig.pdl`` (both on by default; ``false`` turns them off)."""
     from engine.serve.setup import engine_config_from_settings
 
-    def scheduler_of(env: dict[str, str], *argv: str) -> bool:
+    def config_of(env: dict[str, str], *argv: str) -> tuple[bool, bool]:
         s = settings_from_args(build_parser(env).parse_args(["decode", *argv]))
         assert isinstance(s, WorkerSettings)
-        return engine_config_from_settings(s).scheduler.async_scheduling
+        cfg = engine_config_from_settings(s)
+        return cfg.scheduler.async_scheduling, cfg.model.pdl
 
-    assert (scheduler_of({}), scheduler_of({}, "--async-scheduling")) == (False, True)
-    assert (scheduler_of({"PDSERVE_ASYNC_SCHEDULING": "on"}),
-            scheduler_of({"PDSERVE_ASYNC_SCHEDULING": "on"}, "--async-scheduling", "false")) == (True, False)
+    assert config_of({}) == (True, True)
+    assert config_of({}, "--async-scheduling", "false", "--pdl", "off") == (False, False)
+    assert config_of({"PDSERVE_ASYNC_SCHEDULING": "off", "PDSERVE_PDL": "0"}) == (False, False)
+    assert config_of({"PDSERVE_ASYNC_SCHEDULING": "off"}, "--async-scheduling") == (True, True)
 
 
 def test_seconds_flags_take_durations_like_pdserve_bench() -> None:

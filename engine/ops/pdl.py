@@ -1,0 +1,95 @@
+"""Programmatic dependent launch (PDL) for pdserve's Triton kernels on Hopper and newer GPUs.
+
+A decode step of Llama-3-8B at batch 1 is ~330 short kernels in one CUDA graph; between two dependent
+kernels the GPU drains the first, flushes its writes and only then launches the second, a gap of a few
+microseconds each (docs/benchmarks/engine-h200.md). With PDL (CUDA Programming Guide, "Programmatic
+Dependent Launch and Synchronization"; PTX ``griddepcontrol``) a kernel launched with the
+programmatic-stream-serialization attribute may start as soon as every program of the kernel before it
+has executed ``griddepcontrol.launch_dependents``, and blocks in ``griddepcontrol.wait`` until that
+kernel has completed and its memory is visible. Its launch and prologue then overlap the tail of its
+predecessor.
+
+The rule every kernel here follows (``gdc_enter`` at its top): nothing that an earlier kernel may write is
+read, and nothing at all is written, before ``griddepcontrol.wait``; right after it the kernel lets its
+own successor launch. Only data no kernel writes during a step (weights) may be loaded before the wait
+(``engine.ops.gemv`` prefetches its first weight tile there). Because every PDL kernel waits for its
+predecessor before it can finish, a chain of them stays ordered like plain stream order; a kernel that is
+not PDL-aware (cuBLAS, torch) before or after one is ordered as usual.
+
+``pdl_kwargs(tensor)`` gives the launch arguments: ``USE_GDC`` (a ``tl.constexpr`` of each kernel) and
+Triton's ``launch_pdl`` compile option, both on only for a one-row launch (``tensor.shape[0] == 1``: every
+kernel here is given its step's token-major input, so this means a one-token step, i.e. batch-1 decode)
+of a CUDA tensor on a device of compute capability >= 9.0, outside the Triton interpreter, while the
+process switch (``set_pdl``; ``ModelConfig.pdl``) is on. Measured on an H200 (Llama-3-8B shapes,
+docs/benchmarks/engine-h200.md): batch-1 decode 80.0 -> 83.3 % of the HBM roofline with PDL, but batches
+8 and 32, where cuBLAS GEMMs sit between the Triton kernels, 1-2 points slower in three runs out of three;
+hence one-row launches only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_state = {"enabled": True}
+
+
+def set_pdl(enabled: bool) -> None:
+    """Turn programmatic dependent launch on or off for kernels launched from now on in this process
+    (the model runner applies ``ModelConfig.pdl`` before it captures its CUDA graphs)."""
+    _state["enabled"] = bool(enabled)
+
+
+def pdl_enabled() -> bool:
+    """The process switch set by ``set_pdl`` (default on)."""
+    return _state["enabled"]
+
+
+@functools.cache
+def _device_supports(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def pdl_active(t: torch.Tensor) -> bool:
+    """Whether a kernel whose token-major input is ``t`` is launched with PDL: the switch is on, ``t`` has
+    one row (a one-token step), is on a CUDA device of compute capability >= 9.0 (Hopper) and the Triton
+    interpreter is off."""
+    if not (_state["enabled"] and t.is_cuda and t.dim() > 0 and t.shape[0] == 1):
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def pdl_kwargs(t: torch.Tensor) -> dict[str, bool]:
+    """Extra keyword arguments for a Triton launch of a kernel taking ``USE_GDC: tl.constexpr``:
+    ``{"USE_GDC": True, "launch_pdl": True}`` when ``pdl_active(t)``, else ``{"USE_GDC": False}``."""
+    if pdl_active(t):
+        return {"USE_GDC": True, "launch_pdl": True}
+    return {"USE_GDC": False}
+
+
+@triton.jit
+def gdc_wait(USE_GDC: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton helper
+    """Block until the kernel before this one has completed and its writes are visible."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def gdc_enter(USE_GDC: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton helper
+    """A kernel's first statement: wait for its predecessor, then let its successor launch."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def gdc_launch_dependents(USE_GDC: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton helper
+    """Let the next kernel launch (after ``gdc_wait``; repeated calls have no effect)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()

@@ -1,0 +1,142 @@
+"""Programmatic dependent launch (engine/ops/pdl.py, ``ModelConfig.pdl``).
+
+CPU: the switch and its defaults (PDL never applies to CPU tensors or under the Triton interpreter) and
+that the model runner applies ``ModelConfig.pdl``; on a GPU also that only one-row launches use it. On a
+Hopper GPU (scripts/gpu_tests.sh): a chain of dependent kernels (RMSNorm with residual, GEMV, SiLU·mul,
+decode attention's split and reduce) captured in a CUDA graph with PDL gives bit-identical results to the
+same chain run eagerly without PDL, replay after replay (a kernel reading before its predecessor finished
+would show here), and the engine's greedy tokens through captured decode graphs are the same with and
+without PDL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine_core import EngineCore
+from engine.ops.gemv import gemv
+from engine.ops.paged_decode import paged_decode_attention
+from engine.ops.pdl import pdl_active, pdl_enabled, pdl_kwargs, set_pdl
+from engine.ops.rms_norm import rms_norm
+from engine.ops.silu_mul import silu_mul
+from engine.sampling_params import SamplingParams
+from tests.engine.test_async_scheduling import Run, prompts
+from tests.engine.test_kernels import make_batch
+from tests.engine.test_loader import save_tiny_model
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+NOT_HOPPER = "needs a CUDA device of compute capability >= 9.0 (scripts/gpu_tests.sh)"
+
+
+@pytest.fixture(autouse=True)
+def restore_switch() -> Iterator[None]:
+    before = pdl_enabled()
+    yield
+    set_pdl(before)
+
+
+def test_off_for_cpu_tensors_and_when_switched_off() -> None:
+    assert pdl_enabled()  # the default
+    cpu = torch.zeros(2)
+    assert pdl_kwargs(cpu) == {"USE_GDC": False} and not pdl_active(cpu)
+    set_pdl(False)
+    assert not pdl_enabled() and pdl_kwargs(cpu) == {"USE_GDC": False}
+    if HOPPER:
+        one_row, two_rows = torch.zeros(1, 8, device="cuda"), torch.zeros(2, 8, device="cuda")
+        assert pdl_kwargs(one_row) == {"USE_GDC": False}
+        set_pdl(True)
+        assert pdl_kwargs(one_row) == {"USE_GDC": True, "launch_pdl": True}
+        assert pdl_kwargs(two_rows) == {"USE_GDC": False}  # one-token steps only (module docstring)
+
+
+def test_model_runner_applies_model_config_pdl(tmp_path: Path) -> None:
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", seed=2)
+    for wanted in (False, True):
+        EngineCore(EngineConfig(ModelConfig(str(path), dtype="float32", device="cpu", pdl=wanted),
+                                CacheConfig(block_size=4, num_blocks=16), SchedulerConfig()))
+        assert pdl_enabled() is wanted
+
+
+def _chain(x: torch.Tensor, residual: torch.Tensor, weights: list[torch.Tensor], norm: torch.Tensor,
+           batch: object) -> torch.Tensor:
+    """Four 'layers' of dependent kernels; every output feeds the next kernel."""
+    meta = batch.meta  # type: ignore[attr-defined]
+    pool = batch.pool  # type: ignore[attr-defined]
+    max_len = meta.max_seq_len  # a python int: nothing may synchronise while a graph is captured
+    for _ in range(4):
+        h = rms_norm(x, norm, 1e-5, residual)
+        gate_up = gemv(h, weights[0])  # [1, 2 * F]
+        q = gemv(silu_mul(gate_up), weights[1])  # [1, H * D]
+        attn = paged_decode_attention(q.view(1, 8, 64), pool.k_cache(0), pool.v_cache(0), meta.block_tables,
+                                      meta.seq_lens, max_len, 0.125, num_splits=4)
+        x = gemv(attn.view(1, -1), weights[2])
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason=NOT_HOPPER)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_chain_in_a_graph_with_pdl_equals_eager_without(dtype: torch.dtype) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda") * 0.05).to(dtype)
+
+    width, ffn = 512, 1536
+    weights = [rand(2 * ffn, width), rand(512, ffn), rand(width, 512)]
+    norm = rand(width) + 1
+    batch = make_batch([(300, 1)], 8, 2, 64, 16, dtype, device="cuda")
+    x0, r0 = rand(1, width), rand(1, width)
+    set_pdl(False)
+    want = _chain(x0.clone(), r0.clone(), weights, norm, batch)
+    set_pdl(True)
+    x, residual = x0.clone(), r0.clone()
+    _chain(x.clone(), residual.clone(), weights, norm, batch)  # compile the PDL variants outside capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        got = _chain(x, residual, weights, norm, batch)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(20):
+        residual.copy_(r0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    assert torch.equal(residual, _residual_after(x0, r0, weights, norm, batch))
+
+
+def _residual_after(x0: torch.Tensor, r0: torch.Tensor, weights: list[torch.Tensor], norm: torch.Tensor,
+                    batch: object) -> torch.Tensor:
+    set_pdl(False)
+    residual = r0.clone()
+    _chain(x0.clone(), residual, weights, norm, batch)
+    set_pdl(True)
+    return residual
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason=NOT_HOPPER)
+def test_engine_greedy_tokens_equal_with_and_without_pdl(tmp_path: Path) -> None:
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", seed=5)
+
+    def go(pdl: bool) -> dict[str, list[int]]:
+        core = EngineCore(EngineConfig(
+            ModelConfig(str(path), dtype="bfloat16", device="cuda", attention_backend="triton",
+                        max_model_len=96, pdl=pdl),
+            CacheConfig(block_size=4, num_blocks=200),
+            SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+        ))
+        assert core.runner.decode_graphs is not None and core.runner.decode_graphs.captured
+        run = Run(core)
+        for i, p in enumerate(prompts(9, seed=4)):
+            run.add(f"q{i}", p, SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True))
+        run.drain()
+        return run.tokens
+
+    assert go(True) == go(False)
