@@ -24,7 +24,7 @@ from loadtest.conversation import PATHS, Conversation
 from loadtest.faults import FaultScheduler, phase_report
 from loadtest.metrics import summarize
 from loadtest.records import BenchResult, KVScrape, RequestRecord, RunResult
-from loadtest.scrape import scrape_after, scrape_kv
+from loadtest.scrape import scrape_after, scrape_before
 from loadtest.workload import Session, make_sessions
 
 _WARMUP_SEED_OFFSET = 1_000_003
@@ -181,8 +181,9 @@ async def run_once(cfg: BenchConfig, rate: float | None, clock: Callable[[], flo
 async def _scrape_before(cfg: BenchConfig, client: httpx.AsyncClient) -> tuple[float | None, str]:
     if not cfg.metrics_path:
         return None, "metrics scrape off"
-    try:
-        return await scrape_kv(client, cfg.metrics_path), ""
+    settle = cfg.leak_settle_s
+    try:  # a settled baseline: the gauge lags by a heartbeat (loadtest/scrape.py)
+        return await scrape_before(client, cfg.metrics_path, min(1.0, settle), settle), ""
     except RuntimeError as exc:
         return None, str(exc)
 

@@ -1,7 +1,9 @@
 """Read the server's KV-block gauge from its Prometheus ``/metrics`` page, to catch leaked blocks.
 
 The gauge is ``pdserve_kv_blocks_used`` (one series per worker); the harness sums every series. The page
-is parsed with prometheus-client's text-format parser.
+is parsed with prometheus-client's text-format parser. The gateway updates it from worker heartbeats
+(every 0.5 s), so a reading can lag: the baseline before a run is therefore the settled minimum
+(``scrape_before``), not one reading, or blocks still shown for finished earlier work would hide a leak.
 """
 
 from __future__ import annotations
@@ -48,6 +50,23 @@ async def scrape_kv(client: httpx.AsyncClient, path: str, timeout_s: float = 5.0
     if value is None:
         raise RuntimeError(f"GET {path}: no {KV_GAUGE} gauge on the page")
     return value
+
+
+async def scrape_before(client: httpx.AsyncClient, path: str, window_s: float, settle_s: float) -> float:
+    """The baseline gauge before a run (blocks): poll every 0.1 s, keeping the lowest reading, until it has
+    not dropped for ``window_s`` seconds or ``settle_s`` seconds have passed (one reading if either is 0).
+
+    Raises RuntimeError as ``scrape_kv``.
+    """
+    started = time.monotonic()
+    best = await scrape_kv(client, path)
+    since = started
+    while window_s > 0 and time.monotonic() - since < window_s and time.monotonic() - started < settle_s:
+        await asyncio.sleep(0.1)
+        value = await scrape_kv(client, path)
+        if value < best:
+            best, since = value, time.monotonic()
+    return best
 
 
 async def scrape_after(client: httpx.AsyncClient, path: str, before: float, settle_s: float) -> KVScrape:

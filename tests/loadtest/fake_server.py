@@ -8,7 +8,8 @@ Each request gets the next behaviour of ``FakeState.plan`` (cycled in arrival or
 without a usage chunk; ``leak``: like ok but its KV blocks are never freed.
 While ``fault_file`` exists every request is answered 503.
 ``GET /metrics`` exposes ``pdserve_kv_blocks_used`` for two workers: each request holds
-ceil(prompt_tokens / 16) + 1 blocks on ``decode-0`` while it streams.
+ceil(prompt_tokens / 16) + 1 blocks on ``decode-0`` while it streams; ``stale_blocks`` more are shown on
+``prefill-0`` until ``stale_until`` (``time.monotonic()``), like a gauge a heartbeat behind earlier work.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,6 +43,8 @@ class FakeState:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     auth: list[str | None] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    stale_blocks: int = 0
+    stale_until: float = 0.0
 
     def reset(self, **kw: Any) -> None:
         fresh = FakeState(**kw)
@@ -122,7 +126,9 @@ def make_app(state: FakeState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         lines = ["# HELP pdserve_kv_blocks_used KV blocks in use", "# TYPE pdserve_kv_blocks_used gauge"]
-        lines += [f'pdserve_kv_blocks_used{{worker="{w}"}} {n}' for w, n in state.kv_used.items()]
+        stale = state.stale_blocks if time.monotonic() < state.stale_until else 0
+        used = {w: n + (stale if w == "prefill-0" else 0) for w, n in state.kv_used.items()}
+        lines += [f'pdserve_kv_blocks_used{{worker="{w}"}} {n}' for w, n in used.items()]
         lines += ["# TYPE other_gauge gauge", "other_gauge 7"]
         return PlainTextResponse("\n".join(lines) + "\n")
 

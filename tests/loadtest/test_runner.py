@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,17 @@ async def test_kv_leak_is_reported(fake: tuple[str, FakeState]) -> None:
     state.plan = ["ok", "leak"]
     run = await run_once(cfg(url, num_requests=4), rate=None)
     # each leaking request keeps ceil(20 / 16) + 1 = 3 blocks
+    assert (run.kv.before, run.kv.after, run.kv.leaked) == (0, 6, 6)
+
+
+async def test_kv_leak_reported_while_the_gauge_still_shows_earlier_work(fake: tuple[str, FakeState]) -> None:
+    """The gauge lags a heartbeat: it still shows 9 blocks of finished earlier work for 0.4 s when the run
+    starts. Taking that as the baseline hid the 6 leaked blocks (after 6 < before 9); the settled baseline
+    is 0, so the leak is reported."""
+    url, state = fake
+    state.plan = ["ok", "leak"]
+    state.stale_blocks, state.stale_until = 9, time.monotonic() + 0.4
+    run = await run_once(cfg(url, num_requests=4, leak_settle_s=2.0), rate=None)
     assert (run.kv.before, run.kv.after, run.kv.leaked) == (0, 6, 6)
 
 
