@@ -74,22 +74,9 @@ def pdl_kwargs(t: torch.Tensor) -> dict[str, bool]:
 
 
 @triton.jit
-def gdc_wait(USE_GDC: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton helper
-    """Block until the kernel before this one has completed and its writes are visible."""
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
 def gdc_enter(USE_GDC: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton helper
     """A kernel's first statement: wait for its predecessor, then let its successor launch."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-
-@triton.jit
-def gdc_launch_dependents(USE_GDC: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton helper
-    """Let the next kernel launch (after ``gdc_wait``; repeated calls have no effect)."""
-    if USE_GDC:
-        tl.extra.cuda.gdc_launch_dependents()
