@@ -72,8 +72,8 @@ class EngineCore:
         self.step_request_ids: list[str] = []
         self.async_scheduling = engine_config.scheduler.async_scheduling  # may be switched between steps
         if self.async_scheduling and self.runner.decode_graphs is None:
-            logger.info("async_scheduling inactive: it needs the decode CUDA graphs (CUDA, the triton "
-                        "attention backend, no enforce_eager)")
+            logger.debug("async_scheduling inactive: it needs the decode CUDA graphs (CUDA, the triton "
+                         "attention backend, no enforce_eager)")
         self._ahead: LaunchedStep | None = None  # launched by the last step, applied by the next
         self._unread: list[LaunchedStep] = []  # launched, tokens maybe not read yet (waited for on errors)
 

@@ -55,7 +55,8 @@ class _EnvAdder:
                     kw["default"] = conv(raw)
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 raise SystemExit(f"pdserve: bad value for {env_name}: {exc}") from exc
-        kw["help"] = (kw.get("help", "") + f" [env {env_name}]").strip()
+        shown = "" if kw.get("default") in (None, "", []) else " (default: %(default)s)"
+        kw["help"] = (kw.get("help", "") + shown + f" [env {env_name}]").strip()
         self.parser.add_argument(flag, **kw)
 
 
@@ -148,7 +149,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     for name, help_text in (("up", "gateway + workers on this host"), ("gateway", "OpenAI API gateway"),
                             ("prefill", "prefill worker"), ("decode", "decode worker"),
                             ("colocated", "prefill+decode worker")):
-        add = _EnvAdder(subs.add_parser(name, help=help_text), env)
+        epilog = None if name != "up" else (
+            "Worker settings (see `pdserve colocated --help`) reach the workers through PDSERVE_* "
+            "environment variables, e.g. PDSERVE_ASYNC_SCHEDULING=0 pdserve up.")
+        add = _EnvAdder(subs.add_parser(name, help=help_text, epilog=epilog), env)
         _add_common(add)
         if name == "gateway":
             _add_gateway(add)

@@ -29,7 +29,8 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def _row(action: argparse.Action) -> str:
     flag = action.option_strings[-1]
     env = "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
-    help_text = re.sub(r"\s*\[env [A-Z_]+\]", "", action.help or "").strip()
+    help_text = re.sub(r"\s*\[env [A-Z_]+\]", "", action.help or "")
+    help_text = help_text.replace("(default: %(default)s)", "").strip()  # the table has its own column
     if action.choices:
         help_text = (help_text + "; " if help_text else "") + "one of " + ", ".join(map(str, action.choices))
     if action.nargs == "?" and isinstance(action.default, bool):

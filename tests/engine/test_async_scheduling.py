@@ -159,9 +159,9 @@ def test_greedy_batch_runs_ahead_every_step_and_free_waits(tiny_path: Path) -> N
 
 
 def test_off_without_graphs_or_flag(tiny_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("INFO", logger="engine.engine_core"):
+    with caplog.at_level("DEBUG", logger="engine.engine_core"):
         no_graphs = make_core(tiny_path, async_scheduling=True, graphs=False)
-    assert "async_scheduling inactive" in caplog.text  # the log says so (on by default: INFO, not WARNING)
+    assert "async_scheduling inactive" in caplog.text  # at DEBUG: the default; a CPU is no error
     for core in (no_graphs, make_core(tiny_path, async_scheduling=False)):
         counts = count_launches(core)
         run = Run(core)
