@@ -6,12 +6,12 @@ on the same model, machine and run, printed as ratios (engine / transformers), a
 
 GPU mode (``--device cuda --model llama3-8b --load-format dummy``): decode tokens/s for each batch and
 context in each of ``--modes`` (CUDA graphs; graphs with asynchronous scheduling, engine/async_step.py;
-the same with a second set of graphs captured without programmatic dependent launch, engine/ops/pdl.py;
-eager), as a fraction of the HBM roofline ``batch * bandwidth / (weight bytes
-+ batch * context * KV bytes per token)`` (a decode step reads every weight once, except the input
-embedding, and each sequence's KV; bandwidth measured in the same run as a device-to-device copy, read +
-write bytes counted), ``--parity-batches``: the same greedy tokens with and without asynchronous
-scheduling, then transformers ``generate`` on the same model at ``--hf-batches``.
+the same with a second set of graphs captured without programmatic dependent launch, engine/ops/pdl.py,
+or with the batch-1 GEMV projections of ``--alt-gemv``; eager), as a fraction of the HBM roofline ``batch
+* bandwidth / (weight bytes + batch * context * KV bytes per token)`` (a decode step reads every weight
+once, except the input embedding, and each sequence's KV; bandwidth measured in the same run as a device-
+to-device copy, read + write bytes counted), ``--parity-batches``: the same greedy tokens with and
+without asynchronous scheduling, then transformers ``generate`` on the same model at ``--hf-batches``.
 
     .venv/bin/python -m bench.engine                       # SmolLM2 on CPU, fp32
     .venv/bin/python -m bench.engine --device cuda --model llama3-8b --load-format dummy --dtype bfloat16 \
@@ -222,21 +222,35 @@ def _hf_decode(core: EngineCore, batch: int, context: int, new_tokens: int) -> f
         install_paged_attention(model)
 
 
-MODES = ("graphs", "async", "async-nopdl", "eager")
+MODES = ("graphs", "async", "async-nopdl", "async-alt", "eager")
 
 
-def _graphs_without_pdl(core: EngineCore, max_num_seqs: int) -> DecodeCudaGraphs:
-    """A second set of decode graphs captured with programmatic dependent launch off (engine/ops/pdl.py),
-    replayed by the ``async-nopdl`` mode beside the default set, so PDL is compared in one process."""
+def _second_graphs(core: EngineCore, max_num_seqs: int, pdl: bool, gemv: str | None,
+                   rope_table: bool = True) -> DecodeCudaGraphs:
+    """A second set of decode graphs, captured with programmatic dependent launch ``pdl`` (engine/ops/pdl.py)
+    and, when ``gemv`` is given, that comma list as the batch-1 GEMV projections (engine/models/
+    fused_model.py), without the RoPE table unless ``rope_table``, replayed by the ``async-nopdl`` /
+    ``async-alt`` modes beside the default set, so a setting is compared in one process on one GPU (these
+    machines are noisy between processes)."""
     runner = core.runner
-    before = pdl_enabled()
-    set_pdl(False)
+    net: Any = runner.net
+    before, projections = pdl_enabled(), getattr(net, "gemv_projections", None)
+    table = getattr(net, "rope_table", None)
+    set_pdl(pdl)
+    if gemv is not None and projections is not None:
+        net.gemv_projections = frozenset(p for p in gemv.split(",") if p)
+    if not rope_table and table is not None:
+        net.rope_table = None
     try:
         graphs = DecodeCudaGraphs(runner.net, runner.kv_cache, runner.backend, max_num_seqs,
                                   runner.max_model_len)
         graphs.capture()
     finally:
         set_pdl(before)
+        if projections is not None:
+            net.gemv_projections = projections
+        if table is not None:
+            net.rope_table = table
     return graphs
 
 
@@ -254,7 +268,11 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
                            "copy_bandwidth": bandwidth,
                            "capture_s": graphs.capture_seconds if graphs else None}
     decode_rate(core, 2, 16, 4)  # warm-up: Triton compiles, eager and graph paths
-    no_pdl = _graphs_without_pdl(core, args.max_num_seqs) if "async-nopdl" in args.modes and graphs else None
+    second: dict[str, tuple[bool, str | None, bool]] = {
+        "async-nopdl": (False, None, True),
+        "async-alt": (pdl_enabled(), args.alt_gemv, args.alt_rope_table == "on")}
+    other = {mode: _second_graphs(core, args.max_num_seqs, *second[mode])
+             for mode in args.modes if mode in second and graphs is not None}
     if "eager" in args.modes:
         runner.decode_graphs = None
         decode_rate(core, 2, 16, 4)
@@ -268,7 +286,7 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
             kv_read = batch * kv_token * (context + args.new_tokens / 2)
             roofline = batch * bandwidth / (read_bytes + kv_read)
             for mode in args.modes:
-                chosen = no_pdl if mode == "async-nopdl" else graphs
+                chosen = other.get(mode, graphs)
                 runner.decode_graphs = None if mode == "eager" else chosen
                 core.async_scheduling = mode.startswith("async")
                 rate = decode_rate(core, batch, context, args.new_tokens)
@@ -306,15 +324,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", default=["graphs", "eager"], choices=MODES,
                         help="GPU decode modes: graphs, async (graphs + asynchronous scheduling), "
                         "async-nopdl (the same, graphs captured without programmatic dependent launch), "
-                        "eager")
+                        "async-alt (the same, graphs captured with --alt-gemv), eager")
     parser.add_argument("--parity-batches", type=int, nargs="*", default=[],
                         help="GPU: check that async and graphs modes give the same greedy tokens")
     parser.add_argument("--fused-ops", default="auto", choices=["auto", "on", "off"],
                         help="merged GEMMs + fused small kernels (ModelConfig.fused_ops)")
     parser.add_argument("--pdl", choices=["on", "off"], default="on",
                         help="programmatic dependent launch of the Triton kernels (ModelConfig.pdl)")
-    parser.add_argument("--gemv", default="", help="comma list of qkv,o,gate_up,down,silu_down: batch-1 "
-                        "projections through engine.ops.gemv (silu_down: SiLU·mul folded into down's GEMV)")
+    parser.add_argument("--gemv", default="", help="comma list of qkv,o,gate_up,down,silu_down,lm_head: "
+                        "batch-1 projections through engine.ops.gemv (silu_down: SiLU·mul folded into "
+                        "down's GEMV); default: the engine's")
+    parser.add_argument("--alt-gemv", default=None,
+                        help="the async-alt mode's batch-1 GEMV projections (comma list, as --gemv; default: "
+                        "the engine's)")
+    parser.add_argument("--alt-rope-table", choices=["on", "off"], default="on",
+                        help="off: the async-alt mode's graphs compute RoPE cos/sin per step (no table)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128], help="GPU decode batches")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096], help="GPU KV tokens/seq")
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32])

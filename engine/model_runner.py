@@ -69,13 +69,13 @@ class ModelRunner:
         set_pdl(engine_config.model.pdl)  # before any kernel compiles or graph is captured
         self.backend = get_backend(engine_config.model.attention_backend, self.device)
         install_paged_attention(self.model)
-        self.net = self._forward_model(engine_config.model.fused_ops)
         cfg = self.hf_config
         limit = int(cfg.max_position_embeddings)
         wanted = engine_config.model.max_model_len
         if wanted is not None and wanted > limit:
             raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
         self.max_model_len = wanted or limit
+        self.net = self._forward_model(engine_config.model.fused_ops)
         self.vocab_size = int(cfg.vocab_size)
         num_heads = int(cfg.num_attention_heads)
         head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // num_heads
@@ -117,7 +117,8 @@ class ModelRunner:
             raise ValueError(f"fused_ops=on: {reason}")
         use_triton = self.backend.name == "triton"
         gemv = PROJECTIONS if use_triton and self.device.type == "cuda" else ()
-        return FusedCausalLM(self.model, use_triton=use_triton, gemv_projections=gemv)
+        return FusedCausalLM(self.model, use_triton=use_triton, gemv_projections=gemv,
+                             max_positions=self.max_model_len)
 
     def _prepare_inputs(
         self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None

@@ -125,3 +125,28 @@ def test_fused_on_refuses_an_unsupported_model(tmp_path, monkeypatch):
                                CacheConfig(block_size=4, num_blocks=16), SchedulerConfig())
     runner = ModelRunner(config_auto)  # auto falls back to transformers' modules
     assert runner.net is runner.model
+
+
+@pytest.mark.parametrize(("arch", "dtype"), [("LlamaForCausalLM", torch.float32),
+                                             ("Qwen2ForCausalLM", torch.bfloat16)])
+def test_rope_table_rows_equal_rotary_emb(arch, dtype, tmp_path):
+    """The cos/sin table (``rope_table``, built once) holds, bit for bit, what the model's ``rotary_emb``
+    computes for any positions in a step; a dynamic RoPE gets no table; the runner's fused model has one
+    sized by ``max_model_len``."""
+    from engine.models.fused_model import rope_table
+
+    path = save_tiny_model(arch, tmp_path / "m", seed=13)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    rotary, like = model.model.rotary_emb, model.model.embed_tokens.weight
+    table = rope_table(rotary, 300, like)
+    assert table is not None and table.dtype == dtype
+    positions = torch.tensor([[0, 7, 8, 299, 150, 151]])
+    cos, sin = rotary(like[:0], position_ids=positions)
+    half = table.shape[1] // 2
+    assert torch.equal(table[positions[0], :half], cos[0]) and torch.equal(table[positions[0], half:], sin[0])
+    assert rope_table(rotary, 0, like) is None
+    rotary.rope_type = "dynamic"
+    assert rope_table(rotary, 300, like) is None
+    llm = _llm(path, "on")
+    net = llm.core.runner.net
+    assert net.rope_table is not None and net.rope_table.shape[0] == llm.core.runner.max_model_len
