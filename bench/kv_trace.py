@@ -4,12 +4,13 @@ KVReceiver.set_trace (a spawned process: time.perf_counter() is CLOCK_MONOTONIC 
 for every process of the host) and the benchmark thread.
 
 Events: (time.perf_counter() s, what, request_id, layer or count). Benchmark thread: sl_begin/sl_end
-around its send_layer calls, wait_end when wait() returned. Sender loop: gather (a layer taken up),
-post:start (the loop builds a write), post:build (notices encoded, transport called), post:descs
-(descriptor indices/lists ready; count = descriptors before NIXL's merge), post:init
-(make_prepped_xfer / initialize_xfer returned), post:transfer (transfer() returned), post (per layer,
-after the write call), done (per layer, the write tested complete), done_msg (the receiver's Done read),
-DONE (status set). Receiver: notice (per layer, its notification read), done_sent.
+around its hand-off calls (send_layer per layer, or send_layers per request), wait_end when wait()
+returned. Sender loop: gather (a layer taken up), post:start (the loop builds a write), post:build
+(notices encoded, transport called), post:descs (descriptor indices/lists ready; count = descriptors
+before NIXL's merge), post:init (make_prepped_xfer / initialize_xfer returned), post:transfer
+(transfer() returned), post (per layer, after the write call), done (per layer, the write tested
+complete), done_msg (the receiver's Done read), DONE (status set). Receiver: notice (per layer, its
+notification read), done_sent.
 """
 
 from __future__ import annotations
@@ -24,9 +25,25 @@ def _span(times: list[float]) -> str:
     return lo if lo == hi else f"{lo}..{hi}"
 
 
-def summarize(events: list[Event], t0: float, layers: int, requests: int) -> list[str]:
+def timeline(events: list[Event], t0: float, dt: float) -> list[str]:
+    """Two lines (each starting with "# "): the round's total `dt` s, then per layer the µs after `t0`
+    at which its gather (or direct take-up), post and completion ran (-1: not seen)."""
+    rows: dict[int, dict[str, float]] = {}
+    for t, what, _rid, layer in events:
+        if what in ("gather", "post", "done"):  # the per-layer events of pipeline.py
+            rows.setdefault(layer, {})[what] = (t - t0) * 1e6
+    cells = [f"{la}: {r.get('gather', -1):.0f}/{r.get('post', -1):.0f}/{r.get('done', -1):.0f}"
+             for la, r in sorted(rows.items())]
+    return [f"# trace: total {dt * 1e6:.0f} us; layer: gather / post / done (us)", "# " + "; ".join(cells)]
+
+
+def summarize(events: list[Event], t0: float, layers: int, requests: int,
+              handoff: str = "layer") -> list[str]:
     """Lines (each starting with "# ") splitting the round into gaps (a) take-up, (b) post, (c) tail,
-    in µs after `t0` (the clock start). `layers` × `requests` send_layer calls were made."""
+    in µs after `t0` (the clock start). `handoff` "layer": `layers` × `requests` send_layer calls were
+    made; "request": `requests` send_layers calls. Raises ValueError for another `handoff`."""
+    if handoff not in ("layer", "request"):
+        raise ValueError(f"handoff must be 'layer' or 'request', got {handoff!r}")
     ev = sorted(events)
     at: dict[str, list[float]] = {}
     for t, what, _rid, _n in ev:
@@ -34,9 +51,9 @@ def summarize(events: list[Event], t0: float, layers: int, requests: int) -> lis
 
     def first(k: str) -> float:
         return at[k][0] if k in at else float("nan")
-    calls = layers * requests
+    calls, call = (layers * requests, "send_layer") if handoff == "layer" else (requests, "send_layers")
     loop = first("sl_end") - first("sl_begin")
-    lines = [f"# (a) send_layer loop {first('sl_begin'):.0f}..{first('sl_end'):.0f} us "
+    lines = [f"# (a) {call} loop {first('sl_begin'):.0f}..{first('sl_end'):.0f} us "
              f"({loop / calls:.1f} us per call, {calls} calls); layers taken up by the sender loop at "
              f"{_span(at.get('gather', []))}"]
     writes = _writes(ev, t0)

@@ -12,6 +12,7 @@ with `--device cuda` a torch peer copy GPU0 → GPU1 of the same bytes (the rece
 
     .venv/bin/python bench/kv_transfer.py [--device cpu|cuda] [--tokens 1024 4096 32768]
         [--backends nixl ucx] [--path staged|direct|both] [--repeat 3] [--scatter] [--depth 4] [--verify]
+        [--handoff layer|request]
 
 --path: "direct" sends from contiguous source blocks (one run: written straight from kv_buffer, no
 gather); "staged" from a shuffled permutation of them (fragmented: gathered into the staging ring).
@@ -21,6 +22,8 @@ send_layer) and its split into issue #3's gaps (bench/kv_trace.py: the send_laye
 build / descriptors / init / transfer(), the DONE round trip through the receiver). --extra-blocks:
 both kv_buffers get this many blocks more than the requests use, so a request's K and V (and layers)
 are not adjacent in memory as in serving (by default they are, and the direct pieces merge).
+--handoff: "layer" (default) hands the KV over by one send_layer per layer (as a prefill forward
+pass does), "request" by one KVSender.send_layers per request (its whole KV is in kv_buffer already).
 --verify: CRC32 of every request-layer checked on arrival (bit-exactness through the real
 transport; slow: copies to host).
 """
@@ -42,9 +45,9 @@ import msgspec
 import torch
 
 try:
-    from bench.kv_trace import summarize
+    from bench.kv_trace import summarize, timeline
 except ImportError:  # run as a script (python bench/kv_transfer.py): bench/ is sys.path[0]
-    from kv_trace import summarize  # type: ignore[no-redef]
+    from kv_trace import summarize, timeline  # type: ignore[no-redef]
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -119,12 +122,13 @@ def _baseline(nbytes: int, device: str) -> float:
 
 def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, depth: int = 4,
          verify: bool = False, trace: bool = False, path: str = "direct", begun: bool = False,
-         concurrent: int = 1, extra_blocks: int = 0) -> tuple[float, float]:
+         concurrent: int = 1, extra_blocks: int = 0, handoff: str = "layer") -> tuple[float, float]:
     """Best GB/s of `repeat` rounds over `backend`, by `path`: (to the sender seeing DONE, to the receiver
     knowing every layer landed). A round sends `concurrent` requests of `tokens` tokens each (layer by
     layer, interleaved across requests) and ends when all are DONE; GB/s = all their KV bytes / (first
     send_layer → last DONE). With `begun` the clock starts once the receiver
-    answered every Begin (as in serving, where add_request precedes the prefill forward pass)."""
+    answered every Begin (as in serving, where add_request precedes the prefill forward pass).
+    `handoff`: "layer" (one send_layer per request-layer) or "request" (one send_layers per request)."""
     from kvtransfer import get_transfer_backend
 
     n = tokens // BS
@@ -149,7 +153,7 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
                 tx.set_trace(events)
                 conn.send(("trace",))
                 conn.recv()
-            t, dt, dt_landed = _round(tx, conn, rids, src_ids, dst_ids, begun, path, events)
+            t, dt, dt_landed = _round(tx, conn, rids, src_ids, dst_ids, begun, path, events, handoff)
             if i:
                 nbytes = LAYERS * 2 * n * concurrent * BS * HEADS * DIM * 2
                 best = max(best, nbytes / dt / 1e9)
@@ -158,8 +162,8 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
                 tx.set_trace(None)
                 conn.send(("trace",))
                 events += conn.recv()
-                _print_trace(events, t, dt)
-                print("\n".join(summarize(events, t, LAYERS, concurrent)))
+                print("\n".join(timeline(events, t, dt)
+                                 + summarize(events, t, LAYERS, concurrent, handoff)))
     finally:
         tx.close()
         conn.send(("close",))
@@ -169,12 +173,13 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
 
 
 def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int]], dst_ids: list[list[int]],
-           begun: bool, path: str, events: list[tuple[float, str, str, int]] | None = None
-           ) -> tuple[float, float, float]:
-    """One round: expect, add, send every layer of every request, wait, check and release; returns
-    (clock start (perf_counter s), seconds to the last DONE seen by the sender, seconds to the last
-    request DONE on the receiver: every layer landed and known there). `events` gets the benchmark thread's
-    trace events (sl_begin, sl_end, wait_end) when given."""
+           begun: bool, path: str, events: list[tuple[float, str, str, int]] | None = None,
+           handoff: str = "layer") -> tuple[float, float, float]:
+    """One round: expect, add, send every layer of every request (`handoff` "layer": send_layer per
+    layer, interleaved across requests; "request": one send_layers per request), wait, check and
+    release; returns (clock start (perf_counter s), seconds to the last DONE seen by the sender, seconds
+    to the last request DONE on the receiver: every layer landed and known there). `events` gets the
+    benchmark thread's trace events (sl_begin, sl_end around the hand-off calls, wait_end) when given."""
     from kvtransfer import KVHandle, TransferStatus
 
     handles = []
@@ -190,9 +195,13 @@ def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int
             assert tx.wait_until(functools.partial(_begun, extra), 30), "no Begin"  # type: ignore[attr-defined]
         t = time.perf_counter()
     t_sl = time.perf_counter()
-    for layer in range(LAYERS):
+    if handoff == "request":
         for rid in rids:
-            tx.send_layer(rid, layer)  # type: ignore[attr-defined]
+            tx.send_layers(rid)  # type: ignore[attr-defined]
+    else:
+        for layer in range(LAYERS):
+            for rid in rids:
+                tx.send_layer(rid, layer)  # type: ignore[attr-defined]
     t_end = time.perf_counter()
     statuses = [tx.wait(rid, 120) for rid in rids]  # type: ignore[attr-defined]
     dt = time.perf_counter() - t
@@ -247,17 +256,6 @@ def _drained(extra: dict[str, int]) -> bool:
     return extra["inflight"] == 0
 
 
-def _print_trace(trace: list[tuple[float, str, str, int]], t0: float, dt: float) -> None:
-    """One line per layer: µs after the first send_layer at which its gather, post and completion ran."""
-    rows: dict[int, dict[str, float]] = {}
-    for t, what, _rid, layer in trace:
-        if what in ("gather", "post", "done"):  # the per-layer events of pipeline.py
-            rows.setdefault(layer, {})[what] = (t - t0) * 1e6
-    print(f"# trace: total {dt * 1e6:.0f} us; layer: gather / post / done (us)")
-    print("# " + "; ".join(f"{la}: {r.get('gather', -1):.0f}/{r.get('post', -1):.0f}/{r.get('done', -1):.0f}"
-                           for la, r in sorted(rows.items())))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -278,6 +276,8 @@ def main() -> None:
                    help="TransferConfig.peer_timeout_s (s of silence before a peer is declared lost)")
     p.add_argument("--extra-blocks", type=int, default=0,
                    help="blocks beyond the requests' in both kv_buffers (K, V and layers not adjacent)")
+    p.add_argument("--handoff", default="layer", choices=["layer", "request"],
+                   help="layer: one send_layer per layer; request: one send_layers per request")
     p.add_argument("--path", default="both", choices=["staged", "direct", "both"],
                    help="direct: contiguous source blocks; staged: shuffled ones (gathered)")
     args = p.parse_args()
@@ -285,14 +285,14 @@ def main() -> None:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {platform.node()} {os.cpu_count()} cores, torch "
-          f"{torch.__version__}, device {args.device}, depth {args.depth}"
+          f"{torch.__version__}, device {args.device}, depth {args.depth}, hand-off per {args.handoff}"
           f"{', scattered blocks' if args.scatter else ''}{', clock after Begin' if args.begun else ''}"
           f"{', verified (CRC32)' if args.verify else ''}, {args.extra_blocks} extra blocks, "
           f"{args.concurrent} request(s) per round, "
           f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms")
-    print("| tokens | MiB | baseline GB/s | backend | path | GB/s (sender DONE) | ratio | GB/s (landed) "
-          "| ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tokens | MiB | baseline GB/s | backend | path | hand-off | GB/s (sender DONE) | ratio "
+          "| GB/s (landed) | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     paths = ["staged", "direct"] if args.path == "both" else [args.path]
     for tokens in args.tokens:
         layer_bytes = 2 * tokens * HEADS * DIM * 2
@@ -301,10 +301,10 @@ def main() -> None:
             for path in paths:
                 gbs, landed = _one(backend, tokens, args.device, args.repeat, args.scatter, args.depth,
                                    args.verify, args.trace, path, args.begun, args.concurrent,
-                                   args.extra_blocks)
+                                   args.extra_blocks, args.handoff)
                 mib = args.concurrent * LAYERS * layer_bytes / 2**20
-                print(f"| {tokens} | {mib:.0f} | {base:.2f} | {backend} | {path} | {gbs:.2f} | "
-                      f"{gbs / base:.2f} | {landed:.2f} | {landed / base:.2f} |", flush=True)
+                print(f"| {tokens} | {mib:.0f} | {base:.2f} | {backend} | {path} | {args.handoff} | "
+                      f"{gbs:.2f} | {gbs / base:.2f} | {landed:.2f} | {landed / base:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()

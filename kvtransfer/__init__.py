@@ -18,6 +18,7 @@ Prefill worker (sender)::
     tx.connect(handle.address)           # optional: raises IncompatiblePeerError at connect time
     tx.add_request(handle, seq.block_table)
     for layer in range(num_layers): ... compute; tx.send_layer(request_id, layer)   # from layer_hook
+    tx.send_layers(request_id)           # or: every layer at once, its KV already all in kv_buffer
     tx.wait(request_id, timeout) → DONE; tx.release(request_id); free the prefill blocks
     tx.abort(request_id)                 # on abort; then wait for a terminal status and release
     tx.close()

@@ -1,13 +1,17 @@
-"""Reusable CUDA events for KVSender.send_layer (the forward pass thread's per-layer cost).
+"""Reusable CUDA events for KVSender.send_layer / send_layers (the forward pass thread's hand-off cost).
 
 send_layer records an event on the caller's current stream so that the write of a layer starts only
-after its attention stored the KV. Creating a `torch.cuda.Event` per call costs a cudaEventCreate (and
-a destroy when it is collected) on the forward pass thread; the pool hands out events that the sender
-loop gave back once nothing waits on them any more: a direct layer's event after its write was posted
-or dropped, a staged layer's after its gather was queued behind it (cudaStreamWaitEvent waits for the
-record current at the time of the call, so a later re-record is safe: CUDA Runtime API,
-cudaStreamWaitEvent / cudaEventRecord). Taking and giving back are single deque operations (atomic in
-CPython), so the two threads need no lock.
+after its attention stored the KV; send_layers records ONE event for all the layers it hands off.
+Creating a `torch.cuda.Event` per call costs a cudaEventCreate (and a destroy when it is collected) on
+the forward pass thread; the pool hands out events that the sender loop gave back once nothing waits on
+them any more: a direct layer's event after its write completed or was dropped, a staged layer's after
+its gather was queued behind it (cudaStreamWaitEvent waits for the record current at the time of the
+call, so a later re-record is safe: CUDA Runtime API, cudaStreamWaitEvent / cudaEventRecord).
+
+An event shared by several queued request-layers is handed out with `uses` = their number and goes
+back to the free list only at the last of their give-backs. Taking (record) runs on the caller's thread,
+giving back on the loop thread; each is a few single deque/dict operations on entries the other thread
+does not touch at that moment (an event is either held or free), atomic in CPython: no lock.
 """
 
 from __future__ import annotations
@@ -35,25 +39,47 @@ class EventPool:
         self._factory = factory or torch.cuda.Event
         self._stream = current_stream or torch.cuda.current_stream
         self._free: deque[Any] = deque()
+        self._uses: dict[int, int] = {}  # id(event) → give-backs still due, for events handed out
         self._limit = limit
         self.created = 0  # events made so far (tests, stats)
 
-    def record(self) -> Any:
-        """An event recorded now on the device's current stream (any thread)."""
+    def record(self, uses: int = 1) -> Any:
+        """An event recorded now on the device's current stream (any thread), to be given back `uses`
+        times (once per queued request-layer that waits on it). Raises ValueError if uses < 1."""
+        if uses < 1:
+            raise ValueError(f"uses must be >= 1, got {uses}")
         try:
             event = self._free.pop()
         except IndexError:
             event = self._factory()
             self.created += 1
         event.record(self._stream(self.device))
+        self._uses[id(event)] = uses
         return event
 
     def give_back(self, event: Any) -> None:
-        """Return an event nothing waits on any more (sender loop thread); None is ignored."""
-        if event is not None and len(self._free) < self._limit:
+        """One user of `event` no longer waits on it (sender loop thread); at its last user it becomes
+        reusable. None is ignored. Raises ValueError for an event given back more often than
+        record() handed it out (it could otherwise be re-recorded while a layer still waits on it)."""
+        if event is None:
+            return
+        key = id(event)
+        left = self._uses.get(key, 0) - 1
+        if left < 0:
+            raise ValueError("event given back more often than it was handed out")
+        if left:
+            self._uses[key] = left
+            return
+        del self._uses[key]
+        if len(self._free) < self._limit:
             self._free.append(event)
 
     @property
     def free(self) -> int:
         """Events ready for reuse."""
         return len(self._free)
+
+    @property
+    def held(self) -> int:
+        """Events handed out and not yet given back by every user (leak checks)."""
+        return len(self._uses)

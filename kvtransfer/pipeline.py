@@ -59,9 +59,10 @@ class LayerPipeline:
     """Staging ring and in-flight request-layers of one sender; used by the sender loop thread only.
 
     kv_buffer: `[num_layers, 2, num_blocks, block_size, H, D]`, the sender's paged KV (any dtype/device).
-    direct: register kv_buffer with the transport (once, here) for direct writes. recycle: called with
-    each send_layer event once nothing waits on it any more (events.EventPool.give_back). Raises
-    ValueError if depth < 1.
+    direct: register kv_buffer with the transport (once, here) for direct writes. recycle: called once per
+    request-layer with its send_layer(s) event when that request-layer no longer waits on it (an event
+    shared by several is called for as often: events.EventPool.give_back counts). Raises ValueError if
+    depth < 1.
     """
 
     def __init__(self, kv_buffer: torch.Tensor, transport: SendTransport, depth: int,
@@ -113,8 +114,10 @@ class LayerPipeline:
             ops.append(LayerOp(request_id, layer, slot, int(src.numel()), ready=after if direct else None))
         gathers = [(op, item[2], item[3]) for op, item in zip(ops, items, strict=False) if not op.direct]
         if self._stream is None:
-            for op, src, _ in gathers:
+            for op, src, after in gathers:
                 gather_layer(self.kv_buffer, op.layer, src, self.ring.view(op.slot, op.n_blocks))
+                if after is not None and self._recycle is not None:  # synchronous: nothing waits on it
+                    self._recycle(after)
         elif gathers:
             with torch.cuda.stream(self._stream):
                 for op, src, after in gathers:
@@ -133,8 +136,22 @@ class LayerPipeline:
         return len(ops)
 
     def ready(self) -> list[LayerOp]:
-        """Gathered, not yet posted request-layers, oldest first."""
-        return [op for op in self.ops if not op.posted and (op.ready is None or op.ready.query())]
+        """Gathered, not yet posted request-layers, oldest first. An event shared by several ops (one
+        send_layers call, or one start()'s gathers) is queried once per call, not once per op."""
+        done: dict[int, bool] = {}
+        out: list[LayerOp] = []
+        for op in self.ops:
+            if op.posted:
+                continue
+            event = op.ready
+            if event is not None:
+                ok = done.get(id(event))
+                if ok is None:
+                    ok = done[id(event)] = bool(event.query())
+                if not ok:
+                    continue
+            out.append(op)
+        return out
 
     def staging(self, op: LayerOp) -> torch.Tensor:
         """The gathered `[2, n, block_size, H, D]` staging view of `op` (complete once in ready())."""

@@ -1,8 +1,9 @@
 """KVSender: the prefill worker's side; writes a request's KV, layer by layer, into a receiver's blocks.
 
 This file holds the public API and the control plane (messages, fences, the loop); the handshake and
-Begin are handshake.py, heartbeats and deadlines liveness.py, the data path (staging ring, several
-request-layers in flight, batched writes) send_path.py + pipeline.py.
+Begin are handshake.py, heartbeats and deadlines liveness.py, the hand-off of layers by send_layer(s)
+handoff.py, the data path (staging ring, several request-layers in flight, batched writes)
+send_path.py + pipeline.py.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import time
 import zlib
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 import zmq
@@ -20,6 +22,7 @@ from kvtransfer import messages as m
 from kvtransfer.compat import peer_info
 from kvtransfer.endpoint import Endpoint, RequestState
 from kvtransfer.events import EventPool
+from kvtransfer.handoff import LayerHandoff, QueuedLayer
 from kvtransfer.handshake import Handshake
 from kvtransfer.liveness import PeerLiveness, Receiver
 from kvtransfer.pipeline import LayerPipeline
@@ -34,7 +37,7 @@ S = TransferStatus
 IDLE_POLL_MS = 10  # longest idle sleep of the loop (new work wakes it at once)
 
 
-class KVSender(Handshake, PeerLiveness, SendPath, Endpoint):
+class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
     """Sends KV from `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]` (any dtype/device)."""
 
     def __init__(self, config: TransferConfig, kv_buffer: torch.Tensor, transport: SendTransport) -> None:
@@ -45,7 +48,7 @@ class KVSender(Handshake, PeerLiveness, SendPath, Endpoint):
         self.transport = transport
         self._ctx = zmq.Context()
         self._peers: dict[str, Receiver] = {}
-        self._queue: deque[tuple[str, int, torch.cuda.Event | None]] = deque()
+        self._queue: deque[QueuedLayer] = deque()
         # the direct path needs kv_buffer registered (once) and addressable as one flat byte range
         self._direct = config.direct_max_pieces > 0 and kv_buffer.is_contiguous()
         self._events = EventPool(kv_buffer.device.index or 0) if kv_buffer.is_cuda else None
@@ -113,20 +116,17 @@ class KVSender(Handshake, PeerLiveness, SendPath, Endpoint):
         pool of reused ones, events.py) recorded on a GPU, one deque append, and a wake-up byte only
         if the loop sleeps or naps with room in its pipeline (_poll_peers). Raises KeyError for an
         unknown request, ValueError for a bad layer, TransferError if the sender is not running."""
-        if not 0 <= layer < self.layout.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.layout.num_layers})")
-        if self._thread is None or self._stop.is_set():
-            raise TransferError("endpoint is not running (call start() first)")
-        with self._lock:
-            st = self._get(request_id)
-            if layer in st.layers:
-                raise ValueError(f"layer {layer} of {request_id!r} already sent")
-            st.layers.add(layer)
-        # the write (or gather) must follow the caller's stream up to now
-        event = self._events.record() if self._events is not None else None
-        self._queue.append((request_id, layer, event))  # deque.append is atomic: no command closure
-        if self._take_layers:  # else the pipeline is full: the loop could not take it up now
-            self._wake()
+        self._hand_off(request_id, (layer,))
+
+    def send_layers(self, request_id: str, layers: Sequence[int] | None = None) -> None:
+        """Queue several layers of the request at once (None: every layer, in order), e.g. a whole
+        prompt's KV already in kv_buffer: the contract of send_layer for each, but ONE lock, ONE CUDA
+        event on a GPU (recorded on the caller's current stream, shared by all of them), one wake-up of
+        the loop, which then takes them up in one step and posts them as one write per receiver
+        (handoff.py). Everything is checked before anything is queued or marked: raises KeyError for an
+        unknown request, ValueError for a layer out of range, given twice or already sent, TypeError for
+        a non-integer layer, TransferError if the sender is not running."""
+        self._hand_off(request_id, layers)
 
     def abort(self, request_id: str) -> None:
         """Stop sending the request: ABORTED here, the receiver is told (Stopped) once its in-flight
@@ -158,15 +158,19 @@ class KVSender(Handshake, PeerLiveness, SendPath, Endpoint):
             del self._requests[request_id]
 
     def check_no_leaks(self, timeout: float = 2.0) -> None:
-        """Raise AssertionError if a request is still tracked, a staging slot is still in use or the
-        transport still holds prepared descriptor lists once the loop had `timeout` s to free those of
-        released requests."""
+        """Raise AssertionError if a request is still tracked, a staging slot is still in use, or, once
+        the loop had `timeout` s to drop the queued layers and free the prepared lists of released
+        requests, a layer is still queued, a send_layer(s) event not given back to the pool or the
+        transport still holds prepared descriptor lists."""
         super().check_no_leaks()
         assert self._pipe.ring.in_use == 0, f"{self._pipe.ring.in_use} staging slots still in use"
         end = time.monotonic() + timeout
-        while self._preps and self._thread is not None and time.monotonic() < end:
+        while (self._preps or self._queue) and self._thread is not None and time.monotonic() < end:
             time.sleep(0.005)
         assert not self._preps, f"prepared descriptor lists still held for {sorted(self._preps)}"
+        assert not self._queue, f"{len(self._queue)} layers still queued"
+        held = self._events.held if self._events is not None else 0
+        assert held == 0, f"{held} send_layer events not given back to the pool"
 
     def set_trace(self, trace: list[tuple[float, str, str, int]] | None) -> None:
         """Append (time.perf_counter() s, what, request_id, layer or count) events of the data path and

@@ -1,9 +1,11 @@
 """A KV sender in a separate process, driven over a multiprocessing Pipe (for the nixl/ucx tests).
 
 Commands (tuples): ("connect", address) → None or error text; ("add", handle_bytes, src_ids) → None;
-("layers", request_id, [layers]) → None; ("abort", request_id) → None; ("wait", request_id, timeout) →
-status name; ("reason", request_id) → reason text; ("release", request_id) → None; ("leaks",) → None
-or error text; ("posted",) → request-layers posted by path {"staged": n, "direct": n}; ("close",) → exits.
+("layers", request_id, [layers]) → None (one send_layer call each); ("send_layers", request_id,
+[layers] or None) → None (one send_layers call); ("abort", request_id) → None; ("wait", request_id,
+timeout) → status name; ("reason", request_id) → reason text; ("release", request_id) → None;
+("leaks",) → None or error text; ("posted",) → request-layers posted by path {"staged": n, "direct": n};
+("close",) → exits. A command that raises answers "<ExceptionName>: <message>".
 kv_kwargs may hold "direct_max_pieces" (a TransferConfig field).
 """
 
@@ -39,6 +41,8 @@ def sender_main(conn: Connection, backend: str, seed: int, worker_id: str, kv_kw
             elif op == "layers":
                 for layer in cmd[2]:
                     tx.send_layer(cmd[1], layer)
+            elif op == "send_layers":
+                tx.send_layers(cmd[1], cmd[2])
             elif op == "abort":
                 tx.abort(cmd[1])
             elif op == "wait":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from bench.kv_trace import summarize
+import pytest
+
+from bench.kv_trace import summarize, timeline
 
 T0 = 100.0
 
@@ -30,3 +32,19 @@ def test_summary_splits_take_up_post_and_tail():
 def test_summary_without_transport_events_still_reports_the_gaps():
     lines = summarize([_ev(0, "sl_begin"), _ev(10, "sl_end"), _ev(12, "gather", 0)], T0, 1, 1)
     assert len(lines) == 2 and "10.0 us per call" in lines[0] and "notices -" in lines[1]
+
+
+def test_summary_of_a_request_hand_off_counts_send_layers_calls():
+    events = [_ev(0, "sl_begin"), _ev(30, "sl_end"), _ev(35, "gather", 0), _ev(36, "gather", 1)]
+    lines = summarize(events, T0, layers=32, requests=2, handoff="request")
+    assert lines[0] == ("# (a) send_layers loop 0..30 us (15.0 us per call, 2 calls); layers taken up by "
+                        "the sender loop at 35..36")
+    with pytest.raises(ValueError, match="handoff"):
+        summarize(events, T0, 32, 2, handoff="block")
+
+
+def test_timeline_lists_each_layer_gather_post_done():
+    events = [_ev(70, "gather", 1), _ev(151, "post", 1), _ev(400, "done", 1), _ev(72, "gather", 0),
+              _ev(80, "post:start"), _ev(160, "post", 0)]
+    assert timeline(events, T0, 530e-6) == ["# trace: total 530 us; layer: gather / post / done (us)",
+                                            "# 0: 72/160/-1; 1: 70/151/400"]
