@@ -105,9 +105,9 @@ class TransferConfig:
     busy_wait_s: longest nap (seconds) of a sender loop that has request-layers queued or in flight but
     nothing it can do now (waiting for CUDA events or write completions), and of a receiver loop while a
     request is TRANSFERRING (from its Begin, i.e. during the sender's prefill, to its last layer): the
-    most latency a loop adds to noticing a completion or a landed layer (plus the kernel's timer slack,
-    50 µs by default on Linux). Capped at the loops' idle poll (10 ms). A command, a useful send_layer or a
-    control message ends the nap at once.
+    most latency a loop adds to noticing a completion or a landed layer (plus the kernel's timer slack:
+    50 µs by default on Linux, 1 µs for the loop threads, wakeup.set_timer_slack). Capped at the loops'
+    idle poll (10 ms). A command, a useful send_layer or a control message ends the nap at once.
     """
 
     worker_id: str

@@ -3,7 +3,10 @@ precomputed per layer (runs.direct_layers, transport.prepare) so a post only con
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
+import sys
 import threading
 import time
 
@@ -12,10 +15,11 @@ import zmq
 
 import kvtransfer.sender as sender_mod
 from kvtransfer import TransferError, TransferStatus, get_transfer_backend
+from kvtransfer.endpoint import Endpoint
 from kvtransfer.runs import direct_layers, direct_pieces, joint_runs
 from kvtransfer.staging import layout_of
 from kvtransfer.transport import KV
-from kvtransfer.wakeup import Waker
+from kvtransfer.wakeup import LOOP_TIMER_SLACK_NS, Waker, set_timer_slack
 from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
 
 S = TransferStatus
@@ -113,3 +117,40 @@ def test_direct_request_is_prepared_once_begun():
     finally:
         tx.close()
         rx.close()
+
+
+def _slack_ns() -> int:
+    """The calling thread's timer slack (prctl PR_GET_TIMERSLACK)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return int(libc.prctl(30, 0, 0, 0, 0))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_TIMERSLACK is Linux-only")
+def test_loop_threads_run_with_a_small_timer_slack():
+    """set_timer_slack changes the calling thread's slack only (read back with PR_GET_TIMERSLACK); an
+    endpoint's loop thread sets it when it starts, so a 50 µs nap is not stretched by the kernel's default
+    50 µs slack."""
+    seen: dict[str, int] = {}
+
+    def probe() -> None:
+        seen["before"] = _slack_ns()
+        seen["ok"] = int(set_timer_slack(2000))
+        seen["after"] = _slack_ns()
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    assert seen == {"before": seen["before"], "ok": 1, "after": 2000} and seen["before"] != 2000
+    assert _slack_ns() == seen["before"]  # this thread untouched
+    with pytest.raises(ValueError, match=">= 1 ns"):
+        set_timer_slack(0)
+    class OneStep(Endpoint):  # the loop machinery alone: one step, then stop (no sockets)
+        def _step(self) -> None:
+            seen["loop"] = _slack_ns()
+            self._stop.set()
+
+    loop = OneStep(config("p0", "loopback"))
+    loop._start_thread("one-step")
+    assert loop._thread is not None
+    loop._thread.join(WAIT)
+    assert seen["loop"] == LOOP_TIMER_SLACK_NS  # set by Endpoint._run before the first step
