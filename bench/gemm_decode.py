@@ -66,38 +66,57 @@ def main(argv: list[str] | None = None) -> None:
     """Print one markdown row per (shape, rows, BLAS library)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES])
+    p.add_argument("--tiles", nargs="+", default=None, metavar="NxKwW",
+                   help="GEMV tiles to sweep at one row, e.g. 8x1024w8 (default: a fixed list); with "
+                   "--tiles the down shape is also swept gated (SiLU·mul folded in)")
+    p.add_argument("--gemv-only", action="store_true", help="skip the cuBLAS / cuBLASLt rows")
     args = p.parse_args(argv)
+    shapes = [s for s in SHAPES if s[0] in args.shapes]
+    tiles = [_tile(t) for t in args.tiles] if args.tiles else list(GEMV_TILES)
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)")
     print("| shape | N | K | rows | BLAS | µs | weight GB/s | of copy bandwidth |")
     print("|---|---|---|---|---|---|---|---|")
-    for lib in ("cublas", "cublaslt"):
+    for lib in () if args.gemv_only else ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(lib)
-        for name, n, k in SHAPES:
+        for name, n, k in shapes:
             for rows in args.rows:
                 sec = gemm_seconds(rows, n, k)
                 rate = n * k * 2 / sec
                 print(f"| {name} | {n} | {k} | {rows} | {lib} | {sec * 1e6:.1f} | {rate / 1e9:.0f} | "
                       f"{rate / bandwidth:.1%} |", flush=True)
     if 1 in args.rows:
-        _gemv_rows(bandwidth)
-        _silu_down_rows(bandwidth)
+        _gemv_rows(bandwidth, shapes, tiles, gated=args.tiles is not None)
+        if args.tiles is None:
+            _silu_down_rows(bandwidth)
 
 
-def _gemv_rows(bandwidth: float) -> None:
-    """One row per (shape, tile) of ``engine.ops.gemv`` at one row, checked against ``F.linear``."""
-    from engine.ops.gemv import gemv
+def _tile(text: str) -> tuple[int, int, int]:
+    """``"8x1024w8"`` → ``(8, 1024, 8)``: rows per program, inputs per step, warps."""
+    rows, rest = text.split("x")
+    cols, warps = rest.split("w")
+    return int(rows), int(cols), int(warps)
 
-    for name, n, k in SHAPES:
-        for bn, bk, warps in GEMV_TILES:
-            fn = functools.partial(gemv, block_n=bn, block_k=bk, num_warps=warps)
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-            err = (fn(x, w).float() - torch.nn.functional.linear(x, w).float()).abs().max().item()
-            sec = gemm_seconds(1, n, k, fn=fn)
-            rate = n * k * 2 / sec
-            print(f"| {name} | {n} | {k} | 1 | triton gemv {bn}x{bk} w{warps} (err {err:.2g}) | "
-                  f"{sec * 1e6:.1f} | {rate / 1e9:.0f} | {rate / bandwidth:.1%} |", flush=True)
+
+def _gemv_rows(bandwidth: float, shapes: list[tuple[str, int, int]], tiles: list[tuple[int, int, int]],
+               gated: bool) -> None:
+    """One row per (shape, tile) of ``engine.ops.gemv`` at one row, checked against ``F.linear``; with
+    ``gated`` the down shape also as the gated GEMV (input ``[gate | up]``)."""
+    from engine.ops.gemv import gemv, gemv_reference
+
+    for name, n, k in shapes:
+        for is_gated in (False, True) if gated and name == "down" else (False,):
+            for bn, bk, warps in tiles:
+                fn = functools.partial(gemv, gated=is_gated, block_n=bn, block_k=bk, num_warps=warps)
+                x = torch.randn(1, 2 * k if is_gated else k, device="cuda", dtype=torch.bfloat16)
+                w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                err = (fn(x, w).float() - gemv_reference(x, w, gated=is_gated).float()).abs().max().item()
+                sec = gemm_seconds(1, n, k, fn=fn, x_cols=2 * k if is_gated else None)
+                rate = n * k * 2 / sec
+                label = f"triton gemv{' gated' if is_gated else ''} {bn}x{bk} w{warps} (err {err:.2g})"
+                print(f"| {name} | {n} | {k} | 1 | {label} | {sec * 1e6:.1f} | {rate / 1e9:.0f} | "
+                      f"{rate / bandwidth:.1%} |", flush=True)
 
 
 def _silu_down_rows(bandwidth: float) -> None:

@@ -119,7 +119,7 @@ def _precision(dtype: torch.dtype) -> str:
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
-    num_splits: int | None = None,
+    num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
 ) -> torch.Tensor:
     """Decode attention for ``N`` sequences with one query token each (Triton, two launches).
 
@@ -133,6 +133,8 @@ def paged_decode_attention(
             step's lengths: with a fixed ``num_splits`` the two launches can be captured in a CUDA graph
             once and replayed for any lengths (splits past a short sequence's end do no work).
         scale: softmax scale. out: optional ``[N, H, D]`` output. num_splits: override the heuristic.
+        block_n, num_warps: KV tokens per tile (a power of two >= 16; default 64 on a GPU, 16 under the
+            interpreter) and warps of the split kernel (tuning: ``bench.decode_attention``).
 
     Returns:
         ``[N, H, D]`` in ``q``'s dtype.
@@ -150,18 +152,19 @@ def paged_decode_attention(
     if n == 0:
         return out
     on_gpu = q.is_cuda
-    block_n = 64 if on_gpu else 16
+    block_n = block_n or (64 if on_gpu else 16)
     if num_splits is None:
         sms = _num_sms(q.device.index or 0) if on_gpu else 8
         num_splits = choose_num_splits(n, num_kv_heads, max_seq_len, block_n, sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n)
+    _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n, num_warps)
     return out
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int, block_n: int) -> None:
+            seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int, block_n: int,
+            num_warps: int = 4) -> None:
     """The two launches of ``paged_decode_attention`` (split, then reduce) over float32 partials."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -177,7 +180,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
         block_tables.stride(0),
         NUM_HEADS=num_heads, QUERIES_PER_KV=qpk, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(qpk)), BLOCK_D=block_d,
-        BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
+        BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=2,
         **pdl_kwargs(q),
     )
     _decode_reduce_kernel[(n, num_heads)](
