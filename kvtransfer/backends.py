@@ -32,7 +32,8 @@ class TransferBackend:
         if self.name == "nixl":
             from kvtransfer.nixl import NixlSendTransport
 
-            transport = NixlSendTransport(f"{config.worker_id}-send-{os.getpid()}-{id(kv_buffer):x}")
+            transport = NixlSendTransport(f"{config.worker_id}-send-{os.getpid()}-{id(kv_buffer):x}",
+                                          progress_thread=kv_buffer.is_cuda)
         elif self.name == "ucx":
             from kvtransfer.ucx import UcxSendTransport
 
