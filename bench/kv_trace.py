@@ -63,11 +63,24 @@ def summarize(events: list[Event], t0: float, layers: int, requests: int,
                      f"→ posted at {w[4]:.0f} us")
     if len(writes) > 8:
         lines.append(f"# (b) ... {len(writes) - 8} more writes, last posted at {writes[-1][4]:.0f} us")
+    lines.append(_loop_line(at, writes[0][4] if writes else float("inf")))
     lines.append(f"# (c) writes complete (sender) {_span(at.get('done', []))}; receiver read notices "
                  f"{_span(at.get('notice', []))}, sent Done {_span(at.get('done_sent', []))}; sender read "
                  f"Done {_span(at.get('done_msg', []))}, set DONE {_span(at.get('DONE', []))}; "
                  f"wait() returned {_span(at.get('wait_end', []))}")
     return lines
+
+
+def _loop_line(at: dict[str, list[float]], until: float) -> str:
+    """The sender loop before the first write was posted (µs): step starts, naps and idle polls
+    (start-end), the first 12 of each."""
+    def spans(a: str, b: str) -> str:  # each start with the first end at or after it
+        ends = at.get(b, [])
+        pairs = [(s, next((e for e in ends if e >= s), float("nan"))) for s in at.get(a, []) if s < until]
+        return ", ".join(f"{s:.0f}-{e:.0f}" for s, e in pairs[:12]) or "-"
+    steps = ", ".join(f"{t:.0f}" for t in [t for t in at.get("step", []) if t < until][:12]) or "-"
+    return f"# (d) sender loop before the first post: steps at {steps}; naps {spans('nap', 'nap_end')}; " \
+           f"idle polls {spans('idle', 'idle_end')}"
 
 
 def _writes(ev: list[Event], t0: float) -> list[tuple[float, float, float, float, float, int]]:
@@ -87,3 +100,11 @@ def _writes(ev: list[Event], t0: float) -> list[tuple[float, float, float, float
                 out.append((s, b, d, i, cur["transfer"], n))
                 cur = {}
     return out
+
+
+def raw(events: list[Event], t0: float, until_us: float = 3000.0) -> list[str]:
+    """Every event of the round up to `until_us` µs after `t0` except the per-layer ones (one line each:
+    µs, what, count), for reading the loops' steps, naps and messages in order."""
+    per_layer = ("gather", "post", "done", "notice")
+    return [f"# raw {(t - t0) * 1e6:9.0f} {what} {n}" for t, what, _rid, n in sorted(events)
+            if (t - t0) * 1e6 < until_us and what not in per_layer]

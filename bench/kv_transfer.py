@@ -45,9 +45,9 @@ import msgspec
 import torch
 
 try:
-    from bench.kv_trace import summarize, timeline
+    from bench.kv_trace import raw, summarize, timeline
 except ImportError:  # run as a script (python bench/kv_transfer.py): bench/ is sys.path[0]
-    from kv_trace import summarize, timeline  # type: ignore[no-redef]
+    from kv_trace import raw, summarize, timeline  # type: ignore[no-redef]
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -162,8 +162,8 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
                 tx.set_trace(None)
                 conn.send(("trace",))
                 events += conn.recv()
-                print("\n".join(timeline(events, t, dt)
-                                 + summarize(events, t, LAYERS, concurrent, handoff)))
+                print("\n".join(timeline(events, t, dt) + summarize(events, t, LAYERS, concurrent, handoff)
+                                 + (raw(events, t) if os.environ.get("PDSERVE_KV_TRACE_RAW") else [])))
     finally:
         tx.close()
         conn.send(("close",))

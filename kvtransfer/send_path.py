@@ -102,10 +102,13 @@ class SendPath:
         readable (a command, a send_layer, a message: the caller reads them), False once an event
         completed, a write finished or `cap_s` seconds passed (housekeeping is due)."""
         end = time.monotonic() + cap_s
+        self._mark("nap", "")
         while True:
             if nap(self._waker, socks, min(self.config.busy_wait_s, cap_s)):
+                self._mark("nap_end", "")
                 return True
             if self._can_post() or self._complete() or time.monotonic() >= end:
+                self._mark("nap_end", "")
                 return False
 
     def _start_gathers(self) -> None:

@@ -230,6 +230,7 @@ class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
 
     # ---- loop ---------------------------------------------------------------------------------
     def _step(self) -> None:
+        self._mark("step", "")
         self._poll_peers()
         # liveness right after reading every pending message: a stall of this loop (a long write, a
         # starved thread) must not count as the peers' silence (their heartbeats wait unread)
@@ -270,7 +271,9 @@ class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
             woke = self._nap_busy([p.sock for p in self._peers.values()], IDLE_POLL_MS / 1e3)
             ready = dict(self._poller.poll(0)) if woke else {}
         else:
+            self._mark("idle", "")
             ready = dict(self._poller.poll(IDLE_POLL_MS))
+            self._mark("idle_end", "")
         self._waker.sleeping = False
         if self._waker.fd in ready:
             self._waker.drain()
