@@ -32,8 +32,7 @@ class TransferBackend:
         if self.name == "nixl":
             from kvtransfer.nixl import NixlSendTransport
 
-            transport = NixlSendTransport(f"{config.worker_id}-send-{os.getpid()}-{id(kv_buffer):x}",
-                                          progress_thread=kv_buffer.is_cuda)
+            transport = NixlSendTransport(f"{config.worker_id}-send-{os.getpid()}-{id(kv_buffer):x}")
         elif self.name == "ucx":
             from kvtransfer.ucx import UcxSendTransport
 

@@ -50,9 +50,8 @@ def _agent(name: str, progress_thread: bool = False) -> object:
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 
     # NIXL's progress thread spins (the Python binding sets its delay to 0): one full core per agent,
-    # busy or idle (measured: 3.0 s of CPU in 3 s idle). On a GPU host both sides keep it (cores are
-    # plentiful; the H200 figures were measured with it on the receiver, from 2026-11-30 on the sender
-    # too); on DRAM it is off: on a 2-core machine the spinning
+    # busy or idle (measured: 3.0 s of CPU in 3 s idle). On a GPU host the target keeps it (cores are
+    # plentiful; the H200 figures were measured with it); on DRAM it is off: on a 2-core machine the spinning
     # thread starved the prefill worker (a 5000-token prompt then missed its 30 s KV deadline). Without it
     # large DRAM WRITEs (UCX rendezvous) progress only when the receiver loop polls: 1.4 → 0.3 GB/s at
     # 16 MiB per layer (facts.md); the initiator progresses while it polls check_xfer_state.
@@ -102,10 +101,8 @@ class NixlSendTransport(SendTransport):
 
     write_per_request = True
 
-    def __init__(self, name: str, progress_thread: bool = False) -> None:
-        # with NIXL's progress thread a WRITE's notification leaves as soon as the data is written, not
-        # when this side's loop next polls check_xfer_state (up to a nap later; issue #3)
-        self.agent = _agent(name, progress_thread)
+    def __init__(self, name: str) -> None:
+        self.agent = _agent(name)
         self._bases = [0, 0]  # data_ptr of the STAGING and KV regions (0 = not registered)
         self._regs: list[object] = [None, None]
         self._mem, self._dev = "DRAM", 0

@@ -26,23 +26,3 @@ def test_idle_dram_receiver_uses_almost_no_cpu():
     finally:
         rx.close()
     assert cpu < 0.25 * wall, f"idle receiver used {cpu:.2f} s of CPU in {wall:.2f} s"
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_sender_agent_progress_thread_only_for_gpu_memory(device, monkeypatch):
-    """The sender's NIXL agent runs NIXL's progress thread when its kv_buffer is on a GPU (a WRITE's
-    notification then leaves when the data is written, not at the loop's next poll), never on DRAM."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    import kvtransfer.nixl as nixl_mod
-    from kvtransfer import get_transfer_backend
-    from tests.kvtransfer.helpers import config
-
-    seen: list[bool] = []
-    real = nixl_mod._agent
-    monkeypatch.setattr(nixl_mod, "_agent", lambda name, progress_thread=False:
-                        seen.append(progress_thread) or real(name, progress_thread))
-    kv = torch.zeros(2, 2, 4, 16, 2, 8, dtype=torch.bfloat16, device=device)
-    tx = get_transfer_backend("nixl").sender(config("p-idle", "nixl"), kv)
-    tx.close()
-    assert seen == [device == "cuda"]
