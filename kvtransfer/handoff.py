@@ -42,6 +42,7 @@ class LayerHandoff:
     if TYPE_CHECKING:
         def _get(self, request_id: str) -> RequestState: ...
         def _wake(self) -> None: ...
+        def _mark(self, what: str, request_id: str) -> None: ...
 
     def _hand_off(self, request_id: str, layers: Sequence[int] | None) -> None:
         """Queue `layers` (None: every layer, 0..num_layers-1, in order) of the request for sending, in
@@ -68,7 +69,9 @@ class LayerHandoff:
             return
         # the writes (or gathers) must follow the caller's stream up to now: one event for all of them,
         # given back by each of its request-layers (EventPool counts the uses)
+        self._mark("handoff:marked", request_id)
         event = self._events.record(len(wanted)) if self._events is not None else None
+        self._mark("handoff:recorded", request_id)
         self._queue.extend([(request_id, layer, event) for layer in wanted])
         if self._take_layers:  # else the pipeline is full: the loop could not take them up now
             self._wake()

@@ -119,14 +119,18 @@ class SendPath:
             return
         items: list[Item] = []
         states: list[RequestState] = []
-        while self._queue and len(items) < self._pipe.capacity:
-            rid, layer, event = self._queue.popleft()
-            with self._lock:
+        dropped: list[Any] = []
+        with self._lock:  # once for the batch (a send_layers call queues every layer at once)
+            while self._queue and len(items) < self._pipe.capacity:
+                rid, layer, event = self._queue.popleft()
                 st = self._requests.get(rid)
-            if st is not None and not st.status.is_terminal:
-                items.append((rid, layer, st.extra["src"], event, st.extra["runs"] is not None))
-                states.append(st)
-            elif event is not None and self._events is not None:  # dropped: nothing waits on it
+                if st is not None and not st.status.is_terminal:
+                    items.append((rid, layer, st.extra["src"], event, st.extra["runs"] is not None))
+                    states.append(st)
+                elif event is not None:  # dropped: nothing waits on it
+                    dropped.append(event)
+        for event in dropped:
+            if self._events is not None:
                 self._events.give_back(event)
         started = self._pipe.start(items)
         for rid, layer, _src, event, _ in reversed(items[started:]):  # no slot yet (the ring must drain)
@@ -139,14 +143,19 @@ class SendPath:
         """Start the writes of gathered request-layers (gather event completed) of begun requests: one
         write per peer carrying all of them for one-sided transports, one per request-layer else."""
         groups: dict[str, list[tuple[LayerOp, RequestState]]] = {}
-        for op in self._pipe.ready():
-            with self._lock:
+        ops: list[tuple[LayerOp, RequestState]] = []
+        cancelled: set[str] = set()
+        with self._lock:  # once for all ready ops
+            for op in self._pipe.ready():
                 st = self._requests[op.request_id]  # not releasable while in flight
                 if st.status.is_terminal:  # aborted/failed after the gather: nothing more is written
-                    self._dropped(self._pipe.cancel(op.request_id, posted=False))
+                    if op.request_id not in cancelled:  # one cancel drops all of the request's ops
+                        cancelled.add(op.request_id)
+                        self._dropped(self._pipe.cancel(op.request_id, posted=False))
                     continue
-                if not st.extra["begun"]:
-                    continue  # the receiver has not claimed the request yet
+                if st.extra["begun"]:  # else the receiver has not claimed the request yet
+                    ops.append((op, st))
+        for op, st in ops:
             if not self.transport.one_sided:
                 key = f"{op.request_id}:{op.layer}"
             elif op.direct and self.transport.write_per_request:

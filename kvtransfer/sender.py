@@ -61,7 +61,8 @@ class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
         self._take_layers = True  # a send_layer may wake the loop (false: the pipeline is full)
 
     def start(self) -> KVSender:
-        """Start the loop thread."""
+        """Start the loop thread. Does nothing on a running sender; raises TransferError after close()
+        (endpoint.py: one loop thread per endpoint)."""
         self._start_thread(f"kv-sender-{self.config.worker_id}")
         return self
 
@@ -232,10 +233,12 @@ class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
     def _step(self) -> None:
         self._mark("step", "")
         self._poll_peers()
+        self._mark("step:polled", "")
         # liveness right after reading every pending message: a stall of this loop (a long write, a
         # starved thread) must not count as the peers' silence (their heartbeats wait unread)
         self._housekeeping()
         self._start_gathers()
+        self._mark("step:taken", "")
         self._post_ready()
         self._complete()
         self._flush_stops()
