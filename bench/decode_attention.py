@@ -82,8 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for context in args.contexts:
         floor = args.batch * context * KV_HEADS * DIM * 2 * 2 / bandwidth  # as bench.engine's roofline
-        engine_splits = choose_num_splits(args.batch, KV_HEADS, args.graph_len, 64, sms)
-        configs = [(64, engine_splits, 4, "engine now")]
+        engine_bn = 32 if args.batch == 1 else 64  # paged_decode_attention's default tile
+        engine_splits = choose_num_splits(args.batch, KV_HEADS, args.graph_len, engine_bn, sms)
+        configs = [(engine_bn, engine_splits, 4, "engine default")]
         for bn in args.block_n:
             tiles = -(-context // bn)
             for splits in sorted({min(tiles, 64), min(-(-tiles // 2), 64), min(-(-tiles // 4), 64)}):

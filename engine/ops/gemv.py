@@ -19,17 +19,18 @@ from engine.ops.pdl import gdc_enter, pdl_kwargs
 from engine.ops.silu_mul import silu_mul_reference
 
 
-def gemv_tile(n: int) -> tuple[int, int, int]:
-    """``(block_n, block_k, num_warps)`` for a ``[N, K]`` weight: the best tiles of the sweep of
-    ``bench.gemm_decode --rows 1`` on an H200 with programmatic dependent launch (2026-11-30,
-    docs/benchmarks/engine-h200.md): wide matrices (gate/up, LM head) 2 x 1024 with 4 warps (~101-106 %
-    of the copy bandwidth), N <= 4096 (O, down) 16 x 512 with 8 warps (80 %, 90 %), in between (QKV) 8 x 1024
-    with 8 warps (89 %); the sweep found no dependence on K."""
+def gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)`` for a ``[N, K]`` weight (``gated``: the down projection with
+    SiLU·mul folded in): the best tiles of ``bench.gemm_decode --rows 1 --tiles ...`` on an H200 with
+    programmatic dependent launch (2026-11-30, docs/benchmarks/engine-h200.md), as shares of the copy
+    bandwidth: wide matrices (gate/up, LM head) 2 x 1024 with 4 warps (~101-106 %); N <= 4096 4 x 1024 with 4
+    warps (O 83.9 %, down 97.8 %; 16 x 512 with 8 warps: 76.8 %, 88.1 %), gated 8 x 1024 with 4 warps
+    (89.8 %; 16 x 512 x 8: 84.9 %); in between (QKV) 8 x 512 with 4 warps (89.5 %; 8 x 1024 x 8: 86.8 %)."""
     if n >= 16384:
         return 2, 1024, 4
     if n <= 4096:
-        return 16, 512, 8
-    return 8, 1024, 8
+        return (8, 1024, 4) if gated else (4, 1024, 4)
+    return 8, 512, 4
 
 
 @triton.jit
@@ -93,7 +94,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             ``silu(x[:, :K]) * x[:, K:]`` computed while loading (SwiGLU's down projection without the
             ``silu_mul`` launch; bit-identical to ``gemv(silu_mul(x), ...)``).
         block_n, block_k, num_warps: tile (output features × inputs per step, powers of two) and warps
-            per program; each one left None comes from ``gemv_tile(N)`` (measured best on an H200).
+            per program; each one left None comes from ``gemv_tile(N, gated)`` (measured best on an H200).
 
     Returns:
         ``[1, N]`` new tensor of ``x``'s dtype.
@@ -103,7 +104,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """
     _check(x, weight, bias, gated)
     n, k = weight.shape
-    tile = gemv_tile(n)
+    tile = gemv_tile(n, gated)
     block_n, block_k, num_warps = block_n or tile[0], block_k or tile[1], num_warps or tile[2]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](

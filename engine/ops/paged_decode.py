@@ -105,10 +105,12 @@ def _num_sms(device_index: int) -> int:
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
     """Heuristic split count: enough (sequence, KV head, split) programs for two waves over ``num_sms``
-    SMs, but at least 4 tiles of ``block_n`` tokens per split (less work per split would not pay for the
-    reduce) and at most 64 splits. Returns >= 1."""
+    SMs (four for a single sequence, whose attention is bound by latency: ``bench.decode_attention``), but
+    at least 4 tiles of ``block_n`` tokens per split (less work per split would not pay for the reduce)
+    and at most 64 splits. Returns >= 1."""
     tiles = triton.cdiv(max_seq_len, block_n)
-    wanted = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
+    waves = 4 if num_seqs == 1 else 2
+    wanted = triton.cdiv(waves * num_sms, max(1, num_seqs * num_kv_heads))
     return max(1, min(wanted, triton.cdiv(tiles, 4), 64))
 
 
@@ -133,8 +135,8 @@ def paged_decode_attention(
             step's lengths: with a fixed ``num_splits`` the two launches can be captured in a CUDA graph
             once and replayed for any lengths (splits past a short sequence's end do no work).
         scale: softmax scale. out: optional ``[N, H, D]`` output. num_splits: override the heuristic.
-        block_n, num_warps: KV tokens per tile (a power of two >= 16; default 64 on a GPU, 16 under the
-            interpreter) and warps of the split kernel (tuning: ``bench.decode_attention``).
+        block_n, num_warps: KV tokens per tile (a power of two >= 16; default on a GPU 32 for one sequence,
+            else 64; 16 under the interpreter) and warps of the split kernel (``bench.decode_attention``).
 
     Returns:
         ``[N, H, D]`` in ``q``'s dtype.
@@ -142,8 +144,8 @@ def paged_decode_attention(
     Raises:
         ValueError: ``num_splits < 1``.
 
-    Tuning (Hopper): tiles of 64 KV tokens, 4 warps, 2 stages for step 1; splits from
-    ``choose_num_splits`` (132 SMs on H200). Under the interpreter: 16-token tiles.
+    Tuning (Hopper): tiles of 64 KV tokens (32 for one sequence), 4 warps, 2 stages for step 1; splits
+    from ``choose_num_splits`` (132 SMs on H200). Under the interpreter: 16-token tiles.
     """
     n = q.shape[0]
     num_kv_heads = k_cache.shape[2]
@@ -152,7 +154,9 @@ def paged_decode_attention(
     if n == 0:
         return out
     on_gpu = q.is_cuda
-    block_n = block_n or (64 if on_gpu else 16)
+    # one sequence: 32-token tiles over up to 64 splits (H200, Llama-3-8B shapes, 32 layers in a graph:
+    # 6.2 vs 6.9 µs per layer at 1k tokens, 10.6 vs 11.1 at 4k; docs/benchmarks/engine-h200.md)
+    block_n = block_n or ((32 if n == 1 else 64) if on_gpu else 16)
     if num_splits is None:
         sms = _num_sms(q.device.index or 0) if on_gpu else 8
         num_splits = choose_num_splits(n, num_kv_heads, max_seq_len, block_n, sms)

@@ -120,12 +120,13 @@ def test_gemv_matches_linear(dtype, n, k, bias):
 def test_gated_gemv_equals_silu_mul_then_gemv(dtype, n, k):
     """SwiGLU's down projection with ``silu_mul`` folded into the GEMV's loads: bit-identical to the two
     kernels one after the other (same rounding points), close to the reference; a wrong width is named."""
-    from engine.ops.gemv import gemv, gemv_reference
+    from engine.ops.gemv import gemv, gemv_reference, gemv_tile
 
     weight = _rand(n, k, dtype=dtype, seed=9) * 0.05
     gate_up = _rand(1, 2 * k, dtype=dtype, seed=10) * 2
-    got = gemv(gate_up, weight, gated=True)
-    assert torch.equal(got, gemv(silu_mul(gate_up), weight))
+    got = gemv(gate_up, weight, gated=True)  # the gated tile (gemv_tile(n, gated=True))
+    tile = dict(zip(("block_n", "block_k", "num_warps"), gemv_tile(n, gated=True), strict=True))
+    assert torch.equal(got, gemv(silu_mul(gate_up), weight, **tile))  # same tile: same sums
     torch.testing.assert_close(gemv_reference(gate_up, weight, gated=True),
                                gemv_reference(silu_mul_reference(gate_up), weight), atol=0, rtol=0)
     torch.testing.assert_close(got.float(), gemv_reference(gate_up, weight, gated=True).float(),
