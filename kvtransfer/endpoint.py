@@ -3,6 +3,13 @@
 Each endpoint runs one daemon thread that owns its zmq socket(s) and transport (neither is thread
 safe); public methods only touch state under `self._lock` and queue commands for the thread. Status
 changes wake `wait()` callers through a condition variable. No torch here.
+
+Life cycle: at most ONE loop thread per endpoint, ever. A zmq socket must be used by one thread at a
+time and a context terminated once (pyzmq/libzmq: `zmq_ctx_term` on a terminated context fails with
+EFAULT, "Bad address"); a second loop thread shares the first one's sockets, and libzmq asserts
+(signaler.cpp, fq.cpp, ctx.cpp) and aborts the process. So start() on a running endpoint (e.g. on what
+TransferBackend.sender()/receiver() returned, already started) changes nothing, and start() after
+close() raises: the sockets and transport were released with the loop and cannot run again.
 """
 
 from __future__ import annotations
@@ -46,11 +53,25 @@ class Endpoint:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._life = threading.Lock()  # orders start() against start() and close() (module docstring)
 
     # ---- thread -------------------------------------------------------------------------------
-    def _start_thread(self, name: str) -> None:
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+    def _start_thread(self, name: str, setup: Callable[[], None] | None = None) -> None:
+        """Run `setup` (on the caller's thread: e.g. bind the receiver's socket; the loop thread takes
+        its sockets over when it starts, which orders memory as pyzmq requires to pass a socket between
+        threads), then start the loop thread `name`. Does nothing if it was started already; raises
+        TransferError once close() was called (before or after a start)."""
+        with self._life:
+            if self._stop.is_set():
+                raise TransferError(f"{type(self).__name__} {self.config.worker_id} was closed: it cannot "
+                                    "start again (make a new one)")
+            if self._thread is not None:
+                return
+            if setup is not None:
+                setup()
+            thread = threading.Thread(target=self._run, name=name, daemon=True)
+            thread.start()
+            self._thread = thread
 
     def _run(self) -> None:
         set_timer_slack()  # this loop's naps are tens of µs: the default 50 µs slack would double them
@@ -78,11 +99,14 @@ class Endpoint:
         """Close sockets and transport (runs on the loop thread)."""
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the loop thread and release sockets and transport. Idempotent."""
-        self._stop.set()
+        """Stop the loop thread and release sockets and transport (the loop thread's teardown; waits up
+        to `timeout` s for it). Idempotent; a later start() raises TransferError."""
+        with self._life:
+            self._stop.set()
+            thread = self._thread
         self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if thread is not None:
+            thread.join(timeout)
             self._thread = None
 
     def _call(self, fn: Callable[[], None]) -> None:

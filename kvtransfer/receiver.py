@@ -67,7 +67,13 @@ class KVReceiver(Endpoint):
         self._trace = trace
 
     def start(self) -> KVReceiver:
-        """Bind the control socket (config.host, config.port; 0 = free port) and start the loop."""
+        """Bind the control socket (config.host, config.port; 0 = free port) and start the loop. Does
+        nothing on a running receiver; raises TransferError after close(), zmq.ZMQError if the bind
+        fails (endpoint.py: one loop thread per endpoint)."""
+        self._start_thread(f"kv-receiver-{self.config.worker_id}", self._bind)
+        return self
+
+    def _bind(self) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -79,8 +85,6 @@ class KVReceiver(Endpoint):
         self._poller = zmq.Poller()  # idle sleep: a message or a command (the waker) ends it
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._waker.fd, zmq.POLLIN)
-        self._start_thread(f"kv-receiver-{self.config.worker_id}")
-        return self
 
     # ---- public API -----------------------------------------------------------------------------
     def expect(self, request_id: str, block_ids: list[int], timeout_s: float | None = None) -> KVHandle:
