@@ -102,3 +102,16 @@ def loop_cost(thread: threading.Thread | None, counter: list[int], window: float
     c0, n0, t0 = time.clock_gettime(clock), counter[0], time.monotonic()
     time.sleep(window)
     return (time.clock_gettime(clock) - c0) / (time.monotonic() - t0), counter[0] - n0
+
+
+def stall_loop(tx: object, wait: float = 5.0) -> threading.Event:
+    """Stall an endpoint's loop (a command that blocks it, so it takes nothing up) until the returned
+    event is set (or `wait` s pass); returns once the loop is inside the stall."""
+    gate, stalled = threading.Event(), threading.Event()
+
+    def stall() -> None:
+        stalled.set()
+        gate.wait(wait)
+    tx._call(stall)  # type: ignore[attr-defined]
+    assert stalled.wait(wait)
+    return gate

@@ -4,8 +4,6 @@ queue and mark nothing; the shared event goes back to the pool once, after its l
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -13,7 +11,7 @@ from kvtransfer import TransferError, TransferStatus, get_transfer_backend, mess
 from kvtransfer.events import EventPool
 from kvtransfer.loopback import LoopbackSendTransport
 from kvtransfer.pipeline import LayerPipeline
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, stall_loop
 
 S = TransferStatus
 WAIT = 5.0
@@ -69,18 +67,6 @@ def _writes(tx) -> list[list[tuple[str, int]]]:
 def _begun(tx, rx, rid: str, ids: tuple[list[int], list[int]]) -> None:
     tx.add_request(rx.expect(rid, ids[1]), ids[0])
     assert tx.wait_until(lambda: tx._requests[rid].extra["begun"], WAIT)
-
-
-def _stall(tx) -> threading.Event:
-    """Stall the sender loop (it takes nothing up) until the returned event is set."""
-    gate, stalled = threading.Event(), threading.Event()
-
-    def stall() -> None:
-        stalled.set()
-        gate.wait(WAIT)
-    tx._call(stall)
-    assert stalled.wait(WAIT)
-    return gate
 
 
 def _idle(tx) -> bool:
@@ -173,7 +159,7 @@ def test_subset_then_send_layer_for_the_rest(pair):
 def test_rejected_calls_queue_and_mark_nothing(pair):
     tx, rx, src, dst = pair
     _begun(tx, rx, "a", DIRECT)
-    gate = _stall(tx)  # the loop takes nothing up: whatever a call queued stays visible
+    gate = stall_loop(tx, WAIT)  # the loop takes nothing up: whatever a call queued stays visible
     tx.send_layer("a", 0)
     bad: list[tuple[type[Exception], str, tuple[object, ...]]] = [
         (ValueError, "out of range", ("a", [1, LAYERS])),
@@ -208,7 +194,7 @@ def test_aborted_request_gives_the_shared_event_back_once(pair):
     back to the pool once, after the last of them (a give-back too many raises)."""
     tx, rx, _src, dst = pair
     _begun(tx, rx, "a", DIRECT)
-    gate = _stall(tx)
+    gate = stall_loop(tx, WAIT)
     tx.send_layers("a")
     tx.abort("a")  # runs after the stall, before the queued layers are taken up
     assert tx._events.held == 1

@@ -5,14 +5,12 @@ events on CPU) and the trace of the data path and of the DONE round trip."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from kvtransfer import TransferStatus, get_transfer_backend, messages
 from kvtransfer.events import EventPool
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, stall_loop
 
 S = TransferStatus
 WAIT = 5.0
@@ -72,18 +70,6 @@ def _writes(tx) -> list[list[str]]:
     return seen
 
 
-def _stall(tx) -> threading.Event:
-    """Stall the sender loop (it takes up nothing) until the returned event is set."""
-    gate, stalled = threading.Event(), threading.Event()
-
-    def stall() -> None:
-        stalled.set()
-        gate.wait(WAIT)
-    tx._call(stall)
-    assert stalled.wait(WAIT)
-    return gate
-
-
 def _begun(tx, *rids: str) -> None:
     assert tx.wait_until(lambda: all(tx._requests[r].extra["begun"] for r in rids), WAIT)
 
@@ -96,7 +82,7 @@ def test_direct_requests_share_a_write_unless_the_transport_wants_one_each(pair,
     for rid, (s, d) in (("a", A), ("b", B)):
         tx.add_request(rx.expect(rid, d), s)
     _begun(tx, "a", "b")
-    gate = _stall(tx)  # every layer is queued before the loop takes any up: one step posts them all
+    gate = stall_loop(tx, WAIT)  # every layer is queued before the loop takes any up: one step posts them all
     for layer in range(LAYERS):
         for rid in ("a", "b"):
             tx.send_layer(rid, layer)
