@@ -226,10 +226,11 @@ MODES = ("graphs", "async", "async-nopdl", "async-alt", "eager")
 
 
 def _second_graphs(core: EngineCore, max_num_seqs: int, pdl: bool, gemv: str | None,
-                   rope_table: bool = True) -> DecodeCudaGraphs:
+                   rope_table: bool = True, decode_rope: bool = True) -> DecodeCudaGraphs:
     """A second set of decode graphs, captured with programmatic dependent launch ``pdl`` (engine/ops/pdl.py)
     and, when ``gemv`` is given, that comma list as the batch-1 GEMV projections (engine/models/
-    fused_model.py), without the RoPE table unless ``rope_table``, replayed by the ``async-nopdl`` /
+    fused_model.py), without the RoPE table unless ``rope_table``, with RoPE + KV store as their own
+    launch unless ``decode_rope`` (engine/attention/triton_backend.py), replayed by the ``async-nopdl`` /
     ``async-alt`` modes beside the default set, so a setting is compared in one process on one GPU (these
     machines are noisy between processes)."""
     runner = core.runner
@@ -241,6 +242,9 @@ def _second_graphs(core: EngineCore, max_num_seqs: int, pdl: bool, gemv: str | N
         net.gemv_projections = frozenset(p for p in gemv.split(",") if p)
     if not rope_table and table is not None:
         net.rope_table = None
+    fuse = getattr(runner.backend, "fuse_decode_rope", None)
+    if fuse is not None:
+        runner.backend.fuse_decode_rope = decode_rope  # type: ignore[attr-defined]
     try:
         graphs = DecodeCudaGraphs(runner.net, runner.kv_cache, runner.backend, max_num_seqs,
                                   runner.max_model_len)
@@ -251,6 +255,8 @@ def _second_graphs(core: EngineCore, max_num_seqs: int, pdl: bool, gemv: str | N
             net.gemv_projections = projections
         if table is not None:
             net.rope_table = table
+        if fuse is not None:
+            runner.backend.fuse_decode_rope = fuse  # type: ignore[attr-defined]
     return graphs
 
 
@@ -268,9 +274,10 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
                            "copy_bandwidth": bandwidth,
                            "capture_s": graphs.capture_seconds if graphs else None}
     decode_rate(core, 2, 16, 4)  # warm-up: Triton compiles, eager and graph paths
-    second: dict[str, tuple[bool, str | None, bool]] = {
-        "async-nopdl": (False, None, True),
-        "async-alt": (pdl_enabled(), args.alt_gemv, args.alt_rope_table == "on")}
+    second: dict[str, tuple[bool, str | None, bool, bool]] = {
+        "async-nopdl": (False, None, True, True),
+        "async-alt": (pdl_enabled(), args.alt_gemv, args.alt_rope_table == "on",
+                      args.alt_decode_rope == "on")}
     other = {mode: _second_graphs(core, args.max_num_seqs, *second[mode])
              for mode in args.modes if mode in second and graphs is not None}
     if "eager" in args.modes:
@@ -339,6 +346,9 @@ def main(argv: list[str] | None = None) -> None:
                         "the engine's)")
     parser.add_argument("--alt-rope-table", choices=["on", "off"], default="on",
                         help="off: the async-alt mode's graphs compute RoPE cos/sin per step (no table)")
+    parser.add_argument("--alt-decode-rope", choices=["on", "off"], default="on",
+                        help="off: the async-alt mode's graphs rotate and store K/V in their own launch, not "
+                        "inside the decode attention kernel")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128], help="GPU decode batches")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096], help="GPU KV tokens/seq")
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32])

@@ -159,6 +159,8 @@ def run_case(case: KernelCase, device: str, seed: int = 0) -> int:
                 calls += 2  # split + reduce launches
         _no_stray_writes(f"{kind} {case}", p)
         calls += _rotary_store(kind, _paged(specs, case, device, seed + 1), case, seed)
+        if kind == "decode" and case.head_dim == 1 << (case.head_dim.bit_length() - 1):
+            calls += _decode_rope(specs, case, device, seed + 2)
     calls += run_layer_ops(case, device, seed)
     calls += run_gemv(case, device, seed)
     if device != "cpu":
@@ -172,9 +174,8 @@ def _rotary_store(kind: str, p: _Paged, case: KernelCase, seed: int) -> int:
     from engine.ops.rotary import apply_rotary_reference
     from engine.ops.rotary_store import rotary_store_kv
 
-    dtype, t = DTYPES[case.dtype], p.k_new.shape[0]
-    angles = torch.rand(t, case.head_dim // 2, generator=torch.Generator().manual_seed(seed)) * 6
-    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype).to(p.q.device) for f in (torch.cos, torch.sin))
+    dtype = DTYPES[case.dtype]
+    cos, sin = _cos_sin(case, p.k_new.shape[0], seed, p.q.device)
     q, k = p.q.clone(), p.k_new.clone()
     want_q, want_k = p.q.clone(), p.k_new.clone()
     apply_rotary_reference(want_q, want_k, cos, sin)
@@ -186,6 +187,38 @@ def _rotary_store(kind: str, p: _Paged, case: KernelCase, seed: int) -> int:
     _close(f"rotary_store_kv v cache {kind} {case}", flat_v[p.slot_mapping], p.v_new, dtype)
     _no_stray_writes(f"rotary_store_kv {kind} {case}", p)
     return 1
+
+
+def _cos_sin(case: KernelCase, t: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.rand(t, case.head_dim // 2, generator=torch.Generator().manual_seed(seed)) * 6
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(DTYPES[case.dtype]).to(device)
+                for f in (torch.cos, torch.sin))
+    return cos, sin
+
+
+def _decode_rope(specs: tuple[tuple[int, int], ...], case: KernelCase, device: str, seed: int) -> int:
+    """Decode attention with RoPE and the K/V store inside its split kernel (``rope=RopeStore``) against
+    ``rotary_store_kv`` then the plain decode kernel on a copy of the same step; nothing written outside
+    the sequences' slots. Returns the number of kernel launches."""
+    from engine.ops.paged_decode import RopeStore, paged_decode_attention
+    from engine.ops.rotary_store import rotary_store_kv
+
+    p, ref = _paged(specs, case, device, seed), _paged(specs, case, device, seed)
+    cos, sin = _cos_sin(case, p.k_new.shape[0], seed, p.q.device)
+    q, k = ref.q.clone(), ref.k_new.clone()
+    rotary_store_kv(q, k, ref.v_new, cos, sin, ref.k_cache, ref.v_cache, ref.slot_mapping)
+    scale, splits = case.head_dim ** -0.5, case.num_splits[-1]
+    want = paged_decode_attention(q, ref.k_cache, ref.v_cache, ref.block_tables, ref.seq_lens,
+                                  ref.max_seq_len, scale, num_splits=splits)
+    rope = RopeStore(p.k_new, p.v_new, cos, sin, p.slot_mapping)
+    got = paged_decode_attention(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.max_seq_len, scale,
+                                 num_splits=splits, rope=rope)
+    name = f"paged_decode_attention rope {case}"
+    _close(name, got, want, DTYPES[case.dtype])
+    if not (torch.equal(p.k_cache, ref.k_cache) and torch.equal(p.v_cache, ref.v_cache)):
+        raise AssertionError(f"{name}: the cache differs from rotary_store_kv's")
+    _no_stray_writes(name, p)
+    return 5  # rotary_store_kv + two decode launches, twice
 
 
 def run_layer_ops(case: KernelCase, device: str, seed: int) -> int:

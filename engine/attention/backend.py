@@ -64,6 +64,10 @@ class AttentionBackend(ABC):
         check_inputs(layer, q, k, v, kv_cache, meta)
         self.check_cache(kv_cache)
         k_cache, v_cache = kv_cache.k_cache(layer), kv_cache.v_cache(layer)
+        if rotary is not None and meta.layer_hook is None:
+            out = self.rotate_store_attend(q, k, v, rotary[0], rotary[1], k_cache, v_cache, meta, scale)
+            if out is not None:
+                return out
         if rotary is not None:
             self.rotate_and_store(q, k, v, rotary[0], rotary[1], k_cache, v_cache, meta.slot_mapping)
         else:
@@ -71,6 +75,14 @@ class AttentionBackend(ABC):
         if meta.layer_hook is not None:
             meta.layer_hook(layer)
         return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def rotate_store_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
+        """RoPE, store and attention in one go for a step with no ``layer_hook``, when the backend has
+        such a path for it (the triton backend: decode-only steps); None (default) means "not here":
+        ``forward`` then rotates and stores, and attends, as separate steps."""
+        return None
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,10 +1,9 @@
-"""The ``triton`` attention backend: fused Triton kernels from ``engine/ops``.
-
-``store_kv`` scatters the new K/V (``rotary_store_kv`` when the model hands RoPE to the backend: rotation
-and store in one kernel); the first ``num_decodes`` sequences go through the split-K paged decode
-kernel (Flash-Decoding), the rest through the paged prefill kernel (FlashAttention-2 with a cached
-prefix). Grid sizes come from the python ints of ``AttentionMetadata``: no host synchronisation. On CPU
-it runs only under Triton's interpreter (``TRITON_INTERPRET=1``: tests).
+"""The ``triton`` attention backend: fused Triton kernels from ``engine/ops``. ``store_kv`` scatters the new
+K/V (``rotary_store_kv`` when the model hands RoPE to the backend: rotation and store in one kernel; in a
+decode-only step both happen inside the decode kernel); the first ``num_decodes`` sequences go through
+the split-K paged decode kernel (Flash-Decoding), the rest through the paged prefill kernel
+(FlashAttention-2 with a cached prefix). Grid sizes come from the python ints of ``AttentionMetadata``:
+no host synchronisation. On CPU it runs only under Triton's interpreter (``TRITON_INTERPRET=1``: tests).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.ops.paged_decode import paged_decode_attention
+from engine.ops.paged_decode import RopeStore, paged_decode_attention, rope_fusable
 from engine.ops.paged_prefill import paged_prefill_attention
 from engine.ops.rotary import apply_rotary
 from engine.ops.rotary_store import rotary_store_kv
@@ -24,6 +23,25 @@ class TritonAttentionBackend(AttentionBackend):
     """Triton kernel backend (see ``AttentionBackend.forward``)."""
 
     name = "triton"
+    # decode-only steps rotate and store inside the decode kernel (engine/ops/paged_decode.py: RopeStore),
+    # one launch per layer fewer; the switch exists for same-process benchmarks (bench.engine async-alt)
+    fuse_decode_rope = True
+
+    def rotate_store_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
+        """See ``AttentionBackend.rotate_store_attend``: a decode-only step (every sequence one query
+        token) whose tensors fit ``rope_fusable`` runs ``paged_decode_attention(rope=...)``: RoPE of q and
+        the new K, the K/V store and attention in the split kernel, bit-identical to the separate path."""
+        nd = meta.num_decodes
+        if not self.fuse_decode_rope or nd == 0 or nd != meta.num_seqs or q.shape[0] != nd:
+            return None
+        rope = RopeStore(k, v, cos, sin, meta.slot_mapping)
+        if not rope_fusable(q, k_cache, v_cache, rope):
+            return None
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
+                                      scale, out=out, rope=rope)
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.decode_rope import RopeStore, _rope_args, _rope_q_store_kv, rope_fusable
 from engine.ops.paged_tiles import attend_paged_tiles
 from engine.ops.pdl import gdc_enter, pdl_kwargs
 
@@ -35,9 +36,11 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     part_acc_ptr, part_m_ptr, part_l_ptr,
     scale_log2, num_splits,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+    k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ct, stride_st,
     NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
@@ -55,8 +58,17 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     heads = kv_head * QUERIES_PER_KV + rows
     row_mask = rows < QUERIES_PER_KV
     dim_mask = dims < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if ROPE:  # rotate q here; the split holding the new position stores its K/V first
+        q = _rope_q_store_kv(
+            q_ptr + seq * stride_qt, k_new_ptr + seq * stride_kt + kv_head * stride_kh,
+            v_new_ptr + seq * stride_vt + kv_head * stride_vh, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
+            v_cache_ptr, seq, kv_head, rows, row_mask, stride_qh, stride_ct, stride_st, stride_cb, stride_cs,
+            stride_ch, (start <= seq_len - 1) & (seq_len - 1 < end),
+            HEAD_DIM // 2, BLOCK_SIZE, BLOCK_G, BLOCK_D, QUERIES_PER_KV,
+        )
+    else:
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -122,6 +134,7 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
+    rope: RopeStore | None = None,
 ) -> torch.Tensor:
     """Decode attention for ``N`` sequences with one query token each (Triton, two launches).
 
@@ -137,12 +150,16 @@ def paged_decode_attention(
         scale: softmax scale. out: optional ``[N, H, D]`` output. num_splits: override the heuristic.
         block_n, num_warps: KV tokens per tile (a power of two >= 16; default on a GPU 32 for one sequence,
             else 64; 16 under the interpreter) and warps of the split kernel (``bench.decode_attention``).
+        rope: the step's RoPE and K/V store done by the split kernel itself (``RopeStore``; ``q`` is then
+            before RoPE and is not written): the rotary + store launch of each layer disappears; results
+            are bit-identical to ``rotary_store_kv`` followed by this function. Needs ``D`` a power of
+            two (``rope_fusable``).
 
     Returns:
         ``[N, H, D]`` in ``q``'s dtype.
 
     Raises:
-        ValueError: ``num_splits < 1``.
+        ValueError: ``num_splits < 1``, or ``rope`` tensors that do not fit (``rope_fusable``).
 
     Tuning (Hopper): tiles of 64 KV tokens (32 for one sequence), 4 warps, 2 stages for step 1; splits
     from ``choose_num_splits`` (132 SMs on H200). Under the interpreter: 16-token tiles.
@@ -162,13 +179,16 @@ def paged_decode_attention(
         num_splits = choose_num_splits(n, num_kv_heads, max_seq_len, block_n, sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n, num_warps)
+    if rope is not None and not rope_fusable(q, k_cache, v_cache, rope):
+        raise ValueError("rope: k, v [N, Hkv, D] and cos, sin [N, D] with contiguous last dims, slot_mapping "
+                         "[>= N], D a power of two >= 16 and k_cache, v_cache of one stride are needed")
+    _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n, num_warps, rope)
     return out
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int, block_n: int,
-            num_warps: int = 4) -> None:
+            num_warps: int = 4, rope: RopeStore | None = None) -> None:
     """The two launches of ``paged_decode_attention`` (split, then reduce) over float32 partials."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -182,9 +202,11 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
+        *(_rope_args(rope) if rope is not None else (q, q, q, q, q, 0, 0, 0, 0, 0, 0)),
         NUM_HEADS=num_heads, QUERIES_PER_KV=qpk, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(qpk)), BLOCK_D=block_d,
-        BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=num_warps, num_stages=2,
+        BLOCK_N=block_n, PRECISION=_precision(q.dtype), ROPE=rope is not None, num_warps=num_warps,
+        num_stages=2,
         **pdl_kwargs(q),
     )
     _decode_reduce_kernel[(n, num_heads)](

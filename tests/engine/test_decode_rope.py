@@ -1,0 +1,93 @@
+"""Decode attention with the step's RoPE and K/V store inside its split kernel (``paged_decode_attention(
+rope=RopeStore(...))``) against ``rotary_store_kv`` followed by the plain kernel: the same output and the
+same cache, bit for bit. CPU: Triton's interpreter (fp32, fp16); bf16 and compiled kernels on a GPU
+(scripts/gpu_tests.sh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.ops.paged_decode import RopeStore, paged_decode_attention, rope_fusable
+from engine.ops.rotary_store import rotary_store_kv
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+
+
+def _step(dtype: torch.dtype, lens: list[int], heads: int, kv_heads: int, dim: int, bs: int = 16):
+    """A decode step: sequences of ``lens`` tokens (the last one new), scattered blocks, one padding row
+    (slot -1, length 1) at the end."""
+    g = torch.Generator().manual_seed(sum(lens) + heads + dim)
+    n = len(lens) + 1
+    max_blocks = max(-(-x // bs) for x in lens)
+    num_blocks = n * max_blocks + 3
+    perm = torch.randperm(num_blocks, generator=g)[: n * max_blocks].view(n, max_blocks).to(torch.int32)
+    slots = [int(perm[i, (x - 1) // bs]) * bs + (x - 1) % bs for i, x in enumerate(lens)] + [-1]
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEVICE)  # noqa: E731
+    return dict(q=rnd(n, heads, dim), k=rnd(n, kv_heads, dim), v=rnd(n, kv_heads, dim),
+                cos=rnd(n, dim), sin=rnd(n, dim), kc=rnd(num_blocks, bs, kv_heads, dim),
+                vc=rnd(num_blocks, bs, kv_heads, dim), tables=perm.to(DEVICE),
+                lens=torch.tensor([*lens, 1], dtype=torch.int32, device=DEVICE),
+                slots=torch.tensor(slots, dtype=torch.int64, device=DEVICE), max_len=max(lens))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("lens", "heads", "kv_heads", "dim", "splits"),
+                         [([37, 16, 100], 8, 2, 64, 3), ([1, 64, 17], 4, 4, 32, 1), ([200], 8, 2, 128, 8),
+                          ([33, 90], 6, 2, 16, None)])
+def test_fused_rope_store_equals_rotary_store_then_attention(dtype, lens, heads, kv_heads, dim, splits):
+    x = _step(dtype, lens, heads, kv_heads, dim)
+    q2, k2, kc2, vc2 = x["q"].clone(), x["k"].clone(), x["kc"].clone(), x["vc"].clone()
+    rotary_store_kv(q2, k2, x["v"], x["cos"], x["sin"], kc2, vc2, x["slots"])
+    want = paged_decode_attention(q2, kc2, vc2, x["tables"], x["lens"], x["max_len"], dim ** -0.5,
+                                  num_splits=splits)
+    q0 = x["q"].clone()
+    got = paged_decode_attention(x["q"], x["kc"], x["vc"], x["tables"], x["lens"], x["max_len"], dim ** -0.5,
+                                 num_splits=splits, rope=RopeStore(x["k"], x["v"], x["cos"], x["sin"],
+                                                                    x["slots"]))
+    assert torch.equal(x["kc"], kc2) and torch.equal(x["vc"], vc2)  # the new K (rotated) and V stored
+    assert torch.equal(got[:-1], want[:-1])  # the padding row's output is never used
+    assert torch.equal(x["q"], q0)  # q itself is left as it was
+
+
+def test_rope_fusable_names_what_does_not_fit():
+    x = _step(torch.float32, [20], 4, 2, 48)  # 48: not a power of two
+    rope = RopeStore(x["k"], x["v"], x["cos"], x["sin"], x["slots"])
+    assert not rope_fusable(x["q"], x["kc"], x["vc"], rope)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_decode_attention(x["q"], x["kc"], x["vc"], x["tables"], x["lens"], x["max_len"], 0.1, rope=rope)
+    y = _step(torch.float32, [20], 4, 2, 32)
+    assert rope_fusable(y["q"], y["kc"], y["vc"], RopeStore(y["k"], y["v"], y["cos"], y["sin"], y["slots"]))
+    assert not rope_fusable(y["q"], y["kc"], y["vc"], RopeStore(y["k"], y["v"], y["cos"][:, :16], y["sin"],
+                                                                y["slots"]))
+
+
+def test_engine_decode_steps_take_the_fused_path_with_the_same_tokens(tmp_path, monkeypatch):
+    """Through the whole engine (fused forward, triton backend): decode-only steps run the decode kernel
+    with ``rope`` (prefill and mixed steps do not), and greedy tokens equal those with the switch off."""
+    from engine.attention import triton_backend
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from tests.engine.test_hf_parity import make_prompts
+    from tests.engine.test_loader import save_tiny_model
+
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", seed=21)
+    llm = LLM(str(path), dtype="float32", device=DEVICE, attention_backend="triton", block_size=4,
+              num_blocks=256, fused_ops="on", max_num_batched_tokens=24)
+    llm.core.runner.decode_graphs = None  # (GPU) eager steps, so the switch below takes effect
+    calls: list[bool] = []
+    real = triton_backend.paged_decode_attention
+    monkeypatch.setattr(triton_backend, "paged_decode_attention",
+                        lambda *a, **kw: calls.append(kw.get("rope") is not None) or real(*a, **kw))
+    prompts = make_prompts(seed=21)[::6]
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0)
+    fused = [o.token_ids for o in llm.generate(prompts, params)]
+    assert True in calls
+    llm.core.runner.backend.fuse_decode_rope = False
+    calls.clear()
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    assert calls and True not in calls
+    assert fused == plain
+    llm.core.check_no_leaks()
