@@ -53,7 +53,9 @@ class AttentionBackend(ABC):
             meta: the step's metadata (decodes first).
             scale: softmax scale, usually ``D ** -0.5``.
             rotary: ``(cos, sin)`` ``[T, D]`` from the model's ``rotary_emb``: ``q`` and ``k`` are then
-                before RoPE, and are rotated in place here (engine/ops/rotary.py) as part of the store.
+                before RoPE, and are rotated in place here (engine/ops/rotary.py) as part of the store,
+                except in a step ``rotate_store_attend`` takes (triton, decode-only, no ``layer_hook``),
+                which rotates them inside its kernel and leaves ``q`` and ``k`` as they were.
 
         Returns:
             ``[T, H, D]`` in ``q``'s dtype. Calls ``meta.layer_hook(layer)`` after the store.

@@ -7,7 +7,13 @@ engine/ops/rotary.py rounds it), and the program whose split holds the new posit
 new key and stores it and the value into the cache slot (slot ``s`` = block ``s // block_size``, offset
 ``s % block_size``, as vLLM's ``reshape_and_cache``), then passes a CTA barrier (``__syncthreads``: its
 global stores are visible to its own threads) before its tile loop reads that position; no other
-program reads it. One launch per layer fewer, results bit-identical to the two kernels.
+program of that sequence reads it. (A padding row of a decode graph, slot -1 and length 1, reads
+position 0 of a stale block-table row, which a real row may be writing in the same launch; its output is
+discarded, as before.) One launch per layer fewer, results bit-identical to the two kernels.
+
+Evidence for the store → barrier → load order: the GPU tests (tests/engine/test_decode_rope.py, compiled,
+bf16) and, on CPU, the same check with the interpreter's programs run backwards (a wrong owner then
+fails). compute-sanitizer's racecheck only sees shared-memory hazards, not this global-memory one.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ def _rope_q_store_kv(  # type: ignore[no-untyped-def]  # Triton helper
     """Rotated ``q`` ``[BLOCK_G, BLOCK_D]`` of this program's query heads (RoPE "rotate half", rounded as
     engine/ops/rotary.py; BLOCK_D == 2 * HALF); the program that ``owner``s the new position also rotates
     its KV head's new key and stores it and the value in the cache slot, then a CTA barrier makes the
-    stores visible to its own tile loop (the only one that reads that position)."""
+    stores visible to its own tile loop (the only one of the sequence that reads that position)."""
     half = tl.arange(0, HALF)
     c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, seq, stride_ct, stride_st, half, half < HALF, HALF)
     qp = q_row + (kv_head * QUERIES_PER_KV + rows)[:, None] * stride_qh + half[None, :]

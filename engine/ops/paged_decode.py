@@ -28,8 +28,10 @@ _NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: no inf - inf =
 # num_splits is a run-time argument, never specialised: each value used to be a compile-time constant, so
 # an eager step (a mixed prefill + decode step) with a split count not seen before compiled two new kernels
 # on the serving path — ~2 s stalls on a fresh colocated worker (docs/benchmarks/bench-h200.md). Now the
-# split kernel compiles once and the reduce kernel once per power-of-two BLOCK_S (7 shapes up to 64 splits),
-# all met when the decode CUDA graphs are captured at start-up.
+# reduce kernel compiles once per power-of-two BLOCK_S (7 shapes up to 64 splits), met when the decode
+# CUDA graphs are captured at start-up, and the split kernel once per variant: ROPE=True (decode-only
+# steps, engine/ops/decode_rope.py) at that capture, ROPE=False (a mixed step's decode rows) in the
+# start-up warm-up's mixed wave (engine/warmup.py); with warm-up off, at the first mixed step.
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,

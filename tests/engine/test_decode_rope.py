@@ -8,8 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention import triton_backend
+from engine.cuda_graphs import DecodeCudaGraphs
+from engine.llm import LLM
 from engine.ops.paged_decode import RopeStore, paged_decode_attention, rope_fusable
 from engine.ops.rotary_store import rotary_store_kv
+from engine.sampling_params import SamplingParams
+from tests.engine.test_hf_parity import make_prompts
+from tests.engine.test_loader import save_tiny_model
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -38,6 +44,30 @@ def _step(dtype: torch.dtype, lens: list[int], heads: int, kv_heads: int, dim: i
                          [([37, 16, 100], 8, 2, 64, 3), ([1, 64, 17], 4, 4, 32, 1), ([200], 8, 2, 128, 8),
                           ([33, 90], 6, 2, 16, None)])
 def test_fused_rope_store_equals_rotary_store_then_attention(dtype, lens, heads, kv_heads, dim, splits):
+    _fused_equals_separate(dtype, lens, heads, kv_heads, dim, splits)
+
+
+@pytest.fixture
+def programs_backwards(monkeypatch):
+    """Triton's interpreter runs a grid in order, split index innermost and ascending, so a wrong owner
+    that comes earlier than the right one would still store before the reader: walk it backwards."""
+    import triton.runtime.interpreter as interpreter
+
+    real = interpreter.InterpreterBuilder.set_grid_idx
+
+    def backwards(self, x, y, z):  # type: ignore[no-untyped-def]
+        gx, gy, gz = self.grid_dim
+        real(self, gx - 1 - x, gy - 1 - y, gz - 1 - z)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "set_grid_idx", backwards)
+
+
+@pytest.mark.skipif(CUDA, reason="orders the programs of Triton's CPU interpreter")
+@pytest.mark.parametrize(("lens", "splits"), [([37, 16, 100], 3), ([200], 8), ([33, 90], 2)])
+def test_only_the_owner_split_stores_before_it_reads(programs_backwards, lens, splits):
+    _fused_equals_separate(torch.float32, lens, 8, 2, 64, splits)
+
+
+def _fused_equals_separate(dtype, lens, heads, kv_heads, dim, splits):
     x = _step(dtype, lens, heads, kv_heads, dim)
     q2, k2, kc2, vc2 = x["q"].clone(), x["k"].clone(), x["kc"].clone(), x["vc"].clone()
     rotary_store_kv(q2, k2, x["v"], x["cos"], x["sin"], kc2, vc2, x["slots"])
@@ -64,30 +94,58 @@ def test_rope_fusable_names_what_does_not_fit():
                                                                 y["slots"]))
 
 
-def test_engine_decode_steps_take_the_fused_path_with_the_same_tokens(tmp_path, monkeypatch):
-    """Through the whole engine (fused forward, triton backend): decode-only steps run the decode kernel
-    with ``rope`` (prefill and mixed steps do not), and greedy tokens equal those with the switch off."""
-    from engine.attention import triton_backend
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-    from tests.engine.test_hf_parity import make_prompts
-    from tests.engine.test_loader import save_tiny_model
+def _llm(path) -> LLM:
+    return LLM(str(path), dtype="float32", device=DEVICE, attention_backend="triton", block_size=4,
+               num_blocks=256, fused_ops="on", max_num_batched_tokens=24, enable_prefix_caching=False)
 
-    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", seed=21)
-    llm = LLM(str(path), dtype="float32", device=DEVICE, attention_backend="triton", block_size=4,
-              num_blocks=256, fused_ops="on", max_num_batched_tokens=24)
-    llm.core.runner.decode_graphs = None  # (GPU) eager steps, so the switch below takes effect
-    calls: list[bool] = []
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])  # Qwen3: q/k norms before RoPE
+def test_engine_tokens_and_logprobs_identical_with_the_fused_path(arch, tmp_path, monkeypatch):
+    """Through the whole engine (fused forward, triton backend): decode-only steps run the decode kernel
+    with ``rope`` (prefill and mixed steps do not); tokens and logprobs equal those with it off."""
+    path = save_tiny_model(arch, tmp_path / "m", seed=5)
+    prompts = make_prompts(seed=5)[::4]
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=3)
     real = triton_backend.paged_decode_attention
-    monkeypatch.setattr(triton_backend, "paged_decode_attention",
-                        lambda *a, **kw: calls.append(kw.get("rope") is not None) or real(*a, **kw))
-    prompts = make_prompts(seed=21)[::6]
-    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0)
-    fused = [o.token_ids for o in llm.generate(prompts, params)]
-    assert True in calls
-    llm.core.runner.backend.fuse_decode_rope = False
-    calls.clear()
-    plain = [o.token_ids for o in llm.generate(prompts, params)]
-    assert calls and True not in calls
-    assert fused == plain
-    llm.core.check_no_leaks()
+    runs = {}
+    for fuse in (True, False):
+        llm = _llm(path)
+        llm.core.runner.decode_graphs = None  # (GPU) eager steps, so the switch takes effect
+        llm.core.runner.backend.fuse_decode_rope = fuse
+        calls: list[bool] = []
+        monkeypatch.setattr(triton_backend, "paged_decode_attention", lambda *a, calls=calls, **kw:
+                            calls.append(kw.get("rope") is not None) or real(*a, **kw))
+        outs = llm.generate(prompts, params)
+        assert (True in calls) == fuse and False in calls  # prefill / mixed steps: the separate path
+        runs[fuse] = [(o.token_ids, [repr(lp) for lp in (o.logprobs or [])]) for o in outs]
+        llm.core.check_no_leaks()
+    assert all(len(lps) == 5 for _, lps in runs[True])
+    assert runs[True] == runs[False]
+
+
+def test_decode_buffers_with_padding_and_stale_rows_are_bit_identical(tmp_path):
+    """The decode-graph inputs (static buffers, run eagerly off a captured graph) with padding rows whose
+    stale block-table rows point at blocks real rows write this step: logits and the whole KV cache equal
+    the separate path's."""
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", seed=3)
+    llm = _llm(path)
+    core, runner = llm.core, llm.core.runner
+    for i, n in enumerate((3, 4, 8)):  # decode positions 3, 4 (a new block), 8 (a new block)
+        core.add_request(f"p{i}", list(range(10, 10 + n)),
+                         SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    core.step()
+    step = core.scheduler.schedule()
+    assert all(s.num_scheduled_tokens == 1 for s in step.scheduled)
+    tables = [s.seq.block_table for s in step.scheduled]
+    before = runner.kv_cache.kv_buffer.clone()
+    out = {}
+    for fuse in (True, False):
+        runner.kv_cache.kv_buffer.copy_(before)
+        runner.backend.fuse_decode_rope = fuse
+        graphs = DecodeCudaGraphs(runner.net, runner.kv_cache, runner.backend, 8, runner.max_model_len)
+        stale = [[t[-1]] for t in tables] + [[tables[0][0]], [tables[1][-1]]]  # rows 3..7 left stale
+        graphs.inputs.fill([1] * 5, [0] * 5, stale, 8)
+        runner.decode_graphs = graphs
+        out[fuse] = (runner.compute_logits(step).clone(), runner.kv_cache.kv_buffer.clone())
+    assert torch.equal(out[True][0], out[False][0])
+    assert torch.equal(out[True][1], out[False][1])
