@@ -19,6 +19,7 @@ import argparse
 import torch
 
 from bench.engine import copy_bandwidth
+from bench.graph_timing import replay_seconds
 from engine.ops.paged_decode import (
     choose_num_splits,
     paged_decode_attention,
@@ -52,17 +53,7 @@ def seconds(context: int, batch: int, block_n: int, splits: int, warps: int) -> 
     step()  # compile
     ref = paged_decode_attention_reference(q, ks[0], vs[0], tables, lens, context, DIM ** -0.5)
     err = (outs[0].float() - ref.float()).abs().max().item()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / (10 * LAYERS), err
+    return replay_seconds(step, 10) / LAYERS, err
 
 
 def main(argv: list[str] | None = None) -> None:

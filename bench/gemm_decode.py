@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from bench.engine import copy_bandwidth
+from bench.graph_timing import replay_seconds
 
 # (name, out_features N, in_features K) of Llama-3-8B with merged projections
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
@@ -48,18 +49,10 @@ def gemm_seconds(rows: int, n: int, k: int, copies: int = 8, iters: int = 64,
         for w in weights:
             op(x, w)
     torch.cuda.current_stream(dev).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def chain() -> None:
         for i in range(iters):
             op(x, weights[i % copies])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(4):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / (4 * iters)
+    return replay_seconds(chain, 4) / iters
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -184,3 +184,10 @@ def test_ttft_loopback_smoke_and_kv_lands_bit_exact(monkeypatch):
     assert torch.equal(src, dst)
     core.check_no_leaks()
     sender.check_no_leaks()
+
+
+def test_replay_seconds_refuses_no_replays():
+    from bench.graph_timing import replay_seconds
+
+    with pytest.raises(ValueError, match="replays must be >= 1"):
+        replay_seconds(lambda: None, 0)
