@@ -7,11 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer import TransferError, TransferStatus, get_transfer_backend, messages
+from kvtransfer import TransferError, TransferStatus, get_transfer_backend
 from kvtransfer.events import EventPool
 from kvtransfer.loopback import LoopbackSendTransport
 from kvtransfer.pipeline import LayerPipeline
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, stall_loop
+from tests.kvtransfer.helpers import (
+    LAYERS,
+    assert_landed,
+    config,
+    make_kv,
+    record_writes,
+    release_both,
+    stall_loop,
+)
 
 S = TransferStatus
 WAIT = 5.0
@@ -52,18 +60,6 @@ def pair(request):
     rx.close()
 
 
-def _writes(tx) -> list[list[tuple[str, int]]]:
-    """Record the (request, layer) notices carried by each write the sender posts."""
-    seen: list[list[tuple[str, int]]] = []
-    orig = tx.transport.post
-
-    def recording(peer, pieces, notice, tag):
-        seen.append([(n.request_id, n.layer) for n in messages.decode_notices(notice)])
-        return orig(peer, pieces, notice, tag)
-    tx.transport.post = recording
-    return seen
-
-
 def _begun(tx, rx, rid: str, ids: tuple[list[int], list[int]]) -> None:
     tx.add_request(rx.expect(rid, ids[1]), ids[0])
     assert tx.wait_until(lambda: tx._requests[rid].extra["begun"], WAIT)
@@ -84,7 +80,7 @@ def test_send_layers_lands_like_send_layer_in_one_write_and_one_event(pair):
     tx, rx, src, dst = pair
     direct = tx.config.direct_max_pieces > 0
     pool = tx._events
-    writes = _writes(tx)
+    writes = record_writes(tx)
     _begun(tx, rx, "a", DIRECT)
     tx.send_layers("a")
     _done(tx, rx, "a", DIRECT, src, dst)
@@ -127,7 +123,7 @@ def test_depth_bounds_the_batch_not_the_writes(per_request):
         rx = backend.receiver(config("d0", "loopback"), dst)
         try:
             tx.transport.write_per_request = per_request
-            writes = _writes(tx)
+            writes = record_writes(tx)
             _begun(tx, rx, "a", DIRECT)
             tx.send_layers("a", range(LAYERS))
             _done(tx, rx, "a", DIRECT, src, dst)
@@ -140,7 +136,7 @@ def test_depth_bounds_the_batch_not_the_writes(per_request):
 
 def test_subset_then_send_layer_for_the_rest(pair):
     tx, rx, src, dst = pair
-    writes = _writes(tx)
+    writes = record_writes(tx)
     _begun(tx, rx, "a", DIRECT)
     tx.send_layers("a", [2, 0])
     assert _idle(tx) and len(writes) == 1

@@ -6,15 +6,22 @@ every interleaving here deterministic."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 import pytest
 import torch
 
-from kvtransfer import TransferError, TransferStatus, get_transfer_backend, messages
+from kvtransfer import TransferError, TransferStatus, get_transfer_backend
 from kvtransfer.staging import StagingRing
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.helpers import (
+    LAYERS,
+    assert_landed,
+    config,
+    make_kv,
+    record_writes,
+    release_both,
+    stall_loop,
+)
 
 S = TransferStatus
 WAIT = 5.0
@@ -39,18 +46,6 @@ def pair(request):
 def _in_flight(tx, n):
     """Wait until n request-layers of the sender are in flight (posted, not completed)."""
     return tx.wait_until(lambda: sum(op.posted for op in list(tx._pipe.ops)) == n, WAIT)
-
-
-def _stall(endpoint) -> threading.Event:
-    """Stall an endpoint's loop (it handles nothing) until the returned event is set."""
-    gate, stalled = threading.Event(), threading.Event()
-
-    def stall() -> None:
-        stalled.set()
-        gate.wait(WAIT)
-    endpoint._call(stall)
-    assert stalled.wait(WAIT)
-    return gate
 
 
 def test_several_layers_in_flight_then_bit_exact(pair):
@@ -120,7 +115,7 @@ def test_release_refused_while_begin_unanswered():
 def _begin_unanswered(tx, rx):
     tx.connect(rx.address, timeout=WAIT)
     handle = rx.expect("a", [1, 2])
-    gate = _stall(rx)  # the receiver loop stalls: Begin stays unanswered
+    gate = stall_loop(rx, WAIT)  # the receiver loop stalls: Begin stays unanswered
     tx.add_request(handle, [0, 1])
     tx.abort("a")
     assert tx.wait("a", WAIT) is S.ABORTED
@@ -135,14 +130,8 @@ def _begin_unanswered(tx, rx):
 def test_ready_layers_of_several_requests_go_in_one_write(pair):
     tx, rx, src, dst = pair
     tx.connect(rx.address, timeout=WAIT)
-    posts: list[list[tuple[str, int]]] = []
-    orig = tx.transport.post
-
-    def counting(peer, pieces, notice, tag):
-        posts.append([(n.request_id, n.layer) for n in messages.decode_notices(notice)])
-        return orig(peer, pieces, notice, tag)
-    tx.transport.post = counting
-    gate = _stall(rx)  # Begins stay unanswered meanwhile
+    posts = record_writes(tx)
+    gate = stall_loop(rx, WAIT)  # Begins stay unanswered meanwhile
     reqs = {"a": ([3, 4], [0, 1]), "b": ([9], [5])}
     for rid, (dst_ids, src_ids) in reqs.items():
         tx.add_request(rx.expect(rid, dst_ids), src_ids)
@@ -150,7 +139,7 @@ def test_ready_layers_of_several_requests_go_in_one_write(pair):
         tx.send_layer(rid, layer)
     assert tx.wait_until(lambda: len(tx._pipe.ops) == DEPTH, WAIT)  # started before Begin's answer
     assert posts == []
-    tx_gate = _stall(tx)  # both BeginReplies must reach the sender before its next step
+    tx_gate = stall_loop(tx, WAIT)  # both BeginReplies must reach the sender before its next step
     gate.set()
     assert rx.wait_until(lambda: all(rx._requests[r].status is S.TRANSFERRING for r in reqs), WAIT)
     time.sleep(0.2)  # the replies cross the loopback socket

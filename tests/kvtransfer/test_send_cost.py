@@ -8,9 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer import TransferStatus, get_transfer_backend, messages
+from kvtransfer import TransferStatus, get_transfer_backend
 from kvtransfer.events import EventPool
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, stall_loop
+from tests.kvtransfer.helpers import (
+    LAYERS,
+    assert_landed,
+    config,
+    make_kv,
+    record_writes,
+    release_both,
+    stall_loop,
+)
 
 S = TransferStatus
 WAIT = 5.0
@@ -58,18 +66,6 @@ def _count_preps(tx) -> dict[str, int]:
     return calls
 
 
-def _writes(tx) -> list[list[str]]:
-    """Record the request ids carried by each write the sender posts."""
-    seen: list[list[str]] = []
-    orig = tx.transport.post
-
-    def recording(peer, pieces, notice, tag):
-        seen.append(sorted({n.request_id for n in messages.decode_notices(notice)}))
-        return orig(peer, pieces, notice, tag)
-    tx.transport.post = recording
-    return seen
-
-
 def _begun(tx, *rids: str) -> None:
     assert tx.wait_until(lambda: all(tx._requests[r].extra["begun"] for r in rids), WAIT)
 
@@ -78,7 +74,7 @@ def _begun(tx, *rids: str) -> None:
 def test_direct_requests_share_a_write_unless_the_transport_wants_one_each(pair, per_request):
     tx, rx, src, dst = pair
     tx.transport.write_per_request = per_request
-    calls, writes = _count_preps(tx), _writes(tx)
+    calls, writes = _count_preps(tx), record_writes(tx)
     for rid, (s, d) in (("a", A), ("b", B)):
         tx.add_request(rx.expect(rid, d), s)
     _begun(tx, "a", "b")
@@ -91,7 +87,8 @@ def test_direct_requests_share_a_write_unless_the_transport_wants_one_each(pair,
         assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
         assert tx.wait(rid, WAIT) is S.DONE
         assert_landed(src, s, dst, d)
-    assert writes == ([["a"], ["b"]] if per_request else [["a", "b"]])  # all layers ready at once
+    requests = [sorted({rid for rid, _ in w}) for w in writes]
+    assert requests == ([["a"], ["b"]] if per_request else [["a", "b"]])  # all layers ready at once
     assert calls["prepared"] == 2
     for rid in ("a", "b"):
         release_both(tx, rx, rid)
