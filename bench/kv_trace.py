@@ -7,10 +7,10 @@ Events: (time.perf_counter() s, what, request_id, layer or count). Benchmark thr
 around its hand-off calls (send_layer per layer, or send_layers per request), wait_end when wait()
 returned. Sender loop: gather (a layer taken up), post:start (the loop builds a write), post:build
 (notices encoded, transport called), post:descs (descriptor indices/lists ready; count = descriptors
-before NIXL's merge), post:init (make_prepped_xfer / initialize_xfer returned), post:transfer
-(transfer() returned), post (per layer, after the write call), done (per layer, the write tested
-complete), done_msg (the receiver's Done read), DONE (status set). Receiver: notice (per layer, its
-notification read), done_sent.
+before NIXL's merge; absent for a write pre-made at Begin time), post:init (make_prepped_xfer /
+initialize_xfer returned, or the pre-made write taken), post:transfer (transfer() returned), post (per
+layer, after the write call), done (per layer, the write tested complete), done_msg (the receiver's
+Done read), DONE (status set). Receiver: notice (per layer, its notification read), done_sent.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ def summarize(events: list[Event], t0: float, layers: int, requests: int,
              f"{_span(at.get('gather', []))}"]
     writes = _writes(ev, t0)
     for i, w in enumerate(writes[:8]):
-        lines.append(f"# (b) write {i}: start {w[0]:.0f}, +build {w[1] - w[0]:.0f}, +descs {w[2] - w[1]:.0f} "
-                     f"({w[5]} descriptors), +init {w[3] - w[2]:.0f}, +transfer() {w[4] - w[3]:.0f} "
-                     f"→ posted at {w[4]:.0f} us")
+        descs = f"+descs {w[2] - w[1]:.0f} ({w[5]} descriptors)" if w[5] >= 0 else "pre-made write"
+        lines.append(f"# (b) write {i}: start {w[0]:.0f}, +build {w[1] - w[0]:.0f}, {descs}, "
+                     f"+init {w[3] - w[2]:.0f}, +transfer() {w[4] - w[3]:.0f} → posted at {w[4]:.0f} us")
     if len(writes) > 8:
         lines.append(f"# (b) ... {len(writes) - 8} more writes, last posted at {writes[-1][4]:.0f} us")
     lines.append(_loop_line(at, writes[0][4] if writes else float("inf")))
@@ -96,7 +96,9 @@ def _writes(ev: list[Event], t0: float) -> list[tuple[float, float, float, float
             n = count if what == "post:descs" else n
             if what == "post:transfer":
                 s = cur["start"]
-                b, d, i = (cur.get(k, s) for k in ("build", "descs", "init"))
+                b = cur.get("build", s)
+                d = cur.get("descs", b)  # none for a pre-made write (SendTransport.post_whole)
+                i = cur.get("init", d)
                 out.append((s, b, d, i, cur["transfer"], n))
                 cur = {}
     return out

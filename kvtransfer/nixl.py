@@ -1,13 +1,13 @@
 """NIXL transport (nixl_cu13, UCX backend): one-sided WRITE from the sender's staging buffer into the
 receiver's registered kv_buffer, or (direct path) straight from the sender's own registered kv_buffer;
-the LayerNotice rides on the transfer as its notification, so the
-receiver sees it only after the data (NIXL notif semantics). DRAM on CPU, VRAM on GPU (CUDA IPC within a
-host): the same code, the memory type comes from the tensor's device.
+the LayerNotice rides on the transfer as its notification, so the receiver sees it only after the data
+(NIXL notif semantics). DRAM on CPU, VRAM on GPU (CUDA IPC within a host): the same code.
 
 API flow (NIXL Python API, nixl_cu13._api.nixl_agent): register_memory → get_agent_metadata, exchanged in
 the Hello/HelloReply handshake → add_remote_agent; a direct request's descriptor lists (every layer's
 pieces, local and remote) are prepared once with prep_xfer_dlist when its Begin is answered, and each
 post is make_prepped_xfer("WRITE", ..., indices of the ready layers) → transfer() → check_xfer_state;
+the write of all its layers is also made then (premake_whole), so a whole-request post is transfer();
 staged writes (and batches mixing requests) build descriptor lists per post (get_xfer_descs /
 initialize_xfer), merging pieces contiguous on both sides first. The target reads notifications with
 get_new_notifs(). Measured on CPU (nixl_cu13 1.5.1, DRAM, docs/benchmarks/kv_transfer-h200.md step 5):
@@ -28,14 +28,12 @@ from typing import cast
 import msgspec
 import torch
 
-from kvtransfer.nixl_prep import Desc, Entry, PreppedRequest, merge_descs
+from kvtransfer.nixl_prep import Desc, Entry, PreppedRequest, merge_descs, part_descs
 from kvtransfer.transport import KV, STAGING, RecvTransport, SendTransport, SourcePiece
 from kvtransfer.types import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 _Prepared = tuple[Entry, Desc, Desc]  # prepare(): (peer entry, local, remote)
-
-
 _Layer = tuple[PreppedRequest, int]  # prepare_layers() part: (prepared request, layer)
 
 
@@ -100,6 +98,7 @@ class NixlSendTransport(SendTransport):
     index + transfer; other posts build two descriptor lists (merged), initialize_xfer, transfer."""
 
     write_per_request = True
+    premakes_whole = True
 
     def __init__(self, name: str) -> None:
         self.agent = _agent(name)
@@ -183,11 +182,36 @@ class NixlSendTransport(SendTransport):
         return sum(len(v) for v in self._preps.values())
 
     def _release(self, req: PreppedRequest) -> None:
-        if not req.released:
-            req.released = True
-            for h in (req.local, req.remote):
-                with contextlib.suppress(Exception):  # nothing left to undo if NIXL refuses
-                    self.agent.release_dlist_handle(h)  # type: ignore[attr-defined]
+        req.release(self.agent)
+
+    def premake_whole(self, peer: str, parts: list[object], notice: bytes) -> bool:
+        """make_prepped_xfer of every index of the request behind `parts` (all of prepare_layers'
+        result), with `notice`, kept in its PreppedRequest (nixl_prep.py) until post_whole or release.
+        Raises TransferError if `parts` are not one request's every layer in order, or NIXL refused."""
+        req = self._whole_request(peer, parts)
+        try:
+            req.premake(self.agent, notice)
+        except Exception as exc:
+            raise TransferError(f"NIXL could not pre-make the write to {peer}: {exc}") from exc
+        return True
+
+    def post_whole(self, peer: str, parts: list[object]) -> object:
+        """transfer() of the write premake_whole made; see SendTransport.post_whole."""
+        self._mark("post:build", len(parts))
+        handle = self._whole_request(peer, parts).take_whole()
+        if handle is None:
+            raise TransferError(f"no pre-made write to {peer} for these layers")
+        self._mark("post:init", -1)
+        return self._start(handle, peer)
+
+    def _whole_request(self, peer: str, parts: list[object]) -> PreppedRequest:
+        req = parts[0][0] if parts and isinstance(parts[0], tuple) else None  # type: ignore[index]
+        if not isinstance(req, PreppedRequest) or [cast(_Layer, p)[1] for p in parts] != list(
+                range(len(req.idx))) or any(cast(_Layer, p)[0] is not req for p in parts):
+            raise TransferError("a whole-request write needs every layer of one prepared request, in order")
+        if req.entry is not self._entry(peer) or req.released:
+            raise TransferError(f"NIXL connection to {peer} changed since the write was prepared")
+        return req
 
     def _entry(self, peer: str) -> Entry:
         entry = self._peers.get(peer)
@@ -214,6 +238,7 @@ class NixlSendTransport(SendTransport):
             req: PreppedRequest = first[0]  # type: ignore[index]
             if req.entry is not entry or req.released:
                 raise TransferError(f"NIXL connection to {peer} changed since the write was prepared")
+            req.drop_whole(self.agent)  # some of its layers go now: the write of all can never be posted
             idx: list[int] = []
             for part in parts:
                 idx += req.idx[cast(_Layer, part)[1]]
@@ -225,19 +250,10 @@ class NixlSendTransport(SendTransport):
         return self._start(handle, peer)
 
     def _initialize(self, entry: Entry, peer: str, parts: list[object], notice: bytes) -> object:
-        local: Desc = []
-        remote: Desc = []
-        for part in parts:
-            if isinstance(part[0], PreppedRequest):  # type: ignore[index]
-                req, layer = cast(_Layer, part)
-                owner, loc, rem = req.entry, req.loc[layer], req.rem[layer]
-            else:
-                owner, loc, rem = cast(_Prepared, part)
-            if owner is not entry:
-                raise TransferError(f"NIXL connection to {peer} changed since the write was prepared")
-            local += loc
-            remote += rem
-        local, remote = merge_descs(local, remote)
+        try:
+            local, remote = merge_descs(*part_descs(parts, entry, self.agent))
+        except ValueError as exc:
+            raise TransferError(f"NIXL connection to {peer} changed since the write was prepared") from exc
         descs = (self.agent.get_xfer_descs(local, self._mem),  # type: ignore[attr-defined]
                  self.agent.get_xfer_descs(remote, entry[3]))  # type: ignore[attr-defined]
         self._mark("post:descs", len(local))

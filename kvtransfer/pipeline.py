@@ -13,9 +13,9 @@ A request-layer goes through three stages, each started by the sender loop witho
 A direct request-layer (its source blocks form few runs, send_path.py) skips stage 1: it is written
 straight from kv_buffer once the event recorded at send_layer() has completed (on CPU at once), and
 holds no slot. `depth` (TransferConfig.max_inflight_layers) bounds all request-layers between stage 1
-(or send_layer, for direct ones) and stage 3. Before
-this file the sender gathered, synchronized and wrote one request-layer at a time (GPU 2×H200: nixl
-0.14 of a peer copy at 4k tokens, see docs/benchmarks/kv_transfer-h200.md).
+(or send_layer, for direct ones) and stage 3. Before this file the sender gathered, synchronized and
+wrote one request-layer at a time (GPU 2×H200: nixl 0.14 of a peer copy at 4k tokens, see
+docs/benchmarks/kv_transfer-h200.md).
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtransfer.lookahead import WriteRate
 from kvtransfer.staging import StagingRing, gather_layer
 from kvtransfer.transport import SendTransport
 from kvtransfer.types import TransferError
 
 
-@dataclass
+@dataclass(slots=True)
 class LayerOp:
     """One request-layer in flight. `slot`: its staging slot, -1 for a direct one; `ready`: CUDA event
     of its gather, or of send_layer for a direct one (None on CPU: ready at once); `handle`/`peer`: the
@@ -55,18 +56,33 @@ class LayerOp:
 Item = tuple[str, int, torch.Tensor, "torch.cuda.Event | None", bool]  # (rid, layer, src, after, direct)
 
 
+@dataclass(slots=True)
+class _Write:
+    """One posted transport write: its ops, size, post time (time.monotonic() s), expected duration (s,
+    from the rate estimate; None without one) and whether no other write was in flight during it."""
+
+    handle: object
+    ops: list[LayerOp]
+    nbytes: int
+    posted_at: float
+    expected: float | None
+    alone: bool
+
+
 class LayerPipeline:
     """Staging ring and in-flight request-layers of one sender; used by the sender loop thread only.
 
     kv_buffer: `[num_layers, 2, num_blocks, block_size, H, D]`, the sender's paged KV (any dtype/device).
     direct: register kv_buffer with the transport (once, here) for direct writes. recycle: called once per
     request-layer with its send_layer(s) event when that request-layer no longer waits on it (an event
-    shared by several is called for as often: events.EventPool.give_back counts). Raises ValueError if
-    depth < 1.
+    shared by several is called for as often: events.EventPool.give_back counts). rate: the transport's
+    rate estimate (lookahead.py), fed by every write that completes alone (default: a new one).
+    Raises ValueError if depth < 1.
     """
 
     def __init__(self, kv_buffer: torch.Tensor, transport: SendTransport, depth: int,
-                 direct: bool = False, recycle: Callable[[torch.cuda.Event], None] | None = None) -> None:
+                 direct: bool = False, recycle: Callable[[torch.cuda.Event], None] | None = None,
+                 rate: WriteRate | None = None) -> None:
         self.kv_buffer = kv_buffer
         self.transport = transport
         self.depth = depth
@@ -74,7 +90,11 @@ class LayerPipeline:
         if direct:
             transport.register_kv(kv_buffer)
         self.ops: list[LayerOp] = []
+        self.unposted = 0  # ops in self.ops not posted yet
         self.posted = {"staged": 0, "direct": 0}  # request-layers posted so far, by path
+        self.rate = rate if rate is not None else WriteRate()
+        self._writes: list[_Write] = []  # posted writes in flight, oldest first
+        self._op_bytes = 2 * kv_buffer[0, 0, 0].numel() * kv_buffer.element_size()  # K + V of one block
         # set to a list to record (time.perf_counter() s, "gather"|"post"|"done", request_id, layer)
         self.trace: list[tuple[float, str, str, int]] | None = None
         self._stream = torch.cuda.Stream(kv_buffer.device) if kv_buffer.is_cuda else None
@@ -106,12 +126,14 @@ class LayerPipeline:
         call share one side-stream context and one completion event. Returns how many items were
         started (a prefix of `items`).
         """
-        ops: list[LayerOp] = []
+        ops, last, n = [], None, 0
         for request_id, layer, src, after, direct in items[:self.capacity]:
-            slot = -1 if direct else self.ring.acquire(int(src.numel()))
+            if src is not last:  # one tensor per request: its layers come in a row
+                last, n = src, int(src.numel())
+            slot = -1 if direct else self.ring.acquire(n)
             if slot is None:
                 break
-            ops.append(LayerOp(request_id, layer, slot, int(src.numel()), ready=after if direct else None))
+            ops.append(LayerOp(request_id, layer, slot, n, after if direct else None))
         gathers = [(op, item[2], item[3]) for op, item in zip(ops, items, strict=False) if not op.direct]
         if self._stream is None:
             for op, src, after in gathers:
@@ -130,9 +152,11 @@ class LayerPipeline:
                 ready.record(self._stream)
             for op, _, _ in gathers:
                 op.ready = ready
-        for op in ops:
-            self.ops.append(op)
-            self._note("gather", op)
+        self.ops += ops
+        self.unposted += len(ops)
+        if self.trace is not None:
+            for op in ops:
+                self._note("gather", op)
         return len(ops)
 
     def ready(self) -> list[LayerOp]:
@@ -157,24 +181,44 @@ class LayerPipeline:
         """The gathered `[2, n, block_size, H, D]` staging view of `op` (complete once in ready())."""
         return self.ring.view(op.slot, op.n_blocks)
 
-    def post(self, ops: list[LayerOp], peer: str, parts: list[object], notice: bytes, tag: int) -> None:
+    def post(self, ops: list[LayerOp], peer: str, parts: list[object], notice: bytes | None,
+             tag: int) -> None:
         """Start one write of several ready ops to the same peer (one transport call, one notice:
         the per-write cost, ~160 µs of NIXL calls per request-layer on an H200 host, is paid once).
         `parts[i]`: op i's pieces as `transport.prepare` returned them (staged ones with source offsets
-        from `staging_offset`).
+        from `staging_offset`). notice None: `parts` are every layer of one request, in order, and the
+        write is the one the transport pre-made for them with its notice (SendTransport.post_whole).
 
         Raises TransferError (the ops are then finished and their slots freed) if it cannot start.
         """
         try:
-            handle = self.transport.post_prepared(peer, parts, notice, tag)
+            if notice is None:
+                handle = self.transport.post_whole(peer, parts)
+            else:
+                handle = self.transport.post_prepared(peer, parts, notice, tag)
         except TransferError:
-            for op in ops:
-                self._finish(op)
+            self._finish(*ops)
             raise
+        nbytes = self._op_bytes * sum(op.n_blocks for op in ops)
+        for w in self._writes:  # they now share the transport: none of them predicts or teaches the rate
+            w.alone = False
+        self._writes.append(_Write(handle, ops, nbytes, time.monotonic(), self.rate.predict(nbytes),
+                                   not self._writes))
         for op in ops:
             op.handle, op.posted, op.peer = handle, True, peer
             self.posted["direct" if op.direct else "staged"] += 1
-            self._note("post", op)
+        self.unposted -= len(ops)
+        if self.trace is not None:
+            for op in ops:
+                self._note("post", op)
+
+    def lone_write(self) -> tuple[float, float] | None:
+        """(posted_at monotonic s, expected s) of the one write in flight if it had the transport to itself,
+        was predicted, and no op waits to be posted (nothing else to wait for); else None (nap_length)."""
+        if len(self._writes) != 1 or self.unposted:
+            return None
+        w = self._writes[0]
+        return None if w.expected is None or not w.alone else (w.posted_at, w.expected)
 
     def discard(self, op: LayerOp) -> None:
         """Drop an op that will not be posted (its write could not be prepared); frees its slot."""
@@ -186,22 +230,25 @@ class LayerPipeline:
         return self.ring.offset(op.slot)
 
     def poll(self) -> list[tuple[LayerOp, str | None]]:
-        """Progress and test posted writes; return the ops that finished, each with an error or None."""
-        batches = self._batches([op for op in self.ops if op.posted])
-        if batches:
-            self.transport.progress()
+        """Progress and test posted writes; return the ops that finished, each with an error or None. A
+        write that completed alone teaches `rate` its bytes / (seconds from post to this look)."""
+        if not self._writes:
+            return []
+        self.transport.progress()
         done: list[tuple[LayerOp, str | None]] = []
-        for ops in batches:
+        for w in list(self._writes):
             error = None
             try:
-                if not self.transport.test(ops[0].handle):
+                if not self.transport.test(w.handle):
                     continue
+                if w.alone:
+                    self.rate.observe(w.nbytes, time.monotonic() - w.posted_at)
             except TransferError as exc:
                 error = str(exc)
-            for op in ops:
+            for op in w.ops:
                 done.append((op, error))
                 self._note("done", op)
-            self._finish(*ops)  # one pass over self.ops per write, not per request-layer
+            self._finish(*w.ops)  # one pass over self.ops per write, not per request-layer
         return done
 
     def cancel(self, request_id: str, posted: bool) -> list[LayerOp]:
@@ -209,46 +256,41 @@ class LayerPipeline:
         every op sharing their write (only for a peer that is gone); returns every op dropped.
 
         A gather still running on the side stream is waited for first (its slot may be reused next)."""
-        mine = [op for op in self.ops if op.request_id == request_id]
-        dropped = [op for op in mine if not op.posted]
+        dropped = [op for op in self.ops if op.request_id == request_id and not op.posted]
         for op in dropped:
             if op.ready is not None and not op.direct:
                 op.ready.synchronize()
             self._finish(op)
         if posted:
-            handles = {id(op.handle) for op in mine if op.posted}
-            dropped += self._cancel_posted(lambda op: id(op.handle) in handles)
+            dropped += self._cancel_posted(lambda w: any(op.request_id == request_id for op in w.ops))
         return dropped
 
     def cancel_peer(self, peer: str) -> list[LayerOp]:
         """Cancel every posted write to `peer` (declared lost or restarted), whatever the state of the
         requests it carries (terminal ones too: a WRITE to a SIGKILLed process may never complete nor
         fail), and free their slots; returns the ops dropped."""
-        return self._cancel_posted(lambda op: op.peer == peer)
+        return self._cancel_posted(lambda w: w.ops[0].peer == peer)
 
-    def _cancel_posted(self, which: Callable[[LayerOp], bool]) -> list[LayerOp]:
+    def _cancel_posted(self, which: Callable[[_Write], bool]) -> list[LayerOp]:
         dropped: list[LayerOp] = []
-        for ops in self._batches([op for op in self.ops if op.posted and which(op)]):
-            self.transport.cancel(ops[0].handle)
-            self._finish(*ops)
-            dropped += ops
+        for w in [w for w in self._writes if which(w)]:
+            self.transport.cancel(w.handle)
+            self._finish(*w.ops)
+            dropped += w.ops
         return dropped
-
-    @staticmethod
-    def _batches(ops: list[LayerOp]) -> list[list[LayerOp]]:
-        """Posted ops grouped by the write (handle) they share, oldest first."""
-        groups: dict[int, list[LayerOp]] = {}
-        for op in ops:
-            groups.setdefault(id(op.handle), []).append(op)
-        return list(groups.values())
 
     def _note(self, what: str, op: LayerOp) -> None:
         if self.trace is not None:
             self.trace.append((time.perf_counter(), what, op.request_id, op.layer))
 
     def _finish(self, *ops: LayerOp) -> None:
+        """Drop `ops` (all of a write's ops together, or unposted ones): frees slots, gives events back."""
         gone = {id(op) for op in ops}
         self.ops = [o for o in self.ops if id(o) not in gone]
+        if ops[0].posted:
+            self._writes = [w for w in self._writes if w.handle is not ops[0].handle]
+        else:
+            self.unposted -= len(ops)
         for op in ops:
             if not op.direct:
                 self.ring.release(op.slot)

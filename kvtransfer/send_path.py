@@ -4,11 +4,13 @@ Runs on the sender's loop thread only. Order of one loop step: `_start_gathers` 
 slots, pipeline.py), `_post_ready` (gathered layers of begun requests written: one write per receiver
 for one-sided transports, carrying a LayerNotices batch; one per request-layer for two-sided ones),
 `_complete` (finished writes free their slots; a failed one fails its request). When layers are queued
-or in flight but none can move (`_can_take_layer`, `_can_post` say no), the step waits in `_nap_busy`
-(GIL released, `TransferConfig.busy_wait_s` per nap) instead of stepping back to back. A direct request's
-pieces of every layer are computed at add_request (runs.direct_layers) and turned into the transport's
-own form once its Begin is answered (`_prepare`, SendTransport.prepare_layers: NIXL prepared
-descriptor lists), so a post is an index list plus the transport call; those are released
+or in flight but none can move, the step waits (send_wait.py, GIL released) instead of stepping back to
+back. A direct request's pieces of every layer are computed at add_request (runs.direct_layers) and
+turned into the transport's own form once its Begin is answered (`_prepare`, SendTransport.prepare_layers:
+NIXL prepared descriptor lists), so a post is an index list plus the transport call; without checksums
+the transport may also make the write of all its layers then (`_premake`, NIXL: its xfer handle with
+every notice), so that a batch of exactly all its layers in order (a send_layers hand-off) is one
+transfer() with nothing built (`_whole`); any other post leaves it unused. Both are released
 (`_release_preps`) once the request is terminal with nothing in flight, or released. With a transport's
 `write_per_request` (NIXL) the direct layers of each request go out as their own write (one prepared
 list pair per write), the staged ones of all requests as one write per receiver. Each request's
@@ -30,8 +32,8 @@ sender runs on this loop thread, so it cannot change between that check and the 
 
 from __future__ import annotations
 
+import itertools
 import threading
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -41,15 +43,15 @@ from kvtransfer import messages as m
 from kvtransfer.endpoint import RequestState
 from kvtransfer.pipeline import Item, LayerOp, LayerPipeline
 from kvtransfer.runs import make_tag, staged_pieces
+from kvtransfer.send_wait import SendWait
 from kvtransfer.staging import checksum, layer_checksum
 from kvtransfer.transport import KV, STAGING, SendTransport
 from kvtransfer.types import KVLayout, TransferConfig, TransferError, TransferStatus
-from kvtransfer.wakeup import Waker, nap
 
 S = TransferStatus
 
 
-class SendPath:
+class SendPath(SendWait):
     """Data-path methods of KVSender; the attributes below are KVSender's."""
 
     config: TransferConfig
@@ -62,54 +64,11 @@ class SendPath:
     _queue: deque[tuple[str, int, torch.cuda.Event | None]]
     _preps: dict[str, list[object]]
     _events: Any
-    _waker: Waker
 
     if TYPE_CHECKING:
         def _peer(self, address: str) -> Any: ...
         def _send(self, peer: Any, msg: m.Message) -> None: ...
         def _set(self, st: RequestState, status: TransferStatus, reason: str = "") -> None: ...
-
-    def _can_take_layer(self) -> bool:
-        """Whether the oldest queued request-layer can enter the pipeline now (or be dropped: its
-        request ended); False with an empty queue."""
-        if not self._queue:
-            return False
-        with self._lock:
-            st = self._requests.get(self._queue[0][0])
-        if st is None or st.status.is_terminal:
-            return True
-        return self._pipe.can_start(len(st.extra["src_ids"]), st.extra["runs"] is not None)
-
-    def _can_post(self) -> bool:
-        """Whether a request-layer not yet posted can be posted (or dropped) now: its request is
-        terminal, or begun and its CUDA event completed (always, on CPU). Only the oldest begun one's
-        event is queried (one query per look, not depth): events complete in the order send_layer
-        recorded them, so a later one found complete a nap later loses at most that nap."""
-        with self._lock:
-            states = [(op, self._requests[op.request_id]) for op in self._pipe.ops if not op.posted]
-        for op, st in states:
-            if st.status.is_terminal:
-                return True
-            if st.extra["begun"]:
-                return op.ready is None or bool(op.ready.query())
-        return False
-
-    def _nap_busy(self, socks: list[Any], cap_s: float) -> bool:
-        """Wait with the GIL released while the data path only waits for send_layer events or write
-        completions, which signal nothing: naps of `config.busy_wait_s` (wakeup.nap), and between two
-        only those are looked at (completions handled here, by _complete), so each look costs the
-        producer thread little GIL time. Returns True as soon as the waker or a socket in `socks` is
-        readable (a command, a send_layer, a message: the caller reads them), False once an event
-        completed, a write finished or `cap_s` seconds passed (housekeeping is due)."""
-        end = time.monotonic() + cap_s
-        self._mark("nap", "")
-        while True:
-            if nap(self._waker, socks, min(self.config.busy_wait_s, cap_s)):
-                self._mark("nap_end", "")
-                return True
-            if self._can_post() or self._complete() or time.monotonic() >= end:
-                self._mark("nap_end", "")
-                return False
 
     def _start_gathers(self) -> None:
         """Move queued layers into the pipeline, in send_layer order: staged ones gathered into free
@@ -120,11 +79,15 @@ class SendPath:
         items: list[Item] = []
         states: list[RequestState] = []
         dropped: list[Any] = []
+        room, last, st = self._pipe.capacity, None, None
         with self._lock:  # once for the batch (a send_layers call queues every layer at once)
-            while self._queue and len(items) < self._pipe.capacity:
+            while self._queue and len(items) < room:
                 rid, layer, event = self._queue.popleft()
-                st = self._requests.get(rid)
-                if st is not None and not st.status.is_terminal:
+                if rid != last:  # a request's layers come in a row: look it up once per row
+                    last, st = rid, self._requests.get(rid)
+                    if st is not None and st.status.is_terminal:
+                        st = None
+                if st is not None:
                     items.append((rid, layer, st.extra["src"], event, st.extra["runs"] is not None))
                     states.append(st)
                 elif event is not None:  # dropped: nothing waits on it
@@ -136,30 +99,35 @@ class SendPath:
         for rid, layer, _src, event, _ in reversed(items[started:]):  # no slot yet (the ring must drain)
             self._queue.appendleft((rid, layer, event))
         with self._lock:
-            for st in states[:started]:
-                st.extra["inflight"] += 1
+            for _, row in itertools.groupby(states[:started], key=id):
+                run = list(row)
+                run[0].extra["inflight"] += len(run)
 
     def _post_ready(self) -> None:
         """Start the writes of gathered request-layers (gather event completed) of begun requests: one
         write per peer carrying all of them for one-sided transports, one per request-layer else."""
-        groups: dict[str, list[tuple[LayerOp, RequestState]]] = {}
+        groups: dict[object, list[tuple[LayerOp, RequestState]]] = {}
         ops: list[tuple[LayerOp, RequestState]] = []
         cancelled: set[str] = set()
+        last, take = None, False
         with self._lock:  # once for all ready ops
             for op in self._pipe.ready():
-                st = self._requests[op.request_id]  # not releasable while in flight
-                if st.status.is_terminal:  # aborted/failed after the gather: nothing more is written
-                    if op.request_id not in cancelled:  # one cancel drops all of the request's ops
+                if op.request_id != last:  # a request's ops come in a row: look it up once per row
+                    last, st = op.request_id, self._requests[op.request_id]  # not releasable in flight
+                    take = not st.status.is_terminal and st.extra["begun"]  # else not claimed yet
+                    # aborted/failed after the gather: nothing more is written; one cancel drops all
+                    # of the request's ops
+                    if st.status.is_terminal and op.request_id not in cancelled:
                         cancelled.add(op.request_id)
                         self._dropped(self._pipe.cancel(op.request_id, posted=False))
-                    continue
-                if st.extra["begun"]:  # else the receiver has not claimed the request yet
+                if take:
                     ops.append((op, st))
+        one_sided, per_request = self.transport.one_sided, self.transport.write_per_request
         for op, st in ops:
-            if not self.transport.one_sided:
-                key = f"{op.request_id}:{op.layer}"
-            elif op.direct and self.transport.write_per_request:
-                key = f"{st.handle.address}\0{op.request_id}"
+            if not one_sided:
+                key: object = (op.request_id, op.layer)
+            elif op.direct and per_request:
+                key = (st.handle.address, op.request_id)
             else:
                 key = st.handle.address
             groups.setdefault(key, []).append((op, st))
@@ -172,6 +140,10 @@ class SendPath:
         notices: list[m.LayerNotice] = []
         parts: list[object] = []
         try:
+            whole = self._whole(batch)
+            if whole is not None:  # nothing to build: one transfer() of the pre-made write
+                self._pipe.post([op for op, _ in batch], address, whole, None, 0)
+                return
             for op, st in batch:
                 x = st.extra
                 if op.direct:
@@ -184,8 +156,7 @@ class SendPath:
                 notices.append(self._notice(op, st))
             if not self.transport.one_sided:
                 self._send(self._peer(address), notices[0])
-            notice = notices[0] if len(notices) == 1 else m.LayerNotices(notices)
-            self._pipe.post([op for op, _ in batch], address, parts, m.encode(notice), notices[0].tag)
+            self._pipe.post([op for op, _ in batch], address, parts, _encode(notices), notices[0].tag)
         except TransferError as exc:  # the ops are finished (or were never posted): fail their requests
             for op, _ in batch:
                 self._pipe.discard(op)
@@ -200,7 +171,35 @@ class SendPath:
         if old is not None:
             self.transport.release_prepared(old)
         st.extra["prep"] = self._preps[st.handle.request_id] = prep
+        st.extra["whole"] = self._premake(st, prep)
         return prep
+
+    def _premake(self, st: RequestState, prep: list[object]) -> bool:
+        """Have the transport make the write of all of the request's layers now (NIXL: the xfer handle,
+        with every layer's notice), for a hand-off of the whole request (send_layers); without
+        checksums only (those are computed when a layer is posted). False where it does not."""
+        if not self.transport.premakes_whole or self.config.checksum:
+            return False
+        x = st.extra
+        notices = [m.LayerNotice(st.handle.request_id, layer, make_tag(x["key"], layer), None, x["cuts"])
+                   for layer in range(len(prep))]
+        try:
+            return self.transport.premake_whole(st.handle.address, prep, _encode(notices))
+        except TransferError:  # the prepared lists still serve every post
+            return False
+
+    def _whole(self, batch: list[tuple[LayerOp, RequestState]]) -> list[object] | None:
+        """The prepared parts of `batch`'s request if the batch is every layer of it, in layer order, and
+        its write was pre-made; None else. Its pre-made write is used now or never (a layer is posted
+        once; the transport releases it on a post of some of the layers, or with the lists)."""
+        st = batch[0][1]
+        if not st.extra.get("whole"):
+            return None
+        st.extra["whole"] = False
+        if len(batch) != len(st.extra["prep"]) or any(
+                op.layer != i or other is not st for i, (op, other) in enumerate(batch)):
+            return None
+        return st.extra["prep"]  # type: ignore[no-any-return]
 
     def _release_preps(self) -> None:
         """Free the prepared lists of requests released, or terminal with nothing in flight (nothing
@@ -218,10 +217,6 @@ class SendPath:
                         st.extra["prep"] = None
         for rid in done:
             self.transport.release_prepared(self._preps.pop(rid))
-
-    def _mark(self, what: str, request_id: str) -> None:
-        if self._pipe.trace is not None:
-            self._pipe.trace.append((time.perf_counter(), what, request_id, -1))
 
     def _notice(self, op: LayerOp, st: RequestState) -> m.LayerNotice:
         x = st.extra
@@ -266,3 +261,8 @@ class SendPath:
                     self._send(self._peer(st.handle.address), m.Stopped(st.handle.request_id, x["stop"],
                                                                         st.reason))
                 x["stop"] = None
+
+
+def _encode(notices: list[m.LayerNotice]) -> bytes:
+    """The notification of a write carrying `notices`: one LayerNotice, or a LayerNotices batch."""
+    return m.encode(notices[0] if len(notices) == 1 else m.LayerNotices(notices))

@@ -25,6 +25,7 @@ from kvtransfer.events import EventPool
 from kvtransfer.handoff import LayerHandoff, QueuedLayer
 from kvtransfer.handshake import Handshake
 from kvtransfer.liveness import PeerLiveness, Receiver
+from kvtransfer.lookahead import MIN_SAMPLE_NAPS, WriteRate
 from kvtransfer.pipeline import LayerPipeline
 from kvtransfer.runs import direct_layers, joint_runs, layer_pieces, merge_runs, source_cuts
 from kvtransfer.send_path import SendPath
@@ -53,7 +54,8 @@ class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
         self._direct = config.direct_max_pieces > 0 and kv_buffer.is_contiguous()
         self._events = EventPool(kv_buffer.device.index or 0) if kv_buffer.is_cuda else None
         self._pipe = LayerPipeline(kv_buffer, transport, config.max_inflight_layers, self._direct,
-                                   self._events.give_back if self._events else None)
+                                   self._events.give_back if self._events else None,
+                                   WriteRate(MIN_SAMPLE_NAPS * config.busy_wait_s))
         self._preps: dict[str, list[object]] = {}  # request → transport.prepare_layers parts (loop)
         self._next_beat = 0.0
         self._poller: zmq.Poller | None = None
@@ -68,10 +70,8 @@ class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
 
     # ---- public API -----------------------------------------------------------------------------
     def connect(self, address: str, timeout: float = 5.0) -> None:
-        """Handshake with the receiver at `address` (done implicitly by add_request too).
-
-        Raises IncompatiblePeerError naming each mismatch, or TransferError if no answer in `timeout` s.
-        """
+        """Handshake with the receiver at `address` (done implicitly by add_request too). Raises
+        IncompatiblePeerError naming each mismatch, or TransferError if no answer in `timeout` s."""
         fut: cf.Future[None] = cf.Future()
         self._call(lambda: self._hello(address, fut))
         try:

@@ -108,6 +108,8 @@ class TransferConfig:
     most latency a loop adds to noticing a completion or a landed layer (plus the kernel's timer slack:
     50 µs by default on Linux, 1 µs for the loop threads, wakeup.set_timer_slack). Capped at the loops'
     idle poll (10 ms). A command, a useful send_layer or a control message ends the nap at once.
+    fine_wait_s: the sender's look interval (seconds) around the predicted end of its one write in
+    flight (send_wait._nap_busy, lookahead.py); > 0 and <= busy_wait_s.
     """
 
     worker_id: str
@@ -124,6 +126,7 @@ class TransferConfig:
     max_inflight_layers: int = 4
     direct_max_pieces: int = 16
     busy_wait_s: float = 50e-6
+    fine_wait_s: float = 5e-6
 
     def __post_init__(self) -> None:
         if self.max_inflight_layers < 1:
@@ -132,6 +135,9 @@ class TransferConfig:
             raise ValueError(f"direct_max_pieces must be >= 0, got {self.direct_max_pieces}")
         if not self.busy_wait_s > 0:  # also refuses NaN
             raise ValueError(f"busy_wait_s must be > 0 seconds, got {self.busy_wait_s}")
+        if not 0 < self.fine_wait_s <= self.busy_wait_s:  # also refuses NaN
+            raise ValueError(f"fine_wait_s must be > 0 and <= busy_wait_s ({self.busy_wait_s} s), "
+                             f"got {self.fine_wait_s}")
         if self.timeout_s <= 0 or self.heartbeat_interval_s <= 0:
             raise ValueError("timeout_s and heartbeat_interval_s must be > 0")
         if self.peer_timeout_s <= self.heartbeat_interval_s:

@@ -53,3 +53,11 @@ def test_timeline_lists_each_layer_gather_post_done():
               _ev(80, "post:start"), _ev(160, "post", 0)]
     assert timeline(events, T0, 530e-6) == ["# trace: total 530 us; layer: gather / post / done (us)",
                                             "# 0: 72/160/-1; 1: 70/151/400"]
+
+
+def test_summary_of_a_premade_write_has_no_descriptor_step():
+    events = [_ev(0, "sl_begin"), _ev(5, "sl_end"), _ev(20, "post:start"), _ev(25, "post:build", 32),
+              _ev(31, "post:init"), _ev(90, "post:transfer")]
+    lines = summarize(events, T0, layers=32, requests=1, handoff="request")
+    assert lines[1] == ("# (b) write 0: start 20, +build 5, pre-made write, +init 6, +transfer() 59 "
+                        "→ posted at 90 us")

@@ -1,0 +1,160 @@
+"""Completion look-ahead of the sender's busy nap (lookahead.py): the rate estimate, the nap plan, the
+fine_wait_s setting, and the sender loop's looks at a write in flight over loopback (a write held in
+flight by clearing `transport.deliver`)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from kvtransfer import TransferConfig, TransferStatus, get_transfer_backend
+from kvtransfer.lookahead import LEAD_FRACTION, WriteRate, nap_length
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+
+S = TransferStatus
+BUSY, FINE = 50e-6, 5e-6
+
+
+def test_no_estimate_at_first_then_bytes_over_rate():
+    rate = WriteRate()
+    assert rate.predict(1 << 20) is None
+    assert nap_length(0.0, None, BUSY, FINE) == BUSY  # no prediction: today's nap
+    rate.observe(1_000_000, 2e-3)  # 500 MB/s
+    assert rate.bytes_per_s == pytest.approx(5e8)
+    assert rate.predict(3_000_000) == pytest.approx(6e-3)
+
+
+def test_short_and_empty_samples_are_ignored():
+    rate = WriteRate(min_seconds=200e-6)
+    rate.observe(1 << 20, 100e-6)  # mostly the nap that saw it done: ignored
+    rate.observe(0, 1e-3)
+    assert rate.predict(1) is None
+    rate.observe(1_000_000, 1e-3)
+    assert rate.bytes_per_s == pytest.approx(1e9)
+    with pytest.raises(ValueError, match="decay"):
+        WriteRate(decay=0.0)
+    with pytest.raises(ValueError, match="min_seconds"):
+        WriteRate(min_seconds=-1.0)
+
+
+def test_rate_change_faster_at_once_slower_within_a_few_writes():
+    rate = WriteRate(decay=0.25)
+    rate.observe(1_000_000, 1e-3)  # 1 GB/s
+    rate.observe(1_000_000, 2e-3)  # one late look (0.5 GB/s): moves a quarter of the way
+    assert rate.bytes_per_s == pytest.approx(0.875e9)
+    for _ in range(8):  # a lasting slow-down to 0.5 GB/s is learned within a few writes
+        rate.observe(1_000_000, 2e-3)
+    assert rate.bytes_per_s == pytest.approx(0.5e9, rel=0.1)
+    rate.observe(4_000_000, 2e-3)  # 2 GB/s: a faster sample is the tighter bound, taken at once
+    assert rate.bytes_per_s == pytest.approx(2e9)
+
+
+def test_nap_plan_long_then_fine_then_busy():
+    posted, expected = 10.0, 1.4e-3  # a 1.4 ms write posted at t = 10 s
+    lead = max(BUSY, LEAD_FRACTION * expected)  # 70 µs
+    due = posted + expected
+    # far from the end: naps halving the time left to `lead` before it (1.4 ms: 665, 333, 166 µs),
+    # the last piece (at most 2 naps) whole
+    t, naps = posted, []
+    while t < due - lead:
+        naps.append(nap_length(t, (posted, expected), BUSY, FINE))
+        t += naps[-1]
+    assert naps == pytest.approx([665e-6, 332.5e-6, 166.25e-6, 83.125e-6, 83.125e-6])
+    assert nap_length(due - lead - 2 * BUSY - 1e-6, (posted, expected), BUSY, FINE) > BUSY
+    # a look every fine interval from `lead` before the end to `lead` after it
+    for t in (due - lead, due - 1e-6, due, due + lead - 1e-6):
+        assert nap_length(t, (posted, expected), BUSY, FINE) == FINE
+    # a write slower than predicted: back to busy naps, no spinning
+    for t in (due + lead, due + 1.0):
+        assert nap_length(t, (posted, expected), BUSY, FINE) == BUSY
+    # close to `due - lead`: never less than a fine interval
+    assert nap_length(due - lead - 1e-7, (posted, expected), BUSY, FINE) == FINE
+    # a write expected to last no longer than a nap: today's nap
+    assert nap_length(posted, (posted, BUSY), BUSY, FINE) == BUSY
+
+
+def _seen(rate: WriteRate, nbytes: int, took: float) -> float:
+    """When a loop napping by nap_length (no other delay) first looks at or after the end of a write of
+    `nbytes` that takes `took` s, posted at 0; the rate then learns from it, as the pipeline does."""
+    expected, t = rate.predict(nbytes), 0.0
+    while t < took:
+        t += nap_length(t, None if expected is None else (0.0, expected), BUSY, FINE)
+    rate.observe(nbytes, t)
+    return t
+
+
+def test_an_estimate_too_low_is_corrected_at_once_not_relearned():
+    """Regression: one write slowed 4.6x (the GIL, on a 2-core VM) taught a low rate; with a single nap
+    up to the late prediction every later write was seen there (5 ms late) and taught it again."""
+    rate, nbytes, took = WriteRate(min_seconds=4 * BUSY), 512 << 20, 1.4e-3
+    rate.observe(nbytes, 6.4e-3)
+    lags = [_seen(rate, nbytes, took) - took for _ in range(4)]
+    assert lags[0] <= (6.4e-3 * (1 - LEAD_FRACTION)) / 2 - took + 1e-9  # the first halving nap, not 5 ms
+    assert lags[1] < 2 * BUSY  # its sample (faster than the estimate) replaced the estimate
+    assert all(lag <= FINE + 1e-9 for lag in lags[2:]), lags  # then within one fine look of the end
+    assert rate.predict(nbytes) == pytest.approx(took, rel=0.01)
+
+
+@pytest.mark.parametrize("fine", [0.0, -1e-6, 51e-6, math.nan])
+def test_fine_wait_s_must_be_positive_and_at_most_busy_wait_s(fine):
+    with pytest.raises(ValueError, match="fine_wait_s"):
+        TransferConfig(worker_id="p0", model_id="m", fine_wait_s=fine)
+    assert TransferConfig(worker_id="p0", model_id="m", fine_wait_s=50e-6).fine_wait_s == 50e-6
+
+
+def _looks(tx) -> list[float]:
+    """Wrap the sender's transport.test: each look appends its time.monotonic()."""
+    seen: list[float] = []
+    orig = tx.transport.test
+
+    def looking(handle):
+        seen.append(time.monotonic())
+        return orig(handle)
+    tx.transport.test = looking
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_sender_naps_long_then_looks_finely_then_falls_back():
+    """One write held in flight 150 ms past a 60 ms prediction (busy naps 1 ms, fine looks 0.1 ms):
+    few looks before the predicted end, fine ones around it, busy ones after it (no spinning), and the
+    write's completion is still seen (bit-exact); then the rate estimate learns from it."""
+    backend = get_transfer_backend("loopback")
+    src, dst = make_kv(5), make_kv(None)
+    busy, fine, expected = 1e-3, 1e-4, 0.06
+    tx = backend.sender(config("p0", "loopback", busy_wait_s=busy, fine_wait_s=fine,
+                               max_inflight_layers=LAYERS), src)
+    rx = backend.receiver(config("d0", "loopback"), dst)
+    try:
+        tx.add_request(rx.expect("a", [7, 8, 9]), [2, 3, 4])
+        assert tx.wait_until(lambda: tx._requests["a"].extra["begun"], 5.0)
+        nbytes = tx._pipe._op_bytes * 3 * LAYERS
+        tx._pipe.rate.bytes_per_s = nbytes / expected  # as if learned from earlier writes
+        looks = _looks(tx)
+        tx.transport.deliver.clear()
+        tx.send_layers("a")
+        assert tx.wait_until(lambda: bool(tx._pipe._writes), 5.0)
+        posted = tx._pipe._writes[0].posted_at
+        assert tx._pipe.lone_write() == (posted, pytest.approx(expected))
+        due, lead = posted + expected, LEAD_FRACTION * expected  # lead 3 ms
+        threading.Timer(max(0.0, due + 0.15 - time.monotonic()), tx.transport.deliver.set).start()
+        assert tx.wait("a", 5.0) is S.DONE
+        early = [t for t in looks if posted < t < due - lead - 2e-3]
+        around = [t for t in looks if due - lead <= t < due + lead]
+        late = [t for t in looks if due + lead + 10e-3 <= t < due + 0.14]
+        # busy naps alone would look ~53 times before the end; long naps capped at 10 ms: ~11 (each cap
+        # ends in a look and a loop step's look)
+        assert len(early) <= 20, len(early)
+        assert len(around) >= 10, len(around)  # fine looks (up to 60 in 6 ms on an idle machine)
+        assert 20 <= len(late) <= 160, len(late)  # ~1 ms apart (~130), not 0.1 ms apart (~1300)
+        assert_landed(src, [2, 3, 4], dst, [7, 8, 9])
+        assert tx._pipe.rate.bytes_per_s < nbytes / expected  # the slow write pulled it down
+        release_both(tx, rx, "a", leaks=True)
+        assert tx._pipe.unposted == 0 and not tx._pipe._writes and tx._pipe.lone_write() is None
+    finally:
+        tx.transport.deliver.set()
+        tx.close()
+        rx.close()

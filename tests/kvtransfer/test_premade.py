@@ -1,0 +1,119 @@
+"""The pre-made whole-request write over NIXL (DRAM, sender and receiver in this process): made when a
+direct request's Begin is answered, posted by one transfer() for a send_layers hand-off of every layer,
+released unused (exactly once) for any other hand-off, an abort, or with checksums on (never made)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvtransfer import TransferStatus, get_transfer_backend
+from kvtransfer import messages as m
+from kvtransfer.runs import make_tag
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+
+pytest.importorskip("nixl_cu13")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+pytestmark = pytest.mark.timeout(60)
+S = TransferStatus
+WAIT = 10.0
+SRC, DST = list(range(6)), [14, 3, 9, 10, 27, 0]  # one source run: direct (5 destination runs)
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "checksum"])
+def pair(request):
+    backend = get_transfer_backend("nixl")
+    src, dst = make_kv(11), make_kv(None)
+    tx = backend.sender(config("p0", "nixl", checksum=request.param), src)
+    rx = backend.receiver(config("d0", "nixl", checksum=request.param), dst)
+    yield tx, rx, src, dst
+    tx.close()
+    rx.close()
+
+
+def _spy(tx, rx) -> dict[str, list]:
+    """Record, from the next call on: xfer handles made (make_prepped_xfer), released (by id, each
+    release_xfer_handle call), started (transfer), the sender transport's post calls by kind, and the
+    notices the receiver read (decoded, per notification)."""
+    agent, seen = tx.transport.agent, {"made": [], "released": [], "started": [], "posts": [],
+                                      "notices": []}
+
+    def wrap(obj, name, record):
+        orig = getattr(obj, name)
+
+        def call(*args, **kwargs):
+            out = orig(*args, **kwargs)
+            record(args, out)
+            return out
+        setattr(obj, name, call)
+    wrap(agent, "make_prepped_xfer", lambda a, out: seen["made"].append(out))
+    wrap(agent, "release_xfer_handle", lambda a, out: seen["released"].append(id(a[0])))
+    wrap(agent, "transfer", lambda a, out: seen["started"].append(id(a[0])))
+    wrap(tx.transport, "post_whole", lambda a, out: seen["posts"].append("whole"))
+    wrap(tx.transport, "post_prepared", lambda a, out: seen["posts"].append("by index"))
+    wrap(rx.transport, "poll", lambda a, out: seen["notices"].extend(m.decode_notices(n) for n in out[0]))
+    return seen
+
+
+def _add(tx, rx, rid: str) -> None:
+    tx.add_request(rx.expect(rid, DST), SRC)
+    assert tx.wait_until(lambda: tx._requests[rid].extra["prep"] is not None, WAIT)
+
+
+def test_whole_request_hand_off_posts_the_premade_write(pair):
+    tx, rx, src, dst = pair
+    seen = _spy(tx, rx)
+    _add(tx, rx, "a")
+    key, cuts = tx._requests["a"].extra["key"], tx._requests["a"].extra["cuts"]
+    checksum = tx.config.checksum
+    assert len(seen["made"]) == (0 if checksum else 1)  # made at Begin time, before any layer
+    tx.send_layers("a")
+    assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
+    assert tx.wait("a", WAIT) is S.DONE
+    assert_landed(src, SRC, dst, DST)
+    assert seen["posts"] == ["by index" if checksum else "whole"]  # one write either way
+    if not checksum:
+        whole = id(seen["made"][0])
+        assert len(seen["made"]) == 1 and seen["started"] == [whole]  # posted as made: nothing built
+        assert seen["notices"] == [[m.LayerNotice("a", la, make_tag(key, la), None, cuts)
+                                    for la in range(LAYERS)]]
+    release_both(tx, rx, "a", leaks=True)
+    assert sorted(seen["released"]) == sorted(id(h) for h in seen["made"])  # each exactly once
+    assert tx.transport.prepared_count() == 0
+
+
+def test_layer_by_layer_hand_off_releases_the_premade_write_unused(pair):
+    tx, rx, src, dst = pair
+    seen = _spy(tx, rx)
+    _add(tx, rx, "a")
+    tx.send_layer("a", 0)
+    assert rx.wait_until(lambda: rx._requests["a"].layers == {0}, WAIT)
+    tx.send_layers("a", range(1, LAYERS))
+    assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
+    assert tx.wait("a", WAIT) is S.DONE
+    assert_landed(src, SRC, dst, DST)
+    assert seen["posts"] == ["by index", "by index"]
+    if not tx.config.checksum:
+        whole = id(seen["made"][0])
+        assert whole not in seen["started"] and seen["released"].count(whole) == 1
+    release_both(tx, rx, "a", leaks=True)
+    assert sorted(seen["released"]) == sorted(id(h) for h in seen["made"])  # each exactly once
+    assert len(seen["made"]) == 3 - tx.config.checksum  # (the pre-made one) + one per write
+    assert tx.transport.prepared_count() == 0
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+def test_abort_before_the_hand_off_releases_the_premade_write(pair, side):
+    tx, rx, _src, dst = pair
+    seen = _spy(tx, rx)
+    _add(tx, rx, "a")
+    (tx if side == "sender" else rx).abort("a")
+    assert tx.wait("a", WAIT) is S.ABORTED
+    assert rx.wait("a", WAIT) is S.ABORTED
+    assert tx.wait_until(lambda: tx._requests["a"].extra["prep"] is None, WAIT)  # lists released
+    assert not seen["started"] and sorted(seen["released"]) == sorted(id(h) for h in seen["made"])
+    assert len(seen["made"]) == (0 if tx.config.checksum else 1)
+    release_both(tx, rx, "a", leaks=True)
+    assert tx.transport.prepared_count() == 0 and dst.abs().sum() == 0  # nothing was written
