@@ -32,7 +32,8 @@ class TritonAttentionBackend(AttentionBackend):
                             meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
         """See ``AttentionBackend.rotate_store_attend``: a decode-only step (every sequence one query
         token) whose tensors fit ``rope_fusable`` runs ``paged_decode_attention(rope=...)``: RoPE of q and
-        the new K, the K/V store and attention in the split kernel, bit-identical to the separate path."""
+        the new K, the K/V store and attention in the split kernel: the same cache as the separate path,
+        the same output in fp32, within one ulp in bf16/fp16 (engine/ops/decode_rope.py)."""
         nd = meta.num_decodes
         if not self.fuse_decode_rope or nd == 0 or nd != meta.num_seqs or q.shape[0] != nd:
             return None

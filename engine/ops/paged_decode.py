@@ -154,8 +154,9 @@ def paged_decode_attention(
             else 64; 16 under the interpreter) and warps of the split kernel (``bench.decode_attention``).
         rope: the step's RoPE and K/V store done by the split kernel itself (``RopeStore``; ``q`` is then
             before RoPE and is not written): the rotary + store launch of each layer disappears; results
-            are bit-identical to ``rotary_store_kv`` followed by this function. Needs ``D`` a power of
-            two (``rope_fusable``).
+            equal ``rotary_store_kv`` followed by this function (cache bit for bit; output bit for bit
+            in fp32, within one ulp in compiled bf16/fp16: decode_rope.py). Needs ``D`` a power of two
+            (``rope_fusable``).
 
     Returns:
         ``[N, H, D]`` in ``q``'s dtype.

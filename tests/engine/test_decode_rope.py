@@ -85,29 +85,37 @@ def _fused_equals_separate(dtype, lens, heads, kv_heads, dim, splits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16] if CUDA else [torch.float32])
 def test_new_slots_filled_with_nan_are_never_read_before_their_store(dtype):
     """Stress of the store -> barrier -> load order: each new position's cache slot holds NaN before the
-    launch, every sequence's last split is one tile long (16-token tiles, lengths <= 16 x splits), so the
-    owner reads the position right after storing it. A read that beat the store would put NaN (or a
-    stale value) into the output: it must equal the separate path's, bit for bit, on every repeat
-    (compiled GPU: 100 repeats of 512 sequences; the interpreter runs programs one by one: 1 of 9)."""
+    launch, every sequence's last split is one tile long (the default tiles: 64 tokens compiled, 16 under
+    the interpreter; lengths <= tile x 8 splits), so the owner reads the position right after storing
+    it. A read that beat the store would put NaN into the output. Every repeat must be finite and equal,
+    bit for bit, to the first (compiled GPU: 100 repeats of 512 sequences; the interpreter runs programs
+    one by one: 1 of 9). Against the separate path: equal under the interpreter; compiled bf16 within one
+    bf16 ulp (stop 15 measured 1 ulp in 1-4 % of the rows of sequences spanning 2+ splits,
+    docs/benchmarks/engine-h200.md)."""
     g = torch.Generator().manual_seed(11)
-    n, repeats = (512, 100) if CUDA else (9, 1)
-    lens = torch.randint(1, 16 * 8 + 1, (n,), generator=g).tolist()
+    n, repeats, tile = (512, 100, 64) if CUDA else (9, 1, 16)
+    lens = torch.randint(1, tile * 8 + 1, (n,), generator=g).tolist()
     x = _step(dtype, lens, 8, 2, 64)
     real = x["slots"][:-1]
     blocks, offsets = real // 16, real % 16
     q2, k2, kc2, vc2 = x["q"].clone(), x["k"].clone(), x["kc"].clone(), x["vc"].clone()
     rotary_store_kv(q2, k2, x["v"], x["cos"], x["sin"], kc2, vc2, x["slots"])
-    want = paged_decode_attention(q2, kc2, vc2, x["tables"], x["lens"], x["max_len"], 0.125, num_splits=8,
-                                  block_n=16)
+    want = paged_decode_attention(q2, kc2, vc2, x["tables"], x["lens"], x["max_len"], 0.125, num_splits=8)
     rope = RopeStore(x["k"], x["v"], x["cos"], x["sin"], x["slots"])
+    first = None
     for _ in range(repeats):
         x["kc"][blocks, offsets] = float("nan")
         x["vc"][blocks, offsets] = float("nan")
         got = paged_decode_attention(x["q"], x["kc"], x["vc"], x["tables"], x["lens"], x["max_len"], 0.125,
-                                     num_splits=8, block_n=16, rope=rope)
-        assert torch.isfinite(got[:-1]).all()
-        assert torch.equal(got[:-1], want[:-1])
+                                     num_splits=8, rope=rope)[:-1]
+        assert torch.isfinite(got).all()
+        first = got.clone() if first is None else first
+        assert torch.equal(got, first)
     assert torch.equal(x["kc"], kc2) and torch.equal(x["vc"], vc2)
+    if CUDA:  # one bf16 ulp is at most 2**-7 of the value
+        torch.testing.assert_close(first, want[:-1], rtol=2.0 ** -7, atol=2.0 ** -12)
+    else:
+        assert torch.equal(first, want[:-1])
 
 
 def test_rope_fusable_names_what_does_not_fit():
