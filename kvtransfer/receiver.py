@@ -171,17 +171,22 @@ class KVReceiver(Endpoint):
         self._waker.sleeping = False
 
     def _poll_transport(self) -> bool:
-        """Handle what the transport reports landed (one-sided notices, two-sided keys); True if any."""
+        """Handle what the transport reports landed (one-sided notices, two-sided keys), all of them
+        under one lock acquisition (a request's 32 notices arrive as one LayerNotices batch); True if
+        any."""
         notices, keys = self.transport.poll()
-        for raw in notices:
-            for n in m.decode_notices(raw):
-                if self._trace is not None:
-                    self._trace.append((time.perf_counter(), "notice", n.request_id, n.layer))
-                self._landed(n.request_id, n.layer, n.checksum)
+        landed = [(n.request_id, n.layer, n.checksum) for raw in notices for n in m.decode_notices(raw)]
+        if landed and self._trace is not None:
+            now = time.perf_counter()
+            self._trace.extend((now, "notice", rid, layer) for rid, layer, _ in landed)
         for key in keys:
             rid, layer, checksum, _ = self._posted.pop(key)
-            self._landed(rid, layer, checksum)
-        return bool(notices or keys)
+            landed.append((rid, layer, checksum))
+        if landed:
+            with self._lock:
+                for request_id, layer, checksum in landed:
+                    self._landed(request_id, layer, checksum)
+        return bool(landed)
 
     def _wake(self) -> None:
         self._waker.wake()
@@ -249,25 +254,25 @@ class KVReceiver(Endpoint):
         self.transport.post(identity.hex(), key, [(dst, size) for _, dst, size in pieces], n.tag)
 
     def _landed(self, request_id: str, layer: int, checksum: int | None) -> None:
-        with self._lock:
-            st = self._requests.get(request_id)
-            if st is None or st.status.is_terminal:
-                self._lock.notify_all()
+        """One request-layer landed (caller holds the lock): DONE and Done sent at its last layer."""
+        st = self._requests.get(request_id)
+        if st is None or st.status.is_terminal:
+            self._lock.notify_all()
+            return
+        sender = st.extra["sender"]
+        if self.config.checksum and checksum is not None:
+            got = layer_checksum(self.kv_buffer, layer, st.handle.block_ids)
+            if got != checksum:
+                self._set(st, S.FAILED, f"checksum mismatch in layer {layer}: {got:#x} != {checksum:#x}")
+                self._send(sender, m.Fail(request_id, st.reason))
                 return
-            sender = st.extra["sender"]
-            if self.config.checksum and checksum is not None:
-                got = layer_checksum(self.kv_buffer, layer, st.handle.block_ids)
-                if got != checksum:
-                    self._set(st, S.FAILED, f"checksum mismatch in layer {layer}: {got:#x} != {checksum:#x}")
-                    self._send(sender, m.Fail(request_id, st.reason))
-                    return
-            st.layers.add(layer)
-            if len(st.layers) == self.layout.num_layers:
-                st.extra["stopped"] = True
-                self._set(st, S.DONE)
-                if self._trace is not None:
-                    self._trace.append((time.perf_counter(), "done_sent", request_id, -1))
-                self._send(sender, m.Done(request_id))
+        st.layers.add(layer)
+        if len(st.layers) == self.layout.num_layers:
+            st.extra["stopped"] = True
+            self._set(st, S.DONE)
+            if self._trace is not None:
+                self._trace.append((time.perf_counter(), "done_sent", request_id, -1))
+            self._send(sender, m.Done(request_id))
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
