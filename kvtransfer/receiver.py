@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -20,6 +19,7 @@ import zmq
 from kvtransfer import messages as m
 from kvtransfer.compat import mismatches, peer_info
 from kvtransfer.endpoint import Endpoint, RequestState
+from kvtransfer.recv_liveness import SenderLiveness, _Sender
 from kvtransfer.runs import layer_pieces
 from kvtransfer.staging import layer_checksum, layout_of
 from kvtransfer.transport import RecvTransport
@@ -28,18 +28,9 @@ from kvtransfer.wakeup import Waker, nap_until
 
 S = TransferStatus
 IDLE_POLL_MS = 10  # longest sleep of an idle loop, and the longest run of naps while due
-FORGOTTEN_MAX = 1024  # dropped senders whose drop reason is kept for their Rehandshake
 
 
-@dataclass
-class _Sender:
-    identity: bytes
-    sender_id: str
-    epoch: int
-    last_seen: float
-
-
-class KVReceiver(Endpoint):
+class KVReceiver(SenderLiveness, Endpoint):
     """Receives requests' KV into `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]`.
 
     Raises ValueError if kv_buffer is not a paged KV tensor with contiguous blocks.
@@ -273,38 +264,6 @@ class KVReceiver(Endpoint):
             if self._trace is not None:
                 self._trace.append((time.perf_counter(), "done_sent", request_id, -1))
             self._send(sender, m.Done(request_id))
-
-    def _housekeeping(self) -> None:
-        now = time.monotonic()
-        for s in list(self._senders.values()):
-            if now - s.last_seen > self.config.peer_timeout_s:
-                self._drop_sender(s, f"sender {s.sender_id} lost (no heartbeat for "
-                                     f"{self.config.peer_timeout_s}s)")
-        if now >= self._next_beat:
-            self._next_beat = now + self.config.heartbeat_interval_s
-            for s in self._senders.values():
-                self._send(s.identity, m.Heartbeat(self.epoch))
-        with self._lock:
-            for rid, st in self._requests.items():
-                if not st.status.is_terminal and now > st.deadline:
-                    self._set(st, S.FAILED, f"deadline of {st.handle.timeout_s}s passed")
-                    if st.extra["sender"] is not None:
-                        self._send(st.extra["sender"], m.Abort(rid))
-            self._lock.notify_all()
-
-    def _drop_sender(self, s: _Sender, reason: str) -> None:
-        del self._senders[s.identity]
-        self._forgotten[s.identity] = reason
-        while len(self._forgotten) > FORGOTTEN_MAX:  # senders that never came back (oldest first)
-            del self._forgotten[next(iter(self._forgotten))]
-        self.transport.remove_peer(s.identity.hex())
-        self._posted = {k: v for k, v in self._posted.items() if v[3] != s.identity}
-        with self._lock:
-            for st in self._requests.values():
-                if st.extra["sender"] == s.identity:
-                    st.extra["gone"] = True
-                    self._set(st, S.FAILED, reason)
-            self._lock.notify_all()
 
     def _teardown(self) -> None:
         self.transport.close()
