@@ -208,7 +208,7 @@ class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
         rid = getattr(msg, "request_id", None)
         with self._lock:
             st = self._requests.get(rid) if rid is not None else None
-            if st is None:
+            if st is None or st.handle.address != peer.address:  # not a request of this receiver
                 return
             if isinstance(msg, m.BeginReply):
                 st.extra["begun"], st.extra["answered"] = msg.ok, True

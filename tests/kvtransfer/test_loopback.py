@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 import time
 
 import pytest
@@ -282,3 +283,35 @@ def test_receiver_that_never_answers_the_handshake_fails_fast_and_frees():
         tx.check_no_leaks()
     finally:
         tx.close()
+
+
+def test_messages_of_another_receiver_for_a_request_change_nothing():
+    """A Done, Abort or Fail for request "a" that comes from a receiver other than the one its handle
+    names (e.g. a late message of an earlier request of that id) is ignored; before this check the
+    sender took it as the request's own (found by a helper in stop 15)."""
+    from kvtransfer import messages as m
+
+    backend = get_transfer_backend("loopback")
+    src = make_kv(1)
+    tx = backend.sender(config("p0", "loopback"), src)
+    rx_a = backend.receiver(config("d-a", "loopback"), make_kv(None))
+    rx_b = backend.receiver(config("d-b", "loopback"), make_kv(None))
+    try:
+        tx.connect(rx_a.address)
+        tx.add_request(rx_b.expect("a", [5, 6]), [1, 2])
+        assert tx.wait_until(lambda: tx._requests["a"].extra["answered"], WAIT)
+        handled = threading.Event()
+        for msg in (m.Done("a"), m.Abort("a"), m.Fail("a", "forged")):
+            tx._call(lambda msg=msg: tx._on_message(tx._peers[rx_a.address], msg))
+        tx._call(handled.set)  # commands run in order on the loop thread
+        assert handled.wait(WAIT)
+        assert tx.status("a") is S.TRANSFERRING, tx.reason("a")
+        for layer in range(LAYERS):
+            tx.send_layer("a", layer)
+        assert rx_b.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE
+        assert_landed(src, [1, 2], rx_b.kv_buffer, [5, 6])
+        release_both(tx, rx_b, "a", WAIT, leaks=True)
+    finally:
+        tx.close()
+        rx_a.close()
+        rx_b.close()
