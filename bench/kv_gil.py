@@ -193,6 +193,8 @@ def _sender(args: argparse.Namespace, backend: str, src: torch.Tensor) -> Any:
     from kvtransfer.sender import KVSender
 
     extra = {} if args.busy_wait_us is None else {"busy_wait_s": args.busy_wait_us * 1e-6}
+    if args.busy_wait_us is not None and args.busy_wait_us < 5:  # fine_wait_s (5 us) must not exceed it
+        extra["fine_wait_s"] = args.busy_wait_us * 1e-6
     config = TransferConfig(worker_id="gil-p", model_id="llama-3-8b-shape", backend=backend, timeout_s=120,
                             max_inflight_layers=args.depth, **extra)  # type: ignore[arg-type]
     inner: SendTransport
@@ -221,8 +223,9 @@ class _LocalConn:
         if cmd[0] == "expect":
             self._out = msgspec.msgpack.encode(self.rx.expect(cmd[1], cmd[2]))
         elif cmd[0] == "wait":
-            status = self.rx.wait(cmd[1], 120)
-            self._out = status.name if status.name == "DONE" else f"{status.name}: {self.rx.reason(cmd[1])}"
+            status = self.rx.wait(cmd[1], 120)  # answered as kv_transfer.receiver_main: (status, landed at)
+            self._out = (status.name if status.name == "DONE" else f"{status.name}: {self.rx.reason(cmd[1])}",
+                         self.rx.ended_at(cmd[1]))
             if status.name == "DONE":
                 self.rx.release(cmd[1])
 
