@@ -25,6 +25,7 @@ late prediction and taught it again (bench/kv_gil.py --write-latency-us 1400: se
 from __future__ import annotations
 
 LEAD_FRACTION = 0.05  # fine looks from this fraction of the predicted duration before its end to after it
+LEAD_MAX_NAPS = 4  # ... but from at most this many busy naps: a 1 s write gets 80 fine looks, not 20 000
 MIN_SAMPLE_NAPS = 4  # the sender learns only from writes lasting this many busy naps (WriteRate.min_seconds)
 
 
@@ -66,17 +67,17 @@ def nap_length(now: float, write: tuple[float, float] | None, busy_s: float, fin
 
     write: (posted_at monotonic s, expected duration s) of the one write in flight, or None (no
     prediction: several writes, layers waiting to be posted, no estimate yet). Without one, or for a
-    write expected to last no longer than a nap, `busy_s`. Else, with lead = max(busy_s, LEAD_FRACTION
-    × expected), due = posted_at + expected and left = due - lead - now: while left > 2 × busy_s, half
-    of it (the caller caps it by its housekeeping cap; a waker byte or message still ends it), then
-    `left` (at least `fine_s`), then `fine_s` until due + lead, then `busy_s` again (a write slower than
-    predicted does not make the loop spin)."""
+    write expected to last no longer than a nap, `busy_s`. Else, with lead = LEAD_FRACTION × expected
+    kept within [busy_s, LEAD_MAX_NAPS × busy_s], due = posted_at + expected and left = due - lead -
+    now: while left > 2 × busy_s, half of it (the caller caps it by its housekeeping cap; a waker byte
+    or message still ends it), then `left` (at least `fine_s`), then `fine_s` until due + lead, then
+    `busy_s` again (a write slower than predicted does not make the loop spin)."""
     if write is None:
         return busy_s
     posted_at, expected = write
     if expected <= busy_s:
         return busy_s
-    lead = max(busy_s, LEAD_FRACTION * expected)
+    lead = min(max(busy_s, LEAD_FRACTION * expected), LEAD_MAX_NAPS * busy_s)
     due = posted_at + expected
     left = due - lead - now
     if left > 2 * busy_s:

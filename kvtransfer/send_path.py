@@ -177,8 +177,12 @@ class SendPath(SendWait):
     def _premake(self, st: RequestState, prep: list[object]) -> bool:
         """Have the transport make the write of all of the request's layers now (NIXL: the xfer handle,
         with every layer's notice), for a hand-off of the whole request (send_layers); without
-        checksums only (those are computed when a layer is posted). False where it does not."""
-        if not self.transport.premakes_whole or self.config.checksum:
+        checksums only (those are computed when a layer is posted), and only with a pipeline deep enough
+        to take every layer at once (max_inflight_layers >= num_layers; the prefill worker's per-layer
+        hand-off at depth 4 never posts a whole request, and would pay the make and the release for
+        nothing). False where it does not."""
+        if (not self.transport.premakes_whole or self.config.checksum
+                or self.config.max_inflight_layers < self.layout.num_layers):
             return False
         x = st.extra
         notices = [m.LayerNotice(st.handle.request_id, layer, make_tag(x["key"], layer), None, x["cuts"])

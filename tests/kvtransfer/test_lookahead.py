@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvtransfer import TransferConfig, TransferStatus, get_transfer_backend
-from kvtransfer.lookahead import LEAD_FRACTION, WriteRate, nap_length
+from kvtransfer.lookahead import LEAD_FRACTION, LEAD_MAX_NAPS, WriteRate, nap_length
 from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
 
 S = TransferStatus
@@ -86,13 +86,29 @@ def _seen(rate: WriteRate, nbytes: int, took: float) -> float:
     return t
 
 
+def test_fine_looks_of_a_long_write_are_bounded():
+    """A 1 s write (DRAM, a slow link): the 5 µs looks start LEAD_MAX_NAPS busy naps before the predicted
+    end, not 5 % of it (50 ms: some 20 000 looks taking the GIL from the prefill thread; review, stop 15)."""
+    posted, expected = 0.0, 1.0
+    due, lead = posted + expected, LEAD_MAX_NAPS * BUSY
+    assert nap_length(due - lead - 2 * BUSY - 1e-6, (posted, expected), BUSY, FINE) > BUSY
+    assert nap_length(due - lead + 1e-6, (posted, expected), BUSY, FINE) == FINE
+    assert nap_length(due + lead + 1e-6, (posted, expected), BUSY, FINE) == BUSY
+    t, looks = posted, 0
+    while t < due + lead:
+        t += nap_length(t, (posted, expected), BUSY, FINE)
+        looks += 1
+    assert looks < 2 * lead / FINE + 40  # the fine window plus the halving naps
+
+
 def test_an_estimate_too_low_is_corrected_at_once_not_relearned():
     """Regression: one write slowed 4.6x (the GIL, on a 2-core VM) taught a low rate; with a single nap
     up to the late prediction every later write was seen there (5 ms late) and taught it again."""
     rate, nbytes, took = WriteRate(min_seconds=4 * BUSY), 512 << 20, 1.4e-3
     rate.observe(nbytes, 6.4e-3)
     lags = [_seen(rate, nbytes, took) - took for _ in range(4)]
-    assert lags[0] <= (6.4e-3 * (1 - LEAD_FRACTION)) / 2 - took + 1e-9  # the first halving nap, not 5 ms
+    lead = min(max(BUSY, LEAD_FRACTION * 6.4e-3), LEAD_MAX_NAPS * BUSY)
+    assert lags[0] <= (6.4e-3 - lead) / 2 - took + 1e-9  # the first halving nap, not 5 ms
     assert lags[1] < 2 * BUSY  # its sample (faster than the estimate) replaced the estimate
     assert all(lag <= FINE + 1e-9 for lag in lags[2:]), lags  # then within one fine look of the end
     assert rate.predict(nbytes) == pytest.approx(took, rel=0.01)

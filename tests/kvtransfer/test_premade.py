@@ -117,3 +117,28 @@ def test_abort_before_the_hand_off_releases_the_premade_write(pair, side):
     assert len(seen["made"]) == (0 if tx.config.checksum else 1)
     release_both(tx, rx, "a", leaks=True)
     assert tx.transport.prepared_count() == 0 and dst.abs().sum() == 0  # nothing was written
+
+
+def test_no_premade_write_when_the_pipeline_cannot_take_every_layer():
+    """max_inflight_layers < num_layers (the prefill worker's default 4 under a 32-layer model): a
+    whole-request post can never happen, so nothing is made at Begin (review, stop 15: each request paid
+    a make_prepped_xfer under the sender's lock and a release on its first post); the transfer is
+    unchanged."""
+    backend = get_transfer_backend("nixl")
+    src, dst = make_kv(11), make_kv(None)
+    tx = backend.sender(config("p0", "nixl", max_inflight_layers=LAYERS - 1), src)
+    rx = backend.receiver(config("d0", "nixl"), dst)
+    try:
+        seen = _spy(tx, rx)
+        _add(tx, rx, "a")
+        tx.send_layers("a")
+        assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
+        assert tx.wait("a", WAIT) is S.DONE
+        assert_landed(src, SRC, dst, DST)
+        assert "whole" not in seen["posts"]
+        assert len(seen["made"]) == len(seen["started"])  # every handle made was a post's own
+        release_both(tx, rx, "a", leaks=True)
+        assert tx.transport.prepared_count() == 0
+    finally:
+        tx.close()
+        rx.close()
