@@ -18,7 +18,7 @@ import zmq
 
 from kvtransfer import messages as m
 from kvtransfer.compat import mismatches, peer_info
-from kvtransfer.endpoint import Endpoint, RequestState
+from kvtransfer.endpoint import RequestState
 from kvtransfer.recv_liveness import SenderLiveness, _Sender
 from kvtransfer.runs import layer_pieces
 from kvtransfer.staging import layer_checksum, layout_of
@@ -30,7 +30,7 @@ S = TransferStatus
 IDLE_POLL_MS = 10  # longest sleep of an idle loop, and the longest run of naps while due
 
 
-class KVReceiver(SenderLiveness, Endpoint):
+class KVReceiver(SenderLiveness):
     """Receives requests' KV into `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]`.
 
     Raises ValueError if kv_buffer is not a paged KV tensor with contiguous blocks.

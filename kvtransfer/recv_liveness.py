@@ -7,15 +7,14 @@ FORGOTTEN_MAX) for the Rehandshake that answers its next message.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtransfer import messages as m
-from kvtransfer.endpoint import RequestState
+from kvtransfer.endpoint import Endpoint
 from kvtransfer.transport import RecvTransport
-from kvtransfer.types import TransferConfig, TransferStatus
+from kvtransfer.types import TransferStatus
 
 S = TransferStatus
 FORGOTTEN_MAX = 1024  # dropped senders whose drop reason is kept for their Rehandshake
@@ -29,14 +28,11 @@ class _Sender:
     last_seen: float
 
 
-class SenderLiveness:
-    """Liveness methods of KVReceiver; the attributes below are KVReceiver's."""
+class SenderLiveness(Endpoint):
+    """Liveness methods of KVReceiver (its base; the endpoint's state is Endpoint's, the attributes
+    below are KVReceiver's)."""
 
-    config: TransferConfig
-    epoch: int
     transport: RecvTransport
-    _lock: threading.Condition
-    _requests: dict[str, RequestState]
     _senders: dict[bytes, _Sender]
     _forgotten: dict[bytes, str]
     _posted: dict[int, tuple[str, int, int | None, bytes]]
@@ -44,7 +40,6 @@ class SenderLiveness:
 
     if TYPE_CHECKING:
         def _send(self, identity: bytes, msg: m.Message) -> None: ...
-        def _set(self, st: RequestState, status: TransferStatus, reason: str = "") -> None: ...
 
     def _housekeeping(self) -> None:
         now = time.monotonic()

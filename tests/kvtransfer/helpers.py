@@ -102,32 +102,3 @@ def loop_cost(thread: threading.Thread | None, counter: list[int], window: float
     c0, n0, t0 = time.clock_gettime(clock), counter[0], time.monotonic()
     time.sleep(window)
     return (time.clock_gettime(clock) - c0) / (time.monotonic() - t0), counter[0] - n0
-
-
-def stall_loop(tx: object, wait: float = 5.0) -> threading.Event:
-    """Stall an endpoint's loop (a command that blocks it, so it takes nothing up) until the returned
-    event is set (or `wait` s pass); returns once the loop is inside the stall."""
-    gate, stalled = threading.Event(), threading.Event()
-
-    def stall() -> None:
-        stalled.set()
-        gate.wait(wait)
-    tx._call(stall)  # type: ignore[attr-defined]
-    assert stalled.wait(wait)
-    return gate
-
-
-def record_writes(tx: object) -> list[list[tuple[str, int]]]:
-    """Wrap the sender's ``transport.post``: each write it posts appends the (request_id, layer) of the
-    notices it carries to the returned list."""
-    from kvtransfer import messages
-
-    seen: list[list[tuple[str, int]]] = []
-    transport = tx.transport  # type: ignore[attr-defined]
-    orig = transport.post
-
-    def recording(peer: str, pieces: list[object], notice: bytes, tag: int) -> object:
-        seen.append([(n.request_id, n.layer) for n in messages.decode_notices(notice)])
-        return orig(peer, pieces, notice, tag)
-    transport.post = recording
-    return seen

@@ -11,15 +11,8 @@ from kvtransfer import TransferError, TransferStatus, get_transfer_backend
 from kvtransfer.events import EventPool
 from kvtransfer.loopback import LoopbackSendTransport
 from kvtransfer.pipeline import LayerPipeline
-from tests.kvtransfer.helpers import (
-    LAYERS,
-    assert_landed,
-    config,
-    make_kv,
-    record_writes,
-    release_both,
-    stall_loop,
-)
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.loop_probes import record_writes, stall_loop
 
 S = TransferStatus
 WAIT = 5.0

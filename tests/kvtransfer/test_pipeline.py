@@ -13,15 +13,8 @@ import torch
 
 from kvtransfer import TransferError, TransferStatus, get_transfer_backend
 from kvtransfer.staging import StagingRing
-from tests.kvtransfer.helpers import (
-    LAYERS,
-    assert_landed,
-    config,
-    make_kv,
-    record_writes,
-    release_both,
-    stall_loop,
-)
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.loop_probes import record_writes, stall_loop
 
 S = TransferStatus
 WAIT = 5.0

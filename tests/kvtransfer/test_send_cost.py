@@ -10,15 +10,8 @@ import torch
 
 from kvtransfer import TransferStatus, get_transfer_backend
 from kvtransfer.events import EventPool
-from tests.kvtransfer.helpers import (
-    LAYERS,
-    assert_landed,
-    config,
-    make_kv,
-    record_writes,
-    release_both,
-    stall_loop,
-)
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.loop_probes import record_writes, stall_loop
 
 S = TransferStatus
 WAIT = 5.0
