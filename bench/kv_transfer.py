@@ -2,8 +2,9 @@
 head_dim 128, bf16, block_size 16), sent layer by layer from this process (prefill side) into a
 receiver in a spawned process (decode side), for each backend.
 
-Reported GB/s = request KV bytes / (clock start → sender sees DONE), and / (clock start → the receiver
-has every layer and knows it: "landed", when a decode worker may schedule the request; the
+Reported GB/s = request KV bytes / (clock start → the sender's status becomes DONE), and / (clock
+start → the receiver has every layer and knows it: "landed", when a decode worker may schedule the
+request; the
 sender hears of it one control message later), each with its ratio to a baseline measured in the same
 run. The clock starts before add_request (the Begin round trip counts), with --begun at the first
 send_layer (in serving add_request precedes the prefill forward pass). Baseline: on CPU a same-process
@@ -59,6 +60,9 @@ def _kv(num_blocks: int, device: str) -> torch.Tensor:
 
 
 PEER_TIMEOUT_S = [2.0]  # TransferConfig.peer_timeout_s of both sides (--peer-timeout; the default)
+WARM_S = [0.0]  # --warm-us: the benchmark thread keeps busy this long after the Begin answer
+NIXL_ERRORS = ["peer"]  # TransferConfig.nixl_error_handling of both sides (--nixl-error-handling)
+BUSY_WAIT_S = [50e-6]  # TransferConfig.busy_wait_s of both sides (--busy-wait-us; the default)
 
 
 def _config(worker_id: str, backend: str, depth: int = 4, verify: bool = False,  # type: ignore[no-untyped-def]
@@ -67,14 +71,17 @@ def _config(worker_id: str, backend: str, depth: int = 4, verify: bool = False, 
 
     return TransferConfig(worker_id=worker_id, model_id="llama-3-8b-shape", backend=backend, timeout_s=120,
                           max_inflight_layers=depth, checksum=verify,
-                          peer_timeout_s=peer_timeout_s or PEER_TIMEOUT_S[0])
+                          peer_timeout_s=peer_timeout_s or PEER_TIMEOUT_S[0], busy_wait_s=BUSY_WAIT_S[0],
+                          fine_wait_s=min(5e-6, BUSY_WAIT_S[0]), nixl_error_handling=NIXL_ERRORS[0])
 
 
 def receiver_main(conn: Connection, backend: str, num_blocks: int, device: str, verify: bool = False,
-                  peer_timeout_s: float = 2.0) -> None:
+                  peer_timeout_s: float = 2.0, busy_wait_s: float = 50e-6, nixl_errors: str = "peer") -> None:
     """Decode side: expect requests on demand, report when they are DONE; ("trace",) turns its trace
     on and answers with the events recorded since the last such command."""
     from kvtransfer import get_transfer_backend
+
+    BUSY_WAIT_S[0], NIXL_ERRORS[0] = busy_wait_s, nixl_errors
 
     rx = get_transfer_backend(backend).receiver(_config("bench-d", backend, verify=verify,
                                                         peer_timeout_s=peer_timeout_s),
@@ -135,7 +142,8 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     rx_device = device if device == "cpu" else "cuda:1"
-    args = (child, backend, n * concurrent + extra_blocks, rx_device, verify, PEER_TIMEOUT_S[0])
+    args = (child, backend, n * concurrent + extra_blocks, rx_device, verify, PEER_TIMEOUT_S[0],
+            BUSY_WAIT_S[0], NIXL_ERRORS[0])
     proc = ctx.Process(target=receiver_main, args=args, daemon=True)
     proc.start()
     conn.recv()
@@ -193,6 +201,7 @@ def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int
         for rid in rids:
             extra = tx._requests[rid].extra  # type: ignore[attr-defined]
             assert tx.wait_until(functools.partial(_begun, extra), 30), "no Begin"  # type: ignore[attr-defined]
+        _keep_busy(WARM_S[0], tx.kv_buffer)  # type: ignore[attr-defined]
         t = time.perf_counter()
     t_sl = time.perf_counter()
     if handoff == "request":
@@ -204,12 +213,26 @@ def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int
                 tx.send_layer(rid, layer)  # type: ignore[attr-defined]
     t_end = time.perf_counter()
     statuses = [tx.wait(rid, 120) for rid in rids]  # type: ignore[attr-defined]
-    dt = time.perf_counter() - t
+    t_wait = time.perf_counter()
+    # when the sender's status became DONE, not when this thread woke from wait() (on the H200 VM a
+    # thread asleep in a condition wait woke 0.1-0.2 ms after the notify: the benchmark's cost)
+    dt = max((tx.ended_at(rid) or t_wait) for rid in rids) - t  # type: ignore[attr-defined]
     if events is not None:
-        events += [(t_sl, "sl_begin", "", -1), (t_end, "sl_end", "", -1), (t + dt, "wait_end", "", -1)]
+        events += [(t_sl, "sl_begin", "", -1), (t_end, "sl_end", "", -1), (t_wait, "wait_end", "", -1)]
     landed = max(_finish(tx, conn, rid, status, path, TransferStatus.DONE)
                  for rid, status in zip(rids, statuses, strict=True))
     return t, dt, landed - t
+
+
+def _keep_busy(seconds: float, kv: torch.Tensor) -> None:
+    """Run Python and CUDA stream queries for `seconds` (--warm-us), as a prefill thread that hands its
+    KV off straight from running the forward pass: on the H200 VM a thread woken from a wait ran its
+    next Python 2.4× and CUDA calls 30-50× slower (docs/benchmarks/kv_transfer-h200.md)."""
+    end = time.perf_counter() + seconds
+    stream = torch.cuda.current_stream(kv.device) if kv.is_cuda else None
+    while time.perf_counter() < end:
+        if stream is not None:
+            stream.query()
 
 
 def _block_ids(n: int, concurrent: int, path: str, scatter: bool) -> tuple[list[list[int]], list[list[int]]]:
@@ -274,6 +297,14 @@ def main() -> None:
                    help="sys.setswitchinterval (s) for this process: GIL hand-off latency")
     p.add_argument("--peer-timeout", type=float, default=2.0,
                    help="TransferConfig.peer_timeout_s (s of silence before a peer is declared lost)")
+    p.add_argument("--busy-wait-us", type=float, default=50.0,
+                   help="TransferConfig.busy_wait_s of both sides, in µs (a busy loop's longest nap)")
+    p.add_argument("--nixl-error-handling", default="peer", choices=["peer", "none"],
+                   help="TransferConfig.nixl_error_handling of both sides (none: UCX shared memory "
+                        "for the notices)")
+    p.add_argument("--warm-us", type=float, default=0.0,
+                   help="with --begun: the benchmark thread keeps busy (Python, CUDA stream queries) this "
+                        "many µs after the Begin answer, before the clock starts, as a forward pass would")
     p.add_argument("--extra-blocks", type=int, default=0,
                    help="blocks beyond the requests' in both kv_buffers (K, V and layers not adjacent)")
     p.add_argument("--handoff", default="layer", choices=["layer", "request"],
@@ -282,6 +313,9 @@ def main() -> None:
                    help="direct: contiguous source blocks; staged: shuffled ones (gathered)")
     args = p.parse_args()
     PEER_TIMEOUT_S[0] = args.peer_timeout
+    BUSY_WAIT_S[0] = args.busy_wait_us * 1e-6
+    WARM_S[0] = args.warm_us * 1e-6
+    NIXL_ERRORS[0] = args.nixl_error_handling
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     print(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {platform.node()} {os.cpu_count()} cores, torch "
@@ -289,7 +323,8 @@ def main() -> None:
           f"{', scattered blocks' if args.scatter else ''}{', clock after Begin' if args.begun else ''}"
           f"{', verified (CRC32)' if args.verify else ''}, {args.extra_blocks} extra blocks, "
           f"{args.concurrent} request(s) per round, "
-          f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms")
+          f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms, busy wait {args.busy_wait_us:g} µs, "
+          f"warm {args.warm_us:g} µs, NIXL UCX error handling {args.nixl_error_handling}")
     print("| tokens | MiB | baseline GB/s | backend | path | hand-off | GB/s (sender DONE) | ratio "
           "| GB/s (landed) | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -32,7 +32,8 @@ class TransferBackend:
         if self.name == "nixl":
             from kvtransfer.nixl import NixlSendTransport
 
-            transport = NixlSendTransport(f"{config.worker_id}-send-{os.getpid()}-{id(kv_buffer):x}")
+            transport = NixlSendTransport(f"{config.worker_id}-send-{os.getpid()}-{id(kv_buffer):x}",
+                                          config.nixl_error_handling)
         elif self.name == "ucx":
             from kvtransfer.ucx import UcxSendTransport
 
@@ -54,7 +55,7 @@ class TransferBackend:
             from kvtransfer.nixl import NixlRecvTransport
 
             name = f"{config.worker_id}-recv-{os.getpid()}-{id(kv_buffer):x}"
-            transport = NixlRecvTransport(name, kv_buffer)
+            transport = NixlRecvTransport(name, kv_buffer, config.nixl_error_handling)
         elif self.name == "ucx":
             from kvtransfer.ucx import UcxRecvTransport
 

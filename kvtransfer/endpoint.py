@@ -1,8 +1,10 @@
 """Common machinery of KVSender and KVReceiver: the background loop thread and request bookkeeping.
 
 Each endpoint runs one daemon thread that owns its zmq socket(s) and transport (neither is thread
-safe); public methods only touch state under `self._lock` and queue commands for the thread. Status
-changes wake `wait()` callers through a condition variable. No torch here.
+safe); public methods only touch state under `self._lock` and queue commands for the thread (one
+exception: a sender's hand-off may call its transport while it holds the sender's data lock, which the
+loop lets go only while it waits: kvtransfer/post_now.py). Status changes wake `wait()` callers
+through a condition variable. No torch here.
 
 Life cycle: at most ONE loop thread per endpoint, ever. A zmq socket must be used by one thread at a
 time and a context terminated once (pyzmq/libzmq: `zmq_ctx_term` on a terminated context fails with

@@ -44,7 +44,9 @@ class _RecvMeta(msgspec.Struct, frozen=True):
     mem: str  # "DRAM" | "VRAM"
 
 
-def _agent(name: str, progress_thread: bool = False) -> object:
+def _agent(name: str, progress_thread: bool = False, error_handling: str = "peer") -> object:
+    """A NIXL agent with its UCX backend; `error_handling`: the backend's ucx_error_handling_mode
+    (TransferConfig.nixl_error_handling: "peer", NIXL's default, or "none")."""
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 
     # NIXL's progress thread spins (the Python binding sets its delay to 0): one full core per agent,
@@ -53,7 +55,11 @@ def _agent(name: str, progress_thread: bool = False) -> object:
     # thread starved the prefill worker (a 5000-token prompt then missed its 30 s KV deadline). Without it
     # large DRAM WRITEs (UCX rendezvous) progress only when the receiver loop polls: 1.4 → 0.3 GB/s at
     # 16 MiB per layer (facts.md); the initiator progresses while it polls check_xfer_state.
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
+    params = agent.get_plugin_params("UCX")  # type: ignore[attr-defined]
+    params["ucx_error_handling_mode"] = error_handling
+    agent.create_backend("UCX", params)  # type: ignore[attr-defined]
+    return agent
 
 
 def _mem(t: torch.Tensor) -> tuple[str, int]:
@@ -63,8 +69,8 @@ def _mem(t: torch.Tensor) -> tuple[str, int]:
 class NixlRecvTransport(RecvTransport):
     """Registers `kv_buffer` with a NIXL agent named `name` (must be unique among peers)."""
 
-    def __init__(self, name: str, kv_buffer: torch.Tensor) -> None:
-        self.agent = _agent(name, progress_thread=kv_buffer.is_cuda)
+    def __init__(self, name: str, kv_buffer: torch.Tensor, error_handling: str = "peer") -> None:
+        self.agent = _agent(name, progress_thread=kv_buffer.is_cuda, error_handling=error_handling)
         self.kv_buffer = kv_buffer
         self._reg = self.agent.register_memory(kv_buffer)  # type: ignore[attr-defined]
         mem, dev = _mem(kv_buffer)
@@ -100,8 +106,8 @@ class NixlSendTransport(SendTransport):
     write_per_request = True
     premakes_whole = True
 
-    def __init__(self, name: str) -> None:
-        self.agent = _agent(name)
+    def __init__(self, name: str, error_handling: str = "peer") -> None:
+        self.agent = _agent(name, error_handling=error_handling)
         self._bases = [0, 0]  # data_ptr of the STAGING and KV regions (0 = not registered)
         self._regs: list[object] = [None, None]
         self._mem, self._dev = "DRAM", 0

@@ -26,8 +26,9 @@ before; (2) for ABORTED/FAILED the receiver never uses the request's blocks and 
 the sender's Stopped fence, which _flush_stops sends only once no write of the request is in flight, or
 after the sender is gone / its epoch changed (then every write to it was cancelled, sender.py
 _fail_peer); garbage landing in such blocks is never read. (3) Nothing is posted after a request
-became terminal: _post_ready checks the status under the lock, and every status change of the
-sender runs on this loop thread, so it cannot change between that check and the post.
+became terminal: _post_ready (and post_now.py's hand-off) checks the status under the lock, and every
+status change of the sender runs inside a loop step, which holds the data lock (`_data`) that the post
+also holds, so it cannot change between that check and the post.
 """
 
 from __future__ import annotations

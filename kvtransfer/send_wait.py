@@ -1,7 +1,8 @@
-"""The sender loop's wait while its data path is busy (a mixin of KVSender, via SendPath): whether a
-queued request-layer can enter the pipeline or a gathered one be posted now, and the nap between looks
-when neither can (send_layer events and write completions signal nothing). Loop thread only.
-
+"""The sender loop's wait (a mixin of KVSender, via SendPath): `_poll_peers` reads control messages
+after waiting for work, as long as the loop has none it can do now (an idle poll, or naps while busy),
+and lets the data lock go while it waits (post_now.py). Loop thread only.
+While busy: whether a queued request-layer can enter the pipeline or a gathered one be posted now,
+and the nap between looks when neither can (send_layer events and write completions signal nothing).
 The nap is `TransferConfig.busy_wait_s` (50 µs) by default. While the one write in flight has a
 predicted end (lookahead.py: the transport's rate from the writes completed so far), it is one long
 nap up to shortly before that end, then a look every `fine_wait_s` until shortly after it: NIXL's UCX
@@ -19,12 +20,16 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
+import zmq
 
+from kvtransfer import messages as m
 from kvtransfer.endpoint import RequestState
 from kvtransfer.lookahead import nap_length
 from kvtransfer.pipeline import LayerPipeline
 from kvtransfer.types import TransferConfig
 from kvtransfer.wakeup import Waker, nap
+
+IDLE_POLL_MS = 10  # longest idle sleep of the loop (new work wakes it at once)
 
 
 class SendWait:
@@ -36,13 +41,20 @@ class SendWait:
     _requests: dict[str, RequestState]
     _queue: deque[tuple[str, int, torch.cuda.Event | None]]
     _waker: Waker
+    _data: threading.Lock
 
     def _mark(self, what: str, request_id: str) -> None:
         if self._pipe.trace is not None:
             self._pipe.trace.append((time.perf_counter(), what, request_id, -1))
 
+    _poller: zmq.Poller | None
+    _peers: dict[str, Any]
+    _commands: Any
+    _take_layers: bool
+
     if TYPE_CHECKING:
         def _complete(self) -> bool: ...
+        def _on_message(self, peer: Any, msg: m.Message) -> None: ...
 
     def _can_take_layer(self) -> bool:
         """Whether the oldest queued request-layer can enter the pipeline now (or be dropped: its
@@ -71,6 +83,53 @@ class SendWait:
                 return op.ready is None or bool(op.ready.query())
         return False
 
+    def _poll_peers(self) -> None:
+        """Handle control messages, after a wait unless this step has work it can do now (a command,
+        a queued layer that can enter the pipeline, a layer to post: send_path.py).
+
+        Idle (nothing queued or in flight): sleep in the zmq poller up to IDLE_POLL_MS (heartbeats,
+        deadlines). Busy but only waiting for CUDA events or write completions, which signal nothing:
+        naps of `config.busy_wait_s` with the GIL released (send_path._nap_busy, wakeup.nap: select()
+        on the waker and the sockets' fds; zmq's own poll counts whole milliseconds) up to
+        IDLE_POLL_MS, so the loop no longer spins and takes the GIL from the producer (issue #3), while
+        a Done, a command or a send_layer the pipeline has room for still ends the nap at once. Chosen
+        over a plain time.sleep(busy_wait_s), which a Done could not cut short. A send_layer into a
+        full pipeline sends no wake byte (`_take_layers`): the loop could not start it before a
+        completion, which a nap's timeout finds."""
+        if self._poller is None:  # rebuilt only when a peer is added
+            self._poller = zmq.Poller()
+            self._poller.register(self._waker.fd, zmq.POLLIN)
+            for p in self._peers.values():
+                self._poller.register(p.sock, zmq.POLLIN)
+        busy = bool(self._queue or self._pipe.ops)
+        now = not self._commands.empty() or (busy and (self._can_take_layer() or self._can_post()))
+        if not now:
+            self._take_layers = self._pipe.capacity > 0
+            self._waker.sleeping = True  # then look again: work queued before this sent no byte
+            now = not self._commands.empty() or self._can_take_layer()
+        if now:
+            ready = dict(self._poller.poll(0))
+        elif busy:
+            woke = self._nap_busy([p.sock for p in self._peers.values()], IDLE_POLL_MS / 1e3)
+            ready = dict(self._poller.poll(0)) if woke else {}
+        else:
+            self._mark("idle", "")
+            self._data.release()  # a hand-off may post meanwhile (post_now.py)
+            try:
+                ready = dict(self._poller.poll(IDLE_POLL_MS))
+            finally:
+                self._data.acquire()
+            self._mark("idle_end", "")
+        self._waker.sleeping = False
+        if self._waker.fd in ready:
+            self._waker.drain()
+        for p in list(self._peers.values()):
+            while p.sock in ready:
+                try:
+                    self._on_message(p, m.decode(p.sock.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+
     def _nap_busy(self, socks: list[Any], cap_s: float) -> bool:
         """Wait with the GIL released while the data path only waits for send_layer events or write
         completions, which signal nothing: naps (wakeup.nap), and between two only those are looked at
@@ -89,7 +148,12 @@ class SendWait:
             t = nap_length(now, self._pipe.lone_write(), c.busy_wait_s, c.fine_wait_s)
             if t > c.busy_wait_s:
                 self._mark("nap:long", "")  # (bench --trace) the look-ahead skips looks up to near the end
-            if nap(self._waker, socks, min(t, max(0.0, end - now))):
+            self._data.release()  # a hand-off may post meanwhile (post_now.py); it wakes us then
+            try:
+                woke = nap(self._waker, socks, min(t, max(0.0, end - now)))
+            finally:
+                self._data.acquire()
+            if woke:
                 self._mark("nap_end", "")
                 return True
             if self._can_post() or self._complete():

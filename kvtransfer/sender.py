@@ -2,14 +2,16 @@
 
 This file holds the public API and the control plane (messages, fences, the loop); the handshake and
 Begin are handshake.py, heartbeats and deadlines liveness.py, the hand-off of layers by send_layer(s)
-handoff.py, the data path (staging ring, several request-layers in flight, batched writes)
-send_path.py + pipeline.py.
+handoff.py (a whole request's complete KV is posted by the caller itself: post_now.py), the data path
+(staging ring, several request-layers in flight, batched writes) send_path.py + pipeline.py, the loop's
+waits send_wait.py.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import threading
 import time
 import zlib
 from collections import deque
@@ -27,6 +29,7 @@ from kvtransfer.handshake import Handshake
 from kvtransfer.liveness import PeerLiveness, Receiver
 from kvtransfer.lookahead import MIN_SAMPLE_NAPS, WriteRate
 from kvtransfer.pipeline import LayerPipeline
+from kvtransfer.post_now import PostNow
 from kvtransfer.runs import direct_layers, joint_runs, layer_pieces, merge_runs, source_cuts
 from kvtransfer.send_path import SendPath
 from kvtransfer.staging import layout_of
@@ -35,10 +38,9 @@ from kvtransfer.types import KVHandle, TransferConfig, TransferError, TransferSt
 from kvtransfer.wakeup import Waker
 
 S = TransferStatus
-IDLE_POLL_MS = 10  # longest idle sleep of the loop (new work wakes it at once)
 
 
-class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
+class KVSender(LayerHandoff, PostNow, Handshake, PeerLiveness, SendPath, Endpoint):
     """Sends KV from `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]` (any dtype/device)."""
 
     def __init__(self, config: TransferConfig, kv_buffer: torch.Tensor, transport: SendTransport) -> None:
@@ -61,12 +63,19 @@ class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
         self._poller: zmq.Poller | None = None
         self._waker = Waker()  # send_layer and commands cut the loop's idle poll (or nap) short
         self._take_layers = True  # a send_layer may wake the loop (false: the pipeline is full)
+        # the data path's lock (pipeline, transport, statuses): the loop holds it except while it
+        # waits, a hand-off that posts at once (post_now.py) while it posts
+        self._data = threading.Lock()
 
     def start(self) -> KVSender:
         """Start the loop thread. Does nothing on a running sender; raises TransferError after close()
         (endpoint.py: one loop thread per endpoint)."""
         self._start_thread(f"kv-sender-{self.config.worker_id}")
         return self
+
+    def _run(self) -> None:
+        with self._data:  # let go only while the loop waits (_poll_peers, send_wait._nap_busy)
+            super()._run()
 
     # ---- public API -----------------------------------------------------------------------------
     def connect(self, address: str, timeout: float = 5.0) -> None:
@@ -243,49 +252,6 @@ class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
         self._complete()
         self._flush_stops()
         self._release_preps()
-
-    def _poll_peers(self) -> None:
-        """Handle control messages, after a wait unless this step has work it can do now (a command,
-        a queued layer that can enter the pipeline, a layer to post: send_path.py).
-
-        Idle (nothing queued or in flight): sleep in the zmq poller up to IDLE_POLL_MS (heartbeats,
-        deadlines). Busy but only waiting for CUDA events or write completions, which signal nothing:
-        naps of `config.busy_wait_s` with the GIL released (send_path._nap_busy, wakeup.nap: select()
-        on the waker and the sockets' fds; zmq's own poll counts whole milliseconds) up to
-        IDLE_POLL_MS, so the loop no longer spins and takes the GIL from the producer (issue #3), while
-        a Done, a command or a send_layer the pipeline has room for still ends the nap at once. Chosen
-        over a plain time.sleep(busy_wait_s), which a Done could not cut short. A send_layer into a
-        full pipeline sends no wake byte (`_take_layers`): the loop could not start it before a
-        completion, which a nap's timeout finds."""
-        if self._poller is None:  # rebuilt only when a peer is added
-            self._poller = zmq.Poller()
-            self._poller.register(self._waker.fd, zmq.POLLIN)
-            for p in self._peers.values():
-                self._poller.register(p.sock, zmq.POLLIN)
-        busy = bool(self._queue or self._pipe.ops)
-        now = not self._commands.empty() or (busy and (self._can_take_layer() or self._can_post()))
-        if not now:
-            self._take_layers = self._pipe.capacity > 0
-            self._waker.sleeping = True  # then look again: work queued before this sent no byte
-            now = not self._commands.empty() or self._can_take_layer()
-        if now:
-            ready = dict(self._poller.poll(0))
-        elif busy:
-            woke = self._nap_busy([p.sock for p in self._peers.values()], IDLE_POLL_MS / 1e3)
-            ready = dict(self._poller.poll(0)) if woke else {}
-        else:
-            self._mark("idle", "")
-            ready = dict(self._poller.poll(IDLE_POLL_MS))
-            self._mark("idle_end", "")
-        self._waker.sleeping = False
-        if self._waker.fd in ready:
-            self._waker.drain()
-        for p in list(self._peers.values()):
-            while p.sock in ready:
-                try:
-                    self._on_message(p, m.decode(p.sock.recv(zmq.NOBLOCK)))
-                except zmq.Again:
-                    break
 
     def _wake(self) -> None:
         self._waker.wake()

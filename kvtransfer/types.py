@@ -110,6 +110,11 @@ class TransferConfig:
     idle poll (10 ms). A command, a useful send_layer or a control message ends the nap at once.
     fine_wait_s: the sender's look interval (seconds) around the predicted end of its one write in
     flight (send_wait._nap_busy, lookahead.py); > 0 and <= busy_wait_s.
+    nixl_error_handling: the nixl backend's UCX ucx_error_handling_mode (NIXL UCX plugin parameter).
+    "peer" (NIXL's default): UCX reports a dead peer's transfers as errors, but endpoints with peer
+    error handling exclude UCX's shared-memory transports, so within one host NIXL's notifications
+    (the LayerNotices) travel over TCP loopback. "none": shared memory carries them; a dead peer is
+    then found by heartbeats and deadlines only (liveness.py), as with every other backend.
     """
 
     worker_id: str
@@ -127,6 +132,7 @@ class TransferConfig:
     direct_max_pieces: int = 16
     busy_wait_s: float = 50e-6
     fine_wait_s: float = 5e-6
+    nixl_error_handling: str = "peer"
 
     def __post_init__(self) -> None:
         if self.max_inflight_layers < 1:
@@ -138,6 +144,9 @@ class TransferConfig:
         if not 0 < self.fine_wait_s <= self.busy_wait_s:  # also refuses NaN
             raise ValueError(f"fine_wait_s must be > 0 and <= busy_wait_s ({self.busy_wait_s} s), "
                              f"got {self.fine_wait_s}")
+        if self.nixl_error_handling not in ("peer", "none"):
+            raise ValueError(f"nixl_error_handling must be 'peer' or 'none', "
+                             f"got {self.nixl_error_handling!r}")
         if self.timeout_s <= 0 or self.heartbeat_interval_s <= 0:
             raise ValueError("timeout_s and heartbeat_interval_s must be > 0")
         if self.peer_timeout_s <= self.heartbeat_interval_s:
