@@ -20,7 +20,9 @@ It does so only when all of this holds, and else queues the layers as before (re
   it go only while it waits (an idle poll or a nap), so a step in progress is never entered, only
   waited for (on 2×H200 a hand-off right after the Begin answer otherwise found the loop still in the
   step that read it, and queued). While a caller holds it no status can change: every status change
-  of the sender runs on the loop thread inside a step.
+  of the sender runs on the loop thread inside a step. A loop that found it held when its wait ended
+  waited for the post, however long (a starved caller thread): it reads its control socket again
+  before its liveness check (send_wait._relock), or heartbeats left unread would count as silence.
 
 Sources: the pre-made write is NIXL's `make_prepped_xfer` + `transfer()` (NIXL Python API, nixl_agent);
 NIXL's UCX backend allows serialized calls from several threads (UCX thread mode SERIALIZED, which a

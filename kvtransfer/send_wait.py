@@ -118,7 +118,9 @@ class SendWait:
             try:
                 ready = dict(self._poller.poll(IDLE_POLL_MS))
             finally:
-                self._data.acquire()
+                held = self._relock()
+            if held:  # messages that came while the loop waited for a hand-off's post
+                ready = dict(self._poller.poll(0))
             self._mark("idle_end", "")
         self._waker.sleeping = False
         if self._waker.fd in ready:
@@ -138,8 +140,9 @@ class SendWait:
         (lookahead.nap_length, pipeline.lone_write): one long nap up to shortly before it, then a look
         every `config.fine_wait_s` until shortly after it (NIXL sends the write's notification from
         the look that finds it complete). Returns True as soon as the waker or a socket in `socks` is
-        readable (a command, a send_layer, a message: the caller reads them), False once an event
-        completed, a write finished or `cap_s` seconds passed (housekeeping is due)."""
+        readable (a command, a send_layer, a message: the caller reads them) or a nap ended while a
+        hand-off held the data lock (`_relock`), False once an event completed, a write finished or
+        `cap_s` seconds passed (housekeeping is due)."""
         c = self.config
         now = time.monotonic()
         end = now + cap_s
@@ -152,8 +155,8 @@ class SendWait:
             try:
                 woke = nap(self._waker, socks, min(t, max(0.0, end - now)))
             finally:
-                self._data.acquire()
-            if woke:
+                held = self._relock()
+            if woke or held:
                 self._mark("nap_end", "")
                 return True
             if self._can_post() or self._complete():
@@ -163,3 +166,13 @@ class SendWait:
             if now >= end:
                 self._mark("nap_end", "")
                 return False
+
+    def _relock(self) -> bool:
+        """Take the data lock back after a wait (loop thread). True if a hand-off held it then
+        (post_now.py): the loop waited for that post, however long it took (a starved thread), so the
+        control messages that came meanwhile must be read before liveness is checked, or the peers'
+        heartbeats waiting unread count as their silence (as a stall of the loop itself, test_stall.py)."""
+        if self._data.acquire(blocking=False):
+            return False
+        self._data.acquire()
+        return True

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvtransfer import TransferStatus, get_transfer_backend, post_now
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, stall_once
 
 pytest.importorskip("nixl_cu13")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -118,6 +118,46 @@ def test_a_hand_off_waits_for_the_end_of_a_short_step():
         assert names == [threading.current_thread().name]
         _finish(tx, rx, "a", src, dst)
     finally:
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("loop", ["idle", "napping"])
+def test_a_post_stalled_on_the_callers_thread_keeps_the_receiver(loop):
+    """A fast post that stalls (a starved thread, as the loop's write in test_stall.py) 1.5 × the
+    sender's peer_timeout_s keeps the loop waiting for the data lock after its wait (its idle poll, or
+    a nap beside another request's write in flight); it must read the heartbeats that came meanwhile
+    before it checks liveness, not declare its receiver lost. The receiver beats every 0.5 s, so the
+    loop's last wait most likely saw none of them."""
+    backend = get_transfer_backend("nixl")
+    src, dst = make_kv(11), make_kv(None)
+    tx = backend.sender(config("p0", "nixl", max_inflight_layers=2 * LAYERS), src)  # peer_timeout_s 1.0
+    rx_config = dataclasses.replace(config("d0", "nixl"), heartbeat_interval_s=0.5, peer_timeout_s=30.0)
+    rx = backend.receiver(rx_config, dst)
+    gate = threading.Event()
+    try:
+        if loop == "napping":  # "b" is written first; the loop sees its write in progress until the gate
+            tx.add_request(rx.expect("b", [1, 2]), [20, 21])
+            test = tx.transport.test
+            tx.transport.test = lambda handle: gate.is_set() and test(handle)
+        _begun(tx, rx, "a")
+        if loop == "napping":
+            assert tx.wait_until(lambda: tx._requests["b"].extra["prep"] is not None, WAIT)
+            tx.send_layers("b")
+            assert tx.wait_until(lambda: tx._waker.sleeping and bool(tx._pipe.ops), WAIT)  # napping
+        names = _transfer_threads(tx)
+        stalled = stall_once(tx.transport, "post_whole", 1.5)
+        tx.send_layers("a")
+        assert stalled and names == [threading.current_thread().name]  # posted (and stalled) here
+        gate.set()
+        if loop == "napping":
+            assert rx.wait("b", WAIT) is S.DONE and tx.wait("b", WAIT) is S.DONE, tx.reason("b")
+            assert_landed(src, [20, 21], dst, [1, 2])
+            release_both(tx, rx, "b")
+        _finish(tx, rx, "a", src, dst)
+        assert all(p.epoch for p in tx._peers.values())  # the receiver was never declared lost
+    finally:
+        gate.set()
         tx.close()
         rx.close()
 
