@@ -10,12 +10,10 @@ post is make_prepped_xfer("WRITE", ..., indices of the ready layers) → transfe
 the write of all its layers is also made then (premake_whole), so a whole-request post is transfer();
 staged writes (and batches mixing requests) build descriptor lists per post (get_xfer_descs /
 initialize_xfer), merging pieces contiguous on both sides first. The target reads notifications with
-get_new_notifs(). Measured on CPU (nixl_cu13 1.5.1, DRAM, docs/benchmarks/kv_transfer-h200.md step 5):
-make_prepped_xfer merges index-adjacent descriptors that are contiguous on both sides (64 contiguous
-4 KiB pieces: 38 µs, as one 256 KiB piece), initialize_xfer does not (138 µs); the Python calls
-themselves cost 2–8 µs each.
-Over CMA `transfer()` completes the copy before returning: it runs on the sender's loop thread, never
-on an event loop.
+get_new_notifs(). On CPU (nixl_cu13 1.5.1, DRAM; kv_transfer-h200.md step 5) make_prepped_xfer merges
+index-adjacent descriptors contiguous on both sides (64 × 4 KiB: 38 µs), initialize_xfer does not (138
+µs). Over CMA `transfer()` completes the copy before returning: it runs on the sender's loop thread or,
+for a complete request, its caller's (post_now.py), never on an event loop.
 """
 
 from __future__ import annotations
@@ -49,12 +47,10 @@ def _agent(name: str, progress_thread: bool = False, error_handling: str = "peer
     (TransferConfig.nixl_error_handling: "peer", NIXL's default, or "none")."""
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 
-    # NIXL's progress thread spins (the Python binding sets its delay to 0): one full core per agent,
-    # busy or idle (measured: 3.0 s of CPU in 3 s idle). On a GPU host the target keeps it (cores are
-    # plentiful; the H200 figures were measured with it); on DRAM it is off: on a 2-core machine the spinning
-    # thread starved the prefill worker (a 5000-token prompt then missed its 30 s KV deadline). Without it
-    # large DRAM WRITEs (UCX rendezvous) progress only when the receiver loop polls: 1.4 → 0.3 GB/s at
-    # 16 MiB per layer (facts.md); the initiator progresses while it polls check_xfer_state.
+    # NIXL's progress thread spins (delay 0 from Python): a core per agent, idle or not. A GPU target
+    # keeps it (the H200 figures had it); on DRAM it is off (on 2 cores it starved the prefill worker,
+    # a 5000-token prompt missed its 30 s KV deadline), so large DRAM WRITEs progress only when the
+    # receiver polls (1.4 → 0.3 GB/s at 16 MiB per layer, facts.md).
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
     params = agent.get_plugin_params("UCX")  # type: ignore[attr-defined]
     params["ucx_error_handling_mode"] = error_handling

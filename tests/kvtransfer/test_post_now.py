@@ -106,15 +106,19 @@ def test_a_loop_in_a_long_step_gets_the_layers_queued():
         rx.close()
 
 
-def test_a_hand_off_waits_for_the_end_of_a_short_step():
-    """A loop in a step shorter than STEP_WAIT_S: the hand-off waits for it and posts itself."""
+def test_a_hand_off_waits_for_the_end_of_a_short_step(monkeypatch):
+    """A loop in a step shorter than STEP_WAIT_S: the hand-off waits for it and posts itself. (STEP_WAIT_S
+    made 5 s and the step 50 ms, so a loaded 2-core box cannot turn the step into a long one.)"""
+    monkeypatch.setattr(post_now, "STEP_WAIT_S", 5.0)
     tx, rx, src, dst = _pair()
     try:
         names = _transfer_threads(tx)
         _begun(tx, rx, "a")
         assert tx._data.acquire(timeout=WAIT)  # as the loop does for a step ...
-        threading.Timer(post_now.STEP_WAIT_S / 10, tx._data.release).start()  # ... that ends soon
+        threading.Timer(0.05, tx._data.release).start()  # ... that ends well within STEP_WAIT_S
+        t = time.monotonic()
         tx.send_layers("a")
+        assert time.monotonic() - t >= 0.04  # it waited for the step
         assert names == [threading.current_thread().name]
         _finish(tx, rx, "a", src, dst)
     finally:
