@@ -93,11 +93,10 @@ class NixlRecvTransport(RecvTransport):
 
 
 class NixlSendTransport(SendTransport):
-    """WRITEs pieces of the staging ring or (direct path) of the sender's kv_buffer with one NIXL
-    transfer per batch. Both regions are registered once (the ring again only when it grows); their base
-    addresses and memory type, and each peer's remote agent name, base and device, are cached. A direct
-    request's descriptor lists are prepared once (prepare_layers): its post is make_prepped_xfer by
-    index + transfer; other posts build two descriptor lists (merged), initialize_xfer, transfer."""
+    """WRITEs pieces of the staging ring or (direct path) of the sender's kv_buffer, one NIXL transfer per
+    batch. Both regions are registered once (the ring again when it grows); bases, memory type and each
+    peer's agent name, base and device are cached. A direct request's lists are prepared once: its post
+    is make_prepped_xfer by index + transfer; other posts build merged lists, initialize_xfer, transfer."""
 
     write_per_request = True
     premakes_whole = True
@@ -121,8 +120,7 @@ class NixlSendTransport(SendTransport):
         self._mem, self._dev = _mem(t)
 
     def set_staging(self, staging: object) -> None:
-        assert isinstance(staging, torch.Tensor)
-        self._register(STAGING, staging)
+        self._register(STAGING, cast(torch.Tensor, staging))
 
     def register_kv(self, kv_buffer: object) -> None:
         """Register kv_buffer (VRAM on a GPU, DRAM on CPU) for direct writes; must be contiguous."""
