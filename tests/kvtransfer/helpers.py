@@ -102,3 +102,15 @@ def loop_cost(thread: threading.Thread | None, counter: list[int], window: float
     c0, n0, t0 = time.clock_gettime(clock), counter[0], time.monotonic()
     time.sleep(window)
     return (time.clock_gettime(clock) - c0) / (time.monotonic() - t0), counter[0] - n0
+
+
+def need_nixl() -> None:
+    """Skip the calling test module unless nixl_cu13 imports; quiet UCX and keep its TCP on loopback
+    (the CI box has no other network; setdefault: an environment that sets them wins)."""
+    import os
+
+    import pytest
+
+    pytest.importorskip("nixl_cu13")
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")

@@ -3,16 +3,12 @@ a request moves bit-exact with either mode, and anything else is refused when th
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from kvtransfer import TransferConfig, TransferStatus, get_transfer_backend
-from tests.kvtransfer.helpers import assert_landed, config, make_kv, release_both
+from tests.kvtransfer.helpers import assert_landed, config, make_kv, need_nixl, release_both
 
-pytest.importorskip("nixl_cu13")
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+need_nixl()
 pytestmark = pytest.mark.timeout(60)
 SRC, DST = [3, 4, 5, 9], [0, 7, 8, 2]
 

@@ -6,7 +6,6 @@ the pipeline too shallow) the layers are queued and the loop posts them, as befo
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 
@@ -14,11 +13,17 @@ import pytest
 import torch
 
 from kvtransfer import TransferStatus, get_transfer_backend, post_now
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, stall_once
+from tests.kvtransfer.helpers import (
+    LAYERS,
+    assert_landed,
+    config,
+    make_kv,
+    need_nixl,
+    release_both,
+    stall_once,
+)
 
-pytest.importorskip("nixl_cu13")
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+need_nixl()
 pytestmark = pytest.mark.timeout(60)
 S = TransferStatus
 WAIT = 10.0

@@ -4,18 +4,14 @@ released unused (exactly once) for any other hand-off, an abort, or with checksu
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from kvtransfer import TransferStatus, get_transfer_backend
 from kvtransfer import messages as m
 from kvtransfer.runs import make_tag
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, need_nixl, release_both
 
-pytest.importorskip("nixl_cu13")
-os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+need_nixl()
 pytestmark = pytest.mark.timeout(60)
 S = TransferStatus
 WAIT = 10.0
