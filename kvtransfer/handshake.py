@@ -6,7 +6,9 @@ HelloReply with a new epoch means the receiver restarted: the old incarnation's 
 write posted to it is cancelled (liveness.py) before the transport connects to the new one. A
 Rehandshake (the receiver answering a message of ours it cannot place: it dropped us, or restarted)
 fails at once every request begun there, cancels every write posted to it and says Hello again;
-PENDING requests of its current epoch get their Begin after the new handshake.
+PENDING requests of its current epoch get their Begin after the new handshake. A request made terminal
+before its Begin went out (e.g. aborted while the handshake was pending) is withdrawn (`_withdraw`,
+messages.Withdraw) once that receiver knows us, so it frees the request's blocks at once.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Handshake:
     transport: SendTransport
     _lock: threading.Condition
     _requests: dict[str, RequestState]
+    _peers: dict[str, Receiver]
     _pipe: LayerPipeline
 
     if TYPE_CHECKING:
@@ -64,6 +67,19 @@ class Handshake:
         else:
             self._hello(st.handle.address)  # new or restarted receiver: (re)handshake first
 
+    def _withdraw(self, st: RequestState, aborted: bool) -> bool:
+        """Tell the receiver that the terminal request `st`, whose Begin never went out, will never be
+        claimed nor written (messages.Withdraw; lock held). True when done: sent, or nothing to tell
+        (the receiver incarnation its handle names is gone, or never answered our Hello); False while
+        our handshake with that receiver is pending: the loop calls again after its answer."""
+        peer = self._peers.get(st.handle.address)
+        if peer is None:
+            return True
+        if peer.epoch == st.handle.epoch:
+            self._send(peer, m.Withdraw(st.handle.request_id, peer.epoch, aborted, st.reason))
+            return True
+        return not (peer.epoch == 0 and peer.hello_at)
+
     def _on_hello_reply(self, peer: Receiver, r: m.HelloReply) -> None:
         err = IncompatiblePeerError(f"{r.receiver_id}@{peer.address}", r.mismatches) if r.mismatches else None
         if err is None:
@@ -92,9 +108,10 @@ class Handshake:
     def _on_rehandshake(self, peer: Receiver, r: m.Rehandshake) -> None:
         """The receiver at `peer` does not know us (messages.Rehandshake): it voided every write of ours
         (its requests FAILED, their blocks held until their deadline), so fail each request bound to it
-        except PENDING ones of its current epoch (their Begin was refused unread: it goes out again once
-        the new Hello is answered), cancel every write posted to it, drop its transport state and Hello.
-        Stopped fences still to send are dropped: the receiver no longer waits for them."""
+        except those of its current epoch whose Begin is unanswered (refused unread, or never sent: none
+        of ours claimed there): a PENDING one's Begin goes out again once the new Hello is answered, a
+        terminal one's Withdraw then. Cancel every write posted to it, drop its transport state and
+        Hello. Stopped fences still to send are dropped: the receiver no longer waits for them."""
         if not peer.epoch:
             return  # answers a message sent before our Hello (or we had given this receiver up already)
         why = (f"receiver {r.receiver_id} at {peer.address} restarted" if r.epoch != peer.epoch else
@@ -103,12 +120,15 @@ class Handshake:
             for st in self._requests.values():
                 if st.handle.address != peer.address:
                     continue
-                if st.status is S.PENDING and st.handle.epoch == r.epoch:
+                if st.handle.epoch == r.epoch and not st.extra["answered"]:  # not claimed there
                     st.extra["begin_sent"] = False
-                    continue
-                st.extra["answered"], st.extra["stop"] = True, None
-                stale = f"stale handle: epoch {st.handle.epoch} != receiver's {r.epoch} ({why})"
-                self._set(st, S.FAILED, stale if st.status is S.PENDING else why)  # PENDING: never begun
+                    if st.status is S.PENDING:
+                        continue
+                    st.extra["stop"] = st.status is S.ABORTED  # terminal: withdrawn after the Hello
+                else:
+                    st.extra["answered"], st.extra["stop"] = True, None
+                    stale = f"stale handle: epoch {st.handle.epoch} != receiver's {r.epoch} ({why})"
+                    self._set(st, S.FAILED, stale if st.status is S.PENDING else why)  # PENDING: never begun
                 self._dropped(self._pipe.cancel(st.handle.request_id, posted=False))
             self._dropped(self._pipe.cancel_peer(peer.address))
         self.transport.remove_peer(peer.address)

@@ -6,6 +6,7 @@ request before writing any block: the receiver refuses requests it no longer exp
 writes into reused blocks); LayerNotice (two-sided transports only: data for a layer follows; one-sided
 ones carry it, or a LayerNotices batch, as the notification of the write itself); Done /
 Fail / Abort from the receiver; Stopped from the sender (it will write nothing more for the request);
+Withdraw from the sender (it gives up a request whose Begin it never sent; protocol version 5);
 Heartbeat both ways; Rehandshake from the receiver in answer to any message but Hello of a sender it
 does not know (it dropped the sender, or restarted): the sender fails what it had begun there and
 says Hello again (protocol version 4).
@@ -117,12 +118,24 @@ class Stopped(msgspec.Struct, tag=True):
     reason: str = ""
 
 
+class Withdraw(msgspec.Struct, tag=True):
+    """The sender made terminal a request whose Begin it never sent: it will never claim nor write it.
+    Sent once the receiver of epoch `receiver_epoch` answered the sender's Hello. The receiver ends the
+    request (ABORTED if `aborted`, else FAILED with `reason`) only if it is of that epoch, still PENDING
+    and claimed by no sender; a sender it does not know is answered with Rehandshake instead."""
+
+    request_id: str
+    receiver_epoch: int
+    aborted: bool
+    reason: str = ""
+
+
 class Heartbeat(msgspec.Struct, tag=True):
     epoch: int
 
 
 Message = (Hello | HelloReply | Begin | BeginReply | Rehandshake | LayerNotice | LayerNotices | Done | Fail
-           | Abort | Stopped | Heartbeat)
+           | Abort | Stopped | Withdraw | Heartbeat)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

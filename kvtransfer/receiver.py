@@ -1,11 +1,12 @@
 """KVReceiver: the decode worker's side; owns the destination blocks and decides when they are free.
 
 A block is released only when no write can still land in it: after DONE, after the sender said
-Stopped, when the sender never claimed the request (Begin), or when the deadline passed and the sender
-is gone (heartbeats lost, or it came back with a new epoch). A sender dropped while alive (its loop
-stalled past peer_timeout_s) is told so: any message but Hello from a sender we do not know is answered
-with messages.Rehandshake; its dropped requests stay FAILED and held until their deadline, whatever it
-says later (no Stopped of it is trusted for them: its writes were cancelled, not completed).
+Stopped, when no sender claimed the request (Begin; a sender that gives it up first says Withdraw,
+recv_withdraw.py), or when the deadline passed and the sender is gone (heartbeats lost, or it came
+back with a new epoch). A sender dropped while alive (its loop stalled past peer_timeout_s) is told
+so: any message but Hello from a sender we do not know is answered with messages.Rehandshake; its
+dropped requests stay FAILED and held until their deadline, whatever it says later (no Stopped of it
+is trusted for them: its writes were cancelled, not completed).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvtransfer import messages as m
 from kvtransfer.compat import mismatches, peer_info
 from kvtransfer.endpoint import RequestState
 from kvtransfer.recv_liveness import SenderLiveness, _Sender
+from kvtransfer.recv_withdraw import WithdrawReceiver
 from kvtransfer.runs import layer_pieces
 from kvtransfer.staging import layer_checksum, layout_of
 from kvtransfer.transport import RecvTransport
@@ -30,7 +32,7 @@ S = TransferStatus
 IDLE_POLL_MS = 10  # longest sleep of an idle loop, and the longest run of naps while due
 
 
-class KVReceiver(SenderLiveness):
+class KVReceiver(WithdrawReceiver, SenderLiveness):
     """Receives requests' KV into `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]`.
 
     Raises ValueError if kv_buffer is not a paged KV tensor with contiguous blocks.
@@ -198,6 +200,8 @@ class KVReceiver(SenderLiveness):
             self._send(identity, self._on_begin(identity, msg))
         elif isinstance(msg, m.LayerNotice):
             self._on_notice(identity, msg)
+        elif isinstance(msg, m.Withdraw):
+            self._on_withdraw(msg)
         elif isinstance(msg, m.Stopped):
             with self._lock:
                 st = self._requests.get(msg.request_id)

@@ -70,6 +70,7 @@ class SendPath(SendWait):
         def _peer(self, address: str) -> Any: ...
         def _send(self, peer: Any, msg: m.Message) -> None: ...
         def _set(self, st: RequestState, status: TransferStatus, reason: str = "") -> None: ...
+        def _withdraw(self, st: RequestState, aborted: bool) -> bool: ...
 
     def _start_gathers(self) -> None:
         """Move queued layers into the pipeline, in send_layer order: staged ones gathered into free
@@ -253,7 +254,8 @@ class SendPath(SendWait):
                 self._stop_later(st, aborted=False)
 
     def _stop_later(self, st: RequestState, aborted: bool) -> None:
-        """Send Stopped (we write nothing more) once no write of the request is in flight (lock held)."""
+        """Send Stopped (we write nothing more) once no write of the request is in flight, or Withdraw
+        if its Begin never went out (lock held)."""
         st.extra["stop"] = aborted
 
     def _flush_stops(self) -> None:
@@ -265,6 +267,9 @@ class SendPath(SendWait):
                 if x["begun"]:  # only a begun request can have written anything
                     self._send(self._peer(st.handle.address), m.Stopped(st.handle.request_id, x["stop"],
                                                                         st.reason))
+                elif not x.get("begin_sent") and not self._withdraw(st, x["stop"]):
+                    continue  # never begun: its Withdraw waits for the receiver's HelloReply
+                # (a Begin in flight: its answer decides, sender.py _on_message)
                 x["stop"] = None
 
 

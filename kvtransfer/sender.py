@@ -140,7 +140,8 @@ class KVSender(LayerHandoff, PostNow, Handshake, PeerLiveness, SendPath, Endpoin
 
     def abort(self, request_id: str) -> None:
         """Stop sending the request: ABORTED here, the receiver is told (Stopped) once its in-flight
-        writes, if any, have completed. Raises KeyError for an unknown request."""
+        writes, if any, have completed, or (Withdraw) once it answered our Hello if the request's Begin
+        never went out. Raises KeyError for an unknown request."""
         self.status(request_id)
 
         def run() -> None:
@@ -154,14 +155,15 @@ class KVSender(LayerHandoff, PostNow, Handshake, PeerLiveness, SendPath, Endpoin
 
     def release(self, request_id: str) -> None:
         """Forget a terminal request (its source blocks may be freed). Raises RuntimeError while it is
-        active, has request-layers in flight, a Stopped fence still to send or a Begin unanswered (the
-        receiver would otherwise never learn that nothing more comes); KeyError if unknown."""
+        active, has request-layers in flight, a Stopped fence or Withdraw still to send or a Begin
+        unanswered (the receiver would otherwise never learn that nothing more comes); KeyError if
+        unknown."""
         with self._lock:
             st = self._get(request_id)
             x = st.extra
             busy = ("still " + st.status.name if not st.status.is_terminal else
                     f"{x['inflight']} layers in flight" if x["inflight"] else
-                    "Stopped fence not sent yet" if x["stop"] is not None else
+                    "Stopped fence or Withdraw not sent yet" if x["stop"] is not None else
                     "Begin not answered yet" if x.get("begin_sent") and not x["answered"] else "")
             if busy:
                 raise RuntimeError(f"request {request_id!r} cannot be released: {busy}")

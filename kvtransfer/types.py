@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 2: one-sided writes may carry a LayerNotices batch as their notification;
+PROTOCOL_VERSION = 5  # 2: one-sided writes may carry a LayerNotices batch as their notification;
 # 3: a LayerNotice carries the source cuts of a direct write (two-sided receives match its pieces);
-# 4: a receiver answers a sender it does not know with Rehandshake (BeginReply lost `rehandshake`)
+# 4: a receiver answers a sender it does not know with Rehandshake (BeginReply lost `rehandshake`);
+# 5: a sender gives up a request whose Begin never went out with Withdraw
 
 
 class TransferStatus(enum.Enum):

@@ -1,0 +1,160 @@
+"""Regression: a sender that aborts a request before its Begin went out tells the receiver (Withdraw).
+
+Before: KVSender.abort of a request whose Begin was never sent (its receiver's handshake still
+pending: the first request to a decode worker, or the new handshake after a Rehandshake) sent
+nothing; Stopped fences go out only for begun requests. The receiver kept the request PENDING, its
+blocks reserved, until its own deadline (TransferConfig.timeout_s, 30 s by default). Now the sender
+sends `messages.Withdraw` once that receiver knows it (after the handshake), and the receiver ends the
+request (ABORTED, never claimed: releasable at once). Only a handshaked sender, for the receiver's
+current epoch, for a PENDING request no sender claimed: a Withdraw can never end a claimed request.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvtransfer import TransferStatus, get_transfer_backend
+from kvtransfer import messages as m
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, patient_config, stall_once
+from tests.kvtransfer.loop_probes import stall_loop
+
+S = TransferStatus
+WAIT = 5.0  # far below the receiver's deadline (DEADLINE_S): a request PENDING until then fails
+DEADLINE_S = 30.0
+
+
+@pytest.fixture
+def pair():
+    backend = get_transfer_backend("loopback")
+    src, dst = make_kv(1), make_kv(None)
+    tx = backend.sender(patient_config("p0"), src)
+    rx = backend.receiver(patient_config("d0"), dst)
+    yield tx, rx, src, dst
+    tx.close()
+    rx.close()
+
+
+def _withdrawn_on_both_sides(tx, rx, rid: str) -> None:
+    """The receiver learned of the sender's abort well before its deadline, as a request no sender
+    ever claimed (so no write can land: free at once); both sides then hold nothing."""
+    assert tx.wait(rid, WAIT) is S.ABORTED, tx.reason(rid)
+    start = time.monotonic()
+    status = rx.wait(rid, WAIT)
+    late = time.monotonic() - start
+    assert status is S.ABORTED, f"receiver still {status.name} {late:.1f}s after the abort"
+    assert "before Begin" in rx.reason(rid), rx.reason(rid)
+    assert rx._requests[rid].extra["sender"] is None  # never claimed: the Withdraw path, not Stopped
+    assert rx.releasable(rid)
+    rx.release(rid)
+    assert tx.wait_until(lambda: tx._requests[rid].extra["stop"] is None, WAIT)
+    tx.release(rid)
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+    assert rx.kv_buffer.abs().sum() == 0  # nothing was written
+
+
+def test_abort_while_the_first_handshake_is_pending_tells_the_receiver(pair):
+    tx, rx, _src, _dst = pair
+    handle = rx.expect("a", [1, 2, 3], timeout_s=DEADLINE_S)
+    gate = stall_loop(tx, WAIT)
+    tx.add_request(handle, [4, 5, 6])  # its Begin waits for the first handshake with rx
+    tx.abort("a")  # runs right after the Hello went out, before any HelloReply is read
+    gate.set()
+    _withdrawn_on_both_sides(tx, rx, "a")
+    assert tx._peers[rx.address].epoch == rx.epoch  # the handshake itself completed
+
+
+def test_abort_after_a_rehandshake_tells_the_receiver_after_the_new_handshake(pair):
+    """The receiver dropped the sender: the request's Begin is answered with Rehandshake, and the
+    sender aborts it while its new Hello is unanswered (the receiver stalls in it)."""
+    tx, rx, _src, _dst = pair
+    tx.connect(rx.address, timeout=WAIT)
+    ident = next(iter(rx._senders))
+    rx._call(lambda: rx._drop_sender(rx._senders[ident], "dropped by test"))
+    assert rx.wait_until(lambda: not rx._senders, WAIT)
+    handle = rx.expect("p", [7, 8], timeout_s=DEADLINE_S)
+    stalled = stall_once(rx, "_on_hello", 1.0)
+    tx.add_request(handle, [9, 10])
+    peer = tx._peers[rx.address]
+    assert tx.wait_until(lambda: peer.epoch == 0 and tx._requests["p"].extra.get("begin_sent") is False, WAIT)
+    tx.abort("p")
+    _withdrawn_on_both_sides(tx, rx, "p")
+    assert stalled  # the new Hello was answered only after the abort
+
+
+def test_abort_while_its_begin_meets_a_rehandshake_tells_the_receiver(pair):
+    """Aborted while its Begin is in flight to a receiver that dropped the sender: that Begin is
+    answered with Rehandshake (never claimed), so the Withdraw follows the new handshake."""
+    tx, rx, _src, _dst = pair
+    tx.connect(rx.address, timeout=WAIT)
+    ident = next(iter(rx._senders))
+    rx._call(lambda: rx._drop_sender(rx._senders[ident], "dropped by test"))
+    assert rx.wait_until(lambda: not rx._senders, WAIT)
+    handle = rx.expect("q", [3, 4], timeout_s=DEADLINE_S)
+    gate = stall_loop(tx, WAIT)
+    tx.add_request(handle, [5, 6])  # its Begin goes out at once (the sender still knows the receiver)
+    tx.abort("q")
+    gate.set()
+    _withdrawn_on_both_sides(tx, rx, "q")
+
+
+def _sync(other, rx, rid: str) -> None:
+    """Wait until rx handled everything `other` sent before: a Begin of `rid` sent after it (one zmq
+    stream per sender) is answered."""
+    other.add_request(rx.expect(rid, [30, 31], timeout_s=DEADLINE_S), [0, 1])
+    assert other.wait_until(lambda: other._requests[rid].extra["answered"], WAIT)
+    other.abort(rid)
+
+
+def test_withdraw_cannot_end_a_claimed_request_nor_one_of_another_epoch():
+    """Another handshaked sender's Withdraw for a request a first sender claimed (Begin) changes
+    nothing, nor one naming another receiver epoch for a PENDING request; an unknown sender's is
+    answered with Rehandshake and changes nothing."""
+    backend = get_transfer_backend("loopback")
+    src, dst = make_kv(1), make_kv(None)
+    tx = backend.sender(config("p-owner", "loopback"), src)
+    other = backend.sender(config("p-other", "loopback"), make_kv(2))
+    rx = backend.receiver(config("d0", "loopback"), dst)
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    try:
+        tx.add_request(rx.expect("a", [1, 2], timeout_s=DEADLINE_S), [3, 4])
+        assert tx.wait_until(lambda: tx._requests["a"].status is S.TRANSFERRING, WAIT)
+        pending = rx.expect("p", [5, 6], timeout_s=DEADLINE_S)
+        other.connect(rx.address, timeout=WAIT)
+        peer = other._peers[rx.address]
+        for msg in (m.Withdraw("a", rx.epoch, True, "forged"), m.Withdraw("p", rx.epoch + 1, True, "stale")):
+            other._call(lambda msg=msg: other._send(peer, msg))
+        _sync(other, rx, "sync")
+        stranger.connect(rx.address)
+        stranger.send(m.encode(m.Withdraw("p", rx.epoch, True, "unknown sender")))
+        assert stranger.poll(int(WAIT * 1000))
+        assert isinstance(m.decode(stranger.recv()), m.Rehandshake)
+        assert rx.status("a") is S.TRANSFERRING and rx._requests["a"].extra["sender"] is not None
+        assert rx.status("p") is S.PENDING
+        for layer in range(LAYERS):  # the claimed request still completes
+            tx.send_layer("a", layer)
+        assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
+        assert tx.wait("a", WAIT) is S.DONE, tx.reason("a")
+        assert_landed(src, [3, 4], dst, [1, 2])
+        other.add_request(pending, [7, 8])  # and the PENDING one can still be claimed
+        assert other.wait_until(lambda: other._requests["p"].status is S.TRANSFERRING, WAIT)
+    finally:
+        stranger.close(0)
+        ctx.term()
+        tx.close()
+        other.close()
+        rx.close()
+
+
+def test_withdraw_message_round_trips_and_version_is_bumped():
+    msg = m.Withdraw("r1", 7, False, "deadline of 1.0s passed")
+    assert m.decode(m.encode(msg)) == msg
+    assert m.PeerInfo.version() >= 5
+    with pytest.raises(msgspec.ValidationError):
+        m.decode(msgspec.msgpack.encode({"type": "Withdraw", "request_id": "r1"}))
