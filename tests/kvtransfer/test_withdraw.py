@@ -72,10 +72,7 @@ def test_abort_after_a_rehandshake_tells_the_receiver_after_the_new_handshake(pa
     """The receiver dropped the sender: the request's Begin is answered with Rehandshake, and the
     sender aborts it while its new Hello is unanswered (the receiver stalls in it)."""
     tx, rx, _src, _dst = pair
-    tx.connect(rx.address, timeout=WAIT)
-    ident = next(iter(rx._senders))
-    rx._call(lambda: rx._drop_sender(rx._senders[ident], "dropped by test"))
-    assert rx.wait_until(lambda: not rx._senders, WAIT)
+    _connected_then_dropped(tx, rx)
     handle = rx.expect("p", [7, 8], timeout_s=DEADLINE_S)
     stalled = stall_once(rx, "_on_hello", 1.0)
     tx.add_request(handle, [9, 10])
@@ -90,16 +87,22 @@ def test_abort_while_its_begin_meets_a_rehandshake_tells_the_receiver(pair):
     """Aborted while its Begin is in flight to a receiver that dropped the sender: that Begin is
     answered with Rehandshake (never claimed), so the Withdraw follows the new handshake."""
     tx, rx, _src, _dst = pair
-    tx.connect(rx.address, timeout=WAIT)
-    ident = next(iter(rx._senders))
-    rx._call(lambda: rx._drop_sender(rx._senders[ident], "dropped by test"))
-    assert rx.wait_until(lambda: not rx._senders, WAIT)
+    _connected_then_dropped(tx, rx)
     handle = rx.expect("q", [3, 4], timeout_s=DEADLINE_S)
     gate = stall_loop(tx, WAIT)
     tx.add_request(handle, [5, 6])  # its Begin goes out at once (the sender still knows the receiver)
     tx.abort("q")
     gate.set()
     _withdrawn_on_both_sides(tx, rx, "q")
+
+
+def _connected_then_dropped(tx, rx) -> None:
+    """Handshake tx with rx, then have rx drop tx (as after a stall of tx's loop): tx's next message but
+    Hello is answered with Rehandshake."""
+    tx.connect(rx.address, timeout=WAIT)
+    ident = next(iter(rx._senders))
+    rx._call(lambda: rx._drop_sender(rx._senders[ident], "dropped by test"))
+    assert rx.wait_until(lambda: not rx._senders, WAIT)
 
 
 def _sync(other, rx, rid: str) -> None:
