@@ -1,5 +1,6 @@
 """In-process transport for unit tests of everything above the wire: a write is a torch copy straight
-into the receiver's tensor, and the notice is queued for the receiver's poll() (so it follows the data)."""
+into the receiver's tensor, and the notice is queued, with the sender's name, for the receiver's poll() (so
+it follows the data; poll() names its sender by the peer key add_peer gave that name, like NIXL's)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ class LoopbackRecvTransport(RecvTransport):
     def __init__(self, kv_buffer: torch.Tensor) -> None:
         self.kv_bytes = kv_buffer.view(-1).view(torch.uint8)
         self.key = f"loopback-{next(self._ids)}"
-        self.inbox: deque[bytes] = deque()
+        self.inbox: deque[tuple[str, bytes]] = deque()  # (sender name, notice)
+        self._peers: dict[str, str] = {}  # sender name → peer key
         self.lock = threading.Lock()
         self._registry[self.key] = self
 
@@ -35,15 +37,18 @@ class LoopbackRecvTransport(RecvTransport):
         return self.key.encode()
 
     def add_peer(self, peer: str, remote: bytes) -> None:
-        pass
+        self._peers[remote.decode()] = peer
 
     def remove_peer(self, peer: str) -> None:
-        pass
+        self._peers = {name: p for name, p in self._peers.items() if p != peer}
 
-    def poll(self) -> tuple[list[bytes], list[int]]:
+    def poll(self) -> tuple[list[tuple[str, bytes]], list[int]]:
+        """(peer key, notice) of each queued notice; those of a sender that is no peer are dropped."""
         out = []
         while self.inbox:
-            out.append(self.inbox.popleft())
+            name, notice = self.inbox.popleft()
+            if name in self._peers:
+                out.append((self._peers[name], notice))
         return out, []
 
     def close(self) -> None:
@@ -63,7 +68,10 @@ class LoopbackSendTransport(SendTransport):
     (a threading.Event, set by default) to keep posted writes in flight until it is set again; a write
     in flight reads its source only when delivered (like a real transport's late read)."""
 
+    _ids: ClassVar[Iterator[int]] = itertools.count(1)
+
     def __init__(self) -> None:
+        self.name = f"loopback-send-{next(self._ids)}"
         self.deliver = threading.Event()
         self.deliver.set()
         self._peers: dict[str, str] = {}
@@ -71,7 +79,7 @@ class LoopbackSendTransport(SendTransport):
         self._kv = torch.empty(0, dtype=torch.uint8)
 
     def metadata(self) -> bytes:
-        return b"loopback"
+        return self.name.encode()
 
     def set_staging(self, staging: object) -> None:
         assert isinstance(staging, torch.Tensor)
@@ -111,5 +119,5 @@ class LoopbackSendTransport(SendTransport):
         regions = (self._staging, self._kv)
         for region, src, dst, size in w.pieces:
             w.target.kv_bytes[dst:dst + size].copy_(regions[region][src:src + size])
-        w.target.inbox.append(w.notice)
+        w.target.inbox.append((self.name, w.notice))
         w.done = True

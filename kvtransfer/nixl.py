@@ -26,6 +26,7 @@ from typing import cast
 import msgspec
 import torch
 
+from kvtransfer.nixl_peers import AgentPeers
 from kvtransfer.nixl_prep import Desc, Entry, PreppedRequest, merge_descs, part_descs
 from kvtransfer.transport import KV, STAGING, RecvTransport, SendTransport, SourcePiece
 from kvtransfer.types import TransferError
@@ -71,22 +72,21 @@ class NixlRecvTransport(RecvTransport):
         self._reg = self.agent.register_memory(kv_buffer)  # type: ignore[attr-defined]
         mem, dev = _mem(kv_buffer)
         self._meta = _RecvMeta(self.agent.get_agent_metadata(), kv_buffer.data_ptr(), dev, mem)  # type: ignore[attr-defined]
-        self._peers: dict[str, str] = {}
+        self._peers = AgentPeers()
 
     def metadata(self) -> bytes:
         return msgspec.msgpack.encode(self._meta)
 
     def add_peer(self, peer: str, remote: bytes) -> None:
-        self._peers[peer] = self.agent.add_remote_agent(remote)  # type: ignore[attr-defined]
+        self._peers.add(peer, self.agent.add_remote_agent(remote))  # type: ignore[attr-defined]
 
     def remove_peer(self, peer: str) -> None:
-        name = self._peers.pop(peer, None)
-        if name is not None and name not in self._peers.values():
+        name = self._peers.remove(peer)
+        if name is not None:
             self.agent.remove_remote_agent(name)  # type: ignore[attr-defined]
 
-    def poll(self) -> tuple[list[bytes], list[int]]:
-        notifs = self.agent.get_new_notifs()  # type: ignore[attr-defined]
-        return [n for msgs in notifs.values() for n in msgs], []
+    def poll(self) -> tuple[list[tuple[str, bytes]], list[int]]:
+        return self._peers.attribute(self.agent.get_new_notifs()), []  # type: ignore[attr-defined]
 
     def close(self) -> None:
         self.agent.deregister_memory(self._reg)  # type: ignore[attr-defined]

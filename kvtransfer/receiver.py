@@ -21,6 +21,7 @@ from kvtransfer import messages as m
 from kvtransfer.compat import mismatches, peer_info
 from kvtransfer.endpoint import RequestState
 from kvtransfer.recv_liveness import SenderLiveness, _Sender
+from kvtransfer.recv_notices import accepted, decode_from
 from kvtransfer.recv_withdraw import WithdrawReceiver
 from kvtransfer.runs import layer_pieces
 from kvtransfer.staging import layer_checksum, layout_of
@@ -166,20 +167,22 @@ class KVReceiver(WithdrawReceiver, SenderLiveness):
     def _poll_transport(self) -> bool:
         """Handle what the transport reports landed (one-sided notices, two-sided keys), all of them
         under one lock acquisition (a request's 32 notices arrive as one LayerNotices batch); True if
-        any."""
+        any. A notice that does not decode, names a layer out of range or a request its peer did not
+        claim is logged and ignored (recv_notices.py)."""
         notices, keys = self.transport.poll()
-        landed = [(n.request_id, n.layer, n.checksum) for raw in notices for n in m.decode_notices(raw)]
-        if landed and self._trace is not None:
+        got = [(peer, n) for peer, raw in notices for n in decode_from(peer, raw)]  # garbage: skipped
+        if got and self._trace is not None:
             now = time.perf_counter()
-            self._trace.extend((now, "notice", rid, layer) for rid, layer, _ in landed)
-        for key in keys:
-            rid, layer, checksum, _ = self._posted.pop(key)
-            landed.append((rid, layer, checksum))
-        if landed:
-            with self._lock:
+            self._trace.extend((now, "notice", n.request_id, n.layer) for _, n in got)
+        landed = [self._posted.pop(key)[:3] for key in keys]
+        if got or landed:
+            with self._lock:  # a notice from a peer that did not claim its request, or a bad layer: ignored
+                num_layers = self.layout.num_layers
+                landed += [(n.request_id, n.layer, n.checksum) for peer, n in got
+                           if accepted(peer, n, self._requests.get(n.request_id), num_layers)]
                 for request_id, layer, checksum in landed:
                     self._landed(request_id, layer, checksum)
-        return bool(landed)
+        return bool(got or landed)
 
     def _wake(self) -> None:
         self._waker.wake()

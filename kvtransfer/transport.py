@@ -144,8 +144,9 @@ class RecvTransport(ABC):
         raise NotImplementedError
 
     @abstractmethod
-    def poll(self) -> tuple[list[bytes], list[int]]:
-        """Make progress; return (notices that arrived with data, keys of completed posts)."""
+    def poll(self) -> tuple[list[tuple[str, bytes]], list[int]]:
+        """Make progress; return ((peer key, notice) of each notice that arrived with data, as add_peer
+        named its sender; keys of completed posts). A notice whose sender is no peer is dropped here."""
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """Release transport resources."""

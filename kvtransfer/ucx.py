@@ -145,7 +145,7 @@ class UcxRecvTransport(RecvTransport):
                 for i, (d, n) in enumerate(pieces)]
         self._posts[key] = (peer, reqs)
 
-    def poll(self) -> tuple[list[bytes], list[int]]:
+    def poll(self) -> tuple[list[tuple[str, bytes]], list[int]]:
         self.worker.progress()  # type: ignore[attr-defined]
         done = [k for k, (_, reqs) in self._posts.items() if all(r.completed for r in reqs)]  # type: ignore[attr-defined]
         for k in done:

@@ -18,6 +18,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 pytestmark = pytest.mark.timeout(60)
 NBYTES, PIECE = 1 << 16, 256
 PEER = "rx"
+SENDER = "tx"  # the receiver's peer key of tx: poll() names each notification's sender by it
 
 
 def test_merge_descs_joins_only_pairs_contiguous_on_both_sides():
@@ -47,6 +48,7 @@ def link():
     tx = NixlSendTransport(f"prep-tx-{os.getpid()}")
     tx.register_kv(src)
     tx.add_peer(PEER, rx.metadata())
+    rx.add_peer(SENDER, tx.metadata())
     tx.trace = []
     yield tx, rx, src, dst
     tx.close()
@@ -76,7 +78,7 @@ def _post_and_wait(tx, rx, parts, notice: bytes) -> None:
         got, _ = rx.poll()
         notices += got
         if done and notices:
-            assert notices == [notice]
+            assert notices == [(SENDER, notice)]
             return
     raise AssertionError(f"write complete: {done}, notifications: {notices}")
 
@@ -182,7 +184,7 @@ def test_premade_whole_write_is_posted_by_one_transfer(link):
         notices += rx.poll()[0]
         if done and notices:
             break
-    assert done and notices == [b"all layers"]
+    assert done and notices == [(SENDER, b"all layers")]
     assert _landed(src, dst, layers) and dst[PIECE:PIECE + 64].sum() == 0  # the gaps stay untouched
     assert released == {id(made[0]): 1}  # released once, by test()
     with pytest.raises(TransferError, match="no pre-made write"):

@@ -49,7 +49,7 @@ def _spy(tx, rx) -> dict[str, list]:
     wrap(agent, "transfer", lambda a, out: seen["started"].append(id(a[0])))
     wrap(tx.transport, "post_whole", lambda a, out: seen["posts"].append("whole"))
     wrap(tx.transport, "post_prepared", lambda a, out: seen["posts"].append("by index"))
-    wrap(rx.transport, "poll", lambda a, out: seen["notices"].extend(m.decode_notices(n) for n in out[0]))
+    wrap(rx.transport, "poll", lambda a, out: seen["notices"].extend(m.decode_notices(n) for _, n in out[0]))
     return seen
 
 

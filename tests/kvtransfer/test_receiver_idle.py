@@ -102,14 +102,14 @@ def test_loop_naps_while_a_begun_request_waits_for_its_layers(backend, nap, max_
         rx.close()
 
 
-class _StampedInbox(deque[bytes]):
+class _StampedInbox(deque[tuple[str, bytes]]):
     """The loopback receiver's inbox, stamping each notice's arrival (time.perf_counter() s)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stamps: list[float] = []
 
-    def append(self, item: bytes) -> None:
+    def append(self, item: tuple[str, bytes]) -> None:
         self.stamps.append(time.perf_counter())
         super().append(item)
 

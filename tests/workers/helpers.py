@@ -173,10 +173,11 @@ class FakeReceiver:
             self.got.append(msg)
             self.peer = ident
             if isinstance(msg, km.Hello):
+                self.transport.add_peer(ident.hex(), msg.transport)  # its notices are read only then
                 self._send(km.HelloReply("fake-d", self.epoch, [], self.transport.metadata()))
             elif isinstance(msg, km.Begin):
                 self._send(km.BeginReply(msg.request_id, True))
-        for raw in self.transport.poll()[0]:
+        for _, raw in self.transport.poll()[0]:
             for n in km.decode_notices(raw):  # one write may carry several layers (LayerNotices)
                 self.layers.setdefault(n.request_id, set()).add(n.layer)
         if self.peer is not None:
