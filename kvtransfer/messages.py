@@ -14,9 +14,13 @@ says Hello again (protocol version 4).
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 
 from kvtransfer.types import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
 
 
 class PeerInfo(msgspec.Struct, frozen=True):
@@ -150,6 +154,16 @@ def encode(msg: Message) -> bytes:
 def decode(data: bytes) -> Message:
     """Parse a control message; raises msgspec.DecodeError/ValidationError on garbage."""
     return _decoder.decode(data)
+
+
+def decode_from(data: bytes, source: str) -> Message | None:
+    """Parse a control message from `source` (for the log); None and one warning naming the source if it
+    does not decode: a peer's garbage must not end the loop that reads it. Never raises."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("skipped an undecodable control message (%d bytes) from %s: %s", len(data), source, exc)
+        return None
 
 
 def decode_notice(data: bytes) -> LayerNotice:

@@ -135,8 +135,10 @@ class KVReceiver(WithdrawReceiver, SenderLiveness):
     def _step(self) -> None:
         self._wait()
         while int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # every message queued now
-            identity, data = self._sock.recv_multipart(zmq.NOBLOCK)
-            self._on_message(identity, m.decode(data))
+            frames = self._sock.recv_multipart(zmq.NOBLOCK)  # [identity, message] from a DEALER
+            msg = m.decode_from(frames[-1], frames[0].hex()) if len(frames) == 2 else None
+            if msg is not None:  # garbage (logged) or a malformed multipart: skipped, the loop lives on
+                self._on_message(frames[0], msg)
         # liveness right after reading every pending message: a stall of this loop (a starved thread,
         # a slow transport call) must not count as the senders' silence (their heartbeats wait unread)
         self._housekeeping()
@@ -246,7 +248,11 @@ class KVReceiver(WithdrawReceiver, SenderLiveness):
             st = self._requests.get(n.request_id)
             if st is None or st.extra["sender"] != identity or st.extra["gone"]:
                 return
-            pieces = layer_pieces(self.layout, st.handle.block_ids, n.layer, n.cuts)
+            try:
+                pieces = layer_pieces(self.layout, st.handle.block_ids, n.layer, n.cuts)
+            except (ValueError, IndexError) as exc:  # a bad layer or cuts: never posted nor landed
+                m.log.warning("ignored a notice for %r from %s: %s", n.request_id, identity.hex(), exc)
+                return
         key = next(self._keys)
         self._posted[key] = (n.request_id, n.layer, n.checksum, identity)
         self.transport.post(identity.hex(), key, [(dst, size) for _, dst, size in pieces], n.tag)

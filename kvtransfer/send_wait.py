@@ -128,7 +128,9 @@ class SendWait:
         for p in list(self._peers.values()):
             while p.sock in ready:
                 try:
-                    self._on_message(p, m.decode(p.sock.recv(zmq.NOBLOCK)))
+                    msg = m.decode_from(p.sock.recv(zmq.NOBLOCK), p.address)
+                    if msg is not None:  # garbage is logged and skipped: the loop lives on
+                        self._on_message(p, msg)
                 except zmq.Again:
                     break
 
