@@ -114,3 +114,20 @@ def need_nixl() -> None:
     pytest.importorskip("nixl_cu13")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+@contextlib.contextmanager
+def endpoint_pair(backend: str, seed: int) -> Iterator[tuple[Any, Any, torch.Tensor, torch.Tensor]]:
+    """(sender, receiver, src, dst) over `backend` with the test config ("p0", "d0"): src random from
+    `seed`, dst zeros (BLOCKS blocks each); both closed on exit."""
+    from kvtransfer import get_transfer_backend
+
+    factory = get_transfer_backend(backend)
+    src, dst = make_kv(seed), make_kv(None)
+    tx = factory.sender(config("p0", backend), src)
+    rx = factory.receiver(config("d0", backend), dst)
+    try:
+        yield tx, rx, src, dst
+    finally:
+        tx.close()
+        rx.close()

@@ -11,7 +11,7 @@ import zmq
 
 from kvtransfer import TransferStatus, get_transfer_backend
 from kvtransfer import messages as m
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, endpoint_pair, make_kv, release_both
 
 pytestmark = pytest.mark.timeout(60)
 S = TransferStatus
@@ -21,13 +21,8 @@ SRC, DST = [0, 1, 2], [5, 6, 7]
 
 @pytest.fixture
 def pair():
-    backend = get_transfer_backend("loopback")
-    src, dst = make_kv(3), make_kv(None)
-    tx = backend.sender(config("p0", "loopback"), src)
-    rx = backend.receiver(config("d0", "loopback"), dst)
-    yield tx, rx, src, dst
-    tx.close()
-    rx.close()
+    with endpoint_pair("loopback", 3) as p:
+        yield p
 
 
 def _alive(endpoint) -> bool:

@@ -13,7 +13,15 @@ import pytest
 from kvtransfer import TransferStatus, get_transfer_backend
 from kvtransfer import messages as m
 from kvtransfer.nixl import _agent
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, need_nixl, release_both
+from tests.kvtransfer.helpers import (
+    LAYERS,
+    assert_landed,
+    config,
+    endpoint_pair,
+    make_kv,
+    need_nixl,
+    release_both,
+)
 
 need_nixl()
 pytestmark = pytest.mark.timeout(60)
@@ -24,13 +32,8 @@ SRC, DST = [0, 1, 2], [7, 8, 9]
 
 @pytest.fixture
 def pair():
-    backend = get_transfer_backend("nixl")
-    src, dst = make_kv(5), make_kv(None)
-    tx = backend.sender(config("p0", "nixl"), src)
-    rx = backend.receiver(config("d0", "nixl"), dst)
-    yield tx, rx, src, dst
-    tx.close()
-    rx.close()
+    with endpoint_pair("nixl", 5) as p:
+        yield p
 
 
 def _begin(tx, rx, rid: str, dst: list[int] = DST) -> None:
