@@ -11,18 +11,13 @@ import zmq
 
 from kvtransfer import TransferStatus, get_transfer_backend
 from kvtransfer import messages as m
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, endpoint_pair, make_kv, release_both
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
 
 pytestmark = pytest.mark.timeout(60)
+PAIR_BACKEND, PAIR_SEED = "loopback", 3  # the `pair` fixture (conftest.py)
 S = TransferStatus
 WAIT = 5.0
 SRC, DST = [0, 1, 2], [5, 6, 7]
-
-
-@pytest.fixture
-def pair():
-    with endpoint_pair("loopback", 3) as p:
-        yield p
 
 
 def _alive(endpoint) -> bool:

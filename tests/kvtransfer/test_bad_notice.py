@@ -13,27 +13,14 @@ import pytest
 from kvtransfer import TransferStatus, get_transfer_backend
 from kvtransfer import messages as m
 from kvtransfer.nixl import _agent
-from tests.kvtransfer.helpers import (
-    LAYERS,
-    assert_landed,
-    config,
-    endpoint_pair,
-    make_kv,
-    need_nixl,
-    release_both,
-)
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, need_nixl, release_both
 
 need_nixl()
 pytestmark = pytest.mark.timeout(60)
+PAIR_BACKEND, PAIR_SEED = "nixl", 5  # the `pair` fixture (conftest.py)
 S = TransferStatus
 WAIT = 10.0
 SRC, DST = [0, 1, 2], [7, 8, 9]
-
-
-@pytest.fixture
-def pair():
-    with endpoint_pair("nixl", 5) as p:
-        yield p
 
 
 def _begin(tx, rx, rid: str, dst: list[int] = DST) -> None:
