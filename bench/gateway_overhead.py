@@ -41,7 +41,7 @@ from gateway.text import TextProcessor, TokenizerNotFoundError, resolve_tokenize
 from loadtest.client import RequestIds, send_request
 from loadtest.metrics import latency_stats
 from loadtest.records import LatencyStats, RequestRecord
-from pdserve.launcher import Supervisor, free_port, wait_ready
+from pdserve.launcher import Supervisor, free_ports, wait_ready
 
 if TYPE_CHECKING:
     pass
@@ -126,12 +126,12 @@ def start_target(target: str, cfg: OverheadConfig, tokenizer_dir: Path, sup: Sup
 
     Raises RuntimeError (with the log tail) when a process dies or it is not ready within 60 s.
     """
-    port = free_port()
+    port, control_port = free_ports(2)
     if target == "baseline":
         _spawn(sup, "baseline", ["-m", "bench.gateway_overhead", "--serve-baseline", str(port),
                                  "--max-tokens", str(cfg.max_tokens)], log_dir)
     else:
-        control = f"tcp://127.0.0.1:{free_port()}"
+        control = f"tcp://127.0.0.1:{control_port}"
         _spawn(sup, "gateway", ["-m", "pdserve.cli", "gateway", "--port", str(port),
                                 "--control-bind", control, "--tokenizer", str(tokenizer_dir),
                                 "--log-level", "warning"], log_dir)

@@ -33,10 +33,27 @@ log = logging.getLogger("pdserve.up")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close)."""
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close). Two calls may
+    return the same port (the first was closed): use ``free_ports`` for several."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(n: int, exclude: tuple[int, ...] = (), host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` a moment ago, none in ``exclude`` (e.g. an HTTP port
+    chosen but not bound yet): all are held open while choosing, so none repeats (sequential
+    ``free_port`` calls once gave a test system's gateway the same port for HTTP and its control socket)."""
+    held: list[socket.socket] = []
+    try:
+        while len([s for s in held if s.getsockname()[1] not in exclude]) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in held if s.getsockname()[1] not in exclude]
+    finally:
+        for s in held:
+            s.close()
 
 
 def gpu_count() -> int:
@@ -211,7 +228,7 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
               file=sys.stderr)
         return 1
     gpus = gpu_count() if settings.device in ("auto", "cuda") else 0
-    for name, args in plan(settings, free_port(), gpus):
+    for name, args in plan(settings, free_ports(1, exclude=(settings.port,))[0], gpus):
         if stop:
             return 0  # interrupted while starting: start no more children
         sup.start(name, args)

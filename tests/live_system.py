@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.launcher import Supervisor, free_port
+from pdserve.launcher import Supervisor, free_ports
 
 MODEL = "smollm2-135m"
 WORKER_FLAGS = ("--model", MODEL, "--num-blocks", "256", "--host", "127.0.0.1")
@@ -80,7 +80,7 @@ def start_system(logs: Path, gateway_flags: Sequence[str] = (), api_key: str | N
 
     resolve_model(MODEL)  # convert once, before three workers race for the cache
     sup = Supervisor(grace=10.0)
-    ports = {name: free_port() for name in ("dh", "dc", "ch", "cc")}
+    ports = dict(zip(("dh", "dc", "ch", "cc"), free_ports(4), strict=True))
     dctl, cctl = f"tcp://127.0.0.1:{ports['dc']}", f"tcp://127.0.0.1:{ports['cc']}"
     gw = ["--heartbeat-timeout", "5", "--request-timeout", "120", "--log-level", "info", *gateway_flags]
     if api_key is not None:

@@ -121,3 +121,34 @@ def test_port_in_use_ignores_time_wait_but_not_a_listener() -> None:
         plain.close()
     assert time_wait, "no TIME_WAIT was produced: the test would prove nothing"
     assert not port_in_use(port)
+
+
+def test_free_ports_are_distinct_and_skip_excluded(monkeypatch) -> None:
+    """free_ports(n) never repeats a port (sequential free_port() calls did: a test system's gateway once
+    got the same port for HTTP and its control socket, 'address already in use') and never returns one
+    in `exclude`: here the kernel is made to hand out the excluded port first."""
+    import socket as socket_mod
+
+    from pdserve import launcher
+
+    ports = launcher.free_ports(64)
+    assert len(set(ports)) == 64 and all(p > 0 for p in ports)
+
+    blocker = socket_mod.socket()
+    blocker.bind(("127.0.0.1", 0))
+    taken = blocker.getsockname()[1]
+    blocker.close()  # now free again: the next bind to port 0 may or may not get it; force it below
+    real = socket_mod.socket
+
+    class FirstGetsTaken(real):  # type: ignore[misc,valid-type]
+        first = True
+
+        def bind(self, addr):
+            if FirstGetsTaken.first:
+                FirstGetsTaken.first = False
+                return super().bind((addr[0], taken))
+            return super().bind(addr)
+
+    monkeypatch.setattr(launcher.socket, "socket", FirstGetsTaken)
+    got = launcher.free_ports(2, exclude=(taken,))
+    assert taken not in got and len(set(got)) == 2

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.launcher import Supervisor, free_port
+from pdserve.launcher import Supervisor, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ class Mini:
 
     def __init__(self, logs: Path) -> None:
         self.sup, self.logs = Supervisor(grace=10.0), logs
-        self.http, self.ctl = free_port(), free_port()
+        self.http, self.ctl = free_ports(2)
         self.url = f"http://127.0.0.1:{self.http}"
         self.starts = 0
 
