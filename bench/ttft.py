@@ -5,7 +5,7 @@ For each prompt length (default 1k, 8k and 32k tokens) on the Llama-3-8B-shaped 
 receiver in a spawned second process (GPU1 if present, else GPU0):
 
 (a) prefill alone: ``add_request`` → the prefill-only engine step that samples the first token;
-(b) disaggregated: the same step with the prefill worker's layer hook (``engine.serve.step.run_step``)
+(b) disaggregated: the same step with the prefill worker's layer hook (``workers.step.run_step``)
     handing every layer to a real ``kvtransfer`` sender (``--backend nixl`` by default) that writes into
     the receiver's blocks, timed until both the first token is sampled and the receiver reports DONE
     (every layer landed). The receiver's ``expect`` (block reservation on the decode worker) happens
@@ -40,8 +40,8 @@ from bench.prefill import BLOCK_SIZE, make_core, prompt, sync
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
-from engine.serve.step import LayerHook, run_step
 from kvtransfer import KVHandle, TransferConfig, TransferStatus, get_transfer_backend
+from workers.step import LayerHook, run_step
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 MODEL_ID = "pdserve-bench-ttft"

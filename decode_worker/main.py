@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pdserve.settings import WorkerSettings
+    from protocol.settings import WorkerSettings
 
 
 def run(settings: WorkerSettings) -> int:
     """Load the model, bind the KV receiver, serve until SIGTERM; returns the exit status."""
     from decode_worker.worker import DecodeWorker
-    from engine.serve.boot import serve_worker
+    from workers.boot import serve_worker
 
     return serve_worker(settings, DecodeWorker)

@@ -23,12 +23,8 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from engine.sequence import Sequence, SequenceStatus
-from engine.serve.loop import WorkerLoop
-from engine.serve.outputs import stream_outputs
-from engine.serve.setup import compat_of, encode_handle, sampling_from_wire
-from engine.serve.step import run_step
 from kvtransfer import TransferConfig, TransferStatus, get_transfer_backend
-from pdserve.messages import (
+from protocol.messages import (
     AbortRequest,
     DecodeRequest,
     FinishReason,
@@ -39,11 +35,15 @@ from pdserve.messages import (
     Role,
     WorkerCompat,
 )
+from workers.loop import WorkerLoop
+from workers.outputs import stream_outputs
+from workers.setup import compat_of, encode_handle, sampling_from_wire
+from workers.step import run_step
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore, StepOutput
     from kvtransfer.receiver import KVReceiver
-    from pdserve.settings import WorkerSettings
+    from protocol.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.decode")
 

@@ -20,7 +20,7 @@ from gateway.middleware import GatewayMiddleware
 from gateway.routes import router
 from gateway.service import GatewayService
 from gateway.text import TextProcessor, resolve_tokenizer_dir
-from pdserve.settings import GatewaySettings
+from protocol.settings import GatewaySettings
 
 log = logging.getLogger("pdserve.gateway")
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.router import Route
-from pdserve.messages import Message, WireSamplingParams
+from protocol.messages import Message, WireSamplingParams
 
 
 @dataclass(frozen=True)

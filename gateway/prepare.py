@@ -16,7 +16,7 @@ from gateway.handle import GenerationInput
 from gateway.protocol import INT64_MAX, MAX_STOP_CHARS, ChatCompletionRequest, CompletionRequest
 from gateway.service import GatewayService
 from gateway.text import TextProcessor, TokenizerNotFoundError
-from pdserve.messages import WireSamplingParams
+from protocol.messages import WireSamplingParams
 
 Body = ChatCompletionRequest | CompletionRequest
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.messages import RegisterWorker, Role, WorkerLoad
+from protocol.messages import RegisterWorker, Role, WorkerLoad
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uvicorn
 
 from gateway.app import create_app
-from pdserve.settings import GatewaySettings
+from protocol.settings import GatewaySettings
 
 
 def serve(settings: GatewaySettings) -> None:

@@ -1,6 +1,6 @@
 """Gateway service: control-plane dispatch, worker liveness, admission, and the request lifecycle.
 
-Lifecycle (disaggregated; see pdserve/messages.py): ``submit`` routes and sends ``ReserveKV`` to decode
+Lifecycle (disaggregated; see protocol/messages.py): ``submit`` routes and sends ``ReserveKV`` to decode
 (or ``PrefillRequest`` / ``ColocatedRequest``); ``stream`` reacts to ``KVReserved`` (→ ``PrefillRequest``
 to prefill), ``FirstToken`` (→ ``DecodeRequest`` to decode), ``TokenBatch`` and ``RequestFinished``, and
 turns tokens into text deltas with stop strings; ``release`` sends ``AbortRequest`` to every worker
@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
-from gateway.control import ControlSocket
+from gateway.control_socket import ControlSocket
 from gateway.errors import queue_full
 from gateway.handle import Delta, GenerationFailed, GenerationInput, RequestHandle, WorkerLost
 from gateway.metrics import GatewayMetrics
@@ -26,8 +26,8 @@ from gateway.registry import WorkerEntry, WorkerRegistry
 from gateway.router import Router
 from gateway.stream import run_stream
 from gateway.text import TextProcessor, resolve_tokenizer_dir
-from pdserve.logging import log_event
-from pdserve.messages import (
+from protocol.logging import log_event
+from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
     Heartbeat,
@@ -41,7 +41,7 @@ from pdserve.messages import (
     ReserveKV,
     WorkerShutdown,
 )
-from pdserve.settings import GatewaySettings
+from protocol.settings import GatewaySettings
 
 log = logging.getLogger("pdserve.gateway")
 RECENT_IDS = 1 << 16  # released worker request ids remembered, so a reused X-Request-Id gets a new one

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from gateway.handle import Delta, GenerationFailed, RequestHandle, TokenLogprob, WorkerLost
 from gateway.text import IncrementalDetokenizer
-from pdserve.messages import (
+from protocol.messages import (
     DecodeRequest,
     FirstToken,
     KVReserved,

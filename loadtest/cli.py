@@ -17,7 +17,7 @@ from typing import Any
 from loadtest.config import BenchConfig, SLOConfig, WorkloadConfig
 from loadtest.faults import FaultSpec
 from loadtest.lengths import LengthDist
-from pdserve.durations import parse_duration
+from protocol.durations import parse_duration
 
 
 def _add(parser: argparse.ArgumentParser, flag: str, **kw: Any) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from loadtest.records import FaultResult, PhaseReport, RequestRecord
-from pdserve.durations import parse_duration
+from protocol.durations import parse_duration
 
 _MAX_OUTPUT_CHARS = 2000
 

@@ -3,7 +3,7 @@
 Every flag ``--foo-bar`` also reads the environment variable ``PDSERVE_FOO_BAR`` (the command line wins;
 repeatable flags take a comma-separated env value). Flags and defaults: docs/contracts.md.
 Worker roles and ``up`` dispatch lazily to ``prefill_worker.main:run``, ``decode_worker.main:run``,
-``pdserve.colocated:run`` and ``pdserve.launcher:run``; ``bench`` to ``loadtest.cli``.
+``workers.colocated:run`` and ``pdserve.launcher:run``; ``bench`` to ``loadtest.cli``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from pdserve.durations import parse_duration
+from protocol.durations import parse_duration
 
 _RUNNERS = {
     "prefill": "prefill_worker.main:run",
     "decode": "decode_worker.main:run",
-    "colocated": "pdserve.colocated:run",
+    "colocated": "workers.colocated:run",
     "up": "pdserve.launcher:run",
 }
 
@@ -197,8 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from loadtest.cli import run_bench
 
         return int(run_bench(args))
-    from pdserve.logging import configure_logging
-    from pdserve.settings import settings_from_args
+    from protocol.logging import configure_logging
+    from protocol.settings import settings_from_args
 
     configure_logging(args.log_level, args.log_format)
     try:

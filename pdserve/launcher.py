@@ -27,7 +27,7 @@ from types import FrameType
 
 import httpx
 
-from pdserve.settings import UpSettings
+from protocol.settings import UpSettings
 
 log = logging.getLogger("pdserve.up")
 

@@ -23,13 +23,9 @@ import time
 from typing import TYPE_CHECKING
 
 from engine.sequence import SequenceStatus, check_stop
-from engine.serve.loop import WorkerLoop
-from engine.serve.outputs import top_logprobs_of
-from engine.serve.setup import compat_of, decode_handle, sampling_from_wire
-from engine.serve.step import LayerHook, run_step
 from kvtransfer import KVHandle, TransferConfig, TransferStatus, get_transfer_backend
-from pdserve.logging import log_event
-from pdserve.messages import (
+from protocol.logging import log_event
+from protocol.messages import (
     AbortRequest,
     FinishReason,
     FirstToken,
@@ -38,13 +34,17 @@ from pdserve.messages import (
     Role,
     WorkerCompat,
 )
+from workers.loop import WorkerLoop
+from workers.outputs import top_logprobs_of
+from workers.setup import compat_of, decode_handle, sampling_from_wire
+from workers.step import LayerHook, run_step
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore, StepOutput
     from engine.scheduler import SchedulerOutput
     from engine.sequence import Sequence
     from kvtransfer.sender import KVSender
-    from pdserve.settings import WorkerSettings
+    from protocol.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.prefill")
 _REASONS: dict[SequenceStatus, FinishReason] = {SequenceStatus.FINISHED_STOPPED: "stop",

@@ -10,8 +10,8 @@ from gateway.handle import GenerationInput, RequestHandle
 from gateway.metrics import GatewayMetrics
 from gateway.router import Route
 from gateway.service import GatewayService
-from pdserve.messages import Message, WireSamplingParams
-from pdserve.settings import GatewaySettings
+from protocol.messages import Message, WireSamplingParams
+from protocol.settings import GatewaySettings
 
 
 class RecordingControl:

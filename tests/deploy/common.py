@@ -12,7 +12,7 @@ import yaml
 
 from deploy.kustomize_lite import render
 from pdserve.cli import build_parser
-from pdserve.settings import settings_from_args
+from protocol.settings import settings_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -27,9 +27,9 @@ from engine.engine_core import EngineCore
 from engine.llm import LLM, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from engine.serve.step import StepFailed, run_step
 from tests.engine.test_async_scheduling import Run, count_launches
 from tests.engine.test_loader import save_tiny_model, tiny_config
+from workers.step import StepFailed, run_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

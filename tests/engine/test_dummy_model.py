@@ -14,11 +14,11 @@ from engine.config import ModelConfig
 from engine.models.dummy_tokenizer import build_tokenizer_json, tokenizer_config
 from engine.models.loader import load_model
 from engine.models.registry import DUMMY_CONFIGS, is_dummy_alias, resolve_model
-from engine.serve.setup import engine_config_from_settings
 from engine.text.chat_template import apply_chat_template
 from engine.text.tokenizer import load_tokenizer
 from pdserve.cli import build_parser
-from pdserve.settings import settings_from_args
+from protocol.settings import settings_from_args
+from workers.setup import engine_config_from_settings
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def test_load_format_flag_reaches_model_config(monkeypatch: pytest.MonkeyPatch) 
     assert settings_from_args(default).load_format == "auto"  # type: ignore[union-attr]
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["prefill", "--load-format", "gguf"])
-    from pdserve.settings import WorkerSettings
+    from protocol.settings import WorkerSettings
 
     with pytest.raises(ValueError, match="--load-format"):
         WorkerSettings(role="prefill", load_format="gguf")

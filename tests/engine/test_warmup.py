@@ -13,7 +13,7 @@ from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from engine.warmup import WarmupConfig, should_warm_up, warmup
-from pdserve.settings import WorkerSettings
+from protocol.settings import WorkerSettings
 from tests.workers.helpers import make_core as worker_core
 
 BUDGET = 32  # max_num_batched_tokens of the test engines

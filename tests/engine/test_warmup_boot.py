@@ -7,11 +7,11 @@ import pytest
 
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-from engine.serve.boot import warm_up_core
 from engine.warmup import WarmupConfig, WarmupReport, warmup
 from pdserve.cli import build_parser
-from pdserve.settings import WorkerSettings, settings_from_args
+from protocol.settings import WorkerSettings, settings_from_args
 from tests.engine.test_warmup import SMALL, fail_at_step, make_core
+from workers.boot import warm_up_core
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

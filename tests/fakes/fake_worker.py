@@ -26,7 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.messages import (
+from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
     DecodeRequest,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from gateway.app import create_app
-from pdserve.settings import GatewaySettings
+from protocol.settings import GatewaySettings
 from tests.gateway.conftest import free_ports
 from tests.uvicorn_thread import serve_in_thread
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli import build_parser, main
-from pdserve.settings import GatewaySettings, UpSettings, WorkerSettings, settings_from_args
+from protocol.settings import GatewaySettings, UpSettings, WorkerSettings, settings_from_args
 
 
 def test_gateway_defaults_and_flags() -> None:
@@ -99,7 +99,7 @@ def test_bench_wired_to_loadtest(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_async_scheduling_and_pdl_reach_the_engine_config() -> None:
     """``--async-scheduling`` / ``PDSERVE_ASYNC_SCHEDULING`` → ``SchedulerConfig.async_scheduling`` and
     ``--pdl`` / ``PDSERVE_PDL`` → ``ModelConfig.pdl`` (both on by default; ``false`` turns them off)."""
-    from engine.serve.setup import engine_config_from_settings
+    from workers.setup import engine_config_from_settings
 
     def config_of(env: dict[str, str], *argv: str) -> tuple[bool, bool]:
         s = settings_from_args(build_parser(env).parse_args(["decode", *argv]))

@@ -1,4 +1,4 @@
-"""pdserve.logging: one line per event; JSON lines carry the event's fields (request_id...); the gateway
+"""protocol.logging: one line per event; JSON lines carry the event's fields (request_id...); the gateway
 logs a clean worker shutdown at INFO, a lost worker at WARNING."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
-from pdserve.logging import configure_logging, log_event
-from pdserve.messages import RegisterWorker, WorkerCompat, WorkerLoad, WorkerShutdown
-from pdserve.settings import GatewaySettings
+from protocol.logging import configure_logging, log_event
+from protocol.messages import RegisterWorker, WorkerCompat, WorkerLoad, WorkerShutdown
+from protocol.settings import GatewaySettings
 from tests.gateway.test_metric_names import _FakeControl
 
 

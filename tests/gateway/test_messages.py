@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pdserve.messages import (
+from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
     DecodeRequest,

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from deploy.kustomize_lite import render
 from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
-from pdserve.messages import Heartbeat, Message, RegisterWorker, WorkerCompat, WorkerLoad, WorkerShutdown
-from pdserve.settings import GatewaySettings
+from protocol.messages import Heartbeat, Message, RegisterWorker, WorkerCompat, WorkerLoad, WorkerShutdown
+from protocol.settings import GatewaySettings
 from tests.deploy.common import DEPLOY, ROOT
 from tests.deploy.promql import legend_labels, names
 

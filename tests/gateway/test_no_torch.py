@@ -22,8 +22,8 @@ except ImportError:
     pass
 else:
     raise SystemExit("blocker failed")
-import gateway.app, gateway.server, pdserve.cli, pdserve.messages
-from pdserve.settings import GatewaySettings
+import gateway.app, gateway.server, pdserve.cli, protocol.messages
+from protocol.settings import GatewaySettings
 app = gateway.app.create_app(GatewaySettings(tokenizer=sys.argv[1]))
 assert not any(m.split(".")[0] in ("torch", "transformers") for m in sys.modules)
 print("ok", len(app.routes))

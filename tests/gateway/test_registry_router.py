@@ -7,7 +7,7 @@ import pytest
 from gateway.prefix_index import PrefixIndex, block_hashes
 from gateway.registry import WorkerRegistry, pairing_mismatch
 from gateway.router import NoWorkerError, Router
-from pdserve.messages import RegisterWorker, WorkerCompat, WorkerLoad
+from protocol.messages import RegisterWorker, WorkerCompat, WorkerLoad
 
 
 class Clock:

@@ -18,7 +18,7 @@ from loadtest.lengths import LengthDist
 from loadtest.records import FaultResult, RequestRecord
 from loadtest.scrape import kv_blocks_used
 from loadtest.workload import Turn, load_sharegpt, make_sessions
-from pdserve.durations import parse_duration
+from protocol.durations import parse_duration
 
 
 def test_length_dists() -> None:

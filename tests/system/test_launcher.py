@@ -7,7 +7,7 @@ import sys
 import time
 
 from pdserve.launcher import Supervisor, example, plan
-from pdserve.settings import UpSettings
+from protocol.settings import UpSettings
 
 
 def test_plan_starts_gateway_first_and_binds_loopback() -> None:
@@ -28,7 +28,7 @@ def test_up_settings_from_env_do_not_leak_into_children() -> None:
     command line must still give every worker a free KV port (``--port 0``), not 18000 (the gateway's
     port: the first worker died with "Address already in use" before)."""
     from pdserve.cli import build_parser
-    from pdserve.settings import GatewaySettings, WorkerSettings, settings_from_args
+    from protocol.settings import GatewaySettings, WorkerSettings, settings_from_args
 
     env = {"PDSERVE_PORT": "18000", "PDSERVE_MODEL": "tiny-llama", "PDSERVE_NUM_DECODE": "2"}
     up = settings_from_args(build_parser(env).parse_args(["up"]))

@@ -16,18 +16,18 @@ import zmq
 from decode_worker.worker import DecodeWorker
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
-from engine.serve.loop import WorkerLoop
-from engine.serve.setup import encode_handle
 from kvtransfer import KVHandle, TransferConfig, get_transfer_backend
 from kvtransfer import messages as km
 from kvtransfer.compat import peer_info
 from kvtransfer.loopback import LoopbackRecvTransport
 from kvtransfer.staging import layout_of
-from pdserve.colocated import ColocatedWorker
-from pdserve.messages import WireSamplingParams
-from pdserve.settings import WorkerSettings
 from prefill_worker.worker import PrefillWorker
+from protocol.messages import WireSamplingParams
+from protocol.settings import WorkerSettings
 from tests.engine.test_loader import tiny_config
+from workers.colocated import ColocatedWorker
+from workers.loop import WorkerLoop
+from workers.setup import encode_handle
 
 BLOCK_SIZE = 4
 VOCAB = 256  # tiny_config's vocabulary; eos id 2

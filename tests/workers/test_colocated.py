@@ -1,4 +1,4 @@
-"""Colocated worker (pdserve/colocated.py): ColocatedRequest → FirstToken, one TokenBatch per later
+"""Colocated worker (workers/colocated.py): ColocatedRequest → FirstToken, one TokenBatch per later
 token, RequestFinished; abort mid-decode; a bad request fails alone. Ends with the leak check."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from engine.sampling_params import SamplingParams
-from pdserve.messages import (
+from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
     FirstToken,

@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 
-from engine.serve.setup import decode_handle
 from kvtransfer import KVHandle, TransferStatus
 from kvtransfer import messages as km
-from pdserve.messages import (
+from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
     DecodeRequest,
@@ -36,6 +35,7 @@ from tests.workers.helpers import (
     run,
     wire,
 )
+from workers.setup import decode_handle
 
 
 @pytest.fixture

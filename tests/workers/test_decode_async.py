@@ -22,7 +22,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.engine_core import EngineCore
 from kvtransfer import TransferStatus, get_transfer_backend
-from pdserve.messages import (
+from protocol.messages import (
     AbortRequest,
     DecodeRequest,
     FirstToken,

@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.serve.setup import decode_handle
 from kvtransfer import TransferStatus
 from kvtransfer import messages as km
-from pdserve.messages import (
+from protocol.messages import (
     AbortRequest,
     DecodeRequest,
     FirstToken,
@@ -31,6 +30,7 @@ from tests.workers.helpers import (
     run,
     wire,
 )
+from workers.setup import decode_handle
 
 PROMPT = list(range(10, 20))  # 10 tokens = 3 blocks of 4; chunks of 4 + 4 + 2 under a budget of 4
 

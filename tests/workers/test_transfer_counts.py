@@ -10,7 +10,7 @@ import pytest
 
 from kvtransfer import TransferStatus
 from kvtransfer import messages as km
-from pdserve.messages import PrefillRequest
+from protocol.messages import PrefillRequest
 from tests.workers.helpers import assert_clean, close, prefill_worker, pump, wire
 
 PROMPT = list(range(10, 20))  # 10 tokens = 3 blocks of 4

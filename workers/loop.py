@@ -20,11 +20,8 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from engine.serve.control import ControlClient
-from engine.serve.setup import new_epoch
-from engine.serve.step import StepFailed
-from pdserve.logging import log_event
-from pdserve.messages import (
+from protocol.logging import log_event
+from protocol.messages import (
     Heartbeat,
     Message,
     RegisterAck,
@@ -36,10 +33,13 @@ from pdserve.messages import (
     WorkerLoad,
     WorkerShutdown,
 )
+from workers.control_client import ControlClient
+from workers.setup import new_epoch
+from workers.step import StepFailed
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore, StepOutput
-    from pdserve.settings import WorkerSettings
+    from protocol.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.worker")
 
@@ -91,7 +91,7 @@ class WorkerLoop:
 
     def compat(self) -> WorkerCompat:
         """The pairing key announced at registration."""
-        from engine.serve.setup import compat_of
+        from workers.setup import compat_of
 
         return compat_of(self.core, "none")
 

@@ -1,7 +1,7 @@
 """Start a worker process: logging is already set by the CLI; build the engine, then run the loop.
 
 ``serve_worker(settings, factory)`` is what ``prefill_worker.main:run``, ``decode_worker.main:run`` and
-``pdserve.colocated:run`` call. Returns a process exit status (0 clean, 1 start-up or run failure).
+``workers.colocated:run`` call. Returns a process exit status (0 clean, 1 start-up or run failure).
 Between building the engine and building the worker (so before it registers and logs ``worker_ready``)
 the engine is warmed up per ``--engine-warmup`` (``engine.warmup``).
 """
@@ -13,13 +13,13 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine.serve.control import RegistrationError
+from workers.control_client import RegistrationError
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
-    from engine.serve.loop import WorkerLoop
     from engine.warmup import WarmupReport
-    from pdserve.settings import WorkerSettings
+    from protocol.settings import WorkerSettings
+    from workers.loop import WorkerLoop
 
 log = logging.getLogger("pdserve.worker")
 
@@ -34,7 +34,7 @@ def build_core(settings: WorkerSettings, *, prefill_only: bool = False) -> tuple
     """
     from engine.engine_core import EngineCore
     from engine.models.registry import resolve_model
-    from engine.serve.setup import engine_config_from_settings
+    from workers.setup import engine_config_from_settings
 
     path = str(resolve_model(settings.model))
     core = EngineCore(engine_config_from_settings(settings), prefill_only=prefill_only)
@@ -69,7 +69,7 @@ def warm_up_core(settings: WorkerSettings, core: EngineCore) -> WarmupReport | N
 def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_only: bool = False) -> int:
     """Build the engine and the worker (``factory``), serve until SIGTERM/SIGINT. Returns an exit code."""
     from engine.compile_watch import CompileWatch
-    from engine.serve.setup import default_transport_env
+    from workers.setup import default_transport_env
 
     default_transport_env()
     watch = CompileWatch().install()  # a Triton compile after start-up is logged as a first-use stall

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.serve.loop import WorkerLoop
-from engine.serve.outputs import stream_outputs
-from engine.serve.setup import sampling_from_wire
-from engine.serve.step import run_step
-from pdserve.messages import AbortRequest, ColocatedRequest, Message, Role
+from protocol.messages import AbortRequest, ColocatedRequest, Message, Role
+from workers.loop import WorkerLoop
+from workers.outputs import stream_outputs
+from workers.setup import sampling_from_wire
+from workers.step import run_step
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore, StepOutput
     from engine.sequence import Sequence
-    from pdserve.settings import WorkerSettings
+    from protocol.settings import WorkerSettings
 
 
 class ColocatedWorker(WorkerLoop):
@@ -62,6 +62,6 @@ class ColocatedWorker(WorkerLoop):
 
 def run(settings: WorkerSettings) -> int:
     """Entry point of ``pdserve colocated``; returns the exit status."""
-    from engine.serve.boot import serve_worker
+    from workers.boot import serve_worker
 
     return serve_worker(settings, ColocatedWorker)

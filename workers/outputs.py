@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pdserve.messages import FinishReason, FirstToken, Message, RequestFinished, TokenBatch, TopLogprob
+from protocol.messages import FinishReason, FirstToken, Message, RequestFinished, TokenBatch, TopLogprob
 
 if TYPE_CHECKING:
     from engine.engine_core import StepOutput

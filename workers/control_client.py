@@ -1,9 +1,9 @@
 """Control-plane client of a worker: a pyzmq DEALER connected to the gateway's ROUTER.
 
-Protocol (pdserve/messages.py): the worker sends ``RegisterWorker`` first and waits for ``RegisterAck``;
+Protocol (protocol/messages.py): the worker sends ``RegisterWorker`` first and waits for ``RegisterAck``;
 then ``Heartbeat`` every ``heartbeat_interval`` seconds carrying its load (waiting, running, free/total KV
 blocks), which the gateway turns into the per-worker ``pdserve_kv_blocks_used/free`` gauges. Every
-frame is one msgpack-encoded message (``pdserve.messages.encode``).
+frame is one msgpack-encoded message (``protocol.messages.encode``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.messages import Message, RegisterAck, RegisterWorker, WorkerShutdown, decode, encode
+from protocol.messages import Message, RegisterAck, RegisterWorker, WorkerShutdown, decode, encode
 
 log = logging.getLogger("pdserve.worker.control")
 

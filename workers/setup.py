@@ -13,12 +13,12 @@ import msgspec
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
-from pdserve.messages import WireSamplingParams, WorkerCompat
+from protocol.messages import WireSamplingParams, WorkerCompat
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
     from kvtransfer.types import KVHandle
-    from pdserve.settings import WorkerSettings
+    from protocol.settings import WorkerSettings
 
 KV_LAYOUT = "LTBHD"  # kv_buffer [num_layers, 2 (K,V), num_blocks, block_size, num_kv_heads, head_dim]
 

@@ -1,6 +1,6 @@
 """The gateway's control socket: a pyzmq ROUTER (asyncio) bound at ``--control-bind``.
 
-Workers connect DEALER sockets; each frame pair is (worker routing identity, one ``pdserve.messages``
+Workers connect DEALER sockets; each frame pair is (worker routing identity, one ``protocol.messages``
 message). ``ROUTER_MANDATORY`` makes a send to a vanished identity fail instead of vanishing silently.
 """
 
@@ -12,7 +12,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.messages import Message, decode, encode
+from protocol.messages import Message, decode, encode
 
 log = logging.getLogger(__name__)
 

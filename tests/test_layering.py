@@ -1,0 +1,89 @@
+"""Packages import downward only: the allowed edges between the project's top-level packages.
+
+Read from the source with ``ast`` (every ``import``/``from`` at any depth, TYPE_CHECKING blocks
+included), so an import hidden inside a function is caught too.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("protocol", "engine", "kvtransfer", "workers", "prefill_worker", "decode_worker", "gateway",
+            "loadtest", "pdserve")
+# package → the project packages it may import (besides itself)
+ALLOWED: dict[str, set[str]] = {
+    "protocol": set(),
+    "engine": set(),
+    "kvtransfer": set(),
+    "workers": {"protocol", "engine", "kvtransfer"},
+    "prefill_worker": {"protocol", "engine", "kvtransfer", "workers"},
+    "decode_worker": {"protocol", "engine", "kvtransfer", "workers"},
+    "gateway": {"protocol", "engine"},
+    "loadtest": {"protocol"},
+    "pdserve": {"protocol", "engine", "kvtransfer", "workers", "prefill_worker", "decode_worker", "gateway",
+                "loadtest"},
+}
+
+
+def imported_modules(package: str) -> dict[str, set[str]]:
+    """Module path → the absolute module names it imports (relative imports resolved to the package)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                names.add(package if node.level else (node.module or ""))
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+def project_imports(package: str) -> dict[str, set[str]]:
+    """Module path → the other project packages it imports."""
+    return {path: {n.split(".")[0] for n in names} & set(PACKAGES) - {package}
+            for path, names in imported_modules(package).items()}
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_package_imports_only_packages_below_it(package: str) -> None:
+    wrong = {path: sorted(pkgs - ALLOWED[package]) for path, pkgs in project_imports(package).items()
+             if pkgs - ALLOWED[package]}
+    assert not wrong, f"{package} may import only {sorted(ALLOWED[package])}; found {wrong}"
+
+
+def test_allowed_edges_have_no_cycle() -> None:
+    state: dict[str, int] = {}
+
+    def visit(p: str, trail: list[str]) -> None:
+        assert state.get(p) != 1, f"import cycle: {' -> '.join([*trail, p])}"
+        if state.get(p) == 2:
+            return
+        state[p] = 1
+        for q in sorted(ALLOWED[p]):
+            visit(q, [*trail, p])
+        state[p] = 2
+
+    for p in PACKAGES:
+        visit(p, [])
+
+
+def test_gateway_imports_no_torch_anywhere() -> None:
+    """Static half of the rule (tests/gateway/test_no_torch.py imports the app with torch blocked)."""
+    heavy = {"torch", "transformers", "triton"}
+    tops = {path: {n.split(".")[0] for n in names} for path, names in imported_modules("gateway").items()}
+    wrong = {path: sorted(t & heavy) for path, t in tops.items() if t & heavy}
+    assert not wrong, f"the gateway imports {wrong}"
+
+
+def test_checker_sees_a_forbidden_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker itself: an engine module importing the gateway (inside a function) is reported."""
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "bad.py").write_text("def f():\n    from gateway.app import create_app\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert project_imports("engine") == {"engine/bad.py": {"gateway"}}

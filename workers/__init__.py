@@ -1,0 +1,10 @@
+"""The worker runtime every role shares, and the colocated role.
+
+``boot``: build the engine, warm it up, run the loop (what each role's ``run`` calls).
+``control_client``: the pyzmq DEALER to the gateway's ROUTER (registration, heartbeats, messages).
+``loop``: the worker's asyncio loop; engine steps run on one background thread so the control plane
+never stalls. ``step``: one engine step with a per-step attention ``layer_hook``. ``outputs``: step
+outputs → control-plane messages. ``setup``: settings → engine config, wire ↔ engine conversions.
+``colocated``: the role that prefills and decodes in one process. The prefill and decode roles live in
+``prefill_worker/`` and ``decode_worker/`` and build on this package. Imports nothing heavy here.
+"""
