@@ -1,21 +1,31 @@
-"""Engine throughput benchmark (not a test).
+"""Engine throughput against transformers ``generate`` and the HBM roofline (not a test).
 
-CPU mode (default): prefill and decode tokens/s of pdserve's engine next to transformers ``generate``
-on the same model, machine and run, printed as ratios (engine / transformers), and written to
-``docs/benchmarks/engine-cpu.md`` with the command, machine and date.
+CPU mode (default): prefill and decode tokens/s of pdserve's engine next to transformers ``generate`` on
+the same model and batch, ``--warmup`` untimed calls of each, then ``--repeats`` interleaved repeats
+(bench/timing.py); printed with their spread and the ratio engine / transformers.
 
 GPU mode (``--device cuda --model llama3-8b --load-format dummy``): decode tokens/s for each batch and
 context in each of ``--modes`` (CUDA graphs; graphs with asynchronous scheduling, engine/async_step.py;
 the same with a second set of graphs captured without programmatic dependent launch, engine/ops/pdl.py,
-or with the batch-1 GEMV projections of ``--alt-gemv``; eager), as a fraction of the HBM roofline ``batch
-* bandwidth / (weight bytes + batch * context * KV bytes per token)`` (a decode step reads every weight
-once, except the input embedding, and each sequence's KV; bandwidth measured in the same run as a device-
-to-device copy, read + write bytes counted), ``--parity-batches``: the same greedy tokens with and
-without asynchronous scheduling, then transformers ``generate`` on the same model at ``--hf-batches``.
+or with the batch-1 GEMV projections of ``--alt-gemv``; eager), ``--repeats`` times each, as a fraction
+of the HBM roofline
 
-    .venv/bin/python -m bench.engine                       # SmolLM2 on CPU, fp32
-    .venv/bin/python -m bench.engine --device cuda --model llama3-8b --load-format dummy --dtype bfloat16 \
-        --attention-backend triton --num-blocks 34000 --max-num-seqs 128 --new-tokens 32
+    roofline tok/s = batch * bandwidth / (weight bytes + batch * (context + new_tokens / 2) * KV B/token)
+
+(a decode step reads every weight once, except the input embedding, and each sequence's KV; bandwidth:
+the best of 20 device-to-device copies in the same process, read + write bytes counted,
+``bench.ceilings.copy_bandwidth``). ``--parity-batches``: the same greedy tokens with and without
+asynchronous scheduling. ``--hf-batches``: decode tokens/s of the engine (graphs, synchronous) and of
+transformers ``generate`` on the same model object (SDPA), same batch, context and new tokens, each
+warmed up ``--warmup`` times at that shape and timed ``--repeats`` times, interleaved; ratio = median
+engine tok/s / median transformers tok/s, with the spread of the per-repeat ratios.
+
+Decode tokens are counted exactly (bench/engine/decode.py): the tokens of the steps inside the timed
+window, none of the untimed warm-up step's, also under asynchronous scheduling.
+
+    .venv/bin/python -m bench.engine.throughput                       # SmolLM2 on CPU, fp32
+    python3 -m bench.engine.throughput --device cuda --model llama3-8b --load-format dummy --dtype bfloat16 \
+        --attention-backend triton --num-blocks 34000 --max-num-seqs 128 --new-tokens 96
 """
 
 from __future__ import annotations
@@ -26,87 +36,60 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.async_parity import async_parity
+from bench.ceilings import copy_bandwidth
+from bench.common import random_prompts, sync
+from bench.engine.async_parity import async_parity
+from bench.engine.decode import decode_rate
+from bench.engine.transformers_peer import Rates, hf_decode, hf_rates
+from bench.timing import Spread, interleaved, paired_ratio
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.engine_core import EngineCore
-from engine.models.hf_attention import install_paged_attention
 from engine.models.registry import resolve_model
 from engine.ops.pdl import pdl_enabled, set_pdl
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
-
-DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "engine-cpu.md"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, min(vocab, 30000), (batch, length), generator=gen).tolist()
-
-
-def engine_rates(core: EngineCore, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s): the first step(s) until every prompt has its first token
-    count as prefill; the rest as decode. Unique prompt ids per call keep the prefix cache cold."""
+def engine_rates(core: EngineCore, prompts: list[list[int]], new_tokens: int,
+                 clock: Callable[[], float] = time.perf_counter) -> Rates:
+    """One repeat of the engine on ``prompts``: prefill tok/s = prompt tokens / seconds until every
+    prompt has its first token; decode tok/s = tokens returned by the later steps / their seconds
+    (counted, not assumed). Unique request ids per call; prefix caching is off. Raises ValueError for
+    ``new_tokens`` < 2."""
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be >= 2 (a prefill token and a decode one), got {new_tokens}")
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     tag = time.monotonic_ns()
     for i, p in enumerate(prompts):
         core.add_request(f"b{tag}-{i}", p, params)
     device = core.runner.device
-    started = time.perf_counter()
-    first = 0
-    while first < len(prompts):
-        first += len(core.step())
-    _sync(device)
-    prefill_s = time.perf_counter() - started
-    started = time.perf_counter()
+    sync(device)
+    started, first = clock(), set()
+    while len(first) < len(prompts):
+        first.update(out.request_id for out in core.step())
+    sync(device)
+    prefill_s = clock() - started
+    started, decoded = clock(), 0
     while core.has_unfinished():
-        core.step()
-    _sync(device)
-    decode_s = time.perf_counter() - started
+        decoded += len(core.step())
+    sync(device)
+    decode_s = clock() - started
     core.check_no_leaks()
-    prefill_tokens = sum(len(p) for p in prompts)
-    return prefill_tokens / prefill_s, len(prompts) * (new_tokens - 1) / max(decode_s, 1e-9)
+    return Rates(sum(len(p) for p in prompts) / prefill_s, decoded / decode_s)
 
 
-@torch.inference_mode()
-def hf_rates(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of transformers ``generate`` on the same equal-length batch:
-    prefill = a 1-token generate; decode = the extra time of an ``new_tokens`` generate."""
-    ids = torch.tensor(prompts, device=next(model.parameters()).device)
-    kwargs = dict(do_sample=False, pad_token_id=0)
-    started = time.perf_counter()
-    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
-    prefill_s = time.perf_counter() - started
-    started = time.perf_counter()
-    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
-    decode_s = time.perf_counter() - started - prefill_s
-    return ids.numel() / prefill_s, len(prompts) * (new_tokens - 1) / max(decode_s, 1e-9)
-
-
-def _engine(args: argparse.Namespace, num_blocks: int | None) -> EngineCore:
-    core = _new_engine(args, num_blocks)
-    gemv = [p for p in (getattr(args, "gemv", "") or "").split(",") if p]
-    runner = core.runner
-    if gemv and hasattr(runner.net, "gemv_projections"):  # batch-1 projections through engine.ops.gemv
-        setattr(runner.net, "gemv_projections", frozenset(gemv))  # noqa: B010  (net is typed Module)
-        if runner.decode_graphs is not None:
-            runner.decode_graphs.capture()  # re-capture with the GEMV inside
-    return core
-
-
-def _new_engine(args: argparse.Namespace, num_blocks: int | None) -> EngineCore:
-    return EngineCore(
+def build_engine(args: argparse.Namespace, num_blocks: int | None) -> EngineCore:
+    """The engine of ``args`` (model, dtype, device, attention backend, eager, fused ops, PDL, batch and
+    prompt length for the token budget), prefix caching off; ``--gemv`` re-captures the decode graphs
+    with that comma list of batch-1 GEMV projections."""
+    core = EngineCore(
         EngineConfig(
             ModelConfig(
                 args.model,
@@ -123,103 +106,65 @@ def _new_engine(args: argparse.Namespace, num_blocks: int | None) -> EngineCore:
                             max_num_batched_tokens=max(2048, args.batch * args.prompt_len)),
         )
     )
+    gemv = [p for p in (getattr(args, "gemv", "") or "").split(",") if p]
+    runner = core.runner
+    if gemv and hasattr(runner.net, "gemv_projections"):  # batch-1 projections through engine.ops.gemv
+        setattr(runner.net, "gemv_projections", frozenset(gemv))  # noqa: B010  (net is typed Module)
+        if runner.decode_graphs is not None:
+            runner.decode_graphs.capture()  # re-capture with the GEMV inside
+    return core
 
 
 def run_cpu(args: argparse.Namespace) -> str:
-    """Engine vs transformers on CPU; returns the markdown report."""
-    core = _engine(args, num_blocks=args.batch * (args.prompt_len + args.new_tokens) // 16 + args.batch + 8)
+    """Engine vs transformers on CPU (module docstring); returns the markdown report."""
+    blocks = args.batch * (args.prompt_len + args.new_tokens) // 16 + args.batch + 8
+    core = build_engine(args, num_blocks=blocks)
     model = AutoModelForCausalLM.from_pretrained(
         str(resolve_model(args.model)), dtype=core.runner.dtype
     ).eval()
-    prompts = _prompts(args.batch, args.prompt_len, core.runner.vocab_size, seed=0)
-    engine_rates(core, _prompts(2, 8, core.runner.vocab_size, seed=1), 3)  # warm-up
-    hf_rates(model, _prompts(2, 8, core.runner.vocab_size, seed=1), 3)
-    rows = []
-    for rep in range(args.repeats):
-        e_pre, e_dec = engine_rates(core, prompts, args.new_tokens)
-        h_pre, h_dec = hf_rates(model, prompts, args.new_tokens)
-        rows.append((rep, e_pre, h_pre, e_dec, h_dec))
-        print(
-            f"run {rep}: prefill engine {e_pre:,.0f} tok/s, transformers {h_pre:,.0f} tok/s "
-            f"(ratio {e_pre / h_pre:.2f}); decode engine {e_dec:,.1f} tok/s, transformers {h_dec:,.1f} tok/s "
-            f"(ratio {e_dec / h_dec:.2f})"
-        )
-    return _markdown(args, rows, str(core.runner.dtype).removeprefix("torch."))
+    prompts = random_prompts(args.batch, args.prompt_len, core.runner.vocab_size, seed=0)
+    ours, hf = interleaved(lambda: engine_rates(core, prompts, args.new_tokens),
+                           lambda: hf_rates(model, prompts, args.new_tokens), args.warmup, args.repeats)
+    for rep, (e, h) in enumerate(zip(ours, hf, strict=True)):
+        print(f"repeat {rep}: prefill engine {e.prefill:,.0f} tok/s, transformers {h.prefill:,.0f} tok/s; "
+              f"decode engine {e.decode:,.1f} tok/s, transformers {h.decode:,.1f} tok/s", flush=True)
+    report = cpu_markdown(args, ours, hf, str(core.runner.dtype).removeprefix("torch."))
+    print(report)
+    return report
 
 
-def _markdown(
-    args: argparse.Namespace, rows: list[tuple[int, float, float, float, float]], dtype: str
-) -> str:
+def ratio_line(what: str, ours: list[float], peer: list[float]) -> str:
+    """``"<what>: engine / transformers = R (per-repeat a–b, n=N); engine M (min–max), transformers M
+    (min–max) tok/s"``: R is the ratio of the two medians."""
+    e, h = Spread.of(ours), Spread.of(peer)
+    per_repeat = paired_ratio(ours, peer)
+    return (f"{what}: engine / transformers = {e.median / h.median:.2f} (per-repeat {per_repeat.min:.2f}–"
+            f"{per_repeat.max:.2f}, n={per_repeat.n}); engine {e.fmt(',.1f')} tok/s, "
+            f"transformers {h.fmt(',.1f')} tok/s")
+
+
+def cpu_markdown(args: argparse.Namespace, ours: list[Rates], hf: list[Rates], dtype: str) -> str:
+    """The CPU report: command, date, machine, model, one row per repeat, the two ratios."""
     lines = [
         "# Engine vs transformers on CPU",
         "",
-        f"- command: `{' '.join(['python -m bench.engine', *sys.argv[1:]])}`",
+        f"- command: `{' '.join(['python -m bench.engine.throughput', *sys.argv[1:]])}`",
         f"- date: {datetime.datetime.now(datetime.UTC).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- machine: {platform.machine()}, {torch.get_num_threads()} torch threads, {platform.platform()}, "
-        f"torch {torch.__version__}; shared machine, numbers are noisy",
+        f"torch {torch.__version__}",
         f"- model: {args.model} ({dtype}), batch {args.batch}, prompt {args.prompt_len} tokens, "
-        f"{args.new_tokens} new tokens, attention backend {args.attention_backend}",
+        f"{args.new_tokens} new tokens, attention backend {args.attention_backend}; {args.warmup} untimed "
+        f"call(s) of each side, then {args.repeats} interleaved repeats",
         "",
-        "| run | prefill engine tok/s | prefill HF tok/s | ratio "
-        "| decode engine tok/s | decode HF tok/s | ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| repeat | prefill engine tok/s | prefill transformers tok/s | decode engine tok/s "
+        "| decode transformers tok/s |",
+        "|---|---|---|---|---|",
     ]
-    for rep, e_pre, h_pre, e_dec, h_dec in rows:
-        lines.append(
-            f"| {rep} | {e_pre:,.0f} | {h_pre:,.0f} | {e_pre / h_pre:.2f} | {e_dec:,.1f} | "
-            f"{h_dec:,.1f} | {e_dec / h_dec:.2f} |"
-        )
-    # Best-of-runs per side: on a shared machine contention only ever slows a run down.
-    pre = max(r[1] for r in rows) / max(r[2] for r in rows)
-    dec = max(r[3] for r in rows) / max(r[4] for r in rows)
-    lines += ["", f"Best-of-runs ratio (engine / transformers): prefill {pre:.2f}, decode {dec:.2f}."]
-    print(lines[-1])
+    for rep, (e, h) in enumerate(zip(ours, hf, strict=True)):
+        lines.append(f"| {rep} | {e.prefill:,.0f} | {h.prefill:,.0f} | {e.decode:,.1f} | {h.decode:,.1f} |")
+    lines += ["", "- " + ratio_line("prefill", [r.prefill for r in ours], [r.prefill for r in hf]),
+              "- " + ratio_line("decode", [r.decode for r in ours], [r.decode for r in hf])]
     return "\n".join(lines) + "\n"
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _sync(device)
-    started = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    _sync(device)
-    return 2 * nbytes * iters / (time.perf_counter() - started)
-
-
-def decode_rate(core: EngineCore, batch: int, context: int, new_tokens: int) -> float:
-    """Decode tokens/s of ``batch`` sequences with ``context`` tokens of KV each, entered through the
-    decode-worker path (``add_waiting_for_kv`` + ``kv_landed``: no prefill run; the KV contents do not
-    change the speed). The first decode step is a warm-up and is not timed."""
-    sched, vocab = core.scheduler, core.runner.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    tag = time.monotonic_ns()
-    for i, prompt in enumerate(_prompts(batch, context, vocab, seed=context + batch)):
-        seq = Sequence(f"d{tag}-{i}", prompt, params, time.monotonic(), core.eos_token_id)
-        if not sched.add_waiting_for_kv(seq):
-            raise RuntimeError(f"no KV blocks for batch {batch} x {context} tokens: raise --num-blocks")
-        sched.kv_landed(seq.request_id, first_token=5)
-    core.step()
-    _sync(core.runner.device)
-    started, tokens = time.perf_counter(), 0
-    while core.has_unfinished():
-        tokens += len(core.step())
-    _sync(core.runner.device)
-    core.check_no_leaks()
-    return tokens / (time.perf_counter() - started)
-
-
-def _hf_decode(core: EngineCore, batch: int, context: int, new_tokens: int) -> float:
-    """transformers ``generate`` decode tokens/s on the engine's own model, switched to SDPA for the call."""
-    model = core.runner.model
-    model.set_attn_implementation("sdpa")
-    try:
-        return hf_rates(model, _prompts(batch, context, core.runner.vocab_size, seed=7), new_tokens)[1]
-    finally:
-        install_paged_attention(model)
 
 
 MODES = ("graphs", "async", "async-nopdl", "async-alt", "eager")
@@ -261,17 +206,21 @@ def _second_graphs(core: EngineCore, max_num_seqs: int, pdl: bool, gemv: str | N
 
 
 def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
-    """Decode tokens/s with and without CUDA graphs against the HBM roofline (see module docstring)."""
-    core = _engine(args, num_blocks=args.num_blocks)
+    """Decode tokens/s against the HBM roofline per mode, async parity, then engine vs transformers
+    (module docstring); returns the JSON-ready result (rates in tok/s, spreads as min/median/max/n)."""
+    core = build_engine(args, num_blocks=args.num_blocks)
     runner = core.runner
     graphs = runner.decode_graphs
     read_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
                      if "embed_tokens" not in n)  # the input embedding is gathered (B rows), not read whole
     kv_token = runner.kv_cache.bytes_per_block // runner.kv_cache.block_size
-    bandwidth = copy_bandwidth(runner.device)
+    copies = copy_bandwidth(runner.device)
+    bandwidth = copies.max
+    print(f"copy bandwidth (read + write): best {bandwidth / 1e12:.3f} TB/s, "
+          f"{copies.scaled(1e-12).fmt('.3f', ' TB/s')}", flush=True)
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(runner.device), "rows": [],
                            "weight_read_bytes": read_bytes, "kv_bytes_per_token": kv_token,
-                           "copy_bandwidth": bandwidth,
+                           "copy_bandwidth": copies.as_dict(), "repeats": args.repeats, "warmup": args.warmup,
                            "capture_s": graphs.capture_seconds if graphs else None}
     decode_rate(core, 2, 16, 4)  # warm-up: Triton compiles, eager and graph paths
     second: dict[str, tuple[bool, str | None, bool, bool]] = {
@@ -296,18 +245,25 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
                 chosen = other.get(mode, graphs)
                 runner.decode_graphs = None if mode == "eager" else chosen
                 core.async_scheduling = mode.startswith("async")
-                rate = decode_rate(core, batch, context, args.new_tokens)
-                row = dict(mode=mode, batch=batch, context=context, tok_s=rate, roofline=roofline)
-                res["rows"].append(row)
-                print(f"{mode:6s} batch {batch:4d} context {context:5d}: {rate:9.1f} tok/s "
-                      f"= {rate / roofline:6.1%} of roofline {roofline:9.1f} tok/s", flush=True)
+                rates = Spread.of([decode_rate(core, batch, context, args.new_tokens)
+                                   for _ in range(args.repeats)])
+                res["rows"].append(dict(mode=mode, batch=batch, context=context, tok_s=rates.as_dict(),
+                                        roofline=roofline))
+                share = rates.scaled(100 / roofline)
+                print(f"{mode:6s} batch {batch:4d} context {context:5d}: {rates.fmt('9.1f', ' tok/s')} "
+                      f"= engine / roofline {share.fmt('.1f', ' %')} of {roofline:9.1f} tok/s", flush=True)
     runner.decode_graphs, core.async_scheduling = graphs, False
     for batch in args.hf_batches:
-        hf = _hf_decode(core, batch, args.hf_context, args.new_tokens)
-        ours = decode_rate(core, batch, args.hf_context, args.new_tokens)
-        res["rows"].append(dict(mode="hf", batch=batch, context=args.hf_context, tok_s=hf, engine_tok_s=ours))
-        print(f"transformers generate batch {batch} context {args.hf_context}: {hf:.1f} tok/s; "
-              f"engine (graphs) {ours:.1f} tok/s; ratio {ours / hf:.2f}", flush=True)
+        ours, hf = interleaved(lambda b=batch: decode_rate(core, b, args.hf_context, args.new_tokens),
+                               lambda b=batch: hf_decode(core, b, args.hf_context, args.new_tokens),
+                               args.warmup, args.repeats)
+        ratio = Spread.of(ours).median / Spread.of(hf).median
+        res["rows"].append(dict(mode="hf", batch=batch, context=args.hf_context,
+                                engine_tok_s=Spread.of(ours).as_dict(), hf_tok_s=Spread.of(hf).as_dict(),
+                                ratio_engine_over_hf=ratio,
+                                ratio_per_repeat=paired_ratio(ours, hf).as_dict()))
+        print(ratio_line(f"decode, batch {batch}, context {args.hf_context}, engine graphs synchronous vs "
+                         "transformers generate (SDPA)", ours, hf), flush=True)
     return res
 
 
@@ -324,7 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed calls of each side (engine and transformers) before the repeats")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats of every figure")
     parser.add_argument("--num-blocks", type=int, default=None, help="GPU: KV blocks")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -354,18 +312,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32])
     parser.add_argument("--hf-context", type=int, default=1024)
     parser.add_argument("--json", type=Path, default=None, help="GPU: write the results here")
-    parser.add_argument("--no-write", action="store_true", help="do not write docs/benchmarks/engine-cpu.md")
+    parser.add_argument("--out", type=Path, default=None, help="CPU: write the Markdown report here")
+    parser.add_argument("--no-write", action="store_true", help="CPU: do not write --out")
     args = parser.parse_args(argv)
+    if args.warmup < 0 or args.repeats < 1 or args.new_tokens < 2:
+        parser.error("need --warmup >= 0, --repeats >= 1 and --new-tokens >= 2")
     if torch.device(args.device).type == "cuda":
         result = run_gpu(args)
         if args.json is not None:
             args.json.write_text(json.dumps({"argv": sys.argv[1:], **result}, indent=1))
         return
     report = run_cpu(args)
-    if not args.no_write:
-        DOC.parent.mkdir(parents=True, exist_ok=True)
-        DOC.write_text(report)
-        print(f"wrote {DOC}")
+    if args.out is not None and not args.no_write:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report)
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Greedy parity of asynchronous scheduling on one engine (used by ``bench.engine --parity-batches``).
+"""Greedy parity of asynchronous scheduling on one engine (``bench.engine.throughput --parity-batches``).
 
 A benchmark-side check, run on the GPU next to the speed figures: the same greedy requests give the same
 tokens with ``EngineCore.async_scheduling`` on and off (CPU tests: tests/engine/test_async_scheduling.py).
@@ -8,22 +8,16 @@ from __future__ import annotations
 
 import time
 
-import torch
-
+from bench.common import random_prompts
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-
-
-def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, min(vocab, 30000), (batch, length), generator=gen).tolist()
 
 
 def async_parity(core: EngineCore, batch: int, new_tokens: int) -> bool:
     """True when ``batch`` greedy requests (64-token prompts, prefilled for real) get the same tokens
     with asynchronous scheduling as without, on the same engine."""
     runs = []
-    prompts = _prompts(batch, 64, core.runner.vocab_size, seed=batch)
+    prompts = random_prompts(batch, 64, core.runner.vocab_size, seed=batch)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for mode in (False, True):
         core.async_scheduling = mode

@@ -14,7 +14,7 @@ On a machine without CUDA the kernels run through Triton's interpreter (``TRITON
 before Triton is imported): use ``--tiny`` (fp16 only, one ``head_dim``; the interpreter has no bf16). The
 kernels use fixed tile sizes (no Triton autotuning), so what runs is what is sanitized.
 
-python -m bench.sanitize_driver [--tiny] [--device cuda|cpu] [--json PATH]
+python -m bench.kernels.sanitize_driver [--tiny] [--device cuda|cpu] [--json PATH]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Host time of one decode step, measured on a CPU (not a test; issue #8: decode at the bandwidth limit).
+"""Host time of one decode step, measured on a CPU (not a test): the work a GPU waits for between replays.
 
 On a GPU a CUDA-graph decode step is a graph replay plus host work the GPU waits for: scheduling, filling
 the graph's static inputs, sampling and the scheduler update. This harness times that host work alone:
@@ -6,7 +6,7 @@ an ``EngineCore`` on the tiny dummy Llama (``tiny-llama``), its decode steps rou
 ``DecodeCudaGraphs.run`` as on a GPU (uncaptured on CPU), with the model forward replaced by a stub that
 returns fixed logits of Llama-3's vocabulary width (128256, float32; one row expanded to the batch, so
 they stay in the CPU caches as on a GPU host), so no model FLOPs are timed.
-Sequences are entered like ``bench.engine.decode_rate`` (``add_waiting_for_kv`` + ``kv_landed``, no
+Sequences are entered as ``bench.engine.decode`` enters them (``add_waiting_for_kv`` + ``kv_landed``, no
 prefill), greedy, ``ignore_eos``. Per step, host clock (``time.perf_counter_ns``), in µs:
 
 - ``schedule``: ``Scheduler.schedule()``;
@@ -17,7 +17,8 @@ prefill), greedy, ``ignore_eos``. Per step, host clock (``time.perf_counter_ns``
 - ``argmax``: time inside ``Tensor.argmax`` during ``execute`` (patched to time itself): on a CPU this is
   vocabulary arithmetic that a GPU does in microseconds, not host overhead, so it is not in ``sample``.
 
-    .venv/bin/python -m bench.decode_host --batches 32 128 --context 1024 [--steps 64] [--no-prefix-caching]
+    .venv/bin/python -m bench.engine.decode_host --batches 32 128 --context 1024 [--steps 64] \
+        [--no-prefix-caching]
 """
 
 from __future__ import annotations
@@ -32,12 +33,10 @@ from typing import Any
 
 import torch
 
-from bench.engine import _prompts
+from bench.engine.decode import enter_decodes
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.engine_core import EngineCore
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
 
 VOCAB = 128256  # Llama-3's logit width
 PARTS = ("schedule", "fill", "sample", "update")
@@ -69,17 +68,6 @@ def build_core(batch: int, context: int, steps: int, prefix_caching: bool) -> En
 def fixed_logits(rows: int) -> torch.Tensor:
     """float32 ``[rows, 128256]``: one seeded random row expanded (stride 0) to ``rows`` rows."""
     return torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0)).expand(rows, VOCAB)
-
-
-def enter_decodes(core: EngineCore, batch: int, context: int, max_tokens: int) -> None:
-    """``batch`` greedy sequences of ``context`` prompt tokens, KV "landed" (as ``decode_rate`` does)."""
-    sched = core.scheduler
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, prompt in enumerate(_prompts(batch, context, core.runner.vocab_size, seed=context + batch)):
-        seq = Sequence(f"h{i}", prompt, params, time.monotonic(), core.eos_token_id)
-        if not sched.add_waiting_for_kv(seq):
-            raise RuntimeError(f"no KV blocks for {batch} x {context} tokens")
-        sched.kv_landed(seq.request_id, first_token=5)
 
 
 def _timed(fn: Callable[..., Any], into: list[int]) -> Callable[..., Any]:
@@ -116,7 +104,7 @@ def measure(batch: int, context: int, steps: int, prefix_caching: bool) -> dict[
     """Median µs per decode step of each part (see the module docstring) over ``steps`` steps after one
     warm-up step; all ``batch`` sequences finish in the last step, then the leak check runs."""
     core = build_core(batch, context, steps, prefix_caching)
-    enter_decodes(core, batch, context, max_tokens=steps + 2)
+    enter_decodes(core, batch, context, steps + 2, tag="h")
     runner = core.runner
     fill_ns: list[int] = []
     argmax_ns: list[int] = []

@@ -1,16 +1,16 @@
-"""Per-call cost of the NIXL sender's post path (issue #3, gap b): one write of every layer of one
-direct request (Llama-3-8B-shaped pieces: K and V per layer), posted and waited for, between two NIXL
-agents of this process (DRAM on CPU; cuda:0 → cuda:1 with --device cuda). Median µs per call of
-prepare_layers (once per request), post_prepared (the hot path: descriptor lists or indices,
-initialize_xfer or make_prepped_xfer, transfer()), and post + wait until check_xfer_state says DONE;
-with --device cuda also send_layer's CUDA event cost (new event per call vs events.EventPool).
+"""Per-call cost of the NIXL sender's post path (gap b of bench/kvtransfer/trace.py): one write of
+every layer of one direct request (Llama-3-8B-shaped pieces: K and V per layer), posted and waited for,
+between two NIXL agents of this process (DRAM on CPU; cuda:0 → cuda:1 with --device cuda). Median µs
+per call of prepare_layers (once per request), post_prepared (the hot path: descriptor lists or
+indices, initialize_xfer or make_prepped_xfer, transfer()), and post + wait until check_xfer_state says
+DONE; with --device cuda also send_layer's CUDA event cost (new event per call vs events.EventPool).
 
-    .venv/bin/python bench/kv_post_cost.py [--device cpu|cuda] [--tokens 64] [--extra-blocks 0] [--n 200]
-        [--block-bytes 32768]
+    .venv/bin/python -m bench.kvtransfer.post_cost [--device cpu|cuda] [--tokens 64] [--extra-blocks 0]
+        [--n 200] [--block-bytes 32768]
 
---extra-blocks 0 lays the request out as bench/kv_transfer.py does (its K, V and layers adjacent: the
-pieces merge into one range); > 0 as in serving (64 separate pieces). Runs against whichever
-`kvtransfer` is importable (PYTHONPATH), so before/after figures come from two checkouts.
+--extra-blocks 0 lays the request out as bench/kvtransfer/transfer.py does (its K, V and layers
+adjacent: the pieces merge into one range); > 0 as in serving (64 separate pieces). Runs against
+whichever `kvtransfer` is importable (PYTHONPATH), so before/after figures come from two checkouts.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _link(args: argparse.Namespace) -> tuple[NixlSendTransport, NixlRecvTranspor
 def main() -> None:
     args = _args()
     tx, rx, layers = _link(args)
-    prepare_layers = getattr(tx, "prepare_layers", None) or (  # absent before step 5
+    prepare_layers = getattr(tx, "prepare_layers", None) or (  # a transport without prepare_layers
         lambda peer, ls: [tx.prepare(peer, pieces) for pieces in ls])
     release = getattr(tx, "release_prepared", lambda parts: None)
     parts = prepare_layers(PEER, layers)
@@ -106,7 +106,8 @@ def main() -> None:
 
 
 def _event_cost(n: int) -> None:
-    """send_layer's CUDA event (issue #3, gap a): a new event per call vs one from events.EventPool."""
+    """send_layer's CUDA event (gap a of bench/kvtransfer/trace.py): a new event per call vs one from
+    events.EventPool."""
     from kvtransfer.events import EventPool
 
     def fresh() -> None:

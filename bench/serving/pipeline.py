@@ -1,7 +1,7 @@
 """TTFT and TPOT of the embedded SmolLM2 through ``pdserve up`` (gateway + 1 prefill + 1 decode).
 
-Run: ``.venv/bin/python -m bench.pipeline [--requests 16] [--concurrency 1,4] [--max-tokens 32]
-[--out docs/benchmarks/pipeline-cpu.md]``. Starts ``pdserve up`` on a free port, streams completions
+Run: ``.venv/bin/python -m bench.serving.pipeline [--requests 16] [--concurrency 1,4] [--max-tokens 32]
+[--out /tmp/pdserve-bench/pipeline-cpu.md]``. Starts ``pdserve up`` on a free port, streams completions
 (greedy, ``ignore_eos`` so every request makes ``--max-tokens`` tokens), measures per request
 TTFT (send → first token, seconds) and TPOT (mean gap between later tokens, seconds), writes a Markdown
 report with the command, machine and date, and stops the system with SIGINT.
@@ -78,8 +78,9 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) ->
 
 def report(args: argparse.Namespace, rows: list[tuple[int, dict[str, float]]]) -> str:
     """The Markdown report."""
+    command = " ".join([Path(sys.executable).name, "-m", "bench.serving.pipeline", *sys.argv[1:]])
     lines = ["# Pipeline on CPU: TTFT and TPOT through `pdserve up`", "",
-             f"- command: `{' '.join([Path(sys.executable).name, '-m', 'bench.pipeline', *sys.argv[1:]])}`",
+             f"- command: `{command}`",
              f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}, "
              f"Python {platform.python_version()}",
              f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="1,4")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--transfer-backend", default="nixl", choices=["nixl", "ucx"])
-    p.add_argument("--out", default="docs/benchmarks/pipeline-cpu.md")
+    p.add_argument("--out", default="/tmp/pdserve-bench/pipeline-cpu.md", help="the Markdown report")
     args = p.parse_args(argv)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     text = report(args, rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(text)
     return 0

@@ -1,8 +1,8 @@
 """The gateway's own added latency and throughput ceiling, measured with instant fake workers.
 
-Run: ``.venv/bin/python -m bench.gateway_overhead [--requests 300] [--concurrency 1,8] [--max-tokens 16]
+Run: ``.venv/bin/python -m bench.gateway.overhead [--requests 300] [--concurrency 1,8] [--max-tokens 16]
 [--token-delay 0] [--prefill-delay 0] [--tokenizer smollm2-135m] [--json out.json]
-[--out docs/benchmarks/gateway-overhead-cpu.md]``.
+[--out /tmp/gateway-overhead.md]``.
 
 Three targets, started in turn on free 127.0.0.1 ports and stopped after their runs:
 ``disagg`` (``pdserve gateway`` + one fake prefill + one fake decode worker, ``tests/fakes/fake_worker.py``),
@@ -29,24 +29,20 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.gateway_overhead_report import machine_info, render_markdown
-from bench.sse_baseline import baseline_app
+from bench.gateway.overhead_report import machine_info, render_markdown
+from bench.gateway.sse_baseline import baseline_app
 from gateway.text import TextProcessor, TokenizerNotFoundError, resolve_tokenizer_dir
 from loadtest.client import RequestIds, send_request
 from loadtest.metrics import latency_stats
 from loadtest.records import LatencyStats, RequestRecord
 from pdserve.launcher import Supervisor, free_ports, wait_ready
 
-if TYPE_CHECKING:
-    pass
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPLY = "Hello world, this is a fake reply from an instant worker. The end."
 PROMPT = "Summarize the plot of a short story about a lighthouse keeper and a message in a bottle."
 TARGETS = ("disagg", "colocated", "baseline")
@@ -128,7 +124,7 @@ def start_target(target: str, cfg: OverheadConfig, tokenizer_dir: Path, sup: Sup
     """
     port, control_port = free_ports(2)
     if target == "baseline":
-        _spawn(sup, "baseline", ["-m", "bench.gateway_overhead", "--serve-baseline", str(port),
+        _spawn(sup, "baseline", ["-m", "bench.gateway.overhead", "--serve-baseline", str(port),
                                  "--max-tokens", str(cfg.max_tokens)], log_dir)
     else:
         control = f"tcp://127.0.0.1:{control_port}"
@@ -262,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                              concurrency=tuple(int(x) for x in args.concurrency.split(",")),
                              prefill_delay_s=args.prefill_delay, token_delay_s=args.token_delay,
                              tokenizer=args.tokenizer)
-        command = "python -m bench.gateway_overhead " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python -m bench.gateway.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
         res = run(cfg, command, tuple(args.targets.split(",")))
     except (ValueError, TokenizerNotFoundError) as exc:
         print(f"gateway_overhead: {exc}", file=sys.stderr)

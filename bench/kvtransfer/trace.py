@@ -1,5 +1,6 @@
-"""Summary of a `bench/kv_transfer.py --trace` round: where every µs between the first send_layer and
-the sender seeing DONE went (issue #3's three gaps), from the events of KVSender.set_trace,
+"""Summary of a `bench.kvtransfer.transfer --trace` round: where every µs between the first send_layer
+and the sender seeing DONE went (three gaps: (a) the hand-off calls and the loop taking layers up, (b)
+posting each write, (c) the tail from the last write to DONE), from the events of KVSender.set_trace,
 KVReceiver.set_trace (a spawned process: time.perf_counter() is CLOCK_MONOTONIC on Linux, one clock
 for every process of the host) and the benchmark thread.
 

@@ -5,11 +5,11 @@ heads × 128 × bf16 K and V), a microsecond at the copy bandwidth, so the split
 launches are bound by latency, not bytes. For each (context, tile of KV tokens, split count, warps) this
 times ``engine.ops.paged_decode.paged_decode_attention`` as a decode step runs it: 32 calls, one per
 layer cache (so the L2 cache never holds the KV being read), captured in one CUDA graph with programmatic
-dependent launch between them (engine/ops/pdl.py), and prints µs per call against the KV-read floor
-(bytes / device copy bandwidth measured in the same run) and the output's largest difference from the
-plain-torch reference.
+dependent launch between them (engine/ops/pdl.py), and prints µs per call (median and min–max of 10
+graph replays) against the KV-read floor (bytes / device copy bandwidth, the best of 20 copies in the
+same process) and the output's largest difference from the plain-torch reference.
 
-    python3 -m bench.decode_attention --contexts 1024 4096 --block-n 16 32 64 --warps 2 4
+    python3 -m bench.kernels.decode_attention --contexts 1024 4096 --block-n 16 32 64 --warps 2 4
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import argparse
 
 import torch
 
-from bench.engine import copy_bandwidth
-from bench.graph_timing import replay_seconds
+from bench.ceilings import copy_bandwidth
+from bench.timing import Spread, replay_seconds
 from engine.ops.paged_decode import (
     choose_num_splits,
     paged_decode_attention,
@@ -39,8 +39,8 @@ def _caches(context: int, batch: int) -> tuple[list[torch.Tensor], list[torch.Te
     return ks, vs, perm.view(batch, blocks)
 
 
-def seconds(context: int, batch: int, block_n: int, splits: int, warps: int) -> tuple[float, float]:
-    """(seconds per call, largest |out - reference|) for one configuration."""
+def seconds(context: int, batch: int, block_n: int, splits: int, warps: int) -> tuple[Spread, float]:
+    """(seconds per call over 10 graph replays, largest |out - reference|) for one configuration."""
     ks, vs, tables = _caches(context, batch)
     q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
@@ -53,7 +53,7 @@ def seconds(context: int, batch: int, block_n: int, splits: int, warps: int) -> 
     step()  # compile
     ref = paged_decode_attention_reference(q, ks[0], vs[0], tables, lens, context, DIM ** -0.5)
     err = (outs[0].float() - ref.float()).abs().max().item()
-    return replay_seconds(step, 10) / LAYERS, err
+    return replay_seconds(step, 10).scaled(1 / LAYERS), err
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,13 +66,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--graph-len", type=int, default=8192,
                    help="max_model_len the decode graphs pin (the engine's split heuristic uses it)")
     args = p.parse_args(argv)
-    bandwidth = copy_bandwidth(torch.device("cuda"))
+    bandwidth = copy_bandwidth(torch.device("cuda")).max
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s, batch {args.batch}")
     print("| context | tile | splits | warps | µs per layer | KV floor µs | of floor | max err |")
     print("|---|---|---|---|---|---|---|---|")
     for context in args.contexts:
-        floor = args.batch * context * KV_HEADS * DIM * 2 * 2 / bandwidth  # as bench.engine's roofline
+        floor = args.batch * context * KV_HEADS * DIM * 2 * 2 / bandwidth  # KV bytes / copy bandwidth
         engine_bn = 32 if args.batch == 1 else 64  # paged_decode_attention's default tile
         engine_splits = choose_num_splits(args.batch, KV_HEADS, args.graph_len, engine_bn, sms)
         configs = [(engine_bn, engine_splits, 4, "engine default")]
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> None:
                 configs += [(bn, splits, w, "") for w in args.warps]
         for bn, splits, warps, note in configs:
             sec, err = seconds(context, args.batch, bn, splits, warps)
-            print(f"| {context} | {bn} | {splits} | {warps} | {sec * 1e6:.2f} | {floor * 1e6:.2f} | "
-                  f"{floor / sec:.1%} | {err:.2g} {note} |", flush=True)
+            print(f"| {context} | {bn} | {splits} | {warps} | {sec.scaled(1e6).fmt('.2f')} | "
+                  f"{floor * 1e6:.2f} | {floor / sec.median:.1%} | {err:.2g} {note} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,14 +4,16 @@ receiver in a spawned process (decode side), for each backend.
 
 Reported GB/s = request KV bytes / (clock start → the sender's status becomes DONE), and / (clock
 start → the receiver has every layer and knows it: "landed", when a decode worker may schedule the
-request; the
-sender hears of it one control message later), each with its ratio to a baseline measured in the same
-run. The clock starts before add_request (the Begin round trip counts), with --begun at the first
-send_layer (in serving add_request precedes the prefill forward pass). Baseline: on CPU a same-process
-memcpy of the same bytes (capped at 512 MiB);
-with `--device cuda` a torch peer copy GPU0 → GPU1 of the same bytes (the receiver then lives on cuda:1).
+request; the sender hears of it one control message later), each with its ratio to a baseline
+measured in the same run. The clock starts before add_request (the Begin round trip counts), with
+--begun at the first send_layer (in serving add_request precedes the prefill forward pass). Each GB/s
+is the best of `--repeat` rounds after a warm-up round (the handshake and registration happen in it),
+printed with the min–max over those rounds. Baseline: on CPU a same-process memcpy of the same bytes
+(capped at 512 MiB); with `--device cuda` a torch peer copy GPU0 → GPU1 of the same bytes (the receiver
+then lives on cuda:1); the best of 20 copies after 3 untimed ones, both devices synchronised around
+each.
 
-    .venv/bin/python bench/kv_transfer.py [--device cpu|cuda] [--tokens 1024 4096 32768]
+    .venv/bin/python -m bench.kvtransfer.transfer [--device cpu|cuda] [--tokens 1024 4096 32768]
         [--backends nixl ucx] [--path staged|direct|both] [--repeat 3] [--scatter] [--depth 4] [--verify]
         [--handoff layer|request]
 
@@ -19,7 +21,7 @@ with `--device cuda` a torch peer copy GPU0 → GPU1 of the same bytes (the rece
 gather); "staged" from a shuffled permutation of them (fragmented: gathered into the staging ring).
 --depth: TransferConfig.max_inflight_layers of the sender. --trace: per-layer timeline of the last
 round (gather launched or direct layer started, write posted, write complete, in µs after the first
-send_layer) and its split into issue #3's gaps (bench/kv_trace.py: the send_layer loop, each write's
+send_layer) and its split into gaps (bench/kvtransfer/trace.py: the send_layer loop, each write's
 build / descriptors / init / transfer(), the DONE round trip through the receiver). --extra-blocks:
 both kv_buffers get this many blocks more than the requests use, so a request's K and V (and layers)
 are not adjacent in memory as in serving (by default they are, and the direct pieces merge).
@@ -45,10 +47,8 @@ from multiprocessing.connection import Connection
 import msgspec
 import torch
 
-try:
-    from bench.kv_trace import raw, summarize, timeline
-except ImportError:  # run as a script (python bench/kv_transfer.py): bench/ is sys.path[0]
-    from kv_trace import raw, summarize, timeline  # type: ignore[no-redef]
+from bench.kvtransfer.trace import raw, summarize, timeline
+from bench.timing import MIN_CEILING_REPEATS, Spread, ceiling_seconds
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -105,36 +105,35 @@ def receiver_main(conn: Connection, backend: str, num_blocks: int, device: str, 
     conn.send(None)
 
 
-def _baseline(nbytes: int, device: str) -> float:
+def _baseline(nbytes: int, device: str) -> Spread:
     """GB/s of copying `nbytes` (capped at 512 MiB to bound memory) between two fresh buffers: CPU
-    memcpy (ctypes.memmove), or a GPU0 → GPU1 peer copy. Best of 3."""
+    memcpy (ctypes.memmove), or a GPU0 → GPU1 peer copy (host clock, both devices synchronised: the copy
+    spans two devices). The best of 20 after 3 untimed copies is the baseline (`.max`)."""
     cpu = device == "cpu"
     nbytes = min(nbytes, 512 << 20)
     src = torch.ones(nbytes, dtype=torch.uint8, device="cpu" if cpu else "cuda:0")
     dst = torch.ones(nbytes, dtype=torch.uint8, device="cpu" if cpu else "cuda:1")
-    best = 0.0
-    for _ in range(3):
-        if not cpu:
-            torch.cuda.synchronize("cuda:0")
-        t = time.perf_counter()
+
+    def copy() -> None:
         if cpu:
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
         else:
+            torch.cuda.synchronize("cuda:0")
             dst.copy_(src)
             torch.cuda.synchronize("cuda:0")
             torch.cuda.synchronize("cuda:1")
-        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
-    return best
+    return ceiling_seconds(copy, torch.device("cpu"), MIN_CEILING_REPEATS).per(nbytes / 1e9)
 
 
 def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, depth: int = 4,
          verify: bool = False, trace: bool = False, path: str = "direct", begun: bool = False,
-         concurrent: int = 1, extra_blocks: int = 0, handoff: str = "layer") -> tuple[float, float]:
-    """Best GB/s of `repeat` rounds over `backend`, by `path`: (to the sender seeing DONE, to the receiver
-    knowing every layer landed). A round sends `concurrent` requests of `tokens` tokens each (layer by
-    layer, interleaved across requests) and ends when all are DONE; GB/s = all their KV bytes / (first
-    send_layer → last DONE). With `begun` the clock starts once the receiver
-    answered every Begin (as in serving, where add_request precedes the prefill forward pass).
+         concurrent: int = 1, extra_blocks: int = 0, handoff: str = "layer") -> tuple[Spread, Spread]:
+    """GB/s of `repeat` rounds over `backend`, by `path`: (to the sender seeing DONE, to the receiver
+    knowing every layer landed), each over the rounds (the best is `.max`). A round sends `concurrent`
+    requests of `tokens` tokens each (layer by layer, interleaved across requests) and ends when all
+    are DONE; GB/s = all their KV bytes / (first send_layer → last DONE). With `begun` the clock starts
+    once the receiver answered every Begin (as in serving, where add_request precedes the prefill forward
+    pass).
     `handoff`: "layer" (one send_layer per request-layer) or "request" (one send_layers per request)."""
     from kvtransfer import get_transfer_backend
 
@@ -151,7 +150,8 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
                       device=device if device == "cpu" else "cuda:0").to(DTYPE)
     tx = get_transfer_backend(backend).sender(_config("bench-p", backend, depth, verify), src)
     src_ids, dst_ids = _block_ids(n, concurrent, path, scatter)
-    best = best_landed = 0.0
+    rates: list[float] = []
+    rates_landed: list[float] = []
     try:
         for i in range(repeat + 1):  # the first round warms up (handshake, registration)
             rids = [f"r{i}-{j}" for j in range(concurrent)]
@@ -164,8 +164,8 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
             t, dt, dt_landed = _round(tx, conn, rids, src_ids, dst_ids, begun, path, events, handoff)
             if i:
                 nbytes = LAYERS * 2 * n * concurrent * BS * HEADS * DIM * 2
-                best = max(best, nbytes / dt / 1e9)
-                best_landed = max(best_landed, nbytes / dt_landed / 1e9)
+                rates.append(nbytes / dt / 1e9)
+                rates_landed.append(nbytes / dt_landed / 1e9)
             if events is not None:
                 tx.set_trace(None)
                 conn.send(("trace",))
@@ -177,7 +177,7 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
         conn.send(("close",))
         conn.recv()
         proc.join(30)
-    return best, best_landed
+    return Spread.of(rates), Spread.of(rates_landed)
 
 
 def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int]], dst_ids: list[list[int]],
@@ -227,7 +227,7 @@ def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int
 def _keep_busy(seconds: float, kv: torch.Tensor) -> None:
     """Run Python and CUDA stream queries for `seconds` (--warm-us), as a prefill thread that hands its
     KV off straight from running the forward pass: on the H200 VM a thread woken from a wait ran its
-    next Python 2.4× and CUDA calls 30-50× slower (docs/benchmarks/kv_transfer-h200.md)."""
+    next Python 2.4× and CUDA calls 30-50× slower (docs/benchmarks/kvtransfer.md)."""
     end = time.perf_counter() + seconds
     stream = torch.cuda.current_stream(kv.device) if kv.is_cuda else None
     while time.perf_counter() < end:
@@ -325,21 +325,24 @@ def main() -> None:
           f"{args.concurrent} request(s) per round, "
           f"GIL switch interval {sys.getswitchinterval() * 1e3:g} ms, busy wait {args.busy_wait_us:g} µs, "
           f"warm {args.warm_us:g} µs, NIXL UCX error handling {args.nixl_error_handling}")
-    print("| tokens | MiB | baseline GB/s | backend | path | hand-off | GB/s (sender DONE) | ratio "
-          "| GB/s (landed) | ratio |")
+    print("| tokens | MiB | baseline GB/s: best of 20 | backend | path | hand-off | GB/s to sender DONE: "
+          "best (min–max) | best / baseline | GB/s to landed: best (min–max) | best / baseline |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     paths = ["staged", "direct"] if args.path == "both" else [args.path]
     for tokens in args.tokens:
         layer_bytes = 2 * tokens * HEADS * DIM * 2
-        base = _baseline(LAYERS * layer_bytes, args.device)
+        copies = _baseline(LAYERS * layer_bytes, args.device)
+        base = copies.max
         for backend in args.backends:
             for path in paths:
-                gbs, landed = _one(backend, tokens, args.device, args.repeat, args.scatter, args.depth,
-                                   args.verify, args.trace, path, args.begun, args.concurrent,
-                                   args.extra_blocks, args.handoff)
+                done, landed = _one(backend, tokens, args.device, args.repeat, args.scatter, args.depth,
+                                    args.verify, args.trace, path, args.begun, args.concurrent,
+                                    args.extra_blocks, args.handoff)
                 mib = args.concurrent * LAYERS * layer_bytes / 2**20
-                print(f"| {tokens} | {mib:.0f} | {base:.2f} | {backend} | {path} | {args.handoff} | "
-                      f"{gbs:.2f} | {gbs / base:.2f} | {landed:.2f} | {landed / base:.2f} |", flush=True)
+                print(f"| {tokens} | {mib:.0f} | {base:.2f} (median {copies.median:.2f}) | {backend} "
+                      f"| {path} | {args.handoff} | {done.max:.2f} ({done.min:.2f}–{done.max:.2f}) "
+                      f"| {done.max / base:.2f} | {landed.max:.2f} ({landed.min:.2f}–{landed.max:.2f}) "
+                      f"| {landed.max / base:.2f} |", flush=True)
 
 if __name__ == "__main__":
     main()

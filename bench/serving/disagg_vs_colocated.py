@@ -1,8 +1,8 @@
 """Disaggregated (1 prefill + 1 decode worker) vs colocated (N colocated workers, chunked prefill), the same
 ``pdserve bench`` workload on both, plus a greedy-parity check between them.
 
-GPU (2 GPUs, issue #8): ``python3 -m bench.disagg_vs_colocated --device cuda --work-dir $OUT/work
---doc $OUT/bench-h200.md`` — Llama-3-8B shapes with dummy weights (same seed on every worker), bf16;
+GPU (2 GPUs): ``python3 -m bench.serving.disagg_vs_colocated --device cuda --work-dir $OUT/work
+--doc $OUT/report.md`` — Llama-3-8B shapes with dummy weights (same seed on every worker), bf16;
 disaggregated = prefill on cuda:0 + decode on cuda:1, KV over NIXL; colocated = two colocated workers
 (cuda:0, cuda:1) behind one gateway. Every worker: ``--max-num-batched-tokens 2048`` (chunked prefill)
 and the same ``--num-blocks``. Workload ``long`` = 3000 input / 150 output tokens (token-id prompts,
@@ -14,8 +14,9 @@ CPU smoke (tiny-llama, ~1 min): ``--device cpu --mixes 256:32 --rates 1,2 --dura
 Both systems start together (their start-up overlaps; they share the GPUs' memory but only one is
 loaded at a time), then: parity (8 prompts, chat and completion, max_tokens 32, temperature 0, one at a
 time) → per mix, ``pdserve bench`` on colocated then disaggregated into ``WORK/<mix>/<mode>/`` →
-``pdserve bench compare`` → the Markdown report at ``--doc`` with plots in the folder beside it (same
-name without ``.md``) → a summary table printed last. Exit code: 0 all good; 1 a bench run failed (no
+``pdserve bench compare`` → the Markdown report at ``--doc`` (default ``WORK/report.md``) with plots in
+the folder beside it (same name without ``.md``) → a summary table printed last. The figures worth
+keeping go into docs/benchmarks/serving.md by hand. Exit code: 0 all good; 1 a bench run failed (no
 request completed, or KV leaked); 2 bad arguments; 3 greedy outputs differ between the systems.
 """
 
@@ -32,9 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import disagg_report as rep
 from bench.live_system import LiveSystem, Mode, SystemSpec, live_system, live_systems
 from bench.machine import machine_info
+from bench.serving import disagg_report as rep
 from engine.models.registry import is_dummy_alias
 
 __all__ = ["live_system", "main", "parse_args"]  # live_system: tests/loadtest/test_live.py imports it here
@@ -98,7 +99,7 @@ def bench_argv(args: argparse.Namespace, url: str, out: Path, n_in: int | str, n
 
 def _parity(systems: dict[str, LiveSystem], args: argparse.Namespace, work: Path) -> tuple[int, int]:
     """Greedy parity disagg vs colocated; writes WORK/parity.json; (identical, total)."""
-    from bench.parity import check_parity, save_parity
+    from bench.serving.parity import check_parity, save_parity
     from loadtest.models import first_model
 
     model = asyncio.run(first_model(systems["colocated"].url, None))
@@ -189,7 +190,7 @@ def write_report(args: argparse.Namespace, work: Path, meta: dict[str, Any]) -> 
     each = " ".join(bench_argv(args, "URL", Path("WORK/<mix>/<mode>"), "IN", "OUT"))
     par = f"{parity[0]}/{parity[1]} identical (details: WORK/parity.json)" if parity else "not run"
     lines = [f"# Disaggregated vs colocated on {args.device} (`pdserve bench`)", "",
-             f"- command: `python -m bench.disagg_vs_colocated {' '.join(meta['argv'])}`",
+             f"- command: `python -m bench.serving.disagg_vs_colocated {' '.join(meta['argv'])}`",
              f"- each run: `pdserve bench {each}`"
              " (IN/OUT: the mix's lengths)",
              f"- machine: {'; '.join(f'{k} {v}' for k, v in info.items())}", f"- date: {meta['date']} (UTC)",
@@ -220,7 +221,7 @@ def write_report(args: argparse.Namespace, work: Path, meta: dict[str, Any]) -> 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Flags (see the module docstring); device-dependent defaults filled in. Raises SystemExit(2)."""
-    p = argparse.ArgumentParser(prog="python -m bench.disagg_vs_colocated", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.serving.disagg_vs_colocated", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     gpu = shutil.which("nvidia-smi") is not None
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if gpu else "cpu")
@@ -246,14 +247,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float)
     p.add_argument("--parity-max-tokens", type=int, default=32)
     p.add_argument("--work-dir", default="/tmp/pdserve-disagg-vs-colocated", help="raw results and logs")
-    p.add_argument("--doc", help="report path (default docs/benchmarks/bench-<device>.md)")
+    p.add_argument("--doc", help="report path (default WORK/report.md)")
     p.add_argument("--note", action="append", default=[], help="a paragraph added to the report")
     p.add_argument("--report-only", action="store_true", help="rebuild the report from WORK/meta.json")
     args = p.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.doc = args.doc or f"docs/benchmarks/bench-{'h200' if args.device == 'cuda' else 'cpu'}.md"
+    args.doc = args.doc or str(Path(args.work_dir) / "report.md")
     try:
         for mix in args.mixes.split(","):
             parse_mix(mix)

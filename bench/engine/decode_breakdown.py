@@ -9,14 +9,15 @@ weights, Triton attention, decode CUDA graphs captured as in serving):
 - ``run``: ``DecodeCudaGraphs.run`` (host fill of the static buffers + replay), host clock, synchronized;
 - ``sample``: the engine's sampler on the step's logits (greedy), host clock, synchronized;
 - ``step``: ``EngineCore.step()`` of a real decode batch (scheduler, block tables, fill, replay, sampling,
-  ``.tolist()``, detokenize-free bookkeeping), host clock (``bench.engine.decode_rate``).
+  ``.tolist()``, detokenize-free bookkeeping), host clock (``bench.engine.decode.decode_rate``).
 
 ``step - replay`` is the host time a step does not overlap with the GPU (``--async-scheduling``: also
 with step N+1 launched before step N's tokens are read, engine/async_step.py); ``replay`` against the
-weight-read floor (weight bytes / device copy bandwidth, measured in the same run) is the forward pass's own
-efficiency.
+weight-read floor (weight bytes / device copy bandwidth, the best of 20 copies in the same process,
+``bench.ceilings.copy_bandwidth``) is the forward pass's own efficiency. Each time is a mean over
+``--iters`` calls (``step``: over one request's decode steps).
 
-    python3 -m bench.decode_breakdown --batches 1 8 32 --context 1024 [--json out.json]
+    python3 -m bench.engine.decode_breakdown --batches 1 8 32 --context 1024 [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import _engine, copy_bandwidth, decode_rate
+from bench.ceilings import copy_bandwidth
+from bench.engine.decode import decode_rate
+from bench.engine.throughput import build_engine
 from engine.engine_core import EngineCore
 from engine.sampler import SamplingRow
 from engine.sampling_params import SamplingParams
@@ -51,13 +54,13 @@ def _timed(fn: object, iters: int, device: torch.device) -> float:
 def breakdown(args: argparse.Namespace) -> dict[str, object]:
     """Run the measurements above; returns a JSON-able dict (times in seconds). Raises RuntimeError
     without CUDA graphs (CPU device or ``--enforce-eager``)."""
-    core = _engine(args, num_blocks=args.num_blocks)
+    core = build_engine(args, num_blocks=args.num_blocks)
     runner = core.runner
     if runner.decode_graphs is None:
         raise RuntimeError("decode CUDA graphs are off: run on CUDA without --enforce-eager")
     weights = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters()
                   if "embed_tokens" not in n)
-    bandwidth = copy_bandwidth(runner.device)
+    bandwidth = copy_bandwidth(runner.device).max
     out: dict[str, object] = {"weight_read_bytes": weights, "copy_bandwidth": bandwidth,
                               "floor_s": weights / bandwidth, "rows": []}
     for batch in args.batches:

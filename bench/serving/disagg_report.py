@@ -1,4 +1,4 @@
-"""Tables, crossover, plots and the Markdown report of ``bench.disagg_vs_colocated``.
+"""Tables, crossover, plots and the Markdown report of ``bench.serving.disagg_vs_colocated``.
 
 Goodput (DistServe, OSDI'24) is reported two ways per offered rate: the harness's request goodput
 (completed requests/s within both the TTFT and the TPOT SLO, ``loadtest.metrics``) and whether the rate

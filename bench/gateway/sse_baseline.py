@@ -1,4 +1,4 @@
-"""The peer ``bench.gateway_overhead`` measures the gateway against: a bare FastAPI/uvicorn SSE endpoint
+"""The peer ``bench.gateway.overhead`` measures the gateway against: a bare FastAPI/uvicorn SSE endpoint
 that streams OpenAI-shaped completion chunks and does nothing else."""
 
 from __future__ import annotations

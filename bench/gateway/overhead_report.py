@@ -1,4 +1,4 @@
-"""The report of ``bench.gateway_overhead``: the machine it ran on and its Markdown tables."""
+"""The report of ``bench.gateway.overhead``: the machine it ran on and its Markdown tables."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bench.gateway_overhead import OverheadResult
+    from bench.gateway.overhead import OverheadResult
     from loadtest.records import LatencyStats
 
 
@@ -44,11 +44,12 @@ def render_markdown(res: OverheadResult) -> str:
                      f"| {_p(lv.added_e2e_ms)} "
                      f"| {lv.req_s:.1f} |")
     base = {lv.concurrency: lv for lv in res.levels if lv.target == "baseline"}
-    lines += ["", "Gateway vs the bare SSE baseline, same concurrency (p50 E2E; req/s baseline÷gateway):", ""]
+    lines += ["", "Gateway vs the bare SSE baseline at the same concurrency: p50 E2E gateway (added) / "
+              "baseline, and req/s baseline / gateway:", ""]
     for lv in res.levels:
         b = base.get(lv.concurrency)
         if lv.target != "baseline" and b and b.e2e_ms and lv.added_e2e_ms and lv.req_s > 0:
             gw, bare = lv.added_e2e_ms.median, b.e2e_ms.median
-            lines.append(f"- {lv.target} @ {lv.concurrency}: p50 E2E ×{gw / bare:.1f} (+{gw - bare:.2f} ms), "
-                         f"req/s ÷{b.req_s / lv.req_s:.1f}")
+            lines.append(f"- {lv.target} @ {lv.concurrency}: p50 E2E gateway / baseline {gw / bare:.1f} "
+                         f"(+{gw - bare:.2f} ms), req/s baseline / gateway {b.req_s / lv.req_s:.1f}")
     return "\n".join(lines) + "\n"

@@ -3,12 +3,12 @@
 Builds a block manager of ``--num-blocks`` blocks (default 34 000: an H200 decode worker's upper end) in
 several fill levels / fragmentations of its blocks (in use, free-cached by the prefix cache,
 free-uncached), then times ``allocate_contiguous(n)`` for each ``n`` of ``--sizes`` (blocks per request)
-and prints the median µs per call. After each call the state is restored (the run freed, evicted
-blocks re-cached), so every call sees the same state. Runs against whichever ``engine`` is importable,
-so before/after figures come from running it in two checkouts' roots (as a module: ``bench/engine.py``
-would shadow the ``engine`` package if run by path).
+and prints µs per call (median, min–max over ``--reps`` calls after 3 untimed ones). After each call
+the state is restored (the run freed, evicted blocks re-cached), so every call sees the same state. Runs
+against whichever ``engine`` is importable, so before/after figures come from running it in two
+checkouts' roots (always as a module: run by path, ``bench/engine/`` would shadow the ``engine`` package).
 
-    .venv/bin/python -m bench.block_alloc [--num-blocks 34000] [--sizes 4,64] [--reps 30]
+    .venv/bin/python -m bench.engine.block_alloc [--num-blocks 34000] [--sizes 4,64] [--reps 30]
 
 Scenarios (``U`` in use, ``C`` free-cached, ``F`` free-uncached; ``n`` the run asked for):
 
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import time
 from collections.abc import Callable
 
+from bench.timing import Spread
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -111,9 +111,10 @@ def _restore(bm: BlockManager, run: list[int], kinds: list[Kind]) -> None:
             bm.free(seq)
 
 
-def time_calls(num_blocks: int, n: int, pattern: Pattern, reps: int) -> tuple[float, int | None]:
-    """Median µs per ``allocate_contiguous(n)`` call on the pattern's state (the first ``WARMUP`` calls
-    not counted; garbage collection off while timing), and the run's start block (None: no run)."""
+def time_calls(num_blocks: int, n: int, pattern: Pattern, reps: int) -> tuple[Spread, int | None]:
+    """µs per ``allocate_contiguous(n)`` call on the pattern's state over ``reps`` calls (the first
+    ``WARMUP`` calls not counted; garbage collection off while timing), and the run's start block (None:
+    no run)."""
     bm, kinds = build(num_blocks, n, pattern)
     times: list[int] = []
     start: int | None = None
@@ -130,7 +131,7 @@ def time_calls(num_blocks: int, n: int, pattern: Pattern, reps: int) -> tuple[fl
     finally:
         gc.enable()
     assert bm.num_free_blocks == sum(k != "U" for k in kinds), "restore lost blocks"
-    return statistics.median(times[WARMUP:]) / 1e3, start
+    return Spread.of(times[WARMUP:]).scaled(1e-3), start
 
 
 def main() -> None:
@@ -143,12 +144,12 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.num_blocks < 8 * max(sizes) or min(sizes) < 2 or args.reps < 1:
         raise SystemExit("need sizes >= 2, num_blocks >= 8 * max(sizes), reps >= 1")
-    print(f"# allocate_contiguous, {args.num_blocks} blocks, median of {args.reps} calls")
-    print("| scenario | n | run start | µs/call |\n|---|---|---|---|")
+    print(f"# allocate_contiguous, {args.num_blocks} blocks, {args.reps} calls each")
+    print("| scenario | n | run start | µs/call: median (min–max) |\n|---|---|---|---|")
     for name, pattern in SCENARIOS.items():
         for n in sizes:
             us, start = time_calls(args.num_blocks, n, pattern, args.reps)
-            print(f"| {name} | {n} | {start} | {us:.1f} |")
+            print(f"| {name} | {n} | {start} | {us.fmt('.1f')} |")
 
 
 if __name__ == "__main__":

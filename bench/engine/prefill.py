@@ -11,17 +11,20 @@ prefix caching off, timed from ``add_request`` to the sampled first token (devic
 ``P_layers``: the 2-D weights of the decoder layers (every matmul a token goes through; norms and the
 input embedding, a gather, are not counted), ``P_lm_head``: the LM head, applied to the one sampled row
 only; the last term is causal attention (QK^T and PV, 2 FLOPs per multiply-add, query ``i`` sees ``i + 1``
-keys) over ``L`` layers, ``H`` query heads of ``D`` dims. The ceiling is a bf16 ``torch.matmul`` of
-``--gemm-size``^3 (default 8192) measured in the same run (2 n^3 FLOPs); the report gives the ratio.
+keys) over ``L`` layers, ``H`` query heads of ``D`` dims. The ceiling is a ``torch.matmul`` of
+``--gemm-size``^3 (default 8192) in the model's dtype, 2 n^3 FLOPs, the best of ``--gemm-repeats``
+(>= 20) event-timed products after warm-up in the same process (``bench.ceilings.gemm_tflops``); the
+report gives achieved (best prefill) / ceiling (best GEMM), and the spread of both over their repeats.
 
 Also the attention kernel alone: ``paged_prefill_attention`` (Triton, paged KV, ``block_size`` 16) vs
 ``torch.nn.functional.scaled_dot_product_attention`` restricted to the flash backend (contiguous K/V,
-causal, GQA), same shapes (one layer of the model at ``T`` tokens), same FLOP count.
+causal, GQA), same shapes (one layer of the model at ``T`` tokens), same FLOP count, both timed alike
+(``bench.timing.time_calls``: 2 warm-up calls, then 10 timed on CUDA, 1 on CPU; best and spread).
 
 CPU smoke mode (CI): ``--device cpu --model tiny --dtype float32 --attention-backend torch --tokens 64
 --gemm-size 256`` (tiny Llama config; the Triton kernel runs through the interpreter).
 
-    python -m bench.prefill [--tokens 8000] [--json out.json|-]
+    python -m bench.engine.prefill [--tokens 8000] [--json out.json|-]
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of triton (engine.ops, lazily)
 
-from bench.common import add_model_args
+from bench.ceilings import gemm_tflops
+from bench.common import add_model_args, random_prompts, sync
+from bench.timing import MIN_CEILING_REPEATS, Spread, time_calls
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
 from engine.models.registry import DUMMY_CONFIGS, cache_dir
@@ -90,16 +95,9 @@ def make_core(args: argparse.Namespace, max_tokens: int, prefill_only: bool = Fa
     ), prefill_only=prefill_only)
 
 
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def prompt(tokens: int, vocab: int, seed: int) -> list[int]:
-    """``tokens`` random token ids in ``[3, min(vocab, 30000))``."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, min(vocab, 30000), (tokens,), generator=gen).tolist()
+    """One prompt of ``tokens`` random token ids (``bench.common.random_prompts``)."""
+    return random_prompts(1, tokens, vocab, seed)[0]
 
 
 def time_prefill(core: EngineCore, tokens: int, repeats: int) -> list[float]:
@@ -131,27 +129,6 @@ def prefill_flops(core: EngineCore, tokens: int) -> dict[str, float]:
     attention = 4.0 * int(cfg.num_hidden_layers) * heads * head_dim * tokens * (tokens + 1) / 2
     linear = 2.0 * layers * tokens + 2.0 * lm_head
     return {"layer_params": layers, "linear": linear, "attention": attention, "total": linear + attention}
-
-
-def best_seconds(fn: Callable[[], object], device: torch.device, warmup: int = 2, iters: int = 5) -> float:
-    """Fastest of ``iters`` timed calls of ``fn`` (after ``warmup`` untimed ones), device synchronised."""
-    for _ in range(warmup):
-        fn()
-    best = math.inf
-    for _ in range(iters):
-        sync(device)
-        started = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
-def gemm_tflops(n: int, dtype: torch.dtype, device: torch.device) -> float:
-    """TFLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` (2 n^3 FLOPs), best of 5."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return 2.0 * n**3 / best_seconds(lambda: a @ b, device) / 1e12
 
 
 def _sdpa(
@@ -205,15 +182,16 @@ def attention_compare(tokens: int, heads: int, kv_heads: int, head_dim: int, dty
     paged = lambda: paged_prefill_attention(q, caches[0], caches[1], block_tables, seq_lens, qsl,  # noqa: E731
                                             tokens, scale, out=out)
     sdpa, how = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale)
-    iters = 5 if device.type == "cuda" else 1
-    t_paged = best_seconds(paged, device, warmup=1, iters=iters)
-    t_sdpa = best_seconds(sdpa, device, warmup=1, iters=iters)
+    iters = 10 if device.type == "cuda" else 1
+    t_paged = Spread.of(time_calls(paged, device, warmup=2, repeats=iters))
+    t_sdpa = Spread.of(time_calls(sdpa, device, warmup=2, repeats=iters))
     diff = (paged().float() - sdpa()[0].transpose(0, 1).float()).abs().max().item()
     flops = 4.0 * heads * head_dim * tokens * (tokens + 1) / 2
     return {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "flops": flops,
-            "triton_s": t_paged, "sdpa_s": t_sdpa, "triton_tflops": flops / t_paged / 1e12,
-            "sdpa_tflops": flops / t_sdpa / 1e12, "triton_over_sdpa_speed": t_sdpa / t_paged,
-            "sdpa": how, "max_abs_diff": diff}
+            "triton_s": t_paged.min, "sdpa_s": t_sdpa.min, "triton_tflops": flops / t_paged.min / 1e12,
+            "sdpa_tflops": flops / t_sdpa.min / 1e12, "triton_over_sdpa_speed": t_sdpa.min / t_paged.min,
+            "triton_tflops_spread": t_paged.per(flops / 1e12).as_dict(),
+            "sdpa_tflops_spread": t_sdpa.per(flops / 1e12).as_dict(), "sdpa": how, "max_abs_diff": diff}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -222,8 +200,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device, dtype = core.runner.device, core.runner.dtype
     times = time_prefill(core, args.tokens, args.repeats)
     flops = prefill_flops(core, args.tokens)
-    achieved = flops["total"] / min(times) / 1e12
-    gemm = gemm_tflops(args.gemm_size, dtype, device)
+    achieved = Spread.of(times).per(flops["total"] / 1e12)
+    gemm = gemm_tflops(args.gemm_size, dtype, device, args.gemm_repeats)
     cfg = core.runner.hf_config
     heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads)
@@ -234,8 +212,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "attention_backend": core.runner.backend.name, "tokens": args.tokens, "prefill_s": times,
             "best_prefill_s": min(times), "flops": flops,
             "flops_formula": "2*P_layers*T + 2*P_lm_head + 4*L*H*D*T*(T+1)/2",
-            "achieved_tflops": achieved, "gemm": {"n": args.gemm_size, "tflops": gemm},
-            "fraction_of_gemm": achieved / gemm, "attention": attn, "torch": torch.__version__}
+            "achieved_tflops": achieved.max, "achieved_tflops_spread": achieved.as_dict(),
+            "gemm": {"n": args.gemm_size, "tflops": gemm.max, "spread": gemm.as_dict()},
+            "fraction_of_gemm": achieved.max / gemm.max, "attention": attn, "torch": torch.__version__}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,19 +224,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=8000, help="prompt tokens")
     p.add_argument("--attn-tokens", type=int, default=0, help="attention comparison tokens (0 = --tokens)")
     p.add_argument("--gemm-size", type=int, default=8192)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--gemm-repeats", type=int, default=MIN_CEILING_REPEATS,
+                   help=f"timed GEMMs for the ceiling (>= {MIN_CEILING_REPEATS}; the best counts)")
+    p.add_argument("--repeats", type=int, default=3, help="timed prefills after one warm-up")
     p.add_argument("--json", default=None, help="write the result here ('-' = stdout)")
     args = p.parse_args(argv)
     if args.tokens < 1 or args.gemm_size < 1 or args.repeats < 1 or args.attn_tokens < 0:
         print("prefill: --tokens, --gemm-size and --repeats must be >= 1", file=sys.stderr)
         return 2
+    if args.gemm_repeats < MIN_CEILING_REPEATS:
+        print(f"prefill: --gemm-repeats must be >= {MIN_CEILING_REPEATS}", file=sys.stderr)
+        return 2
     res = run(args)
-    a = res["attention"]
+    a, g = res["attention"], res["gemm"]
+    achieved, gemm = Spread(**res["achieved_tflops_spread"]), Spread(**g["spread"])
     print(f"prefill {res['tokens']} tokens ({res['model']}, {res['dtype']}, {res['attention_backend']}): "
-          f"{res['best_prefill_s'] * 1e3:.1f} ms = {res['achieved_tflops']:.1f} TFLOP/s = "
-          f"{res['fraction_of_gemm']:.1%} of a {args.gemm_size}^3 GEMM ({res['gemm']['tflops']:.1f} TFLOP/s)")
+          f"best {res['best_prefill_s'] * 1e3:.1f} ms = {res['achieved_tflops']:.1f} TFLOP/s "
+          f"[{achieved.fmt('.1f', ' TFLOP/s')}]")
+    print(f"ceiling, {args.gemm_size}^3 GEMM {res['dtype']}: best {g['tflops']:.1f} TFLOP/s "
+          f"[{gemm.fmt('.1f', ' TFLOP/s')}]")
+    print(f"prefill / GEMM ceiling (best / best): {res['fraction_of_gemm']:.1%}")
     print(f"attention alone, {a['tokens']} tokens: triton {a['triton_tflops']:.1f} TFLOP/s, "
-          f"SDPA ({a['sdpa']}) {a['sdpa_tflops']:.1f} TFLOP/s, "
+          f"SDPA ({a['sdpa']}) {a['sdpa_tflops']:.1f} TFLOP/s (best of each), "
           f"triton speed / SDPA speed {a['triton_over_sdpa_speed']:.2f}, "
           f"max |diff| {a['max_abs_diff']:.3g}")
     if args.json == "-":

@@ -11,13 +11,15 @@ receiver in a spawned second process (GPU1 if present, else GPU0):
     (every layer landed). The receiver's ``expect`` (block reservation on the decode worker) happens
     before the clock starts, as in the real system, where it precedes the prefill request.
 
-Reported: best of ``--repeats`` (after a warm-up that also does the transport handshake) of (a) and (b)
-and the ratio (b)/(a): 1.0 means the layer-wise transfer hides entirely behind the forward pass.
+Reported: best of ``--repeats`` (after a warm-up that also does the transport handshake) of (a) and (b),
+each with its min–max over the repeats, and the ratio best (b) / best (a): 1.0 means the layer-wise
+transfer hides entirely behind the forward pass. (a) and (b) alternate within each repeat, so drift
+hits both.
 
 CPU smoke mode (CI): ``--device cpu --model tiny --tokens 32 64 --backend loopback`` (the loopback
 receiver lives in this process) or ``--backend nixl`` (a second process, NIXL over shared memory).
 
-    python -m bench.ttft [--tokens 1024 8192 32768] [--backend nixl|ucx|loopback] [--json out.json|-]
+    python -m bench.serving.ttft [--tokens 1024 8192 32768] [--backend nixl|ucx|loopback] [--json out.json|-]
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
-from bench.common import add_model_args
-from bench.prefill import BLOCK_SIZE, make_core, prompt, sync
+from bench.common import add_model_args, sync
+from bench.engine.prefill import BLOCK_SIZE, make_core, prompt
+from bench.timing import Spread
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -239,9 +242,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row = measure(core, sender, rx, tokens, args.repeats)
             rows.append(row)
             first = min(row["disagg_first_token_s"]) * 1e3
-            print(f"{tokens:6d} tokens: prefill alone {row['best_prefill_s'] * 1e3:9.2f} ms, disaggregated "
-                  f"{row['best_disagg_s'] * 1e3:9.2f} ms (first token at {first:.2f} ms), "
-                  f"ratio {row['ratio']:.3f}", flush=True)
+            alone, disagg = Spread.of(row["prefill_s"]), Spread.of(row["disagg_s"])
+            print(f"{tokens:6d} tokens: prefill alone best {alone.min * 1e3:9.2f} ms "
+                  f"({alone.scaled(1e3).fmt('.2f', ' ms')}), disaggregated best {disagg.min * 1e3:9.2f} ms "
+                  f"({disagg.scaled(1e3).fmt('.2f', ' ms')}; first token at {first:.2f} ms), "
+                  f"disaggregated / prefill alone {row['ratio']:.3f}", flush=True)
     finally:
         sender.close()
         leak = rx.close()

@@ -1,4 +1,4 @@
-"""Producer slowdown caused by the KV sender's loop thread (issue #3: GIL hand-overs per layer).
+"""Producer slowdown caused by the KV sender's loop thread (GIL hand-overs per layer).
 
 A producer (this process's main thread, standing in for the prefill worker's forward thread) does a
 fixed amount of pure-Python arithmetic per "layer" (`--work-us`), then a GIL-releasing call
@@ -16,13 +16,13 @@ launches its work), `--event-latency-us` gives each send_layer a fake event that
 after send_layer (the layer is written only then), and `--write-latency-us` makes each write complete
 only that long after its post: what the loop waits for.
 
-    .venv/bin/python bench/kv_gil.py [--backend nixl|loopback] [--tokens 64]
+    .venv/bin/python -m bench.kvtransfer.gil [--backend nixl|loopback] [--tokens 64]
         [--work-us 200] [--event-latency-us 1000] [--write-latency-us 100] [--depth 4] [--rounds 30]
         [--busy-wait-us N] [--no-pin]
 
 The receiver lives in a spawned process (nixl) or, for loopback (used when nixl is absent), in this
 one. Runs against whichever `kvtransfer` is importable (PYTHONPATH), so before/after figures come from
-two checkouts; --busy-wait-us needs TransferConfig.busy_wait_s (absent before the change).
+two checkouts (--busy-wait-us needs TransferConfig.busy_wait_s).
 """
 
 from __future__ import annotations
@@ -42,11 +42,7 @@ from typing import Any
 import msgspec
 import torch
 
-try:
-    from bench.kv_transfer import BS, LAYERS, _finish, _kv, receiver_main
-except ImportError:  # run as a script (python bench/kv_gil.py): bench/ is sys.path[0]
-    from kv_transfer import BS, LAYERS, _finish, _kv, receiver_main  # type: ignore[no-redef]
-
+from bench.kvtransfer.transfer import BS, LAYERS, _finish, _kv, receiver_main
 from kvtransfer.transport import SendTransport
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -213,7 +209,8 @@ def _sender(args: argparse.Namespace, backend: str, src: torch.Tensor) -> Any:
 
 
 class _LocalConn:
-    """bench/kv_transfer.py's receiver commands (expect, wait) answered by a receiver in this process."""
+    """bench/kvtransfer/transfer.py's receiver commands (expect, wait), answered by a receiver in this
+    process."""
 
     def __init__(self, rx: Any) -> None:
         self.rx = rx
@@ -223,7 +220,7 @@ class _LocalConn:
         if cmd[0] == "expect":
             self._out = msgspec.msgpack.encode(self.rx.expect(cmd[1], cmd[2]))
         elif cmd[0] == "wait":
-            status = self.rx.wait(cmd[1], 120)  # answered as kv_transfer.receiver_main: (status, landed at)
+            status = self.rx.wait(cmd[1], 120)  # answered as transfer.receiver_main: (status, landed at)
             self._out = (status.name if status.name == "DONE" else f"{status.name}: {self.rx.reason(cmd[1])}",
                          self.rx.ended_at(cmd[1]))
             if status.name == "DONE":
