@@ -253,18 +253,28 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{mode:6s} batch {batch:4d} context {context:5d}: {rates.fmt('9.1f', ' tok/s')} "
                       f"= engine / roofline {share.fmt('.1f', ' %')} of {roofline:9.1f} tok/s", flush=True)
     runner.decode_graphs, core.async_scheduling = graphs, False
+    res["rows"] += versus_transformers(core, args)
+    return res
+
+
+def versus_transformers(core: EngineCore, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """For each of ``args.hf_batches``: decode tok/s of the engine in its current mode and of
+    transformers ``generate`` on its model, ``args.warmup`` untimed calls of each at that batch, context
+    (``args.hf_context``) and ``args.new_tokens``, then ``args.repeats`` interleaved repeats; one
+    JSON-ready row per batch (each side's spread, ratio of medians engine / transformers, per-repeat
+    ratio spread), also printed."""
+    rows = []
     for batch in args.hf_batches:
         ours, hf = interleaved(lambda b=batch: decode_rate(core, b, args.hf_context, args.new_tokens),
                                lambda b=batch: hf_decode(core, b, args.hf_context, args.new_tokens),
                                args.warmup, args.repeats)
-        ratio = Spread.of(ours).median / Spread.of(hf).median
-        res["rows"].append(dict(mode="hf", batch=batch, context=args.hf_context,
-                                engine_tok_s=Spread.of(ours).as_dict(), hf_tok_s=Spread.of(hf).as_dict(),
-                                ratio_engine_over_hf=ratio,
-                                ratio_per_repeat=paired_ratio(ours, hf).as_dict()))
-        print(ratio_line(f"decode, batch {batch}, context {args.hf_context}, engine graphs synchronous vs "
+        rows.append(dict(mode="hf", batch=batch, context=args.hf_context,
+                         engine_tok_s=Spread.of(ours).as_dict(), hf_tok_s=Spread.of(hf).as_dict(),
+                         ratio_engine_over_hf=Spread.of(ours).median / Spread.of(hf).median,
+                         ratio_per_repeat=paired_ratio(ours, hf).as_dict()))
+        print(ratio_line(f"decode, batch {batch}, context {args.hf_context}, engine (graphs, synchronous) vs "
                          "transformers generate (SDPA)", ours, hf), flush=True)
-    return res
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
