@@ -3,7 +3,7 @@
 A producer (this process's main thread, standing in for the prefill worker's forward thread) does a
 fixed amount of pure-Python arithmetic per "layer" (`--work-us`), then a GIL-releasing call
 (`select.select([], [], [], 0)`, ~1 µs, standing in for the `torch.cuda.Event.record` of send_layer
-on a GPU; `time.sleep(0)` takes ~80 µs on this VM), then `send_layer` for one request being
+on a GPU; `time.sleep(0)` takes ~80 µs on the 2-core development VM), then `send_layer` for one request being
 transferred; 32 layers per round. The same producer loop
 without any sender (rounds before the sender is created and after it is closed, same run) is the
 baseline. Printed: the producer's slowdown (median round time with the sender / without), the
