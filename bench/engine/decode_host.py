@@ -44,8 +44,9 @@ PARTS = ("schedule", "fill", "sample", "update")
 
 def build_core(batch: int, context: int, steps: int, prefix_caching: bool) -> EngineCore:
     """A CPU ``EngineCore`` on ``tiny-llama`` whose decode steps go through a stubbed ``DecodeCudaGraphs``
-    (forward → fixed float32 logits ``[bucket, 128256]``). KV blocks for ``batch`` sequences of
-    ``context + steps + 2`` tokens (block_size 16)."""
+    (forward → fixed float32 logits ``[bucket, 128256]``), asynchronous scheduling off (``measure`` drives
+    a synchronous step's parts one by one). KV blocks for ``batch`` sequences of ``context + steps + 2``
+    tokens (block_size 16)."""
     block_size = 16
     per_seq = -(-(context + steps + 2) // block_size)
     core = EngineCore(EngineConfig(
@@ -53,7 +54,8 @@ def build_core(batch: int, context: int, steps: int, prefix_caching: bool) -> En
                     attention_backend="triton", max_model_len=context + steps + 16),
         CacheConfig(block_size=block_size, num_blocks=batch * per_seq + 8,
                     enable_prefix_caching=prefix_caching),
-        SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch)),
+        SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
+                        async_scheduling=False),  # the parts of a synchronous step, driven one by one
     ))
     runner = core.runner
     graphs = DecodeCudaGraphs(runner.net, runner.kv_cache, runner.backend, batch, runner.max_model_len)

@@ -152,3 +152,16 @@ def test_cpu_report_names_both_sides_of_each_ratio() -> None:
                                    "float32")
     assert "- prefill: engine / transformers = 4.00 (per-repeat 2.00–6.00, n=2)" in text
     assert "- decode: engine / transformers = 2.00 (per-repeat 1.00–3.00, n=2)" in text
+
+
+def test_decode_host_harness_times_synchronous_steps_and_ends_clean(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.engine.decode_host drives schedule / execute / commit itself; an engine left with the default
+    asynchronous scheduling launched a step ahead in the warm-up step that nothing applied, and the final
+    leak check failed ("a step launched ahead is still held")."""
+    from bench.engine import decode_host
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    parts = decode_host.measure(batch=2, context=16, steps=3, prefix_caching=True)
+    assert set(parts) == {*decode_host.PARTS, "argmax", "total"}
+    assert parts["total"] == pytest.approx(sum(parts[p] for p in decode_host.PARTS))
+    assert all(parts[p] > 0 for p in decode_host.PARTS)
