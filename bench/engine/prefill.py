@@ -217,8 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "fraction_of_gemm": achieved.max / gemm.max, "attention": attn, "torch": torch.__version__}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, run, print a summary and write ``--json``; returns 0, or 2 on bad arguments."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)
     p.add_argument("--tokens", type=int, default=8000, help="prompt tokens")
@@ -228,7 +228,12 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"timed GEMMs for the ceiling (>= {MIN_CEILING_REPEATS}; the best counts)")
     p.add_argument("--repeats", type=int, default=3, help="timed prefills after one warm-up")
     p.add_argument("--json", default=None, help="write the result here ('-' = stdout)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run, print a summary and write ``--json``; returns 0, or 2 on bad arguments."""
+    args = build_parser().parse_args(argv)
     if args.tokens < 1 or args.gemm_size < 1 or args.repeats < 1 or args.attn_tokens < 0:
         print("prefill: --tokens, --gemm-size and --repeats must be >= 1", file=sys.stderr)
         return 2

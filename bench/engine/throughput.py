@@ -277,8 +277,8 @@ def versus_transformers(core: EngineCore, args: argparse.Namespace) -> list[dict
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse arguments and run the CPU or GPU benchmark."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -324,6 +324,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="GPU: write the results here")
     parser.add_argument("--out", type=Path, default=None, help="CPU: write the Markdown report here")
     parser.add_argument("--no-write", action="store_true", help="CPU: do not write --out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments and run the CPU or GPU benchmark."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.warmup < 0 or args.repeats < 1 or args.new_tokens < 2:
         parser.error("need --warmup >= 0, --repeats >= 1 and --new-tokens >= 2")

@@ -243,10 +243,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(row)
             first = min(row["disagg_first_token_s"]) * 1e3
             alone, disagg = Spread.of(row["prefill_s"]), Spread.of(row["disagg_s"])
-            print(f"{tokens:6d} tokens: prefill alone best {alone.min * 1e3:9.2f} ms "
-                  f"({alone.scaled(1e3).fmt('.2f', ' ms')}), disaggregated best {disagg.min * 1e3:9.2f} ms "
-                  f"({disagg.scaled(1e3).fmt('.2f', ' ms')}; first token at {first:.2f} ms), "
-                  f"disaggregated / prefill alone {row['ratio']:.3f}", flush=True)
+            print(f"{tokens:6d} tokens: prefill alone best {alone.min * 1e3:9.2f} ms (median "
+                  f"{alone.median * 1e3:.2f}, max {alone.max * 1e3:.2f}), disaggregated best "
+                  f"{disagg.min * 1e3:9.2f} ms (median {disagg.median * 1e3:.2f}, "
+                  f"max {disagg.max * 1e3:.2f}; first token at {first:.2f} ms), "
+                  f"disaggregated / prefill alone (best / best) {row['ratio']:.3f}", flush=True)
     finally:
         sender.close()
         leak = rx.close()
