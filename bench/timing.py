@@ -112,13 +112,14 @@ def time_calls(fn: Callable[[], object], device: torch.device, warmup: int, repe
             fn()
             out.append(clock() - started)
         return out
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
-    torch.cuda.synchronize(device)
-    events[0].record()
-    for event in events[1:]:
-        fn()
-        event.record()
-    events[-1].synchronize()
+    with torch.cuda.device(device):  # the events on the current stream of the device the work runs on
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+        torch.cuda.synchronize(device)
+        events[0].record()
+        for event in events[1:]:
+            fn()
+            event.record()
+        events[-1].synchronize()
     return [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(events)]
 
 

@@ -104,7 +104,9 @@ def timed_argmax(into: list[int]) -> Iterator[None]:
 
 def measure(batch: int, context: int, steps: int, prefix_caching: bool) -> dict[str, float]:
     """Median µs per decode step of each part (see the module docstring) over ``steps`` steps after one
-    warm-up step; all ``batch`` sequences finish in the last step, then the leak check runs."""
+    warm-up step, their sum ``total``, and the smallest and largest per-step sum of the parts
+    (``total_min``, ``total_max``); all ``batch`` sequences finish in the last step, then the leak check
+    runs."""
     core = build_core(batch, context, steps, prefix_caching)
     enter_decodes(core, batch, context, steps + 2, tag="h")
     runner = core.runner
@@ -133,6 +135,8 @@ def measure(batch: int, context: int, steps: int, prefix_caching: bool) -> dict[
     core.check_no_leaks()
     result = {p: statistics.median(v) / 1e3 for p, v in times.items()}
     result["total"] = sum(result[p] for p in PARTS)
+    per_step = [sum(parts) / 1e3 for parts in zip(*(times[p] for p in PARTS), strict=True)]
+    result["total_min"], result["total_max"] = min(per_step), max(per_step)
     return result
 
 
@@ -150,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     for batch in args.batches:
         r = measure(batch, args.context, args.steps, not args.no_prefix_caching)
         print(f"batch {batch:4d}: " + " | ".join(f"{k} {r[k]:8.1f}" for k in (*PARTS, "total"))
-              + f" µs/step (argmax {r['argmax']:.0f} µs, taken out of sample)", flush=True)
+              + f" µs/step, medians (a step's sum {r['total_min']:.1f}–{r['total_max']:.1f}; argmax "
+              f"{r['argmax']:.0f} µs, taken out of sample)", flush=True)
 
 
 if __name__ == "__main__":

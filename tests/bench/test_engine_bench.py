@@ -162,6 +162,7 @@ def test_decode_host_harness_times_synchronous_steps_and_ends_clean(monkeypatch:
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     parts = decode_host.measure(batch=2, context=16, steps=3, prefix_caching=True)
-    assert set(parts) == {*decode_host.PARTS, "argmax", "total"}
+    assert set(parts) == {*decode_host.PARTS, "argmax", "total", "total_min", "total_max"}
     assert parts["total"] == pytest.approx(sum(parts[p] for p in decode_host.PARTS))
     assert all(parts[p] > 0 for p in decode_host.PARTS)
+    assert 0 < parts["total_min"] <= parts["total_max"]
