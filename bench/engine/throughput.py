@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import sys
@@ -71,7 +72,8 @@ def engine_rates(core: EngineCore, prompts: list[list[int]], new_tokens: int,
         core.add_request(f"b{tag}-{i}", p, params)
     device = core.runner.device
     sync(device)
-    started, first = clock(), set()
+    first: set[str] = set()
+    started = clock()
     while len(first) < len(prompts):
         first.update(out.request_id for out in core.step())
     sync(device)
@@ -265,8 +267,8 @@ def versus_transformers(core: EngineCore, args: argparse.Namespace) -> list[dict
     ratio spread), also printed."""
     rows = []
     for batch in args.hf_batches:
-        ours, hf = interleaved(lambda b=batch: decode_rate(core, b, args.hf_context, args.new_tokens),
-                               lambda b=batch: hf_decode(core, b, args.hf_context, args.new_tokens),
+        ours, hf = interleaved(functools.partial(decode_rate, core, batch, args.hf_context, args.new_tokens),
+                               functools.partial(hf_decode, core, batch, args.hf_context, args.new_tokens),
                                args.warmup, args.repeats)
         rows.append(dict(mode="hf", batch=batch, context=args.hf_context,
                          engine_tok_s=Spread.of(ours).as_dict(), hf_tok_s=Spread.of(hf).as_dict(),

@@ -75,7 +75,8 @@ class FakeCore:
     step one token per sequence, ``STEP_S`` per step on ``clock``."""
 
     def __init__(self, clock: Clock) -> None:
-        self.clock, self.ids, self.left = clock, [], 0
+        self.clock, self.left = clock, 0
+        self.ids: list[str] = []
         self.runner = argparse.Namespace(device=CPU)
 
     def add_request(self, rid: str, prompt: list[int], params: object) -> None:
@@ -96,7 +97,8 @@ class FakeCore:
 
 def test_engine_rates_count_the_decode_tokens_they_time() -> None:
     clock = Clock()
-    rates = throughput.engine_rates(FakeCore(clock), [[5] * 100, [6] * 100], new_tokens=8, clock=clock)
+    rates = throughput.engine_rates(FakeCore(clock), [[5] * 100, [6] * 100], new_tokens=8,  # type: ignore[arg-type]
+                                    clock=clock)
     assert rates.prefill == pytest.approx(200 / STEP_S)
     assert rates.decode == pytest.approx(2 * 7 / (7 * STEP_S))
 
@@ -137,7 +139,7 @@ def test_transformers_is_warmed_up_and_repeated_like_the_engine(monkeypatch: pyt
     monkeypatch.setattr(throughput, "decode_rate", rate("engine", 200.0, 240.0))
     monkeypatch.setattr(throughput, "hf_decode", rate("hf", 16.9, 41.3))
     args = argparse.Namespace(hf_batches=[1, 32], hf_context=1024, new_tokens=96, warmup=1, repeats=3)
-    rows = throughput.versus_transformers(object(), args)
+    rows = throughput.versus_transformers(object(), args)  # type: ignore[arg-type]
     assert calls == [("engine", 1), ("hf", 1)] * 4 + [("engine", 32), ("hf", 32)] * 4
     assert [r["batch"] for r in rows] == [1, 32]
     assert rows[0]["ratio_engine_over_hf"] == pytest.approx(240.0 / 41.3)  # not 240 / 16.9
