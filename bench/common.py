@@ -1,4 +1,4 @@
-"""Arguments shared by the GPU benchmarks (``bench/prefill.py``, ``bench/ttft.py``)."""
+"""Pieces every engine-side benchmark uses: the model flags, random prompts, device synchronisation."""
 
 from __future__ import annotations
 
@@ -15,3 +15,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--dtype", default="bfloat16" if cuda else "float32")
     p.add_argument("--attention-backend", default="triton" if cuda else "torch")
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``batch`` prompts of ``length`` token ids drawn uniformly from ``[3, min(vocab, 30000))`` (ids
+    0–2 are special in the supported tokenizers), the same for the same ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids: list[list[int]] = torch.randint(3, min(vocab, 30000), (batch, length), generator=gen).tolist()
+    return ids
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

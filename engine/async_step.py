@@ -2,7 +2,7 @@
 
 A decode step through a CUDA graph leaves the GPU idle while the host waits for the step's token ids,
 applies them (``Scheduler.update``), schedules the next step and fills its inputs: 0.3–0.5 ms of an
-≈ 4.8 ms batch-1 step of an 8B model on an H200 (docs/benchmarks/engine-h200.md). With asynchronous
+≈ 4.8 ms batch-1 step of an 8B model on an H200 (docs/benchmarks/engine.md). With asynchronous
 scheduling (vLLM's ``--async-scheduling`` does the same; here for decode-only batches whose rows are all
 ``samples_on_device``: greedy or seeded sampling, no logprobs or penalties) the engine enqueues step N+1
 right after step N, feeding step N's sampled tokens to step N+1's ``input_ids`` on the device, and does

@@ -1,4 +1,4 @@
-"""Static input buffers of the decode CUDA graphs and the one-copy-per-step fill (issue #8).
+"""Static input buffers of the decode CUDA graphs and the one-copy-per-step fill.
 
 A decode step's host work before a graph replay is filling these buffers; it is kept O(batch) numpy work
 plus one host-to-device copy (and one ``index_copy_`` when block tables changed), as vLLM's persistent

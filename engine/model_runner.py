@@ -104,8 +104,8 @@ class ModelRunner:
     def _forward_model(self, fused_ops: str) -> torch.nn.Module:
         """``FusedCausalLM`` when ``fused_ops`` asks for it (``auto``: on CUDA and a supported model), with
         Triton kernels when the attention backend is ``triton`` (and, on CUDA, every projection of a
-        one-token step through ``engine.ops.gemv``: +3.5 % batch-1 decode on an H200, engine-h200.md); else
-        the transformers model.
+        one-token step through ``engine.ops.gemv``: +3.5 % batch-1 decode on an H200,
+        docs/benchmarks/engine.md); else the transformers model.
 
         Raises:
             ValueError: ``fused_ops="on"`` for a model ``FusedCausalLM`` does not support.

@@ -3,8 +3,8 @@
 Why: Triton specialises a kernel on its integer arguments (divisibility by 16, equality to 1), so each
 new step shape — a prefill chunk at the token budget, a chunk continuing a prompt whose KV is already
 cached, decode batches of new sizes, a prompt chunk beside running decodes (chunked prefill) — compiles a
-new kernel variant the first time it is met. On 2xH200 a fresh worker stalled ~2 s on its first users
-(docs/benchmarks/bench-h200.md, "Caveat"). vLLM likewise runs a dummy/profile run and captures CUDA graphs
+new kernel variant the first time it is met: without a warm-up, a fresh worker on an H200 stalls ~2 s on
+its first users. vLLM likewise runs a dummy/profile run and captures CUDA graphs
 at start-up (``gpu_model_runner.profile_run`` / ``capture_model``); this module does the analogue by
 driving greedy, ``ignore_eos`` requests with seeded random prompt token ids through
 ``Scheduler.schedule`` → ``ModelRunner.execute`` → ``EngineCore.commit``, the very path serving uses.

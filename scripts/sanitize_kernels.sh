@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run NVIDIA compute-sanitizer (memcheck, then racecheck) over pdserve's compiled Triton kernels
 # (store_kv, paged_prefill_attention, paged_decode_attention at several num_splits) on the small shape grid
-# of bench/sanitize_driver.py (block-boundary lengths, GQA 1/4, head_dim 64/128, bf16/fp16).
+# of bench/kernels/sanitize_driver.py (block-boundary lengths, GQA 1/4, head_dim 64/128, bf16/fp16).
 #
 # 1. a plain run of the driver compiles every kernel into a private Triton cache and checks each output
 #    against the plain-torch references (so the sanitized runs only load kernels: no JIT under the tool);
@@ -40,7 +40,7 @@ export TRITON_CACHE_DIR="$LOGDIR/triton-cache"
 echo "sanitize_kernels: $("$SAN" --version | tail -n 1); logs in $LOGDIR"
 
 started=$SECONDS
-timeout "$LIMIT" "$PY" -m bench.sanitize_driver --json "$LOGDIR/driver.json" > "$LOGDIR/driver.log" 2>&1
+timeout "$LIMIT" "$PY" -m bench.kernels.sanitize_driver --json "$LOGDIR/driver.json" > "$LOGDIR/driver.log" 2>&1
 rc=$?
 if ((rc != 0)); then
     tail -n 20 "$LOGDIR/driver.log" >&2
@@ -56,7 +56,7 @@ for tool in memcheck racecheck; do
     filter=()
     [[ -n "${SANITIZE_KERNEL_FILTER:-}" ]] && filter=(--kernel-name "$SANITIZE_KERNEL_FILTER")
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$LIMIT" "$SAN" --tool "$tool" --error-exitcode 99 \
-        "${filter[@]}" --print-limit 50 --log-file "$log" "$PY" -m bench.sanitize_driver > "$LOGDIR/$tool.out" 2>&1
+        "${filter[@]}" --print-limit 50 --log-file "$log" "$PY" -m bench.kernels.sanitize_driver > "$LOGDIR/$tool.out" 2>&1
     rc=$?
     # memcheck ends with "ERROR SUMMARY: N errors"; racecheck with "RACECHECK SUMMARY: H hazards
     # displayed (N errors, W warnings)" and no ERROR SUMMARY line.

@@ -13,8 +13,9 @@ import torch
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-import bench.ttft as ttft
-from bench import prefill, sanitize_driver
+import bench.serving.ttft as ttft
+from bench.engine import prefill
+from bench.kernels import sanitize_driver
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,7 +188,7 @@ def test_ttft_loopback_smoke_and_kv_lands_bit_exact(monkeypatch):
 
 
 def test_replay_seconds_refuses_no_replays():
-    from bench.graph_timing import replay_seconds
+    from bench.timing import replay_seconds
 
     with pytest.raises(ValueError, match="replays must be >= 1"):
         replay_seconds(lambda: None, 0)

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 FAKE_PYTHON = """#!/usr/bin/env bash
-# -c: "is CUDA available" probe -> yes; -m bench.sanitize_driver -> the driver's last line
+# -c: "is CUDA available" probe -> yes; -m bench.kernels.sanitize_driver -> the driver's last line
 [[ "$1" == "-c" ]] && exit 0
 echo "sanitize_driver: 1 cases, 3 kernel launches, all match their references"
 """

@@ -24,7 +24,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     # decode-only steps rotate and store inside the decode kernel (engine/ops/paged_decode.py: RopeStore),
-    # one launch per layer fewer; the switch exists for same-process benchmarks (bench.engine async-alt)
+    # one launch per layer fewer; the switch exists for same-process benchmarks (the async-alt mode of
+    # bench.engine.throughput)
     fuse_decode_rope = True
 
     def rotate_store_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,

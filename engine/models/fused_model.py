@@ -35,7 +35,7 @@ FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen
                                  "Qwen3ForCausalLM"})
 # one-row steps' projections through engine.ops.gemv on CUDA; "silu_down": the down projection's GEMV also
 # computes SwiGLU's silu(gate) * up while loading, so no silu_mul launch (H200, 16 x 512 tiles: 32.6 µs
-# against 34.9 µs for silu_mul + GEMV, docs/benchmarks/engine-h200.md)
+# against 34.9 µs for silu_mul + GEMV, docs/benchmarks/engine.md)
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head", "silu_down")
 GEMV_OPTIONS = PROJECTIONS
 

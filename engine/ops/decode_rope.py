@@ -11,8 +11,8 @@ program of that sequence reads it. (A padding row of a decode graph, slot -1 and
 position 0 of a stale block-table row, which a real row may be writing in the same launch; its output is
 discarded, as before.) One launch per layer fewer. The cache is bit-identical to the two kernels'; so
 is the output in fp32 (compiled and interpreted, "ieee" dots), while compiled bf16/fp16 outputs of
-sequences longer than one tile may differ by one ulp, deterministically (stop 15,
-docs/benchmarks/engine-h200.md; the tensor-core dots of the two compiled variants likely differ).
+sequences longer than one tile may differ by one ulp, deterministically (docs/benchmarks/engine.md;
+the tensor-core dots of the two compiled variants likely differ).
 
 Evidence for the store → barrier → load order: the GPU tests (tests/engine/test_decode_rope.py, compiled,
 bf16) and, on CPU, the same check with the interpreter's programs run backwards (a wrong owner then

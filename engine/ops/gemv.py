@@ -2,7 +2,7 @@
 
 At batch 1 a decode step's projections are matrix-vector products bound by reading ``W`` once; cuBLAS
 reaches 62–76 % of the copy bandwidth on the small-N projections of Llama-3-8B (QKV 6144 × 4096, O
-4096 × 4096; docs/benchmarks/engine-h200.md) because its tiles leave too few thread blocks in flight.
+4096 × 4096; docs/benchmarks/engine.md) because its tiles leave too few thread blocks in flight.
 Here each program owns ``BLOCK_N`` output features and walks the whole ``K`` in ``BLOCK_K`` chunks with
 float32 accumulation (the row-blocked GEMV decomposition, as in CUTLASS's ``gemm/kernel/gemv.h``); the tile
 depends on N (``gemv_tile``); no split-K, so no atomics and no reduction kernel. The first weight tile is
@@ -21,8 +21,8 @@ from engine.ops.silu_mul import silu_mul_reference
 
 def gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)`` for a ``[N, K]`` weight (``gated``: the down projection with
-    SiLU·mul folded in): the best tiles of ``bench.gemm_decode --rows 1 --tiles ...`` on an H200 with
-    programmatic dependent launch (2026-11-30, docs/benchmarks/engine-h200.md), as shares of the copy
+    SiLU·mul folded in): the best tiles of ``bench.kernels.gemm_decode --rows 1 --tiles ...`` on an H200
+    with programmatic dependent launch (docs/benchmarks/engine.md), as shares of the copy
     bandwidth: wide matrices (gate/up, LM head) 2 x 1024 with 4 warps (~101-106 %); N <= 4096 4 x 1024 with 4
     warps (O 83.9 %, down 97.8 %; 16 x 512 with 8 warps: 76.8 %, 88.1 %), gated 8 x 1024 with 4 warps
     (89.8 %; 16 x 512 x 8: 84.9 %); in between (QKV) 8 x 512 with 4 warps (89.5 %; 8 x 1024 x 8: 86.8 %)."""

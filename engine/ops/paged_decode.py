@@ -25,12 +25,12 @@ LOG2E = 1.4426950408889634
 _NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: no inf - inf = NaN
 
 
-# num_splits is a run-time argument, never specialised: each value used to be a compile-time constant, so
-# an eager step (a mixed prefill + decode step) with a split count not seen before compiled two new kernels
-# on the serving path — ~2 s stalls on a fresh colocated worker (docs/benchmarks/bench-h200.md). Now the
-# reduce kernel compiles once per power-of-two BLOCK_S (7 shapes up to 64 splits), met when the decode
-# CUDA graphs are captured at start-up, and the split kernel once per variant: ROPE=True (decode-only
-# steps, engine/ops/decode_rope.py) at that capture, ROPE=False (a mixed step's decode rows) in the
+# num_splits is a run-time argument, never specialised: as a compile-time constant, an eager step (a mixed
+# prefill + decode step) with a split count not seen before would compile two new kernels on the serving
+# path (~2 s stalls on a fresh colocated worker of an H200). So the reduce kernel compiles once per
+# power-of-two BLOCK_S (7 shapes up to 64 splits), met when the decode CUDA graphs are captured at
+# start-up, and the split kernel once per variant: ROPE=True (decode-only steps, engine/ops/decode_rope.py)
+# at that capture, ROPE=False (a mixed step's decode rows) in the
 # start-up warm-up's mixed wave (engine/warmup.py); with warm-up off, at the first mixed step.
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
@@ -119,9 +119,9 @@ def _num_sms(device_index: int) -> int:
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
     """Heuristic split count: enough (sequence, KV head, split) programs for two waves over ``num_sms``
-    SMs (four for a single sequence, whose attention is bound by latency: ``bench.decode_attention``), but
-    at least 4 tiles of ``block_n`` tokens per split (less work per split would not pay for the reduce)
-    and at most 64 splits. Returns >= 1."""
+    SMs (four for a single sequence, whose attention is bound by latency:
+    ``bench.kernels.decode_attention``), but at least 4 tiles of ``block_n`` tokens per split (less work
+    per split would not pay for the reduce) and at most 64 splits. Returns >= 1."""
     tiles = triton.cdiv(max_seq_len, block_n)
     waves = 4 if num_seqs == 1 else 2
     wanted = triton.cdiv(waves * num_sms, max(1, num_seqs * num_kv_heads))
@@ -151,7 +151,8 @@ def paged_decode_attention(
             once and replayed for any lengths (splits past a short sequence's end do no work).
         scale: softmax scale. out: optional ``[N, H, D]`` output. num_splits: override the heuristic.
         block_n, num_warps: KV tokens per tile (a power of two >= 16; default on a GPU 32 for one sequence,
-            else 64; 16 under the interpreter) and warps of the split kernel (``bench.decode_attention``).
+            else 64; 16 under the interpreter) and warps of the split kernel
+            (``bench.kernels.decode_attention``).
         rope: the step's RoPE and K/V store done by the split kernel itself (``RopeStore``; ``q`` is then
             before RoPE and is not written): the rotary + store launch of each layer disappears; results
             equal ``rotary_store_kv`` followed by this function (cache bit for bit; output bit for bit
@@ -175,7 +176,7 @@ def paged_decode_attention(
         return out
     on_gpu = q.is_cuda
     # one sequence: 32-token tiles over up to 64 splits (H200, Llama-3-8B shapes, 32 layers in a graph:
-    # 6.2 vs 6.9 µs per layer at 1k tokens, 10.6 vs 11.1 at 4k; docs/benchmarks/engine-h200.md)
+    # 6.2 vs 6.9 µs per layer at 1k tokens, 10.6 vs 11.1 at 4k; docs/benchmarks/engine.md)
     block_n = block_n or ((32 if n == 1 else 64) if on_gpu else 16)
     if num_splits is None:
         sms = _num_sms(q.device.index or 0) if on_gpu else 8

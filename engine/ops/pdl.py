@@ -2,7 +2,7 @@
 
 A decode step of Llama-3-8B at batch 1 is ~330 short kernels in one CUDA graph; between two dependent
 kernels the GPU drains the first, flushes its writes and only then launches the second, a gap of a few
-microseconds each (docs/benchmarks/engine-h200.md). With PDL (CUDA Programming Guide, "Programmatic
+microseconds each (docs/benchmarks/engine.md). With PDL (CUDA Programming Guide, "Programmatic
 Dependent Launch and Synchronization"; PTX ``griddepcontrol``) a kernel launched with the
 programmatic-stream-serialization attribute may start as soon as every program of the kernel before it
 has executed ``griddepcontrol.launch_dependents``, and blocks in ``griddepcontrol.wait`` until that
@@ -21,7 +21,7 @@ Triton's ``launch_pdl`` compile option, both on only for a one-row launch (``ten
 kernel here is given its step's token-major input, so this means a one-token step, i.e. batch-1 decode)
 of a CUDA tensor on a device of compute capability >= 9.0, outside the Triton interpreter, while the
 process switch (``set_pdl``; ``ModelConfig.pdl``) is on. Measured on an H200 (Llama-3-8B shapes,
-docs/benchmarks/engine-h200.md): batch-1 decode 80.0 -> 83.3 % of the HBM roofline with PDL, but batches
+docs/benchmarks/engine.md): batch-1 decode 80.0 -> 83.3 % of the HBM roofline with PDL, but batches
 8 and 32, where cuBLAS GEMMs sit between the Triton kernels, 1-2 points slower in three runs out of three;
 hence one-row launches only.
 """

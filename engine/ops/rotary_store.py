@@ -6,7 +6,7 @@ back in place and into the cache slot) and copies its value heads into the cache
 two kernels (RoPE "rotate half" of transformers' Llama, Su et al. 2021, each product rounded to the dtype;
 slot ``s`` = block ``s // block_size``, offset ``s % block_size`` as vLLM's ``reshape_and_cache``), so the
 results are bit-identical to running them one after the other; a decode step saves one launch per layer
-(32 per step of Llama-3-8B, issue #8). A negative slot (padding row of a decode graph) stores nothing.
+(32 per step of Llama-3-8B). A negative slot (padding row of a decode graph) stores nothing.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def test_new_slots_filled_with_nan_are_never_read_before_their_store(dtype):
     bit for bit, to the first (compiled GPU: 100 repeats of 512 sequences; the interpreter runs programs
     one by one: 1 of 9). Against the separate path: equal under the interpreter; compiled bf16 within one
     bf16 ulp (stop 15 measured 1 ulp in 1-4 % of the rows of sequences spanning 2+ splits,
-    docs/benchmarks/engine-h200.md)."""
+    docs/benchmarks/engine.md)."""
     g = torch.Generator().manual_seed(11)
     n, repeats, tile = (512, 100, 64) if CUDA else (9, 1, 16)
     lens = torch.randint(1, tile * 8 + 1, (n,), generator=g).tolist()

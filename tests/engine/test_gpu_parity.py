@@ -8,7 +8,7 @@ compared at every position.
 
 bf16 rounding flips near-ties, and a 135M model has many: transformers' own eager attention in bf16 agrees
 with its SDPA attention at only ~97.7 % of positions, and its fp32 model with its bf16 model at ~97.6 %
-(H200, 2026-11-29; docs/benchmarks/smollm2-parity-h200.md). So the bar measured in the same run is that
+(H200, 2026-11-29; docs/benchmarks/engine.md). So the bar measured in the same run is that
 noise floor: our engine must agree with transformers' SDPA at least as well as transformers' eager
 attention does (and never below 95 %, which would be a real bug, not rounding).
 

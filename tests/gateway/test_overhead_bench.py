@@ -1,4 +1,4 @@
-"""``bench.gateway_overhead``: config validation, delay subtraction on hand-built records, and a small
+"""``bench.gateway.overhead``: config validation, delay subtraction on hand-built records, and a small
 end-to-end smoke run (real gateways + fake workers + the bare SSE baseline, a handful of requests) whose
 JSON must have sane fields and whose gateway targets must end with nothing in flight and all KV blocks
 free."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gateway_overhead import OverheadConfig, main, summarize_level
+from bench.gateway.overhead import OverheadConfig, main, summarize_level
 from loadtest.records import RequestRecord
 
 

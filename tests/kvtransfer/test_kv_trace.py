@@ -1,10 +1,10 @@
-"""bench/kv_trace.py: the --trace summary splits a round into issue #3's gaps from its events."""
+"""bench/kvtransfer/trace.py: the --trace summary splits a round into issue #3's gaps from its events."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.kv_trace import summarize, timeline
+from bench.kvtransfer.trace import summarize, timeline
 
 T0 = 100.0
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.disagg_vs_colocated import live_system
+from bench.serving.disagg_vs_colocated import live_system
 from loadtest.cli import main
 from loadtest.metrics import tpot_s
 from loadtest.records import RequestRecord

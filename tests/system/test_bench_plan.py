@@ -1,6 +1,6 @@
 """The GPU benchmark's plan and report logic, checked on CPU without starting anything: which processes
-``bench.disagg_vs_colocated --device cuda`` starts with which flags and GPUs, the time estimate, and the
-goodput/crossover arithmetic of ``bench.disagg_report`` on hand-built results."""
+``bench.serving.disagg_vs_colocated --device cuda`` starts with which flags and GPUs, the time estimate,
+and the goodput/crossover arithmetic of ``bench.serving.disagg_report`` on hand-built results."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import disagg_report as rep
-from bench.disagg_vs_colocated import _sweep_seconds, bench_argv, parse_args, parse_mix, spec
 from bench.live_system import children
+from bench.serving import disagg_report as rep
+from bench.serving.disagg_vs_colocated import _sweep_seconds, bench_argv, parse_args, parse_mix, spec
 from loadtest.records import BenchResult, LatencyStats, RunResult, Summary
 
 

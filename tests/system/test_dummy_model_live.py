@@ -1,6 +1,6 @@
 """The dummy-weight path through real processes: ``pdserve`` gateways and workers with ``--model
 tiny-llama`` (random weights, seed 0 on every worker; synthetic tokenizer) on CPU, started the way
-``bench.disagg_vs_colocated`` starts them (both systems at once, ``bench.live_system.live_systems``).
+``bench.serving.disagg_vs_colocated`` starts them (both systems at once, ``bench.live_system.live_systems``).
 
 * a chat and a completion are served, the text decodes from the synthetic vocabulary, usage is right;
 * greedy parity: the bench's 8 prompts give identical text, finish reason and token count on the
@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from bench.live_system import LiveSystem, SystemSpec, live_systems, registered
-from bench.parity import check_parity
+from bench.serving.parity import check_parity
 from tests.live_system import wait_all_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]

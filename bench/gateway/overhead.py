@@ -1,0 +1,277 @@
+"""The gateway's own added latency and throughput ceiling, measured with instant fake workers.
+
+Run: ``.venv/bin/python -m bench.gateway.overhead [--requests 300] [--concurrency 1,8] [--max-tokens 16]
+[--token-delay 0] [--prefill-delay 0] [--tokenizer smollm2-135m] [--json out.json]
+[--out /tmp/gateway-overhead.md]``.
+
+Three targets, started in turn on free 127.0.0.1 ports and stopped after their runs:
+``disagg`` (``pdserve gateway`` + one fake prefill + one fake decode worker, ``tests/fakes/fake_worker.py``),
+``colocated`` (a second gateway + one fake colocated worker) and ``baseline`` (a trivial FastAPI/uvicorn
+SSE endpoint sending the same number of OpenAI-shaped chunks with no work, the peer the gateway is a ratio
+to). Each target gets ``--requests`` streaming ``/v1/completions`` requests per concurrency level, closed
+loop, through httpx (``loadtest.client.send_request``). Client-observed TTFT, per-token ITL and E2E
+(seconds) minus the fake workers' configured delays (prefill delay; token delay per later token) is the
+gateway's added latency; completed requests / wall seconds at the highest concurrency is its ceiling.
+Metric definitions as in ``loadtest.metrics`` (vLLM serving benchmark). After each gateway target every
+request must be out of flight and every fake decode KV block free (``leaks`` = "ok").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.gateway.overhead_report import machine_info, render_markdown
+from bench.gateway.sse_baseline import baseline_app
+from gateway.text import TextProcessor, TokenizerNotFoundError, resolve_tokenizer_dir
+from loadtest.client import RequestIds, send_request
+from loadtest.metrics import latency_stats
+from loadtest.records import LatencyStats, RequestRecord
+from pdserve.launcher import Supervisor, free_ports, wait_ready
+
+ROOT = Path(__file__).resolve().parents[2]
+REPLY = "Hello world, this is a fake reply from an instant worker. The end."
+PROMPT = "Summarize the plot of a short story about a lighthouse keeper and a message in a bottle."
+TARGETS = ("disagg", "colocated", "baseline")
+TOTAL_BLOCKS = 4096  # fake decode worker's KV blocks (plenty: leaks show as a shortfall)
+
+
+@dataclass(frozen=True)
+class OverheadConfig:
+    """What to run. Delays are the fake workers' (seconds); ``requests`` per level, after ``warmup``.
+
+    Raises ValueError naming the field when a value is out of range.
+    """
+
+    requests: int = 300
+    concurrency: tuple[int, ...] = (1, 8)
+    max_tokens: int = 16
+    prefill_delay_s: float = 0.0
+    token_delay_s: float = 0.0
+    warmup: int = 5
+    timeout_s: float = 30.0
+    tokenizer: str = "smollm2-135m"
+
+    def __post_init__(self) -> None:
+        checks = [(self.requests >= 1, "requests", "must be >= 1"),
+                  (bool(self.concurrency) and min(self.concurrency) >= 1, "concurrency", "must be >= 1"),
+                  (self.max_tokens >= 2, "max_tokens", "must be >= 2 (ITL needs two tokens)"),
+                  (self.prefill_delay_s >= 0, "prefill_delay_s", "must be >= 0"),
+                  (self.token_delay_s >= 0, "token_delay_s", "must be >= 0"),
+                  (self.warmup >= 0, "warmup", "must be >= 0"),
+                  (self.timeout_s > 0, "timeout_s", "must be > 0")]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+
+class LevelResult(msgspec.Struct, kw_only=True):
+    """One target at one concurrency. Latencies in ms; ``added_*`` = observed minus configured delays.
+    TPOT per request = (E2E - TTFT) / (tokens - 1): with back-to-back tokens, the gateway's cost per token."""
+
+    target: str
+    concurrency: int
+    requests: int
+    completed: int
+    failed: int
+    first_error: str
+    wall_s: float
+    req_s: float
+    ttft_ms: LatencyStats | None
+    itl_ms: LatencyStats | None
+    e2e_ms: LatencyStats | None
+    added_ttft_ms: LatencyStats | None
+    added_tpot_ms: LatencyStats | None
+    added_itl_ms: LatencyStats | None
+    added_e2e_ms: LatencyStats | None
+
+
+class OverheadResult(msgspec.Struct, kw_only=True):
+    """The whole run: configuration, machine, date, every level, leak check per gateway target."""
+
+    config: dict[str, object]
+    machine: dict[str, object]
+    date: str
+    command: str
+    levels: list[LevelResult]
+    leaks: dict[str, str]
+
+
+def _spawn(sup: Supervisor, name: str, argv: list[str], log_dir: Path) -> None:
+    with open(log_dir / f"{name}.log", "ab") as out:
+        sup.children[name] = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=out,
+                                              stderr=subprocess.STDOUT, env=dict(os.environ))
+
+
+def start_target(target: str, cfg: OverheadConfig, tokenizer_dir: Path, sup: Supervisor,
+                 log_dir: Path) -> str:
+    """Start ``target``'s processes under ``sup``; returns its base URL once ``/ready`` is 200.
+
+    Raises RuntimeError (with the log tail) when a process dies or it is not ready within 60 s.
+    """
+    port, control_port = free_ports(2)
+    if target == "baseline":
+        _spawn(sup, "baseline", ["-m", "bench.gateway.overhead", "--serve-baseline", str(port),
+                                 "--max-tokens", str(cfg.max_tokens)], log_dir)
+    else:
+        control = f"tcp://127.0.0.1:{control_port}"
+        _spawn(sup, "gateway", ["-m", "pdserve.cli", "gateway", "--port", str(port),
+                                "--control-bind", control, "--tokenizer", str(tokenizer_dir),
+                                "--log-level", "warning"], log_dir)
+        reply = ",".join(map(str, TextProcessor.from_dir(tokenizer_dir).encode(REPLY)))
+        roles = ["prefill", "decode"] if target == "disagg" else ["colocated"]
+        for role in roles:
+            _spawn(sup, role, ["-m", "tests.fakes.fake_worker", "--role", role, "--worker-id", f"fake-{role}",
+                               "--gateway-control", control, "--output-ids", reply,
+                               "--total-blocks", str(TOTAL_BLOCKS), "--max-model-len", "4096",
+                               "--prefill-delay", str(cfg.prefill_delay_s),
+                               "--token-delay", str(cfg.token_delay_s)], log_dir)
+    url = f"http://127.0.0.1:{port}"
+    why = wait_ready(sup, url, 60.0, [])
+    if why is not None:
+        logs = "".join((log_dir / f"{n}.log").read_text()[-1500:] for n in sup.children)
+        raise RuntimeError(f"{target} did not start: {why}\n{logs}")
+    return url
+
+
+async def run_level(url: str, cfg: OverheadConfig, concurrency: int) -> tuple[list[RequestRecord], float]:
+    """``cfg.warmup`` then ``cfg.requests`` streamed completions, ``concurrency`` in flight (closed loop).
+    Returns the measured records and the wall seconds of the measured part."""
+    body = {"model": "fake-model", "prompt": PROMPT, "max_tokens": cfg.max_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=cfg.timeout_s, limits=limits) as client:
+        async def loop(todo: Iterator[int], t0: float, out: list[RequestRecord]) -> None:
+            for i in todo:  # shared iterator: each free slot takes the next request (closed loop)
+                ids = RequestIds(index=i, session_id=i, turn=0, start_s=time.perf_counter() - t0)
+                out.append((await send_request(client, "/v1/completions", body, ids, cfg.timeout_s))[0])
+
+        warm: list[RequestRecord] = []
+        todo = iter(range(cfg.warmup))
+        await asyncio.gather(*[loop(todo, time.perf_counter(), warm) for _ in range(concurrency)])
+        records: list[RequestRecord] = []
+        t0, todo = time.perf_counter(), iter(range(cfg.requests))
+        await asyncio.gather(*[loop(todo, t0, records) for _ in range(concurrency)])
+        return records, time.perf_counter() - t0
+
+
+def summarize_level(target: str, concurrency: int, records: Sequence[RequestRecord], wall_s: float,
+                    cfg: OverheadConfig) -> LevelResult:
+    """Aggregate one level. A request counts as completed only with all ``cfg.max_tokens`` tokens.
+    Configured delays are subtracted for gateway targets (the baseline has none)."""
+    ok = [r for r in records if r.success and r.output_tokens == cfg.max_tokens]
+    bad = [r for r in records if r not in ok]
+    first_error = (bad[0].error or f"{bad[0].output_tokens} tokens, want {cfg.max_tokens}") if bad else ""
+    pre, tok = (0.0, 0.0) if target == "baseline" else (cfg.prefill_delay_s, cfg.token_delay_s)
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itl = [g for r in ok for g in r.itl_s]
+    e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    return LevelResult(
+        target=target, concurrency=concurrency, requests=len(records), completed=len(ok), failed=len(bad),
+        first_error=first_error, wall_s=wall_s, req_s=len(ok) / wall_s if wall_s > 0 else 0.0,
+        ttft_ms=latency_stats(ttft), itl_ms=latency_stats(itl), e2e_ms=latency_stats(e2e),
+        added_ttft_ms=latency_stats([t - pre for t in ttft]),
+        added_itl_ms=latency_stats([g - tok for g in itl]),
+        added_tpot_ms=latency_stats([(r.e2e_s - r.ttft_s) / (cfg.max_tokens - 1) - tok for r in ok
+                                     if r.e2e_s is not None and r.ttft_s is not None]),
+        added_e2e_ms=latency_stats([t - pre - tok * (cfg.max_tokens - 1) for t in e2e]))
+
+
+def check_no_leaks(url: str, decode_id: str | None, deadline_s: float = 5.0) -> str:
+    """"ok" when the gateway has no request in flight and ``decode_id`` (if any) has all its KV blocks
+    free (polled up to ``deadline_s`` seconds); else what is left."""
+    end, why = time.monotonic() + deadline_s, "not checked"
+    while time.monotonic() < end:
+        samples = {(s.name, s.labels.get("worker_id")): s.value
+                   for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text)
+                   for s in fam.samples}
+        in_flight = samples.get(("pdserve_requests_in_flight", None))
+        free = samples.get(("pdserve_kv_blocks_free", decode_id)) if decode_id else float(TOTAL_BLOCKS)
+        if in_flight == 0 and free == TOTAL_BLOCKS:
+            return "ok"
+        why = f"in flight {in_flight}, free blocks on {decode_id} {free} of {TOTAL_BLOCKS}"
+        time.sleep(0.1)
+    return why
+
+
+def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS) -> OverheadResult:
+    """Start each target, measure every concurrency level, stop it. Raises ValueError for an unknown
+    target or tokenizer dir, RuntimeError when a target does not start."""
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        raise ValueError(f"unknown targets {unknown}; choose from {TARGETS}")
+    tokenizer_dir = resolve_tokenizer_dir(cfg.tokenizer, None)  # TokenizerNotFoundError before any start
+    machine = machine_info()
+    levels, leaks = [], {}
+    with tempfile.TemporaryDirectory(prefix="gw-overhead-") as tmp:
+        for target in targets:
+            sup = Supervisor(grace=5.0)
+            try:
+                url = start_target(target, cfg, tokenizer_dir, sup, Path(tmp))
+                for conc in cfg.concurrency:
+                    records, wall = asyncio.run(run_level(url, cfg, conc))
+                    levels.append(summarize_level(target, conc, records, wall, cfg))
+                if target != "baseline":
+                    leaks[target] = check_no_leaks(url, "fake-decode" if target == "disagg" else None)
+            finally:
+                sup.stop_all()
+    return OverheadResult(config=asdict(cfg), machine=machine, levels=levels, leaks=leaks, command=command,
+                          date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry. Returns 0 when every request completed and nothing leaked, 1 otherwise, 2 bad arguments."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--concurrency", default="1,8", help="comma-separated levels")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prefill-delay", type=float, default=0.0, help="fake workers' prefill delay (s)")
+    p.add_argument("--token-delay", type=float, default=0.0, help="fake workers' per-token delay (s)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer dir or cached alias")
+    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="Markdown report path")
+    p.add_argument("--serve-baseline", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve_baseline is not None:
+        import uvicorn
+
+        uvicorn.run(baseline_app(args.max_tokens), host="127.0.0.1", port=args.serve_baseline,
+                    log_level="warning", access_log=False, log_config=None)
+        return 0
+    try:
+        cfg = OverheadConfig(requests=args.requests, max_tokens=args.max_tokens, warmup=args.warmup,
+                             concurrency=tuple(int(x) for x in args.concurrency.split(",")),
+                             prefill_delay_s=args.prefill_delay, token_delay_s=args.token_delay,
+                             tokenizer=args.tokenizer)
+        command = "python -m bench.gateway.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
+        res = run(cfg, command, tuple(args.targets.split(",")))
+    except (ValueError, TokenizerNotFoundError) as exc:
+        print(f"gateway_overhead: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(res)))
+    text = render_markdown(res)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    failed = any(lv.failed for lv in res.levels) or any(v != "ok" for v in res.leaks.values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

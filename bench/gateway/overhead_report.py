@@ -1,0 +1,55 @@
+"""The report of ``bench.gateway.overhead``: the machine it ran on and its Markdown tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench.gateway.overhead import OverheadResult
+    from loadtest.records import LatencyStats
+
+
+def machine_info() -> dict[str, object]:
+    """nproc, CPU model, load average, OS and Python of this machine."""
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    model = next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith("model name")), "")
+    return {"nproc": os.cpu_count(), "cpu": model, "loadavg_start": os.getloadavg(),
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def _p(stats: LatencyStats | None) -> str:
+    return "–" if stats is None else f"{stats.median:.2f} / {stats.p90:.2f} / {stats.p99:.2f}"
+
+
+def render_markdown(res: OverheadResult) -> str:
+    """The report: command, machine, date, one table row per target and concurrency, ratios to baseline."""
+    c, m = res.config, res.machine
+    lines = ["# Gateway overhead on CPU: added latency and throughput ceiling with instant fake workers", "",
+             f"- command: `{res.command}`",
+             f"- machine: {m['nproc']} cores ({m['cpu']}), {m['platform']}, Python {m['python']}, "
+             "load average at start " + ", ".join(f"{x:.2f}" for x in m["loadavg_start"]),  # type: ignore[attr-defined]
+             f"- date: {res.date}",
+             f"- per level: {c['requests']} streamed `/v1/completions` requests after {c['warmup']} "
+             f"warm-up, {c['max_tokens']} output tokens each; fake delays: prefill {c['prefill_delay_s']} s, "
+             f"token {c['token_delay_s']} s", f"- leak check after each gateway target: {res.leaks}", "",
+             "Added latency = client-observed minus the fake workers' configured delays; p50/p90/p99 in ms.",
+             "", "| target | conc | ok/sent | TTFT added | TPOT added | ITL added | E2E added | req/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for lv in res.levels:
+        lines.append(f"| {lv.target} | {lv.concurrency} | {lv.completed}/{lv.requests} "
+                     f"| {_p(lv.added_ttft_ms)} | {_p(lv.added_tpot_ms)} | {_p(lv.added_itl_ms)} "
+                     f"| {_p(lv.added_e2e_ms)} "
+                     f"| {lv.req_s:.1f} |")
+    base = {lv.concurrency: lv for lv in res.levels if lv.target == "baseline"}
+    lines += ["", "Gateway vs the bare SSE baseline at the same concurrency: p50 E2E gateway (added) / "
+              "baseline, and req/s baseline / gateway:", ""]
+    for lv in res.levels:
+        b = base.get(lv.concurrency)
+        if lv.target != "baseline" and b and b.e2e_ms and lv.added_e2e_ms and lv.req_s > 0:
+            gw, bare = lv.added_e2e_ms.median, b.e2e_ms.median
+            lines.append(f"- {lv.target} @ {lv.concurrency}: p50 E2E gateway / baseline {gw / bare:.1f} "
+                         f"(+{gw - bare:.2f} ms), req/s baseline / gateway {b.req_s / lv.req_s:.1f}")
+    return "\n".join(lines) + "\n"
