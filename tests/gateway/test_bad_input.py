@@ -6,6 +6,7 @@ tokens) for the whole module."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -179,7 +180,9 @@ def test_duplicate_request_id_in_flight_is_400(gw: Cluster) -> None:
         assert next(lines).startswith("data: ")
         err = check_error(httpx.post(gw.base + COMP, json=comp(), headers=hdrs, timeout=10), 400)
         assert err["code"] == "duplicate_request_id"
-        assert sum('"finish_reason": "length"' in line for line in lines) == 1  # the first one finishes
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+        finishes = [c["finish_reason"] for chunk in chunks for c in chunk["choices"]]
+        assert finishes.count("length") == 1  # the first one finishes
     gw.assert_no_leaks(("d1",))
 
 
