@@ -364,7 +364,8 @@ class Orchestrator:
 
     @staticmethod
     async def _next_message(req: GatewayRequest, deadline: float) -> WorkerMessage | WorkerLost:
-        if not req.inbox.empty():
+        if not req.inbox.empty():  # no timer needed; still yield once, so concurrent streams interleave
+            await asyncio.sleep(0)
             return req.inbox.get_nowait()
         try:
             return await asyncio.wait_for(req.inbox.get(), timeout=max(deadline - time.monotonic(), 0.001))
