@@ -67,6 +67,7 @@ JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("top_p-over-one", CHAT, chat(top_p=1.5), 400, "top_p"),
     ("top_k-negative", CHAT, chat(top_k=-5), 400, "top_k"),
     ("top_k-huge", CHAT, chat(top_k=10**30), 400, "top_k"),
+    ("top_k-zero", CHAT, chat(top_k=0), 400, "top_k"),  # in pydantic's range, refused by SamplingParams
     ("min_p-over-one", CHAT, chat(min_p=2), 400, "min_p"),
     ("presence-penalty", CHAT, chat(presence_penalty=5), 400, "presence_penalty"),
     ("frequency-penalty", CHAT, chat(frequency_penalty=-3), 400, "frequency_penalty"),
