@@ -62,9 +62,9 @@ class DecodeWorker(WorkerLoop):
     role: Role = "decode"
     reserve_timeout = 30.0  # seconds a ReserveKV may wait for free blocks
     # KV deadline of a request = TransferConfig.timeout_s + this many seconds per prompt token: the deadline
-    # runs while the prefill worker computes the prompt, and a long prompt on a slow (CPU) prefill took
-    # longer than the flat 30 s (a 5000-token prompt on 2 cores: HTTP 502 "deadline of 30.0s passed").
-    # A dead prefill worker is still caught within the peer timeout (heartbeats), not by this deadline.
+    # runs while the prefill worker computes the prompt, which on a slow (CPU) prefill worker takes longer
+    # than a flat timeout for long prompts. A dead prefill worker is still caught within the peer timeout
+    # (heartbeats), not by this deadline.
     kv_deadline_per_token_s = 0.02
 
     def __init__(self, settings: WorkerSettings, core: EngineCore, model_path: str,

@@ -1,6 +1,6 @@
-"""Worker request ids stay unique when a client reuses an X-Request-Id (the bug the live suite found:
-a released request's late tokens reached the next request with the same id). No processes: the gateway's
-orchestrator with a stand-in send that records what it sends."""
+"""Worker request ids stay unique when a client reuses an X-Request-Id, so a released request's late
+tokens never reach the next request with the same id. No processes: the gateway's orchestrator with a
+stand-in send that records what it sends."""
 
 from __future__ import annotations
 

@@ -226,8 +226,8 @@ def test_abort_running_request_frees_blocks(model_dir):
 
 
 def test_kv_deadline_grows_with_the_prompt(decode):
-    """Regression (new-user trial, 2 cores): the KV deadline counts from the reservation, so it includes the
-    prefill compute; a flat 30 s failed a 5000-token prompt on a slow CPU prefill with HTTP 502."""
+    """The KV deadline counts from the reservation, so it includes the prefill compute: it grows with the
+    prompt (a flat 30 s is too short for a 5000-token prompt on a slow CPU prefill worker)."""
     base = decode.receiver.config.timeout_s
     short = _handle(_reserve(decode, "s", 4), "s")
     long = _handle(_reserve(decode, "l", 20), "l")
