@@ -60,8 +60,7 @@ from protocol.messages import (
 
 log = logging.getLogger("pdserve.gateway")
 RECENT_IDS = 1 << 16  # released worker request ids remembered, so a reused X-Request-Id gets a new one
-WorkerMessage = KVReserved | FirstToken | NextToken | RequestFinished | RequestFailed
-WORKER_MESSAGES = (KVReserved, FirstToken, NextToken, RequestFinished, RequestFailed)  # per-request, in
+WorkerMessage = KVReserved | FirstToken | NextToken | RequestFinished | RequestFailed  # per request, in
 Send = Callable[[bytes, Message], Coroutine[Any, Any, bool]]  # (worker's zmq identity, message) → delivered?
 
 

@@ -15,7 +15,7 @@ import logging
 
 from gateway.control_socket import ControlSocket
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import WORKER_MESSAGES, Orchestrator
+from gateway.orchestrator import Orchestrator, WorkerMessage
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import WorkerEntry, WorkerRegistry
 from gateway.router import Router
@@ -100,7 +100,7 @@ class GatewayService:
             entry = self.registry.remove(msg.worker_id, msg.epoch)
             if entry is not None:
                 self.worker_gone(entry, "worker shut down", announced=True)
-        elif isinstance(msg, WORKER_MESSAGES):
+        elif isinstance(msg, WorkerMessage):
             entry = self.registry.get(msg.worker_id)
             if entry is not None:
                 self.registry.touch(msg.worker_id, entry.info.epoch)
