@@ -6,7 +6,7 @@ Queues and states of a request:
      from the kvtransfer ``KVReceiver`` goes back in ``KVReserved``;
   2. ``in_flight``: waits until every layer has landed (receiver DONE) AND the first token is known
      (``DecodeRequest``); then ``Scheduler.kv_landed`` appends it and the request joins the running batch;
-  3. RUNNING: one token per step → ``TokenBatch``; FINISHED_STOPPED / FINISHED_LENGTH → ``RequestFinished``
+  3. RUNNING: one token per step → ``NextToken``; FINISHED_STOPPED / FINISHED_LENGTH → ``RequestFinished``
      (blocks freed);
   4. ``draining``: aborted or failed while KV was in flight; the blocks are freed only once the receiver
      says no write can still land in them (``KVReceiver.releasable``: the fence).
@@ -15,7 +15,6 @@ Transfer FAILED/ABORTED by the peer → ``RequestFailed``. ``AbortRequest`` work
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import secrets
 import time
@@ -37,7 +36,7 @@ from protocol.messages import (
 )
 from workers.loop import WorkerLoop
 from workers.outputs import stream_outputs
-from workers.setup import compat_of, encode_handle, sampling_from_wire
+from workers.setup import compat_of, encode_handle
 from workers.step import run_step
 
 if TYPE_CHECKING:
@@ -63,9 +62,9 @@ class DecodeWorker(WorkerLoop):
     role: Role = "decode"
     reserve_timeout = 30.0  # seconds a ReserveKV may wait for free blocks
     # KV deadline of a request = TransferConfig.timeout_s + this many seconds per prompt token: the deadline
-    # runs while the prefill worker computes the prompt, and a long prompt on a slow (CPU) prefill took
-    # longer than the flat 30 s (a 5000-token prompt on 2 cores: HTTP 502 "deadline of 30.0s passed").
-    # A dead prefill worker is still caught within the peer timeout (heartbeats), not by this deadline.
+    # runs while the prefill worker computes the prompt, which on a slow (CPU) prefill worker takes longer
+    # than a flat timeout for long prompts. A dead prefill worker is still caught within the peer timeout
+    # (heartbeats), not by this deadline.
     kv_deadline_per_token_s = 0.02
 
     def __init__(self, settings: WorkerSettings, core: EngineCore, model_path: str,
@@ -86,9 +85,9 @@ class DecodeWorker(WorkerLoop):
         """The receiver's control endpoint."""
         return self.receiver.address
 
-    def handle(self, msg: Message) -> None:
+    def on_message(self, msg: Message) -> None:
         """``ReserveKV`` / ``DecodeRequest`` / ``AbortRequest``. Raises ``ValueError`` for a bad request
-        (bad prompt or params, an id already on this worker, a ``DecodeRequest`` without reservation)."""
+        (bad prompt, an id already on this worker, a ``DecodeRequest`` without reservation)."""
         if isinstance(msg, ReserveKV):
             self._reserve_new(msg)
         elif isinstance(msg, DecodeRequest):
@@ -99,9 +98,9 @@ class DecodeWorker(WorkerLoop):
             self.drop(msg.request_id)
 
     def _reserve_new(self, msg: ReserveKV) -> None:
-        params = sampling_from_wire(msg.sampling)
+        params = msg.sampling
         if params.seed is None:  # fixed here so a recompute after preemption samples the same tokens
-            params = dataclasses.replace(params, seed=secrets.randbits(63))
+            params = params.with_seed(secrets.randbits(63))
         self.core.validate_prompt(msg.prompt_token_ids)
         if self._knows(msg.request_id):
             raise ValueError(f"request id {msg.request_id!r} is already on this worker")
@@ -145,12 +144,12 @@ class DecodeWorker(WorkerLoop):
             self.core.abort_request(request_id)
 
     def poll(self) -> None:
-        """Admit landed requests, fail broken transfers, free drained blocks, then reserve blocks for
-        waiting requests (so blocks freed in this phase serve them at once)."""
+        """Move landed requests into the running batch, fail broken transfers, free drained blocks, then
+        reserve blocks for waiting requests (so blocks freed in this phase serve them at once)."""
         for rid in list(self.in_flight):
             status = self.receiver.status(rid)
             if status is TransferStatus.DONE and rid in self.first_tokens:
-                self._admit(rid)
+                self._join_batch(rid)
             elif status in (TransferStatus.FAILED, TransferStatus.ABORTED):
                 self.fail(rid, f"KV transfer {status.value}: {self.receiver.reason(rid)}")
         for rid in list(self.draining):
@@ -178,7 +177,7 @@ class DecodeWorker(WorkerLoop):
                 return
             self.pending.popleft()
 
-    def _admit(self, rid: str) -> None:
+    def _join_batch(self, rid: str) -> None:
         self.receiver.release(rid)
         del self.in_flight[rid]
         seq = self.core.scheduler.kv_landed(rid, self.first_tokens.pop(rid))

@@ -8,7 +8,6 @@ one continuous-batching step and reports the tokens sampled in it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import secrets
 import time
@@ -103,7 +102,7 @@ class EngineCore:
         """
         self.validate_prompt(prompt_token_ids)
         if sampling_params.seed is None:
-            sampling_params = dataclasses.replace(sampling_params, seed=secrets.randbits(63))
+            sampling_params = sampling_params.with_seed(secrets.randbits(63))
         seq = Sequence(request_id, list(prompt_token_ids), sampling_params,
                        time.monotonic() if arrival_time is None else arrival_time, self.eos_token_id)
         self.scheduler.add(seq)

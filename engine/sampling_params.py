@@ -1,4 +1,5 @@
-"""Per-request sampling parameters (no torch).
+"""Per-request sampling parameters: one type for the offline API, the engine and the control-plane wire
+(no torch; ``protocol.messages`` carries it from the gateway to the workers).
 
 Semantics follow the OpenAI API (presence/frequency penalties over output tokens) and Hugging Face
 transformers (``repetition_penalty`` over prompt + output, ``top_k``/``top_p``/``min_p`` filters).
@@ -7,26 +8,38 @@ transformers (``repetition_penalty`` over prompt + output, ``top_k``/``top_p``/`
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+
+import msgspec
 
 MAX_LOGPROBS = 20
 
 
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of its range; ``field`` names it (the message says the allowed range)."""
+
+    def __init__(self, field: str, allowed: str, value: object) -> None:
+        super().__init__(f"SamplingParams.{field} must be {allowed}, got {value!r}")
+        self.field = field
+
+
 def _require(ok: bool, field: str, allowed: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{field} must be {allowed}, got {value!r}")
+        raise SamplingParamsError(field, allowed, value)
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one request's tokens; validated on construction.
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to sample one request's tokens; validated on construction and when decoded from the wire.
 
     Units: ``max_tokens`` / ``min_tokens`` count output tokens. ``temperature == 0`` means greedy.
     ``logprobs``: None = off, 0 = the sampled token's logprob only, N = also the top-N (N <= 20).
+    ``stop`` (strings) is applied where text is made: by ``LLM.generate`` offline, by the gateway when
+    serving (control messages to workers carry ``stop=()``; workers stop on ``stop_token_ids``).
+    Lists given for ``stop`` / ``stop_token_ids`` are stored as tuples. An unknown field is refused (a
+    newer sender's parameter is never silently ignored).
 
     Raises:
-        ValueError: naming the field and its allowed range, for any out-of-range value.
+        SamplingParamsError (a ValueError): naming the field and its allowed range, for any bad value
+            (``msgspec.ValidationError`` with the same message when decoding).
     """
 
     max_tokens: int = 16
@@ -45,9 +58,8 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        # Lists from JSON/msgspec become tuples so the dataclass stays hashable and immutable.
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
+        msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
         self._validate_numbers()
         self._validate_lists()
 
@@ -83,21 +95,10 @@ class SamplingParams:
         """True when ``temperature == 0``: the argmax token is taken and the seed is irrelevant."""
         return self.temperature == 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict (lists for tuples) that msgspec/JSON can encode; inverse of :meth:`from_dict`."""
-        d = asdict(self)
-        d["stop"] = list(self.stop)
-        d["stop_token_ids"] = list(self.stop_token_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
-        """Build from :meth:`to_dict` output. Raises ``ValueError`` on unknown keys or bad values."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"SamplingParams got unknown field(s) {unknown}; known: {sorted(known)}")
-        return cls(**data)
+    def with_seed(self, seed: int) -> SamplingParams:
+        """The same parameters with ``seed`` set (the engine fixes a seedless request's seed once, so a
+        recompute after preemption, or another worker continuing it, samples the same tokens)."""
+        return msgspec.structs.replace(self, seed=seed)
 
 
 def _is_int(value: object) -> bool:

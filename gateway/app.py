@@ -8,15 +8,17 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.errors import APIError, bad_request
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayMiddleware
+from gateway.openai_responses import openapi_components
 from gateway.routes import router
 from gateway.service import GatewayService
 from gateway.text import TextProcessor, resolve_tokenizer_dir
@@ -25,12 +27,12 @@ from protocol.settings import GatewaySettings
 log = logging.getLogger("pdserve.gateway")
 
 
-def _api_error(_: Request, exc: Exception) -> JSONResponse:
+def _api_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return Response(exc.json(), status_code=exc.status, headers=exc.headers, media_type="application/json")
 
 
-def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+def _validation_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
@@ -46,7 +48,7 @@ def _validation_error(_: Request, exc: Exception) -> JSONResponse:
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 415: "unsupported_media_type"}
 
 
-def _http_error(_: Request, exc: Exception) -> JSONResponse:
+def _http_error(_: Request, exc: Exception) -> Response:
     """Starlette/FastAPI ``HTTPException`` (unknown path, wrong method, unparsable body) → OpenAI body."""
     assert isinstance(exc, StarletteHTTPException)
     status = exc.status_code if 400 <= exc.status_code < 500 else 400
@@ -57,9 +59,29 @@ def _http_error(_: Request, exc: Exception) -> JSONResponse:
                                   _HTTP_CODES.get(status), dict(exc.headers or {})))
 
 
-def _unhandled(_: Request, exc: Exception) -> JSONResponse:
+def _unhandled(_: Request, exc: Exception) -> Response:
     log.exception("unhandled error", exc_info=exc)
     return _api_error(_, APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+
+def _document_responses(app: FastAPI) -> None:
+    """Add the response types' schemas (gateway/openai_responses.py, referenced by the routes) to the
+    app's OpenAPI document, next to the request models' schemas FastAPI generates.
+
+    Raises:
+        RuntimeError: (when the document is first built) a response type shares a name with a request model.
+    """
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = FastAPI.openapi(app)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            extra = openapi_components()
+            if clash := set(schemas) & set(extra):
+                raise RuntimeError(f"response schemas clash with request schemas: {sorted(clash)}")
+            schemas.update(extra)
+        return app.openapi_schema  # type: ignore[return-value]  # set by FastAPI.openapi
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:
@@ -84,6 +106,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await svc.stop()
 
     app = FastAPI(title="pdserve gateway", lifespan=lifespan)
+    _document_responses(app)
     app.state.service = svc
     app.include_router(router)
     app.add_exception_handler(APIError, _api_error)

@@ -5,7 +5,7 @@ Error shape: OpenAI API reference, "Error codes" (https://platform.openai.com/do
 
 from __future__ import annotations
 
-from typing import Any
+from gateway.openai_responses import ErrorDetail, ErrorResponse, encode
 
 
 class APIError(Exception):
@@ -18,10 +18,13 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
-        """The JSON body: ``{"error": {...}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+    def body(self) -> ErrorResponse:
+        """The body: ``{"error": {...}}``."""
+        return ErrorResponse(ErrorDetail(self.message, self.type, self.param, self.code))
+
+    def json(self) -> bytes:
+        """The body as JSON bytes."""
+        return encode(self.body())
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -5,7 +5,6 @@ Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client disconnects
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from typing import Any
@@ -108,7 +107,7 @@ class GatewayMiddleware:
 
     @staticmethod
     async def _send_error(send: Send, err: APIError) -> None:
-        body = json.dumps(err.body()).encode()
+        body = err.json()
         headers: list[Any] = [(b"content-type", b"application/json"),
                               (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": err.status, "headers": headers})

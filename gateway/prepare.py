@@ -1,22 +1,25 @@
 """Request → ``Prepared``: validation against the deployment (model, caps, vocabulary, context length),
-chat template, tokenization, and the fan-out into choices (``n`` samples of each prompt).
+chat template, tokenization, the mapping of the body into ``SamplingParams`` (``sampling_params``: the
+one place OpenAI fields become the type the workers receive), and the fan-out into choices (``n``
+samples of each prompt).
 
 Choice order follows the OpenAI Completions reference: for a list of prompts, prompt ``j``'s sample ``i``
 is choice ``j * n + i``. Each choice is its own worker request: request id ``<id>-<index>`` (just ``<id>``
 when there is one choice) and seed ``seed + i`` (wrapped into int64) when ``seed`` is set, so a seeded
-request reproduces every choice. Every check raises ``APIError`` (400/404/503) before anything is sent.
+request reproduces every choice. Stop strings stay in the gateway (``GenerationInput.stop``); the workers
+get ``stop_token_ids``. Every check raises ``APIError`` (400/404/503) before anything is sent.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.sampling_params import SamplingParams, SamplingParamsError
 from gateway.errors import bad_request, not_found_model, unavailable
-from gateway.handle import GenerationInput
-from gateway.protocol import INT64_MAX, MAX_STOP_CHARS, ChatCompletionRequest, CompletionRequest
+from gateway.openai_requests import INT64_MAX, MAX_STOP_CHARS, ChatCompletionRequest, CompletionRequest
+from gateway.orchestrator import GenerationInput
 from gateway.service import GatewayService
 from gateway.text import TextProcessor, TokenizerNotFoundError
-from protocol.messages import WireSamplingParams
 
 Body = ChatCompletionRequest | CompletionRequest
 
@@ -137,19 +140,28 @@ def _max_tokens(svc: GatewayService, body: Body, n_prompt: int) -> int:
     return wanted
 
 
-def _wire_logprobs(body: Body) -> int | None:
+def _requested_logprobs(body: Body) -> int | None:
     if isinstance(body, ChatCompletionRequest):
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
 
 
-def _sampling(body: Body, max_tokens: int, seed: int | None) -> WireSamplingParams:
-    return WireSamplingParams(
-        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=seed,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-        min_tokens=body.min_tokens, logprobs=_wire_logprobs(body))
+def sampling_params(body: Body, max_tokens: int, seed: int | None) -> SamplingParams:
+    """The workers' sampling params of one choice: ``max_tokens`` as resolved against the context length,
+    ``seed`` that choice's (``derived_seed``), no stop strings.
+
+    Raises:
+        APIError: 400 naming the parameter ``SamplingParams`` refuses (e.g. ``top_k`` 0).
+    """
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=seed,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens, logprobs=_requested_logprobs(body))
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc).removeprefix("SamplingParams."), exc.field) from exc
 
 
 def derived_seed(seed: int | None, sample: int) -> int | None:
@@ -187,9 +199,9 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
         for i in range(body.n):
             index = j * body.n + i
             inp = GenerationInput(f"{request_id}-{index}" if many else request_id, ids,
-                                  _sampling(body, max_tokens, derived_seed(body.seed, i)),
+                                  sampling_params(body, max_tokens, derived_seed(body.seed, i)),
                                   tuple(body.stop_list()))
             choices.append(ChoiceInput(index, inp, prompt_text if echo else ""))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(request_id, model, isinstance(body, ChatCompletionRequest), include_usage,
-                    tuple(choices), sum(len(ids) for ids, _ in prompts), _wire_logprobs(body))
+                    tuple(choices), sum(len(ids) for ids, _ in prompts), _requested_logprobs(body))

@@ -1,6 +1,7 @@
-"""OpenAI response shapes: chat.completion, chat.completion.chunk, text_completion (whole and chunks),
-usage, and the two logprobs layouts (chat ``logprobs.content[]``; completions ``tokens`` /
-``token_logprobs`` / ``top_logprobs`` / ``text_offset``).
+"""Responses from a request's output, as the types of gateway/openai_responses.py: chat.completion,
+chat.completion.chunk, text_completion (whole and chunks), usage, and the two logprobs layouts (chat
+``logprobs.content[]``; completions ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``);
+and the SSE framing of a chunk (``data: {...}`` + blank line).
 
 Source: OpenAI API reference (Chat Completions object and chunk object; legacy Completions object).
 Token strings are each token's own decoded text (special tokens kept), ``bytes`` its UTF-8 bytes; a token
@@ -10,27 +11,51 @@ text (after any echoed prompt), summing the token strings.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from gateway.handle import TokenLogprob
+from gateway.openai_responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    FinishReason,
+    Usage,
+    encode,
+)
+from gateway.orchestrator import TokenLogprob
 from gateway.prepare import Prepared
 from gateway.text import TextProcessor
 
+ChunkChoice = ChatChunkChoice | CompletionChoice
 
-def _tok(text: TextProcessor, token_id: int, logprob: float) -> dict[str, Any]:
+
+def _top(text: TextProcessor, token_id: int, logprob: float) -> ChatTopLogprob:
     s = text.token_text(token_id)
-    return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+    return ChatTopLogprob(s, logprob, list(s.encode("utf-8")))
 
 
-def chat_logprobs(text: TextProcessor, entries: list[TokenLogprob]) -> dict[str, Any]:
-    """``choices[i].logprobs`` of a chat completion (or chunk): ``{"content": [...], "refusal": None}``."""
-    content = [{**_tok(text, e.token_id, e.logprob),
-                "top_logprobs": [_tok(text, t, lp) for t, lp in e.top]} for e in entries]
-    return {"content": content, "refusal": None}
+def chat_logprobs(text: TextProcessor, entries: Sequence[TokenLogprob]) -> ChatLogprobs:
+    """``choices[i].logprobs`` of a chat completion (or chunk)."""
+    content = []
+    for e in entries:
+        s = text.token_text(e.token_id)
+        content.append(ChatTokenLogprob(s, e.logprob, list(s.encode("utf-8")),
+                                        [_top(text, t, lp) for t, lp in e.top]))
+    return ChatLogprobs(content, None)
 
 
-def completion_logprobs(text: TextProcessor, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def completion_logprobs(text: TextProcessor, entries: Sequence[TokenLogprob],
+                        offset: int) -> CompletionLogprobs:
     """``choices[i].logprobs`` of a text completion; ``offset`` is the text offset (chars) of the first."""
     tokens = [text.token_text(e.token_id) for e in entries]
     offsets = []
@@ -38,23 +63,17 @@ def completion_logprobs(text: TextProcessor, entries: list[TokenLogprob], offset
         offsets.append(offset)
         offset += len(s)
     tops = [{text.token_text(t): lp for t, lp in e.top} for e in entries]
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
-            "text_offset": offsets}
+    return CompletionLogprobs(tokens, [e.logprob for e in entries], tops, offsets)
 
 
-def usage(p: Prepared, n_out: int) -> dict[str, int]:
-    """OpenAI usage object (tokens): prompts counted once each, completions summed over choices."""
-    return {"prompt_tokens": p.num_prompt_tokens, "completion_tokens": n_out,
-            "total_tokens": p.num_prompt_tokens + n_out}
+def usage(p: Prepared, n_out: int) -> Usage:
+    """Usage in tokens: prompts counted once each, completions summed over choices."""
+    return Usage(p.num_prompt_tokens, n_out, p.num_prompt_tokens + n_out)
 
 
-def envelope(p: Prepared, created: int, chunk: bool) -> dict[str, Any]:
-    """The fields every response object has (``choices`` to be filled in)."""
-    if p.chat:
-        return {"id": f"chatcmpl-{p.request_id}", "object": "chat.completion.chunk" if chunk
-                else "chat.completion", "created": created, "model": p.model, "choices": []}
-    return {"id": f"cmpl-{p.request_id}", "object": "text_completion", "created": created,
-            "model": p.model, "choices": []}
+def response_id(p: Prepared) -> str:
+    """``chatcmpl-<X-Request-Id>`` or ``cmpl-<X-Request-Id>``."""
+    return f"chatcmpl-{p.request_id}" if p.chat else f"cmpl-{p.request_id}"
 
 
 @dataclass
@@ -64,32 +83,48 @@ class ChoiceState:
     index: int
     text: str = ""
     num_tokens: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-def final_choice(p: Prepared, text: TextProcessor, c: ChoiceState, echo_text: str) -> dict[str, Any]:
-    """One choice of a non-streaming response."""
-    lp: dict[str, Any] | None = None
-    if p.logprobs is not None:
-        lp = chat_logprobs(text, c.logprobs) if p.chat else completion_logprobs(
-            text, c.logprobs, len(echo_text))
+def completion_body(p: Prepared, text: TextProcessor, states: Sequence[ChoiceState], created: int,
+                    n_out: int) -> ChatCompletion | Completion:
+    """The whole (non-streaming) response; ``created`` in Unix seconds, ``n_out`` tokens in all."""
     if p.chat:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                "finish_reason": c.finish_reason}
-    return {"index": c.index, "text": echo_text + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+        chat = [ChatChoice(s.index, AssistantMessage("assistant", s.text),
+                           None if p.logprobs is None else chat_logprobs(text, s.logprobs), s.finish_reason)
+                for s in states]
+        return ChatCompletion(response_id(p), "chat.completion", created, p.model, chat, usage(p, n_out))
+    choices = []
+    for s, c in zip(states, p.choices, strict=True):
+        lp = None if p.logprobs is None else completion_logprobs(text, s.logprobs, len(c.echo_text))
+        choices.append(CompletionChoice(s.index, c.echo_text + s.text, lp, s.finish_reason))
+    return Completion(response_id(p), "text_completion", created, p.model, choices, usage(p, n_out))
 
 
-def chunk_choice(p: Prepared, text: TextProcessor, index: int, content: str | None, finish: str | None,
-                 entries: list[TokenLogprob], offset: int, role: bool = False) -> dict[str, Any]:
+def chunk_choice(p: Prepared, text: TextProcessor, index: int, content: str | None,
+                 finish: FinishReason | None, entries: Sequence[TokenLogprob], offset: int,
+                 role: bool = False) -> ChunkChoice:
     """One choice of a streaming chunk. Chat: ``delta`` with ``role`` (first chunk only) and ``content``;
     completions: ``text``. ``offset`` (chars) feeds the completions ``text_offset``."""
-    lp: dict[str, Any] | None = None
-    if p.logprobs is not None and entries:
-        lp = chat_logprobs(text, entries) if p.chat else completion_logprobs(text, entries, offset)
     if p.chat:
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-        if content:
-            delta["content"] = content
-        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-    return {"index": index, "text": content or "", "logprobs": lp, "finish_reason": finish}
+        lp = chat_logprobs(text, entries) if p.logprobs is not None and entries else None
+        delta = ChatDelta("assistant", content or "") if role else ChatDelta(content=content or None)
+        return ChatChunkChoice(index, delta, lp, finish)
+    clp = completion_logprobs(text, entries, offset) if p.logprobs is not None and entries else None
+    return CompletionChoice(index, content or "", clp, finish)
+
+
+def sse_chunk(p: Prepared, created: int, choice: ChunkChoice | None,
+              final_usage: Usage | None = None) -> bytes:
+    """One SSE event of a chunk holding ``choice`` (None: no choice, the final chunk with the usage)."""
+    chunk: ChatCompletionChunk | CompletionChunk
+    if p.chat:
+        assert choice is None or isinstance(choice, ChatChunkChoice)
+        chunk = ChatCompletionChunk(response_id(p), "chat.completion.chunk", created, p.model,
+                                    [] if choice is None else [choice], final_usage)
+    else:
+        assert choice is None or isinstance(choice, CompletionChoice)
+        chunk = CompletionChunk(response_id(p), "text_completion", created, p.model,
+                                [] if choice is None else [choice], final_usage)
+    return b"data: " + encode(chunk) + b"\n\n"

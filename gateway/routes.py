@@ -1,30 +1,59 @@
-"""HTTP routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /metrics."""
+"""HTTP routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /metrics.
+
+Bodies are encoded from the types of gateway/openai_responses.py, which also give the response schemas
+of ``/openapi.json`` (referenced here, merged into the document by gateway/app.py).
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from gateway.errors import APIError
-from gateway.prepare import prepare, served_model
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.registry import pairing_mismatch
-from gateway.schemas import (
-    SSE,
+from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
+from gateway.openai_responses import (
     ChatCompletion,
     Completion,
+    ErrorResponse,
     Health,
+    ModelCard,
     ModelList,
     Readiness,
-    error_responses,
+    encode,
+    schema_ref,
 )
+from gateway.prepare import prepare, served_model
+from gateway.registry import pairing_mismatch
 from gateway.service import GatewayService
 from gateway.serving import complete, sse_events, submit_all
 
 router = APIRouter()
+SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+_ERRORS = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model",
+           413: "body too large", 429: "queue full (Retry-After)", 503: "no worker available"}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` entries documenting the OpenAI error body for ``codes``."""
+    return {c: {"description": _ERRORS.get(c, "error"), "content": {"application/json": {
+        "schema": schema_ref(ErrorResponse)}}} for c in codes}
+
+
+def ok(body: type[msgspec.Struct], *extra: dict[str, Any]) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` entry documenting a 200 answer of type ``body`` (plus other media types)."""
+    content: dict[str, Any] = {"application/json": {"schema": schema_ref(body)}}
+    for more in extra:
+        content.update(more)
+    return {200: {"content": content}}
+
+
+def json_response(body: msgspec.Struct, status_code: int = 200) -> Response:
+    """``body`` encoded as JSON."""
+    return Response(encode(body), status_code=status_code, media_type="application/json")
 
 
 def service(request: Request) -> GatewayService:
@@ -51,46 +80,45 @@ async def _generate(request: Request, body: ChatCompletionRequest | CompletionRe
     svc = service(request)
     rid: str = request.state.request_id
     prepared = prepare(svc, body, rid)
-    handles = await submit_all(svc, prepared)
+    reqs = await submit_all(svc, prepared)
     if body.stream:
-        return StreamingResponse(sse_events(svc, prepared, handles), media_type="text/event-stream",
+        return StreamingResponse(sse_events(svc, prepared, reqs), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return JSONResponse(await complete(svc, prepared, handles, request.is_disconnected))
+    return json_response(await complete(svc, prepared, reqs, request.is_disconnected))
 
 
 _GEN_ERRORS = error_responses(400, 401, 404, 413, 429, 502, 503)
 
 
-@router.post("/v1/chat/completions", dependencies=[Depends(require_key)], response_model=ChatCompletion,
-             responses={200: {"content": SSE}, **_GEN_ERRORS})
+@router.post("/v1/chat/completions", dependencies=[Depends(require_key)],
+             responses={**ok(ChatCompletion, SSE), **_GEN_ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     """OpenAI Chat Completions (streaming SSE or not)."""
     return await _generate(request, body)
 
 
-@router.post("/v1/completions", dependencies=[Depends(require_key)], response_model=Completion,
-             responses={200: {"content": SSE}, **_GEN_ERRORS})
+@router.post("/v1/completions", dependencies=[Depends(require_key)],
+             responses={**ok(Completion, SSE), **_GEN_ERRORS})
 async def completions(body: CompletionRequest, request: Request) -> Response:
     """OpenAI (legacy) Completions (streaming SSE or not)."""
     return await _generate(request, body)
 
 
-@router.get("/v1/models", dependencies=[Depends(require_key)], response_model=ModelList,
-            responses=error_responses(401))
-async def models(request: Request) -> dict[str, Any]:
+@router.get("/v1/models", dependencies=[Depends(require_key)],
+            responses={**ok(ModelList), **error_responses(401)})
+async def models(request: Request) -> Response:
     """The served model (one entry once a worker registered or --model-name is set)."""
     name = served_model(service(request))
-    data = [] if name is None else [{"id": name, "object": "model", "created": int(time.time()),
-                                     "owned_by": "pdserve"}]
-    return {"object": "list", "data": data}
+    data = [] if name is None else [ModelCard(name, "model", int(time.time()), "pdserve")]
+    return json_response(ModelList("list", data))
 
 
-@router.get("/health", response_model=Health, responses=error_responses(401))
-async def health(request: Request) -> dict[str, str]:
+@router.get("/health", responses={**ok(Health), **error_responses(401)})
+async def health(request: Request) -> Response:
     """Liveness of the gateway process itself."""
     if not service(request).settings.public_health:
         _check_key(request)
-    return {"status": "ok"}
+    return json_response(Health("ok"))
 
 
 def readiness(svc: GatewayService) -> tuple[bool, str]:
@@ -104,15 +132,16 @@ def readiness(svc: GatewayService) -> tuple[bool, str]:
     return False, f"no compatible prefill+decode pair ({len(prefills)} prefill, {len(decodes)} decode)"
 
 
-@router.get("/ready", response_model=Readiness,
-            responses={503: {"model": Readiness, "description": "not ready"}, **error_responses(401)})
-async def ready(request: Request) -> JSONResponse:
+@router.get("/ready", responses={
+    **ok(Readiness), 503: {"description": "not ready", "content": {"application/json": {
+        "schema": schema_ref(Readiness)}}}, **error_responses(401)})
+async def ready(request: Request) -> Response:
     """200 when requests can be served, else 503 with the reason."""
     svc = service(request)
     if not svc.settings.public_health:
         _check_key(request)
-    ok, reason = readiness(svc)
-    return JSONResponse({"ready": ok, "reason": reason}, status_code=200 if ok else 503)
+    is_ready, reason = readiness(svc)
+    return json_response(Readiness(is_ready, reason), status_code=200 if is_ready else 503)
 
 
 @router.get("/metrics", response_class=Response, responses={

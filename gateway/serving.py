@@ -1,5 +1,5 @@
 """Running a prepared request: submit every choice to the workers (all or none), then gather the choices
-into one JSON body, or merge their deltas into one SSE stream (``data: {...}`` … ``data: [DONE]``).
+into one response body, or merge their deltas into one SSE stream (``data: {...}`` … ``data: [DONE]``).
 
 Stream layout (OpenAI chat.completion.chunk / text_completion reference): a chat choice's first chunk
 carries ``delta.role``; afterwards a chunk is sent only when there is text or a finish reason (a delta
@@ -13,62 +13,43 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
-from typing import Any
 
-from gateway.errors import APIError, bad_request, queue_full, unavailable, upstream_failed
-from gateway.handle import Delta, GenerationFailed, RequestHandle, TokenLogprob
+from gateway.errors import APIError, upstream_failed
+from gateway.openai_responses import ChatCompletion, Completion
+from gateway.orchestrator import GatewayRequest, GenerationFailed, TokenLogprob
 from gateway.prepare import Prepared
-from gateway.render import ChoiceState, chunk_choice, envelope, final_choice, usage
-from gateway.router import NoWorkerError
+from gateway.render import ChoiceState, chunk_choice, completion_body, sse_chunk, usage
 from gateway.service import GatewayService
+from gateway.stream import Delta, text_deltas
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
+DONE = b"data: [DONE]\n\n"
 
 
-async def submit_all(svc: GatewayService, p: Prepared) -> list[RequestHandle]:
-    """Submit every choice; if one cannot be admitted, release those already sent and raise.
+async def submit_all(svc: GatewayService, p: Prepared) -> list[GatewayRequest]:
+    """Submit every choice (``Orchestrator.submit_all``: all or none) and count the prompt tokens.
 
     Raises:
         APIError: 400 (a request with the same X-Request-Id is still in flight), 429 (queue full, counting
             all choices) or 503 (no worker can serve).
     """
-    wanted = {c.inp.request_id for c in p.choices}
-    if any(svc.client_request_id(rid) in wanted for rid in svc.requests):
-        raise bad_request(f"request id {p.request_id!r} is already in flight (X-Request-Id must be unique)",
-                          None, "duplicate_request_id")
-    if len(svc.requests) + len(p.choices) > svc.settings.max_queue:
-        raise queue_full()
-    handles: list[RequestHandle] = []
-    try:
-        for choice in p.choices:
-            inp = replace(choice.inp, request_id=svc.worker_request_id(choice.inp.request_id))
-            handles.append(await svc.submit(inp))
-    except NoWorkerError as exc:
-        for h in handles:
-            svc.release(h)
-        raise unavailable(str(exc)) from exc
-    except BaseException:
-        for h in handles:
-            svc.release(h)
-        raise
+    reqs = await svc.orchestrator.submit_all(p.request_id, [c.inp for c in p.choices])
     svc.metrics.prompt_tokens.inc(p.num_prompt_tokens)
-    return handles
+    return reqs
 
 
-async def _collect(svc: GatewayService, handle: RequestHandle, state: ChoiceState) -> None:
-    async for delta in svc.stream(handle):
+async def _collect(svc: GatewayService, req: GatewayRequest, state: ChoiceState) -> None:
+    async for delta in text_deltas(svc.orchestrator, svc.text(), req):
         state.text += delta.text
         state.num_tokens += delta.num_tokens
         state.finish_reason = delta.finish_reason or state.finish_reason
         state.logprobs.extend(delta.logprobs)
 
 
-async def complete(svc: GatewayService, p: Prepared, handles: list[RequestHandle],
-                   is_disconnected: Callable[[], Awaitable[bool]]) -> dict[str, Any]:
+async def complete(svc: GatewayService, p: Prepared, reqs: list[GatewayRequest],
+                   is_disconnected: Callable[[], Awaitable[bool]]) -> ChatCompletion | Completion:
     """The whole (non-streaming) body; polls ``is_disconnected`` and aborts the workers if the client left.
 
     Raises:
@@ -76,7 +57,7 @@ async def complete(svc: GatewayService, p: Prepared, handles: list[RequestHandle
     """
     states = [ChoiceState(c.index) for c in p.choices]
     gather = asyncio.ensure_future(asyncio.gather(
-        *(_collect(svc, h, s) for h, s in zip(handles, states, strict=True))))
+        *(_collect(svc, r, s) for r, s in zip(reqs, states, strict=True))))
     try:
         while not gather.done():
             await asyncio.wait([gather], timeout=DISCONNECT_POLL_S)
@@ -89,24 +70,20 @@ async def complete(svc: GatewayService, p: Prepared, handles: list[RequestHandle
         gather.cancel()
         with contextlib.suppress(BaseException):
             await gather
-        for h in handles:
-            svc.release(h)
+        for r in reqs:
+            svc.orchestrator.release(r)
     n_out = sum(s.num_tokens for s in states)
     svc.metrics.generation_tokens.inc(n_out)
-    body = envelope(p, int(time.time()), chunk=False)
-    body["choices"] = [final_choice(p, svc.text(), s, c.echo_text)
-                       for s, c in zip(states, p.choices, strict=True)]
-    body["usage"] = usage(p, n_out)
-    return body
+    return completion_body(p, svc.text(), states, int(time.time()), n_out)
 
 
 _END = object()
 
 
-async def _pump(svc: GatewayService, index: int, handle: RequestHandle,
+async def _pump(svc: GatewayService, index: int, req: GatewayRequest,
                 queue: asyncio.Queue[tuple[int, object]]) -> None:
     try:
-        async for delta in svc.stream(handle):
+        async for delta in text_deltas(svc.orchestrator, svc.text(), req):
             await queue.put((index, delta))
     except GenerationFailed as exc:
         await queue.put((index, exc))
@@ -114,7 +91,7 @@ async def _pump(svc: GatewayService, index: int, handle: RequestHandle,
 
 
 class _ChunkWriter:
-    """Turns (choice position, delta) into SSE lines, holding textless deltas' logprobs for the next."""
+    """Turns (choice position, delta) into SSE events, holding textless deltas' logprobs for the next."""
 
     def __init__(self, svc: GatewayService, p: Prepared) -> None:
         self.svc, self.p, self.created = svc, p, int(time.time())
@@ -123,19 +100,14 @@ class _ChunkWriter:
         self.held: list[list[TokenLogprob]] = [[] for _ in p.choices]
         self.n_out = 0
 
-    def line(self, choices: list[dict[str, Any]], **extra: Any) -> str:
-        obj = envelope(self.p, self.created, chunk=True)
-        obj["choices"] = choices
-        obj.update(extra)
-        return f"data: {json.dumps(obj)}\n\n"
-
-    def first(self) -> list[str]:
+    def first(self) -> list[bytes]:
         if not self.p.chat:
             return []
-        return [self.line([chunk_choice(self.p, self.svc.text(), c.index, None, None, [], 0, role=True)])
+        return [sse_chunk(self.p, self.created, chunk_choice(self.p, self.svc.text(), c.index, None, None, [],
+                                                             0, role=True))
                 for c in self.p.choices]
 
-    def delta(self, pos: int, d: Delta) -> str | None:
+    def delta(self, pos: int, d: Delta) -> bytes | None:
         self.n_out += d.num_tokens
         self.held[pos].extend(d.logprobs)
         if not d.text and d.finish_reason is None:
@@ -146,14 +118,17 @@ class _ChunkWriter:
         choice = chunk_choice(self.p, self.svc.text(), self.p.choices[pos].index, content, d.finish_reason,
                               entries, self.offset[pos] + len(self.p.choices[pos].echo_text))
         self.offset[pos] += sum(len(self.svc.text().token_text(e.token_id)) for e in entries)
-        return self.line([choice])
+        return sse_chunk(self.p, self.created, choice)
+
+    def usage(self) -> bytes:
+        return sse_chunk(self.p, self.created, None, usage(self.p, self.n_out))
 
 
-async def sse_events(svc: GatewayService, p: Prepared, handles: list[RequestHandle]) -> AsyncIterator[str]:
-    """SSE lines of a streaming response; ends with ``data: [DONE]`` (after an error event on failure)."""
+async def sse_events(svc: GatewayService, p: Prepared, reqs: list[GatewayRequest]) -> AsyncIterator[bytes]:
+    """SSE events of a streaming response; ends with ``data: [DONE]`` (after an error event on failure)."""
     writer = _ChunkWriter(svc, p)
     queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(svc, i, h, queue)) for i, h in enumerate(handles)]
+    tasks = [asyncio.create_task(_pump(svc, i, r, queue)) for i, r in enumerate(reqs)]
     try:
         for line in writer.first():
             yield line
@@ -163,20 +138,20 @@ async def sse_events(svc: GatewayService, p: Prepared, handles: list[RequestHand
             if item is _END:
                 live -= 1
             elif isinstance(item, GenerationFailed):
-                yield f"data: {json.dumps(upstream_failed(str(item)).body())}\n\n"
+                yield b"data: " + upstream_failed(str(item)).json() + b"\n\n"
                 break
             elif isinstance(item, Delta) and (out := writer.delta(pos, item)) is not None:
                 yield out
         else:
             svc.metrics.generation_tokens.inc(writer.n_out)
             if p.include_usage:
-                yield writer.line([], usage=usage(p, writer.n_out))
+                yield writer.usage()
     finally:
         for task in tasks:
             task.cancel()
-        for h in handles:
-            svc.release(h)
-    yield "data: [DONE]\n\n"
+        for r in reqs:
+            svc.orchestrator.release(r)
+    yield DONE
 
 
 __all__ = ["complete", "sse_events", "submit_all"]

@@ -36,7 +36,7 @@ from protocol.messages import (
 )
 from workers.loop import WorkerLoop
 from workers.outputs import top_logprobs_of
-from workers.setup import compat_of, decode_handle, sampling_from_wire
+from workers.setup import compat_of, decode_handle
 from workers.step import LayerHook, run_step
 
 if TYPE_CHECKING:
@@ -59,7 +59,8 @@ def make_sender(settings: WorkerSettings, core: EngineCore) -> KVSender:
 
 
 class PrefillWorker(WorkerLoop):
-    """Prefill role. ``seqs``/``handles``: requests in the engine; ``sending``: KV transfer in flight."""
+    """Prefill role. ``seqs``/``kv_handles``: requests in the engine (and where their KV goes, None for
+    ``max_tokens == 1``); ``sending``: KV transfer in flight."""
 
     role: Role = "prefill"
 
@@ -68,7 +69,7 @@ class PrefillWorker(WorkerLoop):
         super().__init__(settings, core, model_path)
         self.sender = sender if sender is not None else make_sender(settings, core)
         self.seqs: dict[str, Sequence] = {}
-        self.handles: dict[str, KVHandle | None] = {}
+        self.kv_handles: dict[str, KVHandle | None] = {}
         self.sending: dict[str, Sequence | None] = {}  # None: blocks already freed (failed step)
         self._aborted: set[str] = set()  # transfers we aborted ourselves: no RequestFailed for them
         self._hook_errors: dict[str, str] = {}
@@ -81,34 +82,35 @@ class PrefillWorker(WorkerLoop):
         """Pairing key, with the transfer backend."""
         return compat_of(self.core, self.settings.transfer_backend)
 
-    def handle(self, msg: Message) -> None:
+    def on_message(self, msg: Message) -> None:
         """``PrefillRequest`` → engine; ``AbortRequest`` → drop. Raises ``ValueError`` for a bad request
-        (bad prompt or params; a ``kv_handle`` for another request id, backend or block count)."""
+        (bad prompt; a ``kv_handle`` for another request id, backend or block count)."""
         if isinstance(msg, PrefillRequest):
-            self._admit(msg)
+            self._accept(msg)
         elif isinstance(msg, AbortRequest):
             self.drop(msg.request_id)
 
-    def _admit(self, msg: PrefillRequest) -> None:
-        params = sampling_from_wire(msg.sampling)
-        handle = decode_handle(msg.kv_handle) if msg.kv_handle is not None else None
-        if handle is None and params.max_tokens > 1:
+    def _accept(self, msg: PrefillRequest) -> None:
+        params = msg.sampling
+        kv_handle = decode_handle(msg.kv_handle) if msg.kv_handle is not None else None
+        if kv_handle is None and params.max_tokens > 1:
             raise ValueError(f"PrefillRequest without kv_handle needs max_tokens=1, got {params.max_tokens}")
-        if handle is not None:
-            if handle.request_id != msg.request_id:
-                raise ValueError(f"kv_handle is for request {handle.request_id!r}, not {msg.request_id!r}")
+        if kv_handle is not None:
+            if kv_handle.request_id != msg.request_id:
+                raise ValueError(f"kv_handle is for request {kv_handle.request_id!r}, not {msg.request_id!r}")
             need = math.ceil(len(msg.prompt_token_ids) / self.core.block_manager.block_size)
-            if len(handle.block_ids) != need or handle.backend != self.settings.transfer_backend:
-                raise ValueError(f"kv_handle has {len(handle.block_ids)} blocks over {handle.backend!r}; "
-                                 f"need {need} over {self.settings.transfer_backend!r}")
+            if len(kv_handle.block_ids) != need or kv_handle.backend != self.settings.transfer_backend:
+                raise ValueError(f"kv_handle has {len(kv_handle.block_ids)} blocks over "
+                                 f"{kv_handle.backend!r}; need {need} over "
+                                 f"{self.settings.transfer_backend!r}")
         seq = self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
-        self.seqs[msg.request_id], self.handles[msg.request_id] = seq, handle
+        self.seqs[msg.request_id], self.kv_handles[msg.request_id] = seq, kv_handle
 
     def drop(self, request_id: str) -> None:
         """Abort in the engine, and abort the request's transfer if one was started (its source blocks
         are released by ``poll`` once the transfer is terminal). A transfer can exist for a request still
         in ``seqs`` when the step that started it failed: it goes to ``sending`` without blocks."""
-        self.handles.pop(request_id, None)
+        self.kv_handles.pop(request_id, None)
         self._hook_errors.pop(request_id, None)
         if self.seqs.pop(request_id, None) is not None:
             self.core.abort_request(request_id)
@@ -126,11 +128,11 @@ class PrefillWorker(WorkerLoop):
         rids = []
         for s in output.scheduled:
             rid = s.seq.request_id
-            handle = self.handles.get(rid)
-            if not s.samples or handle is None:
+            kv_handle = self.kv_handles.get(rid)
+            if not s.samples or kv_handle is None:
                 continue
             try:
-                self.sender.add_request(handle, list(s.seq.block_table))
+                self.sender.add_request(kv_handle, list(s.seq.block_table))
             except (ValueError, RuntimeError) as exc:
                 self._hook_errors[rid] = f"KV transfer could not start: {exc}"
                 continue
@@ -151,17 +153,17 @@ class PrefillWorker(WorkerLoop):
             seq = self.seqs.pop(out.request_id, None)
             if seq is None:
                 continue
-            handle = self.handles.pop(out.request_id, None)
+            kv_handle = self.kv_handles.pop(out.request_id, None)
             status = check_stop(seq, self.core.max_model_len)
             reason = _REASONS.get(status) if status is not None else None
-            if handle is None:
+            if kv_handle is None:
                 reason = reason or "length"
             self.emit(FirstToken(request_id=out.request_id, worker_id=self.worker_id, token_id=out.token_id,
                                  logprob=out.logprob, top_logprobs=top_logprobs_of(out),
                                  num_cached_tokens=seq.num_cached_tokens,
                                  finish_reason=reason))
             error = self._hook_errors.pop(out.request_id, None)
-            if handle is None or error is not None:
+            if kv_handle is None or error is not None:
                 self.core.scheduler.release(seq)
                 if error is not None:
                     self.fail(out.request_id, error)

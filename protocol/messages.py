@@ -4,16 +4,20 @@ Transport: the gateway binds a pyzmq ROUTER socket at ``--control-bind``; every 
 socket to it and sends ``RegisterWorker`` first. Each frame holds exactly one message encoded with
 ``encode`` (msgpack); ``decode`` returns the concrete Struct (a tagged union on the ``type`` field).
 
-Request lifecycle (disaggregated):
+Request lifecycle (disaggregated; the gateway's side is gateway/orchestrator.py):
   1. gateway → decode D: ``ReserveKV`` (prompt + sampling; D reserves blocks, status WAITING_FOR_KV)
   2. D → gateway: ``KVReserved`` (the opaque, msgspec-encoded kvtransfer ``KVHandle``)
-  3. gateway → prefill P: ``PrefillRequest`` (with that handle)
+  3. gateway → prefill P: ``PrefillRequest`` (with that KV handle)
   4. P → gateway: ``FirstToken`` (streamed to the client at once: TTFT); P sends the KV to D (kvtransfer)
   5. gateway → D: ``DecodeRequest`` (the first token); D starts decoding once the KV has landed too
-  6. D → gateway: ``TokenBatch`` … ``RequestFinished`` (or ``RequestFailed``)
-``max_tokens=1``: step 3 without a handle, and nothing reaches a decode worker. Colocated:
-``ColocatedRequest`` → ``FirstToken``, ``TokenBatch`` …, ``RequestFinished``. At any point the gateway may
+  6. D → gateway: one ``NextToken`` per later output token … ``RequestFinished`` (or ``RequestFailed``)
+``max_tokens=1``: step 3 without a KV handle, and nothing reaches a decode worker. Colocated:
+``ColocatedRequest`` → ``FirstToken``, ``NextToken`` …, ``RequestFinished``. At any point the gateway may
 send ``AbortRequest`` (client gone, stop string matched, peer failed) to every worker holding state.
+
+Sampling parameters travel as ``engine.sampling_params.SamplingParams`` (torch-free; validated when
+decoded). Stop *strings* stay in the gateway, which detokenizes: the request messages refuse a
+``sampling.stop`` that is not empty, and workers stop on ``stop_token_ids`` only.
 """
 
 from __future__ import annotations
@@ -22,29 +26,10 @@ from typing import Literal
 
 import msgspec
 
+from engine.sampling_params import SamplingParams
+
 Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort"]
-
-
-class WireSamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Sampling parameters as sent to workers (field meanings: engine ``SamplingParams``).
-
-    Stop *strings* stay in the gateway (it detokenizes); workers see only ``stop_token_ids``.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    min_tokens: int = 0
 
 
 class WorkerCompat(msgspec.Struct, frozen=True, kw_only=True):
@@ -143,8 +128,11 @@ class ReserveKV(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: WireSamplingParams
+    sampling: SamplingParams
     prefill_worker_id: str
+
+    def __post_init__(self) -> None:
+        _no_stop_strings(self.sampling)
 
 
 class KVReserved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -160,9 +148,12 @@ class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: WireSamplingParams
+    sampling: SamplingParams
     kv_handle: bytes | None = None
     decode_worker_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _no_stop_strings(self.sampling)
 
 
 class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -178,7 +169,10 @@ class ColocatedRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: WireSamplingParams
+    sampling: SamplingParams
+
+    def __post_init__(self) -> None:
+        _no_stop_strings(self.sampling)
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -203,14 +197,14 @@ class FirstToken(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     finish_reason: FinishReason | None = None
 
 
-class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Decode (or colocated) → gateway: the next output tokens, in order."""
+class NextToken(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Decode (or colocated) → gateway: one output token after the first, in order (one per step)."""
 
     request_id: str
     worker_id: str
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[TopLogprob]] | None = None
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] | None = None
 
 
 class RequestFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -238,9 +232,15 @@ class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     reason: str = "abort"
 
 
+def _no_stop_strings(sampling: SamplingParams) -> None:
+    if sampling.stop:
+        raise ValueError(f"sampling.stop must be empty: stop strings stay in the gateway (workers see "
+                         f"stop_token_ids only), got {sampling.stop!r}")
+
+
 Message = (
     RegisterWorker | RegisterAck | ReRegister | Heartbeat | WorkerShutdown | ReserveKV | KVReserved
-    | PrefillRequest | DecodeRequest | ColocatedRequest | FirstToken | TokenBatch | RequestFinished
+    | PrefillRequest | DecodeRequest | ColocatedRequest | FirstToken | NextToken | RequestFinished
     | RequestFailed | AbortRequest
 )
 
@@ -260,3 +260,14 @@ def decode(data: bytes) -> Message:
         msgspec.ValidationError / msgspec.DecodeError: the bytes are not a valid control message.
     """
     return _DECODER.decode(data)
+
+
+def request_id_of(data: bytes) -> str | None:
+    """The ``request_id`` named by a frame that ``decode`` refused (a msgpack map with a string
+    ``request_id``, e.g. a request whose sampling parameter is out of range), else None."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) else None

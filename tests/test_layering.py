@@ -1,4 +1,5 @@
-"""Packages import downward only: the allowed edges between the project's top-level packages.
+"""Packages import downward only: the allowed edges between the project's top-level packages, and no
+import cycle between the modules of one package (``ACYCLIC``).
 
 Read from the source with ``ast`` (every ``import``/``from`` at any depth, TYPE_CHECKING blocks
 included), so an import hidden inside a function is caught too.
@@ -28,6 +29,11 @@ ALLOWED: dict[str, set[str]] = {
     "pdserve": {"protocol", "engine", "kvtransfer", "workers", "prefill_worker", "decode_worker", "gateway",
                 "loadtest"},
 }
+# package → single modules of a package it may not import as a whole (the control-plane messages carry the
+# engine's sampling params, a torch-free leaf: test_single_module_edges_are_leaves)
+ALLOWED_MODULES: dict[str, set[str]] = {"protocol": {"engine.sampling_params"}}
+HEAVY = {"torch", "transformers", "triton"}
+ACYCLIC = ("gateway",)  # packages whose modules must not import each other in a cycle
 
 
 def imported_modules(package: str) -> dict[str, set[str]]:
@@ -50,11 +56,94 @@ def project_imports(package: str) -> dict[str, set[str]]:
             for path, names in imported_modules(package).items()}
 
 
+def forbidden_imports(package: str) -> dict[str, list[str]]:
+    """Module path → the modules it imports from packages (or single modules) it may not import."""
+    others = set(PACKAGES) - {package}
+    wrong: dict[str, list[str]] = {}
+    for path, names in imported_modules(package).items():
+        bad = sorted(n for n in names if n.split(".")[0] in others and n.split(".")[0] not in ALLOWED[package]
+                     and n not in ALLOWED_MODULES.get(package, set()))
+        if bad:
+            wrong[path] = bad
+    return wrong
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_package_imports_only_packages_below_it(package: str) -> None:
-    wrong = {path: sorted(pkgs - ALLOWED[package]) for path, pkgs in project_imports(package).items()
-             if pkgs - ALLOWED[package]}
-    assert not wrong, f"{package} may import only {sorted(ALLOWED[package])}; found {wrong}"
+    wrong = forbidden_imports(package)
+    allowed = sorted(ALLOWED[package] | ALLOWED_MODULES.get(package, set()))
+    assert not wrong, f"{package} may import only {allowed}; found {wrong}"
+
+
+def test_single_module_edges_are_leaves() -> None:
+    """A module allowed on its own imports nothing of the project and nothing heavy, nor does its
+    package's ``__init__`` (tests/gateway/test_no_torch.py imports protocol.messages with torch blocked)."""
+    for module in set().union(*ALLOWED_MODULES.values()):
+        package = module.split(".")[0]
+        for rel in (f"{module.replace('.', '/')}.py", f"{package}/__init__.py"):
+            names = imported_modules(package)[rel]
+            wrong = {n.split(".")[0] for n in names} & (set(PACKAGES) | HEAVY)
+            assert not wrong, f"{rel} imports {sorted(wrong)}"
+
+
+def module_graph(package: str) -> dict[str, set[str]]:
+    """Module name → the modules of the same package it imports (``from package import x`` counts x)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith(package + "."))
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                mod = node.module or ""
+                if mod == package:  # from package import module
+                    deps.update(f"{mod}.{a.name}" for a in node.names)
+                elif mod.startswith(package + "."):
+                    deps.add(mod)
+        graph[name] = deps - {name}
+    return {m: {d for d in deps if d in graph} for m, deps in graph.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}
+    trail: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        if state.get(m) == 1:
+            return [*trail[trail.index(m):], m]
+        if state.get(m) == 2:
+            return None
+        state[m] = 1
+        trail.append(m)
+        for d in sorted(graph[m]):
+            if (found := visit(d)) is not None:
+                return found
+        trail.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if (found := visit(m)) is not None:
+            return found
+    return None
+
+
+@pytest.mark.parametrize("package", ACYCLIC)
+def test_modules_of_a_package_import_no_cycle(package: str) -> None:
+    cycle = find_cycle(module_graph(package))
+    assert cycle is None, f"import cycle in {package}: {' -> '.join(cycle)}"
+
+
+def test_cycle_finder_sees_a_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker itself: two modules importing each other (one under TYPE_CHECKING) are reported."""
+    (tmp_path / "gateway").mkdir()
+    (tmp_path / "gateway" / "a.py").write_text("from gateway.b import f\n")
+    (tmp_path / "gateway" / "b.py").write_text("if TYPE_CHECKING:\n    from gateway import a\n")
+    (tmp_path / "gateway" / "c.py").write_text("import gateway.a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert find_cycle(module_graph("gateway")) == ["gateway.a", "gateway.b", "gateway.a"]
 
 
 def test_allowed_edges_have_no_cycle() -> None:
@@ -65,7 +154,7 @@ def test_allowed_edges_have_no_cycle() -> None:
         if state.get(p) == 2:
             return
         state[p] = 1
-        for q in sorted(ALLOWED[p]):
+        for q in sorted(ALLOWED[p] | {m.split(".")[0] for m in ALLOWED_MODULES.get(p, set())}):
             visit(q, [*trail, p])
         state[p] = 2
 
@@ -75,9 +164,8 @@ def test_allowed_edges_have_no_cycle() -> None:
 
 def test_gateway_imports_no_torch_anywhere() -> None:
     """Static half of the rule (tests/gateway/test_no_torch.py imports the app with torch blocked)."""
-    heavy = {"torch", "transformers", "triton"}
     tops = {path: {n.split(".")[0] for n in names} for path, names in imported_modules("gateway").items()}
-    wrong = {path: sorted(t & heavy) for path, t in tops.items() if t & heavy}
+    wrong = {path: sorted(t & HEAVY) for path, t in tops.items() if t & HEAVY}
     assert not wrong, f"the gateway imports {wrong}"
 
 

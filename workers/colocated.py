@@ -5,7 +5,7 @@ baseline the disaggregated path is compared with.
 
 Queues and states of a request: ``ColocatedRequest`` → inbox → engine ``waiting`` (WAITING) → chunked
 prefill → ``running`` (RUNNING) → FINISHED_STOPPED / FINISHED_LENGTH, or FINISHED_ABORTED on
-``AbortRequest``. Out: ``FirstToken`` (TTFT), one ``TokenBatch`` per later token, ``RequestFinished``.
+``AbortRequest``. Out: ``FirstToken`` (TTFT), one ``NextToken`` per later token, ``RequestFinished``.
 A request that cannot be served (bad params, prompt too long) gets ``RequestFailed``; others go on.
 """
 
@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from protocol.messages import AbortRequest, ColocatedRequest, Message, Role
 from workers.loop import WorkerLoop
 from workers.outputs import stream_outputs
-from workers.setup import sampling_from_wire
 from workers.step import run_step
 
 if TYPE_CHECKING:
@@ -34,15 +33,15 @@ class ColocatedWorker(WorkerLoop):
         super().__init__(settings, core, model_path)
         self.seqs: dict[str, Sequence] = {}
 
-    def handle(self, msg: Message) -> None:
+    def on_message(self, msg: Message) -> None:
         """``ColocatedRequest`` → queued; ``AbortRequest`` → aborted (unknown ids ignored).
 
         Raises:
-            ValueError: bad sampling params, bad prompt or duplicate id (the loop fails that request).
+            ValueError: bad prompt or duplicate id (the loop fails that request).
         """
         if isinstance(msg, ColocatedRequest):
-            params = sampling_from_wire(msg.sampling)
-            self.seqs[msg.request_id] = self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
+            self.seqs[msg.request_id] = self.core.add_request(msg.request_id, msg.prompt_token_ids,
+                                                              msg.sampling)
         elif isinstance(msg, AbortRequest):
             self.drop(msg.request_id)
 

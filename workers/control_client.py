@@ -45,9 +45,14 @@ class ControlClient:
         """Queue one message for the gateway (zmq buffers it while the gateway is unreachable)."""
         await self._sock.send(encode(msg))
 
+    async def recv_frame(self) -> bytes:
+        """Next frame from the gateway, undecoded (``WorkerLoop.decode_frame`` decodes it)."""
+        frame: bytes = await self._sock.recv()
+        return frame
+
     async def recv(self) -> Message | None:
         """Next message from the gateway; None for an undecodable frame (logged and dropped)."""
-        data = await self._sock.recv()
+        data = await self.recv_frame()
         try:
             return decode(data)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:

@@ -6,7 +6,7 @@ Queues and states:
   * the engine's own queues (scheduler ``waiting`` / ``running``), advanced one step at a time by
     ``run_in_executor`` on a single thread, so heartbeats and aborts are never stalled by a forward pass;
   * ``outbox``: messages for the gateway, flushed after every phase.
-Subclasses (prefill, decode, colocated) implement ``handle`` / ``poll`` / ``has_work`` / ``step`` /
+Subclasses (prefill, decode, colocated) implement ``on_message`` / ``poll`` / ``has_work`` / ``step`` /
 ``on_step`` / ``drop``. A failing step fails only the requests it carried (``RequestFailed``).
 """
 
@@ -20,6 +20,8 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from protocol.logging import log_event
 from protocol.messages import (
     Heartbeat,
@@ -32,6 +34,8 @@ from protocol.messages import (
     WorkerCompat,
     WorkerLoad,
     WorkerShutdown,
+    decode,
+    request_id_of,
 )
 from workers.control_client import ControlClient
 from workers.setup import new_epoch
@@ -58,6 +62,7 @@ class WorkerLoop:
         self.control = ControlClient(settings.gateway_control)
         self.received: Counter[str] = Counter()  # control messages received, by type name
         self._inbox: deque[Message] = deque()
+        self._refused: deque[tuple[str, str]] = deque()  # (request id, why) of frames decode_frame refused
         self._outbox: list[Message] = []
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-step")
         self._load = WorkerLoad()
@@ -65,7 +70,7 @@ class WorkerLoop:
         self._stop: asyncio.Event | None = None
 
     # ---- what a role implements -------------------------------------------------------------------
-    def handle(self, msg: Message) -> None:
+    def on_message(self, msg: Message) -> None:
         """Apply one control message (loop thread, between steps)."""
         raise NotImplementedError
 
@@ -124,6 +129,20 @@ class WorkerLoop:
         """Queue a control message from the gateway; it is applied at the next phase boundary."""
         self.received[type(msg).__name__] += 1
         self._inbox.append(msg)
+
+    def decode_frame(self, data: bytes) -> Message | None:
+        """One control frame from the gateway → its message, or None. A frame that fails validation but
+        names a request (e.g. a sampling parameter out of range) fails that request at the next phase
+        boundary (``fail``: ``RequestFailed`` to the gateway). Any other bad frame is logged and dropped."""
+        try:
+            return decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            rid = request_id_of(data)
+            if rid is None:
+                log.warning("undecodable control message dropped: %s", exc)
+            else:
+                self._refused.append((rid, f"{type(exc).__name__}: {exc}"))
+            return None
 
     def take_outbox(self) -> list[Message]:
         """Remove and return the messages emitted since the last flush (oldest first)."""
@@ -186,19 +205,21 @@ class WorkerLoop:
         while self._inbox:
             msg = self._inbox.popleft()
             try:
-                self.handle(msg)
+                self.on_message(msg)
             except Exception as exc:  # a bad message fails its request only
                 rid = getattr(msg, "request_id", None)
                 log.exception("handling %s failed", type(msg).__name__)
                 if rid is not None:
                     self.fail(rid, f"{type(exc).__name__}: {exc}")
+        while self._refused:
+            self.fail(*self._refused.popleft())
         self.poll()
         self._refresh_load()
 
     async def _recv_loop(self) -> None:
         assert self._wake is not None
         while True:
-            msg = await self.control.recv()
+            msg = self.decode_frame(await self.control.recv_frame())
             if isinstance(msg, ReRegister):  # the gateway lost track of us: register again, same epoch
                 log_event(log, "reregistering", logging.WARNING, worker_id=self.worker_id, reason=msg.reason)
                 await self.control.send(self.registration())
@@ -206,11 +227,12 @@ class WorkerLoop:
                 log_event(log, "registered" if msg.accepted else "registration_refused",
                           logging.INFO if msg.accepted else logging.ERROR, worker_id=self.worker_id,
                           reason=msg.reason)
-            elif msg is not None:
-                if log.isEnabledFor(logging.DEBUG):
-                    log_event(log, "message_received", logging.DEBUG, type=type(msg).__name__,
-                              request_id=getattr(msg, "request_id", None))
-                self.deliver(msg)
+            else:  # a request message, or None (a refused frame may have queued a failure)
+                if msg is not None:
+                    if log.isEnabledFor(logging.DEBUG):
+                        log_event(log, "message_received", logging.DEBUG, type=type(msg).__name__,
+                                  request_id=getattr(msg, "request_id", None))
+                    self.deliver(msg)
                 self._wake.set()
 
     async def _heartbeat_loop(self) -> None:

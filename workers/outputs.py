@@ -1,4 +1,4 @@
-"""Engine step outputs → control-plane messages (``FirstToken``, ``TokenBatch``, ``RequestFinished``).
+"""Engine step outputs → control-plane messages (``FirstToken``, ``NextToken``, ``RequestFinished``).
 
 Shared by the colocated and decode workers: an output is the request's first token when the sequence
 holds exactly one output token after the step; its finish reason (``stop`` / ``length``) ends it.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from protocol.messages import FinishReason, FirstToken, Message, RequestFinished, TokenBatch, TopLogprob
+from protocol.messages import FinishReason, FirstToken, Message, NextToken, RequestFinished, TopLogprob
 
 if TYPE_CHECKING:
     from engine.engine_core import StepOutput
@@ -35,7 +35,7 @@ def finish_reason(out: StepOutput) -> FinishReason | None:
 def token_messages(worker_id: str, seq: Sequence, out: StepOutput) -> list[Message]:
     """Messages for one sampled token of ``seq`` (``out.token_id`` is already appended to it).
 
-    The first output token becomes a ``FirstToken``, later ones a ``TokenBatch`` of one token; a finished
+    The first output token becomes a ``FirstToken``, each later one a ``NextToken``; a finished
     request is followed by ``RequestFinished`` with its prompt/output token counts.
     """
     rid, reason = out.request_id, finish_reason(out)
@@ -45,10 +45,8 @@ def token_messages(worker_id: str, seq: Sequence, out: StepOutput) -> list[Messa
                                logprob=out.logprob, top_logprobs=top_logprobs_of(out),
                                num_cached_tokens=seq.num_cached_tokens, finish_reason=reason))
     else:
-        tops = top_logprobs_of(out)
-        msgs.append(TokenBatch(request_id=rid, worker_id=worker_id, token_ids=[out.token_id],
-                               logprobs=None if out.logprob is None else [out.logprob],
-                               top_logprobs=None if tops is None else [tops]))
+        msgs.append(NextToken(request_id=rid, worker_id=worker_id, token_id=out.token_id,
+                              logprob=out.logprob, top_logprobs=top_logprobs_of(out)))
     if reason is not None:
         msgs.append(RequestFinished(request_id=rid, worker_id=worker_id, finish_reason=reason,
                                     num_prompt_tokens=seq.num_prompt_tokens,

@@ -1,4 +1,4 @@
-"""Worker set-up helpers: settings → ``EngineConfig``, the ``WorkerCompat`` pairing key, wire conversions.
+"""Worker set-up helpers: settings → ``EngineConfig``, the ``WorkerCompat`` pairing key, KV handle encoding.
 
 Kept free of torch at import time (``EngineCore`` is passed in, not built here).
 """
@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.sampling_params import SamplingParams
-from protocol.messages import WireSamplingParams, WorkerCompat
+from protocol.messages import WorkerCompat
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
@@ -57,11 +56,6 @@ def default_transport_env() -> None:
     """UCX settings for one host: stay on loopback, no warning about unused variables (facts.md)."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-
-
-def sampling_from_wire(wire: WireSamplingParams) -> SamplingParams:
-    """Engine ``SamplingParams`` from the wire form. Raises ``ValueError`` naming the bad field."""
-    return SamplingParams.from_dict(msgspec.structs.asdict(wire))
 
 
 def encode_handle(handle: KVHandle) -> bytes:

@@ -1,17 +1,18 @@
-"""Worker request ids stay unique when a client reuses an X-Request-Id (the bug the live suite found:
-a released request's late tokens reached the next request with the same id). No processes: the gateway
-service with a stand-in control socket that records what it sends."""
+"""Worker request ids stay unique when a client reuses an X-Request-Id, so a released request's late
+tokens never reach the next request with the same id. No processes: the gateway's orchestrator with a
+stand-in send that records what it sends."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gateway.handle import GenerationInput, RequestHandle
+from engine.sampling_params import SamplingParams
 from gateway.metrics import GatewayMetrics
-from gateway.router import Route
-from gateway.service import GatewayService
-from protocol.messages import Message, WireSamplingParams
-from protocol.settings import GatewaySettings
+from gateway.orchestrator import GenerationInput, Orchestrator
+from gateway.prefix_index import PrefixIndex
+from gateway.registry import WorkerRegistry
+from gateway.router import Router
+from protocol.messages import Message, RegisterWorker, WorkerCompat
 
 
 class RecordingControl:
@@ -25,26 +26,31 @@ class RecordingControl:
         return True
 
 
-def handle(request_id: str) -> RequestHandle:
-    inp = GenerationInput(request_id, [1, 2, 3], WireSamplingParams(max_tokens=4))
-    h = RequestHandle(inp, Route(kind="colocated"))
-    h.holders["w1"] = b"w1"
-    return h
+def orchestrator() -> tuple[Orchestrator, RecordingControl]:
+    """An orchestrator over a registry holding one colocated worker ``w1`` (zmq identity ``b"w1"``)."""
+    registry = WorkerRegistry(heartbeat_timeout=5.0)
+    registry.register(RegisterWorker(role="colocated", worker_id="w1", epoch=1, model="m", model_path="",
+                                     compat=WorkerCompat(dtype="float32", block_size=4)), b"w1")
+    control = RecordingControl()
+    return Orchestrator(Router(registry, PrefixIndex()), GatewayMetrics(), control.send, max_queue=8,
+                        request_timeout=5.0), control
+
+
+def generation(request_id: str) -> GenerationInput:
+    return GenerationInput(request_id, [1, 2, 3], SamplingParams(max_tokens=4))
 
 
 async def test_reused_id_gets_a_fresh_worker_id_until_forgotten() -> None:
-    svc = GatewayService(GatewaySettings(), GatewayMetrics())
-    control = RecordingControl()
-    svc.control = control  # type: ignore[assignment]
-    assert svc.worker_request_id("r") == "r"  # never seen: unchanged
-    first = handle("r")
-    svc.requests["r"] = first
-    assert svc.worker_request_id("r") == "r~1"  # in flight
-    svc.release(first)
+    orch, control = orchestrator()
+    assert orch.worker_request_id("r") == "r"  # never seen: unchanged
+    first = await orch.submit(generation("r"))
+    assert orch.worker_request_id("r") == "r~1"  # in flight
+    control.sent.clear()
+    orch.release(first)
     await asyncio.sleep(0)  # let the abort task run
     assert [type(m).__name__ for _, m in control.sent] == ["AbortRequest"]
-    assert svc.worker_request_id("r") == "r~1"  # released, but a worker may still hold "r"
-    svc.requests["r~1"] = handle("r~1")
-    assert svc.worker_request_id("r") == "r~2"
-    assert svc.client_request_id("r~2") == "r" and svc.client_request_id("r-0") == "r-0"
-    assert svc.requests.keys() == {"r~1"} and list(svc.released) == ["r"]
+    assert orch.worker_request_id("r") == "r~1"  # released, but a worker may still hold "r"
+    await orch.submit(generation("r~1"))
+    assert orch.worker_request_id("r") == "r~2"
+    assert orch.client_request_id("r~2") == "r" and orch.client_request_id("r-0") == "r-0"
+    assert orch.requests.keys() == {"r~1"} and list(orch.released) == ["r"]

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, SamplingParamsError
 
 BAD: list[tuple[dict[str, Any], str]] = [
     ({"max_tokens": 0}, r"max_tokens must be an int >= 1"),
@@ -50,11 +50,24 @@ def test_lists_become_tuples_and_round_trip_through_msgspec() -> None:
     p = SamplingParams(max_tokens=5, temperature=0.5, stop=["a", "b"], stop_token_ids=[7],  # type: ignore[arg-type]
                        seed=3, logprobs=2)
     assert p.stop == ("a", "b") and p.stop_token_ids == (7,)
-    wire = msgspec.msgpack.encode(p.to_dict())
-    back = SamplingParams.from_dict(msgspec.msgpack.decode(wire))
+    wire = msgspec.msgpack.encode(p)
+    back = msgspec.msgpack.decode(wire, type=SamplingParams)
     assert back == p
 
 
-def test_from_dict_rejects_unknown_fields() -> None:
-    with pytest.raises(ValueError, match=r"unknown field\(s\) \['best_of'\]"):
-        SamplingParams.from_dict({"best_of": 2})
+def test_decoding_rejects_unknown_fields_and_bad_values() -> None:
+    with pytest.raises(msgspec.ValidationError, match=r"unknown field `best_of`"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"best_of": 2}), type=SamplingParams)
+    with pytest.raises(msgspec.ValidationError, match=r"max_tokens must be an int >= 1"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"max_tokens": 0}), type=SamplingParams)
+
+
+def test_error_names_the_field() -> None:
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(top_k=0)
+    assert info.value.field == "top_k"
+
+
+def test_with_seed_keeps_the_rest() -> None:
+    p = SamplingParams(max_tokens=3, temperature=0.5)
+    assert p.with_seed(9) == SamplingParams(max_tokens=3, temperature=0.5, seed=9)

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from engine.sampling_params import SamplingParams
 from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
@@ -35,14 +36,13 @@ from protocol.messages import (
     Heartbeat,
     KVReserved,
     Message,
+    NextToken,
     PrefillRequest,
     RegisterAck,
     RegisterWorker,
     RequestFinished,
     ReserveKV,
-    TokenBatch,
     TopLogprob,
-    WireSamplingParams,
     WorkerCompat,
     WorkerLoad,
     WorkerShutdown,
@@ -94,10 +94,10 @@ class FakeWorker:
             with open(self.args.record, "a") as f:
                 f.write(json.dumps(entry) + "\n")
 
-    def token(self, i: int, sampling: WireSamplingParams) -> int:
+    def token(self, i: int, sampling: SamplingParams) -> int:
         return self.output_ids[(i + (sampling.seed or 0)) % len(self.output_ids)]
 
-    def finish_of(self, sampling: WireSamplingParams, i: int, tok: int) -> FinishReason | None:
+    def finish_of(self, sampling: SamplingParams, i: int, tok: int) -> FinishReason | None:
         if tok == self.args.eos_id and not sampling.ignore_eos:
             return "stop"
         return "length" if i + 1 >= sampling.max_tokens else None
@@ -114,7 +114,7 @@ class FakeWorker:
             await asyncio.sleep(self.args.heartbeat_interval)
             await self.send(Heartbeat(worker_id=self.args.worker_id, epoch=self.epoch, load=self.load()))
 
-    async def generate(self, rid: str, prompt: list[int], sampling: WireSamplingParams, start: int) -> None:
+    async def generate(self, rid: str, prompt: list[int], sampling: SamplingParams, start: int) -> None:
         """Tokens from output position ``start``; position 0 (prefill) is a FirstToken."""
         wid = self.args.worker_id
         try:
@@ -132,9 +132,8 @@ class FakeWorker:
                         return
                 else:
                     await asyncio.sleep(self.args.token_delay)
-                    await self.send(TokenBatch(request_id=rid, worker_id=wid, token_ids=[tok],
-                                               logprobs=None if lp is None else [lp],
-                                               top_logprobs=None if top is None else [top]))
+                    await self.send(NextToken(request_id=rid, worker_id=wid, token_id=tok, logprob=lp,
+                                              top_logprobs=top))
                 if finish is not None:
                     if i > 0 or self.args.role == "colocated":
                         await self.send(RequestFinished(request_id=rid, worker_id=wid, finish_reason=finish,
@@ -151,10 +150,10 @@ class FakeWorker:
         if entry is not None:
             self.free_blocks += entry[1]
 
-    def start(self, rid: str, prompt: list[int], sampling: WireSamplingParams, pos: int) -> None:
+    def start(self, rid: str, prompt: list[int], sampling: SamplingParams, pos: int) -> None:
         self.tasks[rid] = asyncio.create_task(self.generate(rid, prompt, sampling, pos))
 
-    async def handle(self, msg: Message) -> None:
+    async def on_message(self, msg: Message) -> None:
         self.record(msg)
         if isinstance(msg, PrefillRequest | ColocatedRequest):
             self.start(msg.request_id, msg.prompt_token_ids, msg.sampling, 0)
@@ -193,7 +192,7 @@ class FakeWorker:
 
     async def recv_loop(self) -> None:
         while True:
-            await self.handle(decode(await self.sock.recv()))
+            await self.on_message(decode(await self.sock.recv()))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

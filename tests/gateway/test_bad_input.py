@@ -6,6 +6,7 @@ tokens) for the whole module."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("top_p-over-one", CHAT, chat(top_p=1.5), 400, "top_p"),
     ("top_k-negative", CHAT, chat(top_k=-5), 400, "top_k"),
     ("top_k-huge", CHAT, chat(top_k=10**30), 400, "top_k"),
+    ("top_k-zero", CHAT, chat(top_k=0), 400, "top_k"),  # in pydantic's range, refused by SamplingParams
     ("min_p-over-one", CHAT, chat(min_p=2), 400, "min_p"),
     ("presence-penalty", CHAT, chat(presence_penalty=5), 400, "presence_penalty"),
     ("frequency-penalty", CHAT, chat(frequency_penalty=-3), 400, "frequency_penalty"),
@@ -179,7 +181,9 @@ def test_duplicate_request_id_in_flight_is_400(gw: Cluster) -> None:
         assert next(lines).startswith("data: ")
         err = check_error(httpx.post(gw.base + COMP, json=comp(), headers=hdrs, timeout=10), 400)
         assert err["code"] == "duplicate_request_id"
-        assert sum('"finish_reason": "length"' in line for line in lines) == 1  # the first one finishes
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+        finishes = [c["finish_reason"] for chunk in chunks for c in chunk["choices"]]
+        assert finishes.count("length") == 1  # the first one finishes
     gw.assert_no_leaks(("d1",))
 
 

@@ -48,13 +48,14 @@ async def test_clean_worker_shutdown_is_logged_at_info(caplog: pytest.LogCapture
     svc.control = _FakeControl()  # type: ignore[assignment]
     compat = WorkerCompat(dtype="float32", block_size=16, transfer_backend="loopback")
     for wid in ("d0", "d1"):
-        await svc._dispatch(wid.encode(), RegisterWorker(role="decode", worker_id=wid, epoch=1, model="m",
-                                                         model_path="", compat=compat, load=WorkerLoad()))
+        register = RegisterWorker(role="decode", worker_id=wid, epoch=1, model="m", model_path="",
+                                  compat=compat, load=WorkerLoad())
+        await svc.on_control_message(wid.encode(), register)
     with caplog.at_level(logging.INFO):
-        await svc._dispatch(b"d0", WorkerShutdown(worker_id="d0", epoch=1))
+        await svc.on_control_message(b"d0", WorkerShutdown(worker_id="d0", epoch=1))
         entry = svc.registry.get("d1")
         assert entry is not None
-        svc._worker_gone(entry, "no heartbeat for 5 s")
+        svc.worker_gone(entry, "no heartbeat for 5 s")
     levels = {getattr(r, "worker_id", None): r.levelno for r in caplog.records
               if r.getMessage() == "worker_lost"}
     assert levels == {"d0": logging.INFO, "d1": logging.WARNING}

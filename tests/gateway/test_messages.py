@@ -1,10 +1,12 @@
-"""Control-plane messages: every Struct round-trips through encode/decode; bad bytes are refused."""
+"""Control-plane messages: every Struct round-trips through encode/decode; bad bytes are refused; request
+messages carry no stop strings and refuse bad sampling params when decoded."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
+from engine.sampling_params import SamplingParams
 from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
@@ -12,23 +14,23 @@ from protocol.messages import (
     FirstToken,
     Heartbeat,
     KVReserved,
+    NextToken,
     PrefillRequest,
     RegisterAck,
     RegisterWorker,
     RequestFailed,
     RequestFinished,
     ReserveKV,
-    TokenBatch,
     TopLogprob,
-    WireSamplingParams,
     WorkerCompat,
     WorkerLoad,
     WorkerShutdown,
     decode,
     encode,
+    request_id_of,
 )
 
-SP = WireSamplingParams(max_tokens=7, temperature=0.0, seed=3, stop_token_ids=(2,))
+SP = SamplingParams(max_tokens=7, temperature=0.0, seed=3, stop_token_ids=(2,))
 COMPAT = WorkerCompat(dtype="bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
 
 ALL = [
@@ -45,7 +47,8 @@ ALL = [
     ColocatedRequest(request_id="r", prompt_token_ids=[4, 5], sampling=SP),
     FirstToken(request_id="r", worker_id="p", token_id=9, logprob=-0.5,
                top_logprobs=[TopLogprob(9, -0.5), TopLogprob(3, -1.5)], finish_reason="length"),
-    TokenBatch(request_id="r", worker_id="d", token_ids=[1, 2], logprobs=[-0.1, -0.2]),
+    NextToken(request_id="r", worker_id="d", token_id=1, logprob=-0.1, top_logprobs=[TopLogprob(1, -0.1)]),
+    NextToken(request_id="r", worker_id="d", token_id=2),
     RequestFinished(request_id="r", worker_id="d", finish_reason="stop", num_prompt_tokens=3,
                     num_output_tokens=4),
     RequestFailed(request_id="r", worker_id="d", error="boom"),
@@ -80,3 +83,22 @@ def test_pairing_key_ignores_max_model_len_only() -> None:
     c = WorkerCompat(dtype="bfloat16", block_size=32)
     assert a.pairing_key() == b.pairing_key()
     assert a.pairing_key() != c.pairing_key()
+
+
+def test_request_messages_refuse_stop_strings() -> None:
+    with_stop = SamplingParams(max_tokens=4, stop=("END",))
+    with pytest.raises(ValueError, match="stop strings stay in the gateway"):
+        ReserveKV(request_id="r", prompt_token_ids=[1], sampling=with_stop, prefill_worker_id="p")
+    with pytest.raises(ValueError, match="stop strings stay in the gateway"):
+        PrefillRequest(request_id="r", prompt_token_ids=[1], sampling=with_stop)
+    with pytest.raises(ValueError, match="stop strings stay in the gateway"):
+        ColocatedRequest(request_id="r", prompt_token_ids=[1], sampling=with_stop)
+
+
+def test_bad_sampling_params_are_refused_on_decode_naming_the_request() -> None:
+    raw = msgspec.msgpack.encode({"type": "PrefillRequest", "request_id": "r7", "prompt_token_ids": [1],
+                                  "sampling": {"max_tokens": 4, "top_k": 0}})
+    with pytest.raises(msgspec.ValidationError, match=r"top_k must be -1 \(off\) or an int >= 1"):
+        decode(raw)
+    assert request_id_of(raw) == "r7"
+    assert request_id_of(b"\xc1") is None and request_id_of(msgspec.msgpack.encode([1])) is None

@@ -184,20 +184,20 @@ async def test_transfer_counters_follow_heartbeats_and_vanish_with_the_worker() 
     register = RegisterWorker(role="prefill", worker_id="p0", epoch=1, model="m", model_path="",
                               compat=compat,
                               load=WorkerLoad(num_total_blocks=64))
-    await svc._dispatch(b"p0", register)
+    await svc.on_control_message(b"p0", register)
     assert _value(metrics, "pdserve_kv_transfer_bytes_total", worker_id="p0") == 0
     assert _value(metrics, "pdserve_kv_blocks_capacity", worker_id="p0", role="prefill") == 64
     seen = []
     for num_bytes, seconds in ((4096, 0.5), (12288, 1.25), (12288, 1.25)):
         load = WorkerLoad(num_total_blocks=64, num_free_blocks=64, kv_transfer_bytes=num_bytes,
                           kv_transfer_seconds=seconds)
-        await svc._dispatch(b"p0", Heartbeat(worker_id="p0", epoch=1, load=load))
+        await svc.on_control_message(b"p0", Heartbeat(worker_id="p0", epoch=1, load=load))
         seen.append((_value(metrics, "pdserve_kv_transfer_bytes_total", worker_id="p0"),
                      _value(metrics, "pdserve_kv_transfer_seconds_total", worker_id="p0")))
     assert seen == [(4096, 0.5), (12288, 1.25), (12288, 1.25)]
-    await svc._dispatch(b"p0", WorkerShutdown(worker_id="p0", epoch=1))
+    await svc.on_control_message(b"p0", WorkerShutdown(worker_id="p0", epoch=1))
     assert _value(metrics, "pdserve_kv_transfer_bytes_total", worker_id="p0") is None
     assert _value(metrics, "pdserve_kv_transfer_seconds_total", worker_id="p0") is None
     assert _value(metrics, "pdserve_kv_blocks_capacity", worker_id="p0", role="prefill") is None
-    assert not svc.requests  # leak check: the gateway holds no request
+    assert not svc.orchestrator.requests  # leak check: the gateway holds no request
 

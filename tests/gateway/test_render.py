@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from gateway.handle import TokenLogprob
+from gateway.openai_requests import INT64_MAX
+from gateway.orchestrator import TokenLogprob
 from gateway.prepare import derived_seed
-from gateway.protocol import INT64_MAX
 from gateway.render import chat_logprobs, completion_logprobs
 from gateway.text import TextProcessor
 
@@ -25,12 +26,12 @@ def test_logprob_layouts(tokenizer_dir: Path) -> None:
     text = TextProcessor.from_dir(tokenizer_dir)
     ids = text.encode(" Paris is")
     entries = [TokenLogprob(t, -0.5 * (i + 1), ((t, -0.5), (t + 1, -2.0))) for i, t in enumerate(ids)]
-    comp = completion_logprobs(text, entries, offset=7)
+    comp = msgspec.to_builtins(completion_logprobs(text, entries, offset=7))
     pieces = [text.token_text(t) for t in ids]
     assert "".join(pieces) == " Paris is"
     assert comp["tokens"] == pieces and comp["token_logprobs"] == [-0.5 * (i + 1) for i in range(len(ids))]
     assert comp["text_offset"] == [7 + len("".join(pieces[:i])) for i in range(len(ids))]
     assert comp["top_logprobs"][0] == {pieces[0]: -0.5, text.token_text(ids[0] + 1): -2.0}
-    chat = chat_logprobs(text, entries[:1])
+    chat = msgspec.to_builtins(chat_logprobs(text, entries[:1]))
     assert chat["content"][0]["bytes"] == list(pieces[0].encode()) and chat["refusal"] is None
     assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [-0.5, -2.0]

@@ -16,13 +16,13 @@ import zmq
 from decode_worker.worker import DecodeWorker
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
 from kvtransfer import KVHandle, TransferConfig, get_transfer_backend
 from kvtransfer import messages as km
 from kvtransfer.compat import peer_info
 from kvtransfer.loopback import LoopbackRecvTransport
 from kvtransfer.staging import layout_of
 from prefill_worker.worker import PrefillWorker
-from protocol.messages import WireSamplingParams
 from protocol.settings import WorkerSettings
 from tests.engine.test_loader import tiny_config
 from workers.colocated import ColocatedWorker
@@ -87,10 +87,10 @@ def close(worker: WorkerLoop) -> None:
     asyncio.run(worker.control.close())
 
 
-def wire(max_tokens: int = 1, **kw: object) -> WireSamplingParams:
-    """Greedy wire params (temperature 0) unless overridden."""
+def wire(max_tokens: int = 1, **kw: object) -> SamplingParams:
+    """Greedy sampling params for a request message (temperature 0) unless overridden."""
     kw.setdefault("temperature", 0.0)
-    return WireSamplingParams(max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+    return SamplingParams(max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
 
 
 def run(worker: WorkerLoop, *msgs: Any) -> list[Any]:
@@ -132,7 +132,7 @@ def assert_clean(*workers: WorkerLoop, timeout: float = 10.0) -> None:
         w.core.block_manager.check_no_leaks()
         assert w.core.block_manager.num_free_blocks == w.core.block_manager.num_blocks
         assert not w.core.scheduler.has_unfinished()
-        tables = {name: getattr(w, name) for name in ("seqs", "handles", "sending", "pending", "in_flight",
+        tables = {name: getattr(w, name) for name in ("seqs", "kv_handles", "sending", "pending", "in_flight",
                                                     "first_tokens", "draining", "_aborted", "_hook_errors")
                   if hasattr(w, name)}
         assert not any(tables.values()), f"{type(w).__name__} still holds {tables}"

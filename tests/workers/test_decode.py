@@ -17,11 +17,11 @@ from protocol.messages import (
     DecodeRequest,
     FirstToken,
     KVReserved,
+    NextToken,
     PrefillRequest,
     RequestFailed,
     RequestFinished,
     ReserveKV,
-    TokenBatch,
 )
 from tests.workers.helpers import (
     FakeSender,
@@ -82,7 +82,7 @@ def test_reserve_returns_handle_of_reserved_blocks_contiguous_when_possible(deco
 def _colocated_tokens(colo, prompt: list[int], sampling) -> list[int]:
     ref = run(colo, ColocatedRequest(request_id="c", prompt_token_ids=prompt, sampling=sampling))
     pump([colo], lambda: bool(of_type(ref, RequestFinished)), sink=ref)
-    return [of_type(ref, FirstToken)[0].token_id] + [t for b in of_type(ref, TokenBatch) for t in b.token_ids]
+    return [of_type(ref, FirstToken)[0].token_id] + [m.token_id for m in of_type(ref, NextToken)]
 
 
 @pytest.mark.parametrize("decode_request_first", [True, False])
@@ -110,7 +110,7 @@ def test_kv_landed_and_decode_request_in_either_order_then_finish(model_dir, dec
         msgs: list[Any] = []
         pump([prefill, decode], lambda: bool(of_type(msgs, RequestFinished)) and not prefill.busy(),
              sink=msgs)
-        tokens = [first.token_id] + [t for b in of_type(msgs, TokenBatch) for t in b.token_ids]
+        tokens = [first.token_id] + [m.token_id for m in of_type(msgs, NextToken)]
         [fin] = of_type(msgs, RequestFinished)
         assert (fin.finish_reason, fin.num_prompt_tokens, fin.num_output_tokens) == ("length", 11, 5)
         assert tokens == ref_tokens  # greedy: disaggregated == colocated
@@ -216,7 +216,7 @@ def test_abort_running_request_frees_blocks(model_dir):
         [first] = of_type(run(prefill, req), FirstToken)
         decode.deliver(DecodeRequest(request_id="r", first_token_id=first.token_id))
         msgs: list[Any] = []
-        pump([prefill, decode], lambda: len(of_type(msgs, TokenBatch)) >= 2, sink=msgs)
+        pump([prefill, decode], lambda: len(of_type(msgs, NextToken)) >= 2, sink=msgs)
         assert run(decode, AbortRequest(request_id="r")) == []
         assert run(decode) == [] and of_type(msgs, RequestFinished) == []
         assert_clean(prefill, decode)
@@ -226,8 +226,8 @@ def test_abort_running_request_frees_blocks(model_dir):
 
 
 def test_kv_deadline_grows_with_the_prompt(decode):
-    """Regression (new-user trial, 2 cores): the KV deadline counts from the reservation, so it includes the
-    prefill compute; a flat 30 s failed a 5000-token prompt on a slow CPU prefill with HTTP 502."""
+    """The KV deadline counts from the reservation, so it includes the prefill compute: it grows with the
+    prompt (a flat 30 s is too short for a 5000-token prompt on a slow CPU prefill worker)."""
     base = decode.receiver.config.timeout_s
     short = _handle(_reserve(decode, "s", 4), "s")
     long = _handle(_reserve(decode, "l", 20), "l")

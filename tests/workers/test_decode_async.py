@@ -27,11 +27,11 @@ from protocol.messages import (
     DecodeRequest,
     FirstToken,
     KVReserved,
+    NextToken,
     PrefillRequest,
     RequestFailed,
     RequestFinished,
     ReserveKV,
-    TokenBatch,
 )
 from tests.workers.helpers import (
     BLOCK_SIZE,
@@ -111,7 +111,7 @@ class Scenario:
         self.decode.deliver(DecodeRequest(request_id=rid, first_token_id=first.token_id))
 
     def decoded(self, rid: str) -> list[int]:
-        return [t for b in of_type(self.msgs, TokenBatch, rid) for t in b.token_ids]
+        return [m.token_id for m in of_type(self.msgs, NextToken, rid)]
 
     def until(self, cond: Any) -> None:
         for _ in range(30):

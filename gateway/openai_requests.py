@@ -1,11 +1,13 @@
-"""Request schemas of the OpenAI HTTP API (pydantic, used at the HTTP edge only).
+"""Request bodies of the OpenAI HTTP API (pydantic, used at the HTTP edge only; the response types are in
+gateway/openai_responses.py).
 
 Fields follow the OpenAI API reference (Chat Completions and legacy Completions), plus vLLM's extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``). Unknown fields are ignored. Integers are bounded so that every accepted value fits the
 msgpack wire (int64) and floats must be finite (no NaN/Infinity): a bad value is a 400, never a 5xx.
 Caps that depend on the deployment (``--max-n``, ``--max-stop``, the vocabulary, the context length) are
-checked later, in ``gateway/prepare.py``.
+checked later, in ``gateway/prepare.py``, which also maps a body into the engine's ``SamplingParams``
+(the one type the workers receive).
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class SamplingFields(BaseModel):
-    """Sampling fields shared by both endpoints; ranges as in the OpenAI reference.
+class GenerationRequestBase(BaseModel):
+    """Fields shared by both endpoints (model, choices, streaming, stops, sampling); ranges as in the
+    OpenAI reference.
 
     ``seed`` is an int64; choice ``i`` of ``n`` samples with ``seed + i`` (wrapped into int64), so a
     seeded request is reproducible choice by choice. ``user`` is accepted and ignored.
@@ -80,7 +83,7 @@ class SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(GenerationRequestBase):
     """POST /v1/chat/completions body. ``top_logprobs`` (0..20) needs ``logprobs: true``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -94,7 +97,7 @@ class ChatCompletionRequest(SamplingFields):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(GenerationRequestBase):
     """POST /v1/completions body.
 
     ``prompt`` is a string, a list of strings, a list of token ids, or a list of token-id lists; each

@@ -1,0 +1,215 @@
+"""Response bodies of the OpenAI HTTP API: one msgspec Struct per shape, encoded with ``msgspec.json`` by
+the handlers and, through ``openapi_components``, the schemas of ``/openapi.json``.
+
+Shapes: OpenAI API reference (chat.completion, chat.completion.chunk, text_completion whole and as
+stream chunks, the two logprobs layouts, model list, error object). Every field is always present in the
+JSON (``null`` when empty) except where a Struct says ``omit_defaults``: a chat chunk's ``delta`` holds
+only what is new (``role`` on a choice's first chunk, ``content`` when there is text), and a chunk has
+``usage`` only in the last one of a stream (``stream_options.include_usage``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length"]  # what a client sees; a worker abort is an error, not a finish
+
+
+class ErrorDetail(msgspec.Struct):
+    """``error``: human message, type (e.g. ``invalid_request_error``), offending ``param``, ``code``."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct):
+    """Every non-2xx answer (and a stream's error event): ``{"error": {...}}``."""
+
+    error: ErrorDetail
+
+
+class Usage(msgspec.Struct):
+    """Token counts of a request: prompts counted once each, completions summed over choices."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatTopLogprob(msgspec.Struct):
+    """One alternative: its text, natural-log probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    """One output token (text, logprob, UTF-8 bytes) with its top alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    """``choices[i].logprobs`` of a chat completion or chunk."""
+
+    content: list[ChatTokenLogprob]
+    refusal: None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """``choices[i].logprobs`` of a text completion: per token its text, logprob, top alternatives
+    (text → logprob) and character offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class AssistantMessage(msgspec.Struct):
+    """The assistant message of a chat choice."""
+
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    """One choice of a chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletion(msgspec.Struct):
+    """``object: chat.completion`` (non-streaming). Streaming answers ``text/event-stream`` of
+    ``ChatCompletionChunk`` objects ending with ``data: [DONE]``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    """What a chat chunk adds: ``role`` on a choice's first chunk, ``content`` when there is text."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    """One choice of a chat chunk."""
+
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+    """``object: chat.completion.chunk``; the last chunk of a stream with ``include_usage`` has no
+    choices and the ``usage``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(msgspec.Struct):
+    """One choice of a text completion (whole or chunk): its text (the echoed prompt first)."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class Completion(msgspec.Struct):
+    """``object: text_completion`` (non-streaming)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(msgspec.Struct, omit_defaults=True):
+    """A streamed ``text_completion``; the last chunk of a stream with ``include_usage`` has no choices
+    and the ``usage``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(msgspec.Struct):
+    """One served model (``created`` in Unix seconds)."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(msgspec.Struct):
+    """``GET /v1/models``."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(msgspec.Struct):
+    """``GET /health``."""
+
+    status: Literal["ok"]
+
+
+class Readiness(msgspec.Struct):
+    """``GET /ready`` (200 ready, 503 not, same body)."""
+
+    ready: bool
+    reason: str
+
+
+# the types /openapi.json documents (chunks travel inside text/event-stream, documented as a string)
+DOCUMENTED = (ChatCompletion, Completion, ModelList, Health, Readiness, ErrorResponse)
+REF_TEMPLATE = "#/components/schemas/{name}"
+
+
+def schema_ref(cls: type[msgspec.Struct]) -> dict[str, str]:
+    """The OpenAPI reference to ``cls``'s schema (one of ``openapi_components``)."""
+    return {"$ref": REF_TEMPLATE.format(name=cls.__name__)}
+
+
+def openapi_components() -> dict[str, Any]:
+    """JSON schemas (OpenAPI 3.1 ``components.schemas``) of the documented types and those they hold."""
+    _, components = msgspec.json.schema_components(DOCUMENTED, ref_template=REF_TEMPLATE)
+    return components
+
+
+def encode(body: msgspec.Struct) -> bytes:
+    """JSON bytes of a response body (compact, UTF-8)."""
+    return _ENCODER.encode(body)
+
+
+_ENCODER = msgspec.json.Encoder()

@@ -1,0 +1,221 @@
+"""The gateway's request state machine (gateway/orchestrator.py) without processes: a registry with one
+prefill worker ``p1`` and one decode worker ``d1``, worker messages put in by hand, a send that records
+what the gateway sends. Each test ends with the leak check: nothing in flight, no worker holding a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+from gateway.orchestrator import (
+    GatewayRequest,
+    GenerationFailed,
+    GenerationInput,
+    Orchestrator,
+    RequestPhase,
+    TokenLogprob,
+)
+from gateway.prefix_index import PrefixIndex
+from gateway.registry import WorkerRegistry
+from gateway.router import Router
+from protocol.messages import (
+    AbortRequest,
+    DecodeRequest,
+    FirstToken,
+    KVReserved,
+    Message,
+    NextToken,
+    PrefillRequest,
+    RegisterWorker,
+    RequestFailed,
+    RequestFinished,
+    ReserveKV,
+    TopLogprob,
+    WorkerCompat,
+)
+
+COMPAT = WorkerCompat(dtype="float32", block_size=4, transfer_backend="loopback")
+
+
+class Recorder:
+    """Stands in for the control socket: ``(worker zmq identity, message)`` of every send."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, Message]] = []
+
+    async def send(self, identity: bytes, msg: Message) -> bool:
+        self.sent.append((identity, msg))
+        return True
+
+    def take(self) -> list[tuple[bytes, str]]:
+        out = [(identity, type(msg).__name__) for identity, msg in self.sent]
+        self.sent.clear()
+        return out
+
+
+@pytest.fixture
+def setup() -> tuple[Orchestrator, Recorder, WorkerRegistry, GatewayMetrics]:
+    registry = WorkerRegistry(heartbeat_timeout=5.0)
+    for role, wid in (("prefill", "p1"), ("decode", "d1")):
+        registry.register(RegisterWorker(role=role, worker_id=wid, epoch=1, model="m", model_path="",
+                                         compat=COMPAT), wid.encode())
+    rec, metrics = Recorder(), GatewayMetrics()
+    orch = Orchestrator(Router(registry, PrefixIndex()), metrics, rec.send, max_queue=4, request_timeout=0.5)
+    return orch, rec, registry, metrics
+
+
+def generation(rid: str = "r", max_tokens: int = 3, **sampling: object) -> GenerationInput:
+    return GenerationInput(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=max_tokens, **sampling))  # type: ignore[arg-type]
+
+
+async def to_decoding(orch: Orchestrator, rec: Recorder, req: GatewayRequest) -> None:
+    """Steps 1-3: ReserveKV out, KVReserved in → PrefillRequest out, FirstToken in → DecodeRequest out."""
+    assert rec.take() == [(b"d1", "ReserveKV")] and req.phase is RequestPhase.RESERVING_KV
+    await orch.on_worker_message(b"d1", KVReserved(request_id="r", worker_id="d1", kv_handle=b"kv"))
+    await orch.on_worker_message(b"p1", FirstToken(request_id="r", worker_id="p1", token_id=7, logprob=-0.5,
+                                                    top_logprobs=[TopLogprob(7, -0.5), TopLogprob(8, -1.5)]))
+    out = await orch.next_output(req)
+    want = TokenLogprob(7, -0.5, ((7, -0.5), (8, -1.5)))
+    assert (out.token_id, out.logprob, out.finish_reason) == (7, want, None)
+    sent = rec.sent[:]
+    assert rec.take() == [(b"p1", "PrefillRequest"), (b"d1", "DecodeRequest")]
+    prefill, decode = sent[0][1], sent[1][1]
+    assert isinstance(prefill, PrefillRequest) and prefill.kv_handle == b"kv"
+    assert prefill.decode_worker_id == "d1"
+    assert isinstance(decode, DecodeRequest) and decode.first_token_id == 7
+    assert req.phase is RequestPhase.DECODING and set(req.holders) == {"d1"}  # prefill is done
+
+
+def assert_clean(orch: Orchestrator, registry: WorkerRegistry) -> None:
+    assert not orch.requests
+    assert all(not w.requests for w in registry.live())
+
+
+async def test_disaggregated_to_max_tokens_needs_no_abort(setup) -> None:
+    orch, rec, registry, metrics = setup
+    req = await orch.submit(generation())
+    reserve = rec.sent[0][1]
+    assert isinstance(reserve, ReserveKV) and reserve.prefill_worker_id == "p1"
+    await to_decoding(orch, rec, req)
+    for tok in (8, 9):
+        await orch.on_worker_message(b"d1", NextToken(request_id="r", worker_id="d1", token_id=tok))
+    assert [(o.token_id, o.finish_reason) for o in [await orch.next_output(req) for _ in range(2)]] == [
+        (8, None), (9, "length")]
+    orch.finish(req, "length")
+    assert req.phase is RequestPhase.FINISHED and req.holders == {}  # d1 stops at max_tokens by itself
+    orch.release(req)
+    await asyncio.sleep(0)
+    assert rec.take() == [] and len(req.token_times) == 3
+    count = next(s.value for s in metrics.ttft.collect()[0].samples if s.name == "pdserve_ttft_seconds_count")
+    assert count == 1
+    assert_clean(orch, registry)
+
+
+async def test_stop_string_aborts_the_decode_worker(setup) -> None:
+    orch, rec, registry, _ = setup
+    req = await orch.submit(generation(max_tokens=10))
+    await to_decoding(orch, rec, req)
+    orch.finish(req, "stop")  # the stream matched a stop string
+    orch.release(req)
+    await asyncio.sleep(0)
+    assert rec.take() == [(b"d1", "AbortRequest")]
+    assert_clean(orch, registry)
+
+
+async def test_max_tokens_one_is_prefill_only(setup) -> None:
+    orch, rec, registry, _ = setup
+    req = await orch.submit(generation(max_tokens=1))
+    sent = rec.sent[0][1]
+    assert isinstance(sent, PrefillRequest) and sent.kv_handle is None
+    assert req.phase is RequestPhase.PREFILLING
+    rec.take()
+    await orch.on_worker_message(b"p1", FirstToken(request_id="r", worker_id="p1", token_id=7,
+                                                    finish_reason="length"))
+    out = await orch.next_output(req)
+    assert (out.token_id, out.finish_reason) == (7, "length") and rec.take() == []  # no DecodeRequest
+    orch.finish(req, "length")
+    orch.release(req)
+    await asyncio.sleep(0)
+    assert rec.take() == []
+    assert_clean(orch, registry)
+
+
+async def test_worker_finish_without_token(setup) -> None:
+    orch, rec, registry, _ = setup
+    req = await orch.submit(generation(max_tokens=10))
+    await to_decoding(orch, rec, req)
+    await orch.on_worker_message(b"d1", RequestFinished(request_id="r", worker_id="d1", finish_reason="stop",
+                                                        num_prompt_tokens=5, num_output_tokens=1))
+    out = await orch.next_output(req)
+    assert (out.token_id, out.finish_reason) == (None, "stop") and req.holders == {}
+    orch.finish(req, "stop")
+    orch.release(req)
+    await asyncio.sleep(0)
+    assert rec.take() == []
+    assert_clean(orch, registry)
+
+
+# failure → (GenerationFailed message, what is sent after it: the lost worker is told to drop the request,
+# as it may only have stalled; after a timeout d1 still holds it and release aborts it)
+ABORT_D1 = [(b"d1", "AbortRequest")]
+FAILURES = {"failed": ("worker d1 failed: boom", []), "lost": ("worker d1 lost: gone", ABORT_D1),
+            "aborted": ("the worker aborted the request", []), "timeout": ("timed out", ABORT_D1)}
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+async def test_failures_raise_and_release_aborts_the_rest(setup, failure: str) -> None:
+    orch, rec, registry, _ = setup
+    req = await orch.submit(generation(max_tokens=10))
+    await to_decoding(orch, rec, req)
+    if failure == "failed":
+        await orch.on_worker_message(b"d1", RequestFailed(request_id="r", worker_id="d1", error="boom"))
+    elif failure == "lost":
+        entry = registry.remove("d1")
+        assert entry is not None
+        orch.worker_lost(entry, "gone")
+    elif failure == "aborted":
+        await orch.on_worker_message(b"d1", RequestFinished(request_id="r", worker_id="d1",
+                                                            finish_reason="abort", num_prompt_tokens=5,
+                                                            num_output_tokens=1))
+    message, then_sent = FAILURES[failure]
+    with pytest.raises(GenerationFailed, match=message):
+        out = await orch.next_output(req)
+        assert out.finish_reason == "abort"  # only a worker's abort gets this far
+        orch.finish(req, "abort")
+    assert req.phase is RequestPhase.FAILED
+    orch.release(req)
+    await asyncio.sleep(0.01)
+    assert rec.take() == then_sent
+    assert_clean(orch, registry)
+
+
+async def test_messages_for_unknown_requests(setup) -> None:
+    orch, rec, _, _ = setup
+    await orch.on_worker_message(b"d1", NextToken(request_id="gone", worker_id="d1", token_id=1))
+    await orch.on_worker_message(b"d1", RequestFinished(request_id="gone", worker_id="d1",
+                                                        finish_reason="stop", num_prompt_tokens=1,
+                                                        num_output_tokens=1))
+    await orch.on_worker_message(b"d1", RequestFailed(request_id="gone", worker_id="d1", error="x"))
+    sent = rec.sent[:]
+    assert rec.take() == [(b"d1", "AbortRequest")]
+    assert isinstance(sent[0][1], AbortRequest) and sent[0][1].reason == "unknown request"
+
+
+async def test_queue_full_and_duplicate_ids(setup) -> None:
+    orch, _, registry, _ = setup
+    reqs = await orch.submit_all("a", [generation(f"a-{i}") for i in range(3)])
+    assert [r.request_id for r in reqs] == ["a-0", "a-1", "a-2"]
+    with pytest.raises(APIError, match="already in flight") as dup:
+        await orch.submit_all("a", [generation("a-1")])
+    with pytest.raises(APIError, match="Too many requests") as full:
+        await orch.submit_all("b", [generation("b-0"), generation("b-1")])
+    assert (dup.value.status, full.value.status) == (400, 429) and len(orch.requests) == 3
+    for r in reqs:
+        orch.release(r)
+    await asyncio.sleep(0.01)
+    assert_clean(orch, registry)
