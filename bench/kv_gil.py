@@ -47,7 +47,7 @@ try:
 except ImportError:  # run as a script (python bench/kv_gil.py): bench/ is sys.path[0]
     from kv_transfer import BS, LAYERS, _finish, _kv, receiver_main  # type: ignore[no-redef]
 
-from kvtransfer.transport import SendTransport
+from kvtransfer.transports.base import SendTransport
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -199,10 +199,10 @@ def _sender(args: argparse.Namespace, backend: str, src: torch.Tensor) -> Any:
                             max_inflight_layers=args.depth, **extra)  # type: ignore[arg-type]
     inner: SendTransport
     if backend == "nixl":
-        from kvtransfer.nixl import NixlSendTransport
+        from kvtransfer.transports.nixl import NixlSendTransport
         inner = NixlSendTransport(f"gil-p-send-{os.getpid()}")
     else:
-        from kvtransfer.loopback import LoopbackSendTransport
+        from kvtransfer.transports.loopback import LoopbackSendTransport
         inner = LoopbackSendTransport()
     tx = KVSender(config, src, DelayedTransport(inner, args.write_latency_us * 1e-6))
     if args.event_latency_us > 0:  # as KVSender does for a CUDA kv_buffer, with fake events

@@ -27,8 +27,7 @@ Both sides run one background thread each; every call above is thread-safe and n
 connect() and wait(). This module imports nothing heavy (no torch).
 """
 
-from kvtransfer.backends import BACKENDS, TransferBackend, get_transfer_backend
-from kvtransfer.types import (
+from kvtransfer.api import (
     PROTOCOL_VERSION,
     IncompatiblePeerError,
     KVHandle,
@@ -37,6 +36,7 @@ from kvtransfer.types import (
     TransferError,
     TransferStatus,
 )
+from kvtransfer.backends import BACKENDS, TransferBackend, get_transfer_backend
 
 __all__ = [
     "BACKENDS",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvtransfer.messages import PeerInfo
-from kvtransfer.types import PROTOCOL_VERSION, KVLayout, TransferConfig
+from kvtransfer.api import PROTOCOL_VERSION, KVLayout, TransferConfig
+from kvtransfer.wire import PeerInfo
 
 
 def peer_info(config: TransferConfig, layout: KVLayout) -> PeerInfo:

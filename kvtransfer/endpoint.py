@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransfer.types import KVHandle, TransferConfig, TransferError, TransferStatus
+from kvtransfer.api import KVHandle, TransferConfig, TransferError, TransferStatus
 from kvtransfer.wakeup import set_timer_slack
 
 

@@ -18,8 +18,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvtransfer.api import KVLayout, TransferError
 from kvtransfer.endpoint import RequestState
-from kvtransfer.types import KVLayout, TransferError
 
 if TYPE_CHECKING:
     import torch

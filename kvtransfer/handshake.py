@@ -18,12 +18,12 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from kvtransfer import messages as m
+from kvtransfer import wire as m
+from kvtransfer.api import IncompatiblePeerError, TransferConfig, TransferStatus
 from kvtransfer.endpoint import RequestState
 from kvtransfer.liveness import Receiver
 from kvtransfer.pipeline import LayerOp, LayerPipeline
-from kvtransfer.transport import SendTransport
-from kvtransfer.types import IncompatiblePeerError, TransferConfig, TransferStatus
+from kvtransfer.transports.base import SendTransport
 
 S = TransferStatus
 

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from kvtransfer import messages as m
+from kvtransfer import wire as m
+from kvtransfer.api import TransferConfig, TransferError, TransferStatus
 from kvtransfer.endpoint import RequestState
 from kvtransfer.pipeline import LayerOp, LayerPipeline
-from kvtransfer.transport import SendTransport
-from kvtransfer.types import TransferConfig, TransferError, TransferStatus
+from kvtransfer.transports.base import SendTransport
 
 S = TransferStatus
 
@@ -97,7 +97,7 @@ class PeerLiveness:
             self._next_beat = now + self.config.heartbeat_interval_s
             for p in self._peers.values():
                 if p.epoch:
-                    self._send(p, m.Heartbeat(self.epoch))
+                    self._send(p, m.KeepAlive(self.epoch))
         self._deadlines(now)
 
     def _deadlines(self, now: float) -> None:

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtransfer.api import TransferError
 from kvtransfer.lookahead import WriteRate
 from kvtransfer.staging import StagingRing, gather_layer
-from kvtransfer.transport import SendTransport
-from kvtransfer.types import TransferError
+from kvtransfer.transports.base import SendTransport
 
 
 @dataclass(slots=True)

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtransfer.api import KVLayout
 from kvtransfer.endpoint import RequestState
 from kvtransfer.pipeline import LayerPipeline
-from kvtransfer.types import KVLayout
 
 if TYPE_CHECKING:
     from kvtransfer.pipeline import LayerOp

@@ -17,7 +17,8 @@ import time
 import torch
 import zmq
 
-from kvtransfer import messages as m
+from kvtransfer import wire as m
+from kvtransfer.api import KVHandle, TransferConfig, TransferStatus
 from kvtransfer.compat import mismatches, peer_info
 from kvtransfer.endpoint import RequestState
 from kvtransfer.recv_liveness import SenderLiveness, _Sender
@@ -25,8 +26,7 @@ from kvtransfer.recv_notices import accepted, decode_from
 from kvtransfer.recv_withdraw import WithdrawReceiver
 from kvtransfer.runs import layer_pieces
 from kvtransfer.staging import layer_checksum, layout_of
-from kvtransfer.transport import RecvTransport
-from kvtransfer.types import KVHandle, TransferConfig, TransferStatus
+from kvtransfer.transports.base import RecvTransport
 from kvtransfer.wakeup import Waker, nap_until
 
 S = TransferStatus

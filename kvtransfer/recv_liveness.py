@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtransfer import messages as m
+from kvtransfer import wire as m
+from kvtransfer.api import TransferStatus
 from kvtransfer.endpoint import Endpoint
-from kvtransfer.transport import RecvTransport
-from kvtransfer.types import TransferStatus
+from kvtransfer.transports.base import RecvTransport
 
 S = TransferStatus
 FORGOTTEN_MAX = 1024  # dropped senders whose drop reason is kept for their Rehandshake
@@ -50,7 +50,7 @@ class SenderLiveness(Endpoint):
         if now >= self._next_beat:
             self._next_beat = now + self.config.heartbeat_interval_s
             for s in self._senders.values():
-                self._send(s.identity, m.Heartbeat(self.epoch))
+                self._send(s.identity, m.KeepAlive(self.epoch))
         with self._lock:
             for rid, st in self._requests.items():
                 if not st.status.is_terminal and now > st.deadline:

@@ -14,7 +14,7 @@ import logging
 
 import msgspec
 
-from kvtransfer import messages as m
+from kvtransfer import wire as m
 from kvtransfer.endpoint import RequestState
 
 log = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ by a Withdraw, it ends by Done, Stopped, Abort or its deadline as before.
 
 from __future__ import annotations
 
-from kvtransfer import messages as m
+from kvtransfer import wire as m
+from kvtransfer.api import TransferStatus
 from kvtransfer.endpoint import Endpoint
-from kvtransfer.types import TransferStatus
 
 S = TransferStatus
 

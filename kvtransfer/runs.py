@@ -17,7 +17,7 @@ pieces from the destination ids plus the source cuts carried by the LayerNotice.
 
 from __future__ import annotations
 
-from kvtransfer.types import KVLayout
+from kvtransfer.api import KVLayout
 
 Piece = tuple[int, int, int]  # (staging byte offset, destination byte offset, bytes)
 JointRun = tuple[int, int, int, int]  # (token position, first source block, first dest block, length)

@@ -40,14 +40,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtransfer import messages as m
+from kvtransfer import wire as m
+from kvtransfer.api import KVLayout, TransferConfig, TransferError, TransferStatus
 from kvtransfer.endpoint import RequestState
 from kvtransfer.pipeline import Item, LayerOp, LayerPipeline
 from kvtransfer.runs import make_tag, staged_pieces
 from kvtransfer.send_wait import SendWait
 from kvtransfer.staging import checksum, layer_checksum
-from kvtransfer.transport import KV, STAGING, SendTransport
-from kvtransfer.types import KVLayout, TransferConfig, TransferError, TransferStatus
+from kvtransfer.transports.base import KV, STAGING, SendTransport
 
 S = TransferStatus
 

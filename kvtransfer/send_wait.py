@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import zmq
 
-from kvtransfer import messages as m
+from kvtransfer import wire as m
+from kvtransfer.api import TransferConfig
 from kvtransfer.endpoint import RequestState
 from kvtransfer.lookahead import nap_length
 from kvtransfer.pipeline import LayerPipeline
-from kvtransfer.types import TransferConfig
 from kvtransfer.wakeup import Waker, nap
 
 IDLE_POLL_MS = 10  # longest idle sleep of the loop (new work wakes it at once)

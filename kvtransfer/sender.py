@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import torch
 import zmq
 
-from kvtransfer import messages as m
+from kvtransfer import wire as m
+from kvtransfer.api import KVHandle, TransferConfig, TransferError, TransferStatus
 from kvtransfer.compat import peer_info
 from kvtransfer.endpoint import Endpoint, RequestState
 from kvtransfer.events import EventPool
@@ -33,8 +34,7 @@ from kvtransfer.post_now import PostNow
 from kvtransfer.runs import direct_layers, joint_runs, layer_pieces, merge_runs, source_cuts
 from kvtransfer.send_path import SendPath
 from kvtransfer.staging import layout_of
-from kvtransfer.transport import SendTransport
-from kvtransfer.types import KVHandle, TransferConfig, TransferError, TransferStatus
+from kvtransfer.transports.base import SendTransport
 from kvtransfer.wakeup import Waker
 
 S = TransferStatus

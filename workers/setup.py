@@ -17,7 +17,7 @@ from protocol.messages import WireSamplingParams, WorkerCompat
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
-    from kvtransfer.types import KVHandle
+    from kvtransfer.api import KVHandle
     from protocol.settings import WorkerSettings
 
 KV_LAYOUT = "LTBHD"  # kv_buffer [num_layers, 2 (K,V), num_blocks, block_size, num_kv_heads, head_dim]
@@ -71,7 +71,7 @@ def encode_handle(handle: KVHandle) -> bytes:
 
 def decode_handle(data: bytes) -> KVHandle:
     """Inverse of :func:`encode_handle`. Raises ``ValueError`` when the bytes are not a ``KVHandle``."""
-    from kvtransfer.types import KVHandle
+    from kvtransfer.api import KVHandle
 
     try:
         return msgspec.msgpack.decode(data, type=KVHandle)

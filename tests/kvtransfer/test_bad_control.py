@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from kvtransfer import TransferStatus, get_transfer_backend
-from kvtransfer import messages as m
+from kvtransfer import wire as m
 from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,7 +40,7 @@ def test_receiver_skips_garbage_and_malformed_multipart(pair, caplog):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(rx.address)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvtransfer.messages"):
+        with caplog.at_level(logging.WARNING, logger="kvtransfer.wire"):
             sock.send(b"\xff not msgpack")
             sock.send_multipart([b"two", b"frames"])  # the receiver sees 3 frames with the identity
             _transfer(tx, rx, src, dst, "a")  # its own messages come after ours: ours were read first
@@ -60,7 +60,7 @@ def test_sender_skips_garbage_from_its_receiver(caplog):
     port = router.bind_to_random_port("tcp://127.0.0.1")
     tx = get_transfer_backend("loopback").sender(config("p0", "loopback"), make_kv(3))
     try:
-        with caplog.at_level(logging.WARNING, logger="kvtransfer.messages"):
+        with caplog.at_level(logging.WARNING, logger="kvtransfer.wire"):
             tx._call(lambda: tx._hello(f"tcp://127.0.0.1:{port}", None))
             assert router.poll(int(WAIT * 1000)), "no Hello"
             identity, _hello = router.recv_multipart()
@@ -79,7 +79,7 @@ def test_two_sided_notice_with_a_layer_out_of_range_is_ignored(pair, caplog):
     assert rx.wait_until(lambda: rx._requests["a"].status is S.TRANSFERRING, WAIT)
     sender = rx._requests["a"].extra["sender"]
     bad = m.LayerNotice("a", LAYERS + 3, 1, None, ())
-    with caplog.at_level(logging.WARNING, logger="kvtransfer.messages"):
+    with caplog.at_level(logging.WARNING, logger="kvtransfer.wire"):
         rx._call(lambda: rx._on_notice(sender, bad))
         assert rx.wait_until(lambda: any("ignored a notice" in r.getMessage() for r in caplog.records), WAIT)
     assert _alive(rx) and not rx._posted and rx.status("a") is S.TRANSFERRING

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from kvtransfer import TransferStatus, get_transfer_backend
-from kvtransfer import messages as m
-from kvtransfer.nixl import _agent
+from kvtransfer import wire as m
+from kvtransfer.transports.nixl import _agent
 from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, need_nixl, release_both
 
 need_nixl()

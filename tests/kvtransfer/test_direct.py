@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvtransfer import TransferStatus, get_transfer_backend
-from kvtransfer.transport import KV, STAGING
+from kvtransfer.transports.base import KV, STAGING
 from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
 
 S = TransferStatus
@@ -39,10 +39,10 @@ def _regions(tx) -> dict[str, set[int]]:
     orig = tx.transport.post
 
     def recording(peer, pieces, notice, tag):
-        from kvtransfer import messages
+        from kvtransfer import wire
 
         regions = {p[0] for p in pieces}  # one request per batch in this test: a batch has one path
-        for n in messages.decode_notices(notice):
+        for n in wire.decode_notices(notice):
             seen.setdefault(n.request_id, set()).update(regions)
         return orig(peer, pieces, notice, tag)
     tx.transport.post = recording

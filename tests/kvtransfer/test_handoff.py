@@ -9,8 +9,8 @@ import torch
 
 from kvtransfer import TransferError, TransferStatus, get_transfer_backend
 from kvtransfer.events import EventPool
-from kvtransfer.loopback import LoopbackSendTransport
 from kvtransfer.pipeline import LayerPipeline
+from kvtransfer.transports.loopback import LoopbackSendTransport
 from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
 from tests.kvtransfer.loop_probes import record_writes, stall_loop
 

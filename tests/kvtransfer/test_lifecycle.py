@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvtransfer import TransferError, TransferStatus, get_transfer_backend
-from kvtransfer.loopback import LoopbackRecvTransport
 from kvtransfer.receiver import KVReceiver
+from kvtransfer.transports.loopback import LoopbackRecvTransport
 from tests.kvtransfer.helpers import assert_landed, config, make_kv, release_both
 
 ROOT = Path(__file__).resolve().parents[2]

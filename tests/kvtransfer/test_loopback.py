@@ -289,7 +289,7 @@ def test_messages_of_another_receiver_for_a_request_change_nothing():
     """A Done, Abort or Fail for request "a" that comes from a receiver other than the one its handle
     names (e.g. a late message of an earlier request of that id) is ignored; before this check the
     sender took it as the request's own (found by a helper in stop 15)."""
-    from kvtransfer import messages as m
+    from kvtransfer import wire as m
 
     backend = get_transfer_backend("loopback")
     src = make_kv(1)

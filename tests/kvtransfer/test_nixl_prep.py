@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from kvtransfer.nixl_prep import PreppedRequest, merge_descs
-from kvtransfer.transport import KV
-from kvtransfer.types import TransferError
+from kvtransfer.api import TransferError
+from kvtransfer.transports.base import KV
+from kvtransfer.transports.nixl_prep import PreppedRequest, merge_descs
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -40,7 +40,7 @@ def test_prepped_request_indexes_each_layer():
 
 @pytest.fixture
 def link():
-    from kvtransfer.nixl import NixlRecvTransport, NixlSendTransport
+    from kvtransfer.transports.nixl import NixlRecvTransport, NixlSendTransport
 
     src = torch.arange(NBYTES, dtype=torch.int32).to(torch.uint8)
     dst = torch.zeros(NBYTES, dtype=torch.uint8)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvtransfer import TransferStatus, get_transfer_backend
-from kvtransfer import messages as m
+from kvtransfer import wire as m
 from kvtransfer.runs import make_tag
 from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, need_nixl, release_both
 

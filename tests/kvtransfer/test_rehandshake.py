@@ -18,7 +18,7 @@ import msgspec
 import pytest
 
 from kvtransfer import TransferStatus, get_transfer_backend
-from kvtransfer import messages as m
+from kvtransfer import wire as m
 from tests.kvtransfer.helpers import (
     LAYERS,
     assert_landed,

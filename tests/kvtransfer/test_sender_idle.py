@@ -17,8 +17,8 @@ import zmq
 import kvtransfer.send_wait as send_wait_mod
 from kvtransfer import TransferConfig, TransferStatus, get_transfer_backend
 from kvtransfer.events import EventPool
-from kvtransfer.loopback import LoopbackSendTransport
 from kvtransfer.sender import KVSender
+from kvtransfer.transports.loopback import LoopbackSendTransport
 from kvtransfer.wakeup import nap
 from tests.kvtransfer.helpers import (
     LAYERS,

@@ -18,7 +18,7 @@ from kvtransfer import TransferError, TransferStatus, get_transfer_backend
 from kvtransfer.endpoint import Endpoint
 from kvtransfer.runs import direct_layers, direct_pieces, joint_runs
 from kvtransfer.staging import layout_of
-from kvtransfer.transport import KV
+from kvtransfer.transports.base import KV
 from kvtransfer.wakeup import LOOP_TIMER_SLACK_NS, Waker, set_timer_slack
 from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
 

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from kvtransfer import TransferStatus, get_transfer_backend
-from kvtransfer import messages as m
+from kvtransfer import wire as m
 from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, patient_config, stall_once
 from tests.kvtransfer.loop_probes import stall_loop
 

@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from kvtransfer.transport import RecvTransport, SendTransport, SourcePiece
-from kvtransfer.types import TransferError
+from kvtransfer.api import TransferError
+from kvtransfer.transports.base import RecvTransport, SendTransport, SourcePiece
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 

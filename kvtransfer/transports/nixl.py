@@ -26,10 +26,10 @@ from typing import cast
 import msgspec
 import torch
 
-from kvtransfer.nixl_peers import AgentPeers
-from kvtransfer.nixl_prep import Desc, Entry, PreppedRequest, merge_descs, part_descs
-from kvtransfer.transport import KV, STAGING, RecvTransport, SendTransport, SourcePiece
-from kvtransfer.types import TransferError
+from kvtransfer.api import TransferError
+from kvtransfer.transports.base import KV, STAGING, RecvTransport, SendTransport, SourcePiece
+from kvtransfer.transports.nixl_peers import AgentPeers
+from kvtransfer.transports.nixl_prep import Desc, Entry, PreppedRequest, merge_descs, part_descs
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 _Prepared = tuple[Entry, Desc, Desc]  # prepare(): (peer entry, local, remote)

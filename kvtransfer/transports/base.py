@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from kvtransfer.types import TransferError
+from kvtransfer.api import TransferError
 
 STAGING, KV = 0, 1  # source regions of a write piece
 SourcePiece = tuple[int, int, int, int]  # (STAGING | KV, source byte offset, destination byte offset, bytes)

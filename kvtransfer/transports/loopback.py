@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import torch
 
-from kvtransfer.transport import RecvTransport, SendTransport, SourcePiece
-from kvtransfer.types import TransferError
+from kvtransfer.api import TransferError
+from kvtransfer.transports.base import RecvTransport, SendTransport, SourcePiece
 
 
 class LoopbackRecvTransport(RecvTransport):

@@ -7,7 +7,7 @@ writes into reused blocks); LayerNotice (two-sided transports only: data for a l
 ones carry it, or a LayerNotices batch, as the notification of the write itself); Done /
 Fail / Abort from the receiver; Stopped from the sender (it will write nothing more for the request);
 Withdraw from the sender (it gives up a request whose Begin it never sent; protocol version 5);
-Heartbeat both ways; Rehandshake from the receiver in answer to any message but Hello of a sender it
+KeepAlive both ways; Rehandshake from the receiver in answer to any message but Hello of a sender it
 does not know (it dropped the sender, or restarted): the sender fails what it had begun there and
 says Hello again (protocol version 4).
 """
@@ -18,7 +18,7 @@ import logging
 
 import msgspec
 
-from kvtransfer.types import PROTOCOL_VERSION
+from kvtransfer.api import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +134,12 @@ class Withdraw(msgspec.Struct, tag=True):
     reason: str = ""
 
 
-class Heartbeat(msgspec.Struct, tag=True):
+class KeepAlive(msgspec.Struct, tag=True):
     epoch: int
 
 
 Message = (Hello | HelloReply | Begin | BeginReply | Rehandshake | LayerNotice | LayerNotices | Done | Fail
-           | Abort | Stopped | Withdraw | Heartbeat)
+           | Abort | Stopped | Withdraw | KeepAlive)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
