@@ -43,7 +43,6 @@ class LayerHandoff:
         def _get(self, request_id: str) -> RequestState: ...
         def _wake(self) -> None: ...
         def _mark(self, what: str, request_id: str) -> None: ...
-        def _post_now(self, request_id: str) -> bool: ...
 
     def _hand_off(self, request_id: str, layers: Sequence[int] | None) -> None:
         """Queue `layers` (None: every layer, 0..num_layers-1, in order) of the request for sending, in
@@ -67,8 +66,6 @@ class LayerHandoff:
                 raise ValueError(f"layer(s) {again} of {request_id!r} already sent")
             st.layers.update(wanted)
         if not wanted:
-            return
-        if wanted == list(range(n)) and self._post_now(request_id):  # complete KV: posted here (post_now.py)
             return
         # the writes (or gathers) must follow the caller's stream up to now: one event for all of them,
         # given back by each of its request-layers (EventPool counts the uses)

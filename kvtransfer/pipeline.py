@@ -181,21 +181,17 @@ class LayerPipeline:
         """The gathered `[2, n, block_size, H, D]` staging view of `op` (complete once in ready())."""
         return self.ring.view(op.slot, op.n_blocks)
 
-    def post(self, ops: list[LayerOp], peer: str, parts: list[object], notice: bytes | None,
+    def post(self, ops: list[LayerOp], peer: str, parts: list[object], notice: bytes,
              tag: int) -> None:
         """Start one write of several ready ops to the same peer (one transport call, one notice:
         the per-write cost, ~160 µs of NIXL calls per request-layer on an H200 host, is paid once).
         `parts[i]`: op i's pieces as `transport.prepare` returned them (staged ones with source offsets
-        from `staging_offset`). notice None: `parts` are every layer of one request, in order, and the
-        write is the one the transport pre-made for them with its notice (SendTransport.post_whole).
+        from `staging_offset`).
 
         Raises TransferError (the ops are then finished and their slots freed) if it cannot start.
         """
         try:
-            if notice is None:
-                handle = self.transport.post_whole(peer, parts)
-            else:
-                handle = self.transport.post_prepared(peer, parts, notice, tag)
+            handle = self.transport.post_prepared(peer, parts, notice, tag)
         except TransferError:
             self._finish(*ops)
             raise

@@ -142,10 +142,6 @@ class SendPath(SendWait):
         notices: list[m.LayerNotice] = []
         parts: list[object] = []
         try:
-            whole = self._whole(batch)
-            if whole is not None:  # nothing to build: one transfer() of the pre-made write
-                self._pipe.post([op for op, _ in batch], address, whole, None, 0)
-                return
             for op, st in batch:
                 x = st.extra
                 if op.direct:
@@ -173,39 +169,7 @@ class SendPath(SendWait):
         if old is not None:
             self.transport.release_prepared(old)
         st.extra["prep"] = self._preps[st.handle.request_id] = prep
-        st.extra["whole"] = self._premake(st, prep)
         return prep
-
-    def _premake(self, st: RequestState, prep: list[object]) -> bool:
-        """Have the transport make the write of all of the request's layers now (NIXL: the xfer handle,
-        with every layer's notice), for a hand-off of the whole request (send_layers); without
-        checksums only (those are computed when a layer is posted), and only with a pipeline deep enough
-        to take every layer at once (max_inflight_layers >= num_layers; the prefill worker's per-layer
-        hand-off at depth 4 never posts a whole request, and would pay the make and the release for
-        nothing). False where it does not."""
-        if (not self.transport.premakes_whole or self.config.checksum
-                or self.config.max_inflight_layers < self.layout.num_layers):
-            return False
-        x = st.extra
-        notices = [m.LayerNotice(st.handle.request_id, layer, make_tag(x["key"], layer), None, x["cuts"])
-                   for layer in range(len(prep))]
-        try:
-            return self.transport.premake_whole(st.handle.address, prep, _encode(notices))
-        except TransferError:  # the prepared lists still serve every post
-            return False
-
-    def _whole(self, batch: list[tuple[LayerOp, RequestState]]) -> list[object] | None:
-        """The prepared parts of `batch`'s request if the batch is every layer of it, in layer order, and
-        its write was pre-made; None else. Its pre-made write is used now or never (a layer is posted
-        once; the transport releases it on a post of some of the layers, or with the lists)."""
-        st = batch[0][1]
-        if not st.extra.get("whole"):
-            return None
-        st.extra["whole"] = False
-        if len(batch) != len(st.extra["prep"]) or any(
-                op.layer != i or other is not st for i, (op, other) in enumerate(batch)):
-            return None
-        return st.extra["prep"]  # type: ignore[no-any-return]
 
     def _release_preps(self) -> None:
         """Free the prepared lists of requests released, or terminal with nothing in flight (nothing

@@ -114,13 +114,7 @@ class SendWait:
             ready = dict(self._poller.poll(0)) if woke else {}
         else:
             self._mark("idle", "")
-            self._data.release()  # a hand-off may post meanwhile (post_now.py)
-            try:
-                ready = dict(self._poller.poll(IDLE_POLL_MS))
-            finally:
-                held = self._relock()
-            if held:  # messages that came while the loop waited for a hand-off's post
-                ready = dict(self._poller.poll(0))
+            ready = dict(self._poller.poll(IDLE_POLL_MS))
             self._mark("idle_end", "")
         self._waker.sleeping = False
         if self._waker.fd in ready:
@@ -153,12 +147,8 @@ class SendWait:
             t = nap_length(now, self._pipe.lone_write(), c.busy_wait_s, c.fine_wait_s)
             if t > c.busy_wait_s:
                 self._mark("nap:long", "")  # (bench --trace) the look-ahead skips looks up to near the end
-            self._data.release()  # a hand-off may post meanwhile (post_now.py); it wakes us then
-            try:
-                woke = nap(self._waker, socks, min(t, max(0.0, end - now)))
-            finally:
-                held = self._relock()
-            if woke or held:
+            woke = nap(self._waker, socks, min(t, max(0.0, end - now)))
+            if woke:
                 self._mark("nap_end", "")
                 return True
             if self._can_post() or self._complete():
@@ -168,13 +158,3 @@ class SendWait:
             if now >= end:
                 self._mark("nap_end", "")
                 return False
-
-    def _relock(self) -> bool:
-        """Take the data lock back after a wait (loop thread). True if a hand-off held it then
-        (post_now.py): the loop waited for that post, however long it took (a starved thread), so the
-        control messages that came meanwhile must be read before liveness is checked, or the peers'
-        heartbeats waiting unread count as their silence (as a stall of the loop itself, test_stall.py)."""
-        if self._data.acquire(blocking=False):
-            return False
-        self._data.acquire()
-        return True

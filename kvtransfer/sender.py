@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import threading
 import time
 import zlib
 from collections import deque
@@ -30,7 +29,6 @@ from kvtransfer.handshake import Handshake
 from kvtransfer.liveness import PeerLiveness, Receiver
 from kvtransfer.lookahead import MIN_SAMPLE_NAPS, WriteRate
 from kvtransfer.pipeline import LayerPipeline
-from kvtransfer.post_now import PostNow
 from kvtransfer.runs import direct_layers, joint_runs, layer_pieces, merge_runs, source_cuts
 from kvtransfer.send_path import SendPath
 from kvtransfer.staging import layout_of
@@ -40,7 +38,7 @@ from kvtransfer.wakeup import Waker
 S = TransferStatus
 
 
-class KVSender(LayerHandoff, PostNow, Handshake, PeerLiveness, SendPath, Endpoint):
+class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
     """Sends KV from `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]` (any dtype/device)."""
 
     def __init__(self, config: TransferConfig, kv_buffer: torch.Tensor, transport: SendTransport) -> None:
@@ -63,19 +61,12 @@ class KVSender(LayerHandoff, PostNow, Handshake, PeerLiveness, SendPath, Endpoin
         self._poller: zmq.Poller | None = None
         self._waker = Waker()  # send_layer and commands cut the loop's idle poll (or nap) short
         self._take_layers = True  # a send_layer may wake the loop (false: the pipeline is full)
-        # the data path's lock (pipeline, transport, statuses): the loop holds it except while it
-        # waits, a hand-off that posts at once (post_now.py) while it posts
-        self._data = threading.Lock()
 
     def start(self) -> KVSender:
         """Start the loop thread. Does nothing on a running sender; raises TransferError after close()
         (endpoint.py: one loop thread per endpoint)."""
         self._start_thread(f"kv-sender-{self.config.worker_id}")
         return self
-
-    def _run(self) -> None:
-        with self._data:  # let go only while the loop waits (_poll_peers, send_wait._nap_busy)
-            super()._run()
 
     # ---- public API -----------------------------------------------------------------------------
     def connect(self, address: str, timeout: float = 5.0) -> None:

@@ -7,13 +7,11 @@ API flow (NIXL Python API, nixl_cu13._api.nixl_agent): register_memory → get_a
 the Hello/HelloReply handshake → add_remote_agent; a direct request's descriptor lists (every layer's
 pieces, local and remote) are prepared once with prep_xfer_dlist when its Begin is answered, and each
 post is make_prepped_xfer("WRITE", ..., indices of the ready layers) → transfer() → check_xfer_state;
-the write of all its layers is also made then (premake_whole), so a whole-request post is transfer();
 staged writes (and batches mixing requests) build descriptor lists per post (get_xfer_descs /
 initialize_xfer), merging pieces contiguous on both sides first. The target reads notifications with
-get_new_notifs(). On CPU (nixl_cu13 1.5.1, DRAM; kv_transfer-h200.md step 5) make_prepped_xfer merges
-index-adjacent descriptors contiguous on both sides (64 × 4 KiB: 38 µs), initialize_xfer does not (138
-µs). Over CMA `transfer()` completes the copy before returning: it runs on the sender's loop thread or,
-for a complete request, its caller's (post_now.py), never on an event loop.
+get_new_notifs(). On CPU (nixl_cu13 1.5.1, DRAM) make_prepped_xfer merges index-adjacent descriptors
+contiguous on both sides (64 × 4 KiB: 38 µs), initialize_xfer does not (138 µs). Over CMA `transfer()`
+completes the copy before returning: it runs on the sender's loop thread, never on an event loop.
 """
 
 from __future__ import annotations
@@ -99,7 +97,6 @@ class NixlSendTransport(SendTransport):
     is make_prepped_xfer by index + transfer; other posts build merged lists, initialize_xfer, transfer."""
 
     write_per_request = True
-    premakes_whole = True
 
     def __init__(self, name: str, error_handling: str = "peer") -> None:
         self.agent = _agent(name, error_handling=error_handling)
@@ -184,35 +181,6 @@ class NixlSendTransport(SendTransport):
     def _release(self, req: PreppedRequest) -> None:
         req.release(self.agent)
 
-    def premake_whole(self, peer: str, parts: list[object], notice: bytes) -> bool:
-        """make_prepped_xfer of every index of the request behind `parts` (all of prepare_layers'
-        result), with `notice`, kept in its PreppedRequest (nixl_prep.py) until post_whole or release.
-        Raises TransferError if `parts` are not one request's every layer in order, or NIXL refused."""
-        req = self._whole_request(peer, parts)
-        try:
-            req.premake(self.agent, notice)
-        except Exception as exc:
-            raise TransferError(f"NIXL could not pre-make the write to {peer}: {exc}") from exc
-        return True
-
-    def post_whole(self, peer: str, parts: list[object]) -> object:
-        """transfer() of the write premake_whole made; see SendTransport.post_whole."""
-        self._mark("post:build", len(parts))
-        handle = self._whole_request(peer, parts).take_whole()
-        if handle is None:
-            raise TransferError(f"no pre-made write to {peer} for these layers")
-        self._mark("post:init", -1)
-        return self._start(handle, peer)
-
-    def _whole_request(self, peer: str, parts: list[object]) -> PreppedRequest:
-        req = parts[0][0] if parts and isinstance(parts[0], tuple) else None  # type: ignore[index]
-        if not isinstance(req, PreppedRequest) or [cast(_Layer, p)[1] for p in parts] != list(
-                range(len(req.idx))) or any(cast(_Layer, p)[0] is not req for p in parts):
-            raise TransferError("a whole-request write needs every layer of one prepared request, in order")
-        if req.entry is not self._entry(peer) or req.released:
-            raise TransferError(f"NIXL connection to {peer} changed since the write was prepared")
-        return req
-
     def _entry(self, peer: str) -> Entry:
         entry = self._peers.get(peer)
         if entry is None:
@@ -238,7 +206,6 @@ class NixlSendTransport(SendTransport):
             req: PreppedRequest = first[0]  # type: ignore[index]
             if req.entry is not entry or req.released:
                 raise TransferError(f"NIXL connection to {peer} changed since the write was prepared")
-            req.drop_whole(self.agent)  # some of its layers go now: the write of all can never be posted
             idx: list[int] = []
             for part in parts:
                 idx += req.idx[cast(_Layer, part)[1]]

@@ -1,6 +1,7 @@
-"""The pre-made whole-request write over NIXL (DRAM, sender and receiver in this process): made when a
-direct request's Begin is answered, posted by one transfer() for a send_layers hand-off of every layer,
-released unused (exactly once) for any other hand-off, an abort, or with checksums on (never made)."""
+"""The post path over NIXL (DRAM, sender and receiver in this process): a direct request's descriptor lists
+are prepared once when its Begin is answered, every write of its layers is made from them by index
+(make_prepped_xfer) and started once (transfer), every xfer handle is released exactly once, and the
+lists are released once the request is terminal (done or aborted) with nothing in flight."""
 
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ def pair(request):
 
 def _spy(tx, rx) -> dict[str, list]:
     """Record, from the next call on: xfer handles made (make_prepped_xfer), released (by id, each
-    release_xfer_handle call), started (transfer), the sender transport's post calls by kind, and the
-    notices the receiver read (decoded, per notification)."""
+    release_xfer_handle call), started (transfer), the sender transport's post calls, and the notices
+    the receiver read (decoded, per notification)."""
     agent, seen = tx.transport.agent, {"made": [], "released": [], "started": [], "posts": [],
                                       "notices": []}
 
@@ -47,7 +48,6 @@ def _spy(tx, rx) -> dict[str, list]:
     wrap(agent, "make_prepped_xfer", lambda a, out: seen["made"].append(out))
     wrap(agent, "release_xfer_handle", lambda a, out: seen["released"].append(id(a[0])))
     wrap(agent, "transfer", lambda a, out: seen["started"].append(id(a[0])))
-    wrap(tx.transport, "post_whole", lambda a, out: seen["posts"].append("whole"))
     wrap(tx.transport, "post_prepared", lambda a, out: seen["posts"].append("by index"))
     wrap(rx.transport, "poll", lambda a, out: seen["notices"].extend(m.decode_notices(n) for _, n in out[0]))
     return seen
@@ -58,29 +58,28 @@ def _add(tx, rx, rid: str) -> None:
     assert tx.wait_until(lambda: tx._requests[rid].extra["prep"] is not None, WAIT)
 
 
-def test_whole_request_hand_off_posts_the_premade_write(pair):
+def test_send_layers_of_a_direct_request_is_one_write_by_index(pair):
     tx, rx, src, dst = pair
     seen = _spy(tx, rx)
     _add(tx, rx, "a")
     key, cuts = tx._requests["a"].extra["key"], tx._requests["a"].extra["cuts"]
-    checksum = tx.config.checksum
-    assert len(seen["made"]) == (0 if checksum else 1)  # made at Begin time, before any layer
+    assert not seen["made"]  # the Begin answer prepares lists only: nothing made before a layer goes
     tx.send_layers("a")
     assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
     assert tx.wait("a", WAIT) is S.DONE
     assert_landed(src, SRC, dst, DST)
-    assert seen["posts"] == ["by index" if checksum else "whole"]  # one write either way
-    if not checksum:
-        whole = id(seen["made"][0])
-        assert len(seen["made"]) == 1 and seen["started"] == [whole]  # posted as made: nothing built
-        assert seen["notices"] == [[m.LayerNotice("a", la, make_tag(key, la), None, cuts)
-                                    for la in range(LAYERS)]]
+    assert seen["posts"] == ["by index"]  # one write of every layer
+    assert len(seen["made"]) == 1 and seen["started"] == [id(seen["made"][0])]
+    crc = tx.config.checksum
+    got = [[(n.request_id, n.layer, n.tag, n.cuts, n.checksum is not None) for n in batch]
+           for batch in seen["notices"]]
+    assert got == [[("a", la, make_tag(key, la), cuts, crc) for la in range(LAYERS)]]
     release_both(tx, rx, "a", leaks=True)
     assert sorted(seen["released"]) == sorted(id(h) for h in seen["made"])  # each exactly once
     assert tx.transport.prepared_count() == 0
 
 
-def test_layer_by_layer_hand_off_releases_the_premade_write_unused(pair):
+def test_layer_by_layer_hand_off_posts_each_write_by_index(pair):
     tx, rx, src, dst = pair
     seen = _spy(tx, rx)
     _add(tx, rx, "a")
@@ -91,17 +90,14 @@ def test_layer_by_layer_hand_off_releases_the_premade_write_unused(pair):
     assert tx.wait("a", WAIT) is S.DONE
     assert_landed(src, SRC, dst, DST)
     assert seen["posts"] == ["by index", "by index"]
-    if not tx.config.checksum:
-        whole = id(seen["made"][0])
-        assert whole not in seen["started"] and seen["released"].count(whole) == 1
+    assert len(seen["made"]) == 2 and seen["started"] == [id(h) for h in seen["made"]]  # one per write
     release_both(tx, rx, "a", leaks=True)
     assert sorted(seen["released"]) == sorted(id(h) for h in seen["made"])  # each exactly once
-    assert len(seen["made"]) == 3 - tx.config.checksum  # (the pre-made one) + one per write
     assert tx.transport.prepared_count() == 0
 
 
 @pytest.mark.parametrize("side", ["sender", "receiver"])
-def test_abort_before_the_hand_off_releases_the_premade_write(pair, side):
+def test_abort_before_the_hand_off_releases_the_prepared_lists(pair, side):
     tx, rx, _src, dst = pair
     seen = _spy(tx, rx)
     _add(tx, rx, "a")
@@ -109,32 +105,6 @@ def test_abort_before_the_hand_off_releases_the_premade_write(pair, side):
     assert tx.wait("a", WAIT) is S.ABORTED
     assert rx.wait("a", WAIT) is S.ABORTED
     assert tx.wait_until(lambda: tx._requests["a"].extra["prep"] is None, WAIT)  # lists released
-    assert not seen["started"] and sorted(seen["released"]) == sorted(id(h) for h in seen["made"])
-    assert len(seen["made"]) == (0 if tx.config.checksum else 1)
+    assert not seen["made"] and not seen["started"] and not seen["released"]
     release_both(tx, rx, "a", leaks=True)
     assert tx.transport.prepared_count() == 0 and dst.abs().sum() == 0  # nothing was written
-
-
-def test_no_premade_write_when_the_pipeline_cannot_take_every_layer():
-    """max_inflight_layers < num_layers (the prefill worker's default 4 under a 32-layer model): a
-    whole-request post can never happen, so nothing is made at Begin (review, stop 15: each request paid
-    a make_prepped_xfer under the sender's lock and a release on its first post); the transfer is
-    unchanged."""
-    backend = get_transfer_backend("nixl")
-    src, dst = make_kv(11), make_kv(None)
-    tx = backend.sender(config("p0", "nixl", max_inflight_layers=LAYERS - 1), src)
-    rx = backend.receiver(config("d0", "nixl"), dst)
-    try:
-        seen = _spy(tx, rx)
-        _add(tx, rx, "a")
-        tx.send_layers("a")
-        assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
-        assert tx.wait("a", WAIT) is S.DONE
-        assert_landed(src, SRC, dst, DST)
-        assert "whole" not in seen["posts"]
-        assert len(seen["made"]) == len(seen["started"])  # every handle made was a post's own
-        release_both(tx, rx, "a", leaks=True)
-        assert tx.transport.prepared_count() == 0
-    finally:
-        tx.close()
-        rx.close()
