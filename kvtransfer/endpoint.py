@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransfer.api import KVHandle, TransferConfig, TransferError, TransferStatus
+from kvtransfer.api import KVHandle, LoopStats, TransferConfig, TransferError, TransferStatus
 from kvtransfer.wakeup import set_timer_slack
 
 
@@ -56,6 +56,7 @@ class Endpoint:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._life = threading.Lock()  # orders start() against start() and close() (module docstring)
+        self._steps = 0
 
     # ---- thread -------------------------------------------------------------------------------
     def _start_thread(self, name: str, setup: Callable[[], None] | None = None) -> None:
@@ -85,6 +86,7 @@ class Endpoint:
                     except queue.Empty:
                         break
                 self._step()
+                self._steps += 1
         except BaseException as exc:  # reported to every waiter instead of dying silently
             self._error = exc
             with self._lock:
@@ -116,6 +118,18 @@ class Endpoint:
             raise TransferError("endpoint is not running (call start() first)")
         self._commands.put(fn)
         self._wake()
+
+    def run_in_loop(self, fn: Callable[[], None]) -> None:
+        """Queue `fn` to run on the loop thread before its next step (in order with other commands).
+        A seam for tests and diagnostics (e.g. stall the loop); raises TransferError if not running."""
+        self._call(fn)
+
+    def _loop_stats(self, waker: Any) -> LoopStats:
+        t = self._thread
+        return LoopStats(alive=t is not None and t.is_alive() and self._error is None,
+                         error=None if self._error is None else repr(self._error),
+                         thread_id=None if t is None else t.ident, steps=self._steps,
+                         waiting=waker.sleeping, wakes=waker.wakes)
 
     def _wake(self) -> None:
         """Wake the loop if it sleeps waiting for work (a subclass hook; by default it polls)."""

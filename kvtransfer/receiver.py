@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from kvtransfer import wire as m
-from kvtransfer.api import KVHandle, TransferConfig, TransferStatus
+from kvtransfer.api import KVHandle, ReceiverStats, RecvSnapshot, TransferConfig, TransferStatus
 from kvtransfer.compat import mismatches, peer_info
 from kvtransfer.endpoint import RequestState
 from kvtransfer.recv_liveness import SenderLiveness, _Sender
@@ -124,6 +124,29 @@ class KVReceiver(WithdrawReceiver, SenderLiveness):
             if not self._releasable(st):
                 raise RuntimeError(f"request {request_id!r} ({st.status.name}) may still be written")
             del self._requests[request_id]
+
+    def snapshot(self, request_id: str) -> RecvSnapshot:
+        """A copy of the request's state (see RecvSnapshot); raises KeyError if unknown."""
+        with self._lock:
+            st = self._get(request_id)
+            x = st.extra
+            return RecvSnapshot(status=st.status, reason=st.reason, layers=frozenset(st.layers),
+                                claimed=x["sender"] is not None, stopped=x["stopped"], sender_gone=x["gone"])
+
+    def stats(self) -> ReceiverStats:
+        """The receiver now (see ReceiverStats)."""
+        return ReceiverStats(loop=self._loop_stats(self._waker),
+                             senders=tuple(s.sender_id for s in list(self._senders.values())),
+                             receives_posted=len(self._posted))
+
+    def drop_sender(self, sender_id: str, reason: str) -> None:
+        """Drop every known sender called `sender_id` as if it were lost (on the loop thread, soon): its
+        requests FAILED with `reason`, their blocks held until their deadline; its next message is
+        answered with Rehandshake. For operators and tests. Raises TransferError if not running."""
+        def run() -> None:
+            for s in [s for s in self._senders.values() if s.sender_id == sender_id]:
+                self._drop_sender(s, reason)
+        self._call(run)
 
     def _releasable(self, st: RequestState) -> bool:
         if not st.status.is_terminal or any(p[0] == st.handle.request_id for p in self._posted.values()):
@@ -244,6 +267,10 @@ class KVReceiver(WithdrawReceiver, SenderLiveness):
         return m.BeginReply(msg.request_id, True)
 
     def _on_notice(self, identity: bytes, n: m.LayerNotice) -> None:
+        if self.transport.one_sided:  # its notices travel with the data: never one on the control plane
+            m.log.warning("ignored a notice for %r from %s: the transport is one-sided", n.request_id,
+                          identity.hex())
+            return
         with self._lock:
             st = self._requests.get(n.request_id)
             if st is None or st.extra["sender"] != identity or st.extra["gone"]:

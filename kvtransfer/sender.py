@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from kvtransfer import wire as m
-from kvtransfer.api import KVHandle, TransferConfig, TransferError, TransferStatus
+from kvtransfer.api import KVHandle, SenderStats, SendSnapshot, TransferConfig, TransferError, TransferStatus
 from kvtransfer.compat import peer_info
 from kvtransfer.endpoint import Endpoint, RequestState
 from kvtransfer.events import EventPool
@@ -41,7 +41,8 @@ S = TransferStatus
 class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
     """Sends KV from `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]` (any dtype/device)."""
 
-    def __init__(self, config: TransferConfig, kv_buffer: torch.Tensor, transport: SendTransport) -> None:
+    def __init__(self, config: TransferConfig, kv_buffer: torch.Tensor, transport: SendTransport,
+                 events: EventPool | None = None, rate: WriteRate | None = None) -> None:
         super().__init__(config)
         self.kv_buffer = kv_buffer
         self.layout = layout_of(kv_buffer)
@@ -52,10 +53,12 @@ class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
         self._queue: deque[QueuedLayer] = deque()
         # the direct path needs kv_buffer registered (once) and addressable as one flat byte range
         self._direct = config.direct_max_pieces > 0 and kv_buffer.is_contiguous()
-        self._events = EventPool(kv_buffer.device.index or 0) if kv_buffer.is_cuda else None
+        if events is None and kv_buffer.is_cuda:
+            events = EventPool(kv_buffer.device.index or 0)
+        self._events = events
         self._pipe = LayerPipeline(kv_buffer, transport, config.max_inflight_layers, self._direct,
                                    self._events.give_back if self._events else None,
-                                   WriteRate(MIN_SAMPLE_NAPS * config.busy_wait_s))
+                                   rate or WriteRate(MIN_SAMPLE_NAPS * config.busy_wait_s))
         self._preps: dict[str, list[object]] = {}  # request → transport.prepare_layers parts (loop)
         self._next_beat = 0.0
         self._poller: zmq.Poller | None = None
@@ -174,6 +177,27 @@ class KVSender(LayerHandoff, Handshake, PeerLiveness, SendPath, Endpoint):
         assert not self._queue, f"{len(self._queue)} layers still queued"
         held = self._events.held if self._events is not None else 0
         assert held == 0, f"{held} send_layer events not given back to the pool"
+
+    def snapshot(self, request_id: str) -> SendSnapshot:
+        """A copy of the request's state (see SendSnapshot); raises KeyError if unknown."""
+        with self._lock:
+            st = self._get(request_id)
+            x = st.extra
+            return SendSnapshot(status=st.status, reason=st.reason, layers=frozenset(st.layers),
+                                direct=x["runs"] is not None, key=x["key"], cuts=x["cuts"],
+                                begin_sent=bool(x.get("begin_sent")), answered=x["answered"],
+                                begun=x["begun"], inflight=x["inflight"], fence_pending=x["stop"] is not None,
+                                prepared=x["prep"] is not None)
+
+    def stats(self) -> SenderStats:
+        """The data path and peers now (see SenderStats)."""
+        ops = list(self._pipe.ops)
+        return SenderStats(loop=self._loop_stats(self._waker), queued=len(self._queue), in_pipeline=len(ops),
+                           writing=sum(op.posted for op in ops), writes=len(self._pipe._writes),
+                           lone_write=self._pipe.lone_write(), staging_slots_in_use=self._pipe.ring.in_use,
+                           posted=dict(self._pipe.posted), prepared=len(self._preps),
+                           events_held=self._events.held if self._events is not None else 0,
+                           receivers={a: p.epoch for a, p in list(self._peers.items())})
 
     def set_trace(self, trace: list[tuple[float, str, str, int]] | None) -> None:
         """Append (time.perf_counter() s, what, request_id, layer or count) events of the data path and

@@ -65,10 +65,12 @@ class Waker:
         self._tx.setblocking(False)
         self.fd = self._rx.fileno()
         self.sleeping = False  # set by the loop thread just before it polls with a timeout
+        self.wakes = 0  # wake-up bytes sent so far (stats)
 
     def wake(self) -> None:
         """Interrupt the loop's poll if it sleeps (any thread); never blocks or raises."""
         if self.sleeping:
+            self.wakes += 1
             with contextlib.suppress(OSError):  # buffer full (a byte is pending anyway) or closed
                 self._tx.send(b"\0")
 

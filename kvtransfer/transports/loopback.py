@@ -89,6 +89,10 @@ class LoopbackSendTransport(SendTransport):
         assert isinstance(kv_buffer, torch.Tensor)
         self._kv = kv_buffer.view(-1).view(torch.uint8)
 
+    def source(self, region: int) -> torch.Tensor:
+        """The flat byte view of source region STAGING or KV as registered (tests corrupt it)."""
+        return (self._staging, self._kv)[region]
+
     def add_peer(self, peer: str, remote: bytes) -> None:
         self._peers[peer] = remote.decode()
 

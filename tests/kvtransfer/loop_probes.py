@@ -14,7 +14,7 @@ def stall_loop(tx: object, wait: float = 5.0) -> threading.Event:
     def stall() -> None:
         stalled.set()
         gate.wait(wait)
-    tx._call(stall)  # type: ignore[attr-defined]
+    tx.run_in_loop(stall)  # type: ignore[attr-defined]
     assert stalled.wait(wait)
     return gate
 
