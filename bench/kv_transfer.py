@@ -41,6 +41,7 @@ import random
 import sys
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 import msgspec
 import torch
@@ -199,8 +200,7 @@ def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int
         tx.add_request(handle, ids)  # type: ignore[attr-defined]
     if begun:
         for rid in rids:
-            extra = tx._requests[rid].extra  # type: ignore[attr-defined]
-            assert tx.wait_until(functools.partial(_begun, extra), 30), "no Begin"  # type: ignore[attr-defined]
+            assert tx.wait_until(functools.partial(_begun, tx, rid), 30), "no Begin"  # type: ignore[attr-defined]
         _keep_busy(WARM_S[0], tx.kv_buffer)  # type: ignore[attr-defined]
         t = time.perf_counter()
     t_sl = time.perf_counter()
@@ -252,8 +252,7 @@ def _block_ids(n: int, concurrent: int, path: str, scatter: bool) -> tuple[list[
 def _finish(tx: object, conn: Connection, rid: str, status: object, path: str, done: object) -> float:
     """Check one request went by `path` and is DONE on both sides, then release it; returns when it
     became DONE on the receiver (time.perf_counter() s of that process: the same clock on Linux)."""
-    extra: dict[str, int] = tx._requests[rid].extra  # type: ignore[attr-defined]
-    direct = extra["runs"] is not None
+    direct = tx.snapshot(rid).direct  # type: ignore[attr-defined]
     assert direct == (path == "direct"), f"{path} row went {'direct' if direct else 'staged'}"
     conn.send(("wait", rid))
     got, landed = conn.recv()
@@ -264,19 +263,19 @@ def _finish(tx: object, conn: Connection, rid: str, status: object, path: str, d
                 if "lost (no heartbeat" in why else "")
         raise AssertionError(f"request {rid} ({path}) did not end DONE on both sides: {why}{hint}")
     # DONE comes from the receiver; our own completion test of the last write may lag a step
-    assert tx.wait_until(functools.partial(_drained, extra), 30), "writes stuck"  # type: ignore[attr-defined]
+    assert tx.wait_until(functools.partial(_drained, tx, rid), 30), "writes stuck"  # type: ignore[attr-defined]
     tx.release(rid)  # type: ignore[attr-defined]
     return float(landed)
 
 
-def _begun(extra: dict[str, int]) -> bool:
+def _begun(tx: Any, rid: str) -> bool:
     """The receiver answered the request's Begin."""
-    return bool(extra["answered"])
+    return bool(tx.snapshot(rid).answered)
 
 
-def _drained(extra: dict[str, int]) -> bool:
+def _drained(tx: Any, rid: str) -> bool:
     """No request-layer of the request is in flight on the sender any more."""
-    return extra["inflight"] == 0
+    return bool(tx.snapshot(rid).inflight == 0)
 
 
 def main() -> None:

@@ -34,14 +34,16 @@ _Prepared = tuple[Entry, Desc, Desc]  # prepare(): (peer entry, local, remote)
 _Layer = tuple[PreppedRequest, int]  # prepare_layers() part: (prepared request, layer)
 
 
-class _RecvMeta(msgspec.Struct, frozen=True):
+class NixlRecvMeta(msgspec.Struct, frozen=True):
+    """What a NIXL receiver hands a sender in its HelloReply (its transport metadata)."""
+
     agent: bytes  # NIXL agent metadata
     base: int  # kv_buffer.data_ptr()
     device: int  # CUDA device index, 0 for DRAM
     mem: str  # "DRAM" | "VRAM"
 
 
-def _agent(name: str, progress_thread: bool = False, error_handling: str = "peer") -> object:
+def make_agent(name: str, progress_thread: bool = False, error_handling: str = "peer") -> object:
     """A NIXL agent with its UCX backend; `error_handling`: the backend's ucx_error_handling_mode
     (TransferConfig.nixl_error_handling: "peer", NIXL's default, or "none")."""
     from nixl_cu13._api import nixl_agent, nixl_agent_config
@@ -65,11 +67,11 @@ class NixlRecvTransport(RecvTransport):
     """Registers `kv_buffer` with a NIXL agent named `name` (must be unique among peers)."""
 
     def __init__(self, name: str, kv_buffer: torch.Tensor, error_handling: str = "peer") -> None:
-        self.agent = _agent(name, progress_thread=kv_buffer.is_cuda, error_handling=error_handling)
+        self.agent = make_agent(name, progress_thread=kv_buffer.is_cuda, error_handling=error_handling)
         self.kv_buffer = kv_buffer
         self._reg = self.agent.register_memory(kv_buffer)  # type: ignore[attr-defined]
         mem, dev = _mem(kv_buffer)
-        self._meta = _RecvMeta(self.agent.get_agent_metadata(), kv_buffer.data_ptr(), dev, mem)  # type: ignore[attr-defined]
+        self._meta = NixlRecvMeta(self.agent.get_agent_metadata(), kv_buffer.data_ptr(), dev, mem)  # type: ignore[attr-defined]
         self._peers = AgentPeers()
 
     def metadata(self) -> bytes:
@@ -99,7 +101,7 @@ class NixlSendTransport(SendTransport):
     write_per_request = True
 
     def __init__(self, name: str, error_handling: str = "peer") -> None:
-        self.agent = _agent(name, error_handling=error_handling)
+        self.agent = make_agent(name, error_handling=error_handling)
         self._bases = [0, 0]  # data_ptr of the STAGING and KV regions (0 = not registered)
         self._regs: list[object] = [None, None]
         self._mem, self._dev = "DRAM", 0
@@ -125,7 +127,7 @@ class NixlSendTransport(SendTransport):
         self._register(KV, kv_buffer)
 
     def add_peer(self, peer: str, remote: bytes) -> None:
-        meta = msgspec.msgpack.decode(remote, type=_RecvMeta)
+        meta = msgspec.msgpack.decode(remote, type=NixlRecvMeta)
         name = self.agent.add_remote_agent(meta.agent)  # type: ignore[attr-defined]
         self._peers[peer] = (name, meta.base, meta.device, meta.mem)
 

@@ -38,6 +38,15 @@ def assert_landed(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_
     assert torch.equal(a, b)
 
 
+def sender_with(cfg: TransferConfig, kv: torch.Tensor, transport: Any = None, **seams: Any) -> Any:
+    """A started sender over `transport` (default: loopback) with the constructor's seams (`events`: an
+    EventPool, e.g. of fake CUDA events; `rate`: a lookahead.WriteRate)."""
+    from kvtransfer.sender import KVSender
+    from kvtransfer.transports.loopback import LoopbackSendTransport
+
+    return KVSender(cfg, kv, transport if transport is not None else LoopbackSendTransport(), **seams).start()
+
+
 def release_both(tx: object, rx: object, rid: str, wait: float = 10.0, leaks: bool = False) -> None:
     """Release a finished request on both sides once each may forget it (the receiver when releasable;
     the sender when terminal — it learns DONE from the receiver's Done message, which can come after its

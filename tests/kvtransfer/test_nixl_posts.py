@@ -55,14 +55,14 @@ def _spy(tx, rx) -> dict[str, list]:
 
 def _add(tx, rx, rid: str) -> None:
     tx.add_request(rx.expect(rid, DST), SRC)
-    assert tx.wait_until(lambda: tx._requests[rid].extra["prep"] is not None, WAIT)
+    assert tx.wait_until(lambda: tx.snapshot(rid).prepared, WAIT)
 
 
 def test_send_layers_of_a_direct_request_is_one_write_by_index(pair):
     tx, rx, src, dst = pair
     seen = _spy(tx, rx)
     _add(tx, rx, "a")
-    key, cuts = tx._requests["a"].extra["key"], tx._requests["a"].extra["cuts"]
+    key, cuts = tx.snapshot("a").key, tx.snapshot("a").cuts
     assert not seen["made"]  # the Begin answer prepares lists only: nothing made before a layer goes
     tx.send_layers("a")
     assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
@@ -84,7 +84,7 @@ def test_layer_by_layer_hand_off_posts_each_write_by_index(pair):
     seen = _spy(tx, rx)
     _add(tx, rx, "a")
     tx.send_layer("a", 0)
-    assert rx.wait_until(lambda: rx._requests["a"].layers == {0}, WAIT)
+    assert rx.wait_until(lambda: rx.snapshot("a").layers == {0}, WAIT)
     tx.send_layers("a", range(1, LAYERS))
     assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
     assert tx.wait("a", WAIT) is S.DONE
@@ -104,7 +104,7 @@ def test_abort_before_the_hand_off_releases_the_prepared_lists(pair, side):
     (tx if side == "sender" else rx).abort("a")
     assert tx.wait("a", WAIT) is S.ABORTED
     assert rx.wait("a", WAIT) is S.ABORTED
-    assert tx.wait_until(lambda: tx._requests["a"].extra["prep"] is None, WAIT)  # lists released
+    assert tx.wait_until(lambda: not tx.snapshot("a").prepared, WAIT)  # lists released
     assert not seen["made"] and not seen["started"] and not seen["released"]
     release_both(tx, rx, "a", leaks=True)
     assert tx.transport.prepared_count() == 0 and dst.abs().sum() == 0  # nothing was written
