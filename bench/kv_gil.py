@@ -190,7 +190,7 @@ def _pick_backend(name: str) -> str:
 
 def _sender(args: argparse.Namespace, backend: str, src: torch.Tensor) -> Any:
     from kvtransfer import TransferConfig
-    from kvtransfer.sender import KVSender
+    from kvtransfer.sender import SenderEndpoint
 
     extra = {} if args.busy_wait_us is None else {"busy_wait_s": args.busy_wait_us * 1e-6}
     if args.busy_wait_us is not None and args.busy_wait_us < 5:  # fine_wait_s (5 us) must not exceed it
@@ -208,7 +208,8 @@ def _sender(args: argparse.Namespace, backend: str, src: torch.Tensor) -> Any:
     if args.event_latency_us > 0:  # as the sender does for a CUDA kv_buffer, with fake events
         from kvtransfer.events import EventPool
         events = EventPool(0, lambda: LateEvent(args.event_latency_us * 1e-6), lambda device: None)
-    return KVSender(config, src, DelayedTransport(inner, args.write_latency_us * 1e-6), events=events).start()
+    transport = DelayedTransport(inner, args.write_latency_us * 1e-6)
+    return SenderEndpoint(config, src, transport, events=events).start()
 
 
 class _LocalConn:

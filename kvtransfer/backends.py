@@ -10,8 +10,8 @@ if TYPE_CHECKING:
     import torch
 
     from kvtransfer.api import TransferConfig
-    from kvtransfer.receiver import KVReceiver
-    from kvtransfer.sender import KVSender
+    from kvtransfer.receiver import ReceiverEndpoint
+    from kvtransfer.sender import SenderEndpoint
 
 BACKENDS = ("nixl", "ucx", "loopback")
 
@@ -22,9 +22,9 @@ class TransferBackend:
 
     name: str
 
-    def sender(self, config: TransferConfig, kv_buffer: torch.Tensor) -> KVSender:
-        """A started KVSender over this backend (config.backend must equal the name)."""
-        from kvtransfer.sender import KVSender
+    def sender(self, config: TransferConfig, kv_buffer: torch.Tensor) -> SenderEndpoint:
+        """A started sender (api.KVSender) over this backend (config.backend must equal the name)."""
+        from kvtransfer.sender import SenderEndpoint
         from kvtransfer.transports.base import SendTransport
 
         self._check(config)
@@ -42,11 +42,11 @@ class TransferBackend:
             from kvtransfer.transports.loopback import LoopbackSendTransport
 
             transport = LoopbackSendTransport()
-        return KVSender(config, kv_buffer, transport).start()
+        return SenderEndpoint(config, kv_buffer, transport).start()
 
-    def receiver(self, config: TransferConfig, kv_buffer: torch.Tensor) -> KVReceiver:
-        """A started KVReceiver over this backend, bound at config.host:config.port."""
-        from kvtransfer.receiver import KVReceiver
+    def receiver(self, config: TransferConfig, kv_buffer: torch.Tensor) -> ReceiverEndpoint:
+        """A started receiver (api.KVReceiver) over this backend, bound at config.host:config.port."""
+        from kvtransfer.receiver import ReceiverEndpoint
         from kvtransfer.transports.base import RecvTransport
 
         self._check(config)
@@ -64,7 +64,7 @@ class TransferBackend:
             from kvtransfer.transports.loopback import LoopbackRecvTransport
 
             transport = LoopbackRecvTransport(kv_buffer)
-        return KVReceiver(config, kv_buffer, transport).start()
+        return ReceiverEndpoint(config, kv_buffer, transport).start()
 
     def _check(self, config: TransferConfig) -> None:
         if config.backend != self.name:

@@ -105,6 +105,11 @@ class LayerPipeline:
         return sum(1 for op in self.ops if request_id is None or op.request_id == request_id)
 
     @property
+    def writes_in_flight(self) -> int:
+        """Transport writes posted and not yet complete."""
+        return len(self._writes)
+
+    @property
     def capacity(self) -> int:
         """Request-layers that may still enter the pipeline (depth minus those in flight)."""
         return self.depth - len(self.ops)

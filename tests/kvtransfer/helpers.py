@@ -41,10 +41,11 @@ def assert_landed(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_
 def sender_with(cfg: TransferConfig, kv: torch.Tensor, transport: Any = None, **seams: Any) -> Any:
     """A started sender over `transport` (default: loopback) with the constructor's seams (`events`: an
     EventPool, e.g. of fake CUDA events; `rate`: a lookahead.WriteRate)."""
-    from kvtransfer.sender import KVSender
+    from kvtransfer.sender import SenderEndpoint
     from kvtransfer.transports.loopback import LoopbackSendTransport
 
-    return KVSender(cfg, kv, transport if transport is not None else LoopbackSendTransport(), **seams).start()
+    transport = transport if transport is not None else LoopbackSendTransport()
+    return SenderEndpoint(cfg, kv, transport, **seams).start()
 
 
 def release_both(tx: object, rx: object, rid: str, wait: float = 10.0, leaks: bool = False) -> None:
@@ -153,7 +154,7 @@ class FakeSender:
 
     def __init__(self, address: str, sender_id: str = "fake-p", epoch: int = 77,
                  kv_like: torch.Tensor | None = None) -> None:
-        from kvtransfer.compat import peer_info
+        from kvtransfer.compat import kv_compat
         from kvtransfer.staging import layout_of
 
         self.sender_id, self.epoch = sender_id, epoch
@@ -163,7 +164,7 @@ class FakeSender:
         self.sock.setsockopt(zmq.IDENTITY, f"{sender_id}:{epoch}".encode())
         self.sock.connect(address)
         kv = make_kv(None) if kv_like is None else kv_like
-        self.info = peer_info(config(sender_id, "loopback"), layout_of(kv))
+        self.info = kv_compat("test-model", "loopback", layout_of(kv))
         self.got: list[Any] = []
 
     def send(self, msg: Any) -> None:

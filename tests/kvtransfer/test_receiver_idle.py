@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 import kvtransfer.receiver as receiver_mod
-from kvtransfer import TransferStatus, get_transfer_backend
-from kvtransfer.receiver import KVReceiver
+from kvtransfer import KVReceiver, TransferStatus, get_transfer_backend
 from kvtransfer.wakeup import nap_until
 from tests.kvtransfer.helpers import (
     LAYERS,

@@ -17,7 +17,7 @@ import time
 import msgspec
 import pytest
 
-from kvtransfer import TransferStatus, get_transfer_backend
+from kvtransfer import PROTOCOL_VERSION, TransferStatus, get_transfer_backend
 from kvtransfer import wire as m
 from tests.kvtransfer.helpers import (
     LAYERS,
@@ -175,6 +175,6 @@ def test_a_dropped_senders_late_stopped_is_no_fence():
 def test_rehandshake_message_round_trips_and_version_is_bumped():
     msg = m.Rehandshake("d0", 7, "sender p0 lost (no heartbeat for 1.0s)")
     assert m.decode(m.encode(msg)) == msg
-    assert m.PeerInfo.version() >= 4
+    assert PROTOCOL_VERSION >= 4
     with pytest.raises(msgspec.ValidationError):
         m.decode(msgspec.msgpack.encode({"type": "Rehandshake", "receiver_id": "d0"}))

@@ -16,7 +16,7 @@ import time
 import msgspec
 import pytest
 
-from kvtransfer import TransferStatus, get_transfer_backend
+from kvtransfer import PROTOCOL_VERSION, TransferStatus, get_transfer_backend
 from kvtransfer import wire as m
 from tests.kvtransfer.helpers import (
     LAYERS,
@@ -155,6 +155,6 @@ def test_withdraw_cannot_end_a_claimed_request_nor_one_of_another_epoch():
 def test_withdraw_message_round_trips_and_version_is_bumped():
     msg = m.Withdraw("r1", 7, False, "deadline of 1.0s passed")
     assert m.decode(m.encode(msg)) == msg
-    assert m.PeerInfo.version() >= 5
+    assert PROTOCOL_VERSION >= 5
     with pytest.raises(msgspec.ValidationError):
         m.decode(msgspec.msgpack.encode({"type": "Withdraw", "request_id": "r1"}))

@@ -18,7 +18,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.engine_core import EngineCore
 from kvtransfer import KVHandle, TransferConfig, get_transfer_backend
 from kvtransfer import wire as km
-from kvtransfer.compat import peer_info
+from kvtransfer.compat import kv_compat
 from kvtransfer.staging import layout_of
 from kvtransfer.transports.loopback import LoopbackRecvTransport
 from prefill_worker.worker import PrefillWorker
@@ -210,7 +210,7 @@ class FakeSender:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(receiver_address)
-        self.info = peer_info(transfer_config("fake-p"), layout_of(kv_like))
+        self.info = kv_compat("tiny", "loopback", layout_of(kv_like))
         self.got: list[km.Message] = []
 
     def request(self, msg: km.Message, timeout: float = 5.0) -> km.Message:
