@@ -12,8 +12,11 @@ memcpy of the same bytes (capped at 512 MiB);
 with `--device cuda` a torch peer copy GPU0 → GPU1 of the same bytes (the receiver then lives on cuda:1).
 
     .venv/bin/python bench/kv_transfer.py [--device cpu|cuda] [--tokens 1024 4096 32768]
-        [--backends nixl ucx] [--path staged|direct|both] [--repeat 3] [--scatter] [--depth 4] [--verify]
-        [--handoff layer|request]
+        [--backends nixl ucx loopback] [--path staged|direct|both] [--repeat 3] [--scatter] [--depth 4]
+        [--verify] [--handoff layer|request]
+
+--backends loopback: the receiver runs in a thread of this process (the loopback transport copies
+within one process): the sender's and receiver's own costs without a transport between processes.
 
 --path: "direct" sends from contiguous source blocks (one run: written straight from kv_buffer, no
 gather); "staged" from a shuffled permutation of them (fragmented: gathered into the staging ring).
@@ -24,7 +27,9 @@ build / descriptors / init / transfer(), the DONE round trip through the receive
 both kv_buffers get this many blocks more than the requests use, so a request's K and V (and layers)
 are not adjacent in memory as in serving (by default they are, and the direct pieces merge).
 --handoff: "layer" (default) hands the KV over by one send_layer per layer (as a prefill forward
-pass does), "request" by one KVSender.send_layers per request (its whole KV is in kv_buffer already).
+pass does), "request" by one send_layers call per request (its whole KV is in kv_buffer already): one
+CUDA event and one wake-up for every layer, which the sender loop takes up and posts like send_layer's
+(one write per receiver per step, at most --depth request-layers in flight).
 --verify: CRC32 of every request-layer checked on arrival (bit-exactness through the real
 transport; slow: copies to host).
 """
@@ -39,6 +44,7 @@ import os
 import platform
 import random
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -145,7 +151,11 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
     rx_device = device if device == "cpu" else "cuda:1"
     args = (child, backend, n * concurrent + extra_blocks, rx_device, verify, PEER_TIMEOUT_S[0],
             BUSY_WAIT_S[0], NIXL_ERRORS[0])
-    proc = ctx.Process(target=receiver_main, args=args, daemon=True)
+    proc: threading.Thread | mp.process.BaseProcess
+    if backend == "loopback":  # its transport copies within one process: the receiver is a thread here
+        proc = threading.Thread(target=receiver_main, args=args, daemon=True)
+    else:
+        proc = ctx.Process(target=receiver_main, args=args, daemon=True)
     proc.start()
     conn.recv()
     src = torch.randn(LAYERS, 2, n * concurrent + extra_blocks, BS, HEADS, DIM,

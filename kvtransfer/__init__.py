@@ -24,7 +24,8 @@ Prefill worker (sender)::
     tx.abort(request_id)                               # on abort; then wait for a terminal status
     tx.close()
 
-Objects (composition; each owns its state, none inherits another's):
+Objects (composition; each owns its state, none inherits another's). api.py: the KVSender and
+KVReceiver contracts; types.py: handle, layout, status, config, errors; stats.py: snapshot/stats copies.
 
     sender.SenderEndpoint          the KVSender: public calls, its loop step and waits
       ├─ requests.RequestTable     the lock + each request's SendState (SendPlan fixed at add_request)
@@ -32,11 +33,13 @@ Objects (composition; each owns its state, none inherits another's):
       ├─ peers.ReceiverPeers       receivers: sockets, Hello/HelloReply (compat.py), liveness, KeepAlive
       ├─ send_path.SendPath        hand-off queue → pipeline.LayerPipeline (staging.StagingRing, writes in
       │                            flight, lookahead.WriteRate) → transport → completions; busy naps
-      └─ send_control.SendControl  Begin, replies, Stopped/Withdraw fences, deadlines, peer loss
-    receiver.ReceiverEndpoint      the KVReceiver: public calls, messages, landing, block lifetime
+      ├─ send_control.SendControl  Begin, replies, Stopped/Withdraw fences, deadlines, peer loss
+      └─ send_wait.SenderWait      when the loop sleeps and how long (idle poll, busy naps, look-ahead)
+    receiver.ReceiverEndpoint      the KVReceiver: public calls, its loop step and waits, block lifetime
       ├─ requests.RequestTable     the lock + each request's RecvState
       ├─ loop.LoopThread
-      └─ senders.SenderPeers       senders: handshakes, liveness, dropped ones, which notices to trust
+      ├─ senders.SenderPeers       senders: handshakes, liveness, dropped ones, which notices to trust
+      └─ recv_control.RecvControl  Hello, Begin, notices and landings, Stopped/Withdraw, deadlines, drops
     transports/                    the data plane: base.SendTransport / RecvTransport (ABCs) and the
                                    loopback (in-process, tests), ucx (ucxx tag send/recv) and nixl
                                    (one-sided WRITE) implementations
@@ -47,19 +50,18 @@ Objects (composition; each owns its state, none inherits another's):
 This module imports nothing heavy (no torch): the gateway imports kvtransfer.compat through it.
 """
 
-from kvtransfer.api import (
+from kvtransfer.api import KVReceiver, KVSender
+from kvtransfer.backends import BACKENDS, TransferBackend, get_transfer_backend
+from kvtransfer.compat import KVCompat, kv_compat, mismatches
+from kvtransfer.types import (
     PROTOCOL_VERSION,
     IncompatiblePeerError,
     KVHandle,
     KVLayout,
-    KVReceiver,
-    KVSender,
     TransferConfig,
     TransferError,
     TransferStatus,
 )
-from kvtransfer.backends import BACKENDS, TransferBackend, get_transfer_backend
-from kvtransfer.compat import KVCompat, kv_compat, mismatches
 
 __all__ = [
     "BACKENDS",

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from kvtransfer.api import TransferConfig
     from kvtransfer.receiver import ReceiverEndpoint
     from kvtransfer.sender import SenderEndpoint
+    from kvtransfer.types import TransferConfig
 
 BACKENDS = ("nixl", "ucx", "loopback")
 

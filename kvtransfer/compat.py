@@ -10,14 +10,14 @@ One record, `KVCompat`, and one check, `mismatches`, used in both places a pair 
 
 Every field must be equal: heterogeneous tensor parallelism, dtype conversion and layout transposition
 are not supported, so a pair that differs is refused instead of receiving garbage. This module imports
-only msgspec and kvtransfer.api (the gateway, which has no torch, imports it).
+only msgspec and kvtransfer.types (the gateway, which has no torch, imports it).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from kvtransfer.api import PROTOCOL_VERSION, KVLayout
+from kvtransfer.types import PROTOCOL_VERSION, KVLayout
 
 
 class KVCompat(msgspec.Struct, frozen=True, kw_only=True):

@@ -17,7 +17,8 @@ import queue
 import threading
 from collections.abc import Callable
 
-from kvtransfer.api import LoopStats, TransferError
+from kvtransfer.stats import LoopStats
+from kvtransfer.types import TransferError
 from kvtransfer.wakeup import Waker, set_timer_slack
 
 

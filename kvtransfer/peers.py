@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import zmq
 
 from kvtransfer import wire
-from kvtransfer.api import IncompatiblePeerError, TransferConfig, TransferError
 from kvtransfer.compat import KVCompat
 from kvtransfer.transports.base import SendTransport
+from kvtransfer.types import IncompatiblePeerError, TransferConfig, TransferError
 
 
 @dataclass(eq=False)

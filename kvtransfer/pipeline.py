@@ -13,9 +13,7 @@ A request-layer goes through three stages, each started by the sender loop witho
 A direct request-layer (its source blocks form few runs, send_path.py) skips stage 1: it is written
 straight from kv_buffer once the event recorded at send_layer() has completed (on CPU at once), and
 holds no slot. `depth` (TransferConfig.max_inflight_layers) bounds all request-layers between stage 1
-(or send_layer, for direct ones) and stage 3. Before this file the sender gathered, synchronized and
-wrote one request-layer at a time (GPU 2×H200: nixl 0.14 of a peer copy at 4k tokens, see
-docs/benchmarks/kv_transfer-h200.md).
+(or send_layer, for direct ones) and stage 3.
 """
 
 from __future__ import annotations
@@ -26,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.api import TransferError
 from kvtransfer.lookahead import WriteRate
 from kvtransfer.staging import StagingRing, gather_layer
 from kvtransfer.transports.base import SendTransport
+from kvtransfer.types import TransferError
 
 
 @dataclass(slots=True)
@@ -188,8 +186,8 @@ class LayerPipeline:
 
     def post(self, ops: list[LayerOp], peer: str, parts: list[object], notice: bytes,
              tag: int) -> None:
-        """Start one write of several ready ops to the same peer (one transport call, one notice:
-        the per-write cost, ~160 µs of NIXL calls per request-layer on an H200 host, is paid once).
+        """Start one write of several ready ops to the same peer (one transport call, one notice: the
+        transport's per-write cost is paid once, not once per request-layer).
         `parts[i]`: op i's pieces as `transport.prepare` returned them (staged ones with source offsets
         from `staging_offset`).
 

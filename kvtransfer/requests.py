@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from kvtransfer.api import KVHandle, TransferStatus
 from kvtransfer.runs import JointRun, Piece
+from kvtransfer.types import KVHandle, TransferStatus
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """Turn a request-layer's destination blocks into few large copies (no torch).
 
-Each descriptor costs ~7 µs (docs: /work/shared/facts.md), so per-block copies run ~60× below the link.
+Each descriptor costs ~7 µs (NIXL over cuda_ipc on an H200), so per-block copies run ~60× below the link.
 The sender gathers a request-layer's blocks into one contiguous staging buffer laid out
 `[2 (K, V), n, block_size, num_kv_heads, head_dim]`; destination block ids that are adjacent
 (b, b+1, ...) in token order are merged into runs, and each run becomes one piece for K and one for V.
@@ -17,7 +17,7 @@ pieces from the destination ids plus the source cuts carried by the LayerNotice.
 
 from __future__ import annotations
 
-from kvtransfer.api import KVLayout
+from kvtransfer.types import KVLayout
 
 Piece = tuple[int, int, int]  # (staging byte offset, destination byte offset, bytes)
 JointRun = tuple[int, int, int, int]  # (token position, first source block, first dest block, length)

@@ -27,10 +27,10 @@ import contextlib
 import time
 
 from kvtransfer import wire
-from kvtransfer.api import IncompatiblePeerError, TransferConfig, TransferError, TransferStatus
 from kvtransfer.peers import ReceiverPeer, ReceiverPeers
 from kvtransfer.requests import RequestTable, SendState
 from kvtransfer.send_path import SendPath
+from kvtransfer.types import IncompatiblePeerError, TransferConfig, TransferError, TransferStatus
 
 S = TransferStatus
 

@@ -6,8 +6,7 @@ gathered into free staging slots, direct ones as they are), `post_ready` (ready 
 requests written: one write per receiver carrying a LayerNotices batch for one-sided transports, one
 per request-layer for two-sided ones; with a transport's `write_per_request` (NIXL) the direct layers
 of each request go as their own write), `complete` (finished writes free their slots; a failed one
-fails its request), `release_preps`. When layers are queued or in flight but none can move now,
-`nap_busy` waits with the GIL released instead of stepping back to back.
+fails its request), `release_preps`. How the loop waits between steps is send_wait.py.
 
 Hand-off: validate every layer first (a refused call queues and marks nothing), then under ONE lock
 acquisition mark them handed off, record ONE CUDA event (from the pool, events.py; None on CPU) shared
@@ -30,12 +29,6 @@ send_control.fail_peer); garbage landing in such blocks is never read. (3) Nothi
 request became terminal: `post_ready` checks the status under the lock, and every status change of
 the sender runs on the loop thread, which is the one posting.
 
-The busy nap is `TransferConfig.busy_wait_s` (50 µs) by default. While the one write in flight has a
-predicted end (lookahead.py: the transport's rate from the writes completed so far), it is one long
-nap up to shortly before that end, then a look every `fine_wait_s` until shortly after it: NIXL's UCX
-backend sends a write's notification from the look (check_xfer_state) that finds the write complete
-when it was still in progress after transfer(), so the receiver learns of the data only then, and each
-look takes the GIL from the prefill thread. A waker byte or a control message ends any nap at once.
 """
 
 from __future__ import annotations
@@ -47,19 +40,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
-import zmq
 
 from kvtransfer import wire
-from kvtransfer.api import KVLayout, TransferConfig, TransferError, TransferStatus
 from kvtransfer.events import EventPool
-from kvtransfer.lookahead import nap_length
 from kvtransfer.loop import LoopThread
 from kvtransfer.pipeline import Item, LayerOp, LayerPipeline
 from kvtransfer.requests import RequestTable, SendState
 from kvtransfer.runs import make_tag, staged_pieces
 from kvtransfer.staging import checksum, layer_checksum
 from kvtransfer.transports.base import KV, STAGING, SendTransport
-from kvtransfer.wakeup import nap
+from kvtransfer.types import KVLayout, TransferConfig, TransferError, TransferStatus
 
 S = TransferStatus
 QueuedLayer = tuple[str, int, "torch.cuda.Event | None"]  # (request_id, layer, event it waits for)
@@ -267,67 +257,6 @@ class SendPath:
             if error is not None and not st.status.is_terminal:
                 self.requests.set_status(st, S.FAILED, f"transfer of layer {layer} failed: {error}")
                 st.fence_later(aborted=False)
-
-    # ---- the loop's waits --------------------------------------------------------------------------
-    @property
-    def busy(self) -> bool:
-        """Layers queued or in the pipeline."""
-        return bool(self.queue or self.pipe.ops)
-
-    def can_take_layer(self) -> bool:
-        """Whether the oldest queued request-layer can enter the pipeline now (or be dropped: its
-        request ended); False with an empty queue."""
-        if not self.queue:
-            return False
-        with self.requests.lock:
-            st = self.requests.find(self.queue[0][0])
-        if st is None or st.status.is_terminal:
-            return True
-        return self.pipe.can_start(len(st.plan.src_ids), st.plan.direct)
-
-    def can_post(self) -> bool:
-        """Whether a request-layer not yet posted can be posted (or dropped) now: its request is
-        terminal, or begun and its CUDA event completed (always, on CPU). Only the oldest begun one's
-        event is queried (one query per look, not depth): events complete in the order send_layer
-        recorded them, so a later one found complete a nap later loses at most that nap."""
-        if not self.pipe.unposted:  # every look of a nap: no lock, no list while all are posted
-            return False
-        with self.requests.lock:
-            states = [(op, self.requests.get(op.request_id)) for op in self.pipe.ops if not op.posted]
-        for op, st in states:
-            if st.status.is_terminal:
-                return True
-            if st.begun:
-                return op.ready is None or bool(op.ready.query())
-        return False
-
-    def nap_busy(self, socks: list[zmq.Socket], cap_s: float) -> bool:
-        """Wait with the GIL released while the data path only waits for send_layer events or write
-        completions, which signal nothing: naps (wakeup.nap), and between two only those are looked at
-        (completions handled here, by `complete`), so each look costs the producer thread little GIL
-        time. A nap is `config.busy_wait_s`, except while the one write in flight has a predicted end
-        (lookahead.nap_length, pipeline.lone_write; see the module docstring). Returns True as soon as
-        the waker or a socket in `socks` is readable (a command, a send_layer, a message: the caller
-        reads them), False once an event completed, a write finished or `cap_s` seconds passed
-        (housekeeping is due). Call with `loop.waker.sleeping` set."""
-        c = self.config
-        now = time.monotonic()
-        end = now + cap_s
-        self.mark("nap", "")
-        while True:
-            t = nap_length(now, self.pipe.lone_write(), c.busy_wait_s, c.fine_wait_s)
-            if t > c.busy_wait_s:
-                self.mark("nap:long", "")  # (bench --trace) the look-ahead skips looks up to near the end
-            if nap(self.loop.waker, socks, min(t, max(0.0, end - now))):
-                self.mark("nap_end", "")
-                return True
-            if self.can_post() or self.complete():
-                self.mark("nap_end", "")
-                return False
-            now = time.monotonic()
-            if now >= end:
-                self.mark("nap_end", "")
-                return False
 
     def mark(self, what: str, request_id: str) -> None:
         """A trace event (set_trace: the pipeline's trace list) of the sender loop or hand-off; nothing

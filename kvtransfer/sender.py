@@ -7,12 +7,13 @@ together and runs its loop thread (loop.py):
 - `peers` (peers.py): the receivers, their sockets, handshakes and liveness;
 - `path` (send_path.py): hand-off queue → pipeline (pipeline.py: staging ring, writes in flight) →
   transport (transports/) → completions;
-- `control` (send_control.py): Begin, replies, fences, deadlines, what a lost peer does to requests.
+- `control` (send_control.py): Begin, replies, fences, deadlines, what a lost peer does to requests;
+- `waits` (send_wait.py): when the loop sleeps, and how long.
 
-One loop step: wait for work (`_wait`: an idle poll, busy naps, or nothing when work is ready), read
-every control message, liveness and deadlines right after (a stall of this loop never counts as a
-peer's silence), take queued layers up, post the ready ones, handle completions, send fences, free
-prepared lists.
+One loop step: wait for work (an idle poll, busy naps, or nothing when work is ready) and read every
+control message, liveness and deadlines right after (a stall of this loop never counts as a peer's
+silence), take queued layers up, post the ready ones, handle completions, send fences, free prepared
+lists.
 """
 
 from __future__ import annotations
@@ -24,14 +25,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvtransfer.api import (
-    KVHandle,
-    SenderStats,
-    SendSnapshot,
-    TransferConfig,
-    TransferError,
-    TransferStatus,
-)
 from kvtransfer.compat import KVCompat, kv_compat
 from kvtransfer.events import EventPool
 from kvtransfer.lookahead import MIN_SAMPLE_NAPS, WriteRate
@@ -42,13 +35,15 @@ from kvtransfer.requests import RequestTable, SendPlan, SendState
 from kvtransfer.runs import direct_layers, joint_runs, layer_pieces, merge_runs, source_cuts
 from kvtransfer.send_control import SendControl
 from kvtransfer.send_path import SendPath
+from kvtransfer.send_wait import SenderWait
 from kvtransfer.staging import layout_of
+from kvtransfer.stats import SenderStats, SendSnapshot
 from kvtransfer.transports.base import SendTransport
+from kvtransfer.types import KVHandle, TransferConfig, TransferError, TransferStatus
 from kvtransfer.wakeup import Waker
 from kvtransfer.wire import new_epoch
 
 S = TransferStatus
-IDLE_POLL_MS = 10  # longest idle sleep of the loop (new work wakes it at once)
 
 
 class SenderEndpoint:
@@ -84,6 +79,7 @@ class SenderEndpoint:
                               lambda address, notice: self._peers.send(self._peers.get(address), notice),
                               events)
         self._control = SendControl(config, self._requests, self._peers, self._path)
+        self._waits = SenderWait(config, self._path, self._loop, self._peers)
 
     def start(self) -> SenderEndpoint:
         """Start the loop thread (api.KVSender.start)."""
@@ -226,7 +222,7 @@ class SenderEndpoint:
     def _step(self) -> None:
         path = self._path
         path.mark("step", "")
-        self._wait()
+        self._waits.wait_and_read(self._control.on_message)
         path.mark("step:polled", "")
         # liveness right after reading every pending message: a stall of this loop (a long write, a
         # starved thread) must not count as the peers' silence (their heartbeats wait unread)
@@ -237,39 +233,6 @@ class SenderEndpoint:
         path.complete()
         self._control.flush_fences()
         path.release_preps()
-
-    def _wait(self) -> None:
-        """Read control messages, after a wait unless this step has work it can do now (a command, a
-        queued layer that can enter the pipeline, a layer to post).
-
-        Idle (nothing queued or in flight): sleep in the zmq poller up to IDLE_POLL_MS (heartbeats,
-        deadlines). Busy but only waiting for CUDA events or write completions, which signal nothing:
-        naps with the GIL released (SendPath.nap_busy: select() on the waker and the sockets' fds;
-        zmq's own poll counts whole milliseconds) up to IDLE_POLL_MS, so the loop does not spin and
-        take the GIL from the producer, while a Done, a command or a send_layer the pipeline has room
-        for still ends the nap at once. A send_layer into a full pipeline sends no wake byte
-        (`take_layers`): the loop could not start it before a completion, which a nap's look finds."""
-        path, loop, waker = self._path, self._loop, self._loop.waker
-        poller = self._peers.poller()
-        busy = path.busy
-        now = loop.has_commands() or (busy and (path.can_take_layer() or path.can_post()))
-        if not now:
-            path.take_layers = path.pipe.capacity > 0
-            waker.sleeping = True  # then look again: work queued before this sent no byte
-            now = loop.has_commands() or path.can_take_layer()
-        if now:
-            ready = dict(poller.poll(0))
-        elif busy:
-            woke = path.nap_busy(self._peers.sockets(), IDLE_POLL_MS / 1e3)
-            ready = dict(poller.poll(0)) if woke else {}
-        else:
-            path.mark("idle", "")
-            ready = dict(poller.poll(IDLE_POLL_MS))
-            path.mark("idle_end", "")
-        waker.sleeping = False
-        if waker.fd in ready:
-            waker.drain()
-        self._peers.read(ready, self._control.on_message)
 
     def _crashed(self, exc: BaseException) -> None:
         with self._requests.lock:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import msgspec
 
 from kvtransfer import wire
-from kvtransfer.api import TransferConfig
 from kvtransfer.requests import RecvState
+from kvtransfer.types import TransferConfig
 
 log = logging.getLogger(__name__)
 FORGOTTEN_MAX = 1024  # dropped senders whose drop reason is kept for their Rehandshake

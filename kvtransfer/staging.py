@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvtransfer.api import KVLayout
+from kvtransfer.types import KVLayout
 
 
 def layout_of(kv_buffer: torch.Tensor) -> KVLayout:

@@ -16,8 +16,7 @@ is queued", so `zmq.EVENTS` is read first (which also resets the fd) and the nap
 message is already waiting.
 
 Linux adds a timer slack (50 µs by default, man 2 prctl, PR_SET_TIMERSLACK) to every timed sleep of a
-thread, so a 50 µs nap used to last ~100-150 µs: on 2×H200 the receiver read the last NIXL notice
-130-190 µs after the write completed. `set_timer_slack` lowers it for the calling (loop) thread.
+thread, so a 50 µs nap lasts ~100-150 µs. `set_timer_slack` lowers it for the calling (loop) thread.
 
 `nap_until` strings naps together for a loop that must also look at something no fd signals between
 them (the receiver's `transport.poll()`: NIXL notifications, ucx progress), up to a cap after which the

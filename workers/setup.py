@@ -17,8 +17,8 @@ from protocol.messages import WireSamplingParams
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
-    from kvtransfer.api import KVHandle
     from kvtransfer.compat import KVCompat
+    from kvtransfer.types import KVHandle
     from protocol.settings import WorkerSettings
 
 
@@ -70,7 +70,7 @@ def encode_handle(handle: KVHandle) -> bytes:
 
 def decode_handle(data: bytes) -> KVHandle:
     """Inverse of :func:`encode_handle`. Raises ``ValueError`` when the bytes are not a ``KVHandle``."""
-    from kvtransfer.api import KVHandle
+    from kvtransfer.types import KVHandle
 
     try:
         return msgspec.msgpack.decode(data, type=KVHandle)

@@ -2,7 +2,7 @@
 
 A sender transport writes byte pieces of one of its two registered source regions, the staging ring
 (STAGING) or its own kv_buffer (KV, the direct path), into a peer's KV tensor; a receiver
-transport exposes its KV tensor. Control messages never go through it (see messages.py), except the
+transport exposes its KV tensor. Control messages never go through it (see wire.py), except the
 layer notice of one-sided transports, which travels with the data (NIXL notif) so that it can only
 arrive after the data. All methods are called from one thread (the sender's or receiver's loop).
 """

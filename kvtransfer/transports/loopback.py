@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import torch
 
-from kvtransfer.api import TransferError
 from kvtransfer.transports.base import RecvTransport, SendTransport, SourcePiece
+from kvtransfer.types import TransferError
 
 
 class LoopbackRecvTransport(RecvTransport):

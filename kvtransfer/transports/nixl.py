@@ -24,10 +24,10 @@ from typing import cast
 import msgspec
 import torch
 
-from kvtransfer.api import TransferError
 from kvtransfer.transports.base import KV, STAGING, RecvTransport, SendTransport, SourcePiece
 from kvtransfer.transports.nixl_peers import AgentPeers
 from kvtransfer.transports.nixl_prep import Desc, Entry, PreppedRequest, merge_descs, part_descs
+from kvtransfer.types import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 _Prepared = tuple[Entry, Desc, Desc]  # prepare(): (peer entry, local, remote)
@@ -49,9 +49,8 @@ def make_agent(name: str, progress_thread: bool = False, error_handling: str = "
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 
     # NIXL's progress thread spins (delay 0 from Python): a core per agent, idle or not. A GPU target
-    # keeps it (the H200 figures had it); on DRAM it is off (on 2 cores it starved the prefill worker,
-    # a 5000-token prompt missed its 30 s KV deadline), so large DRAM WRITEs progress only when the
-    # receiver polls (1.4 → 0.3 GB/s at 16 MiB per layer, facts.md).
+    # keeps it; on DRAM it is off (on a 2-core host it starves the prefill worker), so large DRAM
+    # WRITEs progress only when the receiver polls (about 4x slower at 16 MiB per layer).
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
     params = agent.get_plugin_params("UCX")  # type: ignore[attr-defined]
     params["ucx_error_handling_mode"] = error_handling

@@ -19,7 +19,7 @@ Entry = tuple[str, int, int, str]  # a peer: (remote agent name, kv_buffer base,
 def merge_descs(local: Desc, remote: Desc) -> tuple[Desc, Desc]:
     """Pairs of (address, bytes, device) descriptors with each run of consecutive pairs that are
     contiguous on BOTH sides (same devices) merged into one pair: fewer descriptors, same bytes (each
-    costs ~7 µs on an H200 over cuda_ipc, facts.md). Raises ValueError if the lists differ in length."""
+    costs ~7 µs on an H200 over cuda_ipc). Raises ValueError if the lists differ in length."""
     if len(local) != len(remote):
         raise ValueError(f"{len(local)} local descriptors for {len(remote)} remote ones")
     out_l: Desc = []

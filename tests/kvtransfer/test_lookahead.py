@@ -88,7 +88,7 @@ def _seen(rate: WriteRate, nbytes: int, took: float) -> float:
 
 def test_fine_looks_of_a_long_write_are_bounded():
     """A 1 s write (DRAM, a slow link): the 5 µs looks start LEAD_MAX_NAPS busy naps before the predicted
-    end, not 5 % of it (50 ms: some 20 000 looks taking the GIL from the prefill thread; review, stop 15)."""
+    end, not 5 % of it (50 ms: some 20 000 looks taking the GIL from the prefill thread)."""
     posted, expected = 0.0, 1.0
     due, lead = posted + expected, LEAD_MAX_NAPS * BUSY
     assert nap_length(due - lead - 2 * BUSY - 1e-6, (posted, expected), BUSY, FINE) > BUSY

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from kvtransfer.api import TransferError
 from kvtransfer.transports.base import KV
 from kvtransfer.transports.nixl_prep import PreppedRequest, merge_descs
+from kvtransfer.types import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")

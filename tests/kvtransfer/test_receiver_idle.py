@@ -1,4 +1,4 @@
-"""The receiver loop naps with the GIL released while a request is only due (issue #3 / #8): a request
+"""The receiver loop naps with the GIL released while a request is only due: a request
 begun (TRANSFERRING) whose layers have not been sent yet — on a decode worker, the sender's whole
 prefill — costs it a look per `busy_wait_s`, not a step back to back; a control message, a command or
 close() ends a nap at once; a layer that lands is seen at most about `busy_wait_s` later."""

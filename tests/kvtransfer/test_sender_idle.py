@@ -1,4 +1,4 @@
-"""The sender loop naps with the GIL released while it only waits (issue #3): request-layers in flight
+"""The sender loop naps with the GIL released while it only waits: request-layers in flight
 whose writes have not completed, or whose CUDA events have not, cost it a step per `busy_wait_s`, not
 a step back to back; a Done, a command or a send_layer the pipeline has room for ends the nap at once;
 a send_layer into a full pipeline sends no wake-up."""
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import zmq
 
-import kvtransfer.sender as sender_mod
+import kvtransfer.send_wait as send_wait_mod
 from kvtransfer import TransferConfig, TransferStatus, get_transfer_backend
 from kvtransfer.events import EventPool
 from kvtransfer.transports.loopback import LoopbackSendTransport
@@ -159,7 +159,7 @@ def test_loop_naps_while_send_layer_events_are_pending():
 
 
 def test_done_command_and_send_layer_end_a_long_nap(monkeypatch):
-    monkeypatch.setattr(sender_mod, "IDLE_POLL_MS", 60_000)  # the nap's cap: 60 s
+    monkeypatch.setattr(send_wait_mod, "IDLE_POLL_MS", 60_000)  # the nap's cap: 60 s
     tx, rx, src, dst = _pair(30.0, depth=2 * LAYERS, quiet=True)
     transport = tx.transport
     assert isinstance(transport, GatedTransport)
@@ -189,7 +189,7 @@ def test_done_command_and_send_layer_end_a_long_nap(monkeypatch):
 
 
 def test_send_layer_into_a_full_pipeline_does_not_wake_the_loop(monkeypatch):
-    monkeypatch.setattr(sender_mod, "IDLE_POLL_MS", 60_000)
+    monkeypatch.setattr(send_wait_mod, "IDLE_POLL_MS", 60_000)
     tx, rx, src, dst = _pair(30.0, depth=LAYERS, quiet=True)
     transport = tx.transport
     assert isinstance(transport, GatedTransport)

@@ -13,7 +13,7 @@ import time
 import pytest
 import zmq
 
-import kvtransfer.sender as sender_mod
+import kvtransfer.send_wait as send_wait_mod
 from kvtransfer import TransferError, TransferStatus, get_transfer_backend
 from kvtransfer.loop import LoopThread
 from kvtransfer.runs import direct_layers, direct_pieces, joint_runs
@@ -46,7 +46,7 @@ def test_waker_interrupts_a_sleeping_poll_only():
 
 def _quiet_pair(monkeypatch):
     """A loopback pair whose loops would sleep LONG_IDLE_MS (heartbeats every 30 s) unless woken."""
-    monkeypatch.setattr(sender_mod, "IDLE_POLL_MS", LONG_IDLE_MS)
+    monkeypatch.setattr(send_wait_mod, "IDLE_POLL_MS", LONG_IDLE_MS)
     backend = get_transfer_backend("loopback")
     src, dst = make_kv(3), make_kv(None)
     slow = dataclasses.replace(config("p0", "loopback"), heartbeat_interval_s=30.0, peer_timeout_s=60.0)
