@@ -22,7 +22,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from engine.sequence import Sequence, SequenceStatus
-from kvtransfer import TransferConfig, TransferStatus, get_transfer_backend
+from kvtransfer import KVCompat, KVReceiver, TransferConfig, TransferStatus, get_transfer_backend
 from protocol.messages import (
     AbortRequest,
     DecodeRequest,
@@ -32,16 +32,14 @@ from protocol.messages import (
     RequestFinished,
     ReserveKV,
     Role,
-    WorkerCompat,
 )
 from workers.loop import WorkerLoop
 from workers.outputs import stream_outputs
-from workers.setup import compat_of, encode_handle
+from workers.setup import encode_handle
 from workers.step import run_step
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore, StepOutput
-    from kvtransfer.receiver import KVReceiver
     from protocol.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.decode")
@@ -77,9 +75,9 @@ class DecodeWorker(WorkerLoop):
         self.draining: set[str] = set()
         self.seqs: dict[str, Sequence] = {}
 
-    def compat(self) -> WorkerCompat:
-        """Pairing key, with the transfer backend."""
-        return compat_of(self.core, self.settings.transfer_backend)
+    def compat(self) -> KVCompat:
+        """The KV pairing record: the one the receiver's handshake checks."""
+        return self.receiver.compat
 
     def transfer_address(self) -> str:
         """The receiver's control endpoint."""

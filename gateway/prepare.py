@@ -57,7 +57,7 @@ def served_model(svc: GatewayService) -> str | None:
 
 def max_model_len(svc: GatewayService) -> int:
     """Smallest ``max_model_len`` (tokens) over live workers (2048 with none)."""
-    return min((w.info.compat.max_model_len for w in svc.registry.live()), default=2048)
+    return min((w.info.max_model_len for w in svc.registry.live()), default=2048)
 
 
 def _check_caps(svc: GatewayService, body: Body) -> None:

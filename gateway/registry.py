@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtransfer.compat import mismatches
 from protocol.messages import RegisterWorker, Role, WorkerLoad
 
 
@@ -41,15 +42,10 @@ class WorkerEntry:
 
 
 def pairing_mismatch(prefill: RegisterWorker, decode: RegisterWorker) -> str | None:
-    """Why a prefill/decode pair cannot exchange KV (naming each differing field), or None if it can."""
-    diffs = []
-    if prefill.model != decode.model:
-        diffs.append(f"model {prefill.model!r} != {decode.model!r}")
-    pc, dc = prefill.compat, decode.compat
-    for name in ("dtype", "block_size", "kv_layout", "num_layers", "num_kv_heads", "head_dim",
-                 "tp_size", "transfer_backend"):
-        if getattr(pc, name) != getattr(dc, name):
-            diffs.append(f"{name} {getattr(pc, name)!r} != {getattr(dc, name)!r}")
+    """Why a prefill/decode pair cannot exchange KV, naming each differing field of their KV pairing
+    records with the prefill worker's value first (kvtransfer.compat.mismatches, the check their KV
+    handshake makes too), or None if it can."""
+    diffs = mismatches(prefill.compat, decode.compat)
     if not diffs:
         return None
     return f"{prefill.worker_id} / {decode.worker_id}: " + ", ".join(diffs)

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from kvtransfer.receiver import KVReceiver
-    from kvtransfer.sender import KVSender
+    from kvtransfer.receiver import ReceiverEndpoint
+    from kvtransfer.sender import SenderEndpoint
     from kvtransfer.types import TransferConfig
 
 BACKENDS = ("nixl", "ucx", "loopback")
@@ -22,49 +22,49 @@ class TransferBackend:
 
     name: str
 
-    def sender(self, config: TransferConfig, kv_buffer: torch.Tensor) -> KVSender:
-        """A started KVSender over this backend (config.backend must equal the name)."""
-        from kvtransfer.sender import KVSender
-        from kvtransfer.transport import SendTransport
+    def sender(self, config: TransferConfig, kv_buffer: torch.Tensor) -> SenderEndpoint:
+        """A started sender (api.KVSender) over this backend (config.backend must equal the name)."""
+        from kvtransfer.sender import SenderEndpoint
+        from kvtransfer.transports.base import SendTransport
 
         self._check(config)
         transport: SendTransport
         if self.name == "nixl":
-            from kvtransfer.nixl import NixlSendTransport
+            from kvtransfer.transports.nixl import NixlSendTransport
 
             transport = NixlSendTransport(f"{config.worker_id}-send-{os.getpid()}-{id(kv_buffer):x}",
                                           config.nixl_error_handling)
         elif self.name == "ucx":
-            from kvtransfer.ucx import UcxSendTransport
+            from kvtransfer.transports.ucx import UcxSendTransport
 
             transport = UcxSendTransport(kv_buffer.device)
         else:
-            from kvtransfer.loopback import LoopbackSendTransport
+            from kvtransfer.transports.loopback import LoopbackSendTransport
 
             transport = LoopbackSendTransport()
-        return KVSender(config, kv_buffer, transport).start()
+        return SenderEndpoint(config, kv_buffer, transport).start()
 
-    def receiver(self, config: TransferConfig, kv_buffer: torch.Tensor) -> KVReceiver:
-        """A started KVReceiver over this backend, bound at config.host:config.port."""
-        from kvtransfer.receiver import KVReceiver
-        from kvtransfer.transport import RecvTransport
+    def receiver(self, config: TransferConfig, kv_buffer: torch.Tensor) -> ReceiverEndpoint:
+        """A started receiver (api.KVReceiver) over this backend, bound at config.host:config.port."""
+        from kvtransfer.receiver import ReceiverEndpoint
+        from kvtransfer.transports.base import RecvTransport
 
         self._check(config)
         transport: RecvTransport
         if self.name == "nixl":
-            from kvtransfer.nixl import NixlRecvTransport
+            from kvtransfer.transports.nixl import NixlRecvTransport
 
             name = f"{config.worker_id}-recv-{os.getpid()}-{id(kv_buffer):x}"
             transport = NixlRecvTransport(name, kv_buffer, config.nixl_error_handling)
         elif self.name == "ucx":
-            from kvtransfer.ucx import UcxRecvTransport
+            from kvtransfer.transports.ucx import UcxRecvTransport
 
             transport = UcxRecvTransport(kv_buffer)
         else:
-            from kvtransfer.loopback import LoopbackRecvTransport
+            from kvtransfer.transports.loopback import LoopbackRecvTransport
 
             transport = LoopbackRecvTransport(kv_buffer)
-        return KVReceiver(config, kv_buffer, transport).start()
+        return ReceiverEndpoint(config, kv_buffer, transport).start()
 
     def _check(self, config: TransferConfig) -> None:
         if config.backend != self.name:

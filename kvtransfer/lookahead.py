@@ -8,7 +8,7 @@ thread GIL grabs for the whole write. `WriteRate` estimates the transport's rate
 so far, and `nap_length` uses it: naps halving the time left to shortly before the predicted end (a
 1.4 ms write: ~5 looks instead of ~28), a look every `fine_wait_s` from there to shortly after the
 end, `busy_wait_s` naps again after that (a write slower than predicted) or when there is no
-estimate yet (today's behaviour).
+estimate yet.
 
 Why "fastest, then a slow decay": a completion is seen at or after the moment it happened, so every
 sample (bytes / seconds from post to the look that saw it done) is at most the true rate. A faster
@@ -17,9 +17,9 @@ look that came late) moves it `decay` of the way down, so one late look barely s
 slow-down is learned within a few writes. An estimate too high predicts early (more fine looks, no
 added latency). One too low predicts late: the halving naps then see the write within half the time
 predicted, not at the late prediction, and that sample, faster than the estimate, replaces it (a
-4.6x too low estimate is right again after two writes). A single nap up to the prediction did not do
-that: on a 2-core VM one write slowed by the GIL taught a low rate, each later write was seen at its
-late prediction and taught it again (bench/kv_gil.py --write-latency-us 1400: seen 4.9 ms late).
+4.6x too low estimate is right again after two writes). A single nap up to the prediction would not
+correct it: one write slowed by the GIL would teach a low rate, and each later write, seen at its late
+prediction, would teach it again.
 """
 
 from __future__ import annotations

@@ -13,9 +13,7 @@ A request-layer goes through three stages, each started by the sender loop witho
 A direct request-layer (its source blocks form few runs, send_path.py) skips stage 1: it is written
 straight from kv_buffer once the event recorded at send_layer() has completed (on CPU at once), and
 holds no slot. `depth` (TransferConfig.max_inflight_layers) bounds all request-layers between stage 1
-(or send_layer, for direct ones) and stage 3. Before this file the sender gathered, synchronized and
-wrote one request-layer at a time (GPU 2×H200: nixl 0.14 of a peer copy at 4k tokens, see
-docs/benchmarks/kv_transfer-h200.md).
+(or send_layer, for direct ones) and stage 3.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ import torch
 
 from kvtransfer.lookahead import WriteRate
 from kvtransfer.staging import StagingRing, gather_layer
-from kvtransfer.transport import SendTransport
+from kvtransfer.transports.base import SendTransport
 from kvtransfer.types import TransferError
 
 
@@ -103,6 +101,11 @@ class LayerPipeline:
     def inflight(self, request_id: str | None = None) -> int:
         """Request-layers gathered or being written (of one request, or of all)."""
         return sum(1 for op in self.ops if request_id is None or op.request_id == request_id)
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Transport writes posted and not yet complete."""
+        return len(self._writes)
 
     @property
     def capacity(self) -> int:
@@ -181,21 +184,17 @@ class LayerPipeline:
         """The gathered `[2, n, block_size, H, D]` staging view of `op` (complete once in ready())."""
         return self.ring.view(op.slot, op.n_blocks)
 
-    def post(self, ops: list[LayerOp], peer: str, parts: list[object], notice: bytes | None,
+    def post(self, ops: list[LayerOp], peer: str, parts: list[object], notice: bytes,
              tag: int) -> None:
-        """Start one write of several ready ops to the same peer (one transport call, one notice:
-        the per-write cost, ~160 µs of NIXL calls per request-layer on an H200 host, is paid once).
+        """Start one write of several ready ops to the same peer (one transport call, one notice: the
+        transport's per-write cost is paid once, not once per request-layer).
         `parts[i]`: op i's pieces as `transport.prepare` returned them (staged ones with source offsets
-        from `staging_offset`). notice None: `parts` are every layer of one request, in order, and the
-        write is the one the transport pre-made for them with its notice (SendTransport.post_whole).
+        from `staging_offset`).
 
         Raises TransferError (the ops are then finished and their slots freed) if it cannot start.
         """
         try:
-            if notice is None:
-                handle = self.transport.post_whole(peer, parts)
-            else:
-                handle = self.transport.post_prepared(peer, parts, notice, tag)
+            handle = self.transport.post_prepared(peer, parts, notice, tag)
         except TransferError:
             self._finish(*ops)
             raise

@@ -1,6 +1,6 @@
 """Turn a request-layer's destination blocks into few large copies (no torch).
 
-Each descriptor costs ~7 µs (docs: /work/shared/facts.md), so per-block copies run ~60× below the link.
+Each descriptor costs ~7 µs (NIXL over cuda_ipc on an H200), so per-block copies run ~60× below the link.
 The sender gathers a request-layer's blocks into one contiguous staging buffer laid out
 `[2 (K, V), n, block_size, num_kv_heads, head_dim]`; destination block ids that are adjacent
 (b, b+1, ...) in token order are merged into runs, and each run becomes one piece for K and one for V.

@@ -1,180 +1,124 @@
-"""The sender loop's wait (a mixin of KVSender, via SendPath): `_poll_peers` reads control messages
-after waiting for work, as long as the loop has none it can do now (an idle poll, or naps while busy),
-and lets the data lock go while it waits (post_now.py). Loop thread only.
-While busy: whether a queued request-layer can enter the pipeline or a gathered one be posted now,
-and the nap between looks when neither can (send_layer events and write completions signal nothing).
-The nap is `TransferConfig.busy_wait_s` (50 µs) by default. While the one write in flight has a
-predicted end (lookahead.py: the transport's rate from the writes completed so far), it is one long
-nap up to shortly before that end, then a look every `fine_wait_s` until shortly after it: NIXL's UCX
+"""When the sender's loop waits between steps, and how long (loop thread only).
+
+A step waits unless it has work it can do now (a command, a queued layer that can enter the pipeline,
+a layer to post); then it reads every control message that came.
+
+- Idle (nothing queued or in flight): sleep in the zmq poller up to IDLE_POLL_MS (heartbeats,
+  deadlines are due then); a command or a send_layer wakes it at once (wakeup.Waker).
+- Busy but only waiting for CUDA events or write completions, which signal nothing: naps with the GIL
+  released (wakeup.nap: select() on the waker and the sockets' fds; zmq's own poll counts whole
+  milliseconds) up to IDLE_POLL_MS, so the loop does not spin and take the GIL from the producer, while
+  a Done, a command or a send_layer the pipeline has room for still ends the nap at once. A send_layer
+  into a full pipeline sends no wake byte (`SendPath.take_layers`): the loop could not start it before
+  a completion, which a nap's look finds.
+
+A nap is `TransferConfig.busy_wait_s` (50 µs) by default. While the one write in flight has a
+predicted end (lookahead.py: the transport's rate from the writes completed so far), it is one long nap
+up to shortly before that end, then a look every `fine_wait_s` until shortly after it: NIXL's UCX
 backend sends a write's notification from the look (check_xfer_state) that finds the write complete
-when it was still in progress after transfer(), so the receiver learns of the data only then; on
-2xH200 a 4k-token request's single 1.4 ms write was seen up to a nap late, and each of its ~28 looks
-took the GIL from the prefill thread. A waker byte or a control message ends any nap at once.
+when it was still in progress after transfer(), so the receiver learns of the data only then, and each
+look takes the GIL from the prefill thread.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
-import torch
 import zmq
 
-from kvtransfer import messages as m
-from kvtransfer.endpoint import RequestState
+from kvtransfer import wire
 from kvtransfer.lookahead import nap_length
-from kvtransfer.pipeline import LayerPipeline
+from kvtransfer.loop import LoopThread
+from kvtransfer.peers import ReceiverPeer, ReceiverPeers
+from kvtransfer.send_path import SendPath
 from kvtransfer.types import TransferConfig
-from kvtransfer.wakeup import Waker, nap
+from kvtransfer.wakeup import nap
 
 IDLE_POLL_MS = 10  # longest idle sleep of the loop (new work wakes it at once)
 
 
-class SendWait:
-    """Wait methods of KVSender; the attributes below are KVSender's."""
+class SenderWait:
+    """The waits of one sender's loop over its data path `path`, its `loop` and its `peers`' sockets."""
 
-    config: TransferConfig
-    _pipe: LayerPipeline
-    _lock: threading.Condition
-    _requests: dict[str, RequestState]
-    _queue: deque[tuple[str, int, torch.cuda.Event | None]]
-    _waker: Waker
-    _data: threading.Lock
+    def __init__(self, config: TransferConfig, path: SendPath, loop: LoopThread,
+                 peers: ReceiverPeers) -> None:
+        self.config, self.path, self.loop, self.peers = config, path, loop, peers
 
-    def _mark(self, what: str, request_id: str) -> None:
-        if self._pipe.trace is not None:
-            self._pipe.trace.append((time.perf_counter(), what, request_id, -1))
-
-    _poller: zmq.Poller | None
-    _peers: dict[str, Any]
-    _commands: Any
-    _take_layers: bool
-
-    if TYPE_CHECKING:
-        def _complete(self) -> bool: ...
-        def _on_message(self, peer: Any, msg: m.Message) -> None: ...
+    def wait_and_read(self, handle: Callable[[ReceiverPeer, wire.Message], None]) -> None:
+        """Wait as the module docstring says, then hand every control message that came to `handle`."""
+        path, loop, waker = self.path, self.loop, self.loop.waker
+        poller = self.peers.poller()
+        busy = bool(path.queue or path.pipe.ops)
+        now = loop.has_commands() or (busy and (self._can_take_layer() or self._can_post()))
+        if not now:
+            path.take_layers = path.pipe.capacity > 0
+            waker.sleeping = True  # then look again: work queued before this sent no byte
+            now = loop.has_commands() or self._can_take_layer()
+        if now:
+            ready = dict(poller.poll(0))
+        elif busy:
+            woke = self._nap_busy(self.peers.sockets(), IDLE_POLL_MS / 1e3)
+            ready = dict(poller.poll(0)) if woke else {}
+        else:
+            path.mark("idle", "")
+            ready = dict(poller.poll(IDLE_POLL_MS))
+            path.mark("idle_end", "")
+        waker.sleeping = False
+        if waker.fd in ready:
+            waker.drain()
+        self.peers.read(ready, handle)
 
     def _can_take_layer(self) -> bool:
         """Whether the oldest queued request-layer can enter the pipeline now (or be dropped: its
         request ended); False with an empty queue."""
-        if not self._queue:
+        path = self.path
+        if not path.queue:
             return False
-        with self._lock:
-            st = self._requests.get(self._queue[0][0])
+        with path.requests.lock:
+            st = path.requests.find(path.queue[0][0])
         if st is None or st.status.is_terminal:
             return True
-        return self._pipe.can_start(len(st.extra["src_ids"]), st.extra["runs"] is not None)
+        return path.pipe.can_start(len(st.plan.src_ids), st.plan.direct)
 
     def _can_post(self) -> bool:
         """Whether a request-layer not yet posted can be posted (or dropped) now: its request is
         terminal, or begun and its CUDA event completed (always, on CPU). Only the oldest begun one's
         event is queried (one query per look, not depth): events complete in the order send_layer
         recorded them, so a later one found complete a nap later loses at most that nap."""
-        if not self._pipe.unposted:  # every look of a nap: no lock, no list while all are posted
+        pipe, requests = self.path.pipe, self.path.requests
+        if not pipe.unposted:  # every look of a nap: no lock, no list while all are posted
             return False
-        with self._lock:
-            states = [(op, self._requests[op.request_id]) for op in self._pipe.ops if not op.posted]
+        with requests.lock:
+            states = [(op, requests.get(op.request_id)) for op in pipe.ops if not op.posted]
         for op, st in states:
             if st.status.is_terminal:
                 return True
-            if st.extra["begun"]:
+            if st.begun:
                 return op.ready is None or bool(op.ready.query())
         return False
 
-    def _poll_peers(self) -> None:
-        """Handle control messages, after a wait unless this step has work it can do now (a command,
-        a queued layer that can enter the pipeline, a layer to post: send_path.py).
-
-        Idle (nothing queued or in flight): sleep in the zmq poller up to IDLE_POLL_MS (heartbeats,
-        deadlines). Busy but only waiting for CUDA events or write completions, which signal nothing:
-        naps of `config.busy_wait_s` with the GIL released (send_path._nap_busy, wakeup.nap: select()
-        on the waker and the sockets' fds; zmq's own poll counts whole milliseconds) up to
-        IDLE_POLL_MS, so the loop no longer spins and takes the GIL from the producer (issue #3), while
-        a Done, a command or a send_layer the pipeline has room for still ends the nap at once. Chosen
-        over a plain time.sleep(busy_wait_s), which a Done could not cut short. A send_layer into a
-        full pipeline sends no wake byte (`_take_layers`): the loop could not start it before a
-        completion, which a nap's timeout finds."""
-        if self._poller is None:  # rebuilt only when a peer is added
-            self._poller = zmq.Poller()
-            self._poller.register(self._waker.fd, zmq.POLLIN)
-            for p in self._peers.values():
-                self._poller.register(p.sock, zmq.POLLIN)
-        busy = bool(self._queue or self._pipe.ops)
-        now = not self._commands.empty() or (busy and (self._can_take_layer() or self._can_post()))
-        if not now:
-            self._take_layers = self._pipe.capacity > 0
-            self._waker.sleeping = True  # then look again: work queued before this sent no byte
-            now = not self._commands.empty() or self._can_take_layer()
-        if now:
-            ready = dict(self._poller.poll(0))
-        elif busy:
-            woke = self._nap_busy([p.sock for p in self._peers.values()], IDLE_POLL_MS / 1e3)
-            ready = dict(self._poller.poll(0)) if woke else {}
-        else:
-            self._mark("idle", "")
-            self._data.release()  # a hand-off may post meanwhile (post_now.py)
-            try:
-                ready = dict(self._poller.poll(IDLE_POLL_MS))
-            finally:
-                held = self._relock()
-            if held:  # messages that came while the loop waited for a hand-off's post
-                ready = dict(self._poller.poll(0))
-            self._mark("idle_end", "")
-        self._waker.sleeping = False
-        if self._waker.fd in ready:
-            self._waker.drain()
-        for p in list(self._peers.values()):
-            while p.sock in ready:
-                try:
-                    msg = m.decode_from(p.sock.recv(zmq.NOBLOCK), p.address)
-                    if msg is not None:  # garbage is logged and skipped: the loop lives on
-                        self._on_message(p, msg)
-                except zmq.Again:
-                    break
-
-    def _nap_busy(self, socks: list[Any], cap_s: float) -> bool:
-        """Wait with the GIL released while the data path only waits for send_layer events or write
-        completions, which signal nothing: naps (wakeup.nap), and between two only those are looked at
-        (completions handled here, by _complete), so each look costs the producer thread little GIL
-        time. A nap is `config.busy_wait_s`, except while the one write in flight has a predicted end
-        (lookahead.nap_length, pipeline.lone_write): one long nap up to shortly before it, then a look
-        every `config.fine_wait_s` until shortly after it (NIXL sends the write's notification from
-        the look that finds it complete). Returns True as soon as the waker or a socket in `socks` is
-        readable (a command, a send_layer, a message: the caller reads them) or a nap ended while a
-        hand-off held the data lock (`_relock`), False once an event completed, a write finished or
-        `cap_s` seconds passed (housekeeping is due)."""
-        c = self.config
+    def _nap_busy(self, socks: list[zmq.Socket], cap_s: float) -> bool:
+        """Nap while the data path only waits for send_layer events or write completions: between two
+        naps only those are looked at (completions handled here, SendPath.complete), so each look costs
+        the producer thread little GIL time. Returns True as soon as the waker or a socket in `socks` is
+        readable (the caller reads them), False once an event completed, a write finished or `cap_s`
+        seconds passed (housekeeping is due). Call with `loop.waker.sleeping` set."""
+        c, path = self.config, self.path
         now = time.monotonic()
         end = now + cap_s
-        self._mark("nap", "")
+        path.mark("nap", "")
         while True:
-            t = nap_length(now, self._pipe.lone_write(), c.busy_wait_s, c.fine_wait_s)
+            t = nap_length(now, path.pipe.lone_write(), c.busy_wait_s, c.fine_wait_s)
             if t > c.busy_wait_s:
-                self._mark("nap:long", "")  # (bench --trace) the look-ahead skips looks up to near the end
-            self._data.release()  # a hand-off may post meanwhile (post_now.py); it wakes us then
-            try:
-                woke = nap(self._waker, socks, min(t, max(0.0, end - now)))
-            finally:
-                held = self._relock()
-            if woke or held:
-                self._mark("nap_end", "")
+                path.mark("nap:long", "")  # (bench --trace) the look-ahead skips looks up to near the end
+            if nap(self.loop.waker, socks, min(t, max(0.0, end - now))):
+                path.mark("nap_end", "")
                 return True
-            if self._can_post() or self._complete():
-                self._mark("nap_end", "")
+            if self._can_post() or path.complete():
+                path.mark("nap_end", "")
                 return False
             now = time.monotonic()
             if now >= end:
-                self._mark("nap_end", "")
+                path.mark("nap_end", "")
                 return False
-
-    def _relock(self) -> bool:
-        """Take the data lock back after a wait (loop thread). True if a hand-off held it then
-        (post_now.py): the loop waited for that post, however long it took (a starved thread), so the
-        control messages that came meanwhile must be read before liveness is checked, or the peers'
-        heartbeats waiting unread count as their silence (as a stall of the loop itself, test_stall.py)."""
-        if self._data.acquire(blocking=False):
-            return False
-        self._data.acquire()
-        return True

@@ -1,266 +1,246 @@
-"""KVSender: the prefill worker's side; writes a request's KV, layer by layer, into a receiver's blocks.
+"""SenderEndpoint: the prefill worker's side; writes a request's KV, layer by layer, into a receiver's blocks.
 
-This file holds the public API and the control plane (messages, fences, the loop); the handshake and
-Begin are handshake.py, heartbeats and deadlines liveness.py, the hand-off of layers by send_layer(s)
-handoff.py (a whole request's complete KV is posted by the caller itself: post_now.py), the data path
-(staging ring, several request-layers in flight, batched writes) send_path.py + pipeline.py, the loop's
-waits send_wait.py.
+The public surface and its contract are `api.KVSender`. This class wires the sender's objects
+together and runs its loop thread (loop.py):
+
+- `requests` (requests.py): the lock and each request's `SendState`;
+- `peers` (peers.py): the receivers, their sockets, handshakes and liveness;
+- `path` (send_path.py): hand-off queue → pipeline (pipeline.py: staging ring, writes in flight) →
+  transport (transports/) → completions;
+- `control` (send_control.py): Begin, replies, fences, deadlines, what a lost peer does to requests;
+- `waits` (send_wait.py): when the loop sleeps, and how long.
+
+One loop step: wait for work (an idle poll, busy naps, or nothing when work is ready) and read every
+control message, liveness and deadlines right after (a stall of this loop never counts as a peer's
+silence), take queued layers up, post the ready ones, handle completions, send fences, free prepared
+lists.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
-import threading
 import time
 import zlib
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-import zmq
 
-from kvtransfer import messages as m
-from kvtransfer.compat import peer_info
-from kvtransfer.endpoint import Endpoint, RequestState
+from kvtransfer.compat import KVCompat, kv_compat
 from kvtransfer.events import EventPool
-from kvtransfer.handoff import LayerHandoff, QueuedLayer
-from kvtransfer.handshake import Handshake
-from kvtransfer.liveness import PeerLiveness, Receiver
 from kvtransfer.lookahead import MIN_SAMPLE_NAPS, WriteRate
+from kvtransfer.loop import LoopThread
+from kvtransfer.peers import ReceiverPeers
 from kvtransfer.pipeline import LayerPipeline
-from kvtransfer.post_now import PostNow
+from kvtransfer.requests import RequestTable, SendPlan, SendState
 from kvtransfer.runs import direct_layers, joint_runs, layer_pieces, merge_runs, source_cuts
+from kvtransfer.send_control import SendControl
 from kvtransfer.send_path import SendPath
+from kvtransfer.send_wait import SenderWait
 from kvtransfer.staging import layout_of
-from kvtransfer.transport import SendTransport
+from kvtransfer.stats import SenderStats, SendSnapshot
+from kvtransfer.transports.base import SendTransport
 from kvtransfer.types import KVHandle, TransferConfig, TransferError, TransferStatus
 from kvtransfer.wakeup import Waker
+from kvtransfer.wire import new_epoch
 
 S = TransferStatus
 
 
-class KVSender(LayerHandoff, PostNow, Handshake, PeerLiveness, SendPath, Endpoint):
-    """Sends KV from `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]` (any dtype/device)."""
+class SenderEndpoint:
+    """Sends KV from `kv_buffer [num_layers, 2, num_blocks, block_size, H, D]` (any dtype/device) over
+    `transport` (api.KVSender). Seams: `events` (send_layer's CUDA event pool; default: a pool on a
+    CUDA kv_buffer, none on CPU) and `rate` (the write-rate estimate of the busy nap, lookahead.py).
+    Raises ValueError if kv_buffer is not a paged KV tensor with contiguous blocks."""
 
-    def __init__(self, config: TransferConfig, kv_buffer: torch.Tensor, transport: SendTransport) -> None:
-        super().__init__(config)
+    def __init__(self, config: TransferConfig, kv_buffer: torch.Tensor, transport: SendTransport,
+                 events: EventPool | None = None, rate: WriteRate | None = None) -> None:
+        self.config = config
         self.kv_buffer = kv_buffer
         self.layout = layout_of(kv_buffer)
-        self.info = peer_info(config, self.layout)
+        self.compat: KVCompat = kv_compat(config.model_id, config.backend, self.layout, config.tp_size,
+                                          config.tp_rank)
+        self.epoch = new_epoch()
         self.transport = transport
-        self._ctx = zmq.Context()
-        self._peers: dict[str, Receiver] = {}
-        self._queue: deque[QueuedLayer] = deque()
+        if events is None and kv_buffer.is_cuda:
+            events = EventPool(kv_buffer.device.index or 0)
+        self._events = events
         # the direct path needs kv_buffer registered (once) and addressable as one flat byte range
         self._direct = config.direct_max_pieces > 0 and kv_buffer.is_contiguous()
-        self._events = EventPool(kv_buffer.device.index or 0) if kv_buffer.is_cuda else None
-        self._pipe = LayerPipeline(kv_buffer, transport, config.max_inflight_layers, self._direct,
-                                   self._events.give_back if self._events else None,
-                                   WriteRate(MIN_SAMPLE_NAPS * config.busy_wait_s))
-        self._preps: dict[str, list[object]] = {}  # request → transport.prepare_layers parts (loop)
-        self._next_beat = 0.0
-        self._poller: zmq.Poller | None = None
-        self._waker = Waker()  # send_layer and commands cut the loop's idle poll (or nap) short
-        self._take_layers = True  # a send_layer may wake the loop (false: the pipeline is full)
-        # the data path's lock (pipeline, transport, statuses): the loop holds it except while it
-        # waits, a hand-off that posts at once (post_now.py) while it posts
-        self._data = threading.Lock()
+        label = f"KVSender {config.worker_id}"
+        waker = Waker()  # send_layer and commands cut the loop's idle poll (or nap) short
+        self._requests: RequestTable[SendState] = RequestTable(label)
+        self._loop = LoopThread(f"kv-sender-{config.worker_id}", label, self._step, self._teardown,
+                                self._crashed, waker)
+        self._peers = ReceiverPeers(config, self.epoch, self.compat, transport, waker.fd)
+        pipe = LayerPipeline(kv_buffer, transport, config.max_inflight_layers, self._direct,
+                             events.give_back if events is not None else None,
+                             rate or WriteRate(MIN_SAMPLE_NAPS * config.busy_wait_s))
+        self._path = SendPath(config, kv_buffer, self.layout, transport, pipe, self._requests, self._loop,
+                              lambda address, notice: self._peers.send(self._peers.get(address), notice),
+                              events)
+        self._control = SendControl(config, self._requests, self._peers, self._path)
+        self._waits = SenderWait(config, self._path, self._loop, self._peers)
 
-    def start(self) -> KVSender:
-        """Start the loop thread. Does nothing on a running sender; raises TransferError after close()
-        (endpoint.py: one loop thread per endpoint)."""
-        self._start_thread(f"kv-sender-{self.config.worker_id}")
+    def start(self) -> SenderEndpoint:
+        """Start the loop thread (api.KVSender.start)."""
+        self._loop.start()
         return self
 
-    def _run(self) -> None:
-        with self._data:  # let go only while the loop waits (_poll_peers, send_wait._nap_busy)
-            super()._run()
-
-    # ---- public API -----------------------------------------------------------------------------
+    # ---- the worker's surface (api.KVSender) -------------------------------------------------------
     def connect(self, address: str, timeout: float = 5.0) -> None:
-        """Handshake with the receiver at `address` (done implicitly by add_request too). Raises
-        IncompatiblePeerError naming each mismatch, or TransferError if no answer in `timeout` s."""
+        """Handshake with the receiver at `address` (api.KVSender.connect)."""
         fut: cf.Future[None] = cf.Future()
-        self._call(lambda: self._hello(address, fut))
+        self._loop.call(lambda: self._control.connect(address, fut))
         try:
             fut.result(timeout)
         except cf.TimeoutError:
             raise TransferError(f"no handshake answer from {address} within {timeout}s") from None
 
     def add_request(self, handle: KVHandle, block_ids: list[int]) -> None:
-        """Start a transfer of this worker's `block_ids` (token order) into `handle`'s blocks.
-
-        Raises ValueError on a duplicate request id, a block count different from the handle's or a
-        block id out of range; TransferError if the sender is not running (nothing is kept then).
-        """
+        """Start a transfer of `block_ids` into `handle`'s blocks (api.KVSender.add_request)."""
         if len(block_ids) != len(handle.block_ids):
             raise ValueError(f"{len(block_ids)} source blocks for {len(handle.block_ids)} destination blocks")
         layer_pieces(self.layout, tuple(block_ids), 0)  # range check
         runs = joint_runs(block_ids, handle.block_ids)
         direct = self._direct and 2 * len(runs) <= self.config.direct_max_pieces  # else gather
-        # direct: every layer's pieces now (block sizes must agree), so a post only concatenates lists
-        pieces = direct_layers(self.layout, handle.layout, runs) if direct else []
+        plan = SendPlan(
+            src=torch.tensor(block_ids, dtype=torch.int64, device=self.kv_buffer.device),
+            src_ids=tuple(block_ids), runs=runs if direct else None,
+            # direct: every layer's pieces now (block sizes must agree), so a post only concatenates
+            pieces=direct_layers(self.layout, handle.layout, runs) if direct else [],
+            cuts=source_cuts(block_ids) if direct else (), dst_runs=merge_runs(handle.block_ids),
+            key=zlib.crc32(f"{self.config.worker_id}:{self.epoch}:{handle.request_id}".encode()))
         # the receiver owns the deadline; ours is a backstop a heartbeat-timeout later
-        st = RequestState(handle, time.monotonic() + handle.timeout_s + self.config.peer_timeout_s)
-        key = zlib.crc32(f"{self.config.worker_id}:{self.epoch}:{handle.request_id}".encode())
-        st.extra.update(src=torch.tensor(block_ids, dtype=torch.int64, device=self.kv_buffer.device),
-                        src_ids=list(block_ids), runs=runs if direct else None, pieces=pieces, prep=None,
-                        cuts=source_cuts(block_ids) if direct else (),
-                        dst_runs=merge_runs(handle.block_ids), begun=False, answered=False, key=key,
-                        inflight=0, stop=None)
-        with self._lock:
-            if handle.request_id in self._requests:
-                raise ValueError(f"request_id {handle.request_id!r} already added")
-            self._requests[handle.request_id] = st
+        st = SendState(handle, time.monotonic() + handle.timeout_s + self.config.peer_timeout_s, plan=plan)
+        with self._requests.lock:
+            self._requests.add(st, f"request_id {handle.request_id!r} already added")
         try:
-            self._call(lambda: self._begin(st))
+            self._loop.call(lambda: self._control.begin(st))
         except TransferError:
-            with self._lock:  # not running: forget the request again
-                del self._requests[handle.request_id]
+            with self._requests.lock:  # not running: forget the request again
+                self._requests.remove(handle.request_id)
             raise
 
     def send_layer(self, request_id: str, layer: int) -> None:
-        """Queue `layer` of the request: its KV must already be in kv_buffer (call after the layer's
-        attention stored it). Runs on the caller's (forward pass) thread: a lock, one CUDA event (from a
-        pool of reused ones, events.py) recorded on a GPU, one deque append, and a wake-up byte only
-        if the loop sleeps or naps with room in its pipeline (_poll_peers). Raises KeyError for an
-        unknown request, ValueError for a bad layer, TransferError if the sender is not running."""
-        self._hand_off(request_id, (layer,))
+        """Queue `layer` of the request (api.KVSender.send_layer)."""
+        self._path.hand_off(request_id, (layer,))
 
     def send_layers(self, request_id: str, layers: Sequence[int] | None = None) -> None:
-        """Queue several layers of the request at once (None: every layer, in order), e.g. a whole
-        prompt's KV already in kv_buffer: the contract of send_layer for each, but ONE lock, ONE CUDA
-        event on a GPU (recorded on the caller's current stream, shared by all of them), one wake-up of
-        the loop, which then takes them up in one step and posts them as one write per receiver
-        (handoff.py). Everything is checked before anything is queued or marked: raises KeyError for an
-        unknown request, ValueError for a layer out of range, given twice or already sent, TypeError for
-        a non-integer layer, TransferError if the sender is not running."""
-        self._hand_off(request_id, layers)
+        """Queue several layers of the request at once (api.KVSender.send_layers)."""
+        self._path.hand_off(request_id, layers)
 
     def abort(self, request_id: str) -> None:
-        """Stop sending the request: ABORTED here, the receiver is told (Stopped) once its in-flight
-        writes, if any, have completed, or (Withdraw) once it answered our Hello if the request's Begin
-        never went out. Raises KeyError for an unknown request."""
-        self.status(request_id)
+        """Stop sending the request (api.KVSender.abort)."""
+        self._requests.status(request_id)  # KeyError if unknown
+        self._loop.call(lambda: self._control.abort(request_id))
 
-        def run() -> None:
-            with self._lock:
-                st = self._requests.get(request_id)
-                if st is None or st.status.is_terminal:
-                    return
-                self._set(st, S.ABORTED, "aborted by sender")
-                self._stop_later(st, aborted=True)
-        self._call(run)
+    def status(self, request_id: str) -> TransferStatus:
+        """The request's status (api.KVSender.status)."""
+        return self._requests.status(request_id)
+
+    def reason(self, request_id: str) -> str:
+        """Why the request FAILED or was ABORTED (api.KVSender.reason)."""
+        return self._requests.reason(request_id)
+
+    def wait(self, request_id: str, timeout: float) -> TransferStatus:
+        """Block until the request is terminal or `timeout` s pass (api.KVSender.wait)."""
+        return self._requests.wait(request_id, timeout)
 
     def release(self, request_id: str) -> None:
-        """Forget a terminal request (its source blocks may be freed). Raises RuntimeError while it is
-        active, has request-layers in flight, a Stopped fence or Withdraw still to send or a Begin
-        unanswered (the receiver would otherwise never learn that nothing more comes); KeyError if
-        unknown."""
-        with self._lock:
-            st = self._get(request_id)
-            x = st.extra
+        """Forget a settled request (api.KVSender.release)."""
+        with self._requests.lock:
+            st = self._requests.get(request_id)
             busy = ("still " + st.status.name if not st.status.is_terminal else
-                    f"{x['inflight']} layers in flight" if x["inflight"] else
-                    "Stopped fence or Withdraw not sent yet" if x["stop"] is not None else
-                    "Begin not answered yet" if x.get("begin_sent") and not x["answered"] else "")
+                    f"{st.inflight} layers in flight" if st.inflight else
+                    "Stopped fence or Withdraw not sent yet" if st.fence is not None else
+                    "Begin not answered yet" if st.begin_sent and not st.answered else "")
             if busy:
                 raise RuntimeError(f"request {request_id!r} cannot be released: {busy}")
-            del self._requests[request_id]
+            self._requests.remove(request_id)
+
+    def pending(self) -> list[str]:
+        """Request ids not yet released (api.KVSender.pending)."""
+        return self._requests.pending()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the loop and release sockets and transport (api.KVSender.close)."""
+        self._loop.close(timeout)
 
     def check_no_leaks(self, timeout: float = 2.0) -> None:
-        """Raise AssertionError if a request is still tracked, a staging slot is still in use, or, once
-        the loop had `timeout` s to drop the queued layers and free the prepared lists of released
-        requests, a layer is still queued, a send_layer(s) event not given back to the pool or the
-        transport still holds prepared descriptor lists."""
-        super().check_no_leaks()
-        assert self._pipe.ring.in_use == 0, f"{self._pipe.ring.in_use} staging slots still in use"
+        """Raise AssertionError if anything is still held (api.KVSender.check_no_leaks)."""
+        self._requests.check_no_leaks()
+        pipe = self._path.pipe
+        assert pipe.ring.in_use == 0, f"{pipe.ring.in_use} staging slots still in use"
         end = time.monotonic() + timeout
-        while (self._preps or self._queue) and self._thread is not None and time.monotonic() < end:
+        while (self._path.preps or self._path.queue) and self._loop.running and time.monotonic() < end:
             time.sleep(0.005)
-        assert not self._preps, f"prepared descriptor lists still held for {sorted(self._preps)}"
-        assert not self._queue, f"{len(self._queue)} layers still queued"
+        assert not self._path.preps, f"prepared descriptor lists still held for {sorted(self._path.preps)}"
+        assert not self._path.queue, f"{len(self._path.queue)} layers still queued"
         held = self._events.held if self._events is not None else 0
         assert held == 0, f"{held} send_layer events not given back to the pool"
 
+    # ---- observation (api.KVSender) -----------------------------------------------------------------
+    def ended_at(self, request_id: str) -> float | None:
+        """When the request became terminal (api.KVSender.ended_at)."""
+        return self._requests.ended_at(request_id)
+
+    def wait_until(self, pred: Callable[[], bool], timeout: float) -> bool:
+        """Block until `pred()` holds under the sender's lock (api.KVSender.wait_until)."""
+        return self._requests.wait_until(pred, timeout)
+
+    def snapshot(self, request_id: str) -> SendSnapshot:
+        """A copy of the request's state (api.KVSender.snapshot)."""
+        with self._requests.lock:
+            st = self._requests.get(request_id)
+            return SendSnapshot(status=st.status, reason=st.reason, layers=frozenset(st.layers),
+                                direct=st.plan.direct, key=st.plan.key, cuts=st.plan.cuts,
+                                begin_sent=st.begin_sent, answered=st.answered, begun=st.begun,
+                                inflight=st.inflight, fence_pending=st.fence is not None,
+                                prepared=st.prep is not None)
+
+    def stats(self) -> SenderStats:
+        """The data path and peers now (api.KVSender.stats)."""
+        pipe = self._path.pipe
+        ops = list(pipe.ops)
+        return SenderStats(loop=self._loop.stats(), queued=len(self._path.queue), in_pipeline=len(ops),
+                           writing=sum(op.posted for op in ops), writes=pipe.writes_in_flight,
+                           lone_write=pipe.lone_write(), staging_slots_in_use=pipe.ring.in_use,
+                           posted=dict(pipe.posted), prepared=len(self._path.preps),
+                           events_held=self._events.held if self._events is not None else 0,
+                           receivers=self._peers.epochs())
+
     def set_trace(self, trace: list[tuple[float, str, str, int]] | None) -> None:
-        """Append (time.perf_counter() s, what, request_id, layer or count) events of the data path and
-        of the DONE round trip to `trace` (None: off). Cheap (one append per event) but for benchmarks:
-        the list grows without bound. Events: gather/post/done per request-layer (pipeline.py),
-        post:build/descs/init/transfer per write (transport), done_msg/DONE per request (here)."""
-        self._pipe.trace = trace
+        """Record the data path's events into `trace` (api.KVSender.set_trace)."""
+        self._path.pipe.trace = trace
         self.transport.trace = trace
 
-    # ---- control plane --------------------------------------------------------------------------
-    def _peer(self, address: str) -> Receiver:
-        peer = self._peers.get(address)
-        if peer is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, f"{self.config.worker_id}:{self.epoch}".encode())
-            sock.connect(address)
-            peer = self._peers[address] = Receiver(address, sock, last_seen=time.monotonic())
-            self._poller = None
-        return peer
+    def run_in_loop(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop thread before its next step (api.KVSender.run_in_loop)."""
+        self._loop.call(fn)
 
-    def _send(self, peer: Receiver, msg: m.Message) -> None:
-        with contextlib.suppress(zmq.Again):  # peer unreachable: heartbeats/deadlines report it
-            peer.sock.send(m.encode(msg), zmq.NOBLOCK)
-
-    def _on_message(self, peer: Receiver, msg: m.Message) -> None:
-        peer.last_seen = time.monotonic()
-        if isinstance(msg, m.HelloReply):
-            self._on_hello_reply(peer, msg)
-            return
-        if isinstance(msg, m.Rehandshake):
-            self._on_rehandshake(peer, msg)
-            return
-        rid = getattr(msg, "request_id", None)
-        with self._lock:
-            st = self._requests.get(rid) if rid is not None else None
-            if st is None or st.handle.address != peer.address:  # not a request of this receiver
-                return
-            if isinstance(msg, m.BeginReply):
-                st.extra["begun"], st.extra["answered"] = msg.ok, True
-                self._set(st, S.TRANSFERRING if msg.ok else S.FAILED, msg.reason)
-                if msg.ok and st.extra["pieces"] and st.extra["prep"] is None and not st.status.is_terminal:
-                    with contextlib.suppress(TransferError):  # else _post prepares it, and fails it
-                        self._prepare(st)
-            elif isinstance(msg, m.Done):
-                self._mark("done_msg", st.handle.request_id)
-                self._set(st, S.DONE)
-                self._mark("DONE", st.handle.request_id)
-            elif isinstance(msg, m.Abort):
-                self._set(st, S.ABORTED, "aborted by receiver")
-            elif isinstance(msg, m.Fail):
-                self._set(st, S.FAILED, f"receiver failed it: {msg.reason}")
-            late_begin = isinstance(msg, m.BeginReply) and msg.ok and st.status in (S.ABORTED, S.FAILED)
-            if isinstance(msg, m.Fail | m.Abort) or late_begin:
-                # a request aborted while its Begin was in flight still needs its Stopped fence
-                self._stop_later(st, aborted=st.status is S.ABORTED)
-
-    # ---- loop ---------------------------------------------------------------------------------
+    # ---- the loop thread ----------------------------------------------------------------------------
     def _step(self) -> None:
-        self._mark("step", "")
-        self._poll_peers()
-        self._mark("step:polled", "")
+        path = self._path
+        path.mark("step", "")
+        self._waits.wait_and_read(self._control.on_message)
+        path.mark("step:polled", "")
         # liveness right after reading every pending message: a stall of this loop (a long write, a
         # starved thread) must not count as the peers' silence (their heartbeats wait unread)
-        self._housekeeping()
-        self._start_gathers()
-        self._mark("step:taken", "")
-        self._post_ready()
-        self._complete()
-        self._flush_stops()
-        self._release_preps()
+        self._control.housekeeping()
+        path.start_gathers()
+        path.mark("step:taken", "")
+        path.post_ready()
+        path.complete()
+        self._control.flush_fences()
+        path.release_preps()
 
-    def _wake(self) -> None:
-        self._waker.wake()
+    def _crashed(self, exc: BaseException) -> None:
+        with self._requests.lock:
+            for st in self._requests:
+                if not st.status.is_terminal:
+                    self._requests.set_status(st, S.FAILED, f"endpoint loop crashed: {exc!r}")
 
     def _teardown(self) -> None:
         self.transport.close()
-        for p in self._peers.values():
-            p.sock.close(0)
-        self._ctx.term()
-        self._waker.close()
+        self._peers.close()
+        self._loop.waker.close()

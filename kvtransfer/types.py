@@ -1,8 +1,8 @@
-"""Public data types of kvtransfer: layout, handle, status, config, errors (no torch).
+"""kvtransfer's data types: protocol version, status, KV layout and handle, config, errors (no torch).
 
 `KVLayout` describes one worker's paged KV tensor, `kv_buffer [num_layers, 2, num_blocks, block_size,
-num_kv_heads, head_dim]` (K = index 0, V = 1), as in docs/contracts.md. `KVHandle` is what the decode
-worker hands to the prefill worker (through the gateway): where and into which blocks to write.
+num_kv_heads, head_dim]` (K = index 0, V = 1). `KVHandle` is what the decode worker hands to the
+prefill worker (through the gateway): where and into which blocks to write.
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-PROTOCOL_VERSION = 5  # 2: one-sided writes may carry a LayerNotices batch as their notification;
-# 3: a LayerNotice carries the source cuts of a direct write (two-sided receives match its pieces);
-# 4: a receiver answers a sender it does not know with Rehandshake (BeginReply lost `rehandshake`);
-# 5: a sender gives up a request whose Begin never went out with Withdraw
+PROTOCOL_VERSION = 6  # of the KV control plane (wire.py): part of compat.KVCompat, so peers of two versions
+# are refused at pairing time; bump it with any change to a message's encoding
 
 
 class TransferStatus(enum.Enum):
@@ -110,12 +108,12 @@ class TransferConfig:
     50 µs by default on Linux, 1 µs for the loop threads, wakeup.set_timer_slack). Capped at the loops'
     idle poll (10 ms). A command, a useful send_layer or a control message ends the nap at once.
     fine_wait_s: the sender's look interval (seconds) around the predicted end of its one write in
-    flight (send_wait._nap_busy, lookahead.py); > 0 and <= busy_wait_s.
+    flight (send_path.SendPath.nap_busy, lookahead.py); > 0 and <= busy_wait_s.
     nixl_error_handling: the nixl backend's UCX ucx_error_handling_mode (NIXL UCX plugin parameter).
     "peer" (NIXL's default): UCX reports a dead peer's transfers as errors, but endpoints with peer
     error handling exclude UCX's shared-memory transports, so within one host NIXL's notifications
     (the LayerNotices) travel over TCP loopback. "none": shared memory carries them; a dead peer is
-    then found by heartbeats and deadlines only (liveness.py), as with every other backend.
+    then found by heartbeats and deadlines only (peers.py, senders.py), as with every other backend.
     """
 
     worker_id: str

@@ -16,8 +16,7 @@ is queued", so `zmq.EVENTS` is read first (which also resets the fd) and the nap
 message is already waiting.
 
 Linux adds a timer slack (50 µs by default, man 2 prctl, PR_SET_TIMERSLACK) to every timed sleep of a
-thread, so a 50 µs nap used to last ~100-150 µs: on 2×H200 the receiver read the last NIXL notice
-130-190 µs after the write completed. `set_timer_slack` lowers it for the calling (loop) thread.
+thread, so a 50 µs nap lasts ~100-150 µs. `set_timer_slack` lowers it for the calling (loop) thread.
 
 `nap_until` strings naps together for a loop that must also look at something no fd signals between
 them (the receiver's `transport.poll()`: NIXL notifications, ucx progress), up to a cap after which the
@@ -65,10 +64,12 @@ class Waker:
         self._tx.setblocking(False)
         self.fd = self._rx.fileno()
         self.sleeping = False  # set by the loop thread just before it polls with a timeout
+        self.wakes = 0  # wake-up bytes sent so far (stats)
 
     def wake(self) -> None:
         """Interrupt the loop's poll if it sleeps (any thread); never blocks or raises."""
         if self.sleeping:
+            self.wakes += 1
             with contextlib.suppress(OSError):  # buffer full (a byte is pending anyway) or closed
                 self._tx.send(b"\0")
 

@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from engine.sequence import SequenceStatus, check_stop
-from kvtransfer import KVHandle, TransferConfig, TransferStatus, get_transfer_backend
+from kvtransfer import KVCompat, KVHandle, KVSender, TransferConfig, TransferStatus, get_transfer_backend
 from protocol.logging import log_event
 from protocol.messages import (
     AbortRequest,
@@ -32,18 +32,16 @@ from protocol.messages import (
     Message,
     PrefillRequest,
     Role,
-    WorkerCompat,
 )
 from workers.loop import WorkerLoop
 from workers.outputs import top_logprobs_of
-from workers.setup import compat_of, decode_handle
+from workers.setup import decode_handle
 from workers.step import LayerHook, run_step
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore, StepOutput
     from engine.scheduler import SchedulerOutput
     from engine.sequence import Sequence
-    from kvtransfer.sender import KVSender
     from protocol.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.prefill")
@@ -78,9 +76,9 @@ class PrefillWorker(WorkerLoop):
         self.kv_sent_bytes = 0  # cumulative over DONE transfers (bytes)
         self.kv_sent_seconds = 0.0  # cumulative over DONE transfers (seconds)
 
-    def compat(self) -> WorkerCompat:
-        """Pairing key, with the transfer backend."""
-        return compat_of(self.core, self.settings.transfer_backend)
+    def compat(self) -> KVCompat:
+        """The KV pairing record: the one the sender's handshake checks."""
+        return self.sender.compat
 
     def on_message(self, msg: Message) -> None:
         """``PrefillRequest`` → engine; ``AbortRequest`` → drop. Raises ``ValueError`` for a bad request

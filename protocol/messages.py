@@ -27,32 +27,12 @@ from typing import Literal
 import msgspec
 
 from engine.sampling_params import SamplingParams
+from kvtransfer.compat import KVCompat
 
 Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort"]
 
 
-class WorkerCompat(msgspec.Struct, frozen=True, kw_only=True):
-    """What must match between a prefill and a decode worker for KV to be exchanged.
-
-    ``kv_layout`` names the KV buffer layout (e.g. ``"LTBHD"`` for [layers, 2, blocks, block_size, heads,
-    head_dim]); ``block_size`` is in tokens; ``max_model_len`` in tokens (not part of the pairing key).
-    """
-
-    dtype: str
-    block_size: int
-    kv_layout: str = "LTBHD"
-    num_layers: int = 0
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    tp_size: int = 1
-    transfer_backend: str = "none"
-    max_model_len: int = 2048
-
-    def pairing_key(self) -> tuple[object, ...]:
-        """The fields that must be equal on both sides (everything except ``max_model_len``)."""
-        return (self.dtype, self.block_size, self.kv_layout, self.num_layers, self.num_kv_heads,
-                self.head_dim, self.tp_size, self.transfer_backend)
 
 
 class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,7 +55,9 @@ class RegisterWorker(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Worker → gateway, first message. A new ``epoch`` for a known ``worker_id`` replaces the old one.
 
     ``model`` is the served name, ``model_path`` the local model dir (the gateway may load the tokenizer
-    from it when on the same host); ``transfer_address`` is where peers reach this worker's KV transport.
+    from it when on the same host); ``compat`` is the worker's KV pairing record (kvtransfer
+    ``KVCompat``: the one its KV handshake checks; the gateway pairs only workers whose records match);
+    ``transfer_address`` is where peers reach this worker's KV transport; ``max_model_len`` in tokens.
     """
 
     role: Role
@@ -83,8 +65,9 @@ class RegisterWorker(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     epoch: int
     model: str
     model_path: str
-    compat: WorkerCompat
+    compat: KVCompat
     transfer_address: str = ""
+    max_model_len: int = 2048
     max_num_seqs: int = 256
     load: WorkerLoad = WorkerLoad()
 

@@ -18,13 +18,13 @@ PACKAGES = ("protocol", "engine", "kvtransfer", "workers", "prefill_worker", "de
             "loadtest", "pdserve")
 # package → the project packages it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
-    "protocol": set(),
+    "protocol": {"kvtransfer"},  # kvtransfer.compat only (NARROW below): the KV pairing record
     "engine": set(),
     "kvtransfer": set(),
     "workers": {"protocol", "engine", "kvtransfer"},
     "prefill_worker": {"protocol", "engine", "kvtransfer", "workers"},
     "decode_worker": {"protocol", "engine", "kvtransfer", "workers"},
-    "gateway": {"protocol", "engine"},
+    "gateway": {"protocol", "engine", "kvtransfer"},  # kvtransfer.compat only (NARROW below): pairing
     "loadtest": {"protocol"},
     "pdserve": {"protocol", "engine", "kvtransfer", "workers", "prefill_worker", "decode_worker", "gateway",
                 "loadtest"},
@@ -34,6 +34,13 @@ ALLOWED: dict[str, set[str]] = {
 ALLOWED_MODULES: dict[str, set[str]] = {"protocol": {"engine.sampling_params"}}
 HEAVY = {"torch", "transformers", "triton"}
 ACYCLIC = ("gateway",)  # packages whose modules must not import each other in a cycle
+
+
+# (package, package it may import) → the only modules of it allowed: torch-free ones
+NARROW: dict[tuple[str, str], set[str]] = {
+    ("protocol", "kvtransfer"): {"kvtransfer.compat"},
+    ("gateway", "kvtransfer"): {"kvtransfer.compat"},
+}
 
 
 def imported_modules(package: str) -> dict[str, set[str]]:
@@ -144,6 +151,28 @@ def test_cycle_finder_sees_a_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     (tmp_path / "gateway" / "c.py").write_text("import gateway.a\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert find_cycle(module_graph("gateway")) == ["gateway.a", "gateway.b", "gateway.a"]
+
+
+@pytest.mark.parametrize(("package", "target"), sorted(NARROW))
+def test_narrow_edges_import_only_their_modules(package: str, target: str) -> None:
+    allowed = NARROW[(package, target)]
+    wrong = {path: sorted(n for n in names if n.split(".")[0] == target and n not in allowed)
+             for path, names in imported_modules(package).items()}
+    wrong = {path: names for path, names in wrong.items() if names}
+    assert not wrong, f"{package} may import only {sorted(allowed)} of {target}; found {wrong}"
+
+
+def test_what_protocol_and_the_gateway_take_from_kvtransfer_pulls_in_no_torch() -> None:
+    """kvtransfer.compat (and the kvtransfer package it runs first) import no torch: protocol.messages
+    and gateway.registry load in a fresh interpreter without torch in sys.modules."""
+    import subprocess
+
+    code = ("import sys; import protocol.messages, gateway.registry, kvtransfer.compat; "
+            "heavy = sorted(m for m in sys.modules "
+            "               if m.split('.')[0] in ('torch', 'transformers', 'triton')); "
+            "print(heavy); sys.exit(1 if heavy else 0)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
 
 
 def test_allowed_edges_have_no_cycle() -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from kvtransfer.compat import KVCompat
 from protocol.logging import log_event
 from protocol.messages import (
     Heartbeat,
@@ -31,7 +32,6 @@ from protocol.messages import (
     RequestFailed,
     ReRegister,
     Role,
-    WorkerCompat,
     WorkerLoad,
     WorkerShutdown,
     decode,
@@ -94,11 +94,11 @@ class WorkerLoop:
         """Forget a request after a failure (abort it in the engine, free what can be freed)."""
         self.core.abort_request(request_id)
 
-    def compat(self) -> WorkerCompat:
-        """The pairing key announced at registration."""
+    def compat(self) -> KVCompat:
+        """The KV pairing record announced at registration (a worker that moves no KV: backend "none")."""
         from workers.setup import compat_of
 
-        return compat_of(self.core, "none")
+        return compat_of(self.core, self.settings.model, "none")
 
     def transfer_address(self) -> str:
         """Where peers reach this worker's KV transport ("" if none)."""
@@ -194,7 +194,7 @@ class WorkerLoop:
         """The ``RegisterWorker`` message of this process."""
         return RegisterWorker(role=self.role, worker_id=self.worker_id, epoch=self.epoch,
                               model=self.settings.model, model_path=self.model_path, compat=self.compat(),
-                              transfer_address=self.transfer_address(),
+                              transfer_address=self.transfer_address(), max_model_len=self.core.max_model_len,
                               max_num_seqs=self.settings.max_num_seqs, load=self._load)
 
     async def _flush(self) -> None:

@@ -1,4 +1,4 @@
-"""Worker set-up helpers: settings → ``EngineConfig``, the ``WorkerCompat`` pairing key, KV handle encoding.
+"""Worker set-up helpers: settings → ``EngineConfig``, the KV pairing record, KV handle encoding.
 
 Kept free of torch at import time (``EngineCore`` is passed in, not built here).
 """
@@ -12,14 +12,12 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from protocol.messages import WorkerCompat
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
+    from kvtransfer.compat import KVCompat
     from kvtransfer.types import KVHandle
     from protocol.settings import WorkerSettings
-
-KV_LAYOUT = "LTBHD"  # kv_buffer [num_layers, 2 (K,V), num_blocks, block_size, num_kv_heads, head_dim]
 
 
 def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
@@ -38,13 +36,13 @@ def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
     )
 
 
-def compat_of(core: EngineCore, transfer_backend: str) -> WorkerCompat:
-    """What a peer must match to exchange KV with this worker (dtype, block size, layout, shapes)."""
-    kv = core.runner.kv_cache
-    return WorkerCompat(dtype=str(kv.dtype).removeprefix("torch."), block_size=kv.block_size,
-                        kv_layout=KV_LAYOUT, num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
-                        head_dim=kv.head_dim, tp_size=1, transfer_backend=transfer_backend,
-                        max_model_len=core.max_model_len)
+def compat_of(core: EngineCore, model: str, transfer_backend: str) -> KVCompat:
+    """The KV pairing record of a worker running `model` over `transfer_backend` ("none": it moves no
+    KV) with the engine's KV cache: what a peer must match (kvtransfer.compat)."""
+    from kvtransfer.compat import kv_compat
+    from kvtransfer.staging import layout_of
+
+    return kv_compat(model, transfer_backend, layout_of(core.runner.kv_cache.kv_buffer))
 
 
 def new_epoch() -> int:

@@ -43,7 +43,7 @@ import msgspec
 import torch
 
 from bench.kvtransfer.transfer import BS, LAYERS, _finish, _kv, receiver_main
-from kvtransfer.transport import SendTransport
+from kvtransfer.transports.base import SendTransport
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -186,7 +186,7 @@ def _pick_backend(name: str) -> str:
 
 def _sender(args: argparse.Namespace, backend: str, src: torch.Tensor) -> Any:
     from kvtransfer import TransferConfig
-    from kvtransfer.sender import KVSender
+    from kvtransfer.sender import SenderEndpoint
 
     extra = {} if args.busy_wait_us is None else {"busy_wait_s": args.busy_wait_us * 1e-6}
     if args.busy_wait_us is not None and args.busy_wait_us < 5:  # fine_wait_s (5 us) must not exceed it
@@ -195,17 +195,17 @@ def _sender(args: argparse.Namespace, backend: str, src: torch.Tensor) -> Any:
                             max_inflight_layers=args.depth, **extra)  # type: ignore[arg-type]
     inner: SendTransport
     if backend == "nixl":
-        from kvtransfer.nixl import NixlSendTransport
+        from kvtransfer.transports.nixl import NixlSendTransport
         inner = NixlSendTransport(f"gil-p-send-{os.getpid()}")
     else:
-        from kvtransfer.loopback import LoopbackSendTransport
+        from kvtransfer.transports.loopback import LoopbackSendTransport
         inner = LoopbackSendTransport()
-    tx = KVSender(config, src, DelayedTransport(inner, args.write_latency_us * 1e-6))
-    if args.event_latency_us > 0:  # as KVSender does for a CUDA kv_buffer, with fake events
+    events = None
+    if args.event_latency_us > 0:  # as the sender does for a CUDA kv_buffer, with fake events
         from kvtransfer.events import EventPool
-        tx._events = EventPool(0, lambda: LateEvent(args.event_latency_us * 1e-6), lambda device: None)
-        tx._pipe._recycle = tx._events.give_back
-    return tx.start()
+        events = EventPool(0, lambda: LateEvent(args.event_latency_us * 1e-6), lambda device: None)
+    transport = DelayedTransport(inner, args.write_latency_us * 1e-6)
+    return SenderEndpoint(config, src, transport, events=events).start()
 
 
 class _LocalConn:
@@ -235,14 +235,7 @@ def _rounds(args: argparse.Namespace, tx: Any, conn: Any, n_iter: int) -> dict[s
     from kvtransfer import KVHandle, TransferStatus
 
     n = args.tokens // BS
-    clock = time.pthread_getcpuclockid(tx._thread.ident)
-    steps = [0]
-    step = tx._step
-
-    def counted() -> None:  # the loop thread's steps (Endpoint._run calls self._step)
-        steps[0] += 1
-        step()
-    tx._step = counted
+    clock = time.pthread_getcpuclockid(tx.stats().loop.thread_id)
     out: dict[str, list[float]] = {k: [] for k in ("producer", "e2e", "tail", "loop_cpu", "producer_cpu",
                                                     "steps", "handoff")}
     for i in range(args.rounds + 1):
@@ -250,11 +243,11 @@ def _rounds(args: argparse.Namespace, tx: Any, conn: Any, n_iter: int) -> dict[s
         conn.send(("expect", rid, list(range(n))))
         handle = msgspec.msgpack.decode(conn.recv(), type=KVHandle)
         tx.add_request(handle, list(range(n)))
-        assert tx.wait_until(lambda rid=rid: tx._requests[rid].extra["answered"], 30), "no Begin answer"
-        cpu0, steps0 = time.clock_gettime(clock), steps[0]
+        assert tx.wait_until(lambda rid=rid: tx.snapshot(rid).answered, 30), "no Begin answer"
+        cpu0, steps0 = time.clock_gettime(clock), tx.stats().loop.steps
         send = functools.partial(tx.send_layer, rid)
         t0, first, end, pcpu, hand = _produce(LAYERS, n_iter, send)
-        cpu, nsteps = time.clock_gettime(clock) - cpu0, steps[0] - steps0
+        cpu, nsteps = time.clock_gettime(clock) - cpu0, tx.stats().loop.steps - steps0
         status = tx.wait(rid, 120)
         done = time.perf_counter()
         _finish(tx, conn, rid, status, "direct", TransferStatus.DONE)

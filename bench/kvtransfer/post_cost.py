@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvtransfer.nixl import NixlRecvTransport, NixlSendTransport
+    from kvtransfer.transports.nixl import NixlRecvTransport, NixlSendTransport
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 LAYERS, HEADS, DIM, BS = 32, 8, 128, 16
@@ -55,8 +55,8 @@ def _args() -> argparse.Namespace:
 def _link(args: argparse.Namespace) -> tuple[NixlSendTransport, NixlRecvTransport,
                                               list[list[tuple[int, int, int, int]]]]:
     """(sender transport, receiver transport, every layer's (K, V) direct pieces of one request)."""
-    from kvtransfer.nixl import NixlRecvTransport, NixlSendTransport
-    from kvtransfer.transport import KV
+    from kvtransfer.transports.base import KV
+    from kvtransfer.transports.nixl import NixlRecvTransport, NixlSendTransport
 
     n, bb = args.tokens // BS, args.block_bytes
     blocks = n + args.extra_blocks

@@ -14,8 +14,11 @@ then lives on cuda:1); the best of 20 copies after 3 untimed ones, both devices 
 each.
 
     .venv/bin/python -m bench.kvtransfer.transfer [--device cpu|cuda] [--tokens 1024 4096 32768]
-        [--backends nixl ucx] [--path staged|direct|both] [--repeat 3] [--scatter] [--depth 4] [--verify]
-        [--handoff layer|request]
+        [--backends nixl ucx loopback] [--path staged|direct|both] [--repeat 3] [--scatter] [--depth 4]
+        [--verify] [--handoff layer|request]
+
+--backends loopback: the receiver runs in a thread of this process (the loopback transport copies
+within one process): the sender's and receiver's own costs without a transport between processes.
 
 --path: "direct" sends from contiguous source blocks (one run: written straight from kv_buffer, no
 gather); "staged" from a shuffled permutation of them (fragmented: gathered into the staging ring).
@@ -26,7 +29,9 @@ build / descriptors / init / transfer(), the DONE round trip through the receive
 both kv_buffers get this many blocks more than the requests use, so a request's K and V (and layers)
 are not adjacent in memory as in serving (by default they are, and the direct pieces merge).
 --handoff: "layer" (default) hands the KV over by one send_layer per layer (as a prefill forward
-pass does), "request" by one KVSender.send_layers per request (its whole KV is in kv_buffer already).
+pass does), "request" by one send_layers call per request (its whole KV is in kv_buffer already): one
+CUDA event and one wake-up for every layer, which the sender loop takes up and posts like send_layer's
+(one write per receiver per step, at most --depth request-layers in flight).
 --verify: CRC32 of every request-layer checked on arrival (bit-exactness through the real
 transport; slow: copies to host).
 """
@@ -41,8 +46,10 @@ import os
 import platform
 import random
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 import msgspec
 import torch
@@ -143,7 +150,11 @@ def _one(backend: str, tokens: int, device: str, repeat: int, scatter: bool, dep
     rx_device = device if device == "cpu" else "cuda:1"
     args = (child, backend, n * concurrent + extra_blocks, rx_device, verify, PEER_TIMEOUT_S[0],
             BUSY_WAIT_S[0], NIXL_ERRORS[0])
-    proc = ctx.Process(target=receiver_main, args=args, daemon=True)
+    proc: threading.Thread | mp.process.BaseProcess
+    if backend == "loopback":  # its transport copies within one process: the receiver is a thread here
+        proc = threading.Thread(target=receiver_main, args=args, daemon=True)
+    else:
+        proc = ctx.Process(target=receiver_main, args=args, daemon=True)
     proc.start()
     conn.recv()
     src = torch.randn(LAYERS, 2, n * concurrent + extra_blocks, BS, HEADS, DIM,
@@ -199,8 +210,7 @@ def _round(tx: object, conn: Connection, rids: list[str], src_ids: list[list[int
         tx.add_request(handle, ids)  # type: ignore[attr-defined]
     if begun:
         for rid in rids:
-            extra = tx._requests[rid].extra  # type: ignore[attr-defined]
-            assert tx.wait_until(functools.partial(_begun, extra), 30), "no Begin"  # type: ignore[attr-defined]
+            assert tx.wait_until(functools.partial(_begun, tx, rid), 30), "no Begin"  # type: ignore[attr-defined]
         _keep_busy(WARM_S[0], tx.kv_buffer)  # type: ignore[attr-defined]
         t = time.perf_counter()
     t_sl = time.perf_counter()
@@ -252,8 +262,7 @@ def _block_ids(n: int, concurrent: int, path: str, scatter: bool) -> tuple[list[
 def _finish(tx: object, conn: Connection, rid: str, status: object, path: str, done: object) -> float:
     """Check one request went by `path` and is DONE on both sides, then release it; returns when it
     became DONE on the receiver (time.perf_counter() s of that process: the same clock on Linux)."""
-    extra: dict[str, int] = tx._requests[rid].extra  # type: ignore[attr-defined]
-    direct = extra["runs"] is not None
+    direct = tx.snapshot(rid).direct  # type: ignore[attr-defined]
     assert direct == (path == "direct"), f"{path} row went {'direct' if direct else 'staged'}"
     conn.send(("wait", rid))
     got, landed = conn.recv()
@@ -264,19 +273,19 @@ def _finish(tx: object, conn: Connection, rid: str, status: object, path: str, d
                 if "lost (no heartbeat" in why else "")
         raise AssertionError(f"request {rid} ({path}) did not end DONE on both sides: {why}{hint}")
     # DONE comes from the receiver; our own completion test of the last write may lag a step
-    assert tx.wait_until(functools.partial(_drained, extra), 30), "writes stuck"  # type: ignore[attr-defined]
+    assert tx.wait_until(functools.partial(_drained, tx, rid), 30), "writes stuck"  # type: ignore[attr-defined]
     tx.release(rid)  # type: ignore[attr-defined]
     return float(landed)
 
 
-def _begun(extra: dict[str, int]) -> bool:
+def _begun(tx: Any, rid: str) -> bool:
     """The receiver answered the request's Begin."""
-    return bool(extra["answered"])
+    return bool(tx.snapshot(rid).answered)
 
 
-def _drained(extra: dict[str, int]) -> bool:
+def _drained(tx: Any, rid: str) -> bool:
     """No request-layer of the request is in flight on the sender any more."""
-    return extra["inflight"] == 0
+    return bool(tx.snapshot(rid).inflight == 0)
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ from gateway.orchestrator import GenerationInput, Orchestrator
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import WorkerRegistry
 from gateway.router import Router
-from protocol.messages import Message, RegisterWorker, WorkerCompat
+from kvtransfer.compat import KVCompat
+from protocol.messages import Message, RegisterWorker
 
 
 class RecordingControl:
@@ -30,7 +31,7 @@ def orchestrator() -> tuple[Orchestrator, RecordingControl]:
     """An orchestrator over a registry holding one colocated worker ``w1`` (zmq identity ``b"w1"``)."""
     registry = WorkerRegistry(heartbeat_timeout=5.0)
     registry.register(RegisterWorker(role="colocated", worker_id="w1", epoch=1, model="m", model_path="",
-                                     compat=WorkerCompat(dtype="float32", block_size=4)), b"w1")
+                                     compat=KVCompat(dtype="float32", block_size=4)), b"w1")
     control = RecordingControl()
     return Orchestrator(Router(registry, PrefixIndex()), GatewayMetrics(), control.send, max_queue=8,
                         request_timeout=5.0), control

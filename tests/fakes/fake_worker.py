@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from engine.sampling_params import SamplingParams
+from kvtransfer.compat import KVCompat
 from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
@@ -43,7 +44,6 @@ from protocol.messages import (
     RequestFinished,
     ReserveKV,
     TopLogprob,
-    WorkerCompat,
     WorkerLoad,
     WorkerShutdown,
     decode,
@@ -104,10 +104,11 @@ class FakeWorker:
 
     async def register(self) -> None:
         a = self.args
-        compat = WorkerCompat(dtype=a.dtype, block_size=a.block_size, num_layers=2, num_kv_heads=1,
-                              head_dim=8, transfer_backend="loopback", max_model_len=a.max_model_len)
+        compat = KVCompat(model_id=a.model, dtype=a.dtype, block_size=a.block_size, num_layers=2,
+                          num_kv_heads=1, head_dim=8, transfer_backend="loopback")
         await self.send(RegisterWorker(role=a.role, worker_id=a.worker_id, epoch=self.epoch, model=a.model,
-                                       model_path=a.model_path, compat=compat, load=self.load()))
+                                       model_path=a.model_path, compat=compat, max_model_len=a.max_model_len,
+                                       load=self.load()))
 
     async def heartbeat_loop(self) -> None:
         while True:

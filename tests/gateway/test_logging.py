@@ -10,8 +10,9 @@ import pytest
 
 from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
+from kvtransfer.compat import KVCompat
 from protocol.logging import configure_logging, log_event
-from protocol.messages import RegisterWorker, WorkerCompat, WorkerLoad, WorkerShutdown
+from protocol.messages import RegisterWorker, WorkerLoad, WorkerShutdown
 from protocol.settings import GatewaySettings
 from tests.gateway.test_metric_names import _FakeControl
 
@@ -46,7 +47,7 @@ async def test_clean_worker_shutdown_is_logged_at_info(caplog: pytest.LogCapture
     declares lost is (WARNING)."""
     svc = GatewayService(GatewaySettings(), GatewayMetrics(), text=object())  # type: ignore[arg-type]
     svc.control = _FakeControl()  # type: ignore[assignment]
-    compat = WorkerCompat(dtype="float32", block_size=16, transfer_backend="loopback")
+    compat = KVCompat(dtype="float32", block_size=16, transfer_backend="loopback")
     for wid in ("d0", "d1"):
         register = RegisterWorker(role="decode", worker_id=wid, epoch=1, model="m", model_path="",
                                   compat=compat, load=WorkerLoad())

@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from engine.sampling_params import SamplingParams
+from kvtransfer.compat import KVCompat, mismatches
 from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
@@ -22,7 +23,6 @@ from protocol.messages import (
     RequestFinished,
     ReserveKV,
     TopLogprob,
-    WorkerCompat,
     WorkerLoad,
     WorkerShutdown,
     decode,
@@ -31,7 +31,7 @@ from protocol.messages import (
 )
 
 SP = SamplingParams(max_tokens=7, temperature=0.0, seed=3, stop_token_ids=(2,))
-COMPAT = WorkerCompat(dtype="bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
+COMPAT = KVCompat(dtype="bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
 
 ALL = [
     RegisterWorker(role="decode", worker_id="d", epoch=5, model="m", model_path="/x", compat=COMPAT,
@@ -77,12 +77,14 @@ def test_bad_bytes_and_wrong_fields_raise() -> None:
         decode(msgspec.msgpack.encode({"type": "NoSuchMessage", "request_id": "x"}))
 
 
-def test_pairing_key_ignores_max_model_len_only() -> None:
-    a = WorkerCompat(dtype="bfloat16", block_size=16, max_model_len=100)
-    b = WorkerCompat(dtype="bfloat16", block_size=16, max_model_len=200)
-    c = WorkerCompat(dtype="bfloat16", block_size=32)
-    assert a.pairing_key() == b.pairing_key()
-    assert a.pairing_key() != c.pairing_key()
+def test_pairing_ignores_max_model_len_only() -> None:
+    def reg(block_size: int, max_model_len: int) -> RegisterWorker:
+        return RegisterWorker(role="decode", worker_id="d", epoch=1, model="m", model_path="",
+                              compat=KVCompat(dtype="bfloat16", block_size=block_size),
+                              max_model_len=max_model_len)
+    a, b, c = reg(16, 100), reg(16, 200), reg(32, 2048)
+    assert mismatches(a.compat, b.compat) == []
+    assert mismatches(a.compat, c.compat) == ["block_size 16 != 32"]
 
 
 def test_request_messages_refuse_stop_strings() -> None:

@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from deploy.kustomize_lite import render
 from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
-from protocol.messages import Heartbeat, Message, RegisterWorker, WorkerCompat, WorkerLoad, WorkerShutdown
+from kvtransfer.compat import KVCompat
+from protocol.messages import Heartbeat, Message, RegisterWorker, WorkerLoad, WorkerShutdown
 from protocol.settings import GatewaySettings
 from tests.deploy.common import DEPLOY, ROOT
 from tests.deploy.promql import legend_labels, names
@@ -180,7 +181,7 @@ async def test_transfer_counters_follow_heartbeats_and_vanish_with_the_worker() 
     metrics = GatewayMetrics()
     svc = GatewayService(GatewaySettings(), metrics, text=object())  # type: ignore[arg-type]
     svc.control = _FakeControl()  # type: ignore[assignment]
-    compat = WorkerCompat(dtype="float32", block_size=16, transfer_backend="loopback")
+    compat = KVCompat(dtype="float32", block_size=16, transfer_backend="loopback")
     register = RegisterWorker(role="prefill", worker_id="p0", epoch=1, model="m", model_path="",
                               compat=compat,
                               load=WorkerLoad(num_total_blocks=64))

@@ -23,6 +23,7 @@ from gateway.orchestrator import (
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import WorkerRegistry
 from gateway.router import Router
+from kvtransfer.compat import KVCompat
 from protocol.messages import (
     AbortRequest,
     DecodeRequest,
@@ -36,10 +37,9 @@ from protocol.messages import (
     RequestFinished,
     ReserveKV,
     TopLogprob,
-    WorkerCompat,
 )
 
-COMPAT = WorkerCompat(dtype="float32", block_size=4, transfer_backend="loopback")
+COMPAT = KVCompat(dtype="float32", block_size=4, transfer_backend="loopback")
 
 
 class Recorder:

@@ -7,7 +7,8 @@ import pytest
 from gateway.prefix_index import PrefixIndex, block_hashes
 from gateway.registry import WorkerRegistry, pairing_mismatch
 from gateway.router import NoWorkerError, Router
-from protocol.messages import RegisterWorker, WorkerCompat, WorkerLoad
+from kvtransfer.compat import KVCompat
+from protocol.messages import RegisterWorker, WorkerLoad
 
 
 class Clock:
@@ -21,7 +22,7 @@ class Clock:
 def reg(wid: str, role: str, epoch: int = 1, block_size: int = 4, dtype: str = "bfloat16",
         running: int = 0, free: int = 100) -> RegisterWorker:
     return RegisterWorker(role=role, worker_id=wid, epoch=epoch, model="m", model_path="",  # type: ignore[arg-type]
-                          compat=WorkerCompat(dtype=dtype, block_size=block_size),
+                          compat=KVCompat(model_id="m", dtype=dtype, block_size=block_size),
                           load=WorkerLoad(num_running=running, num_free_blocks=free, num_total_blocks=100))
 
 

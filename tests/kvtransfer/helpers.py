@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,20 +38,34 @@ def assert_landed(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_
     assert torch.equal(a, b)
 
 
+def sender_with(cfg: TransferConfig, kv: torch.Tensor, transport: Any = None, **seams: Any) -> Any:
+    """A started sender over `transport` (default: loopback) with the constructor's seams (`events`: an
+    EventPool, e.g. of fake CUDA events; `rate`: a lookahead.WriteRate)."""
+    from kvtransfer.sender import SenderEndpoint
+    from kvtransfer.transports.loopback import LoopbackSendTransport
+
+    transport = transport if transport is not None else LoopbackSendTransport()
+    return SenderEndpoint(cfg, kv, transport, **seams).start()
+
+
 def release_both(tx: object, rx: object, rid: str, wait: float = 10.0, leaks: bool = False) -> None:
     """Release a finished request on both sides once each may forget it (the receiver when releasable;
     the sender when terminal — it learns DONE from the receiver's Done message, which can come after its
     last write completed — with nothing in flight and its Stopped fence sent); with `leaks`, then check
     that both sides hold nothing."""
-    assert rx.wait_until(lambda: rx._releasable(rx._requests[rid]), wait)  # type: ignore[attr-defined]
+    assert rx.wait_until(lambda: rx.releasable(rid), wait)  # type: ignore[attr-defined]
     rx.release(rid)  # type: ignore[attr-defined]
-    st = tx._requests[rid]  # type: ignore[attr-defined]
-    assert tx.wait_until(lambda: st.status.is_terminal and st.extra["inflight"] == 0  # type: ignore[attr-defined]
-                         and st.extra["stop"] is None, wait)
+    assert tx.wait_until(lambda: sender_settled(tx, rid), wait)  # type: ignore[attr-defined]
     tx.release(rid)  # type: ignore[attr-defined]
     if leaks:
         tx.check_no_leaks()  # type: ignore[attr-defined]
         rx.check_no_leaks()  # type: ignore[attr-defined]
+
+
+def sender_settled(tx: Any, rid: str) -> bool:
+    """The sender may forget `rid`: terminal, no request-layer in flight, no Stopped/Withdraw to send."""
+    snap = tx.snapshot(rid)
+    return bool(snap.status.is_terminal and snap.inflight == 0 and not snap.fence_pending)
 
 
 def patient_config(worker_id: str, backend: str = "loopback", **kw: object) -> TransferConfig:
@@ -93,15 +106,16 @@ def waker_and_pair(name: str) -> Iterator[tuple[Waker, zmq.Socket, zmq.Socket]]:
         w.close()
 
 
-def loop_cost(thread: threading.Thread | None, counter: list[int], window: float) -> tuple[float, int]:
-    """(the loop ``thread``'s CPU seconds / wall seconds, growth of ``counter[0]``) over ``window``
-    seconds: how hard an endpoint loop works while it should only wait (its steps or transport looks are
-    counted in ``counter``)."""
-    assert thread is not None and thread.ident is not None
-    clock = time.pthread_getcpuclockid(thread.ident)
-    c0, n0, t0 = time.clock_gettime(clock), counter[0], time.monotonic()
+def loop_cost(endpoint: Any, count: Callable[[], int], window: float) -> tuple[float, int]:
+    """(the endpoint's loop thread's CPU seconds / wall seconds, growth of ``count()``) over ``window``
+    seconds: how hard an endpoint loop works while it should only wait (``count``: its steps, or its
+    transport looks)."""
+    thread_id = endpoint.stats().loop.thread_id
+    assert thread_id is not None
+    clock = time.pthread_getcpuclockid(thread_id)
+    c0, n0, t0 = time.clock_gettime(clock), count(), time.monotonic()
     time.sleep(window)
-    return (time.clock_gettime(clock) - c0) / (time.monotonic() - t0), counter[0] - n0
+    return (time.clock_gettime(clock) - c0) / (time.monotonic() - t0), count() - n0
 
 
 def need_nixl() -> None:
@@ -131,3 +145,113 @@ def endpoint_pair(backend: str, seed: int) -> Iterator[tuple[Any, Any, torch.Ten
     finally:
         tx.close()
         rx.close()
+
+
+class FakeSender:
+    """A scripted KV sender: a zmq DEALER with its own identity that speaks the control plane by hand
+    (Hello, Begin, any message) to a real receiver, for what a real sender never sends (a bad notice, a
+    forged Withdraw or Stopped). Close it after use."""
+
+    def __init__(self, address: str, sender_id: str = "fake-p", epoch: int = 77,
+                 kv_like: torch.Tensor | None = None) -> None:
+        from kvtransfer.compat import kv_compat
+        from kvtransfer.staging import layout_of
+
+        self.sender_id, self.epoch = sender_id, epoch
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, f"{sender_id}:{epoch}".encode())
+        self.sock.connect(address)
+        kv = make_kv(None) if kv_like is None else kv_like
+        self.info = kv_compat("test-model", "loopback", layout_of(kv))
+        self.got: list[Any] = []
+
+    def send(self, msg: Any) -> None:
+        from kvtransfer import wire
+
+        self.sock.send(wire.encode(msg))
+
+    def request(self, msg: Any, timeout: float = 5.0) -> Any:
+        """Send ``msg`` and return the first reply that is not a KeepAlive."""
+        from kvtransfer import wire
+
+        self.send(msg)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sock.poll(50):
+                reply = wire.decode(self.sock.recv())
+                self.got.append(reply)
+                if not isinstance(reply, wire.KeepAlive):
+                    return reply
+        raise AssertionError(f"no reply to {msg!r}")
+
+    def hello(self) -> Any:
+        """Hello (loopback transport metadata); returns the HelloReply."""
+        from kvtransfer import wire
+
+        return self.request(wire.Hello(self.sender_id, self.epoch, self.info, b"fake-loopback"))
+
+    def claim(self, request_id: str, receiver_epoch: int) -> None:
+        """Hello + Begin of ``request_id``; raises AssertionError if the receiver refuses either."""
+        from kvtransfer import wire
+
+        reply = self.hello()
+        assert isinstance(reply, wire.HelloReply) and not reply.mismatches, reply
+        begun = self.request(wire.Begin(request_id, receiver_epoch))
+        assert isinstance(begun, wire.BeginReply) and begun.ok, begun
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+class FakeReceiver:
+    """A scripted KV receiver: a zmq ROUTER that answers a sender's Hello (no mismatch) and Begin (ok)
+    and can send it any message, for what a real receiver never sends. Its `address` goes into a
+    KVHandle or ``connect``. Call `serve` to answer what arrived; close it after use."""
+
+    def __init__(self, epoch: int = 4242) -> None:
+        self.epoch = epoch
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.peer: bytes | None = None
+        self.got: list[Any] = []
+
+    def serve(self, timeout: float = 5.0, until: Callable[[Any], bool] | None = None) -> None:
+        """Answer Hello and Begin messages as they come, and send a KeepAlive every 0.1 s once a sender
+        spoke, up to ``timeout`` s or until ``until(msg)`` holds for a message."""
+        from kvtransfer import wire
+
+        deadline = time.monotonic() + timeout
+        beat = 0.0
+        while time.monotonic() < deadline:
+            if self.peer is not None and time.monotonic() > beat:
+                self.send(wire.KeepAlive(self.epoch))
+                beat = time.monotonic() + 0.1
+            if not self.sock.poll(20):
+                continue
+            ident, data = self.sock.recv_multipart()
+            msg = wire.decode(data)
+            self.got.append(msg)
+            self.peer = ident
+            if isinstance(msg, wire.Hello):
+                self.send(wire.HelloReply("fake-d", self.epoch, [], b"fake-loopback"))
+            elif isinstance(msg, wire.Begin):
+                self.send(wire.BeginReply(msg.request_id, True))
+            if until is not None and until(msg):
+                return
+
+    def send(self, msg: Any) -> None:
+        """Send ``msg`` to the sender that last spoke."""
+        from kvtransfer import wire
+
+        assert self.peer is not None
+        self.sock.send_multipart([self.peer, wire.encode(msg)])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()

@@ -14,7 +14,7 @@ def stall_loop(tx: object, wait: float = 5.0) -> threading.Event:
     def stall() -> None:
         stalled.set()
         gate.wait(wait)
-    tx._call(stall)  # type: ignore[attr-defined]
+    tx.run_in_loop(stall)  # type: ignore[attr-defined]
     assert stalled.wait(wait)
     return gate
 
@@ -22,14 +22,14 @@ def stall_loop(tx: object, wait: float = 5.0) -> threading.Event:
 def record_writes(tx: object) -> list[list[tuple[str, int]]]:
     """Wrap the sender's ``transport.post``: each write it posts appends the (request_id, layer) of the
     notices it carries to the returned list."""
-    from kvtransfer import messages
+    from kvtransfer import wire
 
     seen: list[list[tuple[str, int]]] = []
     transport = tx.transport  # type: ignore[attr-defined]
     orig = transport.post
 
     def recording(peer: str, pieces: list[object], notice: bytes, tag: int) -> object:
-        seen.append([(n.request_id, n.layer) for n in messages.decode_notices(notice)])
+        seen.append([(n.request_id, n.layer) for n in wire.decode_notices(notice)])
         return orig(peer, pieces, notice, tag)
     transport.post = recording
     return seen

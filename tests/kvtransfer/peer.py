@@ -54,7 +54,7 @@ def sender_main(conn: Connection, backend: str, seed: int, worker_id: str, kv_kw
                 conn.send(tx.reason(cmd[1]))
                 continue
             elif op == "posted":
-                conn.send(dict(tx._pipe.posted))
+                conn.send(dict(tx.stats().posted))
                 continue
             elif op == "leaks":
                 tx.check_no_leaks()

@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
 import pytest
 
 from kvtransfer import TransferStatus, get_transfer_backend
-from kvtransfer import messages as m
-from kvtransfer.nixl import _agent
+from kvtransfer import wire as m
+from kvtransfer.transports.nixl import NixlRecvMeta, make_agent
 from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, need_nixl, release_both
 
 need_nixl()
@@ -26,7 +27,7 @@ SRC, DST = [0, 1, 2], [7, 8, 9]
 def _begin(tx, rx, rid: str, dst: list[int] = DST) -> None:
     """Expect `rid` on rx and hand it to tx; wait until rx saw its Begin (TRANSFERRING)."""
     tx.add_request(rx.expect(rid, dst), SRC)
-    assert rx.wait_until(lambda: rx._requests[rid].status is S.TRANSFERRING, WAIT)
+    assert rx.wait_until(lambda: rx.status(rid) is S.TRANSFERRING, WAIT)
 
 
 def _notify(agent, rx, payload: bytes) -> None:
@@ -68,7 +69,7 @@ def test_undecodable_notification_is_skipped_and_logged(pair, caplog):
     _begin(tx, rx, "a")
     with caplog.at_level(logging.WARNING, logger="kvtransfer"):
         _notify(tx.transport.agent, rx, b"\xc1 not msgpack")
-    assert rx._thread is not None and rx._thread.is_alive()  # the loop lives on
+    assert rx.stats().loop.alive  # the loop lives on
     assert rx.status("a") is S.TRANSFERRING, rx.reason("a")  # nothing failed
     peer = f"p0:{tx.epoch}".encode().hex()  # the receiver's peer key of tx: its zmq identity, hex
     warned = [r.getMessage() for r in caplog.records if "undecodable" in r.getMessage()]
@@ -81,7 +82,7 @@ def test_layer_out_of_range_is_never_counted(pair):
     _begin(tx, rx, "a")
     _notify(tx.transport.agent, rx, _notices("a", [-1, LAYERS, LAYERS + 1, 10 ** 6]))
     assert rx.status("a") is S.TRANSFERRING, rx.reason("a")  # 4 bogus layers did not make it DONE
-    assert rx._requests["a"].layers == set()
+    assert rx.snapshot("a").layers == set()
     _finish(tx, rx, src, dst, "a")
 
 
@@ -96,11 +97,11 @@ def test_notice_from_a_peer_that_did_not_claim_the_request_is_ignored(pair, who)
             _begin(tx2, rx, "b", [20, 21, 22])
             agent = tx2.transport.agent
         else:  # an agent that loaded rx's metadata but never said Hello
-            agent = _agent("stranger-agent")
-            agent.add_remote_agent(rx.transport._meta.agent)  # type: ignore[attr-defined]
+            agent = make_agent("stranger-agent")
+            agent.add_remote_agent(msgspec.msgpack.decode(rx.transport.metadata(), type=NixlRecvMeta).agent)
         _notify(agent, rx, _notices("a", list(range(LAYERS))))
         assert rx.status("a") is S.TRANSFERRING, rx.reason("a")  # not DONE on another peer's word
-        assert rx._requests["a"].layers == set()
+        assert rx.snapshot("a").layers == set()
         _finish(tx, rx, src, dst, "a")
     finally:
         tx2.close()

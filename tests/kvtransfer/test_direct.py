@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvtransfer import TransferStatus, get_transfer_backend
-from kvtransfer.transport import KV, STAGING
+from kvtransfer.transports.base import KV, STAGING
 from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
 
 S = TransferStatus
@@ -39,10 +39,10 @@ def _regions(tx) -> dict[str, set[int]]:
     orig = tx.transport.post
 
     def recording(peer, pieces, notice, tag):
-        from kvtransfer import messages
+        from kvtransfer import wire
 
         regions = {p[0] for p in pieces}  # one request per batch in this test: a batch has one path
-        for n in messages.decode_notices(notice):
+        for n in wire.decode_notices(notice):
             seen.setdefault(n.request_id, set()).update(regions)
         return orig(peer, pieces, notice, tag)
     tx.transport.post = recording
@@ -54,7 +54,7 @@ def test_direct_and_staged_requests_layerwise_bit_exact(pair):
     tx.connect(rx.address, timeout=WAIT)
     for rid, (src_ids, dst_ids) in REQUESTS.items():
         tx.add_request(rx.expect(rid, dst_ids), src_ids)
-    assert [tx._requests[r].extra["runs"] is not None for r in REQUESTS] == [True, True, False]
+    assert [tx.snapshot(r).direct for r in REQUESTS] == [True, True, False]
     for layer in range(LAYERS):
         for rid in REQUESTS:
             tx.send_layer(rid, layer)
@@ -63,7 +63,7 @@ def test_direct_and_staged_requests_layerwise_bit_exact(pair):
         assert tx.wait(rid, WAIT) is S.DONE
         assert_landed(src, src_ids, dst, dst_ids)
         release_both(tx, rx, rid)
-    assert tx._pipe.posted == {"direct": 2 * LAYERS, "staged": LAYERS}
+    assert tx.stats().posted == {"direct": 2 * LAYERS, "staged": LAYERS}
     used = {b for _, ids in REQUESTS.values() for b in ids}
     assert dst[:, :, [b for b in range(32) if b not in used]].abs().sum() == 0
     tx.check_no_leaks()
@@ -97,7 +97,7 @@ def test_direct_disabled_goes_staged():
             tx.send_layer("a", layer)
         assert rx.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE
         assert_landed(src, [0, 1], dst, [5, 6])
-        assert tx._pipe.posted == {"direct": 0, "staged": LAYERS}
+        assert tx.stats().posted == {"direct": 0, "staged": LAYERS}
         release_both(tx, rx, "a", leaks=True)
     finally:
         tx.close()
@@ -113,22 +113,22 @@ def test_writes_stuck_to_a_lost_peer_are_cancelled_and_freed(pair):
     for rid in ("a", "c"):  # one direct, one staged (holds a ring slot)
         src_ids, dst_ids = REQUESTS[rid]
         tx.add_request(rx.expect(rid, dst_ids), src_ids)
-    assert tx.wait_until(lambda: all(tx._requests[r].extra["begun"] for r in ("a", "c")), WAIT)
+    assert tx.wait_until(lambda: all(tx.snapshot(r).begun for r in ("a", "c")), WAIT)
     tx.transport.deliver.clear()  # posted writes never complete from now on
     for rid in ("a", "c"):
         tx.send_layer(rid, 0)
-    assert tx.wait_until(lambda: sum(op.posted for op in tx._pipe.ops) == 2, WAIT)
+    assert tx.wait_until(lambda: tx.stats().writing == 2, WAIT)
     tx.abort("a")  # terminal, but its write is still in flight: no Stopped, not releasable
     assert tx.wait("a", WAIT) is S.ABORTED
     with pytest.raises(RuntimeError, match="in flight"):
         tx.release("a")
     rx.close()  # the decode worker dies: no more heartbeats
     assert tx.wait("c", 3 * tx.config.peer_timeout_s) is S.FAILED and "lost" in tx.reason("c")
-    assert tx.wait_until(lambda: not tx._pipe.ops, WAIT)
-    assert tx._pipe.ring.in_use == 0
-    assert all(tx._requests[r].extra["inflight"] == 0 for r in ("a", "c"))
+    assert tx.wait_until(lambda: tx.stats().in_pipeline == 0, WAIT)
+    assert tx.stats().staging_slots_in_use == 0
+    assert all(tx.snapshot(r).inflight == 0 for r in ("a", "c"))
     assert tx.status("a") is S.ABORTED  # terminal states are final
     for rid in ("a", "c"):
-        assert tx.wait_until(lambda r=rid: tx._requests[r].extra["stop"] is None, WAIT)
+        assert tx.wait_until(lambda r=rid: not tx.snapshot(r).fence_pending, WAIT)
         tx.release(rid)
     tx.check_no_leaks()

@@ -12,9 +12,9 @@ from tests.kvtransfer.test_processes import (
     SEED,
     WAIT,
     Child,
-    _add,
-    _release_both,
+    add_in_child,
     backend,
+    release_in_both,
     rx,
     send_layerwise,
 )
@@ -41,13 +41,13 @@ def test_direct_and_staged_layerwise_bit_exact(backend, rx):
 def test_direct_abort_mid_transfer_leaves_nothing_pending(backend, rx):
     child = Child(backend)
     try:
-        _add(child, rx, "a", [20, 21, 22, 23], [4, 5, 6, 7])
+        add_in_child(child, rx, "a", [20, 21, 22, 23], [4, 5, 6, 7])
         assert child("layers", "a", [0]) is None
-        assert rx.wait_until(lambda: 0 in rx._requests["a"].layers, WAIT)
+        assert rx.wait_until(lambda: 0 in rx.snapshot("a").layers, WAIT)
         assert child("abort", "a") is None
         assert rx.wait("a", WAIT) is S.ABORTED
         assert child("layers", "a", [1, 2, 3]) is None  # after the abort: never written
-        _release_both(child, rx, "a")
+        release_in_both(child, rx, "a")
         assert child("posted") == {"direct": 1, "staged": 0}
         assert rx.kv_buffer[1:].abs().sum() == 0
         assert_landed(make_kv(SEED)[:1], [4, 5, 6, 7], rx.kv_buffer[:1], [20, 21, 22, 23])

@@ -9,9 +9,9 @@ import torch
 
 from kvtransfer import TransferError, TransferStatus, get_transfer_backend
 from kvtransfer.events import EventPool
-from kvtransfer.loopback import LoopbackSendTransport
 from kvtransfer.pipeline import LayerPipeline
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from kvtransfer.transports.loopback import LoopbackSendTransport
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, sender_with
 from tests.kvtransfer.loop_probes import record_writes, stall_loop
 
 S = TransferStatus
@@ -38,16 +38,14 @@ class FakeEvent:
 
 @pytest.fixture(params=[16, 0], ids=["direct", "staged"])
 def pair(request):
-    """Loopback pair (checksums on) whose sender uses a pool of fake events (as on a GPU) and, with
-    direct_max_pieces=0, sends every request staged."""
-    backend = get_transfer_backend("loopback")
+    """(sender, receiver, src, dst, the sender's event pool): a loopback pair (checksums on) whose sender
+    uses a pool of fake events (as on a GPU) and, with direct_max_pieces=0, sends every request staged."""
     src, dst = make_kv(5), make_kv(None)
-    tx = backend.sender(config("p0", "loopback", checksum=True, max_inflight_layers=2 * LAYERS,
-                               direct_max_pieces=request.param), src)
-    rx = backend.receiver(config("d0", "loopback", checksum=True), dst)
     pool = EventPool(0, FakeEvent, lambda device: None)
-    tx._events, tx._pipe._recycle = pool, pool.give_back
-    yield tx, rx, src, dst
+    tx = sender_with(config("p0", "loopback", checksum=True, max_inflight_layers=2 * LAYERS,
+                            direct_max_pieces=request.param), src, events=pool)
+    rx = get_transfer_backend("loopback").receiver(config("d0", "loopback", checksum=True), dst)
+    yield tx, rx, src, dst, pool
     tx.transport.deliver.set()  # type: ignore[attr-defined]
     tx.close()
     rx.close()
@@ -55,12 +53,15 @@ def pair(request):
 
 def _begun(tx, rx, rid: str, ids: tuple[list[int], list[int]]) -> None:
     tx.add_request(rx.expect(rid, ids[1]), ids[0])
-    assert tx.wait_until(lambda: tx._requests[rid].extra["begun"], WAIT)
+    assert tx.wait_until(lambda: tx.snapshot(rid).begun, WAIT)
 
 
 def _idle(tx) -> bool:
     """Wait until the sender has nothing queued or in flight and every event is back in the pool."""
-    return tx.wait_until(lambda: not tx._queue and not tx._pipe.ops and tx._events.held == 0, WAIT)
+    def idle() -> bool:
+        st = tx.stats()
+        return st.queued == 0 and st.in_pipeline == 0 and st.events_held == 0
+    return tx.wait_until(idle, WAIT)
 
 
 def _done(tx, rx, rid: str, ids: tuple[list[int], list[int]], src, dst) -> None:
@@ -70,14 +71,13 @@ def _done(tx, rx, rid: str, ids: tuple[list[int], list[int]], src, dst) -> None:
 
 
 def test_send_layers_lands_like_send_layer_in_one_write_and_one_event(pair):
-    tx, rx, src, dst = pair
+    tx, rx, src, dst, pool = pair
     direct = tx.config.direct_max_pieces > 0
-    pool = tx._events
     writes = record_writes(tx)
     _begun(tx, rx, "a", DIRECT)
     tx.send_layers("a")
     _done(tx, rx, "a", DIRECT, src, dst)
-    assert (tx._requests["a"].extra["runs"] is not None) is direct
+    assert tx.snapshot("a").direct is direct
     assert writes == [[("a", la) for la in range(LAYERS)]]  # taken up in one step: one write, in order
     assert pool.created == 1 and pool.held == 0 and pool.free == 1  # one event, given back once
     release_both(tx, rx, "a")
@@ -93,14 +93,14 @@ def test_send_layers_lands_like_send_layer_in_one_write_and_one_event(pair):
 
 
 def test_staged_source_by_send_layers_bit_exact(pair):
-    tx, rx, src, dst = pair
+    tx, rx, src, dst, pool = pair
     _begun(tx, rx, "c", STAGED)
     tx.send_layers("c")
     _done(tx, rx, "c", STAGED, src, dst)
-    assert tx._requests["c"].extra["runs"] is None  # fragmented source: gathered into the ring
-    assert tx._pipe.posted == {"direct": 0, "staged": LAYERS}
+    assert not tx.snapshot("c").direct  # fragmented source: gathered into the ring
+    assert tx.stats().posted == {"direct": 0, "staged": LAYERS}
     release_both(tx, rx, "c", leaks=True)
-    assert tx._events.held == 0 and tx._events.free == tx._events.created == 1
+    assert pool.held == 0 and pool.free == pool.created == 1
     used = set(STAGED[1])
     assert dst[:, :, [b for b in range(dst.shape[2]) if b not in used]].abs().sum() == 0
 
@@ -128,7 +128,7 @@ def test_depth_bounds_the_batch_not_the_writes(per_request):
 
 
 def test_subset_then_send_layer_for_the_rest(pair):
-    tx, rx, src, dst = pair
+    tx, rx, src, dst, pool = pair
     writes = record_writes(tx)
     _begun(tx, rx, "a", DIRECT)
     tx.send_layers("a", [2, 0])
@@ -142,11 +142,11 @@ def test_subset_then_send_layer_for_the_rest(pair):
     _done(tx, rx, "a", DIRECT, src, dst)
     assert writes == [[("a", 2), ("a", 0)], [("a", 1)], [("a", 3)]]
     release_both(tx, rx, "a", leaks=True)
-    assert tx._events.created == 1 and tx._events.held == 0  # each event came back before the next call
+    assert pool.created == 1 and pool.held == 0  # each event came back before the next call
 
 
 def test_rejected_calls_queue_and_mark_nothing(pair):
-    tx, rx, src, dst = pair
+    tx, rx, src, dst, pool = pair
     _begun(tx, rx, "a", DIRECT)
     gate = stall_loop(tx, WAIT)  # the loop takes nothing up: whatever a call queued stays visible
     tx.send_layer("a", 0)
@@ -162,17 +162,17 @@ def test_rejected_calls_queue_and_mark_nothing(pair):
     for exc, match, args in bad:
         with pytest.raises(exc, match=match):
             tx.send_layers(*args)
-        assert tx._requests["a"].layers == {0} and len(tx._queue) == 1, args
-        assert tx._events.created == 1 and tx._events.held == 1, args  # no event recorded
+        assert tx.snapshot("a").layers == {0} and tx.stats().queued == 1, args
+        assert pool.created == 1 and pool.held == 1, args  # no event recorded
     tx.send_layers("a", [])  # nothing to send: no event, nothing queued
-    assert len(tx._queue) == 1 and tx._events.held == 1
+    assert tx.stats().queued == 1 and pool.held == 1
     gate.set()
     for layer in range(1, LAYERS):
         tx.send_layer("a", layer)  # the request still completes by the per-layer path
     _done(tx, rx, "a", DIRECT, src, dst)
-    assert sum(tx._pipe.posted.values()) == LAYERS  # no layer went twice
+    assert sum(tx.stats().posted.values()) == LAYERS  # no layer went twice
     release_both(tx, rx, "a", leaks=True)
-    assert tx._events.held == 0 and tx._events.free == tx._events.created
+    assert pool.held == 0 and pool.free == pool.created
     tx.close()
     with pytest.raises(TransferError, match="not running"):
         tx.send_layers("a")
@@ -181,17 +181,17 @@ def test_rejected_calls_queue_and_mark_nothing(pair):
 def test_aborted_request_gives_the_shared_event_back_once(pair):
     """Layers of a request aborted while they wait in the queue are dropped; their shared event comes
     back to the pool once, after the last of them (a give-back too many raises)."""
-    tx, rx, _src, dst = pair
+    tx, rx, _src, dst, pool = pair
     _begun(tx, rx, "a", DIRECT)
     gate = stall_loop(tx, WAIT)
     tx.send_layers("a")
     tx.abort("a")  # runs after the stall, before the queued layers are taken up
-    assert tx._events.held == 1
+    assert pool.held == 1
     gate.set()
     assert tx.wait("a", WAIT) is S.ABORTED
     assert rx.wait("a", WAIT) is S.ABORTED
     release_both(tx, rx, "a", leaks=True)
-    assert tx._events.held == 0 and tx._events.free == 1
+    assert pool.held == 0 and pool.free == 1
     assert dst.abs().sum() == 0  # nothing was written
 
 
@@ -231,12 +231,12 @@ def test_ready_queries_a_shared_event_once():
 def test_cuda_send_layers_waits_for_the_callers_stream(direct_max_pieces):
     """On a GPU: every layer's KV is stored behind a spin on the caller's stream, then ONE send_layers:
     its one event (from the pool) orders every write or gather after the stores, and comes back once."""
-    backend = get_transfer_backend("loopback")
     ref = make_kv(4).cuda()
     src, dst = torch.zeros_like(ref), make_kv(None).cuda()
-    tx = backend.sender(config("p0", "loopback", checksum=True, direct_max_pieces=direct_max_pieces,
-                               max_inflight_layers=LAYERS), src)
-    rx = backend.receiver(config("d0", "loopback", checksum=True), dst)
+    pool = EventPool(0)  # real CUDA events, as the sender makes for a CUDA kv_buffer
+    tx = sender_with(config("p0", "loopback", checksum=True, direct_max_pieces=direct_max_pieces,
+                            max_inflight_layers=LAYERS), src, events=pool)
+    rx = get_transfer_backend("loopback").receiver(config("d0", "loopback", checksum=True), dst)
     try:
         for rnd in range(2):
             rid = f"a{rnd}"
@@ -249,8 +249,8 @@ def test_cuda_send_layers_waits_for_the_callers_stream(direct_max_pieces):
             src.zero_()
             dst.zero_()
             torch.cuda.synchronize()
-            assert tx._events.held == 0 and tx._events.free == tx._events.created
-        assert tx._events.created == 1  # one event per call, reused by the second request
+            assert pool.held == 0 and pool.free == pool.created
+        assert pool.created == 1  # one event per call, reused by the second request
     finally:
         tx.close()
         rx.close()

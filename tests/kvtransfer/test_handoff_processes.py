@@ -8,7 +8,7 @@ import pytest
 from kvtransfer import TransferStatus
 from tests.kvtransfer.helpers import LAYERS, assert_landed, make_kv
 from tests.kvtransfer.test_direct import REQUESTS
-from tests.kvtransfer.test_processes import SEED, WAIT, Child, _add, _release_both, backend, rx
+from tests.kvtransfer.test_processes import SEED, WAIT, Child, add_in_child, backend, release_in_both, rx
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 S = TransferStatus
@@ -22,14 +22,14 @@ def test_send_layers_whole_requests_bit_exact(backend, rx):
     child = Child(backend)
     try:
         for rid, (src_ids, dst_ids) in REQUESTS.items():
-            _add(child, rx, rid, dst_ids, src_ids)
+            add_in_child(child, rx, rid, dst_ids, src_ids)
         for rid in REQUESTS:
             assert child("send_layers", rid, None) is None
         for rid, (src_ids, dst_ids) in REQUESTS.items():
             assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
             assert child("wait", rid, WAIT) == "DONE"
             assert_landed(make_kv(SEED), src_ids, rx.kv_buffer, dst_ids)
-            _release_both(child, rx, rid)
+            release_in_both(child, rx, rid)
         assert child("posted") == {"direct": 2 * LAYERS, "staged": LAYERS}
         used = {b for _, ids in REQUESTS.values() for b in ids}
         assert rx.kv_buffer[:, :, [b for b in range(32) if b not in used]].abs().sum() == 0
@@ -45,9 +45,9 @@ def test_send_layers_subset_rejects_then_per_layer_rest(backend, rx):
     child = Child(backend)
     src_ids, dst_ids = REQUESTS["a"]
     try:
-        _add(child, rx, "a", dst_ids, src_ids)
+        add_in_child(child, rx, "a", dst_ids, src_ids)
         assert child("send_layers", "a", [LAYERS - 1, 0]) is None
-        assert rx.wait_until(lambda: rx._requests["a"].layers == {0, LAYERS - 1}, WAIT)
+        assert rx.wait_until(lambda: rx.snapshot("a").layers == {0, LAYERS - 1}, WAIT)
         refused = ((("nope", None), "KeyError"),
                    (("a", [1, LAYERS]), f"ValueError: layer {LAYERS} out of range"),
                    (("a", [1, 0]), "ValueError: layer(s) [0]"))
@@ -57,7 +57,7 @@ def test_send_layers_subset_rejects_then_per_layer_rest(backend, rx):
         assert child("layers", "a", list(range(1, LAYERS - 1))) is None  # 1 was not marked by the refusal
         assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
         assert_landed(make_kv(SEED), src_ids, rx.kv_buffer, dst_ids)
-        _release_both(child, rx, "a")
+        release_in_both(child, rx, "a")
         assert child("posted") == {"direct": LAYERS, "staged": 0}  # no layer queued twice
         assert child("leaks") is None
         rx.check_no_leaks()

@@ -1,5 +1,5 @@
 """bench.kvtransfer.gil runs end to end on CPU with the in-process loopback receiver, and with a busy wait
-below the default fine_wait_s (stop 15: the loopback path crashed unpacking the receiver's answer, and a
+below the default fine_wait_s (its loopback path once crashed unpacking the receiver's answer, and a
 --busy-wait-us under 5 was refused by TransferConfig)."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""bench/kvtransfer/trace.py: the --trace summary splits a round into issue #3's gaps from its events."""
+"""bench.kvtransfer.trace: the --trace summary splits a round into its gaps (hand-off, post, DONE round
+trip) from its events."""
 
 from __future__ import annotations
 

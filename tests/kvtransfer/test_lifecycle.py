@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvtransfer import TransferError, TransferStatus, get_transfer_backend
-from kvtransfer.loopback import LoopbackRecvTransport
-from kvtransfer.receiver import KVReceiver
+from kvtransfer.receiver import ReceiverEndpoint
+from kvtransfer.transports.loopback import LoopbackRecvTransport
 from tests.kvtransfer.helpers import assert_landed, config, make_kv, release_both
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +97,7 @@ def test_start_after_close_raises() -> None:
 def test_close_before_start_then_start_raises() -> None:
     """close() of a receiver that never started binds nothing, and a later start() raises (no socket is
     bound, no thread started)."""
-    rx = KVReceiver(config("d-never", "loopback"), make_kv(None), LoopbackRecvTransport(make_kv(None)))
+    rx = ReceiverEndpoint(config("d-never", "loopback"), make_kv(None), LoopbackRecvTransport(make_kv(None)))
     rx.close()
     with pytest.raises(TransferError, match="was closed"):
         rx.start()

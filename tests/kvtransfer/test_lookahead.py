@@ -11,8 +11,8 @@ import time
 import pytest
 
 from kvtransfer import TransferConfig, TransferStatus, get_transfer_backend
-from kvtransfer.lookahead import LEAD_FRACTION, LEAD_MAX_NAPS, WriteRate, nap_length
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from kvtransfer.lookahead import LEAD_FRACTION, LEAD_MAX_NAPS, MIN_SAMPLE_NAPS, WriteRate, nap_length
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, sender_with
 
 S = TransferStatus
 BUSY, FINE = 50e-6, 5e-6
@@ -88,7 +88,7 @@ def _seen(rate: WriteRate, nbytes: int, took: float) -> float:
 
 def test_fine_looks_of_a_long_write_are_bounded():
     """A 1 s write (DRAM, a slow link): the 5 µs looks start LEAD_MAX_NAPS busy naps before the predicted
-    end, not 5 % of it (50 ms: some 20 000 looks taking the GIL from the prefill thread; review, stop 15)."""
+    end, not 5 % of it (50 ms: some 20 000 looks taking the GIL from the prefill thread)."""
     posted, expected = 0.0, 1.0
     due, lead = posted + expected, LEAD_MAX_NAPS * BUSY
     assert nap_length(due - lead - 2 * BUSY - 1e-6, (posted, expected), BUSY, FINE) > BUSY
@@ -138,23 +138,24 @@ def test_sender_naps_long_then_looks_finely_then_falls_back():
     """One write held in flight 150 ms past a 60 ms prediction (busy naps 1 ms, fine looks 0.1 ms):
     few looks before the predicted end, fine ones around it, busy ones after it (no spinning), and the
     write's completion is still seen (bit-exact); then the rate estimate learns from it."""
-    backend = get_transfer_backend("loopback")
     src, dst = make_kv(5), make_kv(None)
     busy, fine, expected = 1e-3, 1e-4, 0.06
-    tx = backend.sender(config("p0", "loopback", busy_wait_s=busy, fine_wait_s=fine,
-                               max_inflight_layers=LAYERS), src)
-    rx = backend.receiver(config("d0", "loopback"), dst)
+    rate = WriteRate(MIN_SAMPLE_NAPS * busy)  # the sender's estimate (as it makes one itself)
+    tx = sender_with(config("p0", "loopback", busy_wait_s=busy, fine_wait_s=fine,
+                            max_inflight_layers=LAYERS), src, rate=rate)
+    rx = get_transfer_backend("loopback").receiver(config("d0", "loopback"), dst)
     try:
         tx.add_request(rx.expect("a", [7, 8, 9]), [2, 3, 4])
-        assert tx.wait_until(lambda: tx._requests["a"].extra["begun"], 5.0)
-        nbytes = tx._pipe._op_bytes * 3 * LAYERS
-        tx._pipe.rate.bytes_per_s = nbytes / expected  # as if learned from earlier writes
+        assert tx.wait_until(lambda: tx.snapshot("a").begun, 5.0)
+        nbytes = 2 * tx.layout.block_bytes * 3 * LAYERS  # K and V of 3 blocks, every layer
+        rate.bytes_per_s = nbytes / expected  # as if learned from earlier writes
         looks = _looks(tx)
         tx.transport.deliver.clear()
         tx.send_layers("a")
-        assert tx.wait_until(lambda: bool(tx._pipe._writes), 5.0)
-        posted = tx._pipe._writes[0].posted_at
-        assert tx._pipe.lone_write() == (posted, pytest.approx(expected))
+        assert tx.wait_until(lambda: tx.stats().writes == 1, 5.0)
+        lone = tx.stats().lone_write
+        assert lone is not None and lone[1] == pytest.approx(expected)
+        posted = lone[0]
         due, lead = posted + expected, LEAD_FRACTION * expected  # lead 3 ms
         threading.Timer(max(0.0, due + 0.15 - time.monotonic()), tx.transport.deliver.set).start()
         assert tx.wait("a", 5.0) is S.DONE
@@ -167,9 +168,10 @@ def test_sender_naps_long_then_looks_finely_then_falls_back():
         assert len(around) >= 10, len(around)  # fine looks (up to 60 in 6 ms on an idle machine)
         assert 20 <= len(late) <= 160, len(late)  # ~1 ms apart (~130), not 0.1 ms apart (~1300)
         assert_landed(src, [2, 3, 4], dst, [7, 8, 9])
-        assert tx._pipe.rate.bytes_per_s < nbytes / expected  # the slow write pulled it down
+        assert rate.bytes_per_s < nbytes / expected  # the slow write pulled it down
         release_both(tx, rx, "a", leaks=True)
-        assert tx._pipe.unposted == 0 and not tx._pipe._writes and tx._pipe.lone_write() is None
+        st = tx.stats()
+        assert st.in_pipeline == st.writing == st.writes == 0 and st.lone_write is None
     finally:
         tx.transport.deliver.set()
         tx.close()

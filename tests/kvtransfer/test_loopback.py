@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from kvtransfer import IncompatiblePeerError, TransferStatus, get_transfer_backend
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.helpers import (
+    LAYERS,
+    FakeReceiver,
+    assert_landed,
+    config,
+    make_kv,
+    release_both,
+    sender_settled,
+)
 
 S = TransferStatus
 WAIT = 5.0
@@ -55,7 +63,7 @@ def test_not_done_until_every_layer(pair):
     tx.add_request(rx.expect("a", [3, 4]), [0, 1])
     for layer in range(LAYERS - 1):
         tx.send_layer("a", layer)
-    assert rx.wait_until(lambda: len(rx._requests["a"].layers) == LAYERS - 1, WAIT)
+    assert rx.wait_until(lambda: len(rx.snapshot("a").layers) == LAYERS - 1, WAIT)
     assert rx.status("a") is S.TRANSFERRING and not rx.releasable("a")
     assert rx.ended_at("a") is None and tx.ended_at("a") is None
     with pytest.raises(RuntimeError, match="may still be written"):
@@ -74,10 +82,10 @@ def test_abort_mid_transfer_fences_blocks(pair, side):
     tx, rx, _src, dst = pair
     tx.add_request(rx.expect("a", [5, 6, 7]), [1, 2, 3])
     tx.send_layer("a", 0)
-    assert rx.wait_until(lambda: 0 in rx._requests["a"].layers, WAIT)
+    assert rx.wait_until(lambda: 0 in rx.snapshot("a").layers, WAIT)
     (tx if side == "sender" else rx).abort("a")
     assert rx.wait("a", WAIT) is S.ABORTED and tx.wait("a", WAIT) is S.ABORTED
-    assert rx.wait_until(lambda: rx._releasable(rx._requests["a"]), WAIT)  # sender confirmed Stopped
+    assert rx.wait_until(lambda: rx.releasable("a"), WAIT)  # sender confirmed Stopped
     with pytest.raises(KeyError):
         tx.send_layer("b", 1)
     tx.send_layer("a", 1)  # after abort: silently not written
@@ -127,7 +135,7 @@ def test_checksum_detects_corruption(pair):
 def _corrupting(post, transport):
     def wrapped(peer, pieces, notice, tag):
         region, offset, _, _ = pieces[0]  # staging ring or (direct path) kv_buffer
-        (transport._staging, transport._kv)[region][offset] ^= 0xFF  # flip a byte after the checksum
+        transport.source(region)[offset] ^= 0xFF  # flip a byte after the checksum
         return post(peer, pieces, notice, tag)
     return wrapped
 
@@ -244,9 +252,9 @@ def test_dead_receiver_fails_sender_within_deadline():
     try:
         tx.add_request(rx.expect("a", [1, 2], timeout_s=5.0), [0, 1])
         tx.send_layer("a", 0)
-        assert tx.wait_until(lambda: tx._requests["a"].status is S.TRANSFERRING, WAIT)
+        assert tx.wait_until(lambda: tx.status("a") is S.TRANSFERRING, WAIT)
         # layer 0 landed first: else its write could race the close and fail as "peer gone" instead
-        assert rx.wait_until(lambda: len(rx._requests["a"].layers) == 1, WAIT)
+        assert rx.wait_until(lambda: len(rx.snapshot("a").layers) == 1, WAIT)
         rx.close()  # the decode worker dies: no more heartbeats
         start = __import__("time").monotonic()
         assert tx.wait("a", 5.0) is S.FAILED and "lost" in tx.reason("a")
@@ -287,25 +295,33 @@ def test_receiver_that_never_answers_the_handshake_fails_fast_and_frees():
 
 def test_messages_of_another_receiver_for_a_request_change_nothing():
     """A Done, Abort or Fail for request "a" that comes from a receiver other than the one its handle
-    names (e.g. a late message of an earlier request of that id) is ignored; before this check the
-    sender took it as the request's own (found by a helper in stop 15)."""
-    from kvtransfer import messages as m
+    names (e.g. a late message of an earlier request of that id) is ignored."""
+    from kvtransfer import KVHandle
+    from kvtransfer import wire as m
 
     backend = get_transfer_backend("loopback")
     src = make_kv(1)
     tx = backend.sender(config("p0", "loopback"), src)
-    rx_a = backend.receiver(config("d-a", "loopback"), make_kv(None))
     rx_b = backend.receiver(config("d-b", "loopback"), make_kv(None))
+    rx_a = FakeReceiver()  # answers Hello and Begin; sends what the test tells it
+    synced = lambda msg: isinstance(msg, m.Begin) and msg.request_id == "sync"  # noqa: E731
+    serving = threading.Thread(target=rx_a.serve, args=(WAIT,), kwargs={"until": synced})
     try:
-        tx.connect(rx_a.address)
+        serving.start()
+        tx.connect(rx_a.address, timeout=WAIT)
         tx.add_request(rx_b.expect("a", [5, 6]), [1, 2])
-        assert tx.wait_until(lambda: tx._requests["a"].extra["answered"], WAIT)
-        handled = threading.Event()
+        assert tx.wait_until(lambda: tx.snapshot("a").answered, WAIT)
         for msg in (m.Done("a"), m.Abort("a"), m.Fail("a", "forged")):
-            tx._call(lambda msg=msg: tx._on_message(tx._peers[rx_a.address], msg))
-        tx._call(handled.set)  # commands run in order on the loop thread
-        assert handled.wait(WAIT)
+            rx_a.send(msg)
+        # one zmq stream from rx_a: once the Begin of "sync" (sent after them) is answered, they were read
+        sync = KVHandle(worker_id="fake-d", epoch=rx_a.epoch, request_id="sync", block_ids=(0,),
+                        layout=rx_b.layout, address=rx_a.address, backend="loopback", timeout_s=WAIT)
+        tx.add_request(sync, [9])
+        assert tx.wait_until(lambda: tx.snapshot("sync").answered, WAIT)
         assert tx.status("a") is S.TRANSFERRING, tx.reason("a")
+        tx.abort("sync")
+        assert tx.wait_until(lambda: sender_settled(tx, "sync"), WAIT)
+        tx.release("sync")
         for layer in range(LAYERS):
             tx.send_layer("a", layer)
         assert rx_b.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE
@@ -313,5 +329,6 @@ def test_messages_of_another_receiver_for_a_request_change_nothing():
         release_both(tx, rx_b, "a", WAIT, leaks=True)
     finally:
         tx.close()
-        rx_a.close()
         rx_b.close()
+        serving.join(WAIT + 1)
+        rx_a.close()

@@ -14,7 +14,7 @@ pytest.importorskip("nixl_cu13")
 
 
 def test_idle_dram_receiver_uses_almost_no_cpu():
-    from kvtransfer.nixl import NixlRecvTransport
+    from kvtransfer.transports.nixl import NixlRecvTransport
 
     rx = NixlRecvTransport(f"idle-rx-{os.getpid()}", torch.zeros(1 << 20, dtype=torch.uint8))
     try:

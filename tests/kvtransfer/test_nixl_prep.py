@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from kvtransfer.nixl_prep import PreppedRequest, merge_descs
-from kvtransfer.transport import KV
+from kvtransfer.transports.base import KV
+from kvtransfer.transports.nixl_prep import PreppedRequest, merge_descs
 from kvtransfer.types import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -40,7 +40,7 @@ def test_prepped_request_indexes_each_layer():
 
 @pytest.fixture
 def link():
-    from kvtransfer.nixl import NixlRecvTransport, NixlSendTransport
+    from kvtransfer.transports.nixl import NixlRecvTransport, NixlSendTransport
 
     src = torch.arange(NBYTES, dtype=torch.int32).to(torch.uint8)
     dst = torch.zeros(NBYTES, dtype=torch.uint8)
@@ -146,95 +146,4 @@ def test_unregistered_region_and_empty_write_are_refused(link):
         tx.prepare_layers(PEER, [[(0, 0, 0, PIECE)]])  # STAGING was never set
     with pytest.raises(TransferError, match="empty NIXL write"):
         tx.post_prepared(PEER, [], b"x", 0)
-    assert tx.prepared_count() == 0
-
-
-def _handles(tx) -> tuple[list[object], dict[int, int]]:
-    """Wrap the agent: every xfer handle make_prepped_xfer made (in order) and, by id, how many times
-    release_xfer_handle was called on each."""
-    made: list[object] = []
-    released: dict[int, int] = {}
-    make, release = tx.agent.make_prepped_xfer, tx.agent.release_xfer_handle
-
-    def making(*args, **kwargs):
-        made.append(make(*args, **kwargs))
-        return made[-1]
-
-    def releasing(handle):
-        released[id(handle)] = released.get(id(handle), 0) + 1
-        release(handle)
-    tx.agent.make_prepped_xfer, tx.agent.release_xfer_handle = making, releasing
-    return made, released
-
-
-def test_premade_whole_write_is_posted_by_one_transfer(link):
-    tx, rx, src, dst = link
-    made, released = _handles(tx)
-    layers = _layers(0, 4, 64)
-    parts = tx.prepare_layers(PEER, layers)
-    assert tx.premake_whole(PEER, parts, b"all layers") is True
-    assert len(made) == 1 and not released
-    tx.trace.clear()
-    handle = tx.post_whole(PEER, parts)
-    assert handle is made[0] and len(made) == 1  # nothing made at post time
-    assert [w for _, w, _, _ in tx.trace] == ["post:build", "post:init", "post:transfer"]
-    done, notices = False, []
-    for _ in range(100000):
-        done = done or tx.test(handle)
-        notices += rx.poll()[0]
-        if done and notices:
-            break
-    assert done and notices == [(SENDER, b"all layers")]
-    assert _landed(src, dst, layers) and dst[PIECE:PIECE + 64].sum() == 0  # the gaps stay untouched
-    assert released == {id(made[0]): 1}  # released once, by test()
-    with pytest.raises(TransferError, match="no pre-made write"):
-        tx.post_whole(PEER, parts)  # taken: a second post of it is refused
-    tx.release_prepared(parts)
-    assert released == {id(made[0]): 1} and tx.prepared_count() == 0
-
-
-def test_post_of_some_layers_releases_the_premade_write(link):
-    tx, rx, src, dst = link
-    made, released = _handles(tx)
-    layers = _layers(0, 3, 0)
-    parts = tx.prepare_layers(PEER, layers)
-    tx.premake_whole(PEER, parts, b"all")
-    _post_and_wait(tx, rx, parts[:1], b"layer 0")  # a per-layer post: the whole write can never go
-    assert released.get(id(made[0])) == 1 and made[0]._released
-    with pytest.raises(TransferError, match="no pre-made write"):
-        tx.post_whole(PEER, parts)
-    _post_and_wait(tx, rx, parts[1:], b"layers 1-2")
-    assert _landed(src, dst, layers)
-    tx.release_prepared(parts)
-    assert released[id(made[0])] == 1 and tx.prepared_count() == 0  # not released twice
-
-
-@pytest.mark.parametrize("how", ["release_prepared", "remove_peer", "close"])
-def test_unused_premade_write_is_released_once_with_its_lists(link, how):
-    tx, _rx, _src, _dst = link
-    made, released = _handles(tx)
-    parts = tx.prepare_layers(PEER, _layers(0, 2, 0))
-    tx.premake_whole(PEER, parts, b"all")
-    if how == "release_prepared":
-        tx.release_prepared(parts)
-    elif how == "remove_peer":
-        tx.remove_peer(PEER)
-    else:
-        tx.close()
-    assert released == {id(made[0]): 1} and made[0]._released and tx.prepared_count() == 0
-    tx.release_prepared(parts)  # idempotent
-    assert released == {id(made[0]): 1}
-
-
-def test_premake_needs_every_layer_of_one_request_in_order(link):
-    tx, _rx, _src, _dst = link
-    a = tx.prepare_layers(PEER, _layers(0, 3, 0))
-    b = tx.prepare_layers(PEER, _layers(4096, 1, 0))
-    for bad in (a[1:], [a[1], a[0], a[2]], [*a[:2], b[0]], [tx.prepare(PEER, [(KV, 0, 0, PIECE)])]):
-        with pytest.raises(TransferError, match="every layer of one prepared request"):
-            tx.premake_whole(PEER, bad, b"x")
-    tx.release_prepared(a)
-    with pytest.raises(TransferError, match="changed since the write was prepared"):
-        tx.premake_whole(PEER, a, b"x")  # its lists are gone
-    tx.release_prepared(b)
     assert tx.prepared_count() == 0

@@ -38,7 +38,7 @@ def pair(request):
 
 def _in_flight(tx, n):
     """Wait until n request-layers of the sender are in flight (posted, not completed)."""
-    return tx.wait_until(lambda: sum(op.posted for op in list(tx._pipe.ops)) == n, WAIT)
+    return tx.wait_until(lambda: tx.stats().writing == n, WAIT)
 
 
 def test_several_layers_in_flight_then_bit_exact(pair):
@@ -48,9 +48,10 @@ def test_several_layers_in_flight_then_bit_exact(pair):
     for layer in range(LAYERS):
         tx.send_layer("a", layer)
     assert _in_flight(tx, DEPTH)  # DEPTH writes posted at once, none waiting for the one before
-    assert len(tx._pipe.ops) == DEPTH and len(tx._queue) == LAYERS - DEPTH  # depth bounds both paths
-    assert tx._pipe.ring.in_use == (DEPTH if tx.config.direct_max_pieces == 0 else 0)
-    assert rx.status("a") is S.TRANSFERRING and not rx._requests["a"].layers
+    st = tx.stats()
+    assert st.in_pipeline == DEPTH and st.queued == LAYERS - DEPTH  # depth bounds both paths
+    assert st.staging_slots_in_use == (DEPTH if tx.config.direct_max_pieces == 0 else 0)
+    assert rx.status("a") is S.TRANSFERRING and not rx.snapshot("a").layers
     tx.transport.deliver.set()
     assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
     assert tx.wait("a", WAIT) is S.DONE
@@ -72,7 +73,7 @@ def test_abort_with_layers_in_flight_fences_until_they_complete(pair, side):
     assert rx.wait("a", 0.3) is (S.ABORTED if side == "receiver" else S.TRANSFERRING)
     with pytest.raises(RuntimeError, match="in flight"):
         tx.release("a")  # its writes still read staging: no Stopped yet, blocks stay fenced
-    assert not rx.wait_until(lambda: rx._releasable(rx._requests["a"]), 0.3)
+    assert not rx.wait_until(lambda: rx.releasable("a"), 0.3)
     tx.transport.deliver.set()  # the in-flight writes land (the blocks are still reserved)
     assert rx.wait("a", WAIT) is S.ABORTED
     release_both(tx, rx, "a", WAIT)
@@ -112,7 +113,7 @@ def _begin_unanswered(tx, rx):
     tx.add_request(handle, [0, 1])
     tx.abort("a")
     assert tx.wait("a", WAIT) is S.ABORTED
-    assert tx.wait_until(lambda: tx._requests["a"].extra["stop"] is None, WAIT)  # nothing to fence yet
+    assert tx.wait_until(lambda: not tx.snapshot("a").fence_pending, WAIT)  # nothing to fence yet
     with pytest.raises(RuntimeError, match="Begin not answered"):
         tx.release("a")  # else the late BeginReply finds no request and Stopped is never sent
     gate.set()  # the receiver claims it now; the sender's Stopped fence frees the blocks
@@ -130,14 +131,14 @@ def test_ready_layers_of_several_requests_go_in_one_write(pair):
         tx.add_request(rx.expect(rid, dst_ids), src_ids)
     for rid, layer in (("a", 0), ("a", 1), ("b", 0)):
         tx.send_layer(rid, layer)
-    assert tx.wait_until(lambda: len(tx._pipe.ops) == DEPTH, WAIT)  # started before Begin's answer
+    assert tx.wait_until(lambda: tx.stats().in_pipeline == DEPTH, WAIT)  # started before Begin's answer
     assert posts == []
     tx_gate = stall_loop(tx, WAIT)  # both BeginReplies must reach the sender before its next step
     gate.set()
-    assert rx.wait_until(lambda: all(rx._requests[r].status is S.TRANSFERRING for r in reqs), WAIT)
+    assert rx.wait_until(lambda: all(rx.status(r) is S.TRANSFERRING for r in reqs), WAIT)
     time.sleep(0.2)  # the replies cross the loopback socket
     tx_gate.set()
-    assert tx.wait_until(lambda: len(posts) > 0 and not tx._pipe.ops, WAIT)
+    assert tx.wait_until(lambda: len(posts) > 0 and tx.stats().in_pipeline == 0, WAIT)
     assert posts == [[("a", 0), ("a", 1), ("b", 0)]]  # one write, one LayerNotices batch
     for rid, layer in [("a", la) for la in range(2, LAYERS)] + [("b", la) for la in range(1, LAYERS)]:
         tx.send_layer(rid, layer)

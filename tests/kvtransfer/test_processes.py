@@ -64,7 +64,7 @@ def rx(backend):
     receiver.close()
 
 
-def _add(child, rx, rid, dst_ids, src_ids, timeout_s=None):
+def add_in_child(child, rx, rid, dst_ids, src_ids, timeout_s=None):
     handle = rx.expect(rid, dst_ids, timeout_s=timeout_s)
     assert child("add", msgspec.msgpack.encode(handle), src_ids) is None
 
@@ -73,7 +73,7 @@ def send_layerwise(child: Child, rx, reqs: dict[str, tuple[list[int], list[int]]
     """Add every request (id → (source ids, destination ids)) in the sender child, send their layers
     interleaved layer by layer, and check each lands bit-exact and is released on both sides."""
     for rid, (src_ids, dst_ids) in reqs.items():
-        _add(child, rx, rid, dst_ids, src_ids)
+        add_in_child(child, rx, rid, dst_ids, src_ids)
     for layer in range(LAYERS):
         for rid in reqs:
             assert child("layers", rid, [layer]) is None
@@ -81,11 +81,11 @@ def send_layerwise(child: Child, rx, reqs: dict[str, tuple[list[int], list[int]]
         assert rx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
         assert child("wait", rid, WAIT) == "DONE"
         assert_landed(make_kv(SEED), src_ids, rx.kv_buffer, dst_ids)
-        _release_both(child, rx, rid)
+        release_in_both(child, rx, rid)
 
 
-def _release_both(child, rx, rid):
-    assert rx.wait_until(lambda: rx._releasable(rx._requests[rid]), WAIT)
+def release_in_both(child, rx, rid):
+    assert rx.wait_until(lambda: rx.releasable(rid), WAIT)
     rx.release(rid)
     assert child("wait", rid, WAIT) in ("DONE", "FAILED", "ABORTED")
     assert child("release", rid) is None
@@ -110,9 +110,9 @@ def test_concurrent_layerwise_bit_exact(backend, rx):
 def test_abort_mid_transfer(backend, rx, side):
     child = Child(backend)
     try:
-        _add(child, rx, "a", [3, 9, 4], [0, 1, 2])
+        add_in_child(child, rx, "a", [3, 9, 4], [0, 1, 2])
         assert child("layers", "a", [0]) is None
-        assert rx.wait_until(lambda: 0 in rx._requests["a"].layers, WAIT)
+        assert rx.wait_until(lambda: 0 in rx.snapshot("a").layers, WAIT)
         if side == "sender":
             assert child("abort", "a") is None
         else:
@@ -120,7 +120,7 @@ def test_abort_mid_transfer(backend, rx, side):
         assert rx.wait("a", WAIT) is S.ABORTED
         assert child("wait", "a", WAIT) == "ABORTED"
         assert child("layers", "a", [1, 2, 3]) is None  # too late: must not be written
-        _release_both(child, rx, "a")
+        release_in_both(child, rx, "a")
         time.sleep(0.2)
         assert rx.kv_buffer[1:].abs().sum() == 0
         assert child("leaks") is None
@@ -131,23 +131,23 @@ def test_abort_mid_transfer(backend, rx, side):
 
 def test_killed_sender_fails_within_deadline_and_restart_rehandshakes(backend, rx):
     child = Child(backend)
-    _add(child, rx, "a", [1, 2], [0, 1], timeout_s=4.0)
+    add_in_child(child, rx, "a", [1, 2], [0, 1], timeout_s=4.0)
     assert child("layers", "a", [0]) is None
-    assert rx.wait_until(lambda: 0 in rx._requests["a"].layers, WAIT)
+    assert rx.wait_until(lambda: 0 in rx.snapshot("a").layers, WAIT)
     start = time.monotonic()
     child.kill()
     assert rx.wait("a", 4.0) is S.FAILED
     assert time.monotonic() - start < 4.0 and "lost" in rx.reason("a")
     assert not rx.releasable("a")  # deadline not passed yet: a late write is still conceivable
-    assert rx.wait_until(lambda: rx._releasable(rx._requests["a"]), WAIT)
+    assert rx.wait_until(lambda: rx.releasable("a"), WAIT)
     rx.release("a")
     child = Child(backend)  # restarted prefill worker: same id, new epoch
     try:
-        _add(child, rx, "b", [5, 6], [2, 3])
+        add_in_child(child, rx, "b", [5, 6], [2, 3])
         assert child("layers", "b", list(range(LAYERS))) is None
         assert rx.wait("b", WAIT) is S.DONE, rx.reason("b")
         assert_landed(make_kv(SEED), [2, 3], rx.kv_buffer, [5, 6])
-        _release_both(child, rx, "b")
+        release_in_both(child, rx, "b")
         assert child("leaks") is None
         rx.check_no_leaks()
     finally:
@@ -176,22 +176,22 @@ def test_receiver_drops_live_sender_which_rehandshakes(backend, rx):
     completes bit-exact after a fresh handshake; the dropped one's blocks stay held until its deadline."""
     child = Child(backend)
     try:
-        _add(child, rx, "a", [1, 2], [0, 1], timeout_s=4.0)
+        add_in_child(child, rx, "a", [1, 2], [0, 1], timeout_s=4.0)
         assert child("layers", "a", [0]) is None
-        assert rx.wait_until(lambda: 0 in rx._requests["a"].layers, WAIT)
-        ident = next(iter(rx._senders))
-        rx._call(lambda: rx._drop_sender(rx._senders[ident], "dropped by test"))
+        assert rx.wait_until(lambda: 0 in rx.snapshot("a").layers, WAIT)
+        assert rx.stats().senders == ("p0",)
+        rx.drop_sender("p0", "dropped by test")
         assert rx.wait("a", WAIT) is S.FAILED
-        _add(child, rx, "b", [5, 6], [2, 3])  # its Begin reaches a receiver that no longer knows it
+        add_in_child(child, rx, "b", [5, 6], [2, 3])  # its Begin reaches a receiver that no longer knows it
         assert child("wait", "a", 2.0) == "FAILED"
         assert "dropped by test" in str(child("reason", "a"))
         assert child("layers", "b", list(range(LAYERS))) is None
         assert rx.wait("b", WAIT) is S.DONE, rx.reason("b")
         assert_landed(make_kv(SEED), [2, 3], rx.kv_buffer, [5, 6])
-        _release_both(child, rx, "b")
+        release_in_both(child, rx, "b")
         assert child("release", "a") is None
         assert not rx.releasable("a")  # deadline not passed: a write of the dropped sender may land
-        assert rx.wait_until(lambda: rx._releasable(rx._requests["a"]), WAIT)
+        assert rx.wait_until(lambda: rx.releasable("a"), WAIT)
         rx.release("a")
         assert rx.kv_buffer[1:, :, [1, 2]].abs().sum() == 0  # layers 1.. of "a" were never written
         assert child("leaks") is None

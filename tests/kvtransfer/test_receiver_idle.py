@@ -1,4 +1,4 @@
-"""The receiver loop naps with the GIL released while a request is only due (issue #3 / #8): a request
+"""The receiver loop naps with the GIL released while a request is only due: a request
 begun (TRANSFERRING) whose layers have not been sent yet — on a decode worker, the sender's whole
 prefill — costs it a look per `busy_wait_s`, not a step back to back; a control message, a command or
 close() ends a nap at once; a layer that lands is seen at most about `busy_wait_s` later."""
@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 import kvtransfer.receiver as receiver_mod
-from kvtransfer import TransferStatus, get_transfer_backend
-from kvtransfer.receiver import KVReceiver
+from kvtransfer import KVReceiver, TransferStatus, get_transfer_backend
 from kvtransfer.wakeup import nap_until
 from tests.kvtransfer.helpers import (
     LAYERS,
@@ -58,8 +57,8 @@ def _pair(backend: str, busy_wait_s: float, quiet: bool = False) -> tuple[Any, K
 
 def _begin(tx: Any, rx: KVReceiver, rid: str, src_ids: list[int], dst_ids: list[int]) -> None:
     tx.add_request(rx.expect(rid, dst_ids), src_ids)
-    assert rx.wait_until(lambda: rx._requests[rid].status is S.TRANSFERRING, WAIT)
-    assert tx.wait_until(lambda: tx._requests[rid].extra["answered"], WAIT)
+    assert rx.wait_until(lambda: rx.status(rid) is S.TRANSFERRING, WAIT)
+    assert tx.wait_until(lambda: tx.snapshot(rid).answered, WAIT)
 
 
 def _count_looks(rx: KVReceiver) -> list[int]:
@@ -81,13 +80,13 @@ def test_loop_naps_while_a_begun_request_waits_for_its_layers(backend, nap, max_
     try:
         _begin(tx, rx, "a", [3, 4, 5], [9, 10, 11])
         looks = _count_looks(rx)
-        cpu, n = loop_cost(rx._thread, looks, WINDOW)
+        cpu, n = loop_cost(rx, lambda: looks[0], WINDOW)
         print(f"\nreceiver loop while due ({backend}, busy_wait_s {nap * 1e6:.0f} us): {cpu:.0%} of a core, "
-              f"{n / WINDOW:.0f} looks/s")  # docs/benchmarks/kv_transfer-cpu.md (pytest -s)
+              f"{n / WINDOW:.0f} looks/s")  # docs/benchmarks/kvtransfer.md (pytest -s)
         # the old loop stepped back to back here: 60k-160k looks/s and 40-99 % of a core
         assert n <= 1.5 * WINDOW / nap + 20, f"{n} looks in {WINDOW}s: the loop spins"
         assert cpu < max_cpu, f"the waiting receiver loop used {cpu:.0%} of a core"
-        assert rx.status("a") is S.TRANSFERRING and not rx._requests["a"].layers
+        assert rx.status("a") is S.TRANSFERRING and not rx.snapshot("a").layers
         t = time.monotonic()
         for layer in range(LAYERS):
             tx.send_layer("a", layer)
@@ -141,7 +140,7 @@ def test_landed_layer_is_seen_within_a_nap():
 
 
 def _napping(rx: KVReceiver) -> bool:
-    return rx._waker.sleeping and rx.status("b") is S.TRANSFERRING
+    return rx.stats().loop.waiting and rx.status("b") is S.TRANSFERRING
 
 
 def test_control_messages_and_commands_end_a_long_nap(monkeypatch):
@@ -172,10 +171,11 @@ def test_close_ends_a_long_nap(monkeypatch):
     try:
         _begin(tx, rx, "b", [20, 21], [0, 1])
         assert rx.wait_until(lambda: _napping(rx), WAIT)
-        thread = rx._thread
+        thread_id = rx.stats().loop.thread_id
         t = time.monotonic()
         rx.close()
-        assert thread is not None and not thread.is_alive() and time.monotonic() - t < WAIT
+        assert thread_id is not None and time.monotonic() - t < WAIT
+        assert not any(t.ident == thread_id and t.is_alive() for t in threading.enumerate())
     finally:
         tx.close()
         rx.close()

@@ -17,10 +17,11 @@ import time
 import msgspec
 import pytest
 
-from kvtransfer import TransferStatus, get_transfer_backend
-from kvtransfer import messages as m
+from kvtransfer import PROTOCOL_VERSION, TransferStatus, get_transfer_backend
+from kvtransfer import wire as m
 from tests.kvtransfer.helpers import (
     LAYERS,
+    FakeSender,
     assert_landed,
     config,
     make_kv,
@@ -54,14 +55,14 @@ def _next_request_completes(tx, rx, src, dst) -> None:
 
 def _release_dropped(tx, rx, rid: str) -> None:
     """The dropped request: free on the sender once terminal, on the receiver only after its deadline."""
-    assert tx.wait_until(lambda: tx._requests[rid].extra["inflight"] == 0, WAIT)
+    assert tx.wait_until(lambda: tx.snapshot(rid).inflight == 0, WAIT)
     tx.release(rid)
     assert not rx.releasable(rid)  # a write of the dropped sender might still land: blocks stay held
-    assert rx.wait_until(lambda: rx._releasable(rx._requests[rid]), DEADLINE_S + WAIT)
+    assert rx.wait_until(lambda: rx.releasable(rid), DEADLINE_S + WAIT)
     rx.release(rid)
     tx.check_no_leaks()
     rx.check_no_leaks()
-    assert not rx._posted and not tx._pipe.ops
+    assert rx.stats().receives_posted == 0 and tx.stats().in_pipeline == 0
 
 
 def test_sender_stalled_past_receivers_timeout_learns_it_was_dropped():
@@ -93,12 +94,11 @@ def test_dropped_sender_fails_begun_rebegins_pending_and_cancels_writes():
     rx = backend.receiver(patient_config("d0", checksum=True), dst)
     try:
         tx.add_request(rx.expect("a", [1, 2], timeout_s=DEADLINE_S), [3, 4])
-        assert tx.wait_until(lambda: tx._requests["a"].status is S.TRANSFERRING, WAIT)
+        assert tx.wait_until(lambda: tx.status("a") is S.TRANSFERRING, WAIT)
         tx.transport.deliver.clear()  # type: ignore[attr-defined]  # a's first layer stays in flight
         tx.send_layer("a", 0)
-        assert tx.wait_until(lambda: bool(tx._pipe.ops) and tx._pipe.ops[0].posted, WAIT)
-        ident = next(iter(rx._senders))
-        rx._call(lambda: rx._drop_sender(rx._senders[ident], "dropped by test"))
+        assert tx.wait_until(lambda: tx.stats().writing == 1, WAIT)
+        rx.drop_sender(tx.config.worker_id, "dropped by test")
         assert rx.wait("a", WAIT) is S.FAILED
         pending = rx.expect("p", [5, 6])
         tx.add_request(pending, [7, 8])  # its Begin reaches a receiver that no longer knows us
@@ -110,9 +110,7 @@ def test_dropped_sender_fails_begun_rebegins_pending_and_cancels_writes():
         assert_landed(src, [7, 8], dst, [5, 6])
         assert dst[:, :, [1, 2]].abs().sum() == 0  # the cancelled write of "a" never landed
         release_both(tx, rx, "p", WAIT)
-        peer = tx._peers[rx.address]  # a Stopped for "a" (the sender is known again) is not a fence:
-        tx._call(lambda: tx._send(peer, m.Stopped("a", False, "late")))  # its write was cancelled
-        _next_request_completes(tx, rx, src, dst)  # (processed after that Stopped: one zmq stream)
+        _next_request_completes(tx, rx, src, dst)
         _release_dropped(tx, rx, "a")
     finally:
         tx.close()
@@ -135,7 +133,7 @@ def test_restarted_receiver_tells_sender_before_its_heartbeat_timeout():
     rx = backend.receiver(config("d0", "loopback", port=port), make_kv(None))
     try:
         tx.add_request(rx.expect("a", [1, 2]), [0, 1])
-        assert tx.wait_until(lambda: tx._requests["a"].status is S.TRANSFERRING, WAIT)
+        assert tx.wait_until(lambda: tx.status("a") is S.TRANSFERRING, WAIT)
         rx.close()  # restarts on the same address with a new epoch, knowing no sender
         dst = make_kv(None)
         rx = backend.receiver(config("d0", "loopback", port=port), dst)
@@ -149,9 +147,34 @@ def test_restarted_receiver_tells_sender_before_its_heartbeat_timeout():
         rx.close()
 
 
+def test_a_dropped_senders_late_stopped_is_no_fence():
+    """A sender dropped while it claimed a request says Hello again and then Stopped for it: the blocks
+    stay held until the request's deadline (its writes were cancelled, not completed: its word that
+    nothing more lands is not trusted for a request of its dropped incarnation)."""
+    backend = get_transfer_backend("loopback")
+    rx = backend.receiver(patient_config("d0"), make_kv(None))
+    fake = FakeSender(rx.address, "p-dropped")
+    try:
+        handle = rx.expect("a", [1, 2], timeout_s=DEADLINE_S)
+        fake.claim("a", handle.epoch)
+        rx.drop_sender("p-dropped", "dropped by test")
+        assert rx.wait("a", WAIT) is S.FAILED and "dropped by test" in rx.reason("a")
+        assert isinstance(fake.hello(), m.HelloReply)  # known again, same identity
+        fake.send(m.Stopped("a", False, "late"))
+        # one zmq stream: the answer to a Begin sent after the Stopped means it was handled
+        assert isinstance(fake.request(m.Begin("sync", handle.epoch)), m.BeginReply)
+        assert not rx.releasable("a") and not rx.snapshot("a").stopped
+        assert rx.wait_until(lambda: rx.releasable("a"), DEADLINE_S + WAIT)  # at its deadline
+        rx.release("a")
+        rx.check_no_leaks()
+    finally:
+        fake.close()
+        rx.close()
+
+
 def test_rehandshake_message_round_trips_and_version_is_bumped():
     msg = m.Rehandshake("d0", 7, "sender p0 lost (no heartbeat for 1.0s)")
     assert m.decode(m.encode(msg)) == msg
-    assert m.PeerInfo.version() >= 4
+    assert PROTOCOL_VERSION >= 4
     with pytest.raises(msgspec.ValidationError):
         m.decode(msgspec.msgpack.encode({"type": "Rehandshake", "receiver_id": "d0"}))

@@ -10,7 +10,7 @@ import torch
 
 from kvtransfer import TransferStatus, get_transfer_backend
 from kvtransfer.events import EventPool
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both, sender_with
 from tests.kvtransfer.loop_probes import record_writes, stall_loop
 
 S = TransferStatus
@@ -60,7 +60,7 @@ def _count_preps(tx) -> dict[str, int]:
 
 
 def _begun(tx, *rids: str) -> None:
-    assert tx.wait_until(lambda: all(tx._requests[r].extra["begun"] for r in rids), WAIT)
+    assert tx.wait_until(lambda: all(tx.snapshot(r).begun for r in rids), WAIT)
 
 
 @pytest.mark.parametrize("per_request", [False, True])
@@ -95,17 +95,17 @@ def test_prepared_lists_of_an_aborted_request_are_released_before_release(pair):
     calls = _count_preps(tx)
     tx.add_request(rx.expect("a", A[1]), A[0])
     _begun(tx, "a")
-    assert calls["prepared"] == 1 and "a" in tx._preps
+    assert calls["prepared"] == 1 and tx.snapshot("a").prepared and tx.stats().prepared == 1
     tx.transport.deliver.clear()
     tx.send_layer("a", 0)
-    assert tx.wait_until(lambda: any(op.posted for op in list(tx._pipe.ops)), WAIT)
+    assert tx.wait_until(lambda: tx.stats().writing > 0, WAIT)
     tx.abort("a")
     assert tx.wait("a", WAIT) is S.ABORTED
     assert calls["released"] == 0  # a write is still in flight: its lists stay
     tx.transport.deliver.set()
     assert tx.wait_until(lambda: calls["released"] == 1, WAIT)  # terminal, nothing in flight
-    assert "a" in tx._requests and not tx._preps  # before release()
-    assert tx._requests["a"].extra["prep"] is None
+    assert "a" in tx.pending() and tx.stats().prepared == 0  # before release()
+    assert not tx.snapshot("a").prepared
     release_both(tx, rx, "a", leaks=True)
     assert calls == {"prepared": 1, "released": 1}
 
@@ -113,10 +113,10 @@ def test_prepared_lists_of_an_aborted_request_are_released_before_release(pair):
 def test_send_layer_events_come_back_to_the_pool(pair):
     """Every event recorded by send_layer returns to the pool once its layer's write was posted (direct)
     or its gather queued behind it (staged; no side stream on CPU: returned when the op finishes)."""
-    tx, rx, src, dst = pair
+    _, rx, src, dst = pair
     pool = EventPool(0, FakeEvent, lambda device: f"stream-{device}", limit=2 * LAYERS)
-    tx._events = pool
-    tx._pipe._recycle = pool.give_back
+    tx = sender_with(config("p1", "loopback", checksum=True, max_inflight_layers=2 * LAYERS), src,
+                     events=pool)
     for rnd in range(2):
         rid = f"a{rnd}"
         tx.add_request(rx.expect(rid, A[1]), A[0])
@@ -128,6 +128,7 @@ def test_send_layer_events_come_back_to_the_pool(pair):
         assert pool.free == pool.created  # leak check: none held
     assert 1 <= pool.created <= LAYERS  # the second request reused the first one's events
     assert pool.created < 2 * LAYERS
+    tx.close()
 
 
 def test_event_pool_reuses_and_bounds():
@@ -173,11 +174,12 @@ def test_cuda_send_layer_events_are_reused_and_kv_lands(direct_max_pieces):
     """On a GPU: send_layer's pooled (reused) events still order each layer's write or gather after
     the caller's stream (the KV is stored there, behind a spin, right before send_layer; the staged
     gather runs on a side stream that must wait for it), every event comes back, nothing leaks."""
-    backend = get_transfer_backend("loopback")
     src, dst = torch.zeros_like(make_kv(4)).cuda(), make_kv(None).cuda()
     ref = make_kv(4).cuda()
-    tx = backend.sender(config("p0", "loopback", checksum=True, direct_max_pieces=direct_max_pieces), src)
-    rx = backend.receiver(config("d0", "loopback", checksum=True), dst)
+    pool = EventPool(0)  # real CUDA events, as the sender makes for a CUDA kv_buffer
+    tx = sender_with(config("p0", "loopback", checksum=True, direct_max_pieces=direct_max_pieces), src,
+                     events=pool)
+    rx = get_transfer_backend("loopback").receiver(config("d0", "loopback", checksum=True), dst)
     try:
         for rnd in range(2):
             rid = f"a{rnd}"
@@ -192,8 +194,8 @@ def test_cuda_send_layer_events_are_reused_and_kv_lands(direct_max_pieces):
             src.zero_()
             dst.zero_()
             torch.cuda.synchronize()
-            assert tx._events.free == tx._events.created
-        assert tx._events.created <= LAYERS + 1  # the second request reused the first one's events
+            assert pool.free == pool.created
+        assert pool.created <= LAYERS + 1  # the second request reused the first one's events
     finally:
         tx.close()
         rx.close()

@@ -1,4 +1,4 @@
-"""The sender loop naps with the GIL released while it only waits (issue #3): request-layers in flight
+"""The sender loop naps with the GIL released while it only waits: request-layers in flight
 whose writes have not completed, or whose CUDA events have not, cost it a step per `busy_wait_s`, not
 a step back to back; a Done, a command or a send_layer the pipeline has room for ends the nap at once;
 a send_layer into a full pipeline sends no wake-up."""
@@ -9,6 +9,7 @@ import dataclasses
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,8 +18,7 @@ import zmq
 import kvtransfer.send_wait as send_wait_mod
 from kvtransfer import TransferConfig, TransferStatus, get_transfer_backend
 from kvtransfer.events import EventPool
-from kvtransfer.loopback import LoopbackSendTransport
-from kvtransfer.sender import KVSender
+from kvtransfer.transports.loopback import LoopbackSendTransport
 from kvtransfer.wakeup import nap
 from tests.kvtransfer.helpers import (
     LAYERS,
@@ -27,6 +27,7 @@ from tests.kvtransfer.helpers import (
     loop_cost,
     make_kv,
     release_both,
+    sender_with,
     waker_and_pair,
 )
 
@@ -73,39 +74,38 @@ class GatedEvent:
         return self.gate.is_set()
 
 
-def _pair(busy_wait_s: float, depth: int = LAYERS, quiet: bool = False) -> tuple[KVSender, Any, Any, Any]:
+def _pair(busy_wait_s: float, depth: int = LAYERS, quiet: bool = False,
+          events: EventPool | None = None) -> tuple[Any, Any, Any, Any]:
     """(sender over a GatedTransport, loopback receiver, src, dst); `quiet`: heartbeats every 30 s, so
-    nothing but the test's own actions can end a nap."""
+    nothing but the test's own actions can end a nap; `events`: the sender's event pool."""
     cfg = config("p0", "loopback", busy_wait_s=busy_wait_s, max_inflight_layers=depth)
     rcfg = config("d0", "loopback")
     if quiet:
         cfg = dataclasses.replace(cfg, heartbeat_interval_s=30.0, peer_timeout_s=60.0)
         rcfg = dataclasses.replace(rcfg, heartbeat_interval_s=30.0, peer_timeout_s=60.0)
     src, dst = make_kv(7), make_kv(None)
-    tx = KVSender(cfg, src, GatedTransport()).start()
+    tx = sender_with(cfg, src, GatedTransport(), events=events)
     rx = get_transfer_backend("loopback").receiver(rcfg, dst)
     return tx, rx, src, dst
 
 
-def _count_steps(tx: KVSender) -> list[int]:
-    """Counts the loop's steps from now on (Endpoint._run calls self._step)."""
-    steps = [0]
-    step = tx._step
-
-    def counted() -> None:
-        steps[0] += 1
-        step()
-    tx._step = counted  # type: ignore[method-assign]
-    return steps
+def _steps(tx: Any) -> Callable[[], int]:
+    """The loop's step count, read from its stats."""
+    return lambda: tx.stats().loop.steps
 
 
-def _begin(tx: KVSender, rx: Any, rid: str, src_ids: list[int], dst_ids: list[int]) -> None:
+def _begin(tx: Any, rx: Any, rid: str, src_ids: list[int], dst_ids: list[int]) -> None:
     tx.add_request(rx.expect(rid, dst_ids), src_ids)
-    assert tx.wait_until(lambda: tx._requests[rid].extra["answered"], WAIT)
+    assert tx.wait_until(lambda: tx.snapshot(rid).answered, WAIT)
 
 
-def _posted(tx: KVSender, n: int) -> bool:
-    return not tx._queue and len(tx._pipe.ops) == n and all(op.posted for op in tx._pipe.ops)
+def _posted(tx: Any, n: int) -> bool:
+    st = tx.stats()
+    return st.queued == 0 and st.in_pipeline == n and st.writing == n
+
+
+def _napping(tx: Any) -> bool:
+    return tx.stats().loop.waiting
 
 
 def test_loop_naps_while_its_writes_are_in_flight():
@@ -115,18 +115,17 @@ def test_loop_naps_while_its_writes_are_in_flight():
     try:
         _begin(tx, rx, "a", [3, 4, 5], [9, 10, 11])
         transport.hold = True
-        steps = _count_steps(tx)
         for layer in range(LAYERS):
             tx.send_layer("a", layer)
         assert tx.wait_until(lambda: _posted(tx, LAYERS), WAIT)
-        cpu, n = loop_cost(tx._thread, steps, WINDOW)
+        cpu, n = loop_cost(tx, _steps(tx), WINDOW)
         # the old loop stepped back to back here: ~10^4 steps and 50-100 % of a core in WINDOW
         assert n <= 1.5 * WINDOW / NAP + 20, f"{n} steps in {WINDOW}s: the loop spins"
         assert cpu < 0.15, f"the waiting loop used {cpu:.0%} of a core"
         assert tx.status("a") is S.TRANSFERRING and rx.status("a") is S.TRANSFERRING
         t = time.monotonic()
         transport.gate.set()  # the writes complete now: the next nap's end finds them
-        assert tx.wait_until(lambda: not tx._pipe.ops, WAIT)
+        assert tx.wait_until(lambda: tx.stats().in_pipeline == 0, WAIT)
         assert time.monotonic() - t < 0.5  # NAP-bounded; generous for a loaded 2-core machine
         assert rx.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE, rx.reason("a")
         assert_landed(src, [3, 4, 5], dst, [9, 10, 11])
@@ -137,21 +136,18 @@ def test_loop_naps_while_its_writes_are_in_flight():
 
 
 def test_loop_naps_while_send_layer_events_are_pending():
-    tx, rx, src, dst = _pair(NAP)
     GatedEvent.gate = threading.Event()
     pool = EventPool(0, GatedEvent, lambda device: f"stream-{device}", limit=LAYERS)
-    tx._events = pool
-    tx._pipe._recycle = pool.give_back
+    tx, rx, src, dst = _pair(NAP, events=pool)
     try:
         _begin(tx, rx, "a", [3, 4, 5], [9, 10, 11])  # direct: each layer waits for its event
-        steps = _count_steps(tx)
         for layer in range(LAYERS):
             tx.send_layer("a", layer)
-        assert tx.wait_until(lambda: not tx._queue and len(tx._pipe.ops) == LAYERS, WAIT)
-        cpu, n = loop_cost(tx._thread, steps, WINDOW)
+        assert tx.wait_until(lambda: tx.stats().queued == 0 and tx.stats().in_pipeline == LAYERS, WAIT)
+        cpu, n = loop_cost(tx, _steps(tx), WINDOW)
         assert n <= 1.5 * WINDOW / NAP + 20, f"{n} steps in {WINDOW}s: the loop spins"
         assert cpu < 0.15, f"the waiting loop used {cpu:.0%} of a core"
-        assert not any(op.posted for op in tx._pipe.ops)  # nothing written before its event
+        assert tx.stats().writing == 0  # nothing written before its event
         GatedEvent.gate.set()
         assert rx.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE, rx.reason("a")
         assert_landed(src, [3, 4, 5], dst, [9, 10, 11])
@@ -172,7 +168,7 @@ def test_done_command_and_send_layer_end_a_long_nap(monkeypatch):
         transport.hold = True
         for layer in range(LAYERS):
             tx.send_layer("b", layer)
-        assert tx.wait_until(lambda: _posted(tx, LAYERS) and tx._waker.sleeping, WAIT)  # a 30 s nap
+        assert tx.wait_until(lambda: _posted(tx, LAYERS) and _napping(tx), WAIT)  # a 30 s nap
         transport.hold = False
         t = time.monotonic()
         _begin(tx, rx, "a", [3, 4, 5], [9, 10, 11])  # a command (Begin) and the BeginReply
@@ -183,7 +179,7 @@ def test_done_command_and_send_layer_end_a_long_nap(monkeypatch):
         assert time.monotonic() - t < WAIT < 30.0
         assert_landed(src, [3, 4, 5], dst, [9, 10, 11])
         transport.gate.set()
-        tx._call(lambda: None)  # end the nap: "b"'s writes are found complete
+        tx.run_in_loop(lambda: None)  # end the nap: "b"'s writes are found complete
         assert rx.wait("b", WAIT) is S.DONE and tx.wait("b", WAIT) is S.DONE, rx.reason("b")
         release_both(tx, rx, "a", WAIT)
         release_both(tx, rx, "b", WAIT, leaks=True)
@@ -203,23 +199,20 @@ def test_send_layer_into_a_full_pipeline_does_not_wake_the_loop(monkeypatch):
         transport.hold = True
         for layer in range(LAYERS):
             tx.send_layer("b", layer)
-        assert tx.wait_until(lambda: _posted(tx, LAYERS) and tx._waker.sleeping, WAIT)  # full, napping
+        assert tx.wait_until(lambda: _posted(tx, LAYERS) and _napping(tx), WAIT)  # full, napping
         transport.hold = False
-        steps = _count_steps(tx)
-        wakes: list[bool] = []
-        wake = tx._waker.wake
-        tx._waker.wake = lambda: wakes.append(True) or wake()  # type: ignore[method-assign,func-returns-value]
+        steps, wakes = tx.stats().loop.steps, tx.stats().loop.wakes
         for layer in range(LAYERS):
             tx.send_layer("a", layer)
         time.sleep(0.2)
         # no wake byte (a step may still run when a receiver heartbeat ends a nap: not counted here)
-        assert not wakes, "send_layer woke a loop that could not take the layer"
-        assert len(tx._queue) == LAYERS
+        assert tx.stats().loop.wakes == wakes, "send_layer woke a loop that could not take the layer"
+        assert tx.stats().queued == LAYERS
         transport.gate.set()
-        tx._call(lambda: None)  # a command still ends the nap at once
+        tx.run_in_loop(lambda: None)  # a command still ends the nap at once
         for rid in ("a", "b"):
             assert rx.wait(rid, WAIT) is S.DONE and tx.wait(rid, WAIT) is S.DONE, rx.reason(rid)
-        assert steps[0] > 0
+        assert tx.stats().loop.steps > steps
         assert_landed(src, [3, 4, 5], dst, [9, 10, 11])
         release_both(tx, rx, "a", WAIT)
         release_both(tx, rx, "b", WAIT, leaks=True)

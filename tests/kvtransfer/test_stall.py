@@ -50,7 +50,7 @@ def test_sender_stalled_in_a_write_keeps_its_receiver():
         stalled = stall_once(tx.transport, "post", STALL_S)  # the loop blocks 1.5 s inside its first write
         _transfer(tx, rx, src, dst)
         assert stalled
-        assert all(p.epoch for p in tx._peers.values())  # the receiver was never declared lost
+        assert all(tx.stats().receivers.values())  # the receiver was never declared lost
     finally:
         tx.close()
         rx.close()
@@ -63,11 +63,11 @@ def test_receiver_stalled_in_its_transport_keeps_its_sender():
     rx = backend.receiver(config("d0", "loopback"), dst)  # peer_timeout_s 1.0
     try:
         tx.connect(rx.address)
-        assert rx.wait_until(lambda: len(rx._senders) == 1, WAIT)
+        assert rx.wait_until(lambda: len(rx.stats().senders) == 1, WAIT)
         stalled = stall_once(rx.transport, "poll", STALL_S)  # the loop blocks 1.5 s polling its transport
         assert rx.wait_until(lambda: bool(stalled), WAIT)
         time.sleep(0.3)  # a few more loop steps after the stall
-        assert len(rx._senders) == 1  # the sender was never dropped
+        assert len(rx.stats().senders) == 1  # the sender was never dropped
         _transfer(tx, rx, src, dst)
     finally:
         tx.close()

@@ -15,10 +15,10 @@ import zmq
 
 import kvtransfer.send_wait as send_wait_mod
 from kvtransfer import TransferError, TransferStatus, get_transfer_backend
-from kvtransfer.endpoint import Endpoint
+from kvtransfer.loop import LoopThread
 from kvtransfer.runs import direct_layers, direct_pieces, joint_runs
 from kvtransfer.staging import layout_of
-from kvtransfer.transport import KV
+from kvtransfer.transports.base import KV
 from kvtransfer.wakeup import LOOP_TIMER_SLACK_NS, Waker, set_timer_slack
 from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
 
@@ -58,13 +58,13 @@ def _quiet_pair(monkeypatch):
 def test_command_and_send_layer_wake_the_idle_sender(monkeypatch):
     tx, rx, src, dst = _quiet_pair(monkeypatch)
     try:
-        assert tx.wait_until(lambda: tx._waker.sleeping, WAIT)  # idle: asleep in its poll
+        assert tx.wait_until(lambda: tx.stats().loop.waiting, WAIT)  # idle: asleep in its poll
         ran = threading.Event()
-        tx._call(ran.set)
+        tx.run_in_loop(ran.set)
         assert ran.wait(WAIT)  # a command wakes it (not the 60 s idle timeout)
         tx.add_request(rx.expect("a", [4, 5, 6]), [10, 11, 12])
-        assert tx.wait_until(lambda: tx._requests["a"].extra["answered"], WAIT)
-        assert tx.wait_until(lambda: tx._waker.sleeping, WAIT)  # idle again, Begin answered
+        assert tx.wait_until(lambda: tx.snapshot("a").answered, WAIT)
+        assert tx.wait_until(lambda: tx.stats().loop.waiting, WAIT)  # idle again, Begin answered
         t = time.monotonic()
         for layer in range(LAYERS):
             tx.send_layer("a", layer)
@@ -84,7 +84,7 @@ def test_send_layer_on_a_stopped_sender_raises_and_marks_nothing(monkeypatch):
         tx.close()
         with pytest.raises(TransferError, match="not running"):
             tx.send_layer("a", 0)
-        assert not tx._requests["a"].layers and not tx._queue
+        assert not tx.snapshot("a").layers and tx.stats().queued == 0
     finally:
         tx.close()
         rx.close()
@@ -105,12 +105,19 @@ def test_direct_request_is_prepared_once_begun():
     tx = backend.sender(config("p0", "loopback"), make_kv(5))
     rx = backend.receiver(config("d0", "loopback"), make_kv(None))
     try:
+        prepared: list[list[object]] = []
+        prepare = tx.transport.prepare_layers
+
+        def recording(peer: str, layers: list[object]) -> list[object]:
+            prepared.append(prepare(peer, layers))
+            return prepared[-1]
+        tx.transport.prepare_layers = recording
         handle = rx.expect("a", [8, 9, 2])
         tx.add_request(handle, [0, 1, 2])
-        assert tx.wait_until(lambda: tx._requests["a"].extra["prep"] is not None, WAIT)
+        assert tx.wait_until(lambda: tx.snapshot("a").prepared, WAIT)
         runs = joint_runs([0, 1, 2], [8, 9, 2])
         want = [[(KV, *p) for p in direct_pieces(tx.layout, handle.layout, runs, la)] for la in range(LAYERS)]
-        assert tx._requests["a"].extra["prep"] == want  # loopback's prepare: the pieces themselves
+        assert prepared == [want]  # once; loopback's prepare: the pieces themselves
         tx.abort("a")
         assert rx.wait("a", WAIT) is S.ABORTED
         release_both(tx, rx, "a", WAIT, leaks=True)
@@ -144,13 +151,16 @@ def test_loop_threads_run_with_a_small_timer_slack():
     assert _slack_ns() == seen["before"]  # this thread untouched
     with pytest.raises(ValueError, match=">= 1 ns"):
         set_timer_slack(0)
-    class OneStep(Endpoint):  # the loop machinery alone: one step, then stop (no sockets)
-        def _step(self) -> None:
-            seen["loop"] = _slack_ns()
-            self._stop.set()
+    stepped = threading.Event()
 
-    loop = OneStep(config("p0", "loopback"))
-    loop._start_thread("one-step")
-    assert loop._thread is not None
-    loop._thread.join(WAIT)
-    assert seen["loop"] == LOOP_TIMER_SLACK_NS  # set by Endpoint._run before the first step
+    def step() -> None:
+        seen.setdefault("loop", _slack_ns())
+        stepped.set()
+        time.sleep(0.001)
+    waker = Waker()
+    loop = LoopThread("one-step", "a test loop", step, teardown=waker.close, on_crash=lambda exc: None,
+                      waker=waker)
+    loop.start()
+    assert stepped.wait(WAIT)
+    loop.close()
+    assert seen["loop"] == LOOP_TIMER_SLACK_NS  # set by LoopThread before the first step

@@ -15,11 +15,18 @@ import time
 
 import msgspec
 import pytest
-import zmq
 
-from kvtransfer import TransferStatus, get_transfer_backend
-from kvtransfer import messages as m
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, patient_config, stall_once
+from kvtransfer import PROTOCOL_VERSION, TransferStatus, get_transfer_backend
+from kvtransfer import wire as m
+from tests.kvtransfer.helpers import (
+    LAYERS,
+    FakeSender,
+    assert_landed,
+    config,
+    make_kv,
+    patient_config,
+    stall_once,
+)
 from tests.kvtransfer.loop_probes import stall_loop
 
 S = TransferStatus
@@ -47,10 +54,10 @@ def _withdrawn_on_both_sides(tx, rx, rid: str) -> None:
     late = time.monotonic() - start
     assert status is S.ABORTED, f"receiver still {status.name} {late:.1f}s after the abort"
     assert "before Begin" in rx.reason(rid), rx.reason(rid)
-    assert rx._requests[rid].extra["sender"] is None  # never claimed: the Withdraw path, not Stopped
+    assert not rx.snapshot(rid).claimed  # never claimed: the Withdraw path, not Stopped
     assert rx.releasable(rid)
     rx.release(rid)
-    assert tx.wait_until(lambda: tx._requests[rid].extra["stop"] is None, WAIT)
+    assert tx.wait_until(lambda: not tx.snapshot(rid).fence_pending, WAIT)
     tx.release(rid)
     tx.check_no_leaks()
     rx.check_no_leaks()
@@ -65,19 +72,20 @@ def test_abort_while_the_first_handshake_is_pending_tells_the_receiver(pair):
     tx.abort("a")  # runs right after the Hello went out, before any HelloReply is read
     gate.set()
     _withdrawn_on_both_sides(tx, rx, "a")
-    assert tx._peers[rx.address].epoch == rx.epoch  # the handshake itself completed
+    assert tx.stats().receivers[rx.address] == rx.epoch  # the handshake itself completed
 
 
 def test_abort_after_a_rehandshake_tells_the_receiver_after_the_new_handshake(pair):
     """The receiver dropped the sender: the request's Begin is answered with Rehandshake, and the
-    sender aborts it while its new Hello is unanswered (the receiver stalls in it)."""
+    sender aborts it while its new Hello is unanswered (the receiver stalls in it: in its transport's
+    add_peer, which a Hello from a sender it does not know calls before the HelloReply goes out)."""
     tx, rx, _src, _dst = pair
     _connected_then_dropped(tx, rx)
     handle = rx.expect("p", [7, 8], timeout_s=DEADLINE_S)
-    stalled = stall_once(rx, "_on_hello", 1.0)
+    stalled = stall_once(rx.transport, "add_peer", 1.0)
     tx.add_request(handle, [9, 10])
-    peer = tx._peers[rx.address]
-    assert tx.wait_until(lambda: peer.epoch == 0 and tx._requests["p"].extra.get("begin_sent") is False, WAIT)
+    assert tx.wait_until(lambda: tx.stats().receivers[rx.address] == 0 and not tx.snapshot("p").begin_sent,
+                         WAIT)
     tx.abort("p")
     _withdrawn_on_both_sides(tx, rx, "p")
     assert stalled  # the new Hello was answered only after the abort
@@ -100,17 +108,9 @@ def _connected_then_dropped(tx, rx) -> None:
     """Handshake tx with rx, then have rx drop tx (as after a stall of tx's loop): tx's next message but
     Hello is answered with Rehandshake."""
     tx.connect(rx.address, timeout=WAIT)
-    ident = next(iter(rx._senders))
-    rx._call(lambda: rx._drop_sender(rx._senders[ident], "dropped by test"))
-    assert rx.wait_until(lambda: not rx._senders, WAIT)
-
-
-def _sync(other, rx, rid: str) -> None:
-    """Wait until rx handled everything `other` sent before: a Begin of `rid` sent after it (one zmq
-    stream per sender) is answered."""
-    other.add_request(rx.expect(rid, [30, 31], timeout_s=DEADLINE_S), [0, 1])
-    assert other.wait_until(lambda: other._requests[rid].extra["answered"], WAIT)
-    other.abort(rid)
+    assert rx.stats().senders == (tx.config.worker_id,)
+    rx.drop_sender(tx.config.worker_id, "dropped by test")
+    assert rx.wait_until(lambda: not rx.stats().senders, WAIT)
 
 
 def test_withdraw_cannot_end_a_claimed_request_nor_one_of_another_epoch():
@@ -122,23 +122,20 @@ def test_withdraw_cannot_end_a_claimed_request_nor_one_of_another_epoch():
     tx = backend.sender(config("p-owner", "loopback"), src)
     other = backend.sender(config("p-other", "loopback"), make_kv(2))
     rx = backend.receiver(config("d0", "loopback"), dst)
-    ctx = zmq.Context()
-    stranger = ctx.socket(zmq.DEALER)
-    stranger.setsockopt(zmq.LINGER, 0)
+    forger = FakeSender(rx.address, "p-forger")  # a handshaked sender that sends what it is told
+    stranger = FakeSender(rx.address, "p-stranger")  # one that never said Hello
     try:
         tx.add_request(rx.expect("a", [1, 2], timeout_s=DEADLINE_S), [3, 4])
-        assert tx.wait_until(lambda: tx._requests["a"].status is S.TRANSFERRING, WAIT)
+        assert tx.wait_until(lambda: tx.status("a") is S.TRANSFERRING, WAIT)
         pending = rx.expect("p", [5, 6], timeout_s=DEADLINE_S)
-        other.connect(rx.address, timeout=WAIT)
-        peer = other._peers[rx.address]
+        assert isinstance(forger.hello(), m.HelloReply)
         for msg in (m.Withdraw("a", rx.epoch, True, "forged"), m.Withdraw("p", rx.epoch + 1, True, "stale")):
-            other._call(lambda msg=msg: other._send(peer, msg))
-        _sync(other, rx, "sync")
-        stranger.connect(rx.address)
-        stranger.send(m.encode(m.Withdraw("p", rx.epoch, True, "unknown sender")))
-        assert stranger.poll(int(WAIT * 1000))
-        assert isinstance(m.decode(stranger.recv()), m.Rehandshake)
-        assert rx.status("a") is S.TRANSFERRING and rx._requests["a"].extra["sender"] is not None
+            forger.send(msg)
+        # one zmq stream per sender: the answer to a Begin sent after them means both were handled
+        assert isinstance(forger.request(m.Begin("unknown", rx.epoch)), m.BeginReply)
+        reply = stranger.request(m.Withdraw("p", rx.epoch, True, "unknown sender"))
+        assert isinstance(reply, m.Rehandshake)
+        assert rx.status("a") is S.TRANSFERRING and rx.snapshot("a").claimed
         assert rx.status("p") is S.PENDING
         for layer in range(LAYERS):  # the claimed request still completes
             tx.send_layer("a", layer)
@@ -146,10 +143,10 @@ def test_withdraw_cannot_end_a_claimed_request_nor_one_of_another_epoch():
         assert tx.wait("a", WAIT) is S.DONE, tx.reason("a")
         assert_landed(src, [3, 4], dst, [1, 2])
         other.add_request(pending, [7, 8])  # and the PENDING one can still be claimed
-        assert other.wait_until(lambda: other._requests["p"].status is S.TRANSFERRING, WAIT)
+        assert other.wait_until(lambda: other.status("p") is S.TRANSFERRING, WAIT)
     finally:
-        stranger.close(0)
-        ctx.term()
+        forger.close()
+        stranger.close()
         tx.close()
         other.close()
         rx.close()
@@ -158,6 +155,6 @@ def test_withdraw_cannot_end_a_claimed_request_nor_one_of_another_epoch():
 def test_withdraw_message_round_trips_and_version_is_bumped():
     msg = m.Withdraw("r1", 7, False, "deadline of 1.0s passed")
     assert m.decode(m.encode(msg)) == msg
-    assert m.PeerInfo.version() >= 5
+    assert PROTOCOL_VERSION >= 5
     with pytest.raises(msgspec.ValidationError):
         m.decode(msgspec.msgpack.encode({"type": "Withdraw", "request_id": "r1"}))

@@ -18,10 +18,10 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from kvtransfer import KVHandle, TransferConfig, get_transfer_backend
-from kvtransfer import messages as km
-from kvtransfer.compat import peer_info
-from kvtransfer.loopback import LoopbackRecvTransport
+from kvtransfer import wire as km
+from kvtransfer.compat import kv_compat
 from kvtransfer.staging import layout_of
+from kvtransfer.transports.loopback import LoopbackRecvTransport
 from prefill_worker.worker import PrefillWorker
 from protocol.settings import WorkerSettings
 from tests.engine.test_loader import tiny_config
@@ -181,7 +181,7 @@ class FakeReceiver:
             for n in km.decode_notices(raw):  # one write may carry several layers (LayerNotices)
                 self.layers.setdefault(n.request_id, set()).add(n.layer)
         if self.peer is not None:
-            self._send(km.Heartbeat(self.epoch))
+            self._send(km.KeepAlive(self.epoch))
 
     def got_type(self, cls: type) -> list:
         return [m for m in self.got if isinstance(m, cls)]
@@ -210,7 +210,7 @@ class FakeSender:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(receiver_address)
-        self.info = peer_info(transfer_config("fake-p"), layout_of(kv_like))
+        self.info = kv_compat("tiny", "loopback", layout_of(kv_like))
         self.got: list[km.Message] = []
 
     def request(self, msg: km.Message, timeout: float = 5.0) -> km.Message:
@@ -221,7 +221,7 @@ class FakeSender:
             if self.sock.poll(50):
                 reply = km.decode(self.sock.recv())
                 self.got.append(reply)
-                if not isinstance(reply, km.Heartbeat):
+                if not isinstance(reply, km.KeepAlive):
                     return reply
         raise AssertionError(f"no reply to {msg!r}")
 

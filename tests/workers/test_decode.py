@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvtransfer import KVHandle, TransferStatus
-from kvtransfer import messages as km
+from kvtransfer import wire as km
 from protocol.messages import (
     AbortRequest,
     ColocatedRequest,

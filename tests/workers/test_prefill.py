@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtransfer import TransferStatus
-from kvtransfer import messages as km
+from kvtransfer import wire as km
 from protocol.messages import (
     AbortRequest,
     DecodeRequest,

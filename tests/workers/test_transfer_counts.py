@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvtransfer import TransferStatus
-from kvtransfer import messages as km
+from kvtransfer import wire as km
 from protocol.messages import PrefillRequest
 from tests.workers.helpers import assert_clean, close, prefill_worker, pump, wire
 

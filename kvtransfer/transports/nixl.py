@@ -7,13 +7,11 @@ API flow (NIXL Python API, nixl_cu13._api.nixl_agent): register_memory → get_a
 the Hello/HelloReply handshake → add_remote_agent; a direct request's descriptor lists (every layer's
 pieces, local and remote) are prepared once with prep_xfer_dlist when its Begin is answered, and each
 post is make_prepped_xfer("WRITE", ..., indices of the ready layers) → transfer() → check_xfer_state;
-the write of all its layers is also made then (premake_whole), so a whole-request post is transfer();
 staged writes (and batches mixing requests) build descriptor lists per post (get_xfer_descs /
 initialize_xfer), merging pieces contiguous on both sides first. The target reads notifications with
-get_new_notifs(). On CPU (nixl_cu13 1.5.1, DRAM; kv_transfer-h200.md step 5) make_prepped_xfer merges
-index-adjacent descriptors contiguous on both sides (64 × 4 KiB: 38 µs), initialize_xfer does not (138
-µs). Over CMA `transfer()` completes the copy before returning: it runs on the sender's loop thread or,
-for a complete request, its caller's (post_now.py), never on an event loop.
+get_new_notifs(). On CPU (nixl_cu13 1.5.1, DRAM) make_prepped_xfer merges index-adjacent descriptors
+contiguous on both sides (64 × 4 KiB: 38 µs), initialize_xfer does not (138 µs). Over CMA `transfer()`
+completes the copy before returning: it runs on the sender's loop thread, never on an event loop.
 """
 
 from __future__ import annotations
@@ -26,9 +24,9 @@ from typing import cast
 import msgspec
 import torch
 
-from kvtransfer.nixl_peers import AgentPeers
-from kvtransfer.nixl_prep import Desc, Entry, PreppedRequest, merge_descs, part_descs
-from kvtransfer.transport import KV, STAGING, RecvTransport, SendTransport, SourcePiece
+from kvtransfer.transports.base import KV, STAGING, RecvTransport, SendTransport, SourcePiece
+from kvtransfer.transports.nixl_peers import AgentPeers
+from kvtransfer.transports.nixl_prep import Desc, Entry, PreppedRequest, merge_descs, part_descs
 from kvtransfer.types import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -36,22 +34,23 @@ _Prepared = tuple[Entry, Desc, Desc]  # prepare(): (peer entry, local, remote)
 _Layer = tuple[PreppedRequest, int]  # prepare_layers() part: (prepared request, layer)
 
 
-class _RecvMeta(msgspec.Struct, frozen=True):
+class NixlRecvMeta(msgspec.Struct, frozen=True):
+    """What a NIXL receiver hands a sender in its HelloReply (its transport metadata)."""
+
     agent: bytes  # NIXL agent metadata
     base: int  # kv_buffer.data_ptr()
     device: int  # CUDA device index, 0 for DRAM
     mem: str  # "DRAM" | "VRAM"
 
 
-def _agent(name: str, progress_thread: bool = False, error_handling: str = "peer") -> object:
+def make_agent(name: str, progress_thread: bool = False, error_handling: str = "peer") -> object:
     """A NIXL agent with its UCX backend; `error_handling`: the backend's ucx_error_handling_mode
     (TransferConfig.nixl_error_handling: "peer", NIXL's default, or "none")."""
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 
     # NIXL's progress thread spins (delay 0 from Python): a core per agent, idle or not. A GPU target
-    # keeps it (the H200 figures had it); on DRAM it is off (on 2 cores it starved the prefill worker,
-    # a 5000-token prompt missed its 30 s KV deadline), so large DRAM WRITEs progress only when the
-    # receiver polls (1.4 → 0.3 GB/s at 16 MiB per layer, facts.md).
+    # keeps it; on DRAM it is off (on a 2-core host it starves the prefill worker), so large DRAM
+    # WRITEs progress only when the receiver polls (about 4x slower at 16 MiB per layer).
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[]))
     params = agent.get_plugin_params("UCX")  # type: ignore[attr-defined]
     params["ucx_error_handling_mode"] = error_handling
@@ -67,11 +66,11 @@ class NixlRecvTransport(RecvTransport):
     """Registers `kv_buffer` with a NIXL agent named `name` (must be unique among peers)."""
 
     def __init__(self, name: str, kv_buffer: torch.Tensor, error_handling: str = "peer") -> None:
-        self.agent = _agent(name, progress_thread=kv_buffer.is_cuda, error_handling=error_handling)
+        self.agent = make_agent(name, progress_thread=kv_buffer.is_cuda, error_handling=error_handling)
         self.kv_buffer = kv_buffer
         self._reg = self.agent.register_memory(kv_buffer)  # type: ignore[attr-defined]
         mem, dev = _mem(kv_buffer)
-        self._meta = _RecvMeta(self.agent.get_agent_metadata(), kv_buffer.data_ptr(), dev, mem)  # type: ignore[attr-defined]
+        self._meta = NixlRecvMeta(self.agent.get_agent_metadata(), kv_buffer.data_ptr(), dev, mem)  # type: ignore[attr-defined]
         self._peers = AgentPeers()
 
     def metadata(self) -> bytes:
@@ -99,10 +98,9 @@ class NixlSendTransport(SendTransport):
     is make_prepped_xfer by index + transfer; other posts build merged lists, initialize_xfer, transfer."""
 
     write_per_request = True
-    premakes_whole = True
 
     def __init__(self, name: str, error_handling: str = "peer") -> None:
-        self.agent = _agent(name, error_handling=error_handling)
+        self.agent = make_agent(name, error_handling=error_handling)
         self._bases = [0, 0]  # data_ptr of the STAGING and KV regions (0 = not registered)
         self._regs: list[object] = [None, None]
         self._mem, self._dev = "DRAM", 0
@@ -128,7 +126,7 @@ class NixlSendTransport(SendTransport):
         self._register(KV, kv_buffer)
 
     def add_peer(self, peer: str, remote: bytes) -> None:
-        meta = msgspec.msgpack.decode(remote, type=_RecvMeta)
+        meta = msgspec.msgpack.decode(remote, type=NixlRecvMeta)
         name = self.agent.add_remote_agent(meta.agent)  # type: ignore[attr-defined]
         self._peers[peer] = (name, meta.base, meta.device, meta.mem)
 
@@ -184,35 +182,6 @@ class NixlSendTransport(SendTransport):
     def _release(self, req: PreppedRequest) -> None:
         req.release(self.agent)
 
-    def premake_whole(self, peer: str, parts: list[object], notice: bytes) -> bool:
-        """make_prepped_xfer of every index of the request behind `parts` (all of prepare_layers'
-        result), with `notice`, kept in its PreppedRequest (nixl_prep.py) until post_whole or release.
-        Raises TransferError if `parts` are not one request's every layer in order, or NIXL refused."""
-        req = self._whole_request(peer, parts)
-        try:
-            req.premake(self.agent, notice)
-        except Exception as exc:
-            raise TransferError(f"NIXL could not pre-make the write to {peer}: {exc}") from exc
-        return True
-
-    def post_whole(self, peer: str, parts: list[object]) -> object:
-        """transfer() of the write premake_whole made; see SendTransport.post_whole."""
-        self._mark("post:build", len(parts))
-        handle = self._whole_request(peer, parts).take_whole()
-        if handle is None:
-            raise TransferError(f"no pre-made write to {peer} for these layers")
-        self._mark("post:init", -1)
-        return self._start(handle, peer)
-
-    def _whole_request(self, peer: str, parts: list[object]) -> PreppedRequest:
-        req = parts[0][0] if parts and isinstance(parts[0], tuple) else None  # type: ignore[index]
-        if not isinstance(req, PreppedRequest) or [cast(_Layer, p)[1] for p in parts] != list(
-                range(len(req.idx))) or any(cast(_Layer, p)[0] is not req for p in parts):
-            raise TransferError("a whole-request write needs every layer of one prepared request, in order")
-        if req.entry is not self._entry(peer) or req.released:
-            raise TransferError(f"NIXL connection to {peer} changed since the write was prepared")
-        return req
-
     def _entry(self, peer: str) -> Entry:
         entry = self._peers.get(peer)
         if entry is None:
@@ -238,7 +207,6 @@ class NixlSendTransport(SendTransport):
             req: PreppedRequest = first[0]  # type: ignore[index]
             if req.entry is not entry or req.released:
                 raise TransferError(f"NIXL connection to {peer} changed since the write was prepared")
-            req.drop_whole(self.agent)  # some of its layers go now: the write of all can never be posted
             idx: list[int] = []
             for part in parts:
                 idx += req.idx[cast(_Layer, part)[1]]

@@ -2,13 +2,8 @@
 
 `merge_descs` merges descriptor pairs contiguous on both sides before an initialize_xfer (which, unlike
 make_prepped_xfer, does not merge them itself: measured on CPU with nixl_cu13 1.5.1, see
-docs/benchmarks/kv_transfer-h200.md step 5). `PreppedRequest` holds the two prep_xfer_dlist handles of one
-direct request (NIXL API: prep_xfer_dlist / make_prepped_xfer, nixl_cu13._api.nixl_agent) and, made
-when its Begin is answered, the xfer handle of the write of all its layers (`whole`), so that a
-whole-request hand-off (KVSender.send_layers) is posted with one transfer() call: on the 2xH200 trace
-(kv_transfer-h200.md, stop 14) the notices took 29 µs and make_prepped_xfer 20 µs at post time.
-Every handle is released exactly once: the dlists in `release`, `whole` in `release` or `drop_whole`
-unless `take_whole` handed it to a post (test()/cancel() release it then).
+docs/benchmarks/). `PreppedRequest` holds the two prep_xfer_dlist handles of one direct request (NIXL
+API: prep_xfer_dlist / make_prepped_xfer, nixl_cu13._api.nixl_agent), released exactly once (`release`).
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ Entry = tuple[str, int, int, str]  # a peer: (remote agent name, kv_buffer base,
 def merge_descs(local: Desc, remote: Desc) -> tuple[Desc, Desc]:
     """Pairs of (address, bytes, device) descriptors with each run of consecutive pairs that are
     contiguous on BOTH sides (same devices) merged into one pair: fewer descriptors, same bytes (each
-    costs ~7 µs on an H200 over cuda_ipc, facts.md). Raises ValueError if the lists differ in length."""
+    costs ~7 µs on an H200 over cuda_ipc). Raises ValueError if the lists differ in length."""
     if len(local) != len(remote):
         raise ValueError(f"{len(local)} local descriptors for {len(remote)} remote ones")
     out_l: Desc = []
@@ -43,9 +38,8 @@ def merge_descs(local: Desc, remote: Desc) -> tuple[Desc, Desc]:
 
 def part_descs(parts: list[object], entry: Entry, agent: Any) -> tuple[Desc, Desc]:
     """The local and remote descriptor tuples of a write of `parts` (NixlSendTransport.prepare results
-    `(entry, local, remote)` and prepare_layers ones `(PreppedRequest, layer)`, whose pre-made writes
-    are dropped: their layers go now), concatenated in order. Raises ValueError if a part was prepared
-    for another connection than `entry`."""
+    `(entry, local, remote)` and prepare_layers ones `(PreppedRequest, layer)`), concatenated in order.
+    Raises ValueError if a part was prepared for another connection than `entry`."""
     local: Desc = []
     remote: Desc = []
     for part in parts:
@@ -53,7 +47,6 @@ def part_descs(parts: list[object], entry: Entry, agent: Any) -> tuple[Desc, Des
         if isinstance(head, PreppedRequest):
             layer: int = part[1]  # type: ignore[index]
             owner, loc, rem = head.entry, head.loc[layer], head.rem[layer]
-            head.drop_whole(agent)
         else:
             owner, loc, rem = part  # type: ignore[misc]
         if owner is not entry:
@@ -67,7 +60,7 @@ class PreppedRequest:
     """prep_xfer_dlist handles of one direct request: every layer's pieces, layer by layer, in both
     lists at the same indices (layer l at idx[l]); the tuples too, for a post mixing requests."""
 
-    __slots__ = ("entry", "idx", "loc", "local", "released", "rem", "remote", "whole")
+    __slots__ = ("entry", "idx", "loc", "local", "released", "rem", "remote")
 
     def __init__(self, entry: Entry, local: object, remote: object, loc: list[Desc],
                  rem: list[Desc]) -> None:
@@ -77,32 +70,11 @@ class PreppedRequest:
             starts.append(starts[-1] + len(layer))
         self.idx = [list(range(a, b)) for a, b in itertools.pairwise(starts)]
         self.released = False
-        self.whole: object | None = None  # pre-made xfer handle of every layer, not posted yet
-
-    def premake(self, agent: Any, notice: bytes) -> None:
-        """Make (agent.make_prepped_xfer) the WRITE of every layer, in layer order, carrying `notice`;
-        once, while the lists are held. Raises whatever NIXL raises."""
-        assert self.whole is None and not self.released
-        every = [i for layer in self.idx for i in layer]
-        self.whole = agent.make_prepped_xfer("WRITE", self.local, every, self.remote, every, notice)
-
-    def take_whole(self) -> object | None:
-        """The pre-made write, now owned by the caller (who posts and releases it); None if none."""
-        whole, self.whole = self.whole, None
-        return whole
-
-    def drop_whole(self, agent: Any) -> None:
-        """Release the pre-made write unused (nothing if there is none)."""
-        whole = self.take_whole()
-        if whole is not None:
-            with contextlib.suppress(Exception):  # nothing left to undo if NIXL refuses
-                agent.release_xfer_handle(whole)
 
     def release(self, agent: Any) -> None:
-        """Release the pre-made write if unused, then both descriptor lists (idempotent)."""
+        """Release both descriptor lists (idempotent)."""
         if self.released:
             return
-        self.drop_whole(agent)  # before the lists it was made from
         self.released = True
         for h in (self.local, self.remote):
             with contextlib.suppress(Exception):

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from kvtransfer.transport import RecvTransport, SendTransport, SourcePiece
+from kvtransfer.transports.base import RecvTransport, SendTransport, SourcePiece
 from kvtransfer.types import TransferError
 
 
@@ -88,6 +88,10 @@ class LoopbackSendTransport(SendTransport):
     def register_kv(self, kv_buffer: object) -> None:
         assert isinstance(kv_buffer, torch.Tensor)
         self._kv = kv_buffer.view(-1).view(torch.uint8)
+
+    def source(self, region: int) -> torch.Tensor:
+        """The flat byte view of source region STAGING or KV as registered (tests corrupt it)."""
+        return (self._staging, self._kv)[region]
 
     def add_peer(self, peer: str, remote: bytes) -> None:
         self._peers[peer] = remote.decode()

@@ -1,53 +1,45 @@
 """Control-plane messages between a KV sender and a KV receiver (msgspec, over pyzmq; no torch).
 
-Flow (sender = prefill worker, DEALER socket; receiver = decode worker, ROUTER socket):
-Hello → HelloReply (compatibility handshake, transport metadata); Begin → BeginReply (the sender claims a
-request before writing any block: the receiver refuses requests it no longer expects, which fences late
-writes into reused blocks); LayerNotice (two-sided transports only: data for a layer follows; one-sided
-ones carry it, or a LayerNotices batch, as the notification of the write itself); Done /
-Fail / Abort from the receiver; Stopped from the sender (it will write nothing more for the request);
-Withdraw from the sender (it gives up a request whose Begin it never sent; protocol version 5);
-Heartbeat both ways; Rehandshake from the receiver in answer to any message but Hello of a sender it
-does not know (it dropped the sender, or restarted): the sender fails what it had begun there and
-says Hello again (protocol version 4).
+Sender = prefill worker, one DEALER socket per receiver; receiver = decode worker, one ROUTER socket.
+
+- Hello → HelloReply: the compatibility handshake (compat.KVCompat; the receiver answers each
+  mismatch) and the transports' metadata; each side's epoch (a restart draws a new one).
+- Begin → BeginReply: the sender claims a request before writing any block; the receiver refuses one
+  it no longer expects, which fences late writes into reused blocks.
+- LayerNotice: two-sided transports only, on this plane: the data of a layer follows under its tags.
+  One-sided transports carry it (or a LayerNotices batch) as the notification of the write itself.
+- Done / Fail / Abort from the receiver; Stopped from the sender (it writes nothing more for the
+  request: the receiver may free its blocks); Withdraw from the sender (it gives up a request whose
+  Begin it never sent).
+- KeepAlive both ways (liveness); Rehandshake from the receiver in answer to any message but Hello of
+  a sender it does not know (it dropped that sender, or restarted): the sender fails what it had begun
+  there and says Hello again.
+
+Any change to these classes changes the encoding: bump api.PROTOCOL_VERSION.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 
 import msgspec
 
-from kvtransfer.types import PROTOCOL_VERSION
+from kvtransfer.compat import KVCompat
 
 log = logging.getLogger(__name__)
 
 
-class PeerInfo(msgspec.Struct, frozen=True):
-    """What must match for two workers to exchange KV (checked by `kvtransfer.compat`)."""
-
-    protocol_version: int
-    model_id: str
-    dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_strides: tuple[int, ...]  # element strides of dims (block, token, head, dim)
-    tp_size: int
-    tp_rank: int
-    backend: str
-
-    @classmethod
-    def version(cls) -> int:
-        """The protocol version this code speaks."""
-        return PROTOCOL_VERSION
+def new_epoch() -> int:
+    """A fresh incarnation number of an endpoint (random, never 0): a restarted worker's peers see a
+    new epoch and drop what they knew of the old one."""
+    return secrets.randbits(62) + 1
 
 
 class Hello(msgspec.Struct, tag=True):
     sender_id: str
     epoch: int
-    info: PeerInfo
+    info: KVCompat
     transport: bytes
 
 
@@ -134,12 +126,12 @@ class Withdraw(msgspec.Struct, tag=True):
     reason: str = ""
 
 
-class Heartbeat(msgspec.Struct, tag=True):
+class KeepAlive(msgspec.Struct, tag=True):
     epoch: int
 
 
 Message = (Hello | HelloReply | Begin | BeginReply | Rehandshake | LayerNotice | LayerNotices | Done | Fail
-           | Abort | Stopped | Withdraw | Heartbeat)
+           | Abort | Stopped | Withdraw | KeepAlive)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

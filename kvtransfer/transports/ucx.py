@@ -1,11 +1,12 @@
 """ucxx transport: two-sided tag send/receive, endpoints created from worker addresses exchanged in
-the Hello/HelloReply handshake (not ucxx's listener: its forced peer-failure handling excludes the
-shared-memory transports, facts.md). The sender announces each request-layer with a LayerNotice on the
-control plane, then tag-sends one message per piece (tags tag..tag+n-1) from its staging slot without
-waiting for earlier request-layers (several are in flight, each from its own slot); the
-receiver posts tag receives straight into the destination runs of kv_buffer (no receiver staging) and
-reports the layer when all have completed. CPU buffers go as uint8 numpy views, CUDA tensors through
-__cuda_array_interface__. API: ucxx._lib.libucxx (UCXContext, UCXWorker, UCXEndpoint, tag_send/tag_recv).
+the Hello/HelloReply handshake (not ucxx's listener: its forced peer-failure handling excludes UCX's
+shared-memory transports, so two processes of one host would talk TCP). The sender announces each
+request-layer with a LayerNotice on the control plane, then tag-sends one message per piece (tags
+tag..tag+n-1) from its staging slot without waiting for earlier request-layers (several are in flight,
+each from its own slot); the receiver posts tag receives straight into the destination runs of
+kv_buffer (no receiver staging) and reports the layer when all have completed. CPU buffers go as uint8
+numpy views, CUDA tensors through __cuda_array_interface__. API: ucxx._lib.libucxx (UCXContext,
+UCXWorker, UCXEndpoint, tag_send/tag_recv).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 
 import torch
 
-from kvtransfer.transport import RecvTransport, SendTransport, SourcePiece
+from kvtransfer.transports.base import RecvTransport, SendTransport, SourcePiece
 from kvtransfer.types import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

@@ -2,7 +2,7 @@
 
 A sender transport writes byte pieces of one of its two registered source regions, the staging ring
 (STAGING) or its own kv_buffer (KV, the direct path), into a peer's KV tensor; a receiver
-transport exposes its KV tensor. Control messages never go through it (see messages.py), except the
+transport exposes its KV tensor. Control messages never go through it (see wire.py), except the
 layer notice of one-sided transports, which travels with the data (NIXL notif) so that it can only
 arrive after the data. All methods are called from one thread (the sender's or receiver's loop).
 """
@@ -10,8 +10,6 @@ arrive after the data. All methods are called from one thread (the sender's or r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-
-from kvtransfer.types import TransferError
 
 STAGING, KV = 0, 1  # source regions of a write piece
 SourcePiece = tuple[int, int, int, int]  # (STAGING | KV, source byte offset, destination byte offset, bytes)
@@ -26,8 +24,6 @@ class SendTransport(ABC):
     # post the direct layers of each request as their own write (prepare_layers made them cheap to
     # post by index); else one write per peer carries every ready request-layer
     write_per_request: bool = False
-    # prepare_layers' parts can also get a pre-made write of every layer (premake_whole, post_whole)
-    premakes_whole: bool = False
     # a list to append TraceEvents of the post path to (bench --trace), or None (off)
     trace: list[TraceEvent] | None = None
 
@@ -78,20 +74,6 @@ class SendTransport(ABC):
     def release_prepared(self, parts: list[object]) -> None:  # noqa: B027 (optional hook)
         """Free what prepare_layers holds for `parts` (idempotent; also done by remove_peer/close).
         Call once no post of them can follow (the request is terminal, nothing in flight)."""
-
-    def premake_whole(self, peer: str, parts: list[object], notice: bytes) -> bool:
-        """Make, now, the write of every layer of one direct request (`parts`: all of prepare_layers'
-        result, in layer order) carrying `notice`, so that posting it later (post_whole) builds nothing.
-        Returns False where the transport does not (default). It is released with the parts
-        (release_prepared, remove_peer, close) unless post_whole took it; a post of only some of the
-        layers releases it too (each layer is written once). Raises TransferError if refused."""
-        return False
-
-    def post_whole(self, peer: str, parts: list[object]) -> object:
-        """Start the write premake_whole made for `parts` (one transfer call); the handle then belongs to
-        test()/cancel() like post()'s. Raises TransferError if there is none (never made, released,
-        taken already) or the peer was removed or re-added since, or if the write cannot start."""
-        raise TransferError("this transport pre-makes no writes")
 
     def prepared_count(self) -> int:
         """prepare_layers results still held (leak checks); 0 for transports that hold nothing."""
