@@ -280,8 +280,8 @@ def live_pair(logs: Path, *, model: str = MODEL, num_blocks: int = 512, worker_f
               ready_timeout_s: float = 240.0) -> Iterator[SystemPair]:
     """Start a disaggregated system (logs in ``logs/disagg``) and a colocated one (``logs/colo``) at
     once, wait until both are ready, yield them, stop both on exit (see ``live_systems`` for errors)."""
+    modes: tuple[tuple[Mode, str], ...] = (("disagg", "disagg"), ("colocated", "colo"))
     specs = [SystemSpec(mode, logs / name, model, None, num_blocks, tuple(worker_flags), tuple(gateway_flags),
-                        heartbeat_timeout_s=heartbeat_timeout_s, api_key=api_key)
-             for mode, name in (("disagg", "disagg"), ("colocated", "colo"))]
+                        heartbeat_timeout_s=heartbeat_timeout_s, api_key=api_key) for mode, name in modes]
     with live_systems(specs, ready_timeout_s) as (disagg, colo):
         yield SystemPair(disagg, colo)

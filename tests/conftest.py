@@ -5,9 +5,9 @@
 * ``live``: the live system shared by the system-level suites (``tests/live.py``), started once per
   session; after each module that used it, a leak check (every KV block free, nothing in flight, no
   child dead but those a test killed on purpose).
-* Every test that uses the live system joins one pytest-xdist group (``--dist loadgroup``: one worker runs
-  them all, so one process starts the system), and a test marked ``kills_live_child`` runs after every
-  other test that uses it.
+* Under pytest-xdist every test of the suites that use the live system (``LIVE_SUITES``) runs in one
+  worker, in order, so one process starts the system; a test marked ``kills_live_child`` runs after
+  every other test that uses it.
 """
 
 from __future__ import annotations
@@ -35,14 +35,31 @@ if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    from tests.live import XDIST_GROUP
+    from tests.live import LIVE_SUITES
 
-    for item in items:
-        if "live_session" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group(XDIST_GROUP))
+    strays = [item.nodeid for item in items if "live_session" in getattr(item, "fixturenames", ())
+              and not item.nodeid.startswith(LIVE_SUITES)]
+    if strays:
+        raise pytest.UsageError(f"{strays[:3]} use the shared live system: add their files to LIVE_SUITES "
+                                "in tests/live.py (the xdist worker that runs those suites starts it)")
     items.sort(key=lambda item: item.get_closest_marker("kills_live_child") is not None)  # stable
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (``-n``): the tests of ``LIVE_SUITES`` go to one worker, in collection order
+    (one process starts the shared system), every other test to whichever worker is free. xdist's own
+    ``--dist loadgroup`` cannot do it under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer
+    reads (tests then spread over both workers and each starts a system)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.live import LIVE_SUITES
+
+    class LiveSuitesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "live-suites" if nodeid.startswith(LIVE_SUITES) else nodeid
+
+    return LiveSuitesTogether(config, log)
 
 
 KILLED_ON_PURPOSE = pytest.StashKey[bool]()

@@ -12,8 +12,8 @@ the caps of the fake-worker bad-input suite (``--max-n 4``, ``--max-stop 3``, ``
 a loaded 2-core machine a busy worker can miss 2 s of heartbeats, which the gateway rightly treats as a
 dead worker (a 502 mid-request).
 
-``tests/conftest.py`` holds the fixtures (``live``) and keeps every test that uses this system in one
-pytest-xdist group, so that one worker process starts it.
+``tests/conftest.py`` holds the fixtures (``live``) and, under pytest-xdist, runs every suite of
+``LIVE_SUITES`` in one worker process, the one that starts the system.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ BODY_CAP = 1 << 20
 GATEWAY_FLAGS = ("--max-n", "4", "--max-stop", "3", "--max-prompt-tokens", "100",
                  "--max-body-bytes", str(BODY_CAP), "--request-timeout", "120", "--log-level", "info")
 WORKER_FLAGS = ("--log-level", "debug")
-XDIST_GROUP = "live-system"
+# the suites that use it (node id prefixes): under pytest-xdist they run in one worker (tests/conftest.py)
+LIVE_SUITES = ("tests/conformance/", "tests/loadtest/test_live.py", "tests/system/test_pipeline.py")
 
 
 @contextmanager
