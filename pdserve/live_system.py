@@ -169,8 +169,8 @@ def registered(url: str) -> set[str]:
 
 def wait_all_free(url: str, workers: frozenset[str] | set[str], timeout: float = 30.0) -> dict[str, float]:
     """Poll until every worker in ``workers`` reports 0 KV blocks used (heartbeats lag, hence the
-    deadline of ``timeout`` s: a run on a loaded 2-core machine once needed more than 15 s for a colocated
-    worker to report an aborted stream's block free) and nothing is in flight at the gateway; returns the
+    deadline of ``timeout`` s: on a loaded 2-core machine a colocated worker can take more than 15 s
+    to report an aborted stream's block free) and nothing is in flight at the gateway; returns the
     last reading.
 
     Raises AssertionError naming the workers still holding blocks.
