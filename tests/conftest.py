@@ -48,16 +48,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under pytest-xdist (``-n``): the tests of ``LIVE_SUITES`` go to one worker, in collection order
-    (one process starts the shared system), every other test to whichever worker is free. xdist's own
-    ``--dist loadgroup`` cannot do it under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer
-    reads (tests then spread over both workers and each starts a system)."""
+    (one process starts the shared system); every other module goes whole to whichever worker is free
+    (module-scoped fixtures are built once, and modules whose last test checks what the earlier ones did,
+    e.g. tests/gateway/test_bad_input.py, keep their order). xdist's own ``--dist loadgroup`` cannot do it
+    under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads (tests then spread over
+    both workers and each starts a system)."""
     from xdist.scheduler import LoadScopeScheduling
 
     from tests.live import LIVE_SUITES
 
     class LiveSuitesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "live-suites" if nodeid.startswith(LIVE_SUITES) else nodeid
+            return "live-suites" if nodeid.startswith(LIVE_SUITES) else nodeid.split("::", 1)[0]
 
     return LiveSuitesTogether(config, log)
 
