@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the KV cache, kernel and attention-backend tests on a CUDA machine (an H200): compiled Triton
-# kernels (no interpreter) in fp32, fp16 and bf16, plus the `gpu`-marked tests that CPU runs skip.
+# kernels (no interpreter) in fp32, fp16 and bf16 over the full shape grids (the CPU suite runs a subset
+# through the interpreter: tests/engine/grid.py), plus the `gpu`-marked tests that CPU runs skip.
 # Usage: scripts/gpu_tests.sh [extra pytest args]   (PYTHON=... to pick the interpreter; default: the
 # project venv if present, else python3).
 set -euo pipefail
@@ -14,6 +15,7 @@ if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
     exit 2
 fi
 unset TRITON_INTERPRET  # compiled kernels, never the interpreter
+export PDSERVE_FULL_GRID=1  # every shape of every kernel grid
 "$PYTHON" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
 "device", torch.cuda.get_device_name())'
 exec "$PYTHON" -m pytest -q -p no:cacheprovider -rs \

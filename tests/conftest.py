@@ -1,13 +1,26 @@
-"""Shared pytest set-up.
+"""Shared pytest set-up. Where each layer of tests lives, and how to add a suite: ``tests/README.md``.
 
-On a machine without CUDA, Triton kernels run through Triton's interpreter: ``TRITON_INTERPRET=1`` must
-be set before ``triton`` is first imported, so it is set here, at collection start.
+* On a machine without CUDA, Triton kernels run through Triton's interpreter: ``TRITON_INTERPRET=1`` must
+  be set before ``triton`` is first imported, so it is set here, at collection start.
+* ``live``: the live system shared by the system-level suites (``tests/live.py``), started once per
+  session; after each module that used it, a leak check (every KV block free, nothing in flight, no
+  child dead but those a test killed on purpose).
+* Under pytest-xdist every test of the suites that use the live system (``LIVE_SUITES``) runs in one
+  worker, in order, so one process starts the system; a test marked ``kills_live_child`` runs after
+  every other test that uses it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from pdserve.live_system import SystemPair
 
 
 def _cuda_available() -> bool:
@@ -20,3 +33,64 @@ def _cuda_available() -> bool:
 
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    from tests.live import LIVE_SUITES
+
+    strays = [item.nodeid for item in items if "live_session" in getattr(item, "fixturenames", ())
+              and not item.nodeid.startswith(LIVE_SUITES)]
+    if strays:
+        raise pytest.UsageError(f"{strays[:3]} use the shared live system: add their files to LIVE_SUITES "
+                                "in tests/live.py (the xdist worker that runs those suites starts it)")
+    items.sort(key=lambda item: item.get_closest_marker("kills_live_child") is not None)  # stable
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (``-n``): the tests of ``LIVE_SUITES`` go to one worker, in collection order
+    (one process starts the shared system); every other module goes whole to whichever worker is free
+    (module-scoped fixtures are built once, and modules whose last test checks what the earlier ones did,
+    e.g. tests/gateway/test_bad_input.py, keep their order). xdist's own ``--dist loadgroup`` cannot do it
+    under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads (tests then spread over
+    both workers and each starts a system)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    from tests.live import LIVE_SUITES
+
+    class LiveSuitesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "live-suites" if nodeid.startswith(LIVE_SUITES) else nodeid.split("::", 1)[0]
+
+    return LiveSuitesTogether(config, log)
+
+
+KILLED_ON_PURPOSE = pytest.StashKey[bool]()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("kills_live_child") is not None:
+        item.config.stash[KILLED_ON_PURPOSE] = True
+
+
+@pytest.fixture(scope="session")
+def live_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemPair]:
+    """The shared live system, started at its first use and stopped at the end of the session."""
+    from tests.live import start_live
+
+    with start_live(tmp_path_factory.mktemp("live_logs")) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def live(live_session: SystemPair, request: pytest.FixtureRequest) -> Iterator[SystemPair]:
+    """The shared live system (``tests/live.py``). After the module: no child died (but workers, once a
+    ``kills_live_child`` test has run), every worker still running holds no KV block and no request is in
+    flight on either gateway (polled with a deadline: heartbeats lag). Raises AssertionError."""
+    from pdserve.live_system import wait_all_free, worker_id
+
+    yield live_session
+    killed = request.config.stash.get(KILLED_ON_PURPOSE, False)
+    for system in (live_session.disagg, live_session.colo):
+        dead = {name for name, _ in system.sup.dead()}
+        assert not dead or (killed and "gateway" not in dead), f"{dead} died; logs in {system.logs}"
+        wait_all_free(system.url, system.worker_ids - {worker_id(name) for name in dead})

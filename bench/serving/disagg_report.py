@@ -16,8 +16,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from bench.live_system import Mode
 from loadtest.records import BenchResult, LatencyStats, RunResult
+from pdserve.live_system import Mode
 
 MODES: tuple[tuple[Mode, str], ...] = (("colocated", "colocated"), ("disagg", "disaggregated"))
 

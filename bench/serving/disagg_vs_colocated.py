@@ -33,12 +33,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.live_system import LiveSystem, Mode, SystemSpec, live_system, live_systems
 from bench.machine import machine_info
 from bench.serving import disagg_report as rep
 from engine.models.registry import is_dummy_alias
+from pdserve.live_system import LiveSystem, Mode, SystemSpec, live_systems
 
-__all__ = ["live_system", "main", "parse_args"]  # live_system: tests/loadtest/test_live.py imports it here
 MIXES = {"long": (3000, 150), "short": (1000, 300)}
 DEFAULTS = {  # per --device: model, rates, duration, blocks, colocated workers, TTFT and TPOT SLO (ms)
     "cuda": dict(model="llama3-8b", rates="2,4,6,8", duration="20s", num_blocks=12000, colocated_workers=2,

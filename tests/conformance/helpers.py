@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import openai
 
-from tests.live_system import MODEL, System, wait_all_free
+from pdserve.live_system import MODEL, SystemPair, wait_all_free
 
 Endpoint = Literal["chat", "completions"]
 ENDPOINTS: list[Endpoint] = ["chat", "completions"]
@@ -107,7 +107,7 @@ def assert_same(a: Outcome, b: Outcome, what: str, tol: float = 0.0) -> None:
         assert worst <= tol, f"{what}: choice {ca.index} logprobs differ by {worst} > {tol}"
 
 
-def leak_check(live: System) -> None:
+def leak_check(live: SystemPair) -> None:
     """All KV blocks free on every worker and nothing in flight, on both gateways (polled: heartbeats lag).
     Raises AssertionError naming what is still held."""
     for url, workers in live.pairs():

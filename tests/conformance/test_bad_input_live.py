@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conformance.conftest import API_KEY
+from pdserve.live_system import MODEL, SystemPair, metric_samples
 from tests.conformance.helpers import leak_check
 from tests.gateway import test_bad_input as fake_suite
-from tests.live_system import MODEL, System, metric_samples
+from tests.live import API_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -46,7 +46,7 @@ RAW_CASES = [(c[0], c[1], c[2], c[3].replace(b"fake-model", MODEL.encode()), c[4
 assert len(JSON_CASES) + len(RAW_CASES) >= 40
 
 
-def url_of(live: System, gateway: str) -> str:
+def url_of(live: SystemPair, gateway: str) -> str:
     return live.disagg_url if gateway == "disagg" else live.colo_url
 
 
@@ -72,7 +72,7 @@ def wait_counts(url: str, base: Counter[str], want: Counter[str], timeout: float
 
 
 @pytest.fixture(scope="module")
-def before(live: System) -> dict[str, Counter[str]]:
+def before(live: SystemPair) -> dict[str, Counter[str]]:
     """Request counts per status on each gateway before this module's first request."""
     return {g: by_status(url_of(live, g)) for g in GATEWAYS}
 
@@ -89,7 +89,7 @@ def check_error(resp: httpx.Response, status: int, param: str | None) -> dict[st
 @pytest.mark.parametrize("gateway", GATEWAYS)
 @pytest.mark.parametrize(("path", "body", "status", "param"), [c[1:] for c in JSON_CASES],
                          ids=[c[0] for c in JSON_CASES])
-def test_json_bad_input(live: System, before: dict[str, Counter[str]], gateway: str, path: str, body: Any,
+def test_json_bad_input(live: SystemPair, before: dict[str, Counter[str]], gateway: str, path: str, body: Any,
                         status: int, param: str | None) -> None:
     SENT[gateway][str(status)] += 1
     resp = httpx.post(url_of(live, gateway) + path, content=json.dumps(body),
@@ -100,8 +100,8 @@ def test_json_bad_input(live: System, before: dict[str, Counter[str]], gateway: 
 @pytest.mark.parametrize("gateway", GATEWAYS)
 @pytest.mark.parametrize(("method", "path", "content", "headers", "status"), [c[1:] for c in RAW_CASES],
                          ids=[c[0] for c in RAW_CASES])
-def test_raw_bad_input(live: System, before: dict[str, Counter[str]], gateway: str, method: str, path: str,
-                       content: bytes, headers: dict[str, str], status: int) -> None:
+def test_raw_bad_input(live: SystemPair, before: dict[str, Counter[str]], gateway: str, method: str,
+                       path: str, content: bytes, headers: dict[str, str], status: int) -> None:
     SENT[gateway][str(status)] += 1
     hdrs = {**AUTH, "content-type": "application/json", **headers}
     resp = httpx.request(method, url_of(live, gateway) + path, content=content, headers=hdrs, timeout=60)
@@ -109,7 +109,8 @@ def test_raw_bad_input(live: System, before: dict[str, Counter[str]], gateway: s
 
 
 @pytest.mark.parametrize("gateway", GATEWAYS)
-def test_duplicate_request_id_in_flight(live: System, before: dict[str, Counter[str]], gateway: str) -> None:
+def test_duplicate_request_id_in_flight(live: SystemPair, before: dict[str, Counter[str]],
+                                        gateway: str) -> None:
     """A second request with the X-Request-Id of a live stream is a 400; the first is then dropped by its
     client mid-stream, which must abort it on the workers (checked by the leak check at the end)."""
     url, hdrs = url_of(live, gateway), {**AUTH, "X-Request-Id": f"dup-{gateway}"}
@@ -128,7 +129,7 @@ def test_duplicate_request_id_in_flight(live: System, before: dict[str, Counter[
 
 
 @pytest.mark.parametrize("gateway", GATEWAYS)
-def test_request_id_reusable_once_client_dropped(live: System, before: dict[str, Counter[str]],
+def test_request_id_reusable_once_client_dropped(live: SystemPair, before: dict[str, Counter[str]],
                                                  gateway: str) -> None:
     """After a client drops a stream, its X-Request-Id is free again at the gateway: reusing it at once
     must be served (200, right output), not fail on a worker that still holds the old request.
@@ -150,7 +151,7 @@ def test_request_id_reusable_once_client_dropped(live: System, before: dict[str,
     assert again.json()["id"] == f"cmpl-reuse-{gateway}"  # the client's id, though workers saw another
 
 
-def test_healthy_after_bad_input(live: System, before: dict[str, Counter[str]]) -> None:
+def test_healthy_after_bad_input(live: SystemPair, before: dict[str, Counter[str]]) -> None:
     """Runs last in the module: /metrics counted exactly the statuses sent (none 5xx), both gateways are
     ready and serve a request, every KV block is free and nothing is in flight."""
     for gateway in GATEWAYS:
@@ -162,5 +163,5 @@ def test_healthy_after_bad_input(live: System, before: dict[str, Counter[str]]) 
         resp = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3,
                                                          "ignore_eos": True}, headers=AUTH, timeout=60)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
-    assert all(p.poll() is None for p in live.sup.children.values()), live.sup.dead()
+    assert not live.dead(), live.dead()
     leak_check(live)

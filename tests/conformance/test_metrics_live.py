@@ -12,8 +12,8 @@ from collections import Counter
 import openai
 import pytest
 
+from pdserve.live_system import MODEL, SystemPair, metric_samples
 from tests.conformance.helpers import MESSAGES, call, client, leak_check
-from tests.live_system import MODEL, System, metric_samples
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -34,7 +34,7 @@ def req(endpoint: str, status: int) -> Key:
     return ("pdserve_requests_total", (("endpoint", endpoint), ("status", str(status))))
 
 
-def run_workload(live: System, url: str) -> tuple[int, int, int, int]:
+def run_workload(live: SystemPair, url: str) -> tuple[int, int, int, int]:
     """A fixed mix of requests; returns (prompt tokens, completion tokens, choices with max_tokens 1,
     other choices) summed over the responses."""
     c = client(url, live.api_key)
@@ -71,7 +71,7 @@ def expected(prompt: int, completion: int, n_single: int, n_multi: int, kind: st
 
 
 @pytest.mark.parametrize("kind", ["disaggregated", "colocated"])
-def test_metrics_match_workload(live: System, kind: str) -> None:
+def test_metrics_match_workload(live: SystemPair, kind: str) -> None:
     url = live.disagg_url if kind == "disaggregated" else live.colo_url
     before = counters(url)
     prompt, completion, n_single, n_multi = run_workload(live, url)

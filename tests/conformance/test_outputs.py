@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from pdserve.live_system import SystemPair
 from tests.conformance.conftest import Quad
 from tests.conformance.helpers import ENDPOINTS, MESSAGES, Endpoint, LogprobEntry, call, client, leak_check
-from tests.live_system import System
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PROMPT = "The capital of France is"
@@ -37,7 +37,7 @@ def n_prompt_tokens(hf: Any, endpoint: Endpoint, text: str = PROMPT) -> int:
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_usage_exact_at_length(live: System, quad: Quad, hf_tokenizer: Any, endpoint: Endpoint) -> None:
+def test_usage_exact_at_length(live: SystemPair, quad: Quad, hf_tokenizer: Any, endpoint: Endpoint) -> None:
     out = quad(endpoint, **prompt_of(endpoint), max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
                **lp(endpoint, 1))
     n = n_prompt_tokens(hf_tokenizer, endpoint)
@@ -48,7 +48,7 @@ def test_usage_exact_at_length(live: System, quad: Quad, hf_tokenizer: Any, endp
     leak_check(live)
 
 
-def test_eos_counted_and_ignore_eos(live: System, quad: Quad, hf_tokenizer: Any) -> None:
+def test_eos_counted_and_ignore_eos(live: SystemPair, quad: Quad, hf_tokenizer: Any) -> None:
     plain = quad("chat", max_tokens=14, temperature=0, logprobs=True, top_logprobs=0)
     (c,) = plain.choices
     n = n_prompt_tokens(hf_tokenizer, "chat")
@@ -61,7 +61,7 @@ def test_eos_counted_and_ignore_eos(live: System, quad: Quad, hf_tokenizer: Any)
     leak_check(live)
 
 
-def test_max_completion_tokens_wins_over_max_tokens(live: System, quad: Quad) -> None:
+def test_max_completion_tokens_wins_over_max_tokens(live: SystemPair, quad: Quad) -> None:
     ref = quad("chat", max_tokens=6, temperature=0, logprobs=True, top_logprobs=0)
     out = quad("chat", max_tokens=9, max_completion_tokens=3, temperature=0, logprobs=True, top_logprobs=0)
     assert out.usage is not None and out.usage[1] == 3 and out.choices[0].finish_reason == "length"
@@ -83,7 +83,7 @@ def _check_top(entries: list[LogprobEntry], top: int, greedy: bool) -> None:
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_logprobs_top_n(live: System, quad: Quad, endpoint: Endpoint) -> None:
+def test_logprobs_top_n(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
     greedy = quad(endpoint, **prompt_of(endpoint), max_tokens=5, temperature=0, **lp(endpoint, 3))
     _check_top(greedy.choices[0].logprobs, 3, greedy=True)
     sampled = quad(endpoint, **prompt_of(endpoint), max_tokens=5, temperature=1.0, seed=5, **lp(endpoint, 4))
@@ -97,7 +97,7 @@ def test_logprobs_top_n(live: System, quad: Quad, endpoint: Endpoint) -> None:
     leak_check(live)
 
 
-def test_echo_prepends_prompt(live: System, quad: Quad) -> None:
+def test_echo_prepends_prompt(live: SystemPair, quad: Quad) -> None:
     plain = quad("completions", prompt=PROMPT, max_tokens=5, temperature=0)
     echoed = quad("completions", prompt=PROMPT, max_tokens=5, temperature=0, echo=True)
     assert echoed.texts() == [PROMPT + plain.choices[0].text] and echoed.usage == plain.usage
@@ -105,7 +105,7 @@ def test_echo_prepends_prompt(live: System, quad: Quad) -> None:
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_include_usage_only_when_asked(live: System, endpoint: Endpoint) -> None:
+def test_include_usage_only_when_asked(live: SystemPair, endpoint: Endpoint) -> None:
     for url, _ in live.pairs():
         c = client(url, live.api_key)
         kw = {**prompt_of(endpoint), "max_tokens": 3, "temperature": 0}
@@ -117,7 +117,7 @@ def test_include_usage_only_when_asked(live: System, endpoint: Endpoint) -> None
     leak_check(live)
 
 
-def test_prompt_forms(live: System, quad: Quad, hf_tokenizer: Any) -> None:
+def test_prompt_forms(live: SystemPair, quad: Quad, hf_tokenizer: Any) -> None:
     texts = [PROMPT, "Once upon a time"]
     ids = [hf_tokenizer(t)["input_ids"] for t in texts]
     singles = [quad("completions", prompt=t, max_tokens=4, temperature=0) for t in texts]

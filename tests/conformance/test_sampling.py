@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from pdserve.live_system import SystemPair
 from tests.conformance.conftest import Quad
 from tests.conformance.helpers import ENDPOINTS, Endpoint, Outcome, leak_check
-from tests.live_system import System
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 STORY: dict[str, dict[str, Any]] = {
@@ -38,7 +38,7 @@ def story(quad: Quad, endpoint: Endpoint, **kw: Any) -> Outcome:
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_filters_reduce_sampling_to_greedy(live: System, quad: Quad, endpoint: Endpoint) -> None:
+def test_filters_reduce_sampling_to_greedy(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
     greedy = story(quad, endpoint, temperature=0).texts()
     sampled = story(quad, endpoint, temperature=1.5, seed=7).texts()
     assert sampled != greedy, "control: plain seeded sampling must differ from greedy here"
@@ -49,7 +49,7 @@ def test_filters_reduce_sampling_to_greedy(live: System, quad: Quad, endpoint: E
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_moderate_filters_and_seed_reproduce(live: System, quad: Quad, endpoint: Endpoint) -> None:
+def test_moderate_filters_and_seed_reproduce(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
     combined = story(quad, endpoint, temperature=0.9, top_p=0.9, seed=3,
                      extra_body={"top_k": 20, "min_p": 0.05})
     assert combined.choices[0].text and combined.usage is not None and combined.usage[1] >= 1
@@ -59,7 +59,7 @@ def test_moderate_filters_and_seed_reproduce(live: System, quad: Quad, endpoint:
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_n_with_seed(live: System, quad: Quad, endpoint: Endpoint) -> None:
+def test_n_with_seed(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
     many = story(quad, endpoint, temperature=1.5, seed=11, n=3, tol=BATCHED_LOGPROB_TOL,  # reproducible
                  **_lp(endpoint))
     assert [c.index for c in many.choices] == [0, 1, 2]
@@ -76,7 +76,7 @@ def _lp(endpoint: Endpoint) -> dict[str, Any]:
 @pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
                                      {"extra_body": {"repetition_penalty": 1.8}}],
                          ids=["presence", "frequency", "repetition"])
-def test_penalty_changes_greedy_output(live: System, quad: Quad, endpoint: Endpoint,
+def test_penalty_changes_greedy_output(live: SystemPair, quad: Quad, endpoint: Endpoint,
                                        penalty: dict[str, Any]) -> None:
     plain = quad(endpoint, **REPEAT[endpoint], max_tokens=8, temperature=0)
     penalized = quad(endpoint, **REPEAT[endpoint], max_tokens=8, temperature=0, **penalty)
@@ -84,7 +84,7 @@ def test_penalty_changes_greedy_output(live: System, quad: Quad, endpoint: Endpo
     leak_check(live)
 
 
-def test_frequency_penalty_scales_with_count(live: System, quad: Quad) -> None:
+def test_frequency_penalty_scales_with_count(live: SystemPair, quad: Quad) -> None:
     """Presence penalises a repeated token once, frequency once per occurrence: on this prompt they part."""
     kw: dict[str, Any] = {**REPEAT["completions"], "max_tokens": 8, "temperature": 0}
     presence = quad("completions", presence_penalty=2.0, **kw)
@@ -97,7 +97,7 @@ def _words(text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_stop_string_and_list(live: System, quad: Quad, endpoint: Endpoint) -> None:
+def test_stop_string_and_list(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
     prompt = STORY[endpoint]
     ref = quad(endpoint, **prompt, max_tokens=10, temperature=0,
                extra_body={"ignore_eos": True}).choices[0].text
@@ -114,7 +114,7 @@ def test_stop_string_and_list(live: System, quad: Quad, endpoint: Endpoint) -> N
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_user_is_accepted_and_changes_nothing(live: System, quad: Quad, endpoint: Endpoint) -> None:
+def test_user_is_accepted_and_changes_nothing(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
     plain = story(quad, endpoint, temperature=0)
     tagged = story(quad, endpoint, temperature=0, user="conformance-user")
     assert tagged.texts() == plain.texts() and tagged.usage == plain.usage

@@ -1,7 +1,10 @@
 """AttentionMetadata building, get_backend, and the torch/triton backends against a float64 softmax and
-against each other (mixed decode + prefill batches, cached prefixes, chunked prefill, GQA)."""
+against each other (mixed decode + prefill batches, cached prefixes, chunked prefill, GQA). On CPU the
+Triton backend runs through the interpreter over a subset of the shape grid (tests/engine/grid.py)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from engine.attention.metadata import build_attention_metadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
 from engine.kv_cache import KVCachePool
+from tests.engine.grid import grid
 from tests.engine.test_kernels import (
     DEVICE,
     TOL,
@@ -87,10 +91,19 @@ def _forward(backend, batch, scale: float, layer: int = 0) -> torch.Tensor:
     return backend.forward(layer, batch.q, batch.k_new, batch.v_new, batch.pool, batch.meta, scale)
 
 
-@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (6, 2, 64), (4, 1, 128)])
-def test_forward_mixed_batch_matches_float64_softmax(backend, dtype, num_heads, num_kv_heads, head_dim):
+F32, F16 = torch.float32, torch.float16
+SHAPES = [(4, 4, 64), (6, 2, 64), (4, 1, 128)]
+TORCH, TRITON = BACKENDS
+# the torch backend (no interpreter) over the whole grid everywhere; the Triton one over a subset on CPU
+FORWARD_GRID = list(itertools.product([TORCH], [F32, F16], SHAPES)) + grid(
+    list(itertools.product([TRITON], [F32, F16], SHAPES)),
+    cpu=[(TRITON, F32, (6, 2, 64)), (TRITON, F16, (4, 4, 64)), (TRITON, F16, (4, 1, 128))])
+
+
+@pytest.mark.parametrize(("backend", "dtype", "shape"), FORWARD_GRID,
+                         ids=[f"{b.name}-{d}-{s}" for b, d, s in FORWARD_GRID])
+def test_forward_mixed_batch_matches_float64_softmax(backend, dtype, shape):
+    num_heads, num_kv_heads, head_dim = shape
     batch = make_batch(MIXED, num_heads, num_kv_heads, head_dim, 8, dtype, seed=1)
     assert batch.meta.num_decodes == 4
     scale = head_dim**-0.5

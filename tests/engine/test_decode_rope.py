@@ -1,9 +1,11 @@
 """Decode attention with the step's RoPE and K/V store inside its split kernel (``paged_decode_attention(
 rope=RopeStore(...))``) against ``rotary_store_kv`` followed by the plain kernel: the same output and the
-same cache, bit for bit. CPU: Triton's interpreter (fp32, fp16); bf16 and compiled kernels on a GPU
-(scripts/gpu_tests.sh)."""
+same cache, bit for bit. CPU: Triton's interpreter (fp32, fp16) over a subset of the shape grid
+(tests/engine/grid.py); bf16, compiled kernels and the full grid on a GPU (scripts/gpu_tests.sh)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from engine.llm import LLM
 from engine.ops.paged_decode import RopeStore, paged_decode_attention, rope_fusable
 from engine.ops.rotary_store import rotary_store_kv
 from engine.sampling_params import SamplingParams
+from tests.engine.grid import grid
 from tests.engine.test_hf_parity import make_prompts
 from tests.engine.test_loader import save_tiny_model
 
@@ -39,11 +42,16 @@ def _step(dtype: torch.dtype, lens: list[int], heads: int, kv_heads: int, dim: i
                 slots=torch.tensor(slots, dtype=torch.int64, device=DEVICE), max_len=max(lens))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("lens", "heads", "kv_heads", "dim", "splits"),
-                         [([37, 16, 100], 8, 2, 64, 3), ([1, 64, 17], 4, 4, 32, 1), ([200], 8, 2, 128, 8),
-                          ([33, 90], 6, 2, 16, None)])
+FUSED_CASES = [((37, 16, 100), 8, 2, 64, 3), ((1, 64, 17), 4, 4, 32, 1), ((200,), 8, 2, 128, 8),
+               ((33, 90), 6, 2, 16, None)]
+FUSED_GRID = grid([(d, *c) for d, c in itertools.product(DTYPES, FUSED_CASES)],
+                  cpu=[(torch.float32, *FUSED_CASES[0]), (torch.float16, *FUSED_CASES[1]),
+                       (torch.float16, *FUSED_CASES[2]), (torch.float32, *FUSED_CASES[3])])
+
+
+@pytest.mark.parametrize(("dtype", "lens", "heads", "kv_heads", "dim", "splits"), FUSED_GRID)
 def test_fused_rope_store_equals_rotary_store_then_attention(dtype, lens, heads, kv_heads, dim, splits):
+    lens = list(lens)
     _fused_equals_separate(dtype, lens, heads, kv_heads, dim, splits)
 
 

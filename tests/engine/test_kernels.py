@@ -1,11 +1,13 @@
 """Triton kernels (engine/ops) against their plain-torch references and an independent float64 softmax.
 
 On CPU the kernels run through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1): fp32 and
-fp16 only, small shapes. bf16 needs a GPU (``gpu`` mark; scripts/gpu_tests.sh runs them on an H200).
+fp16 only, small shapes, a subset of each grid (tests/engine/grid.py). bf16 and the full grids need a GPU
+(``gpu`` mark; scripts/gpu_tests.sh runs them on an H200).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -17,6 +19,7 @@ from engine.kv_cache import KVCachePool
 from engine.ops.paged_decode import paged_decode_attention, paged_decode_attention_reference
 from engine.ops.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
 from engine.ops.store_kv import store_kv, store_kv_reference
+from tests.engine.grid import grid
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -156,12 +159,17 @@ def _decode(batch: PagedBatch, scale: float, num_splits: int | None) -> tuple[to
     return paged_decode_attention(*args, num_splits=num_splits), paged_decode_attention_reference(*args)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 2, 64), (6, 2, 64), (4, 1, 128)])
-@pytest.mark.parametrize("num_splits", [None, 1, 3])
+F32, F16 = torch.float32, torch.float16
+DECODE_GRID = grid(list(itertools.product([F32, F16], [(2, 2, 64), (6, 2, 64), (4, 1, 128)], [None, 1, 3])),
+                   cpu=[(F32, (6, 2, 64), None), (F32, (4, 1, 128), 3), (F16, (6, 2, 64), 3),
+                        (F16, (2, 2, 64), 1), (F16, (4, 1, 128), None)])
+
+
+@pytest.mark.parametrize(("dtype", "shape", "num_splits"), DECODE_GRID)
 def test_paged_decode_matches_reference(
-    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, num_splits: int | None
+    dtype: torch.dtype, shape: tuple[int, int, int], num_splits: int | None
 ) -> None:
+    num_heads, num_kv_heads, head_dim = shape
     batch = make_batch([(n - 1, 1) for n in DECODE_LENS], num_heads, num_kv_heads, head_dim, BS, dtype)
     scale = head_dim**-0.5
     out, ref = _decode(batch, scale, num_splits)
@@ -202,11 +210,13 @@ def _prefill(batch: PagedBatch, scale: float) -> tuple[torch.Tensor, torch.Tenso
     return out, ref
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(2, 2, 64), (3, 1, 64), (8, 2, 128)])
-def test_paged_prefill_matches_reference(
-    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
-) -> None:
+PREFILL_GRID = grid(list(itertools.product([F32, F16], [(2, 2, 64), (3, 1, 64), (8, 2, 128)])),
+                    cpu=[(F32, (3, 1, 64)), (F16, (2, 2, 64)), (F16, (8, 2, 128))])
+
+
+@pytest.mark.parametrize(("dtype", "shape"), PREFILL_GRID)
+def test_paged_prefill_matches_reference(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    num_heads, num_kv_heads, head_dim = shape
     batch = make_batch(PREFILL_SPECS, num_heads, num_kv_heads, head_dim, BS, dtype)
     scale = head_dim**-0.5
     out, ref = _prefill(batch, scale)

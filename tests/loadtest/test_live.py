@@ -1,10 +1,11 @@
 """`pdserve bench` against the live system: real gateway + prefill + decode processes (embedded SmolLM2 on
 CPU, KV over NIXL on 127.0.0.1), driven through ``loadtest.cli.main`` exactly as the CLI runs it.
 
-* a small Poisson run (token-id prompts, ``ignore_eos``): every request completes with exactly
-  ``max_tokens`` tokens, TTFT/TPOT are positive, the output files exist, and the KV gauge — seen above 0
-  during the run — is back to 0 for every worker afterwards (leak check);
-* a fault run on a separate system: the decode worker is SIGKILLed mid-run through ``--fault``; the run
+* a small Poisson run (token-id prompts, ``ignore_eos``) on the disaggregated half of the session's shared
+  system (``live``, tests/live.py): every request completes with exactly ``max_tokens`` tokens, TTFT/TPOT
+  are positive, the output files exist, and the KV gauge — seen above 0 during the run — is back to 0
+  for every worker afterwards (leak check);
+* a fault run on a system of its own: the decode worker is SIGKILLed mid-run through ``--fault``; the run
   ends on its own, requests before the fault complete, those after it fail fast with the gateway's
   errors (none hangs to its timeout), and the report carries the phases and the KV gauge before/after.
 """
@@ -19,24 +20,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench.serving.disagg_vs_colocated import live_system
 from loadtest.cli import main
 from loadtest.metrics import tpot_s
 from loadtest.records import RequestRecord
 from loadtest.report import load_json
+from pdserve.live_system import SystemPair, kv_used, live_system, worker_id
+from tests.live import API_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 INPUT_LEN, MAX_TOKENS, TIMEOUT_S = 32, 8, 30.0
-
-
-def kv_used(url: str) -> dict[str, float]:
-    """worker_id → ``pdserve_kv_blocks_used`` (blocks) from the gateway's /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
-    return {s.labels["worker_id"]: s.value for fam in text_string_to_metric_families(text)
-            for s in fam.samples if s.name == "pdserve_kv_blocks_used"}
+PREFILL, DECODE = worker_id("prefill"), worker_id("decode")
 
 
 @contextmanager
@@ -71,12 +66,13 @@ def bench_args(url: str, out: Path, *extra: str) -> list[str]:
             "--output-dir", str(out), *extra]
 
 
-def test_bench_live_poisson(tmp_path: Path) -> None:
-    with live_system("disagg", tmp_path / "logs", num_blocks=256) as system:
-        with gauge_watch(system.url) as peak:
-            rc = main(bench_args(system.url, tmp_path / "out", "--request-rate", "2", "--num-requests", "8"))
-        after = kv_used(system.url)
-        assert system.sup.dead() == [], system.log("decode")[-2000:]
+def test_bench_live_poisson(tmp_path: Path, live: SystemPair) -> None:
+    system = live.disagg
+    with gauge_watch(system.url) as peak:
+        rc = main(bench_args(system.url, tmp_path / "out", "--request-rate", "2", "--num-requests", "8",
+                             "--api-key", API_KEY))
+    after = kv_used(system.url)
+    assert system.sup.dead() == [], system.log("decode")[-2000:]
     assert rc == 0
     assert (tmp_path / "out" / "summary.md").is_file() and (tmp_path / "out" / "latency_cdf.png").is_file()
     result = load_json(tmp_path / "out" / "results.json")
@@ -91,8 +87,8 @@ def test_bench_live_poisson(tmp_path: Path) -> None:
     assert run.summary.ttft_ms is not None and run.summary.ttft_ms.mean > 0
     assert run.summary.tpot_ms is not None and run.summary.tpot_ms.mean > 0
     # leak check: the gauge moved during the run (so 0 afterwards means something) and is back to 0
-    assert peak.get("bench-decode", 0) > 0, peak
-    assert after == {"bench-prefill": 0.0, "bench-decode": 0.0}
+    assert peak.get(DECODE, 0) > 0, peak
+    assert after == {PREFILL: 0.0, DECODE: 0.0}
     assert (run.kv.before, run.kv.after, run.kv.leaked, run.kv.error) == (0.0, 0.0, 0.0, "")
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| rate=2/s | 8/8 |" in summary and "before 0, after 0, leaked 0" in summary
@@ -134,7 +130,7 @@ def test_bench_live_decode_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     last_start = max(r.start_s for r in run.records)
     assert run.summary.duration_s < last_start + TIMEOUT_S / 2, run.summary.duration_s
     # the KV gauge: the dead decode worker's series is gone, the prefill worker holds no block
-    assert after == {"bench-prefill": 0.0}
+    assert after == {PREFILL: 0.0}
     assert (run.kv.before, run.kv.after, run.kv.leaked) == (0.0, 0.0, 0.0)
     summary = (out / "summary.md").read_text()
     assert "| before fault 1 |" in summary and "| after fault 1 |" in summary

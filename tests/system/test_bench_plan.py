@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.live_system import children
 from bench.serving import disagg_report as rep
 from bench.serving.disagg_vs_colocated import _sweep_seconds, bench_argv, parse_args, parse_mix, spec
 from loadtest.records import BenchResult, LatencyStats, RunResult, Summary
+from pdserve.live_system import children
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -27,11 +27,12 @@ def test_cuda_plan_places_workers_and_shares_engine_flags(tmp_path: Path,
         "llama3-8b", "2,4,6,8", "20s", 1000.0, 25.0)
     dis = children(spec(args, "disagg", tmp_path), 8000, "tcp://127.0.0.1:1")
     colo = children(spec(args, "colocated", tmp_path), 8001, "tcp://127.0.0.1:2")
-    assert [n for n, _, _ in dis] == ["gateway", "prefill", "decode"]
-    assert [n for n, _, _ in colo] == ["gateway", "colocated-0", "colocated-1"]
+    assert [n for n, _ in dis] == ["gateway", "prefill", "decode"]
+    assert [n for n, _ in colo] == ["gateway", "colocated-0", "colocated-1"]
     # placed as `pdserve up` places workers: --device cuda:N, every GPU visible (CUDA IPC)
-    assert all("CUDA_VISIBLE_DEVICES" not in env for _, _, env in dis + colo)
-    workers = [argv for n, argv, _ in dis + colo if n != "gateway"]
+    # (children inherit the launcher's environment unchanged: no argv narrows the visible GPUs)
+    assert all("CUDA_VISIBLE_DEVICES" not in " ".join(argv) for _, argv in dis + colo)
+    workers = [argv for n, argv in dis + colo if n != "gateway"]
     assert [_flag(a, "--device") for a in workers] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     for argv in workers:
         assert _flag(argv, "--model") == "llama3-8b"

@@ -1,6 +1,7 @@
 """The dummy-weight path through real processes: ``pdserve`` gateways and workers with ``--model
 tiny-llama`` (random weights, seed 0 on every worker; synthetic tokenizer) on CPU, started the way
-``bench.serving.disagg_vs_colocated`` starts them (both systems at once, ``bench.live_system.live_systems``).
+``bench.serving.disagg_vs_colocated`` starts them (both systems at once,
+``pdserve.live_system.live_systems``).
 
 * a chat and a completion are served, the text decodes from the synthetic vocabulary, usage is right;
 * greedy parity: the bench's 8 prompts give identical text, finish reason and token count on the
@@ -16,9 +17,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from bench.live_system import LiveSystem, SystemSpec, live_systems, registered
 from bench.serving.parity import check_parity
-from tests.live_system import wait_all_free
+from pdserve.live_system import LiveSystem, SystemSpec, live_systems, registered, wait_all_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -36,9 +36,9 @@ def systems(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Live
 
 
 def test_all_workers_registered_before_ready(systems: dict[str, LiveSystem]) -> None:
-    assert systems["disagg"].worker_ids == {"bench-prefill", "bench-decode"}
-    assert registered(systems["disagg"].url) == {"bench-prefill", "bench-decode"}
-    assert registered(systems["colocated"].url) == {"bench-colo"}
+    assert systems["disagg"].worker_ids == {"live-prefill", "live-decode"}
+    assert registered(systems["disagg"].url) == {"live-prefill", "live-decode"}
+    assert registered(systems["colocated"].url) == {"live-colocated"}
 
 
 def test_serves_chat_and_completion(systems: dict[str, LiveSystem]) -> None:
@@ -68,6 +68,6 @@ def test_greedy_parity_disagg_equals_colocated(systems: dict[str, LiveSystem]) -
 
 
 def test_no_kv_block_leaked(systems: dict[str, LiveSystem]) -> None:
-    wait_all_free(systems["disagg"].url, {"bench-prefill", "bench-decode"})
-    wait_all_free(systems["colocated"].url, {"bench-colo"})
+    wait_all_free(systems["disagg"].url, {"live-prefill", "live-decode"})
+    wait_all_free(systems["colocated"].url, {"live-colocated"})
     assert systems["disagg"].sup.dead() == [] and systems["colocated"].sup.dead() == []

@@ -2,14 +2,14 @@
 
 Disaggregated answers are compared with the colocated worker and with offline ``engine.llm.LLM``; after
 aborted and killed streams every surviving worker must report all KV blocks free (gateway /metrics).
-The decode-worker kill runs last (it ends the disaggregated half of the session system).
+The system is the session's shared one (``live``, tests/live.py). The decode-worker kill runs after every
+other test that uses it (``kills_live_child``: it ends the disaggregated half of that system).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
 import uuid
@@ -19,38 +19,23 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
-from tests.system.conftest import System
+from pdserve.live_system import SystemPair, wait_all_free, worker_id
+from tests.live import API_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 MODEL = "smollm2-135m"
 QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+PREFILL, DECODE, COLO = worker_id("prefill"), worker_id("decode"), worker_id("colocated")
+
+
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 def aclient(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def kv_used(url: str) -> dict[str, float]:
-    """worker_id → ``pdserve_kv_blocks_used`` from the gateway's /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    pat = re.compile(r'^pdserve_kv_blocks_used\{role="(\w+)",worker_id="([^"]+)"\} (\S+)$', re.M)
-    return {wid: float(v) for _, wid, v in pat.findall(text)}
-
-
-def wait_all_free(url: str, workers: set[str], timeout: float = 15.0) -> dict[str, float]:
-    """Poll until every worker in ``workers`` reports 0 KV blocks used; returns the last reading."""
-    deadline = time.monotonic() + timeout
-    used: dict[str, float] = {}
-    while time.monotonic() < deadline:
-        used = kv_used(url)
-        if set(used) >= workers and all(used[w] == 0 for w in workers):
-            return used
-        time.sleep(0.25)
-    raise AssertionError(f"KV blocks still used after {timeout} s: {used}")
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +46,8 @@ def llm():
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_chat_capital_of_france(system: System, stream: bool) -> None:
-    c = client(system.disagg_url)
+def test_chat_capital_of_france(live: SystemPair, stream: bool) -> None:
+    c = client(live.disagg_url)
     if stream:
         chunks = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0,
                                            stream=True)
@@ -75,7 +60,7 @@ def test_chat_capital_of_france(system: System, stream: bool) -> None:
         text = out.choices[0].message.content or ""
         assert out.usage is not None and out.usage.completion_tokens >= 2
     assert "Paris" in text
-    wait_all_free(system.disagg_url, {"sys-prefill", "sys-decode"})
+    wait_all_free(live.disagg_url, {PREFILL, DECODE})
 
 
 def _prompts() -> list[str]:
@@ -91,36 +76,39 @@ async def _complete_all(url: str, prompts: list[str], max_tokens: list[int]) -> 
     return [o.choices[0].text for o in outs]
 
 
-def test_concurrent_greedy_equals_colocated_and_offline(system: System, llm) -> None:
+def test_concurrent_greedy_equals_colocated_and_offline(live: SystemPair, llm) -> None:
     from engine.sampling_params import SamplingParams
 
     prompts = _prompts()
     max_tokens = [4 + (i * 3) % 9 for i in range(16)]
-    disagg = asyncio.run(_complete_all(system.disagg_url, prompts, max_tokens))
-    colo = asyncio.run(_complete_all(system.colo_url, prompts, max_tokens))
+    disagg = asyncio.run(_complete_all(live.disagg_url, prompts, max_tokens))
+    colo = asyncio.run(_complete_all(live.colo_url, prompts, max_tokens))
     offline = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens])
     assert all(d for d in disagg), disagg
     assert disagg == colo
     assert disagg == [o.text for o in offline]
-    wait_all_free(system.disagg_url, {"sys-prefill", "sys-decode"})
-    wait_all_free(system.colo_url, {"sys-colo"})
+    wait_all_free(live.disagg_url, {PREFILL, DECODE})
+    wait_all_free(live.colo_url, {COLO})
 
 
-def test_max_tokens_one_never_reaches_decode(system: System) -> None:
-    c = client(system.disagg_url)
+def test_max_tokens_one_never_reaches_decode(live: SystemPair) -> None:
+    c = client(live.disagg_url)
     one, two = f"mt1-{uuid.uuid4().hex}", f"mt2-{uuid.uuid4().hex}"
     out = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0,
                                extra_headers={"X-Request-Id": one})
     assert out.choices[0].finish_reason == "length" and out.usage and out.usage.completion_tokens == 1
     c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2, temperature=0,
                          extra_headers={"X-Request-Id": two})
-    time.sleep(0.5)
-    decode_log = system.log("decode")
+    # logs are written asynchronously: wait (with a deadline) for the control request's line; the 1-token
+    # request went first, so had it reached decode its line would be there by then
+    deadline = time.monotonic() + 10
+    while two not in (decode_log := live.disagg.log("decode")) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert two in decode_log  # the control: a 2-token request does reach decode and is logged
     assert one not in decode_log
 
 
-def test_stop_string_spanning_two_tokens(system: System, llm) -> None:
+def test_stop_string_spanning_two_tokens(live: SystemPair, llm) -> None:
     from engine.sampling_params import SamplingParams
 
     prompt = "The capital of France is"
@@ -129,24 +117,24 @@ def test_stop_string_spanning_two_tokens(system: System, llm) -> None:
     k = next(i for i in range(1, len(pieces)) if len(pieces[i - 1].strip()) >= 2 and pieces[i].strip())
     stop = pieces[k - 1][-2:] + pieces[k][:1]
     expected = "".join(pieces[: k - 1]) + pieces[k - 1][:-2]
-    for url in (system.disagg_url, system.colo_url):
+    for url in (live.disagg_url, live.colo_url):
         out = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
                                              stop=[stop])
         assert out.choices[0].text == expected, (url, stop)
         assert out.choices[0].finish_reason == "stop"
 
 
-def test_seeded_sampling_same_disaggregated_and_colocated(system: System) -> None:
+def test_seeded_sampling_same_disaggregated_and_colocated(live: SystemPair) -> None:
     texts = []
-    for url in (system.disagg_url, system.colo_url):
+    for url in (live.disagg_url, live.colo_url):
         out = client(url).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
                                              temperature=0.9, top_p=0.95, seed=1234)
         texts.append(out.choices[0].text)
     assert texts[0] and texts[0] == texts[1]
 
 
-def test_client_abort_mid_stream_frees_blocks(system: System) -> None:
-    for url, workers in ((system.disagg_url, {"sys-prefill", "sys-decode"}), (system.colo_url, {"sys-colo"})):
+def test_client_abort_mid_stream_frees_blocks(live: SystemPair) -> None:
+    for url, workers in ((live.disagg_url, {PREFILL, DECODE}), (live.colo_url, {COLO})):
         c = client(url)
         stream = c.completions.create(model=MODEL, prompt="Write a long story about a dragon.",
                                       max_tokens=200, temperature=0, stream=True,
@@ -161,30 +149,31 @@ def test_client_abort_mid_stream_frees_blocks(system: System) -> None:
         wait_all_free(url, workers)
 
 
-def test_bad_request_fails_alone_and_worker_keeps_serving(system: System) -> None:
+def test_bad_request_fails_alone_and_worker_keeps_serving(live: SystemPair) -> None:
     # a token id outside the 49152-entry vocabulary: the gateway knows the vocabulary and refuses it with
     # a 400 naming the range (the workers' own RequestFailed path for it is tested in tests/workers/)
-    c = client(system.disagg_url)
+    c = client(live.disagg_url)
     with pytest.raises(openai.APIStatusError) as err:
         c.completions.create(model=MODEL, prompt=[1, 2, 10_000_000], max_tokens=4, temperature=0)
     assert err.value.status_code == 400 and "[0, 49152)" in str(err.value)
     out = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0)
     assert "Paris" in out.choices[0].text
-    wait_all_free(system.disagg_url, {"sys-prefill", "sys-decode"})
+    wait_all_free(live.disagg_url, {PREFILL, DECODE})
 
 
-def test_decode_killed_mid_stream_client_gets_error(system: System) -> None:
-    c = client(system.disagg_url)
+@pytest.mark.kills_live_child
+def test_decode_killed_mid_stream_client_gets_error(live: SystemPair) -> None:
+    c = client(live.disagg_url)
     stream = c.completions.create(model=MODEL, prompt="Write a long story about a dragon.", max_tokens=400,
                                   temperature=0, stream=True, extra_body={"ignore_eos": True})
     it = iter(stream)
     next(it)
     next(it)
-    os.kill(system.sup.children["decode"].pid, signal.SIGKILL)
+    os.kill(live.disagg.sup.children["decode"].pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises((openai.APIError, httpx.HTTPError)):
         for _chunk in it:
             pass
     assert time.monotonic() - start < 30
-    used = wait_all_free(system.disagg_url, {"sys-prefill"})
-    assert "sys-decode" not in used  # the dead worker is gone from /metrics
+    used = wait_all_free(live.disagg_url, {PREFILL})
+    assert DECODE not in used  # the dead worker is gone from /metrics

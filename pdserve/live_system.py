@@ -1,0 +1,289 @@
+"""Live pdserve systems of real processes on 127.0.0.1, for the system tests and the benchmarks.
+
+A system is a gateway plus either one prefill and one decode worker (``disagg``, KV over NIXL by
+default) or one colocated worker per device (``colocated``; the gateway balances them by in-flight
+requests). A worker placed on ``cuda:N`` gets ``--device cuda:N``, as ``pdserve up`` places its workers
+(the engine makes that device current in every thread that runs a step); all GPUs stay visible, so
+NIXL/UCX ``cuda_ipc`` over NVLink can map the peer's KV blocks. The environment (e.g.
+``NCCL_NVLS_ENABLE=0``, ``PDSERVE_LOG_LEVEL``) is inherited.
+
+* ``live_systems`` starts several systems at once and waits for all of them (their start-ups overlap:
+  model load, CUDA graph capture, Triton JIT); ``live_system`` starts one.
+* ``live_pair`` starts a disaggregated system and its colocated baseline, each behind its own gateway,
+  so every request is routed deterministically without an override inside the gateway: what the system
+  tests compare, and what ``bench.serving.disagg_vs_colocated`` measures.
+* ``metric_samples``, ``kv_used``, ``registered`` and ``wait_all_free`` read a gateway's ``/metrics``
+  (the KV-block leak check of every system-level suite).
+
+It lives next to the launcher (``Supervisor``, ``free_ports``) because both ``bench/`` and ``tests/``
+import it: ``tests/`` imports ``bench`` (plan and report tests), so a harness under ``tests/`` would make
+``bench`` import ``tests`` back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.launcher import Supervisor, free_ports
+
+Mode = Literal["disagg", "colocated"]
+MODEL = "smollm2-135m"
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """What to start. ``devices``: one per worker (disagg: prefill then decode; colocated: one worker
+    each), ``cpu``/``auto``/``cuda``/``cuda:N``; None = the workers' default device, one colocated worker.
+    ``num_blocks``: KV blocks (of 16 tokens) per worker. ``worker_flags``/``gateway_flags``: extra flags.
+    ``heartbeat_timeout_s``: the gateway declares a silent worker dead after this many seconds.
+    ``api_key``: the gateway's ``--api-key`` (None: no key asked)."""
+
+    mode: Mode
+    logs: Path
+    model: str = MODEL
+    devices: tuple[str, ...] | None = None
+    num_blocks: int = 512
+    worker_flags: tuple[str, ...] = ()
+    gateway_flags: tuple[str, ...] = ()
+    transfer_backend: str = "nixl"
+    heartbeat_timeout_s: float = 5.0
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disagg", "colocated"):
+            raise ValueError(f"mode must be 'disagg' or 'colocated', got {self.mode!r}")
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.devices is not None and self.mode == "disagg" and len(self.devices) != 2:
+            raise ValueError(f"disagg needs 2 devices (prefill, decode), got {self.devices!r}")
+        if self.devices is not None and not self.devices:
+            raise ValueError("devices must name at least one device")
+
+
+@dataclass(frozen=True)
+class LiveSystem:
+    """A started system: the gateway ``url``, the ``sup``ervisor holding the children, their ``logs``
+    directory, each child's pid by name (``gateway``, ``prefill``, ``decode``, ``colocated`` or
+    ``colocated-<i>`` when there are several), the ``--worker-id`` of every worker and the gateway's API
+    key (None when it asks for none)."""
+
+    url: str
+    sup: Supervisor
+    logs: Path
+    pids: dict[str, int] = field(default_factory=dict)
+    worker_ids: frozenset[str] = frozenset()
+    api_key: str | None = None
+
+    def log(self, name: str) -> str:
+        """The text child ``name`` has logged so far."""
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+
+def worker_id(child: str) -> str:
+    """The ``--worker-id`` of child ``child`` (``prefill`` → ``live-prefill``): the id the gateway's
+    ``/metrics`` labels that worker's series with."""
+    return f"live-{child}"
+
+
+def children(spec: SystemSpec, http_port: int, control: str) -> list[tuple[str, list[str]]]:
+    """(name, ``pdserve`` argv) of every child of ``spec``, gateway first."""
+    gateway = ["gateway", "--host", "127.0.0.1", "--port", str(http_port), "--control-bind", control,
+               "--heartbeat-timeout", f"{spec.heartbeat_timeout_s:g}", *spec.gateway_flags]
+    if spec.api_key is not None:
+        gateway += ["--api-key", spec.api_key]
+    worker = ["--model", spec.model, "--host", "127.0.0.1", "--gateway-control", control,
+              "--num-blocks", str(spec.num_blocks), *spec.worker_flags]
+    out: list[tuple[str, list[str]]] = [("gateway", gateway)]
+    if spec.mode == "disagg":
+        devices: Sequence[str | None] = spec.devices or (None, None)
+        for role, device in zip(("prefill", "decode"), devices, strict=True):
+            place = [] if device is None else ["--device", device]
+            out.append((role, [role, "--worker-id", worker_id(role), *worker, *place,
+                               "--transfer-backend", spec.transfer_backend]))
+        return out
+    devices = spec.devices or (None,)
+    for i, device in enumerate(devices):
+        name = "colocated" if len(devices) == 1 else f"colocated-{i}"
+        place = [] if device is None else ["--device", device]
+        out.append((name, ["colocated", "--worker-id", worker_id(name), *worker, *place]))
+    return out
+
+
+def launch(spec: SystemSpec) -> LiveSystem:
+    """Start every child of ``spec`` on free 127.0.0.1 ports without waiting; the caller stops them
+    (``system.sup.stop_all()``), also when a later step fails."""
+    from engine.models.registry import resolve_model
+
+    resolve_model(spec.model)  # convert/write the model dir once, before workers race for the cache
+    http_port, control_port = free_ports(2)
+    spec.logs.mkdir(parents=True, exist_ok=True)
+    sup = Supervisor(grace=10.0)
+    plan = children(spec, http_port, f"tcp://127.0.0.1:{control_port}")
+    ids = frozenset(args[args.index("--worker-id") + 1] for _, args in plan if "--worker-id" in args)
+    system = LiveSystem(f"http://127.0.0.1:{http_port}", sup, spec.logs, worker_ids=ids, api_key=spec.api_key)
+    try:
+        for name, args in plan:
+            sup.start(name, args, str(spec.logs / f"{name}.log"))
+    except BaseException:
+        sup.stop_all()
+        raise
+    system.pids.update({n: p.pid for n, p in sup.children.items()})
+    return system
+
+
+def metric_samples(url: str) -> Samples:
+    """Every sample of the gateway's ``/metrics``: ``(name, sorted label pairs) → value`` (parsed with
+    prometheus-client's text parser). Raises httpx.HTTPError when the gateway does not answer."""
+    resp = httpx.get(f"{url}/metrics", timeout=5, trust_env=False)
+    resp.raise_for_status()
+    out: Samples = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _by_worker(samples: Samples, name: str) -> dict[str, float]:
+    return {dict(labels)["worker_id"]: v for (n, labels), v in samples.items() if n == name}
+
+
+def kv_used(url: str) -> dict[str, float]:
+    """worker_id → ``pdserve_kv_blocks_used`` (blocks) from the gateway's ``/metrics``."""
+    return _by_worker(metric_samples(url), "pdserve_kv_blocks_used")
+
+
+def registered(url: str) -> set[str]:
+    """Worker ids the gateway at ``url`` reports a KV capacity for (registered and heartbeating).
+    Raises httpx.HTTPError when /metrics cannot be read."""
+    return set(_by_worker(metric_samples(url), "pdserve_kv_blocks_capacity"))
+
+
+def wait_all_free(url: str, workers: frozenset[str] | set[str], timeout: float = 30.0) -> dict[str, float]:
+    """Poll until every worker in ``workers`` reports 0 KV blocks used (heartbeats lag, hence the
+    deadline of ``timeout`` s: on a loaded 2-core machine a colocated worker can take more than 15 s
+    to report an aborted stream's block free) and nothing is in flight at the gateway; returns the
+    last reading.
+
+    Raises AssertionError naming the workers still holding blocks.
+    """
+    deadline = time.monotonic() + timeout
+    used: dict[str, float] = {}
+    in_flight = -1.0
+    while time.monotonic() < deadline:
+        samples = metric_samples(url)
+        used = _by_worker(samples, "pdserve_kv_blocks_used")
+        in_flight = samples.get(("pdserve_requests_in_flight", ()), 0.0)
+        if set(used) >= set(workers) and all(used[w] == 0 for w in workers) and in_flight == 0:
+            return used
+        time.sleep(0.25)
+    raise AssertionError(f"after {timeout} s: KV blocks used {used}, requests in flight {in_flight}")
+
+
+def _ready(system: LiveSystem) -> bool:
+    """``/ready`` answers 200 and every worker of ``system`` has registered (``/ready`` alone turns
+    200 with the first colocated worker; a sweep must not start before the second one is up)."""
+    with contextlib.suppress(httpx.HTTPError):
+        if httpx.get(f"{system.url}/ready", timeout=2, trust_env=False).status_code == 200:
+            return registered(system.url) >= system.worker_ids
+    return False
+
+
+def wait_ready(systems: Sequence[LiveSystem], timeout_s: float) -> None:
+    """Wait until each system is ready (``_ready``). Raises RuntimeError naming the system if a child
+    exits or ``timeout_s`` seconds pass."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(systems)
+    while pending:
+        for system in list(pending):
+            if dead := system.sup.dead():
+                raise RuntimeError(f"child exited during start-up: {dead}; logs in {system.logs}")
+            if _ready(system):
+                pending.remove(system)
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"not ready after {timeout_s:.0f} s; logs in {[str(s.logs) for s in pending]}")
+        time.sleep(0.5 if pending else 0)
+
+
+@contextlib.contextmanager
+def live_systems(specs: Sequence[SystemSpec], ready_timeout_s: float = 240.0) -> Iterator[list[LiveSystem]]:
+    """Start every system of ``specs`` at once, wait until all are ready, yield them (in order); stop
+    everything on exit, also when start-up fails. Raises RuntimeError (see ``wait_ready``), ValueError
+    (bad spec, before anything starts), FileNotFoundError (unknown model)."""
+    systems: list[LiveSystem] = []
+    try:
+        for spec in specs:
+            systems.append(launch(spec))
+        wait_ready(systems, ready_timeout_s)
+        yield systems
+    finally:
+        for system in systems:
+            system.sup.stop_all()
+
+
+@contextlib.contextmanager
+def live_system(mode: Mode, logs: Path, *, num_blocks: int = 512, transfer_backend: str = "nixl",
+                gateway_flags: Sequence[str] = (), heartbeat_timeout_s: float = 5.0,
+                ready_timeout_s: float = 240.0, model: str = MODEL, devices: Sequence[str] | None = None,
+                worker_flags: Sequence[str] = ()) -> Iterator[LiveSystem]:
+    """Start one ``mode`` system (see ``SystemSpec`` for the arguments), wait for ``/ready`` (at most
+    ``ready_timeout_s`` seconds), yield it, stop it on exit.
+
+    Raises ValueError (unknown mode, ``num_blocks`` < 1, wrong device count) before starting anything,
+    RuntimeError when a child dies during start-up or the gateway is not ready in time.
+    """
+    spec = SystemSpec(mode, logs, model, None if devices is None else tuple(devices), num_blocks,
+                      tuple(worker_flags), tuple(gateway_flags), transfer_backend, heartbeat_timeout_s)
+    with live_systems([spec], ready_timeout_s) as systems:
+        yield systems[0]
+
+
+@dataclass(frozen=True)
+class SystemPair:
+    """A disaggregated system (``disagg``: gateway, prefill, decode) and its colocated baseline
+    (``colo``: gateway, one colocated worker), started with the same model, flags and API key."""
+
+    disagg: LiveSystem
+    colo: LiveSystem
+
+    @property
+    def disagg_url(self) -> str:
+        return self.disagg.url
+
+    @property
+    def colo_url(self) -> str:
+        return self.colo.url
+
+    @property
+    def api_key(self) -> str | None:
+        return self.disagg.api_key
+
+    def pairs(self) -> tuple[tuple[str, frozenset[str]], ...]:
+        """``(gateway url, its worker ids)`` for both gateways."""
+        return ((self.disagg.url, self.disagg.worker_ids), (self.colo.url, self.colo.worker_ids))
+
+    def dead(self) -> list[tuple[str, int]]:
+        """``(system/child, exit code)`` of every child of either system that has exited."""
+        return [(f"{mode}/{name}", code) for mode, system in (("disagg", self.disagg), ("colo", self.colo))
+                for name, code in system.sup.dead()]
+
+
+@contextlib.contextmanager
+def live_pair(logs: Path, *, model: str = MODEL, num_blocks: int = 512, worker_flags: Sequence[str] = (),
+              gateway_flags: Sequence[str] = (), heartbeat_timeout_s: float = 5.0, api_key: str | None = None,
+              ready_timeout_s: float = 240.0) -> Iterator[SystemPair]:
+    """Start a disaggregated system (logs in ``logs/disagg``) and a colocated one (``logs/colo``) at
+    once, wait until both are ready, yield them, stop both on exit (see ``live_systems`` for errors)."""
+    modes: tuple[tuple[Mode, str], ...] = (("disagg", "disagg"), ("colocated", "colo"))
+    specs = [SystemSpec(mode, logs / name, model, None, num_blocks, tuple(worker_flags), tuple(gateway_flags),
+                        heartbeat_timeout_s=heartbeat_timeout_s, api_key=api_key) for mode, name in modes]
+    with live_systems(specs, ready_timeout_s) as (disagg, colo):
+        yield SystemPair(disagg, colo)
