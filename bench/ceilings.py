@@ -7,8 +7,10 @@
 
 Each is the best of at least ``bench.timing.MIN_CEILING_REPEATS`` event-timed calls after warm-up
 (``bench.timing.ceiling_seconds``), returned as a ``Spread`` of the rate so the report can show how far
-one call may fall below the best (an H200's 8192^3 GEMM: 683–709 TFLOP/s from single calls after
-other work, 782 as the best of twenty; docs/benchmarks/README.md).
+one call may fall below the best. A GPU's clock moves under these calls: an H200 that has idled runs
+its first few dozen 8192^3 GEMMs at its boost clock (~790–810 TFLOP/s), then at ~680–725 once its
+power limit holds it down (docs/benchmarks/engine.md), so a benchmark whose own work heats the GPU takes
+the ceiling before that work as well as after it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Re-measure, on ONE H200, the figures docs/benchmarks/README.md marks "to be re-measured":
+# Measure, on ONE H200, the engine rows of docs/benchmarks/README.md (decode, engine vs transformers, prefill):
 #   1. decode tokens/s against the HBM roofline (batch 1 and 32, 1k and 4k context, graphs and async) and
 #      engine vs transformers `generate` at batch 1 and 32 (both warmed up, 3 interleaved repeats);
-#   2. prefill of an 8000-token prompt against the best of 20 bf16 8192^3 GEMMs, and the attention kernel
-#      against SDPA flash.
+#   2. prefill of an 8000-token prompt against the best of 20+20 bf16 8192^3 GEMMs (before and after the
+#      prefills), and the attention kernel against SDPA flash.
 # Llama-3-8B shapes with dummy bf16 weights; no network needed (the device's python3 has torch, triton and
 # transformers; msgspec, which the engine imports, must be importable: carry its wheel, docs/gpu.md).
 # Usage: scripts/gpu_bench.sh [OUTDIR]   (default: $OUT, else /tmp/pdserve-gpu-bench; PYTHON=... picks the

@@ -132,6 +132,9 @@ def test_prefill_bench_cpu_smoke(tmp_path):
     assert len(res["prefill_s"]) == 1 and res["best_prefill_s"] > 0
     assert res["achieved_tflops"] == pytest.approx(total / res["best_prefill_s"] / 1e12)
     assert res["fraction_of_gemm"] == pytest.approx(res["achieved_tflops"] / res["gemm"]["tflops"])
+    g = res["gemm"]  # the ceiling is the best product of both rounds (before and after the prefills)
+    assert g["tflops"] == max(g["spread_first"]["max"], g["spread_after"]["max"])
+    assert g["spread_first"]["n"] == g["spread_after"]["n"] == 20
     a = res["attention"]
     assert a["tokens"] == 40 and a["heads"] == heads and a["kv_heads"] == kv
     assert a["max_abs_diff"] < 1e-4  # Triton (interpreter, paged) vs SDPA, fp32
