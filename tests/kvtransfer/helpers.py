@@ -153,7 +153,7 @@ class FakeSender:
     forged Withdraw or Stopped). Close it after use."""
 
     def __init__(self, address: str, sender_id: str = "fake-p", epoch: int = 77,
-                 kv_like: torch.Tensor | None = None) -> None:
+                 kv_like: torch.Tensor | None = None, model: str = "test-model") -> None:
         from kvtransfer.compat import kv_compat
         from kvtransfer.staging import layout_of
 
@@ -164,7 +164,7 @@ class FakeSender:
         self.sock.setsockopt(zmq.IDENTITY, f"{sender_id}:{epoch}".encode())
         self.sock.connect(address)
         kv = make_kv(None) if kv_like is None else kv_like
-        self.info = kv_compat("test-model", "loopback", layout_of(kv))
+        self.info = kv_compat(model, "loopback", layout_of(kv))
         self.got: list[Any] = []
 
     def send(self, msg: Any) -> None:
@@ -200,6 +200,14 @@ class FakeSender:
         assert isinstance(reply, wire.HelloReply) and not reply.mismatches, reply
         begun = self.request(wire.Begin(request_id, receiver_epoch))
         assert isinstance(begun, wire.BeginReply) and begun.ok, begun
+
+    def drain(self) -> list[Any]:
+        """Every message received so far (replies included), after reading what is waiting."""
+        from kvtransfer import wire
+
+        while self.sock.poll(0):
+            self.got.append(wire.decode(self.sock.recv()))
+        return self.got
 
     def close(self) -> None:
         self.sock.close(0)

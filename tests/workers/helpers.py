@@ -19,7 +19,6 @@ from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from kvtransfer import KVHandle, TransferConfig, get_transfer_backend
 from kvtransfer import wire as km
-from kvtransfer.compat import kv_compat
 from kvtransfer.staging import layout_of
 from kvtransfer.transports.loopback import LoopbackRecvTransport
 from prefill_worker.worker import PrefillWorker
@@ -196,50 +195,5 @@ class FakeReceiver:
 
     def close(self) -> None:
         self.transport.close()
-        self.sock.close(0)
-        self.ctx.term()
-
-
-class FakeSender:
-    """A scripted KV sender for decode tests: handshakes with a real ``KVReceiver`` and claims a request
-    (Begin), then stays silent, so the receiver cannot know whether a write is still coming until the
-    test sends ``Stopped`` (the release fence)."""
-
-    def __init__(self, receiver_address: str, kv_like: torch.Tensor) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(receiver_address)
-        self.info = kv_compat("tiny", "loopback", layout_of(kv_like))
-        self.got: list[km.Message] = []
-
-    def request(self, msg: km.Message, timeout: float = 5.0) -> km.Message:
-        """Send ``msg`` and return the first reply that is not a heartbeat."""
-        self.sock.send(km.encode(msg))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.sock.poll(50):
-                reply = km.decode(self.sock.recv())
-                self.got.append(reply)
-                if not isinstance(reply, km.KeepAlive):
-                    return reply
-        raise AssertionError(f"no reply to {msg!r}")
-
-    def claim(self, handle: KVHandle) -> None:
-        """Hello + Begin for ``handle``; raises AssertionError if the receiver refuses."""
-        reply = self.request(km.Hello("fake-p", 77, self.info, b"loopback"))
-        assert isinstance(reply, km.HelloReply) and not reply.mismatches, reply
-        begun = self.request(km.Begin(handle.request_id, handle.epoch))
-        assert isinstance(begun, km.BeginReply) and begun.ok, begun
-
-    def drain(self) -> list[km.Message]:
-        while self.sock.poll(0):
-            self.got.append(km.decode(self.sock.recv()))
-        return self.got
-
-    def send(self, msg: km.Message) -> None:
-        self.sock.send(km.encode(msg))
-
-    def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()

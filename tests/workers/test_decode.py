@@ -23,8 +23,8 @@ from protocol.messages import (
     RequestFinished,
     ReserveKV,
 )
+from tests.kvtransfer.helpers import FakeSender
 from tests.workers.helpers import (
-    FakeSender,
     assert_clean,
     close,
     colocated_worker,
@@ -122,9 +122,9 @@ def test_kv_landed_and_decode_request_in_either_order_then_finish(model_dir, dec
 
 def test_abort_while_kv_in_flight_frees_blocks_only_after_sender_stopped(decode):
     h = _handle(_reserve(decode, "r", 12), "r")  # 3 of 8 blocks
-    sender = FakeSender(decode.receiver.address, decode.core.runner.kv_cache.kv_buffer)
+    sender = FakeSender(decode.receiver.address, kv_like=decode.core.runner.kv_cache.kv_buffer, model="tiny")
     try:
-        sender.claim(h)
+        sender.claim(h.request_id, h.epoch)
         assert decode.receiver.status("r") is TransferStatus.TRANSFERRING
         assert run(decode, AbortRequest(request_id="r")) == []
         pump([decode], lambda: bool([m for m in sender.drain() if isinstance(m, km.Abort)]))
@@ -146,9 +146,9 @@ def test_abort_while_kv_in_flight_frees_blocks_only_after_sender_stopped(decode)
 
 def test_sender_failure_sends_request_failed_and_frees_blocks(decode):
     h = _handle(_reserve(decode, "r", 9), "r")
-    sender = FakeSender(decode.receiver.address, decode.core.runner.kv_cache.kv_buffer)
+    sender = FakeSender(decode.receiver.address, kv_like=decode.core.runner.kv_cache.kv_buffer, model="tiny")
     try:
-        sender.claim(h)
+        sender.claim(h.request_id, h.epoch)
         sender.send(km.Stopped("r", False, "transport error"))
         msgs: list[Any] = []
         pump([decode], lambda: bool(of_type(msgs, RequestFailed)), sink=msgs)
