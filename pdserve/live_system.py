@@ -45,7 +45,9 @@ class SystemSpec:
     each), ``cpu``/``auto``/``cuda``/``cuda:N``; None = the workers' default device, one colocated worker.
     ``num_blocks``: KV blocks (of 16 tokens) per worker. ``worker_flags``/``gateway_flags``: extra flags.
     ``heartbeat_timeout_s``: the gateway declares a silent worker dead after this many seconds.
-    ``api_key``: the gateway's ``--api-key`` (None: no key asked)."""
+    ``api_key``: the gateway's ``--api-key`` (None: no key asked). ``num_prefill``/``num_decode``: workers
+    of each role in a ``disagg`` system (children ``prefill``/``decode`` when one, else ``prefill-0``,
+    ``prefill-1``, …), each on that role's device of ``devices``."""
 
     mode: Mode
     logs: Path
@@ -57,10 +59,17 @@ class SystemSpec:
     transfer_backend: str = "nixl"
     heartbeat_timeout_s: float = 5.0
     api_key: str | None = None
+    num_prefill: int = 1
+    num_decode: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "colocated"):
             raise ValueError(f"mode must be 'disagg' or 'colocated', got {self.mode!r}")
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError(f"num_prefill and num_decode must be >= 1, got {self.num_prefill} and "
+                             f"{self.num_decode}")
+        if self.mode != "disagg" and (self.num_prefill, self.num_decode) != (1, 1):
+            raise ValueError("num_prefill/num_decode apply to a disagg system only")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.devices is not None and self.mode == "disagg" and len(self.devices) != 2:
@@ -105,10 +114,13 @@ def children(spec: SystemSpec, http_port: int, control: str) -> list[tuple[str, 
     out: list[tuple[str, list[str]]] = [("gateway", gateway)]
     if spec.mode == "disagg":
         devices: Sequence[str | None] = spec.devices or (None, None)
-        for role, device in zip(("prefill", "decode"), devices, strict=True):
+        for role, device, count in zip(("prefill", "decode"), devices, (spec.num_prefill, spec.num_decode),
+                                       strict=True):
             place = [] if device is None else ["--device", device]
-            out.append((role, [role, "--worker-id", worker_id(role), *worker, *place,
-                               "--transfer-backend", spec.transfer_backend]))
+            for i in range(count):
+                name = role if count == 1 else f"{role}-{i}"
+                out.append((name, [role, "--worker-id", worker_id(name), *worker, *place,
+                                   "--transfer-backend", spec.transfer_backend]))
         return out
     devices = spec.devices or (None,)
     for i, device in enumerate(devices):
@@ -233,7 +245,8 @@ def live_systems(specs: Sequence[SystemSpec], ready_timeout_s: float = 240.0) ->
 def live_system(mode: Mode, logs: Path, *, num_blocks: int = 512, transfer_backend: str = "nixl",
                 gateway_flags: Sequence[str] = (), heartbeat_timeout_s: float = 5.0,
                 ready_timeout_s: float = 240.0, model: str = MODEL, devices: Sequence[str] | None = None,
-                worker_flags: Sequence[str] = ()) -> Iterator[LiveSystem]:
+                worker_flags: Sequence[str] = (), num_prefill: int = 1, num_decode: int = 1
+                ) -> Iterator[LiveSystem]:
     """Start one ``mode`` system (see ``SystemSpec`` for the arguments), wait for ``/ready`` (at most
     ``ready_timeout_s`` seconds), yield it, stop it on exit.
 
@@ -241,7 +254,8 @@ def live_system(mode: Mode, logs: Path, *, num_blocks: int = 512, transfer_backe
     RuntimeError when a child dies during start-up or the gateway is not ready in time.
     """
     spec = SystemSpec(mode, logs, model, None if devices is None else tuple(devices), num_blocks,
-                      tuple(worker_flags), tuple(gateway_flags), transfer_backend, heartbeat_timeout_s)
+                      tuple(worker_flags), tuple(gateway_flags), transfer_backend, heartbeat_timeout_s,
+                      num_prefill=num_prefill, num_decode=num_decode)
     with live_systems([spec], ready_timeout_s) as systems:
         yield systems[0]
 

@@ -25,7 +25,7 @@ from loadtest.cli import main
 from loadtest.metrics import tpot_s
 from loadtest.records import RequestRecord
 from loadtest.report import load_json
-from pdserve.live_system import SystemPair, kv_used, live_system, worker_id
+from pdserve.live_system import SystemPair, SystemSpec, children, kv_used, live_system, worker_id
 from tests.live import API_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -145,3 +145,19 @@ def test_live_system_rejects_bad_mode(tmp_path: Path) -> None:
         pass
     assert not any(tmp_path.iterdir())  # nothing started, no log written
 
+
+
+def test_live_system_children_of_several_prefill_and_decode_workers(tmp_path: Path) -> None:
+    spec = SystemSpec("disagg", tmp_path, num_prefill=2, num_decode=3, devices=("cpu", "cpu"))
+    plan = children(spec, 8000, "tcp://127.0.0.1:1")
+    names = [name for name, _ in plan]
+    assert names == ["gateway", "prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2"]
+    for name, args in plan[1:]:
+        assert args[0] == name.split("-")[0] and args[args.index("--worker-id") + 1] == f"live-{name}"
+        assert args[args.index("--device") + 1] == "cpu"
+    assert [n for n, _ in children(SystemSpec("disagg", tmp_path), 8000, "tcp://x:1")] == [
+        "gateway", "prefill", "decode"]
+    with pytest.raises(ValueError, match="num_prefill and num_decode"):
+        SystemSpec("disagg", tmp_path, num_decode=0)
+    with pytest.raises(ValueError, match="disagg system only"):
+        SystemSpec("colocated", tmp_path, num_prefill=2)
