@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protocol", "engine", "kvtransfer", "workers", "prefill_worker", "decode_worker", "gateway",
-            "loadtest", "pdserve")
+            "loadtest", "pdserve", "bench")
 # package → the project packages it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
     "protocol": {"kvtransfer"},  # kvtransfer.compat only (NARROW below): the KV pairing record
@@ -28,6 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "loadtest": {"protocol"},
     "pdserve": {"protocol", "engine", "kvtransfer", "workers", "prefill_worker", "decode_worker", "gateway",
                 "loadtest"},
+    "bench": {"protocol", "engine", "kvtransfer", "workers", "prefill_worker", "decode_worker", "gateway",
+              "loadtest", "pdserve"},  # everything but tests/; nothing imports bench
 }
 # package → single modules of a package it may not import as a whole (the control-plane messages carry the
 # engine's sampling params, a torch-free leaf: test_single_module_edges_are_leaves)
