@@ -85,7 +85,8 @@ def report(args: argparse.Namespace, rows: list[tuple[int, dict[str, float]]]) -
              f"Python {platform.python_version()}",
              f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
              f"- system: gateway + 1 prefill + 1 decode (transfer `{args.transfer_backend}`), SmolLM2-135M "
-             f"float32 (dtype auto) on CPU; prompt {len(PROMPT)} chars, {args.max_tokens} output tokens (ignore_eos), "
+             f"float32 (dtype auto) on CPU; prompt {len(PROMPT)} chars, {args.max_tokens} output tokens "
+             f"(ignore_eos), "
              f"{args.requests} requests per row", "",
              "| concurrency | TTFT p50 (s) | TTFT p90 (s) | TPOT p50 (ms) | TPOT p90 (ms) | req/s |",
              "|---:|---:|---:|---:|---:|---:|"]
