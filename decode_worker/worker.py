@@ -141,6 +141,10 @@ class DecodeWorker(WorkerLoop):
         elif self.seqs.pop(request_id, None) is not None:
             self.core.abort_request(request_id)
 
+    def request_ids(self) -> list[str]:
+        """Requests waiting for blocks, for their KV, or decoding (not those draining: already dropped)."""
+        return [*(seq.request_id for seq, _ in self.pending), *self.in_flight, *self.seqs]
+
     def poll(self) -> None:
         """Move landed requests into the running batch, fail broken transfers, free drained blocks, then
         reserve blocks for waiting requests (so blocks freed in this phase serve them at once)."""

@@ -21,7 +21,15 @@ from gateway.registry import WorkerEntry, WorkerRegistry
 from gateway.router import Router
 from gateway.text import TextProcessor, resolve_tokenizer_dir
 from protocol.logging import log_event
-from protocol.messages import Heartbeat, Message, RegisterAck, RegisterWorker, ReRegister, WorkerShutdown
+from protocol.messages import (
+    Heartbeat,
+    Message,
+    RegisterAck,
+    RegisterWorker,
+    ReRegister,
+    WorkerShutdown,
+    new_epoch,
+)
 from protocol.settings import GatewaySettings
 
 log = logging.getLogger("pdserve.gateway")
@@ -29,11 +37,13 @@ log = logging.getLogger("pdserve.gateway")
 
 class GatewayService:
     """Owns the registry, router, control socket and orchestrator (the live requests) of one gateway
-    process. ``control`` is None until ``start``."""
+    process. ``control`` is None until ``start``; ``epoch`` is this process's incarnation, sent in every
+    ``RegisterAck`` (a worker drops the requests of an earlier gateway when it sees it change)."""
 
     def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics,
                  text: TextProcessor | None = None) -> None:
         self.settings, self.metrics, self._text = settings, metrics, text
+        self.epoch = new_epoch()
         self.registry = WorkerRegistry(settings.heartbeat_timeout)
         self.router = Router(self.registry, PrefixIndex(), settings.disagg_threshold,
                              settings.allow_local_prefill)
@@ -130,7 +140,8 @@ class GatewayService:
             self.worker_gone(old, f"worker {old.worker_id} restarted (epoch {msg.epoch})")
         assert self.control is not None
         await self.control.send(identity, RegisterAck(worker_id=msg.worker_id, epoch=msg.epoch,
-                                                      accepted=not reason, reason=reason))
+                                                      accepted=not reason, reason=reason,
+                                                      gateway_epoch=self.epoch))
         log_event(log, "worker_registered" if not reason else "worker_refused", worker_id=msg.worker_id,
                   role=msg.role, epoch=msg.epoch, reason=reason)
         if not reason:

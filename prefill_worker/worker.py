@@ -118,6 +118,10 @@ class PrefillWorker(WorkerLoop):
             self._aborted.add(request_id)
             self.sender.abort(request_id)
 
+    def request_ids(self) -> list[str]:
+        """Requests in the engine, and those whose KV send is still in flight."""
+        return list(dict.fromkeys([*self.seqs, *self.sending]))
+
     def step(self) -> list[StepOutput]:
         """One prefill step; the layer hook streams the KV of requests finishing their prompt."""
         return run_step(self.core, self._hook_for)

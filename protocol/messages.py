@@ -22,6 +22,7 @@ decoded). Stop *strings* stay in the gateway, which detokenizes: the request mes
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 import msgspec
@@ -72,13 +73,22 @@ class RegisterWorker(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     load: WorkerLoad = WorkerLoad()
 
 
+def new_epoch() -> int:
+    """A fresh incarnation number of a process (nanoseconds since the Unix epoch: grows on restart)."""
+    return time.time_ns()
+
+
 class RegisterAck(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Gateway → worker: registration accepted or refused (``reason`` says why)."""
+    """Gateway → worker: registration accepted or refused (``reason`` says why). ``gateway_epoch``: the
+    gateway process's incarnation (``new_epoch`` at its start; 0 from a gateway that sends none). A worker
+    whose gateway epoch changes drops every request it holds for the previous incarnation: nobody is
+    left to stream them to or to abort them."""
 
     worker_id: str
     epoch: int
     accepted: bool
     reason: str = ""
+    gateway_epoch: int = 0
 
 
 class ReRegister(msgspec.Struct, frozen=True, kw_only=True, tag=True):

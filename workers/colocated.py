@@ -50,6 +50,10 @@ class ColocatedWorker(WorkerLoop):
         self.seqs.pop(request_id, None)
         self.core.abort_request(request_id)
 
+    def request_ids(self) -> list[str]:
+        """Requests queued or running."""
+        return list(self.seqs)
+
     def step(self) -> list[StepOutput]:
         """One continuous-batching step (step thread)."""
         return run_step(self.core)

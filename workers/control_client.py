@@ -59,8 +59,8 @@ class ControlClient:
             log.warning("undecodable control message dropped: %s", exc)
             return None
 
-    async def register(self, msg: RegisterWorker, timeout: float = 60.0) -> None:
-        """Send ``msg`` and wait up to ``timeout`` seconds for the gateway's ``RegisterAck``.
+    async def register(self, msg: RegisterWorker, timeout: float = 60.0) -> RegisterAck:
+        """Send ``msg`` and wait up to ``timeout`` seconds for the gateway's ``RegisterAck``; returns it.
 
         Other messages arriving first are dropped (the gateway sends nothing else before the ack).
 
@@ -82,7 +82,7 @@ class ControlClient:
             if isinstance(reply, RegisterAck) and reply.worker_id == msg.worker_id:
                 if not reply.accepted:
                     raise RegistrationError(f"gateway refused worker {msg.worker_id}: {reply.reason}")
-                return
+                return reply
 
     async def close(self, shutdown: WorkerShutdown | None = None) -> None:
         """Send ``shutdown`` (if given), then close the socket (waits at most 0.5 s to flush)."""

@@ -18,6 +18,7 @@ import logging
 import signal
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -35,10 +36,10 @@ from protocol.messages import (
     WorkerLoad,
     WorkerShutdown,
     decode,
+    new_epoch,
     request_id_of,
 )
 from workers.control_client import ControlClient
-from workers.setup import new_epoch
 from workers.step import StepFailed
 
 if TYPE_CHECKING:
@@ -46,6 +47,15 @@ if TYPE_CHECKING:
     from protocol.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.worker")
+
+
+@dataclass(frozen=True)
+class GatewayChanged:
+    """Inbox marker, local to a worker: the gateway that accepts it now (epoch ``new``) is not the one
+    that sent the messages before this marker (epoch ``old``)."""
+
+    old: int
+    new: int
 
 
 class WorkerLoop:
@@ -61,11 +71,12 @@ class WorkerLoop:
         self.epoch = new_epoch()
         self.control = ControlClient(settings.gateway_control)
         self.received: Counter[str] = Counter()  # control messages received, by type name
-        self._inbox: deque[Message] = deque()
+        self._inbox: deque[Message | GatewayChanged] = deque()
         self._refused: deque[tuple[str, str]] = deque()  # (request id, why) of frames decode_frame refused
         self._outbox: list[Message] = []
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-step")
         self._load = WorkerLoad()
+        self.gateway_epoch = 0  # the incarnation of the gateway that last accepted this worker
         self._wake: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
 
@@ -93,6 +104,10 @@ class WorkerLoop:
     def drop(self, request_id: str) -> None:
         """Forget a request after a failure (abort it in the engine, free what can be freed)."""
         self.core.abort_request(request_id)
+
+    def request_ids(self) -> list[str]:
+        """Every request this worker holds state for (queued, running, or waiting for KV)."""
+        raise NotImplementedError
 
     def compat(self) -> KVCompat:
         """The KV pairing record announced at registration (a worker that moves no KV: backend "none")."""
@@ -125,10 +140,26 @@ class WorkerLoop:
         """Queue a message for the gateway (sent at the end of the current phase)."""
         self._outbox.append(msg)
 
-    def deliver(self, msg: Message) -> None:
+    def deliver(self, msg: Message | GatewayChanged) -> None:
         """Queue a control message from the gateway; it is applied at the next phase boundary."""
         self.received[type(msg).__name__] += 1
         self._inbox.append(msg)
+
+    def accepted_by(self, ack: RegisterAck) -> None:
+        """The gateway accepted this worker. When ``ack.gateway_epoch`` differs from the last one seen (the
+        gateway restarted), a ``GatewayChanged`` marker is queued behind every message already received:
+        applying it drops each request the worker holds then, all of them the old gateway's."""
+        if self.gateway_epoch and ack.gateway_epoch and ack.gateway_epoch != self.gateway_epoch:
+            self.deliver(GatewayChanged(self.gateway_epoch, ack.gateway_epoch))
+        self.gateway_epoch = ack.gateway_epoch or self.gateway_epoch
+
+    def _gateway_changed(self, change: GatewayChanged) -> None:
+        dropped = self.request_ids()
+        for rid in dropped:
+            with contextlib.suppress(Exception):
+                self.drop(rid)
+        log_event(log, "gateway_changed", logging.WARNING, worker_id=self.worker_id,
+                  old_gateway_epoch=change.old, new_gateway_epoch=change.new, dropped=len(dropped))
 
     def decode_frame(self, data: bytes) -> Message | None:
         """One control frame from the gateway → its message, or None. A frame that fails validation but
@@ -204,6 +235,9 @@ class WorkerLoop:
     def _between_steps(self) -> None:
         while self._inbox:
             msg = self._inbox.popleft()
+            if isinstance(msg, GatewayChanged):
+                self._gateway_changed(msg)
+                continue
             try:
                 self.on_message(msg)
             except Exception as exc:  # a bad message fails its request only
@@ -227,6 +261,9 @@ class WorkerLoop:
                 log_event(log, "registered" if msg.accepted else "registration_refused",
                           logging.INFO if msg.accepted else logging.ERROR, worker_id=self.worker_id,
                           reason=msg.reason)
+                if msg.accepted:
+                    self.accepted_by(msg)
+                    self._wake.set()
             else:  # a request message, or None (a refused frame may have queued a failure)
                 if msg is not None:
                     if log.isEnabledFor(logging.DEBUG):
@@ -279,7 +316,7 @@ class WorkerLoop:
         self._refresh_load()
         tasks: list[asyncio.Task[None]] = []
         try:
-            await self.control.register(self.registration())
+            self.accepted_by(await self.control.register(self.registration()))
             log_event(log, "worker_ready", role=self.role, worker_id=self.worker_id, epoch=self.epoch)
             tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
             await self._engine_loop()

@@ -6,7 +6,6 @@ Kept free of torch at import time (``EngineCore`` is passed in, not built here).
 from __future__ import annotations
 
 import os
-import time
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -43,11 +42,6 @@ def compat_of(core: EngineCore, model: str, transfer_backend: str) -> KVCompat:
     from kvtransfer.staging import layout_of
 
     return kv_compat(model, transfer_backend, layout_of(core.runner.kv_cache.kv_buffer))
-
-
-def new_epoch() -> int:
-    """A fresh incarnation number for this process (nanoseconds since the epoch; grows on restart)."""
-    return time.time_ns()
 
 
 def default_transport_env() -> None:

@@ -12,7 +12,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.service import GatewayService
 from kvtransfer.compat import KVCompat
 from protocol.logging import configure_logging, log_event
-from protocol.messages import RegisterWorker, WorkerLoad, WorkerShutdown
+from protocol.messages import RegisterAck, RegisterWorker, WorkerLoad, WorkerShutdown
 from protocol.settings import GatewaySettings
 from tests.gateway.test_metric_names import _FakeControl
 
@@ -60,3 +60,22 @@ async def test_clean_worker_shutdown_is_logged_at_info(caplog: pytest.LogCapture
     levels = {getattr(r, "worker_id", None): r.levelno for r in caplog.records
               if r.getMessage() == "worker_lost"}
     assert levels == {"d0": logging.INFO, "d1": logging.WARNING}
+
+
+async def test_register_ack_carries_this_gateway_incarnation() -> None:
+    """Every RegisterAck names the gateway process's epoch, a new one per process, so a worker can tell
+    a restarted gateway from a ReRegister of the same one (tests/workers/test_gateway_change.py)."""
+    compat = KVCompat(dtype="float32", block_size=16, transfer_backend="loopback")
+    epochs = []
+    for _ in range(2):
+        svc = GatewayService(GatewaySettings(), GatewayMetrics(), text=object())  # type: ignore[arg-type]
+        control = _FakeControl()
+        svc.control = control  # type: ignore[assignment]
+        register = RegisterWorker(role="decode", worker_id="d0", epoch=1, model="m", model_path="",
+                                  compat=compat, load=WorkerLoad())
+        await svc.on_control_message(b"d0", register)
+        await svc.on_control_message(b"d0", register)  # answering a ReRegister: the same gateway epoch
+        acks = [m for _, m in control.sent if isinstance(m, RegisterAck)]
+        assert len(acks) == 2 and acks[0].gateway_epoch == acks[1].gateway_epoch == svc.epoch > 0
+        epochs.append(svc.epoch)
+    assert epochs[1] > epochs[0]
