@@ -67,6 +67,7 @@ class Outcome:
     done: bool = False
     timed_out: bool = False
     connection_lost: bool = False
+    client_left: bool = False
     elapsed_s: float = 0.0
     status_after_s: float = 0.0
 
@@ -77,7 +78,8 @@ class Outcome:
     @property
     def bad_200(self) -> bool:
         """HTTP 200 carrying an error before any token; or a 429/503 without Retry-After."""
-        if self.status == 200 and not self.completed and self.tokens == 0 and not self.connection_lost:
+        if (self.status == 200 and not self.completed and self.tokens == 0 and not self.connection_lost
+                and not self.client_left):
             return True
         return self.status in (429, 503) and not self.retry_after
 
@@ -141,6 +143,7 @@ async def stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int =
                 out.error = (await resp.aread()).decode(errors="replace")[:300]
                 return out
             if abort_after_tokens == 0:
+                out.client_left = True
                 return out
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -158,6 +161,7 @@ async def stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int =
                     out.tokens += 1
                     out.text += text
                 if abort_after_tokens is not None and out.tokens >= abort_after_tokens:
+                    out.client_left = True
                     return out
     except TimeoutError:
         out.timed_out = True
@@ -295,23 +299,23 @@ class Chaos:
         """Far more concurrent long prompts than the prefill workers can start within the gateway's
         admission budget: each completes or gets a 429 with Retry-After, none waits past its deadline."""
         async with self._client() as c:
-            res.add(await self._gather([stream(c, p) for p in prompts(24 * self.scale, 300, salt=6)]))
+            res.add(await self._gather([stream(c, p) for p in prompts(16 * self.scale, 300, salt=6)]))
 
     async def decode_blocks_exhausted(self, res: ScenarioResult) -> None:
         """Requests whose KV cannot all fit in the decode workers' blocks at once (long prompts, long
         outputs): the ones that cannot start get a 429 with Retry-After at once, the rest complete."""
         async with self._client() as c:
-            res.add(await self._gather([stream(c, p, max_tokens=200) for p in
-                                        prompts(12 * self.scale, 400, salt=7)]))
+            res.add(await self._gather([stream(c, p, max_tokens=100) for p in
+                                        prompts(10 * self.scale, 400, salt=7)]))
 
     async def client_aborts(self, res: ScenarioResult) -> None:
         """Clients that leave: 1000 × ``scale`` streams closed right after the status line or after one
-        or two tokens, in waves of 50."""
+        or two tokens, in waves of 100."""
         n = 1000 * self.scale
         async with self._client() as c:
-            for start in range(0, n, 50):
-                wave = [stream(c, p, abort_after_tokens=(start + i) % 3)
-                        for i, p in enumerate(prompts(min(50, n - start), 8, salt=start))]
+            for start in range(0, n, 100):
+                wave = [stream(c, p, max_tokens=4, abort_after_tokens=(start + i) % 3)
+                        for i, p in enumerate(prompts(min(100, n - start), 8, salt=start))]
                 for o in await self._gather(wave):
                     res.sent += 1
                     res.bad_200 += o.bad_200
