@@ -127,14 +127,15 @@ class ScenarioResult:
 
 async def stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int = MAX_TOKENS,
                  deadline_s: float = DEADLINE_S, abort_after_tokens: int | None = None,
-                 out: Outcome | None = None) -> Outcome:
+                 out: Outcome | None = None, sampling: dict[str, float] | None = None) -> Outcome:
     """One greedy streaming completion of token-id ``prompt``; ``abort_after_tokens``: close the stream
     after that many text chunks (0: right after the status line) as a leaving client does. ``out``: the
-    record to fill as the stream goes (so a scenario can watch progress); returned."""
+    record to fill as the stream goes (so a scenario can watch progress); returned. ``sampling``:
+    fields that replace greedy decoding (e.g. ``temperature`` and ``seed``)."""
     out = Outcome() if out is None else out
     t0 = time.monotonic()
     body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+            "stream": True, "ignore_eos": True, **(sampling or {})}
     try:
         async with asyncio.timeout(deadline_s), client.stream("POST", "/v1/completions", json=body) as resp:
             out.status, out.status_after_s = resp.status_code, time.monotonic() - t0
@@ -245,14 +246,17 @@ class Chaos:
 
     # ---- scenarios ---------------------------------------------------------------------------------
     async def kill_decode_mid_stream(self, res: ScenarioResult) -> None:
-        """Greedy streams on both decode workers; ``kill -9`` decode-0 once tokens flow. Every stream must
-        complete with the text of an unbroken run (taken first, on the same system)."""
+        """Greedy and seeded sampled streams on both decode workers; ``kill -9`` decode-0 once tokens flow.
+        Every stream must complete with the text of an unbroken run of the same request (taken first, on
+        the same system): a migrated seeded stream continues its seed's draws."""
         ps = prompts(4 * self.scale, 40, salt=1)
+        samplings = [None if i % 3 else {"temperature": 0.9, "seed": 11 + i} for i in range(len(ps))]
         async with self._client() as c:
-            reference = await self._gather([stream(c, p, max_tokens=48) for p in ps])
+            reference = await self._gather([stream(c, p, max_tokens=48, sampling=sp)
+                                            for p, sp in zip(ps, samplings, strict=True)])
             outs = [Outcome() for _ in ps]
-            tasks = [asyncio.create_task(stream(c, p, max_tokens=48, out=o))
-                     for p, o in zip(ps, outs, strict=True)]
+            tasks = [asyncio.create_task(stream(c, p, max_tokens=48, out=o, sampling=sp))
+                     for p, o, sp in zip(ps, outs, samplings, strict=True)]
             await until(lambda: all(o.tokens >= 2 or o.status not in (None, 200) for o in outs))
             kill9(self.system, "decode-0")
             await self._gather(tasks)
