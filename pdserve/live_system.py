@@ -82,8 +82,8 @@ class SystemSpec:
 class LiveSystem:
     """A started system: the gateway ``url``, the ``sup``ervisor holding the children, their ``logs``
     directory, each child's pid by name (``gateway``, ``prefill``, ``decode``, ``colocated`` or
-    ``colocated-<i>`` when there are several), the ``--worker-id`` of every worker and the gateway's API
-    key (None when it asks for none)."""
+    ``colocated-<i>`` when there are several), the ``--worker-id`` of every worker, the gateway's API
+    key (None when it asks for none) and each child's ``pdserve`` argv (``restart`` starts it again)."""
 
     url: str
     sup: Supervisor
@@ -91,10 +91,26 @@ class LiveSystem:
     pids: dict[str, int] = field(default_factory=dict)
     worker_ids: frozenset[str] = frozenset()
     api_key: str | None = None
+    commands: dict[str, list[str]] = field(default_factory=dict)
 
     def log(self, name: str) -> str:
         """The text child ``name`` has logged so far."""
         return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def restart(self, name: str) -> int:
+        """Start child ``name`` again with its own argv (same worker id, same ports; a worker gets a new
+        epoch), its output appended to its log; returns the new pid. The old process must have exited.
+
+        Raises:
+            KeyError: no child ``name``.
+            RuntimeError: the old process is still running.
+        """
+        old = self.sup.children[name]
+        if old.poll() is None:
+            raise RuntimeError(f"{name} (pid {old.pid}) is still running")
+        self.sup.start(name, self.commands[name], str(self.logs / f"{name}.log"))
+        self.pids[name] = self.sup.children[name].pid
+        return self.pids[name]
 
 
 def worker_id(child: str) -> str:
@@ -141,7 +157,8 @@ def launch(spec: SystemSpec) -> LiveSystem:
     sup = Supervisor(grace=10.0)
     plan = children(spec, http_port, f"tcp://127.0.0.1:{control_port}")
     ids = frozenset(args[args.index("--worker-id") + 1] for _, args in plan if "--worker-id" in args)
-    system = LiveSystem(f"http://127.0.0.1:{http_port}", sup, spec.logs, worker_ids=ids, api_key=spec.api_key)
+    system = LiveSystem(f"http://127.0.0.1:{http_port}", sup, spec.logs, worker_ids=ids, api_key=spec.api_key,
+                        commands=dict(plan))
     try:
         for name, args in plan:
             sup.start(name, args, str(spec.logs / f"{name}.log"))
