@@ -121,7 +121,7 @@ class WorkerLost:
 class Attempt:
     """What the workers of one routing of a request are sent: the worker request id, the prompt (the
     client's prompt, plus the tokens already streamed after a migration) and the sampling parameters
-    (``max_tokens`` / ``min_tokens`` less those tokens)."""
+    (``max_tokens`` / ``min_tokens`` less those tokens, ``output_offset`` more)."""
 
     request_id: str
     prompt_token_ids: list[int]
