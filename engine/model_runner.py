@@ -260,14 +260,18 @@ class ModelRunner:
         """The sampler's view of ``seq``; the prompt (O(prompt) to slice) only when a repetition
         penalty reads it, the output tokens by reference. ``later``: 1 for a step launched before the
         previous token reached ``seq`` (only for ``samples_on_device`` rows, which do not read the
-        output tokens)."""
+        output tokens). ``SamplingParams.output_offset``: the prompt's last tokens are earlier output of
+        the same generation, so positions start there and the penalties count them as output."""
         params = seq.sampling_params
         prompt = seq.token_ids[: seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else ()
+        outputs: list[int] = seq.output_token_ids
+        if params.output_offset and (params.presence_penalty or params.frequency_penalty):
+            outputs = seq.token_ids[max(seq.num_prompt_tokens - params.output_offset, 0):]
         return SamplingRow(
             params=params,
             seed=params.seed if params.seed is not None else fallback_seed(seq.request_id),
-            output_position=seq.num_output_tokens + later,
+            output_position=seq.num_output_tokens + params.output_offset + later,
             prompt_token_ids=prompt,
-            output_token_ids=seq.output_token_ids,
+            output_token_ids=outputs,
             eos_token_id=seq.eos_token_id,
         )

@@ -32,6 +32,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     Units: ``max_tokens`` / ``min_tokens`` count output tokens. ``temperature == 0`` means greedy.
     ``logprobs``: None = off, 0 = the sampled token's logprob only, N = also the top-N (N <= 20).
+    ``output_offset``: output tokens of this same generation already produced elsewhere, which end the
+    prompt (a stream continued on another worker): the first token sampled here is output position
+    ``output_offset``, so seeded draws continue that generation's stream and presence/frequency penalties
+    count those tokens as output (``max_tokens`` / ``min_tokens`` still count only the tokens made here).
     ``stop`` (strings) is applied where text is made: by ``LLM.generate`` offline, by the gateway when
     serving (control messages to workers carry ``stop=()``; workers stop on ``stop_token_ids``).
     Lists given for ``stop`` / ``stop_token_ids`` are stored as tuples. An unknown field is refused (a
@@ -56,6 +60,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ignore_eos: bool = False
     logprobs: int | None = None
     min_tokens: int = 0
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
@@ -83,6 +88,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
+        _require(_is_int(self.output_offset) and self.output_offset >= 0, "output_offset", "an int >= 0",
+                 self.output_offset)
 
     def _validate_lists(self) -> None:
         for s in self.stop:

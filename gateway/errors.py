@@ -38,9 +38,9 @@ def not_found_model(model: str) -> APIError:
                     "model_not_found")
 
 
-def unavailable(message: str) -> APIError:
-    """503: no worker can serve the request now."""
-    return APIError(503, message, "service_unavailable", None, "no_worker")
+def unavailable(message: str, retry_after_s: int = 1, code: str = "no_worker") -> APIError:
+    """503: no worker can serve the request now; ``Retry-After`` (seconds)."""
+    return APIError(503, message, "service_unavailable", None, code, {"Retry-After": str(retry_after_s)})
 
 
 def queue_full(retry_after_s: int = 1) -> APIError:
@@ -52,3 +52,8 @@ def queue_full(retry_after_s: int = 1) -> APIError:
 def upstream_failed(message: str) -> APIError:
     """502: a worker failed while serving the request."""
     return APIError(502, message, "server_error", None, "worker_failed")
+
+
+def gateway_timeout(message: str) -> APIError:
+    """504: the request timed out (``--request-timeout``) before it could be answered."""
+    return APIError(504, message, "server_error", None, "timeout")

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from protocol.messages import WorkerLoad
 
 _LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+FAILURE_CAUSES = ("failed", "lost", "unreachable")  # the ``cause`` label of retries and migrations
 _GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -96,6 +97,15 @@ class GatewayMetrics:
         r.register(self.kv_transfers)
         self.workers = Gauge("pdserve_workers_live", "live workers", ["role"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "workers declared dead or replaced", registry=r)
+        self.retries = Counter("pdserve_request_retries", "requests routed again after a worker failed them "
+                               "before their first output token, by cause (failed, lost, unreachable)",
+                               ["cause"], registry=r)
+        self.migrations = Counter("pdserve_request_migrations", "streams continued on another worker after "
+                                  "theirs failed mid-stream, by cause (failed, lost, unreachable)",
+                                  ["cause"], registry=r)
+        for cause in FAILURE_CAUSES:  # series at 0 from the start, so rate() sees the first one
+            self.retries.labels(cause)
+            self.migrations.labels(cause)
         self.in_flight = Gauge("pdserve_requests_in_flight", "requests being served", registry=r)
 
     def set_worker_load(self, worker_id: str, role: str, load: WorkerLoad) -> None:

@@ -12,10 +12,26 @@ protocol/messages.py.
   4. ``NextToken`` from D (or C) → one output token each.
   5. The end: ``finish`` (called by the stream, gateway/stream.py, with the finish reason of the last
      delta: a worker's eos/stop/length, ``max_tokens`` reached here, or a stop string)  (FINISHED);
-     ``RequestFinished`` ends it the same way. ``RequestFailed``, a worker lost (``WorkerLost``), a worker's
-     abort or ``--request-timeout`` raise ``GenerationFailed``                        (FAILED)
+     ``RequestFinished`` ends it the same way. A worker's abort or ``--request-timeout`` raise
+     ``GenerationFailed``                                                              (FAILED)
   6. ``release`` (always, by whoever submitted): ``AbortRequest`` to every worker still holding state,
      TTFT/ITL/TPOT/E2E metrics if FINISHED.
+
+Recovery (``_recover``): when a worker of the request fails it (``RequestFailed``), is lost, or cannot be
+reached (``WorkerLost``), the request is routed again, leaving out every worker that failed it, as a new
+attempt with a fresh worker request id (late messages of the old attempt are then answered with
+``AbortRequest``); every holder of the old attempt, the failed worker included, gets ``AbortRequest``.
+  * no output token counted yet: a retry of the same prompt (at most ``max_retries``, counted in
+    ``pdserve_request_retries_total{cause}``);
+  * ``k`` tokens counted: a migration (at most ``max_migrations``, ``pdserve_request_migrations_total``):
+    the prompt plus the ``k`` tokens become the new prompt, ``max_tokens`` / ``min_tokens`` shrink by
+    ``k`` and ``SamplingParams.output_offset`` grows by ``k``: the new attempt's first token is output
+    position ``k``, whose seeded draw hashes ``(seed, k)`` as on the failed worker (engine/sampler.py)
+    and whose presence/frequency penalties count the ``k`` tokens as output. The stream sees one
+    continuing token sequence; a greedy or seeded stream the same tokens as an unbroken run (up to
+    float rounding of the logits).
+The request fails (``GenerationFailed``) when recovery is not allowed (502) or no other worker can take
+it (503); a timeout fails it with 504.
 
 Holding rules: a worker holds a request from the message sent to it until it says it is done
 (``RequestFinished`` / ``RequestFailed``; P after ``FirstToken``), it is lost, or the request reaches
@@ -34,10 +50,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
+
+import msgspec
 
 from engine.sampling_params import SamplingParams
-from gateway.errors import bad_request, queue_full, unavailable
+from gateway.errors import APIError, bad_request, gateway_timeout, queue_full, unavailable, upstream_failed
 from gateway.metrics import GatewayMetrics
 from gateway.registry import WorkerEntry
 from gateway.router import NoWorkerError, Route, Router
@@ -85,12 +103,29 @@ class GenerationInput:
     stop: tuple[str, ...] = ()
 
 
+FailureCause = Literal["failed", "lost", "unreachable"]  # RequestFailed, worker lost, send not delivered
+
+
 @dataclass(frozen=True)
 class WorkerLost:
-    """Put into a request's inbox when a worker holding it died, left, or was replaced."""
+    """Put into a request's inbox when a worker holding attempt ``request_id`` died, left, or was
+    replaced (``cause`` "lost"), or a message to it could not be delivered ("unreachable")."""
 
+    request_id: str
     worker_id: str
     reason: str
+    cause: FailureCause = "lost"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What the workers of one routing of a request are sent: the worker request id, the prompt (the
+    client's prompt, plus the tokens already streamed after a migration) and the sampling parameters
+    (``max_tokens`` / ``min_tokens`` less those tokens, ``output_offset`` more)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,14 +149,30 @@ class TokenOutput:
 
 
 class GenerationFailed(RuntimeError):
-    """A worker failed, vanished or aborted while serving the request, or the request timed out."""
+    """A worker failed, vanished or aborted while serving the request and it could not be recovered, or
+    the request timed out. ``status``: the HTTP status it is answered with before any output (502 a
+    worker failure, 503 no other worker could take the request over, 504 the request timed out)."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def api_error(self) -> APIError:
+        """The OpenAI error answered for this failure (with ``Retry-After`` on 503)."""
+        if self.status == 504:
+            return gateway_timeout(str(self))
+        if self.status == 503:
+            return unavailable(str(self), code="no_worker_for_retry")
+        return upstream_failed(str(self))
 
 
 @dataclass(eq=False)
 class GatewayRequest:
-    """A live request: its input, route, phase, inbox of worker messages, holders (worker_id → zmq
-    identity of each worker holding state for it) and the arrival times of its counted tokens
-    (``time.monotonic()`` seconds, as ``arrival``)."""
+    """A live request: the client's input (``inp``; its ``request_id`` is the first attempt's), the
+    current ``attempt`` and its ``route``, phase, inbox of worker messages, holders (worker_id → zmq
+    identity of each worker holding the current attempt), the counted output tokens (``output_ids``)
+    with their arrival times (``time.monotonic()`` seconds, as ``arrival``), the retries and migrations
+    done and the workers that failed it (left out when it is routed again)."""
 
     inp: GenerationInput
     route: Route
@@ -130,21 +181,32 @@ class GatewayRequest:
     inbox: asyncio.Queue[WorkerMessage | WorkerLost] = field(default_factory=asyncio.Queue)
     holders: dict[str, bytes] = field(default_factory=dict)
     token_times: list[float] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    retries: int = 0
+    migrations: int = 0
+    failed_workers: set[str] = field(default_factory=set)
+    attempt: Attempt = field(init=False)
 
     @property
     def request_id(self) -> str:
-        """The id workers see (``Orchestrator.worker_request_id``)."""
-        return self.inp.request_id
+        """The id the workers of the current attempt see (``Orchestrator.worker_request_id``)."""
+        return self.attempt.request_id
+
+    def __post_init__(self) -> None:
+        self.attempt = Attempt(self.inp.request_id, self.inp.prompt_token_ids, self.inp.sampling)
 
 
 class Orchestrator:
     """The live requests of one gateway and their transitions. ``send`` delivers a control message to a
-    worker; ``max_queue`` bounds the requests in flight; ``request_timeout`` (seconds) bounds each."""
+    worker; ``max_queue`` bounds the requests in flight; ``request_timeout`` (seconds) bounds each;
+    ``max_retries`` / ``max_migrations`` bound each request's recoveries before / after its first output
+    token (see the module docstring)."""
 
     def __init__(self, router: Router, metrics: GatewayMetrics, send: Send, max_queue: int,
-                 request_timeout: float) -> None:
+                 request_timeout: float, max_retries: int = 2, max_migrations: int = 1) -> None:
         self.router, self.registry, self.metrics = router, router.registry, metrics
         self._send, self.max_queue, self.request_timeout = send, max_queue, request_timeout
+        self.max_retries, self.max_migrations = max_retries, max_migrations
         self.requests: dict[str, GatewayRequest] = {}
         self.released: OrderedDict[str, None] = OrderedDict()  # worker ids that workers may still hold
         self._background: set[asyncio.Task[Any]] = set()
@@ -209,6 +271,14 @@ class Orchestrator:
         req = GatewayRequest(inp, route)
         self.requests[inp.request_id] = req
         self.metrics.in_flight.set(len(self.requests))
+        await self._dispatch(req)
+        log_event(log, "request_routed", request_id=inp.request_id, kind=route.kind,
+                  prompt_tokens=len(inp.prompt_token_ids), fallback=route.fallback)
+        return req
+
+    async def _dispatch(self, req: GatewayRequest) -> None:
+        """Send the current attempt's first message to its route (step 1)."""
+        route, att = req.route, req.attempt
         self.metrics.routes.labels(route.kind).inc()
         if route.fallback:
             self.metrics.fallbacks.inc()
@@ -216,19 +286,18 @@ class Orchestrator:
             assert route.decode is not None and route.prefill is not None
             req.phase = RequestPhase.RESERVING_KV
             await self._hold_and_send(req, route.decode, ReserveKV(
-                request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids, sampling=inp.sampling,
+                request_id=att.request_id, prompt_token_ids=att.prompt_token_ids, sampling=att.sampling,
                 prefill_worker_id=route.prefill.worker_id))
         elif route.kind == "prefill_only":
             assert route.prefill is not None
+            req.phase = RequestPhase.PREFILLING
             await self._hold_and_send(req, route.prefill, PrefillRequest(
-                request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids, sampling=inp.sampling))
+                request_id=att.request_id, prompt_token_ids=att.prompt_token_ids, sampling=att.sampling))
         else:
             assert route.colocated is not None
+            req.phase = RequestPhase.PREFILLING
             await self._hold_and_send(req, route.colocated, ColocatedRequest(
-                request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids, sampling=inp.sampling))
-        log_event(log, "request_routed", request_id=inp.request_id, kind=route.kind,
-                  prompt_tokens=len(inp.prompt_token_ids), fallback=route.fallback)
-        return req
+                request_id=att.request_id, prompt_token_ids=att.prompt_token_ids, sampling=att.sampling))
 
     # ---- messages from workers --------------------------------------------------------------------
     async def on_worker_message(self, identity: bytes, msg: WorkerMessage) -> None:
@@ -247,7 +316,7 @@ class Orchestrator:
             req = self.requests.get(request_id)
             if req is not None:
                 req.holders.pop(entry.worker_id, None)
-                req.inbox.put_nowait(WorkerLost(entry.worker_id, reason))
+                req.inbox.put_nowait(WorkerLost(request_id, entry.worker_id, reason))
         for request_id in entry.requests:
             self._spawn(self._send(entry.identity, AbortRequest(
                 request_id=request_id, reason=f"worker declared lost: {reason}")))
@@ -257,12 +326,18 @@ class Orchestrator:
     async def next_output(self, req: GatewayRequest) -> TokenOutput:
         """Apply the request's worker messages until one yields an output (steps 2-5).
 
+        A worker failure is recovered here when it can be (``_recover``): the caller only sees the
+        output tokens continue.
+
         Raises:
-            GenerationFailed: a worker failed or was lost, or ``--request-timeout`` passed.
+            GenerationFailed: a worker failed or was lost and the request could not be routed again, or
+                ``--request-timeout`` passed.
         """
         deadline = req.arrival + self.request_timeout
         while True:
             msg = await self._next_message(req, deadline)
+            if msg.request_id != req.request_id:
+                continue  # an earlier attempt's message, queued before it was given up
             if isinstance(msg, NextToken):
                 return self._count(req, msg.token_id, msg.logprob, msg.top_logprobs, None)
             if isinstance(msg, FirstToken):
@@ -272,19 +347,80 @@ class Orchestrator:
                 prefill = req.route.prefill
                 assert prefill is not None
                 req.phase = RequestPhase.PREFILLING
+                att = req.attempt
                 await self._hold_and_send(req, prefill, PrefillRequest(
-                    request_id=req.request_id, prompt_token_ids=req.inp.prompt_token_ids,
-                    sampling=req.inp.sampling, kv_handle=msg.kv_handle, decode_worker_id=msg.worker_id))
+                    request_id=att.request_id, prompt_token_ids=att.prompt_token_ids,
+                    sampling=att.sampling, kv_handle=msg.kv_handle, decode_worker_id=msg.worker_id))
             elif isinstance(msg, RequestFinished):
                 self._drop_holder(req, msg.worker_id)
                 return TokenOutput(None, None, msg.finish_reason)
             elif isinstance(msg, RequestFailed):
-                self._drop_holder(req, msg.worker_id)
-                req.phase = RequestPhase.FAILED
-                raise GenerationFailed(f"worker {msg.worker_id} failed: {msg.error}")
+                why = f"worker {msg.worker_id} failed: {msg.error}"
+                await self._recover(req, msg.worker_id, "failed", why)
             else:
-                req.phase = RequestPhase.FAILED
-                raise GenerationFailed(f"worker {msg.worker_id} lost: {msg.reason}")
+                why = f"worker {msg.worker_id} lost: {msg.reason}"
+                await self._recover(req, msg.worker_id, msg.cause, why)
+
+    async def _recover(self, req: GatewayRequest, worker_id: str, cause: FailureCause, message: str) -> None:
+        """Route the request again after ``worker_id`` failed its current attempt (``cause``; ``message``
+        says how): a retry before the first output token, a migration after it (module docstring).
+
+        Raises:
+            GenerationFailed: 502 when the request may not be recovered (its retries or migrations
+                spent), 503 when no other worker can take it.
+        """
+        emitted = len(req.output_ids)
+        kind = "migration" if emitted else "retry"
+        if emitted:
+            refusal = None if req.migrations < self.max_migrations else (
+                f"--max-migrations {self.max_migrations} reached")
+        else:
+            refusal = None if req.retries < self.max_retries else f"--max-retries {self.max_retries} reached"
+        if refusal is not None:
+            req.phase = RequestPhase.FAILED
+            log_event(log, "request_not_recovered", logging.WARNING, request_id=req.request_id,
+                      worker_id=worker_id, cause=cause, kind=kind, reason=refusal)
+            raise GenerationFailed(f"{message} (no {kind}: {refusal})")
+        req.failed_workers.add(worker_id)
+        sampling = req.inp.sampling
+        if emitted:
+            sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - emitted,
+                                               min_tokens=max(0, sampling.min_tokens - emitted),
+                                               output_offset=sampling.output_offset + emitted)
+        prompt = req.inp.prompt_token_ids + req.output_ids
+        try:
+            route = self.router.route(prompt, sampling.max_tokens, frozenset(req.failed_workers))
+        except NoWorkerError as exc:
+            req.phase = RequestPhase.FAILED
+            log_event(log, "request_not_recovered", logging.WARNING, request_id=req.request_id,
+                      worker_id=worker_id, cause=cause, kind=kind, reason=str(exc))
+            raise GenerationFailed(f"{message}; no other worker can take the request over: {exc}",
+                                   503) from exc
+        old_id = req.request_id
+        self._retire_attempt(req)
+        new_id = self.worker_request_id(self.client_request_id(old_id))
+        req.attempt, req.route = Attempt(new_id, prompt, sampling), route
+        self.requests[new_id] = req
+        if emitted:
+            req.migrations += 1
+            self.metrics.migrations.labels(cause).inc()
+        else:
+            req.retries += 1
+            self.metrics.retries.labels(cause).inc()
+        log_event(log, f"request_{kind}", logging.WARNING, request_id=new_id, previous_id=old_id,
+                  worker_id=worker_id, cause=cause, error=message, emitted_tokens=emitted, kind=route.kind)
+        await self._dispatch(req)
+
+    def _retire_attempt(self, req: GatewayRequest) -> None:
+        """Give up the current attempt: its id leaves the live requests (late messages get
+        ``AbortRequest``), every holder gets ``AbortRequest`` (in a background task)."""
+        old_id = req.request_id
+        self.requests.pop(old_id, None)
+        self._remember_released(old_id)
+        for worker_id, identity in list(req.holders.items()):
+            self._drop_holder(req, worker_id)
+            self._spawn(self._send(identity, AbortRequest(request_id=old_id, reason="request rerouted")))
+            log_event(log, "abort_sent", request_id=old_id, worker_id=worker_id)
 
     def finish(self, req: GatewayRequest, reason: FinishReason) -> None:
         """The request ended with ``reason`` (step 5). ``length``: every holder stopped at ``max_tokens``
@@ -307,10 +443,13 @@ class Orchestrator:
         a cancelled scope."""
         if self.requests.pop(req.request_id, None) is None:
             return
-        self.released[req.request_id] = None
+        self._remember_released(req.request_id)
+        self._spawn(self._abort_holders(req))
+
+    def _remember_released(self, request_id: str) -> None:
+        self.released[request_id] = None
         while len(self.released) > RECENT_IDS:
             self.released.popitem(last=False)
-        self._spawn(self._abort_holders(req))
 
     async def _abort_holders(self, req: GatewayRequest) -> None:
         self.metrics.in_flight.set(len(self.requests))
@@ -330,7 +469,8 @@ class Orchestrator:
         req.holders[worker.worker_id] = worker.identity
         worker.requests.add(req.request_id)
         if not await self._send(worker.identity, msg):
-            req.inbox.put_nowait(WorkerLost(worker.worker_id, "worker unreachable"))
+            req.inbox.put_nowait(WorkerLost(req.request_id, worker.worker_id, "worker unreachable",
+                                            "unreachable"))
 
     def _drop_holder(self, req: GatewayRequest, worker_id: str) -> None:
         """The worker no longer holds state for this request."""
@@ -345,10 +485,13 @@ class Orchestrator:
             return
         self._drop_holder(req, msg.worker_id)  # prefill is done; it finishes its KV send on its own
         decode = req.route.decode
-        if req.route.kind == "disaggregated" and decode is not None and msg.finish_reason is None:
-            await self._send(decode.identity, DecodeRequest(request_id=req.request_id,
-                                                            first_token_id=msg.token_id,
-                                                            num_cached_tokens=msg.num_cached_tokens))
+        if req.route.kind != "disaggregated" or decode is None or msg.finish_reason is not None:
+            return
+        if not await self._send(decode.identity, DecodeRequest(request_id=req.request_id,
+                                                               first_token_id=msg.token_id,
+                                                               num_cached_tokens=msg.num_cached_tokens)):
+            req.inbox.put_nowait(WorkerLost(req.request_id, decode.worker_id, "worker unreachable",
+                                            "unreachable"))
 
     @staticmethod
     def _count(req: GatewayRequest, token_id: int, logprob: float | None, top: list[TopLogprob] | None,
@@ -356,6 +499,7 @@ class Orchestrator:
         """Count one output token (its arrival time); ``length`` once ``max_tokens`` are counted, else the
         worker's finish reason."""
         req.token_times.append(time.monotonic())
+        req.output_ids.append(token_id)
         entry = None if logprob is None else TokenLogprob(
             token_id, logprob, () if top is None else tuple((t.token_id, t.logprob) for t in top))
         reason = "length" if len(req.token_times) >= req.inp.sampling.max_tokens else worker_reason
@@ -370,7 +514,7 @@ class Orchestrator:
             return await asyncio.wait_for(req.inbox.get(), timeout=max(deadline - time.monotonic(), 0.001))
         except TimeoutError as exc:
             req.phase = RequestPhase.FAILED
-            raise GenerationFailed(f"request timed out after {deadline - req.arrival:.0f} s") from exc
+            raise GenerationFailed(f"request timed out after {deadline - req.arrival:.0f} s", 504) from exc
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` as a task kept referenced (in ``_background``) until it ends."""

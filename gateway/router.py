@@ -8,7 +8,8 @@ Policy:
 * ``max_tokens == 1``: prefill only, no decode worker;
 * a deployment with no prefill and no decode workers serves everything colocated;
 * prefill or decode missing while colocated workers exist: colocated only with ``allow_local_prefill``
-  (counted as a fallback), else ``NoWorkerError`` (→ 503).
+  (counted as a fallback), else ``NoWorkerError`` (→ 503);
+* ``exclude``: workers that already failed this request are left out (the orchestrator's retries).
 """
 
 from __future__ import annotations
@@ -47,14 +48,17 @@ class Router:
         self.disagg_threshold, self.allow_local_prefill = disagg_threshold, allow_local_prefill
         self.prefill_slack = prefill_slack
 
-    def route(self, prompt_token_ids: list[int], max_tokens: int) -> Route:
-        """Pick the workers for a prompt (token ids) producing up to ``max_tokens`` tokens.
+    def route(self, prompt_token_ids: list[int], max_tokens: int,
+              exclude: frozenset[str] = frozenset()) -> Route:
+        """Pick the workers for a prompt (token ids) producing up to ``max_tokens`` tokens, leaving out
+        the worker ids in ``exclude``.
 
         Raises:
             NoWorkerError: nothing can serve it (message names the missing role or the mismatch).
         """
-        coloc = self.registry.live("colocated")
-        prefills, decodes = self.registry.live("prefill"), self.registry.live("decode")
+        coloc = [w for w in self.registry.live("colocated") if w.worker_id not in exclude]
+        prefills = [w for w in self.registry.live("prefill") if w.worker_id not in exclude]
+        decodes = [w for w in self.registry.live("decode") if w.worker_id not in exclude]
         if coloc and len(prompt_token_ids) < self.disagg_threshold:
             return Route("colocated", colocated=_least_loaded(coloc))
         if coloc and not prefills and not decodes:

@@ -29,12 +29,14 @@ from gateway.openai_responses import (
 from gateway.prepare import prepare, served_model
 from gateway.registry import pairing_mismatch
 from gateway.service import GatewayService
-from gateway.serving import complete, sse_events, submit_all
+from gateway.serving import complete, open_stream, sse_events, submit_all
 
 router = APIRouter()
 SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 _ERRORS = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model",
-           413: "body too large", 429: "queue full (Retry-After)", 503: "no worker available"}
+           413: "body too large", 429: "queue full (Retry-After)",
+           502: "a worker failed the request (a stream: before its first token)",
+           503: "no worker available (Retry-After)", 504: "request timed out before an answer"}
 
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -81,13 +83,14 @@ async def _generate(request: Request, body: ChatCompletionRequest | CompletionRe
     rid: str = request.state.request_id
     prepared = prepare(svc, body, rid)
     reqs = await submit_all(svc, prepared)
-    if body.stream:
-        return StreamingResponse(sse_events(svc, prepared, reqs), media_type="text/event-stream",
+    if body.stream:  # the status line waits for the first event: a failure before it is an HTTP error
+        events = await open_stream(sse_events(svc, prepared, reqs), request.is_disconnected)
+        return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return json_response(await complete(svc, prepared, reqs, request.is_disconnected))
 
 
-_GEN_ERRORS = error_responses(400, 401, 404, 413, 429, 502, 503)
+_GEN_ERRORS = error_responses(400, 401, 404, 413, 429, 502, 503, 504)
 
 
 @router.post("/v1/chat/completions", dependencies=[Depends(require_key)],

@@ -48,7 +48,8 @@ class GatewayService:
         self.router = Router(self.registry, PrefixIndex(), settings.disagg_threshold,
                              settings.allow_local_prefill)
         self.orchestrator = Orchestrator(self.router, metrics, self.send, settings.max_queue,
-                                         settings.request_timeout)
+                                         settings.request_timeout, settings.max_retries,
+                                         settings.max_migrations)
         self.control: ControlSocket | None = None
         self._tasks: list[asyncio.Task[None]] = []
 

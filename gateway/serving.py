@@ -5,8 +5,15 @@ Stream layout (OpenAI chat.completion.chunk / text_completion reference): a chat
 carries ``delta.role``; afterwards a chunk is sent only when there is text or a finish reason (a delta
 with tokens but no text yet, e.g. a held-back stop-string prefix, rides along with the next chunk with its
 logprobs), so no empty chunks repeat and ``finish_reason`` is in each choice's last chunk. With
-``stream_options.include_usage`` a final chunk has ``choices: []`` and ``usage``. A worker failure ends
-the stream with an error event; a non-streaming request whose client went away is aborted on the workers.
+``stream_options.include_usage`` a final chunk has ``choices: []`` and ``usage``.
+
+Status line: a streaming response starts (HTTP 200 and its headers) only with its first event that carries
+text or a finish reason (``open_stream``; the chat role chunks go out with it), so a request that fails
+before any output gets a real HTTP error (502 worker failure, 503 no worker could take it over, 504
+timeout) with the OpenAI error body. A failure after the first event ends the stream with an error event
+and ``data: [DONE]``. A request whose client went away, before its first event or (non-streaming) before
+its body, is aborted on the workers. Retries and migrations after a worker failure happen below, in the
+orchestrator: here they only look like a continuing token sequence.
 """
 
 from __future__ import annotations
@@ -14,9 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
-from gateway.errors import APIError, upstream_failed
+from gateway.errors import APIError
 from gateway.openai_responses import ChatCompletion, Completion
 from gateway.orchestrator import GatewayRequest, GenerationFailed, TokenLogprob
 from gateway.prepare import Prepared
@@ -53,7 +60,8 @@ async def complete(svc: GatewayService, p: Prepared, reqs: list[GatewayRequest],
     """The whole (non-streaming) body; polls ``is_disconnected`` and aborts the workers if the client left.
 
     Raises:
-        APIError: 502 when a worker failed, 499 when the client disconnected.
+        APIError: 502 when a worker failed, 503 when no other worker could take a failed request over,
+            504 when it timed out, 499 when the client disconnected.
     """
     states = [ChoiceState(c.index) for c in p.choices]
     gather = asyncio.ensure_future(asyncio.gather(
@@ -65,7 +73,7 @@ async def complete(svc: GatewayService, p: Prepared, reqs: list[GatewayRequest],
                 raise APIError(499, "client disconnected", "invalid_request_error", None, "client_closed")
         gather.result()
     except GenerationFailed as exc:
-        raise upstream_failed(str(exc)) from exc
+        raise exc.api_error() from exc
     finally:
         gather.cancel()
         with contextlib.suppress(BaseException):
@@ -124,23 +132,34 @@ class _ChunkWriter:
         return sse_chunk(self.p, self.created, None, usage(self.p, self.n_out))
 
 
-async def sse_events(svc: GatewayService, p: Prepared, reqs: list[GatewayRequest]) -> AsyncIterator[bytes]:
-    """SSE events of a streaming response; ends with ``data: [DONE]`` (after an error event on failure)."""
+async def sse_events(svc: GatewayService, p: Prepared,
+                     reqs: list[GatewayRequest]) -> AsyncGenerator[bytes, None]:
+    """SSE events of a streaming response; ends with ``data: [DONE]`` (after an error event on a failure
+    after the first event). The first event holds the chat role chunks and the first chunk with text or
+    a finish reason.
+
+    Raises:
+        APIError: a failure before the first event (``GenerationFailed.api_error``: 502, 503 or 504).
+    """
     writer = _ChunkWriter(svc, p)
     queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
     tasks = [asyncio.create_task(_pump(svc, i, r, queue)) for i, r in enumerate(reqs)]
+    started = False
     try:
-        for line in writer.first():
-            yield line
         live = len(tasks)
         while live:
             pos, item = await queue.get()
             if item is _END:
                 live -= 1
             elif isinstance(item, GenerationFailed):
-                yield b"data: " + upstream_failed(str(item)).json() + b"\n\n"
+                if not started:
+                    raise item.api_error() from item
+                yield b"data: " + item.api_error().json() + b"\n\n"
                 break
             elif isinstance(item, Delta) and (out := writer.delta(pos, item)) is not None:
+                if not started:
+                    started = True
+                    out = b"".join(writer.first()) + out
                 yield out
         else:
             svc.metrics.generation_tokens.inc(writer.n_out)
@@ -154,4 +173,38 @@ async def sse_events(svc: GatewayService, p: Prepared, reqs: list[GatewayRequest
     yield DONE
 
 
-__all__ = ["complete", "sse_events", "submit_all"]
+async def open_stream(events: AsyncGenerator[bytes, None],
+                      is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
+    """Wait for the first event of ``events`` (``sse_events``), polling ``is_disconnected``; return the
+    events from that one on, for the response to send once its status line is known.
+
+    Raises:
+        APIError: the stream failed before its first event (502, 503, 504), or 499 when the client
+            disconnected meanwhile (the workers are aborted: ``events`` is closed, releasing its requests).
+    """
+    first = asyncio.ensure_future(anext(events))
+    try:
+        while not first.done():
+            await asyncio.wait([first], timeout=DISCONNECT_POLL_S)
+            if not first.done() and await is_disconnected():
+                raise APIError(499, "client disconnected", "invalid_request_error", None, "client_closed")
+        head = first.result()
+    except BaseException:
+        first.cancel()
+        with contextlib.suppress(BaseException):
+            await first
+        await events.aclose()
+        raise
+    return _prepend(head, events)
+
+
+async def _prepend(head: bytes, rest: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    try:
+        yield head
+        async for event in rest:
+            yield event
+    finally:
+        await rest.aclose()
+
+
+__all__ = ["complete", "open_stream", "sse_events", "submit_all"]

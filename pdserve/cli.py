@@ -89,6 +89,10 @@ def _add_gateway(add: _EnvAdder) -> None:
     add("--max-stop", type=int, default=16)
     add("--heartbeat-timeout", type=parse_duration, default=5.0,
         help="silence (seconds, or e.g. 1500ms) → worker dead")
+    add("--max-retries", type=int, default=2,
+        help="times a request is routed again to other workers when one fails it before its first token")
+    add("--max-migrations", type=int, default=1,
+        help="times a stream continues on other workers when its worker fails it mid-stream (0: off)")
 
 
 def _add_worker(add: _EnvAdder, role: str) -> None:

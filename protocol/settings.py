@@ -42,6 +42,8 @@ class GatewaySettings:
     max_n: int = 16
     max_stop: int = 16
     heartbeat_timeout: float = 5.0
+    max_retries: int = 2
+    max_migrations: int = 1
     log_level: str = "info"
     log_format: str = "text"
 
@@ -58,6 +60,8 @@ class GatewaySettings:
         _check(self.max_n >= 1, "max-n", "must be >= 1")
         _check(self.max_stop >= 0, "max-stop", "must be >= 0")
         _check(self.heartbeat_timeout > 0, "heartbeat-timeout", "must be > 0 seconds")
+        _check(self.max_retries >= 0, "max-retries", f"must be >= 0, got {self.max_retries}")
+        _check(self.max_migrations >= 0, "max-migrations", f"must be >= 0, got {self.max_migrations}")
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
 

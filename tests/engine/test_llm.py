@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from engine.llm import LLM, build_engine_config
@@ -55,6 +56,26 @@ def test_same_seed_same_tokens_batched_alone_and_chunked(tiny_path):
     assert len({tuple(t) for t in batched}) > 1
     llm.core.check_no_leaks()
     chunked.core.check_no_leaks()
+
+
+def test_continued_generation_with_output_offset_repeats_the_unbroken_tokens(tiny_path):
+    """A generation continued elsewhere (prompt + its first k tokens, ``output_offset=k``) samples the
+    same tokens as the unbroken run: seeded draws hash the output position, penalties count the k."""
+    prompts = _prompts(6, seed=3)
+    params = [SamplingParams(temperature=1.0, top_k=50, max_tokens=8, min_tokens=6, seed=7 + i,
+                             ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.4,
+                             repetition_penalty=1.1) for i in range(len(prompts))]
+    llm = _llm(tiny_path)
+    whole = [o.token_ids for o in llm.generate(prompts, params)]
+    for k in (1, 3, 7):
+        rest = llm.generate([p + w[:k] for p, w in zip(prompts, whole, strict=True)],
+                            [msgspec.structs.replace(sp, max_tokens=8 - k, min_tokens=max(0, 6 - k),
+                                                     output_offset=k) for sp in params])
+        assert [w[:k] + o.token_ids for w, o in zip(whole, rest, strict=True)] == whole, k
+    plain = llm.generate([p + w[:3] for p, w in zip(prompts, whole, strict=True)],
+                         [msgspec.structs.replace(sp, max_tokens=5, min_tokens=3) for sp in params])
+    assert [w[:3] + o.token_ids for w, o in zip(whole, plain, strict=True)] != whole  # the offset matters
+    llm.core.check_no_leaks()
 
 
 def test_requests_without_seed_get_one(tiny_path):

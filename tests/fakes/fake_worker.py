@@ -2,13 +2,18 @@
 
 It registers with the gateway like a real worker (DEALER → the gateway's ROUTER), heartbeats its load,
 and produces deterministic tokens with known timings: output position i is
-``output_ids[(i + seed) % len]`` (seed 0 when unset, so a seed picks a rotation of the reply). With
+``output_ids[(i + seed) % len]`` (seed 0 when unset, so a seed picks a rotation of the reply); a prompt
+that ends with the reply's first k tokens continues at position k, as a model continues its own text
+(what a migrated request sends). With
 ``sampling.logprobs`` set it sends logprob ``fake_logprob(i)`` for position i and, for N > 0, the top-N
 alternatives of ``fake_top``. Prefill takes ``--prefill-delay`` s, each later token ``--token-delay`` s.
 The decode role "reserves" ``ceil(prompt / block_size) + 1`` blocks per request from ``--total-blocks``
 and frees them on finish or abort, so heartbeats show leaks. Every received message is appended to
 ``--record`` (JSON lines: type, request_id, and ``sampling`` (a dict) when it carries sampling
-params) for tests to inspect. Run: ``python -m tests.fakes.fake_worker --role decode ...``.
+params, ``prompt_token_ids`` when it carries a prompt) for tests to inspect. Faults: ``--fail-at P``
+answers ``RequestFailed`` instead of output position P, ``--hang-at P`` stalls the whole worker there
+(no tokens, no heartbeats: the gateway declares it lost; it still records messages); P = -1 at
+``ReserveKV`` (before any token). Run: ``python -m tests.fakes.fake_worker --role decode ...``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from protocol.messages import (
     PrefillRequest,
     RegisterAck,
     RegisterWorker,
+    RequestFailed,
     RequestFinished,
     ReserveKV,
     TopLogprob,
@@ -75,6 +81,7 @@ class FakeWorker:
         self.free_blocks = args.total_blocks
         self.reserved: dict[str, tuple[ReserveKV, int]] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.hung = asyncio.Event()
 
     async def send(self, msg: Message) -> None:
         await self.sock.send(encode(msg))
@@ -91,16 +98,40 @@ class FakeWorker:
             sampling = getattr(msg, "sampling", None)
             if sampling is not None:
                 entry["sampling"] = msgspec.to_builtins(sampling)
+            prompt = getattr(msg, "prompt_token_ids", None)
+            if prompt is not None:
+                entry["prompt_token_ids"] = list(prompt)
             with open(self.args.record, "a") as f:
                 f.write(json.dumps(entry) + "\n")
 
     def token(self, i: int, sampling: SamplingParams) -> int:
         return self.output_ids[(i + (sampling.seed or 0)) % len(self.output_ids)]
 
-    def finish_of(self, sampling: SamplingParams, i: int, tok: int) -> FinishReason | None:
+    def finish_of(self, sampling: SamplingParams, n: int, tok: int) -> FinishReason | None:
+        """The finish reason after this request's ``n``-th token ``tok`` (``n`` counts from 1)."""
         if tok == self.args.eos_id and not sampling.ignore_eos:
             return "stop"
-        return "length" if i + 1 >= sampling.max_tokens else None
+        return "length" if n >= sampling.max_tokens else None
+
+    def continued(self, prompt: list[int], sampling: SamplingParams) -> int:
+        """The largest k such that the prompt ends with the reply's first k tokens (0: none)."""
+        for k in range(min(len(prompt), 4 * len(self.output_ids)), 0, -1):
+            if prompt[-k:] == [self.token(i, sampling) for i in range(k)]:
+                return k
+        return 0
+
+    async def fault(self, rid: str, pos: int) -> bool:
+        """Apply ``--fail-at`` / ``--hang-at`` at output position ``pos``; True when the request ends
+        here (failed, or the worker hangs)."""
+        if pos == self.args.hang_at:
+            self.hung.set()
+        if self.hung.is_set():
+            return True
+        if pos == self.args.fail_at:
+            await self.send(RequestFailed(request_id=rid, worker_id=self.args.worker_id,
+                                          error=f"injected failure at position {pos}"))
+            return True
+        return False
 
     async def register(self) -> None:
         a = self.args
@@ -113,18 +144,26 @@ class FakeWorker:
     async def heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.args.heartbeat_interval)
+            if self.hung.is_set():
+                return
             await self.send(Heartbeat(worker_id=self.args.worker_id, epoch=self.epoch, load=self.load()))
 
     async def generate(self, rid: str, prompt: list[int], sampling: SamplingParams, start: int) -> None:
-        """Tokens from output position ``start``; position 0 (prefill) is a FirstToken."""
+        """Tokens from this request's output position ``start``; its position 0 (prefill) is a
+        FirstToken. A prompt ending with the reply's first k tokens shifts the reply by k."""
         wid = self.args.worker_id
+        offset = self.continued(prompt, sampling)
         try:
             i = start
             while True:
-                tok = self.token(i, sampling)
-                finish = self.finish_of(sampling, i, tok)
-                lp = None if sampling.logprobs is None else fake_logprob(i)
-                top = fake_top(tok, i, sampling.logprobs) if sampling.logprobs else None
+                if await self.fault(rid, offset + i):
+                    if self.hung.is_set():
+                        await asyncio.Event().wait()  # stalled until aborted or killed
+                    return
+                tok = self.token(offset + i, sampling)
+                finish = self.finish_of(sampling, i + 1, tok)
+                lp = None if sampling.logprobs is None else fake_logprob(offset + i)
+                top = fake_top(tok, offset + i, sampling.logprobs) if sampling.logprobs else None
                 if i == 0:
                     await asyncio.sleep(self.args.prefill_delay)
                     await self.send(FirstToken(request_id=rid, worker_id=wid, token_id=tok, logprob=lp,
@@ -162,6 +201,10 @@ class FakeWorker:
             need = math.ceil(len(msg.prompt_token_ids) / self.args.block_size) + 1
             self.free_blocks -= need
             self.reserved[msg.request_id] = (msg, need)
+            if await self.fault(msg.request_id, -1):
+                if not self.hung.is_set():
+                    self.release(msg.request_id)
+                return
             await self.send(KVReserved(request_id=msg.request_id, worker_id=self.args.worker_id,
                                        kv_handle=f"fake-handle:{msg.request_id}".encode()))
         elif isinstance(msg, DecodeRequest) and msg.request_id in self.reserved:
@@ -214,6 +257,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-delay", type=float, default=0.005)
     p.add_argument("--heartbeat-interval", type=float, default=0.2)
     p.add_argument("--record", default="")
+    p.add_argument("--fail-at", type=int, default=None, help="RequestFailed at this output position")
+    p.add_argument("--hang-at", type=int, default=None, help="stall the worker at this output position")
     return p.parse_args(argv)
 
 

@@ -82,6 +82,17 @@ def test_invalid_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--max-queue" in capsys.readouterr().err
 
 
+def test_retry_and_migration_bounds(capsys: pytest.CaptureFixture[str]) -> None:
+    s = settings_from_args(build_parser({"PDSERVE_MAX_MIGRATIONS": "0"}).parse_args(
+        ["gateway", "--max-retries", "5"]))
+    assert isinstance(s, GatewaySettings) and (s.max_retries, s.max_migrations) == (5, 0)
+    assert (GatewaySettings().max_retries, GatewaySettings().max_migrations) == (2, 1)
+    for flag in ("--max-retries", "--max-migrations"):
+        assert main(["gateway", flag, "-1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag}: must be >= 0, got -1" in err
+
+
 def test_bench_wired_to_loadtest(monkeypatch: pytest.MonkeyPatch) -> None:
     import loadtest.cli
 

@@ -160,11 +160,13 @@ async def test_worker_finish_without_token(setup) -> None:
     assert_clean(orch, registry)
 
 
-# failure → (GenerationFailed message, what is sent after it: the lost worker is told to drop the request,
-# as it may only have stalled; after a timeout d1 still holds it and release aborts it)
+# failure → (GenerationFailed message, its HTTP status, what is sent after it: the failed or lost worker
+# is told to drop the request (a lost one may only have stalled); after a timeout d1 still holds it and
+# release aborts it). With no other decode worker, a failure or loss cannot be recovered: 503.
 ABORT_D1 = [(b"d1", "AbortRequest")]
-FAILURES = {"failed": ("worker d1 failed: boom", []), "lost": ("worker d1 lost: gone", ABORT_D1),
-            "aborted": ("the worker aborted the request", []), "timeout": ("timed out", ABORT_D1)}
+FAILURES = {"failed": ("worker d1 failed: boom", 503, ABORT_D1),
+            "lost": ("worker d1 lost: gone", 503, ABORT_D1),
+            "aborted": ("the worker aborted the request", 502, []), "timeout": ("timed out", 504, ABORT_D1)}
 
 
 @pytest.mark.parametrize("failure", sorted(FAILURES))
@@ -182,11 +184,12 @@ async def test_failures_raise_and_release_aborts_the_rest(setup, failure: str) -
         await orch.on_worker_message(b"d1", RequestFinished(request_id="r", worker_id="d1",
                                                             finish_reason="abort", num_prompt_tokens=5,
                                                             num_output_tokens=1))
-    message, then_sent = FAILURES[failure]
-    with pytest.raises(GenerationFailed, match=message):
+    message, status, then_sent = FAILURES[failure]
+    with pytest.raises(GenerationFailed, match=message) as err:
         out = await orch.next_output(req)
         assert out.finish_reason == "abort"  # only a worker's abort gets this far
         orch.finish(req, "abort")
+    assert err.value.status == status and err.value.api_error().status == status
     assert req.phase is RequestPhase.FAILED
     orch.release(req)
     await asyncio.sleep(0.01)
