@@ -2,9 +2,9 @@
 
 A system is a gateway plus either prefill and decode workers (``disagg``, one of each by default, KV
 over NIXL by default) or one colocated worker per device (``colocated``; the gateway balances them by
-in-flight requests). A worker placed on ``cuda:N`` gets ``--device cuda:N``, as ``pdserve up`` places its workers
-(the engine makes that device current in every thread that runs a step); all GPUs stay visible, so
-NIXL/UCX ``cuda_ipc`` over NVLink can map the peer's KV blocks. The environment (e.g.
+in-flight requests). A worker placed on ``cuda:N`` gets ``--device cuda:N``, as ``pdserve up`` places
+its workers (the engine makes that device current in every thread that runs a step); all GPUs stay
+visible, so NIXL/UCX ``cuda_ipc`` over NVLink can map the peer's KV blocks. The environment (e.g.
 ``NCCL_NVLS_ENABLE=0``, ``PDSERVE_LOG_LEVEL``) is inherited.
 
 * ``live_systems`` starts several systems at once and waits for all of them (their start-ups overlap:
