@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from gateway.admission import Admission
 from gateway.errors import bad_request, queue_full, unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.registry import WorkerEntry
@@ -142,9 +143,10 @@ class Orchestrator:
     worker; ``max_queue`` bounds the requests in flight; ``request_timeout`` (seconds) bounds each."""
 
     def __init__(self, router: Router, metrics: GatewayMetrics, send: Send, max_queue: int,
-                 request_timeout: float) -> None:
+                 request_timeout: float, admission: Admission | None = None) -> None:
         self.router, self.registry, self.metrics = router, router.registry, metrics
         self._send, self.max_queue, self.request_timeout = send, max_queue, request_timeout
+        self.admission = admission  # None: every routed request is admitted (gateway/admission.py)
         self.requests: dict[str, GatewayRequest] = {}
         self.released: OrderedDict[str, None] = OrderedDict()  # worker ids that workers may still hold
         self._background: set[asyncio.Task[Any]] = set()
@@ -172,8 +174,9 @@ class Orchestrator:
         sent are released when one cannot be). Each gets a fresh worker request id.
 
         Raises:
-            APIError: 400 (a request with the same X-Request-Id is still in flight), 429 (queue full,
-                counting all choices) or 503 (no worker can serve).
+            APIError: 400 (a request with the same X-Request-Id is still in flight, or a prompt no worker
+                can hold), 429 (queue full, counting all choices, or refused by admission control) or 503
+                (no worker can serve).
         """
         wanted = {inp.request_id for inp in inputs}
         if any(self.client_request_id(rid) in wanted for rid in self.requests):
@@ -200,12 +203,14 @@ class Orchestrator:
         """Admit, route and send the first message of one request (step 1).
 
         Raises:
-            APIError: 429 when ``max_queue`` requests are in flight.
+            APIError: 429 when ``max_queue`` requests are in flight; 400/429 from admission control.
             NoWorkerError: no live worker can serve it (→ 503).
         """
         if len(self.requests) >= self.max_queue:
             raise queue_full()
         route = self.router.route(inp.prompt_token_ids, inp.sampling.max_tokens)
+        if self.admission is not None:
+            route = self.admission.admit(inp.request_id, len(inp.prompt_token_ids), route)
         req = GatewayRequest(inp, route)
         self.requests[inp.request_id] = req
         self.metrics.in_flight.set(len(self.requests))
@@ -236,6 +241,8 @@ class Orchestrator:
         (released, or never here), except to ``RequestFinished`` / ``RequestFailed``."""
         req = self.requests.get(msg.request_id)
         if req is not None:
+            if isinstance(msg, FirstToken) and self.admission is not None:
+                self.admission.first_token(msg)
             req.inbox.put_nowait(msg)
         elif not isinstance(msg, RequestFinished | RequestFailed):
             await self._send(identity, AbortRequest(request_id=msg.request_id, reason="unknown request"))
@@ -307,6 +314,8 @@ class Orchestrator:
         a cancelled scope."""
         if self.requests.pop(req.request_id, None) is None:
             return
+        if self.admission is not None:
+            self.admission.forget(req.request_id)
         self.released[req.request_id] = None
         while len(self.released) > RECENT_IDS:
             self.released.popitem(last=False)

@@ -89,6 +89,8 @@ def _add_gateway(add: _EnvAdder) -> None:
     add("--max-stop", type=int, default=16)
     add("--heartbeat-timeout", type=parse_duration, default=5.0,
         help="silence (seconds, or e.g. 1500ms) → worker dead")
+    add("--admission-budget", type=parse_duration, default=30.0,
+        help="429 when a request's prefill would wait longer (estimated; seconds, or e.g. 10s; 0: off)")
 
 
 def _add_worker(add: _EnvAdder, role: str) -> None:

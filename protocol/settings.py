@@ -42,6 +42,7 @@ class GatewaySettings:
     max_n: int = 16
     max_stop: int = 16
     heartbeat_timeout: float = 5.0
+    admission_budget: float = 30.0
     log_level: str = "info"
     log_format: str = "text"
 
@@ -58,6 +59,8 @@ class GatewaySettings:
         _check(self.max_n >= 1, "max-n", "must be >= 1")
         _check(self.max_stop >= 0, "max-stop", "must be >= 0")
         _check(self.heartbeat_timeout > 0, "heartbeat-timeout", "must be > 0 seconds")
+        _check(0 <= self.admission_budget < float("inf"), "admission-budget",
+               f"must be >= 0 seconds (0 turns the queue check off), got {self.admission_budget}")
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
 
