@@ -35,7 +35,9 @@ from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
 from gateway.router import Route
 from protocol.messages import FirstToken, WorkerLoad
 
-DECAY = 0.8  # weight of the history at each new measurement (about the last 5 requests count)
+# weight of the history at each new measurement: about the last 20 requests count, several prefill steps
+# (the requests of one step report nearly together, the first with the whole step's time)
+DECAY = 0.95
 
 
 @dataclass(slots=True)

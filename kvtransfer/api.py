@@ -179,10 +179,11 @@ class KVReceiver(Protocol):
         """Register a request whose KV will land in `block_ids` (token order; contiguous runs make fewer,
         larger writes); returns the KVHandle for the sender. Two deadlines, in seconds: a sender must
         claim the request (Begin; a prefill worker begins in the step that runs the prompt's last chunk)
-        within `claim_timeout_s` from now (default: `timeout_s`), and its KV must land within `timeout_s`
-        of that Begin (default config.timeout_s), so time spent waiting in the sender's queue never
-        counts against the transfer. Raises ValueError on a duplicate request id, empty, repeated or
-        out-of-range block ids, or a timeout <= 0."""
+        within `claim_timeout_s` from now (default: `timeout_s`), then a layer must land within
+        `timeout_s` (default config.timeout_s) of that Begin and of each landed layer, so neither time
+        spent in the sender's queue nor a slow but progressing prefill step fails the transfer. Raises
+        ValueError on a duplicate request id, empty, repeated or out-of-range block ids, or a timeout <= 0.
+        """
         ...
 
     def abort(self, request_id: str) -> None:

@@ -9,12 +9,12 @@ Block lifetime: a request's blocks are releasable only when no write can still l
 DONE, after the claiming sender said Stopped, when no sender claimed the request (Begin; a sender that
 gives it up first says Withdraw), or when its deadline passed and its sender is gone (lost, or back
 with a new epoch). A request's deadline is first its claim deadline (no Begin yet: the sender may still
-be computing earlier prompts), then `handle.timeout_s` from its Begin. A sender dropped while alive
-(e.g. its loop stalled past peer_timeout_s) is told so: any message but Hello from a sender we do not
-know is answered with Rehandshake. Its dropped requests stay FAILED and held until their deadline,
-whatever it says later: no Stopped of it is trusted for them (its writes were cancelled, not
-completed). Withdraw ends only a request no sender claimed: no write ever landed in its blocks, so they
-are releasable at once.
+be computing earlier prompts), then `handle.timeout_s` from its Begin or its last landed layer. A
+sender dropped while alive (e.g. its loop stalled past peer_timeout_s) is told so: any message but
+Hello from a sender we do not know is answered with Rehandshake. Its dropped requests stay FAILED and
+held until their deadline, whatever it says later: no Stopped of it is trusted for them (its writes
+were cancelled, not completed). Withdraw ends only a request no sender claimed: no write ever landed in
+its blocks, so they are releasable at once.
 
 One loop step: wait (an idle poll; naps with `transport.poll()` between them while a request is
 TRANSFERRING, i.e. during its sender's prefill; nothing while a command waits or a two-sided transport

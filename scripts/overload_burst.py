@@ -32,12 +32,14 @@ import httpx
 @dataclass(frozen=True)
 class Outcome:
     """One request: ``kind`` completed | 429 | failed; ``status_s``: seconds from sending to the status
-    line; ``total_s``: to the end of the stream; ``detail``: the error text of a failure."""
+    line; ``total_s``: to the end of the stream; ``detail``: the error text of a failure; ``ttft_s``: to
+    the first token's event."""
 
     kind: str
     status_s: float
     total_s: float
     detail: str = ""
+    ttft_s: float | None = None
 
 
 async def one(http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> Outcome:
@@ -52,15 +54,19 @@ async def one(http: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: 
                 return Outcome("429", status_s, time.monotonic() - start)
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
-                return Outcome("failed", status_s, time.monotonic() - start, f"{resp.status_code} {text[:200]}")
-            done, error = False, ""
+                return Outcome("failed", status_s, time.monotonic() - start,
+                               f"{resp.status_code} {text[:200]}")
+            done, error, ttft = False, "", None
             async for line in resp.aiter_lines():
+                if ttft is None and line.startswith("data: {") and '"choices"' in line:
+                    ttft = time.monotonic() - start
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith("data: ") and '"error"' in line:
                     error = json.loads(line[6:]).get("error", {}).get("message", line)
             kind = "completed" if done and not error else "failed"
-            return Outcome(kind, status_s, time.monotonic() - start, error or ("" if done else "no [DONE]"))
+            return Outcome(kind, status_s, time.monotonic() - start, error or ("" if done else "no [DONE]"),
+                           ttft)
     except httpx.HTTPError as exc:
         return Outcome("failed", time.monotonic() - start, time.monotonic() - start, repr(exc))
 
@@ -119,9 +125,11 @@ def main() -> int:
             kinds = Counter(o.kind for o in outs)
             late = [o.status_s for o in outs if o.kind == "429"]
             done = sorted(o.total_s for o in outs if o.kind == "completed")
+            ttft = sorted(o.ttft_s for o in outs if o.kind == "completed" and o.ttft_s is not None)
             print(f"wave {i + 1}: {dict(kinds)} of {len(outs)} in {time.monotonic() - start:.1f} s; "
                   f"429 after max {max(late, default=0):.3f} s; completed in "
-                  f"{done[0] if done else 0:.1f}..{done[-1] if done else 0:.1f} s", flush=True)
+                  f"{done[0] if done else 0:.1f}..{done[-1] if done else 0:.1f} s, first token after "
+                  f"{ttft[0] if ttft else 0:.1f}..{ttft[-1] if ttft else 0:.1f} s", flush=True)
             for detail, n in Counter(o.detail for o in outs if o.kind == "failed").most_common(5):
                 print(f"  failed x{n}: {detail}")
             ok &= kinds["failed"] == 0 and all(s <= args.max_429_s for s in late)

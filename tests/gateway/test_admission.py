@@ -66,7 +66,7 @@ def gen(rid: str, num_tokens: int) -> GenerationInput:
 
 
 async def test_prefill_queue_longer_than_the_budget_is_a_429_with_retry_after() -> None:
-    s = Setup(budget_s=3.0, decode_free=(1000,), total=1000)
+    s = Setup(budget_s=3.3, decode_free=(1000,), total=1000)
     first = await s.orch.submit_all("a", [gen("a", 100)])
     many = [await s.orch.submit_all(f"q{i}", [gen(f"q{i}", 100)]) for i in range(5)]  # no rate yet: admitted
     s.clock.now += 1.0  # "a" took 1 s: 100 tokens/s
@@ -75,13 +75,13 @@ async def test_prefill_queue_longer_than_the_budget_is_a_429_with_retry_after() 
     s.orch.release(first[0])
     s.clock.now += 0.5
     await s.orch.on_worker_message(b"p1", FirstToken(request_id="q0", worker_id="p1", token_id=7))
-    assert s.admission.rates["p1"].tokens_per_s() == pytest.approx(180 / 1.3)  # (0.8·100+100) / (0.8·1+0.5)
+    assert s.admission.rates["p1"].tokens_per_s() == pytest.approx(195 / 1.45)  # (.95·100+100) / (.95·1+.5)
     s.orch.release(many[0][0])
-    await s.orch.submit_all("ok", [gen("ok", 100)])  # 400 tokens ahead at 138 tokens/s: 2.9 s
+    await s.orch.submit_all("ok", [gen("ok", 100)])  # 400 tokens ahead at 134.5 tokens/s: 3.0 s
     with pytest.raises(APIError) as refused:
-        await s.orch.submit_all("late", [gen("late", 100)])  # 500 ahead: 3.6 s > 3 s
+        await s.orch.submit_all("late", [gen("late", 100)])  # 500 ahead: 3.7 s > 3.3 s
     assert refused.value.status == 429 and refused.value.code == "overloaded"
-    assert refused.value.headers["Retry-After"] == "1" and "admission budget 3 s" in refused.value.message
+    assert refused.value.headers["Retry-After"] == "1" and "admission budget 3.3 s" in refused.value.message
     assert s.refused("prefill_queue") == 1 and "late" not in s.orch.requests
     assert not [m for _, m in s.sent if getattr(m, "request_id", None) == "late"]  # nothing went out
     for rid in list(s.orch.requests):
