@@ -59,11 +59,15 @@ class DecodeWorker(WorkerLoop):
 
     role: Role = "decode"
     reserve_timeout = 30.0  # seconds a ReserveKV may wait for free blocks
-    # KV deadline of a request = TransferConfig.timeout_s + this many seconds per prompt token: the deadline
-    # runs while the prefill worker computes the prompt, which on a slow (CPU) prefill worker takes longer
-    # than a flat timeout for long prompts. A dead prefill worker is still caught within the peer timeout
+    # KV deadline of a request, counted from its prefill worker's Begin (sent in the step that runs the
+    # prompt's last chunk) = TransferConfig.timeout_s + this many seconds per prompt token (a long last
+    # chunk on a slow CPU prefill worker). A dead prefill worker is still caught within the peer timeout
     # (heartbeats), not by this deadline.
     kv_deadline_per_token_s = 0.02
+    # seconds a reservation may wait for its prefill worker to begin (the prefill queue), counted from the
+    # reservation: a backstop only (the gateway aborts a request on its --request-timeout, default 600 s,
+    # and its admission control refuses work that would queue for longer than --admission-budget)
+    kv_claim_timeout_s = 600.0
 
     def __init__(self, settings: WorkerSettings, core: EngineCore, model_path: str,
                  receiver: KVReceiver | None = None) -> None:
@@ -116,7 +120,8 @@ class DecodeWorker(WorkerLoop):
             return False
         try:
             handle = self.receiver.expect(seq.request_id, list(seq.block_table),
-                                          timeout_s=self.kv_deadline_s(seq.num_prompt_tokens))
+                                          timeout_s=self.kv_deadline_s(seq.num_prompt_tokens),
+                                          claim_timeout_s=self.kv_claim_timeout_s)
         except Exception:
             self.core.scheduler.abort(seq.request_id)
             raise
@@ -126,9 +131,9 @@ class DecodeWorker(WorkerLoop):
         return True
 
     def kv_deadline_s(self, num_prompt_tokens: int) -> float:
-        """Seconds the KV of a prompt of ``num_prompt_tokens`` tokens may take to land, counted from the
-        reservation (so it includes the prefill compute): ``timeout_s`` + ``kv_deadline_per_token_s`` per
-        token."""
+        """Seconds the KV of a prompt of ``num_prompt_tokens`` tokens may take to land, counted from its
+        prefill worker's Begin (the time it waited in the prefill queue does not count):
+        ``timeout_s`` + ``kv_deadline_per_token_s`` per token."""
         return self.receiver.config.timeout_s + num_prompt_tokens * self.kv_deadline_per_token_s
 
     def drop(self, request_id: str) -> None:

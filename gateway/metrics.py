@@ -107,6 +107,9 @@ class GatewayMetrics:
             self.retries.labels(cause)
             self.migrations.labels(cause)
         self.in_flight = Gauge("pdserve_requests_in_flight", "requests being served", registry=r)
+        self.admission_refused = Counter("pdserve_admission_refused", "requests refused at admission by "
+                                         "reason (prefill_queue, kv_blocks: 429; prompt_too_long: 400)",
+                                         ["reason"], registry=r)
 
     def set_worker_load(self, worker_id: str, role: str, load: WorkerLoad) -> None:
         """Update one worker's series from a heartbeat or registration (counts in requests / blocks;

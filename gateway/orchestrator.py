@@ -55,6 +55,7 @@ from typing import Any, Literal
 import msgspec
 
 from engine.sampling_params import SamplingParams
+from gateway.admission import Admission
 from gateway.errors import APIError, bad_request, gateway_timeout, queue_full, unavailable, upstream_failed
 from gateway.metrics import GatewayMetrics
 from gateway.registry import WorkerEntry
@@ -203,9 +204,11 @@ class Orchestrator:
     token (see the module docstring)."""
 
     def __init__(self, router: Router, metrics: GatewayMetrics, send: Send, max_queue: int,
-                 request_timeout: float, max_retries: int = 2, max_migrations: int = 1) -> None:
+                 request_timeout: float, admission: Admission | None = None, max_retries: int = 2,
+                 max_migrations: int = 1) -> None:
         self.router, self.registry, self.metrics = router, router.registry, metrics
         self._send, self.max_queue, self.request_timeout = send, max_queue, request_timeout
+        self.admission = admission  # None: every routed request is admitted (gateway/admission.py)
         self.max_retries, self.max_migrations = max_retries, max_migrations
         self.requests: dict[str, GatewayRequest] = {}
         self.released: OrderedDict[str, None] = OrderedDict()  # worker ids that workers may still hold
@@ -234,8 +237,9 @@ class Orchestrator:
         sent are released when one cannot be). Each gets a fresh worker request id.
 
         Raises:
-            APIError: 400 (a request with the same X-Request-Id is still in flight), 429 (queue full,
-                counting all choices) or 503 (no worker can serve).
+            APIError: 400 (a request with the same X-Request-Id is still in flight, or a prompt no worker
+                can hold), 429 (queue full, counting all choices, or refused by admission control) or 503
+                (no worker can serve).
         """
         wanted = {inp.request_id for inp in inputs}
         if any(self.client_request_id(rid) in wanted for rid in self.requests):
@@ -262,12 +266,14 @@ class Orchestrator:
         """Admit, route and send the first message of one request (step 1).
 
         Raises:
-            APIError: 429 when ``max_queue`` requests are in flight.
+            APIError: 429 when ``max_queue`` requests are in flight; 400/429 from admission control.
             NoWorkerError: no live worker can serve it (→ 503).
         """
         if len(self.requests) >= self.max_queue:
             raise queue_full()
         route = self.router.route(inp.prompt_token_ids, inp.sampling.max_tokens)
+        if self.admission is not None:
+            route = self.admission.admit(inp.request_id, len(inp.prompt_token_ids), route)
         req = GatewayRequest(inp, route)
         self.requests[inp.request_id] = req
         self.metrics.in_flight.set(len(self.requests))
@@ -305,6 +311,8 @@ class Orchestrator:
         (released, or never here), except to ``RequestFinished`` / ``RequestFailed``."""
         req = self.requests.get(msg.request_id)
         if req is not None:
+            if isinstance(msg, FirstToken) and self.admission is not None:
+                self.admission.first_token(msg)
             req.inbox.put_nowait(msg)
         elif not isinstance(msg, RequestFinished | RequestFailed):
             await self._send(identity, AbortRequest(request_id=msg.request_id, reason="unknown request"))
@@ -416,6 +424,8 @@ class Orchestrator:
         ``AbortRequest``), every holder gets ``AbortRequest`` (in a background task)."""
         old_id = req.request_id
         self.requests.pop(old_id, None)
+        if self.admission is not None:
+            self.admission.forget(old_id)
         self._remember_released(old_id)
         for worker_id, identity in list(req.holders.items()):
             self._drop_holder(req, worker_id)
@@ -443,6 +453,8 @@ class Orchestrator:
         a cancelled scope."""
         if self.requests.pop(req.request_id, None) is None:
             return
+        if self.admission is not None:
+            self.admission.forget(req.request_id)
         self._remember_released(req.request_id)
         self._spawn(self._abort_holders(req))
 

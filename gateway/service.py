@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 
+from gateway.admission import Admission
 from gateway.control_socket import ControlSocket
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator, WorkerMessage
@@ -48,8 +49,9 @@ class GatewayService:
         self.router = Router(self.registry, PrefixIndex(), settings.disagg_threshold,
                              settings.allow_local_prefill)
         self.orchestrator = Orchestrator(self.router, metrics, self.send, settings.max_queue,
-                                         settings.request_timeout, settings.max_retries,
-                                         settings.max_migrations)
+                                         settings.request_timeout,
+                                         Admission(self.registry, settings.admission_budget, metrics),
+                                         settings.max_retries, settings.max_migrations)
         self.control: ControlSocket | None = None
         self._tasks: list[asyncio.Task[None]] = []
 

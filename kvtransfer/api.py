@@ -174,11 +174,16 @@ class KVReceiver(Protocol):
         zmq.ZMQError if the bind fails."""
         ...
 
-    def expect(self, request_id: str, block_ids: list[int], timeout_s: float | None = None) -> KVHandle:
+    def expect(self, request_id: str, block_ids: list[int], timeout_s: float | None = None,
+               claim_timeout_s: float | None = None) -> KVHandle:
         """Register a request whose KV will land in `block_ids` (token order; contiguous runs make fewer,
-        larger writes) within `timeout_s` s (default config.timeout_s, counted from now); returns the
-        KVHandle for the sender. Raises ValueError on a duplicate request id, empty, repeated or
-        out-of-range block ids."""
+        larger writes); returns the KVHandle for the sender. Two deadlines, in seconds: a sender must
+        claim the request (Begin; a prefill worker begins in the step that runs the prompt's last chunk)
+        within `claim_timeout_s` from now (default: `timeout_s`), then a layer must land within
+        `timeout_s` (default config.timeout_s) of that Begin and of each landed layer, so neither time
+        spent in the sender's queue nor a slow but progressing prefill step fails the transfer. Raises
+        ValueError on a duplicate request id, empty, repeated or out-of-range block ids, or a timeout <= 0.
+        """
         ...
 
     def abort(self, request_id: str) -> None:

@@ -8,11 +8,13 @@ notices to trust) senders.py.
 Block lifetime: a request's blocks are releasable only when no write can still land in them: after
 DONE, after the claiming sender said Stopped, when no sender claimed the request (Begin; a sender that
 gives it up first says Withdraw), or when its deadline passed and its sender is gone (lost, or back
-with a new epoch). A sender dropped while alive (e.g. its loop stalled past peer_timeout_s) is told
-so: any message but Hello from a sender we do not know is answered with Rehandshake. Its dropped
-requests stay FAILED and held until their deadline, whatever it says later: no Stopped of it is
-trusted for them (its writes were cancelled, not completed). Withdraw ends only a request no sender
-claimed: no write ever landed in its blocks, so they are releasable at once.
+with a new epoch). A request's deadline is first its claim deadline (no Begin yet: the sender may still
+be computing earlier prompts), then `handle.timeout_s` from its Begin or its last landed layer. A
+sender dropped while alive (e.g. its loop stalled past peer_timeout_s) is told so: any message but
+Hello from a sender we do not know is answered with Rehandshake. Its dropped requests stay FAILED and
+held until their deadline, whatever it says later: no Stopped of it is trusted for them (its writes
+were cancelled, not completed). Withdraw ends only a request no sender claimed: no write ever landed in
+its blocks, so they are releasable at once.
 
 One loop step: wait (an idle poll; naps with `transport.poll()` between them while a request is
 TRANSFERRING, i.e. during its sender's prefill; nothing while a command waits or a two-sided transport
@@ -86,17 +88,21 @@ class ReceiverEndpoint:
         self._poller.register(self._loop.waker.fd, zmq.POLLIN)
 
     # ---- the worker's surface (api.KVReceiver) -----------------------------------------------------
-    def expect(self, request_id: str, block_ids: list[int], timeout_s: float | None = None) -> KVHandle:
+    def expect(self, request_id: str, block_ids: list[int], timeout_s: float | None = None,
+               claim_timeout_s: float | None = None) -> KVHandle:
         """Register a request whose KV will land in `block_ids` (api.KVReceiver.expect)."""
         if not block_ids or len(set(block_ids)) != len(block_ids):
             raise ValueError(f"block_ids must be non-empty and distinct, got {block_ids[:8]}...")
         layer_pieces(self.layout, tuple(block_ids), 0)  # range check
         timeout = timeout_s or self.config.timeout_s
+        claim = timeout if claim_timeout_s is None else claim_timeout_s
+        if timeout <= 0 or claim <= 0:
+            raise ValueError(f"timeouts must be > 0 s, got timeout_s={timeout}, claim_timeout_s={claim}")
         handle = KVHandle(worker_id=self.config.worker_id, epoch=self.epoch, request_id=request_id,
                           block_ids=tuple(block_ids), layout=self.layout, address=self.address,
                           backend=self.config.backend, timeout_s=timeout)
         with self._requests.lock:
-            self._requests.add(RecvState(handle, time.monotonic() + timeout),
+            self._requests.add(RecvState(handle, time.monotonic() + claim),
                                f"request_id {request_id!r} already expected")
         return handle
 

@@ -5,7 +5,8 @@ epoch); only that sender's layers count (a LayerNotice on the control plane post
 two-sided transport; a one-sided transport's notices arrive with the data, senders.accepted judges
 them), and DONE, with Done to the sender, comes at the last layer. What else ends it: Stopped from its
 sender (it writes nothing more), Withdraw (a PENDING request no sender claimed), the worker's abort
-(receiver.py), its deadline (Abort to its sender), or its sender dropped (lost, restarted, or
+(receiver.py), its deadline (the claim deadline until Begin, then `timeout_s` from the Begin, moved
+on by each landed layer; Abort to its sender), or its sender dropped (lost, restarted, or
 drop_sender: FAILED and `gone`, blocks held until the deadline). `releasable` is the block-lifetime
 rule of receiver.py.
 """
@@ -121,6 +122,7 @@ class RecvControl:
                 why = "unknown request" if st is None else f"request is {st.status.name}"
                 return wire.BeginReply(msg.request_id, False, why)
             st.sender = identity
+            st.deadline = time.monotonic() + st.handle.timeout_s  # the transfer's own time starts now
             self.requests.set_status(st, S.TRANSFERRING)
         return wire.BeginReply(msg.request_id, True)
 
@@ -182,6 +184,7 @@ class RecvControl:
                 self._send(st.sender, wire.Fail(request_id, st.reason))
                 return
         st.layers.add(layer)
+        st.deadline = max(st.deadline, time.monotonic() + st.handle.timeout_s)  # progress extends it
         if len(st.layers) == self.layout.num_layers:
             st.stopped = True
             self.requests.set_status(st, S.DONE)
@@ -200,7 +203,10 @@ class RecvControl:
         with self.requests.lock:
             for st in self.requests:
                 if not st.status.is_terminal and now > st.deadline:
-                    self.requests.set_status(st, S.FAILED, f"deadline of {st.handle.timeout_s}s passed")
+                    why = (f"deadline passed: no layer landed within {st.handle.timeout_s}s of the Begin or "
+                           f"the last layer" if st.sender is not None
+                           else "deadline passed before any sender began the transfer")
+                    self.requests.set_status(st, S.FAILED, why)
                     if st.sender is not None:
                         self._send(st.sender, wire.Abort(st.request_id))
             self.requests.lock.notify_all()

@@ -95,6 +95,9 @@ class SendPath:
             if again:
                 raise ValueError(f"layer(s) {again} of {request_id!r} already sent")
             st.layers.update(wanted)
+            if wanted:  # progress: the backstop stays a heartbeat-timeout after the receiver's deadline
+                backstop = time.monotonic() + st.handle.timeout_s + self.config.peer_timeout_s
+                st.deadline = max(st.deadline, backstop)
         if not wanted:
             return
         # the writes (or gathers) must follow the caller's stream up to now: one event for all of them,

@@ -75,7 +75,9 @@ class KVHandle(msgspec.Struct, frozen=True):
     old handles stale). block_ids: destination blocks in token order. address: the receiver's control
     endpoint (zmq, e.g. "tcp://127.0.0.1:5555"); transport-specific metadata (NIXL agent metadata, ucxx
     worker address) travels in the connect handshake, not in every handle. timeout_s: the deadline of
-    the whole transfer in seconds, counted by each side from when it learns of the request.
+    the transfer in seconds, counted by the receiver from the sender's Begin and each landed layer
+    (before the Begin, the receiver's claim deadline applies: KVReceiver.expect), by the sender from
+    add_request and each layer handed off.
     """
 
     worker_id: str

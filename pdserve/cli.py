@@ -93,6 +93,8 @@ def _add_gateway(add: _EnvAdder) -> None:
         help="times a request is routed again to other workers when one fails it before its first token")
     add("--max-migrations", type=int, default=1,
         help="times a stream continues on other workers when its worker fails it mid-stream (0: off)")
+    add("--admission-budget", type=parse_duration, default=30.0,
+        help="429 when a request's prefill would wait longer (estimated; seconds, or e.g. 10s; 0: off)")
 
 
 def _add_worker(add: _EnvAdder, role: str) -> None:

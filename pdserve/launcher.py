@@ -4,8 +4,12 @@ Steps: convert/locate the model once (so workers do not race on the cache), pick
 for the control socket, start the gateway, then the workers (each a ``python -m pdserve.cli <role>``
 child), wait until the gateway's ``/ready`` answers 200, print the URL and an example request, and
 supervise: on Ctrl-C / SIGTERM / SIGHUP every child gets SIGTERM (SIGKILL after ``grace`` seconds), one
-line is printed per child stopped, and the exit code is 128 + the signal number (130 for Ctrl-C); if a
-child dies on its own, that is reported and the rest are stopped. Each child runs in a process group of
+line is printed per child stopped, and the exit code is 128 + the signal number (130 for Ctrl-C). Once
+the system is ready, a worker that exits is restarted after a backoff (``RestartPolicy``: 1 s, doubling
+up to 30 s) as a new incarnation (a new epoch: the gateway replaces its old entry and pairs it again)
+while the rest keep serving; a worker that exits ``max_exits`` times within ``window_s`` is reported in
+one line and given up on. Only the gateway's exit stops everything (exit code 1), as does a child that
+dies during start-up. Each child runs in a process group of
 its own, so a terminal's Ctrl-C (sent to the whole foreground group) reaches only the launcher: a child
 still importing torch is stopped by the launcher's SIGTERM, not interrupted mid-import with a
 KeyboardInterrupt traceback. Internal ports bind 127.0.0.1 only.
@@ -96,18 +100,54 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0) -> list[tup
     return children
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How ``pdserve up`` restarts a worker that exited: after ``backoff_s`` seconds, doubled for each
+    earlier exit within ``window_s`` seconds, at most ``max_backoff_s``; the ``max_exits``-th exit
+    within ``window_s`` seconds gives up on the worker."""
+
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    max_exits: int = 5
+    window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if (self.backoff_s < 0 or self.max_backoff_s < self.backoff_s or self.max_exits < 1
+                or self.window_s <= 0):
+            raise ValueError(f"bad restart policy {self}")
+
+    def delay(self, recent_exits: int) -> float:
+        """Seconds to wait before the restart that follows ``recent_exits`` exits (>= 1) in the window."""
+        return float(min(self.max_backoff_s, self.backoff_s * 2 ** (recent_exits - 1)))
+
+
+@dataclass
+class _ChildRestarts:
+    """One worker's exits (``time.monotonic()`` seconds), pending restart time and whether it was given
+    up on."""
+
+    exits: list[float] = field(default_factory=list)
+    restart_at: float | None = None
+    given_up: bool = False
+
+
 @dataclass
 class Supervisor:
-    """Starts children and stops them all; ``grace`` is seconds between SIGTERM and SIGKILL."""
+    """Starts children and stops them all; ``grace`` is seconds between SIGTERM and SIGKILL. A child is
+    ``command`` + its args; ``args`` and ``log_paths`` remember how each was started (``restart``)."""
 
     grace: float = 10.0
+    command: tuple[str, ...] = (sys.executable, "-m", "pdserve.cli")
     children: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    args: dict[str, list[str]] = field(default_factory=dict)
+    log_paths: dict[str, str | None] = field(default_factory=dict)
 
     def start(self, name: str, args: list[str], log_path: str | None = None) -> None:
-        """Start ``python -m pdserve.cli *args`` as child ``name`` in a new process group (signals sent to
-        the terminal's foreground group do not reach it: only ``stop_all`` stops it); its output goes to
-        ``log_path`` (a file, appended) or, by default, to this process's stdout/stderr."""
-        cmd = [sys.executable, "-m", "pdserve.cli", *args]
+        """Start ``command`` (``python -m pdserve.cli``) ``*args`` as child ``name`` in a new process group
+        (signals sent to the terminal's foreground group do not reach it: only ``stop_all`` stops it); its
+        output goes to ``log_path`` (a file, appended) or, by default, to this process's stdout/stderr."""
+        cmd = [*self.command, *args]
+        self.args[name], self.log_paths[name] = list(args), log_path
         if log_path is None:
             self.children[name] = subprocess.Popen(cmd, env=dict(os.environ), process_group=0)
         else:
@@ -115,6 +155,16 @@ class Supervisor:
                 self.children[name] = subprocess.Popen(cmd, env=dict(os.environ), stdout=out,
                                                        stderr=subprocess.STDOUT, process_group=0)
         log.info("started %s (pid %d)", name, self.children[name].pid)
+
+    def restart(self, name: str) -> None:
+        """Start child ``name`` again, as it was started (its earlier process has exited).
+
+        Raises:
+            RuntimeError: the child is still running. KeyError: no child of that name was started.
+        """
+        if self.children[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self.start(name, self.args[name], self.log_paths[name])
 
     def dead(self) -> list[tuple[str, int]]:
         """(name, exit code) of every child that has exited."""
@@ -174,10 +224,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
-    """Entry point of ``pdserve up``: start, wait for /ready, supervise until a signal or a child dies.
+    """Entry point of ``pdserve up``: start, wait for /ready, supervise (restarting workers that exit)
+    until a signal or the gateway's exit.
 
     Returns 128 + the signal number after a stop by signal (130: Ctrl-C, 143: SIGTERM, 129: SIGHUP; also
-    when it comes during start-up or the model conversion), 1 when a child died or start-up failed.
+    when it comes during start-up or the model conversion), 1 when the gateway exited, a child died
+    during start-up or start-up failed.
     """
     try:
         from engine.models.registry import resolve_model
@@ -240,11 +292,40 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
         return 1
     print(f"pdserve is ready at {url}  (OpenAI API under {url}/v1)\nTry:\n  {example(url, settings.model)}",
           flush=True)
+    return supervise(sup, stop, RestartPolicy())
+
+
+def supervise(sup: Supervisor, stop: list[int], policy: RestartPolicy, tick_s: float = 0.2) -> int:
+    """Watch the children every ``tick_s`` seconds until ``stop`` is non-empty (returns 0) or the child
+    ``gateway`` exits (returns 1): a worker that exits is restarted per ``policy`` (one line on stderr
+    for each exit, restart and give-up), the rest keep running."""
+    state: dict[str, _ChildRestarts] = {}
     while not stop:
-        dead = sup.dead()
-        if dead:
-            name, code = dead[0]
-            print(f"pdserve up: {name} exited with code {code}; stopping the rest", file=sys.stderr)
-            return 1
-        time.sleep(0.5)
+        now = time.monotonic()
+        for name, code in sup.dead():
+            if name == "gateway":
+                _say(f"gateway exited with code {code}; stopping the rest")
+                return 1
+            st = state.setdefault(name, _ChildRestarts())
+            if st.given_up or st.restart_at is not None:
+                continue
+            st.exits = [t for t in st.exits if now - t < policy.window_s] + [now]
+            if len(st.exits) >= policy.max_exits:
+                st.given_up = True
+                _say(f"{name} exited {len(st.exits)} times within {policy.window_s:g} s (last exit code "
+                     f"{code}); giving up on it, the rest keep serving")
+                continue
+            delay = policy.delay(len(st.exits))
+            st.restart_at = now + delay
+            _say(f"{name} exited with code {code}; restarting it in {delay:g} s")
+        for name, st in state.items():
+            if st.restart_at is not None and now >= st.restart_at and not stop:
+                st.restart_at = None
+                sup.restart(name)
+                _say(f"restarted {name} (pid {sup.children[name].pid})")
+        time.sleep(tick_s)
     return 0
+
+
+def _say(line: str) -> None:
+    print(f"pdserve up: {line}", file=sys.stderr, flush=True)

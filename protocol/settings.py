@@ -44,6 +44,7 @@ class GatewaySettings:
     heartbeat_timeout: float = 5.0
     max_retries: int = 2
     max_migrations: int = 1
+    admission_budget: float = 30.0
     log_level: str = "info"
     log_format: str = "text"
 
@@ -62,6 +63,8 @@ class GatewaySettings:
         _check(self.heartbeat_timeout > 0, "heartbeat-timeout", "must be > 0 seconds")
         _check(self.max_retries >= 0, "max-retries", f"must be >= 0, got {self.max_retries}")
         _check(self.max_migrations >= 0, "max-migrations", f"must be >= 0, got {self.max_migrations}")
+        _check(0 <= self.admission_budget < float("inf"), "admission-budget",
+               f"must be >= 0 seconds (0 turns the queue check off), got {self.admission_budget}")
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
 

@@ -74,6 +74,9 @@ def test_pods_wiring(overlay: str) -> None:
         pod = _pod(resources, name)
         assert pod["enableServiceLinks"] is False  # keeps kubelet's *_PORT variables out of PDSERVE_*
         assert pod["securityContext"]["runAsNonRoot"] is True
+        # a crashed worker or gateway is restarted by the kubelet (with its backoff): a Deployment's pods
+        # may only have restartPolicy Always, the default
+        assert pod.get("restartPolicy", "Always") == "Always", (overlay, name)
         (c,) = pod["containers"]
         assert {"readinessProbe", "livenessProbe", "startupProbe"} <= set(c)
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")

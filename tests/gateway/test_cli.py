@@ -134,3 +134,18 @@ def test_seconds_flags_take_durations_like_pdserve_bench() -> None:
     assert isinstance(two, GatewaySettings) and two.request_timeout == 120.0
     with pytest.raises(SystemExit, match="PDSERVE_REQUEST_TIMEOUT"):
         build_parser({"PDSERVE_REQUEST_TIMEOUT": "soon"})
+
+
+def test_admission_budget_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--admission-budget`` takes a duration (default 30 s, 0 turns the queue check off); a bad value is
+    one line naming the flag."""
+    s = settings_from_args(build_parser({}).parse_args(["gateway", "--admission-budget", "1500ms"]))
+    assert isinstance(s, GatewaySettings) and s.admission_budget == 1.5
+    default = settings_from_args(build_parser({}).parse_args(["gateway"]))
+    assert isinstance(default, GatewaySettings) and default.admission_budget == 30.0
+    with pytest.raises(SystemExit):
+        build_parser({}).parse_args(["gateway", "--admission-budget", "-1"])
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pdserve gateway: error")]
+    assert "argument --admission-budget" in line
+    with pytest.raises(SystemExit, match="PDSERVE_ADMISSION_BUDGET"):
+        build_parser({"PDSERVE_ADMISSION_BUDGET": "soon"})

@@ -47,6 +47,7 @@ def _fed_metrics() -> GatewayMetrics:
     m.set_worker_load("d0", "decode", WorkerLoad(num_running=3, num_free_blocks=5, num_total_blocks=10))
     m.requests.labels("/v1/completions", "200").inc()
     m.routes.labels("disaggregated").inc()
+    m.admission_refused.labels("prefill_queue").inc()
     m.workers.labels("prefill").set(1)
     m.observe_tokens(0.0, [0.1, 0.15, 0.2])
     return m

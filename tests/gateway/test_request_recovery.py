@@ -212,3 +212,22 @@ async def test_unreachable_decode_is_retried() -> None:
     orch.release(req)
     await asyncio.sleep(0.01)
     assert_clean(orch, registry)
+
+
+async def test_a_retried_attempt_leaves_the_admission_queue() -> None:
+    """The attempt a worker failed no longer counts as queued on its prefill worker: the admission
+    queue estimate would otherwise grow with every retry until it refused everything."""
+    from gateway.admission import Admission
+
+    orch, rec, registry, metrics = make()
+    orch.admission = Admission(registry, 30.0, metrics)
+    req = await orch.submit(GenerationInput("r", PROMPT, SamplingParams(max_tokens=4)))
+    assert orch.admission.queued_tokens("p1") == len(PROMPT)
+    rec.take()
+    await orch.on_worker_message(b"d1", RequestFailed(request_id="r", worker_id="d1", error="gone"))
+    with pytest.raises(asyncio.TimeoutError):  # the retry went out; no worker answers it here
+        await asyncio.wait_for(orch.next_output(req), 0.2)
+    assert req.request_id != "r" and orch.admission.queued_tokens("p1") == 0
+    orch.release(req)
+    await asyncio.sleep(0)
+    assert orch.admission.queued_tokens("p1") == 0

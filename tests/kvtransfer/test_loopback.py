@@ -122,6 +122,40 @@ def test_deadline_fails_both_sides(pair):
     release_both(tx, rx, "a", WAIT, leaks=True)
 
 
+def test_deadline_counts_from_begin_not_from_expect(pair):
+    """A request waiting in its sender's queue (no Begin yet) longer than its transfer deadline still
+    completes: the transfer's `timeout_s` starts at the Begin. Unclaimed, it fails at its claim deadline."""
+    tx, rx, src, dst = pair
+    handle = rx.expect("a", [1, 2], timeout_s=0.3, claim_timeout_s=30.0)
+    rx.expect("never", [3], timeout_s=30.0, claim_timeout_s=0.3)
+    time.sleep(0.6)  # the prefill queue: twice the transfer deadline
+    assert rx.status("a") is S.PENDING
+    tx.add_request(handle, [0, 1])
+    tx.send_layers("a")
+    assert rx.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE
+    assert torch.equal(dst[:, :, [1, 2]], src[:, :, [0, 1]])
+    assert rx.wait("never", WAIT) is S.FAILED and "before any sender began" in rx.reason("never")
+    release_both(tx, rx, "a", WAIT)
+    rx.release("never")
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+
+
+def test_each_landed_layer_moves_the_deadline_on(pair):
+    """A slow but progressing sender (a long prefill step on a loaded CPU hands its layers off one by one)
+    is not failed: each landed layer gives the transfer another `timeout_s`; silence still fails it."""
+    tx, rx, src, dst = pair
+    tx.add_request(rx.expect("a", [1, 2], timeout_s=0.5), [0, 1])
+    layers = src.shape[0]
+    for layer in range(layers):
+        tx.send_layer("a", layer)
+        if layer < layers - 1:
+            time.sleep(0.8 / (layers - 1))  # 0.8 s in all, more than the deadline, each gap less
+    assert rx.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE
+    assert torch.equal(dst[:, :, [1, 2]], src[:, :, [0, 1]])
+    release_both(tx, rx, "a", WAIT, leaks=True)
+
+
 def test_checksum_detects_corruption(pair):
     tx, rx, _src, _dst = pair
     tx.add_request(rx.expect("a", [1, 2]), [0, 1])

@@ -5,6 +5,7 @@ blocks with a deadline. Every test ends with the leak check (blocks free, nothin
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -161,6 +162,7 @@ def test_sender_failure_sends_request_failed_and_frees_blocks(decode):
 
 def test_transfer_deadline_fails_request(model_dir):
     decode = decode_worker(model_dir, timeout_s=0.3)
+    decode.kv_claim_timeout_s = 0.3  # no prefill worker ever begins
     try:
         _reserve(decode, "r", 5)
         msgs: list[Any] = []
@@ -225,9 +227,39 @@ def test_abort_running_request_frees_blocks(model_dir):
         close(decode)
 
 
+def test_request_queued_for_prefill_longer_than_the_kv_deadline_completes(model_dir):
+    """The KV deadline counts from the prefill worker's Begin, not from the reservation: a request that
+    waits in the prefill queue longer than that deadline still completes (it failed with "deadline of
+    36.0s passed" under a burst of long prompts against one CPU prefill worker)."""
+    prompt, sampling = list(range(20, 31)), wire(3, ignore_eos=True)
+    prefill, decode = prefill_worker(model_dir), decode_worker(model_dir, timeout_s=0.3)
+    decode.kv_deadline_per_token_s = 0.0
+    try:
+        [res] = of_type(run(decode, ReserveKV(request_id="r", prompt_token_ids=prompt, sampling=sampling,
+                                              prefill_worker_id="p0")), KVReserved)
+        assert decode_handle(res.kv_handle).timeout_s == pytest.approx(0.3)
+        end = time.monotonic() + 0.9  # queued behind other prompts: three times the KV deadline
+        while time.monotonic() < end:
+            assert run(decode) == []
+            time.sleep(0.01)
+        assert decode.receiver.status("r") is TransferStatus.PENDING
+        req = PrefillRequest(request_id="r", prompt_token_ids=prompt, sampling=sampling,
+                             kv_handle=res.kv_handle)
+        [first] = of_type(run(prefill, req), FirstToken)
+        decode.deliver(DecodeRequest(request_id="r", first_token_id=first.token_id))
+        msgs: list[Any] = []
+        pump([prefill, decode], lambda: bool(of_type(msgs, RequestFinished)) and not prefill.busy(),
+             sink=msgs)
+        assert of_type(msgs, RequestFailed) == [] and len(of_type(msgs, NextToken)) == 2
+        assert_clean(prefill, decode)
+    finally:
+        close(prefill)
+        close(decode)
+
+
 def test_kv_deadline_grows_with_the_prompt(decode):
-    """The KV deadline counts from the reservation, so it includes the prefill compute: it grows with the
-    prompt (a flat 30 s is too short for a 5000-token prompt on a slow CPU prefill worker)."""
+    """The KV deadline (from the prefill worker's Begin, which comes with the prompt's last chunk) grows
+    with the prompt: a long last chunk on a slow CPU prefill worker takes longer than a flat 30 s."""
     base = decode.receiver.config.timeout_s
     short = _handle(_reserve(decode, "s", 4), "s")
     long = _handle(_reserve(decode, "l", 20), "l")

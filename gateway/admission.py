@@ -1,0 +1,212 @@
+"""Admission control: refuse, at once, work the workers could not start in time (no torch).
+
+Called by the orchestrator for each routed request before its first message goes out (``admit``), and
+told of each ``FirstToken`` (``first_token``) and of each released request (``forget``). Three answers:
+
+* **400** (``prompt_too_long``): the prompt needs more KV blocks than the whole pool of the prefill
+  worker, or of every compatible decode worker (it could never run, retrying does not help);
+* **429** (``kv_blocks``): no compatible decode worker has the prompt's blocks free now: its last
+  heartbeat's ``num_free_blocks`` minus the blocks of the requests routed to it since that heartbeat
+  (the decode worker would otherwise queue the reservation, and fail it after 30 s);
+* **429** (``prefill_queue``): the prompt tokens routed to the chosen first-token worker (prefill, or
+  colocated) and not yet answered by a ``FirstToken``, divided by that worker's measured prefill rate,
+  exceed the budget (``--admission-budget`` seconds). Before the worker's first measurement, admit.
+
+The prefill rate of a worker is measured from what the gateway sees: a request routed at ``t0`` whose
+``FirstToken`` arrives at ``t1`` kept the worker busy from ``max(t0, the worker's previous FirstToken)``
+to ``t1`` (one server working through its queue); its prompt tokens (minus the prefix-cache hit) over
+that time, both summed with exponential decay over the last requests (``DECAY``), is the rate. Requests
+finishing in one batch add their tokens with little time each: the sums stay right.
+
+Every 429 carries ``Retry-After`` (whole seconds, at least 1). Refusals are counted in
+``pdserve_admission_refused_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from gateway.errors import APIError, bad_request
+from gateway.metrics import GatewayMetrics
+from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
+from gateway.router import Route
+from protocol.messages import FirstToken, WorkerLoad
+
+# weight of the history at each new measurement: about the last 20 requests count, several prefill steps
+# (the requests of one step report nearly together, the first with the whole step's time)
+DECAY = 0.95
+
+
+@dataclass(slots=True)
+class _Routed:
+    """One admitted request not yet answered by a FirstToken: its first-token worker, prompt tokens and
+    routing time (monotonic seconds)."""
+
+    worker_id: str
+    tokens: int
+    routed_at: float
+
+
+@dataclass(slots=True)
+class PrefillRate:
+    """One worker's measured prefill rate: decayed sums of prompt tokens computed and busy seconds, and
+    the time (monotonic seconds) of its last FirstToken."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    last_first_token: float = -math.inf
+
+    def observe(self, tokens: int, routed_at: float, now: float) -> None:
+        """A FirstToken at ``now`` for ``tokens`` computed prompt tokens of a request routed at
+        ``routed_at``."""
+        busy = max(0.0, now - max(routed_at, self.last_first_token))
+        self.tokens = self.tokens * DECAY + tokens
+        self.seconds = self.seconds * DECAY + busy
+        self.last_first_token = now
+
+    def tokens_per_s(self) -> float | None:
+        """Prompt tokens per second, or None before a measurement with busy time."""
+        return self.tokens / self.seconds if self.seconds > 1e-6 and self.tokens > 0 else None
+
+
+@dataclass(slots=True)
+class _Reserved:
+    """Blocks of the requests routed to one decode worker since its heartbeat ``load`` (the object of
+    that heartbeat: a newer heartbeat already counts them)."""
+
+    load: WorkerLoad
+    blocks: int
+
+
+class Admission:
+    """Admission checks of one gateway over the workers of ``registry``. ``budget_s``: the longest
+    estimated wait (seconds) before a request's prefill starts that is still admitted, 0 = no queue
+    check (the KV and size checks stay). ``clock`` returns monotonic seconds (injectable for tests)."""
+
+    def __init__(self, registry: WorkerRegistry, budget_s: float, metrics: GatewayMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry, self.budget_s, self.metrics, self._clock = registry, budget_s, metrics, clock
+        self.rates: dict[str, PrefillRate] = {}
+        self._routed: dict[str, _Routed] = {}
+        self._reserved: dict[str, _Reserved] = {}
+
+    # ---- the checks ------------------------------------------------------------------------------
+    def admit(self, request_id: str, num_prompt_tokens: int, route: Route) -> Route:
+        """Check a routed request and record it; returns the route to use (another compatible decode
+        worker when the chosen one lacks free blocks and another has them).
+
+        Raises:
+            APIError: 400 when the prompt can never fit a worker's KV pool, 429 (with Retry-After) when
+                no compatible decode worker has its blocks free now or the first-token worker's queue
+                would make it wait longer than the budget.
+        """
+        first = route.prefill if route.kind != "colocated" else route.colocated
+        if first is not None:
+            self._check_fits(first, num_prompt_tokens)
+        if route.kind == "disaggregated":
+            route = self._with_free_decode(route, num_prompt_tokens)
+        if first is not None:
+            self._check_queue(first, num_prompt_tokens)
+            self._routed[request_id] = _Routed(first.worker_id, num_prompt_tokens, self._clock())
+        if route.kind == "disaggregated" and route.decode is not None:
+            self._reserve(route.decode, num_prompt_tokens)
+        return route
+
+    def _check_fits(self, worker: WorkerEntry, num_prompt_tokens: int) -> None:
+        total = worker.load.num_total_blocks
+        need = _blocks(num_prompt_tokens, worker)
+        if total and need > total:
+            self._refuse("prompt_too_long")
+            raise bad_request(f"the prompt ({num_prompt_tokens} tokens) needs {need} KV blocks; "
+                              f"{worker.role} worker {worker.worker_id} holds {total} in all",
+                              "prompt", "prompt_too_long")
+
+    def _with_free_decode(self, route: Route, num_prompt_tokens: int) -> Route:
+        assert route.decode is not None and route.prefill is not None
+        if self._free_for(route.decode, num_prompt_tokens):
+            return route
+        prefill = route.prefill
+        others = [d for d in self.registry.live("decode")
+                  if d is not route.decode and pairing_mismatch(prefill.info, d.info) is None]
+        fitting = [d for d in others if self._free_for(d, num_prompt_tokens)]
+        if fitting:
+            return replace(route, decode=max(fitting, key=self.free_blocks))
+        candidates = [route.decode, *others]
+        totals = [d.load.num_total_blocks for d in candidates]
+        most = max(totals)
+        if all(totals) and all(_blocks(num_prompt_tokens, d) > d.load.num_total_blocks for d in candidates):
+            self._refuse("prompt_too_long")
+            raise bad_request(f"the prompt ({num_prompt_tokens} tokens) needs more KV blocks than any decode "
+                              f"worker holds in all (largest pool: {most} blocks)", "prompt",
+                              "prompt_too_long")
+        self._refuse("kv_blocks")
+        raise _too_many(f"no decode worker has the {_blocks(num_prompt_tokens, route.decode)} free KV blocks "
+                        f"this prompt ({num_prompt_tokens} tokens) needs now; retry later", "kv_full", 1)
+
+    def _check_queue(self, worker: WorkerEntry, num_prompt_tokens: int) -> None:
+        if self.budget_s <= 0:
+            return
+        rate = self.rates.get(worker.worker_id)
+        tokens_per_s = rate.tokens_per_s() if rate is not None else None
+        if tokens_per_s is None:
+            return  # no measurement yet: admit
+        ahead = self.queued_tokens(worker.worker_id)
+        wait = ahead / tokens_per_s
+        if wait > self.budget_s:
+            self._refuse("prefill_queue")
+            raise _too_many(f"overloaded: about {wait:.0f} s of prompts are queued ahead of this one on "
+                            f"{worker.role} worker {worker.worker_id} (admission budget "
+                            f"{self.budget_s:g} s); retry later", "overloaded",
+                            max(1, math.ceil(wait - self.budget_s)))
+
+    # ---- decode blocks ---------------------------------------------------------------------------
+    def free_blocks(self, decode: WorkerEntry) -> int:
+        """Blocks free on ``decode``: its last heartbeat's count minus the blocks routed to it since."""
+        held = self._reserved.get(decode.worker_id)
+        since = held.blocks if held is not None and held.load is decode.load else 0
+        return decode.load.num_free_blocks - since
+
+    def _free_for(self, decode: WorkerEntry, num_prompt_tokens: int) -> bool:
+        if not decode.load.num_total_blocks:  # no load reported yet: nothing to judge by
+            return True
+        return self.free_blocks(decode) >= _blocks(num_prompt_tokens, decode)
+
+    def _reserve(self, decode: WorkerEntry, num_prompt_tokens: int) -> None:
+        held = self._reserved.get(decode.worker_id)
+        if held is None or held.load is not decode.load:
+            held = self._reserved[decode.worker_id] = _Reserved(decode.load, 0)
+        held.blocks += _blocks(num_prompt_tokens, decode)
+
+    # ---- what the orchestrator reports -------------------------------------------------------------
+    def first_token(self, msg: FirstToken) -> None:
+        """A FirstToken arrived: measure its worker's prefill rate; the request no longer queues."""
+        routed = self._routed.pop(msg.request_id, None)
+        if routed is None or routed.worker_id != msg.worker_id:
+            return
+        computed = max(1, routed.tokens - msg.num_cached_tokens)
+        self.rates.setdefault(msg.worker_id, PrefillRate()).observe(computed, routed.routed_at, self._clock())
+
+    def queued_tokens(self, worker_id: str) -> int:
+        """Prompt tokens of the admitted requests not yet answered by a FirstToken whose first-token
+        worker is ``worker_id``."""
+        return sum(r.tokens for r in self._routed.values() if r.worker_id == worker_id)
+
+    def forget(self, request_id: str) -> None:
+        """The request was released (finished, failed, aborted): it no longer queues anywhere."""
+        self._routed.pop(request_id, None)
+
+    def _refuse(self, reason: str) -> None:
+        self.metrics.admission_refused.labels(reason).inc()
+
+
+def _blocks(num_tokens: int, worker: WorkerEntry) -> int:
+    """KV blocks ``num_tokens`` tokens fill on ``worker``."""
+    return -(-num_tokens // max(1, worker.info.compat.block_size))
+
+
+def _too_many(message: str, code: str, retry_after_s: int) -> APIError:
+    """429 with ``Retry-After`` (whole seconds)."""
+    return APIError(429, message, "rate_limit_error", None, code, {"Retry-After": str(retry_after_s)})

@@ -1,0 +1,131 @@
+"""Admission control (gateway/admission.py) through the orchestrator, without processes: a registry with
+prefill ``p1`` and decode workers, loads set by hand (as heartbeats set them), a clock moved by hand.
+429s carry Retry-After and are counted by reason; a prompt no worker can hold is a 400. Each test ends
+with nothing in flight."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from gateway.admission import Admission
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+from gateway.orchestrator import GenerationInput, Orchestrator
+from gateway.prefix_index import PrefixIndex
+from gateway.registry import WorkerRegistry
+from gateway.router import Router
+from kvtransfer.compat import KVCompat
+from protocol.messages import FirstToken, Message, RegisterWorker, ReserveKV, WorkerLoad
+from protocol.settings import GatewaySettings
+
+COMPAT = KVCompat(dtype="float32", block_size=4, transfer_backend="loopback")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Setup:
+    def __init__(self, budget_s: float = 2.0, decode_free: tuple[int, ...] = (100,),
+                 total: int = 100) -> None:
+        self.registry = WorkerRegistry(heartbeat_timeout=60.0)
+        pool = WorkerLoad(num_free_blocks=total, num_total_blocks=total)
+        self.registry.register(RegisterWorker(role="prefill", worker_id="p1", epoch=1, model="m",
+                                              model_path="", compat=COMPAT, load=pool), b"p1")
+        for i, free in enumerate(decode_free):
+            wid = f"d{i + 1}"
+            self.registry.register(RegisterWorker(role="decode", worker_id=wid, epoch=1, model="m",
+                                                  model_path="", compat=COMPAT,
+                                                  load=WorkerLoad(num_free_blocks=free,
+                                                                  num_total_blocks=total)),
+                                   wid.encode())
+        self.sent: list[tuple[bytes, Message]] = []
+        self.clock, self.metrics = Clock(), GatewayMetrics()
+        self.admission = Admission(self.registry, budget_s, self.metrics, self.clock)
+        self.orch = Orchestrator(Router(self.registry, PrefixIndex()), self.metrics, self.send, max_queue=64,
+                                 request_timeout=5.0, admission=self.admission)
+
+    async def send(self, identity: bytes, msg: Message) -> bool:
+        self.sent.append((identity, msg))
+        return True
+
+    def refused(self, reason: str) -> float:
+        return self.metrics.admission_refused.labels(reason)._value.get()
+
+    def heartbeat(self, worker_id: str, free: int, total: int = 100) -> None:
+        assert self.registry.touch(worker_id, 1, WorkerLoad(num_free_blocks=free, num_total_blocks=total))
+
+
+def gen(rid: str, num_tokens: int) -> GenerationInput:
+    return GenerationInput(rid, list(range(3, 3 + num_tokens)), SamplingParams(max_tokens=4))
+
+
+async def test_prefill_queue_longer_than_the_budget_is_a_429_with_retry_after() -> None:
+    s = Setup(budget_s=3.3, decode_free=(1000,), total=1000)
+    first = await s.orch.submit_all("a", [gen("a", 100)])
+    many = [await s.orch.submit_all(f"q{i}", [gen(f"q{i}", 100)]) for i in range(5)]  # no rate yet: admitted
+    s.clock.now += 1.0  # "a" took 1 s: 100 tokens/s
+    await s.orch.on_worker_message(b"p1", FirstToken(request_id="a", worker_id="p1", token_id=7))
+    assert s.admission.rates["p1"].tokens_per_s() == pytest.approx(100.0)
+    s.orch.release(first[0])
+    s.clock.now += 0.5
+    await s.orch.on_worker_message(b"p1", FirstToken(request_id="q0", worker_id="p1", token_id=7))
+    assert s.admission.rates["p1"].tokens_per_s() == pytest.approx(195 / 1.45)  # (.95·100+100) / (.95·1+.5)
+    s.orch.release(many[0][0])
+    await s.orch.submit_all("ok", [gen("ok", 100)])  # 400 tokens ahead at 134.5 tokens/s: 3.0 s
+    with pytest.raises(APIError) as refused:
+        await s.orch.submit_all("late", [gen("late", 100)])  # 500 ahead: 3.7 s > 3.3 s
+    assert refused.value.status == 429 and refused.value.code == "overloaded"
+    assert refused.value.headers["Retry-After"] == "1" and "admission budget 3.3 s" in refused.value.message
+    assert s.refused("prefill_queue") == 1 and "late" not in s.orch.requests
+    assert not [m for _, m in s.sent if getattr(m, "request_id", None) == "late"]  # nothing went out
+    for rid in list(s.orch.requests):
+        s.orch.release(s.orch.requests[rid])
+    await s.orch.submit_all("later", [gen("later", 100)])  # the queue drained: admitted again
+    s.orch.release(s.orch.requests["later"])
+    assert not s.orch.requests and not s.admission._routed
+
+
+async def test_no_free_decode_blocks_is_an_immediate_429_until_a_heartbeat_frees_some() -> None:
+    s = Setup(decode_free=(5,))
+    await s.orch.submit_all("a", [gen("a", 12)])  # 3 of 5 blocks
+    with pytest.raises(APIError) as refused:
+        await s.orch.submit_all("b", [gen("b", 12)])  # 2 left (reserved since the heartbeat): no
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "1"
+    assert refused.value.code == "kv_full" and s.refused("kv_blocks") == 1
+    assert [type(m).__name__ for _, m in s.sent] == ["ReserveKV"]
+    s.heartbeat("d1", free=5)  # a newer heartbeat counts the reservation itself
+    await s.orch.submit_all("b", [gen("b", 20)])
+    for rid in list(s.orch.requests):
+        s.orch.release(s.orch.requests[rid])
+
+
+async def test_another_compatible_decode_worker_with_free_blocks_is_chosen() -> None:
+    s = Setup(decode_free=(1, 50))
+    s.heartbeat("d2", free=50)
+    s.registry.get("d2").requests.update({"x1", "x2"})  # d2 looks busier: the router picks d1 first
+    [req] = await s.orch.submit_all("a", [gen("a", 12)])
+    assert req.route.decode is not None and req.route.decode.worker_id == "d2"
+    assert isinstance(s.sent[0][1], ReserveKV) and s.sent[0][0] == b"d2"
+    s.registry.get("d2").requests -= {"x1", "x2"}
+    s.orch.release(req)
+
+
+async def test_a_prompt_larger_than_any_pool_is_a_400_not_a_429() -> None:
+    s = Setup(decode_free=(8,), total=8)
+    with pytest.raises(APIError) as refused:
+        await s.orch.submit_all("a", [gen("a", 40)])  # 10 blocks of 4 > 8 in all
+    assert refused.value.status == 400 and refused.value.code == "prompt_too_long"
+    assert s.refused("prompt_too_long") == 1 and not s.sent and not s.orch.requests
+
+
+def test_admission_budget_is_validated_with_the_flag_named() -> None:
+    with pytest.raises(ValueError, match="--admission-budget"):
+        GatewaySettings(admission_budget=-1.0)
+    assert GatewaySettings().admission_budget == 30.0
+    assert GatewaySettings(admission_budget=0).admission_budget == 0  # 0: no queue check
