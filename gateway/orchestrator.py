@@ -227,7 +227,8 @@ class Orchestrator:
             await self._hold_and_send(req, route.colocated, ColocatedRequest(
                 request_id=inp.request_id, prompt_token_ids=inp.prompt_token_ids, sampling=inp.sampling))
         log_event(log, "request_routed", request_id=inp.request_id, kind=route.kind,
-                  prompt_tokens=len(inp.prompt_token_ids), fallback=route.fallback)
+                  prompt_tokens=len(inp.prompt_token_ids), fallback=route.fallback,
+                  workers=",".join(w.worker_id for w in (route.prefill, route.decode, route.colocated) if w))
         return req
 
     # ---- messages from workers --------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Live pdserve systems of real processes on 127.0.0.1, for the system tests and the benchmarks.
 
-A system is a gateway plus either one prefill and one decode worker (``disagg``, KV over NIXL by
-default) or one colocated worker per device (``colocated``; the gateway balances them by in-flight
-requests). A worker placed on ``cuda:N`` gets ``--device cuda:N``, as ``pdserve up`` places its workers
-(the engine makes that device current in every thread that runs a step); all GPUs stay visible, so
-NIXL/UCX ``cuda_ipc`` over NVLink can map the peer's KV blocks. The environment (e.g.
+A system is a gateway plus either prefill workers (one by default) and one decode worker (``disagg``,
+KV over NIXL by default) or one colocated worker per device (``colocated``; the gateway balances them by
+in-flight requests). A worker placed on ``cuda:N`` gets ``--device cuda:N``, as ``pdserve up`` places its
+workers (the engine makes that device current in every thread that runs a step); all GPUs stay visible,
+so NIXL/UCX ``cuda_ipc`` over NVLink can map the peer's KV blocks. The environment (e.g.
 ``NCCL_NVLS_ENABLE=0``, ``PDSERVE_LOG_LEVEL``) is inherited.
 
 * ``live_systems`` starts several systems at once and waits for all of them (their start-ups overlap:
@@ -43,6 +43,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 class SystemSpec:
     """What to start. ``devices``: one per worker (disagg: prefill then decode; colocated: one worker
     each), ``cpu``/``auto``/``cuda``/``cuda:N``; None = the workers' default device, one colocated worker.
+    ``num_prefill``: prefill workers of a disagg system (children ``prefill``, ``prefill-1``, ...).
     ``num_blocks``: KV blocks (of 16 tokens) per worker. ``worker_flags``/``gateway_flags``: extra flags.
     ``heartbeat_timeout_s``: the gateway declares a silent worker dead after this many seconds.
     ``api_key``: the gateway's ``--api-key`` (None: no key asked)."""
@@ -57,14 +58,18 @@ class SystemSpec:
     transfer_backend: str = "nixl"
     heartbeat_timeout_s: float = 5.0
     api_key: str | None = None
+    num_prefill: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "colocated"):
             raise ValueError(f"mode must be 'disagg' or 'colocated', got {self.mode!r}")
+        if self.num_prefill < 1:
+            raise ValueError(f"num_prefill must be >= 1, got {self.num_prefill}")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.devices is not None and self.mode == "disagg" and len(self.devices) != 2:
-            raise ValueError(f"disagg needs 2 devices (prefill, decode), got {self.devices!r}")
+        if self.devices is not None and self.mode == "disagg" and len(self.devices) != self.num_prefill + 1:
+            raise ValueError(f"disagg needs {self.num_prefill + 1} devices (prefill workers, decode), "
+                             f"got {self.devices!r}")
         if self.devices is not None and not self.devices:
             raise ValueError("devices must name at least one device")
 
@@ -104,10 +109,12 @@ def children(spec: SystemSpec, http_port: int, control: str) -> list[tuple[str, 
               "--num-blocks", str(spec.num_blocks), *spec.worker_flags]
     out: list[tuple[str, list[str]]] = [("gateway", gateway)]
     if spec.mode == "disagg":
-        devices: Sequence[str | None] = spec.devices or (None, None)
-        for role, device in zip(("prefill", "decode"), devices, strict=True):
+        devices: Sequence[str | None] = spec.devices or (None,) * (spec.num_prefill + 1)
+        names = ["prefill", *(f"prefill-{i}" for i in range(1, spec.num_prefill))]
+        for name, device in zip([*names, "decode"], devices, strict=True):
+            role = name.partition("-")[0]
             place = [] if device is None else ["--device", device]
-            out.append((role, [role, "--worker-id", worker_id(role), *worker, *place,
+            out.append((name, [role, "--worker-id", worker_id(name), *worker, *place,
                                "--transfer-backend", spec.transfer_backend]))
         return out
     devices = spec.devices or (None,)
@@ -233,7 +240,7 @@ def live_systems(specs: Sequence[SystemSpec], ready_timeout_s: float = 240.0) ->
 def live_system(mode: Mode, logs: Path, *, num_blocks: int = 512, transfer_backend: str = "nixl",
                 gateway_flags: Sequence[str] = (), heartbeat_timeout_s: float = 5.0,
                 ready_timeout_s: float = 240.0, model: str = MODEL, devices: Sequence[str] | None = None,
-                worker_flags: Sequence[str] = ()) -> Iterator[LiveSystem]:
+                worker_flags: Sequence[str] = (), num_prefill: int = 1) -> Iterator[LiveSystem]:
     """Start one ``mode`` system (see ``SystemSpec`` for the arguments), wait for ``/ready`` (at most
     ``ready_timeout_s`` seconds), yield it, stop it on exit.
 
@@ -241,7 +248,8 @@ def live_system(mode: Mode, logs: Path, *, num_blocks: int = 512, transfer_backe
     RuntimeError when a child dies during start-up or the gateway is not ready in time.
     """
     spec = SystemSpec(mode, logs, model, None if devices is None else tuple(devices), num_blocks,
-                      tuple(worker_flags), tuple(gateway_flags), transfer_backend, heartbeat_timeout_s)
+                      tuple(worker_flags), tuple(gateway_flags), transfer_backend, heartbeat_timeout_s,
+                      num_prefill=num_prefill)
     with live_systems([spec], ready_timeout_s) as systems:
         yield systems[0]
 

@@ -91,6 +91,14 @@ class ReRegister(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     reason: str = ""
 
 
+class Probe(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → worker: a liveness probe the worker ignores. The gateway sends one to each worker when
+    a worker's control connection drops: the send fails at once for the worker whose connection it was."""
+
+    worker_id: str
+    epoch: int
+
+
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Worker → gateway, periodically; silence longer than ``--heartbeat-timeout`` s marks it dead."""
 
@@ -222,7 +230,7 @@ def _no_stop_strings(sampling: SamplingParams) -> None:
 
 
 Message = (
-    RegisterWorker | RegisterAck | ReRegister | Heartbeat | WorkerShutdown | ReserveKV | KVReserved
+    RegisterWorker | RegisterAck | ReRegister | Probe | Heartbeat | WorkerShutdown | ReserveKV | KVReserved
     | PrefillRequest | DecodeRequest | ColocatedRequest | FirstToken | NextToken | RequestFinished
     | RequestFailed | AbortRequest
 )
