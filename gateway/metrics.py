@@ -97,6 +97,9 @@ class GatewayMetrics:
         self.workers = Gauge("pdserve_workers_live", "live workers", ["role"], registry=r)
         self.worker_deaths = Counter("pdserve_worker_deaths", "workers declared dead or replaced", registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "requests being served", registry=r)
+        self.kv_path_gbps = Gauge("pdserve_kv_path_gbps", "KV data path speed of a prefill/decode pair, "
+                                  "GB/s, from its latest canary transfer of one block",
+                                  ["prefill", "decode", "transport"], registry=r)
 
     def set_worker_load(self, worker_id: str, role: str, load: WorkerLoad) -> None:
         """Update one worker's series from a heartbeat or registration (counts in requests / blocks;
@@ -115,6 +118,11 @@ class GatewayMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id, role)
         self.kv_transfers.drop(worker_id)
+
+    def drop_kv_path(self, prefill: str, decode: str, transport: str) -> None:
+        """Remove a pair's ``pdserve_kv_path_gbps`` series (the pair is gone)."""
+        with contextlib.suppress(KeyError):
+            self.kv_path_gbps.remove(prefill, decode, transport)
 
     def observe_tokens(self, arrival: float, token_times: list[float]) -> None:
         """Record TTFT/ITL/TPOT/E2E of a finished request from its token arrival times (seconds)."""

@@ -214,14 +214,29 @@ class LostWorkerStatus(msgspec.Struct):
     age_s: float
 
 
+class KVPathStatus(msgspec.Struct):
+    """A pair's KV data path as its latest canary (one block) measured it: the ``transport``, ``gbps``
+    (1e9 bytes/s), ``num_bytes`` in ``seconds``, when (``at``, Unix seconds) and a ``warning`` ("" when
+    the speed is as expected for the transport)."""
+
+    transport: str
+    gbps: float
+    num_bytes: int
+    seconds: float
+    at: float
+    warning: str
+
+
 class PairStatus(msgspec.Struct):
     """One prefill/decode pair of registered workers: ``usable`` for routing, else ``reason`` names
-    each incompatible field (e.g. ``block_size 16 != 32``)."""
+    each incompatible field (e.g. ``block_size 16 != 32``) or the data path's failure; ``path`` its
+    measured KV path (None before its first canary landed, or for an incompatible pair)."""
 
     prefill: str
     decode: str
     usable: bool
     reason: str
+    path: KVPathStatus | None
 
 
 class Readiness(msgspec.Struct):

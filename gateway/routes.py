@@ -131,7 +131,7 @@ async def ready(request: Request) -> Response:
     svc = service(request)
     if not svc.settings.public_health:
         _check_key(request)
-    body = readiness(svc.registry)
+    body = readiness(svc.registry, svc.canaries)
     return json_response(body, status_code=200 if body.ready else 503)
 
 
@@ -139,7 +139,8 @@ async def ready(request: Request) -> Response:
             responses={**ok(Readiness), **error_responses(401)})
 async def status(request: Request) -> Response:
     """The status view (always 200): workers, pairs, dropped and refused workers with their reasons."""
-    return json_response(readiness(service(request).registry))
+    svc = service(request)
+    return json_response(readiness(svc.registry, svc.canaries))
 
 
 @router.get("/metrics", response_class=Response, responses={

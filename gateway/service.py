@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 
+from gateway.canary import CanaryTracker
 from gateway.control_socket import ControlSocket, SendOutcome
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator, WorkerMessage
@@ -26,6 +27,8 @@ from gateway.text import TextProcessor, resolve_tokenizer_dir
 from protocol.logging import log_event
 from protocol.messages import (
     Heartbeat,
+    KVCanaryReserved,
+    KVCanaryResult,
     Message,
     Probe,
     RegisterAck,
@@ -50,8 +53,10 @@ class GatewayService:
                  text: TextProcessor | None = None) -> None:
         self.settings, self.metrics, self._text = settings, metrics, text
         self.registry = WorkerRegistry(settings.heartbeat_timeout)
+        self.canaries = CanaryTracker(self.registry, metrics, self.send, settings.kv_canary_timeout,
+                                      settings.kv_canary_period)
         self.router = Router(self.registry, PrefixIndex(), settings.disagg_threshold,
-                             settings.allow_local_prefill)
+                             settings.allow_local_prefill, blocked=self.canaries.blocked)
         self.orchestrator = Orchestrator(self.router, metrics, self.send, settings.max_queue,
                                          settings.request_timeout)
         self.control: ControlSocket | None = None
@@ -61,7 +66,7 @@ class GatewayService:
         """Bind the control socket and start the receive and reaper loops. Raises OSError on bind."""
         self.control = ControlSocket(self.settings.control_bind)
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._reap_loop()),
-                       asyncio.create_task(self._probe_loop())]
+                       asyncio.create_task(self._probe_loop()), asyncio.create_task(self._canary_loop())]
 
     async def stop(self) -> None:
         """Stop loops and close the socket."""
@@ -137,6 +142,14 @@ class GatewayService:
             entry = self.registry.remove(msg.worker_id, msg.epoch)
             if entry is not None:
                 self.worker_gone(entry, "worker shut down", announced=True)
+        elif isinstance(msg, KVCanaryReserved | KVCanaryResult):
+            entry = self.registry.get(msg.worker_id)
+            if entry is not None:
+                self.registry.touch(msg.worker_id, entry.info.epoch)
+            if isinstance(msg, KVCanaryReserved):
+                await self.canaries.on_reserved(msg)
+            else:
+                self.canaries.on_result(msg)
         elif isinstance(msg, WorkerMessage):
             entry = self.registry.get(msg.worker_id)
             if entry is not None:
@@ -174,6 +187,7 @@ class GatewayService:
             self.metrics.set_worker_load(msg.worker_id, msg.role, msg.load)
             self._update_worker_counts()
             self._log_refused_pairs(msg)
+            await self.canaries.tick()  # the pairing canary of each new compatible pair
             await self._preload_tokenizer()
 
     def _log_refused_pairs(self, msg: RegisterWorker) -> None:
@@ -206,6 +220,15 @@ class GatewayService:
     def _update_worker_counts(self) -> None:
         for role in ("prefill", "decode", "colocated"):
             self.metrics.workers.labels(role).set(len(self.registry.live(role)))  # type: ignore[arg-type]
+
+    async def _canary_loop(self) -> None:
+        period = min(0.25, self.settings.kv_canary_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.canaries.tick()
+            except Exception:
+                log.exception("KV canary round failed")
 
     async def _reap_loop(self) -> None:
         period = min(0.5, self.settings.heartbeat_timeout / 4)

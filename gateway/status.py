@@ -4,24 +4,36 @@ from __future__ import annotations
 
 import time
 
-from gateway.openai_responses import LostWorkerStatus, PairStatus, Readiness, WorkerStatus
+from gateway.canary import CanaryTracker
+from gateway.openai_responses import KVPathStatus, LostWorkerStatus, PairStatus, Readiness, WorkerStatus
 from gateway.registry import LostWorker, WorkerEntry, WorkerRegistry, pairing_mismatch
 
 
-def pair_statuses(registry: WorkerRegistry) -> list[PairStatus]:
-    """Every (prefill, decode) pair of registered workers, in registration order, with its mismatch."""
+def pair_statuses(registry: WorkerRegistry, canaries: CanaryTracker | None = None) -> list[PairStatus]:
+    """Every (prefill, decode) pair of registered workers, in registration order, with its mismatch or
+    data-path failure and its measured path (from ``canaries``)."""
     out = []
     for p in registry.live("prefill"):
         for d in registry.live("decode"):
-            mismatch = pairing_mismatch(p.info, d.info)
-            out.append(PairStatus(p.worker_id, d.worker_id, mismatch is None, mismatch or ""))
+            problem = pairing_mismatch(p.info, d.info)
+            path = None
+            if canaries is not None:
+                blocked = canaries.blocked(p.worker_id, d.worker_id)
+                if problem is None and blocked:
+                    problem = f"{p.worker_id} / {d.worker_id}: {blocked}"
+                kv = canaries.path(p.worker_id, d.worker_id)
+                if kv is not None:
+                    path = KVPathStatus(kv.transport, round(kv.gbps, 6), kv.num_bytes, round(kv.seconds, 6),
+                                        kv.at, kv.warning)
+            out.append(PairStatus(p.worker_id, d.worker_id, problem is None, problem or "", path))
     return out
 
 
-def readiness(registry: WorkerRegistry) -> Readiness:
-    """Ready when a colocated worker is live, or a live prefill worker has a compatible decode worker;
-    the reason names what is missing (each incompatible pair's fields, each dropped worker)."""
-    pairs = pair_statuses(registry)
+def readiness(registry: WorkerRegistry, canaries: CanaryTracker | None = None) -> Readiness:
+    """Ready when a colocated worker is live, or a live prefill worker has a usable decode worker (KV
+    compatible, data path not failed); the reason names what is missing (each unusable pair's fields or
+    path failure, each dropped worker)."""
+    pairs = pair_statuses(registry, canaries)
     prefills, decodes = registry.live("prefill"), registry.live("decode")
     if registry.live("colocated"):
         ok, reason = True, "colocated worker live"

@@ -89,6 +89,10 @@ def _add_gateway(add: _EnvAdder) -> None:
     add("--max-stop", type=int, default=16)
     add("--heartbeat-timeout", type=parse_duration, default=5.0,
         help="silence (seconds, or e.g. 1500ms) → worker dead")
+    add("--kv-canary-period", type=parse_duration, default=60.0,
+        help="re-measure each pair's KV path with a one-block canary this often (0: only at pairing)")
+    add("--kv-canary-timeout", type=parse_duration, default=10.0,
+        help="a canary not landed in this time takes its pair out of routing")
 
 
 def _add_worker(add: _EnvAdder, role: str) -> None:

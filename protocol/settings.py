@@ -42,6 +42,8 @@ class GatewaySettings:
     max_n: int = 16
     max_stop: int = 16
     heartbeat_timeout: float = 5.0
+    kv_canary_period: float = 60.0  # seconds between canaries of a usable pair (0: only at pairing)
+    kv_canary_timeout: float = 10.0  # seconds a canary has to land before its pair leaves routing
     log_level: str = "info"
     log_format: str = "text"
 
@@ -58,6 +60,8 @@ class GatewaySettings:
         _check(self.max_n >= 1, "max-n", "must be >= 1")
         _check(self.max_stop >= 0, "max-stop", "must be >= 0")
         _check(self.heartbeat_timeout > 0, "heartbeat-timeout", "must be > 0 seconds")
+        _check(self.kv_canary_period >= 0, "kv-canary-period", "must be >= 0 seconds (0: only at pairing)")
+        _check(self.kv_canary_timeout > 0, "kv-canary-timeout", "must be > 0 seconds")
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
 

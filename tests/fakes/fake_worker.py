@@ -8,7 +8,10 @@ alternatives of ``fake_top``. Prefill takes ``--prefill-delay`` s, each later to
 The decode role "reserves" ``ceil(prompt / block_size) + 1`` blocks per request from ``--total-blocks``
 and frees them on finish or abort, so heartbeats show leaks. Every received message is appended to
 ``--record`` (JSON lines: type, request_id, and ``sampling`` (a dict) when it carries sampling
-params) for tests to inspect. Run: ``python -m tests.fakes.fake_worker --role decode ...``.
+params) for tests to inspect. KV canaries: the decode role answers ``KVCanaryReserve`` with a fake handle,
+the prefill role ``KVCanarySend`` with a landed canary of ``--canary-bytes`` in ``--canary-seconds`` over
+transport ``fake``; ``--canary-wedged 1`` never answers (a wedged data path). Run:
+``python -m tests.fakes.fake_worker --role decode ...``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ from protocol.messages import (
     FinishReason,
     FirstToken,
     Heartbeat,
+    KVCanaryReserve,
+    KVCanaryReserved,
+    KVCanaryResult,
+    KVCanarySend,
     KVReserved,
     Message,
     NextToken,
@@ -87,7 +94,8 @@ class FakeWorker:
     def record(self, msg: Message) -> None:
         if self.args.record:
             entry: dict[str, object] = {"type": type(msg).__name__,
-                                        "request_id": getattr(msg, "request_id", None)}
+                                        "request_id": getattr(msg, "request_id",
+                                                              getattr(msg, "canary_id", None))}
             sampling = getattr(msg, "sampling", None)
             if sampling is not None:
                 entry["sampling"] = msgspec.to_builtins(sampling)
@@ -172,6 +180,14 @@ class FakeWorker:
             if task is not None:
                 task.cancel()
             self.release(msg.request_id)
+        elif isinstance(msg, KVCanaryReserve) and not self.args.canary_wedged:
+            await self.send(KVCanaryReserved(canary_id=msg.canary_id, worker_id=self.args.worker_id,
+                                             kv_handle=f"fake-handle:{msg.canary_id}".encode()))
+        elif isinstance(msg, KVCanarySend) and not self.args.canary_wedged:
+            await asyncio.sleep(self.args.canary_seconds)
+            await self.send(KVCanaryResult(canary_id=msg.canary_id, worker_id=self.args.worker_id, ok=True,
+                                           num_bytes=self.args.canary_bytes,
+                                           seconds=self.args.canary_seconds, transport="fake"))
         elif isinstance(msg, RegisterAck) and not msg.accepted:
             raise SystemExit(f"registration refused: {msg.reason}")
 
@@ -214,6 +230,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-delay", type=float, default=0.005)
     p.add_argument("--heartbeat-interval", type=float, default=0.2)
     p.add_argument("--record", default="")
+    p.add_argument("--canary-bytes", type=int, default=1 << 20)
+    p.add_argument("--canary-seconds", type=float, default=0.001)
+    p.add_argument("--canary-wedged", type=int, default=0)
     return p.parse_args(argv)
 
 

@@ -164,5 +164,5 @@ def test_incompatible_pair_named_by_ready_status_and_log(make_cluster) -> None:
     ready = httpx.get(c.base + "/ready", timeout=5)
     assert ready.status_code == 503 and "block_size 16 != 32" in ready.json()["reason"]
     assert _status(c)["pairs"] == [{"prefill": "p1", "decode": "d1", "usable": False,
-                                    "reason": "p1 / d1: block_size 16 != 32"}]
+                                    "reason": "p1 / d1: block_size 16 != 32", "path": None}]
     wait_until(lambda: "pair_refused" in (c.tmp / "gateway.log").read_text(), 5, "pair_refused logged")

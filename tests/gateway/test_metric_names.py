@@ -48,6 +48,7 @@ def _fed_metrics() -> GatewayMetrics:
     m.requests.labels("/v1/completions", "200").inc()
     m.routes.labels("disaggregated").inc()
     m.workers.labels("prefill").set(1)
+    m.kv_path_gbps.labels("p0", "d0", "loopback").set(1.5)
     m.observe_tokens(0.0, [0.1, 0.15, 0.2])
     return m
 

@@ -92,5 +92,8 @@ def test_killed_prefill_worker_is_never_routed_to_after_its_first_failed_send(tm
         assert abs(dropped["at"] - lost[0]["ts"]) < 1
         status = httpx.get(f"{url}/v1/status", timeout=5).json()
         assert dead not in {w["worker_id"] for w in status["workers"]}
-        assert all(p["usable"] for p in status["pairs"]) and len(status["pairs"]) == 1
+        [pair] = status["pairs"]
+        assert pair["usable"] and pair["path"] is not None  # the pairing canary measured the data path
+        assert pair["path"]["transport"] == "nixl" and pair["path"]["gbps"] > 0
+        print(f"KV path {pair['prefill']} → {pair['decode']}: {pair['path']}")
         wait_all_free(url, system.worker_ids - {dead})
