@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ class CanaryTracker:
         self.pairs: dict[tuple[str, str], PairHealth] = {}
         self._canaries: dict[str, tuple[str, str]] = {}  # canary id → pair key
         self._ids = itertools.count(1)
+        self._tag = secrets.token_hex(3)  # canary ids of another gateway incarnation never collide
 
     def blocked(self, prefill_id: str, decode_id: str) -> str:
         """Why the pair may not be routed to ("" when it may)."""
@@ -140,7 +142,7 @@ class CanaryTracker:
             self.metrics.drop_kv_path(pair.prefill, pair.decode, pair.path.transport)
 
     async def _start(self, pair: PairHealth, p: WorkerEntry, d: WorkerEntry, now: float) -> None:
-        cid = f"canary-{next(self._ids)}-{p.worker_id}-{d.worker_id}"
+        cid = f"canary-{self._tag}-{next(self._ids)}"
         pair.canary, pair.deadline, pair.next_at = cid, now + self.timeout_s, math.inf
         self._canaries[cid] = (p.worker_id, d.worker_id)
         await self._send(d.identity, KVCanaryReserve(canary_id=cid, prefill_worker_id=p.worker_id,
@@ -164,11 +166,14 @@ class CanaryTracker:
         pair = self._pair_of(msg.canary_id)
         if pair is None:  # expired or forgotten: the decode worker frees the block on the abort
             return
-        prefill = self.registry.get(pair.prefill)
+        prefill, decode = self.registry.get(pair.prefill), self.registry.get(pair.decode)
         if msg.kv_handle is None or prefill is None:
             self._end(pair, self.timeout_s)
             log_event(log, "kv_canary_skipped", logging.WARNING, prefill=pair.prefill, decode=pair.decode,
                       reason=msg.error or "prefill worker gone")
+            if msg.kv_handle is not None and decode is not None:  # free its block now
+                await self._send(decode.identity, AbortRequest(request_id=msg.canary_id,
+                                                               reason="KV canary skipped"))
             return
         await self._send(prefill.identity, KVCanarySend(canary_id=msg.canary_id, kv_handle=msg.kv_handle))
 

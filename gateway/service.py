@@ -63,7 +63,8 @@ class GatewayService:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        """Bind the control socket and start the receive and reaper loops. Raises OSError on bind."""
+        """Bind the control socket and start the receive, reaper, probe and canary loops. Raises OSError
+        on bind."""
         self.control = ControlSocket(self.settings.control_bind)
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._reap_loop()),
                        asyncio.create_task(self._probe_loop()), asyncio.create_task(self._canary_loop())]
