@@ -122,6 +122,17 @@ async def test_incompatible_pair_named_in_status_and_log(caplog: pytest.LogCaptu
         ("p1", "d1", "p1 / d1: block_size 16 != 32")]
 
 
+async def test_stale_registration_is_listed_as_refused() -> None:
+    svc, _ = _service()
+    await svc.on_control_message(b"d1-b", _register("d1", "decode", epoch=2))
+    await svc.on_control_message(b"d1-a", _register("d1", "decode", epoch=1))  # an old incarnation
+    body = readiness(svc.registry)
+    [refused] = body.refused
+    assert (refused.worker_id, refused.epoch) == ("d1", 1)
+    assert "stale epoch 1 < registered 2" in refused.reason
+    assert [(w.worker_id, w.epoch) for w in body.workers] == [("d1", 2)]
+
+
 # ---- with processes: a gateway and fake workers, kill -9 ---------------------------------------------
 
 def _status(c: Cluster) -> dict:
@@ -163,6 +174,7 @@ def test_incompatible_pair_named_by_ready_status_and_log(make_cluster) -> None:
     c.start_worker("decode", "d1", block_size=32)
     ready = httpx.get(c.base + "/ready", timeout=5)
     assert ready.status_code == 503 and "block_size 16 != 32" in ready.json()["reason"]
+    assert sorted(w["worker_id"] for w in ready.json()["workers"]) == ["d1", "p1"]  # the 503 body too
     assert _status(c)["pairs"] == [{"prefill": "p1", "decode": "d1", "usable": False,
                                     "reason": "p1 / d1: block_size 16 != 32", "path": None}]
     wait_until(lambda: "pair_refused" in (c.tmp / "gateway.log").read_text(), 5, "pair_refused logged")
