@@ -11,6 +11,11 @@ Queues and states of a request:
   4. ``draining``: aborted or failed while KV was in flight; the blocks are freed only once the receiver
      says no write can still land in them (``KVReceiver.releasable``: the fence).
 Transfer FAILED/ABORTED by the peer → ``RequestFailed``. ``AbortRequest`` works in every state.
+
+A canary (``KVCanaryReserve``, a test of the data path): one block reserved like a request's
+(``Scheduler.add_waiting_for_kv``) and ``KVReceiver.expect``-ed with the gateway's deadline, answered by
+``KVCanaryReserved``; it never joins the batch: ``canaries`` holds it until the receiver says the block
+is releasable (DONE, or the sender's fence after a failure or an abort), then the block is freed.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
 from kvtransfer import KVCompat, KVReceiver, TransferConfig, TransferStatus, get_transfer_backend
 from protocol.messages import (
     AbortRequest,
     DecodeRequest,
     FinishReason,
+    KVCanaryReserve,
+    KVCanaryReserved,
     KVReserved,
     Message,
     RequestFinished,
@@ -78,6 +86,7 @@ class DecodeWorker(WorkerLoop):
         self.first_tokens: dict[str, int] = {}
         self.draining: set[str] = set()
         self.seqs: dict[str, Sequence] = {}
+        self.canaries: dict[str, Sequence] = {}  # canary id → its reserved block, until releasable
 
     def compat(self) -> KVCompat:
         """The KV pairing record: the one the receiver's handshake checks."""
@@ -96,8 +105,39 @@ class DecodeWorker(WorkerLoop):
             if msg.request_id not in self.in_flight:
                 raise ValueError(f"DecodeRequest for {msg.request_id!r}, which has no KV reservation here")
             self.first_tokens[msg.request_id] = msg.first_token_id
+        elif isinstance(msg, KVCanaryReserve):
+            self._reserve_canary(msg)
         elif isinstance(msg, AbortRequest):
             self.drop(msg.request_id)
+
+    def _reserve_canary(self, msg: KVCanaryReserve) -> None:
+        """One block for a canary transfer, freed by ``poll`` once releasable; ``KVCanaryReserved`` with
+        the handle, or with ``error`` (no free block, a duplicate id, the receiver refused)."""
+        cid = msg.canary_id
+        error = ""
+        if cid in self.canaries or self._knows(cid):
+            error = f"canary id {cid!r} is already on this worker"
+        else:
+            seq = Sequence(cid, [0] * self.core.block_manager.block_size, SamplingParams(max_tokens=1),
+                           time.monotonic(), self.core.eos_token_id)
+            try:
+                reserved = self.core.scheduler.add_waiting_for_kv(seq)
+            except ValueError as exc:  # a pool smaller than one block's tokens
+                reserved, error = False, str(exc)
+            if not reserved:
+                error = error or "no free KV block"
+            else:
+                try:
+                    handle = self.receiver.expect(cid, list(seq.block_table), timeout_s=msg.timeout_s)
+                except Exception as exc:
+                    self.core.scheduler.abort(cid)
+                    error = f"{type(exc).__name__}: {exc}"
+                else:
+                    self.canaries[cid] = seq
+                    self.emit(KVCanaryReserved(canary_id=cid, worker_id=self.worker_id,
+                                               kv_handle=encode_handle(handle)))
+                    return
+        self.emit(KVCanaryReserved(canary_id=cid, worker_id=self.worker_id, kv_handle=None, error=error))
 
     def _reserve_new(self, msg: ReserveKV) -> None:
         params = msg.sampling
@@ -137,7 +177,12 @@ class DecodeWorker(WorkerLoop):
         return self.receiver.config.timeout_s + num_prompt_tokens * self.kv_deadline_per_token_s
 
     def drop(self, request_id: str) -> None:
-        """Abort in any state; blocks with KV possibly still in flight go to ``draining``."""
+        """Abort in any state; blocks with KV possibly still in flight go to ``draining`` (a canary's
+        stay in ``canaries`` until releasable)."""
+        if request_id in self.canaries:
+            if not self.receiver.status(request_id).is_terminal:
+                self.receiver.abort(request_id)
+            return
         self.first_tokens.pop(request_id, None)
         self.pending = deque(p for p in self.pending if p[0].request_id != request_id)
         if self.in_flight.pop(request_id, None) is not None:
@@ -164,6 +209,11 @@ class DecodeWorker(WorkerLoop):
                 self.receiver.release(rid)
                 self.core.scheduler.abort(rid)
                 self.draining.discard(rid)
+        for cid in list(self.canaries):
+            if self.receiver.status(cid).is_terminal and self.receiver.releasable(cid):
+                self.receiver.release(cid)
+                self.core.scheduler.abort(cid)
+                del self.canaries[cid]
         self._poll_pending()
 
     def _poll_pending(self) -> None:
@@ -210,7 +260,7 @@ class DecodeWorker(WorkerLoop):
 
     def busy(self) -> bool:
         """Reservations or transfers to watch."""
-        return bool(self.pending or self.in_flight or self.draining)
+        return bool(self.pending or self.in_flight or self.draining or self.canaries)
 
     def close(self) -> None:
         """Stop the receiver thread and its transport."""

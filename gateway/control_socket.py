@@ -1,20 +1,36 @@
 """The gateway's control socket: a pyzmq ROUTER (asyncio) bound at ``--control-bind``.
 
 Workers connect DEALER sockets; each frame pair is (worker routing identity, one ``protocol.messages``
-message). ``ROUTER_MANDATORY`` makes a send to a vanished identity fail instead of vanishing silently.
+message). ``ROUTER_MANDATORY`` makes a send to a vanished identity fail (EHOSTUNREACH) instead of
+vanishing silently: the ROUTER forgets an identity as soon as its peer's connection is gone, so such a
+failure is definite. A send that would block (the peer's queue is full: a slow, not a dead, worker) is a
+different outcome. A socket monitor reports each dropped connection (``disconnects``); it does not say
+whose, so the caller probes its workers to find out.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
+from enum import Enum
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from protocol.messages import Message, decode, encode
 
 log = logging.getLogger(__name__)
+
+
+class SendOutcome(Enum):
+    """What one ``ControlSocket.send_outcome`` did."""
+
+    SENT = "sent"
+    UNREACHABLE = "unreachable"  # no connection with that identity (EHOSTUNREACH): the peer is gone
+    BUSY = "busy"  # the peer's queue is full, or another error: not delivered, the peer may be alive
 
 
 class ControlSocket:
@@ -25,12 +41,14 @@ class ControlSocket:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor: zmq.asyncio.Socket | None = None
         try:
             self._sock.bind(bind)
         except zmq.ZMQError as exc:
             self.close()
             raise OSError(f"cannot bind control socket at {bind}: {exc}") from exc
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     async def recv(self) -> tuple[bytes, Message | None]:
         """Next (identity, message); message is None when the frame was not a valid message."""
@@ -45,15 +63,35 @@ class ControlSocket:
             return frames[0], None
 
     async def send(self, identity: bytes, msg: Message) -> bool:
-        """Send to one worker; False when the worker is no longer connected."""
+        """Send to one worker; False when it was not delivered (``send_outcome`` says why)."""
+        return await self.send_outcome(identity, msg) is SendOutcome.SENT
+
+    async def send_outcome(self, identity: bytes, msg: Message) -> SendOutcome:
+        """Send to one worker without blocking: SENT, UNREACHABLE (no connection with that identity)
+        or BUSY (its queue is full, or another zmq error)."""
         try:
             await self._sock.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("send to %r failed: %s", identity, exc)
-            return False
-        return True
+            return SendOutcome.UNREACHABLE if exc.errno == errno.EHOSTUNREACH else SendOutcome.BUSY
+        return SendOutcome.SENT
+
+    async def disconnects(self) -> None:
+        """Wait for the next dropped worker connection (a socket monitor event). Never returns after
+        ``close``; cancel the waiting task instead."""
+        if self._monitor is None:
+            await asyncio.Event().wait()
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                return
 
     def close(self) -> None:
-        """Close the socket and its context."""
+        """Close the socket, its monitor and the context."""
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         self._sock.close(linger=0)
         self._ctx.term()

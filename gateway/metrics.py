@@ -110,6 +110,9 @@ class GatewayMetrics:
         self.admission_refused = Counter("pdserve_admission_refused", "requests refused at admission by "
                                          "reason (prefill_queue, kv_blocks: 429; prompt_too_long: 400)",
                                          ["reason"], registry=r)
+        self.kv_path_gbps = Gauge("pdserve_kv_path_gbps", "KV data path speed of a prefill/decode pair, "
+                                  "GB/s, from its latest canary transfer of one block",
+                                  ["prefill", "decode", "transport"], registry=r)
 
     def set_worker_load(self, worker_id: str, role: str, load: WorkerLoad) -> None:
         """Update one worker's series from a heartbeat or registration (counts in requests / blocks;
@@ -128,6 +131,11 @@ class GatewayMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id, role)
         self.kv_transfers.drop(worker_id)
+
+    def drop_kv_path(self, prefill: str, decode: str, transport: str) -> None:
+        """Remove a pair's ``pdserve_kv_path_gbps`` series (the pair is gone)."""
+        with contextlib.suppress(KeyError):
+            self.kv_path_gbps.remove(prefill, decode, transport)
 
     def observe_tokens(self, arrival: float, token_times: list[float]) -> None:
         """Record TTFT/ITL/TPOT/E2E of a finished request from its token arrival times (seconds)."""

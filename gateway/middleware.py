@@ -15,7 +15,7 @@ from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/status"}
 # Health/readiness probes and Prometheus scrapes are not user traffic: `pdserve up`, Kubernetes probes and
 # Prometheus poll them every few seconds, which would swamp the request rate and error-ratio panels. As
 # vLLM does (vllm/entrypoints/serve/instrumentator/metrics.py: prometheus-fastapi-instrumentator with

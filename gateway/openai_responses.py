@@ -184,11 +184,71 @@ class Health(msgspec.Struct):
     status: Literal["ok"]
 
 
+class WorkerStatus(msgspec.Struct):
+    """One registered worker: ``address`` is its KV transfer address ("" for none), ``last_seen_s`` the
+    seconds since its last message, then its last reported load (sequences waiting and running, KV
+    blocks free and in all) and ``requests``, the requests the gateway routed to it that are not done."""
+
+    worker_id: str
+    role: Literal["prefill", "decode", "colocated"]
+    epoch: int
+    address: str
+    last_seen_s: float
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    requests: int
+
+
+class LostWorkerStatus(msgspec.Struct):
+    """A worker out of routing, and why: dropped (unreachable, silent, shut down) or refused at
+    registration. ``at``: when (Unix seconds); ``age_s``: seconds ago. Gone once it registers again."""
+
+    worker_id: str
+    role: Literal["prefill", "decode", "colocated"]
+    epoch: int
+    address: str
+    reason: str
+    at: float
+    age_s: float
+
+
+class KVPathStatus(msgspec.Struct):
+    """A pair's KV data path as its latest canary (one block) measured it: the ``transport``, ``gbps``
+    (1e9 bytes/s), ``num_bytes`` in ``seconds``, when (``at``, Unix seconds) and a ``warning`` ("" when
+    the speed is as expected for the transport)."""
+
+    transport: str
+    gbps: float
+    num_bytes: int
+    seconds: float
+    at: float
+    warning: str
+
+
+class PairStatus(msgspec.Struct):
+    """One prefill/decode pair of registered workers: ``usable`` for routing, else ``reason`` names
+    each incompatible field (e.g. ``block_size 16 != 32``) or the data path's failure; ``path`` its
+    measured KV path (None before its first canary landed, or for an incompatible pair)."""
+
+    prefill: str
+    decode: str
+    usable: bool
+    reason: str
+    path: KVPathStatus | None
+
+
 class Readiness(msgspec.Struct):
-    """``GET /ready`` (200 ready, 503 not, same body)."""
+    """``GET /ready`` (200 ready, 503 not, same body) and ``GET /v1/status``: whether requests can be
+    served and why, the registered workers, every prefill/decode pair, the workers dropped and refused."""
 
     ready: bool
     reason: str
+    workers: list[WorkerStatus]
+    pairs: list[PairStatus]
+    dropped: list[LostWorkerStatus]
+    refused: list[LostWorkerStatus]
 
 
 # the types /openapi.json documents (chunks travel inside text/event-stream, documented as a string)

@@ -279,7 +279,8 @@ class Orchestrator:
         self.metrics.in_flight.set(len(self.requests))
         await self._dispatch(req)
         log_event(log, "request_routed", request_id=inp.request_id, kind=route.kind,
-                  prompt_tokens=len(inp.prompt_token_ids), fallback=route.fallback)
+                  prompt_tokens=len(inp.prompt_token_ids), fallback=route.fallback,
+                  workers=",".join(w.worker_id for w in (route.prefill, route.decode, route.colocated) if w))
         return req
 
     async def _dispatch(self, req: GatewayRequest) -> None:

@@ -4,11 +4,16 @@ A worker is live while its last message is younger than ``heartbeat_timeout`` se
 with a higher epoch for a known ``worker_id`` replaces the old entry (the caller fails the old entry's
 requests); the same epoch again (a worker answering several ``ReRegister`` messages) only refreshes it;
 a lower epoch is refused as stale.
+
+The registry also remembers, for ``/ready`` and ``/v1/status``, the workers it lost (``dropped``: why
+and when, until they register again) and the registrations it refused (``refused``), the most recent
+``MAX_REMEMBERED`` of each.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +46,22 @@ class WorkerEntry:
         return max(self.load.num_waiting + self.load.num_running, len(self.requests))
 
 
+MAX_REMEMBERED = 32  # dropped and refused workers kept for the status view, each
+
+
+@dataclass(frozen=True)
+class LostWorker:
+    """A worker out of routing: dropped (lost, left, unreachable) or refused at registration.
+    ``at`` is the wall-clock time (Unix seconds) it happened; ``address`` its KV transfer address."""
+
+    worker_id: str
+    role: Role
+    epoch: int
+    address: str
+    reason: str
+    at: float
+
+
 def pairing_mismatch(prefill: RegisterWorker, decode: RegisterWorker) -> str | None:
     """Why a prefill/decode pair cannot exchange KV, naming each differing field of their KV pairing
     records with the prefill worker's value first (kvtransfer.compat.mismatches, the check their KV
@@ -58,6 +79,8 @@ class WorkerRegistry:
         self.heartbeat_timeout = heartbeat_timeout
         self._clock = clock
         self._workers: dict[str, WorkerEntry] = {}
+        self.dropped: OrderedDict[str, LostWorker] = OrderedDict()  # by worker id, oldest first
+        self.refused: OrderedDict[str, LostWorker] = OrderedDict()
 
     def register(self, msg: RegisterWorker, identity: bytes) -> tuple[WorkerEntry | None, str]:
         """Add or replace a worker. Returns (the replaced old entry or None, refusal reason or "").
@@ -66,12 +89,30 @@ class WorkerRegistry:
         """
         old = self._workers.get(msg.worker_id)
         if old is not None and msg.epoch < old.info.epoch:
-            return None, f"stale epoch {msg.epoch} < registered {old.info.epoch} for {msg.worker_id}"
+            reason = f"stale epoch {msg.epoch} < registered {old.info.epoch} for {msg.worker_id}"
+            _remember(self.refused, LostWorker(msg.worker_id, msg.role, msg.epoch, msg.transfer_address,
+                                               reason, time.time()))
+            return None, reason
+        self.dropped.pop(msg.worker_id, None)
+        self.refused.pop(msg.worker_id, None)
         if old is not None and msg.epoch == old.info.epoch:  # a repeated ReRegister answer: idempotent
             old.identity, old.last_seen = identity, self._clock()
             return None, ""
         self._workers[msg.worker_id] = WorkerEntry(msg, identity, self._clock(), msg.load)
         return old, ""
+
+    def record_dropped(self, entry: WorkerEntry, reason: str) -> None:
+        """Remember that ``entry`` (already removed) left routing for ``reason``, now."""
+        _remember(self.dropped, LostWorker(entry.worker_id, entry.role, entry.info.epoch,
+                                           entry.info.transfer_address, reason, time.time()))
+
+    def remove_identity(self, identity: bytes) -> WorkerEntry | None:
+        """Drop the worker whose zmq routing identity is ``identity`` (its connection is gone); returns
+        the dropped entry, None if no registered worker has it."""
+        entry = next((e for e in self._workers.values() if e.identity == identity), None)
+        if entry is None:
+            return None
+        return self._workers.pop(entry.worker_id)
 
     def touch(self, worker_id: str, epoch: int, load: WorkerLoad | None = None) -> WorkerEntry | None:
         """Record a sign of life (and load) from ``worker_id``/``epoch``; None if unknown or stale."""
@@ -111,6 +152,17 @@ class WorkerRegistry:
         """Registered workers (of ``role``), in registration order."""
         return [e for e in self._workers.values() if role is None or e.role == role]
 
+    def age(self, entry: WorkerEntry) -> float:
+        """Seconds since ``entry``'s last message."""
+        return self._clock() - entry.last_seen
+
     def first_model_path(self) -> str | None:
         """The ``model_path`` of some registered worker (for loading the tokenizer)."""
         return next((e.info.model_path for e in self._workers.values() if e.info.model_path), None)
+
+
+def _remember(records: OrderedDict[str, LostWorker], record: LostWorker) -> None:
+    records.pop(record.worker_id, None)
+    records[record.worker_id] = record
+    while len(records) > MAX_REMEMBERED:
+        records.popitem(last=False)

@@ -4,7 +4,8 @@ Policy:
 * a prompt shorter than ``disagg_threshold`` tokens goes to a live colocated worker when one exists;
 * otherwise disaggregated: the decode worker with the least load (ties: more free blocks), and the
   prefill worker with the longest cached prefix (``PrefixIndex``) among the least loaded (load within
-  ``prefill_slack`` of the minimum), restricted to pairs that are compatible (``pairing_mismatch``);
+  ``prefill_slack`` of the minimum), restricted to pairs that are compatible (``pairing_mismatch``) and
+  not blocked (``blocked``: a pair whose KV data path failed its canary, gateway/canary.py);
 * ``max_tokens == 1``: prefill only, no decode worker;
 * a deployment with no prefill and no decode workers serves everything colocated;
 * prefill or decode missing while colocated workers exist: colocated only with ``allow_local_prefill``
@@ -14,6 +15,7 @@ Policy:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,13 +42,23 @@ class Route:
 
 
 class Router:
-    """Chooses workers from ``registry``; remembers routed prompts in ``prefix_index``."""
+    """Chooses workers from ``registry``; remembers routed prompts in ``prefix_index``. ``blocked(prefill
+    id, decode id)`` says why a compatible pair may not be used ("" when it may)."""
 
     def __init__(self, registry: WorkerRegistry, prefix_index: PrefixIndex, disagg_threshold: int = 0,
-                 allow_local_prefill: bool = False, prefill_slack: int = 2) -> None:
+                 allow_local_prefill: bool = False, prefill_slack: int = 2,
+                 blocked: Callable[[str, str], str] = lambda p, d: "") -> None:
         self.registry, self.prefix_index = registry, prefix_index
         self.disagg_threshold, self.allow_local_prefill = disagg_threshold, allow_local_prefill
-        self.prefill_slack = prefill_slack
+        self.prefill_slack, self.blocked = prefill_slack, blocked
+
+    def pair_problem(self, prefill: WorkerEntry, decode: WorkerEntry) -> str | None:
+        """Why this pair cannot serve (incompatible KV, or a failed data path), or None if it can."""
+        mismatch = pairing_mismatch(prefill.info, decode.info)
+        if mismatch is not None:
+            return mismatch
+        blocked = self.blocked(prefill.worker_id, decode.worker_id)
+        return f"{prefill.worker_id} / {decode.worker_id}: {blocked}" if blocked else None
 
     def route(self, prompt_token_ids: list[int], max_tokens: int,
               exclude: frozenset[str] = frozenset()) -> Route:
@@ -84,11 +96,11 @@ class Router:
             raise NoWorkerError("no live decode worker")
         reasons = []
         for prefill, hit in ranked:
-            ok = [d for d in decodes if pairing_mismatch(prefill.info, d.info) is None]
+            ok = [d for d in decodes if self.pair_problem(prefill, d) is None]
             if ok:
                 self._remember(prefill, prompt)
                 return Route("disaggregated", prefill=prefill, decode=_least_loaded(ok), prefix_blocks=hit)
-            reasons += [m for d in decodes if (m := pairing_mismatch(prefill.info, d.info))]
+            reasons += [m for d in decodes if (m := self.pair_problem(prefill, d))]
         raise NoWorkerError("no compatible prefill/decode pair: " + "; ".join(reasons))
 
     def _rank_prefills(self, prompt: list[int], prefills: list[WorkerEntry]) -> list[tuple[WorkerEntry, int]]:

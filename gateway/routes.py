@@ -1,4 +1,4 @@
-"""HTTP routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /metrics.
+"""HTTP routes: /v1/chat/completions, /v1/completions, /v1/models, /v1/status, /health, /ready, /metrics.
 
 Bodies are encoded from the types of gateway/openai_responses.py, which also give the response schemas
 of ``/openapi.json`` (referenced here, merged into the document by gateway/app.py).
@@ -27,9 +27,9 @@ from gateway.openai_responses import (
     schema_ref,
 )
 from gateway.prepare import prepare, served_model
-from gateway.registry import pairing_mismatch
 from gateway.service import GatewayService
 from gateway.serving import complete, open_stream, sse_events, submit_all
+from gateway.status import readiness
 
 router = APIRouter()
 SSE = {"text/event-stream": {"schema": {"type": "string"}}}
@@ -124,27 +124,26 @@ async def health(request: Request) -> Response:
     return json_response(Health("ok"))
 
 
-def readiness(svc: GatewayService) -> tuple[bool, str]:
-    """Ready when a colocated worker is live, or a live prefill worker has a compatible decode worker."""
-    if svc.registry.live("colocated"):
-        return True, "colocated worker live"
-    prefills, decodes = svc.registry.live("prefill"), svc.registry.live("decode")
-    for p in prefills:
-        if any(pairing_mismatch(p.info, d.info) is None for d in decodes):
-            return True, "prefill/decode pair live"
-    return False, f"no compatible prefill+decode pair ({len(prefills)} prefill, {len(decodes)} decode)"
+_READY = {**ok(Readiness), 503: {"description": "not ready", "content": {"application/json": {
+    "schema": schema_ref(Readiness)}}}, **error_responses(401)}
 
 
-@router.get("/ready", responses={
-    **ok(Readiness), 503: {"description": "not ready", "content": {"application/json": {
-        "schema": schema_ref(Readiness)}}}, **error_responses(401)})
+@router.get("/ready", responses=_READY)
 async def ready(request: Request) -> Response:
-    """200 when requests can be served, else 503 with the reason."""
+    """200 when requests can be served, else 503 with the reason; both with the status view."""
     svc = service(request)
     if not svc.settings.public_health:
         _check_key(request)
-    is_ready, reason = readiness(svc)
-    return json_response(Readiness(is_ready, reason), status_code=200 if is_ready else 503)
+    body = readiness(svc.registry, svc.canaries)
+    return json_response(body, status_code=200 if body.ready else 503)
+
+
+@router.get("/v1/status", dependencies=[Depends(require_key)],
+            responses={**ok(Readiness), **error_responses(401)})
+async def status(request: Request) -> Response:
+    """The status view (always 200): workers, pairs, dropped and refused workers with their reasons."""
+    svc = service(request)
+    return json_response(readiness(svc.registry, svc.canaries))
 
 
 @router.get("/metrics", response_class=Response, responses={

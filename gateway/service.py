@@ -4,7 +4,10 @@ liveness (the reaper), the tokenizer, and the ``Orchestrator`` that owns the liv
 Control messages from workers: ``RegisterWorker`` (→ ``RegisterAck``; a higher epoch replaces the old
 incarnation, whose requests fail), ``Heartbeat`` (load; an unknown worker is asked to ``ReRegister``),
 ``WorkerShutdown``; per-request messages go to the orchestrator (gateway/orchestrator.py), after counting
-as a sign of life of their worker. A worker silent for ``--heartbeat-timeout`` s is declared lost.
+as a sign of life of their worker. A worker silent for ``--heartbeat-timeout`` s is declared lost; so
+is, at once, a worker a send fails to reach (its connection is gone: ``SendOutcome.UNREACHABLE``), and
+each dropped connection makes the gateway probe every worker (``Probe``) to find whose it was. A send that
+only would block (a slow worker) drops nobody. A lost worker is back when it registers again.
 """
 
 from __future__ import annotations
@@ -14,17 +17,21 @@ import contextlib
 import logging
 
 from gateway.admission import Admission
-from gateway.control_socket import ControlSocket
+from gateway.canary import CanaryTracker
+from gateway.control_socket import ControlSocket, SendOutcome
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator, WorkerMessage
 from gateway.prefix_index import PrefixIndex
-from gateway.registry import WorkerEntry, WorkerRegistry
+from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
 from gateway.router import Router
 from gateway.text import TextProcessor, resolve_tokenizer_dir
 from protocol.logging import log_event
 from protocol.messages import (
     Heartbeat,
+    KVCanaryReserved,
+    KVCanaryResult,
     Message,
+    Probe,
     RegisterAck,
     RegisterWorker,
     ReRegister,
@@ -34,6 +41,10 @@ from protocol.messages import (
 from protocol.settings import GatewaySettings
 
 log = logging.getLogger("pdserve.gateway")
+
+# after a dropped connection, probe the workers at these delays (seconds): the ROUTER forgets a peer's
+# identity once it has processed the connection's end, which may come a little after the event
+PROBE_DELAYS = (0.0, 0.05, 0.25, 1.0)
 
 
 class GatewayService:
@@ -46,8 +57,10 @@ class GatewayService:
         self.settings, self.metrics, self._text = settings, metrics, text
         self.epoch = new_epoch()
         self.registry = WorkerRegistry(settings.heartbeat_timeout)
+        self.canaries = CanaryTracker(self.registry, metrics, self.send, settings.kv_canary_timeout,
+                                      settings.kv_canary_period)
         self.router = Router(self.registry, PrefixIndex(), settings.disagg_threshold,
-                             settings.allow_local_prefill)
+                             settings.allow_local_prefill, blocked=self.canaries.blocked)
         self.orchestrator = Orchestrator(self.router, metrics, self.send, settings.max_queue,
                                          settings.request_timeout,
                                          Admission(self.registry, settings.admission_budget, metrics),
@@ -56,9 +69,11 @@ class GatewayService:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        """Bind the control socket and start the receive and reaper loops. Raises OSError on bind."""
+        """Bind the control socket and start the receive, reaper, probe and canary loops. Raises OSError
+        on bind."""
         self.control = ControlSocket(self.settings.control_bind)
-        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._reap_loop())]
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._reap_loop()),
+                       asyncio.create_task(self._probe_loop()), asyncio.create_task(self._canary_loop())]
 
     async def stop(self) -> None:
         """Stop loops and close the socket."""
@@ -82,11 +97,18 @@ class GatewayService:
         return self._text
 
     async def send(self, identity: bytes, msg: Message) -> bool:
-        """Send a message to the worker with zmq routing ``identity``; False if it is gone (or the
-        socket is not bound yet)."""
+        """Send a message to the worker with zmq routing ``identity``; False if not delivered (or the
+        socket is not bound yet). A worker found unreachable leaves routing at once (``worker_gone``);
+        one whose queue is full (slow) stays."""
         if self.control is None:
             return False
-        return await self.control.send(identity, msg)
+        outcome = await self.control.send_outcome(identity, msg)
+        if outcome is SendOutcome.UNREACHABLE:
+            entry = self.registry.remove_identity(identity)
+            if entry is not None:
+                self.worker_gone(entry, f"unreachable: its control connection is gone "
+                                        f"(a {type(msg).__name__} could not be sent)")
+        return outcome is SendOutcome.SENT
 
     # ---- control plane -------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -98,6 +120,20 @@ class GatewayService:
                     await self.on_control_message(identity, msg)
                 except Exception:
                     log.exception("control message handling failed")
+
+    async def _probe_loop(self) -> None:
+        assert self.control is not None
+        while True:
+            await self.control.disconnects()
+            log_event(log, "control_connection_dropped", workers=len(self.registry.live()))
+            for delay in PROBE_DELAYS:
+                await asyncio.sleep(delay)
+                await self.probe_all()
+
+    async def probe_all(self) -> None:
+        """Send a ``Probe`` to every registered worker: those no longer connected leave routing."""
+        for entry in self.registry.live():
+            await self.send(entry.identity, Probe(worker_id=entry.worker_id, epoch=entry.info.epoch))
 
     async def on_control_message(self, identity: bytes, msg: Message) -> None:
         """Apply one message from the worker with zmq routing ``identity``."""
@@ -113,6 +149,14 @@ class GatewayService:
             entry = self.registry.remove(msg.worker_id, msg.epoch)
             if entry is not None:
                 self.worker_gone(entry, "worker shut down", announced=True)
+        elif isinstance(msg, KVCanaryReserved | KVCanaryResult):
+            entry = self.registry.get(msg.worker_id)
+            if entry is not None:
+                self.registry.touch(msg.worker_id, entry.info.epoch)
+            if isinstance(msg, KVCanaryReserved):
+                await self.canaries.on_reserved(msg)
+            else:
+                self.canaries.on_result(msg)
         elif isinstance(msg, WorkerMessage):
             entry = self.registry.get(msg.worker_id)
             if entry is not None:
@@ -140,7 +184,7 @@ class GatewayService:
     async def _on_register(self, identity: bytes, msg: RegisterWorker) -> None:
         old, reason = self.registry.register(msg, identity)
         if old is not None:
-            self.worker_gone(old, f"worker {old.worker_id} restarted (epoch {msg.epoch})")
+            self.worker_gone(old, f"worker {old.worker_id} restarted (epoch {msg.epoch})", replaced=True)
         assert self.control is not None
         await self.control.send(identity, RegisterAck(worker_id=msg.worker_id, epoch=msg.epoch,
                                                       accepted=not reason, reason=reason,
@@ -150,12 +194,29 @@ class GatewayService:
         if not reason:
             self.metrics.set_worker_load(msg.worker_id, msg.role, msg.load)
             self._update_worker_counts()
+            self._log_refused_pairs(msg)
+            await self.canaries.tick()  # the pairing canary of each new compatible pair
             await self._preload_tokenizer()
 
-    def worker_gone(self, entry: WorkerEntry, reason: str, announced: bool = False) -> None:
+    def _log_refused_pairs(self, msg: RegisterWorker) -> None:
+        """Log each pair the new worker cannot form with a registered counterpart, naming the fields."""
+        other = {"prefill": "decode", "decode": "prefill"}.get(msg.role)
+        if other is None:
+            return
+        for peer in self.registry.live(other):  # type: ignore[arg-type]
+            p, d = (msg, peer.info) if msg.role == "prefill" else (peer.info, msg)
+            mismatch = pairing_mismatch(p, d)
+            if mismatch is not None:
+                log_event(log, "pair_refused", logging.WARNING, prefill=p.worker_id, decode=d.worker_id,
+                          reason=mismatch)
+
+    def worker_gone(self, entry: WorkerEntry, reason: str, announced: bool = False,
+                    replaced: bool = False) -> None:
         """Forget a worker (already out of the registry); its requests fail (``Orchestrator.worker_lost``).
         ``announced``: it said so itself (a clean shutdown, logged at INFO when it held no request;
-        WARNING otherwise)."""
+        WARNING otherwise). ``replaced``: a new incarnation registered (not listed as dropped)."""
+        if not replaced:
+            self.registry.record_dropped(entry, reason)
         self.metrics.worker_deaths.inc()
         self.metrics.drop_worker(entry.worker_id, entry.role)
         self.router.prefix_index.remove_worker(entry.worker_id)
@@ -167,6 +228,15 @@ class GatewayService:
     def _update_worker_counts(self) -> None:
         for role in ("prefill", "decode", "colocated"):
             self.metrics.workers.labels(role).set(len(self.registry.live(role)))  # type: ignore[arg-type]
+
+    async def _canary_loop(self) -> None:
+        period = min(0.25, self.settings.kv_canary_timeout / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.canaries.tick()
+            except Exception:
+                log.exception("KV canary round failed")
 
     async def _reap_loop(self) -> None:
         period = min(0.5, self.settings.heartbeat_timeout / 4)

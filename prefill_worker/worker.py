@@ -13,6 +13,12 @@ Queues and states of a request (``PrefillRequest`` from the gateway):
 Transfer totals (heartbeat ``WorkerLoad.kv_transfer_bytes`` / ``kv_transfer_seconds``): per transfer that
 reaches DONE, blocks × ``KVCachePool.bytes_per_block`` and the seconds from the first layer handed to the
 sender to the ``poll`` that sees DONE (so at most one step late).
+
+A canary (``KVCanarySend``, a test of the data path): one block of this worker's own (from its
+``BlockManager``, like a request's) is sent, every layer at once, into the handle's block; when the
+transfer is terminal the block is freed, ``KVCanaryResult`` reports the bytes and the seconds from
+``add_request`` to the sender's terminal time (``KVSender.ended_at``), and the transfer is forgotten once
+the sender allows it. Canaries do not count in the transfer totals.
 """
 
 from __future__ import annotations
@@ -20,15 +26,19 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.sequence import SequenceStatus, check_stop
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence, SequenceStatus, check_stop
 from kvtransfer import KVCompat, KVHandle, KVSender, TransferConfig, TransferStatus, get_transfer_backend
 from protocol.logging import log_event
 from protocol.messages import (
     AbortRequest,
     FinishReason,
     FirstToken,
+    KVCanaryResult,
+    KVCanarySend,
     Message,
     PrefillRequest,
     Role,
@@ -41,7 +51,6 @@ from workers.step import LayerHook, run_step
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore, StepOutput
     from engine.scheduler import SchedulerOutput
-    from engine.sequence import Sequence
     from protocol.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.prefill")
@@ -54,6 +63,17 @@ def make_sender(settings: WorkerSettings, core: EngineCore) -> KVSender:
     config = TransferConfig(worker_id=settings.worker_id, model_id=settings.model,
                             backend=settings.transfer_backend, peer_timeout_s=5.0)
     return get_transfer_backend(settings.transfer_backend).sender(config, core.runner.kv_cache.kv_buffer)
+
+
+@dataclass
+class _Canary:
+    """One canary transfer: its source block (None once freed), ``started`` (time.perf_counter() s at
+    add_request), its size in bytes and whether its result went out."""
+
+    seq: Sequence | None
+    started: float
+    num_bytes: int
+    reported: bool = False
 
 
 class PrefillWorker(WorkerLoop):
@@ -75,6 +95,7 @@ class PrefillWorker(WorkerLoop):
         self._first_layer_at: dict[str, float] = {}  # time.monotonic() when layer 0 went to the sender
         self.kv_sent_bytes = 0  # cumulative over DONE transfers (bytes)
         self.kv_sent_seconds = 0.0  # cumulative over DONE transfers (seconds)
+        self.canaries: dict[str, _Canary] = {}
 
     def compat(self) -> KVCompat:
         """The KV pairing record: the one the sender's handshake checks."""
@@ -85,8 +106,56 @@ class PrefillWorker(WorkerLoop):
         (bad prompt; a ``kv_handle`` for another request id, backend or block count)."""
         if isinstance(msg, PrefillRequest):
             self._accept(msg)
+        elif isinstance(msg, KVCanarySend):
+            self._send_canary(msg)
         elif isinstance(msg, AbortRequest):
             self.drop(msg.request_id)
+
+    def _send_canary(self, msg: KVCanarySend) -> None:
+        """Start a canary transfer of one block of ours; a canary that cannot start is reported failed at
+        once (``KVCanaryResult``), its block freed."""
+        cid, transport = msg.canary_id, self.sender.compat.transfer_backend
+        bm = self.core.block_manager
+        seq = Sequence(cid, [0] * bm.block_size, SamplingParams(max_tokens=1), time.monotonic(),
+                       self.core.eos_token_id)
+        try:
+            if cid in self.canaries or cid in self.seqs or cid in self.sending:
+                raise ValueError(f"canary id {cid!r} is already on this worker")
+            handle = decode_handle(msg.kv_handle)
+            bm.allocate(seq, bm.block_size)
+            started = time.perf_counter()
+            self.sender.add_request(handle, list(seq.block_table))
+        except Exception as exc:
+            if seq.block_table:
+                bm.free(seq)
+            self.emit(KVCanaryResult(canary_id=cid, worker_id=self.worker_id, ok=False, num_bytes=0,
+                                     seconds=0.0, transport=transport, error=f"{type(exc).__name__}: {exc}"))
+            return
+        self.canaries[cid] = _Canary(seq, started, self.core.runner.kv_cache.bytes_per_block)
+        self.sender.send_layers(cid)
+
+    def _poll_canaries(self) -> None:
+        for cid, c in list(self.canaries.items()):
+            status = self.sender.status(cid)
+            if not status.is_terminal:
+                continue
+            if c.seq is not None:  # terminal: nothing more is read from the block
+                self.core.block_manager.free(c.seq)
+                c.seq = None
+            if not c.reported:
+                ended = self.sender.ended_at(cid) or time.perf_counter()
+                ok = status is TransferStatus.DONE
+                self.emit(KVCanaryResult(canary_id=cid, worker_id=self.worker_id, ok=ok,
+                                         num_bytes=c.num_bytes if ok else 0,
+                                         seconds=max(ended - c.started, 0.0),
+                                         transport=self.sender.compat.transfer_backend,
+                                         error="" if ok else f"{status.value}: {self.sender.reason(cid)}"))
+                c.reported = True
+            try:
+                self.sender.release(cid)
+            except RuntimeError:  # writes in flight or a fence still to send: next poll
+                continue
+            del self.canaries[cid]
 
     def _accept(self, msg: PrefillRequest) -> None:
         params = msg.sampling
@@ -108,6 +177,10 @@ class PrefillWorker(WorkerLoop):
         """Abort in the engine, and abort the request's transfer if one was started (its source blocks
         are released by ``poll`` once the transfer is terminal). A transfer can exist for a request still
         in ``seqs`` when the step that started it failed: it goes to ``sending`` without blocks."""
+        if request_id in self.canaries:
+            if not self.sender.status(request_id).is_terminal:
+                self.sender.abort(request_id)
+            return
         self.kv_handles.pop(request_id, None)
         self._hook_errors.pop(request_id, None)
         if self.seqs.pop(request_id, None) is not None:
@@ -176,7 +249,9 @@ class PrefillWorker(WorkerLoop):
 
     def poll(self) -> None:
         """Release the source blocks of every request whose transfer is terminal, then forget the transfer
-        once the sender allows it (its writes done, its fences sent); FAILED → ``RequestFailed``."""
+        once the sender allows it (its writes done, its fences sent); FAILED → ``RequestFailed``. The same
+        for canaries, which report ``KVCanaryResult``."""
+        self._poll_canaries()
         for rid, seq in list(self.sending.items()):
             status = self.sender.status(rid)
             if not status.is_terminal:
@@ -214,7 +289,7 @@ class PrefillWorker(WorkerLoop):
 
     def busy(self) -> bool:
         """Transfers in flight need frequent polling."""
-        return bool(self.sending)
+        return bool(self.sending or self.canaries)
 
     def close(self) -> None:
         """Stop the sender thread and its transport."""

@@ -101,6 +101,14 @@ class ReRegister(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     reason: str = ""
 
 
+class Probe(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → worker: a liveness probe the worker ignores. The gateway sends one to each worker when
+    a worker's control connection drops: the send fails at once for the worker whose connection it was."""
+
+    worker_id: str
+    epoch: int
+
+
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Worker → gateway, periodically; silence longer than ``--heartbeat-timeout`` s marks it dead."""
 
@@ -168,6 +176,48 @@ class ColocatedRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
         _no_stop_strings(self.sampling)
 
 
+class KVCanaryReserve(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → decode: reserve one KV block for a canary transfer from ``prefill_worker_id`` (a test of
+    the data path, no request); the KV must land within ``timeout_s`` s. Answered by ``KVCanaryReserved``.
+    ``AbortRequest`` with ``canary_id`` as request id ends it early."""
+
+    canary_id: str
+    prefill_worker_id: str
+    timeout_s: float
+
+
+class KVCanaryReserved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Decode → gateway: the canary's ``KVHandle`` (opaque msgspec bytes, as in ``KVReserved``), or None
+    with ``error`` when no block could be reserved."""
+
+    canary_id: str
+    worker_id: str
+    kv_handle: bytes | None
+    error: str = ""
+
+
+class KVCanarySend(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → prefill: send one KV block (of the prefill worker's own, every layer) into ``kv_handle``
+    and report with ``KVCanaryResult``. ``AbortRequest`` with ``canary_id`` as request id stops it."""
+
+    canary_id: str
+    kv_handle: bytes
+
+
+class KVCanaryResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Prefill → gateway: the canary ended: ``ok`` when every layer landed; ``num_bytes`` moved in
+    ``seconds`` (from handing the block to the sender to the receiver's DONE); ``transport``: the KV
+    transport's name (e.g. loopback, nixl, ucx); ``error`` why it failed."""
+
+    canary_id: str
+    worker_id: str
+    ok: bool
+    num_bytes: int
+    seconds: float
+    transport: str
+    error: str = ""
+
+
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
     """One alternative: token id and its log-probability (natural log)."""
 
@@ -232,9 +282,9 @@ def _no_stop_strings(sampling: SamplingParams) -> None:
 
 
 Message = (
-    RegisterWorker | RegisterAck | ReRegister | Heartbeat | WorkerShutdown | ReserveKV | KVReserved
+    RegisterWorker | RegisterAck | ReRegister | Probe | Heartbeat | WorkerShutdown | ReserveKV | KVReserved
     | PrefillRequest | DecodeRequest | ColocatedRequest | FirstToken | NextToken | RequestFinished
-    | RequestFailed | AbortRequest
+    | RequestFailed | AbortRequest | KVCanaryReserve | KVCanaryReserved | KVCanarySend | KVCanaryResult
 )
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -45,6 +45,8 @@ class GatewaySettings:
     max_retries: int = 2
     max_migrations: int = 1
     admission_budget: float = 30.0
+    kv_canary_period: float = 60.0  # seconds between canaries of a usable pair (0: only at pairing)
+    kv_canary_timeout: float = 10.0  # seconds a canary has to land before its pair leaves routing
     log_level: str = "info"
     log_format: str = "text"
 
@@ -65,6 +67,8 @@ class GatewaySettings:
         _check(self.max_migrations >= 0, "max-migrations", f"must be >= 0, got {self.max_migrations}")
         _check(0 <= self.admission_budget < float("inf"), "admission-budget",
                f"must be >= 0 seconds (0 turns the queue check off), got {self.admission_budget}")
+        _check(self.kv_canary_period >= 0, "kv-canary-period", "must be >= 0 seconds (0: only at pairing)")
+        _check(self.kv_canary_timeout > 0, "kv-canary-timeout", "must be > 0 seconds")
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
 

@@ -28,6 +28,7 @@ from protocol.logging import log_event
 from protocol.messages import (
     Heartbeat,
     Message,
+    Probe,
     RegisterAck,
     RegisterWorker,
     RequestFailed,
@@ -257,6 +258,8 @@ class WorkerLoop:
             if isinstance(msg, ReRegister):  # the gateway lost track of us: register again, same epoch
                 log_event(log, "reregistering", logging.WARNING, worker_id=self.worker_id, reason=msg.reason)
                 await self.control.send(self.registration())
+            elif isinstance(msg, Probe):  # the gateway checking which connection dropped: nothing to do
+                pass
             elif isinstance(msg, RegisterAck):
                 log_event(log, "registered" if msg.accepted else "registration_refused",
                           logging.INFO if msg.accepted else logging.ERROR, worker_id=self.worker_id,

@@ -13,7 +13,10 @@ and frees them on finish or abort, so heartbeats show leaks. Every received mess
 params, ``prompt_token_ids`` when it carries a prompt) for tests to inspect. Faults: ``--fail-at P``
 answers ``RequestFailed`` instead of output position P, ``--hang-at P`` stalls the whole worker there
 (no tokens, no heartbeats: the gateway declares it lost; it still records messages); P = -1 at
-``ReserveKV`` (before any token). Run: ``python -m tests.fakes.fake_worker --role decode ...``.
+``ReserveKV`` (before any token). KV canaries: the decode role answers ``KVCanaryReserve`` with a
+fake handle, the prefill role ``KVCanarySend`` with a landed canary of ``--canary-bytes`` in
+``--canary-seconds`` over transport ``fake``; ``--canary-wedged 1`` never answers (a wedged data path).
+Run: ``python -m tests.fakes.fake_worker --role decode ...``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ from protocol.messages import (
     FinishReason,
     FirstToken,
     Heartbeat,
+    KVCanaryReserve,
+    KVCanaryReserved,
+    KVCanaryResult,
+    KVCanarySend,
     KVReserved,
     Message,
     NextToken,
@@ -94,7 +101,8 @@ class FakeWorker:
     def record(self, msg: Message) -> None:
         if self.args.record:
             entry: dict[str, object] = {"type": type(msg).__name__,
-                                        "request_id": getattr(msg, "request_id", None)}
+                                        "request_id": getattr(msg, "request_id",
+                                                              getattr(msg, "canary_id", None))}
             sampling = getattr(msg, "sampling", None)
             if sampling is not None:
                 entry["sampling"] = msgspec.to_builtins(sampling)
@@ -215,6 +223,14 @@ class FakeWorker:
             if task is not None:
                 task.cancel()
             self.release(msg.request_id)
+        elif isinstance(msg, KVCanaryReserve) and not self.args.canary_wedged:
+            await self.send(KVCanaryReserved(canary_id=msg.canary_id, worker_id=self.args.worker_id,
+                                             kv_handle=f"fake-handle:{msg.canary_id}".encode()))
+        elif isinstance(msg, KVCanarySend) and not self.args.canary_wedged:
+            await asyncio.sleep(self.args.canary_seconds)
+            await self.send(KVCanaryResult(canary_id=msg.canary_id, worker_id=self.args.worker_id, ok=True,
+                                           num_bytes=self.args.canary_bytes,
+                                           seconds=self.args.canary_seconds, transport="fake"))
         elif isinstance(msg, RegisterAck) and not msg.accepted:
             raise SystemExit(f"registration refused: {msg.reason}")
 
@@ -259,6 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--record", default="")
     p.add_argument("--fail-at", type=int, default=None, help="RequestFailed at this output position")
     p.add_argument("--hang-at", type=int, default=None, help="stall the worker at this output position")
+    p.add_argument("--canary-bytes", type=int, default=1 << 20)
+    p.add_argument("--canary-seconds", type=float, default=0.001)
+    p.add_argument("--canary-wedged", type=int, default=0)
     return p.parse_args(argv)
 
 

@@ -49,6 +49,7 @@ def _fed_metrics() -> GatewayMetrics:
     m.routes.labels("disaggregated").inc()
     m.admission_refused.labels("prefill_queue").inc()
     m.workers.labels("prefill").set(1)
+    m.kv_path_gbps.labels("p0", "d0", "loopback").set(1.5)
     m.observe_tokens(0.0, [0.1, 0.15, 0.2])
     return m
 

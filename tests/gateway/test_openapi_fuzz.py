@@ -20,7 +20,7 @@ from tests.gateway.conftest import Cluster
 pytestmark = pytest.mark.slow  # starts processes
 
 ENDPOINTS = {("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("get", "/v1/models"),
-             ("get", "/health"), ("get", "/ready"), ("get", "/metrics")}
+             ("get", "/v1/status"), ("get", "/health"), ("get", "/ready"), ("get", "/metrics")}
 CASES_PER_OPERATION = 50
 
 

@@ -1,0 +1,64 @@
+"""The gateway's status view (``/ready``, ``/v1/status``), built from the registry (no torch)."""
+
+from __future__ import annotations
+
+import time
+
+from gateway.canary import CanaryTracker
+from gateway.openai_responses import KVPathStatus, LostWorkerStatus, PairStatus, Readiness, WorkerStatus
+from gateway.registry import LostWorker, WorkerEntry, WorkerRegistry, pairing_mismatch
+
+
+def pair_statuses(registry: WorkerRegistry, canaries: CanaryTracker | None = None) -> list[PairStatus]:
+    """Every (prefill, decode) pair of registered workers, in registration order, with its mismatch or
+    data-path failure and its measured path (from ``canaries``)."""
+    out = []
+    for p in registry.live("prefill"):
+        for d in registry.live("decode"):
+            problem = pairing_mismatch(p.info, d.info)
+            path = None
+            if canaries is not None:
+                blocked = canaries.blocked(p.worker_id, d.worker_id)
+                if problem is None and blocked:
+                    problem = f"{p.worker_id} / {d.worker_id}: {blocked}"
+                kv = canaries.path(p.worker_id, d.worker_id)
+                if kv is not None:
+                    path = KVPathStatus(kv.transport, round(kv.gbps, 6), kv.num_bytes, round(kv.seconds, 6),
+                                        kv.at, kv.warning)
+            out.append(PairStatus(p.worker_id, d.worker_id, problem is None, problem or "", path))
+    return out
+
+
+def readiness(registry: WorkerRegistry, canaries: CanaryTracker | None = None) -> Readiness:
+    """Ready when a colocated worker is live, or a live prefill worker has a usable decode worker (KV
+    compatible, data path not failed); the reason names what is missing (each unusable pair's fields or
+    path failure, each dropped worker)."""
+    pairs = pair_statuses(registry, canaries)
+    prefills, decodes = registry.live("prefill"), registry.live("decode")
+    if registry.live("colocated"):
+        ok, reason = True, "colocated worker live"
+    elif any(p.usable for p in pairs):
+        ok, reason = True, "prefill/decode pair live"
+    else:
+        ok = False
+        reason = f"no compatible prefill+decode pair ({len(prefills)} prefill, {len(decodes)} decode)"
+        refused = [p.reason for p in pairs if not p.usable]
+        if refused:
+            reason += ": " + "; ".join(refused)
+    now = time.time()
+    lost = [f"{w.worker_id} ({w.role}) {w.reason} {now - w.at:.1f} s ago" for w in registry.dropped.values()]
+    if lost:
+        reason += "; dropped: " + "; ".join(lost)
+    return Readiness(ok, reason, [_worker(registry, e) for e in registry.live()], pairs,
+                     [_lost(w, now) for w in registry.dropped.values()],
+                     [_lost(w, now) for w in registry.refused.values()])
+
+
+def _worker(registry: WorkerRegistry, e: WorkerEntry) -> WorkerStatus:
+    return WorkerStatus(e.worker_id, e.role, e.info.epoch, e.info.transfer_address,
+                        round(registry.age(e), 3), e.load.num_waiting, e.load.num_running,
+                        e.load.num_free_blocks, e.load.num_total_blocks, len(e.requests))
+
+
+def _lost(w: LostWorker, now: float) -> LostWorkerStatus:
+    return LostWorkerStatus(w.worker_id, w.role, w.epoch, w.address, w.reason, w.at, round(now - w.at, 3))

@@ -1,0 +1,213 @@
+"""The KV data path of each prefill/decode pair, as the gateway sees it (gateway/canary.py): the pairing
+canary's round trip (reserve on decode, send on prefill, result), the path in the status view, the log and
+``pdserve_kv_path_gbps``, a slow path as a warning, a wedged path out of routing by the deadline and back
+after a later canary lands; with fake worker processes, a wedged pair named by /ready."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import msgspec
+import pytest
+
+from gateway.canary import CanaryTracker
+from gateway.metrics import GatewayMetrics
+from gateway.prefix_index import PrefixIndex
+from gateway.registry import WorkerRegistry
+from gateway.router import NoWorkerError, Router
+from gateway.status import readiness
+from kvtransfer.compat import KVCompat
+from protocol.messages import (
+    AbortRequest,
+    KVCanaryReserve,
+    KVCanaryReserved,
+    KVCanaryResult,
+    KVCanarySend,
+    Message,
+    RegisterWorker,
+    WorkerLoad,
+)
+from tests.gateway.conftest import wait_until
+
+TIMEOUT = 2.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _register(wid: str, role: str) -> RegisterWorker:
+    compat = KVCompat(dtype="float32", block_size=16, transfer_backend="loopback")
+    return RegisterWorker(role=role, worker_id=wid, epoch=1, model="m", model_path="",  # type: ignore[arg-type]
+                          compat=compat, load=WorkerLoad(num_total_blocks=64, num_free_blocks=64))
+
+
+class Setup:
+    def __init__(self, period: float = 0.0) -> None:
+        self.clock, self.sent = Clock(), []
+        self.registry = WorkerRegistry(60.0, clock=self.clock)
+        for wid, role in (("p1", "prefill"), ("d1", "decode")):
+            self.registry.register(_register(wid, role), wid.encode())
+        self.metrics = GatewayMetrics()
+        self.canaries = CanaryTracker(self.registry, self.metrics, self.send, TIMEOUT, period,
+                                      clock=self.clock)
+        self.router = Router(self.registry, PrefixIndex(), blocked=self.canaries.blocked)
+
+    async def send(self, identity: bytes, msg: Message) -> bool:
+        self.sent.append((identity, msg))
+        return True
+
+    def take(self, cls: type) -> list:
+        out = [(i, m) for i, m in self.sent if isinstance(m, cls)]
+        self.sent = [(i, m) for i, m in self.sent if not isinstance(m, cls)]
+        return out
+
+    async def land(self, seconds: float = 0.001, num_bytes: int = 1 << 20,
+                   transport: str = "loopback") -> str:
+        """Answer the canary in flight as the workers would; returns its id."""
+        [(ident, reserve)] = self.take(KVCanaryReserve)
+        assert ident == b"d1" and reserve.prefill_worker_id == "p1" and reserve.timeout_s == TIMEOUT
+        await self.canaries.on_reserved(KVCanaryReserved(canary_id=reserve.canary_id, worker_id="d1",
+                                                         kv_handle=b"handle"))
+        [(ident, send)] = self.take(KVCanarySend)
+        assert ident == b"p1" and send.kv_handle == b"handle"
+        self.canaries.on_result(KVCanaryResult(canary_id=send.canary_id, worker_id="p1", ok=True,
+                                               num_bytes=num_bytes, seconds=seconds, transport=transport))
+        return str(send.canary_id)
+
+    def gauge(self, transport: str) -> float | None:
+        return self.metrics.registry.get_sample_value(
+            "pdserve_kv_path_gbps", {"prefill": "p1", "decode": "d1", "transport": transport})
+
+
+async def test_pairing_canary_measures_the_path(caplog: pytest.LogCaptureFixture) -> None:
+    s = Setup()
+    with caplog.at_level(logging.INFO, logger="pdserve.gateway"):
+        await s.canaries.tick()
+        await s.land(seconds=0.5, num_bytes=4_000_000)  # the first one pays for the handshake
+        assert readiness(s.registry, s.canaries).pairs[0].path is None
+        await s.canaries.tick()  # ... and the next, sent at once, measures the path
+        await s.land(seconds=0.002, num_bytes=4_000_000)
+    [pair] = readiness(s.registry, s.canaries).pairs
+    assert pair.usable and pair.path is not None
+    assert (pair.path.transport, pair.path.gbps, pair.path.num_bytes, pair.path.warning) == (
+        "loopback", 2.0, 4_000_000, "")
+    assert s.gauge("loopback") == 2.0
+    [rec] = [r for r in caplog.records if r.getMessage() == "kv_path_measured"]
+    assert (rec.transport, rec.gbps, rec.levelno) == ("loopback", 2.0, logging.INFO)  # type: ignore[attr-defined]
+    s.clock.now += 1000
+    await s.canaries.tick()
+    assert s.take(KVCanaryReserve) == []  # period 0: only at pairing
+
+
+async def test_slow_path_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    s = Setup()
+    with caplog.at_level(logging.INFO, logger="pdserve.gateway"):
+        await s.canaries.tick()
+        await s.land(transport="cuda_ipc")
+        await s.canaries.tick()
+        await s.land(seconds=0.01, num_bytes=1_000_000, transport="cuda_ipc")  # 0.1 GB/s
+    [pair] = readiness(s.registry, s.canaries).pairs
+    assert pair.usable and pair.path is not None and "far below" in pair.path.warning
+    [rec] = [r for r in caplog.records if r.getMessage() == "kv_path_measured"]
+    assert rec.levelno == logging.WARNING and "cuda_ipc" in rec.warning  # type: ignore[attr-defined]
+
+
+async def test_wedged_path_leaves_routing_at_the_deadline_and_comes_back() -> None:
+    s = Setup(period=30.0)
+    await s.canaries.tick()
+    [(_, reserve)] = s.take(KVCanaryReserve)
+    await s.canaries.on_reserved(KVCanaryReserved(canary_id=reserve.canary_id, worker_id="d1",
+                                                  kv_handle=b"handle"))
+    s.take(KVCanarySend)  # ... and the transfer never lands
+    s.clock.now += TIMEOUT - 0.01
+    await s.canaries.tick()
+    assert s.router.route(list(range(8)), 4).prefill is not None  # still usable before the deadline
+    s.clock.now += 0.02
+    await s.canaries.tick()
+    aborts = s.take(AbortRequest)
+    assert sorted(i for i, _ in aborts) == [b"d1", b"p1"]
+    assert {m.request_id for _, m in aborts} == {reserve.canary_id}
+    body = readiness(s.registry, s.canaries)
+    assert not body.ready and "did not land within 2 s" in body.reason
+    assert not body.pairs[0].usable and "did not land" in body.pairs[0].reason
+    with pytest.raises(NoWorkerError, match="did not land"):
+        s.router.route(list(range(8)), 4)
+    # a late result of the expired canary changes nothing
+    s.canaries.on_result(KVCanaryResult(canary_id=reserve.canary_id, worker_id="p1", ok=True,
+                                        num_bytes=1, seconds=1.0, transport="loopback"))
+    assert not readiness(s.registry, s.canaries).ready
+    s.clock.now += TIMEOUT  # an unusable pair is tried again every timeout
+    await s.canaries.tick()
+    await s.land()
+    assert readiness(s.registry, s.canaries).ready
+    assert readiness(s.registry, s.canaries).pairs[0].path is None  # that one warmed the path up
+    await s.canaries.tick()
+    await s.land()
+    assert readiness(s.registry, s.canaries).pairs[0].path is not None
+    s.clock.now += 29
+    await s.canaries.tick()
+    assert s.take(KVCanaryReserve) == []
+    s.clock.now += 1  # period 30 s
+    await s.canaries.tick()
+    await s.land()
+    assert s.router.route(list(range(8)), 4).decode is not None
+
+
+async def test_failed_canary_takes_the_pair_out_and_a_gone_worker_drops_its_series() -> None:
+    s = Setup()
+    for _ in range(2):
+        await s.canaries.tick()
+        await s.land()
+    assert s.gauge("loopback") is not None
+    s.clock.now += 1
+    # a new incarnation of the decode worker: a new pair, a new canary; the old series goes
+    s.registry.register(msgspec.structs.replace(_register("d1", "decode"), epoch=2), b"d1")
+    await s.canaries.tick()
+    assert s.gauge("loopback") is None
+    [(_, reserve)] = s.take(KVCanaryReserve)
+    await s.canaries.on_reserved(KVCanaryReserved(canary_id=reserve.canary_id, worker_id="d1",
+                                                  kv_handle=b"h"))
+    [(_, send)] = s.take(KVCanarySend)
+    s.canaries.on_result(KVCanaryResult(canary_id=send.canary_id, worker_id="p1", ok=False, num_bytes=0,
+                                        seconds=0.0, transport="loopback", error="failed: peer lost"))
+    body = readiness(s.registry, s.canaries)
+    assert not body.ready and "KV canary failed: failed: peer lost" in body.pairs[0].reason
+
+
+async def test_no_free_block_for_the_canary_changes_nothing() -> None:
+    s = Setup()
+    await s.canaries.tick()
+    [(_, reserve)] = s.take(KVCanaryReserve)
+    await s.canaries.on_reserved(KVCanaryReserved(canary_id=reserve.canary_id, worker_id="d1",
+                                                  kv_handle=None, error="no free KV block"))
+    assert s.take(KVCanarySend) == [] and readiness(s.registry, s.canaries).ready
+
+
+@pytest.mark.slow
+def test_fake_workers_pairing_canary_and_a_wedged_pair(make_cluster) -> None:
+    """Through the gateway process: the pairing canary of fake workers shows in /v1/status and
+    /metrics; a pair whose decode worker never answers canaries is out of routing within the deadline."""
+    c = make_cluster(kv_canary_timeout=1)
+    c.start_worker("prefill", "p1", canary_bytes=2_000_000, canary_seconds=0.01)
+    c.start_worker("decode", "d1")
+    wait_until(lambda: httpx.get(c.base + "/v1/status", timeout=5).json()["pairs"][0]["path"] is not None,
+               5, "the pairing canary")
+    [pair] = httpx.get(c.base + "/v1/status", timeout=5).json()["pairs"]
+    assert pair["usable"] and pair["path"]["transport"] == "fake" and pair["path"]["gbps"] > 0
+    assert c.metric("pdserve_kv_path_gbps", prefill="p1", decode="d1", transport="fake") > 0
+    c.start_worker("decode", "d2", canary_wedged=1)
+
+    def pairs() -> dict[tuple[str, str], dict]:
+        body = httpx.get(c.base + "/ready", timeout=5).json()
+        return {(p["prefill"], p["decode"]): p for p in body["pairs"]}
+
+    wait_until(lambda: "did not land" in pairs().get(("p1", "d2"), {}).get("reason", ""), 5,
+               "the wedged pair named")
+    assert pairs()[("p1", "d1")]["usable"] and not pairs()[("p1", "d2")]["usable"]
+    assert httpx.get(c.base + "/ready", timeout=5).status_code == 200  # p1/d1 still serves
