@@ -57,7 +57,7 @@ class Outcome:
     """One client request as the client saw it. ``status``: HTTP status (None: no response);
     ``tokens``: text chunks received; ``error``: the error event or exception text; ``done``: saw
     ``data: [DONE]``; ``elapsed_s``: seconds from send to the end; ``status_after_s``: seconds until the
-    status line."""
+    status line; ``ttft_s``: seconds until the first text chunk (None: none came)."""
 
     status: int | None = None
     retry_after: str | None = None
@@ -70,6 +70,7 @@ class Outcome:
     client_left: bool = False
     elapsed_s: float = 0.0
     status_after_s: float = 0.0
+    ttft_s: float | None = None
 
     @property
     def completed(self) -> bool:
@@ -159,6 +160,8 @@ async def stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int =
                     continue
                 text = "".join(c.get("text", "") for c in chunk.get("choices", []))
                 if text:
+                    if out.ttft_s is None:
+                        out.ttft_s = time.monotonic() - t0
                     out.tokens += 1
                     out.text += text
                 if abort_after_tokens is not None and out.tokens >= abort_after_tokens:

@@ -1,0 +1,32 @@
+"""The fault benchmarks' argument checks and their outcome rules (no process started here; the chaos
+suite, tests/chaos, runs the scenarios against a live system)."""
+
+from __future__ import annotations
+
+from bench.serving import chaos, overload
+from bench.serving.chaos import Outcome, ScenarioResult
+
+
+def test_bad_arguments_exit_2_before_anything_starts() -> None:
+    assert overload.main(["--concurrency", "0"]) == 2
+    assert chaos.main(["--scale", "0"]) == 2
+
+
+def test_outcome_rules() -> None:
+    done = Outcome(status=200, tokens=3, done=True)
+    error_before_token = Outcome(status=200, error="worker failed", done=True)
+    error_after_token = Outcome(status=200, tokens=2, error="worker failed", done=True)
+    honest_429 = Outcome(status=429, retry_after="1", error="{}")
+    bare_503 = Outcome(status=503, error="{}")
+    left = Outcome(status=200, client_left=True)
+    cut = Outcome(status=200, tokens=2, error="ReadError", connection_lost=True)
+    assert done.completed and not done.bad_200 and not done.honest_error
+    assert error_before_token.bad_200 and not error_before_token.honest_error
+    assert error_after_token.honest_error and not error_after_token.bad_200
+    assert honest_429.honest_error and not honest_429.bad_200
+    assert bare_503.bad_200  # no Retry-After
+    assert not left.bad_200 and not cut.bad_200 and not cut.honest_error
+    res = ScenarioResult("x")
+    res.add([done, error_before_token, error_after_token, honest_429, cut])
+    assert (res.sent, res.completed, res.bad_200, res.honest_errors, res.connection_lost) == (5, 1, 1, 2, 1)
+    assert res.statuses == {"200": 4, "429": 1}
