@@ -43,7 +43,6 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 class SystemSpec:
     """What to start. ``devices``: one per worker (disagg: prefill then decode; colocated: one worker
     each), ``cpu``/``auto``/``cuda``/``cuda:N``; None = the workers' default device, one colocated worker.
-    ``num_prefill``: prefill workers of a disagg system (children ``prefill``, ``prefill-1``, ...).
     ``num_blocks``: KV blocks (of 16 tokens) per worker. ``worker_flags``/``gateway_flags``: extra flags.
     ``heartbeat_timeout_s``: the gateway declares a silent worker dead after this many seconds.
     ``api_key``: the gateway's ``--api-key`` (None: no key asked). ``num_prefill``/``num_decode``: workers
@@ -73,8 +72,8 @@ class SystemSpec:
             raise ValueError("num_prefill/num_decode apply to a disagg system only")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.devices is not None and self.mode == "disagg" and len(self.devices) != self.num_prefill + 1:
-            raise ValueError(f"disagg needs {self.num_prefill + 1} devices (prefill workers, decode), "
+        if self.devices is not None and self.mode == "disagg" and len(self.devices) != 2:
+            raise ValueError(f"disagg needs 2 devices (for its prefill workers, for its decode workers), "
                              f"got {self.devices!r}")
         if self.devices is not None and not self.devices:
             raise ValueError("devices must name at least one device")

@@ -50,6 +50,7 @@ from pdserve.live_system import (
 
 DEADLINE_S = 60.0  # a client's bound on one request (the gateway's --request-timeout is below it)
 MAX_TOKENS = 24
+LEAVE_S = 0.05  # a client that leaves at once closes its connection this many seconds after sending
 
 
 @dataclass
@@ -130,7 +131,8 @@ async def stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int =
                  deadline_s: float = DEADLINE_S, abort_after_tokens: int | None = None,
                  out: Outcome | None = None, sampling: dict[str, float] | None = None) -> Outcome:
     """One greedy streaming completion of token-id ``prompt``; ``abort_after_tokens``: close the stream
-    after that many text chunks (0: right after the status line) as a leaving client does. ``out``: the
+    after that many text chunks as a leaving client does (0: ``LEAVE_S`` seconds after sending, or at the
+    status line if that comes first). ``out``: the
     record to fill as the stream goes (so a scenario can watch progress); returned. ``sampling``:
     fields that replace greedy decoding (e.g. ``temperature`` and ``seed``)."""
     out = Outcome() if out is None else out
@@ -138,13 +140,15 @@ async def stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int =
     body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True, **(sampling or {})}
     try:
-        async with asyncio.timeout(deadline_s), client.stream("POST", "/v1/completions", json=body) as resp:
+        leave = abort_after_tokens == 0
+        async with asyncio.timeout(LEAVE_S if leave else deadline_s), \
+                client.stream("POST", "/v1/completions", json=body) as resp:
             out.status, out.status_after_s = resp.status_code, time.monotonic() - t0
             out.retry_after = resp.headers.get("retry-after")
             if resp.status_code != 200:
                 out.error = (await resp.aread()).decode(errors="replace")[:300]
                 return out
-            if abort_after_tokens == 0:
+            if leave:
                 out.client_left = True
                 return out
             async for line in resp.aiter_lines():
@@ -168,7 +172,10 @@ async def stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int =
                     out.client_left = True
                     return out
     except TimeoutError:
-        out.timed_out = True
+        if abort_after_tokens == 0:
+            out.client_left = True  # left before the status line came
+        else:
+            out.timed_out = True
     except (httpx.RemoteProtocolError, httpx.ReadError, httpx.ConnectError) as exc:
         out.connection_lost, out.error = True, repr(exc)[:300]
     finally:
@@ -316,8 +323,8 @@ class Chaos:
                                         prompts(10 * self.scale, 400, salt=7)]))
 
     async def client_aborts(self, res: ScenarioResult) -> None:
-        """Clients that leave: 1000 × ``scale`` streams closed right after the status line or after one
-        or two tokens, in waves of 100."""
+        """Clients that leave: 1000 × ``scale`` streams closed at once (``LEAVE_S`` after sending: mostly
+        while their prefill runs) or after one or two tokens, in waves of 100."""
         n = 1000 * self.scale
         async with self._client() as c:
             for start in range(0, n, 100):

@@ -29,9 +29,10 @@ def pd(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path,
     cluster = Cluster(tmp_path_factory.mktemp("surface"), tokenizer_dir, max_n=4)
     ids = ",".join(map(str, reply_ids))
     cluster.start_worker("prefill", "p1", output_ids=ids)
-    # 20 ms a token: test_non_streaming_client_disconnect_aborts needs its 200-token request (4 s) to
-    # outlive the gateway's noticing that the client left, by far
-    cluster.start_worker("decode", "d1", output_ids=ids, token_delay=0.02)
+    # 50 ms a token: test_non_streaming_client_disconnect_aborts needs its 200-token request (10 s) to
+    # outlive the gateway's noticing that the client left, by far, also on a loaded 2-core machine (at
+    # 20 ms a token it once finished first)
+    cluster.start_worker("decode", "d1", output_ids=ids, token_delay=0.05)
     yield cluster
     cluster.close()
 
