@@ -48,7 +48,7 @@ from pdserve.live_system import (
     wait_all_free,
 )
 
-DEADLINE_S = 60.0  # a client's bound on one request (the gateway's --request-timeout is below it)
+DEADLINE_S = 240.0  # a client's bound on one request (the gateway's --request-timeout, 180 s, is below it)
 MAX_TOKENS = 24
 LEAVE_S = 0.05  # a client that leaves at once closes its connection this many seconds after sending
 
@@ -95,7 +95,8 @@ class Outcome:
 
 @dataclass
 class ScenarioResult:
-    """Counts of one scenario (see the module docstring) and its wall time in seconds."""
+    """Counts of one scenario (see the module docstring), its wall time in seconds, and each distinct
+    error (status and the first 160 characters of its body or event) with its count."""
 
     name: str
     sent: int = 0
@@ -111,6 +112,7 @@ class ScenarioResult:
     max_status_after_s: float = 0.0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
 
     def add(self, outcomes: Sequence[Outcome]) -> None:
         """Count ``outcomes`` into this result."""
@@ -123,6 +125,9 @@ class ScenarioResult:
             self.connection_lost += o.connection_lost
             key = str(o.status)
             self.statuses[key] = self.statuses.get(key, 0) + 1
+            if o.error is not None:
+                text = f"{o.status} {o.error[:160]}"
+                self.errors[text] = self.errors.get(text, 0) + 1
             if o.status is not None and o.status != 200:
                 self.max_status_after_s = max(self.max_status_after_s, o.status_after_s)
 
@@ -319,7 +324,7 @@ class Chaos:
         """Requests whose KV cannot all fit in the decode workers' blocks at once (long prompts, long
         outputs): the ones that cannot start get a 429 with Retry-After at once, the rest complete."""
         async with self._client() as c:
-            res.add(await self._gather([stream(c, p, max_tokens=100) for p in
+            res.add(await self._gather([stream(c, p, max_tokens=60) for p in
                                         prompts(10 * self.scale, 400, salt=7)]))
 
     async def client_aborts(self, res: ScenarioResult) -> None:
@@ -347,7 +352,7 @@ def chaos_spec(logs: Path, transfer_backend: str = "nixl") -> SystemSpec:
     16 tokens per worker, a 2 s heartbeat timeout."""
     return SystemSpec("disagg", logs, num_blocks=96, transfer_backend=transfer_backend,
                       heartbeat_timeout_s=2.0, num_prefill=2, num_decode=2, devices=("cpu", "cpu"),
-                      gateway_flags=("--request-timeout", "45"))
+                      gateway_flags=("--request-timeout", "180"))
 
 
 def main(argv: list[str] | None = None) -> int:

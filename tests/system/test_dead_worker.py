@@ -79,9 +79,13 @@ def test_killed_prefill_worker_is_never_routed_to_after_its_first_failed_send(tm
         late = [e["request_id"] for e in events[first_failure:]
                 if e.get("msg") == "request_routed" and dead in e["workers"].split(",")]
         assert late == [], f"routed to the dead {dead} after its first failed send: {late}"
-        assert all(f"q{k}" in routes for k in range(1, 21))
-        for reply in replies:  # those first routed to the dead worker were retried on the other one
-            assert reply.status_code == 200, reply.text
+        for k, reply in enumerate(replies, 1):
+            # routed ones answer 200 (those first routed to the dead worker were retried on the other);
+            # admission may refuse some at once on a slow machine: a 429 with Retry-After, never routed
+            if f"q{k}" in routes:
+                assert reply.status_code == 200, reply.text
+            else:
+                assert reply.status_code == 429 and reply.headers.get("retry-after"), reply.text
 
         ready = httpx.get(f"{url}/ready", timeout=5)
         assert ready.status_code == 200  # the other prefill worker and the decode worker still pair
