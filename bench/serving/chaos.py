@@ -211,7 +211,7 @@ def wait_registered(system: LiveSystem, timeout_s: float = 120.0) -> None:
     raise AssertionError(f"workers not all registered after {timeout_s} s; logs in {system.logs}")
 
 
-async def until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+async def until(condition: Callable[[], bool], timeout_s: float = 180.0) -> None:
     """Poll ``condition`` every 20 ms. Raises AssertionError when it is still false after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not condition():
