@@ -15,7 +15,8 @@ from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/status", "/tokenize", "/detokenize"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/status", "/tokenize",
+              "/detokenize"}
 MODEL_ENDPOINT = "/v1/models/{id}"  # one label for every model id asked (bounded label values)
 # Health/readiness probes and Prometheus scrapes are not user traffic: `pdserve up`, Kubernetes probes and
 # Prometheus poll them every few seconds, which would swamp the request rate and error-ratio panels. As
@@ -49,7 +50,9 @@ class GatewayMiddleware:
         rid = request_id_from(scope.get("headers", []))
         scope.setdefault("state", {})["request_id"] = rid
         path = scope.get("path", "")
-        endpoint = path if path in _ENDPOINTS else MODEL_ENDPOINT if path.startswith("/v1/models/") else "other"
+        endpoint = path if path in _ENDPOINTS else "other"
+        if path.startswith("/v1/models/"):
+            endpoint = MODEL_ENDPOINT
         status: dict[str, int] = {"code": 500}
 
         async def send_wrapper(message: Message) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT64_MAX = (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
@@ -49,14 +49,28 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message; content as a string or a list of text parts (any other key, e.g. ``tool_calls``,
-    is refused)."""
+    """One chat message; content as a string or a list of text parts. The keys an assistant message of a
+    response carries back into the history (``tool_calls``, ``function_call``, ``refusal``, ``audio``,
+    ``annotations``) are accepted only empty (null or ``[]``): tool calls are not supported yet. Any other
+    key is refused."""
 
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[ContentPart]
     name: str | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    @model_validator(mode="after")
+    def _nothing_unsupported(self) -> ChatMessage:
+        for key in ("tool_calls", "function_call", "refusal", "audio", "annotations"):
+            if getattr(self, key) not in (None, []):
+                raise ValueError(f"{key} in a message is not supported yet")
+        return self
 
     def text(self) -> str:
         """The content as one string."""

@@ -115,8 +115,13 @@ JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
     # nothing is accepted and ignored: unknown fields, and OpenAI fields pdserve does not implement yet
     ("unknown-field", CHAT, chat(frobnicate=1), 400, "frobnicate"),
     ("unknown-field-completions", COMP, comp(guided_json={}), 400, "guided_json"),
-    ("unknown-message-key", CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": []}]), 400,
-     "messages.0.tool_calls"),
+    ("unknown-message-key", CHAT, chat(messages=[{"role": "user", "content": "x", "weight": 1}]), 400,
+     "messages.0.weight"),
+    ("message-tool_calls", CHAT, chat(messages=[{"role": "assistant", "content": "x", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400,
+     "messages.0"),
+    ("tool-message", CHAT, chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "c1"}]), 400,
+     None),
     ("unknown-stream_options-key", CHAT, chat(stream=True, stream_options={"include_usage": True, "x": 1}),
      400, "stream_options.x"),
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),

@@ -273,6 +273,9 @@ def test_fields_accepted_by_design(pd: Cluster) -> None:
         response_format={"type": "text"}, tools=[], tool_choice="none", modalities=["text"],
         service_tier="auto", extra_body={"safety_identifier": "hash-1"})
     assert tagged.choices[0].message.content == plain.choices[0].message.content
+    history = [*MSGS, {"role": "assistant", "content": "Paris.", "refusal": None, "tool_calls": None,
+                        "function_call": None, "audio": None, "annotations": []}, *MSGS]
+    assert client.chat.completions.create(model="fake-model", messages=history, max_tokens=1).choices  # type: ignore[arg-type]
     r = client.completions.create(model="fake-model", prompt="hi", max_tokens=2, n=2, best_of=2)
     assert len(r.choices) == 2
     pd.assert_no_leaks(("d1",))

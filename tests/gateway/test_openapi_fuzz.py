@@ -57,7 +57,8 @@ def test_openapi_documents_every_endpoint(gw: Cluster) -> None:
             err = op["responses"][status]["content"]["application/json"]["schema"]
             assert err["$ref"].endswith("/ErrorResponse")
     assert {"messages", "n", "logprobs", "top_logprobs", "stream_options", "logit_bias",
-            "chat_template_kwargs"} <= set(spec["components"]["schemas"]["ChatCompletionRequest"]["properties"])
+            "chat_template_kwargs"} <= set(
+        spec["components"]["schemas"]["ChatCompletionRequest"]["properties"])
     for path, model in (("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
         body = ops[("post", path)]["requestBody"]["content"]["application/json"]["schema"]
         assert body["$ref"].endswith("/" + model)
