@@ -28,9 +28,6 @@ INT32_MAX = (1 << 31) - 1
 MAX_STOP_CHARS = 1024  # characters per stop string
 
 
-MAX_LOGIT_BIAS = 100.0  # |bias| bound of OpenAI's logit_bias
-
-
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with usage and empty ``choices``."""
 
@@ -124,7 +121,7 @@ class GenerationRequestBase(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def unsupported_fields(self) -> list[str]:
-        """The fields set to a value pdserve cannot honour (``NOT_SUPPORTED``), in declaration order."""
+        """The fields set to a value pdserve cannot honour yet (``NOT_SUPPORTED``, in its order)."""
         return [name for name, harmless in NOT_SUPPORTED.items()
                 if name in type(self).model_fields and not harmless(getattr(self, name))]
 

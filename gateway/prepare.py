@@ -16,11 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError
 from gateway.errors import bad_request, not_found_model, unavailable
 from gateway.openai_requests import (
     INT64_MAX,
-    MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -96,7 +95,8 @@ def _check_caps(svc: GatewayService, body: Body) -> None:
         _check_completion(body)
     for token_id, bias in (body.logit_bias or {}).items():
         if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise bad_request(f"logit_bias of token {token_id} is {bias}, outside [-100, 100]", "logit_bias")
+            raise bad_request(f"logit_bias of token {token_id} is {bias}, outside [-{MAX_LOGIT_BIAS:g}, "
+                              f"{MAX_LOGIT_BIAS:g}]", "logit_bias")
 
 
 def _check_completion(body: CompletionRequest) -> None:
