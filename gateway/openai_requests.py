@@ -21,11 +21,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 INT64_MAX = (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
 MAX_STOP_CHARS = 1024  # characters per stop string
+# keys of an assistant message in a response that a client may send back with the history
+MESSAGE_NOT_SUPPORTED = ("tool_calls", "function_call", "refusal", "audio", "annotations")
 
 
 class StreamOptions(BaseModel):
@@ -62,12 +64,9 @@ class ChatMessage(BaseModel):
     audio: Any = None
     annotations: Any = None
 
-    @model_validator(mode="after")
-    def _nothing_unsupported(self) -> ChatMessage:
-        for key in ("tool_calls", "function_call", "refusal", "audio", "annotations"):
-            if getattr(self, key) not in (None, []):
-                raise ValueError(f"{key} in a message is not supported yet")
-        return self
+    def unsupported_keys(self) -> list[str]:
+        """The keys of ``MESSAGE_NOT_SUPPORTED`` this message sets to something (not null, not ``[]``)."""
+        return [key for key in MESSAGE_NOT_SUPPORTED if getattr(self, key) not in (None, [])]
 
     def text(self) -> str:
         """The content as one string."""
@@ -83,8 +82,9 @@ class GenerationRequestBase(BaseModel):
     ``seed`` is an int64; choice ``i`` of ``n`` samples with ``seed + i`` (wrapped into int64), so a
     seeded request is reproducible choice by choice. ``logit_bias`` maps token ids (JSON object keys) to
     an additive bias in [-100, 100] on the logits (ids checked against the vocabulary in prepare.py).
-    ``user``, ``safety_identifier``, ``metadata`` and ``store: false`` are accepted and ignored by design;
-    the ``NOT_SUPPORTED`` fields are refused by ``unsupported_fields`` unless harmless.
+    ``user``, ``safety_identifier``, ``metadata`` and ``store: false`` are accepted and ignored by design
+    (``store: true`` is refused in prepare.py); the ``NOT_SUPPORTED`` fields are refused by
+    ``unsupported_fields`` unless harmless.
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -109,7 +109,7 @@ class GenerationRequestBase(BaseModel):
     user: str | None = None
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
-    store: Literal[False] | None = None
+    store: bool | None = None
     # OpenAI fields not implemented yet: declared only to be refused by name (unsupported_fields)
     service_tier: Any = None
     prompt_cache_key: Any = None

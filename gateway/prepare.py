@@ -89,6 +89,14 @@ def _check_caps(svc: GatewayService, body: Body) -> None:
     unsupported = body.unsupported_fields()
     if unsupported:
         raise bad_request(f"{unsupported[0]} is not supported yet", unsupported[0], "unsupported_parameter")
+    if isinstance(body, ChatCompletionRequest):
+        found = next((f"messages.{i}.{key}" for i, m in enumerate(body.messages)
+                      for key in m.unsupported_keys()), None)
+        if found is not None:
+            raise bad_request(f"{found} is not supported yet", found, "unsupported_parameter")
+    if body.store:
+        raise bad_request("store: true is not supported: pdserve stores no completions", "store",
+                          "unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(body, CompletionRequest):

@@ -119,7 +119,7 @@ JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
      "messages.0.weight"),
     ("message-tool_calls", CHAT, chat(messages=[{"role": "assistant", "content": "x", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400,
-     "messages.0"),
+     "messages.0.tool_calls"),
     ("tool-message", CHAT, chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "c1"}]), 400,
      None),
     ("unknown-stream_options-key", CHAT, chat(stream=True, stream_options={"include_usage": True, "x": 1}),
