@@ -1,7 +1,8 @@
 """Batched token sampling on the model's device, with per-request seeds that reproduce anywhere.
 
 Order of operations per row (all rows at once, no per-request loop over the vocabulary):
-1. Penalties on the raw logits: ``repetition_penalty`` with Hugging Face semantics over prompt + output
+0. ``logit_bias``: each listed token's bias added to its raw logit (ids beyond the vocabulary ignored).
+1. Penalties on the (biased) logits: ``repetition_penalty`` with Hugging Face semantics over prompt + output
    tokens (``RepetitionPenaltyLogitsProcessor``: a seen token's logit is divided by the penalty when
    positive, multiplied when negative); ``presence_penalty`` / ``frequency_penalty`` with OpenAI semantics
    over output tokens (``logit -= frequency * count + presence * (count > 0)``); ``min_tokens``: eos and
@@ -114,11 +115,24 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return _to_device(values, torch.float32, device)[:, None]
 
 
+def _bias(ps: Sequence[SamplingParams], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[B, V]`` float32: each row's ``logit_bias`` scattered over the vocabulary (0 elsewhere)."""
+    pairs = [(i, t, b) for i, p in enumerate(ps) for t, b in p.logit_bias if t < vocab]
+    bias = torch.zeros(len(ps), vocab, dtype=torch.float32, device=device)
+    if pairs:
+        rows, ids, values = zip(*pairs, strict=True)
+        index = (_to_device(list(rows), torch.int64, device), _to_device(list(ids), torch.int64, device))
+        bias.index_put_(index, _to_device(list(values), torch.float32, device))
+    return bias
+
+
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Return ``logits [B, V]`` (float32) with repetition/presence/frequency penalties and the
-    ``min_tokens`` eos/stop mask applied (see module docstring). Rows without penalties are unchanged."""
+    """Return ``logits [B, V]`` (float32) with ``logit_bias``, repetition/presence/frequency penalties and
+    the ``min_tokens`` eos/stop mask applied (see module docstring). Rows without penalties are unchanged."""
     dev, vocab = logits.device, logits.shape[1]
     ps = [r.params for r in rows]
+    if any(p.logit_bias for p in ps):
+        logits = logits + _bias(ps, vocab, dev)
     if any(p.repetition_penalty != 1.0 for p in ps):
         seen = _token_counts([[*r.prompt_token_ids, *r.output_token_ids] for r in rows], vocab, dev) > 0
         pen = _column([p.repetition_penalty for p in ps], dev).expand_as(logits)
@@ -163,20 +177,22 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
 
 def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row's token is the plain argmax of its raw logits: greedy, no logprobs, no penalties,
-    and ``min_tokens`` reached (nothing masked). Such rows need no ``SamplingRow``
+    no ``logit_bias``, and ``min_tokens`` reached (nothing masked). Such rows need no ``SamplingRow``
     (see ``Sampler.greedy``)."""
     return (params.temperature == 0.0 and params.logprobs is None and params.repetition_penalty == 1.0
-            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and not params.logit_bias
             and num_output_tokens >= params.min_tokens)
 
 
 def samples_on_device(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row's token needs nothing the host learns later: no logprobs, no penalties (they read
-    the output so far) and ``min_tokens`` reached, greedy or seeded sampling (the Gumbel noise hashes
-    seed and output position). ``Sampler.sample_tokens`` of such rows can run for a step launched before
-    the previous step's token is on the host (asynchronous scheduling, engine/async_step.py)."""
+    the output so far), no ``logit_bias`` (kept on the plain path) and ``min_tokens`` reached, greedy or
+    seeded sampling (the Gumbel noise hashes seed and output position). ``Sampler.sample_tokens`` of such
+    rows can run for a step launched before the previous step's token is on the host (asynchronous
+    scheduling, engine/async_step.py)."""
     return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and num_output_tokens >= params.min_tokens)
+            and params.frequency_penalty == 0.0 and not params.logit_bias
+            and num_output_tokens >= params.min_tokens)
 
 
 class Sampler:

@@ -12,6 +12,7 @@ import math
 import msgspec
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # |bias| bound (OpenAI's logit_bias range)
 
 
 class SamplingParamsError(ValueError):
@@ -38,8 +39,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     count those tokens as output (``max_tokens`` / ``min_tokens`` still count only the tokens made here).
     ``stop`` (strings) is applied where text is made: by ``LLM.generate`` offline, by the gateway when
     serving (control messages to workers carry ``stop=()``; workers stop on ``stop_token_ids``).
-    Lists given for ``stop`` / ``stop_token_ids`` are stored as tuples. An unknown field is refused (a
-    newer sender's parameter is never silently ignored).
+    ``logit_bias``: ``(token_id, bias)`` pairs, each id once, bias in [-100, 100], added to the logits
+    before penalties, filters and sampling, on every worker that samples the request (prefill's first
+    token and decode's rest alike); logprobs stay those of the raw logits. Ids the model's vocabulary
+    lacks are ignored by the sampler (the gateway refuses ids outside the tokenizer's vocabulary).
+    Lists given for ``stop`` / ``stop_token_ids`` / ``logit_bias`` are stored as tuples. An unknown
+    field is refused (a newer sender's parameter is never silently ignored).
 
     Raises:
         SamplingParamsError (a ValueError): naming the field and its allowed range, for any bad value
@@ -61,10 +66,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logprobs: int | None = None
     min_tokens: int = 0
     output_offset: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
         msgspec.structs.force_setattr(self, "stop_token_ids", tuple(self.stop_token_ids))
+        msgspec.structs.force_setattr(self, "logit_bias", tuple(tuple(p) for p in self.logit_bias))
         self._validate_numbers()
         self._validate_lists()
 
@@ -96,6 +103,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             _require(isinstance(s, str) and len(s) > 0, "stop", "a tuple of non-empty strings", self.stop)
         for t in self.stop_token_ids:
             _require(_is_int(t) and t >= 0, "stop_token_ids", "a tuple of ints >= 0", self.stop_token_ids)
+        allowed = f"(token_id >= 0, bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]) pairs, each id once"
+        for pair in self.logit_bias:
+            _require(len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0 and _is_num(pair[1])
+                     and abs(pair[1]) <= MAX_LOGIT_BIAS, "logit_bias", allowed, self.logit_bias)
+        _require(len({p[0] for p in self.logit_bias}) == len(self.logit_bias), "logit_bias", allowed,
+                 self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,9 @@ def _validation_error(_: Request, exc: Exception) -> Response:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         err = bad_request("request body is not valid JSON")
+    elif first.get("type") == "extra_forbidden":
+        err = bad_request(f"unknown field '{param}': neither an OpenAI field nor one of pdserve's "
+                          "extensions (README.md, 'Request fields')", param, "unknown_field")
     else:
         err = bad_request(f"{param or 'body'}: {first.get('msg', 'invalid value')}", param)
     return _api_error(_, err)

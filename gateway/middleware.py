@@ -15,7 +15,9 @@ from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/status"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/status", "/tokenize",
+              "/detokenize"}
+MODEL_ENDPOINT = "/v1/models/{id}"  # one label for every model id asked (bounded label values)
 # Health/readiness probes and Prometheus scrapes are not user traffic: `pdserve up`, Kubernetes probes and
 # Prometheus poll them every few seconds, which would swamp the request rate and error-ratio panels. As
 # vLLM does (vllm/entrypoints/serve/instrumentator/metrics.py: prometheus-fastapi-instrumentator with
@@ -36,7 +38,7 @@ def request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
 class GatewayMiddleware:
     """Sets ``scope["state"]["request_id"]``, refuses bodies over ``max_body_bytes`` (413), counts
     ``pdserve_requests_total{endpoint,status}`` for every path except the probes in ``PROBE_PATHS``
-    (``endpoint`` is the API path, or ``other`` for unknown paths)."""
+    (``endpoint`` is the API path, ``/v1/models/{id}`` for any model id, or ``other`` for unknown paths)."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics, max_body_bytes: int) -> None:
         self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
@@ -49,6 +51,8 @@ class GatewayMiddleware:
         scope.setdefault("state", {})["request_id"] = rid
         path = scope.get("path", "")
         endpoint = path if path in _ENDPOINTS else "other"
+        if path.startswith("/v1/models/"):
+            endpoint = MODEL_ENDPOINT
         status: dict[str, int] = {"code": 500}
 
         async def send_wrapper(message: Message) -> None:

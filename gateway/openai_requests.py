@@ -3,8 +3,14 @@ gateway/openai_responses.py).
 
 Fields follow the OpenAI API reference (Chat Completions and legacy Completions), plus vLLM's extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``). Unknown fields are ignored. Integers are bounded so that every accepted value fits the
-msgpack wire (int64) and floats must be finite (no NaN/Infinity): a bad value is a 400, never a 5xx.
+``stop_token_ids``, ``chat_template_kwargs``). Nothing is silently ignored: an unknown field is a 400 naming
+it (``extra="forbid"``), and an OpenAI field pdserve does not implement yet (``NOT_SUPPORTED``: tools,
+structured outputs, audio, ...) is declared here only so that ``unsupported_fields`` can refuse it with a
+400 saying so (a harmless value, e.g. ``response_format: {"type": "text"}`` or ``tools: []``, passes).
+``user``, ``safety_identifier``, ``metadata`` and ``store: false`` are accepted and ignored by design
+(end-user ids for abuse monitoring, and tags of stored completions, which pdserve never stores).
+Integers are bounded so that every accepted value fits the msgpack wire (int64) and floats must be
+finite (no NaN/Infinity): a bad value is a 400, never a 5xx.
 Caps that depend on the deployment (``--max-n``, ``--max-stop``, the vocabulary, the context length) are
 checked later, in ``gateway/prepare.py``, which also maps a body into the engine's ``SamplingParams``
 (the one type the workers receive).
@@ -12,6 +18,7 @@ checked later, in ``gateway/prepare.py``, which also maps a body into the engine
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,10 +26,14 @@ from pydantic import BaseModel, ConfigDict, Field
 INT64_MAX = (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
 MAX_STOP_CHARS = 1024  # characters per stop string
+# keys of an assistant message in a response that a client may send back with the history
+MESSAGE_NOT_SUPPORTED = ("tool_calls", "function_call", "refusal", "audio", "annotations")
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with usage and empty ``choices``."""
+
+    model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
 
@@ -30,16 +41,32 @@ class StreamOptions(BaseModel):
 class ContentPart(BaseModel):
     """One text part of a message's content (only ``type: text`` is supported)."""
 
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    """One chat message; content as a string or a list of text parts."""
+    """One chat message; content as a string or a list of text parts. The keys an assistant message of a
+    response carries back into the history (``tool_calls``, ``function_call``, ``refusal``, ``audio``,
+    ``annotations``) are accepted only empty (null or ``[]``): tool calls are not supported yet. Any other
+    key is refused."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[ContentPart]
     name: str | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    def unsupported_keys(self) -> list[str]:
+        """The keys of ``MESSAGE_NOT_SUPPORTED`` this message sets to something (not null, not ``[]``)."""
+        return [key for key in MESSAGE_NOT_SUPPORTED if getattr(self, key) not in (None, [])]
 
     def text(self) -> str:
         """The content as one string."""
@@ -53,10 +80,14 @@ class GenerationRequestBase(BaseModel):
     OpenAI reference.
 
     ``seed`` is an int64; choice ``i`` of ``n`` samples with ``seed + i`` (wrapped into int64), so a
-    seeded request is reproducible choice by choice. ``user`` is accepted and ignored.
+    seeded request is reproducible choice by choice. ``logit_bias`` maps token ids (JSON object keys) to
+    an additive bias in [-100, 100] on the logits (ids checked against the vocabulary in prepare.py).
+    ``user``, ``safety_identifier``, ``metadata`` and ``store: false`` are accepted and ignored by design
+    (``store: true`` is refused in prepare.py); the ``NOT_SUPPORTED`` fields are refused by
+    ``unsupported_fields`` unless harmless.
     """
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
     n: int = Field(1, ge=1, le=INT32_MAX)
@@ -74,13 +105,25 @@ class GenerationRequestBase(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: bool | None = None
+    # OpenAI fields not implemented yet: declared only to be refused by name (unsupported_fields)
+    service_tier: Any = None
+    prompt_cache_key: Any = None
 
     def stop_list(self) -> list[str]:
         """``stop`` as a list (OpenAI accepts a string or a list)."""
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def unsupported_fields(self) -> list[str]:
+        """The fields set to a value pdserve cannot honour yet (``NOT_SUPPORTED``, in its order)."""
+        return [name for name, harmless in NOT_SUPPORTED.items()
+                if name in type(self).model_fields and not harmless(getattr(self, name))]
 
 
 class ChatCompletionRequest(GenerationRequestBase):
@@ -91,6 +134,20 @@ class ChatCompletionRequest(GenerationRequestBase):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI fields not implemented yet: declared only to be refused by name (unsupported_fields)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template."""
@@ -102,8 +159,11 @@ class CompletionRequest(GenerationRequestBase):
 
     ``prompt`` is a string, a list of strings, a list of token ids, or a list of token-id lists; each
     prompt of a list gives ``n`` choices, in prompt order (choice index = prompt index * n + sample).
-    ``logprobs`` (0..5) is the number of top alternatives per token. ``echo`` prepends the prompt text to
-    each choice's text (prompt-token logprobs are not returned: ``logprobs`` covers generated tokens only).
+    ``logprobs`` (0..5) is the number of top alternatives per token (0: the sampled token's logprob only).
+    ``echo`` prepends the prompt text to each choice's text (a token-id prompt decoded with its special
+    tokens); ``echo`` with ``logprobs`` is refused (OpenAI then returns the prompt tokens' logprobs too,
+    which pdserve does not compute). ``best_of`` is accepted only equal to ``n``; ``prompt_logprobs``
+    (vLLM) and ``suffix`` are refused.
     """
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -111,3 +171,65 @@ class CompletionRequest(GenerationRequestBase):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=INT32_MAX)
+    prompt_logprobs: int | None = None
+
+
+def _none(value: Any) -> bool:
+    return value is None
+
+
+def _no_tools(value: Any) -> bool:
+    return value is None or value == []
+
+
+NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
+    # field -> is this value harmless (nothing to do)?
+    "tools": _no_tools,
+    "functions": _no_tools,
+    "tool_choice": lambda v: v is None or v == "none",
+    "function_call": lambda v: v is None or v == "none",
+    "parallel_tool_calls": _none,
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "prediction": _none,
+    "audio": _none,
+    "modalities": lambda v: v is None or v == ["text"],
+    "reasoning_effort": _none,
+    "verbosity": _none,
+    "web_search_options": _none,
+    "service_tier": lambda v: v is None or v in ("auto", "default"),
+    "prompt_cache_key": _none,
+    "prompt_logprobs": _none,
+}
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize body (vLLM's shape): exactly one of ``prompt`` (text; ``add_special_tokens``
+    defaults to true) or ``messages`` (rendered with the chat template like a chat completion, with
+    ``add_generation_prompt`` (default true) and ``chat_template_kwargs``; ``add_special_tokens``
+    defaults to false: the template places them). ``model`` is optional; when given it must be the
+    served one. ``return_token_strs`` adds each token's text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for the chat template (none: an empty list)."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages or []]
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize body (vLLM's shape): ``tokens`` (ids in the vocabulary) → their text, special
+    tokens kept. ``model`` is optional; when given it must be the served one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)

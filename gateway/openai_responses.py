@@ -2,7 +2,8 @@
 the handlers and, through ``openapi_components``, the schemas of ``/openapi.json``.
 
 Shapes: OpenAI API reference (chat.completion, chat.completion.chunk, text_completion whole and as
-stream chunks, the two logprobs layouts, model list, error object). Every field is always present in the
+stream chunks, the two logprobs layouts, model list and model, error object; vLLM's tokenize and
+detokenize). Every field is always present in the
 JSON (``null`` when empty) except where a Struct says ``omit_defaults``: a chat chunk's ``delta`` holds
 only what is new (``role`` on a choice's first chunk, ``content`` when there is text), and a chunk has
 ``usage`` only in the last one of a stream (``stream_options.include_usage``).
@@ -32,12 +33,20 @@ class ErrorResponse(msgspec.Struct):
     error: ErrorDetail
 
 
+class PromptTokensDetails(msgspec.Struct):
+    """``usage.prompt_tokens_details``: ``cached_tokens``, the prompt tokens found in a worker's prefix
+    cache (their KV was not recomputed)."""
+
+    cached_tokens: int
+
+
 class Usage(msgspec.Struct):
     """Token counts of a request: prompts counted once each, completions summed over choices."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class ChatTopLogprob(msgspec.Struct):
@@ -163,12 +172,30 @@ class CompletionChunk(msgspec.Struct, omit_defaults=True):
 
 
 class ModelCard(msgspec.Struct):
-    """One served model (``created`` in Unix seconds)."""
+    """One served model (``created`` in Unix seconds; ``max_model_len``: the context length in tokens,
+    the smallest of the live workers'). ``GET /v1/models/{id}`` answers one."""
 
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    max_model_len: int
+
+
+class TokenizeResponse(msgspec.Struct, omit_defaults=True):
+    """``POST /tokenize``: the token ids, their ``count``, the context length ``max_model_len`` (tokens)
+    and, when asked (``return_token_strs``), each token's text."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    """``POST /detokenize``: the text of the tokens (special tokens kept)."""
+
+    prompt: str
 
 
 class ModelList(msgspec.Struct):
@@ -252,7 +279,8 @@ class Readiness(msgspec.Struct):
 
 
 # the types /openapi.json documents (chunks travel inside text/event-stream, documented as a string)
-DOCUMENTED = (ChatCompletion, Completion, ModelList, Health, Readiness, ErrorResponse)
+DOCUMENTED = (ChatCompletion, Completion, ModelList, ModelCard, TokenizeResponse, DetokenizeResponse, Health,
+              Readiness, ErrorResponse)
 REF_TEMPLATE = "#/components/schemas/{name}"
 
 

@@ -173,7 +173,8 @@ class GatewayRequest:
     current ``attempt`` and its ``route``, phase, inbox of worker messages, holders (worker_id → zmq
     identity of each worker holding the current attempt), the counted output tokens (``output_ids``)
     with their arrival times (``time.monotonic()`` seconds, as ``arrival``), the retries and migrations
-    done and the workers that failed it (left out when it is routed again)."""
+    done and the workers that failed it (left out when it is routed again), and the prompt tokens the
+    worker of its first ``FirstToken`` found in its prefix cache (None before it)."""
 
     inp: GenerationInput
     route: Route
@@ -186,6 +187,7 @@ class GatewayRequest:
     retries: int = 0
     migrations: int = 0
     failed_workers: set[str] = field(default_factory=set)
+    num_cached_tokens: int | None = None  # prompt tokens the first FirstToken's worker found cached
     attempt: Attempt = field(init=False)
 
     @property
@@ -350,6 +352,8 @@ class Orchestrator:
             if isinstance(msg, NextToken):
                 return self._count(req, msg.token_id, msg.logprob, msg.top_logprobs, None)
             if isinstance(msg, FirstToken):
+                if req.num_cached_tokens is None:  # a migrated attempt's prompt is not the client's
+                    req.num_cached_tokens = msg.num_cached_tokens
                 await self._on_first_token(req, msg)
                 return self._count(req, msg.token_id, msg.logprob, msg.top_logprobs, msg.finish_reason)
             if isinstance(msg, KVReserved):

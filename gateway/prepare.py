@@ -12,16 +12,27 @@ get ``stop_token_ids``. Every check raises ``APIError`` (400/404/503) before any
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError
 from gateway.errors import bad_request, not_found_model, unavailable
-from gateway.openai_requests import INT64_MAX, MAX_STOP_CHARS, ChatCompletionRequest, CompletionRequest
+from gateway.openai_requests import (
+    INT64_MAX,
+    MAX_STOP_CHARS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from gateway.orchestrator import GenerationInput
 from gateway.service import GatewayService
 from gateway.text import TextProcessor, TokenizerNotFoundError
 
 Body = ChatCompletionRequest | CompletionRequest
+# chat template variables a request's chat_template_kwargs may not override (the messages, the generation
+# prompt switch, the tokenizer's special tokens, the tools and documents pdserve does not support yet)
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools", "documents", "bos_token",
+                                    "eos_token", "unk_token", "pad_token", "chat_template"})
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,8 @@ class ChoiceInput:
 @dataclass(frozen=True)
 class Prepared:
     """A validated request. ``num_prompt_tokens`` counts each distinct prompt once (usage, tokens);
-    ``logprobs`` is None (off) or the number of top alternatives per token."""
+    ``logprobs`` is None (off) or the number of top alternatives per token; ``n`` choices per prompt
+    (prompt ``j``'s are ``choices[j * n : (j + 1) * n]``)."""
 
     request_id: str
     model: str
@@ -45,6 +57,7 @@ class Prepared:
     choices: tuple[ChoiceInput, ...]
     num_prompt_tokens: int
     logprobs: int | None
+    n: int = 1
 
 
 def served_model(svc: GatewayService) -> str | None:
@@ -73,17 +86,66 @@ def _check_caps(svc: GatewayService, body: Body) -> None:
         raise bad_request(f"at most {s.max_stop} stop_token_ids", "stop_token_ids")
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    if isinstance(body, CompletionRequest) and body.suffix:
+    unsupported = body.unsupported_fields()
+    if unsupported:
+        raise bad_request(f"{unsupported[0]} is not supported yet", unsupported[0], "unsupported_parameter")
+    if isinstance(body, ChatCompletionRequest):
+        found = next((f"messages.{i}.{key}" for i, m in enumerate(body.messages)
+                      for key in m.unsupported_keys()), None)
+        if found is not None:
+            raise bad_request(f"{found} is not supported yet", found, "unsupported_parameter")
+    if body.store:
+        raise bad_request("store: true is not supported: pdserve stores no completions", "store",
+                          "unsupported_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if isinstance(body, CompletionRequest):
+        _check_completion(body)
+    for token_id, bias in (body.logit_bias or {}).items():
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias of token {token_id} is {bias}, outside [-{MAX_LOGIT_BIAS:g}, "
+                              f"{MAX_LOGIT_BIAS:g}]", "logit_bias")
+
+
+def _check_completion(body: CompletionRequest) -> None:
+    if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request(f"best_of must equal n ({body.n}): choosing the best of more samples is not "
+                          f"supported, got best_of {body.best_of}", "best_of")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported: the prompt tokens' logprobs are not "
+                          "computed", "echo")
 
 
-def _check_ids(ids: list[int], vocab: int, param: str) -> None:
+def check_ids(ids: Iterable[int], vocab: int, param: str) -> None:
+    """Raises ``APIError`` (400 ``invalid_token_id`` naming ``param``) for an id outside [0, vocab)."""
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
-        raise bad_request(f"token id {bad} is out of range [0, {vocab})", param, "invalid_token_id")
+        raise bad_request(f"{param}: token id {bad} is out of range [0, {vocab})", param, "invalid_token_id")
 
 
-def _encode(text: TextProcessor, s: str, add_special_tokens: bool, param: str) -> list[int]:
+def render_messages(text: TextProcessor, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None,
+                    add_generation_prompt: bool = True) -> str:
+    """The chat template applied to ``messages`` with ``kwargs`` (``chat_template_kwargs``) as template
+    variables.
+
+    Raises:
+        APIError: 400 naming ``chat_template_kwargs`` when it sets a reserved variable
+            (``RESERVED_TEMPLATE_VARS``), or ``messages`` when the template fails or there is none.
+    """
+    kwargs = kwargs or {}
+    reserved = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    try:
+        return text.render_chat(messages, add_generation_prompt, **kwargs)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from exc
+
+
+def encode_text(text: TextProcessor, s: str, add_special_tokens: bool, param: str) -> list[int]:
+    """``s``'s token ids. Raises ``APIError`` (400 naming ``param``) when ``s`` is not valid Unicode."""
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as exc:  # JSON allows lone surrogates (\ud800); the tokenizer does not
@@ -94,14 +156,11 @@ def _encode(text: TextProcessor, s: str, add_special_tokens: bool, param: str) -
 def _prompts(text: TextProcessor, body: Body) -> list[tuple[list[int], str]]:
     """(token ids, prompt text for echo) of each prompt, in order."""
     if isinstance(body, ChatCompletionRequest):
-        try:
-            rendered = text.render_chat(body.message_dicts())
-        except ValueError as exc:
-            raise bad_request(str(exc), "messages") from exc
-        return [(_encode(text, rendered, False, "messages"), rendered)]
+        rendered = render_messages(text, body.message_dicts(), body.chat_template_kwargs)
+        return [(encode_text(text, rendered, False, "messages"), rendered)]
     prompt = body.prompt
     if isinstance(prompt, str):
-        return [(_encode(text, prompt, True, "prompt"), prompt)]
+        return [(encode_text(text, prompt, True, "prompt"), prompt)]
     if not prompt:
         raise bad_request("the prompt list is empty", "prompt")
     if all(isinstance(t, int) for t in prompt):
@@ -111,10 +170,10 @@ def _prompts(text: TextProcessor, body: Body) -> list[tuple[list[int], str]]:
     out = []
     for item in items:
         if isinstance(item, str):
-            out.append((_encode(text, item, True, "prompt"), item))
+            out.append((encode_text(text, item, True, "prompt"), item))
         else:
-            _check_ids(item, text.vocab_size, "prompt")
-            out.append((list(item), text.decode(item)))
+            check_ids(item, text.vocab_size, "prompt")
+            out.append((list(item), text.decode(item, skip_special_tokens=False)))
     return out
 
 
@@ -159,7 +218,8 @@ def sampling_params(body: Body, max_tokens: int, seed: int | None) -> SamplingPa
             min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=seed,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens, logprobs=_requested_logprobs(body))
+            min_tokens=body.min_tokens, logprobs=_requested_logprobs(body),
+            logit_bias=tuple(sorted((body.logit_bias or {}).items())))
     except SamplingParamsError as exc:
         raise bad_request(str(exc).removeprefix("SamplingParams."), exc.field) from exc
 
@@ -171,7 +231,22 @@ def derived_seed(seed: int | None, sample: int) -> int | None:
     return (seed + sample + INT64_MAX + 1) % (1 << 64) - INT64_MAX - 1
 
 
-def _text(svc: GatewayService) -> TextProcessor:
+def check_model(svc: GatewayService, model: str | None) -> str:
+    """The served model's name; ``model`` (None: not given) must be it.
+
+    Raises:
+        APIError: 503 before any worker registered (and no ``--model-name``), 404 for another model.
+    """
+    served = served_model(svc)
+    if served is None:
+        raise unavailable("no worker has registered yet")
+    if model is not None and model != served:
+        raise not_found_model(model)
+    return served
+
+
+def text_processor(svc: GatewayService) -> TextProcessor:
+    """The tokenizer. Raises ``APIError`` 503 while it cannot be loaded."""
     try:
         return svc.text()
     except TokenizerNotFoundError as exc:
@@ -180,14 +255,11 @@ def _text(svc: GatewayService) -> TextProcessor:
 
 def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
     """Validate, tokenize and fan out into choices. Raises ``APIError`` (400/404/503) naming the problem."""
-    model = served_model(svc)
-    if model is None:
-        raise unavailable("no worker has registered yet")
-    if body.model != model:
-        raise not_found_model(body.model)
+    model = check_model(svc, body.model)
     _check_caps(svc, body)
-    text = _text(svc)
-    _check_ids(list(body.stop_token_ids or ()), text.vocab_size, "stop_token_ids")
+    text = text_processor(svc)
+    check_ids(list(body.stop_token_ids or ()), text.vocab_size, "stop_token_ids")
+    check_ids(body.logit_bias or {}, text.vocab_size, "logit_bias")
     prompts = _prompts(text, body)
     if len(prompts) * body.n > svc.settings.max_queue:
         raise bad_request(f"{len(prompts)} prompts x n={body.n} choices exceed --max-queue "
@@ -204,4 +276,4 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
             choices.append(ChoiceInput(index, inp, prompt_text if echo else ""))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(request_id, model, isinstance(body, ChatCompletionRequest), include_usage,
-                    tuple(choices), sum(len(ids) for ids, _ in prompts), _requested_logprobs(body))
+                    tuple(choices), sum(len(ids) for ids, _ in prompts), _requested_logprobs(body), body.n)

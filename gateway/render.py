@@ -29,6 +29,7 @@ from gateway.openai_responses import (
     CompletionChunk,
     CompletionLogprobs,
     FinishReason,
+    PromptTokensDetails,
     Usage,
     encode,
 )
@@ -66,9 +67,12 @@ def completion_logprobs(text: TextProcessor, entries: Sequence[TokenLogprob],
     return CompletionLogprobs(tokens, [e.logprob for e in entries], tops, offsets)
 
 
-def usage(p: Prepared, n_out: int) -> Usage:
-    """Usage in tokens: prompts counted once each, completions summed over choices."""
-    return Usage(p.num_prompt_tokens, n_out, p.num_prompt_tokens + n_out)
+def usage(p: Prepared, n_out: int, cached: Sequence[int | None] = ()) -> Usage:
+    """Usage in tokens: prompts counted once each, completions summed over choices. ``cached``: each
+    choice's prompt tokens found in the prefix cache (None: unknown), in ``p.choices`` order; a prompt's
+    cached tokens are those of its first choice (choice ``j * p.n``)."""
+    firsts = [n or 0 for i, n in enumerate(cached) if i % p.n == 0]
+    return Usage(p.num_prompt_tokens, n_out, p.num_prompt_tokens + n_out, PromptTokensDetails(sum(firsts)))
 
 
 def response_id(p: Prepared) -> str:
@@ -88,18 +92,18 @@ class ChoiceState:
 
 
 def completion_body(p: Prepared, text: TextProcessor, states: Sequence[ChoiceState], created: int,
-                    n_out: int) -> ChatCompletion | Completion:
-    """The whole (non-streaming) response; ``created`` in Unix seconds, ``n_out`` tokens in all."""
+                    used: Usage) -> ChatCompletion | Completion:
+    """The whole (non-streaming) response; ``created`` in Unix seconds, ``used`` its ``usage``."""
     if p.chat:
         chat = [ChatChoice(s.index, AssistantMessage("assistant", s.text),
                            None if p.logprobs is None else chat_logprobs(text, s.logprobs), s.finish_reason)
                 for s in states]
-        return ChatCompletion(response_id(p), "chat.completion", created, p.model, chat, usage(p, n_out))
+        return ChatCompletion(response_id(p), "chat.completion", created, p.model, chat, used)
     choices = []
     for s, c in zip(states, p.choices, strict=True):
         lp = None if p.logprobs is None else completion_logprobs(text, s.logprobs, len(c.echo_text))
         choices.append(CompletionChoice(s.index, c.echo_text + s.text, lp, s.finish_reason))
-    return Completion(response_id(p), "text_completion", created, p.model, choices, usage(p, n_out))
+    return Completion(response_id(p), "text_completion", created, p.model, choices, used)
 
 
 def chunk_choice(p: Prepared, text: TextProcessor, index: int, content: str | None,

@@ -1,4 +1,5 @@
-"""HTTP routes: /v1/chat/completions, /v1/completions, /v1/models, /v1/status, /health, /ready, /metrics.
+"""HTTP routes: /v1/chat/completions, /v1/completions, /v1/models, /v1/models/{id}, /tokenize,
+/detokenize, /v1/status, /health, /ready, /metrics.
 
 Bodies are encoded from the types of gateway/openai_responses.py, which also give the response schemas
 of ``/openapi.json`` (referenced here, merged into the document by gateway/app.py).
@@ -13,23 +14,31 @@ import msgspec
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
-from gateway.errors import APIError
-from gateway.openai_requests import ChatCompletionRequest, CompletionRequest
+from gateway.errors import APIError, not_found_model
+from gateway.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from gateway.openai_responses import (
     ChatCompletion,
     Completion,
+    DetokenizeResponse,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
     Readiness,
+    TokenizeResponse,
     encode,
     schema_ref,
 )
-from gateway.prepare import prepare, served_model
+from gateway.prepare import max_model_len, prepare, served_model
 from gateway.service import GatewayService
 from gateway.serving import complete, open_stream, sse_events, submit_all
 from gateway.status import readiness
+from gateway.tokenization import detokenize, tokenize
 
 router = APIRouter()
 SSE = {"text/event-stream": {"schema": {"type": "string"}}}
@@ -107,13 +116,41 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _generate(request, body)
 
 
+def _card(svc: GatewayService) -> ModelCard | None:
+    name = served_model(svc)
+    return None if name is None else ModelCard(name, "model", int(time.time()), "pdserve", max_model_len(svc))
+
+
 @router.get("/v1/models", dependencies=[Depends(require_key)],
             responses={**ok(ModelList), **error_responses(401)})
 async def models(request: Request) -> Response:
     """The served model (one entry once a worker registered or --model-name is set)."""
-    name = served_model(service(request))
-    data = [] if name is None else [ModelCard(name, "model", int(time.time()), "pdserve")]
-    return json_response(ModelList("list", data))
+    card = _card(service(request))
+    return json_response(ModelList("list", [] if card is None else [card]))
+
+
+@router.get("/v1/models/{model_id:path}", dependencies=[Depends(require_key)],
+            responses={**ok(ModelCard), **error_responses(401, 404)})
+async def model(model_id: str, request: Request) -> Response:
+    """The served model's card; 404 (OpenAI body, code ``model_not_found``) for any other id."""
+    card = _card(service(request))
+    if card is None or card.id != model_id:
+        raise not_found_model(model_id)
+    return json_response(card)
+
+
+@router.post("/tokenize", dependencies=[Depends(require_key)],
+             responses={**ok(TokenizeResponse), **error_responses(400, 401, 404, 413, 503)})
+async def tokenize_route(body: TokenizeRequest, request: Request) -> Response:
+    """vLLM's tokenize: ``prompt`` or chat ``messages`` → token ids, their count and the context length."""
+    return json_response(tokenize(service(request), body))
+
+
+@router.post("/detokenize", dependencies=[Depends(require_key)],
+             responses={**ok(DetokenizeResponse), **error_responses(400, 401, 404, 413, 503)})
+async def detokenize_route(body: DetokenizeRequest, request: Request) -> Response:
+    """vLLM's detokenize: token ids → text (special tokens kept)."""
+    return json_response(detokenize(service(request), body))
 
 
 @router.get("/health", responses={**ok(Health), **error_responses(401)})

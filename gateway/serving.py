@@ -82,7 +82,8 @@ async def complete(svc: GatewayService, p: Prepared, reqs: list[GatewayRequest],
             svc.orchestrator.release(r)
     n_out = sum(s.num_tokens for s in states)
     svc.metrics.generation_tokens.inc(n_out)
-    return completion_body(p, svc.text(), states, int(time.time()), n_out)
+    return completion_body(p, svc.text(), states, int(time.time()),
+                           usage(p, n_out, [r.num_cached_tokens for r in reqs]))
 
 
 _END = object()
@@ -128,8 +129,9 @@ class _ChunkWriter:
         self.offset[pos] += sum(len(self.svc.text().token_text(e.token_id)) for e in entries)
         return sse_chunk(self.p, self.created, choice)
 
-    def usage(self) -> bytes:
-        return sse_chunk(self.p, self.created, None, usage(self.p, self.n_out))
+    def usage(self, reqs: list[GatewayRequest]) -> bytes:
+        return sse_chunk(self.p, self.created, None,
+                         usage(self.p, self.n_out, [r.num_cached_tokens for r in reqs]))
 
 
 async def sse_events(svc: GatewayService, p: Prepared,
@@ -164,7 +166,7 @@ async def sse_events(svc: GatewayService, p: Prepared,
         else:
             svc.metrics.generation_tokens.inc(writer.n_out)
             if p.include_usage:
-                yield writer.usage()
+                yield writer.usage(reqs)
     finally:
         for task in tasks:
             task.cancel()

@@ -52,9 +52,9 @@ class TextProcessor:
         """Text → token ids (chat prompts: no special tokens added, the template carries them)."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, token_ids: list[int]) -> str:
-        """Token ids → text, skipping special tokens (e.g. eos)."""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Token ids → text, by default skipping special tokens (e.g. eos)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -65,14 +65,17 @@ class TextProcessor:
         """One token's own text (special tokens kept; a partial UTF-8 piece decodes to U+FFFD)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Apply the model's chat template to OpenAI-style messages.
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
+        """Apply the model's chat template to OpenAI-style messages; ``template_kwargs`` become template
+        variables (transformers' ``apply_chat_template`` kwargs, e.g. ``enable_thinking=False``).
 
         Raises:
             ValueError: no chat template, or the template rejects the messages.
         """
         try:
-            return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt)
+            return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                       **template_kwargs)
         except ChatTemplateError as exc:
             raise ValueError(str(exc)) from exc
 

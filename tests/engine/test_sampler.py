@@ -220,3 +220,19 @@ def test_greedy_fast_path_equals_full_sampler(dtype) -> None:
     assert fast == logits.float().argmax(-1).tolist() and fast[3] == 10
     with pytest.raises(ValueError, match="must be \\[batch, vocab\\]"):
         Sampler.greedy(logits[0])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logit_bias_forces_and_bans_tokens_per_row(temperature: float) -> None:
+    logits = _logits(3, seed=5)
+    forced = int(logits[0].argmin())
+    rows = [_row(SamplingParams(temperature=temperature, logit_bias=((forced, 100.0), (10**6, 5.0))), seed=1),
+            _row(SamplingParams(temperature=temperature), seed=1),
+            _row(SamplingParams(temperature=temperature, logit_bias=((int(logits[2].argmax()), -100.0),)),
+                 seed=1)]
+    plain = Sampler()(logits, [_row(SamplingParams(temperature=temperature), seed=1)] * 3)
+    out = Sampler()(logits, rows)
+    assert out[0].token_id == forced  # an id beyond the vocabulary is ignored
+    assert out[1].token_id == plain[1].token_id  # a row without bias is untouched by its neighbours'
+    assert out[2].token_id != int(logits[2].argmax())
+    assert torch.equal(apply_penalties(logits, rows[1:2]), logits)

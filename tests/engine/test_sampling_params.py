@@ -71,3 +71,13 @@ def test_error_names_the_field() -> None:
 def test_with_seed_keeps_the_rest() -> None:
     p = SamplingParams(max_tokens=3, temperature=0.5)
     assert p.with_seed(9) == SamplingParams(max_tokens=3, temperature=0.5, seed=9)
+
+
+def test_logit_bias_round_trips_and_is_validated() -> None:
+    p = SamplingParams(logit_bias=[[5, 100.0], (7, -2.5)])  # type: ignore[list-item]
+    assert p.logit_bias == ((5, 100.0), (7, -2.5))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
+    for bad in (((5, 100.5),), ((-1, 1.0),), ((5, 1.0), (5, 2.0)), ((5, float("nan")),), ((5,),)):
+        with pytest.raises(SamplingParamsError) as info:
+            SamplingParams(logit_bias=bad)  # type: ignore[arg-type]
+        assert info.value.field == "logit_bias"

@@ -6,7 +6,8 @@ and produces deterministic tokens with known timings: output position i is
 that ends with the reply's first k tokens continues at position k, as a model continues its own text
 (what a migrated request sends). With
 ``sampling.logprobs`` set it sends logprob ``fake_logprob(i)`` for position i and, for N > 0, the top-N
-alternatives of ``fake_top``. Prefill takes ``--prefill-delay`` s, each later token ``--token-delay`` s.
+alternatives of ``fake_top``; its ``FirstToken`` reports ``--cached-tokens`` prefix-cache hits.
+Prefill takes ``--prefill-delay`` s, each later token ``--token-delay`` s.
 The decode role "reserves" ``ceil(prompt / block_size) + 1`` blocks per request from ``--total-blocks``
 and frees them on finish or abort, so heartbeats show leaks. Every received message is appended to
 ``--record`` (JSON lines: type, request_id, and ``sampling`` (a dict) when it carries sampling
@@ -174,8 +175,10 @@ class FakeWorker:
                 top = fake_top(tok, offset + i, sampling.logprobs) if sampling.logprobs else None
                 if i == 0:
                     await asyncio.sleep(self.args.prefill_delay)
+                    cached = min(self.args.cached_tokens, len(prompt) - 1)
                     await self.send(FirstToken(request_id=rid, worker_id=wid, token_id=tok, logprob=lp,
-                                               top_logprobs=top, finish_reason=finish))
+                                               top_logprobs=top, num_cached_tokens=cached,
+                                               finish_reason=finish))
                     if self.args.role == "prefill":
                         return
                 else:
@@ -278,6 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--canary-bytes", type=int, default=1 << 20)
     p.add_argument("--canary-seconds", type=float, default=0.001)
     p.add_argument("--canary-wedged", type=int, default=0)
+    p.add_argument("--cached-tokens", type=int, default=0, help="FirstToken.num_cached_tokens (at most "
+                   "the prompt's length - 1)")
     return p.parse_args(argv)
 
 

@@ -20,6 +20,7 @@ from tests.fakes.fake_worker import fake_logprob
 from tests.gateway.conftest import MSGS, Cluster, read_record, wait_until
 
 pytestmark = pytest.mark.slow  # starts processes
+CACHED = 2  # prompt tokens the fake prefill worker reports found in its prefix cache
 
 
 
@@ -28,7 +29,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path,
        reply_ids: list[int]) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("surface"), tokenizer_dir, max_n=4)
     ids = ",".join(map(str, reply_ids))
-    cluster.start_worker("prefill", "p1", output_ids=ids)
+    cluster.start_worker("prefill", "p1", output_ids=ids, cached_tokens=CACHED)
     # 50 ms a token: test_non_streaming_client_disconnect_aborts needs its 200-token request (10 s) to
     # outlive the gateway's noticing that the client left, by far, also on a loaded 2-core machine (at
     # 20 ms a token it once finished first)
@@ -103,24 +104,55 @@ def test_chat_logprobs(pd: Cluster, proc: TextProcessor, reply_ids: list[int]) -
     pd.assert_no_leaks(("d1",))
 
 
-def test_completion_logprobs_and_echo(pd: Cluster, proc: TextProcessor, reply_ids: list[int]) -> None:
+def test_completion_logprobs(pd: Cluster, proc: TextProcessor, reply_ids: list[int]) -> None:
     client = pd.client()
     prompt = "The capital of France is"
-    r = client.completions.create(model="fake-model", prompt=prompt, max_tokens=4, logprobs=3, echo=True)
+    r = client.completions.create(model="fake-model", prompt=prompt, max_tokens=4, logprobs=3)
     gen = proc.decode(reply_ids[:4])
-    assert r.choices[0].text == prompt + gen
+    assert r.choices[0].text == gen
     lp = r.choices[0].logprobs
     assert lp is not None and lp.tokens == [proc.token_text(t) for t in reply_ids[:4]]
     assert lp.token_logprobs == [fake_logprob(i) for i in range(4)]
     assert lp.top_logprobs is not None and lp.top_logprobs[0] == {
         proc.token_text(reply_ids[0] + k): fake_logprob(0) - k for k in range(3)}
-    offsets = [len(prompt) + sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    offsets = [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
     assert lp.text_offset == offsets
     chunks = list(client.completions.create(model="fake-model", prompt=prompt, max_tokens=4, logprobs=1,
-                                            echo=True, stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == prompt + gen
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == gen
     streamed = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset or []]
     assert streamed == offsets
+    pd.assert_no_leaks(("d1",))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_zero_has_an_entry_per_token(pd: Cluster, proc: TextProcessor,
+                                                         reply_ids: list[int], stream: bool) -> None:
+    """``logprobs: 0``: each generated token with its own logprob and no alternatives."""
+    kw: dict[str, Any] = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 3,
+                          "logprobs": 0}
+    if stream:
+        chunks = list(pd.client().completions.create(stream=True, **kw))
+        lps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+        tokens = [t for lp in lps for t in lp.tokens or []]
+        values = [v for lp in lps for v in lp.token_logprobs or []]
+        tops = [t for lp in lps for t in lp.top_logprobs or []]
+    else:
+        lp = pd.client().completions.create(**kw).choices[0].logprobs
+        assert lp is not None
+        tokens, values, tops = lp.tokens or [], lp.token_logprobs or [], lp.top_logprobs or []
+    assert tokens == [proc.token_text(t) for t in reply_ids[:3]]
+    assert values == [fake_logprob(i) for i in range(3)]
+    assert tops == [{}, {}, {}]
+    pd.assert_no_leaks(("d1",))
+
+
+def test_echo_of_a_token_id_prompt_keeps_special_tokens(pd: Cluster, proc: TextProcessor,
+                                                        reply_ids: list[int]) -> None:
+    ids = proc.encode("<|im_start|>user\nhi<|im_end|>")
+    assert proc.decode(ids) != proc.decode(ids, skip_special_tokens=False), "control: special tokens"
+    r = pd.client().completions.create(model="fake-model", prompt=ids, max_tokens=2, echo=True)
+    assert r.choices[0].text == "<|im_start|>user\nhi<|im_end|>" + proc.decode(reply_ids[:2])
     pd.assert_no_leaks(("d1",))
 
 
@@ -138,7 +170,8 @@ def test_batched_prompts_in_index_order(pd: Cluster, proc: TextProcessor, reply_
     for c in chunks:
         by_index[c.choices[0].index] = by_index.get(c.choices[0].index, "") + c.choices[0].text
     gen = proc.decode(reply_ids[:2])
-    assert by_index == {0: proc.decode([5, 6]) + gen, 1: proc.decode([7, 8, 9]) + gen}
+    assert by_index == {0: proc.decode([5, 6], skip_special_tokens=False) + gen,  # these ids are specials
+                        1: proc.decode([7, 8, 9], skip_special_tokens=False) + gen}
     pd.assert_no_leaks(("d1",))
 
 
@@ -199,3 +232,81 @@ def test_context_overflow_names_the_prompt_when_it_alone_is_too_long(pd: Cluster
     r = httpx.post(pd.base + path, json={"model": "fake-model", "max_tokens": 2, **body}, timeout=10)
     err = r.json()["error"]
     assert (r.status_code, err["code"], err["param"]) == (400, "context_length_exceeded", param), err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_reports_cached_prompt_tokens(pd: Cluster, stream: bool) -> None:
+    """``usage.prompt_tokens_details.cached_tokens``: the prefill worker's prefix-cache hits, once per
+    prompt (its first choice's)."""
+    client = pd.client()
+    kw: dict[str, Any] = {"model": "fake-model", "prompt": ["one two three", "four five six"], "n": 2,
+                          "max_tokens": 2}
+    if stream:
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        used = chunks[-1].usage
+    else:
+        used = client.completions.create(**kw).usage
+    assert used is not None and used.prompt_tokens_details is not None
+    assert used.prompt_tokens_details.cached_tokens == 2 * CACHED
+    chat = client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=2)  # type: ignore[arg-type]
+    assert chat.usage is not None and chat.usage.prompt_tokens_details is not None
+    assert chat.usage.prompt_tokens_details.cached_tokens == CACHED
+    pd.assert_no_leaks(("d1",))
+
+
+def test_logit_bias_travels_to_prefill_and_decode(pd: Cluster) -> None:
+    """Both the worker sampling the first token and the one sampling the rest get ``logit_bias``."""
+    pd.client().chat.completions.create(model="fake-model", messages=MSGS, max_tokens=3,  # type: ignore[arg-type]
+                                        logit_bias={"17": 100, "5": -2.5},
+                                        extra_headers={"X-Request-Id": "biased"})
+    for worker in ("p1", "d1"):
+        assert sampling_of(pd, worker, "biased")["logit_bias"] == [[5, -2.5], [17, 100.0]], worker
+    pd.assert_no_leaks(("d1",))
+
+
+def test_fields_accepted_by_design(pd: Cluster) -> None:
+    """Identity and stored-completion metadata, harmless values of unsupported fields, ``best_of == n``:
+    accepted, and the request is served as without them."""
+    client = pd.client()
+    plain = client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=3)  # type: ignore[arg-type]
+    tagged = client.chat.completions.create(  # type: ignore[call-overload]
+        model="fake-model", messages=MSGS, max_tokens=3, user="u-1", metadata={"k": "v"}, store=False,
+        response_format={"type": "text"}, tools=[], tool_choice="none", modalities=["text"],
+        service_tier="auto", extra_body={"safety_identifier": "hash-1"})
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+    history = [*MSGS, {"role": "assistant", "content": "Paris.", "refusal": None, "tool_calls": None,
+                        "function_call": None, "audio": None, "annotations": []}, *MSGS]
+    assert client.chat.completions.create(model="fake-model", messages=history, max_tokens=1).choices  # type: ignore[arg-type]
+    r = client.completions.create(model="fake-model", prompt="hi", max_tokens=2, n=2, best_of=2)
+    assert len(r.choices) == 2
+    pd.assert_no_leaks(("d1",))
+
+
+def test_model_card_tokenize_detokenize(pd: Cluster, proc: TextProcessor) -> None:
+    client = pd.client()
+    card = client.models.retrieve("fake-model")
+    assert (card.id, card.object, card.owned_by) == ("fake-model", "model", "pdserve")
+    assert card.model_extra == {"max_model_len": 256}
+    listed = httpx.get(pd.base + "/v1/models", timeout=5).json()["data"]
+    assert listed == [httpx.get(pd.base + "/v1/models/fake-model", timeout=5).json() | {
+        "created": listed[0]["created"]}]
+    missing = httpx.get(pd.base + "/v1/models/org/other", timeout=5)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+    text = "The capital of France is"
+    r = httpx.post(pd.base + "/tokenize", json={"model": "fake-model", "prompt": text}, timeout=5).json()
+    ids = proc.encode(text, True)
+    assert r == {"count": len(ids), "max_model_len": 256, "tokens": ids}
+    r = httpx.post(pd.base + "/tokenize", json={"messages": MSGS, "return_token_strs": True},
+                   timeout=5).json()
+    rendered = proc.render_chat(MSGS)
+    assert r["tokens"] == proc.encode(rendered) and r["count"] == len(r["tokens"])
+    assert "".join(r["token_strs"]) == rendered
+    bare = httpx.post(pd.base + "/tokenize", json={"messages": MSGS, "add_generation_prompt": False},
+                      timeout=5).json()
+    assert bare["tokens"] == proc.encode(proc.render_chat(MSGS, add_generation_prompt=False))
+    back = httpx.post(pd.base + "/detokenize", json={"model": "fake-model", "tokens": r["tokens"]},
+                      timeout=5).json()
+    assert back == {"prompt": rendered}
+    chat = client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=1)  # type: ignore[arg-type]
+    assert chat.usage is not None and chat.usage.prompt_tokens == r["count"]

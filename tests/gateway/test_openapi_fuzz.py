@@ -20,6 +20,7 @@ from tests.gateway.conftest import Cluster
 pytestmark = pytest.mark.slow  # starts processes
 
 ENDPOINTS = {("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("get", "/v1/models"),
+             ("get", "/v1/models/{model_id}"), ("post", "/tokenize"), ("post", "/detokenize"),
              ("get", "/v1/status"), ("get", "/health"), ("get", "/ready"), ("get", "/metrics")}
 CASES_PER_OPERATION = 50
 
@@ -55,8 +56,14 @@ def test_openapi_documents_every_endpoint(gw: Cluster) -> None:
         for status in ("400", "401", "404", "413", "429", "503"):
             err = op["responses"][status]["content"]["application/json"]["schema"]
             assert err["$ref"].endswith("/ErrorResponse")
-    assert {"messages", "n", "logprobs", "top_logprobs", "stream_options"} <= set(
+    assert {"messages", "n", "logprobs", "top_logprobs", "stream_options", "logit_bias",
+            "chat_template_kwargs"} <= set(
         spec["components"]["schemas"]["ChatCompletionRequest"]["properties"])
+    for path, model in (("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")):
+        body = ops[("post", path)]["requestBody"]["content"]["application/json"]["schema"]
+        assert body["$ref"].endswith("/" + model)
+    assert _resolve(spec, ops[("get", "/v1/models/{model_id}")]["responses"]["200"]["content"][
+        "application/json"]["schema"])["required"] == ["id", "object", "created", "owned_by", "max_model_len"]
 
 
 def check(case: Any, statuses: Counter[int]) -> None:

@@ -80,3 +80,25 @@ def test_tokenizer_alias_from_pdserve_cache(tokenizer_dir: Path, tmp_path: Path,
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "smollm2-135m").symlink_to(tokenizer_dir)
     assert resolve_tokenizer_dir("smollm2-135m", None) == tmp_path / "models" / "smollm2-135m"
+
+
+def test_chat_template_kwargs_reach_the_template(proc: TextProcessor) -> None:
+    """``chat_template_kwargs`` become template variables (e.g. Qwen3's ``enable_thinking``); the
+    variables the gateway sets itself cannot be overridden."""
+    from engine.text.tokenizer import TextTokenizer
+    from gateway.errors import APIError
+    from gateway.prepare import render_messages
+    from gateway.text import TextProcessor as Proc
+
+    tok = proc.tokenizer
+    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %} /no_think{% endif %}")
+    thinking = Proc(TextTokenizer(tok._tok, tok.special, template))
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert render_messages(thinking, msgs, None) == "Hi"
+    assert render_messages(thinking, msgs, {"enable_thinking": False}) == "Hi /no_think"
+    assert render_messages(thinking, msgs, {"enable_thinking": True}) == "Hi"
+    with pytest.raises(APIError) as info:
+        render_messages(thinking, msgs, {"add_generation_prompt": False, "bos_token": "x"})
+    assert (info.value.status, info.value.param) == (400, "chat_template_kwargs")
+    assert "add_generation_prompt, bos_token" in info.value.message

@@ -1,0 +1,55 @@
+"""vLLM's tokenizer endpoints: ``POST /tokenize`` (text or chat messages → token ids, as the generation
+endpoints tokenize them) and ``POST /detokenize`` (token ids → text, special tokens kept)."""
+
+from __future__ import annotations
+
+from gateway.errors import bad_request
+from gateway.openai_requests import DetokenizeRequest, TokenizeRequest
+from gateway.openai_responses import DetokenizeResponse, TokenizeResponse
+from gateway.prepare import (
+    check_ids,
+    check_model,
+    encode_text,
+    max_model_len,
+    render_messages,
+    text_processor,
+)
+from gateway.service import GatewayService
+
+
+def tokenize(svc: GatewayService, body: TokenizeRequest) -> TokenizeResponse:
+    """The token ids of ``body.prompt`` or of ``body.messages`` rendered by the chat template.
+
+    Raises:
+        APIError: 400 when neither or both of ``prompt`` and ``messages`` are given, the text is not valid
+            Unicode or the template fails; 404 for another ``model``; 503 without a worker or tokenizer.
+    """
+    check_model(svc, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    text = text_processor(svc)
+    if body.messages is not None:
+        rendered = render_messages(text, body.message_dicts(), body.chat_template_kwargs,
+                                   body.add_generation_prompt)
+        ids = encode_text(text, rendered, bool(body.add_special_tokens), "messages")
+    else:
+        if body.chat_template_kwargs:
+            raise bad_request("chat_template_kwargs needs messages", "chat_template_kwargs")
+        assert body.prompt is not None
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = encode_text(text, body.prompt, special, "prompt")
+    strs = [text.token_text(t) for t in ids] if body.return_token_strs else None
+    return TokenizeResponse(len(ids), max_model_len(svc), ids, strs)
+
+
+def detokenize(svc: GatewayService, body: DetokenizeRequest) -> DetokenizeResponse:
+    """The text of ``body.tokens``, special tokens kept.
+
+    Raises:
+        APIError: 400 ``invalid_token_id`` naming ``tokens`` for an id outside the vocabulary; 404 for
+            another ``model``; 503 without a worker or tokenizer.
+    """
+    check_model(svc, body.model)
+    text = text_processor(svc)
+    check_ids(body.tokens, text.vocab_size, "tokens")
+    return DetokenizeResponse(text.decode(body.tokens, skip_special_tokens=False))
