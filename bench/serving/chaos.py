@@ -252,8 +252,11 @@ class Chaos:
             for child, _code in self.system.sup.dead():
                 self.system.restart(child)
             wait_registered(self.system)
-        res.retried = counter(url, "pdserve_request_retries_total") - retried
-        res.migrated = counter(url, "pdserve_request_migrations_total") - migrated
+        now_retried = counter(url, "pdserve_request_retries_total")
+        now_migrated = counter(url, "pdserve_request_migrations_total")
+        restarted = now_retried < retried or now_migrated < migrated  # a new gateway counts from 0
+        res.retried = now_retried if restarted else now_retried - retried
+        res.migrated = now_migrated if restarted else now_migrated - migrated
         used = wait_all_free(url, self.system.worker_ids, timeout=30.0)
         res.leaked_blocks = sum(used.values())
         res.seconds = time.monotonic() - t0
@@ -282,12 +285,19 @@ class Chaos:
             res.notes.append(f"text differs from the unbroken run for prompts {differ}")
 
     async def kill_prefill_mid_transfer(self, res: ScenarioResult) -> None:
-        """Long prompts queued on both prefill workers; ``kill -9`` prefill-0 while they run."""
+        """Long prompts queued on the prefill workers; ``kill -9`` of the prefill worker holding the most
+        of them (``/v1/status``) while they run: its requests are retried on the other one."""
         async with self._client() as c:
-            tasks = [asyncio.create_task(stream(c, p)) for p in prompts(6 * self.scale, 300, salt=2)]
+            outs = [Outcome() for _ in range(6 * self.scale)]
+            tasks = [asyncio.create_task(stream(c, p, out=o))
+                     for p, o in zip(prompts(len(outs), 300, salt=2), outs, strict=True)]
             await asyncio.sleep(0.5)
-            kill9(self.system, "prefill-0")
-            res.add(await self._gather(tasks))
+            status = (await c.get("/v1/status")).json()
+            busiest = max((w for w in status["workers"] if w["role"] == "prefill"),
+                          key=lambda w: (w["requests"], w["num_waiting"] + w["num_running"]))
+            kill9(self.system, busiest["worker_id"].removeprefix("live-"))
+            await self._gather(tasks)
+        res.add(outs)
 
     async def same_address_replacement(self, res: ScenarioResult) -> None:
         """``kill -9`` decode-1 and start it again at once (same worker id and flags, a new epoch); once it

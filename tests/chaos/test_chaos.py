@@ -42,7 +42,8 @@ def test_kill_decode_mid_stream_migrates_every_stream(chaos: Chaos) -> None:
 def test_kill_prefill_mid_transfer_retries_before_the_first_token(chaos: Chaos) -> None:
     res = chaos.run("kill_prefill_mid_transfer", chaos.kill_prefill_mid_transfer)
     _honest(res)
-    assert res.completed == res.sent, res  # no client sees the dead prefill worker
+    # no client sees the dead prefill worker: its requests are retried (admission may refuse some at once)
+    assert res.completed + res.statuses.get("429", 0) == res.sent and res.retried >= 1, res
 
 
 def test_same_address_replacement_serves_once_registered(chaos: Chaos) -> None:
