@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.metrics import GatewayMetrics
+from gateway.openai_responses import KVPathStatus
 from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
 from protocol.logging import log_event
 from protocol.messages import (
@@ -47,19 +48,6 @@ MIN_GBPS: dict[str, float] = {"loopback": 0.01, "nixl": 0.02, "ucx": 0.02, "tcp"
 Send = Callable[[bytes, Message], Awaitable[bool]]
 
 
-@dataclass(frozen=True)
-class KVPath:
-    """One measured canary: ``transport``, ``num_bytes`` in ``seconds``, ``gbps`` (1e9 bytes/s), when
-    (``at``, Unix seconds) and a ``warning`` ("" when the speed is as expected for the transport)."""
-
-    transport: str
-    gbps: float
-    num_bytes: int
-    seconds: float
-    at: float
-    warning: str
-
-
 @dataclass
 class PairHealth:
     """The canary state of one pair of worker incarnations. ``unusable``: why the pair is out of routing
@@ -71,7 +59,7 @@ class PairHealth:
     prefill_epoch: int
     decode: str
     decode_epoch: int
-    path: KVPath | None = None
+    path: KVPathStatus | None = None
     unusable: str = ""
     canary: str | None = None
     deadline: float = 0.0
@@ -98,7 +86,7 @@ class CanaryTracker:
         pair = self.pairs.get((prefill_id, decode_id))
         return pair.unusable if pair is not None else ""
 
-    def path(self, prefill_id: str, decode_id: str) -> KVPath | None:
+    def path(self, prefill_id: str, decode_id: str) -> KVPathStatus | None:
         """The pair's latest measured path, or None."""
         pair = self.pairs.get((prefill_id, decode_id))
         return pair.path if pair is not None else None
@@ -200,7 +188,8 @@ class CanaryTracker:
                    if floor is not None and gbps < floor else "")
         if pair.path is not None and pair.path.transport != msg.transport:
             self.metrics.drop_kv_path(pair.prefill, pair.decode, pair.path.transport)
-        pair.path = KVPath(msg.transport, gbps, msg.num_bytes, msg.seconds, time.time(), warning)
+        pair.path = KVPathStatus(msg.transport, round(gbps, 6), msg.num_bytes, round(msg.seconds, 6),
+                                 time.time(), warning)
         self.metrics.kv_path_gbps.labels(pair.prefill, pair.decode, msg.transport).set(gbps)
         was = pair.unusable
         pair.unusable = ""

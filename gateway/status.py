@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from gateway.canary import CanaryTracker
-from gateway.openai_responses import KVPathStatus, LostWorkerStatus, PairStatus, Readiness, WorkerStatus
+from gateway.openai_responses import LostWorkerStatus, PairStatus, Readiness, WorkerStatus
 from gateway.registry import LostWorker, WorkerEntry, WorkerRegistry, pairing_mismatch
 
 
@@ -21,10 +21,7 @@ def pair_statuses(registry: WorkerRegistry, canaries: CanaryTracker | None = Non
                 blocked = canaries.blocked(p.worker_id, d.worker_id)
                 if problem is None and blocked:
                     problem = f"{p.worker_id} / {d.worker_id}: {blocked}"
-                kv = canaries.path(p.worker_id, d.worker_id)
-                if kv is not None:
-                    path = KVPathStatus(kv.transport, round(kv.gbps, 6), kv.num_bytes, round(kv.seconds, 6),
-                                        kv.at, kv.warning)
+                path = canaries.path(p.worker_id, d.worker_id)
             out.append(PairStatus(p.worker_id, d.worker_id, problem is None, problem or "", path))
     return out
 
