@@ -108,7 +108,9 @@ def test_kill_9_of_a_decode_worker_is_restarted_while_the_server_keeps_answering
         assert "pdserve up: decode-1 exited with code -9; restarting it in 1 s" in text
         assert "stopping the rest" not in text
         assert _child_pid(up.pid, "up-decode-1") != victim
-        assert not [k for k in statuses if not k.isdigit()], statuses  # every request got an answer
+        # every request got an answer, and none an error: those on (or routed to) the killed worker were
+        # retried on the other decode worker before their first token
+        assert set(statuses) == {"200"}, statuses
         print(f"decode-1 back after {back_s:.1f} s; answers {dict(statuses)}")
     finally:
         sending.clear()
