@@ -12,10 +12,10 @@ Queues and states of a request:
      says no write can still land in them (``KVReceiver.releasable``: the fence).
 Transfer FAILED/ABORTED by the peer → ``RequestFailed``. ``AbortRequest`` works in every state.
 
-A canary (``KVCanaryReserve``, a test of the data path): one block reserved like a request's
-(``Scheduler.add_waiting_for_kv``) and ``KVReceiver.expect``-ed with the gateway's deadline, answered by
-``KVCanaryReserved``; it never joins the batch: ``canaries`` holds it until the receiver says the block
-is releasable (DONE, or the sender's fence after a failure or an abort), then the block is freed.
+A canary (``KVCanaryReserve``, a test of the data path): ``canary_blocks`` blocks reserved like a
+request's (``Scheduler.add_waiting_for_kv``) and ``KVReceiver.expect``-ed with the gateway's deadline,
+answered by ``KVCanaryReserved``; it never joins the batch: ``canaries`` holds it until the receiver says
+the blocks are releasable (DONE, or the sender's fence after a failure or an abort), then they are freed.
 """
 
 from __future__ import annotations
@@ -110,15 +110,23 @@ class DecodeWorker(WorkerLoop):
         elif isinstance(msg, AbortRequest):
             self.drop(msg.request_id)
 
+    def canary_blocks(self, num_bytes: int) -> int:
+        """Blocks for a canary of ``num_bytes``: ceil(num_bytes / bytes per block), at least 1 and at most
+        an eighth of the free blocks (at least 1)."""
+        want = -(-num_bytes // self.core.runner.kv_cache.bytes_per_block)
+        return max(1, min(want, self.core.block_manager.num_free_blocks // 8))
+
     def _reserve_canary(self, msg: KVCanaryReserve) -> None:
-        """One block for a canary transfer, freed by ``poll`` once releasable; ``KVCanaryReserved`` with
-        the handle, or with ``error`` (no free block, a duplicate id, the receiver refused)."""
+        """Blocks for a canary transfer (``canary_blocks``), freed by ``poll`` once releasable;
+        ``KVCanaryReserved`` with the handle, or with ``error`` (no free block, a duplicate id, the
+        receiver refused)."""
         cid = msg.canary_id
         error = ""
         if cid in self.canaries or self._knows(cid):
             error = f"canary id {cid!r} is already on this worker"
         else:
-            seq = Sequence(cid, [0] * self.core.block_manager.block_size, SamplingParams(max_tokens=1),
+            num_tokens = self.canary_blocks(msg.num_bytes) * self.core.block_manager.block_size
+            seq = Sequence(cid, [0] * num_tokens, SamplingParams(max_tokens=1),
                            time.monotonic(), self.core.eos_token_id)
             try:
                 reserved = self.core.scheduler.add_waiting_for_kv(seq)

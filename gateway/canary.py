@@ -1,17 +1,26 @@
-"""Data-path health of each prefill/decode pair: a canary KV transfer of one block (no torch).
+"""Data-path health of each prefill/decode pair: canary KV transfers (no torch).
 
 When a prefill and a decode worker first become a compatible pair (either registers), the gateway sends
-the decode worker ``KVCanaryReserve`` (one block from its ``BlockManager``, expected within
-``--kv-canary-timeout`` s), forwards the handle of ``KVCanaryReserved`` to the prefill worker in
-``KVCanarySend``, and reads ``KVCanaryResult``. The first canary of a pair pays for the transport's
-handshake, so it only warms the path up; the next one, sent at once, measures it: the transport's name
-and bytes over seconds give the pair's path (logged, in ``/ready`` and ``/v1/status``, and the gauge
-``pdserve_kv_path_gbps{prefill,decode,transport}``). A path slower than ``MIN_GBPS`` of its transport
-is reported as a warning. Every ``--kv-canary-period`` s (0 = never) each pair is measured again. A
-canary that fails, or has no result by its deadline, takes the pair out of routing (the workers get
-``AbortRequest`` for it; each frees the block by the rules of a request's) until a later canary lands;
-an unusable pair is tried again every ``--kv-canary-timeout`` s, also with period 0. A decode worker
-with no free block for the canary changes nothing (tried again after the timeout).
+the decode worker ``KVCanaryReserve`` (``--kv-canary-mib`` of blocks from its ``BlockManager``, at most
+an eighth of its free ones, expected within ``--kv-canary-timeout`` s), forwards the handle of
+``KVCanaryReserved`` to the prefill worker in ``KVCanarySend``, and reads ``KVCanaryResult``. The first
+canary of a pair pays for the transport's handshake, so it only warms the path up; the next one, sent at
+once, measures it: bytes over seconds give the pair's path (logged, in ``/ready`` and ``/v1/status``,
+and the gauge ``pdserve_kv_path_gbps{prefill,decode,transport}``).
+
+The path the KV should take follows from where the two KV caches live (``KVPlacement`` of each
+registration; ``expected_path``): GPU memory on one host → CUDA IPC (NVLink or PCIe peer copies); GPU
+memory on two hosts that both have RDMA devices → RDMA; host memory on one host → shared memory; else
+TCP. The transport library picks the path itself (UCX under NIXL tells no caller which), so the canary
+judges by speed: a measured rate below ``PATH_FLOOR_GBPS`` of the expected path (e.g. TCP's ~1-3 GB/s
+where CUDA IPC's tens to hundreds were expected) is reported as a warning in the log, the status view
+and ``pdserve_kv_path_slow{prefill,decode}``, never silent.
+
+Every ``--kv-canary-period`` s (0 = never) each pair is measured again. A canary that fails, or has no
+result by its deadline, takes the pair out of routing (the workers get ``AbortRequest`` for it; each
+frees the blocks by the rules of a request's) until a later canary lands; an unusable pair is tried again
+every ``--kv-canary-timeout`` s, also with period 0. A worker with no free blocks for the canary changes
+nothing (tried again after the timeout).
 """
 
 from __future__ import annotations
@@ -34,16 +43,46 @@ from protocol.messages import (
     KVCanaryReserved,
     KVCanaryResult,
     KVCanarySend,
+    KVPlacement,
     Message,
 )
 
 log = logging.getLogger("pdserve.gateway")
 
-# GB/s below which a one-block canary over this transport is reported as a warning: conservative floors
-# (one block is latency-bound: a control round trip and a write of ~0.1-2 MB), far under each
-# transport's bandwidth, so a warning means a path much slower than its kind can be
-MIN_GBPS: dict[str, float] = {"loopback": 0.01, "nixl": 0.02, "ucx": 0.02, "tcp": 0.02, "cuda_ipc": 1.0,
-                              "rc": 0.5, "rc_mlx5": 0.5, "dc_mlx5": 0.5, "ud": 0.1, "ud_mlx5": 0.1}
+# GB/s below which a canary over the expected path is reported as slow: conservative floors, a small
+# fraction of each path's bandwidth, and above the next slower path's (a warning means the KV took a
+# slower path than its placement allows, or the expected one is badly degraded)
+PATH_FLOOR_GBPS: dict[str, float] = {"cuda_ipc": 20.0, "rdma": 5.0, "shm": 0.2, "tcp": 0.02}
+
+
+@dataclass(frozen=True)
+class ExpectedPath:
+    """The data path a pair's KV should take (``name``: cuda_ipc, rdma, shm or tcp), why (``reason``),
+    and the GB/s below which a canary over it is reported (``floor_gbps``)."""
+
+    name: str
+    reason: str
+    floor_gbps: float
+
+
+def expected_path(prefill: KVPlacement, decode: KVPlacement) -> ExpectedPath:
+    """The path the KV between two placements should take; an unknown host counts as another host."""
+    same_host = bool(prefill.host) and prefill.host == decode.host
+    if prefill.device == decode.device == "cuda":
+        if same_host:
+            name, why = "cuda_ipc", "GPU memory on one host"
+        elif prefill.rdma and decode.rdma:
+            name, why = "rdma", "GPU memory on two hosts with RDMA devices"
+        else:
+            name, why = "tcp", "GPU memory on two hosts, not both with RDMA devices"
+    elif same_host:
+        name, why = "shm", "host memory on one host"
+    elif prefill.rdma and decode.rdma:
+        name, why = "rdma", "two hosts with RDMA devices"
+    else:
+        name, why = "tcp", "two hosts"
+    return ExpectedPath(name, why, PATH_FLOOR_GBPS[name])
+
 
 Send = Callable[[bytes, Message], Awaitable[bool]]
 
@@ -69,13 +108,15 @@ class PairHealth:
 
 class CanaryTracker:
     """The pairs' canaries. ``send`` delivers a control message to a worker identity; ``timeout_s`` is each
-    canary's deadline and ``period_s`` the re-measure period (0 = never), both in seconds; ``clock`` returns
-    monotonic seconds (injectable for tests)."""
+    canary's deadline and ``period_s`` the re-measure period (0 = never), both in seconds; ``num_bytes``
+    the size of a canary (the decode worker takes at least one block, at most an eighth of its free
+    ones); ``clock`` returns monotonic seconds (injectable for tests)."""
 
     def __init__(self, registry: WorkerRegistry, metrics: GatewayMetrics, send: Send, timeout_s: float,
-                 period_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 period_s: float, num_bytes: int = 16 << 20,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.registry, self.metrics, self._send = registry, metrics, send
-        self.timeout_s, self.period_s, self._clock = timeout_s, period_s, clock
+        self.timeout_s, self.period_s, self.num_bytes, self._clock = timeout_s, period_s, num_bytes, clock
         self.pairs: dict[tuple[str, str], PairHealth] = {}
         self._canaries: dict[str, tuple[str, str]] = {}  # canary id → pair key
         self._ids = itertools.count(1)
@@ -134,7 +175,7 @@ class CanaryTracker:
         pair.canary, pair.deadline, pair.next_at = cid, now + self.timeout_s, math.inf
         self._canaries[cid] = (p.worker_id, d.worker_id)
         await self._send(d.identity, KVCanaryReserve(canary_id=cid, prefill_worker_id=p.worker_id,
-                                                     timeout_s=self.timeout_s))
+                                                     timeout_s=self.timeout_s, num_bytes=self.num_bytes))
 
     async def _expire(self, pair: PairHealth, p: WorkerEntry, d: WorkerEntry) -> None:
         cid = pair.canary
@@ -165,10 +206,21 @@ class CanaryTracker:
             return
         await self._send(prefill.identity, KVCanarySend(canary_id=msg.canary_id, kv_handle=msg.kv_handle))
 
-    def on_result(self, msg: KVCanaryResult) -> None:
-        """The prefill worker's result: record the path (landed) or take the pair out of routing."""
+    async def on_result(self, msg: KVCanaryResult) -> None:
+        """The prefill worker's result: record the path (landed) or take the pair out of routing; a canary
+        the prefill worker skipped (no free blocks) changes nothing, and the decode worker's blocks are
+        freed at once (``AbortRequest``)."""
         pair = self._pair_of(msg.canary_id)
         if pair is None:
+            return
+        if msg.skipped:  # the prefill worker had no free blocks: says nothing of the path
+            self._end(pair, self.timeout_s)
+            log_event(log, "kv_canary_skipped", logging.WARNING, prefill=pair.prefill, decode=pair.decode,
+                      reason=msg.error)
+            decode = self.registry.get(pair.decode)
+            if decode is not None:
+                await self._send(decode.identity, AbortRequest(request_id=msg.canary_id,
+                                                               reason="KV canary skipped"))
             return
         if not msg.ok:
             self._end(pair, self.timeout_s)
@@ -183,19 +235,27 @@ class CanaryTracker:
             return
         self._end(pair, self.period_s if self.period_s > 0 else math.inf)
         gbps = msg.num_bytes / msg.seconds / 1e9 if msg.seconds > 0 else 0.0
-        floor = MIN_GBPS.get(msg.transport)
-        warning = (f"{gbps:.3g} GB/s is far below the {floor:g} GB/s expected of {msg.transport}"
-                   if floor is not None and gbps < floor else "")
+        expected = self._expected(pair)
+        warning = (f"{gbps:.3g} GB/s is far below the {expected.floor_gbps:g} GB/s expected of "
+                   f"{expected.name} ({expected.reason}) over {msg.transport}: the KV may be taking a slower "
+                   f"path (e.g. TCP), or this one is degraded" if gbps < expected.floor_gbps else "")
         if pair.path is not None and pair.path.transport != msg.transport:
             self.metrics.drop_kv_path(pair.prefill, pair.decode, pair.path.transport)
         pair.path = KVPathStatus(msg.transport, round(gbps, 6), msg.num_bytes, round(msg.seconds, 6),
-                                 time.time(), warning)
+                                 time.time(), warning, expected.name, expected.floor_gbps)
         self.metrics.kv_path_gbps.labels(pair.prefill, pair.decode, msg.transport).set(gbps)
+        self.metrics.kv_path_slow.labels(pair.prefill, pair.decode).set(1.0 if warning else 0.0)
         was = pair.unusable
         pair.unusable = ""
         log_event(log, "kv_path_measured", logging.WARNING if warning else logging.INFO, prefill=pair.prefill,
-                  decode=pair.decode, transport=msg.transport, gbps=round(gbps, 4), bytes=msg.num_bytes,
-                  seconds=round(msg.seconds, 6), warning=warning, recovered=bool(was))
+                  decode=pair.decode, transport=msg.transport, expected=expected.name, gbps=round(gbps, 4),
+                  floor_gbps=expected.floor_gbps, bytes=msg.num_bytes, seconds=round(msg.seconds, 6),
+                  warning=warning, recovered=bool(was))
+
+    def _expected(self, pair: PairHealth) -> ExpectedPath:
+        p, d = self.registry.get(pair.prefill), self.registry.get(pair.decode)
+        return expected_path(p.info.placement if p is not None else KVPlacement(),
+                             d.info.placement if d is not None else KVPlacement())
 
     def _pair_of(self, canary_id: str) -> PairHealth | None:
         key = self._canaries.get(canary_id)

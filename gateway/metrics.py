@@ -111,8 +111,11 @@ class GatewayMetrics:
                                          "reason (prefill_queue, kv_blocks: 429; prompt_too_long: 400)",
                                          ["reason"], registry=r)
         self.kv_path_gbps = Gauge("pdserve_kv_path_gbps", "KV data path speed of a prefill/decode pair, "
-                                  "GB/s, from its latest canary transfer of one block",
+                                  "GB/s, from its latest canary transfer",
                                   ["prefill", "decode", "transport"], registry=r)
+        self.kv_path_slow = Gauge("pdserve_kv_path_slow", "1 when a prefill/decode pair's latest canary "
+                                  "was far below the speed of the path its placement allows, else 0",
+                                  ["prefill", "decode"], registry=r)
 
     def set_worker_load(self, worker_id: str, role: str, load: WorkerLoad) -> None:
         """Update one worker's series from a heartbeat or registration (counts in requests / blocks;
@@ -133,9 +136,12 @@ class GatewayMetrics:
         self.kv_transfers.drop(worker_id)
 
     def drop_kv_path(self, prefill: str, decode: str, transport: str) -> None:
-        """Remove a pair's ``pdserve_kv_path_gbps`` series (the pair is gone)."""
+        """Remove a pair's ``pdserve_kv_path_gbps`` and ``pdserve_kv_path_slow`` series (the pair is gone,
+        or its transport changed)."""
         with contextlib.suppress(KeyError):
             self.kv_path_gbps.remove(prefill, decode, transport)
+        with contextlib.suppress(KeyError):
+            self.kv_path_slow.remove(prefill, decode)
 
     def observe_tokens(self, arrival: float, token_times: list[float]) -> None:
         """Record TTFT/ITL/TPOT/E2E of a finished request from its token arrival times (seconds)."""

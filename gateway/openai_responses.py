@@ -242,9 +242,10 @@ class LostWorkerStatus(msgspec.Struct):
 
 
 class KVPathStatus(msgspec.Struct):
-    """A pair's KV data path as its latest canary (one block) measured it: the ``transport``, ``gbps``
-    (1e9 bytes/s), ``num_bytes`` in ``seconds``, when (``at``, Unix seconds) and a ``warning`` ("" when
-    the speed is as expected for the transport)."""
+    """A pair's KV data path as its latest canary measured it: the ``transport`` (KV backend), ``gbps``
+    (1e9 bytes/s), ``num_bytes`` in ``seconds``, when (``at``, Unix seconds), the path the two workers'
+    placements allow (``expected``: cuda_ipc, rdma, shm or tcp) with its ``floor_gbps``, and a
+    ``warning`` ("" when the speed is not below that floor)."""
 
     transport: str
     gbps: float
@@ -252,6 +253,8 @@ class KVPathStatus(msgspec.Struct):
     seconds: float
     at: float
     warning: str
+    expected: str = ""
+    floor_gbps: float = 0.0
 
 
 class PairStatus(msgspec.Struct):

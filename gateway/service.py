@@ -58,7 +58,7 @@ class GatewayService:
         self.epoch = new_epoch()
         self.registry = WorkerRegistry(settings.heartbeat_timeout)
         self.canaries = CanaryTracker(self.registry, metrics, self.send, settings.kv_canary_timeout,
-                                      settings.kv_canary_period)
+                                      settings.kv_canary_period, round(settings.kv_canary_mib * (1 << 20)))
         self.router = Router(self.registry, PrefixIndex(), settings.disagg_threshold,
                              settings.allow_local_prefill, blocked=self.canaries.blocked)
         self.orchestrator = Orchestrator(self.router, metrics, self.send, settings.max_queue,
@@ -156,7 +156,7 @@ class GatewayService:
             if isinstance(msg, KVCanaryReserved):
                 await self.canaries.on_reserved(msg)
             else:
-                self.canaries.on_result(msg)
+                await self.canaries.on_result(msg)
         elif isinstance(msg, WorkerMessage):
             entry = self.registry.get(msg.worker_id)
             if entry is not None:

@@ -96,9 +96,12 @@ def _add_gateway(add: _EnvAdder) -> None:
     add("--admission-budget", type=parse_duration, default=30.0,
         help="429 when a request's prefill would wait longer (estimated; seconds, or e.g. 10s; 0: off)")
     add("--kv-canary-period", type=parse_duration, default=60.0,
-        help="re-measure each pair's KV path with a one-block canary this often (0: only at pairing)")
+        help="re-measure each pair's KV path with a canary transfer this often (0: only at pairing)")
     add("--kv-canary-timeout", type=parse_duration, default=10.0,
         help="a canary not landed in this time takes its pair out of routing")
+    add("--kv-canary-mib", type=float, default=16.0,
+        help="size of a canary transfer in MiB (at least one KV block, at most 1/8 of the decode "
+             "worker's free blocks; 0: one block)")
 
 
 def _add_worker(add: _EnvAdder, role: str) -> None:

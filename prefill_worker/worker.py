@@ -14,11 +14,11 @@ Transfer totals (heartbeat ``WorkerLoad.kv_transfer_bytes`` / ``kv_transfer_seco
 reaches DONE, blocks × ``KVCachePool.bytes_per_block`` and the seconds from the first layer handed to the
 sender to the ``poll`` that sees DONE (so at most one step late).
 
-A canary (``KVCanarySend``, a test of the data path): one block of this worker's own (from its
-``BlockManager``, like a request's) is sent, every layer at once, into the handle's block; when the
-transfer is terminal the block is freed, ``KVCanaryResult`` reports the bytes and the seconds from
-``add_request`` to the sender's terminal time (``KVSender.ended_at``), and the transfer is forgotten once
-the sender allows it. Canaries do not count in the transfer totals.
+A canary (``KVCanarySend``, a test of the data path): as many blocks of this worker's own (from its
+``BlockManager``, like a request's) as the handle has are sent, every layer at once, into the handle's
+blocks; when the transfer is terminal they are freed, ``KVCanaryResult`` reports the bytes and the
+seconds from ``add_request`` to the sender's terminal time (``KVSender.ended_at``), and the transfer is
+forgotten once the sender allows it. Canaries do not count in the transfer totals.
 """
 
 from __future__ import annotations
@@ -112,26 +112,35 @@ class PrefillWorker(WorkerLoop):
             self.drop(msg.request_id)
 
     def _send_canary(self, msg: KVCanarySend) -> None:
-        """Start a canary transfer of one block of ours; a canary that cannot start is reported failed at
-        once (``KVCanaryResult``), its block freed."""
+        """Start a canary transfer of as many blocks of ours as the handle has; a canary that cannot
+        start is reported failed at once (``KVCanaryResult``; ``skipped`` when we lack free blocks), its
+        blocks freed."""
         cid, transport = msg.canary_id, self.sender.compat.transfer_backend
         bm = self.core.block_manager
-        seq = Sequence(cid, [0] * bm.block_size, SamplingParams(max_tokens=1), time.monotonic(),
-                       self.core.eos_token_id)
+        seq: Sequence | None = None
         try:
             if cid in self.canaries or cid in self.seqs or cid in self.sending:
                 raise ValueError(f"canary id {cid!r} is already on this worker")
             handle = decode_handle(msg.kv_handle)
-            bm.allocate(seq, bm.block_size)
+            num_tokens = len(handle.block_ids) * bm.block_size
+            seq = Sequence(cid, [0] * num_tokens, SamplingParams(max_tokens=1), time.monotonic(),
+                           self.core.eos_token_id)
+            if not bm.can_allocate(seq, num_tokens):
+                self.emit(KVCanaryResult(canary_id=cid, worker_id=self.worker_id, ok=False, num_bytes=0,
+                                         seconds=0.0, transport=transport, skipped=True,
+                                         error=f"no {len(handle.block_ids)} free KV blocks for the canary"))
+                return
+            bm.allocate(seq, num_tokens)
             started = time.perf_counter()
             self.sender.add_request(handle, list(seq.block_table))
         except Exception as exc:
-            if seq.block_table:
+            if seq is not None and seq.block_table:
                 bm.free(seq)
             self.emit(KVCanaryResult(canary_id=cid, worker_id=self.worker_id, ok=False, num_bytes=0,
                                      seconds=0.0, transport=transport, error=f"{type(exc).__name__}: {exc}"))
             return
-        self.canaries[cid] = _Canary(seq, started, self.core.runner.kv_cache.bytes_per_block)
+        self.canaries[cid] = _Canary(seq, started,
+                                     len(seq.block_table) * self.core.runner.kv_cache.bytes_per_block)
         self.sender.send_layers(cid)
 
     def _poll_canaries(self) -> None:

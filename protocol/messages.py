@@ -52,6 +52,19 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     kv_transfer_seconds: float = 0.0
 
 
+class KVPlacement(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a worker's KV cache lives, from which the gateway infers the data path a pair's KV transfer
+    should take (gateway/canary.py ``expected_path``).
+
+    ``host``: the machine's identity (the kernel's boot id, shared by every container of one host; ""
+    when unknown); ``device``: "cuda" or "cpu" (the KV buffer's device type); ``rdma``: the host has an
+    RDMA device (a non-empty /sys/class/infiniband)."""
+
+    host: str = ""
+    device: str = "cpu"
+    rdma: bool = False
+
+
 class RegisterWorker(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Worker → gateway, first message. A new ``epoch`` for a known ``worker_id`` replaces the old one.
 
@@ -71,6 +84,7 @@ class RegisterWorker(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     max_model_len: int = 2048
     max_num_seqs: int = 256
     load: WorkerLoad = WorkerLoad()
+    placement: KVPlacement = KVPlacement()
 
 
 def new_epoch() -> int:
@@ -177,13 +191,16 @@ class ColocatedRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class KVCanaryReserve(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Gateway → decode: reserve one KV block for a canary transfer from ``prefill_worker_id`` (a test of
-    the data path, no request); the KV must land within ``timeout_s`` s. Answered by ``KVCanaryReserved``.
+    """Gateway → decode: reserve KV blocks for a canary transfer from ``prefill_worker_id`` (a test of the
+    data path, no request); the KV must land within ``timeout_s`` s. Answered by ``KVCanaryReserved``.
+    ``num_bytes``: the size wanted (every layer, K and V): ceil(num_bytes / bytes per block) blocks, at
+    least one, at most an eighth of the free blocks (so a canary never crowds out requests).
     ``AbortRequest`` with ``canary_id`` as request id ends it early."""
 
     canary_id: str
     prefill_worker_id: str
     timeout_s: float
+    num_bytes: int = 0
 
 
 class KVCanaryReserved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -197,8 +214,9 @@ class KVCanaryReserved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class KVCanarySend(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Gateway → prefill: send one KV block (of the prefill worker's own, every layer) into ``kv_handle``
-    and report with ``KVCanaryResult``. ``AbortRequest`` with ``canary_id`` as request id stops it."""
+    """Gateway → prefill: send as many KV blocks (of the prefill worker's own, every layer) as
+    ``kv_handle`` has into it and report with ``KVCanaryResult``. ``AbortRequest`` with ``canary_id`` as
+    request id stops it."""
 
     canary_id: str
     kv_handle: bytes
@@ -206,8 +224,9 @@ class KVCanarySend(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 class KVCanaryResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Prefill → gateway: the canary ended: ``ok`` when every layer landed; ``num_bytes`` moved in
-    ``seconds`` (from handing the block to the sender to the receiver's DONE); ``transport``: the KV
-    transport's name (e.g. loopback, nixl, ucx); ``error`` why it failed."""
+    ``seconds`` (from handing the blocks to the sender to the receiver's DONE); ``transport``: the KV
+    transport's name (e.g. loopback, nixl, ucx); ``error`` why it failed; ``skipped``: it did not start
+    for want of free blocks on the prefill worker (says nothing of the path)."""
 
     canary_id: str
     worker_id: str
@@ -216,6 +235,7 @@ class KVCanaryResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     seconds: float
     transport: str
     error: str = ""
+    skipped: bool = False
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):

@@ -47,6 +47,7 @@ class GatewaySettings:
     admission_budget: float = 30.0
     kv_canary_period: float = 60.0  # seconds between canaries of a usable pair (0: only at pairing)
     kv_canary_timeout: float = 10.0  # seconds a canary has to land before its pair leaves routing
+    kv_canary_mib: float = 16.0  # size of a canary transfer in MiB (at least one block)
     log_level: str = "info"
     log_format: str = "text"
 
@@ -69,6 +70,8 @@ class GatewaySettings:
                f"must be >= 0 seconds (0 turns the queue check off), got {self.admission_budget}")
         _check(self.kv_canary_period >= 0, "kv-canary-period", "must be >= 0 seconds (0: only at pairing)")
         _check(self.kv_canary_timeout > 0, "kv-canary-timeout", "must be > 0 seconds")
+        _check(0 <= self.kv_canary_mib <= 1024, "kv-canary-mib",
+               f"must be in [0, 1024] MiB (0: one block), got {self.kv_canary_mib}")
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
 

@@ -41,6 +41,7 @@ from protocol.messages import (
     request_id_of,
 )
 from workers.control_client import ControlClient
+from workers.placement import kv_placement
 from workers.step import StepFailed
 
 if TYPE_CHECKING:
@@ -227,7 +228,8 @@ class WorkerLoop:
         return RegisterWorker(role=self.role, worker_id=self.worker_id, epoch=self.epoch,
                               model=self.settings.model, model_path=self.model_path, compat=self.compat(),
                               transfer_address=self.transfer_address(), max_model_len=self.core.max_model_len,
-                              max_num_seqs=self.settings.max_num_seqs, load=self._load)
+                              max_num_seqs=self.settings.max_num_seqs, load=self._load,
+                              placement=kv_placement(self.core.runner.kv_cache.device.type))
 
     async def _flush(self) -> None:
         for msg in self.take_outbox():

@@ -1,7 +1,9 @@
 """The KV data path of each prefill/decode pair, as the gateway sees it (gateway/canary.py): the pairing
 canary's round trip (reserve on decode, send on prefill, result), the path in the status view, the log and
-``pdserve_kv_path_gbps``, a slow path as a warning, a wedged path out of routing by the deadline and back
-after a later canary lands; with fake worker processes, a wedged pair named by /ready."""
+``pdserve_kv_path_gbps``, the path the workers' placements allow and a canary far below its floor as a
+warning (``pdserve_kv_path_slow``), a wedged path out of routing by the deadline and back after a later
+canary lands, a canary the prefill worker skipped for want of blocks; with fake worker processes, a wedged
+pair named by /ready."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import httpx
 import msgspec
 import pytest
 
-from gateway.canary import CanaryTracker
+from gateway.canary import PATH_FLOOR_GBPS, CanaryTracker, expected_path
 from gateway.metrics import GatewayMetrics
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import WorkerRegistry
@@ -24,6 +26,7 @@ from protocol.messages import (
     KVCanaryReserved,
     KVCanaryResult,
     KVCanarySend,
+    KVPlacement,
     Message,
     RegisterWorker,
     WorkerLoad,
@@ -41,21 +44,26 @@ class Clock:
         return self.now
 
 
-def _register(wid: str, role: str) -> RegisterWorker:
+ONE_HOST_CPU = KVPlacement(host="boot-a", device="cpu")
+
+
+def _register(wid: str, role: str, placement: KVPlacement = ONE_HOST_CPU) -> RegisterWorker:
     compat = KVCompat(dtype="float32", block_size=16, transfer_backend="loopback")
     return RegisterWorker(role=role, worker_id=wid, epoch=1, model="m", model_path="",  # type: ignore[arg-type]
-                          compat=compat, load=WorkerLoad(num_total_blocks=64, num_free_blocks=64))
+                          compat=compat, load=WorkerLoad(num_total_blocks=64, num_free_blocks=64),
+                          placement=placement)
 
 
 class Setup:
-    def __init__(self, period: float = 0.0) -> None:
+    def __init__(self, period: float = 0.0, prefill: KVPlacement = ONE_HOST_CPU,
+                 decode: KVPlacement = ONE_HOST_CPU) -> None:
         self.clock, self.sent = Clock(), []
         self.registry = WorkerRegistry(60.0, clock=self.clock)
-        for wid, role in (("p1", "prefill"), ("d1", "decode")):
-            self.registry.register(_register(wid, role), wid.encode())
+        for wid, role, placement in (("p1", "prefill", prefill), ("d1", "decode", decode)):
+            self.registry.register(_register(wid, role, placement), wid.encode())
         self.metrics = GatewayMetrics()
         self.canaries = CanaryTracker(self.registry, self.metrics, self.send, TIMEOUT, period,
-                                      clock=self.clock)
+                                      num_bytes=8 << 20, clock=self.clock)
         self.router = Router(self.registry, PrefixIndex(), blocked=self.canaries.blocked)
 
     async def send(self, identity: bytes, msg: Message) -> bool:
@@ -72,17 +80,22 @@ class Setup:
         """Answer the canary in flight as the workers would; returns its id."""
         [(ident, reserve)] = self.take(KVCanaryReserve)
         assert ident == b"d1" and reserve.prefill_worker_id == "p1" and reserve.timeout_s == TIMEOUT
+        assert reserve.num_bytes == 8 << 20
         await self.canaries.on_reserved(KVCanaryReserved(canary_id=reserve.canary_id, worker_id="d1",
                                                          kv_handle=b"handle"))
         [(ident, send)] = self.take(KVCanarySend)
         assert ident == b"p1" and send.kv_handle == b"handle"
-        self.canaries.on_result(KVCanaryResult(canary_id=send.canary_id, worker_id="p1", ok=True,
+        await self.canaries.on_result(KVCanaryResult(canary_id=send.canary_id, worker_id="p1", ok=True,
                                                num_bytes=num_bytes, seconds=seconds, transport=transport))
         return str(send.canary_id)
 
     def gauge(self, transport: str) -> float | None:
         return self.metrics.registry.get_sample_value(
             "pdserve_kv_path_gbps", {"prefill": "p1", "decode": "d1", "transport": transport})
+
+    def slow(self) -> float | None:
+        return self.metrics.registry.get_sample_value("pdserve_kv_path_slow",
+                                                      {"prefill": "p1", "decode": "d1"})
 
 
 async def test_pairing_canary_measures_the_path(caplog: pytest.LogCaptureFixture) -> None:
@@ -97,7 +110,8 @@ async def test_pairing_canary_measures_the_path(caplog: pytest.LogCaptureFixture
     assert pair.usable and pair.path is not None
     assert (pair.path.transport, pair.path.gbps, pair.path.num_bytes, pair.path.warning) == (
         "loopback", 2.0, 4_000_000, "")
-    assert s.gauge("loopback") == 2.0
+    assert (pair.path.expected, pair.path.floor_gbps) == ("shm", PATH_FLOOR_GBPS["shm"])
+    assert s.gauge("loopback") == 2.0 and s.slow() == 0.0
     [rec] = [r for r in caplog.records if r.getMessage() == "kv_path_measured"]
     assert (rec.transport, rec.gbps, rec.levelno) == ("loopback", 2.0, logging.INFO)  # type: ignore[attr-defined]
     s.clock.now += 1000
@@ -105,17 +119,62 @@ async def test_pairing_canary_measures_the_path(caplog: pytest.LogCaptureFixture
     assert s.take(KVCanaryReserve) == []  # period 0: only at pairing
 
 
-async def test_slow_path_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    s = Setup()
+def test_expected_path_follows_the_placements() -> None:
+    gpu_a, gpu_b = KVPlacement(host="a", device="cuda"), KVPlacement(host="b", device="cuda")
+    rdma_a, rdma_b = KVPlacement(host="a", device="cuda", rdma=True), KVPlacement(host="b", device="cuda",
+                                                                                  rdma=True)
+    cpu_a, cpu_b = KVPlacement(host="a", device="cpu"), KVPlacement(host="b", device="cpu")
+    unknown = KVPlacement(host="", device="cuda")
+    cases = [(gpu_a, gpu_a, "cuda_ipc"), (rdma_a, rdma_b, "rdma"), (gpu_a, rdma_b, "tcp"),
+             (gpu_a, gpu_b, "tcp"), (cpu_a, cpu_a, "shm"), (cpu_a, cpu_b, "tcp"), (gpu_a, cpu_a, "shm"),
+             (unknown, unknown, "tcp")]
+    assert [expected_path(p, d).name for p, d, _ in cases] == [name for _, _, name in cases]
+    assert all(expected_path(p, d).floor_gbps == PATH_FLOOR_GBPS[name] for p, d, name in cases)
+    # each floor is above the next slower path's: TCP where CUDA IPC was expected is always reported
+    floors = [PATH_FLOOR_GBPS[name] for name in ("cuda_ipc", "rdma", "shm", "tcp")]
+    assert floors == sorted(floors, reverse=True) and len(set(floors)) == 4
+
+
+async def test_tcp_speed_where_cuda_ipc_was_expected_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    gpu = KVPlacement(host="boot-a", device="cuda")
+    s = Setup(prefill=gpu, decode=gpu)
     with caplog.at_level(logging.INFO, logger="pdserve.gateway"):
         await s.canaries.tick()
-        await s.land(transport="cuda_ipc")
+        await s.land(transport="nixl")
         await s.canaries.tick()
-        await s.land(seconds=0.01, num_bytes=1_000_000, transport="cuda_ipc")  # 0.1 GB/s
+        await s.land(seconds=0.008, num_bytes=16_000_000, transport="nixl")  # 2 GB/s: a TCP speed
     [pair] = readiness(s.registry, s.canaries).pairs
-    assert pair.usable and pair.path is not None and "far below" in pair.path.warning
+    assert pair.usable and pair.path is not None and pair.path.expected == "cuda_ipc"
+    assert "far below" in pair.path.warning and "cuda_ipc" in pair.path.warning
+    assert s.slow() == 1.0
     [rec] = [r for r in caplog.records if r.getMessage() == "kv_path_measured"]
     assert rec.levelno == logging.WARNING and "cuda_ipc" in rec.warning  # type: ignore[attr-defined]
+    s.canaries.pairs[("p1", "d1")].next_at = 0.0  # period 0: measured again only by hand here
+    await s.canaries.tick()
+    await s.land(seconds=0.0004, num_bytes=16_000_000, transport="nixl")  # 40 GB/s: the path is fixed
+    [pair] = readiness(s.registry, s.canaries).pairs
+    assert pair.path is not None and pair.path.warning == "" and s.slow() == 0.0
+
+
+async def test_canary_skipped_by_the_prefill_worker_leaves_the_pair_usable() -> None:
+    s = Setup()
+    await s.canaries.tick()
+    await s.land()
+    await s.canaries.tick()
+    [(_, reserve)] = s.take(KVCanaryReserve)
+    await s.canaries.on_reserved(KVCanaryReserved(canary_id=reserve.canary_id, worker_id="d1",
+                                                  kv_handle=b"handle"))
+    [(_, send)] = s.take(KVCanarySend)
+    await s.canaries.on_result(KVCanaryResult(canary_id=send.canary_id, worker_id="p1", ok=False, num_bytes=0,
+                                        seconds=0.0, transport="loopback", skipped=True,
+                                        error="no 8 free KV blocks for the canary"))
+    [pair] = readiness(s.registry, s.canaries).pairs
+    assert pair.usable and pair.path is None
+    [(ident, abort)] = s.take(AbortRequest)  # the decode worker's blocks are freed at once
+    assert ident == b"d1" and abort.request_id == send.canary_id
+    s.clock.now += TIMEOUT + 0.01  # tried again after the timeout
+    await s.canaries.tick()
+    assert len(s.take(KVCanaryReserve)) == 1
 
 
 async def test_wedged_path_leaves_routing_at_the_deadline_and_comes_back() -> None:
@@ -139,7 +198,7 @@ async def test_wedged_path_leaves_routing_at_the_deadline_and_comes_back() -> No
     with pytest.raises(NoWorkerError, match="did not land"):
         s.router.route(list(range(8)), 4)
     # a late result of the expired canary changes nothing
-    s.canaries.on_result(KVCanaryResult(canary_id=reserve.canary_id, worker_id="p1", ok=True,
+    await s.canaries.on_result(KVCanaryResult(canary_id=reserve.canary_id, worker_id="p1", ok=True,
                                         num_bytes=1, seconds=1.0, transport="loopback"))
     assert not readiness(s.registry, s.canaries).ready
     s.clock.now += TIMEOUT  # an unusable pair is tried again every timeout
@@ -174,7 +233,7 @@ async def test_failed_canary_takes_the_pair_out_and_a_gone_worker_drops_its_seri
     await s.canaries.on_reserved(KVCanaryReserved(canary_id=reserve.canary_id, worker_id="d1",
                                                   kv_handle=b"h"))
     [(_, send)] = s.take(KVCanarySend)
-    s.canaries.on_result(KVCanaryResult(canary_id=send.canary_id, worker_id="p1", ok=False, num_bytes=0,
+    await s.canaries.on_result(KVCanaryResult(canary_id=send.canary_id, worker_id="p1", ok=False, num_bytes=0,
                                         seconds=0.0, transport="loopback", error="failed: peer lost"))
     body = readiness(s.registry, s.canaries)
     assert not body.ready and "KV canary failed: failed: peer lost" in body.pairs[0].reason

@@ -1,5 +1,6 @@
-"""KV canaries between a real prefill and decode worker over the loopback transport: one block from each
-worker's BlockManager, every layer sent, the result with its transport and speed, both blocks free
+"""KV canaries between a real prefill and decode worker over the loopback transport: blocks from each
+worker's BlockManager (one, or as many as the canary's size asks within an eighth of the free ones),
+every layer sent, the result with its transport and speed, both blocks free
 afterwards (leak check); a wedged path (loopback writes held back) ends by the gateway's abort at the
 deadline, and its blocks come back only once no write can land in them."""
 
@@ -61,6 +62,53 @@ def test_canary_lands_reports_transport_and_speed_and_frees_its_blocks(pair: tup
     assert 0 < result.seconds < 5 and result.num_bytes / result.seconds > 0
     assert torch.equal(kv_p[:, :, src], kv_d[:, :, dst])  # every layer, K and V, landed
     assert_clean(prefill, decode)
+
+
+def test_canary_of_several_blocks_within_an_eighth_of_the_free_ones(model_dir: Path) -> None:
+    prefill, decode = prefill_worker(model_dir, num_blocks=64), decode_worker(model_dir, num_blocks=64)
+    try:
+        per_block = decode.core.runner.kv_cache.bytes_per_block
+        assert decode.canary_blocks(0) == 1 and decode.canary_blocks(per_block + 1) == 2
+        assert decode.canary_blocks(100 * per_block) == 64 // 8  # capped: an eighth of the free blocks
+        kv_p, kv_d = prefill.core.runner.kv_cache.kv_buffer, decode.core.runner.kv_cache.kv_buffer
+        with torch.no_grad():
+            kv_p.copy_(torch.randn_like(kv_p))
+        [res] = of_type(run(decode, KVCanaryReserve(canary_id="c1", prefill_worker_id="p0", timeout_s=5.0,
+                                                    num_bytes=3 * per_block)), KVCanaryReserved)
+        assert res.kv_handle is not None
+        dst = list(decode.canaries["c1"].block_table)
+        assert len(dst) == 3
+        prefill.on_message(KVCanarySend(canary_id="c1", kv_handle=res.kv_handle))
+        seq = prefill.canaries["c1"].seq
+        assert seq is not None
+        src = list(seq.block_table)
+        msgs: list[Any] = []
+        pump([prefill, decode], lambda: bool(of_type(msgs, KVCanaryResult)), sink=msgs)
+        [result] = of_type(msgs, KVCanaryResult)
+        assert result.ok and result.num_bytes == 3 * per_block and not result.skipped
+        assert torch.equal(kv_p[:, :, src], kv_d[:, :, dst])
+        assert_clean(prefill, decode)
+    finally:
+        close(prefill)
+        close(decode)
+
+
+def test_canary_the_prefill_worker_has_no_blocks_for_is_skipped(model_dir: Path) -> None:
+    prefill, decode = prefill_worker(model_dir, num_blocks=2), decode_worker(model_dir, num_blocks=64)
+    try:
+        per_block = decode.core.runner.kv_cache.bytes_per_block
+        [res] = of_type(run(decode, KVCanaryReserve(canary_id="c1", prefill_worker_id="p0", timeout_s=5.0,
+                                                    num_bytes=4 * per_block)), KVCanaryReserved)
+        assert res.kv_handle is not None
+        sent = run(prefill, KVCanarySend(canary_id="c1", kv_handle=res.kv_handle))
+        [result] = of_type(sent, KVCanaryResult)
+        assert result.skipped and not result.ok and "4 free KV blocks" in result.error
+        assert "c1" not in prefill.canaries
+        run(decode, AbortRequest(request_id="c1", reason="KV canary skipped"))  # the gateway frees it
+        assert_clean(prefill, decode)
+    finally:
+        close(prefill)
+        close(decode)
 
 
 def test_canary_without_a_free_block_is_refused(model_dir: Path) -> None:
