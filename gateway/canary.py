@@ -5,8 +5,10 @@ the decode worker ``KVCanaryReserve`` (``--kv-canary-mib`` of blocks from its ``
 an eighth of its free ones, expected within ``--kv-canary-timeout`` s), forwards the handle of
 ``KVCanaryReserved`` to the prefill worker in ``KVCanarySend``, and reads ``KVCanaryResult``. The first
 canary of a pair pays for the transport's handshake, so it only warms the path up; the next one, sent at
-once, measures it: bytes over seconds give the pair's path (logged, in ``/ready`` and ``/v1/status``,
-and the gauge ``pdserve_kv_path_gbps{prefill,decode,transport}``).
+once, measures it: its bytes over the writes' time on the transport (``wire_seconds``: first write
+posted → last seen complete; the end-to-end seconds, control round trips included, are shown beside it)
+give the pair's path (logged, in ``/ready`` and ``/v1/status``, and the gauge
+``pdserve_kv_path_gbps{prefill,decode,transport}``).
 
 The path the KV should take follows from where the two KV caches live (``KVPlacement`` of each
 registration; ``expected_path``): GPU memory on one host → CUDA IPC (NVLink or PCIe peer copies); GPU
@@ -234,7 +236,8 @@ class CanaryTracker:
                       transport=msg.transport, seconds=round(msg.seconds, 6))
             return
         self._end(pair, self.period_s if self.period_s > 0 else math.inf)
-        gbps = msg.num_bytes / msg.seconds / 1e9 if msg.seconds > 0 else 0.0
+        took = msg.wire_seconds if msg.wire_seconds > 0 else msg.seconds
+        gbps = msg.num_bytes / took / 1e9 if took > 0 else 0.0
         expected = self._expected(pair)
         warning = (f"{gbps:.3g} GB/s is far below the {expected.floor_gbps:g} GB/s expected of "
                    f"{expected.name} ({expected.reason}) over {msg.transport}: the KV may be taking a slower "
@@ -242,7 +245,8 @@ class CanaryTracker:
         if pair.path is not None and pair.path.transport != msg.transport:
             self.metrics.drop_kv_path(pair.prefill, pair.decode, pair.path.transport)
         pair.path = KVPathStatus(msg.transport, round(gbps, 6), msg.num_bytes, round(msg.seconds, 6),
-                                 time.time(), warning, expected.name, expected.floor_gbps)
+                                 time.time(), warning, expected.name, expected.floor_gbps,
+                                 round(msg.wire_seconds, 6))
         self.metrics.kv_path_gbps.labels(pair.prefill, pair.decode, msg.transport).set(gbps)
         self.metrics.kv_path_slow.labels(pair.prefill, pair.decode).set(1.0 if warning else 0.0)
         was = pair.unusable
@@ -250,6 +254,7 @@ class CanaryTracker:
         log_event(log, "kv_path_measured", logging.WARNING if warning else logging.INFO, prefill=pair.prefill,
                   decode=pair.decode, transport=msg.transport, expected=expected.name, gbps=round(gbps, 4),
                   floor_gbps=expected.floor_gbps, bytes=msg.num_bytes, seconds=round(msg.seconds, 6),
+                  wire_seconds=round(msg.wire_seconds, 6),
                   warning=warning, recovered=bool(was))
 
     def _expected(self, pair: PairHealth) -> ExpectedPath:

@@ -243,9 +243,10 @@ class LostWorkerStatus(msgspec.Struct):
 
 class KVPathStatus(msgspec.Struct):
     """A pair's KV data path as its latest canary measured it: the ``transport`` (KV backend), ``gbps``
-    (1e9 bytes/s), ``num_bytes`` in ``seconds``, when (``at``, Unix seconds), the path the two workers'
-    placements allow (``expected``: cuda_ipc, rdma, shm or tcp) with its ``floor_gbps``, and a
-    ``warning`` ("" when the speed is not below that floor)."""
+    (1e9 bytes/s: ``num_bytes`` over ``wire_seconds``, the writes' time on the transport; over
+    ``seconds`` when that is unknown), ``seconds`` end to end (control round trips included), when
+    (``at``, Unix seconds), the path the two workers' placements allow (``expected``: cuda_ipc, rdma, shm
+    or tcp) with its ``floor_gbps``, and a ``warning`` ("" when the speed is not below that floor)."""
 
     transport: str
     gbps: float
@@ -255,6 +256,7 @@ class KVPathStatus(msgspec.Struct):
     warning: str
     expected: str = ""
     floor_gbps: float = 0.0
+    wire_seconds: float = 0.0
 
 
 class PairStatus(msgspec.Struct):

@@ -121,6 +121,12 @@ class KVSender(Protocol):
         on Linux, comparable between processes of a host). Raises KeyError if unknown."""
         ...
 
+    def wire_seconds(self, request_id: str) -> float | None:
+        """Seconds from just after the request's first write was posted to when its last write was seen
+        complete: the data's time on the transport, without the control round trips and the wait for
+        the receiver's Begin answer (None before a write completed). Raises KeyError if unknown."""
+        ...
+
     def wait_until(self, pred: Callable[[], bool], timeout: float) -> bool:
         """Block up to `timeout` s until `pred()`, evaluated under the sender's lock (re-entrant: it may
         call snapshot() and status()), holds; False on timeout."""

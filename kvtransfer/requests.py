@@ -73,7 +73,9 @@ class SendState(RequestState):
     request-layers gathered (or queued into the pipeline, direct) and not yet completed; its Stopped
     fence and release() wait for 0. fence: None, or the `aborted` flag of the Stopped (begun) or
     Withdraw (never begun) still to send. prep: the transport's prepared form of its direct pieces
-    (SendTransport.prepare_layers), once begun."""
+    (SendTransport.prepare_layers), once begun. first_posted_at / last_written_at: time.perf_counter() s
+    just after its first write was posted and when its last completed write was seen done (None before).
+    """
 
     plan: SendPlan = field(kw_only=True)
     begin_sent: bool = False
@@ -82,6 +84,8 @@ class SendState(RequestState):
     inflight: int = 0
     fence: bool | None = None
     prep: list[object] | None = None
+    first_posted_at: float | None = None
+    last_written_at: float | None = None
 
     def fence_later(self, aborted: bool) -> None:
         """Send Stopped (we write nothing more) once no write of the request is in flight, or Withdraw

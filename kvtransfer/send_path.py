@@ -193,6 +193,10 @@ class SendPath:
             if not self.transport.one_sided:
                 self._announce(address, notices[0])
             self.pipe.post([op for op, _ in batch], address, parts, _encode(notices), notices[0].tag)
+            posted_at = time.perf_counter()
+            for _, st in batch:
+                if st.first_posted_at is None:
+                    st.first_posted_at = posted_at
         except TransferError as exc:  # the ops are finished (or were never posted): fail their requests
             for op, _ in batch:
                 self.pipe.discard(op)
@@ -257,6 +261,8 @@ class SendPath:
         with self.requests.lock:
             st = self.requests.get(request_id)
             st.inflight -= 1
+            if error is None:
+                st.last_written_at = time.perf_counter()
             if error is not None and not st.status.is_terminal:
                 self.requests.set_status(st, S.FAILED, f"transfer of layer {layer} failed: {error}")
                 st.fence_later(aborted=False)

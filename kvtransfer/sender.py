@@ -184,6 +184,14 @@ class SenderEndpoint:
         """When the request became terminal (api.KVSender.ended_at)."""
         return self._requests.ended_at(request_id)
 
+    def wire_seconds(self, request_id: str) -> float | None:
+        """The request's writes' time on the transport (api.KVSender.wire_seconds)."""
+        with self._requests.lock:
+            st = self._requests.get(request_id)
+            if st.first_posted_at is None or st.last_written_at is None:
+                return None
+            return max(st.last_written_at - st.first_posted_at, 0.0)
+
     def wait_until(self, pred: Callable[[], bool], timeout: float) -> bool:
         """Block until `pred()` holds under the sender's lock (api.KVSender.wait_until)."""
         return self._requests.wait_until(pred, timeout)

@@ -16,9 +16,10 @@ sender to the ``poll`` that sees DONE (so at most one step late).
 
 A canary (``KVCanarySend``, a test of the data path): as many blocks of this worker's own (from its
 ``BlockManager``, like a request's) as the handle has are sent, every layer at once, into the handle's
-blocks; when the transfer is terminal they are freed, ``KVCanaryResult`` reports the bytes and the
-seconds from ``add_request`` to the sender's terminal time (``KVSender.ended_at``), and the transfer is
-forgotten once the sender allows it. Canaries do not count in the transfer totals.
+blocks; when the transfer is terminal they are freed, ``KVCanaryResult`` reports the bytes, the
+seconds from ``add_request`` to the sender's terminal time (``KVSender.ended_at``) and the writes' time
+on the transport (``KVSender.wire_seconds``), and the transfer is forgotten once the sender allows it.
+Canaries do not count in the transfer totals.
 """
 
 from __future__ import annotations
@@ -154,9 +155,10 @@ class PrefillWorker(WorkerLoop):
             if not c.reported:
                 ended = self.sender.ended_at(cid) or time.perf_counter()
                 ok = status is TransferStatus.DONE
+                wire = self.sender.wire_seconds(cid) if ok else None
                 self.emit(KVCanaryResult(canary_id=cid, worker_id=self.worker_id, ok=ok,
                                          num_bytes=c.num_bytes if ok else 0,
-                                         seconds=max(ended - c.started, 0.0),
+                                         seconds=max(ended - c.started, 0.0), wire_seconds=wire or 0.0,
                                          transport=self.sender.compat.transfer_backend,
                                          error="" if ok else f"{status.value}: {self.sender.reason(cid)}"))
                 c.reported = True

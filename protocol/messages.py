@@ -224,9 +224,11 @@ class KVCanarySend(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 class KVCanaryResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Prefill → gateway: the canary ended: ``ok`` when every layer landed; ``num_bytes`` moved in
-    ``seconds`` (from handing the blocks to the sender to the receiver's DONE); ``transport``: the KV
-    transport's name (e.g. loopback, nixl, ucx); ``error`` why it failed; ``skipped``: it did not start
-    for want of free blocks on the prefill worker (says nothing of the path)."""
+    ``seconds`` (from handing the blocks to the sender to the receiver's DONE, control round trips
+    included) of which ``wire_seconds`` on the transport (first write posted → last write seen complete:
+    ``KVSender.wire_seconds``; 0.0 when unknown); ``transport``: the KV transport's name (e.g. loopback,
+    nixl, ucx); ``error`` why it failed; ``skipped``: it did not start for want of free blocks on the
+    prefill worker (says nothing of the path)."""
 
     canary_id: str
     worker_id: str
@@ -236,6 +238,7 @@ class KVCanaryResult(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     transport: str
     error: str = ""
     skipped: bool = False
+    wire_seconds: float = 0.0
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):

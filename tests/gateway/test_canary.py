@@ -76,7 +76,7 @@ class Setup:
         return out
 
     async def land(self, seconds: float = 0.001, num_bytes: int = 1 << 20,
-                   transport: str = "loopback") -> str:
+                   transport: str = "loopback", wire_seconds: float = 0.0) -> str:
         """Answer the canary in flight as the workers would; returns its id."""
         [(ident, reserve)] = self.take(KVCanaryReserve)
         assert ident == b"d1" and reserve.prefill_worker_id == "p1" and reserve.timeout_s == TIMEOUT
@@ -86,7 +86,8 @@ class Setup:
         [(ident, send)] = self.take(KVCanarySend)
         assert ident == b"p1" and send.kv_handle == b"handle"
         await self.canaries.on_result(KVCanaryResult(canary_id=send.canary_id, worker_id="p1", ok=True,
-                                               num_bytes=num_bytes, seconds=seconds, transport=transport))
+                                                     num_bytes=num_bytes, seconds=seconds,
+                                                     transport=transport, wire_seconds=wire_seconds))
         return str(send.canary_id)
 
     def gauge(self, transport: str) -> float | None:
@@ -151,9 +152,11 @@ async def test_tcp_speed_where_cuda_ipc_was_expected_is_a_warning(caplog: pytest
     assert rec.levelno == logging.WARNING and "cuda_ipc" in rec.warning  # type: ignore[attr-defined]
     s.canaries.pairs[("p1", "d1")].next_at = 0.0  # period 0: measured again only by hand here
     await s.canaries.tick()
-    await s.land(seconds=0.0004, num_bytes=16_000_000, transport="nixl")  # 40 GB/s: the path is fixed
+    # 10 ms end to end (control round trips), of which 0.4 ms on the wire: 40 GB/s, the path is fixed
+    await s.land(seconds=0.01, num_bytes=16_000_000, transport="nixl", wire_seconds=0.0004)
     [pair] = readiness(s.registry, s.canaries).pairs
     assert pair.path is not None and pair.path.warning == "" and s.slow() == 0.0
+    assert (pair.path.gbps, pair.path.seconds, pair.path.wire_seconds) == (40.0, 0.01, 0.0004)
 
 
 async def test_canary_skipped_by_the_prefill_worker_leaves_the_pair_usable() -> None:

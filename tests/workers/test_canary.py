@@ -60,6 +60,7 @@ def test_canary_lands_reports_transport_and_speed_and_frees_its_blocks(pair: tup
     assert result.ok and result.error == "" and result.transport == "loopback"
     assert result.num_bytes == prefill.core.runner.kv_cache.bytes_per_block
     assert 0 < result.seconds < 5 and result.num_bytes / result.seconds > 0
+    assert 0 < result.wire_seconds <= result.seconds  # the writes' time, within the end-to-end time
     assert torch.equal(kv_p[:, :, src], kv_d[:, :, dst])  # every layer, K and V, landed
     assert_clean(prefill, decode)
 
