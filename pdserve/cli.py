@@ -99,7 +99,7 @@ def _add_gateway(add: _EnvAdder) -> None:
         help="re-measure each pair's KV path with a canary transfer this often (0: only at pairing)")
     add("--kv-canary-timeout", type=parse_duration, default=10.0,
         help="a canary not landed in this time takes its pair out of routing")
-    add("--kv-canary-mib", type=float, default=16.0,
+    add("--kv-canary-mib", type=float, default=64.0,
         help="size of a canary transfer in MiB (at least one KV block, at most 1/8 of the decode "
              "worker's free blocks; 0: one block)")
 

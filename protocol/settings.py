@@ -47,7 +47,7 @@ class GatewaySettings:
     admission_budget: float = 30.0
     kv_canary_period: float = 60.0  # seconds between canaries of a usable pair (0: only at pairing)
     kv_canary_timeout: float = 10.0  # seconds a canary has to land before its pair leaves routing
-    kv_canary_mib: float = 16.0  # size of a canary transfer in MiB (at least one block)
+    kv_canary_mib: float = 64.0  # size of a canary transfer in MiB (at least one block)
     log_level: str = "info"
     log_format: str = "text"
 
