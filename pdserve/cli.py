@@ -60,16 +60,19 @@ class _EnvAdder:
         self.parser.add_argument(flag, **kw)
 
 
-def _bool_flag(add: _EnvAdder, flag: str, default: bool, help: str) -> None:
+_Adder = Callable[..., None]  # adds one flag: (flag, **argparse keywords)
+
+
+def _bool_flag(add: _Adder, flag: str, default: bool, help: str) -> None:
     add(flag, type=parse_bool, nargs="?", const=True, default=default, help=help)
 
 
-def _add_common(add: _EnvAdder) -> None:
+def _add_common(add: _Adder) -> None:
     add("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     add("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
 
 
-def _add_gateway(add: _EnvAdder) -> None:
+def _add_gateway(add: _Adder) -> None:
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8000)
     add("--control-bind", default="tcp://127.0.0.1:7100", help="zmq ROUTER endpoint for workers")
@@ -104,7 +107,7 @@ def _add_gateway(add: _EnvAdder) -> None:
              "worker's free blocks; 0: one block)")
 
 
-def _add_worker(add: _EnvAdder, role: str) -> None:
+def _add_worker(add: _Adder, role: str) -> None:
     add("--model", default="smollm2-135m", help="HF model dir or alias (smollm2-135m, llama3-8b, tiny-llama)")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
         help="weights and KV cache dtype (auto: bf16 on GPU, fp32 on CPU)")
@@ -127,6 +130,8 @@ def _add_worker(add: _EnvAdder, role: str) -> None:
     add("--max-num-seqs", type=int, default=256, help="sequences running at once")
     add("--max-num-batched-tokens", type=int, default=2048,
         help="token budget per step (chunked prefill splits prompts to fit)")
+    add("--max-model-len", type=int, default=None,
+        help="tokens per sequence, prompt and output (default: the model's context length)")
     add("--gateway-control", default="tcp://127.0.0.1:7100", help="the gateway's --control-bind address")
     add("--host", default="127.0.0.1", help="address this worker binds its sockets to")
     add("--advertise-host", default=None, help="address peers use to reach this worker (default --host)")
@@ -139,15 +144,33 @@ def _add_worker(add: _EnvAdder, role: str) -> None:
             help="KV transport between prefill and decode workers")
 
 
-def _add_up(add: _EnvAdder) -> None:
+class _Skipping:
+    """An adder that leaves out the flags in ``skip`` (``pdserve up`` sets those itself)."""
+
+    def __init__(self, add: _Adder, skip: set[str]) -> None:
+        self.add, self.skip = add, skip
+
+    def __call__(self, flag: str, **kw: Any) -> None:
+        if flag not in self.skip:
+            self.add(flag, **kw)
+
+
+# flags of `pdserve gateway` and of the workers that `pdserve up` sets itself (the rest pass through)
+_UP_OWN_GATEWAY_FLAGS = {"--control-bind", "--log-level", "--log-format"}
+_UP_OWN_WORKER_FLAGS = {"--model", "--device", "--transfer-backend", "--gateway-control", "--host",
+                        "--advertise-host", "--port", "--worker-id", "--log-level", "--log-format"}
+
+
+def _add_up(add: _Adder) -> None:
     add("--model", default="smollm2-135m", help="HF model dir or alias for every worker")
-    add("--port", type=int, default=8000, help="the gateway's HTTP port (on 127.0.0.1)")
     add("--device", default="auto", help="cpu or cuda (auto: one worker per GPU when present)")
     add("--transfer-backend", default="nixl", choices=["nixl", "ucx", "loopback"],
         help="KV transport between prefill and decode workers")
     add("--num-prefill", type=int, default=1, help="prefill workers to start")
     add("--num-decode", type=int, default=1, help="decode workers to start")
     add("--colocated", type=int, default=0, help="colocated workers to start")
+    _add_gateway(_Skipping(add, _UP_OWN_GATEWAY_FLAGS))
+    _add_worker(_Skipping(add, _UP_OWN_WORKER_FLAGS), "up")
 
 
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -163,8 +186,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                             ("prefill", "prefill worker"), ("decode", "decode worker"),
                             ("colocated", "prefill+decode worker")):
         epilog = None if name != "up" else (
-            "Worker settings (see `pdserve colocated --help`) reach the workers through PDSERVE_* "
-            "environment variables, e.g. PDSERVE_ASYNC_SCHEDULING=0 pdserve up.")
+            "--host and --port are the gateway's HTTP address; the gateway's other flags and the workers' "
+            "pass through to them (each worker gets the same), as do PDSERVE_* environment variables.")
         add = _EnvAdder(subs.add_parser(name, help=help_text, epilog=epilog), env)
         _add_common(add)
         if name == "gateway":

@@ -26,12 +26,18 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import FrameType
 
 import httpx
 
-from protocol.settings import UpSettings
+from protocol.settings import (
+    UP_MANAGED_GATEWAY_FIELDS,
+    UP_MANAGED_WORKER_FIELDS,
+    GatewaySettings,
+    UpSettings,
+    WorkerSettings,
+)
 
 log = logging.getLogger("pdserve.up")
 
@@ -79,24 +85,43 @@ def placements(device: str, num_workers: int, num_gpus: int) -> list[list[str]]:
             for i in range(num_workers)]
 
 
+def changed_flags(settings: GatewaySettings | WorkerSettings, skip: frozenset[str]) -> list[str]:
+    """The command-line flags that give a child ``settings``: one ``--flag value`` per field not in
+    ``skip`` whose value differs from the field's default (booleans as true/false; ``api_keys`` never:
+    keys travel in the child's environment, not its command line, which any local user can read)."""
+    out: list[str] = []
+    defaults = WorkerSettings(role="colocated") if isinstance(settings, WorkerSettings) else GatewaySettings()
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        if f.name in skip or f.name == "api_keys" or value == getattr(defaults, f.name) or value is None:
+            continue
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        out += ["--" + f.name.replace("_", "-"), text]
+    return out
+
+
 def plan(settings: UpSettings, control_port: int, num_gpus: int = 0) -> list[tuple[str, list[str]]]:
     """The children to start, in order: (name, argv after ``python -m pdserve.cli``). Gateway first.
-    ``num_gpus``: visible GPUs, used to place workers (see ``placements``)."""
+    ``num_gpus``: visible GPUs, used to place workers (see ``placements``). The gateway's and the
+    workers' settings given to ``up`` follow as flags (``changed_flags``); a worker's own flags come
+    last, so an explicit ``--kv-memory-fraction`` wins over the share ``placements`` gives."""
     control = f"tcp://127.0.0.1:{control_port}"
     common = ["--log-level", settings.log_level, "--log-format", settings.log_format]
-    children = [("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(settings.port),
-                             "--control-bind", control, *common])]
+    children = [("gateway", ["gateway", "--host", settings.host, "--port", str(settings.port),
+                             "--control-bind", control, *common,
+                             *changed_flags(settings.gateway, UP_MANAGED_GATEWAY_FIELDS)])]
     # --port 0: a worker's --port is its KV control port, and a PDSERVE_PORT meant for `up` (the HTTP port)
     # reaches the children's environment too
     worker = ["--model", settings.model, "--gateway-control", control, "--host", "127.0.0.1", "--port", "0",
               *common]
+    given = changed_flags(settings.worker, UP_MANAGED_WORKER_FIELDS)
     transfer = ["--transfer-backend", settings.transfer_backend]
     roles = [(role, i) for role, count in (("prefill", settings.num_prefill), ("decode", settings.num_decode),
                                            ("colocated", settings.colocated)) for i in range(count)]
     for (role, i), device in zip(roles, placements(settings.device, len(roles), num_gpus), strict=True):
         name = f"{role}-{i}"
         extra = transfer if role != "colocated" else []
-        children.append((name, [role, "--worker-id", f"up-{name}", *worker, *device, *extra]))
+        children.append((name, [role, "--worker-id", f"up-{name}", *worker, *device, *extra, *given]))
     return children
 
 
@@ -141,18 +166,22 @@ class Supervisor:
     children: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     args: dict[str, list[str]] = field(default_factory=dict)
     log_paths: dict[str, str | None] = field(default_factory=dict)
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)
 
-    def start(self, name: str, args: list[str], log_path: str | None = None) -> None:
+    def start(self, name: str, args: list[str], log_path: str | None = None,
+              env: dict[str, str] | None = None) -> None:
         """Start ``command`` (``python -m pdserve.cli``) ``*args`` as child ``name`` in a new process group
         (signals sent to the terminal's foreground group do not reach it: only ``stop_all`` stops it); its
-        output goes to ``log_path`` (a file, appended) or, by default, to this process's stdout/stderr."""
+        output goes to ``log_path`` (a file, appended) or, by default, to this process's stdout/stderr.
+        Its environment is this process's with ``env`` added."""
         cmd = [*self.command, *args]
-        self.args[name], self.log_paths[name] = list(args), log_path
+        self.args[name], self.log_paths[name], self.envs[name] = list(args), log_path, dict(env or {})
+        child_env = {**os.environ, **self.envs[name]}
         if log_path is None:
-            self.children[name] = subprocess.Popen(cmd, env=dict(os.environ), process_group=0)
+            self.children[name] = subprocess.Popen(cmd, env=child_env, process_group=0)
         else:
             with open(log_path, "ab") as out:
-                self.children[name] = subprocess.Popen(cmd, env=dict(os.environ), stdout=out,
+                self.children[name] = subprocess.Popen(cmd, env=child_env, stdout=out,
                                                        stderr=subprocess.STDOUT, process_group=0)
         log.info("started %s (pid %d)", name, self.children[name].pid)
 
@@ -164,7 +193,7 @@ class Supervisor:
         """
         if self.children[name].poll() is None:
             raise RuntimeError(f"{name} is still running")
-        self.start(name, self.args[name], self.log_paths[name])
+        self.start(name, self.args[name], self.log_paths[name], self.envs[name])
 
     def dead(self) -> list[tuple[str, int]]:
         """(name, exit code) of every child that has exited."""
@@ -194,10 +223,13 @@ class Supervisor:
         return done
 
 
-def wait_ready(sup: Supervisor, url: str, timeout: float, stop: list[int]) -> str | None:
-    """Poll ``url``/ready until 200. Returns None when ready, else why not (child died, timeout, signal)."""
+def wait_ready(sup: Supervisor, url: str, timeout: float, stop: list[int],
+               api_key: str | None = None) -> str | None:
+    """Poll ``url``/ready (with ``api_key`` as bearer token when given) until 200. Returns None when
+    ready, else why not (child died, timeout, signal)."""
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=2.0, headers=headers) as client:
         while time.monotonic() < deadline:
             if stop:
                 return "interrupted"
@@ -264,7 +296,8 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a TCP listener could not bind ``host:port`` now. Probes with ``SO_REUSEADDR``, as uvicorn
     binds: a connection of a just-stopped server lingering in TIME_WAIT does not make the port busy
     (it did, for up to a minute after a Ctrl-C during start-up), a live listener does."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -273,18 +306,26 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
+def local_host(host: str) -> str:
+    """The address this host reaches a server bound to ``host`` at (127.0.0.1 for a wildcard bind)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
 def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_timeout: float) -> int:
-    url = f"http://127.0.0.1:{settings.port}"
-    if port_in_use(settings.port):  # fail now, not after the workers loaded (or converted) the model
-        print(f"pdserve up: port {settings.port} on 127.0.0.1 is in use; choose another with --port",
+    reach = local_host(settings.host)
+    url = f"http://{reach if ':' not in reach else f'[{reach}]'}:{settings.port}"
+    if port_in_use(settings.port, settings.host):  # fail now, not after the workers loaded the model
+        print(f"pdserve up: port {settings.port} on {settings.host} is in use; choose another with --port",
               file=sys.stderr)
         return 1
     gpus = gpu_count() if settings.device in ("auto", "cuda") else 0
+    keys = settings.gateway.api_keys
+    gateway_env = {"PDSERVE_API_KEY": ",".join(keys)} if keys else {}
     for name, args in plan(settings, free_ports(1, exclude=(settings.port,))[0], gpus):
         if stop:
             return 0  # interrupted while starting: start no more children
-        sup.start(name, args)
-    why = wait_ready(sup, url, ready_timeout, stop)
+        sup.start(name, args, env=gateway_env if name == "gateway" else None)
+    why = wait_ready(sup, url, ready_timeout, stop, keys[0] if keys else None)
     if why == "interrupted":
         return 0
     if why is not None:

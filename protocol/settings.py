@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,7 @@ class WorkerSettings:
     kv_memory_fraction: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
     gateway_control: str = "tcp://127.0.0.1:7100"
     host: str = "127.0.0.1"
     advertise_host: str | None = None
@@ -117,6 +118,8 @@ class WorkerSettings:
         _check(0 < self.kv_memory_fraction <= 1, "kv-memory-fraction", "must be in (0, 1]")
         _check(self.max_num_seqs >= 1, "max-num-seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max-num-batched-tokens", "must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max-model-len",
+               f"must be >= 2 tokens, got {self.max_model_len}")
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         _check(self.transfer_backend in ("nixl", "ucx", "loopback"), "transfer-backend",
                f"must be nixl, ucx or loopback, got {self.transfer_backend!r}")
@@ -128,12 +131,28 @@ class WorkerSettings:
             object.__setattr__(self, "worker_id", f"{socket.gethostname()}-{os.getpid()}")
 
 
+def _template_worker() -> WorkerSettings:
+    return WorkerSettings(role="colocated", worker_id="up")
+
+
+# WorkerSettings fields `pdserve up` sets itself for each worker (UpSettings.worker leaves them alone)
+UP_MANAGED_WORKER_FIELDS = frozenset({"role", "model", "device", "transfer_backend", "gateway_control",
+                                      "host", "advertise_host", "port", "worker_id", "log_level",
+                                      "log_format"})
+# GatewaySettings fields `pdserve up` sets itself (host and port are UpSettings.host and .port)
+UP_MANAGED_GATEWAY_FIELDS = frozenset({"host", "port", "control_bind", "log_level", "log_format"})
+
+
 @dataclass(frozen=True)
 class UpSettings:
-    """``pdserve up``: gateway + workers on one host."""
+    """``pdserve up``: gateway + workers on one host. ``host``/``port``: the gateway's HTTP address (its
+    internal sockets bind 127.0.0.1); ``gateway``: the gateway's other settings and ``worker``: every
+    worker's, each as given to ``up`` (the fields in ``UP_MANAGED_GATEWAY_FIELDS`` and
+    ``UP_MANAGED_WORKER_FIELDS`` are set by the launcher instead)."""
 
     model: str = "smollm2-135m"
     port: int = 8000
+    host: str = "127.0.0.1"
     device: str = "auto"
     transfer_backend: str = "nixl"
     num_prefill: int = 1
@@ -141,8 +160,13 @@ class UpSettings:
     colocated: int = 0
     log_level: str = "info"
     log_format: str = "text"
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    worker: WorkerSettings = field(default_factory=_template_worker)
 
     def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _check(all("," not in key for key in self.gateway.api_keys), "api-key",
+               "a key must not contain a comma (pdserve up hands keys to the gateway in PDSERVE_API_KEY)")
         _check(self.num_prefill >= 0, "num-prefill", "must be >= 0")
         _check(self.num_decode >= 0, "num-decode", "must be >= 0")
         _check(self.colocated >= 0, "colocated", "must be >= 0")
@@ -177,8 +201,22 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         values["role"] = command
         cls = WorkerSettings
     elif command == "up":
-        cls = UpSettings
+        return _up_settings(values)
     else:
         raise ValueError(f"no settings for command {command!r}")
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def _up_settings(values: dict[str, Any]) -> UpSettings:
+    """``pdserve up``'s settings from its parsed flags: its own, the gateway's and the workers'."""
+    keys = tuple(values.pop("api_key", None) or ()) + _read_api_key_file(values.pop("api_key_file", None))
+    gateway_names = {f.name for f in fields(GatewaySettings)} - UP_MANAGED_GATEWAY_FIELDS
+    worker_names = {f.name for f in fields(WorkerSettings)} - UP_MANAGED_WORKER_FIELDS
+    gateway = GatewaySettings(api_keys=keys, host=values.get("host", "127.0.0.1"),
+                              port=values.get("port", 8000),
+                              **{k: v for k, v in values.items() if k in gateway_names and k != "api_keys"})
+    worker = WorkerSettings(role="colocated", worker_id="up",
+                            **{k: v for k, v in values.items() if k in worker_names})
+    names = {f.name for f in fields(UpSettings)} - {"gateway", "worker"}
+    return UpSettings(gateway=gateway, worker=worker, **{k: v for k, v in values.items() if k in names})

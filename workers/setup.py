@@ -26,7 +26,7 @@ def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
         ModelConfig(settings.model, dtype=settings.dtype, device=settings.device,
                     attention_backend=settings.attention_backend, enforce_eager=settings.enforce_eager,
                     load_format=settings.load_format, fused_ops=settings.fused_ops,
-                    pdl=settings.pdl),
+                    pdl=settings.pdl, max_model_len=settings.max_model_len),
         CacheConfig(block_size=settings.block_size, num_blocks=settings.num_blocks,
                     memory_fraction=settings.kv_memory_fraction),
         SchedulerConfig(max_num_seqs=settings.max_num_seqs,

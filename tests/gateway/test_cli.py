@@ -35,8 +35,13 @@ def test_every_flag_reads_env(tmp_path: Path) -> None:
     assert s.api_keys == ("x", "y", "k1", "k2")
     w = settings_from_args(parser.parse_args(["decode", "--worker-id", "d0"]))
     assert isinstance(w, WorkerSettings) and (w.role, w.block_size, w.worker_id) == ("decode", 32, "d0")
-    assert settings_from_args(parser.parse_args(["up"])) == UpSettings(num_decode=3, port=8123,
-                                                                      log_format="json")
+    up = settings_from_args(parser.parse_args(["up"]))
+    assert isinstance(up, UpSettings)
+    assert (up.num_decode, up.port, up.log_format) == (3, 8123, "json")
+    # the gateway's and the workers' flags reach `up` too (it passes them on)
+    assert (up.gateway.heartbeat_timeout, up.gateway.public_health, up.gateway.api_keys) == (
+        2.5, False, ("x", "y", "k1", "k2"))
+    assert up.worker.block_size == 32
     # the command line wins over env
     assert settings_from_args(parser.parse_args(["gateway", "--port", "1"])).port == 1  # type: ignore[union-attr]
 
@@ -124,6 +129,15 @@ def test_async_scheduling_and_pdl_reach_the_engine_config() -> None:
     assert config_of({"PDSERVE_ASYNC_SCHEDULING": "off"}, "--async-scheduling") == (True, True)
 
 
+def test_max_model_len_reaches_the_engine_config() -> None:
+    from workers.setup import engine_config_from_settings
+
+    for argv, want in (([], None), (["--max-model-len", "512"], 512)):
+        s = settings_from_args(build_parser({}).parse_args(["prefill", *argv]))
+        assert isinstance(s, WorkerSettings)
+        assert engine_config_from_settings(s).model.max_model_len == want
+
+
 def test_seconds_flags_take_durations_like_pdserve_bench() -> None:
     """``PDSERVE_REQUEST_TIMEOUT=30s`` means 30 s to the gateway too (it was a float-only flag there, so
     a value set for ``pdserve bench`` stopped the gateway: "could not convert string to float")."""
@@ -149,3 +163,28 @@ def test_admission_budget_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "argument --admission-budget" in line
     with pytest.raises(SystemExit, match="PDSERVE_ADMISSION_BUDGET"):
         build_parser({"PDSERVE_ADMISSION_BUDGET": "soon"})
+
+
+def test_up_takes_the_gateway_and_worker_flags_and_checks_them_first() -> None:
+    args = build_parser({}).parse_args(["up", "--host", "0.0.0.0", "--port", "8001", "--model-name", "m1",
+                                        "--api-key", "secret", "--dtype", "float32", "--max-num-seqs", "8",
+                                        "--max-model-len", "512", "--async-scheduling", "false"])
+    up = settings_from_args(args)
+    assert isinstance(up, UpSettings)
+    assert (up.host, up.port, up.gateway.model_name) == ("0.0.0.0", 8001, "m1")
+    assert up.gateway.api_keys == ("secret",)
+    assert (up.worker.dtype, up.worker.max_num_seqs, up.worker.max_model_len) == ("float32", 8, 512)
+    assert up.worker.async_scheduling is False
+    for bad, flag in ((["--port", "99999"], "--port"), (["--max-num-seqs", "0"], "--max-num-seqs"),
+                      (["--max-model-len", "1"], "--max-model-len"),
+                      (["--max-retries", "-1"], "--max-retries"), (["--api-key", "a,b"], "--api-key")):
+        with pytest.raises(ValueError, match=flag):
+            settings_from_args(build_parser({}).parse_args(["up", *bad]))
+
+
+def test_up_with_a_bad_port_is_one_line_before_anything_starts(capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pdserve.launcher", None)  # nothing may be started
+    assert main(["up", "--port", "99999"]) == 2
+    err = capsys.readouterr().err
+    assert err == "pdserve up: --port: must be in [0, 65535], got 99999\n"

@@ -24,6 +24,32 @@ def test_plan_starts_gateway_first_and_binds_loopback() -> None:
         assert ("--transfer-backend" in args) == (not name.startswith("colocated"))
 
 
+def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:
+    """Every flag given to ``up`` reaches its child: the gateway's (host too) to the gateway, the workers'
+    to every worker; the API key never on a command line; each child's argv parses back to the same
+    settings."""
+    from pdserve.cli import build_parser
+    from protocol.settings import GatewaySettings, WorkerSettings, settings_from_args
+
+    given = ["up", "--host", "0.0.0.0", "--model-name", "m1", "--api-key", "secret", "--max-retries", "0",
+             "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "512", "--pdl", "false",
+             "--num-decode", "2"]
+    up = settings_from_args(build_parser({}).parse_args(given))
+    assert isinstance(up, UpSettings)
+    children = plan(up, control_port=7777)
+    assert all("secret" not in args for _, args in children)
+    for name, args in children:
+        child = settings_from_args(build_parser({}).parse_args(args))
+        if name == "gateway":
+            assert isinstance(child, GatewaySettings)
+            assert (child.host, child.model_name, child.max_retries) == ("0.0.0.0", "m1", 0)
+        else:
+            assert isinstance(child, WorkerSettings)
+            assert (child.dtype, child.max_num_seqs, child.max_model_len) == ("float32", 8, 512)
+            assert child.pdl is False
+            assert (child.host, child.port) == ("127.0.0.1", 0)  # internal sockets stay on loopback
+
+
 def test_up_settings_from_env_do_not_leak_into_children() -> None:
     """``PDSERVE_PORT=18000 pdserve up`` (the HTTP port) reaches the children's environment: each child's
     command line must still give every worker a free KV port (``--port 0``), not 18000 (the gateway's
