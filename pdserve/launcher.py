@@ -245,11 +245,13 @@ def wait_ready(sup: Supervisor, url: str, timeout: float, stop: list[int],
     return f"not ready after {timeout:.0f} s"
 
 
-def example(url: str, model: str) -> str:
-    """The curl command printed once the system is ready."""
+def example(url: str, model: str, needs_key: bool = False) -> str:
+    """The curl command printed once the system is ready (``model``: the served name; ``needs_key``: the
+    gateway wants an API key, read from $PDSERVE_API_KEY in the command)."""
     body = json.dumps({"model": model, "max_tokens": 32, "temperature": 0,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+    auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if needs_key else ""
+    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -331,8 +333,9 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     if why is not None:
         print(f"pdserve up: {why}; stopping everything", file=sys.stderr)
         return 1
-    print(f"pdserve is ready at {url}  (OpenAI API under {url}/v1)\nTry:\n  {example(url, settings.model)}",
-          flush=True)
+    served = settings.gateway.model_name or settings.model
+    print(f"pdserve is ready at {url}  (OpenAI API under {url}/v1)\nTry:\n"
+          f"  {example(url, served, bool(keys))}", flush=True)
     return supervise(sup, stop, RestartPolicy())
 
 

@@ -88,6 +88,10 @@ def test_example_request_is_valid_json_body() -> None:
     words = shlex.split(example("http://127.0.0.1:8000", "smollm2-135m"))
     body = json.loads(words[words.index("-d") + 1])
     assert body["model"] == "smollm2-135m" and body["messages"][0]["role"] == "user"
+    assert not any(w.startswith("Authorization") for w in words)
+    words = shlex.split(example("http://127.0.0.1:8000", "mymodel", needs_key=True))
+    assert json.loads(words[words.index("-d") + 1])["model"] == "mymodel"
+    assert "Authorization: Bearer $PDSERVE_API_KEY" in words  # the shell expands it when run
 
 
 def test_plan_places_one_worker_per_gpu_and_shares_when_short() -> None:
