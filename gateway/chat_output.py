@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.reasoning import ReasoningParser
-from gateway.tool_parsers import TOOL_CALL_PARSERS, ToolCallParser
+from gateway.tool_parsers import PARSERS, ToolCallParser
 from gateway.tool_parsers.events import (
     ContentText,
     Event,
@@ -26,8 +26,8 @@ from gateway.tool_parsers.events import (
 @dataclass(frozen=True)
 class ChatOutputSpec:
     """The parsers of a chat request: ``reasoning`` (a ``gateway.reasoning`` name or None) and ``tools``
-    (a ``TOOL_CALL_PARSERS`` key, or None: tool calls are not parsed); ``parallel_tool_calls`` False keeps
-    only the first call."""
+    (a ``gateway.tool_parsers.PARSERS`` key, or None: tool calls are not parsed);
+    ``parallel_tool_calls`` False keeps only the first call."""
 
     reasoning: str | None = None
     tools: str | None = None
@@ -46,7 +46,7 @@ class ChatOutputParser:
     def __init__(self, spec: ChatOutputSpec) -> None:
         self.spec = spec
         self._reasoning = ReasoningParser(spec.reasoning) if spec.reasoning else None
-        self._tools: ToolCallParser | None = TOOL_CALL_PARSERS[spec.tools]() if spec.tools else None
+        self._tools: ToolCallParser | None = PARSERS[spec.tools]() if spec.tools else None
         self.num_calls = 0
 
     def _tool(self, events: list[Event]) -> list[Event]:

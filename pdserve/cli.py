@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from protocol.durations import parse_duration
+from protocol.settings import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 _RUNNERS = {
     "prefill": "prefill_worker.main:run",
@@ -69,6 +70,14 @@ def _add_common(add: _EnvAdder) -> None:
     add("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
 
 
+def _add_parsers(add: _EnvAdder) -> None:
+    add("--tool-call-parser", default="auto", choices=list(TOOL_CALL_PARSERS),
+        help="format of the model's tool calls (auto: from its chat template; none: tools only with "
+             "tool_choice none)")
+    add("--reasoning-parser", default="auto", choices=list(REASONING_PARSERS),
+        help="split <think> blocks into reasoning_content (auto: from the chat template, else none)")
+
+
 def _add_gateway(add: _EnvAdder) -> None:
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8000)
@@ -99,6 +108,7 @@ def _add_gateway(add: _EnvAdder) -> None:
         help="re-measure each pair's KV path with a one-block canary this often (0: only at pairing)")
     add("--kv-canary-timeout", type=parse_duration, default=10.0,
         help="a canary not landed in this time takes its pair out of routing")
+    _add_parsers(add)
 
 
 def _add_worker(add: _EnvAdder, role: str) -> None:
@@ -145,6 +155,7 @@ def _add_up(add: _EnvAdder) -> None:
     add("--num-prefill", type=int, default=1, help="prefill workers to start")
     add("--num-decode", type=int, default=1, help="decode workers to start")
     add("--colocated", type=int, default=0, help="colocated workers to start")
+    _add_parsers(add)
 
 
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:

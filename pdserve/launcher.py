@@ -85,7 +85,8 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0) -> list[tup
     control = f"tcp://127.0.0.1:{control_port}"
     common = ["--log-level", settings.log_level, "--log-format", settings.log_format]
     children = [("gateway", ["gateway", "--host", "127.0.0.1", "--port", str(settings.port),
-                             "--control-bind", control, *common])]
+                             "--control-bind", control, "--tool-call-parser", settings.tool_call_parser,
+                             "--reasoning-parser", settings.reasoning_parser, *common])]
     # --port 0: a worker's --port is its KV control port, and a PDSERVE_PORT meant for `up` (the HTTP port)
     # reaches the children's environment too
     worker = ["--model", settings.model, "--gateway-control", control, "--host", "127.0.0.1", "--port", "0",

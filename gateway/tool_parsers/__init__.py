@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gateway.tool_parsers.base import ToolCallParser
+from gateway.tool_parsers.forced_json import ForcedJsonParser
 from gateway.tool_parsers.hermes import HermesParser
 from gateway.tool_parsers.llama3_json import Llama3JsonParser
 from gateway.tool_parsers.mistral import MistralParser
@@ -20,6 +21,8 @@ from gateway.tool_parsers.mistral import MistralParser
 TOOL_CALL_PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}
 CHOICES = ("auto", *TOOL_CALL_PARSERS, "none")
+FORCED = "forced_json"  # the parser of a required or named tool_choice (gateway/tool_request.py)
+PARSERS: dict[str, Callable[[], ToolCallParser]] = {**TOOL_CALL_PARSERS, FORCED: ForcedJsonParser}
 
 
 def template_renders_tools(template: str | None) -> bool:
@@ -44,4 +47,5 @@ def select_tool_parser(flag: str, template: str | None) -> str:
     return "none"
 
 
-__all__ = ["CHOICES", "TOOL_CALL_PARSERS", "ToolCallParser", "select_tool_parser", "template_renders_tools"]
+__all__ = ["CHOICES", "FORCED", "PARSERS", "TOOL_CALL_PARSERS", "ToolCallParser", "select_tool_parser",
+           "template_renders_tools"]

@@ -17,7 +17,8 @@ PYTHON_TAG = "<|python_tag|>"
 
 def _split_calls(body: str) -> list[tuple[str, str]] | None:
     """The calls of ``body`` (objects separated by ``;`` and whitespace), or None when it is not that."""
-    decoder, calls, pos = json.JSONDecoder(), [], 0
+    decoder, pos = json.JSONDecoder(), 0
+    calls: list[tuple[str, str]] = []
     while True:
         while pos < len(body) and (body[pos].isspace() or (calls and body[pos] == ";")):
             pos += 1

@@ -27,21 +27,21 @@ WJ = json.dumps(W)
 
 # (spec, model output, content, reasoning, [(name, arguments dict)])
 CASES = [
-    (ChatOutputSpec(tools="hermes"), f'<tool_call>\n{{"name": "weather", "arguments": {WJ}}}\n</tool_call>',
-     None, None, [("weather", W)]),
+    (ChatOutputSpec(tools="hermes"),
+     f'<tool_call>\n{{"name": "weather", "arguments": {WJ}}}\n</tool_call>', None, None, [("weather", W)]),
     (ChatOutputSpec(tools="hermes"),
      f'Let me check.\n<tool_call>{{"name": "weather", "arguments": {WJ}}}</tool_call>\n'
      '<tool_call>{"name": "time", "arguments": {}}</tool_call>\n', "Let me check.", None,
      [("weather", W), ("time", {})]),
     (ChatOutputSpec(tools="hermes"), "Paris is sunny today.\n", "Paris is sunny today.\n", None, []),
     (ChatOutputSpec(tools="hermes"), "a < b and <tool_ c", "a < b and <tool_ c", None, []),
-    (ChatOutputSpec(tools="hermes"), "<tool_call>not json</tool_call> ok", "<tool_call>not json</tool_call> ok",
-     None, []),
+    (ChatOutputSpec(tools="hermes"), "<tool_call>not json</tool_call> ok",
+     "<tool_call>not json</tool_call> ok", None, []),
     (ChatOutputSpec(tools="hermes"), f'<tool_call>{{"name": "weather", "arguments": {WJ}}}', None, None,
      [("weather", W)]),
-    (ChatOutputSpec(tools="hermes"), '<tool_call>{"name": "weather", "argu', '<tool_call>{"name": "weather", "argu',
-     None, []),
-    (ChatOutputSpec(tools="hermes"), f'<tool_call>{{"name": "w", "arguments": "{{\\"a\\": 1}}"}}</tool_call>',
+    (ChatOutputSpec(tools="hermes"), '<tool_call>{"name": "weather", "argu',
+     '<tool_call>{"name": "weather", "argu', None, []),
+    (ChatOutputSpec(tools="hermes"), '<tool_call>{"name": "w", "arguments": "{\\"a\\": 1}"}</tool_call>',
      None, None, [("w", {"a": 1})]),
     (ChatOutputSpec(tools="hermes", parallel_tool_calls=False),
      '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}'
@@ -54,11 +54,12 @@ CASES = [
     (ChatOutputSpec(tools="llama3_json"), '{"answer": 42}', '{"answer": 42}', None, []),
     (ChatOutputSpec(tools="mistral"), f'[TOOL_CALLS][{{"name": "weather", "arguments": {WJ}}}, '
      '{"name": "t", "arguments": {}}]', None, None, [("weather", W), ("t", {})]),
-    (ChatOutputSpec(tools="mistral"), f'Sure. [TOOL_CALLS]weather[ARGS]{WJ}', "Sure.", None, [("weather", W)]),
+    (ChatOutputSpec(tools="mistral"), f'Sure. [TOOL_CALLS]weather[ARGS]{WJ}', "Sure.", None,
+     [("weather", W)]),
     (ChatOutputSpec(tools="mistral"), f'[{{"name": "weather", "arguments": {WJ}}}]', None, None,
      [("weather", W)]),
-    (ChatOutputSpec(tools="mistral"), "[1] is a list [TOOL_CALLS]oops", "[1] is a list [TOOL_CALLS]oops", None,
-     []),
+    (ChatOutputSpec(tools="mistral"), "[1] is a list [TOOL_CALLS]oops", "[1] is a list [TOOL_CALLS]oops",
+     None, []),
     (ChatOutputSpec(tools="mistral"), "[TOOL", "[TOOL", None, []),
     (ChatOutputSpec(reasoning="qwen3"), "<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", "It is 4.",
      "\nHmm, 2+2.\n", []),
@@ -121,7 +122,8 @@ def test_any_chunking_adds_up_to_the_whole(case: tuple, cuts: list[int]) -> None
 def test_one_character_at_a_time_holds_back_only_marker_prefixes() -> None:
     """Text streams before the output ends: only a possible marker beginning (and trailing blanks) waits."""
     parser = ChatOutputParser(ChatOutputSpec(tools="hermes"))
-    streamed = "".join(e.text for ch in "Hello there <tool" for e in parser.feed(ch) if isinstance(e, ContentText))
+    events = [e for ch in "Hello there <tool" for e in parser.feed(ch)]
+    streamed = "".join(e.text for e in events if isinstance(e, ContentText))
     assert streamed == "Hello there"
 
 
