@@ -20,16 +20,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-FALLBACK_HEADER = ("You can call functions to help answer. The functions you may call are described "
-                   "below, one JSON object per line, between <tools> and </tools>.")
-FALLBACK_FOOTER = ("To call a function, answer with one block per call, each holding a JSON object with "
-                   "the function's name and its arguments:\n<tool_call>\n"
-                   '{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>')
+FALLBACK_HEADER = "Functions you may call:"
+FALLBACK_FOOTER = 'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
 
 
 def tool_listing(tools: list[dict[str, Any]]) -> str:
     """The system text that lists ``tools`` (OpenAI tool objects) in the Hermes format."""
-    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    lines = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
     return f"{FALLBACK_HEADER}\n<tools>\n{lines}\n</tools>\n{FALLBACK_FOOTER}"
 
 

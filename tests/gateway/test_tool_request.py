@@ -154,7 +154,7 @@ def test_fallback_rendering_on_smollm2(proc: TextProcessor) -> None:
         {"role": "tool", "tool_call_id": "call_2", "content": "no rain"}], tools=[WEATHER])
     text = render_messages(proc, history.message_dicts(), None, tools=[WEATHER])
     assert text.startswith(f"<|im_start|>system\nBe brief.\n\n{FALLBACK_HEADER}\n<tools>\n"
-                           f"{json.dumps(WEATHER)}\n</tools>\n")
+                           f"{json.dumps(WEATHER['function'])}\n</tools>\n")
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
             "</tool_call><|im_end|>") in text
     assert ("<|im_start|>user\n<tool_response>\n22 C, sunny\n</tool_response>\n<tool_response>\nno rain\n"
