@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from gateway.text import TextProcessor
-from tests.gateway.conftest import MSGS, Cluster
+from tests.gateway.conftest import MSGS, Cluster, read_record
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -110,3 +110,23 @@ def test_disaggregated_equals_colocated(clusters: dict[str, Cluster]) -> None:
     assert runs["disagg"] == runs["colo"]
     for name, c in clusters.items():
         _leak_check(c, name)
+
+
+def test_replayed_call_and_result_reach_the_template(clusters: dict[str, Cluster],
+                                                     proc: TextProcessor) -> None:
+    """A history with an assistant message holding only tool calls and a tool message is served (200) and
+    rendered with SmolLM2's template through the Hermes fallback."""
+    c = clusters["disagg"]
+    history: Any = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C, sunny"}]
+    r = c.client().chat.completions.create(model="fake-model", messages=history, max_tokens=80, tools=TOOLS)
+    assert r.choices[0].finish_reason == "tool_calls"
+    record: Any = read_record(c.tmp / "p1.jsonl")  # the prefill fake's messages (Cluster.start_worker)
+    prompt = proc.decode(record[-1]["prompt_token_ids"], skip_special_tokens=False)
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n' \
+           "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n22 C, sunny\n</tool_response>" \
+           in prompt
+    assert prompt.startswith("<|im_start|>system\nFunctions you may call:\n<tools>\n")
+    c.assert_no_leaks(("d1",))
