@@ -149,3 +149,25 @@ def test_admission_budget_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "argument --admission-budget" in line
     with pytest.raises(SystemExit, match="PDSERVE_ADMISSION_BUDGET"):
         build_parser({"PDSERVE_ADMISSION_BUDGET": "soon"})
+
+
+def test_parser_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tool-call-parser`` and ``--reasoning-parser`` (default auto) on the gateway and ``up``; a value
+    outside the choices is one line naming the flag, from the command line, the environment or a
+    settings object."""
+    for command in ("gateway", "up"):
+        s = settings_from_args(build_parser({}).parse_args([command]))
+        assert isinstance(s, GatewaySettings | UpSettings)
+        assert (s.tool_call_parser, s.reasoning_parser) == ("auto", "auto")
+        s = settings_from_args(build_parser({"PDSERVE_REASONING_PARSER": "qwen3"}).parse_args(
+            [command, "--tool-call-parser", "mistral"]))
+        assert isinstance(s, GatewaySettings | UpSettings)
+        assert (s.tool_call_parser, s.reasoning_parser) == ("mistral", "qwen3")
+    with pytest.raises(SystemExit):
+        build_parser({}).parse_args(["gateway", "--tool-call-parser", "xml"])
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pdserve gateway: error")]
+    assert "argument --tool-call-parser" in line
+    with pytest.raises(ValueError, match="--reasoning-parser"):
+        GatewaySettings(reasoning_parser="o1")
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        UpSettings(tool_call_parser="xml")

@@ -22,6 +22,10 @@ def test_plan_starts_gateway_first_and_binds_loopback() -> None:
         assert args[args.index("--gateway-control") + 1] == "tcp://127.0.0.1:7777"
         assert args[args.index("--host") + 1] == "127.0.0.1"
         assert ("--transfer-backend" in args) == (not name.startswith("colocated"))
+    assert gateway[gateway.index("--tool-call-parser") + 1] == "auto"
+    parsers = plan(UpSettings(tool_call_parser="hermes", reasoning_parser="qwen3"), control_port=7777)[0][1]
+    assert parsers[parsers.index("--tool-call-parser") + 1] == "hermes"
+    assert parsers[parsers.index("--reasoning-parser") + 1] == "qwen3"
 
 
 def test_up_settings_from_env_do_not_leak_into_children() -> None:
