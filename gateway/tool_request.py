@@ -46,7 +46,10 @@ class ToolPlan:
 
 def check_parameters(schema: dict[str, Any], param: str) -> None:
     """Raises ``APIError`` (400 naming ``param``) when ``schema`` is not a valid JSON Schema of an object
-    (validated against the metaschema it names in ``$schema``, else Draft 2020-12)."""
+    (validated against the metaschema it names in ``$schema``; one pdserve does not know, or none: Draft
+    2020-12)."""
+    if not isinstance(schema.get("$schema", ""), str):
+        raise bad_request(f"{param}: $schema must be a string (a metaschema URI)", param)
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)

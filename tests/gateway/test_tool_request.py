@@ -51,6 +51,10 @@ def refused(fields: dict[str, Any], parser: str = "hermes") -> APIError:
      "tools.0.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
      "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$schema": 5}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"pattern": "("}}}]},
+     "tools.0.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"minimum": "one"}}}}}]}, "tools.0.function.parameters"),
 ])
