@@ -5,8 +5,10 @@ Shapes: OpenAI API reference (chat.completion, chat.completion.chunk, text_compl
 stream chunks, the two logprobs layouts, model list and model, error object; vLLM's tokenize and
 detokenize). Every field is always present in the
 JSON (``null`` when empty) except where a Struct says ``omit_defaults``: a chat chunk's ``delta`` holds
-only what is new (``role`` on a choice's first chunk, ``content`` when there is text), and a chunk has
-``usage`` only in the last one of a stream (``stream_options.include_usage``).
+only what is new (``role`` on a choice's first chunk, ``content``, ``reasoning_content`` or
+``tool_calls`` when there is some), an assistant message has ``reasoning_content`` and ``tool_calls``
+only when there are some, and a chunk has ``usage`` only in the last one of a stream
+(``stream_options.include_usage``).
 """
 
 from __future__ import annotations
