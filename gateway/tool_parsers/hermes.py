@@ -22,14 +22,16 @@ class HermesParser(ToolCallParser):
         super().__init__()
         self._buf = ""
         self._in_call = False
+        self._scanned = 0  # in a call: the buffer before this holds no END (no rescan per piece)
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
         out: list[Event] = []
         while True:
             if self._in_call:
-                end = self._buf.find(END)
+                end = self._buf.find(END, max(0, self._scanned - len(END) + 1))
                 if end < 0:
+                    self._scanned = len(self._buf)
                     return out
                 out += self._close(self._buf[:end], closed=True)
                 self._buf = self._buf[end + len(END):]
@@ -42,7 +44,7 @@ class HermesParser(ToolCallParser):
                 return out
             out += self.content.write(self._buf[:start])
             self._buf = self._buf[start + len(START):]
-            self._in_call = True
+            self._in_call, self._scanned = True, 0
 
     def _close(self, body: str, closed: bool) -> list[Event]:
         self._in_call = False

@@ -130,3 +130,25 @@ def test_replayed_call_and_result_reach_the_template(clusters: dict[str, Cluster
            in prompt
     assert prompt.startswith("<|im_start|>system\nFunctions you may call:\n<tools>\n")
     c.assert_no_leaks(("d1",))
+
+
+def test_logprobs_and_choices_survive_parsing(clusters: dict[str, Cluster]) -> None:
+    """Streamed with ``n=2`` and logprobs: every generated token's logprob arrives once (held text's
+    entries ride on the next chunk), and each choice gets its own call."""
+    c = clusters["disagg"]
+    whole = c.client().chat.completions.create(model="fake-model", messages=MSGS, max_tokens=80, tools=TOOLS,
+                                               n=2, logprobs=True)
+    assert whole.usage is not None
+    assert sum(len(ch.logprobs.content or []) for ch in whole.choices if ch.logprobs) == \
+        whole.usage.completion_tokens
+    entries, calls, finishes = 0, {0: 0, 1: 0}, {}
+    for chunk in c.client().chat.completions.create(model="fake-model", messages=MSGS, max_tokens=80,
+                                                    tools=TOOLS, n=2, logprobs=True, stream=True):
+        for ch in chunk.choices:
+            entries += len(ch.logprobs.content or []) if ch.logprobs else 0
+            calls[ch.index] += sum(1 for t in ch.delta.tool_calls or [] if t.id)
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+    assert entries == whole.usage.completion_tokens
+    assert calls == {0: 1, 1: 1} and finishes == {0: "tool_calls", 1: "tool_calls"}
+    c.assert_no_leaks(("d1",))
