@@ -4,9 +4,11 @@ gateway/openai_responses.py).
 Fields follow the OpenAI API reference (Chat Completions and legacy Completions), plus vLLM's extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
 ``stop_token_ids``, ``chat_template_kwargs``). Nothing is silently ignored: an unknown field is a 400 naming
-it (``extra="forbid"``), and an OpenAI field pdserve does not implement yet (``NOT_SUPPORTED``: tools,
-structured outputs, audio, ...) is declared here only so that ``unsupported_fields`` can refuse it with a
-400 saying so (a harmless value, e.g. ``response_format: {"type": "text"}`` or ``tools: []``, passes).
+it (``extra="forbid"``), and an OpenAI field pdserve does not implement yet (``NOT_SUPPORTED``: the
+deprecated ``functions``, structured outputs, audio, ...) is declared here only so that
+``unsupported_fields`` can refuse it with a 400 saying so (a harmless value, e.g. ``response_format:
+{"type": "text"}`` or ``functions: []``, passes). Tools (``tools``, ``tool_choice``,
+``parallel_tool_calls``) are checked against each other and the model in gateway/tool_request.py.
 ``user``, ``safety_identifier``, ``metadata`` and ``store: false`` are accepted and ignored by design
 (end-user ids for abuse monitoring, and tags of stored completions, which pdserve never stores).
 Integers are bounded so that every accepted value fits the msgpack wire (int64) and floats must be
@@ -18,16 +20,18 @@ checked later, in ``gateway/prepare.py``, which also maps a body into the engine
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT64_MAX = (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
 MAX_STOP_CHARS = 1024  # characters per stop string
 # keys of an assistant message in a response that a client may send back with the history
-MESSAGE_NOT_SUPPORTED = ("tool_calls", "function_call", "refusal", "audio", "annotations")
+MESSAGE_NOT_SUPPORTED = ("function_call", "refusal", "audio", "annotations")
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 
 
 class StreamOptions(BaseModel):
@@ -47,32 +51,137 @@ class ContentPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    """One chat message; content as a string or a list of text parts. The keys an assistant message of a
-    response carries back into the history (``tool_calls``, ``function_call``, ``refusal``, ``audio``,
-    ``annotations``) are accepted only empty (null or ``[]``): tool calls are not supported yet. Any other
-    key is refused."""
+class ToolCallFunction(BaseModel):
+    """The function of a tool call in an assistant message: name and arguments (a JSON text)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """One tool call of an assistant message sent back with the history."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    """One chat message; content as a string or a list of text parts.
+
+    An assistant message may carry ``tool_calls`` (its content may then be null); a ``tool`` message is
+    the result of one call and carries its ``tool_call_id``. The keys an assistant message of a response
+    carries back into the history (``function_call``, ``refusal``, ``audio``, ``annotations``) are accepted
+    only empty (null or ``[]``). Any other key is refused.
+
+    Raises (validation, a 400 naming the message): content null outside an assistant message with tool
+    calls, ``tool_calls`` on another role, a ``tool`` message without ``tool_call_id``, ``tool_call_id``
+    on another role.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: Any = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
     refusal: Any = None
     audio: Any = None
     annotations: Any = None
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls is only allowed on an assistant message, not {self.role}")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message may have one")
+        return self
 
     def unsupported_keys(self) -> list[str]:
         """The keys of ``MESSAGE_NOT_SUPPORTED`` this message sets to something (not null, not ``[]``)."""
         return [key for key in MESSAGE_NOT_SUPPORTED if getattr(self, key) not in (None, [])]
 
     def text(self) -> str:
-        """The content as one string."""
+        """The content as one string (null: empty)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message for the chat template (transformers' shape): role and content (None kept for an
+        assistant message with only tool calls), ``tool_calls`` with each call's arguments decoded into
+        an object (templates write them with ``tojson``; arguments that are not a JSON object stay text),
+        ``tool_call_id`` and ``name`` when set."""
+        out: dict[str, Any] = {"role": self.role, "content": None if self.content is None else self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _decoded(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _decoded(arguments: str) -> dict[str, Any] | str:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+class FunctionDefinition(BaseModel):
+    """A function tool: ``name`` (OpenAI's rule: letters, digits, ``_``, ``-``, at most 64), an optional
+    ``description``, ``parameters`` (a JSON Schema, checked in gateway/tool_request.py) and ``strict``
+    (accepted; pdserve's tool arguments are not constrained under ``auto``, see README)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(BaseModel):
+    """One entry of ``tools`` (only ``type: function``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    """The function a named ``tool_choice`` forces."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class GenerationRequestBase(BaseModel):
@@ -135,10 +244,10 @@ class ChatCompletionRequest(GenerationRequestBase):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # OpenAI fields not implemented yet: declared only to be refused by name (unsupported_fields)
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
@@ -150,8 +259,8 @@ class ChatCompletionRequest(GenerationRequestBase):
     web_search_options: Any = None
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        """Messages as plain dicts for the chat template."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """Messages as plain dicts for the chat template (``ChatMessage.template_dict``)."""
+        return [m.template_dict() for m in self.messages]
 
 
 class CompletionRequest(GenerationRequestBase):
@@ -185,11 +294,8 @@ def _no_tools(value: Any) -> bool:
 
 NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     # field -> is this value harmless (nothing to do)?
-    "tools": _no_tools,
     "functions": _no_tools,
-    "tool_choice": lambda v: v is None or v == "none",
     "function_call": lambda v: v is None or v == "none",
-    "parallel_tool_calls": _none,
     "response_format": lambda v: v is None or v == {"type": "text"},
     "prediction": _none,
     "audio": _none,
@@ -222,7 +328,7 @@ class TokenizeRequest(BaseModel):
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template (none: an empty list)."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages or []]
+        return [m.template_dict() for m in self.messages or []]
 
 
 class DetokenizeRequest(BaseModel):

@@ -5,8 +5,10 @@ Shapes: OpenAI API reference (chat.completion, chat.completion.chunk, text_compl
 stream chunks, the two logprobs layouts, model list and model, error object; vLLM's tokenize and
 detokenize). Every field is always present in the
 JSON (``null`` when empty) except where a Struct says ``omit_defaults``: a chat chunk's ``delta`` holds
-only what is new (``role`` on a choice's first chunk, ``content`` when there is text), and a chunk has
-``usage`` only in the last one of a stream (``stream_options.include_usage``).
+only what is new (``role`` on a choice's first chunk, ``content``, ``reasoning_content`` or
+``tool_calls`` when there is some), an assistant message has ``reasoning_content`` and ``tool_calls``
+only when there are some, and a chunk has ``usage`` only in the last one of a stream
+(``stream_options.include_usage``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any, Literal
 
 import msgspec
 
-FinishReason = Literal["stop", "length"]  # what a client sees; a worker abort is an error, not a finish
+# what a client sees; a worker abort is an error, not a finish; tool_calls: the model stopped after calls
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ErrorDetail(msgspec.Struct):
@@ -83,11 +86,30 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
-class AssistantMessage(msgspec.Struct):
-    """The assistant message of a chat choice."""
+class FunctionCall(msgspec.Struct):
+    """The function of a tool call: its name and arguments (a JSON text)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct):
+    """One tool call of an assistant message: id (``call_<random>``), type and function."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
+    """The assistant message of a chat choice: ``content`` (null when the model only called tools),
+    ``reasoning_content`` (present when the model's reasoning was split off) and ``tool_calls`` (present
+    when it called tools)."""
 
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -111,11 +133,32 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage
 
 
+class ChunkFunctionCall(msgspec.Struct, omit_defaults=True):
+    """A tool call's function in a chunk: ``name`` in the call's first delta (with ``arguments`` "") and
+    fragments of ``arguments`` afterwards."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChunkToolCall(msgspec.Struct, omit_defaults=True):
+    """One tool call's delta: ``index`` always; ``id`` and ``type`` in its first delta only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ChunkFunctionCall | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
-    """What a chat chunk adds: ``role`` on a choice's first chunk, ``content`` when there is text."""
+    """What a chat chunk adds: ``role`` on a choice's first chunk, ``content`` when there is text,
+    ``reasoning_content`` when there is reasoning text, ``tool_calls`` when a call starts or its
+    arguments grow."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ChunkToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

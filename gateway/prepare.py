@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError
+from gateway.chat_output import ChatOutputSpec
 from gateway.errors import bad_request, not_found_model, unavailable
 from gateway.openai_requests import (
     INT64_MAX,
@@ -25,12 +26,18 @@ from gateway.openai_requests import (
     CompletionRequest,
 )
 from gateway.orchestrator import GenerationInput
+from gateway.reasoning import select_reasoning_parser
 from gateway.service import GatewayService
 from gateway.text import TextProcessor, TokenizerNotFoundError
+from gateway.tool_parsers import select_tool_parser, template_renders_tools
+from gateway.tool_prompt import fallback_messages
+from gateway.tool_request import ToolPlan, plan_tools, tool_structured_output
 
 Body = ChatCompletionRequest | CompletionRequest
+NO_PARSING = ChatOutputSpec()
 # chat template variables a request's chat_template_kwargs may not override (the messages, the generation
-# prompt switch, the tokenizer's special tokens, the tools and documents pdserve does not support yet)
+# prompt switch, the tokenizer's special tokens, the tools (the request's own field) and documents
+# (not supported yet))
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools", "documents", "bos_token",
                                     "eos_token", "unk_token", "pad_token", "chat_template"})
 
@@ -48,7 +55,8 @@ class ChoiceInput:
 class Prepared:
     """A validated request. ``num_prompt_tokens`` counts each distinct prompt once (usage, tokens);
     ``logprobs`` is None (off) or the number of top alternatives per token; ``n`` choices per prompt
-    (prompt ``j``'s are ``choices[j * n : (j + 1) * n]``)."""
+    (prompt ``j``'s are ``choices[j * n : (j + 1) * n]``); ``output``: how a chat choice's text is split
+    into content, reasoning and tool calls (gateway/chat_output.py)."""
 
     request_id: str
     model: str
@@ -58,6 +66,7 @@ class Prepared:
     num_prompt_tokens: int
     logprobs: int | None
     n: int = 1
+    output: ChatOutputSpec = NO_PARSING
 
 
 def served_model(svc: GatewayService) -> str | None:
@@ -126,9 +135,11 @@ def check_ids(ids: Iterable[int], vocab: int, param: str) -> None:
 
 
 def render_messages(text: TextProcessor, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None,
-                    add_generation_prompt: bool = True) -> str:
+                    add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
     """The chat template applied to ``messages`` with ``kwargs`` (``chat_template_kwargs``) as template
-    variables.
+    variables and ``tools`` (OpenAI tool objects) as its ``tools``. A template that does not render
+    tools gets pdserve's fallback instead (gateway/tool_prompt.py) when there are tools or the history
+    holds tool calls or tool results.
 
     Raises:
         APIError: 400 naming ``chat_template_kwargs`` when it sets a reserved variable
@@ -138,6 +149,12 @@ def render_messages(text: TextProcessor, messages: list[dict[str, Any]], kwargs:
     reserved = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    if not template_renders_tools(text.chat_template):
+        if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = fallback_messages(messages, tools)
+        tools = None
+    if tools:
+        kwargs = {**kwargs, "tools": tools}
     try:
         return text.render_chat(messages, add_generation_prompt, **kwargs)
     except ValueError as exc:
@@ -153,10 +170,27 @@ def encode_text(text: TextProcessor, s: str, add_special_tokens: bool, param: st
     return text.encode(s, add_special_tokens=add_special_tokens)
 
 
-def _prompts(text: TextProcessor, body: Body) -> list[tuple[list[int], str]]:
-    """(token ids, prompt text for echo) of each prompt, in order."""
+def chat_tools(svc: GatewayService, text: TextProcessor, body: ChatCompletionRequest) -> ToolPlan:
+    """The request's tool plan with the served model's parsers (``--tool-call-parser`` and
+    ``--reasoning-parser``, ``auto``: by its chat template). A ``required`` or named ``tool_choice``
+    gets its structured-output constraint here (``tool_structured_output``).
+
+    Raises:
+        APIError: 400 naming the tool field at fault (gateway/tool_request.py).
+    """
+    template = text.chat_template
+    plan = plan_tools(body, select_tool_parser(svc.settings.tool_call_parser, template),
+                      select_reasoning_parser(svc.settings.reasoning_parser, template))
+    if plan.forced_schema is not None:
+        tool_structured_output(plan.forced_schema)
+    return plan
+
+
+def _prompts(text: TextProcessor, body: Body, plan: ToolPlan | None) -> list[tuple[list[int], str]]:
+    """(token ids, prompt text for echo) of each prompt, in order; ``plan``: a chat request's tools."""
     if isinstance(body, ChatCompletionRequest):
-        rendered = render_messages(text, body.message_dicts(), body.chat_template_kwargs)
+        rendered = render_messages(text, body.message_dicts(), body.chat_template_kwargs,
+                                   tools=plan.template_tools if plan else None)
         return [(encode_text(text, rendered, False, "messages"), rendered)]
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -260,7 +294,8 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
     text = text_processor(svc)
     check_ids(list(body.stop_token_ids or ()), text.vocab_size, "stop_token_ids")
     check_ids(body.logit_bias or {}, text.vocab_size, "logit_bias")
-    prompts = _prompts(text, body)
+    plan = chat_tools(svc, text, body) if isinstance(body, ChatCompletionRequest) else None
+    prompts = _prompts(text, body, plan)
     if len(prompts) * body.n > svc.settings.max_queue:
         raise bad_request(f"{len(prompts)} prompts x n={body.n} choices exceed --max-queue "
                           f"{svc.settings.max_queue}", "n")
@@ -276,4 +311,5 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
             choices.append(ChoiceInput(index, inp, prompt_text if echo else ""))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Prepared(request_id, model, isinstance(body, ChatCompletionRequest), include_usage,
-                    tuple(choices), sum(len(ids) for ids, _ in prompts), _requested_logprobs(body), body.n)
+                    tuple(choices), sum(len(ids) for ids, _ in prompts), _requested_logprobs(body), body.n,
+                    plan.output if plan else NO_PARSING)

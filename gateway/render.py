@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gateway.chat_output import parse_whole
 from gateway.openai_responses import (
     AssistantMessage,
     ChatChoice,
@@ -24,18 +25,23 @@ from gateway.openai_responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     ChatTopLogprob,
+    ChunkFunctionCall,
+    ChunkToolCall,
     Completion,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     FinishReason,
+    FunctionCall,
     PromptTokensDetails,
+    ToolCall,
     Usage,
     encode,
 )
 from gateway.orchestrator import TokenLogprob
 from gateway.prepare import Prepared
 from gateway.text import TextProcessor
+from gateway.tool_parsers.events import ContentText, Event, ReasoningText, ToolCallArguments, ToolCallStart
 
 ChunkChoice = ChatChunkChoice | CompletionChoice
 
@@ -91,13 +97,31 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+def with_calls(reason: FinishReason | None, num_calls: int) -> FinishReason | None:
+    """The finish reason a client sees: ``tool_calls`` when the model stopped after calling tools."""
+    return "tool_calls" if reason == "stop" and num_calls else reason
+
+
+def assistant_message(p: Prepared, s: ChoiceState) -> tuple[AssistantMessage, FinishReason | None]:
+    """A chat choice's message (content, reasoning and tool calls split by ``p.output``'s parsers) and
+    its finish reason."""
+    if not p.output.active:
+        return AssistantMessage("assistant", s.text), s.finish_reason
+    out = parse_whole(p.output, s.text)
+    calls = [ToolCall(c.id, "function", FunctionCall(c.name, c.arguments)) for c in out.calls]
+    return (AssistantMessage("assistant", out.content, out.reasoning, calls or None),
+            with_calls(s.finish_reason, len(calls)))
+
+
 def completion_body(p: Prepared, text: TextProcessor, states: Sequence[ChoiceState], created: int,
                     used: Usage) -> ChatCompletion | Completion:
     """The whole (non-streaming) response; ``created`` in Unix seconds, ``used`` its ``usage``."""
     if p.chat:
-        chat = [ChatChoice(s.index, AssistantMessage("assistant", s.text),
-                           None if p.logprobs is None else chat_logprobs(text, s.logprobs), s.finish_reason)
-                for s in states]
+        chat = []
+        for s in states:
+            message, reason = assistant_message(p, s)
+            chat.append(ChatChoice(s.index, message,
+                                   None if p.logprobs is None else chat_logprobs(text, s.logprobs), reason))
         return ChatCompletion(response_id(p), "chat.completion", created, p.model, chat, used)
     choices = []
     for s, c in zip(states, p.choices, strict=True):
@@ -117,6 +141,29 @@ def chunk_choice(p: Prepared, text: TextProcessor, index: int, content: str | No
         return ChatChunkChoice(index, delta, lp, finish)
     clp = completion_logprobs(text, entries, offset) if p.logprobs is not None and entries else None
     return CompletionChoice(index, content or "", clp, finish)
+
+
+def event_delta(event: Event) -> ChatDelta:
+    """The chat delta of one parser event: content, reasoning, a call's start (id, type, name and empty
+    arguments, as OpenAI streams it) or a fragment of its arguments."""
+    if isinstance(event, ContentText):
+        return ChatDelta(content=event.text)
+    if isinstance(event, ReasoningText):
+        return ChatDelta(reasoning_content=event.text)
+    if isinstance(event, ToolCallStart):
+        return ChatDelta(tool_calls=[ChunkToolCall(event.index, event.id, "function",
+                                                   ChunkFunctionCall(event.name, ""))])
+    assert isinstance(event, ToolCallArguments)
+    fragment = ChunkFunctionCall(arguments=event.fragment)
+    return ChatDelta(tool_calls=[ChunkToolCall(event.index, function=fragment)])
+
+
+def chat_event_choice(p: Prepared, text: TextProcessor, index: int, delta: ChatDelta,
+                      finish: FinishReason | None, entries: Sequence[TokenLogprob]) -> ChatChunkChoice:
+    """One choice of a chat chunk carrying ``delta`` (from ``event_delta``, or empty with a finish
+    reason), with the logprobs of ``entries``."""
+    lp = chat_logprobs(text, entries) if p.logprobs is not None and entries else None
+    return ChatChunkChoice(index, delta, lp, finish)
 
 
 def sse_chunk(p: Prepared, created: int, choice: ChunkChoice | None,

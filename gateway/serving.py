@@ -23,11 +23,21 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
+from gateway.chat_output import ChatOutputParser, merge_texts
 from gateway.errors import APIError
-from gateway.openai_responses import ChatCompletion, Completion
+from gateway.openai_responses import ChatCompletion, ChatDelta, Completion
 from gateway.orchestrator import GatewayRequest, GenerationFailed, TokenLogprob
 from gateway.prepare import Prepared
-from gateway.render import ChoiceState, chunk_choice, completion_body, sse_chunk, usage
+from gateway.render import (
+    ChoiceState,
+    chat_event_choice,
+    chunk_choice,
+    completion_body,
+    event_delta,
+    sse_chunk,
+    usage,
+    with_calls,
+)
 from gateway.service import GatewayService
 from gateway.stream import Delta, text_deltas
 
@@ -108,6 +118,7 @@ class _ChunkWriter:
         self.offset = [0] * len(p.choices)
         self.held: list[list[TokenLogprob]] = [[] for _ in p.choices]
         self.n_out = 0
+        self.parsers = [ChatOutputParser(p.output) for _ in p.choices] if p.chat and p.output.active else None
 
     def first(self) -> list[bytes]:
         if not self.p.chat:
@@ -116,9 +127,31 @@ class _ChunkWriter:
                                                              0, role=True))
                 for c in self.p.choices]
 
+    def parsed(self, pos: int, d: Delta) -> bytes | None:
+        """The chunks of a chat choice whose text goes through parsers: one per (merged) event, the
+        held logprobs on the first, the finish reason on the last (or on a chunk of its own)."""
+        assert self.parsers is not None
+        parser = self.parsers[pos]
+        events = parser.feed(d.text) if d.text else []
+        if d.finish_reason is not None:
+            events += parser.finish()
+        deltas = [event_delta(e) for e in merge_texts(events)]
+        reason = with_calls(d.finish_reason, parser.num_calls)
+        if reason is not None and not deltas:
+            deltas = [ChatDelta()]
+        out = []
+        for i, delta in enumerate(deltas):
+            entries, self.held[pos] = self.held[pos], []
+            finish = reason if i == len(deltas) - 1 else None
+            out.append(sse_chunk(self.p, self.created, chat_event_choice(
+                self.p, self.svc.text(), self.p.choices[pos].index, delta, finish, entries)))
+        return b"".join(out) or None
+
     def delta(self, pos: int, d: Delta) -> bytes | None:
         self.n_out += d.num_tokens
         self.held[pos].extend(d.logprobs)
+        if self.parsers is not None:
+            return self.parsed(pos, d)
         if not d.text and d.finish_reason is None:
             return None
         content = self.prefix[pos] + d.text

@@ -57,6 +57,11 @@ class TextProcessor:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @property
+    def chat_template(self) -> str | None:
+        """The chat template's source (None: the model has none)."""
+        return self.tokenizer.chat_template
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids (valid ids are ``0 <= id < vocab_size``)."""
         return self.tokenizer.vocab_size

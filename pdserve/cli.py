@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from protocol.durations import parse_duration
+from protocol.settings import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 _RUNNERS = {
     "prefill": "prefill_worker.main:run",
@@ -72,6 +73,14 @@ def _add_common(add: _Adder) -> None:
     add("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
 
 
+def _add_parsers(add: _Adder) -> None:
+    add("--tool-call-parser", default="auto", choices=list(TOOL_CALL_PARSERS),
+        help="format of the model's tool calls (auto: from its chat template; none: tools only with "
+             "tool_choice none)")
+    add("--reasoning-parser", default="auto", choices=list(REASONING_PARSERS),
+        help="split <think> blocks into reasoning_content (auto: from the chat template, else none)")
+
+
 def _add_gateway(add: _Adder) -> None:
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8000)
@@ -105,6 +114,7 @@ def _add_gateway(add: _Adder) -> None:
     add("--kv-canary-mib", type=float, default=64.0,
         help="size of a canary transfer in MiB (at least one KV block, at most 1/8 of the decode "
              "worker's free blocks; 0: one block)")
+    _add_parsers(add)
 
 
 def _add_worker(add: _Adder, role: str) -> None:

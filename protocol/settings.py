@@ -21,6 +21,17 @@ def _check(cond: bool, flag: str, msg: str) -> None:
         raise ValueError(f"--{flag}: {msg}")
 
 
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
+REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
+
+
+def _check_parsers(tool_call_parser: str, reasoning_parser: str) -> None:
+    _check(tool_call_parser in TOOL_CALL_PARSERS, "tool-call-parser",
+           f"must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
+    _check(reasoning_parser in REASONING_PARSERS, "reasoning-parser",
+           f"must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
     """``pdserve gateway``: HTTP front-end, worker registry and router. Times in seconds, sizes in bytes."""
@@ -48,11 +59,14 @@ class GatewaySettings:
     kv_canary_period: float = 60.0  # seconds between canaries of a usable pair (0: only at pairing)
     kv_canary_timeout: float = 10.0  # seconds a canary has to land before its pair leaves routing
     kv_canary_mib: float = 64.0  # size of a canary transfer in MiB (at least one block)
+    tool_call_parser: str = "auto"  # auto: by the chat template (gateway/tool_parsers)
+    reasoning_parser: str = "auto"  # auto: by the chat template (gateway/reasoning.py)
     log_level: str = "info"
     log_format: str = "text"
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _check_parsers(self.tool_call_parser, self.reasoning_parser)
         _check(self.control_bind.startswith(("tcp://", "ipc://", "inproc://")), "control-bind",
                f"must be a zmq endpoint like tcp://host:port, got {self.control_bind!r}")
         _check(self.disagg_threshold >= 0, "disagg-threshold", "must be >= 0")

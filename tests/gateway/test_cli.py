@@ -188,3 +188,27 @@ def test_up_with_a_bad_port_is_one_line_before_anything_starts(capsys: pytest.Ca
     assert main(["up", "--port", "99999"]) == 2
     err = capsys.readouterr().err
     assert err == "pdserve up: --port: must be in [0, 65535], got 99999\n"
+
+
+def test_parser_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tool-call-parser`` and ``--reasoning-parser`` (default auto) on the gateway and ``up``; a value
+    outside the choices is one line naming the flag, from the command line, the environment or a
+    settings object."""
+    for command in ("gateway", "up"):
+        s = settings_from_args(build_parser({}).parse_args([command]))
+        g = s.gateway if isinstance(s, UpSettings) else s
+        assert isinstance(g, GatewaySettings)
+        assert (g.tool_call_parser, g.reasoning_parser) == ("auto", "auto")
+        s = settings_from_args(build_parser({"PDSERVE_REASONING_PARSER": "qwen3"}).parse_args(
+            [command, "--tool-call-parser", "mistral"]))
+        g = s.gateway if isinstance(s, UpSettings) else s
+        assert isinstance(g, GatewaySettings)
+        assert (g.tool_call_parser, g.reasoning_parser) == ("mistral", "qwen3")
+    with pytest.raises(SystemExit):
+        build_parser({}).parse_args(["gateway", "--tool-call-parser", "xml"])
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pdserve gateway: error")]
+    assert "argument --tool-call-parser" in line
+    with pytest.raises(ValueError, match="--reasoning-parser"):
+        GatewaySettings(reasoning_parser="o1")
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        GatewaySettings(tool_call_parser="xml")

@@ -271,7 +271,7 @@ def test_fields_accepted_by_design(pd: Cluster) -> None:
     plain = client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=3)  # type: ignore[arg-type]
     tagged = client.chat.completions.create(  # type: ignore[call-overload]
         model="fake-model", messages=MSGS, max_tokens=3, user="u-1", metadata={"k": "v"}, store=False,
-        response_format={"type": "text"}, tools=[], tool_choice="none", modalities=["text"],
+        response_format={"type": "text"}, tools=[], modalities=["text"],
         service_tier="auto", extra_body={"safety_identifier": "hash-1"})
     assert tagged.choices[0].message.content == plain.choices[0].message.content
     history = [*MSGS, {"role": "assistant", "content": "Paris.", "refusal": None, "tool_calls": None,

@@ -8,7 +8,7 @@ import threading
 import time
 
 from pdserve.launcher import Supervisor, example, plan
-from protocol.settings import UpSettings
+from protocol.settings import GatewaySettings, UpSettings
 
 
 def test_plan_starts_gateway_first_and_binds_loopback() -> None:
@@ -22,6 +22,11 @@ def test_plan_starts_gateway_first_and_binds_loopback() -> None:
         assert args[args.index("--gateway-control") + 1] == "tcp://127.0.0.1:7777"
         assert args[args.index("--host") + 1] == "127.0.0.1"
         assert ("--transfer-backend" in args) == (not name.startswith("colocated"))
+    assert "--tool-call-parser" not in gateway  # the default (auto) needs no flag
+    given = GatewaySettings(tool_call_parser="hermes", reasoning_parser="qwen3")
+    parsers = plan(UpSettings(gateway=given), control_port=7777)[0][1]
+    assert parsers[parsers.index("--tool-call-parser") + 1] == "hermes"
+    assert parsers[parsers.index("--reasoning-parser") + 1] == "qwen3"
 
 
 def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:

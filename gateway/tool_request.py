@@ -1,0 +1,139 @@
+"""A chat request's tools: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked against each
+other and the served model, the tool definitions for the chat template, the parsers of the output, and,
+for ``tool_choice`` ``required`` or a named function, the JSON schema decoding must satisfy.
+
+Rules (OpenAI's, plus what pdserve cannot honour):
+
+* ``tool_choice`` or ``parallel_tool_calls`` without ``tools`` (absent or ``[]``) → 400 naming it.
+* Tool names are unique; each ``parameters`` is a valid JSON Schema (checked with ``jsonschema``, the
+  metaschema it declares, else Draft 2020-12) of an object → else 400 naming ``tools.<i>...``.
+* A named ``tool_choice`` must name one of ``tools`` → else 400 naming ``tool_choice``.
+* ``tool_choice`` ``auto`` (the default with tools) parses the model's calls with the model's parser;
+  a model without a known tool-call format (``--tool-call-parser none``) → 400 naming ``tools``.
+* ``tool_choice`` ``none`` renders the tools but parses no calls.
+* ``required`` / named: the output is constrained to ``forced_tool_schema`` and read by the
+  ``forced_json`` parser; the constraint is attached by ``tool_structured_output`` (the one place that
+  needs structured outputs; without them the request is a 400).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+import jsonschema.exceptions
+import jsonschema.validators
+
+from gateway.chat_output import ChatOutputSpec
+from gateway.errors import bad_request
+from gateway.openai_requests import ChatCompletionRequest, FunctionTool, NamedToolChoice
+from gateway.tool_parsers import FORCED
+
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request's tools amount to: ``template_tools`` (OpenAI tool objects for the chat
+    template, None without tools), the output parsers, and ``forced_schema`` (the JSON schema of a
+    ``required`` or named choice's output; None otherwise)."""
+
+    template_tools: list[dict[str, Any]] | None
+    output: ChatOutputSpec
+    forced_schema: dict[str, Any] | None = None
+
+
+def check_parameters(schema: dict[str, Any], param: str) -> None:
+    """Raises ``APIError`` (400 naming ``param``) when ``schema`` is not a valid JSON Schema of an object
+    (validated against the metaschema it names in ``$schema``; one pdserve does not know, or none: Draft
+    2020-12)."""
+    if not isinstance(schema.get("$schema", ""), str):
+        raise bad_request(f"{param}: $schema must be a string (a metaschema URI)", param)
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        raise bad_request(f"{param} is not a valid JSON Schema: {exc.message}" +
+                          (f" (at {where})" if where else ""), param) from exc
+    if schema.get("type", "object") != "object":
+        raise bad_request(f"{param} must describe an object (type: object), got type {schema['type']!r}",
+                          param)
+
+
+def _parameters(tool: FunctionTool) -> dict[str, Any]:
+    return tool.function.parameters if tool.function.parameters is not None else NO_PARAMETERS
+
+
+def forced_tool_schema(tools: list[FunctionTool], choice: str | NamedToolChoice,
+                       parallel_tool_calls: bool) -> dict[str, Any]:
+    """The JSON schema of a ``required`` or named ``tool_choice``'s output: an array of calls
+    ``{"name": <const>, "arguments": <that tool's parameters>}`` (one of the tools for ``required``, at
+    least one call, at most one when ``parallel_tool_calls`` is false; exactly one call of the named tool
+    for a named choice). Source of the approach: vLLM constrains ``required`` to such an array."""
+    chosen = tools if choice == "required" else [
+        t for t in tools if isinstance(choice, NamedToolChoice) and t.function.name == choice.function.name]
+    items = [{"type": "object",
+              "properties": {"name": {"type": "string", "const": t.function.name},
+                             "arguments": _parameters(t)},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    if choice != "required" or not parallel_tool_calls:
+        schema["maxItems"] = 1
+    return schema
+
+
+def tool_structured_output(schema: dict[str, Any]) -> tuple[str, str]:
+    """The structured-output constraint (kind, spec) that makes the workers' decoding satisfy
+    ``schema``: kind ``json``, spec the schema's JSON text.
+
+    Raises:
+        APIError: always, for now: 400 naming ``tool_choice`` (code ``unsupported_parameter``), because
+            this build has no structured outputs to enforce it with.
+    """
+    del schema
+    raise bad_request("tool_choice 'required' or a named function needs structured outputs (constrained "
+                      "decoding), which this build does not have; use tool_choice 'auto'", "tool_choice",
+                      "unsupported_parameter")
+
+
+def plan_tools(body: ChatCompletionRequest, tool_parser: str, reasoning_parser: str) -> ToolPlan:
+    """Check the request's tool fields and decide how its output is parsed. ``tool_parser``: the model's
+    (``gateway.tool_parsers.select_tool_parser``, possibly ``none``); ``reasoning_parser`` likewise.
+
+    Raises:
+        APIError: 400 naming the field (see the module docstring).
+    """
+    reasoning = None if reasoning_parser == "none" else reasoning_parser
+    tools = body.tools or []
+    if not tools:
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if getattr(body, name) is not None:
+                raise bad_request(f"{name} is only allowed when tools are given", name)
+        return ToolPlan(None, ChatOutputSpec(reasoning))
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.function.name in seen:
+            raise bad_request(f"tools: the function name {tool.function.name!r} appears twice",
+                              f"tools.{i}.function.name")
+        seen.add(tool.function.name)
+        if tool.function.parameters is not None:
+            check_parameters(tool.function.parameters, f"tools.{i}.function.parameters")
+    choice = body.tool_choice or "auto"
+    parallel = body.parallel_tool_calls is not False
+    listed = [t.model_dump(exclude_none=True) for t in tools]
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
+        raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+                          "tool_choice")
+    if choice == "none":
+        return ToolPlan(listed, ChatOutputSpec(reasoning))
+    if choice == "auto":
+        if tool_parser == "none":
+            raise bad_request("the served model's chat template has no tool-call format pdserve knows, so "
+                              "its calls cannot be parsed: start the gateway with --tool-call-parser "
+                              "(hermes, llama3_json or mistral)", "tools", "unsupported_parameter")
+        return ToolPlan(listed, ChatOutputSpec(reasoning, tool_parser, parallel))
+    return ToolPlan(listed, ChatOutputSpec(reasoning, FORCED, parallel),
+                    forced_tool_schema(tools, choice, parallel))

@@ -1,0 +1,140 @@
+"""Tool-call and reasoning parsers on hand-written model outputs: the non-streamed result holds the right
+content, reasoning and calls, and the same text cut into any pieces streams events that add up to it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.chat_output import ChatOutputParser, ChatOutputSpec, parse_whole
+from gateway.reasoning import select_reasoning_parser
+from gateway.tool_parsers import select_tool_parser
+from gateway.tool_parsers.events import (
+    ContentText,
+    Event,
+    ParsedOutput,
+    ReasoningText,
+    ToolCallArguments,
+    ToolCallStart,
+    fold,
+)
+
+W = {"city": "Paris", "unit": "c"}
+WJ = json.dumps(W)
+
+# (spec, model output, content, reasoning, [(name, arguments dict)])
+CASES = [
+    (ChatOutputSpec(tools="hermes"),
+     f'<tool_call>\n{{"name": "weather", "arguments": {WJ}}}\n</tool_call>', None, None, [("weather", W)]),
+    (ChatOutputSpec(tools="hermes"),
+     f'Let me check.\n<tool_call>{{"name": "weather", "arguments": {WJ}}}</tool_call>\n'
+     '<tool_call>{"name": "time", "arguments": {}}</tool_call>\n', "Let me check.", None,
+     [("weather", W), ("time", {})]),
+    (ChatOutputSpec(tools="hermes"), "Paris is sunny today.\n", "Paris is sunny today.\n", None, []),
+    (ChatOutputSpec(tools="hermes"), "a < b and <tool_ c", "a < b and <tool_ c", None, []),
+    (ChatOutputSpec(tools="hermes"), "<tool_call>not json</tool_call> ok",
+     "<tool_call>not json</tool_call> ok", None, []),
+    (ChatOutputSpec(tools="hermes"), f'<tool_call>{{"name": "weather", "arguments": {WJ}}}', None, None,
+     [("weather", W)]),
+    (ChatOutputSpec(tools="hermes"), '<tool_call>{"name": "weather", "argu',
+     '<tool_call>{"name": "weather", "argu', None, []),
+    (ChatOutputSpec(tools="hermes"), '<tool_call>{"name": "w", "arguments": "{\\"a\\": 1}"}</tool_call>',
+     None, None, [("w", {"a": 1})]),
+    (ChatOutputSpec(tools="hermes", parallel_tool_calls=False),
+     '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}'
+     '</tool_call>', None, None, [("a", {})]),
+    (ChatOutputSpec(tools="llama3_json"), f'{{"name": "weather", "parameters": {WJ}}}', None, None,
+     [("weather", W)]),
+    (ChatOutputSpec(tools="llama3_json"), f'<|python_tag|>{{"name": "a", "parameters": {{}}}}; '
+     f'{{"name": "weather", "parameters": {WJ}}}', None, None, [("a", {}), ("weather", W)]),
+    (ChatOutputSpec(tools="llama3_json"), "  The weather is {fine}.", "  The weather is {fine}.", None, []),
+    (ChatOutputSpec(tools="llama3_json"), '{"answer": 42}', '{"answer": 42}', None, []),
+    (ChatOutputSpec(tools="mistral"), f'[TOOL_CALLS][{{"name": "weather", "arguments": {WJ}}}, '
+     '{"name": "t", "arguments": {}}]', None, None, [("weather", W), ("t", {})]),
+    (ChatOutputSpec(tools="mistral"), f'Sure. [TOOL_CALLS]weather[ARGS]{WJ}', "Sure.", None,
+     [("weather", W)]),
+    (ChatOutputSpec(tools="mistral"), f'[{{"name": "weather", "arguments": {WJ}}}]', None, None,
+     [("weather", W)]),
+    (ChatOutputSpec(tools="mistral"), "[1] is a list [TOOL_CALLS]oops", "[1] is a list [TOOL_CALLS]oops",
+     None, []),
+    (ChatOutputSpec(tools="mistral"), "[TOOL", "[TOOL", None, []),
+    (ChatOutputSpec(reasoning="qwen3"), "<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", "It is 4.",
+     "\nHmm, 2+2.\n", []),
+    (ChatOutputSpec(reasoning="qwen3"), "It is 4.", "It is 4.", None, []),
+    (ChatOutputSpec(reasoning="qwen3"), "<think>cut sho", None, "cut sho", []),
+    (ChatOutputSpec(reasoning="deepseek_r1"), "Hmm.</think>4", "4", "Hmm.", []),
+    (ChatOutputSpec(reasoning="deepseek_r1"), "<think>Hmm, still", None, "Hmm, still", []),
+    (ChatOutputSpec(reasoning="qwen3", tools="hermes"),
+     f'<think>need weather</think>\n<tool_call>{{"name": "weather", "arguments": {WJ}}}</tool_call>', None,
+     "need weather", [("weather", W)]),
+    (ChatOutputSpec(reasoning="qwen3", tools="hermes"),
+     '<think>a <tool_call> in thought</think>fine', "fine", "a <tool_call> in thought", []),
+]
+
+
+def _check(out: ParsedOutput, content: str | None, reasoning: str | None,
+           calls: list[tuple[str, dict[str, object]]]) -> None:
+    assert (out.content, out.reasoning) == (content, reasoning)
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == calls
+    for c in out.calls:
+        assert c.id.startswith("call_") and len(c.id) == 29
+
+
+@pytest.mark.parametrize(("spec", "text", "content", "reasoning", "calls"), CASES)
+def test_whole_output(spec: ChatOutputSpec, text: str, content: str | None, reasoning: str | None,
+                      calls: list[tuple[str, dict[str, object]]]) -> None:
+    _check(parse_whole(spec, text), content, reasoning, calls)
+
+
+def _stream(spec: ChatOutputSpec, pieces: list[str]) -> list[Event]:
+    parser = ChatOutputParser(spec)
+    events: list[Event] = []
+    for piece in pieces:
+        events += parser.feed(piece)
+    return events + parser.finish()
+
+
+def _cut(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({c % (len(text) + 1) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(CASES), cuts=st.lists(st.integers(0, 10_000), max_size=12))
+def test_any_chunking_adds_up_to_the_whole(case: tuple, cuts: list[int]) -> None:  # type: ignore[type-arg]
+    spec, text, content, reasoning, calls = case
+    events = _stream(spec, _cut(text, cuts))
+    _check(fold(events), content, reasoning, calls)
+    # OpenAI's order: each call's start comes before its arguments; no empty text events
+    started: set[int] = set()
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            started.add(e.index)
+        elif isinstance(e, ToolCallArguments):
+            assert e.index in started
+        else:
+            assert isinstance(e, ContentText | ReasoningText) and e.text
+
+
+def test_one_character_at_a_time_holds_back_only_marker_prefixes() -> None:
+    """Text streams before the output ends: only a possible marker beginning (and trailing blanks) waits."""
+    parser = ChatOutputParser(ChatOutputSpec(tools="hermes"))
+    events = [e for ch in "Hello there <tool" for e in parser.feed(ch)]
+    streamed = "".join(e.text for e in events if isinstance(e, ContentText))
+    assert streamed == "Hello there"
+
+
+def test_parser_choice_by_template_and_flag() -> None:
+    assert select_tool_parser("auto", "{{ messages }}") == "hermes"  # no tools: the Hermes fallback prompt
+    assert select_tool_parser("auto", "{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert select_tool_parser("auto", "{% if tools %}[AVAILABLE_TOOLS]{% endif %}") == "mistral"
+    assert select_tool_parser("auto", "{% if tools %}<|python_tag|>{% endif %}") == "llama3_json"
+    assert select_tool_parser("auto", "{% for t in tools %}{{ t }}{% endfor %}") == "none"
+    assert select_tool_parser("mistral", "{{ messages }}") == "mistral"
+    assert select_reasoning_parser("auto", "{{ messages }}") == "none"
+    assert select_reasoning_parser("auto", "{% if enable_thinking %}<think>{% endif %}") == "qwen3"
+    assert select_reasoning_parser("auto", "<｜Assistant｜><think>\n") == "deepseek_r1"
+    assert select_reasoning_parser("qwen3", None) == "qwen3"
