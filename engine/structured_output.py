@@ -8,8 +8,8 @@ token-bitmask method). ``StructuredOutputs`` compiles a ``StructuredOutput`` aga
 token ``j`` allowed) that ``engine.sampler`` applies to the logits on their device.
 
 A matcher is never rolled back: ``GrammarState.sync`` replays whatever output tokens it has not seen yet,
-read from the sequence itself (``Sequence.generated_token_ids``). So the first token sampled by a prefill worker, the
-tokens of an earlier attempt that a migrated request carries at the end of its prompt
+read from the sequence itself (``Sequence.generated_token_ids``). So the first token sampled by a prefill
+worker, the tokens of an earlier attempt that a migrated request carries at the end of its prompt
 (``SamplingParams.output_offset``), and a preempted sequence's recompute (its output tokens are kept) all
 leave the matcher where the sequence is.
 

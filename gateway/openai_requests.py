@@ -3,10 +3,11 @@ gateway/openai_responses.py).
 
 Fields follow the OpenAI API reference (Chat Completions and legacy Completions), plus vLLM's extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ``chat_template_kwargs``). Nothing is silently ignored: an unknown field is a 400 naming
-it (``extra="forbid"``), and an OpenAI field pdserve does not implement yet (``NOT_SUPPORTED``: tools,
-structured outputs, audio, ...) is declared here only so that ``unsupported_fields`` can refuse it with a
-400 saying so (a harmless value, e.g. ``response_format: {"type": "text"}`` or ``tools: []``, passes).
+``stop_token_ids``, ``chat_template_kwargs``, ``structured_outputs``). Nothing is silently ignored: an unknown
+field is a 400 naming it (``extra="forbid"``), and an OpenAI field pdserve does not implement yet
+(``NOT_SUPPORTED``: tools, audio, ...) is declared here only so that ``unsupported_fields`` can refuse it
+with a 400 saying so (a harmless value, e.g. ``tools: []``, passes). ``response_format`` and
+``structured_outputs`` are checked and mapped in gateway/structured_output.py.
 ``user``, ``safety_identifier``, ``metadata`` and ``store: false`` are accepted and ignored by design
 (end-user ids for abuse monitoring, and tags of stored completions, which pdserve never stores).
 Integers are bounded so that every accepted value fits the msgpack wire (int64) and floats must be
@@ -75,6 +76,39 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's ``name`` (required), ``description``, ``schema`` and
+    ``strict`` (pdserve always enforces the schema, strict or not)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text``, ``json_object`` or ``json_schema`` (with ``json_schema`` set)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class GenerationRequestBase(BaseModel):
     """Fields shared by both endpoints (model, choices, streaming, stops, sampling); ranges as in the
     OpenAI reference.
@@ -106,6 +140,8 @@ class GenerationRequestBase(BaseModel):
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     user: str | None = None
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
@@ -141,7 +177,6 @@ class ChatCompletionRequest(GenerationRequestBase):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     prediction: Any = None
     audio: Any = None
     modalities: Any = None
@@ -190,7 +225,6 @@ NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda v: v is None or v == "none",
     "function_call": lambda v: v is None or v == "none",
     "parallel_tool_calls": _none,
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "prediction": _none,
     "audio": _none,
     "modalities": lambda v: v is None or v == ["text"],

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError, StructuredOutput
 from gateway.errors import bad_request, not_found_model, unavailable
 from gateway.openai_requests import (
     INT64_MAX,
@@ -26,6 +26,7 @@ from gateway.openai_requests import (
 )
 from gateway.orchestrator import GenerationInput
 from gateway.service import GatewayService
+from gateway.structured_output import structured_output_of
 from gateway.text import TextProcessor, TokenizerNotFoundError
 
 Body = ChatCompletionRequest | CompletionRequest
@@ -205,9 +206,11 @@ def _requested_logprobs(body: Body) -> int | None:
     return body.logprobs
 
 
-def sampling_params(body: Body, max_tokens: int, seed: int | None) -> SamplingParams:
+def sampling_params(body: Body, max_tokens: int, seed: int | None,
+                    structured_output: StructuredOutput | None = None) -> SamplingParams:
     """The workers' sampling params of one choice: ``max_tokens`` as resolved against the context length,
-    ``seed`` that choice's (``derived_seed``), no stop strings.
+    ``seed`` that choice's (``derived_seed``), ``structured_output`` the request's (validated by
+    ``structured_output_of``), no stop strings.
 
     Raises:
         APIError: 400 naming the parameter ``SamplingParams`` refuses (e.g. ``top_k`` 0).
@@ -219,7 +222,7 @@ def sampling_params(body: Body, max_tokens: int, seed: int | None) -> SamplingPa
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens, logprobs=_requested_logprobs(body),
-            logit_bias=tuple(sorted((body.logit_bias or {}).items())))
+            logit_bias=tuple(sorted((body.logit_bias or {}).items())), structured_output=structured_output)
     except SamplingParamsError as exc:
         raise bad_request(str(exc).removeprefix("SamplingParams."), exc.field) from exc
 
@@ -260,6 +263,7 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
     text = text_processor(svc)
     check_ids(list(body.stop_token_ids or ()), text.vocab_size, "stop_token_ids")
     check_ids(body.logit_bias or {}, text.vocab_size, "logit_bias")
+    structured = structured_output_of(body.response_format, body.structured_outputs)
     prompts = _prompts(text, body)
     if len(prompts) * body.n > svc.settings.max_queue:
         raise bad_request(f"{len(prompts)} prompts x n={body.n} choices exceed --max-queue "
@@ -271,7 +275,8 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
         for i in range(body.n):
             index = j * body.n + i
             inp = GenerationInput(f"{request_id}-{index}" if many else request_id, ids,
-                                  sampling_params(body, max_tokens, derived_seed(body.seed, i)),
+                                  sampling_params(body, max_tokens, derived_seed(body.seed, i),
+                                                  structured),
                                   tuple(body.stop_list()))
             choices.append(ChoiceInput(index, inp, prompt_text if echo else ""))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
