@@ -92,7 +92,7 @@ def test_sampler_mixed_batch_masks_only_constrained_rows() -> None:
 
 
 def test_structured_output_params_are_validated() -> None:
-    with pytest.raises(SamplingParamsError, match="structured_output.kind"):
+    with pytest.raises(SamplingParamsError, match=r"structured_output\.kind"):
         StructuredOutput(kind="yaml", spec="")  # type: ignore[arg-type]
     with pytest.raises(SamplingParamsError, match="min_tokens"):
         SamplingParams(min_tokens=1, structured_output=StructuredOutput(kind="json_object"))
@@ -143,14 +143,16 @@ def test_bad_spec_is_refused_before_queueing(smol: LLM) -> None:
 
 SHORT = {"type": "string", "maxLength": 12}
 SCHEMAS: list[dict] = [
-    {"type": "object", "properties": {"name": SHORT, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    {"type": "object", "properties": {"name": SHORT,
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
      "required": ["name", "age"], "additionalProperties": False},
     {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
     {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
     {"type": "object", "properties": {"version": {"const": "1.0"}, "id": {"type": "integer", "minimum": 1,
                                                                           "maximum": 9}},
      "required": ["version", "id"]},
-    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 1, "maxItems": 3},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 1,
+     "maxItems": 3},
     {"type": "array", "items": SHORT, "minItems": 2, "maxItems": 2},
     {"type": "object", "properties": {"point": {"type": "object", "properties": {
         "x": {"type": "integer", "minimum": -5, "maximum": 5}, "y": {"type": "integer", "minimum": -5,
@@ -176,7 +178,8 @@ SCHEMAS: list[dict] = [
     {"type": "object", "properties": {"kind": {"const": "circle"}, "r": {"type": "integer", "minimum": 1,
                                                                          "maximum": 9}},
      "required": ["kind", "r"]},
-    {"$defs": {"item": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    {"$defs": {"item": {"type": "object",
+                        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
                         "required": ["n"]}},
      "type": "array", "items": {"$ref": "#/$defs/item"}, "minItems": 1, "maxItems": 2},
     {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 4}},
@@ -236,8 +239,8 @@ def test_regex_choice_object_and_grammar(smol: LLM) -> None:
 @pytest.mark.slow
 def test_max_tokens_first_gives_length(smol: LLM) -> None:
     schema = {"type": "array", "items": {"type": "integer"}, "minItems": 20}
-    out = smol.generate("List:", SamplingParams(max_tokens=5, temperature=0.0, structured_output=StructuredOutput(
-        kind="json", spec=json.dumps(schema))))[0]
+    so = StructuredOutput(kind="json", spec=json.dumps(schema))
+    out = smol.generate("List:", SamplingParams(max_tokens=5, temperature=0.0, structured_output=so))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5 and out.text.startswith("[")
     smol.core.check_no_leaks()
 
@@ -247,8 +250,8 @@ def test_continuation_with_output_offset_matches_one_run(smol: LLM) -> None:
     """A request continued elsewhere (its first k output tokens at the end of the prompt, output_offset=k:
     what a migration or a decode worker sees) gets the matcher replayed over them and continues exactly
     as the uninterrupted generation; a forced first token (a const) crosses the boundary too."""
-    schema = {"type": "object", "properties": {"kind": {"const": "circle"}, "r": {"type": "integer",
-                                                                                  "minimum": 1, "maximum": 9}},
+    radius = {"type": "integer", "minimum": 1, "maximum": 9}
+    schema = {"type": "object", "properties": {"kind": {"const": "circle"}, "r": radius},
               "required": ["kind", "r"]}
     so = StructuredOutput(kind="json", spec=json.dumps(schema))
     prompt = smol.tokenizer.encode("Shape as JSON:") if smol.tokenizer else []
@@ -279,7 +282,7 @@ def test_preemption_keeps_the_matcher_consistent(smol: LLM) -> None:
     preempted: list[str] = []
     schedule = tight.core.scheduler.schedule
 
-    def watching():  # noqa: ANN202
+    def watching():  # type: ignore[no-untyped-def]
         output = schedule()
         preempted.extend(output.preempted)
         return output
