@@ -10,11 +10,11 @@ Two ways to ask (OpenAI's and vLLM's), at most one per request:
 
 The grammar engine (xgrammar) needs torch, which the gateway never imports, so the gateway checks what it
 can without it: a schema must pass its JSON Schema meta-schema (``jsonschema``), every ``pattern`` in it
-and every ``regex`` must compile with Python's ``re`` and use no lookaround or backreference (xgrammar
-refuses those), a choice list must hold non-empty strings, and a grammar must parse as EBNF
-(``check_ebnf``: balanced brackets, closed strings and classes, every rule it uses defined, a ``root``
-rule). A spec that passes all this and still does not compile fails on the worker (the request then
-fails like any request a worker refuses).
+and every ``regex`` must compile with Python's ``re`` and use no lookaround, backreference or inline
+flag such as ``(?i)`` (xgrammar refuses those), a choice list must hold non-empty strings, and a
+grammar must parse as EBNF (``check_ebnf``: balanced brackets, closed strings and classes, every rule
+it uses defined, a ``root`` rule). A spec that passes all this and still does not compile fails on the
+worker (the request then fails like any request a worker refuses).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from gateway.openai_requests import ResponseFormat, StructuredOutputsParams
 
 _LOOKAROUND = re.compile(r"\(\?(?:=|!|<=|<!)")
 _BACKREF = re.compile(r"\\[1-9]|\(\?P=")
+_INLINE_FLAGS = re.compile(r"\(\?[aiLmsux-]+[:)]")
 
 
 def structured_output_of(response_format: ResponseFormat | None,
@@ -124,15 +125,15 @@ def _patterns(node: Any) -> list[str]:
 
 
 def check_regex(pattern: str, field: str) -> None:
-    """Raises ``APIError`` (400 naming ``field``) when ``pattern`` does not compile or uses lookaround or
-    a backreference (the grammar engine has neither)."""
+    """Raises ``APIError`` (400 naming ``field``) when ``pattern`` does not compile or uses lookaround, a
+    backreference or an inline flag group (the grammar engine has none of them)."""
     try:
         re.compile(pattern)
     except re.error as exc:
         raise bad_request(f"{field} is not a valid regular expression: {exc}", field) from exc
-    if _LOOKAROUND.search(pattern) or _BACKREF.search(pattern):
-        raise bad_request(f"{field}: lookaround and backreferences are not supported in regular expressions",
-                          field)
+    if _LOOKAROUND.search(pattern) or _BACKREF.search(pattern) or _INLINE_FLAGS.search(pattern):
+        raise bad_request(f"{field}: lookaround, backreferences and inline flags are not supported in "
+                          f"regular expressions", field)
 
 
 _RULE_START = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_\-.]*)\s*::=", re.MULTILINE)

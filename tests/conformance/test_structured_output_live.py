@@ -97,5 +97,17 @@ def test_bad_spec_is_a_400_naming_the_field(live: SystemPair, fields: dict[str, 
         assert error["type"] == "invalid_request_error" and error["message"]
 
 
+def test_spec_the_worker_cannot_compile_fails_cleanly(live: SystemPair) -> None:
+    """A grammar that passes the gateway's syntax check but that xgrammar refuses (an inverted character
+    range) fails on the worker: an error answer (never a 200) saying why, and nothing held afterwards."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "structured_outputs": {"grammar": "root ::= [z-a]"}}
+    for url in (live.disagg_url, live.colo_url):
+        resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {live.api_key}"})
+        assert resp.status_code == 502, resp.text
+        assert "does not compile" in resp.json()["error"]["message"], resp.text
+
+
 def test_no_leak_after_structured_requests(live: SystemPair) -> None:
     leak_check(live)

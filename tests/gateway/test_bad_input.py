@@ -144,6 +144,8 @@ JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
         "schema": {}}}), 400, "response_format.json_schema.name"),
     ("structured_outputs-bad-regex", COMP, comp(structured_outputs={"regex": "(a"}), 400,
      "structured_outputs.regex"),
+    ("structured_outputs-inline-flag", COMP, comp(structured_outputs={"regex": "(?i)abc"}), 400,
+     "structured_outputs.regex"),
     ("structured_outputs-backreference", CHAT, chat(structured_outputs={"regex": "(a)\\1"}), 400,
      "structured_outputs.regex"),
     ("structured_outputs-grammar-undefined-rule", CHAT, chat(structured_outputs={"grammar": "root ::= x"}),
