@@ -294,3 +294,15 @@ def test_preemption_keeps_the_matcher_consistent(smol: LLM) -> None:
     for o in outs:
         jsonschema.validate(json.loads(o.text), schema)
     tight.core.check_no_leaks()
+
+
+def test_rows_with_a_grammar_never_take_the_argmax_or_async_paths() -> None:
+    """A row with a grammar needs its bitmask from the previous token: it is neither plain greedy (one
+    argmax) nor ``samples_on_device`` (launched before the previous token is on the host)."""
+    from engine.sampler import is_plain_greedy, samples_on_device
+
+    so = StructuredOutput(kind="choice", spec='["a"]')
+    assert is_plain_greedy(SamplingParams(temperature=0.0), 0)
+    assert samples_on_device(SamplingParams(temperature=0.0), 0)
+    assert not is_plain_greedy(SamplingParams(temperature=0.0, structured_output=so), 0)
+    assert not samples_on_device(SamplingParams(temperature=0.0, structured_output=so), 0)
