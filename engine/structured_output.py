@@ -66,8 +66,8 @@ class GrammarState:
 class StructuredOutputs:
     """Compiles ``StructuredOutput`` specs for one model's tokenizer and builds sequences' matchers.
 
-    The tokenizer is loaded on first use (transformers, from ``model_dir``), as is xgrammar's view of it,
-    so a worker that never gets a structured request pays nothing.
+    The tokenizer (transformers, from ``model_dir``) and xgrammar's view of it are loaded on first use, or
+    ahead of it by ``preload`` (workers call it at start, off their control loop).
 
     Args:
         model_dir: the Hugging Face directory holding ``tokenizer.json``.
@@ -86,9 +86,33 @@ class StructuredOutputs:
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        self._load_error: Exception | None = None
         self.compilations = 0  # grammars compiled (cache misses)
 
+    @property
+    def loaded(self) -> bool:
+        """True once the tokenizer and xgrammar's view of it are loaded."""
+        return self._compiler is not None
+
+    def preload(self) -> threading.Thread:
+        """Load the tokenizer and xgrammar's view of it on a daemon thread (a worker calls this at start,
+        so its first structured request does not stall the worker's control loop for seconds); ``compile``
+        waits for it. Returns the thread. A failure there is raised again by the next ``compile``."""
+
+        def load() -> None:
+            with self._lock:
+                try:
+                    self._grammar_compiler()
+                except Exception as exc:  # kept for compile(), which reports it on the request
+                    self._load_error = exc
+
+        thread = threading.Thread(target=load, name="grammar-tokenizer", daemon=True)
+        thread.start()
+        return thread
+
     def _grammar_compiler(self) -> xgrammar.GrammarCompiler:
+        if self._load_error is not None:
+            raise StructuredOutputError(f"the grammar engine's tokenizer did not load: {self._load_error}")
         if self._compiler is None:
             import transformers  # loaded only when a structured request arrives
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -306,3 +307,18 @@ def test_rows_with_a_grammar_never_take_the_argmax_or_async_paths() -> None:
     assert samples_on_device(SamplingParams(temperature=0.0), 0)
     assert not is_plain_greedy(SamplingParams(temperature=0.0, structured_output=so), 0)
     assert not samples_on_device(SamplingParams(temperature=0.0, structured_output=so), 0)
+
+
+@pytest.mark.slow
+def test_preload_loads_off_thread_and_a_failed_load_is_reported(smol: LLM, tmp_path: Path) -> None:
+    core = smol.core
+    outs = StructuredOutputs(core.structured_outputs.model_dir, core.runner.vocab_size, core.eos_token_id)
+    assert not outs.loaded
+    outs.preload().join(timeout=120)
+    assert outs.loaded
+    assert outs.compile(StructuredOutput(kind="regex", spec="[0-9]")) is not None
+    broken = StructuredOutputs(tmp_path, core.runner.vocab_size, core.eos_token_id)  # no tokenizer there
+    broken.preload().join(timeout=120)
+    assert not broken.loaded
+    with pytest.raises(StructuredOutputError, match="did not load"):
+        broken.compile(StructuredOutput(kind="regex", spec="[0-9]"))
