@@ -99,13 +99,16 @@ def test_bad_spec_is_a_400_naming_the_field(live: SystemPair, fields: dict[str, 
 
 def test_spec_the_worker_cannot_compile_fails_cleanly(live: SystemPair) -> None:
     """A grammar that passes the gateway's syntax check but that xgrammar refuses (an inverted character
-    range) fails on the worker: an error answer (never a 200) saying why, and nothing held afterwards."""
+    range) fails on the worker (the decode worker compiles it at ``ReserveKV``, the colocated one at
+    admission): an error answer, never a 200, saying why, and nothing held afterwards. With one worker
+    of each kind no retry is possible: 503 ``no_worker_for_retry`` (not yet the 400 it deserves: a worker
+    cannot tell the gateway that a request itself is bad)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
             "structured_outputs": {"grammar": "root ::= [z-a]"}}
     for url in (live.disagg_url, live.colo_url):
         resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
                           headers={"Authorization": f"Bearer {live.api_key}"})
-        assert resp.status_code == 502, resp.text
+        assert resp.status_code == 503, resp.text
         assert "does not compile" in resp.json()["error"]["message"], resp.text
 
 
