@@ -156,6 +156,7 @@ class DecodeWorker(WorkerLoop):
             raise ValueError(f"request id {msg.request_id!r} is already on this worker")
         seq = Sequence(msg.request_id, list(msg.prompt_token_ids), params, time.monotonic(),
                        self.core.eos_token_id)
+        self.core.attach_grammar(seq)  # compiled now, while the prefill runs
         if self.pending or not self._try_reserve(seq):
             self.pending.append((seq, time.monotonic() + self.reserve_timeout))
 

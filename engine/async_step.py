@@ -6,7 +6,9 @@ applies them (``Scheduler.update``), schedules the next step and fills its input
 scheduling (vLLM's ``--async-scheduling`` does the same; here for decode-only batches whose rows are all
 ``samples_on_device``: greedy or seeded sampling, no logprobs or penalties) the engine enqueues step N+1
 right after step N, feeding step N's sampled tokens to step N+1's ``input_ids`` on the device, and does
-step N's host work while step N+1 runs.
+step N's host work while step N+1 runs. A row with a ``structured_output`` is not ``samples_on_device``:
+its grammar's bitmask for step N+1 is filled on the host from step N's token, so a batch holding one runs
+its steps synchronously (bench/structured_output.py measures the cost).
 
 ``LaunchedStep`` is one such enqueued step: its ``SchedulerOutput``, the sampled token ids on the device
 (int64 ``[n]``), their asynchronous copy to pinned host memory and a CUDA event after it. The engine keeps

@@ -18,10 +18,12 @@ from engine.async_step import LaunchedStep
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
+from engine.models.registry import resolve_model
 from engine.sampler import SampleResult, samples_on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
+from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ class EngineCore:
         self.scheduler = Scheduler(engine_config.scheduler, cache, self.block_manager,
                                    prefill_only=prefill_only, max_model_len=self.runner.max_model_len)
         self.eos_token_id = _eos_id(self.runner.hf_config)
+        self.structured_outputs = StructuredOutputs(resolve_model(engine_config.model.model),
+                                                    self.runner.vocab_size, self.eos_token_id)
         self.step_request_ids: list[str] = []
         self.async_scheduling = engine_config.scheduler.async_scheduling  # may be switched between steps
         if self.async_scheduling and self.runner.decode_graphs is None:
@@ -98,15 +102,32 @@ class EngineCore:
         """Validate and queue one request; returns its ``Sequence`` (seed filled in if it had none).
 
         Raises:
-            ValueError: bad prompt (see ``validate_prompt``) or a duplicate ``request_id``; nothing queued.
+            ValueError: bad prompt (see ``validate_prompt``), a duplicate ``request_id`` or a
+                ``structured_output`` that does not compile (see ``attach_grammar``); nothing queued.
         """
         self.validate_prompt(prompt_token_ids)
         if sampling_params.seed is None:
             sampling_params = sampling_params.with_seed(secrets.randbits(63))
         seq = Sequence(request_id, list(prompt_token_ids), sampling_params,
                        time.monotonic() if arrival_time is None else arrival_time, self.eos_token_id)
+        self.attach_grammar(seq)
         self.scheduler.add(seq)
         return seq
+
+    def attach_grammar(self, seq: Sequence) -> None:
+        """Give ``seq`` the matcher of its ``structured_output`` (compiled once per distinct spec), advanced
+        over the output of an earlier attempt that ends its prompt (``output_offset``); nothing for a
+        sequence without one.
+
+        Raises:
+            StructuredOutputError (a ValueError): the spec does not compile, or the grammar rejects those
+                earlier output tokens.
+        """
+        spec = seq.sampling_params.structured_output
+        if spec is not None and seq.grammar is None:
+            state = self.structured_outputs.state(spec)
+            state.sync(seq.generated_token_ids)
+            seq.grammar = state
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request in any state (its blocks are freed); unknown ids are ignored. A step launched

@@ -102,8 +102,9 @@ class LLM:
 
         Raises:
             ValueError: a per-prompt params list of the wrong length, an empty or too long prompt, token
-                ids outside the vocabulary, text prompts without a tokenizer. Checked for every prompt
-                before any is queued; on any error all of this call's requests are aborted.
+                ids outside the vocabulary, text prompts without a tokenizer (checked for every prompt
+                before any is queued), or a ``structured_output`` that does not compile
+                (``StructuredOutputError``); on any error all of this call's requests are aborted.
         """
         plist = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(plist))

@@ -27,9 +27,10 @@ from engine.models.fused_model import PROJECTIONS, FusedCausalLM, unsupported_re
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
 from engine.models.loader import load_model
 from engine.ops.pdl import set_pdl
-from engine.sampler import Sampler, SampleResult, SamplingRow, is_plain_greedy
+from engine.sampler import GrammarMask, Sampler, SampleResult, SamplingRow, is_plain_greedy
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from engine.structured_output import fill_bitmasks
 
 
 def fallback_seed(request_id: str) -> int:
@@ -252,8 +253,21 @@ class ModelRunner:
             tokens = self.sampler.greedy(logits)
             return {seq.request_id: SampleResult(t) for seq, t in zip(sampling, tokens, strict=True)}
         rows = [self._row(seq) for seq in sampling]
-        results = self.sampler(logits, rows)
+        results = self.sampler(logits, rows, self._grammar_mask(sampling))
         return {seq.request_id: r for seq, r in zip(sampling, results, strict=True)}
+
+    def _grammar_mask(self, seqs: list[Sequence]) -> GrammarMask | None:
+        """The bitmask of the rows whose sequence has a grammar (each matcher first advanced over the
+        tokens it has not seen, ``GrammarState.sync``), or None when no row has one. Raises
+        ``StructuredOutputError`` when a matcher rejects such a token."""
+        if all(seq.grammar is None for seq in seqs):
+            return None
+        states = []
+        for seq in seqs:
+            if seq.grammar is not None:
+                seq.grammar.sync(seq.generated_token_ids)
+            states.append(seq.grammar)
+        return fill_bitmasks(states, self.vocab_size)
 
     @staticmethod
     def _row(seq: Sequence, later: int = 0) -> SamplingRow:

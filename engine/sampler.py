@@ -7,6 +7,10 @@ Order of operations per row (all rows at once, no per-request loop over the voca
    positive, multiplied when negative); ``presence_penalty`` / ``frequency_penalty`` with OpenAI semantics
    over output tokens (``logit -= frequency * count + presence * (count > 0)``); ``min_tokens``: eos and
    ``stop_token_ids`` masked while fewer output tokens exist.
+   Then the grammar: rows with a ``structured_output`` get ``-inf`` on every token their grammar's bitmask
+   (``GrammarMask``, filled on the host by ``engine.structured_output``) does not allow, on the logits'
+   device (xgrammar's ``apply_token_bitmask_inplace``: a CUDA/Triton kernel on the GPU, a CPU loop on the
+   host; the plain-torch reference is ``masked_by_bitmask``).
 2. Greedy rows (``temperature == 0``) take the argmax. Other rows: divide by temperature, then top-k,
    top-p (smallest set of tokens whose probability mass reaches ``top_p``), then min-p (drop tokens with
    probability below ``min_p`` × the largest), as in transformers' warpers.
@@ -32,6 +36,47 @@ import torch
 from engine.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class GrammarMask:
+    """Token bitmask of one batch: ``bitmask`` int32 ``[B, ceil(V / 32)]`` on the host (bit ``j % 32`` of
+    word ``j // 32`` set = token ``j`` allowed; rows not in ``rows`` are unused), ``rows``: the batch rows
+    that have a grammar (ascending)."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
+    """In place: ``logits [B, V]`` float32 of ``mask.rows`` get ``-inf`` where ``mask.bitmask`` has a 0
+    bit. The bitmask goes to the logits' device (pinned memory, asynchronous copy on CUDA); token ids at
+    or beyond ``32 * bitmask.shape[1]`` are left alone (the bitmask covers the whole logit width).
+
+    Raises:
+        ValueError: the bitmask's row count differs from the logits' or it covers fewer than ``V`` ids.
+    """
+    import xgrammar  # the grammar engine; loaded only by batches with a grammar
+
+    if mask.bitmask.shape[0] != logits.shape[0] or mask.bitmask.shape[1] * 32 < logits.shape[1]:
+        raise ValueError(f"bitmask {tuple(mask.bitmask.shape)} does not cover logits {tuple(logits.shape)}")
+    bitmask = mask.bitmask
+    if logits.device.type == "cuda":
+        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=mask.rows)
+
+
+def masked_by_bitmask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
+    """Plain-torch reference of ``apply_grammar_mask`` (a new tensor): unpack the bits of each row of
+    ``mask.rows`` and fill ``-inf`` where a bit is 0."""
+    out = logits.clone()
+    vocab = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32)
+    for row in mask.rows:
+        words = mask.bitmask[row].to(torch.int32)
+        allowed = ((words[:, None] >> bits[None, :]) & 1).reshape(-1)[:vocab].bool()
+        out[row] = out[row].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return out
 
 
 class SampleResult(msgspec.Struct, frozen=True):
@@ -177,22 +222,23 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
 
 def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row's token is the plain argmax of its raw logits: greedy, no logprobs, no penalties,
-    no ``logit_bias``, and ``min_tokens`` reached (nothing masked). Such rows need no ``SamplingRow``
-    (see ``Sampler.greedy``)."""
+    no ``logit_bias``, no ``structured_output``, and ``min_tokens`` reached (nothing masked). Such rows
+    need no ``SamplingRow`` (see ``Sampler.greedy``)."""
     return (params.temperature == 0.0 and params.logprobs is None and params.repetition_penalty == 1.0
             and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0 and not params.logit_bias
-            and num_output_tokens >= params.min_tokens)
+            and params.structured_output is None and num_output_tokens >= params.min_tokens)
 
 
 def samples_on_device(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row's token needs nothing the host learns later: no logprobs, no penalties (they read
-    the output so far), no ``logit_bias`` (kept on the plain path) and ``min_tokens`` reached, greedy or
-    seeded sampling (the Gumbel noise hashes seed and output position). ``Sampler.sample_tokens`` of such
-    rows can run for a step launched before the previous step's token is on the host (asynchronous
-    scheduling, engine/async_step.py)."""
+    the output so far), no ``logit_bias`` (kept on the plain path), no ``structured_output`` (its bitmask
+    is filled on the host from the previous token, so such a row's step waits for that token) and
+    ``min_tokens`` reached, greedy or seeded sampling (the Gumbel noise hashes seed and output position).
+    ``Sampler.sample_tokens`` of such rows can run for a step launched before the previous step's token is
+    on the host (asynchronous scheduling, engine/async_step.py)."""
     return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0 and not params.logit_bias
-            and num_output_tokens >= params.min_tokens)
+            and params.structured_output is None and num_output_tokens >= params.min_tokens)
 
 
 class Sampler:
@@ -212,12 +258,14 @@ class Sampler:
         tokens: list[int] = logits.argmax(dim=-1).tolist()
         return tokens
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 grammar_mask: GrammarMask | None = None) -> list[SampleResult]:
         """Sample ``len(rows)`` tokens.
 
         Args:
             logits: ``[B, V]`` any float dtype, on the model's device; row ``i`` belongs to ``rows[i]``.
             rows: per-row parameters, seeds, output positions and token histories.
+            grammar_mask: the allowed tokens of the rows with a grammar (None: no row has one).
 
         Returns:
             ``B`` results in row order.
@@ -226,18 +274,22 @@ class Sampler:
             ValueError: ``logits`` is not 2-D or its row count differs from ``len(rows)``.
         """
         raw = logits.float()
-        return self._results(raw, self.sample_tokens(logits, rows, raw), rows)
+        return self._results(raw, self.sample_tokens(logits, rows, raw, grammar_mask), rows)
 
     @staticmethod
-    def sample_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow],
-                      raw: torch.Tensor | None = None) -> torch.Tensor:
+    def sample_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow], raw: torch.Tensor | None = None,
+                      grammar_mask: GrammarMask | None = None) -> torch.Tensor:
         """The sampled token ids, int64 ``[B]`` on the device, without waiting for the device (no host
         synchronisation: per-row values go through pinned memory). ``raw``: ``logits.float()`` if the
-        caller has it. Raises ``ValueError`` as ``__call__``."""
+        caller has it (never modified). Raises ``ValueError`` as ``__call__``."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} must be [len(rows)={len(rows)}, vocab]")
         raw = logits.float() if raw is None else raw
         processed = apply_penalties(raw, rows)
+        if grammar_mask is not None:
+            if processed is raw or processed is logits:
+                processed = raw.clone()
+            apply_grammar_mask(processed, grammar_mask)
         tokens = processed.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:

@@ -8,6 +8,7 @@ transformers (``repetition_penalty`` over prompt + output, ``top_k``/``top_p``/`
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import msgspec
 
@@ -28,6 +29,33 @@ def _require(ok: bool, field: str, allowed: str, value: object) -> None:
         raise SamplingParamsError(field, allowed, value)
 
 
+StructuredOutputKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+STRUCTURED_OUTPUT_KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A constraint on a request's output, compiled by the worker's grammar engine
+    (``engine.structured_output``).
+
+    ``kind`` / ``spec``: ``json``: a JSON schema as a JSON string; ``json_object``: any JSON object
+    (``spec`` ignored, "" by convention); ``regex``: a regular expression the whole output matches;
+    ``choice``: a JSON list of strings, the output is exactly one of them; ``grammar``: an EBNF grammar
+    (xgrammar's dialect, GBNF-like, start rule ``root``). The sender validates ``spec`` (the gateway
+    refuses a bad one with a 400); a worker that still cannot compile it fails the request.
+
+    Raises:
+        SamplingParamsError: an unknown ``kind`` or a ``spec`` that is not a string.
+    """
+
+    kind: StructuredOutputKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.kind in STRUCTURED_OUTPUT_KINDS, "structured_output.kind",
+                 f"one of {STRUCTURED_OUTPUT_KINDS}", self.kind)
+        _require(isinstance(self.spec, str), "structured_output.spec", "a string", self.spec)
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to sample one request's tokens; validated on construction and when decoded from the wire.
 
@@ -43,6 +71,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     before penalties, filters and sampling, on every worker that samples the request (prefill's first
     token and decode's rest alike); logprobs stay those of the raw logits. Ids the model's vocabulary
     lacks are ignored by the sampler (the gateway refuses ids outside the tokenizer's vocabulary).
+    ``structured_output``: the output must follow this grammar (``StructuredOutput``): each sampled token
+    is masked to the grammar's allowed set, and the request stops (``"stop"``) when the grammar is
+    complete and ends (eos then is the only token allowed; ``ignore_eos`` does not extend it). It needs
+    ``min_tokens == 0`` (a min-tokens eos ban could leave no token allowed).
     Lists given for ``stop`` / ``stop_token_ids`` / ``logit_bias`` are stored as tuples. An unknown
     field is refused (a newer sender's parameter is never silently ignored).
 
@@ -67,6 +99,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     min_tokens: int = 0
     output_offset: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         msgspec.structs.force_setattr(self, "stop", tuple(self.stop))
@@ -109,6 +142,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                      and abs(pair[1]) <= MAX_LOGIT_BIAS, "logit_bias", allowed, self.logit_bias)
         _require(len({p[0] for p in self.logit_bias}) == len(self.logit_bias), "logit_bias", allowed,
                  self.logit_bias)
+        so = self.structured_output
+        _require(so is None or isinstance(so, StructuredOutput), "structured_output",
+                 "None or a StructuredOutput", so)
+        _require(so is None or self.min_tokens == 0, "min_tokens", "0 with a structured_output",
+                 self.min_tokens)
 
     @property
     def greedy(self) -> bool:

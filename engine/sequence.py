@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -35,6 +39,8 @@ class Sequence:
     new empty list (the decode graphs' static inputs rely on this to re-send only changed rows).
     ``hashed_blocks``: ``(n, hash of block n-1)``: the leading ``n`` blocks whose prefix hashes
     ``BlockManager.cache_full_blocks`` registered (kept so each block is hashed once).
+    ``grammar``: the matcher of ``sampling_params.structured_output`` (set by the engine that admits the
+    sequence; None without one).
 
     Raises:
         ValueError: empty prompt or negative token ids.
@@ -64,6 +70,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.hashed_blocks: tuple[int, int | None] = (0, None)
         self.status = SequenceStatus.WAITING
+        self.grammar: GrammarState | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -90,6 +97,12 @@ class Sequence:
         """True while more than one token is left to compute (so this step is not a plain decode)."""
         return self.num_computed_tokens < self.num_tokens - 1
 
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """This generation's output so far: the prompt's last ``sampling_params.output_offset`` tokens
+        (output of an earlier attempt continued here) then the output tokens sampled here (a copy)."""
+        return self.token_ids[max(self.num_prompt_tokens - self.sampling_params.output_offset, 0):]
+
     def append_token(self, token_id: int) -> None:
         """Append one sampled output token (its KV is computed in the next step)."""
         self.token_ids.append(token_id)
@@ -106,11 +119,20 @@ def check_stop(seq: Sequence, max_model_len: int) -> SequenceStatus | None:
     """Finish status implied by ``seq``'s last output token, or None to continue.
 
     eos (unless ``ignore_eos``) and ``stop_token_ids`` stop only once ``min_tokens`` outputs exist;
-    ``max_tokens`` output tokens or ``max_model_len`` total tokens finish with FINISHED_LENGTH.
+    ``max_tokens`` output tokens or ``max_model_len`` total tokens finish with FINISHED_LENGTH. A sequence
+    with a ``grammar`` first advances its matcher over the new token and stops once the grammar has
+    terminated (complete, and its eos accepted), ``ignore_eos`` or not.
+
+    Raises:
+        StructuredOutputError (a ValueError): the grammar rejects the token.
     """
     params = seq.sampling_params
     outputs = seq.output_token_ids
     num_outputs = len(outputs)
+    if seq.grammar is not None:
+        seq.grammar.sync(seq.generated_token_ids)
+        if seq.grammar.is_terminated():
+            return SequenceStatus.FINISHED_STOPPED
     if num_outputs >= params.min_tokens:
         last = outputs[-1]
         if not params.ignore_eos and seq.eos_token_id is not None and last == seq.eos_token_id:

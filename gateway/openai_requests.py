@@ -3,12 +3,13 @@ gateway/openai_responses.py).
 
 Fields follow the OpenAI API reference (Chat Completions and legacy Completions), plus vLLM's extra
 sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ``chat_template_kwargs``). Nothing is silently ignored: an unknown field is a 400 naming
-it (``extra="forbid"``), and an OpenAI field pdserve does not implement yet (``NOT_SUPPORTED``: the
-deprecated ``functions``, structured outputs, audio, ...) is declared here only so that
-``unsupported_fields`` can refuse it with a 400 saying so (a harmless value, e.g. ``response_format:
-{"type": "text"}`` or ``functions: []``, passes). Tools (``tools``, ``tool_choice``,
-``parallel_tool_calls``) are checked against each other and the model in gateway/tool_request.py.
+``stop_token_ids``, ``chat_template_kwargs``, ``structured_outputs``). Nothing is silently ignored: an
+unknown field is a 400 naming it (``extra="forbid"``), and an OpenAI field pdserve does not implement yet
+(``NOT_SUPPORTED``: the deprecated ``functions``, audio, ...) is declared here only so that
+``unsupported_fields`` can refuse it with a 400 saying so (a harmless value, e.g. ``functions: []``,
+passes). Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``) are checked against each other and
+the model in gateway/tool_request.py; ``response_format`` and ``structured_outputs`` are checked and mapped
+in gateway/structured_output.py.
 ``user``, ``safety_identifier``, ``metadata`` and ``store: false`` are accepted and ignored by design
 (end-user ids for abuse monitoring, and tags of stored completions, which pdserve never stores).
 Integers are bounded so that every accepted value fits the msgpack wire (int64) and floats must be
@@ -184,6 +185,39 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's ``name`` (required), ``description``, ``schema`` and
+    ``strict`` (pdserve always enforces the schema, strict or not)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text``, ``json_object`` or ``json_schema`` (with ``json_schema`` set)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class GenerationRequestBase(BaseModel):
     """Fields shared by both endpoints (model, choices, streaming, stops, sampling); ranges as in the
     OpenAI reference.
@@ -215,6 +249,8 @@ class GenerationRequestBase(BaseModel):
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     user: str | None = None
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
@@ -250,7 +286,6 @@ class ChatCompletionRequest(GenerationRequestBase):
     # OpenAI fields not implemented yet: declared only to be refused by name (unsupported_fields)
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     prediction: Any = None
     audio: Any = None
     modalities: Any = None
@@ -296,7 +331,6 @@ NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     # field -> is this value harmless (nothing to do)?
     "functions": _no_tools,
     "function_call": lambda v: v is None or v == "none",
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "prediction": _none,
     "audio": _none,
     "modalities": lambda v: v is None or v == ["text"],

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError
+from engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams, SamplingParamsError, StructuredOutput
 from gateway.chat_output import ChatOutputSpec
 from gateway.errors import bad_request, not_found_model, unavailable
 from gateway.openai_requests import (
@@ -28,6 +28,7 @@ from gateway.openai_requests import (
 from gateway.orchestrator import GenerationInput
 from gateway.reasoning import select_reasoning_parser
 from gateway.service import GatewayService
+from gateway.structured_output import structured_output_of
 from gateway.text import TextProcessor, TokenizerNotFoundError
 from gateway.tool_parsers import select_tool_parser, template_renders_tools
 from gateway.tool_prompt import fallback_messages
@@ -173,7 +174,7 @@ def encode_text(text: TextProcessor, s: str, add_special_tokens: bool, param: st
 def chat_tools(svc: GatewayService, text: TextProcessor, body: ChatCompletionRequest) -> ToolPlan:
     """The request's tool plan with the served model's parsers (``--tool-call-parser`` and
     ``--reasoning-parser``, ``auto``: by its chat template). A ``required`` or named ``tool_choice``
-    gets its structured-output constraint here (``tool_structured_output``).
+    gets its structured-output constraint in ``prepare`` (``tool_structured_output``).
 
     Raises:
         APIError: 400 naming the tool field at fault (gateway/tool_request.py).
@@ -181,8 +182,6 @@ def chat_tools(svc: GatewayService, text: TextProcessor, body: ChatCompletionReq
     template = text.chat_template
     plan = plan_tools(body, select_tool_parser(svc.settings.tool_call_parser, template),
                       select_reasoning_parser(svc.settings.reasoning_parser, template))
-    if plan.forced_schema is not None:
-        tool_structured_output(plan.forced_schema)
     return plan
 
 
@@ -239,9 +238,11 @@ def _requested_logprobs(body: Body) -> int | None:
     return body.logprobs
 
 
-def sampling_params(body: Body, max_tokens: int, seed: int | None) -> SamplingParams:
+def sampling_params(body: Body, max_tokens: int, seed: int | None,
+                    structured_output: StructuredOutput | None = None) -> SamplingParams:
     """The workers' sampling params of one choice: ``max_tokens`` as resolved against the context length,
-    ``seed`` that choice's (``derived_seed``), no stop strings.
+    ``seed`` that choice's (``derived_seed``), ``structured_output`` the request's (validated by
+    ``structured_output_of``), no stop strings.
 
     Raises:
         APIError: 400 naming the parameter ``SamplingParams`` refuses (e.g. ``top_k`` 0).
@@ -253,7 +254,7 @@ def sampling_params(body: Body, max_tokens: int, seed: int | None) -> SamplingPa
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens, logprobs=_requested_logprobs(body),
-            logit_bias=tuple(sorted((body.logit_bias or {}).items())))
+            logit_bias=tuple(sorted((body.logit_bias or {}).items())), structured_output=structured_output)
     except SamplingParamsError as exc:
         raise bad_request(str(exc).removeprefix("SamplingParams."), exc.field) from exc
 
@@ -295,6 +296,13 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
     check_ids(list(body.stop_token_ids or ()), text.vocab_size, "stop_token_ids")
     check_ids(body.logit_bias or {}, text.vocab_size, "logit_bias")
     plan = chat_tools(svc, text, body) if isinstance(body, ChatCompletionRequest) else None
+    structured = structured_output_of(body.response_format, body.structured_outputs)
+    if plan is not None and plan.forced_schema is not None:
+        if structured is not None:
+            raise bad_request("tool_choice 'required' or a named function constrains the output to tool "
+                              "calls; it cannot be combined with response_format or structured_outputs",
+                              "tool_choice")
+        structured = tool_structured_output(plan.forced_schema)
     prompts = _prompts(text, body, plan)
     if len(prompts) * body.n > svc.settings.max_queue:
         raise bad_request(f"{len(prompts)} prompts x n={body.n} choices exceed --max-queue "
@@ -306,7 +314,8 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
         for i in range(body.n):
             index = j * body.n + i
             inp = GenerationInput(f"{request_id}-{index}" if many else request_id, ids,
-                                  sampling_params(body, max_tokens, derived_seed(body.seed, i)),
+                                  sampling_params(body, max_tokens, derived_seed(body.seed, i),
+                                                  structured),
                                   tuple(body.stop_list()))
             choices.append(ChoiceInput(index, inp, prompt_text if echo else ""))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

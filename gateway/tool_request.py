@@ -11,13 +11,14 @@ Rules (OpenAI's, plus what pdserve cannot honour):
 * ``tool_choice`` ``auto`` (the default with tools) parses the model's calls with the model's parser;
   a model without a known tool-call format (``--tool-call-parser none``) → 400 naming ``tools``.
 * ``tool_choice`` ``none`` renders the tools but parses no calls.
-* ``required`` / named: the output is constrained to ``forced_tool_schema`` and read by the
-  ``forced_json`` parser; the constraint is attached by ``tool_structured_output`` (the one place that
-  needs structured outputs; without them the request is a 400).
+* ``required`` / named: the output is constrained to ``forced_tool_schema`` (``tool_structured_output``:
+  a structured output of kind json, which ``gateway/prepare.py`` attaches) and read by the
+  ``forced_json`` parser; combined with ``response_format`` or ``structured_outputs`` → 400.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ import jsonschema
 import jsonschema.exceptions
 import jsonschema.validators
 
+from engine.sampling_params import StructuredOutput
 from gateway.chat_output import ChatOutputSpec
 from gateway.errors import bad_request
 from gateway.openai_requests import ChatCompletionRequest, FunctionTool, NamedToolChoice
@@ -85,18 +87,10 @@ def forced_tool_schema(tools: list[FunctionTool], choice: str | NamedToolChoice,
     return schema
 
 
-def tool_structured_output(schema: dict[str, Any]) -> tuple[str, str]:
-    """The structured-output constraint (kind, spec) that makes the workers' decoding satisfy
-    ``schema``: kind ``json``, spec the schema's JSON text.
-
-    Raises:
-        APIError: always, for now: 400 naming ``tool_choice`` (code ``unsupported_parameter``), because
-            this build has no structured outputs to enforce it with.
-    """
-    del schema
-    raise bad_request("tool_choice 'required' or a named function needs structured outputs (constrained "
-                      "decoding), which this build does not have; use tool_choice 'auto'", "tool_choice",
-                      "unsupported_parameter")
+def tool_structured_output(schema: dict[str, Any]) -> StructuredOutput:
+    """The structured-output constraint that makes the workers' decoding satisfy ``schema`` (a
+    ``required`` or named ``tool_choice``'s calls): kind ``json``, spec the schema's JSON text."""
+    return StructuredOutput(kind="json", spec=json.dumps(schema))
 
 
 def plan_tools(body: ChatCompletionRequest, tool_parser: str, reasoning_parser: str) -> ToolPlan:

@@ -76,6 +76,7 @@ def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_on
     try:
         core, path = build_core(settings, prefill_only=prefill_only)
         warm_up_core(settings, core)
+        core.structured_outputs.preload()  # the grammar engine's tokenizer, off the control loop
         worker = factory(settings, core, path)
         watch.serving()
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

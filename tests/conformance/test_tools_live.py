@@ -4,14 +4,16 @@ the tool, so each answer is checked for a valid shape either way (a call's argum
 and the finish reason is ``tool_calls``; no call: text and ``stop``/``length``), and the four ways
 (disaggregated/colocated × streamed/not) must agree exactly, call ids aside. A history replaying a call
 and its result is served (with tools too in tests/gateway/test_tool_calls_e2e.py: the live gateways'
-``--max-prompt-tokens 100`` leaves no room for both); ``tool_choice`` without ``tools`` is a 400. Every
-test ends with a KV leak check on both gateways."""
+``--max-prompt-tokens 100`` leaves no room for both); ``tool_choice`` without ``tools`` is a 400;
+``required`` and a named function always return calls whose arguments satisfy the tool's schema
+(constrained decoding). Every test ends with a KV leak check on both gateways."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 
@@ -96,4 +98,17 @@ def test_tool_choice_without_tools_is_400(live: SystemPair) -> None:
                                                               tool_choice="auto")
         body: Any = info.value.body
         assert body["param"] == "tool_choice", body
+    leak_check(live)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "weather"}}])
+def test_required_and_named_return_calls_valid_for_the_schema(live: SystemPair, choice: Any) -> None:
+    tool: Any = {"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"], "additionalProperties": False}}}
+    content, calls, finish, _ = four_ways(live, tools=[tool], tool_choice=choice, max_tokens=40)
+    assert finish == "tool_calls" and calls, (content, calls, finish)
+    for name, arguments in calls:
+        assert name == "weather"
+        jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
     leak_check(live)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -310,3 +311,26 @@ def test_model_card_tokenize_detokenize(pd: Cluster, proc: TextProcessor) -> Non
     assert back == {"prompt": rendered}
     chat = client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=1)  # type: ignore[arg-type]
     assert chat.usage is not None and chat.usage.prompt_tokens == r["count"]
+
+
+@pytest.mark.parametrize(("fields", "kind", "spec"), [
+    ({"response_format": {"type": "json_object"}}, "json_object", ""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"},
+                                                                 "strict": True}}},
+     "json", '{"type": "integer"}'),
+    ({"extra_body": {"structured_outputs": {"json": '{"type": "boolean"}'}}}, "json", '{"type": "boolean"}'),
+    ({"extra_body": {"structured_outputs": {"json_object": True}}}, "json_object", ""),
+    ({"extra_body": {"structured_outputs": {"regex": "[0-9]+"}}}, "regex", "[0-9]+"),
+    ({"extra_body": {"structured_outputs": {"choice": ["a", "b\""]}}}, "choice", '["a", "b\\""]'),
+    ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "x"'}}}, "grammar", 'root ::= "x"'),
+])
+def test_structured_output_travels_to_prefill_and_decode(pd: Cluster, fields: dict[str, Any], kind: str,
+                                                         spec: str) -> None:
+    """The request's constraint reaches both the worker sampling the first token and the one sampling the
+    rest as one ``StructuredOutput`` (kind, spec)."""
+    rid = f"so-{zlib.crc32(json.dumps(fields).encode())}"
+    pd.client().chat.completions.create(model="fake-model", messages=MSGS, max_tokens=3,  # type: ignore[call-overload]
+                                        extra_headers={"X-Request-Id": rid}, **fields)
+    for worker in ("p1", "d1"):
+        assert sampling_of(pd, worker, rid)["structured_output"] == {"kind": kind, "spec": spec}, worker
+    pd.assert_no_leaks(("d1",))

@@ -81,13 +81,11 @@ def test_plans() -> None:
     assert forced.output.tools == FORCED and forced.forced_schema is not None
 
 
-def test_required_and_named_are_refused_until_structured_outputs() -> None:
+def test_required_is_a_json_structured_output_of_the_forced_schema() -> None:
     plan = plan_tools(req(tools=[WEATHER], tool_choice="required"), "hermes", "none")
     assert plan.forced_schema is not None
-    with pytest.raises(APIError) as info:
-        tool_structured_output(plan.forced_schema)
-    assert (info.value.status, info.value.param) == (400, "tool_choice")
-    assert "structured outputs" in info.value.message
+    constraint = tool_structured_output(plan.forced_schema)
+    assert constraint.kind == "json" and json.loads(constraint.spec) == plan.forced_schema
 
 
 @pytest.mark.parametrize(("bad_message", "where"), [

@@ -1,0 +1,235 @@
+"""Structured-output fields of a request → the workers' ``StructuredOutput``, validated at the edge.
+
+Two ways to ask (OpenAI's and vLLM's), at most one per request:
+
+- ``response_format`` (OpenAI): ``{"type": "text"}`` (nothing), ``{"type": "json_object"}`` (any JSON
+  object) or ``{"type": "json_schema", "json_schema": {"name", "description", "schema", "strict"}}``;
+- ``structured_outputs`` (vLLM's extension): exactly one of ``json`` (a schema, as an object or a JSON
+  string), ``json_object: true``, ``regex``, ``choice`` (a list of strings) or ``grammar`` (EBNF,
+  xgrammar's dialect, start rule ``root``).
+
+The grammar engine (xgrammar) needs torch, which the gateway never imports, so the gateway checks what it
+can without it: a schema must pass its JSON Schema meta-schema (``jsonschema``), every ``pattern`` in it
+and every ``regex`` must compile with Python's ``re`` and use no lookaround, backreference or inline
+flag such as ``(?i)`` (xgrammar refuses those), a choice list must hold non-empty strings, and a
+grammar must parse as EBNF (``check_ebnf``: balanced brackets, closed strings and classes, every rule
+it uses defined, a ``root`` rule). A spec that passes all this and still does not compile fails on the
+worker (the request then fails like any request a worker refuses).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import jsonschema
+
+from engine.sampling_params import StructuredOutput
+from gateway.errors import bad_request
+from gateway.openai_requests import ResponseFormat, StructuredOutputsParams
+
+_LOOKAROUND = re.compile(r"\(\?(?:=|!|<=|<!)")
+_BACKREF = re.compile(r"\\[1-9]|\(\?P=")
+_INLINE_FLAGS = re.compile(r"\(\?[aiLmsux-]+[:)]")
+
+
+def structured_output_of(response_format: ResponseFormat | None,
+                         structured_outputs: StructuredOutputsParams | None) -> StructuredOutput | None:
+    """The request's ``StructuredOutput`` (None when it asks for none).
+
+    Raises:
+        APIError: 400 naming the field (e.g. ``response_format.json_schema.schema``,
+            ``structured_outputs.regex``) for a bad or missing spec, or when both fields ask for one.
+    """
+    if response_format is not None and response_format.type != "text" and structured_outputs is not None:
+        raise bad_request("response_format and structured_outputs cannot both be set", "structured_outputs")
+    if structured_outputs is not None:
+        return _from_structured_outputs(structured_outputs)
+    if response_format is None or response_format.type == "text":
+        if response_format is not None and response_format.json_schema is not None:
+            raise bad_request("response_format.json_schema needs type json_schema", "response_format.type")
+        return None
+    if response_format.type == "json_object":
+        if response_format.json_schema is not None:
+            raise bad_request("response_format.json_schema needs type json_schema", "response_format.type")
+        return StructuredOutput(kind="json_object")
+    if response_format.json_schema is None:
+        raise bad_request("response_format of type json_schema needs json_schema",
+                          "response_format.json_schema")
+    schema = response_format.json_schema.json_schema
+    return StructuredOutput(kind="json", spec=check_json_schema(schema, "response_format.json_schema.schema"))
+
+
+def _from_structured_outputs(so: StructuredOutputsParams) -> StructuredOutput:
+    values = (("json", so.json_), ("json_object", so.json_object), ("regex", so.regex),
+              ("choice", so.choice), ("grammar", so.grammar))
+    given = [name for name, value in values if value is not None]
+    if len(given) != 1:
+        raise bad_request(f"structured_outputs needs exactly one of json, json_object, regex, choice, "
+                          f"grammar; got {given or 'none'}", "structured_outputs")
+    field = f"structured_outputs.{given[0]}"
+    if so.json_ is not None:
+        schema: Any = so.json_
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise bad_request(f"{field} is not valid JSON: {exc}", field) from exc
+        return StructuredOutput(kind="json", spec=check_json_schema(schema, field))
+    if so.json_object is not None:
+        if not so.json_object:
+            raise bad_request(f"{field} must be true when given", field)
+        return StructuredOutput(kind="json_object")
+    if so.regex is not None:
+        check_regex(so.regex, field)
+        return StructuredOutput(kind="regex", spec=so.regex)
+    if so.choice is not None:
+        if not so.choice or not all(so.choice):
+            raise bad_request(f"{field} must be a non-empty list of non-empty strings", field)
+        return StructuredOutput(kind="choice", spec=json.dumps(so.choice, ensure_ascii=False))
+    assert so.grammar is not None
+    check_ebnf(so.grammar, field)
+    return StructuredOutput(kind="grammar", spec=so.grammar)
+
+
+def check_json_schema(schema: Any, field: str) -> str:
+    """``schema`` as a JSON string once it passes its meta-schema (``$schema``, else draft 2020-12) and
+    every ``pattern`` in it passes ``check_regex``.
+
+    Raises:
+        APIError: 400 naming ``field``.
+    """
+    if not isinstance(schema, dict):
+        raise bad_request(f"{field} must be a JSON object (a JSON Schema)", field)
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        raise bad_request(f"{field} is not a valid JSON Schema: {exc.message}"
+                          + (f" (at {where})" if where else ""), field) from exc
+    for pattern in _patterns(schema):
+        check_regex(pattern, field)
+    return json.dumps(schema, ensure_ascii=False)
+
+
+def _patterns(node: Any) -> list[str]:
+    """Every ``pattern`` string of a schema (any depth)."""
+    if isinstance(node, dict):
+        found = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        return found + [p for v in node.values() for p in _patterns(v)]
+    if isinstance(node, list):
+        return [p for v in node for p in _patterns(v)]
+    return []
+
+
+def check_regex(pattern: str, field: str) -> None:
+    """Raises ``APIError`` (400 naming ``field``) when ``pattern`` does not compile or uses lookaround, a
+    backreference or an inline flag group (the grammar engine has none of them)."""
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise bad_request(f"{field} is not a valid regular expression: {exc}", field) from exc
+    if _LOOKAROUND.search(pattern) or _BACKREF.search(pattern) or _INLINE_FLAGS.search(pattern):
+        raise bad_request(f"{field}: lookaround, backreferences and inline flags are not supported in "
+                          f"regular expressions", field)
+
+
+_RULE_START = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_\-.]*)\s*::=", re.MULTILINE)
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_\-.]*")
+
+
+def check_ebnf(grammar: str, field: str) -> None:
+    """A syntax check of an EBNF grammar in xgrammar's dialect (rules ``name ::= body``; strings in
+    double quotes, character classes in brackets, groups in parentheses, ``| * + ?`` and ``{m,n}``,
+    ``#`` comments): brackets balanced, strings and classes closed, no empty rule, each rule defined once,
+    every rule referenced defined, a ``root`` rule.
+
+    Raises:
+        APIError: 400 naming ``field`` and the first problem found.
+    """
+    try:
+        _parse_ebnf(grammar)
+    except ValueError as exc:
+        raise bad_request(f"{field} is not a valid EBNF grammar: {exc}", field) from exc
+
+
+def _parse_ebnf(grammar: str) -> None:
+    starts = list(_RULE_START.finditer(grammar))
+    if not starts:
+        raise ValueError("no rule (name ::= ...) found")
+    if grammar[: starts[0].start()].strip() and not _only_comments(grammar[: starts[0].start()]):
+        raise ValueError("text before the first rule")
+    defined: set[str] = set()
+    used: set[str] = set()
+    for k, m in enumerate(starts):
+        name = m.group(1)
+        if name in defined:
+            raise ValueError(f"rule {name!r} is defined twice")
+        defined.add(name)
+        end = starts[k + 1].start() if k + 1 < len(starts) else len(grammar)
+        body = grammar[m.end():end]
+        refs = _scan_body(body, name)
+        used.update(refs)
+    if "root" not in defined:
+        raise ValueError("no root rule (root ::= ...)")
+    missing = sorted(used - defined)
+    if missing:
+        raise ValueError(f"rule {missing[0]!r} is used but not defined")
+
+
+def _only_comments(text: str) -> bool:
+    return all(not line.strip() or line.strip().startswith("#") for line in text.splitlines())
+
+
+def _scan_body(body: str, rule: str) -> set[str]:
+    """Rule names a body references; raises ``ValueError`` for unclosed strings/classes/groups or an
+    empty body."""
+    refs: set[str] = set()
+    depth, i, items = 0, 0, 0
+    while i < len(body):
+        c = body[i]
+        if c == "#":
+            nl = body.find("\n", i)
+            i = len(body) if nl < 0 else nl + 1
+            continue
+        if c in "\"[":
+            close = '"' if c == '"' else "]"
+            j = i + 1
+            while j < len(body) and body[j] != close:
+                if body[j] == "\n":
+                    break
+                j += 2 if body[j] == "\\" else 1
+            if j >= len(body) or body[j] != close:
+                what = "string" if c == '"' else "character class"
+                raise ValueError(f"unclosed {what} in rule {rule!r}")
+            i, items = j + 1, items + 1
+            continue
+        if c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ')' in rule {rule!r}")
+        elif c == "{":
+            j = body.find("}", i)
+            if j < 0 or not re.fullmatch(r"\{\s*\d*\s*(,\s*\d*\s*)?\}", body[i:j + 1]):
+                raise ValueError(f"bad repetition {{m,n}} in rule {rule!r}")
+            i = j + 1
+            continue
+        elif (m := _IDENT.match(body, i)) is not None:
+            refs.add(m.group(0))
+            i, items = m.end(), items + 1
+            continue
+        elif not (c.isspace() or c in "|*+?="):
+            raise ValueError(f"unexpected {c!r} in rule {rule!r}")
+        i += 1
+    if depth != 0:
+        raise ValueError(f"unbalanced '(' in rule {rule!r}")
+    if items == 0:
+        raise ValueError(f"rule {rule!r} is empty")
+    return refs
+
+
+__all__ = ["check_ebnf", "check_json_schema", "check_regex", "structured_output_of"]

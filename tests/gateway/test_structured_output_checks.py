@@ -1,0 +1,74 @@
+"""The gateway's torch-free checks of structured-output specs (gateway/structured_output.py): valid
+grammars, regexes and schemas pass untouched, bad ones are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.errors import APIError
+from gateway.openai_requests import ResponseFormat, StructuredOutputsParams
+from gateway.structured_output import check_ebnf, check_regex, structured_output_of
+
+GOOD_GRAMMARS = [
+    'root ::= "yes" | "no"',
+    '# a comment line\nroot ::= item ("," item)*\nitem ::= [a-z]+ | "\\"q\\""  # trailing comment',
+    'root ::= "{" ws pair ws "}"\npair ::= string ":" ws [0-9]{1,3}\nstring ::= "\\"" [^"\\\\]* "\\""\n'
+    'ws ::= [ \\t\\n]*',
+    'root ::= (("a" | "b")+ "c"?){2,}',
+    'root ::= rule-with-dash\nrule-with-dash ::= "x"',
+]
+BAD_GRAMMARS = [
+    ("", "no rule"),
+    ("root ::= ", "empty"),
+    ('root ::= "a" other', "'other' is used but not defined"),
+    ('root ::= ("a"', "unbalanced '('"),
+    ('root ::= "a")', "unbalanced ')'"),
+    ('root ::= [a-z', "unclosed character class"),
+    ('root ::= "a"\nroot ::= "b"', "defined twice"),
+    ('start ::= "a"', "no root rule"),
+    ('root ::= "a"{x}', "bad repetition"),
+    ('root ::= "a" ; "b"', "unexpected ';'"),
+]
+
+
+@pytest.mark.parametrize("grammar", GOOD_GRAMMARS)
+def test_valid_grammars_pass(grammar: str) -> None:
+    check_ebnf(grammar, "structured_outputs.grammar")
+
+
+@pytest.mark.parametrize(("grammar", "why"), BAD_GRAMMARS)
+def test_bad_grammars_are_400s(grammar: str, why: str) -> None:
+    with pytest.raises(APIError) as info:
+        check_ebnf(grammar, "structured_outputs.grammar")
+    assert info.value.status == 400 and info.value.param == "structured_outputs.grammar"
+    assert why in info.value.message
+
+
+@pytest.mark.parametrize("pattern", ["[a-z]+@[a-z]+\\.com", "(?:ab)+c?", "\\d{3}-\\d{4}", "^a|b$"])
+def test_valid_regexes_pass(pattern: str) -> None:
+    check_regex(pattern, "structured_outputs.regex")
+
+
+@pytest.mark.parametrize("pattern", ["(a", "a{3,1}", "(?=a)b", "(?<!a)b", "(a)\\1", "(?P<x>a)(?P=x)",
+                                     "(?i)abc"])
+def test_bad_regexes_are_400s(pattern: str) -> None:
+    with pytest.raises(APIError) as info:
+        check_regex(pattern, "structured_outputs.regex")
+    assert info.value.status == 400 and info.value.param == "structured_outputs.regex"
+
+
+def test_mapping_of_each_form() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]+$"}}}
+    rf = ResponseFormat.model_validate({"type": "json_schema",
+                                        "json_schema": {"name": "n", "schema": schema}})
+    so = structured_output_of(rf, None)
+    assert so is not None and so.kind == "json" and json.loads(so.spec) == schema
+    assert structured_output_of(ResponseFormat.model_validate({"type": "text"}), None) is None
+    assert structured_output_of(None, None) is None
+    choice = structured_output_of(None, StructuredOutputsParams.model_validate({"choice": ["é", 'a"b']}))
+    assert choice is not None and json.loads(choice.spec) == ["é", 'a"b']
+    params = StructuredOutputsParams.model_validate({"json": json.dumps(schema)})
+    as_string = structured_output_of(None, params)
+    assert as_string is not None and json.loads(as_string.spec) == schema
