@@ -7,8 +7,8 @@ graph buckets (and starts above the largest one); ``LLM.generate`` with stop str
 aborted while a launched step still holds its row), and three hazards this review found, fixed since: a
 failing step waits for the steps it launched before the caller frees their blocks, ``StepFailed`` names
 only requests still running, and no launched step is left once every request ended. On CPU the decode
-graphs run uncaptured under the Triton interpreter (about 0.5 s per decode step), so each case is kept to
-a few requests and tokens.
+graphs run uncaptured under the Triton interpreter (each layer's attention launches cost about half a
+second per decode step), so each case is kept to a few requests and tokens of a one-layer model.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from engine.engine_core import EngineCore
 from engine.llm import LLM, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
-from tests.engine.test_async_scheduling import Run, count_launches
-from tests.engine.test_loader import save_tiny_model, tiny_config
+from tests.engine.test_async_scheduling import Run, count_launches, save_one_layer_model
+from tests.engine.test_loader import tiny_config
 from workers.step import StepFailed, run_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -38,7 +38,7 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("async_review") / "m", seed=5)
+    return save_one_layer_model(tmp_path_factory.mktemp("async_review") / "m")
 
 
 def with_graphs(core: EngineCore, max_graph_seqs: int = 8) -> EngineCore:
@@ -143,10 +143,13 @@ def test_max_model_len_reached_across_graph_buckets(tiny_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def llm_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path) -> Path:
-    """A config-only tiny Llama (dummy weights) with SmolLM2's tokenizer (vocab 49152), for text."""
+    """A config-only tiny Llama of one layer (dummy weights) with SmolLM2's tokenizer (vocab 49152), for
+    text."""
     path = tmp_path_factory.mktemp("async_llm") / "m"
     path.mkdir()
-    (path / "config.json").write_text(tiny_config("LlamaForCausalLM", vocab=49152).to_json_string())
+    config = tiny_config("LlamaForCausalLM", vocab=49152)
+    config.num_hidden_layers = 1
+    (path / "config.json").write_text(config.to_json_string())
     for f in smollm2_tokenizer_dir.iterdir():
         shutil.copy(f, path / f.name)
     return path

@@ -16,20 +16,36 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
-from tests.engine.test_loader import save_tiny_model
+from tests.engine.test_loader import tiny_config
 
-MAX_LEN = 96
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# 48 tokens (3 of the interpreter's 16-token tiles) hold every request here (prompt <= 10 tokens plus
+# max_tokens <= 24) and give the decode kernel one split: half the split kernel's programs of 96 tokens
+MAX_LEN = 48
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton interpreter; graphs uncaptured
+
+
+def save_one_layer_model(path: Path) -> Path:
+    """The tiny Llama (``tiny_config``, random weights, seed 5) with one layer, saved at ``path``:
+    scheduling is per step, not per layer, and under the Triton interpreter each layer's attention
+    launches cost about half a second per step."""
+    torch.manual_seed(5)
+    config = tiny_config("LlamaForCausalLM")
+    config.num_hidden_layers = 1
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("async") / "m", seed=5)
+    return save_one_layer_model(tmp_path_factory.mktemp("async") / "m")
 
 
 def make_core(path: Path, async_scheduling: bool, graphs: bool = True, num_blocks: int = 160) -> EngineCore:
@@ -98,9 +114,11 @@ def scenario(core: EngineCore, eos_of: dict[str, int] | None = None) -> Run:
 
 
 def test_same_tokens_as_synchronous_engine(tiny_path: Path) -> None:
-    sync = scenario(make_core(tiny_path, async_scheduling=False))
     # a stop id that request c really samples (its 4th greedy token) ends it early in both engines
-    stop = {"c": sync.tokens["c"][3]}
+    probe = Run(make_core(tiny_path, async_scheduling=False))
+    probe.add("c", prompts(6, seed=11)[2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    probe.drain()
+    stop = {"c": probe.tokens["c"][3]}
     sync = scenario(make_core(tiny_path, async_scheduling=False), stop)
     core = make_core(tiny_path, async_scheduling=True)
     launched = count_launches(core)
@@ -128,7 +146,7 @@ def test_greedy_batch_runs_ahead_every_step_and_free_waits(tiny_path: Path) -> N
     counts = count_launches(core)
     run = Run(core)
     for i, p in enumerate(prompts(3, seed=4)):
-        run.add(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        run.add(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
     run.step()  # prefill (eager)
     run.step()  # first decode: launched, and the next one ahead of it
     assert counts == {"first": 1, "ahead": 1}
@@ -146,16 +164,16 @@ def test_greedy_batch_runs_ahead_every_step_and_free_waits(tiny_path: Path) -> N
     assert waited == [True]
     run.drain()
     assert run.finish == {"g0": "length", "g2": "length", "g1": None}
-    assert [len(run.tokens[r]) for r in ("g0", "g2")] == [12, 12]
+    assert [len(run.tokens[r]) for r in ("g0", "g2")] == [7, 7]
     ref = Run(make_core(tiny_path, async_scheduling=False))
     for i, p in enumerate(prompts(3, seed=4)):
-        ref.add(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        ref.add(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
     ref.drain()
     assert run.tokens["g0"] == ref.tokens["g0"] and run.tokens["g2"] == ref.tokens["g2"]
     assert run.tokens["g1"] == ref.tokens["g1"][: len(run.tokens["g1"])]
-    # 11 decode steps: each ran ahead but the first, the one after the abort (the step applied then
+    # 6 decode steps: each ran ahead but the first, the one after the abort (the step applied then
     # still had g1's row, so the next one was not certain) and the last (max_tokens: none follows)
-    assert counts == {"first": 2, "ahead": 9}
+    assert counts == {"first": 2, "ahead": 4}
 
 
 def test_off_without_graphs_or_flag(tiny_path: Path, caplog: pytest.LogCaptureFixture) -> None:

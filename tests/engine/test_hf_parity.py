@@ -17,6 +17,8 @@ from engine.sampling_params import SamplingParams
 from engine.text.tokenizer import load_tokenizer
 from tests.engine.test_loader import ARCHS, save_tiny_model
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
 
