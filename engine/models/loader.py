@@ -8,7 +8,6 @@ biases with 0 — fast enough for Llama-3-8B shapes on a GPU.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.initialization import no_init_weights
 
 from engine.config import ModelConfig
-from engine.models.registry import SUPPORTED_ARCHITECTURES, is_dummy_alias, resolve_model
+from engine.models.registry import is_dummy_alias, read_model_config, resolve_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,24 +50,14 @@ def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device 
 
 
 def load_hf_config(path: Path) -> PretrainedConfig:
-    """Read and check ``path/config.json``.
+    """Read and check ``path/config.json`` (``registry.read_model_config``) before any weight is read.
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``path``.
-        ValueError: the file is not valid JSON, or the architecture is not supported.
+        ValueError: the file is not valid JSON; ``UnsupportedModelError`` (a ``ValueError``): the
+            architecture or the quantization method is not supported.
     """
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"model directory {path} has no config.json")
-    try:
-        raw: dict[str, Any] = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from exc
-    archs = raw.get("architectures") or []
-    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {archs!r} in {cfg_file}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+    read_model_config(path)
     return AutoConfig.from_pretrained(str(path))
 
 

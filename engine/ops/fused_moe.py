@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward: routed tokens through their experts' SwiGLU MLPs (Triton kernels + reference).
+"""Mixture-of-experts feed-forward: tokens through their routed experts' SwiGLU MLPs (Triton + reference).
 
 Each token ``t`` was routed to ``k`` experts ``topk_ids[t]`` with weights ``topk_weights[t]``; the output is
 ``sum_j topk_weights[t, j] * down[e_j] @ (silu(gate[e_j] @ x_t) * (up[e_j] @ x_t))``, with each expert's
@@ -96,7 +96,7 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
     x_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr, act_ptr,
     num_pairs, top_k, num_experts, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_at,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)  # the alignment and the activations come from the kernels just before
@@ -124,12 +124,8 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
         w_mask = k_mask[:, None] & col_mask[None, :]
         wg = tl.load(gate_ptrs + k, mask=w_mask, other=0.0)
         wu = tl.load(up_ptrs + k, mask=w_mask, other=0.0)
-        if IEEE:
-            acc_gate = tl.dot(a, wg, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(a, wu, acc_up, input_precision="ieee")
-        else:
-            acc_gate = tl.dot(a, wg, acc_gate)
-            acc_up = tl.dot(a, wu, acc_up)
+        acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
     dt = act_ptr.dtype.element_ty
     g = acc_gate.to(dt).to(tl.float32)
     u = acc_up.to(dt).to(tl.float32)
@@ -143,7 +139,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments ar
     act_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, out_ptr,
     num_pairs, num_experts, inter, hidden,
     stride_at, stride_we, stride_wn, stride_ot,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)  # the alignment and the activations come from the kernels just before
@@ -166,10 +162,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments ar
         k_mask = (k + ks) < inter
         a = tl.load(a_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs + k, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
     y = acc.to(act_ptr.dtype.element_ty).to(tl.float32)
     route = tl.load(weights_ptr + ids64, mask=row_mask, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + ids64[:, None] * stride_ot + cols[None, :]
@@ -236,13 +229,13 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     bm = block_m or tile_m
     align = moe_align(topk_ids, num_experts, bm)
     blocks = align.block_expert.numel()
-    ieee = x.dtype == torch.float32
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products (no TF32 rounding)
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(inter, bn_up))](
         x, w_gate_up, align.sorted_ids, align.block_expert, act,
         pairs, top_k, num_experts, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn_up, BLOCK_K=bk_up, num_warps=warps, **pdl_kwargs(x),
+        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_up, BLOCK_K=bk_up, num_warps=warps, **pdl_kwargs(x),
     )
     weights = topk_weights.reshape(-1).to(torch.float32)
     out = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
@@ -250,7 +243,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         act, w_down, align.sorted_ids, align.block_expert, weights, out,
         pairs, num_experts, inter, hidden,
         act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn_down, BLOCK_K=bk_down, num_warps=warps, **pdl_kwargs(x),
+        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_down, BLOCK_K=bk_down, num_warps=warps, **pdl_kwargs(x),
     )
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
 

@@ -1,5 +1,6 @@
 """Model parity with Hugging Face transformers: greedy tokens equal and logprobs within 1e-4 of
-``generate`` for tiny random Llama/Mistral/Qwen2/Qwen3 models and the real SmolLM2-135M, run as one
+``generate`` for tiny random Llama/Mistral/Qwen2/Qwen3 models, the mixtures of experts Qwen3-MoE, Mixtral
+and GLM-4.5 (``MOE_ARCHS``), and the real SmolLM2-135M, run as one
 continuous batch with prefix-cache hits, chunked prefill, preemption, and the triton backend."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from engine.llm import LLM, RequestOutput
 from engine.models.registry import resolve_model
 from engine.sampling_params import SamplingParams
 from engine.text.tokenizer import load_tokenizer
-from tests.engine.test_loader import ARCHS, save_tiny_model
+from tests.engine.test_loader import ARCHS, MOE_ARCHS, save_tiny_model
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=0)
@@ -123,7 +124,7 @@ def _tiny(arch: str, factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Mo
     return _TINY[arch]
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=ARCHS + MOE_ARCHS)
 def tiny(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     return _tiny(request.param, tmp_path_factory)
 

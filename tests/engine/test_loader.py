@@ -14,13 +14,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
+    Glm4MoeConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from engine.config import ModelConfig
@@ -28,10 +31,24 @@ from engine.models import gguf_convert, registry
 from engine.models.loader import load_model
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+MOE_ARCHS = ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"]
+# Tiny mixture-of-experts shapes: 8 experts of width 32, top-2 (Qwen3-MoE: one dense layer through
+# mlp_only_layers; GLM-4.5: a dense first layer, a shared expert, 2 groups with the best 1 kept, scaling,
+# half-width rotary and q/k norms, as GLM-4.5's published config has them).
+MOE_EXTRA: dict[str, dict[str, object]] = {
+    "Qwen3MoeForCausalLM": dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3),
+    "MixtralForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "Glm4MoeForCausalLM": dict(head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1,
+                               first_k_dense_replace=1,
+                               routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+                               num_hidden_layers=3, partial_rotary_factor=0.5),
+}
 
 
 def tiny_config(arch: str, vocab: int = 256) -> PretrainedConfig:
-    """2 layers, hidden 64, 4 query heads / 2 KV heads (GQA), head_dim 16."""
+    """2 layers (the MoE ones: ``MOE_EXTRA``), hidden 64, 4 query heads / 2 KV heads (GQA), head_dim 16."""
     common = dict(
         hidden_size=64,
         intermediate_size=128,
@@ -50,9 +67,12 @@ def tiny_config(arch: str, vocab: int = 256) -> PretrainedConfig:
         "MistralForCausalLM": MistralConfig,
         "Qwen2ForCausalLM": Qwen2Config,
         "Qwen3ForCausalLM": Qwen3Config,
+        "Qwen3MoeForCausalLM": Qwen3MoeConfig,
+        "MixtralForCausalLM": MixtralConfig,
+        "Glm4MoeForCausalLM": Glm4MoeConfig,
     }[arch]
-    extra = {"head_dim": 16} if arch == "Qwen3ForCausalLM" else {}
-    cfg = cls(**common, **extra)
+    extra = {"head_dim": 16} if arch == "Qwen3ForCausalLM" else MOE_EXTRA.get(arch, {})
+    cfg = cls(**{**common, **extra})
     cfg.architectures = [arch]
     return cfg
 
