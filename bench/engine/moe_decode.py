@@ -76,7 +76,7 @@ def moe_weights(model: Any) -> MoEWeights:  # a transformers causal LM
     blocks = sparse_layers(model)
     if not blocks:
         raise ValueError("the model has no sparse MoE layer: use bench.engine.throughput")
-    expert_ids = set()
+    expert_ids: set[int] = set()
     per_layer = []
     for block in blocks:
         params = [block.experts.gate_up_proj, block.experts.down_proj]

@@ -61,6 +61,23 @@ def load_hf_config(path: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(str(path))
 
 
+def check_sliding_window(hf_config: PretrainedConfig, max_model_len: int | None) -> None:
+    """Refuse a model whose attention looks back only ``sliding_window`` tokens when a sequence may be
+    longer than that: the paged attention here always attends to the whole sequence, which would
+    silently change such a model's outputs past the window.
+
+    Raises:
+        ValueError: ``sliding_window`` is set and below ``max_model_len`` (default: the config's
+            ``max_position_embeddings``); the message names both and how to fit.
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    length = max_model_len or int(hf_config.max_position_embeddings)
+    if window is not None and int(window) < length:
+        raise ValueError(
+            f"sliding_window={window} < max_model_len={length}: sliding-window attention is not supported "
+            f"(every token would attend to the whole sequence); set max_model_len <= {window}")
+
+
 def _check_safetensors(path: Path) -> list[Path]:
     """Return the safetensors files of ``path`` after opening each header.
 
@@ -110,12 +127,14 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, PretrainedCo
 
     Raises:
         FileNotFoundError: unknown alias / path, missing config.json or weights.
-        ValueError: unsupported architecture, bad dtype or load_format, corrupt safetensors.
+        ValueError: unsupported architecture or quantization method, a sliding window shorter than
+            ``max_model_len``, bad dtype or load_format, corrupt safetensors.
     """
     if model_config.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format {model_config.load_format!r} is not supported; use auto or dummy")
     path = resolve_model(model_config.model)
     hf_config = load_hf_config(path)
+    check_sliding_window(hf_config, model_config.max_model_len)
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, hf_config, device)
     if model_config.load_format == "dummy" or is_dummy_alias(model_config.model):  # auto: no weights

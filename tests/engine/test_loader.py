@@ -153,6 +153,56 @@ def test_unsupported_architecture_named(tmp_path):
         load_model(ModelConfig(str(tmp_path / "gpt2"), device="cpu"))
 
 
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "fp8", "compressed-tensors"])
+def test_quantized_checkpoint_refused_before_weights_are_read(method, tmp_path, monkeypatch):
+    """A worker's loader refuses any ``quantization_config`` method by name, listing what is supported,
+    before it opens a weight file (here the weights are garbage: reading them would fail differently)."""
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": method, "bits": 4}
+    (path / "config.json").write_text(json.dumps(raw))
+    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    opened = []
+    monkeypatch.setattr("engine.models.loader.safe_open", lambda *a, **k: opened.append(a) or 1 / 0)
+    with pytest.raises(registry.UnsupportedModelError,
+                       match=rf"unsupported quantization method '{method}'.*supported: none"):
+        load_model(ModelConfig(str(path), device="cpu"))
+    assert opened == []
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_load_each_moe_architecture_merges_per_expert_checkpoints(arch, tmp_path):
+    """``save_pretrained`` writes one tensor per expert projection (the published checkpoints' layout);
+    the loaded model holds them stacked per layer, every value kept."""
+    path = save_tiny_model(arch, tmp_path / arch)
+    saved = load_file(str(path / "model.safetensors"))
+    model, cfg = load_model(ModelConfig(str(path), dtype="float32", device="cpu"))
+    assert type(model).__name__ == arch and cfg.architectures == [arch]
+    layer = next(lay for lay in model.model.layers if hasattr(lay.mlp, "experts"))
+    i = int(layer.self_attn.layer_idx)
+    gate = saved.get(f"model.layers.{i}.mlp.experts.3.gate_proj.weight")
+    if gate is None:  # Mixtral's original names: w1 gate, w3 up, w2 down
+        gate = saved[f"model.layers.{i}.block_sparse_moe.experts.3.w1.weight"]
+    inter = gate.shape[0]
+    assert torch.equal(layer.mlp.experts.gate_up_proj[3, :inter], gate)
+
+
+def test_sliding_window_shorter_than_max_model_len_refused(tmp_path):
+    """Mistral's ``sliding_window`` (and Qwen's with ``use_sliding_window``) is not silently run as full
+    attention: refused while a sequence could outgrow it, accepted once ``max_model_len`` fits in it."""
+    cfg = tiny_config("MistralForCausalLM")
+    cfg.sliding_window = 64  # max_position_embeddings 512
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"sliding_window=64 < max_model_len=512: sliding-window attention "
+                                         r"is not supported.*max_model_len <= 64"):
+        load_model(ModelConfig(str(tmp_path / "m"), device="cpu"))
+    with pytest.raises(ValueError, match=r"sliding_window=64 < max_model_len=65"):
+        load_model(ModelConfig(str(tmp_path / "m"), device="cpu", max_model_len=65))
+    model, _ = load_model(ModelConfig(str(tmp_path / "m"), device="cpu", max_model_len=64))
+    assert model.config.sliding_window == 64
+
+
 def test_missing_config_weights_and_unknown_path(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
