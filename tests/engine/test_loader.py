@@ -146,6 +146,34 @@ def test_llama3_8b_dummy_alias_is_config_only(tmp_path, monkeypatch):
     assert (path / "tokenizer.json").is_file()
 
 
+@pytest.mark.parametrize(("alias", "arch", "total", "active"), [
+    ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 30.53, 3.35),  # published: 30.5B total, 3.3B active
+    ("mixtral-8x7b", "MixtralForCausalLM", 46.70, 12.88),  # 46.7B, 12.9B
+    ("glm-4.5-air", "Glm4MoeForCausalLM", 106.85, 13.42),  # 106B, 12B active without the embeddings
+])
+def test_moe_dummy_aliases_have_the_published_sizes(alias, arch, total, active, tmp_path, monkeypatch):
+    """Each MoE shape alias builds (on the meta device: no memory) the model of its published config:
+    total and active parameters (dense parts + top-k of each layer's experts) in billions."""
+    from transformers import AutoConfig
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    path = registry.resolve_model(alias)
+    assert registry.is_dummy_alias(alias) and (path / "tokenizer.json").is_file()
+    registry.read_model_config(path)  # passes the launcher's check
+    cfg = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert type(model).__name__ == arch
+    params = dict(model.named_parameters())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    num_experts = next(lay.mlp.experts.gate_up_proj.shape[0] for lay in model.model.layers
+                       if hasattr(lay.mlp, "experts"))
+    all_params = sum(p.numel() for p in params.values())
+    assert all_params / 1e9 == pytest.approx(total, abs=0.01)
+    on = all_params - experts + experts * cfg.num_experts_per_tok / num_experts
+    assert on / 1e9 == pytest.approx(active, abs=0.01)
+
+
 def test_unsupported_architecture_named(tmp_path):
     cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
