@@ -19,9 +19,10 @@ the mixtures of experts ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``Gl
 sparse layer's router is the transformers module itself (its scoring and normalisation: softmax top-k
 with ``norm_topk_prob`` for Qwen3-MoE, softmax renormalised over the top-k for Mixtral, sigmoid plus
 ``e_score_correction_bias`` with grouped top-k and ``routed_scaling_factor`` for GLM-4.5; all device-side
-torch, no host sync), its experts run through ``engine.ops.fused_moe`` (or its per-expert reference), and
-GLM-4.5's shared expert through the dense path (merged gate/up, ``silu_mul``); dense layers of those
-models (``mlp_only_layers``, ``first_k_dense_replace``) run as in the dense architectures. Partial
+torch, no host sync), its experts run through ``engine.ops.fused_moe`` (its per-expert reference when
+``use_triton`` is off on a CPU), and GLM-4.5's shared expert through the dense path (merged gate/up,
+``silu_mul``); dense layers of those models (``mlp_only_layers``, ``first_k_dense_replace``) run as in
+the dense architectures. Partial
 rotary (GLM-4.5: ``partial_rotary_factor``) rotates the first dims of each head before the attention
 backend stores K/V.
 Method as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and fused ``RMSNorm``.
@@ -218,7 +219,9 @@ class FusedCausalLM(torch.nn.Module):
         if isinstance(ffn, _DenseMLP):
             return self._dense(ffn, x)
         _, weights, ids = ffn.router(x)  # [T, k] each
-        out = (fused_moe if self.use_triton else fused_moe_reference)(x, ffn.gate_up, ffn.down, weights, ids)
+        # on CUDA always the kernels: the reference loops over experts on the host (a sync per layer)
+        moe = fused_moe if self.use_triton or x.is_cuda else fused_moe_reference
+        out = moe(x, ffn.gate_up, ffn.down, weights, ids)
         if ffn.shared is not None:
             out = out + self._dense(ffn.shared, x)
         return out

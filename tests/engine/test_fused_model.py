@@ -92,6 +92,24 @@ def test_fused_moe_kernels_match_transformers(arch, tmp_path, monkeypatch):
     llm.core.check_no_leaks()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_decode_cuda_graphs_match_transformers(arch, tmp_path):
+    """On CUDA a mixture of experts runs fused by default and its decode steps replay CUDA graphs (the
+    routing, the expert alignment and the MoE kernels captured): greedy tokens equal transformers'."""
+    path = save_tiny_model(arch, tmp_path / "m", seed=14)
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = _llm(path, "auto", backend="triton", device="cuda")
+    assert isinstance(llm.core.runner.net, FusedCausalLM) and llm.core.runner.decode_graphs is not None
+    prompts = make_prompts(seed=14)[::3]
+    outs = llm.generate(prompts, GREEDY)
+    assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=6)
+    solo = llm.generate(prompts[:1], GREEDY)  # batch 1: the one-row bucket
+    assert_matches_hf(reference, prompts[:1], solo, eos=2, max_tokens=6)
+    llm.core.check_no_leaks()
+
+
 def test_silu_down_gemv_matches_transformers(tmp_path, monkeypatch):
     """``gemv_projections`` with ``silu_down``: batch-1 decode steps take the down projection's gated GEMV
     (no ``silu_mul`` launch) and greedy tokens still equal transformers'."""
