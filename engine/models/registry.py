@@ -103,6 +103,7 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     # GLM-4.5-Air (Z.ai's published config.json): 106B parameters, 12B active; 128 routed experts of width
     # 1408 (top-8, sigmoid scoring) plus one shared expert, the first layer dense, half-width rotary.
     # The multi-token-prediction layer (num_nextn_predict_layers) is not part of the decoder and not built.
+    # In bf16 it needs about 214 GB: more than one H200 holds (it fits one in FP8, not supported yet).
     "glm-4.5-air": {
         "architectures": ["Glm4MoeForCausalLM"],
         "model_type": "glm4_moe",
