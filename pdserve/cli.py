@@ -118,7 +118,9 @@ def _add_gateway(add: _Adder) -> None:
 
 
 def _add_worker(add: _Adder, role: str) -> None:
-    add("--model", default="smollm2-135m", help="HF model dir or alias (smollm2-135m, llama3-8b, tiny-llama)")
+    add("--model", default="smollm2-135m",
+        help="HF model dir or alias (smollm2-135m; dummy shapes: llama3-8b, qwen3-30b-a3b, mixtral-8x7b, "
+        "glm-4.5-air, tiny-llama)")
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
         help="weights and KV cache dtype (auto: bf16 on GPU, fp32 on CPU)")
     add("--load-format", default="auto", choices=["auto", "dummy"],

@@ -266,9 +266,11 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
     during start-up or start-up failed.
     """
     try:
-        from engine.models.registry import resolve_model
+        from engine.models.registry import read_model_config, resolve_model
 
-        resolve_model(settings.model)  # convert the embedded model once, before the workers race for it
+        # convert the embedded model once, before the workers race for it; refuse an architecture or a
+        # quantization method the workers cannot run before any of them starts
+        read_model_config(resolve_model(settings.model))
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 1

@@ -3,12 +3,15 @@
 #   1. decode tokens/s against the HBM roofline (batch 1 and 32, 1k and 4k context, graphs and async) and
 #      engine vs transformers `generate` at batch 1 and 32 (both warmed up, 3 interleaved repeats);
 #   2. prefill of an 8000-token prompt against the best of 20+20 bf16 8192^3 GEMMs (before and after the
-#      prefills), and the attention kernel against SDPA flash.
+#      prefills), and the attention kernel against SDPA flash;
+#   3. decode of the Qwen3-30B-A3B mixture of experts (batch 1 and 32) against the roofline of the bytes a
+#      step reads (dense weights, the routed experts, KV), and the fused MoE kernels against a per-expert
+#      loop and a batched-GEMM ceiling at prefill sizes.
 # Llama-3-8B shapes with dummy bf16 weights; no network needed (the device's python3 has torch, triton and
 # transformers; msgspec, which the engine imports, must be importable: carry its wheel, docs/gpu.md).
 # Usage: scripts/gpu_bench.sh [OUTDIR]   (default: $OUT, else /tmp/pdserve-gpu-bench; PYTHON=... picks the
 # interpreter: default the project venv if present, else python3). Writes OUTDIR/{engine,prefill}.json,
-# their logs and machine.json; about 5 minutes; exits non-zero if either step failed or timed out.
+# moe.json, moe-kernel.json, their logs and machine.json; about 10 minutes; exits non-zero if either step failed or timed out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR="${1:-${OUT:-/tmp/pdserve-gpu-bench}}"
@@ -49,8 +52,13 @@ step engine 330 -m bench.engine.throughput --device cuda --model llama3-8b --loa
     --batches 1 32 --contexts 1024 4096 --modes graphs async --hf-batches 1 32 --hf-context 1024 \
     --warmup 1 --repeats 3 --json "$OUTDIR/engine.json"
 step prefill 150 -m bench.engine.prefill --device cuda --repeats 3 --json "$OUTDIR/prefill.json"
+step moe 420 -m bench.engine.moe_decode --device cuda --model qwen3-30b-a3b --dtype bfloat16 \
+    --attention-backend triton --batches 1 32 --context 1024 --new-tokens 64 --num-blocks 4096 \
+    --max-model-len 4096 --repeats 3 --json "$OUTDIR/moe.json"
+step moe-kernel 180 -m bench.kernels.fused_moe --device cuda --shape qwen3-30b-a3b --tokens 512 2048 8192 \
+    --repeats 10 --json "$OUTDIR/moe-kernel.json"
 
 echo "== summary"
-grep -hE "^(copy bandwidth|async |graphs )|engine / transformers|^prefill|^ceiling|^attention alone" \
-    "$OUTDIR/engine.log" "$OUTDIR/prefill.log" 2>/dev/null
+grep -hE "^(copy bandwidth|async |graphs )|engine / transformers|^prefill|^ceiling|^attention alone|^batch|roofline|fused / ceiling" \
+    "$OUTDIR/engine.log" "$OUTDIR/prefill.log" "$OUTDIR/moe.log" "$OUTDIR/moe-kernel.log" 2>/dev/null
 exit "$failed"

@@ -14,7 +14,17 @@ transformers') with:
 - attention through the paged backend exactly as ``engine.models.hf_attention`` calls it.
 
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (QKV bias) and
-``Qwen3ForCausalLM`` (per-head q/k RMSNorm, done by the model's own modules) with ``hidden_act`` silu.
+``Qwen3ForCausalLM`` (per-head q/k RMSNorm, done by the model's own modules) with ``hidden_act`` silu, and
+the mixtures of experts ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``Glm4MoeForCausalLM``: each
+sparse layer's router is the transformers module itself (its scoring and normalisation: softmax top-k
+with ``norm_topk_prob`` for Qwen3-MoE, softmax renormalised over the top-k for Mixtral, sigmoid plus
+``e_score_correction_bias`` with grouped top-k and ``routed_scaling_factor`` for GLM-4.5; all device-side
+torch, no host sync), its experts run through ``engine.ops.fused_moe`` (its per-expert reference when
+``use_triton`` is off on a CPU), and GLM-4.5's shared expert through the dense path (merged gate/up,
+``silu_mul``); dense layers of those models (``mlp_only_layers``, ``first_k_dense_replace``) run as in
+the dense architectures. Partial
+rotary (GLM-4.5: ``partial_rotary_factor``) rotates the first dims of each head before the attention
+backend stores K/V.
 Method as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and fused ``RMSNorm``.
 """
 
@@ -26,13 +36,15 @@ from typing import Any
 import torch
 
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
+from engine.ops.fused_moe import fused_moe, fused_moe_reference
 from engine.ops.gemv import gemv
 from engine.ops.rms_norm import rms_norm, rms_norm_reference
-from engine.ops.rotary import apply_rotary_reference
+from engine.ops.rotary import apply_rotary, apply_rotary_reference
 from engine.ops.silu_mul import silu_mul, silu_mul_reference
 
 FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                 "Qwen3ForCausalLM"})
+                                 "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                                 "Glm4MoeForCausalLM"})
 # one-row steps' projections through engine.ops.gemv on CUDA; "silu_down": the down projection's GEMV also
 # computes SwiGLU's silu(gate) * up while loading, so no silu_mul launch (H200, 16 x 512 tiles: 32.6 µs
 # against 34.9 µs for silu_mul + GEMV, docs/benchmarks/engine.md)
@@ -76,6 +88,27 @@ def _merge(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     return weight, bias
 
 
+class _DenseMLP:
+    """A SwiGLU MLP's merged gate/up weight and its down projection module."""
+
+    def __init__(self, mlp: Any) -> None:  # a transformers MLP with gate_proj, up_proj, down_proj
+        self.gate_up_weight, self.gate_up_bias = _merge([mlp.gate_proj, mlp.up_proj])
+        self.down = mlp.down_proj
+
+
+class _SparseMoE:
+    """A sparse MoE block's router (the transformers module: ``router(x [T, H]) -> (logits, weights [T, k],
+    ids [T, k])``), its experts' stacked weights (``gate_up [E, 2 I, H]``, ``down [E, H, I]``) and its
+    shared expert (GLM-4.5), if any."""
+
+    def __init__(self, mlp: Any) -> None:  # a transformers sparse MoE block (gate, experts)
+        self.router = mlp.gate
+        self.gate_up = mlp.experts.gate_up_proj
+        self.down = mlp.experts.down_proj
+        shared = getattr(mlp, "shared_experts", None)
+        self.shared = _DenseMLP(shared) if shared is not None else None
+
+
 class _FusedLayer:
     """Merged weights of one decoder layer plus references to its transformers modules."""
 
@@ -88,7 +121,7 @@ class _FusedLayer:
         self.q_width = attn.q_proj.weight.shape[0]
         self.kv_width = attn.k_proj.weight.shape[0]
         self.qkv_weight, self.qkv_bias = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.gate_up_weight, self.gate_up_bias = _merge([mlp.gate_proj, mlp.up_proj])
+        self.ffn: _DenseMLP | _SparseMoE = _SparseMoE(mlp) if hasattr(mlp, "experts") else _DenseMLP(mlp)
         self.input_norm = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon))
         self.post_norm = (layer.post_attention_layernorm.weight,
                           float(layer.post_attention_layernorm.variance_epsilon))
@@ -168,7 +201,11 @@ class FusedCausalLM(torch.nn.Module):
         if lay.q_norm is not None and lay.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
             q, k = lay.q_norm(q), lay.k_norm(k)
         rotary = None
-        if self.use_triton:  # the triton backend rotates and stores in one kernel (rotary_store_kv)
+        rot = cos.shape[-1]
+        if rot < d:  # partial rotary: the first ``rot`` dims of each head, before the store
+            rotate = apply_rotary if self.use_triton else apply_rotary_reference
+            rotate(q[..., :rot], k[..., :rot], cos, sin)
+        elif self.use_triton:  # the triton backend rotates and stores in one kernel (rotary_store_kv)
             rotary = (cos, sin)
         else:
             apply_rotary_reference(q, k, cos, sin)
@@ -178,8 +215,20 @@ class FusedCausalLM(torch.nn.Module):
         return self._linear("o", out.reshape(t, -1), o_proj.weight, o_proj.bias)
 
     def _mlp(self, lay: _FusedLayer, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self._linear("gate_up", x, lay.gate_up_weight, lay.gate_up_bias)
-        down = lay.mlp.down_proj
+        ffn = lay.ffn
+        if isinstance(ffn, _DenseMLP):
+            return self._dense(ffn, x)
+        _, weights, ids = ffn.router(x)  # [T, k] each
+        # on CUDA always the kernels: the reference loops over experts on the host (a sync per layer)
+        moe = fused_moe if self.use_triton or x.is_cuda else fused_moe_reference
+        out = moe(x, ffn.gate_up, ffn.down, weights, ids)
+        if ffn.shared is not None:
+            out = out + self._dense(ffn.shared, x)
+        return out
+
+    def _dense(self, ffn: _DenseMLP, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self._linear("gate_up", x, ffn.gate_up_weight, ffn.gate_up_bias)
+        down = ffn.down
         if gate_up.shape[0] == 1 and self.use_triton and "silu_down" in self.gemv_projections:
             return gemv(gate_up, down.weight, down.bias, gated=True)
         act = silu_mul(gate_up) if self.use_triton else silu_mul_reference(gate_up)

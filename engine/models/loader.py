@@ -8,7 +8,6 @@ biases with 0 — fast enough for Llama-3-8B shapes on a GPU.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.initialization import no_init_weights
 
 from engine.config import ModelConfig
-from engine.models.registry import SUPPORTED_ARCHITECTURES, is_dummy_alias, resolve_model
+from engine.models.registry import is_dummy_alias, read_model_config, resolve_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,25 +50,32 @@ def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device 
 
 
 def load_hf_config(path: Path) -> PretrainedConfig:
-    """Read and check ``path/config.json``.
+    """Read and check ``path/config.json`` (``registry.read_model_config``) before any weight is read.
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``path``.
-        ValueError: the file is not valid JSON, or the architecture is not supported.
+        ValueError: the file is not valid JSON; ``UnsupportedModelError`` (a ``ValueError``): the
+            architecture or the quantization method is not supported.
     """
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"model directory {path} has no config.json")
-    try:
-        raw: dict[str, Any] = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from exc
-    archs = raw.get("architectures") or []
-    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {archs!r} in {cfg_file}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+    read_model_config(path)
     return AutoConfig.from_pretrained(str(path))
+
+
+def check_sliding_window(hf_config: PretrainedConfig, max_model_len: int | None) -> None:
+    """Refuse a model whose attention looks back only ``sliding_window`` tokens when a sequence may be
+    longer than that: the paged attention here always attends to the whole sequence, which would
+    silently change such a model's outputs past the window.
+
+    Raises:
+        ValueError: ``sliding_window`` is set and below ``max_model_len`` (default: the config's
+            ``max_position_embeddings``); the message names both and how to fit.
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    length = max_model_len or int(hf_config.max_position_embeddings)
+    if window is not None and int(window) < length:
+        raise ValueError(
+            f"sliding_window={window} < max_model_len={length}: sliding-window attention is not supported "
+            f"(every token would attend to the whole sequence); set max_model_len <= {window}")
 
 
 def _check_safetensors(path: Path) -> list[Path]:
@@ -121,12 +127,14 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, PretrainedCo
 
     Raises:
         FileNotFoundError: unknown alias / path, missing config.json or weights.
-        ValueError: unsupported architecture, bad dtype or load_format, corrupt safetensors.
+        ValueError: unsupported architecture or quantization method, a sliding window shorter than
+            ``max_model_len``, bad dtype or load_format, corrupt safetensors.
     """
     if model_config.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format {model_config.load_format!r} is not supported; use auto or dummy")
     path = resolve_model(model_config.model)
     hf_config = load_hf_config(path)
+    check_sliding_window(hf_config, model_config.max_model_len)
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, hf_config, device)
     if model_config.load_format == "dummy" or is_dummy_alias(model_config.model):  # auto: no weights

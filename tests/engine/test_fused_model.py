@@ -13,8 +13,9 @@ from engine.llm import LLM
 from engine.model_runner import ModelRunner
 from engine.models.fused_model import PROJECTIONS, FusedCausalLM
 from engine.sampling_params import SamplingParams
+from tests.engine.grid import grid
 from tests.engine.test_hf_parity import assert_matches_hf, make_prompts
-from tests.engine.test_loader import ARCHS, save_tiny_model
+from tests.engine.test_loader import ARCHS, MOE_ARCHS, save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
@@ -25,7 +26,7 @@ def _llm(path, fused_ops: str, backend: str = "torch", device: str = "cpu") -> L
                num_blocks=256, fused_ops=fused_ops, max_num_batched_tokens=24)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
 def test_fused_greedy_matches_transformers_generate(arch, tmp_path):
     path = save_tiny_model(arch, tmp_path / "m", seed=7)
     reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -60,6 +61,53 @@ def test_fused_triton_kernels_match_transformers(tmp_path):
     llm.core.check_no_leaks()
     with pytest.raises(ValueError, match="unknown projections"):
         FusedCausalLM(llm.core.runner.model, use_triton=True, gemv_projections=("qkv", "embed_tokens"))
+
+
+@pytest.mark.parametrize("arch", grid(MOE_ARCHS, ["Glm4MoeForCausalLM"]))  # CPU: the one with every part
+def test_fused_moe_kernels_match_transformers(arch, tmp_path, monkeypatch):
+    """A mixture of experts with the Triton kernels (``fused_moe`` for every sparse layer, and GLM-4.5's
+    shared expert, partial rotary and dense first layer) through the triton attention backend: greedy
+    tokens and logprobs equal transformers' in one batch, then again with prefix-cache hits."""
+    from engine.models import fused_model
+
+    path = save_tiny_model(arch, tmp_path / "m", seed=12)
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = _llm(path, "on", backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
+    net = llm.core.runner.net
+    sparse = [lay.index for lay in net.fused_layers if isinstance(lay.ffn, fused_model._SparseMoE)]
+    dense = {"Qwen3MoeForCausalLM": [1], "MixtralForCausalLM": [], "Glm4MoeForCausalLM": [0]}[arch]
+    assert sorted(set(range(len(net.fused_layers))) - set(sparse)) == dense
+    llm.core.runner.decode_graphs = None  # (GPU) every step eager, so the counter below sees each call
+    calls: list[int] = []
+    real = fused_model.fused_moe
+    monkeypatch.setattr(fused_model, "fused_moe",
+                        lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    prompts = [make_prompts(seed=12)[14], make_prompts(seed=12)[3]]  # 13-token shared prefix + 1; 4 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
+    outs = llm.generate(prompts, params)
+    assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
+    again = llm.generate(prompts[:1], params)  # its full blocks now hit the prefix cache
+    assert again[0].num_cached_tokens > 0 and again[0].token_ids == outs[0].token_ids
+    assert calls and len(calls) % len(sparse) == 0
+    llm.core.check_no_leaks()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_decode_cuda_graphs_match_transformers(arch, tmp_path):
+    """On CUDA a mixture of experts runs fused by default and its decode steps replay CUDA graphs (the
+    routing, the expert alignment and the MoE kernels captured): greedy tokens equal transformers'."""
+    path = save_tiny_model(arch, tmp_path / "m", seed=14)
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = _llm(path, "auto", backend="triton", device="cuda")
+    assert isinstance(llm.core.runner.net, FusedCausalLM) and llm.core.runner.decode_graphs is not None
+    prompts = make_prompts(seed=14)[::3]
+    outs = llm.generate(prompts, GREEDY)
+    assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=6)
+    solo = llm.generate(prompts[:1], GREEDY)  # batch 1: the one-row bucket
+    assert_matches_hf(reference, prompts[:1], solo, eos=2, max_tokens=6)
+    llm.core.check_no_leaks()
 
 
 def test_silu_down_gemv_matches_transformers(tmp_path, monkeypatch):

@@ -14,13 +14,16 @@ import torch
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
+    Glm4MoeConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from engine.config import ModelConfig
@@ -28,10 +31,24 @@ from engine.models import gguf_convert, registry
 from engine.models.loader import load_model
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+MOE_ARCHS = ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"]
+# Tiny mixture-of-experts shapes: 8 experts of width 32, top-2 (Qwen3-MoE: one dense layer through
+# mlp_only_layers; GLM-4.5: a dense first layer, a shared expert, 2 groups with the best 1 kept, scaling,
+# half-width rotary and q/k norms, as GLM-4.5's published config has them).
+MOE_EXTRA: dict[str, dict[str, object]] = {
+    "Qwen3MoeForCausalLM": dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3),
+    "MixtralForCausalLM": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "Glm4MoeForCausalLM": dict(head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1,
+                               first_k_dense_replace=1,
+                               routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+                               num_hidden_layers=3, partial_rotary_factor=0.5),
+}
 
 
 def tiny_config(arch: str, vocab: int = 256) -> PretrainedConfig:
-    """2 layers, hidden 64, 4 query heads / 2 KV heads (GQA), head_dim 16."""
+    """2 layers (the MoE ones: ``MOE_EXTRA``), hidden 64, 4 query heads / 2 KV heads (GQA), head_dim 16."""
     common = dict(
         hidden_size=64,
         intermediate_size=128,
@@ -50,9 +67,12 @@ def tiny_config(arch: str, vocab: int = 256) -> PretrainedConfig:
         "MistralForCausalLM": MistralConfig,
         "Qwen2ForCausalLM": Qwen2Config,
         "Qwen3ForCausalLM": Qwen3Config,
+        "Qwen3MoeForCausalLM": Qwen3MoeConfig,
+        "MixtralForCausalLM": MixtralConfig,
+        "Glm4MoeForCausalLM": Glm4MoeConfig,
     }[arch]
-    extra = {"head_dim": 16} if arch == "Qwen3ForCausalLM" else {}
-    cfg = cls(**common, **extra)
+    extra = {"head_dim": 16} if arch == "Qwen3ForCausalLM" else MOE_EXTRA.get(arch, {})
+    cfg = cls(**{**common, **extra})
     cfg.architectures = [arch]
     return cfg
 
@@ -126,11 +146,89 @@ def test_llama3_8b_dummy_alias_is_config_only(tmp_path, monkeypatch):
     assert (path / "tokenizer.json").is_file()
 
 
+@pytest.mark.parametrize(("alias", "arch", "total", "active"), [
+    ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 30.53, 3.35),  # published: 30.5B total, 3.3B active
+    ("mixtral-8x7b", "MixtralForCausalLM", 46.70, 12.88),  # 46.7B, 12.9B
+    ("glm-4.5-air", "Glm4MoeForCausalLM", 106.85, 13.42),  # 106B, 12B active without the embeddings
+])
+def test_moe_dummy_aliases_have_the_published_sizes(alias, arch, total, active, tmp_path, monkeypatch):
+    """Each MoE shape alias builds (on the meta device: no memory) the model of its published config:
+    total and active parameters (dense parts + top-k of each layer's experts) in billions."""
+    from transformers import AutoConfig
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    path = registry.resolve_model(alias)
+    assert registry.is_dummy_alias(alias) and (path / "tokenizer.json").is_file()
+    registry.read_model_config(path)  # passes the launcher's check
+    cfg = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert type(model).__name__ == arch
+    params = dict(model.named_parameters())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    num_experts = next(lay.mlp.experts.gate_up_proj.shape[0] for lay in model.model.layers
+                       if hasattr(lay.mlp, "experts"))
+    all_params = sum(p.numel() for p in params.values())
+    assert all_params / 1e9 == pytest.approx(total, abs=0.01)
+    on = all_params - experts + experts * cfg.num_experts_per_tok / num_experts
+    assert on / 1e9 == pytest.approx(active, abs=0.01)
+
+
 def test_unsupported_architecture_named(tmp_path):
     cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel"):
         load_model(ModelConfig(str(tmp_path / "gpt2"), device="cpu"))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "fp8", "compressed-tensors"])
+def test_quantized_checkpoint_refused_before_weights_are_read(method, tmp_path, monkeypatch):
+    """A worker's loader refuses any ``quantization_config`` method by name, listing what is supported,
+    before it opens a weight file (here the weights are garbage: reading them would fail differently)."""
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": method, "bits": 4}
+    (path / "config.json").write_text(json.dumps(raw))
+    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    opened = []
+    monkeypatch.setattr("engine.models.loader.safe_open", lambda *a, **k: opened.append(a) or 1 / 0)
+    with pytest.raises(registry.UnsupportedModelError,
+                       match=rf"unsupported quantization method '{method}'.*supported: none"):
+        load_model(ModelConfig(str(path), device="cpu"))
+    assert opened == []
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_load_each_moe_architecture_merges_per_expert_checkpoints(arch, tmp_path):
+    """``save_pretrained`` writes one tensor per expert projection (the published checkpoints' layout);
+    the loaded model holds them stacked per layer, every value kept."""
+    path = save_tiny_model(arch, tmp_path / arch)
+    saved = load_file(str(path / "model.safetensors"))
+    model, cfg = load_model(ModelConfig(str(path), dtype="float32", device="cpu"))
+    assert type(model).__name__ == arch and cfg.architectures == [arch]
+    layer = next(lay for lay in model.model.layers if hasattr(lay.mlp, "experts"))
+    i = int(layer.self_attn.layer_idx)
+    gate = saved.get(f"model.layers.{i}.mlp.experts.3.gate_proj.weight")
+    if gate is None:  # Mixtral's original names: w1 gate, w3 up, w2 down
+        gate = saved[f"model.layers.{i}.block_sparse_moe.experts.3.w1.weight"]
+    inter = gate.shape[0]
+    assert torch.equal(layer.mlp.experts.gate_up_proj[3, :inter], gate)
+
+
+def test_sliding_window_shorter_than_max_model_len_refused(tmp_path):
+    """Mistral's ``sliding_window`` (and Qwen's with ``use_sliding_window``) is not silently run as full
+    attention: refused while a sequence could outgrow it, accepted once ``max_model_len`` fits in it."""
+    cfg = tiny_config("MistralForCausalLM")
+    cfg.sliding_window = 64  # max_position_embeddings 512
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"sliding_window=64 < max_model_len=512: sliding-window attention "
+                                         r"is not supported.*max_model_len <= 64"):
+        load_model(ModelConfig(str(tmp_path / "m"), device="cpu"))
+    with pytest.raises(ValueError, match=r"sliding_window=64 < max_model_len=65"):
+        load_model(ModelConfig(str(tmp_path / "m"), device="cpu", max_model_len=65))
+    model, _ = load_model(ModelConfig(str(tmp_path / "m"), device="cpu", max_model_len=64))
+    assert model.config.sliding_window == 64
 
 
 def test_missing_config_weights_and_unknown_path(tmp_path):

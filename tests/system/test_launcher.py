@@ -1,11 +1,14 @@
-"""``pdserve up`` pieces that need no model: the child plan and the supervisor's clean stop."""
+"""``pdserve up`` pieces that need no model: the child plan, the supervisor's clean stop, refusals."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
 import time
+
+import pytest
 
 from pdserve.launcher import Supervisor, example, plan
 from protocol.settings import GatewaySettings, UpSettings
@@ -272,3 +275,29 @@ def test_supervise_stops_when_the_gateway_exits(capfd) -> None:
     thread.join(20)
     sup.stop_all()
     assert result == [1] and "gateway exited with code 3; stopping the rest" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "unsupported quantization method 'awq'"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "unsupported quantization method 'gptq'"),
+    ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+     "unsupported quantization method 'bitsandbytes'"),
+    ({"architectures": ["Gemma2ForCausalLM"]}, r"unsupported architecture \['Gemma2ForCausalLM'\]"),
+])
+def test_up_refuses_an_unsupported_model_before_any_child(edit, named, tmp_path, capsys) -> None:
+    """An architecture or a quantization method the workers cannot run is refused by the launcher in one
+    line naming it and listing what is supported, before any worker starts (nothing listens)."""
+    import json
+
+    from pdserve.launcher import free_port, run
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, **edit}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    start = time.monotonic()
+    assert run(UpSettings(model=str(tmp_path), port=free_port(), device="cpu"), ready_timeout=5) == 1
+    assert time.monotonic() - start < 5
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve up: ") and len(err.strip().splitlines()) == 1
+    assert re.search(named, err) and "supported: " in err
+    if "architecture" in named:
+        assert "Qwen3MoeForCausalLM" in err and "MixtralForCausalLM" in err

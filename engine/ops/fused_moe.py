@@ -1,0 +1,264 @@
+"""Mixture-of-experts feed-forward: tokens through their routed experts' SwiGLU MLPs (Triton + reference).
+
+Each token ``t`` was routed to ``k`` experts ``topk_ids[t]`` with weights ``topk_weights[t]``; the output is
+``sum_j topk_weights[t, j] * down[e_j] @ (silu(gate[e_j] @ x_t) * (up[e_j] @ x_t))``, with each expert's
+gate and up projections stored as one ``[2 I, H]`` matrix (transformers' ``*Experts.gate_up_proj``,
+``[E, 2 I, H]``; ``down_proj`` ``[E, H, I]``).
+
+The fused path (method as the "fused MoE" kernels of vLLM and SGLang, and MegaBlocks' block-sparse
+grouping, Gale et al. 2022):
+
+1. ``moe_align`` sorts the ``T * k`` (token, slot) pairs by expert and pads each expert's run to a
+   multiple of ``block_m`` rows, on the device with a fixed-size output (no host sync, so a decode step
+   stays capturable in a CUDA graph): ``sorted_ids`` holds flat pair indices ``t * k + j`` (padding:
+   ``T * k``) and ``block_expert`` the expert of each ``block_m``-row block (``E`` for blocks past the
+   end: their programs exit at once).
+2. ``_gate_up_kernel``: a grouped GEMM, one program per (block, ``block_n`` columns of ``I``): the block's
+   rows of ``x`` (gathered by token) times its expert's gate and up columns, two float32 accumulators,
+   and SwiGLU in the epilogue (each projection rounded to the dtype, SiLU in float32 rounded to the
+   dtype, then the product, as ``engine.ops.silu_mul`` rounds it) into ``act [T * k, I]``.
+3. ``_down_kernel``: the second grouped GEMM, ``act`` rows times the expert's down projection, rounded to
+   the dtype, times the pair's routing weight, into float32 ``[T * k, H]``; the ``k`` rows of each token
+   are summed in float32 and rounded to the dtype once (a fixed order: deterministic, no atomics).
+
+Empty experts own no block; an expert's last block is partly padding (masked rows read nothing and
+write nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.ops.pdl import gdc_enter, pdl_kwargs
+
+
+@dataclass(frozen=True)
+class MoEAlignment:
+    """The (token, slot) pairs grouped by expert, from ``moe_align``.
+
+    Attributes:
+        sorted_ids: int32 ``[num_blocks * block_m]``: flat pair indices ``t * k + j`` grouped by expert,
+            each expert's run padded to a multiple of ``block_m`` with ``T * k`` (no pair).
+        block_expert: int32 ``[num_blocks]``: the expert of each block; ``num_experts`` for blocks past
+            the last expert's run.
+        block_m: rows per block.
+    """
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    block_m: int
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks ``moe_align`` allocates: every pair in a block plus, for each expert that can be hit (at most
+    ``min(num_pairs, num_experts)``), one partly filled block."""
+    return triton.cdiv(num_pairs, block_m) + min(num_pairs, num_experts)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Group the routed pairs by expert, each expert's run padded to ``block_m`` rows, on ``topk_ids``'
+    device with shapes that depend only on ``topk_ids.shape`` (CUDA-graph capturable).
+
+    Args:
+        topk_ids: integer ``[T, k]``, each in ``[0, num_experts)``.
+        num_experts: ``E``.
+        block_m: rows per block (power of two, >= 16 for ``tl.dot``).
+
+    Returns:
+        ``MoEAlignment``; within an expert, pairs keep their flat order (stable sort).
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    blocks = max_blocks(n, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    rank = torch.arange(n, device=device) - count_start[experts]
+    sorted_ids = torch.full((blocks * block_m,), n, dtype=torch.int32, device=device)
+    sorted_ids[padded_start[experts] + rank] = order.to(torch.int32)
+    block_start = torch.arange(blocks, device=device, dtype=torch.int64) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    return MoEAlignment(sorted_ids, block_expert, block_m)
+
+
+@triton.jit
+def _gate_up_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    x_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr, act_ptr,
+    num_pairs, top_k, num_experts, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_at,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)  # the alignment and the activations come from the kernels just before
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + rows)
+    row_mask = ids < num_pairs
+    tokens = (ids // top_k).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    gate_ptrs = w_base + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :]
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, hidden, BLOCK_K):
+        k_mask = (k + ks) < hidden
+        a = tl.load(x_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        wg = tl.load(gate_ptrs + k, mask=w_mask, other=0.0)
+        wu = tl.load(up_ptrs + k, mask=w_mask, other=0.0)
+        acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
+    dt = act_ptr.dtype.element_ty
+    g = acc_gate.to(dt).to(tl.float32)
+    u = acc_up.to(dt).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    out_ptrs = act_ptr + ids.to(tl.int64)[:, None] * stride_at + cols[None, :]
+    tl.store(out_ptrs, (silu * u).to(dt), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    act_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, out_ptr,
+    num_pairs, num_experts, inter, hidden,
+    stride_at, stride_we, stride_wn, stride_ot,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)  # the alignment and the activations come from the kernels just before
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= num_experts:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ids = tl.load(sorted_ids_ptr + rows)
+    row_mask = ids < num_pairs
+    ids64 = ids.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    a_ptrs = act_ptr + ids64[:, None] * stride_at + ks[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, inter, BLOCK_K):
+        k_mask = (k + ks) < inter
+        a = tl.load(a_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + k, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32)
+    route = tl.load(weights_ptr + ids64, mask=row_mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + ids64[:, None] * stride_ot + cols[None, :]
+    tl.store(out_ptrs, y * route[:, None], mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _check(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> None:
+    if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(f"x must be [T, H], w_gate_up [E, 2 I, H], w_down [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
+    e, two_i, h = w_gate_up.shape
+    if two_i % 2 or h != x.shape[1] or tuple(w_down.shape) != (e, h, two_i // 2):
+        raise ValueError(f"expert weights do not fit x {tuple(x.shape)}: w_gate_up {tuple(w_gate_up.shape)}, "
+                         f"w_down {tuple(w_down.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be [T={x.shape[0]}, k]; got "
+                         f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
+    if x.dtype != w_gate_up.dtype or x.dtype != w_down.dtype:
+        raise ValueError(f"x and the expert weights need one dtype; got {x.dtype}, {w_gate_up.dtype}, "
+                         f"{w_down.dtype}")
+    if x.stride(1) != 1 or w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
+        raise ValueError("x and the expert weights need a contiguous last dim")
+
+
+def moe_tile(num_pairs: int, num_experts: int, width: int, depth: int) -> tuple[int, int, int, int]:
+    """``(block_m, block_n, block_k, num_warps)`` for a grouped GEMM with ``num_pairs`` routed rows over
+    ``num_experts``, ``width`` output columns and ``depth`` inputs: ``block_m`` 16 when an expert
+    averages at most 16 rows (decode), else 64; ``block_n``/``block_k`` 64, smaller for narrow shapes."""
+    block_m = 16 if num_pairs <= 16 * num_experts else 64
+    block_n = min(64, max(16, triton.next_power_of_2(width)))
+    block_k = min(64, max(16, triton.next_power_of_2(depth)))
+    return block_m, block_n, block_k, 4
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, block_m: int | None = None) -> torch.Tensor:
+    """The routed experts' SwiGLU MLPs, weighted and summed per token (Triton).
+
+    Args:
+        x: ``[T, H]`` float32/float16/bfloat16, last dim contiguous.
+        w_gate_up: ``[E, 2 I, H]`` (rows ``[0, I)`` gate, ``[I, 2 I)`` up), x's dtype.
+        w_down: ``[E, H, I]``, x's dtype.
+        topk_weights: ``[T, k]`` routing weights (any float dtype; used in float32).
+        topk_ids: ``[T, k]`` integer experts in ``[0, E)``.
+        block_m: rows per block (power of two >= 16); default from ``moe_tile``.
+
+    Returns:
+        ``[T, H]`` new tensor of x's dtype.
+
+    Raises:
+        ValueError: shapes, dtypes or strides that do not fit.
+    """
+    _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    t, hidden = x.shape
+    num_experts, two_i, _ = w_gate_up.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    pairs = t * top_k
+    if pairs == 0:
+        return torch.zeros_like(x)
+    tile_m, bn_up, bk_up, warps = moe_tile(pairs, num_experts, inter, hidden)
+    _, bn_down, bk_down, _ = moe_tile(pairs, num_experts, hidden, inter)
+    bm = block_m or tile_m
+    align = moe_align(topk_ids, num_experts, bm)
+    blocks = align.block_expert.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products (no TF32 rounding)
+    act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(blocks, triton.cdiv(inter, bn_up))](
+        x, w_gate_up, align.sorted_ids, align.block_expert, act,
+        pairs, top_k, num_experts, hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_up, BLOCK_K=bk_up, num_warps=warps, **pdl_kwargs(x),
+    )
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    out = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    _down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
+        act, w_down, align.sorted_ids, align.block_expert, weights, out,
+        pairs, num_experts, inter, hidden,
+        act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_down, BLOCK_K=bk_down, num_warps=warps, **pdl_kwargs(x),
+    )
+    return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
+
+
+def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Plain-torch ``fused_moe``: a loop over the experts hit (transformers' ``*Experts.forward``
+    arithmetic: each projection in the dtype, ``silu(gate) * up``), the weighted outputs accumulated in
+    float32 and rounded to x's dtype once. Same arguments and errors."""
+    _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    weights = topk_weights.to(torch.float32)
+    for expert in torch.unique(topk_ids).tolist():
+        token, slot = torch.where(topk_ids == expert)
+        gate, up = torch.nn.functional.linear(x[token], w_gate_up[expert]).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_down[expert])
+        acc.index_add_(0, token, y.float() * weights[token, slot, None])
+    return acc.to(x.dtype)
