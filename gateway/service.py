@@ -117,12 +117,12 @@ class GatewayService:
     async def _recv_loop(self) -> None:
         assert self.control is not None
         while True:
-            identity, msg = await self.control.recv()
-            if msg is not None:
-                try:
-                    await self.on_control_message(identity, msg)
-                except Exception:
-                    log.exception("control message handling failed")
+            for identity, msg in await self.control.recv_many():
+                if msg is not None:
+                    try:
+                        await self.on_control_message(identity, msg)
+                    except Exception:
+                        log.exception("control message handling failed")
 
     async def _probe_loop(self) -> None:
         assert self.control is not None
