@@ -4,6 +4,7 @@ flight by clearing `transport.deliver`)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -171,7 +172,7 @@ def test_sender_naps_long_then_looks_finely_then_falls_back():
         assert len(early) <= 30, len(early)
         # fine looks: up to 80 in 8 ms on an idle machine, each 0.1 ms after the one before
         assert len(around) >= 3, len(around)
-        gaps = sorted(b - a for a, b in zip(around, around[1:]))
+        gaps = sorted(b - a for a, b in itertools.pairwise(around))
         assert gaps[len(gaps) // 2] < busy / 4, gaps
         assert 20 <= len(late) <= 160, len(late)  # ~1 ms apart (~130), not 0.1 ms apart (~1300)
         assert_landed(src, [2, 3, 4], dst, [7, 8, 9])
