@@ -49,10 +49,27 @@ class ControlSocket:
             raise OSError(f"cannot bind control socket at {bind}: {exc}") from exc
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)  # the same socket, read
+        # without asyncio when frames are already there
 
     async def recv(self) -> tuple[bytes, Message | None]:
         """Next (identity, message); message is None when the frame was not a valid message."""
-        frames = await self._sock.recv_multipart()
+        return self._parse(await self._sock.recv_multipart())
+
+    async def recv_many(self, limit: int = 256) -> list[tuple[bytes, Message | None]]:
+        """The next (identity, message) and every further one already received (at most ``limit`` in
+        all), in arrival order; waits only for the first. Message None: the frame was not valid."""
+        out = [self._parse(await self._sock.recv_multipart())]
+        while len(out) < limit:
+            try:
+                frames = self._sync.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            out.append(self._parse(frames))
+        return out
+
+    @staticmethod
+    def _parse(frames: list[bytes]) -> tuple[bytes, Message | None]:
         if len(frames) != 2:
             log.warning("control frame with %d parts dropped", len(frames))
             return frames[0], None

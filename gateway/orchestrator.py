@@ -523,9 +523,13 @@ class Orchestrator:
         return TokenOutput(token_id, entry, reason)
 
     @staticmethod
+    def has_message(req: GatewayRequest) -> bool:
+        """True when a worker message for ``req`` is queued: ``next_output`` starts without waiting."""
+        return not req.inbox.empty()
+
+    @staticmethod
     async def _next_message(req: GatewayRequest, deadline: float) -> WorkerMessage | WorkerLost:
-        if not req.inbox.empty():  # no timer needed; still yield once, so concurrent streams interleave
-            await asyncio.sleep(0)
+        if not req.inbox.empty():  # no timer, no suspension: the queue holds only what was received
             return req.inbox.get_nowait()
         try:
             return await asyncio.wait_for(req.inbox.get(), timeout=max(deadline - time.monotonic(), 0.001))

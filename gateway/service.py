@@ -4,10 +4,12 @@ liveness (the reaper), the tokenizer, and the ``Orchestrator`` that owns the liv
 Control messages from workers: ``RegisterWorker`` (→ ``RegisterAck``; a higher epoch replaces the old
 incarnation, whose requests fail), ``Heartbeat`` (load; an unknown worker is asked to ``ReRegister``),
 ``WorkerShutdown``; per-request messages go to the orchestrator (gateway/orchestrator.py), after counting
-as a sign of life of their worker. A worker silent for ``--heartbeat-timeout`` s is declared lost; so
-is, at once, a worker a send fails to reach (its connection is gone: ``SendOutcome.UNREACHABLE``), and
-each dropped connection makes the gateway probe every worker (``Probe``) to find whose it was. A send that
-only would block (a slow worker) drops nobody. A lost worker is back when it registers again.
+as a sign of life of their worker; an ``OutputBatch`` (a worker phase's per-request messages in one
+frame) is applied message by message, in order. A worker silent for ``--heartbeat-timeout`` s is
+declared lost; so is, at once, a worker a send fails to reach (its connection is gone:
+``SendOutcome.UNREACHABLE``), and each dropped connection makes the gateway probe every worker (``Probe``)
+to find whose it was. A send that only would block (a slow worker) drops nobody. A lost worker is back
+when it registers again.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from protocol.messages import (
     KVCanaryReserved,
     KVCanaryResult,
     Message,
+    OutputBatch,
     Probe,
     RegisterAck,
     RegisterWorker,
@@ -114,12 +117,12 @@ class GatewayService:
     async def _recv_loop(self) -> None:
         assert self.control is not None
         while True:
-            identity, msg = await self.control.recv()
-            if msg is not None:
-                try:
-                    await self.on_control_message(identity, msg)
-                except Exception:
-                    log.exception("control message handling failed")
+            for identity, msg in await self.control.recv_many():
+                if msg is not None:
+                    try:
+                        await self.on_control_message(identity, msg)
+                    except Exception:
+                        log.exception("control message handling failed")
 
     async def _probe_loop(self) -> None:
         assert self.control is not None
@@ -157,6 +160,12 @@ class GatewayService:
                 await self.canaries.on_reserved(msg)
             else:
                 await self.canaries.on_result(msg)
+        elif isinstance(msg, OutputBatch):
+            entry = self.registry.get(msg.worker_id)
+            if entry is not None:
+                self.registry.touch(msg.worker_id, entry.info.epoch)
+            for item in msg.messages:
+                await self.orchestrator.on_worker_message(identity, item)
         elif isinstance(msg, WorkerMessage):
             entry = self.registry.get(msg.worker_id)
             if entry is not None:

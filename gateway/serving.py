@@ -14,6 +14,11 @@ timeout) with the OpenAI error body. A failure after the first event ends the st
 and ``data: [DONE]``. A request whose client went away, before its first event or (non-streaming) before
 its body, is aborted on the workers. Retries and migrations after a worker failure happen below, in the
 orchestrator: here they only look like a continuing token sequence.
+
+Per token, the stream does little: the deltas already received for a request are turned into events
+together and sent in one write (``_groups``; each token keeps its own event), and a chunk with text only
+is the choice's pre-encoded JSON around the encoded text (``_ChunkWriter``), byte for byte what the
+response structs encode to.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+
+import msgspec
 
 from gateway.chat_output import ChatOutputParser, merge_texts
 from gateway.errors import APIError
@@ -43,6 +50,8 @@ from gateway.stream import Delta, text_deltas
 
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming request checks that its client is still there
 DONE = b"data: [DONE]\n\n"
+MAX_GROUP = 64  # deltas turned into events and written together, at most
+_TEXT_SLOT = "\x00pdserve-chunk-text\x00"  # placeholder whose encoding is cut out of a chunk template
 
 
 async def submit_all(svc: GatewayService, p: Prepared) -> list[GatewayRequest]:
@@ -103,10 +112,47 @@ async def _pump(svc: GatewayService, index: int, req: GatewayRequest,
                 queue: asyncio.Queue[tuple[int, object]]) -> None:
     try:
         async for delta in text_deltas(svc.orchestrator, svc.text(), req):
-            await queue.put((index, delta))
+            queue.put_nowait((index, delta))
     except GenerationFailed as exc:
-        await queue.put((index, exc))
-    await queue.put((index, _END))
+        queue.put_nowait((index, exc))
+    queue.put_nowait((index, _END))
+
+
+async def _groups(svc: GatewayService,
+                  reqs: list[GatewayRequest]) -> AsyncGenerator[list[tuple[int, object]], None]:
+    """(choice position, ``Delta`` | ``GenerationFailed`` | ``_END``) items of every request, in arrival
+    order, in groups: each group holds what is ready now (at most ``MAX_GROUP``), waiting only for its
+    first item. One request is read directly; several through one task each and a shared queue."""
+    if len(reqs) == 1:
+        req, deltas = reqs[0], text_deltas(svc.orchestrator, svc.text(), reqs[0])
+        try:
+            while True:
+                group: list[tuple[int, object]] = []
+                try:
+                    group.append((0, await anext(deltas)))
+                    while len(group) < MAX_GROUP and svc.orchestrator.has_message(req):
+                        group.append((0, await anext(deltas)))
+                except StopAsyncIteration:
+                    group.append((0, _END))
+                except GenerationFailed as exc:
+                    group.append((0, exc))
+                yield group
+                if group[-1][1] is _END or isinstance(group[-1][1], GenerationFailed):
+                    return
+        finally:
+            if isinstance(deltas, AsyncGenerator):
+                await deltas.aclose()
+    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(svc, i, r, queue)) for i, r in enumerate(reqs)]
+    try:
+        while True:
+            group = [await queue.get()]
+            while len(group) < MAX_GROUP and not queue.empty():
+                group.append(queue.get_nowait())
+            yield group
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class _ChunkWriter:
@@ -119,6 +165,18 @@ class _ChunkWriter:
         self.held: list[list[TokenLogprob]] = [[] for _ in p.choices]
         self.n_out = 0
         self.parsers = [ChatOutputParser(p.output) for _ in p.choices] if p.chat and p.output.active else None
+        self._templates: list[tuple[bytes, bytes] | None] = [None] * len(p.choices)
+
+    def _text_event(self, pos: int, content: str) -> bytes:
+        """The event of a chunk holding only ``content`` for choice ``pos``: its template (the event of
+        such a chunk, encoded once with a placeholder text) around the JSON-encoded ``content``."""
+        template = self._templates[pos]
+        if template is None:
+            event = sse_chunk(self.p, self.created, chunk_choice(
+                self.p, self.svc.text(), self.p.choices[pos].index, _TEXT_SLOT, None, [], 0))
+            head, _, tail = event.partition(msgspec.json.encode(_TEXT_SLOT))
+            template = self._templates[pos] = (head, tail)
+        return template[0] + msgspec.json.encode(content) + template[1]
 
     def first(self) -> list[bytes]:
         if not self.p.chat:
@@ -156,6 +214,8 @@ class _ChunkWriter:
             return None
         content = self.prefix[pos] + d.text
         self.prefix[pos] = ""
+        if not self.held[pos] and d.finish_reason is None:
+            return self._text_event(pos, content)  # content is not empty here
         entries, self.held[pos] = self.held[pos], []
         choice = chunk_choice(self.p, self.svc.text(), self.p.choices[pos].index, content, d.finish_reason,
                               entries, self.offset[pos] + len(self.p.choices[pos].echo_text))
@@ -177,32 +237,38 @@ async def sse_events(svc: GatewayService, p: Prepared,
         APIError: a failure before the first event (``GenerationFailed.api_error``: 502, 503 or 504).
     """
     writer = _ChunkWriter(svc, p)
-    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(svc, i, r, queue)) for i, r in enumerate(reqs)]
+    groups = _groups(svc, reqs)
     started = False
     try:
-        live = len(tasks)
+        live = len(reqs)
         while live:
-            pos, item = await queue.get()
-            if item is _END:
-                live -= 1
-            elif isinstance(item, GenerationFailed):
+            events: list[bytes] = []
+            failed: GenerationFailed | None = None
+            for pos, item in await anext(groups):
+                if item is _END:
+                    live -= 1
+                elif isinstance(item, GenerationFailed):
+                    failed = item
+                    break
+                elif isinstance(item, Delta) and (out := writer.delta(pos, item)) is not None:
+                    if not started:
+                        started = True
+                        events.extend(writer.first())
+                    events.append(out)
+            if failed is not None:
                 if not started:
-                    raise item.api_error() from item
-                yield b"data: " + item.api_error().json() + b"\n\n"
+                    raise failed.api_error() from failed
+                events.append(b"data: " + failed.api_error().json() + b"\n\n")
+            if events:
+                yield b"".join(events)
+            if failed is not None:
                 break
-            elif isinstance(item, Delta) and (out := writer.delta(pos, item)) is not None:
-                if not started:
-                    started = True
-                    out = b"".join(writer.first()) + out
-                yield out
         else:
             svc.metrics.generation_tokens.inc(writer.n_out)
             if p.include_usage:
                 yield writer.usage(reqs)
     finally:
-        for task in tasks:
-            task.cancel()
+        await groups.aclose()
         for r in reqs:
             svc.orchestrator.release(r)
     yield DONE

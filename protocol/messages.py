@@ -11,6 +11,9 @@ Request lifecycle (disaggregated; the gateway's side is gateway/orchestrator.py)
   4. P → gateway: ``FirstToken`` (streamed to the client at once: TTFT); P sends the KV to D (kvtransfer)
   5. gateway → D: ``DecodeRequest`` (the first token); D starts decoding once the KV has landed too
   6. D → gateway: one ``NextToken`` per later output token … ``RequestFinished`` (or ``RequestFailed``)
+Worker → gateway, the per-request messages of one worker phase (``FirstToken``, ``NextToken``,
+``RequestFinished``, ``RequestFailed``, ``KVReserved``: a decode step's tokens for every running request)
+travel together in one ``OutputBatch`` frame, in the order they were made.
 ``max_tokens=1``: step 3 without a KV handle, and nothing reaches a decode worker. Colocated:
 ``ColocatedRequest`` → ``FirstToken``, ``NextToken`` …, ``RequestFinished``. At any point the gateway may
 send ``AbortRequest`` (client gone, stop string matched, peer failed) to every worker holding state.
@@ -291,6 +294,20 @@ class RequestFailed(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     error: str
 
 
+OutputMessage = FirstToken | NextToken | RequestFinished | RequestFailed | KVReserved
+
+
+class OutputBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Worker → gateway: every per-request message (``OutputMessage``) one worker phase produced, in the
+    order it produced them: one decode step's ``NextToken`` for each running request, with the
+    ``RequestFinished`` of those that ended, the ``FirstToken`` of a prefill step, failures, KV
+    reservations. The gateway applies them one by one, exactly as if each had come in its own frame:
+    one frame per step instead of one per token and request. ``worker_id``: the sender."""
+
+    worker_id: str
+    messages: list[OutputMessage]
+
+
 class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Gateway → worker: drop the request and free its blocks (once no transfer can still write them)."""
 
@@ -307,7 +324,8 @@ def _no_stop_strings(sampling: SamplingParams) -> None:
 Message = (
     RegisterWorker | RegisterAck | ReRegister | Probe | Heartbeat | WorkerShutdown | ReserveKV | KVReserved
     | PrefillRequest | DecodeRequest | ColocatedRequest | FirstToken | NextToken | RequestFinished
-    | RequestFailed | AbortRequest | KVCanaryReserve | KVCanaryReserved | KVCanarySend | KVCanaryResult
+    | RequestFailed | OutputBatch | AbortRequest | KVCanaryReserve | KVCanaryReserved | KVCanarySend
+    | KVCanaryResult
 )
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -5,7 +5,8 @@ Queues and states:
     ever touched while no step runs, so no locks are needed around it);
   * the engine's own queues (scheduler ``waiting`` / ``running``), advanced one step at a time by
     ``run_in_executor`` on a single thread, so heartbeats and aborts are never stalled by a forward pass;
-  * ``outbox``: messages for the gateway, flushed after every phase.
+  * ``outbox``: messages for the gateway, flushed after every phase; the phase's per-request messages
+    (a step's tokens of every running request) go out as one ``OutputBatch`` frame.
 Subclasses (prefill, decode, colocated) implement ``on_message`` / ``poll`` / ``has_work`` / ``step`` /
 ``on_step`` / ``drop``. A failing step fails only the requests it carried (``RequestFailed``).
 """
@@ -41,6 +42,7 @@ from protocol.messages import (
     request_id_of,
 )
 from workers.control_client import ControlClient
+from workers.outputs import batch_outputs
 from workers.placement import kv_placement
 from workers.step import StepFailed
 
@@ -232,7 +234,7 @@ class WorkerLoop:
                               placement=kv_placement(self.core.runner.kv_cache.device.type))
 
     async def _flush(self) -> None:
-        for msg in self.take_outbox():
+        for msg in batch_outputs(self.worker_id, self.take_outbox()):
             await self.control.send(msg)
 
     def _between_steps(self) -> None:

@@ -1,4 +1,5 @@
-"""Engine step outputs → control-plane messages (``FirstToken``, ``NextToken``, ``RequestFinished``).
+"""Engine step outputs → control-plane messages (``FirstToken``, ``NextToken``, ``RequestFinished``), and
+the frames a worker phase sends (``batch_outputs``: its per-request messages in one ``OutputBatch``).
 
 Shared by the colocated and decode workers: an output is the request's first token when the sequence
 holds exactly one output token after the step; its finish reason (``stop`` / ``length``) ends it.
@@ -9,7 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from protocol.messages import FinishReason, FirstToken, Message, NextToken, RequestFinished, TopLogprob
+from protocol.messages import (
+    FinishReason,
+    FirstToken,
+    KVReserved,
+    Message,
+    NextToken,
+    OutputBatch,
+    OutputMessage,
+    RequestFailed,
+    RequestFinished,
+    TopLogprob,
+)
 
 if TYPE_CHECKING:
     from engine.engine_core import StepOutput
@@ -67,3 +79,21 @@ def stream_outputs(worker_id: str, seqs: dict[str, Sequence], outs: list[StepOut
             emit(msg)
         if seq.is_finished:
             del seqs[out.request_id]
+
+
+def batch_outputs(worker_id: str, msgs: list[Message]) -> list[Message]:
+    """The frames of one phase's messages: every per-request message (``OutputMessage``) goes into one
+    ``OutputBatch`` (their order kept), placed where the first of them was; the other messages (canary
+    answers) stay as they are. No per-request message: ``msgs`` unchanged."""
+    outputs: list[OutputMessage] = []
+    frames: list[Message] = []
+    at = -1  # where the batch goes in ``frames``
+    for msg in msgs:
+        if isinstance(msg, FirstToken | NextToken | RequestFinished | RequestFailed | KVReserved):
+            at = len(frames) if at < 0 else at
+            outputs.append(msg)
+        else:
+            frames.append(msg)
+    if outputs:
+        frames.insert(at, OutputBatch(worker_id=worker_id, messages=outputs))
+    return frames

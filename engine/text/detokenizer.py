@@ -5,12 +5,19 @@ decode a short window of earlier tokens with and without the new ones and emit o
 only once it no longer ends in U+FFFD (a byte-level BPE token can carry part of a multi-byte character).
 Stop strings are matched on the output text, across token boundaries; the text of a stop string is not
 emitted, and a tail that could still begin a stop string is held back until it is resolved.
+
+A tokenizer that offers ``decode_stream`` (:class:`TextTokenizer`: the tokenizers library's
+``DecodeStream``, which runs the same prefix/read-offset method natively) advances by one native call
+per token instead of two window decodes; its output is the same text, character for character. Should
+the native stream refuse a token (its window text does not start with the previous window's), the
+detokenizer goes on with the window decodes. Without stop strings, a token's work does not grow with the
+length of the output.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
 
 _REPLACEMENT = "\ufffd"
 _PREFIX_WINDOW = 5  # prompt tokens decoded as context for the first output tokens (tokens)
@@ -20,6 +27,14 @@ class SupportsDecode(Protocol):
     """Anything with ``decode(ids, skip_special_tokens) -> str`` (e.g. :class:`TextTokenizer`)."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@runtime_checkable
+class SupportsDecodeStream(SupportsDecode, Protocol):
+    """A tokenizer that also makes native incremental decoders (e.g. :class:`TextTokenizer`)."""
+
+    def decode_stream(self, context_ids: list[int],
+                      skip_special_tokens: bool = True) -> Callable[[int], str | None]: ...
 
 
 class IncrementalDetokenizer:
@@ -46,14 +61,20 @@ class IncrementalDetokenizer:
         self._prefix_offset = max(0, self._read_offset - _PREFIX_WINDOW)
         self._stops = tuple(stop)
         self._max_stop = max((len(s) for s in self._stops), default=0)
-        self._text = ""      # decoded output text so far (truncated at a stop match)
+        self._text = ""      # decoded output text so far (truncated at a stop match); with stop strings
         self._emitted = 0    # characters of _text already returned
+        self._pieces: list[str] = []  # the text returned so far, without stop strings
         self.stopped = False
         self.stop_reason: str | None = None  # the stop string that matched
+        self._step: Callable[[int], str | None] | None = None
+        if isinstance(tokenizer, SupportsDecodeStream):
+            self._step = tokenizer.decode_stream(self._ids[self._prefix_offset :], skip_special_tokens)
 
     @property
     def output_text(self) -> str:
         """All text returned so far (the held-back tail excluded)."""
+        if not self._stops:
+            return "".join(self._pieces)
         return self._text[: self._emitted]
 
     def add(self, token_id: int) -> str:
@@ -64,18 +85,42 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.append(token_id)
+        new = self._stream_delta(token_id) if self._step is not None else self._decode_delta(final=False)
+        if not self._stops:
+            if new:
+                self._pieces.append(new)
+            return new
         before = len(self._text)
-        self._text += self._decode_delta(final=False)
+        self._text += new
         return self._release(before)
 
     def finish(self) -> str:
         """End of generation: return any held-back text (and an incomplete trailing character)."""
         if self.stopped:
             return ""
+        if not self._stops:
+            new = self._decode_delta(final=True)
+            if new:
+                self._pieces.append(new)
+            return new
         before = len(self._text)
         self._text += self._decode_delta(final=True)
         self._check_stop(before)
         return self._emit(len(self._text))  # nothing is held back any more
+
+    def _stream_delta(self, token_id: int) -> str:
+        """``_decode_delta(final=False)`` through the native stream (the same window, the same text);
+        the window offsets advance alike, so ``finish`` and the fallback see the same state."""
+        assert self._step is not None
+        try:
+            piece = self._step(token_id)
+        except Exception:  # the native stream refused the window: window decodes from here on
+            self._step = None
+            return self._decode_delta(final=False)
+        if piece is None:
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return piece
 
     def _decode_delta(self, final: bool) -> str:
         prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)

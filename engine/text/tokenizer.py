@@ -12,11 +12,13 @@ post-processor do ``add_bos_token`` / ``add_eos_token`` build one (``[bos] $A [e
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, processors
+from tokenizers.decoders import DecodeStream
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -79,6 +81,23 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Byte-level BPE pieces of an incomplete UTF-8 character decode to U+FFFD."""
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def decode_stream(self, context_ids: list[int],
+                      skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+        """A native incremental decoder (the tokenizers library's ``DecodeStream``) primed with
+        ``context_ids`` (never emitted): called with each next token id, it returns the text that token
+        completes, or None while it only holds part of a UTF-8 character or adds no text.
+
+        Raises (from the call):
+            Exception: the stream's window text does not start with its previous window's.
+        """
+        stream, tok = DecodeStream(list(context_ids), skip_special_tokens), self._tok
+
+        def step(token_id: int) -> str | None:
+            piece = stream.step(tok, token_id)
+            return None if piece is None else str(piece)
+
+        return step
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id (None if out of range)."""

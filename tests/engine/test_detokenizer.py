@@ -1,13 +1,15 @@
-"""IncrementalDetokenizer: UTF-8 split across tokens, stop strings across tokens, held-back text."""
+"""IncrementalDetokenizer: UTF-8 split across tokens, stop strings across tokens, held-back text; the
+native stream path (tokenizers' DecodeStream) gives the window-decode path's text, delta for delta."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 
-from engine.text.detokenizer import IncrementalDetokenizer
-from engine.text.tokenizer import load_tokenizer
+from engine.text.detokenizer import IncrementalDetokenizer, SupportsDecodeStream
+from engine.text.tokenizer import TextTokenizer, load_tokenizer
 
 
 class ByteTokenizer:
@@ -108,3 +110,57 @@ def test_real_tokenizer_stop_string(smollm2_tokenizer_dir: Path) -> None:
     detok = IncrementalDetokenizer(tok, [], stop=["Question:"])
     out = "".join(detok.add(i) for i in ids) + detok.finish()
     assert out == "The answer is 42. " and detok.stop_reason == "Question:"
+
+
+class WindowOnly:
+    """The same tokenizer without ``decode_stream``: the detokenizer's window-decode path."""
+
+    def __init__(self, tok: TextTokenizer) -> None:
+        self.tok = tok
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens)
+
+
+TRICKY = [" naïve café — 日本語のテキスト 🎉👩‍💻 done.", "  two  spaces\tand\ttabs\n\nnew lines  ",
+          "x\u200dy é\u0301 🇫🇷 𝕏 ok", "Hello world"]
+
+
+def _deltas(detok: IncrementalDetokenizer, ids: list[int]) -> list[str]:
+    return [detok.add(i) for i in ids] + [detok.finish()]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_native_stream_matches_window_decodes_and_full_decode(smollm2_tokenizer_dir: Path,
+                                                              skip: bool) -> None:
+    tok = load_tokenizer(smollm2_tokenizer_dir)
+    assert isinstance(tok, SupportsDecodeStream) and not isinstance(WindowOnly(tok), SupportsDecodeStream)
+    specials = [i for i in (tok.eos_token_id, tok.bos_token_id) if i is not None]
+    specials += [tok.encode("<|im_start|>", add_special_tokens=False)[0]]
+    assert len(set(specials)) >= 2 and all(i >= 0 for i in specials)
+    prompt = tok.encode("Translate:")
+    for text in TRICKY:
+        pieces = [tok.encode(part, add_special_tokens=False) for part in text.split(" ")]
+        ids = [i for k, p in enumerate(pieces) for i in [*p, specials[k % len(specials)]]]  # specials inside
+        native = _deltas(IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip), ids)
+        window = _deltas(IncrementalDetokenizer(WindowOnly(tok), prompt, skip_special_tokens=skip), ids)
+        assert native == window  # token by token, the same text
+        assert all("\ufffd" not in d for d in native)
+        assert "".join(native) == tok.decode(ids, skip_special_tokens=skip)
+        if skip:
+            assert "".join(native) == text.replace(" ", "")
+
+
+def test_native_stream_matches_window_decodes_on_random_ids_and_stops(smollm2_tokenizer_dir: Path) -> None:
+    """Random ids (byte pieces that form no character included) and stop strings: both paths agree on
+    every delta, the held-back text and the stop."""
+    tok = load_tokenizer(smollm2_tokenizer_dir)
+    rng = random.Random(7)
+    for trial in range(40):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        stop = ["e", "the", "\ufffd"][: trial % 4]
+        skip = trial % 2 == 0
+        a = IncrementalDetokenizer(tok, [1, 2, 3], stop, skip_special_tokens=skip)
+        b = IncrementalDetokenizer(WindowOnly(tok), [1, 2, 3], stop, skip_special_tokens=skip)
+        assert _deltas(a, ids) == _deltas(b, ids)
+        assert (a.stopped, a.stop_reason, a.output_text) == (b.stopped, b.stop_reason, b.output_text)

@@ -7,7 +7,9 @@ that ends with the reply's first k tokens continues at position k, as a model co
 (what a migrated request sends). With
 ``sampling.logprobs`` set it sends logprob ``fake_logprob(i)`` for position i and, for N > 0, the top-N
 alternatives of ``fake_top``; its ``FirstToken`` reports ``--cached-tokens`` prefix-cache hits.
-Prefill takes ``--prefill-delay`` s, each later token ``--token-delay`` s.
+Prefill takes ``--prefill-delay`` s; the decode side (decode and colocated roles) runs its requests as one
+batch in steps of ``--token-delay`` s, each step sending one token of every running request in one
+``OutputBatch`` frame, as a real worker's step does.
 The decode role "reserves" ``ceil(prompt / block_size) + 1`` blocks per request from ``--total-blocks``
 and frees them on finish or abort, so heartbeats show leaks. Every received message is appended to
 ``--record`` (JSON lines: type, request_id, and ``sampling`` (a dict) when it carries sampling
@@ -30,6 +32,7 @@ import math
 import os
 import signal
 import time
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -63,6 +66,7 @@ from protocol.messages import (
     decode,
     encode,
 )
+from workers.outputs import batch_outputs
 
 
 def fake_logprob(pos: int) -> float:
@@ -75,8 +79,21 @@ def fake_top(token_id: int, pos: int, n: int) -> list[TopLogprob]:
     return [TopLogprob(token_id + k, fake_logprob(pos) - k) for k in range(n)]
 
 
+@dataclass
+class Generation:
+    """One request being generated: its prompt, sampling, the reply offset it continues at
+    (``FakeWorker.continued``) and its next output position ``i`` (0: the prefill's first token)."""
+
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    offset: int
+    i: int
+
+
 class FakeWorker:
-    """The worker's state: pending decode reservations, running generation tasks, free blocks."""
+    """The worker's state: pending decode reservations, prefills in progress (``tasks``), the running
+    decode batch (``running``), free blocks, and the outbox of the current phase."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -89,15 +106,28 @@ class FakeWorker:
         self.free_blocks = args.total_blocks
         self.reserved: dict[str, tuple[ReserveKV, int]] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.running: dict[str, Generation] = {}
+        self.outbox: list[Message] = []
+        self.wake = asyncio.Event()
         self.hung = asyncio.Event()
 
     async def send(self, msg: Message) -> None:
         await self.sock.send(encode(msg))
 
+    def emit(self, msg: Message) -> None:
+        """Queue a message for the gateway; ``flush`` sends the queue as a real worker's phase does."""
+        self.outbox.append(msg)
+
+    async def flush(self) -> None:
+        """Send the queued messages: the per-request ones in one ``OutputBatch`` (``batch_outputs``)."""
+        msgs, self.outbox = self.outbox, []
+        for frame in batch_outputs(self.args.worker_id, msgs):
+            await self.send(frame)
+
     def load(self) -> WorkerLoad:
-        return WorkerLoad(num_waiting=len(self.reserved) - len(self.tasks) if self.reserved else 0,
-                          num_running=len(self.tasks), num_free_blocks=self.free_blocks,
-                          num_total_blocks=self.args.total_blocks)
+        busy = len(self.tasks) + len(self.running)
+        return WorkerLoad(num_waiting=max(len(self.reserved) - busy, 0), num_running=busy,
+                          num_free_blocks=self.free_blocks, num_total_blocks=self.args.total_blocks)
 
     def record(self, msg: Message) -> None:
         if self.args.record:
@@ -129,16 +159,16 @@ class FakeWorker:
                 return k
         return 0
 
-    async def fault(self, rid: str, pos: int) -> bool:
-        """Apply ``--fail-at`` / ``--hang-at`` at output position ``pos``; True when the request ends
-        here (failed, or the worker hangs)."""
+    def fault(self, rid: str, pos: int) -> bool:
+        """Apply ``--fail-at`` / ``--hang-at`` at output position ``pos``; True when the request gets no
+        token here (failed: ``RequestFailed`` queued; or the worker hangs)."""
         if pos == self.args.hang_at:
             self.hung.set()
         if self.hung.is_set():
             return True
         if pos == self.args.fail_at:
-            await self.send(RequestFailed(request_id=rid, worker_id=self.args.worker_id,
-                                          error=f"injected failure at position {pos}"))
+            self.emit(RequestFailed(request_id=rid, worker_id=self.args.worker_id,
+                                    error=f"injected failure at position {pos}"))
             return True
         return False
 
@@ -157,75 +187,108 @@ class FakeWorker:
                 return
             await self.send(Heartbeat(worker_id=self.args.worker_id, epoch=self.epoch, load=self.load()))
 
-    async def generate(self, rid: str, prompt: list[int], sampling: SamplingParams, start: int) -> None:
-        """Tokens from this request's output position ``start``; its position 0 (prefill) is a
-        FirstToken. A prompt ending with the reply's first k tokens shifts the reply by k."""
+    def logprobs_of(self, gen: Generation, tok: int) -> tuple[float | None, list[TopLogprob] | None]:
+        pos, n = gen.offset + gen.i, gen.sampling.logprobs
+        return (None if n is None else fake_logprob(pos)), (fake_top(tok, pos, n) if n else None)
+
+    async def prefill(self, gen: Generation) -> None:
+        """Position 0 of ``gen`` after ``--prefill-delay``: a ``FirstToken``; then (colocated) the request
+        joins the running batch."""
         wid = self.args.worker_id
-        offset = self.continued(prompt, sampling)
         try:
-            i = start
-            while True:
-                if await self.fault(rid, offset + i):
-                    if self.hung.is_set():
-                        await asyncio.Event().wait()  # stalled until aborted or killed
-                    return
-                tok = self.token(offset + i, sampling)
-                finish = self.finish_of(sampling, i + 1, tok)
-                lp = None if sampling.logprobs is None else fake_logprob(offset + i)
-                top = fake_top(tok, offset + i, sampling.logprobs) if sampling.logprobs else None
-                if i == 0:
-                    await asyncio.sleep(self.args.prefill_delay)
-                    cached = min(self.args.cached_tokens, len(prompt) - 1)
-                    await self.send(FirstToken(request_id=rid, worker_id=wid, token_id=tok, logprob=lp,
-                                               top_logprobs=top, num_cached_tokens=cached,
-                                               finish_reason=finish))
-                    if self.args.role == "prefill":
-                        return
-                else:
-                    await asyncio.sleep(self.args.token_delay)
-                    await self.send(NextToken(request_id=rid, worker_id=wid, token_id=tok, logprob=lp,
-                                              top_logprobs=top))
-                if finish is not None:
-                    if i > 0 or self.args.role == "colocated":
-                        await self.send(RequestFinished(request_id=rid, worker_id=wid, finish_reason=finish,
-                                                        num_prompt_tokens=len(prompt),
-                                                        num_output_tokens=i + 1))
-                    return
-                i += 1
+            if self.fault(gen.rid, gen.offset):
+                if self.hung.is_set():
+                    await asyncio.Event().wait()  # stalled until aborted or killed
+                await self.flush()
+                return
+            await asyncio.sleep(self.args.prefill_delay)
+            tok = self.token(gen.offset, gen.sampling)
+            finish = self.finish_of(gen.sampling, 1, tok)
+            lp, top = self.logprobs_of(gen, tok)
+            cached = min(self.args.cached_tokens, len(gen.prompt) - 1)
+            self.emit(FirstToken(request_id=gen.rid, worker_id=wid, token_id=tok, logprob=lp,
+                                 top_logprobs=top, num_cached_tokens=cached, finish_reason=finish))
+            if finish is not None and self.args.role == "colocated":
+                self.emit(RequestFinished(request_id=gen.rid, worker_id=wid, finish_reason=finish,
+                                          num_prompt_tokens=len(gen.prompt), num_output_tokens=1))
+            elif finish is None and self.args.role == "colocated":
+                gen.i = 1
+                self.running[gen.rid] = gen
+                self.wake.set()
+            await self.flush()
         finally:
-            self.tasks.pop(rid, None)
-            self.release(rid)
+            self.tasks.pop(gen.rid, None)
+            if gen.rid not in self.running:
+                self.release(gen.rid)
+
+    async def step_loop(self) -> None:
+        """The decode batch, in steps: every ``--token-delay`` s each running request gets its next token,
+        and the step's messages go to the gateway in one ``OutputBatch`` (as a real worker's step)."""
+        wid = self.args.worker_id
+        while True:
+            if not self.running or self.hung.is_set():
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            await asyncio.sleep(self.args.token_delay)
+            for gen in list(self.running.values()):
+                if self.fault(gen.rid, gen.offset + gen.i):
+                    if self.hung.is_set():
+                        break  # stalled: the batch keeps its requests until aborted or killed
+                    self.end(gen.rid)
+                    continue
+                tok = self.token(gen.offset + gen.i, gen.sampling)
+                finish = self.finish_of(gen.sampling, gen.i + 1, tok)
+                lp, top = self.logprobs_of(gen, tok)
+                self.emit(NextToken(request_id=gen.rid, worker_id=wid, token_id=tok, logprob=lp,
+                                    top_logprobs=top))
+                if finish is not None:
+                    self.emit(RequestFinished(request_id=gen.rid, worker_id=wid, finish_reason=finish,
+                                              num_prompt_tokens=len(gen.prompt), num_output_tokens=gen.i + 1))
+                    self.end(gen.rid)
+                else:
+                    gen.i += 1
+            await self.flush()
+
+    def end(self, rid: str) -> None:
+        """The request leaves the running batch; its blocks are freed."""
+        self.running.pop(rid, None)
+        self.release(rid)
 
     def release(self, rid: str) -> None:
         entry = self.reserved.pop(rid, None)
         if entry is not None:
             self.free_blocks += entry[1]
 
-    def start(self, rid: str, prompt: list[int], sampling: SamplingParams, pos: int) -> None:
-        self.tasks[rid] = asyncio.create_task(self.generate(rid, prompt, sampling, pos))
+    def generation(self, rid: str, prompt: list[int], sampling: SamplingParams, i: int) -> Generation:
+        return Generation(rid, prompt, sampling, self.continued(prompt, sampling), i)
 
     async def on_message(self, msg: Message) -> None:
         self.record(msg)
         if isinstance(msg, PrefillRequest | ColocatedRequest):
-            self.start(msg.request_id, msg.prompt_token_ids, msg.sampling, 0)
+            gen = self.generation(msg.request_id, msg.prompt_token_ids, msg.sampling, 0)
+            self.tasks[msg.request_id] = asyncio.create_task(self.prefill(gen))
         elif isinstance(msg, ReserveKV):
             need = math.ceil(len(msg.prompt_token_ids) / self.args.block_size) + 1
             self.free_blocks -= need
             self.reserved[msg.request_id] = (msg, need)
-            if await self.fault(msg.request_id, -1):
+            if self.fault(msg.request_id, -1):
                 if not self.hung.is_set():
                     self.release(msg.request_id)
-                return
-            await self.send(KVReserved(request_id=msg.request_id, worker_id=self.args.worker_id,
-                                       kv_handle=f"fake-handle:{msg.request_id}".encode()))
+            else:
+                self.emit(KVReserved(request_id=msg.request_id, worker_id=self.args.worker_id,
+                                     kv_handle=f"fake-handle:{msg.request_id}".encode()))
+            await self.flush()
         elif isinstance(msg, DecodeRequest) and msg.request_id in self.reserved:
             res = self.reserved[msg.request_id][0]
-            self.start(msg.request_id, res.prompt_token_ids, res.sampling, 1)
+            gen = self.generation(msg.request_id, res.prompt_token_ids, res.sampling, 1)
+            self.running[msg.request_id] = gen
+            self.wake.set()
         elif isinstance(msg, AbortRequest):
             task = self.tasks.pop(msg.request_id, None)
             if task is not None:
                 task.cancel()
-            self.release(msg.request_id)
+            self.end(msg.request_id)
         elif isinstance(msg, KVCanaryReserve) and not self.args.canary_wedged:
             await self.send(KVCanaryReserved(canary_id=msg.canary_id, worker_id=self.args.worker_id,
                                              kv_handle=f"fake-handle:{msg.canary_id}".encode()))
@@ -239,13 +302,13 @@ class FakeWorker:
 
     async def run(self) -> None:
         await self.register()
-        hb = asyncio.create_task(self.heartbeat_loop())
+        loops = [asyncio.create_task(self.heartbeat_loop()), asyncio.create_task(self.step_loop())]
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         recv = asyncio.create_task(self.recv_loop())
         await asyncio.wait([asyncio.create_task(stop.wait()), recv], return_when=asyncio.FIRST_COMPLETED)
         await self.send(WorkerShutdown(worker_id=self.args.worker_id, epoch=self.epoch))
-        for task in (hb, recv):
+        for task in (*loops, recv):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, SystemExit):
                 await task

@@ -16,6 +16,7 @@ from protocol.messages import (
     Heartbeat,
     KVReserved,
     NextToken,
+    OutputBatch,
     PrefillRequest,
     RegisterAck,
     RegisterWorker,
@@ -53,6 +54,16 @@ ALL = [
                     num_output_tokens=4),
     RequestFailed(request_id="r", worker_id="d", error="boom"),
     AbortRequest(request_id="r", reason="client disconnected"),
+    OutputBatch(worker_id="d", messages=[
+        KVReserved(request_id="q", worker_id="d", kv_handle=b"h"),
+        NextToken(request_id="r", worker_id="d", token_id=1),
+        NextToken(request_id="s", worker_id="d", token_id=2, logprob=-0.25,
+                  top_logprobs=[TopLogprob(2, -0.25)]),
+        RequestFinished(request_id="s", worker_id="d", finish_reason="length", num_prompt_tokens=3,
+                        num_output_tokens=2),
+        FirstToken(request_id="t", worker_id="d", token_id=5), RequestFailed(request_id="u", worker_id="d",
+                                                                             error="boom")]),
+    OutputBatch(worker_id="d", messages=[]),
 ]
 
 

@@ -141,6 +141,9 @@ def test_logprobs_and_choices_survive_parsing(clusters: dict[str, Cluster]) -> N
     assert whole.usage is not None
     assert sum(len(ch.logprobs.content or []) for ch in whole.choices if ch.logprobs) == \
         whole.usage.completion_tokens
+    # the fake decode worker's 64 blocks hold one n=2 request of this prompt: wait until a heartbeat
+    # reports them free again, or admission control answers the next one 429 (as it should)
+    c.assert_no_leaks(("d1",))
     entries, calls, finishes = 0, {0: 0, 1: 0}, {}
     for chunk in c.client().chat.completions.create(model="fake-model", messages=MSGS, max_tokens=80,
                                                     tools=TOOLS, n=2, logprobs=True, stream=True):

@@ -1,5 +1,6 @@
 """Colocated worker (workers/colocated.py): ColocatedRequest → FirstToken, one NextToken per later
-token, RequestFinished; abort mid-decode; a bad request fails alone. Ends with the leak check."""
+token, RequestFinished; abort mid-decode; a bad request fails alone; a step's messages for all its
+requests leave in one OutputBatch frame. Ends with the leak check."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
     FirstToken,
+    KVCanaryResult,
     NextToken,
+    OutputBatch,
     RequestFailed,
     RequestFinished,
     encode,
 )
 from tests.workers.helpers import assert_clean, close, colocated_worker, make_core, of_type, pump, run, wire
+from workers.outputs import batch_outputs
 
 PROMPT = list(range(50, 63))  # 13 tokens
 
@@ -86,3 +90,27 @@ def test_frames_decode_or_are_dropped(colo):
     assert colo.decode_frame(b"\xc1 not msgpack") is None
     assert colo.decode_frame(_frame(request_id=7)) is None  # no request to fail: dropped
     assert run(colo) == []
+
+
+def test_each_step_sends_one_output_batch_for_all_its_requests(colo):
+    """Three requests decode together: every phase's messages are one OutputBatch frame (a canary answer
+    beside it stays its own frame), in the order the worker made them; the finish rides in the batch."""
+    phases: list[list[Any]] = []
+    for rid in ("a", "b", "c"):
+        colo.deliver(_req(rid, max_tokens=4 if rid == "b" else 3))
+    while len(of_type([m for ph in phases for m in ph], RequestFinished)) < 3:
+        assert len(phases) < 50, "requests did not finish"
+        colo.run_once()
+        phases.append(colo.take_outbox())
+    assert any({m.request_id for m in of_type(ph, NextToken)} == {"a", "b", "c"} for ph in phases)
+    canary = KVCanaryResult(canary_id="k", worker_id="c0", ok=True, num_bytes=1, seconds=0.1, transport="x")
+    for ph in phases:
+        frames = batch_outputs("c0", [canary, *ph])
+        if not ph:
+            assert frames == [canary]
+            continue
+        assert frames[0] == canary and len(frames) == 2 and isinstance(frames[1], OutputBatch)
+        assert frames[1].worker_id == "c0" and frames[1].messages == ph  # all of them, in order
+    last = next(ph for ph in reversed(phases) if of_type(ph, RequestFinished, "b"))
+    assert [type(m) for m in last] == [NextToken, RequestFinished]  # b's 4th token and its finish, together
+    assert_clean(colo)
