@@ -41,6 +41,7 @@ from protocol.messages import (
     ReserveKV,
     Role,
 )
+from protocol.settings import control_keys
 from workers.loop import WorkerLoop
 from workers.outputs import stream_outputs
 from workers.setup import encode_handle
@@ -58,7 +59,7 @@ def make_receiver(settings: WorkerSettings, core: EngineCore) -> KVReceiver:
     socket bound at ``--host``:``--port`` (0 = any free port)."""
     config = TransferConfig(worker_id=settings.worker_id, model_id=settings.model,
                             backend=settings.transfer_backend, host=settings.host, port=settings.port,
-                            peer_timeout_s=5.0)
+                            peer_timeout_s=5.0, curve=control_keys(settings))
     return get_transfer_backend(settings.transfer_backend).receiver(config, core.runner.kv_cache.kv_buffer)
 
 

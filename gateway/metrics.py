@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from kvtransfer.curve import REFUSAL_KINDS
 from protocol.messages import WorkerLoad
 
 _LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -110,6 +111,12 @@ class GatewayMetrics:
         self.admission_refused = Counter("pdserve_admission_refused", "requests refused at admission by "
                                          "reason (prefill_queue, kv_blocks: 429; prompt_too_long: 400)",
                                          ["reason"], registry=r)
+        self.control_auth_refused = Counter("pdserve_control_auth_refused", "handshakes refused by the "
+                                            "gateway's CURVE control socket (unknown_key: a client key that "
+                                            "is not the fleet's; handshake: no CURVE or a wrong server key)",
+                                            ["kind"], registry=r)
+        for kind in REFUSAL_KINDS:
+            self.control_auth_refused.labels(kind)
         self.kv_path_gbps = Gauge("pdserve_kv_path_gbps", "KV data path speed of a prefill/decode pair, "
                                   "GB/s, from its latest canary transfer of one block",
                                   ["prefill", "decode", "transport"], registry=r)

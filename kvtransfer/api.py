@@ -247,6 +247,11 @@ class KVReceiver(Protocol):
         """A copy of the senders' and loop's state now."""
         ...
 
+    def refused_handshakes(self) -> int:
+        """Handshakes the control socket refused so far (config.curve set: a peer without the fleet's
+        key pair; curve.py). Any thread."""
+        ...
+
     def drop_sender(self, sender_id: str, reason: str) -> None:
         """Drop every known sender called `sender_id` as if it were lost (soon, on the loop thread): its
         requests FAILED with `reason`, their blocks held until their deadline; its next message is

@@ -13,12 +13,31 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvtransfer.curve import CurveKeys, load_keys
+
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _check(cond: bool, flag: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"--{flag}: {msg}")
+
+
+def _check_control_plane(curve_keys: str | None, insecure: bool) -> None:
+    """Exactly one of ``--curve-keys DIR`` (whose key pair must load) and ``--insecure-control-plane``.
+
+    Raises:
+        ValueError: neither, both, or a key directory without a valid key pair (the message names it).
+    """
+    _check(not (curve_keys and insecure), "insecure-control-plane", "cannot be combined with --curve-keys")
+    _check(bool(curve_keys) or insecure, "curve-keys",
+           "required: a directory with the fleet's CURVE key pair (make one with `pdserve keygen DIR`; "
+           "`pdserve up` makes its own), or --insecure-control-plane to accept any peer")
+    if curve_keys:
+        try:
+            load_keys(curve_keys)
+        except ValueError as exc:
+            raise ValueError(f"--curve-keys: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -47,6 +66,8 @@ class GatewaySettings:
     admission_budget: float = 30.0
     kv_canary_period: float = 60.0  # seconds between canaries of a usable pair (0: only at pairing)
     kv_canary_timeout: float = 10.0  # seconds a canary has to land before its pair leaves routing
+    curve_keys: str | None = None  # directory with the fleet's CURVE key pair (kvtransfer/curve.py)
+    insecure_control_plane: bool = False  # no CURVE: any peer that reaches the control socket may join
     log_level: str = "info"
     log_format: str = "text"
 
@@ -69,6 +90,7 @@ class GatewaySettings:
                f"must be >= 0 seconds (0 turns the queue check off), got {self.admission_budget}")
         _check(self.kv_canary_period >= 0, "kv-canary-period", "must be >= 0 seconds (0: only at pairing)")
         _check(self.kv_canary_timeout > 0, "kv-canary-timeout", "must be > 0 seconds")
+        _check_control_plane(self.curve_keys, self.insecure_control_plane)
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
 
@@ -99,6 +121,8 @@ class WorkerSettings:
     worker_id: str = ""
     transfer_backend: str = "nixl"
     engine_warmup: str = "auto"
+    curve_keys: str | None = None  # directory with the fleet's CURVE key pair (kvtransfer/curve.py)
+    insecure_control_plane: bool = False  # no CURVE on the gateway and KV control sockets
     log_level: str = "info"
     log_format: str = "text"
 
@@ -119,6 +143,7 @@ class WorkerSettings:
                f"must be nixl, ucx or loopback, got {self.transfer_backend!r}")
         _check(self.engine_warmup in ("auto", "on", "off"), "engine-warmup",
                f"must be auto, on or off, got {self.engine_warmup!r}")
+        _check_control_plane(self.curve_keys, self.insecure_control_plane)
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
         if not self.worker_id:
@@ -136,6 +161,8 @@ class UpSettings:
     num_prefill: int = 1
     num_decode: int = 1
     colocated: int = 0
+    curve_keys: str | None = None  # default: a fresh key pair in a private temp dir, for this run only
+    insecure_control_plane: bool = False
     log_level: str = "info"
     log_format: str = "text"
 
@@ -145,9 +172,20 @@ class UpSettings:
         _check(self.colocated >= 0, "colocated", "must be >= 0")
         _check(self.colocated > 0 or (self.num_prefill > 0 and self.num_decode > 0), "num-prefill",
                "need at least one prefill and one decode worker, or --colocated >= 1")
+        if self.curve_keys or self.insecure_control_plane:  # neither: up makes a per-run key pair
+            _check_control_plane(self.curve_keys, self.insecure_control_plane)
 
 
 Settings = GatewaySettings | WorkerSettings | UpSettings
+
+
+def control_keys(settings: GatewaySettings | WorkerSettings) -> CurveKeys | None:
+    """The fleet's CURVE key pair from ``--curve-keys``; None with ``--insecure-control-plane``.
+
+    Raises:
+        ValueError: the key directory no longer holds a valid key pair (the message names the file).
+    """
+    return load_keys(settings.curve_keys) if settings.curve_keys else None
 
 
 def _read_api_key_file(path: str | None) -> tuple[str, ...]:

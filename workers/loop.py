@@ -40,6 +40,7 @@ from protocol.messages import (
     new_epoch,
     request_id_of,
 )
+from protocol.settings import control_keys
 from workers.control_client import ControlClient
 from workers.step import StepFailed
 
@@ -70,7 +71,10 @@ class WorkerLoop:
         self.settings, self.core, self.model_path = settings, core, model_path
         self.worker_id = settings.worker_id
         self.epoch = new_epoch()
-        self.control = ControlClient(settings.gateway_control)
+        self.keys = control_keys(settings)
+        if self.keys is None:
+            log.warning("--insecure-control-plane: no CURVE on this worker's control sockets")
+        self.control = ControlClient(settings.gateway_control, self.keys)
         self.received: Counter[str] = Counter()  # control messages received, by type name
         self._inbox: deque[Message | GatewayChanged] = deque()
         self._refused: deque[tuple[str, str]] = deque()  # (request id, why) of frames decode_frame refused
