@@ -11,11 +11,13 @@ import pytest
 from pdserve.cli import build_parser, main
 from protocol.settings import GatewaySettings, UpSettings, WorkerSettings, settings_from_args
 
+OPEN = {"PDSERVE_INSECURE_CONTROL_PLANE": "1"}  # settings tests about other flags: no key directory
+
 
 def test_gateway_defaults_and_flags() -> None:
-    s = settings_from_args(build_parser({}).parse_args(["gateway"]))
-    assert s == GatewaySettings()
-    args = build_parser({}).parse_args(["gateway", "--port", "9001", "--api-key", "a", "--api-key", "b",
+    s = settings_from_args(build_parser(OPEN).parse_args(["gateway"]))
+    assert s == GatewaySettings(insecure_control_plane=True)
+    args = build_parser(OPEN).parse_args(["gateway", "--port", "9001", "--api-key", "a", "--api-key", "b",
                                         "--public-metrics", "false", "--allow-local-prefill"])
     s = settings_from_args(args)
     assert isinstance(s, GatewaySettings)
@@ -27,7 +29,7 @@ def test_every_flag_reads_env(tmp_path: Path) -> None:
     keyfile.write_text("k1\n# comment\nk2\n")
     env = {"PDSERVE_PORT": "8123", "PDSERVE_HEARTBEAT_TIMEOUT": "2.5", "PDSERVE_API_KEY": "x,y",
            "PDSERVE_API_KEY_FILE": str(keyfile), "PDSERVE_PUBLIC_HEALTH": "no",
-           "PDSERVE_LOG_FORMAT": "json", "PDSERVE_BLOCK_SIZE": "32", "PDSERVE_NUM_DECODE": "3"}
+           "PDSERVE_LOG_FORMAT": "json", "PDSERVE_BLOCK_SIZE": "32", "PDSERVE_NUM_DECODE": "3", **OPEN}
     parser = build_parser(env)
     s = settings_from_args(parser.parse_args(["gateway"]))
     assert isinstance(s, GatewaySettings)
@@ -36,7 +38,8 @@ def test_every_flag_reads_env(tmp_path: Path) -> None:
     w = settings_from_args(parser.parse_args(["decode", "--worker-id", "d0"]))
     assert isinstance(w, WorkerSettings) and (w.role, w.block_size, w.worker_id) == ("decode", 32, "d0")
     assert settings_from_args(parser.parse_args(["up"])) == UpSettings(num_decode=3, port=8123,
-                                                                      log_format="json")
+                                                                      log_format="json",
+                                                                      insecure_control_plane=True)
     # the command line wins over env
     assert settings_from_args(parser.parse_args(["gateway", "--port", "1"])).port == 1  # type: ignore[union-attr]
 
@@ -48,14 +51,14 @@ def test_bad_env_value_names_the_variable() -> None:
 
 def test_settings_validation_names_the_flag() -> None:
     with pytest.raises(ValueError, match="--heartbeat-timeout"):
-        GatewaySettings(heartbeat_timeout=0)
+        GatewaySettings(heartbeat_timeout=0, insecure_control_plane=True)
     with pytest.raises(ValueError, match="--block-size"):
-        WorkerSettings(role="decode", block_size=0)
+        WorkerSettings(role="decode", block_size=0, insecure_control_plane=True)
     with pytest.raises(ValueError, match="--transfer-backend"):
-        WorkerSettings(role="prefill", transfer_backend="carrier-pigeon")
+        WorkerSettings(role="prefill", transfer_backend="carrier-pigeon", insecure_control_plane=True)
     with pytest.raises(ValueError, match="--num-prefill"):
         UpSettings(num_prefill=0, colocated=0)
-    assert WorkerSettings(role="colocated").worker_id  # default hostname-pid
+    assert WorkerSettings(role="colocated", insecure_control_plane=True).worker_id  # default hostname-pid
 
 
 def test_worker_dispatch_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,7 +70,7 @@ def test_worker_dispatch_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
 
     fake.run = run  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "prefill_worker.main", fake)
-    assert main(["prefill", "--worker-id", "p7", "--block-size", "8"]) == 0
+    assert main(["prefill", "--worker-id", "p7", "--block-size", "8", "--insecure-control-plane"]) == 0
     assert isinstance(seen[0], WorkerSettings) and seen[0].worker_id == "p7" and seen[0].block_size == 8
 
 
@@ -78,17 +81,18 @@ def test_missing_runner_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_invalid_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["gateway", "--max-queue", "0"]) == 2
+    assert main(["gateway", "--max-queue", "0", "--insecure-control-plane"]) == 2
     assert "--max-queue" in capsys.readouterr().err
 
 
 def test_retry_and_migration_bounds(capsys: pytest.CaptureFixture[str]) -> None:
-    s = settings_from_args(build_parser({"PDSERVE_MAX_MIGRATIONS": "0"}).parse_args(
+    s = settings_from_args(build_parser({"PDSERVE_MAX_MIGRATIONS": "0", **OPEN}).parse_args(
         ["gateway", "--max-retries", "5"]))
     assert isinstance(s, GatewaySettings) and (s.max_retries, s.max_migrations) == (5, 0)
-    assert (GatewaySettings().max_retries, GatewaySettings().max_migrations) == (2, 1)
+    default = GatewaySettings(insecure_control_plane=True)
+    assert (default.max_retries, default.max_migrations) == (2, 1)
     for flag in ("--max-retries", "--max-migrations"):
-        assert main(["gateway", flag, "-1"]) == 2
+        assert main(["gateway", flag, "-1", "--insecure-control-plane"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"{flag}: must be >= 0, got -1" in err
 
@@ -113,7 +117,7 @@ def test_async_scheduling_and_pdl_reach_the_engine_config() -> None:
     from workers.setup import engine_config_from_settings
 
     def config_of(env: dict[str, str], *argv: str) -> tuple[bool, bool]:
-        s = settings_from_args(build_parser(env).parse_args(["decode", *argv]))
+        s = settings_from_args(build_parser({**env, **OPEN}).parse_args(["decode", *argv]))
         assert isinstance(s, WorkerSettings)
         cfg = engine_config_from_settings(s)
         return cfg.scheduler.async_scheduling, cfg.model.pdl
@@ -127,10 +131,10 @@ def test_async_scheduling_and_pdl_reach_the_engine_config() -> None:
 def test_seconds_flags_take_durations_like_pdserve_bench() -> None:
     """``PDSERVE_REQUEST_TIMEOUT=30s`` means 30 s to the gateway too (it was a float-only flag there, so
     a value set for ``pdserve bench`` stopped the gateway: "could not convert string to float")."""
-    s = settings_from_args(build_parser({"PDSERVE_REQUEST_TIMEOUT": "30s"}).parse_args(
+    s = settings_from_args(build_parser({"PDSERVE_REQUEST_TIMEOUT": "30s", **OPEN}).parse_args(
         ["gateway", "--heartbeat-timeout", "1500ms"]))
     assert isinstance(s, GatewaySettings) and (s.request_timeout, s.heartbeat_timeout) == (30.0, 1.5)
-    two = settings_from_args(build_parser({}).parse_args(["gateway", "--request-timeout", "2m"]))
+    two = settings_from_args(build_parser(OPEN).parse_args(["gateway", "--request-timeout", "2m"]))
     assert isinstance(two, GatewaySettings) and two.request_timeout == 120.0
     with pytest.raises(SystemExit, match="PDSERVE_REQUEST_TIMEOUT"):
         build_parser({"PDSERVE_REQUEST_TIMEOUT": "soon"})
@@ -139,9 +143,9 @@ def test_seconds_flags_take_durations_like_pdserve_bench() -> None:
 def test_admission_budget_flag(capsys: pytest.CaptureFixture[str]) -> None:
     """``--admission-budget`` takes a duration (default 30 s, 0 turns the queue check off); a bad value is
     one line naming the flag."""
-    s = settings_from_args(build_parser({}).parse_args(["gateway", "--admission-budget", "1500ms"]))
+    s = settings_from_args(build_parser(OPEN).parse_args(["gateway", "--admission-budget", "1500ms"]))
     assert isinstance(s, GatewaySettings) and s.admission_budget == 1.5
-    default = settings_from_args(build_parser({}).parse_args(["gateway"]))
+    default = settings_from_args(build_parser(OPEN).parse_args(["gateway"]))
     assert isinstance(default, GatewaySettings) and default.admission_budget == 30.0
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["gateway", "--admission-budget", "-1"])
@@ -149,3 +153,32 @@ def test_admission_budget_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "argument --admission-budget" in line
     with pytest.raises(SystemExit, match="PDSERVE_ADMISSION_BUDGET"):
         build_parser({"PDSERVE_ADMISSION_BUDGET": "soon"})
+
+
+def test_control_plane_needs_keys_or_the_explicit_insecure_flag(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Neither --curve-keys nor --insecure-control-plane: one line naming the flag, exit 2, nothing
+    starts; both: refused; a key directory without a key pair: refused naming the file; keygen makes
+    one (0700 directory, 0600 secret) that every role accepts."""
+    from kvtransfer.curve import KEY_FILE
+
+    for role in ("gateway", "prefill", "decode", "colocated"):
+        assert main([role]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--curve-keys: required" in err
+    assert main(["gateway", "--insecure-control-plane", "--curve-keys", str(tmp_path)]) == 2
+    assert "--insecure-control-plane: cannot be combined with --curve-keys" in capsys.readouterr().err
+    assert main(["gateway", "--curve-keys", str(tmp_path)]) == 2
+    assert f"no CURVE key pair at {tmp_path / KEY_FILE}" in capsys.readouterr().err
+    keys = tmp_path / "fleet"
+    assert main(["keygen", str(keys)]) == 0
+    assert (keys.stat().st_mode & 0o777, (keys / KEY_FILE).stat().st_mode & 0o777) == (0o700, 0o600)
+    assert main(["keygen", str(keys)]) == 2  # never overwrites a key pair
+    (keys / "broken").mkdir()
+    (keys / "broken" / KEY_FILE).write_text("not a key\n")
+    assert main(["gateway", "--curve-keys", str(keys / "broken")]) == 2
+    assert "is not a CURVE key pair" in capsys.readouterr().err
+    s = settings_from_args(build_parser({}).parse_args(["decode", "--curve-keys", str(keys)]))
+    assert isinstance(s, WorkerSettings) and s.curve_keys == str(keys) and not s.insecure_control_plane
+    up = settings_from_args(build_parser({}).parse_args(["up"]))
+    assert isinstance(up, UpSettings) and up.curve_keys is None and not up.insecure_control_plane

@@ -6,13 +6,16 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
-from pdserve.launcher import Supervisor, example, plan
+from kvtransfer.curve import generate_keys
+from pdserve.launcher import Supervisor, example, plan, run_keys
 from protocol.settings import UpSettings
 
 
 def test_plan_starts_gateway_first_and_binds_loopback() -> None:
-    children = plan(UpSettings(port=9001, num_prefill=1, num_decode=2, colocated=1), control_port=7777)
+    children = plan(UpSettings(port=9001, num_prefill=1, num_decode=2, colocated=1), control_port=7777,
+                    keys_dir="/keys")
     names = [n for n, _ in children]
     assert names == ["gateway", "prefill-0", "decode-0", "decode-1", "colocated-0"]
     gateway = children[0][1]
@@ -24,7 +27,7 @@ def test_plan_starts_gateway_first_and_binds_loopback() -> None:
         assert ("--transfer-backend" in args) == (not name.startswith("colocated"))
 
 
-def test_up_settings_from_env_do_not_leak_into_children() -> None:
+def test_up_settings_from_env_do_not_leak_into_children(tmp_path: Path) -> None:
     """``PDSERVE_PORT=18000 pdserve up`` (the HTTP port) reaches the children's environment: each child's
     command line must still give every worker a free KV port (``--port 0``), not 18000 (the gateway's
     port: the first worker died with "Address already in use" before)."""
@@ -34,7 +37,9 @@ def test_up_settings_from_env_do_not_leak_into_children() -> None:
     env = {"PDSERVE_PORT": "18000", "PDSERVE_MODEL": "tiny-llama", "PDSERVE_NUM_DECODE": "2"}
     up = settings_from_args(build_parser(env).parse_args(["up"]))
     assert isinstance(up, UpSettings) and (up.port, up.num_decode) == (18000, 2)
-    for name, args in plan(up, control_port=7777):
+    generate_keys(tmp_path / "keys")
+    for name, args in plan(up, control_port=7777, keys_dir=str(tmp_path / "keys")):
+        assert args[args.index("--curve-keys") + 1] == str(tmp_path / "keys")
         child = settings_from_args(build_parser(env).parse_args(args))
         if name == "gateway":
             assert isinstance(child, GatewaySettings) and child.port == 18000
@@ -67,7 +72,7 @@ def test_example_request_is_valid_json_body() -> None:
 def test_plan_places_one_worker_per_gpu_and_shares_when_short() -> None:
     def devices(n_gpus: int, device: str = "auto") -> list[tuple[str, str | None]]:
         out = []
-        for _, args in plan(UpSettings(device=device, num_prefill=1, num_decode=2), 7777, n_gpus)[1:]:
+        for _, args in plan(UpSettings(device=device, num_prefill=1, num_decode=2), 7777, n_gpus, "/k")[1:]:
             frac = args[args.index("--kv-memory-fraction") + 1] if "--kv-memory-fraction" in args else None
             out.append((args[args.index("--device") + 1], frac))
         return out
@@ -237,3 +242,23 @@ def test_supervise_stops_when_the_gateway_exits(capfd) -> None:
     thread.join(20)
     sup.stop_all()
     assert result == [1] and "gateway exited with code 3; stopping the rest" in capfd.readouterr().err
+
+
+def test_up_gives_every_child_one_private_per_run_key_pair_or_the_insecure_flag(tmp_path: Path) -> None:
+    """Without --curve-keys, ``pdserve up`` makes a key pair in a private (0700) temp dir for the run and
+    removes it afterwards; --insecure-control-plane reaches every child instead of keys."""
+    import stat
+
+    from kvtransfer.curve import KEY_FILE, load_keys
+
+    with run_keys(UpSettings()) as keys_dir:
+        assert keys_dir is not None
+        assert stat.S_IMODE(Path(keys_dir).stat().st_mode) == 0o700
+        load_keys(keys_dir)
+        children = plan(UpSettings(), 7777, 0, keys_dir)
+        assert all(args[args.index("--curve-keys") + 1] == keys_dir for _, args in children)
+    assert not (Path(keys_dir) / KEY_FILE).exists()
+    with run_keys(UpSettings(insecure_control_plane=True)) as none:
+        assert none is None
+        children = plan(UpSettings(insecure_control_plane=True), 7777, 0, none)
+        assert all("--insecure-control-plane" in args and "--curve-keys" not in args for _, args in children)
