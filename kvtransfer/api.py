@@ -248,8 +248,15 @@ class KVReceiver(Protocol):
         ...
 
     def refused_handshakes(self) -> int:
-        """Handshakes the control socket refused so far (config.curve set: a peer without the fleet's
-        key pair; curve.py). Any thread."""
+        """Peers refused so far: handshakes of the CURVE control socket (config.curve set: a peer
+        without the fleet's key pair; curve.py) and, with config.fence_senders, Hellos of senders not
+        admitted. Any thread."""
+        ...
+
+    def admit_sender(self, sender_id: str) -> None:
+        """Let the sender `sender_id` complete the KV handshake (config.fence_senders: only admitted
+        senders may; the worker admits those named to it over the authenticated control plane). Any
+        thread; admitted for the receiver's lifetime."""
         ...
 
     def drop_sender(self, sender_id: str, reason: str) -> None:

@@ -115,9 +115,10 @@ def secure_client(sock: zmq.Socket, keys: CurveKeys) -> None:  # type: ignore[ty
 
 
 class Refusals:
-    """Refused handshakes of one listening socket (``where`` names it in the logs): counted by kind
-    (``REFUSAL_KINDS``), logged once per (kind, peer), ``on_refused(kind)`` called for each. Any
-    thread (the ZAP handler's thread, the socket's loop)."""
+    """Refused peers of one listening socket (``where`` names it in the logs): counted by kind
+    (``REFUSAL_KINDS``, or another a caller names, e.g. the KV receiver's ``unregistered_sender``),
+    logged once per (kind, peer), ``on_refused(kind)`` called for each. Any thread (the ZAP handler's
+    thread, the socket's loop)."""
 
     def __init__(self, where: str, on_refused: Callable[[str], None] | None = None) -> None:
         self.where, self._on_refused = where, on_refused
@@ -128,13 +129,14 @@ class Refusals:
     def refused(self, kind: str, peer: str = "") -> None:
         """Count one refused handshake of ``kind`` from ``peer`` (a key, or "" when unknown)."""
         with self._lock:
-            self._counts[kind] += 1
+            self._counts[kind] = self._counts.get(kind, 0) + 1
             first = (kind, peer) not in self._logged
             if first and len(self._logged) < 4096:
                 self._logged.add((kind, peer))
         if first:
-            what = (f"a client with an unknown CURVE key {peer}" if kind == UNKNOWN_KEY
-                    else "a client without the fleet's CURVE keys (no CURVE, or a wrong server key)")
+            what = {UNKNOWN_KEY: f"a client with an unknown CURVE key {peer}",
+                    HANDSHAKE: "a client without the fleet's CURVE keys (no CURVE, or a wrong server key)"
+                    }.get(kind, f"{peer} ({kind})")
             log.warning("%s refused %s; further refusals of it are counted, not logged", self.where, what)
         if self._on_refused is not None:
             self._on_refused(kind)

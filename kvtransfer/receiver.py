@@ -70,9 +70,11 @@ class ReceiverEndpoint:
         self._loop = LoopThread(f"kv-receiver-{config.worker_id}", label, self._step, self._teardown,
                                 self._crashed, Waker())
         self._senders = SenderPeers(config)
+        self._admitted: set[str] = set()  # sender ids admit_sender let in (fence_senders)
         self._control = RecvControl(config, self.epoch, self.compat, kv_buffer, self.layout, transport,
                                     self._requests, self._senders, self._send)
         self.refusals = Refusals(f"KV control socket of {config.worker_id}")
+        self._control.fence = (self._admitted, self.refusals) if config.fence_senders else None
 
     def start(self) -> ReceiverEndpoint:
         """Bind the control socket and start the loop (api.KVReceiver.start)."""
@@ -202,8 +204,12 @@ class ReceiverEndpoint:
 
     # ---- the loop thread ----------------------------------------------------------------------------
     def refused_handshakes(self) -> int:
-        """Handshakes refused by the CURVE control socket so far (api.KVReceiver.refused_handshakes)."""
+        """Peers refused so far (api.KVReceiver.refused_handshakes)."""
         return self.refusals.total()
+
+    def admit_sender(self, sender_id: str) -> None:
+        """Let `sender_id` handshake (api.KVReceiver.admit_sender); set.add is atomic under the GIL."""
+        self._admitted.add(sender_id)
 
     def _step(self) -> None:
         self._wait()

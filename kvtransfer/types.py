@@ -120,6 +120,9 @@ class TransferConfig:
     then found by heartbeats and deadlines only (peers.py, senders.py), as with every other backend.
     curve: the fleet's CURVE key pair (curve.py): the receiver's control socket is a CURVE server that
     accepts only clients holding it, the sender's sockets CURVE clients; None: plain sockets, any peer.
+    fence_senders: a receiver answers a Hello (and adds the sender's transport metadata) only from a
+    sender id admitted with `KVReceiver.admit_sender` (the decode worker admits each prefill worker the
+    gateway names to it); any other Hello is refused (its HelloReply names why) and counted.
     """
 
     worker_id: str
@@ -139,6 +142,7 @@ class TransferConfig:
     fine_wait_s: float = 5e-6
     nixl_error_handling: str = "peer"
     curve: CurveKeys | None = None
+    fence_senders: bool = False
 
     def __post_init__(self) -> None:
         if self.max_inflight_layers < 1:

@@ -19,8 +19,9 @@ Targets:
   streamed completion must succeed, the gateway must have nothing in flight and the fake decode worker
   every KV block free.
 - ``kv``: a ``KVReceiver`` over the loopback transport with the fleet's keys (the decode worker's KV
-  control socket, in process); afterwards its loop must be alive, a real sender must transfer a request
-  bit-exact and neither side may hold anything.
+  control socket, in process, not fenced: the fuzzer's first message, and one in 14 before mutation, is a
+  Hello the receiver accepts, so the other messages reach a known sender's paths); afterwards its loop
+  must be alive, a real sender must transfer a request bit-exact and neither side may hold anything.
 
 A target fails on a crash (the process or the loop ended), a hang (a send blocked for 5 s, or the check
 afterwards did not finish within its deadline) or a leak. Exit code 0 when both pass, 1 otherwise.
@@ -221,10 +222,15 @@ def fuzz_kv(n: int, seed: int, keys: CurveKeys) -> TargetResult:
     rx = backend.receiver(config, dst)
     t0 = time.perf_counter()
     try:
-        sent = send_all(rx.address, keys, fuzz_frames(valid_frames(wire.Message, wire.encode), n, seed))
+        # a Hello the receiver accepts (its own compatibility record) among the frames, and first, so
+        # that the mutants of Begin, LayerNotice, Stopped... reach a known sender's code paths too
+        hello = wire.encode(wire.Hello("fuzz-s", 1, rx.compat, b""))  # type: ignore[attr-defined]
+        frames = [hello, *valid_frames(wire.Message, wire.encode)]
+        sent = send_all(rx.address, keys, iter([[hello], *fuzz_frames(frames, n - 1, seed)]))
         seconds = time.perf_counter() - t0
-        tx = backend.sender(TransferConfig(worker_id="fuzz-p", model_id="fuzz", backend="loopback", curve=keys,
-                                           heartbeat_interval_s=0.1, peer_timeout_s=1.0), src)
+        tx_config = TransferConfig(worker_id="fuzz-p", model_id="fuzz", backend="loopback", curve=keys,
+                                   heartbeat_interval_s=0.1, peer_timeout_s=1.0)
+        tx = backend.sender(tx_config, src)
         try:
             tx.add_request(rx.expect("after-fuzz", [1, 2, 3]), [4, 5, 6])
             tx.send_layers("after-fuzz")
@@ -259,7 +265,6 @@ def fuzz_gateway(n: int, seed: int, keys_dir: Path, tokenizer: str, log_dir: Pat
     from kvtransfer.curve import load_keys
     from pdserve.launcher import Supervisor, free_ports, wait_ready
 
-    root = Path(__file__).resolve().parents[2]
     port, control_port = free_ports(2)
     control = f"tcp://127.0.0.1:{control_port}"
     sup = Supervisor(grace=5.0)
@@ -296,7 +301,8 @@ def fuzz_gateway(n: int, seed: int, keys_dir: Path, tokenizer: str, log_dir: Pat
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=20) as resp:
             text = "".join(resp.iter_text())
         if resp.status_code != 200 or "[DONE]" not in text:
-            return TargetResult("gateway", sent, seconds, f"completion after fuzz: {resp.status_code} {text[:300]}")
+            return TargetResult("gateway", sent, seconds,
+                                f"completion after fuzz: {resp.status_code} {text[:300]}")
         leaks = check_no_leaks(url, "fake-decode")
         log = (log_dir / "gateway.log").read_text(errors="replace")
         if "Traceback" in log:
@@ -342,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args.frames, args.seed, tuple(args.targets.split(",")), args.tokenizer, args.log_dir)
     lines = [f"control-plane fuzz, seed {args.seed}, {args.frames} messages per socket, date "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-             "| socket | messages sent | seconds | messages/s | serves afterwards |", "|---|---:|---:|---:|---|"]
+             "| socket | messages sent | seconds | messages/s | serves afterwards |",
+             "|---|---:|---:|---:|---|"]
     for r in results:
         rate = r.sent / r.seconds if r.seconds > 0 else 0.0
         lines.append(f"| {r.target} | {r.sent} | {r.seconds:.1f} | {rate:.0f} | {r.after} |")

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def worker_settings(env: dict[str, str], argv: list[str]) -> WorkerSettings:
-    settings = settings_from_args(build_parser({**env, "PDSERVE_INSECURE_CONTROL_PLANE": "1"}).parse_args(argv))
+    open_env = {**env, "PDSERVE_INSECURE_CONTROL_PLANE": "1"}  # no key directory: about other flags
+    settings = settings_from_args(build_parser(open_env).parse_args(argv))
     assert isinstance(settings, WorkerSettings)
     return settings
 

@@ -128,4 +128,5 @@ def test_admission_budget_is_validated_with_the_flag_named() -> None:
     with pytest.raises(ValueError, match="--admission-budget"):
         GatewaySettings(admission_budget=-1.0, insecure_control_plane=True)
     assert GatewaySettings(insecure_control_plane=True).admission_budget == 30.0
-    assert GatewaySettings(admission_budget=0, insecure_control_plane=True).admission_budget == 0  # 0: no queue check
+    zero = GatewaySettings(admission_budget=0, insecure_control_plane=True)
+    assert zero.admission_budget == 0  # 0: no queue check

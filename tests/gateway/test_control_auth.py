@@ -55,8 +55,8 @@ def test_only_fleet_key_holders_register_and_receive_requests(make_cluster, tmp_
         raw.send(encode(RegisterWorker(role="decode", worker_id="intruder-raw", epoch=1, model="fake-model",
                                        model_path="", compat=compat, max_model_len=256, load=WorkerLoad())),
                  zmq.NOBLOCK)
-    except zmq.Again:
-        pass  # the handshake was refused before the message could even be queued: as good
+    except zmq.Again:  # the handshake was refused before the message could even be queued: as good
+        pass
     wait_until(lambda: c.metric("pdserve_control_auth_refused_total", kind="unknown_key") >= 1, 10,
                "the unknown key counted")
     try:
@@ -69,8 +69,8 @@ def test_only_fleet_key_holders_register_and_receive_requests(make_cluster, tmp_
         for rid in ("intruder-plain", "intruder-own-keys", "intruder-raw"):
             assert f'worker_id="{rid}"' not in c.metrics()
         assert raw.poll(200) == 0  # no RegisterAck, nothing at all
-        assert not plain_record.exists() and not own_record.exists()  # nothing received, not even an ack
-        assert all(c.workers[w].poll() is None for w in ("intruder-plain", "intruder-own-keys"))  # still trying
+        assert not plain_record.exists() and not own_record.exists()  # nothing received, not an ack
+        assert all(c.workers[w].poll() is None for w in ("intruder-plain", "intruder-own-keys"))  # retrying
         before = c.metric("pdserve_control_auth_refused_total", kind="handshake")
         deadline = time.monotonic() + 10
         while c.metric("pdserve_control_auth_refused_total", kind="handshake") <= before:

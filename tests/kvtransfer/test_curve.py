@@ -7,12 +7,13 @@ transfers bit-exact as before, with nothing leaked."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
 import zmq
 
-from kvtransfer import TransferError, TransferStatus, get_transfer_backend
+from kvtransfer import IncompatiblePeerError, TransferError, TransferStatus, get_transfer_backend
 from kvtransfer import wire as m
 from kvtransfer.curve import generate_keys
 from tests.kvtransfer.helpers import assert_landed, config, make_kv, release_both
@@ -44,10 +45,8 @@ def test_kv_control_socket_refuses_peers_without_the_fleet_keys(tmp_path: Path) 
             with pytest.raises(TransferError):
                 stranger.connect(rx.address, timeout=1.0)
         hello = m.Hello("p-raw", 1, rx.compat, b"")  # type: ignore[attr-defined]
-        try:
+        with contextlib.suppress(zmq.Again):  # refused before anything could be queued
             raw.send(m.encode(hello), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # refused before anything could be queued
         assert rx.wait_until(lambda: rx.refused_handshakes() >= 3, WAIT), rx.refused_handshakes()
         assert raw.poll(200) == 0  # no HelloReply, nothing at all
         assert rx.stats().senders == () and added == []  # no stranger known, no transport peer added
@@ -68,4 +67,35 @@ def test_kv_control_socket_refuses_peers_without_the_fleet_keys(tmp_path: Path) 
         for s in [*strangers, tx]:
             if s is not None:
                 s.close()
+        rx.close()
+
+
+def test_fenced_receiver_handshakes_only_with_admitted_senders(tmp_path: Path) -> None:
+    """fence_senders: a key holder whose sender id the worker never admitted (the gateway never named it)
+    gets a HelloReply naming why, its transport metadata never reaches the transport, and it is counted;
+    once admitted, the same id handshakes and transfers."""
+    fleet = generate_keys(tmp_path / "fleet")
+    backend = get_transfer_backend("loopback")
+    src, dst = make_kv(6), make_kv(None)
+    rx = backend.receiver(config("d0", "loopback", curve=fleet, fence_senders=True), dst)
+    added: list[str] = []
+    add_peer = rx.transport.add_peer
+    rx.transport.add_peer = lambda peer, meta: (added.append(peer), add_peer(peer, meta))[1]
+    tx = backend.sender(config("p0", "loopback", curve=fleet), src)
+    try:
+        with pytest.raises(IncompatiblePeerError, match="not named to this receiver"):
+            tx.connect(rx.address, timeout=WAIT)
+        assert added == [] and rx.stats().senders == ()
+        assert rx.refusals.counts()["unregistered_sender"] == 1  # type: ignore[attr-defined]
+        rx.admit_sender("p0")
+        tx.connect(rx.address, timeout=WAIT)
+        tx.add_request(rx.expect("a", [7, 8]), [1, 2])
+        tx.send_layers("a")
+        assert rx.wait("a", WAIT) is S.DONE, rx.reason("a")
+        assert tx.wait("a", WAIT) is S.DONE, tx.reason("a")
+        assert_landed(src, [1, 2], dst, [7, 8])
+        assert rx.stats().senders == ("p0",) and len(added) == 1
+        release_both(tx, rx, "a", leaks=True)
+    finally:
+        tx.close()
         rx.close()
