@@ -95,6 +95,10 @@ class DecodeWorker(WorkerLoop):
         """The KV pairing record: the one the receiver's handshake checks."""
         return self.receiver.compat
 
+    def control_refusals(self) -> int:
+        """Peers the KV receiver's control socket refused (no fleet keys, or not named by the gateway)."""
+        return self.receiver.refused_handshakes()
+
     def transfer_address(self) -> str:
         """The receiver's control endpoint."""
         return self.receiver.address

@@ -66,6 +66,35 @@ class KVTransferCollector(Collector):
         yield seconds
 
 
+class WorkerCountCollector(Collector):
+    """A cumulative per-worker count that workers report in heartbeats, re-exposed as the counter
+    ``<name>_total{worker_id}`` (as ``KVTransferCollector``): here the peers each worker's KV
+    control socket refused (``WorkerLoad.kv_control_refused``)."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self._name, self._doc = name, documentation
+        self._counts: dict[str, int] = {}
+
+    def set(self, worker_id: str, count: int) -> None:
+        """Record a worker's cumulative count."""
+        self._counts[worker_id] = count
+
+    def drop(self, worker_id: str) -> None:
+        """Forget a gone worker (its series disappears)."""
+        self._counts.pop(worker_id, None)
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        """The family without samples."""
+        yield CounterMetricFamily(self._name, self._doc, labels=["worker_id"])
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """The family with one sample per worker."""
+        family = CounterMetricFamily(self._name, self._doc, labels=["worker_id"])
+        for worker_id, count in sorted(self._counts.items()):
+            family.add_metric([worker_id], count)
+        yield family
+
+
 class GatewayMetrics:
     """All gateway metrics; ``render()`` gives the Prometheus text exposition."""
 
@@ -117,6 +146,10 @@ class GatewayMetrics:
                                             ["kind"], registry=r)
         for kind in REFUSAL_KINDS:
             self.control_auth_refused.labels(kind)
+        self.kv_control_refused = WorkerCountCollector(
+            "pdserve_kv_control_refused", "peers a decode worker's KV control socket refused (no fleet "
+            "CURVE keys, or a sender its gateway never named), as the worker reports them")
+        r.register(self.kv_control_refused)
         self.kv_path_gbps = Gauge("pdserve_kv_path_gbps", "KV data path speed of a prefill/decode pair, "
                                   "GB/s, from its latest canary transfer of one block",
                                   ["prefill", "decode", "transport"], registry=r)
@@ -131,6 +164,8 @@ class GatewayMetrics:
         self.kv_total.labels(worker_id, role).set(load.num_total_blocks)
         if role == "prefill" or load.kv_transfer_bytes:
             self.kv_transfers.set(worker_id, load.kv_transfer_bytes, load.kv_transfer_seconds)
+        if role == "decode" or load.kv_control_refused:
+            self.kv_control_refused.set(worker_id, load.kv_control_refused)
 
     def drop_worker(self, worker_id: str, role: str) -> None:
         """Remove a gone worker's series."""
@@ -138,6 +173,7 @@ class GatewayMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id, role)
         self.kv_transfers.drop(worker_id)
+        self.kv_control_refused.drop(worker_id)
 
     def drop_kv_path(self, prefill: str, decode: str, transport: str) -> None:
         """Remove a pair's ``pdserve_kv_path_gbps`` series (the pair is gone)."""

@@ -140,6 +140,11 @@ class WorkerLoop:
         (``WorkerLoad.kv_transfer_bytes`` / ``kv_transfer_seconds``); (0, 0.0) for roles that send none."""
         return 0, 0.0
 
+    def control_refusals(self) -> int:
+        """Peers this worker's KV control socket refused so far (``WorkerLoad.kv_control_refused``); 0 for
+        roles without one."""
+        return 0
+
     # ---- shared machinery ---------------------------------------------------------------------------
     def emit(self, msg: Message) -> None:
         """Queue a message for the gateway (sent at the end of the current phase)."""
@@ -224,7 +229,8 @@ class WorkerLoop:
         sent_bytes, sent_seconds = self.transfer_totals()
         self._load = WorkerLoad(num_waiting=self.num_waiting(), num_running=len(self.core.scheduler.running),
                                 num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
-                                kv_transfer_bytes=sent_bytes, kv_transfer_seconds=sent_seconds)
+                                kv_transfer_bytes=sent_bytes, kv_transfer_seconds=sent_seconds,
+                                kv_control_refused=self.control_refusals())
 
     def registration(self) -> RegisterWorker:
         """The ``RegisterWorker`` message of this process."""
