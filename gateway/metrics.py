@@ -142,7 +142,8 @@ class GatewayMetrics:
                                          ["reason"], registry=r)
         self.control_auth_refused = Counter("pdserve_control_auth_refused", "handshakes refused by the "
                                             "gateway's CURVE control socket (unknown_key: a client key that "
-                                            "is not the fleet's; handshake: no CURVE or a wrong server key)",
+                                            "is not the fleet's; handshake: no CURVE or a wrong server key; "
+                                            "no_handshake: closed before any, e.g. a TCP probe)",
                                             ["kind"], registry=r)
         for kind in REFUSAL_KINDS:
             self.control_auth_refused.labels(kind)

@@ -18,7 +18,8 @@ key. A ZAP handler on the listening socket's context (``FleetAuthenticator``, py
 No message of a refused peer reaches the application, and it receives none. The secret key is the
 fleet's membership: whoever holds it is a pdserve process. Each refusal is counted (``Refusals``): by
 the ZAP handler (unknown key: logged once per key) and from the listening socket's monitor events
-(``HANDSHAKE_FAILED_*``: logged once per kind, as libzmq does not say which peer failed).
+(``HANDSHAKE_FAILED_*``: logged once per kind, as libzmq does not say which peer failed; a connection
+closed before any handshake, such as a Kubernetes TCP probe, is its own kind, ``no_handshake``).
 
 No torch; nothing of the project besides this package (the gateway and protocol import this module).
 """
@@ -45,8 +46,9 @@ PUBLIC_KEY_FILE = "fleet.key"  # its public half (written by generate_keys; not 
 # are counted by the ZAP handler itself, which knows the key)
 REFUSAL_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 UNKNOWN_KEY = "unknown_key"  # a CURVE client whose public key is not the fleet's
-HANDSHAKE = "handshake"  # no CURVE, or a wrong server key: the handshake itself failed
-REFUSAL_KINDS = (UNKNOWN_KEY, HANDSHAKE)
+HANDSHAKE = "handshake"  # a ZMTP peer without CURVE, or with a wrong server key: the handshake failed
+NO_HANDSHAKE = "no_handshake"  # a connection closed before any handshake (a TCP probe, a port scan)
+REFUSAL_KINDS = (UNKNOWN_KEY, HANDSHAKE, NO_HANDSHAKE)
 
 
 @dataclass(frozen=True)
@@ -135,16 +137,22 @@ class Refusals:
                 self._logged.add((kind, peer))
         if first:
             what = {UNKNOWN_KEY: f"a client with an unknown CURVE key {peer}",
-                    HANDSHAKE: "a client without the fleet's CURVE keys (no CURVE, or a wrong server key)"
+                    HANDSHAKE: "a client without the fleet's CURVE keys (no CURVE, or a wrong server key)",
+                    NO_HANDSHAKE: "a connection closed before any handshake (a TCP probe or port scan)"
                     }.get(kind, f"{peer} ({kind})")
             log.warning("%s refused %s; further refusals of it are counted, not logged", self.where, what)
         if self._on_refused is not None:
             self._on_refused(kind)
 
     def on_monitor_event(self, event: int) -> bool:
-        """Count a listening socket's monitor event if it is a failed handshake; True if it was."""
-        if event & REFUSAL_EVENTS:
+        """Count a listening socket's monitor event if it is a failed handshake (``HANDSHAKE``) or a
+        connection closed before one (``NO_HANDSHAKE``: libzmq's HANDSHAKE_FAILED_NO_DETAIL, e.g. a TCP
+        liveness probe); True if it was either."""
+        if event & zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             self.refused(HANDSHAKE)
+            return True
+        if event & zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self.refused(NO_HANDSHAKE)
             return True
         return False
 
@@ -154,9 +162,9 @@ class Refusals:
             return dict(self._counts)
 
     def total(self) -> int:
-        """Refusals so far, every kind."""
+        """Refusals so far, every kind but ``NO_HANDSHAKE`` (connections that never tried: probes)."""
         with self._lock:
-            return sum(self._counts.values())
+            return sum(n for kind, n in self._counts.items() if kind != NO_HANDSHAKE)
 
 
 class FleetAuthenticator:

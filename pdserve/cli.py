@@ -184,6 +184,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
             _add_worker(add, name)
     keygen = subs.add_parser("keygen", help="make the fleet's CURVE key pair (for --curve-keys)")
     keygen.add_argument("directory", help="where to write fleet.key_secret and fleet.key (made 0700)")
+    keygen.add_argument("--exist-ok", action="store_true",
+                        help="a valid key pair already there is kept (exit 0) instead of an error")
     bench = subs.add_parser("bench", help="load test a running server")
     try:
         from loadtest.cli import add_bench_arguments
@@ -211,12 +213,16 @@ def _run_gateway(settings: Any) -> int:
     return 0
 
 
-def _keygen(directory: str) -> int:
-    from kvtransfer.curve import generate_keys
+def _keygen(directory: str, exist_ok: bool) -> int:
+    from kvtransfer.curve import KEY_FILE, generate_keys, load_keys
 
     try:
+        if exist_ok and os.path.exists(os.path.join(directory, KEY_FILE)):
+            keys = load_keys(directory)
+            print(f"kept {directory}/{KEY_FILE} (public key {keys.public.decode()})")
+            return 0
         keys = generate_keys(directory)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"pdserve keygen: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {directory}/fleet.key_secret (public key {keys.public.decode()})")
@@ -234,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(run_bench(args))
     if args.command == "keygen":
-        return _keygen(args.directory)
+        return _keygen(args.directory, args.exist_ok)
     from protocol.logging import configure_logging
     from protocol.settings import settings_from_args
 
