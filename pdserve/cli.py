@@ -184,8 +184,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
             _add_worker(add, name)
     keygen = subs.add_parser("keygen", help="make the fleet's CURVE key pair (for --curve-keys)")
     keygen.add_argument("directory", help="where to write fleet.key_secret and fleet.key (made 0700)")
-    keygen.add_argument("--exist-ok", action="store_true",
-                        help="a valid key pair already there is kept (exit 0) instead of an error")
+    _bool_flag(_EnvAdder(keygen, env), "--exist-ok", False,
+               "a valid key pair already there is kept (exit 0) instead of an error")
     bench = subs.add_parser("bench", help="load test a running server")
     try:
         from loadtest.cli import add_bench_arguments

@@ -83,7 +83,7 @@ def test_every_service_gets_the_fleet_keys() -> None:
     where PDSERVE_CURVE_KEYS points."""
     services = load_compose()["services"]
     keys = services.pop("keys")
-    assert keys["command"] == ["keygen", "--exist-ok", "/keys"] and keys["volumes"] == ["pdserve-keys:/keys"]
+    assert keys["command"] == ["keygen", "/keys", "--exist-ok"] and keys["volumes"] == ["pdserve-keys:/keys"]
     assert keys["restart"] == "no"
     assert "pdserve-keys" in load_compose()["volumes"]
     for name, svc in services.items():
@@ -97,9 +97,9 @@ def test_keygen_exist_ok_keeps_the_pair(tmp_path: Path) -> None:
     from kvtransfer.curve import load_keys
     from pdserve.cli import main
 
-    assert main(["keygen", "--exist-ok", str(tmp_path / "k")]) == 0
+    assert main(["keygen", str(tmp_path / "k"), "--exist-ok"]) == 0
     first = load_keys(tmp_path / "k")
-    assert main(["keygen", "--exist-ok", str(tmp_path / "k")]) == 0
+    assert main(["keygen", str(tmp_path / "k"), "--exist-ok"]) == 0
     assert load_keys(tmp_path / "k") == first
 
 
