@@ -202,7 +202,6 @@ class ReceiverEndpoint:
         """Run `fn` on the loop thread before its next step (api.KVReceiver.run_in_loop)."""
         self._loop.call(fn)
 
-    # ---- the loop thread ----------------------------------------------------------------------------
     def refused_handshakes(self) -> int:
         """Peers refused so far (api.KVReceiver.refused_handshakes)."""
         return self.refusals.total()
@@ -211,9 +210,11 @@ class ReceiverEndpoint:
         """Let `sender_id` handshake (api.KVReceiver.admit_sender); set.add is atomic under the GIL."""
         self._admitted.add(sender_id)
 
+    # ---- the loop thread ----------------------------------------------------------------------------
     def _step(self) -> None:
         self._wait()
-        while self._monitor.poll(0):  # failed handshakes: counted (the ZAP thread counts unknown keys)
+        # failed handshakes: counted (the ZAP thread counts unknown keys); EVENTS is cheaper than a poll
+        while int(self._monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self.refusals.on_monitor_event(parse_monitor_message(self._monitor.recv_multipart())["event"])
         while int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # every message queued now
             frames = self._sock.recv_multipart(zmq.NOBLOCK)  # [identity, message] from a DEALER
