@@ -88,17 +88,27 @@ class ControlSocket:
         return SendOutcome.SENT
 
     async def disconnects(self) -> None:
-        """Wait for the next dropped worker connection (a socket monitor event), counting the failed
-        handshakes reported meanwhile in ``refusals``. Never returns after ``close``; cancel the waiting
-        task instead."""
+        """Wait for the next dropped connection (a socket monitor event), then read every event queued
+        by then: the drops since the last call coalesce into one return (a client refused over and over,
+        e.g. one without the fleet's keys reconnecting every 100 ms, costs the caller one probe round,
+        not one per attempt, and never backs the queue up), and the failed handshakes among them are
+        counted in ``refusals`` at once. Never returns after ``close``; cancel the waiting task instead."""
         if self._monitor is None:
             await asyncio.Event().wait()
         assert self._monitor is not None
         while True:
+            dropped = False
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            while True:
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    dropped = True
+                else:
+                    self.refusals.on_monitor_event(event["event"])
+                if not int(self._monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    break
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+            if dropped:
                 return
-            self.refusals.on_monitor_event(event["event"])
 
     def close(self) -> None:
         """Close the socket, its monitor, the ZAP handler and the context."""

@@ -47,7 +47,9 @@ PUBLIC_KEY_FILE = "fleet.key"  # its public half (written by generate_keys; not 
 REFUSAL_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 UNKNOWN_KEY = "unknown_key"  # a CURVE client whose public key is not the fleet's
 HANDSHAKE = "handshake"  # a ZMTP peer without CURVE, or with a wrong server key: the handshake failed
-NO_HANDSHAKE = "no_handshake"  # a connection closed before any handshake (a TCP probe, a port scan)
+# a connection closed before the handshake finished: a TCP probe, a port scan, or a client without CURVE
+# that noticed the mechanism mismatch first and hung up (libzmq reports whichever side noticed first)
+NO_HANDSHAKE = "no_handshake"
 REFUSAL_KINDS = (UNKNOWN_KEY, HANDSHAKE, NO_HANDSHAKE)
 
 

@@ -47,11 +47,13 @@ def test_kv_control_socket_refuses_peers_without_the_fleet_keys(tmp_path: Path) 
         hello = m.Hello("p-raw", 1, rx.compat, b"")  # type: ignore[attr-defined]
         with contextlib.suppress(zmq.Again):  # refused before anything could be queued
             raw.send(m.encode(hello), zmq.NOBLOCK)
-        assert rx.wait_until(lambda: rx.refused_handshakes() >= 3, WAIT), rx.refused_handshakes()
+        # a client without CURVE that hangs up first shows as no_handshake (libzmq's NO_DETAIL), not
+        # handshake: which of the two it is depends on which side saw the mechanism mismatch first
+        counts = rx.refusals.counts  # type: ignore[attr-defined]
+        assert rx.wait_until(lambda: counts()["handshake"] + counts()["no_handshake"] >= 2
+                             and counts()["unknown_key"] >= 1, WAIT), counts()
         assert raw.poll(200) == 0  # no HelloReply, nothing at all
         assert rx.stats().senders == () and added == []  # no stranger known, no transport peer added
-        counts = rx.refusals.counts()  # type: ignore[attr-defined]
-        assert counts["handshake"] >= 2 and counts["unknown_key"] >= 1, counts
         tx = backend.sender(config("p0", "loopback", curve=fleet), src)
         tx.connect(rx.address, timeout=WAIT)
         tx.add_request(rx.expect("a", [4, 5, 6]), [0, 1, 2])
