@@ -41,6 +41,7 @@ from protocol.messages import (
     ReserveKV,
     Role,
 )
+from protocol.settings import control_keys
 from workers.loop import WorkerLoop
 from workers.outputs import stream_outputs
 from workers.setup import encode_handle
@@ -55,10 +56,12 @@ log = logging.getLogger("pdserve.decode")
 
 def make_receiver(settings: WorkerSettings, core: EngineCore) -> KVReceiver:
     """A started ``KVReceiver`` over ``--transfer-backend`` into the engine's ``kv_buffer``, its control
-    socket bound at ``--host``:``--port`` (0 = any free port)."""
+    socket bound at ``--host``:``--port`` (0 = any free port): a CURVE server with ``--curve-keys``, and
+    fenced: only prefill workers the gateway named in a ``ReserveKV`` or ``KVCanaryReserve`` may
+    handshake (kvtransfer's ``fence_senders``)."""
     config = TransferConfig(worker_id=settings.worker_id, model_id=settings.model,
                             backend=settings.transfer_backend, host=settings.host, port=settings.port,
-                            peer_timeout_s=5.0)
+                            peer_timeout_s=5.0, curve=control_keys(settings), fence_senders=True)
     return get_transfer_backend(settings.transfer_backend).receiver(config, core.runner.kv_cache.kv_buffer)
 
 
@@ -92,6 +95,10 @@ class DecodeWorker(WorkerLoop):
         """The KV pairing record: the one the receiver's handshake checks."""
         return self.receiver.compat
 
+    def control_refusals(self) -> int:
+        """Peers the KV receiver's control socket refused (no fleet keys, or not named by the gateway)."""
+        return self.receiver.refused_handshakes()
+
     def transfer_address(self) -> str:
         """The receiver's control endpoint."""
         return self.receiver.address
@@ -100,12 +107,14 @@ class DecodeWorker(WorkerLoop):
         """``ReserveKV`` / ``DecodeRequest`` / ``AbortRequest``. Raises ``ValueError`` for a bad request
         (bad prompt, an id already on this worker, a ``DecodeRequest`` without reservation)."""
         if isinstance(msg, ReserveKV):
+            self.receiver.admit_sender(msg.prefill_worker_id)  # named by the gateway: may handshake
             self._reserve_new(msg)
         elif isinstance(msg, DecodeRequest):
             if msg.request_id not in self.in_flight:
                 raise ValueError(f"DecodeRequest for {msg.request_id!r}, which has no KV reservation here")
             self.first_tokens[msg.request_id] = msg.first_token_id
         elif isinstance(msg, KVCanaryReserve):
+            self.receiver.admit_sender(msg.prefill_worker_id)
             self._reserve_canary(msg)
         elif isinstance(msg, AbortRequest):
             self.drop(msg.request_id)

@@ -6,6 +6,11 @@ vanishing silently: the ROUTER forgets an identity as soon as its peer's connect
 failure is definite. A send that would block (the peer's queue is full: a slow, not a dead, worker) is a
 different outcome. A socket monitor reports each dropped connection (``disconnects``); it does not say
 whose, so the caller probes its workers to find out.
+
+With ``keys`` the socket is a CURVE server (kvtransfer/curve.py): only clients holding the fleet's key
+pair complete a handshake; every refused one is counted in ``refusals`` (the ZAP handler's thread counts
+unknown keys, the monitor counts failed handshakes). Without keys it accepts any peer
+(``--insecure-control-plane``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvtransfer.curve import REFUSAL_EVENTS, CurveKeys, FleetAuthenticator, Refusals, secure_server
 from protocol.messages import Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -36,19 +42,24 @@ class SendOutcome(Enum):
 class ControlSocket:
     """Bound ROUTER socket. ``recv()`` → (identity, message); ``send(identity, message)`` → delivered?"""
 
-    def __init__(self, bind: str) -> None:
+    def __init__(self, bind: str, keys: CurveKeys | None = None, refusals: Refusals | None = None) -> None:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._monitor: zmq.asyncio.Socket | None = None
+        self.refusals = refusals or Refusals(f"gateway control socket {bind}")
+        self._auth: FleetAuthenticator | None = None
+        if keys is not None:
+            self._auth = FleetAuthenticator(self._ctx, keys, self.refusals)
+            secure_server(self._sock, keys)
         try:
             self._sock.bind(bind)
         except zmq.ZMQError as exc:
             self.close()
             raise OSError(f"cannot bind control socket at {bind}: {exc}") from exc
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | REFUSAL_EVENTS)
         self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)  # the same socket, read
         # without asyncio when frames are already there
 
@@ -94,21 +105,36 @@ class ControlSocket:
         return SendOutcome.SENT
 
     async def disconnects(self) -> None:
-        """Wait for the next dropped worker connection (a socket monitor event). Never returns after
-        ``close``; cancel the waiting task instead."""
+        """Wait for the next dropped connection (a socket monitor event), then read every event queued
+        by then: the drops since the last call coalesce into one return (a client refused over and over,
+        e.g. one without the fleet's keys reconnecting every 100 ms, costs the caller one probe round,
+        not one per attempt, and never backs the queue up), and the failed handshakes among them are
+        counted in ``refusals`` at once. Never returns after ``close``; cancel the waiting task instead."""
         if self._monitor is None:
             await asyncio.Event().wait()
         assert self._monitor is not None
         while True:
+            dropped = False
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            while True:
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    dropped = True
+                else:
+                    self.refusals.on_monitor_event(event["event"])
+                if not int(self._monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    break
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+            if dropped:
                 return
 
     def close(self) -> None:
-        """Close the socket, its monitor and the context."""
+        """Close the socket, its monitor, the ZAP handler and the context."""
         if self._monitor is not None:
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
             self._monitor = None
         self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         self._ctx.term()

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from kvtransfer.curve import REFUSAL_KINDS
 from protocol.messages import WorkerLoad
 
 _LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -65,6 +66,35 @@ class KVTransferCollector(Collector):
         yield seconds
 
 
+class WorkerCountCollector(Collector):
+    """A cumulative per-worker count that workers report in heartbeats, re-exposed as the counter
+    ``<name>_total{worker_id}`` (as ``KVTransferCollector``): here the peers each worker's KV
+    control socket refused (``WorkerLoad.kv_control_refused``)."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self._name, self._doc = name, documentation
+        self._counts: dict[str, int] = {}
+
+    def set(self, worker_id: str, count: int) -> None:
+        """Record a worker's cumulative count."""
+        self._counts[worker_id] = count
+
+    def drop(self, worker_id: str) -> None:
+        """Forget a gone worker (its series disappears)."""
+        self._counts.pop(worker_id, None)
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        """The family without samples."""
+        yield CounterMetricFamily(self._name, self._doc, labels=["worker_id"])
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """The family with one sample per worker."""
+        family = CounterMetricFamily(self._name, self._doc, labels=["worker_id"])
+        for worker_id, count in sorted(self._counts.items()):
+            family.add_metric([worker_id], count)
+        yield family
+
+
 class GatewayMetrics:
     """All gateway metrics; ``render()`` gives the Prometheus text exposition."""
 
@@ -110,6 +140,17 @@ class GatewayMetrics:
         self.admission_refused = Counter("pdserve_admission_refused", "requests refused at admission by "
                                          "reason (prefill_queue, kv_blocks: 429; prompt_too_long: 400)",
                                          ["reason"], registry=r)
+        self.control_auth_refused = Counter("pdserve_control_auth_refused", "handshakes refused by the "
+                                            "gateway's CURVE control socket (unknown_key: a client key that "
+                                            "is not the fleet's; handshake: no CURVE or a wrong server key; "
+                                            "no_handshake: closed before any, e.g. a TCP probe)",
+                                            ["kind"], registry=r)
+        for kind in REFUSAL_KINDS:
+            self.control_auth_refused.labels(kind)
+        self.kv_control_refused = WorkerCountCollector(
+            "pdserve_kv_control_refused", "peers a decode worker's KV control socket refused (no fleet "
+            "CURVE keys, or a sender its gateway never named), as the worker reports them")
+        r.register(self.kv_control_refused)
         self.kv_path_gbps = Gauge("pdserve_kv_path_gbps", "KV data path speed of a prefill/decode pair, "
                                   "GB/s, from its latest canary transfer",
                                   ["prefill", "decode", "transport"], registry=r)
@@ -127,6 +168,8 @@ class GatewayMetrics:
         self.kv_total.labels(worker_id, role).set(load.num_total_blocks)
         if role == "prefill" or load.kv_transfer_bytes:
             self.kv_transfers.set(worker_id, load.kv_transfer_bytes, load.kv_transfer_seconds)
+        if role == "decode" or load.kv_control_refused:
+            self.kv_control_refused.set(worker_id, load.kv_control_refused)
 
     def drop_worker(self, worker_id: str, role: str) -> None:
         """Remove a gone worker's series."""
@@ -134,6 +177,7 @@ class GatewayMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id, role)
         self.kv_transfers.drop(worker_id)
+        self.kv_control_refused.drop(worker_id)
 
     def drop_kv_path(self, prefill: str, decode: str, transport: str) -> None:
         """Remove a pair's ``pdserve_kv_path_gbps`` and ``pdserve_kv_path_slow`` series (the pair is gone,

@@ -27,6 +27,7 @@ from gateway.prefix_index import PrefixIndex
 from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
 from gateway.router import Router
 from gateway.text import TextProcessor, resolve_tokenizer_dir
+from kvtransfer.curve import Refusals
 from protocol.logging import log_event
 from protocol.messages import (
     Heartbeat,
@@ -41,7 +42,7 @@ from protocol.messages import (
     WorkerShutdown,
     new_epoch,
 )
-from protocol.settings import GatewaySettings
+from protocol.settings import GatewaySettings, control_keys
 
 log = logging.getLogger("pdserve.gateway")
 
@@ -72,9 +73,16 @@ class GatewayService:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        """Bind the control socket and start the receive, reaper, probe and canary loops. Raises OSError
-        on bind."""
-        self.control = ControlSocket(self.settings.control_bind)
+        """Bind the control socket (a CURVE server with ``--curve-keys``) and start the receive, reaper,
+        probe and canary loops. Raises OSError on bind, ValueError for an unusable key directory."""
+        keys = control_keys(self.settings)
+        if keys is None:
+            log.warning("--insecure-control-plane: the control socket at %s accepts any process that "
+                        "reaches it (it may register as a worker and receive prompts)",
+                        self.settings.control_bind)
+        refusals = Refusals(f"gateway control socket {self.settings.control_bind}",
+                            lambda kind: self.metrics.control_auth_refused.labels(kind).inc())
+        self.control = ControlSocket(self.settings.control_bind, keys, refusals)
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._reap_loop()),
                        asyncio.create_task(self._probe_loop()), asyncio.create_task(self._canary_loop())]
 

@@ -253,6 +253,18 @@ class KVReceiver(Protocol):
         """A copy of the senders' and loop's state now."""
         ...
 
+    def refused_handshakes(self) -> int:
+        """Peers refused so far: handshakes of the CURVE control socket (config.curve set: a peer
+        without the fleet's key pair; curve.py) and, with config.fence_senders, Hellos of senders not
+        admitted. Any thread."""
+        ...
+
+    def admit_sender(self, sender_id: str) -> None:
+        """Let the sender `sender_id` complete the KV handshake (config.fence_senders: only admitted
+        senders may; the worker admits those named to it over the authenticated control plane). Any
+        thread; admitted for the receiver's lifetime."""
+        ...
+
     def drop_sender(self, sender_id: str, reason: str) -> None:
         """Drop every known sender called `sender_id` as if it were lost (soon, on the loop thread): its
         requests FAILED with `reason`, their blocks held until their deadline; its next message is

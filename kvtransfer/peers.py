@@ -28,6 +28,7 @@ import zmq
 
 from kvtransfer import wire
 from kvtransfer.compat import KVCompat
+from kvtransfer.curve import secure_client
 from kvtransfer.transports.base import SendTransport
 from kvtransfer.types import IncompatiblePeerError, TransferConfig, TransferError
 
@@ -71,6 +72,8 @@ class ReceiverPeers:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, f"{self.config.worker_id}:{self.epoch}".encode())
+            if self.config.curve is not None:  # a receiver without the fleet's key pair: no handshake
+                secure_client(sock, self.config.curve)
             sock.connect(address)
             peer = self._by_address[address] = ReceiverPeer(address, sock, last_seen=time.monotonic())
             self._poller = None

@@ -1,7 +1,9 @@
 """ReceiverEndpoint: the decode worker's side; owns the destination blocks and decides when they are free.
 
 The public surface and its contract are `api.KVReceiver`. The receiver binds one zmq ROUTER socket
-(its control address, in every KVHandle it makes) and runs one loop thread (loop.py); the exchange of
+(its control address, in every KVHandle it makes; a CURVE server with `config.curve`, curve.py: a
+sender's Hello, and with it the transport metadata the receiver connects to, arrives only from a holder
+of the fleet's key pair) and runs one loop thread (loop.py); the exchange of
 each request with its sender is recv_control.py, the senders themselves (handshakes, liveness, which
 notices to trust) senders.py.
 
@@ -29,9 +31,11 @@ from collections.abc import Callable
 
 import torch
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvtransfer import wire
 from kvtransfer.compat import KVCompat, kv_compat
+from kvtransfer.curve import REFUSAL_EVENTS, FleetAuthenticator, Refusals, secure_server
 from kvtransfer.loop import LoopThread
 from kvtransfer.recv_control import RecvControl
 from kvtransfer.requests import RecvState, RequestTable
@@ -66,8 +70,11 @@ class ReceiverEndpoint:
         self._loop = LoopThread(f"kv-receiver-{config.worker_id}", label, self._step, self._teardown,
                                 self._crashed, Waker())
         self._senders = SenderPeers(config)
+        self._admitted: set[str] = set()  # sender ids admit_sender let in (fence_senders)
         self._control = RecvControl(config, self.epoch, self.compat, kv_buffer, self.layout, transport,
                                     self._requests, self._senders, self._send)
+        self.refusals = Refusals(f"KV control socket of {config.worker_id}")
+        self._control.fence = (self._admitted, self.refusals) if config.fence_senders else None
 
     def start(self) -> ReceiverEndpoint:
         """Bind the control socket and start the loop (api.KVReceiver.start)."""
@@ -78,6 +85,11 @@ class ReceiverEndpoint:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._auth: FleetAuthenticator | None = None
+        if self.config.curve is not None:  # only holders of the fleet's key pair complete a handshake
+            self._auth = FleetAuthenticator(self._ctx, self.config.curve, self.refusals)
+            secure_server(self._sock, self.config.curve)
+        self._monitor = self._sock.get_monitor_socket(REFUSAL_EVENTS)
         if self.config.port:
             self._sock.bind(f"tcp://{self.config.host}:{self.config.port}")
         else:
@@ -190,9 +202,20 @@ class ReceiverEndpoint:
         """Run `fn` on the loop thread before its next step (api.KVReceiver.run_in_loop)."""
         self._loop.call(fn)
 
+    def refused_handshakes(self) -> int:
+        """Peers refused so far (api.KVReceiver.refused_handshakes)."""
+        return self.refusals.total()
+
+    def admit_sender(self, sender_id: str) -> None:
+        """Let `sender_id` handshake (api.KVReceiver.admit_sender); set.add is atomic under the GIL."""
+        self._admitted.add(sender_id)
+
     # ---- the loop thread ----------------------------------------------------------------------------
     def _step(self) -> None:
         self._wait()
+        # failed handshakes: counted (the ZAP thread counts unknown keys); EVENTS is cheaper than a poll
+        while int(self._monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self.refusals.on_monitor_event(parse_monitor_message(self._monitor.recv_multipart())["event"])
         while int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # every message queued now
             frames = self._sock.recv_multipart(zmq.NOBLOCK)  # [identity, message] from a DEALER
             msg = wire.decode_from(frames[-1], frames[0].hex()) if len(frames) == 2 else None
@@ -238,6 +261,10 @@ class ReceiverEndpoint:
 
     def _teardown(self) -> None:
         self.transport.close()
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)  # bound by start() before the loop thread ran
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
         self._loop.waker.close()

@@ -8,7 +8,9 @@ sender (it writes nothing more), Withdraw (a PENDING request no sender claimed),
 (receiver.py), its deadline (the claim deadline until Begin, then `timeout_s` from the Begin, moved
 on by each landed layer; Abort to its sender), or its sender dropped (lost, restarted, or
 drop_sender: FAILED and `gone`, blocks held until the deadline). `releasable` is the block-lifetime
-rule of receiver.py.
+rule of receiver.py. With config.fence_senders, a Hello from a sender id the worker did not admit is
+answered with a HelloReply naming why, its transport metadata never reaches the transport, and it is
+counted (`fence`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from kvtransfer import wire
 from kvtransfer.compat import KVCompat, mismatches
+from kvtransfer.curve import Refusals
 from kvtransfer.requests import RecvState, RequestTable
 from kvtransfer.runs import layer_pieces
 from kvtransfer.senders import SenderPeer, SenderPeers, accepted, notices_from
@@ -30,6 +33,7 @@ from kvtransfer.transports.base import RecvTransport
 from kvtransfer.types import KVLayout, TransferConfig, TransferStatus
 
 S = TransferStatus
+UNREGISTERED_SENDER = "unregistered_sender"  # a Hello from a sender id not admitted (fence_senders)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,8 @@ class RecvControl:
         self.posted: dict[int, PostedReceive] = {}
         self._keys = itertools.count(1)
         self.trace: list[tuple[float, str, str, int]] | None = None
+        # config.fence_senders: (the admitted sender ids, where to count a refused Hello); None: no fence
+        self.fence: tuple[set[str], Refusals] | None = None
 
     def releasable(self, st: RecvState) -> bool:
         """Whether no write can still land in `st`'s blocks (lock held; receiver.py)."""
@@ -101,6 +107,12 @@ class RecvControl:
             self._on_stopped(identity, msg)
 
     def _on_hello(self, identity: bytes, hello: wire.Hello) -> None:
+        if self.fence is not None and hello.sender_id not in self.fence[0]:
+            self.fence[1].refused(UNREGISTERED_SENDER, hello.sender_id)
+            self._send(identity, wire.HelloReply(self.config.worker_id, self.epoch, [
+                f"sender {hello.sender_id!r} was not named to this receiver by its gateway (not a registered "
+                f"prefill worker)"], b""))
+            return
         bad = mismatches(hello.info, self.compat)  # the sender's values first
         if not bad:
             for old in self.senders.restarted(hello):

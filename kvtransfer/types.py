@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvtransfer.curve import CurveKeys
+
 PROTOCOL_VERSION = 6  # of the KV control plane (wire.py): part of compat.KVCompat, so peers of two versions
 # are refused at pairing time; bump it with any change to a message's encoding
 
@@ -116,6 +118,11 @@ class TransferConfig:
     error handling exclude UCX's shared-memory transports, so within one host NIXL's notifications
     (the LayerNotices) travel over TCP loopback. "none": shared memory carries them; a dead peer is
     then found by heartbeats and deadlines only (peers.py, senders.py), as with every other backend.
+    curve: the fleet's CURVE key pair (curve.py): the receiver's control socket is a CURVE server that
+    accepts only clients holding it, the sender's sockets CURVE clients; None: plain sockets, any peer.
+    fence_senders: a receiver answers a Hello (and adds the sender's transport metadata) only from a
+    sender id admitted with `KVReceiver.admit_sender` (the decode worker admits each prefill worker the
+    gateway names to it); any other Hello is refused (its HelloReply names why) and counted.
     """
 
     worker_id: str
@@ -134,6 +141,8 @@ class TransferConfig:
     busy_wait_s: float = 50e-6
     fine_wait_s: float = 5e-6
     nixl_error_handling: str = "peer"
+    curve: CurveKeys | None = None
+    fence_senders: bool = False
 
     def __post_init__(self) -> None:
         if self.max_inflight_layers < 1:

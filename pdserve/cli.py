@@ -1,4 +1,5 @@
-"""The ``pdserve`` command line: ``up``, ``gateway``, ``prefill``, ``decode``, ``colocated``, ``bench``.
+"""The ``pdserve`` command line: ``up``, ``gateway``, ``prefill``, ``decode``, ``colocated``, ``keygen``,
+``bench``.
 
 Every flag ``--foo-bar`` also reads the environment variable ``PDSERVE_FOO_BAR`` (the command line wins;
 repeatable flags take a comma-separated env value). Flags and defaults: docs/contracts.md.
@@ -79,6 +80,16 @@ def _add_parsers(add: _Adder) -> None:
              "tool_choice none)")
     add("--reasoning-parser", default="auto", choices=list(REASONING_PARSERS),
         help="split <think> blocks into reasoning_content (auto: from the chat template, else none)")
+
+
+def _add_control_plane(add: _Adder, up: bool) -> None:
+    add("--curve-keys", default=None,
+        help=("directory with the fleet's CURVE key pair fleet.key_secret (default: a fresh pair in a "
+              "private temp dir, for this run only)" if up else
+              "directory with the fleet's CURVE key pair fleet.key_secret (`pdserve keygen DIR`); "
+              "required unless --insecure-control-plane"))
+    _bool_flag(add, "--insecure-control-plane", False,
+               "no CURVE on the control sockets: any process that reaches them may join (logs a warning)")
 
 
 def _add_gateway(add: _Adder) -> None:
@@ -202,12 +213,17 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
             "pass through to them (each worker gets the same), as do PDSERVE_* environment variables.")
         add = _EnvAdder(subs.add_parser(name, help=help_text, epilog=epilog), env)
         _add_common(add)
+        _add_control_plane(add, up=name == "up")
         if name == "gateway":
             _add_gateway(add)
         elif name == "up":
             _add_up(add)
         else:
             _add_worker(add, name)
+    keygen = subs.add_parser("keygen", help="make the fleet's CURVE key pair (for --curve-keys)")
+    keygen.add_argument("directory", help="where to write fleet.key_secret and fleet.key (made 0700)")
+    _bool_flag(_EnvAdder(keygen, env), "--exist-ok", False,
+               "a valid key pair already there is kept (exit 0) instead of an error")
     bench = subs.add_parser("bench", help="load test a running server")
     try:
         from loadtest.cli import add_bench_arguments
@@ -235,6 +251,22 @@ def _run_gateway(settings: Any) -> int:
     return 0
 
 
+def _keygen(directory: str, exist_ok: bool) -> int:
+    from kvtransfer.curve import KEY_FILE, generate_keys, load_keys
+
+    try:
+        if exist_ok and os.path.exists(os.path.join(directory, KEY_FILE)):
+            keys = load_keys(directory)
+            print(f"kept {directory}/{KEY_FILE} (public key {keys.public.decode()})")
+            return 0
+        keys = generate_keys(directory)
+    except (OSError, ValueError) as exc:
+        print(f"pdserve keygen: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {directory}/fleet.key_secret (public key {keys.public.decode()})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``pdserve``; returns the process exit status."""
     args = build_parser().parse_args(argv)
@@ -245,6 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from loadtest.cli import run_bench
 
         return int(run_bench(args))
+    if args.command == "keygen":
+        return _keygen(args.directory, args.exist_ok)
     from protocol.logging import configure_logging
     from protocol.settings import settings_from_args
 

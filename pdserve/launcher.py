@@ -12,25 +12,32 @@ one line and given up on. Only the gateway's exit stops everything (exit code 1)
 dies during start-up. Each child runs in a process group of
 its own, so a terminal's Ctrl-C (sent to the whole foreground group) reaches only the launcher: a child
 still importing torch is stopped by the launcher's SIGTERM, not interrupted mid-import with a
-KeyboardInterrupt traceback. Internal ports bind 127.0.0.1 only.
+KeyboardInterrupt traceback. Internal ports bind 127.0.0.1 only, and the control plane is CURVE
+(kvtransfer/curve.py) with ``--curve-keys`` or, by default, a key pair made for this run in a private
+temporary directory (0700, removed at exit): another local user's process cannot join the fleet.
 On CPU the KV transport is ``nixl`` (measured working on the 2-core machines; ``ucx`` also works).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from types import FrameType
 
 import httpx
 
+from kvtransfer.curve import generate_keys
 from protocol.settings import (
     UP_MANAGED_GATEWAY_FIELDS,
     UP_MANAGED_WORKER_FIELDS,
@@ -90,7 +97,8 @@ def changed_flags(settings: GatewaySettings | WorkerSettings, skip: frozenset[st
     ``skip`` whose value differs from the field's default (booleans as true/false; ``api_keys`` never:
     keys travel in the child's environment, not its command line, which any local user can read)."""
     out: list[str] = []
-    defaults = WorkerSettings(role="colocated") if isinstance(settings, WorkerSettings) else GatewaySettings()
+    defaults = (WorkerSettings(role="colocated", insecure_control_plane=True)
+                if isinstance(settings, WorkerSettings) else GatewaySettings(insecure_control_plane=True))
     for f in fields(settings):
         value = getattr(settings, f.name)
         if f.name in skip or f.name == "api_keys" or value == getattr(defaults, f.name) or value is None:
@@ -100,13 +108,26 @@ def changed_flags(settings: GatewaySettings | WorkerSettings, skip: frozenset[st
     return out
 
 
-def plan(settings: UpSettings, control_port: int, num_gpus: int = 0) -> list[tuple[str, list[str]]]:
+def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
+         keys_dir: str | None = None) -> list[tuple[str, list[str]]]:
     """The children to start, in order: (name, argv after ``python -m pdserve.cli``). Gateway first.
-    ``num_gpus``: visible GPUs, used to place workers (see ``placements``). The gateway's and the
-    workers' settings given to ``up`` follow as flags (``changed_flags``); a worker's own flags come
-    last, so an explicit ``--kv-memory-fraction`` wins over the share ``placements`` gives."""
+    ``num_gpus``: visible GPUs, used to place workers (see ``placements``). ``keys_dir``: the CURVE key
+    directory every child gets (default ``settings.curve_keys``). The gateway's and the workers' settings
+    given to ``up`` follow as flags (``changed_flags``); a worker's own flags come last, so an explicit
+    ``--kv-memory-fraction`` wins over the share ``placements`` gives.
+
+    Raises:
+        ValueError: no key directory and no ``--insecure-control-plane``.
+    """
     control = f"tcp://127.0.0.1:{control_port}"
-    common = ["--log-level", settings.log_level, "--log-format", settings.log_format]
+    keys = keys_dir or settings.curve_keys
+    if settings.insecure_control_plane:
+        secure = ["--insecure-control-plane"]
+    elif keys:
+        secure = ["--curve-keys", keys]
+    else:
+        raise ValueError("plan: no CURVE key directory and no --insecure-control-plane")
+    common = ["--log-level", settings.log_level, "--log-format", settings.log_format, *secure]
     children = [("gateway", ["gateway", "--host", settings.host, "--port", str(settings.port),
                              "--control-bind", control, *common,
                              *changed_flags(settings.gateway, UP_MANAGED_GATEWAY_FIELDS)])]
@@ -285,12 +306,13 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
 
     old = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     sup = Supervisor()
-    try:
-        code = _supervise(settings, sup, stop, ready_timeout)
-    finally:
-        stopped = sup.stop_all()
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    with run_keys(settings) as keys_dir:
+        try:
+            code = _supervise(settings, sup, stop, ready_timeout, keys_dir)
+        finally:
+            stopped = sup.stop_all()
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
     for name, pid, how in stopped:
         print(f"pdserve up: {how} {name} (pid {pid})", file=sys.stderr, flush=True)
     return 128 + stop[0] if stop else code
@@ -315,7 +337,8 @@ def local_host(host: str) -> str:
     return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
 
 
-def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_timeout: float) -> int:
+def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_timeout: float,
+               keys_dir: str | None) -> int:
     reach = local_host(settings.host)
     url = f"http://{reach if ':' not in reach else f'[{reach}]'}:{settings.port}"
     if port_in_use(settings.port, settings.host):  # fail now, not after the workers loaded the model
@@ -325,7 +348,7 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     gpus = gpu_count() if settings.device in ("auto", "cuda") else 0
     keys = settings.gateway.api_keys
     gateway_env = {"PDSERVE_API_KEY": ",".join(keys)} if keys else {}
-    for name, args in plan(settings, free_ports(1, exclude=(settings.port,))[0], gpus):
+    for name, args in plan(settings, free_ports(1, exclude=(settings.port,))[0], gpus, keys_dir):
         if stop:
             return 0  # interrupted while starting: start no more children
         sup.start(name, args, env=gateway_env if name == "gateway" else None)
@@ -339,6 +362,25 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     print(f"pdserve is ready at {url}  (OpenAI API under {url}/v1)\nTry:\n"
           f"  {example(url, served, bool(keys))}", flush=True)
     return supervise(sup, stop, RestartPolicy())
+
+
+@contextlib.contextmanager
+def run_keys(settings: UpSettings) -> Iterator[str | None]:
+    """The CURVE key directory of this run: ``--curve-keys`` as given, None with
+    ``--insecure-control-plane`` (a warning is logged), else a fresh key pair in a private temporary
+    directory (``mkdtemp``: 0700), removed when the block ends (the children have stopped by then)."""
+    if settings.insecure_control_plane:
+        log.warning("--insecure-control-plane: the control sockets accept any process that reaches them")
+        yield None
+    elif settings.curve_keys:
+        yield settings.curve_keys
+    else:
+        tmp = tempfile.mkdtemp(prefix="pdserve-keys-")
+        try:
+            generate_keys(tmp)
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def supervise(sup: Supervisor, stop: list[int], policy: RestartPolicy, tick_s: float = 0.2) -> int:

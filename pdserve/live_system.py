@@ -32,6 +32,7 @@ from typing import Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtransfer.curve import KEY_FILE, generate_keys
 from pdserve.launcher import Supervisor, free_ports
 
 Mode = Literal["disagg", "colocated"]
@@ -120,14 +121,17 @@ def worker_id(child: str) -> str:
     return f"live-{child}"
 
 
-def children(spec: SystemSpec, http_port: int, control: str) -> list[tuple[str, list[str]]]:
-    """(name, ``pdserve`` argv) of every child of ``spec``, gateway first."""
+def children(spec: SystemSpec, http_port: int, control: str,
+             keys_dir: Path | None = None) -> list[tuple[str, list[str]]]:
+    """(name, ``pdserve`` argv) of every child of ``spec``, gateway first. ``keys_dir``: the CURVE key
+    directory every child gets (None: the spec's flags must say ``--insecure-control-plane``)."""
+    secure = [] if keys_dir is None else ["--curve-keys", str(keys_dir)]
     gateway = ["gateway", "--host", "127.0.0.1", "--port", str(http_port), "--control-bind", control,
-               "--heartbeat-timeout", f"{spec.heartbeat_timeout_s:g}", *spec.gateway_flags]
+               "--heartbeat-timeout", f"{spec.heartbeat_timeout_s:g}", *secure, *spec.gateway_flags]
     if spec.api_key is not None:
         gateway += ["--api-key", spec.api_key]
     worker = ["--model", spec.model, "--host", "127.0.0.1", "--gateway-control", control,
-              "--num-blocks", str(spec.num_blocks), *spec.worker_flags]
+              "--num-blocks", str(spec.num_blocks), *secure, *spec.worker_flags]
     out: list[tuple[str, list[str]]] = [("gateway", gateway)]
     if spec.mode == "disagg":
         devices: Sequence[str | None] = spec.devices or (None, None)
@@ -149,14 +153,21 @@ def children(spec: SystemSpec, http_port: int, control: str) -> list[tuple[str, 
 
 def launch(spec: SystemSpec) -> LiveSystem:
     """Start every child of ``spec`` on free 127.0.0.1 ports without waiting; the caller stops them
-    (``system.sup.stop_all()``), also when a later step fails."""
+    (``system.sup.stop_all()``), also when a later step fails. The control plane is CURVE with a key
+    pair in ``spec.logs / "keys"`` (made once, 0700), unless the spec's flags say
+    ``--insecure-control-plane``."""
     from engine.models.registry import resolve_model
 
     resolve_model(spec.model)  # convert/write the model dir once, before workers race for the cache
     http_port, control_port = free_ports(2)
     spec.logs.mkdir(parents=True, exist_ok=True)
+    keys_dir: Path | None = None
+    if "--insecure-control-plane" not in (*spec.gateway_flags, *spec.worker_flags):
+        keys_dir = spec.logs / "keys"
+        if not (keys_dir / KEY_FILE).exists():
+            generate_keys(keys_dir)
     sup = Supervisor(grace=10.0)
-    plan = children(spec, http_port, f"tcp://127.0.0.1:{control_port}")
+    plan = children(spec, http_port, f"tcp://127.0.0.1:{control_port}", keys_dir)
     ids = frozenset(args[args.index("--worker-id") + 1] for _, args in plan if "--worker-id" in args)
     system = LiveSystem(f"http://127.0.0.1:{http_port}", sup, spec.logs, worker_ids=ids, api_key=spec.api_key,
                         commands=dict(plan))

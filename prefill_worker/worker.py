@@ -44,6 +44,7 @@ from protocol.messages import (
     PrefillRequest,
     Role,
 )
+from protocol.settings import control_keys
 from workers.loop import WorkerLoop
 from workers.outputs import top_logprobs_of
 from workers.setup import decode_handle
@@ -62,7 +63,8 @@ _REASONS: dict[SequenceStatus, FinishReason] = {SequenceStatus.FINISHED_STOPPED:
 def make_sender(settings: WorkerSettings, core: EngineCore) -> KVSender:
     """A started ``KVSender`` over ``--transfer-backend`` reading from the engine's ``kv_buffer``."""
     config = TransferConfig(worker_id=settings.worker_id, model_id=settings.model,
-                            backend=settings.transfer_backend, peer_timeout_s=5.0)
+                            backend=settings.transfer_backend, peer_timeout_s=5.0,
+                            curve=control_keys(settings))
     return get_transfer_backend(settings.transfer_backend).sender(config, core.runner.kv_cache.kv_buffer)
 
 

@@ -45,6 +45,8 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     ``kv_transfer_bytes`` / ``kv_transfer_seconds``: cumulative since the worker started, over its KV
     transfers that reached DONE (prefill side: blocks sent × bytes per block of all layers, K and V;
     seconds from the first layer handed to the sender to DONE). 0 on workers that send no KV.
+    ``kv_control_refused``: cumulative peers the worker's KV control socket refused (handshakes without
+    the fleet's CURVE keys, Hellos of senders the gateway never named to it); 0 on workers without one.
     """
 
     num_waiting: int = 0
@@ -53,6 +55,7 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     num_total_blocks: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
+    kv_control_refused: int = 0
 
 
 class KVPlacement(msgspec.Struct, frozen=True, kw_only=True):

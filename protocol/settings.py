@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvtransfer.curve import CurveKeys, load_keys
+
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -30,6 +32,23 @@ def _check_parsers(tool_call_parser: str, reasoning_parser: str) -> None:
            f"must be one of {', '.join(TOOL_CALL_PARSERS)}, got {tool_call_parser!r}")
     _check(reasoning_parser in REASONING_PARSERS, "reasoning-parser",
            f"must be one of {', '.join(REASONING_PARSERS)}, got {reasoning_parser!r}")
+
+
+def _check_control_plane(curve_keys: str | None, insecure: bool) -> None:
+    """Exactly one of ``--curve-keys DIR`` (whose key pair must load) and ``--insecure-control-plane``.
+
+    Raises:
+        ValueError: neither, both, or a key directory without a valid key pair (the message names it).
+    """
+    _check(not (curve_keys and insecure), "insecure-control-plane", "cannot be combined with --curve-keys")
+    _check(bool(curve_keys) or insecure, "curve-keys",
+           "required: a directory with the fleet's CURVE key pair (make one with `pdserve keygen DIR`; "
+           "`pdserve up` makes its own), or --insecure-control-plane to accept any peer")
+    if curve_keys:
+        try:
+            load_keys(curve_keys)
+        except ValueError as exc:
+            raise ValueError(f"--curve-keys: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -61,6 +80,8 @@ class GatewaySettings:
     kv_canary_mib: float = 64.0  # size of a canary transfer in MiB (at least one block)
     tool_call_parser: str = "auto"  # auto: by the chat template (gateway/tool_parsers)
     reasoning_parser: str = "auto"  # auto: by the chat template (gateway/reasoning.py)
+    curve_keys: str | None = None  # directory with the fleet's CURVE key pair (kvtransfer/curve.py)
+    insecure_control_plane: bool = False  # no CURVE: any peer that reaches the control socket may join
     log_level: str = "info"
     log_format: str = "text"
 
@@ -86,6 +107,7 @@ class GatewaySettings:
         _check(self.kv_canary_timeout > 0, "kv-canary-timeout", "must be > 0 seconds")
         _check(0 <= self.kv_canary_mib <= 1024, "kv-canary-mib",
                f"must be in [0, 1024] MiB (0: one block), got {self.kv_canary_mib}")
+        _check_control_plane(self.curve_keys, self.insecure_control_plane)
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
 
@@ -117,6 +139,8 @@ class WorkerSettings:
     worker_id: str = ""
     transfer_backend: str = "nixl"
     engine_warmup: str = "auto"
+    curve_keys: str | None = None  # directory with the fleet's CURVE key pair (kvtransfer/curve.py)
+    insecure_control_plane: bool = False  # no CURVE on the gateway and KV control sockets
     log_level: str = "info"
     log_format: str = "text"
 
@@ -139,6 +163,7 @@ class WorkerSettings:
                f"must be nixl, ucx or loopback, got {self.transfer_backend!r}")
         _check(self.engine_warmup in ("auto", "on", "off"), "engine-warmup",
                f"must be auto, on or off, got {self.engine_warmup!r}")
+        _check_control_plane(self.curve_keys, self.insecure_control_plane)
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
         if not self.worker_id:
@@ -146,15 +171,20 @@ class WorkerSettings:
 
 
 def _template_worker() -> WorkerSettings:
-    return WorkerSettings(role="colocated", worker_id="up")
+    return WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True)
+
+
+def _template_gateway() -> GatewaySettings:
+    return GatewaySettings(insecure_control_plane=True)
 
 
 # WorkerSettings fields `pdserve up` sets itself for each worker (UpSettings.worker leaves them alone)
 UP_MANAGED_WORKER_FIELDS = frozenset({"role", "model", "device", "transfer_backend", "gateway_control",
                                       "host", "advertise_host", "port", "worker_id", "log_level",
-                                      "log_format"})
+                                      "log_format", "curve_keys", "insecure_control_plane"})
 # GatewaySettings fields `pdserve up` sets itself (host and port are UpSettings.host and .port)
-UP_MANAGED_GATEWAY_FIELDS = frozenset({"host", "port", "control_bind", "log_level", "log_format"})
+UP_MANAGED_GATEWAY_FIELDS = frozenset({"host", "port", "control_bind", "log_level", "log_format",
+                                       "curve_keys", "insecure_control_plane"})
 
 
 @dataclass(frozen=True)
@@ -172,9 +202,11 @@ class UpSettings:
     num_prefill: int = 1
     num_decode: int = 1
     colocated: int = 0
+    curve_keys: str | None = None  # default: a fresh key pair in a private temp dir, for this run only
+    insecure_control_plane: bool = False
     log_level: str = "info"
     log_format: str = "text"
-    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    gateway: GatewaySettings = field(default_factory=_template_gateway)
     worker: WorkerSettings = field(default_factory=_template_worker)
 
     def __post_init__(self) -> None:
@@ -186,9 +218,20 @@ class UpSettings:
         _check(self.colocated >= 0, "colocated", "must be >= 0")
         _check(self.colocated > 0 or (self.num_prefill > 0 and self.num_decode > 0), "num-prefill",
                "need at least one prefill and one decode worker, or --colocated >= 1")
+        if self.curve_keys or self.insecure_control_plane:  # neither: up makes a per-run key pair
+            _check_control_plane(self.curve_keys, self.insecure_control_plane)
 
 
 Settings = GatewaySettings | WorkerSettings | UpSettings
+
+
+def control_keys(settings: GatewaySettings | WorkerSettings) -> CurveKeys | None:
+    """The fleet's CURVE key pair from ``--curve-keys``; None with ``--insecure-control-plane``.
+
+    Raises:
+        ValueError: the key directory no longer holds a valid key pair (the message names the file).
+    """
+    return load_keys(settings.curve_keys) if settings.curve_keys else None
 
 
 def _read_api_key_file(path: str | None) -> tuple[str, ...]:
@@ -227,10 +270,11 @@ def _up_settings(values: dict[str, Any]) -> UpSettings:
     keys = tuple(values.pop("api_key", None) or ()) + _read_api_key_file(values.pop("api_key_file", None))
     gateway_names = {f.name for f in fields(GatewaySettings)} - UP_MANAGED_GATEWAY_FIELDS
     worker_names = {f.name for f in fields(WorkerSettings)} - UP_MANAGED_WORKER_FIELDS
+    # the control-plane fields are the launcher's (every child gets up's keys): templates say insecure
     gateway = GatewaySettings(api_keys=keys, host=values.get("host", "127.0.0.1"),
-                              port=values.get("port", 8000),
+                              port=values.get("port", 8000), insecure_control_plane=True,
                               **{k: v for k, v in values.items() if k in gateway_names and k != "api_keys"})
-    worker = WorkerSettings(role="colocated", worker_id="up",
+    worker = WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True,
                             **{k: v for k, v in values.items() if k in worker_names})
     names = {f.name for f in fields(UpSettings)} - {"gateway", "worker"}
     return UpSettings(gateway=gateway, worker=worker, **{k: v for k, v in values.items() if k in names})

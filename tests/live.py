@@ -30,7 +30,8 @@ GATEWAY_FLAGS = ("--max-n", "4", "--max-stop", "3", "--max-prompt-tokens", "100"
                  "--max-body-bytes", str(BODY_CAP), "--request-timeout", "120", "--log-level", "info")
 WORKER_FLAGS = ("--log-level", "debug")
 # the suites that use it (node id prefixes): under pytest-xdist they run in one worker (tests/conftest.py)
-LIVE_SUITES = ("tests/conformance/", "tests/loadtest/test_live.py", "tests/system/test_pipeline.py")
+LIVE_SUITES = ("tests/conformance/", "tests/loadtest/test_live.py", "tests/system/test_pipeline.py",
+               "tests/system/test_control_auth_live.py")
 
 
 @contextmanager

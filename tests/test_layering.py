@@ -18,13 +18,13 @@ PACKAGES = ("protocol", "engine", "kvtransfer", "workers", "prefill_worker", "de
             "loadtest", "pdserve", "bench")
 # package → the project packages it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
-    "protocol": {"kvtransfer"},  # kvtransfer.compat only (NARROW below): the KV pairing record
+    "protocol": {"kvtransfer"},  # kvtransfer.compat and .curve only (NARROW below): pairing record, keys
     "engine": set(),
     "kvtransfer": set(),
     "workers": {"protocol", "engine", "kvtransfer"},
     "prefill_worker": {"protocol", "engine", "kvtransfer", "workers"},
     "decode_worker": {"protocol", "engine", "kvtransfer", "workers"},
-    "gateway": {"protocol", "engine", "kvtransfer"},  # kvtransfer.compat only (NARROW below): pairing
+    "gateway": {"protocol", "engine", "kvtransfer"},  # kvtransfer.compat, .curve only (NARROW below)
     "loadtest": {"protocol"},
     "pdserve": {"protocol", "engine", "kvtransfer", "workers", "prefill_worker", "decode_worker", "gateway",
                 "loadtest"},
@@ -40,8 +40,8 @@ ACYCLIC = ("gateway",)  # packages whose modules must not import each other in a
 
 # (package, package it may import) → the only modules of it allowed: torch-free ones
 NARROW: dict[tuple[str, str], set[str]] = {
-    ("protocol", "kvtransfer"): {"kvtransfer.compat"},
-    ("gateway", "kvtransfer"): {"kvtransfer.compat"},
+    ("protocol", "kvtransfer"): {"kvtransfer.compat", "kvtransfer.curve"},
+    ("gateway", "kvtransfer"): {"kvtransfer.compat", "kvtransfer.curve"},
 }
 
 

@@ -3,7 +3,9 @@
 Protocol (protocol/messages.py): the worker sends ``RegisterWorker`` first and waits for ``RegisterAck``;
 then ``Heartbeat`` every ``heartbeat_interval`` seconds carrying its load (waiting, running, free/total KV
 blocks), which the gateway turns into the per-worker ``pdserve_kv_blocks_used/free`` gauges. Every
-frame is one msgpack-encoded message (``protocol.messages.encode``).
+frame is one msgpack-encoded message (``protocol.messages.encode``). With the fleet's CURVE keys
+(kvtransfer/curve.py) the socket is a CURVE client: a gateway without the fleet's key pair never completes
+the handshake, so nothing is sent to it nor read from it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvtransfer.curve import CurveKeys, secure_client
 from protocol.messages import Message, RegisterAck, RegisterWorker, WorkerShutdown, decode, encode
 
 log = logging.getLogger("pdserve.worker.control")
@@ -25,13 +28,14 @@ class RegistrationError(RuntimeError):
 
 
 class ControlClient:
-    """DEALER socket to the gateway at ``endpoint`` (e.g. ``tcp://127.0.0.1:7100``).
+    """DEALER socket to the gateway at ``endpoint`` (e.g. ``tcp://127.0.0.1:7100``); a CURVE client
+    with ``keys`` (None: plain, ``--insecure-control-plane``).
 
     Raises:
         ValueError: ``endpoint`` is not a zmq endpoint (``tcp://``, ``ipc://``, ``inproc://``).
     """
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, keys: CurveKeys | None = None) -> None:
         if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"--gateway-control must be a zmq endpoint like tcp://host:port, "
                              f"got {endpoint!r}")
@@ -39,6 +43,8 @@ class ControlClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 500)
+        if keys is not None:
+            secure_client(self._sock, keys)
         self._sock.connect(endpoint)
 
     async def send(self, msg: Message) -> None:

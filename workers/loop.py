@@ -41,6 +41,7 @@ from protocol.messages import (
     new_epoch,
     request_id_of,
 )
+from protocol.settings import control_keys
 from workers.control_client import ControlClient
 from workers.outputs import batch_outputs
 from workers.placement import kv_placement
@@ -73,7 +74,10 @@ class WorkerLoop:
         self.settings, self.core, self.model_path = settings, core, model_path
         self.worker_id = settings.worker_id
         self.epoch = new_epoch()
-        self.control = ControlClient(settings.gateway_control)
+        self.keys = control_keys(settings)
+        if self.keys is None:
+            log.warning("--insecure-control-plane: no CURVE on this worker's control sockets")
+        self.control = ControlClient(settings.gateway_control, self.keys)
         self.received: Counter[str] = Counter()  # control messages received, by type name
         self._inbox: deque[Message | GatewayChanged] = deque()
         self._refused: deque[tuple[str, str]] = deque()  # (request id, why) of frames decode_frame refused
@@ -138,6 +142,11 @@ class WorkerLoop:
         """Cumulative (bytes, seconds) of this worker's completed KV transfers, reported in heartbeats
         (``WorkerLoad.kv_transfer_bytes`` / ``kv_transfer_seconds``); (0, 0.0) for roles that send none."""
         return 0, 0.0
+
+    def control_refusals(self) -> int:
+        """Peers this worker's KV control socket refused so far (``WorkerLoad.kv_control_refused``); 0 for
+        roles without one."""
+        return 0
 
     # ---- shared machinery ---------------------------------------------------------------------------
     def emit(self, msg: Message) -> None:
@@ -223,7 +232,8 @@ class WorkerLoop:
         sent_bytes, sent_seconds = self.transfer_totals()
         self._load = WorkerLoad(num_waiting=self.num_waiting(), num_running=len(self.core.scheduler.running),
                                 num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
-                                kv_transfer_bytes=sent_bytes, kv_transfer_seconds=sent_seconds)
+                                kv_transfer_bytes=sent_bytes, kv_transfer_seconds=sent_seconds,
+                                kv_control_refused=self.control_refusals())
 
     def registration(self) -> RegisterWorker:
         """The ``RegisterWorker`` message of this process."""

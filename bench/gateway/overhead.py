@@ -1,7 +1,7 @@
 """The gateway's own added latency and throughput ceiling, measured with instant fake workers.
 
 Run: ``.venv/bin/python -m bench.gateway.overhead [--requests 300] [--concurrency 1,8] [--max-tokens 16]
-[--token-delay 0] [--prefill-delay 0] [--tokenizer smollm2-135m] [--json out.json]
+[--token-delay 0] [--prefill-delay 0] [--tokenizer smollm2-135m] [--curve-cost] [--json out.json]
 [--out /tmp/gateway-overhead.md]``.
 
 Three targets, started in turn on free 127.0.0.1 ports and stopped after their runs:
@@ -14,6 +14,12 @@ loop, through httpx (``loadtest.client.send_request``). Client-observed TTFT, pe
 gateway's added latency; completed requests / wall seconds at the highest concurrency is its ceiling.
 Metric definitions as in ``loadtest.metrics`` (vLLM serving benchmark). After each gateway target every
 request must be out of flight and every fake decode KV block free (``leaks`` = "ok").
+
+The gateway targets' control plane is CURVE (a key pair made for the run, kvtransfer/curve.py), as in
+production. ``--curve-cost`` adds the target ``disagg-insecure`` (the same as ``disagg`` with
+``--insecure-control-plane`` on the gateway and plain sockets on the fake workers) right after ``disagg``,
+and the report gives CURVE's cost: disagg's added TPOT (the gateway's per-token cost) over
+disagg-insecure's, per concurrency, in the same run.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.gateway.overhead_report import machine_info, render_markdown
 from bench.gateway.sse_baseline import baseline_app
 from gateway.text import TextProcessor, TokenizerNotFoundError, resolve_tokenizer_dir
+from kvtransfer.curve import generate_keys
 from loadtest.client import RequestIds, send_request
 from loadtest.metrics import latency_stats
 from loadtest.records import LatencyStats, RequestRecord
@@ -45,7 +52,8 @@ from pdserve.launcher import Supervisor, free_ports, wait_ready
 ROOT = Path(__file__).resolve().parents[2]
 REPLY = "Hello world, this is a fake reply from an instant worker. The end."
 PROMPT = "Summarize the plot of a short story about a lighthouse keeper and a message in a bottle."
-TARGETS = ("disagg", "colocated", "baseline")
+TARGETS = ("disagg", "colocated", "baseline")  # the default run
+INSECURE = "disagg-insecure"  # disagg without CURVE on its control plane (--curve-cost)
 TOTAL_BLOCKS = 4096  # fake decode worker's KV blocks (plenty: leaks show as a shortfall)
 
 
@@ -123,6 +131,13 @@ def start_target(target: str, cfg: OverheadConfig, tokenizer_dir: Path, sup: Sup
     Raises RuntimeError (with the log tail) when a process dies or it is not ready within 60 s.
     """
     port, control_port = free_ports(2)
+    secure: list[str] = []
+    if target == INSECURE:
+        gateway_secure = ["--insecure-control-plane"]
+    else:
+        keys = log_dir / f"keys-{control_port}"
+        generate_keys(keys)
+        gateway_secure = secure = ["--curve-keys", str(keys)]
     if target == "baseline":
         _spawn(sup, "baseline", ["-m", "bench.gateway.overhead", "--serve-baseline", str(port),
                                  "--max-tokens", str(cfg.max_tokens)], log_dir)
@@ -130,12 +145,12 @@ def start_target(target: str, cfg: OverheadConfig, tokenizer_dir: Path, sup: Sup
         control = f"tcp://127.0.0.1:{control_port}"
         _spawn(sup, "gateway", ["-m", "pdserve.cli", "gateway", "--port", str(port),
                                 "--control-bind", control, "--tokenizer", str(tokenizer_dir),
-                                "--log-level", "warning"], log_dir)
+                                "--log-level", "warning", *gateway_secure], log_dir)
         reply = ",".join(map(str, TextProcessor.from_dir(tokenizer_dir).encode(REPLY)))
-        roles = ["prefill", "decode"] if target == "disagg" else ["colocated"]
+        roles = ["colocated"] if target == "colocated" else ["prefill", "decode"]
         for role in roles:
             _spawn(sup, role, ["-m", "tests.fakes.fake_worker", "--role", role, "--worker-id", f"fake-{role}",
-                               "--gateway-control", control, "--output-ids", reply,
+                               "--gateway-control", control, "--output-ids", reply, *secure,
                                "--total-blocks", str(TOTAL_BLOCKS), "--max-model-len", "4096",
                                "--prefill-delay", str(cfg.prefill_delay_s),
                                "--token-delay", str(cfg.token_delay_s)], log_dir)
@@ -210,9 +225,9 @@ def check_no_leaks(url: str, decode_id: str | None, deadline_s: float = 5.0) -> 
 def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS) -> OverheadResult:
     """Start each target, measure every concurrency level, stop it. Raises ValueError for an unknown
     target or tokenizer dir, RuntimeError when a target does not start."""
-    unknown = [t for t in targets if t not in TARGETS]
+    unknown = [t for t in targets if t not in (*TARGETS, INSECURE)]
     if unknown:
-        raise ValueError(f"unknown targets {unknown}; choose from {TARGETS}")
+        raise ValueError(f"unknown targets {unknown}; choose from {(*TARGETS, INSECURE)}")
     tokenizer_dir = resolve_tokenizer_dir(cfg.tokenizer, None)  # TokenizerNotFoundError before any start
     machine = machine_info()
     levels, leaks = [], {}
@@ -225,7 +240,7 @@ def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS
                     records, wall = asyncio.run(run_level(url, cfg, conc))
                     levels.append(summarize_level(target, conc, records, wall, cfg))
                 if target != "baseline":
-                    leaks[target] = check_no_leaks(url, "fake-decode" if target == "disagg" else None)
+                    leaks[target] = check_no_leaks(url, None if target == "colocated" else "fake-decode")
             finally:
                 sup.stop_all()
     return OverheadResult(config=asdict(cfg), machine=machine, levels=levels, leaks=leaks, command=command,
@@ -243,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer dir or cached alias")
     p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--curve-cost", action="store_true",
+                   help=f"also run {INSECURE} right after disagg: CURVE's cost in the same run")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None, help="Markdown report path")
     p.add_argument("--serve-baseline", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
@@ -259,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
                              prefill_delay_s=args.prefill_delay, token_delay_s=args.token_delay,
                              tokenizer=args.tokenizer)
         command = "python -m bench.gateway.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
-        res = run(cfg, command, tuple(args.targets.split(",")))
+        targets = args.targets.split(",")
+        if args.curve_cost and INSECURE not in targets:
+            targets.insert(targets.index("disagg") + 1 if "disagg" in targets else 0, INSECURE)
+        res = run(cfg, command, tuple(targets))
     except (ValueError, TokenizerNotFoundError) as exc:
         print(f"gateway_overhead: {exc}", file=sys.stderr)
         return 2

@@ -52,4 +52,18 @@ def render_markdown(res: OverheadResult) -> str:
             gw, bare = lv.added_e2e_ms.median, b.e2e_ms.median
             lines.append(f"- {lv.target} @ {lv.concurrency}: p50 E2E gateway / baseline {gw / bare:.1f} "
                          f"(+{gw - bare:.2f} ms), req/s baseline / gateway {b.req_s / lv.req_s:.1f}")
+    plain = {lv.concurrency: lv for lv in res.levels if lv.target == "disagg-insecure"}
+    if plain:
+        lines += ["", "CURVE's cost: disagg (CURVE control plane) / disagg-insecure (plain sockets), "
+                  "same run: p50 added TPOT (the gateway's per-token cost), p50 added TTFT, req/s:", ""]
+    for lv in res.levels:
+        q = plain.get(lv.concurrency)
+        if lv.target == "disagg" and q and lv.added_tpot_ms and q.added_tpot_ms and lv.added_ttft_ms \
+                and q.added_ttft_ms and q.req_s > 0:
+            tpot, plain_tpot = lv.added_tpot_ms.median, q.added_tpot_ms.median
+            lines.append(f"- @ {lv.concurrency}: TPOT {tpot:.3f} / {plain_tpot:.3f} ms = "
+                         f"{tpot / plain_tpot:.3f}, "
+                         f"TTFT {lv.added_ttft_ms.median:.2f} / {q.added_ttft_ms.median:.2f} ms = "
+                         f"{lv.added_ttft_ms.median / q.added_ttft_ms.median:.3f}, req/s {lv.req_s:.1f} / "
+                         f"{q.req_s:.1f} = {lv.req_s / q.req_s:.3f}")
     return "\n".join(lines) + "\n"

@@ -3,14 +3,17 @@ check of one container's command + PDSERVE_* environment through ``pdserve.cli.b
 
 from __future__ import annotations
 
+import argparse
 import functools
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from deploy.kustomize_lite import render
+from kvtransfer.curve import generate_keys
 from pdserve.cli import build_parser
 from protocol.settings import settings_from_args
 
@@ -31,6 +34,14 @@ def interpolate(text: str) -> str:
 def load_compose() -> dict[str, Any]:
     data: dict[str, Any] = yaml.safe_load(interpolate((DEPLOY / "docker-compose.yml").read_text()))
     return data
+
+
+@functools.cache
+def stand_in_keys() -> Path:
+    """A CURVE key directory for settings checks of deploy files (theirs are container paths)."""
+    directory = Path(tempfile.mkdtemp(prefix="pdserve-deploy-keys-")) / "keys"
+    generate_keys(directory)
+    return directory
 
 
 @functools.cache
@@ -57,7 +68,10 @@ def check_cli(args: list[str], env: dict[str, str], where: str) -> None:
     ``PDSERVE_X`` in ``env`` is a flag ``--x`` of that subcommand giving the same value as the env."""
     env = {k: v for k, v in pdserve_env(env).items() if k not in NON_FLAG_ENV}
     ns = build_parser(env).parse_args(args)
-    settings_from_args(ns)  # raises ValueError on out-of-range values
+    checked = argparse.Namespace(**vars(ns))
+    if getattr(ns, "curve_keys", None):  # a path inside the container: a key pair of the test's stands in
+        checked.curve_keys = str(stand_in_keys())
+    settings_from_args(checked)  # raises ValueError on out-of-range values
     for name, value in env.items():
         dest = name.removeprefix("PDSERVE_").lower()
         flag = "--" + dest.replace("_", "-")

@@ -40,7 +40,7 @@ def _services(profile: str) -> dict[str, dict[str, Any]]:
 
 
 def test_gpu_profile_pins_each_worker_to_its_own_gpu() -> None:
-    workers = {n: s for n, s in _services("gpu").items() if n != "gateway"}
+    workers = {n: s for n, s in _services("gpu").items() if n not in ("gateway", "keys")}
     assert {s["command"][0] for s in workers.values()} == {"prefill", "decode"}
     seen: list[str] = []
     for svc in workers.values():
@@ -53,7 +53,7 @@ def test_gpu_profile_pins_each_worker_to_its_own_gpu() -> None:
 
 
 def test_cpu_profile_runs_the_embedded_model_without_gpus() -> None:
-    workers = {n: s for n, s in _services("cpu").items() if n != "gateway"}
+    workers = {n: s for n, s in _services("cpu").items() if n not in ("gateway", "keys")}
     assert {s["command"][0] for s in workers.values()} == {"prefill", "decode"}
     for svc in workers.values():
         assert "deploy" not in svc
@@ -64,6 +64,8 @@ def test_cpu_profile_runs_the_embedded_model_without_gpus() -> None:
 
 def test_every_service_health_checked_restarted_and_accepted_by_cli() -> None:
     for name, svc in load_compose()["services"].items():
+        if name == "keys":  # the one-shot key maker (test_every_service_gets_the_fleet_keys)
+            continue
         assert svc["restart"] == "unless-stopped"
         test = svc["healthcheck"]["test"]
         assert test[:3] == ["CMD", "python", "/app/deploy/healthcheck.py"] and test[3] == svc["command"][0]
@@ -75,11 +77,40 @@ def test_every_service_health_checked_restarted_and_accepted_by_cli() -> None:
             assert svc["depends_on"]["gateway"]["condition"] == "service_healthy"
 
 
+def test_every_service_gets_the_fleet_keys() -> None:
+    """The one-shot ``keys`` service makes the fleet's CURVE key pair once (kept on later ``up``s) in the
+    pdserve-keys volume; every other service starts after it succeeded and mounts the volume read-only
+    where PDSERVE_CURVE_KEYS points."""
+    services = load_compose()["services"]
+    keys = services.pop("keys")
+    assert keys["command"] == ["keygen", "/keys", "--exist-ok"] and keys["volumes"] == ["pdserve-keys:/keys"]
+    assert keys["restart"] == "no"
+    assert "pdserve-keys" in load_compose()["volumes"]
+    for name, svc in services.items():
+        assert svc["environment"]["PDSERVE_CURVE_KEYS"] == "/keys", name
+        assert "pdserve-keys:/keys:ro" in svc["volumes"], name
+        assert svc["depends_on"]["keys"]["condition"] == "service_completed_successfully", name
+        assert "PDSERVE_INSECURE_CONTROL_PLANE" not in svc["environment"], name
+
+
+def test_keygen_exist_ok_keeps_the_pair(tmp_path: Path) -> None:
+    from kvtransfer.curve import load_keys
+    from pdserve.cli import main
+
+    assert main(["keygen", str(tmp_path / "k"), "--exist-ok"]) == 0
+    first = load_keys(tmp_path / "k")
+    assert main(["keygen", str(tmp_path / "k"), "--exist-ok"]) == 0
+    assert load_keys(tmp_path / "k") == first
+
+
+OPEN = {"PDSERVE_INSECURE_CONTROL_PLANE": "1"}  # these settings need no key directory
+
+
 def test_check_cli_rejects_unknown_and_misplaced_variables() -> None:
     with pytest.raises(AssertionError, match="PDSERVE_MODEL is not a flag"):
-        check_cli(["gateway"], {"PDSERVE_MODEL": "x"}, "t")  # gateway has --model-name, not --model
+        check_cli(["gateway"], {"PDSERVE_MODEL": "x", **OPEN}, "t")  # gateway has --model-name, not --model
     with pytest.raises(AssertionError, match="PDSERVE_NUM_PREFILL is not a flag"):
-        check_cli(["decode"], {"PDSERVE_NUM_PREFILL": "2"}, "t")
+        check_cli(["decode"], {"PDSERVE_NUM_PREFILL": "2", **OPEN}, "t")
 
 
 def _instructions(name: str) -> list[tuple[str, str]]:
@@ -108,7 +139,11 @@ def test_dockerfile_installs_with_setup_sh_as_non_root(name: str, base: str) -> 
     assert "/app/deploy/healthcheck.py" in dict(ins)["HEALTHCHECK"]
     entry, cmd = json.loads(dict(ins)["ENTRYPOINT"]), json.loads(dict(ins)["CMD"])
     assert entry == ["pdserve"]
-    check_cli(cmd, {k: v for k, v in env.items() if k.startswith("PDSERVE_")}, f"{name} CMD")
+    image_env = {k: v for k, v in env.items() if k.startswith("PDSERVE_")}
+    # the image's default command needs the fleet's keys (or the explicit insecure flag) like any other
+    with pytest.raises(ValueError, match="--curve-keys: required"):
+        check_cli(cmd, image_env, f"{name} CMD")
+    check_cli(cmd, {**image_env, "PDSERVE_CURVE_KEYS": "/keys"}, f"{name} CMD")
 
 
 def test_cache_dir_variable_is_read_by_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -101,6 +101,7 @@ def _container_env(resources: tuple[dict[str, Any], ...], c: dict[str, Any], tmp
     for e in c.get("env", []):
         # Downward-API values (pod IP, pod name) get a sample of the right shape.
         env[e["name"]] = e.get("value", "10.0.0.7" if "podIP" in str(e) else "pdserve-decode-abc12")
+    assert env["PDSERVE_CURVE_KEYS"] == "/etc/pdserve/curve"  # the Secret's mount (test_curve_keys_...)
     if "PDSERVE_API_KEY_FILE" in env:
         keys = tmp / "api-keys"
         keys.write_text(_get(resources, "Secret", "pdserve-api-keys")["stringData"]["api-keys"])
@@ -125,3 +126,69 @@ def test_probe_ports_match_worker_control_ports(overlay: str, tmp_path: Path) ->
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports["control"] == int(env["PDSERVE_PORT"])
         assert c["livenessProbe"]["tcpSocket"]["port"] == "control"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_curve_keys_secret_is_mounted_in_every_pod(overlay: str) -> None:
+    """Every pod mounts the Secret pdserve-curve-keys (read-only, 0400) where PDSERVE_CURVE_KEYS points;
+    the shipped Secret is a placeholder, not a key pair, so no two clusters share a key by default."""
+    resources = rendered(overlay)
+    secret = _get(resources, "Secret", "pdserve-curve-keys")
+    assert "REPLACE ME" in secret["stringData"]["fleet.key_secret"]
+    for name in (*WORKERS, "pdserve-gateway"):
+        pod = _pod(resources, name)
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "curve-keys"]
+        assert vol["secret"] == {"secretName": "pdserve-curve-keys", "defaultMode": 0o400}
+        (c,) = pod["containers"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "curve-keys"]
+        assert mount == {"name": "curve-keys", "mountPath": "/etc/pdserve/curve", "readOnly": True}
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions with In) selects ``labels``."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        assert e["operator"] == "In", e
+        if labels.get(e["key"]) not in e["values"]:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_fence_control_and_transfer_ports(overlay: str) -> None:
+    """Rendered and validated with the other manifests (test_every_manifest_validates); here what they
+    allow: the gateway's HTTP port from anywhere, its control port and every worker port only from
+    prefill and decode pods, and nothing from a pod of another kind (e.g. the gateway to a worker)."""
+    resources = rendered(overlay)
+    policies = [r for r in resources if r["kind"] == "NetworkPolicy"]
+    assert {p["metadata"]["name"] for p in policies} == {"pdserve-gateway", "pdserve-workers"}
+    for p in policies:
+        kubernetes_validate.validate(p, K8S_VERSION, strict=True)
+        assert p["spec"]["policyTypes"] == ["Ingress"]
+    labels = {name: _get(resources, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+              for name in (*WORKERS, "pdserve-gateway")}
+    stranger = {"app.kubernetes.io/name": "something-else"}
+
+    def allowed(to: str, source: dict[str, str], port: int) -> bool:
+        mine = [p for p in policies if _selects(p["spec"]["podSelector"], labels[to])]
+        assert mine, f"no NetworkPolicy selects {to}: it would accept anything"
+        for p in mine:
+            for rule in p["spec"]["ingress"]:
+                ports = {x["port"] for x in rule.get("ports", [])}
+                sources = rule.get("from")
+                if (not ports or port in ports) and (
+                        sources is None or any(_selects(s["podSelector"], source) for s in sources)):
+                    return True
+        return False
+
+    worker_ports = (7200, 45_000)  # the KV control port and a transfer port NIXL/UCX picked
+    for source in (stranger, labels["pdserve-gateway"]):
+        assert not allowed("pdserve-gateway", source, 7100), source
+        for w in WORKERS:
+            assert not any(allowed(w, source, port) for port in worker_ports), (w, source)
+    assert allowed("pdserve-gateway", stranger, 8000)
+    for src in WORKERS:
+        assert allowed("pdserve-gateway", labels[src], 7100)
+        for w in WORKERS:
+            assert all(allowed(w, labels[src], port) for port in worker_ports), (src, w)

@@ -80,18 +80,19 @@ def test_bad_config_is_refused(change: dict[str, object], match: str) -> None:
 
 
 def test_load_format_flag_reaches_model_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    args = build_parser({}).parse_args(["decode", "--model", "tiny-llama", "--load-format", "dummy"])
+    open_ = {"PDSERVE_INSECURE_CONTROL_PLANE": "1"}  # no key directory: this test is about --load-format
+    args = build_parser(open_).parse_args(["decode", "--model", "tiny-llama", "--load-format", "dummy"])
     assert engine_config_from_settings(settings_from_args(args)).model.load_format == "dummy"  # type: ignore[arg-type]
-    env_args = build_parser({"PDSERVE_LOAD_FORMAT": "dummy"}).parse_args(["colocated"])
+    env_args = build_parser({"PDSERVE_LOAD_FORMAT": "dummy", **open_}).parse_args(["colocated"])
     assert settings_from_args(env_args).load_format == "dummy"  # type: ignore[union-attr]
-    default = build_parser({}).parse_args(["prefill"])
+    default = build_parser(open_).parse_args(["prefill"])
     assert settings_from_args(default).load_format == "auto"  # type: ignore[union-attr]
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["prefill", "--load-format", "gguf"])
     from protocol.settings import WorkerSettings
 
     with pytest.raises(ValueError, match="--load-format"):
-        WorkerSettings(role="prefill", load_format="gguf")
+        WorkerSettings(role="prefill", load_format="gguf", insecure_control_plane=True)
 
 
 def test_dummy_alias_loads_with_auto_format_and_same_seed_same_weights(cache: Path) -> None:

@@ -211,4 +211,4 @@ def test_mode_auto_warms_only_on_cuda_and_bad_modes_are_refused():
     with pytest.raises(ValueError, match="engine warm-up mode"):
         should_warm_up("yes", "cuda")
     with pytest.raises(ValueError, match="--engine-warmup"):
-        WorkerSettings(role="colocated", engine_warmup="always")
+        WorkerSettings(role="colocated", engine_warmup="always", insecure_control_plane=True)

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def worker_settings(env: dict[str, str], argv: list[str]) -> WorkerSettings:
-    settings = settings_from_args(build_parser(env).parse_args(argv))
+    open_env = {**env, "PDSERVE_INSECURE_CONTROL_PLANE": "1"}  # no key directory: about other flags
+    settings = settings_from_args(build_parser(open_env).parse_args(argv))
     assert isinstance(settings, WorkerSettings)
     return settings
 
@@ -45,10 +46,12 @@ def test_boot_warms_up_per_setting(tiny_dummy_dir, monkeypatch):
 
     monkeypatch.setattr(engine.warmup, "warmup", small_warmup)
     core = make_core(tiny_dummy_dir)
-    on = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w")
+    on = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w",
+                        insecure_control_plane=True)
     report = warm_up_core(on, core)
     assert calls == [core] and isinstance(report, WarmupReport) and report.completed and report.steps
-    auto = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), worker_id="w")
+    auto = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), worker_id="w",
+                          insecure_control_plane=True)
     assert warm_up_core(auto, core) is None and calls == [core]  # CPU: auto skips
     core.check_no_leaks()
 
@@ -56,7 +59,8 @@ def test_boot_warms_up_per_setting(tiny_dummy_dir, monkeypatch):
 def test_boot_serves_without_warmup_when_it_fails_cleanly(tiny_dummy_dir, monkeypatch, caplog):
     core = make_core(tiny_dummy_dir)
     calls = fail_at_step(core, monkeypatch, 3)
-    on = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w")
+    on = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w",
+                        insecure_control_plane=True)
     import engine.warmup
 
     monkeypatch.setattr(engine.warmup, "warmup", lambda c, config=None: warmup(c, SMALL))
@@ -75,6 +79,7 @@ def test_boot_refuses_to_start_when_a_failed_warmup_leaves_the_engine_unclean(ti
         raise RuntimeError("boom")
 
     monkeypatch.setattr(engine.warmup, "warmup", leaky)
-    on = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w")
+    on = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w",
+                        insecure_control_plane=True)
     with pytest.raises(RuntimeError, match="left the engine unclean"):
         warm_up_core(on, core)

@@ -19,6 +19,8 @@ answers ``RequestFailed`` instead of output position P, ``--hang-at P`` stalls t
 ``ReserveKV`` (before any token). KV canaries: the decode role answers ``KVCanaryReserve`` with a
 fake handle, the prefill role ``KVCanarySend`` with a landed canary of ``--canary-bytes`` in
 ``--canary-seconds`` over transport ``fake``; ``--canary-wedged 1`` never answers (a wedged data path).
+``--curve-keys DIR`` makes its socket a CURVE client with that key pair (a gateway with ``--curve-keys``
+accepts only the fleet's); without it the socket is plain.
 Run: ``python -m tests.fakes.fake_worker --role decode ...``.
 """
 
@@ -40,6 +42,7 @@ import zmq.asyncio
 
 from engine.sampling_params import SamplingParams
 from kvtransfer.compat import KVCompat
+from kvtransfer.curve import load_keys, secure_client
 from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
@@ -102,6 +105,8 @@ class FakeWorker:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if args.curve_keys:  # like a real worker (workers/control_client.py); without: a plain DEALER
+            secure_client(self.sock, load_keys(args.curve_keys))
         self.sock.connect(args.gateway_control)
         self.free_blocks = args.total_blocks
         self.reserved: dict[str, tuple[ReserveKV, int]] = {}
@@ -325,6 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
     p.add_argument("--gateway-control", required=True)
+    p.add_argument("--curve-keys", default="", help="the fleet's CURVE key dir (none: a plain socket)")
     p.add_argument("--worker-id", default=f"fake-{os.getpid()}")
     p.add_argument("--epoch", type=int, default=0)
     p.add_argument("--model", default="fake-model")

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from gateway.text import TextProcessor
+from kvtransfer.curve import generate_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,13 +67,20 @@ def read_record(path: Path) -> list[dict[str, str]]:
 
 
 class Cluster:
-    """A gateway process plus fake workers; stops them all on ``close``."""
+    """A gateway process plus fake workers; stops them all on ``close``. The control plane is CURVE
+    with a key pair made for the cluster (``keys``), which every fake worker gets, unless
+    ``insecure_control_plane=True`` is among the gateway flags."""
 
     def __init__(self, tmp: Path, tokenizer: Path, **gateway_flags: object) -> None:
         http_port, control_port = free_ports(2)
         self.tmp, self.port, self.control = tmp, http_port, f"tcp://127.0.0.1:{control_port}"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.keys: Path | None = None
+        if not gateway_flags.get("insecure_control_plane"):
+            self.keys = tmp / f"keys-{control_port}"
+            generate_keys(self.keys)
+            gateway_flags = {"curve-keys": self.keys, **gateway_flags}
         flags = {"port": self.port, "control-bind": self.control, "tokenizer": tokenizer,
                  "heartbeat-timeout": 1.5, "log-level": "warning", **gateway_flags}
         argv = [sys.executable, "-m", "pdserve.cli", "gateway"]
@@ -100,6 +108,8 @@ class Cluster:
         record = self.tmp / f"{worker_id}.jsonl"
         argv = [sys.executable, "-m", "tests.fakes.fake_worker", "--role", role, "--worker-id", worker_id,
                 "--gateway-control", self.control, "--record", str(record)]
+        if self.keys is not None and "curve_keys" not in flags:
+            argv += ["--curve-keys", str(self.keys)]
         for key, value in flags.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
         self.workers[worker_id] = self._spawn(argv, subprocess.DEVNULL)

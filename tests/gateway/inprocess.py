@@ -22,6 +22,7 @@ def inprocess_gateway(model_name: str = "served-model") -> Iterator[str]:
     Raises RuntimeError if it does not start within 10 s.
     """
     control = free_ports(1)[0]
-    settings = GatewaySettings(port=0, control_bind=f"tcp://127.0.0.1:{control}", model_name=model_name)
+    settings = GatewaySettings(port=0, control_bind=f"tcp://127.0.0.1:{control}", model_name=model_name,
+                               insecure_control_plane=True)  # no worker ever connects to it
     with serve_in_thread(create_app(settings), "in-process gateway") as url:
         yield url

@@ -126,6 +126,7 @@ async def test_a_prompt_larger_than_any_pool_is_a_400_not_a_429() -> None:
 
 def test_admission_budget_is_validated_with_the_flag_named() -> None:
     with pytest.raises(ValueError, match="--admission-budget"):
-        GatewaySettings(admission_budget=-1.0)
-    assert GatewaySettings().admission_budget == 30.0
-    assert GatewaySettings(admission_budget=0).admission_budget == 0  # 0: no queue check
+        GatewaySettings(admission_budget=-1.0, insecure_control_plane=True)
+    assert GatewaySettings(insecure_control_plane=True).admission_budget == 30.0
+    zero = GatewaySettings(admission_budget=0, insecure_control_plane=True)
+    assert zero.admission_budget == 0  # 0: no queue check

@@ -11,11 +11,13 @@ import pytest
 from pdserve.cli import build_parser, main
 from protocol.settings import GatewaySettings, UpSettings, WorkerSettings, settings_from_args
 
+OPEN = {"PDSERVE_INSECURE_CONTROL_PLANE": "1"}  # settings tests about other flags: no key directory
+
 
 def test_gateway_defaults_and_flags() -> None:
-    s = settings_from_args(build_parser({}).parse_args(["gateway"]))
-    assert s == GatewaySettings()
-    args = build_parser({}).parse_args(["gateway", "--port", "9001", "--api-key", "a", "--api-key", "b",
+    s = settings_from_args(build_parser(OPEN).parse_args(["gateway"]))
+    assert s == GatewaySettings(insecure_control_plane=True)
+    args = build_parser(OPEN).parse_args(["gateway", "--port", "9001", "--api-key", "a", "--api-key", "b",
                                         "--public-metrics", "false", "--allow-local-prefill"])
     s = settings_from_args(args)
     assert isinstance(s, GatewaySettings)
@@ -27,7 +29,7 @@ def test_every_flag_reads_env(tmp_path: Path) -> None:
     keyfile.write_text("k1\n# comment\nk2\n")
     env = {"PDSERVE_PORT": "8123", "PDSERVE_HEARTBEAT_TIMEOUT": "2.5", "PDSERVE_API_KEY": "x,y",
            "PDSERVE_API_KEY_FILE": str(keyfile), "PDSERVE_PUBLIC_HEALTH": "no",
-           "PDSERVE_LOG_FORMAT": "json", "PDSERVE_BLOCK_SIZE": "32", "PDSERVE_NUM_DECODE": "3"}
+           "PDSERVE_LOG_FORMAT": "json", "PDSERVE_BLOCK_SIZE": "32", "PDSERVE_NUM_DECODE": "3", **OPEN}
     parser = build_parser(env)
     s = settings_from_args(parser.parse_args(["gateway"]))
     assert isinstance(s, GatewaySettings)
@@ -42,6 +44,7 @@ def test_every_flag_reads_env(tmp_path: Path) -> None:
     assert (up.gateway.heartbeat_timeout, up.gateway.public_health, up.gateway.api_keys) == (
         2.5, False, ("x", "y", "k1", "k2"))
     assert up.worker.block_size == 32
+    assert up.insecure_control_plane
     # the command line wins over env
     assert settings_from_args(parser.parse_args(["gateway", "--port", "1"])).port == 1  # type: ignore[union-attr]
 
@@ -53,14 +56,14 @@ def test_bad_env_value_names_the_variable() -> None:
 
 def test_settings_validation_names_the_flag() -> None:
     with pytest.raises(ValueError, match="--heartbeat-timeout"):
-        GatewaySettings(heartbeat_timeout=0)
+        GatewaySettings(heartbeat_timeout=0, insecure_control_plane=True)
     with pytest.raises(ValueError, match="--block-size"):
-        WorkerSettings(role="decode", block_size=0)
+        WorkerSettings(role="decode", block_size=0, insecure_control_plane=True)
     with pytest.raises(ValueError, match="--transfer-backend"):
-        WorkerSettings(role="prefill", transfer_backend="carrier-pigeon")
+        WorkerSettings(role="prefill", transfer_backend="carrier-pigeon", insecure_control_plane=True)
     with pytest.raises(ValueError, match="--num-prefill"):
         UpSettings(num_prefill=0, colocated=0)
-    assert WorkerSettings(role="colocated").worker_id  # default hostname-pid
+    assert WorkerSettings(role="colocated", insecure_control_plane=True).worker_id  # default hostname-pid
 
 
 def test_worker_dispatch_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,7 +75,7 @@ def test_worker_dispatch_is_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
 
     fake.run = run  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "prefill_worker.main", fake)
-    assert main(["prefill", "--worker-id", "p7", "--block-size", "8"]) == 0
+    assert main(["prefill", "--worker-id", "p7", "--block-size", "8", "--insecure-control-plane"]) == 0
     assert isinstance(seen[0], WorkerSettings) and seen[0].worker_id == "p7" and seen[0].block_size == 8
 
 
@@ -83,17 +86,18 @@ def test_missing_runner_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_invalid_settings_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["gateway", "--max-queue", "0"]) == 2
+    assert main(["gateway", "--max-queue", "0", "--insecure-control-plane"]) == 2
     assert "--max-queue" in capsys.readouterr().err
 
 
 def test_retry_and_migration_bounds(capsys: pytest.CaptureFixture[str]) -> None:
-    s = settings_from_args(build_parser({"PDSERVE_MAX_MIGRATIONS": "0"}).parse_args(
+    s = settings_from_args(build_parser({"PDSERVE_MAX_MIGRATIONS": "0", **OPEN}).parse_args(
         ["gateway", "--max-retries", "5"]))
     assert isinstance(s, GatewaySettings) and (s.max_retries, s.max_migrations) == (5, 0)
-    assert (GatewaySettings().max_retries, GatewaySettings().max_migrations) == (2, 1)
+    default = GatewaySettings(insecure_control_plane=True)
+    assert (default.max_retries, default.max_migrations) == (2, 1)
     for flag in ("--max-retries", "--max-migrations"):
-        assert main(["gateway", flag, "-1"]) == 2
+        assert main(["gateway", flag, "-1", "--insecure-control-plane"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"{flag}: must be >= 0, got -1" in err
 
@@ -118,7 +122,7 @@ def test_async_scheduling_and_pdl_reach_the_engine_config() -> None:
     from workers.setup import engine_config_from_settings
 
     def config_of(env: dict[str, str], *argv: str) -> tuple[bool, bool]:
-        s = settings_from_args(build_parser(env).parse_args(["decode", *argv]))
+        s = settings_from_args(build_parser({**env, **OPEN}).parse_args(["decode", *argv]))
         assert isinstance(s, WorkerSettings)
         cfg = engine_config_from_settings(s)
         return cfg.scheduler.async_scheduling, cfg.model.pdl
@@ -133,7 +137,7 @@ def test_max_model_len_reaches_the_engine_config() -> None:
     from workers.setup import engine_config_from_settings
 
     for argv, want in (([], None), (["--max-model-len", "512"], 512)):
-        s = settings_from_args(build_parser({}).parse_args(["prefill", *argv]))
+        s = settings_from_args(build_parser(OPEN).parse_args(["prefill", *argv]))
         assert isinstance(s, WorkerSettings)
         assert engine_config_from_settings(s).model.max_model_len == want
 
@@ -141,10 +145,10 @@ def test_max_model_len_reaches_the_engine_config() -> None:
 def test_seconds_flags_take_durations_like_pdserve_bench() -> None:
     """``PDSERVE_REQUEST_TIMEOUT=30s`` means 30 s to the gateway too (it was a float-only flag there, so
     a value set for ``pdserve bench`` stopped the gateway: "could not convert string to float")."""
-    s = settings_from_args(build_parser({"PDSERVE_REQUEST_TIMEOUT": "30s"}).parse_args(
+    s = settings_from_args(build_parser({"PDSERVE_REQUEST_TIMEOUT": "30s", **OPEN}).parse_args(
         ["gateway", "--heartbeat-timeout", "1500ms"]))
     assert isinstance(s, GatewaySettings) and (s.request_timeout, s.heartbeat_timeout) == (30.0, 1.5)
-    two = settings_from_args(build_parser({}).parse_args(["gateway", "--request-timeout", "2m"]))
+    two = settings_from_args(build_parser(OPEN).parse_args(["gateway", "--request-timeout", "2m"]))
     assert isinstance(two, GatewaySettings) and two.request_timeout == 120.0
     with pytest.raises(SystemExit, match="PDSERVE_REQUEST_TIMEOUT"):
         build_parser({"PDSERVE_REQUEST_TIMEOUT": "soon"})
@@ -153,9 +157,9 @@ def test_seconds_flags_take_durations_like_pdserve_bench() -> None:
 def test_admission_budget_flag(capsys: pytest.CaptureFixture[str]) -> None:
     """``--admission-budget`` takes a duration (default 30 s, 0 turns the queue check off); a bad value is
     one line naming the flag."""
-    s = settings_from_args(build_parser({}).parse_args(["gateway", "--admission-budget", "1500ms"]))
+    s = settings_from_args(build_parser(OPEN).parse_args(["gateway", "--admission-budget", "1500ms"]))
     assert isinstance(s, GatewaySettings) and s.admission_budget == 1.5
-    default = settings_from_args(build_parser({}).parse_args(["gateway"]))
+    default = settings_from_args(build_parser(OPEN).parse_args(["gateway"]))
     assert isinstance(default, GatewaySettings) and default.admission_budget == 30.0
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["gateway", "--admission-budget", "-1"])
@@ -195,11 +199,11 @@ def test_parser_flags(capsys: pytest.CaptureFixture[str]) -> None:
     outside the choices is one line naming the flag, from the command line, the environment or a
     settings object."""
     for command in ("gateway", "up"):
-        s = settings_from_args(build_parser({}).parse_args([command]))
+        s = settings_from_args(build_parser(OPEN).parse_args([command]))
         g = s.gateway if isinstance(s, UpSettings) else s
         assert isinstance(g, GatewaySettings)
         assert (g.tool_call_parser, g.reasoning_parser) == ("auto", "auto")
-        s = settings_from_args(build_parser({"PDSERVE_REASONING_PARSER": "qwen3"}).parse_args(
+        s = settings_from_args(build_parser({**OPEN, "PDSERVE_REASONING_PARSER": "qwen3"}).parse_args(
             [command, "--tool-call-parser", "mistral"]))
         g = s.gateway if isinstance(s, UpSettings) else s
         assert isinstance(g, GatewaySettings)
@@ -209,6 +213,35 @@ def test_parser_flags(capsys: pytest.CaptureFixture[str]) -> None:
     [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pdserve gateway: error")]
     assert "argument --tool-call-parser" in line
     with pytest.raises(ValueError, match="--reasoning-parser"):
-        GatewaySettings(reasoning_parser="o1")
+        GatewaySettings(reasoning_parser="o1", insecure_control_plane=True)
     with pytest.raises(ValueError, match="--tool-call-parser"):
-        GatewaySettings(tool_call_parser="xml")
+        GatewaySettings(tool_call_parser="xml", insecure_control_plane=True)
+
+
+def test_control_plane_needs_keys_or_the_explicit_insecure_flag(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Neither --curve-keys nor --insecure-control-plane: one line naming the flag, exit 2, nothing
+    starts; both: refused; a key directory without a key pair: refused naming the file; keygen makes
+    one (0700 directory, 0600 secret) that every role accepts."""
+    from kvtransfer.curve import KEY_FILE
+
+    for role in ("gateway", "prefill", "decode", "colocated"):
+        assert main([role]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--curve-keys: required" in err
+    assert main(["gateway", "--insecure-control-plane", "--curve-keys", str(tmp_path)]) == 2
+    assert "--insecure-control-plane: cannot be combined with --curve-keys" in capsys.readouterr().err
+    assert main(["gateway", "--curve-keys", str(tmp_path)]) == 2
+    assert f"no CURVE key pair at {tmp_path / KEY_FILE}" in capsys.readouterr().err
+    keys = tmp_path / "fleet"
+    assert main(["keygen", str(keys)]) == 0
+    assert (keys.stat().st_mode & 0o777, (keys / KEY_FILE).stat().st_mode & 0o777) == (0o700, 0o600)
+    assert main(["keygen", str(keys)]) == 2  # never overwrites a key pair
+    (keys / "broken").mkdir()
+    (keys / "broken" / KEY_FILE).write_text("not a key\n")
+    assert main(["gateway", "--curve-keys", str(keys / "broken")]) == 2
+    assert "is not a CURVE key pair" in capsys.readouterr().err
+    s = settings_from_args(build_parser({}).parse_args(["decode", "--curve-keys", str(keys)]))
+    assert isinstance(s, WorkerSettings) and s.curve_keys == str(keys) and not s.insecure_control_plane
+    up = settings_from_args(build_parser({}).parse_args(["up"]))
+    assert isinstance(up, UpSettings) and up.curve_keys is None and not up.insecure_control_plane

@@ -47,8 +47,8 @@ def _register(wid: str, role: str, epoch: int = 1, block_size: int = 16) -> Regi
 
 
 def _service() -> tuple[GatewayService, _Control]:
-    svc = GatewayService(GatewaySettings(heartbeat_timeout=60.0), GatewayMetrics(),
-                         text=object())  # type: ignore[arg-type]
+    svc = GatewayService(GatewaySettings(heartbeat_timeout=60.0, insecure_control_plane=True),
+                         GatewayMetrics(), text=object())  # type: ignore[arg-type]
     control = _Control()
     svc.control = control  # type: ignore[assignment]
     return svc, control

@@ -45,7 +45,7 @@ def test_json_and_text_lines(capsys: pytest.CaptureFixture[str]) -> None:
 async def test_clean_worker_shutdown_is_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
     """A worker that announces its shutdown holding no request is no incident (INFO); one the gateway
     declares lost is (WARNING)."""
-    svc = GatewayService(GatewaySettings(), GatewayMetrics(), text=object())  # type: ignore[arg-type]
+    svc = GatewayService(GatewaySettings(insecure_control_plane=True), GatewayMetrics(), text=object())  # type: ignore[arg-type]
     svc.control = _FakeControl()  # type: ignore[assignment]
     compat = KVCompat(dtype="float32", block_size=16, transfer_backend="loopback")
     for wid in ("d0", "d1"):
@@ -68,7 +68,7 @@ async def test_register_ack_carries_this_gateway_incarnation() -> None:
     compat = KVCompat(dtype="float32", block_size=16, transfer_backend="loopback")
     epochs = []
     for _ in range(2):
-        svc = GatewayService(GatewaySettings(), GatewayMetrics(), text=object())  # type: ignore[arg-type]
+        svc = GatewayService(GatewaySettings(insecure_control_plane=True), GatewayMetrics(), text=object())  # type: ignore[arg-type]
         control = _FakeControl()
         svc.control = control  # type: ignore[assignment]
         register = RegisterWorker(role="decode", worker_id="d0", epoch=1, model="m", model_path="",

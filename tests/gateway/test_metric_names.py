@@ -182,7 +182,7 @@ def _value(m: GatewayMetrics, name: str, **labels: str) -> float | None:
 
 async def test_transfer_counters_follow_heartbeats_and_vanish_with_the_worker() -> None:
     metrics = GatewayMetrics()
-    svc = GatewayService(GatewaySettings(), metrics, text=object())  # type: ignore[arg-type]
+    svc = GatewayService(GatewaySettings(insecure_control_plane=True), metrics, text=object())  # type: ignore[arg-type]
     svc.control = _FakeControl()  # type: ignore[assignment]
     compat = KVCompat(dtype="float32", block_size=16, transfer_backend="loopback")
     register = RegisterWorker(role="prefill", worker_id="p0", epoch=1, model="m", model_path="",

@@ -7,15 +7,18 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from pdserve.launcher import Supervisor, example, plan
+from kvtransfer.curve import generate_keys
+from pdserve.launcher import Supervisor, example, plan, run_keys
 from protocol.settings import GatewaySettings, UpSettings
 
 
 def test_plan_starts_gateway_first_and_binds_loopback() -> None:
-    children = plan(UpSettings(port=9001, num_prefill=1, num_decode=2, colocated=1), control_port=7777)
+    children = plan(UpSettings(port=9001, num_prefill=1, num_decode=2, colocated=1), control_port=7777,
+                    keys_dir="/keys")
     names = [n for n, _ in children]
     assert names == ["gateway", "prefill-0", "decode-0", "decode-1", "colocated-0"]
     gateway = children[0][1]
@@ -26,8 +29,8 @@ def test_plan_starts_gateway_first_and_binds_loopback() -> None:
         assert args[args.index("--host") + 1] == "127.0.0.1"
         assert ("--transfer-backend" in args) == (not name.startswith("colocated"))
     assert "--tool-call-parser" not in gateway  # the default (auto) needs no flag
-    given = GatewaySettings(tool_call_parser="hermes", reasoning_parser="qwen3")
-    parsers = plan(UpSettings(gateway=given), control_port=7777)[0][1]
+    given = GatewaySettings(tool_call_parser="hermes", reasoning_parser="qwen3", insecure_control_plane=True)
+    parsers = plan(UpSettings(gateway=given), control_port=7777, keys_dir="/k")[0][1]
     assert parsers[parsers.index("--tool-call-parser") + 1] == "hermes"
     assert parsers[parsers.index("--reasoning-parser") + 1] == "qwen3"
 
@@ -41,7 +44,7 @@ def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:
 
     given = ["up", "--host", "0.0.0.0", "--model-name", "m1", "--api-key", "secret", "--max-retries", "0",
              "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "512", "--pdl", "false",
-             "--num-decode", "2"]
+             "--num-decode", "2", "--insecure-control-plane"]
     up = settings_from_args(build_parser({}).parse_args(given))
     assert isinstance(up, UpSettings)
     children = plan(up, control_port=7777)
@@ -58,7 +61,7 @@ def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:
             assert (child.host, child.port) == ("127.0.0.1", 0)  # internal sockets stay on loopback
 
 
-def test_up_settings_from_env_do_not_leak_into_children() -> None:
+def test_up_settings_from_env_do_not_leak_into_children(tmp_path: Path) -> None:
     """``PDSERVE_PORT=18000 pdserve up`` (the HTTP port) reaches the children's environment: each child's
     command line must still give every worker a free KV port (``--port 0``), not 18000 (the gateway's
     port: the first worker died with "Address already in use" before)."""
@@ -68,7 +71,9 @@ def test_up_settings_from_env_do_not_leak_into_children() -> None:
     env = {"PDSERVE_PORT": "18000", "PDSERVE_MODEL": "tiny-llama", "PDSERVE_NUM_DECODE": "2"}
     up = settings_from_args(build_parser(env).parse_args(["up"]))
     assert isinstance(up, UpSettings) and (up.port, up.num_decode) == (18000, 2)
-    for name, args in plan(up, control_port=7777):
+    generate_keys(tmp_path / "keys")
+    for name, args in plan(up, control_port=7777, keys_dir=str(tmp_path / "keys")):
+        assert args[args.index("--curve-keys") + 1] == str(tmp_path / "keys")
         child = settings_from_args(build_parser(env).parse_args(args))
         if name == "gateway":
             assert isinstance(child, GatewaySettings) and child.port == 18000
@@ -105,7 +110,7 @@ def test_example_request_is_valid_json_body() -> None:
 def test_plan_places_one_worker_per_gpu_and_shares_when_short() -> None:
     def devices(n_gpus: int, device: str = "auto") -> list[tuple[str, str | None]]:
         out = []
-        for _, args in plan(UpSettings(device=device, num_prefill=1, num_decode=2), 7777, n_gpus)[1:]:
+        for _, args in plan(UpSettings(device=device, num_prefill=1, num_decode=2), 7777, n_gpus, "/k")[1:]:
             frac = args[args.index("--kv-memory-fraction") + 1] if "--kv-memory-fraction" in args else None
             out.append((args[args.index("--device") + 1], frac))
         return out
@@ -301,3 +306,23 @@ def test_up_refuses_an_unsupported_model_before_any_child(edit, named, tmp_path,
     assert re.search(named, err) and "supported: " in err
     if "architecture" in named:
         assert "Qwen3MoeForCausalLM" in err and "MixtralForCausalLM" in err
+
+
+def test_up_gives_every_child_one_private_per_run_key_pair_or_the_insecure_flag(tmp_path: Path) -> None:
+    """Without --curve-keys, ``pdserve up`` makes a key pair in a private (0700) temp dir for the run and
+    removes it afterwards; --insecure-control-plane reaches every child instead of keys."""
+    import stat
+
+    from kvtransfer.curve import KEY_FILE, load_keys
+
+    with run_keys(UpSettings()) as keys_dir:
+        assert keys_dir is not None
+        assert stat.S_IMODE(Path(keys_dir).stat().st_mode) == 0o700
+        load_keys(keys_dir)
+        children = plan(UpSettings(), 7777, 0, keys_dir)
+        assert all(args[args.index("--curve-keys") + 1] == keys_dir for _, args in children)
+    assert not (Path(keys_dir) / KEY_FILE).exists()
+    with run_keys(UpSettings(insecure_control_plane=True)) as none:
+        assert none is None
+        children = plan(UpSettings(insecure_control_plane=True), 7777, 0, none)
+        assert all("--insecure-control-plane" in args and "--curve-keys" not in args for _, args in children)

@@ -59,7 +59,8 @@ def transfer_config(worker_id: str, timeout_s: float = 30.0) -> TransferConfig:
 
 def settings(role: str, worker_id: str, model_dir: Path) -> WorkerSettings:
     return WorkerSettings(role=role, model=str(model_dir), worker_id=worker_id, transfer_backend="loopback",
-                          gateway_control=NO_GATEWAY, block_size=BLOCK_SIZE)
+                          gateway_control=NO_GATEWAY, block_size=BLOCK_SIZE,
+                          insecure_control_plane=True)
 
 
 def prefill_worker(model_dir: Path, **core_kw: Any) -> PrefillWorker:

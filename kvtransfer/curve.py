@@ -1,0 +1,192 @@
+"""ZMQ CURVE on pdserve's control sockets: the fleet key pair, securing a socket, refusing strangers.
+
+Design (docs/deploy.md, "Control-plane security"): one fleet-wide CURVE key pair, the file
+``fleet.key_secret`` (pyzmq's certificate format, ``zmq.auth.create_certificates``) in a key directory
+(``--curve-keys DIR``; a Kubernetes Secret mounted as files; ``pdserve up`` makes one per run). Every
+listening control socket (the gateway's ROUTER, each decode worker's KV control ROUTER) is a CURVE
+server with that pair; every connecting socket (a worker's DEALER to the gateway, a prefill worker's
+DEALERs to its decode workers) is a CURVE client with the same pair and expects it as the server's
+key. A ZAP handler on the listening socket's context (``FleetAuthenticator``, pyzmq's
+``ThreadAuthenticator``) accepts a client only when its public key is the fleet's, so:
+
+- a client without CURVE (the NULL mechanism) fails the handshake (mechanism mismatch);
+- a client that does not know the fleet's public key as the server key fails it too (the server cannot
+  decrypt its HELLO);
+- a client with its own key pair that does know the fleet's public key (it is not secret) is refused by
+  the ZAP handler ("unknown key").
+
+No message of a refused peer reaches the application, and it receives none. The secret key is the
+fleet's membership: whoever holds it is a pdserve process. Each refusal is counted (``Refusals``): by
+the ZAP handler (unknown key: logged once per key) and from the listening socket's monitor events
+(``HANDSHAKE_FAILED_*``: logged once per kind, as libzmq does not say which peer failed; a connection
+closed before any handshake, such as a Kubernetes TCP probe, is its own kind, ``no_handshake``).
+
+No torch; nothing of the project besides this package (the gateway and protocol import this module).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+log = logging.getLogger("pdserve.curve")
+
+KEY_FILE = "fleet.key_secret"  # the fleet's key pair in a key directory (public and secret, z85)
+PUBLIC_KEY_FILE = "fleet.key"  # its public half (written by generate_keys; not needed to run)
+# monitor events of a listening socket that are refused handshakes (the ZAP denials, HANDSHAKE_FAILED_AUTH,
+# are counted by the ZAP handler itself, which knows the key)
+REFUSAL_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+UNKNOWN_KEY = "unknown_key"  # a CURVE client whose public key is not the fleet's
+HANDSHAKE = "handshake"  # a ZMTP peer without CURVE, or with a wrong server key: the handshake failed
+# a connection closed before the handshake finished: a TCP probe, a port scan, or a client without CURVE
+# that noticed the mechanism mismatch first and hung up (libzmq reports whichever side noticed first)
+NO_HANDSHAKE = "no_handshake"
+REFUSAL_KINDS = (UNKNOWN_KEY, HANDSHAKE, NO_HANDSHAKE)
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The fleet's CURVE key pair (z85 text, 40 bytes each) and the directory it was read from."""
+
+    public: bytes
+    secret: bytes = field(repr=False)
+    directory: str = ""
+
+
+def load_keys(directory: str | os.PathLike[str]) -> CurveKeys:
+    """Read ``DIR/fleet.key_secret``.
+
+    Raises:
+        ValueError: the directory or file is missing, or the file holds no valid key pair (the message
+            names the file and how to make one).
+    """
+    path = Path(directory) / KEY_FILE
+    if not path.is_file():
+        raise ValueError(f"no CURVE key pair at {path} (make one with `pdserve keygen {directory}`)")
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{path} is not a CURVE key pair: {exc}") from exc
+    if public is None or secret is None or len(public) != 40 or len(secret) != 40:
+        raise ValueError(f"{path} is not a CURVE key pair (want z85 public-key and secret-key)")
+    if zmq.curve_public(secret) != public:
+        raise ValueError(f"{path}: the public key does not belong to the secret key")
+    return CurveKeys(public, secret, str(directory))
+
+
+def generate_keys(directory: str | os.PathLike[str]) -> CurveKeys:
+    """Make a new fleet key pair in ``directory`` (created 0700 if missing; the files 0600).
+
+    Raises:
+        FileExistsError: a key pair is already there (never overwritten).
+        OSError: the directory cannot be made or written.
+    """
+    path = Path(directory)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if (path / KEY_FILE).exists():
+        raise FileExistsError(f"{path / KEY_FILE} exists; not overwriting a key pair")
+    old = os.umask(0o077)
+    try:
+        zmq.auth.create_certificates(str(path), "fleet")
+    finally:
+        os.umask(old)
+    (path / KEY_FILE).chmod(stat.S_IRUSR | stat.S_IWUSR)
+    return load_keys(path)
+
+
+def secure_server(sock: zmq.Socket, keys: CurveKeys) -> None:  # type: ignore[type-arg]
+    """Make ``sock`` (before bind) a CURVE server with the fleet's pair."""
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+
+
+def secure_client(sock: zmq.Socket, keys: CurveKeys) -> None:  # type: ignore[type-arg]
+    """Make ``sock`` (before connect) a CURVE client with the fleet's pair, expecting the fleet's public
+    key from the server."""
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, keys.public)
+
+
+class Refusals:
+    """Refused peers of one listening socket (``where`` names it in the logs): counted by kind
+    (``REFUSAL_KINDS``, or another a caller names, e.g. the KV receiver's ``unregistered_sender``),
+    logged once per (kind, peer), ``on_refused(kind)`` called for each. Any thread (the ZAP handler's
+    thread, the socket's loop)."""
+
+    def __init__(self, where: str, on_refused: Callable[[str], None] | None = None) -> None:
+        self.where, self._on_refused = where, on_refused
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(REFUSAL_KINDS, 0)
+        self._logged: set[tuple[str, str]] = set()
+
+    def refused(self, kind: str, peer: str = "") -> None:
+        """Count one refused handshake of ``kind`` from ``peer`` (a key, or "" when unknown)."""
+        with self._lock:
+            self._counts[kind] = self._counts.get(kind, 0) + 1
+            first = (kind, peer) not in self._logged
+            if first and len(self._logged) < 4096:
+                self._logged.add((kind, peer))
+        if first:
+            what = {UNKNOWN_KEY: f"a client with an unknown CURVE key {peer}",
+                    HANDSHAKE: "a client without the fleet's CURVE keys (no CURVE, or a wrong server key)",
+                    NO_HANDSHAKE: "a connection closed before any handshake (a TCP probe or port scan)"
+                    }.get(kind, f"{peer} ({kind})")
+            log.warning("%s refused %s; further refusals of it are counted, not logged", self.where, what)
+        if self._on_refused is not None:
+            self._on_refused(kind)
+
+    def on_monitor_event(self, event: int) -> bool:
+        """Count a listening socket's monitor event if it is a failed handshake (``HANDSHAKE``) or a
+        connection closed before one (``NO_HANDSHAKE``: libzmq's HANDSHAKE_FAILED_NO_DETAIL, e.g. a TCP
+        liveness probe); True if it was either."""
+        if event & zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            self.refused(HANDSHAKE)
+            return True
+        if event & zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self.refused(NO_HANDSHAKE)
+            return True
+        return False
+
+    def counts(self) -> dict[str, int]:
+        """Refusals so far by kind (a copy)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def total(self) -> int:
+        """Refusals so far, every kind but ``NO_HANDSHAKE`` (connections that never tried: probes)."""
+        with self._lock:
+            return sum(n for kind, n in self._counts.items() if kind != NO_HANDSHAKE)
+
+
+class FleetAuthenticator:
+    """The ZAP handler of one zmq context (a thread): accepts a CURVE client only when its public key
+    is the fleet's; each other key is a ``Refusals.refused(UNKNOWN_KEY, key)``. Start it before the
+    context's listening socket binds; ``stop`` it before the context is terminated."""
+
+    def __init__(self, ctx: zmq.Context, keys: CurveKeys, refusals: Refusals) -> None:  # type: ignore[type-arg]
+        self._keys, self._refusals = keys, refusals
+        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("pdserve.curve.zap"))
+        self._auth.start()
+        self._auth.configure_curve_callback("*", self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """pyzmq's credentials-provider hook: is the z85 ``key`` the fleet's?"""
+        if key == self._keys.public:
+            return True
+        self._refusals.refused(UNKNOWN_KEY, key.decode("ascii", "replace"))
+        return False
+
+    def stop(self) -> None:
+        """Stop the handler's thread and close its socket."""
+        self._auth.stop()
