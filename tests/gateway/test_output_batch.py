@@ -82,7 +82,8 @@ def _register(wid: str, role: str) -> RegisterWorker:
 async def test_one_batch_carries_several_requests_one_finishing_one_aborted_one_failing(
         tokenizer_dir: Path) -> None:
     text = TextProcessor.from_dir(tokenizer_dir)
-    svc = GatewayService(GatewaySettings(heartbeat_timeout=60.0), GatewayMetrics(), text=text)
+    settings = GatewaySettings(heartbeat_timeout=60.0, insecure_control_plane=True)
+    svc = GatewayService(settings, GatewayMetrics(), text=text)
     control = _Control()
     svc.control = control  # type: ignore[assignment]
     for wid, role in (("p1", "prefill"), ("d1", "decode")):
