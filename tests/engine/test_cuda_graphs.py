@@ -277,7 +277,8 @@ def test_plain_greedy_batches_take_the_fast_path_and_others_do_not(tiny_path):
     calls: list[str] = []
     greedy, full = runner.sampler.greedy, type(runner.sampler).__call__
     runner.sampler.greedy = lambda x: calls.append("greedy") or greedy(x)  # type: ignore[method-assign]
-    type(runner.sampler).__call__ = lambda self, x, rows: calls.append("full") or full(self, x, rows)
+    type(runner.sampler).__call__ = (
+        lambda self, x, rows, *mask: calls.append("full") or full(self, x, rows, *mask))
     try:
         core.add_request("plain", [5, 6], SamplingParams(temperature=0.0, max_tokens=4))
         assert [o.token_id for o in core.step()] == [eos] and calls == ["greedy"]

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvtransfer.curve import generate_keys
 from pdserve.launcher import Supervisor, free_ports
 
 pytestmark = pytest.mark.slow
@@ -61,17 +62,21 @@ class Mini:
         self.http, self.ctl = free_ports(2)
         self.url = f"http://127.0.0.1:{self.http}"
         self.starts = 0
+        self.keys = str(logs / "keys")  # the fleet's CURVE key pair, kept across the gateway's restart
+        generate_keys(self.keys)
 
     def start_gateway(self) -> None:
         self.starts += 1
         self.sup.start(f"gateway-{self.starts}", [
             "gateway", "--port", str(self.http), "--control-bind", f"tcp://127.0.0.1:{self.ctl}",
-            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)], str(self.logs / f"gateway-{self.starts}.log"))
+            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--curve-keys", self.keys],
+            str(self.logs / f"gateway-{self.starts}.log"))
 
     def start_worker(self) -> None:
         self.sup.start("colocated", [
             "colocated", "--gateway-control", f"tcp://127.0.0.1:{self.ctl}", "--worker-id", "rec-colo",
-            "--model", "smollm2-135m", "--num-blocks", "128"], str(self.logs / "colocated.log"))
+            "--model", "smollm2-135m", "--num-blocks", "128", "--curve-keys", self.keys],
+            str(self.logs / "colocated.log"))
 
     def pid(self, name: str) -> int:
         return self.sup.children[name].pid
