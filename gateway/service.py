@@ -161,24 +161,24 @@ class GatewayService:
             if entry is not None:
                 self.worker_gone(entry, "worker shut down", announced=True)
         elif isinstance(msg, KVCanaryReserved | KVCanaryResult):
-            entry = self.registry.get(msg.worker_id)
-            if entry is not None:
-                self.registry.touch(msg.worker_id, entry.info.epoch)
+            self._heard_from(msg.worker_id)
             if isinstance(msg, KVCanaryReserved):
                 await self.canaries.on_reserved(msg)
             else:
                 await self.canaries.on_result(msg)
         elif isinstance(msg, OutputBatch):
-            entry = self.registry.get(msg.worker_id)
-            if entry is not None:
-                self.registry.touch(msg.worker_id, entry.info.epoch)
+            self._heard_from(msg.worker_id)
             for item in msg.messages:
                 await self.orchestrator.on_worker_message(identity, item)
         elif isinstance(msg, WorkerMessage):
-            entry = self.registry.get(msg.worker_id)
-            if entry is not None:
-                self.registry.touch(msg.worker_id, entry.info.epoch)
+            self._heard_from(msg.worker_id)
             await self.orchestrator.on_worker_message(identity, msg)
+
+    def _heard_from(self, worker_id: str) -> None:
+        """A registered worker's message counts as a sign of life (its current epoch's)."""
+        entry = self.registry.get(worker_id)
+        if entry is not None:
+            self.registry.touch(worker_id, entry.info.epoch)
 
     async def _ask_reregister(self, identity: bytes, msg: Heartbeat) -> None:
         assert self.control is not None

@@ -271,8 +271,7 @@ def _up_settings(values: dict[str, Any]) -> UpSettings:
     gateway_names = {f.name for f in fields(GatewaySettings)} - UP_MANAGED_GATEWAY_FIELDS
     worker_names = {f.name for f in fields(WorkerSettings)} - UP_MANAGED_WORKER_FIELDS
     # the control-plane fields are the launcher's (every child gets up's keys): templates say insecure
-    gateway = GatewaySettings(api_keys=keys, host=values.get("host", "127.0.0.1"),
-                              port=values.get("port", 8000), insecure_control_plane=True,
+    gateway = GatewaySettings(api_keys=keys, insecure_control_plane=True,
                               **{k: v for k, v in values.items() if k in gateway_names and k != "api_keys"})
     worker = WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True,
                             **{k: v for k, v in values.items() if k in worker_names})
