@@ -256,8 +256,11 @@ class DecodeWorker(WorkerLoop):
         self.receiver.release(rid)
         del self.in_flight[rid]
         seq = self.core.scheduler.kv_landed(rid, self.first_tokens.pop(rid))
+        now = time.monotonic()
+        self.metrics.joined(seq, now, batch_was_empty=not self.seqs)
         if seq.is_finished:  # the first token already ends it (e.g. a stop token id)
             reason: FinishReason = "stop" if seq.status is SequenceStatus.FINISHED_STOPPED else "length"
+            self.metrics.finished(seq, reason, now)
             self.emit(RequestFinished(request_id=rid, worker_id=self.worker_id, finish_reason=reason,
                                       num_prompt_tokens=seq.num_prompt_tokens,
                                       num_output_tokens=seq.num_output_tokens))
@@ -270,7 +273,7 @@ class DecodeWorker(WorkerLoop):
 
     def on_step(self, outs: list[StepOutput]) -> None:
         """Stream each token; forget finished requests (the scheduler freed their blocks)."""
-        stream_outputs(self.worker_id, self.seqs, outs, self.emit)
+        stream_outputs(self.worker_id, self.seqs, outs, self.emit, self.metrics)
 
     def num_waiting(self) -> int:
         """Requests waiting for blocks, for their KV, or (after preemption) for recompute."""

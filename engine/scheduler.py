@@ -9,6 +9,7 @@ Decode worker: ``add_waiting_for_kv`` reserves blocks (WAITING_FOR_KV); ``kv_lan
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from engine.block_manager import BlockManager
@@ -27,7 +28,8 @@ class Scheduler:
     """Chooses each step's tokens under ``max_num_batched_tokens`` / ``max_num_seqs`` and the free blocks.
 
     ``max_model_len`` (tokens) defaults to the cache capacity ``num_blocks * block_size`` and is capped
-    by it, so a single sequence always fits and preemption always makes progress.
+    by it, so a single sequence always fits and preemption always makes progress. ``num_preemptions``
+    counts preemptions since start (monotonic; read by the worker's metrics).
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._requests: dict[str, Sequence] = {}  # every sequence not yet fully released
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence for prefill.
@@ -203,6 +206,8 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
             self.waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(self._take(seq, num_new))
@@ -287,6 +292,7 @@ class Scheduler:
         return seq
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0

@@ -35,6 +35,8 @@ class Sequence:
     ``token_ids`` is prompt + output; ``num_computed_tokens`` counts tokens whose KV is in the cache;
     ``block_table[i]`` is the block holding tokens ``[i*block_size, (i+1)*block_size)``;
     ``num_cached_tokens`` is the prefix-cache hit (tokens) at the last admission.
+    ``first_scheduled_time``: ``time.monotonic()`` (s) when the scheduler first admitted it from WAITING
+    (None until then; kept across preemption), the end of its queue time.
     ``block_table`` only grows by appending while the sequence holds its blocks; freeing replaces it by a
     new empty list (the decode graphs' static inputs rely on this to re-send only changed rows).
     ``hashed_blocks``: ``(n, hash of block n-1)``: the leading ``n`` blocks whose prefix hashes
@@ -70,6 +72,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.hashed_blocks: tuple[int, int | None] = (0, None)
         self.status = SequenceStatus.WAITING
+        self.first_scheduled_time: float | None = None
         self.grammar: GrammarState | None = None
 
     @property

@@ -160,6 +160,11 @@ def _add_worker(add: _Adder, role: str) -> None:
     add("--advertise-host", default=None, help="address peers use to reach this worker (default --host)")
     add("--port", type=int, default=0, help="this worker's KV control port (0: any free port)")
     add("--worker-id", default="", help="default hostname-pid")
+    add("--metrics-port", type=int, default=0,
+        help="serve GET /metrics (vLLM-compatible names), /health and /live on this TCP port at --host "
+             "(0: no such server)")
+    add("--engine-stall-timeout", type=parse_duration, default=60.0,
+        help="/health and /live answer 503 once the engine loop has not ticked for this long")
     add("--engine-warmup", default="auto", choices=["auto", "on", "off"],
         help="run throw-away requests before registering, so kernels compile first (auto: on CUDA only)")
     if role != "colocated":
@@ -181,7 +186,8 @@ class _Skipping:
 # flags of `pdserve gateway` and of the workers that `pdserve up` sets itself (the rest pass through)
 _UP_OWN_GATEWAY_FLAGS = {"--control-bind", "--log-level", "--log-format"}
 _UP_OWN_WORKER_FLAGS = {"--model", "--device", "--transfer-backend", "--gateway-control", "--host",
-                        "--advertise-host", "--port", "--worker-id", "--log-level", "--log-format"}
+                        "--advertise-host", "--port", "--metrics-port", "--worker-id", "--log-level",
+                        "--log-format"}
 
 
 def _add_up(add: _Adder) -> None:

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from types import FrameType
 
@@ -108,16 +108,23 @@ def changed_flags(settings: GatewaySettings | WorkerSettings, skip: frozenset[st
     return out
 
 
+def num_workers(settings: UpSettings) -> int:
+    """Workers ``pdserve up`` starts (prefill + decode + colocated)."""
+    return settings.num_prefill + settings.num_decode + settings.colocated
+
+
 def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
-         keys_dir: str | None = None) -> list[tuple[str, list[str]]]:
+         keys_dir: str | None = None, metrics_ports: Sequence[int] = ()) -> list[tuple[str, list[str]]]:
     """The children to start, in order: (name, argv after ``python -m pdserve.cli``). Gateway first.
     ``num_gpus``: visible GPUs, used to place workers (see ``placements``). ``keys_dir``: the CURVE key
     directory every child gets (default ``settings.curve_keys``). The gateway's and the workers' settings
     given to ``up`` follow as flags (``changed_flags``); a worker's own flags come last, so an explicit
-    ``--kv-memory-fraction`` wins over the share ``placements`` gives.
+    ``--kv-memory-fraction`` wins over the share ``placements`` gives. ``metrics_ports``: one
+    ``--metrics-port`` per worker, in start order (empty: none).
 
     Raises:
-        ValueError: no key directory and no ``--insecure-control-plane``.
+        ValueError: no key directory and no ``--insecure-control-plane``, or ``metrics_ports`` neither
+            empty nor one per worker.
     """
     control = f"tcp://127.0.0.1:{control_port}"
     keys = keys_dir or settings.curve_keys
@@ -139,10 +146,15 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
     transfer = ["--transfer-backend", settings.transfer_backend]
     roles = [(role, i) for role, count in (("prefill", settings.num_prefill), ("decode", settings.num_decode),
                                            ("colocated", settings.colocated)) for i in range(count)]
-    for (role, i), device in zip(roles, placements(settings.device, len(roles), num_gpus), strict=True):
+    if metrics_ports and len(metrics_ports) != len(roles):
+        raise ValueError(f"plan: {len(metrics_ports)} metrics ports for {len(roles)} workers")
+    for k, ((role, i), device) in enumerate(zip(roles, placements(settings.device, len(roles), num_gpus),
+                                                strict=True)):
         name = f"{role}-{i}"
         extra = transfer if role != "colocated" else []
-        children.append((name, [role, "--worker-id", f"up-{name}", *worker, *device, *extra, *given]))
+        metrics = ["--metrics-port", str(metrics_ports[k])] if metrics_ports else []
+        children.append((name, [role, "--worker-id", f"up-{name}", *worker, *metrics, *device, *extra,
+                                *given]))
     return children
 
 
@@ -348,7 +360,9 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     gpus = gpu_count() if settings.device in ("auto", "cuda") else 0
     keys = settings.gateway.api_keys
     gateway_env = {"PDSERVE_API_KEY": ",".join(keys)} if keys else {}
-    for name, args in plan(settings, free_ports(1, exclude=(settings.port,))[0], gpus, keys_dir):
+    control_port, *metrics_ports = free_ports(1 + num_workers(settings), exclude=(settings.port,))
+    children = plan(settings, control_port, gpus, keys_dir, metrics_ports)
+    for name, args in children:
         if stop:
             return 0  # interrupted while starting: start no more children
         sup.start(name, args, env=gateway_env if name == "gateway" else None)
@@ -359,7 +373,9 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
         print(f"pdserve up: {why}; stopping everything", file=sys.stderr)
         return 1
     served = settings.gateway.model_name or settings.model
-    print(f"pdserve is ready at {url}  (OpenAI API under {url}/v1)\nTry:\n"
+    scrape = "  ".join(f"{name} http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
+                       for name, args in children if "--metrics-port" in args)
+    print(f"pdserve is ready at {url}  (OpenAI API under {url}/v1)\nWorker metrics: {scrape}\nTry:\n"
           f"  {example(url, served, bool(keys))}", flush=True)
     return supervise(sup, stop, RestartPolicy())
 

@@ -85,7 +85,9 @@ class LiveSystem:
     """A started system: the gateway ``url``, the ``sup``ervisor holding the children, their ``logs``
     directory, each child's pid by name (``gateway``, ``prefill``, ``decode``, ``colocated`` or
     ``colocated-<i>`` when there are several), the ``--worker-id`` of every worker, the gateway's API
-    key (None when it asks for none) and each child's ``pdserve`` argv (``restart`` starts it again)."""
+    key (None when it asks for none), each child's ``pdserve`` argv (``restart`` starts it again) and
+    each worker's own HTTP endpoint by child name (``metrics_urls``: ``/metrics``, ``/health``, ``/live``
+    under it; ``workers.health_server``)."""
 
     url: str
     sup: Supervisor
@@ -94,6 +96,7 @@ class LiveSystem:
     worker_ids: frozenset[str] = frozenset()
     api_key: str | None = None
     commands: dict[str, list[str]] = field(default_factory=dict)
+    metrics_urls: dict[str, str] = field(default_factory=dict)
 
     def log(self, name: str) -> str:
         """The text child ``name`` has logged so far."""
@@ -121,10 +124,16 @@ def worker_id(child: str) -> str:
     return f"live-{child}"
 
 
-def children(spec: SystemSpec, http_port: int, control: str,
-             keys_dir: Path | None = None) -> list[tuple[str, list[str]]]:
+def num_workers(spec: SystemSpec) -> int:
+    """Workers ``spec`` starts."""
+    return spec.num_prefill + spec.num_decode if spec.mode == "disagg" else len(spec.devices or (None,))
+
+
+def children(spec: SystemSpec, http_port: int, control: str, keys_dir: Path | None = None,
+             metrics_ports: Sequence[int] = ()) -> list[tuple[str, list[str]]]:
     """(name, ``pdserve`` argv) of every child of ``spec``, gateway first. ``keys_dir``: the CURVE key
-    directory every child gets (None: the spec's flags must say ``--insecure-control-plane``)."""
+    directory every child gets (None: the spec's flags must say ``--insecure-control-plane``).
+    ``metrics_ports``: each worker's ``--metrics-port``, in start order (empty: none)."""
     secure = [] if keys_dir is None else ["--curve-keys", str(keys_dir)]
     gateway = ["gateway", "--host", "127.0.0.1", "--port", str(http_port), "--control-bind", control,
                "--heartbeat-timeout", f"{spec.heartbeat_timeout_s:g}", *secure, *spec.gateway_flags]
@@ -133,6 +142,12 @@ def children(spec: SystemSpec, http_port: int, control: str,
     worker = ["--model", spec.model, "--host", "127.0.0.1", "--gateway-control", control,
               "--num-blocks", str(spec.num_blocks), *secure, *spec.worker_flags]
     out: list[tuple[str, list[str]]] = [("gateway", gateway)]
+    ports = iter(metrics_ports)
+
+    def metrics() -> list[str]:
+        port = next(ports, None)
+        return [] if port is None else ["--metrics-port", str(port)]
+
     if spec.mode == "disagg":
         devices: Sequence[str | None] = spec.devices or (None, None)
         for role, device, count in zip(("prefill", "decode"), devices, (spec.num_prefill, spec.num_decode),
@@ -140,14 +155,14 @@ def children(spec: SystemSpec, http_port: int, control: str,
             place = [] if device is None else ["--device", device]
             for i in range(count):
                 name = role if count == 1 else f"{role}-{i}"
-                out.append((name, [role, "--worker-id", worker_id(name), *worker, *place,
+                out.append((name, [role, "--worker-id", worker_id(name), *worker, *place, *metrics(),
                                    "--transfer-backend", spec.transfer_backend]))
         return out
     devices = spec.devices or (None,)
     for i, device in enumerate(devices):
         name = "colocated" if len(devices) == 1 else f"colocated-{i}"
         place = [] if device is None else ["--device", device]
-        out.append((name, ["colocated", "--worker-id", worker_id(name), *worker, *place]))
+        out.append((name, ["colocated", "--worker-id", worker_id(name), *worker, *place, *metrics()]))
     return out
 
 
@@ -159,7 +174,7 @@ def launch(spec: SystemSpec) -> LiveSystem:
     from engine.models.registry import resolve_model
 
     resolve_model(spec.model)  # convert/write the model dir once, before workers race for the cache
-    http_port, control_port = free_ports(2)
+    http_port, control_port, *metrics_ports = free_ports(2 + num_workers(spec))
     spec.logs.mkdir(parents=True, exist_ok=True)
     keys_dir: Path | None = None
     if "--insecure-control-plane" not in (*spec.gateway_flags, *spec.worker_flags):
@@ -167,10 +182,12 @@ def launch(spec: SystemSpec) -> LiveSystem:
         if not (keys_dir / KEY_FILE).exists():
             generate_keys(keys_dir)
     sup = Supervisor(grace=10.0)
-    plan = children(spec, http_port, f"tcp://127.0.0.1:{control_port}", keys_dir)
+    plan = children(spec, http_port, f"tcp://127.0.0.1:{control_port}", keys_dir, metrics_ports)
     ids = frozenset(args[args.index("--worker-id") + 1] for _, args in plan if "--worker-id" in args)
+    urls = {name: f"http://127.0.0.1:{args[args.index('--metrics-port') + 1]}"
+            for name, args in plan if "--metrics-port" in args}
     system = LiveSystem(f"http://127.0.0.1:{http_port}", sup, spec.logs, worker_ids=ids, api_key=spec.api_key,
-                        commands=dict(plan))
+                        commands=dict(plan), metrics_urls=urls)
     try:
         for name, args in plan:
             sup.start(name, args, str(spec.logs / f"{name}.log"))
@@ -182,8 +199,9 @@ def launch(spec: SystemSpec) -> LiveSystem:
 
 
 def metric_samples(url: str) -> Samples:
-    """Every sample of the gateway's ``/metrics``: ``(name, sorted label pairs) → value`` (parsed with
-    prometheus-client's text parser). Raises httpx.HTTPError when the gateway does not answer."""
+    """Every sample of the ``/metrics`` under ``url`` (a gateway's or a worker's): ``(name, sorted label
+    pairs) → value`` (parsed with prometheus-client's text parser). Raises httpx.HTTPError when the
+    server does not answer."""
     resp = httpx.get(f"{url}/metrics", timeout=5, trust_env=False)
     resp.raise_for_status()
     out: Samples = {}

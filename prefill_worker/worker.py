@@ -10,6 +10,7 @@ Queues and states of a request (``PrefillRequest`` from the gateway):
      (full blocks stay in the prefix cache). FAILED → ``RequestFailed``.
 ``max_tokens == 1`` (no ``kv_handle``): steps 1–3, blocks released at once, nothing reaches a decode worker.
 ``AbortRequest``: dropped from the engine, or its transfer aborted (blocks freed once terminal).
+Metrics (``workers.metrics``): the request's part here ends with its first token.
 Transfer totals (heartbeat ``WorkerLoad.kv_transfer_bytes`` / ``kv_transfer_seconds``): per transfer that
 reaches DONE, blocks × ``KVCachePool.bytes_per_block`` and the seconds from the first layer handed to the
 sender to the ``poll`` that sees DONE (so at most one step late).
@@ -237,10 +238,12 @@ class PrefillWorker(WorkerLoop):
 
     def on_step(self, outs: list[StepOutput]) -> None:
         """First tokens out (TTFT); transfers move to ``sending``; requests without one release blocks."""
+        now, sampled = time.monotonic(), 0
         for out in outs:
             seq = self.seqs.pop(out.request_id, None)
             if seq is None:
                 continue
+            sampled += 1
             kv_handle = self.kv_handles.pop(out.request_id, None)
             status = check_stop(seq, self.core.max_model_len)
             reason = _REASONS.get(status) if status is not None else None
@@ -250,6 +253,9 @@ class PrefillWorker(WorkerLoop):
                                  logprob=out.logprob, top_logprobs=top_logprobs_of(out),
                                  num_cached_tokens=seq.num_cached_tokens,
                                  finish_reason=reason))
+            self.metrics.first_token(seq, now)
+            # this worker's part ends here: "length" when the KV goes on (a max_tokens=1 prefill)
+            self.metrics.finished(seq, reason or "length", now)
             error = self._hook_errors.pop(out.request_id, None)
             if kv_handle is None or error is not None:
                 self.core.scheduler.release(seq)
@@ -259,6 +265,7 @@ class PrefillWorker(WorkerLoop):
             self.sending[out.request_id] = seq
             if reason is not None:  # the request ends here: its KV is not needed
                 self.drop(out.request_id)
+        self.metrics.step(sampled, now)
 
     def poll(self) -> None:
         """Release the source blocks of every request whose transfer is terminal, then forget the transfer

@@ -139,6 +139,8 @@ class WorkerSettings:
     worker_id: str = ""
     transfer_backend: str = "nixl"
     engine_warmup: str = "auto"
+    metrics_port: int = 0  # /metrics, /health, /live on this TCP port (0: no such server)
+    engine_stall_timeout: float = 60.0  # seconds without an engine-loop tick before /health is 503
     curve_keys: str | None = None  # directory with the fleet's CURVE key pair (kvtransfer/curve.py)
     insecure_control_plane: bool = False  # no CURVE on the gateway and KV control sockets
     log_level: str = "info"
@@ -159,6 +161,12 @@ class WorkerSettings:
         _check(self.max_model_len is None or self.max_model_len >= 2, "max-model-len",
                f"must be >= 2 tokens, got {self.max_model_len}")
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _check(0 <= self.metrics_port < 65536, "metrics-port",
+               f"must be in [0, 65535] (0: no metrics server), got {self.metrics_port}")
+        _check(self.metrics_port == 0 or self.metrics_port != self.port, "metrics-port",
+               f"must differ from --port ({self.port})")
+        _check(0 < self.engine_stall_timeout < float("inf"), "engine-stall-timeout",
+               f"must be > 0 seconds, got {self.engine_stall_timeout}")
         _check(self.transfer_backend in ("nixl", "ucx", "loopback"), "transfer-backend",
                f"must be nixl, ucx or loopback, got {self.transfer_backend!r}")
         _check(self.engine_warmup in ("auto", "on", "off"), "engine-warmup",
@@ -180,8 +188,8 @@ def _template_gateway() -> GatewaySettings:
 
 # WorkerSettings fields `pdserve up` sets itself for each worker (UpSettings.worker leaves them alone)
 UP_MANAGED_WORKER_FIELDS = frozenset({"role", "model", "device", "transfer_backend", "gateway_control",
-                                      "host", "advertise_host", "port", "worker_id", "log_level",
-                                      "log_format", "curve_keys", "insecure_control_plane"})
+                                      "host", "advertise_host", "port", "metrics_port", "worker_id",
+                                      "log_level", "log_format", "curve_keys", "insecure_control_plane"})
 # GatewaySettings fields `pdserve up` sets itself (host and port are UpSettings.host and .port)
 UP_MANAGED_GATEWAY_FIELDS = frozenset({"host", "port", "control_bind", "log_level", "log_format",
                                        "curve_keys", "insecure_control_plane"})

@@ -84,7 +84,7 @@ def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_on
         return 1
     try:
         asyncio.run(worker.run())
-    except RegistrationError as exc:
+    except (RegistrationError, OSError) as exc:  # OSError: --metrics-port could not be bound
         log.error("pdserve %s: %s", settings.role, exc)
         return 1
     return 0

@@ -60,7 +60,7 @@ class ColocatedWorker(WorkerLoop):
 
     def on_step(self, outs: list[StepOutput]) -> None:
         """Stream each sampled token; forget finished requests."""
-        stream_outputs(self.worker_id, self.seqs, outs, self.emit)
+        stream_outputs(self.worker_id, self.seqs, outs, self.emit, self.metrics)
 
 
 def run(settings: WorkerSettings) -> int:

@@ -43,6 +43,8 @@ from protocol.messages import (
 )
 from protocol.settings import control_keys
 from workers.control_client import ControlClient
+from workers.health_server import EngineHealth, HealthServer
+from workers.metrics import WorkerMetrics
 from workers.outputs import batch_outputs
 from workers.placement import kv_placement
 from workers.step import StepFailed
@@ -87,6 +89,11 @@ class WorkerLoop:
         self.gateway_epoch = 0  # the incarnation of the gateway that last accepted this worker
         self._wake: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
+        self.metrics = WorkerMetrics(settings.model, core.max_model_len)
+        self.health = EngineHealth(settings.engine_stall_timeout)
+        self.metrics.watch(self.load, lambda: core.scheduler.num_preemptions, self.health.loop_age,
+                           lambda: self.health.registered)
+        self.health_server: HealthServer | None = None
 
     # ---- what a role implements -------------------------------------------------------------------
     def on_message(self, msg: Message) -> None:
@@ -165,6 +172,7 @@ class WorkerLoop:
         if self.gateway_epoch and ack.gateway_epoch and ack.gateway_epoch != self.gateway_epoch:
             self.deliver(GatewayChanged(self.gateway_epoch, ack.gateway_epoch))
         self.gateway_epoch = ack.gateway_epoch or self.gateway_epoch
+        self.health.registered = True
 
     def _gateway_changed(self, change: GatewayChanged) -> None:
         dropped = self.request_ids()
@@ -281,6 +289,8 @@ class WorkerLoop:
                 if msg.accepted:
                     self.accepted_by(msg)
                     self._wake.set()
+                else:
+                    self.health.registered = False
             else:  # a request message, or None (a refused frame may have queued a failure)
                 if msg is not None:
                     if log.isEnabledFor(logging.DEBUG):
@@ -298,6 +308,7 @@ class WorkerLoop:
         assert self._wake is not None and self._stop is not None
         loop = asyncio.get_running_loop()
         while not self._stop.is_set():
+            self.health.tick()
             self._wake.clear()
             self._between_steps()
             await self._flush()
@@ -320,11 +331,30 @@ class WorkerLoop:
             self._stop.set()
             self._wake.set()
 
+    def _start_health_server(self) -> None:
+        """Serve /metrics, /health and /live on ``--metrics-port`` (none when 0).
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        if not self.settings.metrics_port:
+            return
+        try:
+            server = HealthServer(self.settings.host, self.settings.metrics_port, self.metrics.registry,
+                                  self.health)
+        except OSError as exc:
+            where = f"{self.settings.host}:{self.settings.metrics_port}"
+            raise OSError(f"--metrics-port: cannot serve on {where}: {exc}") from exc
+        self.health_server = server.start()
+        log_event(log, "metrics_serving", worker_id=self.worker_id, host=self.settings.host,
+                  port=self.health_server.port)
+
     async def run(self) -> None:
         """Register, then serve until SIGTERM/SIGINT; sends ``WorkerShutdown`` on the way out.
 
         Raises:
             RegistrationError: the gateway refused this worker or never answered.
+            OSError: ``--metrics-port`` cannot be bound.
         """
         self._wake, self._stop = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -333,6 +363,7 @@ class WorkerLoop:
         self._refresh_load()
         tasks: list[asyncio.Task[None]] = []
         try:
+            self._start_health_server()
             self.accepted_by(await self.control.register(self.registration()))
             log_event(log, "worker_ready", role=self.role, worker_id=self.worker_id, epoch=self.epoch)
             tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
@@ -344,6 +375,8 @@ class WorkerLoop:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             self.close()
+            if self.health_server is not None:
+                self.health_server.stop()
             self._executor.shutdown(wait=True)
             await self.control.close(WorkerShutdown(worker_id=self.worker_id, epoch=self.epoch))
             log_event(log, "worker_stopped", role=self.role, worker_id=self.worker_id)

@@ -7,6 +7,7 @@ holds exactly one output token after the step; its finish reason (``stop`` / ``l
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from protocol.messages import (
 if TYPE_CHECKING:
     from engine.engine_core import StepOutput
     from engine.sequence import Sequence
+    from workers.metrics import WorkerMetrics
 
 
 def top_logprobs_of(out: StepOutput) -> list[TopLogprob] | None:
@@ -44,11 +46,13 @@ def finish_reason(out: StepOutput) -> FinishReason | None:
     return None
 
 
-def token_messages(worker_id: str, seq: Sequence, out: StepOutput) -> list[Message]:
+def token_messages(worker_id: str, seq: Sequence, out: StepOutput, metrics: WorkerMetrics | None = None,
+                   now: float = 0.0) -> list[Message]:
     """Messages for one sampled token of ``seq`` (``out.token_id`` is already appended to it).
 
     The first output token becomes a ``FirstToken``, each later one a ``NextToken``; a finished
-    request is followed by ``RequestFinished`` with its prompt/output token counts.
+    request is followed by ``RequestFinished`` with its prompt/output token counts. ``metrics`` (with
+    ``now``, ``time.monotonic()`` s) hears of the first token and of the end.
     """
     rid, reason = out.request_id, finish_reason(out)
     msgs: list[Message] = []
@@ -56,6 +60,8 @@ def token_messages(worker_id: str, seq: Sequence, out: StepOutput) -> list[Messa
         msgs.append(FirstToken(request_id=rid, worker_id=worker_id, token_id=out.token_id,
                                logprob=out.logprob, top_logprobs=top_logprobs_of(out),
                                num_cached_tokens=seq.num_cached_tokens, finish_reason=reason))
+        if metrics is not None:
+            metrics.first_token(seq, now)
     else:
         msgs.append(NextToken(request_id=rid, worker_id=worker_id, token_id=out.token_id,
                               logprob=out.logprob, top_logprobs=top_logprobs_of(out)))
@@ -63,22 +69,29 @@ def token_messages(worker_id: str, seq: Sequence, out: StepOutput) -> list[Messa
         msgs.append(RequestFinished(request_id=rid, worker_id=worker_id, finish_reason=reason,
                                     num_prompt_tokens=seq.num_prompt_tokens,
                                     num_output_tokens=seq.num_output_tokens))
+        if metrics is not None:
+            metrics.finished(seq, reason, now)
     return msgs
 
 
 def stream_outputs(worker_id: str, seqs: dict[str, Sequence], outs: list[StepOutput],
-                   emit: Callable[[Message], None]) -> None:
+                   emit: Callable[[Message], None], metrics: WorkerMetrics | None = None) -> None:
     """Emit the messages of every output whose request is in ``seqs`` (request id → ``Sequence``), and
     forget requests that finished (the scheduler already freed their blocks). Decode and colocated
-    workers stream their steps this way."""
+    workers stream their steps this way; ``metrics`` hears of each first token, each end and the step."""
+    now = time.monotonic()
+    sampled = len(outs)
     for out in outs:
         seq = seqs.get(out.request_id)
         if seq is None:
+            sampled -= 1
             continue
-        for msg in token_messages(worker_id, seq, out):
+        for msg in token_messages(worker_id, seq, out, metrics, now):
             emit(msg)
         if seq.is_finished:
             del seqs[out.request_id]
+    if metrics is not None:
+        metrics.step(sampled, now)
 
 
 def batch_outputs(worker_id: str, msgs: list[Message]) -> list[Message]:

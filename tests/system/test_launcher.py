@@ -61,6 +61,29 @@ def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:
             assert (child.host, child.port) == ("127.0.0.1", 0)  # internal sockets stay on loopback
 
 
+def test_plan_gives_each_worker_its_own_metrics_port() -> None:
+    """``up`` assigns every worker a ``--metrics-port`` (its /metrics, /health, /live); a worker flag such as
+    ``--engine-stall-timeout`` given to ``up`` reaches every worker; ``--metrics-port`` is up's own."""
+    from pdserve.cli import build_parser
+    from protocol.settings import WorkerSettings, settings_from_args
+
+    up = settings_from_args(build_parser({}).parse_args(
+        ["up", "--num-decode", "2", "--engine-stall-timeout", "90s", "--insecure-control-plane"]))
+    assert isinstance(up, UpSettings)
+    children = plan(up, control_port=7777, metrics_ports=[9101, 9102, 9103])
+    ports = []
+    for _, args in children[1:]:
+        child = settings_from_args(build_parser({}).parse_args(args))
+        assert isinstance(child, WorkerSettings) and child.engine_stall_timeout == 90.0
+        ports.append(child.metrics_port)
+    assert ports == [9101, 9102, 9103]
+    assert "--metrics-port" not in children[0][1]
+    with pytest.raises(ValueError, match="metrics ports"):
+        plan(up, control_port=7777, metrics_ports=[9101])
+    with pytest.raises(SystemExit):  # up sets each worker's metrics port itself
+        build_parser({}).parse_args(["up", "--metrics-port", "9100"])
+
+
 def test_up_settings_from_env_do_not_leak_into_children(tmp_path: Path) -> None:
     """``PDSERVE_PORT=18000 pdserve up`` (the HTTP port) reaches the children's environment: each child's
     command line must still give every worker a free KV port (``--port 0``), not 18000 (the gateway's

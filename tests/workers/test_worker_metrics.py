@@ -1,0 +1,160 @@
+"""A worker's own metrics (workers/metrics.py) and probes (workers/health_server.py), in-process.
+
+A colocated worker on the tiny random-weight model serves two requests; its registry, parsed as
+Prometheus text, must count what was sent (prompt tokens, tokens generated, one TTFT and one e2e per
+request, the inter-token intervals) and show the queue as it was. The weighted histogram matches
+prometheus-client's own. ``/health`` and ``/live`` follow a fake clock: 503 once the engine loop has
+not ticked for longer than the stall timeout, ``/health`` also before registration. Ends with the leak
+check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from protocol.messages import ColocatedRequest, RequestFinished
+from tests.workers.helpers import assert_clean, close, colocated_worker, of_type, pump, run, wire
+from workers.health_server import EngineHealth, HealthServer
+from workers.metrics import TOKEN_INTERVAL_BUCKETS, WeightedHistogram, token_count_buckets
+
+PROMPTS = (list(range(50, 63)), list(range(70, 80)))  # 13 and 10 tokens
+MAX_TOKENS = 5
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of ``registry`` as exposed: (name, sorted labels) → value."""
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(found: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    """The one sample ``name`` whose labels include ``labels`` (KeyError when not exactly one)."""
+    hits = [v for (n, ls), v in found.items() if n == name and set(labels.items()) <= set(ls)]
+    if len(hits) != 1:
+        raise KeyError(f"{name}{labels}: {len(hits)} samples")
+    return hits[0]
+
+
+def test_colocated_worker_metrics_follow_its_requests(model_dir: Any) -> None:
+    w = colocated_worker(model_dir, max_num_batched_tokens=8)  # one prompt chunk per step
+    try:
+        reqs = [ColocatedRequest(request_id=f"r{i}", prompt_token_ids=p,
+                                 sampling=wire(MAX_TOKENS, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+        before = samples(w.metrics.registry)
+        assert value(before, "vllm:num_requests_running") == 0
+        assert value(before, "vllm:time_to_first_token_seconds_count") == 0
+        msgs: list[Any] = run(w, *reqs)  # first step: r0's first 8 prompt tokens; r1 waits
+        mid = samples(w.metrics.registry)
+        assert value(mid, "vllm:num_requests_running") == 1
+        assert value(mid, "vllm:num_requests_waiting") == 1
+        assert 0 < value(mid, "vllm:kv_cache_usage_perc") < 1
+        pump([w], lambda: len(of_type(msgs, RequestFinished)) == len(reqs), sink=msgs)
+        after = samples(w.metrics.registry)
+        n = len(reqs)
+        assert value(after, "vllm:prompt_tokens_total") == sum(map(len, PROMPTS))
+        assert value(after, "vllm:prefix_cache_queries_total") == sum(map(len, PROMPTS))
+        assert value(after, "vllm:generation_tokens_total") == n * MAX_TOKENS
+        assert value(after, "vllm:time_to_first_token_seconds_count") == n
+        assert value(after, "vllm:e2e_request_latency_seconds_count") == n
+        assert value(after, "vllm:request_queue_time_seconds_count") == n
+        # r1 waited for r0's prompt chunks: a queue time above zero
+        assert value(after, "vllm:request_queue_time_seconds_sum") > 0
+        assert value(after, "vllm:request_success_total", finished_reason="length") == n
+        assert value(after, "vllm:request_success_total", finished_reason="stop") == 0
+        later = n * (MAX_TOKENS - 1)  # every token but each request's first has an inter-token interval
+        assert value(after, "vllm:inter_token_latency_seconds_count") == later
+        assert value(after, "vllm:time_per_output_token_seconds_count") == later
+        assert value(after, "vllm:inter_token_latency_seconds_sum") > 0
+        assert value(after, "vllm:request_generation_tokens_sum") == n * MAX_TOKENS
+        assert value(after, "vllm:num_requests_running") == 0
+        assert value(after, "vllm:num_requests_waiting") == 0
+        assert value(after, "vllm:kv_cache_usage_perc") == 0
+        assert value(after, "vllm:num_preemptions_total") == 0
+        # every latency histogram reaches past 60 s
+        for name in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                     "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+                     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"):
+            bounds = {float(dict(ls)["le"]) for (nm, ls), _ in after.items() if nm == name + "_bucket"}
+            assert max(b for b in bounds if b != float("inf")) > 60, name
+        assert {dict(ls)["model_name"] for (_, ls) in after if "model_name" in dict(ls)} == {str(model_dir)}
+        assert_clean(w)
+    finally:
+        close(w)
+
+
+def test_weighted_histogram_equals_one_observe_per_value() -> None:
+    reference = CollectorRegistry()
+    plain = Histogram("h", "doc", ("model_name", "engine"), registry=reference,
+                      buckets=TOKEN_INTERVAL_BUCKETS).labels("m", "0")
+    weighted_registry = CollectorRegistry()
+    weighted = WeightedHistogram("h", "doc", ("m", "0"), TOKEN_INTERVAL_BUCKETS)
+    weighted_registry.register(weighted)
+    for v, n in ((0.01, 3), (0.02, 1), (0.5, 4), (100.0, 2), (0.0, 1), (7.5, 0)):
+        weighted.observe(v, n)
+        for _ in range(n):
+            plain.observe(v)
+    got, want = samples(weighted_registry), samples(reference)
+    want = {k: v for k, v in want.items() if not k[0].endswith("_created")}
+    assert got == want
+    assert value(got, "h_count") == 11
+
+
+def test_token_count_buckets() -> None:
+    assert token_count_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert token_count_buckets(1) == (1,)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_health_follows_the_engine_loop_and_registration() -> None:
+    clock = FakeClock()
+    health = EngineHealth(stall_timeout_s=30.0, clock=clock)
+    server = HealthServer("127.0.0.1", 0, CollectorRegistry(), health).start()
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        def status(path: str) -> int:
+            return httpx.get(base + path, timeout=5, trust_env=False).status_code
+
+        assert (status("/live"), status("/health")) == (503, 503)  # the engine loop has not started
+        health.tick()
+        assert (status("/live"), status("/health")) == (200, 503)  # ticking, not registered
+        health.registered = True
+        assert (status("/live"), status("/health")) == (200, 200)
+        clock.now += 29.0
+        assert status("/health") == 200
+        clock.now += 2.0  # 31 s since the last tick: stalled
+        assert (status("/live"), status("/health")) == (503, 503)
+        assert "engine loop stalled" in httpx.get(base + "/health", timeout=5, trust_env=False).text
+        health.tick()
+        assert status("/health") == 200
+        assert status("/metrics") == 200 and status("/other") == 404
+    finally:
+        server.stop()
+
+
+def test_stall_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="engine-stall-timeout"):
+        EngineHealth(0.0)
+
+
+@pytest.mark.parametrize(("kw", "flag"), [({"metrics_port": 70000}, "--metrics-port"),
+                                          ({"metrics_port": 7200, "port": 7200}, "--metrics-port"),
+                                          ({"engine_stall_timeout": 0.0}, "--engine-stall-timeout")])
+def test_bad_metrics_settings_name_their_flag(kw: dict[str, Any], flag: str) -> None:
+    from protocol.settings import WorkerSettings
+
+    with pytest.raises(ValueError, match=flag):
+        WorkerSettings(role="decode", insecure_control_plane=True, **kw)

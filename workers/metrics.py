@@ -1,0 +1,282 @@
+"""A worker's own Prometheus metrics, under vLLM's names, and the numbers they are made of.
+
+Each worker process is one scrape target (``--metrics-port``, served by ``workers.health_server``). The
+series carry vLLM's names, types, units and labels (``model_name``: the worker's ``--model``, ``engine``:
+"0"), so tools written against a vLLM pod read a pdserve worker unmodified; the names, bucket boundaries
+and meanings follow vLLM's v1 Prometheus logger (``vllm/v1/metrics/loggers.py`` and ``stats.py`` in
+github.com/vllm-project/vllm). pdserve's own series beside them start with ``pdserve_worker_``.
+
+What a worker counts is what it computed, so a sum over the fleet counts each token once:
+
+* prefill and colocated workers count a request's prompt (``vllm:prompt_tokens``, prefix-cache
+  queries and hits, in tokens) when its first token is sampled; a decode worker counts none (the KV
+  arrived from a prefill worker);
+* ``vllm:generation_tokens`` counts the tokens this worker sampled (a prefill worker: the first token;
+  a decode worker: the second on);
+* per-request times (seconds, ``time.monotonic()``) run from the request's arrival at this worker
+  (``Sequence.arrival_time``): queue = arrival → first scheduled; prefill = first scheduled → first
+  token; decode = first token → last token; inference = prefill + decode; e2e = arrival → finished.
+  On a decode worker the request is "scheduled" and has its first token when its KV has landed and the
+  prefill's first token is known (it joins the running batch): its TTFT and queue time then span the
+  prefill on the other worker and the KV transfer, and its prefill time is 0. A prefill worker's part of
+  a request ends with the first token: it observes e2e there and counts the request as finished with
+  ``finished_reason`` "length" when its KV went on to a decode worker (as a vLLM prefill instance run
+  with ``max_tokens=1`` does), else with the first token's own reason.
+* inter-token latency (``vllm:inter_token_latency_seconds`` and its older name
+  ``vllm:time_per_output_token_seconds``, the same numbers) is observed once per engine step with a
+  weight: every token of the step that was not its request's first gets the time since the previous
+  step that produced tokens (or, on an idle decode worker, since a request joined). In continuous
+  batching every running request gets one token per step, so this is each token's own interval, at one
+  histogram update per step instead of one per token. A request resumed after preemption is the
+  exception: its first token after the recompute is counted with the step interval, not its stall.
+* ``vllm:num_requests_running`` / ``_waiting`` and ``vllm:kv_cache_usage_perc`` (a fraction, 1 = all
+  blocks in use) are read from the worker's load at scrape time; ``vllm:num_preemptions`` from the
+  scheduler's counter. Aborted or failed requests are not counted in ``vllm:request_success``.
+
+The engine loop pays one ``time.monotonic()`` and a few counter updates per step, and a few histogram
+updates per request at its first token and at its end.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+    from protocol.messages import WorkerLoad
+
+LABELS = ("model_name", "engine")
+# vLLM's bucket boundaries (seconds), so histogram_quantile over a mixed vLLM/pdserve fleet agrees
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_INTERVAL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                          10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISHED_REASONS = ("stop", "length", "abort")
+
+
+def token_count_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (tokens; vLLM's buckets of per-request token counts)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(out)
+            out.append(mantissa * scale)
+        scale *= 10
+
+
+class WeightedHistogram(Collector):
+    """A Prometheus histogram whose ``observe`` takes a count: ``n`` observations of one value cost one
+    update (``Histogram.observe`` would cost ``n``). Thread-safe; exposed by ``collect``.
+
+    Args:
+        name / documentation: as for ``prometheus_client.Histogram`` (``name`` without ``_bucket``).
+        label_values: the values of ``LABELS``.
+        buckets: the finite upper bounds, increasing (``+Inf`` is added).
+    """
+
+    def __init__(self, name: str, documentation: str, label_values: tuple[str, ...],
+                 buckets: tuple[float, ...]) -> None:
+        self.name, self.documentation, self.label_values = name, documentation, label_values
+        self.bounds = tuple(buckets)
+        self._counts = [0] * (len(self.bounds) + 1)  # per bucket, not cumulative; last: above every bound
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float, n: int = 1) -> None:
+        """Record ``n`` (>= 0) observations of ``value``."""
+        if n <= 0:
+            return
+        i = bisect.bisect_left(self.bounds, value)
+        with self._lock:
+            self._counts[i] += n
+            self._sum += value * n
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        family = HistogramMetricFamily(self.name, self.documentation, labels=LABELS)
+        family.add_metric(list(self.label_values), buckets, total)
+        yield family
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    """Where a request is on this worker: ``scheduled`` and ``first_token`` in ``time.monotonic()`` s."""
+
+    scheduled: float
+    first_token: float
+
+
+class _ScrapeTime(Collector):
+    """Series read from the worker when scraped (no cost in the engine loop)."""
+
+    def __init__(self, label_values: tuple[str, ...], load: Callable[[], WorkerLoad],
+                 preemptions: Callable[[], int], loop_age: Callable[[], float | None],
+                 registered: Callable[[], bool]) -> None:
+        self.label_values, self.load, self.preemptions = label_values, load, preemptions
+        self.loop_age, self.registered = loop_age, registered
+
+    def collect(self) -> Iterator[Metric]:
+        load, labels = self.load(), list(self.label_values)
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                    load.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed (for KV blocks, "
+                    "for their KV to land, or to be scheduled).", load.num_waiting)
+        used = (1.0 - load.num_free_blocks / load.num_total_blocks) if load.num_total_blocks else 0.0
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", used)
+        preempted = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the "
+                                        "engine.", labels=LABELS)
+        preempted.add_metric(labels, self.preemptions())
+        yield preempted
+        age = self.loop_age()
+        yield gauge("pdserve_worker_engine_loop_age_seconds", "Seconds since the engine loop last ticked "
+                    "(-1 before it started).", -1.0 if age is None else age)
+        yield gauge("pdserve_worker_registered", "1 while the gateway has accepted this worker.",
+                    float(self.registered()))
+
+
+class WorkerMetrics:
+    """The worker's metrics in its own registry (``registry``; serve it with
+    ``prometheus_client.generate_latest``). Event methods are called from the worker's loop thread with
+    ``now`` = ``time.monotonic()`` seconds.
+
+    Args:
+        model_name: the ``model_name`` label (the worker's ``--model``).
+        max_model_len: tokens; bounds the per-request token-count buckets.
+    """
+
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.label_values = (model_name, "0")
+        self._timelines: weakref.WeakKeyDictionary[Sequence, _Timeline] = weakref.WeakKeyDictionary()
+        self._last_token_at: float | None = None
+        self._firsts_in_step = 0  # first tokens sampled in the step being reported (see ``step``)
+        reg, lv = self.registry, self.label_values
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, LABELS, registry=reg).labels(*lv)
+
+        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
+            return Histogram(name, doc, LABELS, registry=reg, buckets=tuple(buckets)).labels(*lv)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          (*LABELS, "finished_reason"), registry=reg)
+        self.request_success = {r: success.labels(*lv, r) for r in FINISHED_REASONS}
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
+                              "seconds.", TTFT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in "
+                             "seconds.", REQUEST_LATENCY_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase "
+                               "for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL "
+                                 "phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase "
+                                "for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference = histogram("vllm:request_inference_time_seconds", "Histogram of time spent in "
+                                   "RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds", "Histogram of "
+                                      "time_per_output_token_seconds per request.", TOKEN_INTERVAL_BUCKETS)
+        counts = token_count_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens "
+                                               "processed.", counts)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Number of generation "
+                                                   "tokens processed.", counts)
+        self.itl = WeightedHistogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency "
+                                     "in seconds.", lv, TOKEN_INTERVAL_BUCKETS)
+        self.tpot = WeightedHistogram("vllm:time_per_output_token_seconds", "Histogram of time per output "
+                                      "token in seconds (the same as vllm:inter_token_latency_seconds).", lv,
+                                      TOKEN_INTERVAL_BUCKETS)
+        reg.register(self.itl)
+        reg.register(self.tpot)
+
+    def watch(self, load: Callable[[], WorkerLoad], preemptions: Callable[[], int],
+              loop_age: Callable[[], float | None], registered: Callable[[], bool]) -> None:
+        """Register the series read at scrape time: the worker's load (running, waiting, KV blocks), the
+        scheduler's preemption count, the engine loop's age (seconds) and whether the gateway accepted
+        the worker. Call once."""
+        self.registry.register(_ScrapeTime(self.label_values, load, preemptions, loop_age, registered))
+
+    def first_token(self, seq: Sequence, now: float, *, computed_prompt: bool = True) -> None:
+        """``seq`` got its first token on this worker at ``now``: TTFT; with ``computed_prompt`` (a prefill
+        or colocated worker: the token was sampled here, in the step ``step`` reports next) its prompt
+        tokens and prefix-cache queries / hits (in tokens)."""
+        scheduled = seq.first_scheduled_time if seq.first_scheduled_time is not None else now
+        self._timelines[seq] = _Timeline(scheduled, now)
+        self.ttft.observe(max(now - seq.arrival_time, 0.0))
+        if computed_prompt:
+            self._firsts_in_step += 1
+            self.prompt_tokens.inc(seq.num_prompt_tokens)
+            self.prefix_cache_queries.inc(seq.num_prompt_tokens)
+            if seq.num_cached_tokens:
+                self.prefix_cache_hits.inc(seq.num_cached_tokens)
+
+    def joined(self, seq: Sequence, now: float, *, batch_was_empty: bool) -> None:
+        """Decode worker: ``seq``'s KV landed and its first token (sampled by the prefill worker) is known;
+        it joins the running batch at ``now`` (its schedule and first-token time here). With
+        ``batch_was_empty`` the next step's inter-token latency counts from ``now``."""
+        self.first_token(seq, now, computed_prompt=False)
+        if batch_was_empty:
+            self._last_token_at = now
+
+    def step(self, num_sampled: int, now: float) -> None:
+        """One engine step sampled ``num_sampled`` tokens at ``now`` (reported after its requests'
+        ``first_token`` / ``finished``): generation tokens, and each token that was not its request's first
+        gets the time since the previous step that sampled (one weighted update)."""
+        num_later, self._firsts_in_step = num_sampled - self._firsts_in_step, 0
+        if num_sampled <= 0:
+            return
+        self.generation_tokens.inc(num_sampled)
+        if num_later > 0 and self._last_token_at is not None:
+            interval = max(now - self._last_token_at, 0.0)
+            self.itl.observe(interval, num_later)
+            self.tpot.observe(interval, num_later)
+        self._last_token_at = now
+
+    def finished(self, seq: Sequence, reason: str, now: float) -> None:
+        """``seq``'s part on this worker ended at ``now`` with ``reason`` (stop, length): request_success and
+        the per-request histograms."""
+        timeline = self._timelines.pop(seq, None)
+        if timeline is None:  # ended without a first token here (never seen by first_token / joined)
+            timeline = _Timeline(seq.first_scheduled_time or now, now)
+        counter = self.request_success.get(reason)
+        if counter is not None:
+            counter.inc()
+        self.e2e.observe(max(now - seq.arrival_time, 0.0))
+        self.queue.observe(max(timeline.scheduled - seq.arrival_time, 0.0))
+        self.prefill.observe(max(timeline.first_token - timeline.scheduled, 0.0))
+        decode = max(now - timeline.first_token, 0.0)
+        self.decode.observe(decode)
+        self.inference.observe(max(now - timeline.scheduled, 0.0))
+        if seq.num_output_tokens > 1:
+            self.request_tpot.observe(decode / (seq.num_output_tokens - 1))
+        self.request_prompt_tokens.observe(seq.num_prompt_tokens)
+        self.request_generation_tokens.observe(seq.num_output_tokens)
