@@ -1,0 +1,123 @@
+"""Each worker's own /metrics and /health on the shared live system (tests/live.py; each worker gets a
+``--metrics-port`` from ``pdserve.live_system``).
+
+A few requests with token-id prompts go through both gateways; every worker's /metrics, parsed with
+prometheus-client's parser, must move by what was sent: prompt tokens (counted by the worker that
+computed the prompt: prefill and colocated, not decode), tokens generated (by the worker that sampled
+them), one TTFT and one finished request per request on every worker that served it, one inter-token
+interval per token after a request's first on the workers that decode. A request streaming holds
+``vllm:num_requests_running`` at 1 on the decode worker; a repeated prompt hits the prefix cache (in
+tokens, full blocks). Counters are compared as differences: other suites share the system.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from pdserve.live_system import SystemPair, metric_samples
+from tests.live import API_KEY
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+MODEL = "smollm2-135m"
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+BLOCK_SIZE = 16  # the workers' default --block-size
+
+
+def prompt(n: int) -> list[int]:
+    """``n`` token ids no other test sends (so nothing of it is in a prefix cache yet)."""
+    seed = uuid.uuid4().int
+    return [1000 + (seed >> (3 * i)) % 20000 + i for i in range(n)]
+
+
+def complete(url: str, token_ids: list[int], max_tokens: int) -> dict:
+    body = {"model": MODEL, "prompt": token_ids, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+    resp = httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=120, trust_env=False)
+    resp.raise_for_status()
+    out: dict = resp.json()
+    return out
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+COUNTED = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
+           "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+           "vllm:inter_token_latency_seconds_count", "vllm:request_queue_time_seconds_count")
+
+
+def counts(url: str) -> dict[str, float]:
+    found = metric_samples(url)
+    out = {name: total(found, name) for name in COUNTED}
+    out["length"] = total(found, "vllm:request_success_total", finished_reason="length")
+    return out
+
+
+def test_worker_metrics_count_what_was_sent(live: SystemPair) -> None:
+    lengths, max_tokens = (7, 12, 20), 4
+    urls = {**live.disagg.metrics_urls, **live.colo.metrics_urls}
+    assert set(urls) == {"prefill", "decode", "colocated"}
+    before = {name: counts(url) for name, url in urls.items()}
+    for n in lengths:
+        for gateway in (live.disagg_url, live.colo_url):
+            reply = complete(gateway, prompt(n), max_tokens)
+            assert reply["usage"]["completion_tokens"] == max_tokens
+    after = {name: counts(url) for name, url in urls.items()}
+    delta = {w: {k: after[w][k] - before[w][k] for k in after[w]} for w in urls}
+    sent, requests = sum(lengths), len(lengths)
+    later = requests * (max_tokens - 1)  # tokens after each request's first
+    assert delta["prefill"] == {
+        "vllm:prompt_tokens_total": sent, "vllm:generation_tokens_total": requests,
+        "vllm:prefix_cache_queries_total": sent, "vllm:time_to_first_token_seconds_count": requests,
+        "vllm:e2e_request_latency_seconds_count": requests, "vllm:inter_token_latency_seconds_count": 0,
+        "vllm:request_queue_time_seconds_count": requests, "length": requests}
+    assert delta["decode"] == {
+        "vllm:prompt_tokens_total": 0, "vllm:generation_tokens_total": later,
+        "vllm:prefix_cache_queries_total": 0, "vllm:time_to_first_token_seconds_count": requests,
+        "vllm:e2e_request_latency_seconds_count": requests, "vllm:inter_token_latency_seconds_count": later,
+        "vllm:request_queue_time_seconds_count": requests, "length": requests}
+    assert delta["colocated"] == {
+        "vllm:prompt_tokens_total": sent, "vllm:generation_tokens_total": requests * max_tokens,
+        "vllm:prefix_cache_queries_total": sent, "vllm:time_to_first_token_seconds_count": requests,
+        "vllm:e2e_request_latency_seconds_count": requests, "vllm:inter_token_latency_seconds_count": later,
+        "vllm:request_queue_time_seconds_count": requests, "length": requests}
+    for name, url in urls.items():
+        assert httpx.get(f"{url}/health", timeout=5, trust_env=False).status_code == 200, name
+
+
+def test_repeated_prompt_hits_the_prefix_cache_in_tokens(live: SystemPair) -> None:
+    url = live.colo.metrics_urls["colocated"]
+    ids = prompt(2 * BLOCK_SIZE + 8)
+    hits = total(metric_samples(url), "vllm:prefix_cache_hits_total")
+    complete(live.colo_url, ids, 1)
+    assert total(metric_samples(url), "vllm:prefix_cache_hits_total") == hits  # a new prompt: a miss
+    complete(live.colo_url, ids, 1)
+    assert total(metric_samples(url), "vllm:prefix_cache_hits_total") == hits + 2 * BLOCK_SIZE
+
+
+def test_running_request_shows_on_the_decode_worker(live: SystemPair) -> None:
+    url = live.disagg.metrics_urls["decode"]
+    body = {"model": MODEL, "prompt": prompt(8), "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    running_seen = 0.0
+    with httpx.stream("POST", f"{live.disagg_url}/v1/completions", json=body, headers=HEADERS, timeout=120,
+                      trust_env=False) as resp:
+        resp.raise_for_status()
+        chunks = 0
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks += 1
+                if chunks == 2:  # decoding on the decode worker now, 62 tokens to go
+                    running_seen = total(metric_samples(url), "vllm:num_requests_running")
+    assert running_seen == 1
+    deadline = time.monotonic() + 10
+    while total(metric_samples(url), "vllm:num_requests_running") != 0:  # the load refreshes per phase
+        assert time.monotonic() < deadline, "decode worker still reports a running request"
+        time.sleep(0.05)
+    assert total(metric_samples(url), "vllm:num_requests_waiting") == 0
