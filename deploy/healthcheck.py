@@ -5,11 +5,12 @@ The role and its flags are read from the container's main process (``/proc/1/cmd
 
 - ``gateway`` and ``up``: HTTP ``GET /health`` on the gateway port (``--port`` / ``PDSERVE_PORT``,
   default 8000) must answer 200.
-- ``prefill``, ``decode``, ``colocated``: a TCP connection to the worker's control port (``--port`` /
-  ``PDSERVE_PORT``) must be accepted. The port must be fixed (not 0 = pick) for the probe to find it;
-  the deploy files set ``PDSERVE_PORT=7200``. A listening control socket shows the worker finished
-  loading its model and entered its serve loop; registration with the gateway shows on the gateway's
-  ``/health`` and metrics.
+- ``prefill``, ``decode``, ``colocated`` with a metrics port (``--metrics-port`` /
+  ``PDSERVE_METRICS_PORT``, not 0): HTTP ``GET /health`` on it must answer 200, which the worker does
+  while its engine loop ticks and the gateway has accepted it (``workers/health_server.py``).
+- the same without a metrics port: a TCP connection to the worker's control port (``--port`` /
+  ``PDSERVE_PORT``) must be accepted (the worker loaded its model; nothing about its engine loop).
+  The port must be fixed (not 0 = pick) for the probe to find it.
 
 Exit status 0 = healthy, 1 = unhealthy (the reason on stderr), as Docker's HEALTHCHECK expects
 (https://docs.docker.com/reference/dockerfile/#healthcheck).
@@ -57,7 +58,7 @@ def probe_target(argv: Sequence[str], env: Mapping[str, str]) -> ProbeTarget:
 
     Args:
         argv: the command line, e.g. ``["/app/.venv/bin/python", "/app/.venv/bin/pdserve", "decode"]``.
-        env: the environment (``PDSERVE_PORT``, ``PDSERVE_HOST`` are read).
+        env: the environment (``PDSERVE_PORT``, ``PDSERVE_METRICS_PORT``, ``PDSERVE_HOST`` are read).
 
     Raises:
         ValueError: no pdserve role in ``argv``, a port that is not an integer in 1..65535, or a
@@ -66,7 +67,10 @@ def probe_target(argv: Sequence[str], env: Mapping[str, str]) -> ProbeTarget:
     role = next((a for a in argv if a in GATEWAY_ROLES | WORKER_ROLES), None)
     if role is None:
         raise ValueError(f"no pdserve role ({', '.join(sorted(GATEWAY_ROLES | WORKER_ROLES))}) in {argv!r}")
-    raw_port = _flag(argv, "--port") or env.get("PDSERVE_PORT")
+    raw_metrics = _flag(argv, "--metrics-port") or env.get("PDSERVE_METRICS_PORT")
+    worker_http = role in WORKER_ROLES and raw_metrics is not None and raw_metrics.strip() != "0"
+    http = role in GATEWAY_ROLES or worker_http
+    raw_port = raw_metrics if worker_http else _flag(argv, "--port") or env.get("PDSERVE_PORT")
     if raw_port is None and role in GATEWAY_ROLES:
         raw_port = str(DEFAULT_GATEWAY_PORT)
     if raw_port is None or raw_port.strip() == "0":
@@ -80,7 +84,7 @@ def probe_target(argv: Sequence[str], env: Mapping[str, str]) -> ProbeTarget:
     host = _flag(argv, "--host") or env.get("PDSERVE_HOST", "127.0.0.1")
     if host in WILDCARD_HOSTS:
         host = "127.0.0.1"
-    return ProbeTarget("http" if role in GATEWAY_ROLES else "tcp", host, port)
+    return ProbeTarget("http" if http else "tcp", host, port)
 
 
 def probe(target: ProbeTarget, timeout_s: float = 3.0) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from deploy.healthcheck import ProbeTarget, probe_target
 from tests.deploy.common import DEPLOY, NON_FLAG_ENV, check_cli, known_metrics, load_compose
 
 
@@ -75,6 +76,9 @@ def test_every_service_health_checked_restarted_and_accepted_by_cli() -> None:
             assert env["PDSERVE_GATEWAY_CONTROL"] == "tcp://gateway:7100"
             assert env["PDSERVE_ADVERTISE_HOST"] == name
             assert svc["depends_on"]["gateway"]["condition"] == "service_healthy"
+            # a worker's health is its engine loop (HTTP /health on its metrics port), not a TCP connect
+            assert probe_target(["pdserve", *test[3:]], env) == ProbeTarget(
+                "http", "127.0.0.1", int(env["PDSERVE_METRICS_PORT"]), "/health")
 
 
 def test_every_service_gets_the_fleet_keys() -> None:

@@ -26,6 +26,17 @@ def test_worker_port_from_flag_beats_env() -> None:
         ProbeTarget("tcp", "10.1.2.3", 7200))
 
 
+def test_worker_with_a_metrics_port_is_probed_on_its_health_endpoint() -> None:
+    env = {"PDSERVE_PORT": "7200", "PDSERVE_METRICS_PORT": "7210", "PDSERVE_HOST": "0.0.0.0"}
+    assert probe_target(["pdserve", "decode"], env) == ProbeTarget("http", "127.0.0.1", 7210, "/health")
+    assert probe_target(["pdserve", "prefill", "--metrics-port", "7300"], env) == ProbeTarget(
+        "http", "127.0.0.1", 7300, "/health")
+    assert probe_target(["pdserve", "prefill"], {**env, "PDSERVE_METRICS_PORT": "0"}) == ProbeTarget(
+        "tcp", "127.0.0.1", 7200)  # no metrics server: the control socket
+    with pytest.raises(ValueError, match="outside"):
+        probe_target(["pdserve", "decode"], {**env, "PDSERVE_METRICS_PORT": "70000"})
+
+
 @pytest.mark.parametrize(("argv", "env", "needle"), [
     (["python", "-m", "http.server"], {}, "no pdserve role"),
     (["pdserve", "decode"], {}, "PDSERVE_PORT"),

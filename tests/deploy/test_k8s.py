@@ -31,15 +31,32 @@ def _check_service_monitor(sm: dict[str, Any]) -> None:
         assert ep["honorLabels"] is True  # keeps pdserve_requests_total's own `endpoint` label
 
 
+def _check_pod_monitor(pm: dict[str, Any], resources: tuple[dict[str, Any], ...]) -> None:
+    # PodMonitor (monitoring.coreos.com/v1) has no kubernetes-validate schema either: the fields we use,
+    # and that it selects exactly the worker pods, on their port named `metrics`.
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(pm["spec"]) == {"selector", "podMetricsEndpoints"}
+    for ep in pm["spec"]["podMetricsEndpoints"]:
+        assert set(ep) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "honorLabels"}
+        assert (ep["port"], ep["path"]) == ("metrics", "/metrics")
+    selected = {r["metadata"]["name"] for r in resources if r["kind"] == "Deployment"
+                and _selects(pm["spec"]["selector"], r["spec"]["template"]["metadata"]["labels"])}
+    assert selected == set(WORKERS)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_manifest_validates(overlay: str) -> None:
     resources = rendered(overlay)
     kinds = {r["kind"] for r in resources}
     assert {"Deployment", "Service", "ConfigMap", "Secret", "PodDisruptionBudget", "HorizontalPodAutoscaler",
             "ServiceMonitor", "Namespace"} <= kinds
+    assert "PodMonitor" in kinds
     for r in resources:
         if r["kind"] == "ServiceMonitor":
             _check_service_monitor(r)
+            continue
+        if r["kind"] == "PodMonitor":
+            _check_pod_monitor(r, resources)
             continue
         kubernetes_validate.validate(r, K8S_VERSION, strict=True)
         if r["kind"] != "Namespace":
@@ -82,9 +99,16 @@ def test_pods_wiring(overlay: str) -> None:
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert gpus == ("1" if overlay != "cpu" and name in WORKERS else None), (overlay, name)
     worker_cfg = _get(resources, "ConfigMap", "pdserve-worker-config")["data"]
-    assert worker_cfg["PDSERVE_GATEWAY_CONTROL"] == "tcp://pdserve-gateway:7100"
+    # workers register through a Service that lists the gateway before it is ready (its readiness, /ready,
+    # needs registered workers); the API Service lists only ready gateways
+    assert worker_cfg["PDSERVE_GATEWAY_CONTROL"] == "tcp://pdserve-gateway-control:7100"
     service = _get(resources, "Service", "pdserve-gateway")
-    assert {p["port"] for p in service["spec"]["ports"]} == {8000, 7100}
+    assert {p["port"] for p in service["spec"]["ports"]} == {8000}
+    assert not service["spec"].get("publishNotReadyAddresses", False)
+    control = _get(resources, "Service", "pdserve-gateway-control")
+    assert {p["port"] for p in control["spec"]["ports"]} == {7100}
+    assert control["spec"]["publishNotReadyAddresses"] is True
+    assert control["spec"]["selector"] == service["spec"]["selector"]
     for hpa_name in WORKERS:
         hpa = _get(resources, "HorizontalPodAutoscaler", hpa_name)
         assert hpa["spec"]["scaleTargetRef"]["name"] == hpa_name
@@ -118,14 +142,26 @@ def test_commands_and_env_accepted_by_cli(overlay: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_probe_ports_match_worker_control_ports(overlay: str, tmp_path: Path) -> None:
+def test_probes_check_the_engine_loop_and_the_gateway_readiness(overlay: str, tmp_path: Path) -> None:
+    """Worker probes are HTTP on the worker's own --metrics-port (not a TCP connect): liveness and
+    startup /live (the engine loop ticks), readiness /health (ticks and registered). The gateway's
+    readiness is /ready (workers registered), its liveness /health."""
     resources = rendered(overlay)
+    metrics_ports = set()
     for name in WORKERS:
         (c,) = _pod(resources, name)["containers"]
         env = _container_env(resources, c, tmp_path)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports["control"] == int(env["PDSERVE_PORT"])
-        assert c["livenessProbe"]["tcpSocket"]["port"] == "control"
+        assert ports["metrics"] == int(env["PDSERVE_METRICS_PORT"]) != ports["control"]
+        metrics_ports.add(ports["metrics"])
+        for probe, path in (("livenessProbe", "/live"), ("startupProbe", "/live"),
+                            ("readinessProbe", "/health")):
+            assert c[probe]["httpGet"] == {"path": path, "port": "metrics"}, (name, probe)
+    assert len(metrics_ports) == len(WORKERS)  # distinct: the rdma overlay's pods share the node's ports
+    (g,) = _pod(resources, "pdserve-gateway")["containers"]
+    assert g["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert g["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -188,6 +224,10 @@ def test_network_policies_fence_control_and_transfer_ports(overlay: str) -> None
         for w in WORKERS:
             assert not any(allowed(w, source, port) for port in worker_ports), (w, source)
     assert allowed("pdserve-gateway", stranger, 8000)
+    for w in WORKERS:  # Prometheus scrapes each worker's own /metrics
+        (c,) = _pod(resources, w)["containers"]
+        metrics_port = {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"]
+        assert allowed(w, stranger, metrics_port), w
     for src in WORKERS:
         assert allowed("pdserve-gateway", labels[src], 7100)
         for w in WORKERS:
