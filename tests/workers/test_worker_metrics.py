@@ -158,3 +158,26 @@ def test_bad_metrics_settings_name_their_flag(kw: dict[str, Any], flag: str) -> 
 
     with pytest.raises(ValueError, match=flag):
         WorkerSettings(role="decode", insecure_control_plane=True, **kw)
+
+
+def test_worker_serves_exactly_the_listed_metrics(model_dir: Any) -> None:
+    """``deploy/metrics.yaml`` ``worker_metrics`` lists exactly what a worker exposes: name (counters with
+    ``_total``), type and label names."""
+    import yaml
+
+    from tests.deploy.common import DEPLOY
+
+    listed = {m["name"]: (m["type"], set(m["labels"]))
+              for m in yaml.safe_load((DEPLOY / "metrics.yaml").read_text())["worker_metrics"]}
+    w = colocated_worker(model_dir)
+    try:
+        served = {}
+        for family in text_string_to_metric_families(generate_latest(w.metrics.registry).decode()):
+            if family.name.endswith("_created"):  # prometheus-client's creation time of a counter/histogram
+                continue
+            name = family.name + "_total" if family.type == "counter" else family.name
+            labels = {k for s in family.samples for k in s.labels if k not in ("le", "quantile")}
+            served[name] = (family.type, labels)
+    finally:
+        close(w)
+    assert served == listed
