@@ -9,8 +9,9 @@ github.com/vllm-project/vllm). pdserve's own series beside them start with ``pds
 What a worker counts is what it computed, so a sum over the fleet counts each token once:
 
 * prefill and colocated workers count a request's prompt (``vllm:prompt_tokens``, prefix-cache
-  queries and hits, in tokens) when its first token is sampled; a decode worker counts none (the KV
-  arrived from a prefill worker);
+  queries and hits and ``vllm:prompt_tokens_cached``, in tokens; ``vllm:request_prefill_kv_computed_tokens``
+  per request) when its first token is sampled; a decode worker counts none (the KV arrived from a
+  prefill worker);
 * ``vllm:generation_tokens`` counts the tokens this worker sampled (a prefill worker: the first token;
   a decode worker: the second on);
 * per-request times (seconds, ``time.monotonic()``) run from the request's arrival at this worker
@@ -188,6 +189,7 @@ class WorkerMetrics:
                                             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
                                          "Prefix cache hits, in terms of number of cached tokens.")
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           (*LABELS, "finished_reason"), registry=reg)
         self.request_success = {r: success.labels(*lv, r) for r in FINISHED_REASONS}
@@ -210,6 +212,14 @@ class WorkerMetrics:
                                                "processed.", counts)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Number of generation "
                                                    "tokens processed.", counts)
+        self.request_computed_tokens = histogram("vllm:request_prefill_kv_computed_tokens", "Prompt tokens "
+                                                 "whose KV this worker computed per request (not cached).",
+                                                 counts)
+        self.request_max_tokens = histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens "
+                                            "request parameter.", counts)
+        self.request_max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", counts)
         self.itl = WeightedHistogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency "
                                      "in seconds.", lv, TOKEN_INTERVAL_BUCKETS)
         self.tpot = WeightedHistogram("vllm:time_per_output_token_seconds", "Histogram of time per output "
@@ -238,6 +248,8 @@ class WorkerMetrics:
             self.prefix_cache_queries.inc(seq.num_prompt_tokens)
             if seq.num_cached_tokens:
                 self.prefix_cache_hits.inc(seq.num_cached_tokens)
+                self.prompt_tokens_cached.inc(seq.num_cached_tokens)
+            self.request_computed_tokens.observe(seq.num_prompt_tokens - seq.num_cached_tokens)
 
     def joined(self, seq: Sequence, now: float, *, batch_was_empty: bool) -> None:
         """Decode worker: ``seq``'s KV landed and its first token (sampled by the prefill worker) is known;
@@ -280,3 +292,6 @@ class WorkerMetrics:
             self.request_tpot.observe(decode / (seq.num_output_tokens - 1))
         self.request_prompt_tokens.observe(seq.num_prompt_tokens)
         self.request_generation_tokens.observe(seq.num_output_tokens)
+        # one choice per worker request: the largest max_tokens of its group is its own
+        self.request_max_tokens.observe(seq.sampling_params.max_tokens)
+        self.request_max_generation_tokens.observe(seq.sampling_params.max_tokens)

@@ -181,3 +181,65 @@ def test_worker_serves_exactly_the_listed_metrics(model_dir: Any) -> None:
     finally:
         close(w)
     assert served == listed
+
+
+# What inference-perf's vLLM collector reads (PyPI inference-perf 0.7.0,
+# inference_perf/client/modelserver/vllm_client.py, get_prometheus_metric_metadata: each metric queried
+# with the filter model_name='<model>'; counters as <name>_total or <name>, histograms through _sum, _count
+# and _bucket, gauges as named: inference_perf/client/modelserver/metrics/{counter,histogram,gauge}/base.py).
+# inference-perf needs Python >= 3.12 and a Prometheus server, so its list is checked here, not run.
+INFERENCE_PERF_VLLM = {
+    "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:num_requests_waiting": "gauge",
+    "vllm:request_time_per_output_token_seconds": "histogram", "vllm:num_requests_running": "gauge",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:num_preemptions": "counter",
+    "vllm:prefix_cache_hits": "counter", "vllm:prefix_cache_queries": "counter",
+    "vllm:request_queue_time_seconds": "histogram", "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+    "vllm:request_max_num_generation_tokens": "histogram", "vllm:request_params_n": "histogram",
+    "vllm:request_params_max_tokens": "histogram", "vllm:iteration_tokens_total": "histogram",
+    "vllm:prompt_tokens_cached": "counter", "vllm:external_prefix_cache_hits": "counter",
+    "vllm:external_prefix_cache_queries": "counter", "vllm:mm_cache_hits": "counter",
+    "vllm:mm_cache_queries": "counter", "vllm:corrupted_requests": "counter",
+    "vllm:request_prefill_kv_computed_tokens": "histogram",
+    "vllm:kv_block_idle_before_evict_seconds": "histogram", "vllm:kv_block_lifetime_seconds": "histogram",
+    "vllm:kv_block_reuse_gap_seconds": "histogram",
+}
+# read by inference-perf but not served by a pdserve worker, and why
+NOT_SERVED = {
+    "vllm:request_params_n": "a worker request is one choice; n is the gateway's",
+    "vllm:iteration_tokens_total": "the worker does not see a step's scheduled token count",
+    "vllm:external_prefix_cache_hits": "no external (connector) KV cache",
+    "vllm:external_prefix_cache_queries": "no external (connector) KV cache",
+    "vllm:mm_cache_hits": "no multimodal input", "vllm:mm_cache_queries": "no multimodal input",
+    "vllm:corrupted_requests": "vLLM serves it only with VLLM_COMPUTE_NANS_IN_LOGITS=1",
+    "vllm:kv_block_idle_before_evict_seconds": "vLLM serves it only with --kv-cache-metrics",
+    "vllm:kv_block_lifetime_seconds": "vLLM serves it only with --kv-cache-metrics",
+    "vllm:kv_block_reuse_gap_seconds": "vLLM serves it only with --kv-cache-metrics",
+}
+
+
+def test_worker_serves_what_inference_perf_vllm_collector_reads(model_dir: Any) -> None:
+    """After one request, every metric inference-perf's vLLM collector queries has the series its
+    queries select (model_name = the worker's model), except ``NOT_SERVED``, of which none is served."""
+    w = colocated_worker(model_dir)
+    try:
+        msgs: list[Any] = run(w, ColocatedRequest(request_id="r", prompt_token_ids=PROMPTS[0],
+                                                  sampling=wire(3, ignore_eos=True)))
+        pump([w], lambda: bool(of_type(msgs, RequestFinished)), sink=msgs)
+        found = samples(w.metrics.registry)
+        assert_clean(w)
+    finally:
+        close(w)
+    model = {"model_name": str(model_dir)}
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_sum", "_count", "_bucket")}
+    names = {n for n, _ in found}
+    for name, kind in INFERENCE_PERF_VLLM.items():
+        if name in NOT_SERVED:
+            assert not any(n.startswith(name) for n in names), f"{name} is served: drop it from NOT_SERVED"
+            continue
+        for suffix in suffixes[kind]:
+            assert any(n == name + suffix and set(model.items()) <= set(ls) for n, ls in found), name + suffix
+    assert value(found, "vllm:request_time_per_output_token_seconds_count") == 1
