@@ -13,6 +13,7 @@ The engine loop ticks between phases and at least every idle poll (0.5 s), so a 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -93,7 +94,9 @@ class HealthServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry, health: EngineHealth) -> None:
-        super().__init__((host, port), _Handler)
+        if ":" in host:  # an IPv6 address such as "::"
+            self.address_family = socket.AF_INET6
+        super().__init__((host.strip("[]"), port), _Handler)
         self.registry, self.health = registry, health
         self._thread: threading.Thread | None = None
 
