@@ -117,6 +117,8 @@ class DecodeWorker(WorkerLoop):
             self.receiver.admit_sender(msg.prefill_worker_id)
             self._reserve_canary(msg)
         elif isinstance(msg, AbortRequest):
+            if msg.request_id in self.request_ids():
+                self.metrics.aborted()
             self.drop(msg.request_id)
 
     def canary_blocks(self, num_bytes: int) -> int:

@@ -113,6 +113,8 @@ class PrefillWorker(WorkerLoop):
         elif isinstance(msg, KVCanarySend):
             self._send_canary(msg)
         elif isinstance(msg, AbortRequest):
+            if msg.request_id in self.seqs:  # not once its first token ended its part here
+                self.metrics.aborted()
             self.drop(msg.request_id)
 
     def _send_canary(self, msg: KVCanarySend) -> None:

@@ -43,6 +43,8 @@ class ColocatedWorker(WorkerLoop):
             self.seqs[msg.request_id] = self.core.add_request(msg.request_id, msg.prompt_token_ids,
                                                               msg.sampling)
         elif isinstance(msg, AbortRequest):
+            if msg.request_id in self.seqs:
+                self.metrics.aborted()
             self.drop(msg.request_id)
 
     def drop(self, request_id: str) -> None:

@@ -32,7 +32,9 @@ What a worker counts is what it computed, so a sum over the fleet counts each to
   exception: its first token after the recompute is counted with the step interval, not its stall.
 * ``vllm:num_requests_running`` / ``_waiting`` and ``vllm:kv_cache_usage_perc`` (a fraction, 1 = all
   blocks in use) are read from the worker's load at scrape time; ``vllm:num_preemptions`` from the
-  scheduler's counter. Aborted or failed requests are not counted in ``vllm:request_success``.
+  scheduler's counter. A request the gateway aborts while this worker holds it counts in
+  ``vllm:request_success{finished_reason="abort"}`` (not in the latency histograms); a failed request
+  (``RequestFailed``) is not counted.
 
 The engine loop pays one ``time.monotonic()`` and a few counter updates per step, and a few histogram
 updates per request at its first token and at its end.
@@ -63,7 +65,7 @@ TOKEN_INTERVAL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.
                           10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-FINISHED_REASONS = ("stop", "length")  # vLLM also has "abort": aborts are not counted here
+FINISHED_REASONS = ("stop", "length", "abort")
 
 
 def token_count_buckets(max_value: int) -> tuple[int, ...]:
@@ -272,6 +274,10 @@ class WorkerMetrics:
             self.itl.observe(interval, num_later)
             self.tpot.observe(interval, num_later)
         self._last_token_at = now
+
+    def aborted(self) -> None:
+        """The gateway aborted a request this worker held (before its part here ended)."""
+        self.request_success["abort"].inc()
 
     def finished(self, seq: Sequence, reason: str, now: float) -> None:
         """``seq``'s part on this worker ended at ``now`` with ``reason`` (stop, length): request_success and

@@ -243,3 +243,21 @@ def test_worker_serves_what_inference_perf_vllm_collector_reads(model_dir: Any) 
         for suffix in suffixes[kind]:
             assert any(n == name + suffix and set(model.items()) <= set(ls) for n, ls in found), name + suffix
     assert value(found, "vllm:request_time_per_output_token_seconds_count") == 1
+
+
+def test_abort_of_a_held_request_counts_once(model_dir: Any) -> None:
+    from protocol.messages import AbortRequest, NextToken
+
+    w = colocated_worker(model_dir)
+    try:
+        msgs: list[Any] = run(w, ColocatedRequest(request_id="r", prompt_token_ids=PROMPTS[1],
+                                                  sampling=wire(50, ignore_eos=True)))
+        pump([w], lambda: bool(of_type(msgs, NextToken)), sink=msgs)  # decoding now
+        run(w, AbortRequest(request_id="r"))
+        run(w, AbortRequest(request_id="r"))  # no longer held: not counted again
+        found = samples(w.metrics.registry)
+        assert value(found, "vllm:request_success_total", finished_reason="abort") == 1
+        assert value(found, "vllm:e2e_request_latency_seconds_count") == 0
+        assert_clean(w)
+    finally:
+        close(w)
