@@ -69,7 +69,8 @@ def main() -> None:
         a = greedy_tokens(plain, prompts, args.new_tokens)
         b = greedy_tokens(forced, prompts, args.new_tokens)
         same = sum(x == y for x, y in zip(a, b, strict=True))
-        print(f"greedy parity: {same}/{len(prompts)} prompts give the same {args.new_tokens} tokens", flush=True)
+        print(f"greedy parity: {same}/{len(prompts)} prompts give the same {args.new_tokens} tokens",
+              flush=True)
         result: dict[str, object] = {"parity_equal": same, "parity_prompts": len(prompts), "batches": {}}
         for batch in args.batches:
             rates: dict[str, list[float]] = {"plain": [], "tp": []}
