@@ -160,6 +160,10 @@ def _add_worker(add: _Adder, role: str) -> None:
     add("--advertise-host", default=None, help="address peers use to reach this worker (default --host)")
     add("--port", type=int, default=0, help="this worker's KV control port (0: any free port)")
     add("--worker-id", default="", help="default hostname-pid")
+    add("--tensor-parallel-size", type=int, default=1,
+        help="processes (one GPU each: cuda:0..N-1 of the visible devices) sharing the model; colocated "
+             "workers only for now (prefill/decode refuse N > 1: the KV transfer does not map split KV "
+             "heads)")
     add("--engine-warmup", default="auto", choices=["auto", "on", "off"],
         help="run throw-away requests before registering, so kernels compile first (auto: on CUDA only)")
     if role != "colocated":
