@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU (gloo): greedy tokens of two ranks equal one rank's and transformers' for
 tiny random Llama (KV heads split, a vocabulary the ranks split unevenly) and Qwen3 (one KV head,
 replicated on both ranks) in fp32, logprobs within 1e-4, in one continuous batch and again with prefix-cache
-hits; the distributed path forced at one rank equals the plain one; a dead rank fails the next step; the
-shard layout, the refusals and the step message."""
+hits, then a dead rank fails the next step; the distributed path forced at one rank equals the plain one;
+the shard layout, the refusals and the step message."""
 
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def test_two_ranks_match_one_rank_and_hf(arch, vocab, kv_heads, tmp_path):
         first = llm.generate(prompts, GREEDY)
         second = llm.generate(prompts[::-1], GREEDY)  # every full block a prefix-cache hit
         llm.core.check_no_leaks()
+        _dead_rank_fails_the_next_step(llm)
     for i, (one, two) in enumerate(zip(single, first, strict=True)):
         assert two.token_ids == one.token_ids, f"prompt {i}"
         torch.testing.assert_close(torch.tensor(two.logprobs), torch.tensor(one.logprobs), atol=1e-4, rtol=0)
@@ -75,19 +76,16 @@ def test_forced_distributed_at_one_rank_equals_plain(tmp_path):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
-def test_dead_rank_fails_the_next_step(tmp_path):
-    _save("LlamaForCausalLM", tmp_path / "m", 256, 2)
-    with LLM(str(tmp_path / "m"), tensor_parallel_size=2, timeout_s=20, **OPTIONS) as llm:
-        assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
-        ranks = llm.core.ranks
-        assert ranks is not None
-        ranks.followers[0].kill()
-        ranks.followers[0].join(10)
-        assert ranks.dead_followers()
-        start = time.monotonic()
-        with pytest.raises(Exception):  # noqa: B017 (gloo reports a lost peer as RuntimeError or DistError)
-            llm.generate([[5, 6, 7, 8]], GREEDY)
-        assert time.monotonic() - start < 30
+def _dead_rank_fails_the_next_step(llm: LLM) -> None:
+    ranks = llm.core.ranks
+    assert ranks is not None
+    ranks.followers[0].kill()
+    ranks.followers[0].join(10)
+    assert ranks.dead_followers()
+    start = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 (gloo reports a lost peer as RuntimeError or DistError)
+        llm.generate([[5, 6, 7, 8]], GREEDY)
+    assert time.monotonic() - start < 30
 
 
 def test_shard_layout_split_replicated_and_padded():
