@@ -111,7 +111,9 @@ class ParallelConfig:
     ``force_distributed``: at ``tensor_parallel_size=1`` still initialise ``torch.distributed`` (NCCL on
     CUDA, gloo on the CPU) and run the tensor-parallel forward with its collectives, to compare that path
     with the plain one; at 1 without it no ``torch.distributed`` is used.
-    ``timeout_s``: how long a rank waits for the others to join and in every collective.
+    ``timeout_s``: how long a rank waits for the others to join and in every collective of the forward
+    (a follower waits for rank 0's next step up to ``engine.distributed.IDLE_TIMEOUT_S``: an idle engine
+    sends none; a rank that exits fails its peers' waits at once).
     """
 
     tensor_parallel_size: int = 1

@@ -21,6 +21,10 @@ import torch.distributed as dist
 
 # what a rank waits for a peer in any collective before failing (torch.distributed's own timeout)
 DEFAULT_TIMEOUT_S = 600.0
+# the step-message group's timeout: a follower waits this long for rank 0's next step while the engine is
+# idle (a rank that exits closes its sockets, which fails the peers' waits at once, so this bounds only a
+# rank 0 that is alive but silent); under gloo's 2**31 ms limit
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def loopback_init_method() -> str:
@@ -118,7 +122,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         size: the number of ranks (1 is allowed: the distributed path at world size 1).
         init_method: ``tcp://host:port`` of rank 0's store (``loopback_init_method``) or ``env://``.
         device: this rank's device.
-        timeout_s: the deadline of the join and of every later collective.
+        timeout_s: the deadline of the join and of every later device collective (the step-message
+            group waits ``IDLE_TIMEOUT_S``: an idle engine sends no step).
 
     Raises:
         ValueError: ``rank`` outside ``[0, size)``, or ``torch.distributed`` already initialised in this
@@ -131,16 +136,16 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         raise ValueError("torch.distributed is already initialised in this process: one tensor parallel "
                          "engine per process")
     timeout = datetime.timedelta(seconds=timeout_s)
+    idle = datetime.timedelta(seconds=max(timeout_s, IDLE_TIMEOUT_S))
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size,
                                 timeout=timeout, device_id=device)
-        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=timeout)
-        cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    cpu_group = dist.new_group(backend="gloo", timeout=idle)
     return TensorParallel(rank=rank, size=size, distributed=True, cpu_group=cpu_group)
 
 
