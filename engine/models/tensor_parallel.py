@@ -170,6 +170,8 @@ def load_sharded_model(model_config: ModelConfig, tp: TensorParallel,
     dtype = resolve_dtype(model_config.dtype, cfg, device)
     with torch.device(device), no_init_weights():
         model: Any = AutoModelForCausalLM.from_config(local_config(cfg, tp.size), dtype=dtype)
+    if getattr(cfg, "tie_word_embeddings", False):  # one tensor, the rank's vocabulary rows of both
+        model.lm_head.weight = model.model.embed_tokens.weight
     if model_config.load_format == "dummy" or is_dummy_alias(model_config.model):
         init_dummy_weights(model, model_config.seed)
     else:

@@ -17,7 +17,13 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from engine.distributed import TensorParallel
 from engine.llm import LLM
 from engine.model_runner import ModelRunner
-from engine.models.tensor_parallel import ShardSpec, check_tensor_parallel, local_config, shard_spec
+from engine.models.tensor_parallel import (
+    ShardSpec,
+    check_tensor_parallel,
+    load_sharded_model,
+    local_config,
+    shard_spec,
+)
 from engine.sampling_params import SamplingParams
 from engine.step_batch import StepBatch
 from tests.engine.test_hf_parity import assert_matches_hf, make_prompts
@@ -104,6 +110,29 @@ def test_shard_layout_split_replicated_and_padded():
     local = local_config(cfg, 4)
     assert (local.num_attention_heads, local.num_key_value_heads, local.head_dim, local.intermediate_size,
             local.vocab_size) == (1, 1, 16, 32, 64)
+
+
+def test_rank_reads_its_slices_tied_embeddings_and_biases(tmp_path):
+    """Rank 1 of 2 of a Qwen2 (q/k/v biases) with tied embeddings and an odd vocabulary: every tensor is
+    the rank's slice of the checkpoint's, the LM head is the embedding's tensor, the padding row zero."""
+    cfg = tiny_config("Qwen2ForCausalLM", vocab=251)
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(3)
+    full = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    full.save_pretrained(tmp_path / "m")
+    local, whole = load_sharded_model(ModelConfig(str(tmp_path / "m"), dtype="float32", device="cpu"),
+                                      TensorParallel(rank=1, size=2), torch.device("cpu"))
+    assert whole.vocab_size == 251 and local.config.vocab_size == 126
+    want = full.state_dict()
+    attn, mlp = local.model.layers[1].self_attn, local.model.layers[1].mlp
+    torch.testing.assert_close(attn.q_proj.bias, want["model.layers.1.self_attn.q_proj.bias"][32:64])
+    torch.testing.assert_close(attn.k_proj.weight, want["model.layers.1.self_attn.k_proj.weight"][16:32])
+    torch.testing.assert_close(attn.o_proj.weight, want["model.layers.1.self_attn.o_proj.weight"][:, 32:64])
+    torch.testing.assert_close(mlp.down_proj.weight, want["model.layers.1.mlp.down_proj.weight"][:, 64:])
+    emb = local.model.embed_tokens.weight
+    assert local.lm_head.weight is emb
+    torch.testing.assert_close(emb[:125], want["model.embed_tokens.weight"][126:])
+    assert not emb[125].any()
 
 
 def test_refusals_name_the_mismatch():
