@@ -104,9 +104,39 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: ``tensor_parallel_size`` processes share one model, one device each
+    (``engine.models.tensor_parallel``, ``engine.tp_executor``).
+
+    ``force_distributed``: at ``tensor_parallel_size=1`` still initialise ``torch.distributed`` (NCCL on
+    CUDA, gloo on the CPU) and run the tensor-parallel forward with its collectives, to compare that path
+    with the plain one; at 1 without it no ``torch.distributed`` is used.
+    ``timeout_s``: how long a rank waits for the others to join and in every collective of the forward
+    (a follower waits for rank 0's next step up to ``engine.distributed.IDLE_TIMEOUT_S``: an idle engine
+    sends none; a rank that exits fails its peers' waits at once).
+    """
+
+    tensor_parallel_size: int = 1
+    force_distributed: bool = False
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s}")
+
+    @property
+    def distributed(self) -> bool:
+        """True when the ranks use ``torch.distributed`` (several ranks, or forced at one)."""
+        return self.tensor_parallel_size > 1 or self.force_distributed
+
+
+@dataclass(frozen=True)
 class EngineConfig:
-    """The three configs of one engine instance."""
+    """The configs of one engine instance (``parallel``: one rank, no ``torch.distributed``, by default)."""
 
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    parallel: ParallelConfig = ParallelConfig()

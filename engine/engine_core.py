@@ -24,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.structured_output import StructuredOutputs
+from engine.tp_executor import TensorParallelRanks
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +58,23 @@ class EngineCore:
         engine_config: model, cache and scheduler configs.
         prefill_only: prefill-worker mode (sequences end FINISHED_PREFILLED and keep their blocks).
 
+    With ``engine_config.parallel.distributed`` this process is tensor parallel rank 0 and the other ranks
+    run in processes of ``engine.tp_executor.TensorParallelRanks`` (``ranks``) until ``close``; steps then
+    never launch ahead (asynchronous scheduling is a single-rank path).
+
     Raises:
         ValueError / FileNotFoundError: from model loading or KV cache sizing.
     """
 
     def __init__(self, engine_config: EngineConfig, *, prefill_only: bool = False) -> None:
         self.config = engine_config
-        self.runner = ModelRunner(engine_config)
+        self.ranks = TensorParallelRanks(engine_config) if engine_config.parallel.distributed else None
+        try:
+            self.runner = ModelRunner(engine_config, self.ranks.tp if self.ranks is not None else None)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
         cache = engine_config.cache
         self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, cache.block_size,
                                           cache.enable_prefix_caching)
@@ -220,7 +231,7 @@ class EngineCore:
         outputs the host has now, which the sampler's ``min_tokens`` mask reads)."""
         graphs = self.runner.decode_graphs
         n = len(output.scheduled)
-        if not self.async_scheduling or graphs is None or not graphs.fits(n):
+        if not self.async_scheduling or graphs is None or not graphs.fits(n) or self.runner.tp.has_followers:
             return False
         return output.num_decodes == n and all(
             s.samples and s.num_scheduled_tokens == 1
@@ -242,6 +253,11 @@ class EngineCore:
             reason = None if status is running else FINISH_REASONS.get(status)
             outs.append(StepOutput(seq.request_id, r.token_id, r.logprob, r.top_logprobs, reason))
         return outs
+
+    def close(self) -> None:
+        """End the other tensor parallel ranks and leave the process group (no-op with one rank)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def check_no_leaks(self) -> None:
         """Raise ``AssertionError`` if any KV block is still referenced or a request is still held."""

@@ -99,24 +99,45 @@ class KVCachePool:
                 (the message gives the budget and the block size in bytes).
         """
         if num_blocks is None:
-            if not 0.0 < memory_fraction <= 1.0:
-                raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-            dev = torch.device(device)
-            if dev.type == "cuda":
-                free_bytes, _total = torch.cuda.mem_get_info(dev)
-            else:
-                if cpu_kv_bytes < 0:
-                    raise ValueError(f"cpu_kv_bytes must be >= 0, got {cpu_kv_bytes}")
-                free_bytes = cpu_kv_bytes
-            budget = int(free_bytes * memory_fraction)
-            per_block = cls.block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
-            num_blocks = budget // per_block
-            if num_blocks < 1:
-                raise ValueError(
-                    f"KV cache budget of {budget} bytes holds no block: one block takes {per_block} bytes "
-                    f"({num_layers} layers x K,V x {block_size} tokens x {num_kv_heads} heads x {head_dim})"
-                )
+            num_blocks = cls.fit_num_blocks(num_layers, block_size, num_kv_heads, head_dim, dtype, device,
+                                            memory_fraction, cpu_kv_bytes)
         return cls(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+
+    @classmethod
+    def fit_num_blocks(
+        cls,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        memory_fraction: float = 0.9,
+        cpu_kv_bytes: int = 1 << 30,
+    ) -> int:
+        """The block count ``from_memory`` allocates without ``num_blocks`` (nothing allocated).
+
+        Raises:
+            ValueError: as ``from_memory``.
+        """
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            free_bytes, _total = torch.cuda.mem_get_info(dev)
+        else:
+            if cpu_kv_bytes < 0:
+                raise ValueError(f"cpu_kv_bytes must be >= 0, got {cpu_kv_bytes}")
+            free_bytes = cpu_kv_bytes
+        budget = int(free_bytes * memory_fraction)
+        per_block = cls.block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds no block: one block takes {per_block} bytes "
+                f"({num_layers} layers x K,V x {block_size} tokens x {num_kv_heads} heads x {head_dim})"
+            )
+        return int(num_blocks)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.engine_core import EngineCore, StepOutput
 from engine.models.registry import resolve_model
 from engine.sampling_params import SamplingParams
@@ -50,7 +50,8 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
     Raises:
         ValueError: an option that is no field of those configs, or a bad value (from the configs).
     """
-    groups: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+    groups: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {},
+                                          ParallelConfig: {}}
     for key, value in options.items():
         owner = next((c for c in groups if key in {f.name for f in dataclasses.fields(c)}), None)
         if owner is None or key == "model":
@@ -58,7 +59,7 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
             raise ValueError(f"unknown LLM option {key!r}; known options: {known}")
         groups[owner][key] = value
     return EngineConfig(ModelConfig(model, **groups[ModelConfig]), CacheConfig(**groups[CacheConfig]),
-                        SchedulerConfig(**groups[SchedulerConfig]))
+                        SchedulerConfig(**groups[SchedulerConfig]), ParallelConfig(**groups[ParallelConfig]))
 
 
 class LLM:
@@ -67,7 +68,9 @@ class LLM:
     Args:
         model: HF directory or alias.
         options: any field of ``ModelConfig`` (dtype, device, attention_backend, load_format,
-            max_model_len, seed), ``CacheConfig`` (block_size, num_blocks, ...) or ``SchedulerConfig``.
+            max_model_len, seed), ``CacheConfig`` (block_size, num_blocks, ...), ``SchedulerConfig`` or
+            ``ParallelConfig`` (``tensor_parallel_size``: rank 0 here, the other ranks in processes of
+            their own until ``close``).
 
     Raises:
         ValueError / FileNotFoundError: unknown options, bad values, or model loading failures.
@@ -81,6 +84,16 @@ class LLM:
             load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
         )
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """End the tensor parallel ranks (``tensor_parallel_size > 1``); no-op otherwise."""
+        self.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -22,14 +22,17 @@ from engine.attention.backend import get_backend
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs, mask_placeholder
+from engine.distributed import TensorParallel, rank_device
 from engine.kv_cache import KVCachePool
 from engine.models.fused_model import PROJECTIONS, FusedCausalLM, unsupported_reason
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
-from engine.models.loader import load_model
+from engine.models.loader import load_model, resolve_device
+from engine.models.tensor_parallel import TensorParallelCausalLM, load_sharded_model, local_config
 from engine.ops.pdl import set_pdl
 from engine.sampler import GrammarMask, Sampler, SampleResult, SamplingRow, is_plain_greedy
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from engine.step_batch import StepBatch
 from engine.structured_output import fill_bitmasks
 
 
@@ -52,15 +55,30 @@ class ModelRunner:
         decode_graphs: ``DecodeCudaGraphs`` captured at start-up, or None (CPU, ``enforce_eager``, or a
             backend other than ``triton``); setting it to None makes every step eager.
 
+    Tensor parallelism (``tp`` distributed, ``engine.models.tensor_parallel``): each rank loads its
+    shard, runs ``TensorParallelCausalLM`` and holds its KV heads; the ranks agree on the smallest block
+    count; rank 0 broadcasts each step's ``StepBatch`` before its forward and the other ranks run
+    ``batch_logits`` on it (``engine.tp_executor``). ``tp`` None: ``TensorParallel.single()``.
+
     Raises:
         ValueError / FileNotFoundError: from loading, the backend choice or KV sizing; also when
-            ``max_model_len`` exceeds the model's ``max_position_embeddings``.
+            ``max_model_len`` exceeds the model's ``max_position_embeddings``, or when
+            ``tensor_parallel_size`` differs from ``tp.size``.
         RuntimeError: from CUDA when graph capture fails (set ``enforce_eager`` to run without graphs).
     """
 
-    def __init__(self, engine_config: EngineConfig) -> None:
+    def __init__(self, engine_config: EngineConfig, tp: TensorParallel | None = None) -> None:
         self.config = engine_config
-        self.model, self.hf_config = load_model(engine_config.model)
+        self.tp = tp if tp is not None else TensorParallel.single()
+        wanted_tp = engine_config.parallel.tensor_parallel_size
+        if wanted_tp != self.tp.size:
+            raise ValueError(f"tensor_parallel_size={wanted_tp} but this process is one of {self.tp.size} "
+                             "ranks: start the ranks with engine.tp_executor")
+        if self.tp.distributed:
+            device = rank_device(resolve_device(engine_config.model.device), self.tp)
+            self.model, self.hf_config = load_sharded_model(engine_config.model, self.tp, device)
+        else:
+            self.model, self.hf_config = load_model(engine_config.model)
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         if self.device.type == "cuda":
@@ -81,16 +99,20 @@ class ModelRunner:
         num_heads = int(cfg.num_attention_heads)
         head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // num_heads
         cache = engine_config.cache
+        num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
+        if self.tp.distributed:
+            num_kv_heads = int(local_config(cfg, self.tp.size).num_key_value_heads)
+        shape = (int(cfg.num_hidden_layers), cache.block_size, num_kv_heads, int(head_dim), self.dtype,
+                 self.device)
+        num_blocks = cache.num_blocks
+        if num_blocks is None and self.tp.distributed:  # every rank must hold rank 0's block ids
+            num_blocks = self.tp.min_int(KVCachePool.fit_num_blocks(
+                *shape, memory_fraction=cache.memory_fraction, cpu_kv_bytes=cache.cpu_kv_bytes))
         self.kv_cache = KVCachePool.from_memory(
-            num_layers=int(cfg.num_hidden_layers),
-            block_size=cache.block_size,
-            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
-            head_dim=int(head_dim),
-            dtype=self.dtype,
-            device=self.device,
+            *shape,
             memory_fraction=cache.memory_fraction,
             cpu_kv_bytes=cache.cpu_kv_bytes,
-            num_blocks=cache.num_blocks,
+            num_blocks=num_blocks,
         )
         self.sampler = Sampler()
         self._mask = mask_placeholder(self.device)
@@ -112,6 +134,15 @@ class ModelRunner:
             ValueError: ``fused_ops="on"`` for a model ``FusedCausalLM`` does not support.
         """
         reason = unsupported_reason(self.model)
+        if self.tp.distributed:
+            if fused_ops == "off" or reason is not None:
+                raise ValueError(f"tensor parallelism runs the fused forward: fused_ops={fused_ops!r}"
+                                 + (f", {reason}" if reason else ""))
+            use_triton = self.backend.name == "triton"
+            return TensorParallelCausalLM(
+                self.model, self.tp, int(self.hf_config.vocab_size), use_triton=use_triton,
+                gemv_projections=PROJECTIONS if use_triton and self.device.type == "cuda" else (),
+                max_positions=self.max_model_len)
         if fused_ops == "off" or (fused_ops == "auto" and (self.device.type != "cuda" or reason)):
             return self.model
         if reason is not None:
@@ -122,24 +153,22 @@ class ModelRunner:
                              max_positions=self.max_model_len)
 
     def _prepare_inputs(
-        self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None
+        self, batch: StepBatch, layer_hook: Callable[[int], None] | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Packed ``input_ids [1, T]``, ``position_ids [1, T]`` (int64), the indices ``[S_sample]`` of the
         rows to compute logits for, and the step's ``AttentionMetadata``."""
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
-        for s in output.scheduled:
-            start = s.seq.num_computed_tokens
-            end = start + s.num_scheduled_tokens
-            ids.extend(s.seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            if s.samples:
+        for tokens, start, samples in zip(batch.token_ids, batch.starts, batch.samples, strict=True):
+            ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            if samples:
                 sample_rows.append(len(ids) - 1)
         meta = build_attention_metadata(
-            [s.seq.block_table for s in output.scheduled],
-            [s.seq.num_computed_tokens for s in output.scheduled],
-            [s.num_scheduled_tokens for s in output.scheduled],
+            batch.block_tables,
+            batch.starts,
+            [len(tokens) for tokens in batch.token_ids],
             self.kv_cache.block_size,
             device=self.device,
             layer_hook=layer_hook,
@@ -161,14 +190,23 @@ class ModelRunner:
         Returns:
             ``[S_sample, vocab_size]`` logits in the model dtype, one row per ``samples=True`` entry in
             ``output.scheduled`` order.
+
+        With tensor parallel followers the step's ``StepBatch`` is broadcast to them first.
         """
+        batch = StepBatch.from_output(output)
+        if self.tp.has_followers:
+            self.tp.broadcast_bytes(batch.encode())
+        return self.batch_logits(batch, layer_hook)
+
+    @torch.inference_mode()
+    def batch_logits(self, batch: StepBatch,
+                     layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """``compute_logits`` of one step's ``StepBatch`` (what the other tensor parallel ranks run)."""
         graphs = self.decode_graphs
-        scheduled = output.scheduled
-        decode_only = output.num_decodes == len(scheduled) or all(
-            s.num_scheduled_tokens == 1 for s in scheduled)
-        if graphs is not None and layer_hook is None and decode_only and graphs.fits(len(output.scheduled)):
-            return self._graph_logits(graphs, output)
-        input_ids, position_ids, sample_rows, meta = self._prepare_inputs(output, layer_hook)
+        if (graphs is not None and layer_hook is None and batch.is_decode_only
+                and graphs.fits(len(batch.starts))):
+            return self._graph_logits(graphs, batch)
+        input_ids, position_ids, sample_rows, meta = self._prepare_inputs(batch, layer_hook)
         result = self.net(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -179,17 +217,13 @@ class ModelRunner:
         )
         return result.logits[0]
 
-    def _graph_logits(self, graphs: DecodeCudaGraphs, output: SchedulerOutput) -> torch.Tensor:
-        """Decode-only step through the bucket's CUDA graph: logits ``[S_sample, vocab_size]``. Passes each
-        ``Sequence.block_table`` list itself, so ``StaticDecodeInputs`` re-sends only the changed rows."""
-        seqs = [s.seq for s in output.scheduled]
-        logits = graphs.run(
-            [seq.token_ids[seq.num_computed_tokens] for seq in seqs],
-            [seq.num_computed_tokens for seq in seqs],
-            [seq.block_table for seq in seqs],
-        )
-        rows = [i for i, s in enumerate(output.scheduled) if s.samples]
-        if len(rows) == len(seqs):
+    def _graph_logits(self, graphs: DecodeCudaGraphs, batch: StepBatch) -> torch.Tensor:
+        """Decode-only step through the bucket's CUDA graph: logits ``[S_sample, vocab_size]``. On rank 0
+        passes each ``Sequence.block_table`` list itself, so ``StaticDecodeInputs`` re-sends only the
+        changed rows."""
+        logits = graphs.run([tokens[0] for tokens in batch.token_ids], batch.starts, batch.block_tables)
+        rows = [i for i, samples in enumerate(batch.samples) if samples]
+        if len(rows) == len(batch.samples):
             return logits
         return logits[torch.tensor(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
                       .to(self.device, non_blocking=True)]

@@ -141,6 +141,7 @@ class WorkerSettings:
     engine_warmup: str = "auto"
     metrics_port: int = 0  # /metrics, /health, /live on this TCP port (0: no such server)
     engine_stall_timeout: float = 60.0  # seconds without an engine-loop tick before /health is 503
+    tensor_parallel_size: int = 1
     curve_keys: str | None = None  # directory with the fleet's CURVE key pair (kvtransfer/curve.py)
     insecure_control_plane: bool = False  # no CURVE on the gateway and KV control sockets
     log_level: str = "info"
@@ -171,6 +172,11 @@ class WorkerSettings:
                f"must be nixl, ucx or loopback, got {self.transfer_backend!r}")
         _check(self.engine_warmup in ("auto", "on", "off"), "engine-warmup",
                f"must be auto, on or off, got {self.engine_warmup!r}")
+        _check(self.tensor_parallel_size >= 1, "tensor-parallel-size",
+               f"must be >= 1, got {self.tensor_parallel_size}")
+        _check(self.role == "colocated" or self.tensor_parallel_size == 1, "tensor-parallel-size",
+               f"{self.role} workers run one rank only (got {self.tensor_parallel_size}): the KV transfer "
+               "does not yet map KV heads split across tensor parallel ranks; use a colocated worker")
         _check_control_plane(self.curve_keys, self.insecure_control_plane)
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")

@@ -73,6 +73,7 @@ def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_on
 
     default_transport_env()
     watch = CompileWatch().install()  # a Triton compile after start-up is logged as a first-use stall
+    core: EngineCore | None = None
     try:
         core, path = build_core(settings, prefill_only=prefill_only)
         warm_up_core(settings, core)
@@ -81,10 +82,18 @@ def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_on
         watch.serving()
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         log.error("pdserve %s: cannot start: %s", settings.role, exc)
+        if core is not None:
+            core.close()
         return 1
     try:
         asyncio.run(worker.run())
     except (RegistrationError, OSError) as exc:  # OSError: --metrics-port could not be bound
         log.error("pdserve %s: %s", settings.role, exc)
+        return 1
+    finally:
+        lost = core.ranks.dead_followers() if core.ranks is not None else []
+        core.close()  # the other tensor parallel ranks end with this one
+    if lost:
+        log.error("pdserve %s: tensor parallel ranks lost: %s", settings.role, ", ".join(lost))
         return 1
     return 0

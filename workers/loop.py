@@ -222,6 +222,16 @@ class WorkerLoop:
         log.error("%s", exc, exc_info=exc.__cause__)
         for rid in exc.request_ids:
             self.fail(rid, str(exc))
+        self._stop_if_ranks_lost()
+
+    def _stop_if_ranks_lost(self) -> None:
+        """Stop serving (deregistering on the way out) when a tensor parallel rank of the engine died:
+        the engine cannot run another step, so no half-alive worker stays registered."""
+        ranks = self.core.ranks
+        lost = ranks.dead_followers() if ranks is not None else []
+        if lost:
+            log.error("tensor parallel ranks lost (%s): stopping the worker", ", ".join(lost))
+            self.request_stop()
 
     def fail(self, request_id: str, error: str) -> None:
         """Drop the request here and tell the gateway (``RequestFailed``); the worker keeps serving."""
@@ -302,6 +312,7 @@ class WorkerLoop:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
+            self._stop_if_ranks_lost()
             await self.control.send(Heartbeat(worker_id=self.worker_id, epoch=self.epoch, load=self._load))
 
     async def _engine_loop(self) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
     """The engine config of a worker: model, KV cache (``block_size`` tokens, ``num_blocks`` or
-    ``kv_memory_fraction``) and scheduler limits. Raises ``ValueError`` naming a bad value."""
+    ``kv_memory_fraction``), scheduler limits and tensor parallel size. Raises ``ValueError`` naming a bad
+    value."""
     return EngineConfig(
         ModelConfig(settings.model, dtype=settings.dtype, device=settings.device,
                     attention_backend=settings.attention_backend, enforce_eager=settings.enforce_eager,
@@ -32,6 +33,7 @@ def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
         SchedulerConfig(max_num_seqs=settings.max_num_seqs,
                         max_num_batched_tokens=settings.max_num_batched_tokens,
                         async_scheduling=settings.async_scheduling),
+        ParallelConfig(tensor_parallel_size=settings.tensor_parallel_size),
     )
 
 

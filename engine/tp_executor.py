@@ -1,0 +1,129 @@
+"""Tensor parallel ranks of one engine: rank 0 in the calling process (it runs the scheduler), ranks
+``1..N-1`` in processes started here, each running ``run_follower``.
+
+Each step rank 0's ``ModelRunner.compute_logits`` broadcasts the step's ``StepBatch`` (msgpack over the
+gloo CPU group, ``engine.distributed``) and every rank runs the same forward; the forward's all-reduces
+and all-gathers go over the device group (NCCL on CUDA, gloo on the CPU). Only rank 0 samples.
+
+Failure: a rank that dies makes the others' next collective fail (at the latest after
+``ParallelConfig.timeout_s``), so rank 0's step raises and the engine ends; a follower whose rank 0 is
+gone exits the same way. ``TensorParallelRanks.close`` sends the stop message, joins the followers with a
+deadline, kills any still alive and destroys the process group.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from multiprocessing.process import BaseProcess
+
+import torch
+
+from engine.config import EngineConfig
+from engine.distributed import TensorParallel, init_tensor_parallel, loopback_init_method, rank_device
+from engine.model_runner import ModelRunner
+from engine.models.loader import resolve_device
+from engine.step_batch import StepBatch
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 30.0  # how long close() waits for each follower to exit after the stop message
+
+
+def run_follower(engine_config: EngineConfig, tp: TensorParallel) -> int:
+    """Rank ``tp.rank > 0``'s loop: build its ``ModelRunner`` shard, then run each broadcast
+    ``StepBatch``'s forward until the stop message. Returns the number of steps run.
+
+    Raises:
+        RuntimeError / DistBackendError: rank 0 failed or went silent past the group's timeout.
+    """
+    runner = ModelRunner(engine_config, tp)
+    steps = 0
+    while True:
+        batch = StepBatch.decode(tp.broadcast_bytes(None))
+        if batch.stop:
+            return steps
+        with runner.on_device():
+            runner.batch_logits(batch)
+        steps += 1
+
+
+def _follower_main(engine_config: EngineConfig, rank: int, init_method: str, threads: int) -> None:
+    """Process entry of rank ``rank``: join the group, run ``run_follower``, leave the group."""
+    torch.set_num_threads(threads)
+    size = engine_config.parallel.tensor_parallel_size
+    device = rank_device(resolve_device(engine_config.model.device), TensorParallel(rank=rank, size=size))
+    tp = init_tensor_parallel(rank, size, init_method, device, engine_config.parallel.timeout_s)
+    try:
+        run_follower(engine_config, tp)
+    finally:
+        tp.close()
+
+
+class TensorParallelRanks:
+    """Starts ranks ``1..N-1`` and joins rank 0 (this process) to them.
+
+    Args:
+        engine_config: the engine's config (``parallel.distributed`` must be True).
+        init_method: rank 0's store address; default a free loopback port (all ranks on this host).
+
+    Attributes:
+        tp: rank 0's ``TensorParallel`` (give it to ``ModelRunner``).
+
+    Raises:
+        ValueError: ``parallel.distributed`` is False, or ``torch.distributed`` is already initialised
+            in this process.
+        RuntimeError / DistNetworkError: the ranks did not all join within ``parallel.timeout_s``
+            (the started processes are killed first).
+    """
+
+    def __init__(self, engine_config: EngineConfig, init_method: str | None = None) -> None:
+        parallel = engine_config.parallel
+        if not parallel.distributed:
+            raise ValueError("TensorParallelRanks needs tensor_parallel_size > 1 or force_distributed")
+        init_method = init_method or loopback_init_method()
+        ctx = mp.get_context("spawn")
+        self.followers: list[BaseProcess] = []
+        threads = torch.get_num_threads()
+        try:
+            for rank in range(1, parallel.tensor_parallel_size):
+                proc = ctx.Process(target=_follower_main, args=(engine_config, rank, init_method, threads),
+                                   name=f"pdserve-tp-rank{rank}", daemon=True)
+                proc.start()
+                self.followers.append(proc)
+            size = parallel.tensor_parallel_size
+            place = TensorParallel(rank=0, size=size)
+            device = rank_device(resolve_device(engine_config.model.device), place)
+            self.tp = init_tensor_parallel(0, size, init_method, device, parallel.timeout_s)
+        except BaseException:
+            self._kill()
+            raise
+        self._closed = False
+
+    def dead_followers(self) -> list[str]:
+        """Names and exit codes of followers no longer alive (empty while all run)."""
+        return [f"{p.name} (exit code {p.exitcode})" for p in self.followers if not p.is_alive()]
+
+    def close(self) -> None:
+        """Stop the followers (stop message, then join with ``JOIN_TIMEOUT_S`` each, then kill) and
+        destroy rank 0's process group. Idempotent; never raises for a follower already gone."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.followers and not self.dead_followers():
+            try:
+                self.tp.broadcast_bytes(StepBatch.stop_message().encode())
+            except Exception as exc:  # a follower died meanwhile: it is killed below
+                logger.warning("tensor parallel stop message failed: %s", exc)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for proc in self.followers:
+            proc.join(max(deadline - time.monotonic(), 0.0))
+        self._kill()
+        self.tp.close()
+
+    def _kill(self) -> None:
+        for proc in self.followers:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)

@@ -1,0 +1,159 @@
+"""Tensor parallelism on the CPU (gloo): greedy tokens of two ranks equal one rank's and transformers' for
+tiny random Llama (KV heads split, a vocabulary the ranks split unevenly) and Qwen3 (one KV head,
+replicated on both ranks) in fp32, logprobs within 1e-4, in one continuous batch and again with prefix-cache
+hits, then a dead rank fails the next step; the distributed path forced at one rank equals the plain one;
+the shard layout, the refusals and the step message."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.distributed import TensorParallel
+from engine.llm import LLM
+from engine.model_runner import ModelRunner
+from engine.models.tensor_parallel import (
+    ShardSpec,
+    check_tensor_parallel,
+    load_sharded_model,
+    local_config,
+    shard_spec,
+)
+from engine.sampling_params import SamplingParams
+from engine.step_batch import StepBatch
+from tests.engine.test_hf_parity import assert_matches_hf, make_prompts
+from tests.engine.test_loader import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0)
+OPTIONS = dict(dtype="float32", device="cpu", attention_backend="torch", block_size=4, num_blocks=256)
+
+
+def _save(arch: str, path: Path, vocab: int, kv_heads: int) -> torch.nn.Module:
+    """A random tiny ``arch`` (4 query heads of 16, ``kv_heads`` KV heads) saved at ``path``; its HF model."""
+    cfg = tiny_config(arch, vocab=vocab)
+    cfg.num_key_value_heads = kv_heads
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+@pytest.mark.parametrize(("arch", "vocab", "kv_heads"), [("LlamaForCausalLM", 253, 2),
+                                                          ("Qwen3ForCausalLM", 256, 1)])
+def test_two_ranks_match_one_rank_and_hf(arch, vocab, kv_heads, tmp_path):
+    model = _save(arch, tmp_path / "m", vocab, kv_heads)
+    prompts = make_prompts(vocab=vocab)[::2]  # 11 prompts, three of them sharing a 13-token prefix
+    single = LLM(str(tmp_path / "m"), **OPTIONS).generate(prompts, GREEDY)
+    with LLM(str(tmp_path / "m"), tensor_parallel_size=2, timeout_s=120, **OPTIONS) as llm:
+        runner = llm.core.runner
+        assert runner.tp.size == 2 and runner.kv_cache.num_kv_heads == max(kv_heads // 2, 1)
+        assert runner.model.model.embed_tokens.weight.shape[0] == (vocab + 1) // 2
+        first = llm.generate(prompts, GREEDY)
+        second = llm.generate(prompts[::-1], GREEDY)  # every full block a prefix-cache hit
+        llm.core.check_no_leaks()
+        _dead_rank_fails_the_next_step(llm)
+    for i, (one, two) in enumerate(zip(single, first, strict=True)):
+        assert two.token_ids == one.token_ids, f"prompt {i}"
+        torch.testing.assert_close(torch.tensor(two.logprobs), torch.tensor(one.logprobs), atol=1e-4, rtol=0)
+    assert_matches_hf(model, prompts, first, eos=2, max_tokens=GREEDY.max_tokens)
+    assert [o.token_ids for o in second] == [o.token_ids for o in first[::-1]]
+    assert sum(o.num_cached_tokens for o in second) >= sum(len(p) // 4 * 4 - 4 for p in prompts if len(p) > 4)
+
+
+def test_forced_distributed_at_one_rank_equals_plain(tmp_path):
+    """The tensor-parallel forward with its collectives (gloo, world size 1) gives the plain path's
+    tokens and logprobs (the H200 NCCL check runs the same comparison: bench/tp_world1.py)."""
+    _save("LlamaForCausalLM", tmp_path / "m", 256, 2)
+    prompts = make_prompts()[::3]
+    plain = LLM(str(tmp_path / "m"), **OPTIONS).generate(prompts, GREEDY)
+    with LLM(str(tmp_path / "m"), force_distributed=True, timeout_s=60, **OPTIONS) as llm:
+        assert llm.core.runner.tp.distributed and llm.core.ranks is not None
+        forced = llm.generate(prompts, GREEDY)
+        llm.core.check_no_leaks()
+    assert [o.token_ids for o in forced] == [o.token_ids for o in plain]
+    for a, b in zip(forced, plain, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def _dead_rank_fails_the_next_step(llm: LLM) -> None:
+    ranks = llm.core.ranks
+    assert ranks is not None
+    ranks.followers[0].kill()
+    ranks.followers[0].join(10)
+    assert ranks.dead_followers()
+    start = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 (gloo reports a lost peer as RuntimeError or DistError)
+        llm.generate([[5, 6, 7, 8]], GREEDY)
+    assert time.monotonic() - start < 30
+
+
+def test_shard_layout_split_replicated_and_padded():
+    cfg = tiny_config("LlamaForCausalLM", vocab=253)  # 4 heads, 2 KV heads, head_dim 16, width 128
+    r1 = TensorParallel(rank=1, size=2)
+    assert shard_spec("model.layers.0.self_attn.q_proj.weight", cfg, r1) == ShardSpec(0, 32, 32, 64)
+    assert shard_spec("model.layers.0.self_attn.k_proj.weight", cfg, r1) == ShardSpec(0, 16, 16, 32)
+    assert shard_spec("model.layers.0.self_attn.o_proj.weight", cfg, r1) == ShardSpec(1, 32, 32, 64)
+    assert shard_spec("model.layers.0.self_attn.o_proj.bias", cfg, r1) is None  # added after the sum
+    assert shard_spec("model.layers.0.mlp.up_proj.weight", cfg, r1) == ShardSpec(0, 64, 64, 128)
+    assert shard_spec("model.layers.0.mlp.down_proj.weight", cfg, r1) == ShardSpec(1, 64, 64, 128)
+    assert shard_spec("lm_head.weight", cfg, r1) == ShardSpec(0, 127, 127, 253)  # 1 padding row
+    assert shard_spec("model.norm.weight", cfg, r1) is None
+    r3 = TensorParallel(rank=3, size=4)  # 2 KV heads on 4 ranks: ranks 2 and 3 share KV head 1
+    assert shard_spec("model.layers.0.self_attn.v_proj.weight", cfg, r3) == ShardSpec(0, 16, 16, 32)
+    local = local_config(cfg, 4)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.head_dim, local.intermediate_size,
+            local.vocab_size) == (1, 1, 16, 32, 64)
+
+
+def test_rank_reads_its_slices_tied_embeddings_and_biases(tmp_path):
+    """Rank 1 of 2 of a Qwen2 (q/k/v biases) with tied embeddings and an odd vocabulary: every tensor is
+    the rank's slice of the checkpoint's, the LM head is the embedding's tensor, the padding row zero."""
+    cfg = tiny_config("Qwen2ForCausalLM", vocab=251)
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(3)
+    full = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    full.save_pretrained(tmp_path / "m")
+    local, whole = load_sharded_model(ModelConfig(str(tmp_path / "m"), dtype="float32", device="cpu"),
+                                      TensorParallel(rank=1, size=2), torch.device("cpu"))
+    assert whole.vocab_size == 251 and local.config.vocab_size == 126
+    want = full.state_dict()
+    attn, mlp = local.model.layers[1].self_attn, local.model.layers[1].mlp
+    torch.testing.assert_close(attn.q_proj.bias, want["model.layers.1.self_attn.q_proj.bias"][32:64])
+    torch.testing.assert_close(attn.k_proj.weight, want["model.layers.1.self_attn.k_proj.weight"][16:32])
+    torch.testing.assert_close(attn.o_proj.weight, want["model.layers.1.self_attn.o_proj.weight"][:, 32:64])
+    torch.testing.assert_close(mlp.down_proj.weight, want["model.layers.1.mlp.down_proj.weight"][:, 64:])
+    emb = local.model.embed_tokens.weight
+    assert local.lm_head.weight is emb
+    torch.testing.assert_close(emb[:125], want["model.embed_tokens.weight"][126:])
+    assert not emb[125].any()
+
+
+def test_refusals_name_the_mismatch():
+    with pytest.raises(ValueError, match="mixtures of experts"):
+        check_tensor_parallel(tiny_config("MixtralForCausalLM"), 2)
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        check_tensor_parallel(tiny_config("LlamaForCausalLM"), 3)
+    odd = tiny_config("LlamaForCausalLM")
+    odd.num_attention_heads, odd.num_key_value_heads = 6, 3
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        check_tensor_parallel(odd, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        ParallelConfig(tensor_parallel_size=0)
+    config = EngineConfig(ModelConfig("tiny-llama", device="cpu"), CacheConfig(num_blocks=8),
+                          SchedulerConfig(), ParallelConfig(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 but this process is one of 1 ranks"):
+        ModelRunner(config)
+
+
+def test_step_batch_round_trip():
+    batch = StepBatch([[7], [1, 2, 3]], [12, 0], [[4, 5], [9]], [True, False])
+    again = StepBatch.decode(batch.encode())
+    assert again == batch and not again.stop and not again.is_decode_only
+    assert StepBatch.decode(StepBatch.stop_message().encode()).stop

@@ -1,0 +1,64 @@
+"""``--tensor-parallel-size``: prefill and decode workers refuse N > 1 with a one-line error naming the KV
+transfer; a colocated worker over two CPU ranks (gloo) serves a request, and when a rank dies the step's
+requests fail and the worker stops (it deregisters on the way out)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.engine_core import EngineCore
+from pdserve.cli import main
+from protocol.messages import ColocatedRequest, RequestFailed, RequestFinished
+from protocol.settings import WorkerSettings
+from tests.workers.helpers import BLOCK_SIZE, of_type, pump, settings, wire
+from workers.colocated import ColocatedWorker
+from workers.setup import engine_config_from_settings
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_prefill_and_decode_refuse_more_than_one_rank(role, monkeypatch, capsys):
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size: .*KV transfer"):
+        WorkerSettings(role=role, tensor_parallel_size=2, insecure_control_plane=True)
+    monkeypatch.setenv("PDSERVE_INSECURE_CONTROL_PLANE", "1")
+    assert main([role, "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--tensor-parallel-size" in err and "KV transfer" in err
+
+
+def test_settings_reach_the_engine_config():
+    s = WorkerSettings(role="colocated", tensor_parallel_size=4, insecure_control_plane=True)
+    assert engine_config_from_settings(s).parallel.tensor_parallel_size == 4
+    with pytest.raises(ValueError, match="--tensor-parallel-size: must be >= 1"):
+        WorkerSettings(role="colocated", tensor_parallel_size=0, insecure_control_plane=True)
+
+
+def test_colocated_two_ranks_serve_then_a_lost_rank_stops_the_worker(model_dir):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks spin against each other on a 2-core machine otherwise
+    core = EngineCore(EngineConfig(
+        ModelConfig(str(model_dir), load_format="dummy", dtype="float32", device="cpu",
+                    attention_backend="torch"),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=32), SchedulerConfig(max_num_seqs=4),
+        ParallelConfig(tensor_parallel_size=2, timeout_s=30)))
+    worker = ColocatedWorker(settings("colocated", "c0", model_dir), core, str(model_dir))
+    stops: list[bool] = []
+    worker.request_stop = lambda: stops.append(True)  # type: ignore[method-assign]
+    try:
+        msgs: list[Any] = []
+        worker.deliver(ColocatedRequest(request_id="r", prompt_token_ids=[5, 6, 7, 8], sampling=wire(3)))
+        pump([worker], lambda: bool(of_type(msgs, RequestFinished)), timeout=60, sink=msgs)
+        assert of_type(msgs, RequestFinished)[0].num_output_tokens == 3 and not stops
+        assert core.ranks is not None
+        core.ranks.followers[0].kill()
+        core.ranks.followers[0].join(10)
+        worker.deliver(ColocatedRequest(request_id="s", prompt_token_ids=[5, 6, 7], sampling=wire(3)))
+        pump([worker], lambda: bool(of_type(msgs, RequestFailed, "s")), timeout=60, sink=msgs)
+        assert stops, "the worker kept serving without its second rank"
+        core.block_manager.check_no_leaks()
+    finally:
+        core.close()
+        torch.set_num_threads(threads)
