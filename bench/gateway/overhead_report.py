@@ -33,6 +33,7 @@ def render_markdown(res: OverheadResult) -> str:
              f"- machine: {m['nproc']} cores ({m['cpu']}), {m['platform']}, Python {m['python']}, "
              "load average at start " + ", ".join(f"{x:.2f}" for x in m["loadavg_start"]),  # type: ignore[attr-defined]
              f"- date: {res.date}",
+             f"- targets: {', '.join(dict.fromkeys(lv.target for lv in res.levels)) or 'none'}",
              f"- per level: {c['requests']} streamed `/v1/completions` requests after {c['warmup']} "
              f"warm-up, {c['max_tokens']} output tokens each; fake delays: prefill {c['prefill_delay_s']} s, "
              f"token {c['token_delay_s']} s", f"- leak check after each gateway target: {res.leaks}", "",
@@ -106,11 +107,15 @@ def render_curve_cost(cost: CurveCost, max_tokens: int) -> list[str]:
         plain_of = {r.round: r for r in plain}
         paired = [c.gateway_us_per_token / plain_of[c.round].gateway_us_per_token for c in curve
                   if c.round in plain_of and plain_of[c.round].gateway_us_per_token > 0]
+        pooled_c = sum(r.gateway_cpu_s for r in curve) / max(1, sum(r.tokens for r in curve)) * 1e6
+        pooled_p = sum(r.gateway_cpu_s for r in plain) / max(1, sum(r.tokens for r in plain)) * 1e6
         lines += ["", f"- gateway CPU per output token, {arms[0]} / {arms[1]} (medians): {gw_c:.1f} / "
                   f"{gw_p:.1f} µs = **{gw_c / gw_p:.3f}** (CURVE adds {gw_c - gw_p:+.1f} µs, "
                   f"{(gw_c / gw_p - 1) * 100:+.1f} % of the gateway's per-token CPU)" if gw_p > 0 else "",
                   f"- per round (same round, both arms): {', '.join(f'{x:.3f}' for x in paired)}; "
                   f"median {_spread(paired, '.3f')}",
+                  f"- pooled (all rounds' CPU over all rounds' tokens): {pooled_c:.1f} / {pooled_p:.1f} µs"
+                  + (f" = {pooled_c / pooled_p:.3f}" if pooled_p > 0 else ""),
                   f"- fake workers' CPU per output token, {arms[0]} / {arms[1]}: {wk_c:.1f} / {wk_p:.1f} µs"
                   + (f" = {wk_c / wk_p:.3f}" if wk_p > 0 else "")]
     return lines

@@ -100,6 +100,7 @@ def test_curve_cost_report_gives_medians_spread_and_ratio() -> None:
     assert "| disagg-insecure | 30/30 | 100.0 [90.0–110.0] |" in text
     assert "121.0 / 100.0 µs = **1.210** (CURVE adds +21.0 µs, +21.0 %" in text
     assert "per round (same round, both arms): 1.050, 1.100, 3.333" in text
+    assert "pooled (all rounds' CPU over all rounds' tokens): 175.3 / 100.0 µs = 1.753" in text
     assert "1.00, 2.00, 3.00 / 3.00, 2.00, 1.00" in text
 
 
