@@ -26,7 +26,9 @@ measured in ``--curve-rounds`` alternated rounds (CURVE first in even rounds, pl
 ``--requests`` streamed requests at ``--curve-concurrency`` streams each, after ``--warmup`` per arm. Per
 round and arm: the CPU seconds (user + system, ``psutil``, the process and its descendants, clock-tick
 resolution) the gateway process spent during the round, over the output tokens streamed in it = the
-gateway's CPU per output token; the fake workers' likewise (CURVE costs them too); and the round's p50
+gateway's CPU per output token; the part of it in the gateway's libzmq I/O threads (``ZMQbg/IO/<n>``,
+where libzmq encrypts and decrypts CURVE frames: where CURVE's cost goes); the fake workers' CPU per
+token likewise (CURVE costs them too); and the round's p50
 added TPOT (latency, noisy on a shared machine). The report gives each arm's median and spread (min–max
 over rounds), the ratio of the medians and each round's CURVE / plain ratio. CPU time is what CURVE
 costs the gateway (its encryption and ZAP work), independent of how long other jobs on the machine
@@ -124,9 +126,9 @@ class LevelResult(msgspec.Struct, kw_only=True):
 
 class CurveRound(msgspec.Struct, kw_only=True):
     """One arm's part of one ``--curve-cost`` round: ``tokens`` output tokens streamed by ``completed`` of
-    ``requests`` requests in ``wall_s``; CPU seconds (user + system) of the gateway process and of the fake
-    workers over the round; the round's p50 added TPOT (ms). ``gateway_us_per_token`` = gateway CPU µs per
-    output token."""
+    ``requests`` requests in ``wall_s``; CPU seconds (user + system) of the gateway process, of its libzmq
+    I/O threads (part of it: where CURVE's encryption runs) and of the fake workers over the round; the
+    round's p50 added TPOT (ms). ``*_us_per_token`` = those CPU µs per output token."""
 
     arm: str
     round: int
@@ -139,6 +141,8 @@ class CurveRound(msgspec.Struct, kw_only=True):
     gateway_us_per_token: float
     workers_us_per_token: float
     added_tpot_p50_ms: float | None
+    gateway_zmq_io_cpu_s: float = 0.0
+    gateway_zmq_io_us_per_token: float = 0.0
 
 
 class CurveCost(msgspec.Struct, kw_only=True):
@@ -281,6 +285,19 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def zmq_io_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds so far of process ``pid``'s libzmq I/O threads (named ``ZMQbg/IO/<n>``):
+    where libzmq frames, and with CURVE encrypts and decrypts, every message of its sockets. Threads that
+    exited are not counted (libzmq's live as long as their context). Raises psutil.NoSuchProcess if ``pid``
+    is gone."""
+    total = 0.0
+    for t in psutil.Process(pid).threads():
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/task/{t.id}/comm").read_text().startswith("ZMQbg/IO"):
+                total += t.user_time + t.system_time
+    return total
+
+
 def run_curve_rounds(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, concurrency: int,
                      rounds: int) -> CurveCost:
     """``--curve-cost`` (see the module docstring): both arms started side by side, ``cfg.warmup``
@@ -304,16 +321,19 @@ def run_curve_rounds(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, co
             for arm in CURVE_ARMS if r % 2 == 0 else CURVE_ARMS[::-1]:
                 kids = sups[arm].children
                 gw_pid, worker_pids = kids["gateway"].pid, [kids[n].pid for n in ("prefill", "decode")]
-                gw0, wk0 = cpu_seconds(gw_pid), sum(map(cpu_seconds, worker_pids))
+                gw0, io0 = cpu_seconds(gw_pid), zmq_io_cpu_seconds(gw_pid)
+                wk0 = sum(map(cpu_seconds, worker_pids))
                 records, wall = asyncio.run(run_level(urls[arm], measured, concurrency))
                 gw, wk = cpu_seconds(gw_pid) - gw0, sum(map(cpu_seconds, worker_pids)) - wk0
+                io = zmq_io_cpu_seconds(gw_pid) - io0
                 tokens = sum(rec.output_tokens for rec in records)
                 lv = summarize_level(arm, concurrency, records, wall, cfg)
                 per_token = 1e6 / tokens if tokens else 0.0
                 out.append(CurveRound(
                     arm=arm, round=r, requests=len(records), completed=lv.completed, tokens=tokens,
                     wall_s=wall, gateway_cpu_s=gw, workers_cpu_s=wk, gateway_us_per_token=gw * per_token,
-                    workers_us_per_token=wk * per_token,
+                    workers_us_per_token=wk * per_token, gateway_zmq_io_cpu_s=io,
+                    gateway_zmq_io_us_per_token=io * per_token,
                     added_tpot_p50_ms=lv.added_tpot_ms.median if lv.added_tpot_ms else None))
         for arm in CURVE_ARMS:
             leaks[arm] = check_no_leaks(urls[arm], "fake-decode")

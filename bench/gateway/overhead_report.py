@@ -90,13 +90,15 @@ def render_curve_cost(cost: CurveCost, max_tokens: int) -> list[str]:
              + ", ".join(f"{x:.2f}" for x in cost.loadavg_end), f"- leak check per arm: {cost.leaks}", "",
              "Median [min–max] over rounds. CPU = user + system seconds of the process (and descendants) "
              "during the round over the output tokens streamed in it.", "",
-             "| arm | ok/sent | gateway CPU µs / token | fake workers CPU µs / token | p50 added TPOT ms |",
-             "|---|---:|---:|---:|---:|"]
+             "| arm | ok/sent | gateway CPU µs / token | of which its zmq I/O threads "
+             "| fake workers CPU µs / token | p50 added TPOT ms |",
+             "|---|---:|---:|---:|---:|---:|"]
     for a in arms:
         rs = by_arm[a]
         tpot = [r.added_tpot_p50_ms for r in rs if r.added_tpot_p50_ms is not None]
         lines.append(f"| {a} | {sum(r.completed for r in rs)}/{sum(r.requests for r in rs)} "
                      f"| {_spread([r.gateway_us_per_token for r in rs])} "
+                     f"| {_spread([r.gateway_zmq_io_us_per_token for r in rs])} "
                      f"| {_spread([r.workers_us_per_token for r in rs])} | {_spread(tpot, '.3f')} |")
     if len(arms) == 2:
         curve, plain = by_arm[arms[0]], by_arm[arms[1]]
@@ -107,6 +109,8 @@ def render_curve_cost(cost: CurveCost, max_tokens: int) -> list[str]:
         plain_of = {r.round: r for r in plain}
         paired = [c.gateway_us_per_token / plain_of[c.round].gateway_us_per_token for c in curve
                   if c.round in plain_of and plain_of[c.round].gateway_us_per_token > 0]
+        io_c = statistics.median(r.gateway_zmq_io_us_per_token for r in curve)
+        io_p = statistics.median(r.gateway_zmq_io_us_per_token for r in plain)
         pooled_c = sum(r.gateway_cpu_s for r in curve) / max(1, sum(r.tokens for r in curve)) * 1e6
         pooled_p = sum(r.gateway_cpu_s for r in plain) / max(1, sum(r.tokens for r in plain)) * 1e6
         lines += ["", f"- gateway CPU per output token, {arms[0]} / {arms[1]} (medians): {gw_c:.1f} / "
@@ -116,6 +120,10 @@ def render_curve_cost(cost: CurveCost, max_tokens: int) -> list[str]:
                   f"median {_spread(paired, '.3f')}",
                   f"- pooled (all rounds' CPU over all rounds' tokens): {pooled_c:.1f} / {pooled_p:.1f} µs"
                   + (f" = {pooled_c / pooled_p:.3f}" if pooled_p > 0 else ""),
+                  f"- the gateway's zmq I/O threads (CURVE's encryption runs there), {arms[0]} / {arms[1]} "
+                  f"(medians): {io_c:.1f} / {io_p:.1f} µs per output token (CURVE adds {io_c - io_p:+.1f} µs"
+                  + (f", {(io_c - io_p) / gw_p * 100:+.1f} % of the gateway's per-token CPU)" if gw_p > 0
+                     else ")"),
                   f"- fake workers' CPU per output token, {arms[0]} / {arms[1]}: {wk_c:.1f} / {wk_p:.1f} µs"
                   + (f" = {wk_c / wk_p:.3f}" if wk_p > 0 else "")]
     return lines
