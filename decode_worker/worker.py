@@ -57,8 +57,8 @@ log = logging.getLogger("pdserve.decode")
 def make_receiver(settings: WorkerSettings, core: EngineCore) -> KVReceiver:
     """A started ``KVReceiver`` over ``--transfer-backend`` into the engine's ``kv_buffer``, its control
     socket bound at ``--host``:``--port`` (0 = any free port): a CURVE server with ``--curve-keys``, and
-    fenced: only prefill workers the gateway named in a ``ReserveKV`` or ``KVCanaryReserve`` may
-    handshake (kvtransfer's ``fence_senders``)."""
+    fenced: only the prefill worker incarnations (worker id, KV sender epoch) the gateway named last in a
+    ``ReserveKV`` or ``KVCanaryReserve`` may handshake (kvtransfer's ``fence_senders``)."""
     config = TransferConfig(worker_id=settings.worker_id, model_id=settings.model,
                             backend=settings.transfer_backend, host=settings.host, port=settings.port,
                             peer_timeout_s=5.0, curve=control_keys(settings), fence_senders=True)
@@ -107,14 +107,15 @@ class DecodeWorker(WorkerLoop):
         """``ReserveKV`` / ``DecodeRequest`` / ``AbortRequest``. Raises ``ValueError`` for a bad request
         (bad prompt, an id already on this worker, a ``DecodeRequest`` without reservation)."""
         if isinstance(msg, ReserveKV):
-            self.receiver.admit_sender(msg.prefill_worker_id)  # named by the gateway: may handshake
+            # named by the gateway: this incarnation (and only it) may handshake
+            self.receiver.admit_sender(msg.prefill_worker_id, msg.prefill_sender_epoch)
             self._reserve_new(msg)
         elif isinstance(msg, DecodeRequest):
             if msg.request_id not in self.in_flight:
                 raise ValueError(f"DecodeRequest for {msg.request_id!r}, which has no KV reservation here")
             self.first_tokens[msg.request_id] = msg.first_token_id
         elif isinstance(msg, KVCanaryReserve):
-            self.receiver.admit_sender(msg.prefill_worker_id)
+            self.receiver.admit_sender(msg.prefill_worker_id, msg.prefill_sender_epoch)
             self._reserve_canary(msg)
         elif isinstance(msg, AbortRequest):
             if msg.request_id in self.request_ids():

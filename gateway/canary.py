@@ -180,6 +180,7 @@ class CanaryTracker:
         pair.canary, pair.deadline, pair.next_at = cid, now + self.timeout_s, math.inf
         self._canaries[cid] = (p.worker_id, d.worker_id)
         await self._send(d.identity, KVCanaryReserve(canary_id=cid, prefill_worker_id=p.worker_id,
+                                                     prefill_sender_epoch=p.info.kv_sender_epoch,
                                                      timeout_s=self.timeout_s, num_bytes=self.num_bytes))
 
     async def _expire(self, pair: PairHealth, p: WorkerEntry, d: WorkerEntry) -> None:

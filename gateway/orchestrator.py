@@ -296,7 +296,8 @@ class Orchestrator:
             req.phase = RequestPhase.RESERVING_KV
             await self._hold_and_send(req, route.decode, ReserveKV(
                 request_id=att.request_id, prompt_token_ids=att.prompt_token_ids, sampling=att.sampling,
-                prefill_worker_id=route.prefill.worker_id))
+                prefill_worker_id=route.prefill.worker_id,
+                prefill_sender_epoch=route.prefill.info.kv_sender_epoch))
         elif route.kind == "prefill_only":
             assert route.prefill is not None
             req.phase = RequestPhase.PREFILLING

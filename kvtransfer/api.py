@@ -256,13 +256,15 @@ class KVReceiver(Protocol):
     def refused_handshakes(self) -> int:
         """Peers refused so far: handshakes of the CURVE control socket (config.curve set: a peer
         without the fleet's key pair; curve.py) and, with config.fence_senders, Hellos of senders not
-        admitted. Any thread."""
+        admitted (unknown id, or an admitted id with another epoch). Any thread."""
         ...
 
-    def admit_sender(self, sender_id: str) -> None:
-        """Let the sender `sender_id` complete the KV handshake (config.fence_senders: only admitted
-        senders may; the worker admits those named to it over the authenticated control plane). Any
-        thread; admitted for the receiver's lifetime."""
+    def admit_sender(self, sender_id: str, epoch: int) -> None:
+        """Let the sender `sender_id` of incarnation `epoch` (its KVSender.epoch) complete the KV
+        handshake (config.fence_senders: only the pair last admitted for an id may; the worker admits
+        those named to it over the authenticated control plane). Admitting another epoch for an id
+        replaces the one admitted before: Hellos of the earlier incarnation are refused from then on.
+        Any thread."""
         ...
 
     def drop_sender(self, sender_id: str, reason: str) -> None:

@@ -70,7 +70,7 @@ class ReceiverEndpoint:
         self._loop = LoopThread(f"kv-receiver-{config.worker_id}", label, self._step, self._teardown,
                                 self._crashed, Waker())
         self._senders = SenderPeers(config)
-        self._admitted: set[str] = set()  # sender ids admit_sender let in (fence_senders)
+        self._admitted: dict[str, int] = {}  # sender id → the epoch admit_sender let in (fence_senders)
         self._control = RecvControl(config, self.epoch, self.compat, kv_buffer, self.layout, transport,
                                     self._requests, self._senders, self._send)
         self.refusals = Refusals(f"KV control socket of {config.worker_id}")
@@ -206,9 +206,10 @@ class ReceiverEndpoint:
         """Peers refused so far (api.KVReceiver.refused_handshakes)."""
         return self.refusals.total()
 
-    def admit_sender(self, sender_id: str) -> None:
-        """Let `sender_id` handshake (api.KVReceiver.admit_sender); set.add is atomic under the GIL."""
-        self._admitted.add(sender_id)
+    def admit_sender(self, sender_id: str, epoch: int) -> None:
+        """Let `sender_id` of `epoch` handshake (api.KVReceiver.admit_sender); one dict store, atomic under
+        the GIL (the loop thread reads it)."""
+        self._admitted[sender_id] = epoch
 
     # ---- the loop thread ----------------------------------------------------------------------------
     def _step(self) -> None:

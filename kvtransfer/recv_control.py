@@ -8,9 +8,13 @@ sender (it writes nothing more), Withdraw (a PENDING request no sender claimed),
 (receiver.py), its deadline (the claim deadline until Begin, then `timeout_s` from the Begin, moved
 on by each landed layer; Abort to its sender), or its sender dropped (lost, restarted, or
 drop_sender: FAILED and `gone`, blocks held until the deadline). `releasable` is the block-lifetime
-rule of receiver.py. With config.fence_senders, a Hello from a sender id the worker did not admit is
-answered with a HelloReply naming why, its transport metadata never reaches the transport, and it is
-counted (`fence`).
+rule of receiver.py. With config.fence_senders, a Hello whose (sender id, epoch) is not the pair the
+worker last admitted for that id (an id never admitted: `unregistered_sender`; an admitted id with
+another epoch, e.g. a restarted or impostor sender: `unnamed_sender_epoch`) is answered with a
+HelloReply naming why, its transport metadata never reaches the transport, and it is counted and
+logged once per sender id (an unknown one) or per sender id and epoch (a known one) (`fence`). A
+known sender whose id was admitted since with another epoch is dropped at its next message (which is
+answered with Rehandshake, and its Hello then refused).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from kvtransfer.types import KVLayout, TransferConfig, TransferStatus
 
 S = TransferStatus
 UNREGISTERED_SENDER = "unregistered_sender"  # a Hello from a sender id not admitted (fence_senders)
+UNNAMED_EPOCH = "unnamed_sender_epoch"  # a Hello from an admitted id with another epoch (fence_senders)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +66,8 @@ class RecvControl:
         self.posted: dict[int, PostedReceive] = {}
         self._keys = itertools.count(1)
         self.trace: list[tuple[float, str, str, int]] | None = None
-        # config.fence_senders: (the admitted sender ids, where to count a refused Hello); None: no fence
-        self.fence: tuple[set[str], Refusals] | None = None
+        # config.fence_senders: (admitted sender id → epoch, where to count a refused Hello); None: no fence
+        self.fence: tuple[dict[str, int], Refusals] | None = None
 
     def releasable(self, st: RecvState) -> bool:
         """Whether no write can still land in `st`'s blocks (lock held; receiver.py)."""
@@ -91,7 +96,14 @@ class RecvControl:
         return bool(got or landed)
 
     def on_message(self, identity: bytes, msg: wire.Message) -> None:
-        known = self.senders.seen(identity) is not None
+        sender = self.senders.seen(identity)
+        named = None if sender is None or self.fence is None else self.fence[0].get(sender.sender_id)
+        if sender is not None and self.fence is not None and named != sender.epoch:
+            # a known sender whose id the worker has since admitted with another epoch: superseded
+            self.drop_sender(sender, f"sender {sender.sender_id} epoch {sender.epoch} superseded: its "
+                                     f"gateway named epoch {named}")
+            sender = None
+        known = sender is not None
         if isinstance(msg, wire.Hello):
             self._on_hello(identity, msg)
         elif not known:  # we dropped it (or restarted) while it lives on: tell it to Hello again
@@ -107,11 +119,9 @@ class RecvControl:
             self._on_stopped(identity, msg)
 
     def _on_hello(self, identity: bytes, hello: wire.Hello) -> None:
-        if self.fence is not None and hello.sender_id not in self.fence[0]:
-            self.fence[1].refused(UNREGISTERED_SENDER, hello.sender_id)
-            self._send(identity, wire.HelloReply(self.config.worker_id, self.epoch, [
-                f"sender {hello.sender_id!r} was not named to this receiver by its gateway (not a registered "
-                f"prefill worker)"], b""))
+        refused = self._fenced(hello)
+        if refused:
+            self._send(identity, wire.HelloReply(self.config.worker_id, self.epoch, [refused], b""))
             return
         bad = mismatches(hello.info, self.compat)  # the sender's values first
         if not bad:
@@ -122,6 +132,23 @@ class RecvControl:
                 self.senders.add(identity, hello)
         self._send(identity, wire.HelloReply(self.config.worker_id, self.epoch, bad,
                                              b"" if bad else self.transport.metadata()))
+
+    def _fenced(self, hello: wire.Hello) -> str:
+        """Why the fence refuses `hello` (counted; see the module docstring), "" if it passes or there is
+        no fence."""
+        if self.fence is None:
+            return ""
+        admitted, refusals = self.fence
+        want = admitted.get(hello.sender_id)
+        if want == hello.epoch:
+            return ""
+        if want is None:
+            refusals.refused(UNREGISTERED_SENDER, hello.sender_id)
+            return (f"sender {hello.sender_id!r} was not named to this receiver by its gateway (not a "
+                    f"registered prefill worker)")
+        refusals.refused(UNNAMED_EPOCH, f"{hello.sender_id} epoch {hello.epoch}")
+        return (f"sender {hello.sender_id!r} epoch {hello.epoch} is not the incarnation its gateway named "
+                f"to this receiver (epoch {want}): restarted without registering again, or not that worker")
 
     def _on_begin(self, identity: bytes, msg: wire.Begin) -> wire.BeginReply:
         if msg.receiver_epoch != self.epoch:

@@ -120,9 +120,11 @@ class TransferConfig:
     then found by heartbeats and deadlines only (peers.py, senders.py), as with every other backend.
     curve: the fleet's CURVE key pair (curve.py): the receiver's control socket is a CURVE server that
     accepts only clients holding it, the sender's sockets CURVE clients; None: plain sockets, any peer.
-    fence_senders: a receiver answers a Hello (and adds the sender's transport metadata) only from a
-    sender id admitted with `KVReceiver.admit_sender` (the decode worker admits each prefill worker the
-    gateway names to it); any other Hello is refused (its HelloReply names why) and counted.
+    fence_senders: a receiver answers a Hello (and adds the sender's transport metadata) only from the
+    (sender id, epoch) pair last admitted for that id with `KVReceiver.admit_sender` (the decode worker
+    admits each prefill worker the gateway names to it, with the KV sender epoch it registered); any
+    other Hello (an id never admitted, or an admitted id with another epoch: a restarted or impostor
+    sender) is refused (its HelloReply names why) and counted.
     """
 
     worker_id: str

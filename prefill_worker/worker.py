@@ -105,6 +105,10 @@ class PrefillWorker(WorkerLoop):
         """The KV pairing record: the one the sender's handshake checks."""
         return self.sender.compat
 
+    def kv_sender_epoch(self) -> int:
+        """The KV sender's epoch (the one in its Hellos), which decode workers are told to expect."""
+        return self.sender.epoch
+
     def on_message(self, msg: Message) -> None:
         """``PrefillRequest`` → engine; ``AbortRequest`` → drop. Raises ``ValueError`` for a bad request
         (bad prompt; a ``kv_handle`` for another request id, backend or block count)."""

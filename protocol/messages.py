@@ -78,6 +78,10 @@ class RegisterWorker(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     from it when on the same host); ``compat`` is the worker's KV pairing record (kvtransfer
     ``KVCompat``: the one its KV handshake checks; the gateway pairs only workers whose records match);
     ``transfer_address`` is where peers reach this worker's KV transport; ``max_model_len`` in tokens.
+    ``kv_sender_epoch``: a prefill worker's KV sender incarnation (kvtransfer ``KVSender.epoch``, the
+    epoch of its KV Hellos), which the gateway names to decode workers in ``ReserveKV`` /
+    ``KVCanaryReserve``: a decode worker answers a KV Hello only for that (worker id, epoch) pair. 0 on
+    roles without a KV sender; a prefill worker registered with 0 has every KV Hello refused.
     """
 
     role: Role
@@ -91,6 +95,7 @@ class RegisterWorker(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     max_num_seqs: int = 256
     load: WorkerLoad = WorkerLoad()
     placement: KVPlacement = KVPlacement()
+    kv_sender_epoch: int = 0
 
 
 def new_epoch() -> int:
@@ -145,12 +150,16 @@ class WorkerShutdown(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class ReserveKV(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Gateway → decode: reserve blocks for ``prompt_token_ids`` and keep the request for decoding."""
+    """Gateway → decode: reserve blocks for ``prompt_token_ids`` and keep the request for decoding. The KV
+    comes from prefill worker ``prefill_worker_id`` whose KV sender has epoch ``prefill_sender_epoch``
+    (its ``RegisterWorker.kv_sender_epoch``): the only sender incarnation of that id whose KV Hello the
+    decode worker answers from then on."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     prefill_worker_id: str
+    prefill_sender_epoch: int
 
     def __post_init__(self) -> None:
         _no_stop_strings(self.sampling)
@@ -197,14 +206,16 @@ class ColocatedRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class KVCanaryReserve(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Gateway → decode: reserve KV blocks for a canary transfer from ``prefill_worker_id`` (a test of the
-    data path, no request); the KV must land within ``timeout_s`` s. Answered by ``KVCanaryReserved``.
+    """Gateway → decode: reserve KV blocks for a canary transfer from ``prefill_worker_id``, KV sender
+    epoch ``prefill_sender_epoch`` (fenced as in ``ReserveKV``; a test of the data path, no request); the
+    KV must land within ``timeout_s`` s. Answered by ``KVCanaryReserved``.
     ``num_bytes``: the size wanted (every layer, K and V): ceil(num_bytes / bytes per block) blocks, at
     least one, at most an eighth of the free blocks (so a canary never crowds out requests).
     ``AbortRequest`` with ``canary_id`` as request id ends it early."""
 
     canary_id: str
     prefill_worker_id: str
+    prefill_sender_epoch: int
     timeout_s: float
     num_bytes: int = 0
 

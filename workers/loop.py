@@ -134,6 +134,11 @@ class WorkerLoop:
         """Where peers reach this worker's KV transport ("" if none)."""
         return ""
 
+    def kv_sender_epoch(self) -> int:
+        """This worker's KV sender incarnation, announced at registration
+        (``RegisterWorker.kv_sender_epoch``); 0 for roles without a KV sender."""
+        return 0
+
     def busy(self) -> bool:
         """True while something must be polled soon (transfers in flight)."""
         return False
@@ -259,7 +264,8 @@ class WorkerLoop:
                               model=self.settings.model, model_path=self.model_path, compat=self.compat(),
                               transfer_address=self.transfer_address(), max_model_len=self.core.max_model_len,
                               max_num_seqs=self.settings.max_num_seqs, load=self._load,
-                              placement=kv_placement(self.core.runner.kv_cache.device.type))
+                              placement=kv_placement(self.core.runner.kv_cache.device.type),
+                              kv_sender_epoch=self.kv_sender_epoch())
 
     async def _flush(self) -> None:
         for msg in batch_outputs(self.worker_id, self.take_outbox()):

@@ -1,7 +1,8 @@
 """The gateway's own added latency and throughput ceiling, measured with instant fake workers.
 
 Run: ``.venv/bin/python -m bench.gateway.overhead [--requests 300] [--concurrency 1,8] [--max-tokens 16]
-[--token-delay 0] [--prefill-delay 0] [--tokenizer smollm2-135m] [--curve-cost] [--json out.json]
+[--token-delay 0] [--prefill-delay 0] [--tokenizer smollm2-135m] [--targets disagg,colocated,baseline]
+[--curve-cost [--curve-rounds 6] [--curve-concurrency 32]] [--json out.json]
 [--out /tmp/gateway-overhead.md]``.
 
 Three targets, started in turn on free 127.0.0.1 ports and stopped after their runs:
@@ -16,16 +17,30 @@ Metric definitions as in ``loadtest.metrics`` (vLLM serving benchmark). After ea
 request must be out of flight and every fake decode KV block free (``leaks`` = "ok").
 
 The gateway targets' control plane is CURVE (a key pair made for the run, kvtransfer/curve.py), as in
-production. ``--curve-cost`` adds the target ``disagg-insecure`` (the same as ``disagg`` with
-``--insecure-control-plane`` on the gateway and plain sockets on the fake workers) right after ``disagg``,
-and the report gives CURVE's cost: disagg's added TPOT (the gateway's per-token cost) over
-disagg-insecure's, per concurrency, in the same run.
+production; the target ``disagg-insecure`` is the same as ``disagg`` with ``--insecure-control-plane`` on
+the gateway and plain sockets on the fake workers.
+
+``--curve-cost`` (after the targets above; ``--targets ""`` runs it alone) measures CURVE's cost as CPU,
+not latency: both arms (``disagg`` with CURVE, ``disagg-insecure`` without) are started side by side and
+measured in ``--curve-rounds`` alternated rounds (CURVE first in even rounds, plain first in odd ones) of
+``--requests`` streamed requests at ``--curve-concurrency`` streams each, after ``--warmup`` per arm. Per
+round and arm: the CPU seconds (user + system, ``psutil``, the process and its descendants, clock-tick
+resolution) the gateway process spent during the round, over the output tokens streamed in it = the
+gateway's CPU per output token; the part of it in the gateway's libzmq I/O threads (``ZMQbg/IO/<n>``,
+where libzmq encrypts and decrypts CURVE frames: where CURVE's cost goes); the fake workers' CPU per
+token likewise (CURVE costs them too); and the round's p50
+added TPOT (latency, noisy on a shared machine). The report gives each arm's median and spread (min–max
+over rounds), the ratio of the medians and each round's CURVE / plain ratio. CPU time is what CURVE
+costs the gateway (its encryption and ZAP work), independent of how long other jobs on the machine
+keep it waiting, which is what made latency ratios unstable.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import datetime
 import os
 import subprocess
@@ -38,6 +53,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.gateway.overhead_report import machine_info, render_markdown
@@ -55,6 +71,7 @@ PROMPT = "Summarize the plot of a short story about a lighthouse keeper and a me
 TARGETS = ("disagg", "colocated", "baseline")  # the default run
 INSECURE = "disagg-insecure"  # disagg without CURVE on its control plane (--curve-cost)
 TOTAL_BLOCKS = 4096  # fake decode worker's KV blocks (plenty: leaks show as a shortfall)
+CURVE_ARMS = ("disagg", INSECURE)  # --curve-cost: with CURVE, without
 
 
 @dataclass(frozen=True)
@@ -107,8 +124,41 @@ class LevelResult(msgspec.Struct, kw_only=True):
     added_e2e_ms: LatencyStats | None
 
 
+class CurveRound(msgspec.Struct, kw_only=True):
+    """One arm's part of one ``--curve-cost`` round: ``tokens`` output tokens streamed by ``completed`` of
+    ``requests`` requests in ``wall_s``; CPU seconds (user + system) of the gateway process, of its libzmq
+    I/O threads (part of it: where CURVE's encryption runs) and of the fake workers over the round; the
+    round's p50 added TPOT (ms). ``*_us_per_token`` = those CPU µs per output token."""
+
+    arm: str
+    round: int
+    requests: int
+    completed: int
+    tokens: int
+    wall_s: float
+    gateway_cpu_s: float
+    workers_cpu_s: float
+    gateway_us_per_token: float
+    workers_us_per_token: float
+    added_tpot_p50_ms: float | None
+    gateway_zmq_io_cpu_s: float = 0.0
+    gateway_zmq_io_us_per_token: float = 0.0
+
+
+class CurveCost(msgspec.Struct, kw_only=True):
+    """``--curve-cost``: every round of both arms, at ``concurrency`` streams; leak check per arm; the
+    load average (1, 5, 15 min) before and after."""
+
+    concurrency: int
+    rounds: list[CurveRound]
+    leaks: dict[str, str]
+    loadavg_start: tuple[float, float, float]
+    loadavg_end: tuple[float, float, float]
+
+
 class OverheadResult(msgspec.Struct, kw_only=True):
-    """The whole run: configuration, machine, date, every level, leak check per gateway target."""
+    """The whole run: configuration, machine, date, every level, leak check per gateway target, and
+    CURVE's CPU cost when asked (``--curve-cost``)."""
 
     config: dict[str, object]
     machine: dict[str, object]
@@ -116,6 +166,7 @@ class OverheadResult(msgspec.Struct, kw_only=True):
     command: str
     levels: list[LevelResult]
     leaks: dict[str, str]
+    curve_cost: CurveCost | None = None
 
 
 def _spawn(sup: Supervisor, name: str, argv: list[str], log_dir: Path) -> None:
@@ -222,15 +273,93 @@ def check_no_leaks(url: str, decode_id: str | None, deadline_s: float = 5.0) -> 
     return why
 
 
-def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS) -> OverheadResult:
-    """Start each target, measure every concurrency level, stop it. Raises ValueError for an unknown
-    target or tokenizer dir, RuntimeError when a target does not start."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its live descendants (and their reaped children)
+    so far; resolution one clock tick (10 ms on Linux). Raises psutil.NoSuchProcess if ``pid`` is gone."""
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def zmq_io_cpu_seconds(pid: int) -> float:
+    """CPU seconds so far of process ``pid``'s libzmq I/O threads (named ``ZMQbg/IO/<n>``): where libzmq
+    frames, and with CURVE encrypts and decrypts, every message of its sockets. Read from each thread's
+    ``/proc/<pid>/task/<tid>/schedstat`` (time on a CPU, nanoseconds: far finer than the clock tick of
+    ``cpu_seconds``); threads that exited are not counted (libzmq's live as long as their context).
+    Raises FileNotFoundError if ``pid`` is gone."""
+    total_ns = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            if (task / "comm").read_text().startswith("ZMQbg/IO"):
+                total_ns += int((task / "schedstat").read_text().split()[0])
+    return total_ns / 1e9
+
+
+def run_curve_rounds(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, concurrency: int,
+                     rounds: int) -> CurveCost:
+    """``--curve-cost`` (see the module docstring): both arms started side by side, ``cfg.warmup``
+    requests each, then ``rounds`` alternated rounds of ``cfg.requests`` requests per arm; the leak check
+    of each arm at the end. Raises RuntimeError when an arm does not start."""
+    sups = {arm: Supervisor(grace=5.0) for arm in CURVE_ARMS}
+    load0 = os.getloadavg()
+    out: list[CurveRound] = []
+    leaks: dict[str, str] = {}
+    try:
+        urls = {}
+        for arm in CURVE_ARMS:
+            arm_dir = log_dir / arm
+            arm_dir.mkdir()
+            urls[arm] = start_target(arm, cfg, tokenizer_dir, sups[arm], arm_dir)
+        measured = dataclasses.replace(cfg, warmup=0)
+        for arm in CURVE_ARMS:
+            asyncio.run(run_level(urls[arm], dataclasses.replace(cfg, requests=max(cfg.warmup, 1), warmup=0),
+                                  concurrency))
+        for r in range(rounds):
+            for arm in CURVE_ARMS if r % 2 == 0 else CURVE_ARMS[::-1]:
+                kids = sups[arm].children
+                gw_pid, worker_pids = kids["gateway"].pid, [kids[n].pid for n in ("prefill", "decode")]
+                gw0, io0 = cpu_seconds(gw_pid), zmq_io_cpu_seconds(gw_pid)
+                wk0 = sum(map(cpu_seconds, worker_pids))
+                records, wall = asyncio.run(run_level(urls[arm], measured, concurrency))
+                gw, wk = cpu_seconds(gw_pid) - gw0, sum(map(cpu_seconds, worker_pids)) - wk0
+                io = zmq_io_cpu_seconds(gw_pid) - io0
+                tokens = sum(rec.output_tokens for rec in records)
+                lv = summarize_level(arm, concurrency, records, wall, cfg)
+                per_token = 1e6 / tokens if tokens else 0.0
+                out.append(CurveRound(
+                    arm=arm, round=r, requests=len(records), completed=lv.completed, tokens=tokens,
+                    wall_s=wall, gateway_cpu_s=gw, workers_cpu_s=wk, gateway_us_per_token=gw * per_token,
+                    workers_us_per_token=wk * per_token, gateway_zmq_io_cpu_s=io,
+                    gateway_zmq_io_us_per_token=io * per_token,
+                    added_tpot_p50_ms=lv.added_tpot_ms.median if lv.added_tpot_ms else None))
+        for arm in CURVE_ARMS:
+            leaks[arm] = check_no_leaks(urls[arm], "fake-decode")
+    finally:
+        for sup in sups.values():
+            sup.stop_all()
+    return CurveCost(concurrency=concurrency, rounds=out, leaks=leaks, loadavg_start=load0,
+                     loadavg_end=os.getloadavg())
+
+
+def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS,
+        curve_rounds: int = 0, curve_concurrency: int = 32) -> OverheadResult:
+    """Start each target, measure every concurrency level, stop it; then, with ``curve_rounds`` > 0,
+    CURVE's CPU cost (run_curve_rounds). Raises ValueError for an unknown target or tokenizer dir,
+    RuntimeError when a target does not start."""
     unknown = [t for t in targets if t not in (*TARGETS, INSECURE)]
     if unknown:
         raise ValueError(f"unknown targets {unknown}; choose from {(*TARGETS, INSECURE)}")
+    if curve_rounds < 0 or curve_concurrency < 1:
+        raise ValueError(f"curve_rounds must be >= 0 and curve_concurrency >= 1, got {curve_rounds} and "
+                         f"{curve_concurrency}")
     tokenizer_dir = resolve_tokenizer_dir(cfg.tokenizer, None)  # TokenizerNotFoundError before any start
     machine = machine_info()
     levels, leaks = [], {}
+    curve = None
     with tempfile.TemporaryDirectory(prefix="gw-overhead-") as tmp:
         for target in targets:
             sup = Supervisor(grace=5.0)
@@ -243,8 +372,11 @@ def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS
                     leaks[target] = check_no_leaks(url, None if target == "colocated" else "fake-decode")
             finally:
                 sup.stop_all()
+        if curve_rounds:
+            curve = run_curve_rounds(cfg, tokenizer_dir, Path(tmp), curve_concurrency, curve_rounds)
     return OverheadResult(config=asdict(cfg), machine=machine, levels=levels, leaks=leaks, command=command,
-                          date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+                          date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                          curve_cost=curve)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer dir or cached alias")
     p.add_argument("--targets", default=",".join(TARGETS))
     p.add_argument("--curve-cost", action="store_true",
-                   help=f"also run {INSECURE} right after disagg: CURVE's cost in the same run")
+                   help=f"then CURVE's CPU cost: disagg against {INSECURE}, side by side, alternated rounds")
+    p.add_argument("--curve-rounds", type=int, default=None, help="--curve-cost rounds per arm [6]")
+    p.add_argument("--curve-concurrency", type=int, default=None, help="--curve-cost streams [32]")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None, help="Markdown report path")
     p.add_argument("--serve-baseline", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
@@ -276,10 +410,14 @@ def main(argv: list[str] | None = None) -> int:
                              prefill_delay_s=args.prefill_delay, token_delay_s=args.token_delay,
                              tokenizer=args.tokenizer)
         command = "python -m bench.gateway.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
-        targets = args.targets.split(",")
-        if args.curve_cost and INSECURE not in targets:
-            targets.insert(targets.index("disagg") + 1 if "disagg" in targets else 0, INSECURE)
-        res = run(cfg, command, tuple(targets))
+        targets = [t for t in args.targets.split(",") if t]
+        if not args.curve_cost and (args.curve_rounds is not None or args.curve_concurrency is not None):
+            raise ValueError("--curve-rounds and --curve-concurrency need --curve-cost")
+        rounds = 6 if args.curve_rounds is None else args.curve_rounds
+        if args.curve_cost and rounds < 1:
+            raise ValueError(f"--curve-rounds must be >= 1, got {rounds}")
+        res = run(cfg, command, tuple(targets), curve_rounds=rounds if args.curve_cost else 0,
+                  curve_concurrency=32 if args.curve_concurrency is None else args.curve_concurrency)
     except (ValueError, TokenizerNotFoundError) as exc:
         print(f"gateway_overhead: {exc}", file=sys.stderr)
         return 2
@@ -289,7 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(text)
     print(text)
-    failed = any(lv.failed for lv in res.levels) or any(v != "ok" for v in res.leaks.values())
+    curve = res.curve_cost
+    failed = (any(lv.failed for lv in res.levels) or any(v != "ok" for v in res.leaks.values())
+              or (curve is not None and (any(r.completed < r.requests for r in curve.rounds)
+                                         or any(v != "ok" for v in curve.leaks.values()))))
     return 1 if failed else 0
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bench.gateway.overhead import OverheadResult
+    from bench.gateway.overhead import CurveCost, OverheadResult
     from loadtest.records import LatencyStats
 
 
@@ -32,6 +33,7 @@ def render_markdown(res: OverheadResult) -> str:
              f"- machine: {m['nproc']} cores ({m['cpu']}), {m['platform']}, Python {m['python']}, "
              "load average at start " + ", ".join(f"{x:.2f}" for x in m["loadavg_start"]),  # type: ignore[attr-defined]
              f"- date: {res.date}",
+             f"- targets: {', '.join(dict.fromkeys(lv.target for lv in res.levels)) or 'none'}",
              f"- per level: {c['requests']} streamed `/v1/completions` requests after {c['warmup']} "
              f"warm-up, {c['max_tokens']} output tokens each; fake delays: prefill {c['prefill_delay_s']} s, "
              f"token {c['token_delay_s']} s", f"- leak check after each gateway target: {res.leaks}", "",
@@ -66,4 +68,62 @@ def render_markdown(res: OverheadResult) -> str:
                          f"TTFT {lv.added_ttft_ms.median:.2f} / {q.added_ttft_ms.median:.2f} ms = "
                          f"{lv.added_ttft_ms.median / q.added_ttft_ms.median:.3f}, req/s {lv.req_s:.1f} / "
                          f"{q.req_s:.1f} = {lv.req_s / q.req_s:.3f}")
+    if res.curve_cost is not None:
+        lines += ["", *render_curve_cost(res.curve_cost, int(c["max_tokens"]))]  # type: ignore[call-overload]
     return "\n".join(lines) + "\n"
+
+
+def _spread(values: list[float], fmt: str = ".1f") -> str:
+    """median [min–max] of ``values``."""
+    return (f"{statistics.median(values):{fmt}} [{min(values):{fmt}}–{max(values):{fmt}}]"
+            if values else "–")
+
+
+def render_curve_cost(cost: CurveCost, max_tokens: int) -> list[str]:
+    """The ``--curve-cost`` section: per arm, the median [min–max] over rounds of the gateway's CPU µs per
+    output token, the fake workers' and the p50 added TPOT; CURVE / plain of the medians, and per round."""
+    arms = list(dict.fromkeys(r.arm for r in cost.rounds))
+    by_arm = {a: [r for r in cost.rounds if r.arm == a] for a in arms}
+    lines = [f"## CURVE's CPU cost at {cost.concurrency} streams ({len(by_arm.get(arms[0], []))} alternated "
+             f"rounds per arm, {max_tokens} tokens per request)" if arms else "## CURVE's CPU cost", "",
+             "- load average before / after: " + ", ".join(f"{x:.2f}" for x in cost.loadavg_start) + " / "
+             + ", ".join(f"{x:.2f}" for x in cost.loadavg_end), f"- leak check per arm: {cost.leaks}", "",
+             "Median [min–max] over rounds. CPU = user + system seconds of the process (and descendants) "
+             "during the round over the output tokens streamed in it.", "",
+             "| arm | ok/sent | gateway CPU µs / token | of which its zmq I/O threads "
+             "| fake workers CPU µs / token | p50 added TPOT ms |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for a in arms:
+        rs = by_arm[a]
+        tpot = [r.added_tpot_p50_ms for r in rs if r.added_tpot_p50_ms is not None]
+        lines.append(f"| {a} | {sum(r.completed for r in rs)}/{sum(r.requests for r in rs)} "
+                     f"| {_spread([r.gateway_us_per_token for r in rs])} "
+                     f"| {_spread([r.gateway_zmq_io_us_per_token for r in rs])} "
+                     f"| {_spread([r.workers_us_per_token for r in rs])} | {_spread(tpot, '.3f')} |")
+    if len(arms) == 2:
+        curve, plain = by_arm[arms[0]], by_arm[arms[1]]
+        gw_c = statistics.median(r.gateway_us_per_token for r in curve)
+        gw_p = statistics.median(r.gateway_us_per_token for r in plain)
+        wk_c = statistics.median(r.workers_us_per_token for r in curve)
+        wk_p = statistics.median(r.workers_us_per_token for r in plain)
+        plain_of = {r.round: r for r in plain}
+        paired = [c.gateway_us_per_token / plain_of[c.round].gateway_us_per_token for c in curve
+                  if c.round in plain_of and plain_of[c.round].gateway_us_per_token > 0]
+        io_c = statistics.median(r.gateway_zmq_io_us_per_token for r in curve)
+        io_p = statistics.median(r.gateway_zmq_io_us_per_token for r in plain)
+        pooled_c = sum(r.gateway_cpu_s for r in curve) / max(1, sum(r.tokens for r in curve)) * 1e6
+        pooled_p = sum(r.gateway_cpu_s for r in plain) / max(1, sum(r.tokens for r in plain)) * 1e6
+        lines += ["", f"- gateway CPU per output token, {arms[0]} / {arms[1]} (medians): {gw_c:.1f} / "
+                  f"{gw_p:.1f} µs = **{gw_c / gw_p:.3f}** (CURVE adds {gw_c - gw_p:+.1f} µs, "
+                  f"{(gw_c / gw_p - 1) * 100:+.1f} % of the gateway's per-token CPU)" if gw_p > 0 else "",
+                  f"- per round (same round, both arms): {', '.join(f'{x:.3f}' for x in paired)}; "
+                  f"median {_spread(paired, '.3f')}",
+                  f"- pooled (all rounds' CPU over all rounds' tokens): {pooled_c:.1f} / {pooled_p:.1f} µs"
+                  + (f" = {pooled_c / pooled_p:.3f}" if pooled_p > 0 else ""),
+                  f"- the gateway's zmq I/O threads (CURVE's encryption runs there), {arms[0]} / {arms[1]} "
+                  f"(medians): {io_c:.1f} / {io_p:.1f} µs per output token (CURVE adds {io_c - io_p:+.1f} µs"
+                  + (f", {(io_c - io_p) / gw_p * 100:+.1f} % of the gateway's per-token CPU)" if gw_p > 0
+                     else ")"),
+                  f"- fake workers' CPU per output token, {arms[0]} / {arms[1]}: {wk_c:.1f} / {wk_p:.1f} µs"
+                  + (f" = {wk_c / wk_p:.3f}" if wk_p > 0 else "")]
+    return lines

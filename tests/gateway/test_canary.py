@@ -46,12 +46,14 @@ class Clock:
 
 ONE_HOST_CPU = KVPlacement(host="boot-a", device="cpu")
 
+P1_SENDER_EPOCH = 5150  # p1's KV sender epoch, from its registration
+
 
 def _register(wid: str, role: str, placement: KVPlacement = ONE_HOST_CPU) -> RegisterWorker:
     compat = KVCompat(dtype="float32", block_size=16, transfer_backend="loopback")
     return RegisterWorker(role=role, worker_id=wid, epoch=1, model="m", model_path="",  # type: ignore[arg-type]
                           compat=compat, load=WorkerLoad(num_total_blocks=64, num_free_blocks=64),
-                          placement=placement)
+                          placement=placement, kv_sender_epoch=P1_SENDER_EPOCH if role == "prefill" else 0)
 
 
 class Setup:
@@ -80,6 +82,7 @@ class Setup:
         """Answer the canary in flight as the workers would; returns its id."""
         [(ident, reserve)] = self.take(KVCanaryReserve)
         assert ident == b"d1" and reserve.prefill_worker_id == "p1" and reserve.timeout_s == TIMEOUT
+        assert reserve.prefill_sender_epoch == P1_SENDER_EPOCH  # the fence: only this incarnation of p1
         assert reserve.num_bytes == 8 << 20
         await self.canaries.on_reserved(KVCanaryReserved(canary_id=reserve.canary_id, worker_id="d1",
                                                          kv_handle=b"handle"))

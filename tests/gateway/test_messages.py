@@ -40,7 +40,8 @@ ALL = [
     RegisterAck(worker_id="d", epoch=5, accepted=False, reason="stale"),
     Heartbeat(worker_id="d", epoch=5, load=WorkerLoad(num_waiting=1, num_running=2)),
     WorkerShutdown(worker_id="d", epoch=5),
-    ReserveKV(request_id="r", prompt_token_ids=[1, 2, 3], sampling=SP, prefill_worker_id="p"),
+    ReserveKV(request_id="r", prompt_token_ids=[1, 2, 3], sampling=SP, prefill_worker_id="p",
+              prefill_sender_epoch=9),
     KVReserved(request_id="r", worker_id="d", kv_handle=b"\x00\xffhandle"),
     PrefillRequest(request_id="r", prompt_token_ids=[1], sampling=SP, kv_handle=b"h", decode_worker_id="d"),
     PrefillRequest(request_id="r", prompt_token_ids=[1], sampling=SP),
@@ -101,7 +102,8 @@ def test_pairing_ignores_max_model_len_only() -> None:
 def test_request_messages_refuse_stop_strings() -> None:
     with_stop = SamplingParams(max_tokens=4, stop=("END",))
     with pytest.raises(ValueError, match="stop strings stay in the gateway"):
-        ReserveKV(request_id="r", prompt_token_ids=[1], sampling=with_stop, prefill_worker_id="p")
+        ReserveKV(request_id="r", prompt_token_ids=[1], sampling=with_stop, prefill_worker_id="p",
+                  prefill_sender_epoch=9)
     with pytest.raises(ValueError, match="stop strings stay in the gateway"):
         PrefillRequest(request_id="r", prompt_token_ids=[1], sampling=with_stop)
     with pytest.raises(ValueError, match="stop strings stay in the gateway"):

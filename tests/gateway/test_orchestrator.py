@@ -40,6 +40,7 @@ from protocol.messages import (
 )
 
 COMPAT = KVCompat(dtype="float32", block_size=4, transfer_backend="loopback")
+P1_SENDER_EPOCH = 7001  # p1's KV sender epoch, from its registration
 
 
 class Recorder:
@@ -63,7 +64,8 @@ def setup() -> tuple[Orchestrator, Recorder, WorkerRegistry, GatewayMetrics]:
     registry = WorkerRegistry(heartbeat_timeout=5.0)
     for role, wid in (("prefill", "p1"), ("decode", "d1")):
         registry.register(RegisterWorker(role=role, worker_id=wid, epoch=1, model="m", model_path="",
-                                         compat=COMPAT), wid.encode())
+                                         compat=COMPAT, kv_sender_epoch=P1_SENDER_EPOCH if role == "prefill"
+                                         else 0), wid.encode())
     rec, metrics = Recorder(), GatewayMetrics()
     orch = Orchestrator(Router(registry, PrefixIndex()), metrics, rec.send, max_queue=4, request_timeout=0.5)
     return orch, rec, registry, metrics
@@ -101,6 +103,7 @@ async def test_disaggregated_to_max_tokens_needs_no_abort(setup) -> None:
     req = await orch.submit(generation())
     reserve = rec.sent[0][1]
     assert isinstance(reserve, ReserveKV) and reserve.prefill_worker_id == "p1"
+    assert reserve.prefill_sender_epoch == P1_SENDER_EPOCH  # the decode worker admits only this incarnation
     await to_decoding(orch, rec, req)
     for tok in (8, 9):
         await orch.on_worker_message(b"d1", NextToken(request_id="r", worker_id="d1", token_id=tok))
@@ -113,6 +116,26 @@ async def test_disaggregated_to_max_tokens_needs_no_abort(setup) -> None:
     assert rec.take() == [] and len(req.token_times) == 3
     count = next(s.value for s in metrics.ttft.collect()[0].samples if s.name == "pdserve_ttft_seconds_count")
     assert count == 1
+    assert_clean(orch, registry)
+
+
+async def test_reserve_names_the_kv_sender_epoch_of_the_prefill_workers_latest_registration(setup) -> None:
+    """A restarted prefill worker registers a new epoch with a new KV sender epoch: the next ReserveKV
+    names that one, so the decode worker refuses the Hellos of the old incarnation from then on."""
+    orch, rec, registry, _ = setup
+    restarted = RegisterWorker(role="prefill", worker_id="p1", epoch=2, model="m", model_path="",
+                               compat=COMPAT,
+                               kv_sender_epoch=P1_SENDER_EPOCH + 1)
+    old, _ = registry.register(restarted, b"p1-new")
+    assert old is not None and old.info.kv_sender_epoch == P1_SENDER_EPOCH
+    req = await orch.submit(generation())
+    [(ident, reserve)] = rec.sent
+    assert ident == b"d1" and isinstance(reserve, ReserveKV)
+    assert (reserve.prefill_worker_id, reserve.prefill_sender_epoch) == ("p1", P1_SENDER_EPOCH + 1)
+    rec.take()
+    orch.release(req)  # the client went away: the decode worker's reservation is aborted
+    await asyncio.sleep(0)
+    assert rec.take() == [(b"d1", "AbortRequest")]
     assert_clean(orch, registry)
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.gateway.overhead import OverheadConfig, main, summarize_level
+from bench.gateway.overhead import CurveCost, CurveRound, OverheadConfig, main, summarize_level
+from bench.gateway.overhead_report import render_curve_cost
 from loadtest.records import RequestRecord
 
 
@@ -50,7 +51,9 @@ def test_summarize_subtracts_configured_delays() -> None:
 
 
 @pytest.mark.parametrize("argv", [["--requests", "0"], ["--targets", "disagg,nope"],
-                                  ["--tokenizer", "/nonexistent/tokenizer-dir"], ["--concurrency", "x"]])
+                                  ["--tokenizer", "/nonexistent/tokenizer-dir"], ["--concurrency", "x"],
+                                  ["--curve-rounds", "3"], ["--curve-cost", "--curve-rounds", "0"],
+                                  ["--curve-cost", "--curve-concurrency", "0"]])
 def test_bad_arguments_exit_2_and_start_nothing(argv: list[str], tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
@@ -78,3 +81,51 @@ def test_smoke_run_writes_sane_json(tokenizer_dir: Path, tmp_path: Path) -> None
         assert lv["added_e2e_ms"]["median"] == pytest.approx(lv["e2e_ms"]["median"])  # no delays set
     text = md.read_text()
     assert "| disagg | 1 | 4/4 |" in text and "| baseline | 2 | 4/4 |" in text
+
+
+def _round(arm: str, r: int, gateway_cpu_s: float, tokens: int = 1000) -> CurveRound:
+    io_s = 0.012 if arm == "disagg" else 0.010
+    return CurveRound(arm=arm, round=r, requests=10, completed=10, tokens=tokens, wall_s=1.0,
+                      gateway_cpu_s=gateway_cpu_s, workers_cpu_s=0.05,
+                      gateway_us_per_token=gateway_cpu_s / tokens * 1e6, workers_us_per_token=50.0,
+                      added_tpot_p50_ms=0.2, gateway_zmq_io_cpu_s=io_s,
+                      gateway_zmq_io_us_per_token=io_s / tokens * 1e6)
+
+
+def test_curve_cost_report_gives_medians_spread_and_ratio() -> None:
+    rounds = [_round("disagg", 0, 0.105), _round("disagg-insecure", 0, 0.100),
+              _round("disagg-insecure", 1, 0.110), _round("disagg", 1, 0.121),
+              _round("disagg", 2, 0.300), _round("disagg-insecure", 2, 0.090)]  # an outlier round
+    cost = CurveCost(concurrency=32, rounds=rounds, leaks={}, loadavg_start=(1, 2, 3), loadavg_end=(3, 2, 1))
+    text = "\n".join(render_curve_cost(cost, 16))
+    row = ("| disagg | 30/30 | 121.0 [105.0–300.0] | 12.0 [12.0–12.0] | 50.0 [50.0–50.0] "
+           "| 0.200 [0.200–0.200] |")
+    assert row in text
+    assert "| disagg-insecure | 30/30 | 100.0 [90.0–110.0] |" in text
+    assert "121.0 / 100.0 µs = **1.210** (CURVE adds +21.0 µs, +21.0 %" in text
+    assert "per round (same round, both arms): 1.050, 1.100, 3.333" in text
+    assert "pooled (all rounds' CPU over all rounds' tokens): 175.3 / 100.0 µs = 1.753" in text
+    assert "1.00, 2.00, 3.00 / 3.00, 2.00, 1.00" in text
+    assert "12.0 / 10.0 µs per output token (CURVE adds +2.0 µs, +2.0 % of the gateway's per-token CPU)" \
+        in text
+
+
+@pytest.mark.slow  # starts two gateways and four fake workers side by side
+def test_curve_cost_smoke_run(tokenizer_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    rc = main(["--targets", "", "--curve-cost", "--curve-rounds", "2", "--curve-concurrency", "2",
+               "--requests", "6", "--warmup", "1", "--max-tokens", "4", "--tokenizer", str(tokenizer_dir),
+               "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["levels"] == [] and res["leaks"] == {}
+    cost = res["curve_cost"]
+    assert cost["concurrency"] == 2 and cost["leaks"] == {"disagg": "ok", "disagg-insecure": "ok"}
+    assert [(r["arm"], r["round"]) for r in cost["rounds"]] == [
+        ("disagg", 0), ("disagg-insecure", 0), ("disagg-insecure", 1), ("disagg", 1)]  # alternated
+    for r in cost["rounds"]:
+        assert (r["requests"], r["completed"], r["tokens"]) == (6, 6, 24)
+        assert r["gateway_cpu_s"] >= 0 and r["workers_cpu_s"] >= 0
+        assert r["gateway_us_per_token"] == pytest.approx(r["gateway_cpu_s"] / 24 * 1e6)
+        assert 0 <= r["gateway_zmq_io_cpu_s"] <= r["gateway_cpu_s"] + 0.02  # a part of it (10 ms ticks)
+    assert sum(r["gateway_cpu_s"] for r in cost["rounds"]) > 0  # the gateways did work (10 ms ticks)

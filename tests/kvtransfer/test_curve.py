@@ -15,7 +15,7 @@ import zmq
 
 from kvtransfer import IncompatiblePeerError, TransferError, TransferStatus, get_transfer_backend
 from kvtransfer import wire as m
-from kvtransfer.curve import generate_keys
+from kvtransfer.curve import CurveKeys, generate_keys, secure_client
 from tests.kvtransfer.helpers import assert_landed, config, make_kv, release_both
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,7 +89,7 @@ def test_fenced_receiver_handshakes_only_with_admitted_senders(tmp_path: Path) -
             tx.connect(rx.address, timeout=WAIT)
         assert added == [] and rx.stats().senders == ()
         assert rx.refusals.counts()["unregistered_sender"] == 1  # type: ignore[attr-defined]
-        rx.admit_sender("p0")
+        rx.admit_sender("p0", tx.epoch)
         tx.connect(rx.address, timeout=WAIT)
         tx.add_request(rx.expect("a", [7, 8]), [1, 2])
         tx.send_layers("a")
@@ -100,4 +100,83 @@ def test_fenced_receiver_handshakes_only_with_admitted_senders(tmp_path: Path) -
         release_both(tx, rx, "a", leaks=True)
     finally:
         tx.close()
+        rx.close()
+
+
+def _raw_hello(ctx: zmq.Context, keys: CurveKeys, address: str, hello: m.Hello) -> m.HelloReply:  # type: ignore[type-arg]
+    """Send `hello` from a fresh CURVE client holding the fleet's keys; its HelloReply (within WAIT)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, f"{hello.sender_id}:{hello.epoch}".encode())
+    secure_client(sock, keys)
+    sock.connect(address)
+    try:
+        sock.send(m.encode(hello))
+        assert sock.poll(int(WAIT * 1000)), "no HelloReply"
+        reply = m.decode(sock.recv())
+        assert isinstance(reply, m.HelloReply)
+        return reply
+    finally:
+        sock.close(0)
+
+
+def test_fence_checks_the_sender_epoch_and_a_restarted_sender_serves_once_named(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The fence admits one (sender id, epoch) pair per id: a Hello with the admitted id and another
+    epoch (an impostor reusing a known id, or a restarted sender not yet named) is refused, counted as
+    `unnamed_sender_epoch` and logged once per (id, epoch), and its metadata never reaches the
+    transport; the admitted pair transfers. A restart: the new sender (same id, new epoch) is refused
+    until the worker admits its epoch, then transfers; the old one, still alive, is dropped at its next
+    message and its Hellos are refused from then on. Nothing leaks."""
+    fleet = generate_keys(tmp_path / "fleet")
+    backend = get_transfer_backend("loopback")
+    src, dst = make_kv(7), make_kv(None)
+    rx = backend.receiver(config("d0", "loopback", curve=fleet, fence_senders=True), dst)
+    added: list[str] = []
+    add_peer = rx.transport.add_peer
+    rx.transport.add_peer = lambda peer, meta: (added.append(peer), add_peer(peer, meta))[1]
+    counts = rx.refusals.counts  # type: ignore[attr-defined]
+    old = backend.sender(config("p0", "loopback", curve=fleet), src)
+    new = None
+    ctx = zmq.Context()
+    try:
+        rx.admit_sender("p0", old.epoch)
+        with caplog.at_level("WARNING", logger="pdserve"):
+            for _ in range(2):  # the same impostor twice: counted twice, logged once
+                reply = _raw_hello(ctx, fleet, rx.address, m.Hello("p0", old.epoch + 1, rx.compat, b"x"))
+                assert reply.transport == b"" and "not the incarnation" in reply.mismatches[0], reply
+        assert counts()["unnamed_sender_epoch"] == 2 and "unregistered_sender" not in counts()
+        assert rx.refused_handshakes() == 2  # the count the worker reports in its heartbeats
+        logged = [r for r in caplog.records if "unnamed_sender_epoch" in r.getMessage()]
+        assert len(logged) == 1 and f"p0 epoch {old.epoch + 1}" in logged[0].getMessage()
+        assert added == [] and rx.stats().senders == ()
+        old.connect(rx.address, timeout=WAIT)  # the admitted pair
+        old.add_request(rx.expect("a", [1, 2]), [3, 4])
+        old.send_layers("a")
+        assert rx.wait("a", WAIT) is S.DONE and old.wait("a", WAIT) is S.DONE, rx.reason("a")
+        assert_landed(src, [3, 4], dst, [1, 2])
+        release_both(old, rx, "a")
+        assert len(added) == 1
+        src2 = make_kv(8)
+        new = backend.sender(config("p0", "loopback", curve=fleet), src2)  # p0 restarted
+        assert new.epoch != old.epoch
+        with pytest.raises(IncompatiblePeerError, match="not the incarnation"):
+            new.connect(rx.address, timeout=WAIT)  # its gateway has not named it to this receiver yet
+        assert counts()["unnamed_sender_epoch"] == 3 and len(added) == 1
+        rx.admit_sender("p0", new.epoch)  # the new registration, named in a ReserveKV
+        # the old incarnation, still alive, is dropped at its next message (a KeepAlive) and refused
+        assert rx.wait_until(lambda: counts()["unnamed_sender_epoch"] >= 4, WAIT), counts()
+        new.connect(rx.address, timeout=WAIT)
+        new.add_request(rx.expect("b", [5, 6]), [0, 1])
+        new.send_layers("b")
+        assert rx.wait("b", WAIT) is S.DONE and new.wait("b", WAIT) is S.DONE, rx.reason("b")
+        assert_landed(src2, [0, 1], dst, [5, 6])
+        assert rx.stats().senders == ("p0",) and len(added) == 2  # only the new incarnation is known
+        release_both(new, rx, "b", leaks=True)
+        old.check_no_leaks()
+    finally:
+        ctx.term()
+        for s in (old, new):
+            if s is not None:
+                s.close()
         rx.close()

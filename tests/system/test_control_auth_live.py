@@ -1,7 +1,8 @@
 """The shared live system (real gateway, prefill and decode workers, CURVE on by default) refuses
 strangers on both control planes: a process without the fleet's keys gets no answer from the gateway's
 control socket nor from the decode worker's KV control socket, a key holder whose sender id the gateway
-never named to the decode worker gets a refusing HelloReply (its transport metadata is never added);
+never named to the decode worker gets a refusing HelloReply (its transport metadata is never added), and
+so does one reusing the named prefill worker's id with another KV sender epoch;
 each refusal shows in the gateway's metrics (``pdserve_control_auth_refused_total``, and the decode
 worker's count in ``pdserve_kv_control_refused_total`` through its heartbeats). The fleet's own workers
 serve as before."""
@@ -88,3 +89,27 @@ def test_strangers_cannot_join_either_control_plane(live) -> None:
     resp = httpx.post(system.url + "/v1/completions", json=body, headers=headers, timeout=120)
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"], resp.text
     assert system.log("decode").count("refused stranger (unregistered_sender)") == 1
+    # a key holder reusing the (now named) prefill worker's id with another KV sender epoch: refused,
+    # counted, logged once for two Hellos; the fleet keeps serving (the fence follows the gateway only)
+    prefill_id = next(w["worker_id"] for w in status["workers"] if w["role"] == "prefill")
+    before_kv = _metric(system.url, kv_name, worker_id=decode_id)
+    ctx = zmq.Context()
+    try:
+        for _ in range(2):
+            impostor = ctx.socket(zmq.DEALER)
+            impostor.setsockopt(zmq.LINGER, 0)
+            secure_client(impostor, keys)
+            impostor.connect(decode["address"])
+            impostor.send(wire.encode(wire.Hello(prefill_id, 12345, compat, b"")))
+            assert impostor.poll(int(DEADLINE * 1000)), "no HelloReply to the impostor"
+            reply = wire.decode(impostor.recv())
+            impostor.close(0)
+            assert isinstance(reply, wire.HelloReply) and reply.transport == b""
+            assert "not the incarnation its gateway named" in reply.mismatches[0], reply
+    finally:
+        ctx.term()
+    _wait(lambda: _metric(system.url, kv_name, worker_id=decode_id) >= before_kv + 2,
+          "the decode worker's refusals of the impostor reported")
+    assert system.log("decode").count(f"refused {prefill_id} epoch 12345 (unnamed_sender_epoch)") == 1
+    resp = httpx.post(system.url + "/v1/completions", json=body, headers=headers, timeout=120)
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"], resp.text

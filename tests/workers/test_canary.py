@@ -26,6 +26,8 @@ from tests.workers.helpers import (
     run,
 )
 
+NO_SENDER = 1  # the KV sender epoch named where no prefill worker sends (these decode workers are unfenced)
+
 
 @pytest.fixture
 def pair(model_dir: Path) -> Iterator[tuple[Any, Any]]:
@@ -35,8 +37,9 @@ def pair(model_dir: Path) -> Iterator[tuple[Any, Any]]:
         close(w)
 
 
-def _reserve(decode: Any, cid: str, timeout_s: float = 5.0) -> KVCanaryReserved:
-    [res] = of_type(run(decode, KVCanaryReserve(canary_id=cid, prefill_worker_id="p0", timeout_s=timeout_s)),
+def _reserve(decode: Any, cid: str, timeout_s: float = 5.0, epoch: int = NO_SENDER) -> KVCanaryReserved:
+    [res] = of_type(run(decode, KVCanaryReserve(canary_id=cid, prefill_worker_id="p0",
+                                                prefill_sender_epoch=epoch, timeout_s=timeout_s)),
                     KVCanaryReserved)
     return res
 
@@ -46,7 +49,7 @@ def test_canary_lands_reports_transport_and_speed_and_frees_its_blocks(pair: tup
     kv_p, kv_d = prefill.core.runner.kv_cache.kv_buffer, decode.core.runner.kv_cache.kv_buffer
     with torch.no_grad():
         kv_p.copy_(torch.randn_like(kv_p))
-    res = _reserve(decode, "c1")
+    res = _reserve(decode, "c1", epoch=prefill.sender.epoch)
     assert res.kv_handle is not None and res.error == ""
     assert decode.core.block_manager.num_free_blocks == decode.core.block_manager.num_blocks - 1
     [dst] = decode.canaries["c1"].block_table
@@ -75,6 +78,7 @@ def test_canary_of_several_blocks_within_an_eighth_of_the_free_ones(model_dir: P
         with torch.no_grad():
             kv_p.copy_(torch.randn_like(kv_p))
         [res] = of_type(run(decode, KVCanaryReserve(canary_id="c1", prefill_worker_id="p0", timeout_s=5.0,
+                                                    prefill_sender_epoch=prefill.sender.epoch,
                                                     num_bytes=3 * per_block)), KVCanaryReserved)
         assert res.kv_handle is not None
         dst = list(decode.canaries["c1"].block_table)
@@ -99,6 +103,7 @@ def test_canary_the_prefill_worker_has_no_blocks_for_is_skipped(model_dir: Path)
     try:
         per_block = decode.core.runner.kv_cache.bytes_per_block
         [res] = of_type(run(decode, KVCanaryReserve(canary_id="c1", prefill_worker_id="p0", timeout_s=5.0,
+                                                    prefill_sender_epoch=prefill.sender.epoch,
                                                     num_bytes=4 * per_block)), KVCanaryReserved)
         assert res.kv_handle is not None
         sent = run(prefill, KVCanarySend(canary_id="c1", kv_handle=res.kv_handle))
@@ -119,7 +124,8 @@ def test_canary_without_a_free_block_is_refused(model_dir: Path) -> None:
         third = _reserve(decode, "c3")
         assert all(r.kv_handle is not None for r in held)
         assert third.kv_handle is None and third.error == "no free KV block"
-        assert run(decode, KVCanaryReserve(canary_id="c1", prefill_worker_id="p0", timeout_s=1.0))[0].error
+        assert run(decode, KVCanaryReserve(canary_id="c1", prefill_worker_id="p0",
+                                           prefill_sender_epoch=NO_SENDER, timeout_s=1.0))[0].error
         for cid in ("c1", "c2"):  # no sender ever claimed them: free at once
             run(decode, AbortRequest(request_id=cid))
         assert_clean(decode)
@@ -130,7 +136,7 @@ def test_canary_without_a_free_block_is_refused(model_dir: Path) -> None:
 def test_wedged_canary_is_aborted_and_frees_blocks_once_nothing_can_land(pair: tuple[Any, Any]) -> None:
     prefill, decode = pair
     prefill.sender.transport.deliver.clear()  # writes are posted, never delivered
-    res = _reserve(decode, "c1", timeout_s=10.0)
+    res = _reserve(decode, "c1", timeout_s=10.0, epoch=prefill.sender.epoch)
     assert res.kv_handle is not None
     msgs = run(prefill, KVCanarySend(canary_id="c1", kv_handle=res.kv_handle))
     deadline = time.monotonic() + 0.3  # the gateway's deadline, shorter here than the receiver's

@@ -38,6 +38,7 @@ from tests.workers.helpers import (
 )
 from workers.setup import decode_handle
 
+NO_SENDER = 1  # the KV sender epoch named in ReserveKV: these decode workers are unfenced
 
 @pytest.fixture
 def decode(model_dir):
@@ -49,7 +50,7 @@ def decode(model_dir):
 def _reserve(worker, rid: str, num_tokens: int, **params: object) -> list[Any]:
     sampling = wire(params.pop("max_tokens", 4), **params)  # type: ignore[arg-type]
     return run(worker, ReserveKV(request_id=rid, prompt_token_ids=list(range(3, 3 + num_tokens)),
-                                 sampling=sampling, prefill_worker_id="p0"))
+                                 sampling=sampling, prefill_worker_id="p0", prefill_sender_epoch=NO_SENDER))
 
 
 def _handle(msgs: list[Any], rid: str) -> KVHandle:
@@ -93,7 +94,8 @@ def test_kv_landed_and_decode_request_in_either_order_then_finish(model_dir, dec
     try:
         ref_tokens = _colocated_tokens(colo, prompt, sampling)
         [res] = of_type(run(decode, ReserveKV(request_id="r", prompt_token_ids=prompt, sampling=sampling,
-                                              prefill_worker_id="p0")), KVReserved)
+                                              prefill_worker_id="p0",
+                                              prefill_sender_epoch=prefill.sender.epoch)), KVReserved)
         if decode_request_first:  # the first token is known before any KV was sent
             assert run(decode, DecodeRequest(request_id="r", first_token_id=ref_tokens[0])) == []
             assert decode.first_tokens == {"r": ref_tokens[0]}
@@ -212,7 +214,8 @@ def test_abort_running_request_frees_blocks(model_dir):
     prefill, decode = prefill_worker(model_dir), decode_worker(model_dir)
     try:
         [res] = of_type(run(decode, ReserveKV(request_id="r", prompt_token_ids=prompt, sampling=sampling,
-                                              prefill_worker_id="p0")), KVReserved)
+                                              prefill_worker_id="p0",
+                                              prefill_sender_epoch=prefill.sender.epoch)), KVReserved)
         req = PrefillRequest(request_id="r", prompt_token_ids=prompt, sampling=sampling,
                              kv_handle=res.kv_handle)
         [first] = of_type(run(prefill, req), FirstToken)
@@ -236,7 +239,8 @@ def test_request_queued_for_prefill_longer_than_the_kv_deadline_completes(model_
     decode.kv_deadline_per_token_s = 0.0
     try:
         [res] = of_type(run(decode, ReserveKV(request_id="r", prompt_token_ids=prompt, sampling=sampling,
-                                              prefill_worker_id="p0")), KVReserved)
+                                              prefill_worker_id="p0",
+                                              prefill_sender_epoch=prefill.sender.epoch)), KVReserved)
         assert decode_handle(res.kv_handle).timeout_s == pytest.approx(0.3)
         end = time.monotonic() + 0.9  # queued behind other prompts: three times the KV deadline
         while time.monotonic() < end:

@@ -96,7 +96,8 @@ class Scenario:
     def reserve_all(self) -> dict[str, bytes]:
         for rid, prompt in PROMPTS.items():
             self.step(ReserveKV(request_id=rid, prompt_token_ids=prompt, sampling=wire(MAX_TOKENS[rid],
-                                ignore_eos=True), prefill_worker_id="p0"))
+                                ignore_eos=True), prefill_worker_id="p0",
+                                prefill_sender_epoch=self.prefill.sender.epoch))
         return {m.request_id: m.kv_handle for m in of_type(self.msgs, KVReserved)}
 
     def land(self, rid: str, handle: bytes) -> None:

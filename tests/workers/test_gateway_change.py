@@ -19,6 +19,8 @@ from tests.workers.helpers import (
 
 PROMPT = list(range(50, 63))  # 13 tokens
 
+NO_SENDER = 1  # the KV sender epoch named in ReserveKV: these decode workers are unfenced
+
 
 def _ack(worker, gateway_epoch: int) -> RegisterAck:
     return RegisterAck(worker_id=worker.worker_id, epoch=worker.epoch, accepted=True,
@@ -59,7 +61,7 @@ def test_decode_drops_a_reservation_whose_gateway_restarted(model_dir):
     try:
         decode.accepted_by(_ack(decode, 5))
         out = run(decode, ReserveKV(request_id="r", prompt_token_ids=PROMPT, sampling=wire(4),
-                                    prefill_worker_id="p0"))
+                                    prefill_worker_id="p0", prefill_sender_epoch=NO_SENDER))
         assert of_type(out, type(out[0]), "r") and decode.request_ids() == ["r"]
         assert decode.core.block_manager.num_free_blocks == 4  # 13 tokens in blocks of 4
         decode.accepted_by(_ack(decode, 6))

@@ -59,7 +59,8 @@ def test_kv_streamed_in_last_chunk_step_blocks_held_until_done_then_prefix_cache
     try:
         sampling = wire(3, ignore_eos=True)
         [res] = of_type(run(decode, ReserveKV(request_id="r", prompt_token_ids=PROMPT, sampling=sampling,
-                                              prefill_worker_id="p0")), KVReserved)
+                                              prefill_worker_id="p0",
+                                              prefill_sender_epoch=prefill.sender.epoch)), KVReserved)
         sent: list[tuple[str, int]] = []
         real_send = prefill.sender.send_layer
 
