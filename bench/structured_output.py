@@ -13,8 +13,8 @@ and the batch's bitmask is filled on the host (xgrammar, one call per batch), co
 applied to the logits, and sampling takes the full sampler path instead of one argmax. On CUDA both
 sides run with asynchronous scheduling (engine/async_step.py): a constrained step's forward is enqueued
 before the host fills its bitmask, so the fill overlaps the forward. Each batch's line also says how many
-timed steps of each side were launched by asynchronous scheduling (the rest ran synchronously); on CPU
-(no decode CUDA graphs) every step is synchronous.
+timed steps of each side (warm-up repeats included) were launched by asynchronous scheduling (the rest
+ran synchronously); on CPU (no decode CUDA graphs) every step is synchronous.
 
 The schema (``SCHEMA``) is an array of at least 10 000 objects with an integer, a string of at most 8
 characters, a boolean and an enum, so no request completes inside the timed steps and the matchers keep
