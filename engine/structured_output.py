@@ -22,11 +22,11 @@ model cannot loop on whitespace; ``json_object`` is the schema ``{"type": "objec
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Literal
 
 import torch
 import xgrammar
@@ -35,6 +35,7 @@ from engine.sampler import GrammarMask
 from engine.sampling_params import StructuredOutput
 
 DEFAULT_MAX_CACHED = 128  # compiled grammars kept per worker
+MAX_FILL_THREADS = 8  # xgrammar threads filling one batch's bitmask
 
 
 class StructuredOutputError(ValueError):
@@ -211,11 +212,12 @@ class BitmaskBuffers:
         max_batch: rows per slot (a larger batch gets a fresh, unpinned bitmask).
         vocab_size: the model's logit width (the grammar's tokenizer info was built for it).
         device: where the logits live.
-        threads: xgrammar's fill threads (``"auto"``: half the host's hardware threads).
+        threads: xgrammar's fill threads (None: half the host's hardware threads, at most
+            ``MAX_FILL_THREADS``, so that several workers on one host do not each start dozens).
     """
 
     def __init__(self, max_batch: int, vocab_size: int, device: torch.device,
-                 threads: int | Literal["auto"] = "auto") -> None:
+                 threads: int | None = None) -> None:
         self.max_batch = max_batch
         self.vocab_size = vocab_size
         self.device = device
@@ -227,6 +229,9 @@ class BitmaskBuffers:
         self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._read = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._stream = torch.cuda.Stream(device) if cuda else None
+        if threads is None:
+            threads = max(1, min(MAX_FILL_THREADS, (os.cpu_count() or 2) // 2))
+        self.threads = threads
         self._batch = xgrammar.BatchGrammarMatcher(threads)
         self._turn = 0
         self.fills = 0  # batches filled
