@@ -220,8 +220,12 @@ class ModelRunner:
         waiting for it (asynchronous scheduling; arguments and errors as
         ``engine.async_step.launch_decode``). With ``feed`` each row samples its next output position.
 
+        Rows with a grammar get their bitmask after the forward is enqueued (``launch_decode``'s
+        ``grammar``): each matcher first accepts ``feed``'s token of its row (waiting for ``feed``'s tokens).
+
         Raises:
             RuntimeError: no decode graphs (CPU, ``enforce_eager`` or a backend other than triton).
+            StructuredOutputError: a matcher rejects a token (after the device finished this forward).
         """
         graphs = self.decode_graphs
         if graphs is None:
@@ -239,7 +243,14 @@ class ModelRunner:
                 return self._grammar_mask(seqs, feed.token_ids() if feed is not None else ())
 
         with self.on_device():
-            launched = launch_decode(graphs, output, feed, self._token_buffers, rows, grammar)
+            try:
+                launched = launch_decode(graphs, output, feed, self._token_buffers, rows, grammar)
+            except BaseException:
+                if grammar is not None and self.device.type == "cuda":
+                    # a matcher rejected a token after the forward was enqueued: let that forward finish
+                    # writing its KV before the caller frees the sequences' blocks
+                    torch.cuda.current_stream(self.device).synchronize()
+                raise
             if grammar is not None:
                 self._grammar_bitmasks().done_reading()
             return launched
@@ -281,7 +292,7 @@ class ModelRunner:
         states = []
         for i, seq in enumerate(seqs):
             if seq.grammar is not None:
-                seq.grammar.sync(seq.generated_token_ids, pending[i: i + 1])
+                seq.grammar.sync(seq.token_ids, pending[i: i + 1], start=seq.generation_start)
             states.append(seq.grammar)
         return self._grammar_bitmasks().fill(states)
 

@@ -50,20 +50,22 @@ class GrammarState:
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.num_accepted = 0
 
-    def sync(self, generated: Seq[int], pending: Seq[int] = ()) -> None:
-        """Advance the matcher over the output tokens it has not seen yet: those of ``generated``
-        followed by ``pending`` (tokens sampled but not yet appended to the sequence: a step launched
-        ahead fills its bitmask before the previous step's tokens are applied). Afterwards
-        ``num_accepted == len(generated) + len(pending)`` (or more, when it had seen them already).
+    def sync(self, generated: Seq[int], pending: Seq[int] = (), start: int = 0) -> None:
+        """Advance the matcher over the output tokens it has not seen yet: those of ``generated[start:]``
+        (the generation's output so far; ``start`` lets a caller pass a sequence's whole ``token_ids``
+        without copying its output) followed by ``pending`` (tokens sampled but not yet appended to the
+        sequence: a step launched ahead fills its bitmask before the previous step's tokens are applied).
+        Afterwards ``num_accepted == len(generated) - start + len(pending)`` (or more, when it had seen
+        them already).
 
         Raises:
             StructuredOutputError: the grammar rejects one of them (a token that did not come from a
                 masked step, e.g. a prompt whose ``output_offset`` tokens are not output of this grammar).
         """
-        known = len(generated)
+        known = len(generated) - start
         while self.num_accepted < known + len(pending):
             i = self.num_accepted
-            token = generated[i] if i < known else pending[i - known]
+            token = generated[start + i] if i < known else pending[i - known]
             if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
                 raise StructuredOutputError(f"token {token} at output position {i} is not "
                                             f"allowed by the {self.spec.kind} grammar")

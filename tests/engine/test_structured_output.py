@@ -356,9 +356,10 @@ def test_bitmask_buffers_fill_a_batch_in_one_call_like_row_by_row(dummy_outputs:
 
 
 def test_sync_accepts_pending_tokens_once(dummy_outputs: StructuredOutputs) -> None:
-    """``GrammarState.sync(generated, pending)``: a step launched ahead advances the matcher over the
-    previous step's token before it is appended; syncing the appended sequence later accepts nothing
-    twice, and a token the grammar rejects names its output position."""
+    """``GrammarState.sync(generated, pending, start)``: a step launched ahead advances the matcher over
+    the previous step's token before it is appended; syncing the appended sequence later accepts nothing
+    twice; ``start`` skips the prompt of a whole ``token_ids``; a token the grammar rejects names its
+    output position."""
     state = dummy_outputs.state(StructuredOutput(kind="regex", spec="(t1[0-9]*t2[0-9]*)+"))
     state.sync([15], pending=[25])
     assert state.num_accepted == 2
@@ -366,8 +367,10 @@ def test_sync_accepts_pending_tokens_once(dummy_outputs: StructuredOutputs) -> N
     assert state.num_accepted == 2
     state.sync([15, 25], pending=[11])
     assert state.num_accepted == 3
-    with pytest.raises(StructuredOutputError, match="token 13 at output position 3"):
-        state.sync([15, 25, 11], pending=[13])  # a t1* word where a t2* one must come
+    state.sync([7, 8, 15, 25, 11, 21], start=2)  # a sequence's token_ids, output from index 2
+    assert state.num_accepted == 4
+    with pytest.raises(StructuredOutputError, match="token 23 at output position 4"):
+        state.sync([15, 25, 11, 21], pending=[23])  # a t2* word where a t1* one must come
 
 
 @pytest.mark.slow
