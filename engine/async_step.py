@@ -6,9 +6,15 @@ applies them (``Scheduler.update``), schedules the next step and fills its input
 scheduling (vLLM's ``--async-scheduling`` does the same; here for decode-only batches whose rows are all
 ``samples_on_device``: greedy or seeded sampling, no logprobs or penalties) the engine enqueues step N+1
 right after step N, feeding step N's sampled tokens to step N+1's ``input_ids`` on the device, and does
-step N's host work while step N+1 runs. A row with a ``structured_output`` is not ``samples_on_device``:
-its grammar's bitmask for step N+1 is filled on the host from step N's token, so a batch holding one runs
-its steps synchronously (bench/structured_output.py measures the cost).
+step N's host work while step N+1 runs.
+
+Rows with a ``structured_output`` run ahead too. Step N+1's bitmask depends on step N's token, which
+reaches the host only after step N's sampling; but the bitmask is read only by step N+1's sampling, after
+its forward. So ``launch_decode`` enqueues step N+1's forward first, then (``grammar``) the host waits for
+step N's tokens (their copy precedes that forward on the stream), advances each matcher over them and
+fills the bitmask while the forward runs, copies it to the device on a side stream
+(``engine.structured_output.BitmaskBuffers``) and enqueues the sampling behind that copy. The device
+idles only when the host's matcher work outlasts a forward.
 
 ``LaunchedStep`` is one such enqueued step: its ``SchedulerOutput``, the sampled token ids on the device
 (int64 ``[n]``), their asynchronous copy to pinned host memory and a CUDA event after it. The engine keeps
@@ -21,13 +27,13 @@ in it) while a step in flight may still write it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.cuda_graphs import DecodeCudaGraphs
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import GrammarMask, Sampler, SamplingRow
 from engine.scheduler_output import SchedulerOutput
 
 
@@ -74,9 +80,10 @@ class LaunchedStep:
 
 
 def launch_decode(graphs: DecodeCudaGraphs, output: SchedulerOutput, feed: LaunchedStep | None,
-                  buffers: TokenBuffers, rows: Sequence[SamplingRow] | None = None) -> LaunchedStep:
+                  buffers: TokenBuffers, rows: Sequence[SamplingRow] | None = None,
+                  grammar: Callable[[], GrammarMask | None] | None = None) -> LaunchedStep:
     """Enqueue a decode-only step (graph replay or, uncaptured, the static-buffer forward) and its
-    sampling; returns without waiting for the device.
+    sampling; returns without waiting for the device, except where ``grammar`` waits.
 
     Args:
         graphs: the runner's ``DecodeCudaGraphs``.
@@ -88,15 +95,20 @@ def launch_decode(graphs: DecodeCudaGraphs, output: SchedulerOutput, feed: Launc
         buffers: where the host copy of the token ids goes.
         rows: one ``SamplingRow`` per scheduled sequence, all ``samples_on_device``
             (``Sampler.sample_tokens``); None when every row is plain greedy (one argmax).
+        grammar: called after the forward is enqueued and before the sampling: the bitmask of the rows
+            with a grammar (filled on the host while the device runs the forward; it may wait for
+            ``feed``'s tokens, whose copy precedes this forward on the stream), or None.
 
     Raises:
         ValueError: from ``DecodeCudaGraphs.run`` (no bucket, bad positions or block tables), or a
-            ``feed`` / ``rows`` whose row count differs from ``output``'s.
+            ``feed`` / ``rows`` whose row count differs from ``output``'s, or ``grammar`` without ``rows``.
     """
     seqs = [s.seq for s in output.scheduled]
     tables = [seq.block_table for seq in seqs]
     if rows is not None and len(rows) != len(seqs):
         raise ValueError(f"{len(rows)} sampling rows for {len(seqs)} sequences")
+    if grammar is not None and rows is None:
+        raise ValueError("a grammar mask needs the sampling rows")
     if feed is None:
         positions = [seq.num_computed_tokens for seq in seqs]
         logits = graphs.run([seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)],
@@ -106,7 +118,11 @@ def launch_decode(graphs: DecodeCudaGraphs, output: SchedulerOutput, feed: Launc
             raise ValueError(f"feed step has {len(feed.output.scheduled)} rows, this step {len(seqs)}")
         logits = graphs.run([0] * len(seqs), [seq.num_computed_tokens + 1 for seq in seqs], tables,
                             device_token_ids=feed.tokens)
-    tokens = logits.argmax(dim=-1) if rows is None else Sampler.sample_tokens(logits, rows)
+    if rows is None:
+        tokens = logits.argmax(dim=-1)
+    else:
+        mask = grammar() if grammar is not None else None
+        tokens = Sampler.sample_tokens(logits, rows, grammar_mask=mask)
     buf, event = buffers.next()
     host = buf[: len(seqs)]
     host.copy_(tokens, non_blocking=event is not None)

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 
 import msgspec
 
@@ -49,6 +50,17 @@ class StepOutput(msgspec.Struct, frozen=True):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
+
+
+@dataclass
+class StepCounts:
+    """How an engine's steps ran since it started: ``synchronous`` steps (forward, sampling and the wait
+    for their tokens in one call), ``launched`` steps enqueued by asynchronous scheduling, of which
+    ``ahead`` were launched before the previous step's tokens reached the host (engine/async_step.py)."""
+
+    synchronous: int = 0
+    launched: int = 0
+    ahead: int = 0
 
 
 class EngineCore:
@@ -90,6 +102,7 @@ class EngineCore:
                          "attention backend, no enforce_eager)")
         self._ahead: LaunchedStep | None = None  # launched by the last step, applied by the next
         self._unread: list[LaunchedStep] = []  # launched, tokens maybe not read yet (waited for on errors)
+        self.step_counts = StepCounts()
 
     @property
     def max_model_len(self) -> int:
@@ -155,8 +168,8 @@ class EngineCore:
         """Schedule, run the model, sample and update: one continuous-batching step.
 
         With ``async_scheduling`` (from ``SchedulerConfig``; a benchmark may switch it between steps) a
-        decode-only step through the decode graphs whose rows sample on the device (greedy or seeded, no
-        logprobs or penalties) also launches the next step
+        decode-only step through the decode graphs whose rows sample on the device (greedy or seeded, with
+        or without a grammar, no logprobs or penalties) also launches the next step
         (``Scheduler.next_decode_step``) before reading its own tokens, and the next call applies that one
         (engine/async_step.py). ``step_request_ids`` names the requests of the step(s) this call ran (for a
         caller failing them after an exception).
@@ -173,6 +186,7 @@ class EngineCore:
                 if output.is_empty:
                     return []
                 if not self._launchable(output):
+                    self.step_counts.synchronous += 1
                     return self.commit(output, self.runner.execute(output))
                 launched = self._launch(output, None)
             return self._apply(launched)
@@ -185,6 +199,8 @@ class EngineCore:
 
     def _launch(self, output: SchedulerOutput, feed: LaunchedStep | None) -> LaunchedStep:
         launched = self.runner.launch(output, feed)
+        self.step_counts.launched += 1
+        self.step_counts.ahead += feed is not None
         self._unread.append(launched)
         return launched
 

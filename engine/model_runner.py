@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import zlib
 from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
 
 import torch
 
@@ -33,7 +34,7 @@ from engine.sampler import GrammarMask, Sampler, SampleResult, SamplingRow, is_p
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.step_batch import StepBatch
-from engine.structured_output import fill_bitmasks
+from engine.structured_output import BitmaskBuffers
 
 
 def fallback_seed(request_id: str) -> int:
@@ -118,6 +119,7 @@ class ModelRunner:
         self._mask = mask_placeholder(self.device)
         self.decode_graphs: DecodeCudaGraphs | None = None
         self._token_buffers: TokenBuffers | None = None  # host copies of launched steps' tokens
+        self._bitmasks: BitmaskBuffers | None = None  # grammar bitmasks (first batch with a grammar)
         use_graphs = self.device.type == "cuda" and self.backend.name == "triton"
         if use_graphs and not engine_config.model.enforce_eager:
             self.decode_graphs = DecodeCudaGraphs(self.net, self.kv_cache, self.backend,
@@ -252,8 +254,12 @@ class ModelRunner:
         waiting for it (asynchronous scheduling; arguments and errors as
         ``engine.async_step.launch_decode``). With ``feed`` each row samples its next output position.
 
+        Rows with a grammar get their bitmask after the forward is enqueued (``launch_decode``'s
+        ``grammar``): each matcher first accepts ``feed``'s token of its row (waiting for ``feed``'s tokens).
+
         Raises:
             RuntimeError: no decode graphs (CPU, ``enforce_eager`` or a backend other than triton).
+            StructuredOutputError: a matcher rejects a token (after the device finished this forward).
         """
         graphs = self.decode_graphs
         if graphs is None:
@@ -265,8 +271,23 @@ class ModelRunner:
         rows = None
         if not all(is_plain_greedy(seq.sampling_params, seq.num_output_tokens + later) for seq in seqs):
             rows = [self._row(seq, later) for seq in seqs]
+        grammar = None
+        if any(seq.grammar is not None for seq in seqs):
+            def grammar() -> GrammarMask | None:  # after the forward is enqueued: overlaps it
+                return self._grammar_mask(seqs, feed.token_ids() if feed is not None else ())
+
         with self.on_device():
-            return launch_decode(graphs, output, feed, self._token_buffers, rows)
+            try:
+                launched = launch_decode(graphs, output, feed, self._token_buffers, rows, grammar)
+            except BaseException:
+                if grammar is not None and self.device.type == "cuda":
+                    # a matcher rejected a token after the forward was enqueued: let that forward finish
+                    # writing its KV before the caller frees the sequences' blocks
+                    torch.cuda.current_stream(self.device).synchronize()
+                raise
+            if grammar is not None:
+                self._grammar_bitmasks().done_reading()
+            return launched
 
     def on_device(self) -> contextlib.AbstractContextManager[object]:
         """Context making ``self.device`` the calling thread's current CUDA device (steps run on an
@@ -287,21 +308,33 @@ class ModelRunner:
             tokens = self.sampler.greedy(logits)
             return {seq.request_id: SampleResult(t) for seq, t in zip(sampling, tokens, strict=True)}
         rows = [self._row(seq) for seq in sampling]
-        results = self.sampler(logits, rows, self._grammar_mask(sampling))
+        mask = self._grammar_mask(sampling)
+        results = self.sampler(logits, rows, mask)
+        if mask is not None:
+            self._grammar_bitmasks().done_reading()
         return {seq.request_id: r for seq, r in zip(sampling, results, strict=True)}
 
-    def _grammar_mask(self, seqs: list[Sequence]) -> GrammarMask | None:
+    def _grammar_mask(self, seqs: list[Sequence], pending: Sequence_[int] = ()) -> GrammarMask | None:
         """The bitmask of the rows whose sequence has a grammar (each matcher first advanced over the
-        tokens it has not seen, ``GrammarState.sync``), or None when no row has one. Raises
+        tokens it has not seen, ``GrammarState.sync``; ``pending``: one token per row of ``seqs``, sampled
+        by the previous step and not yet applied, or empty), or None when no row has one. Raises
         ``StructuredOutputError`` when a matcher rejects such a token."""
         if all(seq.grammar is None for seq in seqs):
             return None
+        if pending and len(pending) != len(seqs):
+            raise ValueError(f"{len(pending)} pending tokens for {len(seqs)} rows")
         states = []
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             if seq.grammar is not None:
-                seq.grammar.sync(seq.generated_token_ids)
+                seq.grammar.sync(seq.token_ids, pending[i: i + 1], start=seq.generation_start)
             states.append(seq.grammar)
-        return fill_bitmasks(states, self.vocab_size)
+        return self._grammar_bitmasks().fill(states)
+
+    def _grammar_bitmasks(self) -> BitmaskBuffers:
+        """The engine's bitmask buffers (allocated at the first batch with a grammar)."""
+        if self._bitmasks is None:
+            self._bitmasks = BitmaskBuffers(self.config.scheduler.max_num_seqs, self.vocab_size, self.device)
+        return self._bitmasks
 
     @staticmethod
     def _row(seq: Sequence, later: int = 0) -> SamplingRow:

@@ -40,9 +40,9 @@ _M32 = 0xFFFFFFFF
 
 @dataclass(frozen=True)
 class GrammarMask:
-    """Token bitmask of one batch: ``bitmask`` int32 ``[B, ceil(V / 32)]`` on the host (bit ``j % 32`` of
-    word ``j // 32`` set = token ``j`` allowed; rows not in ``rows`` are unused), ``rows``: the batch rows
-    that have a grammar (ascending)."""
+    """Token bitmask of one batch: ``bitmask`` int32 ``[B, ceil(V / 32)]`` on the host or already on the
+    logits' device (bit ``j % 32`` of word ``j // 32`` set = token ``j`` allowed; rows not in ``rows`` are
+    unused), ``rows``: the batch rows that have a grammar (ascending)."""
 
     bitmask: torch.Tensor
     rows: list[int]
@@ -50,8 +50,9 @@ class GrammarMask:
 
 def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
     """In place: ``logits [B, V]`` float32 of ``mask.rows`` get ``-inf`` where ``mask.bitmask`` has a 0
-    bit. The bitmask goes to the logits' device (pinned memory, asynchronous copy on CUDA); token ids at
-    or beyond ``32 * bitmask.shape[1]`` are left alone (the bitmask covers the whole logit width).
+    bit. A host bitmask goes to the logits' device first (pinned memory, asynchronous copy on CUDA); one
+    already there (``engine.structured_output.BitmaskBuffers``) is used as is. Token ids at or beyond
+    ``32 * bitmask.shape[1]`` are left alone (the bitmask covers the whole logit width).
 
     Raises:
         ValueError: the bitmask's row count differs from the logits' or it covers fewer than ``V`` ids.
@@ -61,9 +62,10 @@ def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
     if mask.bitmask.shape[0] != logits.shape[0] or mask.bitmask.shape[1] * 32 < logits.shape[1]:
         raise ValueError(f"bitmask {tuple(mask.bitmask.shape)} does not cover logits {tuple(logits.shape)}")
     bitmask = mask.bitmask
-    if logits.device.type == "cuda":
+    if bitmask.device != logits.device:
         bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=mask.rows)
+    indices = None if len(mask.rows) == logits.shape[0] else mask.rows  # every row: no index list to copy
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=indices)
 
 
 def masked_by_bitmask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
@@ -230,15 +232,16 @@ def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
 
 
 def samples_on_device(params: SamplingParams, num_output_tokens: int) -> bool:
-    """True when a row's token needs nothing the host learns later: no logprobs, no penalties (they read
-    the output so far), no ``logit_bias`` (kept on the plain path), no ``structured_output`` (its bitmask
-    is filled on the host from the previous token, so such a row's step waits for that token) and
+    """True when a row's token needs nothing the host learns later but its grammar's bitmask: no
+    logprobs, no penalties (they read the output so far), no ``logit_bias`` (kept on the plain path) and
     ``min_tokens`` reached, greedy or seeded sampling (the Gumbel noise hashes seed and output position).
     ``Sampler.sample_tokens`` of such rows can run for a step launched before the previous step's token is
-    on the host (asynchronous scheduling, engine/async_step.py)."""
+    on the host (asynchronous scheduling, engine/async_step.py). A row with a ``structured_output`` is
+    such a row too: its bitmask is filled from the previous step's token after the step's forward is
+    enqueued and before its sampling (``ModelRunner.launch``)."""
     return (params.logprobs is None and params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0 and not params.logit_bias
-            and params.structured_output is None and num_output_tokens >= params.min_tokens)
+            and num_output_tokens >= params.min_tokens)
 
 
 class Sampler:

@@ -101,10 +101,16 @@ class Sequence:
         return self.num_computed_tokens < self.num_tokens - 1
 
     @property
+    def generation_start(self) -> int:
+        """Index in ``token_ids`` of this generation's first output token: the prompt's last
+        ``sampling_params.output_offset`` tokens are output of an earlier attempt continued here."""
+        return max(self.num_prompt_tokens - self.sampling_params.output_offset, 0)
+
+    @property
     def generated_token_ids(self) -> list[int]:
         """This generation's output so far: the prompt's last ``sampling_params.output_offset`` tokens
         (output of an earlier attempt continued here) then the output tokens sampled here (a copy)."""
-        return self.token_ids[max(self.num_prompt_tokens - self.sampling_params.output_offset, 0):]
+        return self.token_ids[self.generation_start:]
 
     def append_token(self, token_id: int) -> None:
         """Append one sampled output token (its KV is computed in the next step)."""
@@ -133,7 +139,7 @@ def check_stop(seq: Sequence, max_model_len: int) -> SequenceStatus | None:
     outputs = seq.output_token_ids
     num_outputs = len(outputs)
     if seq.grammar is not None:
-        seq.grammar.sync(seq.generated_token_ids)
+        seq.grammar.sync(seq.token_ids, start=seq.generation_start)  # no copy of the output
         if seq.grammar.is_terminated():
             return SequenceStatus.FINISHED_STOPPED
     if num_outputs >= params.min_tokens:

@@ -4,14 +4,16 @@ bitmasks for the sampler.
 The grammar engine is xgrammar (``xgrammar.GrammarCompiler`` / ``GrammarMatcher``; its docs describe the
 token-bitmask method). ``StructuredOutputs`` compiles a ``StructuredOutput`` against the model's tokenizer
 (an LRU cache keyed by ``(kind, spec)``), ``GrammarState`` is one sequence's matcher, and
-``fill_bitmasks`` builds the int32 ``[B, ceil(V / 32)]`` host bitmask of a batch (bit ``j`` of a row set =
-token ``j`` allowed) that ``engine.sampler`` applies to the logits on their device.
+``BitmaskBuffers`` fills the int32 ``[B, ceil(V / 32)]`` bitmask of a batch (bit ``j`` of a row set =
+token ``j`` allowed) in preallocated buffers and brings it to the logits' device, where ``engine.sampler``
+applies it.
 
 A matcher is never rolled back: ``GrammarState.sync`` replays whatever output tokens it has not seen yet,
 read from the sequence itself (``Sequence.generated_token_ids``). So the first token sampled by a prefill
 worker, the tokens of an earlier attempt that a migrated request carries at the end of its prompt
 (``SamplingParams.output_offset``), and a preempted sequence's recompute (its output tokens are kept) all
-leave the matcher where the sequence is.
+leave the matcher where the sequence is. A step launched ahead (asynchronous scheduling,
+engine/async_step.py) passes the previous step's tokens, sampled but not yet applied, as ``pending``.
 
 JSON schemas compile with compact separators (``", "`` and ``": "``, no other whitespace), so a small
 model cannot loop on whitespace; ``json_object`` is the schema ``{"type": "object"}``.
@@ -20,17 +22,20 @@ model cannot loop on whitespace; ``json_object`` is the schema ``{"type": "objec
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+import torch
 import xgrammar
 
 from engine.sampler import GrammarMask
 from engine.sampling_params import StructuredOutput
 
 DEFAULT_MAX_CACHED = 128  # compiled grammars kept per worker
+MAX_FILL_THREADS = 8  # xgrammar threads filling one batch's bitmask
 
 
 class StructuredOutputError(ValueError):
@@ -45,16 +50,24 @@ class GrammarState:
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.num_accepted = 0
 
-    def sync(self, generated: Seq[int]) -> None:
-        """Advance the matcher over ``generated[num_accepted:]`` (tokens it has not seen yet).
+    def sync(self, generated: Seq[int], pending: Seq[int] = (), start: int = 0) -> None:
+        """Advance the matcher over the output tokens it has not seen yet: those of ``generated[start:]``
+        (the generation's output so far; ``start`` lets a caller pass a sequence's whole ``token_ids``
+        without copying its output) followed by ``pending`` (tokens sampled but not yet appended to the
+        sequence: a step launched ahead fills its bitmask before the previous step's tokens are applied).
+        Afterwards ``num_accepted == len(generated) - start + len(pending)`` (or more, when it had seen
+        them already).
 
         Raises:
             StructuredOutputError: the grammar rejects one of them (a token that did not come from a
                 masked step, e.g. a prompt whose ``output_offset`` tokens are not output of this grammar).
         """
-        for token in generated[self.num_accepted:]:
+        known = len(generated) - start
+        while self.num_accepted < known + len(pending):
+            i = self.num_accepted
+            token = generated[start + i] if i < known else pending[i - known]
             if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
-                raise StructuredOutputError(f"token {token} at output position {self.num_accepted} is not "
+                raise StructuredOutputError(f"token {token} at output position {i} is not "
                                             f"allowed by the {self.spec.kind} grammar")
             self.num_accepted += 1
 
@@ -186,19 +199,87 @@ def _first_line(exc: BaseException) -> str:
     return line.split(": ", 1)[1] if line.startswith("[") and ": " in line else line
 
 
-def fill_bitmasks(states: Seq[GrammarState | None], vocab_size: int) -> GrammarMask | None:
-    """The batch's ``GrammarMask`` (None when no row has a grammar): row ``i`` filled from
-    ``states[i]``'s matcher (each already ``sync``-ed), all ones for rows without one."""
-    rows = [i for i, s in enumerate(states) if s is not None]
-    if not rows:
-        return None
-    bitmask = xgrammar.allocate_token_bitmask(len(states), vocab_size)
-    for i in rows:
-        state = states[i]
-        assert state is not None
-        state.matcher.fill_next_token_bitmask(bitmask, i)
-    return GrammarMask(bitmask, rows)
+class BitmaskBuffers:
+    """Preallocated token bitmasks of one engine's batches, filled by xgrammar in one call per batch.
+
+    Two slots, used in turn; each holds a host bitmask int32 ``[max_batch, ceil(V / 32)]`` (pinned on
+    CUDA) and, on CUDA, its device copy and two events (the host-to-device copy done; the sampler done
+    reading the device copy). On CUDA the copy runs on a side stream and the current stream waits for it
+    (``torch.cuda.Stream.wait_event``): a step whose forward is already enqueued gets its mask copied
+    while the forward runs, and only its sampling waits for the copy. Rows are filled by
+    ``xgrammar.BatchGrammarMatcher.batch_fill_next_token_bitmask`` (its own threads; one matcher's
+    ``fill_next_token_bitmask`` for a single row).
+
+    Args:
+        max_batch: rows per slot (a larger batch gets a fresh, unpinned bitmask).
+        vocab_size: the model's logit width (the grammar's tokenizer info was built for it).
+        device: where the logits live.
+        threads: xgrammar's fill threads (None: half the host's hardware threads, at most
+            ``MAX_FILL_THREADS``, so that several workers on one host do not each start dozens).
+    """
+
+    def __init__(self, max_batch: int, vocab_size: int, device: torch.device,
+                 threads: int | None = None) -> None:
+        self.max_batch = max_batch
+        self.vocab_size = vocab_size
+        self.device = device
+        cuda = device.type == "cuda"
+        shape = xgrammar.get_bitmask_shape(max_batch, vocab_size)
+        self._host = [torch.full(shape, -1, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._device = [torch.full(shape, -1, dtype=torch.int32, device=device) for _ in range(2)] if cuda \
+            else None
+        self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._read = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._stream = torch.cuda.Stream(device) if cuda else None
+        if threads is None:
+            threads = max(1, min(MAX_FILL_THREADS, (os.cpu_count() or 2) // 2))
+        self.threads = threads
+        self._batch = xgrammar.BatchGrammarMatcher(threads)
+        self._turn = 0
+        self.fills = 0  # batches filled
+
+    def fill(self, states: Seq[GrammarState | None]) -> GrammarMask | None:
+        """The batch's ``GrammarMask`` (None when no row has a grammar or every grammar is terminated):
+        row ``i`` filled from ``states[i]``'s matcher (each already ``GrammarState.sync``-ed); rows
+        without a grammar, or whose grammar has terminated (the row ends with this step's commit), are
+        not in ``rows``. On CUDA the bitmask is already on the device, copied on the side stream, and
+        the current stream waits for the copy; call ``done_reading`` once the sampler is enqueued."""
+        rows = [i for i, s in enumerate(states) if s is not None and not s.is_terminated()]
+        if not rows:
+            return None
+        self.fills += 1
+        matchers = [s.matcher for s in states if s is not None and not s.is_terminated()]
+        n = len(states)
+        if n > self.max_batch:
+            bitmask = xgrammar.allocate_token_bitmask(n, self.vocab_size)
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            return GrammarMask(bitmask, rows)
+        self._turn ^= 1
+        turn = self._turn
+        host = self._host[turn]
+        if self._copied is not None:
+            self._copied[turn].synchronize()  # this slot's previous copy has left the host buffer
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(host, rows[0])
+        else:
+            self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
+        if self._device is None or self._stream is None or self._copied is None or self._read is None:
+            return GrammarMask(host[:n], rows)
+        current = torch.cuda.current_stream(self.device)
+        dev = self._device[turn][:n]
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(self._read[turn])  # the sampler two steps ago is done with it
+            dev.copy_(host[:n], non_blocking=True)
+            self._copied[turn].record(self._stream)
+        current.wait_event(self._copied[turn])
+        return GrammarMask(dev, rows)
+
+    def done_reading(self) -> None:
+        """Mark, on the current stream, that the sampler enqueued after the last ``fill`` has read its
+        device bitmask (the slot's next copy waits for this point); a no-op off CUDA."""
+        if self._read is not None:
+            self._read[self._turn].record(torch.cuda.current_stream(self.device))
 
 
-__all__ = ["GrammarState", "StructuredOutputError", "StructuredOutputs", "choice_grammar",
-           "fill_bitmasks"]
+__all__ = ["BitmaskBuffers", "GrammarState", "StructuredOutputError", "StructuredOutputs",
+           "choice_grammar"]

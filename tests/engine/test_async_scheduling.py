@@ -5,13 +5,15 @@ same code path as with captured graphs launches step N+1 from step N's device to
 (scripts/gpu_tests.sh) one more test compares captured graphs with and without async scheduling.
 Checked against the synchronous engine: the same tokens for batches whose requests stop at different
 steps (``max_tokens``, eos, stop ids), cross block boundaries, mix greedy with seeded sampling, abort
-between steps and arrive between steps; that a launched step really is in flight across calls; that
-``BlockManager.free`` waits for it; no leaks.
+between steps and arrive between steps, hold grammars (structured outputs) beside free rows; that a
+launched step really is in flight across calls; that ``BlockManager.free`` waits for it; no leaks.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,8 @@ from transformers import AutoModelForCausalLM
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.engine_core import EngineCore
-from engine.sampling_params import SamplingParams
+from engine.models.dummy_tokenizer import write_dummy_tokenizer
+from engine.sampling_params import SamplingParams, StructuredOutput
 from tests.engine.test_loader import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -276,3 +279,139 @@ def test_min_tokens_boundary_is_not_sampled_ahead_with_a_stale_mask(tiny_path: P
     assert want.tokens["g"] == free[:4] and want.finish["g"] == "stop"
     got = go(True, (free[3],))
     assert (got.tokens, got.finish) == (want.tokens, want.finish)
+
+
+# Grammars over the dummy tokenizer's words (token id j spells "t<j>", bos/eos "<s>"/"</s>"): tokens
+# spelling t1* and t2* words alternate; a choice ends in eos once one of its strings is complete.
+ALTERNATING = StructuredOutput(kind="regex", spec="(t1[0-9]*t2[0-9]*)+")
+CHOICE = StructuredOutput(kind="choice", spec='["t10t20t30", "t11t21"]')
+
+
+@pytest.fixture(scope="module")
+def grammar_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one-layer tiny model with the dummy tokenizer beside it (what the grammar compiles against)."""
+    path = save_one_layer_model(tmp_path_factory.mktemp("async-grammar") / "m")
+    write_dummy_tokenizer(path, json.loads((path / "config.json").read_text()))
+    return path
+
+
+def grammar_scenario(core: EngineCore) -> Run:
+    """A mixed batch: greedy and seeded rows under the alternating regex, a choice that ends by its
+    grammar, and a free greedy row, with different max_tokens."""
+    run = Run(core)
+    ps = prompts(4, seed=23)
+    run.add("g", ps[0], SamplingParams(temperature=0.0, max_tokens=6, structured_output=ALTERNATING))
+    run.add("s", ps[1], SamplingParams(temperature=0.9, seed=4, max_tokens=5, structured_output=ALTERNATING))
+    run.add("c", ps[2], SamplingParams(temperature=0.0, max_tokens=8, structured_output=CHOICE))
+    run.add("f", ps[3], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    run.drain()
+    return run
+
+
+def words(tokens: list[int]) -> str:
+    return "".join(f"t{t}" for t in tokens if t != 2)
+
+
+def test_grammar_rows_run_ahead_with_the_same_tokens(grammar_path: Path) -> None:
+    """Rows with a grammar no longer make a step synchronous: after the one prefill step every decode
+    step is launched, most of them ahead of the previous step's tokens, and the tokens and finish
+    reasons equal the synchronous engine's."""
+    want = grammar_scenario(make_core(grammar_path, async_scheduling=False))
+    core = make_core(grammar_path, async_scheduling=True)
+    got = grammar_scenario(core)
+    assert (got.tokens, got.finish) == (want.tokens, want.finish)
+    for rid in ("g", "s"):
+        assert re.fullmatch(r"(t1[0-9]*t2[0-9]*)*(t1[0-9]*)?", words(got.tokens[rid])), got.tokens[rid]
+    assert words(got.tokens["c"]) in ("t10t20t30", "t11t21") and got.finish["c"] == "stop"
+    assert got.tokens["c"][-1] == 2  # eos, the only token a complete choice allows
+    counts = core.step_counts
+    assert counts.synchronous == 1, counts  # the prefill step; every decode step was launched
+    assert counts.launched == got.steps - 1 and counts.ahead > 0, counts
+
+
+def test_grammar_mask_is_filled_after_the_forward_is_enqueued(grammar_path: Path) -> None:
+    """Each launched step with a grammar row enqueues its forward before the host fills its bitmask (the
+    fill overlaps the forward on a GPU); the fill of a step launched ahead advances the matchers over the
+    previous step's tokens, which the scheduler has not applied yet."""
+    core = make_core(grammar_path, async_scheduling=True)
+    runner = core.runner
+    assert runner.decode_graphs is not None
+    calls: list[str] = []
+    run_graph, bitmasks = runner.decode_graphs.run, runner._grammar_bitmasks()
+    fill = bitmasks.fill
+
+    def forward(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append("forward")
+        return run_graph(*args, **kwargs)
+
+    def filling(states):  # type: ignore[no-untyped-def]
+        seq = core.scheduler.get("g")
+        assert seq is not None and seq.grammar is not None
+        calls.append("fill-ahead" if seq.grammar.num_accepted == seq.num_output_tokens + 1 else "fill")
+        return fill(states)
+
+    runner.decode_graphs.run = forward  # type: ignore[method-assign]
+    bitmasks.fill = filling  # type: ignore[method-assign]
+    run = Run(core)
+    ps = prompts(2, seed=29)
+    run.add("g", ps[0], SamplingParams(temperature=0.0, max_tokens=6, structured_output=ALTERNATING))
+    run.add("f", ps[1], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    run.drain()
+    # the prefill step (eager, synchronous) masks the first token; the first launched step saw every
+    # token applied; the one launched ahead of it accepts that step's tokens first
+    assert calls[:5] == ["fill", "forward", "fill", "forward", "fill-ahead"], calls
+    launched = calls[1:]
+    assert all(a == "forward" and b.startswith("fill") for a, b in zip(launched[::2], launched[1::2],
+                                                                           strict=True)), calls
+    assert core.step_counts.ahead >= 3 and core.step_counts.synchronous == 1
+    assert len(run.tokens["g"]) == 6 or run.finish["g"] == "stop"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by scripts/gpu_tests.sh)")
+def test_gpu_grammar_rows_same_tokens_with_and_without_async(grammar_path: Path) -> None:
+    """Captured graphs, the bitmask copied on the side stream: the same tokens with and without
+    asynchronous scheduling, and the decode steps launched."""
+    def go(async_scheduling: bool) -> tuple[Run, EngineCore]:
+        core = EngineCore(EngineConfig(
+            ModelConfig(str(grammar_path), dtype="float32", device="cuda", attention_backend="triton",
+                        max_model_len=MAX_LEN),
+            CacheConfig(block_size=4, num_blocks=200),
+            SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, async_scheduling=async_scheduling),
+        ))
+        assert core.runner.decode_graphs is not None and core.runner.decode_graphs.captured
+        return grammar_scenario(core), core
+
+    (got, core), (want, _) = go(True), go(False)
+    assert (got.tokens, got.finish) == (want.tokens, want.finish)
+    assert core.step_counts.synchronous == 1 and core.step_counts.ahead > 0
+
+
+def test_grammar_rejection_in_a_launched_step_fails_the_step_without_leaks(grammar_path: Path) -> None:
+    """A matcher that rejects the previous step's token while a step is being launched (after its
+    forward is enqueued) fails that engine step with the grammar's error; the engine holds no step
+    ahead afterwards, and aborting the requests frees every block."""
+    from engine.structured_output import StructuredOutputError
+
+    core = make_core(grammar_path, async_scheduling=True)
+    run = Run(core)
+    ps = prompts(2, seed=31)
+    run.add("g", ps[0], SamplingParams(temperature=0.0, max_tokens=8, structured_output=ALTERNATING))
+    run.add("f", ps[1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    run.step()  # prefill
+    seq = core.scheduler.get("g")
+    assert seq is not None and seq.grammar is not None
+    sync = seq.grammar.sync
+
+    def rejecting(generated, pending=(), start=0):  # type: ignore[no-untyped-def]
+        if pending:
+            raise StructuredOutputError("rejected")
+        sync(generated, pending, start)
+
+    seq.grammar.sync = rejecting  # type: ignore[method-assign]
+    with pytest.raises(StructuredOutputError, match="rejected"):
+        run.step()  # the first decode launches, then the step ahead of it fails in its fill
+    assert core._ahead is None and (core.step_counts.launched, core.step_counts.ahead) == (1, 0)
+    for rid in ("g", "f"):
+        core.abort_request(rid)
+    core.check_no_leaks()

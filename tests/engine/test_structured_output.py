@@ -14,9 +14,16 @@ import pytest
 import torch
 
 from engine.llm import LLM
+from engine.models.dummy_tokenizer import write_dummy_tokenizer
 from engine.sampler import GrammarMask, Sampler, SamplingRow, apply_grammar_mask, masked_by_bitmask
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
-from engine.structured_output import StructuredOutputError, StructuredOutputs, choice_grammar
+from engine.structured_output import (
+    BitmaskBuffers,
+    GrammarState,
+    StructuredOutputError,
+    StructuredOutputs,
+    choice_grammar,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -297,16 +304,73 @@ def test_preemption_keeps_the_matcher_consistent(smol: LLM) -> None:
     tight.core.check_no_leaks()
 
 
-def test_rows_with_a_grammar_never_take_the_argmax_or_async_paths() -> None:
-    """A row with a grammar needs its bitmask from the previous token: it is neither plain greedy (one
-    argmax) nor ``samples_on_device`` (launched before the previous token is on the host)."""
+def test_rows_with_a_grammar_take_the_async_path_but_not_the_argmax() -> None:
+    """A row with a grammar is never plain greedy (its logits are masked), but it samples on the device:
+    its bitmask is filled between its step's forward and its sampling, so it joins steps launched
+    ahead (tests/engine/test_async_scheduling.py checks the tokens)."""
     from engine.sampler import is_plain_greedy, samples_on_device
 
     so = StructuredOutput(kind="choice", spec='["a"]')
     assert is_plain_greedy(SamplingParams(temperature=0.0), 0)
     assert samples_on_device(SamplingParams(temperature=0.0), 0)
     assert not is_plain_greedy(SamplingParams(temperature=0.0, structured_output=so), 0)
-    assert not samples_on_device(SamplingParams(temperature=0.0, structured_output=so), 0)
+    assert samples_on_device(SamplingParams(temperature=0.0, structured_output=so), 0)
+    assert not samples_on_device(SamplingParams(temperature=0.0, logprobs=1, structured_output=so), 0)
+
+
+@pytest.fixture(scope="module")
+def dummy_outputs(tmp_path_factory: pytest.TempPathFactory) -> StructuredOutputs:
+    """Grammars over the dummy tokenizer of a 256-token vocabulary (token j spells ``t<j>``, eos 2)."""
+    path = tmp_path_factory.mktemp("dummy-tok")
+    write_dummy_tokenizer(path, {"vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2})
+    return StructuredOutputs(path, 256, 2)
+
+
+def _one_row(state: GrammarState, vocab: int = 256) -> torch.Tensor:
+    bitmask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+    state.matcher.fill_next_token_bitmask(bitmask, 0)
+    return bitmask[0]
+
+
+def test_bitmask_buffers_fill_a_batch_in_one_call_like_row_by_row(dummy_outputs: StructuredOutputs) -> None:
+    """``BitmaskBuffers.fill``: rows with a grammar equal each matcher's own fill, rows without one and
+    rows whose grammar has terminated are left out, the two slots alternate, and a batch beyond
+    ``max_batch`` still gets its mask."""
+    alternating = StructuredOutput(kind="regex", spec="(t1[0-9]*t2[0-9]*)+")
+    choice = StructuredOutput(kind="choice", spec='["t10"]')
+    a, b, done = (dummy_outputs.state(s) for s in (alternating, alternating, choice))
+    b.sync([15])  # b expects a t2* word next, a a t1* word
+    done.sync([10, 2])  # complete, eos accepted
+    assert done.is_terminated()
+    buffers = BitmaskBuffers(4, 256, torch.device("cpu"))
+    mask = buffers.fill([a, None, b, done])
+    assert mask is not None and mask.rows == [0, 2] and tuple(mask.bitmask.shape) == (4, 8)
+    assert torch.equal(mask.bitmask[0], _one_row(a)) and torch.equal(mask.bitmask[2], _one_row(b))
+    assert not torch.equal(mask.bitmask[0], mask.bitmask[2])
+    second = buffers.fill([b])
+    assert second is not None and second.bitmask.data_ptr() != mask.bitmask.data_ptr()  # other slot
+    assert torch.equal(second.bitmask[0], _one_row(b))
+    assert buffers.fill([None, done]) is None and buffers.fills == 2
+    wide = buffers.fill([a] * 5)  # beyond max_batch
+    assert wide is not None and wide.rows == [0, 1, 2, 3, 4] and torch.equal(wide.bitmask[4], _one_row(a))
+
+
+def test_sync_accepts_pending_tokens_once(dummy_outputs: StructuredOutputs) -> None:
+    """``GrammarState.sync(generated, pending, start)``: a step launched ahead advances the matcher over
+    the previous step's token before it is appended; syncing the appended sequence later accepts nothing
+    twice; ``start`` skips the prompt of a whole ``token_ids``; a token the grammar rejects names its
+    output position."""
+    state = dummy_outputs.state(StructuredOutput(kind="regex", spec="(t1[0-9]*t2[0-9]*)+"))
+    state.sync([15], pending=[25])
+    assert state.num_accepted == 2
+    state.sync([15, 25])
+    assert state.num_accepted == 2
+    state.sync([15, 25], pending=[11])
+    assert state.num_accepted == 3
+    state.sync([7, 8, 15, 25, 11, 21], start=2)  # a sequence's token_ids, output from index 2
+    assert state.num_accepted == 4
+    with pytest.raises(StructuredOutputError, match="token 23 at output position 4"):
+        state.sync([15, 25, 11, 21], pending=[23])  # a t2* word where a t1* one must come
 
 
 @pytest.mark.slow
