@@ -2,7 +2,10 @@
 
 All scheduled sequences are packed into one row (``input_ids [1, T]``, ``position_ids [1, T]``, decodes
 first), attention goes through the paged backend (``engine.models.hf_attention``), and logits are
-computed only for the rows that sample (the last scheduled token of each sampling sequence).
+computed only for the rows that sample (the last scheduled token of each sampling sequence), plus, for a
+sequence that asked for prompt logprobs, the rows of its prompt positions still to report; those become
+``Sequence.prompt_logprobs`` entries (``engine.prompt_logprobs``, float32 in chunks of rows) in the
+same step.
 
 Decode-only steps (every scheduled sequence has query length 1, no ``layer_hook``) replay a CUDA graph
 captured at start-up for the step's batch-size bucket (``engine.cuda_graphs``) when the model is on CUDA,
@@ -26,11 +29,35 @@ from engine.kv_cache import KVCachePool
 from engine.models.fused_model import PROJECTIONS, FusedCausalLM, unsupported_reason
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
 from engine.models.loader import load_model
+from engine.prompt_logprobs import prompt_token_logprobs
 from engine.ops.pdl import set_pdl
 from engine.sampler import GrammarMask, Sampler, SampleResult, SamplingRow, is_plain_greedy
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.structured_output import fill_bitmasks
+
+
+class PromptRows:
+    """The rows of one step's packed tokens whose logits give prompt logprobs: per sequence, its
+    ``(seq, first row, number of rows)`` (row ``r`` predicts the token after it, a prompt token), and
+    the packed ``targets`` (the prompt tokens predicted), in the same order."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[Sequence, int, int]] = []
+        self.rows: list[int] = []
+        self.targets: list[int] = []
+
+    def add(self, seq: Sequence, row: int, start: int, end: int) -> None:
+        """Rows ``row ..`` hold positions ``[start, end)`` of ``seq``; keep those whose prompt logprob is
+        still to report (positions ``len(seq.prompt_logprobs) .. num_prompt_tokens - 2``)."""
+        done = seq.prompt_logprobs
+        assert done is not None
+        first, last = max(start, len(done)), min(end, seq.num_prompt_tokens - 1)
+        if first >= last:
+            return
+        self.spans.append((seq, len(self.rows), last - first))
+        self.rows.extend(range(row + first - start, row + last - start))
+        self.targets.extend(seq.token_ids[first + 1:last + 1])
 
 
 def fallback_seed(request_id: str) -> int:
@@ -122,20 +149,26 @@ class ModelRunner:
                              max_positions=self.max_model_len)
 
     def _prepare_inputs(
-        self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None
+        self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None,
+        prompt_rows: PromptRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Packed ``input_ids [1, T]``, ``position_ids [1, T]`` (int64), the indices ``[S_sample]`` of the
-        rows to compute logits for, and the step's ``AttentionMetadata``."""
+        """Packed ``input_ids [1, T]``, ``position_ids [1, T]`` (int64), the indices ``[S_sample (+ P)]``
+        of the rows to compute logits for (the sampling rows, then ``prompt_rows``' rows, which this
+        fills when given), and the step's ``AttentionMetadata``."""
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
         for s in output.scheduled:
             start = s.seq.num_computed_tokens
             end = start + s.num_scheduled_tokens
+            if prompt_rows is not None and s.seq.needs_prompt_logprobs:
+                prompt_rows.add(s.seq, len(ids), start, end)
             ids.extend(s.seq.token_ids[start:end])
             positions.extend(range(start, end))
             if s.samples:
                 sample_rows.append(len(ids) - 1)
+        if prompt_rows is not None:
+            sample_rows.extend(prompt_rows.rows)  # their logits follow the sampling rows'
         meta = build_attention_metadata(
             [s.seq.block_table for s in output.scheduled],
             [s.seq.num_computed_tokens for s in output.scheduled],
@@ -158,6 +191,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run the forward pass of one step, storing every scheduled token's K/V in ``kv_cache``.
 
+        A sequence with prompt logprobs still to report (``Sequence.needs_prompt_logprobs``) gets the
+        entries of this step's prompt positions appended to ``Sequence.prompt_logprobs``; their logits
+        (``[P, vocab_size]`` in the model dtype, P at most the step's tokens) are turned into float32
+        logprobs ``ROWS_PER_CHUNK`` rows at a time (``engine.prompt_logprobs``).
+
         Returns:
             ``[S_sample, vocab_size]`` logits in the model dtype, one row per ``samples=True`` entry in
             ``output.scheduled`` order.
@@ -166,9 +204,12 @@ class ModelRunner:
         scheduled = output.scheduled
         decode_only = output.num_decodes == len(scheduled) or all(
             s.num_scheduled_tokens == 1 for s in scheduled)
-        if graphs is not None and layer_hook is None and decode_only and graphs.fits(len(output.scheduled)):
+        wants_prompt = any(s.seq.needs_prompt_logprobs for s in scheduled)
+        if (graphs is not None and layer_hook is None and decode_only and not wants_prompt
+                and graphs.fits(len(output.scheduled))):
             return self._graph_logits(graphs, output)
-        input_ids, position_ids, sample_rows, meta = self._prepare_inputs(output, layer_hook)
+        prompt_rows = PromptRows() if wants_prompt else None
+        input_ids, position_ids, sample_rows, meta = self._prepare_inputs(output, layer_hook, prompt_rows)
         result = self.net(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -177,7 +218,12 @@ class ModelRunner:
             logits_to_keep=sample_rows,
             **{META_KWARG: meta, CACHE_KWARG: self.kv_cache, BACKEND_KWARG: self.backend},
         )
-        return result.logits[0]
+        logits = result.logits[0]
+        if prompt_rows is None or not prompt_rows.rows:
+            return logits
+        num_sample = logits.shape[0] - len(prompt_rows.rows)
+        _record_prompt_logprobs(logits[num_sample:], prompt_rows)
+        return logits[:num_sample]
 
     def _graph_logits(self, graphs: DecodeCudaGraphs, output: SchedulerOutput) -> torch.Tensor:
         """Decode-only step through the bucket's CUDA graph: logits ``[S_sample, vocab_size]``. Passes each
@@ -289,3 +335,28 @@ class ModelRunner:
             output_token_ids=outputs,
             eos_token_id=seq.eos_token_id,
         )
+
+
+def _record_prompt_logprobs(logits: torch.Tensor, prompt_rows: PromptRows) -> None:
+    """Append each sequence's entries computed from ``logits`` (``[P, vocab]``, ``prompt_rows``' rows
+    in order) to its ``prompt_logprobs``, at the top-N its ``SamplingParams.prompt_logprobs`` asks
+    (one pass per distinct N)."""
+    by_top: dict[int, list[tuple[Sequence, int, int]]] = {}
+    for seq, first, count in prompt_rows.spans:
+        num_top = seq.sampling_params.prompt_logprobs
+        assert num_top is not None
+        by_top.setdefault(num_top, []).append((seq, first, count))
+    targets = torch.tensor(prompt_rows.targets, dtype=torch.int64, device=logits.device)
+    for num_top, spans in by_top.items():
+        rows, wanted = logits, targets
+        if len(by_top) > 1:  # this N's rows only (one N, the usual case: every row, no copy)
+            index = torch.tensor([r for _, first, count in spans for r in range(first, first + count)],
+                                 dtype=torch.int64, device=logits.device)
+            rows, wanted = logits[index], targets[index]
+        entries = prompt_token_logprobs(rows, wanted, min(num_top, logits.shape[1]))
+        at = 0
+        for seq, _, count in spans:
+            done = seq.prompt_logprobs
+            assert done is not None
+            done.extend(entries[at:at + count])
+            at += count

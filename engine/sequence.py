@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.prompt_logprobs import PromptTokenLogprob
     from engine.structured_output import GrammarState
 
 
@@ -41,6 +42,9 @@ class Sequence:
     ``BlockManager.cache_full_blocks`` registered (kept so each block is hashed once).
     ``grammar``: the matcher of ``sampling_params.structured_output`` (set by the engine that admits the
     sequence; None without one).
+    ``prompt_logprobs``: with ``sampling_params.prompt_logprobs`` set, the entries of prompt tokens
+    ``1 .. len`` computed so far (entry ``i`` for token ``i + 1``; filled by the model runner as the
+    prompt's chunks run; complete at ``num_prompt_tokens - 1`` entries); None when not requested.
 
     Raises:
         ValueError: empty prompt or negative token ids.
@@ -71,6 +75,8 @@ class Sequence:
         self.hashed_blocks: tuple[int, int | None] = (0, None)
         self.status = SequenceStatus.WAITING
         self.grammar: GrammarState | None = None
+        self.prompt_logprobs: list[PromptTokenLogprob] | None = (
+            [] if sampling_params.prompt_logprobs is not None else None)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -96,6 +102,13 @@ class Sequence:
     def is_prefill(self) -> bool:
         """True while more than one token is left to compute (so this step is not a plain decode)."""
         return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt logprobs were requested and some are still to compute (so the prompt's
+        positions must run through the model: no prefix-cache hit may skip them)."""
+        done = self.prompt_logprobs
+        return done is not None and len(done) < self.num_prompt_tokens - 1
 
     @property
     def generated_token_ids(self) -> list[int]:
