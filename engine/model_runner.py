@@ -29,8 +29,8 @@ from engine.kv_cache import KVCachePool
 from engine.models.fused_model import PROJECTIONS, FusedCausalLM, unsupported_reason
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
 from engine.models.loader import load_model
-from engine.prompt_logprobs import prompt_token_logprobs
 from engine.ops.pdl import set_pdl
+from engine.prompt_logprobs import prompt_token_logprobs
 from engine.sampler import GrammarMask, Sampler, SampleResult, SamplingRow, is_plain_greedy
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence

@@ -105,10 +105,11 @@ class Sequence:
 
     @property
     def needs_prompt_logprobs(self) -> bool:
-        """True while prompt logprobs were requested and some are still to compute (so the prompt's
-        positions must run through the model: no prefix-cache hit may skip them)."""
-        done = self.prompt_logprobs
-        return done is not None and len(done) < self.num_prompt_tokens - 1
+        """True while prompt logprobs were requested, some are still to compute and the prompt's
+        positions still run here (so no prefix-cache hit may skip them). A sequence whose prompt KV came
+        from elsewhere (a decode worker's) computes none."""
+        done, last = self.prompt_logprobs, self.num_prompt_tokens - 1
+        return done is not None and len(done) < last and self.num_computed_tokens < last
 
     @property
     def generated_token_ids(self) -> list[int]:

@@ -71,6 +71,7 @@ from protocol.messages import (
     Message,
     NextToken,
     PrefillRequest,
+    PromptLogprob,
     RequestFailed,
     RequestFinished,
     ReserveKV,
@@ -174,7 +175,8 @@ class GatewayRequest:
     identity of each worker holding the current attempt), the counted output tokens (``output_ids``)
     with their arrival times (``time.monotonic()`` seconds, as ``arrival``), the retries and migrations
     done and the workers that failed it (left out when it is routed again), and the prompt tokens the
-    worker of its first ``FirstToken`` found in its prefix cache (None before it)."""
+    worker of its first ``FirstToken`` found in its prefix cache (None before it), and the prompt
+    logprobs that ``FirstToken`` carried (None unless the sampling params asked for them)."""
 
     inp: GenerationInput
     route: Route
@@ -188,6 +190,7 @@ class GatewayRequest:
     migrations: int = 0
     failed_workers: set[str] = field(default_factory=set)
     num_cached_tokens: int | None = None  # prompt tokens the first FirstToken's worker found cached
+    prompt_logprobs: list[PromptLogprob] | None = None  # entries of prompt tokens 1..n-1
     attempt: Attempt = field(init=False)
 
     @property
@@ -354,6 +357,7 @@ class Orchestrator:
             if isinstance(msg, FirstToken):
                 if req.num_cached_tokens is None:  # a migrated attempt's prompt is not the client's
                     req.num_cached_tokens = msg.num_cached_tokens
+                    req.prompt_logprobs = msg.prompt_logprobs
                 await self._on_first_token(req, msg)
                 return self._count(req, msg.token_id, msg.logprob, msg.top_logprobs, msg.finish_reason)
             if isinstance(msg, KVReserved):
@@ -399,7 +403,8 @@ class Orchestrator:
         if emitted:
             sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - emitted,
                                                min_tokens=max(0, sampling.min_tokens - emitted),
-                                               output_offset=sampling.output_offset + emitted)
+                                               output_offset=sampling.output_offset + emitted,
+                                               prompt_logprobs=None)  # received with the first token
         prompt = req.inp.prompt_token_ids + req.output_ids
         try:
             route = self.router.route(prompt, sampling.max_tokens, frozenset(req.failed_workers))

@@ -254,10 +254,21 @@ class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
 
 
+class PromptLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One prompt token's log-probability given the tokens before it (natural log), its 1-based rank in
+    the vocabulary and the top-N alternatives, best first (``engine.prompt_logprobs``)."""
+
+    logprob: float
+    rank: int
+    top_logprobs: list[TopLogprob]
+
+
 class FirstToken(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Prefill (or colocated) → gateway: the first output token.
 
     ``finish_reason`` is set when this token already ends the request (eos, or ``max_tokens == 1``).
+    ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, the entries of prompt tokens
+    ``1 .. n - 1`` (the first has no prefix); else None.
     """
 
     request_id: str
@@ -267,6 +278,7 @@ class FirstToken(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     top_logprobs: list[TopLogprob] | None = None
     num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class NextToken(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -18,6 +18,7 @@ from protocol.messages import (
     NextToken,
     OutputBatch,
     OutputMessage,
+    PromptLogprob,
     RequestFailed,
     RequestFinished,
     TopLogprob,
@@ -33,6 +34,14 @@ def top_logprobs_of(out: StepOutput) -> list[TopLogprob] | None:
     if out.top_logprobs is None:
         return None
     return [TopLogprob(t, lp) for t, lp in out.top_logprobs]
+
+
+def prompt_logprobs_of(out: StepOutput) -> list[PromptLogprob] | None:
+    """The prompt logprob entries ``out`` carries (its request's first token) as wire structs, or None."""
+    if out.prompt_logprobs is None:
+        return None
+    return [PromptLogprob(e.logprob, e.rank, [TopLogprob(t, lp) for t, lp in e.top])
+            for e in out.prompt_logprobs]
 
 
 def finish_reason(out: StepOutput) -> FinishReason | None:
@@ -55,7 +64,8 @@ def token_messages(worker_id: str, seq: Sequence, out: StepOutput) -> list[Messa
     if seq.num_output_tokens == 1:
         msgs.append(FirstToken(request_id=rid, worker_id=worker_id, token_id=out.token_id,
                                logprob=out.logprob, top_logprobs=top_logprobs_of(out),
-                               num_cached_tokens=seq.num_cached_tokens, finish_reason=reason))
+                               num_cached_tokens=seq.num_cached_tokens, finish_reason=reason,
+                               prompt_logprobs=prompt_logprobs_of(out)))
     else:
         msgs.append(NextToken(request_id=rid, worker_id=worker_id, token_id=out.token_id,
                               logprob=out.logprob, top_logprobs=top_logprobs_of(out)))
