@@ -34,7 +34,12 @@ DEFAULT_MAX_CACHED = 128  # compiled grammars kept per worker
 
 
 class StructuredOutputError(ValueError):
-    """A ``StructuredOutput`` the grammar engine cannot compile (message says why)."""
+    """A ``StructuredOutput`` the grammar engine cannot compile or follow (message says why)."""
+
+
+class GrammarRejected(StructuredOutputError):
+    """The spec itself does not compile (bad schema, regex, choice list or grammar): the request's
+    fault, not the worker's (a worker answers it with ``RequestRejected``)."""
 
 
 class GrammarState:
@@ -156,8 +161,8 @@ class StructuredOutputs:
                 return compiler.compile_grammar(choice_grammar(spec.spec))
             return compiler.compile_grammar(spec.spec)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise StructuredOutputError(f"structured_output {spec.kind} does not compile: "
-                                        f"{_first_line(exc)}") from exc
+            raise GrammarRejected(f"structured_output {spec.kind} does not compile: "
+                                  f"{_first_line(exc)}") from exc
 
     def state(self, spec: StructuredOutput) -> GrammarState:
         """A fresh matcher for ``spec`` (compiled or from the cache). Raises as ``compile``."""
@@ -173,9 +178,9 @@ def choice_grammar(spec: str) -> str:
     try:
         choices = json.loads(spec)
     except ValueError as exc:
-        raise StructuredOutputError(f"choice spec is not JSON: {exc}") from exc
+        raise GrammarRejected(f"choice spec is not JSON: {exc}") from exc
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise StructuredOutputError("choice spec must be a non-empty JSON list of non-empty strings")
+        raise GrammarRejected("choice spec must be a non-empty JSON list of non-empty strings")
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
@@ -200,5 +205,5 @@ def fill_bitmasks(states: Seq[GrammarState | None], vocab_size: int) -> GrammarM
     return GrammarMask(bitmask, rows)
 
 
-__all__ = ["GrammarState", "StructuredOutputError", "StructuredOutputs", "choice_grammar",
+__all__ = ["GrammarRejected", "GrammarState", "StructuredOutputError", "StructuredOutputs", "choice_grammar",
            "fill_bitmasks"]

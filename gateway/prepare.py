@@ -326,6 +326,9 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
                               "calls; it cannot be combined with response_format or structured_outputs",
                               "tool_choice")
         structured = tool_structured_output(plan.forced_schema)
+    structured_param = None if structured is None else (
+        "tool_choice" if plan is not None and plan.forced_schema is not None
+        else "structured_outputs" if body.structured_outputs is not None else "response_format")
     prompts = _prompts(text, body, plan)
     if len(prompts) * body.n > svc.settings.max_queue:
         raise bad_request(f"{len(prompts)} prompts x n={body.n} choices exceed --max-queue "
@@ -339,7 +342,7 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
             inp = GenerationInput(f"{request_id}-{index}" if many else request_id, ids,
                                   sampling_params(body, max_tokens, derived_seed(body.seed, i),
                                                   structured),
-                                  tuple(body.stop_list()))
+                                  tuple(body.stop_list()), structured_param)
             choices.append(ChoiceInput(index, inp, prompt_text if echo else "", body.max_tokens == 0))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     completion = isinstance(body, CompletionRequest)

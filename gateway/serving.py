@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 
 import msgspec
 
@@ -162,7 +162,7 @@ async def _groups(svc: GatewayService, p: Prepared,
 class _ChunkWriter:
     """Turns (choice position, delta) into SSE events, holding textless deltas' logprobs for the next."""
 
-    def __init__(self, svc: GatewayService, p: Prepared, reqs: list[GatewayRequest]) -> None:
+    def __init__(self, svc: GatewayService, p: Prepared, reqs: Sequence[GatewayRequest] = ()) -> None:
         self.svc, self.p, self.created, self.reqs = svc, p, int(time.time()), reqs
         self.prefix: list[str | None] = [c.echo_text for c in p.choices]  # None once sent
         self.offset = [0] * len(p.choices)

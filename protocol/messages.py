@@ -309,7 +309,18 @@ class RequestFailed(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     error: str
 
 
-OutputMessage = FirstToken | NextToken | RequestFinished | RequestFailed | KVReserved
+class RequestRejected(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Worker → gateway: the request itself cannot be served, before any token or KV block: its
+    ``structured_output`` does not compile in the worker's grammar engine (``param``; ``error`` says
+    why). Unlike ``RequestFailed`` it is the client's fault: the gateway answers 400 and retries nowhere."""
+
+    request_id: str
+    worker_id: str
+    error: str
+    param: Literal["structured_output"] = "structured_output"
+
+
+OutputMessage = FirstToken | NextToken | RequestFinished | RequestFailed | RequestRejected | KVReserved
 
 
 class OutputBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -339,8 +350,8 @@ def _no_stop_strings(sampling: SamplingParams) -> None:
 Message = (
     RegisterWorker | RegisterAck | ReRegister | Probe | Heartbeat | WorkerShutdown | ReserveKV | KVReserved
     | PrefillRequest | DecodeRequest | ColocatedRequest | FirstToken | NextToken | RequestFinished
-    | RequestFailed | OutputBatch | AbortRequest | KVCanaryReserve | KVCanaryReserved | KVCanarySend
-    | KVCanaryResult
+    | RequestFailed | RequestRejected | OutputBatch | AbortRequest | KVCanaryReserve | KVCanaryReserved
+    | KVCanarySend | KVCanaryResult
 )
 
 _ENCODER = msgspec.msgpack.Encoder()

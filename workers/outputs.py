@@ -21,6 +21,7 @@ from protocol.messages import (
     PromptLogprob,
     RequestFailed,
     RequestFinished,
+    RequestRejected,
     TopLogprob,
 )
 
@@ -99,7 +100,8 @@ def batch_outputs(worker_id: str, msgs: list[Message]) -> list[Message]:
     frames: list[Message] = []
     at = -1  # where the batch goes in ``frames``
     for msg in msgs:
-        if isinstance(msg, FirstToken | NextToken | RequestFinished | RequestFailed | KVReserved):
+        if isinstance(msg, FirstToken | NextToken | RequestFinished | RequestFailed | RequestRejected
+                      | KVReserved):
             at = len(frames) if at < 0 else at
             outputs.append(msg)
         else:
