@@ -350,9 +350,10 @@ def schema_ref(cls: type[msgspec.Struct]) -> dict[str, str]:
     return {"$ref": REF_TEMPLATE.format(name=cls.__name__)}
 
 
-def openapi_components() -> dict[str, Any]:
-    """JSON schemas (OpenAPI 3.1 ``components.schemas``) of the documented types and those they hold."""
-    _, components = msgspec.json.schema_components(DOCUMENTED, ref_template=REF_TEMPLATE)
+def openapi_components(more: tuple[type[msgspec.Struct], ...] = ()) -> dict[str, Any]:
+    """JSON schemas (OpenAPI 3.1 ``components.schemas``) of the documented types, ``more`` (response
+    types defined elsewhere, e.g. gateway/responses_api.py) and those they hold."""
+    _, components = msgspec.json.schema_components(DOCUMENTED + more, ref_template=REF_TEMPLATE)
     return components
 
 

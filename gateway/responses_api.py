@@ -236,30 +236,27 @@ class ReasoningContent(msgspec.Struct):
     text: str
 
 
-class MessageItem(msgspec.Struct):
-    """A ``message`` output item."""
+class MessageItem(msgspec.Struct, tag_field="type", tag="message"):
+    """A ``message`` output item (``type: message``)."""
 
-    type: Literal["message"]
     id: str
     status: str
     role: Literal["assistant"]
     content: list[OutputText]
 
 
-class ReasoningItem(msgspec.Struct):
-    """A ``reasoning`` output item (the text the reasoning parser separated)."""
+class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning"):
+    """A ``reasoning`` output item (``type: reasoning``: the text the reasoning parser separated)."""
 
-    type: Literal["reasoning"]
     id: str
     summary: list[Any]
     content: list[ReasoningContent]
     status: str
 
 
-class FunctionCallOutput(msgspec.Struct):
-    """A ``function_call`` output item."""
+class FunctionCallOutput(msgspec.Struct, tag_field="type", tag="function_call"):
+    """A ``function_call`` output item (``type: function_call``)."""
 
-    type: Literal["function_call"]
     id: str
     call_id: str
     name: str
@@ -376,7 +373,7 @@ class ResponseBuilder:
             if isinstance(e, ContentText):
                 if not isinstance(self._open, MessageItem):
                     out += self._close()
-                    item = MessageItem("message", _item_id("msg"), "in_progress", "assistant",
+                    item = MessageItem(_item_id("msg"), "in_progress", "assistant",
                                        [OutputText("output_text", "", [], [])])
                     out += self._add(item)
                     out.append(self._event("response.content_part.added", item_id=item.id,
@@ -390,7 +387,7 @@ class ResponseBuilder:
             elif isinstance(e, ReasoningText):
                 if not isinstance(self._open, ReasoningItem):
                     out += self._close()
-                    out += self._add(ReasoningItem("reasoning", _item_id("rs"), [],
+                    out += self._add(ReasoningItem(_item_id("rs"), [],
                                                    [ReasoningContent("reasoning_text", "")], "in_progress"))
                 assert isinstance(self._open, ReasoningItem)
                 self._open.content[0].text += e.text
@@ -398,7 +395,7 @@ class ResponseBuilder:
                                        output_index=len(self.items) - 1, content_index=0, delta=e.text))
             elif isinstance(e, ToolCallStart):
                 out += self._close()
-                out += self._add(FunctionCallOutput("function_call", _item_id("fc"), e.id, e.name, "",
+                out += self._add(FunctionCallOutput(_item_id("fc"), e.id, e.name, "",
                                                     "in_progress"))
             elif isinstance(e, ToolCallArguments):
                 assert isinstance(self._open, FunctionCallOutput)
