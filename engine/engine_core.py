@@ -20,6 +20,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models.registry import resolve_model
+from engine.prompt_logprobs import PromptTokenLogprob
 from engine.sampler import SampleResult, samples_on_device
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -43,6 +44,9 @@ class StepOutput(msgspec.Struct, frozen=True):
     ``logprob`` / ``top_logprobs``: raw model logprobs (see ``engine.sampler``), None unless requested.
     ``finish_reason``: None while running, else ``"stop"`` (eos / stop token id), ``"length"``
     (max_tokens or max_model_len) or ``"prefilled"`` (prefill-only engine).
+    ``prompt_logprobs``: on a request's first output token when it asked for them
+    (``SamplingParams.prompt_logprobs``): the entries of prompt tokens ``1 .. n - 1``
+    (``engine.prompt_logprobs``); else None.
     """
 
     request_id: str
@@ -50,6 +54,7 @@ class StepOutput(msgspec.Struct, frozen=True):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[PromptTokenLogprob] | None = None
 
 
 @dataclass
@@ -267,7 +272,8 @@ class EngineCore:
             if r is None or status is aborted:
                 continue
             reason = None if status is running else FINISH_REASONS.get(status)
-            outs.append(StepOutput(seq.request_id, r.token_id, r.logprob, r.top_logprobs, reason))
+            prompt = seq.prompt_logprobs if seq.num_output_tokens == 1 else None
+            outs.append(StepOutput(seq.request_id, r.token_id, r.logprob, r.top_logprobs, reason, prompt))
         return outs
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.engine_core import EngineCore, StepOutput
 from engine.models.registry import resolve_model
+from engine.prompt_logprobs import PromptTokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.tokenizer import TextTokenizer, load_tokenizer
@@ -30,7 +31,9 @@ class RequestOutput:
     ``token_ids``: output tokens (a stop string's tokens included, its text not); ``finish_reason``:
     ``"stop"`` (eos, stop token id or stop string), ``"length"``; ``logprobs[i]`` / ``top_logprobs[i]``:
     raw model logprob of output token ``i`` and its top-N ``(token_id, logprob)`` (None unless requested).
-    ``num_cached_tokens``: prompt tokens served from the prefix cache.
+    ``num_cached_tokens``: prompt tokens served from the prefix cache. ``prompt_logprobs`` (with
+    ``SamplingParams.prompt_logprobs``): one entry per prompt token, None for the first
+    (``engine.prompt_logprobs``).
     """
 
     request_id: str
@@ -42,6 +45,7 @@ class RequestOutput:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None
 
 
 def build_engine_config(model: str, **options: Any) -> EngineConfig:
@@ -160,6 +164,8 @@ class LLM:
         if out.finish_reason is not None:
             return
         out.token_ids.append(step.token_id)
+        if step.prompt_logprobs is not None:
+            out.prompt_logprobs = [None, *step.prompt_logprobs]
         if out.logprobs is not None and step.logprob is not None:
             out.logprobs.append(step.logprob)
         if out.top_logprobs is not None:

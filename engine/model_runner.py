@@ -2,7 +2,10 @@
 
 All scheduled sequences are packed into one row (``input_ids [1, T]``, ``position_ids [1, T]``, decodes
 first), attention goes through the paged backend (``engine.models.hf_attention``), and logits are
-computed only for the rows that sample (the last scheduled token of each sampling sequence).
+computed only for the rows that sample (the last scheduled token of each sampling sequence), plus, for a
+sequence that asked for prompt logprobs, the rows of its prompt positions still to report; those become
+``Sequence.prompt_logprobs`` entries (``engine.prompt_logprobs``, float32 in chunks of rows) in the
+same step.
 
 Decode-only steps (every scheduled sequence has query length 1, no ``layer_hook``) replay a CUDA graph
 captured at start-up for the step's batch-size bucket (``engine.cuda_graphs``) when the model is on CUDA,
@@ -30,11 +33,35 @@ from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, i
 from engine.models.loader import load_model, resolve_device
 from engine.models.tensor_parallel import TensorParallelCausalLM, load_sharded_model, local_config
 from engine.ops.pdl import set_pdl
+from engine.prompt_logprobs import prompt_token_logprobs
 from engine.sampler import GrammarMask, Sampler, SampleResult, SamplingRow, is_plain_greedy
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.step_batch import StepBatch
 from engine.structured_output import BitmaskBuffers
+
+
+class PromptRows:
+    """The rows of one step's packed tokens whose logits give prompt logprobs: per sequence, its
+    ``(seq, first row, number of rows)`` (row ``r`` predicts the token after it, a prompt token), and
+    the packed ``targets`` (the prompt tokens predicted), in the same order."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[Sequence, int, int]] = []
+        self.rows: list[int] = []
+        self.targets: list[int] = []
+
+    def add(self, seq: Sequence, row: int, start: int, end: int) -> None:
+        """Rows ``row ..`` hold positions ``[start, end)`` of ``seq``; keep those whose prompt logprob is
+        still to report (positions ``len(seq.prompt_logprobs) .. num_prompt_tokens - 2``)."""
+        done = seq.prompt_logprobs
+        assert done is not None
+        first, last = max(start, len(done)), min(end, seq.num_prompt_tokens - 1)
+        if first >= last:
+            return
+        self.spans.append((seq, len(self.rows), last - first))
+        self.rows.extend(range(row + first - start, row + last - start))
+        self.targets.extend(seq.token_ids[first + 1:last + 1])
 
 
 def fallback_seed(request_id: str) -> int:
@@ -157,8 +184,9 @@ class ModelRunner:
     def _prepare_inputs(
         self, batch: StepBatch, layer_hook: Callable[[int], None] | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Packed ``input_ids [1, T]``, ``position_ids [1, T]`` (int64), the indices ``[S_sample]`` of the
-        rows to compute logits for, and the step's ``AttentionMetadata``."""
+        """Packed ``input_ids [1, T]``, ``position_ids [1, T]`` (int64), the indices ``[S_sample (+ P)]``
+        of the rows to compute logits for (the sampling rows, then ``batch.prompt_rows``), and the step's
+        ``AttentionMetadata``."""
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -167,6 +195,7 @@ class ModelRunner:
             positions.extend(range(start, start + len(tokens)))
             if samples:
                 sample_rows.append(len(ids) - 1)
+        sample_rows.extend(batch.prompt_rows)  # their logits follow the sampling rows'
         meta = build_attention_metadata(
             batch.block_tables,
             batch.starts,
@@ -189,23 +218,41 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run the forward pass of one step, storing every scheduled token's K/V in ``kv_cache``.
 
+        A sequence with prompt logprobs still to report (``Sequence.needs_prompt_logprobs``) gets the
+        entries of this step's prompt positions appended to ``Sequence.prompt_logprobs``; their logits
+        (``[P, vocab_size]`` in the model dtype, P at most the step's tokens) are turned into float32
+        logprobs ``ROWS_PER_CHUNK`` rows at a time (``engine.prompt_logprobs``).
+
         Returns:
             ``[S_sample, vocab_size]`` logits in the model dtype, one row per ``samples=True`` entry in
             ``output.scheduled`` order.
 
         With tensor parallel followers the step's ``StepBatch`` is broadcast to them first.
         """
-        batch = StepBatch.from_output(output)
+        prompt_rows: PromptRows | None = None
+        if any(s.seq.needs_prompt_logprobs for s in output.scheduled):
+            prompt_rows, offset = PromptRows(), 0
+            for s in output.scheduled:
+                start = s.seq.num_computed_tokens
+                if s.seq.needs_prompt_logprobs:
+                    prompt_rows.add(s.seq, offset, start, start + s.num_scheduled_tokens)
+                offset += s.num_scheduled_tokens
+        batch = StepBatch.from_output(output, prompt_rows.rows if prompt_rows is not None else [])
         if self.tp.has_followers:
             self.tp.broadcast_bytes(batch.encode())
-        return self.batch_logits(batch, layer_hook)
+        logits = self.batch_logits(batch, layer_hook)
+        if prompt_rows is None or not prompt_rows.rows:
+            return logits
+        num_sample = logits.shape[0] - len(prompt_rows.rows)
+        _record_prompt_logprobs(logits[num_sample:], prompt_rows)
+        return logits[:num_sample]
 
     @torch.inference_mode()
     def batch_logits(self, batch: StepBatch,
                      layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
         """``compute_logits`` of one step's ``StepBatch`` (what the other tensor parallel ranks run)."""
         graphs = self.decode_graphs
-        if (graphs is not None and layer_hook is None and batch.is_decode_only
+        if (graphs is not None and layer_hook is None and batch.is_decode_only and not batch.prompt_rows
                 and graphs.fits(len(batch.starts))):
             return self._graph_logits(graphs, batch)
         input_ids, position_ids, sample_rows, meta = self._prepare_inputs(batch, layer_hook)
@@ -356,3 +403,28 @@ class ModelRunner:
             output_token_ids=outputs,
             eos_token_id=seq.eos_token_id,
         )
+
+
+def _record_prompt_logprobs(logits: torch.Tensor, prompt_rows: PromptRows) -> None:
+    """Append each sequence's entries computed from ``logits`` (``[P, vocab]``, ``prompt_rows``' rows
+    in order) to its ``prompt_logprobs``, at the top-N its ``SamplingParams.prompt_logprobs`` asks
+    (one pass per distinct N)."""
+    by_top: dict[int, list[tuple[Sequence, int, int]]] = {}
+    for seq, first, count in prompt_rows.spans:
+        num_top = seq.sampling_params.prompt_logprobs
+        assert num_top is not None
+        by_top.setdefault(num_top, []).append((seq, first, count))
+    targets = torch.tensor(prompt_rows.targets, dtype=torch.int64, device=logits.device)
+    for num_top, spans in by_top.items():
+        rows, wanted = logits, targets
+        if len(by_top) > 1:  # this N's rows only (one N, the usual case: every row, no copy)
+            index = torch.tensor([r for _, first, count in spans for r in range(first, first + count)],
+                                 dtype=torch.int64, device=logits.device)
+            rows, wanted = logits[index], targets[index]
+        entries = prompt_token_logprobs(rows, wanted, min(num_top, logits.shape[1]))
+        at = 0
+        for seq, _, count in spans:
+            done = seq.prompt_logprobs
+            assert done is not None
+            done.extend(entries[at:at + count])
+            at += count

@@ -61,6 +61,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     Units: ``max_tokens`` / ``min_tokens`` count output tokens. ``temperature == 0`` means greedy.
     ``logprobs``: None = off, 0 = the sampled token's logprob only, N = also the top-N (N <= 20).
+    ``prompt_logprobs``: None = off, N (0..20) = the logprob and rank of each prompt token given the
+    tokens before it, with the top-N alternatives (``engine.prompt_logprobs``), computed by the worker
+    that prefills the prompt (which then computes every prompt position: no prefix-cache hit) and sent
+    with the first token.
     ``output_offset``: output tokens of this same generation already produced elsewhere, which end the
     prompt (a stream continued on another worker): the first token sampled here is output position
     ``output_offset``, so seeded draws continue that generation's stream and presence/frequency penalties
@@ -96,6 +100,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     output_offset: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -127,6 +132,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         _require(self.seed is None or _is_int(self.seed), "seed", "None or an int", self.seed)
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _require(self.prompt_logprobs is None
+                 or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                 "prompt_logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
         _require(_is_int(self.output_offset) and self.output_offset >= 0, "output_offset", "an int >= 0",
                  self.output_offset)

@@ -195,7 +195,8 @@ class Scheduler:
         admitted: list[ScheduledSeq] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.block_manager.allocate_prefix(seq)
+            # prompt logprobs need the logits of every prompt position: no prefix-cache hit skips them
+            cached = 0 if seq.needs_prompt_logprobs else self.block_manager.allocate_prefix(seq)
             seq.num_computed_tokens = seq.num_cached_tokens = cached
             num_new = seq.num_tokens - cached
             recompute = seq.status is SequenceStatus.PREEMPTED  # may exceed the budget: always chunked

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.prompt_logprobs import PromptTokenLogprob
     from engine.structured_output import GrammarState
 
 
@@ -43,6 +44,9 @@ class Sequence:
     ``BlockManager.cache_full_blocks`` registered (kept so each block is hashed once).
     ``grammar``: the matcher of ``sampling_params.structured_output`` (set by the engine that admits the
     sequence; None without one).
+    ``prompt_logprobs``: with ``sampling_params.prompt_logprobs`` set, the entries of prompt tokens
+    ``1 .. len`` computed so far (entry ``i`` for token ``i + 1``; filled by the model runner as the
+    prompt's chunks run; complete at ``num_prompt_tokens - 1`` entries); None when not requested.
 
     Raises:
         ValueError: empty prompt or negative token ids.
@@ -74,6 +78,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.first_scheduled_time: float | None = None
         self.grammar: GrammarState | None = None
+        self.prompt_logprobs: list[PromptTokenLogprob] | None = (
+            [] if sampling_params.prompt_logprobs is not None else None)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -105,6 +111,12 @@ class Sequence:
         """Index in ``token_ids`` of this generation's first output token: the prompt's last
         ``sampling_params.output_offset`` tokens are output of an earlier attempt continued here."""
         return max(self.num_prompt_tokens - self.sampling_params.output_offset, 0)
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt logprobs were requested, some are still to compute and the prompt's
+        positions still run here (so no prefix-cache hit may skip them). A sequence whose prompt KV came
+        from elsewhere (a decode worker's) computes none."""
+        done, last = self.prompt_logprobs, self.num_prompt_tokens - 1
+        return done is not None and len(done) < last and self.num_computed_tokens < last
 
     @property
     def generated_token_ids(self) -> list[int]:

@@ -21,6 +21,9 @@ class StepBatch(msgspec.Struct, frozen=True, array_like=True):
         starts: each sequence's ``num_computed_tokens`` before the step (the first scheduled position).
         block_tables: each sequence's ``block_table`` (on rank 0, the ``Sequence``'s own list).
         samples: whether each sequence samples (its last scheduled token's logits are computed).
+        prompt_rows: packed row indices whose logits are computed too, after the sampling rows' (prompt
+            logprobs: rank 0 turns them into logprobs; every rank computes them for the LM head's
+            collectives).
         stop: True for the message that ends the other ranks' step loop (every other field empty).
     """
 
@@ -28,11 +31,13 @@ class StepBatch(msgspec.Struct, frozen=True, array_like=True):
     starts: list[int]
     block_tables: list[list[int]]
     samples: list[bool]
+    prompt_rows: list[int] = []
     stop: bool = False
 
     @staticmethod
-    def from_output(output: SchedulerOutput) -> StepBatch:
-        """The forward inputs of ``output`` (read before ``Scheduler.update``)."""
+    def from_output(output: SchedulerOutput, prompt_rows: list[int] | None = None) -> StepBatch:
+        """The forward inputs of ``output`` (read before ``Scheduler.update``), with the extra logit rows
+        ``prompt_rows``."""
         token_ids, starts, tables, samples = [], [], [], []
         for s in output.scheduled:
             seq = s.seq
@@ -41,7 +46,7 @@ class StepBatch(msgspec.Struct, frozen=True, array_like=True):
             starts.append(start)
             tables.append(seq.block_table)
             samples.append(s.samples)
-        return StepBatch(token_ids, starts, tables, samples)
+        return StepBatch(token_ids, starts, tables, samples, list(prompt_rows or []))
 
     @staticmethod
     def stop_message() -> StepBatch:

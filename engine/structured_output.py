@@ -39,7 +39,12 @@ MAX_FILL_THREADS = 8  # xgrammar threads filling one batch's bitmask
 
 
 class StructuredOutputError(ValueError):
-    """A ``StructuredOutput`` the grammar engine cannot compile (message says why)."""
+    """A ``StructuredOutput`` the grammar engine cannot compile or follow (message says why)."""
+
+
+class GrammarRejected(StructuredOutputError):
+    """The spec itself does not compile (bad schema, regex, choice list or grammar): the request's
+    fault, not the worker's (a worker answers it with ``RequestRejected``)."""
 
 
 class GrammarState:
@@ -169,8 +174,8 @@ class StructuredOutputs:
                 return compiler.compile_grammar(choice_grammar(spec.spec))
             return compiler.compile_grammar(spec.spec)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise StructuredOutputError(f"structured_output {spec.kind} does not compile: "
-                                        f"{_first_line(exc)}") from exc
+            raise GrammarRejected(f"structured_output {spec.kind} does not compile: "
+                                  f"{_first_line(exc)}") from exc
 
     def state(self, spec: StructuredOutput) -> GrammarState:
         """A fresh matcher for ``spec`` (compiled or from the cache). Raises as ``compile``."""
@@ -186,9 +191,9 @@ def choice_grammar(spec: str) -> str:
     try:
         choices = json.loads(spec)
     except ValueError as exc:
-        raise StructuredOutputError(f"choice spec is not JSON: {exc}") from exc
+        raise GrammarRejected(f"choice spec is not JSON: {exc}") from exc
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise StructuredOutputError("choice spec must be a non-empty JSON list of non-empty strings")
+        raise GrammarRejected("choice spec must be a non-empty JSON list of non-empty strings")
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
@@ -281,5 +286,5 @@ class BitmaskBuffers:
             self._read[self._turn].record(torch.cuda.current_stream(self.device))
 
 
-__all__ = ["BitmaskBuffers", "GrammarState", "StructuredOutputError", "StructuredOutputs",
+__all__ = ["BitmaskBuffers", "GrammarRejected", "GrammarState", "StructuredOutputError", "StructuredOutputs",
            "choice_grammar"]

@@ -19,6 +19,7 @@ from gateway.errors import APIError, bad_request
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayMiddleware
 from gateway.openai_responses import openapi_components
+from gateway.responses_api import ResponseObject
 from gateway.routes import router
 from gateway.service import GatewayService
 from gateway.text import TextProcessor, resolve_tokenizer_dir
@@ -78,7 +79,7 @@ def _document_responses(app: FastAPI) -> None:
         if app.openapi_schema is None:
             doc = FastAPI.openapi(app)
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-            extra = openapi_components()
+            extra = openapi_components((ResponseObject,))
             if clash := set(schemas) & set(extra):
                 raise RuntimeError(f"response schemas clash with request schemas: {sorted(clash)}")
             schemas.update(extra)

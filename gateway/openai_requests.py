@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.sampling_params import MAX_LOGPROBS
+
 INT64_MAX = (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
 MAX_STOP_CHARS = 1024  # characters per stop string
@@ -305,18 +307,23 @@ class CompletionRequest(GenerationRequestBase):
     prompt of a list gives ``n`` choices, in prompt order (choice index = prompt index * n + sample).
     ``logprobs`` (0..5) is the number of top alternatives per token (0: the sampled token's logprob only).
     ``echo`` prepends the prompt text to each choice's text (a token-id prompt decoded with its special
-    tokens); ``echo`` with ``logprobs`` is refused (OpenAI then returns the prompt tokens' logprobs too,
-    which pdserve does not compute). ``best_of`` is accepted only equal to ``n``; ``prompt_logprobs``
-    (vLLM) and ``suffix`` are refused.
+    tokens); with ``logprobs`` the logprobs start with the prompt's tokens (the first one's logprob and
+    top alternatives null, as OpenAI's), computed by the worker that prefills the prompt.
+    ``max_tokens: 0`` (only with ``echo``, as OpenAI's legacy API allowed) returns the prompt alone:
+    no output token, ``finish_reason: "length"``, 0 completion tokens (the worker still samples one
+    token, which is dropped). vLLM's ``prompt_logprobs`` (0..20, not with ``stream``) adds each choice's
+    ``prompt_logprobs``: null for the first prompt token, then per token a map of token id →
+    ``{logprob, rank, decoded_token}`` holding the prompt token and its top-N alternatives.
+    ``best_of`` is accepted only equal to ``n``; ``suffix`` is refused.
     """
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(16, ge=0, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=INT32_MAX)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 def _none(value: Any) -> bool:
@@ -339,7 +346,6 @@ NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
     "web_search_options": _none,
     "service_tier": lambda v: v is None or v in ("auto", "default"),
     "prompt_cache_key": _none,
-    "prompt_logprobs": _none,
 }
 
 

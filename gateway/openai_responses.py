@@ -78,12 +78,22 @@ class ChatLogprobs(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     """``choices[i].logprobs`` of a text completion: per token its text, logprob, top alternatives
-    (text → logprob) and character offset in the choice's text."""
+    (text → logprob) and character offset in the choice's text. With ``echo`` the prompt's tokens come
+    first, the first one's logprob and alternatives null (it has no prefix)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptTokenLogprob(msgspec.Struct):
+    """vLLM's ``Logprob`` of a ``prompt_logprobs`` entry: natural-log probability, 1-based rank in the
+    vocabulary, and the token's text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class FunctionCall(msgspec.Struct):
@@ -182,13 +192,16 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
     usage: Usage | None = None
 
 
-class CompletionChoice(msgspec.Struct):
-    """One choice of a text completion (whole or chunk): its text (the echoed prompt first)."""
+class CompletionChoice(msgspec.Struct, omit_defaults=True):
+    """One choice of a text completion (whole or chunk): its text (the echoed prompt first).
+    ``prompt_logprobs`` (vLLM's, only when asked): null for the first prompt token, then per prompt
+    token a map token id (a string) → ``PromptTokenLogprob`` of the token and its top-N alternatives."""
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
 
 
 class Completion(msgspec.Struct):
@@ -337,9 +350,10 @@ def schema_ref(cls: type[msgspec.Struct]) -> dict[str, str]:
     return {"$ref": REF_TEMPLATE.format(name=cls.__name__)}
 
 
-def openapi_components() -> dict[str, Any]:
-    """JSON schemas (OpenAPI 3.1 ``components.schemas``) of the documented types and those they hold."""
-    _, components = msgspec.json.schema_components(DOCUMENTED, ref_template=REF_TEMPLATE)
+def openapi_components(more: tuple[type[msgspec.Struct], ...] = ()) -> dict[str, Any]:
+    """JSON schemas (OpenAPI 3.1 ``components.schemas``) of the documented types, ``more`` (response
+    types defined elsewhere, e.g. gateway/responses_api.py) and those they hold."""
+    _, components = msgspec.json.schema_components(DOCUMENTED + more, ref_template=REF_TEMPLATE)
     return components
 
 

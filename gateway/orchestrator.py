@@ -71,15 +71,18 @@ from protocol.messages import (
     Message,
     NextToken,
     PrefillRequest,
+    PromptLogprob,
     RequestFailed,
     RequestFinished,
+    RequestRejected,
     ReserveKV,
     TopLogprob,
 )
 
 log = logging.getLogger("pdserve.gateway")
 RECENT_IDS = 1 << 16  # released worker request ids remembered, so a reused X-Request-Id gets a new one
-WorkerMessage = KVReserved | FirstToken | NextToken | RequestFinished | RequestFailed  # per request, in
+# the worker messages of one request (in its inbox)
+WorkerMessage = KVReserved | FirstToken | NextToken | RequestFinished | RequestFailed | RequestRejected
 Send = Callable[[bytes, Message], Coroutine[Any, Any, bool]]  # (worker's zmq identity, message) → delivered?
 
 
@@ -96,12 +99,14 @@ class RequestPhase(enum.Enum):
 @dataclass(frozen=True)
 class GenerationInput:
     """One generation: prompt token ids, sampling for the workers (``stop`` empty), stop strings for the
-    gateway's stream."""
+    gateway's stream, and the request field that set ``sampling.structured_output`` (named by the 400
+    when a worker's grammar engine rejects it)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
+    structured_param: str | None = None
 
 
 FailureCause = Literal["failed", "lost", "unreachable"]  # RequestFailed, worker lost, send not delivered
@@ -151,15 +156,19 @@ class TokenOutput:
 
 class GenerationFailed(RuntimeError):
     """A worker failed, vanished or aborted while serving the request and it could not be recovered, or
-    the request timed out. ``status``: the HTTP status it is answered with before any output (502 a
-    worker failure, 503 no other worker could take the request over, 504 the request timed out)."""
+    the request timed out, or a worker rejected it. ``status``: the HTTP status it is answered with
+    before any output (400 a worker rejected the request, naming ``param``; 502 a worker failure, 503 no
+    other worker could take the request over, 504 the request timed out)."""
 
-    def __init__(self, message: str, status: int = 502) -> None:
+    def __init__(self, message: str, status: int = 502, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.param = param
 
     def api_error(self) -> APIError:
         """The OpenAI error answered for this failure (with ``Retry-After`` on 503)."""
+        if self.status == 400:
+            return bad_request(str(self), self.param)
         if self.status == 504:
             return gateway_timeout(str(self))
         if self.status == 503:
@@ -174,7 +183,8 @@ class GatewayRequest:
     identity of each worker holding the current attempt), the counted output tokens (``output_ids``)
     with their arrival times (``time.monotonic()`` seconds, as ``arrival``), the retries and migrations
     done and the workers that failed it (left out when it is routed again), and the prompt tokens the
-    worker of its first ``FirstToken`` found in its prefix cache (None before it)."""
+    worker of its first ``FirstToken`` found in its prefix cache (None before it), and the prompt
+    logprobs that ``FirstToken`` carried (None unless the sampling params asked for them)."""
 
     inp: GenerationInput
     route: Route
@@ -188,6 +198,7 @@ class GatewayRequest:
     migrations: int = 0
     failed_workers: set[str] = field(default_factory=set)
     num_cached_tokens: int | None = None  # prompt tokens the first FirstToken's worker found cached
+    prompt_logprobs: list[PromptLogprob] | None = None  # entries of prompt tokens 1..n-1
     attempt: Attempt = field(init=False)
 
     @property
@@ -318,7 +329,7 @@ class Orchestrator:
             if isinstance(msg, FirstToken) and self.admission is not None:
                 self.admission.first_token(msg)
             req.inbox.put_nowait(msg)
-        elif not isinstance(msg, RequestFinished | RequestFailed):
+        elif not isinstance(msg, RequestFinished | RequestFailed | RequestRejected):
             await self._send(identity, AbortRequest(request_id=msg.request_id, reason="unknown request"))
 
     def worker_lost(self, entry: WorkerEntry, reason: str) -> None:
@@ -355,6 +366,7 @@ class Orchestrator:
             if isinstance(msg, FirstToken):
                 if req.num_cached_tokens is None:  # a migrated attempt's prompt is not the client's
                     req.num_cached_tokens = msg.num_cached_tokens
+                    req.prompt_logprobs = msg.prompt_logprobs
                 await self._on_first_token(req, msg)
                 return self._count(req, msg.token_id, msg.logprob, msg.top_logprobs, msg.finish_reason)
             if isinstance(msg, KVReserved):
@@ -371,6 +383,10 @@ class Orchestrator:
             elif isinstance(msg, RequestFailed):
                 why = f"worker {msg.worker_id} failed: {msg.error}"
                 await self._recover(req, msg.worker_id, "failed", why)
+            elif isinstance(msg, RequestRejected):  # the request's fault: no retry elsewhere
+                self._drop_holder(req, msg.worker_id)
+                req.phase = RequestPhase.FAILED
+                raise GenerationFailed(msg.error, 400, req.inp.structured_param or msg.param)
             else:
                 why = f"worker {msg.worker_id} lost: {msg.reason}"
                 await self._recover(req, msg.worker_id, msg.cause, why)
@@ -400,7 +416,8 @@ class Orchestrator:
         if emitted:
             sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - emitted,
                                                min_tokens=max(0, sampling.min_tokens - emitted),
-                                               output_offset=sampling.output_offset + emitted)
+                                               output_offset=sampling.output_offset + emitted,
+                                               prompt_logprobs=None)  # received with the first token
         prompt = req.inp.prompt_token_ids + req.output_ids
         try:
             route = self.router.route(prompt, sampling.max_tokens, frozenset(req.failed_workers))

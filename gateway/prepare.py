@@ -45,11 +45,14 @@ RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools"
 
 @dataclass(frozen=True)
 class ChoiceInput:
-    """One choice: its ``index`` in the response, its worker request, and text to prepend (echo)."""
+    """One choice: its ``index`` in the response, its worker request, and text to prepend (echo).
+    ``prompt_only``: ``max_tokens: 0`` with echo: the workers sample one token (they need one), which
+    the response drops."""
 
     index: int
     inp: GenerationInput
     echo_text: str = ""
+    prompt_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,9 @@ class Prepared:
     """A validated request. ``num_prompt_tokens`` counts each distinct prompt once (usage, tokens);
     ``logprobs`` is None (off) or the number of top alternatives per token; ``n`` choices per prompt
     (prompt ``j``'s are ``choices[j * n : (j + 1) * n]``); ``output``: how a chat choice's text is split
-    into content, reasoning and tool calls (gateway/chat_output.py)."""
+    into content, reasoning and tool calls (gateway/chat_output.py). ``echo_logprobs``: completions
+    ``echo`` with ``logprobs``: the logprobs start with the prompt's tokens; ``prompt_logprobs``: vLLM's
+    field (None: off, else the top-N per prompt token)."""
 
     request_id: str
     model: str
@@ -68,6 +73,8 @@ class Prepared:
     logprobs: int | None
     n: int = 1
     output: ChatOutputSpec = NO_PARSING
+    echo_logprobs: bool = False
+    prompt_logprobs: int | None = None
 
 
 def served_model(svc: GatewayService) -> str | None:
@@ -123,9 +130,13 @@ def _check_completion(body: CompletionRequest) -> None:
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of must equal n ({body.n}): choosing the best of more samples is not "
                           f"supported, got best_of {body.best_of}", "best_of")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported: the prompt tokens' logprobs are not "
-                          "computed", "echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens 0 is only allowed with echo (the response is the prompt alone)",
+                          "max_tokens")
+    if body.max_tokens == 0 and body.min_tokens:
+        raise bad_request(f"min_tokens {body.min_tokens} exceeds max_tokens 0", "min_tokens")
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request("prompt_logprobs is not supported with stream", "prompt_logprobs")
 
 
 def check_ids(ids: Iterable[int], vocab: int, param: str) -> None:
@@ -222,6 +233,8 @@ def _max_tokens(svc: GatewayService, body: Body, n_prompt: int) -> int:
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         asked = body.max_completion_tokens
     wanted = asked if asked is not None else limit - n_prompt
+    if wanted == 0 and isinstance(body, CompletionRequest):  # echo only (_check_completion): one token
+        wanted = 1  # sampled by the workers, dropped by the gateway
     if n_prompt + wanted > limit or wanted < 1:
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                           f"{n_prompt + max(wanted, 1)} tokens ({n_prompt} in the prompt, "
@@ -236,6 +249,15 @@ def _requested_logprobs(body: Body) -> int | None:
     if isinstance(body, ChatCompletionRequest):
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
+
+
+def _prompt_logprobs(body: Body) -> int | None:
+    """The top-N the workers compute per prompt token: the larger of completions ``echo`` with
+    ``logprobs`` and vLLM's ``prompt_logprobs`` (None: neither asked)."""
+    if not isinstance(body, CompletionRequest):
+        return None
+    asked = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
+    return max(asked) if asked else None
 
 
 def sampling_params(body: Body, max_tokens: int, seed: int | None,
@@ -254,6 +276,7 @@ def sampling_params(body: Body, max_tokens: int, seed: int | None,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens, logprobs=_requested_logprobs(body),
+            prompt_logprobs=_prompt_logprobs(body),
             logit_bias=tuple(sorted((body.logit_bias or {}).items())), structured_output=structured_output)
     except SamplingParamsError as exc:
         raise bad_request(str(exc).removeprefix("SamplingParams."), exc.field) from exc
@@ -303,6 +326,9 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
                               "calls; it cannot be combined with response_format or structured_outputs",
                               "tool_choice")
         structured = tool_structured_output(plan.forced_schema)
+    structured_param = None if structured is None else (
+        "tool_choice" if plan is not None and plan.forced_schema is not None
+        else "structured_outputs" if body.structured_outputs is not None else "response_format")
     prompts = _prompts(text, body, plan)
     if len(prompts) * body.n > svc.settings.max_queue:
         raise bad_request(f"{len(prompts)} prompts x n={body.n} choices exceed --max-queue "
@@ -316,9 +342,12 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
             inp = GenerationInput(f"{request_id}-{index}" if many else request_id, ids,
                                   sampling_params(body, max_tokens, derived_seed(body.seed, i),
                                                   structured),
-                                  tuple(body.stop_list()))
-            choices.append(ChoiceInput(index, inp, prompt_text if echo else ""))
+                                  tuple(body.stop_list()), structured_param)
+            choices.append(ChoiceInput(index, inp, prompt_text if echo else "", body.max_tokens == 0))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return Prepared(request_id, model, isinstance(body, ChatCompletionRequest), include_usage,
+    completion = isinstance(body, CompletionRequest)
+    return Prepared(request_id, model, not completion, include_usage,
                     tuple(choices), sum(len(ids) for ids, _ in prompts), _requested_logprobs(body), body.n,
-                    plan.output if plan else NO_PARSING)
+                    plan.output if plan else NO_PARSING,
+                    echo_logprobs=echo and body.logprobs is not None,
+                    prompt_logprobs=body.prompt_logprobs if isinstance(body, CompletionRequest) else None)

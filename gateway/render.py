@@ -6,7 +6,8 @@ and the SSE framing of a chunk (``data: {...}`` + blank line).
 Source: OpenAI API reference (Chat Completions object and chunk object; legacy Completions object).
 Token strings are each token's own decoded text (special tokens kept), ``bytes`` its UTF-8 bytes; a token
 holding part of a multi-byte character shows U+FFFD. ``text_offset`` counts characters of the choice's
-text (after any echoed prompt), summing the token strings.
+text, summing the token strings: the output's start after the echoed prompt, the echoed prompt's
+tokens (``echo`` with ``logprobs``) at 0. vLLM's ``prompt_logprobs`` keep its shape (``PromptTokenLogprob``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.chat_output import parse_whole
+from gateway.errors import upstream_failed
 from gateway.openai_responses import (
     AssistantMessage,
     ChatChoice,
@@ -33,15 +35,17 @@ from gateway.openai_responses import (
     CompletionLogprobs,
     FinishReason,
     FunctionCall,
+    PromptTokenLogprob,
     PromptTokensDetails,
     ToolCall,
     Usage,
     encode,
 )
 from gateway.orchestrator import TokenLogprob
-from gateway.prepare import Prepared
+from gateway.prepare import ChoiceInput, Prepared
 from gateway.text import TextProcessor
 from gateway.tool_parsers.events import ContentText, Event, ReasoningText, ToolCallArguments, ToolCallStart
+from protocol.messages import PromptLogprob
 
 ChunkChoice = ChatChunkChoice | CompletionChoice
 
@@ -69,8 +73,57 @@ def completion_logprobs(text: TextProcessor, entries: Sequence[TokenLogprob],
     for s in tokens:
         offsets.append(offset)
         offset += len(s)
-    tops = [{text.token_text(t): lp for t, lp in e.top} for e in entries]
+    tops: list[dict[str, float] | None] = [{text.token_text(t): lp for t, lp in e.top} for e in entries]
     return CompletionLogprobs(tokens, [e.logprob for e in entries], tops, offsets)
+
+
+def echo_logprobs(text: TextProcessor, prompt_ids: Sequence[int], entries: Sequence[PromptLogprob],
+                  top: int) -> CompletionLogprobs:
+    """The prompt's part of a text completion's logprobs with ``echo``: each prompt token's text, its
+    logprob and its ``top`` best alternatives (null for the first token: it has no prefix), offsets from
+    0 (the echoed prompt starts the choice's text).
+
+    Raises:
+        ValueError: ``entries`` is not one per prompt token after the first.
+    """
+    if len(entries) != len(prompt_ids) - 1:
+        raise ValueError(f"{len(entries)} prompt logprob entries for a prompt of {len(prompt_ids)} tokens")
+    tokens = [text.token_text(t) for t in prompt_ids]
+    offsets, offset = [], 0
+    for s in tokens:
+        offsets.append(offset)
+        offset += len(s)
+    values: list[float | None] = [None, *(e.logprob for e in entries)]
+    tops: list[dict[str, float] | None] = [None, *(
+        {text.token_text(t.token_id): t.logprob for t in e.top_logprobs[:top]} for e in entries)]
+    return CompletionLogprobs(tokens, values, tops, offsets)
+
+
+def joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    """``first``'s entries followed by ``then``'s (offsets kept as they are)."""
+    return CompletionLogprobs(first.tokens + then.tokens, first.token_logprobs + then.token_logprobs,
+                              first.top_logprobs + then.top_logprobs, first.text_offset + then.text_offset)
+
+
+def vllm_prompt_logprobs(text: TextProcessor, prompt_ids: Sequence[int], entries: Sequence[PromptLogprob],
+                         top: int) -> list[dict[str, PromptTokenLogprob] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: None for the first prompt token, then per token a map
+    token id → ``PromptTokenLogprob``: the prompt token first (its rank in the vocabulary), then its
+    ``top`` best alternatives (ranks 1..top).
+
+    Raises:
+        ValueError: ``entries`` is not one per prompt token after the first.
+    """
+    if len(entries) != len(prompt_ids) - 1:
+        raise ValueError(f"{len(entries)} prompt logprob entries for a prompt of {len(prompt_ids)} tokens")
+    out: list[dict[str, PromptTokenLogprob] | None] = [None]
+    for token, e in zip(prompt_ids[1:], entries, strict=True):
+        entry = {str(token): PromptTokenLogprob(e.logprob, e.rank, text.token_text(token))}
+        for rank, t in enumerate(e.top_logprobs[:top], start=1):
+            alt = PromptTokenLogprob(t.logprob, rank, text.token_text(t.token_id))
+            entry.setdefault(str(t.token_id), alt)
+        out.append(entry)
+    return out
 
 
 def usage(p: Prepared, n_out: int, cached: Sequence[int | None] = ()) -> Usage:
@@ -88,13 +141,35 @@ def response_id(p: Prepared) -> str:
 
 @dataclass
 class ChoiceState:
-    """One choice's accumulated output: text, tokens counted, finish reason, logprob entries."""
+    """One choice's accumulated output: text, tokens counted, finish reason, logprob entries, and the
+    prompt logprobs its first token came with (None unless asked)."""
 
     index: int
     text: str = ""
     num_tokens: int = 0
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None
+
+
+def prompt_entries(entries: list[PromptLogprob] | None) -> list[PromptLogprob]:
+    """The prompt logprobs a worker sent. Raises ``APIError`` 502 when it sent none though asked."""
+    if entries is None:
+        raise upstream_failed("the worker sent no prompt logprobs")
+    return entries
+
+
+def completion_choice_logprobs(p: Prepared, text: TextProcessor, c: ChoiceInput,
+                               entries: Sequence[TokenLogprob], offset: int,
+                               prompt: list[PromptLogprob] | None, first: bool) -> CompletionLogprobs | None:
+    """A text completion choice's (or chunk's) ``logprobs``: ``entries`` from ``offset`` (chars), after
+    the echoed prompt's entries on the ``first`` chunk of an ``echo`` request with logprobs."""
+    if p.logprobs is None:
+        return None
+    out = completion_logprobs(text, entries, offset)
+    if p.echo_logprobs and first:
+        out = joined(echo_logprobs(text, c.inp.prompt_token_ids, prompt_entries(prompt), p.logprobs), out)
+    return out
 
 
 def with_calls(reason: FinishReason | None, num_calls: int) -> FinishReason | None:
@@ -125,21 +200,26 @@ def completion_body(p: Prepared, text: TextProcessor, states: Sequence[ChoiceSta
         return ChatCompletion(response_id(p), "chat.completion", created, p.model, chat, used)
     choices = []
     for s, c in zip(states, p.choices, strict=True):
-        lp = None if p.logprobs is None else completion_logprobs(text, s.logprobs, len(c.echo_text))
-        choices.append(CompletionChoice(s.index, c.echo_text + s.text, lp, s.finish_reason))
+        lp = completion_choice_logprobs(p, text, c, s.logprobs, len(c.echo_text), s.prompt_logprobs, True)
+        vllm = None if p.prompt_logprobs is None else vllm_prompt_logprobs(
+            text, c.inp.prompt_token_ids, prompt_entries(s.prompt_logprobs), p.prompt_logprobs)
+        choices.append(CompletionChoice(s.index, c.echo_text + s.text, lp, s.finish_reason, vllm))
     return Completion(response_id(p), "text_completion", created, p.model, choices, used)
 
 
 def chunk_choice(p: Prepared, text: TextProcessor, index: int, content: str | None,
                  finish: FinishReason | None, entries: Sequence[TokenLogprob], offset: int,
-                 role: bool = False) -> ChunkChoice:
+                 role: bool = False, echo: CompletionLogprobs | None = None) -> ChunkChoice:
     """One choice of a streaming chunk. Chat: ``delta`` with ``role`` (first chunk only) and ``content``;
-    completions: ``text``. ``offset`` (chars) feeds the completions ``text_offset``."""
+    completions: ``text``. ``offset`` (chars) feeds the completions ``text_offset``; ``echo``: the
+    echoed prompt's logprobs, put before ``entries``' (the choice's first chunk)."""
     if p.chat:
         lp = chat_logprobs(text, entries) if p.logprobs is not None and entries else None
         delta = ChatDelta("assistant", content or "") if role else ChatDelta(content=content or None)
         return ChatChunkChoice(index, delta, lp, finish)
-    clp = completion_logprobs(text, entries, offset) if p.logprobs is not None and entries else None
+    clp = completion_logprobs(text, entries, offset) if p.logprobs is not None and (entries or echo) else None
+    if echo is not None and clp is not None:
+        clp = joined(echo, clp)
     return CompletionChoice(index, content or "", clp, finish)
 
 

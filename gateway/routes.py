@@ -1,5 +1,5 @@
-"""HTTP routes: /v1/chat/completions, /v1/completions, /v1/models, /v1/models/{id}, /tokenize,
-/detokenize, /v1/status, /health, /ready, /metrics.
+"""HTTP routes: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /v1/models/{id},
+/tokenize, /detokenize, /v1/status, /health, /ready, /metrics.
 
 Bodies are encoded from the types of gateway/openai_responses.py, which also give the response schemas
 of ``/openapi.json`` (referenced here, merged into the document by gateway/app.py).
@@ -35,6 +35,8 @@ from gateway.openai_responses import (
     schema_ref,
 )
 from gateway.prepare import max_model_len, prepare, served_model
+from gateway.responses_api import ResponseObject, ResponsesRequest
+from gateway.responses_serving import create_response, prepare_response, stream_response
 from gateway.service import GatewayService
 from gateway.serving import complete, open_stream, sse_events, submit_all
 from gateway.status import readiness
@@ -114,6 +116,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def completions(body: CompletionRequest, request: Request) -> Response:
     """OpenAI (legacy) Completions (streaming SSE or not)."""
     return await _generate(request, body)
+
+
+@router.post("/v1/responses", dependencies=[Depends(require_key)],
+             responses={**ok(ResponseObject, SSE), **_GEN_ERRORS})
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    """OpenAI Responses (stateless; streaming SSE events or not): gateway/responses_api.py."""
+    svc = service(request)
+    prepared = prepare_response(svc, body, request.state.request_id)
+    if body.stream:
+        events = await stream_response(svc, body, prepared, request.is_disconnected)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return json_response(await create_response(svc, body, prepared, request.is_disconnected))
 
 
 def _card(svc: GatewayService) -> ModelCard | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 
 import msgspec
 
@@ -40,7 +40,9 @@ from gateway.render import (
     chat_event_choice,
     chunk_choice,
     completion_body,
+    echo_logprobs,
     event_delta,
+    prompt_entries,
     sse_chunk,
     usage,
     with_calls,
@@ -66,8 +68,9 @@ async def submit_all(svc: GatewayService, p: Prepared) -> list[GatewayRequest]:
     return reqs
 
 
-async def _collect(svc: GatewayService, req: GatewayRequest, state: ChoiceState) -> None:
-    async for delta in text_deltas(svc.orchestrator, svc.text(), req):
+async def _collect(svc: GatewayService, req: GatewayRequest, state: ChoiceState, prompt_only: bool) -> None:
+    async for delta in text_deltas(svc.orchestrator, svc.text(), req, prompt_only):
+        state.prompt_logprobs = req.prompt_logprobs
         state.text += delta.text
         state.num_tokens += delta.num_tokens
         state.finish_reason = delta.finish_reason or state.finish_reason
@@ -84,7 +87,7 @@ async def complete(svc: GatewayService, p: Prepared, reqs: list[GatewayRequest],
     """
     states = [ChoiceState(c.index) for c in p.choices]
     gather = asyncio.ensure_future(asyncio.gather(
-        *(_collect(svc, r, s) for r, s in zip(reqs, states, strict=True))))
+        *(_collect(svc, r, s, c.prompt_only) for r, s, c in zip(reqs, states, p.choices, strict=True))))
     try:
         while not gather.done():
             await asyncio.wait([gather], timeout=DISCONNECT_POLL_S)
@@ -108,23 +111,23 @@ async def complete(svc: GatewayService, p: Prepared, reqs: list[GatewayRequest],
 _END = object()
 
 
-async def _pump(svc: GatewayService, index: int, req: GatewayRequest,
+async def _pump(svc: GatewayService, index: int, req: GatewayRequest, prompt_only: bool,
                 queue: asyncio.Queue[tuple[int, object]]) -> None:
     try:
-        async for delta in text_deltas(svc.orchestrator, svc.text(), req):
+        async for delta in text_deltas(svc.orchestrator, svc.text(), req, prompt_only):
             queue.put_nowait((index, delta))
     except GenerationFailed as exc:
         queue.put_nowait((index, exc))
     queue.put_nowait((index, _END))
 
 
-async def _groups(svc: GatewayService,
+async def _groups(svc: GatewayService, p: Prepared,
                   reqs: list[GatewayRequest]) -> AsyncGenerator[list[tuple[int, object]], None]:
     """(choice position, ``Delta`` | ``GenerationFailed`` | ``_END``) items of every request, in arrival
     order, in groups: each group holds what is ready now (at most ``MAX_GROUP``), waiting only for its
     first item. One request is read directly; several through one task each and a shared queue."""
     if len(reqs) == 1:
-        req, deltas = reqs[0], text_deltas(svc.orchestrator, svc.text(), reqs[0])
+        req, deltas = reqs[0], text_deltas(svc.orchestrator, svc.text(), reqs[0], p.choices[0].prompt_only)
         try:
             while True:
                 group: list[tuple[int, object]] = []
@@ -143,7 +146,8 @@ async def _groups(svc: GatewayService,
             if isinstance(deltas, AsyncGenerator):
                 await deltas.aclose()
     queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(svc, i, r, queue)) for i, r in enumerate(reqs)]
+    tasks = [asyncio.create_task(_pump(svc, i, r, c.prompt_only, queue))
+             for i, (r, c) in enumerate(zip(reqs, p.choices, strict=True))]
     try:
         while True:
             group = [await queue.get()]
@@ -158,9 +162,9 @@ async def _groups(svc: GatewayService,
 class _ChunkWriter:
     """Turns (choice position, delta) into SSE events, holding textless deltas' logprobs for the next."""
 
-    def __init__(self, svc: GatewayService, p: Prepared) -> None:
-        self.svc, self.p, self.created = svc, p, int(time.time())
-        self.prefix = [c.echo_text for c in p.choices]
+    def __init__(self, svc: GatewayService, p: Prepared, reqs: Sequence[GatewayRequest] = ()) -> None:
+        self.svc, self.p, self.created, self.reqs = svc, p, int(time.time()), reqs
+        self.prefix: list[str | None] = [c.echo_text for c in p.choices]  # None once sent
         self.offset = [0] * len(p.choices)
         self.held: list[list[TokenLogprob]] = [[] for _ in p.choices]
         self.n_out = 0
@@ -212,13 +216,19 @@ class _ChunkWriter:
             return self.parsed(pos, d)
         if not d.text and d.finish_reason is None:
             return None
-        content = self.prefix[pos] + d.text
-        self.prefix[pos] = ""
-        if not self.held[pos] and d.finish_reason is None:
+        first = self.prefix[pos] is not None
+        content = (self.prefix[pos] or "") + d.text
+        self.prefix[pos] = None
+        echo = None
+        c = self.p.choices[pos]
+        if first and self.p.echo_logprobs:  # the echoed prompt's logprobs lead the choice's first chunk
+            echo = echo_logprobs(self.svc.text(), c.inp.prompt_token_ids,
+                                 prompt_entries(self.reqs[pos].prompt_logprobs), self.p.logprobs or 0)
+        if not self.held[pos] and d.finish_reason is None and echo is None:
             return self._text_event(pos, content)  # content is not empty here
         entries, self.held[pos] = self.held[pos], []
-        choice = chunk_choice(self.p, self.svc.text(), self.p.choices[pos].index, content, d.finish_reason,
-                              entries, self.offset[pos] + len(self.p.choices[pos].echo_text))
+        choice = chunk_choice(self.p, self.svc.text(), c.index, content, d.finish_reason,
+                              entries, self.offset[pos] + len(c.echo_text), echo=echo)
         self.offset[pos] += sum(len(self.svc.text().token_text(e.token_id)) for e in entries)
         return sse_chunk(self.p, self.created, choice)
 
@@ -236,8 +246,8 @@ async def sse_events(svc: GatewayService, p: Prepared,
     Raises:
         APIError: a failure before the first event (``GenerationFailed.api_error``: 502, 503 or 504).
     """
-    writer = _ChunkWriter(svc, p)
-    groups = _groups(svc, reqs)
+    writer = _ChunkWriter(svc, p, reqs)
+    groups = _groups(svc, p, reqs)
     started = False
     try:
         live = len(reqs)

@@ -28,12 +28,21 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
-async def text_deltas(orch: Orchestrator, text: TextProcessor, req: GatewayRequest) -> AsyncIterator[Delta]:
-    """Deltas of ``req`` until it finishes; the last one carries ``finish_reason``.
+async def text_deltas(orch: Orchestrator, text: TextProcessor, req: GatewayRequest,
+                      prompt_only: bool = False) -> AsyncIterator[Delta]:
+    """Deltas of ``req`` until it finishes; the last one carries ``finish_reason``. ``prompt_only``
+    (``max_tokens: 0`` with echo): the one token the workers sample is dropped, a single empty delta
+    ends the request with ``length``.
 
     Raises:
         GenerationFailed: a worker failed, vanished or aborted, or ``--request-timeout`` passed.
     """
+    if prompt_only:
+        while (await orch.next_output(req)).finish_reason is None:
+            pass
+        orch.finish(req, "length")
+        yield Delta("", 0, "length")
+        return
     detok = text.detokenizer(req.inp.prompt_token_ids, req.inp.stop)
     while True:
         out = await orch.next_output(req)

@@ -47,7 +47,7 @@ from protocol.messages import (
 )
 from protocol.settings import control_keys
 from workers.loop import WorkerLoop
-from workers.outputs import top_logprobs_of
+from workers.outputs import prompt_logprobs_of, top_logprobs_of
 from workers.setup import decode_handle
 from workers.step import LayerHook, run_step
 
@@ -258,7 +258,7 @@ class PrefillWorker(WorkerLoop):
             self.emit(FirstToken(request_id=out.request_id, worker_id=self.worker_id, token_id=out.token_id,
                                  logprob=out.logprob, top_logprobs=top_logprobs_of(out),
                                  num_cached_tokens=seq.num_cached_tokens,
-                                 finish_reason=reason))
+                                 finish_reason=reason, prompt_logprobs=prompt_logprobs_of(out)))
             self.metrics.first_token(seq, now)
             # this worker's part ends here: "length" when the KV goes on (a max_tokens=1 prefill)
             self.metrics.finished(seq, reason or "length", now)

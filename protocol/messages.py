@@ -265,10 +265,21 @@ class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
 
 
+class PromptLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One prompt token's log-probability given the tokens before it (natural log), its 1-based rank in
+    the vocabulary and the top-N alternatives, best first (``engine.prompt_logprobs``)."""
+
+    logprob: float
+    rank: int
+    top_logprobs: list[TopLogprob]
+
+
 class FirstToken(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Prefill (or colocated) → gateway: the first output token.
 
     ``finish_reason`` is set when this token already ends the request (eos, or ``max_tokens == 1``).
+    ``prompt_logprobs``: with ``SamplingParams.prompt_logprobs``, the entries of prompt tokens
+    ``1 .. n - 1`` (the first has no prefix); else None.
     """
 
     request_id: str
@@ -278,6 +289,7 @@ class FirstToken(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     top_logprobs: list[TopLogprob] | None = None
     num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class NextToken(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -308,7 +320,18 @@ class RequestFailed(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     error: str
 
 
-OutputMessage = FirstToken | NextToken | RequestFinished | RequestFailed | KVReserved
+class RequestRejected(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Worker → gateway: the request itself cannot be served, before any token or KV block: its
+    ``structured_output`` does not compile in the worker's grammar engine (``param``; ``error`` says
+    why). Unlike ``RequestFailed`` it is the client's fault: the gateway answers 400 and retries nowhere."""
+
+    request_id: str
+    worker_id: str
+    error: str
+    param: Literal["structured_output"] = "structured_output"
+
+
+OutputMessage = FirstToken | NextToken | RequestFinished | RequestFailed | RequestRejected | KVReserved
 
 
 class OutputBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -338,8 +361,8 @@ def _no_stop_strings(sampling: SamplingParams) -> None:
 Message = (
     RegisterWorker | RegisterAck | ReRegister | Probe | Heartbeat | WorkerShutdown | ReserveKV | KVReserved
     | PrefillRequest | DecodeRequest | ColocatedRequest | FirstToken | NextToken | RequestFinished
-    | RequestFailed | OutputBatch | AbortRequest | KVCanaryReserve | KVCanaryReserved | KVCanarySend
-    | KVCanaryResult
+    | RequestFailed | RequestRejected | OutputBatch | AbortRequest | KVCanaryReserve | KVCanaryReserved
+    | KVCanarySend | KVCanaryResult
 )
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -33,6 +33,7 @@ from protocol.messages import (
     RegisterAck,
     RegisterWorker,
     RequestFailed,
+    RequestRejected,
     ReRegister,
     Role,
     WorkerLoad,
@@ -245,6 +246,14 @@ class WorkerLoop:
             self.drop(request_id)
         self.emit(RequestFailed(request_id=request_id, worker_id=self.worker_id, error=error))
 
+    def reject(self, request_id: str, error: str) -> None:
+        """Drop the request here and tell the gateway it cannot be served as asked (``RequestRejected``:
+        its structured output does not compile); nothing of it was scheduled."""
+        log_event(log, "request_rejected", logging.INFO, request_id=request_id, error=error)
+        with contextlib.suppress(Exception):
+            self.drop(request_id)
+        self.emit(RequestRejected(request_id=request_id, worker_id=self.worker_id, error=error))
+
     def load(self) -> WorkerLoad:
         """Load as of the last phase boundary: sequences waiting/running, KV blocks free/total, and the
         cumulative KV transfer bytes/seconds (``transfer_totals``)."""
@@ -281,6 +290,9 @@ class WorkerLoop:
                 self.on_message(msg)
             except Exception as exc:  # a bad message fails its request only
                 rid = getattr(msg, "request_id", None)
+                if rid is not None and _grammar_rejected(exc):  # the request's fault: the gateway says 400
+                    self.reject(rid, str(exc))
+                    continue
                 log.exception("handling %s failed", type(msg).__name__)
                 if rid is not None:
                     self.fail(rid, f"{type(exc).__name__}: {exc}")
@@ -397,3 +409,11 @@ class WorkerLoop:
             self._executor.shutdown(wait=True)
             await self.control.close(WorkerShutdown(worker_id=self.worker_id, epoch=self.epoch))
             log_event(log, "worker_stopped", role=self.role, worker_id=self.worker_id)
+
+
+def _grammar_rejected(exc: BaseException) -> bool:
+    """True when ``exc`` says a request's structured output does not compile (``GrammarRejected``;
+    imported here: the engine, and xgrammar with it, is loaded by then)."""
+    from engine.structured_output import GrammarRejected
+
+    return isinstance(exc, GrammarRejected)

@@ -19,8 +19,10 @@ from protocol.messages import (
     NextToken,
     OutputBatch,
     OutputMessage,
+    PromptLogprob,
     RequestFailed,
     RequestFinished,
+    RequestRejected,
     TopLogprob,
 )
 
@@ -35,6 +37,14 @@ def top_logprobs_of(out: StepOutput) -> list[TopLogprob] | None:
     if out.top_logprobs is None:
         return None
     return [TopLogprob(t, lp) for t, lp in out.top_logprobs]
+
+
+def prompt_logprobs_of(out: StepOutput) -> list[PromptLogprob] | None:
+    """The prompt logprob entries ``out`` carries (its request's first token) as wire structs, or None."""
+    if out.prompt_logprobs is None:
+        return None
+    return [PromptLogprob(e.logprob, e.rank, [TopLogprob(t, lp) for t, lp in e.top])
+            for e in out.prompt_logprobs]
 
 
 def finish_reason(out: StepOutput) -> FinishReason | None:
@@ -59,7 +69,8 @@ def token_messages(worker_id: str, seq: Sequence, out: StepOutput, metrics: Work
     if seq.num_output_tokens == 1:
         msgs.append(FirstToken(request_id=rid, worker_id=worker_id, token_id=out.token_id,
                                logprob=out.logprob, top_logprobs=top_logprobs_of(out),
-                               num_cached_tokens=seq.num_cached_tokens, finish_reason=reason))
+                               num_cached_tokens=seq.num_cached_tokens, finish_reason=reason,
+                               prompt_logprobs=prompt_logprobs_of(out)))
         if metrics is not None:
             metrics.first_token(seq, now)
     else:
@@ -102,7 +113,8 @@ def batch_outputs(worker_id: str, msgs: list[Message]) -> list[Message]:
     frames: list[Message] = []
     at = -1  # where the batch goes in ``frames``
     for msg in msgs:
-        if isinstance(msg, FirstToken | NextToken | RequestFinished | RequestFailed | KVReserved):
+        if isinstance(msg, FirstToken | NextToken | RequestFinished | RequestFailed | RequestRejected
+                      | KVReserved):
             at = len(frames) if at < 0 else at
             outputs.append(msg)
         else:

@@ -13,7 +13,8 @@ from pdserve.live_system import MODEL, SystemPair, wait_all_free
 
 Endpoint = Literal["chat", "completions"]
 ENDPOINTS: list[Endpoint] = ["chat", "completions"]
-LogprobEntry = tuple[str, float, tuple[tuple[str, float], ...]]
+# (token, logprob, top-N); an echoed prompt's first token has neither logprob nor top-N (None)
+LogprobEntry = tuple[str, float | None, tuple[tuple[str, float], ...] | None]
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -51,7 +52,7 @@ def _entries(lp: Any, chat: bool) -> list[LogprobEntry]:
         return [(e.token, e.logprob, tuple((t.token, t.logprob) for t in e.top_logprobs))
                 for e in lp.content or []]
     tops = lp.top_logprobs or [{}] * len(lp.tokens or [])
-    return [(tok, val, tuple(top.items())) for tok, val, top in
+    return [(tok, val, None if top is None else tuple(top.items())) for tok, val, top in
             zip(lp.tokens or [], lp.token_logprobs or [], tops, strict=True)]
 
 

@@ -97,19 +97,35 @@ def test_bad_spec_is_a_400_naming_the_field(live: SystemPair, fields: dict[str, 
         assert error["type"] == "invalid_request_error" and error["message"]
 
 
-def test_spec_the_worker_cannot_compile_fails_cleanly(live: SystemPair) -> None:
-    """A grammar that passes the gateway's syntax check but that xgrammar refuses (an inverted character
-    range) fails on the worker (the decode worker compiles it at ``ReserveKV``, the colocated one at
-    admission): an error answer, never a 200, saying why, and nothing held afterwards. With one worker
-    of each kind no retry is possible: 503 ``no_worker_for_retry`` (not yet the 400 it deserves: a worker
-    cannot tell the gateway that a request itself is bad)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-            "structured_outputs": {"grammar": "root ::= [z-a]"}}
+# specs the gateway's checks pass but xgrammar refuses: an inverted character range, a regex word
+# boundary (also inside a JSON schema's pattern)
+WORKER_REJECTS = [
+    ({"structured_outputs": {"grammar": "root ::= [z-a]"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": r"\bfoo\b"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "w", "schema": {"type": "string", "pattern": r"\bfoo\b"}}}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param"), WORKER_REJECTS)
+@pytest.mark.parametrize("max_tokens", [4, 1])  # 1: the prefill worker alone compiles it
+def test_spec_the_worker_cannot_compile_is_a_400(live: SystemPair, fields: dict[str, Any], param: str,
+                                                 max_tokens: int) -> None:
+    """The worker that compiles the spec first (the decode worker at ``ReserveKV``, the prefill worker
+    alone at ``max_tokens: 1``, the colocated one at admission) answers ``RequestRejected``: a 400 naming
+    the request's field with the grammar engine's reason, streamed or not, before any token, with no
+    retry elsewhere and nothing held afterwards."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+            **fields}
     for url in (live.disagg_url, live.colo_url):
-        resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
-                          headers={"Authorization": f"Bearer {live.api_key}"})
-        assert resp.status_code == 503, resp.text
-        assert "does not compile" in resp.json()["error"]["message"], resp.text
+        for stream in (False, True):
+            resp = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": stream}, timeout=60,
+                              headers={"Authorization": f"Bearer {live.api_key}"})
+            assert resp.status_code == 400, resp.text
+            error = resp.json()["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error", error
+            assert "does not compile" in error["message"], error  # the worker's grammar engine said it
+    leak_check(live)
 
 
 def test_no_leak_after_structured_requests(live: SystemPair) -> None:

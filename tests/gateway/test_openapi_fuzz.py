@@ -19,7 +19,8 @@ from tests.gateway.conftest import Cluster
 
 pytestmark = pytest.mark.slow  # starts processes
 
-ENDPOINTS = {("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("get", "/v1/models"),
+ENDPOINTS = {("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("post", "/v1/responses"),
+             ("get", "/v1/models"),
              ("get", "/v1/models/{model_id}"), ("post", "/tokenize"), ("post", "/detokenize"),
              ("get", "/v1/status"), ("get", "/health"), ("get", "/ready"), ("get", "/metrics")}
 CASES_PER_OPERATION = 50
@@ -48,7 +49,7 @@ def test_openapi_documents_every_endpoint(gw: Cluster) -> None:
         if path != "/metrics":
             assert _resolve(spec, ok["application/json"]["schema"])["properties"], (method, path)
     for path, model in (("/v1/chat/completions", "ChatCompletionRequest"),
-                        ("/v1/completions", "CompletionRequest")):
+                        ("/v1/completions", "CompletionRequest"), ("/v1/responses", "ResponsesRequest")):
         op = ops[("post", path)]
         body = op["requestBody"]["content"]["application/json"]["schema"]
         assert body["$ref"].endswith("/" + model)

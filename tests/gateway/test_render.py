@@ -1,5 +1,6 @@
-"""Pure helpers of the OpenAI surface: per-choice seed derivation (int64 wrap) and the completions
-``logprobs`` layout (``text_offset`` in characters)."""
+"""Pure helpers of the OpenAI surface: per-choice seed derivation (int64 wrap), the completions
+``logprobs`` layout (``text_offset`` in characters), with an echoed prompt's entries first, and vLLM's
+``prompt_logprobs`` shape."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 from gateway.openai_requests import INT64_MAX
 from gateway.orchestrator import TokenLogprob
 from gateway.prepare import derived_seed
-from gateway.render import chat_logprobs, completion_logprobs
+from gateway.render import chat_logprobs, completion_logprobs, echo_logprobs, joined, vllm_prompt_logprobs
 from gateway.text import TextProcessor
+from protocol.messages import PromptLogprob, TopLogprob
 
 
 @pytest.mark.parametrize(("seed", "sample", "want"), [
@@ -35,3 +37,39 @@ def test_logprob_layouts(tokenizer_dir: Path) -> None:
     chat = msgspec.to_builtins(chat_logprobs(text, entries[:1]))
     assert chat["content"][0]["bytes"] == list(pieces[0].encode()) and chat["refusal"] is None
     assert [t["logprob"] for t in chat["content"][0]["top_logprobs"]] == [-0.5, -2.0]
+
+
+def _prompt_entries(ids: list[int]) -> list[PromptLogprob]:
+    return [PromptLogprob(-1.0 - i, i + 2, [TopLogprob(7, -0.25), TopLogprob(t, -1.0 - i)])
+            for i, t in enumerate(ids[1:])]
+
+
+def test_echo_logprobs_lead_with_the_prompt_and_offsets_follow_the_echoed_text(tokenizer_dir: Path) -> None:
+    text = TextProcessor.from_dir(tokenizer_dir)
+    prompt = "The capital of France is"
+    ids, out_ids = text.encode(prompt), text.encode(" Paris.")
+    echo = echo_logprobs(text, ids, _prompt_entries(ids), top=1)
+    out = completion_logprobs(text, [TokenLogprob(t, -0.5) for t in out_ids], offset=len(prompt))
+    both = msgspec.to_builtins(joined(echo, out))
+    full = prompt + " Paris."
+    assert len(both["tokens"]) == len(ids) + len(out_ids)
+    assert both["token_logprobs"][0] is None and both["top_logprobs"][0] is None
+    assert both["token_logprobs"][1:len(ids)] == [-1.0 - i for i in range(len(ids) - 1)]
+    assert both["top_logprobs"][1] == {text.token_text(7): -0.25}  # top=1: the best alternative only
+    for token, offset in zip(both["tokens"], both["text_offset"], strict=True):
+        assert full[offset:offset + len(token)] == token  # every offset points at its token in the text
+    with pytest.raises(ValueError, match="entries"):
+        echo_logprobs(text, ids, _prompt_entries(ids)[1:], top=1)
+
+
+def test_vllm_prompt_logprobs_shape(tokenizer_dir: Path) -> None:
+    text = TextProcessor.from_dir(tokenizer_dir)
+    ids = text.encode("Paris is big")
+    shaped = msgspec.to_builtins(vllm_prompt_logprobs(text, ids, _prompt_entries(ids), top=2))
+    assert shaped[0] is None and len(shaped) == len(ids)
+    first = shaped[1]
+    assert list(first) == [str(ids[1]), "7"]  # the prompt token first, then its alternatives
+    assert first[str(ids[1])] == {"logprob": -1.0, "rank": 2, "decoded_token": text.token_text(ids[1])}
+    assert first["7"] == {"logprob": -0.25, "rank": 1, "decoded_token": text.token_text(7)}
+    one = msgspec.to_builtins(vllm_prompt_logprobs(text, ids, _prompt_entries(ids), top=0))
+    assert all(len(e) == 1 for e in one[1:])

@@ -1,0 +1,151 @@
+"""Serving POST /v1/responses: the body becomes a chat completion request (``responses_api.chat_body``),
+prepared and submitted like one (one choice), and its output becomes a ``response`` object or the
+Responses streaming events (``responses_api.ResponseBuilder``).
+
+Errors keep the chat path's rules, with the Responses field named (``responses_param``): 400 before
+anything is sent; a stream's status line waits for its first token, so a failure before it is an HTTP
+error (502/503/504) and one after it an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Literal
+
+from pydantic import ValidationError
+
+from gateway.chat_output import ChatOutputParser
+from gateway.errors import APIError, bad_request
+from gateway.openai_requests import ChatCompletionRequest
+from gateway.openai_responses import ChatCompletion
+from gateway.orchestrator import GenerationFailed
+from gateway.prepare import Prepared, prepare
+from gateway.responses_api import (
+    InputTokensDetails,
+    OutputTokensDetails,
+    ResponseBuilder,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    chat_body,
+    responses_param,
+)
+from gateway.service import GatewayService
+from gateway.serving import complete, open_stream, submit_all
+from gateway.stream import text_deltas
+from gateway.tool_parsers.events import ContentText, Event, ReasoningText, ToolCallArguments, ToolCallStart
+
+
+def prepare_response(svc: GatewayService, body: ResponsesRequest, request_id: str) -> Prepared:
+    """Validate and prepare ``body`` as its chat request.
+
+    Raises:
+        APIError: 400 naming the Responses field (``store: true``, ``previous_response_id``, or what
+            the chat path refuses), 404/503 as the chat path.
+    """
+    if body.store:
+        raise bad_request("store: true is not supported: pdserve is stateless and stores no responses",
+                          "store", "unsupported_parameter")
+    if body.previous_response_id is not None:
+        raise bad_request("previous_response_id is not supported: pdserve is stateless (send the whole "
+                          "conversation as input)", "previous_response_id", "unsupported_parameter")
+    try:
+        chat = ChatCompletionRequest.model_validate(chat_body(body))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        raise bad_request(f"{loc}: {first.get('msg', 'invalid value')}", responses_param(loc)) from exc
+    try:
+        return prepare(svc, chat, f"resp_{request_id}")
+    except APIError as exc:
+        chat_param, exc.param = exc.param, responses_param(exc.param)
+        if chat_param and exc.param and chat_param != exc.param:
+            exc.message = exc.message.replace(chat_param, exc.param)
+        raise
+
+
+def _usage(p: Prepared, n_out: int, cached: int | None) -> ResponseUsage:
+    return ResponseUsage(p.num_prompt_tokens, InputTokensDetails(cached or 0), n_out, OutputTokensDetails(0),
+                         p.num_prompt_tokens + n_out)
+
+
+def _status(finish_reason: str | None) -> Literal["completed", "incomplete"]:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+async def create_response(svc: GatewayService, body: ResponsesRequest, p: Prepared,
+                          is_disconnected: Callable[[], Awaitable[bool]]) -> ResponseObject:
+    """The whole (non-streaming) response object.
+
+    Raises:
+        APIError: as ``serving.complete`` (502/503/504, 499 when the client left).
+    """
+    reqs = await submit_all(svc, p)
+    chat = await complete(svc, p, reqs, is_disconnected)
+    assert isinstance(chat, ChatCompletion)
+    (choice,) = chat.choices
+    message = choice.message
+    events: list[Event] = []
+    if message.reasoning_content:
+        events.append(ReasoningText(message.reasoning_content))
+    if message.content:
+        events.append(ContentText(message.content))
+    for i, call in enumerate(message.tool_calls or []):
+        events += [ToolCallStart(i, call.id, call.function.name),
+                   ToolCallArguments(i, call.function.arguments)]
+    builder = ResponseBuilder(body, p.request_id, int(time.time()))
+    builder.feed(events)
+    status, used = _status(choice.finish_reason), chat.usage
+    usage = _usage(p, used.completion_tokens, used.prompt_tokens_details.cached_tokens)
+    builder.finish(status, usage)
+    return builder.response(status, usage)
+
+
+async def _events(svc: GatewayService, body: ResponsesRequest, p: Prepared) -> AsyncGenerator[bytes, None]:
+    (req,) = await submit_all(svc, p)
+    builder = ResponseBuilder(body, p.request_id, int(time.time()))
+    parser = ChatOutputParser(p.output) if p.output.active else None
+    head: list[bytes] | None = builder.start()  # sent with the first token's events
+    n_out = 0
+    try:
+        async for d in text_deltas(svc.orchestrator, svc.text(), req):
+            n_out += d.num_tokens
+            events: list[Event]
+            if parser is None:
+                events = [ContentText(d.text)] if d.text else []
+            else:
+                events = parser.feed(d.text) if d.text else []
+                if d.finish_reason is not None:
+                    events += parser.finish()
+            out = builder.feed(events)
+            if d.finish_reason is not None:
+                out += builder.finish(_status(d.finish_reason), _usage(p, n_out, req.num_cached_tokens))
+            if head is not None and out:
+                out, head = head + out, None
+            if out:
+                yield b"".join(out)
+    except GenerationFailed as exc:
+        if head is not None:
+            raise exc.api_error() from exc
+        err = exc.api_error()
+        yield builder.error_event(err.message, err.code)
+    finally:
+        svc.orchestrator.release(req)
+
+
+async def stream_response(svc: GatewayService, body: ResponsesRequest, p: Prepared,
+                          is_disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
+    """The streaming events, once the first token's are ready (``serving.open_stream``).
+
+    Raises:
+        APIError: a failure before the first token (502/503/504), 499 when the client left.
+    """
+    events = _events(svc, body, p)
+    try:
+        return await open_stream(events, is_disconnected)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await events.aclose()
+        raise
