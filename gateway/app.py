@@ -26,6 +26,7 @@ from gateway.text import TextProcessor, resolve_tokenizer_dir
 from protocol.settings import GatewaySettings
 
 log = logging.getLogger("pdserve.gateway")
+MAX_LISTED = 8  # validation errors of one field listed in a 400's message
 
 
 def _api_error(_: Request, exc: Exception) -> Response:
@@ -33,11 +34,18 @@ def _api_error(_: Request, exc: Exception) -> Response:
     return Response(exc.json(), status_code=exc.status, headers=exc.headers, media_type="application/json")
 
 
+def _where(error: Any) -> list[str]:
+    return [str(x) for x in error.get("loc", ()) if x != "body"]
+
+
 def _validation_error(_: Request, exc: Exception) -> Response:
+    """A pydantic validation failure → 400 naming the first bad field (``param``); the message lists
+    every error under that field's top-level key (e.g. each bad ``logit_bias`` key, at most
+    ``MAX_LISTED``), so a client fixes them all at once."""
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = _where(first)
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         err = bad_request("request body is not valid JSON")
@@ -45,7 +53,9 @@ def _validation_error(_: Request, exc: Exception) -> Response:
         err = bad_request(f"unknown field '{param}': neither an OpenAI field nor one of pdserve's "
                           "extensions (README.md, 'Request fields')", param, "unknown_field")
     else:
-        err = bad_request(f"{param or 'body'}: {first.get('msg', 'invalid value')}", param)
+        same = [e for e in errors if loc and _where(e)[:1] == loc[:1]][:MAX_LISTED] or [first]
+        message = "; ".join(f"{'.'.join(_where(e)) or 'body'}: {e.get('msg', 'invalid value')}" for e in same)
+        err = bad_request(message, param)
     return _api_error(_, err)
 
 

@@ -353,8 +353,9 @@ class TokenizeRequest(BaseModel):
     """POST /tokenize body (vLLM's shape): exactly one of ``prompt`` (text; ``add_special_tokens``
     defaults to true) or ``messages`` (rendered with the chat template like a chat completion, with
     ``add_generation_prompt`` (default true) and ``chat_template_kwargs``; ``add_special_tokens``
-    defaults to false: the template places them). ``model`` is optional; when given it must be the
-    served one. ``return_token_strs`` adds each token's text."""
+    defaults to false: the template places them) and ``tools`` (rendered as a chat completion renders
+    them). ``model`` is optional; when given it must be the served one. ``return_token_strs`` adds each
+    token's vocabulary string."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -364,6 +365,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[FunctionTool] | None = None
     return_token_strs: bool = False
 
     def message_dicts(self) -> list[dict[str, Any]]:

@@ -228,13 +228,15 @@ class CompletionChunk(msgspec.Struct, omit_defaults=True):
 
 
 class ModelCard(msgspec.Struct):
-    """One served model (``created`` in Unix seconds; ``max_model_len``: the context length in tokens,
-    the smallest of the live workers'). ``GET /v1/models/{id}`` answers one."""
+    """One served model (``created`` in Unix seconds; ``root``: the model it serves, its own id, as vLLM
+    and SGLang give it; ``max_model_len``: the context length in tokens, the smallest of the live
+    workers'). ``GET /v1/models/{id}`` answers one."""
 
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str
     max_model_len: int
 
 

@@ -133,7 +133,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
 
 def _card(svc: GatewayService) -> ModelCard | None:
     name = served_model(svc)
-    return None if name is None else ModelCard(name, "model", int(time.time()), "pdserve", max_model_len(svc))
+    return None if name is None else ModelCard(name, "model", int(time.time()), "pdserve", name,
+                                                    max_model_len(svc))
 
 
 @router.get("/v1/models", dependencies=[Depends(require_key)],

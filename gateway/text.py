@@ -70,6 +70,14 @@ class TextProcessor:
         """One token's own text (special tokens kept; a partial UTF-8 piece decodes to U+FFFD)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def vocab_token(self, token_id: int) -> str:
+        """One token's vocabulary string (what transformers' ``convert_ids_to_tokens`` gives: ``"Ġis"``
+        where ``token_text`` gives ``" is"``). Raises ValueError for an id outside the vocabulary."""
+        token = self.tokenizer.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary")
+        return token
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> str:
         """Apply the model's chat template to OpenAI-style messages; ``template_kwargs`` become template

@@ -15,30 +15,36 @@ from gateway.prepare import (
     text_processor,
 )
 from gateway.service import GatewayService
+from gateway.tool_request import template_tools
 
 
 def tokenize(svc: GatewayService, body: TokenizeRequest) -> TokenizeResponse:
-    """The token ids of ``body.prompt`` or of ``body.messages`` rendered by the chat template.
+    """The token ids of ``body.prompt`` or of ``body.messages`` (and ``body.tools``) rendered by the chat
+    template.
 
     Raises:
-        APIError: 400 when neither or both of ``prompt`` and ``messages`` are given, the text is not valid
-            Unicode or the template fails; 404 for another ``model``; 503 without a worker or tokenizer.
+        APIError: 400 when neither or both of ``prompt`` and ``messages`` are given, ``tools`` or
+            ``chat_template_kwargs`` come without ``messages``, a tool is invalid (as on chat), the text
+            is not valid Unicode or the template fails; 404 for another ``model``; 503 without a worker
+            or tokenizer.
     """
     check_model(svc, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
     text = text_processor(svc)
     if body.messages is not None:
+        tools = template_tools(body.tools) if body.tools else None
         rendered = render_messages(text, body.message_dicts(), body.chat_template_kwargs,
-                                   body.add_generation_prompt)
+                                   body.add_generation_prompt, tools)
         ids = encode_text(text, rendered, bool(body.add_special_tokens), "messages")
     else:
-        if body.chat_template_kwargs:
-            raise bad_request("chat_template_kwargs needs messages", "chat_template_kwargs")
+        for name in ("chat_template_kwargs", "tools"):
+            if getattr(body, name):
+                raise bad_request(f"{name} needs messages", name)
         assert body.prompt is not None
         special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = encode_text(text, body.prompt, special, "prompt")
-    strs = [text.token_text(t) for t in ids] if body.return_token_strs else None
+    strs = [text.vocab_token(t) for t in ids] if body.return_token_strs else None
     return TokenizeResponse(len(ids), max_model_len(svc), ids, strs)
 
 

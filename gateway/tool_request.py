@@ -93,6 +93,24 @@ def tool_structured_output(schema: dict[str, Any]) -> StructuredOutput:
     return StructuredOutput(kind="json", spec=json.dumps(schema))
 
 
+def template_tools(tools: list[FunctionTool]) -> list[dict[str, Any]]:
+    """``tools`` checked (no name twice, each ``parameters`` a valid JSON Schema of an object) and given
+    as the OpenAI tool objects the chat template takes.
+
+    Raises:
+        APIError: 400 naming ``tools.{i}.function.name`` or ``tools.{i}.function.parameters``.
+    """
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        if tool.function.name in seen:
+            raise bad_request(f"tools: the function name {tool.function.name!r} appears twice",
+                              f"tools.{i}.function.name")
+        seen.add(tool.function.name)
+        if tool.function.parameters is not None:
+            check_parameters(tool.function.parameters, f"tools.{i}.function.parameters")
+    return [t.model_dump(exclude_none=True) for t in tools]
+
+
 def plan_tools(body: ChatCompletionRequest, tool_parser: str, reasoning_parser: str) -> ToolPlan:
     """Check the request's tool fields and decide how its output is parsed. ``tool_parser``: the model's
     (``gateway.tool_parsers.select_tool_parser``, possibly ``none``); ``reasoning_parser`` likewise.
@@ -107,17 +125,10 @@ def plan_tools(body: ChatCompletionRequest, tool_parser: str, reasoning_parser: 
             if getattr(body, name) is not None:
                 raise bad_request(f"{name} is only allowed when tools are given", name)
         return ToolPlan(None, ChatOutputSpec(reasoning))
-    seen: set[str] = set()
-    for i, tool in enumerate(tools):
-        if tool.function.name in seen:
-            raise bad_request(f"tools: the function name {tool.function.name!r} appears twice",
-                              f"tools.{i}.function.name")
-        seen.add(tool.function.name)
-        if tool.function.parameters is not None:
-            check_parameters(tool.function.parameters, f"tools.{i}.function.parameters")
+    listed = template_tools(tools)
+    seen = {t.function.name for t in tools}
     choice = body.tool_choice or "auto"
     parallel = body.parallel_tool_calls is not False
-    listed = [t.model_dump(exclude_none=True) for t in tools]
     if isinstance(choice, NamedToolChoice) and choice.function.name not in seen:
         raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not in tools",
                           "tool_choice")

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tokenizers import Tokenizer
 
 from gateway.text import TextProcessor
 from tests.fakes.fake_worker import fake_logprob
@@ -283,11 +284,11 @@ def test_fields_accepted_by_design(pd: Cluster) -> None:
     pd.assert_no_leaks(("d1",))
 
 
-def test_model_card_tokenize_detokenize(pd: Cluster, proc: TextProcessor) -> None:
+def test_model_card_tokenize_detokenize(pd: Cluster, proc: TextProcessor, tokenizer_dir: Path) -> None:
     client = pd.client()
     card = client.models.retrieve("fake-model")
     assert (card.id, card.object, card.owned_by) == ("fake-model", "model", "pdserve")
-    assert card.model_extra == {"max_model_len": 256}
+    assert card.model_extra == {"root": "fake-model", "max_model_len": 256}
     listed = httpx.get(pd.base + "/v1/models", timeout=5).json()["data"]
     assert listed == [httpx.get(pd.base + "/v1/models/fake-model", timeout=5).json() | {
         "created": listed[0]["created"]}]
@@ -302,7 +303,10 @@ def test_model_card_tokenize_detokenize(pd: Cluster, proc: TextProcessor) -> Non
                    timeout=5).json()
     rendered = proc.render_chat(MSGS)
     assert r["tokens"] == proc.encode(rendered) and r["count"] == len(r["tokens"])
-    assert "".join(r["token_strs"]) == rendered
+    # vLLM's token_strs: the vocabulary's strings (byte-level BPE: "Ġ" for a space), not decoded text
+    vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    assert r["token_strs"] == [vocab.id_to_token(t) for t in r["tokens"]]
+    assert "".join(proc.token_text(t) for t in r["tokens"]) == rendered
     bare = httpx.post(pd.base + "/tokenize", json={"messages": MSGS, "add_generation_prompt": False},
                       timeout=5).json()
     assert bare["tokens"] == proc.encode(proc.render_chat(MSGS, add_generation_prompt=False))
@@ -311,6 +315,16 @@ def test_model_card_tokenize_detokenize(pd: Cluster, proc: TextProcessor) -> Non
     assert back == {"prompt": rendered}
     chat = client.chat.completions.create(model="fake-model", messages=MSGS, max_tokens=1)  # type: ignore[arg-type]
     assert chat.usage is not None and chat.usage.prompt_tokens == r["count"]
+    # tools are rendered as a chat completion renders them (this template has none: the fallback prompt)
+    tools: Any = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with_tools = httpx.post(pd.base + "/tokenize", json={"messages": MSGS, "tools": tools}, timeout=5).json()
+    chat = client.chat.completions.create(model="fake-model", messages=MSGS, tools=tools,  # type: ignore[arg-type]
+                                          tool_choice="none", max_tokens=1)
+    assert chat.usage is not None and chat.usage.prompt_tokens == with_tools["count"] > r["count"]
+    alone = httpx.post(pd.base + "/tokenize", json={"prompt": "x", "tools": tools}, timeout=5)
+    assert alone.status_code == 400 and alone.json()["error"]["param"] == "tools"
+    twice = httpx.post(pd.base + "/tokenize", json={"messages": MSGS, "tools": tools * 2}, timeout=5)
+    assert twice.status_code == 400 and twice.json()["error"]["param"] == "tools.1.function.name"
 
 
 @pytest.mark.parametrize(("fields", "kind", "spec"), [

@@ -64,7 +64,8 @@ def test_openapi_documents_every_endpoint(gw: Cluster) -> None:
         body = ops[("post", path)]["requestBody"]["content"]["application/json"]["schema"]
         assert body["$ref"].endswith("/" + model)
     assert _resolve(spec, ops[("get", "/v1/models/{model_id}")]["responses"]["200"]["content"][
-        "application/json"]["schema"])["required"] == ["id", "object", "created", "owned_by", "max_model_len"]
+        "application/json"]["schema"])["required"] == ["id", "object", "created", "owned_by", "root",
+                                                       "max_model_len"]
 
 
 def check(case: Any, statuses: Counter[int]) -> None:
