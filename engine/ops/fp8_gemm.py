@@ -1,0 +1,318 @@
+"""FP8 (e4m3) weight GEMMs: ``y = x @ dequant(W)^T`` with activations quantized to FP8 on the fly (w8a8).
+
+Three weight-scale layouts, all for a ``float8_e4m3fn`` weight ``W [N, K]`` (``Fp8Weight``):
+
+- ``"tensor"``: one float32 scale for the whole matrix (``scale [1]``), ``W_real = W * scale``;
+- ``"channel"``: one scale per output feature (``scale [N]``);
+- ``"block"``: one scale per ``block_n x block_k`` tile (``scale [ceil(N / block_n), ceil(K / block_k)]``,
+  the last row/column of tiles ragged when ``N`` or ``K`` is not a multiple), the layout of the DeepSeek-V3,
+  Qwen3-FP8 and GLM-4.5-FP8 releases (their ``weight_scale_inv`` tensors multiply, despite the name).
+
+Activations: ``"tensor"`` / ``"channel"`` weights take a static per-tensor ``input_scale`` when the
+checkpoint has one, else one scale per token (row), ``amax(|x|) / 448``; ``"block"`` weights take one
+scale per token and group of ``block_k`` columns (``quantize_fp8_groups``), as in DeepSeek-V3's
+``act_quant``. On CUDA the tensor/channel layouts run ``torch._scaled_mm`` (cuBLASLt FP8 tensor cores;
+row-wise scales for per-token activations), the block layout the Triton kernel ``w8a8_block_gemm`` below
+(for each ``block_k`` slice of ``K``: an FP8 ``tl.dot`` into float32, times the token-group scale and
+the weight tile's scale; the block-scaled GEMM of DeepSeek-V3's ``fp8_gemm``). ``*_reference`` functions
+are the plain-torch equivalents: they dequantize both operands to float32 and multiply (what runs on a
+CPU, where no FP8 matmul exists).
+
+FP8 e4m3: 3 mantissa bits, largest finite value 448 (``FP8_MAX``); rounding to it is to nearest-even.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# the smallest scale used: an all-zero group quantizes to zeros instead of dividing by zero
+_MIN_SCALE = 1e-12
+
+
+@dataclass
+class Fp8Weight:
+    """An FP8 weight with its scales. ``weight``: ``float8_e4m3fn [N, K]``; ``scale``: float32, ``[1]``
+    (``layout="tensor"``), ``[N]`` (``"channel"``) or ``[ceil(N / bn), ceil(K / bk)]`` (``"block"``, with
+    ``block = (bn, bk)``); ``input_scale``: a float32 ``[1]`` static activation scale, or None (dynamic
+    per-token / per-token-group scales)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    layout: str
+    block: tuple[int, int] | None = None
+    input_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n, k = self.weight.shape
+        if self.weight.dtype != FP8_DTYPE:
+            raise ValueError(f"FP8 weight must be {FP8_DTYPE}, got {self.weight.dtype}")
+        if self.layout == "block":
+            if self.block is None:
+                raise ValueError("block layout needs block=(block_n, block_k)")
+            bn, bk = self.block
+            want: tuple[int, ...] = (-(-n // bn), -(-k // bk))
+            if self.input_scale is not None:
+                raise ValueError("block-scaled FP8 weights take dynamic activation scales only")
+        elif self.layout == "channel":
+            want = (n,)
+        elif self.layout == "tensor":
+            want = (1,)
+        else:
+            raise ValueError(f"unknown FP8 scale layout {self.layout!r}; use tensor, channel or block")
+        if tuple(self.scale.shape) != want:
+            raise ValueError(f"{self.layout} FP8 scale of a [{n}, {k}] weight must be {list(want)}, "
+                             f"got {list(self.scale.shape)}")
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def nbytes(self) -> int:
+        """Bytes a GEMM reads for this weight: FP8 values plus scales."""
+        extra = self.input_scale.numel() * 4 if self.input_scale is not None else 0
+        return self.weight.numel() + self.scale.numel() * 4 + extra
+
+
+def quantize_fp8_reference(x: torch.Tensor, scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., K]`` with a given per-tensor ``scale [1]`` or, when None, one scale per
+    ``[..., :]`` row (``amax / 448``). Returns ``(q float8_e4m3fn, scale float32 [1] or [rows, 1])``."""
+    xf = x.float()
+    if scale is None:
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale.float()
+
+
+def quantize_fp8_groups_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [M, K]`` per token and group of ``group`` columns (the last group ragged when ``group``
+    does not divide ``K``). Returns ``(q float8_e4m3fn [M, K], scales float32 [M, ceil(K / group)])``."""
+    m, k = x.shape
+    groups = -(-k // group)
+    pad = groups * group - k
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, groups, group)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, groups * group)[:, :k]
+    return q.contiguous(), scale[..., 0]
+
+
+@triton.jit
+def _round_to_e4m3(x):  # type: ignore[no-untyped-def]  # Triton helper: typed by @triton.jit
+    # float32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, in float32 arithmetic: the
+    # grid step is 2^(exponent - 3) for normal numbers and 2^-9 below 2^-6; adding and subtracting
+    # 1.5 * 2^23 steps rounds to a multiple of the step. The cast to FP8 after it is then exact (Triton
+    # 3.6's interpreter rounds 7.9 to 4.0 when the rounding carries into the exponent).
+    biased = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    step = ((tl.maximum(biased, 121) - 3) << 23).to(tl.float32, bitcast=True)
+    magic = step * 12582912.0
+    return (x + magic) - magic
+
+
+@triton.jit
+def _quantize_groups_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
+    x_ptr, q_ptr, s_ptr, k_in, stride_x, stride_q, n_groups,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < k_in)
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_C, MIN_SCALE)
+    q = _round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C))
+    tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * n_groups + g, scale)
+
+
+def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of ``quantize_fp8_groups_reference`` (one program per token and group; ``group=K``
+    gives one scale per token). ``x``: ``[M, K]`` with unit column stride."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    groups = -(-k // group)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_groups_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), groups, GROUP=group,
+                                             BLOCK=triton.next_power_of_2(group), FP8_MAX_C=FP8_MAX,
+                                             MIN_SCALE=_MIN_SCALE)
+    return q, s
+
+
+def dequantize_fp8(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``W * scale`` as a ``[N, K]`` tensor of ``dtype`` (float32 arithmetic, then rounded once)."""
+    wf = w.weight.float()
+    n, k = wf.shape
+    if w.layout == "block":
+        assert w.block is not None
+        bn, bk = w.block
+        s = w.scale.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        return (wf * s).to(dtype)
+    if w.layout == "channel":
+        return (wf * w.scale.float()[:, None]).to(dtype)
+    return (wf * w.scale.float()).to(dtype)
+
+
+def w8a8_block_gemm_reference(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight,
+                              out_dtype: torch.dtype) -> torch.Tensor:
+    """``[M, N]``: dequantized ``a`` (FP8 ``[M, K]`` times ``a_scale [M, ceil(K / bk)]`` per token group)
+    times the dequantized block-scaled ``w``, in float32, rounded to ``out_dtype``."""
+    assert w.block is not None
+    k = a.shape[1]
+    af = a.float() * a_scale.float().repeat_interleave(w.block[1], 1)[:, :k]
+    return (af @ dequantize_fp8(w).T).to(out_dtype)
+
+
+@triton.jit
+def _w8a8_block_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m_rows, n_out, k_in, stride_a, stride_as, stride_b, stride_bs,
+    stride_c, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < m_rows
+    n_mask = rn < n_out
+    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_a
+    b_rows = b_ptr + rn.to(tl.int64)[None, :] * stride_b
+    as_rows = as_ptr + rm * stride_as
+    bs_rows = bs_ptr + (rn // GROUP_N) * stride_bs
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(k_in, BLOCK_K)):  # BLOCK_K == the weight's block_k: one scale per step
+        kk = kb * BLOCK_K + rk
+        k_mask = kk < k_in
+        a = tl.load(a_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_rows + kk[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        a_s = tl.load(as_rows + kb, mask=m_mask, other=0.0)
+        b_s = tl.load(bs_rows + kb, mask=n_mask, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    c = c_ptr + rm.to(tl.int64)[:, None] * stride_c + rn[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def block_gemm_tile(m: int) -> tuple[int, int, int, int]:
+    """``(block_m, block_n, num_warps, num_stages)`` of ``w8a8_block_gemm`` for ``m`` rows: small tiles
+    in ``M`` for decode-sized batches (the weight read dominates), 128 x 128 for prefill."""
+    if m <= 16:
+        return 16, 64, 4, 4
+    if m <= 64:
+        return 64, 64, 4, 4
+    return 128, 128, 8, 3
+
+
+def w8a8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype,
+                    tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Triton version of ``w8a8_block_gemm_reference``.
+
+    Args:
+        a: ``float8_e4m3fn [M, K]`` (unit column stride); a_scale: float32 ``[M, ceil(K / bk)]``.
+        w: a ``"block"`` ``Fp8Weight`` (``block_k`` a power of two >= 16).
+        tile: override ``block_gemm_tile(M)``.
+
+    Returns:
+        ``[M, N]`` in ``out_dtype``.
+    """
+    assert w.block is not None and w.layout == "block"
+    bn, bk = w.block
+    m, k = a.shape
+    n = w.out_features
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    block_m, block_n, warps, stages = tile or block_gemm_tile(m)
+    scale = w.scale.contiguous()
+    a_scale = a_scale.contiguous()
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w8a8_block_kernel[grid](a, a_scale, w.weight, scale, out, m, n, k, a.stride(0), a_scale.stride(0),
+                             w.weight.stride(0), scale.stride(0), out.stride(0), GROUP_N=bn,
+                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps,
+                             num_stages=stages)
+    return out
+
+
+def _scaled_mm_ok(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether ``torch._scaled_mm`` can run this product: a CUDA device of compute capability >= 8.9 and
+    ``K``, ``N`` multiples of 16 (cuBLASLt's FP8 alignment)."""
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (8, 9):
+        return False
+    n, k = w.weight.shape
+    return k % 16 == 0 and n % 16 == 0
+
+
+def scaled_fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """Tensor/channel layouts in plain torch: quantize ``x [M, K]`` (static ``input_scale`` or per
+    token), dequantize both, multiply in float32, add ``bias``; ``[M, N]`` in ``x.dtype``."""
+    q, s = quantize_fp8_reference(x, w.input_scale)
+    y = (q.float() * s) @ dequantize_fp8(w).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def _scaled_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    m = x.shape[0]
+    if w.input_scale is not None and w.layout == "tensor":  # both per-tensor: cuBLASLt tensor-wise mode
+        q = (x.float() / w.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return torch._scaled_mm(q, w.weight.t(), scale_a=w.input_scale, scale_b=w.scale,
+                                bias=bias, out_dtype=x.dtype)
+    if w.input_scale is not None:
+        q = (x.float() / w.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        s = w.input_scale.expand(m, 1).contiguous()
+    else:
+        q, s = quantize_fp8_groups(x, x.shape[1])  # one scale per token
+    w_s = w.scale.expand(w.out_features) if w.layout == "tensor" else w.scale
+    # row-wise scaling needs bf16 output; the bias is added after (in the output dtype)
+    y = torch._scaled_mm(q, w.weight.t(), scale_a=s, scale_b=w_s.reshape(1, -1).contiguous(),
+                         out_dtype=torch.bfloat16)
+    y = y.to(x.dtype)
+    return y + bias if bias is not None else y
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_kernels: bool) -> torch.Tensor:
+    """``x [M, K] @ dequant(w)^T + bias`` as ``[M, N]`` in ``x.dtype``, activations quantized to FP8.
+
+    ``use_kernels``: the Triton block kernel (CUDA or Triton's interpreter) and, on a GPU of compute
+    capability >= 8.9, ``torch._scaled_mm``; else (or where ``_scaled_mm`` cannot run the shape) the
+    plain-torch references.
+    """
+    if w.layout == "block":
+        assert w.block is not None
+        if use_kernels:
+            q, s = quantize_fp8_groups(x, w.block[1])
+            y = w8a8_block_gemm(q, s, w, x.dtype)
+        else:
+            q, s = quantize_fp8_groups_reference(x, w.block[1])
+            y = w8a8_block_gemm_reference(q, s, w, x.dtype)
+        return y + bias if bias is not None else y
+    if use_kernels and _scaled_mm_ok(x, w):
+        return _scaled_fp8_linear(x, w, bias)
+    return scaled_fp8_linear_reference(x, w, bias)
+
+
+def quantize_weight_per_channel(weight: torch.Tensor) -> Fp8Weight:
+    """``weight [N, K]`` (any float dtype) as FP8 with one scale per output feature (``amax / 448``),
+    dynamic per-token activations: what ``--quantization fp8`` does to each projection on load."""
+    q, s = quantize_fp8_reference(weight)
+    return Fp8Weight(q, s[:, 0].contiguous(), "channel")
+
+
+def quantize_weight_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> Fp8Weight:
+    """``weight [N, K]`` as FP8 with one scale per ``block`` tile (``amax / 448`` of the tile; ragged edge
+    tiles take the amax of the values they hold), the layout of block-scaled FP8 checkpoints."""
+    n, k = weight.shape
+    bn, bk = block
+    nb, kb = -(-n // bn), -(-k // bk)
+    wf = torch.nn.functional.pad(weight.float(), (0, kb * bk - k, 0, nb * bn - n))
+    tiles = wf.view(nb, bn, kb, bk)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(_MIN_SCALE)  # [nb, kb]
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return Fp8Weight(q.view(nb * bn, kb * bk)[:n, :k].contiguous(), scale, "block", block)

@@ -1,0 +1,138 @@
+"""The FP8 GEMMs (engine/ops/fp8_gemm.py): the Triton token-group quantizer and the w8a8 block-scaled GEMM
+against their plain-torch references (through Triton's interpreter on a CPU, over ``grid``'s subset;
+compiled, full grid on a GPU), ragged ``M``/``N``/``K`` edges included; the weight quantizers against
+the FP8 rounding bound; on a GPU of compute capability >= 8.9 the ``torch._scaled_mm`` path against its
+reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.ops.fp8_gemm import (
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Weight,
+    dequantize_fp8,
+    fp8_linear,
+    quantize_fp8_groups,
+    quantize_fp8_groups_reference,
+    quantize_weight_blocks,
+    quantize_weight_per_channel,
+    scaled_fp8_linear_reference,
+    w8a8_block_gemm,
+    w8a8_block_gemm_reference,
+)
+from tests.engine.grid import grid
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+FP8_MM = CUDA and torch.cuda.get_device_capability() >= (8, 9)
+
+# (M tokens, N out, K in, block): multiples of 128 and ragged edges in each of M, N, K
+FULL = [(m, n, k, b) for m in (1, 5, 16, 33, 200) for n, k in ((128, 128), (256, 384), (200, 320),
+                                                               (1024, 512)) for b in ((128, 128), (64, 128))]
+CPU = [(1, 128, 128, (128, 128)), (5, 200, 320, (128, 128)), (33, 256, 384, (128, 128)),
+       (16, 200, 320, (64, 128))]
+
+
+def _case(m: int, n: int, k: int, block: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, Fp8Weight]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    x[:, :7] *= 30  # an outlier group: its scale differs from the others'
+    w = torch.randn(n, k, generator=gen) * k ** -0.5
+    w[: min(n, 3)] *= 10  # one tile row with a larger scale
+    fw = quantize_weight_blocks(w, block)
+    dev = torch.device(DEVICE)
+    return x.to(dev), Fp8Weight(fw.weight.to(dev), fw.scale.to(dev), "block", block)
+
+
+@pytest.mark.parametrize("m,n,k,block", grid(FULL, CPU))
+def test_quantize_groups_matches_reference(m: int, n: int, k: int, block: tuple[int, int]) -> None:
+    x, _ = _case(m, n, k, block)
+    q, s = quantize_fp8_groups(x, block[1])
+    q_ref, s_ref = quantize_fp8_groups_reference(x, block[1])
+    assert q.dtype == FP8_DTYPE and s.shape == (m, -(-k // block[1]))
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert torch.equal(q.float(), q_ref.float())  # same division, same round-to-nearest-even
+    # every group's largest magnitude maps to the top of the FP8 range
+    assert q.float().abs().amax().item() == FP8_MAX
+
+
+@pytest.mark.parametrize("m,n,k,block", grid(FULL, CPU))
+def test_block_gemm_matches_reference(m: int, n: int, k: int, block: tuple[int, int]) -> None:
+    x, w = _case(m, n, k, block)
+    q, s = quantize_fp8_groups_reference(x, block[1])
+    out = w8a8_block_gemm(q, s, w, torch.float32)
+    ref = w8a8_block_gemm_reference(q, s, w, torch.float32)
+    # both multiply the same FP8 values exactly in float32; only the summation order differs
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("tile", [(16, 32, 4, 2), (32, 64, 4, 2)])
+def test_block_gemm_other_tiles(tile: tuple[int, int, int, int]) -> None:
+    """A tile narrower than the weight's block_n (scales gathered per column) and a wider M tile."""
+    x, w = _case(40, 200, 320, (128, 128), seed=1)
+    q, s = quantize_fp8_groups_reference(x, 128)
+    out = w8a8_block_gemm(q, s, w, torch.float32, tile=tile)
+    ref = w8a8_block_gemm_reference(q, s, w, torch.float32)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+def test_block_gemm_close_to_unquantized_product() -> None:
+    """The w8a8 result is within FP8's rounding of the float32 product: each operand carries a relative
+    error of at most 2^-4 per element (3 mantissa bits, round to nearest), random signs, so the
+    product's error is about 2^-4 * sqrt(2 / 3) of an element's contribution per term; 5 % of the output's
+    spread bounds it with room (measured ~2.5 %)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 256, generator=gen)
+    wt = torch.randn(192, 256, generator=gen) * 256 ** -0.5
+    w = quantize_weight_blocks(wt)
+    y = fp8_linear(x, w, None, use_kernels=False)
+    exact = x @ wt.T
+    rel = ((y - exact).norm() / exact.norm()).item()
+    assert rel < 0.05, rel
+    assert rel > 0  # quantization did happen
+
+
+def test_weight_quantizers_round_trip() -> None:
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(200, 320, generator=gen)
+    for fw in (quantize_weight_blocks(w), quantize_weight_per_channel(w)):
+        back = dequantize_fp8(fw)
+        # e4m3 normal numbers: relative rounding error <= 2^-4; values far below the scale are subnormal
+        err = (back - w).abs()
+        assert (err <= w.abs() * 2 ** -4 + 2e-3 * w.abs().amax()).all()
+    blocks = quantize_weight_blocks(w)
+    assert blocks.scale.shape == (2, 3)  # ragged edge tiles: 200 = 128 + 72, 320 = 2 * 128 + 64
+    assert quantize_weight_per_channel(w).scale.shape == (200,)
+
+
+def test_scale_layout_checked() -> None:
+    w = torch.zeros(4, 8, dtype=FP8_DTYPE)
+    with pytest.raises(ValueError, match="channel FP8 scale"):
+        Fp8Weight(w, torch.ones(1), "channel")
+    with pytest.raises(ValueError, match="unknown FP8 scale layout"):
+        Fp8Weight(w, torch.ones(1), "row")
+    with pytest.raises(ValueError, match="dynamic activation scales only"):
+        Fp8Weight(w, torch.ones(1, 1), "block", (128, 128), input_scale=torch.ones(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_MM, reason="torch._scaled_mm needs a GPU of compute capability >= 8.9")
+@pytest.mark.parametrize("layout,static", [("channel", False), ("tensor", False), ("tensor", True),
+                                           ("channel", True)])
+@pytest.mark.parametrize("m", [1, 17, 256])
+def test_scaled_mm_matches_reference(layout: str, static: bool, m: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(m, 512, generator=gen).to("cuda", torch.bfloat16)
+    wt = torch.randn(384, 512, generator=gen) * 512 ** -0.5
+    fw = quantize_weight_per_channel(wt)
+    scale = fw.scale if layout == "channel" else fw.scale.amax().reshape(1)
+    q = (wt / (scale[:, None] if layout == "channel" else scale)).to(FP8_DTYPE)
+    inp = (x.float().abs().amax() / FP8_MAX).reshape(1) if static else None
+    w = Fp8Weight(q.cuda(), scale.cuda(), layout, input_scale=inp)
+    bias = torch.randn(384, generator=gen).to("cuda", torch.bfloat16)
+    out = fp8_linear(x, w, bias, use_kernels=True)
+    ref = scaled_fp8_linear_reference(x, w, bias)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
