@@ -288,6 +288,8 @@ def test_supervise_stops_when_the_gateway_exits(capfd) -> None:
     ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
      "unsupported quantization method 'bitsandbytes'"),
     ({"architectures": ["Gemma2ForCausalLM"]}, r"unsupported architecture \['Gemma2ForCausalLM'\]"),
+    ({"architectures": ["MixtralForCausalLM"], "quantization_config": {"quant_method": "fp8"}},
+     "FP8 weights for the mixture of experts MixtralForCausalLM"),
 ])
 def test_up_refuses_an_unsupported_model_before_any_child(edit, named, tmp_path, capsys) -> None:
     """An architecture or a quantization method the workers cannot run is refused by the launcher in one
