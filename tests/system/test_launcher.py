@@ -41,10 +41,11 @@ def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:
     settings."""
     from pdserve.cli import build_parser
     from protocol.settings import GatewaySettings, WorkerSettings, settings_from_args
+    from workers.setup import engine_config_from_settings
 
     given = ["up", "--host", "0.0.0.0", "--model-name", "m1", "--api-key", "secret", "--max-retries", "0",
              "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "512", "--pdl", "false",
-             "--num-decode", "2", "--insecure-control-plane"]
+             "--quantization", "fp8", "--num-decode", "2", "--insecure-control-plane"]
     up = settings_from_args(build_parser({}).parse_args(given))
     assert isinstance(up, UpSettings)
     children = plan(up, control_port=7777)
@@ -57,7 +58,8 @@ def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:
         else:
             assert isinstance(child, WorkerSettings)
             assert (child.dtype, child.max_num_seqs, child.max_model_len) == ("float32", 8, 512)
-            assert child.pdl is False
+            assert child.pdl is False and child.quantization == "fp8"
+            assert engine_config_from_settings(child).model.quantization == "fp8"
             assert (child.host, child.port) == ("127.0.0.1", 0)  # internal sockets stay on loopback
 
 
@@ -290,6 +292,8 @@ def test_supervise_stops_when_the_gateway_exits(capfd) -> None:
     ({"architectures": ["Gemma2ForCausalLM"]}, r"unsupported architecture \['Gemma2ForCausalLM'\]"),
     ({"architectures": ["MixtralForCausalLM"], "quantization_config": {"quant_method": "fp8"}},
      "FP8 weights for the mixture of experts MixtralForCausalLM"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}},
+     "FP8 format 'e5m2'.*supported: e4m3"),
 ])
 def test_up_refuses_an_unsupported_model_before_any_child(edit, named, tmp_path, capsys) -> None:
     """An architecture or a quantization method the workers cannot run is refused by the launcher in one
