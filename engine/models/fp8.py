@@ -48,8 +48,8 @@ class Fp8Linear(torch.nn.Module):
                  block: tuple[int, int] | None, static_activations: bool, device: torch.device | str) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
-                                         requires_grad=False)
+        self.weight = torch.nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device), requires_grad=False)
         if block is not None:
             shape: tuple[int, ...] = (-(-out_features // block[0]), -(-in_features // block[1]))
             self.layout = "block"
@@ -89,7 +89,8 @@ class Fp8Linear(torch.nn.Module):
             self.weight_scale.data.copy_(scale)
         elif scale.numel() == 1:
             self.layout = "tensor"
-            self.weight_scale = torch.nn.Parameter(scale.reshape(1).to(self.weight.device), requires_grad=False)
+            self.weight_scale = torch.nn.Parameter(scale.reshape(1).to(self.weight.device),
+                                                   requires_grad=False)
         elif scale.numel() == self.out_features and scale.shape[0] == self.out_features:
             self.layout = "channel"
             self.weight_scale = torch.nn.Parameter(scale.reshape(-1).to(self.weight.device).contiguous(),
@@ -142,8 +143,8 @@ def merge_fp8(linears: list[Fp8Linear]) -> tuple[Fp8Weight, torch.Tensor | None]
     start = 0
     for lin in linears:
         rows = lin.out_features
-        part = Fp8Weight(weight[start:start + rows], merged.scale[start // row_scale:(start + rows) // row_scale],
-                         merged.layout, merged.block, merged.input_scale)
+        scales = merged.scale[start // row_scale:(start + rows) // row_scale]
+        part = Fp8Weight(weight[start:start + rows], scales, merged.layout, merged.block, merged.input_scale)
         lin.bind(part)
         if bias is not None:
             lin.bias = torch.nn.Parameter(bias[start:start + rows], requires_grad=False)
@@ -244,7 +245,7 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
     loaded: set[str] = set()
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as handle:
-            for key in handle.keys():
+            for key in list(handle.keys()):
                 if key.endswith("rotary_emb.inv_freq"):  # older checkpoints store the recomputed buffer
                     continue
                 prefix, _, leaf = key.rpartition(".")
@@ -262,7 +263,8 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
                 else:
                     raise ValueError(f"{f.name}: tensor {key} has no place in the model")
                 loaded.add(name)
-    tied = {"lm_head.weight"} if getattr(getattr(model, "config", None), "tie_word_embeddings", False) else set()
+    tie = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    tied = {"lm_head.weight"} if tie else set()
     missing = sorted(expected - loaded - tied)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")

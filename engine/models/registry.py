@@ -165,7 +165,8 @@ class UnsupportedModelError(ValueError):
     """A model's ``config.json`` names an architecture or a quantization method pdserve does not run."""
 
 
-def check_model_config(raw: dict[str, Any], where: str = "config.json", quantization: str | None = None) -> None:
+def check_model_config(raw: dict[str, Any], where: str = "config.json",
+                       quantization: str | None = None) -> None:
     """Refuse a model pdserve cannot run, from its ``config.json`` alone (no torch, no weights read): the
     launcher calls it before starting any worker, and the loader before reading weights.
 

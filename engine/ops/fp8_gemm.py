@@ -23,6 +23,7 @@ FP8 e4m3: 3 mantissa bits, largest finite value 448 (``FP8_MAX``); rounding to i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -239,10 +240,15 @@ def w8a8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out_dt
     return out
 
 
+@functools.lru_cache(maxsize=16)
+def _fp8_tensor_cores(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
 def _scaled_mm_ok(x: torch.Tensor, w: Fp8Weight) -> bool:
     """Whether ``torch._scaled_mm`` can run this product: a CUDA device of compute capability >= 8.9 and
     ``K``, ``N`` multiples of 16 (cuBLASLt's FP8 alignment)."""
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (8, 9):
+    if not x.is_cuda or not _fp8_tensor_cores(x.device.index or 0):
         return False
     n, k = w.weight.shape
     return k % 16 == 0 and n % 16 == 0
@@ -262,8 +268,8 @@ def _scaled_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None)
     m = x.shape[0]
     if w.input_scale is not None and w.layout == "tensor":  # both per-tensor: cuBLASLt tensor-wise mode
         q = (x.float() / w.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        return torch._scaled_mm(q, w.weight.t(), scale_a=w.input_scale, scale_b=w.scale,
-                                bias=bias, out_dtype=x.dtype)
+        out = torch._scaled_mm(q, w.weight.t(), scale_a=w.input_scale, scale_b=w.scale, out_dtype=x.dtype)
+        return out + bias if bias is not None else out
     if w.input_scale is not None:
         q = (x.float() / w.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         s = w.input_scale.expand(m, 1).contiguous()
@@ -277,13 +283,86 @@ def _scaled_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None)
     return y + bias if bias is not None else y
 
 
+_LAYOUT_CODE = {"tensor": 0, "channel": 1, "block": 2}
+
+
+@triton.jit
+def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, n_out, k_in, stride_w, stride_s,
+    LAYOUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_out
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    for k in range(0, k_in, BLOCK_K):
+        kk = k + cols
+        k_mask = kk < k_in
+        mask = row_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        if LAYOUT == 2:  # block scales: the tile's scale per element (cached: few distinct per tile)
+            s = tl.load(s_ptr + (rows // GROUP_N)[:, None] * stride_s + (kk // GROUP_K)[None, :], mask=mask,
+                        other=0.0)
+            acc += w * s * x[None, :]
+        else:
+            acc += w * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if LAYOUT == 1:
+        y = y * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
+    elif LAYOUT == 0:
+        y = y * tl.load(s_ptr)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+def fp8_gemv_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """One-row product with the activation kept in its dtype (weight-only FP8): ``x [1, K]`` times the
+    dequantized ``w`` in float32, plus ``bias``; ``[1, N]`` in ``x.dtype``."""
+    y = x.float() @ dequantize_fp8(w).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def fp8_gemv_tile(n: int) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)`` of ``fp8_gemv`` for ``N`` output features: 1 KiB of FP8 per
+    row and step, enough rows that every SM of an H200 gets several programs."""
+    return (8, 1024, 4) if n <= 8192 else (16, 1024, 8)
+
+
+def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+             tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Triton version of ``fp8_gemv_reference`` for one-row decode steps, bound by reading the FP8 weight
+    once (weight-only: the activation is not quantized, which only makes the step more exact than the
+    w8a8 path of larger batches). Each program owns ``block_n`` features and walks ``K`` with float32
+    accumulation (the row-blocked GEMV of ``engine.ops.gemv``); scales applied per feature at the end, or
+    per element for block scales. ``x``: ``[1, K]`` contiguous; returns ``[1, N]`` in ``x.dtype``."""
+    n, k = w.weight.shape
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = tile or fp8_gemv_tile(n)
+    group_n, group_k = w.block or (1, 1)
+    scale = w.scale
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w.weight, scale, bias if bias is not None else y, y, n, k, w.weight.stride(0),
+        scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
+        GROUP_K=group_k, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return y
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_kernels: bool) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T + bias`` as ``[M, N]`` in ``x.dtype``, activations quantized to FP8.
 
-    ``use_kernels``: the Triton block kernel (CUDA or Triton's interpreter) and, on a GPU of compute
-    capability >= 8.9, ``torch._scaled_mm``; else (or where ``_scaled_mm`` cannot run the shape) the
+    ``use_kernels``: on CUDA a one-row ``x`` runs the weight-only ``fp8_gemv``; otherwise the Triton block
+    kernel (CUDA or Triton's interpreter) and, on a GPU of compute capability >= 8.9,
+    ``torch._scaled_mm``; without ``use_kernels`` (or where ``_scaled_mm`` cannot run the shape) the
     plain-torch references.
     """
+    if use_kernels and x.is_cuda and x.shape[0] == 1:
+        return fp8_gemv(x.contiguous(), w, bias)
     if w.layout == "block":
         assert w.block is not None
         if use_kernels:

@@ -14,6 +14,8 @@ from engine.ops.fp8_gemm import (
     FP8_MAX,
     Fp8Weight,
     dequantize_fp8,
+    fp8_gemv,
+    fp8_gemv_reference,
     fp8_linear,
     quantize_fp8_groups,
     quantize_fp8_groups_reference,
@@ -135,4 +137,31 @@ def test_scaled_mm_matches_reference(layout: str, static: bool, m: int) -> None:
     bias = torch.randn(384, generator=gen).to("cuda", torch.bfloat16)
     out = fp8_linear(x, w, bias, use_kernels=True)
     ref = scaled_fp8_linear_reference(x, w, bias)
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2,
+                               atol=2e-2 * ref.float().abs().max().item())
+
+
+# (N, K, layout): ragged N and K, each layout
+GEMV_FULL = [(n, k, lay) for n, k in ((128, 128), (200, 320), (4096, 1024), (1000, 2100), (14336, 4096))
+             for lay in ("tensor", "channel", "block")]
+GEMV_CPU = [(200, 320, "tensor"), (200, 320, "channel"), (200, 320, "block")]
+
+
+@pytest.mark.parametrize("n,k,layout", grid(GEMV_FULL, GEMV_CPU))
+def test_fp8_gemv_matches_reference(n: int, k: int, layout: str) -> None:
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(1, k, generator=gen)
+    wt = torch.randn(n, k, generator=gen) * k ** -0.5
+    if layout == "block":
+        w = quantize_weight_blocks(wt)
+    else:
+        w = quantize_weight_per_channel(wt)
+        if layout == "tensor":
+            s = w.scale.amax().reshape(1)
+            w = Fp8Weight((wt / s).to(FP8_DTYPE), s, "tensor")
+    dev = torch.device(DEVICE)
+    w = Fp8Weight(w.weight.to(dev), w.scale.to(dev), w.layout, w.block)
+    bias = torch.randn(n, generator=gen).to(dev)
+    out = fp8_gemv(x.to(dev), w, bias)
+    ref = fp8_gemv_reference(x.to(dev), w, bias)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())

@@ -115,7 +115,8 @@ def write_fp8_checkpoint(src: Path, fp8_dir: Path, deq_dir: Path, layout: str,
              "activation_scheme": "static" if layout == "tensor" else "dynamic"}
     if layout == "block":
         quant["weight_block_size"] = [128, 128]
-    for out, st, cfg in ((fp8_dir, fp8_state, {**raw, "quantization_config": quant}), (deq_dir, deq_state, raw)):
+    for out, st, cfg in ((fp8_dir, fp8_state, {**raw, "quantization_config": quant}),
+                         (deq_dir, deq_state, raw)):
         out.mkdir(parents=True)
         save_file(st, str(out / "model.safetensors"), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(cfg))
@@ -258,7 +259,8 @@ def test_dummy_alias_with_fp8_has_fp8_shapes(tmp_path, monkeypatch):
     lins = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert len(lins) == 7 * cfg.num_hidden_layers
     gate_up = model.model.layers[0].mlp.gate_proj
-    assert gate_up.weight.dtype == FP8_DTYPE and gate_up.weight.shape == (cfg.intermediate_size, cfg.hidden_size)
+    assert gate_up.weight.dtype == FP8_DTYPE
+    assert gate_up.weight.shape == (cfg.intermediate_size, cfg.hidden_size)
     assert gate_up.weight.float().std() > 0  # drawn, then quantized
     again, _ = load_model(ModelConfig("tiny-llama", device="cpu", quantization="fp8"))
     assert torch.equal(again.model.layers[1].mlp.down_proj.weight.float(),
