@@ -26,7 +26,8 @@ the dense architectures. Partial
 rotary (GLM-4.5: ``partial_rotary_factor``) rotates the first dims of each head before the attention
 backend stores K/V.
 FP8 projections (``engine.models.fp8.Fp8Linear``) merge the same way (``merge_fp8``: weights and scales
-concatenated) and run ``engine.ops.fp8_gemm.fp8_linear`` (never the bf16 GEMV).
+concatenated) and run ``engine.ops.fp8_gemm.fp8_linear`` (one-row steps on CUDA: its weight-only FP8 GEMV;
+never the bf16 ``engine.ops.gemv``).
 Method as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and fused ``RMSNorm``.
 """
 

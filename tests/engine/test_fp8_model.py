@@ -279,3 +279,23 @@ def test_other_quantization_values_and_fp8_moe_refused(tmp_path):
         load_model(ModelConfig(str(src), device="cpu"))
     with pytest.raises(UnsupportedModelError, match=r"mixture of experts Qwen3MoeForCausalLM.*FP8 supported"):
         load_model(ModelConfig("qwen3-30b-a3b", device="cpu", quantization="fp8"))
+
+
+def test_fp8_triton_kernels_in_the_fused_forward(tmp_path):
+    """The block-scaled checkpoint through the fused forward with the Triton kernels (token-group
+    quantizer and w8a8 block GEMM; Triton's interpreter on a CPU) decodes the tokens of the plain-torch
+    references: both multiply the same FP8 values in float32, only the summation order differs."""
+    prompts = [make_prompts(seed=4)[5]]  # 7 tokens: a multi-row prefill (block GEMM), then one-row steps
+    src = _tiny_llama(tmp_path / "src", 384, seed=12)
+    write_fp8_checkpoint(src, tmp_path / "fp8", tmp_path / "deq", "block", prompts)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=0)
+    kernels = LLM(str(tmp_path / "fp8"), dtype="float32", device=device, attention_backend="triton",
+                  block_size=4, num_blocks=128, fused_ops="on", max_num_batched_tokens=24)
+    assert kernels.core.runner.net.use_triton
+    reference = _llm(tmp_path / "fp8", "on")
+    outs, refs = kernels.generate(prompts, params), reference.generate(prompts, params)
+    for o, r in zip(outs, refs, strict=True):
+        assert o.token_ids == r.token_ids
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-4, rtol=0)
+    kernels.core.check_no_leaks()
