@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.pdl import gdc_enter, pdl_kwargs
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # the smallest scale used: an all-zero group quantizes to zeros instead of dividing by zero
@@ -290,25 +292,30 @@ _LAYOUT_CODE = {"tensor": 0, "channel": 1, "block": 2}
 def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, n_out, k_in, stride_w, stride_s,
     LAYOUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_out
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    # the first weight tile before waiting for the kernel that produces x (weights are never written
+    # during a step: engine/ops/pdl.py); each iteration then loads the next tile before its FMA
+    w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & (cols < k_in)[None, :], other=0.0)
+    gdc_enter(USE_GDC)
     for k in range(0, k_in, BLOCK_K):
         kk = k + cols
         k_mask = kk < k_in
-        mask = row_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        nk = kk + BLOCK_K
+        w_next = tl.load(w_rows + nk[None, :], mask=row_mask[:, None] & (nk < k_in)[None, :], other=0.0)
+        wf = w.to(tl.float32)
         if LAYOUT == 2:  # block scales: the tile's scale per element (cached: few distinct per tile)
-            s = tl.load(s_ptr + (rows // GROUP_N)[:, None] * stride_s + (kk // GROUP_K)[None, :], mask=mask,
-                        other=0.0)
-            acc += w * s * x[None, :]
-        else:
-            acc += w * x[None, :]
+            s = tl.load(s_ptr + (rows // GROUP_N)[:, None] * stride_s + (kk // GROUP_K)[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            wf = wf * s
+        acc += wf * x[None, :]
+        w = w_next
     y = tl.sum(acc, axis=1)
     if LAYOUT == 1:
         y = y * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
@@ -340,7 +347,9 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     once (weight-only: the activation is not quantized, which only makes the step more exact than the
     w8a8 path of larger batches). Each program owns ``block_n`` features and walks ``K`` with float32
     accumulation (the row-blocked GEMV of ``engine.ops.gemv``); scales applied per feature at the end, or
-    per element for block scales. ``x``: ``[1, K]`` contiguous; returns ``[1, N]`` in ``x.dtype``."""
+    per element for block scales; the first weight tile is loaded before the wait for the kernel producing
+    ``x`` (programmatic dependent launch, engine/ops/pdl.py). ``x``: ``[1, K]`` contiguous; returns
+    ``[1, N]`` in ``x.dtype``."""
     n, k = w.weight.shape
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     block_n, block_k, warps = tile or fp8_gemv_tile(n)
@@ -349,7 +358,8 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w.weight, scale, bias if bias is not None else y, y, n, k, w.weight.stride(0),
         scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
-        GROUP_K=group_k, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        GROUP_K=group_k, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        **pdl_kwargs(x))
     return y
 
 

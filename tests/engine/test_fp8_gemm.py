@@ -147,8 +147,9 @@ GEMV_FULL = [(n, k, lay) for n, k in ((128, 128), (200, 320), (4096, 1024), (100
 GEMV_CPU = [(200, 320, "tensor"), (200, 320, "channel"), (200, 320, "block")]
 
 
+@pytest.mark.parametrize("tile", [None, (8, 128, 4)])  # default; and several K steps with a ragged last
 @pytest.mark.parametrize("n,k,layout", grid(GEMV_FULL, GEMV_CPU))
-def test_fp8_gemv_matches_reference(n: int, k: int, layout: str) -> None:
+def test_fp8_gemv_matches_reference(n: int, k: int, layout: str, tile: tuple[int, int, int] | None) -> None:
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(1, k, generator=gen)
     wt = torch.randn(n, k, generator=gen) * k ** -0.5
@@ -162,6 +163,6 @@ def test_fp8_gemv_matches_reference(n: int, k: int, layout: str) -> None:
     dev = torch.device(DEVICE)
     w = Fp8Weight(w.weight.to(dev), w.scale.to(dev), w.layout, w.block)
     bias = torch.randn(n, generator=gen).to(dev)
-    out = fp8_gemv(x.to(dev), w, bias)
+    out = fp8_gemv(x.to(dev), w, bias, tile=tile)
     ref = fp8_gemv_reference(x.to(dev), w, bias)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
