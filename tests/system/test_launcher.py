@@ -314,6 +314,24 @@ def test_up_refuses_an_unsupported_model_before_any_child(edit, named, tmp_path,
         assert "Qwen3MoeForCausalLM" in err and "MixtralForCausalLM" in err
 
 
+def test_up_refuses_quantization_fp8_for_a_mixture_of_experts_before_any_child(tmp_path, capsys) -> None:
+    """``--quantization fp8`` reaches the launcher's check: FP8 for an MoE architecture is refused in one
+    line before any worker starts."""
+    import json
+
+    from pdserve.launcher import free_port, run
+    from protocol.settings import WorkerSettings
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    worker = WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True, quantization="fp8")
+    assert run(UpSettings(model=str(tmp_path), port=free_port(), device="cpu", worker=worker),
+               ready_timeout=5) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve up: FP8 weights for the mixture of experts Qwen3MoeForCausalLM")
+    assert len(err.strip().splitlines()) == 1 and "FP8 supported: " in err and "LlamaForCausalLM" in err
+
+
 def test_up_gives_every_child_one_private_per_run_key_pair_or_the_insecure_flag(tmp_path: Path) -> None:
     """Without --curve-keys, ``pdserve up`` makes a key pair in a private (0700) temp dir for the run and
     removes it afterwards; --insecure-control-plane reaches every child instead of keys."""
