@@ -2,10 +2,11 @@
 (not a test).
 
 Everything on the Llama-3-8B shape (``llama3-8b`` dummy weights, ``--quantization fp8``: each decoder
-projection quantized per output channel on load; dynamic per-token activation scales; the GEMMs are
-``torch._scaled_mm``, engine/ops/fp8_gemm.py). With ``--block`` the projections are 128 x 128
-block-scaled instead (the layout of the Qwen3-FP8 / DeepSeek checkpoints) and run the Triton
-``w8a8_block_gemm``.
+projection quantized per output channel on load, engine/ops/fp8_gemm.py): one-row steps (batch-1
+decode) run the weight-only Triton ``fp8_gemv``, larger ones ``torch._scaled_mm`` with dynamic per-token
+activation scales. With ``--block`` the projections are 128 x 128 block-scaled instead (the layout of the
+Qwen3-FP8 / DeepSeek checkpoints) and multi-row steps run the Triton ``w8a8_block_gemm``. The bf16 peer
+is the same engine on the bf16 model (its one-row steps through ``engine.ops.gemv``).
 
 1. Decode at batch 1, ``--context`` tokens of KV, ``--new-tokens`` output tokens (CUDA graphs and
    asynchronous scheduling as the engine runs by default; ``bench.engine.decode.decode_rate``), for the
