@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.pdl import gdc_enter, pdl_kwargs
+from engine.ops.silu_mul import silu_mul_reference
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -143,9 +144,12 @@ def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:
+        block = triton.next_power_of_2(group)
+        # ~32 float32 values per thread: a whole row (group=K, up to 16384 wide) in 4 warps would spill
+        warps = max(1, min(16, block // 1024))
         _quantize_groups_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), groups, GROUP=group,
-                                             BLOCK=triton.next_power_of_2(group), FP8_MAX_C=FP8_MAX,
-                                             MIN_SCALE=_MIN_SCALE)
+                                             BLOCK=block, FP8_MAX_C=FP8_MAX, MIN_SCALE=_MIN_SCALE,
+                                             num_warps=warps)
     return q, s
 
 
@@ -292,13 +296,16 @@ _LAYOUT_CODE = {"tensor": 0, "channel": 1, "block": 2}
 def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, n_out, k_in, stride_w, stride_s,
     LAYOUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_out
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    # block scales: BLOCK_N divides GROUP_N (fp8_gemv checks), so every row of this program is in one row
+    # of scale tiles and the scales multiply x (per input, not per weight)
+    s_row = s_ptr + ((tl.program_id(0) * BLOCK_N) // GROUP_N) * stride_s
     # the first weight tile before waiting for the kernel that produces x (weights are never written
     # during a step: engine/ops/pdl.py); each iteration then loads the next tile before its FMA
     w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & (cols < k_in)[None, :], other=0.0)
@@ -306,15 +313,19 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by
     for k in range(0, k_in, BLOCK_K):
         kk = k + cols
         k_mask = kk < k_in
-        x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        if GATED:  # x = [gate | up]: silu(gate) * up as engine/ops/silu_mul.py rounds it
+            gate = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
+            g = gate.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+            up = tl.load(x_ptr + k_in + kk, mask=k_mask, other=0.0).to(tl.float32)
+            x = (act * up).to(gate.dtype).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        if LAYOUT == 2:
+            x = x * tl.load(s_row + kk // GROUP_K, mask=k_mask, other=0.0)
         nk = kk + BLOCK_K
         w_next = tl.load(w_rows + nk[None, :], mask=row_mask[:, None] & (nk < k_in)[None, :], other=0.0)
-        wf = w.to(tl.float32)
-        if LAYOUT == 2:  # block scales: the tile's scale per element (cached: few distinct per tile)
-            s = tl.load(s_ptr + (rows // GROUP_N)[:, None] * stride_s + (kk // GROUP_K)[None, :],
-                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            wf = wf * s
-        acc += wf * x[None, :]
+        acc += w.to(tl.float32) * x[None, :]
         w = w_next
     y = tl.sum(acc, axis=1)
     if LAYOUT == 1:
@@ -326,40 +337,73 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
-def fp8_gemv_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """One-row product with the activation kept in its dtype (weight-only FP8): ``x [1, K]`` times the
-    dequantized ``w`` in float32, plus ``bias``; ``[1, N]`` in ``x.dtype``."""
+def fp8_gemv_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+                       gated: bool = False) -> torch.Tensor:
+    """One-row product with the activation kept in its dtype (weight-only FP8): ``x [1, K]`` (with
+    ``gated``: ``[1, 2 K]`` = gate | up, first ``silu_mul_reference``) times the dequantized ``w`` in
+    float32, plus ``bias``; ``[1, N]`` in ``x.dtype``."""
+    if gated:
+        x = silu_mul_reference(x)
     y = x.float() @ dequantize_fp8(w).T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
 
 
-def fp8_gemv_tile(n: int) -> tuple[int, int, int]:
-    """``(block_n, block_k, num_warps)`` of ``fp8_gemv`` for ``N`` output features: 1 KiB of FP8 per
-    row and step, enough rows that every SM of an H200 gets several programs."""
-    return (8, 1024, 4) if n <= 8192 else (16, 1024, 8)
+# bytes of FP8 weight one program reads per K step (block_n * block_k): the bf16 GEMV's measured best
+# tiles (engine.ops.gemv.gemv_tile) at the same bytes, i.e. twice the K width at one byte per weight
+def fp8_gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)`` of ``fp8_gemv`` for ``N`` output features: ``engine.ops.gemv``'s
+    H200 tiles (``gemv_tile``) with ``block_k`` doubled, so a program moves the same bytes per step as
+    the bf16 GEMV (2 x 2048 for wide matrices, 4 x 2048 (gated 8 x 2048) for N <= 4096, 8 x 1024 in
+    between). ``bench/kernels/fp8_gemv_sweep.py`` measures these against other tiles."""
+    if n >= 16384:
+        return 2, 2048, 4
+    if n <= 4096:
+        return (8, 2048, 4) if gated else (4, 2048, 4)
+    return 8, 1024, 4
 
 
 def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-             tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+             tile: tuple[int, int, int] | None = None, gated: bool = False) -> torch.Tensor:
     """Triton version of ``fp8_gemv_reference`` for one-row decode steps, bound by reading the FP8 weight
     once (weight-only: the activation is not quantized, which only makes the step more exact than the
     w8a8 path of larger batches). Each program owns ``block_n`` features and walks ``K`` with float32
-    accumulation (the row-blocked GEMV of ``engine.ops.gemv``); scales applied per feature at the end, or
-    per element for block scales; the first weight tile is loaded before the wait for the kernel producing
-    ``x`` (programmatic dependent launch, engine/ops/pdl.py). ``x``: ``[1, K]`` contiguous; returns
-    ``[1, N]`` in ``x.dtype``."""
+    accumulation (the row-blocked GEMV of ``engine.ops.gemv``); tensor/channel scales multiply each
+    feature's sum at the end; block scales multiply ``x`` per input (one scale per ``block_k`` inputs:
+    ``block_n`` is lowered to a power of two dividing ``block_n`` of the weight's blocks so a program's
+    rows share a row of scale tiles). ``gated``: ``x`` is ``[1, 2 K]`` (gate | up) and SiLU·mul is
+    computed while loading, as ``engine.ops.gemv(gated=True)``. The first weight tile is loaded before
+    the wait for the kernel producing ``x`` (programmatic dependent launch, engine/ops/pdl.py).
+
+    Args:
+        x: ``[1, K]`` (``[1, 2 K]`` with ``gated``), contiguous; w: ``Fp8Weight [N, K]``; bias ``[N]``
+            or None; tile: override ``fp8_gemv_tile(N, gated)`` (powers of two).
+
+    Returns:
+        ``[1, N]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: ``x`` of the wrong width or stride, or a block layout whose ``block_k`` is not a
+            power of two.
+    """
     n, k = w.weight.shape
+    if x.dim() != 2 or x.shape != (1, 2 * k if gated else k) or x.stride(1) != 1:
+        raise ValueError(f"fp8_gemv needs a contiguous x [1, {2 * k if gated else k}], got {tuple(x.shape)}")
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = tile or fp8_gemv_tile(n)
+    block_n, block_k, warps = tile or fp8_gemv_tile(n, gated)
     group_n, group_k = w.block or (1, 1)
+    if w.layout == "block":
+        if group_k & (group_k - 1):
+            raise ValueError(f"fp8_gemv needs a power-of-two block_k, got {group_k}")
+        while group_n % block_n:
+            block_n //= 2
     scale = w.scale
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w.weight, scale, bias if bias is not None else y, y, n, k, w.weight.stride(0),
         scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
-        GROUP_K=group_k, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        **pdl_kwargs(x))
+        GROUP_K=group_k, HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, **pdl_kwargs(x))
     return y
 
 

@@ -25,6 +25,7 @@ from engine.ops.fp8_gemm import (
     w8a8_block_gemm,
     w8a8_block_gemm_reference,
 )
+from engine.ops.silu_mul import silu_mul
 from tests.engine.grid import grid
 
 CUDA = torch.cuda.is_available()
@@ -61,14 +62,38 @@ def test_quantize_groups_matches_reference(m: int, n: int, k: int, block: tuple[
     assert q.float().abs().amax().item() == FP8_MAX
 
 
+# FP8 tensor-core MMA (Hopper wgmma, Ada mma) does not accumulate in full float32: DeepSeek-V3's report
+# (arXiv 2412.19437, section 3.3.2) measures about 14 retained bits, which is why the kernel adds each
+# block_k slice's tl.dot into a float32 accumulator (the promotion the report describes; one slice here
+# is at most 128 wide). Within one slice, the products of each MMA k-step (32 FP8 products) are aligned to
+# the largest of them and cut to ~13 fraction bits, so each product loses at most 2^-13 of the step's
+# largest |a_i * b_i|; 32 of them lose at most 32 * 2^-13 = 2^-8 of it, which is <= 2^-8 of the step's
+# sum of |a_i * b_i|. Summed over the steps: |error| <= 2^-8 * (|A| @ |W|^T) per output element (scales
+# included), plus float32 rounding. The interpreter (CPU) multiplies in float32: only the summation order
+# differs from the reference there, and its tolerance stays tight.
+MMA_FP8_REL = 2.0 ** -8
+
+
+def _assert_block_gemm_close(out: torch.Tensor, q: torch.Tensor, s: torch.Tensor, w: Fp8Weight) -> None:
+    ref = w8a8_block_gemm_reference(q, s, w, torch.float32)
+    if not out.is_cuda:  # float32 products and sums: only the summation order differs
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+        return
+    assert w.block is not None
+    k = q.shape[1]
+    a_abs = (q.float() * s.repeat_interleave(w.block[1], 1)[:, :k]).abs()
+    bound = MMA_FP8_REL * (a_abs @ dequantize_fp8(w).abs().T) + 1e-5 * ref.abs() + 1e-6
+    err = (out - ref).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {err.max().item():.4g} exceeds the FP8 MMA bound (worst ratio {worst:.3g})"
+
+
 @pytest.mark.parametrize("m,n,k,block", grid(FULL, CPU))
 def test_block_gemm_matches_reference(m: int, n: int, k: int, block: tuple[int, int]) -> None:
     x, w = _case(m, n, k, block)
     q, s = quantize_fp8_groups_reference(x, block[1])
     out = w8a8_block_gemm(q, s, w, torch.float32)
-    ref = w8a8_block_gemm_reference(q, s, w, torch.float32)
-    # both multiply the same FP8 values exactly in float32; only the summation order differs
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+    _assert_block_gemm_close(out, q, s, w)
 
 
 @pytest.mark.parametrize("tile", [(16, 32, 4, 2), (32, 64, 4, 2)])
@@ -77,8 +102,7 @@ def test_block_gemm_other_tiles(tile: tuple[int, int, int, int]) -> None:
     x, w = _case(40, 200, 320, (128, 128), seed=1)
     q, s = quantize_fp8_groups_reference(x, 128)
     out = w8a8_block_gemm(q, s, w, torch.float32, tile=tile)
-    ref = w8a8_block_gemm_reference(q, s, w, torch.float32)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+    _assert_block_gemm_close(out, q, s, w)
 
 
 def test_block_gemm_close_to_unquantized_product() -> None:
@@ -166,3 +190,41 @@ def test_fp8_gemv_matches_reference(n: int, k: int, layout: str, tile: tuple[int
     out = fp8_gemv(x.to(dev), w, bias, tile=tile)
     ref = fp8_gemv_reference(x.to(dev), w, bias)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("block,tile", [((128, 128), (8, 512, 4)),  # a K step spanning 3 ragged groups
+                                        ((12, 64), (8, 128, 4))])  # block_n lowered to 4, 2 groups a step
+def test_fp8_gemv_block_scales_per_input(block: tuple[int, int], tile: tuple[int, int, int],
+                                         gated: bool) -> None:
+    """Block scales multiply ``x`` per input (a program's rows share one row of scale tiles; ``block_n``
+    lowered to divide the weight's ``block_n``), across K steps wider and narrower than a scale group
+    and a ragged last group; ``gated`` folds SiLU·mul of ``[gate | up]`` in: bit-identical to
+    ``silu_mul`` then the plain GEMV (same rounding points), close to the reference. Half precision
+    (bf16 on a GPU; fp16 on a CPU, where the interpreter's bf16 rounding differs from torch's) so the
+    activation's rounding is visible."""
+    gen = torch.Generator().manual_seed(7)
+    n, k = 200, 320
+    wt = torch.randn(n, k, generator=gen) * k ** -0.5
+    wt[:, 64:128] *= 20  # one column of scale tiles larger than the others
+    fw = quantize_weight_blocks(wt, block)
+    dev = torch.device(DEVICE)
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    w = Fp8Weight(fw.weight.to(dev), fw.scale.to(dev), "block", block)
+    x = torch.randn(1, 2 * k if gated else k, generator=gen).to(dev, dtype)
+    out = fp8_gemv(x, w, None, tile=tile, gated=gated)
+    ref = fp8_gemv_reference(x, w, None, gated=gated)
+    assert out.dtype == dtype
+    if gated:
+        assert torch.equal(out, fp8_gemv(silu_mul(x), w, None, tile=tile))
+    # both round one float32 sum to the output dtype: within one ulp
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=ulp * ref.abs().max().item())
+    wrong = Fp8Weight(w.weight, w.scale.mean().expand_as(w.scale).contiguous(), "block", block)
+    assert (fp8_gemv(x, wrong, None, tile=tile, gated=gated).float() - ref.float()).abs().max() > 0.1
+
+
+def test_fp8_gemv_refuses_wrong_width() -> None:
+    w = quantize_weight_per_channel(torch.randn(16, 32))
+    with pytest.raises(ValueError, match=r"contiguous x \[1, 64\]"):
+        fp8_gemv(torch.randn(1, 32), w, None, gated=True)
