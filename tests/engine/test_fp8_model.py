@@ -32,7 +32,13 @@ from engine.llm import LLM
 from engine.models.fp8 import Fp8Linear
 from engine.models.loader import load_model
 from engine.models.registry import UnsupportedModelError
-from engine.ops.fp8_gemm import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_weight_blocks
+from engine.ops.fp8_gemm import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_fp8,
+    fp8_gemv_reference,
+    quantize_weight_blocks,
+)
 from engine.sampling_params import SamplingParams
 from tests.engine.test_hf_parity import make_prompts
 
@@ -281,14 +287,31 @@ def test_other_quantization_values_and_fp8_moe_refused(tmp_path):
         load_model(ModelConfig("qwen3-30b-a3b", device="cpu", quantization="fp8"))
 
 
-def test_fp8_triton_kernels_in_the_fused_forward(tmp_path):
+def test_fp8_triton_kernels_in_the_fused_forward(tmp_path, monkeypatch):
     """The block-scaled checkpoint through the fused forward with the Triton kernels (token-group
     quantizer and w8a8 block GEMM; Triton's interpreter on a CPU) decodes the tokens of the plain-torch
-    references: both multiply the same FP8 values in float32, only the summation order differs."""
+    references. On a CPU both multiply the same FP8 values in float32, only the summation order differs
+    (logprobs within 1e-4). On a GPU two things differ, and the reference follows the first: one-row
+    steps run the weight-only ``fp8_gemv`` (activations not quantized), so the reference's one-row CPU
+    products are ``fp8_gemv_reference``; and FP8 tensor-core MMA accumulates with ~14 bits inside each
+    128-wide K slice (tests/engine/test_fp8_gemm.py: error <= 2^-8 of sum |a_i w_i| per output), which
+    through a few projections of this 2-layer model bounds logprob differences at a few 1e-3 (2e-2
+    allowed)."""
     prompts = [make_prompts(seed=4)[5]]  # 7 tokens: a multi-row prefill (block GEMM), then one-row steps
     src = _tiny_llama(tmp_path / "src", 384, seed=12)
     write_fp8_checkpoint(src, tmp_path / "fp8", tmp_path / "deq", "block", prompts)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = torch.cuda.is_available()
+    if cuda:
+        import engine.models.fused_model as fused_model
+
+        real = fused_model.fp8_linear
+
+        def weight_only_one_row(x, w, bias, use_kernels):
+            if not x.is_cuda and x.shape[0] == 1:
+                return fp8_gemv_reference(x, w, bias)
+            return real(x, w, bias, use_kernels)
+        monkeypatch.setattr(fused_model, "fp8_linear", weight_only_one_row)
+    device = "cuda" if cuda else "cpu"
     params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=0)
     kernels = LLM(str(tmp_path / "fp8"), dtype="float32", device=device, attention_backend="triton",
                   block_size=4, num_blocks=128, fused_ops="on", max_num_batched_tokens=24)
@@ -297,5 +320,6 @@ def test_fp8_triton_kernels_in_the_fused_forward(tmp_path):
     outs, refs = kernels.generate(prompts, params), reference.generate(prompts, params)
     for o, r in zip(outs, refs, strict=True):
         assert o.token_ids == r.token_ids
-        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs),
+                                   atol=2e-2 if cuda else 1e-4, rtol=0)
     kernels.core.check_no_leaks()
