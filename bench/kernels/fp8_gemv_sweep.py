@@ -83,8 +83,10 @@ def gemv_seconds(weights: list[Fp8Weight], gated: bool, tile: tuple[int, int, in
     return replay_seconds(chain, 8).scaled(1 / iters)
 
 
-def sweep(layouts: list[str], shapes: list[str], tiles: list[tuple[int, int, int]]) -> dict[str, Any]:
-    """Every (layout, shape, tile); prints markdown rows; returns the JSON-ready result."""
+def sweep(layouts: list[str], shapes: list[str], tiles: list[tuple[int, int, int]],
+          json_path: Path | None = None) -> dict[str, Any]:
+    """Every (layout, shape, tile); prints markdown rows; returns the JSON-ready result (also written to
+    ``json_path`` after each shape, so a run cut short keeps what it measured)."""
     bandwidth = copy_bandwidth(torch.device("cuda")).max
     print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write, "
           "best of 20)", flush=True)
@@ -120,6 +122,8 @@ def sweep(layouts: list[str], shapes: list[str], tiles: list[tuple[int, int, int
                   f"(default {default}: {100 * default_gbs * 1e9 / bandwidth:.1f} %)", flush=True)
             del weights
             torch.cuda.empty_cache()
+            if json_path is not None:
+                json_path.write_text(json.dumps(res, indent=2))
     return res
 
 
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
     tiles = [_tile(t) for t in args.tiles] if args.tiles else list(TILES)
-    result = sweep(args.layouts, args.shapes, tiles)
+    result = sweep(args.layouts, args.shapes, tiles, args.json)
     if args.gemm_tokens:
         result["gemm"] = gemm_sweep(args.gemm_tokens, args.shapes)
     if args.json is not None:

@@ -26,8 +26,9 @@ the dense architectures. Partial
 rotary (GLM-4.5: ``partial_rotary_factor``) rotates the first dims of each head before the attention
 backend stores K/V.
 FP8 projections (``engine.models.fp8.Fp8Linear``) merge the same way (``merge_fp8``: weights and scales
-concatenated) and run ``engine.ops.fp8_gemm.fp8_linear`` (one-row steps on CUDA: its weight-only FP8 GEMV,
-the down projection's with SiLU·mul folded in; never the bf16 ``engine.ops.gemv``).
+concatenated) and run ``engine.ops.fp8_gemm.fp8_linear`` (one-row steps on CUDA: its weight-only FP8 GEMV;
+never the bf16 ``engine.ops.gemv``); the down projection's takes the gate/up output with SiLU·mul folded
+into the GEMV or the activation quantizer (``gated``).
 Method as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and fused ``RMSNorm``.
 """
 
@@ -40,7 +41,7 @@ import torch
 
 from engine.models.fp8 import Fp8Linear, merge_fp8
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
-from engine.ops.fp8_gemm import Fp8Weight, fp8_gemv, fp8_linear
+from engine.ops.fp8_gemm import Fp8Weight, fp8_linear
 from engine.ops.fused_moe import fused_moe, fused_moe_reference
 from engine.ops.gemv import gemv
 from engine.ops.rms_norm import rms_norm, rms_norm_reference
@@ -252,9 +253,9 @@ class FusedCausalLM(torch.nn.Module):
         if (gate_up.shape[0] == 1 and self.use_triton and "silu_down" in self.gemv_projections
                 and isinstance(down_weight, torch.Tensor)):
             return gemv(gate_up, down_weight, down.bias, gated=True)
-        if isinstance(down_weight, Fp8Weight) and gate_up.shape[0] == 1 and gate_up.is_cuda:
-            # fp8_linear's one-row CUDA path with SiLU·mul folded in (bit-identical to silu_mul + fp8_gemv)
-            return fp8_gemv(gate_up.contiguous(), down_weight, down.bias, gated=True)
+        if isinstance(down_weight, Fp8Weight):  # SiLU·mul folded into the GEMV or activation quantizer
+            return fp8_linear(gate_up, down_weight, down.bias, use_kernels=self.use_triton or gate_up.is_cuda,
+                              gated=True)
         act = silu_mul(gate_up) if self.use_triton else silu_mul_reference(gate_up)
         return self._linear("down", act, down_weight, down.bias)
 

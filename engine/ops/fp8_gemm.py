@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.pdl import gdc_enter, pdl_kwargs
-from engine.ops.silu_mul import silu_mul_reference
+from engine.ops.silu_mul import silu_mul, silu_mul_reference
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -122,24 +122,40 @@ def _round_to_e4m3(x):  # type: ignore[no-untyped-def]  # Triton helper: typed b
 def _quantize_groups_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
     x_ptr, q_ptr, s_ptr, k_in, stride_x, stride_q, n_groups,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     row = tl.program_id(0)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (cols < k_in)
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if GATED:  # x = [gate | up]: silu(gate) * up rounded as engine/ops/silu_mul.py rounds it
+        gate = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row.to(tl.int64) * stride_x + k_in + cols, mask=mask, other=0.0)
+        gf = gate.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype).to(tl.float32)
+        x = (act * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_C, MIN_SCALE)
     q = _round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C))
     tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * n_groups + g, scale)
 
 
-def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_groups(x: torch.Tensor, group: int,
+                        gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of ``quantize_fp8_groups_reference`` (one program per token and group; ``group=K``
-    gives one scale per token). ``x``: ``[M, K]`` with unit column stride."""
-    m, k = x.shape
+    gives one scale per token). ``x``: ``[M, K]`` with unit column stride; with ``gated``, ``[M, 2 K]``
+    (a fused gate/up projection's output) and what is quantized is ``silu(gate) * up`` computed while
+    loading, rounded to ``x.dtype`` as ``engine.ops.silu_mul`` rounds it (bit-identical to
+    ``quantize_fp8_groups(silu_mul(x), group)``, without writing and re-reading the product)."""
     if x.stride(1) != 1:
         x = x.contiguous()
+    m, k = x.shape
+    if gated:
+        if k % 2:
+            raise ValueError(f"gated quantization needs x [M, 2 K] (gate | up), got {tuple(x.shape)}")
+        k //= 2
     groups = -(-k // group)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
@@ -149,7 +165,7 @@ def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
         warps = max(1, min(16, block // 1024))
         _quantize_groups_kernel[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), groups, GROUP=group,
                                              BLOCK=block, FP8_MAX_C=FP8_MAX, MIN_SCALE=_MIN_SCALE,
-                                             num_warps=warps)
+                                             GATED=gated, num_warps=warps)
     return q, s
 
 
@@ -270,8 +286,14 @@ def scaled_fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tenso
     return y.to(x.dtype)
 
 
-def _scaled_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def _scaled_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+                       gated: bool = False) -> torch.Tensor:
     m = x.shape[0]
+    if gated and w.input_scale is None:  # SiLU·mul folded into the per-token quantizer
+        q, s = quantize_fp8_groups(x, x.shape[1] // 2, gated=True)
+        return _scaled_mm_rowwise(q, s, w, bias, x.dtype)
+    if gated:
+        x = silu_mul(x)
     if w.input_scale is not None and w.layout == "tensor":  # both per-tensor: cuBLASLt tensor-wise mode
         q = (x.float() / w.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         out = torch._scaled_mm(q, w.weight.t(), scale_a=w.input_scale, scale_b=w.scale, out_dtype=x.dtype)
@@ -281,11 +303,16 @@ def _scaled_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None)
         s = w.input_scale.expand(m, 1).contiguous()
     else:
         q, s = quantize_fp8_groups(x, x.shape[1])  # one scale per token
+    return _scaled_mm_rowwise(q, s, w, bias, x.dtype)
+
+
+def _scaled_mm_rowwise(q: torch.Tensor, s: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+                       dtype: torch.dtype) -> torch.Tensor:
     w_s = w.scale.expand(w.out_features) if w.layout == "tensor" else w.scale
     # row-wise scaling needs bf16 output; the bias is added after (in the output dtype)
     y = torch._scaled_mm(q, w.weight.t(), scale_a=s, scale_b=w_s.reshape(1, -1).contiguous(),
                          out_dtype=torch.bfloat16)
-    y = y.to(x.dtype)
+    y = y.to(dtype)
     return y + bias if bias is not None else y
 
 
@@ -407,28 +434,32 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     return y
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_kernels: bool) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_kernels: bool,
+               gated: bool = False) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T + bias`` as ``[M, N]`` in ``x.dtype``, activations quantized to FP8.
 
     ``use_kernels``: on CUDA a one-row ``x`` runs the weight-only ``fp8_gemv``; otherwise the Triton block
     kernel (CUDA or Triton's interpreter) and, on a GPU of compute capability >= 8.9,
     ``torch._scaled_mm``; without ``use_kernels`` (or where ``_scaled_mm`` cannot run the shape) the
-    plain-torch references.
+    plain-torch references. ``gated``: ``x`` is ``[M, 2 K]`` (gate | up, SwiGLU's down projection) and
+    the product is taken with ``silu(gate) * up``: folded into the GEMV's loads or the dynamic activation
+    quantizer where the kernels run (bit-identical to ``silu_mul`` first), ``silu_mul_reference`` first
+    otherwise.
     """
     if use_kernels and x.is_cuda and x.shape[0] == 1:
-        return fp8_gemv(x.contiguous(), w, bias)
+        return fp8_gemv(x.contiguous(), w, bias, gated=gated)
     if w.layout == "block":
         assert w.block is not None
         if use_kernels:
-            q, s = quantize_fp8_groups(x, w.block[1])
+            q, s = quantize_fp8_groups(x, w.block[1], gated=gated)
             y = w8a8_block_gemm(q, s, w, x.dtype)
         else:
-            q, s = quantize_fp8_groups_reference(x, w.block[1])
+            q, s = quantize_fp8_groups_reference(silu_mul_reference(x) if gated else x, w.block[1])
             y = w8a8_block_gemm_reference(q, s, w, x.dtype)
         return y + bias if bias is not None else y
     if use_kernels and _scaled_mm_ok(x, w):
-        return _scaled_fp8_linear(x, w, bias)
-    return scaled_fp8_linear_reference(x, w, bias)
+        return _scaled_fp8_linear(x, w, bias, gated)
+    return scaled_fp8_linear_reference(silu_mul_reference(x) if gated else x, w, bias)
 
 
 def quantize_weight_per_channel(weight: torch.Tensor) -> Fp8Weight:

@@ -25,7 +25,7 @@ from engine.ops.fp8_gemm import (
     w8a8_block_gemm,
     w8a8_block_gemm_reference,
 )
-from engine.ops.silu_mul import silu_mul
+from engine.ops.silu_mul import silu_mul, silu_mul_reference
 from tests.engine.grid import grid
 
 CUDA = torch.cuda.is_available()
@@ -228,3 +228,41 @@ def test_fp8_gemv_refuses_wrong_width() -> None:
     w = quantize_weight_per_channel(torch.randn(16, 32))
     with pytest.raises(ValueError, match=r"contiguous x \[1, 64\]"):
         fp8_gemv(torch.randn(1, 32), w, None, gated=True)
+
+
+@pytest.mark.parametrize("m,k,group", [(3, 320, 128), (2, 320, 320)])  # ragged groups; one per token
+def test_quantize_groups_gated_equals_silu_mul_first(m: int, k: int, group: int) -> None:
+    """SiLU·mul of ``[gate | up]`` folded into the quantizer: bit-identical to ``silu_mul`` then the
+    quantizer (same rounding points), and to the plain-torch path within the activation's rounding;
+    ``fp8_linear(gated=True)`` equals ``silu_mul`` first, on the kernels' and the references' paths."""
+    gen = torch.Generator().manual_seed(8)
+    dtype = torch.bfloat16 if CUDA else torch.float16  # the interpreter's bf16 rounding differs from torch's
+    x = (torch.randn(m, 2 * k, generator=gen) * 3).to(DEVICE, dtype)
+    q, s = quantize_fp8_groups(x, group, gated=True)
+    q1, s1 = quantize_fp8_groups(silu_mul(x), group)
+    assert q.shape == (m, k) and s.shape == (m, -(-k // group))
+    assert torch.equal(q.float(), q1.float()) and torch.equal(s, s1)
+    _, s_ref = quantize_fp8_groups_reference(silu_mul_reference(x), group)
+    torch.testing.assert_close(s, s_ref, rtol=2e-3, atol=0)
+    w = quantize_weight_blocks(torch.randn(64, k, generator=gen) * k ** -0.5, (64, 128))
+    w = Fp8Weight(w.weight.to(DEVICE), w.scale.to(DEVICE), "block", w.block)
+    if m > 1:  # one row on a GPU is the GEMV (its own test)
+        assert torch.equal(fp8_linear(x, w, None, use_kernels=True, gated=True),
+                           fp8_linear(silu_mul(x), w, None, use_kernels=True))
+    assert torch.equal(fp8_linear(x, w, None, use_kernels=False, gated=True),
+                       fp8_linear(silu_mul_reference(x), w, None, use_kernels=False))
+    with pytest.raises(ValueError, match=r"\[M, 2 K\]"):
+        quantize_fp8_groups(x[:, :-1], group, gated=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_MM, reason="torch._scaled_mm needs a GPU of compute capability >= 8.9")
+def test_scaled_mm_gated_equals_silu_mul_first() -> None:
+    """Per-channel weights with dynamic activations: SiLU·mul folded into the per-token quantizer before
+    ``torch._scaled_mm`` gives the product of ``silu_mul`` first, bit for bit."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(17, 1024, generator=gen).to("cuda", torch.bfloat16)
+    w = quantize_weight_per_channel(torch.randn(384, 512, generator=gen) * 512 ** -0.5)
+    w = Fp8Weight(w.weight.cuda(), w.scale.cuda(), "channel")
+    assert torch.equal(fp8_linear(x, w, None, use_kernels=True, gated=True),
+                       fp8_linear(silu_mul(x), w, None, use_kernels=True))

@@ -306,10 +306,10 @@ def test_fp8_triton_kernels_in_the_fused_forward(tmp_path, monkeypatch):
 
         real = fused_model.fp8_linear
 
-        def weight_only_one_row(x, w, bias, use_kernels):
+        def weight_only_one_row(x, w, bias, use_kernels, gated=False):
             if not x.is_cuda and x.shape[0] == 1:
-                return fp8_gemv_reference(x, w, bias)
-            return real(x, w, bias, use_kernels)
+                return fp8_gemv_reference(x, w, bias, gated=gated)
+            return real(x, w, bias, use_kernels, gated=gated)
         monkeypatch.setattr(fused_model, "fp8_linear", weight_only_one_row)
     device = "cuda" if cuda else "cpu"
     params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=0)
