@@ -197,9 +197,18 @@ def w8a8_block_gemm_reference(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weig
 def _w8a8_block_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, m_rows, n_out, k_in, stride_a, stride_as, stride_b, stride_bs,
     stride_c, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SWIZZLE_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # programs in groups of SWIZZLE_M row tiles, column tiles inner: the programs running at once share
+    # a few A row tiles and W column tiles in L2 (the grouped ordering of Triton's matmul tutorial)
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(m_rows, BLOCK_M)
+    tiles_n = tl.cdiv(n_out, BLOCK_N)
+    per_group = SWIZZLE_M * tiles_n
+    first_m = (pid // per_group) * SWIZZLE_M
+    group_m = tl.minimum(tiles_m - first_m, SWIZZLE_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -254,10 +263,10 @@ def w8a8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out_dt
     block_m, block_n, warps, stages = tile or block_gemm_tile(m)
     scale = w.scale.contiguous()
     a_scale = a_scale.contiguous()
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _w8a8_block_kernel[grid](a, a_scale, w.weight, scale, out, m, n, k, a.stride(0), a_scale.stride(0),
                              w.weight.stride(0), scale.stride(0), out.stride(0), GROUP_N=bn,
-                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=warps,
+                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, SWIZZLE_M=8, num_warps=warps,
                              num_stages=stages)
     return out
 

@@ -105,6 +105,15 @@ def test_block_gemm_other_tiles(tile: tuple[int, int, int, int]) -> None:
     _assert_block_gemm_close(out, q, s, w)
 
 
+def test_block_gemm_grouped_program_order_covers_every_tile() -> None:
+    """13 row tiles (a full group of 8 and a ragged one of 5) times 4 column tiles: the grouped program
+    order maps the 52 programs onto every output tile once."""
+    x, w = _case(200, 200, 128, (128, 128), seed=2)
+    q, s = quantize_fp8_groups_reference(x, 128)
+    out = w8a8_block_gemm(q, s, w, torch.float32, tile=(16, 64, 4, 2))
+    _assert_block_gemm_close(out, q, s, w)
+
+
 def test_block_gemm_close_to_unquantized_product() -> None:
     """The w8a8 result is within FP8's rounding of the float32 product: each operand carries a relative
     error of at most 2^-4 per element (3 mantissa bits, round to nearest), random signs, so the
