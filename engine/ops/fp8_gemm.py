@@ -387,16 +387,17 @@ def fp8_gemv_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
 
 
 # bytes of FP8 weight one program reads per K step (block_n * block_k): the bf16 GEMV's measured best
-# tiles (engine.ops.gemv.gemv_tile) at the same bytes, i.e. twice the K width at one byte per weight
+# tiles (engine.ops.gemv.gemv_tile) at the same bytes, i.e. twice the K width at one byte per weight, with
+# at most 64 float32 partial sums per thread (8 warps for the 16 KiB gated tile)
 def fp8_gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)`` of ``fp8_gemv`` for ``N`` output features: ``engine.ops.gemv``'s
     H200 tiles (``gemv_tile``) with ``block_k`` doubled, so a program moves the same bytes per step as
-    the bf16 GEMV (2 x 2048 for wide matrices, 4 x 2048 (gated 8 x 2048) for N <= 4096, 8 x 1024 in
-    between). ``bench/kernels/fp8_gemv_sweep.py`` measures these against other tiles."""
+    the bf16 GEMV (2 x 2048 for wide matrices, 4 x 2048 (gated 8 x 2048 with 8 warps) for N <= 4096,
+    8 x 1024 in between). ``bench/kernels/fp8_gemv_sweep.py`` measures these against other tiles."""
     if n >= 16384:
         return 2, 2048, 4
     if n <= 4096:
-        return (8, 2048, 4) if gated else (4, 2048, 4)
+        return (8, 2048, 8) if gated else (4, 2048, 4)
     return 8, 1024, 4
 
 
