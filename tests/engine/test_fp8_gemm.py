@@ -203,8 +203,9 @@ def test_fp8_gemv_matches_reference(n: int, k: int, layout: str, tile: tuple[int
 
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("block,tile", [((128, 128), (8, 512, 4)),  # a K step spanning 3 ragged groups
-                                        ((12, 64), (8, 128, 4))])  # block_n lowered to 4, 2 groups a step
-def test_fp8_gemv_block_scales_per_input(block: tuple[int, int], tile: tuple[int, int, int],
+                                        ((12, 64), (8, 128, 4)),  # block_n lowered to 4, 2 groups a step
+                                        ((128, 128), None)])  # the default tile (fp8_gemv_tile)
+def test_fp8_gemv_block_scales_per_input(block: tuple[int, int], tile: tuple[int, int, int] | None,
                                          gated: bool) -> None:
     """Block scales multiply ``x`` per input (a program's rows share one row of scale tiles; ``block_n``
     lowered to divide the weight's ``block_n``), across K steps wider and narrower than a scale group
