@@ -11,6 +11,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _FUSED_OPS = ("auto", "on", "off")
+_QUANTIZATION = (None, "fp8")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class ModelConfig:
     (``engine.models.fused_model``): ``auto`` = on a CUDA device when the architecture is supported,
     ``on`` = always (torch reference ops off CUDA; an unsupported model is an error), ``off`` = transformers'
     own modules.
+    ``quantization``: ``"fp8"`` quantizes a bf16/fp16/fp32 checkpoint's decoder projections to FP8 per output
+    feature on load (``engine.models.quant_config``; an FP8 checkpoint is FP8 without it); None: as stored.
     ``pdl``: launch the Triton kernels with programmatic dependent launch on Hopper and newer GPUs, so each
     kernel's launch overlaps the tail of the one before it (``engine.ops.pdl``; no effect elsewhere).
     """
@@ -85,6 +88,7 @@ class ModelConfig:
     enforce_eager: bool = False
     fused_ops: str = "auto"
     pdl: bool = True
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -95,6 +99,8 @@ class ModelConfig:
             raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 tokens or None, got {self.max_model_len}")
+        if self.quantization not in _QUANTIZATION:
+            raise ValueError(f"quantization must be one of {_QUANTIZATION}, got {self.quantization!r}")
         if self.fused_ops not in _FUSED_OPS:
             raise ValueError(f"fused_ops must be one of {_FUSED_OPS}, got {self.fused_ops!r}")
         if self.attention_backend not in _BACKENDS:

@@ -136,6 +136,10 @@ def _add_worker(add: _Adder, role: str) -> None:
         help="weights and KV cache dtype (auto: bf16 on GPU, fp32 on CPU)")
     add("--load-format", default="auto", choices=["auto", "dummy"],
         help="dummy: random weights, the same (seed 0) on every worker (auto: dummy for a dummy alias)")
+    add("--quantization", default=None, choices=["fp8"],
+        help="fp8: quantize a bf16/fp16/fp32 checkpoint's decoder projections to FP8 per output channel on "
+        "load (FP8 GEMMs on Hopper; dense models). An FP8 checkpoint (quantization_config fp8) is FP8 "
+        "without it; any other quantization_config is refused")
     add("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
     add("--attention-backend", default="auto", help="auto, torch, triton or flash_attn")
     _bool_flag(add, "--enforce-eager", False, "never replay CUDA graphs for decode steps")

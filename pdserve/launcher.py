@@ -303,7 +303,7 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
 
         # convert the embedded model once, before the workers race for it; refuse an architecture or a
         # quantization method the workers cannot run before any of them starts
-        read_model_config(resolve_model(settings.model))
+        read_model_config(resolve_model(settings.model), settings.worker.quantization)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 1

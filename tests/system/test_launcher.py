@@ -41,10 +41,11 @@ def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:
     settings."""
     from pdserve.cli import build_parser
     from protocol.settings import GatewaySettings, WorkerSettings, settings_from_args
+    from workers.setup import engine_config_from_settings
 
     given = ["up", "--host", "0.0.0.0", "--model-name", "m1", "--api-key", "secret", "--max-retries", "0",
              "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "512", "--pdl", "false",
-             "--num-decode", "2", "--insecure-control-plane"]
+             "--quantization", "fp8", "--num-decode", "2", "--insecure-control-plane"]
     up = settings_from_args(build_parser({}).parse_args(given))
     assert isinstance(up, UpSettings)
     children = plan(up, control_port=7777)
@@ -57,7 +58,8 @@ def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:
         else:
             assert isinstance(child, WorkerSettings)
             assert (child.dtype, child.max_num_seqs, child.max_model_len) == ("float32", 8, 512)
-            assert child.pdl is False
+            assert child.pdl is False and child.quantization == "fp8"
+            assert engine_config_from_settings(child).model.quantization == "fp8"
             assert (child.host, child.port) == ("127.0.0.1", 0)  # internal sockets stay on loopback
 
 
@@ -311,6 +313,10 @@ def test_supervise_stops_when_the_gateway_exits(capfd) -> None:
     ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
      "unsupported quantization method 'bitsandbytes'"),
     ({"architectures": ["Gemma2ForCausalLM"]}, r"unsupported architecture \['Gemma2ForCausalLM'\]"),
+    ({"architectures": ["MixtralForCausalLM"], "quantization_config": {"quant_method": "fp8"}},
+     "FP8 weights for the mixture of experts MixtralForCausalLM"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}},
+     "FP8 format 'e5m2'.*supported: e4m3"),
 ])
 def test_up_refuses_an_unsupported_model_before_any_child(edit, named, tmp_path, capsys) -> None:
     """An architecture or a quantization method the workers cannot run is refused by the launcher in one
@@ -329,6 +335,24 @@ def test_up_refuses_an_unsupported_model_before_any_child(edit, named, tmp_path,
     assert re.search(named, err) and "supported: " in err
     if "architecture" in named:
         assert "Qwen3MoeForCausalLM" in err and "MixtralForCausalLM" in err
+
+
+def test_up_refuses_quantization_fp8_for_a_mixture_of_experts_before_any_child(tmp_path, capsys) -> None:
+    """``--quantization fp8`` reaches the launcher's check: FP8 for an MoE architecture is refused in one
+    line before any worker starts."""
+    import json
+
+    from pdserve.launcher import free_port, run
+    from protocol.settings import WorkerSettings
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    worker = WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True, quantization="fp8")
+    assert run(UpSettings(model=str(tmp_path), port=free_port(), device="cpu", worker=worker),
+               ready_timeout=5) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve up: FP8 weights for the mixture of experts Qwen3MoeForCausalLM")
+    assert len(err.strip().splitlines()) == 1 and "FP8 supported: " in err and "LlamaForCausalLM" in err
 
 
 def test_up_gives_every_child_one_private_per_run_key_pair_or_the_insecure_flag(tmp_path: Path) -> None:

@@ -1,0 +1,207 @@
+"""Tile sweep of the weight-only FP8 GEMV (``engine.ops.fp8_gemm.fp8_gemv``) against the copy ceiling, on
+one GPU (not a test).
+
+For each Llama-3-8B decoder projection (merged QKV, O, merged gate/up, and down with SiLU·mul folded in,
+as batch-1 decode runs them) in each scale layout (per-channel, 128 x 128 blocks) and each tile
+``(block_n, block_k, num_warps)``, the FP8 weight-read bandwidth (weight bytes plus scales per call /
+seconds per call) as a share of the device copy bandwidth (read + write bytes of a 1 GiB copy, best of
+20, ``bench.ceilings.copy_bandwidth``, same process). Eight copies of each weight are cycled so the L2
+cache never holds the matrix being read; 64 calls are captured in one CUDA graph (programmatic dependent
+launch on, as in a decode step) and replayed 8 times (``bench.timing.replay_seconds``): median and
+min–max per call. The last line per (layout, shape) names the best tile and the default
+(``fp8_gemv_tile``).
+
+With ``--gemm-tokens T`` (prefill sizes) the same shapes also run the Triton block-scaled
+``w8a8_block_gemm`` (``[T, K]`` FP8 activations with per-token-group scales times the 128 x 128
+block-scaled weight) over a few ``(block_m, block_n, num_warps, num_stages)`` tiles, each against a
+row-wise scaled ``torch._scaled_mm`` of the same shape (cuBLASLt/CUTLASS, best of 20 event-timed calls
+after 3 warm-up ones, ``bench.timing.ceiling_seconds``): seconds, TFLOP/s and the ratio. ``--json``
+writes every row and the winners.
+
+    python -m bench.kernels.fp8_gemv_sweep --gemm-tokens 8192 --json fp8_gemv_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.ceilings import copy_bandwidth
+from bench.timing import Spread, ceiling_seconds, replay_seconds
+from engine.ops.fp8_gemm import (
+    Fp8Weight,
+    block_gemm_tile,
+    fp8_gemv,
+    fp8_gemv_tile,
+    quantize_fp8_groups,
+    w8a8_block_gemm,
+)
+
+# (name, N, K, gated) of Llama-3-8B's merged projections at batch 1
+SHAPES = (("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, False),
+          ("down", 4096, 14336, True))
+# (block_n, block_k, num_warps): 2 KiB to 32 KiB of FP8 per program and step
+TILES = ((1, 4096, 4), (2, 1024, 4), (2, 2048, 4), (2, 4096, 8), (4, 1024, 4), (4, 2048, 4), (4, 2048, 8),
+         (4, 4096, 8), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (16, 512, 4), (16, 1024, 8))
+# (block_m, block_n, num_warps, num_stages) of w8a8_block_gemm at prefill sizes (block_k: the weight's 128)
+GEMM_TILES = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4),
+              (64, 256, 8, 3), (256, 64, 8, 3))
+
+
+def _weights(n: int, k: int, layout: str, copies: int) -> list[Fp8Weight]:
+    dev = torch.device("cuda")
+    out = []
+    for _ in range(copies):
+        q = (torch.randn(n, k, device=dev) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        if layout == "block":
+            s = torch.rand(-(-n // 128), -(-k // 128), device=dev) * 1e-3 + 1e-4
+            out.append(Fp8Weight(q, s, "block", (128, 128)))
+        else:
+            out.append(Fp8Weight(q, torch.rand(n, device=dev) * 1e-3 + 1e-4, "channel"))
+    return out
+
+
+def gemv_seconds(weights: list[Fp8Weight], gated: bool, tile: tuple[int, int, int],
+                 iters: int = 64) -> Spread:
+    """Seconds per ``fp8_gemv`` call with ``tile``, cycling ``weights``, over 8 graph replays of ``iters``
+    calls."""
+    k = weights[0].weight.shape[1]
+    x = torch.randn(1, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and load the kernel off the capture
+        fp8_gemv(x, weights[0], None, tile=tile, gated=gated)
+    torch.cuda.current_stream().wait_stream(side)
+
+    def chain() -> None:
+        for i in range(iters):
+            fp8_gemv(x, weights[i % len(weights)], None, tile=tile, gated=gated)
+    return replay_seconds(chain, 8).scaled(1 / iters)
+
+
+def sweep(layouts: list[str], shapes: list[str], tiles: list[tuple[int, int, int]],
+          json_path: Path | None = None) -> dict[str, Any]:
+    """Every (layout, shape, tile); prints markdown rows; returns the JSON-ready result (also written to
+    ``json_path`` after each shape, so a run cut short keeps what it measured)."""
+    bandwidth = copy_bandwidth(torch.device("cuda")).max
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write, "
+          "best of 20)", flush=True)
+    print("| layout | shape | N | K | tile (n x k, warps) | µs: median (min–max) | GB/s | share of copy |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    res: dict[str, Any] = {"copy_bandwidth": bandwidth, "rows": [], "best": {}}
+    for layout in layouts:
+        for name, n, k, gated in SHAPES:
+            if name not in shapes:
+                continue
+            weights = _weights(n, k, layout, 8)
+            nbytes = weights[0].nbytes()
+            default = fp8_gemv_tile(n, gated)
+            best: tuple[float, tuple[int, int, int]] | None = None
+            for tile in dict.fromkeys([default, *tiles]):
+                t = gemv_seconds(weights, gated, tile)
+                gbs = nbytes / t.median / 1e9
+                share = gbs * 1e9 / bandwidth
+                res["rows"].append(dict(layout=layout, shape=name, n=n, k=k, tile=list(tile),
+                                        seconds=t.as_dict(), gb_s=gbs, share=share))
+                mark = " (default)" if tile == default else ""
+                print(f"| {layout} | {name} | {n} | {k} | {tile[0]} x {tile[1]}, {tile[2]}{mark} | "
+                      f"{t.scaled(1e6).fmt('.2f')} | {gbs:.0f} | {100 * share:.1f} % |", flush=True)
+                if best is None or gbs > best[0]:
+                    best = (gbs, tile)
+            assert best is not None
+            default_gbs = next(r["gb_s"] for r in res["rows"] if r["layout"] == layout and r["shape"] == name
+                               and r["tile"] == list(default))
+            res["best"][f"{layout}/{name}"] = dict(
+                tile=list(best[1]), share=best[0] * 1e9 / bandwidth, default=list(default),
+                default_share=default_gbs * 1e9 / bandwidth)
+            print(f"best {layout} {name}: {best[1]} {100 * best[0] * 1e9 / bandwidth:.1f} % "
+                  f"(default {default}: {100 * default_gbs * 1e9 / bandwidth:.1f} %)", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+            if json_path is not None:
+                json_path.write_text(json.dumps(res, indent=2))
+    return res
+
+
+def _gemm_shape(name: str, n: int, k: int, tokens: int, res: dict[str, Any]) -> None:
+    dev = torch.device("cuda")
+    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+    q, s = quantize_fp8_groups(x, 128)
+    w = _weights(n, k, "block", 1)[0]
+    sa = torch.rand(tokens, 1, device=dev) + 0.5
+    sb = torch.rand(1, n, device=dev) + 0.5
+
+    def peer_gemm() -> torch.Tensor:
+        return torch._scaled_mm(q, w.weight.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    peer = ceiling_seconds(peer_gemm, dev, 20).min
+    flops = 2 * tokens * n * k
+    default = block_gemm_tile(tokens)
+    best: tuple[float, tuple[int, int, int, int]] | None = None
+    for tile in dict.fromkeys([default, *GEMM_TILES]):
+        def gemm(tile: tuple[int, int, int, int] = tile) -> torch.Tensor:
+            return w8a8_block_gemm(q, s, w, torch.bfloat16, tile=tile)
+        try:
+            t = ceiling_seconds(gemm, dev, 20).min
+        except Exception as exc:  # a tile that does not fit (shared memory, registers): named, skipped
+            print(f"| {name} | {tokens} | {n} | {k} | {tile} | failed: {type(exc).__name__} | | | |")
+            continue
+        res["rows"].append(dict(shape=name, m=tokens, n=n, k=k, tile=list(tile), seconds=t,
+                                scaled_mm_seconds=peer))
+        mark = " (default)" if tile == default else ""
+        print(f"| {name} | {tokens} | {n} | {k} | {tile[0]} x {tile[1]}, {tile[2]}, {tile[3]}{mark} | "
+              f"{t * 1e3:.3f} | {flops / t / 1e12:.0f} | {peer * 1e3:.3f} | {100 * peer / t:.1f} % |",
+              flush=True)
+        if best is None or t < best[0]:
+            best = (t, tile)
+    if best is not None:
+        res["best"][name] = dict(tile=list(best[1]), share=peer / best[0], default=list(default))
+        print(f"best block GEMM {name}: {best[1]} {100 * peer / best[0]:.1f} % of _scaled_mm", flush=True)
+
+
+def gemm_sweep(tokens: int, shapes: list[str]) -> dict[str, Any]:
+    """``w8a8_block_gemm`` over ``GEMM_TILES`` per shape at ``tokens`` rows against ``torch._scaled_mm``
+    (row-wise scales, bf16 out) of the same shape; prints markdown rows; returns the JSON-ready result."""
+    print("| shape | M | N | K | block GEMM tile (m x n, warps, stages) | ms | TFLOP/s | _scaled_mm ms "
+          "| share of _scaled_mm |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    res: dict[str, Any] = {"rows": [], "best": {}}
+    for name, n, k, _ in SHAPES:
+        if name in shapes:
+            _gemm_shape(name, n, k, tokens, res)
+            torch.cuda.empty_cache()
+    return res
+
+
+def _tile(text: str) -> tuple[int, int, int]:
+    nk, w = text.split("w")
+    n, k = nk.split("x")
+    return int(n), int(k), int(w)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments and sweep (CUDA only)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layouts", nargs="+", default=["channel", "block"], choices=["channel", "block"])
+    p.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES])
+    p.add_argument("--tiles", nargs="+", default=None, metavar="NxKwW",
+                   help="tiles to sweep, e.g. 8x1024w4 (default: a fixed list of 2-32 KiB tiles)")
+    p.add_argument("--gemm-tokens", type=int, default=0,
+                   help="also sweep w8a8_block_gemm tiles at this many rows (0: GEMV only)")
+    p.add_argument("--json", type=Path, default=None, help="write the rows and winners here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device")
+    tiles = [_tile(t) for t in args.tiles] if args.tiles else list(TILES)
+    result = sweep(args.layouts, args.shapes, tiles, args.json)
+    if args.gemm_tokens:
+        result["gemm"] = gemm_sweep(args.gemm_tokens, args.shapes)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
