@@ -111,6 +111,8 @@ class Sequence:
         """Index in ``token_ids`` of this generation's first output token: the prompt's last
         ``sampling_params.output_offset`` tokens are output of an earlier attempt continued here."""
         return max(self.num_prompt_tokens - self.sampling_params.output_offset, 0)
+
+    @property
     def needs_prompt_logprobs(self) -> bool:
         """True while prompt logprobs were requested, some are still to compute and the prompt's
         positions still run here (so no prefix-cache hit may skip them). A sequence whose prompt KV came

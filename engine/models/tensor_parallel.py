@@ -44,6 +44,7 @@ from engine.models.loader import (
     resolve_dtype,
 )
 from engine.models.registry import MOE_ARCHITECTURES, is_dummy_alias, resolve_model
+from engine.ops.fp8_gemm import Fp8Weight
 
 
 def head_dim_of(cfg: PretrainedConfig) -> int:
@@ -250,7 +251,7 @@ class TensorParallelCausalLM(FusedCausalLM):
         self.tp = tp
         self.vocab_size = vocab_size
 
-    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor,
+    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
                 bias: torch.Tensor | None) -> torch.Tensor:
         if name in ("o", "down"):
             out = self.tp.all_reduce(super()._linear(name, x, weight, None))
