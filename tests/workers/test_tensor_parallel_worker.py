@@ -14,7 +14,7 @@ from engine.engine_core import EngineCore
 from pdserve.cli import main
 from protocol.messages import ColocatedRequest, RequestFailed, RequestFinished
 from protocol.settings import WorkerSettings
-from tests.workers.helpers import BLOCK_SIZE, of_type, pump, settings, wire
+from tests.workers.helpers import BLOCK_SIZE, close, of_type, pump, settings, wire
 from workers.colocated import ColocatedWorker
 from workers.setup import engine_config_from_settings
 
@@ -60,5 +60,6 @@ def test_colocated_two_ranks_serve_then_a_lost_rank_stops_the_worker(model_dir):
         assert stops, "the worker kept serving without its second rank"
         core.block_manager.check_no_leaks()
     finally:
+        close(worker)  # its control socket: an open one blocks the zmq context's term at exit
         core.close()
         torch.set_num_threads(threads)
