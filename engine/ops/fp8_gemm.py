@@ -233,12 +233,11 @@ def _w8a8_block_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed 
 
 def block_gemm_tile(m: int) -> tuple[int, int, int, int]:
     """``(block_m, block_n, num_warps, num_stages)`` of ``w8a8_block_gemm`` for ``m`` rows: small tiles
-    in ``M`` for decode-sized batches (the weight read dominates), 128 x 128 for prefill."""
+    in ``M`` for decode-sized batches (the weight read dominates), 64 x 128 for prefill (the best of
+    ``bench/kernels/fp8_gemv_sweep.py --gemm-tokens 8192`` on an H200, 2026-12-02)."""
     if m <= 16:
         return 16, 64, 4, 4
-    if m <= 64:
-        return 64, 64, 4, 4
-    return 128, 128, 8, 3
+    return (64, 64, 4, 4) if m <= 64 else (64, 128, 4, 4)
 
 
 def w8a8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype,
@@ -390,15 +389,14 @@ def fp8_gemv_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
 # tiles (engine.ops.gemv.gemv_tile) at the same bytes, i.e. twice the K width at one byte per weight, with
 # at most 64 float32 partial sums per thread (8 warps for the 16 KiB gated tile)
 def fp8_gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
-    """``(block_n, block_k, num_warps)`` of ``fp8_gemv`` for ``N`` output features: ``engine.ops.gemv``'s
-    H200 tiles (``gemv_tile``) with ``block_k`` doubled, so a program moves the same bytes per step as
-    the bf16 GEMV (2 x 2048 for wide matrices, 4 x 2048 (gated 8 x 2048 with 8 warps) for N <= 4096,
-    8 x 1024 in between). ``bench/kernels/fp8_gemv_sweep.py`` measures these against other tiles."""
-    if n >= 16384:
-        return 2, 2048, 4
+    """``(block_n, block_k, num_warps)`` of ``fp8_gemv`` for ``N`` output features: the winners of
+    ``bench/kernels/fp8_gemv_sweep.py`` on an H200 for the Llama-3-8B projections (2026-12-02): 4 x 2048
+    for the gated down projection, 8 x 512 for N <= 4096, 16 x 512 for wider matrices (4 warps)."""
+    if gated:
+        return 4, 2048, 4
     if n <= 4096:
-        return (8, 2048, 8) if gated else (4, 2048, 4)
-    return 8, 1024, 4
+        return 8, 512, 4
+    return 16, 512, 4
 
 
 def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
