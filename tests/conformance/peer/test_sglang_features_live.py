@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from functools import partial
 from typing import Any
 
 import openai
@@ -21,7 +22,7 @@ import pytest
 
 from pdserve.live_system import MODEL, SystemPair
 from tests.conformance.helpers import leak_check
-from tests.conformance.peer.common import disagg, refused
+from tests.conformance.peer.common import disagg, refused, together
 from tests.live import BODY_CAP
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -143,8 +144,8 @@ def test_continuous_usage_stats_disabled(live: SystemPair) -> None:
 # from sglang validation/test_openai_server_ignore_eos.py::test_ignore_eos
 def test_ignore_eos(live: SystemPair) -> None:
     ask: Any = [{"role": "user", "content": "Say hi."}]
-    default = _chat(live, messages=ask, max_tokens=12, extra_body={"ignore_eos": False})
-    ignoring = _chat(live, messages=ask, max_tokens=12, extra_body={"ignore_eos": True})
+    default, ignoring = together(*(partial(_chat, live, messages=ask, max_tokens=12,
+                                           extra_body={"ignore_eos": ignore}) for ignore in (False, True)))
     assert default.usage is not None and ignoring.usage is not None
     assert ignoring.choices[0].finish_reason == "length" and ignoring.usage.completion_tokens == 12
     assert ignoring.usage.completion_tokens >= default.usage.completion_tokens
