@@ -155,10 +155,11 @@ def test_regex(live: SystemPair) -> None:
     ``structured_outputs`` (the field pdserve implements) gives the JSON the peer parses."""
     pattern = r"""\{\n   "name": "[\w]{1,12}",\n   "population": [\d]{1,9}\n\}"""
     c = disagg(live)
-    refused(lambda: c.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=40,
-                                              extra_body={"regex": pattern}), "regex")
-    r = c.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=40,
-                                  extra_body={"structured_outputs": {"regex": pattern}})
+    _, r = together(partial(refused, partial(c.chat.completions.create, model=MODEL, messages=ASK,
+                                             temperature=0, max_tokens=40, extra_body={"regex": pattern}),
+                            "regex"),
+                    partial(c.chat.completions.create, model=MODEL, messages=ASK, temperature=0,
+                            max_tokens=40, extra_body={"structured_outputs": {"regex": pattern}}))
     text = r.choices[0].message.content
     assert text is not None and re.fullmatch(pattern, text), text
     obj = json.loads(text)

@@ -227,10 +227,12 @@ def test_response_format_json_object(live: SystemPair) -> None:
 def test_response_format_json_schema(live: SystemPair) -> None:
     schema = {"type": "object", "properties": {"result": {"type": "integer"}}, "required": ["result"]}
     ask: Any = [{"role": "user", "content": 'what is 1+1? The format is "result": 2'}]
-    free = _chat(live, messages=ask, max_completion_tokens=8, temperature=0).choices[0].message.content
+    fmt = {"type": "json_schema", "json_schema": {"name": "foo_test", "schema": schema}}
+    unconstrained, r = together(partial(_chat, live, messages=ask, max_completion_tokens=2, temperature=0),
+                                partial(_chat, live, messages=ask, max_completion_tokens=20, temperature=0,
+                                        response_format=fmt))
+    free = unconstrained.choices[0].message.content
     assert not free.startswith("{")  # unconstrained, the model does not answer in JSON
-    r = _chat(live, messages=ask, max_completion_tokens=20, temperature=0,
-              response_format={"type": "json_schema", "json_schema": {"name": "foo_test", "schema": schema}})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
