@@ -1,10 +1,12 @@
 """Shared pieces of the ported peer suites: a client for each live gateway and ``refused``, which
 asserts a request gets pdserve's documented 400 (the OpenAI error body, ``error.param`` naming the
-field) instead of being accepted and ignored."""
+field) instead of being accepted and ignored, and ``together``, which sends independent requests at
+once."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import openai
@@ -38,3 +40,18 @@ def refused(call: Callable[[], Any], param: str | None = None) -> openai.BadRequ
     if param is not None:
         assert param in str(body.get("param")), (param, body)
     return err
+
+
+def together(*calls: Callable[[], Any], timeout: float = 120.0) -> list[Any]:
+    """Run independent requests at once (each in its own thread, so the live workers batch them) and
+    return their results in the order given; the first exception any raised is re-raised. Every call
+    must finish within ``timeout`` s (TimeoutError otherwise)."""
+    pool = ThreadPoolExecutor(max_workers=len(calls))
+    try:
+        futures = [pool.submit(call) for call in calls]
+        _, pending = wait(futures, timeout=timeout)
+        if pending:
+            raise TimeoutError(f"{len(pending)} of {len(calls)} requests not done after {timeout} s")
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # a late request ends by the client's own timeout

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from functools import partial
 from typing import Any
 
 import openai
@@ -21,7 +22,7 @@ import pytest
 
 from pdserve.live_system import MODEL, SystemPair
 from tests.conformance.helpers import leak_check
-from tests.conformance.peer.common import disagg, refused
+from tests.conformance.peer.common import disagg, refused, together
 from tests.live import BODY_CAP
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -143,8 +144,8 @@ def test_continuous_usage_stats_disabled(live: SystemPair) -> None:
 # from sglang validation/test_openai_server_ignore_eos.py::test_ignore_eos
 def test_ignore_eos(live: SystemPair) -> None:
     ask: Any = [{"role": "user", "content": "Say hi."}]
-    default = _chat(live, messages=ask, max_tokens=12, extra_body={"ignore_eos": False})
-    ignoring = _chat(live, messages=ask, max_tokens=12, extra_body={"ignore_eos": True})
+    default, ignoring = together(*(partial(_chat, live, messages=ask, max_tokens=12,
+                                           extra_body={"ignore_eos": ignore}) for ignore in (False, True)))
     assert default.usage is not None and ignoring.usage is not None
     assert ignoring.choices[0].finish_reason == "length" and ignoring.usage.completion_tokens == 12
     assert ignoring.usage.completion_tokens >= default.usage.completion_tokens
@@ -174,13 +175,13 @@ def test_max_tokens_validation(live: SystemPair) -> None:
 def test_finish_stop_str(live: SystemPair) -> None:
     """A stop string ends the answer with ``stop``, the string not in the text (SGLang's ``matched_stop``
     response field has no OpenAI counterpart and is not part of pdserve's answer)."""
-    c = disagg(live)
-    r = c.completions.create(model=MODEL, prompt="Fruits:\n1. apples\n2. pears\n3.", max_tokens=16,
-                             temperature=0, stop="\n")
+    fruits: Any = [{"role": "user", "content": "List three fruits, one per line."}]
+    listed = "Fruits:\n1. apples\n2. pears\n3."
+    r, r2 = together(partial(disagg(live).completions.create, model=MODEL, prompt=listed, max_tokens=16,
+                             temperature=0, stop="\n"),
+                     partial(_chat, live, messages=fruits, max_tokens=24, stop="\n"))
     assert r.choices[0].finish_reason == "stop" and "\n" not in r.choices[0].text, r.choices[0].text
     assert "matched_stop" not in (r.choices[0].model_extra or {})
-    fruits: Any = [{"role": "user", "content": "List three fruits, one per line."}]
-    r2 = _chat(live, messages=fruits, max_tokens=24, stop="\n")
     assert r2.choices[0].finish_reason == "stop" and "\n" not in r2.choices[0].message.content
 
 
@@ -198,10 +199,10 @@ def test_finish_stop_eos(live: SystemPair) -> None:
 
 # from sglang validation/test_matched_stop.py::test_finish_length
 def test_finish_length(live: SystemPair) -> None:
-    c = disagg(live)
-    r = c.completions.create(model=MODEL, prompt="Write a long story.", max_tokens=5, temperature=0)
-    assert r.choices[0].finish_reason == "length"
-    assert _chat(live, max_tokens=5).choices[0].finish_reason == "length"
+    r, r2 = together(partial(disagg(live).completions.create, model=MODEL, prompt="Write a long story.",
+                             max_tokens=3, temperature=0),
+                     partial(_chat, live, max_tokens=3))
+    assert r.choices[0].finish_reason == "length" and r2.choices[0].finish_reason == "length"
     leak_check(live)
 
 

@@ -9,6 +9,7 @@ call whose arguments satisfy the schema; ``auto`` may or may not call. Each case
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import jsonschema
@@ -16,7 +17,7 @@ import pytest
 
 from pdserve.live_system import MODEL, SystemPair
 from tests.conformance.helpers import leak_check
-from tests.conformance.peer.common import disagg, refused
+from tests.conformance.peer.common import disagg, refused, together
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -74,8 +75,9 @@ def test_tool_choice_auto_non_streaming(live: SystemPair) -> None:
 
 # from sglang function_call/test_tool_choice.py::test_tool_choice_auto_streaming
 def test_tool_choice_auto_streaming(live: SystemPair) -> None:
-    content, calls, finish = _streamed_calls(live, tool_choice="auto")
-    whole = _create(live, tool_choice="auto").choices[0]
+    (content, calls, finish), r = together(partial(_streamed_calls, live, tool_choice="auto"),
+                                           partial(_create, live, tool_choice="auto"))
+    whole = r.choices[0]
     assert finish == whole.finish_reason and (content or None) == whole.message.content
     assert calls == [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
 

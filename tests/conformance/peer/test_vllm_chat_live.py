@@ -18,10 +18,9 @@ import pytest
 
 from pdserve.live_system import MODEL, SystemPair
 from tests.conformance.helpers import leak_check
-from tests.conformance.peer.common import disagg, refused
+from tests.conformance.peer.common import disagg, refused, together
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-PROMPT_LOGPROBS = "prompt logprobs: in progress"
 ASK: Any = [{"role": "system", "content": "you are a helpful assistant"},
             {"role": "user", "content": "what is 1+1?"}]
 GRAMMAR_AT_TEMPERATURE = pytest.mark.xfail(strict=False, reason=(
@@ -78,27 +77,37 @@ HISTORY: Any = [{"role": "system", "content": "You are a helpful assistant."},
 
 # from vllm chat_completion/test_chat.py::test_prompt_logprobs_chat
 @pytest.mark.parametrize("prompt_logprobs", [
-    pytest.param(1, id="1", marks=pytest.mark.xfail(strict=True, reason=PROMPT_LOGPROBS)),
-    pytest.param(0, id="0", marks=pytest.mark.xfail(strict=True, reason=PROMPT_LOGPROBS)),
+    pytest.param(1, id="1"),
+    pytest.param(0, id="0"),
     pytest.param(-1, id="negative"), pytest.param(None, id="absent")])
 def test_prompt_logprobs_chat(live: SystemPair, prompt_logprobs: int | None) -> None:
-    kw: dict[str, Any] = {"messages": HISTORY, "max_completion_tokens": 2}
-    if prompt_logprobs is not None:
-        kw["extra_body"] = {"prompt_logprobs": prompt_logprobs}
-    if prompt_logprobs is not None and prompt_logprobs < 0:
-        refused(lambda: _chat(live, **kw), "prompt_logprobs")
+    """vLLM takes ``prompt_logprobs`` on chat too; pdserve documents it for completions only (README.md,
+    "Request fields"), so on chat any value is the 400 naming it, not an answer without them (the
+    completions side: ``test_prompt_logprobs_completion``, and the chat prompt through completions in
+    ``test_more_than_one_prompt_logprobs_chat``)."""
+    kw: dict[str, Any] = {"messages": HISTORY, "max_completion_tokens": 1}
+    if prompt_logprobs is None:
+        assert (_chat(live, **kw).model_extra or {}).get("prompt_logprobs") is None
         return
-    got = (_chat(live, **kw).model_extra or {}).get("prompt_logprobs")
-    assert (got is None) if prompt_logprobs is None else bool(got)
+    refused(lambda: _chat(live, extra_body={"prompt_logprobs": prompt_logprobs}, **kw), "prompt_logprobs")
 
 
 # from vllm chat_completion/test_chat.py::test_more_than_one_prompt_logprobs_chat
-@pytest.mark.xfail(strict=True, reason=PROMPT_LOGPROBS)
-def test_more_than_one_prompt_logprobs_chat(live: SystemPair) -> None:
-    one, two = ((_chat(live, messages=HISTORY, max_completion_tokens=2, extra_body={"prompt_logprobs": k})
-                 .model_extra or {}).get("prompt_logprobs") for k in (1, 2))
-    assert one is not None and two is not None
-    assert len(one[3]) == 1 and len(two[3]) == 2
+def test_more_than_one_prompt_logprobs_chat(live: SystemPair, hf_tokenizer: Any) -> None:
+    """The peer's check on the chat-rendered prompt sent as token ids to completions (pdserve's
+    ``prompt_logprobs`` endpoint): per prompt token, the token itself plus its k best (vLLM's peer model
+    has the token among them, giving exactly k entries; SmolLM2 may not, giving k + 1)."""
+    rendered = hf_tokenizer.apply_chat_template(HISTORY, add_generation_prompt=True, tokenize=False)
+    ids = list(hf_tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    c: Any = disagg(live)
+    one, two = ((r.choices[0].model_extra or {}).get("prompt_logprobs") for r in together(
+        *(partial(c.completions.create, model=MODEL, prompt=ids, max_tokens=1,
+                  extra_body={"prompt_logprobs": k}) for k in (1, 2))))
+    assert one is not None and two is not None and len(one) == len(two) == len(ids)
+    for k, entries in ((1, one), (2, two)):
+        assert entries[0] is None
+        for token, entry in zip(ids[1:], entries[1:], strict=True):
+            assert str(token) in entry and k <= len(entry) <= k + 1, (k, token, entry)
 
 
 # from vllm chat_completion/test_chat.py::test_single_chat_session
@@ -120,9 +129,10 @@ def test_single_chat_session(live: SystemPair, hf_tokenizer: Any) -> None:
 
 # from vllm chat_completion/test_chat.py::test_chat_streaming
 def test_chat_streaming(live: SystemPair) -> None:
-    whole = _chat(live, max_completion_tokens=10, temperature=0)
+    whole, chunks = together(partial(_chat, live, max_completion_tokens=5, temperature=0),
+                             lambda: list(_chat(live, max_completion_tokens=5, temperature=0, stream=True)))
     pieces, finishes, last = [], 0, None
-    for chunk in _chat(live, max_completion_tokens=10, temperature=0, stream=True):
+    for chunk in chunks:
         last = chunk.choices[0]
         if last.delta.role:
             assert last.delta.role == "assistant"
@@ -135,16 +145,16 @@ def test_chat_streaming(live: SystemPair) -> None:
 
 # from vllm chat_completion/test_chat.py::test_chat_completion_stream_options
 def test_chat_completion_stream_options(live: SystemPair) -> None:
-    kw: dict[str, Any] = {"max_completion_tokens": 10, "temperature": 0}
-    quiet = _chat(live, stream=True, stream_options={"include_usage": False}, **kw)
+    kw: dict[str, Any] = {"max_completion_tokens": 3, "temperature": 0}
+    quiet, chunks = together(*(partial(lambda o: list(_chat(live, stream=True, stream_options=o, **kw)), opts)
+                               for opts in ({"include_usage": False}, {"include_usage": True})))
     assert all(ch.usage is None for ch in quiet)
-    chunks = list(_chat(live, stream=True, stream_options={"include_usage": True}, **kw))
     assert all(ch.usage is None for ch in chunks[:-1]) and chunks[-2].choices[0].finish_reason is not None
     final = chunks[-1]
     assert final.choices == [] and final.usage is not None and final.usage.completion_tokens > 0
     assert final.usage.total_tokens == final.usage.prompt_tokens + final.usage.completion_tokens
-    for opts in ({"include_usage": None}, {"include_usage": True}):
-        refused(partial(_chat, live, stream=False, stream_options=opts, **kw), "stream_options")
+    together(*(partial(refused, partial(_chat, live, stream=False, stream_options=opts, **kw),
+                       "stream_options") for opts in ({"include_usage": None}, {"include_usage": True})))
     # vLLM's continuous_usage_stats and min_characters are not pdserve's: 400s naming them
     continuous = {"include_usage": True, "continuous_usage_stats": True}
     refused(lambda: _chat(live, stream=True, stream_options=continuous, extra_body={"min_tokens": 10}, **kw),
@@ -217,10 +227,12 @@ def test_response_format_json_object(live: SystemPair) -> None:
 def test_response_format_json_schema(live: SystemPair) -> None:
     schema = {"type": "object", "properties": {"result": {"type": "integer"}}, "required": ["result"]}
     ask: Any = [{"role": "user", "content": 'what is 1+1? The format is "result": 2'}]
-    free = _chat(live, messages=ask, max_completion_tokens=8, temperature=0).choices[0].message.content
+    fmt = {"type": "json_schema", "json_schema": {"name": "foo_test", "schema": schema}}
+    unconstrained, r = together(partial(_chat, live, messages=ask, max_completion_tokens=2, temperature=0),
+                                partial(_chat, live, messages=ask, max_completion_tokens=20, temperature=0,
+                                        response_format=fmt))
+    free = unconstrained.choices[0].message.content
     assert not free.startswith("{")  # unconstrained, the model does not answer in JSON
-    r = _chat(live, messages=ask, max_completion_tokens=20, temperature=0,
-              response_format={"type": "json_schema", "json_schema": {"name": "foo_test", "schema": schema}})
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
@@ -242,10 +254,9 @@ def test_extra_message_field_is_refused(live: SystemPair) -> None:
 # from vllm chat_completion/test_chat.py::test_complex_message_content
 def test_complex_message_content(live: SystemPair) -> None:
     text = "what is 1+1? answer with the number only."
-    parts = _chat(live, messages=[{"role": "user", "content": [{"type": "text", "text": text}]}],
-                  temperature=0, max_completion_tokens=5).choices[0].message.content
-    plain = _chat(live, messages=[{"role": "user", "content": text}],
-                  temperature=0, max_completion_tokens=5).choices[0].message.content
+    parts, plain = (r.choices[0].message.content for r in together(
+        *(partial(_chat, live, messages=[{"role": "user", "content": content}], temperature=0,
+                  max_completion_tokens=3) for content in ([{"type": "text", "text": text}], text))))
     assert parts == plain and parts  # the peer's model answers "2"; ours must at least read it the same
 
 
@@ -288,11 +299,10 @@ def test_chat_completion_n_parameter_streaming(live: SystemPair) -> None:
 
 # from vllm chat_completion/test_chat.py::test_chat_completion_n_with_seed
 def test_chat_completion_n_with_seed(live: SystemPair) -> None:
-    kw: dict[str, Any] = {"messages": [{"role": "user", "content": "Say hello."}], "max_completion_tokens": 8,
+    kw: dict[str, Any] = {"messages": [{"role": "user", "content": "Say hello."}], "max_completion_tokens": 5,
                           "temperature": 0.8, "n": 2, "seed": 42}
-    r = _chat(live, **kw)
+    r, again = together(partial(_chat, live, **kw), partial(_chat, live, **kw))  # seeded: reproducible
     assert [ch.index for ch in r.choices] == [0, 1] and all(ch.message.content for ch in r.choices)
-    again = _chat(live, **kw)  # seeded: reproducible choice by choice
     assert [ch.message.content for ch in again.choices] == [ch.message.content for ch in r.choices]
 
 

@@ -14,29 +14,28 @@ import pytest
 
 from pdserve.live_system import MODEL, SystemPair
 from tests.conformance.helpers import leak_check
-from tests.conformance.peer.common import disagg, refused
+from tests.conformance.peer.common import disagg, refused, together
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 IDS = [1, 2, 3, 4, 5]  # a token-id prompt (the peer uses five copies of id 0, SmolLM2's <|endoftext|>)
-PROMPT_LOGPROBS = "prompt logprobs: in progress"
 
 
 # from vllm completion/test_completion.py::test_single_completion
 def test_single_completion(live: SystemPair, hf_tokenizer: Any) -> None:
     c: Any = disagg(live)
     text = "Hello, my name is"
-    r = c.completions.create(model=MODEL, prompt=text, max_tokens=5, temperature=0)
+    r, by_ids = together(partial(c.completions.create, model=MODEL, prompt=text, max_tokens=3, temperature=0),
+                         partial(c.completions.create, model=MODEL, prompt=IDS, max_tokens=2, temperature=0))
     assert r.id and len(r.choices) == 1
     (ch,) = r.choices
     assert ch.finish_reason == "length" and ch.text
     n_prompt = len(hf_tokenizer(text)["input_ids"])
     assert r.usage is not None
     usage = (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens)
-    assert usage == (n_prompt, 5, n_prompt + 5)
+    assert usage == (n_prompt, 3, n_prompt + 3)
     assert r.usage.prompt_tokens_details is not None
     assert r.usage.prompt_tokens_details.cached_tokens == 0  # under one KV block: nothing to reuse
-    r = c.completions.create(model=MODEL, prompt=IDS, max_tokens=5, temperature=0)
-    assert r.choices[0].text and getattr(r.choices[0], "prompt_logprobs", None) is None
+    assert by_ids.choices[0].text and getattr(by_ids.choices[0], "prompt_logprobs", None) is None
     leak_check(live)
 
 
@@ -45,14 +44,15 @@ def test_prompt_truncation_is_refused(live: SystemPair) -> None:
     """vLLM's ``truncate_prompt_tokens`` / ``truncation_side`` / ``return_token_ids`` are not pdserve's:
     the documented 400 naming the first unknown field, not a silently untruncated prompt."""
     c: Any = disagg(live)
-    for extra in ({"truncate_prompt_tokens": 4}, {"truncation_side": "left"}, {"return_token_ids": True}):
-        refused(partial(c.completions.create, model=MODEL, prompt=list(range(8)), max_tokens=1,
-                        extra_body=extra), next(iter(extra)))
+    together(*(partial(refused, partial(c.completions.create, model=MODEL, prompt=list(range(8)),
+                                        max_tokens=1, extra_body=extra), next(iter(extra)))
+               for extra in ({"truncate_prompt_tokens": 4}, {"truncation_side": "left"},
+                             {"return_token_ids": True})))
 
 
 # from vllm completion/test_completion.py::test_no_logprobs
 def test_no_logprobs(live: SystemPair) -> None:
-    r = disagg(live).completions.create(model=MODEL, prompt=IDS, max_tokens=5, temperature=0, logprobs=None)
+    r = disagg(live).completions.create(model=MODEL, prompt=IDS, max_tokens=2, temperature=0, logprobs=None)
     assert r.choices[0].logprobs is None
 
 
@@ -69,7 +69,7 @@ def test_zero_logprobs(live: SystemPair) -> None:
 
 # from vllm completion/test_completion.py::test_some_logprobs
 def test_some_logprobs(live: SystemPair) -> None:
-    r = disagg(live).completions.create(model=MODEL, prompt=IDS, max_tokens=5, temperature=0, logprobs=5)
+    r = disagg(live).completions.create(model=MODEL, prompt=IDS, max_tokens=2, temperature=0, logprobs=5)
     lp = r.choices[0].logprobs
     assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
     assert all(5 <= len(top) <= 6 for top in lp.top_logprobs)
@@ -78,10 +78,10 @@ def test_some_logprobs(live: SystemPair) -> None:
 # from vllm completion/test_completion.py::test_too_many_completion_logprobs
 def test_too_many_completion_logprobs(live: SystemPair) -> None:
     c: Any = disagg(live)
-    refused(lambda: c.completions.create(model=MODEL, prompt=IDS, max_tokens=5, logprobs=21), "logprobs")
-    refused(lambda: c.completions.create(model=MODEL, prompt=IDS, max_tokens=5, logprobs=30, stream=True),
+    refused(lambda: c.completions.create(model=MODEL, prompt=IDS, max_tokens=2, logprobs=21), "logprobs")
+    refused(lambda: c.completions.create(model=MODEL, prompt=IDS, max_tokens=2, logprobs=30, stream=True),
             "logprobs")
-    r = c.completions.create(model=MODEL, prompt=IDS, max_tokens=5, temperature=0)  # still serves
+    r = c.completions.create(model=MODEL, prompt=IDS, max_tokens=2, temperature=0)  # still serves
     assert r.choices[0].finish_reason in ("length", "stop")
     leak_check(live)
 
@@ -89,8 +89,8 @@ def test_too_many_completion_logprobs(live: SystemPair) -> None:
 # from vllm completion/test_completion.py::test_prompt_logprobs_completion
 @pytest.mark.parametrize("prompt_logprobs", [
     pytest.param(-1, id="negative"),
-    pytest.param(0, id="0", marks=pytest.mark.xfail(strict=True, reason=PROMPT_LOGPROBS)),
-    pytest.param(1, id="1", marks=pytest.mark.xfail(strict=True, reason=PROMPT_LOGPROBS)),
+    pytest.param(0, id="0"),
+    pytest.param(1, id="1"),
     pytest.param(None, id="absent")])
 def test_prompt_logprobs_completion(live: SystemPair, prompt_logprobs: int | None) -> None:
     c: Any = disagg(live)
@@ -113,9 +113,12 @@ def test_prompt_logprobs_completion(live: SystemPair, prompt_logprobs: int | Non
 def test_completion_streaming(live: SystemPair) -> None:
     c: Any = disagg(live)
     prompt = "Once upon a time"  # the model does not stop within 5 tokens: the last chunk carries one
-    whole = c.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    whole, chunks = together(
+        partial(c.completions.create, model=MODEL, prompt=prompt, max_tokens=5, temperature=0),
+        lambda: list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                          stream=True)))
     pieces, finishes, last = [], 0, None
-    for chunk in c.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, stream=True):
+    for chunk in chunks:
         last = chunk.choices[0]
         pieces.append(last.text)
         finishes += last.finish_reason is not None
@@ -165,11 +168,10 @@ def test_completion_stream_options(live: SystemPair) -> None:
     c: Any = disagg(live)
     kw: dict[str, Any] = {"model": MODEL, "prompt": "What is the capital of France?", "max_tokens": 5,
                           "temperature": 0}
-    opts: dict[str, Any]
-    for opts in ({"include_usage": False}, {}):
-        quiet = c.completions.create(stream=True, stream_options=opts, **kw)
-        assert all(chunk.usage is None for chunk in quiet)
-    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    quiet_false, quiet_empty, chunks = together(
+        *(partial(lambda o: list(c.completions.create(stream=True, stream_options=o, **kw)), opts)
+          for opts in ({"include_usage": False}, {}, {"include_usage": True})))
+    assert all(chunk.usage is None for chunk in quiet_false + quiet_empty)
     assert all(chunk.usage is None for chunk in chunks[:-1])
     assert chunks[-2].choices[0].finish_reason is not None
     final = chunks[-1]
@@ -180,8 +182,9 @@ def test_completion_stream_options(live: SystemPair) -> None:
     refused(lambda: c.completions.create(stream=True, stream_options={"include_usage": True,
                                                                       "continuous_usage_stats": True}, **kw),
             "continuous_usage_stats")
-    for opts in ({"include_usage": None}, {"include_usage": True}, {"continuous_usage_stats": None}):
-        refused(partial(c.completions.create, stream=False, stream_options=opts, **kw))
+    together(*(partial(refused, partial(c.completions.create, stream=False, stream_options=opts, **kw))
+               for opts in ({"include_usage": None}, {"include_usage": True},
+                            {"continuous_usage_stats": None})))
     leak_check(live)
 
 
@@ -189,38 +192,45 @@ def test_completion_stream_options(live: SystemPair) -> None:
 @pytest.mark.parametrize("prompts", [["Hello, my name is"] * 2, [IDS] * 2], ids=["text", "token-ids"])
 def test_batch_completions(live: SystemPair, prompts: Any) -> None:
     c: Any = disagg(live)
-    batch = c.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0)
-    assert len(batch.choices) == 2 and batch.choices[0].text == batch.choices[1].text
+    kw: dict[str, Any] = {"model": MODEL, "prompt": prompts, "max_tokens": 3, "temperature": 0}
     # n=2 of each prompt (the peer adds use_beam_search, which pdserve refuses by name)
-    refused(lambda: c.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0,
-                                         extra_body={"use_beam_search": True}), "use_beam_search")
-    batch = c.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0)
-    assert [ch.index for ch in batch.choices] == [0, 1, 2, 3]
-    assert len({ch.text for ch in batch.choices}) == 1  # greedy: every copy alike
+    one, _, two, chunks = together(
+        partial(c.completions.create, **kw),
+        partial(refused, partial(c.completions.create, n=2, extra_body={"use_beam_search": True}, **kw),
+                "use_beam_search"),
+        partial(c.completions.create, n=2, **kw),
+        lambda: list(c.completions.create(stream=True, **kw)))
+    assert len(one.choices) == 2 and one.choices[0].text == one.choices[1].text
+    assert [ch.index for ch in two.choices] == [0, 1, 2, 3]
+    assert len({ch.text for ch in two.choices}) == 1  # greedy: every copy alike
     texts = ["", ""]
-    for chunk in c.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, stream=True):
+    for chunk in chunks:
         assert len(chunk.choices) == 1
         texts[chunk.choices[0].index] += chunk.choices[0].text
-    assert texts[0] == texts[1] == batch.choices[0].text
+    assert texts[0] == texts[1] == two.choices[0].text
     leak_check(live)
 
 
 # from vllm completion/test_completion.py::test_echo_logprob_completion
-@pytest.mark.xfail(strict=True, reason=PROMPT_LOGPROBS)
 @pytest.mark.parametrize("logprobs", [1, 0])
 def test_echo_logprob_completion(live: SystemPair, hf_tokenizer: Any, logprobs: int) -> None:
     c: Any = disagg(live)
-    for prompt in ("Hello, my name is", IDS):
-        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True,
-                                 logprobs=logprobs)
+    prompts: list[Any] = ["Hello, my name is", IDS]
+    answers = together(*(partial(c.completions.create, model=MODEL, prompt=prompt, max_tokens=2,
+                                 temperature=0, echo=True, logprobs=logprobs) for prompt in prompts))
+    for prompt, r in zip(prompts, answers, strict=True):
         text = prompt if isinstance(prompt, str) else hf_tokenizer.decode(prompt)
         assert r.choices[0].text.startswith(text)
         lp = r.choices[0].logprobs
         assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs and lp.text_offset
         n_prompt = len(hf_tokenizer(text)["input_ids"]) if isinstance(prompt, str) else len(prompt)
-        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + 5
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + 2
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        assert all(max(logprobs, 1) <= len(top) <= logprobs + 1 for top in lp.top_logprobs[1:])
+        if logprobs:
+            assert all(max(logprobs, 1) <= len(top) <= logprobs + 1 for top in lp.top_logprobs[1:])
+        else:  # vLLM lists the token itself; pdserve's documented 0 is "the token's logprob, no alternatives"
+            assert all(top == {} for top in lp.top_logprobs[1:n_prompt]), lp.top_logprobs
+            assert all(len(top) <= 1 for top in lp.top_logprobs[n_prompt:]), lp.top_logprobs
 
 
 # from vllm completion/test_completion.py::test_invalid_json_schema

@@ -6,13 +6,14 @@ test."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import httpx
 import pytest
 
 from pdserve.live_system import MODEL, SystemPair
-from tests.conformance.peer.common import disagg
+from tests.conformance.peer.common import disagg, together
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CONVERSATION: Any = [{"role": "user", "content": "Hi there!"},
@@ -25,12 +26,13 @@ WEATHER: Any = {"type": "function", "function": {"name": "get_weather", "descrip
 
 def _post(live: SystemPair, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """``body`` to ``path`` on each gateway; asserts both answer 200 alike and returns the answer."""
-    answers = []
-    for url, _ in live.pairs():
-        auth = {"Authorization": f"Bearer {live.api_key}"}
-        r = httpx.post(f"{url}{path}", json=body, headers=auth, timeout=30)
+    auth = {"Authorization": f"Bearer {live.api_key}"}
+    urls = [url for url, _ in live.pairs()]
+    replies = together(*(partial(httpx.post, f"{url}{path}", json=body, headers=auth, timeout=30)
+                         for url in urls))
+    for url, r in zip(urls, replies, strict=True):
         assert r.status_code == 200, (url, r.text)
-        answers.append(r.json())
+    answers = [r.json() for r in replies]
     assert all(a == answers[0] for a in answers), answers
     return answers[0]
 

@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.live_system import MODEL, SystemPair
 from tests.conformance.helpers import leak_check
-from tests.conformance.peer.common import disagg, refused
+from tests.conformance.peer.common import disagg, refused, together
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ASK: Any = [{"role": "user", "content": "Testing validation"}]
@@ -132,10 +132,10 @@ WEATHER_ASK: Any = [{"role": "user", "content": "Weather in Paris?"}]
 # from vllm chat_completion/test_tool_choice_null.py::
 #   test_null_tool_choice_defaults_to_auto_like_an_absent_one
 def test_null_tool_choice_defaults_to_auto_like_an_absent_one(live: SystemPair) -> None:
-    omitted = _chat(live, messages=WEATHER_ASK, tools=TOOLS, temperature=0, max_tokens=8)
-    null = _chat(live, messages=WEATHER_ASK, tools=TOOLS, temperature=0, max_tokens=8,
-                 extra_body={"tool_choice": None})
-    auto = _chat(live, messages=WEATHER_ASK, tools=TOOLS, temperature=0, max_tokens=8, tool_choice="auto")
+    kw: dict[str, Any] = {"messages": WEATHER_ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 8}
+    omitted, null, auto = together(partial(_chat, live, **kw),
+                                   partial(_chat, live, extra_body={"tool_choice": None}, **kw),
+                                   partial(_chat, live, tool_choice="auto", **kw))
     answers = [(r.choices[0].message.content, r.choices[0].finish_reason,
                 [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls or []])
                for r in (omitted, null, auto)]
@@ -145,8 +145,8 @@ def test_null_tool_choice_defaults_to_auto_like_an_absent_one(live: SystemPair) 
 # from vllm chat_completion/test_tool_choice_null.py::
 #   test_null_tool_choice_without_tools_matches_an_absent_one
 def test_null_tool_choice_without_tools_matches_an_absent_one(live: SystemPair) -> None:
-    omitted = _chat(live, temperature=0)
-    null = _chat(live, temperature=0, extra_body={"tool_choice": None})
+    omitted, null = together(partial(_chat, live, temperature=0),
+                             partial(_chat, live, temperature=0, extra_body={"tool_choice": None}))
     assert null.choices[0].message.content == omitted.choices[0].message.content
 
 
