@@ -36,6 +36,7 @@ import torch
 from engine.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1 (exact in float32)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,11 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform noise ``u [B, V]`` float32 in (0, 1) from ``hash(seed, position, token id)``.
+    """Uniform noise ``u [B, V]`` float32 in (0, 1) from ``hash(seed, position, token id)``: the top 24
+    bits of the hash, centred in their cell. The open interval matters: the Gumbel noise
+    ``-log(-log(u))`` is ``+inf`` at ``u == 1``, and ``-inf + inf`` is NaN, which ``argmax`` picks, so a
+    token masked to ``-inf`` (grammar, top-k/top-p, ``min_tokens``) would win. ``2**24 - 0.5`` is not a
+    float32 (it rounds to ``2**24``), so the top cell is clamped to the largest float32 below 1.
 
     Args:
         seeds: int64 ``[B]``, any 64-bit value (taken modulo 2**64 by the caller).
@@ -130,7 +135,8 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
     row = mix32(mix32(lo ^ mix32(hi + 0x9E3779B9)) ^ positions)
     tok = mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64) + 0x632BE5AB)
     h = mix32(row[:, None] ^ tok[None, :])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return u.clamp_(max=_BELOW_ONE)
 
 
 def _to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -236,3 +236,43 @@ def test_logit_bias_forces_and_bans_tokens_per_row(temperature: float) -> None:
     assert out[1].token_id == plain[1].token_id  # a row without bias is untouched by its neighbours'
     assert out[2].token_id != int(logits[2].argmax())
     assert torch.equal(apply_penalties(logits, rows[1:2]), logits)
+
+
+# seed 0, output position 94: token 29597's hash has its top 24 bits all set, the one cell whose centre
+# (2**24 - 0.5) / 2**24 rounds to 1.0 in float32
+EDGE_SEED, EDGE_POS, EDGE_TOKEN, EDGE_VOCAB = 0, 94, 29597, 49152
+
+
+def _edge_hash() -> int:
+    """The 32-bit hash ``seeded_uniform`` draws at the edge case (its own formula, in plain Python)."""
+    lo, hi = EDGE_SEED & 0xFFFFFFFF, EDGE_SEED >> 32
+    row = _py_mix32(_py_mix32(lo ^ _py_mix32(hi + 0x9E3779B9)) ^ EDGE_POS)
+    return _py_mix32(row ^ _py_mix32(EDGE_TOKEN + 0x632BE5AB))
+
+
+def test_seeded_uniform_stays_below_one_at_the_top_hash_cell():
+    assert _edge_hash() >> 8 == (1 << 24) - 1  # the case below is the edge
+    u = seeded_uniform(torch.tensor([EDGE_SEED]), torch.tensor([EDGE_POS]), EDGE_VOCAB)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+    assert float(u[0, EDGE_TOKEN]) == 1.0 - 2.0**-24
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+
+
+def test_sampling_at_the_top_hash_cell_keeps_to_the_grammar_mask():
+    """Rows: a grammar row at the edge position (only tokens 5 and 9 allowed), a free row at the same
+    position, a greedy grammar row. The grammar row must sample an allowed token, never the masked
+    token whose noise is the largest."""
+    from engine.sampler import GrammarMask
+
+    logits = torch.randn(3, EDGE_VOCAB, generator=torch.Generator().manual_seed(3))
+    bitmask = torch.zeros(3, EDGE_VOCAB // 32, dtype=torch.int32)
+    for r in (0, 2):
+        for t in (5, 9):
+            bitmask[r, t // 32] |= 1 << (t % 32)
+    mask = GrammarMask(bitmask, [0, 2])
+    hot, greedy = SamplingParams(temperature=0.7), SamplingParams(temperature=0.0)
+    rows = [_row(hot, EDGE_SEED, EDGE_POS), _row(hot, EDGE_SEED, EDGE_POS), _row(greedy, EDGE_SEED, EDGE_POS)]
+    tokens = Sampler.sample_tokens(logits, rows, grammar_mask=mask).tolist()
+    assert tokens[0] in (5, 9)
+    assert tokens[2] == (5 if logits[2, 5] > logits[2, 9] else 9)
+    assert 0 <= tokens[1] < EDGE_VOCAB

@@ -23,10 +23,6 @@ from tests.conformance.peer.common import disagg, refused, together
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ASK: Any = [{"role": "system", "content": "you are a helpful assistant"},
             {"role": "user", "content": "what is 1+1?"}]
-GRAMMAR_AT_TEMPERATURE = pytest.mark.xfail(strict=False, reason=(
-    "pdserve bug, seen live 2026-12-02: with temperature > 0 the disaggregated decode worker sampled a token "
-    "its grammar forbids (503 'engine step failed (StructuredOutputError ...)'); not reproduced on the "
-    "offline engine (colocated, nor continued with output_offset); engine/ decode path, not fixed here"))
 LANGUAGES = ["Python", "Rust", "Go", "Haskell", "OCaml"]
 IPV4 = r"((25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
@@ -164,7 +160,6 @@ def test_chat_completion_stream_options(live: SystemPair) -> None:
 
 
 # from vllm chat_completion/test_chat.py::test_structured_outputs_choice_chat
-@GRAMMAR_AT_TEMPERATURE
 def test_structured_outputs_choice_chat(live: SystemPair) -> None:
     messages: Any = [{"role": "user", "content": "The best language for type-safe systems programming is"}]
     first = _chat(live, messages=messages, max_completion_tokens=10, temperature=0.7,
