@@ -8,6 +8,7 @@ transfers bit-exact as before, with nothing leaked."""
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,9 @@ def _raw_hello(ctx: zmq.Context, keys: CurveKeys, address: str, hello: m.Hello) 
     """Send `hello` from a fresh CURVE client holding the fleet's keys; its HelloReply (within WAIT)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IDENTITY, f"{hello.sender_id}:{hello.epoch}".encode())
+    # a fresh identity per socket: a ROUTER refuses a connection whose identity a peer it has not yet
+    # seen leave still holds (the previous call's socket), and the Hello would go unanswered
+    sock.setsockopt(zmq.IDENTITY, f"{hello.sender_id}:{hello.epoch}:{os.urandom(4).hex()}".encode())
     secure_client(sock, keys)
     sock.connect(address)
     try:
