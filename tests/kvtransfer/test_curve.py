@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,47 @@ def test_refusal_logs_are_bounded(caplog: pytest.LogCaptureFixture, monkeypatch:
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("capped")]
     assert len(lines) == 4 and "counted, not logged" in lines[3] and "3 refused peers" in lines[3], lines
     assert refusals.counts()["unknown_key"] == 7
+
+
+def test_unusable_transport_metadata_is_refused_and_both_loops_live_on(tmp_path: Path) -> None:
+    """A key holder's Hello (to a receiver) or HelloReply (to a sender) whose transport metadata the
+    transport cannot use (here bytes that are not UTF-8, for the loopback transport) is refused as an
+    incompatible peer, named in the reply or the error; neither endpoint's loop ends, and a good peer
+    transfers afterwards."""
+    fleet = generate_keys(tmp_path / "fleet")
+    backend = get_transfer_backend("loopback")
+    src, dst = make_kv(9), make_kv(None)
+    rx = backend.receiver(config("d0", "loopback", curve=fleet), dst)
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    secure_server(fake, fleet)
+    fake_address = f"tcp://127.0.0.1:{fake.bind_to_random_port('tcp://127.0.0.1')}"
+    tx = backend.sender(config("p0", "loopback", curve=fleet), src)
+    try:
+        reply = _raw_hello(ctx, fleet, rx.address, m.Hello("p-bad", 1, rx.compat, b"\xff\xfe"))
+        assert reply.transport == b"" and "transport metadata unusable" in reply.mismatches[0], reply
+        assert rx.stats().senders == () and rx.stats().loop.alive
+
+        def answer_badly() -> None:
+            assert fake.poll(int(WAIT * 1000)), "no Hello from the sender"
+            ident, _ = fake.recv_multipart()
+            fake.send_multipart([ident, m.encode(m.HelloReply("fake-d", 1, [], b"\xff\xfe"))])
+
+        t = threading.Thread(target=answer_badly)
+        t.start()
+        with pytest.raises(IncompatiblePeerError, match="transport metadata unusable"):
+            tx.connect(fake_address, timeout=WAIT)
+        t.join(WAIT)
+        assert tx.stats().loop.alive
+        tx.connect(rx.address, timeout=WAIT)
+        tx.add_request(rx.expect("a", [1, 2]), [3, 4])
+        tx.send_layers("a")
+        assert rx.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE, rx.reason("a")
+        assert_landed(src, [3, 4], dst, [1, 2])
+        release_both(tx, rx, "a", leaks=True)
+    finally:
+        fake.close(0)
+        ctx.term()
+        tx.close()
+        rx.close()
