@@ -28,6 +28,9 @@ Targets:
   gateway → worker type from a fake gateway) and a KV sender's socket (frames of every receiver → sender
   type from a fake receiver); bench/fuzz/worker_sockets.py says how and what is checked afterwards.
 
+Seconds in the report: from the first fuzzed message to the last one taken by the socket (for a
+worker: to the answer of the valid request sent after them, so every frame was handled by then).
+
 A target fails on a crash (the process or the loop ended), a hang (a send blocked for 5 s, or the check
 afterwards did not finish within its deadline) or a leak. Exit code 0 when every target passes, 1
 otherwise.
