@@ -48,6 +48,24 @@ def test_capped_forces_the_token_cap() -> None:
     assert capped({"max_output_tokens": True}, "/v1/responses", "m")["max_output_tokens"] == 2
 
 
+def fuzz(operation: Any, url: str, model: str, headers: dict[str, str], statuses: Counter[int]) -> None:
+    """``CASES_PER_OPERATION`` generated cases of ``operation`` against the gateway at ``url``."""
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=CASES_PER_OPERATION, derandomize=True, deadline=None, database=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    def run(case: Any) -> None:
+        if isinstance(case.body, dict):
+            case.body = capped(case.body, case.path, model)
+        resp = case.call(base_url=url, headers=headers, timeout=60)
+        statuses[resp.status_code] += 1
+        assert resp.status_code < 500, (case.path, case.body, resp.status_code, resp.text[:500])
+        if resp.status_code >= 400:
+            assert set(resp.json()["error"]) == {"message", "type", "param", "code"}, resp.text[:500]
+
+    run()
+
+
 def test_schemathesis_on_real_workers(live: SystemPair) -> None:
     headers = {"Authorization": f"Bearer {live.api_key}"}
     statuses: Counter[int] = Counter()
@@ -56,22 +74,8 @@ def test_schemathesis_on_real_workers(live: SystemPair) -> None:
         schema = schemathesis.openapi.from_url(url + "/openapi.json", headers=headers)
         for result in schema.get_all_operations():
             operation = result.ok()  # type: ignore[union-attr]  # an Err raises here: a broken schema
-            if operation.method.lower() != "post" or operation.path not in GENERATION:
-                continue
-
-            @given(case=operation.as_strategy())
-            @settings(max_examples=CASES_PER_OPERATION, derandomize=True, deadline=None, database=None,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-            def run(case: Any, url: str = url, model: str = model) -> None:
-                if isinstance(case.body, dict):
-                    case.body = capped(case.body, case.path, model)
-                resp = case.call(base_url=url, headers=headers, timeout=60)
-                statuses[resp.status_code] += 1
-                assert resp.status_code < 500, (case.path, case.body, resp.status_code, resp.text[:500])
-                if resp.status_code >= 400:
-                    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}, resp.text[:500]
-
-            run()
+            if operation.method.lower() == "post" and operation.path in GENERATION:
+                fuzz(operation, url, model, headers, statuses)
     assert live.dead() == []
     # the generator reaches the workers (some 200s) and the validation (some 400s)
     assert sum(statuses.values()) >= 3 * CASES_PER_OPERATION, statuses
