@@ -23,7 +23,9 @@ its own kind, ``no_handshake``), logged once per kind and peer host. libzmq's mo
 peer of a failed handshake, so ``Refusals.on_monitor`` keeps the peer host of each accepted connection
 (``getpeername`` on the descriptor in the ``ACCEPTED`` event) and gives a failed handshake the host of
 the connection whose ``DISCONNECTED`` event follows it (libzmq emits the two together, in that order,
-from the connection's I/O thread). The host is "" when the descriptor was already closed when read.
+from the connection's I/O thread). The host is unknown when the descriptor was already closed when the
+monitor was read (a client that hangs up at once); such a refusal is logged only if none of its kind
+was logged before.
 
 No torch; nothing of the project besides this package (the gateway and protocol import this module).
 """
@@ -151,7 +153,8 @@ class Refusals:
     """Refused peers of one listening socket (``where`` names it in the logs): counted by kind
     (``REFUSAL_KINDS``, or another a caller names, e.g. the KV receiver's ``unregistered_sender``),
     logged once per (kind, peer) for the first ``MAX_REMEMBERED`` pairs (later new pairs are counted, not
-    logged), ``on_refused(kind)`` called for each. Any thread (the ZAP handler's thread, the socket's
+    logged; an unknown peer, "", only while no refusal of its kind was logged: it may be any of them),
+    ``on_refused(kind)`` called for each. Any thread (the ZAP handler's thread, the socket's
     loop); ``on_monitor`` from one thread only (the one reading the socket's monitor)."""
 
     def __init__(self, where: str, on_refused: Callable[[str], None] | None = None) -> None:
@@ -160,6 +163,7 @@ class Refusals:
         self._counts = dict.fromkeys(REFUSAL_KINDS, 0)
         self._logged: set[tuple[str, str]] = set()
         self._capped: set[str] = set()  # kinds whose new peers are no longer logged (MAX_REMEMBERED)
+        self._kinds_logged: set[str] = set()  # kinds logged at least once (for any peer)
         self._hosts: dict[int, str] = {}  # file descriptor of an accepted connection -> its peer host
         self._failed: str | None = None  # kind of a failed handshake whose DISCONNECTED is still to come
 
@@ -179,6 +183,9 @@ class Refusals:
         with self._lock:
             if (kind, peer) in self._logged or kind in self._capped:
                 return
+            if not peer and kind in self._kinds_logged:  # an unknown peer may be one already logged
+                return
+            self._kinds_logged.add(kind)
             full = len(self._logged) >= MAX_REMEMBERED
             if full:
                 self._capped.add(kind)
