@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvtransfer.curve import REFUSAL_EVENTS, CurveKeys, FleetAuthenticator, Refusals, secure_server
+from kvtransfer.curve import MONITOR_EVENTS, CurveKeys, FleetAuthenticator, Refusals, secure_server
 from protocol.messages import Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class ControlSocket:
             self.close()
             raise OSError(f"cannot bind control socket at {bind}: {exc}") from exc
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | REFUSAL_EVENTS)
+        self._monitor = self._sock.get_monitor_socket(MONITOR_EVENTS)
         self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)  # the same socket, read
         # without asyncio when frames are already there
 
@@ -117,10 +117,8 @@ class ControlSocket:
             dropped = False
             event = parse_monitor_message(await self._monitor.recv_multipart())
             while True:
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    dropped = True
-                else:
-                    self.refusals.on_monitor_event(event["event"])
+                self.refusals.on_monitor(event["event"], event["value"])
+                dropped = dropped or event["event"] == zmq.EVENT_DISCONNECTED
                 if not int(self._monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     break
                 event = parse_monitor_message(await self._monitor.recv_multipart())

@@ -18,8 +18,14 @@ key. A ZAP handler on the listening socket's context (``FleetAuthenticator``, py
 No message of a refused peer reaches the application, and it receives none. The secret key is the
 fleet's membership: whoever holds it is a pdserve process. Each refusal is counted (``Refusals``): by
 the ZAP handler (unknown key: logged once per key) and from the listening socket's monitor events
-(``HANDSHAKE_FAILED_*``: logged once per kind, as libzmq does not say which peer failed; a connection
-closed before any handshake, such as a Kubernetes TCP probe, is its own kind, ``no_handshake``).
+(``HANDSHAKE_FAILED_*``; a connection closed before any handshake, such as a Kubernetes TCP probe, is
+its own kind, ``no_handshake``), logged once per kind and peer host. libzmq's monitor does not name the
+peer of a failed handshake, so ``Refusals.on_monitor`` keeps the peer host of each accepted connection
+(``getpeername`` on the descriptor in the ``ACCEPTED`` event) and gives a failed handshake the host of
+the connection whose ``DISCONNECTED`` event follows it (libzmq emits the two together, in that order,
+from the connection's I/O thread). The host is unknown when the descriptor was already closed when the
+monitor was read (a client that hangs up at once); such a refusal is logged only if none of its kind
+was logged before.
 
 No torch; nothing of the project besides this package (the gateway and protocol import this module).
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
 import threading
 from collections.abc import Callable
@@ -51,6 +58,30 @@ HANDSHAKE = "handshake"  # a ZMTP peer without CURVE, or with a wrong server key
 # that noticed the mechanism mismatch first and hung up (libzmq reports whichever side noticed first)
 NO_HANDSHAKE = "no_handshake"
 REFUSAL_KINDS = (UNKNOWN_KEY, HANDSHAKE, NO_HANDSHAKE)
+# what a listening socket's monitor must report for Refusals.on_monitor to name the peer of a refusal
+MONITOR_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | REFUSAL_EVENTS
+MAX_REMEMBERED = 4096  # peers remembered (logged refusals, hosts of open connections): bounded memory
+
+
+def peer_host(fd: int) -> str:
+    """The peer's host (an IP address) of the connected socket on file descriptor ``fd``; "" when it is
+    closed, not a socket, or has no host (a Unix socket). Reads a duplicate, never closes ``fd``."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return ""
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return ""
+    try:
+        peer = sock.getpeername()
+        return str(peer[0]) if isinstance(peer, tuple) else ""
+    except OSError:
+        return ""
+    finally:
+        sock.close()
 
 
 @dataclass(frozen=True)
@@ -121,42 +152,83 @@ def secure_client(sock: zmq.Socket, keys: CurveKeys) -> None:  # type: ignore[ty
 class Refusals:
     """Refused peers of one listening socket (``where`` names it in the logs): counted by kind
     (``REFUSAL_KINDS``, or another a caller names, e.g. the KV receiver's ``unregistered_sender``),
-    logged once per (kind, peer), ``on_refused(kind)`` called for each. Any thread (the ZAP handler's
-    thread, the socket's loop)."""
+    logged once per (kind, peer) for the first ``MAX_REMEMBERED`` pairs (later new pairs are counted, not
+    logged; an unknown peer, "", only while no refusal of its kind was logged: it may be any of them),
+    ``on_refused(kind)`` called for each. Any thread (the ZAP handler's thread, the socket's
+    loop); ``on_monitor`` from one thread only (the one reading the socket's monitor)."""
 
     def __init__(self, where: str, on_refused: Callable[[str], None] | None = None) -> None:
         self.where, self._on_refused = where, on_refused
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(REFUSAL_KINDS, 0)
         self._logged: set[tuple[str, str]] = set()
+        self._capped: set[str] = set()  # kinds whose new peers are no longer logged (MAX_REMEMBERED)
+        self._kinds_logged: set[str] = set()  # kinds logged at least once (for any peer)
+        self._hosts: dict[int, str] = {}  # file descriptor of an accepted connection -> its peer host
+        self._failed: str | None = None  # kind of a failed handshake whose DISCONNECTED is still to come
 
     def refused(self, kind: str, peer: str = "") -> None:
-        """Count one refused handshake of ``kind`` from ``peer`` (a key, or "" when unknown)."""
+        """Count one refused handshake of ``kind`` from ``peer`` (a key or a host; "" when unknown) and
+        log it if it is the first of that (kind, peer)."""
+        self._count(kind)
+        self._log_once(kind, peer)
+
+    def _count(self, kind: str) -> None:
         with self._lock:
             self._counts[kind] = self._counts.get(kind, 0) + 1
-            first = (kind, peer) not in self._logged
-            if first and len(self._logged) < 4096:
-                self._logged.add((kind, peer))
-        if first:
-            what = {UNKNOWN_KEY: f"a client with an unknown CURVE key {peer}",
-                    HANDSHAKE: "a client without the fleet's CURVE keys (no CURVE, or a wrong server key)",
-                    NO_HANDSHAKE: "a connection closed before any handshake (a TCP probe or port scan)"
-                    }.get(kind, f"{peer} ({kind})")
-            log.warning("%s refused %s; further refusals of it are counted, not logged", self.where, what)
         if self._on_refused is not None:
             self._on_refused(kind)
 
-    def on_monitor_event(self, event: int) -> bool:
-        """Count a listening socket's monitor event if it is a failed handshake (``HANDSHAKE``) or a
-        connection closed before one (``NO_HANDSHAKE``: libzmq's HANDSHAKE_FAILED_NO_DETAIL, e.g. a TCP
-        liveness probe); True if it was either."""
-        if event & zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-            self.refused(HANDSHAKE)
-            return True
-        if event & zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            self.refused(NO_HANDSHAKE)
-            return True
-        return False
+    def _log_once(self, kind: str, peer: str) -> None:
+        with self._lock:
+            if (kind, peer) in self._logged or kind in self._capped:
+                return
+            if not peer and kind in self._kinds_logged:  # an unknown peer may be one already logged
+                return
+            self._kinds_logged.add(kind)
+            full = len(self._logged) >= MAX_REMEMBERED
+            if full:
+                self._capped.add(kind)
+            else:
+                self._logged.add((kind, peer))
+        if full:
+            log.warning("%s: %d refused peers logged; further new peers of %s are counted, not logged",
+                        self.where, MAX_REMEMBERED, kind)
+            return
+        source = f"from {peer}" if peer else "(peer unknown)"
+        what = {
+            UNKNOWN_KEY: f"a client with an unknown CURVE key {peer}",
+            HANDSHAKE: f"a client without the fleet's CURVE keys (no CURVE or a wrong server key) {source}",
+            NO_HANDSHAKE: f"a connection closed before any handshake (a TCP probe or port scan) {source}",
+        }.get(kind, f"{peer} ({kind})")
+        log.warning("%s refused %s; further refusals of it are counted, not logged", self.where, what)
+
+    def on_monitor(self, event: int, value: int) -> bool:
+        """Take one event of the listening socket's monitor (``MONITOR_EVENTS``; ``value`` as libzmq
+        gives it: the file descriptor for ACCEPTED and DISCONNECTED). A failed handshake (``HANDSHAKE``)
+        or a connection closed before one (``NO_HANDSHAKE``: libzmq's HANDSHAKE_FAILED_NO_DETAIL, e.g. a
+        TCP liveness probe) is counted at once and logged at the DISCONNECTED that follows it, with that
+        connection's peer host. True if the event was a refusal."""
+        if event & zmq.EVENT_ACCEPTED:
+            if len(self._hosts) >= MAX_REMEMBERED:  # connections whose DISCONNECTED never came
+                del self._hosts[next(iter(self._hosts))]
+            self._hosts[value] = peer_host(value)
+            return False
+        if event & zmq.EVENT_DISCONNECTED:
+            host = self._hosts.pop(value, "")
+            if self._failed is not None:
+                self._log_once(self._failed, host)
+                self._failed = None
+            return False
+        kind = (HANDSHAKE if event & zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                else NO_HANDSHAKE if event & zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL else None)
+        if kind is None:
+            return False
+        if self._failed is not None:  # two failures without a DISCONNECTED between them: unexpected
+            self._log_once(self._failed, "")
+        self._count(kind)
+        self._failed = kind
+        return True
 
     def counts(self) -> dict[str, int]:
         """Refusals so far by kind (a copy)."""

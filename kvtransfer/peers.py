@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from kvtransfer.compat import KVCompat
 from kvtransfer.curve import secure_client
 from kvtransfer.transports.base import SendTransport
 from kvtransfer.types import IncompatiblePeerError, TransferConfig, TransferError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -107,21 +110,32 @@ class ReceiverPeers:
         peer.last_seen = peer.hello_at = now
         self.send(peer, wire.Hello(self.config.worker_id, self.epoch, self.info, self.transport.metadata()))
 
-    def answered(self, peer: ReceiverPeer, reply: wire.HelloReply, err: IncompatiblePeerError | None) -> None:
+    def answered(self, peer: ReceiverPeer, reply: wire.HelloReply,
+                 err: IncompatiblePeerError | None) -> IncompatiblePeerError | None:
         """Adopt a HelloReply: without `err`, connect the transport to its incarnation (dropping the
         connection to an older one) and take its epoch; then resolve the connect() waiters (with `err`
         if given). Call after failing the requests of an older incarnation (their writes are cancelled
-        while the transport still knows the peer)."""
+        while the transport still knows the peer). Returns `err`, or, when the transport cannot use the
+        reply's metadata (malformed bytes from a broken or hostile peer), an IncompatiblePeerError
+        naming why: the peer is then left without an epoch, as if it had never answered."""
         if err is None:
             if peer.epoch and peer.epoch != reply.epoch:
                 self.transport.remove_peer(peer.address)
             if peer.epoch != reply.epoch:
-                self.transport.add_peer(peer.address, reply.transport)
-            peer.epoch = reply.epoch
+                try:
+                    self.transport.add_peer(peer.address, reply.transport)
+                except Exception as exc:  # any transport's parse or connect failure: the peer is unusable
+                    err = IncompatiblePeerError(f"{reply.receiver_id}@{peer.address}", [
+                        f"transport metadata unusable: {type(exc).__name__}: {exc}"])
+                    log.warning("%s", err)
+                    peer.epoch = 0
+            if err is None:
+                peer.epoch = reply.epoch
         peer.hello_at = 0.0
         for fut in peer.waiters:
             fut.set_exception(err) if err else fut.set_result(None)
         peer.waiters.clear()
+        return err
 
     def forget(self, peer: ReceiverPeer) -> None:
         """Drop the transport's connection to `peer` and its epoch (lost, or it forgot us): a Hello must

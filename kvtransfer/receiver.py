@@ -35,7 +35,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvtransfer import wire
 from kvtransfer.compat import KVCompat, kv_compat
-from kvtransfer.curve import REFUSAL_EVENTS, FleetAuthenticator, Refusals, secure_server
+from kvtransfer.curve import MONITOR_EVENTS, FleetAuthenticator, Refusals, secure_server
 from kvtransfer.loop import LoopThread
 from kvtransfer.recv_control import RecvControl
 from kvtransfer.requests import RecvState, RequestTable
@@ -89,7 +89,7 @@ class ReceiverEndpoint:
         if self.config.curve is not None:  # only holders of the fleet's key pair complete a handshake
             self._auth = FleetAuthenticator(self._ctx, self.config.curve, self.refusals)
             secure_server(self._sock, self.config.curve)
-        self._monitor = self._sock.get_monitor_socket(REFUSAL_EVENTS)
+        self._monitor = self._sock.get_monitor_socket(MONITOR_EVENTS)
         if self.config.port:
             self._sock.bind(f"tcp://{self.config.host}:{self.config.port}")
         else:
@@ -216,7 +216,8 @@ class ReceiverEndpoint:
         self._wait()
         # failed handshakes: counted (the ZAP thread counts unknown keys); EVENTS is cheaper than a poll
         while int(self._monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            self.refusals.on_monitor_event(parse_monitor_message(self._monitor.recv_multipart())["event"])
+            event = parse_monitor_message(self._monitor.recv_multipart())
+            self.refusals.on_monitor(event["event"], event["value"])
         while int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # every message queued now
             frames = self._sock.recv_multipart(zmq.NOBLOCK)  # [identity, message] from a DEALER
             msg = wire.decode_from(frames[-1], frames[0].hex()) if len(frames) == 2 else None

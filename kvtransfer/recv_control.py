@@ -128,8 +128,13 @@ class RecvControl:
             for old in self.senders.restarted(hello):
                 self.drop_sender(old, f"sender {hello.sender_id} restarted (new epoch)")
             if not self.senders.known(identity):
-                self.transport.add_peer(identity.hex(), hello.transport)
-                self.senders.add(identity, hello)
+                try:
+                    self.transport.add_peer(identity.hex(), hello.transport)
+                except Exception as exc:  # any transport's parse or connect failure: the sender is unusable
+                    bad = [f"transport metadata unusable: {type(exc).__name__}: {exc}"]
+                    wire.log.warning("KV sender %s refused: %s", hello.sender_id, bad[0])
+                else:
+                    self.senders.add(identity, hello)
         self._send(identity, wire.HelloReply(self.config.worker_id, self.epoch, bad,
                                              b"" if bad else self.transport.metadata()))
 

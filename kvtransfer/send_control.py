@@ -103,7 +103,7 @@ class SendControl:
                if r.mismatches else None)
         if err is None and peer.epoch and peer.epoch != r.epoch:
             self.fail_peer(peer, f"receiver {r.receiver_id} restarted", only_epoch=peer.epoch)
-        self.peers.answered(peer, r, err)
+        err = self.peers.answered(peer, r, err)
         with self.requests.lock:
             waiting = [st for st in self.requests if st.handle.address == peer.address
                        and st.status is S.PENDING and not st.begin_sent]

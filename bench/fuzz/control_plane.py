@@ -2,7 +2,8 @@
 fleet's CURVE keys (an authenticated but broken or hostile peer) to the gateway's control socket and to a
 decode worker's KV control socket; afterwards each process must still serve.
 
-Run: ``.venv/bin/python -m bench.fuzz.control_plane [--frames 10000] [--seed 0] [--out report.md]``.
+Run: ``.venv/bin/python -m bench.fuzz.control_plane [--frames 10000] [--seed 0] [--targets ...]
+[--out report.md]`` (targets: ``gateway,kv,prefill,decode,colocated,kv-sender``, all by default).
 
 Frames (``frames``): one valid instance of every message type (``protocol.messages.Message`` for the
 gateway, ``kvtransfer.wire.Message`` for the KV plane; built from the type hints by ``example``), each
@@ -23,8 +24,16 @@ Targets:
   Hello the receiver accepts, so the other messages reach a known sender's paths); afterwards its loop
   must be alive, a real sender must transfer a request bit-exact and neither side may hold anything.
 
+- ``prefill``, ``decode``, ``colocated``, ``kv-sender``: a worker's control socket (frames of every
+  gateway → worker type from a fake gateway) and a KV sender's socket (frames of every receiver → sender
+  type from a fake receiver); bench/fuzz/worker_sockets.py says how and what is checked afterwards.
+
+Seconds in the report: from the first fuzzed message to the last one taken by the socket (for a
+worker: to the answer of the valid request sent after them, so every frame was handled by then).
+
 A target fails on a crash (the process or the loop ended), a hang (a send blocked for 5 s, or the check
-afterwards did not finish within its deadline) or a leak. Exit code 0 when both pass, 1 otherwise.
+afterwards did not finish within its deadline) or a leak. Exit code 0 when every target passes, 1
+otherwise.
 """
 
 from __future__ import annotations
@@ -205,6 +214,7 @@ class TargetResult:
     sent: int
     seconds: float
     after: str
+    note: str = ""  # what else happened, e.g. a peer refused on the way (not a failure)
 
 
 def fuzz_kv(n: int, seed: int, keys: CurveKeys) -> TargetResult:
@@ -315,6 +325,10 @@ def fuzz_gateway(n: int, seed: int, keys_dir: Path, tokenizer: str, log_dir: Pat
         sup.stop_all()
 
 
+WORKER_TARGETS = ("prefill", "decode", "colocated")
+TARGETS = ("gateway", "kv", *WORKER_TARGETS, "kv-sender")
+
+
 def run(n: int, seed: int, targets: tuple[str, ...], tokenizer: str,
         log_dir: Path | None = None) -> list[TargetResult]:
     """Fuzz each target with ``n`` messages (keys made for the run; the gateway's logs in ``log_dir``,
@@ -328,6 +342,18 @@ def run(n: int, seed: int, targets: tuple[str, ...], tokenizer: str,
         for target in targets:
             if target == "kv":
                 out.append(fuzz_kv(n, seed, keys))
+            elif target in WORKER_TARGETS:
+                from bench.fuzz.worker_sockets import fuzz_worker
+
+                work = Path(tmp) / target
+                work.mkdir()
+                out.append(fuzz_worker(target, n, seed, keys_dir, work))
+            elif target == "kv-sender":
+                from bench.fuzz.worker_sockets import fuzz_kv_sender
+
+                out.append(fuzz_kv_sender(n, seed, keys))
+            elif target != "gateway":
+                raise ValueError(f"--targets: unknown target {target!r}; known: {', '.join(TARGETS)}")
             else:
                 out.append(fuzz_gateway(n, seed, keys_dir, tokenizer, logs))
     return out
@@ -338,13 +364,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--frames", type=int, default=10_000, help="fuzzed messages per socket")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--targets", default="gateway,kv")
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma-separated, of " + ", ".join(TARGETS))
     p.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer dir or cached alias (gateway)")
     p.add_argument("--out", type=Path, default=None, help="Markdown report path")
     p.add_argument("--log-dir", type=Path, default=None, help="keep the gateway's and workers' logs here")
     args = p.parse_args(argv)
     # each undecodable KV frame is one warning of the receiver (kvtransfer.wire): thousands here
     logging.getLogger("kvtransfer").setLevel(logging.ERROR)
+    # likewise each refused gateway frame is a warning or an error with its traceback of the worker
+    # (workers.loop: the bad message fails its request only)
+    for name in ("pdserve.worker", "pdserve.prefill", "pdserve.decode"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     results = run(args.frames, args.seed, tuple(args.targets.split(",")), args.tokenizer, args.log_dir)
     lines = [f"control-plane fuzz, seed {args.seed}, {args.frames} messages per socket, date "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",

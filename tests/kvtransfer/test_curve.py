@@ -9,14 +9,25 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import threading
 from pathlib import Path
 
 import pytest
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from kvtransfer import IncompatiblePeerError, TransferError, TransferStatus, get_transfer_backend
+from kvtransfer import IncompatiblePeerError, TransferError, TransferStatus, curve, get_transfer_backend
 from kvtransfer import wire as m
-from kvtransfer.curve import CurveKeys, generate_keys, secure_client
+from kvtransfer.curve import (
+    MONITOR_EVENTS,
+    CurveKeys,
+    FleetAuthenticator,
+    Refusals,
+    generate_keys,
+    secure_client,
+    secure_server,
+)
 from tests.kvtransfer.helpers import assert_landed, config, make_kv, release_both
 
 pytestmark = pytest.mark.timeout(60)
@@ -182,4 +193,118 @@ def test_fence_checks_the_sender_epoch_and_a_restarted_sender_serves_once_named(
         for s in (old, new):
             if s is not None:
                 s.close()
+        rx.close()
+
+
+NULL_GREETING = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31
+
+
+def test_failed_handshakes_are_logged_once_per_kind_and_peer_host(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Refusals.on_monitor fed a real CURVE server's monitor: raw TCP peers from two loopback hosts, one of
+    them twice, each either closing before any handshake (no_handshake) or offering the NULL mechanism
+    (handshake). Each (kind, host) is logged once, naming the host; every refusal is counted."""
+    fleet = generate_keys(tmp_path / "fleet")
+    counted: list[str] = []
+    refusals = Refusals("test socket", counted.append)
+    ctx = zmq.Context()
+    auth = FleetAuthenticator(ctx, fleet, refusals)
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    secure_server(server, fleet)
+    monitor = server.get_monitor_socket(MONITOR_EVENTS)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+
+    def feed_until(event_kind: int) -> None:
+        while True:
+            assert monitor.poll(int(WAIT * 1000)), "no monitor event"
+            event = parse_monitor_message(monitor.recv_multipart())
+            refusals.on_monitor(event["event"], event["value"])
+            if event["event"] == event_kind:
+                return
+
+    try:
+        with caplog.at_level("WARNING", logger="pdserve"):
+            for host, greeting in (("127.0.0.2", b""), ("127.0.0.2", b""), ("127.0.0.3", b""),
+                                   ("127.0.0.2", NULL_GREETING), ("127.0.0.2", NULL_GREETING)):
+                peer = socket.create_connection(("127.0.0.1", port), timeout=WAIT, source_address=(host, 0))
+                try:
+                    feed_until(zmq.EVENT_ACCEPTED)  # the host is read while the connection is open
+                    if greeting:
+                        peer.sendall(greeting)
+                    else:
+                        peer.close()
+                    feed_until(zmq.EVENT_DISCONNECTED)
+                finally:
+                    peer.close()
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("test socket refused")]
+        assert len(lines) == 3, lines
+        assert sum("before any handshake" in line and "from 127.0.0.2" in line for line in lines) == 1
+        assert sum("before any handshake" in line and "from 127.0.0.3" in line for line in lines) == 1
+        assert sum("without the fleet's CURVE keys" in line and "from 127.0.0.2" in line
+                   for line in lines) == 1
+        assert refusals.counts()["no_handshake"] == 3 and refusals.counts()["handshake"] == 2
+        assert sorted(counted) == ["handshake"] * 2 + ["no_handshake"] * 3
+    finally:
+        server.disable_monitor()
+        monitor.close(0)
+        server.close(0)
+        auth.stop()
+        ctx.term()
+
+
+def test_refusal_logs_are_bounded(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_REMEMBERED (kind, peer) pairs, new peers are counted and the cap is said once."""
+    monkeypatch.setattr(curve, "MAX_REMEMBERED", 3)
+    refusals = curve.Refusals("capped")
+    with caplog.at_level("WARNING", logger="pdserve"):
+        for i in range(6):
+            refusals.refused(curve.UNKNOWN_KEY, f"key{i}")
+        refusals.refused(curve.UNKNOWN_KEY, "key0")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("capped")]
+    assert len(lines) == 4 and "counted, not logged" in lines[3] and "3 refused peers" in lines[3], lines
+    assert refusals.counts()["unknown_key"] == 7
+
+
+def test_unusable_transport_metadata_is_refused_and_both_loops_live_on(tmp_path: Path) -> None:
+    """A key holder's Hello (to a receiver) or HelloReply (to a sender) whose transport metadata the
+    transport cannot use (here bytes that are not UTF-8, for the loopback transport) is refused as an
+    incompatible peer, named in the reply or the error; neither endpoint's loop ends, and a good peer
+    transfers afterwards."""
+    fleet = generate_keys(tmp_path / "fleet")
+    backend = get_transfer_backend("loopback")
+    src, dst = make_kv(9), make_kv(None)
+    rx = backend.receiver(config("d0", "loopback", curve=fleet), dst)
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    secure_server(fake, fleet)
+    fake_address = f"tcp://127.0.0.1:{fake.bind_to_random_port('tcp://127.0.0.1')}"
+    tx = backend.sender(config("p0", "loopback", curve=fleet), src)
+    try:
+        reply = _raw_hello(ctx, fleet, rx.address, m.Hello("p-bad", 1, rx.compat, b"\xff\xfe"))
+        assert reply.transport == b"" and "transport metadata unusable" in reply.mismatches[0], reply
+        assert rx.stats().senders == () and rx.stats().loop.alive
+
+        def answer_badly() -> None:
+            assert fake.poll(int(WAIT * 1000)), "no Hello from the sender"
+            ident, _ = fake.recv_multipart()
+            fake.send_multipart([ident, m.encode(m.HelloReply("fake-d", 1, [], b"\xff\xfe"))])
+
+        t = threading.Thread(target=answer_badly)
+        t.start()
+        with pytest.raises(IncompatiblePeerError, match="transport metadata unusable"):
+            tx.connect(fake_address, timeout=WAIT)
+        t.join(WAIT)
+        assert tx.stats().loop.alive
+        tx.connect(rx.address, timeout=WAIT)
+        tx.add_request(rx.expect("a", [1, 2]), [3, 4])
+        tx.send_layers("a")
+        assert rx.wait("a", WAIT) is S.DONE and tx.wait("a", WAIT) is S.DONE, rx.reason("a")
+        assert_landed(src, [3, 4], dst, [1, 2])
+        release_both(tx, rx, "a", leaks=True)
+    finally:
+        fake.close(0)
+        ctx.term()
+        tx.close()
         rx.close()
