@@ -50,6 +50,7 @@ import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -57,6 +58,11 @@ import zmq
 from kvtransfer import wire
 from kvtransfer.curve import CurveKeys, generate_keys, secure_client
 from protocol import messages
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtransfer.api import KVReceiver, KVSender
 
 HOSTILE: tuple[object, ...] = (2**64 - 1, -(2**63), 2**63 - 1, -1, 0, math.nan, math.inf, -math.inf, "",
                                "x" * 100_000, None, [], {}, [[[[[[[[[[[]]]]]]]]]]], {"a": {"b": {"c": 1}}},
@@ -217,11 +223,35 @@ class TargetResult:
     note: str = ""  # what else happened, e.g. a peer refused on the way (not a failure)
 
 
+def transfer_after_fuzz(tx: KVSender, rx: KVReceiver, src: torch.Tensor, dst: torch.Tensor) -> str:
+    """Send blocks 4-6 of ``src`` into blocks 1-3 of ``dst`` from the KV sender ``tx`` to the receiver
+    ``rx``, release both sides and check neither leaked: what a fuzzed KV endpoint must still do. Returns
+    "" when it did, else why not. Raises TimeoutError / RuntimeError / AssertionError as the endpoints'
+    waits and leak checks do."""
+    from kvtransfer.types import TransferStatus
+
+    tx.add_request(rx.expect("after-fuzz", [1, 2, 3]), [4, 5, 6])
+    tx.send_layers("after-fuzz")
+    if rx.wait("after-fuzz", 10) is not TransferStatus.DONE:
+        return f"transfer after fuzz: {rx.reason('after-fuzz')}"
+    if not bool((src[:, :, [4, 5, 6]] == dst[:, :, [1, 2, 3]]).all()):
+        return "transfer after fuzz: data differs"
+    tx.wait("after-fuzz", 10)
+    rx.wait_until(lambda: rx.releasable("after-fuzz"), 10)
+    rx.release("after-fuzz")
+    tx.wait_until(lambda: tx.status("after-fuzz").is_terminal and not tx.snapshot("after-fuzz")
+                  .fence_pending and tx.snapshot("after-fuzz").inflight == 0, 10)
+    tx.release("after-fuzz")
+    tx.check_no_leaks()
+    rx.check_no_leaks()
+    return ""
+
+
 def fuzz_kv(n: int, seed: int, keys: CurveKeys) -> TargetResult:
     """Fuzz a loopback ``KVReceiver``'s control socket, then transfer a request through it."""
     import torch
 
-    from kvtransfer import TransferStatus, get_transfer_backend
+    from kvtransfer import get_transfer_backend
     from kvtransfer.types import TransferConfig
 
     backend = get_transfer_backend("loopback")
@@ -242,20 +272,9 @@ def fuzz_kv(n: int, seed: int, keys: CurveKeys) -> TargetResult:
                                    heartbeat_interval_s=0.1, peer_timeout_s=1.0)
         tx = backend.sender(tx_config, src)
         try:
-            tx.add_request(rx.expect("after-fuzz", [1, 2, 3]), [4, 5, 6])
-            tx.send_layers("after-fuzz")
-            if rx.wait("after-fuzz", 10) is not TransferStatus.DONE:
-                return TargetResult("kv", sent, seconds, f"transfer after fuzz: {rx.reason('after-fuzz')}")
-            if not bool((src[:, :, [4, 5, 6]] == dst[:, :, [1, 2, 3]]).all()):
-                return TargetResult("kv", sent, seconds, "transfer after fuzz: data differs")
-            tx.wait("after-fuzz", 10)
-            rx.wait_until(lambda: rx.releasable("after-fuzz"), 10)
-            rx.release("after-fuzz")
-            tx.wait_until(lambda: tx.status("after-fuzz").is_terminal and not tx.snapshot("after-fuzz")
-                          .fence_pending and tx.snapshot("after-fuzz").inflight == 0, 10)
-            tx.release("after-fuzz")
-            tx.check_no_leaks()
-            rx.check_no_leaks()
+            failed = transfer_after_fuzz(tx, rx, src, dst)
+            if failed:
+                return TargetResult("kv", sent, seconds, failed)
         finally:
             tx.close()
     except (TimeoutError, RuntimeError, AssertionError) as exc:

@@ -28,7 +28,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from bench.fuzz.control_plane import TargetResult, example, fuzz_frames
+from bench.fuzz.control_plane import TargetResult, example, fuzz_frames, transfer_after_fuzz
 from kvtransfer import wire
 from kvtransfer.curve import CurveKeys, load_keys, secure_server
 from protocol import messages as pm
@@ -278,7 +278,7 @@ def fuzz_kv_sender(n: int, seed: int, keys: CurveKeys) -> TargetResult:
     """Fuzz a loopback ``KVSender``'s socket from a fake receiver; see the module docstring."""
     import torch
 
-    from kvtransfer import KVHandle, TransferStatus, get_transfer_backend
+    from kvtransfer import KVHandle, get_transfer_backend
     from kvtransfer.staging import layout_of
     from kvtransfer.transports.loopback import LoopbackRecvTransport
     from kvtransfer.types import TransferConfig
@@ -363,21 +363,9 @@ def fuzz_kv_sender(n: int, seed: int, keys: CurveKeys) -> TargetResult:
             tx.release(rid)
         rx = backend.receiver(TransferConfig(worker_id="fuzz-d", model_id="fuzz", backend="loopback",
                                              curve=keys, heartbeat_interval_s=0.1, peer_timeout_s=1.0), dst)
-        tx.add_request(rx.expect("after-fuzz", [1, 2, 3]), [4, 5, 6])
-        tx.send_layers("after-fuzz")
-        if rx.wait("after-fuzz", 10) is not TransferStatus.DONE:
-            return TargetResult("kv-sender", sent, seconds,
-                                f"transfer after fuzz: {rx.reason('after-fuzz')}")
-        if not bool((src[:, :, [4, 5, 6]] == dst[:, :, [1, 2, 3]]).all()):
-            return TargetResult("kv-sender", sent, seconds, "transfer after fuzz: data differs")
-        tx.wait("after-fuzz", 10)
-        rx.wait_until(lambda: rx.releasable("after-fuzz"), 10)
-        rx.release("after-fuzz")
-        tx.wait_until(lambda: tx.status("after-fuzz").is_terminal and not tx.snapshot("after-fuzz")
-                      .fence_pending and tx.snapshot("after-fuzz").inflight == 0, 10)
-        tx.release("after-fuzz")
-        tx.check_no_leaks()
-        rx.check_no_leaks()
+        failed = transfer_after_fuzz(tx, rx, src, dst)
+        if failed:
+            return TargetResult("kv-sender", sent, seconds, failed)
         refused = f" (its first request was refused: {state['refused']})" if "refused" in state else ""
         return TargetResult("kv-sender", sent, seconds, "ok", refused)
     except (TimeoutError, RuntimeError, AssertionError) as exc:
