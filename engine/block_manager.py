@@ -1,14 +1,18 @@
 """KV block allocator with ref counts, prefix caching and LRU eviction (no torch).
 
 Modelled on nano-vllm's ``block_manager.py`` and vLLM's automatic prefix caching: the hash of full block
-``i`` is ``hash((hash of block i-1, tuple(token ids of block i)))`` so a hit on block ``i`` implies the
-whole prefix matches. Free blocks are either *uncached* (no hash; handed out lowest id first) or *cached*
+``i`` is ``block_hash(hash of block i-1, token ids of block i)`` (engine/block_hash.py: stable across
+processes, so the gateway names blocks by the same numbers) so a hit on block ``i`` implies the whole
+prefix matches. Free blocks are either *uncached* (no hash; handed out lowest id first) or *cached*
 (hash kept, reusable by a prefix hit until evicted least-recently-freed first).
 
 Besides the free sets, two numpy boolean masks over block ids (``_free_mask``: ref_count 0;
 ``_uncached_mask``: free and uncached) are kept in step with every state change, so
 :meth:`BlockManager.allocate_contiguous` finds a run with vectorised ops (:func:`first_run`) instead of
 a Python loop over every block id.
+
+With ``events`` set (:meth:`BlockManager.record_events`), every hash entering or leaving the prefix cache
+(the keys of the hash → block map) is logged (engine/kv_events.py) for the worker to publish.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
+from engine.block_hash import ROOT_HASH, block_hash
+from engine.kv_events import KVEventLog
 from engine.sequence import Sequence
 
 BoolArray = npt.NDArray[np.bool_]
@@ -70,6 +76,9 @@ class BlockManager:
     while a launched step may still write the KV cache (asynchronous scheduling, engine/async_step.py), to
     wait for that step, so no block is handed out again while it can still be written.
 
+    ``events``: None (the default: nothing recorded) or the log of prefix-cache changes
+    (:meth:`record_events`).
+
     Raises:
         ValueError: non-positive ``num_blocks`` or ``block_size``.
     """
@@ -81,6 +90,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.before_free: Callable[[], None] | None = None
+        self.events: KVEventLog | None = None
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._hash_to_block: dict[int, int] = {}
         self._free_uncached: set[int] = set(range(num_blocks))
@@ -90,6 +100,17 @@ class BlockManager:
         self._free_mask = np.ones(num_blocks, dtype=np.bool_)  # ref_count == 0
         self._uncached_mask = np.ones(num_blocks, dtype=np.bool_)  # in _free_uncached
         self._scratch = (np.empty(num_blocks, dtype=np.bool_), np.empty(num_blocks, dtype=np.bool_))
+
+    def record_events(self, max_pending: int | None = None) -> KVEventLog:
+        """Start logging prefix-cache changes (idempotent); returns the log. ``max_pending`` bounds the
+        hashes it keeps between drains (default ``2 * num_blocks``: more than one phase can change)."""
+        if self.events is None:
+            self.events = KVEventLog(max_pending or 2 * self.num_blocks)
+        return self.events
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now (in use or free-cached; unordered)."""
+        return list(self._hash_to_block)
 
     @property
     def num_free_blocks(self) -> int:
@@ -134,16 +155,16 @@ class BlockManager:
             raise ValueError(f"allocate_prefix needs a fresh sequence, {seq.request_id!r} has state")
         if not self.enable_prefix_caching:
             return 0
-        parent: int | None = None
+        parent = ROOT_HASH
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block_hash = hash((parent, tokens))
-            block_id = self._hash_to_block.get(block_hash)
+            h = block_hash(parent, tokens)
+            block_id = self._hash_to_block.get(h)
             if block_id is None or self._blocks[block_id].token_ids != tokens:
                 break
             self._ref(block_id)
             seq.block_table.append(block_id)
-            parent = block_hash
+            parent = h
         return len(seq.block_table) * self.block_size
 
     def allocate_contiguous(self, num_blocks: int) -> list[int] | None:
@@ -186,16 +207,20 @@ class BlockManager:
         if start == num_full:  # no block filled since the last call (most decode steps)
             return
         if start > num_full or (start and self._blocks[seq.block_table[start - 1]].block_hash != parent):
-            start, parent = 0, None
-        bs = self.block_size
+            start, parent = 0, ROOT_HASH
+        bs, cached, events = self.block_size, self._hash_to_block, self.events
         for i in range(start, num_full):
             block = self._blocks[seq.block_table[i]]
-            if block.block_hash is None:
+            h = block.block_hash
+            if h is None:
                 tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                block.block_hash = hash((parent, tokens))
+                h = block.block_hash = block_hash(parent, tokens)
                 block.token_ids = tokens
-                self._hash_to_block.setdefault(block.block_hash, block.block_id)
-            parent = block.block_hash
+                if h not in cached:
+                    cached[h] = block.block_id
+                    if events is not None:
+                        events.stored(h)
+            parent = h
         seq.hashed_blocks = (num_full, parent)
 
     def free(self, seq: Sequence) -> None:
@@ -214,7 +239,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self._release(block)
         seq.block_table = []
-        seq.hashed_blocks = (0, None)
+        seq.hashed_blocks = (0, ROOT_HASH)
 
     def check_no_leaks(self) -> None:
         """Raise ``AssertionError`` listing blocks still referenced (or lost from the free lists)."""
@@ -272,6 +297,8 @@ class BlockManager:
         """Drop a block's hash: its old content is about to be overwritten."""
         if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block.block_id:
             del self._hash_to_block[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
         block.block_hash = None
         block.token_ids = ()
 

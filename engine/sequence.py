@@ -41,7 +41,8 @@ class Sequence:
     ``block_table`` only grows by appending while the sequence holds its blocks; freeing replaces it by a
     new empty list (the decode graphs' static inputs rely on this to re-send only changed rows).
     ``hashed_blocks``: ``(n, hash of block n-1)``: the leading ``n`` blocks whose prefix hashes
-    ``BlockManager.cache_full_blocks`` registered (kept so each block is hashed once).
+    ``BlockManager.cache_full_blocks`` registered (kept so each block is hashed once); ``(0, 0)``: none
+    (0 is ``engine.block_hash.ROOT_HASH``).
     ``grammar``: the matcher of ``sampling_params.structured_output`` (set by the engine that admits the
     sequence; None without one).
     ``prompt_logprobs``: with ``sampling_params.prompt_logprobs`` set, the entries of prompt tokens
@@ -74,7 +75,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
-        self.hashed_blocks: tuple[int, int | None] = (0, None)
+        self.hashed_blocks: tuple[int, int] = (0, 0)  # (0, engine.block_hash.ROOT_HASH)
         self.status = SequenceStatus.WAITING
         self.first_scheduled_time: float | None = None
         self.grammar: GrammarState | None = None

@@ -112,6 +112,17 @@ class GatewayMetrics:
         self.generation_tokens = Counter("pdserve_generation_tokens", "generated tokens", registry=r)
         self.routes = Counter("pdserve_routed_requests", "requests by route kind "
                               "(disaggregated, prefill_only, colocated)", ["kind"], registry=r)
+        self.prefix_prompt_blocks = Counter("pdserve_prefix_prompt_blocks", "full prompt blocks of the "
+                                            "requests routed to a prefill worker", registry=r)
+        self.prefix_cached_blocks = Counter("pdserve_prefix_cached_blocks", "leading prompt blocks the "
+                                            "chosen prefill worker had reported cached (KV events) when "
+                                            "routed",
+                                            registry=r)
+        self.kv_events = Counter("pdserve_kv_events", "KVEvents applied to the prefix index by kind (delta, "
+                                 "snapshot), and gaps (a missed delta: the worker's state unknown until "
+                                 "a snapshot)", ["kind"], registry=r)
+        for kind in ("delta", "snapshot", "gap"):
+            self.kv_events.labels(kind)
         self.fallbacks = Counter("pdserve_local_prefill_fallbacks", "requests served colocated because "
                                  "prefill/decode workers were missing", registry=r)
         labels = ["worker_id", "role"]
@@ -123,6 +134,10 @@ class GatewayMetrics:
         self.kv_free = Gauge("pdserve_kv_blocks_free", "KV blocks free", labels, registry=r)
         self.kv_total = Gauge("pdserve_kv_blocks_capacity", "KV blocks in the worker's pool", labels,
                               registry=r)
+        self.prefix_index_blocks = Gauge("pdserve_prefix_index_blocks", "blocks the worker reported in its "
+                                         "prefix cache (KV events), as this gateway's prefix index holds "
+                                         "them",
+                                         labels, registry=r)
         self.kv_transfers = KVTransferCollector()
         r.register(self.kv_transfers)
         self.workers = Gauge("pdserve_workers_live", "live workers", ["role"], registry=r)
@@ -173,7 +188,8 @@ class GatewayMetrics:
 
     def drop_worker(self, worker_id: str, role: str) -> None:
         """Remove a gone worker's series."""
-        for gauge in (self.running, self.waiting, self.kv_used, self.kv_free, self.kv_total):
+        for gauge in (self.running, self.waiting, self.kv_used, self.kv_free, self.kv_total,
+                      self.prefix_index_blocks):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id, role)
         self.kv_transfers.drop(worker_id)

@@ -300,6 +300,9 @@ class Orchestrator:
         """Send the current attempt's first message to its route (step 1)."""
         route, att = req.route, req.attempt
         self.metrics.routes.labels(route.kind).inc()
+        if route.prompt_blocks:
+            self.metrics.prefix_prompt_blocks.inc(route.prompt_blocks)
+            self.metrics.prefix_cached_blocks.inc(route.prefix_blocks)
         if route.fallback:
             self.metrics.fallbacks.inc()
         if route.kind == "disaggregated":

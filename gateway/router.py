@@ -3,9 +3,11 @@
 Policy:
 * a prompt shorter than ``disagg_threshold`` tokens goes to a live colocated worker when one exists;
 * otherwise disaggregated: the decode worker with the least load (ties: more free blocks), and the
-  prefill worker with the longest cached prefix (``PrefixIndex``) among the least loaded (load within
+  prefill worker with the longest cached prefix (``PrefixIndex``: the blocks its KV events report
+  first, then those this gateway routed to it and not yet reported) among the least loaded (load within
   ``prefill_slack`` of the minimum), restricted to pairs that are compatible (``pairing_mismatch``) and
-  not blocked (``blocked``: a pair whose KV data path failed its canary, gateway/canary.py);
+  not blocked (``blocked``: a pair whose KV data path failed its canary, gateway/canary.py). Gateways
+  fed the same KV events and loads choose the same prefill worker for a prefix the workers reported;
 * ``max_tokens == 1``: prefill only, no decode worker;
 * a deployment with no prefill and no decode workers serves everything colocated;
 * prefill or decode missing while colocated workers exist: colocated only with ``allow_local_prefill``
@@ -16,10 +18,10 @@ Policy:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from gateway.prefix_index import PrefixIndex, block_hashes
+from gateway.prefix_index import PrefixIndex, PrefixMatch, block_hashes
 from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
 
 RouteKind = Literal["disaggregated", "prefill_only", "colocated"]
@@ -31,7 +33,9 @@ class NoWorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class Route:
-    """Where one request goes. ``fallback`` marks colocated serving because prefill/decode were missing."""
+    """Where one request goes. ``fallback`` marks colocated serving because prefill/decode were missing.
+    ``prefix_blocks``: leading blocks of the prompt the chosen prefill worker reported cached (its KV
+    events), of ``prompt_blocks`` full blocks (both 0 for colocated routes)."""
 
     kind: RouteKind
     prefill: WorkerEntry | None = None
@@ -39,11 +43,13 @@ class Route:
     colocated: WorkerEntry | None = None
     fallback: bool = False
     prefix_blocks: int = 0
+    prompt_blocks: int = 0
 
 
 class Router:
-    """Chooses workers from ``registry``; remembers routed prompts in ``prefix_index``. ``blocked(prefill
-    id, decode id)`` says why a compatible pair may not be used ("" when it may)."""
+    """Chooses workers from ``registry`` and the prefix-cache state in ``prefix_index`` (where it also
+    records the blocks of each prompt it sends to a prefill worker as pending). ``blocked(prefill id,
+    decode id)`` says why a compatible pair may not be used ("" when it may)."""
 
     def __init__(self, registry: WorkerRegistry, prefix_index: PrefixIndex, disagg_threshold: int = 0,
                  allow_local_prefill: bool = False, prefill_slack: int = 2,
@@ -87,34 +93,45 @@ class Router:
         if not prefills:
             raise NoWorkerError("no live prefill worker (start one, or run the gateway with "
                                 "--allow-local-prefill and a colocated worker)")
-        ranked = self._rank_prefills(prompt, prefills)
+        chains: dict[int, list[int]] = {}  # block size → the prompt's block hashes
+        ranked = self._rank_prefills(prompt, prefills, chains)
         if max_tokens <= 1:
             best, hit = ranked[0]
-            self._remember(best, prompt)
-            return Route("prefill_only", prefill=best, prefix_blocks=hit)
+            return self._chosen(Route("prefill_only", prefill=best), hit, chains)
         if not decodes:
             raise NoWorkerError("no live decode worker")
         reasons = []
         for prefill, hit in ranked:
             ok = [d for d in decodes if self.pair_problem(prefill, d) is None]
             if ok:
-                self._remember(prefill, prompt)
-                return Route("disaggregated", prefill=prefill, decode=_least_loaded(ok), prefix_blocks=hit)
+                return self._chosen(Route("disaggregated", prefill=prefill, decode=_least_loaded(ok)), hit,
+                                    chains)
             reasons += [m for d in decodes if (m := self.pair_problem(prefill, d))]
         raise NoWorkerError("no compatible prefill/decode pair: " + "; ".join(reasons))
 
-    def _rank_prefills(self, prompt: list[int], prefills: list[WorkerEntry]) -> list[tuple[WorkerEntry, int]]:
+    def _rank_prefills(self, prompt: list[int], prefills: list[WorkerEntry], chains: dict[int, list[int]]
+                       ) -> list[tuple[WorkerEntry, PrefixMatch]]:
+        """Near-least-loaded first, then by reported cached prefix, then pending prefix, then load, then
+        worker id (not registration order, which differs between gateways)."""
         floor = min(p.load_score() for p in prefills)
         scored = []
         for p in prefills:
-            hit = self.prefix_index.match(p.worker_id, block_hashes(prompt, p.info.compat.block_size))
+            size = p.info.compat.block_size
+            chain = chains.get(size)
+            if chain is None:
+                chain = chains[size] = block_hashes(prompt, size)
+            hit = self.prefix_index.match(p.worker_id, chain)
             near = p.load_score() <= floor + self.prefill_slack
             scored.append((p, hit, near))
-        scored.sort(key=lambda s: (not s[2], -s[1], s[0].load_score()))
+        scored.sort(key=lambda s: (not s[2], -s[1].cached, -s[1].pending, s[0].load_score(), s[0].worker_id))
         return [(p, hit) for p, hit, _ in scored]
 
-    def _remember(self, prefill: WorkerEntry, prompt: list[int]) -> None:
-        self.prefix_index.insert(prefill.worker_id, block_hashes(prompt, prefill.info.compat.block_size))
+    def _chosen(self, route: Route, hit: PrefixMatch, chains: dict[int, list[int]]) -> Route:
+        """``route`` with its prefix counts; the prompt's blocks become pending on its prefill worker."""
+        assert route.prefill is not None
+        chain = chains[route.prefill.info.compat.block_size]
+        self.prefix_index.expect(route.prefill.worker_id, chain)
+        return replace(route, prefix_blocks=hit.cached, prompt_blocks=len(chain))
 
 
 def _least_loaded(workers: list[WorkerEntry]) -> WorkerEntry:

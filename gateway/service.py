@@ -3,13 +3,14 @@ liveness (the reaper), the tokenizer, and the ``Orchestrator`` that owns the liv
 
 Control messages from workers: ``RegisterWorker`` (→ ``RegisterAck``; a higher epoch replaces the old
 incarnation, whose requests fail), ``Heartbeat`` (load; an unknown worker is asked to ``ReRegister``),
-``WorkerShutdown``; per-request messages go to the orchestrator (gateway/orchestrator.py), after counting
-as a sign of life of their worker; an ``OutputBatch`` (a worker phase's per-request messages in one
-frame) is applied message by message, in order. A worker silent for ``--heartbeat-timeout`` s is
-declared lost; so is, at once, a worker a send fails to reach (its connection is gone:
-``SendOutcome.UNREACHABLE``), and each dropped connection makes the gateway probe every worker (``Probe``)
-to find whose it was. A send that only would block (a slow worker) drops nobody. A lost worker is back
-when it registers again.
+``WorkerShutdown``, ``KVEvents`` (the worker's prefix-cache changes, fed to the router's ``PrefixIndex``;
+a gap in their numbers → ``KVSnapshotRequest``); per-request messages go to the orchestrator
+(gateway/orchestrator.py), after counting as a sign of life of their worker; an ``OutputBatch`` (a
+worker phase's per-request messages in one frame) is applied message by message, in order. A worker
+silent for ``--heartbeat-timeout`` s is declared lost; so is, at once, a worker a send fails to reach
+(its connection is gone: ``SendOutcome.UNREACHABLE``), and each dropped connection makes the gateway
+probe every worker (``Probe``) to find whose it was. A send that only would block (a slow worker) drops
+nobody. A lost worker is back when it registers again.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from protocol.messages import (
     Heartbeat,
     KVCanaryReserved,
     KVCanaryResult,
+    KVEvents,
+    KVSnapshotRequest,
     Message,
     OutputBatch,
     Probe,
@@ -166,6 +169,8 @@ class GatewayService:
                 await self.canaries.on_reserved(msg)
             else:
                 await self.canaries.on_result(msg)
+        elif isinstance(msg, KVEvents):
+            await self._on_kv_events(identity, msg)
         elif isinstance(msg, OutputBatch):
             self._heard_from(msg.worker_id)
             for item in msg.messages:
@@ -179,6 +184,24 @@ class GatewayService:
         entry = self.registry.get(worker_id)
         if entry is not None:
             self.registry.touch(worker_id, entry.info.epoch)
+
+    async def _on_kv_events(self, identity: bytes, msg: KVEvents) -> None:
+        """Apply a worker's prefix-cache changes to the prefix index; ask for a snapshot after a gap.
+        Events of an unregistered worker or of another incarnation than the registered one are dropped
+        (a registered worker sends a snapshot once accepted)."""
+        entry = self.registry.get(msg.worker_id)
+        if entry is None or entry.info.epoch != msg.epoch:
+            return
+        self.registry.touch(msg.worker_id, msg.epoch)
+        index = self.router.prefix_index
+        outcome = index.apply(msg)
+        if outcome in ("snapshot", "delta", "gap"):
+            self.metrics.kv_events.labels(outcome).inc()
+        if outcome == "gap":
+            log_event(log, "kv_events_gap", logging.INFO, worker_id=msg.worker_id, seq_no=msg.seq_no)
+            await self.send(identity, KVSnapshotRequest(worker_id=msg.worker_id, epoch=msg.epoch))
+        blocks = index.num_cached(entry.worker_id)
+        self.metrics.prefix_index_blocks.labels(entry.worker_id, entry.role).set(blocks)
 
     async def _ask_reregister(self, identity: bytes, msg: Heartbeat) -> None:
         assert self.control is not None

@@ -14,6 +14,8 @@ Request lifecycle (disaggregated; the gateway's side is gateway/orchestrator.py)
 Worker → gateway, the per-request messages of one worker phase (``FirstToken``, ``NextToken``,
 ``RequestFinished``, ``RequestFailed``, ``KVReserved``: a decode step's tokens for every running request)
 travel together in one ``OutputBatch`` frame, in the order they were made.
+Prefix-cache state: every worker publishes ``KVEvents`` (blocks stored / removed; a snapshot after each
+registration), from which each gateway keeps its prefix index.
 ``max_tokens=1``: step 3 without a KV handle, and nothing reaches a decode worker. Colocated:
 ``ColocatedRequest`` → ``FirstToken``, ``NextToken`` …, ``RequestFinished``. At any point the gateway may
 send ``AbortRequest`` (client gone, stop string matched, peer failed) to every worker holding state.
@@ -26,7 +28,7 @@ decoded). Stop *strings* stay in the gateway, which detokenizes: the request mes
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -35,6 +37,7 @@ from kvtransfer.compat import KVCompat
 
 Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort"]
+BlockHash = Annotated[int, msgspec.Meta(ge=0)]  # engine/block_hash.py ``block_hash`` (msgpack: < 2**64)
 
 
 
@@ -345,6 +348,36 @@ class OutputBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     messages: list[OutputMessage]
 
 
+class KVEvents(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Worker → gateway: how the worker's prefix cache changed, at most one per worker phase (any role).
+
+    Blocks are named by their chained hash (engine/block_hash.py ``block_hash``, the same number in every
+    process: 64-bit, BLAKE2b over the parent hash and the block's token ids; the worker's
+    ``compat.block_size`` tokens per block). ``stored``: hashes now cached (a full block whose KV a
+    prefix hit can reuse); ``removed``: hashes no longer cached (evicted); disjoint, the net change since
+    the previous message. ``snapshot``: ``stored`` is the whole cache and ``removed`` is empty: the reader
+    replaces what it held of this worker (an empty snapshot: the cache is empty). ``seq_no``: 1, 2, 3 …
+    per worker incarnation (``epoch``), over deltas and snapshots alike: a reader that sees a number
+    other than the one after the last it applied has missed one, and asks for a snapshot
+    (``KVSnapshotRequest``) ignoring deltas until it comes. A worker sends a snapshot after every
+    accepted registration, on request, and when its change log overflowed. Names no request."""
+
+    worker_id: str
+    epoch: int
+    seq_no: Annotated[int, msgspec.Meta(ge=1)]
+    stored: list[BlockHash] = []
+    removed: list[BlockHash] = []
+    snapshot: bool = False
+
+
+class KVSnapshotRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → worker: send a ``KVEvents`` snapshot of your whole prefix cache (the gateway missed a
+    ``KVEvents``: its ``seq_no`` skipped one)."""
+
+    worker_id: str
+    epoch: int
+
+
 class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Gateway → worker: drop the request and free its blocks (once no transfer can still write them)."""
 
@@ -362,7 +395,7 @@ Message = (
     RegisterWorker | RegisterAck | ReRegister | Probe | Heartbeat | WorkerShutdown | ReserveKV | KVReserved
     | PrefillRequest | DecodeRequest | ColocatedRequest | FirstToken | NextToken | RequestFinished
     | RequestFailed | RequestRejected | OutputBatch | AbortRequest | KVCanaryReserve | KVCanaryReserved
-    | KVCanarySend | KVCanaryResult
+    | KVCanarySend | KVCanaryResult | KVEvents | KVSnapshotRequest
 )
 
 _ENCODER = msgspec.msgpack.Encoder()

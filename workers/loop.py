@@ -6,7 +6,9 @@ Queues and states:
   * the engine's own queues (scheduler ``waiting`` / ``running``), advanced one step at a time by
     ``run_in_executor`` on a single thread, so heartbeats and aborts are never stalled by a forward pass;
   * ``outbox``: messages for the gateway, flushed after every phase; the phase's per-request messages
-    (a step's tokens of every running request) go out as one ``OutputBatch`` frame.
+    (a step's tokens of every running request) go out as one ``OutputBatch`` frame, and the phase's
+    prefix-cache changes as one ``KVEvents`` (``kv_events``; a snapshot after each accepted
+    registration and on ``KVSnapshotRequest``).
 Subclasses (prefill, decode, colocated) implement ``on_message`` / ``poll`` / ``has_work`` / ``step`` /
 ``on_step`` / ``drop``. A failing step fails only the requests it carried (``RequestFailed``).
 """
@@ -28,6 +30,8 @@ from kvtransfer.compat import KVCompat
 from protocol.logging import log_event
 from protocol.messages import (
     Heartbeat,
+    KVEvents,
+    KVSnapshotRequest,
     Message,
     Probe,
     RegisterAck,
@@ -95,6 +99,9 @@ class WorkerLoop:
         self.metrics.watch(self.load, lambda: core.scheduler.num_preemptions, self.health.loop_age,
                            lambda: self.health.registered)
         self.health_server: HealthServer | None = None
+        self._kv_log = core.block_manager.record_events()
+        self._kv_seq_no = 0  # of the last KVEvents built
+        self._kv_snapshot_due = False
 
     # ---- what a role implements -------------------------------------------------------------------
     def on_message(self, msg: Message) -> None:
@@ -179,6 +186,31 @@ class WorkerLoop:
             self.deliver(GatewayChanged(self.gateway_epoch, ack.gateway_epoch))
         self.gateway_epoch = ack.gateway_epoch or self.gateway_epoch
         self.health.registered = True
+        self.want_kv_snapshot()
+
+    def want_kv_snapshot(self) -> None:
+        """Make the next ``kv_events`` a snapshot of the whole prefix cache (after a registration was
+        accepted, so a gateway that knew nothing of this worker learns its cache; on
+        ``KVSnapshotRequest``)."""
+        self._kv_snapshot_due = True
+
+    def kv_events(self) -> KVEvents | None:
+        """The prefix-cache changes since the last call as one ``KVEvents`` (loop thread, between steps),
+        or None when nothing changed. A snapshot (every cached hash, pending changes dropped) instead
+        when one is due (``want_kv_snapshot``) or the change log overflowed. Each message built takes the
+        next ``seq_no``. The process loop emits it at every flush; ``run_once`` leaves that to its
+        caller."""
+        changes = self._kv_log.drain()
+        if self._kv_snapshot_due or changes.lost:
+            self._kv_snapshot_due = False
+            self._kv_seq_no += 1
+            return KVEvents(worker_id=self.worker_id, epoch=self.epoch, seq_no=self._kv_seq_no,
+                            stored=self.core.block_manager.cached_hashes(), snapshot=True)
+        if not changes:
+            return None
+        self._kv_seq_no += 1
+        return KVEvents(worker_id=self.worker_id, epoch=self.epoch, seq_no=self._kv_seq_no,
+                        stored=changes.stored, removed=changes.removed)
 
     def _gateway_changed(self, change: GatewayChanged) -> None:
         dropped = self.request_ids()
@@ -277,6 +309,8 @@ class WorkerLoop:
                               kv_sender_epoch=self.kv_sender_epoch())
 
     async def _flush(self) -> None:
+        if (events := self.kv_events()) is not None:
+            self.emit(events)
         for msg in batch_outputs(self.worker_id, self.take_outbox()):
             await self.control.send(msg)
 
@@ -310,6 +344,9 @@ class WorkerLoop:
                 await self.control.send(self.registration())
             elif isinstance(msg, Probe):  # the gateway checking which connection dropped: nothing to do
                 pass
+            elif isinstance(msg, KVSnapshotRequest):  # the gateway missed a KVEvents: resend the whole set
+                self.want_kv_snapshot()
+                self._wake.set()
             elif isinstance(msg, RegisterAck):
                 log_event(log, "registered" if msg.accepted else "registration_refused",
                           logging.INFO if msg.accepted else logging.ERROR, worker_id=self.worker_id,

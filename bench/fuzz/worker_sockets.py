@@ -35,7 +35,7 @@ from protocol import messages as pm
 
 GATEWAY_TO_WORKER: tuple[type[msgspec.Struct], ...] = (
     pm.RegisterAck, pm.ReRegister, pm.Probe, pm.ReserveKV, pm.PrefillRequest, pm.DecodeRequest,
-    pm.ColocatedRequest, pm.KVCanaryReserve, pm.KVCanarySend, pm.AbortRequest)
+    pm.ColocatedRequest, pm.KVCanaryReserve, pm.KVCanarySend, pm.AbortRequest, pm.KVSnapshotRequest)
 RECEIVER_TO_SENDER: tuple[type[msgspec.Struct], ...] = (
     wire.HelloReply, wire.BeginReply, wire.Rehandshake, wire.Done, wire.Fail, wire.Abort, wire.KeepAlive)
 HANG_S = 5.0  # a send not taken, or an answer not given, within this: a hang

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.block_hash import ROOT_HASH, block_hash
 from engine.block_manager import BlockManager, NoFreeBlocksError
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -207,10 +208,10 @@ def _with_table(block_id: int) -> Sequence:
     return s
 
 
-def _chain(tokens: list[int], num_blocks: int) -> int | None:
-    parent: int | None = None
+def _chain(tokens: list[int], num_blocks: int) -> int:
+    parent = ROOT_HASH
     for i in range(num_blocks):
-        parent = hash((parent, tuple(tokens[i * BS : (i + 1) * BS])))
+        parent = block_hash(parent, tokens[i * BS : (i + 1) * BS])
     return parent
 
 
@@ -230,7 +231,7 @@ def test_incremental_block_hashing_matches_full_chain_and_restarts_after_free() 
     assert seq.hashed_blocks == (3, _chain(seq.token_ids, 3))
     tokens = list(seq.token_ids)
     bm.free(seq)
-    assert seq.hashed_blocks == (0, None)
+    assert seq.hashed_blocks == (0, ROOT_HASH)
     again = _seq([*tokens, 7], rid="again")
     assert bm.allocate_prefix(again) == 12  # the whole chain of 3 full blocks hits
     bm.free(again)

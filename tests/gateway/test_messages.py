@@ -14,7 +14,9 @@ from protocol.messages import (
     DecodeRequest,
     FirstToken,
     Heartbeat,
+    KVEvents,
     KVReserved,
+    KVSnapshotRequest,
     NextToken,
     OutputBatch,
     PrefillRequest,
@@ -65,6 +67,9 @@ ALL = [
         FirstToken(request_id="t", worker_id="d", token_id=5), RequestFailed(request_id="u", worker_id="d",
                                                                              error="boom")]),
     OutputBatch(worker_id="d", messages=[]),
+    KVEvents(worker_id="p", epoch=5, seq_no=3, stored=[0, 2**64 - 1], removed=[7]),
+    KVEvents(worker_id="p", epoch=5, seq_no=1, snapshot=True),
+    KVSnapshotRequest(worker_id="p", epoch=5),
 ]
 
 
@@ -87,6 +92,11 @@ def test_bad_bytes_and_wrong_fields_raise() -> None:
         decode(msgspec.msgpack.encode({"type": "AbortRequest"}))  # request_id missing
     with pytest.raises(msgspec.ValidationError):
         decode(msgspec.msgpack.encode({"type": "NoSuchMessage", "request_id": "x"}))
+    with pytest.raises(msgspec.ValidationError, match=r"stored\[1\]"):  # a block hash is never negative
+        decode(msgspec.msgpack.encode({"type": "KVEvents", "worker_id": "p", "epoch": 1, "seq_no": 1,
+                                       "stored": [1, -1]}))
+    with pytest.raises(msgspec.ValidationError, match="seq_no"):
+        decode(msgspec.msgpack.encode({"type": "KVEvents", "worker_id": "p", "epoch": 1, "seq_no": 0}))
 
 
 def test_pairing_ignores_max_model_len_only() -> None:

@@ -51,6 +51,7 @@ def _fed_metrics() -> GatewayMetrics:
     m.workers.labels("prefill").set(1)
     m.kv_path_gbps.labels("p0", "d0", "loopback").set(1.5)
     m.kv_path_slow.labels("p0", "d0").set(0)
+    m.prefix_index_blocks.labels("p0", "prefill").set(3)
     m.observe_tokens(0.0, [0.1, 0.15, 0.2])
     return m
 

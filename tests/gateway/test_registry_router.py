@@ -8,7 +8,7 @@ from gateway.prefix_index import PrefixIndex, block_hashes
 from gateway.registry import WorkerRegistry, pairing_mismatch
 from gateway.router import NoWorkerError, Router
 from kvtransfer.compat import KVCompat
-from protocol.messages import RegisterWorker, WorkerLoad
+from protocol.messages import KVEvents, RegisterWorker, WorkerLoad
 
 
 class Clock:
@@ -95,9 +95,11 @@ def test_incompatible_only_raises_with_reason() -> None:
 def test_prefix_affinity_among_least_loaded() -> None:
     registry, router = make(reg("p1", "prefill"), reg("p2", "prefill"), reg("d", "decode"))
     prompt = list(range(40))
-    router.prefix_index.insert("p2", block_hashes(prompt[:32], 4))
+    router.prefix_index.apply(KVEvents(worker_id="p2", epoch=1, seq_no=1, snapshot=True,
+                                       stored=block_hashes(prompt[:32], 4)))
     route = router.route(prompt, max_tokens=4)
     assert route.prefill.worker_id == "p2" and route.prefix_blocks == 8  # type: ignore[union-attr]
+    assert route.prompt_blocks == 10
     # p2 far more loaded than p1: load wins over the cached prefix
     registry.touch("p2", 1, WorkerLoad(num_running=10))
     assert router.route(prompt, max_tokens=4).prefill.worker_id == "p1"  # type: ignore[union-attr]
@@ -137,7 +139,3 @@ def test_block_hashes_chain_and_validation() -> None:
     assert a[1] != b[1]  # same second block, different prefix → different hash
     with pytest.raises(ValueError, match="block_size"):
         block_hashes([1], 0)
-    index = PrefixIndex(max_blocks=2)
-    index.insert("w", a + b)
-    assert index.match("w", a) == 0  # a's blocks evicted (LRU bound 2)
-    assert index.match("w", b) == 2
