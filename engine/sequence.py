@@ -42,6 +42,9 @@ class Sequence:
     new empty list (the decode graphs' static inputs rely on this to re-send only changed rows).
     ``hashed_blocks``: ``(n, hash of block n-1)``: the leading ``n`` blocks whose prefix hashes
     ``BlockManager.cache_full_blocks`` registered (kept so each block is hashed once).
+    ``cacheable_tokens``: the leading tokens whose KV may be registered in the prefix cache (None: every
+    computed token); the scheduler's prefill grid (``SchedulerConfig.prefill_grid``) sets it to the end of
+    the last whole grid chunk a prefill step computed.
     ``grammar``: the matcher of ``sampling_params.structured_output`` (set by the engine that admits the
     sequence; None without one).
     ``prompt_logprobs``: with ``sampling_params.prompt_logprobs`` set, the entries of prompt tokens
@@ -75,6 +78,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.hashed_blocks: tuple[int, int | None] = (0, None)
+        self.cacheable_tokens: int | None = None
         self.status = SequenceStatus.WAITING
         self.first_scheduled_time: float | None = None
         self.grammar: GrammarState | None = None
