@@ -88,7 +88,8 @@ class SchedulerConfig:
                 raise ValueError(f"prefill_grid must be 0 (off) or in [2, max_num_batched_tokens="
                                  f"{self.max_num_batched_tokens}] tokens, got {self.prefill_grid}")
             if not self.enable_chunked_prefill:
-                raise ValueError("prefill_grid needs enable_chunked_prefill: it cuts prefills into grid chunks")
+                raise ValueError("prefill_grid needs enable_chunked_prefill: it cuts prefills into grid "
+                                 "chunks")
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,8 @@ def make_core(args: argparse.Namespace, grid: int, max_len: int) -> EngineCore:
     ))
 
 
-def run_one(core: EngineCore, rid: str, ids: list[int], max_tokens: int) -> tuple[list[int], list[float], int]:
+def run_one(core: EngineCore, rid: str, ids: list[int],
+            max_tokens: int) -> tuple[list[int], list[float], int]:
     """Run one greedy request alone: (token ids, their logprobs, prefix-cache hit in tokens)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     seq = core.add_request(rid, ids, params)

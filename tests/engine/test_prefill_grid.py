@@ -1,8 +1,9 @@
 """The prefill grid (``SchedulerConfig.prefill_grid``), scheduler and block manager only: grid-aligned
-prefill chunks (one per sequence per step, scheduled whole), prefix hits rounded down to the grid, and
+prefill chunks (one per sequence per step, scheduled whole), prefix hits rounded down to the grid and
 only whole prefill grid chunks registered in the prefix cache; config and flag validation. Every
 scenario ends with a leak check. The bit-exactness this buys is tested with the model in
-``test_prefix_determinism.py`` and through live workers in ``tests/system/test_prefix_determinism_live.py``."""
+``test_prefix_determinism.py`` and through live workers in
+``tests/system/test_prefix_determinism_live.py``."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def test_partial_chunk_and_decoded_tokens_are_not_registered() -> None:
     s.add(a)
     _drain(s)
     # a later prompt holding a's prompt and output: only the whole prefill chunk [0, 8) is reusable
-    b = _seq("b", a.token_ids + [5, 6, 7])
+    b = _seq("b", [*a.token_ids, 5, 6, 7])
     s.add(b)
     _drain(s)
     assert b.num_cached_tokens == 8
@@ -92,7 +93,7 @@ def test_partial_chunk_and_decoded_tokens_are_not_registered() -> None:
     a0 = _seq("a", PROMPT[:12], max_tokens=12)
     s0.add(a0)
     _drain(s0)
-    b0 = _seq("b", a0.token_ids + [5, 6, 7])
+    b0 = _seq("b", [*a0.token_ids, 5, 6, 7])
     s0.add(b0)
     _drain(s0)
     assert b0.num_cached_tokens == 20  # a's last output token has no KV yet
@@ -106,7 +107,7 @@ def test_hit_below_one_grid_chunk_is_no_hit() -> None:
     s.add(short)
     _drain(s)
     assert short.num_cached_tokens == 0
-    longer = _seq("c", PROMPT + [1])
+    longer = _seq("c", [*PROMPT, 1])
     s.add(longer)
     _drain(s)
     assert longer.num_cached_tokens == 16
