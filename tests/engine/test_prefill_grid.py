@@ -7,13 +7,17 @@ scenario ends with a leak check. The bit-exactness this buys is tested with the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.warmup import WarmupConfig, warmup
 from protocol.settings import WorkerSettings
 
 BS = 4
@@ -173,3 +177,25 @@ def test_worker_flag_validation(grid: int) -> None:
     with pytest.raises(ValueError, match="--prefill-grid"):
         WorkerSettings(role="colocated", insecure_control_plane=True, prefill_grid=grid)
     assert WorkerSettings(role="colocated", insecure_control_plane=True, prefill_grid=64).prefill_grid == 64
+
+
+def test_engine_warms_up_and_generates_on_the_grid(tiny_dummy_dir: Path) -> None:
+    """The warm-up's waves (a budget-sized prompt, one of 1.5 budgets, decode batches, a prompt beside
+    decodes) all complete on the grid, leave every block free, and a prompt then prefills chunk by chunk."""
+    core = EngineCore(EngineConfig(
+        ModelConfig(str(tiny_dummy_dir), load_format="dummy", dtype="float32", device="cpu",
+                    attention_backend="torch"),
+        CacheConfig(block_size=BS, num_blocks=128),
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, prefill_grid=16)))
+    assert core.block_manager.prefix_grid_blocks == 4
+    report = warmup(core, WarmupConfig(decode_batch_sizes=(1, 3), num_output_tokens=2))
+    assert report.completed
+    core.check_no_leaks()
+    core.add_request("r", list(range(10, 50)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    chunks = []
+    while core.has_unfinished():
+        out = core.scheduler.schedule()
+        chunks.append([x.num_scheduled_tokens for x in out.scheduled])
+        core.commit(out, core.runner.execute(out))
+    assert chunks == [[16], [16], [8], [1]]
+    core.check_no_leaks()
