@@ -11,7 +11,7 @@ the answer, and what does the grid cost? One engine per grid size (0: off), all 
    tokens/s, from ``add_request`` to the first token, device synchronised), and a second turn: that
    prompt plus ``--suffix-len`` new tokens, whose prefill reuses the first turn's cached prefix (TTFT;
    the grid recomputes the first turn's last partial grid chunk). Ratios are against the grid-less
-   engine of the same round; medians over the rounds.
+   engine of the same run; medians over the rounds (``--repeats 0``: answers only).
 
 GPU (the lead's H200 check; ``llama3-8b`` dummy weights, bf16, triton, CUDA graphs for decode)::
 
@@ -130,7 +130,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--timing-len", type=int, default=8192 if cuda else 1024)
     p.add_argument("--suffix-len", type=int, default=512 if cuda else 128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timing rounds (0: answers only)")
     p.add_argument("--num-blocks", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="torch threads on the CPU (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             ids = [(t + g) % vocab for t in first]  # per-engine prompt: no engine shares another's cache
             fresh[g].append(timed(core, rid + "-fresh", ids))
             turn2[g].append(timed(core, rid + "-turn2", ids + second[args.timing_len:]))
-    base_fresh, base_turn2 = statistics.median(fresh[grids[0]]), statistics.median(turn2[grids[0]])
     rows = []
-    for g in grids:
+    for g in grids if args.repeats else []:
+        base_fresh, base_turn2 = statistics.median(fresh[grids[0]]), statistics.median(turn2[grids[0]])
         f, t = statistics.median(fresh[g]), statistics.median(turn2[g])
         rows.append({"grid": g, "fresh_s": fresh[g], "turn2_s": turn2[g],
                      "prefill_tok_per_s": args.timing_len / f, "fresh_vs_first": base_fresh / f,
