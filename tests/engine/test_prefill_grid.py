@@ -199,3 +199,16 @@ def test_engine_warms_up_and_generates_on_the_grid(tiny_dummy_dir: Path) -> None
         core.commit(out, core.runner.execute(out))
     assert chunks == [[16], [16], [8], [1]]
     core.check_no_leaks()
+
+
+@pytest.mark.parametrize(("grid", "hit"), [(GRID, 16), (0, 20)])
+def test_decode_worker_registers_the_landed_prompts_whole_chunks(grid: int, hit: int) -> None:
+    s = _sched(grid=grid)
+    seq = _seq("d", PROMPT, max_tokens=1)
+    assert s.add_waiting_for_kv(seq)
+    s.kv_landed("d", 7)  # the first token ends it at once: blocks freed, hashes kept
+    assert seq.is_finished
+    probe = _seq("p", [*PROMPT, 1])
+    assert s.block_manager.allocate_prefix(probe) == hit
+    s.block_manager.free(probe)
+    s.block_manager.check_no_leaks()
