@@ -212,3 +212,20 @@ def test_decode_worker_registers_the_landed_prompts_whole_chunks(grid: int, hit:
     assert s.block_manager.allocate_prefix(probe) == hit
     s.block_manager.free(probe)
     s.block_manager.check_no_leaks()
+
+
+def test_flag_reaches_every_worker_engine_through_up() -> None:
+    from pdserve.cli import build_parser
+    from pdserve.launcher import plan
+    from protocol.settings import UpSettings, settings_from_args
+    from workers.setup import engine_config_from_settings
+
+    up = settings_from_args(build_parser({}).parse_args(
+        ["up", "--prefill-grid", "64", "--num-decode", "2", "--insecure-control-plane"]))
+    assert isinstance(up, UpSettings)
+    workers = [settings_from_args(build_parser({}).parse_args(args))
+               for name, args in plan(up, control_port=7777) if name != "gateway"]
+    assert len(workers) == 3
+    for child in workers:
+        assert isinstance(child, WorkerSettings)
+        assert engine_config_from_settings(child).scheduler.prefill_grid == 64
