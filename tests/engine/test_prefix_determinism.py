@@ -5,16 +5,20 @@ cache. With the prefill grid (``prefill_grid``) its tokens and logprobs (top-1 i
 first's bit for bit. Without it the second computes only the suffix (GEMMs over fewer rows, attention
 over other shapes) and its logprobs move by a few 1e-6: that case runs the same assertions under
 ``xfail(strict=True)``, so it shows the comparison can fail and fails the suite if it stops failing.
-Each test ends with a leak check of the engine's KV blocks.
+Each test ends with a leak check of the engine's KV blocks. The last test runs the Triton kernels
+(through Triton's interpreter).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.engine_core import EngineCore
 from engine.llm import LLM, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -90,3 +94,33 @@ def test_grid_hit_after_a_longer_prompt_equals_a_fresh_engine(engines: dict[int,
         fresh_engine.core.block_manager.check_no_leaks()
     finally:
         fresh_engine.close()
+
+
+@pytest.mark.parametrize("grid", [
+    GRID,
+    pytest.param(0, marks=pytest.mark.xfail(
+        strict=True, raises=AssertionError,
+        reason="no prefill grid: the hit's one-token suffix runs the decode kernel, the fresh prompt's last "
+               "token the prefill kernel")),
+], ids=["grid", "no-grid"])
+def test_triton_kernels_give_a_grid_hit_the_fresh_bits(tiny_dummy_dir: Path, grid: int) -> None:
+    """The same through the Triton kernels (store, paged prefill and decode attention; Triton's
+    interpreter on the CPU), tiny dummy Llama in fp32: the hit's chunks read the cached prefix as the
+    fresh run's chunks read the KV of their earlier chunks. 97 tokens: either hit is 96 tokens."""
+    core = EngineCore(EngineConfig(
+        ModelConfig(str(tiny_dummy_dir), load_format="dummy", dtype="float32", device="cpu",
+                    attention_backend="triton"),
+        CacheConfig(block_size=16, num_blocks=32), SchedulerConfig(max_num_seqs=2, prefill_grid=grid)))
+    prompt = [(7 * i + 3) % 250 + 3 for i in range(97)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1, ignore_eos=True)
+    runs = []
+    for rid in ("first", "second"):
+        seq = core.add_request(rid, prompt, params)
+        outs = []
+        while core.has_unfinished():
+            outs.extend((o.token_id, o.logprob, o.top_logprobs) for o in core.step())
+        runs.append((seq.num_cached_tokens, outs))
+    (hit1, first), (hit2, second) = runs
+    assert (hit1, hit2) == (0, 96) and len(first) == 3
+    assert second == first
+    core.check_no_leaks()
