@@ -30,6 +30,16 @@ class Scheduler:
     ``max_model_len`` (tokens) defaults to the cache capacity ``num_blocks * block_size`` and is capped
     by it, so a single sequence always fits and preemption always makes progress. ``num_preemptions``
     counts preemptions since start (monotonic; read by the worker's metrics).
+
+    With ``SchedulerConfig.prefill_grid`` (C > 0) every sequence's step covers at most the rest of the grid
+    chunk ``[kC, (k+1)C)`` holding its next token, whole or not at all (a chunk that does not fit the
+    budget left waits; it fits an empty step); ``Sequence.cacheable_tokens`` advances over each whole
+    chunk a prefill step computed, so only those enter the prefix cache; ``block_manager`` must round hits
+    to C (``prefix_grid_blocks = C // block_size``).
+
+    Raises:
+        ValueError: ``block_size`` differs from the block manager's, or a grid the block manager does
+            not round hits to.
     """
 
     def __init__(
@@ -263,8 +273,9 @@ class Scheduler:
         grid = self.grid
         for s in live:
             seq = s.seq
-            if grid and s.num_scheduled_tokens == grid and seq.num_computed_tokens % grid == 0:
-                seq.cacheable_tokens = seq.num_computed_tokens + grid  # a whole grid chunk: reusable
+            if (grid and s.num_scheduled_tokens == grid and seq.num_computed_tokens % grid == 0
+                    and seq.cacheable_tokens == seq.num_computed_tokens):
+                seq.cacheable_tokens += grid  # a whole grid chunk after reusable ones: reusable too
             seq.num_computed_tokens += s.num_scheduled_tokens
             if s.samples:
                 seq.append_token(sampled[seq.request_id])
