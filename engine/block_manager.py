@@ -78,14 +78,19 @@ class BlockManager:
 
     ``events``: None (the default: nothing recorded) or the log of prefix-cache changes
     (:meth:`record_events`).
+    ``prefix_grid_blocks``: a prefix hit is rounded down to a multiple of this many blocks (the prefill
+    grid, ``SchedulerConfig.prefill_grid``, in blocks; 1: no rounding).
 
     Raises:
-        ValueError: non-positive ``num_blocks`` or ``block_size``.
+        ValueError: non-positive ``num_blocks``, ``block_size`` or ``prefix_grid_blocks``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 prefix_grid_blocks: int = 1) -> None:
+        if num_blocks < 1 or block_size < 1 or prefix_grid_blocks < 1:
+            raise ValueError(f"num_blocks, block_size and prefix_grid_blocks must be >= 1, got {num_blocks}, "
+                             f"{block_size}, {prefix_grid_blocks}")
+        self.prefix_grid_blocks = prefix_grid_blocks
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -145,7 +150,8 @@ class BlockManager:
     def allocate_prefix(self, seq: Sequence) -> int:
         """Fill an empty ``seq.block_table`` with cached full blocks matching its tokens (ref + 1 each).
 
-        Never covers the last token, so at least one token is computed and logits exist.
+        Never covers the last token, so at least one token is computed and logits exist. The hit is
+        rounded down to a multiple of ``prefix_grid_blocks`` blocks.
         Returns the number of cached tokens (a multiple of ``block_size``; 0 without prefix caching).
 
         Raises:
@@ -156,15 +162,19 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         parent = ROOT_HASH
-        for i in range((seq.num_tokens - 1) // self.block_size):
+        grid = self.prefix_grid_blocks
+        num_blocks = (seq.num_tokens - 1) // self.block_size
+        for i in range(num_blocks - num_blocks % grid):
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             h = block_hash(parent, tokens)
             block_id = self._hash_to_block.get(h)
             if block_id is None or self._blocks[block_id].token_ids != tokens:
                 break
-            self._ref(block_id)
             seq.block_table.append(block_id)
             parent = h
+        del seq.block_table[len(seq.block_table) - len(seq.block_table) % grid :]
+        for block_id in seq.block_table:
+            self._ref(block_id)
         return len(seq.block_table) * self.block_size
 
     def allocate_contiguous(self, num_blocks: int) -> list[int] | None:
@@ -198,11 +208,14 @@ class BlockManager:
         Incremental: ``seq.hashed_blocks`` remembers how many leading blocks were registered and the hash
         of the last one, so a decode step costs O(1) unless a block just filled (each block's tokens are
         hashed once). A remembered state that no longer matches ``seq.block_table`` (a table rebuilt
-        without ``free``) restarts from block 0 when the next block fills.
+        without ``free``) restarts from block 0 when the next block fills. Only the leading
+        ``seq.cacheable_tokens`` tokens are registered when that is set.
         """
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        computed = seq.num_computed_tokens if seq.cacheable_tokens is None else min(
+            seq.num_computed_tokens, seq.cacheable_tokens)
+        num_full = min(computed // self.block_size, len(seq.block_table))
         start, parent = seq.hashed_blocks
         if start == num_full:  # no block filled since the last call (most decode steps)
             return

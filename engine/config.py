@@ -48,18 +48,48 @@ class SchedulerConfig:
     the decode CUDA graphs whose rows sample on the device (greedy or seeded; no logprobs or penalties)
     launch their successor before their own tokens reach the host
     (engine/async_step.py).
+
+    ``prefill_grid`` (tokens; 0: off): the deterministic prefix-cache mode. Every prefill is cut at the
+    absolute positions that are multiples of ``prefill_grid`` and a sequence computes at most one such
+    grid chunk per step (a chunk is scheduled whole or waits for a later step); a prefix-cache hit is
+    rounded down to a multiple of ``prefill_grid``; and only the KV of whole grid chunks computed by a
+    prefill step (``prefill_grid`` tokens in one forward) is registered in the prefix cache (not the
+    prompt's last partial chunk, not tokens computed one at a time by decode steps). So chunk ``i`` of a
+    token sequence is computed from the same inputs (its tokens, the KV of chunks ``0..i-1``), with the
+    same GEMM shapes and the same attention kernel reading the earlier chunks through the paged cache,
+    whether those chunks came from the prefix cache or were computed in this request.
+
+    The guarantee: a request's KV, logits, logprobs and greedy tokens are bit-identical with and without
+    a prefix-cache hit when each of its steps runs the same other sequences beside it, e.g. when the
+    request runs alone (same model, dtype, device, attention backend and ``prefill_grid``). Sequences
+    packed into the same step change every GEMM's row count M, so under concurrent load the bits can
+    differ exactly as they can without a cache hit (batch-invariant GEMMs would be needed to promise
+    more). The cost: a prompt of L tokens takes ``ceil(L / prefill_grid)`` steps instead of
+    ``ceil(L / max_num_batched_tokens)``, up to ``prefill_grid - 1`` more tokens are recomputed per
+    hit, and output tokens' KV (decoded one at a time) is never reused (bench/engine/prefix_grid.py,
+    docs/benchmarks/README.md). Must be a multiple of ``CacheConfig.block_size`` (``EngineConfig``
+    checks), at least 2, at most ``max_num_batched_tokens`` (so a chunk fits an empty step), and needs
+    ``enable_chunked_prefill``.
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     async_scheduling: bool = True
+    prefill_grid: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1 token, got {self.max_num_batched_tokens}")
+        if self.prefill_grid:
+            if not 2 <= self.prefill_grid <= self.max_num_batched_tokens:
+                raise ValueError(f"prefill_grid must be 0 (off) or in [2, max_num_batched_tokens="
+                                 f"{self.max_num_batched_tokens}] tokens, got {self.prefill_grid}")
+            if not self.enable_chunked_prefill:
+                raise ValueError("prefill_grid needs enable_chunked_prefill: it cuts prefills into grid "
+                                 "chunks")
 
 
 @dataclass(frozen=True)
@@ -140,9 +170,18 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The configs of one engine instance (``parallel``: one rank, no ``torch.distributed``, by default)."""
+    """The configs of one engine instance (``parallel``: one rank, no ``torch.distributed``, by default).
+
+    Raises:
+        ValueError: ``scheduler.prefill_grid`` that is not a multiple of ``cache.block_size``.
+    """
 
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig = ParallelConfig()
+
+    def __post_init__(self) -> None:
+        grid, block_size = self.scheduler.prefill_grid, self.cache.block_size
+        if grid % block_size:
+            raise ValueError(f"prefill_grid={grid} tokens must be a multiple of block_size={block_size}")

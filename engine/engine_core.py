@@ -93,8 +93,9 @@ class EngineCore:
                 self.ranks.close()
             raise
         cache = engine_config.cache
+        grid_blocks = max(1, engine_config.scheduler.prefill_grid // cache.block_size)
         self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, cache.block_size,
-                                          cache.enable_prefix_caching)
+                                          cache.enable_prefix_caching, prefix_grid_blocks=grid_blocks)
         self.scheduler = Scheduler(engine_config.scheduler, cache, self.block_manager,
                                    prefill_only=prefill_only, max_model_len=self.runner.max_model_len)
         self.eos_token_id = _eos_id(self.runner.hf_config)

@@ -30,6 +30,16 @@ class Scheduler:
     ``max_model_len`` (tokens) defaults to the cache capacity ``num_blocks * block_size`` and is capped
     by it, so a single sequence always fits and preemption always makes progress. ``num_preemptions``
     counts preemptions since start (monotonic; read by the worker's metrics).
+
+    With ``SchedulerConfig.prefill_grid`` (C > 0) every sequence's step covers at most the rest of the grid
+    chunk ``[kC, (k+1)C)`` holding its next token, whole or not at all (a chunk that does not fit the
+    budget left waits; it fits an empty step); ``Sequence.cacheable_tokens`` advances over each whole
+    chunk a prefill step computed, so only those enter the prefix cache; ``block_manager`` must round hits
+    to C (``prefix_grid_blocks = C // block_size``).
+
+    Raises:
+        ValueError: ``block_size`` differs from the block manager's, or a grid the block manager does
+            not round hits to.
     """
 
     def __init__(
@@ -53,6 +63,19 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._requests: dict[str, Sequence] = {}  # every sequence not yet fully released
         self.num_preemptions = 0
+        self.grid = scheduler_config.prefill_grid
+        if self.grid % block_manager.block_size or block_manager.prefix_grid_blocks != max(
+                1, self.grid // block_manager.block_size):
+            raise ValueError(f"prefill_grid={self.grid} tokens needs a BlockManager with block_size dividing "
+                             f"it and prefix_grid_blocks={max(1, self.grid // block_manager.block_size)}, "
+                             f"got block_size={block_manager.block_size}, "
+                             f"prefix_grid_blocks={block_manager.prefix_grid_blocks}")
+
+    def _grid_chunk(self, computed: int, total: int) -> int:
+        """Tokens of the prefill grid chunk holding position ``computed`` still to compute (up to the
+        chunk's end or ``total``): a decode's 1, a prefill chunk's up to ``prefill_grid``."""
+        end = (computed // self.grid + 1) * self.grid
+        return min(total, end) - computed
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence for prefill.
@@ -105,6 +128,8 @@ class Scheduler:
         if seq.status is not SequenceStatus.WAITING_FOR_KV:
             raise ValueError(f"kv_landed for {request_id!r} in status {seq.status.name}, not WAITING_FOR_KV")
         seq.num_computed_tokens = seq.num_prompt_tokens
+        if self.grid:  # the prefill worker's whole grid chunks (paired workers run the same grid)
+            seq.cacheable_tokens = seq.num_prompt_tokens - seq.num_prompt_tokens % self.grid
         seq.append_token(first_token)
         self.block_manager.cache_full_blocks(seq)
         seq.status = SequenceStatus.RUNNING
@@ -176,6 +201,11 @@ class Scheduler:
             seq = self.running[i]
             computed, total = seq.num_computed_tokens, len(seq.token_ids)
             num_new = min(total - computed, budget)
+            if self.grid:
+                num_new = self._grid_chunk(computed, total)
+                if num_new > budget:  # a grid chunk runs whole: this one waits for a later step
+                    i += 1
+                    continue
             if computed + num_new > len(seq.block_table) * bs:
                 while not bm.can_allocate(seq, num_new):
                     victim = self.running[-1]  # latest arrival not yet scheduled (or seq itself)
@@ -200,7 +230,10 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_cached_tokens = cached
             num_new = seq.num_tokens - cached
             recompute = seq.status is SequenceStatus.PREEMPTED  # may exceed the budget: always chunked
-            if num_new > budget and (self.config.enable_chunked_prefill or recompute):
+            if self.grid:
+                num_new = self._grid_chunk(cached, seq.num_tokens)
+                seq.cacheable_tokens = cached
+            elif num_new > budget and (self.config.enable_chunked_prefill or recompute):
                 num_new = budget
             if num_new > budget or not self.block_manager.can_allocate(seq, num_new):
                 self.block_manager.free(seq)  # undo the prefix hit; try again next step
@@ -237,8 +270,12 @@ class Scheduler:
             raise KeyError(f"no sampled token for request(s) {missing}")
         done: list[Sequence] = []
         cache_full_blocks = self.block_manager.cache_full_blocks
+        grid = self.grid
         for s in live:
             seq = s.seq
+            if (grid and s.num_scheduled_tokens == grid and seq.num_computed_tokens % grid == 0
+                    and seq.cacheable_tokens == seq.num_computed_tokens):
+                seq.cacheable_tokens += grid  # a whole grid chunk after reusable ones: reusable too
             seq.num_computed_tokens += s.num_scheduled_tokens
             if s.samples:
                 seq.append_token(sampled[seq.request_id])
@@ -297,6 +334,8 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
+        if self.grid:
+            seq.cacheable_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
 

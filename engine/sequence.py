@@ -43,6 +43,9 @@ class Sequence:
     ``hashed_blocks``: ``(n, hash of block n-1)``: the leading ``n`` blocks whose prefix hashes
     ``BlockManager.cache_full_blocks`` registered (kept so each block is hashed once); ``(0, 0)``: none
     (0 is ``engine.block_hash.ROOT_HASH``).
+    ``cacheable_tokens``: the leading tokens whose KV may be registered in the prefix cache (None: every
+    computed token); the scheduler's prefill grid (``SchedulerConfig.prefill_grid``) sets it to the end of
+    the last whole grid chunk a prefill step computed.
     ``grammar``: the matcher of ``sampling_params.structured_output`` (set by the engine that admits the
     sequence; None without one).
     ``prompt_logprobs``: with ``sampling_params.prompt_logprobs`` set, the entries of prompt tokens
@@ -76,6 +79,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.hashed_blocks: tuple[int, int] = (0, 0)  # (0, engine.block_hash.ROOT_HASH)
+        self.cacheable_tokens: int | None = None
         self.status = SequenceStatus.WAITING
         self.first_scheduled_time: float | None = None
         self.grammar: GrammarState | None = None

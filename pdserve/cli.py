@@ -157,6 +157,11 @@ def _add_worker(add: _Adder, role: str) -> None:
     add("--max-num-seqs", type=int, default=256, help="sequences running at once")
     add("--max-num-batched-tokens", type=int, default=2048,
         help="token budget per step (chunked prefill splits prompts to fit)")
+    add("--prefill-grid", type=int, default=0,
+        help="deterministic prefix cache: cut every prefill at multiples of this many tokens (a multiple "
+             "of --block-size, at most --max-num-batched-tokens), one chunk per sequence per step, round "
+             "prefix-cache hits down to it and reuse only whole prefill chunks' KV, so a cache hit gives "
+             "the same bits as a fresh prefill of a request run alone (0: off)")
     add("--max-model-len", type=int, default=None,
         help="tokens per sequence, prompt and output (default: the model's context length)")
     add("--gateway-control", default="tcp://127.0.0.1:7100", help="the gateway's --control-bind address")

@@ -132,6 +132,7 @@ class WorkerSettings:
     kv_memory_fraction: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    prefill_grid: int = 0  # tokens; 0: off (engine.config.SchedulerConfig.prefill_grid)
     max_model_len: int | None = None
     gateway_control: str = "tcp://127.0.0.1:7100"
     host: str = "127.0.0.1"
@@ -162,6 +163,10 @@ class WorkerSettings:
         _check(0 < self.kv_memory_fraction <= 1, "kv-memory-fraction", "must be in (0, 1]")
         _check(self.max_num_seqs >= 1, "max-num-seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max-num-batched-tokens", "must be >= 1")
+        _check(self.prefill_grid == 0 or (2 <= self.prefill_grid <= self.max_num_batched_tokens
+                                          and self.prefill_grid % self.block_size == 0), "prefill-grid",
+               f"must be 0 (off) or a multiple of --block-size ({self.block_size}) in [2, "
+               f"--max-num-batched-tokens ({self.max_num_batched_tokens})], got {self.prefill_grid}")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max-model-len",
                f"must be >= 2 tokens, got {self.max_model_len}")
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
