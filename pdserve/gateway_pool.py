@@ -199,6 +199,7 @@ def run_pool(settings: GatewaySettings, policy: RestartPolicy | None = None,
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the spawned children inherit it
     previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
     pool = GatewayPool(settings, metrics_dir, policy or RestartPolicy(), start_timeout, grace)
+    failure = ""
     try:
         for child in pool.children:
             pool.start(child)
@@ -206,10 +207,8 @@ def run_pool(settings: GatewaySettings, policy: RestartPolicy | None = None,
             pool.step(time.monotonic())
             pool.wait(TICK_S)
         log.info("gateway: signal %d, stopping %d processes", stop[0], len(pool.children))
-        return 128 + stop[0]
     except PoolFailed as exc:
-        print(f"pdserve gateway: {exc}", file=sys.stderr, flush=True)
-        return 1
+        failure = str(exc)
     finally:
         pool.stop_all()
         for s, handler in previous.items():
@@ -219,3 +218,7 @@ def run_pool(settings: GatewaySettings, policy: RestartPolicy | None = None,
         else:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous_env
         shutil.rmtree(metrics_dir, ignore_errors=True)
+    if failure:  # after the children stopped, so the line is the last one on the terminal
+        print(f"pdserve gateway: {failure}", file=sys.stderr, flush=True)
+        return 1
+    return 128 + stop[0]
