@@ -23,32 +23,11 @@ import httpx
 import pytest
 
 from pdserve.cli import main
-from pdserve.launcher import free_ports
+from pdserve.launcher import free_port_range, free_ports
 from protocol.settings import GatewaySettings
 from tests.gateway.conftest import MSGS, REPLY, ROOT, read_record, wait_until
 
 START_S = 60.0  # a gateway process imports FastAPI and loads the tokenizer: seconds on a busy 2-core box
-
-
-def free_port_run(n: int) -> int:
-    """The first of ``n`` consecutive TCP ports free on 127.0.0.1 a moment ago (all held while checking)."""
-    for _ in range(50):
-        first = free_ports(1)[0]
-        if first + n > 65536:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for port in range(first, first + n):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise AssertionError(f"no run of {n} free ports found")
 
 
 class Pool:
@@ -58,7 +37,7 @@ class Pool:
     def __init__(self, tmp: Path, tokenizer: Path, workers: int = 2) -> None:
         self.tmp = tmp
         [self.port] = free_ports(1)
-        first = free_port_run(workers)
+        first = free_port_range(workers)
         self.controls = [f"tcp://127.0.0.1:{first + i}" for i in range(workers)]
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "gateway.log"
@@ -204,7 +183,7 @@ def test_two_processes_share_one_port_and_survive_a_kill(pool: Pool, reply_ids: 
 
 @pytest.mark.slow
 def test_a_process_that_cannot_start_stops_the_pool_with_one_line(tokenizer_dir: Path) -> None:
-    first = free_port_run(2)
+    first = free_port_range(2)
     taken = socket.socket()
     taken.bind(("127.0.0.1", first + 1))  # process 1's control port
     taken.listen()
