@@ -60,6 +60,7 @@ import datetime
 import json
 import multiprocessing
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -571,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                              concurrency=tuple(int(x) for x in args.concurrency.split(",")),
                              prefill_delay_s=args.prefill_delay, token_delay_s=args.token_delay,
                              tokenizer=args.tokenizer)
-        command = "python -m bench.gateway.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python -m bench.gateway.overhead " + shlex.join(sys.argv[1:] if argv is None else argv)
         targets = [t for t in args.targets.split(",") if t]
         if not args.curve_cost and (args.curve_rounds is not None or args.curve_concurrency is not None):
             raise ValueError("--curve-rounds and --curve-concurrency need --curve-cost")
