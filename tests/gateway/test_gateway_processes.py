@@ -202,6 +202,23 @@ def test_a_process_that_cannot_start_stops_the_pool_with_one_line(tokenizer_dir:
                            f"start: cannot bind control socket at tcp://127.0.0.1:{first + 1}"), out.stderr
 
 
+def test_a_port_in_use_is_refused_before_any_process_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """Another listener on the HTTP port (here a plain socket; as well another pool's SO_REUSEPORT
+    sockets, which the processes would otherwise join) stops the pool before it starts anything."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    try:
+        assert main(["gateway", "--workers", "2", "--port", str(port), "--insecure-control-plane",
+                     "--control-bind", f"tcp://127.0.0.1:{free_port_range(2)}"]) == 1
+    finally:
+        held.close()
+    err = capsys.readouterr().err
+    want = f"pdserve gateway: cannot bind the HTTP socket at 127.0.0.1:{port}: Address already in use\n"
+    assert err == want, err
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--workers", "0"], "--workers: must be in [1, 64] gateway processes, got 0"),
     (["--workers", "65"], "--workers: must be in [1, 64] gateway processes, got 65"),
