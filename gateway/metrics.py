@@ -63,8 +63,7 @@ class FleetGauge(Collector):
         return _FleetGaugeChild(self._values, key)
 
     def remove(self, *labelvalues: str) -> None:
-        """Drop a series. Raises KeyError when it does not exist (as ``Gauge.remove`` does not: callers
-        suppress it)."""
+        """Drop a series. Raises KeyError when it does not exist, as ``Gauge.remove`` does."""
         del self._values[tuple(str(v) for v in labelvalues)]
 
     def describe(self) -> Iterator[GaugeMetricFamily]:

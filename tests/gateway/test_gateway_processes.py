@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.metrics import GatewayMetrics
 from pdserve.cli import main
 from pdserve.launcher import free_port_range, free_ports
 from protocol.settings import GatewaySettings
@@ -239,6 +240,26 @@ def test_control_endpoints_one_port_per_process() -> None:
     assert one.control_endpoints() == ("ipc:///tmp/gw",)
     three = GatewaySettings(insecure_control_plane=True, workers=3, control_bind="tcp://*:7100")
     assert three.control_endpoints() == ("tcp://*:7100", "tcp://*:7101", "tcp://*:7102")
+
+
+def test_metrics_refuse_a_shared_dir_prometheus_client_was_not_set_up_for(tmp_path: Path) -> None:
+    """A process told to share a metrics directory, whose prometheus-client was imported without
+    PROMETHEUS_MULTIPROC_DIR (this one), would keep its counts to itself: refused."""
+    with pytest.raises(RuntimeError, match="PROMETHEUS_MULTIPROC_DIR"):
+        GatewayMetrics(str(tmp_path))
+
+
+def test_fleet_gauge_series_come_and_go() -> None:
+    metrics = GatewayMetrics()
+    metrics.kv_path_gbps.labels("p1", "d1", "fake").set(2.5)
+    assert metrics.registry.get_sample_value(
+        "pdserve_kv_path_gbps", {"prefill": "p1", "decode": "d1", "transport": "fake"}) == 2.5
+    metrics.drop_kv_path("p1", "d1", "fake")
+    assert metrics.registry.get_sample_value(
+        "pdserve_kv_path_gbps", {"prefill": "p1", "decode": "d1", "transport": "fake"}) is None
+    metrics.drop_kv_path("p1", "d1", "fake")  # gone already: nothing to drop, no error
+    with pytest.raises(ValueError, match="expected 3 label values, got 2"):
+        metrics.kv_path_gbps.labels("p1", "d1")
 
 
 def test_up_leaves_workers_to_the_launcher() -> None:
