@@ -25,8 +25,8 @@ Several gateways (``--gateway-control A,B,...``, e.g. the processes of ``pdserve
 one DEALER per gateway; it registers with and heartbeats to each, registers again with one that sends
 ``ReRegister`` (a restarted gateway process) and, when a gateway's ``RegisterAck`` shows a new gateway
 epoch, drops the requests of its earlier incarnation (freeing their blocks), as a real worker does. A
-request's outputs go to the gateway that sent it; the record's ``gateway`` field is the index of the
-gateway a message came from. Load and blocks are the worker's, shared.
+request's outputs go to the gateway that sent it; the record's ``gateway`` field (only with several) is
+the index of the gateway a message came from. Load and blocks are the worker's, shared.
 Run: ``python -m tests.fakes.fake_worker --role decode ...``.
 """
 
@@ -153,8 +153,9 @@ class FakeWorker:
         if self.args.record:
             entry: dict[str, object] = {"type": type(msg).__name__,
                                         "request_id": getattr(msg, "request_id",
-                                                              getattr(msg, "canary_id", None)),
-                                        "gateway": gateway}
+                                                              getattr(msg, "canary_id", None))}
+            if len(self.socks) > 1:
+                entry["gateway"] = gateway
             sampling = getattr(msg, "sampling", None)
             if sampling is not None:
                 entry["sampling"] = msgspec.to_builtins(sampling)
