@@ -24,7 +24,8 @@ accepts only the fleet's); without it the socket is plain.
 Several gateways (``--gateway-control A,B,...``, e.g. the processes of ``pdserve gateway --workers N``):
 one DEALER per gateway; it registers with and heartbeats to each, registers again with one that sends
 ``ReRegister`` (a restarted gateway process) and, when a gateway's ``RegisterAck`` shows a new gateway
-epoch, drops the requests of its earlier incarnation (freeing their blocks), as a real worker does. A
+epoch, drops the requests of its earlier incarnation (freeing their blocks), as a real worker does; a
+message a gateway cannot take (dead, queue full) is dropped rather than waited on. A
 request's outputs go to the gateway that sent it; the record's ``gateway`` field (only with several) is
 the index of the gateway a message came from. Load and blocks are the worker's, shared.
 Run: ``python -m tests.fakes.fake_worker --role decode ...``.
@@ -129,7 +130,13 @@ class FakeWorker:
         self.hung = asyncio.Event()
 
     async def send(self, msg: Message, gateway: int = 0) -> None:
-        await self.socks[gateway].send(encode(msg))
+        """Send to gateway ``gateway``. With several, without blocking: a message a gateway cannot take
+        (gone, its queue full) is dropped, so that one dead gateway never stalls the others."""
+        if len(self.socks) == 1:
+            await self.socks[0].send(encode(msg))
+            return
+        with contextlib.suppress(zmq.Again):
+            await self.socks[gateway].send(encode(msg), flags=zmq.NOBLOCK)
 
     def emit(self, msg: Message) -> None:
         """Queue a message for the gateway its request came from; ``flush`` sends the queue as a real

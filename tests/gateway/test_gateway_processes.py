@@ -11,6 +11,7 @@ start (its control port taken) stops the pool with one line; a bad ``--workers``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ from protocol.settings import GatewaySettings
 from tests.gateway.conftest import MSGS, REPLY, ROOT, read_record, wait_until
 
 START_S = 60.0  # a gateway process imports FastAPI and loads the tokenizer: seconds on a busy 2-core box
+LONG = 20_000  # tokens of the stream cut by the kill: at the fake's 5 ms a step it would run 100 s
 
 
 class Pool:
@@ -66,7 +68,8 @@ class Pool:
         record = self.tmp / f"{worker_id}.jsonl"
         self._spawn([sys.executable, "-m", "tests.fakes.fake_worker", "--role", role, "--worker-id",
                      worker_id, "--gateway-control", ",".join(self.controls), "--record", str(record),
-                     "--output-ids", ",".join(map(str, output_ids))], subprocess.DEVNULL)
+                     "--output-ids", ",".join(map(str, output_ids)), "--max-model-len", str(LONG * 2)],
+                    subprocess.DEVNULL)
         return record
 
     def status(self) -> dict:
@@ -91,6 +94,22 @@ class Pool:
 
         wait_until(enough, START_S, f"{want} gateway processes ready with both workers")
         return seen
+
+    @contextlib.contextmanager
+    def connection_to(self, index: int) -> Iterator[httpx.Client]:
+        """A client whose one keep-alive connection a given gateway process took (new connections until
+        ``/v1/status`` on one names that process)."""
+        for _ in range(100):
+            client = httpx.Client(base_url=self.base, timeout=20,
+                                  limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+            if client.get("/v1/status").json()["process"]["index"] == index:
+                try:
+                    yield client
+                finally:
+                    client.close()
+                return
+            client.close()
+        raise AssertionError(f"no connection reached gateway process {index} in 100 tries")
 
     def chat(self, n: int, max_tokens: int) -> list[str]:
         """``n`` chat completions, each over a new connection (the kernel spreads them over the
@@ -161,12 +180,26 @@ def test_two_processes_share_one_port_and_survive_a_kill(pool: Pool, reply_ids: 
     counts = {pool.metric("pdserve_requests_total", OK) for _ in range(6)}  # whichever process answers
     assert counts == {16.0}
 
-    os.kill(pids[1], signal.SIGKILL)
+    with pool.connection_to(1) as client, client.stream(
+            "POST", "/v1/chat/completions", json={"model": "fake-model", "messages": MSGS, "stream": True,
+                                                  "max_tokens": LONG}) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")  # streaming from process 1, holding KV blocks on d1
+        wait_until(lambda: pool.metric("pdserve_kv_blocks_free", 'role="decode",worker_id="d1"') < 64, 5,
+                   "d1 holding the stream's blocks")
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(httpx.HTTPError):
+            for _ in lines:
+                pass
     wait_until(lambda: gone(pids[1]), 10, "process 1 gone")
     assert pool.chat(4, len(reply_ids)) == [REPLY] * 4  # the other process serves at once
     restarted = pool.pids_serving(2)  # the parent restarted process 1; the workers registered again
     assert restarted[0] == pids[0] and restarted[1] != pids[1]
     assert "gateway process 1 (pid" in pool.text() and "restarting it in" in pool.text()
+    # the killed process's stream (100 s of tokens left) is dropped by d1 once the new process 1 is
+    # there: its blocks come back long before the stream would have ended
+    wait_until(lambda: pool.metric("pdserve_kv_blocks_free", 'role="decode",worker_id="d1"') == 64.0, 10,
+               "d1's blocks of the killed process's stream freed")
 
     before = len(read_record(prefill))
     assert pool.chat(16, len(reply_ids)) == [REPLY] * 16
