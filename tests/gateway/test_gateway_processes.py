@@ -12,6 +12,7 @@ start (its control port taken) stops the pool with one line; a bad ``--workers``
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import socket
@@ -25,7 +26,8 @@ import pytest
 
 from gateway.metrics import GatewayMetrics
 from pdserve.cli import main
-from pdserve.launcher import free_port_range, free_ports
+from pdserve.gateway_pool import GatewayPool, PoolFailed
+from pdserve.launcher import RestartPolicy, free_port_range, free_ports
 from protocol.settings import GatewaySettings
 from tests.gateway.conftest import MSGS, REPLY, ROOT, read_record, wait_until
 
@@ -49,10 +51,13 @@ class Pool:
                 str(self.port), "--control-bind", self.controls[0], "--tokenizer", str(tokenizer),
                 "--insecure-control-plane", "--heartbeat-timeout", "1.5", "--log-level", "info"]
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.gateway = self._spawn(argv, self.log)
+        self.tmpdir = tmp / "pool-tmp"  # the pool's TMPDIR: where its metrics directory goes
+        self.tmpdir.mkdir()
+        self.gateway = self._spawn(argv, self.log, {"TMPDIR": str(self.tmpdir)})
 
-    def _spawn(self, argv: list[str], out: object) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    def _spawn(self, argv: list[str], out: object,
+               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                                 stdout=out, stderr=subprocess.STDOUT)  # type: ignore[call-overload]
         self.procs.append(proc)
         return proc
@@ -154,7 +159,7 @@ def pool(tmp_path: Path, tokenizer_dir: Path) -> Iterator[Pool]:
 
 def gateways_used(record: Path) -> set[int]:
     """The control sockets (gateway indexes) a fake prefill worker got its requests through."""
-    return {m["gateway"] for m in read_record(record) if m["type"] == "PrefillRequest"}
+    return {int(m["gateway"]) for m in read_record(record) if m["type"] == "PrefillRequest"}
 
 
 def gone(pid: int) -> bool:
@@ -210,9 +215,12 @@ def test_two_processes_share_one_port_and_survive_a_kill(pool: Pool, reply_ids: 
     wait_until(lambda: pool.metric("pdserve_kv_blocks_free", 'role="decode",worker_id="d1"') == 64.0, 5,
                "every KV block of d1 free")
 
+    [metrics_dir] = pool.tmpdir.glob("pdserve-gateway-metrics-*")  # the processes' shared files
+    assert any(metrics_dir.glob("counter_*.db"))
     pool.gateway.send_signal(signal.SIGTERM)
     assert pool.gateway.wait(20) == 128 + signal.SIGTERM
     assert gone(restarted[0]) and gone(restarted[1])
+    assert not metrics_dir.exists()  # removed by the parent on its way out
 
 
 @pytest.mark.slow
@@ -300,3 +308,59 @@ def test_up_leaves_workers_to_the_launcher() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["up", "--workers", "2"])
     assert exc.value.code == 2
+
+
+class _Exited:
+    """Stands in for a child's ``multiprocessing`` process that has exited with ``exitcode``."""
+
+    def __init__(self, pid: int, exitcode: int | None) -> None:
+        self.pid, self.exitcode = pid, exitcode
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_crash_loop_is_restarted_with_backoff_then_stops_the_pool(tmp_path: Path) -> None:
+    """A ready process that exits is restarted after 1, 2, 4, 8 s (RestartPolicy); its fifth exit within
+    the minute stops the pool with a line naming it. Its live-gauge file is retired at each exit."""
+    settings = GatewaySettings(insecure_control_plane=True, workers=2, control_bind="tcp://127.0.0.1:7100")
+    pool = GatewayPool(settings, str(tmp_path), RestartPolicy(), start_timeout=5.0, grace=1.0)
+    started: list[int] = []
+    pool.start = lambda child: started.append(child.index)  # type: ignore[method-assign]
+    child = pool.children[1]
+    delays = []
+    now = 1000.0
+    for pid in range(4):
+        (tmp_path / f"gauge_livesum_{pid}.db").write_bytes(b"")
+        child.process, child.ready = _Exited(pid, -9), True  # type: ignore[assignment]
+        pool.step(now)
+        assert child.process is None and child.restart_at is not None
+        assert not (tmp_path / f"gauge_livesum_{pid}.db").exists()
+        delays.append(child.restart_at - now)
+        pool.step(child.restart_at - 0.01)
+        assert started == [1] * pid  # not before its time
+        now = child.restart_at
+        pool.step(now)
+        assert started == [1] * (pid + 1)
+    assert delays == [1.0, 2.0, 4.0, 8.0]
+    child.process, child.ready = _Exited(4, 1), True  # type: ignore[assignment]
+    with pytest.raises(PoolFailed, match=r"process 1 exited 5 times within 60 s \(last exit code 1\)"):
+        pool.step(now)
+
+
+def test_a_process_not_ready_in_time_stops_the_pool(tmp_path: Path) -> None:
+    settings = GatewaySettings(insecure_control_plane=True, workers=2, control_bind="tcp://127.0.0.1:7100")
+    pool = GatewayPool(settings, str(tmp_path), RestartPolicy(), start_timeout=5.0, grace=1.0)
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    for child in pool.children:
+        child.process, child.conn, child.started_at = _Exited(10 + child.index, None), reader, 0.0  # type: ignore[assignment]
+    writer.send("ready")
+    pool.step(4.0)  # process 0 reads "ready"; process 1 still has time
+    assert pool.children[0].ready and not pool.children[1].ready
+    with pytest.raises(PoolFailed, match=r"gateway process 1 \(tcp://127.0.0.1:7101\) not ready after 5 s"):
+        pool.step(5.5)
+    writer.close()
+    reader.close()
