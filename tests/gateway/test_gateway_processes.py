@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import Gauge
 
 from gateway.metrics import GatewayMetrics
 from pdserve.cli import main
@@ -288,6 +289,16 @@ def test_metrics_refuse_a_shared_dir_prometheus_client_was_not_set_up_for(tmp_pa
     PROMETHEUS_MULTIPROC_DIR (this one), would keep its counts to itself: refused."""
     with pytest.raises(RuntimeError, match="PROMETHEUS_MULTIPROC_DIR"):
         GatewayMetrics(str(tmp_path))
+
+
+def test_every_gauge_is_a_fleet_view_or_summed_over_live_processes() -> None:
+    """With several gateway processes a prometheus ``Gauge`` lives in multiprocess files, where a removed
+    series stays and each process adds its own: only the in-flight count (summed over live processes) is
+    one; a per-worker or per-pair series must be a ``FleetGauge`` (the answering process's view)."""
+    metrics = GatewayMetrics()
+    gauges = {name: g for name, g in vars(metrics).items() if isinstance(g, Gauge)}
+    assert list(gauges) == ["in_flight"], f"make {sorted(set(gauges) - {'in_flight'})} FleetGauges"
+    assert gauges["in_flight"]._multiprocess_mode == "livesum"
 
 
 def test_fleet_gauge_series_come_and_go() -> None:
