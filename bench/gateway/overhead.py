@@ -241,7 +241,7 @@ def start_target(target: str, cfg: OverheadConfig, tokenizer_dir: Path, sup: Sup
     Raises RuntimeError (with the log tail) when a process dies or it is not ready within 60 s.
     """
     [port] = free_ports(1)
-    control_port = free_port_range(processes)
+    control_port = free_port_range(processes, exclude=(port,))
     secure: list[str] = []
     if target == INSECURE:
         gateway_secure = ["--insecure-control-plane"]

@@ -43,7 +43,7 @@ class Pool:
     def __init__(self, tmp: Path, tokenizer: Path, workers: int = 2) -> None:
         self.tmp = tmp
         [self.port] = free_ports(1)
-        first = free_port_range(workers)
+        first = free_port_range(workers, exclude=(self.port,))
         self.controls = [f"tcp://127.0.0.1:{first + i}" for i in range(workers)]
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "gateway.log"
@@ -231,7 +231,7 @@ def test_a_process_that_cannot_start_stops_the_pool_with_one_line(tokenizer_dir:
     taken.bind(("127.0.0.1", first + 1))  # process 1's control port
     taken.listen()
     try:
-        [port] = free_ports(1)
+        [port] = free_ports(1, exclude=(first, first + 1))
         out = subprocess.run([sys.executable, "-m", "pdserve.cli", "gateway", "--workers", "2", "--port",
                               str(port), "--control-bind", f"tcp://127.0.0.1:{first}", "--tokenizer",
                               str(tokenizer_dir), "--insecure-control-plane", "--log-level", "warning"],
