@@ -19,6 +19,7 @@ from gateway.errors import APIError, bad_request
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayMiddleware
 from gateway.openai_responses import openapi_components
+from gateway.process import GatewayProcess
 from gateway.responses_api import ResponseObject
 from gateway.routes import router
 from gateway.service import GatewayService
@@ -98,16 +99,18 @@ def _document_responses(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
-    """Build the gateway app. The control socket binds when the app starts (lifespan).
+def create_app(settings: GatewaySettings, process: GatewayProcess | None = None) -> FastAPI:
+    """Build the gateway app. The control socket binds when the app starts (lifespan). ``process``:
+    which of several gateway processes this is (default: the only one; gateway/process.py).
 
     Raises:
         TokenizerNotFoundError: ``--tokenizer`` is set but has no ``tokenizer.json`` (checked up front).
+        RuntimeError: ``process`` shares a metrics directory prometheus-client was not set up for.
     """
     text = TextProcessor.from_dir(resolve_tokenizer_dir(settings.tokenizer, None)) if settings.tokenizer \
         else None
-    metrics = GatewayMetrics()
-    svc = GatewayService(settings, metrics, text)
+    metrics = GatewayMetrics(process.metrics_dir if process is not None else None)
+    svc = GatewayService(settings, metrics, text, process)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -5,16 +5,31 @@ gap), E2E (arrival → last token). Per-worker series (label ``worker_id``) come
 with the worker. Names follow https://prometheus.io/docs/practices/naming/ (unit suffixes, ``_total`` on
 counters); ``deploy/metrics.yaml`` lists every served name and tests/gateway/test_metric_names.py keeps
 the two in step.
+
+Several gateway processes (``pdserve gateway --workers N``, gateway/process.py) answer ``/metrics`` on one
+port, so any of them must give the same account. Two kinds of series:
+
+- *per process* (requests, tokens, latencies, routing, retries, refusals, in-flight requests, worker
+  deaths declared): each process counts its own; with N > 1 they live in prometheus-client's
+  multiprocess files (``PROMETHEUS_MULTIPROC_DIR``, a directory the parent owns) and every process serves
+  their sum (prometheus-client docs, "Multiprocess Mode"; ``pdserve_requests_in_flight`` as ``livesum``:
+  a dead process's share leaves with it). A worker death is declared by each process that sees it, so
+  with N processes one death counts up to N times.
+- *fleet view* (per-worker load and KV blocks, live workers, KV transfer totals, KV path speed): every
+  process learns the same from the workers' heartbeats and canaries, so the answering process serves its
+  own view (``FleetGauge`` and the collectors below, never written to the multiprocess files).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from kvtransfer.curve import REFUSAL_KINDS
@@ -23,6 +38,55 @@ from protocol.messages import WorkerLoad
 _LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 FAILURE_CAUSES = ("failed", "lost", "unreachable")  # the ``cause`` label of retries and migrations
 _GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class FleetGauge(Collector):
+    """A labelled gauge kept in this process's memory whatever prometheus-client's mode (a custom
+    collector): a fleet-view series every gateway process holds alike, served by whichever answers.
+    ``labels(*values).set(v)`` and ``remove(*values)`` as on a ``Gauge``."""
+
+    def __init__(self, name: str, documentation: str, labelnames: list[str]) -> None:
+        self._name, self._doc, self._labelnames = name, documentation, labelnames
+        self._values: dict[tuple[str, ...], float] = {}
+
+    def labels(self, *labelvalues: str) -> _FleetGaugeChild:
+        """The series of these label values (created at 0 when new).
+
+        Raises:
+            ValueError: not one value per label name.
+        """
+        if len(labelvalues) != len(self._labelnames):
+            raise ValueError(f"{self._name}: expected {len(self._labelnames)} label values, got "
+                             f"{len(labelvalues)}")
+        key = tuple(str(v) for v in labelvalues)
+        self._values.setdefault(key, 0.0)
+        return _FleetGaugeChild(self._values, key)
+
+    def remove(self, *labelvalues: str) -> None:
+        """Drop a series. Raises KeyError when it does not exist, as ``Gauge.remove`` does."""
+        del self._values[tuple(str(v) for v in labelvalues)]
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """The family without samples."""
+        yield GaugeMetricFamily(self._name, self._doc, labels=self._labelnames)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """The family with one sample per series."""
+        family = GaugeMetricFamily(self._name, self._doc, labels=self._labelnames)
+        for key, value in sorted(self._values.items()):
+            family.add_metric(list(key), value)
+        yield family
+
+
+class _FleetGaugeChild:
+    """One series of a ``FleetGauge``."""
+
+    def __init__(self, store: dict[tuple[str, ...], float], key: tuple[str, ...]) -> None:
+        self._store, self._key = store, key
+
+    def set(self, value: float) -> None:
+        """Set the series' value."""
+        self._store[self._key] = float(value)
 
 
 class KVTransferCollector(Collector):
@@ -96,9 +160,21 @@ class WorkerCountCollector(Collector):
 
 
 class GatewayMetrics:
-    """All gateway metrics; ``render()`` gives the Prometheus text exposition."""
+    """All gateway metrics; ``render()`` gives the Prometheus text exposition. ``registry`` holds this
+    process's own series; with ``multiprocess_dir`` (N gateway processes) ``render`` serves the per-process
+    series summed over the processes' files in that directory, and this process's fleet view.
 
-    def __init__(self) -> None:
+    Raises:
+        RuntimeError: ``multiprocess_dir`` is given but prometheus-client was imported without
+            ``PROMETHEUS_MULTIPROC_DIR`` set to it (its series would stay in this process's memory).
+    """
+
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
+        if multiprocess_dir is not None and (
+                not getattr(values.ValueClass, "_multiprocess", False)
+                or os.environ.get("PROMETHEUS_MULTIPROC_DIR") != multiprocess_dir):
+            raise RuntimeError(f"gateway metrics in {multiprocess_dir} need PROMETHEUS_MULTIPROC_DIR set "
+                               "to it before prometheus_client is imported")
         r = self.registry = CollectorRegistry()
         self.requests = Counter("pdserve_requests", "HTTP requests by endpoint and status "
                                 "(not /health, /ready or /metrics)",
@@ -120,27 +196,25 @@ class GatewayMetrics:
                                             registry=r)
         self.kv_events = Counter("pdserve_kv_events", "KVEvents applied to the prefix index by kind (delta, "
                                  "snapshot), and gaps (a missed delta: the worker's state unknown until "
-                                 "a snapshot)", ["kind"], registry=r)
+                                 "a snapshot); every gateway process applies every worker's events, so "
+                                 "with --workers N each event counts N times", ["kind"], registry=r)
         for kind in ("delta", "snapshot", "gap"):
             self.kv_events.labels(kind)
         self.fallbacks = Counter("pdserve_local_prefill_fallbacks", "requests served colocated because "
                                  "prefill/decode workers were missing", registry=r)
         labels = ["worker_id", "role"]
-        self.running = Gauge("pdserve_worker_running_requests", "requests in the worker's running batch",
-                             labels, registry=r)
-        self.waiting = Gauge("pdserve_worker_waiting_requests", "requests waiting in the worker's queue",
-                             labels, registry=r)
-        self.kv_used = Gauge("pdserve_kv_blocks_used", "KV blocks in use", labels, registry=r)
-        self.kv_free = Gauge("pdserve_kv_blocks_free", "KV blocks free", labels, registry=r)
-        self.kv_total = Gauge("pdserve_kv_blocks_capacity", "KV blocks in the worker's pool", labels,
-                              registry=r)
-        self.prefix_index_blocks = Gauge("pdserve_prefix_index_blocks", "blocks the worker reported in its "
-                                         "prefix cache (KV events), as this gateway's prefix index holds "
-                                         "them",
-                                         labels, registry=r)
+        self.running = FleetGauge("pdserve_worker_running_requests", "requests in the worker's running batch",
+                                  labels)
+        self.waiting = FleetGauge("pdserve_worker_waiting_requests", "requests waiting in the worker's queue",
+                                  labels)
+        self.kv_used = FleetGauge("pdserve_kv_blocks_used", "KV blocks in use", labels)
+        self.kv_free = FleetGauge("pdserve_kv_blocks_free", "KV blocks free", labels)
+        self.kv_total = FleetGauge("pdserve_kv_blocks_capacity", "KV blocks in the worker's pool", labels)
+        self.prefix_index_blocks = FleetGauge("pdserve_prefix_index_blocks", "blocks the worker reported in "
+                                              "its prefix cache (KV events), as this gateway's prefix index "
+                                              "holds them", labels)
         self.kv_transfers = KVTransferCollector()
-        r.register(self.kv_transfers)
-        self.workers = Gauge("pdserve_workers_live", "live workers", ["role"], registry=r)
+        self.workers = FleetGauge("pdserve_workers_live", "live workers", ["role"])
         self.worker_deaths = Counter("pdserve_worker_deaths", "workers declared dead or replaced", registry=r)
         self.retries = Counter("pdserve_request_retries", "requests routed again after a worker failed them "
                                "before their first output token, by cause (failed, lost, unreachable)",
@@ -151,7 +225,8 @@ class GatewayMetrics:
         for cause in FAILURE_CAUSES:  # series at 0 from the start, so rate() sees the first one
             self.retries.labels(cause)
             self.migrations.labels(cause)
-        self.in_flight = Gauge("pdserve_requests_in_flight", "requests being served", registry=r)
+        self.in_flight = Gauge("pdserve_requests_in_flight", "requests being served", registry=r,
+                               multiprocess_mode="livesum")
         self.admission_refused = Counter("pdserve_admission_refused", "requests refused at admission by "
                                          "reason (prefill_queue, kv_blocks: 429; prompt_too_long: 400)",
                                          ["reason"], registry=r)
@@ -165,13 +240,24 @@ class GatewayMetrics:
         self.kv_control_refused = WorkerCountCollector(
             "pdserve_kv_control_refused", "peers a decode worker's KV control socket refused (no fleet "
             "CURVE keys, or a sender its gateway never named), as the worker reports them")
-        r.register(self.kv_control_refused)
-        self.kv_path_gbps = Gauge("pdserve_kv_path_gbps", "KV data path speed of a prefill/decode pair, "
-                                  "GB/s, from its latest canary transfer",
-                                  ["prefill", "decode", "transport"], registry=r)
-        self.kv_path_slow = Gauge("pdserve_kv_path_slow", "1 when a prefill/decode pair's latest canary "
-                                  "was far below the speed of the path its placement allows, else 0",
-                                  ["prefill", "decode"], registry=r)
+        self.kv_path_gbps = FleetGauge("pdserve_kv_path_gbps", "KV data path speed of a prefill/decode pair, "
+                                       "GB/s, from its latest canary transfer",
+                                       ["prefill", "decode", "transport"])
+        self.kv_path_slow = FleetGauge("pdserve_kv_path_slow", "1 when a prefill/decode pair's latest canary "
+                                       "was far below the speed of the path its placement allows, else 0",
+                                       ["prefill", "decode"])
+        fleet: tuple[Collector, ...] = (self.running, self.waiting, self.kv_used, self.kv_free, self.kv_total,
+                                         self.prefix_index_blocks,
+                                        self.kv_transfers, self.workers, self.kv_control_refused,
+                                        self.kv_path_gbps, self.kv_path_slow)
+        for collector in fleet:
+            r.register(collector)
+        self.exposed = r
+        if multiprocess_dir is not None:
+            self.exposed = CollectorRegistry()
+            MultiProcessCollector(self.exposed, multiprocess_dir)
+            for collector in fleet:
+                self.exposed.register(collector)
 
     def set_worker_load(self, worker_id: str, role: str, load: WorkerLoad) -> None:
         """Update one worker's series from a heartbeat or registration (counts in requests / blocks;
@@ -216,5 +302,5 @@ class GatewayMetrics:
             self.tpot.observe(sum(gaps) / len(gaps))
 
     def render(self) -> bytes:
-        """Prometheus text format."""
-        return generate_latest(self.registry)
+        """Prometheus text format (with N gateway processes: the per-process series summed over all)."""
+        return generate_latest(self.exposed)

@@ -329,9 +329,21 @@ class PairStatus(msgspec.Struct):
     path: KVPathStatus | None
 
 
+class GatewayProcessStatus(msgspec.Struct):
+    """The gateway process that answered (``pdserve gateway --workers N``): its ``index`` (0-based) of
+    ``count``, its ``pid``, and the ``control`` endpoint its socket bound (the workers it lists are those
+    registered with that socket)."""
+
+    index: int
+    count: int
+    pid: int
+    control: str
+
+
 class Readiness(msgspec.Struct):
     """``GET /ready`` (200 ready, 503 not, same body) and ``GET /v1/status``: whether requests can be
-    served and why, the registered workers, every prefill/decode pair, the workers dropped and refused."""
+    served and why, the registered workers, every prefill/decode pair, the workers dropped and refused,
+    and which gateway process answered."""
 
     ready: bool
     reason: str
@@ -339,6 +351,7 @@ class Readiness(msgspec.Struct):
     pairs: list[PairStatus]
     dropped: list[LostWorkerStatus]
     refused: list[LostWorkerStatus]
+    process: GatewayProcessStatus | None = None
 
 
 # the types /openapi.json documents (chunks travel inside text/event-stream, documented as a string)

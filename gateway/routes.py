@@ -187,16 +187,17 @@ async def ready(request: Request) -> Response:
     svc = service(request)
     if not svc.settings.public_health:
         _check_key(request)
-    body = readiness(svc.registry, svc.canaries)
+    body = readiness(svc.registry, svc.canaries, svc.process_status())
     return json_response(body, status_code=200 if body.ready else 503)
 
 
 @router.get("/v1/status", dependencies=[Depends(require_key)],
             responses={**ok(Readiness), **error_responses(401)})
 async def status(request: Request) -> Response:
-    """The status view (always 200): workers, pairs, dropped and refused workers with their reasons."""
+    """The status view (always 200): workers, pairs, dropped and refused workers with their reasons, and
+    the gateway process that answered."""
     svc = service(request)
-    return json_response(readiness(svc.registry, svc.canaries))
+    return json_response(readiness(svc.registry, svc.canaries, svc.process_status()))
 
 
 @router.get("/metrics", response_class=Response, responses={

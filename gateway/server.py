@@ -1,11 +1,35 @@
-"""``pdserve gateway``: run the app under uvicorn."""
+"""``pdserve gateway``: run the app under uvicorn.
+
+One process (``--workers 1``): ``serve``, uvicorn binding ``--host:--port`` itself. Process i of N
+(``serve_process``, started by ``pdserve.gateway_pool``): binds its own socket at ``--host:--port`` with
+``SO_REUSEPORT`` (Linux spreads new connections over every listening socket of the group) and hands it to
+uvicorn (``Server.serve(sockets=...)``); the socket starts listening only once the app's start-up is done
+(asyncio's ``create_server`` calls ``listen``), so no connection waits on a process that is not ready.
+The process tells its parent ``ready`` or ``failed: <reason>`` over a pipe, stops when the parent is gone,
+and binds control port P + i (``GatewaySettings.control_endpoints``).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection
+
 import uvicorn
+from fastapi import FastAPI
 
 from gateway.app import create_app
+from gateway.process import GatewayProcess
+from protocol.logging import configure_logging
 from protocol.settings import GatewaySettings
+
+log = logging.getLogger("pdserve.gateway")
+PARENT_CHECK_S = 0.5  # how often a gateway process checks that its parent is still there
 
 
 def serve(settings: GatewaySettings) -> None:
@@ -13,3 +37,103 @@ def serve(settings: GatewaySettings) -> None:
     app = create_app(settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False, log_config=None)
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` with ``SO_REUSEADDR`` and ``SO_REUSEPORT``, not listening yet.
+
+    Raises:
+        OSError: the address cannot be resolved or bound (the message names it).
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise OSError(f"cannot resolve --host {host!r}: {exc}") from exc
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind the HTTP socket at {host}:{port}: {exc.strerror or exc}") from exc
+    sock.set_inheritable(False)
+    return sock
+
+
+class _Report:
+    """Tells the parent, once, that this process is serving (``ready``) or why it could not start."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn, self._sent = conn, False
+
+    def __call__(self, message: str) -> None:
+        if not self._sent:
+            self._sent = True
+            with contextlib.suppress(OSError):
+                self._conn.send(message)
+
+
+def _reporting_lifespan(app: FastAPI, report: Callable[[str], None]) -> None:
+    """Wrap the app's lifespan so that a start-up failure (e.g. the control port taken) reaches the
+    parent as one line before uvicorn exits."""
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: FastAPI) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                await stack.enter_async_context(inner(a))
+            except Exception as exc:
+                report(f"failed: {exc}")
+                raise
+            yield
+
+    app.router.lifespan_context = lifespan
+
+
+class _ProcessServer(uvicorn.Server):
+    """uvicorn's server that reports ``ready`` once its socket listens and exits when its parent dies."""
+
+    def __init__(self, config: uvicorn.Config, report: Callable[[str], None]) -> None:
+        super().__init__(config)
+        self._report = report
+        self._parent = os.getppid()
+        self._watch: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self._watch = asyncio.create_task(self._watch_parent())
+            self._report("ready")
+
+    async def _watch_parent(self) -> None:
+        while os.getppid() == self._parent:
+            await asyncio.sleep(PARENT_CHECK_S)
+        log.warning("gateway process: its parent %d is gone; stopping", self._parent)
+        self.should_exit = True
+
+
+def serve_process(settings: GatewaySettings, process: GatewayProcess, conn: Connection) -> None:
+    """Run gateway process ``process.index`` of ``process.count`` (the target of a spawned child; the
+    parent set ``PROMETHEUS_MULTIPROC_DIR`` to ``process.metrics_dir`` in its environment). Sends
+    ``ready`` or ``failed: <reason>`` on ``conn``; a process that could not start exits non-zero.
+    Runs in a process group of its own, so a terminal's Ctrl-C reaches only the parent, which stops it."""
+    os.setpgrp()
+    configure_logging(settings.log_level, settings.log_format)
+    report = _Report(conn)
+    control = settings.control_endpoints()[process.index]
+    mine = dataclasses.replace(settings, control_bind=control, workers=1)
+    try:
+        sock = reuse_port_socket(settings.host, settings.port)
+        app = create_app(mine, process)
+    except Exception as exc:
+        report(f"failed: {exc}")
+        raise SystemExit(1) from exc
+    _reporting_lifespan(app, report)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=False, log_config=None)
+    log.info("gateway process %d/%d (pid %d): http://%s:%d, control socket %s", process.index,
+             process.count, os.getpid(), settings.host, settings.port, control)
+    _ProcessServer(config, report).run(sockets=[sock])

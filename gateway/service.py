@@ -18,13 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 
 from gateway.admission import Admission
 from gateway.canary import CanaryTracker
 from gateway.control_socket import ControlSocket, SendOutcome
 from gateway.metrics import GatewayMetrics
+from gateway.openai_responses import GatewayProcessStatus
 from gateway.orchestrator import Orchestrator, WorkerMessage
 from gateway.prefix_index import PrefixIndex
+from gateway.process import GatewayProcess
 from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
 from gateway.router import Router
 from gateway.text import TextProcessor, resolve_tokenizer_dir
@@ -57,11 +60,13 @@ PROBE_DELAYS = (0.0, 0.05, 0.25, 1.0)
 class GatewayService:
     """Owns the registry, router, control socket and orchestrator (the live requests) of one gateway
     process. ``control`` is None until ``start``; ``epoch`` is this process's incarnation, sent in every
-    ``RegisterAck`` (a worker drops the requests of an earlier gateway when it sees it change)."""
+    ``RegisterAck`` (a worker drops the requests of an earlier gateway when it sees it change);
+    ``process`` says which of the gateway's processes this is (``--workers``)."""
 
     def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics,
-                 text: TextProcessor | None = None) -> None:
+                 text: TextProcessor | None = None, process: GatewayProcess | None = None) -> None:
         self.settings, self.metrics, self._text = settings, metrics, text
+        self.process = process or GatewayProcess()
         self.epoch = new_epoch()
         self.registry = WorkerRegistry(settings.heartbeat_timeout)
         self.canaries = CanaryTracker(self.registry, metrics, self.send, settings.kv_canary_timeout,
@@ -98,6 +103,12 @@ class GatewayService:
                 await task
         if self.control is not None:
             self.control.close()
+
+    def process_status(self) -> GatewayProcessStatus:
+        """This process's place among the gateway's processes, its pid and its bound control endpoint
+        (``--control-bind`` until ``start``)."""
+        control = self.control.endpoint if self.control is not None else self.settings.control_bind
+        return GatewayProcessStatus(self.process.index, self.process.count, os.getpid(), control)
 
     def text(self) -> TextProcessor:
         """The tokenizer (loaded on first use from --tokenizer or a worker's model_path).

@@ -5,7 +5,13 @@ from __future__ import annotations
 import time
 
 from gateway.canary import CanaryTracker
-from gateway.openai_responses import LostWorkerStatus, PairStatus, Readiness, WorkerStatus
+from gateway.openai_responses import (
+    GatewayProcessStatus,
+    LostWorkerStatus,
+    PairStatus,
+    Readiness,
+    WorkerStatus,
+)
 from gateway.registry import LostWorker, WorkerEntry, WorkerRegistry, pairing_mismatch
 
 
@@ -26,10 +32,11 @@ def pair_statuses(registry: WorkerRegistry, canaries: CanaryTracker | None = Non
     return out
 
 
-def readiness(registry: WorkerRegistry, canaries: CanaryTracker | None = None) -> Readiness:
+def readiness(registry: WorkerRegistry, canaries: CanaryTracker | None = None,
+              process: GatewayProcessStatus | None = None) -> Readiness:
     """Ready when a colocated worker is live, or a live prefill worker has a usable decode worker (KV
     compatible, data path not failed); the reason names what is missing (each unusable pair's fields or
-    path failure, each dropped worker)."""
+    path failure, each dropped worker). ``process``: the answering gateway process, shown as is."""
     pairs = pair_statuses(registry, canaries)
     prefills, decodes = registry.live("prefill"), registry.live("decode")
     if registry.live("colocated"):
@@ -48,7 +55,7 @@ def readiness(registry: WorkerRegistry, canaries: CanaryTracker | None = None) -
         reason += "; dropped: " + "; ".join(lost)
     return Readiness(ok, reason, [_worker(registry, e) for e in registry.live()], pairs,
                      [_lost(w, now) for w in registry.dropped.values()],
-                     [_lost(w, now) for w in registry.refused.values()])
+                     [_lost(w, now) for w in registry.refused.values()], process)
 
 
 def _worker(registry: WorkerRegistry, e: WorkerEntry) -> WorkerStatus:

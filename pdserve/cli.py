@@ -95,7 +95,11 @@ def _add_control_plane(add: _Adder, up: bool) -> None:
 def _add_gateway(add: _Adder) -> None:
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8000)
-    add("--control-bind", default="tcp://127.0.0.1:7100", help="zmq ROUTER endpoint for workers")
+    add("--control-bind", default="tcp://127.0.0.1:7100",
+        help="zmq ROUTER endpoint for workers (with --workers N: tcp://host:P, process i binds P + i)")
+    add("--workers", type=int, default=1,
+        help="gateway processes serving --port together (SO_REUSEPORT), each with its own control "
+             "socket; workers get every control address, comma-separated")
     add("--model-name", default=None, help="served model name (default: from workers)")
     add("--tokenizer", default=None, help="tokenizer dir (default: the registered model_path)")
     add("--api-key", action="append", default=None, help="accepted bearer key (repeatable)")
@@ -197,7 +201,7 @@ class _Skipping:
 
 
 # flags of `pdserve gateway` and of the workers that `pdserve up` sets itself (the rest pass through)
-_UP_OWN_GATEWAY_FLAGS = {"--control-bind", "--log-level", "--log-format"}
+_UP_OWN_GATEWAY_FLAGS = {"--control-bind", "--workers", "--log-level", "--log-format"}
 _UP_OWN_WORKER_FLAGS = {"--model", "--device", "--transfer-backend", "--gateway-control", "--host",
                         "--advertise-host", "--port", "--metrics-port", "--worker-id", "--log-level",
                         "--log-format"}
@@ -264,6 +268,10 @@ def _load_runner(spec: str) -> Callable[[Any], int | None]:
 
 
 def _run_gateway(settings: Any) -> int:
+    if settings.workers > 1:
+        from pdserve.gateway_pool import run_pool
+
+        return run_pool(settings)
     from gateway.server import serve
 
     serve(settings)

@@ -73,6 +73,34 @@ def free_ports(n: int, exclude: tuple[int, ...] = (), host: str = "127.0.0.1") -
             s.close()
 
 
+def free_port_range(n: int, exclude: tuple[int, ...] = (), host: str = "127.0.0.1",
+                    attempts: int = 100) -> int:
+    """The first of ``n`` consecutive TCP ports all free on ``host`` a moment ago (held together while
+    checked), none in ``exclude`` (e.g. an HTTP port chosen but not bound yet): the control ports
+    P .. P + n - 1 of ``pdserve gateway --workers n``.
+
+    Raises:
+        RuntimeError: no such run found in ``attempts`` tries.
+    """
+    for _ in range(attempts):
+        first = free_ports(1, exclude=exclude, host=host)[0]
+        if first + n > 65536 or any(first <= port < first + n for port in exclude):
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                held.append(s)
+                s.bind((host, port))
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports on {host} in {attempts} tries")
+
+
 def gpu_count() -> int:
     """CUDA devices visible to this process (0 without torch's CUDA build or a GPU)."""
     import torch

@@ -16,6 +16,7 @@ from typing import Any
 from kvtransfer.curve import CurveKeys, load_keys
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+MAX_GATEWAY_PROCESSES = 64  # ``pdserve gateway --workers``: processes on one host
 
 
 def _check(cond: bool, flag: str, msg: str) -> None:
@@ -82,6 +83,7 @@ class GatewaySettings:
     reasoning_parser: str = "auto"  # auto: by the chat template (gateway/reasoning.py)
     curve_keys: str | None = None  # directory with the fleet's CURVE key pair (kvtransfer/curve.py)
     insecure_control_plane: bool = False  # no CURVE: any peer that reaches the control socket may join
+    workers: int = 1  # gateway processes sharing the HTTP port, each with its own control socket
     log_level: str = "info"
     log_format: str = "text"
 
@@ -90,6 +92,12 @@ class GatewaySettings:
         _check_parsers(self.tool_call_parser, self.reasoning_parser)
         _check(self.control_bind.startswith(("tcp://", "ipc://", "inproc://")), "control-bind",
                f"must be a zmq endpoint like tcp://host:port, got {self.control_bind!r}")
+        _check(1 <= self.workers <= MAX_GATEWAY_PROCESSES, "workers",
+               f"must be in [1, {MAX_GATEWAY_PROCESSES}] gateway processes, got {self.workers}")
+        if self.workers > 1:
+            _check(self.port != 0, "port", f"must be a fixed port with --workers {self.workers}: every "
+                   "process serves the same one (0 would give each a different port)")
+            self.control_endpoints()  # raises when the control ports do not fit
         _check(self.disagg_threshold >= 0, "disagg-threshold", "must be >= 0")
         _check(self.max_queue >= 1, "max-queue", "must be >= 1")
         _check(self.request_timeout > 0, "request-timeout", "must be > 0 seconds")
@@ -110,6 +118,27 @@ class GatewaySettings:
         _check_control_plane(self.curve_keys, self.insecure_control_plane)
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")
+
+    def control_endpoints(self) -> tuple[str, ...]:
+        """The control socket of each gateway process: ``--control-bind`` itself for one process; for
+        ``--workers N`` > 1, ``tcp://host:P`` gives process i the port P + i (P .. P + N - 1), the list
+        every worker's ``--gateway-control`` must hold.
+
+        Raises:
+            ValueError: N > 1 with a control endpoint that is not ``tcp://host:port`` with a fixed port,
+                or whose last port would pass 65535 (the message names ``--control-bind``).
+        """
+        if self.workers == 1:
+            return (self.control_bind,)
+        head, _, port_text = self.control_bind.rpartition(":")
+        _check(self.control_bind.startswith("tcp://") and port_text.isdigit() and len(head) > len("tcp://"),
+               "control-bind", f"must be tcp://host:port with a fixed port with --workers {self.workers} "
+               f"(process i binds port + i), got {self.control_bind!r}")
+        first = int(port_text)
+        _check(first > 0 and first + self.workers - 1 < 65536, "control-bind",
+               f"ports {first}..{first + self.workers - 1} (one per gateway process) must lie in "
+               f"[1, 65535]")
+        return tuple(f"{head}:{first + i}" for i in range(self.workers))
 
 
 @dataclass(frozen=True)
@@ -205,7 +234,7 @@ UP_MANAGED_WORKER_FIELDS = frozenset({"role", "model", "device", "transfer_backe
                                       "host", "advertise_host", "port", "metrics_port", "worker_id",
                                       "log_level", "log_format", "curve_keys", "insecure_control_plane"})
 # GatewaySettings fields `pdserve up` sets itself (host and port are UpSettings.host and .port)
-UP_MANAGED_GATEWAY_FIELDS = frozenset({"host", "port", "control_bind", "log_level", "log_format",
+UP_MANAGED_GATEWAY_FIELDS = frozenset({"host", "port", "control_bind", "workers", "log_level", "log_format",
                                        "curve_keys", "insecure_control_plane"})
 
 

@@ -2,7 +2,8 @@
 
 Run: ``.venv/bin/python -m bench.gateway.overhead [--requests 300] [--concurrency 1,8] [--max-tokens 16]
 [--token-delay 0] [--prefill-delay 0] [--tokenizer smollm2-135m] [--targets disagg,colocated,baseline]
-[--curve-cost [--curve-rounds 6] [--curve-concurrency 32]] [--json out.json]
+[--curve-cost [--curve-rounds 6] [--curve-concurrency 32]]
+[--gateway-processes 1,2,4 [--scale-concurrency 64] [--client-processes 8]] [--json out.json]
 [--out /tmp/gateway-overhead.md]``.
 
 Three targets, started in turn on free 127.0.0.1 ports and stopped after their runs:
@@ -33,6 +34,20 @@ added TPOT (latency, noisy on a shared machine). The report gives each arm's med
 over rounds), the ratio of the medians and each round's CURVE / plain ratio. CPU time is what CURVE
 costs the gateway (its encryption and ZAP work), independent of how long other jobs on the machine
 keep it waiting, which is what made latency ratios unstable.
+
+``--gateway-processes 1,2,4`` (after the above; ``--targets ""`` runs it alone) measures how the gateway
+scales over processes on one host (``pdserve gateway --workers N``): for each N in turn, the ``disagg``
+target with an N-process gateway, the two fake workers given all N control endpoints, and
+``--scale-concurrency`` streams in all, driven by ``--client-processes`` separate load-generating
+processes (each its own httpx client and event loop, with an equal share of the streams and of the
+``--requests``; they start measuring together after their warm-up), so that one Python client's event
+loop does not cap the rate. Per N: aggregate output tokens/s and req/s (all clients' tokens and completed
+requests over the wall time from the first client's start to the last one's end), and the ratio of each
+to N = 1 measured in the same run (the first N in the list is the reference). Beside them, whether the
+load side kept up: the CPU each client process and each fake worker used over the measured time, as a
+share of one core (near 1.0: that process, not the gateway, may be the limit) and the gateway's CPU in
+cores (all its processes), and how many of the N processes took requests (from the fake prefill
+worker's record of which control socket each request came through). Leak check after each N.
 """
 
 from __future__ import annotations
@@ -42,7 +57,10 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import json
+import multiprocessing
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -63,7 +81,7 @@ from kvtransfer.curve import generate_keys
 from loadtest.client import RequestIds, send_request
 from loadtest.metrics import latency_stats
 from loadtest.records import LatencyStats, RequestRecord
-from pdserve.launcher import Supervisor, free_ports, wait_ready
+from pdserve.launcher import Supervisor, free_port_range, free_ports, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLY = "Hello world, this is a fake reply from an instant worker. The end."
@@ -156,9 +174,47 @@ class CurveCost(msgspec.Struct, kw_only=True):
     loadavg_end: tuple[float, float, float]
 
 
+class ClientShare(msgspec.Struct, kw_only=True):
+    """What one load-generating process measured: requests sent and completed (all tokens), output
+    tokens, its first error, its measured part's start and end (``time.monotonic()``, shared by every
+    process of the host) and its own CPU seconds over that part."""
+
+    sent: int
+    completed: int
+    tokens: int
+    first_error: str
+    start: float
+    end: float
+    cpu_s: float
+
+
+class ScaleLevel(msgspec.Struct, kw_only=True):
+    """``--gateway-processes``: one gateway of ``processes`` processes at ``concurrency`` streams from
+    ``clients`` client processes. Rates over ``wall_s``; CPU as shares of one core over the measured
+    time (``gateway_cores``: all the gateway's processes together); ``processes_used``: how many of the
+    gateway's processes took requests; ``leaks`` as ``check_no_leaks``."""
+
+    processes: int
+    clients: int
+    concurrency: int
+    sent: int
+    completed: int
+    tokens: int
+    first_error: str
+    wall_s: float
+    tokens_s: float
+    req_s: float
+    gateway_cores: float
+    busiest_client_core: float
+    busiest_worker_core: float
+    processes_used: int
+    leaks: str
+
+
 class OverheadResult(msgspec.Struct, kw_only=True):
     """The whole run: configuration, machine, date, every level, leak check per gateway target, and
-    CURVE's CPU cost when asked (``--curve-cost``)."""
+    CURVE's CPU cost when asked (``--curve-cost``), the scaling over gateway processes when asked
+    (``--gateway-processes``)."""
 
     config: dict[str, object]
     machine: dict[str, object]
@@ -167,6 +223,7 @@ class OverheadResult(msgspec.Struct, kw_only=True):
     levels: list[LevelResult]
     leaks: dict[str, str]
     curve_cost: CurveCost | None = None
+    scale: list[ScaleLevel] | None = None
 
 
 def _spawn(sup: Supervisor, name: str, argv: list[str], log_dir: Path) -> None:
@@ -176,12 +233,15 @@ def _spawn(sup: Supervisor, name: str, argv: list[str], log_dir: Path) -> None:
 
 
 def start_target(target: str, cfg: OverheadConfig, tokenizer_dir: Path, sup: Supervisor,
-                 log_dir: Path) -> str:
-    """Start ``target``'s processes under ``sup``; returns its base URL once ``/ready`` is 200.
+                 log_dir: Path, processes: int = 1) -> str:
+    """Start ``target``'s processes under ``sup``; returns its base URL once ``/ready`` is 200 (with
+    ``processes`` > 1 gateway processes: once every one of them answered ready, ``wait_processes``).
+    The fake prefill worker records its requests in ``log_dir/prefill.jsonl``.
 
     Raises RuntimeError (with the log tail) when a process dies or it is not ready within 60 s.
     """
-    port, control_port = free_ports(2)
+    [port] = free_ports(1)
+    control_port = free_port_range(processes, exclude=(port,))
     secure: list[str] = []
     if target == INSECURE:
         gateway_secure = ["--insecure-control-plane"]
@@ -194,19 +254,24 @@ def start_target(target: str, cfg: OverheadConfig, tokenizer_dir: Path, sup: Sup
                                  "--max-tokens", str(cfg.max_tokens)], log_dir)
     else:
         control = f"tcp://127.0.0.1:{control_port}"
+        pool = ["--workers", str(processes)] if processes > 1 else []
         _spawn(sup, "gateway", ["-m", "pdserve.cli", "gateway", "--port", str(port),
                                 "--control-bind", control, "--tokenizer", str(tokenizer_dir),
-                                "--log-level", "warning", *gateway_secure], log_dir)
+                                "--log-level", "warning", *pool, *gateway_secure], log_dir)
         reply = ",".join(map(str, TextProcessor.from_dir(tokenizer_dir).encode(REPLY)))
         roles = ["colocated"] if target == "colocated" else ["prefill", "decode"]
+        controls = ",".join(f"tcp://127.0.0.1:{control_port + i}" for i in range(processes))
         for role in roles:
+            record = ["--record", str(log_dir / "prefill.jsonl")] if role == "prefill" else []
             _spawn(sup, role, ["-m", "tests.fakes.fake_worker", "--role", role, "--worker-id", f"fake-{role}",
-                               "--gateway-control", control, "--output-ids", reply, *secure,
+                               "--gateway-control", controls, "--output-ids", reply, *secure, *record,
                                "--total-blocks", str(TOTAL_BLOCKS), "--max-model-len", "4096",
                                "--prefill-delay", str(cfg.prefill_delay_s),
                                "--token-delay", str(cfg.token_delay_s)], log_dir)
     url = f"http://127.0.0.1:{port}"
     why = wait_ready(sup, url, 60.0, [])
+    if why is None and processes > 1:
+        why = wait_processes(url, processes, 60.0)
     if why is not None:
         logs = "".join((log_dir / f"{n}.log").read_text()[-1500:] for n in sup.children)
         raise RuntimeError(f"{target} did not start: {why}\n{logs}")
@@ -232,6 +297,22 @@ async def run_level(url: str, cfg: OverheadConfig, concurrency: int) -> tuple[li
         t0, todo = time.perf_counter(), iter(range(cfg.requests))
         await asyncio.gather(*[loop(todo, t0, records) for _ in range(concurrency)])
         return records, time.perf_counter() - t0
+
+
+def wait_processes(url: str, processes: int, timeout_s: float) -> str | None:
+    """Poll ``/v1/status`` over fresh connections until each of the gateway's ``processes`` processes
+    has answered ready; None then, else why not."""
+    seen: set[int] = set()
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with contextlib.suppress(httpx.HTTPError), httpx.Client(timeout=2.0) as client:
+            body = client.get(url + "/v1/status").json()
+            if body["ready"]:
+                seen.add(body["process"]["index"])
+        if len(seen) == processes:
+            return None
+        time.sleep(0.05)
+    return f"only gateway processes {sorted(seen)} of {processes} ready after {timeout_s:g} s"
 
 
 def summarize_level(target: str, concurrency: int, records: Sequence[RequestRecord], wall_s: float,
@@ -345,8 +426,75 @@ def run_curve_rounds(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, co
                      loadavg_end=os.getloadavg())
 
 
+def _client_process(url: str, cfg: OverheadConfig, concurrency: int, barrier: object,
+                    results: multiprocessing.SimpleQueue[ClientShare]) -> None:
+    """One load-generating process of ``--gateway-processes``: warm up, wait for the others at
+    ``barrier`` (a ``multiprocessing.Barrier``), run ``cfg.requests`` at ``concurrency`` streams, put its
+    ``ClientShare`` on ``results``."""
+    asyncio.run(run_level(url, dataclasses.replace(cfg, requests=max(cfg.warmup, 1), warmup=0), concurrency))
+    barrier.wait(120.0)  # type: ignore[attr-defined]
+    cpu0, start = time.process_time(), time.monotonic()
+    records, _ = asyncio.run(run_level(url, dataclasses.replace(cfg, warmup=0), concurrency))
+    end, cpu = time.monotonic(), time.process_time() - cpu0
+    ok = [r for r in records if r.success and r.output_tokens == cfg.max_tokens]
+    bad = [r for r in records if r not in ok]
+    results.put(ClientShare(sent=len(records), completed=len(ok), tokens=sum(r.output_tokens for r in ok),
+                            first_error=(bad[0].error or f"{bad[0].output_tokens} tokens") if bad else "",
+                            start=start, end=end, cpu_s=cpu))
+
+
+def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, processes: int,
+                    concurrency: int, clients: int) -> ScaleLevel:
+    """One N of ``--gateway-processes`` (see the module docstring). Raises RuntimeError when the target
+    does not start or a client process does not report within ``cfg.timeout_s`` + 120 s."""
+    sup = Supervisor(grace=5.0)
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(clients + 1)
+    results: multiprocessing.SimpleQueue[ClientShare] = ctx.SimpleQueue()
+    share = dataclasses.replace(cfg, requests=max(1, -(-cfg.requests // clients)))
+    procs: list[multiprocessing.process.BaseProcess] = []
+    try:
+        url = start_target("disagg", cfg, tokenizer_dir, sup, log_dir, processes)
+        procs = [ctx.Process(target=_client_process, args=(url, share, max(1, concurrency // clients),
+                                                           barrier, results)) for _ in range(clients)]
+        for p in procs:
+            p.start()
+        kids = sup.children
+        workers = [kids[n].pid for n in ("prefill", "decode")]
+        barrier.wait(180.0)
+        gw0, wk0, t0 = cpu_seconds(kids["gateway"].pid), [cpu_seconds(w) for w in workers], time.monotonic()
+        for p in procs:
+            p.join(cfg.timeout_s * share.requests + 120.0)
+        gw, wall_all = cpu_seconds(kids["gateway"].pid) - gw0, time.monotonic() - t0
+        wk = [cpu_seconds(w) - w0 for w, w0 in zip(workers, wk0, strict=True)]
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"a client process failed: exit codes {[p.exitcode for p in procs]}")
+        shares = [results.get() for _ in procs]
+        leaks = check_no_leaks(url, "fake-decode")
+        lines = (log_dir / "prefill.jsonl").read_text().splitlines()
+        # the fake worker names the gateway a request came through only when it has several
+        used = {json.loads(line).get("gateway", 0) for line in lines if '"PrefillRequest"' in line}
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        sup.stop_all()
+    wall = max(s.end for s in shares) - min(s.start for s in shares)
+    rate = 1 / wall if wall > 0 else 0.0
+    tokens, completed = sum(s.tokens for s in shares), sum(s.completed for s in shares)
+    return ScaleLevel(processes=processes, clients=clients,
+                      concurrency=max(1, concurrency // clients) * clients,
+                      sent=sum(s.sent for s in shares), completed=completed, tokens=tokens,
+                      first_error=next((s.first_error for s in shares if s.first_error), ""), wall_s=wall,
+                      tokens_s=tokens * rate, req_s=completed * rate, gateway_cores=gw / wall_all,
+                      busiest_client_core=max(s.cpu_s / max(s.end - s.start, 1e-9) for s in shares),
+                      busiest_worker_core=max(wk) / wall_all, processes_used=len(used), leaks=leaks)
+
+
 def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS,
-        curve_rounds: int = 0, curve_concurrency: int = 32) -> OverheadResult:
+        curve_rounds: int = 0, curve_concurrency: int = 32, gateway_processes: Sequence[int] = (),
+        scale_concurrency: int = 64, client_processes: int = 4) -> OverheadResult:
     """Start each target, measure every concurrency level, stop it; then, with ``curve_rounds`` > 0,
     CURVE's CPU cost (run_curve_rounds). Raises ValueError for an unknown target or tokenizer dir,
     RuntimeError when a target does not start."""
@@ -356,6 +504,10 @@ def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS
     if curve_rounds < 0 or curve_concurrency < 1:
         raise ValueError(f"curve_rounds must be >= 0 and curve_concurrency >= 1, got {curve_rounds} and "
                          f"{curve_concurrency}")
+    if any(n < 1 for n in gateway_processes) or client_processes < 1 or scale_concurrency < client_processes:
+        raise ValueError(f"gateway processes must be >= 1 (got {list(gateway_processes)}), client processes "
+                         f">= 1 (got {client_processes}) and the scale concurrency >= the client processes "
+                         f"(got {scale_concurrency})")
     tokenizer_dir = resolve_tokenizer_dir(cfg.tokenizer, None)  # TokenizerNotFoundError before any start
     machine = machine_info()
     levels, leaks = [], {}
@@ -374,9 +526,15 @@ def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS
                 sup.stop_all()
         if curve_rounds:
             curve = run_curve_rounds(cfg, tokenizer_dir, Path(tmp), curve_concurrency, curve_rounds)
+        scale: list[ScaleLevel] = []
+        for n in gateway_processes:
+            level_dir = Path(tmp) / f"processes-{n}-{len(scale)}"
+            level_dir.mkdir()
+            scale.append(run_scale_level(cfg, tokenizer_dir, level_dir, n, scale_concurrency,
+                                         client_processes))
     return OverheadResult(config=asdict(cfg), machine=machine, levels=levels, leaks=leaks, command=command,
                           date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                          curve_cost=curve)
+                          curve_cost=curve, scale=scale or None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,6 +552,12 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"then CURVE's CPU cost: disagg against {INSECURE}, side by side, alternated rounds")
     p.add_argument("--curve-rounds", type=int, default=None, help="--curve-cost rounds per arm [6]")
     p.add_argument("--curve-concurrency", type=int, default=None, help="--curve-cost streams [32]")
+    p.add_argument("--gateway-processes", default="",
+                   help="then the gateway over N processes each (pdserve gateway --workers N), e.g. 1,2,4: "
+                        "aggregate tokens/s and req/s, ratios to the first")
+    p.add_argument("--scale-concurrency", type=int, default=64, help="--gateway-processes: streams in all")
+    p.add_argument("--client-processes", type=int, default=4,
+                   help="--gateway-processes: load-generating processes sharing the streams")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None, help="Markdown report path")
     p.add_argument("--serve-baseline", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
@@ -409,15 +573,18 @@ def main(argv: list[str] | None = None) -> int:
                              concurrency=tuple(int(x) for x in args.concurrency.split(",")),
                              prefill_delay_s=args.prefill_delay, token_delay_s=args.token_delay,
                              tokenizer=args.tokenizer)
-        command = "python -m bench.gateway.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python -m bench.gateway.overhead " + shlex.join(sys.argv[1:] if argv is None else argv)
         targets = [t for t in args.targets.split(",") if t]
         if not args.curve_cost and (args.curve_rounds is not None or args.curve_concurrency is not None):
             raise ValueError("--curve-rounds and --curve-concurrency need --curve-cost")
         rounds = 6 if args.curve_rounds is None else args.curve_rounds
         if args.curve_cost and rounds < 1:
             raise ValueError(f"--curve-rounds must be >= 1, got {rounds}")
+        processes = tuple(int(x) for x in args.gateway_processes.split(",") if x)
         res = run(cfg, command, tuple(targets), curve_rounds=rounds if args.curve_cost else 0,
-                  curve_concurrency=32 if args.curve_concurrency is None else args.curve_concurrency)
+                  curve_concurrency=32 if args.curve_concurrency is None else args.curve_concurrency,
+                  gateway_processes=processes, scale_concurrency=args.scale_concurrency,
+                  client_processes=args.client_processes)
     except (ValueError, TokenizerNotFoundError) as exc:
         print(f"gateway_overhead: {exc}", file=sys.stderr)
         return 2
@@ -430,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     curve = res.curve_cost
     failed = (any(lv.failed for lv in res.levels) or any(v != "ok" for v in res.leaks.values())
               or (curve is not None and (any(r.completed < r.requests for r in curve.rounds)
-                                         or any(v != "ok" for v in curve.leaks.values()))))
+                                         or any(v != "ok" for v in curve.leaks.values())))
+              or any(sc.completed < sc.sent or sc.leaks != "ok" for sc in res.scale or ()))
     return 1 if failed else 0
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bench.gateway.overhead import CurveCost, OverheadResult
+    from bench.gateway.overhead import CurveCost, OverheadResult, ScaleLevel
     from loadtest.records import LatencyStats
 
 
@@ -70,7 +70,35 @@ def render_markdown(res: OverheadResult) -> str:
                          f"{q.req_s:.1f} = {lv.req_s / q.req_s:.3f}")
     if res.curve_cost is not None:
         lines += ["", *render_curve_cost(res.curve_cost, int(c["max_tokens"]))]  # type: ignore[call-overload]
+    if res.scale:
+        lines += ["", *render_scale(res.scale, int(c["max_tokens"]))]  # type: ignore[call-overload]
     return "\n".join(lines) + "\n"
+
+
+def render_scale(levels: list[ScaleLevel], max_tokens: int) -> list[str]:
+    """The ``--gateway-processes`` section: per N, aggregate tokens/s and req/s, their ratios to the first
+    N of the run, and whether the load side kept up (CPU shares of one core)."""
+    ref = levels[0]
+    lines = [f"## Gateway processes on one host (`pdserve gateway --workers N`), {max_tokens} tokens per "
+             "request", "",
+             f"Ratios are to N = {ref.processes} in this run (goal on a 16-core host: 2 processes >= 1.8x, "
+             "4 >= 3.2x tokens/s). CPU: share of one core over the measured time; a client or fake worker "
+             "near 1.0 may be the limit rather than the gateway. `took`: processes that took requests.", "",
+             "| processes | clients | streams | ok/sent | tokens/s | req/s | x tokens/s | x req/s "
+             "| gateway cores | busiest client | busiest fake worker | took | leaks |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for lv in levels:
+        tok = lv.tokens_s / ref.tokens_s if ref.tokens_s > 0 else 0.0
+        req = lv.req_s / ref.req_s if ref.req_s > 0 else 0.0
+        lines.append(f"| {lv.processes} | {lv.clients} | {lv.concurrency} | {lv.completed}/{lv.sent} "
+                     f"| {lv.tokens_s:.0f} | {lv.req_s:.1f} | **{tok:.2f}** | {req:.2f} "
+                     f"| {lv.gateway_cores:.2f} "
+                     f"| {lv.busiest_client_core:.2f} | {lv.busiest_worker_core:.2f} "
+                     f"| {lv.processes_used}/{lv.processes} | {lv.leaks} |")
+    errors = [f"N={lv.processes}: {lv.first_error}" for lv in levels if lv.first_error]
+    if errors:
+        lines += ["", "First errors: " + "; ".join(errors)]
+    return lines
 
 
 def _spread(values: list[float], fmt: str = ".1f") -> str:

@@ -11,8 +11,11 @@ from typing import Any
 
 import jsonschema
 import pytest
+import yaml
 
 from deploy.healthcheck import ProbeTarget, probe_target
+from pdserve.cli import build_parser
+from protocol.settings import GatewaySettings, settings_from_args
 from tests.deploy.common import DEPLOY, NON_FLAG_ENV, check_cli, known_metrics, load_compose
 
 
@@ -79,6 +82,25 @@ def test_every_service_health_checked_restarted_and_accepted_by_cli() -> None:
             # a worker's health is its engine loop (HTTP /health on its metrics port), not a TCP connect
             assert probe_target(["pdserve", *test[3:]], env) == ProbeTarget(
                 "http", "127.0.0.1", int(env["PDSERVE_METRICS_PORT"]), "/health")
+
+
+def test_gateway_processes_and_worker_control_list_agree() -> None:
+    """``GATEWAY_WORKERS=N`` runs N gateway processes (control ports 7100..7100+N-1) and
+    ``GATEWAY_CONTROL`` gives the workers that list: the gateway's settings name the same endpoints
+    the workers get, with the hosts as the workers reach them."""
+    text = (DEPLOY / "docker-compose.yml").read_text()
+    controls = "tcp://gateway:7100,tcp://gateway:7101,tcp://gateway:7102"
+    given = {"GATEWAY_WORKERS": "3", "GATEWAY_CONTROL": controls}
+    data = yaml.safe_load(re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}",
+                                 lambda m: given.get(m.group(1), m.group(2) or ""), text))
+    gateway = data["services"]["gateway"]
+    env = {k: str(v) for k, v in gateway["environment"].items() if k != "PDSERVE_CURVE_KEYS"}
+    settings = settings_from_args(build_parser({**env, **OPEN}).parse_args(gateway["command"]))
+    assert isinstance(settings, GatewaySettings) and settings.workers == 3
+    bound = [e.replace("0.0.0.0", "gateway") for e in settings.control_endpoints()]
+    for name, svc in data["services"].items():
+        if name not in ("gateway", "keys"):
+            assert svc["environment"]["PDSERVE_GATEWAY_CONTROL"].split(",") == bound, name
 
 
 def test_every_service_gets_the_fleet_keys() -> None:

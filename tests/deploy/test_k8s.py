@@ -109,6 +109,8 @@ def test_pods_wiring(overlay: str) -> None:
     assert {p["port"] for p in control["spec"]["ports"]} == {7100}
     assert control["spec"]["publishNotReadyAddresses"] is True
     assert control["spec"]["selector"] == service["spec"]["selector"]
+    # headless: the name resolves to every gateway pod (workers register with each), not one virtual IP
+    assert control["spec"]["clusterIP"] == "None"
     for hpa_name in WORKERS:
         hpa = _get(resources, "HorizontalPodAutoscaler", hpa_name)
         assert hpa["spec"]["scaleTargetRef"]["name"] == hpa_name
@@ -116,6 +118,27 @@ def test_pods_wiring(overlay: str) -> None:
     rdma = overlay == "rdma"
     for name in WORKERS:
         assert _pod(resources, name).get("hostNetwork", False) is rdma
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_replicas_roll_one_at_a_time_and_survive_drains(overlay: str, tmp_path: Path) -> None:
+    """Two gateway pods or more, replaced one at a time (a new one ready before an old one goes), and
+    a PodDisruptionBudget that keeps one serving through a node drain; each pod's control ports are
+    one per gateway process (``PDSERVE_WORKERS``), as many as the container declares."""
+    resources = rendered(overlay)
+    deployment = _get(resources, "Deployment", "pdserve-gateway")
+    assert deployment["spec"]["replicas"] >= 2
+    strategy = deployment["spec"]["strategy"]
+    assert strategy["type"] == "RollingUpdate" and strategy["rollingUpdate"]["maxUnavailable"] == 0
+    pdb = _get(resources, "PodDisruptionBudget", "pdserve-gateway")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert _selects(pdb["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"])
+    (c,) = _pod(resources, "pdserve-gateway")["containers"]
+    env = _container_env(resources, c, tmp_path)
+    processes = int(env["PDSERVE_WORKERS"])
+    control_ports = sorted(p["containerPort"] for p in c["ports"] if p["name"].startswith("control"))
+    assert control_ports == [7100 + i for i in range(processes)]
+    assert env["PDSERVE_CONTROL_BIND"] == "tcp://0.0.0.0:7100"
 
 
 def _container_env(resources: tuple[dict[str, Any], ...], c: dict[str, Any], tmp: Path) -> dict[str, str]:
@@ -211,16 +234,17 @@ def test_network_policies_fence_control_and_transfer_ports(overlay: str) -> None
         assert mine, f"no NetworkPolicy selects {to}: it would accept anything"
         for p in mine:
             for rule in p["spec"]["ingress"]:
-                ports = {x["port"] for x in rule.get("ports", [])}
+                ranges = [(x["port"], x.get("endPort", x["port"])) for x in rule.get("ports", [])]
                 sources = rule.get("from")
-                if (not ports or port in ports) and (
+                if (not ranges or any(lo <= port <= hi for lo, hi in ranges)) and (
                         sources is None or any(_selects(s["podSelector"], source) for s in sources)):
                     return True
         return False
 
     worker_ports = (7200, 45_000)  # the KV control port and a transfer port NIXL/UCX picked
+    gateway_controls = (7100, 7101, 7163)  # one control port per gateway process (`--workers` up to 64)
     for source in (stranger, labels["pdserve-gateway"]):
-        assert not allowed("pdserve-gateway", source, 7100), source
+        assert not any(allowed("pdserve-gateway", source, port) for port in gateway_controls), source
         for w in WORKERS:
             assert not any(allowed(w, source, port) for port in worker_ports), (w, source)
     assert allowed("pdserve-gateway", stranger, 8000)
@@ -228,7 +252,8 @@ def test_network_policies_fence_control_and_transfer_ports(overlay: str) -> None
         (c,) = _pod(resources, w)["containers"]
         metrics_port = {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"]
         assert allowed(w, stranger, metrics_port), w
+    assert not allowed("pdserve-gateway", labels["pdserve-prefill"], 7164)
     for src in WORKERS:
-        assert allowed("pdserve-gateway", labels[src], 7100)
+        assert all(allowed("pdserve-gateway", labels[src], port) for port in gateway_controls)
         for w in WORKERS:
             assert all(allowed(w, labels[src], port) for port in worker_ports), (src, w)

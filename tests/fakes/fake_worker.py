@@ -21,6 +21,13 @@ fake handle, the prefill role ``KVCanarySend`` with a landed canary of ``--canar
 ``--canary-seconds`` over transport ``fake``; ``--canary-wedged 1`` never answers (a wedged data path).
 ``--curve-keys DIR`` makes its socket a CURVE client with that key pair (a gateway with ``--curve-keys``
 accepts only the fleet's); without it the socket is plain.
+Several gateways (``--gateway-control A,B,...``, e.g. the processes of ``pdserve gateway --workers N``):
+one DEALER per gateway; it registers with and heartbeats to each, registers again with one that sends
+``ReRegister`` (a restarted gateway process) and, when a gateway's ``RegisterAck`` shows a new gateway
+epoch, drops the requests of its earlier incarnation (freeing their blocks), as a real worker does; a
+message a gateway cannot take (dead, queue full) is dropped rather than waited on. A
+request's outputs go to the gateway that sent it; the record's ``gateway`` field (only with several) is
+the index of the gateway a message came from. Load and blocks are the worker's, shared.
 Run: ``python -m tests.fakes.fake_worker --role decode ...``.
 """
 
@@ -62,6 +69,7 @@ from protocol.messages import (
     RegisterWorker,
     RequestFailed,
     RequestFinished,
+    ReRegister,
     ReserveKV,
     TopLogprob,
     WorkerLoad,
@@ -103,42 +111,58 @@ class FakeWorker:
         self.output_ids = [int(x) for x in args.output_ids.split(",")]
         self.epoch = args.epoch or time.time_ns()
         self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if args.curve_keys:  # like a real worker (workers/control_client.py); without: a plain DEALER
-            secure_client(self.sock, load_keys(args.curve_keys))
-        self.sock.connect(args.gateway_control)
+        self.socks: list[zmq.asyncio.Socket] = []
+        for endpoint in args.gateway_control.split(","):
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if args.curve_keys:  # like a real worker (workers/control_client.py); without: a plain DEALER
+                secure_client(sock, load_keys(args.curve_keys))
+            sock.connect(endpoint)
+            self.socks.append(sock)
+        self.origin: dict[str, int] = {}  # request id → index of the gateway that sent it
+        self.gateway_epochs: dict[int, int] = {}  # gateway index → its epoch from its last RegisterAck
         self.free_blocks = args.total_blocks
         self.reserved: dict[str, tuple[ReserveKV, int]] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.running: dict[str, Generation] = {}
-        self.outbox: list[Message] = []
+        self.outbox: list[tuple[int, Message]] = []
         self.wake = asyncio.Event()
         self.hung = asyncio.Event()
 
-    async def send(self, msg: Message) -> None:
-        await self.sock.send(encode(msg))
+    async def send(self, msg: Message, gateway: int = 0) -> None:
+        """Send to gateway ``gateway``. With several, without blocking: a message a gateway cannot take
+        (gone, its queue full) is dropped, so that one dead gateway never stalls the others."""
+        if len(self.socks) == 1:
+            await self.socks[0].send(encode(msg))
+            return
+        with contextlib.suppress(zmq.Again):
+            await self.socks[gateway].send(encode(msg), flags=zmq.NOBLOCK)
 
     def emit(self, msg: Message) -> None:
-        """Queue a message for the gateway; ``flush`` sends the queue as a real worker's phase does."""
-        self.outbox.append(msg)
+        """Queue a message for the gateway its request came from; ``flush`` sends the queue as a real
+        worker's phase does."""
+        self.outbox.append((self.origin.get(getattr(msg, "request_id", ""), 0), msg))
 
     async def flush(self) -> None:
-        """Send the queued messages: the per-request ones in one ``OutputBatch`` (``batch_outputs``)."""
-        msgs, self.outbox = self.outbox, []
-        for frame in batch_outputs(self.args.worker_id, msgs):
-            await self.send(frame)
+        """Send the queued messages, to each gateway its own: the per-request ones in one
+        ``OutputBatch`` per gateway (``batch_outputs``)."""
+        queued, self.outbox = self.outbox, []
+        for gateway in sorted({g for g, _ in queued}):
+            for frame in batch_outputs(self.args.worker_id, [m for g, m in queued if g == gateway]):
+                await self.send(frame, gateway)
 
     def load(self) -> WorkerLoad:
         busy = len(self.tasks) + len(self.running)
         return WorkerLoad(num_waiting=max(len(self.reserved) - busy, 0), num_running=busy,
                           num_free_blocks=self.free_blocks, num_total_blocks=self.args.total_blocks)
 
-    def record(self, msg: Message) -> None:
+    def record(self, msg: Message, gateway: int = 0) -> None:
         if self.args.record:
             entry: dict[str, object] = {"type": type(msg).__name__,
                                         "request_id": getattr(msg, "request_id",
                                                               getattr(msg, "canary_id", None))}
+            if len(self.socks) > 1:
+                entry["gateway"] = gateway
             sampling = getattr(msg, "sampling", None)
             if sampling is not None:
                 entry["sampling"] = msgspec.to_builtins(sampling)
@@ -177,20 +201,22 @@ class FakeWorker:
             return True
         return False
 
-    async def register(self) -> None:
+    async def register(self, gateway: int) -> None:
         a = self.args
         compat = KVCompat(model_id=a.model, dtype=a.dtype, block_size=a.block_size, num_layers=2,
                           num_kv_heads=1, head_dim=8, transfer_backend="loopback")
         await self.send(RegisterWorker(role=a.role, worker_id=a.worker_id, epoch=self.epoch, model=a.model,
                                        model_path=a.model_path, compat=compat, max_model_len=a.max_model_len,
-                                       load=self.load()))
+                                       load=self.load()), gateway)
 
     async def heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.args.heartbeat_interval)
             if self.hung.is_set():
                 return
-            await self.send(Heartbeat(worker_id=self.args.worker_id, epoch=self.epoch, load=self.load()))
+            for gateway in range(len(self.socks)):
+                await self.send(Heartbeat(worker_id=self.args.worker_id, epoch=self.epoch, load=self.load()),
+                                gateway)
 
     def logprobs_of(self, gen: Generation, tok: int) -> tuple[float | None, list[TopLogprob] | None]:
         pos, n = gen.offset + gen.i, gen.sampling.logprobs
@@ -261,6 +287,8 @@ class FakeWorker:
         self.release(rid)
 
     def release(self, rid: str) -> None:
+        if rid not in self.tasks and rid not in self.running:
+            self.origin.pop(rid, None)
         entry = self.reserved.pop(rid, None)
         if entry is not None:
             self.free_blocks += entry[1]
@@ -268,8 +296,10 @@ class FakeWorker:
     def generation(self, rid: str, prompt: list[int], sampling: SamplingParams, i: int) -> Generation:
         return Generation(rid, prompt, sampling, self.continued(prompt, sampling), i)
 
-    async def on_message(self, msg: Message) -> None:
-        self.record(msg)
+    async def on_message(self, msg: Message, gateway: int = 0) -> None:
+        self.record(msg, gateway)
+        if isinstance(msg, PrefillRequest | ColocatedRequest | ReserveKV):
+            self.origin[msg.request_id] = gateway
         if isinstance(msg, PrefillRequest | ColocatedRequest):
             gen = self.generation(msg.request_id, msg.prompt_token_ids, msg.sampling, 0)
             self.tasks[msg.request_id] = asyncio.create_task(self.prefill(gen))
@@ -296,40 +326,67 @@ class FakeWorker:
             self.end(msg.request_id)
         elif isinstance(msg, KVCanaryReserve) and not self.args.canary_wedged:
             await self.send(KVCanaryReserved(canary_id=msg.canary_id, worker_id=self.args.worker_id,
-                                             kv_handle=f"fake-handle:{msg.canary_id}".encode()))
+                                             kv_handle=f"fake-handle:{msg.canary_id}".encode()), gateway)
         elif isinstance(msg, KVCanarySend) and not self.args.canary_wedged:
             await asyncio.sleep(self.args.canary_seconds)
             await self.send(KVCanaryResult(canary_id=msg.canary_id, worker_id=self.args.worker_id, ok=True,
                                            num_bytes=self.args.canary_bytes,
-                                           seconds=self.args.canary_seconds, transport="fake"))
+                                           seconds=self.args.canary_seconds, transport="fake"), gateway)
         elif isinstance(msg, RegisterAck) and not msg.accepted:
             raise SystemExit(f"registration refused: {msg.reason}")
+        elif isinstance(msg, RegisterAck) and len(self.socks) > 1:
+            self.new_gateway_epoch(gateway, msg.gateway_epoch)
+        elif isinstance(msg, ReRegister) and len(self.socks) > 1:
+            await self.register(gateway)
+
+    def new_gateway_epoch(self, gateway: int, epoch: int) -> None:
+        """A gateway acknowledged a registration with ``epoch``: if it changed, the requests its earlier
+        incarnation sent have nobody to stream to; drop them and free their blocks."""
+        previous = self.gateway_epochs.get(gateway)
+        self.gateway_epochs[gateway] = epoch
+        if previous is None or previous == epoch:
+            return
+        for rid in [r for r, g in self.origin.items() if g == gateway]:
+            task = self.tasks.pop(rid, None)
+            if task is not None:
+                task.cancel()
+            self.end(rid)
+            self.origin.pop(rid, None)
 
     async def run(self) -> None:
-        await self.register()
+        for gateway in range(len(self.socks)):
+            await self.register(gateway)
         loops = [asyncio.create_task(self.heartbeat_loop()), asyncio.create_task(self.step_loop())]
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
         recv = asyncio.create_task(self.recv_loop())
         await asyncio.wait([asyncio.create_task(stop.wait()), recv], return_when=asyncio.FIRST_COMPLETED)
-        await self.send(WorkerShutdown(worker_id=self.args.worker_id, epoch=self.epoch))
+        for gateway in range(len(self.socks)):
+            await self.send(WorkerShutdown(worker_id=self.args.worker_id, epoch=self.epoch), gateway)
         for task in (*loops, recv):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, SystemExit):
                 await task
         await asyncio.sleep(0.05)
-        self.sock.close(linger=100)
+        for sock in self.socks:
+            sock.close(linger=100)
         self.ctx.term()
 
     async def recv_loop(self) -> None:
+        """Messages from every gateway, each handled with the index of the socket it came from."""
+        poller = zmq.asyncio.Poller()
+        for sock in self.socks:
+            poller.register(sock, zmq.POLLIN)
         while True:
-            await self.on_message(decode(await self.sock.recv()))
+            for sock, _ in await poller.poll():
+                await self.on_message(decode(await sock.recv()), self.socks.index(sock))  # type: ignore[arg-type]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
-    p.add_argument("--gateway-control", required=True)
+    p.add_argument("--gateway-control", required=True, help="the gateway's control endpoint, or several "
+                   "comma-separated (one DEALER each)")
     p.add_argument("--curve-keys", default="", help="the fleet's CURVE key dir (none: a plain socket)")
     p.add_argument("--worker-id", default=f"fake-{os.getpid()}")
     p.add_argument("--epoch", type=int, default=0)

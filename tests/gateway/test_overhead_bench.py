@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.gateway.overhead import CurveCost, CurveRound, OverheadConfig, main, summarize_level
-from bench.gateway.overhead_report import render_curve_cost
+from bench.gateway.overhead import CurveCost, CurveRound, OverheadConfig, ScaleLevel, main, summarize_level
+from bench.gateway.overhead_report import render_curve_cost, render_scale
 from loadtest.records import RequestRecord
 
 
@@ -53,7 +53,11 @@ def test_summarize_subtracts_configured_delays() -> None:
 @pytest.mark.parametrize("argv", [["--requests", "0"], ["--targets", "disagg,nope"],
                                   ["--tokenizer", "/nonexistent/tokenizer-dir"], ["--concurrency", "x"],
                                   ["--curve-rounds", "3"], ["--curve-cost", "--curve-rounds", "0"],
-                                  ["--curve-cost", "--curve-concurrency", "0"]])
+                                  ["--curve-cost", "--curve-concurrency", "0"],
+                                  ["--gateway-processes", "1,0"], ["--gateway-processes", "x"],
+                                  ["--gateway-processes", "1", "--client-processes", "0"],
+                                  ["--gateway-processes", "1", "--client-processes", "4",
+                                   "--scale-concurrency", "2"]])
 def test_bad_arguments_exit_2_and_start_nothing(argv: list[str], tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
@@ -129,3 +133,33 @@ def test_curve_cost_smoke_run(tokenizer_dir: Path, tmp_path: Path) -> None:
         assert r["gateway_us_per_token"] == pytest.approx(r["gateway_cpu_s"] / 24 * 1e6)
         assert 0 <= r["gateway_zmq_io_cpu_s"] <= r["gateway_cpu_s"] + 0.02  # a part of it (10 ms ticks)
     assert sum(r["gateway_cpu_s"] for r in cost["rounds"]) > 0  # the gateways did work (10 ms ticks)
+
+
+def _scale(processes: int, tokens_s: float, req_s: float) -> ScaleLevel:
+    return ScaleLevel(processes=processes, clients=4, concurrency=64, sent=100, completed=100, tokens=1600,
+                      first_error="", wall_s=1.0, tokens_s=tokens_s, req_s=req_s,
+                      gateway_cores=0.9 * processes, busiest_client_core=0.5, busiest_worker_core=0.3,
+                      processes_used=processes, leaks="ok")
+
+
+def test_scale_report_gives_ratios_to_the_first() -> None:
+    text = "\n".join(render_scale([_scale(1, 6000, 50), _scale(2, 11400, 90), _scale(4, 20400, 170)], 128))
+    assert "| 1 | 4 | 64 | 100/100 | 6000 | 50.0 | **1.00** | 1.00 | 0.90 | 0.50 | 0.30 | 1/1 | ok |" in text
+    assert "| 2 | 4 | 64 | 100/100 | 11400 | 90.0 | **1.90** | 1.80 | 1.80 |" in text
+    assert "| 4 | 4 | 64 | 100/100 | 20400 | 170.0 | **3.40** | 3.40 | 3.60 |" in text
+
+
+@pytest.mark.slow  # starts a 1-process and a 2-process gateway (one after the other) with fake workers
+def test_gateway_processes_smoke_run(tokenizer_dir: Path, tmp_path: Path) -> None:
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    rc = main(["--targets", "", "--gateway-processes", "1,2", "--client-processes", "2",
+               "--scale-concurrency", "4", "--requests", "16", "--warmup", "1", "--max-tokens", "4",
+               "--tokenizer", str(tokenizer_dir), "--json", str(out), "--out", str(md)])
+    assert rc == 0
+    scale = json.loads(out.read_text())["scale"]
+    assert [(s["processes"], s["clients"], s["concurrency"]) for s in scale] == [(1, 2, 4), (2, 2, 4)]
+    for s in scale:
+        assert (s["sent"], s["completed"], s["tokens"], s["leaks"]) == (16, 16, 64, "ok"), s["first_error"]
+        assert s["tokens_s"] == pytest.approx(64 / s["wall_s"]) and s["req_s"] > 0
+        assert 1 <= s["processes_used"] <= s["processes"]
+    assert "| 1 | 2 | 4 | 16/16 |" in md.read_text() and "**1.00**" in md.read_text()

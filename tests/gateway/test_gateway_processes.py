@@ -1,0 +1,377 @@
+"""``pdserve gateway --workers N``: N processes behind one HTTP port, supervised by a parent.
+
+Real processes: the gateway pool (``python -m pdserve.cli gateway --workers 2``) and fake prefill/decode
+workers (tests/fakes/fake_worker.py) given both control addresses. Requests over the one port all
+succeed and both processes take some (the fake workers record which control socket each request came
+through); ``/metrics`` from either process counts every request; ``kill -9`` of one process: the parent
+restarts it (a new pid in ``/v1/status``), requests keep succeeding meanwhile, the workers register with
+the new one and no KV block leaks; SIGTERM stops the parent and every process. A process that cannot
+start (its control port taken) stops the pool with one line; a bad ``--workers`` is refused up front.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import Gauge
+
+from gateway.metrics import GatewayMetrics
+from pdserve.cli import main
+from pdserve.gateway_pool import GatewayPool, PoolFailed
+from pdserve.launcher import RestartPolicy, free_port_range, free_ports
+from protocol.settings import GatewaySettings
+from tests.gateway.conftest import MSGS, REPLY, ROOT, read_record, wait_until
+
+START_S = 60.0  # a gateway process imports FastAPI and loads the tokenizer: seconds on a busy 2-core box
+LONG = 20_000  # tokens of the stream cut by the kill: at the fake's 5 ms a step it would run 100 s
+
+
+class Pool:
+    """The gateway pool process (its output in ``gateway.log``) and fake workers given every control
+    endpoint; ``close`` stops them all."""
+
+    def __init__(self, tmp: Path, tokenizer: Path, workers: int = 2) -> None:
+        self.tmp = tmp
+        [self.port] = free_ports(1)
+        first = free_port_range(workers, exclude=(self.port,))
+        self.controls = [f"tcp://127.0.0.1:{first + i}" for i in range(workers)]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / "gateway.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115
+        argv = [sys.executable, "-m", "pdserve.cli", "gateway", "--workers", str(workers), "--port",
+                str(self.port), "--control-bind", self.controls[0], "--tokenizer", str(tokenizer),
+                "--insecure-control-plane", "--heartbeat-timeout", "1.5", "--log-level", "info"]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.tmpdir = tmp / "pool-tmp"  # the pool's TMPDIR: where its metrics directory goes
+        self.tmpdir.mkdir()
+        self.gateway = self._spawn(argv, self.log, {"TMPDIR": str(self.tmpdir)})
+
+    def _spawn(self, argv: list[str], out: object,
+               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                                stdout=out, stderr=subprocess.STDOUT)  # type: ignore[call-overload]
+        self.procs.append(proc)
+        return proc
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        assert self.gateway.poll() is None, f"gateway pool exited:\n{self.text()[-3000:]}"
+        return True
+
+    def start_worker(self, role: str, worker_id: str, output_ids: list[int]) -> Path:
+        record = self.tmp / f"{worker_id}.jsonl"
+        self._spawn([sys.executable, "-m", "tests.fakes.fake_worker", "--role", role, "--worker-id",
+                     worker_id, "--gateway-control", ",".join(self.controls), "--record", str(record),
+                     "--output-ids", ",".join(map(str, output_ids)), "--max-model-len", str(LONG * 2)],
+                    subprocess.DEVNULL)
+        return record
+
+    def status(self) -> dict:
+        """``/v1/status`` over a fresh connection (so any process may answer)."""
+        with httpx.Client(timeout=5) as client:
+            return client.get(self.base + "/v1/status").json()
+
+    def pids_serving(self, want: int) -> dict[int, int]:
+        """Process index → pid, from ``/v1/status`` answers of processes that see both workers live;
+        polls (fresh connections) until ``want`` processes answered so."""
+        seen: dict[int, int] = {}
+
+        def enough() -> bool:
+            self.alive()
+            try:
+                body = self.status()
+            except httpx.HTTPError:
+                return False
+            if body["ready"] and len(body["workers"]) == 2:
+                seen[body["process"]["index"]] = body["process"]["pid"]
+            return len(seen) == want
+
+        wait_until(enough, START_S, f"{want} gateway processes ready with both workers")
+        return seen
+
+    @contextlib.contextmanager
+    def connection_to(self, index: int) -> Iterator[httpx.Client]:
+        """A client whose one keep-alive connection a given gateway process took (new connections until
+        ``/v1/status`` on one names that process)."""
+        for _ in range(100):
+            client = httpx.Client(base_url=self.base, timeout=20,
+                                  limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+            if client.get("/v1/status").json()["process"]["index"] == index:
+                try:
+                    yield client
+                finally:
+                    client.close()
+                return
+            client.close()
+        raise AssertionError(f"no connection reached gateway process {index} in 100 tries")
+
+    def chat(self, n: int, max_tokens: int) -> list[str]:
+        """``n`` chat completions, each over a new connection (the kernel spreads them over the
+        processes); returns their texts (asserting 200)."""
+        texts = []
+        for _ in range(n):
+            with httpx.Client(timeout=20) as client:
+                resp = client.post(self.base + "/v1/chat/completions",
+                                   json={"model": "fake-model", "messages": MSGS, "max_tokens": max_tokens})
+            assert resp.status_code == 200, resp.text
+            texts.append(resp.json()["choices"][0]["message"]["content"])
+        return texts
+
+    def metric(self, name: str, labels: str) -> float:
+        with httpx.Client(timeout=5) as client:
+            body = client.get(self.base + "/metrics").text
+        prefix = f"{name}{{{labels}}} " if labels else f"{name} "
+        for line in body.splitlines():
+            if line.startswith(prefix):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def pool(tmp_path: Path, tokenizer_dir: Path) -> Iterator[Pool]:
+    p = Pool(tmp_path, tokenizer_dir)
+    yield p
+    p.close()
+
+
+def gateways_used(record: Path) -> set[int]:
+    """The control sockets (gateway indexes) a fake prefill worker got its requests through."""
+    return {int(m["gateway"]) for m in read_record(record) if m["type"] == "PrefillRequest"}
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (no such process, or a zombie its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+OK = 'endpoint="/v1/chat/completions",status="200"'
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_port_and_survive_a_kill(pool: Pool, reply_ids: list[int]) -> None:
+    prefill = pool.start_worker("prefill", "p1", reply_ids)
+    pool.start_worker("decode", "d1", reply_ids)
+    pids = pool.pids_serving(2)
+    assert f"--gateway-control {','.join(pool.controls)}" in pool.text()  # the line operators copy
+
+    assert pool.chat(16, len(reply_ids)) == [REPLY] * 16
+    assert gateways_used(prefill) == {0, 1}  # both processes took requests through the one port
+    counts = {pool.metric("pdserve_requests_total", OK) for _ in range(6)}  # whichever process answers
+    assert counts == {16.0}
+
+    with pool.connection_to(1) as client, client.stream(
+            "POST", "/v1/chat/completions", json={"model": "fake-model", "messages": MSGS, "stream": True,
+                                                  "max_tokens": LONG}) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")  # streaming from process 1, holding KV blocks on d1
+        wait_until(lambda: pool.metric("pdserve_kv_blocks_free", 'role="decode",worker_id="d1"') < 64, 5,
+                   "d1 holding the stream's blocks")
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(httpx.HTTPError):
+            for _ in lines:
+                pass
+    wait_until(lambda: gone(pids[1]), 10, "process 1 gone")
+    assert pool.chat(4, len(reply_ids)) == [REPLY] * 4  # the other process serves at once
+    restarted = pool.pids_serving(2)  # the parent restarted process 1; the workers registered again
+    assert restarted[0] == pids[0] and restarted[1] != pids[1]
+    assert "gateway process 1 (pid" in pool.text() and "restarting it in" in pool.text()
+    # the killed process's stream (100 s of tokens left) is dropped by d1 once the new process 1 is
+    # there: its blocks come back long before the stream would have ended
+    wait_until(lambda: pool.metric("pdserve_kv_blocks_free", 'role="decode",worker_id="d1"') == 64.0, 10,
+               "d1's blocks of the killed process's stream freed")
+
+    before = len(read_record(prefill))
+    assert pool.chat(16, len(reply_ids)) == [REPLY] * 16
+    assert {m["gateway"] for m in read_record(prefill)[before:] if m["type"] == "PrefillRequest"} == {0, 1}
+    # the killed process's counts stay in the sum (its files outlive it): 16 + 4 + 16 from any process
+    wait_until(lambda: pool.metric("pdserve_requests_total", OK) == 36.0, 5, "36 requests counted")
+    assert pool.metric("pdserve_requests_in_flight", "") == 0.0  # the killed process's share left with it
+    wait_until(lambda: pool.metric("pdserve_kv_blocks_free", 'role="decode",worker_id="d1"') == 64.0, 5,
+               "every KV block of d1 free")
+
+    [metrics_dir] = pool.tmpdir.glob("pdserve-gateway-metrics-*")  # the processes' shared files
+    assert any(metrics_dir.glob("counter_*.db"))
+    pool.gateway.send_signal(signal.SIGTERM)
+    assert pool.gateway.wait(20) == 128 + signal.SIGTERM
+    assert gone(restarted[0]) and gone(restarted[1])
+    assert not metrics_dir.exists()  # removed by the parent on its way out
+
+
+@pytest.mark.slow
+def test_a_process_that_cannot_start_stops_the_pool_with_one_line(tokenizer_dir: Path) -> None:
+    first = free_port_range(2)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", first + 1))  # process 1's control port
+    taken.listen()
+    try:
+        [port] = free_ports(1, exclude=(first, first + 1))
+        out = subprocess.run([sys.executable, "-m", "pdserve.cli", "gateway", "--workers", "2", "--port",
+                              str(port), "--control-bind", f"tcp://127.0.0.1:{first}", "--tokenizer",
+                              str(tokenizer_dir), "--insecure-control-plane", "--log-level", "warning"],
+                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                             text=True, timeout=START_S + 30)
+    finally:
+        taken.close()
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"pdserve gateway: gateway process 1 (tcp://127.0.0.1:{first + 1}) could not "
+                           f"start: cannot bind control socket at tcp://127.0.0.1:{first + 1}"), out.stderr
+
+
+def test_a_port_in_use_is_refused_before_any_process_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """Another listener on the HTTP port (here a plain socket; as well another pool's SO_REUSEPORT
+    sockets, which the processes would otherwise join) stops the pool before it starts anything."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    try:
+        assert main(["gateway", "--workers", "2", "--port", str(port), "--insecure-control-plane",
+                     "--control-bind", f"tcp://127.0.0.1:{free_port_range(2)}"]) == 1
+    finally:
+        held.close()
+    err = capsys.readouterr().err
+    want = f"pdserve gateway: cannot bind the HTTP socket at 127.0.0.1:{port}: Address already in use\n"
+    assert err == want, err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--workers", "0"], "--workers: must be in [1, 64] gateway processes, got 0"),
+    (["--workers", "65"], "--workers: must be in [1, 64] gateway processes, got 65"),
+    (["--workers", "2", "--port", "0"], "--port: must be a fixed port with --workers 2"),
+    (["--workers", "2", "--control-bind", "ipc:///tmp/x"], "--control-bind: must be tcp://host:port"),
+    (["--workers", "2", "--control-bind", "tcp://127.0.0.1:0"], "--control-bind: ports 0..1"),
+    (["--workers", "3", "--control-bind", "tcp://127.0.0.1:65534"], "--control-bind: ports 65534..65536"),
+])
+def test_bad_workers_refused_in_one_line(flags: list[str], message: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gateway", "--insecure-control-plane", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdserve gateway: {message}") and err.count("\n") == 1, err
+
+
+def test_control_endpoints_one_port_per_process() -> None:
+    one = GatewaySettings(insecure_control_plane=True, control_bind="ipc:///tmp/gw")
+    assert one.control_endpoints() == ("ipc:///tmp/gw",)
+    three = GatewaySettings(insecure_control_plane=True, workers=3, control_bind="tcp://*:7100")
+    assert three.control_endpoints() == ("tcp://*:7100", "tcp://*:7101", "tcp://*:7102")
+
+
+def test_metrics_refuse_a_shared_dir_prometheus_client_was_not_set_up_for(tmp_path: Path) -> None:
+    """A process told to share a metrics directory, whose prometheus-client was imported without
+    PROMETHEUS_MULTIPROC_DIR (this one), would keep its counts to itself: refused."""
+    with pytest.raises(RuntimeError, match="PROMETHEUS_MULTIPROC_DIR"):
+        GatewayMetrics(str(tmp_path))
+
+
+def test_every_gauge_is_a_fleet_view_or_summed_over_live_processes() -> None:
+    """With several gateway processes a prometheus ``Gauge`` lives in multiprocess files, where a removed
+    series stays and each process adds its own: only the in-flight count (summed over live processes) is
+    one; a per-worker or per-pair series must be a ``FleetGauge`` (the answering process's view)."""
+    metrics = GatewayMetrics()
+    gauges = {name: g for name, g in vars(metrics).items() if isinstance(g, Gauge)}
+    assert list(gauges) == ["in_flight"], f"make {sorted(set(gauges) - {'in_flight'})} FleetGauges"
+    assert gauges["in_flight"]._multiprocess_mode == "livesum"
+
+
+def test_fleet_gauge_series_come_and_go() -> None:
+    metrics = GatewayMetrics()
+    metrics.kv_path_gbps.labels("p1", "d1", "fake").set(2.5)
+    assert metrics.registry.get_sample_value(
+        "pdserve_kv_path_gbps", {"prefill": "p1", "decode": "d1", "transport": "fake"}) == 2.5
+    metrics.drop_kv_path("p1", "d1", "fake")
+    assert metrics.registry.get_sample_value(
+        "pdserve_kv_path_gbps", {"prefill": "p1", "decode": "d1", "transport": "fake"}) is None
+    metrics.drop_kv_path("p1", "d1", "fake")  # gone already: nothing to drop, no error
+    with pytest.raises(ValueError, match="expected 3 label values, got 2"):
+        metrics.kv_path_gbps.labels("p1", "d1")
+
+
+def test_up_leaves_workers_to_the_launcher() -> None:
+    """``pdserve up`` has no ``--workers`` of its own (its gateway is one process for now)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["up", "--workers", "2"])
+    assert exc.value.code == 2
+
+
+class _Exited:
+    """Stands in for a child's ``multiprocessing`` process that has exited with ``exitcode``."""
+
+    def __init__(self, pid: int, exitcode: int | None) -> None:
+        self.pid, self.exitcode = pid, exitcode
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_crash_loop_is_restarted_with_backoff_then_stops_the_pool(tmp_path: Path) -> None:
+    """A ready process that exits is restarted after 1, 2, 4, 8 s (RestartPolicy); its fifth exit within
+    the minute stops the pool with a line naming it. Its live-gauge file is retired at each exit."""
+    settings = GatewaySettings(insecure_control_plane=True, workers=2, control_bind="tcp://127.0.0.1:7100")
+    pool = GatewayPool(settings, str(tmp_path), RestartPolicy(), start_timeout=5.0, grace=1.0)
+    started: list[int] = []
+    pool.start = lambda child: started.append(child.index)  # type: ignore[method-assign]
+    child = pool.children[1]
+    delays = []
+    now = 1000.0
+    for pid in range(4):
+        (tmp_path / f"gauge_livesum_{pid}.db").write_bytes(b"")
+        child.process, child.ready = _Exited(pid, -9), True  # type: ignore[assignment]
+        pool.step(now)
+        assert child.process is None and child.restart_at is not None
+        assert not (tmp_path / f"gauge_livesum_{pid}.db").exists()
+        delays.append(child.restart_at - now)
+        pool.step(child.restart_at - 0.01)
+        assert started == [1] * pid  # not before its time
+        now = child.restart_at
+        pool.step(now)
+        assert started == [1] * (pid + 1)
+    assert delays == [1.0, 2.0, 4.0, 8.0]
+    child.process, child.ready = _Exited(4, 1), True  # type: ignore[assignment]
+    with pytest.raises(PoolFailed, match=r"process 1 exited 5 times within 60 s \(last exit code 1\)"):
+        pool.step(now)
+
+
+def test_a_process_not_ready_in_time_stops_the_pool(tmp_path: Path) -> None:
+    settings = GatewaySettings(insecure_control_plane=True, workers=2, control_bind="tcp://127.0.0.1:7100")
+    pool = GatewayPool(settings, str(tmp_path), RestartPolicy(), start_timeout=5.0, grace=1.0)
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    for child in pool.children:
+        child.process, child.conn, child.started_at = _Exited(10 + child.index, None), reader, 0.0  # type: ignore[assignment]
+    writer.send("ready")
+    pool.step(4.0)  # process 0 reads "ready"; process 1 still has time
+    assert pool.children[0].ready and not pool.children[1].ready
+    with pytest.raises(PoolFailed, match=r"gateway process 1 \(tcp://127.0.0.1:7101\) not ready after 5 s"):
+        pool.step(5.5)
+    writer.close()
+    reader.close()
