@@ -88,6 +88,10 @@ class _FleetGaugeChild:
         """Set the series' value."""
         self._store[self._key] = float(value)
 
+    def get(self) -> float:
+        """The series' value (0 until set)."""
+        return self._store.get(self._key, 0.0)
+
 
 class KVTransferCollector(Collector):
     """``pdserve_kv_transfer_bytes_total`` / ``pdserve_kv_transfer_seconds_total`` by ``worker_id``.

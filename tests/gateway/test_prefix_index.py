@@ -185,7 +185,7 @@ async def test_service_applies_events_of_registered_workers_and_asks_for_a_snaps
     await svc.on_control_message(b"p1", ev(1, CHAIN[:2], snapshot=True, epoch=5))
     await svc.on_control_message(b"p1", ev(2, CHAIN[2:3], epoch=5))
     assert index.num_cached("p1") == 3
-    assert metrics.prefix_index_blocks.labels("p1", "prefill")._value.get() == 3
+    assert metrics.prefix_index_blocks.labels("p1", "prefill").get() == 3
     control.sent.clear()
     await svc.on_control_message(b"p1", ev(4, CHAIN[3:4], epoch=5))  # 3 lost
     asks = [(i, m) for i, m in control.sent if isinstance(m, KVSnapshotRequest)]
@@ -197,4 +197,4 @@ async def test_service_applies_events_of_registered_workers_and_asks_for_a_snaps
     assert index.num_cached("p1") == 5
     await svc.on_control_message(b"p1", WorkerShutdown(worker_id="p1", epoch=5))
     assert index.num_cached("p1") == 0
-    assert cast(list[object], metrics.prefix_index_blocks.collect()[0].samples) == []
+    assert cast(list[object], next(iter(metrics.prefix_index_blocks.collect())).samples) == []
