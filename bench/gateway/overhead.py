@@ -3,7 +3,8 @@
 Run: ``.venv/bin/python -m bench.gateway.overhead [--requests 300] [--concurrency 1,8] [--max-tokens 16]
 [--token-delay 0] [--prefill-delay 0] [--tokenizer smollm2-135m] [--targets disagg,colocated,baseline]
 [--curve-cost [--curve-rounds 6] [--curve-concurrency 32]]
-[--gateway-processes 1,2,4 [--scale-concurrency 64] [--client-processes 8]] [--json out.json]
+[--gateway-processes 1,2,4 [--scale-concurrency 64] [--client-processes 8] [--fake-decode-workers 1]]
+[--json out.json]
 [--out /tmp/gateway-overhead.md]``.
 
 Three targets, started in turn on free 127.0.0.1 ports and stopped after their runs:
@@ -37,7 +38,9 @@ keep it waiting, which is what made latency ratios unstable.
 
 ``--gateway-processes 1,2,4`` (after the above; ``--targets ""`` runs it alone) measures how the gateway
 scales over processes on one host (``pdserve gateway --workers N``): for each N in turn, the ``disagg``
-target with an N-process gateway, the two fake workers given all N control endpoints, and
+target with an N-process gateway, one fake prefill and ``--fake-decode-workers`` fake decode workers
+(one fake decode worker streams every token in one Python process and can become the limit before the
+gateway does), all given the N control endpoints, and
 ``--scale-concurrency`` streams in all, driven by ``--client-processes`` separate load-generating
 processes (each its own httpx client and event loop, with an equal share of the streams and of the
 ``--requests``; they start measuring together after their warm-up), so that one Python client's event
@@ -209,6 +212,7 @@ class ScaleLevel(msgspec.Struct, kw_only=True):
     busiest_worker_core: float
     processes_used: int
     leaks: str
+    decode_workers: int = 1
 
 
 class OverheadResult(msgspec.Struct, kw_only=True):
@@ -233,10 +237,11 @@ def _spawn(sup: Supervisor, name: str, argv: list[str], log_dir: Path) -> None:
 
 
 def start_target(target: str, cfg: OverheadConfig, tokenizer_dir: Path, sup: Supervisor,
-                 log_dir: Path, processes: int = 1) -> str:
+                 log_dir: Path, processes: int = 1, decode_workers: int = 1) -> str:
     """Start ``target``'s processes under ``sup``; returns its base URL once ``/ready`` is 200 (with
     ``processes`` > 1 gateway processes: once every one of them answered ready, ``wait_processes``).
-    The fake prefill worker records its requests in ``log_dir/prefill.jsonl``.
+    The fake prefill worker records its requests in ``log_dir/prefill.jsonl``. ``decode_workers`` > 1
+    (``disagg`` only) starts that many fake decode workers, ``decode_worker_ids(decode_workers)``.
 
     Raises RuntimeError (with the log tail) when a process dies or it is not ready within 60 s.
     """
@@ -259,11 +264,13 @@ def start_target(target: str, cfg: OverheadConfig, tokenizer_dir: Path, sup: Sup
                                 "--control-bind", control, "--tokenizer", str(tokenizer_dir),
                                 "--log-level", "warning", *pool, *gateway_secure], log_dir)
         reply = ",".join(map(str, TextProcessor.from_dir(tokenizer_dir).encode(REPLY)))
-        roles = ["colocated"] if target == "colocated" else ["prefill", "decode"]
+        roles = [("colocated", "fake-colocated")] if target == "colocated" else [
+            ("prefill", "fake-prefill"), *(("decode", w) for w in decode_worker_ids(decode_workers))]
         controls = ",".join(f"tcp://127.0.0.1:{control_port + i}" for i in range(processes))
-        for role in roles:
+        for role, worker_id in roles:
             record = ["--record", str(log_dir / "prefill.jsonl")] if role == "prefill" else []
-            _spawn(sup, role, ["-m", "tests.fakes.fake_worker", "--role", role, "--worker-id", f"fake-{role}",
+            name = role if worker_id == f"fake-{role}" else worker_id.removeprefix("fake-")
+            _spawn(sup, name, ["-m", "tests.fakes.fake_worker", "--role", role, "--worker-id", worker_id,
                                "--gateway-control", controls, "--output-ids", reply, *secure, *record,
                                "--total-blocks", str(TOTAL_BLOCKS), "--max-model-len", "4096",
                                "--prefill-delay", str(cfg.prefill_delay_s),
@@ -337,19 +344,27 @@ def summarize_level(target: str, concurrency: int, records: Sequence[RequestReco
         added_e2e_ms=latency_stats([t - pre - tok * (cfg.max_tokens - 1) for t in e2e]))
 
 
-def check_no_leaks(url: str, decode_id: str | None, deadline_s: float = 5.0) -> str:
-    """"ok" when the gateway has no request in flight and ``decode_id`` (if any) has all its KV blocks
-    free (polled up to ``deadline_s`` seconds); else what is left."""
+def decode_worker_ids(n: int) -> list[str]:
+    """Worker ids of ``n`` fake decode workers: ``fake-decode`` alone, else ``fake-decode-0`` ...."""
+    return ["fake-decode"] if n == 1 else [f"fake-decode-{i}" for i in range(n)]
+
+
+def check_no_leaks(url: str, decode_id: str | Sequence[str] | None, deadline_s: float = 5.0) -> str:
+    """"ok" when the gateway has no request in flight and every decode worker named by ``decode_id`` (one
+    id, several, or none) has all its KV blocks free (polled up to ``deadline_s`` seconds); else what is
+    left."""
+    ids = [] if decode_id is None else [decode_id] if isinstance(decode_id, str) else list(decode_id)
     end, why = time.monotonic() + deadline_s, "not checked"
     while time.monotonic() < end:
         samples = {(s.name, s.labels.get("worker_id")): s.value
                    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text)
                    for s in fam.samples}
         in_flight = samples.get(("pdserve_requests_in_flight", None))
-        free = samples.get(("pdserve_kv_blocks_free", decode_id)) if decode_id else float(TOTAL_BLOCKS)
-        if in_flight == 0 and free == TOTAL_BLOCKS:
+        free = {d: samples.get(("pdserve_kv_blocks_free", d)) for d in ids}
+        if in_flight == 0 and all(f == TOTAL_BLOCKS for f in free.values()):
             return "ok"
-        why = f"in flight {in_flight}, free blocks on {decode_id} {free} of {TOTAL_BLOCKS}"
+        why = f"in flight {in_flight}, " + ", ".join(f"free blocks on {d} {f} of {TOTAL_BLOCKS}"
+                                                     for d, f in free.items())
         time.sleep(0.1)
     return why
 
@@ -444,7 +459,7 @@ def _client_process(url: str, cfg: OverheadConfig, concurrency: int, barrier: ob
 
 
 def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, processes: int,
-                    concurrency: int, clients: int) -> ScaleLevel:
+                    concurrency: int, clients: int, decode_workers: int = 1) -> ScaleLevel:
     """One N of ``--gateway-processes`` (see the module docstring). Raises RuntimeError when the target
     does not start or a client process does not report within ``cfg.timeout_s`` + 120 s."""
     sup = Supervisor(grace=5.0)
@@ -454,13 +469,13 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
     share = dataclasses.replace(cfg, requests=max(1, -(-cfg.requests // clients)))
     procs: list[multiprocessing.process.BaseProcess] = []
     try:
-        url = start_target("disagg", cfg, tokenizer_dir, sup, log_dir, processes)
+        url = start_target("disagg", cfg, tokenizer_dir, sup, log_dir, processes, decode_workers)
         procs = [ctx.Process(target=_client_process, args=(url, share, max(1, concurrency // clients),
                                                            barrier, results)) for _ in range(clients)]
         for p in procs:
             p.start()
         kids = sup.children
-        workers = [kids[n].pid for n in ("prefill", "decode")]
+        workers = [kids[n].pid for n in kids if n != "gateway"]
         barrier.wait(180.0)
         gw0, wk0, t0 = cpu_seconds(kids["gateway"].pid), [cpu_seconds(w) for w in workers], time.monotonic()
         for p in procs:
@@ -470,7 +485,7 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"a client process failed: exit codes {[p.exitcode for p in procs]}")
         shares = [results.get() for _ in procs]
-        leaks = check_no_leaks(url, "fake-decode")
+        leaks = check_no_leaks(url, decode_worker_ids(decode_workers))
         lines = (log_dir / "prefill.jsonl").read_text().splitlines()
         # the fake worker names the gateway a request came through only when it has several
         used = {json.loads(line).get("gateway", 0) for line in lines if '"PrefillRequest"' in line}
@@ -483,7 +498,7 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
     wall = max(s.end for s in shares) - min(s.start for s in shares)
     rate = 1 / wall if wall > 0 else 0.0
     tokens, completed = sum(s.tokens for s in shares), sum(s.completed for s in shares)
-    return ScaleLevel(processes=processes, clients=clients,
+    return ScaleLevel(processes=processes, clients=clients, decode_workers=decode_workers,
                       concurrency=max(1, concurrency // clients) * clients,
                       sent=sum(s.sent for s in shares), completed=completed, tokens=tokens,
                       first_error=next((s.first_error for s in shares if s.first_error), ""), wall_s=wall,
@@ -494,7 +509,8 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
 
 def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS,
         curve_rounds: int = 0, curve_concurrency: int = 32, gateway_processes: Sequence[int] = (),
-        scale_concurrency: int = 64, client_processes: int = 4) -> OverheadResult:
+        scale_concurrency: int = 64, client_processes: int = 4,
+        fake_decode_workers: int = 1) -> OverheadResult:
     """Start each target, measure every concurrency level, stop it; then, with ``curve_rounds`` > 0,
     CURVE's CPU cost (run_curve_rounds). Raises ValueError for an unknown target or tokenizer dir,
     RuntimeError when a target does not start."""
@@ -504,6 +520,8 @@ def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS
     if curve_rounds < 0 or curve_concurrency < 1:
         raise ValueError(f"curve_rounds must be >= 0 and curve_concurrency >= 1, got {curve_rounds} and "
                          f"{curve_concurrency}")
+    if fake_decode_workers < 1:
+        raise ValueError(f"fake decode workers must be >= 1, got {fake_decode_workers}")
     if any(n < 1 for n in gateway_processes) or client_processes < 1 or scale_concurrency < client_processes:
         raise ValueError(f"gateway processes must be >= 1 (got {list(gateway_processes)}), client processes "
                          f">= 1 (got {client_processes}) and the scale concurrency >= the client processes "
@@ -531,7 +549,7 @@ def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS
             level_dir = Path(tmp) / f"processes-{n}-{len(scale)}"
             level_dir.mkdir()
             scale.append(run_scale_level(cfg, tokenizer_dir, level_dir, n, scale_concurrency,
-                                         client_processes))
+                                         client_processes, fake_decode_workers))
     return OverheadResult(config=asdict(cfg), machine=machine, levels=levels, leaks=leaks, command=command,
                           date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                           curve_cost=curve, scale=scale or None)
@@ -558,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-concurrency", type=int, default=64, help="--gateway-processes: streams in all")
     p.add_argument("--client-processes", type=int, default=4,
                    help="--gateway-processes: load-generating processes sharing the streams")
+    p.add_argument("--fake-decode-workers", type=int, default=1,
+                   help="--gateway-processes: fake decode workers sharing the streams (one fake worker "
+                        "streaming every token can become the limit)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None, help="Markdown report path")
     p.add_argument("--serve-baseline", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
@@ -584,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run(cfg, command, tuple(targets), curve_rounds=rounds if args.curve_cost else 0,
                   curve_concurrency=32 if args.curve_concurrency is None else args.curve_concurrency,
                   gateway_processes=processes, scale_concurrency=args.scale_concurrency,
-                  client_processes=args.client_processes)
+                  client_processes=args.client_processes, fake_decode_workers=args.fake_decode_workers)
     except (ValueError, TokenizerNotFoundError) as exc:
         print(f"gateway_overhead: {exc}", file=sys.stderr)
         return 2

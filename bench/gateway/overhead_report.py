@@ -85,15 +85,15 @@ def render_scale(levels: list[ScaleLevel], max_tokens: int) -> list[str]:
              "4 >= 3.2x tokens/s). CPU: share of one core over the measured time; a client or fake worker "
              "near 1.0 may be the limit rather than the gateway. `took`: processes that took requests.", "",
              "| processes | clients | streams | ok/sent | tokens/s | req/s | x tokens/s | x req/s "
-             "| gateway cores | busiest client | busiest fake worker | took | leaks |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| gateway cores | busiest client | fake decode workers | busiest fake worker | took | leaks |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for lv in levels:
         tok = lv.tokens_s / ref.tokens_s if ref.tokens_s > 0 else 0.0
         req = lv.req_s / ref.req_s if ref.req_s > 0 else 0.0
         lines.append(f"| {lv.processes} | {lv.clients} | {lv.concurrency} | {lv.completed}/{lv.sent} "
                      f"| {lv.tokens_s:.0f} | {lv.req_s:.1f} | **{tok:.2f}** | {req:.2f} "
                      f"| {lv.gateway_cores:.2f} "
-                     f"| {lv.busiest_client_core:.2f} | {lv.busiest_worker_core:.2f} "
+                     f"| {lv.busiest_client_core:.2f} | {lv.decode_workers} | {lv.busiest_worker_core:.2f} "
                      f"| {lv.processes_used}/{lv.processes} | {lv.leaks} |")
     errors = [f"N={lv.processes}: {lv.first_error}" for lv in levels if lv.first_error]
     if errors:

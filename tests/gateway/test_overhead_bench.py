@@ -56,6 +56,7 @@ def test_summarize_subtracts_configured_delays() -> None:
                                   ["--curve-cost", "--curve-concurrency", "0"],
                                   ["--gateway-processes", "1,0"], ["--gateway-processes", "x"],
                                   ["--gateway-processes", "1", "--client-processes", "0"],
+                                  ["--gateway-processes", "1", "--fake-decode-workers", "0"],
                                   ["--gateway-processes", "1", "--client-processes", "4",
                                    "--scale-concurrency", "2"]])
 def test_bad_arguments_exit_2_and_start_nothing(argv: list[str], tmp_path: Path,
@@ -144,7 +145,8 @@ def _scale(processes: int, tokens_s: float, req_s: float) -> ScaleLevel:
 
 def test_scale_report_gives_ratios_to_the_first() -> None:
     text = "\n".join(render_scale([_scale(1, 6000, 50), _scale(2, 11400, 90), _scale(4, 20400, 170)], 128))
-    assert "| 1 | 4 | 64 | 100/100 | 6000 | 50.0 | **1.00** | 1.00 | 0.90 | 0.50 | 0.30 | 1/1 | ok |" in text
+    assert ("| 1 | 4 | 64 | 100/100 | 6000 | 50.0 | **1.00** | 1.00 | 0.90 | 0.50 | 1 | 0.30 | 1/1 | ok |"
+            in text)
     assert "| 2 | 4 | 64 | 100/100 | 11400 | 90.0 | **1.90** | 1.80 | 1.80 |" in text
     assert "| 4 | 4 | 64 | 100/100 | 20400 | 170.0 | **3.40** | 3.40 | 3.60 |" in text
 
@@ -154,10 +156,12 @@ def test_gateway_processes_smoke_run(tokenizer_dir: Path, tmp_path: Path) -> Non
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     rc = main(["--targets", "", "--gateway-processes", "1,2", "--client-processes", "2",
                "--scale-concurrency", "4", "--requests", "16", "--warmup", "1", "--max-tokens", "4",
+               "--fake-decode-workers", "2",
                "--tokenizer", str(tokenizer_dir), "--json", str(out), "--out", str(md)])
     assert rc == 0
     scale = json.loads(out.read_text())["scale"]
-    assert [(s["processes"], s["clients"], s["concurrency"]) for s in scale] == [(1, 2, 4), (2, 2, 4)]
+    assert [(s["processes"], s["clients"], s["concurrency"], s["decode_workers"]) for s in scale] == [
+        (1, 2, 4, 2), (2, 2, 4, 2)]  # the leak check below covers both fake decode workers
     for s in scale:
         assert (s["sent"], s["completed"], s["tokens"], s["leaks"]) == (16, 16, 64, "ok"), s["first_error"]
         assert s["tokens_s"] == pytest.approx(64 / s["wall_s"]) and s["req_s"] > 0
