@@ -4,7 +4,6 @@ transfer in flight deterministically) and the end-of-test leak check."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -84,7 +83,7 @@ def colocated_worker(model_dir: Path, **core_kw: Any) -> ColocatedWorker:
 def close(worker: WorkerLoop) -> None:
     """What ``WorkerLoop.run`` does on the way out, minus the gateway."""
     worker.close()
-    asyncio.run(worker.control.close())
+    worker.gateways.close()
 
 
 def wire(max_tokens: int = 1, **kw: object) -> SamplingParams:
