@@ -51,7 +51,7 @@ class GatewayLink:
     """One gateway connection. ``accepted``: its current ``RegisterAck`` accepted this worker;
     ``refused``: the reason of a refusal (""). ``gateway_epoch``: the incarnation that last accepted it
     (0: none yet). ``connected``: the monitor saw the handshake and no disconnect since.
-    ``registered_at``: ``loop.time()`` of the last ``RegisterWorker`` sent. ``tasks``: its receive and
+    ``registered_at``: ``time.monotonic()`` of the last ``RegisterWorker`` queued. ``tasks``: its receive and
     monitor tasks (cancelled when the link closes)."""
 
     key: str

@@ -225,9 +225,12 @@ class WorkerLoop:
             self._wake.set()
 
     def _gateway_lost(self, lost: GatewayLost) -> None:
-        dropped = self.owners.of(lost.gateway)
-        for rid in dropped:
+        held = {*self.request_ids(), *self.canary_ids()}
+        owned = self.owners.of(lost.gateway)
+        dropped = [rid for rid in owned if rid in held]
+        for rid in owned:
             self.owners.forget(rid)
+        for rid in dropped:
             with contextlib.suppress(Exception):
                 self.drop(rid)
         log_event(log, "gateway_lost", logging.WARNING, worker_id=self.worker_id, gateway=lost.gateway,
@@ -326,7 +329,7 @@ class WorkerLoop:
                               placement=kv_placement(self.core.runner.kv_cache.device.type),
                               kv_sender_epoch=self.kv_sender_epoch())
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """Send the outbox: each accepting gateway its own messages, per-request ones in one
         ``OutputBatch``. Messages for a gateway that no longer accepts the worker are dropped (its
         requests are being dropped too)."""
@@ -441,10 +444,10 @@ class WorkerLoop:
             event = await link.client.next_event()
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.connected = True
-                if not link.accepted:
+                if not link.accepted and time.monotonic() - link.registered_at >= REGISTER_RETRY_S:
                     self._register(link)
             elif event == zmq.EVENT_DISCONNECTED:
-                link.connected = False
+                link.connected, link.registered_at = False, float("-inf")
                 log_event(log, "gateway_disconnected", logging.WARNING, worker_id=self.worker_id,
                           gateway=link.key)
                 if link.accepted:
@@ -452,8 +455,8 @@ class WorkerLoop:
 
     def _register(self, link: GatewayLink) -> None:
         """Send this worker's ``RegisterWorker`` to ``link``'s gateway (if connected; retried later)."""
-        link.registered_at = time.monotonic()
-        link.client.try_send(self.registration())
+        if link.client.try_send(self.registration()):
+            link.registered_at = time.monotonic()
 
     def _start_link(self, link: GatewayLink) -> None:
         link.tasks = [asyncio.create_task(self._recv_loop(link)), asyncio.create_task(self._watch_link(link))]
@@ -482,17 +485,20 @@ class WorkerLoop:
             except TimeoutError:
                 log_event(log, "gateway_lookup_failed", logging.WARNING, error="no answer in time")
                 continue
-            added, removed = self.gateways.refresh(found)
-            for link in removed:
-                if link.accepted:
-                    self.lose(link, "its address left DNS")
-                else:  # nothing it owns is queued behind this: drop what it owns all the same
-                    self.deliver(GatewayLost(link.key, "its address left DNS"), link.key)
-                self.gateways.close_link(link, WorkerShutdown(worker_id=self.worker_id, epoch=self.epoch))
-            for link in added:
-                self._start_link(link)
+            self.update_gateways(found)
 
-    async def _await_registration(self, timeout: float) -> None:
+    def update_gateways(self, found: dict[str, list[str]]) -> None:
+        """Apply a DNS lookup (``GatewayLinks.lookup``: entry → endpoints): each new address is a
+        gateway to register with (its tasks started: call with the event loop running), each address
+        gone is a lost gateway (its requests dropped) told ``WorkerShutdown`` and closed."""
+        added, removed = self.gateways.refresh(found)
+        for link in removed:
+            self.lose(link, "its address left DNS")
+            self.gateways.close_link(link, WorkerShutdown(worker_id=self.worker_id, epoch=self.epoch))
+        for link in added:
+            self._start_link(link)
+
+    async def wait_registered(self, timeout: float) -> None:
         """Return once some gateway accepted this worker.
 
         Raises:
@@ -518,7 +524,7 @@ class WorkerLoop:
             self.health.tick()
             self._wake.clear()
             self._between_steps()
-            self._flush()
+            self.flush()
             if self.has_work():
                 try:
                     outs = await loop.run_in_executor(self._executor, self.step)
@@ -527,7 +533,7 @@ class WorkerLoop:
                 else:
                     self.on_step(outs)
                 self._refresh_load()
-                self._flush()
+                self.flush()
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 0.002 if self.busy() else self.idle_poll)
@@ -578,7 +584,7 @@ class WorkerLoop:
             tasks = [asyncio.create_task(self._heartbeat_loop())]
             if self.gateways.has_names:
                 tasks.append(asyncio.create_task(self._resolve_loop()))
-            await self._await_registration(REGISTER_TIMEOUT_S)
+            await self.wait_registered(REGISTER_TIMEOUT_S)
             log_event(log, "worker_ready", role=self.role, worker_id=self.worker_id, epoch=self.epoch,
                       gateways=len(self.gateways.links))
             await self._engine_loop()
