@@ -209,7 +209,8 @@ class WorkerLoop:
         link = self.gateways.get(self.gateways.default_key if gateway is None else gateway)
         if link is None:
             return
-        if link.gateway_epoch and ack.gateway_epoch and ack.gateway_epoch != link.gateway_epoch:
+        restarted = link.gateway_epoch and ack.gateway_epoch and ack.gateway_epoch != link.gateway_epoch
+        if restarted and link.accepted:  # (a link no longer accepted was lost already: nothing to add)
             self.lose(link, f"gateway restarted (epoch {link.gateway_epoch} -> {ack.gateway_epoch})")
         link.gateway_epoch = ack.gateway_epoch or link.gateway_epoch
         link.accepted, link.refused = True, ""
@@ -428,8 +429,9 @@ class WorkerLoop:
                     self.accepted_by(msg, link.key)
                     self._wake.set()
                 else:
-                    link.accepted, link.refused = False, msg.reason or "refused"
-                    self.health.registered = self.gateways.any_accepted()
+                    if link.accepted:
+                        self.lose(link, f"it refused the worker: {msg.reason}")
+                    link.refused = msg.reason or "refused"
             else:  # a request message, or None (a refused frame may have queued a failure)
                 if msg is not None:
                     if log.isEnabledFor(logging.DEBUG):

@@ -6,7 +6,9 @@ Requests alternate between the two gateways through the ``openai`` client and al
 gateway is killed with SIGKILL while it streams a long answer: the other serves a new request at once,
 the workers drop the dead gateway's request (their log says ``gateway_lost`` with one request dropped)
 and every KV block comes back (the surviving gateway's ``/metrics``, fed by the workers' heartbeats).
-The suite kills a child, so it owns its system.
+Gateway a then comes back at the same address and the workers register with it again; hung with
+SIGSTOP mid-stream (no connection closes), it is lost through the ZMTP heartbeats, its request dropped
+and its blocks freed the same way. The suite kills a child, so it owns its system.
 """
 
 from __future__ import annotations
@@ -112,12 +114,48 @@ def test_two_gateways_share_the_workers_and_survive_one_killed_mid_stream(tmp_pa
                     if e.get("gateway") == f"tcp://127.0.0.1:{control_a}"]
 
         _until(lambda: lost("decode"), 15, "the decode worker dropping gateway a's requests")
-        assert lost("decode")[0]["dropped"] == 1  # the stream, decoding there; nothing of gateway b's
+        [killed] = lost("decode")
+        assert killed["reason"] == "its control connection dropped"
+        assert killed["dropped"] == 1  # the stream, decoding there; nothing of gateway b's
         wait_all_free(url_b, set(WORKERS.values()), timeout=30)  # every KV block back, both workers
         assert time.monotonic() - killed_at < 60  # long before 1500 tokens could have been decoded
         # gateway b still routes through both workers
         again = clients[1].completions.create(model=MODEL, prompt="Say hi:", max_tokens=3, temperature=0)
         assert again.choices[0].text
         wait_all_free(url_b, set(WORKERS.values()), timeout=30)
+
+        # gateway a comes back at the same address: both workers register with it again
+        sup.restart("gateway-a")
+        _until(lambda: _ready(url_a), 60, "the workers registering with the restarted gateway a")
+        assert len(lost("decode")) == 1  # the restart was known already: nothing more to drop
+        back = clients[0].completions.create(model=MODEL, prompt="Say hello:", max_tokens=3, temperature=0)
+        assert back.choices[0].text
+
+        # a gateway that hangs (SIGSTOP: no FIN, no RST) is lost by the ZMTP heartbeats, within seconds
+        stream = clients[0].completions.create(model=MODEL, prompt="Tell another long story:",
+                                               max_tokens=1500, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+        received = 0
+        for chunk in stream:
+            received += len(chunk.choices) and bool(chunk.choices[0].text)
+            if received >= 3:
+                break
+        stopped_at = time.time()
+        os.kill(sup.children["gateway-a"].pid, signal.SIGSTOP)
+
+        def lost_since_stop() -> list[dict]:
+            return [e for e in lost("decode") if e["ts"] > stopped_at]
+
+        try:
+            _until(lost_since_stop, 20, "the decode worker losing the hung gateway a")
+            [hang] = lost_since_stop()
+            assert hang["reason"] == "its control connection dropped" and hang["dropped"] == 1, hang
+            assert hang["ts"] - stopped_at < 10  # ZMTP heartbeats: 1 s apart, 3 s to answer
+            wait_all_free(url_b, set(WORKERS.values()), timeout=30)
+            hung = clients[1].completions.create(model=MODEL, prompt="Name a fruit:", max_tokens=3,
+                                                 temperature=0)
+            assert hung.choices[0].text
+        finally:
+            os.kill(sup.children["gateway-a"].pid, signal.SIGKILL)
     finally:
         sup.stop_all()
