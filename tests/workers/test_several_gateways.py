@@ -289,3 +289,25 @@ def test_start_up_needs_one_gateway_to_accept(model_dir) -> None:
             asyncio.run(colo.wait_registered(5))  # every gateway refused: no waiting for the deadline
     finally:
         close(colo)
+
+
+def test_a_gateway_that_stops_taking_messages_is_lost(model_dir) -> None:
+    colo = colocated_worker(model_dir, gateway_control=TWO)
+    try:
+        _accept(colo, A)
+        _accept(colo, B)
+        sent = _capture(colo)
+        colo.gateways.links[A].client.try_send = lambda msg: False  # type: ignore[method-assign]
+        colo.deliver(_colo_req("a1", 30), A)
+        colo.deliver(_colo_req("b1", 4), B)
+        _phase(colo)  # a1's first token cannot be sent: A is lost
+        assert not colo.gateways.links[A].accepted and colo.gateways.links[B].accepted
+        _phase(colo)
+        assert colo.request_ids() == ["b1"]
+        while colo.request_ids():
+            _phase(colo)
+        [done] = of_type(_items(sent[B]), RequestFinished)
+        assert (done.request_id, done.num_output_tokens) == ("b1", 4)
+        assert_clean(colo)
+    finally:
+        close(colo)
