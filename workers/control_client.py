@@ -17,7 +17,9 @@ returns (``EVENT_DISCONNECTED``, ``EVENT_HANDSHAKE_SUCCEEDED``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -71,10 +73,15 @@ class ControlClient:
     def try_send(self, msg: Message) -> bool:
         """Queue one message for the gateway without waiting; False (nothing queued) when the gateway is
         not connected or its queue is full."""
-        try:
-            self._sock.send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
+        # the asyncio socket tries a non-blocking send at once and returns a finished future (sending
+        # through a second, plain handle of the socket would leave its asyncio reader waiting for an
+        # edge of the socket's file descriptor that zmq already consumed)
+        sent = cast("asyncio.Future[None]", self._sock.send(encode(msg), zmq.NOBLOCK))
+        error = sent.exception() if sent.done() else None
+        if isinstance(error, zmq.Again):
             return False
+        if error is not None:
+            raise error
         return True
 
     async def recv_frame(self) -> bytes:

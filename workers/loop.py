@@ -30,6 +30,7 @@ import logging
 import signal
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -447,7 +448,10 @@ class WorkerLoop:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.connected = True
                 if not link.accepted and time.monotonic() - link.registered_at >= REGISTER_RETRY_S:
-                    self._register(link)
+                    for _ in range(50):  # the connection takes messages a moment after the event
+                        if self._register(link):
+                            break
+                        await asyncio.sleep(0.002)
             elif event == zmq.EVENT_DISCONNECTED:
                 link.connected, link.registered_at = False, float("-inf")
                 log_event(log, "gateway_disconnected", logging.WARNING, worker_id=self.worker_id,
@@ -455,14 +459,30 @@ class WorkerLoop:
                 if link.accepted:
                     self.lose(link, "its control connection dropped")
 
-    def _register(self, link: GatewayLink) -> None:
-        """Send this worker's ``RegisterWorker`` to ``link``'s gateway (if connected; retried later)."""
-        if link.client.try_send(self.registration()):
-            link.registered_at = time.monotonic()
+    def _register(self, link: GatewayLink) -> bool:
+        """Send this worker's ``RegisterWorker`` to ``link``'s gateway; False when it is not connected
+        (the heartbeat loop tries again)."""
+        if not link.client.try_send(self.registration()):
+            return False
+        link.registered_at = time.monotonic()
+        return True
 
     def _start_link(self, link: GatewayLink) -> None:
-        link.tasks = [asyncio.create_task(self._recv_loop(link)), asyncio.create_task(self._watch_link(link))]
+        link.tasks = [asyncio.create_task(self._guarded(self._recv_loop, link)),
+                      asyncio.create_task(self._guarded(self._watch_link, link))]
         self._register(link)
+
+    async def _guarded(self, body: Callable[[GatewayLink], Coroutine[None, None, None]],
+                       link: GatewayLink) -> None:
+        """Run ``body(link)``, one of ``link``'s tasks; should it fail, the worker stops (deregistering)
+        rather than serve on with a gateway it no longer hears."""
+        try:
+            await body(link)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("the task of gateway %s failed: stopping the worker", link.key)
+            self.request_stop()
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,3 +135,38 @@ def test_run_serves_two_gateways_and_survives_one_dropping(model_dir: Path, tmp_
     # collect now: without it, CPython 3.11.7 was seen failing a later compile() in this session (pytest's
     # assertion rewriting at session end) with "AST constructor recursion depth mismatch"
     gc.collect()
+
+
+def test_try_send_never_leaves_the_reader_asleep() -> None:
+    """Sends that never wait and an asyncio reader share one socket: a reply that arrives while the
+    event loop is busy, followed by a send, still wakes the reader (a send through a second, plain handle
+    of the socket consumes the file-descriptor edge the reader waits for: the reply would sit unread)."""
+    from protocol.messages import Heartbeat, WorkerLoad
+    from workers.control_client import ControlClient
+
+    async def ping_pong() -> None:
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        client = ControlClient(f"tcp://127.0.0.1:{port}")
+        beat = Heartbeat(worker_id="w", epoch=1, load=WorkerLoad())
+        try:
+            async with asyncio.timeout(10):
+                while not client.try_send(beat):  # connecting
+                    await asyncio.sleep(0.005)
+            for k in range(20):
+                async with asyncio.timeout(5):
+                    identity, frame = await router.recv_multipart()
+                reader = asyncio.create_task(client.recv_frame())
+                await asyncio.sleep(0)  # the reader waits on the socket
+                await router.send_multipart([identity, frame])
+                time.sleep(0.02)  # the reply reaches the worker's socket while the event loop is busy
+                assert client.try_send(beat)  # a send in between
+                assert decode(await asyncio.wait_for(reader, 2)) == beat, k
+        finally:
+            client.close()
+            router.close(linger=0)
+            ctx.term()
+
+    asyncio.run(ping_pong())
