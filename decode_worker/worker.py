@@ -216,6 +216,10 @@ class DecodeWorker(WorkerLoop):
         """Requests waiting for blocks, for their KV, or decoding (not those draining: already dropped)."""
         return [*(seq.request_id for seq, _ in self.pending), *self.in_flight, *self.seqs]
 
+    def canary_ids(self) -> list[str]:
+        """KV canaries in progress."""
+        return list(self.canaries)
+
     def poll(self) -> None:
         """Move landed requests into the running batch, fail broken transfers, free drained blocks, then
         reserve blocks for waiting requests (so blocks freed in this phase serve them at once)."""

@@ -168,7 +168,13 @@ def _add_worker(add: _Adder, role: str) -> None:
              "the same bits as a fresh prefill of a request run alone (0: off)")
     add("--max-model-len", type=int, default=None,
         help="tokens per sequence, prompt and output (default: the model's context length)")
-    add("--gateway-control", default="tcp://127.0.0.1:7100", help="the gateway's --control-bind address")
+    add("--gateway-control", default="tcp://127.0.0.1:7100",
+        help="the gateways' --control-bind addresses, comma-separated (tcp://h1:7100,tcp://h2:7100); a host "
+             "name stands for every address it resolves to (a Kubernetes headless Service): the worker "
+             "registers with, heartbeats to and streams to each")
+    add("--gateway-resolve-interval", type=parse_duration, default=5.0,
+        help="how often --gateway-control's host names are looked up again: a new address is a new "
+             "gateway, one gone from DNS a dead one")
     add("--host", default="127.0.0.1", help="address this worker binds its sockets to")
     add("--advertise-host", default=None, help="address peers use to reach this worker (default --host)")
     add("--port", type=int, default=0, help="this worker's KV control port (0: any free port)")
@@ -202,7 +208,8 @@ class _Skipping:
 
 # flags of `pdserve gateway` and of the workers that `pdserve up` sets itself (the rest pass through)
 _UP_OWN_GATEWAY_FLAGS = {"--control-bind", "--workers", "--log-level", "--log-format"}
-_UP_OWN_WORKER_FLAGS = {"--model", "--device", "--transfer-backend", "--gateway-control", "--host",
+_UP_OWN_WORKER_FLAGS = {"--model", "--device", "--transfer-backend", "--gateway-control",
+                        "--gateway-resolve-interval", "--host",
                         "--advertise-host", "--port", "--metrics-port", "--worker-id", "--log-level",
                         "--log-format"}
 

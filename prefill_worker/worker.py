@@ -215,6 +215,10 @@ class PrefillWorker(WorkerLoop):
         """Requests in the engine, and those whose KV send is still in flight."""
         return list(dict.fromkeys([*self.seqs, *self.sending]))
 
+    def canary_ids(self) -> list[str]:
+        """KV canaries in progress."""
+        return list(self.canaries)
+
     def step(self) -> list[StepOutput]:
         """One prefill step; the layer hook streams the KV of requests finishing their prompt."""
         return run_step(self.core, self._hook_for)

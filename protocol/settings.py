@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtransfer.curve import CurveKeys, load_keys
+from protocol.endpoints import parse_endpoints
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_GATEWAY_PROCESSES = 64  # ``pdserve gateway --workers``: processes on one host
@@ -163,7 +164,8 @@ class WorkerSettings:
     max_num_batched_tokens: int = 2048
     prefill_grid: int = 0  # tokens; 0: off (engine.config.SchedulerConfig.prefill_grid)
     max_model_len: int | None = None
-    gateway_control: str = "tcp://127.0.0.1:7100"
+    gateway_control: str = "tcp://127.0.0.1:7100"  # comma-separated; a DNS name: each of its addresses
+    gateway_resolve_interval: float = 5.0  # seconds between DNS lookups of --gateway-control's names
     host: str = "127.0.0.1"
     advertise_host: str | None = None
     port: int = 0
@@ -199,6 +201,9 @@ class WorkerSettings:
         _check(self.max_model_len is None or self.max_model_len >= 2, "max-model-len",
                f"must be >= 2 tokens, got {self.max_model_len}")
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        parse_endpoints(self.gateway_control, "gateway-control")
+        _check(0 < self.gateway_resolve_interval <= 3600, "gateway-resolve-interval",
+               f"must be in (0, 3600] seconds, got {self.gateway_resolve_interval}")
         _check(0 <= self.metrics_port < 65536, "metrics-port",
                f"must be in [0, 65535] (0: no metrics server), got {self.metrics_port}")
         _check(self.metrics_port == 0 or self.metrics_port != self.port, "metrics-port",
@@ -231,6 +236,7 @@ def _template_gateway() -> GatewaySettings:
 
 # WorkerSettings fields `pdserve up` sets itself for each worker (UpSettings.worker leaves them alone)
 UP_MANAGED_WORKER_FIELDS = frozenset({"role", "model", "device", "transfer_backend", "gateway_control",
+                                      "gateway_resolve_interval",
                                       "host", "advertise_host", "port", "metrics_port", "worker_id",
                                       "log_level", "log_format", "curve_keys", "insecure_control_plane"})
 # GatewaySettings fields `pdserve up` sets itself (host and port are UpSettings.host and .port)

@@ -3,7 +3,7 @@ HTTP server in a daemon thread (the engine loop never waits on it).
 
 * ``GET /metrics``: the worker's registry in the Prometheus text format (``workers.metrics``);
 * ``GET /health``: 200 while the engine loop has ticked within ``--engine-stall-timeout`` seconds and
-  the gateway has accepted this worker, else 503 with the reason (Kubernetes readiness);
+  some gateway accepts this worker, else 503 with the reason (Kubernetes readiness);
 * ``GET /live``: the same without the registration condition (Kubernetes liveness: a worker whose
   gateway is away should wait for it, not be restarted).
 
@@ -55,10 +55,10 @@ class EngineHealth:
         return None
 
     def ready(self) -> str | None:
-        """None while live and registered with the gateway, else why not."""
+        """None while live and registered with some gateway, else why not."""
         why = self.live()
         if why is None and not self.registered:
-            why = "not registered with the gateway"
+            why = "not registered with any gateway"
         return why
 
 

@@ -1,14 +1,24 @@
 """The worker process loop: control messages on asyncio, engine steps on one background thread.
 
 Queues and states:
-  * ``inbox``: control messages from the gateway, applied between steps (the engine's scheduler is only
-    ever touched while no step runs, so no locks are needed around it);
+  * ``inbox``: control messages from the gateways, each with the key of the gateway it came from, applied
+    between steps (the engine's scheduler is only ever touched while no step runs, so no locks are needed
+    around it);
   * the engine's own queues (scheduler ``waiting`` / ``running``), advanced one step at a time by
     ``run_in_executor`` on a single thread, so heartbeats and aborts are never stalled by a forward pass;
-  * ``outbox``: messages for the gateway, flushed after every phase; the phase's per-request messages
-    (a step's tokens of every running request) go out as one ``OutputBatch`` frame, and the phase's
-    prefix-cache changes as one ``KVEvents`` (``kv_events``; a snapshot after each accepted
-    registration and on ``KVSnapshotRequest``).
+  * ``outbox``: messages for the gateways, flushed after every phase; a message naming a request goes to
+    the gateway that owns it (workers/ownership.py), any other to every gateway that accepts the worker;
+    each gateway's per-request messages of the phase (a step's tokens of its running requests) go out as
+    one ``OutputBatch`` frame, and the phase's prefix-cache changes as one ``KVEvents`` to every accepting
+    gateway (``kv_events``; a snapshot after each accepted registration and on ``KVSnapshotRequest``).
+
+Several gateways (workers/gateway_links.py): the worker registers with each, heartbeats to each and keeps
+each request's state for its owner only. A gateway is lost when its connection drops (ZMTP heartbeats and
+a socket monitor), when it answers a registration with another ``gateway_epoch`` (restarted at the same
+address), when it stops taking messages, or when its address leaves DNS: a ``GatewayLost`` marker, queued
+behind what it sent, drops exactly the requests it owns (engine abort, KV blocks freed, transfers
+cancelled); the other gateways' requests go on. A lost gateway gets a ``RegisterWorker`` again as soon as
+it is connected (and every ``REGISTER_RETRY_S`` until it answers).
 Subclasses (prefill, decode, colocated) implement ``on_message`` / ``poll`` / ``has_work`` / ``step`` /
 ``on_step`` / ``drop``. A failing step fails only the requests it carried (``RequestFailed``).
 """
@@ -19,17 +29,22 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections import Counter, deque
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
+import zmq
 
 from kvtransfer.compat import KVCompat
 from protocol.logging import log_event
 from protocol.messages import (
     Heartbeat,
+    KVCanaryReserve,
+    KVCanarySend,
     KVEvents,
     KVSnapshotRequest,
     Message,
@@ -47,10 +62,12 @@ from protocol.messages import (
     request_id_of,
 )
 from protocol.settings import control_keys
-from workers.control_client import ControlClient
+from workers.control_client import RegistrationError
+from workers.gateway_links import GatewayLink, GatewayLinks
 from workers.health_server import EngineHealth, HealthServer
 from workers.metrics import WorkerMetrics
 from workers.outputs import batch_outputs
+from workers.ownership import NO_OWNER, RequestOwners, continued_id, route, started_id
 from workers.placement import kv_placement
 from workers.step import StepFailed
 
@@ -62,12 +79,17 @@ log = logging.getLogger("pdserve.worker")
 
 
 @dataclass(frozen=True)
-class GatewayChanged:
-    """Inbox marker, local to a worker: the gateway that accepts it now (epoch ``new``) is not the one
-    that sent the messages before this marker (epoch ``old``)."""
+class GatewayLost:
+    """Inbox marker, local to a worker: the gateway with key ``gateway`` that sent the messages before
+    this marker is gone (``reason``); applying it drops every request that gateway owns."""
 
-    old: int
-    new: int
+    gateway: str
+    reason: str
+
+
+REGISTER_TIMEOUT_S = 60.0  # start-up: some gateway must accept the worker within this many seconds
+REGISTER_RETRY_S = 2.0  # a connected gateway that has not accepted the worker gets RegisterWorker this often
+OWNERS_PRUNE_S = 1.0  # how often ids the worker no longer holds are forgotten by the ownership table
 
 
 class WorkerLoop:
@@ -84,14 +106,16 @@ class WorkerLoop:
         self.keys = control_keys(settings)
         if self.keys is None:
             log.warning("--insecure-control-plane: no CURVE on this worker's control sockets")
-        self.control = ControlClient(settings.gateway_control, self.keys)
+        self.gateways = GatewayLinks(settings.gateway_control, self.keys)
+        self.owners = RequestOwners()
         self.received: Counter[str] = Counter()  # control messages received, by type name
-        self._inbox: deque[Message | GatewayChanged] = deque()
-        self._refused: deque[tuple[str, str]] = deque()  # (request id, why) of frames decode_frame refused
-        self._outbox: list[Message] = []
+        self._inbox: deque[tuple[Message | GatewayLost, str]] = deque()  # (message, gateway key)
+        # (request id, why, gateway key) of frames decode_frame refused
+        self._refused: deque[tuple[str, str, str]] = deque()
+        self._outbox: list[tuple[Message, str | None]] = []  # (message, ownership.RequestOwners.tag)
+        self._pruned_at = 0.0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-step")
         self._load = WorkerLoad()
-        self.gateway_epoch = 0  # the incarnation of the gateway that last accepted this worker
         self._wake: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
         self.metrics = WorkerMetrics(settings.model, core.max_model_len)
@@ -132,6 +156,10 @@ class WorkerLoop:
         """Every request this worker holds state for (queued, running, or waiting for KV)."""
         raise NotImplementedError
 
+    def canary_ids(self) -> list[str]:
+        """Every KV canary this worker holds state for (none on roles without canaries)."""
+        return []
+
     def compat(self) -> KVCompat:
         """The KV pairing record announced at registration (a worker that moves no KV: backend "none")."""
         from workers.setup import compat_of
@@ -170,21 +198,29 @@ class WorkerLoop:
 
     # ---- shared machinery ---------------------------------------------------------------------------
     def emit(self, msg: Message) -> None:
-        """Queue a message for the gateway (sent at the end of the current phase)."""
-        self._outbox.append(msg)
+        """Queue a message (sent at the end of the current phase): one naming a request to the gateway
+        that owns it, any other to every gateway that accepts this worker."""
+        self._outbox.append((msg, self.owners.tag(msg)))
 
-    def deliver(self, msg: Message | GatewayChanged) -> None:
-        """Queue a control message from the gateway; it is applied at the next phase boundary."""
+    def deliver(self, msg: Message | GatewayLost, gateway: str | None = None) -> None:
+        """Queue a control message from the gateway with key ``gateway`` (None: the first one); it is
+        applied at the next phase boundary."""
         self.received[type(msg).__name__] += 1
-        self._inbox.append(msg)
+        self._inbox.append((msg, self.gateways.default_key if gateway is None else gateway))
 
-    def accepted_by(self, ack: RegisterAck) -> None:
-        """The gateway accepted this worker. When ``ack.gateway_epoch`` differs from the last one seen (the
-        gateway restarted), a ``GatewayChanged`` marker is queued behind every message already received:
-        applying it drops each request the worker holds then, all of them the old gateway's."""
-        if self.gateway_epoch and ack.gateway_epoch and ack.gateway_epoch != self.gateway_epoch:
-            self.deliver(GatewayChanged(self.gateway_epoch, ack.gateway_epoch))
-        self.gateway_epoch = ack.gateway_epoch or self.gateway_epoch
+    def accepted_by(self, ack: RegisterAck, gateway: str | None = None) -> None:
+        """The gateway with key ``gateway`` (None: the first one) accepted this worker. When
+        ``ack.gateway_epoch`` differs from the last one that gateway sent (it restarted at the same
+        address), a ``GatewayLost`` marker is queued behind every message already received from it:
+        applying it drops each request that gateway owns then, all of them its old incarnation's."""
+        link = self.gateways.get(self.gateways.default_key if gateway is None else gateway)
+        if link is None:
+            return
+        restarted = link.gateway_epoch and ack.gateway_epoch and ack.gateway_epoch != link.gateway_epoch
+        if restarted and link.accepted:  # (a link no longer accepted was lost already: nothing to add)
+            self.lose(link, f"gateway restarted (epoch {link.gateway_epoch} -> {ack.gateway_epoch})")
+        link.gateway_epoch = ack.gateway_epoch or link.gateway_epoch
+        link.accepted, link.refused = True, ""
         self.health.registered = True
         self.want_kv_snapshot()
 
@@ -212,18 +248,32 @@ class WorkerLoop:
         return KVEvents(worker_id=self.worker_id, epoch=self.epoch, seq_no=self._kv_seq_no,
                         stored=changes.stored, removed=changes.removed)
 
-    def _gateway_changed(self, change: GatewayChanged) -> None:
-        dropped = self.request_ids()
+    def lose(self, link: GatewayLink, reason: str) -> None:
+        """The gateway of ``link`` is gone (``reason``): it no longer accepts this worker, and a
+        ``GatewayLost`` marker queued behind its messages drops the requests it owns."""
+        link.accepted = False
+        self.health.registered = self.gateways.any_accepted()
+        self.deliver(GatewayLost(link.key, reason), link.key)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _gateway_lost(self, lost: GatewayLost) -> None:
+        held = {*self.request_ids(), *self.canary_ids()}
+        owned = self.owners.of(lost.gateway)
+        dropped = [rid for rid in owned if rid in held]
+        for rid in owned:
+            self.owners.forget(rid)
         for rid in dropped:
             with contextlib.suppress(Exception):
                 self.drop(rid)
-        log_event(log, "gateway_changed", logging.WARNING, worker_id=self.worker_id,
-                  old_gateway_epoch=change.old, new_gateway_epoch=change.new, dropped=len(dropped))
+        log_event(log, "gateway_lost", logging.WARNING, worker_id=self.worker_id, gateway=lost.gateway,
+                  reason=lost.reason, dropped=len(dropped))
 
-    def decode_frame(self, data: bytes) -> Message | None:
-        """One control frame from the gateway → its message, or None. A frame that fails validation but
-        names a request (e.g. a sampling parameter out of range) fails that request at the next phase
-        boundary (``fail``: ``RequestFailed`` to the gateway). Any other bad frame is logged and dropped."""
+    def decode_frame(self, data: bytes, gateway: str | None = None) -> Message | None:
+        """One control frame from the gateway with key ``gateway`` (None: the first one) → its message,
+        or None. A frame that fails validation but names a request (e.g. a sampling parameter out of
+        range) fails that request at the next phase boundary (``fail``: ``RequestFailed`` to that gateway).
+        Any other bad frame is logged and dropped."""
         try:
             return decode(data)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -231,11 +281,15 @@ class WorkerLoop:
             if rid is None:
                 log.warning("undecodable control message dropped: %s", exc)
             else:
-                self._refused.append((rid, f"{type(exc).__name__}: {exc}"))
+                key = self.gateways.default_key if gateway is None else gateway
+                self._refused.append((rid, f"{type(exc).__name__}: {exc}", key))
             return None
 
     def take_outbox(self) -> list[Message]:
         """Remove and return the messages emitted since the last flush (oldest first)."""
+        return [msg for msg, _ in self._take_tagged()]
+
+    def _take_tagged(self) -> list[tuple[Message, str | None]]:
         out, self._outbox = self._outbox, []
         return out
 
@@ -308,67 +362,218 @@ class WorkerLoop:
                               placement=kv_placement(self.core.runner.kv_cache.device.type),
                               kv_sender_epoch=self.kv_sender_epoch())
 
-    async def _flush(self) -> None:
+    def flush(self) -> None:
+        """Send the outbox: each accepting gateway its own messages, per-request ones in one
+        ``OutputBatch``, and this phase's ``KVEvents`` to each (``kv_events``). Messages for a gateway that
+        no longer accepts the worker are dropped (its requests are being dropped too)."""
         if (events := self.kv_events()) is not None:
             self.emit(events)
-        for msg in batch_outputs(self.worker_id, self.take_outbox()):
-            await self.control.send(msg)
+        tagged = self._take_tagged()
+        if not tagged:
+            return
+        accepting = [key for key, link in self.gateways.links.items() if link.accepted]
+        for key, msgs in route(tagged, accepting).items():
+            link = self.gateways.links[key]
+            for frame in batch_outputs(self.worker_id, msgs):
+                if not self._send(link, frame):
+                    break
+        unowned = sum(1 for _, tag in tagged if tag == NO_OWNER)
+        if unowned and log.isEnabledFor(logging.DEBUG):
+            log_event(log, "messages_without_owner", logging.DEBUG, count=unowned)
+
+    def _send(self, link: GatewayLink, msg: Message) -> bool:
+        """Send ``msg`` to ``link``'s gateway now; a gateway that accepts this worker but cannot take the
+        message (its queue full, or its connection gone) is lost."""
+        if link.client.try_send(msg):
+            return True
+        if link.accepted:
+            self.lose(link, "its control socket stopped taking messages (queue full or connection gone)")
+        return False
+
+    def _apply(self, msg: Message, gateway: str) -> None:
+        """Apply one message from ``gateway``: a request it starts becomes its own; a message about a
+        request another gateway owns is refused (never applied)."""
+        started = started_id(msg)
+        if started is not None:
+            owner = self.owners.record(started, gateway)
+            if owner != gateway:  # ids are the gateways' own: a collision, refused to the newcomer
+                log_event(log, "request_id_taken", logging.WARNING, request_id=started, gateway=gateway,
+                          owner=owner)
+                if not isinstance(msg, KVCanaryReserve | KVCanarySend):  # a canary just times out
+                    self._outbox.append((RequestFailed(request_id=started, worker_id=self.worker_id,
+                                                       error=f"request id {started!r} is taken on this "
+                                                             "worker by another gateway's request"), gateway))
+                return
+        else:
+            named = continued_id(msg)
+            other = self.owners.owner(named) if named is not None else None
+            if other is not None and other != gateway:
+                log_event(log, "foreign_request_message", logging.WARNING, type=type(msg).__name__,
+                          request_id=named, gateway=gateway, owner=other)
+                return
+        try:
+            self.on_message(msg)
+        except Exception as exc:  # a bad message fails its request only
+            rid = getattr(msg, "request_id", None)
+            if rid is not None and _grammar_rejected(exc):  # the request's fault: the gateway says 400
+                self.reject(rid, str(exc))
+                return
+            log.exception("handling %s failed", type(msg).__name__)
+            if rid is not None:
+                self.fail(rid, f"{type(exc).__name__}: {exc}")
 
     def _between_steps(self) -> None:
         while self._inbox:
-            msg = self._inbox.popleft()
-            if isinstance(msg, GatewayChanged):
-                self._gateway_changed(msg)
-                continue
-            try:
-                self.on_message(msg)
-            except Exception as exc:  # a bad message fails its request only
-                rid = getattr(msg, "request_id", None)
-                if rid is not None and _grammar_rejected(exc):  # the request's fault: the gateway says 400
-                    self.reject(rid, str(exc))
-                    continue
-                log.exception("handling %s failed", type(msg).__name__)
-                if rid is not None:
-                    self.fail(rid, f"{type(exc).__name__}: {exc}")
+            msg, gateway = self._inbox.popleft()
+            if isinstance(msg, GatewayLost):
+                self._gateway_lost(msg)
+            else:
+                self._apply(msg, gateway)
         while self._refused:
-            self.fail(*self._refused.popleft())
+            rid, why, gateway = self._refused.popleft()
+            if self.owners.record(rid, gateway) == gateway:
+                self.fail(rid, why)
+            else:  # another gateway's request has this id: answer the sender, leave that one alone
+                self._outbox.append((RequestFailed(request_id=rid, worker_id=self.worker_id, error=why),
+                                     gateway))
         self.poll()
         self._refresh_load()
+        now = time.monotonic()
+        if now - self._pruned_at >= OWNERS_PRUNE_S:
+            self._pruned_at = now
+            self.owners.prune([*self.request_ids(), *self.canary_ids()])
 
-    async def _recv_loop(self) -> None:
+    async def _recv_loop(self, link: GatewayLink) -> None:
         assert self._wake is not None
         while True:
-            msg = self.decode_frame(await self.control.recv_frame())
+            msg = self.decode_frame(await link.client.recv_frame(), link.key)
             if isinstance(msg, ReRegister):  # the gateway lost track of us: register again, same epoch
-                log_event(log, "reregistering", logging.WARNING, worker_id=self.worker_id, reason=msg.reason)
-                await self.control.send(self.registration())
+                log_event(log, "reregistering", logging.WARNING, worker_id=self.worker_id, gateway=link.key,
+                          reason=msg.reason)
+                self._register(link)
             elif isinstance(msg, Probe):  # the gateway checking which connection dropped: nothing to do
                 pass
             elif isinstance(msg, KVSnapshotRequest):  # the gateway missed a KVEvents: resend the whole set
                 self.want_kv_snapshot()
                 self._wake.set()
             elif isinstance(msg, RegisterAck):
+                if msg.worker_id != self.worker_id:
+                    continue
                 log_event(log, "registered" if msg.accepted else "registration_refused",
                           logging.INFO if msg.accepted else logging.ERROR, worker_id=self.worker_id,
-                          reason=msg.reason)
+                          gateway=link.key, gateway_epoch=msg.gateway_epoch, reason=msg.reason)
                 if msg.accepted:
-                    self.accepted_by(msg)
+                    self.accepted_by(msg, link.key)
                     self._wake.set()
                 else:
-                    self.health.registered = False
+                    if link.accepted:
+                        self.lose(link, f"it refused the worker: {msg.reason}")
+                    link.refused = msg.reason or "refused"
             else:  # a request message, or None (a refused frame may have queued a failure)
                 if msg is not None:
                     if log.isEnabledFor(logging.DEBUG):
                         log_event(log, "message_received", logging.DEBUG, type=type(msg).__name__,
-                                  request_id=getattr(msg, "request_id", None))
-                    self.deliver(msg)
+                                  request_id=getattr(msg, "request_id", None), gateway=link.key)
+                    self.deliver(msg, link.key)
                 self._wake.set()
+
+    async def _watch_link(self, link: GatewayLink) -> None:
+        """Follow ``link``'s connection: registered again once connected, lost when it drops."""
+        while True:
+            event = await link.client.next_event()
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.connected = True
+                if not link.accepted and time.monotonic() - link.registered_at >= REGISTER_RETRY_S:
+                    for _ in range(50):  # the connection takes messages a moment after the event
+                        if self._register(link):
+                            break
+                        await asyncio.sleep(0.002)
+            elif event == zmq.EVENT_DISCONNECTED:
+                link.connected, link.registered_at = False, float("-inf")
+                log_event(log, "gateway_disconnected", logging.WARNING, worker_id=self.worker_id,
+                          gateway=link.key)
+                if link.accepted:
+                    self.lose(link, "its control connection dropped")
+
+    def _register(self, link: GatewayLink) -> bool:
+        """Send this worker's ``RegisterWorker`` to ``link``'s gateway; False when it is not connected
+        (the heartbeat loop tries again)."""
+        if not link.client.try_send(self.registration()):
+            return False
+        link.registered_at = time.monotonic()
+        return True
+
+    def _start_link(self, link: GatewayLink) -> None:
+        link.tasks = [asyncio.create_task(self._guarded(self._recv_loop, link)),
+                      asyncio.create_task(self._guarded(self._watch_link, link))]
+        self._register(link)
+
+    async def _guarded(self, body: Callable[[GatewayLink], Coroutine[None, None, None]],
+                       link: GatewayLink) -> None:
+        """Run ``body(link)``, one of ``link``'s tasks; should it fail, the worker stops (deregistering)
+        rather than serve on with a gateway it no longer hears."""
+        try:
+            await body(link)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("the task of gateway %s failed: stopping the worker", link.key)
+            self.request_stop()
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             self._stop_if_ranks_lost()
-            await self.control.send(Heartbeat(worker_id=self.worker_id, epoch=self.epoch, load=self._load))
+            beat = Heartbeat(worker_id=self.worker_id, epoch=self.epoch, load=self._load)
+            now = time.monotonic()
+            for link in list(self.gateways.links.values()):
+                if link.accepted:
+                    self._send(link, beat)
+                elif not link.refused and now - link.registered_at >= REGISTER_RETRY_S:
+                    self._register(link)
+
+    async def _resolve_loop(self) -> None:
+        """Look ``--gateway-control``'s host names up again every ``--gateway-resolve-interval`` s: a new
+        address gets a link, a link whose address left DNS is lost and closed."""
+        interval = self.settings.gateway_resolve_interval
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                found = await asyncio.wait_for(asyncio.to_thread(self.gateways.lookup), max(interval, 5.0))
+            except TimeoutError:
+                log_event(log, "gateway_lookup_failed", logging.WARNING, error="no answer in time")
+                continue
+            self.update_gateways(found)
+
+    def update_gateways(self, found: dict[str, list[str]]) -> None:
+        """Apply a DNS lookup (``GatewayLinks.lookup``: entry → endpoints): each new address is a
+        gateway to register with (its tasks started: call with the event loop running), each address
+        gone is a lost gateway (its requests dropped) told ``WorkerShutdown`` and closed."""
+        added, removed = self.gateways.refresh(found)
+        for link in removed:
+            self.lose(link, "its address left DNS")
+            self.gateways.close_link(link, WorkerShutdown(worker_id=self.worker_id, epoch=self.epoch))
+        for link in added:
+            self._start_link(link)
+
+    async def wait_registered(self, timeout: float) -> None:
+        """Return once some gateway accepted this worker.
+
+        Raises:
+            RegistrationError: every gateway refused it (no DNS name that may bring others), or none
+                accepted it within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while not self.gateways.any_accepted():
+            links = list(self.gateways.links.values())
+            if links and not self.gateways.has_names and all(link.refused for link in links):
+                reasons = "; ".join(f"{link.key}: {link.refused}" for link in links)
+                raise RegistrationError(f"gateway refused worker {self.worker_id}: {reasons}")
+            if time.monotonic() >= deadline:
+                where = (", ".join(self.gateways.links)
+                         or f"none resolved from {self.settings.gateway_control}")
+                raise RegistrationError(f"no RegisterAck from any gateway ({where}) within {timeout:.0f} s")
+            await asyncio.sleep(0.02)
 
     async def _engine_loop(self) -> None:
         assert self._wake is not None and self._stop is not None
@@ -377,7 +582,7 @@ class WorkerLoop:
             self.health.tick()
             self._wake.clear()
             self._between_steps()
-            await self._flush()
+            self.flush()
             if self.has_work():
                 try:
                     outs = await loop.run_in_executor(self._executor, self.step)
@@ -386,7 +591,7 @@ class WorkerLoop:
                 else:
                     self.on_step(outs)
                 self._refresh_load()
-                await self._flush()
+                self.flush()
             else:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 0.002 if self.busy() else self.idle_poll)
@@ -416,10 +621,12 @@ class WorkerLoop:
                   port=self.health_server.port)
 
     async def run(self) -> None:
-        """Register, then serve until SIGTERM/SIGINT; sends ``WorkerShutdown`` on the way out.
+        """Register with every gateway, then serve until SIGTERM/SIGINT; sends ``WorkerShutdown`` to each
+        on the way out. Serving starts once one gateway accepted the worker (``REGISTER_TIMEOUT_S``); the
+        others are registered with as they come.
 
         Raises:
-            RegistrationError: the gateway refused this worker or never answered.
+            RegistrationError: every gateway refused this worker, or none answered in time.
             OSError: ``--metrics-port`` cannot be bound.
         """
         self._wake, self._stop = asyncio.Event(), asyncio.Event()
@@ -430,11 +637,17 @@ class WorkerLoop:
         tasks: list[asyncio.Task[None]] = []
         try:
             self._start_health_server()
-            self.accepted_by(await self.control.register(self.registration()))
-            log_event(log, "worker_ready", role=self.role, worker_id=self.worker_id, epoch=self.epoch)
-            tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
+            for link in self.gateways.links.values():
+                self._start_link(link)
+            tasks = [asyncio.create_task(self._heartbeat_loop())]
+            if self.gateways.has_names:
+                tasks.append(asyncio.create_task(self._resolve_loop()))
+            await self.wait_registered(REGISTER_TIMEOUT_S)
+            log_event(log, "worker_ready", role=self.role, worker_id=self.worker_id, epoch=self.epoch,
+                      gateways=len(self.gateways.links))
             await self._engine_loop()
         finally:
+            tasks += [task for link in self.gateways.links.values() for task in link.tasks]
             for task in tasks:
                 task.cancel()
             for task in tasks:
@@ -444,7 +657,7 @@ class WorkerLoop:
             if self.health_server is not None:
                 self.health_server.stop()
             self._executor.shutdown(wait=True)
-            await self.control.close(WorkerShutdown(worker_id=self.worker_id, epoch=self.epoch))
+            self.gateways.close(WorkerShutdown(worker_id=self.worker_id, epoch=self.epoch))
             log_event(log, "worker_stopped", role=self.role, worker_id=self.worker_id)
 
 

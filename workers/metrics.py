@@ -157,7 +157,7 @@ class _ScrapeTime(Collector):
         age = self.loop_age()
         yield gauge("pdserve_worker_engine_loop_age_seconds", "Seconds since the engine loop last ticked "
                     "(-1 before it started).", -1.0 if age is None else age)
-        yield gauge("pdserve_worker_registered", "1 while the gateway has accepted this worker.",
+        yield gauge("pdserve_worker_registered", "1 while some gateway accepts this worker.",
                     float(self.registered()))
 
 

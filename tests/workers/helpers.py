@@ -4,7 +4,6 @@ transfer in flight deterministically) and the end-of-test leak check."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -57,34 +56,37 @@ def transfer_config(worker_id: str, timeout_s: float = 30.0) -> TransferConfig:
                           heartbeat_interval_s=0.1, peer_timeout_s=5.0)
 
 
-def settings(role: str, worker_id: str, model_dir: Path) -> WorkerSettings:
+def settings(role: str, worker_id: str, model_dir: Path, gateway_control: str = NO_GATEWAY) -> WorkerSettings:
     return WorkerSettings(role=role, model=str(model_dir), worker_id=worker_id, transfer_backend="loopback",
-                          gateway_control=NO_GATEWAY, block_size=BLOCK_SIZE,
+                          gateway_control=gateway_control, block_size=BLOCK_SIZE,
                           insecure_control_plane=True)
 
 
-def prefill_worker(model_dir: Path, **core_kw: Any) -> PrefillWorker:
+def prefill_worker(model_dir: Path, gateway_control: str = NO_GATEWAY, **core_kw: Any) -> PrefillWorker:
     core = make_core(model_dir, prefill_only=True, **core_kw)
     sender = get_transfer_backend("loopback").sender(transfer_config("p0"), core.runner.kv_cache.kv_buffer)
-    return PrefillWorker(settings("prefill", "p0", model_dir), core, str(model_dir), sender=sender)
+    return PrefillWorker(settings("prefill", "p0", model_dir, gateway_control), core, str(model_dir),
+                         sender=sender)
 
 
-def decode_worker(model_dir: Path, timeout_s: float = 30.0, **core_kw: Any) -> DecodeWorker:
+def decode_worker(model_dir: Path, timeout_s: float = 30.0, gateway_control: str = NO_GATEWAY,
+                  **core_kw: Any) -> DecodeWorker:
     core = make_core(model_dir, **core_kw)
     receiver = get_transfer_backend("loopback").receiver(transfer_config("d0", timeout_s),
                                                          core.runner.kv_cache.kv_buffer)
-    return DecodeWorker(settings("decode", "d0", model_dir), core, str(model_dir), receiver=receiver)
+    return DecodeWorker(settings("decode", "d0", model_dir, gateway_control), core, str(model_dir),
+                        receiver=receiver)
 
 
-def colocated_worker(model_dir: Path, **core_kw: Any) -> ColocatedWorker:
-    return ColocatedWorker(settings("colocated", "c0", model_dir), make_core(model_dir, **core_kw),
-                           str(model_dir))
+def colocated_worker(model_dir: Path, gateway_control: str = NO_GATEWAY, **core_kw: Any) -> ColocatedWorker:
+    return ColocatedWorker(settings("colocated", "c0", model_dir, gateway_control),
+                           make_core(model_dir, **core_kw), str(model_dir))
 
 
 def close(worker: WorkerLoop) -> None:
     """What ``WorkerLoop.run`` does on the way out, minus the gateway."""
     worker.close()
-    asyncio.run(worker.control.close())
+    worker.gateways.close()
 
 
 def wire(max_tokens: int = 1, **kw: object) -> SamplingParams:

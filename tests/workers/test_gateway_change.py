@@ -48,7 +48,7 @@ def test_colocated_drops_the_old_gateways_requests_and_keeps_the_new_ones(model_
         colo.deliver(_req("c", 2))
         run(colo)
         assert colo.request_ids() == ["c"]  # a and b dropped with their blocks; c came after the marker
-        assert colo.gateway_epoch == 222
+        assert colo.gateways.links[colo.gateways.default_key].gateway_epoch == 222
         while colo.request_ids():
             run(colo)
         assert_clean(colo)

@@ -1,0 +1,314 @@
+"""A worker serving two gateways: each request's messages go to the gateway that sent it (one
+``OutputBatch`` per gateway and phase), messages naming no request go to both, and losing one gateway
+(connection dropped, restarted, its address gone from DNS) drops exactly its requests, blocks freed, while
+the other gateway's go on. Ends with the leak check."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from protocol.messages import (
+    AbortRequest,
+    ColocatedRequest,
+    Message,
+    NextToken,
+    OutputBatch,
+    PrefillRequest,
+    RegisterAck,
+    RequestFailed,
+    RequestFinished,
+    ReserveKV,
+    WorkerShutdown,
+)
+from tests.workers.helpers import (
+    assert_clean,
+    close,
+    colocated_worker,
+    decode_worker,
+    of_type,
+    prefill_worker,
+    wire,
+)
+from workers.control_client import RegistrationError
+from workers.gateway_links import GatewayLinks
+from workers.loop import WorkerLoop
+from workers.ownership import BROADCAST, NO_OWNER, RequestOwners, route
+
+A, B = "inproc://pdserve-test-gateway-a", "inproc://pdserve-test-gateway-b"
+TWO = f"{A},{B}"
+PROMPT = list(range(50, 63))  # 13 tokens
+NO_SENDER = 1
+
+
+def _accept(worker: WorkerLoop, key: str, gateway_epoch: int = 7) -> None:
+    worker.accepted_by(RegisterAck(worker_id=worker.worker_id, epoch=worker.epoch, accepted=True,
+                                   gateway_epoch=gateway_epoch), key)
+
+
+def _capture(worker: WorkerLoop) -> dict[str, list[Message]]:
+    """Replace each link's send by a recorder: gateway key → frames sent to it."""
+    sent: dict[str, list[Message]] = {key: [] for key in worker.gateways.links}
+    for key, link in worker.gateways.links.items():
+        def record(msg: Message, key: str = key) -> bool:
+            sent[key].append(msg)
+            return True
+        link.client.try_send = record  # type: ignore[method-assign]
+    return sent
+
+
+def _phase(worker: WorkerLoop) -> None:
+    worker.run_once()
+    worker.flush()
+
+
+def _items(frames: list[Message]) -> list[Message]:
+    """The per-request messages of ``frames`` (``OutputBatch`` unpacked) and the other frames, in order."""
+    out: list[Message] = []
+    for f in frames:
+        out.extend(f.messages if isinstance(f, OutputBatch) else [f])
+    return out
+
+
+def _colo_req(rid: str, max_tokens: int) -> ColocatedRequest:
+    return ColocatedRequest(request_id=rid, prompt_token_ids=PROMPT,
+                            sampling=wire(max_tokens, ignore_eos=True))
+
+
+def test_route_sends_owned_messages_to_their_owner_and_the_rest_to_all() -> None:
+    owners = RequestOwners()
+    owners.record("r1", A)
+    assert owners.record("r1", B) == A  # the first gateway keeps it
+    tok = NextToken(request_id="r1", worker_id="w", token_id=3)
+    stray = NextToken(request_id="nobody", worker_id="w", token_id=4)
+    bye = WorkerShutdown(worker_id="w", epoch=1)
+    assert [owners.tag(m) for m in (tok, stray, bye)] == [A, NO_OWNER, BROADCAST]
+    routed = route([(tok, owners.tag(tok)), (bye, BROADCAST), (stray, NO_OWNER)], [A, B])
+    assert routed == {A: [tok, bye], B: [bye]}
+    assert route([(tok, A)], [B]) == {}  # its gateway no longer accepts the worker: dropped
+    owners.prune(["other"])
+    assert owners.owner("r1") is None and len(owners) == 0
+
+
+def test_each_gateway_gets_only_its_requests_in_one_batch_per_phase(model_dir) -> None:
+    colo = colocated_worker(model_dir, gateway_control=TWO)
+    try:
+        _accept(colo, A)
+        _accept(colo, B)
+        sent = _capture(colo)
+        colo.deliver(_colo_req("a1", 4), A)
+        colo.deliver(_colo_req("b1", 3), B)
+        colo.deliver(_colo_req("b2", 5), B)
+        colo.emit(WorkerShutdown(worker_id=colo.worker_id, epoch=colo.epoch))  # names no request: to both
+        phases = 0
+        while colo.request_ids() or phases == 0:
+            before = {k: len(v) for k, v in sent.items()}
+            _phase(colo)
+            phases += 1
+            assert phases < 50
+            for key, frames in sent.items():  # at most one OutputBatch per gateway and phase
+                assert sum(isinstance(f, OutputBatch) for f in frames[before[key]:]) <= 1
+        got = {key: _items(frames) for key, frames in sent.items()}
+        assert {m.request_id for m in got[A] if hasattr(m, "request_id")} == {"a1"}
+        assert {m.request_id for m in got[B] if hasattr(m, "request_id")} == {"b1", "b2"}
+        assert len(of_type(got[A], WorkerShutdown)) == len(of_type(got[B], WorkerShutdown)) == 1
+        finished = {m.request_id: m.num_output_tokens for m in [*got[A], *got[B]]
+                    if isinstance(m, RequestFinished)}
+        assert finished == {"a1": 4, "b1": 3, "b2": 5}
+        assert all(batch.worker_id == "c0" for frames in sent.values() for batch in frames
+                   if isinstance(batch, OutputBatch))
+        assert_clean(colo)
+    finally:
+        close(colo)
+
+
+def test_losing_a_gateway_drops_only_its_requests(model_dir) -> None:
+    colo = colocated_worker(model_dir, gateway_control=TWO)
+    try:
+        _accept(colo, A)
+        _accept(colo, B)
+        sent = _capture(colo)
+        colo.deliver(_colo_req("a1", 50), A)
+        colo.deliver(_colo_req("a2", 50), A)
+        colo.deliver(_colo_req("b1", 6), B)
+        _phase(colo)
+        _phase(colo)
+        assert sorted(colo.request_ids()) == ["a1", "a2", "b1"]
+        bm = colo.core.block_manager
+        held_by_all = bm.num_blocks - bm.num_free_blocks
+        sent_to_a = len(sent[A])
+        colo.lose(colo.gateways.links[A], "test: connection dropped")
+        assert colo.health.registered  # B still accepts it
+        _phase(colo)
+        assert colo.request_ids() == ["b1"]
+        assert bm.num_blocks - bm.num_free_blocks < held_by_all  # a1's and a2's blocks are back
+        colo.deliver(AbortRequest(request_id="b1"), A)  # a gateway cannot abort another's request
+        while colo.request_ids():
+            _phase(colo)
+        assert len(sent[A]) == sent_to_a  # nothing more went to the lost gateway
+        [done] = of_type(_items(sent[B]), RequestFinished)
+        assert (done.request_id, done.num_output_tokens) == ("b1", 6)
+        assert_clean(colo)
+    finally:
+        close(colo)
+
+
+def test_a_restarted_gateway_drops_only_its_own_requests(model_dir) -> None:
+    colo = colocated_worker(model_dir, gateway_control=TWO)
+    try:
+        _accept(colo, A, 11)
+        _accept(colo, B, 21)
+        _capture(colo)
+        colo.deliver(_colo_req("a1", 40), A)
+        colo.deliver(_colo_req("b1", 40), B)
+        _phase(colo)
+        _accept(colo, A, 11)  # the same incarnation again (a ReRegister answer): nothing dropped
+        _phase(colo)
+        assert sorted(colo.request_ids()) == ["a1", "b1"]
+        _accept(colo, B, 22)  # B restarted at the same address
+        colo.deliver(_colo_req("b2", 2), B)  # after the new incarnation accepted the worker: kept
+        _phase(colo)
+        assert sorted(colo.request_ids()) == ["a1", "b2"]
+        colo.deliver(AbortRequest(request_id="a1"), A)
+        while colo.request_ids():
+            _phase(colo)
+        assert_clean(colo)
+    finally:
+        close(colo)
+
+
+def test_decode_frees_the_lost_gateways_reservation_and_keeps_the_others(model_dir) -> None:
+    decode = decode_worker(model_dir, gateway_control=TWO, num_blocks=12)
+    try:
+        _accept(decode, A)
+        _accept(decode, B)
+        sent = _capture(decode)
+        for rid, key in (("ra", A), ("rb", B)):
+            decode.deliver(ReserveKV(request_id=rid, prompt_token_ids=PROMPT, sampling=wire(4),
+                                     prefill_worker_id="p0", prefill_sender_epoch=NO_SENDER), key)
+        _phase(decode)
+        assert [m.request_id for m in _items(sent[A])] == ["ra"]  # each KVReserved to its own gateway
+        assert [m.request_id for m in _items(sent[B])] == ["rb"]
+        assert decode.core.block_manager.num_free_blocks == 12 - 2 * 4  # 13 tokens in blocks of 4
+        decode.lose(decode.gateways.links[B], "test: connection dropped")
+        _phase(decode)
+        assert decode.request_ids() == ["ra"]
+        assert decode.core.block_manager.num_free_blocks == 12 - 4
+        decode.deliver(AbortRequest(request_id="ra"), A)
+        _phase(decode)
+        assert_clean(decode)
+    finally:
+        close(decode)
+
+
+def test_prefill_drops_the_lost_gateways_queued_request_and_answers_the_other(model_dir) -> None:
+    prefill = prefill_worker(model_dir, gateway_control=TWO)
+    try:
+        _accept(prefill, A)
+        _accept(prefill, B)
+        sent = _capture(prefill)
+        prefill.deliver(PrefillRequest(request_id="pa", prompt_token_ids=PROMPT, sampling=wire(1)), A)
+        prefill.deliver(PrefillRequest(request_id="pb", prompt_token_ids=PROMPT, sampling=wire(1)), B)
+        prefill.lose(prefill.gateways.links[A], "test: its address left DNS")  # behind pa: pa is A's
+        _phase(prefill)
+        while prefill.request_ids():
+            _phase(prefill)
+        assert _items(sent[A]) == []
+        assert [m.request_id for m in _items(sent[B])] == ["pb"]
+        assert_clean(prefill)
+    finally:
+        close(prefill)
+
+
+def test_a_request_id_taken_by_another_gateway_is_refused_to_the_newcomer_only(model_dir) -> None:
+    colo = colocated_worker(model_dir, gateway_control=TWO)
+    try:
+        _accept(colo, A)
+        _accept(colo, B)
+        sent = _capture(colo)
+        colo.deliver(_colo_req("same", 3), A)
+        colo.deliver(_colo_req("same", 3), B)
+        _phase(colo)
+        while colo.request_ids():
+            _phase(colo)
+        [failed] = of_type(_items(sent[B]), RequestFailed)
+        assert failed.request_id == "same" and "another gateway" in failed.error
+        [done] = of_type(_items(sent[A]), RequestFinished)
+        assert done.num_output_tokens == 3
+        assert_clean(colo)
+    finally:
+        close(colo)
+
+
+def test_a_gateway_gone_from_dns_is_lost_and_a_new_one_registered(model_dir) -> None:
+    colo = colocated_worker(model_dir, gateway_control=TWO)
+    old = colo.gateways
+    answers = {"gw.svc": ["10.0.0.1", "10.0.0.2"]}
+    colo.gateways = GatewayLinks("tcp://gw.svc:7100", None, resolve=lambda host: answers[host])
+    old.close()
+    first, second = "tcp://10.0.0.1:7100", "tcp://10.0.0.2:7100"
+
+    async def scenario() -> None:
+        _accept(colo, first)
+        _accept(colo, second)
+        _capture(colo)  # these addresses are never connected: record what is sent instead
+        colo.deliver(_colo_req("r1", 40), first)
+        colo.deliver(_colo_req("r2", 40), second)
+        _phase(colo)
+        answers["gw.svc"] = ["10.0.0.2", "10.0.0.3"]
+        colo.update_gateways(colo.gateways.lookup())
+        assert list(colo.gateways.links) == [second, "tcp://10.0.0.3:7100"]
+        assert all(len(link.tasks) == 2 for link in colo.gateways.links.values() if link.key != second)
+        _phase(colo)
+        assert colo.request_ids() == ["r2"]
+        for link in colo.gateways.links.values():
+            for task in link.tasks:
+                task.cancel()
+
+    try:
+        asyncio.run(scenario())
+        colo.deliver(AbortRequest(request_id="r2"), second)
+        _phase(colo)
+        assert_clean(colo)
+    finally:
+        close(colo)
+
+
+def test_start_up_needs_one_gateway_to_accept(model_dir) -> None:
+    colo = colocated_worker(model_dir, gateway_control=TWO)
+    try:
+        a, b = colo.gateways.links[A], colo.gateways.links[B]
+        with pytest.raises(RegistrationError, match="no RegisterAck from any gateway"):
+            asyncio.run(colo.wait_registered(0.05))
+        a.refused = "stale epoch"
+        _accept(colo, B)
+        asyncio.run(colo.wait_registered(0.05))  # one of two accepted: serving starts
+        assert colo.health.registered
+        b.accepted, b.refused = False, "model mismatch"
+        with pytest.raises(RegistrationError, match=r"refused.*stale epoch.*model mismatch"):
+            asyncio.run(colo.wait_registered(5))  # every gateway refused: no waiting for the deadline
+    finally:
+        close(colo)
+
+
+def test_a_gateway_that_stops_taking_messages_is_lost(model_dir) -> None:
+    colo = colocated_worker(model_dir, gateway_control=TWO)
+    try:
+        _accept(colo, A)
+        _accept(colo, B)
+        sent = _capture(colo)
+        colo.gateways.links[A].client.try_send = lambda msg: False  # type: ignore[method-assign]
+        colo.deliver(_colo_req("a1", 30), A)
+        colo.deliver(_colo_req("b1", 4), B)
+        _phase(colo)  # a1's first token cannot be sent: A is lost
+        assert not colo.gateways.links[A].accepted and colo.gateways.links[B].accepted
+        _phase(colo)
+        assert colo.request_ids() == ["b1"]
+        while colo.request_ids():
+            _phase(colo)
+        [done] = of_type(_items(sent[B]), RequestFinished)
+        assert (done.request_id, done.num_output_tokens) == ("b1", 4)
+        assert_clean(colo)
+    finally:
+        close(colo)

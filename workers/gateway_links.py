@@ -1,0 +1,154 @@
+"""The gateways a worker serves: one ``GatewayLink`` (a ``ControlClient`` and its registration state) per
+gateway address.
+
+``--gateway-control`` is a comma-separated list of zmq endpoints (protocol/endpoints.py). An entry whose
+host is a DNS name stands for every address the name resolves to (a Kubernetes headless Service lists one
+per gateway pod): IPv4 addresses when it has any, else IPv6. ``GatewayLinks.refresh`` resolves the names
+again: an address new to DNS gets a link, a link whose address left DNS is returned to be closed (the worker
+treats it as a dead gateway). A lookup that fails for a moment (``EAI_AGAIN``) keeps the entry's previous
+addresses; a name that does not resolve (``EAI_NONAME``: no gateway pod ready) has none.
+
+A link's key is its resolved endpoint (``tcp://10.0.0.7:7100``): the worker records, per request, the key
+of the gateway that sent it (workers/loop.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq.asyncio
+
+from kvtransfer.curve import CurveKeys
+from protocol.endpoints import ZmqEndpoint, parse_endpoints
+from protocol.logging import log_event
+from protocol.messages import Message
+from workers.control_client import ControlClient
+
+log = logging.getLogger("pdserve.worker.control")
+
+Resolver = Callable[[str], list[str]]  # host name → its addresses (IP literals); raises OSError
+
+
+def resolve_host(host: str) -> list[str]:
+    """Every address of ``host`` (``getaddrinfo``), in the resolver's order, without repeats: the IPv4
+    ones when there are any, else the IPv6 ones.
+
+    Raises:
+        socket.gaierror: the lookup failed (``errno`` says whether for good or for now).
+    """
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    v4 = [str(i[4][0]) for i in infos if i[0] == socket.AF_INET]
+    v6 = [str(i[4][0]) for i in infos if i[0] == socket.AF_INET6]
+    return list(dict.fromkeys(v4 or v6))
+
+
+@dataclass(eq=False)
+class GatewayLink:
+    """One gateway connection. ``accepted``: its current ``RegisterAck`` accepted this worker;
+    ``refused``: the reason of a refusal (""). ``gateway_epoch``: the incarnation that last accepted it
+    (0: none yet). ``connected``: the monitor saw the handshake and no disconnect since.
+    ``registered_at``: ``time.monotonic()`` of the last ``RegisterWorker`` queued. ``tasks``: its receive and
+    monitor tasks (cancelled when the link closes)."""
+
+    key: str
+    client: ControlClient
+    accepted: bool = False
+    refused: str = ""
+    gateway_epoch: int = 0
+    connected: bool = False
+    registered_at: float = float("-inf")
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+class GatewayLinks:
+    """The links of one worker, by key, in the order of ``--gateway-control`` (then of DNS).
+
+    ``value``: the flag's text; ``keys``: CURVE key pair or None; ``resolve``: DNS lookup (injectable for
+    tests). The first resolution happens here, synchronously.
+
+    Raises:
+        ValueError: ``value`` is not a valid endpoint list (the message names ``--gateway-control``).
+    """
+
+    def __init__(self, value: str, keys: CurveKeys | None, resolve: Resolver = resolve_host) -> None:
+        self.entries: tuple[ZmqEndpoint, ...] = parse_endpoints(value, "gateway-control")
+        self._keys, self._resolve = keys, resolve
+        self._ctx = zmq.asyncio.Context()
+        self._addresses: dict[str, list[str]] = {}  # entry (raw) → its endpoints as last resolved
+        self.links: dict[str, GatewayLink] = {}
+        self.refresh(self.lookup())
+
+    @property
+    def has_names(self) -> bool:
+        """Some entry is a DNS name (resolved again every ``--gateway-resolve-interval``)."""
+        return any(e.is_name for e in self.entries)
+
+    @property
+    def default_key(self) -> str:
+        """The first link's key ("" without links): where a message delivered without a key came from."""
+        return next(iter(self.links), "")
+
+    def lookup(self) -> dict[str, list[str]]:
+        """Resolve every entry now (blocking; names through ``resolve``): entry → its endpoints."""
+        found: dict[str, list[str]] = {}
+        for entry in self.entries:
+            if not entry.is_name:
+                found[entry.raw] = [entry.raw]
+                continue
+            try:
+                found[entry.raw] = [entry.with_address(a) for a in self._resolve(entry.host)]
+            except socket.gaierror as exc:
+                keep = exc.errno == socket.EAI_AGAIN
+                found[entry.raw] = self._addresses.get(entry.raw, []) if keep else []
+                log_event(log, "gateway_lookup_failed", logging.WARNING, host=entry.host, error=str(exc),
+                          kept=len(found[entry.raw]))
+            except OSError as exc:
+                found[entry.raw] = self._addresses.get(entry.raw, [])
+                log_event(log, "gateway_lookup_failed", logging.WARNING, host=entry.host, error=str(exc),
+                          kept=len(found[entry.raw]))
+        return found
+
+    def refresh(self, found: dict[str, list[str]]) -> tuple[list[GatewayLink], list[GatewayLink]]:
+        """Apply a ``lookup`` result: a link for each new endpoint (connecting; not registered yet), and
+        out of ``links`` each link whose endpoint is gone. Returns (added, removed); the caller closes
+        the removed ones (``close_link``)."""
+        self._addresses = found
+        wanted = list(dict.fromkeys(ep for eps in found.values() for ep in eps))
+        removed = [link for key, link in self.links.items() if key not in wanted]
+        for link in removed:
+            del self.links[link.key]
+        added = []
+        for key in wanted:
+            if key not in self.links:
+                self.links[key] = GatewayLink(key, ControlClient(key, self._keys, self._ctx))
+                added.append(self.links[key])
+        if added or removed:
+            log_event(log, "gateways_resolved", gateways=",".join(self.links) or "none",
+                      added=len(added), removed=len(removed))
+        return added, removed
+
+    def get(self, key: str) -> GatewayLink | None:
+        """The link with ``key``, or None (never had one, or it left DNS)."""
+        return self.links.get(key)
+
+    def any_accepted(self) -> bool:
+        """Some gateway accepts this worker now (its ``/health`` says registered)."""
+        return any(link.accepted for link in self.links.values())
+
+    @staticmethod
+    def close_link(link: GatewayLink, shutdown: Message | None = None) -> None:
+        """Cancel ``link``'s tasks and close its socket, sending ``shutdown`` first when connected."""
+        for task in link.tasks:
+            task.cancel()
+        link.client.close(shutdown)
+
+    def close(self, shutdown: Message | None = None) -> None:
+        """Close every link (``shutdown`` to each connected gateway first) and the zmq context."""
+        for link in list(self.links.values()):
+            self.close_link(link, shutdown)
+        self.links.clear()
+        self._ctx.term()
