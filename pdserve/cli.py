@@ -222,6 +222,9 @@ def _add_up(add: _Adder) -> None:
     add("--num-prefill", type=int, default=1, help="prefill workers to start")
     add("--num-decode", type=int, default=1, help="decode workers to start")
     add("--colocated", type=int, default=0, help="colocated workers to start")
+    add("--gateway-workers", type=int, default=1,
+        help="gateway processes on the one HTTP port (pdserve gateway --workers); every worker registers "
+             "with each")
     _add_gateway(_Skipping(add, _UP_OWN_GATEWAY_FLAGS))
     _add_worker(_Skipping(add, _UP_OWN_WORKER_FLAGS), "up")
 

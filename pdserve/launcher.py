@@ -144,7 +144,8 @@ def num_workers(settings: UpSettings) -> int:
 def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
          keys_dir: str | None = None, metrics_ports: Sequence[int] = ()) -> list[tuple[str, list[str]]]:
     """The children to start, in order: (name, argv after ``python -m pdserve.cli``). Gateway first.
-    ``num_gpus``: visible GPUs, used to place workers (see ``placements``). ``keys_dir``: the CURVE key
+    ``control_port``: the first of ``settings.gateway_workers`` consecutive free ports, one per gateway
+    process (every worker is given all of them). ``num_gpus``: visible GPUs, used to place workers (see ``placements``). ``keys_dir``: the CURVE key
     directory every child gets (default ``settings.curve_keys``). The gateway's and the workers' settings
     given to ``up`` follow as flags (``changed_flags``); a worker's own flags come last, so an explicit
     ``--kv-memory-fraction`` wins over the share ``placements`` gives. ``metrics_ports``: one
@@ -154,7 +155,11 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
         ValueError: no key directory and no ``--insecure-control-plane``, or ``metrics_ports`` neither
             empty nor one per worker.
     """
+    n = settings.gateway_workers
     control = f"tcp://127.0.0.1:{control_port}"
+    workers_flag = ["--workers", str(n)] if n > 1 else []
+    # gateway process i binds control_port + i (GatewaySettings.control_endpoints); each worker gets them all
+    gateway_controls = ",".join(f"tcp://127.0.0.1:{control_port + i}" for i in range(n))
     keys = keys_dir or settings.curve_keys
     if settings.insecure_control_plane:
         secure = ["--insecure-control-plane"]
@@ -164,11 +169,12 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
         raise ValueError("plan: no CURVE key directory and no --insecure-control-plane")
     common = ["--log-level", settings.log_level, "--log-format", settings.log_format, *secure]
     children = [("gateway", ["gateway", "--host", settings.host, "--port", str(settings.port),
-                             "--control-bind", control, *common,
+                             "--control-bind", control, *workers_flag, *common,
                              *changed_flags(settings.gateway, UP_MANAGED_GATEWAY_FIELDS)])]
     # --port 0: a worker's --port is its KV control port, and a PDSERVE_PORT meant for `up` (the HTTP port)
     # reaches the children's environment too
-    worker = ["--model", settings.model, "--gateway-control", control, "--host", "127.0.0.1", "--port", "0",
+    worker = ["--model", settings.model, "--gateway-control", gateway_controls, "--host", "127.0.0.1",
+              "--port", "0",
               *common]
     given = changed_flags(settings.worker, UP_MANAGED_WORKER_FIELDS)
     transfer = ["--transfer-backend", settings.transfer_backend]
@@ -388,7 +394,8 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     gpus = gpu_count() if settings.device in ("auto", "cuda") else 0
     keys = settings.gateway.api_keys
     gateway_env = {"PDSERVE_API_KEY": ",".join(keys)} if keys else {}
-    control_port, *metrics_ports = free_ports(1 + num_workers(settings), exclude=(settings.port,))
+    metrics_ports = free_ports(num_workers(settings), exclude=(settings.port,))
+    control_port = free_port_range(settings.gateway_workers, exclude=(settings.port, *metrics_ports))
     children = plan(settings, control_port, gpus, keys_dir, metrics_ports)
     for name, args in children:
         if stop:

@@ -259,6 +259,7 @@ class UpSettings:
     num_prefill: int = 1
     num_decode: int = 1
     colocated: int = 0
+    gateway_workers: int = 1  # gateway processes on the one HTTP port (``pdserve gateway --workers``)
     curve_keys: str | None = None  # default: a fresh key pair in a private temp dir, for this run only
     insecure_control_plane: bool = False
     log_level: str = "info"
@@ -273,6 +274,10 @@ class UpSettings:
         _check(self.num_prefill >= 0, "num-prefill", "must be >= 0")
         _check(self.num_decode >= 0, "num-decode", "must be >= 0")
         _check(self.colocated >= 0, "colocated", "must be >= 0")
+        _check(1 <= self.gateway_workers <= MAX_GATEWAY_PROCESSES, "gateway-workers",
+               f"must be in [1, {MAX_GATEWAY_PROCESSES}], got {self.gateway_workers}")
+        _check(self.gateway_workers == 1 or self.port != 0, "gateway-workers",
+               "several gateway processes need a fixed --port (not 0)")
         _check(self.colocated > 0 or (self.num_prefill > 0 and self.num_decode > 0), "num-prefill",
                "need at least one prefill and one decode worker, or --colocated >= 1")
         if self.curve_keys or self.insecure_control_plane:  # neither: up makes a per-run key pair

@@ -35,6 +35,25 @@ def test_plan_starts_gateway_first_and_binds_loopback() -> None:
     assert parsers[parsers.index("--reasoning-parser") + 1] == "qwen3"
 
 
+def test_plan_with_several_gateway_processes_gives_every_worker_each_control_port() -> None:
+    children = plan(UpSettings(port=9001, gateway_workers=3), control_port=7700, keys_dir="/keys")
+    gateway = children[0][1]
+    assert gateway[gateway.index("--workers") + 1] == "3"
+    assert gateway[gateway.index("--control-bind") + 1] == "tcp://127.0.0.1:7700"
+    want = "tcp://127.0.0.1:7700,tcp://127.0.0.1:7701,tcp://127.0.0.1:7702"
+    for _, args in children[1:]:
+        assert args[args.index("--gateway-control") + 1] == want
+    assert "--workers" not in plan(UpSettings(port=9001), control_port=7700, keys_dir="/keys")[0][1]
+
+
+@pytest.mark.parametrize(("kw", "flag"), [({"gateway_workers": 0}, "gateway-workers"),
+                                          ({"gateway_workers": 65}, "gateway-workers"),
+                                          ({"gateway_workers": 2, "port": 0}, "gateway-workers")])
+def test_up_refuses_bad_gateway_workers(kw: dict[str, int], flag: str) -> None:
+    with pytest.raises(ValueError, match=f"--{flag}"):
+        UpSettings(**kw)  # type: ignore[arg-type]
+
+
 def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:
     """Every flag given to ``up`` reaches its child: the gateway's (host too) to the gateway, the workers'
     to every worker; the API key never on a command line; each child's argv parses back to the same

@@ -2,7 +2,9 @@
 embedded model, on the CPU, KV over NIXL) are each given both gateways' control addresses
 (``--gateway-control tcp://…:A,tcp://…:B``) and register with, heartbeat to and stream to both.
 
-Requests alternate between the two gateways through the ``openai`` client and all succeed. Then one
+Requests alternate between the two gateways through the ``openai`` client and all succeed; a prompt
+computed for one gateway is a prefix hit for the other, which knows it only from the prefill worker's KV
+events. Then one
 gateway is killed with SIGKILL while it streams a long answer: the other serves a new request at once,
 the workers drop the dead gateway's request (their log says ``gateway_lost`` with one request dropped)
 and every KV block comes back (the surviving gateway's ``/metrics``, fed by the workers' heartbeats).
@@ -22,6 +24,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtransfer.curve import generate_keys
 from pdserve.launcher import Supervisor, free_ports
@@ -50,6 +53,13 @@ def _until(cond: object, timeout: float, what: str) -> None:
     while not cond():  # type: ignore[operator]
         assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
         time.sleep(0.2)
+
+
+def _metric(url: str, name: str, worker_id: str | None = None) -> float:
+    """The value of ``name`` (with ``worker_id``'s label when given) in ``url``'s ``/metrics`` (0 if none)."""
+    text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and (worker_id is None or sample.labels.get("worker_id") == worker_id))
 
 
 def _ready(url: str) -> bool:
@@ -90,6 +100,18 @@ def test_two_gateways_share_the_workers_and_survive_one_killed_mid_stream(tmp_pa
             reply = clients[k % 2].completions.create(model=MODEL, prompt=f"Count to {k + 3}:", max_tokens=4,
                                                       temperature=0)
             assert reply.choices[0].text and reply.usage is not None and reply.usage.completion_tokens >= 1
+
+        # a prefix computed for gateway a is known to gateway b from the prefill worker's KV events: b
+        # never routed it, yet it routes the same prompt as a prefix hit, and the worker serves it from cache
+        prompt = "Here is a list of the planets of the solar system, in order from the sun: " * 4
+        clients[0].completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+        _until(lambda: _metric(url_b, "pdserve_prefix_index_blocks", WORKERS["prefill"]) >= 4, 15,
+               "gateway b's prefix index holding the prefill worker's blocks")
+        cached_before = _metric(url_b, "pdserve_prefix_cached_blocks_total")
+        hit = clients[1].completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+        assert _metric(url_b, "pdserve_prefix_cached_blocks_total") - cached_before >= 4
+        assert hit.usage is not None and hit.usage.prompt_tokens_details is not None
+        assert (hit.usage.prompt_tokens_details.cached_tokens or 0) >= 64
 
         # a long stream through gateway a; kill a once tokens flow
         stream = clients[0].completions.create(model=MODEL, prompt="Tell a very long story:", max_tokens=1500,

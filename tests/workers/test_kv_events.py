@@ -133,8 +133,9 @@ def test_a_snapshot_request_from_the_gateway_makes_the_next_events_a_snapshot(mo
 
         async def deliver() -> None:
             colo._wake = asyncio.Event()
-            colo.control.recv_frame = recv_frame  # type: ignore[method-assign]
-            task = asyncio.create_task(colo._recv_loop())
+            link = next(iter(colo.gateways.links.values()))
+            link.client.recv_frame = recv_frame  # type: ignore[method-assign]
+            task = asyncio.create_task(colo._recv_loop(link))
             await asyncio.wait_for(colo._wake.wait(), 5.0)
             task.cancel()
 

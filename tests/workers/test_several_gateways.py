@@ -12,6 +12,7 @@ import pytest
 from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
+    KVEvents,
     Message,
     NextToken,
     OutputBatch,
@@ -64,11 +65,17 @@ def _phase(worker: WorkerLoop) -> None:
 
 
 def _items(frames: list[Message]) -> list[Message]:
-    """The per-request messages of ``frames`` (``OutputBatch`` unpacked) and the other frames, in order."""
+    """The per-request messages of ``frames`` (``OutputBatch`` unpacked) and the other frames, in order,
+    without the prefix-cache ``KVEvents`` every flush may add (``_kv_events`` picks those)."""
     out: list[Message] = []
     for f in frames:
-        out.extend(f.messages if isinstance(f, OutputBatch) else [f])
+        if not isinstance(f, KVEvents):
+            out.extend(f.messages if isinstance(f, OutputBatch) else [f])
     return out
+
+
+def _kv_events(frames: list[Message]) -> list[KVEvents]:
+    return [f for f in frames if isinstance(f, KVEvents)]
 
 
 def _colo_req(rid: str, max_tokens: int) -> ColocatedRequest:
@@ -113,6 +120,10 @@ def test_each_gateway_gets_only_its_requests_in_one_batch_per_phase(model_dir) -
         assert {m.request_id for m in got[A] if hasattr(m, "request_id")} == {"a1"}
         assert {m.request_id for m in got[B] if hasattr(m, "request_id")} == {"b1", "b2"}
         assert len(of_type(got[A], WorkerShutdown)) == len(of_type(got[B], WorkerShutdown)) == 1
+        # the prefix-cache changes name no request: both gateways get the same ones, starting with a snapshot
+        events = _kv_events(sent[A])
+        assert events and events == _kv_events(sent[B]) and events[0].snapshot
+        assert [e.seq_no for e in events] == list(range(1, len(events) + 1))
         finished = {m.request_id: m.num_output_tokens for m in [*got[A], *got[B]]
                     if isinstance(m, RequestFinished)}
         assert finished == {"a1": 4, "b1": 3, "b2": 5}
