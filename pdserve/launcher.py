@@ -145,10 +145,11 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
          keys_dir: str | None = None, metrics_ports: Sequence[int] = ()) -> list[tuple[str, list[str]]]:
     """The children to start, in order: (name, argv after ``python -m pdserve.cli``). Gateway first.
     ``control_port``: the first of ``settings.gateway_workers`` consecutive free ports, one per gateway
-    process (every worker is given all of them). ``num_gpus``: visible GPUs, used to place workers (see ``placements``). ``keys_dir``: the CURVE key
-    directory every child gets (default ``settings.curve_keys``). The gateway's and the workers' settings
-    given to ``up`` follow as flags (``changed_flags``); a worker's own flags come last, so an explicit
-    ``--kv-memory-fraction`` wins over the share ``placements`` gives. ``metrics_ports``: one
+    process (every worker is given all of them). ``num_gpus``: visible GPUs, used to place workers (see
+    ``placements``). ``keys_dir``: the CURVE key directory every child gets (default
+    ``settings.curve_keys``). The gateway's and the workers' settings given to ``up`` follow as flags
+    (``changed_flags``); a worker's own flags come last, so an explicit ``--kv-memory-fraction`` wins over
+    the share ``placements`` gives. ``metrics_ports``: one
     ``--metrics-port`` per worker, in start order (empty: none).
 
     Raises:

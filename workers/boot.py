@@ -71,7 +71,7 @@ def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_on
     from engine.compile_watch import CompileWatch
     from workers.setup import default_transport_env
 
-    default_transport_env()
+    default_transport_env(settings.advertise_host or settings.host)
     watch = CompileWatch().install()  # a Triton compile after start-up is logged as a first-use stall
     core: EngineCore | None = None
     try:

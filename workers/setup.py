@@ -48,10 +48,43 @@ def compat_of(core: EngineCore, model: str, transfer_backend: str) -> KVCompat:
     return kv_compat(model, transfer_backend, layout_of(core.runner.kv_cache.kv_buffer))
 
 
-def default_transport_env() -> None:
-    """UCX settings for one host: stay on loopback, no warning about unused variables (facts.md)."""
+def default_transport_env(host: str = "127.0.0.1") -> None:
+    """UCX settings of a worker whose peers reach it at ``host`` (its ``--advertise-host``, else its
+    ``--host``): no warning about unused variables, and, unless ``UCX_NET_DEVICES`` is set already, UCX's
+    network devices follow that address (``net_device_of``): a loopback address keeps UCX's TCP on
+    loopback (one host; facts.md), another address puts it on the interface that holds the address (so
+    the KV crosses between hosts where the worker said it can be reached), and a wildcard address leaves
+    UCX its own choice."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    if "UCX_NET_DEVICES" not in os.environ:
+        device = net_device_of(host)
+        if device is not None:
+            os.environ["UCX_NET_DEVICES"] = device
+
+
+def net_device_of(host: str) -> str | None:
+    """The network interface that holds ``host``'s address (a name or an IP literal): "lo" for a loopback
+    address; None for a wildcard address (0.0.0.0, ::), a name that does not resolve, or an address no
+    local interface holds."""
+    import ipaddress
+    import socket
+
+    import psutil
+
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return None
+    for *_, sockaddr in infos:
+        address = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+        if address.is_unspecified:
+            return None
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.address.split("%")[0] == str(address) for a in addrs):
+                return name
+        if address.is_loopback:
+            return "lo"
+    return None
 
 
 def encode_handle(handle: KVHandle) -> bytes:
