@@ -120,7 +120,8 @@ class Router:
             chain = chains.get(size)
             if chain is None:
                 chain = chains[size] = block_hashes(prompt, size)
-            hit = self.prefix_index.match(p.worker_id, chain)
+            hit = _usable(self.prefix_index.match(p.worker_id, chain), len(prompt), size,
+                          p.info.compat.prefill_grid)
             near = p.load_score() <= floor + self.prefill_slack
             scored.append((p, hit, near))
         scored.sort(key=lambda s: (not s[2], -s[1].cached, -s[1].pending, s[0].load_score(), s[0].worker_id))
@@ -132,6 +133,17 @@ class Router:
         chain = chains[route.prefill.info.compat.block_size]
         self.prefix_index.expect(route.prefill.worker_id, chain)
         return replace(route, prefix_blocks=hit.cached, prompt_blocks=len(chain))
+
+
+def _usable(hit: PrefixMatch, prompt_len: int, block_size: int, prefill_grid: int) -> PrefixMatch:
+    """The part of ``hit`` a worker's prefix cache can serve: never the block holding the prompt's last
+    token (one token is always computed, for its logits: BlockManager.allocate_prefix), and whole grid
+    chunks only on a worker with ``--prefill-grid`` (``prefill_grid`` tokens, a multiple of
+    ``block_size``)."""
+    limit = max(prompt_len - 1, 0) // block_size
+    step = max(prefill_grid // block_size, 1)
+    cached, pending = min(hit.cached, limit), min(hit.pending, limit)
+    return PrefixMatch(cached - cached % step, pending - pending % step)
 
 
 def _least_loaded(workers: list[WorkerEntry]) -> WorkerEntry:

@@ -28,8 +28,12 @@ class KVCompat(msgspec.Struct, frozen=True, kw_only=True):
     ("LTBHD": [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]); block_strides:
     element strides of one layer's (block, token, head, dim) dims; tp_size/tp_rank: tensor parallel
     size and rank; transfer_backend: "nixl" | "ucx" | "loopback" ("none": a worker that moves no KV);
-    protocol_version: the KV control-plane protocol (wire.py). Workers build it with `kv_compat`; the
-    defaults serve records built by hand (tests, fake workers).
+    protocol_version: the KV control-plane protocol (wire.py); prefill_grid: the worker's
+    ``--prefill-grid`` in tokens (0: off), which paired workers must share: a decode worker registers the
+    landed prompt's whole grid chunks as reusable prefix cache, bit-identical to its own prefill only when
+    both cut prompts on the same grid (the gateway's pairing checks it; the KV handshake's records, built by
+    the sender and receiver, leave it 0). Workers build it with `kv_compat`; the defaults serve records built
+    by hand (tests, fake workers).
     """
 
     model_id: str = ""
@@ -44,15 +48,16 @@ class KVCompat(msgspec.Struct, frozen=True, kw_only=True):
     tp_rank: int = 0
     transfer_backend: str = "none"
     protocol_version: int = PROTOCOL_VERSION
+    prefill_grid: int = 0
 
 
 def kv_compat(model_id: str, transfer_backend: str, layout: KVLayout, tp_size: int = 1,
-              tp_rank: int = 0) -> KVCompat:
+              tp_rank: int = 0, prefill_grid: int = 0) -> KVCompat:
     """The record of a worker that runs `model_id` over `transfer_backend` with a KV buffer of `layout`."""
     return KVCompat(model_id=model_id, dtype=layout.dtype, block_size=layout.block_size,
                     num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                     block_strides=tuple(layout.strides[2:]), tp_size=tp_size, tp_rank=tp_rank,
-                    transfer_backend=transfer_backend)
+                    transfer_backend=transfer_backend, prefill_grid=prefill_grid)
 
 
 def mismatches(a: KVCompat, b: KVCompat) -> list[str]:

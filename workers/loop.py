@@ -85,6 +85,7 @@ class GatewayLost:
 
     gateway: str
     reason: str
+    gateway_epoch: int = 0  # the incarnation of that gateway when it was lost
 
 
 REGISTER_TIMEOUT_S = 60.0  # start-up: some gateway must accept the worker within this many seconds
@@ -114,6 +115,9 @@ class WorkerLoop:
         self._refused: deque[tuple[str, str, str]] = deque()
         self._outbox: list[tuple[Message, str | None]] = []  # (message, ownership.RequestOwners.tag)
         self._pruned_at = 0.0
+        # gateway key → (its epoch, request ids): requests dropped when that gateway was lost, failed back to
+        # it (RequestFailed) if the same incarnation accepts this worker again (it was alive all along)
+        self._unanswered: dict[str, tuple[int, list[str]]] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-step")
         self._load = WorkerLoad()
         self._wake: asyncio.Event | None = None
@@ -221,6 +225,7 @@ class WorkerLoop:
             self.lose(link, f"gateway restarted (epoch {link.gateway_epoch} -> {ack.gateway_epoch})")
         link.gateway_epoch = ack.gateway_epoch or link.gateway_epoch
         link.accepted, link.refused = True, ""
+        self._answer_dropped(link.key, link.gateway_epoch)
         self.health.registered = True
         self.want_kv_snapshot()
 
@@ -253,7 +258,7 @@ class WorkerLoop:
         ``GatewayLost`` marker queued behind its messages drops the requests it owns."""
         link.accepted = False
         self.health.registered = self.gateways.any_accepted()
-        self.deliver(GatewayLost(link.key, reason), link.key)
+        self.deliver(GatewayLost(link.key, reason, link.gateway_epoch), link.key)
         if self._wake is not None:
             self._wake.set()
 
@@ -266,8 +271,27 @@ class WorkerLoop:
         for rid in dropped:
             with contextlib.suppress(Exception):
                 self.drop(rid)
+        if dropped and lost.gateway_epoch:
+            self._unanswered[lost.gateway] = (lost.gateway_epoch, [*self._unanswered.get(
+                lost.gateway, (0, []))[1], *dropped])
+            link = self.gateways.get(lost.gateway)
+            if link is not None and link.accepted:  # accepted again before this marker was applied
+                self._answer_dropped(lost.gateway, link.gateway_epoch)
         log_event(log, "gateway_lost", logging.WARNING, worker_id=self.worker_id, gateway=lost.gateway,
                   reason=lost.reason, dropped=len(dropped))
+
+    def _answer_dropped(self, gateway: str, gateway_epoch: int) -> None:
+        """``gateway`` (incarnation ``gateway_epoch``) accepts this worker again: when it is the incarnation
+        that was lost (a connection that dropped, or a queue that filled, while the gateway lived on), each
+        request dropped then is failed back to it (``RequestFailed``), so it retries or ends them instead of
+        waiting for tokens that will never come; another incarnation never knew them."""
+        epoch, dropped = self._unanswered.pop(gateway, (0, []))
+        if epoch != gateway_epoch:
+            return
+        for rid in dropped:
+            self._outbox.append((RequestFailed(request_id=rid, worker_id=self.worker_id,
+                                               error="the worker lost its connection to this gateway and "
+                                                     "dropped the request"), gateway))
 
     def decode_frame(self, data: bytes, gateway: str | None = None) -> Message | None:
         """One control frame from the gateway with key ``gateway`` (None: the first one) → its message,
@@ -406,7 +430,9 @@ class WorkerLoop:
                 return
         else:
             named = continued_id(msg)
-            other = self.owners.owner(named) if named is not None else None
+            # unknown here (dropped with a lost gateway, or never seen): the sender owns it, so the failure
+            # its message causes goes back to the sender
+            other = self.owners.record(named, gateway) if named is not None else None
             if other is not None and other != gateway:
                 log_event(log, "foreign_request_message", logging.WARNING, type=type(msg).__name__,
                           request_id=named, gateway=gateway, owner=other)
@@ -470,6 +496,17 @@ class WorkerLoop:
                         self.lose(link, f"it refused the worker: {msg.reason}")
                     link.refused = msg.reason or "refused"
             else:  # a request message, or None (a refused frame may have queued a failure)
+                if msg is not None and not link.accepted and started_id(msg) is not None:
+                    # sent before the connection was lost, read after: its gateway's requests are being
+                    # dropped; failed back to it if the same incarnation accepts this worker again
+                    rid = started_id(msg)
+                    assert rid is not None
+                    epoch, ids = self._unanswered.get(link.key, (link.gateway_epoch, []))
+                    if epoch == link.gateway_epoch:
+                        self._unanswered[link.key] = (epoch, [*ids, rid])
+                    log_event(log, "request_after_gateway_lost", logging.WARNING, request_id=rid,
+                              gateway=link.key)
+                    continue
                 if msg is not None:
                     if log.isEnabledFor(logging.DEBUG):
                         log_event(log, "message_received", logging.DEBUG, type=type(msg).__name__,

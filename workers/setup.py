@@ -45,7 +45,8 @@ def compat_of(core: EngineCore, model: str, transfer_backend: str) -> KVCompat:
     from kvtransfer.compat import kv_compat
     from kvtransfer.staging import layout_of
 
-    return kv_compat(model, transfer_backend, layout_of(core.runner.kv_cache.kv_buffer))
+    return kv_compat(model, transfer_backend, layout_of(core.runner.kv_cache.kv_buffer),
+                     prefill_grid=core.config.scheduler.prefill_grid)
 
 
 def default_transport_env(host: str = "127.0.0.1") -> None:

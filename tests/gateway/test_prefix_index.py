@@ -198,3 +198,13 @@ async def test_service_applies_events_of_registered_workers_and_asks_for_a_snaps
     await svc.on_control_message(b"p1", WorkerShutdown(worker_id="p1", epoch=5))
     assert index.num_cached("p1") == 0
     assert cast(list[object], next(iter(metrics.prefix_index_blocks.collect())).samples) == []
+
+
+def test_a_hit_counts_only_what_the_worker_can_serve() -> None:
+    """Never the block that holds the prompt's last token; whole grid chunks on a --prefill-grid worker."""
+    from gateway.prefix_index import PrefixMatch
+    from gateway.router import _usable
+
+    assert _usable(PrefixMatch(4, 4), prompt_len=64, block_size=16, prefill_grid=0) == PrefixMatch(3, 3)
+    assert _usable(PrefixMatch(4, 5), prompt_len=80, block_size=16, prefill_grid=0) == PrefixMatch(4, 4)
+    assert _usable(PrefixMatch(7, 9), prompt_len=200, block_size=16, prefill_grid=64) == PrefixMatch(4, 8)

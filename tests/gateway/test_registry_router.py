@@ -76,6 +76,14 @@ def test_pairing_mismatch_names_each_field() -> None:
     assert pairing_mismatch(reg("p", "prefill"), reg("d", "decode")) is None
 
 
+def test_workers_on_different_prefill_grids_are_not_paired() -> None:
+    import msgspec
+
+    on_grid = KVCompat(model_id="m", dtype="bfloat16", block_size=4, prefill_grid=512)
+    grid = msgspec.structs.replace(reg("d", "decode"), compat=on_grid)
+    assert pairing_mismatch(reg("p", "prefill"), grid) == "p / d: prefill_grid 0 != 512"
+
+
 def test_least_loaded_decode_and_compatible_pair_only() -> None:
     _, router = make(reg("p", "prefill"), reg("d1", "decode", running=5), reg("d2", "decode", running=1),
                      reg("d3", "decode", running=0, block_size=8))

@@ -165,6 +165,40 @@ def test_losing_a_gateway_drops_only_its_requests(model_dir) -> None:
         close(colo)
 
 
+def test_a_gateway_lost_but_alive_hears_that_its_requests_were_dropped(model_dir) -> None:
+    """A connection that dropped (or a send queue that filled) while the gateway lived on: the worker drops
+    that gateway's requests, and once the same incarnation accepts it again it fails each one back
+    (RequestFailed) instead of leaving the gateway waiting for tokens; another gateway's request is
+    untouched, and a new incarnation is told nothing."""
+    colo = colocated_worker(model_dir, gateway_control=TWO)
+    try:
+        _accept(colo, A)
+        _accept(colo, B)
+        sent = _capture(colo)
+        colo.deliver(_colo_req("a1", 50), A)
+        colo.deliver(_colo_req("b1", 6), B)
+        _phase(colo)
+        colo.lose(colo.gateways.links[A], "test: connection dropped")
+        _phase(colo)
+        assert colo.request_ids() == ["b1"]
+        assert not [m for m in _items(sent[A]) if isinstance(m, RequestFailed)]  # A cannot be told yet
+        _accept(colo, A)  # the same incarnation (gateway_epoch 7) is back
+        _phase(colo)
+        failed = [m for m in _items(sent[A]) if isinstance(m, RequestFailed)]
+        assert [m.request_id for m in failed] == ["a1"] and "dropped" in failed[0].error
+        assert not [m for m in _items(sent[B]) if isinstance(m, RequestFailed)]
+        colo.lose(colo.gateways.links[A], "test: connection dropped again")
+        _phase(colo)
+        _accept(colo, A, gateway_epoch=8)  # a new incarnation never knew a1: nothing to fail back
+        _phase(colo)
+        assert len([m for m in _items(sent[A]) if isinstance(m, RequestFailed)]) == 1
+        while colo.request_ids():
+            _phase(colo)
+        assert_clean(colo)
+    finally:
+        close(colo)
+
+
 def test_a_restarted_gateway_drops_only_its_own_requests(model_dir) -> None:
     colo = colocated_worker(model_dir, gateway_control=TWO)
     try:
