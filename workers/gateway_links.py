@@ -46,13 +46,17 @@ def resolve_host(host: str) -> list[str]:
     return list(dict.fromkeys(v4 or v6))
 
 
+DNS_MISSES_TO_DROP = 3  # lookups in a row without a connected gateway's address before it is dropped
+
+
 @dataclass(eq=False)
 class GatewayLink:
     """One gateway connection. ``accepted``: its current ``RegisterAck`` accepted this worker;
     ``refused``: the reason of a refusal (""). ``gateway_epoch``: the incarnation that last accepted it
     (0: none yet). ``connected``: the monitor saw the handshake and no disconnect since.
     ``registered_at``: ``time.monotonic()`` of the last ``RegisterWorker`` queued. ``tasks``: its receive and
-    monitor tasks (cancelled when the link closes)."""
+    monitor tasks (cancelled when the link closes). ``missing``: consecutive DNS lookups that did not list
+    its address."""
 
     key: str
     client: ControlClient
@@ -61,6 +65,7 @@ class GatewayLink:
     gateway_epoch: int = 0
     connected: bool = False
     registered_at: float = float("-inf")
+    missing: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
 
@@ -115,10 +120,20 @@ class GatewayLinks:
     def refresh(self, found: dict[str, list[str]]) -> tuple[list[GatewayLink], list[GatewayLink]]:
         """Apply a ``lookup`` result: a link for each new endpoint (connecting; not registered yet), and
         out of ``links`` each link whose endpoint is gone. Returns (added, removed); the caller closes
-        the removed ones (``close_link``)."""
+        the removed ones (``close_link``). An endpoint gone from the lookup is removed at once when its
+        connection is down; one still connected only once ``DNS_MISSES_TO_DROP`` lookups in a row missed
+        it, so one empty or partial answer (a Service's endpoints flapping) does not drop a live gateway
+        and its requests."""
         self._addresses = found
         wanted = list(dict.fromkeys(ep for eps in found.values() for ep in eps))
-        removed = [link for key, link in self.links.items() if key not in wanted]
+        removed = []
+        for key, link in self.links.items():
+            if key in wanted:
+                link.missing = 0
+                continue
+            link.missing += 1
+            if not link.connected or link.missing >= DNS_MISSES_TO_DROP:
+                removed.append(link)
         for link in removed:
             del self.links[link.key]
         added = []

@@ -33,7 +33,7 @@ from tests.workers.helpers import (
     wire,
 )
 from workers.control_client import RegistrationError
-from workers.gateway_links import GatewayLinks
+from workers.gateway_links import DNS_MISSES_TO_DROP, GatewayLinks
 from workers.loop import WorkerLoop
 from workers.ownership import BROADCAST, NO_OWNER, RequestOwners, route
 
@@ -315,6 +315,46 @@ def test_a_gateway_gone_from_dns_is_lost_and_a_new_one_registered(model_dir) -> 
         asyncio.run(scenario())
         colo.deliver(AbortRequest(request_id="r2"), second)
         _phase(colo)
+        assert_clean(colo)
+    finally:
+        close(colo)
+
+
+def test_a_connected_gateway_survives_a_lookup_that_misses_it(model_dir) -> None:
+    """One empty DNS answer (a Service's endpoints flapping) does not drop a gateway whose connection is
+    up, nor its requests; DNS_MISSES_TO_DROP answers in a row without it do."""
+    colo = colocated_worker(model_dir, gateway_control=TWO)
+    old = colo.gateways
+    answers: dict[str, list[str]] = {"gw.svc": ["10.0.0.1"]}
+    colo.gateways = GatewayLinks("tcp://gw.svc:7100", None, resolve=lambda host: answers[host])
+    old.close()
+    first = "tcp://10.0.0.1:7100"
+
+    async def scenario() -> None:
+        _accept(colo, first)
+        _capture(colo)
+        colo.gateways.links[first].connected = True  # as the monitor reports a live connection
+        colo.deliver(_colo_req("r1", 40), first)
+        _phase(colo)
+        answers["gw.svc"] = []
+        for _ in range(DNS_MISSES_TO_DROP - 1):
+            colo.update_gateways(colo.gateways.lookup())
+            assert list(colo.gateways.links) == [first]
+            _phase(colo)
+            assert colo.request_ids() == ["r1"]
+        answers["gw.svc"] = ["10.0.0.1"]  # back: the count starts again
+        colo.update_gateways(colo.gateways.lookup())
+        answers["gw.svc"] = []
+        for _ in range(DNS_MISSES_TO_DROP - 1):
+            colo.update_gateways(colo.gateways.lookup())
+        assert list(colo.gateways.links) == [first]
+        colo.update_gateways(colo.gateways.lookup())  # the DNS_MISSES_TO_DROP-th miss in a row
+        assert list(colo.gateways.links) == []
+        _phase(colo)
+        assert colo.request_ids() == []
+
+    try:
+        asyncio.run(scenario())
         assert_clean(colo)
     finally:
         close(colo)
