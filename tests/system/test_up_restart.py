@@ -89,6 +89,10 @@ def test_kill_9_of_a_decode_worker_is_restarted_while_the_server_keeps_answering
 
         _until(ready, 300, "pdserve up ready")
         _until(lambda: len(REGISTERED.findall(err_path.read_text())) >= 1, 30, "decode-1 registered")
+        # kill decode-1 once the gateway's KV canaries to it finished: a kill during a canary's transfer
+        # can leave the prefill worker's KV sender unable to send to anyone (a known, separate bug)
+        _until(lambda: "kv_path_measured prefill=up-prefill-0 decode=up-decode-1" in err_path.read_text(), 60,
+               "decode-1's KV path measured")
         [epoch_before] = REGISTERED.findall(err_path.read_text())
         victim = _child_pid(up.pid, "up-decode-1")
         thread.start()
