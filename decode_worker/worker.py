@@ -103,6 +103,10 @@ class DecodeWorker(WorkerLoop):
         """The receiver's control endpoint."""
         return self.receiver.address
 
+    def kv_endpoint_error(self) -> str | None:
+        """Why the KV receiver's loop thread died, or None while it runs."""
+        return self.receiver.stats().loop.error
+
     def on_message(self, msg: Message) -> None:
         """``ReserveKV`` / ``DecodeRequest`` / ``AbortRequest``. Raises ``ValueError`` for a bad request
         (bad prompt, an id already on this worker, a ``DecodeRequest`` without reservation)."""

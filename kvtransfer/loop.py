@@ -58,12 +58,15 @@ class LoopThread:
 
     @property
     def running(self) -> bool:
-        """Started and not closed (it may have crashed: see `stats().alive`)."""
-        return self._thread is not None and not self._stop.is_set()
+        """Started, not closed, and not crashed (an exception ended the thread: `stats().error`)."""
+        return self._thread is not None and not self._stop.is_set() and self._error is None
 
     def call(self, fn: Callable[[], None]) -> None:
         """Queue `fn` for the loop thread (commands run in order, before the next step) and wake the
-        loop. Raises TransferError if the loop is not running."""
+        loop. Raises TransferError if the loop is not running (never started, closed, or crashed: a
+        command queued to a dead loop would never run, and its caller would wait for nothing)."""
+        if self._error is not None:
+            raise TransferError(f"{self.label} crashed: {self._error!r}")
         if not self.running:
             raise TransferError(f"{self.label} is not running (call start() first)")
         self._commands.put(fn)

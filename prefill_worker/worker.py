@@ -317,6 +317,10 @@ class PrefillWorker(WorkerLoop):
         """Cumulative (bytes, seconds) over this worker's DONE transfers (see the module docstring)."""
         return self.kv_sent_bytes, self.kv_sent_seconds
 
+    def kv_endpoint_error(self) -> str | None:
+        """Why the KV sender's loop thread died, or None while it runs."""
+        return self.sender.stats().loop.error
+
     def busy(self) -> bool:
         """Transfers in flight need frequent polling."""
         return bool(self.sending or self.canaries)

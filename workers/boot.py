@@ -96,4 +96,7 @@ def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_on
     if lost:
         log.error("pdserve %s: tensor parallel ranks lost: %s", settings.role, ", ".join(lost))
         return 1
+    if worker.fatal is not None:
+        log.error("pdserve %s: %s", settings.role, worker.fatal)
+        return 1
     return 0

@@ -122,6 +122,7 @@ class WorkerLoop:
         self._load = WorkerLoad()
         self._wake: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
+        self.fatal: str | None = None  # why the worker stopped itself (it then exits 1), None otherwise
         self.metrics = WorkerMetrics(settings.model, core.max_model_len)
         self.health = EngineHealth(settings.engine_stall_timeout)
         self.metrics.watch(self.load, lambda: core.scheduler.num_preemptions, self.health.loop_age,
@@ -182,6 +183,11 @@ class WorkerLoop:
     def busy(self) -> bool:
         """True while something must be polled soon (transfers in flight)."""
         return False
+
+    def kv_endpoint_error(self) -> str | None:
+        """Why this worker's KV sender or receiver loop thread died (the exception's repr), None while it
+        runs or for roles without one."""
+        return None
 
     def close(self) -> None:
         """Release transports (called once on shutdown)."""
@@ -347,6 +353,16 @@ class WorkerLoop:
         lost = ranks.dead_followers() if ranks is not None else []
         if lost:
             log.error("tensor parallel ranks lost (%s): stopping the worker", ", ".join(lost))
+            self.request_stop()
+
+    def _stop_if_kv_endpoint_dead(self) -> None:
+        """Stop serving (deregistering on the way out; the process exits 1) once the KV endpoint's loop
+        thread died: no transfer to or from this worker can run again, so staying registered would take
+        requests only to hang them."""
+        error = self.kv_endpoint_error()
+        if error is not None and self.fatal is None:
+            self.fatal = f"the KV transfer loop crashed: {error}"
+            log.error("%s: stopping the worker", self.fatal)
             self.request_stop()
 
     def fail(self, request_id: str, error: str) -> None:
@@ -561,6 +577,7 @@ class WorkerLoop:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             self._stop_if_ranks_lost()
+            self._stop_if_kv_endpoint_dead()
             beat = Heartbeat(worker_id=self.worker_id, epoch=self.epoch, load=self._load)
             now = time.monotonic()
             for link in list(self.gateways.links.values()):

@@ -12,11 +12,17 @@ initialize_xfer), merging pieces contiguous on both sides first. The target read
 get_new_notifs(). On CPU (nixl_cu13 1.5.1, DRAM) make_prepped_xfer merges index-adjacent descriptors
 contiguous on both sides (64 × 4 KiB: 38 µs), initialize_xfer does not (138 µs). Over CMA `transfer()`
 completes the copy before returning: it runs on the sender's loop thread, never on an event loop.
+
+Errors: NIXL's Python API raises its own exceptions (e.g. nixlRemoteDisconnectError from
+check_xfer_state once the receiver of a posted WRITE died). Every call on a write's path turns them into
+TransferError, which fails the requests of that write only; an exception escaping to the sender's loop
+would end the loop, and with it every later transfer of the worker.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from typing import cast
@@ -30,6 +36,7 @@ from kvtransfer.transports.nixl_prep import Desc, Entry, PreppedRequest, merge_d
 from kvtransfer.types import TransferError
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+log = logging.getLogger(__name__)
 _Prepared = tuple[Entry, Desc, Desc]  # prepare(): (peer entry, local, remote)
 _Layer = tuple[PreppedRequest, int]  # prepare_layers() part: (prepared request, layer)
 
@@ -58,6 +65,15 @@ def make_agent(name: str, progress_thread: bool = False, error_handling: str = "
     return agent
 
 
+def _forget_agent(agent: object, name: str | bytes) -> None:
+    """remove_remote_agent, whose failure (the peer died mid-transfer) leaves nothing for us to undo:
+    logged, never raised into an endpoint's loop."""
+    try:
+        agent.remove_remote_agent(name)  # type: ignore[attr-defined]
+    except Exception as exc:
+        log.warning("NIXL could not remove remote agent %r: %r", name, exc)
+
+
 def _mem(t: torch.Tensor) -> tuple[str, int]:
     return ("VRAM", t.device.index or 0) if t.is_cuda else ("DRAM", 0)
 
@@ -82,7 +98,7 @@ class NixlRecvTransport(RecvTransport):
     def remove_peer(self, peer: str) -> None:
         name = self._peers.remove(peer)
         if name is not None:
-            self.agent.remove_remote_agent(name)  # type: ignore[attr-defined]
+            _forget_agent(self.agent, name)
 
     def poll(self) -> tuple[list[tuple[str, bytes]], list[int]]:
         return self._peers.attribute(self.agent.get_new_notifs()), []  # type: ignore[attr-defined]
@@ -136,7 +152,7 @@ class NixlSendTransport(SendTransport):
             self._release(req)
         entry = self._peers.pop(peer, None)
         if entry is not None:
-            self.agent.remove_remote_agent(entry[0])  # type: ignore[attr-defined]
+            _forget_agent(self.agent, entry[0])
 
     def prepare(self, peer: str, pieces: list[SourcePiece]) -> object:
         """The (peer entry, local (addr, bytes, device) tuples, remote tuples) of a later WRITE of
@@ -211,7 +227,10 @@ class NixlSendTransport(SendTransport):
             for part in parts:
                 idx += req.idx[cast(_Layer, part)[1]]
             self._mark("post:descs", len(idx))
-            handle = self.agent.make_prepped_xfer("WRITE", req.local, idx, req.remote, idx, notice)  # type: ignore[attr-defined]
+            try:
+                handle = self.agent.make_prepped_xfer("WRITE", req.local, idx, req.remote, idx, notice)  # type: ignore[attr-defined]
+            except Exception as exc:
+                raise TransferError(f"NIXL write to {peer} could not be made: {exc!r}") from exc
         else:
             handle = self._initialize(entry, peer, parts, notice)
         self._mark("post:init", -1)
@@ -222,20 +241,23 @@ class NixlSendTransport(SendTransport):
             local, remote = merge_descs(*part_descs(parts, entry, self.agent))
         except ValueError as exc:
             raise TransferError(f"NIXL connection to {peer} changed since the write was prepared") from exc
-        descs = (self.agent.get_xfer_descs(local, self._mem),  # type: ignore[attr-defined]
-                 self.agent.get_xfer_descs(remote, entry[3]))  # type: ignore[attr-defined]
-        self._mark("post:descs", len(local))
-        return self.agent.initialize_xfer("WRITE", descs[0], descs[1], entry[0], notice)  # type: ignore[attr-defined]
+        try:
+            descs = (self.agent.get_xfer_descs(local, self._mem),  # type: ignore[attr-defined]
+                     self.agent.get_xfer_descs(remote, entry[3]))  # type: ignore[attr-defined]
+            self._mark("post:descs", len(local))
+            return self.agent.initialize_xfer("WRITE", descs[0], descs[1], entry[0], notice)  # type: ignore[attr-defined]
+        except Exception as exc:
+            raise TransferError(f"NIXL write to {peer} could not be made: {exc!r}") from exc
 
     def _start(self, handle: object, peer: str) -> object:
         try:
             state = self.agent.transfer(handle)  # type: ignore[attr-defined]
         except Exception as exc:
-            self.agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
-            raise TransferError(f"NIXL write to {peer} could not start: {exc}") from exc
+            self.cancel(handle)
+            raise TransferError(f"NIXL write to {peer} could not start: {exc!r}") from exc
         self._mark("post:transfer", -1)
         if state == "ERR":
-            self.agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
+            self.cancel(handle)
             raise TransferError(f"NIXL write to {peer} failed to start")
         return handle
 
@@ -244,10 +266,17 @@ class NixlSendTransport(SendTransport):
             self.trace.append((time.perf_counter(), what, "", n))
 
     def test(self, handle: object) -> bool:
-        state = self.agent.check_xfer_state(handle)  # type: ignore[attr-defined]
+        """Whether the write completed (its handle then released). Raises TransferError if it failed,
+        whether NIXL says "ERR" or raises (nixlRemoteDisconnectError: the receiver is gone); the handle is
+        released then too."""
+        try:
+            state = self.agent.check_xfer_state(handle)  # type: ignore[attr-defined]
+        except Exception as exc:
+            self.cancel(handle)
+            raise TransferError(f"NIXL write failed: {exc!r}") from exc
         if state == "PROC":
             return False
-        self.agent.release_xfer_handle(handle)  # type: ignore[attr-defined]
+        self.cancel(handle)
         if state != "DONE":
             raise TransferError(f"NIXL write failed ({state})")
         return True

@@ -61,3 +61,24 @@ def sender_main(conn: Connection, backend: str, seed: int, worker_id: str, kv_kw
             conn.send(None)
         except Exception as exc:  # reported to the test, which asserts on it
             conn.send(f"{type(exc).__name__}: {exc}")
+
+
+def receiver_main(conn: Connection, backend: str, worker_id: str, num_blocks: int) -> None:
+    """A KV receiver over `num_blocks` zeroed blocks, driven like sender_main: ("expect", request_id,
+    [block ids], timeout_s) → encoded KVHandle; ("close",) → exits. Sends its control address first."""
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    from kvtransfer import get_transfer_backend
+    from tests.kvtransfer.helpers import config, make_kv
+
+    rx = get_transfer_backend(backend).receiver(config(worker_id, backend), make_kv(None, num_blocks))
+    conn.send(rx.address)
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "close":
+            rx.close()
+            conn.send(None)
+            return
+        try:
+            conn.send(msgspec.msgpack.encode(rx.expect(cmd[1], cmd[2], timeout_s=cmd[3])))
+        except Exception as exc:  # reported to the test, which asserts on it
+            conn.send(f"{type(exc).__name__}: {exc}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import signal
 import time
 
 import msgspec
@@ -198,3 +199,54 @@ def test_receiver_drops_live_sender_which_rehandshakes(backend, rx):
         rx.check_no_leaks()
     finally:
         child.close()
+
+
+def test_receiver_killed_mid_write_fails_only_its_requests(backend, rx):
+    """A decode worker SIGKILLed while a write to it is posted: the sender fails that request (a
+    transfer error, not a crash of its loop) and goes on serving every other receiver. Before, NIXL's
+    check_xfer_state raised nixlRemoteDisconnectError out of the sender's loop, which died: every later
+    transfer of the worker stayed PENDING."""
+    from kvtransfer import KVHandle
+    from tests.kvtransfer.peer import receiver_main
+
+    big = 2048  # blocks of the dying receiver: one write of 4 layers x 2 x 2048 x 128 B = 2 MiB
+    tx = get_transfer_backend(backend).sender(config("p0", backend, timeout_s=WAIT), make_kv(SEED, big))
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    dying = ctx.Process(target=receiver_main, args=(child_conn, backend, "d1", big), daemon=True)
+    dying.start()
+    try:
+        assert conn.poll(60), "receiver process did not start"
+        tx.connect(conn.recv(), timeout=WAIT)
+        conn.send(("expect", "big", list(range(big)), WAIT))
+        assert conn.poll(WAIT)
+        tx.add_request(msgspec.msgpack.decode(conn.recv(), type=KVHandle), list(range(big)))
+        assert tx.wait_until(lambda: tx.snapshot("big").begun, WAIT)
+        os.kill(dying.pid, signal.SIGSTOP)  # it can no longer take part in (or acknowledge) the write
+        tx.send_layers("big", None)
+        assert tx.wait_until(lambda: tx.stats().writes > 0, WAIT)  # posted, and cannot complete
+        time.sleep(0.2)
+        assert tx.status("big") is S.TRANSFERRING
+        os.kill(dying.pid, signal.SIGKILL)
+        dying.join(WAIT)
+        assert tx.wait("big", WAIT) is S.FAILED
+        assert "crashed" not in tx.reason("big")
+        assert tx.stats().loop.alive, tx.stats().loop.error
+        # the live receiver still gets its KV, bit-exact
+        handle = rx.expect("after", [3, 7], timeout_s=WAIT)
+        tx.add_request(handle, [10, 11])
+        tx.send_layers("after", None)
+        assert rx.wait("after", WAIT) is S.DONE, rx.reason("after")
+        assert_landed(make_kv(SEED, big), [10, 11], rx.kv_buffer, [3, 7])
+        assert tx.wait("after", WAIT) is S.DONE
+        assert rx.wait_until(lambda: rx.releasable("after"), WAIT)
+        rx.release("after")
+        for rid in ("big", "after"):
+            assert tx.wait_until(lambda rid=rid: tx.snapshot(rid).inflight == 0, WAIT)
+            tx.release(rid)
+        tx.check_no_leaks()
+        rx.check_no_leaks()
+    finally:
+        if dying.is_alive():
+            dying.kill()
+        tx.close()

@@ -25,10 +25,11 @@ from protocol.messages import (
     RegisterAck,
     RegisterWorker,
     RequestFinished,
+    WorkerShutdown,
     decode,
     encode,
 )
-from tests.workers.helpers import assert_clean, colocated_worker, wire
+from tests.workers.helpers import assert_clean, colocated_worker, prefill_worker, wire
 from workers.gateway_links import GatewayLinks
 
 PROMPT = list(range(50, 63))
@@ -170,3 +171,43 @@ def test_try_send_never_leaves_the_reader_asleep() -> None:
             ctx.term()
 
     asyncio.run(ping_pong())
+
+
+def test_worker_stops_when_its_kv_loop_dies(model_dir: Path, tmp_path: Path) -> None:
+    """A prefill worker whose KV sender loop thread died can never send KV again: it must not stay
+    registered (it would take requests and hang them). It says WorkerShutdown to its gateway, stops,
+    and names the cause (``fatal``, from which ``pdserve prefill`` exits 1)."""
+    generate_keys(tmp_path / "keys")
+    [port] = free_ports(1)
+    ep = f"tcp://127.0.0.1:{port}"
+    worker = prefill_worker(model_dir, gateway_control=ep)
+    worker.settings = dataclasses.replace(worker.settings, curve_keys=str(tmp_path / "keys"),
+                                          insecure_control_plane=False)
+    old = worker.gateways
+    worker.keys = load_keys(tmp_path / "keys")
+    worker.gateways = GatewayLinks(worker.settings.gateway_control, worker.keys)
+    old.close()
+
+    def boom() -> None:
+        raise RuntimeError("injected by the test")
+
+    async def scenario() -> None:
+        gw = FakeGateway(ep, tmp_path / "keys", 1)
+        task = asyncio.create_task(worker.run())
+        try:
+            await gw.pump(lambda: bool(gw.identity))
+            assert worker.kv_endpoint_error() is None
+            worker.sender.run_in_loop(boom)
+            await gw.pump(lambda: any(isinstance(m, WorkerShutdown) for m in gw.got), timeout=10)
+            async with asyncio.timeout(10):
+                await task
+        finally:
+            if not task.done():
+                worker.request_stop()
+                async with asyncio.timeout(10):
+                    await task
+            gw.close()
+
+    asyncio.run(scenario())
+    assert worker.fatal is not None and "injected by the test" in worker.fatal
+    assert "RuntimeError" in str(worker.kv_endpoint_error())
