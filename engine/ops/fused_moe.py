@@ -281,11 +281,15 @@ def moe_path(num_tokens: int, top_k: int, num_experts: int) -> str:
     return "gemv" if pairs <= min(64, num_experts // 4) or num_tokens == 1 else "grouped"
 
 
-def gemv_moe_tile(width: int, depth: int) -> tuple[int, int, int]:
-    """``(block_n, block_k, num_warps)`` of a matrix-vector MoE kernel with ``width`` output columns per
-    pair and rows of ``depth`` inputs: ``engine.ops.gemv``'s tiles for N <= 4096 (4 rows x up to 1024
-    inputs, 4 warps), the inputs clipped to the row."""
-    return 4, min(1024, max(16, triton.next_power_of_2(depth))), 4
+def gemv_moe_tile(num_tokens: int, down: bool) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)`` of the gate/up (``down`` False) or down matrix-vector MoE
+    kernel for ``num_tokens`` tokens: the best of ``bench.kernels.fused_moe --decode --tiles`` on an H200
+    (Qwen3-30B-A3B shape, docs/benchmarks/engine.md): one token 2 x 1024 with 4 warps for both (53 % of
+    the copy bandwidth; 4 x 1024: 42 %), more tokens 8 x 512 (gate/up) and 4 x 512 (down) with 4 warps
+    (2 / 4 tokens 67 / 73 %; 4 x 1024: 62 / 66 %)."""
+    if num_tokens == 1:
+        return 2, 1024, 4
+    return (4, 512, 4) if down else (8, 512, 4)
 
 
 def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -305,7 +309,7 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     if t == 0:
         return torch.zeros_like(x)
-    bn, bk, warps = up_tile or gemv_moe_tile(inter, hidden)
+    bn, bk, warps = up_tile or gemv_moe_tile(t, down=False)
     _gate_up_gemv_kernel[(t * top_k, triton.cdiv(inter, bn))](
         x, w_gate_up, ids, act, top_k, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
@@ -313,7 +317,7 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     )
     weights = topk_weights.reshape(-1).to(torch.float32)
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    bn, bk, warps = down_tile or gemv_moe_tile(hidden, inter)
+    bn, bk, warps = down_tile or gemv_moe_tile(t, down=True)
     _down_gemv_kernel[(t, triton.cdiv(hidden, bn))](
         act, w_down, ids, weights, out, top_k, inter, hidden,
         act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
