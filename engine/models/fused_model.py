@@ -36,6 +36,7 @@ Method as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and fuse
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +198,9 @@ class FusedCausalLM(torch.nn.Module):
             raise ValueError(reason)
         self.model: Any = model
         self.use_triton = use_triton
+        # called as (decoder layer index, topk_ids [T, k]) after each sparse layer routes, when set: a
+        # host-side probe for eager steps (benchmarks count distinct experts); never set while capturing
+        self.route_observer: Callable[[int, torch.Tensor], None] | None = None
         unknown = set(gemv_projections) - set(GEMV_OPTIONS)
         if unknown:
             raise ValueError(f"unknown projections {sorted(unknown)}; choose from {GEMV_OPTIONS}")
@@ -262,6 +266,8 @@ class FusedCausalLM(torch.nn.Module):
             weights, ids = topk_softmax(logits, ffn.router.top_k, renormalize, dtype or logits.dtype)
         else:
             _, weights, ids = ffn.router(x)  # [T, k] each
+        if self.route_observer is not None:
+            self.route_observer(lay.index, ids)
         # on CUDA always the kernels: the reference loops over experts on the host (a sync per layer)
         moe = fused_moe if self.use_triton or x.is_cuda else fused_moe_reference
         out = moe(x, ffn.gate_up, ffn.down, weights, ids)
