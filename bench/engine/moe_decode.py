@@ -41,6 +41,7 @@ from bench.engine.decode import decode_rate, enter_decodes
 from bench.timing import Spread
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
+from engine.models.fused_model import FusedCausalLM
 
 
 @dataclass(frozen=True)
@@ -97,17 +98,28 @@ def uniform_distinct(num_experts: int, top_k: int, batch: int) -> float:
 
 def probe_distinct(core: EngineCore, batch: int, context: int, steps: int) -> list[float]:
     """Mean distinct experts per sparse layer over ``steps`` eager decode steps of ``batch`` rows with
-    ``context`` tokens of KV (forward hooks on the routers; the decode graphs are set aside meanwhile)."""
+    ``context`` tokens of KV (the fused forward's ``route_observer``, or forward hooks on the routers of a
+    plain transformers forward; the decode graphs are set aside meanwhile)."""
     runner = core.runner
-    counts: list[list[int]] = [[] for _ in sparse_layers(runner.model)]
+    blocks = sparse_layers(runner.model)
+    counts: list[list[int]] = [[] for _ in blocks]
+    position = {i: n for n, i in enumerate(i for i, layer in enumerate(runner.model.model.layers)
+                                           if hasattr(layer.mlp, "experts"))}
+
+    def observe(layer_index: int, ids: torch.Tensor) -> None:
+        counts[position[layer_index]].append(int(torch.unique(ids).numel()))
 
     def hook(index: int) -> Any:
         def record(module: torch.nn.Module, inputs: Any, output: Any) -> None:
             counts[index].append(int(torch.unique(output[2]).numel()))  # output: (logits, weights, ids)
         return record
 
-    blocks = sparse_layers(runner.model)
-    handles = [block.gate.register_forward_hook(hook(i)) for i, block in enumerate(blocks)]
+    fused = runner.net if isinstance(runner.net, FusedCausalLM) else None
+    handles = []
+    if fused is not None:
+        fused.route_observer = observe
+    else:
+        handles = [block.gate.register_forward_hook(hook(i)) for i, block in enumerate(blocks)]
     graphs, mode = runner.decode_graphs, core.async_scheduling
     runner.decode_graphs, core.async_scheduling = None, False
     try:
@@ -117,6 +129,8 @@ def probe_distinct(core: EngineCore, batch: int, context: int, steps: int) -> li
         sync(runner.device)
     finally:
         runner.decode_graphs, core.async_scheduling = graphs, mode
+        if fused is not None:
+            fused.route_observer = None
         for handle in handles:
             handle.remove()
     core.check_no_leaks()

@@ -16,6 +16,15 @@ Printed per token count: TFLOP/s of each (``2 T k (2 I H + I H)`` FLOPs, the use
 and fused speed-up over the loop.
 
     python3 -m bench.kernels.fused_moe --tokens 512 2048 8192
+
+``--decode`` (decode sizes: a step reads weights, it does little arithmetic): both paths of
+``fused_moe`` (``grouped``: aligned grouped GEMMs; ``gemv``: one matrix-vector product per pair), each
+captured in a CUDA graph as a decode step runs it and timed per replay; printed per token count as the
+bandwidth of the bytes a step must read (the distinct experts' weights, ``3 I H`` elements each)
+against the same-run copy bandwidth (``bench.ceilings.copy_bandwidth``, best of >= 20), and which path
+``moe_path`` picks:
+
+    python3 -m bench.kernels.fused_moe --decode --tokens 1 2 4 8 16 32
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ from typing import Any
 
 import torch
 
-from bench.timing import Spread, ceiling_seconds, time_calls
-from engine.ops.fused_moe import fused_moe, fused_moe_reference
+from bench.ceilings import copy_bandwidth
+from bench.timing import Spread, ceiling_seconds, replay_seconds, time_calls
+from engine.ops.fused_moe import fused_moe, fused_moe_gemv, fused_moe_reference, moe_path
 
 # (experts, top_k, hidden, expert width) of the published configs
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336),
@@ -86,6 +96,59 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"shape": args.shape, "dtype": args.dtype, "device": str(device), "rows": rows}
 
 
+def run_decode(args: argparse.Namespace) -> dict[str, Any]:
+    """Both paths per decode token count, replayed from CUDA graphs (module docstring)."""
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        raise SystemExit("--decode times CUDA graph replays: it needs --device cuda")
+    dtype = getattr(torch, args.dtype)
+    experts, top_k, hidden, inter = SHAPES[args.shape]
+    copy = copy_bandwidth(device)
+    rows = []
+    for tokens in args.tokens:
+        x, w_gate_up, w_down, weights, ids = layer(experts, top_k, hidden, inter, tokens, dtype, device)
+        distinct = int(torch.unique(ids).numel())
+        nbytes = distinct * 3 * inter * hidden * w_gate_up.element_size()
+        row: dict[str, Any] = dict(tokens=tokens, distinct_experts=distinct, bytes=nbytes,
+                                   picked=moe_path(tokens, top_k, experts))
+        want = fused_moe_reference(x, w_gate_up, w_down, weights, ids).float()
+        line = []
+        for path in ("grouped", "gemv"):
+            work = functools.partial(fused_moe, x, w_gate_up, w_down, weights, ids, path=path)
+            got = work().float()
+            err = float((got - want).abs().max())
+            torch.cuda.synchronize()
+            secs = replay_seconds(work, args.repeats)
+            rate = secs.per(nbytes)  # bytes/s
+            row[path] = dict(us=secs.scaled(1e6).as_dict(), over_copy=rate.median / copy.max, max_abs_err=err)
+            line.append(f"{path} {secs.median * 1e6:.1f} us ({100 * rate.median / copy.max:.1f} % of copy, "
+                        f"best {100 * rate.max / copy.max:.1f} %, err {err:.1e})")
+        for tile in args.tiles:
+            up, down = _tile_pair(tile)
+            work = functools.partial(fused_moe_gemv, x, w_gate_up, w_down, weights, ids, up_tile=up,
+                                     down_tile=down)
+            err = float((work().float() - want).abs().max())
+            torch.cuda.synchronize()
+            rate = replay_seconds(work, args.repeats).per(nbytes)
+            row.setdefault("tiles", {})[tile] = dict(over_copy=rate.median / copy.max, max_abs_err=err)
+            line.append(f"gemv {tile} {100 * rate.median / copy.max:.1f} %")
+        rows.append(row)
+        print(f"{args.shape} decode tokens {tokens:3d} ({distinct} experts, {nbytes / 1e6:.1f} MB): "
+              f"{'; '.join(line)}; moe_path picks {row['picked']}", flush=True)
+    return {"shape": args.shape, "dtype": args.dtype, "device": str(device),
+            "copy_bytes_per_s": copy.as_dict(), "rows": rows}
+
+
+def _tile_pair(text: str) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """``"BNxBKxW/BNxBKxW"`` (gate/up tile / down tile) → the two ``(block_n, block_k, num_warps)``."""
+    up, down = text.split("/")
+    a = tuple(int(v) for v in up.split("x"))
+    b = tuple(int(v) for v in down.split("x"))
+    if len(a) != 3 or len(b) != 3:
+        raise ValueError(f"a tile is BNxBKxW/BNxBKxW, got {text!r}")
+    return (a[0], a[1], a[2]), (b[0], b[1], b[2])
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--decode", action="store_true",
+                   help="decode sizes: both paths from CUDA graphs against the copy bandwidth")
+    p.add_argument("--tiles", nargs="*", default=[],
+                   help="with --decode: also time the gemv path at these tiles, BNxBKxW/BNxBKxW each")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p
 
@@ -102,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments and run."""
     args = build_parser().parse_args(argv)
-    result = run(args)
+    result = run_decode(args) if args.decode else run(args)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
 

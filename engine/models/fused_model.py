@@ -14,12 +14,14 @@ transformers') with:
 - attention through the paged backend exactly as ``engine.models.hf_attention`` calls it.
 
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (QKV bias) and
-``Qwen3ForCausalLM`` (per-head q/k RMSNorm, done by the model's own modules) with ``hidden_act`` silu, and
+``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``rms_norm`` over the heads' rows, the model's own modules
+when ``use_triton`` is off) with ``hidden_act`` silu, and
 the mixtures of experts ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``Glm4MoeForCausalLM``: each
-sparse layer's router is the transformers module itself (its scoring and normalisation: softmax top-k
-with ``norm_topk_prob`` for Qwen3-MoE, softmax renormalised over the top-k for Mixtral, sigmoid plus
-``e_score_correction_bias`` with grouped top-k and ``routed_scaling_factor`` for GLM-4.5; all device-side
-torch, no host sync), its experts run through ``engine.ops.fused_moe`` (its per-expert reference when
+sparse layer's router scores and normalises as its transformers module (softmax top-k with
+``norm_topk_prob`` for Qwen3-MoE and softmax renormalised over the top-k for Mixtral, both in one
+``engine.ops.topk_softmax`` launch with the kernels on; sigmoid plus ``e_score_correction_bias`` with
+grouped top-k and ``routed_scaling_factor`` for GLM-4.5, the module itself; all device-side, no host
+sync), its experts run through ``engine.ops.fused_moe`` (its per-expert reference when
 ``use_triton`` is off on a CPU), and GLM-4.5's shared expert through the dense path (merged gate/up,
 ``silu_mul``); dense layers of those models (``mlp_only_layers``, ``first_k_dense_replace``) run as in
 the dense architectures. Partial
@@ -34,6 +36,7 @@ Method as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and fuse
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +50,7 @@ from engine.ops.gemv import gemv
 from engine.ops.rms_norm import rms_norm, rms_norm_reference
 from engine.ops.rotary import apply_rotary, apply_rotary_reference
 from engine.ops.silu_mul import silu_mul, silu_mul_reference
+from engine.ops.topk_softmax import topk_softmax
 
 FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                  "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
@@ -121,6 +125,12 @@ class _SparseMoE:
 
     def __init__(self, mlp: Any) -> None:  # a transformers sparse MoE block (gate, experts)
         self.router = mlp.gate
+        # softmax top-k routers run as one kernel (engine/ops/topk_softmax.py): (renormalize, weights
+        # dtype of None = the logits') for the ones whose arithmetic it is; others run their module
+        kind = type(mlp.gate).__name__
+        self.softmax_topk: tuple[bool, torch.dtype | None] | None = (
+            (bool(mlp.gate.norm_topk_prob), None) if kind == "Qwen3MoeTopKRouter"
+            else (True, torch.float32) if kind == "MixtralTopKRouter" else None)
         self.gate_up = mlp.experts.gate_up_proj
         self.down = mlp.experts.down_proj
         shared = getattr(mlp, "shared_experts", None)
@@ -188,6 +198,9 @@ class FusedCausalLM(torch.nn.Module):
             raise ValueError(reason)
         self.model: Any = model
         self.use_triton = use_triton
+        # called as (decoder layer index, topk_ids [T, k]) after each sparse layer routes, when set: a
+        # host-side probe for eager steps (benchmarks count distinct experts); never set while capturing
+        self.route_observer: Callable[[int, torch.Tensor], None] | None = None
         unknown = set(gemv_projections) - set(GEMV_OPTIONS)
         if unknown:
             raise ValueError(f"unknown projections {sorted(unknown)}; choose from {GEMV_OPTIONS}")
@@ -202,6 +215,15 @@ class FusedCausalLM(torch.nn.Module):
               residual: torch.Tensor | None = None) -> torch.Tensor:
         fn = rms_norm if self.use_triton else rms_norm_reference
         return fn(x, norm[0], norm[1], residual)
+
+    def _head_norm(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
+        """Per-head RMSNorm of ``x [T, heads, D]`` with the transformers module ``norm`` (weight ``[D]``):
+        one Triton launch over ``T * heads`` rows instead of the module's half dozen (a decode step at
+        batch 1 is bound by launches); the reference path calls the module."""
+        if not self.use_triton:
+            return norm(x)  # type: ignore[no-any-return]
+        t, h, d = x.shape
+        return rms_norm(x.reshape(t * h, d), norm.weight, float(norm.variance_epsilon)).view(t, h, d)
 
     def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
                 bias: torch.Tensor | None) -> torch.Tensor:
@@ -219,7 +241,7 @@ class FusedCausalLM(torch.nn.Module):
         k = qkv[:, lay.q_width:lay.q_width + lay.kv_width].view(t, -1, d)
         v = qkv[:, lay.q_width + lay.kv_width:].view(t, -1, d)
         if lay.q_norm is not None and lay.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
-            q, k = lay.q_norm(q), lay.k_norm(k)
+            q, k = self._head_norm(q, lay.q_norm), self._head_norm(k, lay.k_norm)
         rotary = None
         rot = cos.shape[-1]
         if rot < d:  # partial rotary: the first ``rot`` dims of each head, before the store
@@ -238,7 +260,14 @@ class FusedCausalLM(torch.nn.Module):
         ffn = lay.ffn
         if isinstance(ffn, _DenseMLP):
             return self._dense(ffn, x)
-        _, weights, ids = ffn.router(x)  # [T, k] each
+        if ffn.softmax_topk is not None and (self.use_triton or x.is_cuda):
+            renormalize, dtype = ffn.softmax_topk
+            logits = torch.nn.functional.linear(x, ffn.router.weight)
+            weights, ids = topk_softmax(logits, ffn.router.top_k, renormalize, dtype or logits.dtype)
+        else:
+            _, weights, ids = ffn.router(x)  # [T, k] each
+        if self.route_observer is not None:
+            self.route_observer(lay.index, ids)
         # on CUDA always the kernels: the reference loops over experts on the host (a sync per layer)
         moe = fused_moe if self.use_triton or x.is_cuda else fused_moe_reference
         out = moe(x, ffn.gate_up, ffn.down, weights, ids)

@@ -23,6 +23,15 @@ grouping, Gale et al. 2022):
 
 Empty experts own no block; an expert's last block is partly padding (masked rows read nothing and
 write nothing).
+
+Few pairs (decode at small batch, ``moe_path``): the grouped GEMM's blocks are mostly padding and a
+step's cost is the alignment's dozen small launches plus too few programs streaming each expert's
+weights. The matrix-vector path skips the alignment: ``_gate_up_gemv_kernel`` runs one program per
+(pair, ``block_n`` columns of ``I``) and ``_down_gemv_kernel`` one per (token, ``block_n`` columns of
+``H``) that walks the token's ``k`` experts in slot order, each a row-blocked GEMV as ``engine.ops.gemv``
+(float32 products summed along the row, the same roundings as the grouped kernels), the weighted sum
+kept in float32 and rounded once. A weight is read once per pair that routes to it, so the path pays off
+only while pairs rarely share an expert.
 """
 
 from __future__ import annotations
@@ -198,8 +207,127 @@ def moe_tile(num_pairs: int, num_experts: int, width: int, depth: int) -> tuple[
     return block_m, block_n, block_k, 4
 
 
+@triton.jit
+def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    x_ptr, w_ptr, ids_ptr, act_ptr,
+    top_k, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_at,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    gdc_enter(USE_GDC)  # the routing comes from the kernels just before
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token = (pair // top_k).to(tl.int64)
+    gate_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    up_rows = gate_rows + inter * stride_wn
+    x_row = x_ptr + token * stride_xt
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, hidden, BLOCK_K):
+        kk = k + ks
+        k_mask = kk < hidden
+        xv = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        wg = tl.load(gate_rows + kk[None, :], mask=w_mask, other=0.0)
+        wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0)
+        acc_gate += wg.to(tl.float32) * xv[None, :]
+        acc_up += wu.to(tl.float32) * xv[None, :]
+    dt = act_ptr.dtype.element_ty
+    g = tl.sum(acc_gate, axis=1).to(dt).to(tl.float32)
+    u = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_at + cols, (silu * u).to(dt), mask=col_mask)
+
+
+@triton.jit
+def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr,
+    top_k, inter, hidden,
+    stride_at, stride_we, stride_wn, stride_ot,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    gdc_enter(USE_GDC)  # the activations come from the kernel just before
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dt = act_ptr.dtype.element_ty
+    for j in range(0, top_k):
+        pair = token * top_k + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        a_row = act_ptr + pair * stride_at
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, inter, BLOCK_K):
+            kk = k + ks
+            k_mask = kk < inter
+            av = tl.load(a_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+            w = tl.load(rows + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += w.to(tl.float32) * av[None, :]
+        y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
+        total += y * tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def moe_path(num_tokens: int, top_k: int, num_experts: int) -> str:
+    """``"gemv"`` when the ``num_tokens * top_k`` pairs are few enough that they rarely share an expert
+    (at most a quarter of the experts, and at most 64): one weight read per pair costs about what the
+    grouped GEMM's one read per expert does, without its alignment; else ``"grouped"``."""
+    pairs = num_tokens * top_k
+    return "gemv" if pairs <= min(64, num_experts // 4) or num_tokens == 1 else "grouped"
+
+
+def gemv_moe_tile(num_tokens: int, down: bool) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)`` of the gate/up (``down`` False) or down matrix-vector MoE
+    kernel for ``num_tokens`` tokens: the best of ``bench.kernels.fused_moe --decode --tiles`` on an H200
+    (Qwen3-30B-A3B shape, docs/benchmarks/engine.md): one token 2 x 1024 with 4 warps for both (53 % of
+    the copy bandwidth; 4 x 1024: 42 %), more tokens 8 x 512 (gate/up) and 4 x 512 (down) with 4 warps
+    (2 / 4 tokens 67 / 73 %; 4 x 1024: 62 / 66 %)."""
+    if num_tokens == 1:
+        return 2, 1024, 4
+    return (4, 512, 4) if down else (8, 512, 4)
+
+
+def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                   up_tile: tuple[int, int, int] | None = None,
+                   down_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``fused_moe``'s matrix-vector path with its tiles given (``(block_n, block_k, num_warps)`` of the
+    gate/up and the down kernel; None: ``gemv_moe_tile``), for tile sweeps. Same arguments, result and
+    errors as ``fused_moe``."""
+    _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    t, hidden = x.shape
+    inter = w_gate_up.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return torch.zeros_like(x)
+    bn, bk, warps = up_tile or gemv_moe_tile(t, down=False)
+    _gate_up_gemv_kernel[(t * top_k, triton.cdiv(inter, bn))](
+        x, w_gate_up, ids, act, top_k, hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl_kwargs(x),
+    )
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    bn, bk, warps = down_tile or gemv_moe_tile(t, down=True)
+    _down_gemv_kernel[(t, triton.cdiv(hidden, bn))](
+        act, w_down, ids, weights, out, top_k, inter, hidden,
+        act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl_kwargs(x),
+    )
+    return out
+
+
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, block_m: int | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, block_m: int | None = None, path: str | None = None) -> torch.Tensor:
     """The routed experts' SwiGLU MLPs, weighted and summed per token (Triton).
 
     Args:
@@ -208,15 +336,19 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         w_down: ``[E, H, I]``, x's dtype.
         topk_weights: ``[T, k]`` routing weights (any float dtype; used in float32).
         topk_ids: ``[T, k]`` integer experts in ``[0, E)``.
-        block_m: rows per block (power of two >= 16); default from ``moe_tile``.
+        block_m: rows per block (power of two >= 16) of the grouped path; default from ``moe_tile``.
+        path: ``"grouped"`` (aligned grouped GEMMs) or ``"gemv"`` (one matrix-vector product per pair);
+            default from ``moe_path``.
 
     Returns:
         ``[T, H]`` new tensor of x's dtype.
 
     Raises:
-        ValueError: shapes, dtypes or strides that do not fit.
+        ValueError: shapes, dtypes or strides that do not fit; an unknown ``path``.
     """
     _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    if path not in (None, "grouped", "gemv"):
+        raise ValueError(f"path must be 'grouped' or 'gemv', got {path!r}")
     t, hidden = x.shape
     num_experts, two_i, _ = w_gate_up.shape
     inter = two_i // 2
@@ -224,6 +356,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     pairs = t * top_k
     if pairs == 0:
         return torch.zeros_like(x)
+    if (path or moe_path(t, top_k, num_experts)) == "gemv":
+        return fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids)
     tile_m, bn_up, bk_up, warps = moe_tile(pairs, num_experts, inter, hidden)
     _, bn_down, bk_down, _ = moe_tile(pairs, num_experts, hidden, inter)
     bm = block_m or tile_m

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.ops.fused_moe import fused_moe, fused_moe_reference, max_blocks, moe_align
+from engine.ops.fused_moe import fused_moe, fused_moe_reference, max_blocks, moe_align, moe_path
 from tests.engine.grid import FULL_GRID, grid
 
 CUDA = torch.cuda.is_available()
@@ -51,16 +51,21 @@ def moe_case(experts: int, top_k: int, tokens: int, kind: str, dtype: torch.dtyp
             weights.to(DEVICE), ids.to(DEVICE))
 
 
+# the matrix-vector path runs one program per pair and column tile: under the interpreter only few pairs
+GEMV_CPU = [(8, 1, 1, "uniform"), (8, 2, 7, "one"), (64, 2, 7, "skewed"), (128, 2, 1, "uniform")]
+CASES = [(*case, "grouped") for case in grid(FULL, CPU)] + [(*case, "gemv") for case in grid(FULL, GEMV_CPU)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("experts,top_k,tokens,kind", grid(FULL, CPU))
-def test_fused_moe_matches_reference(experts, top_k, tokens, kind, dtype):
+@pytest.mark.parametrize("experts,top_k,tokens,kind,path", CASES)
+def test_fused_moe_matches_reference(experts, top_k, tokens, kind, path, dtype):
     x, w_gate_up, w_down, weights, ids = moe_case(experts, top_k, tokens, kind, dtype)
     hits = torch.bincount(ids.flatten().cpu(), minlength=experts)
     if kind != "uniform" and 2 * top_k + 1 < experts:
         assert (hits == 0).any()  # uneven: empty experts
     if kind == "one":
         assert int(hits.max()) >= tokens  # one expert takes every token
-    got = fused_moe(x, w_gate_up, w_down, weights, ids)
+    got = fused_moe(x, w_gate_up, w_down, weights, ids, path=path)
     want = fused_moe_reference(x, w_gate_up, w_down, weights, ids)
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
@@ -104,12 +109,23 @@ def test_moe_align_groups_pairs_by_expert(block_m):
     assert align.block_expert.tolist() == sorted(align.block_expert.tolist())
 
 
+def test_moe_path_picks_gemv_only_for_few_pairs():
+    assert moe_path(1, 8, 128) == "gemv"  # a batch-1 decode of Qwen3-30B-A3B: 8 pairs over 128 experts
+    assert moe_path(1, 2, 8) == "gemv"  # one token always (its k experts are distinct)
+    assert moe_path(4, 8, 128) == "gemv"  # 32 pairs <= 128 / 4
+    assert moe_path(5, 8, 128) == "grouped"
+    assert moe_path(2, 2, 8) == "grouped"  # 4 pairs over 8 experts would share experts often
+    assert moe_path(512, 8, 128) == "grouped"
+
+
 def test_fused_moe_refuses_mismatched_shapes():
     x, w_gate_up, w_down, weights, ids = moe_case(8, 2, 3, "uniform", torch.float32)
     with pytest.raises(ValueError, match="expert weights do not fit"):
         fused_moe(x, w_gate_up, w_down[:, :, :-1], weights, ids)
     with pytest.raises(ValueError, match="topk_ids and topk_weights"):
         fused_moe(x, w_gate_up, w_down, weights[:, :1], ids)
+    with pytest.raises(ValueError, match="path must be"):
+        fused_moe(x, w_gate_up, w_down, weights, ids, path="dense")
     assert fused_moe(x[:0], w_gate_up, w_down, weights[:0], ids[:0]).shape == (0, 48)
 
 
@@ -119,6 +135,7 @@ def test_fused_moe_decode_is_cuda_graph_capturable():
     """A batch-1 decode's MoE replays from a CUDA graph with new routing each step (no host sync)."""
     assert FULL_GRID
     x, w_gate_up, w_down, weights, ids = moe_case(64, 8, 1, "uniform", torch.bfloat16)
+    assert moe_path(1, 8, 64) == "gemv"
     static_x, static_w, static_ids = x.clone(), weights.clone(), ids.clone()
     fused_moe(static_x, w_gate_up, w_down, static_w, static_ids)  # compile outside the capture
     torch.cuda.synchronize()
