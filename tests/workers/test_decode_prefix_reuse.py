@@ -1,0 +1,197 @@
+"""Decode-side prefix reuse between real prefill and decode workers over the loopback KV transport: a
+second turn whose prompt extends the first's (first prompt + its output + new tokens) takes the leading
+blocks from the decode worker's prefix cache, the prefill worker sends only the blocks after them
+(``KVHandle.num_cached_blocks``), they land bit-exact, and the greedy output equals a colocated worker's
+and a fresh system's; an identical request sent again equals the first; a request aborted while it
+shares cached blocks leaves them to the other holder. Every test ends with the leak check."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from kvtransfer import KVHandle
+from protocol.messages import (
+    AbortRequest,
+    ColocatedRequest,
+    DecodeRequest,
+    FirstToken,
+    KVReserved,
+    NextToken,
+    PrefillRequest,
+    RequestFailed,
+    RequestFinished,
+    ReserveKV,
+)
+from tests.workers.helpers import (
+    BLOCK_SIZE,
+    assert_clean,
+    close,
+    colocated_worker,
+    decode_worker,
+    of_type,
+    prefill_worker,
+    pump,
+    run,
+    settings,
+    wire,
+)
+from workers.metrics import LABELS
+from workers.setup import decode_handle, encode_handle, engine_config_from_settings
+
+FIRST = list(range(20, 31))  # 11 tokens: 2 full blocks of 4 and 3 tokens
+SAMPLING = wire(5, ignore_eos=True)  # greedy, 5 tokens
+
+
+class SendSpy:
+    """Records, for each ``KVSender.add_request`` of a prefill worker, the handle, the source blocks given
+    and the request's whole block table at that moment."""
+
+    def __init__(self, prefill: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[KVHandle, list[int], list[int]]] = []
+        real = prefill.sender.add_request
+
+        def add_request(handle: KVHandle, block_ids: list[int]) -> None:
+            table = list(prefill.seqs[handle.request_id].block_table)
+            self.calls.append((handle, list(block_ids), table))
+            real(handle, block_ids)
+        monkeypatch.setattr(prefill.sender, "add_request", add_request)
+
+
+def _turn(prefill: Any, decode: Any, rid: str, prompt: list[int]) -> tuple[list[int], KVHandle]:
+    """One disaggregated request to the end; returns its tokens and the decode worker's handle."""
+    [res] = of_type(run(decode, ReserveKV(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING,
+                                          prefill_worker_id="p0", prefill_sender_epoch=prefill.sender.epoch)),
+                    KVReserved)
+    [first] = of_type(run(prefill, PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING,
+                                                  kv_handle=res.kv_handle)), FirstToken)
+    decode.deliver(DecodeRequest(request_id=rid, first_token_id=first.token_id))
+    msgs: list[Any] = []
+    pump([prefill, decode], lambda: bool(of_type(msgs, RequestFinished, rid)) and not prefill.busy(),
+         sink=msgs)
+    assert of_type(msgs, RequestFailed) == []
+    tokens = [first.token_id] + [m.token_id for m in of_type(msgs, NextToken, rid)]
+    return tokens, decode_handle(res.kv_handle)
+
+
+def _colocated(colo: Any, rid: str, prompt: list[int]) -> list[int]:
+    out = run(colo, ColocatedRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING))
+    pump([colo], lambda: bool(of_type(out, RequestFinished, rid)), sink=out)
+    return [of_type(out, FirstToken, rid)[0].token_id] + [m.token_id for m in of_type(out, NextToken, rid)]
+
+
+def _counter(worker: Any, name: str) -> float:
+    value = worker.metrics.registry.get_sample_value(name, dict(zip(LABELS, worker.metrics.label_values,
+                                                                    strict=True)))
+    assert value is not None, name
+    return value
+
+
+def _assert_landed_bit_exact(prefill: Any, decode: Any, src: list[int], dst: list[int], first_pos: int,
+                             num_tokens: int) -> None:
+    """Token positions ``first_pos .. num_tokens - 1`` of the prompt: the same K and V bits, every layer,
+    in the prefill worker's blocks ``src`` and the decode worker's ``dst`` (both in token order from the
+    block holding ``first_pos``)."""
+    pkv, dkv = prefill.core.runner.kv_cache.kv_buffer, decode.core.runner.kv_cache.kv_buffer
+    start = first_pos // BLOCK_SIZE
+    for pos in range(first_pos, num_tokens):
+        i, off = pos // BLOCK_SIZE - start, pos % BLOCK_SIZE
+        assert torch.equal(pkv[:, :, src[i], off], dkv[:, :, dst[i], off]), f"position {pos}"
+
+
+def test_second_turn_sends_only_the_suffix_bit_exact_and_answers_as_colocated_and_fresh(
+        model_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    prefill, decode, colo = prefill_worker(model_dir), decode_worker(model_dir), colocated_worker(model_dir)
+    fresh_p, fresh_d = prefill_worker(model_dir), decode_worker(model_dir)
+    fresh_d.settings = dataclasses.replace(fresh_d.settings, decode_prefix_reuse=False)
+    spy = SendSpy(prefill, monkeypatch)
+    bpb = prefill.core.runner.kv_cache.bytes_per_block
+    try:
+        tokens1, h1 = _turn(prefill, decode, "t1", FIRST)
+        assert h1.num_cached_blocks == 0 and len(h1.block_ids) == 3 and prefill.kv_sent_bytes == 3 * bpb
+        assert tokens1 == _colocated(colo, "c1", FIRST)
+        # turn 2: the first turn's prompt and output, then 6 new tokens (22 tokens, 6 blocks). The decode
+        # worker computed the KV of 15 of turn 1's 16 tokens (not the last one sampled): 3 full blocks
+        second = FIRST + tokens1 + list(range(100, 106))
+        sent_before = prefill.kv_sent_bytes
+        tokens2, h2 = _turn(prefill, decode, "t2", second)
+        assert h2.num_cached_blocks == 3 and len(h2.block_ids) == 3
+        handle, src, table = spy.calls[-1]
+        assert handle == h2 and src == table[3:] and len(table) == 6  # the sender got the suffix only
+        assert prefill.kv_sent_bytes - sent_before == 3 * bpb  # KV bytes of turn 2 == the suffix's
+        _assert_landed_bit_exact(prefill, decode, table[3:], list(h2.block_ids), 12, len(second))
+        assert _counter(decode, "pdserve_worker_kv_received_blocks_total") == 6
+        assert _counter(decode, "pdserve_worker_kv_received_bytes_total") == 6 * bpb
+        assert _counter(decode, "pdserve_worker_kv_reused_blocks_total") == 3
+        fresh_tokens, fresh_h = _turn(fresh_p, fresh_d, "f2", second)  # a fresh system, no reuse
+        assert fresh_h.num_cached_blocks == 0 and fresh_p.kv_sent_bytes == 6 * bpb
+        assert tokens2 == _colocated(colo, "c2", second) == fresh_tokens
+        # the same request again: every full block but the last prompt token's is reused
+        tokens3, h3 = _turn(prefill, decode, "t3", second)
+        assert h3.num_cached_blocks == 5 and len(h3.block_ids) == 1 and tokens3 == tokens2
+        assert _colocated(colo, "c3", second) == tokens2
+        assert _counter(decode, "pdserve_worker_kv_reused_blocks_total") == 8
+        assert_clean(prefill, decode, colo, fresh_p, fresh_d)
+    finally:
+        for w in (prefill, decode, colo, fresh_p, fresh_d):
+            close(w)
+
+
+def test_without_reuse_the_whole_prompt_is_sent(model_dir: Any) -> None:
+    prefill, decode = prefill_worker(model_dir), decode_worker(model_dir)
+    decode.settings = dataclasses.replace(decode.settings, decode_prefix_reuse=False)
+    try:
+        tokens1, _ = _turn(prefill, decode, "t1", FIRST)
+        _, h = _turn(prefill, decode, "t2", FIRST + tokens1)
+        assert h.num_cached_blocks == 0 and len(h.block_ids) == 4
+        assert _counter(decode, "pdserve_worker_kv_reused_blocks_total") == 0
+        assert_clean(prefill, decode)
+    finally:
+        close(prefill)
+        close(decode)
+
+
+def test_decode_prefix_reuse_off_means_no_prefix_cache_on_a_decode_worker(model_dir: Any) -> None:
+    on = settings("decode", "d0", model_dir)
+    assert on.decode_prefix_reuse and engine_config_from_settings(on).cache.enable_prefix_caching
+    off = dataclasses.replace(on, decode_prefix_reuse=False)
+    assert not engine_config_from_settings(off).cache.enable_prefix_caching
+    prefill = dataclasses.replace(off, role="prefill")  # the decode flag never changes another role
+    assert engine_config_from_settings(prefill).cache.enable_prefix_caching
+
+
+def test_abort_of_a_request_sharing_cached_blocks_leaves_them_to_the_other(model_dir: Any) -> None:
+    prefill, decode, colo = prefill_worker(model_dir), decode_worker(model_dir), colocated_worker(model_dir)
+    try:
+        tokens1, _ = _turn(prefill, decode, "t1", FIRST)
+        second = FIRST + tokens1 + [7, 8]
+        reserve = [ReserveKV(request_id=rid, prompt_token_ids=second, sampling=SAMPLING,
+                             prefill_worker_id="p0", prefill_sender_epoch=prefill.sender.epoch)
+                   for rid in ("a", "b")]
+        reserved = of_type(run(decode, *reserve), KVReserved)
+        handles = {m.request_id: decode_handle(m.kv_handle) for m in reserved}
+        assert handles["a"].num_cached_blocks == handles["b"].num_cached_blocks == 3
+        shared = decode.in_flight["a"].block_table[:3]
+        assert decode.in_flight["b"].block_table[:3] == shared
+        assert run(decode, AbortRequest(request_id="a")) == []  # no sender claimed it: freed at once
+        assert "a" not in decode.in_flight and "a" not in decode.draining
+        blocks = decode.core.block_manager._blocks
+        assert [blocks[i].ref_count for i in shared] == [1, 1, 1]  # b's references only
+        req = PrefillRequest(request_id="b", prompt_token_ids=second, sampling=SAMPLING,
+                             kv_handle=encode_handle(handles["b"]))
+        [first] = of_type(run(prefill, req), FirstToken)
+        decode.deliver(DecodeRequest(request_id="b", first_token_id=first.token_id))
+        msgs: list[Any] = []
+        pump([prefill, decode], lambda: bool(of_type(msgs, RequestFinished, "b")) and not prefill.busy(),
+             sink=msgs)
+        tokens = [first.token_id] + [m.token_id for m in of_type(msgs, NextToken, "b")]
+        _colocated(colo, "c1", FIRST)  # the same history on the colocated worker
+        assert tokens == _colocated(colo, "c2", second)
+        assert_clean(prefill, decode, colo)
+    finally:
+        for w in (prefill, decode, colo):
+            close(w)
+
