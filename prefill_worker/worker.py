@@ -189,7 +189,7 @@ class PrefillWorker(WorkerLoop):
                 raise ValueError(f"kv_handle is for request {kv_handle.request_id!r}, not {msg.request_id!r}")
             need = math.ceil(len(msg.prompt_token_ids) / self.core.block_manager.block_size)
             cached = kv_handle.num_cached_blocks
-            if (cached < 0 or len(kv_handle.block_ids) + cached != need
+            if (cached < 0 or not kv_handle.block_ids or len(kv_handle.block_ids) + cached != need
                     or kv_handle.backend != self.settings.transfer_backend):
                 raise ValueError(f"kv_handle has {len(kv_handle.block_ids)} blocks after {cached} cached "
                                  f"over {kv_handle.backend!r}; need {need} in all over "
