@@ -195,3 +195,42 @@ def test_abort_of_a_request_sharing_cached_blocks_leaves_them_to_the_other(model
         for w in (prefill, decode, colo):
             close(w)
 
+
+
+def test_abort_while_the_suffix_is_in_flight_fences_only_its_own_blocks(model_dir: Any) -> None:
+    """The fence holds the blocks a transfer may still write (the suffix) until the sender stopped; the
+    cached prefix blocks it shares were never the transfer's: the abort only drops its references, and a
+    later request reuses them."""
+    from kvtransfer import TransferStatus
+    from kvtransfer import wire as km
+    from tests.kvtransfer.helpers import FakeSender
+
+    prefill, decode = prefill_worker(model_dir), decode_worker(model_dir)
+    sender = FakeSender(decode.receiver.address, kv_like=decode.core.runner.kv_cache.kv_buffer, model="tiny")
+    try:
+        tokens1, _ = _turn(prefill, decode, "t1", FIRST)
+        second = FIRST + tokens1 + [7, 8]
+        [res] = of_type(run(decode, ReserveKV(request_id="a", prompt_token_ids=second, sampling=SAMPLING,
+                                              prefill_worker_id="p0", prefill_sender_epoch=1)), KVReserved)
+        h = decode_handle(res.kv_handle)
+        assert h.num_cached_blocks == 3
+        cached, suffix = decode.in_flight["a"].block_table[:3], list(h.block_ids)
+        sender.claim("a", h.epoch)
+        assert decode.receiver.status("a") is TransferStatus.TRANSFERRING
+        assert run(decode, AbortRequest(request_id="a")) == []
+        pump([decode], lambda: bool([m for m in sender.drain() if isinstance(m, km.Abort)]))
+        assert "a" in decode.draining and not decode.receiver.releasable("a")
+        blocks = decode.core.block_manager._blocks
+        assert [blocks[i].ref_count for i in cached + suffix] == [1] * (3 + len(suffix))  # all held: fenced
+        sender.send(km.Stopped("a", True))
+        pump([decode], lambda: not decode.draining)
+        assert all(blocks[i].ref_count == 0 for i in cached + suffix)
+        assert all(blocks[i].block_hash is not None for i in cached)  # still cached
+        assert all(blocks[i].block_hash is None for i in suffix)  # never landed: never cached
+        _, h2 = _turn(prefill, decode, "b", second)
+        assert h2.num_cached_blocks == 3 and h2.block_ids[0] not in cached
+        assert_clean(prefill, decode)
+    finally:
+        sender.close()
+        close(prefill)
+        close(decode)
