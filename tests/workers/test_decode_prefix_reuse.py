@@ -66,8 +66,11 @@ def _turn(prefill: Any, decode: Any, rid: str, prompt: list[int]) -> tuple[list[
     [res] = of_type(run(decode, ReserveKV(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING,
                                           prefill_worker_id="p0", prefill_sender_epoch=prefill.sender.epoch)),
                     KVReserved)
-    [first] = of_type(run(prefill, PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING,
-                                                  kv_handle=res.kv_handle)), FirstToken)
+    prefill.deliver(PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=SAMPLING,
+                                   kv_handle=res.kv_handle))
+    out: list[Any] = []
+    pump([prefill], lambda: bool(of_type(out, FirstToken, rid)), sink=out)  # one step, or one per grid chunk
+    [first] = of_type(out, FirstToken, rid)
     decode.deliver(DecodeRequest(request_id=rid, first_token_id=first.token_id))
     msgs: list[Any] = []
     pump([prefill, decode], lambda: bool(of_type(msgs, RequestFinished, rid)) and not prefill.busy(),
@@ -234,3 +237,68 @@ def test_abort_while_the_suffix_is_in_flight_fences_only_its_own_blocks(model_di
         sender.close()
         close(prefill)
         close(decode)
+
+
+def _grid_pair(model_dir: Any, grid: int, reuse: bool = True) -> tuple[Any, Any]:
+    """A prefill and a decode worker on the prefill grid ``grid`` (tokens), as ``prefill_worker`` /
+    ``decode_worker`` build them otherwise."""
+    from decode_worker.worker import DecodeWorker
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from engine.engine_core import EngineCore
+    from kvtransfer import get_transfer_backend
+    from prefill_worker.worker import PrefillWorker
+    from tests.workers.helpers import transfer_config
+
+    def core(prefill_only: bool) -> EngineCore:
+        return EngineCore(EngineConfig(
+            ModelConfig(str(model_dir), load_format="dummy", dtype="float32", device="cpu",
+                        attention_backend="torch"),
+            CacheConfig(block_size=BLOCK_SIZE, num_blocks=32),
+            SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, prefill_grid=grid)),
+            prefill_only=prefill_only)
+
+    pc, dc = core(True), core(False)
+    sender = get_transfer_backend("loopback").sender(transfer_config("p0"), pc.runner.kv_cache.kv_buffer)
+    receiver = get_transfer_backend("loopback").receiver(transfer_config("d0"), dc.runner.kv_cache.kv_buffer)
+    p_settings = dataclasses.replace(settings("prefill", "p0", model_dir), prefill_grid=grid)
+    d_settings = dataclasses.replace(settings("decode", "d0", model_dir), prefill_grid=grid,
+                                     decode_prefix_reuse=reuse)
+    return (PrefillWorker(p_settings, pc, str(model_dir), sender=sender),
+            DecodeWorker(d_settings, dc, str(model_dir), receiver=receiver))
+
+
+def _prompt_kv(decode: Any, prompt: list[int]) -> torch.Tensor:
+    """The decode worker's K and V of every position of ``prompt`` but the last (the prefix cache's blocks
+    for it: ``[num_layers, 2, positions, kv_heads, head_dim]``)."""
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+
+    bm, kv = decode.core.block_manager, decode.core.runner.kv_cache.kv_buffer
+    probe = Sequence("probe", prompt, SamplingParams(max_tokens=1), 0.0, 2)
+    num = bm.allocate_prefix(probe)
+    try:
+        return torch.cat([kv[:, :, b] for b in probe.block_table], dim=2)[:, :, :num]
+    finally:
+        bm.free(probe)
+
+
+def test_on_the_prefill_grid_the_reused_prefix_holds_the_bits_a_fresh_system_computes(model_dir: Any) -> None:
+    """With ``--prefill-grid`` a decode worker caches only the whole grid chunks a prefill worker computed,
+    so the KV it reuses is bit for bit the KV a fresh system receives for the same prompt (here: every
+    position of turn 2 that both hold in whole cached blocks), and so are the tokens."""
+    prefill, decode = _grid_pair(model_dir, grid=8)
+    fresh_p, fresh_d = _grid_pair(model_dir, grid=8, reuse=False)
+    try:
+        tokens1, _ = _turn(prefill, decode, "t1", FIRST)
+        second = FIRST + tokens1 + list(range(100, 106))  # 22 tokens
+        tokens2, h2 = _turn(prefill, decode, "t2", second)
+        assert h2.num_cached_blocks == 2  # the whole grid chunk [0, 8) of turn 1, not [8, 16)
+        fresh_tokens, fresh_h = _turn(fresh_p, fresh_d, "f2", second)
+        assert fresh_h.num_cached_blocks == 0 and tokens2 == fresh_tokens
+        reused, fresh = _prompt_kv(decode, second), _prompt_kv(fresh_d, second)
+        assert reused.shape[2] == fresh.shape[2] == 16  # both cached [0, 16): the grid chunks of turn 2
+        assert torch.equal(reused, fresh)
+        assert_clean(prefill, decode, fresh_p, fresh_d)
+    finally:
+        for w in (prefill, decode, fresh_p, fresh_d):
+            close(w)
