@@ -2,14 +2,19 @@
 
 Queues and states of a request:
   1. ``ReserveKV`` → ``pending`` (no blocks free yet; retried every loop, failed after
-     ``reserve_timeout`` s) → blocks reserved, contiguous run preferred (WAITING_FOR_KV) and a ``KVHandle``
-     from the kvtransfer ``KVReceiver`` goes back in ``KVReserved``;
+     ``reserve_timeout`` s) → blocks reserved (WAITING_FOR_KV): with ``--decode-prefix-reuse`` (the
+     default) the prompt's leading full blocks found in this worker's prefix cache first
+     (``Scheduler.add_waiting_for_kv``; shared, never the last prompt token's block, whole prefill-grid
+     chunks), then the rest, contiguous run preferred; a ``KVHandle`` from the kvtransfer ``KVReceiver``
+     for the rest only, with ``num_cached_blocks`` = the cached ones, goes back in ``KVReserved``;
   2. ``in_flight``: waits until every layer has landed (receiver DONE) AND the first token is known
-     (``DecodeRequest``); then ``Scheduler.kv_landed`` appends it and the request joins the running batch;
+     (``DecodeRequest``); then ``Scheduler.kv_landed`` appends it, registers its full prompt blocks in the
+     prefix cache (published as KV events) and the request joins the running batch;
   3. RUNNING: one token per step → ``NextToken``; FINISHED_STOPPED / FINISHED_LENGTH → ``RequestFinished``
-     (blocks freed);
+     (references dropped: blocks nobody else holds stay cached until evicted);
   4. ``draining``: aborted or failed while KV was in flight; the blocks are freed only once the receiver
-     says no write can still land in them (``KVReceiver.releasable``: the fence).
+     says no write can still land in them (``KVReceiver.releasable``: the fence). Cached prefix blocks are
+     never written by a transfer; an abort drops this request's references to them only.
 Transfer FAILED/ABORTED by the peer → ``RequestFailed``. ``AbortRequest`` works in every state.
 
 A canary (``KVCanaryReserve``, a test of the data path): ``canary_blocks`` blocks reserved like a
@@ -181,12 +186,14 @@ class DecodeWorker(WorkerLoop):
                 or any(p[0].request_id == request_id for p in self.pending))
 
     def _try_reserve(self, seq: Sequence) -> bool:
-        if not self.core.scheduler.add_waiting_for_kv(seq):
+        if not self.core.scheduler.add_waiting_for_kv(seq, reuse_prefix=self.settings.decode_prefix_reuse):
             return False
+        num_cached = seq.num_cached_tokens // self.core.block_manager.block_size
         try:
-            handle = self.receiver.expect(seq.request_id, list(seq.block_table),
+            handle = self.receiver.expect(seq.request_id, seq.block_table[num_cached:],
                                           timeout_s=self.kv_deadline_s(seq.num_prompt_tokens),
-                                          claim_timeout_s=self.kv_claim_timeout_s)
+                                          claim_timeout_s=self.kv_claim_timeout_s,
+                                          num_cached_blocks=num_cached)
         except Exception:
             self.core.scheduler.abort(seq.request_id)
             raise
@@ -269,6 +276,10 @@ class DecodeWorker(WorkerLoop):
         seq = self.core.scheduler.kv_landed(rid, self.first_tokens.pop(rid))
         now = time.monotonic()
         self.metrics.joined(seq, now, batch_was_empty=not self.seqs)
+        block_size = self.core.block_manager.block_size
+        num_cached = seq.num_cached_tokens // block_size
+        self.metrics.kv_received(-(-seq.num_prompt_tokens // block_size) - num_cached, num_cached,
+                                 self.core.runner.kv_cache.bytes_per_block)
         if seq.is_finished:  # the first token already ends it (e.g. a stop token id)
             reason: FinishReason = "stop" if seq.status is SequenceStatus.FINISHED_STOPPED else "length"
             self.metrics.finished(seq, reason, now)

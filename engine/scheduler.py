@@ -94,24 +94,32 @@ class Scheduler:
         self._requests[seq.request_id] = seq
         self.waiting.append(seq)
 
-    def add_waiting_for_kv(self, seq: Sequence) -> bool:
+    def add_waiting_for_kv(self, seq: Sequence, *, reuse_prefix: bool = False) -> bool:
         """Decode side: reserve blocks for ``seq``'s prompt while its KV is sent from a prefill worker.
 
-        Prefers one contiguous run of blocks (one transfer per request-layer), else any free blocks.
-        Returns False (nothing reserved, ``seq`` untouched) when too few blocks are free now.
+        With ``reuse_prefix`` the prompt's leading full blocks already in the prefix cache are taken first
+        (``BlockManager.allocate_prefix``: never the block of the last prompt token, rounded down to the
+        prefill grid; ref + 1 each, shared with any sequence holding them) and ``seq.num_cached_tokens``
+        says how many tokens they hold: only the blocks after them (``block_table[num_cached_tokens //
+        block_size:]``) await KV. Those are one contiguous run of blocks if one is free (one transfer per
+        request-layer), else any free blocks. Needs as many free blocks as the whole prompt has (cached
+        ones count as free), so a reservation never fails half-way. Returns False (nothing reserved,
+        ``seq`` untouched) when too few blocks are free now.
 
         Raises:
             ValueError: as :meth:`add` for bad or over-long sequences.
         """
         self._validate_new(seq)
         num_blocks = -(-seq.num_prompt_tokens // self.block_manager.block_size)
-        run = self.block_manager.allocate_contiguous(num_blocks)
-        if run is not None:
-            seq.block_table = run
-        elif self.block_manager.can_allocate(seq, seq.num_prompt_tokens):
-            self.block_manager.allocate(seq, seq.num_prompt_tokens)
-        else:
+        if self.block_manager.num_free_blocks < num_blocks:
             return False
+        cached = self.block_manager.allocate_prefix(seq) if reuse_prefix else 0
+        run = self.block_manager.allocate_contiguous(num_blocks - len(seq.block_table))
+        if run is not None:
+            seq.block_table.extend(run)
+        else:
+            self.block_manager.allocate(seq, seq.num_prompt_tokens)
+        seq.num_cached_tokens = cached
         seq.status = SequenceStatus.WAITING_FOR_KV
         self._requests[seq.request_id] = seq
         return True

@@ -133,7 +133,8 @@ class Admission:
                   if d is not route.decode and pairing_mismatch(prefill.info, d.info) is None]
         fitting = [d for d in others if self._free_for(d, num_prompt_tokens)]
         if fitting:
-            return replace(route, decode=max(fitting, key=self.free_blocks))
+            # the router's decode prefix count was the first choice's: unknown for this one
+            return replace(route, decode=max(fitting, key=self.free_blocks), decode_prefix_blocks=0)
         candidates = [route.decode, *others]
         totals = [d.load.num_total_blocks for d in candidates]
         most = max(totals)

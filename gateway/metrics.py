@@ -198,6 +198,10 @@ class GatewayMetrics:
                                             "chosen prefill worker had reported cached (KV events) when "
                                             "routed",
                                             registry=r)
+        self.decode_prefix_cached_blocks = Counter("pdserve_decode_prefix_cached_blocks", "leading prompt "
+                                                   "blocks the chosen decode worker had reported cached (KV "
+                                                   "events) when routed: KV it need not receive",
+                                                   registry=r)
         self.kv_events = Counter("pdserve_kv_events", "KVEvents applied to the prefix index by kind (delta, "
                                  "snapshot), and gaps (a missed delta: the worker's state unknown until "
                                  "a snapshot); every gateway process applies every worker's events, so "

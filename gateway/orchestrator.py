@@ -303,6 +303,7 @@ class Orchestrator:
         if route.prompt_blocks:
             self.metrics.prefix_prompt_blocks.inc(route.prompt_blocks)
             self.metrics.prefix_cached_blocks.inc(route.prefix_blocks)
+            self.metrics.decode_prefix_cached_blocks.inc(route.decode_prefix_blocks)
         if route.fallback:
             self.metrics.fallbacks.inc()
         if route.kind == "disaggregated":

@@ -2,12 +2,14 @@
 
 Policy:
 * a prompt shorter than ``disagg_threshold`` tokens goes to a live colocated worker when one exists;
-* otherwise disaggregated: the decode worker with the least load (ties: more free blocks), and the
-  prefill worker with the longest cached prefix (``PrefixIndex``: the blocks its KV events report
-  first, then those this gateway routed to it and not yet reported) among the least loaded (load within
-  ``prefill_slack`` of the minimum), restricted to pairs that are compatible (``pairing_mismatch``) and
-  not blocked (``blocked``: a pair whose KV data path failed its canary, gateway/canary.py). Gateways
-  fed the same KV events and loads choose the same prefill worker for a prefix the workers reported;
+* otherwise disaggregated: the prefill worker with the longest cached prefix (``PrefixIndex``: the blocks
+  its KV events report first, then those this gateway routed to it and not yet reported) among the least
+  loaded (load within ``prefill_slack`` of the minimum), and for it the decode worker chosen the same
+  way (its prefix cache holds the blocks whose KV need not be sent; load within ``decode_slack`` of the
+  minimum among the decode workers it pairs with; ties: less load, more free blocks), restricted to
+  pairs that are compatible (``pairing_mismatch``) and not blocked (``blocked``: a pair whose KV data
+  path failed its canary, gateway/canary.py). Gateways fed the same KV events and loads choose the same
+  workers for a prefix the workers reported;
 * ``max_tokens == 1``: prefill only, no decode worker;
 * a deployment with no prefill and no decode workers serves everything colocated;
 * prefill or decode missing while colocated workers exist: colocated only with ``allow_local_prefill``
@@ -35,7 +37,9 @@ class NoWorkerError(RuntimeError):
 class Route:
     """Where one request goes. ``fallback`` marks colocated serving because prefill/decode were missing.
     ``prefix_blocks``: leading blocks of the prompt the chosen prefill worker reported cached (its KV
-    events), of ``prompt_blocks`` full blocks (both 0 for colocated routes)."""
+    events), of ``prompt_blocks`` full blocks (both 0 for colocated routes); ``decode_prefix_blocks``:
+    those the chosen decode worker reported cached, as many as it can reuse (0 but for disaggregated
+    routes)."""
 
     kind: RouteKind
     prefill: WorkerEntry | None = None
@@ -44,19 +48,23 @@ class Route:
     fallback: bool = False
     prefix_blocks: int = 0
     prompt_blocks: int = 0
+    decode_prefix_blocks: int = 0
 
 
 class Router:
     """Chooses workers from ``registry`` and the prefix-cache state in ``prefix_index`` (where it also
-    records the blocks of each prompt it sends to a prefill worker as pending). ``blocked(prefill id,
-    decode id)`` says why a compatible pair may not be used ("" when it may)."""
+    records the blocks of each prompt it sends to a prefill or decode worker as pending). ``blocked(prefill
+    id, decode id)`` says why a compatible pair may not be used ("" when it may). ``prefill_slack`` /
+    ``decode_slack``: how much more load (``WorkerEntry.load_score``) than the least loaded worker of its
+    role a worker may carry and still be chosen for a longer cached prefix."""
 
     def __init__(self, registry: WorkerRegistry, prefix_index: PrefixIndex, disagg_threshold: int = 0,
                  allow_local_prefill: bool = False, prefill_slack: int = 2,
-                 blocked: Callable[[str, str], str] = lambda p, d: "") -> None:
+                 blocked: Callable[[str, str], str] = lambda p, d: "", decode_slack: int = 2) -> None:
         self.registry, self.prefix_index = registry, prefix_index
         self.disagg_threshold, self.allow_local_prefill = disagg_threshold, allow_local_prefill
         self.prefill_slack, self.blocked = prefill_slack, blocked
+        self.decode_slack = decode_slack
 
     def pair_problem(self, prefill: WorkerEntry, decode: WorkerEntry) -> str | None:
         """Why this pair cannot serve (incompatible KV, or a failed data path), or None if it can."""
@@ -94,7 +102,7 @@ class Router:
             raise NoWorkerError("no live prefill worker (start one, or run the gateway with "
                                 "--allow-local-prefill and a colocated worker)")
         chains: dict[int, list[int]] = {}  # block size → the prompt's block hashes
-        ranked = self._rank_prefills(prompt, prefills, chains)
+        ranked = self._rank(prompt, prefills, chains, self.prefill_slack)
         if max_tokens <= 1:
             best, hit = ranked[0]
             return self._chosen(Route("prefill_only", prefill=best), hit, chains)
@@ -104,27 +112,31 @@ class Router:
         for prefill, hit in ranked:
             ok = [d for d in decodes if self.pair_problem(prefill, d) is None]
             if ok:
-                return self._chosen(Route("disaggregated", prefill=prefill, decode=_least_loaded(ok)), hit,
-                                    chains)
+                decode, decode_hit = self._rank(prompt, ok, chains, self.decode_slack)[0]
+                self.prefix_index.expect(decode.worker_id, chains[decode.info.compat.block_size])
+                return self._chosen(Route("disaggregated", prefill=prefill, decode=decode,
+                                          decode_prefix_blocks=decode_hit.cached), hit, chains)
             reasons += [m for d in decodes if (m := self.pair_problem(prefill, d))]
         raise NoWorkerError("no compatible prefill/decode pair: " + "; ".join(reasons))
 
-    def _rank_prefills(self, prompt: list[int], prefills: list[WorkerEntry], chains: dict[int, list[int]]
-                       ) -> list[tuple[WorkerEntry, PrefixMatch]]:
-        """Near-least-loaded first, then by reported cached prefix, then pending prefix, then load, then
+    def _rank(self, prompt: list[int], workers: list[WorkerEntry], chains: dict[int, list[int]], slack: int
+              ) -> list[tuple[WorkerEntry, PrefixMatch]]:
+        """``workers`` (one role) with their usable prefix hits: those within ``slack`` of the least load
+        first, then by reported cached prefix, then pending prefix, then load, then more free blocks, then
         worker id (not registration order, which differs between gateways)."""
-        floor = min(p.load_score() for p in prefills)
+        floor = min(p.load_score() for p in workers)
         scored = []
-        for p in prefills:
+        for p in workers:
             size = p.info.compat.block_size
             chain = chains.get(size)
             if chain is None:
                 chain = chains[size] = block_hashes(prompt, size)
             hit = _usable(self.prefix_index.match(p.worker_id, chain), len(prompt), size,
                           p.info.compat.prefill_grid)
-            near = p.load_score() <= floor + self.prefill_slack
+            near = p.load_score() <= floor + slack
             scored.append((p, hit, near))
-        scored.sort(key=lambda s: (not s[2], -s[1].cached, -s[1].pending, s[0].load_score(), s[0].worker_id))
+        scored.sort(key=lambda s: (not s[2], -s[1].cached, -s[1].pending, s[0].load_score(),
+                                   -s[0].load.num_free_blocks, s[0].worker_id))
         return [(p, hit) for p, hit, _ in scored]
 
     def _chosen(self, route: Route, hit: PrefixMatch, chains: dict[int, list[int]]) -> Route:

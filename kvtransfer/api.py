@@ -181,14 +181,17 @@ class KVReceiver(Protocol):
         ...
 
     def expect(self, request_id: str, block_ids: list[int], timeout_s: float | None = None,
-               claim_timeout_s: float | None = None) -> KVHandle:
+               claim_timeout_s: float | None = None, *, num_cached_blocks: int = 0) -> KVHandle:
         """Register a request whose KV will land in `block_ids` (token order; contiguous runs make fewer,
-        larger writes); returns the KVHandle for the sender. Two deadlines, in seconds: a sender must
+        larger writes); returns the KVHandle for the sender. `num_cached_blocks`: leading blocks of the
+        request this side holds already (its prefix cache; they precede `block_ids` and are not
+        written), carried in the handle so the sender skips them. Two deadlines, in seconds: a sender must
         claim the request (Begin; a prefill worker begins in the step that runs the prompt's last chunk)
         within `claim_timeout_s` from now (default: `timeout_s`), then a layer must land within
         `timeout_s` (default config.timeout_s) of that Begin and of each landed layer, so neither time
         spent in the sender's queue nor a slow but progressing prefill step fails the transfer. Raises
-        ValueError on a duplicate request id, empty, repeated or out-of-range block ids, or a timeout <= 0.
+        ValueError on a duplicate request id, empty, repeated or out-of-range block ids, a timeout <= 0
+        or a negative `num_cached_blocks`.
         """
         ...
 

@@ -101,10 +101,12 @@ class ReceiverEndpoint:
 
     # ---- the worker's surface (api.KVReceiver) -----------------------------------------------------
     def expect(self, request_id: str, block_ids: list[int], timeout_s: float | None = None,
-               claim_timeout_s: float | None = None) -> KVHandle:
+               claim_timeout_s: float | None = None, *, num_cached_blocks: int = 0) -> KVHandle:
         """Register a request whose KV will land in `block_ids` (api.KVReceiver.expect)."""
         if not block_ids or len(set(block_ids)) != len(block_ids):
             raise ValueError(f"block_ids must be non-empty and distinct, got {block_ids[:8]}...")
+        if num_cached_blocks < 0:
+            raise ValueError(f"num_cached_blocks must be >= 0, got {num_cached_blocks}")
         layer_pieces(self.layout, tuple(block_ids), 0)  # range check
         timeout = timeout_s or self.config.timeout_s
         claim = timeout if claim_timeout_s is None else claim_timeout_s
@@ -112,7 +114,7 @@ class ReceiverEndpoint:
             raise ValueError(f"timeouts must be > 0 s, got timeout_s={timeout}, claim_timeout_s={claim}")
         handle = KVHandle(worker_id=self.config.worker_id, epoch=self.epoch, request_id=request_id,
                           block_ids=tuple(block_ids), layout=self.layout, address=self.address,
-                          backend=self.config.backend, timeout_s=timeout)
+                          backend=self.config.backend, timeout_s=timeout, num_cached_blocks=num_cached_blocks)
         with self._requests.lock:
             self._requests.add(RecvState(handle, time.monotonic() + claim),
                                f"request_id {request_id!r} already expected")

@@ -14,8 +14,8 @@ import msgspec
 
 from kvtransfer.curve import CurveKeys
 
-PROTOCOL_VERSION = 6  # of the KV control plane (wire.py): part of compat.KVCompat, so peers of two versions
-# are refused at pairing time; bump it with any change to a message's encoding
+PROTOCOL_VERSION = 7  # of the KV control plane (wire.py) and the KVHandle: part of compat.KVCompat, so peers
+# of two versions are refused at pairing time; bump it with any change to a message's encoding or meaning
 
 
 class TransferStatus(enum.Enum):
@@ -79,7 +79,9 @@ class KVHandle(msgspec.Struct, frozen=True):
     worker address) travels in the connect handshake, not in every handle. timeout_s: the deadline of
     the transfer in seconds, counted by the receiver from the sender's Begin and each landed layer
     (before the Begin, the receiver's claim deadline applies: KVReceiver.expect), by the sender from
-    add_request and each layer handed off.
+    add_request and each layer handed off. num_cached_blocks: the prompt's leading blocks the receiver
+    already holds (its prefix cache); `block_ids` are the destinations of the blocks after them, so the
+    sender sends its blocks `num_cached_blocks ..` only (0: the whole prompt).
     """
 
     worker_id: str
@@ -90,6 +92,7 @@ class KVHandle(msgspec.Struct, frozen=True):
     address: str
     backend: str
     timeout_s: float
+    num_cached_blocks: int = 0
 
 
 @dataclass(frozen=True)

@@ -166,6 +166,12 @@ def _add_worker(add: _Adder, role: str) -> None:
              "of --block-size, at most --max-num-batched-tokens), one chunk per sequence per step, round "
              "prefix-cache hits down to it and reuse only whole prefill chunks' KV, so a cache hit gives "
              "the same bits as a fresh prefill of a request run alone (0: off)")
+    if role in ("decode", "up"):
+        _bool_flag(add, "--decode-prefix-reuse", True,
+                   "decode workers: keep finished requests' KV blocks as a prefix cache and take a new "
+                   "request's cached leading blocks from it, so only the rest of its prompt's KV is sent by "
+                   "the prefill worker (false: no prefix cache on the decode worker, every request's whole "
+                   "prompt KV is sent)")
     add("--max-model-len", type=int, default=None,
         help="tokens per sequence, prompt and output (default: the model's context length)")
     add("--gateway-control", default="tcp://127.0.0.1:7100",

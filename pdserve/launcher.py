@@ -39,6 +39,7 @@ import httpx
 
 from kvtransfer.curve import generate_keys
 from protocol.settings import (
+    DECODE_ONLY_WORKER_FIELDS,
     UP_MANAGED_GATEWAY_FIELDS,
     UP_MANAGED_WORKER_FIELDS,
     GatewaySettings,
@@ -178,6 +179,7 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
               "--port", "0",
               *common]
     given = changed_flags(settings.worker, UP_MANAGED_WORKER_FIELDS)
+    given_not_decode = changed_flags(settings.worker, UP_MANAGED_WORKER_FIELDS | DECODE_ONLY_WORKER_FIELDS)
     transfer = ["--transfer-backend", settings.transfer_backend]
     roles = [(role, i) for role, count in (("prefill", settings.num_prefill), ("decode", settings.num_decode),
                                            ("colocated", settings.colocated)) for i in range(count)]
@@ -189,7 +191,7 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
         extra = transfer if role != "colocated" else []
         metrics = ["--metrics-port", str(metrics_ports[k])] if metrics_ports else []
         children.append((name, [role, "--worker-id", f"up-{name}", *worker, *metrics, *device, *extra,
-                                *given]))
+                                *(given if role == "decode" else given_not_decode)]))
     return children
 
 

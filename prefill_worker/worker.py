@@ -4,7 +4,9 @@ Queues and states of a request (``PrefillRequest`` from the gateway):
   1. inbox → engine ``waiting`` (WAITING), prefill-only ``EngineCore``;
   2. chunked prefill under ``--max-num-batched-tokens`` (RUNNING); in the step that runs the LAST prompt
      chunk, the request is added to the kvtransfer ``KVSender`` and the attention ``layer_hook`` hands
-     each layer to it as soon as that layer's K/V is stored (layer-by-layer streaming);
+     each layer to it as soon as that layer's K/V is stored (layer-by-layer streaming): the prompt's blocks
+     from the handle's ``num_cached_blocks`` on (the decode worker holds the ones before in its prefix
+     cache; this worker still computes or reuses them, as its attention reads them);
   3. the step samples the first token → FINISHED_PREFILLED; ``FirstToken`` goes out at once (TTFT);
   4. ``sending``: blocks held until the transfer is terminal (DONE / FAILED / ABORTED), then released
      (full blocks stay in the prefix cache). FAILED → ``RequestFailed``.
@@ -12,7 +14,7 @@ Queues and states of a request (``PrefillRequest`` from the gateway):
 ``AbortRequest``: dropped from the engine, or its transfer aborted (blocks freed once terminal).
 Metrics (``workers.metrics``): the request's part here ends with its first token.
 Transfer totals (heartbeat ``WorkerLoad.kv_transfer_bytes`` / ``kv_transfer_seconds``): per transfer that
-reaches DONE, blocks × ``KVCachePool.bytes_per_block`` and the seconds from the first layer handed to the
+reaches DONE, blocks sent × ``KVCachePool.bytes_per_block`` and the seconds from the first layer handed to the
 sender to the ``poll`` that sees DONE (so at most one step late).
 
 A canary (``KVCanarySend``, a test of the data path): as many blocks of this worker's own (from its
@@ -186,9 +188,11 @@ class PrefillWorker(WorkerLoop):
             if kv_handle.request_id != msg.request_id:
                 raise ValueError(f"kv_handle is for request {kv_handle.request_id!r}, not {msg.request_id!r}")
             need = math.ceil(len(msg.prompt_token_ids) / self.core.block_manager.block_size)
-            if len(kv_handle.block_ids) != need or kv_handle.backend != self.settings.transfer_backend:
-                raise ValueError(f"kv_handle has {len(kv_handle.block_ids)} blocks over "
-                                 f"{kv_handle.backend!r}; need {need} over "
+            cached = kv_handle.num_cached_blocks
+            if (cached < 0 or not kv_handle.block_ids or len(kv_handle.block_ids) + cached != need
+                    or kv_handle.backend != self.settings.transfer_backend):
+                raise ValueError(f"kv_handle has {len(kv_handle.block_ids)} blocks after {cached} cached "
+                                 f"over {kv_handle.backend!r}; need {need} in all over "
                                  f"{self.settings.transfer_backend!r}")
         seq = self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
         self.seqs[msg.request_id], self.kv_handles[msg.request_id] = seq, kv_handle
@@ -230,13 +234,15 @@ class PrefillWorker(WorkerLoop):
             kv_handle = self.kv_handles.get(rid)
             if not s.samples or kv_handle is None:
                 continue
+            # the decode worker holds the first num_cached_blocks already (its prefix cache): not sent
+            suffix = s.seq.block_table[kv_handle.num_cached_blocks:]
             try:
-                self.sender.add_request(kv_handle, list(s.seq.block_table))
+                self.sender.add_request(kv_handle, suffix)
             except (ValueError, RuntimeError) as exc:
                 self._hook_errors[rid] = f"KV transfer could not start: {exc}"
                 continue
             rids.append(rid)
-            self._transfer_blocks[rid] = len(s.seq.block_table)
+            self._transfer_blocks[rid] = len(suffix)
         if not rids:
             return None
 

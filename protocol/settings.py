@@ -163,6 +163,7 @@ class WorkerSettings:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     prefill_grid: int = 0  # tokens; 0: off (engine.config.SchedulerConfig.prefill_grid)
+    decode_prefix_reuse: bool = True  # decode workers only (DECODE_ONLY_WORKER_FIELDS)
     max_model_len: int | None = None
     gateway_control: str = "tcp://127.0.0.1:7100"  # comma-separated; a DNS name: each of its addresses
     gateway_resolve_interval: float = 5.0  # seconds between DNS lookups of --gateway-control's names
@@ -239,6 +240,8 @@ UP_MANAGED_WORKER_FIELDS = frozenset({"role", "model", "device", "transfer_backe
                                       "gateway_resolve_interval",
                                       "host", "advertise_host", "port", "metrics_port", "worker_id",
                                       "log_level", "log_format", "curve_keys", "insecure_control_plane"})
+# WorkerSettings fields only a decode worker has a flag for (`pdserve up` passes them to its decode workers)
+DECODE_ONLY_WORKER_FIELDS = frozenset({"decode_prefix_reuse"})
 # GatewaySettings fields `pdserve up` sets itself (host and port are UpSettings.host and .port)
 UP_MANAGED_GATEWAY_FIELDS = frozenset({"host", "port", "control_bind", "workers", "log_level", "log_format",
                                        "curve_keys", "insecure_control_plane"})

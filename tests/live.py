@@ -32,7 +32,8 @@ WORKER_FLAGS = ("--log-level", "debug")
 # the suites that use it (node id prefixes): under pytest-xdist they run in one worker (tests/conftest.py)
 LIVE_SUITES = ("tests/conformance/", "tests/loadtest/test_live.py", "tests/system/test_pipeline.py",
                "tests/system/test_control_auth_live.py", "tests/system/test_worker_metrics_live.py",
-               "tests/system/test_openapi_fuzz_live.py", "tests/system/test_kv_events_live.py")
+               "tests/system/test_openapi_fuzz_live.py", "tests/system/test_kv_events_live.py",
+               "tests/system/test_decode_prefix_reuse_live.py")
 
 
 @contextmanager

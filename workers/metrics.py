@@ -14,6 +14,9 @@ What a worker counts is what it computed, so a sum over the fleet counts each to
   prefill worker);
 * ``vllm:generation_tokens`` counts the tokens this worker sampled (a prefill worker: the first token;
   a decode worker: the second on);
+* a decode worker counts the prompt KV blocks it received (``pdserve_worker_kv_received_blocks`` and
+  ``_bytes``) and those it found in its own prefix cache instead (``pdserve_worker_kv_reused_blocks``)
+  when a request's KV has landed;
 * per-request times (seconds, ``time.monotonic()``) run from the request's arrival at this worker
   (``Sequence.arrival_time``): queue = arrival → first scheduled; prefill = first scheduled → first
   token; decode = first token → last token; inference = prefill + decode; e2e = arrival → finished.
@@ -217,6 +220,13 @@ class WorkerMetrics:
         self.request_computed_tokens = histogram("vllm:request_prefill_kv_computed_tokens", "Prompt tokens "
                                                  "whose KV this worker computed per request (not cached).",
                                                  counts)
+        self.kv_received_blocks = counter("pdserve_worker_kv_received_blocks", "Decode worker: prompt KV "
+                                          "blocks received from prefill workers (requests whose KV landed).")
+        self.kv_received_bytes = counter("pdserve_worker_kv_received_bytes", "Decode worker: bytes of the "
+                                         "prompt KV blocks received from prefill workers (all layers, K and "
+                                         "V).")
+        self.kv_reused_blocks = counter("pdserve_worker_kv_reused_blocks", "Decode worker: prompt KV blocks "
+                                        "found in its own prefix cache, so not received.")
         self.request_max_tokens = histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens "
                                             "request parameter.", counts)
         self.request_max_generation_tokens = histogram(
@@ -260,6 +270,14 @@ class WorkerMetrics:
         self.first_token(seq, now, computed_prompt=False)
         if batch_was_empty:
             self._last_token_at = now
+
+    def kv_received(self, num_received: int, num_reused: int, bytes_per_block: int) -> None:
+        """Decode worker: a request's prompt KV is complete here, ``num_received`` blocks of it sent by its
+        prefill worker and ``num_reused`` found in this worker's prefix cache; ``bytes_per_block``: bytes of
+        one block over every layer, K and V."""
+        self.kv_received_blocks.inc(num_received)
+        self.kv_received_bytes.inc(num_received * bytes_per_block)
+        self.kv_reused_blocks.inc(num_reused)
 
     def step(self, num_sampled: int, now: float) -> None:
         """One engine step sampled ``num_sampled`` tokens at ``now`` (reported after its requests'

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, SchedulerConfig
+from engine.scheduler import Scheduler
 from engine.sequence import SequenceStatus
-from tests.engine.test_scheduler import EOS, _drain, _plan, _sched, _seq, _step
+from tests.engine.test_scheduler import BS, EOS, _drain, _plan, _sched, _seq, _step
 
 
 def test_prefill_only_keeps_blocks_until_release() -> None:
@@ -71,3 +74,105 @@ def test_kv_landed_first_token_can_finish_at_once() -> None:
     assert s.kv_landed("eos", EOS).status is SequenceStatus.FINISHED_STOPPED
     assert one.block_table == [] and eos.block_table == []
     _drain(s)
+
+
+def _landed(s, seq, token: int = 42) -> None:
+    """``seq`` reserved (no reuse), its KV landed (first token ``token``), then aborted: its full prompt
+    blocks stay cached."""
+    assert s.add_waiting_for_kv(seq) and seq.num_cached_tokens == 0
+    s.kv_landed(seq.request_id, token)
+    s.abort(seq.request_id)
+
+
+def test_decode_reserve_reuses_cached_prefix_blocks_only_the_rest_awaits_kv() -> None:
+    s = _sched(num_blocks=16)
+    first = _seq("t1", 10)  # blocks [0..3], [4..7] full, [8, 9] partial
+    _landed(s, first)
+    assert s.block_manager.num_free_blocks == 16
+    second = _seq("t2", 15)  # the same first 10 tokens, then 5 more
+    assert s.add_waiting_for_kv(second, reuse_prefix=True)
+    assert second.num_cached_tokens == 8 and second.block_table[:2] == first_blocks(s, 2) == [0, 1]
+    assert len(second.block_table) == 4 and second.status is SequenceStatus.WAITING_FOR_KV
+    tail = second.block_table[2:]
+    assert tail == list(range(tail[0], tail[0] + 2)) and not set(tail) & set(second.block_table[:2])
+    s.kv_landed("t2", 42)
+    assert second.num_computed_tokens == 15 and second.num_cached_tokens == 8
+    _drain(s)
+
+
+def first_blocks(s, n: int) -> list[int]:
+    """The blocks holding tokens 10..10+4n of _seq's prompts (the prefix cache's hits for them)."""
+    probe = _seq("probe", 4 * n + 1)
+    got = s.block_manager.allocate_prefix(probe)
+    assert got == 4 * n
+    blocks = list(probe.block_table)
+    s.block_manager.free(probe)
+    return blocks
+
+
+def test_decode_reserve_never_reuses_the_last_prompt_tokens_block_nor_without_reuse() -> None:
+    s = _sched(num_blocks=16)
+    _landed(s, _seq("a", 12))
+    b = _seq("b", 12)
+    assert s.add_waiting_for_kv(b, reuse_prefix=True)
+    assert b.num_cached_tokens == 8  # block 2 holds the last prompt token: received again
+    s.abort("b")
+    c = _seq("c", 12)
+    assert s.add_waiting_for_kv(c)  # reuse_prefix off: every block awaits KV
+    assert c.num_cached_tokens == 0 and not set(c.block_table) & set(first_blocks(s, 2))
+    s.abort("c")
+    _drain(s)
+
+
+def test_decode_reserve_rounds_a_hit_down_to_the_prefill_grid() -> None:
+    bm = BlockManager(16, BS, prefix_grid_blocks=2)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, prefill_grid=8),
+                  CacheConfig(block_size=BS, num_blocks=16), bm)
+    _landed(s, _seq("a", 14))  # cacheable: the whole grid chunk [0, 8) only
+    b = _seq("b", 20)
+    assert s.add_waiting_for_kv(b, reuse_prefix=True)
+    assert b.num_cached_tokens == 8
+    s.abort("b")
+    _landed(s, _seq("c", 17))  # chunks [0, 8), [8, 16) cacheable now
+    d = _seq("d", 14)
+    assert s.add_waiting_for_kv(d, reuse_prefix=True)
+    assert d.num_cached_tokens == 8  # 3 blocks could match before the last token's: rounded to 2
+    s.abort("d")
+    _drain(s)
+
+
+def test_decode_reserve_shares_cached_blocks_and_an_abort_drops_only_its_references() -> None:
+    s = _sched(num_blocks=8)
+    _landed(s, _seq("a", 9))
+    b, c = _seq("b", 11), _seq("c", 10)
+    assert s.add_waiting_for_kv(b, reuse_prefix=True) and s.add_waiting_for_kv(c, reuse_prefix=True)
+    shared = b.block_table[:2]
+    assert c.block_table[:2] == shared and b.num_cached_tokens == c.num_cached_tokens == 8
+    blocks = s.block_manager._blocks
+    assert [blocks[i].ref_count for i in shared] == [2, 2]
+    s.abort("b")  # aborted while its KV was in flight: c still holds the shared blocks
+    assert [blocks[i].ref_count for i in shared] == [1, 1]
+    assert all(blocks[i].block_hash is not None for i in shared)
+    s.kv_landed("c", 42)
+    _drain(s)
+    d = _seq("d", 12)
+    assert s.add_waiting_for_kv(d, reuse_prefix=True) and d.block_table[:2] == shared
+    s.abort("d")
+    s.block_manager.check_no_leaks()
+
+
+def test_decode_reserve_with_a_hit_refused_when_too_few_blocks_free_leaves_nothing_held() -> None:
+    s = _sched(num_blocks=5)
+    _landed(s, _seq("a", 9))  # blocks 0, 1 cached
+    hold = _seq("h", 8, start=200)
+    assert s.add_waiting_for_kv(hold) and hold.block_table == [2, 3]
+    b = _seq("b", 16)  # 4 blocks: the 2 cached + 2 more, but only block 4 is free besides them
+    assert not s.add_waiting_for_kv(b, reuse_prefix=True)
+    assert b.block_table == [] and b.num_cached_tokens == 0 and b.status is SequenceStatus.WAITING
+    assert s.block_manager.num_free_blocks == 3 and s.get("b") is None
+    assert first_blocks(s, 2) == [0, 1]  # still cached
+    s.abort("h")
+    assert s.add_waiting_for_kv(b, reuse_prefix=True)
+    assert b.num_cached_tokens == 8 and b.block_table[:2] == [0, 1]
+    s.abort("b")
+    s.block_manager.check_no_leaks()

@@ -147,3 +147,39 @@ def test_block_hashes_chain_and_validation() -> None:
     assert a[1] != b[1]  # same second block, different prefix → different hash
     with pytest.raises(ValueError, match="block_size"):
         block_hashes([1], 0)
+
+
+def test_decode_prefix_affinity_among_least_loaded() -> None:
+    registry, router = make(reg("p", "prefill"), reg("d1", "decode", free=90), reg("d2", "decode", free=50))
+    prompt = list(range(40))  # 10 full blocks of 4
+    assert router.route(prompt, max_tokens=4).decode.worker_id == "d1"  # type: ignore[union-attr]
+    router.prefix_index = PrefixIndex()  # forget what was routed (pending entries)
+    router.prefix_index.apply(KVEvents(worker_id="d2", epoch=1, seq_no=1, snapshot=True,
+                                       stored=block_hashes(prompt, 4)))
+    route = router.route(prompt, max_tokens=4)
+    # all 10 reported, 9 usable: the block holding the prompt's last token is always sent
+    assert route.decode.worker_id == "d2" and route.decode_prefix_blocks == 9  # type: ignore[union-attr]
+    assert route.prefix_blocks == 0 and route.prompt_blocks == 10
+    registry.touch("d2", 1, WorkerLoad(num_running=2, num_free_blocks=50))  # within the slack of 2: kept
+    assert router.route(prompt, max_tokens=4).decode.worker_id == "d2"  # type: ignore[union-attr]
+    registry.touch("d2", 1, WorkerLoad(num_running=10, num_free_blocks=50))  # load wins over the prefix
+    route = router.route(prompt, max_tokens=4)
+    assert route.decode.worker_id == "d1" and route.decode_prefix_blocks == 0  # type: ignore[union-attr]
+
+
+def test_decode_routed_prefix_counts_as_pending_and_grid_rounds_the_hit() -> None:
+    import msgspec
+
+    grid = KVCompat(model_id="m", dtype="bfloat16", block_size=4, prefill_grid=16)
+    p, d1, d2 = (msgspec.structs.replace(reg(w, role), compat=grid)
+                 for w, role in (("p", "prefill"), ("d1", "decode"), ("d2", "decode")))
+    _, router = make(p, d1, d2)
+    prompt = list(range(40))
+    first = router.route(prompt, max_tokens=4).decode
+    assert first is not None and first.worker_id == "d1"  # equal load and free blocks: by worker id
+    assert router.prefix_index.match("d1", block_hashes(prompt, 4)).pending == 10
+    router.prefix_index.apply(KVEvents(worker_id="d2", epoch=1, seq_no=1, snapshot=True,
+                                       stored=block_hashes(prompt[:28], 4)))
+    route = router.route(prompt, max_tokens=4)  # d2's 7 reported blocks beat d1's pending ones
+    assert route.decode.worker_id == "d2"  # type: ignore[union-attr]
+    assert route.decode_prefix_blocks == 4  # 7 reported, whole 4-block grid chunks only

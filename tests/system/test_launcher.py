@@ -82,6 +82,29 @@ def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:
             assert (child.host, child.port) == ("127.0.0.1", 0)  # internal sockets stay on loopback
 
 
+def test_decode_prefix_reuse_flag_reaches_decode_workers_only_and_other_roles_refuse_it() -> None:
+    """``--decode-prefix-reuse`` is a decode worker's flag: ``up`` passes it to its decode workers (their
+    engines then keep no prefix cache) and to no other child; ``pdserve prefill`` / ``colocated`` refuse
+    it before anything starts."""
+    from pdserve.cli import build_parser
+    from protocol.settings import WorkerSettings, settings_from_args
+    from workers.setup import engine_config_from_settings
+
+    up = settings_from_args(build_parser({}).parse_args(
+        ["up", "--decode-prefix-reuse", "false", "--colocated", "1", "--insecure-control-plane"]))
+    assert isinstance(up, UpSettings)
+    for name, args in plan(up, control_port=7777)[1:]:
+        assert ("--decode-prefix-reuse" in args) == name.startswith("decode"), name
+        child = settings_from_args(build_parser({}).parse_args(args))
+        assert isinstance(child, WorkerSettings)
+        assert engine_config_from_settings(child).cache.enable_prefix_caching == (child.role != "decode")
+    decode = settings_from_args(build_parser({}).parse_args(["decode", "--insecure-control-plane"]))
+    assert isinstance(decode, WorkerSettings) and decode.decode_prefix_reuse
+    for role in ("prefill", "colocated"):
+        with pytest.raises(SystemExit):
+            build_parser({}).parse_args([role, "--decode-prefix-reuse", "false", "--insecure-control-plane"])
+
+
 def test_plan_gives_each_worker_its_own_metrics_port() -> None:
     """``up`` assigns every worker a ``--metrics-port`` (its /metrics, /health, /live); a worker flag such as
     ``--engine-stall-timeout`` given to ``up`` reaches every worker; ``--metrics-port`` is up's own."""

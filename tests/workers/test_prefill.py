@@ -30,7 +30,7 @@ from tests.workers.helpers import (
     run,
     wire,
 )
-from workers.setup import decode_handle
+from workers.setup import decode_handle, encode_handle
 
 PROMPT = list(range(10, 20))  # 10 tokens = 3 blocks of 4; chunks of 4 + 4 + 2 under a budget of 4
 
@@ -111,6 +111,19 @@ def test_max_tokens_one_without_handle_releases_at_once(prefill):
 def test_handle_needs_max_tokens_above_one_or_none(prefill):
     [failed] = run(prefill, _req("x", None, max_tokens=5))
     assert isinstance(failed, RequestFailed) and "max_tokens=1" in failed.error
+    assert_clean(prefill)
+
+
+@pytest.mark.parametrize("cached, blocks", [(1, [3, 4, 5]), (-1, [3, 4, 5, 6]), (3, [])])
+def test_handle_whose_cached_and_sent_blocks_do_not_make_the_prompt_is_refused(prefill, fake, cached, blocks):
+    """10 tokens = 3 blocks: a handle's ``num_cached_blocks`` plus its ``block_ids`` must be exactly those."""
+    import msgspec
+
+    handle = msgspec.structs.replace(decode_handle(fake.handle("x", [3])), block_ids=tuple(blocks),
+                                     num_cached_blocks=cached)
+    [failed] = run(prefill, _req("x", encode_handle(handle)))
+    assert isinstance(failed, RequestFailed) and f"after {cached} cached" in failed.error
+    assert "need 3 in all" in failed.error
     assert_clean(prefill)
 
 
