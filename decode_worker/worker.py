@@ -86,6 +86,7 @@ class DecodeWorker(WorkerLoop):
         self.receiver = receiver if receiver is not None else make_receiver(settings, core)
         self.pending: deque[tuple[Sequence, float]] = deque()
         self.in_flight: dict[str, Sequence] = {}
+        self.landing_blocks: dict[str, int] = {}  # blocks each in-flight request's KV lands in
         self.first_tokens: dict[str, int] = {}
         self.draining: set[str] = set()
         self.seqs: dict[str, Sequence] = {}
@@ -179,14 +180,16 @@ class DecodeWorker(WorkerLoop):
     def _try_reserve(self, seq: Sequence) -> bool:
         if not self.core.scheduler.add_waiting_for_kv(seq):
             return False
+        blocks = list(seq.block_table)
         try:
-            handle = self.receiver.expect(seq.request_id, list(seq.block_table),
+            handle = self.receiver.expect(seq.request_id, blocks,
                                           timeout_s=self.kv_deadline_s(seq.num_prompt_tokens),
                                           claim_timeout_s=self.kv_claim_timeout_s)
         except Exception:
             self.core.scheduler.abort(seq.request_id)
             raise
         self.in_flight[seq.request_id] = seq
+        self.landing_blocks[seq.request_id] = len(blocks)
         self.emit(KVReserved(request_id=seq.request_id, worker_id=self.worker_id,
                              kv_handle=encode_handle(handle)))
         return True
@@ -206,6 +209,7 @@ class DecodeWorker(WorkerLoop):
             return
         self.first_tokens.pop(request_id, None)
         self.pending = deque(p for p in self.pending if p[0].request_id != request_id)
+        self.landing_blocks.pop(request_id, None)
         if self.in_flight.pop(request_id, None) is not None:
             self.receiver.abort(request_id)
             self.draining.add(request_id)
@@ -264,6 +268,8 @@ class DecodeWorker(WorkerLoop):
         del self.in_flight[rid]
         seq = self.core.scheduler.kv_landed(rid, self.first_tokens.pop(rid))
         now = time.monotonic()
+        self.metrics.kv_received_bytes.inc(self.landing_blocks.pop(rid, 0)
+                                           * self.core.runner.kv_cache.bytes_per_block)
         self.metrics.joined(seq, now, batch_was_empty=not self.seqs)
         if seq.is_finished:  # the first token already ends it (e.g. a stop token id)
             reason: FinishReason = "stop" if seq.status is SequenceStatus.FINISHED_STOPPED else "length"

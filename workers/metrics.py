@@ -36,6 +36,14 @@ What a worker counts is what it computed, so a sum over the fleet counts each to
   ``vllm:request_success{finished_reason="abort"}`` (not in the latency histograms); a failed request
   (``RequestFailed``) is not counted.
 
+* ``vllm:iteration_tokens_total`` (vLLM's name, type and buckets: "tokens per engine step") is observed
+  once per engine step with the tokens the step ran through the model: the prompt-chunk tokens it
+  computed plus one per decode row (``EngineCore.step_observer``).
+* ``pdserve_worker_kv_sent_bytes`` (prefill workers) counts the KV of each transfer that completed, and
+  ``pdserve_worker_kv_received_bytes`` (decode workers) the KV of each request that landed and joined the
+  batch, both as blocks x ``KVCachePool.bytes_per_block`` (whole blocks: a prompt's last block counts in
+  full). Canary transfers are not counted.
+
 The engine loop pays one ``time.monotonic()`` and a few counter updates per step, and a few histogram
 updates per request at its first token and at its end.
 """
@@ -65,6 +73,8 @@ TOKEN_INTERVAL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.
                           10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's ITERATION_TOKENS_BUCKETS (tokens per engine step: powers of two up to a large step budget)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISHED_REASONS = ("stop", "length", "abort")
 
 
@@ -229,6 +239,13 @@ class WorkerMetrics:
                                       TOKEN_INTERVAL_BUCKETS)
         reg.register(self.itl)
         reg.register(self.tpot)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per "
+                                          "engine_step.", ITERATION_TOKENS_BUCKETS)
+        self.kv_sent_bytes = counter("pdserve_worker_kv_sent_bytes", "KV bytes this worker sent to decode "
+                                     "workers (transfers that completed; blocks x bytes per block).")
+        self.kv_received_bytes = counter("pdserve_worker_kv_received_bytes", "KV bytes that landed in this "
+                                         "worker from prefill workers (requests that joined the batch; "
+                                         "blocks x bytes per block).")
 
     def watch(self, load: Callable[[], WorkerLoad], preemptions: Callable[[], int],
               loop_age: Callable[[], float | None], registered: Callable[[], bool]) -> None:

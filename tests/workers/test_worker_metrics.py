@@ -77,6 +77,13 @@ def test_colocated_worker_metrics_follow_its_requests(model_dir: Any) -> None:
         assert value(after, "vllm:num_requests_waiting") == 0
         assert value(after, "vllm:kv_cache_usage_perc") == 0
         assert value(after, "vllm:num_preemptions_total") == 0
+        # tokens per engine step: every prompt token once (8-token chunks) and one per decode row
+        assert value(after, "vllm:iteration_tokens_total_sum") == sum(map(len, PROMPTS)) + later
+        assert value(after, "vllm:iteration_tokens_total_bucket", le="8.0") == value(
+            after, "vllm:iteration_tokens_total_count")  # no step ran more than the 8-token budget
+        assert value(after, "vllm:iteration_tokens_total_count") >= 3 + MAX_TOKENS - 1
+        assert value(after, "pdserve_worker_kv_sent_bytes_total") == 0  # colocated: no KV moves
+        assert value(after, "pdserve_worker_kv_received_bytes_total") == 0
         # every latency histogram reaches past 60 s
         for name in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
                      "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
@@ -210,7 +217,6 @@ INFERENCE_PERF_VLLM = {
 # read by inference-perf but not served by a pdserve worker, and why
 NOT_SERVED = {
     "vllm:request_params_n": "a worker request is one choice; n is the gateway's",
-    "vllm:iteration_tokens_total": "the worker does not see a step's scheduled token count",
     "vllm:external_prefix_cache_hits": "no external (connector) KV cache",
     "vllm:external_prefix_cache_queries": "no external (connector) KV cache",
     "vllm:mm_cache_hits": "no multimodal input", "vllm:mm_cache_queries": "no multimodal input",
