@@ -26,7 +26,7 @@ AGENT_FLAGS: dict[str, tuple[str, Any]] = {
     "--tool-tokens": ("tool_tokens", "fixed:600"), "--think-time": ("think_time", "1s"),
     "--max-context": ("max_context", None), "--system": ("system", []),
     "--kv-bytes-per-token": ("kv_bytes_per_token", None), "--model-config": ("model_config", None),
-    "--kv-dtype": ("kv_dtype", None),
+    "--kv-dtype": ("kv_dtype", None), "--word-list": ("word_list", None),
 }
 # flags of the open/closed-loop workloads, which the agent workload does not read
 OTHER_FLAGS = ("--input-len", "--dataset-path", "--num-turns", "--arrival", "--request-rate", "--burstiness",
@@ -49,6 +49,8 @@ def add_agent_arguments(add: Callable[..., None]) -> None:
     add("--model-config", help="agent: the model's config.json (or its directory): KV bytes per token "
                                "from it, with --kv-dtype")
     add("--kv-dtype", choices=("float32", "bfloat16", "float16"), help="agent: the workers' KV-cache dtype")
+    add("--word-list", help="agent: file of whitespace-separated words the texts are drawn from (default: "
+                            "common English words; a word-level tokenizer needs words of its vocabulary)")
 
 
 def _defaults() -> dict[str, Any]:
@@ -95,6 +97,15 @@ def _kv_bytes(args: argparse.Namespace) -> int | None:
     return None if args.kv_bytes_per_token is None else int(args.kv_bytes_per_token)
 
 
+def _words(path: str | None) -> tuple[str, ...] | None:
+    if path is None:
+        return None
+    words = tuple(Path(path).read_text(encoding="utf-8").split())
+    if not words:
+        raise ValueError(f"--word-list {path}: no word in the file")
+    return words
+
+
 def _get(args: argparse.Namespace, flag: str) -> Any:
     dest, default = AGENT_FLAGS[flag]
     value = getattr(args, dest)
@@ -118,8 +129,9 @@ def agent_config_from_args(args: argparse.Namespace, model: str) -> AgentConfig:
         temperature=float(args.temperature), seed=int(args.seed),
         request_timeout_s=parse_duration(args.request_timeout),
         slo=SLOConfig(ttft_ms=float(args.slo_ttft_ms), tpot_ms=float(args.slo_tpot_ms)),
-        kv_bytes_per_token=_kv_bytes(args), metrics_path=args.metrics_path or None,
-        leak_settle_s=parse_duration(args.leak_settle), progress=not args.no_progress)
+        kv_bytes_per_token=_kv_bytes(args), words=_words(args.word_list),
+        metrics_path=args.metrics_path or None, leak_settle_s=parse_duration(args.leak_settle),
+        progress=not args.no_progress)
 
 
 def run_agent_bench(args: argparse.Namespace) -> int:

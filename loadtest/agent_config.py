@@ -66,7 +66,9 @@ class AgentConfig:
     """The agent benchmark.
 
     Per turn and session: ``user_tokens`` words of user text and ``tool_tokens`` words of a tool result
-    (random common English words, about one token each; the same for the same ``seed`` on every system)
+    (random words of ``words``, default common English words, about one token each with a BPE tokenizer;
+    a word-level tokenizer such as a dummy model's needs its own vocabulary's words, or every word is the
+    same unknown token; the same text for the same ``seed`` on every system)
     and ``output_len`` max_tokens. Between turns every session waits ``think_time_s`` seconds. A session
     ends before a turn whose prompt and answer could pass ``max_context`` tokens (estimated from the last
     turn's usage plus the new words and 32 tokens of chat template; None: no limit). Goodput counts the
@@ -93,6 +95,7 @@ class AgentConfig:
     request_timeout_s: float = 60.0
     slo: SLOConfig = field(default_factory=SLOConfig)
     kv_bytes_per_token: int | None = None
+    words: tuple[str, ...] | None = None  # None: loadtest.workload's common English words
     metrics_path: str | None = "/metrics"
     leak_settle_s: float = 2.0
     settle_s: float = 5.0
@@ -114,5 +117,8 @@ class AgentConfig:
             raise ValueError(f"max context must be >= 2 tokens, got {self.max_context}")
         if self.kv_bytes_per_token is not None and self.kv_bytes_per_token < 1:
             raise ValueError(f"KV bytes per token must be >= 1, got {self.kv_bytes_per_token}")
+        if self.words is not None and (not self.words or any(not w or w != w.strip() or " " in w
+                                                             for w in self.words)):
+            raise ValueError("words must be a non-empty list of words without whitespace")
         if self.request_timeout_s <= 0 or self.leak_settle_s < 0 or self.settle_s < 0:
             raise ValueError("request timeout must be > 0 s; settle times >= 0 s")

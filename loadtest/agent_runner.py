@@ -29,7 +29,7 @@ from loadtest.metrics import latency_stats, meets_slo, summarize, tpot_s
 from loadtest.records import KVScrape, RequestRecord
 from loadtest.scrape import scrape_after, scrape_before
 from loadtest.worker_counters import Counters, settled_counters
-from loadtest.workload import Turn, random_text
+from loadtest.workload import WORDS, Turn
 
 TEMPLATE_SLACK_TOKENS = 32  # chat-template tokens a turn may add around its text (max_context estimate)
 TOOL_HEADER = "\n\n[tool result]\n"
@@ -40,7 +40,12 @@ def turn_text(seed: int, session: int, turn: int, cfg: AgentConfig) -> tuple[str
     count. The same for the same seed, session and turn on every system."""
     rng = random.Random(f"{seed}:{session}:{turn}")
     n_user, n_tool = cfg.user_tokens.sample(rng), cfg.tool_tokens.sample(rng)
-    return random_text(rng, n_user) + TOOL_HEADER + random_text(rng, n_tool), n_user + n_tool
+    pool = cfg.words or WORDS
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(pool) for _ in range(n))
+
+    return text(n_user) + TOOL_HEADER + text(n_tool), n_user + n_tool
 
 
 class _Session:

@@ -40,3 +40,20 @@ def test_goal_lines() -> None:
     assert on.startswith("reuse-on: TTFT p50 turn 3 / turn 1 = 1.20x (context 3000 tokens")
     assert "median 1.15x, max 1.30x over turns 2..3" in on  # turn 1 is left out: its new tokens are all
     assert "5.00x" in off and "KV moved / new tokens' KV: not measured" in off
+
+
+def test_dummy_alias_gets_its_own_words_and_a_raised_position_limit(tmp_path) -> None:
+    import json
+
+    args = agent_turns.parse_args(["--device", "cpu", "--model", "tiny-llama", "--max-context", "8192",
+                                   "--position-limit", "9000"])
+    model, flags, words = agent_turns.prepare_model(args, tmp_path)
+    assert model == str(tmp_path / "model") and flags == ["--load-format", "dummy"]
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 9000 and config["num_hidden_layers"] == 2
+    assert (tmp_path / "model" / "tokenizer.json").exists()
+    assert words is not None and words[0] == "t100" and len(words) == 16384 - 100  # ids below vocab_size
+    args = agent_turns.parse_args(["--device", "cpu", "--model", "tiny-llama", "--max-context", "2048"])
+    assert agent_turns.prepare_model(args, tmp_path / "b")[:2] == ("tiny-llama", [])  # fits: the alias
+    args = agent_turns.parse_args(["--device", "cpu"])
+    assert agent_turns.prepare_model(args, tmp_path / "c") == ("smollm2-135m", [], None)
