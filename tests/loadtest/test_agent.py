@@ -5,6 +5,7 @@ turn's prompt size is known exactly."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from pathlib import Path
@@ -192,3 +193,26 @@ def test_cli_run_writes_outputs(fake: tuple[str, object], tmp_path: Path,
     assert [t["completed"] for t in data["systems"][0]["turns"]] == [2, 2]
     assert data["config"]["kv_bytes_per_token"] == 8
     assert "multi-turn agent sessions" in (tmp_path / "summary.md").read_text()
+
+
+def test_texts_come_from_the_word_list_the_same_on_every_call(tmp_path: Path) -> None:
+    from loadtest.agent_cli import agent_config_from_args
+    from loadtest.agent_runner import TOOL_HEADER, turn_text
+    from loadtest.cli import add_bench_arguments
+
+    (tmp_path / "words").write_text("t101 t102\nt103\n")
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--workload", "agent", "--word-list", str(tmp_path / "words"),
+                              "--user-tokens", "4", "--tool-tokens", "6"])
+    cfg = agent_config_from_args(args, "m")
+    assert cfg.words == ("t101", "t102", "t103")
+    text, words = turn_text(0, 1, 2, cfg)
+    user, tool = text.split(TOOL_HEADER)
+    assert words == 10 and len(user.split()) == 4 and len(tool.split()) == 6
+    assert set(user.split()) | set(tool.split()) <= set(cfg.words)
+    assert turn_text(0, 1, 2, cfg) == (text, words) and turn_text(0, 0, 2, cfg) != (text, words)
+    (tmp_path / "empty").write_text(" \n")
+    empty = parser.parse_args(["--workload", "agent", "--word-list", str(tmp_path / "empty")])
+    with pytest.raises(ValueError, match="no word"):
+        agent_config_from_args(empty, "m")
