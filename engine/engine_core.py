@@ -11,7 +11,6 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -110,10 +109,6 @@ class EngineCore:
         self._ahead: LaunchedStep | None = None  # launched by the last step, applied by the next
         self._unread: list[LaunchedStep] = []  # launched, tokens maybe not read yet (waited for on errors)
         self.step_counts = StepCounts()
-        # called once per committed step with the tokens it ran through the model (prompt-chunk tokens plus
-        # one per decode row; rows whose request ended while the step ran are not counted): a worker's
-        # ``vllm:iteration_tokens_total`` histogram
-        self.step_observer: Callable[[int], None] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -267,10 +262,7 @@ class EngineCore:
 
     def commit(self, output: SchedulerOutput, results: dict[str, SampleResult]) -> list[StepOutput]:
         """Apply a step's sampled tokens to the scheduler (append, stop checks, free finished) and turn
-        them into ``StepOutput``s, in ``output.scheduled`` order (aborted sequences skipped); tell
-        ``step_observer`` the step's token count."""
-        if self.step_observer is not None:
-            self.step_observer(sum(s.num_scheduled_tokens for s in output.scheduled))
+        them into ``StepOutput``s, in ``output.scheduled`` order (aborted sequences skipped)."""
         self.scheduler.update(output, {rid: r.token_id for rid, r in results.items()})
         outs = []
         running, aborted = SequenceStatus.RUNNING, SequenceStatus.FINISHED_ABORTED

@@ -123,7 +123,6 @@ class WorkerLoop:
         self._wake: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
         self.metrics = WorkerMetrics(settings.model, core.max_model_len)
-        core.step_observer = self.metrics.iteration_tokens.observe
         self.health = EngineHealth(settings.engine_stall_timeout)
         self.metrics.watch(self.load, lambda: core.scheduler.num_preemptions, self.health.loop_age,
                            lambda: self.health.registered)

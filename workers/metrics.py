@@ -36,9 +36,11 @@ What a worker counts is what it computed, so a sum over the fleet counts each to
   ``vllm:request_success{finished_reason="abort"}`` (not in the latency histograms); a failed request
   (``RequestFailed``) is not counted.
 
-* ``vllm:iteration_tokens_total`` (vLLM's name, type and buckets: "tokens per engine step") is observed
-  once per engine step with the tokens the step ran through the model: the prompt-chunk tokens it
-  computed plus one per decode row (``EngineCore.step_observer``).
+* ``vllm:iteration_tokens_total`` (vLLM's name, type, buckets and count: "tokens per engine step") is
+  observed once per engine step that sampled a token, as vLLM's ``IterationStats`` counts it
+  (``num_prompt_tokens + num_generation_tokens``): the prompt tokens of the requests whose first token
+  this worker sampled in the step (their whole prompts, cached tokens included; a decode worker samples
+  no first token) plus the tokens the step sampled. A step that only ran prompt chunks is not observed.
 * ``pdserve_worker_kv_sent_bytes`` (prefill workers) counts the KV of each transfer that completed, and
   ``pdserve_worker_kv_received_bytes`` (decode workers) the KV of each request that landed and joined the
   batch, both as blocks x ``KVCachePool.bytes_per_block`` (whole blocks: a prompt's last block counts in
@@ -187,6 +189,7 @@ class WorkerMetrics:
         self._timelines: weakref.WeakKeyDictionary[Sequence, _Timeline] = weakref.WeakKeyDictionary()
         self._last_token_at: float | None = None
         self._firsts_in_step = 0  # first tokens sampled in the step being reported (see ``step``)
+        self._prompts_in_step = 0  # their prompt tokens (``vllm:iteration_tokens_total``)
         reg, lv = self.registry, self.label_values
 
         def counter(name: str, doc: str) -> Counter:
@@ -227,6 +230,8 @@ class WorkerMetrics:
         self.request_computed_tokens = histogram("vllm:request_prefill_kv_computed_tokens", "Prompt tokens "
                                                  "whose KV this worker computed per request (not cached).",
                                                  counts)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per "
+                                          "engine_step.", ITERATION_TOKENS_BUCKETS)
         self.request_max_tokens = histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens "
                                             "request parameter.", counts)
         self.request_max_generation_tokens = histogram(
@@ -239,8 +244,6 @@ class WorkerMetrics:
                                       TOKEN_INTERVAL_BUCKETS)
         reg.register(self.itl)
         reg.register(self.tpot)
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per "
-                                          "engine_step.", ITERATION_TOKENS_BUCKETS)
         self.kv_sent_bytes = counter("pdserve_worker_kv_sent_bytes", "KV bytes this worker sent to decode "
                                      "workers (transfers that completed; blocks x bytes per block).")
         self.kv_received_bytes = counter("pdserve_worker_kv_received_bytes", "KV bytes that landed in this "
@@ -263,6 +266,7 @@ class WorkerMetrics:
         self.ttft.observe(max(now - seq.arrival_time, 0.0))
         if computed_prompt:
             self._firsts_in_step += 1
+            self._prompts_in_step += seq.num_prompt_tokens
             self.prompt_tokens.inc(seq.num_prompt_tokens)
             self.prefix_cache_queries.inc(seq.num_prompt_tokens)
             if seq.num_cached_tokens:
@@ -281,10 +285,13 @@ class WorkerMetrics:
     def step(self, num_sampled: int, now: float) -> None:
         """One engine step sampled ``num_sampled`` tokens at ``now`` (reported after its requests'
         ``first_token`` / ``finished``): generation tokens, and each token that was not its request's first
-        gets the time since the previous step that sampled (one weighted update)."""
+        gets the time since the previous step that sampled (one weighted update); the step's tokens as vLLM
+        counts them (``vllm:iteration_tokens_total``: its first tokens' prompts + the tokens sampled)."""
         num_later, self._firsts_in_step = num_sampled - self._firsts_in_step, 0
+        prompts, self._prompts_in_step = self._prompts_in_step, 0
         if num_sampled <= 0:
             return
+        self.iteration_tokens.observe(prompts + num_sampled)
         self.generation_tokens.inc(num_sampled)
         if num_later > 0 and self._last_token_at is not None:
             interval = max(now - self._last_token_at, 0.0)
