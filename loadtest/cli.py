@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from loadtest.agent_cli import add_agent_arguments, check_flags, run_agent_bench
 from loadtest.config import BenchConfig, SLOConfig, WorkloadConfig
 from loadtest.faults import FaultSpec
 from loadtest.lengths import LengthDist
@@ -42,7 +43,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--model", help="model name to send (default: the first of GET /v1/models)")
     _add(parser, "--endpoint", default="completions", choices=("completions", "chat"))
     _add(parser, "--api-key", help="sent as 'Authorization: Bearer KEY'")
-    _add(parser, "--workload", default="random", choices=("random", "sharegpt", "multi-turn"))
+    _add(parser, "--workload", default="random", choices=("random", "sharegpt", "multi-turn", "agent"),
+         help="agent: concurrent multi-turn sessions in lockstep, reported per turn (loadtest/agent_cli.py)")
     _add(parser, "--prompt-format", default="tokens", choices=("tokens", "text"))
     _add(parser, "--input-len", default="fixed:128", help="fixed:N | uniform:LO,HI | normal:MEAN,STD")
     _add(parser, "--output-len", default="fixed:64", help="max_tokens distribution (same syntax)")
@@ -66,6 +68,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--leak-settle", default="2s", help="how long to wait for KV blocks to come back")
     _add(parser, "--output-dir", help="write results.json, summary.md and PNG plots here")
     _add(parser, "--no-progress", action="store_true", help="no progress bar")
+    add_agent_arguments(lambda flag, **kw: _add(parser, flag, **kw))
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -121,10 +124,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench_files:
         print(f"error: unexpected arguments {args.bench_files}", file=sys.stderr)
         return 2
+    if args.workload == "agent":
+        return run_agent_bench(args)
     from loadtest.models import first_model
     from loadtest.runner import run_bench as run_all
 
     try:
+        check_flags(args)
         config_from_args(args, args.model or "placeholder")  # validate before touching the network
         model = args.model or asyncio.run(first_model(args.base_url.rstrip("/"), args.api_key))
         cfg = config_from_args(args, model)

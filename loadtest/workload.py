@@ -26,7 +26,7 @@ _WORD_TEXT = (
     "night point home water room mother area money story fact month lot right study book eye job word "
     "business issue side kind head house service friend father power hour game line end member law car"
 )
-_WORDS = tuple(_WORD_TEXT.split())
+WORDS = tuple(_WORD_TEXT.split())
 _HUMAN = ("human", "user")
 _GPT = ("gpt", "assistant", "chatgpt", "bard", "model")
 
@@ -49,7 +49,7 @@ class Session:
 
 def random_text(rng: random.Random, num_words: int) -> str:
     """``num_words`` words drawn from a fixed list of common English words (≈ one token each)."""
-    return " ".join(rng.choice(_WORDS) for _ in range(num_words))
+    return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
 def _random_turn(cfg: WorkloadConfig, rng: random.Random) -> Turn:

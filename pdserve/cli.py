@@ -161,6 +161,9 @@ def _add_worker(add: _Adder, role: str) -> None:
     add("--max-num-seqs", type=int, default=256, help="sequences running at once")
     add("--max-num-batched-tokens", type=int, default=2048,
         help="token budget per step (chunked prefill splits prompts to fit)")
+    _bool_flag(add, "--enable-prefix-caching", True,
+               "keep full prompt blocks as a prefix cache and reuse them for later prompts that start with "
+               "the same tokens (false: every prompt is computed in full; a benchmark's reuse-off baseline)")
     add("--prefill-grid", type=int, default=0,
         help="deterministic prefix cache: cut every prefill at multiples of this many tokens (a multiple "
              "of --block-size, at most --max-num-batched-tokens), one chunk per sequence per step, round "

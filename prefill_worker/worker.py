@@ -316,7 +316,9 @@ class PrefillWorker(WorkerLoop):
         num_blocks = self._transfer_blocks.pop(request_id, 0)
         started = self._first_layer_at.pop(request_id, None)
         if status is TransferStatus.DONE and started is not None:
-            self.kv_sent_bytes += num_blocks * self.core.runner.kv_cache.bytes_per_block
+            sent = num_blocks * self.core.runner.kv_cache.bytes_per_block
+            self.kv_sent_bytes += sent
+            self.metrics.kv_sent_bytes.inc(sent)
             self.kv_sent_seconds += time.monotonic() - started
 
     def transfer_totals(self) -> tuple[int, float]:

@@ -162,6 +162,7 @@ class WorkerSettings:
     kv_memory_fraction: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True  # engine.config.CacheConfig.enable_prefix_caching
     prefill_grid: int = 0  # tokens; 0: off (engine.config.SchedulerConfig.prefill_grid)
     decode_prefix_reuse: bool = True  # decode workers only (DECODE_ONLY_WORKER_FIELDS)
     max_model_len: int | None = None

@@ -39,6 +39,15 @@ What a worker counts is what it computed, so a sum over the fleet counts each to
   ``vllm:request_success{finished_reason="abort"}`` (not in the latency histograms); a failed request
   (``RequestFailed``) is not counted.
 
+* ``vllm:iteration_tokens_total`` (vLLM's name, type, buckets and count: "tokens per engine step") is
+  observed once per engine step that sampled a token, as vLLM's ``IterationStats`` counts it
+  (``num_prompt_tokens + num_generation_tokens``): the prompt tokens of the requests whose first token
+  this worker sampled in the step (their whole prompts, cached tokens included; a decode worker samples
+  no first token) plus the tokens the step sampled. A step that only ran prompt chunks is not observed.
+* ``pdserve_worker_kv_sent_bytes`` (prefill workers) counts the KV of each transfer that completed, as
+  blocks x ``KVCachePool.bytes_per_block`` (whole blocks: a prompt's last block counts in full; only the
+  blocks sent, not those the decode worker had cached). Canary transfers are not counted.
+
 The engine loop pays one ``time.monotonic()`` and a few counter updates per step, and a few histogram
 updates per request at its first token and at its end.
 """
@@ -68,6 +77,8 @@ TOKEN_INTERVAL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.
                           10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's ITERATION_TOKENS_BUCKETS (tokens per engine step: powers of two up to a large step budget)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISHED_REASONS = ("stop", "length", "abort")
 
 
@@ -180,6 +191,7 @@ class WorkerMetrics:
         self._timelines: weakref.WeakKeyDictionary[Sequence, _Timeline] = weakref.WeakKeyDictionary()
         self._last_token_at: float | None = None
         self._firsts_in_step = 0  # first tokens sampled in the step being reported (see ``step``)
+        self._prompts_in_step = 0  # their prompt tokens (``vllm:iteration_tokens_total``)
         reg, lv = self.registry, self.label_values
 
         def counter(name: str, doc: str) -> Counter:
@@ -227,6 +239,8 @@ class WorkerMetrics:
                                          "V).")
         self.kv_reused_blocks = counter("pdserve_worker_kv_reused_blocks", "Decode worker: prompt KV blocks "
                                         "found in its own prefix cache, so not received.")
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per "
+                                          "engine_step.", ITERATION_TOKENS_BUCKETS)
         self.request_max_tokens = histogram("vllm:request_params_max_tokens", "Histogram of the max_tokens "
                                             "request parameter.", counts)
         self.request_max_generation_tokens = histogram(
@@ -239,6 +253,8 @@ class WorkerMetrics:
                                       TOKEN_INTERVAL_BUCKETS)
         reg.register(self.itl)
         reg.register(self.tpot)
+        self.kv_sent_bytes = counter("pdserve_worker_kv_sent_bytes", "KV bytes this worker sent to decode "
+                                     "workers (transfers that completed; blocks x bytes per block).")
 
     def watch(self, load: Callable[[], WorkerLoad], preemptions: Callable[[], int],
               loop_age: Callable[[], float | None], registered: Callable[[], bool]) -> None:
@@ -256,6 +272,7 @@ class WorkerMetrics:
         self.ttft.observe(max(now - seq.arrival_time, 0.0))
         if computed_prompt:
             self._firsts_in_step += 1
+            self._prompts_in_step += seq.num_prompt_tokens
             self.prompt_tokens.inc(seq.num_prompt_tokens)
             self.prefix_cache_queries.inc(seq.num_prompt_tokens)
             if seq.num_cached_tokens:
@@ -282,10 +299,13 @@ class WorkerMetrics:
     def step(self, num_sampled: int, now: float) -> None:
         """One engine step sampled ``num_sampled`` tokens at ``now`` (reported after its requests'
         ``first_token`` / ``finished``): generation tokens, and each token that was not its request's first
-        gets the time since the previous step that sampled (one weighted update)."""
+        gets the time since the previous step that sampled (one weighted update); the step's tokens as vLLM
+        counts them (``vllm:iteration_tokens_total``: its first tokens' prompts + the tokens sampled)."""
         num_later, self._firsts_in_step = num_sampled - self._firsts_in_step, 0
+        prompts, self._prompts_in_step = self._prompts_in_step, 0
         if num_sampled <= 0:
             return
+        self.iteration_tokens.observe(prompts + num_sampled)
         self.generation_tokens.inc(num_sampled)
         if num_later > 0 and self._last_token_at is not None:
             interval = max(now - self._last_token_at, 0.0)

@@ -64,7 +64,8 @@ def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:
 
     given = ["up", "--host", "0.0.0.0", "--model-name", "m1", "--api-key", "secret", "--max-retries", "0",
              "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "512", "--pdl", "false",
-             "--quantization", "fp8", "--num-decode", "2", "--insecure-control-plane"]
+             "--quantization", "fp8", "--num-decode", "2", "--enable-prefix-caching", "false",
+             "--insecure-control-plane"]
     up = settings_from_args(build_parser({}).parse_args(given))
     assert isinstance(up, UpSettings)
     children = plan(up, control_port=7777)
@@ -79,6 +80,8 @@ def test_plan_passes_the_gateway_and_worker_flags_given_to_up() -> None:
             assert (child.dtype, child.max_num_seqs, child.max_model_len) == ("float32", 8, 512)
             assert child.pdl is False and child.quantization == "fp8"
             assert engine_config_from_settings(child).model.quantization == "fp8"
+            assert child.enable_prefix_caching is False
+            assert engine_config_from_settings(child).cache.enable_prefix_caching is False
             assert (child.host, child.port) == ("127.0.0.1", 0)  # internal sockets stay on loopback
 
 

@@ -121,3 +121,51 @@ def test_running_request_shows_on_the_decode_worker(live: SystemPair) -> None:
         assert time.monotonic() < deadline, "decode worker still reports a running request"
         time.sleep(0.05)
     assert total(metric_samples(url), "vllm:num_requests_waiting") == 0
+
+
+def _poll_total(url: str, name: str, want: float, timeout_s: float = 15.0) -> float:
+    """``name``'s total at ``url`` once it equals ``want`` (a prefill worker counts a transfer when it sees
+    it DONE, a moment after the stream may have ended), or the last reading after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (got := total(metric_samples(url), name)) != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
+
+
+def test_iteration_tokens_and_kv_bytes_follow_requests(live: SystemPair) -> None:
+    """``vllm:iteration_tokens_total`` sums, as vLLM counts them, the prompts of the first tokens a worker
+    sampled and every token it sampled (prefill: prompts + first tokens; decode: the later tokens;
+    colocated: both); the KV bytes counters move by the prompts' whole blocks x the model's KV bytes per
+    block (config.json: 2 x layers x KV heads x head_dim x 4 bytes)."""
+    from engine.models.registry import resolve_model
+    from loadtest.kv_size import kv_bytes_per_token, load_model_config
+
+    per_block = kv_bytes_per_token(load_model_config(resolve_model(MODEL)), "float32") * BLOCK_SIZE
+    lengths, max_tokens = (7, 20, 33), 3  # 1 + 2 + 3 blocks; new prompts: no prefix-cache hit
+    urls = {**live.disagg.metrics_urls, **live.colo.metrics_urls}
+    names = ("vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count",
+             "pdserve_worker_kv_sent_bytes_total", "pdserve_worker_kv_received_bytes_total")
+    before = {w: {n: total(metric_samples(url), n) for n in names} for w, url in urls.items()}
+    for n in lengths:
+        for gateway in (live.disagg_url, live.colo_url):
+            assert complete(gateway, prompt(n), max_tokens)["usage"]["completion_tokens"] == max_tokens
+    blocks = sum(-(-n // BLOCK_SIZE) for n in lengths)
+    sent, later = sum(lengths), len(lengths) * (max_tokens - 1)
+
+    def moved(worker: str, name: str, want: float) -> float:
+        return _poll_total(urls[worker], name, before[worker][name] + want) - before[worker][name]
+
+    assert moved("prefill", "pdserve_worker_kv_sent_bytes_total", blocks * per_block) == blocks * per_block
+    assert moved("decode", "pdserve_worker_kv_received_bytes_total", blocks * per_block) == blocks * per_block
+    assert moved("colocated", "pdserve_worker_kv_sent_bytes_total", 0) == 0
+    firsts = len(lengths)
+    assert moved("prefill", "vllm:iteration_tokens_total_sum", sent + firsts) == sent + firsts
+    assert moved("decode", "vllm:iteration_tokens_total_sum", later) == later
+    both = sent + firsts + later
+    assert moved("colocated", "vllm:iteration_tokens_total_sum", both) == both
+    # one observation per step that sampled: one per prompt here (one at a time), one per decode round
+    assert moved("prefill", "vllm:iteration_tokens_total_count", firsts) == firsts
+    assert moved("decode", "vllm:iteration_tokens_total_count", later) == later
+    buckets = {float(dict(ls)["le"]) for (n, ls) in metric_samples(urls["prefill"])
+               if n == "vllm:iteration_tokens_total_bucket"}
+    assert buckets == {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, float("inf")}

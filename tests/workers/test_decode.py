@@ -117,6 +117,11 @@ def test_kv_landed_and_decode_request_in_either_order_then_finish(model_dir, dec
         [fin] = of_type(msgs, RequestFinished)
         assert (fin.finish_reason, fin.num_prompt_tokens, fin.num_output_tokens) == ("length", 11, 5)
         assert tokens == ref_tokens  # greedy: disaggregated == colocated
+        # the KV of the prompt's 11 tokens landed in ceil(11 / block_size) whole blocks on the decode side
+        blocks = -(-len(prompt) // decode.core.config.cache.block_size)
+        labels = {"model_name": decode.settings.model, "engine": "0"}
+        received = decode.metrics.registry.get_sample_value("pdserve_worker_kv_received_bytes_total", labels)
+        assert received == blocks * decode.core.runner.kv_cache.bytes_per_block
         assert_clean(prefill, decode, colo)
     finally:
         for w in (prefill, decode, colo):

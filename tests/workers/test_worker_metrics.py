@@ -77,6 +77,15 @@ def test_colocated_worker_metrics_follow_its_requests(model_dir: Any) -> None:
         assert value(after, "vllm:num_requests_waiting") == 0
         assert value(after, "vllm:kv_cache_usage_perc") == 0
         assert value(after, "vllm:num_preemptions_total") == 0
+        # tokens per engine step as vLLM counts them: each first token's whole prompt, then every token
+        # sampled, observed once per step that sampled (MAX_TOKENS steps at least: one per decode round)
+        assert value(after, "vllm:iteration_tokens_total_sum") == sum(map(len, PROMPTS)) + n * MAX_TOKENS
+        steps = value(after, "vllm:iteration_tokens_total_count")
+        assert MAX_TOKENS <= steps <= n * MAX_TOKENS
+        # the steps with a first token carry its prompt (10 or 13 tokens + 1): above the 8 bucket
+        assert value(after, "vllm:iteration_tokens_total_bucket", le="8.0") <= steps - 1
+        assert value(after, "pdserve_worker_kv_sent_bytes_total") == 0  # colocated: no KV moves
+        assert value(after, "pdserve_worker_kv_received_bytes_total") == 0
         # every latency histogram reaches past 60 s
         for name in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
                      "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
@@ -210,7 +219,6 @@ INFERENCE_PERF_VLLM = {
 # read by inference-perf but not served by a pdserve worker, and why
 NOT_SERVED = {
     "vllm:request_params_n": "a worker request is one choice; n is the gateway's",
-    "vllm:iteration_tokens_total": "the worker does not see a step's scheduled token count",
     "vllm:external_prefix_cache_hits": "no external (connector) KV cache",
     "vllm:external_prefix_cache_queries": "no external (connector) KV cache",
     "vllm:mm_cache_hits": "no multimodal input", "vllm:mm_cache_queries": "no multimodal input",

@@ -1,0 +1,163 @@
+"""The flags of ``pdserve bench --workload agent`` and its run action (``loadtest.cli`` dispatches here).
+
+The agent workload has its own flags (sessions, turns, user and tool-result lengths, think time, max
+context, the systems under test, the KV size of a token); the open/closed-loop flags of the other
+workloads do not apply to it and are refused when set, as the agent flags are with another workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from loadtest.agent_config import AgentConfig, SystemTarget
+from loadtest.config import SLOConfig
+from loadtest.kv_size import kv_bytes_per_token, load_model_config
+from loadtest.lengths import LengthDist
+from protocol.durations import parse_duration
+
+# flag → (dest, default when not given)
+AGENT_FLAGS: dict[str, tuple[str, Any]] = {
+    "--sessions": ("sessions", 8), "--turns": ("turns", 20), "--user-tokens": ("user_tokens", "fixed:100"),
+    "--tool-tokens": ("tool_tokens", "fixed:600"), "--think-time": ("think_time", "1s"),
+    "--max-context": ("max_context", None), "--system": ("system", []),
+    "--kv-bytes-per-token": ("kv_bytes_per_token", None), "--model-config": ("model_config", None),
+    "--kv-dtype": ("kv_dtype", None), "--word-list": ("word_list", None),
+}
+# flags of the open/closed-loop workloads, which the agent workload does not read
+OTHER_FLAGS = ("--input-len", "--dataset-path", "--num-turns", "--arrival", "--request-rate", "--burstiness",
+               "--concurrency", "--num-requests", "--duration", "--warmup", "--fault")
+
+
+def add_agent_arguments(add: Callable[..., None]) -> None:
+    """Add the agent workload's flags through ``add`` (``loadtest.cli._add`` bound to a parser)."""
+    add("--sessions", type=int, help="agent: concurrent sessions (default 8)")
+    add("--turns", type=int, help="agent: turns per session (default 20)")
+    add("--user-tokens", help="agent: user-text words per turn, ~1 token each (default fixed:100)")
+    add("--tool-tokens", help="agent: tool-result words per turn (default fixed:600)")
+    add("--think-time", help="agent: wait between a session's turns, e.g. 2s (default 1s)")
+    add("--max-context", type=int, help="agent: end a session before a turn that could pass this many "
+                                        "tokens (prompt + answer)")
+    add("--system", action="append", default=[],
+        help="agent, repeatable: label=NAME,url=GATEWAY[,prefill=METRICS_URL+...][,decode=METRICS_URL+...]; "
+             "each system runs the same workload in turn (default: --base-url, no worker counters)")
+    add("--kv-bytes-per-token", type=int, help="agent: KV bytes of one token, for the new tokens' own KV")
+    add("--model-config", help="agent: the model's config.json (or its directory): KV bytes per token "
+                               "from it, with --kv-dtype")
+    add("--kv-dtype", choices=("float32", "bfloat16", "float16"), help="agent: the workers' KV-cache dtype")
+    add("--word-list", help="agent: file of whitespace-separated words the texts are drawn from (default: "
+                            "common English words; a word-level tokenizer needs words of its vocabulary)")
+
+
+def _defaults() -> dict[str, Any]:
+    from loadtest.cli import add_bench_arguments
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that do not apply: another workload's with ``agent``, the agent's with another.
+
+    Raises ValueError naming the flag.
+    """
+    if args.workload != "agent":
+        for flag, (dest, _) in AGENT_FLAGS.items():
+            if getattr(args, dest) not in (None, []):
+                raise ValueError(f"{flag} applies to --workload agent only (got --workload {args.workload})")
+        return
+    defaults = _defaults()
+    for flag in OTHER_FLAGS:
+        dest = flag.lstrip("-").replace("-", "_")
+        if getattr(args, dest) != defaults[dest]:
+            raise ValueError(f"{flag} does not apply to --workload agent (its turns run in lockstep: see "
+                             "--sessions, --turns, --think-time)")
+    if args.prompt_format == "tokens" and defaults["prompt_format"] != "tokens":
+        raise ValueError("--prompt-format tokens: the agent workload sends text")
+    if args.system and args.base_url != defaults["base_url"]:
+        raise ValueError("--base-url and --system: give the gateway as url= of each --system")
+
+
+def _kv_bytes(args: argparse.Namespace) -> int | None:
+    if args.kv_bytes_per_token is not None and args.model_config:
+        raise ValueError("--kv-bytes-per-token and --model-config: give one of them")
+    if bool(args.model_config) != bool(args.kv_dtype):
+        raise ValueError("--model-config and --kv-dtype go together (KV bytes per token = 2 x layers x KV "
+                         "heads x head_dim x the dtype's bytes)")
+    if args.model_config:
+        try:
+            return kv_bytes_per_token(load_model_config(args.model_config), args.kv_dtype)
+        except ValueError as exc:
+            raise ValueError(f"--model-config {args.model_config}: {exc}") from exc
+    return None if args.kv_bytes_per_token is None else int(args.kv_bytes_per_token)
+
+
+def _words(path: str | None) -> tuple[str, ...] | None:
+    if path is None:
+        return None
+    words = tuple(Path(path).read_text(encoding="utf-8").split())
+    if not words:
+        raise ValueError(f"--word-list {path}: no word in the file")
+    return words
+
+
+def _get(args: argparse.Namespace, flag: str) -> Any:
+    dest, default = AGENT_FLAGS[flag]
+    value = getattr(args, dest)
+    return default if value is None else value
+
+
+def agent_config_from_args(args: argparse.Namespace, model: str) -> AgentConfig:
+    """Build and validate the agent config. Raises ValueError naming the bad flag value, OSError for an
+    unreadable --model-config."""
+    check_flags(args)
+    systems = tuple(SystemTarget.parse(s) for s in args.system) or (
+        SystemTarget("server", args.base_url.rstrip("/")),)
+    max_context = _get(args, "--max-context")
+    return AgentConfig(
+        model=model, systems=systems, endpoint=args.endpoint, api_key=args.api_key,
+        sessions=int(_get(args, "--sessions")), turns=int(_get(args, "--turns")),
+        user_tokens=LengthDist.parse(_get(args, "--user-tokens")),
+        tool_tokens=LengthDist.parse(_get(args, "--tool-tokens")),
+        output_len=LengthDist.parse(args.output_len), think_time_s=parse_duration(_get(args, "--think-time")),
+        max_context=None if max_context is None else int(max_context), ignore_eos=bool(args.ignore_eos),
+        temperature=float(args.temperature), seed=int(args.seed),
+        request_timeout_s=parse_duration(args.request_timeout),
+        slo=SLOConfig(ttft_ms=float(args.slo_ttft_ms), tpot_ms=float(args.slo_tpot_ms)),
+        kv_bytes_per_token=_kv_bytes(args), words=_words(args.word_list),
+        metrics_path=args.metrics_path or None, leak_settle_s=parse_duration(args.leak_settle),
+        progress=not args.no_progress)
+
+
+def run_agent_bench(args: argparse.Namespace) -> int:
+    """Run the agent workload of ``args``; print the report, write the outputs; return the exit code.
+
+    0: done; 1: a system completed no request or leaked KV blocks; 2: bad arguments.
+    """
+    from loadtest.agent_report import agent_markdown, save_agent_json
+    from loadtest.agent_runner import run_agent
+    from loadtest.models import first_model
+
+    try:
+        cfg = agent_config_from_args(args, args.model or "placeholder")  # validate before any traffic
+        model = args.model or asyncio.run(first_model(cfg.systems[0].url, args.api_key))
+        cfg = agent_config_from_args(args, model)
+        result = asyncio.run(run_agent(cfg))
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    text = agent_markdown(result)
+    print(text, end="")
+    if args.output_dir:
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_agent_json(result, out / "results.json")
+        (out / "summary.md").write_text(text, encoding="utf-8")
+        print(f"results written to {out}/ (results.json, summary.md)")
+    bad = any(s.summary.completed == 0 or (s.kv.leaked or 0) > 0 for s in result.systems)
+    return 1 if bad else 0

@@ -1,0 +1,59 @@
+"""bench/serving/agent_turns.py without starting systems: its per-device defaults, the workload it builds,
+the KV bytes per token of the H200 model, and the goal lines it prints from a result."""
+
+from __future__ import annotations
+
+from bench.serving import agent_turns
+from engine.models.registry import resolve_model
+from loadtest.agent_records import AgentResult, AgentSystemResult, TurnStats
+from loadtest.config import SLOConfig
+from loadtest.kv_size import kv_bytes_per_token, load_model_config
+from loadtest.metrics import latency_stats, summarize
+
+
+def test_defaults_per_device_and_the_workload() -> None:
+    gpu = agent_turns.parse_args(["--device", "cuda"])
+    assert (gpu.model, gpu.dtype, gpu.num_blocks, gpu.turns, gpu.max_context) == ("llama3-8b", "bfloat16",
+                                                                                 12000, 20, 16384)
+    assert gpu.off_flags == "--enable-prefix-caching false" and gpu.on_flags == ""
+    cpu = agent_turns.parse_args(["--device", "cpu", "--num-blocks", "64", "--slo-ttft-ms", "10"])
+    assert (cpu.model, cpu.dtype, cpu.num_blocks, cpu.slo_ttft_ms) == ("smollm2-135m", "float32", 64, 10.0)
+    cfg = agent_turns.agent_config(cpu, 46080)
+    assert (cfg.endpoint, cfg.sessions, cfg.turns, cfg.kv_bytes_per_token) == ("chat", 8, 20, 46080)
+    # Llama-3-8B: 32 layers x 8 KV heads x head_dim 128 x K and V x 2 bytes = 128 KiB per token
+    assert kv_bytes_per_token(load_model_config(resolve_model("llama3-8b")), "bfloat16") == 131072
+
+
+def _system(label: str, ttft_ms: list[float], ratios: list[float | None]) -> AgentSystemResult:
+    turns = [TurnStats(turn=i, sent=1, completed=1, ttft_ms=latency_stats([t / 1000]),
+                       prompt_tokens_mean=1000.0 * (i + 1), kv_over_suffix=r)
+             for i, (t, r) in enumerate(zip(ttft_ms, ratios, strict=True))]
+    summary = summarize([], 1.0, SLOConfig())
+    return AgentSystemResult(label=label, url="http://x", records=[], turns=turns, summary=summary,
+                             ttft_last_over_first=ttft_ms[-1] / ttft_ms[0])
+
+
+def test_goal_lines() -> None:
+    result = AgentResult(config={}, systems=[_system("reuse-on", [100.0, 110.0, 120.0], [1.1, 1.0, 1.3]),
+                                             _system("reuse-off", [100.0, 300.0, 500.0], [None, None, None])])
+    on, off = agent_turns.goal_lines(result)
+    assert on.startswith("reuse-on: TTFT p50 turn 3 / turn 1 = 1.20x (context 3000 tokens")
+    assert "median 1.15x, max 1.30x over turns 2..3" in on  # turn 1 is left out: its new tokens are all
+    assert "5.00x" in off and "KV moved / new tokens' KV: not measured" in off
+
+
+def test_dummy_alias_gets_its_own_words_and_a_raised_position_limit(tmp_path) -> None:
+    import json
+
+    args = agent_turns.parse_args(["--device", "cpu", "--model", "tiny-llama", "--max-context", "8192",
+                                   "--position-limit", "9000"])
+    model, flags, words = agent_turns.prepare_model(args, tmp_path)
+    assert model == str(tmp_path / "model") and flags == ["--load-format", "dummy"]
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 9000 and config["num_hidden_layers"] == 2
+    assert (tmp_path / "model" / "tokenizer.json").exists()
+    assert words is not None and words[0] == "t100" and len(words) == 16384 - 100  # ids below vocab_size
+    args = agent_turns.parse_args(["--device", "cpu", "--model", "tiny-llama", "--max-context", "2048"])
+    assert agent_turns.prepare_model(args, tmp_path / "b")[:2] == ("tiny-llama", [])  # fits: the alias
+    args = agent_turns.parse_args(["--device", "cpu"])
+    assert agent_turns.prepare_model(args, tmp_path / "c") == ("smollm2-135m", [], None)

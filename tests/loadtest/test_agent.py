@@ -1,0 +1,218 @@
+"""The multi-turn agent benchmark (``pdserve bench --workload agent``) against the fake server, and its
+pieces: the ``--system`` spec, the KV size of a token, the counters' parsing, the per-turn arithmetic,
+the flags it refuses. The fake server counts a chat prompt's tokens as the words of its messages, so every
+turn's prompt size is known exactly."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest.agent_config import AgentConfig, SystemTarget
+from loadtest.agent_records import AgentResult
+from loadtest.agent_report import agent_markdown, load_agent_json, save_agent_json
+from loadtest.agent_runner import run_agent, suffix_tokens, ttft_growth, turn_stats
+from loadtest.cli import main
+from loadtest.kv_size import kv_bytes_per_token, load_model_config
+from loadtest.lengths import LengthDist
+from loadtest.records import RequestRecord
+from loadtest.worker_counters import Counters, SideCounters, page_totals
+
+USER, TOOL, OUT = 5, 9, 3
+HEADER_WORDS = 2  # "[tool result]"
+
+
+def _cfg(url: str, **kw: object) -> AgentConfig:
+    base: dict[str, object] = dict(
+        model="m", systems=(SystemTarget("a", url), SystemTarget("b", url)), sessions=2, turns=3,
+        user_tokens=LengthDist("fixed", USER), tool_tokens=LengthDist("fixed", TOOL),
+        output_len=LengthDist("fixed", OUT), think_time_s=0.01, ignore_eos=True, progress=False,
+        leak_settle_s=0.5, request_timeout_s=10.0)
+    base.update(kw)
+    return AgentConfig(**base)  # type: ignore[arg-type]
+
+
+def test_sessions_grow_turn_by_turn_on_every_system(fake: tuple[str, object]) -> None:
+    url, _ = fake
+    result = asyncio.run(run_agent(_cfg(url, kv_bytes_per_token=10)))
+    assert [s.label for s in result.systems] == ["a", "b"]
+    added = USER + TOOL + HEADER_WORDS
+    for system in result.systems:
+        assert [(t.turn, t.sent, t.completed) for t in system.turns] == [(0, 2, 2), (1, 2, 2), (2, 2, 2)]
+        by_turn = {(r.session_id, r.turn): r.prompt_tokens for r in system.records}
+        for session in range(2):  # turn k carries turns 0..k and the k replies before it
+            assert [by_turn[(session, k)] for k in range(3)] == [added, 2 * added + OUT, 3 * added + 2 * OUT]
+        assert [t.suffix_tokens for t in system.turns] == [2 * added, 2 * (added + OUT), 2 * (added + OUT)]
+        grown = [2 * added, 2 * (added + OUT), 2 * (added + OUT)]
+        assert [t.suffix_kv_bytes for t in system.turns] == [10 * g for g in grown]
+        assert all(t.kv_bytes is None and t.counters is None for t in system.turns)  # no worker pages
+        assert system.counters_error == "no worker metrics pages given"
+        assert system.summary.completed == 6 and system.kv.leaked == 0
+        assert system.ttft_last_over_first is not None
+    # the same content on both systems (same seed): the same prompt sizes
+    a, b = result.systems
+    assert [r.prompt_tokens for r in a.records] == [r.prompt_tokens for r in b.records]
+
+
+def test_max_context_ends_sessions_before_a_turn_could_pass_it(fake: tuple[str, object]) -> None:
+    url, _ = fake
+    added = USER + TOOL + HEADER_WORDS
+    # turn 0 fits (0 + 14 words + 32 slack + 3 <= 60), turn 1 would not (16 + 3 + 14 + 32 + 3 > 60)
+    result = asyncio.run(run_agent(_cfg(url, systems=(SystemTarget("a", url),), max_context=60)))
+    [system] = result.systems
+    assert [t.turn for t in system.turns] == [0] and added == 16
+    assert system.sessions_ended_by_context == 2
+
+
+def test_worker_pages_are_read_per_turn(fake: tuple[str, object]) -> None:
+    """The fake server's own /metrics stands in for a worker page: it has none of the counters, so every
+    turn's change is read (0 bytes) and no side has a hit rate."""
+    url, _ = fake
+    target = SystemTarget("a", url, prefill_metrics=(url,), decode_metrics=(url,))
+    cfg = _cfg(url, systems=(target,), kv_bytes_per_token=4, settle_s=0.3)
+    [system] = asyncio.run(run_agent(cfg)).systems
+    assert system.counters_error == ""
+    assert [t.kv_bytes for t in system.turns] == [0.0, 0.0, 0.0]
+    assert [t.kv_over_suffix for t in system.turns] == [0.0, 0.0, 0.0]
+    assert all(t.prefill_hit_rate is None and t.decode_hit_rate is None for t in system.turns)
+    assert system.run_counters is not None
+
+
+def test_unreadable_worker_page_is_reported_not_fatal(fake: tuple[str, object]) -> None:
+    url, _ = fake
+    target = SystemTarget("a", url, prefill_metrics=("http://127.0.0.1:1",))
+    [system] = asyncio.run(run_agent(_cfg(url, systems=(target,), turns=1))).systems
+    assert "127.0.0.1:1/metrics failed" in system.counters_error
+    assert system.summary.completed == 2 and system.run_counters is None
+
+
+def _rec(session: int, turn: int, prompt: int | None, ttft: float = 0.1, ok: bool = True) -> RequestRecord:
+    return RequestRecord(index=turn * 10 + session, session_id=session, turn=turn, start_s=0.0, success=ok,
+                         ttft_s=ttft if ok else None, e2e_s=0.5 if ok else None, output_tokens=5,
+                         prompt_tokens=prompt)
+
+
+def test_turn_arithmetic_from_counters() -> None:
+    records = [_rec(0, 0, 100, 0.1), _rec(1, 0, 120, 0.3), _rec(0, 1, 250, 0.2), _rec(1, 1, None, 0.2),
+               _rec(0, 2, 300, ok=False)]
+    assert suffix_tokens(records) == {(0, 0): 100, (1, 0): 120, (0, 1): 150}
+    prefill = SideCounters(hits={"gpu": 96.0}, queries={"gpu": 250.0}, kv_sent_bytes=9.0)
+    counters = {1: Counters(prefill=prefill, decode=SideCounters(kv_received_bytes=8.0))}
+    cfg = AgentConfig(model="m", systems=(SystemTarget("a", "http://x"),), kv_bytes_per_token=2)
+    turns = turn_stats(records, counters, cfg)
+    assert [(t.turn, t.sent, t.completed) for t in turns] == [(0, 2, 2), (1, 2, 2), (2, 1, 0)]
+    assert turns[0].suffix_tokens == 220 and turns[0].kv_bytes is None and turns[0].kv_over_suffix is None
+    one = turns[1]
+    assert (one.suffix_tokens, one.suffix_kv_bytes, one.kv_bytes) == (150, 300, 8.0)
+    assert one.kv_over_suffix == pytest.approx(8 / 300)
+    assert one.prefill_hit_rate == pytest.approx(96 / 250) and one.decode_hit_rate is None
+    assert turn_stats(records, counters, cfg, decode_side=False)[1].kv_bytes == 9.0
+    assert ttft_growth(turns) == pytest.approx(200 / 200)  # p50 of turn 1 (0.2) over turn 0 (0.2)
+
+
+def test_counters_parse_and_subtract() -> None:
+    page = ('# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{model_name="m"} 32.0\n'
+            '# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{model_name="m"} 80.0\n'
+            '# TYPE pdserve_worker_kv_sent_bytes counter\n'
+            'pdserve_worker_kv_sent_bytes_total{engine="0"} 7.0\n')
+    totals = page_totals(page)
+    assert totals["vllm:prefix_cache_hits_total"] == 32
+    assert totals["pdserve_worker_kv_received_bytes_total"] == 0
+    later = SideCounters(hits={"gpu": 48.0}, queries={"gpu": 100.0}, kv_sent_bytes=10.0)
+    earlier = SideCounters(hits={"gpu": 32.0}, queries={"gpu": 80.0}, kv_sent_bytes=7.0)
+    delta = later.minus(earlier)
+    assert (delta.hits, delta.queries, delta.kv_sent_bytes) == ({"gpu": 16.0}, {"gpu": 20.0}, 3.0)
+    assert delta.hit_rate() == pytest.approx(0.8) and SideCounters().hit_rate() is None
+
+
+def test_kv_bytes_per_token_from_a_model_config(tmp_path: Path) -> None:
+    llama8b = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "hidden_size": 4096}
+    assert kv_bytes_per_token(llama8b, "bfloat16") == 2 * 32 * 8 * 128 * 2  # 131072: 128 KiB per token
+    (tmp_path / "config.json").write_text(json.dumps({**llama8b, "head_dim": 64}))
+    assert kv_bytes_per_token(load_model_config(tmp_path), "float32") == 2 * 32 * 8 * 64 * 4
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        kv_bytes_per_token({"num_attention_heads": 4, "hidden_size": 64}, "float32")
+    with pytest.raises(ValueError, match="KV dtype"):
+        kv_bytes_per_token(llama8b, "int3")
+
+
+def test_system_spec() -> None:
+    spec = SystemTarget.parse("label=on,url=http://g:8000/,prefill=http://p:1+http://p:2,decode=http://d:1")
+    assert spec == SystemTarget("on", "http://g:8000", ("http://p:1", "http://p:2"), ("http://d:1",))
+    assert SystemTarget.parse("url=http://g,label=x").has_counters is False
+    for bad, match in (("label=x", "needs label"), ("label=x,url=http://g,cache=1", "unknown or repeated"),
+                       ("label=x,url=g", "http://"), ("label=x,label=y,url=http://g", "repeated")):
+        with pytest.raises(ValueError, match=match):
+            SystemTarget.parse(bad)
+
+
+def test_report_and_json_round_trip(fake: tuple[str, object], tmp_path: Path) -> None:
+    url, _ = fake
+    result = asyncio.run(run_agent(_cfg(url, turns=2)))
+    text = agent_markdown(result)
+    assert "## a (" in text and "## b (" in text and "## Side by side" in text
+    assert text.count("\n| 1 |") >= 3 and "KV bytes per token: unknown" in text
+    save_agent_json(result, tmp_path / "r.json")
+    back = load_agent_json(tmp_path / "r.json")
+    assert isinstance(back, AgentResult) and back.systems[1].turns == result.systems[1].turns
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--workload", "agent", "--arrival", "closed"], "--arrival does not apply to --workload agent"),
+    (["--workload", "agent", "--num-requests", "5"], "--num-requests does not apply"),
+    (["--turns", "3"], "--turns applies to --workload agent only"),
+    (["--workload", "agent", "--system", "label=a,url=http://x", "--base-url", "http://y"],
+     "--base-url and --system"),
+    (["--workload", "agent", "--model-config", "/nonexistent"], "--model-config and --kv-dtype go together"),
+    (["--workload", "agent", "--kv-bytes-per-token", "4", "--model-config", "c", "--kv-dtype", "float32"],
+     "give one of them"),
+    (["--workload", "agent", "--system", "label=a"], "needs label=NAME and url=URL"),
+    (["--workload", "agent", "--sessions", "0"], "sessions and turns must be >= 1"),
+])
+def test_flags_that_do_not_apply_are_refused(argv: list[str], message: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "m", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_run_writes_outputs(fake: tuple[str, object], tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    url, _ = fake
+    code = main(["--model", "m", "--workload", "agent", "--endpoint", "chat",
+                 "--system", f"label=x,url={url}", "--sessions", "2", "--turns", "2", "--user-tokens", "3",
+                 "--tool-tokens", "4", "--output-len", "fixed:2", "--think-time", "10ms",
+                 "--kv-bytes-per-token", "8", "--no-progress", "--leak-settle", "500ms",
+                 "--output-dir", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [t["completed"] for t in data["systems"][0]["turns"]] == [2, 2]
+    assert data["config"]["kv_bytes_per_token"] == 8
+    assert "multi-turn agent sessions" in (tmp_path / "summary.md").read_text()
+
+
+def test_texts_come_from_the_word_list_the_same_on_every_call(tmp_path: Path) -> None:
+    from loadtest.agent_cli import agent_config_from_args
+    from loadtest.agent_runner import TOOL_HEADER, turn_text
+    from loadtest.cli import add_bench_arguments
+
+    (tmp_path / "words").write_text("t101 t102\nt103\n")
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--workload", "agent", "--word-list", str(tmp_path / "words"),
+                              "--user-tokens", "4", "--tool-tokens", "6"])
+    cfg = agent_config_from_args(args, "m")
+    assert cfg.words == ("t101", "t102", "t103")
+    text, words = turn_text(0, 1, 2, cfg)
+    user, tool = text.split(TOOL_HEADER)
+    assert words == 10 and len(user.split()) == 4 and len(tool.split()) == 6
+    assert set(user.split()) | set(tool.split()) <= set(cfg.words)
+    assert turn_text(0, 1, 2, cfg) == (text, words) and turn_text(0, 0, 2, cfg) != (text, words)
+    (tmp_path / "empty").write_text(" \n")
+    empty = parser.parse_args(["--workload", "agent", "--word-list", str(tmp_path / "empty")])
+    with pytest.raises(ValueError, match="no word"):
+        agent_config_from_args(empty, "m")
