@@ -112,6 +112,7 @@ class Scheduler:
             self.block_manager.allocate(seq, seq.num_prompt_tokens)
         else:
             return False
+        self.block_manager.wait_host_copies()  # the KV transfer writes the blocks outside any forward
         seq.status = SequenceStatus.WAITING_FOR_KV
         self._requests[seq.request_id] = seq
         return True
