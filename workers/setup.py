@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
     """The engine config of a worker: model, KV cache (``block_size`` tokens, ``num_blocks`` or
-    ``kv_memory_fraction``), scheduler limits and prefill grid, and tensor parallel size. Raises
+    ``kv_memory_fraction``, the host KV tier's ``kv_host_cache_gib``), scheduler limits and prefill grid, and tensor parallel size. Raises
     ``ValueError`` naming a bad value."""
     return EngineConfig(
         ModelConfig(settings.model, dtype=settings.dtype, device=settings.device,
@@ -30,7 +30,8 @@ def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
                     pdl=settings.pdl, max_model_len=settings.max_model_len,
                     quantization=settings.quantization),
         CacheConfig(block_size=settings.block_size, num_blocks=settings.num_blocks,
-                    memory_fraction=settings.kv_memory_fraction),
+                    memory_fraction=settings.kv_memory_fraction,
+                    host_kv_bytes=int(settings.kv_host_cache_gib * (1 << 30))),
         SchedulerConfig(max_num_seqs=settings.max_num_seqs,
                         max_num_batched_tokens=settings.max_num_batched_tokens,
                         prefill_grid=settings.prefill_grid,
