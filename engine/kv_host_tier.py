@@ -13,9 +13,9 @@ used first; saving into a full tier drops the least recently used slot (an *evic
 The tier is inclusive: a block copied back to the device stays here too, so evicting it from the device
 again costs no copy.
 
-Copies. On a CUDA device the buffer is pinned and every copy runs on one side stream, in the order it was
-asked for (so a save into a slot and a later load from it, or a save of a device block and a later load
-into the same block, never reorder): a save gathers the evicted blocks into a staging tensor and copies
+Copies. On a CUDA device the buffer is pinned (page-locked in place) and every copy runs on one side
+stream, in the order it was asked for (so a save into a slot and a later load from it, or a save of a
+device block and a later load into the same block, never reorder): a save gathers the evicted blocks into a staging tensor and copies
 it to the slots, a load copies the slots into a staging tensor and scatters it into the blocks. An event
 recorded after each batch is what the next forward waits on (``before_forward``: the current stream
 waits on it, the host does not), so the copies overlap whatever the device still runs and the host's
@@ -31,6 +31,7 @@ here), evictions; read by the worker's metrics.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -88,6 +89,25 @@ def host_tier_blocks(num_bytes: int, block_bytes: int) -> int:
     return blocks
 
 
+def _pin(buffer: torch.Tensor) -> None:
+    """Page-lock ``buffer``'s memory for the CUDA driver (``cudaHostRegister``), so copies to and from it
+    run asynchronously. Not ``pin_memory=True``: PyTorch's pinned-memory allocator rounds a request up to
+    a power of two (40 GiB would lock 64 GiB).
+
+    Raises:
+        RuntimeError: the driver refused (the message gives the size and the CUDA error).
+    """
+    size = buffer.numel() * buffer.element_size()
+    error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 0)
+    if int(error) != 0:
+        raise RuntimeError(f"cannot pin {size} bytes of host memory for the host KV tier: CUDA error "
+                           f"{error}")
+
+
+def _unpin(buffer: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
 def _runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     """``(index into slots, first slot, length)`` of each run of consecutive slot numbers, in order."""
     i = 0
@@ -117,7 +137,10 @@ class KVHostTier:
         self.num_blocks = num_blocks
         self.cuda = pool.device.type == "cuda"
         shape = (num_blocks, pool.num_layers, 2, pool.block_size, pool.num_kv_heads, pool.head_dim)
-        self.host_buffer = torch.zeros(shape, dtype=pool.dtype, pin_memory=self.cuda)
+        self.host_buffer = torch.empty(shape, dtype=pool.dtype)  # every slot is written before it is read
+        if self.cuda:
+            _pin(self.host_buffer)
+            weakref.finalize(self, _unpin, self.host_buffer)
         self.stats = HostTierStats(num_blocks, pool.bytes_per_block)
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # block hash → slot, least recently used first
         self._tokens: list[tuple[int, ...]] = [() for _ in range(num_blocks)]  # by slot

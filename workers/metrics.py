@@ -178,7 +178,8 @@ class _HostTierSeries(Collector):
         stats, labels = self.stats(), list(self.label_values)
         hits = saved = loaded = evictions = used = capacity = 0
         if stats is not None:
-            hits, saved, loaded, evictions = stats.hits, stats.saved_bytes, stats.loaded_bytes, stats.evictions
+            hits, evictions = stats.hits, stats.evictions
+            saved, loaded = stats.saved_bytes, stats.loaded_bytes
             used, capacity = stats.used_blocks, stats.capacity_blocks
         family = CounterMetricFamily("pdserve_worker_kv_host_hit_blocks", "KV blocks a prefix lookup took "
                                      "from the host KV tier (copied back instead of recomputed).",
@@ -186,8 +187,8 @@ class _HostTierSeries(Collector):
         family.add_metric(labels, hits)
         yield family
         moved = CounterMetricFamily("pdserve_worker_kv_host_bytes", "Bytes copied between the KV cache and "
-                                    "the host KV tier, by direction (to_host: evicted blocks saved; to_device: "
-                                    "hits copied back).", labels=(*LABELS, "direction"))
+                                    "the host KV tier, by direction (to_host: evicted blocks saved; "
+                                    "to_device: hits copied back).", labels=(*LABELS, "direction"))
         moved.add_metric([*labels, "to_host"], saved)
         moved.add_metric([*labels, "to_device"], loaded)
         yield moved
@@ -197,8 +198,8 @@ class _HostTierSeries(Collector):
         yield dropped
         for name, doc, value in (
                 ("pdserve_worker_kv_host_blocks", "KV blocks the host KV tier holds.", used),
-                ("pdserve_worker_kv_host_capacity_blocks", "KV blocks the host KV tier can hold (0: no tier).",
-                 capacity)):
+                ("pdserve_worker_kv_host_capacity_blocks",
+                 "KV blocks the host KV tier can hold (0: no tier).", capacity)):
             gauge = GaugeMetricFamily(name, doc, labels=LABELS)
             gauge.add_metric(labels, value)
             yield gauge

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
     """The engine config of a worker: model, KV cache (``block_size`` tokens, ``num_blocks`` or
-    ``kv_memory_fraction``, the host KV tier's ``kv_host_cache_gib``), scheduler limits and prefill grid, and tensor parallel size. Raises
-    ``ValueError`` naming a bad value."""
+    ``kv_memory_fraction``, the host KV tier's ``kv_host_cache_gib``), scheduler limits and prefill grid,
+    and tensor parallel size. Raises ``ValueError`` naming a bad value."""
     return EngineConfig(
         ModelConfig(settings.model, dtype=settings.dtype, device=settings.device,
                     attention_backend=settings.attention_backend, enforce_eager=settings.enforce_eager,

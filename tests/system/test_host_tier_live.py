@@ -1,8 +1,8 @@
 """The host KV tier through real processes: a disaggregated system and a colocated one, each worker with
 ``--kv-host-cache-gib 0.05`` (about 70 blocks of the embedded SmolLM2 in fp32), a device pool of 16
 blocks and ``--prefill-grid 32``. A greedy completion (146 token ids, 3 tokens, top-1 logprobs), then a
-250-token prompt that takes every device block (every cached block of the first prompt moves to the tier), then
-the first again: its 128-token prefix comes back from the tier (the prefill or colocated worker's
+250-token prompt that takes every device block (every cached block of the first prompt moves to the
+tier), then the first again: its 128-token prefix comes back from the tier (the prefill or colocated worker's
 ``pdserve_worker_kv_host_hit_blocks`` grows by 8, bytes move both ways) and the answer equals the first bit
 for bit. The decode worker's blocks, evicted when it reserves blocks for the next prompt, are saved too.
 Its own system (the shared one runs no tier); ends with a KV leak check.
