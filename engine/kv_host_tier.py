@@ -15,15 +15,16 @@ again costs no copy.
 
 Copies. On a CUDA device the buffer is pinned (page-locked in place) and every copy runs on one side
 stream, in the order it was asked for (so a save into a slot and a later load from it, or a save of a
-device block and a later load into the same block, never reorder): a save gathers the evicted blocks into a staging tensor and copies
-it to the slots, a load copies the slots into a staging tensor and scatters it into the blocks. An event
-recorded after each batch is what the next forward waits on (``before_forward``: the current stream
-waits on it, the host does not), so the copies overlap whatever the device still runs and the host's
-scheduling of the next step; a writer of the device blocks other than a forward (a KV transfer landing
-in blocks just reserved) calls ``synchronize`` first. The side stream does not wait for the compute
-stream: an evicted block is one whose KV was registered after the step that wrote it finished (its
-tokens were read), and no step in flight reads or writes a free block (``BlockManager.before_free``). On
-a CPU device the buffer is plain memory and the copies run at once, synchronously.
+device block and a later load into the same block, never reorder): a save gathers the evicted blocks
+into a staging tensor and copies it to the slots, a load copies the slots into a staging tensor and
+scatters it into the blocks. An event recorded after each batch is what the next forward waits on
+(``before_forward``: the current stream waits on it, the host does not), so the copies overlap whatever
+the device still runs and the host's scheduling of the next step; a writer of the device blocks other
+than a forward (a KV transfer landing in blocks just reserved) calls ``synchronize`` first. The side
+stream does not wait for the compute stream: an evicted block is one whose KV was registered after the
+step that wrote it finished (its tokens were read), and no step in flight reads or writes a free block
+(``BlockManager.before_free``). On a CPU device the buffer is plain memory and the copies run at once,
+synchronously.
 
 Counters (``HostTierStats``): blocks saved and loaded, bytes each way, hits (blocks a prefix lookup found
 here), evictions; read by the worker's metrics.
