@@ -81,7 +81,8 @@ def make_core(args: argparse.Namespace, num_blocks: int, host_bytes: int, max_le
     path = dummy_model_dir(args.model, max_len)
     return EngineCore(EngineConfig(
         ModelConfig(str(path), dtype=args.dtype, load_format="dummy", device=args.device,
-                    attention_backend=args.attention_backend, max_model_len=max_len),
+                    attention_backend=args.attention_backend, max_model_len=max_len,
+                    enforce_eager=True),  # only prefills run: no decode graphs to capture
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, host_kv_bytes=host_bytes),
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=max(2048, args.suffix_len)),
     ))
