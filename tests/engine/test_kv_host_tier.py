@@ -22,8 +22,10 @@ def _seq(tokens: list[int], rid: str = "r") -> Sequence:
     return Sequence(rid, tokens, SamplingParams(), arrival_time=0.0)
 
 
-def _system(num_blocks: int, host_blocks: int, grid: int = 1) -> tuple[BlockManager, KVCachePool, KVHostTier]:
-    pool = KVCachePool(LAYERS, num_blocks, BS, HEADS, DIM, torch.float32)
+def _system(num_blocks: int, host_blocks: int, grid: int = 1,
+            device: str = "cpu") -> tuple[BlockManager, KVCachePool, KVHostTier]:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pool = KVCachePool(LAYERS, num_blocks, BS, HEADS, DIM, dtype, device)
     bm = BlockManager(num_blocks, BS, prefix_grid_blocks=grid)
     tier = KVHostTier(pool, host_blocks)
     bm.host_tier = tier
@@ -31,24 +33,36 @@ def _system(num_blocks: int, host_blocks: int, grid: int = 1) -> tuple[BlockMana
 
 
 def _compute(bm: BlockManager, pool: KVCachePool, seq: Sequence, seed: int) -> None:
-    """Allocate ``seq``'s blocks, write random KV into the ones not cached (as a forward would) and
-    register its full blocks."""
+    """Allocate ``seq``'s blocks, write random KV into the ones not cached (as a forward would: after the
+    tier's ``before_forward``) and register its full blocks."""
     cached = bm.allocate_prefix(seq)
     seq.num_computed_tokens = cached
     bm.allocate(seq, seq.num_tokens - cached)
+    assert bm.host_tier is not None
+    bm.host_tier.before_forward()
     gen = torch.Generator().manual_seed(seed)
     for block_id in seq.block_table[cached // BS:]:
-        pool.kv_buffer[:, :, block_id] = torch.randn(pool.kv_buffer[:, :, block_id].shape, generator=gen)
+        shape = pool.kv_buffer[:, :, block_id].shape
+        pool.kv_buffer[:, :, block_id] = torch.randn(shape, generator=gen).to(pool.device, pool.dtype)
     seq.num_computed_tokens = seq.num_tokens
     bm.cache_full_blocks(seq)
 
 
 def _kv(pool: KVCachePool, block_ids: list[int]) -> torch.Tensor:
-    return pool.kv_buffer[:, :, block_ids].clone()
+    """The blocks' KV as the next forward would read it (after the tier's copies), on the CPU."""
+    if pool.device.type == "cuda":
+        torch.cuda.current_stream(pool.device).synchronize()
+    return pool.kv_buffer[:, :, block_ids].cpu()
 
 
-def test_evicted_blocks_come_back_from_the_host_bit_for_bit() -> None:
-    bm, pool, tier = _system(num_blocks=4, host_blocks=8)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_evicted_blocks_come_back_from_the_host_bit_for_bit(device: str) -> None:
+    """On CUDA the copies run on the tier's side stream into pinned memory; the filler's KV is written
+    over the evicted blocks on the compute stream right after the eviction (ordered by
+    ``before_forward`` only), and the reloaded blocks are read the same way."""
+    bm, pool, tier = _system(num_blocks=4, host_blocks=8, device=device)
+    assert tier.host_buffer.is_pinned() == (device == "cuda")
     a = _seq(list(range(13)), "a")  # 3 full blocks + 1 token
     _compute(bm, pool, a, seed=1)
     kv_a = _kv(pool, a.block_table[:3])
@@ -62,6 +76,7 @@ def test_evicted_blocks_come_back_from_the_host_bit_for_bit() -> None:
     bm.free(b)
     again = _seq(list(range(13)), "a2")
     hit = bm.allocate_prefix(again)
+    tier.before_forward()
     assert hit == 12
     assert tier.stats.hits == 3 and tier.stats.loaded_blocks == 3
     assert torch.equal(_kv(pool, again.block_table), kv_a)
