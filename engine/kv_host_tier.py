@@ -193,8 +193,7 @@ class KVHostTier:
         keep = {h for h, _ in loads}
         self.touch(keep)
         dropped: list[int] = []
-        save_ids: list[int] = []
-        save_slots: list[int] = []
+        placed: list[tuple[int, int, int]] = []  # (hash, device block, slot)
         for h, tokens, block_id in saves:
             if h in self._slot_of:
                 self._slot_of.move_to_end(h)
@@ -205,8 +204,11 @@ class KVHostTier:
                 continue
             self._slot_of[h] = slot
             self._tokens[slot] = tokens
-            save_ids.append(block_id)
-            save_slots.append(slot)
+            placed.append((h, block_id, slot))
+        # a slot taken again by a later save of this call (a tier smaller than the batch) is copied once
+        placed = [(h, block_id, slot) for h, block_id, slot in placed if self._slot_of.get(h) == slot]
+        save_ids = [block_id for _, block_id, _ in placed]
+        save_slots = [slot for _, _, slot in placed]
         load_ids = [block_id for _, block_id in loads]
         load_slots = [self._slot_of[h] for h, _ in loads]
         if save_ids or load_ids:

@@ -147,6 +147,25 @@ def test_a_full_tier_drops_its_least_recently_used_block() -> None:
     bm.check_no_leaks()
 
 
+def test_a_tier_smaller_than_one_eviction_batch_keeps_the_most_recent_block() -> None:
+    """Three blocks evicted at once into a one-slot tier: the slot is copied once, with the last one."""
+    bm, pool, tier = _system(num_blocks=4, host_blocks=1)
+    log = bm.record_events()
+    a = _seq(list(range(13)), "a")  # 3 full blocks, freed tail first: evicted in the order 2, 1, 0
+    _compute(bm, pool, a, seed=1)
+    kv_first = _kv(pool, a.block_table[:1])
+    hashes = [bm._blocks[i].block_hash for i in a.block_table[:3]]
+    bm.free(a)
+    log.drain()
+    filler = _seq(list(range(100, 116)), "f")  # 4 blocks: 1 uncached, then a's 3 cached ones
+    bm.allocate(filler, 16)
+    assert (tier.stats.saved_blocks, tier.stats.evictions, tier.hashes()) == (1, 2, [hashes[0]])
+    assert set(log.drain().removed) == set(hashes[1:])
+    assert torch.equal(tier.host_buffer[0].unsqueeze(2), kv_first)
+    bm.free(filler)
+    bm.check_no_leaks()
+
+
 def test_a_block_already_in_the_tier_is_not_copied_again() -> None:
     bm, pool, tier = _system(num_blocks=2, host_blocks=4)
     a = _seq(list(range(BS + 1)), "a")  # one full block + a partial one
