@@ -23,6 +23,7 @@ and is "removed" once neither does.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -336,6 +337,26 @@ class BlockManager:
                 self._release(block)
         seq.block_table = []
         seq.hashed_blocks = (0, ROOT_HASH)
+        if self.host_tier is not None and self.host_tier.presave_blocks:
+            self._host_presave()
+
+    def _host_presave(self) -> None:
+        """Save the tier's ``presave_blocks`` next blocks to evict (the oldest free cached ones) that it
+        does not hold yet, while they stay cached here: their copies overlap the steps before the eviction,
+        which then costs none (``KVHostTier.transfer`` with ``evicted=False``)."""
+        tier = self.host_tier
+        assert tier is not None
+        picks = []
+        for block_id in itertools.islice(self._free_cached, tier.presave_blocks):
+            block = self._blocks[block_id]
+            if block.block_hash is not None and block.block_hash not in tier:
+                picks.append((block.block_hash, block.token_ids, block_id))
+        if picks:
+            dropped = tier.transfer(picks, [], evicted=False)
+            if self.events is not None:
+                for h in dropped:
+                    if h not in self._hash_to_block and h not in tier:
+                        self.events.removed(h)
 
     def check_no_leaks(self) -> None:
         """Raise ``AssertionError`` listing blocks still referenced (or lost from the free lists)."""

@@ -104,7 +104,10 @@ class EngineCore:
                 raise ValueError("a host KV tier (host_kv_bytes) runs on one rank only: tensor parallel "
                                  "ranks would each need their own copies")
             pool = self.runner.kv_cache
-            self.host_tier = KVHostTier(pool, host_tier_blocks(cache.host_kv_bytes, pool.bytes_per_block))
+            # one step's worth of blocks to evict is saved ahead, while they are still cached
+            step_blocks = -(-engine_config.scheduler.max_num_batched_tokens // cache.block_size)
+            self.host_tier = KVHostTier(pool, host_tier_blocks(cache.host_kv_bytes, pool.bytes_per_block),
+                                        presave_blocks=step_blocks)
             self.block_manager.host_tier = self.host_tier
             self.runner.before_forward = self.host_tier.before_forward
         self.scheduler = Scheduler(engine_config.scheduler, cache, self.block_manager,

@@ -17,14 +17,20 @@ Copies. On a CUDA device the buffer is pinned (page-locked in place) and every c
 stream, in the order it was asked for (so a save into a slot and a later load from it, or a save of a
 device block and a later load into the same block, never reorder): a save gathers the evicted blocks
 into a staging tensor and copies it to the slots, a load copies the slots into a staging tensor and
-scatters it into the blocks. An event recorded after each batch is what the next forward waits on
-(``before_forward``: the current stream waits on it, the host does not), so the copies overlap whatever
-the device still runs and the host's scheduling of the next step; a writer of the device blocks other
-than a forward (a KV transfer landing in blocks just reserved) calls ``synchronize`` first. The side
-stream does not wait for the compute stream: an evicted block is one whose KV was registered after the
-step that wrote it finished (its tokens were read), and no step in flight reads or writes a free block
-(``BlockManager.before_free``). On a CPU device the buffer is plain memory and the copies run at once,
-synchronously.
+scatters it into the blocks. An event recorded after each batch of loads or of evicted blocks' saves
+is what the next forward waits on (``before_forward``: the current stream waits on it, the host does
+not), so the copies overlap whatever the device still runs and the host's scheduling of the next
+step; a writer of the device blocks other than a forward (a KV transfer landing in blocks just reserved)
+calls ``synchronize`` first. The side stream does not wait for the compute stream: a saved block is one
+whose KV was registered after the step that wrote it finished (its tokens were read), and no step in
+flight reads or writes a free block (``BlockManager.before_free``). On a CPU device the buffer is plain
+memory and the copies run at once, synchronously.
+
+Eager saves (``presave_blocks``): whenever blocks are freed, the block manager also saves the next
+``presave_blocks`` blocks it would evict (its oldest free cached ones) that the tier lacks, while they stay
+cached on the device. Nothing waits for those copies (they overlap the steps that run meanwhile); when
+such a block is evicted later it costs no copy, and the forward that overwrites it waits only if its
+copy is still running. The engine sets ``presave_blocks`` to one step's token budget in blocks.
 
 Counters (``HostTierStats``): blocks saved and loaded, bytes each way, hits (blocks a prefix lookup found
 here), evictions; read by the worker's metrics.
@@ -126,14 +132,19 @@ class KVHostTier:
     Args:
         pool: the device pool whose blocks it saves and restores (its shape and dtype).
         num_blocks: slots (``host_tier_blocks`` of a byte budget); at least 1.
+        presave_blocks: how many of the device pool's next blocks to evict are saved ahead (see the
+            module docstring; 0: none, every save happens at the eviction).
 
     Raises:
-        ValueError: ``num_blocks`` < 1.
+        ValueError: ``num_blocks`` < 1 or ``presave_blocks`` < 0.
     """
 
-    def __init__(self, pool: KVCachePool, num_blocks: int) -> None:
+    def __init__(self, pool: KVCachePool, num_blocks: int, presave_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"a host KV tier needs at least one block, got {num_blocks}")
+        if presave_blocks < 0:
+            raise ValueError(f"presave_blocks must be >= 0, got {presave_blocks}")
+        self.presave_blocks = presave_blocks
         self.pool = pool
         self.num_blocks = num_blocks
         self.cuda = pool.device.type == "cuda"
@@ -147,7 +158,12 @@ class KVHostTier:
         self._tokens: list[tuple[int, ...]] = [() for _ in range(num_blocks)]  # by slot
         self._free_slots: list[int] = list(range(num_blocks - 1, -1, -1))  # popped from the end: 0 first
         self._stream = torch.cuda.Stream(pool.device) if self.cuda else None
-        self._pending: torch.cuda.Event | None = None  # recorded after the last batch of copies
+        # CUDA events of batches of copies, numbered in the order they were recorded on the side stream
+        # (waiting for one waits for every earlier one): the latest the next forward must wait for, and
+        # the one that filled each slot
+        self._copies = 0
+        self._wait: tuple[int, torch.cuda.Event] | None = None
+        self._slot_event: list[tuple[int, torch.cuda.Event] | None] = [None] * num_blocks
 
     # ---- lookups (no copies) -----------------------------------------------------------------------
     def __contains__(self, block_hash: int) -> bool:
@@ -173,13 +189,17 @@ class KVHostTier:
 
     # ---- copies ------------------------------------------------------------------------------------
     def transfer(self, saves: Sequence[tuple[int, tuple[int, ...], int]],
-                 loads: Sequence[tuple[int, int]]) -> list[int]:
-        """Save evicted device blocks, then load held blocks into device blocks; returns the hashes the
-        tier dropped to make room.
+                 loads: Sequence[tuple[int, int]], *, evicted: bool = True) -> list[int]:
+        """Save device blocks, then load held blocks into device blocks; returns the hashes the tier
+        dropped to make room.
 
         Args:
-            saves: ``(block hash, token ids, device block id)`` of blocks leaving the device pool, whose
-                KV is still in the block; one already held is only made most recently used.
+            saves: ``(block hash, token ids, device block id)`` of blocks whose KV is in the block; one
+                already held is only made most recently used.
+            evicted: the saved blocks are leaving the device pool (the next forward may overwrite them:
+                it waits for their copies, also for an earlier copy of a block already held that may
+                still run). False: an eager save of blocks that stay cached on the device (the eviction
+                frontier, ``BlockManager``), which nothing waits for.
             loads: ``(block hash, device block id)``: copy the held block into the device block (counted
                 as a hit). Their slots are not dropped by this call's saves (a save that finds no other
                 slot is skipped).
@@ -197,6 +217,9 @@ class KVHostTier:
         for h, tokens, block_id in saves:
             if h in self._slot_of:
                 self._slot_of.move_to_end(h)
+                earlier = self._slot_event[self._slot_of[h]]
+                if evicted and earlier is not None and not earlier[1].query():
+                    self._must_wait(earlier)
                 continue
             slot = self._free_slot(keep, dropped)
             if slot is None:
@@ -212,12 +235,24 @@ class KVHostTier:
         load_ids = [block_id for _, block_id in loads]
         load_slots = [self._slot_of[h] for h, _ in loads]
         if save_ids or load_ids:
-            self._copy(save_ids, save_slots, load_ids, load_slots)
+            event = self._copy(save_ids, save_slots, load_ids, load_slots)
+            if event is not None:
+                self._copies += 1
+                numbered = (self._copies, event)
+                for slot in save_slots:
+                    self._slot_event[slot] = numbered
+                if evicted or load_ids:
+                    self._must_wait(numbered)
         self.stats.saved_blocks += len(save_ids)
         self.stats.loaded_blocks += len(load_ids)
         self.stats.hits += len(load_ids)
         self.stats.used_blocks = len(self._slot_of)
         return dropped
+
+    def _must_wait(self, numbered: tuple[int, torch.cuda.Event]) -> None:
+        """The next forward waits for this batch of copies (and so for every earlier one)."""
+        if self._wait is None or numbered[0] > self._wait[0]:
+            self._wait = numbered
 
     def _free_slot(self, keep: set[int], dropped: list[int]) -> int | None:
         """A free slot, else the least recently used held one not in ``keep`` (its hash appended to
@@ -233,9 +268,10 @@ class KVHostTier:
         return slot
 
     def _copy(self, save_ids: list[int], save_slots: list[int], load_ids: list[int],
-              load_slots: list[int]) -> None:
+              load_slots: list[int]) -> torch.cuda.Event | None:
         """Device blocks ``save_ids`` → host slots ``save_slots``, then host slots ``load_slots`` → device
-        blocks ``load_ids`` (on the side stream on CUDA, see the module docstring)."""
+        blocks ``load_ids`` (on the side stream on CUDA, see the module docstring). Returns the event
+        recorded after them on CUDA, None on a CPU (done)."""
         kv, host, dev = self.pool.kv_buffer, self.host_buffer, self.pool.device
         if self._stream is None:
             if save_ids:
@@ -245,8 +281,8 @@ class KVHostTier:
             if load_ids:
                 kv.index_copy_(2, torch.tensor(load_ids, dtype=torch.int64),
                                host[torch.tensor(load_slots, dtype=torch.int64)].permute(1, 2, 0, 3, 4, 5))
-            return
-        with torch.cuda.stream(self._stream):
+            return None
+        with torch.cuda.device(dev), torch.cuda.stream(self._stream):
             for at in range(0, len(save_ids), STAGING_BLOCKS):
                 ids = torch.tensor(save_ids[at:at + STAGING_BLOCKS], dtype=torch.int64,
                                    pin_memory=True).to(dev, non_blocking=True)
@@ -263,14 +299,15 @@ class KVHostTier:
                 kv.index_copy_(2, ids, staged.permute(1, 2, 0, 3, 4, 5))
             event = torch.cuda.Event()
             event.record(self._stream)
-        self._pending = event
+        return event
 
     def before_forward(self) -> None:
-        """Make the current stream wait for every copy asked for so far (call before a forward that may
-        write or read blocks the tier copied; the host does not wait). No-op on a CPU device."""
-        if self._pending is not None:
-            torch.cuda.current_stream(self.pool.device).wait_event(self._pending)
-            self._pending = None
+        """Make the current stream wait for the copies a forward may depend on: loads, saves of evicted
+        blocks, and eager saves still running of blocks evicted since (call before a forward; the host
+        does not wait). No-op on a CPU device."""
+        if self._wait is not None:
+            torch.cuda.current_stream(self.pool.device).wait_event(self._wait[1])
+            self._wait = None
 
     def synchronize(self) -> None:
         """Wait (on the host) until every copy asked for so far is done: before something other than a

@@ -166,6 +166,34 @@ def test_a_tier_smaller_than_one_eviction_batch_keeps_the_most_recent_block() ->
     bm.check_no_leaks()
 
 
+def test_the_next_blocks_to_evict_are_saved_ahead_and_their_eviction_copies_nothing() -> None:
+    """With ``presave_blocks`` 2, each free saves the two oldest free cached blocks the tier lacks while
+    they stay cached on the device; evicting them later copies nothing, and they come back intact."""
+    pool = KVCachePool(LAYERS, 6, BS, HEADS, DIM, torch.float32)
+    bm = BlockManager(6, BS)
+    tier = bm.host_tier = KVHostTier(pool, 8, presave_blocks=2)
+    log = bm.record_events()
+    a = _seq(list(range(21)), "a")  # 5 full blocks + 1 token; freed tail first: block 4 is the oldest
+    _compute(bm, pool, a, seed=1)
+    kv_a = _kv(pool, a.block_table[:5])
+    hashes = [bm._blocks[i].block_hash for i in a.block_table[:5]]
+    bm.free(a)
+    assert tier.stats.saved_blocks == 2 and sorted(tier.hashes()) == sorted(hashes[3:])
+    assert set(hashes) <= set(bm._hash_to_block)  # still cached on the device too
+    filler = _seq(list(range(100, 109)), "f")  # 3 blocks: the free uncached one, then blocks 4 and 3
+    _compute(bm, pool, filler, seed=2)
+    assert tier.stats.saved_blocks == 2  # evicted, already held: no copy
+    assert not set(log.drain().removed) & set(hashes)
+    bm.free(filler)  # saves the next two to evict: a's blocks 2 and 1
+    assert tier.stats.saved_blocks == 4 and set(hashes[1:]) <= set(tier.hashes())
+    again = _seq(list(range(21)), "a2")
+    assert bm.allocate_prefix(again) == 20
+    tier.before_forward()
+    assert tier.stats.hits == 2 and torch.equal(_kv(pool, again.block_table), kv_a)
+    bm.free(again)
+    bm.check_no_leaks()
+
+
 def test_a_block_already_in_the_tier_is_not_copied_again() -> None:
     bm, pool, tier = _system(num_blocks=2, host_blocks=4)
     a = _seq(list(range(BS + 1)), "a")  # one full block + a partial one
@@ -221,6 +249,8 @@ def test_loads_refuse_unknown_hashes_and_sizes_are_checked() -> None:
         host_tier_blocks(pool.bytes_per_block - 1, pool.bytes_per_block)
     with pytest.raises(ValueError, match="at least one block"):
         KVHostTier(pool, 0)
+    with pytest.raises(ValueError, match="presave_blocks must be >= 0"):
+        KVHostTier(pool, 1, presave_blocks=-1)
     with pytest.raises(ValueError, match="host_kv_bytes must be >= 0"):
         CacheConfig(host_kv_bytes=-1)
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
