@@ -13,13 +13,20 @@ a Python loop over every block id.
 
 With ``events`` set (:meth:`BlockManager.record_events`), every hash entering or leaving the prefix cache
 (the keys of the hash → block map) is logged (engine/kv_events.py) for the worker to publish.
+
+With ``host_tier`` set (engine/kv_host_tier.py), an evicted cached block is saved to host memory and a
+prefix lookup continues its chain there (:meth:`BlockManager.allocate_prefix`); a hash then stays
+"stored" in the events while the device pool or the tier holds it (a hit costs a copy, not a recompute)
+and is "removed" once neither does.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +34,9 @@ import numpy.typing as npt
 from engine.block_hash import ROOT_HASH, block_hash
 from engine.kv_events import KVEventLog
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:  # the block manager itself imports no torch
+    from engine.kv_host_tier import KVHostTier
 
 BoolArray = npt.NDArray[np.bool_]
 
@@ -78,6 +88,10 @@ class BlockManager:
 
     ``events``: None (the default: nothing recorded) or the log of prefix-cache changes
     (:meth:`record_events`).
+    ``host_tier``: None (the default) or the host-memory tier evicted cached blocks are saved to and
+    prefix lookups continue in. Blocks handed out may then still be the target or source of the tier's
+    copies: a forward waits for them (``KVHostTier.before_forward``), any other writer of the blocks
+    first calls :meth:`wait_host_copies`.
     ``prefix_grid_blocks``: a prefix hit is rounded down to a multiple of this many blocks (the prefill
     grid, ``SchedulerConfig.prefill_grid``, in blocks; 1: no rounding).
 
@@ -96,6 +110,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.before_free: Callable[[], None] | None = None
         self.events: KVEventLog | None = None
+        self.host_tier: KVHostTier | None = None
+        self._host_saves: list[tuple[int, tuple[int, ...], int]] = []  # evicted, not yet handed to the tier
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._hash_to_block: dict[int, int] = {}
         self._free_uncached: set[int] = set(range(num_blocks))
@@ -114,8 +130,17 @@ class BlockManager:
         return self.events
 
     def cached_hashes(self) -> list[int]:
-        """Every block hash the prefix cache holds now (in use or free-cached; unordered)."""
-        return list(self._hash_to_block)
+        """Every block hash the prefix cache holds now (in use or free-cached, or in the host tier;
+        unordered)."""
+        if self.host_tier is None:
+            return list(self._hash_to_block)
+        return list(self._hash_to_block.keys() | set(self.host_tier.hashes()))
+
+    def wait_host_copies(self) -> None:
+        """Wait until the host tier's copies asked for so far are done (before something other than a
+        forward, e.g. a KV transfer, writes blocks just handed out). No-op without a tier."""
+        if self.host_tier is not None:
+            self.host_tier.synchronize()
 
     @property
     def num_free_blocks(self) -> int:
@@ -146,12 +171,15 @@ class BlockManager:
                 f"of {self.num_blocks}"
             )
         seq.block_table.extend(self._take_free_block() for _ in range(need))
+        if self._host_saves:
+            self._host_transfer([])
 
     def allocate_prefix(self, seq: Sequence) -> int:
         """Fill an empty ``seq.block_table`` with cached full blocks matching its tokens (ref + 1 each).
 
         Never covers the last token, so at least one token is computed and logits exist. The hit is
-        rounded down to a multiple of ``prefix_grid_blocks`` blocks.
+        rounded down to a multiple of ``prefix_grid_blocks`` blocks. With a host tier the chain continues
+        there after the last device hit (:meth:`_host_prefix`).
         Returns the number of cached tokens (a multiple of ``block_size``; 0 without prefix caching).
 
         Raises:
@@ -172,10 +200,63 @@ class BlockManager:
                 break
             seq.block_table.append(block_id)
             parent = h
+        if self.host_tier is not None:
+            self._host_prefix(seq, parent, num_blocks - num_blocks % grid)
+            return len(seq.block_table) * self.block_size
         del seq.block_table[len(seq.block_table) - len(seq.block_table) % grid :]
         for block_id in seq.block_table:
             self._ref(block_id)
         return len(seq.block_table) * self.block_size
+
+    def _host_prefix(self, seq: Sequence, parent: int, limit: int) -> None:
+        """``allocate_prefix`` with a host tier: ``seq.block_table`` holds the (unreferenced) device hits,
+        ``parent`` the last one's hash. Continue the chain in the tier up to ``limit`` blocks, as far as
+        the free device blocks allow once the device hits are referenced; round the whole hit down to the
+        grid; reference the device hits, take a device block for each tier hit, register its hash and
+        copy its KV back (after the KV of any block this evicts was saved)."""
+        tier = self.host_tier
+        assert tier is not None
+        bs, grid = self.block_size, self.prefix_grid_blocks
+        found: list[tuple[int, tuple[int, ...]]] = []  # tier hits after the device ones
+        for i in range(len(seq.block_table), limit):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, tokens)
+            if h in self._hash_to_block or not tier.holds(h, tokens):
+                break
+            found.append((h, tokens))
+            parent = h
+        num_device = len(seq.block_table)
+        free_after = self.num_free_blocks - sum(self._blocks[b].ref_count == 0 for b in seq.block_table)
+        total = num_device + min(len(found), free_after)
+        total -= total % grid
+        del seq.block_table[min(total, num_device):]
+        del found[max(total - num_device, 0):]
+        for block_id in seq.block_table:
+            self._ref(block_id)
+        if not found:
+            return
+        tier.touch(h for h, _ in found)  # not dropped by the saves of the blocks taken below
+        loads: list[tuple[int, int]] = []
+        for h, tokens in found:
+            block_id = self._take_free_block()
+            block = self._blocks[block_id]
+            block.block_hash, block.token_ids = h, tokens
+            self._hash_to_block[h] = block_id
+            seq.block_table.append(block_id)
+            loads.append((h, block_id))
+        self._host_transfer(loads)
+
+    def _host_transfer(self, loads: list[tuple[int, int]]) -> None:
+        """Hand the evicted blocks collected since the last call and ``loads`` to the tier (saves first);
+        then log "removed" for each hash neither the device pool nor the tier holds any more."""
+        tier = self.host_tier
+        assert tier is not None
+        saves, self._host_saves = self._host_saves, []
+        dropped = tier.transfer(saves, loads)
+        if self.events is not None:
+            for h in [h for h, _, _ in saves] + dropped:
+                if h not in self._hash_to_block and h not in tier:
+                    self.events.removed(h)
 
     def allocate_contiguous(self, num_blocks: int) -> list[int] | None:
         """Take a run of ``num_blocks`` consecutive free block ids (ref_count 1 each), or None.
@@ -200,7 +281,10 @@ class BlockManager:
             start = first_run(self._free_mask, num_blocks, self._scratch)
         if start is None:
             return None
-        return self._take_run(start, num_blocks)
+        run = self._take_run(start, num_blocks)
+        if self._host_saves:
+            self._host_transfer([])
+        return run
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register hashes of the blocks of ``seq`` whose tokens are all computed (call after a step).
@@ -253,6 +337,26 @@ class BlockManager:
                 self._release(block)
         seq.block_table = []
         seq.hashed_blocks = (0, ROOT_HASH)
+        if self.host_tier is not None and self.host_tier.presave_blocks:
+            self._host_presave()
+
+    def _host_presave(self) -> None:
+        """Save the tier's ``presave_blocks`` next blocks to evict (the oldest free cached ones) that it
+        does not hold yet, while they stay cached here: their copies overlap the steps before the eviction,
+        which then costs none (``KVHostTier.transfer`` with ``evicted=False``)."""
+        tier = self.host_tier
+        assert tier is not None
+        picks = []
+        for block_id in itertools.islice(self._free_cached, tier.presave_blocks):
+            block = self._blocks[block_id]
+            if block.block_hash is not None and block.block_hash not in tier:
+                picks.append((block.block_hash, block.token_ids, block_id))
+        if picks:
+            dropped = tier.transfer(picks, [], evicted=False)
+            if self.events is not None:
+                for h in dropped:
+                    if h not in self._hash_to_block and h not in tier:
+                        self.events.removed(h)
 
     def check_no_leaks(self) -> None:
         """Raise ``AssertionError`` listing blocks still referenced (or lost from the free lists)."""
@@ -261,6 +365,10 @@ class BlockManager:
             raise AssertionError(f"KV blocks still referenced: {held[:32]} ({len(held)} in all)")
         if self.num_free_blocks != self.num_blocks:
             raise AssertionError(f"free lists hold {self.num_free_blocks} of {self.num_blocks} blocks")
+        if self._host_saves:
+            raise AssertionError(f"{len(self._host_saves)} evicted blocks never handed to the host tier")
+        if self.host_tier is not None:
+            self.host_tier.check()
 
     def _ref(self, block_id: int) -> None:
         block = self._blocks[block_id]
@@ -307,10 +415,13 @@ class BlockManager:
         return run
 
     def _evict(self, block: _Block) -> None:
-        """Drop a block's hash: its old content is about to be overwritten."""
+        """Drop a block's hash: its old content is about to be overwritten. With a host tier the block is
+        queued to be saved there (by the caller's ``_host_transfer``, before anything writes it)."""
         if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block.block_id:
             del self._hash_to_block[block.block_hash]
-            if self.events is not None:
+            if self.host_tier is not None:
+                self._host_saves.append((block.block_hash, block.token_ids, block.block_id))
+            elif self.events is not None:
                 self.events.removed(block.block_hash)
         block.block_hash = None
         block.token_ids = ()

@@ -20,6 +20,9 @@ class CacheConfig:
 
     ``block_size`` is in tokens per block; ``num_blocks`` is an explicit block count (else sized from
     ``memory_fraction`` of free device memory, or of ``cpu_kv_bytes`` bytes on CPU).
+    ``host_kv_bytes``: the budget (bytes) of the host-memory KV tier evicted prefix blocks are saved to
+    and restored from (engine/kv_host_tier.py; pinned memory beside a CUDA device, plain memory beside a
+    CPU one); 0, the default: no tier. Needs ``enable_prefix_caching``.
     """
 
     block_size: int = 16
@@ -27,6 +30,7 @@ class CacheConfig:
     memory_fraction: float = 0.9
     cpu_kv_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    host_kv_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -37,6 +41,11 @@ class CacheConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.cpu_kv_bytes < 1:
             raise ValueError(f"cpu_kv_bytes must be >= 1 byte, got {self.cpu_kv_bytes}")
+        if self.host_kv_bytes < 0:
+            raise ValueError(f"host_kv_bytes must be >= 0 bytes (0: no host tier), got {self.host_kv_bytes}")
+        if self.host_kv_bytes and not self.enable_prefix_caching:
+            raise ValueError("host_kv_bytes needs enable_prefix_caching: the host tier holds evicted prefix "
+                             "cache blocks")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import msgspec
 from engine.async_step import LaunchedStep
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.kv_host_tier import HostTierStats, KVHostTier, host_tier_blocks
 from engine.model_runner import ModelRunner
 from engine.models.registry import resolve_model
 from engine.prompt_logprobs import PromptTokenLogprob
@@ -96,6 +97,19 @@ class EngineCore:
         grid_blocks = max(1, engine_config.scheduler.prefill_grid // cache.block_size)
         self.block_manager = BlockManager(self.runner.kv_cache.num_blocks, cache.block_size,
                                           cache.enable_prefix_caching, prefix_grid_blocks=grid_blocks)
+        self.host_tier: KVHostTier | None = None
+        if cache.host_kv_bytes:
+            if self.ranks is not None:
+                self.ranks.close()
+                raise ValueError("a host KV tier (host_kv_bytes) runs on one rank only: tensor parallel "
+                                 "ranks would each need their own copies")
+            pool = self.runner.kv_cache
+            # one step's worth of blocks to evict is saved ahead, while they are still cached
+            step_blocks = -(-engine_config.scheduler.max_num_batched_tokens // cache.block_size)
+            self.host_tier = KVHostTier(pool, host_tier_blocks(cache.host_kv_bytes, pool.bytes_per_block),
+                                        presave_blocks=step_blocks)
+            self.block_manager.host_tier = self.host_tier
+            self.runner.before_forward = self.host_tier.before_forward
         self.scheduler = Scheduler(engine_config.scheduler, cache, self.block_manager,
                                    prefill_only=prefill_only, max_model_len=self.runner.max_model_len)
         self.eos_token_id = _eos_id(self.runner.hf_config)
@@ -202,6 +216,10 @@ class EngineCore:
                     unread.wait()
             self._unread, self._ahead, self.block_manager.before_free = [], None, None
             raise
+
+    def host_tier_stats(self) -> HostTierStats | None:
+        """The host tier's counters (``KVHostTier.stats``), None without a tier."""
+        return self.host_tier.stats if self.host_tier is not None else None
 
     def _launch(self, output: SchedulerOutput, feed: LaunchedStep | None) -> LaunchedStep:
         launched = self.runner.launch(output, feed)

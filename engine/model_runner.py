@@ -82,6 +82,8 @@ class ModelRunner:
         vocab_size: rows of the LM head (logit width).
         decode_graphs: ``DecodeCudaGraphs`` captured at start-up, or None (CPU, ``enforce_eager``, or a
             backend other than ``triton``); setting it to None makes every step eager.
+        before_forward: None, or called (no arguments, on the model's device) before each step's forward
+            is enqueued: the host KV tier's wait for its copies (``KVHostTier.before_forward``).
 
     Tensor parallelism (``tp`` distributed, ``engine.models.tensor_parallel``): each rank loads its
     shard, runs ``TensorParallelCausalLM`` and holds its KV heads; the ranks agree on the smallest block
@@ -145,6 +147,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._mask = mask_placeholder(self.device)
         self.decode_graphs: DecodeCudaGraphs | None = None
+        self.before_forward: Callable[[], None] | None = None
         self._token_buffers: TokenBuffers | None = None  # host copies of launched steps' tokens
         self._bitmasks: BitmaskBuffers | None = None  # grammar bitmasks (first batch with a grammar)
         use_graphs = self.device.type == "cuda" and self.backend.name == "triton"
@@ -293,6 +296,8 @@ class ModelRunner:
         if output.is_empty:
             return {}
         with self.on_device():
+            if self.before_forward is not None:
+                self.before_forward()
             return self._execute(output, layer_hook)
 
     @torch.inference_mode()
@@ -324,6 +329,8 @@ class ModelRunner:
                 return self._grammar_mask(seqs, feed.token_ids() if feed is not None else ())
 
         with self.on_device():
+            if self.before_forward is not None:
+                self.before_forward()
             try:
                 launched = launch_decode(graphs, output, feed, self._token_buffers, rows, grammar)
             except BaseException:

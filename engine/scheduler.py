@@ -120,6 +120,7 @@ class Scheduler:
         else:
             self.block_manager.allocate(seq, seq.num_prompt_tokens)
         seq.num_cached_tokens = cached
+        self.block_manager.wait_host_copies()  # the KV transfer writes the blocks outside any forward
         seq.status = SequenceStatus.WAITING_FOR_KV
         self._requests[seq.request_id] = seq
         return True

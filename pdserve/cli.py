@@ -158,6 +158,10 @@ def _add_worker(add: _Adder, role: str) -> None:
     add("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-memory-fraction)")
     add("--kv-memory-fraction", type=float, default=0.9,
         help="share of free GPU memory (CPU: of a 1 GiB budget) for the KV cache")
+    add("--kv-host-cache-gib", type=float, default=0.0,
+        help="host-memory KV tier (GiB, pinned beside a GPU): prefix-cache blocks evicted from the KV cache "
+             "are copied there and copied back on a prefix hit instead of recomputed (0: off; one rank "
+             "only)")
     add("--max-num-seqs", type=int, default=256, help="sequences running at once")
     add("--max-num-batched-tokens", type=int, default=2048,
         help="token budget per step (chunked prefill splits prompts to fit)")

@@ -19,6 +19,13 @@ from protocol.endpoints import parse_endpoints
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 MAX_GATEWAY_PROCESSES = 64  # ``pdserve gateway --workers``: processes on one host
 
+GIB = 1 << 30
+
+
+def physical_memory_bytes() -> int:
+    """This host's physical memory in bytes (``sysconf``: pages x page size)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
 
 def _check(cond: bool, flag: str, msg: str) -> None:
     if not cond:
@@ -160,6 +167,7 @@ class WorkerSettings:
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.9
+    kv_host_cache_gib: float = 0.0  # host-memory KV tier budget (GiB); 0: off (engine/kv_host_tier.py)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True  # engine.config.CacheConfig.enable_prefix_caching
@@ -194,6 +202,13 @@ class WorkerSettings:
         _check(self.block_size >= 1, "block-size", "must be >= 1")
         _check(self.num_blocks is None or self.num_blocks >= 1, "num-blocks", "must be >= 1")
         _check(0 < self.kv_memory_fraction <= 1, "kv-memory-fraction", "must be in (0, 1]")
+        _check(0 <= self.kv_host_cache_gib < float("inf"), "kv-host-cache-gib",
+               f"must be >= 0 GiB (0: no host KV tier), got {self.kv_host_cache_gib}")
+        _check(self.kv_host_cache_gib * GIB < physical_memory_bytes(), "kv-host-cache-gib",
+               f"{self.kv_host_cache_gib} GiB is not below this host's memory "
+               f"({physical_memory_bytes() / GIB:.1f} GiB)")
+        _check(self.kv_host_cache_gib == 0 or self.tensor_parallel_size == 1, "kv-host-cache-gib",
+               "the host KV tier runs with one rank only (--tensor-parallel-size 1)")
         _check(self.max_num_seqs >= 1, "max-num-seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max-num-batched-tokens", "must be >= 1")
         _check(self.prefill_grid == 0 or (2 <= self.prefill_grid <= self.max_num_batched_tokens
@@ -284,6 +299,11 @@ class UpSettings:
                "several gateway processes need a fixed --port (not 0)")
         _check(self.colocated > 0 or (self.num_prefill > 0 and self.num_decode > 0), "num-prefill",
                "need at least one prefill and one decode worker, or --colocated >= 1")
+        num_workers = self.num_prefill + self.num_decode + self.colocated
+        host_tiers = num_workers * self.worker.kv_host_cache_gib
+        _check(host_tiers * GIB < physical_memory_bytes(), "kv-host-cache-gib",
+               f"{num_workers} workers x {self.worker.kv_host_cache_gib} GiB = {host_tiers:g} GiB of host KV "
+               f"tiers is not below this host's memory ({physical_memory_bytes() / GIB:.1f} GiB)")
         if self.curve_keys or self.insecure_control_plane:  # neither: up makes a per-run key pair
             _check_control_plane(self.curve_keys, self.insecure_control_plane)
 

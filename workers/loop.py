@@ -127,6 +127,7 @@ class WorkerLoop:
         self.health = EngineHealth(settings.engine_stall_timeout)
         self.metrics.watch(self.load, lambda: core.scheduler.num_preemptions, self.health.loop_age,
                            lambda: self.health.registered)
+        self.metrics.watch_host_tier(core.host_tier_stats)
         self.health_server: HealthServer | None = None
         self._kv_log = core.block_manager.record_events()
         self._kv_seq_no = 0  # of the last KVEvents built

@@ -33,6 +33,12 @@ What a worker counts is what it computed, so a sum over the fleet counts each to
   batching every running request gets one token per step, so this is each token's own interval, at one
   histogram update per step instead of one per token. A request resumed after preemption is the
   exception: its first token after the recompute is counted with the step interval, not its stall.
+* the host KV tier (``--kv-host-cache-gib``, engine/kv_host_tier.py), read at scrape time from its
+  counters, zero without a tier: ``pdserve_worker_kv_host_hit_blocks`` (blocks a prefix lookup took from
+  the tier; their tokens also count in ``vllm:prefix_cache_hits``), ``pdserve_worker_kv_host_bytes``
+  with ``direction`` ``to_host`` (evicted blocks saved) and ``to_device`` (hits copied back),
+  ``pdserve_worker_kv_host_evictions`` (blocks the full tier dropped), and the gauges
+  ``pdserve_worker_kv_host_blocks`` / ``pdserve_worker_kv_host_capacity_blocks``;
 * ``vllm:num_requests_running`` / ``_waiting`` and ``vllm:kv_cache_usage_perc`` (a fraction, 1 = all
   blocks in use) are read from the worker's load at scrape time; ``vllm:num_preemptions`` from the
   scheduler's counter. A request the gateway aborts while this worker holds it counts in
@@ -66,6 +72,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from engine.kv_host_tier import HostTierStats
     from engine.sequence import Sequence
     from protocol.messages import WorkerLoad
 
@@ -175,6 +182,43 @@ class _ScrapeTime(Collector):
                     float(self.registered()))
 
 
+class _HostTierSeries(Collector):
+    """The host KV tier's counters and size, read when scraped (zero without a tier)."""
+
+    def __init__(self, label_values: tuple[str, ...], stats: Callable[[], HostTierStats | None]) -> None:
+        self.label_values, self.stats = label_values, stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats, labels = self.stats(), list(self.label_values)
+        hits = saved = loaded = evictions = used = capacity = 0
+        if stats is not None:
+            hits, evictions = stats.hits, stats.evictions
+            saved, loaded = stats.saved_bytes, stats.loaded_bytes
+            used, capacity = stats.used_blocks, stats.capacity_blocks
+        family = CounterMetricFamily("pdserve_worker_kv_host_hit_blocks", "KV blocks a prefix lookup took "
+                                     "from the host KV tier (copied back instead of recomputed).",
+                                     labels=LABELS)
+        family.add_metric(labels, hits)
+        yield family
+        moved = CounterMetricFamily("pdserve_worker_kv_host_bytes", "Bytes copied between the KV cache and "
+                                    "the host KV tier, by direction (to_host: evicted blocks saved; "
+                                    "to_device: hits copied back).", labels=(*LABELS, "direction"))
+        moved.add_metric([*labels, "to_host"], saved)
+        moved.add_metric([*labels, "to_device"], loaded)
+        yield moved
+        dropped = CounterMetricFamily("pdserve_worker_kv_host_evictions", "KV blocks the full host KV tier "
+                                      "dropped (least recently used) to make room.", labels=LABELS)
+        dropped.add_metric(labels, evictions)
+        yield dropped
+        for name, doc, value in (
+                ("pdserve_worker_kv_host_blocks", "KV blocks the host KV tier holds.", used),
+                ("pdserve_worker_kv_host_capacity_blocks",
+                 "KV blocks the host KV tier can hold (0: no tier).", capacity)):
+            gauge = GaugeMetricFamily(name, doc, labels=LABELS)
+            gauge.add_metric(labels, value)
+            yield gauge
+
+
 class WorkerMetrics:
     """The worker's metrics in its own registry (``registry``; serve it with
     ``prometheus_client.generate_latest``). Event methods are called from the worker's loop thread with
@@ -262,6 +306,11 @@ class WorkerMetrics:
         scheduler's preemption count, the engine loop's age (seconds) and whether the gateway accepted
         the worker. Call once."""
         self.registry.register(_ScrapeTime(self.label_values, load, preemptions, loop_age, registered))
+
+    def watch_host_tier(self, stats: Callable[[], HostTierStats | None]) -> None:
+        """Register the host KV tier's series, read from ``stats`` at scrape time (None: no tier, zeros).
+        Call once."""
+        self.registry.register(_HostTierSeries(self.label_values, stats))
 
     def first_token(self, seq: Sequence, now: float, *, computed_prompt: bool = True) -> None:
         """``seq`` got its first token on this worker at ``now``: TTFT; with ``computed_prompt`` (a prefill

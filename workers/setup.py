@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
     """The engine config of a worker: model, KV cache (``block_size`` tokens, ``num_blocks`` or
     ``kv_memory_fraction``; the prefix cache on unless ``enable_prefix_caching`` is off, and never on a
-    decode worker without ``decode_prefix_reuse``), scheduler limits and prefill grid, and tensor parallel
-    size. Raises ``ValueError`` naming a bad value."""
+    decode worker without ``decode_prefix_reuse``; the host KV tier's ``kv_host_cache_gib``), scheduler
+    limits and prefill grid, and tensor parallel size. Raises ``ValueError`` naming a bad value."""
     return EngineConfig(
         ModelConfig(settings.model, dtype=settings.dtype, device=settings.device,
                     attention_backend=settings.attention_backend, enforce_eager=settings.enforce_eager,
@@ -33,7 +33,8 @@ def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
         CacheConfig(block_size=settings.block_size, num_blocks=settings.num_blocks,
                     memory_fraction=settings.kv_memory_fraction,
                     enable_prefix_caching=settings.enable_prefix_caching
-                    and (settings.role != "decode" or settings.decode_prefix_reuse)),
+                    and (settings.role != "decode" or settings.decode_prefix_reuse),
+                    host_kv_bytes=int(settings.kv_host_cache_gib * (1 << 30))),
         SchedulerConfig(max_num_seqs=settings.max_num_seqs,
                         max_num_batched_tokens=settings.max_num_batched_tokens,
                         prefill_grid=settings.prefill_grid,

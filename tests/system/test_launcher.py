@@ -108,6 +108,35 @@ def test_decode_prefix_reuse_flag_reaches_decode_workers_only_and_other_roles_re
             build_parser({}).parse_args([role, "--decode-prefix-reuse", "false", "--insecure-control-plane"])
 
 
+def test_up_passes_the_host_kv_tier_and_refuses_more_than_the_host_holds() -> None:
+    """``--kv-host-cache-gib`` given to ``up`` reaches every worker (as bytes in its engine config); a
+    budget summed over up's workers at or above this host's memory, a negative one and one with tensor
+    parallelism are refused with the flag named."""
+    from pdserve.cli import build_parser
+    from protocol.settings import GIB, WorkerSettings, physical_memory_bytes, settings_from_args
+    from workers.setup import engine_config_from_settings
+
+    up = settings_from_args(build_parser({}).parse_args(
+        ["up", "--num-decode", "2", "--kv-host-cache-gib", "0.5", "--insecure-control-plane"]))
+    assert isinstance(up, UpSettings)
+    for _, args in plan(up, control_port=7777)[1:]:
+        child = settings_from_args(build_parser({}).parse_args(args))
+        assert isinstance(child, WorkerSettings) and child.kv_host_cache_gib == 0.5
+        assert engine_config_from_settings(child).cache.host_kv_bytes == GIB // 2
+    assert engine_config_from_settings(WorkerSettings(role="decode", insecure_control_plane=True)
+                                       ).cache.host_kv_bytes == 0
+    third = physical_memory_bytes() / GIB / 3 + 0.01  # one worker fits, three do not
+    WorkerSettings(role="prefill", kv_host_cache_gib=third, insecure_control_plane=True)
+    with pytest.raises(ValueError, match="--kv-host-cache-gib: 3 workers x"):
+        settings_from_args(build_parser({}).parse_args(
+            ["up", "--kv-host-cache-gib", str(third), "--colocated", "3", "--num-prefill", "0",
+             "--num-decode", "0", "--insecure-control-plane"]))
+    for kw in ({"kv_host_cache_gib": -1.0}, {"kv_host_cache_gib": physical_memory_bytes() / GIB},
+               {"kv_host_cache_gib": 1.0, "tensor_parallel_size": 2, "role": "colocated"}):
+        with pytest.raises(ValueError, match="--kv-host-cache-gib"):
+            WorkerSettings(**{"role": "decode", "insecure_control_plane": True, **kw})  # type: ignore[arg-type]
+
+
 def test_plan_gives_each_worker_its_own_metrics_port() -> None:
     """``up`` assigns every worker a ``--metrics-port`` (its /metrics, /health, /live); a worker flag such as
     ``--engine-stall-timeout`` given to ``up`` reaches every worker; ``--metrics-port`` is up's own."""
