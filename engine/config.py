@@ -12,6 +12,7 @@ _LOAD_FORMATS = ("auto", "dummy")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _FUSED_OPS = ("auto", "on", "off")
 _QUANTIZATION = (None, "fp8")
+_KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,9 @@ class CacheConfig:
 
     ``block_size`` is in tokens per block; ``num_blocks`` is an explicit block count (else sized from
     ``memory_fraction`` of free device memory, or of ``cpu_kv_bytes`` bytes on CPU).
+    ``kv_cache_dtype``: ``"auto"`` stores K/V in the model's dtype; ``"fp8"`` in ``float8_e4m3fn`` (one
+    byte per element, so twice the blocks of bf16 in the same memory) with a static per-layer K and V
+    scale of 1.0 (``engine.kv_cache``); needs the ``triton`` or ``torch`` attention backend.
     """
 
     block_size: int = 16
@@ -27,6 +31,7 @@ class CacheConfig:
     memory_fraction: float = 0.9
     cpu_kv_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -37,6 +42,8 @@ class CacheConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.cpu_kv_bytes < 1:
             raise ValueError(f"cpu_kv_bytes must be >= 1 byte, got {self.cpu_kv_bytes}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

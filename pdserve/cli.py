@@ -158,6 +158,11 @@ def _add_worker(add: _Adder, role: str) -> None:
     add("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-memory-fraction)")
     add("--kv-memory-fraction", type=float, default=0.9,
         help="share of free GPU memory (CPU: of a 1 GiB budget) for the KV cache")
+    add("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+        help="auto: K/V in the model's dtype; fp8: float8_e4m3fn, one byte per element (twice the blocks "
+             "of bf16), static per-layer K and V scales of 1.0; triton or torch attention backend, compute "
+             "capability >= 8.9 on a GPU. Prefill and decode workers must agree (a bf16/fp8 pair is "
+             "refused)")
     add("--max-num-seqs", type=int, default=256, help="sequences running at once")
     add("--max-num-batched-tokens", type=int, default=2048,
         help="token budget per step (chunked prefill splits prompts to fit)")

@@ -160,6 +160,7 @@ class WorkerSettings:
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.9
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: float8_e4m3fn (engine.config.CacheConfig)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     prefill_grid: int = 0  # tokens; 0: off (engine.config.SchedulerConfig.prefill_grid)
@@ -192,6 +193,11 @@ class WorkerSettings:
         _check(self.block_size >= 1, "block-size", "must be >= 1")
         _check(self.num_blocks is None or self.num_blocks >= 1, "num-blocks", "must be >= 1")
         _check(0 < self.kv_memory_fraction <= 1, "kv-memory-fraction", "must be in (0, 1]")
+        _check(self.kv_cache_dtype in ("auto", "fp8"), "kv-cache-dtype",
+               f"must be auto or fp8, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype == "auto" or self.attention_backend in ("auto", "triton", "torch"),
+               "kv-cache-dtype", f"fp8 needs --attention-backend auto, triton or torch, got "
+               f"{self.attention_backend!r}")
         _check(self.max_num_seqs >= 1, "max-num-seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max-num-batched-tokens", "must be >= 1")
         _check(self.prefill_grid == 0 or (2 <= self.prefill_grid <= self.max_num_batched_tokens

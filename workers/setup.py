@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
     """The engine config of a worker: model, KV cache (``block_size`` tokens, ``num_blocks`` or
-    ``kv_memory_fraction``), scheduler limits and prefill grid, and tensor parallel size. Raises
-    ``ValueError`` naming a bad value."""
+    ``kv_memory_fraction``, ``kv_cache_dtype``), scheduler limits and prefill grid, and tensor parallel
+    size. Raises ``ValueError`` naming a bad value."""
     return EngineConfig(
         ModelConfig(settings.model, dtype=settings.dtype, device=settings.device,
                     attention_backend=settings.attention_backend, enforce_eager=settings.enforce_eager,
@@ -30,7 +30,7 @@ def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
                     pdl=settings.pdl, max_model_len=settings.max_model_len,
                     quantization=settings.quantization),
         CacheConfig(block_size=settings.block_size, num_blocks=settings.num_blocks,
-                    memory_fraction=settings.kv_memory_fraction),
+                    memory_fraction=settings.kv_memory_fraction, kv_cache_dtype=settings.kv_cache_dtype),
         SchedulerConfig(max_num_seqs=settings.max_num_seqs,
                         max_num_batched_tokens=settings.max_num_batched_tokens,
                         prefill_grid=settings.prefill_grid,
