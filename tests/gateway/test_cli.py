@@ -270,6 +270,6 @@ def test_kv_cache_dtype_reaches_every_worker_of_up_and_is_checked_first() -> Non
         build_parser({}).parse_args(["decode", "--kv-cache-dtype", "fp8_e5m2"])
     with pytest.raises(ValueError, match="--kv-cache-dtype"):
         WorkerSettings(role="decode", kv_cache_dtype="int8", insecure_control_plane=True)
-    with pytest.raises(ValueError, match="--kv-cache-dtype.*flash_attn"):
-        settings_from_args(build_parser({}).parse_args(
-            ["up", "--kv-cache-dtype", "fp8", "--attention-backend", "flash_attn", "--insecure-control-plane"]))
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype.*flash_attn"):
+        settings_from_args(build_parser(OPEN).parse_args(
+            ["up", "--kv-cache-dtype", "fp8", "--attention-backend", "flash_attn"]))
