@@ -106,23 +106,31 @@ def _unquantised(batch: PagedBatch) -> KVCachePool:
     return batch.pool
 
 
+# model dtypes: fp32 everywhere; bf16 (the served case) with compiled kernels on a GPU
+MODEL_DTYPES = [F32] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+KERNEL_TOL = {F32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", MODEL_DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_fp8_matches_reference(num_splits: int) -> None:
-    batch, pool = fp8_batch([(n - 1, 1) for n in DECODE_LENS], 6, 2, 64, SCALE)
+def test_paged_decode_fp8_matches_reference(num_splits: int, dtype: torch.dtype) -> None:
+    batch, pool = fp8_batch([(n - 1, 1) for n in DECODE_LENS], 6, 2, 64, SCALE, dtype)
     store_kv(batch.k_new, batch.v_new, pool.k_cache(0), pool.v_cache(0), batch.meta.slot_mapping, SCALE)
     m, scale = batch.meta, 64**-0.5 / SCALE.k / 8
     args = (batch.q, pool.k_cache(0), pool.v_cache(0), m.block_tables, m.seq_lens, m.max_seq_len, scale)
     out = paged_decode_attention(*args, num_splits=num_splits, kv_scale=SCALE)
     ref = paged_decode_attention_reference(*args, kv_scale=SCALE)
-    torch.testing.assert_close(out, ref, atol=2e-5 * SCALE.v * 8, rtol=2e-5)
+    tol = KERNEL_TOL[dtype]
+    torch.testing.assert_close(out, ref, atol=tol * SCALE.v * 8, rtol=tol)
     full = _unquantised(batch)
     exact = paged_decode_attention_reference(batch.q, full.k_cache(0), full.v_cache(0), m.block_tables,
                                              m.seq_lens, m.max_seq_len, scale)
     torch.testing.assert_close(out / (SCALE.v * 8), exact / (SCALE.v * 8), atol=FP8_ATOL, rtol=FP8_RTOL)
 
 
-def test_paged_prefill_fp8_matches_reference() -> None:
-    batch, pool = fp8_batch(PREFILL_SPECS, 4, 2, 64, SCALE)
+@pytest.mark.parametrize("dtype", MODEL_DTYPES)
+def test_paged_prefill_fp8_matches_reference(dtype: torch.dtype) -> None:
+    batch, pool = fp8_batch(PREFILL_SPECS, 4, 2, 64, SCALE, dtype)
     store_kv(batch.k_new, batch.v_new, pool.k_cache(0), pool.v_cache(0), batch.meta.slot_mapping, SCALE)
     m, scale = batch.meta, 64**-0.5 / SCALE.k / 8
     kc, vc = pool.k_cache(0), pool.v_cache(0)
@@ -130,7 +138,8 @@ def test_paged_prefill_fp8_matches_reference() -> None:
                                   m.max_query_len, scale, kv_scale=SCALE)
     ref = paged_prefill_attention_reference(batch.q, kc, vc, m.block_tables, m.seq_lens, m.query_start_loc,
                                             m.max_query_len, m.max_seq_len, scale, kv_scale=SCALE)
-    torch.testing.assert_close(out, ref, atol=2e-5 * SCALE.v * 8, rtol=2e-5)
+    tol = KERNEL_TOL[dtype]
+    torch.testing.assert_close(out, ref, atol=tol * SCALE.v * 8, rtol=tol)
     full = _unquantised(batch)
     exact = paged_prefill_attention_reference(batch.q, full.k_cache(0), full.v_cache(0), m.block_tables,
                                               m.seq_lens, m.query_start_loc, m.max_query_len, m.max_seq_len,
@@ -159,3 +168,29 @@ def test_bad_scales_and_dtypes_are_refused() -> None:
         store_kv_reference(k, k, pool.k_cache(0), pool.v_cache(0), slots, KVScale(1.0, float("nan")))
     with pytest.raises(ValueError, match="cache_dtype"):
         KVCachePool(1, 2, 4, 2, 64, F32, DEVICE, cache_dtype=torch.float16)
+
+
+@pytest.mark.parametrize(("lens", "splits"), [([37, 16, 60], 3), ([33, 90], None)])
+def test_fused_decode_rope_store_fp8_equals_rotary_store_then_attention(lens: list[int],
+                                                                        splits: int | None) -> None:
+    """The decode kernel's own RoPE + store (``RopeStore``) quantises exactly as ``rotary_store_kv``: the
+    same FP8 cache bytes, the same output (fp32 model dtype)."""
+    from engine.ops.paged_decode import RopeStore
+    from tests.engine.test_decode_rope import _step
+
+    x = _step(F32, lens, 8, 2, 64)
+    inv_k, inv_v = inverse_scales(SCALE)
+    kc = quantize_kv_reference(x["kc"] * SCALE.k * 8, inv_k, FP8_KV_DTYPE)
+    vc = quantize_kv_reference(x["vc"] * SCALE.v * 8, inv_v, FP8_KV_DTYPE)
+    k, v = x["k"] * SCALE.k * 8, x["v"] * SCALE.v * 8
+    scale = 64**-0.5 / SCALE.k / 8
+    q2, k2, kc2, vc2 = x["q"].clone(), k.clone(), kc.clone(), vc.clone()
+    rotary_store_kv(q2, k2, v, x["cos"], x["sin"], kc2, vc2, x["slots"], SCALE)
+    want = paged_decode_attention(q2, kc2, vc2, x["tables"], x["lens"], x["max_len"], scale,
+                                  num_splits=splits, kv_scale=SCALE)
+    got = paged_decode_attention(x["q"], kc, vc, x["tables"], x["lens"], x["max_len"], scale,
+                                 num_splits=splits, rope=RopeStore(k, v, x["cos"], x["sin"], x["slots"]),
+                                 kv_scale=SCALE)
+    assert torch.equal(raw(kc), raw(kc2)) and torch.equal(raw(vc), raw(vc2))
+    assert not torch.equal(raw(kc), raw(quantize_kv_reference(x["kc"] * SCALE.k * 8, inv_k, FP8_KV_DTYPE)))
+    assert torch.equal(got[:-1], want[:-1])  # the padding row's output is never used
