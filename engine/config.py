@@ -12,6 +12,7 @@ _LOAD_FORMATS = ("auto", "dummy")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _FUSED_OPS = ("auto", "on", "off")
 _QUANTIZATION = (None, "fp8")
+_KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class CacheConfig:
     ``host_kv_bytes``: the budget (bytes) of the host-memory KV tier evicted prefix blocks are saved to
     and restored from (engine/kv_host_tier.py; pinned memory beside a CUDA device, plain memory beside a
     CPU one); 0, the default: no tier. Needs ``enable_prefix_caching``.
+    ``kv_cache_dtype``: ``"auto"`` stores K/V in the model's dtype; ``"fp8"`` in ``float8_e4m3fn`` (one
+    byte per element, so twice the blocks of bf16 in the same memory) with a static per-layer K and V
+    scale of 1.0 (``engine.kv_cache``); needs the ``triton`` or ``torch`` attention backend.
     """
 
     block_size: int = 16
@@ -31,6 +35,7 @@ class CacheConfig:
     cpu_kv_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
     host_kv_bytes: int = 0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -46,6 +51,8 @@ class CacheConfig:
         if self.host_kv_bytes and not self.enable_prefix_caching:
             raise ValueError("host_kv_bytes needs enable_prefix_caching: the host tier holds evicted prefix "
                              "cache blocks")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

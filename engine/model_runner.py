@@ -27,7 +27,7 @@ from engine.attention.metadata import AttentionMetadata, build_attention_metadat
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs, mask_placeholder
 from engine.distributed import TensorParallel, rank_device
-from engine.kv_cache import KVCachePool
+from engine.kv_cache import KVCachePool, check_kv_cache_dtype, resolve_cache_dtype
 from engine.models.fused_model import PROJECTIONS, FusedCausalLM, unsupported_reason
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
 from engine.models.loader import load_model, resolve_device
@@ -116,7 +116,11 @@ class ModelRunner:
             # a worker on cuda:1 would otherwise run its kernels on cuda:0, reading its KV over NVLink
             torch.cuda.set_device(self.device)
         set_pdl(engine_config.model.pdl)  # before any kernel compiles or graph is captured
-        self.backend = get_backend(engine_config.model.attention_backend, self.device)
+        backend_name = engine_config.model.attention_backend
+        fp8_kv = engine_config.cache.kv_cache_dtype == "fp8"
+        if fp8_kv and backend_name == "auto" and self.device.type == "cuda":
+            backend_name = "triton"  # auto's other CUDA choice, flash_attn, has no FP8 KV cache
+        self.backend = get_backend(backend_name, self.device)
         install_paged_attention(self.model)
         cfg = self.hf_config
         limit = int(cfg.max_position_embeddings)
@@ -132,17 +136,20 @@ class ModelRunner:
         num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or num_heads)
         if self.tp.distributed:
             num_kv_heads = int(local_config(cfg, self.tp.size).num_key_value_heads)
-        shape = (int(cfg.num_hidden_layers), cache.block_size, num_kv_heads, int(head_dim), self.dtype,
-                 self.device)
+        cache_dtype = resolve_cache_dtype(cache.kv_cache_dtype, self.dtype)
+        check_kv_cache_dtype(cache_dtype, self.dtype, self.backend.name, self.device)
+        shape = (int(cfg.num_hidden_layers), cache.block_size, num_kv_heads, int(head_dim))
         num_blocks = cache.num_blocks
         if num_blocks is None and self.tp.distributed:  # every rank must hold rank 0's block ids
             num_blocks = self.tp.min_int(KVCachePool.fit_num_blocks(
-                *shape, memory_fraction=cache.memory_fraction, cpu_kv_bytes=cache.cpu_kv_bytes))
+                *shape, cache_dtype, self.device, memory_fraction=cache.memory_fraction,
+                cpu_kv_bytes=cache.cpu_kv_bytes))
         self.kv_cache = KVCachePool.from_memory(
-            *shape,
+            *shape, self.dtype, self.device,
             memory_fraction=cache.memory_fraction,
             cpu_kv_bytes=cache.cpu_kv_bytes,
             num_blocks=num_blocks,
+            cache_dtype=cache_dtype,
         )
         self.sampler = Sampler()
         self._mask = mask_placeholder(self.device)

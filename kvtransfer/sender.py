@@ -100,6 +100,10 @@ class SenderEndpoint:
         """Start a transfer of `block_ids` into `handle`'s blocks (api.KVSender.add_request)."""
         if len(block_ids) != len(handle.block_ids):
             raise ValueError(f"{len(block_ids)} source blocks for {len(handle.block_ids)} destination blocks")
+        src, dst = self.layout, handle.layout
+        if src.block_bytes != dst.block_bytes:  # e.g. an fp8 sender and a bf16 receiver: never copyable
+            raise ValueError(f"the receiver's KV blocks do not fit: dtype {src.dtype!r} != {dst.dtype!r}, "
+                             f"block bytes {src.block_bytes} != {dst.block_bytes}")
         layer_pieces(self.layout, tuple(block_ids), 0)  # range check
         runs = joint_runs(block_ids, handle.block_ids)
         direct = self._direct and 2 * len(runs) <= self.config.direct_max_pieces  # else gather

@@ -162,6 +162,11 @@ def _add_worker(add: _Adder, role: str) -> None:
         help="host-memory KV tier (GiB, pinned beside a GPU): prefix-cache blocks evicted from the KV cache "
              "are copied there and copied back on a prefix hit instead of recomputed (0: off; one rank "
              "only)")
+    add("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+        help="auto: K/V in the model's dtype; fp8: float8_e4m3fn, one byte per element (twice the blocks "
+             "of bf16), static per-layer K and V scales of 1.0; triton or torch attention backend, compute "
+             "capability >= 8.9 on a GPU. Prefill and decode workers must agree (a bf16/fp8 pair is "
+             "refused)")
     add("--max-num-seqs", type=int, default=256, help="sequences running at once")
     add("--max-num-batched-tokens", type=int, default=2048,
         help="token budget per step (chunked prefill splits prompts to fit)")

@@ -168,6 +168,7 @@ class WorkerSettings:
     num_blocks: int | None = None
     kv_memory_fraction: float = 0.9
     kv_host_cache_gib: float = 0.0  # host-memory KV tier budget (GiB); 0: off (engine/kv_host_tier.py)
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8: float8_e4m3fn (engine.config.CacheConfig)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True  # engine.config.CacheConfig.enable_prefix_caching
@@ -209,6 +210,11 @@ class WorkerSettings:
                f"({physical_memory_bytes() / GIB:.1f} GiB)")
         _check(self.kv_host_cache_gib == 0 or self.tensor_parallel_size == 1, "kv-host-cache-gib",
                "the host KV tier runs with one rank only (--tensor-parallel-size 1)")
+        _check(self.kv_cache_dtype in ("auto", "fp8"), "kv-cache-dtype",
+               f"must be auto or fp8, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype == "auto" or self.attention_backend in ("auto", "triton", "torch"),
+               "kv-cache-dtype", f"fp8 needs --attention-backend auto, triton or torch, got "
+               f"{self.attention_backend!r}")
         _check(self.max_num_seqs >= 1, "max-num-seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max-num-batched-tokens", "must be >= 1")
         _check(self.prefill_grid == 0 or (2 <= self.prefill_grid <= self.max_num_batched_tokens

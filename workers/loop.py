@@ -699,7 +699,8 @@ class WorkerLoop:
                 tasks.append(asyncio.create_task(self._resolve_loop()))
             await self.wait_registered(REGISTER_TIMEOUT_S)
             log_event(log, "worker_ready", role=self.role, worker_id=self.worker_id, epoch=self.epoch,
-                      gateways=len(self.gateways.links))
+                      gateways=len(self.gateways.links),
+                      kv_cache_dtype=str(self.core.runner.kv_cache.cache_dtype).removeprefix("torch."))
             await self._engine_loop()
         finally:
             tasks += [task for link in self.gateways.links.values() for task in link.tasks]

@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 
 def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
     """The engine config of a worker: model, KV cache (``block_size`` tokens, ``num_blocks`` or
-    ``kv_memory_fraction``; the prefix cache on unless ``enable_prefix_caching`` is off, and never on a
-    decode worker without ``decode_prefix_reuse``; the host KV tier's ``kv_host_cache_gib``), scheduler
-    limits and prefill grid, and tensor parallel size. Raises ``ValueError`` naming a bad value."""
+    ``kv_memory_fraction``, ``kv_cache_dtype``; the prefix cache on unless ``enable_prefix_caching`` is
+    off, and never on a decode worker without ``decode_prefix_reuse``; the host KV tier's
+    ``kv_host_cache_gib``), scheduler limits and prefill grid, and tensor parallel size. Raises
+    ``ValueError`` naming a bad value."""
     return EngineConfig(
         ModelConfig(settings.model, dtype=settings.dtype, device=settings.device,
                     attention_backend=settings.attention_backend, enforce_eager=settings.enforce_eager,
@@ -31,7 +32,7 @@ def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
                     pdl=settings.pdl, max_model_len=settings.max_model_len,
                     quantization=settings.quantization),
         CacheConfig(block_size=settings.block_size, num_blocks=settings.num_blocks,
-                    memory_fraction=settings.kv_memory_fraction,
+                    memory_fraction=settings.kv_memory_fraction, kv_cache_dtype=settings.kv_cache_dtype,
                     enable_prefix_caching=settings.enable_prefix_caching
                     and (settings.role != "decode" or settings.decode_prefix_reuse),
                     host_kv_bytes=int(settings.kv_host_cache_gib * (1 << 30))),

@@ -19,12 +19,35 @@ after 3 warm-up ones, ``bench.timing.ceiling_seconds``): seconds, TFLOP/s and th
 writes every row and the winners.
 
     python -m bench.kernels.fp8_gemv_sweep --gemm-tokens 8192 --json fp8_gemv_sweep.json
+
+``--candidates`` instead measures other ways to run the batch-1 FP8 projection, each timed as above
+(graph of 64 calls cycling 8 weight copies, 8 replays, median and min–max) and printed as weight bytes per
+second over the same-run copy ceiling, after checking its output against its reference (max error over
+max |reference| <= 1e-2: the bf16 output's rounding plus summation order; a candidate that fails is
+marked MISMATCH and never named best):
+
+- ``gemv``: the engine's ``fp8_gemv`` with its default tile (the baseline; weight-only, reference
+  ``fp8_gemv_reference``);
+- ``splitk b_n x b_k, w, s``: ``fp8_gemv_splitk`` over ``SPLITK_TILES`` (weight-only, same reference);
+- ``scaled_mm pad16`` (per-channel weights only): the activation quantized per token to FP8
+  (``quantize_fp8_groups``, SiLU·mul folded in for the down projection), written into row 0 of a
+  zeroed ``[16, K]`` FP8 buffer, ``torch._scaled_mm(q [16, K] row-major, W^T [K, N] column-major,
+  scale_a [16, 1], scale_b [1, N])`` (row-wise scales, bf16 out), row 0 kept: the weight is read once,
+  cuBLASLt gets the 16 rows its FP8 kernels want (vLLM padded to 17 rows for ``_scaled_mm`` for the
+  same reason). w8a8: reference ``scaled_fp8_linear_reference``;
+- ``scaled_mm swapAB`` (per-channel only): the same product transposed, ``_scaled_mm(W [N, K]
+  row-major, q^T [K, 16] column-major, scale_a [N, 1], scale_b [1, 16])`` then column 0, so N (thousands)
+  is the GEMM's M and the 16 padded tokens its N: what vLLM's CUTLASS FP8 kernels do for M <= 16 on
+  Hopper ("swap AB", 64 x 16 .. 64 x 64 tiles with a 128-256-wide K step).
+
+    python -m bench.kernels.fp8_gemv_sweep --candidates --json fp8_gemv_candidates.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +59,14 @@ from engine.ops.fp8_gemm import (
     Fp8Weight,
     block_gemm_tile,
     fp8_gemv,
+    fp8_gemv_reference,
+    fp8_gemv_splitk,
     fp8_gemv_tile,
     quantize_fp8_groups,
+    scaled_fp8_linear_reference,
     w8a8_block_gemm,
 )
+from engine.ops.silu_mul import silu_mul_reference
 
 # (name, N, K, gated) of Llama-3-8B's merged projections at batch 1
 SHAPES = (("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, False),
@@ -48,6 +75,12 @@ SHAPES = (("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 2867
 TILES = ((1, 4096, 4), (2, 1024, 4), (2, 2048, 4), (2, 4096, 8), (4, 1024, 4), (4, 2048, 4), (4, 2048, 8),
          (4, 4096, 8), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (16, 512, 4), (16, 1024, 8))
 # (block_m, block_n, num_warps, num_stages) of w8a8_block_gemm at prefill sizes (block_k: the weight's 128)
+# (block_n, block_k, num_warps, split_k) of fp8_gemv_splitk: 16-byte runs per thread (block_k >= 512 over
+# 32 lanes), 2-16 row blocks, K cut in 2-8 slices
+SPLITK_TILES = ((1, 1024, 4, 4), (2, 1024, 4, 4), (4, 512, 4, 2), (4, 512, 4, 4), (4, 1024, 4, 2),
+                (4, 1024, 8, 4), (8, 512, 4, 2), (8, 512, 4, 4), (8, 1024, 8, 2), (16, 512, 8, 2),
+                (4, 512, 4, 8), (2, 2048, 8, 4))
+CHECK_TOL = 1e-2  # max |out - ref| / max |ref|
 GEMM_TILES = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4),
               (64, 256, 8, 3), (256, 64, 8, 3))
 
@@ -127,6 +160,123 @@ def sweep(layouts: list[str], shapes: list[str], tiles: list[tuple[int, int, int
     return res
 
 
+Candidate = Callable[[torch.Tensor, Fp8Weight], torch.Tensor]
+
+
+def _scaled_mm_candidate(k: int, gated: bool, swap_ab: bool, device: str = "cuda") -> Candidate:
+    """``x [1, K]`` (``[1, 2 K]`` gated) times a per-channel FP8 weight through ``torch._scaled_mm`` with
+    the token padded to 16 rows (module docstring); buffers allocated once, outside the graph."""
+    q_pad = torch.zeros(16, k, device=device, dtype=torch.float8_e4m3fn)
+    s_pad = torch.ones(16, 1, device=device, dtype=torch.float32)
+
+    def run(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+        q, s = quantize_fp8_groups(x, k, gated=gated)
+        q_pad[:1].copy_(q)
+        s_pad[:1].copy_(s)
+        if swap_ab:
+            out = torch._scaled_mm(w.weight, q_pad.t(), scale_a=w.scale.reshape(-1, 1),
+                                   scale_b=s_pad.reshape(1, 16), out_dtype=torch.bfloat16)
+            return out[:, :1].t()
+        return torch._scaled_mm(q_pad, w.weight.t(), scale_a=s_pad, scale_b=w.scale.reshape(1, -1),
+                                out_dtype=torch.bfloat16)[:1]
+    return run
+
+
+def _splitk(tile: tuple[int, int, int, int], gated: bool) -> Candidate:
+    def run(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+        return fp8_gemv_splitk(x, w, None, tile=tile, gated=gated)
+    return run
+
+
+def _candidates(layout: str, n: int, k: int, gated: bool, device: str = "cuda"
+                ) -> list[tuple[str, Candidate, bool]]:
+    """``(name, fn(x, w) -> [1, N], weight_only)`` of every candidate for this layout and shape."""
+    default = fp8_gemv_tile(n, gated)
+    out: list[tuple[str, Candidate, bool]] = [
+        (f"gemv {default[0]} x {default[1]}, {default[2]} (engine default)",
+         lambda x, w: fp8_gemv(x, w, None, gated=gated), True)]
+    for tile in SPLITK_TILES:
+        out.append((f"splitk {tile[0]} x {tile[1]}, {tile[2]}, {tile[3]}", _splitk(tile, gated), True))
+    if layout == "channel":
+        out.append(("scaled_mm pad16", _scaled_mm_candidate(k, gated, False, device), False))
+        out.append(("scaled_mm swapAB", _scaled_mm_candidate(k, gated, True, device), False))
+    return out
+
+
+def _check(fn: Candidate, x: torch.Tensor, w: Fp8Weight, weight_only: bool, gated: bool) -> float:
+    """Max |fn(x, w) - reference| / max |reference| (reference: weight-only or w8a8, float32)."""
+    got = fn(x, w).float()
+    if weight_only:
+        ref = fp8_gemv_reference(x.float(), w, None, gated=gated).float()
+    else:
+        ref = scaled_fp8_linear_reference(silu_mul_reference(x) if gated else x, w, None).float()
+    return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def _seconds(fn: Candidate, weights: list[Fp8Weight], x: torch.Tensor, iters: int = 64) -> Spread:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and load the kernels off the capture
+        fn(x, weights[0])
+    torch.cuda.current_stream().wait_stream(side)
+
+    def chain() -> None:
+        for i in range(iters):
+            fn(x, weights[i % len(weights)])
+    return replay_seconds(chain, 8).scaled(1 / iters)
+
+
+def candidate_sweep(layouts: list[str], shapes: list[str], json_path: Path | None = None) -> dict[str, Any]:
+    """Every candidate per (layout, shape): checked, timed, printed as markdown rows with its share of the
+    same-run copy ceiling; returns the JSON-ready result (written to ``json_path`` after each shape)."""
+    bandwidth = copy_bandwidth(torch.device("cuda")).max
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write, "
+          "best of 20)", flush=True)
+    print("| layout | shape | N | K | candidate | µs: median (min–max) | GB/s | share of copy | "
+          "max err / max ref |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    res: dict[str, Any] = {"copy_bandwidth": bandwidth, "rows": [], "best": {}}
+    for layout in layouts:
+        for name, n, k, gated in SHAPES:
+            if name not in shapes:
+                continue
+            weights = _weights(n, k, layout, 8)
+            nbytes = weights[0].nbytes()
+            x = torch.randn(1, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
+            best: tuple[float, str] | None = None
+            baseline = 0.0
+            for cand, fn, weight_only in _candidates(layout, n, k, gated):
+                try:
+                    err = _check(fn, x, weights[0], weight_only, gated)
+                    t = _seconds(fn, weights, x)
+                except Exception as exc:  # a candidate that cannot run this shape: named, skipped
+                    print(f"| {layout} | {name} | {n} | {k} | {cand} | failed: {type(exc).__name__}: "
+                          f"{str(exc)[:80]} | | | |", flush=True)
+                    continue
+                share = nbytes / t.median / bandwidth
+                ok = err <= CHECK_TOL
+                res["rows"].append(dict(layout=layout, shape=name, n=n, k=k, candidate=cand,
+                                        seconds=t.as_dict(), gb_s=nbytes / t.median / 1e9, share=share,
+                                        rel_err=err, ok=ok))
+                print(f"| {layout} | {name} | {n} | {k} | {cand} | {t.scaled(1e6).fmt('.2f')} | "
+                      f"{nbytes / t.median / 1e9:.0f} | {100 * share:.1f} % | {err:.1e}"
+                      f"{'' if ok else ' MISMATCH'} |", flush=True)
+                if cand.startswith("gemv "):
+                    baseline = share
+                if ok and (best is None or share > best[0]):
+                    best = (share, cand)
+            if best is not None:
+                res["best"][f"{layout}/{name}"] = dict(candidate=best[1], share=best[0],
+                                                       engine_default_share=baseline)
+                print(f"best {layout} {name}: {best[1]} {100 * best[0]:.1f} % of copy (engine default "
+                      f"{100 * baseline:.1f} %)", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+            if json_path is not None:
+                json_path.write_text(json.dumps(res, indent=2))
+    return res
+
+
 def _gemm_shape(name: str, n: int, k: int, tokens: int, res: dict[str, Any]) -> None:
     dev = torch.device("cuda")
     x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
@@ -191,12 +341,20 @@ def main(argv: list[str] | None = None) -> None:
                    help="tiles to sweep, e.g. 8x1024w4 (default: a fixed list of 2-32 KiB tiles)")
     p.add_argument("--gemm-tokens", type=int, default=0,
                    help="also sweep w8a8_block_gemm tiles at this many rows (0: GEMV only)")
+    p.add_argument("--candidates", action="store_true",
+                   help="measure the GEMV candidates (split-K, _scaled_mm padded / swap-AB) instead of the "
+                        "fp8_gemv tile sweep")
     p.add_argument("--json", type=Path, default=None, help="write the rows and winners here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
-    tiles = [_tile(t) for t in args.tiles] if args.tiles else list(TILES)
-    result = sweep(args.layouts, args.shapes, tiles, args.json)
+    if args.candidates and args.tiles:
+        p.error("--tiles belongs to the tile sweep, not --candidates")
+    if args.candidates:
+        result = candidate_sweep(args.layouts, args.shapes, args.json)
+    else:
+        tiles = [_tile(t) for t in args.tiles] if args.tiles else list(TILES)
+        result = sweep(args.layouts, args.shapes, tiles, args.json)
     if args.gemm_tokens:
         result["gemm"] = gemm_sweep(args.gemm_tokens, args.shapes)
     if args.json is not None:

@@ -18,6 +18,7 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCachePool
 from engine.ops.rotary import apply_rotary_reference
+from engine.ops.store_kv import KVScale
 
 BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
 
@@ -66,21 +67,24 @@ class AttentionBackend(ABC):
         check_inputs(layer, q, k, v, kv_cache, meta)
         self.check_cache(kv_cache)
         k_cache, v_cache = kv_cache.k_cache(layer), kv_cache.v_cache(layer)
+        kv_scale = kv_cache.kv_scale(layer)
         if rotary is not None and meta.layer_hook is None:
-            out = self.rotate_store_attend(q, k, v, rotary[0], rotary[1], k_cache, v_cache, meta, scale)
+            out = self.rotate_store_attend(q, k, v, rotary[0], rotary[1], k_cache, v_cache, meta, scale,
+                                           kv_scale)
             if out is not None:
                 return out
         if rotary is not None:
-            self.rotate_and_store(q, k, v, rotary[0], rotary[1], k_cache, v_cache, meta.slot_mapping)
+            self.rotate_and_store(q, k, v, rotary[0], rotary[1], k_cache, v_cache, meta.slot_mapping,
+                                  kv_scale)
         else:
-            self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+            self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
         if meta.layer_hook is not None:
             meta.layer_hook(layer)
-        return self.attend(q, k_cache, v_cache, meta, scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, kv_scale)
 
     def rotate_store_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
+                            meta: AttentionMetadata, scale: float, kv_scale: KVScale) -> torch.Tensor | None:
         """RoPE, store and attention in one go for a step with no ``layer_hook``, when the backend has
         such a path for it (the triton backend: decode-only steps); None (default) means "not here":
         ``forward`` then rotates and stores, and attends, as separate steps."""
@@ -88,12 +92,12 @@ class AttentionBackend(ABC):
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> None:
+                         slot_mapping: torch.Tensor, kv_scale: KVScale) -> None:
         """RoPE on ``q`` and ``k`` in place (``cos``/``sin`` ``[T, D]``), then ``store``. Default: the
         plain-torch rotation, then the backend's store; a backend may fuse the two. Raises
         ``ValueError`` for shapes that do not fit."""
         apply_rotary_reference(q, k, cos, sin)
-        self.store(k, v, k_cache, v_cache, slot_mapping)
+        self.store(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
     def check_cache(self, kv_cache: KVCachePool) -> None:
         """Backend-specific cache requirements; raises ``ValueError``. Default: none."""
@@ -101,15 +105,17 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+              slot_mapping: torch.Tensor, kv_scale: KVScale) -> None:
         """Write ``k``/``v [T, Hkv, D]`` into ``k_cache``/``v_cache [num_blocks, block_size, Hkv, D]`` at
-        ``slot_mapping [T]`` (int64 slots ``block * block_size + offset``; negative slots are skipped)."""
+        ``slot_mapping [T]`` (int64 slots ``block * block_size + offset``; negative slots are skipped);
+        an FP8 cache stores them quantised with the layer's ``kv_scale`` (engine/ops/store_kv.py)."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, kv_scale: KVScale) -> torch.Tensor:
         """Attention of ``q [T, H, D]`` over the paged KV of one layer (already holding this step's
-        tokens); decodes first. Returns ``[T, H, D]`` in ``q``'s dtype."""
+        tokens; an FP8 cache read with ``kv_scale``); decodes first. Returns ``[T, H, D]`` in ``q``'s
+        dtype."""
 
 
 def check_inputs(

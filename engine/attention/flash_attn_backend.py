@@ -18,7 +18,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.kv_cache import KVCachePool
-from engine.ops.store_kv import store_kv
+from engine.ops.store_kv import KVScale, store_kv
 
 FLASH_ATTN_BLOCK_MULTIPLE = 256
 
@@ -33,18 +33,22 @@ class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
 
     def check_cache(self, kv_cache: KVCachePool) -> None:
-        """flash-attn's paged KV needs ``block_size % 256 == 0``; raises ``ValueError`` otherwise."""
+        """flash-attn's paged KV needs ``block_size % 256 == 0`` and a cache of the model's dtype (no FP8
+        KV cache here); raises ``ValueError`` otherwise."""
+        if kv_cache.cache_dtype != kv_cache.dtype:
+            raise ValueError(f"the flash_attn backend has no {kv_cache.cache_dtype} KV cache; use the triton "
+                             "or torch backend for --kv-cache-dtype fp8")
         if kv_cache.block_size % FLASH_ATTN_BLOCK_MULTIPLE != 0:
             raise ValueError(f"flash_attn paged KV needs block_size % {FLASH_ATTN_BLOCK_MULTIPLE} == 0, "
                              f"got {kv_cache.block_size}; use the triton backend")
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+              slot_mapping: torch.Tensor, kv_scale: KVScale) -> None:
         """See ``AttentionBackend.store`` (the Triton ``store_kv`` kernel)."""
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, kv_scale: KVScale) -> torch.Tensor:
         """See ``AttentionBackend.attend``: ``flash_attn_with_kvcache`` / ``flash_attn_varlen_func``."""
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 

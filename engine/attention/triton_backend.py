@@ -16,7 +16,7 @@ from engine.ops.paged_decode import RopeStore, paged_decode_attention, rope_fusa
 from engine.ops.paged_prefill import paged_prefill_attention
 from engine.ops.rotary import apply_rotary
 from engine.ops.rotary_store import rotary_store_kv
-from engine.ops.store_kv import store_kv
+from engine.ops.store_kv import KVScale, store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -30,7 +30,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def rotate_store_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
+                            meta: AttentionMetadata, scale: float, kv_scale: KVScale) -> torch.Tensor | None:
         """See ``AttentionBackend.rotate_store_attend``: a decode-only step (every sequence one query
         token) whose tensors fit ``rope_fusable`` runs ``paged_decode_attention(rope=...)``: RoPE of q and
         the new K, the K/V store and attention in the split kernel: the same cache as the separate path,
@@ -43,26 +43,26 @@ class TritonAttentionBackend(AttentionBackend):
             return None
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len,
-                                      scale, out=out, rope=rope)
+                                      scale, out=out, rope=rope, kv_scale=kv_scale)
 
     def store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
+              slot_mapping: torch.Tensor, kv_scale: KVScale) -> None:
         """See ``AttentionBackend.store`` (the ``store_kv`` kernel)."""
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> None:
+                         slot_mapping: torch.Tensor, kv_scale: KVScale) -> None:
         """See ``AttentionBackend.rotate_and_store``: one ``rotary_store_kv`` kernel (last dims contiguous,
         else the two-kernel path)."""
         if v.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
             apply_rotary(q, k, cos, sin)
-            self.store(k, v, k_cache, v_cache, slot_mapping)
+            self.store(k, v, k_cache, v_cache, slot_mapping, kv_scale)
             return
-        rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        rotary_store_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, kv_scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, kv_scale: KVScale) -> torch.Tensor:
         """See ``AttentionBackend.attend``: split-K decode kernel, then the paged prefill kernel."""
         if q.stride(2) != 1:
             q = q.contiguous()
@@ -71,11 +71,11 @@ class TritonAttentionBackend(AttentionBackend):
         if nd > 0:
             paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale,
-                out=out[:nd],
+                out=out[:nd], kv_scale=kv_scale,
             )
         if meta.num_seqs > nd:
             paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                meta.max_query_len, scale, seq_offset=nd, out=out,
+                meta.max_query_len, scale, seq_offset=nd, out=out, kv_scale=kv_scale,
             )
         return out

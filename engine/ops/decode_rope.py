@@ -29,6 +29,7 @@ import triton.language as tl
 
 from engine.ops.rotary import _check as _check_rotary
 from engine.ops.rotary import _cos_sin, _rotated
+from engine.ops.store_kv import quantize_kv
 
 
 class RopeStore(NamedTuple):
@@ -46,14 +47,15 @@ class RopeStore(NamedTuple):
 @triton.jit
 def _rope_q_store_kv(  # type: ignore[no-untyped-def]  # Triton helper
     q_row, k_row, v_row, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, seq, kv_head, rows, row_mask,
-    stride_qh, stride_ct, stride_st, stride_cb, stride_cs, stride_ch, owner,
+    stride_qh, stride_ct, stride_st, stride_cb, stride_cs, stride_ch, owner, inv_k_scale, inv_v_scale,
     HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    QUERIES_PER_KV: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Rotated ``q`` ``[BLOCK_G, BLOCK_D]`` of this program's query heads (RoPE "rotate half", rounded as
     engine/ops/rotary.py; BLOCK_D == 2 * HALF); the program that ``owner``s the new position also rotates
     its KV head's new key and stores it and the value in the cache slot, then a CTA barrier makes the
-    stores visible to its own tile loop (the only one of the sequence that reads that position)."""
+    stores visible to its own tile loop (the only one of the sequence that reads that position). An FP8
+    cache gets the rotated key and the value quantised as ``store_kv`` does (``KV_FP8``)."""
     half = tl.arange(0, HALF)
     c1, c2, s1, s2 = _cos_sin(cos_ptr, sin_ptr, seq, stride_ct, stride_st, half, half < HALF, HALF)
     qp = q_row + (kv_head * QUERIES_PER_KV + rows)[:, None] * stride_qh + half[None, :]
@@ -66,10 +68,12 @@ def _rope_q_store_kv(  # type: ignore[no-untyped-def]  # Triton helper
         k1, k2 = _rotated(tl.load(kp), tl.load(kp + HALF), c1, c2, s1, s2)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch \
             + half[None, :]
-        tl.store(k_cache_ptr + dst, k1)
-        tl.store(k_cache_ptr + dst + HALF, k2)
-        tl.store(v_cache_ptr + dst, tl.load(v_row + half[None, :]))
-        tl.store(v_cache_ptr + dst + HALF, tl.load(v_row + HALF + half[None, :]))
+        tl.store(k_cache_ptr + dst, quantize_kv(k1, inv_k_scale, k_cache_ptr, KV_FP8))
+        tl.store(k_cache_ptr + dst + HALF, quantize_kv(k2, inv_k_scale, k_cache_ptr, KV_FP8))
+        tl.store(v_cache_ptr + dst,
+                 quantize_kv(tl.load(v_row + half[None, :]), inv_v_scale, v_cache_ptr, KV_FP8))
+        tl.store(v_cache_ptr + dst + HALF,
+                 quantize_kv(tl.load(v_row + HALF + half[None, :]), inv_v_scale, v_cache_ptr, KV_FP8))
     tl.debug_barrier()
     return q
 

@@ -442,6 +442,109 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     return y
 
 
+@triton.jit
+def _fp8_gemv_splitk_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
+    x_ptr, w_ptr, s_ptr, part_ptr, n_out, k_in, k_per_split, stride_w, stride_s,
+    LAYOUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_out
+    cols = tl.arange(0, BLOCK_K)
+    # k_per_split is a multiple of BLOCK_K (>= 16): each row's slice starts 16-byte aligned, so a thread's
+    # contiguous run of the row loads as one 16-byte vector
+    k_start = tl.multiple_of(tl.program_id(1) * k_per_split, 16)
+    k_end = tl.minimum(k_start + k_per_split, k_in)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    s_row = s_ptr + ((tl.program_id(0) * BLOCK_N) // GROUP_N) * stride_s
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    gdc_enter(USE_GDC)
+    for k in range(k_start, k_end, BLOCK_K):
+        kk = k + cols
+        k_mask = kk < k_end
+        if GATED:  # x = [gate | up]: silu(gate) * up as engine/ops/silu_mul.py rounds it
+            gate = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
+            g = gate.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+            up = tl.load(x_ptr + k_in + kk, mask=k_mask, other=0.0).to(tl.float32)
+            x = (act * up).to(gate.dtype).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        if LAYOUT == 2:
+            x = x * tl.load(s_row + kk // GROUP_K, mask=k_mask, other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    tl.store(part_ptr + tl.program_id(1) * n_out + rows, tl.sum(acc, axis=1), mask=row_mask)
+
+
+@triton.jit
+def _fp8_gemv_splitk_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
+    part_ptr, s_ptr, b_ptr, y_ptr, n_out,
+    SPLIT_K: tl.constexpr, LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < n_out
+    y = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        y += tl.load(part_ptr + split * n_out + rows, mask=mask, other=0.0)
+    if LAYOUT == 1:
+        y = y * tl.load(s_ptr + rows, mask=mask, other=0.0)
+    elif LAYOUT == 0:
+        y = y * tl.load(s_ptr)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_gemv_splitk(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+                    tile: tuple[int, int, int, int] = (4, 512, 4, 4), gated: bool = False) -> torch.Tensor:
+    """Split-K variant of ``fp8_gemv`` (same arguments and result, ``fp8_gemv_reference``), a candidate
+    measured by ``bench/kernels/fp8_gemv_sweep.py --candidates``; the engine does not use it.
+
+    ``tile = (block_n, block_k, num_warps, split_k)``: the grid is ``(ceil(N / block_n), split_k)``; each
+    program sums ``block_n`` rows over one of ``split_k`` equal K slices (a multiple of ``block_k``, so
+    every slice starts 16-byte aligned and each thread reads contiguous 16-byte runs of a row), writing
+    float32 partials ``[split_k, N]``; a second kernel adds the partials in split order (deterministic),
+    applies tensor/channel scales and the bias and rounds to ``x.dtype``. More programs per matrix than
+    ``fp8_gemv`` for the narrow projections (N = 4096: 512 programs of 8 rows become 4096 of 4 rows x 4
+    slices) at the cost of ``split_k * N * 4`` bytes of partials written and read again. Split-K GEMV as
+    in "Stream-K" / split-K GEMMs (CUTLASS); block scales as ``fp8_gemv`` (``block_n`` lowered to divide
+    the weight's ``block_n``).
+
+    Raises:
+        ValueError: as ``fp8_gemv``; ``block_k`` not a power of two >= 16, or ``split_k < 1``.
+    """
+    n, k = w.weight.shape
+    if x.dim() != 2 or x.shape != (1, 2 * k if gated else k) or x.stride(1) != 1:
+        raise ValueError(f"fp8_gemv_splitk needs a contiguous x [1, {2 * k if gated else k}], "
+                         f"got {tuple(x.shape)}")
+    block_n, block_k, warps, split_k = tile
+    if block_k < 16 or block_k & (block_k - 1) or split_k < 1:
+        raise ValueError(f"fp8_gemv_splitk needs block_k a power of two >= 16 and split_k >= 1, got {tile}")
+    group_n, group_k = w.block or (1, 1)
+    if w.layout == "block":
+        if group_k & (group_k - 1):
+            raise ValueError(f"fp8_gemv_splitk needs a power-of-two block_k, got {group_k}")
+        while group_n % block_n:
+            block_n //= 2
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # no empty slice
+    part = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    scale = w.scale
+    _fp8_gemv_splitk_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, w.weight, scale, part, n, k, k_per_split, w.weight.stride(0),
+        scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
+        GROUP_K=group_k, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_kwargs(x))
+    reduce_block = 256
+    _fp8_gemv_splitk_reduce_kernel[(triton.cdiv(n, reduce_block),)](
+        part, scale, bias if bias is not None else y, y, n, SPLIT_K=split_k, LAYOUT=_LAYOUT_CODE[w.layout],
+        HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4, **pdl_kwargs(x))
+    return y
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_kernels: bool,
                gated: bool = False) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T + bias`` as ``[M, N]`` in ``x.dtype``, activations quantized to FP8.

@@ -5,7 +5,9 @@ flashdecoding.html): each sequence's KV is cut into ``num_splits`` ranges; step 
 (sequence, KV head, split) and writes an unnormalised partial output plus its running max and sum; step 2
 merges the splits with the log-sum-exp rescaling. Paged KV gathers follow vLLM PagedAttention (Kwon et al.,
 SOSP'23). GQA: a program handles all ``H // Hkv`` query heads of its KV head as the rows of one ``tl.dot``
-(padded to 16 rows), so each KV block is read once per split, not once per query head.
+(padded to 16 rows), so each KV block is read once per split, not once per query head. An FP8 cache
+(engine/ops/store_kv.py) is dequantised on load: raw values into the dots, the K scale folded into the
+softmax scale, each split's partial output multiplied by the V scale.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import triton.language as tl
 from engine.ops.decode_rope import RopeStore, _rope_args, _rope_q_store_kv, rope_fusable
 from engine.ops.paged_tiles import attend_paged_tiles
 from engine.ops.pdl import gdc_enter, pdl_kwargs
+from engine.ops.store_kv import UNIT_SCALE, KVScale, dequantize_kv_reference, inverse_scales, is_fp8
 
 LOG2E = 1.4426950408889634
 _NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: no inf - inf = NaN
@@ -36,13 +39,13 @@ _NEG_BIG = -1.0e30  # finite "minus infinity" for running maxima: no inf - inf =
 def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
-    scale_log2, num_splits,
+    scale_log2, v_scale, inv_k_scale, inv_v_scale, num_splits,
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
     k_new_ptr, v_new_ptr, cos_ptr, sin_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ct, stride_st,
     NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, KV_FP8: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
@@ -65,8 +68,8 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
             q_ptr + seq * stride_qt, k_new_ptr + seq * stride_kt + kv_head * stride_kh,
             v_new_ptr + seq * stride_vt + kv_head * stride_vh, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr,
             v_cache_ptr, seq, kv_head, rows, row_mask, stride_qh, stride_ct, stride_st, stride_cb, stride_cs,
-            stride_ch, (start <= seq_len - 1) & (seq_len - 1 < end),
-            HEAD_DIM // 2, BLOCK_SIZE, BLOCK_G, BLOCK_D, QUERIES_PER_KV,
+            stride_ch, (start <= seq_len - 1) & (seq_len - 1 < end), inv_k_scale, inv_v_scale,
+            HEAD_DIM // 2, BLOCK_SIZE, BLOCK_G, BLOCK_D, QUERIES_PER_KV, KV_FP8,
         )
     else:
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
@@ -84,7 +87,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     part = (seq * NUM_HEADS + heads) * num_splits + split
     tl.store(part_m_ptr + part, m_i, mask=row_mask)
     tl.store(part_l_ptr + part, l_i, mask=row_mask)
-    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc * v_scale,
              mask=row_mask[:, None] & dim_mask[None, :])
 
 
@@ -136,13 +139,14 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, max_seq_len: int, scale: float, out: torch.Tensor | None = None,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
-    rope: RopeStore | None = None,
+    rope: RopeStore | None = None, kv_scale: KVScale = UNIT_SCALE,
 ) -> torch.Tensor:
     """Decode attention for ``N`` sequences with one query token each (Triton, two launches).
 
     Args:
         q: ``[N, H, D]``; token ``i`` belongs to sequence ``i``; innermost dim contiguous.
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (same strides), ``q``'s dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (same strides), ``q``'s dtype or FP8
+            (read, and with ``rope`` written, with ``kv_scale``: engine/ops/store_kv.py).
         block_tables: int32 ``[>= N, max_blocks]``; seq_lens: int32 ``[>= N]`` (tokens incl. the query).
         max_seq_len: python int >= every ``seq_lens[i]``; only feeds the ``num_splits`` heuristic (no
             device read). The kernel reads each ``seq_lens[i]`` from device memory and cuts that length
@@ -158,12 +162,14 @@ def paged_decode_attention(
             equal ``rotary_store_kv`` followed by this function (cache bit for bit; output bit for bit
             in fp32, within one ulp in compiled bf16/fp16: decode_rope.py). Needs ``D`` a power of two
             (``rope_fusable``).
+        kv_scale: the layer's K and V scales (an FP8 cache's values are ``stored * scale``).
 
     Returns:
         ``[N, H, D]`` in ``q``'s dtype.
 
     Raises:
-        ValueError: ``num_splits < 1``, or ``rope`` tensors that do not fit (``rope_fusable``).
+        ValueError: ``num_splits < 1``, ``rope`` tensors that do not fit (``rope_fusable``), a scale that
+            is not a finite float > 0.
 
     Tuning (Hopper): tiles of 64 KV tokens (32 for one sequence), 4 warps, 2 stages for step 1; splits
     from ``choose_num_splits`` (132 SMs on H200). Under the interpreter: 16-token tiles.
@@ -186,14 +192,16 @@ def paged_decode_attention(
     if rope is not None and not rope_fusable(q, k_cache, v_cache, rope):
         raise ValueError("rope: k, v [N, Hkv, D] and cos, sin [N, D] with contiguous last dims, slot_mapping "
                          "[>= N], D a power of two >= 16 and k_cache, v_cache of one stride are needed")
-    _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n, num_warps, rope)
+    _launch(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, block_n, num_warps, rope,
+            kv_scale)
     return out
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, scale: float, out: torch.Tensor, num_splits: int, block_n: int,
-            num_warps: int = 4, rope: RopeStore | None = None) -> None:
+            num_warps: int = 4, rope: RopeStore | None = None, kv_scale: KVScale = UNIT_SCALE) -> None:
     """The two launches of ``paged_decode_attention`` (split, then reduce) over float32 partials."""
+    inv_k, inv_v = inverse_scales(kv_scale)
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     part_acc = torch.empty((n, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -203,13 +211,14 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_split_kernel[(n, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_acc, part_m, part_l,
-        scale * LOG2E, num_splits,
+        scale * LOG2E * kv_scale.k, float(kv_scale.v), inv_k, inv_v, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         *(_rope_args(rope) if rope is not None else (q, q, q, q, q, 0, 0, 0, 0, 0, 0)),
         NUM_HEADS=num_heads, QUERIES_PER_KV=qpk, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_G=max(16, triton.next_power_of_2(qpk)), BLOCK_D=block_d,
-        BLOCK_N=block_n, PRECISION=_precision(q.dtype), ROPE=rope is not None, num_warps=num_warps,
+        BLOCK_N=block_n, PRECISION=_precision(q.dtype), ROPE=rope is not None, KV_FP8=is_fp8(k_cache),
+        num_warps=num_warps,
         num_stages=2,
         **pdl_kwargs(q),
     )
@@ -232,13 +241,15 @@ def gather_paged_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: in
 
 def paged_decode_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+    seq_lens: torch.Tensor, max_seq_len: int, scale: float, kv_scale: KVScale = UNIT_SCALE,
 ) -> torch.Tensor:
-    """Plain-torch ``paged_decode_attention`` (same arguments): gather, mask positions ``>= seq_len``,
-    SDPA in float32 with GQA. Returns ``[N, H, D]`` in ``q``'s dtype."""
+    """Plain-torch ``paged_decode_attention`` (same arguments): gather (an FP8 cache dequantised with
+    ``kv_scale``: ``dequantize_kv_reference``), mask positions ``>= seq_len``, SDPA in float32 with GQA.
+    Returns ``[N, H, D]`` in ``q``'s dtype."""
     n = q.shape[0]
-    k = gather_paged_kv(k_cache, block_tables[:n], max_seq_len).float().transpose(1, 2)
-    v = gather_paged_kv(v_cache, block_tables[:n], max_seq_len).float().transpose(1, 2)
+    k = dequantize_kv_reference(gather_paged_kv(k_cache, block_tables[:n], max_seq_len), kv_scale.k)
+    v = dequantize_kv_reference(gather_paged_kv(v_cache, block_tables[:n], max_seq_len), kv_scale.v)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
     positions = torch.arange(max_seq_len, device=q.device)
     mask = positions[None, :] < seq_lens[:n, None]  # [N, L]
     out = torch.nn.functional.scaled_dot_product_attention(

@@ -6,7 +6,9 @@ output in registers while it walks the KV in tiles (online softmax, exp2 with th
 KV is read through the block table (vLLM PagedAttention, Kwon et al., SOSP'23); the new tokens' K/V are
 already stored, so the cached prefix and the new tokens come through one path. Query ``i`` of a sequence
 with ``c = seq_len - query_len`` cached tokens sees KV positions ``<= c + i`` (bottom-right causal). KV
-tiles wholly below the tile's diagonal run without masks; only the last ones are masked.
+tiles wholly below the tile's diagonal run without masks; only the last ones are masked. An FP8 cache
+(engine/ops/store_kv.py) is dequantised on load: raw values into the dots, the K scale folded into the
+softmax scale, the output multiplied by the V scale.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import triton.language as tl
 from engine.ops.paged_decode import LOG2E, gather_paged_kv
 from engine.ops.paged_tiles import attend_paged_tiles
 from engine.ops.pdl import gdc_enter, pdl_kwargs
+from engine.ops.store_kv import UNIT_SCALE, KVScale, _check_scale, dequantize_kv_reference
 
 
 # seq_offset (the step's number of decode rows) is not specialised: Triton would otherwise compile separate
@@ -25,7 +28,7 @@ from engine.ops.pdl import gdc_enter, pdl_kwargs
 @triton.jit(do_not_specialize=["seq_offset"])
 def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    scale_log2, seq_offset,
+    scale_log2, v_scale, seq_offset,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
@@ -65,7 +68,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
         scale_log2, stride_cb, stride_cs, stride_ch,
         HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, True, PRECISION,
     )
-    out = acc / l_i[:, None]
+    out = (acc * v_scale) / l_i[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -84,7 +87,7 @@ def prefill_tiles(head_dim: int, on_gpu: bool) -> tuple[int, int, int, int]:
 def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-    seq_offset: int = 0, out: torch.Tensor | None = None,
+    seq_offset: int = 0, out: torch.Tensor | None = None, kv_scale: KVScale = UNIT_SCALE,
 ) -> torch.Tensor:
     """Varlen attention over paged KV for sequences ``seq_offset .. S-1`` of a packed step (Triton).
 
@@ -92,15 +95,20 @@ def paged_prefill_attention(
         q: ``[T, H, D]`` packed queries of the whole step (tokens of sequence ``s`` at
             ``query_start_loc[s] .. query_start_loc[s+1]``); innermost dim contiguous.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (same strides) holding every sequence's KV,
-            the new tokens included.
+            the new tokens included; ``q``'s dtype, or FP8 read with ``kv_scale``.
         block_tables: int32 ``[S, max_blocks]``; seq_lens: int32 ``[S]``; query_start_loc: int32 ``[S+1]``.
         max_query_len: python int >= every query length (sizes the grid; no device read).
         scale: softmax scale. seq_offset: first sequence to compute (``num_decodes`` in the backend).
         out: optional ``[T, H, D]`` output; only the rows of the computed sequences are written.
+        kv_scale: the layer's K and V scales (an FP8 cache's values are ``stored * scale``).
 
     Returns:
         ``out`` (``[T, H, D]``, ``q``'s dtype).
+
+    Raises:
+        ValueError: a scale that is not a finite float > 0.
     """
+    _check_scale(kv_scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     if out is None:
         out = torch.empty_like(q)
@@ -111,7 +119,7 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * LOG2E, seq_offset,
+        scale * LOG2E * kv_scale.k, float(kv_scale.v), seq_offset,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
@@ -125,10 +133,11 @@ def paged_prefill_attention(
 def paged_prefill_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, max_seq_len: int,
-    scale: float,
+    scale: float, kv_scale: KVScale = UNIT_SCALE,
 ) -> torch.Tensor:
     """Plain-torch varlen paged attention: pad the queries to ``[S, max_query_len]``, gather the KV to
-    ``[S, max_seq_len]``, mask (bottom-right causal, ``< seq_len``), SDPA in float32 with GQA, unpad.
+    ``[S, max_seq_len]`` (an FP8 cache dequantised with ``kv_scale``: ``dequantize_kv_reference``), mask
+    (bottom-right causal, ``< seq_len``), SDPA in float32 with GQA, unpad.
 
     Args: as ``paged_prefill_attention`` with ``seq_offset=0``: ``q [T, H, D]`` where
     ``T == query_start_loc[-1]`` and ``query_start_loc[0] == 0``; ``max_seq_len`` >= every ``seq_lens``.
@@ -142,8 +151,9 @@ def paged_prefill_attention_reference(
     num_seqs = seq_lens.shape[0]
     padded = torch.zeros((num_seqs, max_query_len, num_heads, head_dim), dtype=torch.float32, device=device)
     padded[seq_of_token, row_of_token] = q.float()
-    k = gather_paged_kv(k_cache, block_tables, max_seq_len).float().transpose(1, 2)
-    v = gather_paged_kv(v_cache, block_tables, max_seq_len).float().transpose(1, 2)
+    k = dequantize_kv_reference(gather_paged_kv(k_cache, block_tables, max_seq_len), kv_scale.k)
+    v = dequantize_kv_reference(gather_paged_kv(v_cache, block_tables, max_seq_len), kv_scale.v)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     context = (seq_lens - query_lens)[:, None, None]
     rows = torch.arange(max_query_len, device=device)[None, :, None]

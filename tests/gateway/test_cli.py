@@ -245,3 +245,31 @@ def test_control_plane_needs_keys_or_the_explicit_insecure_flag(tmp_path: Path,
     assert isinstance(s, WorkerSettings) and s.curve_keys == str(keys) and not s.insecure_control_plane
     up = settings_from_args(build_parser({}).parse_args(["up"]))
     assert isinstance(up, UpSettings) and up.curve_keys is None and not up.insecure_control_plane
+
+
+def test_kv_cache_dtype_reaches_every_worker_of_up_and_is_checked_first() -> None:
+    """``--kv-cache-dtype fp8`` given to ``up`` reaches each worker's argv and its ``CacheConfig``; a bad
+    value, or fp8 with the flash_attn backend, is refused naming ``--kv-cache-dtype`` before anything
+    starts."""
+    from pdserve.launcher import plan
+    from workers.setup import engine_config_from_settings
+
+    up = settings_from_args(build_parser({}).parse_args(
+        ["up", "--kv-cache-dtype", "fp8", "--insecure-control-plane"]))
+    assert isinstance(up, UpSettings)
+    workers = plan(up, control_port=7777)[1:]
+    assert [name for name, _ in workers] == ["prefill-0", "decode-0"]
+    for _, argv in workers:
+        child = settings_from_args(build_parser({}).parse_args(argv))
+        assert isinstance(child, WorkerSettings)
+        assert engine_config_from_settings(child).cache.kv_cache_dtype == "fp8"
+    default = settings_from_args(build_parser(OPEN).parse_args(["decode"]))
+    assert isinstance(default, WorkerSettings)
+    assert engine_config_from_settings(default).cache.kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):  # argparse's choices
+        build_parser({}).parse_args(["decode", "--kv-cache-dtype", "fp8_e5m2"])
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        WorkerSettings(role="decode", kv_cache_dtype="int8", insecure_control_plane=True)
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype.*flash_attn"):
+        settings_from_args(build_parser(OPEN).parse_args(
+            ["up", "--kv-cache-dtype", "fp8", "--attention-backend", "flash_attn"]))
