@@ -168,8 +168,11 @@ def test_responses_logprobs_and_reasoning_summary(clusters: dict[str, Cluster], 
                "include": ["message.output_text.logprobs"], "top_logprobs": 1,
                "reasoning": {"summary": "auto"}}
     whole = c.client().responses.create(**kw)
+    counted = c.metric("pdserve_generation_tokens_total")
     events = list(c.client().responses.create(stream=True, **kw))
     streamed = events[-1].response
+    assert streamed.usage is not None  # a streamed response's tokens are counted like any other's
+    assert c.metric("pdserve_generation_tokens_total") == counted + streamed.usage.output_tokens
     for r in (whole, streamed):
         assert [i.type for i in r.output] == ["reasoning", "message", "function_call"]
         reasoning, message, call = r.output
