@@ -1,6 +1,7 @@
 """SGLang's OpenAI-server feature and validation cases (under ``test/srt/openai_server/``:
 ``features/test_json_mode.py``, ``features/test_openai_server_ebnf.py``, ``features/test_cache_report.py``,
 ``features/test_continuous_usage_stats.py``, ``features/test_json_constrained.py``,
+``features/test_structural_tag.py``,
 ``validation/test_openai_server_ignore_eos.py``,
 ``validation/test_request_length_validation.py``, ``validation/test_matched_stop.py``,
 ``validation/test_request_body_validation.py``), ported to the
@@ -265,4 +266,34 @@ def test_mix_json_and_other(live: SystemPair) -> None:
         _check_city(r)
     for r in outs[:2]:
         assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.content
+    leak_check(live)
+
+
+FRANCE_JSON: Any = [{"role": "system", "content": "You are a helpful AI assistant"},
+                    {"role": "user", "content": "Introduce the capital of France. Return in a JSON format."}]
+
+
+# from sglang features/test_structural_tag.py::TestStructuralTagXGrammarBackend.test_stag_constant_str_openai
+def test_stag_constant_str_openai(live: SystemPair) -> None:
+    """``response_format`` of type ``structural_tag`` (SGLang's) is a 400 naming ``response_format``; the
+    peer's check (the constant string is the answer, however wrong) runs through ``structured_outputs``'
+    ``choice`` of one string."""
+    answer = "The capital of France is Berlin."
+    refused(lambda: _chat(live, messages=FRANCE_JSON, max_tokens=5, response_format={
+        "type": "structural_tag", "format": {"type": "const_string", "value": answer}}), "response_format")
+    r = _chat(live, messages=FRANCE_JSON, max_tokens=20,
+              extra_body={"structured_outputs": {"choice": [answer]}})
+    assert r.choices[0].message.content == answer
+    leak_check(live)
+
+
+# from sglang features/test_structural_tag.py::TestStructuralTagXGrammarBackend.test_stag_json_schema_openai
+def test_stag_json_schema_openai(live: SystemPair) -> None:
+    """As above, the schema through ``structured_outputs.json`` (the population bounded, as in
+    ``test_json_openai``)."""
+    refused(lambda: _chat(live, messages=FRANCE_JSON, max_tokens=5, response_format={
+        "type": "structural_tag", "format": {"type": "json_schema", "json_schema": PEER_SCHEMA}}),
+        "response_format")
+    _check_city(_chat(live, messages=FRANCE_JSON, max_tokens=40,
+                      extra_body={"structured_outputs": {"json": CITY_SCHEMA}}))
     leak_check(live)
