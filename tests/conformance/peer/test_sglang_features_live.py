@@ -1,7 +1,7 @@
 """SGLang's OpenAI-server feature and validation cases (under ``test/srt/openai_server/``:
 ``features/test_json_mode.py``, ``features/test_openai_server_ebnf.py``, ``features/test_cache_report.py``,
 ``features/test_continuous_usage_stats.py``, ``features/test_json_constrained.py``,
-``features/test_structural_tag.py``,
+``features/test_structural_tag.py``, ``features/test_openai_server_hidden_states.py``,
 ``validation/test_openai_server_ignore_eos.py``,
 ``validation/test_request_length_validation.py``, ``validation/test_matched_stop.py``,
 ``validation/test_request_body_validation.py``), ported to the
@@ -296,4 +296,49 @@ def test_stag_json_schema_openai(live: SystemPair) -> None:
         "response_format")
     _check_city(_chat(live, messages=FRANCE_JSON, max_tokens=40,
                       extra_body={"structured_outputs": {"json": CITY_SCHEMA}}))
+    leak_check(live)
+
+
+HIDDEN_ASK: Any = [{"role": "system", "content": "You are a helpful AI assistant"},
+                   {"role": "user", "content": "What is the capital of France? Answer in a few words."}]
+
+
+def _hidden_runs(live: SystemPair, chat: bool, stream: bool) -> list[Any]:
+    """The peer's grid of one test (list input and ``n`` 1 and 2; chat: ``n`` only) without
+    ``return_hidden_states``: each request's choices (streamed: every chunk's)."""
+    c: Any = disagg(live)
+    calls = []
+    for n in (1, 2):
+        for prompt in ([None] if chat else ["The capital of France is", ["The capital of France is"] * 2]):
+            kw: Any = {"model": MODEL, "temperature": 0, "max_tokens": 3, "n": n}
+            if stream:
+                kw |= {"stream": True, "stream_options": {"include_usage": True}}
+            make = partial(c.chat.completions.create, messages=HIDDEN_ASK, **kw) if chat else \
+                partial(c.completions.create, prompt=prompt, **kw)
+            calls.append((lambda m=make: [ch for chunk in m() for ch in chunk.choices]) if stream
+                         else (lambda m=make: m().choices))
+    return together(*calls)
+
+
+@pytest.mark.parametrize(("chat", "stream"), [
+    # from sglang features/test_openai_server_hidden_states.py::BaseTestOpenAIServerWithHiddenStates
+    pytest.param(False, False, id="test_completion"), pytest.param(False, True, id="test_completion_stream"),
+    pytest.param(True, False, id="test_chat_completion"),
+    pytest.param(True, True, id="test_chat_completion_stream")])
+def test_hidden_states(live: SystemPair, chat: bool, stream: bool) -> None:
+    """Choices (and chunks) carry no ``hidden_states``; ``return_hidden_states`` is SGLang's extension
+    (with ``--enable-return-hidden-states``), which pdserve does not have: any value is the 400 naming it
+    (the peer's ``false`` runs are the grid without the field)."""
+    for choices in _hidden_runs(live, chat, stream):
+        assert choices
+        for ch in choices:
+            assert not hasattr(ch, "hidden_states")
+            assert not hasattr(getattr(ch, "delta", None), "hidden_states")
+    c: Any = disagg(live)
+    for hidden in (False, True):
+        kw: Any = {"model": MODEL, "max_tokens": 3, "stream": stream,
+                   "extra_body": {"return_hidden_states": hidden}}
+        call = (lambda k=kw: c.chat.completions.create(messages=HIDDEN_ASK, **k)) if chat else \
+            (lambda k=kw: c.completions.create(prompt="The capital of France is", **k))
+        refused(call, "return_hidden_states")
     leak_check(live)
