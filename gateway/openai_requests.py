@@ -274,7 +274,9 @@ class GenerationRequestBase(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequestBase):
-    """POST /v1/chat/completions body. ``top_logprobs`` (0..20) needs ``logprobs: true``."""
+    """POST /v1/chat/completions body. ``top_logprobs`` (0..20) needs ``logprobs: true``. vLLM's
+    ``prompt_logprobs`` (0..20, not with ``stream``) adds the response's ``prompt_logprobs``, those of the
+    rendered prompt, shaped as on completions (``CompletionRequest``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
@@ -285,6 +287,7 @@ class ChatCompletionRequest(GenerationRequestBase):
     tools: list[FunctionTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields not implemented yet: declared only to be refused by name (unsupported_fields)
     functions: Any = None
     function_call: Any = None

@@ -131,9 +131,11 @@ class ChatChoice(msgspec.Struct):
     finish_reason: FinishReason | None
 
 
-class ChatCompletion(msgspec.Struct):
+class ChatCompletion(msgspec.Struct, omit_defaults=True):
     """``object: chat.completion`` (non-streaming). Streaming answers ``text/event-stream`` of
-    ``ChatCompletionChunk`` objects ending with ``data: [DONE]``."""
+    ``ChatCompletionChunk`` objects ending with ``data: [DONE]``. ``prompt_logprobs`` (vLLM's, only when
+    asked): the rendered prompt's, shaped as a completion choice's (``CompletionChoice``), once for the
+    response as vLLM places it (every choice shares the prompt)."""
 
     id: str
     object: Literal["chat.completion"]
@@ -141,6 +143,7 @@ class ChatCompletion(msgspec.Struct):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = None
 
 
 class ChunkFunctionCall(msgspec.Struct, omit_defaults=True):

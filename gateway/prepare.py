@@ -118,6 +118,8 @@ def _check_caps(svc: GatewayService, body: Body) -> None:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(body, CompletionRequest):
         _check_completion(body)
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request("prompt_logprobs is not supported with stream", "prompt_logprobs")
     for token_id, bias in (body.logit_bias or {}).items():
         if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise bad_request(f"logit_bias of token {token_id} is {bias}, outside [-{MAX_LOGIT_BIAS:g}, "
@@ -135,8 +137,6 @@ def _check_completion(body: CompletionRequest) -> None:
                           "max_tokens")
     if body.max_tokens == 0 and body.min_tokens:
         raise bad_request(f"min_tokens {body.min_tokens} exceeds max_tokens 0", "min_tokens")
-    if body.prompt_logprobs is not None and body.stream:
-        raise bad_request("prompt_logprobs is not supported with stream", "prompt_logprobs")
 
 
 def check_ids(ids: Iterable[int], vocab: int, param: str) -> None:
@@ -255,7 +255,7 @@ def _prompt_logprobs(body: Body) -> int | None:
     """The top-N the workers compute per prompt token: the larger of completions ``echo`` with
     ``logprobs`` and vLLM's ``prompt_logprobs`` (None: neither asked)."""
     if not isinstance(body, CompletionRequest):
-        return None
+        return body.prompt_logprobs
     asked = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs) if n is not None]
     return max(asked) if asked else None
 
@@ -350,4 +350,4 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
                     tuple(choices), sum(len(ids) for ids, _ in prompts), _requested_logprobs(body), body.n,
                     plan.output if plan else NO_PARSING,
                     echo_logprobs=echo and body.logprobs is not None,
-                    prompt_logprobs=body.prompt_logprobs if isinstance(body, CompletionRequest) else None)
+                    prompt_logprobs=body.prompt_logprobs)

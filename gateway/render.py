@@ -197,7 +197,10 @@ def completion_body(p: Prepared, text: TextProcessor, states: Sequence[ChoiceSta
             message, reason = assistant_message(p, s)
             chat.append(ChatChoice(s.index, message,
                                    None if p.logprobs is None else chat_logprobs(text, s.logprobs), reason))
-        return ChatCompletion(response_id(p), "chat.completion", created, p.model, chat, used)
+        vllm_chat = None if p.prompt_logprobs is None else vllm_prompt_logprobs(
+            text, p.choices[0].inp.prompt_token_ids, prompt_entries(states[0].prompt_logprobs),
+            p.prompt_logprobs)
+        return ChatCompletion(response_id(p), "chat.completion", created, p.model, chat, used, vllm_chat)
     choices = []
     for s, c in zip(states, p.choices, strict=True):
         lp = completion_choice_logprobs(p, text, c, s.logprobs, len(c.echo_text), s.prompt_logprobs, True)

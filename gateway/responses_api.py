@@ -4,7 +4,14 @@ object and streaming events built from the chat output's parsed events.
 
 Source: OpenAI API reference, "Responses" (create; the response object; streaming events). Stateless:
 ``store: true`` and ``previous_response_id`` are 400s naming the field (nothing is stored), as is any
-field not declared here. ``input`` is a string (one user message) or a list of items: messages
+field not declared here. ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs`` 0..20
+alternatives) gives the message's ``output_text`` part the logprobs of the tokens whose text it holds
+(a token whose text went to reasoning or a tool call is not listed); any other ``include`` value, and
+``top_logprobs`` without it, is a 400. ``reasoning.summary`` ``auto`` or ``detailed`` gives the
+reasoning item a ``summary_text`` part holding the reasoning text as the model wrote it (pdserve does
+not summarize, so ``concise`` is a 400, as is a ``reasoning.effort``: nothing sets a model's effort).
+``truncation: "disabled"`` is the behaviour (a prompt over the context length is a 400); ``auto``
+(dropping input items to fit) is a 400. ``input`` is a string (one user message) or a list of items: messages
 (``role`` user / system / developer / assistant; ``content`` a string or ``input_text`` /
 ``output_text`` parts), ``function_call`` items (an earlier call of the model) and
 ``function_call_output`` items (its result). ``instructions`` becomes a leading system message.
@@ -20,7 +27,9 @@ Streaming event order: ``response.created``, ``response.in_progress``; per outpu
 ``response.function_call_arguments.delta`` / ``.done``; then ``response.output_item.done``; at the end
 ``response.completed`` (or ``response.incomplete``) carrying the whole response. Every event has a
 ``sequence_number`` counting from 0. A failure after the first event ends the stream with an ``error``
-event.
+event. A reasoning item with a summary streams ``response.reasoning_summary_part.added``,
+``response.reasoning_summary_text.delta`` / ``.done`` and ``response.reasoning_summary_part.done``
+beside its ``reasoning_text`` events.
 """
 
 from __future__ import annotations
@@ -31,7 +40,9 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.errors import bad_request
 from gateway.openai_requests import INT32_MAX, FunctionDefinition
+from gateway.openai_responses import ChatTokenLogprob
 from gateway.tool_parsers.events import ContentText, Event, ReasoningText, ToolCallArguments, ToolCallStart
 
 # ---- request --------------------------------------------------------------------------------------
@@ -121,6 +132,23 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
+class ReasoningConfig(BaseModel):
+    """``reasoning``: ``summary`` (``auto``/``detailed``: the reasoning text as the summary; ``concise``
+    a 400), ``effort`` (a 400 unless null), ``generate_summary`` (its deprecated name: as ``summary``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+    @property
+    def wanted_summary(self) -> str | None:
+        """The summary asked for (``summary``, else ``generate_summary``)."""
+        return self.summary or self.generate_summary
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
 
 
@@ -144,6 +172,48 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16)
     user: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    reasoning: ReasoningConfig | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether ``include`` asks for the output text's logprobs."""
+        return LOGPROBS_INCLUDE in (self.include or ())
+
+    @property
+    def wants_summary(self) -> bool:
+        """Whether ``reasoning`` asks for a summary (``auto`` or ``detailed``)."""
+        return self.reasoning is not None and self.reasoning.wanted_summary is not None
+
+
+def check_supported(body: ResponsesRequest) -> None:
+    """Refuse what pdserve cannot honour of ``include``, ``top_logprobs``, ``reasoning`` and ``truncation``.
+
+    Raises:
+        APIError: 400 naming ``include`` (a value other than ``message.output_text.logprobs``),
+            ``top_logprobs`` (without that value), ``reasoning.effort`` (set),
+            ``reasoning.summary`` / ``reasoning.generate_summary`` (``concise``) or ``truncation``
+            (``auto``).
+    """
+    for i, value in enumerate(body.include or ()):
+        if value != LOGPROBS_INCLUDE:
+            raise bad_request(f"include: {value!r} is not supported (pdserve can include only "
+                              f"{LOGPROBS_INCLUDE!r})", f"include.{i}", "unsupported_parameter")
+    if body.top_logprobs is not None and not body.wants_logprobs:
+        raise bad_request(f"top_logprobs requires include: [{LOGPROBS_INCLUDE!r}]", "top_logprobs")
+    r = body.reasoning
+    if r is not None and r.effort is not None:
+        raise bad_request("reasoning.effort is not supported: pdserve cannot set a model's reasoning effort",
+                          "reasoning.effort", "unsupported_parameter")
+    if r is not None and r.wanted_summary == "concise":
+        param = "reasoning.summary" if r.summary else "reasoning.generate_summary"
+        raise bad_request(f"{param}: 'concise' is not supported: pdserve does not summarize (the summary "
+                          "is the reasoning text; 'auto' or 'detailed')", param, "unsupported_parameter")
+    if body.truncation == "auto":
+        raise bad_request("truncation: 'auto' is not supported (pdserve drops no input items; a prompt over "
+                          "the context length is a 400)", "truncation", "unsupported_parameter")
 
 
 def chat_body(body: ResponsesRequest) -> dict[str, Any]:
@@ -176,6 +246,8 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
         out["stream_options"] = {"include_usage": True}
     if body.max_output_tokens is not None:
         out["max_completion_tokens"] = body.max_output_tokens
+    if body.wants_logprobs:
+        out["logprobs"], out["top_logprobs"] = True, body.top_logprobs or 0
     if body.tools is not None:
         out["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                         for t in body.tools]
@@ -226,13 +298,20 @@ class OutputText(msgspec.Struct):
     type: Literal["output_text"]
     text: str
     annotations: list[Any]
-    logprobs: list[Any]
+    logprobs: list[ChatTokenLogprob]
 
 
 class ReasoningContent(msgspec.Struct):
     """A ``reasoning_text`` part of a reasoning item."""
 
     type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryText(msgspec.Struct):
+    """A ``summary_text`` part of a reasoning item (``reasoning.summary``: the reasoning text)."""
+
+    type: Literal["summary_text"]
     text: str
 
 
@@ -249,7 +328,7 @@ class ReasoningItem(msgspec.Struct, tag_field="type", tag="reasoning"):
     """A ``reasoning`` output item (``type: reasoning``: the text the reasoning parser separated)."""
 
     id: str
-    summary: list[Any]
+    summary: list[SummaryText]
     content: list[ReasoningContent]
     status: str
 
@@ -301,6 +380,13 @@ class ResponseTextConfig(msgspec.Struct):
     format: dict[str, Any]
 
 
+class ResponseReasoning(msgspec.Struct):
+    """``reasoning`` of the response object: effort (always null) and the summary asked for."""
+
+    effort: None
+    summary: str | None
+
+
 class ResponseObject(msgspec.Struct):
     """``object: response``."""
 
@@ -324,6 +410,18 @@ class ResponseObject(msgspec.Struct):
     incomplete_details: IncompleteDetails | None
     error: None
     usage: ResponseUsage | None
+    reasoning: ResponseReasoning
+    truncation: Literal["disabled"]
+    top_logprobs: int | None
+
+
+def _covering(entries: list[ChatTokenLogprob], length: int) -> list[ChatTokenLogprob]:
+    """The shortest tail of ``entries`` whose tokens' texts are at least ``length`` characters long."""
+    take, size = 0, 0
+    while take < len(entries) and size < length:
+        take += 1
+        size += len(entries[-take].token)
+    return entries[len(entries) - take:]
 
 
 def _item_id(prefix: str) -> str:
@@ -339,6 +437,9 @@ class ResponseBuilder:
         self.items: list[OutputItem] = []
         self.sequence_number = 0
         self._open: OutputItem | None = None
+        self._pending: list[ChatTokenLogprob] = []  # logprobs of tokens whose text is not placed yet
+        self.status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+        self.usage: ResponseUsage | None = None
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence_number, **fields}
@@ -358,7 +459,9 @@ class ResponseBuilder:
             self.id, "response", self.created_at, status, b.model, list(self.items),
             b.parallel_tool_calls is not False, choice, tools, ResponseTextConfig(fmt), b.temperature,
             b.top_p, b.max_output_tokens, b.instructions, dict(b.metadata or {}), False, None,
-            IncompleteDetails("max_output_tokens") if status == "incomplete" else None, None, usage)
+            IncompleteDetails("max_output_tokens") if status == "incomplete" else None, None, usage,
+            ResponseReasoning(None, b.reasoning.wanted_summary if b.reasoning else None), "disabled",
+            b.top_logprobs)
 
     def start(self) -> list[bytes]:
         """``response.created`` and ``response.in_progress``."""
@@ -366,9 +469,15 @@ class ResponseBuilder:
         return [self._event("response.created", response=created),
                 self._event("response.in_progress", response=created)]
 
-    def feed(self, events: list[Event]) -> list[bytes]:
-        """Add ``events`` to the output; returns the streaming events they make."""
+    def feed(self, events: list[Event], logprobs: list[ChatTokenLogprob] | None = None) -> list[bytes]:
+        """Add ``events`` (the parsed text of the tokens received now, whose logprobs are ``logprobs``)
+        to the output; returns the streaming events they make. A token's logprob is listed with the
+        message text its text is part of: the tokens not placed yet wait (text held back); message
+        text takes the latest of them that its length covers (earlier ones were markers or dropped
+        whitespace), and events of reasoning or a tool call drop them (those tokens' text went there)."""
         out: list[bytes] = []
+        self._pending += logprobs or []
+        placed = False
         for e in events:
             if isinstance(e, ContentText):
                 if not isinstance(self._open, MessageItem):
@@ -380,19 +489,33 @@ class ResponseBuilder:
                                            output_index=len(self.items) - 1, content_index=0,
                                            part=msgspec.to_builtins(OutputText("output_text", "", [], []))))
                 assert isinstance(self._open, MessageItem)
-                self._open.content[0].text += e.text
+                part = self._open.content[0]
+                part.text += e.text
+                entries, self._pending = _covering(self._pending, len(e.text)), []
+                part.logprobs += entries
+                placed = True
                 out.append(self._event("response.output_text.delta", item_id=self._open.id,
                                        output_index=len(self.items) - 1, content_index=0, delta=e.text,
-                                       logprobs=[]))
+                                       logprobs=msgspec.to_builtins(entries)))
             elif isinstance(e, ReasoningText):
                 if not isinstance(self._open, ReasoningItem):
                     out += self._close()
-                    out += self._add(ReasoningItem(_item_id("rs"), [],
-                                                   [ReasoningContent("reasoning_text", "")], "in_progress"))
+                    summary = [SummaryText("summary_text", "")] if self.body.wants_summary else []
+                    item_r = ReasoningItem(_item_id("rs"), summary, [ReasoningContent("reasoning_text", "")],
+                                           "in_progress")
+                    out += self._add(item_r)
+                    if summary:
+                        out.append(self._event("response.reasoning_summary_part.added", item_id=item_r.id,
+                                               output_index=len(self.items) - 1, summary_index=0,
+                                               part=msgspec.to_builtins(SummaryText("summary_text", ""))))
                 assert isinstance(self._open, ReasoningItem)
                 self._open.content[0].text += e.text
                 out.append(self._event("response.reasoning_text.delta", item_id=self._open.id,
                                        output_index=len(self.items) - 1, content_index=0, delta=e.text))
+                if self._open.summary:
+                    self._open.summary[0].text += e.text
+                    out.append(self._event("response.reasoning_summary_text.delta", item_id=self._open.id,
+                                           output_index=len(self.items) - 1, summary_index=0, delta=e.text))
             elif isinstance(e, ToolCallStart):
                 out += self._close()
                 out += self._add(FunctionCallOutput(_item_id("fc"), e.id, e.name, "",
@@ -402,11 +525,14 @@ class ResponseBuilder:
                 self._open.arguments += e.fragment
                 out.append(self._event("response.function_call_arguments.delta", item_id=self._open.id,
                                        output_index=len(self.items) - 1, delta=e.fragment))
+        if events and not placed:
+            self._pending = []
         return out
 
     def finish(self, status: Literal["completed", "incomplete"], usage: ResponseUsage) -> list[bytes]:
         """Close the open item; ``response.completed`` (or ``.incomplete``) with the whole response."""
         out = self._close()
+        self.status, self.usage = status, usage
         whole = msgspec.to_builtins(self.response(status, usage))
         return [*out, self._event(f"response.{status}", response=whole)]
 
@@ -426,12 +552,19 @@ class ResponseBuilder:
         if isinstance(item, MessageItem):
             part = item.content[0]
             out.append(self._event("response.output_text.done", item_id=item.id, output_index=index,
-                                   content_index=0, text=part.text, logprobs=[]))
+                                   content_index=0, text=part.text,
+                                   logprobs=msgspec.to_builtins(part.logprobs)))
             out.append(self._event("response.content_part.done", item_id=item.id, output_index=index,
                                    content_index=0, part=msgspec.to_builtins(part)))
         elif isinstance(item, ReasoningItem):
             out.append(self._event("response.reasoning_text.done", item_id=item.id, output_index=index,
                                    content_index=0, text=item.content[0].text))
+            for summary in item.summary:
+                out.append(self._event("response.reasoning_summary_text.done", item_id=item.id,
+                                       output_index=index, summary_index=0, text=summary.text))
+                out.append(self._event("response.reasoning_summary_part.done", item_id=item.id,
+                                       output_index=index, summary_index=0,
+                                       part=msgspec.to_builtins(summary)))
         else:
             out.append(self._event("response.function_call_arguments.done", item_id=item.id,
                                    output_index=index, name=item.name, arguments=item.arguments))

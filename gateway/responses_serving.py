@@ -4,11 +4,13 @@ Responses streaming events (``responses_api.ResponseBuilder``).
 
 Errors keep the chat path's rules, with the Responses field named (``responses_param``): 400 before
 anything is sent; a stream's status line waits for its first token, so a failure before it is an HTTP
-error (502/503/504) and one after it an ``error`` event.
+error (502/503/504) and one after it an ``error`` event. The non-streamed response is built by the same
+token-by-token loop as the stream (its events dropped), so both hold the same output.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -19,9 +21,9 @@ from pydantic import ValidationError
 from gateway.chat_output import ChatOutputParser
 from gateway.errors import APIError, bad_request
 from gateway.openai_requests import ChatCompletionRequest
-from gateway.openai_responses import ChatCompletion
 from gateway.orchestrator import GenerationFailed
 from gateway.prepare import Prepared, prepare
+from gateway.render import chat_logprobs
 from gateway.responses_api import (
     InputTokensDetails,
     OutputTokensDetails,
@@ -30,12 +32,13 @@ from gateway.responses_api import (
     ResponsesRequest,
     ResponseUsage,
     chat_body,
+    check_supported,
     responses_param,
 )
 from gateway.service import GatewayService
-from gateway.serving import complete, open_stream, submit_all
+from gateway.serving import DISCONNECT_POLL_S, open_stream, submit_all
 from gateway.stream import text_deltas
-from gateway.tool_parsers.events import ContentText, Event, ReasoningText, ToolCallArguments, ToolCallStart
+from gateway.tool_parsers.events import ContentText, Event
 
 
 def prepare_response(svc: GatewayService, body: ResponsesRequest, request_id: str) -> Prepared:
@@ -51,6 +54,7 @@ def prepare_response(svc: GatewayService, body: ResponsesRequest, request_id: st
     if body.previous_response_id is not None:
         raise bad_request("previous_response_id is not supported: pdserve is stateless (send the whole "
                           "conversation as input)", "previous_response_id", "unsupported_parameter")
+    check_supported(body)
     try:
         chat = ChatCompletionRequest.model_validate(chat_body(body))
     except ValidationError as exc:
@@ -75,37 +79,16 @@ def _status(finish_reason: str | None) -> Literal["completed", "incomplete"]:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-async def create_response(svc: GatewayService, body: ResponsesRequest, p: Prepared,
-                          is_disconnected: Callable[[], Awaitable[bool]]) -> ResponseObject:
-    """The whole (non-streaming) response object.
+async def _events(svc: GatewayService, body: ResponsesRequest, p: Prepared, builder: ResponseBuilder,
+                  streaming: bool) -> AsyncGenerator[bytes, None]:
+    """Submit ``p`` and build its output in ``builder`` token by token, yielding the streaming events
+    (the first token's with ``response.created`` / ``.in_progress``). Streamed and not, the output is
+    built the same way, so both answers hold the same items.
 
     Raises:
-        APIError: as ``serving.complete`` (502/503/504, 499 when the client left).
+        APIError: a failure before the first event, or any failure when not ``streaming`` (502/503/504).
     """
-    reqs = await submit_all(svc, p)
-    chat = await complete(svc, p, reqs, is_disconnected)
-    assert isinstance(chat, ChatCompletion)
-    (choice,) = chat.choices
-    message = choice.message
-    events: list[Event] = []
-    if message.reasoning_content:
-        events.append(ReasoningText(message.reasoning_content))
-    if message.content:
-        events.append(ContentText(message.content))
-    for i, call in enumerate(message.tool_calls or []):
-        events += [ToolCallStart(i, call.id, call.function.name),
-                   ToolCallArguments(i, call.function.arguments)]
-    builder = ResponseBuilder(body, p.request_id, int(time.time()))
-    builder.feed(events)
-    status, used = _status(choice.finish_reason), chat.usage
-    usage = _usage(p, used.completion_tokens, used.prompt_tokens_details.cached_tokens)
-    builder.finish(status, usage)
-    return builder.response(status, usage)
-
-
-async def _events(svc: GatewayService, body: ResponsesRequest, p: Prepared) -> AsyncGenerator[bytes, None]:
     (req,) = await submit_all(svc, p)
-    builder = ResponseBuilder(body, p.request_id, int(time.time()))
     parser = ChatOutputParser(p.output) if p.output.active else None
     head: list[bytes] | None = builder.start()  # sent with the first token's events
     n_out = 0
@@ -119,20 +102,54 @@ async def _events(svc: GatewayService, body: ResponsesRequest, p: Prepared) -> A
                 events = parser.feed(d.text) if d.text else []
                 if d.finish_reason is not None:
                     events += parser.finish()
-            out = builder.feed(events)
+            logprobs = chat_logprobs(svc.text(), d.logprobs).content if body.wants_logprobs else None
+            out = builder.feed(events, logprobs)
             if d.finish_reason is not None:
+                svc.metrics.generation_tokens.inc(n_out)
                 out += builder.finish(_status(d.finish_reason), _usage(p, n_out, req.num_cached_tokens))
             if head is not None and out:
                 out, head = head + out, None
             if out:
                 yield b"".join(out)
     except GenerationFailed as exc:
-        if head is not None:
+        if head is not None or not streaming:
             raise exc.api_error() from exc
         err = exc.api_error()
         yield builder.error_event(err.message, err.code)
     finally:
         svc.orchestrator.release(req)
+
+
+async def create_response(svc: GatewayService, body: ResponsesRequest, p: Prepared,
+                          is_disconnected: Callable[[], Awaitable[bool]]) -> ResponseObject:
+    """The whole (non-streaming) response object: the stream's output, built the same way; polls
+    ``is_disconnected`` and aborts the workers if the client left.
+
+    Raises:
+        APIError: 502 when a worker failed, 503 when no other worker could take it over, 504 when it timed
+            out, 499 when the client disconnected.
+    """
+    builder = ResponseBuilder(body, p.request_id, int(time.time()))
+    events = _events(svc, body, p, builder, streaming=False)
+
+    async def drain() -> None:
+        async for _ in events:
+            pass
+
+    run = asyncio.ensure_future(drain())
+    try:
+        while not run.done():
+            await asyncio.wait([run], timeout=DISCONNECT_POLL_S)
+            if not run.done() and await is_disconnected():
+                raise APIError(499, "client disconnected", "invalid_request_error", None, "client_closed")
+        run.result()
+    finally:
+        run.cancel()
+        with contextlib.suppress(BaseException):
+            await run
+        await events.aclose()
+    assert builder.status != "in_progress" and builder.usage is not None
+    return builder.response(builder.status, builder.usage)
 
 
 async def stream_response(svc: GatewayService, body: ResponsesRequest, p: Prepared,
@@ -142,7 +159,7 @@ async def stream_response(svc: GatewayService, body: ResponsesRequest, p: Prepar
     Raises:
         APIError: a failure before the first token (502/503/504), 499 when the client left.
     """
-    events = _events(svc, body, p)
+    events = _events(svc, body, p, ResponseBuilder(body, p.request_id, int(time.time())), streaming=True)
     try:
         return await open_stream(events, is_disconnected)
     except BaseException:

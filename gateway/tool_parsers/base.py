@@ -1,19 +1,18 @@
-"""The shape of a tool-call parser, the content rules every format shares, and the decoding of one call's
-JSON object.
+"""The shape of a tool-call parser and the content rules every format shares.
 
 Content rules (the same streamed and not): text outside the calls is content, except whitespace that
 touches a call (between two calls, before the first call, after the last), which is dropped; a choice
-without calls keeps its text exactly. A call whose text does not decode (not JSON, no ``name``,
-arguments not an object) stays in the content as the model wrote it, never a silent drop.
+without calls keeps its text exactly. A call's arguments stream as the model writes them (the readers
+of ``call_reader``: a call starts once its name and the opening brace of its arguments are read); text
+that turns out not to be a call before that (not JSON, no ``name``, arguments not an object) stays in
+the content as the model wrote it, never a silent drop.
 """
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
-from typing import Any
 
-from gateway.tool_parsers.events import ContentText, Event, ToolCallArguments, ToolCallStart, new_call_id
+from gateway.tool_parsers.events import ContentText, Event, ToolCallStart, new_call_id
 
 
 class ContentWriter:
@@ -50,24 +49,6 @@ class ContentWriter:
         return [ContentText(held)] if held else []
 
 
-def call_from_json(obj: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> \
-        tuple[str, str] | None:
-    """(name, arguments as a JSON text) of a decoded call object ``{"name": ..., "arguments": {...}}``
-    (the arguments under the first of ``argument_keys`` present; none: ``{}``), or None when ``obj`` is not
-    a call (not an object, no string ``name``, arguments neither an object nor a JSON text of one)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args: Any = next((obj[k] for k in argument_keys if k in obj), {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)
-
-
 class ToolCallParser(ABC):
     """Reads one choice's text (after any reasoning) and emits content and tool-call events. One instance
     per choice; ``feed`` any number of times, then ``finish`` once."""
@@ -84,8 +65,10 @@ class ToolCallParser(ABC):
     def finish(self) -> list[Event]:
         """Events for the text still held when the choice ends."""
 
-    def emit_call(self, name: str, arguments: str) -> list[Event]:
-        """The events of one whole call: its start (a new id) and its arguments as one fragment."""
+    def start_call(self, name: str) -> tuple[list[Event], int]:
+        """The events that open the next call (held whitespace before it dropped, its start with a new
+        id) and the call's index, for its ``ToolCallArguments`` fragments."""
         index = self.num_calls
         self.num_calls += 1
-        return [ToolCallStart(index, new_call_id(), name), ToolCallArguments(index, arguments)]
+        self.content.call_starts()
+        return [ToolCallStart(index, new_call_id(), name)], index

@@ -109,3 +109,27 @@ def test_prompt_logprobs_skip_the_prefix_cache(live: SystemPair) -> None:
         assert lp is not None and lp.token_logprobs is not None
         assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
     leak_check(live)
+
+
+def test_vllm_prompt_logprobs_on_chat_are_the_rendered_prompts(live: SystemPair, hf_tokenizer: Any) -> None:
+    """vLLM's ``prompt_logprobs`` on chat: the response's ``prompt_logprobs`` (vLLM places them there, not
+    per choice) are those of the chat-rendered prompt, the same as completions gives for that prompt's
+    token ids, on both paths; ``n: 2`` shares them."""
+    messages = [{"role": "user", "content": "Name a color."}]
+    rendered = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = list(hf_tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    for url, _ in live.pairs():
+        c = client(url, live.api_key)
+        chat = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0, n=2,
+                                         extra_body={"prompt_logprobs": 2}).model_dump()
+        comp = c.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0,
+                                    extra_body={"prompt_logprobs": 2}).model_dump()
+        shaped = chat["prompt_logprobs"]
+        assert all("prompt_logprobs" not in ch for ch in chat["choices"])
+        assert shaped is not None and len(shaped) == len(ids) and shaped[0] is None
+        assert shaped == comp["choices"][0]["prompt_logprobs"]
+        for token, entry in zip(ids[1:], shaped[1:], strict=True):
+            assert next(iter(entry)) == str(token) and 2 <= len(entry) <= 3
+        plain = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).model_dump()
+        assert plain.get("prompt_logprobs") is None
+    leak_check(live)

@@ -90,10 +90,29 @@ def test_text_format_json_schema(live: SystemPair) -> None:
     leak_check(live)
 
 
+def test_included_logprobs_cover_the_output_text(live: SystemPair) -> None:
+    """``include: ["message.output_text.logprobs"]``: one entry per output token (no parser splits this
+    answer), with ``top_logprobs`` alternatives, their texts adding up to the output text; the same on
+    both paths, streamed and not; ``truncation: "disabled"`` is accepted."""
+    runs = _both(live, input="The capital of France is", max_output_tokens=5, truncation="disabled",
+                 include=["message.output_text.logprobs"], top_logprobs=2)
+    ref = [e.model_dump() for e in runs[0][0].output[0].content[0].logprobs]
+    for r, _ in runs:
+        entries = r.output[0].content[0].logprobs
+        assert len(entries) == r.usage.output_tokens == 5
+        assert "".join(e.token for e in entries) == r.output_text
+        assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+        assert [e.model_dump() for e in entries] == ref
+    leak_check(live)
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
+    ({"include": ["reasoning.encrypted_content"]}, "include.0"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"truncation": "auto"}, "truncation"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
      "text.format.schema"),

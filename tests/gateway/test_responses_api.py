@@ -1,14 +1,19 @@
 """The Responses API pieces without workers: a body's chat request (input items, instructions, tools,
-text.format), the field a chat-side 400 names, and the output items and event order a parsed output
-makes."""
+text.format, include logprobs), the field a chat-side 400 names, what ``include`` / ``reasoning`` /
+``truncation`` refuse, and the output items and event order a parsed output makes (logprobs placed with
+the message text, a reasoning summary)."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgspec
+import pytest
 
+from gateway.errors import APIError
 from gateway.openai_requests import ChatCompletionRequest
+from gateway.openai_responses import ChatTokenLogprob
 from gateway.responses_api import (
     InputTokensDetails,
     OutputTokensDetails,
@@ -16,6 +21,7 @@ from gateway.responses_api import (
     ResponsesRequest,
     ResponseUsage,
     chat_body,
+    check_supported,
     responses_param,
 )
 from gateway.tool_parsers.events import ContentText, ReasoningText, ToolCallArguments, ToolCallStart
@@ -94,3 +100,79 @@ def test_builder_items_and_event_order() -> None:
     assert whole["output"][2]["arguments"] == "{\"a\": 1}" and whole["output"][2]["call_id"] == "call_1"
     assert all(i["status"] == "completed" for i in whole["output"]) and whole["store"] is False
     assert events[-1]["response"] == whole
+
+
+def _lp(token: str) -> ChatTokenLogprob:
+    return ChatTokenLogprob(token, -0.5, list(token.encode()), [])
+
+
+def test_logprobs_go_with_the_message_text_only() -> None:
+    """Each token's logprob goes with the message text it made; held text's ride with the text that
+    releases it; reasoning, marker and tool-call tokens are not listed. The stream's deltas carry the
+    same."""
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", "include": [
+        "message.output_text.logprobs"], "top_logprobs": 2})
+    assert chat_body(body)["logprobs"] is True and chat_body(body)["top_logprobs"] == 2
+    b = ResponseBuilder(body, "resp_1", 5)
+    chunks = b.start()
+    chunks += b.feed([ReasoningText("think")], [_lp("think")])
+    chunks += b.feed([], [_lp("</")])  # the end of the reasoning block: held, then consumed
+    chunks += b.feed([], [_lp("think>")])
+    chunks += b.feed([ContentText("He")], [_lp("\n\n"), _lp("He")])  # the blank line is dropped
+    chunks += b.feed([], [_lp("l")])  # held (e.g. a possible marker)
+    chunks += b.feed([ContentText("llo")], [_lp("lo")])
+    chunks += b.feed([ToolCallStart(0, "call_1", "f"), ToolCallArguments(0, "{}")], [_lp("<tool_call>")])
+    chunks += b.finish("completed", ResponseUsage(3, InputTokensDetails(0), 5, OutputTokensDetails(0), 8))
+    whole = msgspec.to_builtins(b.response("completed", b.usage))
+    (message,) = [i for i in whole["output"] if i["type"] == "message"]
+    part = message["content"][0]
+    assert part["text"] == "Hello" and [e["token"] for e in part["logprobs"]] == ["He", "l", "lo"]
+    events = _events(chunks)
+    deltas: list[Any] = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [[x["token"] for x in e["logprobs"]] for e in deltas] == [["He"], ["l", "lo"]]
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == part["logprobs"] and whole["top_logprobs"] == 2
+
+
+def test_reasoning_summary_is_the_reasoning_text() -> None:
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", "reasoning": {"summary": "auto"}})
+    b = ResponseBuilder(body, "resp_1", 5)
+    chunks = b.start() + b.feed([ReasoningText("a"), ReasoningText("b"), ContentText("x")])
+    chunks += b.finish("completed", ResponseUsage(3, InputTokensDetails(0), 3, OutputTokensDetails(0), 6))
+    types = [e["type"] for e in _events(chunks)]
+    assert types[2:10] == [
+        "response.output_item.added", "response.reasoning_summary_part.added",
+        "response.reasoning_text.delta", "response.reasoning_summary_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_summary_text.delta",
+        "response.reasoning_text.done", "response.reasoning_summary_text.done"]
+    whole = msgspec.to_builtins(b.response("completed", b.usage))
+    assert whole["output"][0]["summary"] == [{"type": "summary_text", "text": "ab"}]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": "ab"}]
+    assert whole["reasoning"] == {"effort": None, "summary": "auto"} and whole["truncation"] == "disabled"
+    plain = ResponseBuilder(ResponsesRequest.model_validate({"model": "m", "input": "hi"}), "resp_2", 5)
+    plain.feed([ReasoningText("a")])
+    assert msgspec.to_builtins(plain.response("completed", None))["output"][0]["summary"] == []
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"include": ["reasoning.encrypted_content"]}, "include.0"),
+    ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include.1"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": "concise"}}, "reasoning.summary"),
+    ({"reasoning": {"generate_summary": "concise"}}, "reasoning.generate_summary"),
+    ({"truncation": "auto"}, "truncation"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(fields: dict[str, object], param: str) -> None:
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})
+    with pytest.raises(APIError) as err:
+        check_supported(body)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_what_maps_onto_the_engine_is_accepted() -> None:
+    accepted: list[dict[str, Any]] = [
+        {"include": ["message.output_text.logprobs"], "top_logprobs": 0},
+        {"reasoning": {"summary": "detailed", "effort": None}}, {"truncation": "disabled"}, {"include": []}]
+    for fields in accepted:
+        check_supported(ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields}))

@@ -155,3 +155,37 @@ def test_logprobs_and_choices_survive_parsing(clusters: dict[str, Cluster]) -> N
     assert entries == whole.usage.completion_tokens
     assert calls == {0: 1, 1: 1} and finishes == {0: "tool_calls", 1: "tool_calls"}
     c.assert_no_leaks(("d1",))
+
+
+@pytest.mark.parametrize("name", ["disagg", "colo"])
+def test_responses_logprobs_and_reasoning_summary(clusters: dict[str, Cluster], name: str) -> None:
+    """``/v1/responses`` with ``include: ["message.output_text.logprobs"]`` and a reasoning summary:
+    the reasoning item's summary is its text, the message's logprobs are those of the tokens that made
+    its text (not the reasoning's nor the call's), the same streamed and not."""
+    c = clusters[name]
+    kw: Any = {"model": "fake-model", "input": "Weather in Paris?", "max_output_tokens": 80,
+               "tools": [{"type": "function", **TOOLS[0]["function"]}],
+               "include": ["message.output_text.logprobs"], "top_logprobs": 1,
+               "reasoning": {"summary": "auto"}}
+    whole = c.client().responses.create(**kw)
+    counted = c.metric("pdserve_generation_tokens_total")
+    events = list(c.client().responses.create(stream=True, **kw))
+    streamed = events[-1].response
+    assert streamed.usage is not None  # a streamed response's tokens are counted like any other's
+    assert c.metric("pdserve_generation_tokens_total") == counted + streamed.usage.output_tokens
+    for r in (whole, streamed):
+        assert [i.type for i in r.output] == ["reasoning", "message", "function_call"]
+        reasoning, message, call = r.output
+        assert [s.text for s in reasoning.summary or []] == [f"\n{THINK}\n"]
+        assert message.content[0].text == "Let me check." and call.name == "weather"
+        logprobs = message.content[0].logprobs or []
+        tokens = "".join(e.token for e in logprobs)
+        assert tokens == "Let me check.", tokens
+        assert all(len(e.top_logprobs) == 1 for e in logprobs)
+    assert whole.output[1].content[0].logprobs == streamed.output[1].content[0].logprobs
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert [x.model_dump() for e in deltas for x in e.logprobs or []] == [
+        x.model_dump() for x in streamed.output[1].content[0].logprobs or []]
+    summary = "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta")
+    assert summary == f"\n{THINK}\n"
+    _leak_check(c, name)

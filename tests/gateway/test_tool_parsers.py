@@ -61,6 +61,25 @@ CASES = [
     (ChatOutputSpec(tools="mistral"), "[1] is a list [TOOL_CALLS]oops", "[1] is a list [TOOL_CALLS]oops",
      None, []),
     (ChatOutputSpec(tools="mistral"), "[TOOL", "[TOOL", None, []),
+    (ChatOutputSpec(tools="hermes"), '<tool_call>{"arguments": {"a": "}{"}, "name": "w"}</tool_call>', None,
+     None, [("w", {"a": "}{"})]),
+    (ChatOutputSpec(tools="hermes"), '<tool_call>{"name": "w", "arguments": {"a": "x\\"}"}} tail</tool_call>',
+     "tail", None, [("w", {"a": 'x"}'})]),
+    (ChatOutputSpec(tools="hermes"), '<tool_call>{"name": "w"}</tool_call>', None, None, [("w", {})]),
+    (ChatOutputSpec(tools="hermes"), '<tool_call>{"name": 1, "arguments": {}}</tool_call>',
+     '<tool_call>{"name": 1, "arguments": {}}</tool_call>', None, []),
+    (ChatOutputSpec(tools="hermes"), '<tool_call>{"name": "w", "arguments": [1]}</tool_call>',
+     '<tool_call>{"name": "w", "arguments": [1]}</tool_call>', None, []),
+    (ChatOutputSpec(tools="llama3_json"), '{"name": "a", "parameters": {"n": [1, {"m": 2}]}} and more',
+     "and more", None, [("a", {"n": [1, {"m": 2}]})]),
+    (ChatOutputSpec(tools="llama3_json"), '<|python_tag|>{"answer": 42}', '<|python_tag|>{"answer": 42}',
+     None, []),
+    (ChatOutputSpec(tools="mistral"), '[TOOL_CALLS]a[ARGS]{"x": "[ARGS]"}[TOOL_CALLS]b[ARGS]{}', None, None,
+     [("a", {"x": "[ARGS]"}), ("b", {})]),
+    (ChatOutputSpec(tools="mistral"), "[TOOL_CALLS][1, 2]", "[TOOL_CALLS][1, 2]", None, []),
+    (ChatOutputSpec(tools="forced_json"), f'[{{"name": "weather", "arguments": {WJ}}}, '
+     '{"name": "t", "arguments": {}}]', None, None, [("weather", W), ("t", {})]),
+    (ChatOutputSpec(tools="forced_json"), '[{"name": "weath', '[{"name": "weath', None, []),
     (ChatOutputSpec(reasoning="qwen3"), "<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", "It is 4.",
      "\nHmm, 2+2.\n", []),
     (ChatOutputSpec(reasoning="qwen3"), "It is 4.", "It is 4.", None, []),
@@ -102,7 +121,7 @@ def _cut(text: str, cuts: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(case=st.sampled_from(CASES), cuts=st.lists(st.integers(0, 10_000), max_size=12))
 def test_any_chunking_adds_up_to_the_whole(case: tuple, cuts: list[int]) -> None:  # type: ignore[type-arg]
     spec, text, content, reasoning, calls = case
@@ -117,6 +136,62 @@ def test_any_chunking_adds_up_to_the_whole(case: tuple, cuts: list[int]) -> None
             assert e.index in started
         else:
             assert isinstance(e, ContentText | ReasoningText) and e.text
+
+
+# (parser, output with two calls; the first call's arguments are ARGS_TEXT, as written)
+ARGS_TEXT = '{"city": "Paris", "days": [1, 2], "note": "a } and a \\" inside"}'
+SECOND = '{"name": "time", "%s": {}}'
+TWO_CALLS = [
+    ("hermes", f'<tool_call>\n{{"name": "weather", "arguments": {ARGS_TEXT}}}\n</tool_call>\n'
+               '<tool_call>{"name": "time", "arguments": {}}</tool_call>'),
+    ("llama3_json", f'{{"name": "weather", "parameters": {ARGS_TEXT}}}; ' + SECOND % "parameters"),
+    ("mistral",
+     f'[TOOL_CALLS][{{"name": "weather", "arguments": {ARGS_TEXT}}}, ' + SECOND % "arguments" + "]"),
+    ("mistral", f"[TOOL_CALLS]weather[ARGS]{ARGS_TEXT}[TOOL_CALLS]time[ARGS]{{}}"),
+    ("forced_json", f'[{{"name": "weather", "arguments": {ARGS_TEXT}}}, ' + SECOND % "arguments" + "]"),
+]
+
+
+@pytest.mark.parametrize(("tools", "text"), TWO_CALLS)
+def test_arguments_stream_as_they_are_written(tools: str, text: str) -> None:
+    """Fed a character at a time, a call starts (id and name) once its arguments open and each later
+    character of the arguments is its own fragment at once: nothing waits for the call's end. The
+    fragments add up to the arguments as written, which is the non-streamed result."""
+    parser = ChatOutputParser(ChatOutputSpec(tools=tools))
+    fragments: dict[int, list[str]] = {}
+    starts: list[tuple[int, str]] = []
+    for pos, ch in enumerate(text):
+        inside = starts == [(0, "weather")] and len("".join(fragments[0])) < len(ARGS_TEXT)
+        events = parser.feed(ch)
+        for e in events:
+            assert not isinstance(e, ContentText), (pos, e)
+            if isinstance(e, ToolCallStart):
+                starts.append((e.index, e.name))
+                fragments[e.index] = []
+            elif isinstance(e, ToolCallArguments):
+                fragments[e.index].append(e.fragment)
+        if inside:  # the first call's arguments: each character is a fragment at once
+            assert "".join(fragments[0]) == ARGS_TEXT[:len("".join(fragments[0]))]
+            assert any(isinstance(e, ToolCallArguments) and e.fragment == ch for e in events), (pos, ch)
+    assert parser.finish() == []
+    assert starts == [(0, "weather"), (1, "time")]
+    assert ["".join(fragments[0]), "".join(fragments[1])] == [ARGS_TEXT, "{}"]
+    assert len(fragments[0]) == len(ARGS_TEXT)
+    whole = parse_whole(ChatOutputSpec(tools=tools), text)
+    assert [(c.name, c.arguments) for c in whole.calls] == [("weather", ARGS_TEXT), ("time", "{}")]
+    assert whole.content is None
+
+
+def test_a_call_cut_short_keeps_the_arguments_written() -> None:
+    """``max_tokens`` cut the call inside its arguments: the call stands with the text written (as
+    OpenAI's would, with finish reason ``length``); cut before the arguments opened, it is content."""
+    for tools, text in TWO_CALLS:
+        cut = text[:text.index('"Paris"')]
+        out = parse_whole(ChatOutputSpec(tools=tools), cut)
+        assert [(c.name, c.arguments) for c in out.calls] == [("weather", '{"city": ')], tools
+        before = text[:text.index("weather") + 3]
+        out = parse_whole(ChatOutputSpec(tools=tools), before)
+        assert (out.content, out.calls) == (before, []), tools
 
 
 def test_one_character_at_a_time_holds_back_only_marker_prefixes() -> None:

@@ -1,6 +1,8 @@
 """SGLang's OpenAI-server feature and validation cases (under ``test/srt/openai_server/``:
 ``features/test_json_mode.py``, ``features/test_openai_server_ebnf.py``, ``features/test_cache_report.py``,
-``features/test_continuous_usage_stats.py``, ``validation/test_openai_server_ignore_eos.py``,
+``features/test_continuous_usage_stats.py``, ``features/test_json_constrained.py``,
+``features/test_structural_tag.py``, ``features/test_openai_server_hidden_states.py``,
+``validation/test_openai_server_ignore_eos.py``,
 ``validation/test_request_length_validation.py``, ``validation/test_matched_stop.py``,
 ``validation/test_request_body_validation.py``), ported to the
 live disaggregated gateway serving the embedded SmolLM2. SGLang-only request fields (``ebnf``,
@@ -214,3 +216,129 @@ def test_input_body_size_larger_than_maximum_allowed_payload_size_limit(live: Sy
     with pytest.raises(openai.APIStatusError) as info:
         _chat(live, messages=[{"role": "user", "content": "hello " * (BODY_CAP // 5)}])
     assert info.value.status_code == 413, info.value
+
+
+PEER_SCHEMA: Any = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[\\w]+$"},
+                                                     "population": {"type": "integer"}},
+                    "required": ["name", "population"], "additionalProperties": False}
+# the peer's schema with the population bounded (SmolLM2 at temperature 0 writes digits without end); the
+# prompt shows the peer's own (the bounded one would pass the live gateways' 100-token prompt cap)
+CITY_SCHEMA: Any = {**PEER_SCHEMA, "properties": {**PEER_SCHEMA["properties"], "population": {
+    "type": "integer", "minimum": 0, "maximum": 99999999}}}
+CITY_ASK: Any = [{"role": "system", "content": "You are a helpful AI assistant"},
+                 {"role": "user", "content": "Introduce the capital of France. Return in a JSON format. "
+                                             "The JSON Schema is: " + json.dumps(PEER_SCHEMA)}]
+
+
+def _city(live: SystemPair, schema: Any = CITY_SCHEMA) -> Any:
+    kw: Any = {} if schema is None else {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "foo", "schema": schema}}}
+    return _chat(live, messages=CITY_ASK, max_tokens=40, **kw)
+
+
+def _check_city(r: Any) -> None:
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", text
+    obj = json.loads(text)
+    assert isinstance(obj["name"], str) and isinstance(obj["population"], int), obj
+
+
+# from sglang features/test_json_constrained.py (JSONConstrainedMixin.test_json_openai)
+def test_json_openai(live: SystemPair) -> None:
+    _check_city(_city(live))
+    leak_check(live)
+
+
+# from sglang features/test_json_constrained.py (JSONConstrainedMixin.test_json_invalid)
+def test_json_invalid(live: SystemPair) -> None:
+    """The peer sends the schema ``"INVALID"`` to SGLang's ``/generate``; pdserve takes a schema given as a
+    JSON text under ``structured_outputs.json``, where a text that is not a schema is the 400 naming it."""
+    refused(lambda: _chat(live, messages=CITY_ASK, max_tokens=5,
+                          extra_body={"structured_outputs": {"json": "INVALID"}}), "structured_outputs")
+
+
+# from sglang features/test_json_constrained.py (JSONConstrainedMixin.test_mix_json_and_other)
+def test_mix_json_and_other(live: SystemPair) -> None:
+    """The peer sends 40 requests, a schema in half, at once; here 4 (one batch on the live workers):
+    the constrained ones are valid, the others free text."""
+    outs = together(*(partial(_city, live, schema) for schema in [None, None, CITY_SCHEMA, CITY_SCHEMA]))
+    for r in outs[2:]:
+        _check_city(r)
+    for r in outs[:2]:
+        assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.content
+    leak_check(live)
+
+
+FRANCE_JSON: Any = [{"role": "system", "content": "You are a helpful AI assistant"},
+                    {"role": "user", "content": "Introduce the capital of France. Return in a JSON format."}]
+
+
+# from sglang features/test_structural_tag.py::TestStructuralTagXGrammarBackend.test_stag_constant_str_openai
+def test_stag_constant_str_openai(live: SystemPair) -> None:
+    """``response_format`` of type ``structural_tag`` (SGLang's) is a 400 naming ``response_format``; the
+    peer's check (the constant string is the answer, however wrong) runs through ``structured_outputs``'
+    ``choice`` of one string."""
+    answer = "The capital of France is Berlin."
+    refused(lambda: _chat(live, messages=FRANCE_JSON, max_tokens=5, response_format={
+        "type": "structural_tag", "format": {"type": "const_string", "value": answer}}), "response_format")
+    r = _chat(live, messages=FRANCE_JSON, max_tokens=20,
+              extra_body={"structured_outputs": {"choice": [answer]}})
+    assert r.choices[0].message.content == answer
+    leak_check(live)
+
+
+# from sglang features/test_structural_tag.py::TestStructuralTagXGrammarBackend.test_stag_json_schema_openai
+def test_stag_json_schema_openai(live: SystemPair) -> None:
+    """As above, the schema through ``structured_outputs.json`` (the population bounded, as in
+    ``test_json_openai``)."""
+    refused(lambda: _chat(live, messages=FRANCE_JSON, max_tokens=5, response_format={
+        "type": "structural_tag", "format": {"type": "json_schema", "json_schema": PEER_SCHEMA}}),
+        "response_format")
+    _check_city(_chat(live, messages=FRANCE_JSON, max_tokens=40,
+                      extra_body={"structured_outputs": {"json": CITY_SCHEMA}}))
+    leak_check(live)
+
+
+HIDDEN_ASK: Any = [{"role": "system", "content": "You are a helpful AI assistant"},
+                   {"role": "user", "content": "What is the capital of France? Answer in a few words."}]
+
+
+def _hidden_runs(live: SystemPair, chat: bool, stream: bool) -> list[Any]:
+    """The peer's grid of one test (list input and ``n`` 1 and 2; chat: ``n`` only) without
+    ``return_hidden_states``: each request's choices (streamed: every chunk's)."""
+    c: Any = disagg(live)
+    calls = []
+    for n in (1, 2):
+        for prompt in ([None] if chat else ["The capital of France is", ["The capital of France is"] * 2]):
+            kw: Any = {"model": MODEL, "temperature": 0, "max_tokens": 3, "n": n}
+            if stream:
+                kw |= {"stream": True, "stream_options": {"include_usage": True}}
+            make = partial(c.chat.completions.create, messages=HIDDEN_ASK, **kw) if chat else \
+                partial(c.completions.create, prompt=prompt, **kw)
+            calls.append((lambda m=make: [ch for chunk in m() for ch in chunk.choices]) if stream
+                         else (lambda m=make: m().choices))
+    return together(*calls)
+
+
+@pytest.mark.parametrize(("chat", "stream"), [
+    # from sglang features/test_openai_server_hidden_states.py::BaseTestOpenAIServerWithHiddenStates
+    pytest.param(False, False, id="test_completion"), pytest.param(False, True, id="test_completion_stream"),
+    pytest.param(True, False, id="test_chat_completion"),
+    pytest.param(True, True, id="test_chat_completion_stream")])
+def test_hidden_states(live: SystemPair, chat: bool, stream: bool) -> None:
+    """Choices (and chunks) carry no ``hidden_states``; ``return_hidden_states`` is SGLang's extension
+    (with ``--enable-return-hidden-states``), which pdserve does not have: any value is the 400 naming it
+    (the peer's ``false`` runs are the grid without the field)."""
+    for choices in _hidden_runs(live, chat, stream):
+        assert choices
+        for ch in choices:
+            assert not hasattr(ch, "hidden_states")
+            assert not hasattr(getattr(ch, "delta", None), "hidden_states")
+    c: Any = disagg(live)
+    for hidden in (False, True):
+        kw: Any = {"model": MODEL, "max_tokens": 3, "stream": stream,
+                   "extra_body": {"return_hidden_states": hidden}}
+        call = (lambda k=kw: c.chat.completions.create(messages=HIDDEN_ASK, **k)) if chat else \
+            (lambda k=kw: c.completions.create(prompt="The capital of France is", **k))
+        refused(call, "return_hidden_states")
+    leak_check(live)
