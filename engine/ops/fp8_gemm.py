@@ -500,8 +500,8 @@ def _fp8_gemv_splitk_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton ke
 
 def fp8_gemv_splitk(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
                     tile: tuple[int, int, int, int] = (4, 512, 4, 4), gated: bool = False) -> torch.Tensor:
-    """Split-K variant of ``fp8_gemv`` (same arguments and result, ``fp8_gemv_reference``), a candidate
-    measured by ``bench/kernels/fp8_gemv_sweep.py --candidates``; the engine does not use it.
+    """Split-K variant of ``fp8_gemv`` (same arguments and result, ``fp8_gemv_reference``); ``fp8_linear``
+    runs it for one-row steps where ``fp8_gemv_splitk_tile`` names a tile.
 
     ``tile = (block_n, block_k, num_warps, split_k)``: the grid is ``(ceil(N / block_n), split_k)``; each
     program sums ``block_n`` rows over one of ``split_k`` equal K slices (a multiple of ``block_k``, so
@@ -545,11 +545,26 @@ def fp8_gemv_splitk(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     return y
 
 
+def fp8_gemv_splitk_tile(n: int, layout: str, gated: bool = False) -> tuple[int, int, int, int] | None:
+    """The split-K tile ``(block_n, block_k, num_warps, split_k)`` of a one-row FP8 step with ``n`` output
+    features and weights of ``layout``, or None where ``fp8_gemv`` is faster: the winners of
+    ``bench/kernels/fp8_gemv_sweep.py --candidates`` on an H200 for the Llama-3-8B projections
+    (2026-12-02, shares of the same-run copy bandwidth, against ``fp8_gemv``'s tile): 8 x 512 with 4 warps
+    for N <= 4096 (per channel 2 slices: o 51.8 % against 48.2 %, down 62.7 % against 47.1 %; block
+    scales 4 slices: o 48.8 % against 45.4 %, down 59.2 % against 37.2 %) and N >= 16384 (2 slices: gate/up
+    74.6 % against 65.8 % per channel, 76.5 % against 63.2 % block); QKV (N 6144) stays on ``fp8_gemv``
+    (61.3 % / 58.2 %). The gated form (SiLU·mul folded in) keeps ``fp8_gemv``."""
+    if gated or 4096 < n < 16384:
+        return None
+    return 8, 512, 4, 4 if layout == "block" and n <= 4096 else 2
+
+
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_kernels: bool,
                gated: bool = False) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T + bias`` as ``[M, N]`` in ``x.dtype``, activations quantized to FP8.
 
-    ``use_kernels``: on CUDA a one-row ``x`` runs the weight-only ``fp8_gemv``; otherwise the Triton block
+    ``use_kernels``: on CUDA a one-row ``x`` runs the weight-only ``fp8_gemv`` (``fp8_gemv_splitk`` where
+    ``fp8_gemv_splitk_tile`` names a tile); otherwise the Triton block
     kernel (CUDA or Triton's interpreter) and, on a GPU of compute capability >= 8.9,
     ``torch._scaled_mm``; without ``use_kernels`` (or where ``_scaled_mm`` cannot run the shape) the
     plain-torch references. ``gated``: ``x`` is ``[M, 2 K]`` (gate | up, SwiGLU's down projection) and
@@ -558,6 +573,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_ker
     otherwise.
     """
     if use_kernels and x.is_cuda and x.shape[0] == 1:
+        tile = fp8_gemv_splitk_tile(w.weight.shape[0], w.layout, gated)
+        if tile is not None:
+            return fp8_gemv_splitk(x.contiguous(), w, bias, tile=tile)
         return fp8_gemv(x.contiguous(), w, bias, gated=gated)
     if w.layout == "block":
         assert w.block is not None

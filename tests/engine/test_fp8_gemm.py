@@ -309,3 +309,15 @@ def test_fp8_gemv_splitk_matches_reference(layout: str, tile: tuple[int, int, in
     assert (fp8_gemv_splitk(x, wrong, bias, tile=tile, gated=gated) - ref).abs().max() > 0.1
     with pytest.raises(ValueError, match="split_k"):
         fp8_gemv_splitk(x, w, bias, tile=(8, 24, 4, 2), gated=gated)
+
+
+def test_one_row_steps_take_split_k_where_it_measured_faster() -> None:
+    """``fp8_linear``'s one-row dispatch (the H200 sweep's winners): split-K for the narrow (o, down) and
+    wide (gate/up) projections, ``fp8_gemv`` for QKV-like widths and the gated form."""
+    from engine.ops.fp8_gemm import fp8_gemv_splitk_tile
+
+    assert fp8_gemv_splitk_tile(4096, "channel") == (8, 512, 4, 2)
+    assert fp8_gemv_splitk_tile(4096, "block") == (8, 512, 4, 4)
+    assert fp8_gemv_splitk_tile(28672, "block") == (8, 512, 4, 2)
+    assert fp8_gemv_splitk_tile(6144, "channel") is None
+    assert fp8_gemv_splitk_tile(4096, "channel", gated=True) is None

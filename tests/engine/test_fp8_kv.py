@@ -90,7 +90,7 @@ def test_rotary_store_fp8_matches_reference() -> None:
     batch, pool = fp8_batch([(3, 4), (0, 6)], 4, 2, 64, SCALE)
     gen = torch.Generator().manual_seed(1)
     angles = torch.rand(batch.q.shape[0], 32, generator=gen) * 6
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(batch.q.device) for f in (torch.cos, torch.sin))
     ref = pool.kv_buffer.clone()
     q_ref, k_ref = batch.q.clone(), batch.k_new.clone()
     rotary_store_kv_reference(q_ref, k_ref, batch.v_new, cos, sin, ref[0, 0], ref[0, 1],
