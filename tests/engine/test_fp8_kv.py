@@ -98,7 +98,9 @@ def test_rotary_store_fp8_matches_reference() -> None:
     rotary_store_kv(batch.q, batch.k_new, batch.v_new, cos, sin, pool.k_cache(0), pool.v_cache(0),
                     batch.meta.slot_mapping, SCALE)
     assert torch.equal(raw(pool.kv_buffer), raw(ref))
-    assert torch.equal(batch.q, q_ref) and torch.equal(batch.k_new, k_ref)
+    # the rotated q and k: equal through the interpreter; compiled, a fused multiply-add moves the last bit
+    torch.testing.assert_close(batch.q, q_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(batch.k_new, k_ref, atol=1e-6, rtol=1e-6)
 
 
 def _unquantised(batch: PagedBatch) -> KVCachePool:
