@@ -328,6 +328,26 @@ _LAYOUT_CODE = {"tensor": 0, "channel": 1, "block": 2}
 
 
 @triton.jit
+def _gemv_inputs(  # type: ignore[no-untyped-def]  # Triton function: arguments are typed by @triton.jit
+    x_ptr, s_row, kk, k_mask, k_in,
+    LAYOUT: tl.constexpr, GROUP_K: tl.constexpr, GATED: tl.constexpr,
+):
+    """The float32 inputs ``kk`` of a one-row FP8 GEMV: ``x`` (with ``GATED``, ``x = [gate | up]`` and
+    silu(gate) * up as engine/ops/silu_mul.py rounds it), times the row of block scales for LAYOUT 2."""
+    if GATED:
+        gate = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        up = tl.load(x_ptr + k_in + kk, mask=k_mask, other=0.0).to(tl.float32)
+        x = (act * up).to(gate.dtype).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+    if LAYOUT == 2:
+        x = x * tl.load(s_row + kk // GROUP_K, mask=k_mask, other=0.0)
+    return x
+
+
+@triton.jit
 def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, n_out, k_in, stride_w, stride_s,
     LAYOUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -348,16 +368,7 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by
     for k in range(0, k_in, BLOCK_K):
         kk = k + cols
         k_mask = kk < k_in
-        if GATED:  # x = [gate | up]: silu(gate) * up as engine/ops/silu_mul.py rounds it
-            gate = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
-            g = gate.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-            up = tl.load(x_ptr + k_in + kk, mask=k_mask, other=0.0).to(tl.float32)
-            x = (act * up).to(gate.dtype).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        if LAYOUT == 2:
-            x = x * tl.load(s_row + kk // GROUP_K, mask=k_mask, other=0.0)
+        x = _gemv_inputs(x_ptr, s_row, kk, k_mask, k_in, LAYOUT, GROUP_K, GATED)
         nk = kk + BLOCK_K
         w_next = tl.load(w_rows + nk[None, :], mask=row_mask[:, None] & (nk < k_in)[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
@@ -462,16 +473,7 @@ def _fp8_gemv_splitk_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: t
     for k in range(k_start, k_end, BLOCK_K):
         kk = k + cols
         k_mask = kk < k_end
-        if GATED:  # x = [gate | up]: silu(gate) * up as engine/ops/silu_mul.py rounds it
-            gate = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
-            g = gate.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-            up = tl.load(x_ptr + k_in + kk, mask=k_mask, other=0.0).to(tl.float32)
-            x = (act * up).to(gate.dtype).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        if LAYOUT == 2:
-            x = x * tl.load(s_row + kk // GROUP_K, mask=k_mask, other=0.0)
+        x = _gemv_inputs(x_ptr, s_row, kk, k_mask, k_in, LAYOUT, GROUP_K, GATED)
         w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     tl.store(part_ptr + tl.program_id(1) * n_out + rows, tl.sum(acc, axis=1), mask=row_mask)
