@@ -58,7 +58,7 @@ class SenderEndpoint:
         self.kv_buffer = kv_buffer
         self.layout = layout_of(kv_buffer)
         self.compat: KVCompat = kv_compat(config.model_id, config.backend, self.layout, config.tp_size,
-                                          config.tp_rank)
+                                          config.tp_rank, total_kv_heads=config.total_kv_heads)
         self.epoch = new_epoch()
         self.transport = transport
         if events is None and kv_buffer.is_cuda:
