@@ -112,3 +112,76 @@ def test_two_prefill_ranks_write_their_heads_into_one_decode_rank(tmp_path):
         rx.close()
         local.close()
         core.close()
+
+
+def drain(core: EngineCore) -> list[int]:
+    """Step `core` until nothing is unfinished; the tokens sampled, in order."""
+    tokens: list[int] = []
+    for _ in range(50):
+        if not core.scheduler.has_unfinished():
+            return tokens
+        tokens += [o.token_id for o in core.step()]
+    raise AssertionError("engine did not finish within 50 steps")
+
+
+def test_one_prefill_rank_writes_both_decode_ranks_which_then_decode(tmp_path):
+    """P TP=1 -> D TP=2: one sender writes each decode rank's heads (rank 0's receiver here, rank 1's in
+    its follower process); the decode engine of two ranks then continues greedily from the landed KV and
+    samples what one rank computing everything samples."""
+    import time
+
+    from engine.sequence import Sequence
+
+    need_nixl()
+    _save("LlamaForCausalLM", tmp_path / "m", 253, 2)
+    path = str(tmp_path / "m")
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    whole = EngineCore(engine_config(path, 1))
+    try:
+        whole.add_request("a", PROMPT, greedy)
+        want = drain(whole)
+    finally:
+        whole.close()
+    prefill = EngineCore(engine_config(path, 1), prefill_only=True)
+    transfer = TransferConfig(worker_id="d", model_id="m", backend="nixl", tp_size=2, total_kv_heads=2,
+                              timeout_s=WAIT)
+    spec = RankKVSpec("decode", transfer, str(tmp_path))
+    core = EngineCore(engine_config(path, 2), rank_hook=functools.partial(rank_kv_hook, spec))
+    nixl = get_transfer_backend("nixl")
+    tx = nixl.sender(TransferConfig(worker_id="p", model_id="m", backend="nixl", total_kv_heads=2,
+                                    timeout_s=WAIT), prefill.runner.kv_cache.kv_buffer)
+    local = nixl.receiver(rank_config(transfer, 0), core.runner.kv_cache.kv_buffer)
+    remote = RemoteEndpoint(command_address(spec, 1), 1, timeout_s=WAIT)
+    recv = RankedReceive([local, remote], rank_kv_heads(2, 2))
+    try:
+        prefill.add_request("a", PROMPT, greedy)
+        output = prefill.scheduler.schedule()
+        src = prefill.scheduler.get("a")
+        assert src is not None
+        first = [o.token_id for o in prefill.commit(output, prefill.runner.execute(output))]
+        seq = Sequence("a", list(PROMPT), greedy, time.monotonic(), core.eos_token_id)
+        assert core.scheduler.add_waiting_for_kv(seq)
+        handles = recv.expect("a", list(seq.block_table), rank_kv_heads(2, 1))
+        pairs = RankedSend([tx]).add_request(handles, list(src.block_table))
+        assert sorted(h.heads.dst_rank for h in handles.handles) == [0, 1]
+        for _, rid in pairs:
+            tx.send_layers(rid)
+        assert recv.wait("a", WAIT) is TransferStatus.DONE, recv.reason("a")
+        assert local.wait_until(lambda: recv.releasable("a"), WAIT)
+        recv.release("a")
+        for _, rid in pairs:
+            assert tx.wait_until(lambda rid=rid: sender_settled(tx, rid), WAIT)
+            tx.release(rid)
+        core.scheduler.kv_landed("a", first[0])
+        assert first + drain(core) == want
+        prefill.block_manager.free(src)
+        recv.check_no_leaks()
+        tx.check_no_leaks()
+        remote.check_no_leaks()
+        core.check_no_leaks()
+    finally:
+        remote.close()
+        local.close()
+        tx.close()
+        core.close()
+        prefill.close()
