@@ -101,6 +101,8 @@ def test_blocks_held_until_every_source_rank_stopped(backend: str):
         for rank, sub in pairs:
             w.senders[rank].send_layer(sub, 0)
         (r0, sub0), (r1, sub1) = pairs
+        rx = w.receivers[0]  # both pairs claimed and writing before anything stops
+        assert rx.wait_until(lambda: all(0 in rx.snapshot(sub).layers for sub in (sub0, sub1)), WAIT)
         w.senders[r1].abort(sub1)
         assert w.recv.wait("r", WAIT) is S.ABORTED
         assert w.recv.reason("r").startswith(f"{sub1}: ")

@@ -23,7 +23,7 @@ from tests.engine.test_tensor_parallel import _save
 from tests.kvtransfer.helpers import need_nixl, sender_settled
 from workers.rank_kv import RankKVSpec, RankNote, RemoteEndpoint, command_address, rank_config, rank_kv_hook
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(180)]
 WAIT = 30.0
 PROMPT = [5, 17, 3, 99, 42, 7, 11]
 BS = 4
