@@ -69,7 +69,7 @@ class SenderEndpoint:
         self.layout = layout_of(kv_buffer)
         self.compat: KVCompat = kv_compat(config.model_id, config.backend, self.layout, config.tp_size,
                                           config.tp_rank, total_kv_heads=config.total_kv_heads)
-        self.epoch = new_epoch()
+        self.epoch = config.sender_epoch or new_epoch()
         self.transport = transport
         if events is None and kv_buffer.is_cuda:
             events = EventPool(kv_buffer.device.index or 0)

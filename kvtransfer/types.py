@@ -127,6 +127,9 @@ class TransferConfig:
     admits each prefill worker the gateway names to it, with the KV sender epoch it registered); any
     other Hello (an id never admitted, or an admitted id with another epoch: a restarted or impostor
     sender) is refused (its HelloReply names why) and counted.
+    sender_epoch: a sender's incarnation (KVSender.epoch; 0: a fresh one, wire.new_epoch): the tensor
+    parallel ranks of one prefill worker share rank 0's, so a receiver admits them together. A receiver's
+    epoch is always fresh.
     """
 
     worker_id: str
@@ -148,6 +151,7 @@ class TransferConfig:
     nixl_error_handling: str = "peer"
     curve: CurveKeys | None = None
     fence_senders: bool = False
+    sender_epoch: int = 0
 
     def __post_init__(self) -> None:
         if self.max_inflight_layers < 1:

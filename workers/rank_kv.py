@@ -58,6 +58,14 @@ def rank_config(config: TransferConfig, rank: int) -> TransferConfig:
     return dataclasses.replace(config, worker_id=f"{config.worker_id}-tp{rank}", tp_rank=rank, port=0)
 
 
+def shaped_config(config: TransferConfig, runner: ModelRunner, tp_size: int) -> TransferConfig:
+    """`config` with the worker's tensor parallel size and the model's KV heads (from the runner's model
+    config: num_key_value_heads, else num_attention_heads)."""
+    cfg = runner.hf_config
+    total = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    return dataclasses.replace(config, tp_size=tp_size, total_kv_heads=total)
+
+
 def command_address(spec: RankKVSpec, rank: int) -> str:
     """Rank `rank`'s command socket (zmq ipc)."""
     return f"ipc://{spec.command_dir}/tp{rank}"
@@ -73,7 +81,8 @@ class RankNote(msgspec.Struct, frozen=True):
 class Command(msgspec.Struct, frozen=True):
     """Call `method` of rank r's endpoint. request_id: the endpoint request it is about; block_ids,
     timeout_s, claim_timeout_s: expect's / add_request's; handle, heads: add_request's; wait_s: how long
-    `release_settled` waits for the request to settle."""
+    `release_settled` waits for the request to settle; text, epoch, reason: admit_sender's / drop_sender's
+    sender id, epoch and reason."""
 
     method: str
     request_id: str = ""
@@ -83,6 +92,9 @@ class Command(msgspec.Struct, frozen=True):
     handle: KVHandle | None = None
     heads: HeadSlice | None = None
     wait_s: float = 0.0
+    text: str = ""
+    epoch: int = 0
+    reason: str = ""
 
 
 class Reply(msgspec.Struct, frozen=True):
@@ -95,6 +107,7 @@ class Reply(msgspec.Struct, frozen=True):
     text: str = ""
     handle: KVHandle | None = None
     ids: list[str] = []
+    count: int = 0
 
 
 def _settled(endpoint: Any, request_id: str) -> bool:
@@ -122,6 +135,17 @@ def run_command(endpoint: Any, cmd: Command) -> Reply:
     if m in ("abort", "release", "check_no_leaks"):
         getattr(endpoint, m)(*([rid] if m != "check_no_leaks" else []))
         return Reply()
+    if m == "send_layers":
+        endpoint.send_layers(rid)
+        return Reply()
+    if m == "admit_sender":
+        endpoint.admit_sender(cmd.text, cmd.epoch)
+        return Reply()
+    if m == "drop_sender":
+        endpoint.drop_sender(cmd.text, cmd.reason)
+        return Reply()
+    if m == "refused_handshakes":
+        return Reply(count=endpoint.refused_handshakes())
     if m == "release_settled":
         if not endpoint.wait_until(lambda: _settled(endpoint, rid), cmd.wait_s):
             raise TimeoutError(f"request {rid!r} not settled within {cmd.wait_s} s")
@@ -177,7 +201,7 @@ class RankKVHook:
             raise ValueError(f"role {spec.role!r} moves no KV")
         self.rank = tp.rank
         backend = get_transfer_backend(spec.config.backend)
-        config = rank_config(spec.config, tp.rank)
+        config = rank_config(shaped_config(spec.config, runner, tp.size), tp.rank)
         kv = runner.kv_cache.kv_buffer
         self.endpoint: Any = (backend.sender(config, kv) if spec.role in SEND_ROLES
                               else backend.receiver(config, kv))
@@ -274,6 +298,22 @@ class RemoteEndpoint:
         """Wait up to `wait_s` until the rank may forget the request (a sender: terminal, nothing in
         flight, its fence sent; a receiver: releasable), then release it. Raises TimeoutError."""
         self._call(Command("release_settled", request_id, wait_s=wait_s))
+
+    def send_layers(self, request_id: str) -> None:
+        """api.KVSender.send_layers of every layer on the rank (a canary: no forward pass streams it)."""
+        self._call(Command("send_layers", request_id))
+
+    def admit_sender(self, sender_id: str, epoch: int) -> None:
+        """api.KVReceiver.admit_sender on the rank."""
+        self._call(Command("admit_sender", text=sender_id, epoch=epoch))
+
+    def drop_sender(self, sender_id: str, reason: str) -> None:
+        """api.KVReceiver.drop_sender on the rank."""
+        self._call(Command("drop_sender", text=sender_id, reason=reason))
+
+    def refused_handshakes(self) -> int:
+        """api.KVReceiver.refused_handshakes on the rank."""
+        return self._call(Command("refused_handshakes")).count
 
     def pending(self) -> list[str]:
         """Request ids the rank holds."""
