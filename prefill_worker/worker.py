@@ -301,6 +301,7 @@ class PrefillWorker(WorkerLoop):
         once the sender allows it (its writes done, its fences sent); FAILED → ``RequestFailed``. The same
         for canaries, which report ``KVCanaryResult``."""
         self._poll_canaries()
+        self.kv.reap_orphans()
         for rid, seq in list(self.sending.items()):
             status = self.kv.status(rid)
             if not status.is_terminal:
@@ -338,7 +339,7 @@ class PrefillWorker(WorkerLoop):
 
     def busy(self) -> bool:
         """Transfers in flight need frequent polling."""
-        return bool(self.sending or self.canaries)
+        return bool(self.sending or self.canaries or self.kv.has_orphans())
 
     def close(self) -> None:
         """Stop the sender thread and its transport (and the command sockets to the other ranks)."""

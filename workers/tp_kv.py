@@ -147,6 +147,7 @@ class RankSender:
         self.local = self.ranks[0]
         self._ranked = RankedSend(self.ranks)
         self._pairs: dict[str, list[tuple[int, str]]] = {}  # request id → (rank, endpoint request id)
+        self._orphans: list[tuple[int, str]] = []  # pairs of an add_request that failed part-way (aborted)
 
     @property
     def compat(self) -> KVCompat:
@@ -170,7 +171,30 @@ class RankSender:
             self.local.add_request(handle, block_ids)
             self._pairs[handle.request_id] = [(0, handle.request_id)]
             return
-        self._pairs[handle.request_id] = self._ranked.add_request(handles=handle, block_ids=block_ids)
+        try:
+            self._pairs[handle.request_id] = self._ranked.add_request(handles=handle, block_ids=block_ids)
+        except BaseException:
+            # the pairs added before the failure were aborted and stay in their senders: forget them
+            # once each sender allows it (reap_orphans)
+            for h in handle.handles:
+                rank = h.heads.src_rank
+                if 0 <= rank < len(self.ranks) and h.handle.request_id in self.ranks[rank].pending():
+                    self._orphans.append((rank, h.handle.request_id))
+            raise
+
+    def has_orphans(self) -> bool:
+        """True while pairs of failed add_requests wait to be released."""
+        return bool(self._orphans)
+
+    def reap_orphans(self) -> None:
+        """Release the pairs of failed add_requests whose senders now allow it (the others: next call)."""
+        left = []
+        for rank, sub in self._orphans:
+            try:
+                self.ranks[rank].release(sub)
+            except RuntimeError:  # writes in flight or its fence still to send
+                left.append((rank, sub))
+        self._orphans = left
 
     def rank_pairs(self, request_id: str) -> list[tuple[int, str]]:
         """(rank, endpoint request id) of each of the request's transfers."""
@@ -232,8 +256,9 @@ class RankSender:
         return sum(s for s in secs if s is not None) if any(s is not None for s in secs) else None
 
     def leaks(self) -> list[str]:
-        """rank_leaks of the requests not released and every rank's sender."""
-        return rank_leaks(list(self._pairs), self.ranks)
+        """rank_leaks of the requests not released (pairs of failed add_requests too) and every rank's
+        sender."""
+        return rank_leaks([*self._pairs, *(sub for _, sub in self._orphans)], self.ranks)
 
     def close(self) -> None:
         """Close the command sockets to the other ranks and rank 0's sender."""
