@@ -16,6 +16,11 @@ A canary (``KVCanaryReserve``, a test of the data path): ``canary_blocks`` block
 request's (``Scheduler.add_waiting_for_kv``) and ``KVReceiver.expect``-ed with the gateway's deadline,
 answered by ``KVCanaryReserved``; it never joins the batch: ``canaries`` holds it until the receiver says
 the blocks are releasable (DONE, or the sender's fence after a failure or an abort), then they are freed.
+
+With a prefill worker or this worker of several tensor parallel ranks (``ReserveKV.prefill_tp_size``, our
+``--tensor-parallel-size``), every rank's receiver (``workers.tp_kv.RankReceiver``) expects one transfer per
+pair of ranks sharing KV heads into the same block ids, and the handle is ``RankedHandles``; the request's
+KV has landed when every pair is DONE, and its blocks are releasable only when every pair's are.
 """
 
 from __future__ import annotations

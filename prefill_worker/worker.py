@@ -21,6 +21,11 @@ blocks; when the transfer is terminal they are freed, ``KVCanaryResult`` reports
 seconds from ``add_request`` to the sender's terminal time (``KVSender.ended_at``) and the writes' time
 on the transport (``KVSender.wire_seconds``), and the transfer is forgotten once the sender allows it.
 Canaries do not count in the transfer totals.
+
+With ``--tensor-parallel-size`` N > 1 every rank has its own sender (``workers.tp_kv.RankSender``): a
+request's ``kv_handle`` is then ``RankedHandles`` (one transfer per pair of ranks sharing KV heads with the
+decode worker), rank 0's layer hook sends rank 0's pairs and the step's ``RankNote`` names the other
+ranks' pairs, which each rank sends from its own forward; the transfer is terminal when every pair is.
 """
 
 from __future__ import annotations
