@@ -238,9 +238,9 @@ def rank_kv_hook(spec: RankKVSpec, runner: ModelRunner, tp: TensorParallel) -> R
 
 class RemoteEndpoint:
     """Rank 0's handle on rank r's endpoint: the methods kvtransfer.ranked calls, each one command with a
-    deadline of `timeout_s` (raises TimeoutError past it; the socket is then unusable: the worker ends,
-    as on any rank failure). An error of the endpoint is raised again as its type when it is in ERRORS, else
-    RuntimeError; the message names the rank."""
+    deadline of `timeout_s` (raises TimeoutError past it; every later command then raises RuntimeError at
+    once: the worker ends, as on any rank failure). An error of the endpoint is raised again as its type
+    when it is in ERRORS, else RuntimeError; the message names the rank."""
 
     def __init__(self, address: str, rank: int, timeout_s: float = 10.0) -> None:
         self.rank = rank
@@ -250,13 +250,16 @@ class RemoteEndpoint:
         self._sock.connect(address)
         self._timeout_ms = int(timeout_s * 1000)
         self._lock = threading.Lock()
+        self._lost = ""  # why the rank stopped answering ("" while it answers)
 
     def _call(self, cmd: Command) -> Reply:
         with self._lock:
+            if self._lost:
+                raise RuntimeError(f"tensor parallel rank {self.rank} is unreachable: {self._lost}")
             self._sock.send(msgspec.msgpack.encode(cmd))
             if not self._sock.poll(self._timeout_ms + int(cmd.wait_s * 1000)):
-                raise TimeoutError(f"tensor parallel rank {self.rank}: no answer to {cmd.method} within "
-                                   f"{self._timeout_ms} ms")
+                self._lost = f"no answer to {cmd.method} within {self._timeout_ms} ms"
+                raise TimeoutError(f"tensor parallel rank {self.rank}: {self._lost}")
             reply = msgspec.msgpack.decode(self._sock.recv(), type=Reply)
         if reply.error:
             kind = reply.error.partition(": ")[0]

@@ -59,3 +59,36 @@ def test_colocated_two_ranks_serve_then_a_lost_rank_stops_the_worker(model_dir):
         close(worker)  # its control socket: an open one blocks the zmq context's term at exit
         core.close()
         torch.set_num_threads(threads)
+
+
+class _Ranks:
+    def __init__(self, lost: list[str]) -> None:
+        self.lost = lost
+
+    def dead_followers(self) -> list[str]:
+        return self.lost
+
+
+def test_an_unreachable_rank_endpoint_stops_the_worker_only_when_a_rank_died(model_dir, monkeypatch):
+    # a dead rank's KV endpoint answers no command: the poll that asks it must end the worker cleanly
+    # (deregistering), not kill the loop; while every rank lives the error is a bug and propagates
+    from tests.workers.helpers import prefill_worker
+
+    worker = prefill_worker(model_dir)
+    stops: list[bool] = []
+    worker.request_stop = lambda: stops.append(True)  # type: ignore[method-assign]
+
+    def unreachable() -> None:
+        raise TimeoutError("tensor parallel rank 1: no answer to status within 10000 ms")
+    monkeypatch.setattr(worker, "poll", unreachable)
+    try:
+        monkeypatch.setattr(worker.core, "ranks", _Ranks([]))
+        with pytest.raises(TimeoutError):
+            worker.run_once()
+        assert not stops
+        monkeypatch.setattr(worker.core, "ranks", _Ranks(["pdserve-tp-rank1 (exit code -9)"]))
+        worker.run_once()
+        assert stops == [True]
+    finally:
+        monkeypatch.setattr(worker.core, "ranks", None)
+        close(worker)

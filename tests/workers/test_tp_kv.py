@@ -107,3 +107,20 @@ def test_pairs_added_before_a_failing_one_are_reaped():
 
 def test_sender_ids_of_ranks():
     assert [rank_sender_id("p", r) for r in range(3)] == ["p", "p-tp1", "p-tp2"]
+
+
+def test_a_rank_that_does_not_answer_is_unreachable_from_then_on(tmp_path):
+    import time
+
+    from workers.rank_kv import RemoteEndpoint
+
+    remote = RemoteEndpoint(f"ipc://{tmp_path}/nobody", 1, timeout_s=0.2)
+    try:
+        with pytest.raises(TimeoutError, match="rank 1: no answer to pending within 200 ms"):
+            remote.pending()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1 is unreachable: no answer to pending"):
+            remote.status("r")
+        assert time.monotonic() - started < 0.1  # no second wait
+    finally:
+        remote.close()
