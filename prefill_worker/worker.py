@@ -12,8 +12,9 @@ Queues and states of a request (``PrefillRequest`` from the gateway):
 ``AbortRequest``: dropped from the engine, or its transfer aborted (blocks freed once terminal).
 Metrics (``workers.metrics``): the request's part here ends with its first token.
 Transfer totals (heartbeat ``WorkerLoad.kv_transfer_bytes`` / ``kv_transfer_seconds``): per transfer that
-reaches DONE, blocks × ``KVCachePool.bytes_per_block`` and the seconds from the first layer handed to the
-sender to the ``poll`` that sees DONE (so at most one step late).
+reaches DONE, the bytes it moved over every rank (blocks × ``KVCachePool.bytes_per_block`` per KV head
+written over this rank's KV heads) and the seconds from the first layer handed to the sender to the
+``poll`` that sees DONE (so at most one step late).
 
 A canary (``KVCanarySend``, a test of the data path): as many blocks of this worker's own (from its
 ``BlockManager``, like a request's) as the handle has are sent, every layer at once, into the handle's
@@ -62,6 +63,7 @@ from workers.tp_kv import (
     decode_kv_handle,
     handle_backend,
     handle_blocks,
+    heads_written,
     local_config,
     remote_ranks,
 )
@@ -112,7 +114,7 @@ class PrefillWorker(WorkerLoop):
         self.sending: dict[str, Sequence | None] = {}  # None: blocks already freed (failed step)
         self._aborted: set[str] = set()  # transfers we aborted ourselves: no RequestFailed for them
         self._hook_errors: dict[str, str] = {}
-        self._transfer_blocks: dict[str, int] = {}  # blocks of each started transfer
+        self._transfer_bytes: dict[str, int] = {}  # bytes each started transfer moves (every rank's)
         self._first_layer_at: dict[str, float] = {}  # time.monotonic() when layer 0 went to the sender
         self.kv_sent_bytes = 0  # cumulative over DONE transfers (bytes)
         self.kv_sent_seconds = 0.0  # cumulative over DONE transfers (seconds)
@@ -168,7 +170,7 @@ class PrefillWorker(WorkerLoop):
                                      seconds=0.0, transport=transport, error=f"{type(exc).__name__}: {exc}"))
             return
         self.canaries[cid] = _Canary(seq, started,
-                                     len(seq.block_table) * self.core.runner.kv_cache.bytes_per_block)
+                                     self._bytes_of(handle, len(seq.block_table)))
         self.kv.send_layers(cid)
 
     def _poll_canaries(self) -> None:
@@ -257,7 +259,7 @@ class PrefillWorker(WorkerLoop):
                 self._hook_errors[rid] = f"KV transfer could not start: {exc}"
                 continue
             rids.append(rid)
-            self._transfer_blocks[rid] = len(s.seq.block_table)
+            self._transfer_bytes[rid] = self._bytes_of(kv_handle, len(s.seq.block_table))
         if not rids:
             return None
         others = [(rank, sub) for rid in rids for rank, sub in self.kv.rank_pairs(rid) if rank != 0]
@@ -330,12 +332,19 @@ class PrefillWorker(WorkerLoop):
                 self.fail(rid, f"KV transfer failed: {reason or 'see prefill log'}")
             self._aborted.discard(rid)
 
+    def _bytes_of(self, handle: KVHandle | RankedHandles, num_blocks: int) -> int:
+        """Bytes a transfer of `num_blocks` blocks to `handle` moves over every rank: per block, each KV
+        head written (rank 0's heads for a plain handle, every rank pair's for RankedHandles) costs
+        this rank's bytes per block / its KV heads."""
+        kv = self.core.runner.kv_cache
+        return num_blocks * kv.bytes_per_block * heads_written(handle, kv.num_kv_heads) // kv.num_kv_heads
+
     def _count_transfer(self, request_id: str, status: TransferStatus) -> None:
         """Add a terminal transfer to the totals if it is DONE (forget its bookkeeping either way)."""
-        num_blocks = self._transfer_blocks.pop(request_id, 0)
+        num_bytes = self._transfer_bytes.pop(request_id, 0)
         started = self._first_layer_at.pop(request_id, None)
         if status is TransferStatus.DONE and started is not None:
-            self.kv_sent_bytes += num_blocks * self.core.runner.kv_cache.bytes_per_block
+            self.kv_sent_bytes += num_bytes
             self.kv_sent_seconds += time.monotonic() - started
 
     def transfer_totals(self) -> tuple[int, float]:

@@ -118,6 +118,15 @@ def handle_blocks(handle: KVHandle | RankedHandles) -> list[int]:
     return list(handle.handles[0].handle.block_ids) if handle.handles else []
 
 
+def heads_written(handle: KVHandle | RankedHandles, local_heads: int) -> int:
+    """KV heads a transfer to `handle` writes per token: `local_heads` (the sender's, all of them) for a
+    plain handle; the sum over rank pairs for RankedHandles (a head replicated on several decode ranks
+    counts once per rank)."""
+    if isinstance(handle, KVHandle):
+        return local_heads
+    return sum(h.heads.count for h in handle.handles)
+
+
 def handle_backend(handle: KVHandle | RankedHandles) -> str:
     """The transfer backend a handle names (every pair's; "" for a handle of no pair)."""
     if isinstance(handle, KVHandle):

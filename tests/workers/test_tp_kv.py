@@ -124,3 +124,34 @@ def test_a_rank_that_does_not_answer_is_unreachable_from_then_on(tmp_path):
         assert time.monotonic() - started < 0.1  # no second wait
     finally:
         remote.close()
+
+
+@pytest.mark.parametrize(("p", "d", "total", "want"), [(2, 1, 4, 4), (1, 2, 4, 4), (2, 2, 4, 4), (1, 4, 2, 4),
+                                                       (4, 1, 2, 2)])
+def test_heads_written_count_every_rank_pair(p: int, d: int, total: int, want: int):
+    # the prefill worker's transfer totals count every rank's bytes: with replicated heads (fewer KV
+    # heads than decode ranks) each decode rank's copy is written, so more than the model's heads
+    from workers.tp_kv import heads_written
+
+    w = Pair("loopback", p, d, total=total)
+    receiver = RankReceiver(w.receivers, total)
+    try:
+        handle = decode_kv_handle(receiver.expect("r", [1], p))
+        assert heads_written(handle, local_heads=total // p if total >= p else 1) == want
+        receiver.abort("r")
+        receiver.release("r")
+    finally:
+        w.close()
+
+
+def test_a_plain_handle_writes_the_senders_heads():
+    from workers.tp_kv import heads_written
+
+    w = Pair("loopback", 1, 1, total=TOTAL)
+    try:
+        plain = w.receivers[0].expect("r", [1])
+        assert heads_written(plain, local_heads=TOTAL) == TOTAL
+        w.receivers[0].abort("r")
+        w.receivers[0].release("r")
+    finally:
+        w.close()

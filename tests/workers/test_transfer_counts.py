@@ -63,5 +63,5 @@ def test_done_transfers_add_bytes_and_seconds_failed_ones_do_not(prefill, fake):
     assert second.kv_transfer_bytes == 6 * per_block
     assert second.kv_transfer_seconds > first.kv_transfer_seconds
     assert prefill.registration().load.kv_transfer_bytes == 6 * per_block  # what heartbeats carry
-    assert not prefill._transfer_blocks and not prefill._first_layer_at
+    assert not prefill._transfer_bytes and not prefill._first_layer_at
     assert_clean(prefill)
