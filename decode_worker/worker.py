@@ -128,7 +128,7 @@ class DecodeWorker(WorkerLoop):
             self.first_tokens[msg.request_id] = msg.first_token_id
         elif isinstance(msg, KVCanaryReserve):
             self.kv.admit_sender(msg.prefill_worker_id, msg.prefill_sender_epoch, msg.prefill_tp_size)
-            self._reserve_canary(msg, msg.prefill_tp_size)
+            self._reserve_canary(msg)
         elif isinstance(msg, AbortRequest):
             if msg.request_id in self.request_ids():
                 self.metrics.aborted()
@@ -140,7 +140,7 @@ class DecodeWorker(WorkerLoop):
         want = -(-num_bytes // self.core.runner.kv_cache.bytes_per_block)
         return max(1, min(want, self.core.block_manager.num_free_blocks // 8))
 
-    def _reserve_canary(self, msg: KVCanaryReserve, prefill_tp_size: int) -> None:
+    def _reserve_canary(self, msg: KVCanaryReserve) -> None:
         """Blocks for a canary transfer (``canary_blocks``), freed by ``poll`` once releasable;
         ``KVCanaryReserved`` with the handle, or with ``error`` (no free block, a duplicate id, the
         receiver refused)."""
@@ -160,7 +160,7 @@ class DecodeWorker(WorkerLoop):
                 error = error or "no free KV block"
             else:
                 try:
-                    handle = self.kv.expect(cid, list(seq.block_table), prefill_tp_size,
+                    handle = self.kv.expect(cid, list(seq.block_table), msg.prefill_tp_size,
                                             timeout_s=msg.timeout_s)
                 except Exception as exc:
                     self.core.scheduler.abort(cid)
