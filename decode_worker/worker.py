@@ -21,6 +21,11 @@ A canary (``KVCanaryReserve``, a test of the data path): ``canary_blocks`` block
 request's (``Scheduler.add_waiting_for_kv``) and ``KVReceiver.expect``-ed with the gateway's deadline,
 answered by ``KVCanaryReserved``; it never joins the batch: ``canaries`` holds it until the receiver says
 the blocks are releasable (DONE, or the sender's fence after a failure or an abort), then they are freed.
+
+With a prefill worker or this worker of several tensor parallel ranks (``ReserveKV.prefill_tp_size``, our
+``--tensor-parallel-size``), every rank's receiver (``workers.tp_kv.RankReceiver``) expects one transfer per
+pair of ranks sharing KV heads into the same block ids, and the handle is ``RankedHandles``; the request's
+KV has landed when every pair is DONE, and its blocks are releasable only when every pair's are.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
-from kvtransfer import KVCompat, KVReceiver, TransferConfig, TransferStatus, get_transfer_backend
+from kvtransfer import KVCompat, KVReceiver, TransferStatus, get_transfer_backend
+from protocol.logging import log_event
 from protocol.messages import (
     AbortRequest,
     DecodeRequest,
@@ -46,11 +52,10 @@ from protocol.messages import (
     ReserveKV,
     Role,
 )
-from protocol.settings import control_keys
 from workers.loop import WorkerLoop
 from workers.outputs import stream_outputs
-from workers.setup import encode_handle
 from workers.step import run_step
+from workers.tp_kv import RankReceiver, local_config, remote_ranks
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore, StepOutput
@@ -63,11 +68,15 @@ def make_receiver(settings: WorkerSettings, core: EngineCore) -> KVReceiver:
     """A started ``KVReceiver`` over ``--transfer-backend`` into the engine's ``kv_buffer``, its control
     socket bound at ``--host``:``--port`` (0 = any free port): a CURVE server with ``--curve-keys``, and
     fenced: only the prefill worker incarnations (worker id, KV sender epoch) the gateway named last in a
-    ``ReserveKV`` or ``KVCanaryReserve`` may handshake (kvtransfer's ``fence_senders``)."""
-    config = TransferConfig(worker_id=settings.worker_id, model_id=settings.model,
-                            backend=settings.transfer_backend, host=settings.host, port=settings.port,
-                            peer_timeout_s=5.0, curve=control_keys(settings), fence_senders=True)
-    return get_transfer_backend(settings.transfer_backend).receiver(config, core.runner.kv_cache.kv_buffer)
+    ``ReserveKV`` or ``KVCanaryReserve`` may handshake (kvtransfer's ``fence_senders``). Rank 0's: the
+    other ranks' receivers run in their own processes (``workers.tp_kv``), bound at any free port."""
+    return get_transfer_backend(settings.transfer_backend).receiver(local_config(settings, core),
+                                                                    core.runner.kv_cache.kv_buffer)
+
+
+def _total_kv_heads(core: EngineCore) -> int:
+    cfg = core.runner.hf_config
+    return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 
 
 class DecodeWorker(WorkerLoop):
@@ -89,20 +98,23 @@ class DecodeWorker(WorkerLoop):
                  receiver: KVReceiver | None = None) -> None:
         super().__init__(settings, core, model_path)
         self.receiver = receiver if receiver is not None else make_receiver(settings, core)
+        # every rank's receiver (rank 0's is self.receiver): what the worker drives transfers through
+        self.kv = RankReceiver([self.receiver, *remote_ranks(settings, core)], _total_kv_heads(core))
         self.pending: deque[tuple[Sequence, float]] = deque()
         self.in_flight: dict[str, Sequence] = {}
         self.first_tokens: dict[str, int] = {}
         self.draining: set[str] = set()
         self.seqs: dict[str, Sequence] = {}
         self.canaries: dict[str, Sequence] = {}  # canary id → its reserved block, until releasable
+        self.prefill_tp: dict[str, int] = {}  # tensor parallel size of each pending request's prefill worker
 
     def compat(self) -> KVCompat:
-        """The KV pairing record: the one the receiver's handshake checks."""
-        return self.receiver.compat
+        """The KV pairing record: the one rank 0's receiver's handshake checks."""
+        return self.kv.compat
 
     def control_refusals(self) -> int:
         """Peers the KV receiver's control socket refused (no fleet keys, or not named by the gateway)."""
-        return self.receiver.refused_handshakes()
+        return self.kv.refused_handshakes()
 
     def transfer_address(self) -> str:
         """The receiver's control endpoint."""
@@ -117,14 +129,14 @@ class DecodeWorker(WorkerLoop):
         (bad prompt, an id already on this worker, a ``DecodeRequest`` without reservation)."""
         if isinstance(msg, ReserveKV):
             # named by the gateway: this incarnation (and only it) may handshake
-            self.receiver.admit_sender(msg.prefill_worker_id, msg.prefill_sender_epoch)
+            self.kv.admit_sender(msg.prefill_worker_id, msg.prefill_sender_epoch, msg.prefill_tp_size)
             self._reserve_new(msg)
         elif isinstance(msg, DecodeRequest):
             if msg.request_id not in self.in_flight:
                 raise ValueError(f"DecodeRequest for {msg.request_id!r}, which has no KV reservation here")
             self.first_tokens[msg.request_id] = msg.first_token_id
         elif isinstance(msg, KVCanaryReserve):
-            self.receiver.admit_sender(msg.prefill_worker_id, msg.prefill_sender_epoch)
+            self.kv.admit_sender(msg.prefill_worker_id, msg.prefill_sender_epoch, msg.prefill_tp_size)
             self._reserve_canary(msg)
         elif isinstance(msg, AbortRequest):
             if msg.request_id in self.request_ids():
@@ -157,14 +169,15 @@ class DecodeWorker(WorkerLoop):
                 error = error or "no free KV block"
             else:
                 try:
-                    handle = self.receiver.expect(cid, list(seq.block_table), timeout_s=msg.timeout_s)
+                    handle = self.kv.expect(cid, list(seq.block_table), msg.prefill_tp_size,
+                                            timeout_s=msg.timeout_s)
                 except Exception as exc:
                     self.core.scheduler.abort(cid)
                     error = f"{type(exc).__name__}: {exc}"
                 else:
                     self.canaries[cid] = seq
                     self.emit(KVCanaryReserved(canary_id=cid, worker_id=self.worker_id,
-                                               kv_handle=encode_handle(handle)))
+                                               kv_handle=handle))
                     return
         self.emit(KVCanaryReserved(canary_id=cid, worker_id=self.worker_id, kv_handle=None, error=error))
 
@@ -178,6 +191,7 @@ class DecodeWorker(WorkerLoop):
         seq = Sequence(msg.request_id, list(msg.prompt_token_ids), params, time.monotonic(),
                        self.core.eos_token_id)
         self.core.attach_grammar(seq)  # compiled now, while the prefill runs
+        self.prefill_tp[msg.request_id] = msg.prefill_tp_size
         if self.pending or not self._try_reserve(seq):
             self.pending.append((seq, time.monotonic() + self.reserve_timeout))
 
@@ -190,16 +204,15 @@ class DecodeWorker(WorkerLoop):
             return False
         num_cached = seq.num_cached_tokens // self.core.block_manager.block_size
         try:
-            handle = self.receiver.expect(seq.request_id, seq.block_table[num_cached:],
-                                          timeout_s=self.kv_deadline_s(seq.num_prompt_tokens),
-                                          claim_timeout_s=self.kv_claim_timeout_s,
-                                          num_cached_blocks=num_cached)
+            handle = self.kv.expect(seq.request_id, seq.block_table[num_cached:],
+                                    self.prefill_tp.pop(seq.request_id, 1),
+                                    timeout_s=self.kv_deadline_s(seq.num_prompt_tokens),
+                                    claim_timeout_s=self.kv_claim_timeout_s, num_cached_blocks=num_cached)
         except Exception:
             self.core.scheduler.abort(seq.request_id)
             raise
         self.in_flight[seq.request_id] = seq
-        self.emit(KVReserved(request_id=seq.request_id, worker_id=self.worker_id,
-                             kv_handle=encode_handle(handle)))
+        self.emit(KVReserved(request_id=seq.request_id, worker_id=self.worker_id, kv_handle=handle))
         return True
 
     def kv_deadline_s(self, num_prompt_tokens: int) -> float:
@@ -212,13 +225,14 @@ class DecodeWorker(WorkerLoop):
         """Abort in any state; blocks with KV possibly still in flight go to ``draining`` (a canary's
         stay in ``canaries`` until releasable)."""
         if request_id in self.canaries:
-            if not self.receiver.status(request_id).is_terminal:
-                self.receiver.abort(request_id)
+            if not self.kv.status(request_id).is_terminal:
+                self.kv.abort(request_id)
             return
         self.first_tokens.pop(request_id, None)
+        self.prefill_tp.pop(request_id, None)
         self.pending = deque(p for p in self.pending if p[0].request_id != request_id)
         if self.in_flight.pop(request_id, None) is not None:
-            self.receiver.abort(request_id)
+            self.kv.abort(request_id)
             self.draining.add(request_id)
         elif self.seqs.pop(request_id, None) is not None:
             self.core.abort_request(request_id)
@@ -235,19 +249,19 @@ class DecodeWorker(WorkerLoop):
         """Move landed requests into the running batch, fail broken transfers, free drained blocks, then
         reserve blocks for waiting requests (so blocks freed in this phase serve them at once)."""
         for rid in list(self.in_flight):
-            status = self.receiver.status(rid)
+            status = self.kv.status(rid)
             if status is TransferStatus.DONE and rid in self.first_tokens:
                 self._join_batch(rid)
             elif status in (TransferStatus.FAILED, TransferStatus.ABORTED):
-                self.fail(rid, f"KV transfer {status.value}: {self.receiver.reason(rid)}")
+                self.fail(rid, f"KV transfer {status.value}: {self.kv.reason(rid)}")
         for rid in list(self.draining):
-            if self.receiver.releasable(rid):
-                self.receiver.release(rid)
+            if self.kv.releasable(rid):
+                self.kv.release(rid)
                 self.core.scheduler.abort(rid)
                 self.draining.discard(rid)
         for cid in list(self.canaries):
-            if self.receiver.status(cid).is_terminal and self.receiver.releasable(cid):
-                self.receiver.release(cid)
+            if self.kv.status(cid).is_terminal and self.kv.releasable(cid):
+                self.kv.release(cid)
                 self.core.scheduler.abort(cid)
                 del self.canaries[cid]
         self._poll_pending()
@@ -271,7 +285,7 @@ class DecodeWorker(WorkerLoop):
             self.pending.popleft()
 
     def _join_batch(self, rid: str) -> None:
-        self.receiver.release(rid)
+        self.kv.release(rid)
         del self.in_flight[rid]
         seq = self.core.scheduler.kv_landed(rid, self.first_tokens.pop(rid))
         now = time.monotonic()
@@ -306,5 +320,8 @@ class DecodeWorker(WorkerLoop):
         return bool(self.pending or self.in_flight or self.draining or self.canaries)
 
     def close(self) -> None:
-        """Stop the receiver thread and its transport."""
-        self.receiver.close()
+        """Stop the receiver thread and its transport (and the command sockets to the other ranks)."""
+        held = self.kv.leaks()  # a clean shutdown holds nothing on any rank
+        log_event(log, "kv_endpoints_closed", logging.ERROR if held else logging.INFO,
+                  ranks=len(self.kv.ranks), held="; ".join(held))
+        self.kv.close()

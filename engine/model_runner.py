@@ -224,7 +224,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(
-        self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
+        self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None = None, rank_note: bytes = b""
     ) -> torch.Tensor:
         """Run the forward pass of one step, storing every scheduled token's K/V in ``kv_cache``.
 
@@ -237,7 +237,8 @@ class ModelRunner:
             ``[S_sample, vocab_size]`` logits in the model dtype, one row per ``samples=True`` entry in
             ``output.scheduled`` order.
 
-        With tensor parallel followers the step's ``StepBatch`` is broadcast to them first.
+        With tensor parallel followers the step's ``StepBatch`` (carrying ``rank_note`` for their
+        ``RankHook``, engine.tp_executor) is broadcast to them first.
         """
         prompt_rows: PromptRows | None = None
         if any(s.seq.needs_prompt_logprobs for s in output.scheduled):
@@ -247,7 +248,7 @@ class ModelRunner:
                 if s.seq.needs_prompt_logprobs:
                     prompt_rows.add(s.seq, offset, start, start + s.num_scheduled_tokens)
                 offset += s.num_scheduled_tokens
-        batch = StepBatch.from_output(output, prompt_rows.rows if prompt_rows is not None else [])
+        batch = StepBatch.from_output(output, prompt_rows.rows if prompt_rows is not None else [], rank_note)
         if self.tp.has_followers:
             self.tp.broadcast_bytes(batch.encode())
         logits = self.batch_logits(batch, layer_hook)
@@ -288,7 +289,7 @@ class ModelRunner:
                       .to(self.device, non_blocking=True)]
 
     def execute(
-        self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
+        self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None = None, rank_note: bytes = b""
     ) -> dict[str, SampleResult]:
         """Run one step and sample a token for every sequence with ``samples=True``.
 
@@ -296,6 +297,7 @@ class ModelRunner:
             output: from ``Scheduler.schedule()``; read before ``Scheduler.update`` (uses
                 ``num_computed_tokens`` as the start of each sequence's scheduled tokens).
             layer_hook: passed to ``AttentionMetadata.layer_hook`` (called after each layer's KV store).
+            rank_note: bytes for the other tensor parallel ranks' ``RankHook`` (compute_logits).
 
         Returns:
             request id → ``SampleResult`` (empty for an empty step or one without sampling sequences).
@@ -305,7 +307,7 @@ class ModelRunner:
         with self.on_device():
             if self.before_forward is not None:
                 self.before_forward()
-            return self._execute(output, layer_hook)
+            return self._execute(output, layer_hook, rank_note)
 
     @torch.inference_mode()
     def launch(self, output: SchedulerOutput, feed: LaunchedStep | None = None) -> LaunchedStep:
@@ -357,11 +359,11 @@ class ModelRunner:
             return torch.cuda.device(self.device)
         return contextlib.nullcontext()
 
-    def _execute(self, output: SchedulerOutput,
-                 layer_hook: Callable[[int], None] | None) -> dict[str, SampleResult]:
+    def _execute(self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None,
+                 rank_note: bytes = b"") -> dict[str, SampleResult]:
         """Forward, then sampling: a batch of only plain-greedy rows (``is_plain_greedy``) takes the
         device argmax and one copy of ``S`` token ids, with no per-row ``SamplingRow``."""
-        logits = self.compute_logits(output, layer_hook)
+        logits = self.compute_logits(output, layer_hook, rank_note)
         sampling = [s.seq for s in output.scheduled if s.samples]
         if not sampling:
             return {}

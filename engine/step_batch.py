@@ -25,6 +25,8 @@ class StepBatch(msgspec.Struct, frozen=True, array_like=True):
             logprobs: rank 0 turns them into logprobs; every rank computes them for the LM head's
             collectives).
         stop: True for the message that ends the other ranks' step loop (every other field empty).
+        rank_note: opaque bytes from rank 0's caller to the other ranks' ``RankHook``
+            (``engine.tp_executor``), e.g. which transfers' layers to stream this step; ``b""``: none.
     """
 
     token_ids: list[list[int]]
@@ -33,11 +35,13 @@ class StepBatch(msgspec.Struct, frozen=True, array_like=True):
     samples: list[bool]
     prompt_rows: list[int] = []
     stop: bool = False
+    rank_note: bytes = b""
 
     @staticmethod
-    def from_output(output: SchedulerOutput, prompt_rows: list[int] | None = None) -> StepBatch:
+    def from_output(output: SchedulerOutput, prompt_rows: list[int] | None = None,
+                    rank_note: bytes = b"") -> StepBatch:
         """The forward inputs of ``output`` (read before ``Scheduler.update``), with the extra logit rows
-        ``prompt_rows``."""
+        ``prompt_rows`` and the other ranks' ``rank_note``."""
         token_ids, starts, tables, samples = [], [], [], []
         for s in output.scheduled:
             seq = s.seq
@@ -46,7 +50,7 @@ class StepBatch(msgspec.Struct, frozen=True, array_like=True):
             starts.append(start)
             tables.append(seq.block_table)
             samples.append(s.samples)
-        return StepBatch(token_ids, starts, tables, samples, list(prompt_rows or []))
+        return StepBatch(token_ids, starts, tables, samples, list(prompt_rows or []), rank_note=rank_note)
 
     @staticmethod
     def stop_message() -> StepBatch:

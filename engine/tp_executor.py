@@ -5,6 +5,12 @@ Each step rank 0's ``ModelRunner.compute_logits`` broadcasts the step's ``StepBa
 gloo CPU group, ``engine.distributed``) and every rank runs the same forward; the forward's all-reduces
 and all-gathers go over the device group (NCCL on CUDA, gloo on the CPU). Only rank 0 samples.
 
+A caller that needs per-rank work (a KV endpoint over each rank's own ``kv_buffer`` shard) passes a
+``RankHookFactory``: a picklable callable (a module-level function, or a ``functools.partial`` of one) that
+each rank ``1..N-1`` calls once with its ``ModelRunner`` and ``TensorParallel``; the ``RankHook`` it builds
+gives each step's layer hook (called after each layer's K/V is stored on that rank, as rank 0's), reading
+the step's ``StepBatch.rank_note``, and is closed when the rank's loop ends.
+
 Failure: a rank that dies makes the others' next collective fail (at the latest after
 ``ParallelConfig.timeout_s``), so rank 0's step raises and the engine ends; a follower whose rank 0 is
 gone exits the same way. ``TensorParallelRanks.close`` sends the stop message, joins the followers with a
@@ -16,7 +22,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from typing import Protocol
 
 import torch
 
@@ -31,32 +39,56 @@ logger = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 30.0  # how long close() waits for each follower to exit after the stop message
 
 
-def run_follower(engine_config: EngineConfig, tp: TensorParallel) -> int:
-    """Rank ``tp.rank > 0``'s loop: build its ``ModelRunner`` shard, then run each broadcast
-    ``StepBatch``'s forward until the stop message. Returns the number of steps run.
+class RankHook(Protocol):
+    """Per-rank work of a rank ``> 0`` (module docstring)."""
+
+    def layer_hook_for(self, batch: StepBatch) -> Callable[[int], None] | None:
+        """The layer hook of this step's forward (None: none), from ``batch`` (``rank_note``)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the hook holds (the rank's loop ended, normally or not)."""
+        ...
+
+
+RankHookFactory = Callable[[ModelRunner, TensorParallel], RankHook]
+
+
+def run_follower(engine_config: EngineConfig, tp: TensorParallel,
+                 rank_hook: RankHookFactory | None = None) -> int:
+    """Rank ``tp.rank > 0``'s loop: build its ``ModelRunner`` shard (and ``rank_hook``'s hook over it),
+    then run each broadcast ``StepBatch``'s forward, with the hook's layer hook, until the stop message.
+    Returns the number of steps run.
 
     Raises:
         RuntimeError / DistBackendError: rank 0 failed or went silent past the group's timeout.
+        What the hook raises (the rank ends; rank 0's next collective fails).
     """
     runner = ModelRunner(engine_config, tp)
+    hook = rank_hook(runner, tp) if rank_hook is not None else None
     steps = 0
-    while True:
-        batch = StepBatch.decode(tp.broadcast_bytes(None))
-        if batch.stop:
-            return steps
-        with runner.on_device():
-            runner.batch_logits(batch)
-        steps += 1
+    try:
+        while True:
+            batch = StepBatch.decode(tp.broadcast_bytes(None))
+            if batch.stop:
+                return steps
+            with runner.on_device():
+                runner.batch_logits(batch, hook.layer_hook_for(batch) if hook is not None else None)
+            steps += 1
+    finally:
+        if hook is not None:
+            hook.close()
 
 
-def _follower_main(engine_config: EngineConfig, rank: int, init_method: str, threads: int) -> None:
+def _follower_main(engine_config: EngineConfig, rank: int, init_method: str, threads: int,
+                   rank_hook: RankHookFactory | None = None) -> None:
     """Process entry of rank ``rank``: join the group, run ``run_follower``, leave the group."""
     torch.set_num_threads(threads)
     size = engine_config.parallel.tensor_parallel_size
     device = rank_device(resolve_device(engine_config.model.device), TensorParallel(rank=rank, size=size))
     tp = init_tensor_parallel(rank, size, init_method, device, engine_config.parallel.timeout_s)
     try:
-        run_follower(engine_config, tp)
+        run_follower(engine_config, tp, rank_hook)
     finally:
         tp.close()
 
@@ -67,6 +99,7 @@ class TensorParallelRanks:
     Args:
         engine_config: the engine's config (``parallel.distributed`` must be True).
         init_method: rank 0's store address; default a free loopback port (all ranks on this host).
+        rank_hook: built on every rank ``1..N-1`` (``RankHookFactory``; module docstring).
 
     Attributes:
         tp: rank 0's ``TensorParallel`` (give it to ``ModelRunner``).
@@ -78,7 +111,8 @@ class TensorParallelRanks:
             (the started processes are killed first).
     """
 
-    def __init__(self, engine_config: EngineConfig, init_method: str | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig, init_method: str | None = None,
+                 rank_hook: RankHookFactory | None = None) -> None:
         parallel = engine_config.parallel
         if not parallel.distributed:
             raise ValueError("TensorParallelRanks needs tensor_parallel_size > 1 or force_distributed")
@@ -88,7 +122,8 @@ class TensorParallelRanks:
         threads = torch.get_num_threads()
         try:
             for rank in range(1, parallel.tensor_parallel_size):
-                proc = ctx.Process(target=_follower_main, args=(engine_config, rank, init_method, threads),
+                proc = ctx.Process(target=_follower_main,
+                                   args=(engine_config, rank, init_method, threads, rank_hook),
                                    name=f"pdserve-tp-rank{rank}", daemon=True)
                 proc.start()
                 self.followers.append(proc)

@@ -181,7 +181,8 @@ class CanaryTracker:
         self._canaries[cid] = (p.worker_id, d.worker_id)
         await self._send(d.identity, KVCanaryReserve(canary_id=cid, prefill_worker_id=p.worker_id,
                                                      prefill_sender_epoch=p.info.kv_sender_epoch,
-                                                     timeout_s=self.timeout_s, num_bytes=self.num_bytes))
+                                                     timeout_s=self.timeout_s, num_bytes=self.num_bytes,
+                                                     prefill_tp_size=p.info.compat.tp_size))
 
     async def _expire(self, pair: PairHealth, p: WorkerEntry, d: WorkerEntry) -> None:
         cid = pair.canary

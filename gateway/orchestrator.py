@@ -312,7 +312,8 @@ class Orchestrator:
             await self._hold_and_send(req, route.decode, ReserveKV(
                 request_id=att.request_id, prompt_token_ids=att.prompt_token_ids, sampling=att.sampling,
                 prefill_worker_id=route.prefill.worker_id,
-                prefill_sender_epoch=route.prefill.info.kv_sender_epoch))
+                prefill_sender_epoch=route.prefill.info.kv_sender_epoch,
+                prefill_tp_size=route.prefill.info.compat.tp_size))
         elif route.kind == "prefill_only":
             assert route.prefill is not None
             req.phase = RequestPhase.PREFILLING

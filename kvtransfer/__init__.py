@@ -45,6 +45,10 @@ KVReceiver contracts; types.py: handle, layout, status, config, errors; stats.py
                                    (one-sided WRITE) implementations
     wire.py                        the control-plane messages (msgspec, over pyzmq)
     compat.py                      KVCompat + mismatches: the one pairing check (also the gateway's)
+    head_map.py                    tensor parallel head placements, which rank writes which heads, and
+                                   the byte copies of a head slice
+    ranked.py                      one request between tensor parallel workers: a transfer per rank pair
+                                   (RankedReceive on the decode ranks, RankedSend on the prefill ranks)
     runs.py, staging.py, events.py pieces and offsets, gather and checksums, reusable CUDA events
 
 This module imports nothing heavy (no torch): the gateway imports kvtransfer.compat through it.

@@ -17,6 +17,7 @@ from kvtransfer.types import KVHandle, KVLayout, TransferConfig, TransferStatus
 
 if TYPE_CHECKING:
     from kvtransfer.compat import KVCompat
+    from kvtransfer.head_map import HeadSlice
 
 
 class KVSender(Protocol):
@@ -52,10 +53,14 @@ class KVSender(Protocol):
         naming each mismatch, TransferError if no answer in time or the sender is not running."""
         ...
 
-    def add_request(self, handle: KVHandle, block_ids: list[int]) -> None:
+    def add_request(self, handle: KVHandle, block_ids: list[int], heads: HeadSlice | None = None) -> None:
         """Start a transfer of this worker's `block_ids` (token order) into `handle`'s blocks: the
-        receiver is claimed (Begin) while the forward pass runs. Raises ValueError on a duplicate
-        request id, a block count different from the handle's or a block id out of range;
+        receiver is claimed (Begin) while the forward pass runs. `heads`: write only that head slice
+        (head_map.head_slices: this tensor parallel rank's share of the handle's rank's heads), straight
+        from kv_buffer; required when the handle's blocks hold another number of KV heads than ours.
+        Raises ValueError on a duplicate request id, a block count different from the handle's, a block
+        id out of range, a missing head slice, or a slice this sender cannot write (another rank's, a
+        two-sided transport, a non-contiguous kv_buffer or direct_max_pieces=0, checksum on);
         TransferError if the sender is not running (nothing is kept then)."""
         ...
 

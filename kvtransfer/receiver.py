@@ -61,7 +61,7 @@ class ReceiverEndpoint:
         self.kv_buffer = kv_buffer
         self.layout = layout_of(kv_buffer)
         self.compat: KVCompat = kv_compat(config.model_id, config.backend, self.layout, config.tp_size,
-                                          config.tp_rank)
+                                          config.tp_rank, total_kv_heads=config.total_kv_heads)
         self.epoch = wire.new_epoch()
         self.transport = transport
         self.address = ""

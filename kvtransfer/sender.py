@@ -27,12 +27,22 @@ import torch
 
 from kvtransfer.compat import KVCompat, kv_compat
 from kvtransfer.events import EventPool
+from kvtransfer.head_map import HeadSlice, slice_pieces
 from kvtransfer.lookahead import MIN_SAMPLE_NAPS, WriteRate
 from kvtransfer.loop import LoopThread
 from kvtransfer.peers import ReceiverPeers
 from kvtransfer.pipeline import LayerPipeline
 from kvtransfer.requests import RequestTable, SendPlan, SendState
-from kvtransfer.runs import direct_layers, joint_runs, layer_pieces, merge_runs, source_cuts
+from kvtransfer.runs import (
+    JointRun,
+    Piece,
+    direct_layers,
+    joint_runs,
+    layer_pieces,
+    merge_runs,
+    shift_layers,
+    source_cuts,
+)
 from kvtransfer.send_control import SendControl
 from kvtransfer.send_path import SendPath
 from kvtransfer.send_wait import SenderWait
@@ -58,8 +68,8 @@ class SenderEndpoint:
         self.kv_buffer = kv_buffer
         self.layout = layout_of(kv_buffer)
         self.compat: KVCompat = kv_compat(config.model_id, config.backend, self.layout, config.tp_size,
-                                          config.tp_rank)
-        self.epoch = new_epoch()
+                                          config.tp_rank, total_kv_heads=config.total_kv_heads)
+        self.epoch = config.sender_epoch or new_epoch()
         self.transport = transport
         if events is None and kv_buffer.is_cuda:
             events = EventPool(kv_buffer.device.index or 0)
@@ -96,8 +106,9 @@ class SenderEndpoint:
         except cf.TimeoutError:
             raise TransferError(f"no handshake answer from {address} within {timeout}s") from None
 
-    def add_request(self, handle: KVHandle, block_ids: list[int]) -> None:
-        """Start a transfer of `block_ids` into `handle`'s blocks (api.KVSender.add_request)."""
+    def add_request(self, handle: KVHandle, block_ids: list[int], heads: HeadSlice | None = None) -> None:
+        """Start a transfer of `block_ids` into `handle`'s blocks (api.KVSender.add_request); with `heads`,
+        only that head slice of this rank's blocks into the handle's rank (head_map.py)."""
         if len(block_ids) != len(handle.block_ids):
             raise ValueError(f"{len(block_ids)} source blocks for {len(handle.block_ids)} destination blocks")
         src, dst = self.layout, handle.layout
@@ -106,12 +117,18 @@ class SenderEndpoint:
                              f"block bytes {src.block_bytes} != {dst.block_bytes}")
         layer_pieces(self.layout, tuple(block_ids), 0)  # range check
         runs = joint_runs(block_ids, handle.block_ids)
-        direct = self._direct and 2 * len(runs) <= self.config.direct_max_pieces  # else gather
+        if heads is None and handle.layout.num_kv_heads != self.layout.num_kv_heads:
+            raise ValueError(f"the destination holds {handle.layout.num_kv_heads} KV heads per block, this "
+                             f"sender {self.layout.num_kv_heads}: pass heads= (head_map.head_slices)")
+        direct = heads is not None or (self._direct and 2 * len(runs) <= self.config.direct_max_pieces)
+        pieces: list[list[Piece]] = []  # direct: every layer's pieces now, so a post only concatenates
+        if heads is not None:
+            pieces = self._slice_layers(handle, heads, runs)
+        elif direct:  # (block sizes must agree)
+            pieces = direct_layers(self.layout, handle.layout, runs)
         plan = SendPlan(
             src=torch.tensor(block_ids, dtype=torch.int64, device=self.kv_buffer.device),
-            src_ids=tuple(block_ids), runs=runs if direct else None,
-            # direct: every layer's pieces now (block sizes must agree), so a post only concatenates
-            pieces=direct_layers(self.layout, handle.layout, runs) if direct else [],
+            src_ids=tuple(block_ids), runs=runs if direct else None, pieces=pieces,
             cuts=source_cuts(block_ids) if direct else (), dst_runs=merge_runs(handle.block_ids),
             key=zlib.crc32(f"{self.config.worker_id}:{self.epoch}:{handle.request_id}".encode()))
         # the receiver owns the deadline; ours is a backstop a heartbeat-timeout later
@@ -124,6 +141,24 @@ class SenderEndpoint:
             with self._requests.lock:  # not running: forget the request again
                 self._requests.remove(handle.request_id)
             raise
+
+    def _slice_layers(self, handle: KVHandle, heads: HeadSlice, runs: list[JointRun]) -> list[list[Piece]]:
+        """Every layer's pieces of head slice `heads` (always the direct path: a slice is a byte range of
+        each token, written straight from kv_buffer). Raises ValueError naming what cannot write it."""
+        if heads.src_rank != self.config.tp_rank:
+            raise ValueError(f"head slice of source rank {heads.src_rank} given to tensor parallel rank "
+                             f"{self.config.tp_rank}'s sender")
+        if not self._direct:
+            raise ValueError("head slices are written straight from kv_buffer: it must be contiguous and "
+                             "direct_max_pieces > 0")
+        if not self.transport.one_sided:
+            raise ValueError(f"transfer backend {self.config.backend!r} is two-sided: its receiver expects "
+                             "whole blocks, not head slices")
+        if self.config.checksum:
+            raise ValueError("checksum covers whole blocks: it cannot check head slices (set checksum=False)")
+        first = slice_pieces(self.layout, handle.layout, heads, runs, 0)
+        return shift_layers(first, self.layout.num_layers, self.layout.layer_stride_bytes,
+                            handle.layout.layer_stride_bytes)
 
     def send_layer(self, request_id: str, layer: int) -> None:
         """Queue `layer` of the request (api.KVSender.send_layer)."""

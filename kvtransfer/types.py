@@ -14,7 +14,7 @@ import msgspec
 
 from kvtransfer.curve import CurveKeys
 
-PROTOCOL_VERSION = 7  # of the KV control plane (wire.py) and the KVHandle: part of compat.KVCompat, so peers
+PROTOCOL_VERSION = 8  # of the KV control plane (wire.py) and the KVHandle: part of compat.KVCompat, so peers
 # of two versions are refused at pairing time; bump it with any change to a message's encoding or meaning
 
 
@@ -99,9 +99,11 @@ class KVHandle(msgspec.Struct, frozen=True):
 class TransferConfig:
     """Settings of one sender or receiver.
 
-    model_id/tp_size/tp_rank/backend enter the compatibility handshake. timeout_s is the default per
-    request deadline (seconds); heartbeat_interval_s and peer_timeout_s (seconds) decide when a silent
-    peer is declared dead. checksum: debug setting, CRC32 of every request-layer checked on arrival.
+    model_id/tp_size/tp_rank/total_kv_heads/backend enter the compatibility handshake (total_kv_heads: the
+    model's KV heads over all tensor parallel ranks; 0: the kv_buffer's heads × tp_size, compat.kv_compat).
+    timeout_s is the default per request deadline (seconds); heartbeat_interval_s and peer_timeout_s
+    (seconds) decide when a silent peer is declared dead. checksum: debug setting, CRC32 of every
+    request-layer checked on arrival.
     host/port: where a receiver binds its control socket (port 0 = pick a free one).
     max_inflight_layers: request-layers a sender keeps in flight at once (gathered or being written),
     each in its own slot of one staging ring: staging memory = this × the largest request-layer.
@@ -128,6 +130,9 @@ class TransferConfig:
     admits each prefill worker the gateway names to it, with the KV sender epoch it registered); any
     other Hello (an id never admitted, or an admitted id with another epoch: a restarted or impostor
     sender) is refused (its HelloReply names why) and counted.
+    sender_epoch: a sender's incarnation (KVSender.epoch; 0: a fresh one, wire.new_epoch): the tensor
+    parallel ranks of one prefill worker share rank 0's, so a receiver admits them together. A receiver's
+    epoch is always fresh.
     """
 
     worker_id: str
@@ -135,6 +140,7 @@ class TransferConfig:
     backend: str = "loopback"
     tp_size: int = 1
     tp_rank: int = 0
+    total_kv_heads: int = 0
     timeout_s: float = 30.0
     heartbeat_interval_s: float = 0.2
     peer_timeout_s: float = 2.0
@@ -148,6 +154,7 @@ class TransferConfig:
     nixl_error_handling: str = "peer"
     curve: CurveKeys | None = None
     fence_senders: bool = False
+    sender_epoch: int = 0
 
     def __post_init__(self) -> None:
         if self.max_inflight_layers < 1:

@@ -203,9 +203,8 @@ def _add_worker(add: _Adder, role: str) -> None:
     add("--engine-stall-timeout", type=parse_duration, default=60.0,
         help="/health and /live answer 503 once the engine loop has not ticked for this long")
     add("--tensor-parallel-size", type=int, default=1,
-        help="processes (one GPU each: cuda:0..N-1 of the visible devices) sharing the model; colocated "
-             "workers only for now (prefill/decode refuse N > 1: the KV transfer does not map split KV "
-             "heads)")
+        help="processes (one GPU each: cuda:0..N-1 of the visible devices) sharing the model; on a "
+             "prefill or decode worker every rank runs its own KV endpoint (the two sides may differ in N)")
     add("--engine-warmup", default="auto", choices=["auto", "on", "off"],
         help="run throw-away requests before registering, so kernels compile first (auto: on CUDA only)")
     if role != "colocated":

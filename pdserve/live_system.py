@@ -48,7 +48,8 @@ class SystemSpec:
     ``heartbeat_timeout_s``: the gateway declares a silent worker dead after this many seconds.
     ``api_key``: the gateway's ``--api-key`` (None: no key asked). ``num_prefill``/``num_decode``: workers
     of each role in a ``disagg`` system (children ``prefill``/``decode`` when one, else ``prefill-0``,
-    ``prefill-1``, …), each on that role's device of ``devices``."""
+    ``prefill-1``, …), each on that role's device of ``devices``. ``prefill_flags``/``decode_flags``: extra
+    flags of that role's workers only (e.g. each side's ``--tensor-parallel-size``)."""
 
     mode: Mode
     logs: Path
@@ -62,6 +63,8 @@ class SystemSpec:
     api_key: str | None = None
     num_prefill: int = 1
     num_decode: int = 1
+    prefill_flags: tuple[str, ...] = ()
+    decode_flags: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in ("disagg", "colocated"):
@@ -69,8 +72,10 @@ class SystemSpec:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError(f"num_prefill and num_decode must be >= 1, got {self.num_prefill} and "
                              f"{self.num_decode}")
-        if self.mode != "disagg" and (self.num_prefill, self.num_decode) != (1, 1):
-            raise ValueError("num_prefill/num_decode apply to a disagg system only")
+        if self.mode != "disagg" and ((self.num_prefill, self.num_decode) != (1, 1)
+                                      or self.prefill_flags or self.decode_flags):
+            raise ValueError("num_prefill, num_decode, prefill_flags and decode_flags apply to a disagg "
+                             "system only")
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.devices is not None and self.mode == "disagg" and len(self.devices) != 2:
@@ -150,12 +155,13 @@ def children(spec: SystemSpec, http_port: int, control: str, keys_dir: Path | No
 
     if spec.mode == "disagg":
         devices: Sequence[str | None] = spec.devices or (None, None)
-        for role, device, count in zip(("prefill", "decode"), devices, (spec.num_prefill, spec.num_decode),
-                                       strict=True):
+        for role, device, count, own in zip(("prefill", "decode"), devices,
+                                            (spec.num_prefill, spec.num_decode),
+                                            (spec.prefill_flags, spec.decode_flags), strict=True):
             place = [] if device is None else ["--device", device]
             for i in range(count):
                 name = role if count == 1 else f"{role}-{i}"
-                out.append((name, [role, "--worker-id", worker_id(name), *worker, *place, *metrics(),
+                out.append((name, [role, "--worker-id", worker_id(name), *worker, *own, *place, *metrics(),
                                    "--transfer-backend", spec.transfer_backend]))
         return out
     devices = spec.devices or (None,)

@@ -156,13 +156,16 @@ class ReserveKV(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Gateway → decode: reserve blocks for ``prompt_token_ids`` and keep the request for decoding. The KV
     comes from prefill worker ``prefill_worker_id`` whose KV sender has epoch ``prefill_sender_epoch``
     (its ``RegisterWorker.kv_sender_epoch``): the only sender incarnation of that id whose KV Hello the
-    decode worker answers from then on."""
+    decode worker answers from then on. ``prefill_tp_size``: that worker's tensor parallel size (its
+    ranks' senders share the epoch; the decode worker expects one transfer per pair of ranks sharing KV
+    heads)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     prefill_worker_id: str
     prefill_sender_epoch: int
+    prefill_tp_size: int = 1
 
     def __post_init__(self) -> None:
         _no_stop_strings(self.sampling)
@@ -214,13 +217,15 @@ class KVCanaryReserve(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     KV must land within ``timeout_s`` s. Answered by ``KVCanaryReserved``.
     ``num_bytes``: the size wanted (every layer, K and V): ceil(num_bytes / bytes per block) blocks, at
     least one, at most an eighth of the free blocks (so a canary never crowds out requests).
-    ``AbortRequest`` with ``canary_id`` as request id ends it early."""
+    ``AbortRequest`` with ``canary_id`` as request id ends it early. ``prefill_tp_size``: as in
+    ``ReserveKV``."""
 
     canary_id: str
     prefill_worker_id: str
     prefill_sender_epoch: int
     timeout_s: float
     num_bytes: int = 0
+    prefill_tp_size: int = 1
 
 
 class KVCanaryReserved(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -239,9 +239,6 @@ class WorkerSettings:
                f"must be auto, on or off, got {self.engine_warmup!r}")
         _check(self.tensor_parallel_size >= 1, "tensor-parallel-size",
                f"must be >= 1, got {self.tensor_parallel_size}")
-        _check(self.role == "colocated" or self.tensor_parallel_size == 1, "tensor-parallel-size",
-               f"{self.role} workers run one rank only (got {self.tensor_parallel_size}): the KV transfer "
-               "does not yet map KV heads split across tensor parallel ranks; use a colocated worker")
         _check_control_plane(self.curve_keys, self.insecure_control_plane)
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")

@@ -9,6 +9,7 @@ the engine is warmed up per ``--engine-warmup`` (``engine.warmup``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -37,7 +38,14 @@ def build_core(settings: WorkerSettings, *, prefill_only: bool = False) -> tuple
     from workers.setup import engine_config_from_settings
 
     path = str(resolve_model(settings.model))
-    core = EngineCore(engine_config_from_settings(settings), prefill_only=prefill_only)
+    rank_hook = None
+    if settings.role in ("prefill", "decode") and settings.tensor_parallel_size > 1:
+        from workers.rank_kv import rank_kv_hook
+        from workers.tp_kv import rank_kv_spec
+
+        # every other rank runs its own KV endpoint, driven by the worker's RankSender / RankReceiver
+        rank_hook = functools.partial(rank_kv_hook, rank_kv_spec(settings))
+    core = EngineCore(engine_config_from_settings(settings), prefill_only=prefill_only, rank_hook=rank_hook)
     return core, path
 
 

@@ -479,7 +479,13 @@ class WorkerLoop:
             else:  # another gateway's request has this id: answer the sender, leave that one alone
                 self._outbox.append((RequestFailed(request_id=rid, worker_id=self.worker_id, error=why),
                                      gateway))
-        self.poll()
+        try:
+            self.poll()
+        except (TimeoutError, RuntimeError):  # a dead rank's KV endpoint answers no more: stop cleanly
+            if self.core.ranks is None or not self.core.ranks.dead_followers():
+                raise
+            log.exception("KV endpoint of a lost tensor parallel rank")
+            self._stop_if_ranks_lost()
         self._refresh_load()
         now = time.monotonic()
         if now - self._pruned_at >= OWNERS_PRUNE_S:

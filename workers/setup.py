@@ -46,12 +46,16 @@ def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
 
 def compat_of(core: EngineCore, model: str, transfer_backend: str) -> KVCompat:
     """The KV pairing record of a worker running `model` over `transfer_backend` ("none": it moves no
-    KV) with the engine's KV cache: what a peer must match (kvtransfer.compat)."""
+    KV) with the engine's KV cache, as its tensor parallel rank (rank 0 in the worker's process): what a
+    peer must match (kvtransfer.compat)."""
     from kvtransfer.compat import kv_compat
     from kvtransfer.staging import layout_of
 
-    return kv_compat(model, transfer_backend, layout_of(core.runner.kv_cache.kv_buffer),
-                     prefill_grid=core.config.scheduler.prefill_grid)
+    runner = core.runner
+    cfg = runner.hf_config
+    total = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    return kv_compat(model, transfer_backend, layout_of(runner.kv_cache.kv_buffer), runner.tp.size,
+                     runner.tp.rank, prefill_grid=core.config.scheduler.prefill_grid, total_kv_heads=total)
 
 
 def default_transport_env(host: str = "127.0.0.1") -> None:

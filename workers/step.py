@@ -30,7 +30,8 @@ class StepFailed(RuntimeError):
                          f"request(s)")
 
 
-def run_step(core: EngineCore, layer_hook_for: LayerHookFactory | None = None) -> list[StepOutput]:
+def run_step(core: EngineCore, layer_hook_for: LayerHookFactory | None = None,
+             rank_note_for: Callable[[], bytes] | None = None) -> list[StepOutput]:
     """Run one continuous-batching step of ``core``.
 
     Args:
@@ -45,6 +46,9 @@ def run_step(core: EngineCore, layer_hook_for: LayerHookFactory | None = None) -
     Raises:
         StepFailed: the hook factory, the forward pass or sampling raised (nothing was updated); without
             a hook factory, anything ``EngineCore.step`` raised.
+
+    ``rank_note_for`` (with ``layer_hook_for`` only): called right after it; its bytes become the step's
+    ``StepBatch.rank_note`` for the other tensor parallel ranks (``ModelRunner.execute``).
     """
     if layer_hook_for is None:  # EngineCore.step (with asynchronous scheduling when configured)
         try:
@@ -56,7 +60,8 @@ def run_step(core: EngineCore, layer_hook_for: LayerHookFactory | None = None) -
         return []
     try:
         hook = layer_hook_for(output) if layer_hook_for is not None else None
-        results = core.runner.execute(output, hook)
+        note = rank_note_for() if rank_note_for is not None else b""
+        results = core.runner.execute(output, hook, rank_note=note)
     except Exception as exc:
         raise StepFailed([s.seq.request_id for s in output.scheduled], exc) from exc
     return core.commit(output, results)

@@ -157,3 +157,79 @@ def test_step_batch_round_trip():
     again = StepBatch.decode(batch.encode())
     assert again == batch and not again.stop and not again.is_decode_only
     assert StepBatch.decode(StepBatch.stop_message().encode()).stop
+
+
+class RecordingRankHook:
+    """A RankHook that records, at each layer hook call of a step with a rank note, the sum of every
+    layer's K at the step's first sequence's last token slot, then that slot's final sums (at the next
+    step or close); written as JSON to `path` at close."""
+
+    def __init__(self, path: str, runner: ModelRunner, tp: TensorParallel) -> None:
+        self.path, self.runner, self.rank = path, runner, tp.rank
+        self.steps: list[dict] = []
+        self._slot: tuple[int, int] | None = None
+
+    def _sums(self) -> list[float]:
+        assert self._slot is not None
+        block, offset = self._slot
+        k = self.runner.kv_cache.kv_buffer[:, 0, block, offset]
+        return [float(x) for x in k.reshape(k.shape[0], -1).double().sum(dim=1)]
+
+    def _finish(self) -> None:
+        if self._slot is not None:
+            self.steps[-1]["final"] = self._sums()
+            self._slot = None
+
+    def layer_hook_for(self, batch: StepBatch):
+        self._finish()
+        if not batch.rank_note:
+            return None
+        last = batch.starts[0] + len(batch.token_ids[0]) - 1
+        bs = self.runner.kv_cache.block_size
+        self._slot = (batch.block_tables[0][last // bs], last % bs)
+        step: dict = {"note": batch.rank_note.decode(), "calls": []}
+        self.steps.append(step)
+        return lambda layer: step["calls"].append([layer, self._sums()])
+
+    def close(self) -> None:
+        import json
+
+        self._finish()
+        Path(self.path).write_text(json.dumps({"rank": self.rank, "steps": self.steps}))
+
+
+def test_rank_hook_streams_each_layer_on_the_other_rank(tmp_path):
+    """Rank 1 builds its RankHook over its own runner; a step with a rank note gets its layer hook, called
+    once per layer in order, each right after that layer's K/V landed in rank 1's own kv_buffer (the
+    layers up to it hold their final values, the later ones not yet); a step without a note gets none;
+    the hook is closed when the engine closes."""
+    import functools
+    import json
+
+    from engine.engine_core import EngineCore
+
+    _save("LlamaForCausalLM", tmp_path / "m", 253, 2)
+    model = ModelConfig(str(tmp_path / "m"), dtype="float32", device="cpu", attention_backend="torch")
+    config = EngineConfig(model, CacheConfig(block_size=4, num_blocks=64), SchedulerConfig(),
+                          ParallelConfig(tensor_parallel_size=2, timeout_s=120))
+    out = tmp_path / "rank1.json"
+    core = EngineCore(config, rank_hook=functools.partial(RecordingRankHook, str(out)))
+    try:
+        core.add_request("a", list(range(3, 9)), SamplingParams(temperature=0.0, max_tokens=2))
+        rank0: list[int] = []
+        for note in (b"prefill-a", b""):
+            output = core.scheduler.schedule()
+            results = core.runner.execute(output, rank0.append if note else None, rank_note=note)
+            core.commit(output, results)
+    finally:
+        core.close()
+    layers = core.runner.kv_cache.kv_buffer.shape[0]
+    assert rank0 == list(range(layers))
+    record = json.loads(out.read_text())
+    assert record["rank"] == 1 and [s["note"] for s in record["steps"]] == ["prefill-a"]
+    (step,) = record["steps"]
+    assert [layer for layer, _ in step["calls"]] == list(range(layers))
+    final = step["final"]
+    for layer, sums in step["calls"]:
+        assert sums[:layer + 1] == final[:layer + 1]
+        assert all(s != f for s, f in zip(sums[layer + 1:], final[layer + 1:], strict=True))

@@ -50,6 +50,7 @@ import zmq.asyncio
 from engine.sampling_params import SamplingParams
 from kvtransfer.compat import KVCompat
 from kvtransfer.curve import load_keys, secure_client
+from kvtransfer.head_map import rank_kv_heads
 from protocol.messages import (
     AbortRequest,
     ColocatedRequest,
@@ -204,7 +205,13 @@ class FakeWorker:
     async def register(self, gateway: int) -> None:
         a = self.args
         compat = KVCompat(model_id=a.model, dtype=a.dtype, block_size=a.block_size, num_layers=2,
-                          num_kv_heads=1, head_dim=8, transfer_backend="loopback")
+                          num_kv_heads=1, head_dim=8, transfer_backend=a.transfer_backend)
+        if a.total_kv_heads:  # rank 0's record of a tensor parallel worker (compat.kv_compat's fields)
+            placement = rank_kv_heads(a.total_kv_heads, a.tensor_parallel_size)
+            heads = placement[0][1]
+            compat = msgspec.structs.replace(
+                compat, num_kv_heads=heads, block_strides=(a.block_size * heads * 8, heads * 8, 8, 1),
+                tp_size=a.tensor_parallel_size, total_kv_heads=a.total_kv_heads, rank_kv_heads=placement)
         await self.send(RegisterWorker(role=a.role, worker_id=a.worker_id, epoch=self.epoch, model=a.model,
                                        model_path=a.model_path, compat=compat, max_model_len=a.max_model_len,
                                        load=self.load()), gateway)
@@ -394,6 +401,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", default="")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--block-size", type=int, default=4)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="with --total-kv-heads")
+    p.add_argument("--total-kv-heads", type=int, default=0, help="register a tensor parallel pairing record "
+                   "of this many KV heads (0: a record of one rank holding one head)")
+    p.add_argument("--transfer-backend", default="loopback")
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--total-blocks", type=int, default=64)
     p.add_argument("--output-ids", default="42,43,44")

@@ -5,6 +5,7 @@ with nothing in flight."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -130,3 +131,22 @@ def test_admission_budget_is_validated_with_the_flag_named() -> None:
     assert GatewaySettings(insecure_control_plane=True).admission_budget == 30.0
     zero = GatewaySettings(admission_budget=0, insecure_control_plane=True)
     assert zero.admission_budget == 0  # 0: no queue check
+
+
+async def test_reserve_kv_names_the_prefill_workers_tensor_parallel_size() -> None:
+    # a decode worker must know how many prefill ranks write into it: it admits each rank's sender and
+    # expects one transfer per rank pair
+    s = Setup()
+    two_ranks = msgspec.structs.replace(COMPAT, num_kv_heads=1, total_kv_heads=2, tp_size=2,
+                                        rank_kv_heads=((0, 1), (1, 1)))
+    one_rank = msgspec.structs.replace(COMPAT, num_kv_heads=2, total_kv_heads=2, rank_kv_heads=((0, 2),))
+    for role, wid, compat in (("prefill", "p1", two_ranks), ("decode", "d1", one_rank)):
+        s.registry.register(RegisterWorker(role=role, worker_id=wid, epoch=2, model="m", model_path="",
+                                           compat=compat, kv_sender_epoch=77 if role == "prefill" else 0,
+                                           load=WorkerLoad(num_free_blocks=100, num_total_blocks=100)),
+                            wid.encode())
+    [req] = await s.orch.submit_all("a", [gen("a", 12)])
+    reserve = s.sent[0][1]
+    assert isinstance(reserve, ReserveKV)
+    assert (reserve.prefill_worker_id, reserve.prefill_sender_epoch, reserve.prefill_tp_size) == ("p1", 77, 2)
+    s.orch.release(req)

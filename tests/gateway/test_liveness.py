@@ -10,6 +10,7 @@ import logging
 import time
 
 import httpx
+import openai
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -181,3 +182,32 @@ def test_incompatible_pair_named_by_ready_status_and_log(make_cluster) -> None:
     assert _status(c)["pairs"] == [{"prefill": "p1", "decode": "d1", "usable": False,
                                     "reason": "p1 / d1: block_size 16 != 32", "path": None}]
     wait_until(lambda: "pair_refused" in (c.tmp / "gateway.log").read_text(), 5, "pair_refused logged")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_pairs_by_head_mapping(make_cluster) -> None:
+    """Workers of different tensor parallel shapes: a pair whose KV heads map is usable (P TP=2 / D TP=1
+    over a one-sided backend); one that cannot be mapped (the same shapes over a two-sided backend, which
+    writes whole blocks only) is refused with the mismatch, both shapes named, in /ready's 503 and in the
+    chat request's 503."""
+    c = make_cluster()
+    c.start_worker("prefill", "p1", tensor_parallel_size=2, total_kv_heads=4, transfer_backend="ucx")
+    c.start_worker("decode", "d1", tensor_parallel_size=1, total_kv_heads=4, transfer_backend="ucx")
+    ready = httpx.get(c.base + "/ready", timeout=5)
+    want = ("p1 / d1: transfer_backend 'ucx' writes whole blocks only, which the tensor parallel shapes do "
+            "not share (prefill tp_size 2 heads [(0, 2), (2, 2)], decode tp_size 1 heads [(0, 4)]): "
+            "use one of ['nixl', 'loopback']")
+    assert ready.status_code == 503 and want in ready.json()["reason"]
+    assert _status(c)["pairs"] == [{"prefill": "p1", "decode": "d1", "usable": False, "reason": want,
+                                    "path": None}]
+    with pytest.raises(openai.APIStatusError) as err:
+        c.client().chat.completions.create(model="fake-model", messages=MSGS, max_tokens=3)  # type: ignore[arg-type]
+    assert err.value.status_code == 503
+    assert "transfer_backend 'ucx' writes whole blocks only" in err.value.message
+    c.start_worker("prefill", "p2", tensor_parallel_size=2, total_kv_heads=4)  # loopback: one-sided
+    c.start_worker("decode", "d2", tensor_parallel_size=1, total_kv_heads=4)
+    wait_until(lambda: httpx.get(c.base + "/ready", timeout=5).status_code == 200, 5, "/ready 200")
+    usable = {(p["prefill"], p["decode"]) for p in _status(c)["pairs"] if p["usable"]}
+    assert usable == {("p2", "d2")}
+    r = c.client().chat.completions.create(model="fake-model", messages=MSGS, max_tokens=3)  # type: ignore[arg-type]
+    assert r.choices[0].message.content

@@ -84,6 +84,35 @@ def test_workers_on_different_prefill_grids_are_not_paired() -> None:
     assert pairing_mismatch(reg("p", "prefill"), grid) == "p / d: prefill_grid 0 != 512"
 
 
+def tp_record(tp_size: int, total: int, backend: str = "nixl") -> KVCompat:
+    """Rank 0's pairing record of a worker splitting `total` KV heads over `tp_size` ranks."""
+    from kvtransfer.head_map import rank_kv_heads
+
+    placement = rank_kv_heads(total, tp_size)
+    heads = placement[0][1]
+    return KVCompat(model_id="m", dtype="bfloat16", block_size=4, num_layers=2, num_kv_heads=heads,
+                    head_dim=8, block_strides=(4 * heads * 8, heads * 8, 8, 1), tp_size=tp_size,
+                    total_kv_heads=total, rank_kv_heads=placement, transfer_backend=backend)
+
+
+def test_tensor_parallel_shapes_pair_when_their_heads_map() -> None:
+    import msgspec
+
+    def pair(p: KVCompat, d: KVCompat) -> str | None:
+        return pairing_mismatch(msgspec.structs.replace(reg("p", "prefill"), compat=p),
+                                msgspec.structs.replace(reg("d", "decode"), compat=d))
+
+    for p, d in ((2, 1), (1, 2), (2, 2)):
+        assert pair(tp_record(p, 4), tp_record(d, 4)) is None
+    msg = pair(tp_record(2, 4, "ucx"), tp_record(1, 4, "ucx"))
+    assert msg is not None and msg.startswith("p / d: transfer_backend 'ucx' writes whole blocks only")
+    assert "prefill tp_size 2 heads [(0, 2), (2, 2)], decode tp_size 1 heads [(0, 4)]" in msg
+    _, router = make(msgspec.structs.replace(reg("p", "prefill"), compat=tp_record(2, 4, "ucx")),
+                     msgspec.structs.replace(reg("d", "decode"), compat=tp_record(1, 4, "ucx")))
+    with pytest.raises(NoWorkerError, match="transfer_backend 'ucx' writes whole blocks only"):
+        router.route([1, 2, 3], max_tokens=5)
+
+
 def test_least_loaded_decode_and_compatible_pair_only() -> None:
     _, router = make(reg("p", "prefill"), reg("d1", "decode", running=5), reg("d2", "decode", running=1),
                      reg("d3", "decode", running=0, block_size=8))

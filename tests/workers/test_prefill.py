@@ -242,11 +242,11 @@ def test_step_failing_after_transfer_started_aborts_it(prefill, fake, monkeypatc
     # transfer tracked forever (and the decode side waiting for its deadline)
     real_execute = prefill.core.runner.execute
 
-    def execute(output, layer_hook=None):
+    def execute(output, layer_hook=None, rank_note=b""):
         if layer_hook is not None:
             layer_hook(0)
             raise RuntimeError("boom in layer 1")
-        return real_execute(output, layer_hook)
+        return real_execute(output, layer_hook, rank_note)
 
     monkeypatch.setattr(prefill.core.runner, "execute", execute)
     prefill.deliver(_req("r", fake.handle("r", [0, 1, 2])))

@@ -1,6 +1,7 @@
-"""``--tensor-parallel-size``: prefill and decode workers refuse N > 1 with a one-line error naming the KV
-transfer; a colocated worker over two CPU ranks (gloo) serves a request, and when a rank dies the step's
-requests fail and the worker stops (it deregisters on the way out)."""
+"""``--tensor-parallel-size``: every role takes N > 1 (prefill and decode workers run a KV endpoint on
+each rank: tests/system/test_tp_disagg_live.py); a colocated worker over two CPU ranks (gloo) serves a
+request, and when a rank dies the step's requests fail and the worker stops (it deregisters on the way
+out)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
-from pdserve.cli import main
 from protocol.messages import ColocatedRequest, RequestFailed, RequestFinished
 from protocol.settings import WorkerSettings
 from tests.workers.helpers import BLOCK_SIZE, close, of_type, pump, settings, wire
@@ -19,14 +19,10 @@ from workers.colocated import ColocatedWorker
 from workers.setup import engine_config_from_settings
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_prefill_and_decode_refuse_more_than_one_rank(role, monkeypatch, capsys):
-    with pytest.raises(ValueError, match=r"--tensor-parallel-size: .*KV transfer"):
-        WorkerSettings(role=role, tensor_parallel_size=2, insecure_control_plane=True)
-    monkeypatch.setenv("PDSERVE_INSECURE_CONTROL_PLANE", "1")
-    assert main([role, "--tensor-parallel-size", "2"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "--tensor-parallel-size" in err and "KV transfer" in err
+@pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
+def test_every_role_takes_more_than_one_rank(role):
+    s = WorkerSettings(role=role, tensor_parallel_size=2, insecure_control_plane=True)
+    assert engine_config_from_settings(s).parallel.tensor_parallel_size == 2
 
 
 def test_settings_reach_the_engine_config():
@@ -63,3 +59,36 @@ def test_colocated_two_ranks_serve_then_a_lost_rank_stops_the_worker(model_dir):
         close(worker)  # its control socket: an open one blocks the zmq context's term at exit
         core.close()
         torch.set_num_threads(threads)
+
+
+class _Ranks:
+    def __init__(self, lost: list[str]) -> None:
+        self.lost = lost
+
+    def dead_followers(self) -> list[str]:
+        return self.lost
+
+
+def test_an_unreachable_rank_endpoint_stops_the_worker_only_when_a_rank_died(model_dir, monkeypatch):
+    # a dead rank's KV endpoint answers no command: the poll that asks it must end the worker cleanly
+    # (deregistering), not kill the loop; while every rank lives the error is a bug and propagates
+    from tests.workers.helpers import prefill_worker
+
+    worker = prefill_worker(model_dir)
+    stops: list[bool] = []
+    worker.request_stop = lambda: stops.append(True)  # type: ignore[method-assign]
+
+    def unreachable() -> None:
+        raise TimeoutError("tensor parallel rank 1: no answer to status within 10000 ms")
+    monkeypatch.setattr(worker, "poll", unreachable)
+    try:
+        monkeypatch.setattr(worker.core, "ranks", _Ranks([]))
+        with pytest.raises(TimeoutError):
+            worker.run_once()
+        assert not stops
+        monkeypatch.setattr(worker.core, "ranks", _Ranks(["pdserve-tp-rank1 (exit code -9)"]))
+        worker.run_once()
+        assert stops == [True]
+    finally:
+        monkeypatch.setattr(worker.core, "ranks", None)
+        close(worker)

@@ -66,5 +66,5 @@ def test_done_transfers_add_bytes_and_seconds_failed_ones_do_not(prefill, fake):
     sent = prefill.metrics.registry.get_sample_value("pdserve_worker_kv_sent_bytes_total",
                                                      {"model_name": prefill.settings.model, "engine": "0"})
     assert sent == 6 * per_block  # the worker's own /metrics: the same DONE transfers only
-    assert not prefill._transfer_blocks and not prefill._first_layer_at
+    assert not prefill._transfer_bytes and not prefill._first_layer_at
     assert_clean(prefill)
