@@ -112,9 +112,12 @@ class SenderEndpoint:
         if len(block_ids) != len(handle.block_ids):
             raise ValueError(f"{len(block_ids)} source blocks for {len(handle.block_ids)} destination blocks")
         src, dst = self.layout, handle.layout
-        if src.block_bytes != dst.block_bytes:  # e.g. an fp8 sender and a bf16 receiver: never copyable
+        # one KV head of one block must be the same bytes on both sides (with heads=, a rank's block
+        # holds a share of the receiver's heads): e.g. an fp8 sender and a bf16 receiver never copy
+        src_head, dst_head = src.block_bytes // src.num_kv_heads, dst.block_bytes // dst.num_kv_heads
+        if src.dtype != dst.dtype or src_head != dst_head:
             raise ValueError(f"the receiver's KV blocks do not fit: dtype {src.dtype!r} != {dst.dtype!r}, "
-                             f"block bytes {src.block_bytes} != {dst.block_bytes}")
+                             f"bytes per KV head of a block {src_head} != {dst_head}")
         layer_pieces(self.layout, tuple(block_ids), 0)  # range check
         runs = joint_runs(block_ids, handle.block_ids)
         if heads is None and handle.layout.num_kv_heads != self.layout.num_kv_heads:

@@ -30,7 +30,8 @@ def test_bf16_fp8_pair_refused_at_the_handshake_naming_the_dtypes() -> None:
         # a handle of that receiver (the prefill worker fails the request with this message) is refused
         # before anything is sent: fp8 and bf16 blocks differ in size
         handle = rx.expect("a", [1])
-        with pytest.raises(ValueError, match="dtype 'float8_e4m3fn' != 'bfloat16', block bytes 64 != 128"):
+        with pytest.raises(ValueError,
+                           match="dtype 'float8_e4m3fn' != 'bfloat16', bytes per KV head of a block 32"):
             tx.add_request(handle, [0])
         rx.abort("a")
         rx.release("a")
