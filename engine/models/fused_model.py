@@ -13,9 +13,10 @@ transformers') with:
   ``silu_mul`` (``engine.ops``: Triton kernels, or their plain-torch references when ``use_triton`` is off);
 - attention through the paged backend exactly as ``engine.models.hf_attention`` calls it.
 
-Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (QKV bias) and
+Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (QKV bias),
 ``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``rms_norm`` over the heads' rows, the model's own modules
-when ``use_triton`` is off) with ``hidden_act`` silu, and
+when ``use_triton`` is off) and ``Phi3ForCausalLM`` (its checkpoint's ``qkv_proj`` and ``gate_up_proj``
+are already merged; partial rotary as below) with ``hidden_act`` silu, and
 the mixtures of experts ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``Glm4MoeForCausalLM``: each
 sparse layer's router scores and normalises as its transformers module (softmax top-k with
 ``norm_topk_prob`` for Qwen3-MoE and softmax renormalised over the top-k for Mixtral, both in one
@@ -53,8 +54,12 @@ from engine.ops.silu_mul import silu_mul, silu_mul_reference
 from engine.ops.topk_softmax import topk_softmax
 
 FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                 "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                                 "Glm4MoeForCausalLM"})
+                                 "Qwen3ForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM",
+                                 "MixtralForCausalLM", "Glm4MoeForCausalLM"})
+# architectures that run through transformers' own modules, with the reason
+_UNFUSED_REASONS = {
+    "Glm4ForCausalLM": "GLM-4 rotates interleaved dimension pairs (the rotary kernels rotate halves)",
+}
 # one-row steps' projections through engine.ops.gemv on CUDA; "silu_down": the down projection's GEMV also
 # computes SwiGLU's silu(gate) * up while loading, so no silu_mul launch (H200, 16 x 512 tiles: 32.6 µs
 # against 34.9 µs for silu_mul + GEMV, docs/benchmarks/engine.md)
@@ -73,6 +78,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot run fused (``None`` when it can): architecture or activation not covered."""
     cfg = getattr(model, "config", None)
     archs = list(getattr(cfg, "architectures", None) or [type(model).__name__])
+    if archs[0] in _UNFUSED_REASONS:
+        return f"architecture {archs[0]} has no fused forward: {_UNFUSED_REASONS[archs[0]]}"
     if archs[0] not in FUSED_ARCHITECTURES:
         return f"architecture {archs[0]} has no fused forward (supported: {sorted(FUSED_ARCHITECTURES)})"
     if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -113,8 +120,11 @@ def _merge(linears: list[Any]) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor |
 class _DenseMLP:
     """A SwiGLU MLP's merged gate/up weight and its down projection module."""
 
-    def __init__(self, mlp: Any) -> None:  # a transformers MLP with gate_proj, up_proj, down_proj
-        self.gate_up_weight, self.gate_up_bias = _merge([mlp.gate_proj, mlp.up_proj])
+    def __init__(self, mlp: Any) -> None:  # transformers MLP: gate_proj, up_proj (or gate_up_proj), down_proj
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: already merged (gate rows first, as silu_mul reads them)
+            self.gate_up_weight, self.gate_up_bias = _weight_of(mlp.gate_up_proj), mlp.gate_up_proj.bias
+        else:
+            self.gate_up_weight, self.gate_up_bias = _merge([mlp.gate_proj, mlp.up_proj])
         self.down = mlp.down_proj
 
 
@@ -146,9 +156,15 @@ class _FusedLayer:
         self.index = int(attn.layer_idx)
         self.head_dim = int(attn.head_dim)
         self.scale = float(attn.scaling)
-        self.q_width = attn.q_proj.weight.shape[0]
-        self.kv_width = attn.k_proj.weight.shape[0]
-        self.qkv_weight, self.qkv_bias = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
+        if hasattr(attn, "qkv_proj"):  # Phi-3: already merged, q rows then k then v
+            cfg = attn.config
+            self.q_width = int(cfg.num_attention_heads) * self.head_dim
+            self.kv_width = int(cfg.num_key_value_heads) * self.head_dim
+            self.qkv_weight, self.qkv_bias = _weight_of(attn.qkv_proj), attn.qkv_proj.bias
+        else:
+            self.q_width = attn.q_proj.weight.shape[0]
+            self.kv_width = attn.k_proj.weight.shape[0]
+            self.qkv_weight, self.qkv_bias = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
         self.ffn: _DenseMLP | _SparseMoE = _SparseMoE(mlp) if hasattr(mlp, "experts") else _DenseMLP(mlp)
         self.input_norm = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon))
         self.post_norm = (layer.post_attention_layernorm.weight,

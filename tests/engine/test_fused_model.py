@@ -26,7 +26,7 @@ def _llm(path, fused_ops: str, backend: str = "torch", device: str = "cpu") -> L
                num_blocks=256, fused_ops=fused_ops, max_num_batched_tokens=24)
 
 
-@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "Phi3ForCausalLM", *MOE_ARCHS])
 def test_fused_greedy_matches_transformers_generate(arch, tmp_path):
     path = save_tiny_model(arch, tmp_path / "m", seed=7)
     reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -172,6 +172,20 @@ def test_fused_on_refuses_an_unsupported_model(tmp_path, monkeypatch):
     config_auto = EngineConfig(ModelConfig(str(path), dtype="float32", device="cpu", fused_ops="auto"),
                                CacheConfig(block_size=4, num_blocks=16), SchedulerConfig())
     runner = ModelRunner(config_auto)  # auto falls back to transformers' modules
+    assert runner.net is runner.model
+
+
+def test_fused_on_refuses_glm4_auto_runs_transformers(tmp_path):
+    """GLM-4's interleaved rotary has no fused forward: ``fused_ops=on`` is refused naming why; ``auto``
+    runs transformers' modules (the greedy match is in test_hf_parity)."""
+    path = save_tiny_model("Glm4ForCausalLM", tmp_path / "m", seed=11)
+    config = EngineConfig(ModelConfig(str(path), dtype="float32", device="cpu", fused_ops="on"),
+                          CacheConfig(block_size=4, num_blocks=16), SchedulerConfig())
+    with pytest.raises(ValueError, match="fused_ops=on: architecture Glm4ForCausalLM has no fused forward: "
+                                         "GLM-4 rotates interleaved"):
+        ModelRunner(config)
+    runner = ModelRunner(EngineConfig(ModelConfig(str(path), dtype="float32", device="cpu", fused_ops="auto"),
+                                      CacheConfig(block_size=4, num_blocks=16), SchedulerConfig()))
     assert runner.net is runner.model
 
 
