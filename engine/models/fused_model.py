@@ -16,7 +16,9 @@ transformers') with:
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (QKV bias),
 ``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``rms_norm`` over the heads' rows, the model's own modules
 when ``use_triton`` is off) and ``Phi3ForCausalLM`` (its checkpoint's ``qkv_proj`` and ``gate_up_proj``
-are already merged; partial rotary as below) with ``hidden_act`` silu, and
+are already merged; partial rotary as below) and ``Glm4ForCausalLM`` (GLM-4: merged gate/up, QKV bias, an
+RMSNorm after attention and one after the MLP, each before its residual add, and the rotary on adjacent
+pairs of dims: ``apply_rotary(interleaved=True)``) with ``hidden_act`` silu, and
 the mixtures of experts ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``Glm4MoeForCausalLM``: each
 sparse layer's router scores and normalises as its transformers module (softmax top-k with
 ``norm_topk_prob`` for Qwen3-MoE and softmax renormalised over the top-k for Mixtral, both in one
@@ -54,12 +56,10 @@ from engine.ops.silu_mul import silu_mul, silu_mul_reference
 from engine.ops.topk_softmax import topk_softmax
 
 FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                 "Qwen3ForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM",
-                                 "MixtralForCausalLM", "Glm4MoeForCausalLM"})
-# architectures that run through transformers' own modules, with the reason
-_UNFUSED_REASONS = {
-    "Glm4ForCausalLM": "GLM-4 rotates interleaved dimension pairs (the rotary kernels rotate halves)",
-}
+                                 "Qwen3ForCausalLM", "Phi3ForCausalLM", "Glm4ForCausalLM",
+                                 "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"})
+# model types whose rotary turns adjacent pairs of dims (transformers' GLM-4 ``rotate_half``), not halves
+INTERLEAVED_ROTARY_MODEL_TYPES = frozenset({"glm4"})
 # one-row steps' projections through engine.ops.gemv on CUDA; "silu_down": the down projection's GEMV also
 # computes SwiGLU's silu(gate) * up while loading, so no silu_mul launch (H200, 16 x 512 tiles: 32.6 µs
 # against 34.9 µs for silu_mul + GEMV, docs/benchmarks/engine.md)
@@ -78,8 +78,6 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot run fused (``None`` when it can): architecture or activation not covered."""
     cfg = getattr(model, "config", None)
     archs = list(getattr(cfg, "architectures", None) or [type(model).__name__])
-    if archs[0] in _UNFUSED_REASONS:
-        return f"architecture {archs[0]} has no fused forward: {_UNFUSED_REASONS[archs[0]]}"
     if archs[0] not in FUSED_ARCHITECTURES:
         return f"architecture {archs[0]} has no fused forward (supported: {sorted(FUSED_ARCHITECTURES)})"
     if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -171,6 +169,14 @@ class _FusedLayer:
                           float(layer.post_attention_layernorm.variance_epsilon))
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
+        # GLM-4: RMSNorm of the attention output and of the MLP output, before each residual add
+        self.attn_out_norm = _norm_of(getattr(layer, "post_self_attn_layernorm", None))
+        self.mlp_out_norm = _norm_of(getattr(layer, "post_mlp_layernorm", None))
+        self.interleaved = getattr(attn.config, "model_type", None) in INTERLEAVED_ROTARY_MODEL_TYPES
+
+
+def _norm_of(norm: Any) -> tuple[torch.Tensor, float] | None:  # a transformers RMSNorm module, or None
+    return None if norm is None else (norm.weight, float(norm.variance_epsilon))
 
 
 def rope_table(rotary_emb: Any, max_positions: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -260,9 +266,9 @@ class FusedCausalLM(torch.nn.Module):
             q, k = self._head_norm(q, lay.q_norm), self._head_norm(k, lay.k_norm)
         rotary = None
         rot = cos.shape[-1]
-        if rot < d:  # partial rotary: the first ``rot`` dims of each head, before the store
+        if rot < d or lay.interleaved:  # partial or pairwise rotary: the first ``rot`` dims, before the store
             rotate = apply_rotary if self.use_triton else apply_rotary_reference
-            rotate(q[..., :rot], k[..., :rot], cos, sin)
+            rotate(q[..., :rot], k[..., :rot], cos, sin, interleaved=lay.interleaved)
         elif self.use_triton:  # the triton backend rotates and stores in one kernel (rotary_store_kv)
             rotary = (cos, sin)
         else:
@@ -327,9 +333,15 @@ class FusedCausalLM(torch.nn.Module):
             cos, sin = cos[0], sin[0]  # [T, D]
         x = self._norm(residual, self.fused_layers[0].input_norm) if self.fused_layers else residual
         for i, lay in enumerate(self.fused_layers):
-            x = self._norm(self._attention(lay, x, cos, sin, kwargs), lay.post_norm, residual)
+            x = self._attention(lay, x, cos, sin, kwargs)
+            if lay.attn_out_norm is not None:
+                x = self._norm(x, lay.attn_out_norm)
+            x = self._norm(x, lay.post_norm, residual)
             nxt = self.fused_layers[i + 1].input_norm if i + 1 < len(self.fused_layers) else self.final_norm
-            x = self._norm(self._mlp(lay, x), nxt, residual)
+            x = self._mlp(lay, x)
+            if lay.mlp_out_norm is not None:
+                x = self._norm(x, lay.mlp_out_norm)
+            x = self._norm(x, nxt, residual)
         if isinstance(logits_to_keep, torch.Tensor):
             x = x[logits_to_keep]
         elif logits_to_keep:

@@ -15,7 +15,7 @@ from engine.models.fused_model import PROJECTIONS, FusedCausalLM
 from engine.sampling_params import SamplingParams
 from tests.engine.grid import grid
 from tests.engine.test_hf_parity import assert_matches_hf, make_prompts
-from tests.engine.test_loader import ARCHS, MOE_ARCHS, save_tiny_model
+from tests.engine.test_loader import ARCHS, MOE_ARCHS, NEW_DENSE_ARCHS, save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
@@ -26,7 +26,7 @@ def _llm(path, fused_ops: str, backend: str = "torch", device: str = "cpu") -> L
                num_blocks=256, fused_ops=fused_ops, max_num_batched_tokens=24)
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, "Phi3ForCausalLM", *MOE_ARCHS])
+@pytest.mark.parametrize("arch", ARCHS + NEW_DENSE_ARCHS + MOE_ARCHS)
 def test_fused_greedy_matches_transformers_generate(arch, tmp_path):
     path = save_tiny_model(arch, tmp_path / "m", seed=7)
     reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -89,6 +89,34 @@ def test_fused_moe_kernels_match_transformers(arch, tmp_path, monkeypatch):
     again = llm.generate(prompts[:1], params)  # its full blocks now hit the prefix cache
     assert again[0].num_cached_tokens > 0 and again[0].token_ids == outs[0].token_ids
     assert calls and len(calls) % len(sparse) == 0
+    llm.core.check_no_leaks()
+
+
+@pytest.mark.parametrize("arch", NEW_DENSE_ARCHS)
+def test_fused_new_dense_kernels_match_transformers(arch, tmp_path, monkeypatch):
+    """Phi-3 (its merged projections, half-width LongRoPE) and GLM-4 (pairwise half-width rotary, the
+    norms after attention and MLP) with the Triton kernels through the triton attention backend: greedy
+    tokens and logprobs equal transformers' in one batch, then again with prefix-cache hits; the rotary
+    kernel ran in the model's layout."""
+    from engine.models import fused_model
+
+    path = save_tiny_model(arch, tmp_path / "m", seed=15)
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = _llm(path, "on", backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
+    llm.core.runner.decode_graphs = None  # (GPU) every step eager, so the probe below sees each call
+    layouts: list[bool] = []
+    real = fused_model.apply_rotary
+    monkeypatch.setattr(fused_model, "apply_rotary", lambda *a, interleaved=False: layouts.append(interleaved)
+                        or real(*a, interleaved=interleaved))
+    prompts = [make_prompts(seed=15)[14], make_prompts(seed=15)[3]]  # 13-token shared prefix + 1; 4 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
+    outs = llm.generate(prompts, params)
+    assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
+    again = llm.generate(prompts[:1], params)  # its full blocks now hit the prefix cache
+    assert again[0].num_cached_tokens > 0 and again[0].token_ids == outs[0].token_ids
+    torch.testing.assert_close(torch.tensor(again[0].logprobs), torch.tensor(outs[0].logprobs),
+                               atol=1e-4, rtol=0)
+    assert set(layouts) == {arch == "Glm4ForCausalLM"}
     llm.core.check_no_leaks()
 
 
@@ -172,20 +200,6 @@ def test_fused_on_refuses_an_unsupported_model(tmp_path, monkeypatch):
     config_auto = EngineConfig(ModelConfig(str(path), dtype="float32", device="cpu", fused_ops="auto"),
                                CacheConfig(block_size=4, num_blocks=16), SchedulerConfig())
     runner = ModelRunner(config_auto)  # auto falls back to transformers' modules
-    assert runner.net is runner.model
-
-
-def test_fused_on_refuses_glm4_auto_runs_transformers(tmp_path):
-    """GLM-4's interleaved rotary has no fused forward: ``fused_ops=on`` is refused naming why; ``auto``
-    runs transformers' modules (the greedy match is in test_hf_parity)."""
-    path = save_tiny_model("Glm4ForCausalLM", tmp_path / "m", seed=11)
-    config = EngineConfig(ModelConfig(str(path), dtype="float32", device="cpu", fused_ops="on"),
-                          CacheConfig(block_size=4, num_blocks=16), SchedulerConfig())
-    with pytest.raises(ValueError, match="fused_ops=on: architecture Glm4ForCausalLM has no fused forward: "
-                                         "GLM-4 rotates interleaved"):
-        ModelRunner(config)
-    runner = ModelRunner(EngineConfig(ModelConfig(str(path), dtype="float32", device="cpu", fused_ops="auto"),
-                                      CacheConfig(block_size=4, num_blocks=16), SchedulerConfig()))
     assert runner.net is runner.model
 
 

@@ -184,12 +184,12 @@ def test_moe_greedy_batch_with_prefix_hits_matches_hf(arch, tmp_path_factory):
     llm.core.check_no_leaks()
 
 
-@pytest.mark.parametrize(("arch", "fused_ops"), [(arch, "off") for arch in NEW_DENSE_ARCHS]
-                         + [("Phi3ForCausalLM", "on")])
+@pytest.mark.parametrize("fused_ops", ["off", "on"])
+@pytest.mark.parametrize("arch", NEW_DENSE_ARCHS)
 def test_new_dense_greedy_batch_with_prefix_hits_matches_hf(arch, fused_ops, tmp_path_factory):
-    """Phi-3 (transformers' modules, and the fused forward over its merged projections) and GLM-4
-    (transformers' modules: no fused forward), fp32, in one continuous batch with a chunked prefill, then
-    again with every full block a prefix-cache hit: greedy tokens and logprobs equal transformers'."""
+    """Phi-3 and GLM-4, through transformers' modules and through the fused forward (torch references),
+    fp32, in one continuous batch with a chunked prefill, then again with every full block a prefix-cache
+    hit: greedy tokens and logprobs equal transformers'."""
     path, model = _tiny(arch, tmp_path_factory)
     llm = _llm(path, num_blocks=256, fused_ops=fused_ops, max_num_batched_tokens=32)
     assert (llm.core.runner.net is llm.core.runner.model) == (fused_ops == "off")
