@@ -183,9 +183,15 @@ def rope_table(rotary_emb: Any, max_positions: int, like: torch.Tensor) -> torch
     """``[max_positions, 2 D]`` in ``like``'s dtype and device: RoPE's cos (first ``D``) and sin of every
     position, from the transformers ``rotary_emb`` module itself (its per-position arithmetic is elementwise,
     so a gathered row is bit-identical to computing that position in a step). None when ``max_positions``
-    is 0 or the RoPE type changes its frequencies with the sequence length (``dynamic``, ``longrope``)."""
-    if max_positions <= 0 or getattr(rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
+    is 0 or the RoPE type changes its frequencies with the sequence length (``dynamic``; ``longrope`` past
+    its ``original_max_position_embeddings``: within it transformers always takes the short factors)."""
+    rope_type = getattr(rotary_emb, "rope_type", "default")
+    if max_positions <= 0 or rope_type == "dynamic":
         return None
+    if rope_type == "longrope":
+        original = rotary_emb.config.rope_parameters.get("original_max_position_embeddings")
+        if original is None or max_positions > int(original):
+            return None
     positions = torch.arange(max_positions, device=like.device)[None]
     with torch.no_grad():
         cos, sin = rotary_emb(like[:0], position_ids=positions)

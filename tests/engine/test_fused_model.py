@@ -226,3 +226,20 @@ def test_rope_table_rows_equal_rotary_emb(arch, dtype, tmp_path):
     llm = _llm(path, "on")
     net = llm.core.runner.net
     assert net.rope_table is not None and net.rope_table.shape[0] == llm.core.runner.max_model_len
+
+
+def test_longrope_table_within_original_context(tmp_path):
+    """Phi-3's LongRoPE gets a table only while every position is inside its original context (where
+    transformers takes the short factors): its rows equal ``rotary_emb``'s; one position more, none."""
+    from engine.models.fused_model import rope_table
+
+    path = save_tiny_model("Phi3ForCausalLM", tmp_path / "m", seed=13)  # original context 512
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    rotary, like = model.model.rotary_emb, model.model.embed_tokens.weight
+    assert rotary.rope_type == "longrope"
+    table = rope_table(rotary, 512, like)
+    assert table is not None
+    positions = torch.tensor([[0, 7, 300, 511]])
+    cos, sin = rotary(like[:0], position_ids=positions)
+    assert torch.equal(table[positions[0]], torch.cat((cos[0], sin[0]), dim=1))
+    assert rope_table(rotary, 513, like) is None
