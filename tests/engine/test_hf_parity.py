@@ -1,6 +1,6 @@
 """Model parity with Hugging Face transformers: greedy tokens equal and logprobs within 1e-4 of
-``generate`` for tiny random Llama/Mistral/Qwen2/Qwen3 models, the mixtures of experts Qwen3-MoE, Mixtral
-and GLM-4.5 (``MOE_ARCHS``), and the real SmolLM2-135M, run as one
+``generate`` for tiny random Llama/Mistral/Qwen2/Qwen3 models, Phi-3 and GLM-4 (``NEW_DENSE_ARCHS``), the
+mixtures of experts Qwen3-MoE, Mixtral and GLM-4.5 (``MOE_ARCHS``), and the real SmolLM2-135M, run as one
 continuous batch with prefix-cache hits, chunked prefill, preemption, and the triton backend."""
 
 from __future__ import annotations

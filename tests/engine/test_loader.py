@@ -1,5 +1,6 @@
-"""Loader, registry and GGUF-conversion tests: the four supported architectures, dtypes, dummy weights,
-clear errors for bad directories, cache-dir resolution, atomic conversion under a file lock."""
+"""Loader, registry and GGUF-conversion tests: the supported architectures, dtypes, dummy weights, clear
+errors for bad directories and refused models (Gemma, LongRoPE past its context, sliding windows),
+cache-dir resolution, atomic conversion under a file lock."""
 
 from __future__ import annotations
 
