@@ -13,9 +13,12 @@ transformers') with:
   ``silu_mul`` (``engine.ops``: Triton kernels, or their plain-torch references when ``use_triton`` is off);
 - attention through the paged backend exactly as ``engine.models.hf_attention`` calls it.
 
-Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (QKV bias) and
+Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (QKV bias),
 ``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``rms_norm`` over the heads' rows, the model's own modules
-when ``use_triton`` is off) with ``hidden_act`` silu, and
+when ``use_triton`` is off) and ``Phi3ForCausalLM`` (its checkpoint's ``qkv_proj`` and ``gate_up_proj``
+are already merged; partial rotary as below) and ``Glm4ForCausalLM`` (GLM-4: merged gate/up, QKV bias, an
+RMSNorm after attention and one after the MLP, each before its residual add, and the rotary on adjacent
+pairs of dims: ``apply_rotary(interleaved=True)``) with ``hidden_act`` silu, and
 the mixtures of experts ``Qwen3MoeForCausalLM``, ``MixtralForCausalLM`` and ``Glm4MoeForCausalLM``: each
 sparse layer's router scores and normalises as its transformers module (softmax top-k with
 ``norm_topk_prob`` for Qwen3-MoE and softmax renormalised over the top-k for Mixtral, both in one
@@ -53,8 +56,10 @@ from engine.ops.silu_mul import silu_mul, silu_mul_reference
 from engine.ops.topk_softmax import topk_softmax
 
 FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                 "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
-                                 "Glm4MoeForCausalLM"})
+                                 "Qwen3ForCausalLM", "Phi3ForCausalLM", "Glm4ForCausalLM",
+                                 "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"})
+# model types whose rotary turns adjacent pairs of dims (transformers' GLM-4 ``rotate_half``), not halves
+INTERLEAVED_ROTARY_MODEL_TYPES = frozenset({"glm4"})
 # one-row steps' projections through engine.ops.gemv on CUDA; "silu_down": the down projection's GEMV also
 # computes SwiGLU's silu(gate) * up while loading, so no silu_mul launch (H200, 16 x 512 tiles: 32.6 µs
 # against 34.9 µs for silu_mul + GEMV, docs/benchmarks/engine.md)
@@ -113,8 +118,11 @@ def _merge(linears: list[Any]) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor |
 class _DenseMLP:
     """A SwiGLU MLP's merged gate/up weight and its down projection module."""
 
-    def __init__(self, mlp: Any) -> None:  # a transformers MLP with gate_proj, up_proj, down_proj
-        self.gate_up_weight, self.gate_up_bias = _merge([mlp.gate_proj, mlp.up_proj])
+    def __init__(self, mlp: Any) -> None:  # transformers MLP: gate_proj, up_proj (or gate_up_proj), down_proj
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: already merged (gate rows first, as silu_mul reads them)
+            self.gate_up_weight, self.gate_up_bias = _weight_of(mlp.gate_up_proj), mlp.gate_up_proj.bias
+        else:
+            self.gate_up_weight, self.gate_up_bias = _merge([mlp.gate_proj, mlp.up_proj])
         self.down = mlp.down_proj
 
 
@@ -146,24 +154,44 @@ class _FusedLayer:
         self.index = int(attn.layer_idx)
         self.head_dim = int(attn.head_dim)
         self.scale = float(attn.scaling)
-        self.q_width = attn.q_proj.weight.shape[0]
-        self.kv_width = attn.k_proj.weight.shape[0]
-        self.qkv_weight, self.qkv_bias = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
+        if hasattr(attn, "qkv_proj"):  # Phi-3: already merged, q rows then k then v
+            cfg = attn.config
+            self.q_width = int(cfg.num_attention_heads) * self.head_dim
+            self.kv_width = int(cfg.num_key_value_heads) * self.head_dim
+            self.qkv_weight, self.qkv_bias = _weight_of(attn.qkv_proj), attn.qkv_proj.bias
+        else:
+            self.q_width = attn.q_proj.weight.shape[0]
+            self.kv_width = attn.k_proj.weight.shape[0]
+            self.qkv_weight, self.qkv_bias = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
         self.ffn: _DenseMLP | _SparseMoE = _SparseMoE(mlp) if hasattr(mlp, "experts") else _DenseMLP(mlp)
         self.input_norm = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon))
         self.post_norm = (layer.post_attention_layernorm.weight,
                           float(layer.post_attention_layernorm.variance_epsilon))
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
+        # GLM-4: RMSNorm of the attention output and of the MLP output, before each residual add
+        self.attn_out_norm = _norm_of(getattr(layer, "post_self_attn_layernorm", None))
+        self.mlp_out_norm = _norm_of(getattr(layer, "post_mlp_layernorm", None))
+        self.interleaved = getattr(attn.config, "model_type", None) in INTERLEAVED_ROTARY_MODEL_TYPES
+
+
+def _norm_of(norm: Any) -> tuple[torch.Tensor, float] | None:  # a transformers RMSNorm module, or None
+    return None if norm is None else (norm.weight, float(norm.variance_epsilon))
 
 
 def rope_table(rotary_emb: Any, max_positions: int, like: torch.Tensor) -> torch.Tensor | None:
     """``[max_positions, 2 D]`` in ``like``'s dtype and device: RoPE's cos (first ``D``) and sin of every
     position, from the transformers ``rotary_emb`` module itself (its per-position arithmetic is elementwise,
     so a gathered row is bit-identical to computing that position in a step). None when ``max_positions``
-    is 0 or the RoPE type changes its frequencies with the sequence length (``dynamic``, ``longrope``)."""
-    if max_positions <= 0 or getattr(rotary_emb, "rope_type", "default") in ("dynamic", "longrope"):
+    is 0 or the RoPE type changes its frequencies with the sequence length (``dynamic``; ``longrope`` past
+    its ``original_max_position_embeddings``: within it transformers always takes the short factors)."""
+    rope_type = getattr(rotary_emb, "rope_type", "default")
+    if max_positions <= 0 or rope_type == "dynamic":
         return None
+    if rope_type == "longrope":
+        original = rotary_emb.config.rope_parameters.get("original_max_position_embeddings")
+        if original is None or max_positions > int(original):
+            return None
     positions = torch.arange(max_positions, device=like.device)[None]
     with torch.no_grad():
         cos, sin = rotary_emb(like[:0], position_ids=positions)
@@ -244,9 +272,9 @@ class FusedCausalLM(torch.nn.Module):
             q, k = self._head_norm(q, lay.q_norm), self._head_norm(k, lay.k_norm)
         rotary = None
         rot = cos.shape[-1]
-        if rot < d:  # partial rotary: the first ``rot`` dims of each head, before the store
+        if rot < d or lay.interleaved:  # partial or pairwise rotary: the first ``rot`` dims, before the store
             rotate = apply_rotary if self.use_triton else apply_rotary_reference
-            rotate(q[..., :rot], k[..., :rot], cos, sin)
+            rotate(q[..., :rot], k[..., :rot], cos, sin, interleaved=lay.interleaved)
         elif self.use_triton:  # the triton backend rotates and stores in one kernel (rotary_store_kv)
             rotary = (cos, sin)
         else:
@@ -311,9 +339,15 @@ class FusedCausalLM(torch.nn.Module):
             cos, sin = cos[0], sin[0]  # [T, D]
         x = self._norm(residual, self.fused_layers[0].input_norm) if self.fused_layers else residual
         for i, lay in enumerate(self.fused_layers):
-            x = self._norm(self._attention(lay, x, cos, sin, kwargs), lay.post_norm, residual)
+            x = self._attention(lay, x, cos, sin, kwargs)
+            if lay.attn_out_norm is not None:
+                x = self._norm(x, lay.attn_out_norm)
+            x = self._norm(x, lay.post_norm, residual)
             nxt = self.fused_layers[i + 1].input_norm if i + 1 < len(self.fused_layers) else self.final_norm
-            x = self._norm(self._mlp(lay, x), nxt, residual)
+            x = self._mlp(lay, x)
+            if lay.mlp_out_norm is not None:
+                x = self._norm(x, lay.mlp_out_norm)
+            x = self._norm(x, nxt, residual)
         if isinstance(logits_to_keep, torch.Tensor):
             x = x[logits_to_keep]
         elif logits_to_keep:

@@ -82,6 +82,33 @@ def check_sliding_window(hf_config: PretrainedConfig, max_model_len: int | None)
             f"(every token would attend to the whole sequence); set max_model_len <= {window}")
 
 
+def check_rope_scaling(hf_config: PretrainedConfig, max_model_len: int | None) -> None:
+    """Refuse LongRoPE (Phi-3's ``rope_scaling`` type ``longrope``, formerly ``su``) when a sequence may
+    outgrow ``original_max_position_embeddings``: transformers then switches every position to the long
+    factors by the longest sequence of the batch, so in a batch packing several sequences one sequence's
+    length would change the others' rotations (and the K/V already cached used the short factors). Within
+    the original context the short factors always apply, per sequence, as in transformers.
+
+    Raises:
+        ValueError: the RoPE type is ``longrope`` and ``max_model_len`` (default: the config's
+            ``max_position_embeddings``) exceeds ``original_max_position_embeddings``; the message names
+            both and how to fit.
+    """
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "longrope":
+        return
+    original = int(rope.get("original_max_position_embeddings")
+                   or getattr(hf_config, "original_max_position_embeddings", None)
+                   or hf_config.max_position_embeddings)
+    length = max_model_len or int(hf_config.max_position_embeddings)
+    if length > original:
+        raise ValueError(
+            f"rope_scaling longrope with max_model_len={length} > "
+            f"original_max_position_embeddings={original}: "
+            f"LongRoPE's long factors are not supported (transformers picks them per batch); set "
+            f"max_model_len <= {original}")
+
+
 def _check_safetensors(path: Path) -> list[Path]:
     """Return the safetensors files of ``path`` after opening each header.
 
@@ -132,7 +159,8 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, PretrainedCo
     Raises:
         FileNotFoundError: unknown alias / path, missing config.json or weights.
         ValueError: unsupported architecture or quantization method, a sliding window shorter than
-            ``max_model_len``, bad dtype or load_format, corrupt safetensors, an FP8 checkpoint whose
+            ``max_model_len``, LongRoPE past its original context (``check_rope_scaling``), bad dtype or
+            load_format, corrupt safetensors, an FP8 checkpoint whose
             tensors do not match the model (``engine.models.fp8.load_fp8_weights``).
     """
     if model_config.load_format not in ("auto", "dummy"):
@@ -140,6 +168,7 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, PretrainedCo
     path = resolve_model(model_config.model)
     hf_config = load_hf_config(path, model_config.quantization)
     check_sliding_window(hf_config, model_config.max_model_len)
+    check_rope_scaling(hf_config, model_config.max_model_len)
     device = resolve_device(model_config.device)
     dtype = resolve_dtype(model_config.dtype, hf_config, device)
     dummy = model_config.load_format == "dummy" or is_dummy_alias(model_config.model)  # auto: no weights

@@ -18,14 +18,31 @@ from typing import Any
 
 from engine.models.quant_config import QUANTIZATION_METHODS, QuantizationConfigError, fp8_scheme
 
-DENSE_ARCHITECTURES: frozenset[str] = frozenset(
+# Dense architectures laid out as Llama (separate q/k/v and gate/up projection modules): the ones FP8 weights
+# (``engine.models.fp8``) and tensor parallelism (``engine.models.tensor_parallel``) support.
+LLAMA_LIKE_ARCHITECTURES: frozenset[str] = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+# Every dense architecture: the above, Phi-3 (merged qkv_proj / gate_up_proj, partial rotary, LongRoPE
+# within its original context) and GLM-4 (interleaved partial rotary, norms after attention and MLP).
+DENSE_ARCHITECTURES: frozenset[str] = LLAMA_LIKE_ARCHITECTURES | frozenset(
+    {"Phi3ForCausalLM", "Glm4ForCausalLM"}
 )
 # Mixtures of experts (engine/ops/fused_moe.py runs their experts).
 MOE_ARCHITECTURES: frozenset[str] = frozenset(
     {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"}
 )
 SUPPORTED_ARCHITECTURES: frozenset[str] = DENSE_ARCHITECTURES | MOE_ARCHITECTURES
+# Architectures refused with the reason: Gemma 2 and 3 interleave sliding-window layers with global ones
+# and Gemma 2 soft-caps the attention logits; the paged attention backends attend to the whole sequence
+# with plain softmax, so running them would silently change their outputs.
+_GEMMA_WINDOW = ("its sliding-window attention layers (interleaved with global ones) are not supported by "
+                 "the paged attention backends, which attend to the whole sequence")
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "Gemma2ForCausalLM": f"{_GEMMA_WINDOW}, nor is its attention logit soft-capping",
+    "Gemma3ForCausalLM": _GEMMA_WINDOW,
+    "Gemma3ForConditionalGeneration": _GEMMA_WINDOW,
+}
 # ``quantization_config.quant_method`` values (and ``--quantization`` values) pdserve can load: FP8
 # (engine/models/quant_config.py) for the dense architectures; any other method is refused before weights
 # are read.
@@ -174,12 +191,17 @@ def check_model_config(raw: dict[str, Any], where: str = "config.json",
         quantization: the ``--quantization`` flag (None or ``"fp8"``).
 
     Raises:
-        UnsupportedModelError: no architecture, an architecture outside ``SUPPORTED_ARCHITECTURES``, a
+        UnsupportedModelError: no architecture, an architecture outside ``SUPPORTED_ARCHITECTURES`` (those
+            of ``REFUSED_ARCHITECTURES`` with their reason), a
             ``quantization_config`` whose ``quant_method`` is outside ``SUPPORTED_QUANTIZATION`` (AWQ,
             GPTQ, bitsandbytes, ...) or whose FP8 fields are not supported, an unknown ``quantization``,
-            or FP8 for a mixture of experts; the message names it and lists what is supported.
+            or FP8 outside ``LLAMA_LIKE_ARCHITECTURES``; the message names it and lists what is supported.
     """
     archs = raw.get("architectures") or []
+    if archs and archs[0] in REFUSED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {archs[0]} ({where}) is not supported: {REFUSED_ARCHITECTURES[archs[0]]}; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
     if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"unsupported architecture {archs!r} in {where}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
@@ -187,10 +209,14 @@ def check_model_config(raw: dict[str, Any], where: str = "config.json",
         scheme = fp8_scheme(raw, quantization, where)
     except QuantizationConfigError as exc:
         raise UnsupportedModelError(str(exc)) from exc
-    if scheme is not None and archs[0] not in DENSE_ARCHITECTURES:
+    if scheme is not None and archs[0] in MOE_ARCHITECTURES:
         raise UnsupportedModelError(
             f"FP8 weights for the mixture of experts {archs[0]} ({where}) are not supported (the fused MoE "
-            f"kernels run bf16/fp16/fp32 experts); FP8 supported: {sorted(DENSE_ARCHITECTURES)}")
+            f"kernels run bf16/fp16/fp32 experts); FP8 supported: {sorted(LLAMA_LIKE_ARCHITECTURES)}")
+    if scheme is not None and archs[0] not in LLAMA_LIKE_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"FP8 weights for {archs[0]} ({where}) are not supported (its merged projections are not "
+            f"quantized); FP8 supported: {sorted(LLAMA_LIKE_ARCHITECTURES)}")
 
 
 def read_model_config(path: Path, quantization: str | None = None) -> dict[str, Any]:

@@ -38,12 +38,13 @@ from engine.distributed import TensorParallel
 from engine.models.fused_model import FusedCausalLM
 from engine.models.loader import (
     _check_safetensors,
+    check_rope_scaling,
     check_sliding_window,
     init_dummy_weights,
     load_hf_config,
     resolve_dtype,
 )
-from engine.models.registry import MOE_ARCHITECTURES, is_dummy_alias, resolve_model
+from engine.models.registry import LLAMA_LIKE_ARCHITECTURES, MOE_ARCHITECTURES, is_dummy_alias, resolve_model
 from engine.ops.fp8_gemm import Fp8Weight
 
 
@@ -61,13 +62,17 @@ def check_tensor_parallel(cfg: PretrainedConfig, size: int) -> None:
     """Refuse a model ``size`` ranks cannot split.
 
     Raises:
-        ValueError: a mixture of experts, query heads or MLP width not divisible by ``size``, or KV heads
+        ValueError: a mixture of experts or an architecture outside ``LLAMA_LIKE_ARCHITECTURES``, query
+            heads or MLP width not divisible by ``size``, or KV heads
             neither divisible by ``size`` nor dividing it; the message names the numbers.
     """
     arch = (getattr(cfg, "architectures", None) or ["?"])[0]
     if arch in MOE_ARCHITECTURES:
         raise ValueError(f"tensor_parallel_size={size}: mixtures of experts ({arch}) are not supported with "
                          "tensor parallelism yet; use tensor_parallel_size=1")
+    if arch not in LLAMA_LIKE_ARCHITECTURES:
+        raise ValueError(f"tensor_parallel_size={size}: {arch} is not supported with tensor parallelism "
+                         f"(supported: {sorted(LLAMA_LIKE_ARCHITECTURES)}); use tensor_parallel_size=1")
     heads, kv, width = int(cfg.num_attention_heads), num_kv_heads_of(cfg), int(cfg.intermediate_size)
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide num_attention_heads={heads}")
@@ -167,6 +172,7 @@ def load_sharded_model(model_config: ModelConfig, tp: TensorParallel,
     path = resolve_model(model_config.model)
     cfg = load_hf_config(path)
     check_sliding_window(cfg, model_config.max_model_len)
+    check_rope_scaling(cfg, model_config.max_model_len)
     check_tensor_parallel(cfg, tp.size)
     dtype = resolve_dtype(model_config.dtype, cfg, device)
     with torch.device(device), no_init_weights():

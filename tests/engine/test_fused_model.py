@@ -15,7 +15,7 @@ from engine.models.fused_model import PROJECTIONS, FusedCausalLM
 from engine.sampling_params import SamplingParams
 from tests.engine.grid import grid
 from tests.engine.test_hf_parity import assert_matches_hf, make_prompts
-from tests.engine.test_loader import ARCHS, MOE_ARCHS, save_tiny_model
+from tests.engine.test_loader import ARCHS, MOE_ARCHS, NEW_DENSE_ARCHS, save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
@@ -26,7 +26,7 @@ def _llm(path, fused_ops: str, backend: str = "torch", device: str = "cpu") -> L
                num_blocks=256, fused_ops=fused_ops, max_num_batched_tokens=24)
 
 
-@pytest.mark.parametrize("arch", ARCHS + MOE_ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + NEW_DENSE_ARCHS + MOE_ARCHS)
 def test_fused_greedy_matches_transformers_generate(arch, tmp_path):
     path = save_tiny_model(arch, tmp_path / "m", seed=7)
     reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
@@ -89,6 +89,34 @@ def test_fused_moe_kernels_match_transformers(arch, tmp_path, monkeypatch):
     again = llm.generate(prompts[:1], params)  # its full blocks now hit the prefix cache
     assert again[0].num_cached_tokens > 0 and again[0].token_ids == outs[0].token_ids
     assert calls and len(calls) % len(sparse) == 0
+    llm.core.check_no_leaks()
+
+
+@pytest.mark.parametrize("arch", NEW_DENSE_ARCHS)
+def test_fused_new_dense_kernels_match_transformers(arch, tmp_path, monkeypatch):
+    """Phi-3 (its merged projections, half-width LongRoPE) and GLM-4 (pairwise half-width rotary, the
+    norms after attention and MLP) with the Triton kernels through the triton attention backend: greedy
+    tokens and logprobs equal transformers' in one batch, then again with prefix-cache hits; the rotary
+    kernel ran in the model's layout."""
+    from engine.models import fused_model
+
+    path = save_tiny_model(arch, tmp_path / "m", seed=15)
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = _llm(path, "on", backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
+    llm.core.runner.decode_graphs = None  # (GPU) every step eager, so the probe below sees each call
+    layouts: list[bool] = []
+    real = fused_model.apply_rotary
+    monkeypatch.setattr(fused_model, "apply_rotary", lambda *a, interleaved=False: layouts.append(interleaved)
+                        or real(*a, interleaved=interleaved))
+    prompts = [make_prompts(seed=15)[14], make_prompts(seed=15)[3]]  # 13-token shared prefix + 1; 4 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
+    outs = llm.generate(prompts, params)
+    assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
+    again = llm.generate(prompts[:1], params)  # its full blocks now hit the prefix cache
+    assert again[0].num_cached_tokens > 0 and again[0].token_ids == outs[0].token_ids
+    torch.testing.assert_close(torch.tensor(again[0].logprobs), torch.tensor(outs[0].logprobs),
+                               atol=1e-4, rtol=0)
+    assert set(layouts) == {arch == "Glm4ForCausalLM"}
     llm.core.check_no_leaks()
 
 
@@ -198,3 +226,20 @@ def test_rope_table_rows_equal_rotary_emb(arch, dtype, tmp_path):
     llm = _llm(path, "on")
     net = llm.core.runner.net
     assert net.rope_table is not None and net.rope_table.shape[0] == llm.core.runner.max_model_len
+
+
+def test_longrope_table_within_original_context(tmp_path):
+    """Phi-3's LongRoPE gets a table only while every position is inside its original context (where
+    transformers takes the short factors): its rows equal ``rotary_emb``'s; one position more, none."""
+    from engine.models.fused_model import rope_table
+
+    path = save_tiny_model("Phi3ForCausalLM", tmp_path / "m", seed=13)  # original context 512
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    rotary, like = model.model.rotary_emb, model.model.embed_tokens.weight
+    assert rotary.rope_type == "longrope"
+    table = rope_table(rotary, 512, like)
+    assert table is not None
+    positions = torch.tensor([[0, 7, 300, 511]])
+    cos, sin = rotary(like[:0], position_ids=positions)
+    assert torch.equal(table[positions[0]], torch.cat((cos[0], sin[0]), dim=1))
+    assert rope_table(rotary, 513, like) is None

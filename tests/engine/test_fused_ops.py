@@ -77,6 +77,34 @@ def test_silu_mul_matches_transformers(dtype):
     torch.testing.assert_close(silu_mul(gate_up), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_interleaved_rotary_matches_glm4(dtype):
+    """``interleaved=True`` (adjacent pairs) against transformers' GLM-4 ``apply_rotary_pos_emb``, on the
+    first half of each head (GLM-4's partial rotary) of views of a fused QKV output; the other dims and V
+    untouched."""
+    from transformers.models.glm4.modeling_glm4 import apply_rotary_pos_emb as glm4_rotary
+
+    t, h, hkv, d, rot = 3, 4, 2, 32, 16
+    qkv = _rand(t, (h + 2 * hkv) * d, dtype=dtype)
+    angles = _rand(t, rot // 2, dtype=torch.float32, seed=5) * 3
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    q0, k0 = qkv[:, : h * d].view(t, h, d).clone(), qkv[:, h * d: (h + hkv) * d].view(t, hkv, d).clone()
+    want_q, want_k = glm4_rotary(q0.transpose(0, 1)[None], k0.transpose(0, 1)[None], cos[None], sin[None])
+    for fn, tol in ((apply_rotary_reference, 0.0), (apply_rotary, TOL[dtype])):
+        buf = qkv.clone()
+        v_before = buf[:, (h + hkv) * d:].clone()
+        q, k = buf[:, : h * d].view(t, h, d), buf[:, h * d: (h + hkv) * d].view(t, hkv, d)
+        fn(q[..., :rot], k[..., :rot], cos, sin, interleaved=True)
+        torch.testing.assert_close(q, want_q[0].transpose(0, 1), atol=tol, rtol=tol)
+        torch.testing.assert_close(k, want_k[0].transpose(0, 1), atol=tol, rtol=tol)
+        assert torch.equal(buf[:, (h + hkv) * d:], v_before)  # V untouched
+    plain = qkv.clone()  # the halves layout gives other values: the flag is what changes the pairing
+    apply_rotary_reference(plain[:, : h * d].view(t, h, d)[..., :rot],
+                           plain[:, h * d: (h + hkv) * d].view(t, hkv, d)[..., :rot], cos, sin)
+    assert not torch.allclose(plain[:, : h * d].view(t, h, d), want_q[0].transpose(0, 1))
+
+
 def test_empty_batches_and_bad_shapes():
     x = _rand(0, 64, dtype=torch.float32)
     assert rms_norm(x, _rand(64, dtype=torch.float32), 1e-6).shape == (0, 64)

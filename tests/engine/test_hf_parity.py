@@ -1,6 +1,6 @@
 """Model parity with Hugging Face transformers: greedy tokens equal and logprobs within 1e-4 of
-``generate`` for tiny random Llama/Mistral/Qwen2/Qwen3 models, the mixtures of experts Qwen3-MoE, Mixtral
-and GLM-4.5 (``MOE_ARCHS``), and the real SmolLM2-135M, run as one
+``generate`` for tiny random Llama/Mistral/Qwen2/Qwen3 models, Phi-3 and GLM-4 (``NEW_DENSE_ARCHS``), the
+mixtures of experts Qwen3-MoE, Mixtral and GLM-4.5 (``MOE_ARCHS``), and the real SmolLM2-135M, run as one
 continuous batch with prefix-cache hits, chunked prefill, preemption, and the triton backend."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from engine.llm import LLM, RequestOutput
 from engine.models.registry import resolve_model
 from engine.sampling_params import SamplingParams
 from engine.text.tokenizer import load_tokenizer
-from tests.engine.test_loader import ARCHS, MOE_ARCHS, save_tiny_model
+from tests.engine.test_loader import ARCHS, MOE_ARCHS, NEW_DENSE_ARCHS, save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -171,6 +171,28 @@ def test_moe_greedy_batch_with_prefix_hits_matches_hf(arch, tmp_path_factory):
     those), 6 tokens each, to keep the per-prompt ``generate`` reference cheap."""
     path, model = _tiny(arch, tmp_path_factory)
     llm = _llm(path, num_blocks=256)
+    prompts = make_prompts()[::3]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
+    first = llm.generate(prompts, params)
+    assert_matches_hf(model, prompts, first, eos=2, max_tokens=6)
+    second = llm.generate(prompts[::-1], params)
+    assert [o.token_ids for o in second] == [o.token_ids for o in first[::-1]]
+    again = torch.tensor([lp for o in second for lp in o.logprobs or []])
+    torch.testing.assert_close(again, torch.tensor([lp for o in first[::-1] for lp in o.logprobs or []]),
+                               atol=1e-4, rtol=0)
+    assert sum(o.num_cached_tokens for o in second) >= sum(len(p) // 4 * 4 - 4 for p in prompts if len(p) > 4)
+    llm.core.check_no_leaks()
+
+
+@pytest.mark.parametrize("fused_ops", ["off", "on"])
+@pytest.mark.parametrize("arch", NEW_DENSE_ARCHS)
+def test_new_dense_greedy_batch_with_prefix_hits_matches_hf(arch, fused_ops, tmp_path_factory):
+    """Phi-3 and GLM-4, through transformers' modules and through the fused forward (torch references),
+    fp32, in one continuous batch with a chunked prefill, then again with every full block a prefix-cache
+    hit: greedy tokens and logprobs equal transformers'."""
+    path, model = _tiny(arch, tmp_path_factory)
+    llm = _llm(path, num_blocks=256, fused_ops=fused_ops, max_num_batched_tokens=32)
+    assert (llm.core.runner.net is llm.core.runner.model) == (fused_ops == "off")
     prompts = make_prompts()[::3]
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
     first = llm.generate(prompts, params)

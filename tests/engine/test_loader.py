@@ -1,5 +1,6 @@
-"""Loader, registry and GGUF-conversion tests: the four supported architectures, dtypes, dummy weights,
-clear errors for bad directories, cache-dir resolution, atomic conversion under a file lock."""
+"""Loader, registry and GGUF-conversion tests: the supported architectures, dtypes, dummy weights, clear
+errors for bad directories and refused models (Gemma, LongRoPE past its context, sliding windows),
+cache-dir resolution, atomic conversion under a file lock."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
+    Glm4Config,
     Glm4MoeConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
@@ -32,6 +35,18 @@ from engine.models.loader import load_model
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 MOE_ARCHS = ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"]
+# Dense families beyond the Llama layout: Phi-3 (merged qkv_proj / gate_up_proj) and GLM-4 (interleaved
+# rotary, norms after attention and after the MLP).
+NEW_DENSE_ARCHS = ["Phi3ForCausalLM", "Glm4ForCausalLM"]
+# Phi-3: half-width rotary and LongRoPE within its original context (the short factors, uneven so a
+# wrong choice shows); GLM-4: its published config's half-width rotary and QKV biases.
+DENSE_EXTRA: dict[str, dict[str, object]] = {
+    "Phi3ForCausalLM": dict(rope_scaling=dict(rope_type="longrope", rope_theta=10000.0,
+                                              partial_rotary_factor=0.5, short_factor=[1.0, 1.5, 2.0, 3.0],
+                                              long_factor=[4.0] * 4),
+                            original_max_position_embeddings=512, partial_rotary_factor=0.5, pad_token_id=0),
+    "Glm4ForCausalLM": dict(head_dim=16, partial_rotary_factor=0.5, attention_bias=True, pad_token_id=0),
+}
 # Tiny mixture-of-experts shapes: 8 experts of width 32, top-2 (Qwen3-MoE: one dense layer through
 # mlp_only_layers; GLM-4.5: a dense first layer, a shared expert, 2 groups with the best 1 kept, scaling,
 # half-width rotary and q/k norms, as GLM-4.5's published config has them).
@@ -70,8 +85,10 @@ def tiny_config(arch: str, vocab: int = 256) -> PretrainedConfig:
         "Qwen3MoeForCausalLM": Qwen3MoeConfig,
         "MixtralForCausalLM": MixtralConfig,
         "Glm4MoeForCausalLM": Glm4MoeConfig,
+        "Phi3ForCausalLM": Phi3Config,
+        "Glm4ForCausalLM": Glm4Config,
     }[arch]
-    extra = {"head_dim": 16} if arch == "Qwen3ForCausalLM" else MOE_EXTRA.get(arch, {})
+    extra = {"head_dim": 16} if arch == "Qwen3ForCausalLM" else {**MOE_EXTRA, **DENSE_EXTRA}.get(arch, {})
     cfg = cls(**{**common, **extra})
     cfg.architectures = [arch]
     return cfg
@@ -85,7 +102,7 @@ def save_tiny_model(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = t
     return path
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + NEW_DENSE_ARCHS)
 def test_load_each_architecture_keeps_weights(arch, tmp_path):
     path = save_tiny_model(arch, tmp_path / arch)
     model, cfg = load_model(ModelConfig(str(path), dtype="float32", device="cpu"))
@@ -229,6 +246,52 @@ def test_sliding_window_shorter_than_max_model_len_refused(tmp_path):
         load_model(ModelConfig(str(tmp_path / "m"), device="cpu", max_model_len=65))
     model, _ = load_model(ModelConfig(str(tmp_path / "m"), device="cpu", max_model_len=64))
     assert model.config.sliding_window == 64
+
+
+@pytest.mark.parametrize(("arch", "named"), [
+    ("Gemma2ForCausalLM", r"sliding-window attention layers .* not supported .* nor is its attention logit "
+                          r"soft-capping"),
+    ("Gemma3ForCausalLM", r"sliding-window attention layers \(interleaved with global ones\) are not "
+                          r"supported"),
+])
+def test_gemma_refused_before_weights_naming_why(arch, named, tmp_path):
+    """Gemma 2/3 (sliding-window layers, Gemma 2's soft-capped attention logits) are refused from their
+    config.json alone, with the reason, not run with full attention."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], "vocab_size": 64}))
+    with pytest.raises(registry.UnsupportedModelError, match=rf"architecture {arch} .*{named}.*supported: "):
+        load_model(ModelConfig(str(tmp_path), device="cpu"))
+
+
+def test_longrope_past_original_context_refused(tmp_path):
+    """Phi-3's LongRoPE runs while sequences stay within ``original_max_position_embeddings`` (the short
+    factors, as transformers uses them there); a ``max_model_len`` beyond it is refused, naming both."""
+    cfg = tiny_config("Phi3ForCausalLM")
+    cfg.max_position_embeddings = 1024  # original_max_position_embeddings 512
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"rope_scaling longrope with max_model_len=1024 > "
+                                         r"original_max_position_embeddings=512.*max_model_len <= 512"):
+        load_model(ModelConfig(str(tmp_path / "m"), device="cpu"))
+    with pytest.raises(ValueError, match=r"max_model_len=513 > original_max_position_embeddings=512"):
+        load_model(ModelConfig(str(tmp_path / "m"), device="cpu", max_model_len=513))
+    model, _ = load_model(ModelConfig(str(tmp_path / "m"), device="cpu", max_model_len=512))
+    assert type(model).__name__ == "Phi3ForCausalLM"
+
+
+@pytest.mark.parametrize("arch", NEW_DENSE_ARCHS)
+def test_new_dense_refuse_fp8_and_tensor_parallelism(arch, tmp_path):
+    """Phi-3 and GLM-4 load as they are; FP8 (``--quantization fp8``) and tensor parallelism, which
+    handle the Llama layout only, are refused naming the architecture."""
+    from engine.models.tensor_parallel import check_tensor_parallel
+
+    path = save_tiny_model(arch, tmp_path / "m")
+    model, cfg = load_model(ModelConfig(str(path), dtype="float32", device="cpu"))
+    assert type(model).__name__ == arch
+    with pytest.raises(registry.UnsupportedModelError, match=rf"FP8 weights for {arch} .* not supported"):
+        load_model(ModelConfig(str(path), device="cpu", quantization="fp8"))
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size=2: {arch} is not supported with tensor "
+                                         r"parallelism"):
+        check_tensor_parallel(cfg, 2)
 
 
 def test_missing_config_weights_and_unknown_path(tmp_path):
