@@ -10,7 +10,9 @@ Queues and states of a request:
      (blocks freed);
   4. ``draining``: aborted or failed while KV was in flight; the blocks are freed only once the receiver
      says no write can still land in them (``KVReceiver.releasable``: the fence).
-Transfer FAILED/ABORTED by the peer → ``RequestFailed``. ``AbortRequest`` works in every state.
+Transfer FAILED/ABORTED by the peer → ``RequestFailed``; so does a token the request's grammar rejects
+(the first one, replayed into this worker's matcher when the KV lands, or a later one). ``AbortRequest``
+works in every state.
 
 A canary (``KVCanaryReserve``, a test of the data path): ``canary_blocks`` blocks reserved like a
 request's (``Scheduler.add_waiting_for_kv``) and ``KVReceiver.expect``-ed with the gateway's deadline,
@@ -265,7 +267,9 @@ class DecodeWorker(WorkerLoop):
         seq = self.core.scheduler.kv_landed(rid, self.first_tokens.pop(rid))
         now = time.monotonic()
         self.metrics.joined(seq, now, batch_was_empty=not self.seqs)
-        if seq.is_finished:  # the first token already ends it (e.g. a stop token id)
+        if seq.error is not None:  # its grammar rejects the first token: blocks freed, nothing streamed
+            self.fail(rid, seq.error)
+        elif seq.is_finished:  # the first token already ends it (e.g. a stop token id)
             reason: FinishReason = "stop" if seq.status is SequenceStatus.FINISHED_STOPPED else "length"
             self.metrics.finished(seq, reason, now)
             self.emit(RequestFinished(request_id=rid, worker_id=self.worker_id, finish_reason=reason,

@@ -291,6 +291,21 @@ def test_min_tokens_with_a_grammar_complete_sooner_stops_there(smol: LLM) -> Non
 
 
 @pytest.mark.slow
+def test_a_token_the_grammar_rejects_fails_its_request(smol: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the mask switched off the greedy token breaks the grammar: ``generate`` raises naming the
+    grammar (no token 0, no output), and every block is free."""
+    import engine.sampler
+
+    monkeypatch.setattr(engine.sampler, "apply_grammar_mask", lambda logits, mask: None)
+    so = StructuredOutput(kind="choice", spec=json.dumps(["zebra"]))
+    with pytest.raises(StructuredOutputError, match=r"structured output.*choice grammar"):
+        smol.generate(["The capital of France is", "Hi"],
+                      [SamplingParams(max_tokens=4, temperature=0.0, structured_output=so),
+                       SamplingParams(max_tokens=4, temperature=0.0)])
+    smol.core.check_no_leaks()
+
+
+@pytest.mark.slow
 def test_max_tokens_first_gives_length(smol: LLM) -> None:
     schema = {"type": "array", "items": {"type": "integer"}, "minItems": 20}
     so = StructuredOutput(kind="json", spec=json.dumps(schema))
