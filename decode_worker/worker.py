@@ -15,7 +15,9 @@ Queues and states of a request:
   4. ``draining``: aborted or failed while KV was in flight; the blocks are freed only once the receiver
      says no write can still land in them (``KVReceiver.releasable``: the fence). Cached prefix blocks are
      never written by a transfer; an abort drops this request's references to them only.
-Transfer FAILED/ABORTED by the peer → ``RequestFailed``. ``AbortRequest`` works in every state.
+Transfer FAILED/ABORTED by the peer → ``RequestFailed``; so does a token the request's grammar rejects
+(the first one, replayed into this worker's matcher when the KV lands, or a later one). ``AbortRequest``
+works in every state.
 
 A canary (``KVCanaryReserve``, a test of the data path): ``canary_blocks`` blocks reserved like a
 request's (``Scheduler.add_waiting_for_kv``) and ``KVReceiver.expect``-ed with the gateway's deadline,
@@ -294,7 +296,9 @@ class DecodeWorker(WorkerLoop):
         num_cached = seq.num_cached_tokens // block_size
         self.metrics.kv_received(-(-seq.num_prompt_tokens // block_size) - num_cached, num_cached,
                                  self.core.runner.kv_cache.bytes_per_block)
-        if seq.is_finished:  # the first token already ends it (e.g. a stop token id)
+        if seq.error is not None:  # its grammar rejects the first token: blocks freed, nothing streamed
+            self.fail(rid, seq.error)
+        elif seq.is_finished:  # the first token already ends it (e.g. a stop token id)
             reason: FinishReason = "stop" if seq.status is SequenceStatus.FINISHED_STOPPED else "length"
             self.metrics.finished(seq, reason, now)
             self.emit(RequestFinished(request_id=rid, worker_id=self.worker_id, finish_reason=reason,

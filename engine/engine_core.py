@@ -36,6 +36,7 @@ FINISH_REASONS: dict[SequenceStatus, str] = {
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
     SequenceStatus.FINISHED_PREFILLED: "prefilled",
+    SequenceStatus.FINISHED_FAILED: "error",
 }
 
 
@@ -44,7 +45,8 @@ class StepOutput(msgspec.Struct, frozen=True):
 
     ``logprob`` / ``top_logprobs``: raw model logprobs (see ``engine.sampler``), None unless requested.
     ``finish_reason``: None while running, else ``"stop"`` (eos / stop token id), ``"length"``
-    (max_tokens or max_model_len) or ``"prefilled"`` (prefill-only engine).
+    (max_tokens or max_model_len), ``"prefilled"`` (prefill-only engine) or ``"error"``: the request's
+    grammar rejected ``token_id`` (``error`` says so; the token is no output: send nothing of it).
     ``prompt_logprobs``: on a request's first output token when it asked for them
     (``SamplingParams.prompt_logprobs``): the entries of prompt tokens ``1 .. n - 1``
     (``engine.prompt_logprobs``); else None.
@@ -56,6 +58,7 @@ class StepOutput(msgspec.Struct, frozen=True):
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
     prompt_logprobs: list[PromptTokenLogprob] | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -295,7 +298,8 @@ class EngineCore:
                 continue
             reason = None if status is running else FINISH_REASONS.get(status)
             prompt = seq.prompt_logprobs if seq.num_output_tokens == 1 else None
-            outs.append(StepOutput(seq.request_id, r.token_id, r.logprob, r.top_logprobs, reason, prompt))
+            outs.append(StepOutput(seq.request_id, r.token_id, r.logprob, r.top_logprobs, reason, prompt,
+                                   seq.error))
         return outs
 
     def close(self) -> None:

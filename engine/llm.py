@@ -17,6 +17,7 @@ from engine.engine_core import EngineCore, StepOutput
 from engine.models.registry import resolve_model
 from engine.prompt_logprobs import PromptTokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutputError
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.tokenizer import TextTokenizer, load_tokenizer
 
@@ -121,7 +122,8 @@ class LLM:
             ValueError: a per-prompt params list of the wrong length, an empty or too long prompt, token
                 ids outside the vocabulary, text prompts without a tokenizer (checked for every prompt
                 before any is queued), or a ``structured_output`` that does not compile
-                (``StructuredOutputError``); on any error all of this call's requests are aborted.
+                (``StructuredOutputError``, also when a grammar rejects a sampled token); on any error all
+                of this call's requests are aborted.
         """
         plist = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(plist))
@@ -163,6 +165,8 @@ class LLM:
     def _apply(self, step: StepOutput, out: RequestOutput, detok: IncrementalDetokenizer | None) -> None:
         if out.finish_reason is not None:
             return
+        if step.error is not None:
+            raise StructuredOutputError(step.error)
         out.token_ids.append(step.token_id)
         if step.prompt_logprobs is not None:
             out.prompt_logprobs = [None, *step.prompt_logprobs]

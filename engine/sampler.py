@@ -10,7 +10,8 @@ Order of operations per row (all rows at once, no per-request loop over the voca
    Then the grammar: rows with a ``structured_output`` get ``-inf`` on every token their grammar's bitmask
    (``GrammarMask``, filled on the host by ``engine.structured_output``) does not allow, on the logits'
    device (xgrammar's ``apply_token_bitmask_inplace``: a CUDA/Triton kernel on the GPU, a CPU loop on the
-   host; the plain-torch reference is ``masked_by_bitmask``).
+   host; the plain-torch reference is ``masked_by_bitmask``). The grammar wins over ``min_tokens``: a row
+   whose grammar allows only the banned eos/stop tokens (its output is complete) is sampled without the ban.
 2. Greedy rows (``temperature == 0``) take the argmax. Other rows: divide by temperature, then top-k,
    top-p (smallest set of tokens whose probability mass reaches ``top_p``), then min-p (drop tokens with
    probability below ``min_p`` × the largest), as in transformers' warpers.
@@ -182,6 +183,12 @@ def _bias(ps: Sequence[SamplingParams], vocab: int, device: torch.device) -> tor
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Return ``logits [B, V]`` (float32) with ``logit_bias``, repetition/presence/frequency penalties and
     the ``min_tokens`` eos/stop mask applied (see module docstring). Rows without penalties are unchanged."""
+    return ban_stop_tokens(penalized(logits, rows), rows)
+
+
+def penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits [B, V]`` (float32) with ``logit_bias`` and repetition/presence/frequency penalties applied;
+    ``logits`` itself (unmodified) when no row has any."""
     dev, vocab = logits.device, logits.shape[1]
     ps = [r.params for r in rows]
     if any(p.logit_bias for p in ps):
@@ -195,6 +202,13 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         counts = _token_counts([r.output_token_ids for r in rows], vocab, dev)
         logits = logits - _column([p.frequency_penalty for p in ps], dev) * counts
         logits = logits - _column([p.presence_penalty for p in ps], dev) * (counts > 0).float()
+    return logits
+
+
+def ban_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``logits [B, V]`` with eos and ``stop_token_ids`` at ``-inf`` in the rows with fewer than
+    ``min_tokens`` outputs (a new tensor); ``logits`` itself when no row has such a ban."""
+    dev, vocab = logits.device, logits.shape[1]
     banned = [
         [*r.params.stop_token_ids, *([r.eos_token_id] if r.eos_token_id is not None else [])]
         if len(r.output_token_ids) < r.params.min_tokens else []
@@ -294,11 +308,19 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} must be [len(rows)={len(rows)}, vocab]")
         raw = logits.float() if raw is None else raw
-        processed = apply_penalties(raw, rows)
+        free = penalized(raw, rows)
+        processed = ban_stop_tokens(free, rows)
         if grammar_mask is not None:
+            banned = processed is not free  # a new tensor: some row is below its min_tokens
             if processed is raw or processed is logits:
                 processed = raw.clone()
             apply_grammar_mask(processed, grammar_mask)
+            if banned:
+                # The grammar wins over min_tokens: a row left with no allowed token (its grammar allows
+                # only the banned eos/stop tokens) takes its grammar-masked logits without the ban.
+                free = raw.clone() if free is raw or free is logits else free
+                apply_grammar_mask(free, grammar_mask)
+                processed = torch.where(torch.isneginf(processed).all(dim=-1, keepdim=True), free, processed)
         tokens = processed.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:

@@ -77,8 +77,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     lacks are ignored by the sampler (the gateway refuses ids outside the tokenizer's vocabulary).
     ``structured_output``: the output must follow this grammar (``StructuredOutput``): each sampled token
     is masked to the grammar's allowed set, and the request stops (``"stop"``) when the grammar is
-    complete and ends (eos then is the only token allowed; ``ignore_eos`` does not extend it). It needs
-    ``min_tokens == 0`` (a min-tokens eos ban could leave no token allowed).
+    complete and ends (eos then is the only token allowed; ``ignore_eos`` does not extend it). With
+    ``min_tokens`` the grammar wins: eos and ``stop_token_ids`` are banned before ``min_tokens`` outputs
+    only while the grammar allows another token, so a grammar complete sooner still ends the output there.
     Lists given for ``stop`` / ``stop_token_ids`` / ``logit_bias`` are stored as tuples. An unknown
     field is refused (a newer sender's parameter is never silently ignored).
 
@@ -153,8 +154,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         so = self.structured_output
         _require(so is None or isinstance(so, StructuredOutput), "structured_output",
                  "None or a StructuredOutput", so)
-        _require(so is None or self.min_tokens == 0, "min_tokens", "0 with a structured_output",
-                 self.min_tokens)
 
     @property
     def greedy(self) -> bool:

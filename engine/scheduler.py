@@ -129,7 +129,8 @@ class Scheduler:
         """Decode side: the prompt's KV arrived and the prefill sampled ``first_token``.
 
         Marks the prompt computed, appends the token and moves the sequence to running (the next step
-        decodes it), or finishes it at once if that token already ends it. Returns the sequence.
+        decodes it), or finishes it at once if that token already ends it (FINISHED_FAILED with ``error``
+        set when its grammar rejects that token). Returns the sequence.
 
         Raises: KeyError (unknown ``request_id``), ValueError (not WAITING_FOR_KV).
         """
@@ -143,7 +144,7 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        status = check_stop(seq, self.max_model_len)
+        status = self._stop_status(seq)
         if status is not None:
             self._finish(seq, status)
         return seq
@@ -267,7 +268,9 @@ class Scheduler:
 
         ``sampled`` maps request id → token id for every entry with ``samples=True``. Sequences aborted
         since :meth:`schedule` are skipped. Returns sequences that finished (or, in prefill-only mode,
-        became FINISHED_PREFILLED) in this step; finished ones have their blocks freed.
+        became FINISHED_PREFILLED) in this step; finished ones have their blocks freed. A sequence whose
+        grammar rejects its token ends FINISHED_FAILED with ``error`` set (the prefill-only mode leaves
+        that check to its caller, which holds the blocks while their KV may still be read).
 
         Raises:
             KeyError: a sampling sequence has no token in ``sampled`` (checked before any change).
@@ -291,12 +294,20 @@ class Scheduler:
             cache_full_blocks(seq)
             if not s.samples:
                 continue
-            status = SequenceStatus.FINISHED_PREFILLED if self.prefill_only else check_stop(
-                seq, self.max_model_len)
+            status = SequenceStatus.FINISHED_PREFILLED if self.prefill_only else self._stop_status(seq)
             if status is not None:
                 self._finish(seq, status)
                 done.append(seq)
         return done
+
+    def _stop_status(self, seq: Sequence) -> SequenceStatus | None:
+        """``check_stop`` of a sequence that just sampled; FINISHED_FAILED (``seq.error`` says why) when
+        its grammar rejects the token, which then ends that sequence alone."""
+        try:
+            return check_stop(seq, self.max_model_len)
+        except ValueError as exc:  # StructuredOutputError: the only error check_stop raises
+            seq.error = f"the sampled token breaks the request's structured output: {exc}"
+            return SequenceStatus.FINISHED_FAILED
 
     def next_decode_step(self, output: SchedulerOutput) -> SchedulerOutput | None:
         """The step :meth:`schedule` will return once decode-only ``output`` (not yet :meth:`update`-d) is

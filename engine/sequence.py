@@ -23,6 +23,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"      # max_tokens or max_model_len reached
     FINISHED_ABORTED = "finished_aborted"    # aborted by the client / gateway
     FINISHED_PREFILLED = "finished_prefilled"  # prefill worker: prompt done, first token sampled, blocks held
+    FINISHED_FAILED = "finished_failed"      # its grammar rejected its sampled token (``Sequence.error``)
 
     @property
     def is_finished(self) -> bool:
@@ -51,6 +52,7 @@ class Sequence:
     ``prompt_logprobs``: with ``sampling_params.prompt_logprobs`` set, the entries of prompt tokens
     ``1 .. len`` computed so far (entry ``i`` for token ``i + 1``; filled by the model runner as the
     prompt's chunks run; complete at ``num_prompt_tokens - 1`` entries); None when not requested.
+    ``error``: why the sequence ended FINISHED_FAILED (None otherwise).
 
     Raises:
         ValueError: empty prompt or negative token ids.
@@ -83,6 +85,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.first_scheduled_time: float | None = None
         self.grammar: GrammarState | None = None
+        self.error: str | None = None
         self.prompt_logprobs: list[PromptTokenLogprob] | None = (
             [] if sampling_params.prompt_logprobs is not None else None)
 

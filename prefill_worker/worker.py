@@ -288,7 +288,11 @@ class PrefillWorker(WorkerLoop):
                 continue
             sampled += 1
             kv_handle = self.kv_handles.pop(out.request_id, None)
-            status = check_stop(seq, self.core.max_model_len)
+            try:  # the first token through the request's grammar matcher (accepted, or the request fails)
+                status = check_stop(seq, self.core.max_model_len)
+            except ValueError as exc:  # StructuredOutputError: the only error check_stop raises
+                self._first_token_rejected(seq, kv_handle, exc)
+                continue
             reason = _REASONS.get(status) if status is not None else None
             if kv_handle is None:
                 reason = reason or "length"
@@ -309,6 +313,18 @@ class PrefillWorker(WorkerLoop):
             if reason is not None:  # the request ends here: its KV is not needed
                 self.drop(out.request_id)
         self.metrics.step(sampled, now)
+
+    def _first_token_rejected(self, seq: Sequence, kv_handle: KVHandle | RankedHandles | None,
+                              exc: ValueError) -> None:
+        """Fail a request whose grammar rejects its first token: no ``FirstToken``; its transfer (if one
+        started) is aborted and its blocks released once that is terminal, else released now."""
+        rid = seq.request_id
+        self._hook_errors.pop(rid, None)
+        if kv_handle is not None and rid in self.kv.pending():
+            self.sending[rid] = seq  # ``fail`` → ``drop`` aborts the transfer; ``poll`` releases the blocks
+        else:
+            self.core.scheduler.release(seq)
+        self.fail(rid, f"the first token breaks the request's structured output: {exc}")
 
     def poll(self) -> None:
         """Release the source blocks of every request whose transfer is terminal, then forget the transfer

@@ -2,7 +2,8 @@
 the frames a worker phase sends (``batch_outputs``: its per-request messages in one ``OutputBatch``).
 
 Shared by the colocated and decode workers: an output is the request's first token when the sequence
-holds exactly one output token after the step; its finish reason (``stop`` / ``length``) ends it.
+holds exactly one output token after the step; its finish reason (``stop`` / ``length``) ends it. An
+output whose grammar rejected its token (``StepOutput.error``) becomes ``RequestFailed`` alone.
 """
 
 from __future__ import annotations
@@ -61,10 +62,13 @@ def token_messages(worker_id: str, seq: Sequence, out: StepOutput, metrics: Work
     """Messages for one sampled token of ``seq`` (``out.token_id`` is already appended to it).
 
     The first output token becomes a ``FirstToken``, each later one a ``NextToken``; a finished
-    request is followed by ``RequestFinished`` with its prompt/output token counts. ``metrics`` (with
-    ``now``, ``time.monotonic()`` s) hears of the first token and of the end.
+    request is followed by ``RequestFinished`` with its prompt/output token counts; a token its grammar
+    rejected (``out.error``) gives ``RequestFailed`` only. ``metrics`` (with ``now``, ``time.monotonic()``
+    s) hears of the first token and of the end.
     """
     rid, reason = out.request_id, finish_reason(out)
+    if out.error is not None:  # the token is no output: the request ends here (its blocks are freed)
+        return [RequestFailed(request_id=rid, worker_id=worker_id, error=out.error)]
     msgs: list[Message] = []
     if seq.num_output_tokens == 1:
         msgs.append(FirstToken(request_id=rid, worker_id=worker_id, token_id=out.token_id,

@@ -69,6 +69,18 @@ def test_structured_outputs_choice_regex_grammar(quad: Quad) -> None:
     assert re.fullmatch(r"The answer is [0-9]\.", ebnf.texts()[0]) and ebnf.choices[0].finish_reason == "stop"
 
 
+def test_min_tokens_yields_to_a_complete_grammar(quad: Quad) -> None:
+    """``min_tokens`` beyond what the grammar allows: the choice (one token, then eos, which the decode
+    worker's min_tokens ban would forbid) still ends with "stop" on every path; a regex that can go on
+    keeps going until ``min_tokens`` tokens."""
+    choice = quad("completions", prompt="The capital of France is", max_tokens=8, temperature=0,
+                  extra_body={"structured_outputs": {"choice": ["Paris", "Rome"]}, "min_tokens": 6})
+    assert choice.texts() == ["Paris"] and choice.choices[0].finish_reason == "stop"
+    digits = quad("completions", prompt="Count: 1, 2,", max_tokens=10, temperature=0,
+                  extra_body={"structured_outputs": {"regex": "[0-9 ,]{1,20}"}, "min_tokens": 6})
+    assert digits.usage is not None and digits.usage[1] >= 6
+
+
 def test_max_tokens_first_is_length(quad: Quad) -> None:
     schema = {"type": "array", "items": {"type": "integer"}, "minItems": 30}
     out = quad("chat", max_tokens=4, temperature=0,

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import jsonschema
+import msgspec
 import pytest
 import torch
 
@@ -99,14 +100,44 @@ def test_sampler_mixed_batch_masks_only_constrained_rows() -> None:
     assert masked[1].logprob == pytest.approx(float(raw[1, masked[1].token_id]), abs=1e-5)
 
 
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """int32 ``[B, ceil(V / 32)]`` xgrammar bitmask of a bool ``[B, V]`` allowed-token matrix."""
+    batch, vocab = allowed.shape
+    words = torch.zeros(batch, (vocab + 31) // 32, dtype=torch.int64)
+    for r in range(batch):
+        for j in allowed[r].nonzero().flatten().tolist():
+            words[r, j // 32] |= 1 << (j % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_min_tokens_yields_to_a_grammar_that_allows_only_eos(temperature: float) -> None:
+    """``min_tokens`` bans eos (and stop_token_ids) only while the grammar allows another token: a row
+    whose grammar allows eos alone samples eos (not token 0 of an all ``-inf`` row); a row whose grammar
+    allows eos and other tokens samples one of the others; rows without a ban keep their plain token."""
+    vocab, eos = 70, 2
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(11))
+    logits[:, eos] = 50.0  # eos is the model's favourite everywhere
+    so = StructuredOutput(kind="regex", spec="a")  # the sampler only looks at the mask
+    params = SamplingParams(temperature=temperature, seed=3, min_tokens=4, stop_token_ids=(9,),
+                            structured_output=so)
+    rows = [SamplingRow(params=p, seed=3, output_position=0, prompt_token_ids=(), output_token_ids=(),
+                        eos_token_id=eos)
+            for p in (params, params, msgspec.structs.replace(params, min_tokens=0))]
+    allowed = torch.zeros(3, vocab, dtype=torch.bool)
+    allowed[0, eos] = True  # grammar complete: only its end
+    allowed[1, [eos, 9, 33, 41]] = True  # complete or continuing
+    allowed[2, [eos, 33]] = True  # min_tokens reached: eos allowed
+    out = Sampler()(logits, rows, GrammarMask(_bitmask(allowed), [0, 1, 2]))
+    assert out[0].token_id == eos
+    assert out[1].token_id in (33, 41)
+    assert out[2].token_id == eos
+
+
 def test_structured_output_params_are_validated() -> None:
     with pytest.raises(SamplingParamsError, match=r"structured_output\.kind"):
         StructuredOutput(kind="yaml", spec="")  # type: ignore[arg-type]
-    with pytest.raises(SamplingParamsError, match="min_tokens"):
-        SamplingParams(min_tokens=1, structured_output=StructuredOutput(kind="json_object"))
     sp = SamplingParams(structured_output=StructuredOutput(kind="regex", spec="[0-9]+"))
-    import msgspec
-
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams) == sp
 
 
@@ -241,6 +272,36 @@ def test_regex_choice_object_and_grammar(smol: LLM) -> None:
     assert isinstance(json.loads(outs[2].text), dict)
     assert re.fullmatch(r"The answer is [0-9]\.", outs[3].text)
     assert all(o.token_ids[-1] == smol.core.eos_token_id for o in outs)
+    smol.core.check_no_leaks()
+
+
+@pytest.mark.slow
+def test_min_tokens_with_a_grammar_complete_sooner_stops_there(smol: LLM) -> None:
+    """A choice complete after two tokens with ``min_tokens`` 8: the grammar wins (the choice, then eos,
+    "stop"); a regex that can go on keeps going until ``min_tokens`` outputs exist."""
+    choice = StructuredOutput(kind="choice", spec=json.dumps(["Paris", "London"]))
+    digits = StructuredOutput(kind="regex", spec="[0-9]{1,12}")
+    outs = smol.generate(["The capital of France is", "Count: 1, 2,"],
+                         [SamplingParams(max_tokens=12, temperature=0.0, min_tokens=8, structured_output=s)
+                          for s in (choice, digits)])
+    assert outs[0].text in ("Paris", "London") and outs[0].finish_reason == "stop"
+    assert outs[0].token_ids[-1] == smol.core.eos_token_id and 0 not in outs[0].token_ids
+    assert re.fullmatch("[0-9]+", outs[1].text) and len(outs[1].token_ids) >= 8
+    smol.core.check_no_leaks()
+
+
+@pytest.mark.slow
+def test_a_token_the_grammar_rejects_fails_its_request(smol: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the mask switched off the greedy token breaks the grammar: ``generate`` raises naming the
+    grammar (no token 0, no output), and every block is free."""
+    import engine.sampler
+
+    monkeypatch.setattr(engine.sampler, "apply_grammar_mask", lambda logits, mask: None)
+    so = StructuredOutput(kind="choice", spec=json.dumps(["zebra"]))
+    with pytest.raises(StructuredOutputError, match=r"structured output.*choice grammar"):
+        smol.generate(["The capital of France is", "Hi"],
+                      [SamplingParams(max_tokens=4, temperature=0.0, structured_output=so),
+                       SamplingParams(max_tokens=4, temperature=0.0)])
     smol.core.check_no_leaks()
 
 

@@ -180,8 +180,6 @@ JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("structured_outputs-and-response_format", CHAT, chat(structured_outputs={"regex": "a"},
                                                           response_format={"type": "json_object"}), 400,
      "structured_outputs"),
-    ("structured_output-min_tokens", CHAT, chat(response_format={"type": "json_object"}, min_tokens=2), 400,
-     "min_tokens"),
     ("prediction", CHAT, chat(prediction={"type": "content", "content": "x"}), 400, "prediction"),
     ("audio", CHAT, chat(audio={"voice": "alloy", "format": "wav"}), 400, "audio"),
     ("modalities-audio", CHAT, chat(modalities=["text", "audio"]), 400, "modalities"),
