@@ -514,3 +514,25 @@ def test_up_gives_every_child_one_private_per_run_key_pair_or_the_insecure_flag(
         assert none is None
         children = plan(UpSettings(insecure_control_plane=True), 7777, 0, none)
         assert all("--insecure-control-plane" in args and "--curve-keys" not in args for _, args in children)
+
+
+def test_up_starts_each_tensor_parallel_worker_with_its_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pdserve up`` hands each worker the ``CUDA_VISIBLE_DEVICES`` of its GPU set (kept for restarts:
+    ``Supervisor.envs``); the gateway gets none."""
+    from pdserve import launcher
+
+    started: dict[str, dict[str, str]] = {}
+
+    def start(self: Supervisor, name: str, args: list[str], log_path: str | None = None,
+              env: dict[str, str] | None = None) -> None:
+        started[name] = dict(env or {})
+
+    monkeypatch.setattr(launcher, "gpu_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    monkeypatch.setattr(launcher.Supervisor, "start", start)
+    monkeypatch.setattr(launcher, "wait_ready", lambda *a, **k: "interrupted")
+    tp2 = WorkerSettings(role="colocated", tensor_parallel_size=2, insecure_control_plane=True)
+    up = UpSettings(port=launcher.free_port(), insecure_control_plane=True, worker=tp2)
+    assert launcher._supervise(up, launcher.Supervisor(), [], 1.0, None) == 0
+    assert started == {"gateway": {}, "prefill-0": {"CUDA_VISIBLE_DEVICES": "4,5"},
+                       "decode-0": {"CUDA_VISIBLE_DEVICES": "6,7"}}
