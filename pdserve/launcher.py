@@ -136,8 +136,9 @@ def placements(device: str, tensor_parallel_sizes: Sequence[int], num_gpus: int)
     order). With ``--device auto|cuda`` and GPUs present: when every worker has one rank, worker i gets
     ``--device cuda:{i % num_gpus}`` (one worker per GPU when there are enough) and, where k workers
     share a GPU, a KV memory fraction of 0.85 / k of its free memory; when some worker has several ranks,
-    every worker gets GPUs of its own, consecutive and never shared (``gpus``; the launcher hands them
-    to it as ``CUDA_VISIBLE_DEVICES``, so its rank r takes ``cuda:r``) and ``--device cuda``. Otherwise
+    every worker gets GPUs of its own, consecutive and never shared (``gpus``; the launcher lists them
+    first in its ``CUDA_VISIBLE_DEVICES``, so its rank r takes ``cuda:r``: ``worker_envs``) and
+    ``--device cuda``. Otherwise
     (no GPUs, or another ``--device``) every worker gets ``--device`` as given.
 
     Raises:
@@ -259,14 +260,20 @@ def worker_placements(settings: UpSettings, num_gpus: int) -> list[Placement]:
 def worker_envs(settings: UpSettings, num_gpus: int,
                 cuda_visible_devices: str | None = None) -> dict[str, dict[str, str]]:
     """The environment each worker child gets on top of the launcher's, by child name: a worker with GPUs
-    of its own (``Placement.gpus``) gets ``CUDA_VISIBLE_DEVICES`` listing just those, in rank order, as
-    ids of the launcher's own ``cuda_visible_devices`` (``visible_gpu_ids``); others get nothing.
+    of its own (``Placement.gpus``) gets ``CUDA_VISIBLE_DEVICES`` listing those first, in rank order (its
+    rank r takes ``cuda:r``), then every other visible GPU, as ids of the launcher's own
+    ``cuda_visible_devices`` (``visible_gpu_ids``): the peers' GPUs stay visible, as CUDA IPC between the
+    prefill and decode workers needs; others get nothing.
 
     Raises:
         ValueError: the ranks do not fit the visible GPUs (``placements``).
     """
     ids = visible_gpu_ids(cuda_visible_devices, num_gpus)
-    return {name: {"CUDA_VISIBLE_DEVICES": ",".join(ids[g] for g in place.gpus)} if place.gpus else {}
+
+    def order(gpus: tuple[int, ...]) -> str:
+        return ",".join(ids[g] for g in (*gpus, *(g for g in range(num_gpus) if g not in gpus)))
+
+    return {name: {"CUDA_VISIBLE_DEVICES": order(place.gpus)} if place.gpus else {}
             for (_, name), place in zip(worker_roles(settings), worker_placements(settings, num_gpus),
                                         strict=True)}
 

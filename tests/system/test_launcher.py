@@ -233,15 +233,17 @@ def test_plan_gives_each_tensor_parallel_worker_gpus_of_its_own() -> None:
     for _, args in workers:  # rank r takes cuda:r of the GPUs the worker is shown
         assert args[args.index("--device") + 1] == "cuda"
         assert args[args.index("--tensor-parallel-size") + 1] == "2"
-    assert worker_envs(up, 8) == {"prefill-0": {"CUDA_VISIBLE_DEVICES": "0,1"},
-                                  "decode-0": {"CUDA_VISIBLE_DEVICES": "2,3"},
-                                  "decode-1": {"CUDA_VISIBLE_DEVICES": "4,5"}}
+    # its own GPUs first (rank r on cuda:r), then the others, which CUDA IPC to its peers needs to see
+    assert worker_envs(up, 6) == {"prefill-0": {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"},
+                                  "decode-0": {"CUDA_VISIBLE_DEVICES": "2,3,0,1,4,5"},
+                                  "decode-1": {"CUDA_VISIBLE_DEVICES": "4,5,0,1,2,3"}}
     # the launcher's own CUDA_VISIBLE_DEVICES is honoured: its GPU k is the k-th entry
-    assert worker_envs(up, 6, "7,6,5,4,3,2") == {"prefill-0": {"CUDA_VISIBLE_DEVICES": "7,6"},
-                                                 "decode-0": {"CUDA_VISIBLE_DEVICES": "5,4"},
-                                                 "decode-1": {"CUDA_VISIBLE_DEVICES": "3,2"}}
+    assert worker_envs(up, 6, "7,6,5,4,3,2") == {"prefill-0": {"CUDA_VISIBLE_DEVICES": "7,6,5,4,3,2"},
+                                                 "decode-0": {"CUDA_VISIBLE_DEVICES": "5,4,7,6,3,2"},
+                                                 "decode-1": {"CUDA_VISIBLE_DEVICES": "3,2,7,6,5,4"}}
     assert worker_envs(up, 6, "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e,GPU-f")["decode-1"] == {
-        "CUDA_VISIBLE_DEVICES": "GPU-e,GPU-f"}
+        "CUDA_VISIBLE_DEVICES": "GPU-e,GPU-f,GPU-a,GPU-b,GPU-c,GPU-d"}
+    assert worker_envs(up, 7)["decode-1"] == {"CUDA_VISIBLE_DEVICES": "4,5,0,1,2,3,6"}  # a spare GPU too
     # one rank per worker keeps sharing GPUs as before, with no CUDA_VISIBLE_DEVICES of its own
     one = UpSettings(num_prefill=1, num_decode=2, insecure_control_plane=True)
     assert worker_envs(one, 2) == {"prefill-0": {}, "decode-0": {}, "decode-1": {}}
@@ -517,8 +519,8 @@ def test_up_gives_every_child_one_private_per_run_key_pair_or_the_insecure_flag(
 
 
 def test_up_starts_each_tensor_parallel_worker_with_its_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``pdserve up`` hands each worker the ``CUDA_VISIBLE_DEVICES`` of its GPU set (kept for restarts:
-    ``Supervisor.envs``); the gateway gets none."""
+    """``pdserve up`` hands each worker a ``CUDA_VISIBLE_DEVICES`` that starts with its GPU set (kept for
+    restarts: ``Supervisor.envs``); the gateway gets none."""
     from pdserve import launcher
 
     started: dict[str, dict[str, str]] = {}
@@ -534,5 +536,5 @@ def test_up_starts_each_tensor_parallel_worker_with_its_own_gpus(monkeypatch: py
     tp2 = WorkerSettings(role="colocated", tensor_parallel_size=2, insecure_control_plane=True)
     up = UpSettings(port=launcher.free_port(), insecure_control_plane=True, worker=tp2)
     assert launcher._supervise(up, launcher.Supervisor(), [], 1.0, None) == 0
-    assert started == {"gateway": {}, "prefill-0": {"CUDA_VISIBLE_DEVICES": "4,5"},
-                       "decode-0": {"CUDA_VISIBLE_DEVICES": "6,7"}}
+    assert started == {"gateway": {}, "prefill-0": {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+                       "decode-0": {"CUDA_VISIBLE_DEVICES": "6,7,4,5"}}
