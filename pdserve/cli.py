@@ -233,7 +233,9 @@ _UP_OWN_WORKER_FLAGS = {"--model", "--device", "--transfer-backend", "--gateway-
 
 def _add_up(add: _Adder) -> None:
     add("--model", default="smollm2-135m", help="HF model dir or alias for every worker")
-    add("--device", default="auto", help="cpu or cuda (auto: one worker per GPU when present)")
+    add("--device", default="auto",
+        help="cpu or cuda (auto: one worker per GPU when present; with --tensor-parallel-size N each worker "
+             "gets N GPUs of its own, refused when they do not fit)")
     add("--transfer-backend", default="nixl", choices=["nixl", "ucx", "loopback"],
         help="KV transport between prefill and decode workers")
     add("--num-prefill", type=int, default=1, help="prefill workers to start")

@@ -109,16 +109,61 @@ def gpu_count() -> int:
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
 
 
-def placements(device: str, num_workers: int, num_gpus: int) -> list[list[str]]:
-    """Device flags of each worker: with ``--device auto|cuda`` and GPUs present, worker i gets GPU
-    ``i % num_gpus`` (one worker per GPU when there are enough) and, where k workers share a GPU, a KV
-    memory fraction of 0.85 / k of its free memory; otherwise every worker gets ``--device`` as given."""
+def visible_gpu_ids(cuda_visible_devices: str | None, num_gpus: int) -> list[str]:
+    """The ids this process's GPUs 0..``num_gpus - 1`` have in a child's ``CUDA_VISIBLE_DEVICES``: the
+    entries of this process's own ``cuda_visible_devices`` (indices or UUIDs, comma-separated) when it is
+    set, else ``"0" .. str(num_gpus - 1)``."""
+    if cuda_visible_devices:
+        ids = [part.strip() for part in cuda_visible_devices.split(",") if part.strip()]
+        if len(ids) >= num_gpus:
+            return ids[:num_gpus]
+    return [str(i) for i in range(num_gpus)]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one worker runs: ``flags`` (``--device`` and, on GPUs, ``--kv-memory-fraction``) and
+    ``gpus``, the indices (among this process's visible GPUs) of the GPUs its tensor parallel ranks own,
+    rank r on ``gpus[r]``; empty when the worker is not given GPUs of its own (CPU, an explicit
+    ``--device``, or one rank placed by ``--device cuda:i``)."""
+
+    flags: tuple[str, ...]
+    gpus: tuple[int, ...] = ()
+
+
+def placements(device: str, tensor_parallel_sizes: Sequence[int], num_gpus: int) -> list[Placement]:
+    """Where each worker runs, given each worker's tensor parallel size (one entry per worker, in start
+    order). With ``--device auto|cuda`` and GPUs present: when every worker has one rank, worker i gets
+    ``--device cuda:{i % num_gpus}`` (one worker per GPU when there are enough) and, where k workers
+    share a GPU, a KV memory fraction of 0.85 / k of its free memory; when some worker has several ranks,
+    every worker gets GPUs of its own, consecutive and never shared (``gpus``; the launcher lists them
+    first in its ``CUDA_VISIBLE_DEVICES``, so its rank r takes ``cuda:r``: ``worker_envs``) and
+    ``--device cuda``. Otherwise
+    (no GPUs, or another ``--device``) every worker gets ``--device`` as given.
+
+    Raises:
+        ValueError: on GPUs, workers with several ranks need more GPUs than ``num_gpus`` (the sum of the
+            tensor parallel sizes), or an explicit ``cuda:i`` device with several ranks (one line each,
+            naming the flag).
+    """
+    sizes = list(tensor_parallel_sizes)
+    several = any(n > 1 for n in sizes)
+    if several and device.startswith("cuda:"):
+        raise ValueError(f"--device {device} names one GPU but --tensor-parallel-size "
+                         f"{max(sizes)} needs one per rank: use --device auto or cuda")
     if device not in ("auto", "cuda") or num_gpus == 0:
-        return [["--device", device]] * num_workers
-    share = -(-num_workers // num_gpus)  # workers on the busiest GPU
+        return [Placement(("--device", device))] * len(sizes)
+    if several:
+        if sum(sizes) > num_gpus:
+            raise ValueError(f"--tensor-parallel-size: {len(sizes)} workers need {sum(sizes)} GPUs "
+                             f"({'+'.join(map(str, sizes))} ranks), {num_gpus} visible")
+        firsts = [sum(sizes[:k]) for k in range(len(sizes))]
+        return [Placement(("--device", "cuda", "--kv-memory-fraction", "0.9"),
+                          tuple(range(first, first + n))) for first, n in zip(firsts, sizes, strict=True)]
+    share = -(-len(sizes) // num_gpus)  # workers on the busiest GPU
     fraction = f"{0.85 / share:.3f}" if share > 1 else "0.9"
-    return [["--device", f"cuda:{i % num_gpus}", "--kv-memory-fraction", fraction]
-            for i in range(num_workers)]
+    return [Placement(("--device", f"cuda:{i % num_gpus}", "--kv-memory-fraction", fraction))
+            for i in range(len(sizes))]
 
 
 def changed_flags(settings: GatewaySettings | WorkerSettings, skip: frozenset[str]) -> list[str]:
@@ -147,15 +192,16 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
     """The children to start, in order: (name, argv after ``python -m pdserve.cli``). Gateway first.
     ``control_port``: the first of ``settings.gateway_workers`` consecutive free ports, one per gateway
     process (every worker is given all of them). ``num_gpus``: visible GPUs, used to place workers (see
-    ``placements``). ``keys_dir``: the CURVE key directory every child gets (default
-    ``settings.curve_keys``). The gateway's and the workers' settings given to ``up`` follow as flags
-    (``changed_flags``); a worker's own flags come last, so an explicit ``--kv-memory-fraction`` wins over
-    the share ``placements`` gives. ``metrics_ports``: one
-    ``--metrics-port`` per worker, in start order (empty: none).
+    ``placements``; a worker's ``CUDA_VISIBLE_DEVICES`` comes from ``worker_envs``). ``keys_dir``: the
+    CURVE key directory every child gets (default ``settings.curve_keys``). The gateway's and the
+    workers' settings given to ``up`` follow as flags (``changed_flags``); a worker's own flags come
+    last, so an explicit ``--kv-memory-fraction`` wins over the share ``placements`` gives.
+    ``metrics_ports``: one ``--metrics-port`` per worker, in start order (empty: none).
 
     Raises:
-        ValueError: no key directory and no ``--insecure-control-plane``, or ``metrics_ports`` neither
-            empty nor one per worker.
+        ValueError: no key directory and no ``--insecure-control-plane``, ``metrics_ports`` neither
+            empty nor one per worker, or the workers' tensor parallel ranks do not fit the GPUs
+            (``placements``).
     """
     n = settings.gateway_workers
     control = f"tcp://127.0.0.1:{control_port}"
@@ -181,18 +227,55 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
     given = changed_flags(settings.worker, UP_MANAGED_WORKER_FIELDS)
     given_not_decode = changed_flags(settings.worker, UP_MANAGED_WORKER_FIELDS | DECODE_ONLY_WORKER_FIELDS)
     transfer = ["--transfer-backend", settings.transfer_backend]
-    roles = [(role, i) for role, count in (("prefill", settings.num_prefill), ("decode", settings.num_decode),
-                                           ("colocated", settings.colocated)) for i in range(count)]
+    roles = worker_roles(settings)
     if metrics_ports and len(metrics_ports) != len(roles):
         raise ValueError(f"plan: {len(metrics_ports)} metrics ports for {len(roles)} workers")
-    for k, ((role, i), device) in enumerate(zip(roles, placements(settings.device, len(roles), num_gpus),
-                                                strict=True)):
-        name = f"{role}-{i}"
+    for k, ((role, name), place) in enumerate(zip(roles, worker_placements(settings, num_gpus), strict=True)):
         extra = transfer if role != "colocated" else []
         metrics = ["--metrics-port", str(metrics_ports[k])] if metrics_ports else []
-        children.append((name, [role, "--worker-id", f"up-{name}", *worker, *metrics, *device, *extra,
+        children.append((name, [role, "--worker-id", f"up-{name}", *worker, *metrics, *place.flags, *extra,
                                 *(given if role == "decode" else given_not_decode)]))
     return children
+
+
+def worker_roles(settings: UpSettings) -> list[tuple[str, str]]:
+    """(role, child name) of each worker ``pdserve up`` starts, in start order: prefill, decode, colocated."""
+    return [(role, f"{role}-{i}") for role, count in (("prefill", settings.num_prefill),
+                                                      ("decode", settings.num_decode),
+                                                      ("colocated", settings.colocated))
+            for i in range(count)]
+
+
+def worker_placements(settings: UpSettings, num_gpus: int) -> list[Placement]:
+    """Each worker's ``Placement`` (in ``worker_roles`` order): every worker has ``--tensor-parallel-size``
+    ranks as given to ``up``.
+
+    Raises:
+        ValueError: the ranks do not fit the visible GPUs (``placements``).
+    """
+    size = settings.worker.tensor_parallel_size
+    return placements(settings.device, [size] * num_workers(settings), num_gpus)
+
+
+def worker_envs(settings: UpSettings, num_gpus: int,
+                cuda_visible_devices: str | None = None) -> dict[str, dict[str, str]]:
+    """The environment each worker child gets on top of the launcher's, by child name: a worker with GPUs
+    of its own (``Placement.gpus``) gets ``CUDA_VISIBLE_DEVICES`` listing those first, in rank order (its
+    rank r takes ``cuda:r``), then every other visible GPU, as ids of the launcher's own
+    ``cuda_visible_devices`` (``visible_gpu_ids``): the peers' GPUs stay visible, as CUDA IPC between the
+    prefill and decode workers needs; others get nothing.
+
+    Raises:
+        ValueError: the ranks do not fit the visible GPUs (``placements``).
+    """
+    ids = visible_gpu_ids(cuda_visible_devices, num_gpus)
+
+    def order(gpus: tuple[int, ...]) -> str:
+        return ",".join(ids[g] for g in (*gpus, *(g for g in range(num_gpus) if g not in gpus)))
+
+    return {name: {"CUDA_VISIBLE_DEVICES": order(place.gpus)} if place.gpus else {}
+            for (_, name), place in zip(worker_roles(settings), worker_placements(settings, num_gpus),
+                                        strict=True)}
 
 
 @dataclass(frozen=True)
@@ -399,11 +482,16 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     gateway_env = {"PDSERVE_API_KEY": ",".join(keys)} if keys else {}
     metrics_ports = free_ports(num_workers(settings), exclude=(settings.port,))
     control_port = free_port_range(settings.gateway_workers, exclude=(settings.port, *metrics_ports))
-    children = plan(settings, control_port, gpus, keys_dir, metrics_ports)
+    try:  # a tensor parallel size the GPUs cannot hold is refused before any child starts
+        children = plan(settings, control_port, gpus, keys_dir, metrics_ports)
+        envs = {"gateway": gateway_env, **worker_envs(settings, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))}
+    except ValueError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
     for name, args in children:
         if stop:
             return 0  # interrupted while starting: start no more children
-        sup.start(name, args, env=gateway_env if name == "gateway" else None)
+        sup.start(name, args, env=envs[name])
     why = wait_ready(sup, url, ready_timeout, stop, keys[0] if keys else None)
     if why == "interrupted":
         return 0

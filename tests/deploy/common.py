@@ -26,13 +26,16 @@ NON_FLAG_ENV = {"PDSERVE_CACHE_DIR": "engine.models.registry.cache_dir"}
 _INTERP = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
-def interpolate(text: str) -> str:
-    """Compose-style ``${VAR:-default}`` / ``${VAR}`` → default (or ""), as with an empty environment."""
-    return _INTERP.sub(lambda m: m.group(2) or "", text)
+def interpolate(text: str, given: dict[str, str] | None = None) -> str:
+    """Compose-style ``${VAR:-default}`` / ``${VAR}`` → the value in ``given``, else the default (or ""),
+    as with an environment holding just ``given``."""
+    values = given or {}
+    return _INTERP.sub(lambda m: values.get(m.group(1), m.group(2) or ""), text)
 
 
-def load_compose() -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load(interpolate((DEPLOY / "docker-compose.yml").read_text()))
+def load_compose(given: dict[str, str] | None = None) -> dict[str, Any]:
+    """docker-compose.yml, its variables set from ``given`` (others at their defaults)."""
+    data: dict[str, Any] = yaml.safe_load(interpolate((DEPLOY / "docker-compose.yml").read_text(), given))
     return data
 
 

@@ -39,21 +39,43 @@ def test_compose_validates_against_compose_spec() -> None:
     assert not validator.is_valid(broken)
 
 
-def _services(profile: str) -> dict[str, dict[str, Any]]:
-    return {n: s for n, s in load_compose()["services"].items() if profile in s.get("profiles", [profile])}
+def _services(profile: str, given: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    services = load_compose(given)["services"]
+    return {n: s for n, s in services.items() if profile in s.get("profiles", [profile])}
+
+
+def _gpu_workers(given: dict[str, str] | None = None) -> dict[str, tuple[int, list[str]]]:
+    """Each GPU worker's tensor parallel size and the GPU ids its container reserves."""
+    out = {}
+    for name, svc in _services("gpu", given).items():
+        if name in ("gateway", "keys"):
+            continue
+        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["capabilities"] == ["gpu"] and "count" not in dev, name
+        # one entry "0,1" reaches the container as NVIDIA_VISIBLE_DEVICES=0,1
+        ids = [i for entry in dev["device_ids"] for i in entry.split(",")]
+        out[name] = (int(svc["environment"]["PDSERVE_TENSOR_PARALLEL_SIZE"]), ids)
+        assert svc["ipc"] == "host" and svc["pid"] == "host"
+        assert svc["environment"]["PDSERVE_DEVICE"] == "cuda"
+        check_cli(list(svc["command"]), {k: str(v) for k, v in svc["environment"].items()}, name)
+    return out
 
 
 def test_gpu_profile_pins_each_worker_to_its_own_gpu() -> None:
     workers = {n: s for n, s in _services("gpu").items() if n not in ("gateway", "keys")}
     assert {s["command"][0] for s in workers.values()} == {"prefill", "decode"}
-    seen: list[str] = []
-    for svc in workers.values():
-        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert dev["capabilities"] == ["gpu"]
-        seen += dev["device_ids"]
-        assert svc["ipc"] == "host" and svc["pid"] == "host"
-        assert svc["environment"]["PDSERVE_DEVICE"] == "cuda"
+    assert _gpu_workers() == {"prefill-0": (1, ["0"]), "decode-0": (1, ["1"])}
+
+
+def test_gpu_profile_tensor_parallel_variables_set_the_flag_and_the_gpus() -> None:
+    given = {"PREFILL_TENSOR_PARALLEL_SIZE": "2", "PREFILL_GPUS": "0,1",
+             "DECODE_TENSOR_PARALLEL_SIZE": "4", "DECODE_GPUS": "2,3,4,5"}
+    workers = _gpu_workers(given)
+    assert workers == {"prefill-0": (2, ["0", "1"]), "decode-0": (4, ["2", "3", "4", "5"])}
+    seen = [i for _, ids in workers.values() for i in ids]
     assert len(seen) == len(set(seen)), f"two workers share a GPU: {seen}"
+    schema = compose_schema()
+    jsonschema.validators.validator_for(schema)(schema).validate(load_compose(given))
 
 
 def test_cpu_profile_runs_the_embedded_model_without_gpus() -> None:

@@ -98,6 +98,10 @@ def test_pods_wiring(overlay: str) -> None:
         assert {"readinessProbe", "livenessProbe", "startupProbe"} <= set(c)
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert gpus == ("1" if overlay != "cpu" and name in WORKERS else None), (overlay, name)
+        assert c["resources"].get("requests", {}).get("nvidia.com/gpu") == gpus, (overlay, name)
+        env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+        tp = env.get("PDSERVE_TENSOR_PARALLEL_SIZE")
+        assert tp == gpus, (overlay, name)  # one GPU per tensor parallel rank
     worker_cfg = _get(resources, "ConfigMap", "pdserve-worker-config")["data"]
     # workers register through a Service that lists the gateway before it is ready (its readiness, /ready,
     # needs registered workers); the API Service lists only ready gateways
@@ -257,3 +261,24 @@ def test_network_policies_fence_control_and_transfer_ports(overlay: str) -> None
         assert all(allowed("pdserve-gateway", labels[src], port) for port in gateway_controls)
         for w in WORKERS:
             assert all(allowed(w, labels[src], port) for port in worker_ports), (src, w)
+
+
+def test_gpu_overlay_tensor_parallel_size_is_set_with_its_gpu_count(tmp_path: Path) -> None:
+    """An overlay of ../gpu (as docs/deploy.md describes) that patches the prefill pods to
+    tensor-parallel size 4 renders pods asking for 4 GPUs whose command line the CLI accepts, and leaves
+    the decode pods at 1."""
+    patch = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "pdserve-prefill"},
+             "spec": {"template": {"spec": {"containers": [{
+                 "name": "worker", "env": [{"name": "PDSERVE_TENSOR_PARALLEL_SIZE", "value": "4"}],
+                 "resources": {"requests": {"nvidia.com/gpu": "4"}, "limits": {"nvidia.com/gpu": "4"}}}]}}}}
+    (tmp_path / "tp4.yaml").write_text(yaml.safe_dump(patch))
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [str(DEPLOY / "k8s" / "overlays" / "gpu")], "patches": [{"path": "tp4.yaml"}]}))
+    resources = tuple(render(tmp_path))
+    for name, n in (("pdserve-prefill", "4"), ("pdserve-decode", "1")):
+        (c,) = _pod(resources, name)["containers"]
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == n
+        env = _container_env(resources, c, tmp_path)
+        assert env["PDSERVE_TENSOR_PARALLEL_SIZE"] == n, name
+        check_cli(list(c["args"]), env, name)
+        kubernetes_validate.validate(_get(resources, "Deployment", name), K8S_VERSION, strict=True)

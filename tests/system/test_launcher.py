@@ -13,7 +13,7 @@ import pytest
 
 from kvtransfer.curve import generate_keys
 from pdserve.launcher import Supervisor, example, plan, run_keys
-from protocol.settings import GatewaySettings, UpSettings
+from protocol.settings import GatewaySettings, UpSettings, WorkerSettings
 
 
 def test_plan_starts_gateway_first_and_binds_loopback() -> None:
@@ -218,6 +218,71 @@ def test_plan_places_one_worker_per_gpu_and_shares_when_short() -> None:
     assert devices(4) == [("cuda:0", "0.9"), ("cuda:1", "0.9"), ("cuda:2", "0.9")]
     assert devices(2) == [("cuda:0", "0.425"), ("cuda:1", "0.425"), ("cuda:0", "0.425")]
     assert devices(4, "cpu") == [("cpu", None)] * 3  # an explicit device is kept as given
+
+
+def test_plan_gives_each_tensor_parallel_worker_gpus_of_its_own() -> None:
+    from pdserve.cli import build_parser
+    from pdserve.launcher import worker_envs
+    from protocol.settings import settings_from_args
+
+    up = settings_from_args(build_parser({}).parse_args(
+        ["up", "--tensor-parallel-size", "2", "--num-decode", "2", "--insecure-control-plane"]))
+    assert isinstance(up, UpSettings)
+    workers = plan(up, 7777, num_gpus=8)[1:]
+    assert [name for name, _ in workers] == ["prefill-0", "decode-0", "decode-1"]
+    for _, args in workers:  # rank r takes cuda:r of the GPUs the worker is shown
+        assert args[args.index("--device") + 1] == "cuda"
+        assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    # its own GPUs first (rank r on cuda:r), then the others, which CUDA IPC to its peers needs to see
+    assert worker_envs(up, 6) == {"prefill-0": {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"},
+                                  "decode-0": {"CUDA_VISIBLE_DEVICES": "2,3,0,1,4,5"},
+                                  "decode-1": {"CUDA_VISIBLE_DEVICES": "4,5,0,1,2,3"}}
+    # the launcher's own CUDA_VISIBLE_DEVICES is honoured: its GPU k is the k-th entry
+    assert worker_envs(up, 6, "7,6,5,4,3,2") == {"prefill-0": {"CUDA_VISIBLE_DEVICES": "7,6,5,4,3,2"},
+                                                 "decode-0": {"CUDA_VISIBLE_DEVICES": "5,4,7,6,3,2"},
+                                                 "decode-1": {"CUDA_VISIBLE_DEVICES": "3,2,7,6,5,4"}}
+    assert worker_envs(up, 6, "GPU-a,GPU-b,GPU-c,GPU-d,GPU-e,GPU-f")["decode-1"] == {
+        "CUDA_VISIBLE_DEVICES": "GPU-e,GPU-f,GPU-a,GPU-b,GPU-c,GPU-d"}
+    assert worker_envs(up, 7)["decode-1"] == {"CUDA_VISIBLE_DEVICES": "4,5,0,1,2,3,6"}  # a spare GPU too
+    # one rank per worker keeps sharing GPUs as before, with no CUDA_VISIBLE_DEVICES of its own
+    one = UpSettings(num_prefill=1, num_decode=2, insecure_control_plane=True)
+    assert worker_envs(one, 2) == {"prefill-0": {}, "decode-0": {}, "decode-1": {}}
+    # CPU host: no GPUs, nothing placed; the workers run their ranks on the CPU as before
+    assert worker_envs(up, 0) == {"prefill-0": {}, "decode-0": {}, "decode-1": {}}
+    assert all(args[args.index("--device") + 1] == "auto" for _, args in plan(up, 7777, 0)[1:])
+
+
+def test_placements_refuse_ranks_the_gpus_cannot_hold() -> None:
+    from pdserve.launcher import Placement, placements
+
+    assert placements("auto", [2, 1, 3], 6) == [
+        Placement(("--device", "cuda", "--kv-memory-fraction", "0.9"), (0, 1)),
+        Placement(("--device", "cuda", "--kv-memory-fraction", "0.9"), (2,)),
+        Placement(("--device", "cuda", "--kv-memory-fraction", "0.9"), (3, 4, 5))]
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size: 3 workers need 6 GPUs .*5 visible"):
+        placements("cuda", [2, 2, 2], 5)
+    with pytest.raises(ValueError, match="--device cuda:1 names one GPU"):
+        placements("cuda:1", [2, 2], 8)
+    assert placements("cpu", [2, 2], 8) == [Placement(("--device", "cpu"))] * 2
+    tp2 = WorkerSettings(role="colocated", tensor_parallel_size=2, insecure_control_plane=True)
+    up = UpSettings(worker=tp2, insecure_control_plane=True)
+    with pytest.raises(ValueError, match="need 4 GPUs"):
+        plan(up, 7777, num_gpus=3)
+
+
+def test_up_refuses_tensor_parallel_ranks_beyond_the_gpus_before_starting_anything(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve import launcher
+
+    started: list[str] = []
+    monkeypatch.setattr(launcher, "gpu_count", lambda: 2)
+    monkeypatch.setattr(launcher.Supervisor, "start", lambda self, name, *a, **k: started.append(name))
+    tp2 = WorkerSettings(role="colocated", tensor_parallel_size=2, insecure_control_plane=True)
+    up = UpSettings(port=launcher.free_port(), insecure_control_plane=True, worker=tp2)
+    assert launcher._supervise(up, launcher.Supervisor(), [], 1.0, None) == 1
+    assert started == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pdserve up: --tensor-parallel-size: 2 workers need 4 GPUs (2+2 ranks), 2 visible"]
 
 
 def test_up_refuses_a_busy_port_at_once_and_names_the_flag() -> None:
@@ -451,3 +516,25 @@ def test_up_gives_every_child_one_private_per_run_key_pair_or_the_insecure_flag(
         assert none is None
         children = plan(UpSettings(insecure_control_plane=True), 7777, 0, none)
         assert all("--insecure-control-plane" in args and "--curve-keys" not in args for _, args in children)
+
+
+def test_up_starts_each_tensor_parallel_worker_with_its_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pdserve up`` hands each worker a ``CUDA_VISIBLE_DEVICES`` that starts with its GPU set (kept for
+    restarts: ``Supervisor.envs``); the gateway gets none."""
+    from pdserve import launcher
+
+    started: dict[str, dict[str, str]] = {}
+
+    def start(self: Supervisor, name: str, args: list[str], log_path: str | None = None,
+              env: dict[str, str] | None = None) -> None:
+        started[name] = dict(env or {})
+
+    monkeypatch.setattr(launcher, "gpu_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    monkeypatch.setattr(launcher.Supervisor, "start", start)
+    monkeypatch.setattr(launcher, "wait_ready", lambda *a, **k: "interrupted")
+    tp2 = WorkerSettings(role="colocated", tensor_parallel_size=2, insecure_control_plane=True)
+    up = UpSettings(port=launcher.free_port(), insecure_control_plane=True, worker=tp2)
+    assert launcher._supervise(up, launcher.Supervisor(), [], 1.0, None) == 0
+    assert started == {"gateway": {}, "prefill-0": {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+                       "decode-0": {"CUDA_VISIBLE_DEVICES": "6,7,4,5"}}
