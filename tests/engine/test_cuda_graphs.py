@@ -273,7 +273,7 @@ def test_plain_greedy_batches_take_the_fast_path_and_others_do_not(tiny_path):
     assert eos is not None
     logits = torch.zeros(8, runner.vocab_size)
     logits[:, eos], logits[:, 7] = 10.0, 5.0
-    runner.compute_logits = lambda out, hook=None: logits[: len(out.scheduled)]  # type: ignore[method-assign]
+    runner.compute_logits = lambda out, hook=None, note=b"": logits[: len(out.scheduled)]  # type: ignore[method-assign]
     calls: list[str] = []
     greedy, full = runner.sampler.greedy, type(runner.sampler).__call__
     runner.sampler.greedy = lambda x: calls.append("greedy") or greedy(x)  # type: ignore[method-assign]

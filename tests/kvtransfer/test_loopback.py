@@ -198,12 +198,24 @@ def test_incompatible_peer_refused_at_connect():
             assert word in text
         assert "block_size" not in text
         handle = rx.expect("a", [1])
-        tx.add_request(handle, [0])
-        assert tx.wait("a", WAIT) is S.FAILED and "model_id" in tx.reason("a")
+        with pytest.raises(ValueError, match="dtype 'float16' != 'bfloat16'"):  # refused before anything
+            tx.add_request(handle, [0])
         assert rx.status("a") is S.PENDING  # never claimed
         rx.abort("a")
         rx.release("a")
-        tx.release("a")
+        # a peer whose blocks fit but whose pairing record differs: its request fails naming the mismatch
+        other = backend.sender(dataclasses.replace(config("p1", "loopback"), model_id="other"), make_kv(1))
+        try:
+            handle = rx.expect("b", [1])
+            other.add_request(handle, [0])
+            assert other.wait("b", WAIT) is S.FAILED and "model_id" in other.reason("b")
+            assert rx.status("b") is S.PENDING  # never claimed
+            rx.abort("b")
+            rx.release("b")
+            other.release("b")
+            other.check_no_leaks()
+        finally:
+            other.close()
         tx.check_no_leaks()
         rx.check_no_leaks()
     finally:
