@@ -61,6 +61,26 @@ def test_wheelhouse_plan_covers_every_lock_pin_with_torch_cuda(tmp_path, options
         assert name in plan
 
 
+def test_pyproject_pins_each_dependency_once_at_the_lock_version():
+    import tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lock = _lock()
+    groups = {"dependencies": project["dependencies"], **project["optional-dependencies"]}
+    for group, lines in groups.items():
+        reqs = [Requirement(line) for line in lines]
+        names = [canonicalize_name(r.name) for r in reqs]
+        assert len(names) == len(set(names)), f"{group} lists a package twice: {sorted(names)}"
+        for req in reqs:
+            if not req.specifier:  # the GPU extra's flash-attn builds from source; not in the lock
+                assert group == "gpu", f"{group}: {req} is not pinned"
+                continue
+            (spec,) = req.specifier
+            assert spec.operator == "==", f"{group}: {req} is not pinned with =="
+            locked = lock[canonicalize_name(req.name)]
+            (want,) = locked.specifier
+            assert spec.version == want.version.split("+")[0], f"{group}: {req} != lock {locked}"
+
+
 @pytest.mark.parametrize("args,needle", [(("--print",), "DIR is required"),
                                          (("d", "--print", "--cuda", "13"), "--cuda"),
                                          (("d", "--print", "--python", "312"), "--python"),
