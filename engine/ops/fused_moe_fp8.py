@@ -69,7 +69,8 @@ def kernel_scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None,
 
 
 @torch.no_grad()
-def quantize_experts(weight: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_experts(weight: torch.Tensor,
+                     block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [E, N, K]`` (any float dtype) as ``(float8_e4m3fn [E, N, K], float32 scale)``, each scale
     ``amax / 448`` of its row (``block`` None) or of its ``(bn, bk)`` tile (ragged edge tiles: the amax of
     the values they hold), values rounded to nearest-even after division. On ``weight``'s device."""

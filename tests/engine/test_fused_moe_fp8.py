@@ -41,7 +41,8 @@ def fp8_case(experts: int, top_k: int, tokens: int, kind: str, layout: str, dtyp
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("experts,top_k,tokens,kind,layout,path", grid(FULL, CPU))
 def test_fp8_fused_moe_matches_dequantized_reference(experts, top_k, tokens, kind, layout, path, dtype):
-    x, q_up, q_down, weights, ids, scales, w_up, w_down = fp8_case(experts, top_k, tokens, kind, layout, dtype)
+    case = fp8_case(experts, top_k, tokens, kind, layout, dtype)
+    x, q_up, q_down, weights, ids, scales, w_up, w_down = case
     if kind != "uniform" and 2 * top_k + 1 < experts:
         assert (torch.bincount(ids.flatten().cpu(), minlength=experts) == 0).any()  # empty experts
     got = fused_moe(x, q_up, q_down, weights, ids, path=path, scales=scales)
@@ -79,7 +80,7 @@ def test_fp8_scales_refused_when_they_do_not_fit():
     bad = ExpertScales(scales.gate_up[:, :-1], scales.down)
     with pytest.raises(ValueError, match="w_gate_up: scale"):
         fused_moe(x, q_up, q_down, weights, ids, scales=bad)
-    with pytest.raises(ValueError, match="not torch.float8_e4m3fn"):
+    with pytest.raises(ValueError, match=r"not torch\.float8_e4m3fn"):
         fused_moe(x, w_up, q_down, weights, ids, scales=scales)
     with pytest.raises(ValueError, match="one dtype"):  # FP8 weights without scales
         fused_moe(x, q_up, q_down, weights, ids)
