@@ -107,7 +107,7 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
     num_pairs, top_k, num_experts, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr, HAS_SCALE: tl.constexpr,
+    USE_GDC: tl.constexpr, SCALE: tl.constexpr,
 ):
     gdc_enter(USE_GDC)  # the alignment and the activations come from the kernels just before
     pid_m = tl.program_id(0)
@@ -138,12 +138,18 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
         w_mask = k_mask[:, None] & col_mask[None, :]
         wg = tl.load(gate_ptrs + k, mask=w_mask, other=0.0)
         wu = tl.load(up_ptrs + k, mask=w_mask, other=0.0)
-        if HAS_SCALE:  # FP8 weights: dequantized to the activations' dtype before the dot
+        if SCALE == 2:  # FP8 weights, block scales: dequantized to the activations' dtype before the dot
             s_cols = ((k + ks) // scale_cols)[:, None] * stride_sk  # [BLOCK_K, 1]
             wg = (wg.to(tl.float32) * tl.load(gate_srows + s_cols, mask=w_mask, other=0.0)).to(dt)
             wu = (wu.to(tl.float32) * tl.load(up_srows + s_cols, mask=w_mask, other=0.0)).to(dt)
+        elif SCALE == 1:  # per-row scales: e4m3 values are exact in fp16/bf16; scaled after the sums
+            wg = wg.to(dt)
+            wu = wu.to(dt)
         acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
+    if SCALE == 1:
+        acc_gate = acc_gate * tl.load(gate_srows, mask=col_mask[None, :], other=0.0)
+        acc_up = acc_up * tl.load(up_srows, mask=col_mask[None, :], other=0.0)
     g = acc_gate.to(dt).to(tl.float32)
     u = acc_up.to(dt).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
@@ -157,7 +163,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments ar
     num_pairs, num_experts, inter, hidden,
     stride_at, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr, HAS_SCALE: tl.constexpr,
+    USE_GDC: tl.constexpr, SCALE: tl.constexpr,
 ):
     gdc_enter(USE_GDC)  # the alignment and the activations come from the kernels just before
     pid_m = tl.program_id(0)
@@ -181,10 +187,14 @@ def _down_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments ar
         a = tl.load(a_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & col_mask[None, :]
         w = tl.load(w_ptrs + k, mask=w_mask, other=0.0)
-        if HAS_SCALE:
+        if SCALE == 2:
             sc = tl.load(s_rows + ((k + ks) // scale_cols)[:, None] * stride_sk, mask=w_mask, other=0.0)
             w = (w.to(tl.float32) * sc).to(act_ptr.dtype.element_ty)
+        elif SCALE == 1:
+            w = w.to(act_ptr.dtype.element_ty)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if SCALE == 1:
+        acc = acc * tl.load(s_rows, mask=col_mask[None, :], other=0.0)
     y = acc.to(act_ptr.dtype.element_ty).to(tl.float32)
     route = tl.load(weights_ptr + ids64, mask=row_mask, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + ids64[:, None] * stride_ot + cols[None, :]
@@ -216,6 +226,11 @@ def _check(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_
         raise ValueError("x and the expert weights need a contiguous last dim")
 
 
+def _scale_mode(scales: ExpertScales | None) -> int:
+    """The kernels' ``SCALE``: 0 unquantized weights, 1 FP8 with per-row scales, 2 FP8 with block scales."""
+    return 0 if scales is None else 1 if scales.block is None else 2
+
+
 def moe_tile(num_pairs: int, num_experts: int, width: int, depth: int) -> tuple[int, int, int, int]:
     """``(block_m, block_n, block_k, num_warps)`` for a grouped GEMM with ``num_pairs`` routed rows over
     ``num_experts``, ``width`` output columns and ``depth`` inputs: ``block_m`` 16 when an expert
@@ -231,7 +246,7 @@ def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     x_ptr, w_ptr, ids_ptr, act_ptr, s_ptr,
     top_k, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SCALE: tl.constexpr,
 ):
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -244,8 +259,10 @@ def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     up_rows = gate_rows + inter * stride_wn
     x_row = x_ptr + token * stride_xt
     s_base = s_ptr + expert * stride_se
-    gate_srows = s_base + (cols // scale_rows).to(tl.int64)[:, None] * stride_sn  # [BLOCK_N, 1]
-    up_srows = s_base + ((inter + cols) // scale_rows).to(tl.int64)[:, None] * stride_sn
+    gate_srow = s_base + (cols // scale_rows).to(tl.int64) * stride_sn  # [BLOCK_N]
+    up_srow = s_base + ((inter + cols) // scale_rows).to(tl.int64) * stride_sn
+    gate_srows = gate_srow[:, None]
+    up_srows = up_srow[:, None]
     dt = act_ptr.dtype.element_ty
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -256,14 +273,19 @@ def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
         w_mask = col_mask[:, None] & k_mask[None, :]
         wg = tl.load(gate_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
         wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        if HAS_SCALE:  # FP8 weights: dequantized and rounded to the activations' dtype
+        if SCALE == 2:  # FP8 weights, block scales: dequantized and rounded to the activations' dtype
             s_cols = (kk // scale_cols)[None, :] * stride_sk  # [1, BLOCK_K]
             wg = (wg * tl.load(gate_srows + s_cols, mask=w_mask, other=0.0)).to(dt).to(tl.float32)
             wu = (wu * tl.load(up_srows + s_cols, mask=w_mask, other=0.0)).to(dt).to(tl.float32)
         acc_gate += wg * xv[None, :]
         acc_up += wu * xv[None, :]
-    g = tl.sum(acc_gate, axis=1).to(dt).to(tl.float32)
-    u = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
+    g = tl.sum(acc_gate, axis=1)
+    u = tl.sum(acc_up, axis=1)
+    if SCALE == 1:  # per-row scales times the float32 sums
+        g = g * tl.load(gate_srow, mask=col_mask, other=0.0)
+        u = u * tl.load(up_srow, mask=col_mask, other=0.0)
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(act_ptr + pair.to(tl.int64) * stride_at + cols, (silu * u).to(dt), mask=col_mask)
 
@@ -273,7 +295,7 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
     act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, s_ptr,
     top_k, inter, hidden,
     stride_at, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SCALE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -286,7 +308,8 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
         pair = token * top_k + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-        s_rows = s_ptr + expert * stride_se + (cols // scale_rows).to(tl.int64)[:, None] * stride_sn
+        s_row = s_ptr + expert * stride_se + (cols // scale_rows).to(tl.int64) * stride_sn  # [BLOCK_N]
+        s_rows = s_row[:, None]
         a_row = act_ptr + pair * stride_at
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in range(0, inter, BLOCK_K):
@@ -295,11 +318,14 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
             av = tl.load(a_row + kk, mask=k_mask, other=0.0).to(tl.float32)
             w_mask = col_mask[:, None] & k_mask[None, :]
             w = tl.load(rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            if HAS_SCALE:
+            if SCALE == 2:
                 sc = tl.load(s_rows + (kk // scale_cols)[None, :] * stride_sk, mask=w_mask, other=0.0)
                 w = (w * sc).to(dt).to(tl.float32)
             acc += w * av[None, :]
-        y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
+        y = tl.sum(acc, axis=1)
+        if SCALE == 1:
+            y = y * tl.load(s_row, mask=col_mask, other=0.0)
+        y = y.to(dt).to(tl.float32)
         total += y * tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
@@ -348,7 +374,7 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     _gate_up_gemv_kernel[(t * top_k, triton.cdiv(inter, bn))](
         x, w_gate_up, ids, act, s_up[0], top_k, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), *s_up[1:],
-        BLOCK_N=bn, BLOCK_K=bk, HAS_SCALE=scales is not None, num_warps=warps, **pdl_kwargs(x),
+        BLOCK_N=bn, BLOCK_K=bk, SCALE=_scale_mode(scales), num_warps=warps, **pdl_kwargs(x),
     )
     weights = topk_weights.reshape(-1).to(torch.float32)
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
@@ -356,7 +382,7 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     _down_gemv_kernel[(t, triton.cdiv(hidden, bn))](
         act, w_down, ids, weights, out, s_down[0], top_k, inter, hidden,
         act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), *s_down[1:],
-        BLOCK_N=bn, BLOCK_K=bk, HAS_SCALE=scales is not None, num_warps=warps, **pdl_kwargs(x),
+        BLOCK_N=bn, BLOCK_K=bk, SCALE=_scale_mode(scales), num_warps=warps, **pdl_kwargs(x),
     )
     return out
 
@@ -376,8 +402,9 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         block_m: rows per block (power of two >= 16) of the grouped path; default from ``moe_tile``.
         path: ``"grouped"`` (aligned grouped GEMMs) or ``"gemv"`` (one matrix-vector product per pair);
             default from ``moe_path``.
-        scales: FP8 weights' scales (``engine.ops.fused_moe_fp8``): each weight tile is dequantized in
-            the kernel to x's dtype; block-scaled ``w_gate_up`` needs ``I`` a multiple of ``bn``.
+        scales: FP8 weights' scales (``engine.ops.fused_moe_fp8``), applied in the kernels (block scales
+            per weight tile, per-row scales to each output's sum); block-scaled ``w_gate_up`` needs ``I``
+            a multiple of ``bn``.
 
     Returns:
         ``[T, H]`` new tensor of x's dtype.
@@ -411,7 +438,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         x, w_gate_up, align.sorted_ids, align.block_expert, act, s_up[0],
         pairs, top_k, num_experts, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), *s_up[1:],
-        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_up, BLOCK_K=bk_up, HAS_SCALE=scales is not None,
+        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_up, BLOCK_K=bk_up, SCALE=_scale_mode(scales),
         num_warps=warps, **pdl_kwargs(x),
     )
     weights = topk_weights.reshape(-1).to(torch.float32)
@@ -420,7 +447,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         act, w_down, align.sorted_ids, align.block_expert, weights, out, s_down[0],
         pairs, num_experts, inter, hidden,
         act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), *s_down[1:],
-        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_down, BLOCK_K=bk_down, HAS_SCALE=scales is not None,
+        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_down, BLOCK_K=bk_down, SCALE=_scale_mode(scales),
         num_warps=warps, **pdl_kwargs(x),
     )
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -4,9 +4,12 @@ Weight-only FP8: a stacked expert weight ``W [E, N, K]`` is stored as float8_e4m
 scales, ``W ~ Q * scale``, either one scale per output row (``block`` None: ``scale [E, N]``, what
 ``--quantization fp8`` makes) or one per ``(bn, bk)`` tile (``scale [E, ceil(N / bn), ceil(K / bk)]``, the
 ``weight_scale_inv`` tensors of block-scaled FP8 checkpoints such as Qwen3-30B-A3B-FP8 and
-GLM-4.5-Air-FP8). ``fused_moe``'s kernels dequantize each weight tile in registers
-(``float32(Q) * scale`` rounded to the activations' dtype) before its products, so the result is
-``fused_moe_reference`` of the dequantized weights up to the order of the float32 sums.
+GLM-4.5-Air-FP8). ``fused_moe``'s kernels read the FP8 weights and dequantize in registers: block scales
+per weight tile before the products (``float32(Q) * scale`` rounded to the activations' dtype, exactly
+what ``dequantize_experts`` computes), per-row scales once per output after its float32 sum (e4m3 values
+are exact in fp16/bf16, so the products are exact and only the scale's placement differs from the
+dequantized weights: at most one rounding of each weight to the dtype). Either way the result is
+``fused_moe_reference`` of the dequantized weights within the dtype's rounding.
 """
 
 from __future__ import annotations
