@@ -163,3 +163,25 @@ def test_fp8_moe_refusals_name_the_reason(tmp_path):
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks 1 tensors.*2\.mlp\.experts\.5\.up_proj\.weight_scale_inv"):
         load_model(ModelConfig(str(with_quant()), device="cpu"))
+
+
+def test_glm_4_5_air_fp8_fits_one_h200_without_a_float_expert_tensor(tmp_path, monkeypatch):
+    """The ``glm-4.5-air`` alias under ``--quantization fp8``, built on the meta device: every expert and
+    decoder projection FP8 (no bf16 stacked expert tensor), about 101 GiB in all: one H200 (139 GiB
+    usable) holds it with room for the KV cache."""
+    from engine.models.fp8 import build_fp8_model
+    from engine.models.loader import load_hf_config
+    from engine.models.quant_config import Fp8Scheme
+    from engine.models.registry import resolve_model
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    cfg = load_hf_config(resolve_model("glm-4.5-air"), "fp8")
+    model = build_fp8_model(cfg, Fp8Scheme(from_checkpoint=False), torch.bfloat16, torch.device("meta"))
+    by_dtype: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel() * p.element_size()
+    experts = [m for m in model.modules() if isinstance(m, Fp8Experts)]
+    assert len(experts) == 45 and experts[0].gate_up_proj.shape == (128, 2816, 4096)
+    assert [n for n, p in model.named_parameters() if p.dim() == 3 and p.dtype != FP8_DTYPE] == []
+    assert 100 * 2**30 < sum(by_dtype.values()) < 102 * 2**30
+    assert by_dtype[torch.bfloat16] < 2.5e9  # embeddings and LM head (151552 x 4096 each), norms, routers
