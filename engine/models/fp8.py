@@ -285,6 +285,9 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
                 ekey = expert_key(checkpoint_name(key))
                 if ekey is not None and experts.load(ekey, key, tensor):
                     continue
+                if ekey is not None and ekey.expert is not None:
+                    raise ValueError(f"{f.name}: {key}: per-expert tensors of unquantized experts (left out "
+                                     "by the quantization_config) are not supported")
                 key = checkpoint_name(key)
                 prefix, _, leaf = key.rpartition(".")
                 name = f"{prefix}.weight_scale" if leaf == "weight_scale_inv" else key

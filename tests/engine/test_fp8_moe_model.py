@@ -158,6 +158,9 @@ def test_fp8_moe_refusals_name_the_reason(tmp_path):
     with pytest.raises(UnsupportedModelError, match="expert width 32 is not a multiple of the "
                                                     "weight_block_size height 24"):
         load_model(ModelConfig(str(with_quant(weight_block_size=[24, 32])), device="cpu"))
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.\d+\.\S+: per-expert tensors of unq"):
+        load_model(ModelConfig(str(with_quant(modules_to_not_convert=["model.layers.0.mlp.experts"])),
+                               device="cpu"))
     state = load_file(str(path / "model.safetensors"))
     del state["model.layers.2.mlp.experts.5.up_proj.weight_scale_inv"]
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -203,8 +206,8 @@ def test_fp8_moe_triton_kernels_in_the_fused_forward(tmp_path, monkeypatch):
                                                                                       scales=scales, **kw))
     kernels = LLM(str(tmp_path / "fp8"), dtype="float32", device="cpu", attention_backend="triton",
                   block_size=4, num_blocks=64, fused_ops="on", max_num_batched_tokens=24)
-    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
-    prompt = [make_prompts(seed=9)[3]]
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=0)
+    prompt = [make_prompts(seed=9)[3][:5]]  # a 5-token prefill, then a one-row step
     got = kernels.generate(prompt, params)[0]
     want = _llm(tmp_path / "fp8").generate(prompt, params)[0]
     assert calls and all(calls)
