@@ -32,6 +32,9 @@ weights. The matrix-vector path skips the alignment: ``_gate_up_gemv_kernel`` ru
 (float32 products summed along the row, the same roundings as the grouped kernels), the weighted sum
 kept in float32 and rounded once. A weight is read once per pair that routes to it, so the path pays off
 only while pairs rarely share an expert.
+
+Both paths also take FP8 (e4m3) expert weights with their scales (``scales``; layouts, and where the
+kernels apply them: ``engine.ops.fused_moe_fp8``): weight-only, the activations stay in their dtype.
 """
 
 from __future__ import annotations
