@@ -142,8 +142,9 @@ def _add_worker(add: _Adder, role: str) -> None:
         help="dummy: random weights, the same (seed 0) on every worker (auto: dummy for a dummy alias)")
     add("--quantization", default=None, choices=["fp8"],
         help="fp8: quantize a bf16/fp16/fp32 checkpoint's decoder projections to FP8 per output channel on "
-        "load (FP8 GEMMs on Hopper; dense models). An FP8 checkpoint (quantization_config fp8) is FP8 "
-        "without it; any other quantization_config is refused")
+        "load, and a mixture of experts' experts per row (FP8 GEMMs on Hopper; weight-only FP8 expert "
+        "kernels). An FP8 checkpoint (quantization_config fp8) is FP8 without it; any other "
+        "quantization_config is refused")
     add("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
     add("--attention-backend", default="auto", help="auto, torch, triton or flash_attn")
     _bool_flag(add, "--enforce-eager", False, "never replay CUDA graphs for decode steps")

@@ -80,10 +80,10 @@ def moe_weights(model: Any) -> MoEWeights:  # a transformers causal LM
     expert_ids: set[int] = set()
     per_layer = []
     for block in blocks:
-        params = [block.experts.gate_up_proj, block.experts.down_proj]
+        params = list(block.experts.parameters())  # FP8 experts: their scales too
         expert_ids.update(id(p) for p in params)
         total = sum(p.numel() * p.element_size() for p in params)
-        per_layer.append(total // params[0].shape[0])
+        per_layer.append(total // block.experts.gate_up_proj.shape[0])
     dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if id(p) not in expert_ids and "embed_tokens" not in n)
     cfg = model.config
@@ -142,7 +142,7 @@ def build_engine(args: argparse.Namespace) -> EngineCore:
     return EngineCore(EngineConfig(
         ModelConfig(args.model, dtype=args.dtype, load_format=args.load_format, device=args.device,
                     attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                    max_model_len=args.max_model_len),
+                    max_model_len=args.max_model_len, quantization=args.quantization),
         CacheConfig(block_size=16, num_blocks=args.num_blocks, enable_prefix_caching=False),
         SchedulerConfig(max_num_seqs=max(args.batches), max_num_batched_tokens=2048),
     ))
@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="qwen3-30b-a3b", help="a mixture-of-experts alias or HF directory")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: experts and decoder projections quantized per row on load")
     p.add_argument("--load-format", default="auto", help="auto (aliases: dummy weights) or dummy")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

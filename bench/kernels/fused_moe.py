@@ -25,6 +25,9 @@ against the same-run copy bandwidth (``bench.ceilings.copy_bandwidth``, best of 
 ``moe_path`` picks:
 
     python3 -m bench.kernels.fused_moe --decode --tokens 1 2 4 8 16 32
+
+``--fp8 channel|block``: the experts as FP8 weights (``engine.ops.fused_moe_fp8``; per-row scales, or
+128 x 128 tiles), dequantized in the kernels; the bytes counted are the FP8 weights' (one per element).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch
 from bench.ceilings import copy_bandwidth
 from bench.timing import Spread, ceiling_seconds, replay_seconds, time_calls
 from engine.ops.fused_moe import fused_moe, fused_moe_gemv, fused_moe_reference, moe_path
+from engine.ops.fused_moe_fp8 import ExpertScales, quantize_experts
 
 # (experts, top_k, hidden, expert width) of the published configs
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336),
@@ -107,14 +111,20 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for tokens in args.tokens:
         x, w_gate_up, w_down, weights, ids = layer(experts, top_k, hidden, inter, tokens, dtype, device)
+        scales = None
+        if args.fp8 is not None:
+            block = (128, 128) if args.fp8 == "block" else None
+            w_gate_up, s_up = quantize_experts(w_gate_up, block)
+            w_down, s_down = quantize_experts(w_down, block)
+            scales = ExpertScales(s_up, s_down, block)
         distinct = int(torch.unique(ids).numel())
         nbytes = distinct * 3 * inter * hidden * w_gate_up.element_size()
         row: dict[str, Any] = dict(tokens=tokens, distinct_experts=distinct, bytes=nbytes,
                                    picked=moe_path(tokens, top_k, experts))
-        want = fused_moe_reference(x, w_gate_up, w_down, weights, ids).float()
+        want = fused_moe_reference(x, w_gate_up, w_down, weights, ids, scales=scales).float()
         line = []
         for path in ("grouped", "gemv"):
-            work = functools.partial(fused_moe, x, w_gate_up, w_down, weights, ids, path=path)
+            work = functools.partial(fused_moe, x, w_gate_up, w_down, weights, ids, path=path, scales=scales)
             got = work().float()
             err = float((got - want).abs().max())
             torch.cuda.synchronize()
@@ -126,7 +136,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
         for tile in args.tiles:
             up, down = _tile_pair(tile)
             work = functools.partial(fused_moe_gemv, x, w_gate_up, w_down, weights, ids, up_tile=up,
-                                     down_tile=down)
+                                     down_tile=down, scales=scales)
             err = float((work().float() - want).abs().max())
             torch.cuda.synchronize()
             rate = replay_seconds(work, args.repeats).per(nbytes)
@@ -135,7 +145,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(row)
         print(f"{args.shape} decode tokens {tokens:3d} ({distinct} experts, {nbytes / 1e6:.1f} MB): "
               f"{'; '.join(line)}; moe_path picks {row['picked']}", flush=True)
-    return {"shape": args.shape, "dtype": args.dtype, "device": str(device),
+    return {"shape": args.shape, "dtype": args.dtype, "fp8": args.fp8, "device": str(device),
             "copy_bytes_per_s": copy.as_dict(), "rows": rows}
 
 
@@ -162,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode sizes: both paths from CUDA graphs against the copy bandwidth")
     p.add_argument("--tiles", nargs="*", default=[],
                    help="with --decode: also time the gemv path at these tiles, BNxBKxW/BNxBKxW each")
+    p.add_argument("--fp8", choices=["channel", "block"], default=None,
+                   help="--decode: FP8 experts with per-row or 128 x 128 block scales")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p
 
@@ -169,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments and run."""
     args = build_parser().parse_args(argv)
+    if args.fp8 is not None and not args.decode:
+        raise SystemExit("--fp8 times the decode sizes only: add --decode")
     result = run_decode(args) if args.decode else run(args)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))

@@ -20,6 +20,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from engine.models.fp8_moe import (
+    ExpertLoader,
+    Fp8Experts,
+    checkpoint_name,
+    expert_key,
+    init_dummy_experts,
+    replace_experts,
+)
 from engine.models.quant_config import Fp8Scheme
 from engine.ops.fp8_gemm import (
     FP8_DTYPE,
@@ -165,8 +173,13 @@ def _fp8_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str
 def build_fp8_model(hf_config: PretrainedConfig, scheme: Fp8Scheme, dtype: torch.dtype,
                     device: torch.device) -> Any:
     """An uninitialised transformers causal LM on ``device`` whose decoder projections are ``Fp8Linear``
-    (those ``scheme`` ignores stay ``nn.Linear``), its other parameters in ``dtype``, tied weights tied.
-    Returns the model (values undefined until loaded)."""
+    and whose mixture-of-experts experts are ``engine.models.fp8_moe.Fp8Experts`` (those ``scheme``
+    ignores stay unquantized), its other parameters in ``dtype``, tied weights tied. Built on the meta
+    device first: no full-precision copy of an FP8 weight is ever allocated. Returns the model (values
+    undefined until loaded).
+
+    Raises:
+        ValueError: block-scaled experts whose width is not a multiple of the block height."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     static = scheme.from_checkpoint and scheme.static_activations
@@ -175,6 +188,7 @@ def build_fp8_model(hf_config: PretrainedConfig, scheme: Fp8Scheme, dtype: torch
             continue
         setattr(parent, attr, Fp8Linear(lin.in_features, lin.out_features, lin.bias is not None, dtype,
                                          scheme.block, static, "meta"))
+    replace_experts(model, scheme, "meta")
     model.to_empty(device=device)
     for name, module in list(model.named_modules()):
         if isinstance(module, Fp8Linear):
@@ -185,6 +199,12 @@ def build_fp8_model(hf_config: PretrainedConfig, scheme: Fp8Scheme, dtype: torch
             setattr(parent, attr, type(module)(module.config).to(device))
     model.tie_weights()
     return model
+
+
+def _persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint stores (``to_empty`` leaves them undefined): name -> tensor."""
+    state = model.state_dict(keep_vars=True)
+    return {n: b for n, b in model.named_buffers() if n in state}
 
 
 def _quantize_into(lin: Fp8Linear, weight: torch.Tensor) -> None:
@@ -200,8 +220,9 @@ def _quantize_into(lin: Fp8Linear, weight: torch.Tensor) -> None:
 @torch.no_grad()
 def init_dummy_fp8(model: torch.nn.Module, seed: int) -> None:
     """Dummy weights as ``loader.init_dummy_weights`` draws them (matrices ~ normal(0, 0.02), norms 1,
-    other vectors 0), each ``Fp8Linear``'s drawn in the model dtype on its device and quantized (per
-    block, else per output feature), one projection at a time; seeded, so equal on every worker."""
+    other vectors and buffers 0), each ``Fp8Linear``'s drawn in the model dtype on its device and quantized
+    (per block, else per output feature), one projection at a time, ``Fp8Experts`` one expert at a time
+    (``init_dummy_experts``); seeded, so equal on every worker."""
     first = next(model.parameters())
     gen = torch.Generator(device=first.device).manual_seed(seed)
     dtype = next(p.dtype for p in model.parameters() if p.dtype != FP8_DTYPE)
@@ -213,6 +234,11 @@ def init_dummy_fp8(model: torch.nn.Module, seed: int) -> None:
             fp8_params.update({id(module.weight), id(module.weight_scale)})
             if module.input_scale is not None:
                 fp8_params.add(id(module.input_scale))
+        elif isinstance(module, Fp8Experts):
+            init_dummy_experts(module, dtype, gen)
+            fp8_params.update(id(p) for p in module.parameters())
+    for buf in _persistent_buffers(model).values():
+        buf.zero_()
     for name, param in model.named_parameters():
         if id(param) in fp8_params:
             continue
@@ -229,15 +255,22 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
     """Stream every tensor of ``files`` into ``model`` (built by ``build_fp8_model``): FP8 weights and
     their scales into ``Fp8Linear`` modules (block scales from ``*.weight_scale_inv``, per-tensor or
     per-channel ones from ``*.weight_scale``, static ``*.input_scale``), float weights of an ``Fp8Linear``
-    quantized on load (only when ``scheme`` does not come from the checkpoint), everything else copied.
+    quantized on load (only when ``scheme`` does not come from the checkpoint), expert tensors (per
+    expert, or stacked) into their ``Fp8Experts`` (``engine.models.fp8_moe.ExpertLoader``), everything
+    else copied. Mixtral's ``block_sparse_moe`` names load as ``mlp``.
 
     Raises:
         ValueError: a tensor the model has no place for, a parameter no file provides, a shape mismatch,
             or a float weight for an FP8 projection of an FP8 checkpoint (each named).
     """
     fp8_mods = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    experts = ExpertLoader({n: m for n, m in model.named_modules() if isinstance(m, Fp8Experts)}, scheme)
     params = dict(model.named_parameters())  # tied parameters appear once
-    expected = {n for n in params if n.rpartition(".")[0] not in fp8_mods}
+    expected = {n for n in params if n.rpartition(".")[0] not in fp8_mods
+                and n.rpartition(".")[0] not in experts.modules}
+    buffers = _persistent_buffers(model)  # e.g. GLM-4.5's router e_score_correction_bias
+    targets: dict[str, torch.Tensor] = {**params, **buffers}
+    expected |= set(buffers)
     expected |= {f"{n}.weight" for n in fp8_mods} | {f"{n}.weight_scale" for n, m in fp8_mods.items()
                                                     if m.layout == "block" or scheme.from_checkpoint}
     expected |= {f"{n}.input_scale" for n, m in fp8_mods.items() if m.input_scale is not None}
@@ -248,14 +281,21 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
             for key in list(handle.keys()):
                 if key.endswith("rotary_emb.inv_freq"):  # older checkpoints store the recomputed buffer
                     continue
+                tensor = handle.get_tensor(key)
+                ekey = expert_key(checkpoint_name(key))
+                if ekey is not None and experts.load(ekey, key, tensor):
+                    continue
+                if ekey is not None and ekey.expert is not None:
+                    raise ValueError(f"{f.name}: {key}: per-expert tensors of unquantized experts (left out "
+                                     "by the quantization_config) are not supported")
+                key = checkpoint_name(key)
                 prefix, _, leaf = key.rpartition(".")
                 name = f"{prefix}.weight_scale" if leaf == "weight_scale_inv" else key
-                tensor = handle.get_tensor(key)
                 mod = fp8_mods.get(prefix)
                 if mod is not None and leaf in ("weight", "weight_scale", "weight_scale_inv", "input_scale"):
                     _load_fp8_tensor(mod, key, leaf, tensor, scheme)
-                elif key in params:
-                    param = params[key]
+                elif key in targets:
+                    param = targets[key]
                     if tuple(param.shape) != tuple(tensor.shape):
                         raise ValueError(f"{f.name}: {key} has shape {list(tensor.shape)}, the model "
                                          f"expects {list(param.shape)}")
@@ -265,7 +305,7 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
                 loaded.add(name)
     tie = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     tied = {"lm_head.weight"} if tie else set()
-    missing = sorted(expected - loaded - tied)
+    missing = sorted(expected - loaded - tied) + experts.missing()
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
     for mod in fp8_mods.values():

@@ -25,7 +25,8 @@ sparse layer's router scores and normalises as its transformers module (softmax 
 ``engine.ops.topk_softmax`` launch with the kernels on; sigmoid plus ``e_score_correction_bias`` with
 grouped top-k and ``routed_scaling_factor`` for GLM-4.5, the module itself; all device-side, no host
 sync), its experts run through ``engine.ops.fused_moe`` (its per-expert reference when
-``use_triton`` is off on a CPU), and GLM-4.5's shared expert through the dense path (merged gate/up,
+``use_triton`` is off on a CPU; FP8 experts, ``engine.models.fp8_moe.Fp8Experts``, with their scales),
+and GLM-4.5's shared expert through the dense path (merged gate/up,
 ``silu_mul``); dense layers of those models (``mlp_only_layers``, ``first_k_dense_replace``) run as in
 the dense architectures. Partial
 rotary (GLM-4.5: ``partial_rotary_factor``) rotates the first dims of each head before the attention
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 from engine.models.fp8 import Fp8Linear, merge_fp8
+from engine.models.fp8_moe import Fp8Experts
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
 from engine.ops.fp8_gemm import Fp8Weight, fp8_linear
 from engine.ops.fused_moe import fused_moe, fused_moe_reference
@@ -141,6 +143,7 @@ class _SparseMoE:
             else (True, torch.float32) if kind == "MixtralTopKRouter" else None)
         self.gate_up = mlp.experts.gate_up_proj
         self.down = mlp.experts.down_proj
+        self.scales = mlp.experts.scales if isinstance(mlp.experts, Fp8Experts) else None  # FP8 experts
         shared = getattr(mlp, "shared_experts", None)
         self.shared = _DenseMLP(shared) if shared is not None else None
 
@@ -298,7 +301,7 @@ class FusedCausalLM(torch.nn.Module):
             self.route_observer(lay.index, ids)
         # on CUDA always the kernels: the reference loops over experts on the host (a sync per layer)
         moe = fused_moe if self.use_triton or x.is_cuda else fused_moe_reference
-        out = moe(x, ffn.gate_up, ffn.down, weights, ids)
+        out = moe(x, ffn.gate_up, ffn.down, weights, ids, scales=ffn.scales)
         if ffn.shared is not None:
             out = out + self._dense(ffn.shared, x)
         return out

@@ -13,7 +13,8 @@ Checkpoint formats read (``quant_method: "fp8"``):
 
 ``--quantization fp8`` on a bf16/fp16/fp32 checkpoint quantizes each projection per output feature on
 load (dynamic per-token activation scales). Only the decoder layers' linear projections (q/k/v/o,
-gate/up/down) are FP8; embeddings, norms and the LM head keep the model dtype.
+gate/up/down) and the mixtures of experts' experts (engine/models/fp8_moe.py) are FP8; embeddings, norms,
+routers and the LM head keep the model dtype.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from engine.models.quant_config import QUANTIZATION_METHODS, QuantizationConfigError, fp8_scheme
+from engine.models.quant_config import QUANTIZATION_METHODS, Fp8Scheme, QuantizationConfigError, fp8_scheme
 
 # Dense architectures laid out as Llama (separate q/k/v and gate/up projection modules): the ones FP8 weights
 # (``engine.models.fp8``) and tensor parallelism (``engine.models.tensor_parallel``) support.
@@ -33,6 +33,9 @@ MOE_ARCHITECTURES: frozenset[str] = frozenset(
     {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"}
 )
 SUPPORTED_ARCHITECTURES: frozenset[str] = DENSE_ARCHITECTURES | MOE_ARCHITECTURES
+# FP8 weights (engine/models/fp8.py, engine/models/fp8_moe.py): the Llama-like dense ones and the mixtures
+# of experts (separate attention projections; experts through the FP8 fused MoE kernels).
+FP8_ARCHITECTURES: frozenset[str] = LLAMA_LIKE_ARCHITECTURES | MOE_ARCHITECTURES
 # Architectures refused with the reason: Gemma 2 and 3 interleave sliding-window layers with global ones
 # and Gemma 2 soft-caps the attention logits; the paged attention backends attend to the whole sequence
 # with plain softmax, so running them would silently change their outputs.
@@ -44,7 +47,7 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": _GEMMA_WINDOW,
 }
 # ``quantization_config.quant_method`` values (and ``--quantization`` values) pdserve can load: FP8
-# (engine/models/quant_config.py) for the dense architectures; any other method is refused before weights
+# (engine/models/quant_config.py) for ``FP8_ARCHITECTURES``; any other method is refused before weights
 # are read.
 SUPPORTED_QUANTIZATION: frozenset[str] = frozenset(QUANTIZATION_METHODS)
 
@@ -123,8 +126,7 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     # GLM-4.5-Air (Z.ai's published config.json): 106B parameters, 12B active; 128 routed experts of width
     # 1408 (top-8, sigmoid scoring) plus one shared expert, the first layer dense, half-width rotary.
     # The multi-token-prediction layer (num_nextn_predict_layers) is not part of the decoder and not built.
-    # In bf16 it needs about 214 GB: more than one H200 holds (it would fit one in FP8, which runs the dense
-    # architectures only).
+    # In bf16 it needs about 214 GB: more than one H200 holds; in FP8 (``--quantization fp8``) about 110 GB.
     "glm-4.5-air": {
         "architectures": ["Glm4MoeForCausalLM"],
         "model_type": "glm4_moe",
@@ -195,7 +197,8 @@ def check_model_config(raw: dict[str, Any], where: str = "config.json",
             of ``REFUSED_ARCHITECTURES`` with their reason), a
             ``quantization_config`` whose ``quant_method`` is outside ``SUPPORTED_QUANTIZATION`` (AWQ,
             GPTQ, bitsandbytes, ...) or whose FP8 fields are not supported, an unknown ``quantization``,
-            or FP8 outside ``LLAMA_LIKE_ARCHITECTURES``; the message names it and lists what is supported.
+            FP8 outside ``FP8_ARCHITECTURES``, or FP8 experts with static activation scales or block
+            scales taller than the expert width divides; the message names it and lists what is supported.
     """
     archs = raw.get("architectures") or []
     if archs and archs[0] in REFUSED_ARCHITECTURES:
@@ -210,13 +213,25 @@ def check_model_config(raw: dict[str, Any], where: str = "config.json",
     except QuantizationConfigError as exc:
         raise UnsupportedModelError(str(exc)) from exc
     if scheme is not None and archs[0] in MOE_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"FP8 weights for the mixture of experts {archs[0]} ({where}) are not supported (the fused MoE "
-            f"kernels run bf16/fp16/fp32 experts); FP8 supported: {sorted(LLAMA_LIKE_ARCHITECTURES)}")
-    if scheme is not None and archs[0] not in LLAMA_LIKE_ARCHITECTURES:
+        _check_fp8_moe(raw, archs[0], scheme, where)
+    elif scheme is not None and archs[0] not in LLAMA_LIKE_ARCHITECTURES:
         raise UnsupportedModelError(
             f"FP8 weights for {archs[0]} ({where}) are not supported (its merged projections are not "
-            f"quantized); FP8 supported: {sorted(LLAMA_LIKE_ARCHITECTURES)}")
+            f"quantized); FP8 supported: {sorted(FP8_ARCHITECTURES)}")
+
+
+def _check_fp8_moe(raw: dict[str, Any], arch: str, scheme: Fp8Scheme, where: str) -> None:
+    """Refuse FP8 experts the fused MoE kernels cannot run: static activation scales (the kernels are
+    weight-only), block scales whose height does not divide the expert width (gate and up are stacked)."""
+    if scheme.static_activations:
+        raise UnsupportedModelError(
+            f"FP8 mixture of experts {arch} with activation_scheme 'static' ({where}) is not supported: the "
+            "FP8 expert kernels are weight-only (dynamic activations); supported: activation_scheme dynamic")
+    width = raw.get("moe_intermediate_size", raw.get("intermediate_size"))
+    if scheme.block is not None and isinstance(width, int) and width % scheme.block[0]:
+        raise UnsupportedModelError(
+            f"FP8 mixture of experts {arch} ({where}): expert width {width} is not a multiple of the "
+            f"weight_block_size height {scheme.block[0]} (gate and up scale tiles are stacked)")
 
 
 def read_model_config(path: Path, quantization: str | None = None) -> dict[str, Any]:

@@ -32,6 +32,9 @@ weights. The matrix-vector path skips the alignment: ``_gate_up_gemv_kernel`` ru
 (float32 products summed along the row, the same roundings as the grouped kernels), the weighted sum
 kept in float32 and rounded once. A weight is read once per pair that routes to it, so the path pays off
 only while pairs rarely share an expert.
+
+Both paths also take FP8 (e4m3) expert weights with their scales (``scales``; layouts, and where the
+kernels apply them: ``engine.ops.fused_moe_fp8``): weight-only, the activations stay in their dtype.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.fused_moe_fp8 import ExpertScales, check_scale, dequantize_experts, kernel_scale_args
 from engine.ops.pdl import gdc_enter, pdl_kwargs
 
 
@@ -102,11 +106,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
 
 @triton.jit
 def _gate_up_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
-    x_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr, act_ptr,
+    x_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr, act_ptr, s_ptr,
     num_pairs, top_k, num_experts, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_at,
+    stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    USE_GDC: tl.constexpr, SCALE: tl.constexpr,
 ):
     gdc_enter(USE_GDC)  # the alignment and the activations come from the kernels just before
     pid_m = tl.program_id(0)
@@ -125,6 +129,10 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
     gate_ptrs = w_base + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]
     up_ptrs = gate_ptrs + inter * stride_wn
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :]
+    s_base = s_ptr + expert.to(tl.int64) * stride_se
+    gate_srows = s_base + (cols // scale_rows).to(tl.int64)[None, :] * stride_sn  # [1, BLOCK_N]
+    up_srows = s_base + ((inter + cols) // scale_rows).to(tl.int64)[None, :] * stride_sn
+    dt = act_ptr.dtype.element_ty
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, hidden, BLOCK_K):
@@ -133,9 +141,18 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
         w_mask = k_mask[:, None] & col_mask[None, :]
         wg = tl.load(gate_ptrs + k, mask=w_mask, other=0.0)
         wu = tl.load(up_ptrs + k, mask=w_mask, other=0.0)
+        if SCALE == 2:  # FP8 weights, block scales: dequantized to the activations' dtype before the dot
+            s_cols = ((k + ks) // scale_cols)[:, None] * stride_sk  # [BLOCK_K, 1]
+            wg = (wg.to(tl.float32) * tl.load(gate_srows + s_cols, mask=w_mask, other=0.0)).to(dt)
+            wu = (wu.to(tl.float32) * tl.load(up_srows + s_cols, mask=w_mask, other=0.0)).to(dt)
+        elif SCALE == 1:  # per-row scales: e4m3 values are exact in fp16/bf16; scaled after the sums
+            wg = wg.to(dt)
+            wu = wu.to(dt)
         acc_gate = tl.dot(a, wg, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
-    dt = act_ptr.dtype.element_ty
+    if SCALE == 1:
+        acc_gate = acc_gate * tl.load(gate_srows, mask=col_mask[None, :], other=0.0)
+        acc_up = acc_up * tl.load(up_srows, mask=col_mask[None, :], other=0.0)
     g = acc_gate.to(dt).to(tl.float32)
     u = acc_up.to(dt).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
@@ -145,11 +162,11 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
 
 @triton.jit
 def _down_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
-    act_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, out_ptr,
+    act_ptr, w_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, out_ptr, s_ptr,
     num_pairs, num_experts, inter, hidden,
-    stride_at, stride_we, stride_wn, stride_ot,
+    stride_at, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    USE_GDC: tl.constexpr, SCALE: tl.constexpr,
 ):
     gdc_enter(USE_GDC)  # the alignment and the activations come from the kernels just before
     pid_m = tl.program_id(0)
@@ -166,12 +183,21 @@ def _down_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments ar
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
     a_ptrs = act_ptr + ids64[:, None] * stride_at + ks[None, :]
+    s_rows = s_ptr + expert.to(tl.int64) * stride_se + (cols // scale_rows).to(tl.int64)[None, :] * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, inter, BLOCK_K):
         k_mask = (k + ks) < inter
         a = tl.load(a_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs + k, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        w = tl.load(w_ptrs + k, mask=w_mask, other=0.0)
+        if SCALE == 2:
+            sc = tl.load(s_rows + ((k + ks) // scale_cols)[:, None] * stride_sk, mask=w_mask, other=0.0)
+            w = (w.to(tl.float32) * sc).to(act_ptr.dtype.element_ty)
+        elif SCALE == 1:
+            w = w.to(act_ptr.dtype.element_ty)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if SCALE == 1:
+        acc = acc * tl.load(s_rows, mask=col_mask[None, :], other=0.0)
     y = acc.to(act_ptr.dtype.element_ty).to(tl.float32)
     route = tl.load(weights_ptr + ids64, mask=row_mask, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + ids64[:, None] * stride_ot + cols[None, :]
@@ -179,7 +205,7 @@ def _down_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments ar
 
 
 def _check(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> None:
+           topk_ids: torch.Tensor, scales: ExpertScales | None = None) -> None:
     if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise ValueError(f"x must be [T, H], w_gate_up [E, 2 I, H], w_down [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
@@ -190,11 +216,22 @@ def _check(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids and topk_weights must both be [T={x.shape[0]}, k]; got "
                          f"{tuple(topk_ids.shape)}, {tuple(topk_weights.shape)}")
-    if x.dtype != w_gate_up.dtype or x.dtype != w_down.dtype:
+    if scales is not None:
+        check_scale(w_gate_up, scales.gate_up, scales.block, "w_gate_up")
+        check_scale(w_down, scales.down, scales.block, "w_down")
+        if scales.block is not None and (two_i // 2) % scales.block[0]:
+            raise ValueError(f"block-scaled w_gate_up: I={two_i // 2} is not a multiple of the block height "
+                             f"{scales.block[0]} (the gate's last scale tile would hold up rows)")
+    elif x.dtype != w_gate_up.dtype or x.dtype != w_down.dtype:
         raise ValueError(f"x and the expert weights need one dtype; got {x.dtype}, {w_gate_up.dtype}, "
                          f"{w_down.dtype}")
     if x.stride(1) != 1 or w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
         raise ValueError("x and the expert weights need a contiguous last dim")
+
+
+def _scale_mode(scales: ExpertScales | None) -> int:
+    """The kernels' ``SCALE``: 0 unquantized weights, 1 FP8 with per-row scales, 2 FP8 with block scales."""
+    return 0 if scales is None else 1 if scales.block is None else 2
 
 
 def moe_tile(num_pairs: int, num_experts: int, width: int, depth: int) -> tuple[int, int, int, int]:
@@ -209,10 +246,10 @@ def moe_tile(num_pairs: int, num_experts: int, width: int, depth: int) -> tuple[
 
 @triton.jit
 def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
-    x_ptr, w_ptr, ids_ptr, act_ptr,
+    x_ptr, w_ptr, ids_ptr, act_ptr, s_ptr,
     top_k, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_at,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+    stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SCALE: tl.constexpr,
 ):
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -224,6 +261,12 @@ def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     gate_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     up_rows = gate_rows + inter * stride_wn
     x_row = x_ptr + token * stride_xt
+    s_base = s_ptr + expert * stride_se
+    gate_srow = s_base + (cols // scale_rows).to(tl.int64) * stride_sn  # [BLOCK_N]
+    up_srow = s_base + ((inter + cols) // scale_rows).to(tl.int64) * stride_sn
+    gate_srows = gate_srow[:, None]
+    up_srows = up_srow[:, None]
+    dt = act_ptr.dtype.element_ty
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, hidden, BLOCK_K):
@@ -231,23 +274,31 @@ def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
         k_mask = kk < hidden
         xv = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
         w_mask = col_mask[:, None] & k_mask[None, :]
-        wg = tl.load(gate_rows + kk[None, :], mask=w_mask, other=0.0)
-        wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0)
-        acc_gate += wg.to(tl.float32) * xv[None, :]
-        acc_up += wu.to(tl.float32) * xv[None, :]
-    dt = act_ptr.dtype.element_ty
-    g = tl.sum(acc_gate, axis=1).to(dt).to(tl.float32)
-    u = tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
+        wg = tl.load(gate_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        if SCALE == 2:  # FP8 weights, block scales: dequantized and rounded to the activations' dtype
+            s_cols = (kk // scale_cols)[None, :] * stride_sk  # [1, BLOCK_K]
+            wg = (wg * tl.load(gate_srows + s_cols, mask=w_mask, other=0.0)).to(dt).to(tl.float32)
+            wu = (wu * tl.load(up_srows + s_cols, mask=w_mask, other=0.0)).to(dt).to(tl.float32)
+        acc_gate += wg * xv[None, :]
+        acc_up += wu * xv[None, :]
+    g = tl.sum(acc_gate, axis=1)
+    u = tl.sum(acc_up, axis=1)
+    if SCALE == 1:  # per-row scales times the float32 sums
+        g = g * tl.load(gate_srow, mask=col_mask, other=0.0)
+        u = u * tl.load(up_srow, mask=col_mask, other=0.0)
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(act_ptr + pair.to(tl.int64) * stride_at + cols, (silu * u).to(dt), mask=col_mask)
 
 
 @triton.jit
 def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
-    act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr,
+    act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, s_ptr,
     top_k, inter, hidden,
-    stride_at, stride_we, stride_wn, stride_ot,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+    stride_at, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SCALE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -260,15 +311,24 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
         pair = token * top_k + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        s_row = s_ptr + expert * stride_se + (cols // scale_rows).to(tl.int64) * stride_sn  # [BLOCK_N]
+        s_rows = s_row[:, None]
         a_row = act_ptr + pair * stride_at
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in range(0, inter, BLOCK_K):
             kk = k + ks
             k_mask = kk < inter
             av = tl.load(a_row + kk, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(rows + kk[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += w.to(tl.float32) * av[None, :]
-        y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            w = tl.load(rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            if SCALE == 2:
+                sc = tl.load(s_rows + (kk // scale_cols)[None, :] * stride_sk, mask=w_mask, other=0.0)
+                w = (w * sc).to(dt).to(tl.float32)
+            acc += w * av[None, :]
+        y = tl.sum(acc, axis=1)
+        if SCALE == 1:
+            y = y * tl.load(s_row, mask=col_mask, other=0.0)
+        y = y.to(dt).to(tl.float32)
         total += y * tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
@@ -295,11 +355,15 @@ def gemv_moe_tile(num_tokens: int, down: bool) -> tuple[int, int, int]:
 def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                    up_tile: tuple[int, int, int] | None = None,
-                   down_tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+                   down_tile: tuple[int, int, int] | None = None,
+                   scales: ExpertScales | None = None) -> torch.Tensor:
     """``fused_moe``'s matrix-vector path with its tiles given (``(block_n, block_k, num_warps)`` of the
     gate/up and the down kernel; None: ``gemv_moe_tile``), for tile sweeps. Same arguments, result and
     errors as ``fused_moe``."""
-    _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    _check(x, w_gate_up, w_down, topk_weights, topk_ids, scales)
+    block = scales.block if scales is not None else None
+    s_up = kernel_scale_args(scales.gate_up if scales is not None else None, block, w_gate_up)
+    s_down = kernel_scale_args(scales.down if scales is not None else None, block, w_down)
     t, hidden = x.shape
     inter = w_gate_up.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -311,42 +375,47 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
         return torch.zeros_like(x)
     bn, bk, warps = up_tile or gemv_moe_tile(t, down=False)
     _gate_up_gemv_kernel[(t * top_k, triton.cdiv(inter, bn))](
-        x, w_gate_up, ids, act, top_k, hidden, inter,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl_kwargs(x),
+        x, w_gate_up, ids, act, s_up[0], top_k, hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), *s_up[1:],
+        BLOCK_N=bn, BLOCK_K=bk, SCALE=_scale_mode(scales), num_warps=warps, **pdl_kwargs(x),
     )
     weights = topk_weights.reshape(-1).to(torch.float32)
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     bn, bk, warps = down_tile or gemv_moe_tile(t, down=True)
     _down_gemv_kernel[(t, triton.cdiv(hidden, bn))](
-        act, w_down, ids, weights, out, top_k, inter, hidden,
-        act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl_kwargs(x),
+        act, w_down, ids, weights, out, s_down[0], top_k, inter, hidden,
+        act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), *s_down[1:],
+        BLOCK_N=bn, BLOCK_K=bk, SCALE=_scale_mode(scales), num_warps=warps, **pdl_kwargs(x),
     )
     return out
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, *, block_m: int | None = None, path: str | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, *, block_m: int | None = None, path: str | None = None,
+              scales: ExpertScales | None = None) -> torch.Tensor:
     """The routed experts' SwiGLU MLPs, weighted and summed per token (Triton).
 
     Args:
         x: ``[T, H]`` float32/float16/bfloat16, last dim contiguous.
-        w_gate_up: ``[E, 2 I, H]`` (rows ``[0, I)`` gate, ``[I, 2 I)`` up), x's dtype.
-        w_down: ``[E, H, I]``, x's dtype.
+        w_gate_up: ``[E, 2 I, H]`` (rows ``[0, I)`` gate, ``[I, 2 I)`` up), x's dtype, or float8_e4m3fn
+            with ``scales``.
+        w_down: ``[E, H, I]``, x's dtype, or float8_e4m3fn with ``scales``.
         topk_weights: ``[T, k]`` routing weights (any float dtype; used in float32).
         topk_ids: ``[T, k]`` integer experts in ``[0, E)``.
         block_m: rows per block (power of two >= 16) of the grouped path; default from ``moe_tile``.
         path: ``"grouped"`` (aligned grouped GEMMs) or ``"gemv"`` (one matrix-vector product per pair);
             default from ``moe_path``.
+        scales: FP8 weights' scales (``engine.ops.fused_moe_fp8``), applied in the kernels (block scales
+            per weight tile, per-row scales to each output's sum); block-scaled ``w_gate_up`` needs ``I``
+            a multiple of ``bn``.
 
     Returns:
         ``[T, H]`` new tensor of x's dtype.
 
     Raises:
-        ValueError: shapes, dtypes or strides that do not fit; an unknown ``path``.
+        ValueError: shapes, dtypes, scales or strides that do not fit; an unknown ``path``.
     """
-    _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    _check(x, w_gate_up, w_down, topk_weights, topk_ids, scales)
     if path not in (None, "grouped", "gemv"):
         raise ValueError(f"path must be 'grouped' or 'gemv', got {path!r}")
     t, hidden = x.shape
@@ -357,37 +426,47 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     if pairs == 0:
         return torch.zeros_like(x)
     if (path or moe_path(t, top_k, num_experts)) == "gemv":
-        return fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids)
+        return fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, scales=scales)
     tile_m, bn_up, bk_up, warps = moe_tile(pairs, num_experts, inter, hidden)
     _, bn_down, bk_down, _ = moe_tile(pairs, num_experts, hidden, inter)
     bm = block_m or tile_m
     align = moe_align(topk_ids, num_experts, bm)
+    block = scales.block if scales is not None else None
+    s_up = kernel_scale_args(scales.gate_up if scales is not None else None, block, w_gate_up)
+    s_down = kernel_scale_args(scales.down if scales is not None else None, block, w_down)
     blocks = align.block_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products (no TF32 rounding)
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(inter, bn_up))](
-        x, w_gate_up, align.sorted_ids, align.block_expert, act,
+        x, w_gate_up, align.sorted_ids, align.block_expert, act, s_up[0],
         pairs, top_k, num_experts, hidden, inter,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_up, BLOCK_K=bk_up, num_warps=warps, **pdl_kwargs(x),
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), *s_up[1:],
+        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_up, BLOCK_K=bk_up, SCALE=_scale_mode(scales),
+        num_warps=warps, **pdl_kwargs(x),
     )
     weights = topk_weights.reshape(-1).to(torch.float32)
     out = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
-        act, w_down, align.sorted_ids, align.block_expert, weights, out,
+        act, w_down, align.sorted_ids, align.block_expert, weights, out, s_down[0],
         pairs, num_experts, inter, hidden,
-        act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
-        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_down, BLOCK_K=bk_down, num_warps=warps, **pdl_kwargs(x),
+        act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), *s_down[1:],
+        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_down, BLOCK_K=bk_down, SCALE=_scale_mode(scales),
+        num_warps=warps, **pdl_kwargs(x),
     )
     return out.view(t, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
 def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                        topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        scales: ExpertScales | None = None) -> torch.Tensor:
     """Plain-torch ``fused_moe``: a loop over the experts hit (transformers' ``*Experts.forward``
     arithmetic: each projection in the dtype, ``silu(gate) * up``), the weighted outputs accumulated in
-    float32 and rounded to x's dtype once. Same arguments and errors."""
-    _check(x, w_gate_up, w_down, topk_weights, topk_ids)
+    float32 and rounded to x's dtype once; FP8 weights (``scales``) dequantized to x's dtype first. Same
+    arguments and errors."""
+    _check(x, w_gate_up, w_down, topk_weights, topk_ids, scales)
+    if scales is not None:
+        w_gate_up = dequantize_experts(w_gate_up, scales.gate_up, scales.block, x.dtype)
+        w_down = dequantize_experts(w_down, scales.down, scales.block, x.dtype)
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     weights = topk_weights.to(torch.float32)
     for expert in torch.unique(topk_ids).tolist():

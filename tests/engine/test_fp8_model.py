@@ -6,8 +6,8 @@ transformers in fp32 with the dequantized weights and each projection's input ro
 the scheme says (per token group of 128, per token, or with the static input scale: ``_fake_quant``, an
 independent plain-torch statement of the scheme); and their logits stay within FP8's tolerance of the
 dequantized model without activation rounding (``LOGIT_TOL``). ``quantization="fp8"`` quantizes a float
-checkpoint (the embedded SmolLM2, a dummy alias) on load; other methods and FP8 mixtures of experts are
-refused by name.
+checkpoint (the embedded SmolLM2, a dummy alias) on load; other methods and FP8 for architectures with
+merged projections are refused by name (FP8 mixtures of experts: tests/engine/test_fp8_moe_model.py).
 
 ``LOGIT_TOL``: rounding a projection's input to e4m3 has a relative error of at most 2^-4 per element,
 about 2^-4 / sqrt(3) = 3.6 % RMS for values spread over a binade; through 2 layers (7 projections each)
@@ -273,7 +273,7 @@ def test_dummy_alias_with_fp8_has_fp8_shapes(tmp_path, monkeypatch):
                        model.model.layers[1].mlp.down_proj.weight.float())  # seeded: equal on every worker
 
 
-def test_other_quantization_values_and_fp8_moe_refused(tmp_path):
+def test_other_quantization_values_and_fp8_of_merged_projections_refused(tmp_path):
     with pytest.raises(ValueError, match="quantization must be one of"):
         ModelConfig("tiny-llama", quantization="awq")
     src = _tiny_llama(tmp_path / "src", 384, seed=1)
@@ -283,8 +283,11 @@ def test_other_quantization_values_and_fp8_moe_refused(tmp_path):
     (src / "config.json").write_text(json.dumps(raw))
     with pytest.raises(UnsupportedModelError, match=r"keys pdserve does not read: \['group_size'\]"):
         load_model(ModelConfig(str(src), device="cpu"))
-    with pytest.raises(UnsupportedModelError, match=r"mixture of experts Qwen3MoeForCausalLM.*FP8 supported"):
-        load_model(ModelConfig("qwen3-30b-a3b", device="cpu", quantization="fp8"))
+    phi = tmp_path / "phi"
+    phi.mkdir()
+    (phi / "config.json").write_text(json.dumps({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}))
+    with pytest.raises(UnsupportedModelError, match=r"FP8 weights for Phi3ForCausalLM.*merged projections"):
+        load_model(ModelConfig(str(phi), device="cpu", quantization="fp8"))
 
 
 def test_fp8_triton_kernels_in_the_fused_forward(tmp_path, monkeypatch):

@@ -1,0 +1,92 @@
+"""FP8 expert weights in the fused MoE kernels (engine/ops/fused_moe.py with engine/ops/fused_moe_fp8.py):
+both paths (matrix-vector, grouped GEMM) and both scale layouts (per output row, per tile) against the
+reference on the dequantized weights, and within FP8's error of the unquantized experts, over experts
+8/64, top-k 1/2/8, 1-64 tokens and uneven loads. On CPU through Triton's interpreter over a subset
+(``grid``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.ops.fused_moe import fused_moe, fused_moe_reference
+from engine.ops.fused_moe_fp8 import FP8_DTYPE, ExpertScales, dequantize_experts, quantize_experts
+from tests.engine.grid import grid
+from tests.engine.test_fused_moe import DEVICE, DTYPES, TOL, moe_case
+
+# block-scaled cases use small tiles so that the CPU shapes span several (and a ragged last column tile:
+# hidden 48 over bk 32); the checkpoints' (128, 128) is the same code with other divisors
+BLOCK = (16, 32)
+LAYOUTS = ("channel", "block")
+FULL = [(e, k, t, r, lay, p) for e in (8, 64) for k in (1, 2, 8) for t in (1, 7, 33, 64)
+        for r in ("uniform", "skewed", "one") for lay in LAYOUTS for p in ("gemv", "grouped")
+        if k <= e]
+CPU = [(8, 1, 1, "uniform", "channel", "gemv"), (64, 2, 1, "skewed", "block", "gemv"),
+       (8, 2, 7, "one", "channel", "grouped"), (8, 2, 33, "skewed", "channel", "grouped"),
+       (64, 8, 7, "skewed", "block", "grouped"), (8, 1, 64, "uniform", "block", "grouped")]
+
+
+def fp8_case(experts: int, top_k: int, tokens: int, kind: str, layout: str, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ExpertScales,
+                        torch.Tensor, torch.Tensor]:
+    """x, FP8 gate/up and down, routing weights and ids, scales, and the unquantized weights."""
+    x, w_gate_up, w_down, weights, ids = moe_case(experts, top_k, tokens, kind, torch.float32, inter=32)
+    block = BLOCK if layout == "block" else None
+    q_up, s_up = quantize_experts(w_gate_up, block)
+    q_down, s_down = quantize_experts(w_down, block)
+    return (x.to(dtype), q_up, q_down, weights, ids, ExpertScales(s_up, s_down, block),
+            w_gate_up.to(dtype), w_down.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("experts,top_k,tokens,kind,layout,path", grid(FULL, CPU))
+def test_fp8_fused_moe_matches_dequantized_reference(experts, top_k, tokens, kind, layout, path, dtype):
+    case = fp8_case(experts, top_k, tokens, kind, layout, dtype)
+    x, q_up, q_down, weights, ids, scales, w_up, w_down = case
+    if kind != "uniform" and 2 * top_k + 1 < experts:
+        assert (torch.bincount(ids.flatten().cpu(), minlength=experts) == 0).any()  # empty experts
+    got = fused_moe(x, q_up, q_down, weights, ids, path=path, scales=scales)
+    want = fused_moe_reference(x, q_up, q_down, weights, ids, scales=scales)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    # the reference is the unquantized reference on the dequantized weights
+    deq = fused_moe_reference(x, dequantize_experts(q_up, scales.gate_up, scales.block, dtype),
+                              dequantize_experts(q_down, scales.down, scales.block, dtype), weights, ids)
+    torch.testing.assert_close(want, deq, atol=0, rtol=0)
+    # and within FP8's rounding (3 mantissa bits) of the unquantized experts
+    exact = fused_moe_reference(x, w_up, w_down, weights, ids).float()
+    err = (got.float() - exact).norm() / exact.norm()
+    assert err < 0.08, err
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_quantize_experts_round_trip(layout):
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(3, 40, 48, generator=gen)
+    w[1, :16] = 0.0  # an all-zero row / tile quantizes to zeros
+    block = BLOCK if layout == "block" else None
+    q, s = quantize_experts(w, block)
+    assert q.dtype == FP8_DTYPE and q.shape == w.shape and s.dtype == torch.float32
+    assert tuple(s.shape) == ((3, 40) if block is None else (3, 3, 2))  # ragged: 40 rows / 16, 48 cols / 32
+    back = dequantize_experts(q, s, block, torch.float32)
+    assert torch.equal(back[1, :16], torch.zeros(16, 48))
+    # e4m3 keeps 3 mantissa bits: each value within 2^-4 of itself, relative to its row / tile amax
+    assert ((back - w).abs() <= w.abs() / 16 + 1e-6 + s.amax() * 2 ** -9).all()
+    assert (back.abs().amax(dim=2) <= w.abs().amax(dim=2) * (1 + 1 / 16)).all()
+
+
+def test_fp8_scales_refused_when_they_do_not_fit():
+    x, q_up, q_down, weights, ids, scales, w_up, _ = fp8_case(8, 2, 3, "uniform", "channel", torch.float32)
+    bad = ExpertScales(scales.gate_up[:, :-1], scales.down)
+    with pytest.raises(ValueError, match="w_gate_up: scale"):
+        fused_moe(x, q_up, q_down, weights, ids, scales=bad)
+    with pytest.raises(ValueError, match=r"not torch\.float8_e4m3fn"):
+        fused_moe(x, w_up, q_down, weights, ids, scales=scales)
+    with pytest.raises(ValueError, match="one dtype"):  # FP8 weights without scales
+        fused_moe(x, q_up, q_down, weights, ids)
+    # block-scaled gate/up with I (32) not a multiple of the block height: gate and up would share a tile
+    tall_up, tall_s = quantize_experts(w_up.float(), (24, 32))
+    down_q, down_s = quantize_experts(torch.randn(8, 48, 32), (24, 32))
+    with pytest.raises(ValueError, match="not a multiple of the block height 24"):
+        fused_moe(x, tall_up.to(DEVICE), down_q.to(DEVICE), weights, ids,
+                  scales=ExpertScales(tall_s.to(DEVICE), down_s.to(DEVICE), (24, 32)))
