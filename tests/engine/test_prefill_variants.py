@@ -37,6 +37,11 @@ def _run(batch, **kw):  # type: ignore[no-untyped-def]
                                    **kw)
 
 
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tiles and bit-equality; "
+                                      "the GPU runs test_prefill_variant_bf16_gpu")
+
+
+@interpreter_only
 @pytest.mark.parametrize(("dtype", "shape"), [(F32, (8, 2, 64)), (F16, (9, 3, 32))])
 @pytest.mark.parametrize(("pack_gqa", "longest_first", "tile"), VARIANTS)
 def test_prefill_variant_matches_reference_and_default(
@@ -61,6 +66,7 @@ def test_prefill_variant_matches_reference_and_default(
         assert torch.equal(got, _run(batch)), "same KV tiles, other numbers than the default kernel"
 
 
+@interpreter_only
 def test_packed_prefill_seq_offset_leaves_earlier_rows() -> None:
     batch = make_batch([(4, 1), (0, 5), (2, 7)], 8, 2, 64, BS, F32)
     store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
@@ -81,3 +87,23 @@ def test_bad_prefill_tile_is_refused(tile: tuple[int, int, int, int], pack: bool
     batch = make_batch([(0, 3)], 8, 2, 64, BS, F32)
     with pytest.raises(ValueError, match=words):
         _run(batch, tile=tile, pack_gqa=pack)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled bf16 Triton kernels need CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize(("pack_gqa", "longest_first", "tile"), [
+    (True, False, (64, 64, 4, 3)), (True, False, (128, 64, 8, 3)), (True, True, (128, 128, 8, 2)),
+    (False, True, None), (False, False, (128, 64, 8, 2)),
+])
+def test_prefill_variant_bf16_gpu(pack_gqa: bool, longest_first: bool,
+                                  tile: tuple[int, int, int, int] | None) -> None:
+    specs = [(0, 15), (16, 17), (37, 300), (1000, 129), (5, 1), (2000, 770)]
+    batch = make_batch(specs, 32, 8, 128, 16, torch.bfloat16)
+    store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
+    m = batch.meta
+    got = _run(batch, tile=tile, pack_gqa=pack_gqa, longest_first=longest_first)
+    ref = paged_prefill_attention_reference(batch.q, batch.pool.k_cache(0), batch.pool.v_cache(0),
+                                            m.block_tables, m.seq_lens, m.query_start_loc, m.max_query_len,
+                                            m.max_seq_len, 128 ** -0.5)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    assert_no_stray_writes(batch)
