@@ -173,7 +173,11 @@ def make_inputs(case: Case, shape: Shape, device: torch.device, block_size: int 
 
 def sdpa_call(inp: Inputs, scale: float) -> Callable[[], torch.Tensor]:
     """SDPA with the bottom-right causal mask (``causal_lower_right``); the flash backend only on CUDA (an
-    error rather than a slower backend), the default choice on CPU. The call returns ``[S, H, N, D]``."""
+    error rather than a slower backend), the default choice on CPU. The call returns ``[S, H, N, D]``.
+
+    Raises:
+        RuntimeError: on CUDA, inputs flash attention cannot run.
+    """
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
@@ -182,6 +186,12 @@ def sdpa_call(inp: Inputs, scale: float) -> Callable[[], torch.Tensor]:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if not q.is_cuda:
         return lambda: sdpa(q, k, v, attn_mask=mask, scale=scale)
+
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    # causal_lower_right falls back to another kernel, outside sdpa_kernel's reach, when flash cannot run
+    if not can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, False), debug=True):
+        raise RuntimeError("SDPA flash attention cannot run these inputs (see the warning above)")
 
     def flash() -> torch.Tensor:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
