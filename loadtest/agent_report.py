@@ -73,7 +73,8 @@ def _system_lines(system: AgentSystemResult) -> list[str]:
                   f"TTFT p50 last turn / turn 1: {_num(system.ttft_last_over_first, '{:.2f}')}x"]
     if run is not None:
         lines += [f"Prefix-cache hit rate over the run (GPU tier): prefill {_pct(run.prefill.hit_rate())} %, "
-                  f"decode {_pct(run.decode.hit_rate())} %; KV sent {_mib(run.prefill.kv_sent_bytes)} MiB, "
+                  f"decode {_pct(run.decode.block_hit_rate())} % of prompt blocks; "
+                  f"KV sent {_mib(run.prefill.kv_sent_bytes)} MiB, "
                   f"received {_mib(run.decode.kv_received_bytes)} MiB"]
     else:
         lines += [f"Worker counters not read: {system.counters_error}"]

@@ -200,7 +200,7 @@ def turn_stats(records: Sequence[RequestRecord], counters: dict[int, Counters], 
         if delta is not None:
             stats.counters = delta
             stats.prefill_hit_rate = delta.prefill.hit_rate()
-            stats.decode_hit_rate = delta.decode.hit_rate()
+            stats.decode_hit_rate = delta.decode.block_hit_rate()
             stats.kv_bytes = delta.decode.kv_received_bytes if decode_side else delta.prefill.kv_sent_bytes
         if stats.suffix_tokens is not None and cfg.kv_bytes_per_token is not None:
             stats.suffix_kv_bytes = stats.suffix_tokens * cfg.kv_bytes_per_token

@@ -6,7 +6,11 @@ one turn index. Names (vLLM's, beside pdserve's own; ``workers/metrics.py``):
 * ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``: prompt tokens looked up in /
   found in the prefix cache (GPU tier) of the worker that computed the prompt;
 * ``pdserve_worker_kv_sent_bytes_total`` (prefill side) and ``pdserve_worker_kv_received_bytes_total``
-  (decode side): KV bytes moved between them.
+  (decode side): KV bytes moved between them;
+* ``pdserve_worker_kv_reused_blocks_total`` / ``pdserve_worker_kv_received_blocks_total`` (decode side):
+  prompt KV blocks a decode worker found in its own prefix cache / received from the prefill side. The
+  decode side's hit rate is ``reused / (reused + received)`` (``SideCounters.block_hit_rate``): a decode
+  worker does not count prefix-cache queries in tokens.
 
 A counter a page does not have counts as 0 (a vLLM pod has no pdserve counters; a decode worker that
 looks nothing up has no prefix-cache queries), so a side's hit rate is None when it made no query. A
@@ -29,17 +33,23 @@ TIER_COUNTERS: dict[str, tuple[str, str]] = {
 }
 KV_SENT = "pdserve_worker_kv_sent_bytes_total"
 KV_RECEIVED = "pdserve_worker_kv_received_bytes_total"
-READ = (KV_SENT, KV_RECEIVED, *(name for pair in TIER_COUNTERS.values() for name in pair))
+KV_REUSED_BLOCKS = "pdserve_worker_kv_reused_blocks_total"
+KV_RECEIVED_BLOCKS = "pdserve_worker_kv_received_blocks_total"
+READ = (KV_SENT, KV_RECEIVED, KV_REUSED_BLOCKS, KV_RECEIVED_BLOCKS,
+        *(name for pair in TIER_COUNTERS.values() for name in pair))
 
 
 class SideCounters(msgspec.Struct, kw_only=True):
     """One side's (prefill or decode) counters summed over its workers: prefix-cache hits and queries per
-    tier (tokens), KV bytes sent and received."""
+    tier (tokens), KV bytes sent and received, prompt KV blocks reused from the own prefix cache and
+    received (decode side)."""
 
     hits: dict[str, float] = msgspec.field(default_factory=dict)
     queries: dict[str, float] = msgspec.field(default_factory=dict)
     kv_sent_bytes: float = 0.0
     kv_received_bytes: float = 0.0
+    kv_reused_blocks: float = 0.0
+    kv_received_blocks: float = 0.0
 
     def minus(self, other: SideCounters) -> SideCounters:
         """``self - other`` field by field (the change between two readings)."""
@@ -47,12 +57,20 @@ class SideCounters(msgspec.Struct, kw_only=True):
             hits={t: v - other.hits.get(t, 0.0) for t, v in self.hits.items()},
             queries={t: v - other.queries.get(t, 0.0) for t, v in self.queries.items()},
             kv_sent_bytes=self.kv_sent_bytes - other.kv_sent_bytes,
-            kv_received_bytes=self.kv_received_bytes - other.kv_received_bytes)
+            kv_received_bytes=self.kv_received_bytes - other.kv_received_bytes,
+            kv_reused_blocks=self.kv_reused_blocks - other.kv_reused_blocks,
+            kv_received_blocks=self.kv_received_blocks - other.kv_received_blocks)
 
     def hit_rate(self, tier: str = "gpu") -> float | None:
         """hits / queries of ``tier`` (0..1), None when nothing was looked up."""
         queries = self.queries.get(tier, 0.0)
         return None if queries <= 0 else self.hits.get(tier, 0.0) / queries
+
+    def block_hit_rate(self) -> float | None:
+        """Prompt KV blocks reused / (reused + received) (0..1): a decode side's prefix hit rate; None
+        when no prompt block arrived or was reused."""
+        total = self.kv_reused_blocks + self.kv_received_blocks
+        return None if total <= 0 else self.kv_reused_blocks / total
 
 
 class Counters(msgspec.Struct, kw_only=True):
@@ -95,7 +113,9 @@ async def _side(client: httpx.AsyncClient, urls: Sequence[str], timeout_s: float
             totals[name] += value
     return SideCounters(hits={t: totals[h] for t, (h, _) in TIER_COUNTERS.items()},
                         queries={t: totals[q] for t, (_, q) in TIER_COUNTERS.items()},
-                        kv_sent_bytes=totals[KV_SENT], kv_received_bytes=totals[KV_RECEIVED])
+                        kv_sent_bytes=totals[KV_SENT], kv_received_bytes=totals[KV_RECEIVED],
+                        kv_reused_blocks=totals[KV_REUSED_BLOCKS],
+                        kv_received_blocks=totals[KV_RECEIVED_BLOCKS])
 
 
 async def read_counters(client: httpx.AsyncClient, prefill: Sequence[str], decode: Sequence[str],

@@ -146,10 +146,11 @@ def run_case(case: KernelCase, device: str, seed: int = 0) -> int:
         _close(f"store_kv {case}", flat_k[p.slot_mapping], p.k_new, dtype)
         if kind == "prefill":
             args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.query_start_loc)
-            got = paged_prefill_attention(*args, p.max_query_len, scale)
             want = paged_prefill_attention_reference(*args, p.max_query_len, p.max_seq_len, scale)
-            _close(f"paged_prefill_attention {case}", got, want, dtype)
-            calls += 1
+            for pack_gqa in (False, True):  # the engine's path and the GQA-packed candidate
+                got = paged_prefill_attention(*args, p.max_query_len, scale, pack_gqa=pack_gqa)
+                _close(f"paged_prefill_attention pack_gqa={pack_gqa} {case}", got, want, dtype)
+                calls += 1
         else:
             args2 = (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.max_seq_len, scale)
             want = paged_decode_attention_reference(*args2)

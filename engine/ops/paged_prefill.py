@@ -6,9 +6,11 @@ output in registers while it walks the KV in tiles (online softmax, exp2 with th
 KV is read through the block table (vLLM PagedAttention, Kwon et al., SOSP'23); the new tokens' K/V are
 already stored, so the cached prefix and the new tokens come through one path. Query ``i`` of a sequence
 with ``c = seq_len - query_len`` cached tokens sees KV positions ``<= c + i`` (bottom-right causal). KV
-tiles wholly below the tile's diagonal run without masks; only the last ones are masked. An FP8 cache
-(engine/ops/store_kv.py) is dequantised on load: raw values into the dots, the K scale folded into the
-softmax scale, the output multiplied by the V scale.
+tiles wholly below the tile's diagonal run without masks; only the last ones are masked. Optionally
+(``pack_gqa``) one program holds the query heads of one KV head as rows of its tile, so grouped-query
+attention (Ainslie et al., 2023) reads each K/V tile once per group instead of once per query head. An
+FP8 cache (engine/ops/store_kv.py) is dequantised on load: raw values into the dots, the K scale folded
+into the softmax scale, the output multiplied by the V scale.
 """
 
 from __future__ import annotations
@@ -32,51 +34,63 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    USE_GDC: tl.constexpr, GROUP: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
-    tile_m = tl.program_id(0)
+    pid_m = tl.program_id(0)
+    # longest first: the last query tiles see the most KV, so they start first
+    tile_m = tl.num_programs(0) - 1 - pid_m if LONGEST_FIRST else pid_m
     seq = tl.program_id(1) + seq_offset
-    head = tl.program_id(2)
+    tokens_m: tl.constexpr = BLOCK_M // GROUP  # query tokens per program
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tile_m * BLOCK_M >= q_len:
+    if tile_m * tokens_m >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
-    kv_head = head // QUERIES_PER_KV
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    io_mask = (rows < q_len)[:, None] & (dims < HEAD_DIM)[None, :]
+    if GROUP == 1:  # one query head per program
+        rows = tile_m * BLOCK_M + r
+        head = tl.program_id(2)
+        kv_head = head // QUERIES_PER_KV
+        row_ok = rows < q_len
+    else:  # GQA packed: row r is token r // GROUP of the tile, query head r % GROUP of the KV head's group
+        rows = tile_m * tokens_m + r // GROUP
+        kv_head = tl.program_id(2)
+        head = kv_head * QUERIES_PER_KV + r % GROUP
+        row_ok = (rows < q_len) & (r % GROUP < QUERIES_PER_KV)
+    io_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
     tokens = (q_start + rows).to(tl.int64)
-    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=io_mask,
-                other=0.0)
+    q_off = tokens * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + dims[None, :], mask=io_mask, other=0.0)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # KV below every row's diagonal: no mask needed.
-    full_end = ((context + tile_m * BLOCK_M) // BLOCK_N) * BLOCK_N
+    full_end = ((context + tile_m * tokens_m) // BLOCK_N) * BLOCK_N
     acc, m_i, l_i = attend_paged_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, 0, full_end, context,
         scale_log2, stride_cb, stride_cs, stride_ch,
         HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, False, PRECISION,
     )
-    kv_end = tl.minimum(seq_len, context + (tile_m + 1) * BLOCK_M)
+    kv_end = tl.minimum(seq_len, context + (tile_m + 1) * tokens_m)
     acc, m_i, l_i = attend_paged_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, full_end, kv_end, context,
         scale_log2, stride_cb, stride_cs, stride_ch,
         HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, True, PRECISION,
     )
     out = (acc * v_scale) / l_i[:, None]
-    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    o_off = tokens * stride_ot + head * stride_oh
+    tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def prefill_tiles(head_dim: int, on_gpu: bool) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. Hopper: 128x64 tiles with 8 warps for
-    ``head_dim <= 64``, 64x64 with 4 warps for larger heads (register pressure), 3 stages to overlap the
-    paged loads; the interpreter uses 16x16 (it is slow per element)."""
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``paged_prefill_attention`` when no tile is given.
+    Hopper: 128x64 tiles with 8 warps for ``head_dim <= 64``, 64x64 with 4 warps for larger heads
+    (register pressure), 3 stages to overlap the paged loads; the interpreter uses 16x16 (it is slow per
+    element). ``bench.kernels.prefill_attention --candidates`` sweeps the alternatives."""
     if not on_gpu:
         return 16, 16, 1, 1
     if head_dim <= 64:
@@ -84,10 +98,23 @@ def prefill_tiles(head_dim: int, on_gpu: bool) -> tuple[int, int, int, int]:
     return 64, 64, 4, 3
 
 
+def _check_tile(tile: tuple[int, int, int, int], group: int) -> None:
+    block_m, block_n, warps, stages = tile
+    for name, v in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", warps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"prefill tile {tile}: {name} must be a power of two >= 1, got {v}")
+    if stages < 1:
+        raise ValueError(f"prefill tile {tile}: num_stages must be >= 1, got {stages}")
+    if block_m < group:
+        raise ValueError(f"prefill tile {tile}: with pack_gqa BLOCK_M must hold one token's {group} "
+                         f"(padded) query heads")
+
+
 def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
-    seq_offset: int = 0, out: torch.Tensor | None = None, kv_scale: KVScale = UNIT_SCALE,
+    seq_offset: int = 0, out: torch.Tensor | None = None, kv_scale: KVScale = UNIT_SCALE, *,
+    tile: tuple[int, int, int, int] | None = None, pack_gqa: bool = False, longest_first: bool = False,
 ) -> torch.Tensor:
     """Varlen attention over paged KV for sequences ``seq_offset .. S-1`` of a packed step (Triton).
 
@@ -101,31 +128,48 @@ def paged_prefill_attention(
         scale: softmax scale. seq_offset: first sequence to compute (``num_decodes`` in the backend).
         out: optional ``[T, H, D]`` output; only the rows of the computed sequences are written.
         kv_scale: the layer's K and V scales (an FP8 cache's values are ``stored * scale``).
+        tile: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; None: ``prefill_tiles``. ``BLOCK_M`` counts
+            rows of the program's query tile (tokens x packed heads with ``pack_gqa``), ``BLOCK_N`` KV
+            positions per step (several pages when larger than the cache's block_size).
+        pack_gqa: one program per (query tile, sequence, KV head) holding all ``H / Hkv`` query heads of
+            that KV head (padded to a power of two) as rows, so they share every K/V load; default one
+            program per query head. Each row's softmax walks the same KV tiles (from position 0 in steps
+            of ``BLOCK_N``) in the same order either way.
+        longest_first: launch the query tiles in reverse order (the last tiles, which see the most KV,
+            first).
 
     Returns:
         ``out`` (``[T, H, D]``, ``q``'s dtype).
 
     Raises:
-        ValueError: a scale that is not a finite float > 0.
+        ValueError: a scale that is not a finite float > 0; a ``tile`` whose block sizes or warps are not
+            powers of two, whose stages are < 1, or whose ``BLOCK_M`` is smaller than the packed group.
     """
     _check_scale(kv_scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    queries_per_kv = num_heads // num_kv_heads
+    group = triton.next_power_of_2(queries_per_kv) if pack_gqa else 1
+    if tile is not None:
+        _check_tile(tile, group)
+    block_m, block_n, warps, stages = tile or prefill_tiles(head_dim, q.is_cuda)
+    if block_m < group:
+        raise ValueError(f"pack_gqa needs BLOCK_M >= {group} (the packed query heads), got {block_m}")
     if out is None:
         out = torch.empty_like(q)
     num_seqs = seq_lens.shape[0] - seq_offset
     if num_seqs <= 0 or max_query_len <= 0:
         return out
-    block_m, block_n, warps, stages = prefill_tiles(head_dim, q.is_cuda)
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    grid = (triton.cdiv(max_query_len, block_m // group), num_seqs, num_kv_heads if pack_gqa else num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         scale * LOG2E * kv_scale.k, float(kv_scale.v), seq_offset,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        QUERIES_PER_KV=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
-        **pdl_kwargs(q),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group, LONGEST_FIRST=longest_first,
+        num_warps=warps, num_stages=stages, **pdl_kwargs(q),
     )
     return out
 

@@ -216,3 +216,29 @@ def test_texts_come_from_the_word_list_the_same_on_every_call(tmp_path: Path) ->
     empty = parser.parse_args(["--workload", "agent", "--word-list", str(tmp_path / "empty")])
     with pytest.raises(ValueError, match="no word"):
         agent_config_from_args(empty, "m")
+
+
+def test_decode_hit_rate_is_reused_over_reused_plus_received_blocks() -> None:
+    """A decode worker counts no token queries: its hit rate per turn comes from the prompt KV blocks it
+    reused from its own prefix cache against those it received (6 reused, 2 received in turn 1: 75 %)."""
+    page = ('# TYPE pdserve_worker_kv_reused_blocks counter\n'
+            'pdserve_worker_kv_reused_blocks_total{engine="0"} 10.0\n'
+            '# TYPE pdserve_worker_kv_received_blocks counter\n'
+            'pdserve_worker_kv_received_blocks_total{engine="0"} 5.0\n')
+    totals = page_totals(page)
+    assert (totals["pdserve_worker_kv_reused_blocks_total"],
+            totals["pdserve_worker_kv_received_blocks_total"]) == (10.0, 5.0)
+    earlier = SideCounters(kv_reused_blocks=4.0, kv_received_blocks=3.0)
+    later = SideCounters(kv_reused_blocks=10.0, kv_received_blocks=5.0)
+    delta = later.minus(earlier)
+    assert (delta.kv_reused_blocks, delta.kv_received_blocks) == (6.0, 2.0)
+    assert delta.block_hit_rate() == pytest.approx(0.75)
+    assert SideCounters(kv_received_blocks=4.0).block_hit_rate() == 0.0
+    assert SideCounters().block_hit_rate() is None
+    records = [_rec(0, 0, 100), _rec(0, 1, 250)]
+    counters = {0: Counters(prefill=SideCounters(), decode=SideCounters(kv_received_blocks=7.0)),
+                1: Counters(prefill=SideCounters(), decode=delta)}
+    cfg = AgentConfig(model="m", systems=(SystemTarget("a", "http://x"),))
+    turns = turn_stats(records, counters, cfg)
+    assert [t.decode_hit_rate for t in turns] == [0.0, pytest.approx(0.75)]
+    assert all(t.prefill_hit_rate is None for t in turns)

@@ -1,0 +1,109 @@
+"""The candidate variants of ``paged_prefill_attention`` (explicit tiles, GQA packing, longest-first launch
+order) give the reference's answer, and (interpreter, float32 and float16) the very numbers of the
+default kernel: each row's softmax walks the same KV tiles in the same order, so a variant cannot change
+what a cache hit returns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.ops.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
+from engine.ops.store_kv import store_kv
+from tests.engine.test_kernels import (
+    BS,
+    PREFILL_SPECS,
+    TOL,
+    assert_no_stray_writes,
+    make_batch,
+    naive_attention,
+)
+
+F32, F16 = torch.float32, torch.float16
+# (pack_gqa, longest_first, tile): BLOCK_N 16 reads two pages of BS 8 per KV tile
+VARIANTS = [
+    (True, False, None),
+    (False, True, None),
+    (True, True, (32, 16, 1, 1)),
+    (False, False, (32, 16, 1, 1)),
+    (True, False, (16, 8, 1, 1)),
+]
+
+
+def _run(batch, **kw):  # type: ignore[no-untyped-def]
+    m = batch.meta
+    return paged_prefill_attention(batch.q, batch.pool.k_cache(0), batch.pool.v_cache(0), m.block_tables,
+                                   m.seq_lens, m.query_start_loc, m.max_query_len, batch.q.shape[2] ** -0.5,
+                                   **kw)
+
+
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tiles and bit-equality; "
+                                      "the GPU runs test_prefill_variant_bf16_gpu")
+
+
+@interpreter_only
+@pytest.mark.parametrize(("dtype", "shape"), [(F32, (8, 2, 64)), (F16, (9, 3, 32))])
+@pytest.mark.parametrize(("pack_gqa", "longest_first", "tile"), VARIANTS)
+def test_prefill_variant_matches_reference_and_default(
+    dtype: torch.dtype, shape: tuple[int, int, int], pack_gqa: bool, longest_first: bool,
+    tile: tuple[int, int, int, int] | None,
+) -> None:
+    num_heads, num_kv_heads, head_dim = shape
+    specs = [*PREFILL_SPECS, (5 * BS + 3, 2 * BS + 5)]  # a cached prefix longer than one KV tile
+    batch = make_batch(specs, num_heads, num_kv_heads, head_dim, BS, dtype)
+    store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
+    m = batch.meta
+    got = _run(batch, tile=tile, pack_gqa=pack_gqa, longest_first=longest_first)
+    ref = paged_prefill_attention_reference(batch.q, batch.pool.k_cache(0), batch.pool.v_cache(0),
+                                            m.block_tables, m.seq_lens, m.query_start_loc, m.max_query_len,
+                                            m.max_seq_len, head_dim ** -0.5)
+    torch.testing.assert_close(got, ref, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got.double(), naive_attention(batch, head_dim ** -0.5), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+    assert_no_stray_writes(batch)
+    same_kv_tiles = (tile or (16, 16, 1, 1))[1] == 16  # the default's BLOCK_N on the interpreter
+    if same_kv_tiles:
+        assert torch.equal(got, _run(batch)), "same KV tiles, other numbers than the default kernel"
+
+
+@interpreter_only
+def test_packed_prefill_seq_offset_leaves_earlier_rows() -> None:
+    batch = make_batch([(4, 1), (0, 5), (2, 7)], 8, 2, 64, BS, F32)
+    store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
+    out = torch.full_like(batch.q, -3.0)
+    _run(batch, seq_offset=1, out=out, pack_gqa=True)
+    assert bool((out[0] == -3.0).all())
+    torch.testing.assert_close(out[1:].double(), naive_attention(batch, 64 ** -0.5)[1:], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("tile", "pack", "words"), [
+    ((24, 16, 1, 1), False, "BLOCK_M must be a power of two"),
+    ((16, 48, 1, 1), False, "BLOCK_N must be a power of two"),
+    ((16, 16, 3, 1), False, "num_warps must be a power of two"),
+    ((16, 16, 1, 0), False, "num_stages must be >= 1"),
+    ((2, 16, 1, 1), True, "BLOCK_M must hold one token's 4"),
+])
+def test_bad_prefill_tile_is_refused(tile: tuple[int, int, int, int], pack: bool, words: str) -> None:
+    batch = make_batch([(0, 3)], 8, 2, 64, BS, F32)
+    with pytest.raises(ValueError, match=words):
+        _run(batch, tile=tile, pack_gqa=pack)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled bf16 Triton kernels need CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize(("pack_gqa", "longest_first", "tile"), [
+    (True, False, (64, 64, 4, 3)), (True, False, (128, 64, 8, 3)), (True, True, (128, 128, 8, 2)),
+    (False, True, None), (False, False, (128, 64, 8, 2)),
+])
+def test_prefill_variant_bf16_gpu(pack_gqa: bool, longest_first: bool,
+                                  tile: tuple[int, int, int, int] | None) -> None:
+    specs = [(0, 15), (16, 17), (37, 300), (1000, 129), (5, 1), (2000, 770)]
+    batch = make_batch(specs, 32, 8, 128, 16, torch.bfloat16)
+    store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
+    m = batch.meta
+    got = _run(batch, tile=tile, pack_gqa=pack_gqa, longest_first=longest_first)
+    ref = paged_prefill_attention_reference(batch.q, batch.pool.k_cache(0), batch.pool.v_cache(0),
+                                            m.block_tables, m.seq_lens, m.query_start_loc, m.max_query_len,
+                                            m.max_seq_len, 128 ** -0.5)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    assert_no_stray_writes(batch)
