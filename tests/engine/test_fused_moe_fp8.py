@@ -48,7 +48,11 @@ def test_fp8_fused_moe_matches_dequantized_reference(experts, top_k, tokens, kin
     got = fused_moe(x, q_up, q_down, weights, ids, path=path, scales=scales)
     want = fused_moe_reference(x, q_up, q_down, weights, ids, scales=scales)
     assert got.dtype == dtype and got.shape == x.shape
-    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    # per-row scales: the kernel multiplies each float32 sum by the row's scale, the reference rounds every
+    # dequantized weight to the dtype first (relative 2^-11 in fp16, 2^-8 in bf16): over the hidden and
+    # expert widths' terms, a few outputs near zero differ by a few times the dtype's tolerance
+    atol = TOL[dtype] * (3 if layout == "channel" and dtype != torch.float32 else 1)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=TOL[dtype])
     # the reference is the unquantized reference on the dequantized weights
     deq = fused_moe_reference(x, dequantize_experts(q_up, scales.gate_up, scales.block, dtype),
                               dequantize_experts(q_down, scales.down, scales.block, dtype), weights, ids)
