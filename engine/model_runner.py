@@ -38,7 +38,7 @@ from engine.sampler import GrammarMask, Sampler, SampleResult, SamplingRow, is_p
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.step_batch import StepBatch
-from engine.structured_output import BitmaskBuffers
+from engine.structured_output import BitmaskBuffers, StructuredOutputError
 
 
 class PromptRows:
@@ -320,7 +320,6 @@ class ModelRunner:
 
         Raises:
             RuntimeError: no decode graphs (CPU, ``enforce_eager`` or a backend other than triton).
-            StructuredOutputError: a matcher rejects a token (after the device finished this forward).
         """
         graphs = self.decode_graphs
         if graphs is None:
@@ -344,8 +343,8 @@ class ModelRunner:
                 launched = launch_decode(graphs, output, feed, self._token_buffers, rows, grammar)
             except BaseException:
                 if grammar is not None and self.device.type == "cuda":
-                    # a matcher rejected a token after the forward was enqueued: let that forward finish
-                    # writing its KV before the caller frees the sequences' blocks
+                    # the grammar mask raised after the forward was enqueued (reading feed's tokens):
+                    # let that forward finish writing its KV before the caller frees the blocks
                     torch.cuda.current_stream(self.device).synchronize()
                 raise
             if grammar is not None:
@@ -380,8 +379,14 @@ class ModelRunner:
     def _grammar_mask(self, seqs: list[Sequence], pending: Sequence_[int] = ()) -> GrammarMask | None:
         """The bitmask of the rows whose sequence has a grammar (each matcher first advanced over the
         tokens it has not seen, ``GrammarState.sync``; ``pending``: one token per row of ``seqs``, sampled
-        by the previous step and not yet applied, or empty), or None when no row has one. Raises
-        ``StructuredOutputError`` when a matcher rejects such a token."""
+        by the previous step and not yet applied, or empty), or None when no row has one. A row whose
+        matcher rejects such a token, or whose fill raises, gets no mask and its ``GrammarState.error``
+        is set: the commit of the step that sampled the rejected token (or of this step) ends that
+        sequence alone, FINISHED_FAILED (``Scheduler.update``), and the other rows go on.
+
+        Raises:
+            ValueError: ``pending`` holds a number of tokens other than ``len(seqs)``.
+        """
         if all(seq.grammar is None for seq in seqs):
             return None
         if pending and len(pending) != len(seqs):
@@ -389,7 +394,8 @@ class ModelRunner:
         states = []
         for i, seq in enumerate(seqs):
             if seq.grammar is not None:
-                seq.grammar.sync(seq.token_ids, pending[i: i + 1], start=seq.generation_start)
+                with contextlib.suppress(StructuredOutputError):  # kept in seq.grammar.error
+                    seq.grammar.sync(seq.token_ids, pending[i: i + 1], start=seq.generation_start)
             states.append(seq.grammar)
         return self._grammar_bitmasks().fill(states)
 

@@ -302,11 +302,12 @@ class Scheduler:
 
     def _stop_status(self, seq: Sequence) -> SequenceStatus | None:
         """``check_stop`` of a sequence that just sampled; FINISHED_FAILED (``seq.error`` says why) when
-        its grammar rejects the token, which then ends that sequence alone."""
+        its grammar rejects the token or failed before (``GrammarState.error``: a token rejected while
+        the next step was launched, or a bitmask fill that raised), which then ends that sequence alone."""
         try:
             return check_stop(seq, self.max_model_len)
         except ValueError as exc:  # StructuredOutputError: the only error check_stop raises
-            seq.error = f"the sampled token breaks the request's structured output: {exc}"
+            seq.error = f"the request's structured output failed: {exc}"
             return SequenceStatus.FINISHED_FAILED
 
     def next_decode_step(self, output: SchedulerOutput) -> SchedulerOutput | None:

@@ -155,7 +155,8 @@ def check_stop(seq: Sequence, max_model_len: int) -> SequenceStatus | None:
     terminated (complete, and its eos accepted), ``ignore_eos`` or not.
 
     Raises:
-        StructuredOutputError (a ValueError): the grammar rejects the token.
+        StructuredOutputError (a ValueError): the grammar rejects the token, or its matcher failed
+            before (``GrammarState.error``).
     """
     params = seq.sampling_params
     outputs = seq.output_token_ids

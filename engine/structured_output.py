@@ -22,6 +22,7 @@ model cannot loop on whitespace; ``json_object`` is the schema ``{"type": "objec
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -33,6 +34,8 @@ import xgrammar
 
 from engine.sampler import GrammarMask
 from engine.sampling_params import StructuredOutput
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CACHED = 128  # compiled grammars kept per worker
 MAX_FILL_THREADS = 8  # xgrammar threads filling one batch's bitmask
@@ -48,12 +51,28 @@ class GrammarRejected(StructuredOutputError):
 
 
 class GrammarState:
-    """One sequence's grammar matcher and how many of its generated tokens it has accepted."""
+    """One sequence's grammar matcher and how many of its generated tokens it has accepted.
+
+    ``error``: why the matcher stopped following the sequence (a rejected token, or a bitmask fill that
+    raised), None while it follows it. Once set, every ``sync`` raises it: the sequence's next stop check
+    (``engine.sequence.check_stop``) ends that sequence alone, FINISHED_FAILED, and the batch goes on.
+    """
 
     def __init__(self, compiled: xgrammar.CompiledGrammar, spec: StructuredOutput) -> None:
         self.spec = spec
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.num_accepted = 0
+        self.error: str | None = None
+
+    def fail(self, error: str) -> None:
+        """Stop following the sequence (the first ``error`` is kept); its rows get no bitmask from now on."""
+        if self.error is None:
+            self.error = error
+
+    @property
+    def masks(self) -> bool:
+        """True while the matcher constrains the next token (not terminated, not failed)."""
+        return self.error is None and not self.matcher.is_terminated()
 
     def sync(self, generated: Seq[int], pending: Seq[int] = (), start: int = 0) -> None:
         """Advance the matcher over the output tokens it has not seen yet: those of ``generated[start:]``
@@ -65,15 +84,19 @@ class GrammarState:
 
         Raises:
             StructuredOutputError: the grammar rejects one of them (a token that did not come from a
-                masked step, e.g. a prompt whose ``output_offset`` tokens are not output of this grammar).
+                masked step, e.g. a prompt whose ``output_offset`` tokens are not output of this grammar;
+                ``error`` is set), or ``error`` was set before (raised again, nothing accepted).
         """
+        if self.error is not None:
+            raise StructuredOutputError(self.error)
         known = len(generated) - start
         while self.num_accepted < known + len(pending):
             i = self.num_accepted
             token = generated[start + i] if i < known else pending[i - known]
             if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
-                raise StructuredOutputError(f"token {token} at output position {i} is not "
-                                            f"allowed by the {self.spec.kind} grammar")
+                self.fail(f"token {token} at output position {i} is not allowed by the {self.spec.kind} "
+                          f"grammar")
+                raise StructuredOutputError(self.error)
             self.num_accepted += 1
 
     def is_terminated(self) -> bool:
@@ -244,30 +267,31 @@ class BitmaskBuffers:
         self.fills = 0  # batches filled
 
     def fill(self, states: Seq[GrammarState | None]) -> GrammarMask | None:
-        """The batch's ``GrammarMask`` (None when no row has a grammar or every grammar is terminated):
-        row ``i`` filled from ``states[i]``'s matcher (each already ``GrammarState.sync``-ed); rows
-        without a grammar, or whose grammar has terminated (the row ends with this step's commit), are
-        not in ``rows``. On CUDA the bitmask is already on the device, copied on the side stream, and
-        the current stream waits for the copy; call ``done_reading`` once the sampler is enqueued."""
-        rows = [i for i, s in enumerate(states) if s is not None and not s.is_terminated()]
+        """The batch's ``GrammarMask`` (None when no row has a grammar that still masks): row ``i``
+        filled from ``states[i]``'s matcher (each already ``GrammarState.sync``-ed); rows without a
+        grammar, or whose grammar has terminated (the row ends with this step's commit) or failed
+        (``GrammarState.error``: the commit fails that row's sequence), are not in ``rows``. When the
+        batch fill raises, the rows are filled one by one and each row whose fill raises is failed
+        (``GrammarState.fail``) and left out, so one matcher's error ends its own sequence only. On CUDA
+        the bitmask is already on the device, copied on the side stream, and the current stream waits for
+        the copy; call ``done_reading`` once the sampler is enqueued."""
+        rows = [i for i, s in enumerate(states) if s is not None and s.masks]
         if not rows:
             return None
         self.fills += 1
-        matchers = [s.matcher for s in states if s is not None and not s.is_terminated()]
         n = len(states)
         if n > self.max_batch:
             bitmask = xgrammar.allocate_token_bitmask(n, self.vocab_size)
-            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-            return GrammarMask(bitmask, rows)
+            rows = self._fill_rows(states, rows, bitmask)
+            return GrammarMask(bitmask, rows) if rows else None
         self._turn ^= 1
         turn = self._turn
         host = self._host[turn]
         if self._copied is not None:
             self._copied[turn].synchronize()  # this slot's previous copy has left the host buffer
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(host, rows[0])
-        else:
-            self._batch.batch_fill_next_token_bitmask(matchers, host, rows)
+        rows = self._fill_rows(states, rows, host)
+        if not rows:
+            return None
         if self._device is None or self._stream is None or self._copied is None or self._read is None:
             return GrammarMask(host[:n], rows)
         current = torch.cuda.current_stream(self.device)
@@ -278,6 +302,34 @@ class BitmaskBuffers:
             self._copied[turn].record(self._stream)
         current.wait_event(self._copied[turn])
         return GrammarMask(dev, rows)
+
+    def _fill_rows(self, states: Seq[GrammarState | None], rows: list[int],
+                   bitmask: torch.Tensor) -> list[int]:
+        """Fill ``rows`` of ``bitmask`` (int32 ``[>= len(states), ceil(V / 32)]``, host) from their
+        states' matchers: one call for the batch, or row by row when it raises; returns the rows
+        filled (those whose own fill raised are failed and left out)."""
+        matchers = [s.matcher for i in rows if (s := states[i]) is not None]
+        try:
+            if len(matchers) == 1:
+                matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+            else:
+                self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            return rows
+        except Exception as exc:  # which row raised is unknown: each row again on its own
+            logger.warning("grammar bitmask fill of %d rows raised (%s: %s); filling them one by one",
+                           len(rows), type(exc).__name__, _first_line(exc))
+        filled = []
+        for i, matcher in zip(rows, matchers, strict=True):
+            try:
+                matcher.fill_next_token_bitmask(bitmask, i)
+            except Exception as exc:
+                state = states[i]
+                assert state is not None
+                state.fail(f"the {state.spec.kind} grammar could not fill its token bitmask: "
+                           f"{type(exc).__name__}: {_first_line(exc)}")
+            else:
+                filled.append(i)
+        return filled
 
     def done_reading(self) -> None:
         """Mark, on the current stream, that the sampler enqueued after the last ``fill`` has read its

@@ -127,3 +127,38 @@ def test_no_migration_allowed_ends_with_an_error_event(make_cluster, reply_ids: 
     assert not types_for(c, "d2", "nomig-1")
     c.assert_no_leaks(("d2",))
     c.assert_no_leaks(("d1",), total_blocks=128)
+
+
+def test_structured_request_failed_mid_stream_continues_under_its_grammar(make_cluster,
+                                                                          reply_ids: list[int]) -> None:
+    """A worker ends a request with ``RequestFailed`` after streaming tokens (what a decode worker sends
+    when the request's grammar rejects a sampled token: that token is never streamed). The gateway does
+    not start the request over: it migrates it, the streamed tokens become the end of the new attempt's
+    prompt (``output_offset``), the new attempt keeps the request's structured output, and the client's
+    stream holds every token once."""
+    c = make_cluster()
+    ids = ",".join(map(str, reply_ids))
+    c.start_worker("prefill", "p1", output_ids=ids)
+    c.start_worker("decode", "d1", output_ids=ids, fail_at=3, total_blocks=128)  # more free: chosen first
+    c.start_worker("decode", "d2", output_ids=ids)
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    body = {"model": "fake-model", "messages": MSGS, "max_tokens": len(reply_ids), "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    with httpx.stream("POST", c.base + "/v1/chat/completions", json=body, timeout=30,
+                      headers={"X-Request-Id": "so-mig-1"}) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = [line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: ")]
+    assert text_of(events) == REPLY  # no gap, no repeat
+    assert c.metric("pdserve_request_migrations_total", cause="failed") == 1
+    assert c.metric("pdserve_request_retries_total", cause="failed") == 0
+    first = next(m for m in read_record(c.tmp / "d1.jsonl") if m["type"] == "ReserveKV")
+    again = next(m for m in read_record(c.tmp / "d2.jsonl") if m["type"] == "ReserveKV")
+    assert again["prompt_token_ids"] == first["prompt_token_ids"] + reply_ids[:3]  # type: ignore[operator]
+    s1, s2 = first["sampling"], again["sampling"]
+    assert isinstance(s1, dict) and isinstance(s2, dict)
+    assert s1["structured_output"]["kind"] == "json"
+    assert s2["structured_output"] == s1["structured_output"]
+    assert (s2["output_offset"], s2["max_tokens"]) == (3, len(reply_ids) - 3)
+    wait_until(lambda: "AbortRequest" in types_for(c, "d1", "so-mig-1"), 5, "abort at the failed d1")
+    c.assert_no_leaks(("d2",))
+    c.assert_no_leaks(("d1",), total_blocks=128)
