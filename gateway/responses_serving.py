@@ -21,9 +21,9 @@ from pydantic import ValidationError
 from gateway.chat_output import ChatOutputParser
 from gateway.errors import APIError, bad_request
 from gateway.openai_requests import ChatCompletionRequest
-from gateway.orchestrator import GenerationFailed
 from gateway.prepare import Prepared, prepare
 from gateway.render import chat_logprobs
+from gateway.request_state import GenerationFailed
 from gateway.responses_api import ResponsesRequest, chat_body, check_supported, responses_param
 from gateway.responses_output import (
     InputTokensDetails,
