@@ -84,7 +84,9 @@ from kvtransfer.curve import generate_keys
 from loadtest.client import RequestIds, send_request
 from loadtest.metrics import latency_stats
 from loadtest.records import LatencyStats, RequestRecord
-from pdserve.launcher import Supervisor, free_port_range, free_ports, wait_ready
+from pdserve.launcher import wait_ready
+from pdserve.ports import free_port_range, free_ports
+from pdserve.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLY = "Hello world, this is a fake reply from an instant worker. The end."

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from kvtransfer.curve import generate_keys, load_keys, secure_server
-from pdserve.launcher import free_ports
+from pdserve.ports import free_ports
 from protocol.messages import (
     ColocatedRequest,
     Message,
