@@ -289,7 +289,7 @@ def fuzz_gateway(n: int, seed: int, keys_dir: Path, tokenizer: str, log_dir: Pat
     then stream one completion through it and check that nothing leaked."""
     import httpx
 
-    from bench.gateway.overhead import TOTAL_BLOCKS, check_no_leaks
+    from bench.gateway.overhead_targets import TOTAL_BLOCKS, check_no_leaks
     from gateway.text import resolve_tokenizer_dir
     from kvtransfer.curve import load_keys
     from pdserve.launcher import wait_ready
