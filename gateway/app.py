@@ -20,7 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayMiddleware
 from gateway.openai_responses import openapi_components
 from gateway.process import GatewayProcess
-from gateway.responses_api import ResponseObject
+from gateway.responses_output import ResponseObject
 from gateway.routes import router
 from gateway.service import GatewayService
 from gateway.text import TextProcessor, resolve_tokenizer_dir

@@ -370,7 +370,7 @@ def schema_ref(cls: type[msgspec.Struct]) -> dict[str, str]:
 
 def openapi_components(more: tuple[type[msgspec.Struct], ...] = ()) -> dict[str, Any]:
     """JSON schemas (OpenAPI 3.1 ``components.schemas``) of the documented types, ``more`` (response
-    types defined elsewhere, e.g. gateway/responses_api.py) and those they hold."""
+    types defined elsewhere, e.g. gateway/responses_output.py) and those they hold."""
     _, components = msgspec.json.schema_components(DOCUMENTED + more, ref_template=REF_TEMPLATE)
     return components
 

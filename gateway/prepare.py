@@ -25,8 +25,8 @@ from gateway.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from gateway.orchestrator import GenerationInput
 from gateway.reasoning import select_reasoning_parser
+from gateway.request_state import GenerationInput
 from gateway.service import GatewayService
 from gateway.structured_output import structured_output_of
 from gateway.text import TextProcessor, TokenizerNotFoundError

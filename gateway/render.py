@@ -41,8 +41,8 @@ from gateway.openai_responses import (
     Usage,
     encode,
 )
-from gateway.orchestrator import TokenLogprob
 from gateway.prepare import ChoiceInput, Prepared
+from gateway.request_state import TokenLogprob
 from gateway.text import TextProcessor
 from gateway.tool_parsers.events import ContentText, Event, ReasoningText, ToolCallArguments, ToolCallStart
 from protocol.messages import PromptLogprob

@@ -1,6 +1,6 @@
 """Serving POST /v1/responses: the body becomes a chat completion request (``responses_api.chat_body``),
 prepared and submitted like one (one choice), and its output becomes a ``response`` object or the
-Responses streaming events (``responses_api.ResponseBuilder``).
+Responses streaming events (``responses_output.ResponseBuilder``).
 
 Errors keep the chat path's rules, with the Responses field named (``responses_param``): 400 before
 anything is sent; a stream's status line waits for its first token, so a failure before it is an HTTP
@@ -21,19 +21,16 @@ from pydantic import ValidationError
 from gateway.chat_output import ChatOutputParser
 from gateway.errors import APIError, bad_request
 from gateway.openai_requests import ChatCompletionRequest
-from gateway.orchestrator import GenerationFailed
 from gateway.prepare import Prepared, prepare
 from gateway.render import chat_logprobs
-from gateway.responses_api import (
+from gateway.request_state import GenerationFailed
+from gateway.responses_api import ResponsesRequest, chat_body, check_supported, responses_param
+from gateway.responses_output import (
     InputTokensDetails,
     OutputTokensDetails,
     ResponseBuilder,
     ResponseObject,
-    ResponsesRequest,
     ResponseUsage,
-    chat_body,
-    check_supported,
-    responses_param,
 )
 from gateway.service import GatewayService
 from gateway.serving import DISCONNECT_POLL_S, open_stream, submit_all

@@ -35,7 +35,8 @@ from gateway.openai_responses import (
     schema_ref,
 )
 from gateway.prepare import max_model_len, prepare, served_model
-from gateway.responses_api import ResponseObject, ResponsesRequest
+from gateway.responses_api import ResponsesRequest
+from gateway.responses_output import ResponseObject
 from gateway.responses_serving import create_response, prepare_response, stream_response
 from gateway.service import GatewayService
 from gateway.serving import complete, open_stream, sse_events, submit_all
@@ -121,7 +122,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/v1/responses", dependencies=[Depends(require_key)],
              responses={**ok(ResponseObject, SSE), **_GEN_ERRORS})
 async def responses(body: ResponsesRequest, request: Request) -> Response:
-    """OpenAI Responses (stateless; streaming SSE events or not): gateway/responses_api.py."""
+    """OpenAI Responses (stateless; streaming SSE events or not): gateway/responses_api.py (the body),
+    gateway/responses_output.py (the response and its events)."""
     svc = service(request)
     prepared = prepare_response(svc, body, request.state.request_id)
     if body.stream:

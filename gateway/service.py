@@ -25,10 +25,11 @@ from gateway.canary import CanaryTracker
 from gateway.control_socket import ControlSocket, SendOutcome
 from gateway.metrics import GatewayMetrics
 from gateway.openai_responses import GatewayProcessStatus
-from gateway.orchestrator import Orchestrator, WorkerMessage
+from gateway.orchestrator import Orchestrator
 from gateway.prefix_index import PrefixIndex
 from gateway.process import GatewayProcess
 from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
+from gateway.request_state import WorkerMessage
 from gateway.router import Router
 from gateway.text import TextProcessor, resolve_tokenizer_dir
 from kvtransfer.curve import Refusals

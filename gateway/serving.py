@@ -33,7 +33,6 @@ import msgspec
 from gateway.chat_output import ChatOutputParser, merge_texts
 from gateway.errors import APIError
 from gateway.openai_responses import ChatCompletion, ChatDelta, Completion
-from gateway.orchestrator import GatewayRequest, GenerationFailed, TokenLogprob
 from gateway.prepare import Prepared
 from gateway.render import (
     ChoiceState,
@@ -47,6 +46,7 @@ from gateway.render import (
     usage,
     with_calls,
 )
+from gateway.request_state import GatewayRequest, GenerationFailed, TokenLogprob
 from gateway.service import GatewayService
 from gateway.stream import Delta, text_deltas
 

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from gateway.openai_responses import FinishReason
-from gateway.orchestrator import GatewayRequest, Orchestrator, TokenLogprob
+from gateway.orchestrator import Orchestrator
+from gateway.request_state import GatewayRequest, TokenLogprob
 from gateway.text import TextProcessor
 
 

@@ -6,27 +6,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-
 from loadtest.agent_records import AgentResult, AgentSystemResult, TurnStats
-from loadtest.records import LatencyStats
+from loadtest.report_format import ms, read_json, table, write_json
 
 
 def save_agent_json(result: AgentResult, path: str | Path) -> None:
     """Write ``result`` (every raw record, the per-turn stats) as indented JSON."""
-    Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(result), indent=1))
+    write_json(result, path)
 
 
 def load_agent_json(path: str | Path) -> AgentResult:
     """Read a file written by ``save_agent_json``. Raises ValueError naming the file if it is not one."""
-    try:
-        return msgspec.json.decode(Path(path).read_bytes(), type=AgentResult)
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"{path}: not a pdserve bench agent result file: {exc}") from exc
-
-
-def _ms(stats: LatencyStats | None, field: str) -> str:
-    return "-" if stats is None else f"{getattr(stats, field):.1f}"
+    return read_json(path, AgentResult, "pdserve bench agent result file")
 
 
 def _pct(rate: float | None) -> str:
@@ -46,8 +37,8 @@ _TURN_COLUMNS: list[tuple[str, Callable[[TurnStats], str]]] = [
     ("ok/sent", lambda t: f"{t.completed}/{t.sent}"),
     ("prompt tok (mean)", lambda t: _num(t.prompt_tokens_mean)),
     ("new tok", lambda t: _num(t.suffix_tokens)),
-    ("TTFT p50/p90 ms", lambda t: f"{_ms(t.ttft_ms, 'median')}/{_ms(t.ttft_ms, 'p90')}"),
-    ("TPOT p50/p90 ms", lambda t: f"{_ms(t.tpot_ms, 'median')}/{_ms(t.tpot_ms, 'p90')}"),
+    ("TTFT p50/p90 ms", lambda t: f"{ms(t.ttft_ms, 'median')}/{ms(t.ttft_ms, 'p90')}"),
+    ("TPOT p50/p90 ms", lambda t: f"{ms(t.tpot_ms, 'median')}/{ms(t.tpot_ms, 'p90')}"),
     ("prefill hit %", lambda t: _pct(t.prefill_hit_rate)),
     ("decode hit %", lambda t: _pct(t.decode_hit_rate)),
     ("KV MiB moved", lambda t: _mib(t.kv_bytes)),
@@ -57,15 +48,10 @@ _TURN_COLUMNS: list[tuple[str, Callable[[TurnStats], str]]] = [
 ]
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
-
-
 def _system_lines(system: AgentSystemResult) -> list[str]:
     s = system.summary
     lines = ["", f"## {system.label} ({system.url})", ""]
-    lines += _table([c[0] for c in _TURN_COLUMNS], [[fn(t) for _, fn in _TURN_COLUMNS] for t in system.turns])
+    lines += table([c[0] for c in _TURN_COLUMNS], [[fn(t) for _, fn in _TURN_COLUMNS] for t in system.turns])
     run = system.run_counters
     lines += ["", f"Run: {s.completed}/{s.num_requests} completed in {s.duration_s:.1f} s (think time "
                   "included), "
@@ -92,7 +78,7 @@ def _system_lines(system: AgentSystemResult) -> list[str]:
 
 
 _COMPARED: list[tuple[str, Callable[[TurnStats], str]]] = [
-    ("TTFT p50 ms", lambda t: _ms(t.ttft_ms, "median")),
+    ("TTFT p50 ms", lambda t: ms(t.ttft_ms, "median")),
     ("moved / new KV", lambda t: _num(t.kv_over_suffix, "{:.2f}")),
     ("prefill hit %", lambda t: _pct(t.prefill_hit_rate)),
 ]
@@ -108,10 +94,10 @@ def _comparison_lines(systems: list[AgentSystemResult]) -> list[str]:
         for _, fn in _COMPARED:
             row += [fn(turns[turn]) if turn in turns else "-" for turns in by_turn]
         rows.append(row)
-    lines = ["", "## Side by side", "", *_table(header, rows)]
-    lines += ["", "| system | TTFT p50 last turn / turn 1 | goodput req/s | completed |", "|---|---|---|---|"]
-    lines += [f"| {s.label} | {_num(s.ttft_last_over_first, '{:.2f}')} | {s.summary.goodput:.2f} | "
-              f"{s.summary.completed}/{s.summary.num_requests} |" for s in systems]
+    lines = ["", "## Side by side", "", *table(header, rows)]
+    lines += ["", *table(["system", "TTFT p50 last turn / turn 1", "goodput req/s", "completed"],
+                         [[s.label, _num(s.ttft_last_over_first, "{:.2f}"), f"{s.summary.goodput:.2f}",
+                           f"{s.summary.completed}/{s.summary.num_requests}"] for s in systems])]
     return lines
 
 

@@ -5,26 +5,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-
 from loadtest.records import BenchResult, LatencyStats, RunResult, Summary
+from loadtest.report_format import ms, read_json, table, write_json
 
 
 def save_json(result: BenchResult, path: str | Path) -> None:
     """Write ``result`` (every raw record and the summaries) as indented JSON."""
-    Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(result), indent=1))
+    write_json(result, path)
 
 
 def load_json(path: str | Path) -> BenchResult:
     """Read a result file written by ``save_json``. Raises ValueError naming the file if it is not one."""
-    try:
-        return msgspec.json.decode(Path(path).read_bytes(), type=BenchResult)
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"{path}: not a pdserve bench result file: {exc}") from exc
-
-
-def _ms(stats: LatencyStats | None, field: str) -> str:
-    return "-" if stats is None else f"{getattr(stats, field):.1f}"
+    return read_json(path, BenchResult, "pdserve bench result file")
 
 
 _COLUMNS: list[tuple[str, Callable[[Summary], str]]] = [
@@ -33,17 +25,12 @@ _COLUMNS: list[tuple[str, Callable[[Summary], str]]] = [
     ("out tok/s", lambda s: f"{s.output_token_throughput:.1f}"),
     ("goodput req/s", lambda s: f"{s.goodput:.2f}"),
     ("TTFT mean/p50/p99 ms",
-     lambda s: f"{_ms(s.ttft_ms, 'mean')}/{_ms(s.ttft_ms, 'median')}/{_ms(s.ttft_ms, 'p99')}"),
-    ("TPOT mean/p99 ms", lambda s: f"{_ms(s.tpot_ms, 'mean')}/{_ms(s.tpot_ms, 'p99')}"),
-    ("ITL p50/p99 ms", lambda s: f"{_ms(s.itl_ms, 'median')}/{_ms(s.itl_ms, 'p99')}"),
-    ("E2E p50/p99 ms", lambda s: f"{_ms(s.e2e_ms, 'median')}/{_ms(s.e2e_ms, 'p99')}"),
+     lambda s: f"{ms(s.ttft_ms, 'mean')}/{ms(s.ttft_ms, 'median')}/{ms(s.ttft_ms, 'p99')}"),
+    ("TPOT mean/p99 ms", lambda s: f"{ms(s.tpot_ms, 'mean')}/{ms(s.tpot_ms, 'p99')}"),
+    ("ITL p50/p99 ms", lambda s: f"{ms(s.itl_ms, 'median')}/{ms(s.itl_ms, 'p99')}"),
+    ("E2E p50/p99 ms", lambda s: f"{ms(s.e2e_ms, 'median')}/{ms(s.e2e_ms, 'p99')}"),
     ("errors", lambda s: ", ".join(f"{k}={v}" for k, v in s.errors_by_kind.items()) or "-"),
 ]
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
 def markdown_summary(result: BenchResult) -> str:
@@ -52,7 +39,7 @@ def markdown_summary(result: BenchResult) -> str:
     first = result.runs[0].summary if result.runs else None
     slo = f"TTFT <= {first.slo_ttft_ms:g} ms, TPOT <= {first.slo_tpot_ms:g} ms" if first else "-"
     lines = ["# pdserve bench", "", f"Goodput SLOs: {slo}", ""]
-    lines += _table(["run"] + [c[0] for c in _COLUMNS],
+    lines += table(["run"] + [c[0] for c in _COLUMNS],
                     [[run.label] + [fn(run.summary) for _, fn in _COLUMNS] for run in result.runs])
     for run in result.runs:
         lines += _run_details(run)
@@ -68,15 +55,15 @@ def _run_details(run: RunResult) -> list[str]:
     lines: list[str] = []
     if run.summary.error_groups:
         lines += ["", f"## Errors ({run.label})", ""]
-        lines += _table(["error", "count", "example message"],
+        lines += table(["error", "count", "example message"],
                         [[g.label, str(g.count), _cell(g.example)] for g in run.summary.error_groups])
     if run.faults:
         lines += ["", f"## Faults ({run.label})", ""]
-        lines += _table(["at s", "started s", "status", "rc", "cmd"],
+        lines += table(["at s", "started s", "status", "rc", "cmd"],
                         [[f"{f.at_s:g}", "-" if f.started_s is None else f"{f.started_s:.2f}", f.status,
                           str(f.returncode), f.cmd.replace("|", "\\|")] for f in run.faults])
         lines += ["", f"## Phases ({run.label})", ""]
-        lines += _table(["phase", "from s", "to s", "completed", "failed", "timed out"],
+        lines += table(["phase", "from s", "to s", "completed", "failed", "timed out"],
                         [[p.name, f"{p.start_s:.2f}", "end" if p.end_s is None else f"{p.end_s:.2f}",
                           str(p.completed), str(p.failed), str(p.timed_out)] for p in run.phases])
     kv = run.kv
@@ -123,7 +110,7 @@ def compare(a: BenchResult, b: BenchResult, name_a: str = "A", name_b: str = "B"
             va, vb = fn(ra.summary), fn(rb.summary)
             ratio = "-" if va is None or vb is None or va == 0 else f"{vb / va:.3f}"
             rows.append([name, _fmt(va), _fmt(vb), ratio])
-        lines += _table(["metric", "A", "B", "B/A"], rows)
+        lines += table(["metric", "A", "B", "B/A"], rows)
     extra = a.runs[len(b.runs):] or b.runs[len(a.runs):]
     if extra:
         lines += ["", "unpaired runs: " + ", ".join(r.label for r in extra)]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -17,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadtest.records import KVScrape
 
 KV_GAUGE = "pdserve_kv_blocks_used"
+T = TypeVar("T")
 
 
 def kv_blocks_used(metrics_text: str, name: str = KV_GAUGE) -> float | None:
@@ -32,21 +35,30 @@ def kv_blocks_used(metrics_text: str, name: str = KV_GAUGE) -> float | None:
     return total
 
 
+async def read_page(client: httpx.AsyncClient, url: str, parse: Callable[[str], T], timeout_s: float) -> T:
+    """GET ``url`` (or a path on the client's base URL), a Prometheus text page, and return ``parse`` of it.
+
+    Raises RuntimeError naming the problem (connection, HTTP status, a page ``parse`` refuses with
+    ValueError).
+    """
+    try:
+        resp = await client.get(url, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"GET {url} failed: {type(exc).__name__}: {exc}") from exc
+    if resp.status_code != 200:
+        raise RuntimeError(f"GET {url} answered HTTP {resp.status_code}")
+    try:
+        return parse(resp.text)
+    except ValueError as exc:
+        raise RuntimeError(f"GET {url}: not Prometheus text format: {exc}") from exc
+
+
 async def scrape_kv(client: httpx.AsyncClient, path: str, timeout_s: float = 5.0) -> float:
     """GET ``path`` on the client's base URL and return the summed gauge (blocks).
 
     Raises RuntimeError naming the problem (HTTP status, missing gauge, bad page, connection).
     """
-    try:
-        resp = await client.get(path, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise RuntimeError(f"GET {path} failed: {type(exc).__name__}: {exc}") from exc
-    if resp.status_code != 200:
-        raise RuntimeError(f"GET {path} answered HTTP {resp.status_code}")
-    try:
-        value = kv_blocks_used(resp.text)
-    except ValueError as exc:
-        raise RuntimeError(f"GET {path}: not Prometheus text format: {exc}") from exc
+    value = await read_page(client, path, kv_blocks_used, timeout_s)
     if value is None:
         raise RuntimeError(f"GET {path}: no {KV_GAUGE} gauge on the page")
     return value

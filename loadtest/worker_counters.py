@@ -27,6 +27,8 @@ import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.scrape import read_page
+
 # tier → (hits counter, queries counter), in tokens, as exposed (with ``_total``)
 TIER_COUNTERS: dict[str, tuple[str, str]] = {
     "gpu": ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
@@ -99,16 +101,7 @@ def page_totals(text: str) -> dict[str, float]:
 async def _side(client: httpx.AsyncClient, urls: Sequence[str], timeout_s: float) -> SideCounters:
     totals = dict.fromkeys(READ, 0.0)
     for url in urls:
-        try:
-            resp = await client.get(f"{url.rstrip('/')}/metrics", timeout=timeout_s)
-        except httpx.HTTPError as exc:
-            raise RuntimeError(f"GET {url}/metrics failed: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code != 200:
-            raise RuntimeError(f"GET {url}/metrics answered HTTP {resp.status_code}")
-        try:
-            page = page_totals(resp.text)
-        except ValueError as exc:
-            raise RuntimeError(f"GET {url}/metrics: not Prometheus text format: {exc}") from exc
+        page = await read_page(client, f"{url.rstrip('/')}/metrics", page_totals, timeout_s)
         for name, value in page.items():
             totals[name] += value
     return SideCounters(hits={t: totals[h] for t, (h, _) in TIER_COUNTERS.items()},

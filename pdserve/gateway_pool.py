@@ -40,7 +40,8 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from gateway.process import GatewayProcess
 from gateway.server import serve_process
-from pdserve.launcher import STOP_SIGNALS, RestartPolicy
+from pdserve.launcher import STOP_SIGNALS
+from pdserve.supervisor import RestartPolicy
 from protocol.settings import GatewaySettings
 
 log = logging.getLogger("pdserve.gateway")

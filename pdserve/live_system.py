@@ -33,7 +33,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtransfer.curve import KEY_FILE, generate_keys
-from pdserve.launcher import Supervisor, free_ports
+from pdserve.ports import free_ports
+from pdserve.supervisor import Supervisor
 
 Mode = Literal["disagg", "colocated"]
 MODEL = "smollm2-135m"

@@ -9,7 +9,8 @@ treats it as a dead gateway). A lookup that fails for a moment (``EAI_AGAIN``) k
 addresses; a name that does not resolve (``EAI_NONAME``: no gateway pod ready) has none.
 
 A link's key is its resolved endpoint (``tcp://10.0.0.7:7100``): the worker records, per request, the key
-of the gateway that sent it (workers/loop.py).
+of the gateway that sent it (workers/loop.py); workers/gateway_sessions.py runs the worker's sessions
+over these links.
 """
 
 from __future__ import annotations

@@ -12,13 +12,9 @@ Queues and states:
     one ``OutputBatch`` frame, and the phase's prefix-cache changes as one ``KVEvents`` to every accepting
     gateway (``kv_events``; a snapshot after each accepted registration and on ``KVSnapshotRequest``).
 
-Several gateways (workers/gateway_links.py): the worker registers with each, heartbeats to each and keeps
-each request's state for its owner only. A gateway is lost when its connection drops (ZMTP heartbeats and
-a socket monitor), when it answers a registration with another ``gateway_epoch`` (restarted at the same
-address), when it stops taking messages, or when its address leaves DNS: a ``GatewayLost`` marker, queued
-behind what it sent, drops exactly the requests it owns (engine abort, KV blocks freed, transfers
-cancelled); the other gateways' requests go on. A lost gateway gets a ``RegisterWorker`` again as soon as
-it is connected (and every ``REGISTER_RETRY_S`` until it answers).
+Several gateways (workers/gateway_sessions.py): the worker registers with each, heartbeats to each and
+keeps each request's state for its owner only; a lost gateway's ``GatewayLost`` marker, queued in the inbox
+behind what it sent, drops exactly the requests it owns.
 Subclasses (prefill, decode, colocated) implement ``on_message`` / ``poll`` / ``has_work`` / ``step`` /
 ``on_step`` / ``drop``. A failing step fails only the requests it carried (``RequestFailed``).
 """
@@ -31,13 +27,10 @@ import logging
 import signal
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
-import zmq
 
 from kvtransfer.compat import KVCompat
 from protocol.logging import log_event
@@ -46,28 +39,21 @@ from protocol.messages import (
     KVCanaryReserve,
     KVCanarySend,
     KVEvents,
-    KVSnapshotRequest,
     Message,
-    Probe,
-    RegisterAck,
     RegisterWorker,
     RequestFailed,
     RequestRejected,
-    ReRegister,
     Role,
     WorkerLoad,
-    WorkerShutdown,
     decode,
     new_epoch,
     request_id_of,
 )
 from protocol.settings import control_keys
-from workers.control_client import RegistrationError
-from workers.gateway_links import GatewayLink, GatewayLinks
+from workers.gateway_sessions import REGISTER_TIMEOUT_S, GatewayLost, GatewaySessions
 from workers.health_server import EngineHealth, HealthServer
 from workers.metrics import WorkerMetrics
-from workers.outputs import batch_outputs
-from workers.ownership import NO_OWNER, RequestOwners, continued_id, route, started_id
+from workers.ownership import NO_OWNER, RequestOwners, continued_id, started_id
 from workers.placement import kv_placement
 from workers.step import StepFailed
 
@@ -78,18 +64,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.worker")
 
 
-@dataclass(frozen=True)
-class GatewayLost:
-    """Inbox marker, local to a worker: the gateway with key ``gateway`` that sent the messages before
-    this marker is gone (``reason``); applying it drops every request that gateway owns."""
-
-    gateway: str
-    reason: str
-    gateway_epoch: int = 0  # the incarnation of that gateway when it was lost
-
-
-REGISTER_TIMEOUT_S = 60.0  # start-up: some gateway must accept the worker within this many seconds
-REGISTER_RETRY_S = 2.0  # a connected gateway that has not accepted the worker gets RegisterWorker this often
 OWNERS_PRUNE_S = 1.0  # how often ids the worker no longer holds are forgotten by the ownership table
 
 
@@ -107,7 +81,7 @@ class WorkerLoop:
         self.keys = control_keys(settings)
         if self.keys is None:
             log.warning("--insecure-control-plane: no CURVE on this worker's control sockets")
-        self.gateways = GatewayLinks(settings.gateway_control, self.keys)
+        self.sessions = GatewaySessions(settings.gateway_control, self.keys, self)
         self.owners = RequestOwners()
         self.received: Counter[str] = Counter()  # control messages received, by type name
         self._inbox: deque[tuple[Message | GatewayLost, str]] = deque()  # (message, gateway key)
@@ -115,9 +89,6 @@ class WorkerLoop:
         self._refused: deque[tuple[str, str, str]] = deque()
         self._outbox: list[tuple[Message, str | None]] = []  # (message, ownership.RequestOwners.tag)
         self._pruned_at = 0.0
-        # gateway key → (its epoch, request ids): requests dropped when that gateway was lost, failed back to
-        # it (RequestFailed) if the same incarnation accepts this worker again (it was alive all along)
-        self._unanswered: dict[str, tuple[int, list[str]]] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-step")
         self._load = WorkerLoad()
         self._wake: asyncio.Event | None = None
@@ -213,28 +184,25 @@ class WorkerLoop:
         that owns it, any other to every gateway that accepts this worker."""
         self._outbox.append((msg, self.owners.tag(msg)))
 
+    def emit_to(self, msg: Message, gateway: str) -> None:
+        """Queue a message for the gateway with key ``gateway`` only (sent at the end of the current
+        phase)."""
+        self._outbox.append((msg, gateway))
+
+    def wake(self) -> None:
+        """Run the next phase now instead of after the idle poll (no-op before ``run``)."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def held_ids(self) -> set[str]:
+        """Every request and KV canary id this worker holds state for."""
+        return {*self.request_ids(), *self.canary_ids()}
+
     def deliver(self, msg: Message | GatewayLost, gateway: str | None = None) -> None:
         """Queue a control message from the gateway with key ``gateway`` (None: the first one); it is
         applied at the next phase boundary."""
         self.received[type(msg).__name__] += 1
-        self._inbox.append((msg, self.gateways.default_key if gateway is None else gateway))
-
-    def accepted_by(self, ack: RegisterAck, gateway: str | None = None) -> None:
-        """The gateway with key ``gateway`` (None: the first one) accepted this worker. When
-        ``ack.gateway_epoch`` differs from the last one that gateway sent (it restarted at the same
-        address), a ``GatewayLost`` marker is queued behind every message already received from it:
-        applying it drops each request that gateway owns then, all of them its old incarnation's."""
-        link = self.gateways.get(self.gateways.default_key if gateway is None else gateway)
-        if link is None:
-            return
-        restarted = link.gateway_epoch and ack.gateway_epoch and ack.gateway_epoch != link.gateway_epoch
-        if restarted and link.accepted:  # (a link no longer accepted was lost already: nothing to add)
-            self.lose(link, f"gateway restarted (epoch {link.gateway_epoch} -> {ack.gateway_epoch})")
-        link.gateway_epoch = ack.gateway_epoch or link.gateway_epoch
-        link.accepted, link.refused = True, ""
-        self._answer_dropped(link.key, link.gateway_epoch)
-        self.health.registered = True
-        self.want_kv_snapshot()
+        self._inbox.append((msg, self.sessions.gateways.default_key if gateway is None else gateway))
 
     def want_kv_snapshot(self) -> None:
         """Make the next ``kv_events`` a snapshot of the whole prefix cache (after a registration was
@@ -260,46 +228,6 @@ class WorkerLoop:
         return KVEvents(worker_id=self.worker_id, epoch=self.epoch, seq_no=self._kv_seq_no,
                         stored=changes.stored, removed=changes.removed)
 
-    def lose(self, link: GatewayLink, reason: str) -> None:
-        """The gateway of ``link`` is gone (``reason``): it no longer accepts this worker, and a
-        ``GatewayLost`` marker queued behind its messages drops the requests it owns."""
-        link.accepted = False
-        self.health.registered = self.gateways.any_accepted()
-        self.deliver(GatewayLost(link.key, reason, link.gateway_epoch), link.key)
-        if self._wake is not None:
-            self._wake.set()
-
-    def _gateway_lost(self, lost: GatewayLost) -> None:
-        held = {*self.request_ids(), *self.canary_ids()}
-        owned = self.owners.of(lost.gateway)
-        dropped = [rid for rid in owned if rid in held]
-        for rid in owned:
-            self.owners.forget(rid)
-        for rid in dropped:
-            with contextlib.suppress(Exception):
-                self.drop(rid)
-        if dropped and lost.gateway_epoch:
-            self._unanswered[lost.gateway] = (lost.gateway_epoch, [*self._unanswered.get(
-                lost.gateway, (0, []))[1], *dropped])
-            link = self.gateways.get(lost.gateway)
-            if link is not None and link.accepted:  # accepted again before this marker was applied
-                self._answer_dropped(lost.gateway, link.gateway_epoch)
-        log_event(log, "gateway_lost", logging.WARNING, worker_id=self.worker_id, gateway=lost.gateway,
-                  reason=lost.reason, dropped=len(dropped))
-
-    def _answer_dropped(self, gateway: str, gateway_epoch: int) -> None:
-        """``gateway`` (incarnation ``gateway_epoch``) accepts this worker again: when it is the incarnation
-        that was lost (a connection that dropped, or a queue that filled, while the gateway lived on), each
-        request dropped then is failed back to it (``RequestFailed``), so it retries or ends them instead of
-        waiting for tokens that will never come; another incarnation never knew them."""
-        epoch, dropped = self._unanswered.pop(gateway, (0, []))
-        if epoch != gateway_epoch:
-            return
-        for rid in dropped:
-            self._outbox.append((RequestFailed(request_id=rid, worker_id=self.worker_id,
-                                               error="the worker lost its connection to this gateway and "
-                                                     "dropped the request"), gateway))
-
     def decode_frame(self, data: bytes, gateway: str | None = None) -> Message | None:
         """One control frame from the gateway with key ``gateway`` (None: the first one) → its message,
         or None. A frame that fails validation but names a request (e.g. a sampling parameter out of
@@ -312,7 +240,7 @@ class WorkerLoop:
             if rid is None:
                 log.warning("undecodable control message dropped: %s", exc)
             else:
-                key = self.gateways.default_key if gateway is None else gateway
+                key = self.sessions.gateways.default_key if gateway is None else gateway
                 self._refused.append((rid, f"{type(exc).__name__}: {exc}", key))
             return None
 
@@ -412,24 +340,10 @@ class WorkerLoop:
         tagged = self._take_tagged()
         if not tagged:
             return
-        accepting = [key for key, link in self.gateways.links.items() if link.accepted]
-        for key, msgs in route(tagged, accepting).items():
-            link = self.gateways.links[key]
-            for frame in batch_outputs(self.worker_id, msgs):
-                if not self._send(link, frame):
-                    break
+        self.sessions.send_routed(tagged)
         unowned = sum(1 for _, tag in tagged if tag == NO_OWNER)
         if unowned and log.isEnabledFor(logging.DEBUG):
             log_event(log, "messages_without_owner", logging.DEBUG, count=unowned)
-
-    def _send(self, link: GatewayLink, msg: Message) -> bool:
-        """Send ``msg`` to ``link``'s gateway now; a gateway that accepts this worker but cannot take the
-        message (its queue full, or its connection gone) is lost."""
-        if link.client.try_send(msg):
-            return True
-        if link.accepted:
-            self.lose(link, "its control socket stopped taking messages (queue full or connection gone)")
-        return False
 
     def _apply(self, msg: Message, gateway: str) -> None:
         """Apply one message from ``gateway``: a request it starts becomes its own; a message about a
@@ -441,9 +355,9 @@ class WorkerLoop:
                 log_event(log, "request_id_taken", logging.WARNING, request_id=started, gateway=gateway,
                           owner=owner)
                 if not isinstance(msg, KVCanaryReserve | KVCanarySend):  # a canary just times out
-                    self._outbox.append((RequestFailed(request_id=started, worker_id=self.worker_id,
-                                                       error=f"request id {started!r} is taken on this "
-                                                             "worker by another gateway's request"), gateway))
+                    self.emit_to(RequestFailed(request_id=started, worker_id=self.worker_id,
+                                               error=f"request id {started!r} is taken on this "
+                                                     "worker by another gateway's request"), gateway)
                 return
         else:
             named = continued_id(msg)
@@ -469,7 +383,7 @@ class WorkerLoop:
         while self._inbox:
             msg, gateway = self._inbox.popleft()
             if isinstance(msg, GatewayLost):
-                self._gateway_lost(msg)
+                self.sessions.drop_requests_of(msg)
             else:
                 self._apply(msg, gateway)
         while self._refused:
@@ -477,8 +391,7 @@ class WorkerLoop:
             if self.owners.record(rid, gateway) == gateway:
                 self.fail(rid, why)
             else:  # another gateway's request has this id: answer the sender, leave that one alone
-                self._outbox.append((RequestFailed(request_id=rid, worker_id=self.worker_id, error=why),
-                                     gateway))
+                self.emit_to(RequestFailed(request_id=rid, worker_id=self.worker_id, error=why), gateway)
         try:
             self.poll()
         except (TimeoutError, RuntimeError):  # a dead rank's KV endpoint answers no more: stop cleanly
@@ -492,149 +405,12 @@ class WorkerLoop:
             self._pruned_at = now
             self.owners.prune([*self.request_ids(), *self.canary_ids()])
 
-    async def _recv_loop(self, link: GatewayLink) -> None:
-        assert self._wake is not None
-        while True:
-            msg = self.decode_frame(await link.client.recv_frame(), link.key)
-            if isinstance(msg, ReRegister):  # the gateway lost track of us: register again, same epoch
-                log_event(log, "reregistering", logging.WARNING, worker_id=self.worker_id, gateway=link.key,
-                          reason=msg.reason)
-                self._register(link)
-            elif isinstance(msg, Probe):  # the gateway checking which connection dropped: nothing to do
-                pass
-            elif isinstance(msg, KVSnapshotRequest):  # the gateway missed a KVEvents: resend the whole set
-                self.want_kv_snapshot()
-                self._wake.set()
-            elif isinstance(msg, RegisterAck):
-                if msg.worker_id != self.worker_id:
-                    continue
-                log_event(log, "registered" if msg.accepted else "registration_refused",
-                          logging.INFO if msg.accepted else logging.ERROR, worker_id=self.worker_id,
-                          gateway=link.key, gateway_epoch=msg.gateway_epoch, reason=msg.reason)
-                if msg.accepted:
-                    self.accepted_by(msg, link.key)
-                    self._wake.set()
-                else:
-                    if link.accepted:
-                        self.lose(link, f"it refused the worker: {msg.reason}")
-                    link.refused = msg.reason or "refused"
-            else:  # a request message, or None (a refused frame may have queued a failure)
-                if msg is not None and not link.accepted and started_id(msg) is not None:
-                    # sent before the connection was lost, read after: its gateway's requests are being
-                    # dropped; failed back to it if the same incarnation accepts this worker again
-                    rid = started_id(msg)
-                    assert rid is not None
-                    epoch, ids = self._unanswered.get(link.key, (link.gateway_epoch, []))
-                    if epoch == link.gateway_epoch:
-                        self._unanswered[link.key] = (epoch, [*ids, rid])
-                    log_event(log, "request_after_gateway_lost", logging.WARNING, request_id=rid,
-                              gateway=link.key)
-                    continue
-                if msg is not None:
-                    if log.isEnabledFor(logging.DEBUG):
-                        log_event(log, "message_received", logging.DEBUG, type=type(msg).__name__,
-                                  request_id=getattr(msg, "request_id", None), gateway=link.key)
-                    self.deliver(msg, link.key)
-                self._wake.set()
-
-    async def _watch_link(self, link: GatewayLink) -> None:
-        """Follow ``link``'s connection: registered again once connected, lost when it drops."""
-        while True:
-            event = await link.client.next_event()
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                link.connected = True
-                if not link.accepted and time.monotonic() - link.registered_at >= REGISTER_RETRY_S:
-                    for _ in range(50):  # the connection takes messages a moment after the event
-                        if self._register(link):
-                            break
-                        await asyncio.sleep(0.002)
-            elif event == zmq.EVENT_DISCONNECTED:
-                link.connected, link.registered_at = False, float("-inf")
-                log_event(log, "gateway_disconnected", logging.WARNING, worker_id=self.worker_id,
-                          gateway=link.key)
-                if link.accepted:
-                    self.lose(link, "its control connection dropped")
-
-    def _register(self, link: GatewayLink) -> bool:
-        """Send this worker's ``RegisterWorker`` to ``link``'s gateway; False when it is not connected
-        (the heartbeat loop tries again)."""
-        if not link.client.try_send(self.registration()):
-            return False
-        link.registered_at = time.monotonic()
-        return True
-
-    def _start_link(self, link: GatewayLink) -> None:
-        link.tasks = [asyncio.create_task(self._guarded(self._recv_loop, link)),
-                      asyncio.create_task(self._guarded(self._watch_link, link))]
-        self._register(link)
-
-    async def _guarded(self, body: Callable[[GatewayLink], Coroutine[None, None, None]],
-                       link: GatewayLink) -> None:
-        """Run ``body(link)``, one of ``link``'s tasks; should it fail, the worker stops (deregistering)
-        rather than serve on with a gateway it no longer hears."""
-        try:
-            await body(link)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("the task of gateway %s failed: stopping the worker", link.key)
-            self.request_stop()
-
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             self._stop_if_ranks_lost()
             self._stop_if_kv_endpoint_dead()
-            beat = Heartbeat(worker_id=self.worker_id, epoch=self.epoch, load=self._load)
-            now = time.monotonic()
-            for link in list(self.gateways.links.values()):
-                if link.accepted:
-                    self._send(link, beat)
-                elif not link.refused and now - link.registered_at >= REGISTER_RETRY_S:
-                    self._register(link)
-
-    async def _resolve_loop(self) -> None:
-        """Look ``--gateway-control``'s host names up again every ``--gateway-resolve-interval`` s: a new
-        address gets a link, a link whose address left DNS is lost and closed."""
-        interval = self.settings.gateway_resolve_interval
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                found = await asyncio.wait_for(asyncio.to_thread(self.gateways.lookup), max(interval, 5.0))
-            except TimeoutError:
-                log_event(log, "gateway_lookup_failed", logging.WARNING, error="no answer in time")
-                continue
-            self.update_gateways(found)
-
-    def update_gateways(self, found: dict[str, list[str]]) -> None:
-        """Apply a DNS lookup (``GatewayLinks.lookup``: entry → endpoints): each new address is a
-        gateway to register with (its tasks started: call with the event loop running), each address
-        gone is a lost gateway (its requests dropped) told ``WorkerShutdown`` and closed."""
-        added, removed = self.gateways.refresh(found)
-        for link in removed:
-            self.lose(link, "its address left DNS")
-            self.gateways.close_link(link, WorkerShutdown(worker_id=self.worker_id, epoch=self.epoch))
-        for link in added:
-            self._start_link(link)
-
-    async def wait_registered(self, timeout: float) -> None:
-        """Return once some gateway accepted this worker.
-
-        Raises:
-            RegistrationError: every gateway refused it (no DNS name that may bring others), or none
-                accepted it within ``timeout`` seconds.
-        """
-        deadline = time.monotonic() + timeout
-        while not self.gateways.any_accepted():
-            links = list(self.gateways.links.values())
-            if links and not self.gateways.has_names and all(link.refused for link in links):
-                reasons = "; ".join(f"{link.key}: {link.refused}" for link in links)
-                raise RegistrationError(f"gateway refused worker {self.worker_id}: {reasons}")
-            if time.monotonic() >= deadline:
-                where = (", ".join(self.gateways.links)
-                         or f"none resolved from {self.settings.gateway_control}")
-                raise RegistrationError(f"no RegisterAck from any gateway ({where}) within {timeout:.0f} s")
-            await asyncio.sleep(0.02)
+            self.sessions.beat(Heartbeat(worker_id=self.worker_id, epoch=self.epoch, load=self._load))
 
     async def _engine_loop(self) -> None:
         assert self._wake is not None and self._stop is not None
@@ -698,18 +474,18 @@ class WorkerLoop:
         tasks: list[asyncio.Task[None]] = []
         try:
             self._start_health_server()
-            for link in self.gateways.links.values():
-                self._start_link(link)
+            self.sessions.start()
             tasks = [asyncio.create_task(self._heartbeat_loop())]
-            if self.gateways.has_names:
-                tasks.append(asyncio.create_task(self._resolve_loop()))
-            await self.wait_registered(REGISTER_TIMEOUT_S)
+            if self.sessions.gateways.has_names:
+                tasks.append(asyncio.create_task(
+                    self.sessions.resolve_loop(self.settings.gateway_resolve_interval)))
+            await self.sessions.wait_registered(REGISTER_TIMEOUT_S)
             log_event(log, "worker_ready", role=self.role, worker_id=self.worker_id, epoch=self.epoch,
-                      gateways=len(self.gateways.links),
+                      gateways=len(self.sessions.gateways.links),
                       kv_cache_dtype=str(self.core.runner.kv_cache.cache_dtype).removeprefix("torch."))
             await self._engine_loop()
         finally:
-            tasks += [task for link in self.gateways.links.values() for task in link.tasks]
+            tasks += self.sessions.link_tasks()
             for task in tasks:
                 task.cancel()
             for task in tasks:
@@ -719,7 +495,7 @@ class WorkerLoop:
             if self.health_server is not None:
                 self.health_server.stop()
             self._executor.shutdown(wait=True)
-            self.gateways.close(WorkerShutdown(worker_id=self.worker_id, epoch=self.epoch))
+            self.sessions.close()
             log_event(log, "worker_stopped", role=self.role, worker_id=self.worker_id)
 
 

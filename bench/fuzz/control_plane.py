@@ -289,10 +289,12 @@ def fuzz_gateway(n: int, seed: int, keys_dir: Path, tokenizer: str, log_dir: Pat
     then stream one completion through it and check that nothing leaked."""
     import httpx
 
-    from bench.gateway.overhead import TOTAL_BLOCKS, check_no_leaks
+    from bench.gateway.overhead_targets import TOTAL_BLOCKS, check_no_leaks
     from gateway.text import resolve_tokenizer_dir
     from kvtransfer.curve import load_keys
-    from pdserve.launcher import Supervisor, free_ports, wait_ready
+    from pdserve.launcher import wait_ready
+    from pdserve.ports import free_ports
+    from pdserve.supervisor import Supervisor
 
     port, control_port = free_ports(2)
     control = f"tcp://127.0.0.1:{control_port}"

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bench.gateway.overhead import CurveCost, OverheadResult, ScaleLevel
+    from bench.gateway.curve_cost import CurveCost
+    from bench.gateway.overhead import OverheadResult
+    from bench.gateway.process_scaling import ScaleLevel
     from loadtest.records import LatencyStats
 
 

@@ -116,15 +116,33 @@ def gemv_seconds(weights: list[Fp8Weight], gated: bool, tile: tuple[int, int, in
     return replay_seconds(chain, 8).scaled(1 / iters)
 
 
+def _copy_ceiling() -> float:
+    """The device's copy bandwidth (bytes/s, read + write of a 1 GiB copy, best of 20), printed as the title
+    line of the tables that follow."""
+    bandwidth = copy_bandwidth(torch.device("cuda")).max
+    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write, "
+          "best of 20)", flush=True)
+    return bandwidth
+
+
+def _row(*cells: object) -> None:
+    """Print one markdown table row (flushed: a long sweep shows each row as it is measured)."""
+    print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
+def _header(*columns: str) -> None:
+    """Print a markdown table's header row and its separator."""
+    _row(*columns)
+    print("|" + "---|" * len(columns), flush=True)
+
+
 def sweep(layouts: list[str], shapes: list[str], tiles: list[tuple[int, int, int]],
           json_path: Path | None = None) -> dict[str, Any]:
     """Every (layout, shape, tile); prints markdown rows; returns the JSON-ready result (also written to
     ``json_path`` after each shape, so a run cut short keeps what it measured)."""
-    bandwidth = copy_bandwidth(torch.device("cuda")).max
-    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write, "
-          "best of 20)", flush=True)
-    print("| layout | shape | N | K | tile (n x k, warps) | µs: median (min–max) | GB/s | share of copy |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    bandwidth = _copy_ceiling()
+    _header("layout", "shape", "N", "K", "tile (n x k, warps)", "µs: median (min–max)", "GB/s",
+            "share of copy")
     res: dict[str, Any] = {"copy_bandwidth": bandwidth, "rows": [], "best": {}}
     for layout in layouts:
         for name, n, k, gated in SHAPES:
@@ -141,8 +159,8 @@ def sweep(layouts: list[str], shapes: list[str], tiles: list[tuple[int, int, int
                 res["rows"].append(dict(layout=layout, shape=name, n=n, k=k, tile=list(tile),
                                         seconds=t.as_dict(), gb_s=gbs, share=share))
                 mark = " (default)" if tile == default else ""
-                print(f"| {layout} | {name} | {n} | {k} | {tile[0]} x {tile[1]}, {tile[2]}{mark} | "
-                      f"{t.scaled(1e6).fmt('.2f')} | {gbs:.0f} | {100 * share:.1f} % |", flush=True)
+                _row(layout, name, n, k, f"{tile[0]} x {tile[1]}, {tile[2]}{mark}", t.scaled(1e6).fmt(".2f"),
+                     f"{gbs:.0f}", f"{100 * share:.1f} %")
                 if best is None or gbs > best[0]:
                     best = (gbs, tile)
             assert best is not None
@@ -229,12 +247,9 @@ def _seconds(fn: Candidate, weights: list[Fp8Weight], x: torch.Tensor, iters: in
 def candidate_sweep(layouts: list[str], shapes: list[str], json_path: Path | None = None) -> dict[str, Any]:
     """Every candidate per (layout, shape): checked, timed, printed as markdown rows with its share of the
     same-run copy ceiling; returns the JSON-ready result (written to ``json_path`` after each shape)."""
-    bandwidth = copy_bandwidth(torch.device("cuda")).max
-    print(f"# {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write, "
-          "best of 20)", flush=True)
-    print("| layout | shape | N | K | candidate | µs: median (min–max) | GB/s | share of copy | "
-          "max err / max ref |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    bandwidth = _copy_ceiling()
+    _header("layout", "shape", "N", "K", "candidate", "µs: median (min–max)", "GB/s", "share of copy",
+            "max err / max ref")
     res: dict[str, Any] = {"copy_bandwidth": bandwidth, "rows": [], "best": {}}
     for layout in layouts:
         for name, n, k, gated in SHAPES:
@@ -250,17 +265,16 @@ def candidate_sweep(layouts: list[str], shapes: list[str], json_path: Path | Non
                     err = _check(fn, x, weights[0], weight_only, gated)
                     t = _seconds(fn, weights, x)
                 except Exception as exc:  # a candidate that cannot run this shape: named, skipped
-                    print(f"| {layout} | {name} | {n} | {k} | {cand} | failed: {type(exc).__name__}: "
-                          f"{str(exc)[:80]} | | | |", flush=True)
+                    _row(layout, name, n, k, cand, f"failed: {type(exc).__name__}: {str(exc)[:80]}",
+                         "", "", "")
                     continue
                 share = nbytes / t.median / bandwidth
                 ok = err <= CHECK_TOL
                 res["rows"].append(dict(layout=layout, shape=name, n=n, k=k, candidate=cand,
                                         seconds=t.as_dict(), gb_s=nbytes / t.median / 1e9, share=share,
                                         rel_err=err, ok=ok))
-                print(f"| {layout} | {name} | {n} | {k} | {cand} | {t.scaled(1e6).fmt('.2f')} | "
-                      f"{nbytes / t.median / 1e9:.0f} | {100 * share:.1f} % | {err:.1e}"
-                      f"{'' if ok else ' MISMATCH'} |", flush=True)
+                _row(layout, name, n, k, cand, t.scaled(1e6).fmt(".2f"), f"{nbytes / t.median / 1e9:.0f}",
+                     f"{100 * share:.1f} %", f"{err:.1e}{'' if ok else ' MISMATCH'}")
                 if cand.startswith("gemv "):
                     baseline = share
                 if ok and (best is None or share > best[0]):
@@ -297,14 +311,13 @@ def _gemm_shape(name: str, n: int, k: int, tokens: int, res: dict[str, Any]) -> 
         try:
             t = ceiling_seconds(gemm, dev, 20).min
         except Exception as exc:  # a tile that does not fit (shared memory, registers): named, skipped
-            print(f"| {name} | {tokens} | {n} | {k} | {tile} | failed: {type(exc).__name__} | | | |")
+            _row(name, tokens, n, k, tile, f"failed: {type(exc).__name__}", "", "", "")
             continue
         res["rows"].append(dict(shape=name, m=tokens, n=n, k=k, tile=list(tile), seconds=t,
                                 scaled_mm_seconds=peer))
         mark = " (default)" if tile == default else ""
-        print(f"| {name} | {tokens} | {n} | {k} | {tile[0]} x {tile[1]}, {tile[2]}, {tile[3]}{mark} | "
-              f"{t * 1e3:.3f} | {flops / t / 1e12:.0f} | {peer * 1e3:.3f} | {100 * peer / t:.1f} % |",
-              flush=True)
+        _row(name, tokens, n, k, f"{tile[0]} x {tile[1]}, {tile[2]}, {tile[3]}{mark}", f"{t * 1e3:.3f}",
+             f"{flops / t / 1e12:.0f}", f"{peer * 1e3:.3f}", f"{100 * peer / t:.1f} %")
         if best is None or t < best[0]:
             best = (t, tile)
     if best is not None:
@@ -315,9 +328,8 @@ def _gemm_shape(name: str, n: int, k: int, tokens: int, res: dict[str, Any]) -> 
 def gemm_sweep(tokens: int, shapes: list[str]) -> dict[str, Any]:
     """``w8a8_block_gemm`` over ``GEMM_TILES`` per shape at ``tokens`` rows against ``torch._scaled_mm``
     (row-wise scales, bf16 out) of the same shape; prints markdown rows; returns the JSON-ready result."""
-    print("| shape | M | N | K | block GEMM tile (m x n, warps, stages) | ms | TFLOP/s | _scaled_mm ms "
-          "| share of _scaled_mm |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    _header("shape", "M", "N", "K", "block GEMM tile (m x n, warps, stages)", "ms", "TFLOP/s",
+            "_scaled_mm ms", "share of _scaled_mm")
     res: dict[str, Any] = {"rows": [], "best": {}}
     for name, n, k, _ in SHAPES:
         if name in shapes:

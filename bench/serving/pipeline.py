@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.launcher import free_port
+from pdserve.ports import free_port
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 2
 

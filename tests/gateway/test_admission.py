@@ -12,9 +12,10 @@ from engine.sampling_params import SamplingParams
 from gateway.admission import Admission
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import GenerationInput, Orchestrator
+from gateway.orchestrator import Orchestrator
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import WorkerRegistry
+from gateway.request_state import GenerationInput
 from gateway.router import Router
 from kvtransfer.compat import KVCompat
 from protocol.messages import FirstToken, Message, RegisterWorker, ReserveKV, WorkerLoad

@@ -28,7 +28,8 @@ from prometheus_client import Gauge
 from gateway.metrics import GatewayMetrics
 from pdserve.cli import main
 from pdserve.gateway_pool import GatewayPool, PoolFailed
-from pdserve.launcher import RestartPolicy, free_port_range, free_ports
+from pdserve.ports import free_port_range, free_ports
+from pdserve.supervisor import RestartPolicy
 from protocol.settings import GatewaySettings
 from tests.gateway.conftest import MSGS, REPLY, ROOT, read_record, wait_until
 

@@ -16,7 +16,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from gateway.control_socket import SendOutcome
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import GenerationInput
+from gateway.request_state import GenerationInput
 from gateway.service import GatewayService
 from gateway.status import readiness
 from kvtransfer.compat import KVCompat

@@ -12,16 +12,16 @@ import pytest
 from engine.sampling_params import SamplingParams
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import (
+from gateway.orchestrator import Orchestrator
+from gateway.prefix_index import PrefixIndex
+from gateway.registry import WorkerRegistry
+from gateway.request_state import (
     GatewayRequest,
     GenerationFailed,
     GenerationInput,
-    Orchestrator,
     RequestPhase,
     TokenLogprob,
 )
-from gateway.prefix_index import PrefixIndex
-from gateway.registry import WorkerRegistry
 from gateway.router import Router
 from kvtransfer.compat import KVCompat
 from protocol.messages import (

@@ -16,9 +16,9 @@ import pytest
 from engine.sampling_params import SamplingParams
 from gateway.control_socket import SendOutcome
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import GenerationFailed, GenerationInput
 from gateway.prepare import ChoiceInput, Prepared
 from gateway.render import chunk_choice, sse_chunk
+from gateway.request_state import GenerationFailed, GenerationInput
 from gateway.service import GatewayService
 from gateway.serving import _ChunkWriter
 from gateway.stream import Delta, text_deltas

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.gateway.overhead import CurveCost, CurveRound, OverheadConfig, ScaleLevel, main, summarize_level
+from bench.gateway.curve_cost import CurveCost, CurveRound
+from bench.gateway.overhead import main
 from bench.gateway.overhead_report import render_curve_cost, render_scale
+from bench.gateway.overhead_targets import OverheadConfig, summarize_level
+from bench.gateway.process_scaling import ScaleLevel
 from loadtest.records import RequestRecord
 
 

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 
 from gateway.openai_requests import INT64_MAX
-from gateway.orchestrator import TokenLogprob
 from gateway.prepare import derived_seed
 from gateway.render import chat_logprobs, completion_logprobs, echo_logprobs, joined, vllm_prompt_logprobs
+from gateway.request_state import TokenLogprob
 from gateway.text import TextProcessor
 from protocol.messages import PromptLogprob, TopLogprob
 

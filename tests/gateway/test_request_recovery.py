@@ -12,9 +12,10 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import GatewayRequest, GenerationFailed, GenerationInput, Orchestrator
+from gateway.orchestrator import Orchestrator
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import WorkerRegistry
+from gateway.request_state import GatewayRequest, GenerationFailed, GenerationInput
 from gateway.router import Router
 from protocol.messages import (
     AbortRequest,

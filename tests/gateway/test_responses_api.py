@@ -14,16 +14,8 @@ import pytest
 from gateway.errors import APIError
 from gateway.openai_requests import ChatCompletionRequest
 from gateway.openai_responses import ChatTokenLogprob
-from gateway.responses_api import (
-    InputTokensDetails,
-    OutputTokensDetails,
-    ResponseBuilder,
-    ResponsesRequest,
-    ResponseUsage,
-    chat_body,
-    check_supported,
-    responses_param,
-)
+from gateway.responses_api import ResponsesRequest, chat_body, check_supported, responses_param
+from gateway.responses_output import InputTokensDetails, OutputTokensDetails, ResponseBuilder, ResponseUsage
 from gateway.tool_parsers.events import ContentText, ReasoningText, ToolCallArguments, ToolCallStart
 
 

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvtransfer.curve import generate_keys
-from pdserve.launcher import Supervisor, example, plan, run_keys
+from pdserve.launcher import example, plan, run_keys
+from pdserve.ports import free_port
+from pdserve.supervisor import Supervisor
 from protocol.settings import GatewaySettings, UpSettings, WorkerSettings
 
 
@@ -276,10 +278,10 @@ def test_up_refuses_tensor_parallel_ranks_beyond_the_gpus_before_starting_anythi
 
     started: list[str] = []
     monkeypatch.setattr(launcher, "gpu_count", lambda: 2)
-    monkeypatch.setattr(launcher.Supervisor, "start", lambda self, name, *a, **k: started.append(name))
+    monkeypatch.setattr(Supervisor, "start", lambda self, name, *a, **k: started.append(name))
     tp2 = WorkerSettings(role="colocated", tensor_parallel_size=2, insecure_control_plane=True)
-    up = UpSettings(port=launcher.free_port(), insecure_control_plane=True, worker=tp2)
-    assert launcher._supervise(up, launcher.Supervisor(), [], 1.0, None) == 1
+    up = UpSettings(port=free_port(), insecure_control_plane=True, worker=tp2)
+    assert launcher._supervise(up, Supervisor(), [], 1.0, None) == 1
     assert started == []
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["pdserve up: --tensor-parallel-size: 2 workers need 4 GPUs (2+2 ranks), 2 visible"]
@@ -305,7 +307,7 @@ def test_port_in_use_ignores_time_wait_but_not_a_listener() -> None:
     Found by a new-user trial: `pdserve up` refused to restart for ~1 min after a Ctrl-C during start-up."""
     import socket
 
-    from pdserve.launcher import free_port, port_in_use
+    from pdserve.ports import free_port, port_in_use
 
     port = free_port()
     server = socket.socket()
@@ -337,9 +339,9 @@ def test_free_ports_are_distinct_and_skip_excluded(monkeypatch) -> None:
     in `exclude`: here the kernel is made to hand out the excluded port first."""
     import socket as socket_mod
 
-    from pdserve import launcher
+    from pdserve import ports as ports_mod
 
-    ports = launcher.free_ports(64)
+    ports = ports_mod.free_ports(64)
     assert len(set(ports)) == 64 and all(p > 0 for p in ports)
 
     blocker = socket_mod.socket()
@@ -357,8 +359,8 @@ def test_free_ports_are_distinct_and_skip_excluded(monkeypatch) -> None:
                 return super().bind((addr[0], taken))
             return super().bind(addr)
 
-    monkeypatch.setattr(launcher.socket, "socket", FirstGetsTaken)
-    got = launcher.free_ports(2, exclude=(taken,))
+    monkeypatch.setattr(ports_mod.socket, "socket", FirstGetsTaken)
+    got = ports_mod.free_ports(2, exclude=(taken,))
     assert taken not in got and len(set(got)) == 2
 
 
@@ -378,7 +380,7 @@ time.sleep(60)
 
 
 def _supervise_in_thread(sup: Supervisor, policy: object) -> tuple[list[int], list[int], threading.Thread]:
-    from pdserve.launcher import supervise
+    from pdserve.supervisor import supervise
 
     stop: list[int] = []
     result: list[int] = []
@@ -398,7 +400,7 @@ def test_supervise_restarts_an_exited_worker_and_gives_up_on_a_crash_loop(tmp_pa
     """A worker that exits is restarted (after its backoff) while the others keep running; one that keeps
     crashing is given up on after max_exits exits within the window, in one line; the gateway never
     stops; only the stop signal ends supervision (0)."""
-    from pdserve.launcher import RestartPolicy
+    from pdserve.supervisor import RestartPolicy
 
     sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN))
     policy = RestartPolicy(backoff_s=0.05, max_backoff_s=0.2, max_exits=3, window_s=60.0)
@@ -438,7 +440,7 @@ def test_supervise_stops_when_the_gateway_exits(capfd) -> None:
     sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN))
     sup.start("decode-0", ["serve"])
     sup.start("gateway", ["crash"])
-    from pdserve.launcher import RestartPolicy
+    from pdserve.supervisor import RestartPolicy
 
     _, result, thread = _supervise_in_thread(sup, RestartPolicy(backoff_s=0.05))
     thread.join(20)
@@ -466,7 +468,8 @@ def test_up_refuses_an_unsupported_model_before_any_child(edit, named, tmp_path,
     line naming it and listing what is supported, before any worker starts (nothing listens)."""
     import json
 
-    from pdserve.launcher import free_port, run
+    from pdserve.launcher import run
+    from pdserve.ports import free_port
 
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, **edit}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -485,7 +488,8 @@ def test_up_refuses_static_fp8_for_a_mixture_of_experts_before_any_child(tmp_pat
     the launcher's check in one line before any worker starts."""
     import json
 
-    from pdserve.launcher import free_port, run
+    from pdserve.launcher import run
+    from pdserve.ports import free_port
     from protocol.settings import WorkerSettings
 
     config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 64,
@@ -533,10 +537,10 @@ def test_up_starts_each_tensor_parallel_worker_with_its_own_gpus(monkeypatch: py
 
     monkeypatch.setattr(launcher, "gpu_count", lambda: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    monkeypatch.setattr(launcher.Supervisor, "start", start)
+    monkeypatch.setattr(Supervisor, "start", start)
     monkeypatch.setattr(launcher, "wait_ready", lambda *a, **k: "interrupted")
     tp2 = WorkerSettings(role="colocated", tensor_parallel_size=2, insecure_control_plane=True)
-    up = UpSettings(port=launcher.free_port(), insecure_control_plane=True, worker=tp2)
-    assert launcher._supervise(up, launcher.Supervisor(), [], 1.0, None) == 0
+    up = UpSettings(port=free_port(), insecure_control_plane=True, worker=tp2)
+    assert launcher._supervise(up, Supervisor(), [], 1.0, None) == 0
     assert started == {"gateway": {}, "prefill-0": {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
                        "decode-0": {"CUDA_VISIBLE_DEVICES": "6,7,4,5"}}

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from kvtransfer.curve import generate_keys
-from pdserve.launcher import Supervisor
 from pdserve.live_system import MODEL
+from pdserve.supervisor import Supervisor
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,

@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from kvtransfer.curve import generate_keys
-from pdserve.launcher import Supervisor, free_ports
+from pdserve.ports import free_ports
+from pdserve.supervisor import Supervisor
 
 pytestmark = pytest.mark.slow
 

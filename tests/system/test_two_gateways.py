@@ -27,8 +27,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtransfer.curve import generate_keys
-from pdserve.launcher import Supervisor, free_ports
 from pdserve.live_system import MODEL, registered, wait_all_free
+from pdserve.ports import free_ports
+from pdserve.supervisor import Supervisor
 
 pytestmark = pytest.mark.slow
 

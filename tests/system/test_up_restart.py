@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.launcher import free_ports
+from pdserve.ports import free_ports
 
 pytestmark = pytest.mark.slow
 

@@ -86,7 +86,7 @@ def colocated_worker(model_dir: Path, gateway_control: str = NO_GATEWAY, **core_
 def close(worker: WorkerLoop) -> None:
     """What ``WorkerLoop.run`` does on the way out, minus the gateway."""
     worker.close()
-    worker.gateways.close()
+    worker.sessions.gateways.close()
 
 
 def wire(max_tokens: int = 1, **kw: object) -> SamplingParams:

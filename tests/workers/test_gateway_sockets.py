@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from kvtransfer.curve import generate_keys, load_keys, secure_server
-from pdserve.launcher import free_ports
+from pdserve.ports import free_ports
 from protocol.messages import (
     ColocatedRequest,
     Message,
@@ -89,9 +89,9 @@ def test_run_serves_two_gateways_and_survives_one_dropping(model_dir: Path, tmp_
     colo = colocated_worker(model_dir, gateway_control=f"{ep_a},{ep_b}", num_blocks=64)
     colo.settings = dataclasses.replace(colo.settings, curve_keys=str(tmp_path / "keys"),
                                         insecure_control_plane=False)
-    old = colo.gateways
+    old = colo.sessions.gateways
     colo.keys = load_keys(tmp_path / "keys")
-    colo.gateways = GatewayLinks(colo.settings.gateway_control, colo.keys)
+    colo.sessions.gateways = GatewayLinks(colo.settings.gateway_control, colo.keys)
     old.close()
 
     async def scenario() -> None:
@@ -101,7 +101,7 @@ def test_run_serves_two_gateways_and_survives_one_dropping(model_dir: Path, tmp_
             await asyncio.gather(gw_a.pump(lambda: bool(gw_a.identity)),
                                  gw_b.pump(lambda: bool(gw_b.identity)))
             async with asyncio.timeout(10):
-                while not all(link.accepted for link in colo.gateways.links.values()):
+                while not all(link.accepted for link in colo.sessions.gateways.links.values()):
                     await asyncio.sleep(0.02)
             await gw_a.send(_req("a-long", 400))
             await gw_b.send(_req("b-short", 12))
@@ -114,15 +114,15 @@ def test_run_serves_two_gateways_and_survives_one_dropping(model_dir: Path, tmp_
             async with asyncio.timeout(10):
                 while colo.request_ids():  # a-long dropped long before its 400 tokens
                     await asyncio.sleep(0.02)
-            assert not colo.gateways.links[ep_a].accepted and colo.health.registered
+            assert not colo.sessions.gateways.links[ep_a].accepted and colo.health.registered
 
             gw_a2 = FakeGateway(ep_a, tmp_path / "keys", 3)  # a new gateway at a's address
             try:
                 await gw_a2.pump(lambda: bool(gw_a2.identity))
                 async with asyncio.timeout(10):
-                    while not colo.gateways.links[ep_a].accepted:
+                    while not colo.sessions.gateways.links[ep_a].accepted:
                         await asyncio.sleep(0.02)
-                assert colo.gateways.links[ep_a].gateway_epoch == 3
+                assert colo.sessions.gateways.links[ep_a].gateway_epoch == 3
             finally:
                 gw_a2.close()
         finally:
@@ -183,9 +183,9 @@ def test_worker_stops_when_its_kv_loop_dies(model_dir: Path, tmp_path: Path) -> 
     worker = prefill_worker(model_dir, gateway_control=ep)
     worker.settings = dataclasses.replace(worker.settings, curve_keys=str(tmp_path / "keys"),
                                           insecure_control_plane=False)
-    old = worker.gateways
+    old = worker.sessions.gateways
     worker.keys = load_keys(tmp_path / "keys")
-    worker.gateways = GatewayLinks(worker.settings.gateway_control, worker.keys)
+    worker.sessions.gateways = GatewayLinks(worker.settings.gateway_control, worker.keys)
     old.close()
 
     def boom() -> None:

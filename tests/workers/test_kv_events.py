@@ -43,7 +43,7 @@ PROMPT = list(range(30, 43))  # 13 tokens: 3 full blocks of 4 and one token
 
 
 def _accept(w: WorkerLoop) -> None:
-    w.accepted_by(RegisterAck(worker_id=w.worker_id, epoch=w.epoch, accepted=True, gateway_epoch=7))
+    w.sessions.accepted_by(RegisterAck(worker_id=w.worker_id, epoch=w.epoch, accepted=True, gateway_epoch=7))
 
 
 def test_prefill_events_feed_a_fresh_router_that_picks_the_worker_holding_the_prefix(model_dir):
@@ -133,9 +133,9 @@ def test_a_snapshot_request_from_the_gateway_makes_the_next_events_a_snapshot(mo
 
         async def deliver() -> None:
             colo._wake = asyncio.Event()
-            link = next(iter(colo.gateways.links.values()))
+            link = next(iter(colo.sessions.gateways.links.values()))
             link.client.recv_frame = recv_frame  # type: ignore[method-assign]
-            task = asyncio.create_task(colo._recv_loop(link))
+            task = asyncio.create_task(colo.sessions._recv_loop(link))
             await asyncio.wait_for(colo._wake.wait(), 5.0)
             task.cancel()
 

@@ -44,14 +44,14 @@ NO_SENDER = 1
 
 
 def _accept(worker: WorkerLoop, key: str, gateway_epoch: int = 7) -> None:
-    worker.accepted_by(RegisterAck(worker_id=worker.worker_id, epoch=worker.epoch, accepted=True,
+    worker.sessions.accepted_by(RegisterAck(worker_id=worker.worker_id, epoch=worker.epoch, accepted=True,
                                    gateway_epoch=gateway_epoch), key)
 
 
 def _capture(worker: WorkerLoop) -> dict[str, list[Message]]:
     """Replace each link's send by a recorder: gateway key → frames sent to it."""
-    sent: dict[str, list[Message]] = {key: [] for key in worker.gateways.links}
-    for key, link in worker.gateways.links.items():
+    sent: dict[str, list[Message]] = {key: [] for key in worker.sessions.gateways.links}
+    for key, link in worker.sessions.gateways.links.items():
         def record(msg: Message, key: str = key) -> bool:
             sent[key].append(msg)
             return True
@@ -149,7 +149,7 @@ def test_losing_a_gateway_drops_only_its_requests(model_dir) -> None:
         bm = colo.core.block_manager
         held_by_all = bm.num_blocks - bm.num_free_blocks
         sent_to_a = len(sent[A])
-        colo.lose(colo.gateways.links[A], "test: connection dropped")
+        colo.sessions.lose(colo.sessions.gateways.links[A], "test: connection dropped")
         assert colo.health.registered  # B still accepts it
         _phase(colo)
         assert colo.request_ids() == ["b1"]
@@ -178,7 +178,7 @@ def test_a_gateway_lost_but_alive_hears_that_its_requests_were_dropped(model_dir
         colo.deliver(_colo_req("a1", 50), A)
         colo.deliver(_colo_req("b1", 6), B)
         _phase(colo)
-        colo.lose(colo.gateways.links[A], "test: connection dropped")
+        colo.sessions.lose(colo.sessions.gateways.links[A], "test: connection dropped")
         _phase(colo)
         assert colo.request_ids() == ["b1"]
         assert not [m for m in _items(sent[A]) if isinstance(m, RequestFailed)]  # A cannot be told yet
@@ -187,7 +187,7 @@ def test_a_gateway_lost_but_alive_hears_that_its_requests_were_dropped(model_dir
         failed = [m for m in _items(sent[A]) if isinstance(m, RequestFailed)]
         assert [m.request_id for m in failed] == ["a1"] and "dropped" in failed[0].error
         assert not [m for m in _items(sent[B]) if isinstance(m, RequestFailed)]
-        colo.lose(colo.gateways.links[A], "test: connection dropped again")
+        colo.sessions.lose(colo.sessions.gateways.links[A], "test: connection dropped again")
         _phase(colo)
         _accept(colo, A, gateway_epoch=8)  # a new incarnation never knew a1: nothing to fail back
         _phase(colo)
@@ -236,7 +236,7 @@ def test_decode_frees_the_lost_gateways_reservation_and_keeps_the_others(model_d
         assert [m.request_id for m in _items(sent[A])] == ["ra"]  # each KVReserved to its own gateway
         assert [m.request_id for m in _items(sent[B])] == ["rb"]
         assert decode.core.block_manager.num_free_blocks == 12 - 2 * 4  # 13 tokens in blocks of 4
-        decode.lose(decode.gateways.links[B], "test: connection dropped")
+        decode.sessions.lose(decode.sessions.gateways.links[B], "test: connection dropped")
         _phase(decode)
         assert decode.request_ids() == ["ra"]
         assert decode.core.block_manager.num_free_blocks == 12 - 4
@@ -255,7 +255,8 @@ def test_prefill_drops_the_lost_gateways_queued_request_and_answers_the_other(mo
         sent = _capture(prefill)
         prefill.deliver(PrefillRequest(request_id="pa", prompt_token_ids=PROMPT, sampling=wire(1)), A)
         prefill.deliver(PrefillRequest(request_id="pb", prompt_token_ids=PROMPT, sampling=wire(1)), B)
-        prefill.lose(prefill.gateways.links[A], "test: its address left DNS")  # behind pa: pa is A's
+        # behind pa: pa is A's
+        prefill.sessions.lose(prefill.sessions.gateways.links[A], "test: its address left DNS")
         _phase(prefill)
         while prefill.request_ids():
             _phase(prefill)
@@ -288,9 +289,9 @@ def test_a_request_id_taken_by_another_gateway_is_refused_to_the_newcomer_only(m
 
 def test_a_gateway_gone_from_dns_is_lost_and_a_new_one_registered(model_dir) -> None:
     colo = colocated_worker(model_dir, gateway_control=TWO)
-    old = colo.gateways
+    old = colo.sessions.gateways
     answers = {"gw.svc": ["10.0.0.1", "10.0.0.2"]}
-    colo.gateways = GatewayLinks("tcp://gw.svc:7100", None, resolve=lambda host: answers[host])
+    colo.sessions.gateways = GatewayLinks("tcp://gw.svc:7100", None, resolve=lambda host: answers[host])
     old.close()
     first, second = "tcp://10.0.0.1:7100", "tcp://10.0.0.2:7100"
 
@@ -302,12 +303,13 @@ def test_a_gateway_gone_from_dns_is_lost_and_a_new_one_registered(model_dir) -> 
         colo.deliver(_colo_req("r2", 40), second)
         _phase(colo)
         answers["gw.svc"] = ["10.0.0.2", "10.0.0.3"]
-        colo.update_gateways(colo.gateways.lookup())
-        assert list(colo.gateways.links) == [second, "tcp://10.0.0.3:7100"]
-        assert all(len(link.tasks) == 2 for link in colo.gateways.links.values() if link.key != second)
+        colo.sessions.update_gateways(colo.sessions.gateways.lookup())
+        assert list(colo.sessions.gateways.links) == [second, "tcp://10.0.0.3:7100"]
+        links = colo.sessions.gateways.links.values()
+        assert all(len(link.tasks) == 2 for link in links if link.key != second)
         _phase(colo)
         assert colo.request_ids() == ["r2"]
-        for link in colo.gateways.links.values():
+        for link in colo.sessions.gateways.links.values():
             for task in link.tasks:
                 task.cancel()
 
@@ -324,32 +326,33 @@ def test_a_connected_gateway_survives_a_lookup_that_misses_it(model_dir) -> None
     """One empty DNS answer (a Service's endpoints flapping) does not drop a gateway whose connection is
     up, nor its requests; DNS_MISSES_TO_DROP answers in a row without it do."""
     colo = colocated_worker(model_dir, gateway_control=TWO)
-    old = colo.gateways
+    old = colo.sessions.gateways
     answers: dict[str, list[str]] = {"gw.svc": ["10.0.0.1"]}
-    colo.gateways = GatewayLinks("tcp://gw.svc:7100", None, resolve=lambda host: answers[host])
+    colo.sessions.gateways = GatewayLinks("tcp://gw.svc:7100", None, resolve=lambda host: answers[host])
     old.close()
     first = "tcp://10.0.0.1:7100"
 
     async def scenario() -> None:
         _accept(colo, first)
         _capture(colo)
-        colo.gateways.links[first].connected = True  # as the monitor reports a live connection
+        colo.sessions.gateways.links[first].connected = True  # as the monitor reports a live connection
         colo.deliver(_colo_req("r1", 40), first)
         _phase(colo)
         answers["gw.svc"] = []
         for _ in range(DNS_MISSES_TO_DROP - 1):
-            colo.update_gateways(colo.gateways.lookup())
-            assert list(colo.gateways.links) == [first]
+            colo.sessions.update_gateways(colo.sessions.gateways.lookup())
+            assert list(colo.sessions.gateways.links) == [first]
             _phase(colo)
             assert colo.request_ids() == ["r1"]
         answers["gw.svc"] = ["10.0.0.1"]  # back: the count starts again
-        colo.update_gateways(colo.gateways.lookup())
+        colo.sessions.update_gateways(colo.sessions.gateways.lookup())
         answers["gw.svc"] = []
         for _ in range(DNS_MISSES_TO_DROP - 1):
-            colo.update_gateways(colo.gateways.lookup())
-        assert list(colo.gateways.links) == [first]
-        colo.update_gateways(colo.gateways.lookup())  # the DNS_MISSES_TO_DROP-th miss in a row
-        assert list(colo.gateways.links) == []
+            colo.sessions.update_gateways(colo.sessions.gateways.lookup())
+        assert list(colo.sessions.gateways.links) == [first]
+        # the DNS_MISSES_TO_DROP-th miss in a row
+        colo.sessions.update_gateways(colo.sessions.gateways.lookup())
+        assert list(colo.sessions.gateways.links) == []
         _phase(colo)
         assert colo.request_ids() == []
 
@@ -363,16 +366,17 @@ def test_a_connected_gateway_survives_a_lookup_that_misses_it(model_dir) -> None
 def test_start_up_needs_one_gateway_to_accept(model_dir) -> None:
     colo = colocated_worker(model_dir, gateway_control=TWO)
     try:
-        a, b = colo.gateways.links[A], colo.gateways.links[B]
+        a, b = colo.sessions.gateways.links[A], colo.sessions.gateways.links[B]
         with pytest.raises(RegistrationError, match="no RegisterAck from any gateway"):
-            asyncio.run(colo.wait_registered(0.05))
+            asyncio.run(colo.sessions.wait_registered(0.05))
         a.refused = "stale epoch"
         _accept(colo, B)
-        asyncio.run(colo.wait_registered(0.05))  # one of two accepted: serving starts
+        asyncio.run(colo.sessions.wait_registered(0.05))  # one of two accepted: serving starts
         assert colo.health.registered
         b.accepted, b.refused = False, "model mismatch"
         with pytest.raises(RegistrationError, match=r"refused.*stale epoch.*model mismatch"):
-            asyncio.run(colo.wait_registered(5))  # every gateway refused: no waiting for the deadline
+            # every gateway refused: no waiting for the deadline
+            asyncio.run(colo.sessions.wait_registered(5))
     finally:
         close(colo)
 
@@ -383,11 +387,11 @@ def test_a_gateway_that_stops_taking_messages_is_lost(model_dir) -> None:
         _accept(colo, A)
         _accept(colo, B)
         sent = _capture(colo)
-        colo.gateways.links[A].client.try_send = lambda msg: False  # type: ignore[method-assign]
+        colo.sessions.gateways.links[A].client.try_send = lambda msg: False  # type: ignore[method-assign]
         colo.deliver(_colo_req("a1", 30), A)
         colo.deliver(_colo_req("b1", 4), B)
         _phase(colo)  # a1's first token cannot be sent: A is lost
-        assert not colo.gateways.links[A].accepted and colo.gateways.links[B].accepted
+        assert not colo.sessions.gateways.links[A].accepted and colo.sessions.gateways.links[B].accepted
         _phase(colo)
         assert colo.request_ids() == ["b1"]
         while colo.request_ids():

@@ -1,0 +1,130 @@
+"""The gateway over N processes on one host (``bench.gateway.overhead --gateway-processes``): the
+``disagg`` target with an N-process gateway (``pdserve gateway --workers N``), driven by several
+load-generating processes that start measuring together; aggregate output tokens/s and req/s, the CPU of
+each client, fake worker and the gateway, and how many gateway processes took requests (``ScaleLevel``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import msgspec
+
+from bench.gateway.overhead_targets import (
+    OverheadConfig,
+    check_no_leaks,
+    cpu_seconds,
+    decode_worker_ids,
+    run_level,
+    start_target,
+)
+from pdserve.supervisor import Supervisor
+
+
+class ClientShare(msgspec.Struct, kw_only=True):
+    """What one load-generating process measured: requests sent and completed (all tokens), output
+    tokens, its first error, its measured part's start and end (``time.monotonic()``, shared by every
+    process of the host) and its own CPU seconds over that part."""
+
+    sent: int
+    completed: int
+    tokens: int
+    first_error: str
+    start: float
+    end: float
+    cpu_s: float
+
+
+class ScaleLevel(msgspec.Struct, kw_only=True):
+    """``--gateway-processes``: one gateway of ``processes`` processes at ``concurrency`` streams from
+    ``clients`` client processes. Rates over ``wall_s``; CPU as shares of one core over the measured
+    time (``gateway_cores``: all the gateway's processes together); ``processes_used``: how many of the
+    gateway's processes took requests; ``leaks`` as ``check_no_leaks``."""
+
+    processes: int
+    clients: int
+    concurrency: int
+    sent: int
+    completed: int
+    tokens: int
+    first_error: str
+    wall_s: float
+    tokens_s: float
+    req_s: float
+    gateway_cores: float
+    busiest_client_core: float
+    busiest_worker_core: float
+    processes_used: int
+    leaks: str
+    decode_workers: int = 1
+
+
+def _client_process(url: str, cfg: OverheadConfig, concurrency: int, barrier: object,
+                    results: multiprocessing.SimpleQueue[ClientShare]) -> None:
+    """One load-generating process of ``--gateway-processes``: warm up, wait for the others at
+    ``barrier`` (a ``multiprocessing.Barrier``), run ``cfg.requests`` at ``concurrency`` streams, put its
+    ``ClientShare`` on ``results``."""
+    asyncio.run(run_level(url, dataclasses.replace(cfg, requests=max(cfg.warmup, 1), warmup=0), concurrency))
+    barrier.wait(120.0)  # type: ignore[attr-defined]
+    cpu0, start = time.process_time(), time.monotonic()
+    records, _ = asyncio.run(run_level(url, dataclasses.replace(cfg, warmup=0), concurrency))
+    end, cpu = time.monotonic(), time.process_time() - cpu0
+    ok = [r for r in records if r.success and r.output_tokens == cfg.max_tokens]
+    bad = [r for r in records if r not in ok]
+    results.put(ClientShare(sent=len(records), completed=len(ok), tokens=sum(r.output_tokens for r in ok),
+                            first_error=(bad[0].error or f"{bad[0].output_tokens} tokens") if bad else "",
+                            start=start, end=end, cpu_s=cpu))
+
+
+def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, processes: int,
+                    concurrency: int, clients: int, decode_workers: int = 1) -> ScaleLevel:
+    """One N of ``--gateway-processes`` (see the module docstring). Raises RuntimeError when the target
+    does not start or a client process does not report within ``cfg.timeout_s`` + 120 s."""
+    sup = Supervisor(grace=5.0)
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(clients + 1)
+    results: multiprocessing.SimpleQueue[ClientShare] = ctx.SimpleQueue()
+    share = dataclasses.replace(cfg, requests=max(1, -(-cfg.requests // clients)))
+    procs: list[multiprocessing.process.BaseProcess] = []
+    try:
+        url = start_target("disagg", cfg, tokenizer_dir, sup, log_dir, processes, decode_workers)
+        procs = [ctx.Process(target=_client_process, args=(url, share, max(1, concurrency // clients),
+                                                           barrier, results)) for _ in range(clients)]
+        for p in procs:
+            p.start()
+        kids = sup.children
+        workers = [kids[n].pid for n in kids if n != "gateway"]
+        barrier.wait(180.0)
+        gw0, wk0, t0 = cpu_seconds(kids["gateway"].pid), [cpu_seconds(w) for w in workers], time.monotonic()
+        for p in procs:
+            p.join(cfg.timeout_s * share.requests + 120.0)
+        gw, wall_all = cpu_seconds(kids["gateway"].pid) - gw0, time.monotonic() - t0
+        wk = [cpu_seconds(w) - w0 for w, w0 in zip(workers, wk0, strict=True)]
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"a client process failed: exit codes {[p.exitcode for p in procs]}")
+        shares = [results.get() for _ in procs]
+        leaks = check_no_leaks(url, decode_worker_ids(decode_workers))
+        lines = (log_dir / "prefill.jsonl").read_text().splitlines()
+        # the fake worker names the gateway a request came through only when it has several
+        used = {json.loads(line).get("gateway", 0) for line in lines if '"PrefillRequest"' in line}
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        sup.stop_all()
+    wall = max(s.end for s in shares) - min(s.start for s in shares)
+    rate = 1 / wall if wall > 0 else 0.0
+    tokens, completed = sum(s.tokens for s in shares), sum(s.completed for s in shares)
+    return ScaleLevel(processes=processes, clients=clients, decode_workers=decode_workers,
+                      concurrency=max(1, concurrency // clients) * clients,
+                      sent=sum(s.sent for s in shares), completed=completed, tokens=tokens,
+                      first_error=next((s.first_error for s in shares if s.first_error), ""), wall_s=wall,
+                      tokens_s=tokens * rate, req_s=completed * rate, gateway_cores=gw / wall_all,
+                      busiest_client_core=max(s.cpu_s / max(s.end - s.start, 1e-9) for s in shares),
+                      busiest_worker_core=max(wk) / wall_all, processes_used=len(used), leaks=leaks)

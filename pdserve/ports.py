@@ -1,0 +1,79 @@
+"""Local TCP ports for the processes ``pdserve up`` (and the tests and benches) start: free ports chosen
+without repeats, runs of consecutive free ports, whether a port is taken, and the address a server bound
+to a host is reached at.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close). Two calls may
+    return the same port (the first was closed): use ``free_ports`` for several."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(n: int, exclude: tuple[int, ...] = (), host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` a moment ago, none in ``exclude`` (e.g. an HTTP port
+    chosen but not bound yet): all are held open while choosing, so none repeats (sequential
+    ``free_port`` calls once gave a test system's gateway the same port for HTTP and its control socket)."""
+    held: list[socket.socket] = []
+    try:
+        while len([s for s in held if s.getsockname()[1] not in exclude]) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in held if s.getsockname()[1] not in exclude]
+    finally:
+        for s in held:
+            s.close()
+
+
+def free_port_range(n: int, exclude: tuple[int, ...] = (), host: str = "127.0.0.1",
+                    attempts: int = 100) -> int:
+    """The first of ``n`` consecutive TCP ports all free on ``host`` a moment ago (held together while
+    checked), none in ``exclude`` (e.g. an HTTP port chosen but not bound yet): the control ports
+    P .. P + n - 1 of ``pdserve gateway --workers n``.
+
+    Raises:
+        RuntimeError: no such run found in ``attempts`` tries.
+    """
+    for _ in range(attempts):
+        first = free_ports(1, exclude=exclude, host=host)[0]
+        if first + n > 65536 or any(first <= port < first + n for port in exclude):
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                held.append(s)
+                s.bind((host, port))
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports on {host} in {attempts} tries")
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a TCP listener could not bind ``host:port`` now. Probes with ``SO_REUSEADDR``, as uvicorn
+    binds: a connection of a just-stopped server lingering in TIME_WAIT does not make the port busy
+    (it did, for up to a minute after a Ctrl-C during start-up), a live listener does."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def local_host(host: str) -> str:
+    """The address this host reaches a server bound to ``host`` at (127.0.0.1 for a wildcard bind)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host

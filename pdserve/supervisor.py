@@ -1,0 +1,152 @@
+"""Child processes of ``pdserve up`` (and of the gateway pool, the live test systems and benches): a
+``Supervisor`` starts each ``python -m pdserve.cli`` child in a process group of its own and stops them all
+(SIGTERM, SIGKILL after a grace period); ``supervise`` watches them, restarting a worker that exits per a
+``RestartPolicy`` (backoff doubling up to a ceiling, given up on after ``max_exits`` exits within a window)
+and returning when the gateway exits or a stop signal came.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("pdserve.up")
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How ``pdserve up`` restarts a worker that exited: after ``backoff_s`` seconds, doubled for each
+    earlier exit within ``window_s`` seconds, at most ``max_backoff_s``; the ``max_exits``-th exit
+    within ``window_s`` seconds gives up on the worker."""
+
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    max_exits: int = 5
+    window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if (self.backoff_s < 0 or self.max_backoff_s < self.backoff_s or self.max_exits < 1
+                or self.window_s <= 0):
+            raise ValueError(f"bad restart policy {self}")
+
+    def delay(self, recent_exits: int) -> float:
+        """Seconds to wait before the restart that follows ``recent_exits`` exits (>= 1) in the window."""
+        return float(min(self.max_backoff_s, self.backoff_s * 2 ** (recent_exits - 1)))
+
+
+@dataclass
+class _ChildRestarts:
+    """One worker's exits (``time.monotonic()`` seconds), pending restart time and whether it was given
+    up on."""
+
+    exits: list[float] = field(default_factory=list)
+    restart_at: float | None = None
+    given_up: bool = False
+
+
+@dataclass
+class Supervisor:
+    """Starts children and stops them all; ``grace`` is seconds between SIGTERM and SIGKILL. A child is
+    ``command`` + its args; ``args`` and ``log_paths`` remember how each was started (``restart``)."""
+
+    grace: float = 10.0
+    command: tuple[str, ...] = (sys.executable, "-m", "pdserve.cli")
+    children: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    args: dict[str, list[str]] = field(default_factory=dict)
+    log_paths: dict[str, str | None] = field(default_factory=dict)
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def start(self, name: str, args: list[str], log_path: str | None = None,
+              env: dict[str, str] | None = None) -> None:
+        """Start ``command`` (``python -m pdserve.cli``) ``*args`` as child ``name`` in a new process group
+        (signals sent to the terminal's foreground group do not reach it: only ``stop_all`` stops it); its
+        output goes to ``log_path`` (a file, appended) or, by default, to this process's stdout/stderr.
+        Its environment is this process's with ``env`` added."""
+        cmd = [*self.command, *args]
+        self.args[name], self.log_paths[name], self.envs[name] = list(args), log_path, dict(env or {})
+        child_env = {**os.environ, **self.envs[name]}
+        if log_path is None:
+            self.children[name] = subprocess.Popen(cmd, env=child_env, process_group=0)
+        else:
+            with open(log_path, "ab") as out:
+                self.children[name] = subprocess.Popen(cmd, env=child_env, stdout=out,
+                                                       stderr=subprocess.STDOUT, process_group=0)
+        log.info("started %s (pid %d)", name, self.children[name].pid)
+
+    def restart(self, name: str) -> None:
+        """Start child ``name`` again, as it was started (its earlier process has exited).
+
+        Raises:
+            RuntimeError: the child is still running. KeyError: no child of that name was started.
+        """
+        if self.children[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self.start(name, self.args[name], self.log_paths[name], self.envs[name])
+
+    def dead(self) -> list[tuple[str, int]]:
+        """(name, exit code) of every child that has exited."""
+        return [(n, p.returncode) for n, p in self.children.items() if p.poll() is not None]
+
+    def stop_all(self) -> list[tuple[str, int, str]]:
+        """SIGTERM every live child (workers first, gateway last), wait, SIGKILL stragglers.
+
+        Returns ``(name, pid, "stopped" | "killed")`` for each child that was still running (children
+        that had already exited are not listed); every child has been reaped on return."""
+        order = [n for n in self.children if n != "gateway"] + [n for n in self.children if n == "gateway"]
+        live = [n for n in order if self.children[n].poll() is None]
+        for name in live:
+            self.children[name].send_signal(signal.SIGTERM)
+        deadline, done = time.monotonic() + self.grace, []
+        for name in order:
+            proc, how = self.children[name], "stopped"
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s: killing it", name, self.grace)
+                proc.kill()
+                proc.wait()
+                how = "killed"
+            if name in live:
+                done.append((name, proc.pid, how))
+        return done
+
+
+def supervise(sup: Supervisor, stop: list[int], policy: RestartPolicy, tick_s: float = 0.2) -> int:
+    """Watch the children every ``tick_s`` seconds until ``stop`` is non-empty (returns 0) or the child
+    ``gateway`` exits (returns 1): a worker that exits is restarted per ``policy`` (one line on stderr
+    for each exit, restart and give-up), the rest keep running."""
+    state: dict[str, _ChildRestarts] = {}
+    while not stop:
+        now = time.monotonic()
+        for name, code in sup.dead():
+            if name == "gateway":
+                _say(f"gateway exited with code {code}; stopping the rest")
+                return 1
+            st = state.setdefault(name, _ChildRestarts())
+            if st.given_up or st.restart_at is not None:
+                continue
+            st.exits = [t for t in st.exits if now - t < policy.window_s] + [now]
+            if len(st.exits) >= policy.max_exits:
+                st.given_up = True
+                _say(f"{name} exited {len(st.exits)} times within {policy.window_s:g} s (last exit code "
+                     f"{code}); giving up on it, the rest keep serving")
+                continue
+            delay = policy.delay(len(st.exits))
+            st.restart_at = now + delay
+            _say(f"{name} exited with code {code}; restarting it in {delay:g} s")
+        for name, st in state.items():
+            if st.restart_at is not None and now >= st.restart_at and not stop:
+                st.restart_at = None
+                sup.restart(name)
+                _say(f"restarted {name} (pid {sup.children[name].pid})")
+        time.sleep(tick_s)
+    return 0
+
+
+def _say(line: str) -> None:
+    print(f"pdserve up: {line}", file=sys.stderr, flush=True)
