@@ -98,7 +98,7 @@ def test_reference_matches_transformers_experts():
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_moe_align_groups_pairs_by_expert(block_m):
     gen = torch.Generator().manual_seed(3)
-    ids = routing(8, 2, 40, "skewed", gen)
+    ids = routing(8, 2, 40, "skewed", gen).to(DEVICE)
     align = moe_align(ids, 8, block_m)
     n = ids.numel()
     flat = ids.flatten()
