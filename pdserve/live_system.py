@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -282,8 +283,9 @@ def wait_ready(systems: Sequence[LiveSystem], timeout_s: float) -> None:
 @contextlib.contextmanager
 def live_systems(specs: Sequence[SystemSpec], ready_timeout_s: float = 240.0) -> Iterator[list[LiveSystem]]:
     """Start every system of ``specs`` at once, wait until all are ready, yield them (in order); stop
-    everything on exit, also when start-up fails. Raises RuntimeError (see ``wait_ready``), ValueError
-    (bad spec, before anything starts), FileNotFoundError (unknown model)."""
+    everything on exit, also when start-up fails (the systems stop at once, each in its own thread, so
+    one that is slow to stop does not delay the others). Raises RuntimeError (see ``wait_ready``),
+    ValueError (bad spec, before anything starts), FileNotFoundError (unknown model)."""
     systems: list[LiveSystem] = []
     try:
         for spec in specs:
@@ -291,8 +293,9 @@ def live_systems(specs: Sequence[SystemSpec], ready_timeout_s: float = 240.0) ->
         wait_ready(systems, ready_timeout_s)
         yield systems
     finally:
-        for system in systems:
-            system.sup.stop_all()
+        with ThreadPoolExecutor(max_workers=max(1, len(systems))) as pool:
+            for stopping in [pool.submit(system.sup.stop_all) for system in systems]:
+                stopping.result()
 
 
 @contextlib.contextmanager

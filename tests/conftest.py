@@ -7,7 +7,8 @@
   child dead but those a test killed on purpose).
 * Under pytest-xdist every test of the suites that use the live system (``LIVE_SUITES``) runs in one
   worker, in order, so one process starts the system; a test marked ``kills_live_child`` runs after
-  every other test that uses it.
+  every other test that uses it. The modules with a ``slow`` test (they start processes) are handed out
+  next, the rest last, so that both workers end together.
 """
 
 from __future__ import annotations
@@ -35,7 +36,15 @@ if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Refuse a test outside ``LIVE_SUITES`` that uses the shared live system; order the session as
+    ``pytest_xdist_make_scheduler`` hands it out: the ``LIVE_SUITES`` first, then every module with a
+    ``slow`` test (it starts processes or loads the real model: the costly ones), then the rest, each
+    module whole and in collection order otherwise; a ``kills_live_child`` test after all of them."""
     from tests.live import LIVE_SUITES
 
     strays = [item.nodeid for item in items if "live_session" in getattr(item, "fixturenames", ())
@@ -43,7 +52,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if strays:
         raise pytest.UsageError(f"{strays[:3]} use the shared live system: add their files to LIVE_SUITES "
                                 "in tests/live.py (the xdist worker that runs those suites starts it)")
-    items.sort(key=lambda item: item.get_closest_marker("kills_live_child") is not None)  # stable
+    slow = {_module(item) for item in items if item.get_closest_marker("slow") is not None}
+
+    def rank(item: pytest.Item) -> tuple[bool, int]:
+        module = _module(item)
+        group = 0 if module.startswith(LIVE_SUITES) else 1 if module in slow else 2
+        return item.get_closest_marker("kills_live_child") is not None, group
+
+    items.sort(key=rank)  # stable: each module stays whole and in order
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
@@ -52,10 +68,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     (module-scoped fixtures are built once, and modules whose last test checks what the earlier ones did,
     e.g. tests/gateway/test_bad_input.py, keep their order). xdist's own ``--dist loadgroup`` cannot do it
     under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads (tests then spread over
-    both workers and each starts a system)."""
+    both workers and each starts a system).
+
+    Modules are handed out in collection order (``pytest_collection_modifyitems``: the live suites, then
+    the modules that start processes, then the rest), not xdist's default of most tests first: that
+    would leave the modules of one costly test (a suite that starts its own systems) to the end, where
+    one worker runs them while the other has nothing left."""
     from xdist.scheduler import LoadScopeScheduling
 
     from tests.live import LIVE_SUITES
+
+    config.option.loadscopereorder = False
 
     class LiveSuitesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

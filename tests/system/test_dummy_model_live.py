@@ -1,11 +1,14 @@
-"""The dummy-weight path through real processes: ``pdserve`` gateways and workers with ``--model
-tiny-llama`` (random weights, seed 0 on every worker; synthetic tokenizer) on CPU, started the way
-``bench.serving.disagg_vs_colocated`` starts them (both systems at once,
-``pdserve.live_system.live_systems``).
+"""The dummy-weight path and the FP8 KV cache through real processes: ``pdserve`` gateways and workers
+with ``--model tiny-llama`` (random weights, seed 0 on every worker; synthetic tokenizer) and
+``--kv-cache-dtype fp8`` on CPU, started the way ``bench.serving.disagg_vs_colocated`` starts them (both
+systems at once, ``pdserve.live_system.live_systems``). The two share one pair of systems: the KV cache's
+dtype and the weights' origin are independent, and every other live system runs the default KV dtype.
 
+* every worker of both systems runs an fp8 KV cache (its ``worker_ready`` log line);
 * a chat and a completion are served, the text decodes from the synthetic vocabulary, usage is right;
 * greedy parity: the bench's 8 prompts give identical text, finish reason and token count on the
-  disaggregated system (prefill + decode, KV over NIXL) and the colocated one;
+  disaggregated system (prefill + decode, KV over NIXL: the decode worker reads the fp8 bytes the prefill
+  worker wrote, exactly as the colocated worker reads its own) and the colocated one;
 * afterwards every worker's KV blocks are free and nothing is in flight (leak check).
 """
 
@@ -20,10 +23,11 @@ import pytest
 from bench.serving.parity import check_parity
 from pdserve.live_system import LiveSystem, SystemSpec, live_systems, registered, wait_all_free
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 MODEL = "tiny-llama"
-FLAGS = ("--max-num-batched-tokens", "64", "--load-format", "dummy")  # 64: the 200-token prompt is chunked
+# 64: the 200-token prompt is chunked
+FLAGS = ("--max-num-batched-tokens", "64", "--load-format", "dummy", "--kv-cache-dtype", "fp8")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +35,7 @@ def systems(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Live
     logs = tmp_path_factory.mktemp("dummy_live")
     specs = [SystemSpec("disagg", logs / "disagg", MODEL, ("cpu", "cpu"), 128, FLAGS),
              SystemSpec("colocated", logs / "colo", MODEL, ("cpu",), 128, FLAGS)]
-    with live_systems(specs, ready_timeout_s=90) as started:
+    with live_systems(specs, ready_timeout_s=120) as started:
         yield dict(zip(("disagg", "colocated"), started, strict=True))
 
 
@@ -39,6 +43,14 @@ def test_all_workers_registered_before_ready(systems: dict[str, LiveSystem]) -> 
     assert systems["disagg"].worker_ids == {"live-prefill", "live-decode"}
     assert registered(systems["disagg"].url) == {"live-prefill", "live-decode"}
     assert registered(systems["colocated"].url) == {"live-colocated"}
+
+
+def test_every_worker_runs_an_fp8_kv_cache(systems: dict[str, LiveSystem]) -> None:
+    workers = [(system, name) for system in systems.values() for name in system.commands if name != "gateway"]
+    assert len(workers) == 3
+    for system, name in workers:
+        ready = [line for line in system.log(name).splitlines() if "worker_ready" in line]
+        assert ready and "kv_cache_dtype=float8_e4m3fn" in ready[0], (name, ready)
 
 
 def test_serves_chat_and_completion(systems: dict[str, LiveSystem]) -> None:

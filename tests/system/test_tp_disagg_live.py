@@ -1,8 +1,11 @@
 """Prefill and decode workers of different tensor parallel sizes through real processes: a tiny random
 Llama (4 query heads, 2 KV heads, fp32, saved with ``save_pretrained``, synthetic tokenizer) served on CPU
-(gloo) by three disaggregated systems, P TP=2 / D TP=1, P TP=1 / D TP=2 and P TP=2 / D TP=2, KV over NIXL
-on loopback, each prefill rank writing its KV-head slice into the decode ranks' blocks, and by one colocated
-worker of one rank, all started together (``pdserve.live_system.live_systems``).
+(gloo) by two disaggregated systems, P TP=2 / D TP=1 and P TP=1 / D TP=2, KV over NIXL on loopback, each
+prefill rank writing its KV-head slice into the decode ranks' blocks, and by one colocated worker of one
+rank, all started together (``pdserve.live_system.live_systems``). Between them every multi-rank path of a
+live worker runs (a prefill worker's follower ranks sending, a decode worker's follower ranks receiving);
+the rank pairings they do not cover (P TP=2 / D TP=2, more ranks than heads) are checked in process by
+``tests/workers/test_tp_kv.py``, ``tests/kvtransfer/test_tp_slices.py`` and ``test_ranked.py``.
 
 * through each gateway with the openai client, completions and chat, streaming and not, greedy: the
   same text and token counts as the colocated worker; a prompt sent twice (a prefix-cache hit on the
@@ -28,7 +31,7 @@ from pdserve.live_system import LiveSystem, SystemSpec, live_systems, wait_all_f
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-SHAPES = ((2, 1), (1, 2), (2, 2))  # (prefill tensor parallel size, decode tensor parallel size)
+SHAPES = ((2, 1), (1, 2))  # (prefill tensor parallel size, decode tensor parallel size)
 FLAGS = ("--dtype", "float32", "--num-blocks", "64")
 PROMPTS = ("t5 t17 t3 t99 t42 t7 t11",
            " ".join(f"t{(i * 37) % 250 + 3}" for i in range(40)))  # 40 tokens: two full blocks of 16
