@@ -74,16 +74,7 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def moe_align_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
     """Plain-torch ``moe_align`` (a stable argsort by expert, counts, cumulative sums, a scatter and a
-    search: about twenty small kernels on a GPU). Same arguments and result.
-
-    Args:
-        topk_ids: integer ``[T, k]``, each in ``[0, num_experts)``.
-        num_experts: ``E``.
-        block_m: rows per block (power of two, >= 16 for ``tl.dot``).
-
-    Returns:
-        ``MoEAlignment``; within an expert, pairs keep their flat order (stable sort).
-    """
+    search: about twenty small kernels on a GPU). Same arguments and result."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     n = flat.numel()
