@@ -458,8 +458,6 @@ def test_supervise_stops_when_the_gateway_exits(capfd) -> None:
      r"architecture Gemma2ForCausalLM .* not supported: its sliding-window attention .* soft-capping"),
     ({"architectures": ["Phi3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}},
      "FP8 weights for Phi3ForCausalLM .* not supported"),
-    ({"architectures": ["MixtralForCausalLM"], "quantization_config": {"quant_method": "fp8"}},
-     "FP8 weights for the mixture of experts MixtralForCausalLM"),
     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}},
      "FP8 format 'e5m2'.*supported: e4m3"),
 ])
