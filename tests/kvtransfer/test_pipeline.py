@@ -13,7 +13,15 @@ import torch
 
 from kvtransfer import TransferError, TransferStatus, get_transfer_backend
 from kvtransfer.staging import StagingRing
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, release_both
+from tests.kvtransfer.helpers import (
+    LAYERS,
+    assert_landed,
+    config,
+    make_kv,
+    patient_config,
+    release_both,
+    sender_settled,
+)
 from tests.kvtransfer.loop_probes import record_writes, stall_loop
 
 S = TransferStatus
@@ -119,6 +127,33 @@ def _begin_unanswered(tx, rx):
     gate.set()  # the receiver claims it now; the sender's Stopped fence frees the blocks
     assert rx.wait("a", WAIT) is S.ABORTED and "sender" in rx.reason("a")
     release_both(tx, rx, "a", WAIT, leaks=True)
+
+
+def test_begin_left_unanswered_by_a_dead_receiver_is_released_once_it_is_lost():
+    """The decode worker dies with a Begin in flight and the request is aborted meanwhile: the sender
+    forgets it once the silent receiver is declared lost (peer_timeout_s, 1 s here), well before the
+    request's deadline (30 s): nothing waits for a dead peer's answer."""
+    backend = get_transfer_backend("loopback")
+    tx = backend.sender(config("p0", "loopback"), make_kv(1))
+    rx = backend.receiver(patient_config("d0"), make_kv(None))
+    limit = 10.0  # peer_timeout_s plus slack for a loaded machine; far below the deadline
+    try:
+        tx.connect(rx.address, timeout=WAIT)
+        handle = rx.expect("a", [1, 2])
+        assert handle.timeout_s >= 3 * limit
+        gate = stall_loop(rx, 3 * limit)  # silent from now on: no BeginReply, no heartbeat (as if killed)
+        start = time.monotonic()
+        tx.add_request(handle, [0, 1])
+        tx.abort("a")
+        assert tx.wait("a", WAIT) is S.ABORTED
+        assert tx.wait_until(lambda: sender_settled(tx, "a") and tx.snapshot("a").answered, limit)
+        assert time.monotonic() - start < limit
+        tx.release("a")  # refused while the Begin was in flight ("Begin not answered yet")
+        tx.check_no_leaks()
+        gate.set()
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_ready_layers_of_several_requests_go_in_one_write(pair):

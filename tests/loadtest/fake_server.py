@@ -6,7 +6,8 @@ Each request gets the next behaviour of ``FakeState.plan`` (cycled in arrival or
 ``500``: HTTP 500 with an OpenAI error body; ``midstream``: 3 tokens, then an error event;
 ``drop``: 3 tokens, then the connection breaks; ``hang``: no token for ``hang_s``; ``nousage``: like ok
 without a usage chunk; ``leak``: like ok but its KV blocks are never freed.
-While ``fault_file`` exists every request is answered 503.
+While ``fault_file`` exists every request is answered 503; ``faulted`` keeps those requests' bodies (what
+the flag really failed, whenever the client sent them).
 ``GET /metrics`` exposes ``pdserve_kv_blocks_used`` for two workers: each request holds
 ceil(prompt_tokens / 16) + 1 blocks on ``decode-0`` while it streams; ``stale_blocks`` more are shown on
 ``prefill-0`` until ``stale_until`` (``time.monotonic()``), like a gauge a heartbeat behind earlier work.
@@ -43,6 +44,7 @@ class FakeState:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     auth: list[str | None] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    faulted: list[dict[str, Any]] = field(default_factory=list)
     stale_blocks: int = 0
     stale_until: float = 0.0
 
@@ -106,6 +108,7 @@ def make_app(state: FakeState) -> FastAPI:
         behaviour = state.plan[state.counter % len(state.plan)]
         state.counter += 1
         if state.fault_file is not None and state.fault_file.exists():
+            state.faulted.append(body)
             return JSONResponse({"error": {"message": "fault injected"}}, status_code=503)
         if behaviour == "500":
             return JSONResponse({"error": {"message": "internal boom"}}, status_code=500)

@@ -5,14 +5,16 @@ CPU, KV over NIXL on 127.0.0.1), driven through ``loadtest.cli.main`` exactly as
   system (``live``, tests/live.py): every request completes with exactly ``max_tokens`` tokens, TTFT/TPOT
   are positive, the output files exist, and the KV gauge — seen above 0 during the run — is back to 0
   for every worker afterwards (leak check);
-* a fault run on a system of its own: the decode worker is SIGKILLed mid-run through ``--fault``; the run
-  ends on its own, requests before the fault complete, those after it fail fast with the gateway's
-  errors (none hangs to its timeout), and the report carries the phases and the KV gauge before/after.
+* a fault run on a system of its own: the decode worker is SIGKILLed mid-run through ``--fault`` (at 5 s,
+  or later once a request has finished: wait_metric.py); the run ends on its own, requests before the
+  fault complete, those after it fail fast with the gateway's errors (none hangs to its timeout), and the
+  report carries the phases and the KV gauge before/after.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +33,8 @@ from tests.live import API_KEY
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 INPUT_LEN, MAX_TOKENS, TIMEOUT_S = 32, 8, 30.0
+KILL_WAIT_S = 60.0  # the longest the fault waits for a finished request before it gives up (and fails)
+WAIT_METRIC = Path(__file__).with_name("wait_metric.py")
 PREFILL, DECODE = worker_id("prefill"), worker_id("decode")
 
 
@@ -99,15 +103,20 @@ def _phase_split(records: list[RequestRecord], fault_s: float) -> tuple[list[Req
     return before, [r for r in records if r.start_s >= fault_s]
 
 
+@pytest.mark.timeout(300)  # its own system: start-up alone takes minutes on a loaded 2-core machine
 def test_bench_live_decode_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "out"
     monkeypatch.setenv("PDSERVE_LOG_LEVEL", "debug")  # the prefill log then says why blocks are held
     with live_system("disagg", tmp_path / "logs", num_blocks=256) as system:
         decode = system.pids["decode"]
+        # the kill comes at 5 s, or later, once the gateway counts a finished request (a loaded machine
+        # decodes a token a second, and the first request then still streams at 5 s): a request sent
+        # after 5 s cannot finish before the earlier ones, so the phases below hold either way
+        gate = f"{sys.executable} {WAIT_METRIC} {system.url} pdserve_e2e_seconds_count 1 {KILL_WAIT_S:g}"
         # blocks of a transfer bound to the dead decode worker come back by the transfer deadline at the
         # latest (30 s): the settle window covers it, so only a real leak fails here
-        args = bench_args(system.url, out, "--request-rate", "1", "--num-requests", "10",
-                          "--fault", f"at=5s,timeout=5s,cmd=kill -9 {decode}")
+        args = bench_args(system.url, out, "--request-rate", "1", "--num-requests", "10", "--fault",
+                          f"at=5s,timeout={KILL_WAIT_S + 10:g}s,cmd={gate} && kill -9 {decode}")
         args[args.index("--leak-settle") + 1] = "40s"
         rc = main(args)
         assert system.sup.children["decode"].poll() == -9  # the fault really killed it
@@ -128,7 +137,8 @@ def test_bench_live_decode_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     # no request hangs to its timeout: every one ended, and the run ended well before the bound
     assert len(run.records) == 10 and run.phases[0].timed_out == run.phases[1].timed_out == 0
     last_start = max(r.start_s for r in run.records)
-    assert run.summary.duration_s < last_start + TIMEOUT_S / 2, run.summary.duration_s
+    assert fault.finished_s is not None  # the kill: requests still streaming then fail at once
+    assert run.summary.duration_s < max(last_start, fault.finished_s) + TIMEOUT_S / 2, run.summary.duration_s
     # the KV gauge: the dead decode worker's series is gone, the prefill worker holds no block
     assert after == {PREFILL: 0.0}
     assert (run.kv.before, run.kv.after, run.kv.leaked) == (0.0, 0.0, 0.0)
