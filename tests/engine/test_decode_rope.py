@@ -146,15 +146,21 @@ def _llm(path) -> LLM:
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])  # Qwen3: q/k norms before RoPE
 def test_engine_tokens_and_logprobs_identical_with_the_fused_path(arch, tmp_path, monkeypatch):
     """Through the whole engine (fused forward, triton backend): decode-only steps run the decode kernel
-    with ``rope`` (prefill and mixed steps do not); tokens and logprobs equal those with it off."""
+    with ``rope`` (prefill and mixed steps do not); tokens and logprobs equal those with it off.
+
+    A 3- and a 31-token prompt under a 24-token budget: the second is chunked, so the first's decode can
+    share a step with its prefill; then decode-only steps of both cross block boundaries (block_size 4:
+    positions 4 and 32)."""
     path = save_tiny_model(arch, tmp_path / "m", seed=5)
-    prompts = make_prompts(seed=5)[::4]
-    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=3)
+    prompts = make_prompts(seed=5)
+    prompts = [prompts[2], prompts[11]]
+    assert [len(p) for p in prompts] == [3, 31]
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
     real = triton_backend.paged_decode_attention
+    llm = _llm(path)  # one engine for both runs: the backend reads fuse_decode_rope at every call
+    llm.core.runner.decode_graphs = None  # (GPU) eager steps, so the switch takes effect
     runs = {}
     for fuse in (True, False):
-        llm = _llm(path)
-        llm.core.runner.decode_graphs = None  # (GPU) eager steps, so the switch takes effect
         llm.core.runner.backend.fuse_decode_rope = fuse
         calls: list[bool] = []
         monkeypatch.setattr(triton_backend, "paged_decode_attention", lambda *a, calls=calls, **kw:
@@ -163,7 +169,7 @@ def test_engine_tokens_and_logprobs_identical_with_the_fused_path(arch, tmp_path
         assert (True in calls) == fuse and False in calls  # prefill / mixed steps: the separate path
         runs[fuse] = [(o.token_ids, [repr(lp) for lp in (o.logprobs or [])]) for o in outs]
         llm.core.check_no_leaks()
-    assert all(len(lps) == 5 for _, lps in runs[True])
+    assert all(len(lps) == 4 for _, lps in runs[True])
     assert runs[True] == runs[False]
 
 

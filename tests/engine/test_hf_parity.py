@@ -228,12 +228,18 @@ def test_preemption_matches_hf(tiny_subset):
 
 
 def test_triton_backend_matches_hf(tmp_path):
+    """The triton kernels in one batch under a 16-token budget: a 31-token prompt chunked over several
+    steps beside decode rows, and a 9-token prefix of the first prompt (14 tokens, computed in the first
+    step) hitting its two cached blocks."""
     path = save_tiny_model("Qwen3ForCausalLM", tmp_path / "m", seed=4)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     llm = _llm(path, num_blocks=128, backend="triton", max_num_batched_tokens=16)
-    prompts = make_prompts(seed=4)[::3]
+    every = make_prompts(seed=4)
+    prompts = [every[14], every[0], every[11], every[21]]
+    assert [len(p) for p in prompts] == [14, 1, 31, 9] and prompts[3] == prompts[0][:9]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, logprobs=0))
     assert_matches_hf(model, prompts, outs, eos=2, max_tokens=4)
+    assert outs[3].num_cached_tokens == 8
     llm.core.check_no_leaks()
 
 

@@ -31,7 +31,9 @@ def _prompts(n: int = 20, seed: int = 0) -> list[list[int]]:
 
 
 def test_same_seed_same_tokens_batched_alone_and_chunked(tiny_path):
-    prompts = _prompts()
+    """Seeded sampling with every penalty: one batch of 8 prompts (2..28 tokens), the first 5 alone, and
+    the batch again in 5-token chunks draw the same tokens."""
+    prompts = _prompts(8)
     params = [
         SamplingParams(
             temperature=1.0,
