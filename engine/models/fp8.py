@@ -13,6 +13,8 @@ bf16 copy at a time. The GEMMs are ``engine.ops.fp8_gemm.fp8_linear`` (checkpoin
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,9 @@ from engine.ops.fp8_gemm import (
     quantize_weight_blocks,
     quantize_weight_per_channel,
 )
+
+logger = logging.getLogger(__name__)
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 # names of the decoder projections made FP8 (the attention's and the dense MLP's)
 FP8_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
@@ -112,6 +117,17 @@ class Fp8Linear(torch.nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         y = fp8_linear(flat, self.fp8, self.bias, use_kernels=flat.is_cuda)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def fp8_mergeable(linears: list[Fp8Linear]) -> bool:
+    """Whether ``merge_fp8`` can concatenate ``linears``: False for block-scaled parts whose row counts are
+    not multiples of their common block height (a scale row would cover rows of two projections, e.g.
+    GLM-4.5-Air's dense gate/up of 10944 rows in 128-row blocks) or whose block shapes differ."""
+    blocks = {lin.block for lin in linears if lin.layout == "block"}
+    if not blocks:
+        return True
+    block = next(iter(blocks))
+    return len(blocks) == 1 and block is not None and all(lin.out_features % block[0] == 0 for lin in linears)
 
 
 def merge_fp8(linears: list[Fp8Linear]) -> tuple[Fp8Weight, torch.Tensor | None]:
@@ -257,7 +273,8 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
     per-channel ones from ``*.weight_scale``, static ``*.input_scale``), float weights of an ``Fp8Linear``
     quantized on load (only when ``scheme`` does not come from the checkpoint), expert tensors (per
     expert, or stacked) into their ``Fp8Experts`` (``engine.models.fp8_moe.ExpertLoader``), everything
-    else copied. Mixtral's ``block_sparse_moe`` names load as ``mlp``.
+    else copied. Mixtral's ``block_sparse_moe`` names load as ``mlp``. Tensors of the multi-token-prediction
+    layers (``mtp_layers``) are skipped, with one INFO line counting them.
 
     Raises:
         ValueError: a tensor the model has no place for, a parameter no file provides, a shape mismatch,
@@ -276,10 +293,15 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
     expected |= {f"{n}.input_scale" for n, m in fp8_mods.items() if m.input_scale is not None}
     expected |= {f"{n}.bias" for n, m in fp8_mods.items() if m.bias is not None}
     loaded: set[str] = set()
+    mtp = mtp_layers(getattr(model, "config", None))
+    skipped = 0
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as handle:
             for key in list(handle.keys()):
                 if key.endswith("rotary_emb.inv_freq"):  # older checkpoints store the recomputed buffer
+                    continue
+                if _mtp_key(key, mtp):
+                    skipped += 1
                     continue
                 tensor = handle.get_tensor(key)
                 ekey = expert_key(checkpoint_name(key))
@@ -303,6 +325,9 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
                 else:
                     raise ValueError(f"{f.name}: tensor {key} has no place in the model")
                 loaded.add(name)
+    if skipped:
+        logger.info("skipped %d checkpoint tensors of the multi-token-prediction layers %s (not part of "
+                    "the decoder)", skipped, list(mtp))
     tie = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     tied = {"lm_head.weight"} if tie else set()
     missing = sorted(expected - loaded - tied) + experts.missing()
@@ -310,6 +335,21 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
     for mod in fp8_mods.values():
         mod.bind()
+
+
+def mtp_layers(hf_config: Any) -> range:
+    """Layer indices of the checkpoint's multi-token-prediction layers (``num_nextn_predict_layers``, as
+    GLM-4.5 and DeepSeek-V3 declare them): the ones stored after the ``num_hidden_layers`` decoder layers.
+    They draft tokens for speculative decoding, which pdserve does not run, so they are not built. Empty
+    when the config declares none."""
+    nextn = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+    first = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    return range(first, first + nextn)
+
+
+def _mtp_key(key: str, mtp: range) -> bool:
+    match = _LAYER_KEY.match(key)
+    return match is not None and int(match.group(1)) in mtp
 
 
 def _load_fp8_tensor(mod: Fp8Linear, key: str, leaf: str, tensor: torch.Tensor, scheme: Fp8Scheme) -> None:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from engine.models.fp8 import Fp8Linear, merge_fp8
+from engine.models.fp8 import Fp8Linear, fp8_mergeable, merge_fp8
 from engine.models.fp8_moe import Fp8Experts
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
 from engine.ops.fp8_gemm import Fp8Weight, fp8_linear
@@ -91,14 +91,26 @@ def _weight_of(lin: Any) -> torch.Tensor | Fp8Weight:  # an nn.Linear or an Fp8L
     return lin.fp8 if isinstance(lin, Fp8Linear) else lin.weight
 
 
-def _merge(linears: list[Any]) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | None]:
+@dataclass(frozen=True)
+class SplitFp8:
+    """Block-scaled FP8 projections that share an input but cannot be merged (``fp8_mergeable``): the
+    fused forward runs one GEMM per part and concatenates the outputs along the last dim, in order."""
+
+    parts: tuple[Fp8Linear, ...]
+
+
+def _merge(linears: list[Any]) -> tuple[torch.Tensor | Fp8Weight | SplitFp8, torch.Tensor | None]:
     """Concatenate the linears' weights (and biases) along the output dim; re-point each module's
-    parameters to its slice of the merged tensor so nothing is stored twice (FP8 ones: ``merge_fp8``).
+    parameters to its slice of the merged tensor so nothing is stored twice (FP8 ones: ``merge_fp8``;
+    block-scaled FP8 ones whose rows do not fill whole scale blocks stay apart: ``SplitFp8``, biases kept
+    in their modules).
 
     Raises:
         ValueError: some but not all of ``linears`` are FP8, or ``merge_fp8`` refuses them."""
     fp8 = [isinstance(lin, Fp8Linear) for lin in linears]
     if all(fp8):
+        if not fp8_mergeable(linears):
+            return SplitFp8(tuple(linears)), None
         return merge_fp8(linears)
     if any(fp8):
         raise ValueError("cannot merge FP8 and unquantized projections (an ignored module in a merged group)")
@@ -121,6 +133,7 @@ class _DenseMLP:
     """A SwiGLU MLP's merged gate/up weight and its down projection module."""
 
     def __init__(self, mlp: Any) -> None:  # transformers MLP: gate_proj, up_proj (or gate_up_proj), down_proj
+        self.gate_up_weight: torch.Tensor | Fp8Weight | SplitFp8
         if hasattr(mlp, "gate_up_proj"):  # Phi-3: already merged (gate rows first, as silu_mul reads them)
             self.gate_up_weight, self.gate_up_bias = _weight_of(mlp.gate_up_proj), mlp.gate_up_proj.bias
         else:
@@ -161,6 +174,7 @@ class _FusedLayer:
             cfg = attn.config
             self.q_width = int(cfg.num_attention_heads) * self.head_dim
             self.kv_width = int(cfg.num_key_value_heads) * self.head_dim
+            self.qkv_weight: torch.Tensor | Fp8Weight | SplitFp8
             self.qkv_weight, self.qkv_bias = _weight_of(attn.qkv_proj), attn.qkv_proj.bias
         else:
             self.q_width = attn.q_proj.weight.shape[0]
@@ -256,8 +270,10 @@ class FusedCausalLM(torch.nn.Module):
         t, h, d = x.shape
         return rms_norm(x.reshape(t * h, d), norm.weight, float(norm.variance_epsilon)).view(t, h, d)
 
-    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
+    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight | SplitFp8,
                 bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, SplitFp8):
+            return torch.cat([self._linear(name, x, part.fp8, part.bias) for part in weight.parts], dim=-1)
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias, use_kernels=self.use_triton or x.is_cuda)
         if x.shape[0] == 1 and self.use_triton and name in self.gemv_projections:

@@ -35,7 +35,7 @@ from transformers.initialization import no_init_weights
 
 from engine.config import ModelConfig
 from engine.distributed import TensorParallel
-from engine.models.fused_model import FusedCausalLM
+from engine.models.fused_model import FusedCausalLM, SplitFp8
 from engine.models.loader import (
     _check_safetensors,
     check_rope_scaling,
@@ -257,7 +257,7 @@ class TensorParallelCausalLM(FusedCausalLM):
         self.tp = tp
         self.vocab_size = vocab_size
 
-    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight,
+    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight | SplitFp8,
                 bias: torch.Tensor | None) -> torch.Tensor:
         if name in ("o", "down"):
             out = self.tp.all_reduce(super()._linear(name, x, weight, None))

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.models.fp8 import Fp8Linear
+from engine.models.fused_model import SplitFp8
 from engine.models.loader import load_model
 from engine.models.registry import UnsupportedModelError
 from engine.ops.fp8_gemm import (
@@ -174,6 +175,7 @@ def _logit_error(fp8_model: torch.nn.Module, deq_dir: Path, prompts: list[list[i
 @pytest.mark.parametrize("layout,intermediate,fused", [
     ("block", 384, "on"),  # every projection a multiple of 128: merged QKV and gate/up in the fused forward
     ("block", 320, "off"),  # ragged: gate/up 320 rows, down 320 columns (2.5 tiles) through the HF modules
+    ("block", 320, "on"),  # ragged in the fused forward: gate and up stay two GEMMs (their scale rows differ)
     ("tensor", 384, "on"),
     ("channel", 384, "off"),
 ])
@@ -190,6 +192,9 @@ def test_fp8_checkpoint_decodes_like_its_dequantized_weights(layout, intermediat
                                         else {layout})
     assert all((m.input_scale is not None) == (layout == "tensor") for m in lins)
     assert model.lm_head.weight.dtype == torch.float32  # embeddings, norms, LM head keep the model dtype
+    if fused == "on":  # block scale rows that would straddle gate and up: the two stay separate GEMMs
+        split = [isinstance(lay.ffn.gate_up_weight, SplitFp8) for lay in fp8.core.runner.net.fused_layers]
+        assert split == [layout == "block" and intermediate % 128 != 0] * 2
     ref = _llm(tmp_path / "deq", "off")
     scales = ({n: float(m.input_scale) for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
               if layout == "tensor" else {})

@@ -214,3 +214,40 @@ def test_fp8_moe_triton_kernels_in_the_fused_forward(tmp_path, monkeypatch):
     assert got.token_ids == want.token_ids
     torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=0)
     kernels.core.check_no_leaks()
+
+
+def test_fp8_checkpoint_mtp_layer_skipped_other_extra_layers_refused(tmp_path, caplog):
+    """A GLM-4.5 checkpoint stores its multi-token-prediction layer (``num_nextn_predict_layers: 1``) as
+    ``model.layers.{num_hidden_layers}``: the FP8 loader skips its tensors with one INFO line counting
+    them and decodes as without them; a layer past it, or the MTP layer's tensors when the config
+    declares no MTP layer (``num_nextn_predict_layers: 0``), is still refused."""
+    src = save_tiny_model("Glm4MoeForCausalLM", tmp_path / "src", seed=5)
+    write_fp8_moe_checkpoint(src, tmp_path / "fp8", tmp_path / "deq", BLOCK)
+    st_path, cfg_path = tmp_path / "fp8" / "model.safetensors", tmp_path / "fp8" / "config.json"
+    state, raw = load_file(str(st_path)), json.loads(cfg_path.read_text())
+    last, n = raw["num_hidden_layers"] - 1, raw["num_hidden_layers"]
+    mtp = {k.replace(f"model.layers.{last}.", f"model.layers.{n}."): v.clone() for k, v in state.items()
+           if k.startswith(f"model.layers.{last}.")}
+    mtp |= {f"model.layers.{n}.eh_proj.weight": torch.ones(64, 128),
+            f"model.layers.{n}.enorm.weight": torch.ones(64),
+            f"model.layers.{n}.shared_head.head.weight": torch.ones(256, 64)}
+    save_file({**state, **mtp}, str(st_path), metadata={"format": "pt"})
+    cfg_path.write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
+    with caplog.at_level("INFO", logger="engine.models.fp8"):
+        fp8 = _llm(tmp_path / "fp8")
+    lines = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
+    assert lines == [f"skipped {len(mtp)} checkpoint tensors of the multi-token-prediction layers [{n}] "
+                     "(not part of the decoder)"]
+    assert len(fp8.core.runner.model.model.layers) == n
+    ref = _llm(tmp_path / "deq")
+    prompts = make_prompts(seed=5)[::8]
+    outs, refs = fp8.generate(prompts, GREEDY), ref.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    save_file({**state, **mtp, f"model.layers.{n + 1}.enorm.weight": torch.ones(64)}, str(st_path),
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"model\.layers\.{n + 1}\.enorm\.weight has no place"):
+        load_model(ModelConfig(str(tmp_path / "fp8"), device="cpu"))
+    save_file({**state, **mtp}, str(st_path), metadata={"format": "pt"})
+    cfg_path.write_text(json.dumps({**raw, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match=rf"model\.layers\.{n}\..* has no place"):
+        load_model(ModelConfig(str(tmp_path / "fp8"), device="cpu"))
