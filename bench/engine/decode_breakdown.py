@@ -105,19 +105,21 @@ def _measure(core: EngineCore, batch: int, args: argparse.Namespace) -> dict[str
         row["async_step_s"] = batch / decode_rate(core, batch, args.context, args.new_tokens)
         core.async_scheduling = False
     if args.profile:
-        _profile(graph, device)
+        _profile(graph, device, args.top)
     return row
 
 
-def _profile(graph: torch.cuda.CUDAGraph, device: torch.device, replays: int = 5) -> None:
-    """Print the 15 kernels with the most device time over ``replays`` graph replays (torch.profiler)."""
+def _profile(graph: torch.cuda.CUDAGraph, device: torch.device, top: int, replays: int = 5) -> None:
+    """Print the ``top`` kernels with the most device time over ``replays`` graph replays (torch.profiler),
+    with their calls and mean microseconds per call."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize(device)
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=top,
+                                    max_name_column_width=90))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--prompt-len", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help="top kernels inside the graph (torch.profiler)")
+    p.add_argument("--top", type=int, default=15, help="kernels listed by --profile")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="ModelConfig.quantization")
     p.add_argument("--async-scheduling", action="store_true",
                    help="also time the steps with asynchronous scheduling (step N+1 launched first)")
     p.add_argument("--json", type=Path, default=None)

@@ -88,9 +88,9 @@ def engine_rates(core: EngineCore, prompts: list[list[int]], new_tokens: int,
 
 
 def build_engine(args: argparse.Namespace, num_blocks: int | None) -> EngineCore:
-    """The engine of ``args`` (model, dtype, device, attention backend, eager, fused ops, PDL, batch and
-    prompt length for the token budget), prefix caching off; ``--gemv`` re-captures the decode graphs
-    with that comma list of batch-1 GEMV projections."""
+    """The engine of ``args`` (model, dtype, device, attention backend, eager, fused ops, PDL, quantization
+    where ``args`` has it, batch and prompt length for the token budget), prefix caching off; ``--gemv``
+    re-captures the decode graphs with that comma list of batch-1 GEMV projections."""
     core = EngineCore(
         EngineConfig(
             ModelConfig(
@@ -102,6 +102,7 @@ def build_engine(args: argparse.Namespace, num_blocks: int | None) -> EngineCore
                 enforce_eager=args.enforce_eager,
                 fused_ops=getattr(args, "fused_ops", "auto"),
                 pdl=getattr(args, "pdl", "on") == "on",
+                quantization=getattr(args, "quantization", None),
             ),
             CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=False),
             SchedulerConfig(max_num_seqs=args.max_num_seqs,

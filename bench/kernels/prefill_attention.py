@@ -102,17 +102,18 @@ CPU_CASES = tuple(Case.parse(c) for c in ("1x5x0", "1x7x20", "2x9x33"))
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to run the kernel: ``tile`` None is ``prefill_tiles``' choice."""
+    """One way to run the kernel: ``tile`` None is ``prefill_tiles``' choice, ``pack_gqa`` None
+    ``prefill_pack_gqa``'s (the engine's defaults)."""
 
     tile: tuple[int, int, int, int] | None = None
-    pack_gqa: bool = False
+    pack_gqa: bool | None = None
     longest_first: bool = False
 
     @property
     def label(self) -> str:
         tile = "default tile" if self.tile is None else "{} x {}, {} warps, {} stages".format(*self.tile)
-        return tile + (", GQA packed" if self.pack_gqa else "") + (", longest first" if self.longest_first
-                                                                    else "")
+        packing = {None: "", True: ", GQA packed", False: ", not packed"}[self.pack_gqa]
+        return tile + packing + (", longest first" if self.longest_first else "")
 
 
 # BLOCK_M counts rows: with GQA packing 4 query heads per token, so 128 rows are 32 tokens
@@ -120,11 +121,12 @@ _PLAIN_TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), 
                 (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 3), (128, 128, 8, 2))
 _PACKED_TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3),
                  (128, 64, 8, 2), (128, 32, 4, 3), (128, 128, 8, 2), (256, 64, 8, 2))
-CANDIDATES = (Candidate(), *(Candidate(t) for t in _PLAIN_TILES),
+CANDIDATES = (Candidate(), *(Candidate(t, pack_gqa=False) for t in _PLAIN_TILES),
               *(Candidate(t, pack_gqa=True) for t in _PACKED_TILES),
               Candidate(longest_first=True), Candidate((128, 64, 8, 3), pack_gqa=True, longest_first=True))
-CPU_CANDIDATES = (Candidate(), Candidate((32, 32, 1, 1)), Candidate((16, 16, 1, 1), pack_gqa=True),
-                  Candidate((32, 16, 1, 1), pack_gqa=True, longest_first=True))
+CPU_CANDIDATES = (Candidate(), Candidate((32, 32, 1, 1), pack_gqa=False),
+                  Candidate((16, 16, 1, 1), pack_gqa=True), Candidate((32, 16, 1, 1), pack_gqa=True,
+                                                                       longest_first=True))
 
 
 @dataclass

@@ -107,3 +107,25 @@ def test_prefill_variant_bf16_gpu(pack_gqa: bool, longest_first: bool,
                                             m.max_seq_len, 128 ** -0.5)
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
     assert_no_stray_writes(batch)
+
+
+def test_default_packing_follows_the_device() -> None:
+    """Not told, the kernel packs the query heads of a KV head on a GPU with grouped-query attention
+    (``prefill_pack_gqa``) and not in the interpreter or without GQA; on this device the default call
+    gives the very numbers of the explicit choice."""
+    from engine.ops.paged_prefill import prefill_pack_gqa
+
+    assert [prefill_pack_gqa(g, gpu) for g, gpu in ((4, True), (1, True), (4, False))] == [True, False, False]
+    batch = make_batch([(3, 5), (0, 9)], 8, 2, 64, BS, F32)
+    store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
+    explicit = _run(batch, pack_gqa=prefill_pack_gqa(4, batch.q.is_cuda))
+    assert torch.equal(_run(batch), explicit)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled bf16 Triton kernels need CUDA")
+@pytest.mark.gpu
+def test_default_prefill_is_packed_bf16_gpu() -> None:
+    """On the GPU the engine's default call is the GQA-packed kernel, bit for bit."""
+    batch = make_batch([(0, 15), (37, 300), (2000, 770)], 32, 8, 128, 16, torch.bfloat16)
+    store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
+    assert torch.equal(_run(batch), _run(batch, pack_gqa=True))
