@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from pdserve.supervisor import Supervisor
+from pdserve.supervisor import RestartPolicy, Supervisor, supervise
 
 
 def test_stop_all_kills_a_child_that_ignores_sigterm() -> None:
@@ -39,9 +39,8 @@ time.sleep(60)
 '''
 
 
-def _supervise_in_thread(sup: Supervisor, policy: object) -> tuple[list[int], list[int], threading.Thread]:
-    from pdserve.supervisor import supervise
-
+def _supervise_in_thread(sup: Supervisor,
+                         policy: RestartPolicy) -> tuple[list[int], list[int], threading.Thread]:
     stop: list[int] = []
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(supervise(sup, stop, policy, tick_s=0.02)))
@@ -60,8 +59,6 @@ def test_supervise_restarts_an_exited_worker_and_gives_up_on_a_crash_loop(tmp_pa
     """A worker that exits is restarted (after its backoff) while the others keep running; one that keeps
     crashing is given up on after max_exits exits within the window, in one line; the gateway never
     stops; only the stop signal ends supervision (0)."""
-    from pdserve.supervisor import RestartPolicy
-
     sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN))
     policy = RestartPolicy(backoff_s=0.05, max_backoff_s=0.2, max_exits=3, window_s=60.0)
     sup.start("gateway", ["serve"])
@@ -100,8 +97,6 @@ def test_supervise_stops_when_the_gateway_exits(capfd) -> None:
     sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN))
     sup.start("decode-0", ["serve"])
     sup.start("gateway", ["crash"])
-    from pdserve.supervisor import RestartPolicy
-
     _, result, thread = _supervise_in_thread(sup, RestartPolicy(backoff_s=0.05))
     thread.join(20)
     sup.stop_all()
