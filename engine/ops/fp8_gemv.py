@@ -19,7 +19,7 @@ import triton.language as tl
 
 from engine.ops.fp8_weight import Fp8Weight, dequantize_fp8
 from engine.ops.pdl import gdc_enter, pdl_kwargs
-from engine.ops.silu_mul import silu_mul_reference
+from engine.ops.silu_mul import load_silu_mul, silu_mul_reference
 
 _LAYOUT_CODE = {"tensor": 0, "channel": 1, "block": 2}
 
@@ -31,17 +31,26 @@ def _gemv_inputs(  # type: ignore[no-untyped-def]  # Triton function: arguments 
 ):
     """The float32 inputs ``kk`` of a one-row FP8 GEMV: ``x`` (with ``GATED``, ``x = [gate | up]`` and
     silu(gate) * up as engine/ops/silu_mul.py rounds it), times the row of block scales for LAYOUT 2."""
-    if GATED:
-        gate = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-        up = tl.load(x_ptr + k_in + kk, mask=k_mask, other=0.0).to(tl.float32)
-        x = (act * up).to(gate.dtype).to(tl.float32)
-    else:
-        x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+    x = load_silu_mul(x_ptr, kk, k_mask, k_in, GATED)
     if LAYOUT == 2:
         x = x * tl.load(s_row + kk // GROUP_K, mask=k_mask, other=0.0)
     return x
+
+
+@triton.jit
+def _scale_bias_store(  # type: ignore[no-untyped-def]  # Triton function: arguments are typed by @triton.jit
+    y, rows, mask, s_ptr, b_ptr, y_ptr, LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Store the float32 sums ``y`` of output features ``rows``: times their tensor (LAYOUT 0) or channel
+    (LAYOUT 1) scale (block scales were applied to the inputs), plus the bias, rounded to ``y_ptr``'s
+    dtype."""
+    if LAYOUT == 1:
+        y = y * tl.load(s_ptr + rows, mask=mask, other=0.0)
+    elif LAYOUT == 0:
+        y = y * tl.load(s_ptr)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -70,14 +79,7 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by
         w_next = tl.load(w_rows + nk[None, :], mask=row_mask[:, None] & (nk < k_in)[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
         w = w_next
-    y = tl.sum(acc, axis=1)
-    if LAYOUT == 1:
-        y = y * tl.load(s_ptr + rows, mask=row_mask, other=0.0)
-    elif LAYOUT == 0:
-        y = y * tl.load(s_ptr)
-    if HAS_BIAS:
-        y = y + tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+    _scale_bias_store(tl.sum(acc, axis=1), rows, row_mask, s_ptr, b_ptr, y_ptr, LAYOUT, HAS_BIAS)
 
 
 def fp8_gemv_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
@@ -107,6 +109,29 @@ def fp8_gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
     return 16, 512, 4
 
 
+def _check_x(name: str, x: torch.Tensor, k: int, gated: bool) -> None:
+    """Raise ValueError (naming ``name``) unless ``x`` is a contiguous ``[1, K]`` (``[1, 2 K]`` with
+    ``gated``)."""
+    if x.dim() != 2 or x.shape != (1, 2 * k if gated else k) or x.stride(1) != 1:
+        raise ValueError(f"{name} needs a contiguous x [1, {2 * k if gated else k}], got {tuple(x.shape)}")
+
+
+def _scale_groups(name: str, w: Fp8Weight, block_n: int) -> tuple[int, int, int]:
+    """``(group_n, group_k, block_n)``: the weight's scale block (``(1, 1)`` unless block-scaled) and
+    ``block_n`` halved until it divides ``group_n``, so a program's rows share one row of scale tiles.
+
+    Raises:
+        ValueError: (naming ``name``) a block layout whose ``block_k`` is not a power of two.
+    """
+    group_n, group_k = w.block or (1, 1)
+    if w.layout == "block":
+        if group_k & (group_k - 1):
+            raise ValueError(f"{name} needs a power-of-two block_k, got {group_k}")
+        while group_n % block_n:
+            block_n //= 2
+    return group_n, group_k, block_n
+
+
 def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
              tile: tuple[int, int, int] | None = None, gated: bool = False) -> torch.Tensor:
     """Triton version of ``fp8_gemv_reference`` for one-row decode steps, bound by reading the FP8 weight
@@ -131,16 +156,10 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
             power of two.
     """
     n, k = w.weight.shape
-    if x.dim() != 2 or x.shape != (1, 2 * k if gated else k) or x.stride(1) != 1:
-        raise ValueError(f"fp8_gemv needs a contiguous x [1, {2 * k if gated else k}], got {tuple(x.shape)}")
+    _check_x("fp8_gemv", x, k, gated)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     block_n, block_k, warps = tile or fp8_gemv_tile(n, gated)
-    group_n, group_k = w.block or (1, 1)
-    if w.layout == "block":
-        if group_k & (group_k - 1):
-            raise ValueError(f"fp8_gemv needs a power-of-two block_k, got {group_k}")
-        while group_n % block_n:
-            block_n //= 2
+    group_n, group_k, block_n = _scale_groups("fp8_gemv", w, block_n)
     scale = w.scale
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w.weight, scale, bias if bias is not None else y, y, n, k, w.weight.stride(0),
@@ -188,13 +207,7 @@ def _fp8_gemv_splitk_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton ke
     y = tl.zeros((BLOCK,), dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):  # fixed order: deterministic
         y += tl.load(part_ptr + split * n_out + rows, mask=mask, other=0.0)
-    if LAYOUT == 1:
-        y = y * tl.load(s_ptr + rows, mask=mask, other=0.0)
-    elif LAYOUT == 0:
-        y = y * tl.load(s_ptr)
-    if HAS_BIAS:
-        y = y + tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=mask)
+    _scale_bias_store(y, rows, mask, s_ptr, b_ptr, y_ptr, LAYOUT, HAS_BIAS)
 
 
 def fp8_gemv_splitk(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
@@ -216,18 +229,11 @@ def fp8_gemv_splitk(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
         ValueError: as ``fp8_gemv``; ``block_k`` not a power of two >= 16, or ``split_k < 1``.
     """
     n, k = w.weight.shape
-    if x.dim() != 2 or x.shape != (1, 2 * k if gated else k) or x.stride(1) != 1:
-        raise ValueError(f"fp8_gemv_splitk needs a contiguous x [1, {2 * k if gated else k}], "
-                         f"got {tuple(x.shape)}")
+    _check_x("fp8_gemv_splitk", x, k, gated)
     block_n, block_k, warps, split_k = tile
     if block_k < 16 or block_k & (block_k - 1) or split_k < 1:
         raise ValueError(f"fp8_gemv_splitk needs block_k a power of two >= 16 and split_k >= 1, got {tile}")
-    group_n, group_k = w.block or (1, 1)
-    if w.layout == "block":
-        if group_k & (group_k - 1):
-            raise ValueError(f"fp8_gemv_splitk needs a power-of-two block_k, got {group_k}")
-        while group_n % block_n:
-            block_n //= 2
+    group_n, group_k, block_n = _scale_groups("fp8_gemv_splitk", w, block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slice
     part = torch.empty((split_k, n), dtype=torch.float32, device=x.device)

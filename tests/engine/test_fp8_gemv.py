@@ -17,6 +17,20 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
+def quantized(wt: torch.Tensor, layout: str, block: tuple[int, int] = (128, 128)) -> Fp8Weight:
+    """``wt [N, K]`` as an FP8 weight of ``layout`` on ``DEVICE``: ``block`` scales, one per output
+    feature, or one for the whole matrix (the largest per-feature scale)."""
+    if layout == "block":
+        w = quantize_weight_blocks(wt, block)
+    else:
+        w = quantize_weight_per_channel(wt)
+        if layout == "tensor":
+            s = w.scale.amax().reshape(1)
+            w = Fp8Weight((wt / s).to(FP8_DTYPE), s, "tensor")
+    dev = torch.device(DEVICE)
+    return Fp8Weight(w.weight.to(dev), w.scale.to(dev), w.layout, w.block)
+
+
 # (N, K, layout): ragged N and K, each layout
 GEMV_FULL = [(n, k, lay) for n, k in ((128, 128), (200, 320), (4096, 1024), (1000, 2100), (14336, 4096))
              for lay in ("tensor", "channel", "block")]
@@ -28,16 +42,8 @@ GEMV_CPU = [(200, 320, "tensor"), (200, 320, "channel"), (200, 320, "block")]
 def test_fp8_gemv_matches_reference(n: int, k: int, layout: str, tile: tuple[int, int, int] | None) -> None:
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(1, k, generator=gen)
-    wt = torch.randn(n, k, generator=gen) * k ** -0.5
-    if layout == "block":
-        w = quantize_weight_blocks(wt)
-    else:
-        w = quantize_weight_per_channel(wt)
-        if layout == "tensor":
-            s = w.scale.amax().reshape(1)
-            w = Fp8Weight((wt / s).to(FP8_DTYPE), s, "tensor")
+    w = quantized(torch.randn(n, k, generator=gen) * k ** -0.5, layout)
     dev = torch.device(DEVICE)
-    w = Fp8Weight(w.weight.to(dev), w.scale.to(dev), w.layout, w.block)
     bias = torch.randn(n, generator=gen).to(dev)
     out = fp8_gemv(x.to(dev), w, bias, tile=tile)
     ref = fp8_gemv_reference(x.to(dev), w, bias)
@@ -94,15 +100,8 @@ def test_fp8_gemv_splitk_matches_reference(layout: str, tile: tuple[int, int, in
     n, k = 70, 320  # 70: a ragged last row block
     wt = torch.randn(n, k, generator=gen) * k ** -0.5
     wt[:, 64:128] *= 20
-    if layout == "block":
-        w = quantize_weight_blocks(wt, (12, 64))
-    else:
-        w = quantize_weight_per_channel(wt)
-        if layout == "tensor":
-            s = w.scale.amax().reshape(1)
-            w = Fp8Weight((wt / s).to(FP8_DTYPE), s, "tensor")
+    w = quantized(wt, layout, (12, 64))
     dev = torch.device(DEVICE)
-    w = Fp8Weight(w.weight.to(dev), w.scale.to(dev), w.layout, w.block)
     x = torch.randn(1, 2 * k if gated else k, generator=gen).to(dev)
     bias = torch.randn(n, generator=gen).to(dev)
     out = fp8_gemv_splitk(x, w, bias, tile=tile, gated=gated)
