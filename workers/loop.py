@@ -10,7 +10,8 @@ Queues and states:
     the gateway that owns it (workers/ownership.py), any other to every gateway that accepts the worker;
     each gateway's per-request messages of the phase (a step's tokens of its running requests) go out as
     one ``OutputBatch`` frame, and the phase's prefix-cache changes as one ``KVEvents`` to every accepting
-    gateway (``kv_events``; a snapshot after each accepted registration and on ``KVSnapshotRequest``).
+    gateway (``kv_events``: workers/kv_events.py; a snapshot after each accepted registration and on
+    ``KVSnapshotRequest``).
 
 Several gateways (workers/gateway_sessions.py): the worker registers with each, heartbeats to each and
 keeps each request's state for its owner only; a lost gateway's ``GatewayLost`` marker, queued in the inbox
@@ -52,6 +53,7 @@ from protocol.messages import (
 from protocol.settings import control_keys
 from workers.gateway_sessions import REGISTER_TIMEOUT_S, GatewayLost, GatewaySessions
 from workers.health_server import EngineHealth, HealthServer
+from workers.kv_events import KVEventFeed
 from workers.metrics import WorkerMetrics
 from workers.ownership import NO_OWNER, RequestOwners, continued_id, started_id
 from workers.placement import kv_placement
@@ -100,9 +102,7 @@ class WorkerLoop:
                            lambda: self.health.registered)
         self.metrics.watch_host_tier(core.host_tier_stats)
         self.health_server: HealthServer | None = None
-        self._kv_log = core.block_manager.record_events()
-        self._kv_seq_no = 0  # of the last KVEvents built
-        self._kv_snapshot_due = False
+        self.kv_feed = KVEventFeed(self.worker_id, self.epoch, core.block_manager)
 
     # ---- what a role implements -------------------------------------------------------------------
     def on_message(self, msg: Message) -> None:
@@ -208,25 +208,13 @@ class WorkerLoop:
         """Make the next ``kv_events`` a snapshot of the whole prefix cache (after a registration was
         accepted, so a gateway that knew nothing of this worker learns its cache; on
         ``KVSnapshotRequest``)."""
-        self._kv_snapshot_due = True
+        self.kv_feed.want_snapshot()
 
     def kv_events(self) -> KVEvents | None:
-        """The prefix-cache changes since the last call as one ``KVEvents`` (loop thread, between steps),
-        or None when nothing changed. A snapshot (every cached hash, pending changes dropped) instead
-        when one is due (``want_kv_snapshot``) or the change log overflowed. Each message built takes the
-        next ``seq_no``. The process loop emits it at every flush; ``run_once`` leaves that to its
-        caller."""
-        changes = self._kv_log.drain()
-        if self._kv_snapshot_due or changes.lost:
-            self._kv_snapshot_due = False
-            self._kv_seq_no += 1
-            return KVEvents(worker_id=self.worker_id, epoch=self.epoch, seq_no=self._kv_seq_no,
-                            stored=self.core.block_manager.cached_hashes(), snapshot=True)
-        if not changes:
-            return None
-        self._kv_seq_no += 1
-        return KVEvents(worker_id=self.worker_id, epoch=self.epoch, seq_no=self._kv_seq_no,
-                        stored=changes.stored, removed=changes.removed)
+        """The prefix-cache changes since the last call as one ``KVEvents`` (loop thread, between steps;
+        ``KVEventFeed.next``), or None when nothing changed. The process loop emits it at every flush;
+        ``run_once`` leaves that to its caller."""
+        return self.kv_feed.next()
 
     def decode_frame(self, data: bytes, gateway: str | None = None) -> Message | None:
         """One control frame from the gateway with key ``gateway`` (None: the first one) → its message,

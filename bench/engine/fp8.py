@@ -3,10 +3,11 @@
 
 Everything on the Llama-3-8B shape (``llama3-8b`` dummy weights, ``--quantization fp8``: each decoder
 projection quantized per output channel on load, engine/ops/fp8_gemm.py): one-row steps (batch-1
-decode) run the weight-only Triton ``fp8_gemv``, larger ones ``torch._scaled_mm`` with dynamic per-token
-activation scales. With ``--block`` the projections are 128 x 128 block-scaled instead (the layout of the
-Qwen3-FP8 / DeepSeek checkpoints) and multi-row steps run the Triton ``w8a8_block_gemm``. The bf16 peer
-is the same engine on the bf16 model (its one-row steps through ``engine.ops.gemv``).
+decode) run the weight-only Triton ``fp8_gemv`` (engine/ops/fp8_gemv.py), larger ones ``torch._scaled_mm``
+with dynamic per-token activation scales. With ``--block`` the projections are 128 x 128 block-scaled
+instead (the layout of the Qwen3-FP8 / DeepSeek checkpoints) and multi-row steps run the Triton
+``w8a8_block_gemm``. The bf16 peer is the same engine on the bf16 model (its one-row steps through
+``engine.ops.gemv``).
 
 1. Decode at batch 1, ``--context`` tokens of KV, ``--new-tokens`` output tokens (CUDA graphs and
    asynchronous scheduling as the engine runs by default; ``bench.engine.decode.decode_rate``), for the
@@ -53,7 +54,8 @@ from bench.timing import Spread, ceiling_seconds
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
 from engine.models.fp8 import Fp8Linear
-from engine.ops.fp8_gemm import FP8_DTYPE, quantize_fp8_groups
+from engine.ops.fp8_gemm import quantize_fp8_groups
+from engine.ops.fp8_weight import FP8_DTYPE
 
 BLOCK_SIZE = 16
 

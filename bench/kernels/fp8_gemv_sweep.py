@@ -1,4 +1,4 @@
-"""Tile sweep of the weight-only FP8 GEMV (``engine.ops.fp8_gemm.fp8_gemv``) against the copy ceiling, on
+"""Tile sweep of the weight-only FP8 GEMV (``engine.ops.fp8_gemv.fp8_gemv``) against the copy ceiling, on
 one GPU (not a test).
 
 For each Llama-3-8B decoder projection (merged QKV, O, merged gate/up, and down with SiLU·mul folded in,
@@ -56,16 +56,13 @@ import torch
 from bench.ceilings import copy_bandwidth
 from bench.timing import Spread, ceiling_seconds, replay_seconds
 from engine.ops.fp8_gemm import (
-    Fp8Weight,
     block_gemm_tile,
-    fp8_gemv,
-    fp8_gemv_reference,
-    fp8_gemv_splitk,
-    fp8_gemv_tile,
     quantize_fp8_groups,
     scaled_fp8_linear_reference,
     w8a8_block_gemm,
 )
+from engine.ops.fp8_gemv import fp8_gemv, fp8_gemv_reference, fp8_gemv_splitk, fp8_gemv_tile
+from engine.ops.fp8_weight import Fp8Weight
 from engine.ops.silu_mul import silu_mul_reference
 
 # (name, N, K, gated) of Llama-3-8B's merged projections at batch 1

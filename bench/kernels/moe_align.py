@@ -2,7 +2,7 @@
 reference, on one GPU (not a test).
 
 Every sparse layer of a grouped-GEMM MoE step first groups its ``tokens x top_k`` (token, slot) pairs by
-expert (``engine.ops.fused_moe.moe_align``). The torch reference does it with a stable argsort, counts,
+expert (``engine.ops.moe_align.moe_align``). The torch reference does it with a stable argsort, counts,
 cumulative sums, a scatter and a search: about twenty small kernels. Up to
 ``MAX_KERNEL_ALIGN_PAIRS`` pairs the engine runs one Triton program instead. For each ``--tokens`` count
 (``--experts`` experts, top ``--top-k``, distinct experts per token drawn uniformly) both are captured
@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from bench.timing import Spread, replay_seconds
-from engine.ops.fused_moe import MAX_KERNEL_ALIGN_PAIRS, MoEAlignment, moe_align, moe_align_reference
+from engine.ops.moe_align import MAX_KERNEL_ALIGN_PAIRS, MoEAlignment, moe_align, moe_align_reference
 
 
 def align_seconds(fn: object, ids: torch.Tensor, experts: int, block_m: int, calls: int,

@@ -31,13 +31,8 @@ from engine.models.fp8_moe import (
     replace_experts,
 )
 from engine.models.quant_config import Fp8Scheme
-from engine.ops.fp8_gemm import (
-    FP8_DTYPE,
-    Fp8Weight,
-    fp8_linear,
-    quantize_weight_blocks,
-    quantize_weight_per_channel,
-)
+from engine.ops.fp8_gemm import fp8_linear
+from engine.ops.fp8_weight import FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel
 
 logger = logging.getLogger(__name__)
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")

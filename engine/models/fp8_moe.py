@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.quant_config import Fp8Scheme
+from engine.ops.fp8_weight import FP8_DTYPE
 from engine.ops.fused_moe import fused_moe, fused_moe_reference
-from engine.ops.fused_moe_fp8 import FP8_DTYPE, ExpertScales, quantize_experts, scale_shape
+from engine.ops.fused_moe_fp8 import ExpertScales, quantize_experts, scale_shape
 
 # per-expert projection names: Qwen3-MoE / GLM-4.5, and Mixtral's w1 (gate), w3 (up), w2 (down)
 _PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}

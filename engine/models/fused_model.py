@@ -32,9 +32,9 @@ the dense architectures. Partial
 rotary (GLM-4.5: ``partial_rotary_factor``) rotates the first dims of each head before the attention
 backend stores K/V.
 FP8 projections (``engine.models.fp8.Fp8Linear``) merge the same way (``merge_fp8``: weights and scales
-concatenated) and run ``engine.ops.fp8_gemm.fp8_linear`` (one-row steps on CUDA: its weight-only FP8 GEMV;
-never the bf16 ``engine.ops.gemv``); the down projection's takes the gate/up output with SiLU·mul folded
-into the GEMV or the activation quantizer (``gated``).
+concatenated) and run ``engine.ops.fp8_gemm.fp8_linear`` (one-row steps on CUDA: the weight-only FP8 GEMVs
+of ``engine.ops.fp8_gemv``; never the bf16 ``engine.ops.gemv``); the down projection's takes the gate/up
+output with SiLU·mul folded into the GEMV or the activation quantizer (``gated``).
 Method as vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` and fused ``RMSNorm``.
 """
 
@@ -49,7 +49,8 @@ import torch
 from engine.models.fp8 import Fp8Linear, fp8_mergeable, merge_fp8
 from engine.models.fp8_moe import Fp8Experts
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
-from engine.ops.fp8_gemm import Fp8Weight, fp8_linear
+from engine.ops.fp8_gemm import fp8_linear
+from engine.ops.fp8_weight import Fp8Weight
 from engine.ops.fused_moe import fused_moe, fused_moe_reference
 from engine.ops.gemv import gemv
 from engine.ops.rms_norm import rms_norm, rms_norm_reference

@@ -45,7 +45,7 @@ from engine.models.loader import (
     resolve_dtype,
 )
 from engine.models.registry import LLAMA_LIKE_ARCHITECTURES, MOE_ARCHITECTURES, is_dummy_alias, resolve_model
-from engine.ops.fp8_gemm import Fp8Weight
+from engine.ops.fp8_weight import Fp8Weight
 
 
 def head_dim_of(cfg: PretrainedConfig) -> int:

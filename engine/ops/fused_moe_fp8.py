@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-_MIN_SCALE = 1e-12  # an all-zero row or tile quantizes to zeros instead of dividing by zero
+from engine.ops.fp8_weight import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
 # scale columns of a per-row scale: wider than any weight, so every column maps to scale column 0
 _ROW_SCALE_COLS = 1 << 30
 
@@ -80,13 +79,13 @@ def quantize_experts(weight: torch.Tensor,
     e, n, k = weight.shape
     if block is None:
         wf = weight.float()
-        scale = (wf.abs().amax(dim=2) / FP8_MAX).clamp_min(_MIN_SCALE)  # [E, N]
+        scale = (wf.abs().amax(dim=2) / FP8_MAX).clamp_min(MIN_SCALE)  # [E, N]
         return (wf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
     bn, bk = block
     nb, kb = -(-n // bn), -(-k // bk)
     wf = torch.nn.functional.pad(weight.float(), (0, kb * bk - k, 0, nb * bn - n))
     tiles = wf.view(e, nb, bn, kb, bk)
-    scale = (tiles.abs().amax(dim=(2, 4)) / FP8_MAX).clamp_min(_MIN_SCALE)  # [E, nb, kb]
+    scale = (tiles.abs().amax(dim=(2, 4)) / FP8_MAX).clamp_min(MIN_SCALE)  # [E, nb, kb]
     q = (tiles / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(e, nb * bn, kb * bk)[:, :n, :k].contiguous(), scale
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.pdl import gdc_enter, pdl_kwargs
-from engine.ops.silu_mul import silu_mul_reference
+from engine.ops.silu_mul import load_silu_mul, silu_mul_reference
 
 
 def gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
@@ -51,14 +51,7 @@ def _gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments ar
     for k in range(0, k_in, BLOCK_K):
         kk = k + cols
         k_mask = kk < k_in
-        if GATED:  # x = [gate | up]: silu(gate) * up as engine/ops/silu_mul.py rounds it
-            gate = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
-            g = gate.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-            up = tl.load(x_ptr + k_in + kk, mask=k_mask, other=0.0).to(tl.float32)
-            x = (act * up).to(gate.dtype).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        x = load_silu_mul(x_ptr, kk, k_mask, k_in, GATED)  # GATED: x = [gate | up], silu(gate) * up
         nk = kk + BLOCK_K
         w_next = tl.load(w_rows + nk[None, :], mask=row_mask[:, None] & (nk < k_in)[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]

@@ -31,6 +31,24 @@ def _silu_mul_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argument
     tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
+@triton.jit
+def load_silu_mul(  # type: ignore[no-untyped-def]  # Triton function: arguments are typed by @triton.jit
+    x_ptr, kk, k_mask, k_in, GATED: tl.constexpr,
+):
+    """The float32 inputs ``kk`` (masked by ``k_mask``) of a one-row product, for the GEMV kernels that
+    fold SwiGLU into their loads: ``x[kk]``, or with ``GATED`` (``x = [gate | up]``, halves ``k_in``
+    wide) ``silu(gate) * up`` rounded at the same points as ``_silu_mul_kernel``."""
+    if GATED:
+        gate = tl.load(x_ptr + kk, mask=k_mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        up = tl.load(x_ptr + k_in + kk, mask=k_mask, other=0.0).to(tl.float32)
+        x = (act * up).to(gate.dtype).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+    return x
+
+
 def _check(gate_up: torch.Tensor) -> None:
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must be [T, 2 * I] with a contiguous last dim, got {tuple(gate_up.shape)}")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.kernels.fp8_gemv_sweep import CHECK_TOL, SPLITK_TILES, _candidates, _check
-from engine.ops.fp8_gemm import Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel
+from engine.ops.fp8_weight import Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel
 
 
 @pytest.mark.parametrize("layout,gated", [("channel", False), ("channel", True), ("block", False)])

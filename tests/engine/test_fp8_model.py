@@ -33,13 +33,8 @@ from engine.models.fp8 import Fp8Linear
 from engine.models.fused_model import SplitFp8
 from engine.models.loader import load_model
 from engine.models.registry import UnsupportedModelError
-from engine.ops.fp8_gemm import (
-    FP8_DTYPE,
-    FP8_MAX,
-    dequantize_fp8,
-    fp8_gemv_reference,
-    quantize_weight_blocks,
-)
+from engine.ops.fp8_gemv import fp8_gemv_reference
+from engine.ops.fp8_weight import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_weight_blocks
 from engine.sampling_params import SamplingParams
 from tests.engine.test_hf_parity import make_prompts
 

@@ -21,7 +21,8 @@ from engine.models.fp8 import Fp8Linear
 from engine.models.fp8_moe import Fp8Experts
 from engine.models.loader import load_model
 from engine.models.registry import UnsupportedModelError
-from engine.ops.fused_moe_fp8 import FP8_DTYPE, dequantize_experts, quantize_experts
+from engine.ops.fp8_weight import FP8_DTYPE
+from engine.ops.fused_moe_fp8 import dequantize_experts, quantize_experts
 from engine.sampling_params import SamplingParams
 from tests.engine.test_hf_parity import make_prompts
 from tests.engine.test_loader import save_tiny_model, tiny_config

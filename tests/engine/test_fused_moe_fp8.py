@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.ops.fp8_weight import FP8_DTYPE
 from engine.ops.fused_moe import fused_moe, fused_moe_reference
-from engine.ops.fused_moe_fp8 import FP8_DTYPE, ExpertScales, dequantize_experts, quantize_experts
+from engine.ops.fused_moe_fp8 import ExpertScales, dequantize_experts, quantize_experts
 from tests.engine.grid import grid
 from tests.engine.test_fused_moe import DEVICE, DTYPES, TOL, moe_case
 

@@ -131,15 +131,17 @@ def need_nixl() -> None:
 
 
 @contextlib.contextmanager
-def endpoint_pair(backend: str, seed: int) -> Iterator[tuple[Any, Any, torch.Tensor, torch.Tensor]]:
-    """(sender, receiver, src, dst) over `backend` with the test config ("p0", "d0"): src random from
-    `seed`, dst zeros (BLOCKS blocks each); both closed on exit."""
+def endpoint_pair(backend: str, seed: int, sender: TransferConfig | None = None,
+                  receiver: TransferConfig | None = None
+                  ) -> Iterator[tuple[Any, Any, torch.Tensor, torch.Tensor]]:
+    """(sender, receiver, src, dst) over `backend` with the given configs (default: the test config,
+    "p0" and "d0"): src random from `seed`, dst zeros (BLOCKS blocks each); both closed on exit."""
     from kvtransfer import get_transfer_backend
 
     factory = get_transfer_backend(backend)
     src, dst = make_kv(seed), make_kv(None)
-    tx = factory.sender(config("p0", backend), src)
-    rx = factory.receiver(config("d0", backend), dst)
+    tx = factory.sender(sender or config("p0", backend), src)
+    rx = factory.receiver(receiver or config("d0", backend), dst)
     try:
         yield tx, rx, src, dst
     finally:

@@ -5,18 +5,18 @@ every interleaving here deterministic."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import pytest
 import torch
 
-from kvtransfer import TransferError, TransferStatus, get_transfer_backend
+from kvtransfer import TransferError, TransferStatus
 from kvtransfer.staging import StagingRing
 from tests.kvtransfer.helpers import (
     LAYERS,
     assert_landed,
     config,
+    endpoint_pair,
     make_kv,
     patient_config,
     release_both,
@@ -33,15 +33,11 @@ DEPTH = 3  # < LAYERS: the last layer waits in the queue while the others are in
 def pair(request):
     """Sender/receiver pair; "staged" disables the direct path (direct_max_pieces=0), "direct" keeps
     the default, under which every source here (at most 3 runs) is written straight from kv_buffer."""
-    backend = get_transfer_backend("loopback")
-    src, dst = make_kv(1), make_kv(None)
-    tx = backend.sender(config("p0", "loopback", checksum=True, max_inflight_layers=DEPTH,
-                               direct_max_pieces=0 if request.param == "staged" else 16), src)
-    rx = backend.receiver(config("d0", "loopback", checksum=True), dst)
-    yield tx, rx, src, dst
-    tx.transport.deliver.set()  # type: ignore[attr-defined]
-    tx.close()
-    rx.close()
+    sender = config("p0", "loopback", checksum=True, max_inflight_layers=DEPTH,
+                    direct_max_pieces=0 if request.param == "staged" else 16)
+    with endpoint_pair("loopback", 1, sender, config("d0", "loopback", checksum=True)) as (tx, rx, src, dst):
+        yield tx, rx, src, dst
+        tx.transport.deliver.set()  # type: ignore[attr-defined]
 
 
 def _in_flight(tx, n):
@@ -104,14 +100,9 @@ def test_add_request_on_stopped_sender_keeps_nothing(pair):
 
 
 def test_release_refused_while_begin_unanswered():
-    backend = get_transfer_backend("loopback")  # long peer timeout: the stalled receiver is not "lost"
-    tx = backend.sender(dataclasses.replace(config("p0", "loopback"), peer_timeout_s=30.0), make_kv(1))
-    rx = backend.receiver(dataclasses.replace(config("d0", "loopback"), peer_timeout_s=30.0), make_kv(None))
-    try:
+    # long peer timeouts: the stalled receiver is not "lost"
+    with endpoint_pair("loopback", 1, patient_config("p0"), patient_config("d0")) as (tx, rx, _, _):
         _begin_unanswered(tx, rx)
-    finally:
-        tx.close()
-        rx.close()
 
 
 def _begin_unanswered(tx, rx):
@@ -133,11 +124,8 @@ def test_begin_left_unanswered_by_a_dead_receiver_is_released_once_it_is_lost():
     """The decode worker dies with a Begin in flight and the request is aborted meanwhile: the sender
     forgets it once the silent receiver is declared lost (peer_timeout_s, 1 s here), well before the
     request's deadline (30 s): nothing waits for a dead peer's answer."""
-    backend = get_transfer_backend("loopback")
-    tx = backend.sender(config("p0", "loopback"), make_kv(1))
-    rx = backend.receiver(patient_config("d0"), make_kv(None))
     limit = 10.0  # peer_timeout_s plus slack for a loaded machine; far below the deadline
-    try:
+    with endpoint_pair("loopback", 1, receiver=patient_config("d0")) as (tx, rx, _, _):
         tx.connect(rx.address, timeout=WAIT)
         handle = rx.expect("a", [1, 2])
         assert handle.timeout_s >= 3 * limit
@@ -151,9 +139,6 @@ def test_begin_left_unanswered_by_a_dead_receiver_is_released_once_it_is_lost():
         tx.release("a")  # refused while the Begin was in flight ("Begin not answered yet")
         tx.check_no_leaks()
         gate.set()
-    finally:
-        tx.close()
-        rx.close()
 
 
 def test_ready_layers_of_several_requests_go_in_one_write(pair):

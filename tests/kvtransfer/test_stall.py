@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import time
 
-from kvtransfer import TransferStatus, get_transfer_backend
+from kvtransfer import TransferStatus
 from tests.kvtransfer.helpers import (
     LAYERS,
     assert_landed,
-    config,
-    make_kv,
+    endpoint_pair,
     patient_config,
     release_both,
     stall_once,
@@ -26,8 +25,6 @@ from tests.kvtransfer.helpers import (
 S = TransferStatus
 WAIT = 5.0
 STALL_S = 1.5  # > peer_timeout_s (1.0 s, helpers.config)
-
-
 
 
 def _transfer(tx, rx, src, dst) -> None:
@@ -40,28 +37,18 @@ def _transfer(tx, rx, src, dst) -> None:
     release_both(tx, rx, "a", WAIT, leaks=True)
 
 
-
 def test_sender_stalled_in_a_write_keeps_its_receiver():
-    backend = get_transfer_backend("loopback")
-    src, dst = make_kv(1), make_kv(None)
-    tx = backend.sender(config("p0", "loopback"), src)  # peer_timeout_s 1.0
-    rx = backend.receiver(patient_config("d0"), dst)  # heartbeats every 0.1 s, never gives up on tx
-    try:
+    # the sender's peer_timeout_s is 1.0; the receiver heartbeats every 0.1 s and never gives up on it
+    with endpoint_pair("loopback", 1, receiver=patient_config("d0")) as (tx, rx, src, dst):
         stalled = stall_once(tx.transport, "post", STALL_S)  # the loop blocks 1.5 s inside its first write
         _transfer(tx, rx, src, dst)
         assert stalled
         assert all(tx.stats().receivers.values())  # the receiver was never declared lost
-    finally:
-        tx.close()
-        rx.close()
 
 
 def test_receiver_stalled_in_its_transport_keeps_its_sender():
-    backend = get_transfer_backend("loopback")
-    src, dst = make_kv(2), make_kv(None)
-    tx = backend.sender(patient_config("p0"), src)
-    rx = backend.receiver(config("d0", "loopback"), dst)  # peer_timeout_s 1.0
-    try:
+    # the receiver's peer_timeout_s is 1.0
+    with endpoint_pair("loopback", 2, sender=patient_config("p0")) as (tx, rx, src, dst):
         tx.connect(rx.address)
         assert rx.wait_until(lambda: len(rx.stats().senders) == 1, WAIT)
         stalled = stall_once(rx.transport, "poll", STALL_S)  # the loop blocks 1.5 s polling its transport
@@ -69,6 +56,3 @@ def test_receiver_stalled_in_its_transport_keeps_its_sender():
         time.sleep(0.3)  # a few more loop steps after the stall
         assert len(rx.stats().senders) == 1  # the sender was never dropped
         _transfer(tx, rx, src, dst)
-    finally:
-        tx.close()
-        rx.close()

@@ -1,0 +1,264 @@
+"""Weight-only FP8 matrix-vector products for one-row (batch-1 decode) steps: ``y [1, N] = x [1, K] @
+dequant(W)^T + bias`` with the activation kept in its dtype (Triton + reference).
+
+Two kernels over the same inputs (``_gemv_inputs``: ``x``, with ``gated`` SiLU·mul of ``[gate | up]``
+folded into the loads, times the block scales where the weight has them), both bound by reading the FP8
+weight once: ``fp8_gemv``, one program per ``block_n`` output features walking all of ``K`` (the
+row-blocked GEMV of ``engine.ops.gemv``), and ``fp8_gemv_splitk``, which splits ``K`` into slices for
+more programs on narrow matrices and adds the float32 partials in a second kernel. ``fp8_gemv_tile`` and
+``fp8_gemv_splitk_tile`` hold the measured tiles; ``fp8_gemv_reference`` is the plain-torch product.
+Weights and their scale layouts: ``engine.ops.fp8_weight``; ``engine.ops.fp8_gemm.fp8_linear`` picks
+between these and the w8a8 GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.ops.fp8_weight import Fp8Weight, dequantize_fp8
+from engine.ops.pdl import gdc_enter, pdl_kwargs
+from engine.ops.silu_mul import load_silu_mul, silu_mul_reference
+
+_LAYOUT_CODE = {"tensor": 0, "channel": 1, "block": 2}
+
+
+@triton.jit
+def _gemv_inputs(  # type: ignore[no-untyped-def]  # Triton function: arguments are typed by @triton.jit
+    x_ptr, s_row, kk, k_mask, k_in,
+    LAYOUT: tl.constexpr, GROUP_K: tl.constexpr, GATED: tl.constexpr,
+):
+    """The float32 inputs ``kk`` of a one-row FP8 GEMV: ``x`` (with ``GATED``, ``x = [gate | up]`` and
+    silu(gate) * up as engine/ops/silu_mul.py rounds it), times the row of block scales for LAYOUT 2."""
+    x = load_silu_mul(x_ptr, kk, k_mask, k_in, GATED)
+    if LAYOUT == 2:
+        x = x * tl.load(s_row + kk // GROUP_K, mask=k_mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _scale_bias_store(  # type: ignore[no-untyped-def]  # Triton function: arguments are typed by @triton.jit
+    y, rows, mask, s_ptr, b_ptr, y_ptr, LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Store the float32 sums ``y`` of output features ``rows``: times their tensor (LAYOUT 0) or channel
+    (LAYOUT 1) scale (block scales were applied to the inputs), plus the bias, rounded to ``y_ptr``'s
+    dtype."""
+    if LAYOUT == 1:
+        y = y * tl.load(s_ptr + rows, mask=mask, other=0.0)
+    elif LAYOUT == 0:
+        y = y * tl.load(s_ptr)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, n_out, k_in, stride_w, stride_s,
+    LAYOUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_out
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    # block scales: BLOCK_N divides GROUP_N (fp8_gemv checks), so every row of this program is in one row
+    # of scale tiles and the scales multiply x (per input, not per weight)
+    s_row = s_ptr + ((tl.program_id(0) * BLOCK_N) // GROUP_N) * stride_s
+    # the first weight tile before waiting for the kernel that produces x (weights are never written
+    # during a step: engine/ops/pdl.py); each iteration then loads the next tile before its FMA
+    w = tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & (cols < k_in)[None, :], other=0.0)
+    gdc_enter(USE_GDC)
+    for k in range(0, k_in, BLOCK_K):
+        kk = k + cols
+        k_mask = kk < k_in
+        x = _gemv_inputs(x_ptr, s_row, kk, k_mask, k_in, LAYOUT, GROUP_K, GATED)
+        nk = kk + BLOCK_K
+        w_next = tl.load(w_rows + nk[None, :], mask=row_mask[:, None] & (nk < k_in)[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+        w = w_next
+    _scale_bias_store(tl.sum(acc, axis=1), rows, row_mask, s_ptr, b_ptr, y_ptr, LAYOUT, HAS_BIAS)
+
+
+def fp8_gemv_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+                       gated: bool = False) -> torch.Tensor:
+    """One-row product with the activation kept in its dtype (weight-only FP8): ``x [1, K]`` (with
+    ``gated``: ``[1, 2 K]`` = gate | up, first ``silu_mul_reference``) times the dequantized ``w`` in
+    float32, plus ``bias``; ``[1, N]`` in ``x.dtype``."""
+    if gated:
+        x = silu_mul_reference(x)
+    y = x.float() @ dequantize_fp8(w).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+# bytes of FP8 weight one program reads per K step (block_n * block_k): the bf16 GEMV's measured best
+# tiles (engine.ops.gemv.gemv_tile) at the same bytes, i.e. twice the K width at one byte per weight, with
+# at most 64 float32 partial sums per thread (8 warps for the 16 KiB gated tile)
+def fp8_gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)`` of ``fp8_gemv`` for ``N`` output features: the winners of
+    ``bench/kernels/fp8_gemv_sweep.py`` on an H200 for the Llama-3-8B projections (2026-12-02): 4 x 2048
+    for the gated down projection, 8 x 512 for N <= 4096, 16 x 512 for wider matrices (4 warps)."""
+    if gated:
+        return 4, 2048, 4
+    if n <= 4096:
+        return 8, 512, 4
+    return 16, 512, 4
+
+
+def _check_x(name: str, x: torch.Tensor, k: int, gated: bool) -> None:
+    """Raise ValueError (naming ``name``) unless ``x`` is a contiguous ``[1, K]`` (``[1, 2 K]`` with
+    ``gated``)."""
+    if x.dim() != 2 or x.shape != (1, 2 * k if gated else k) or x.stride(1) != 1:
+        raise ValueError(f"{name} needs a contiguous x [1, {2 * k if gated else k}], got {tuple(x.shape)}")
+
+
+def _scale_groups(name: str, w: Fp8Weight, block_n: int) -> tuple[int, int, int]:
+    """``(group_n, group_k, block_n)``: the weight's scale block (``(1, 1)`` unless block-scaled) and
+    ``block_n`` halved until it divides ``group_n``, so a program's rows share one row of scale tiles.
+
+    Raises:
+        ValueError: (naming ``name``) a block layout whose ``block_k`` is not a power of two.
+    """
+    group_n, group_k = w.block or (1, 1)
+    if w.layout == "block":
+        if group_k & (group_k - 1):
+            raise ValueError(f"{name} needs a power-of-two block_k, got {group_k}")
+        while group_n % block_n:
+            block_n //= 2
+    return group_n, group_k, block_n
+
+
+def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+             tile: tuple[int, int, int] | None = None, gated: bool = False) -> torch.Tensor:
+    """Triton version of ``fp8_gemv_reference`` for one-row decode steps, bound by reading the FP8 weight
+    once (weight-only: the activation is not quantized, which only makes the step more exact than the
+    w8a8 path of larger batches). Each program owns ``block_n`` features and walks ``K`` with float32
+    accumulation (the row-blocked GEMV of ``engine.ops.gemv``); tensor/channel scales multiply each
+    feature's sum at the end; block scales multiply ``x`` per input (one scale per ``block_k`` inputs:
+    ``block_n`` is lowered to a power of two dividing ``block_n`` of the weight's blocks so a program's
+    rows share a row of scale tiles). ``gated``: ``x`` is ``[1, 2 K]`` (gate | up) and SiLU·mul is
+    computed while loading, as ``engine.ops.gemv(gated=True)``. The first weight tile is loaded before
+    the wait for the kernel producing ``x`` (programmatic dependent launch, engine/ops/pdl.py).
+
+    Args:
+        x: ``[1, K]`` (``[1, 2 K]`` with ``gated``), contiguous; w: ``Fp8Weight [N, K]``; bias ``[N]``
+            or None; tile: override ``fp8_gemv_tile(N, gated)`` (powers of two).
+
+    Returns:
+        ``[1, N]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: ``x`` of the wrong width or stride, or a block layout whose ``block_k`` is not a
+            power of two.
+    """
+    n, k = w.weight.shape
+    _check_x("fp8_gemv", x, k, gated)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = tile or fp8_gemv_tile(n, gated)
+    group_n, group_k, block_n = _scale_groups("fp8_gemv", w, block_n)
+    scale = w.scale
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w.weight, scale, bias if bias is not None else y, y, n, k, w.weight.stride(0),
+        scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
+        GROUP_K=group_k, HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, **pdl_kwargs(x))
+    return y
+
+
+@triton.jit
+def _fp8_gemv_splitk_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
+    x_ptr, w_ptr, s_ptr, part_ptr, n_out, k_in, k_per_split, stride_w, stride_s,
+    LAYOUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_out
+    cols = tl.arange(0, BLOCK_K)
+    # k_per_split is a multiple of BLOCK_K (>= 16): each row's slice starts 16-byte aligned, so a thread's
+    # contiguous run of the row loads as one 16-byte vector
+    k_start = tl.multiple_of(tl.program_id(1) * k_per_split, 16)
+    k_end = tl.minimum(k_start + k_per_split, k_in)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    s_row = s_ptr + ((tl.program_id(0) * BLOCK_N) // GROUP_N) * stride_s
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    gdc_enter(USE_GDC)
+    for k in range(k_start, k_end, BLOCK_K):
+        kk = k + cols
+        k_mask = kk < k_end
+        x = _gemv_inputs(x_ptr, s_row, kk, k_mask, k_in, LAYOUT, GROUP_K, GATED)
+        w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    tl.store(part_ptr + tl.program_id(1) * n_out + rows, tl.sum(acc, axis=1), mask=row_mask)
+
+
+@triton.jit
+def _fp8_gemv_splitk_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
+    part_ptr, s_ptr, b_ptr, y_ptr, n_out,
+    SPLIT_K: tl.constexpr, LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < n_out
+    y = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        y += tl.load(part_ptr + split * n_out + rows, mask=mask, other=0.0)
+    _scale_bias_store(y, rows, mask, s_ptr, b_ptr, y_ptr, LAYOUT, HAS_BIAS)
+
+
+def fp8_gemv_splitk(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+                    tile: tuple[int, int, int, int] = (4, 512, 4, 4), gated: bool = False) -> torch.Tensor:
+    """Split-K variant of ``fp8_gemv`` (same arguments and result, ``fp8_gemv_reference``); ``fp8_linear``
+    runs it for one-row steps where ``fp8_gemv_splitk_tile`` names a tile.
+
+    ``tile = (block_n, block_k, num_warps, split_k)``: the grid is ``(ceil(N / block_n), split_k)``; each
+    program sums ``block_n`` rows over one of ``split_k`` equal K slices (a multiple of ``block_k``, so
+    every slice starts 16-byte aligned and each thread reads contiguous 16-byte runs of a row), writing
+    float32 partials ``[split_k, N]``; a second kernel adds the partials in split order (deterministic),
+    applies tensor/channel scales and the bias and rounds to ``x.dtype``. More programs per matrix than
+    ``fp8_gemv`` for the narrow projections (N = 4096: 512 programs of 8 rows become 4096 of 4 rows x 4
+    slices) at the cost of ``split_k * N * 4`` bytes of partials written and read again. Split-K GEMV as
+    in "Stream-K" / split-K GEMMs (CUTLASS); block scales as ``fp8_gemv`` (``block_n`` lowered to divide
+    the weight's ``block_n``).
+
+    Raises:
+        ValueError: as ``fp8_gemv``; ``block_k`` not a power of two >= 16, or ``split_k < 1``.
+    """
+    n, k = w.weight.shape
+    _check_x("fp8_gemv_splitk", x, k, gated)
+    block_n, block_k, warps, split_k = tile
+    if block_k < 16 or block_k & (block_k - 1) or split_k < 1:
+        raise ValueError(f"fp8_gemv_splitk needs block_k a power of two >= 16 and split_k >= 1, got {tile}")
+    group_n, group_k, block_n = _scale_groups("fp8_gemv_splitk", w, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # no empty slice
+    part = torch.empty((split_k, n), dtype=torch.float32, device=x.device)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    scale = w.scale
+    _fp8_gemv_splitk_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, w.weight, scale, part, n, k, k_per_split, w.weight.stride(0),
+        scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
+        GROUP_K=group_k, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_kwargs(x))
+    reduce_block = 256
+    _fp8_gemv_splitk_reduce_kernel[(triton.cdiv(n, reduce_block),)](
+        part, scale, bias if bias is not None else y, y, n, SPLIT_K=split_k, LAYOUT=_LAYOUT_CODE[w.layout],
+        HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4, **pdl_kwargs(x))
+    return y
+
+
+def fp8_gemv_splitk_tile(n: int, layout: str, gated: bool = False) -> tuple[int, int, int, int] | None:
+    """The split-K tile ``(block_n, block_k, num_warps, split_k)`` of a one-row FP8 step with ``n`` output
+    features and weights of ``layout``, or None where ``fp8_gemv`` is faster: the winners of
+    ``bench/kernels/fp8_gemv_sweep.py --candidates`` on an H200 for the Llama-3-8B projections
+    (2026-12-02, shares of the same-run copy bandwidth, against ``fp8_gemv``'s tile): 8 x 512 with 4 warps
+    for N <= 4096 (per channel 2 slices: o 51.8 % against 48.2 %, down 62.7 % against 47.1 %; block
+    scales 4 slices: o 48.8 % against 45.4 %, down 59.2 % against 37.2 %) and N >= 16384 (2 slices: gate/up
+    74.6 % against 65.8 % per channel, 76.5 % against 63.2 % block); QKV (N 6144) stays on ``fp8_gemv``
+    (61.3 % / 58.2 %). The gated form (SiLU·mul folded in) keeps ``fp8_gemv``."""
+    if gated or 4096 < n < 16384:
+        return None
+    return 8, 512, 4, 4 if layout == "block" and n <= 4096 else 2

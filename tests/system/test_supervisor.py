@@ -1,0 +1,103 @@
+"""``pdserve up``'s supervisor over stand-in children: a clean stop that kills a child ignoring SIGTERM,
+restarts with backoff, giving up on a crash loop, and stopping everything when the gateway exits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+from pdserve.supervisor import RestartPolicy, Supervisor, supervise
+
+
+def test_stop_all_kills_a_child_that_ignores_sigterm() -> None:
+    sup = Supervisor(grace=0.5)
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
+           "time.sleep(60)"
+    sup.children["stubborn"] = proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+    start = time.monotonic()
+    sup.stop_all()
+    assert proc.poll() is not None and proc.returncode < 0  # killed by a signal, not exited
+    assert time.monotonic() - start < 5
+    assert sup.dead() == [("stubborn", proc.returncode)]
+
+
+# a stand-in child: `crash` exits with code 3 at once; `once:<file>` exits with 3 the first time (when
+# <file> is missing, creating it), then stays up; anything else stays up
+STAND_IN = '''import pathlib, sys, time
+what = sys.argv[1]
+if what == "crash":
+    sys.exit(3)
+if what.startswith("once:"):
+    mark = pathlib.Path(what[5:])
+    if not mark.exists():
+        mark.write_text("x")
+        sys.exit(3)
+time.sleep(60)
+'''
+
+
+def _supervise_in_thread(sup: Supervisor,
+                         policy: RestartPolicy) -> tuple[list[int], list[int], threading.Thread]:
+    stop: list[int] = []
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(supervise(sup, stop, policy, tick_s=0.02)))
+    thread.start()
+    return stop, result, thread
+
+
+def _until(cond: object, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_supervise_restarts_an_exited_worker_and_gives_up_on_a_crash_loop(tmp_path, capfd) -> None:
+    """A worker that exits is restarted (after its backoff) while the others keep running; one that keeps
+    crashing is given up on after max_exits exits within the window, in one line; the gateway never
+    stops; only the stop signal ends supervision (0)."""
+    sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN))
+    policy = RestartPolicy(backoff_s=0.05, max_backoff_s=0.2, max_exits=3, window_s=60.0)
+    sup.start("gateway", ["serve"])
+    sup.start("decode-0", [f"once:{tmp_path / 'mark'}"])
+    sup.start("decode-1", ["crash"])
+    first = sup.children["decode-0"].pid
+    stop, result, thread = _supervise_in_thread(sup, policy)
+    err = ""
+
+    def gave_up() -> bool:
+        nonlocal err
+        err += capfd.readouterr().err
+        return "giving up on it" in err
+
+    try:
+        _until(lambda: sup.children["decode-0"].pid != first and sup.children["decode-0"].poll() is None)
+        _until(gave_up)
+        time.sleep(0.3)  # a given-up worker is not started again
+        err += capfd.readouterr().err
+        assert sup.children["decode-1"].poll() == 3 and sup.children["gateway"].poll() is None
+        assert sup.children["decode-0"].poll() is None and result == []
+    finally:
+        stop.append(15)
+        thread.join(10)
+        sup.stop_all()
+    assert result == [0]
+    assert "pdserve up: decode-0 exited with code 3; restarting it in 0.05 s" in err
+    assert "pdserve up: restarted decode-0 (pid" in err
+    assert [line for line in err.splitlines() if "giving up" in line] == [
+        "pdserve up: decode-1 exited 3 times within 60 s (last exit code 3); giving up on it, the rest keep "
+        "serving"]
+    assert err.count("restarted decode-1") == 2  # after its first and second exit, not its third
+
+
+def test_supervise_stops_when_the_gateway_exits(capfd) -> None:
+    sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN))
+    sup.start("decode-0", ["serve"])
+    sup.start("gateway", ["crash"])
+    _, result, thread = _supervise_in_thread(sup, RestartPolicy(backoff_s=0.05))
+    thread.join(20)
+    sup.stop_all()
+    assert result == [1] and "gateway exited with code 3; stopping the rest" in capfd.readouterr().err

@@ -1,0 +1,160 @@
+"""What ``pdserve up`` refuses before any child starts (tensor parallel ranks beyond the GPUs, a busy
+port, a model or quantization the workers cannot run), each in one line naming the flag or the
+setting, and the port probes behind the busy-port refusal (``pdserve.ports``)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from pdserve.ports import free_port
+from pdserve.supervisor import Supervisor
+from protocol.settings import UpSettings, WorkerSettings
+
+
+def test_up_refuses_tensor_parallel_ranks_beyond_the_gpus_before_starting_anything(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve import launcher
+
+    started: list[str] = []
+    monkeypatch.setattr(launcher, "gpu_count", lambda: 2)
+    monkeypatch.setattr(Supervisor, "start", lambda self, name, *a, **k: started.append(name))
+    tp2 = WorkerSettings(role="colocated", tensor_parallel_size=2, insecure_control_plane=True)
+    up = UpSettings(port=free_port(), insecure_control_plane=True, worker=tp2)
+    assert launcher._supervise(up, Supervisor(), [], 1.0, None) == 1
+    assert started == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pdserve up: --tensor-parallel-size: 2 workers need 4 GPUs (2+2 ranks), 2 visible"]
+
+
+def test_up_refuses_a_busy_port_at_once_and_names_the_flag() -> None:
+    import socket
+
+    from pdserve.launcher import run
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        assert run(UpSettings(port=port, device="cpu"), ready_timeout=5) == 1
+        assert time.monotonic() - start < 5  # refused before any child (and model load) started
+
+
+def test_port_in_use_ignores_time_wait_but_not_a_listener() -> None:
+    """A port whose only socket is a closed connection in TIME_WAIT (the server closed first, as a stopped
+    `pdserve up` gateway does) is free for a SO_REUSEADDR listener like uvicorn; a live listener is not.
+    Found by a new-user trial: `pdserve up` refused to restart for ~1 min after a Ctrl-C during start-up."""
+    import socket
+
+    from pdserve.ports import free_port, port_in_use
+
+    port = free_port()
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen()
+    assert port_in_use(port)
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    server.close()
+    conn.close()  # the server side closes first: its end of the connection enters TIME_WAIT
+    client.recv(1)
+    client.close()
+    plain = socket.socket()
+    try:  # the state the old probe mistook for "in use"
+        plain.bind(("127.0.0.1", port))
+        time_wait = False
+    except OSError:
+        time_wait = True
+    finally:
+        plain.close()
+    assert time_wait, "no TIME_WAIT was produced: the test would prove nothing"
+    assert not port_in_use(port)
+
+
+def test_free_ports_are_distinct_and_skip_excluded(monkeypatch) -> None:
+    """free_ports(n) never repeats a port (sequential free_port() calls did: a test system's gateway once
+    got the same port for HTTP and its control socket, 'address already in use') and never returns one
+    in `exclude`: here the kernel is made to hand out the excluded port first."""
+    import socket as socket_mod
+
+    from pdserve import ports as ports_mod
+
+    ports = ports_mod.free_ports(64)
+    assert len(set(ports)) == 64 and all(p > 0 for p in ports)
+
+    blocker = socket_mod.socket()
+    blocker.bind(("127.0.0.1", 0))
+    taken = blocker.getsockname()[1]
+    blocker.close()  # now free again: the next bind to port 0 may or may not get it; force it below
+    real = socket_mod.socket
+
+    class FirstGetsTaken(real):  # type: ignore[misc,valid-type]
+        first = True
+
+        def bind(self, addr):
+            if FirstGetsTaken.first:
+                FirstGetsTaken.first = False
+                return super().bind((addr[0], taken))
+            return super().bind(addr)
+
+    monkeypatch.setattr(ports_mod.socket, "socket", FirstGetsTaken)
+    got = ports_mod.free_ports(2, exclude=(taken,))
+    assert taken not in got and len(set(got)) == 2
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "unsupported quantization method 'awq'"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "unsupported quantization method 'gptq'"),
+    ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+     "unsupported quantization method 'bitsandbytes'"),
+    ({"architectures": ["GPT2LMHeadModel"]}, r"unsupported architecture \['GPT2LMHeadModel'\]"),
+    ({"architectures": ["Gemma2ForCausalLM"]},
+     r"architecture Gemma2ForCausalLM .* not supported: its sliding-window attention .* soft-capping"),
+    ({"architectures": ["Phi3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}},
+     "FP8 weights for Phi3ForCausalLM .* not supported"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}},
+     "FP8 format 'e5m2'.*supported: e4m3"),
+])
+def test_up_refuses_an_unsupported_model_before_any_child(edit, named, tmp_path, capsys) -> None:
+    """An architecture or a quantization method the workers cannot run is refused by the launcher in one
+    line naming it and listing what is supported, before any worker starts (nothing listens)."""
+    import json
+
+    from pdserve.launcher import run
+    from pdserve.ports import free_port
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, **edit}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    start = time.monotonic()
+    assert run(UpSettings(model=str(tmp_path), port=free_port(), device="cpu"), ready_timeout=5) == 1
+    assert time.monotonic() - start < 5
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve up: ") and len(err.strip().splitlines()) == 1
+    assert re.search(named, err) and "supported: " in err
+    if "architecture" in named:
+        assert "Qwen3MoeForCausalLM" in err and "MixtralForCausalLM" in err
+
+
+def test_up_refuses_static_fp8_for_a_mixture_of_experts_before_any_child(tmp_path, capsys) -> None:
+    """An FP8 MoE checkpoint the FP8 expert kernels cannot run (static activation scales) is refused by
+    the launcher's check in one line before any worker starts."""
+    import json
+
+    from pdserve.launcher import run
+    from pdserve.ports import free_port
+    from protocol.settings import WorkerSettings
+
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 64,
+              "quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    worker = WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True, quantization="fp8")
+    assert run(UpSettings(model=str(tmp_path), port=free_port(), device="cpu", worker=worker),
+               ready_timeout=5) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve up: FP8 mixture of experts Qwen3MoeForCausalLM with activation_scheme "
+                          "'static'")
+    assert len(err.strip().splitlines()) == 1 and "supported: activation_scheme dynamic" in err
