@@ -64,8 +64,9 @@ FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen
 INTERLEAVED_ROTARY_MODEL_TYPES = frozenset({"glm4"})
 # one-row steps' projections through engine.ops.gemv on CUDA; "silu_down": the down projection's GEMV also
 # computes SwiGLU's silu(gate) * up while loading, so no silu_mul launch (H200, 16 x 512 tiles: 32.6 µs
-# against 34.9 µs for silu_mul + GEMV, docs/benchmarks/engine.md)
-PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head", "silu_down")
+# against 34.9 µs for silu_mul + GEMV, docs/benchmarks/engine.md); "router": a softmax top-k router's
+# logits (``E x H``, 0.5 MB for Qwen3-30B-A3B: cuBLAS's GEMV took 5.1 µs of an H200 step for it)
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head", "silu_down", "router")
 GEMV_OPTIONS = PROJECTIONS
 
 
@@ -227,6 +228,8 @@ class FusedCausalLM(torch.nn.Module):
             token (batch-1 decode) and ``use_triton`` is on; others (and every multi-token step) use
             ``torch.nn.functional.linear`` (cuBLAS). ``"silu_down"`` (``GEMV_OPTIONS``): the down
             projection's GEMV takes the gate/up output and applies SiLU·mul itself (``gemv(gated=True)``).
+            ``"router"``: the router logits of the sparse layers whose softmax top-k runs as one kernel
+            (Qwen3-MoE, Mixtral); other routers run their transformers module.
 
         max_positions: positions ``[0, max_positions)`` get their RoPE cos/sin computed once by the
             model's own ``rotary_emb`` (``rope_table``) and gathered per step; 0: computed every step.
@@ -309,7 +312,7 @@ class FusedCausalLM(torch.nn.Module):
             return self._dense(ffn, x)
         if ffn.softmax_topk is not None and (self.use_triton or x.is_cuda):
             renormalize, dtype = ffn.softmax_topk
-            logits = torch.nn.functional.linear(x, ffn.router.weight)
+            logits = self._linear("router", x, ffn.router.weight, None)  # [T, E]
             weights, ids = topk_softmax(logits, ffn.router.top_k, renormalize, dtype or logits.dtype)
         else:
             _, weights, ids = ffn.router(x)  # [T, k] each

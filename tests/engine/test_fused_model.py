@@ -46,7 +46,7 @@ def test_fused_triton_kernels_match_transformers(tmp_path):
     llm = _llm(path, "on", backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
     net = llm.core.runner.net
     assert net.use_triton
-    plain_gemv = set(PROJECTIONS) - {"silu_down"}  # every projection through _linear (silu_down: below)
+    plain_gemv = set(PROJECTIONS) - {"silu_down", "router"}  # every dense projection (silu_down: below)
     net.gemv_projections = frozenset(plain_gemv)  # one-token steps through engine.ops.gemv
     llm.core.runner.decode_graphs = None  # (GPU) run decode steps eagerly so the change takes effect
     calls = []
@@ -90,6 +90,40 @@ def test_fused_moe_kernels_match_transformers(arch, tmp_path, monkeypatch):
     assert again[0].num_cached_tokens > 0 and again[0].token_ids == outs[0].token_ids
     assert calls and len(calls) % len(sparse) == 0
     llm.core.check_no_leaks()
+
+
+@pytest.mark.parametrize("arch", grid(["Qwen3MoeForCausalLM", "MixtralForCausalLM"], ["Qwen3MoeForCausalLM"]))
+def test_one_token_router_logits_come_from_the_gemv(arch, tmp_path, monkeypatch):
+    """``"router"`` in ``gemv_projections``: a one-token step's softmax top-k router takes its logits from
+    ``engine.ops.gemv`` (no cuBLAS call), once per sparse layer, and each sparse block's output equals the
+    transformers block's; a two-token step keeps ``torch.nn.functional.linear``."""
+    from engine.models import fused_model
+
+    path = save_tiny_model(arch, tmp_path / "m", seed=15)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    net = FusedCausalLM(model, use_triton=True, gemv_projections=("router",))
+    weights: list[torch.Tensor] = []
+    real = fused_model.gemv
+    monkeypatch.setattr(fused_model, "gemv",
+                        lambda x, w, b=None, **kw: weights.append(w) or real(x, w, b, **kw))
+    gen = torch.Generator().manual_seed(15)
+    sparse = [lay for lay in net.fused_layers if isinstance(lay.ffn, fused_model._SparseMoE)]
+    assert sparse
+    for tokens in (1, 2):
+        weights.clear()
+        for lay in sparse:
+            x = torch.randn(tokens, model.config.hidden_size, generator=gen)
+            with torch.no_grad():
+                got = net._mlp(lay, x)
+                out = lay.mlp(x[None])
+            want = (out[0] if isinstance(out, tuple) else out).reshape(tokens, -1)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        routers = [lay.ffn.router.weight for lay in sparse]
+        if tokens == 1:
+            assert len(weights) == len(routers)
+            assert all(w is r for w, r in zip(weights, routers, strict=True))
+        else:
+            assert weights == []
 
 
 @pytest.mark.parametrize("arch", NEW_DENSE_ARCHS)
