@@ -299,6 +299,13 @@ def _check(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_
         raise ValueError("x and the expert weights need a contiguous last dim")
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous 1-D tensor of its own dtype: a view when it is already contiguous (no copy
+    kernel per layer: the kernels widen bf16/fp16 routing weights to float32 as they load them)."""
+    flat = t.reshape(-1)
+    return flat if flat.is_contiguous() else flat.contiguous()
+
+
 def _scale_mode(scales: ExpertScales | None) -> int:
     """The kernels' ``SCALE``: 0 unquantized weights, 1 FP8 with per-row scales, 2 FP8 with block scales."""
     return 0 if scales is None else 1 if scales.block is None else 2
@@ -437,9 +444,7 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     t, hidden = x.shape
     inter = w_gate_up.shape[1] // 2
     top_k = topk_ids.shape[1]
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
+    ids = _flat(topk_ids)
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     if t == 0:
         return torch.zeros_like(x)
@@ -449,7 +454,7 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), *s_up[1:],
         BLOCK_N=bn, BLOCK_K=bk, SCALE=_scale_mode(scales), num_warps=warps, **pdl_kwargs(x),
     )
-    weights = topk_weights.reshape(-1).to(torch.float32)
+    weights = _flat(topk_weights)  # the kernels widen each routing weight to float32 as they load it
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     bn, bk, warps = down_tile or gemv_moe_tile(t, down=True)
     _down_gemv_kernel[(t, triton.cdiv(hidden, bn))](
@@ -514,7 +519,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_up, BLOCK_K=bk_up, SCALE=_scale_mode(scales),
         num_warps=warps, **pdl_kwargs(x),
     )
-    weights = topk_weights.reshape(-1).to(torch.float32)
+    weights = _flat(topk_weights)  # the kernels widen each routing weight to float32 as they load it
     out = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
         act, w_down, align.sorted_ids, align.block_expert, weights, out, s_down[0],

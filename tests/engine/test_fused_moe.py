@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.ops.fused_moe import (
     MAX_KERNEL_ALIGN_PAIRS,
@@ -184,3 +185,30 @@ def test_fused_moe_decode_is_cuda_graph_capturable():
         graph.replay()
         want = fused_moe_reference(x2, w_gate_up, w_down, w2, ids2)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+class _DispatchLog(TorchDispatchMode):
+    """Records every aten op run under it as ``(name, kwargs)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((str(func), dict(kwargs or {})))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_half_precision_routing_weights_are_not_cast_before_the_kernels(path):
+    """Qwen3-MoE's router rounds its weights to the model dtype: ``fused_moe`` hands them to the kernels as
+    they are (each widened to float32 as it is loaded), so no float32 cast runs per layer, and the result
+    equals the reference's with the same weights."""
+    x, w_gate_up, w_down, weights, ids = moe_case(8, 2, 3, "uniform", torch.float16)
+    weights = weights.to(torch.float16)
+    with _DispatchLog() as log:
+        got = fused_moe(x, w_gate_up, w_down, weights, ids, path=path)
+    casts = [op for op, kw in log.ops if op.startswith("aten._to_copy") and kw.get("dtype") == torch.float32]
+    assert casts == []
+    want = fused_moe_reference(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[torch.float16], rtol=TOL[torch.float16])
