@@ -92,6 +92,33 @@ def test_fused_moe_kernels_match_transformers(arch, tmp_path, monkeypatch):
     llm.core.check_no_leaks()
 
 
+def test_qwen3_head_norms_in_one_launch_match_transformers(tmp_path, monkeypatch):
+    """Qwen3's per-head q/k RMSNorm with the Triton kernels: one ``qk_rms_norm`` launch per layer and step,
+    and greedy tokens and logprobs equal transformers' (batch 2, then batch 1)."""
+    from engine.models import fused_model
+
+    path = save_tiny_model("Qwen3ForCausalLM", tmp_path / "m", seed=16)
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = _llm(path, "on", backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
+    net = llm.core.runner.net
+    llm.core.runner.decode_graphs = None  # (GPU) every step eager, so the counter below sees each call
+    calls: list[tuple[int, int]] = []
+    real = fused_model.qk_rms_norm
+    monkeypatch.setattr(fused_model, "qk_rms_norm",
+                        lambda qk, *a: calls.append(tuple(qk.shape[:2])) or real(qk, *a))
+    prompts = make_prompts(seed=16)[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
+    outs = llm.generate(prompts, params)
+    assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
+    solo = llm.generate(prompts[:1], params)
+    assert_matches_hf(reference, prompts[:1], solo, eos=2, max_tokens=3)
+    cfg = reference.config
+    assert calls and len(calls) % len(net.fused_layers) == 0
+    assert {heads for _, heads in calls} == {cfg.num_attention_heads + cfg.num_key_value_heads}
+    assert 1 in {tokens for tokens, _ in calls}  # batch-1 decode steps took it too
+    llm.core.check_no_leaks()
+
+
 @pytest.mark.parametrize("arch", grid(["Qwen3MoeForCausalLM", "MixtralForCausalLM"], ["Qwen3MoeForCausalLM"]))
 def test_one_token_router_logits_come_from_the_gemv(arch, tmp_path, monkeypatch):
     """``"router"`` in ``gemv_projections``: a one-token step's softmax top-k router takes its logits from
