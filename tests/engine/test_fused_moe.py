@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.ops.fused_moe import (
     MAX_KERNEL_ALIGN_PAIRS,
     fused_moe,
+    fused_moe_gemv,
     fused_moe_reference,
     max_blocks,
     moe_align,
@@ -212,3 +213,35 @@ def test_half_precision_routing_weights_are_not_cast_before_the_kernels(path):
     assert casts == []
     want = fused_moe_reference(x, w_gate_up, w_down, weights, ids)
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[torch.float16], rtol=TOL[torch.float16])
+
+
+@pytest.mark.parametrize("scale", [None, "channel", "block"])
+@pytest.mark.parametrize("top_k,tokens,slots", [(8, 1, 8), (8, 2, 4), (3, 1, 2), (2, 1, 4)])
+def test_down_gemv_slots_read_at_once_match_the_reference(scale, top_k, tokens, slots):
+    """The down matrix-vector kernel reading ``slots`` of a token's experts at once (all of them, a part of
+    them over several rounds, or more slots than ``top_k`` with the rest masked) equals the reference and,
+    up to float reassociation, the one-expert-at-a-time kernel; FP8 experts with per-row or block scales
+    too. A ``down_slots`` that is not a power of two is refused."""
+    from engine.ops.fused_moe_fp8 import ExpertScales, quantize_experts
+
+    dtype = torch.float16
+    x, w_gate_up, w_down, weights, ids = moe_case(16, top_k, tokens, "uniform", torch.float32, inter=32)
+    scales = None
+    if scale is not None:
+        block = (16, 16) if scale == "block" else None
+        w_gate_up, s_up = quantize_experts(w_gate_up, block)
+        w_down, s_down = quantize_experts(w_down, block)
+        scales = ExpertScales(s_up, s_down, block)
+    else:
+        w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
+    x = x.to(dtype)
+    tile = (4, 16, 4)  # block_k 16 < inter 32: two rounds over the inputs
+    got = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_tile=tile, down_slots=slots,
+                         scales=scales)
+    one = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_tile=tile, down_slots=1, scales=scales)
+    want = fused_moe_reference(x, w_gate_up, w_down, weights, ids, scales=scales)
+    atol = TOL[dtype] * (3 if scale == "channel" else 1)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=TOL[dtype])
+    torch.testing.assert_close(got.float(), one.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    with pytest.raises(ValueError, match="down_slots"):
+        fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_slots=3, scales=scales)
