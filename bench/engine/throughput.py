@@ -309,9 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="merged GEMMs + fused small kernels (ModelConfig.fused_ops)")
     parser.add_argument("--pdl", choices=["on", "off"], default="on",
                         help="programmatic dependent launch of the Triton kernels (ModelConfig.pdl)")
-    parser.add_argument("--gemv", default="", help="comma list of qkv,o,gate_up,down,silu_down,lm_head: "
-                        "batch-1 projections through engine.ops.gemv (silu_down: SiLU·mul folded into "
-                        "down's GEMV); default: the engine's")
+    parser.add_argument("--gemv", default="",
+                        help="comma list of qkv,o,gate_up,down,silu_down,lm_head,router: batch-1 projections "
+                        "through engine.ops.gemv (silu_down: SiLU·mul folded into down's GEMV; router: a "
+                        "softmax top-k router's logits); default: the engine's")
     parser.add_argument("--alt-gemv", default=None,
                         help="the async-alt mode's batch-1 GEMV projections (comma list, as --gemv; default: "
                         "the engine's)")

@@ -14,7 +14,7 @@ transformers') with:
 - attention through the paged backend exactly as ``engine.models.hf_attention`` calls it.
 
 Supported: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (QKV bias),
-``Qwen3ForCausalLM`` (per-head q/k RMSNorm: ``rms_norm`` over the heads' rows, the model's own modules
+``Qwen3ForCausalLM`` (per-head q/k RMSNorm: one ``qk_rms_norm`` launch over both, the model's own modules
 when ``use_triton`` is off) and ``Phi3ForCausalLM`` (its checkpoint's ``qkv_proj`` and ``gate_up_proj``
 are already merged; partial rotary as below) and ``Glm4ForCausalLM`` (GLM-4: merged gate/up, QKV bias, an
 RMSNorm after attention and one after the MLP, each before its residual add, and the rotary on adjacent
@@ -53,7 +53,7 @@ from engine.ops.fp8_gemm import fp8_linear
 from engine.ops.fp8_weight import Fp8Weight
 from engine.ops.fused_moe import fused_moe, fused_moe_reference
 from engine.ops.gemv import gemv
-from engine.ops.rms_norm import rms_norm, rms_norm_reference
+from engine.ops.rms_norm import qk_rms_norm, rms_norm, rms_norm_reference
 from engine.ops.rotary import apply_rotary, apply_rotary_reference
 from engine.ops.silu_mul import silu_mul, silu_mul_reference
 from engine.ops.topk_softmax import topk_softmax
@@ -65,8 +65,9 @@ FUSED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen
 INTERLEAVED_ROTARY_MODEL_TYPES = frozenset({"glm4"})
 # one-row steps' projections through engine.ops.gemv on CUDA; "silu_down": the down projection's GEMV also
 # computes SwiGLU's silu(gate) * up while loading, so no silu_mul launch (H200, 16 x 512 tiles: 32.6 µs
-# against 34.9 µs for silu_mul + GEMV, docs/benchmarks/engine.md)
-PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head", "silu_down")
+# against 34.9 µs for silu_mul + GEMV, docs/benchmarks/engine.md); "router": a softmax top-k router's
+# logits (``E x H``, 0.5 MB for Qwen3-30B-A3B: cuBLAS's GEMV took 5.1 µs of an H200 step for it)
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head", "silu_down", "router")
 GEMV_OPTIONS = PROJECTIONS
 
 
@@ -228,6 +229,8 @@ class FusedCausalLM(torch.nn.Module):
             token (batch-1 decode) and ``use_triton`` is on; others (and every multi-token step) use
             ``torch.nn.functional.linear`` (cuBLAS). ``"silu_down"`` (``GEMV_OPTIONS``): the down
             projection's GEMV takes the gate/up output and applies SiLU·mul itself (``gemv(gated=True)``).
+            ``"router"``: the router logits of the sparse layers whose softmax top-k runs as one kernel
+            (Qwen3-MoE, Mixtral); other routers run their transformers module.
 
         max_positions: positions ``[0, max_positions)`` get their RoPE cos/sin computed once by the
             model's own ``rotary_emb`` (``rope_table``) and gathered per step; 0: computed every step.
@@ -262,14 +265,17 @@ class FusedCausalLM(torch.nn.Module):
         fn = rms_norm if self.use_triton else rms_norm_reference
         return fn(x, norm[0], norm[1], residual)
 
-    def _head_norm(self, x: torch.Tensor, norm: Any) -> torch.Tensor:
-        """Per-head RMSNorm of ``x [T, heads, D]`` with the transformers module ``norm`` (weight ``[D]``):
-        one Triton launch over ``T * heads`` rows instead of the module's half dozen (a decode step at
-        batch 1 is bound by launches); the reference path calls the module."""
+    def _head_norms(self, qk: torch.Tensor, q_heads: int, q_norm: Any, k_norm: Any
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of the query heads ``qk[:, :q_heads]`` with the transformers module ``q_norm``
+        and of the key heads ``qk[:, q_heads:]`` with ``k_norm`` (weights ``[D]``); ``qk [T, heads, D]``.
+        Returns ``(q [T, q_heads, D], k [T, heads - q_heads, D])``. With ``use_triton`` one launch for both
+        (``qk_rms_norm``: a decode step at batch 1 is bound by launches); else the modules themselves."""
         if not self.use_triton:
-            return norm(x)  # type: ignore[no-any-return]
-        t, h, d = x.shape
-        return rms_norm(x.reshape(t * h, d), norm.weight, float(norm.variance_epsilon)).view(t, h, d)
+            return q_norm(qk[:, :q_heads]), k_norm(qk[:, q_heads:])
+        out = qk_rms_norm(qk, q_heads, q_norm.weight, float(q_norm.variance_epsilon), k_norm.weight,
+                          float(k_norm.variance_epsilon))
+        return out[:, :q_heads], out[:, q_heads:]
 
     def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight | SplitFp8,
                 bias: torch.Tensor | None) -> torch.Tensor:
@@ -289,7 +295,8 @@ class FusedCausalLM(torch.nn.Module):
         k = qkv[:, lay.q_width:lay.q_width + lay.kv_width].view(t, -1, d)
         v = qkv[:, lay.q_width + lay.kv_width:].view(t, -1, d)
         if lay.q_norm is not None and lay.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
-            q, k = self._head_norm(q, lay.q_norm), self._head_norm(k, lay.k_norm)
+            q, k = self._head_norms(qkv[:, :lay.q_width + lay.kv_width].view(t, -1, d), q.shape[1],
+                                    lay.q_norm, lay.k_norm)
         rotary = None
         rot = cos.shape[-1]
         if rot < d or lay.interleaved:  # partial or pairwise rotary: the first ``rot`` dims, before the store
@@ -310,7 +317,7 @@ class FusedCausalLM(torch.nn.Module):
             return self._dense(ffn, x)
         if ffn.softmax_topk is not None and (self.use_triton or x.is_cuda):
             renormalize, dtype = ffn.softmax_topk
-            logits = torch.nn.functional.linear(x, ffn.router.weight)
+            logits = self._linear("router", x, ffn.router.weight, None)  # [T, E]
             weights, ids = topk_softmax(logits, ffn.router.top_k, renormalize, dtype or logits.dtype)
         else:
             _, weights, ids = ffn.router(x)  # [T, k] each

@@ -28,10 +28,11 @@ Few pairs (decode at small batch, ``moe_path``): the grouped GEMM's blocks are m
 step's cost is the alignment's dozen small launches plus too few programs streaming each expert's
 weights. The matrix-vector path skips the alignment: ``_gate_up_gemv_kernel`` runs one program per
 (pair, ``block_n`` columns of ``I``) and ``_down_gemv_kernel`` one per (token, ``block_n`` columns of
-``H``) that walks the token's ``k`` experts in slot order, each a row-blocked GEMV as ``engine.ops.gemv``
-(float32 products summed along the row, the same roundings as the grouped kernels), the weighted sum
-kept in float32 and rounded once. A weight is read once per pair that routes to it, so the path pays off
-only while pairs rarely share an expert.
+``H``) that walks the token's ``k`` experts in slot order, ``SLOTS`` of them read at once
+(``gemv_moe_slots``: a program's loads for those experts in flight together), each a row-blocked GEMV as
+``engine.ops.gemv`` (float32 products summed along the row, the same roundings as the grouped
+kernels), the weighted sum kept in float32 and rounded once. A weight is read once per pair that
+routes to it, so the path pays off only while pairs rarely share an expert.
 
 Both paths also take FP8 (e4m3) expert weights with their scales (``scales``; layouts, and where the
 kernels apply them: ``engine.ops.fused_moe_fp8``): weight-only, the activations stay in their dtype.
@@ -173,6 +174,13 @@ def _check(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_
         raise ValueError("x and the expert weights need a contiguous last dim")
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous 1-D tensor of its own dtype: a view when it is already contiguous (no copy
+    kernel per layer: the kernels widen bf16/fp16 routing weights to float32 as they load them)."""
+    flat = t.reshape(-1)
+    return flat if flat.is_contiguous() else flat.contiguous()
+
+
 def _scale_mode(scales: ExpertScales | None) -> int:
     """The kernels' ``SCALE``: 0 unquantized weights, 1 FP8 with per-row scales, 2 FP8 with block scales."""
     return 0 if scales is None else 1 if scales.block is None else 2
@@ -242,38 +250,46 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
     act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, s_ptr,
     top_k, inter, hidden,
     stride_at, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS: tl.constexpr, USE_GDC: tl.constexpr,
+    SCALE: tl.constexpr,
 ):
+    # tiles are [BLOCK_N output columns, SLOTS slots of the token, BLOCK_K inputs]: SLOTS experts' weights
+    # are in flight at once instead of one expert after the other
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < hidden
+    cols3 = cols.to(tl.int64)[:, None, None]  # [BLOCK_N, 1, 1]
+    srows3 = (cols // scale_rows).to(tl.int64)[:, None, None] * stride_sn
     ks = tl.arange(0, BLOCK_K)
+    js = tl.arange(0, SLOTS)
     gdc_enter(USE_GDC)  # the activations come from the kernel just before
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dt = act_ptr.dtype.element_ty
-    for j in range(0, top_k):
-        pair = token * top_k + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-        s_row = s_ptr + expert * stride_se + (cols // scale_rows).to(tl.int64) * stride_sn  # [BLOCK_N]
-        s_rows = s_row[:, None]
-        a_row = act_ptr + pair * stride_at
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for j0 in range(0, top_k, SLOTS):
+        slot_mask = (j0 + js) < top_k
+        pairs = token * top_k + j0 + js  # [SLOTS]
+        experts = tl.load(ids_ptr + pairs, mask=slot_mask, other=0).to(tl.int64)
+        rows = w_ptr + experts[None, :, None] * stride_we + cols3 * stride_wn  # [BLOCK_N, SLOTS, 1]
+        s_rows = s_ptr + experts[None, :, None] * stride_se + srows3  # [BLOCK_N, SLOTS, 1]
+        a_rows = act_ptr + pairs[None, :, None] * stride_at  # [1, SLOTS, 1]
+        row_mask = col_mask[:, None, None] & slot_mask[None, :, None]
+        acc = tl.zeros((BLOCK_N, SLOTS, BLOCK_K), dtype=tl.float32)
         for k in range(0, inter, BLOCK_K):
-            kk = k + ks
+            kk = (k + ks)[None, None, :]  # [1, 1, BLOCK_K]
             k_mask = kk < inter
-            av = tl.load(a_row + kk, mask=k_mask, other=0.0).to(tl.float32)
-            w_mask = col_mask[:, None] & k_mask[None, :]
-            w = tl.load(rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            av = tl.load(a_rows + kk, mask=slot_mask[None, :, None] & k_mask, other=0.0).to(tl.float32)
+            w_mask = row_mask & k_mask
+            w = tl.load(rows + kk, mask=w_mask, other=0.0).to(tl.float32)
             if SCALE == 2:
-                sc = tl.load(s_rows + (kk // scale_cols)[None, :] * stride_sk, mask=w_mask, other=0.0)
+                sc = tl.load(s_rows + (kk // scale_cols) * stride_sk, mask=w_mask, other=0.0)
                 w = (w * sc).to(dt).to(tl.float32)
-            acc += w * av[None, :]
-        y = tl.sum(acc, axis=1)
+            acc += w * av
+        y = tl.sum(acc, axis=2)  # [BLOCK_N, SLOTS]
         if SCALE == 1:
-            y = y * tl.load(s_row, mask=col_mask, other=0.0)
+            y = y * tl.sum(tl.load(s_rows, mask=row_mask, other=0.0), axis=2)  # the sum drops the unit axis
         y = y.to(dt).to(tl.float32)
-        total += y * tl.load(weights_ptr + pair).to(tl.float32)
+        route = tl.load(weights_ptr + pairs, mask=slot_mask, other=0.0).to(tl.float32)
+        total += tl.sum(y * route[None, :], axis=1)
     tl.store(out_ptr + token * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -296,24 +312,33 @@ def gemv_moe_tile(num_tokens: int, down: bool) -> tuple[int, int, int]:
     return (4, 512, 4) if down else (8, 512, 4)
 
 
+def gemv_moe_slots(num_tokens: int, top_k: int) -> int:
+    """Slots of a token whose experts the down matrix-vector kernel reads at once (``SLOTS``; a power of
+    two, the rest of the ``top_k`` slots in further rounds): 1, one expert after the other."""
+    return 1
+
+
 def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                    up_tile: tuple[int, int, int] | None = None,
-                   down_tile: tuple[int, int, int] | None = None,
+                   down_tile: tuple[int, int, int] | None = None, down_slots: int | None = None,
                    scales: ExpertScales | None = None) -> torch.Tensor:
     """``fused_moe``'s matrix-vector path with its tiles given (``(block_n, block_k, num_warps)`` of the
-    gate/up and the down kernel; None: ``gemv_moe_tile``), for tile sweeps. Same arguments, result and
-    errors as ``fused_moe``."""
+    gate/up and the down kernel; None: ``gemv_moe_tile``) and the down kernel's slots read at once
+    (``down_slots``, a power of two; None: ``gemv_moe_slots``; each program's down tile is then
+    ``block_n x down_slots x block_k``), for tile sweeps. Same arguments, result and errors as
+    ``fused_moe``, plus ValueError for a ``down_slots`` that is not a power of two."""
     _check(x, w_gate_up, w_down, topk_weights, topk_ids, scales)
+    slots = down_slots if down_slots is not None else gemv_moe_slots(x.shape[0], topk_ids.shape[1])
+    if slots < 1 or slots & (slots - 1):
+        raise ValueError(f"down_slots must be a power of two >= 1, got {slots}")
     block = scales.block if scales is not None else None
     s_up = kernel_scale_args(scales.gate_up if scales is not None else None, block, w_gate_up)
     s_down = kernel_scale_args(scales.down if scales is not None else None, block, w_down)
     t, hidden = x.shape
     inter = w_gate_up.shape[1] // 2
     top_k = topk_ids.shape[1]
-    ids = topk_ids.reshape(-1)
-    if not ids.is_contiguous():
-        ids = ids.contiguous()
+    ids = _flat(topk_ids)
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     if t == 0:
         return torch.zeros_like(x)
@@ -323,13 +348,13 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), *s_up[1:],
         BLOCK_N=bn, BLOCK_K=bk, SCALE=_scale_mode(scales), num_warps=warps, **pdl_kwargs(x),
     )
-    weights = topk_weights.reshape(-1).to(torch.float32)
+    weights = _flat(topk_weights)  # the kernels widen each routing weight to float32 as they load it
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     bn, bk, warps = down_tile or gemv_moe_tile(t, down=True)
     _down_gemv_kernel[(t, triton.cdiv(hidden, bn))](
         act, w_down, ids, weights, out, s_down[0], top_k, inter, hidden,
         act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), *s_down[1:],
-        BLOCK_N=bn, BLOCK_K=bk, SCALE=_scale_mode(scales), num_warps=warps, **pdl_kwargs(x),
+        BLOCK_N=bn, BLOCK_K=bk, SLOTS=slots, SCALE=_scale_mode(scales), num_warps=warps, **pdl_kwargs(x),
     )
     return out
 
@@ -388,7 +413,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn_up, BLOCK_K=bk_up, SCALE=_scale_mode(scales),
         num_warps=warps, **pdl_kwargs(x),
     )
-    weights = topk_weights.reshape(-1).to(torch.float32)
+    weights = _flat(topk_weights)  # the kernels widen each routing weight to float32 as they load it
     out = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     _down_kernel[(blocks, triton.cdiv(hidden, bn_down))](
         act, w_down, align.sorted_ids, align.block_expert, weights, out, s_down[0],

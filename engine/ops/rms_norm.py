@@ -5,7 +5,8 @@ Normalization", NeurIPS 2019), with the rounding of transformers' ``LlamaRMSNorm
 normalisation in float32, the result rounded to the input dtype, then multiplied by the weight in that
 dtype. The fused form also does the decoder layer's residual add (``residual = x + residual``, rounded to
 the input dtype) in the same pass, in place, so one kernel replaces five or six elementwise launches.
-One Triton program normalises one row.
+One Triton program normalises one row. ``qk_rms_norm`` normalises a step's query and key heads (Qwen3's
+per-head ``q_norm`` and ``k_norm``, two weights) in one launch, straight from the fused QKV output.
 """
 
 from __future__ import annotations
@@ -99,3 +100,83 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
     xf = x.to(torch.float32)
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
+
+
+@triton.jit
+def _qk_norm_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    x_ptr, wq_ptr, wk_ptr, out_ptr,
+    stride_xt, stride_xh, q_heads, heads, head_dim, eps_q, eps_k,
+    BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)
+    row = tl.program_id(0)
+    token = (row // heads).to(tl.int64)
+    head = row % heads
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < head_dim
+    x = tl.load(x_ptr + token * stride_xt + head * stride_xh + cols, mask=mask, other=0.0)
+    is_q = head < q_heads
+    eps = tl.where(is_q, eps_q, eps_k)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / head_dim
+    normed = (xf / tl.sqrt(var + eps)).to(x.dtype).to(tl.float32)
+    wq = tl.load(wq_ptr + cols, mask=mask & is_q, other=0.0).to(tl.float32)
+    wk = tl.load(wk_ptr + cols, mask=mask & (head >= q_heads), other=0.0).to(tl.float32)
+    w = tl.where(is_q, wq, wk)
+    out = (normed * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row.to(tl.int64) * head_dim + cols, out, mask=mask)
+
+
+def _check_qk(qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor) -> None:
+    if qk.dim() != 3 or qk.stride(2) != 1:
+        raise ValueError(f"qk must be [T, heads, D] with a contiguous last dim, got {tuple(qk.shape)}")
+    d = qk.shape[2]
+    if not 0 <= q_heads <= qk.shape[1]:
+        raise ValueError(f"q_heads must be in [0, {qk.shape[1]}], got {q_heads}")
+    if q_weight.shape != (d,) or k_weight.shape != (d,):
+        raise ValueError(f"q_weight and k_weight must be [{d}]; got {tuple(q_weight.shape)} and "
+                         f"{tuple(k_weight.shape)}")
+
+
+def qk_rms_norm(qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor, q_eps: float, k_weight: torch.Tensor,
+                k_eps: float) -> torch.Tensor:
+    """Per-head RMSNorm of the query and key heads of a step in one launch (Triton): head ``h`` of each
+    token normalised with ``q_weight``/``q_eps`` when ``h < q_heads``, else ``k_weight``/``k_eps``; each
+    head as ``rms_norm`` rounds a row (Qwen3's ``q_norm``/``k_norm``, transformers' ``Qwen3RMSNorm``). One
+    program per (token, head).
+
+    Args:
+        qk: ``[T, q_heads + k_heads, D]``, float32/float16/bfloat16, last dim contiguous, other strides
+            free (the query and key columns of a fused QKV projection's output, viewed per head).
+        q_heads: how many leading heads are query heads.
+        q_weight, k_weight: ``[D]`` each, ``qk``'s dtype.
+        q_eps, k_eps: the two norms' epsilons.
+
+    Returns:
+        ``[T, q_heads + k_heads, D]`` new contiguous tensor of ``qk``'s dtype.
+
+    Raises:
+        ValueError: shapes or strides that do not fit.
+    """
+    _check_qk(qk, q_heads, q_weight, k_weight)
+    t, heads, d = qk.shape
+    out = torch.empty((t, heads, d), dtype=qk.dtype, device=qk.device)
+    if t * heads == 0:
+        return out
+    block = triton.next_power_of_2(d)
+    _qk_norm_kernel[(t * heads,)](
+        qk, q_weight, k_weight, out, qk.stride(0), qk.stride(1), q_heads, heads, d, q_eps, k_eps,
+        BLOCK_D=block, num_warps=min(16, max(1, block // 256)), **pdl_kwargs(qk),
+    )
+    return out
+
+
+def qk_rms_norm_reference(qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor, q_eps: float,
+                          k_weight: torch.Tensor, k_eps: float) -> torch.Tensor:
+    """Plain-torch ``qk_rms_norm``: ``rms_norm_reference`` over the query heads' rows and over the key
+    heads' rows. Same arguments, result and errors."""
+    _check_qk(qk, q_heads, q_weight, k_weight)
+    t, heads, d = qk.shape
+    q = rms_norm_reference(qk[:, :q_heads].reshape(-1, d), q_weight, q_eps).view(t, q_heads, d)
+    k = rms_norm_reference(qk[:, q_heads:].reshape(-1, d), k_weight, k_eps).view(t, heads - q_heads, d)
+    return torch.cat((q, k), dim=1)

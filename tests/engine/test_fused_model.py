@@ -46,7 +46,7 @@ def test_fused_triton_kernels_match_transformers(tmp_path):
     llm = _llm(path, "on", backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
     net = llm.core.runner.net
     assert net.use_triton
-    plain_gemv = set(PROJECTIONS) - {"silu_down"}  # every projection through _linear (silu_down: below)
+    plain_gemv = set(PROJECTIONS) - {"silu_down", "router"}  # every dense projection (silu_down: below)
     net.gemv_projections = frozenset(plain_gemv)  # one-token steps through engine.ops.gemv
     llm.core.runner.decode_graphs = None  # (GPU) run decode steps eagerly so the change takes effect
     calls = []
@@ -90,6 +90,67 @@ def test_fused_moe_kernels_match_transformers(arch, tmp_path, monkeypatch):
     assert again[0].num_cached_tokens > 0 and again[0].token_ids == outs[0].token_ids
     assert calls and len(calls) % len(sparse) == 0
     llm.core.check_no_leaks()
+
+
+def test_qwen3_head_norms_in_one_launch_match_transformers(tmp_path, monkeypatch):
+    """Qwen3's per-head q/k RMSNorm with the Triton kernels: one ``qk_rms_norm`` launch per layer and step,
+    and greedy tokens and logprobs equal transformers' (batch 2, then batch 1)."""
+    from engine.models import fused_model
+
+    path = save_tiny_model("Qwen3ForCausalLM", tmp_path / "m", seed=16)
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    llm = _llm(path, "on", backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
+    net = llm.core.runner.net
+    llm.core.runner.decode_graphs = None  # (GPU) every step eager, so the counter below sees each call
+    calls: list[tuple[int, int]] = []
+    real = fused_model.qk_rms_norm
+    monkeypatch.setattr(fused_model, "qk_rms_norm",
+                        lambda qk, *a: calls.append(tuple(qk.shape[:2])) or real(qk, *a))
+    prompts = make_prompts(seed=16)[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
+    outs = llm.generate(prompts, params)
+    assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
+    solo = llm.generate(prompts[:1], params)
+    assert_matches_hf(reference, prompts[:1], solo, eos=2, max_tokens=3)
+    cfg = reference.config
+    assert calls and len(calls) % len(net.fused_layers) == 0
+    assert {heads for _, heads in calls} == {cfg.num_attention_heads + cfg.num_key_value_heads}
+    assert 1 in {tokens for tokens, _ in calls}  # batch-1 decode steps took it too
+    llm.core.check_no_leaks()
+
+
+@pytest.mark.parametrize("arch", grid(["Qwen3MoeForCausalLM", "MixtralForCausalLM"], ["Qwen3MoeForCausalLM"]))
+def test_one_token_router_logits_come_from_the_gemv(arch, tmp_path, monkeypatch):
+    """``"router"`` in ``gemv_projections``: a one-token step's softmax top-k router takes its logits from
+    ``engine.ops.gemv`` (no cuBLAS call), once per sparse layer, and each sparse block's output equals the
+    transformers block's; a two-token step keeps ``torch.nn.functional.linear``."""
+    from engine.models import fused_model
+
+    path = save_tiny_model(arch, tmp_path / "m", seed=15)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    net = FusedCausalLM(model, use_triton=True, gemv_projections=("router",))
+    weights: list[torch.Tensor] = []
+    real = fused_model.gemv
+    monkeypatch.setattr(fused_model, "gemv",
+                        lambda x, w, b=None, **kw: weights.append(w) or real(x, w, b, **kw))
+    gen = torch.Generator().manual_seed(15)
+    sparse = [lay for lay in net.fused_layers if isinstance(lay.ffn, fused_model._SparseMoE)]
+    assert sparse
+    for tokens in (1, 2):
+        weights.clear()
+        for lay in sparse:
+            x = torch.randn(tokens, model.config.hidden_size, generator=gen)
+            with torch.no_grad():
+                got = net._mlp(lay, x)
+                out = lay.mlp(x[None])
+            want = (out[0] if isinstance(out, tuple) else out).reshape(tokens, -1)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        routers = [lay.ffn.router.weight for lay in sparse]
+        if tokens == 1:
+            assert len(weights) == len(routers)
+            assert all(w is r for w, r in zip(weights, routers, strict=True))
+        else:
+            assert weights == []
 
 
 @pytest.mark.parametrize("arch", NEW_DENSE_ARCHS)

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.ops.fused_moe import fused_moe, fused_moe_reference, moe_path
+from engine.ops.fused_moe import fused_moe, fused_moe_gemv, fused_moe_reference, moe_path
 from tests.engine.grid import FULL_GRID, grid
 
 CUDA = torch.cuda.is_available()
@@ -128,3 +129,62 @@ def test_fused_moe_decode_is_cuda_graph_capturable():
         graph.replay()
         want = fused_moe_reference(x2, w_gate_up, w_down, w2, ids2)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+class _DispatchLog(TorchDispatchMode):
+    """Records every aten op run under it as ``(name, kwargs)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((str(func), dict(kwargs or {})))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_half_precision_routing_weights_are_not_cast_before_the_kernels(path):
+    """Qwen3-MoE's router rounds its weights to the model dtype: ``fused_moe`` hands them to the kernels as
+    they are (each widened to float32 as it is loaded), so no float32 cast runs per layer, and the result
+    equals the reference's with the same weights."""
+    x, w_gate_up, w_down, weights, ids = moe_case(8, 2, 3, "uniform", torch.float16)
+    weights = weights.to(torch.float16)
+    with _DispatchLog() as log:
+        got = fused_moe(x, w_gate_up, w_down, weights, ids, path=path)
+    casts = [op for op, kw in log.ops if op.startswith("aten._to_copy") and kw.get("dtype") == torch.float32]
+    assert casts == []
+    want = fused_moe_reference(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[torch.float16], rtol=TOL[torch.float16])
+
+
+@pytest.mark.parametrize("scale", [None, "channel", "block"])
+@pytest.mark.parametrize("top_k,tokens,slots", [(8, 1, 8), (8, 2, 4), (3, 1, 2), (2, 1, 4)])
+def test_down_gemv_slots_read_at_once_match_the_reference(scale, top_k, tokens, slots):
+    """The down matrix-vector kernel reading ``slots`` of a token's experts at once (all of them, a part of
+    them over several rounds, or more slots than ``top_k`` with the rest masked) equals the reference and,
+    up to float reassociation, the one-expert-at-a-time kernel; FP8 experts with per-row or block scales
+    too. A ``down_slots`` that is not a power of two is refused."""
+    from engine.ops.fused_moe_fp8 import ExpertScales, quantize_experts
+
+    dtype = torch.float16
+    x, w_gate_up, w_down, weights, ids = moe_case(16, top_k, tokens, "uniform", torch.float32, inter=32)
+    scales = None
+    if scale is not None:
+        block = (16, 16) if scale == "block" else None
+        w_gate_up, s_up = quantize_experts(w_gate_up, block)
+        w_down, s_down = quantize_experts(w_down, block)
+        scales = ExpertScales(s_up, s_down, block)
+    else:
+        w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
+    x = x.to(dtype)
+    tile = (4, 16, 4)  # block_k 16 < inter 32: two rounds over the inputs
+    got = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_tile=tile, down_slots=slots,
+                         scales=scales)
+    one = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_tile=tile, down_slots=1, scales=scales)
+    want = fused_moe_reference(x, w_gate_up, w_down, weights, ids, scales=scales)
+    atol = TOL[dtype] * (3 if scale == "channel" else 1)
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=TOL[dtype])
+    torch.testing.assert_close(got.float(), one.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    with pytest.raises(ValueError, match="down_slots"):
+        fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_slots=3, scales=scales)

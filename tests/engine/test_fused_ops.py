@@ -161,3 +161,32 @@ def test_gated_gemv_equals_silu_mul_then_gemv(dtype, n, k):
                                atol=TOL[dtype] * 4, rtol=TOL[dtype] * 4)
     with pytest.raises(ValueError, match=r"gate \| up"):
         gemv(gate_up[:, :k], weight, gated=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_qk_rms_norm_matches_qwen3_head_norms(dtype, tokens):
+    """The query and key heads of a fused QKV output (strided: V columns after them) in one launch, each
+    group with its own weight and epsilon, against transformers' ``Qwen3RMSNorm`` modules per group."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from engine.ops.rms_norm import qk_rms_norm, qk_rms_norm_reference
+
+    q_heads, k_heads, d = 4, 2, 32
+    qkv = _rand(tokens, (q_heads + 2 * k_heads) * d, dtype=dtype)
+    qk = qkv[:, :(q_heads + k_heads) * d].view(tokens, -1, d)
+    norms = []
+    for seed, eps in ((1, 1e-6), (2, 1e-5)):
+        norm = Qwen3RMSNorm(d, eps=eps).to(DEVICE, dtype)
+        norm.weight.data.copy_(_rand(d, dtype=dtype, seed=seed))
+        norms.append(norm)
+    want = torch.cat((norms[0](qk[:, :q_heads]), norms[1](qk[:, q_heads:])), dim=1)
+    args = (q_heads, norms[0].weight, 1e-6, norms[1].weight, 1e-5)
+    torch.testing.assert_close(qk_rms_norm_reference(qk, *args), want, atol=0, rtol=0)
+    got = qk_rms_norm(qk, *args)
+    assert got.shape == (tokens, q_heads + k_heads, d) and got.is_contiguous()
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+    with pytest.raises(ValueError, match="q_heads"):
+        qk_rms_norm(qk, q_heads + k_heads + 1, *args[1:])
+    with pytest.raises(ValueError, match="k_weight"):
+        qk_rms_norm(qk, q_heads, norms[0].weight, 1e-6, norms[1].weight[:-1], 1e-5)

@@ -4,7 +4,8 @@ CPU: the switch and its defaults (PDL never applies to CPU tensors or under the 
 that the model runner applies ``ModelConfig.pdl``; on a GPU also that only one-row launches use it. On a
 Hopper GPU (scripts/gpu_tests.sh): a chain of dependent kernels (RMSNorm with residual, GEMV, SiLU·mul,
 decode attention's split and reduce) captured in a CUDA graph with PDL gives bit-identical results to the
-same chain run eagerly without PDL, replay after replay (a kernel reading before its predecessor finished
+same chain run eagerly without PDL (and a mixture-of-experts layer's: q/k head norms, router GEMV, top-k
+softmax, matrix-vector experts), replay after replay (a kernel reading before its predecessor finished
 would show here), and the engine's greedy tokens through captured decode graphs are the same with and
 without PDL.
 """
@@ -140,3 +141,48 @@ def test_engine_greedy_tokens_equal_with_and_without_pdl(tmp_path: Path) -> None
         return run.tokens
 
     assert go(True) == go(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason=NOT_HOPPER)
+@pytest.mark.parametrize("slots", [1, 4])
+def test_moe_chain_in_a_graph_with_pdl_equals_eager_without(slots: int) -> None:
+    """A batch-1 MoE layer's launches (q/k head norms, router GEMV, top-k softmax, the matrix-vector
+    experts with ``slots`` experts read at once) captured with PDL equal the eager chain without PDL, bit
+    for bit, replay after replay."""
+    from engine.ops.fused_moe import fused_moe_gemv
+    from engine.ops.rms_norm import qk_rms_norm
+    from engine.ops.topk_softmax import topk_softmax
+
+    dtype = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device="cuda") * 0.05).to(dtype)
+
+    hidden, inter, experts, d = 256, 64, 16, 32
+    router = rand(experts, hidden)
+    gate_up, down = rand(experts, 2 * inter, hidden), rand(experts, hidden, inter)
+    wq, wk = rand(d) + 1, rand(d) + 1
+    x0, qkv0 = rand(1, hidden), rand(1, 8 * d)
+
+    def chain(x: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        qk = qk_rms_norm(qkv[:, :6 * d].view(1, 6, d), 4, wq, 1e-6, wk, 1e-6)
+        weights, ids = topk_softmax(gemv(x, router), 4, True, dtype)
+        return fused_moe_gemv(x, gate_up, down, weights, ids, down_slots=slots), qk
+
+    set_pdl(False)
+    want = chain(x0, qkv0)
+    set_pdl(True)
+    x, qkv = x0.clone(), qkv0.clone()
+    chain(x, qkv)  # compile the PDL variants outside capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        got = chain(x, qkv)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
