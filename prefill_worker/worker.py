@@ -157,7 +157,7 @@ class PrefillWorker(WorkerLoop):
             num_blocks = len(handle_blocks(handle))
             num_tokens = num_blocks * bm.block_size
             seq = Sequence(cid, [0] * num_tokens, SamplingParams(max_tokens=1), time.monotonic(),
-                           self.core.eos_token_id)
+                           self.core.eos_token_ids)
             if not bm.can_allocate(seq, num_tokens):
                 self.emit(KVCanaryResult(canary_id=cid, worker_id=self.worker_id, ok=False, num_bytes=0,
                                          seconds=0.0, transport=transport, skipped=True,
