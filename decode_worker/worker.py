@@ -297,7 +297,7 @@ class DecodeWorker(WorkerLoop):
         self.metrics.kv_received(-(-seq.num_prompt_tokens // block_size) - num_cached, num_cached,
                                  self.core.runner.kv_cache.bytes_per_block)
         if seq.error is not None:  # its grammar rejects the first token: blocks freed, nothing streamed
-            self.fail(rid, seq.error)
+            self.fail(rid, seq.error, "structured_output")
         elif seq.is_finished:  # the first token already ends it (e.g. a stop token id)
             reason: FinishReason = "stop" if seq.status is SequenceStatus.FINISHED_STOPPED else "length"
             self.metrics.finished(seq, reason, now)

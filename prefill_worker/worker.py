@@ -324,7 +324,7 @@ class PrefillWorker(WorkerLoop):
             self.sending[rid] = seq  # ``fail`` → ``drop`` aborts the transfer; ``poll`` releases the blocks
         else:
             self.core.scheduler.release(seq)
-        self.fail(rid, f"the first token breaks the request's structured output: {exc}")
+        self.fail(rid, f"the first token breaks the request's structured output: {exc}", "structured_output")
 
     def poll(self) -> None:
         """Release the source blocks of every request whose transfer is terminal, then forget the transfer
