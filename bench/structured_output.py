@@ -97,7 +97,8 @@ def build_engine(args: argparse.Namespace, max_batch: int) -> EngineCore:
     if tokenizer_dir is None:
         tokenizer_dir = resolve_model("smollm2-135m" if is_dummy_alias(args.model) else args.model)
     eos = load_tokenizer(tokenizer_dir).eos_token_id
-    core.structured_outputs = StructuredOutputs(tokenizer_dir, core.runner.vocab_size, eos)
+    core.structured_outputs = StructuredOutputs(tokenizer_dir, core.runner.vocab_size,
+                                                () if eos is None else (eos,))
     return core
 
 

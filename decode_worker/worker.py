@@ -162,7 +162,7 @@ class DecodeWorker(WorkerLoop):
         else:
             num_tokens = self.canary_blocks(msg.num_bytes) * self.core.block_manager.block_size
             seq = Sequence(cid, [0] * num_tokens, SamplingParams(max_tokens=1),
-                           time.monotonic(), self.core.eos_token_id)
+                           time.monotonic(), self.core.eos_token_ids)
             try:
                 reserved = self.core.scheduler.add_waiting_for_kv(seq)
             except ValueError as exc:  # a pool smaller than one block's tokens
@@ -191,7 +191,7 @@ class DecodeWorker(WorkerLoop):
         if self._knows(msg.request_id):
             raise ValueError(f"request id {msg.request_id!r} is already on this worker")
         seq = Sequence(msg.request_id, list(msg.prompt_token_ids), params, time.monotonic(),
-                       self.core.eos_token_id)
+                       self.core.eos_token_ids)
         self.core.attach_grammar(seq)  # compiled now, while the prefill runs
         self.prefill_tp[msg.request_id] = msg.prefill_tp_size
         if self.pending or not self._try_reserve(seq):
@@ -297,7 +297,7 @@ class DecodeWorker(WorkerLoop):
         self.metrics.kv_received(-(-seq.num_prompt_tokens // block_size) - num_cached, num_cached,
                                  self.core.runner.kv_cache.bytes_per_block)
         if seq.error is not None:  # its grammar rejects the first token: blocks freed, nothing streamed
-            self.fail(rid, seq.error)
+            self.fail(rid, seq.error, "structured_output")
         elif seq.is_finished:  # the first token already ends it (e.g. a stop token id)
             reason: FinishReason = "stop" if seq.status is SequenceStatus.FINISHED_STOPPED else "length"
             self.metrics.finished(seq, reason, now)

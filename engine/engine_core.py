@@ -118,9 +118,9 @@ class EngineCore:
             self.runner.before_forward = self.host_tier.before_forward
         self.scheduler = Scheduler(engine_config.scheduler, cache, self.block_manager,
                                    prefill_only=prefill_only, max_model_len=self.runner.max_model_len)
-        self.eos_token_id = _eos_id(self.runner.hf_config)
+        self.eos_token_ids = eos_ids(self.runner.hf_config)
         self.structured_outputs = StructuredOutputs(resolve_model(engine_config.model.model),
-                                                    self.runner.vocab_size, self.eos_token_id)
+                                                    self.runner.vocab_size, self.eos_token_ids)
         self.step_request_ids: list[str] = []
         self.async_scheduling = engine_config.scheduler.async_scheduling  # may be switched between steps
         if self.async_scheduling and self.runner.decode_graphs is None:
@@ -159,7 +159,7 @@ class EngineCore:
         if sampling_params.seed is None:
             sampling_params = sampling_params.with_seed(secrets.randbits(63))
         seq = Sequence(request_id, list(prompt_token_ids), sampling_params,
-                       time.monotonic() if arrival_time is None else arrival_time, self.eos_token_id)
+                       time.monotonic() if arrival_time is None else arrival_time, self.eos_token_ids)
         self.attach_grammar(seq)
         self.scheduler.add(seq)
         return seq
@@ -319,9 +319,17 @@ def _running_rows(launched: LaunchedStep) -> list[str]:
     return [s.seq.request_id for s in launched.output.scheduled if s.seq.status is SequenceStatus.RUNNING]
 
 
-def _eos_id(hf_config: object) -> int | None:
-    """The model's eos token id (the first one when the config lists several)."""
+def eos_ids(hf_config: object) -> tuple[int, ...]:
+    """The model's eos token ids: its config's ``eos_token_id`` (an int, or a list of ints: generation
+    ends at any of them, e.g. GLM-4.5's three), in the config's order; ``()`` when it has none.
+
+    Raises:
+        ValueError: ``eos_token_id`` is neither None, an int nor a list of ints (naming the value).
+    """
     eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, list):
-        return int(eos[0]) if eos else None
-    return int(eos) if isinstance(eos, int) else None
+    if eos is None:
+        return ()
+    ids = [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and t >= 0 for t in ids):
+        raise ValueError(f"config eos_token_id {eos!r} is not an int or a list of ints >= 0")
+    return tuple(dict.fromkeys(int(t) for t in ids))

@@ -423,7 +423,7 @@ class ModelRunner:
             output_position=seq.num_output_tokens + params.output_offset + later,
             prompt_token_ids=prompt,
             output_token_ids=outputs,
-            eos_token_id=seq.eos_token_id,
+            eos_token_ids=seq.eos_token_ids,
         )
 
 

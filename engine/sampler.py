@@ -97,7 +97,8 @@ class SamplingRow:
     """What the sampler needs about one sampling sequence (one row of the logits).
 
     ``seed``: the request's seed (a random one is drawn at admission when the request has none);
-    ``output_position``: index of the output token being sampled (0 for the first).
+    ``output_position``: index of the output token being sampled (0 for the first);
+    ``eos_token_ids``: the model's eos ids (banned with ``stop_token_ids`` below ``min_tokens``).
     """
 
     params: SamplingParams
@@ -105,7 +106,7 @@ class SamplingRow:
     output_position: int
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
@@ -206,11 +207,11 @@ def penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
 
 
 def ban_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """``logits [B, V]`` with eos and ``stop_token_ids`` at ``-inf`` in the rows with fewer than
+    """``logits [B, V]`` with the eos ids and ``stop_token_ids`` at ``-inf`` in the rows with fewer than
     ``min_tokens`` outputs (a new tensor); ``logits`` itself when no row has such a ban."""
     dev, vocab = logits.device, logits.shape[1]
     banned = [
-        [*r.params.stop_token_ids, *([r.eos_token_id] if r.eos_token_id is not None else [])]
+        [*r.params.stop_token_ids, *r.eos_token_ids]
         if len(r.output_token_ids) < r.params.min_tokens else []
         for r in rows
     ]

@@ -53,6 +53,8 @@ class Sequence:
     ``1 .. len`` computed so far (entry ``i`` for token ``i + 1``; filled by the model runner as the
     prompt's chunks run; complete at ``num_prompt_tokens - 1`` entries); None when not requested.
     ``error``: why the sequence ended FINISHED_FAILED (None otherwise).
+    ``eos_token_ids``: the model's eos ids (any of them ends the generation unless ``ignore_eos``; ``()``:
+    none).
 
     Raises:
         ValueError: empty prompt or negative token ids.
@@ -64,7 +66,7 @@ class Sequence:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float,
-        eos_token_id: int | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
@@ -73,7 +75,7 @@ class Sequence:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -149,7 +151,7 @@ class Sequence:
 def check_stop(seq: Sequence, max_model_len: int) -> SequenceStatus | None:
     """Finish status implied by ``seq``'s last output token, or None to continue.
 
-    eos (unless ``ignore_eos``) and ``stop_token_ids`` stop only once ``min_tokens`` outputs exist;
+    an eos id (unless ``ignore_eos``) and ``stop_token_ids`` stop only once ``min_tokens`` outputs exist;
     ``max_tokens`` output tokens or ``max_model_len`` total tokens finish with FINISHED_LENGTH. A sequence
     with a ``grammar`` first advances its matcher over the new token and stops once the grammar has
     terminated (complete, and its eos accepted), ``ignore_eos`` or not.
@@ -167,7 +169,7 @@ def check_stop(seq: Sequence, max_model_len: int) -> SequenceStatus | None:
             return SequenceStatus.FINISHED_STOPPED
     if num_outputs >= params.min_tokens:
         last = outputs[-1]
-        if not params.ignore_eos and seq.eos_token_id is not None and last == seq.eos_token_id:
+        if not params.ignore_eos and last in seq.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED
         if last in params.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED

@@ -114,15 +114,16 @@ class StructuredOutputs:
         model_dir: the Hugging Face directory holding ``tokenizer.json``.
         vocab_size: the model's logit width (may exceed the tokenizer's vocabulary: the extra ids are
             never allowed).
-        eos_token_id: the token that ends a complete grammar (None: the tokenizer's own eos).
+        eos_token_ids: the tokens that end a complete grammar (the model's eos ids; ``()``: the tokenizer's
+            own eos).
         max_cached: compiled grammars kept (least recently used dropped first).
     """
 
-    def __init__(self, model_dir: Path, vocab_size: int, eos_token_id: int | None,
+    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...],
                  max_cached: int = DEFAULT_MAX_CACHED) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.max_cached = max_cached
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()
@@ -158,7 +159,7 @@ class StructuredOutputs:
             import transformers  # loaded only when a structured request arrives
 
             tokenizer = transformers.AutoTokenizer.from_pretrained(str(self.model_dir))
-            stop = [self.eos_token_id] if self.eos_token_id is not None else None
+            stop = list(self.eos_token_ids) or None
             info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                            stop_token_ids=stop)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -17,10 +17,13 @@ protocol/messages.py.
   6. ``release`` (always, by whoever submitted): ``AbortRequest`` to every worker still holding state,
      TTFT/ITL/TPOT/E2E metrics if FINISHED.
 
-Recovery (``_recover``): when a worker of the request fails it (``RequestFailed``), is lost, or cannot be
-reached (``WorkerLost``), the request is routed again, leaving out every worker that failed it, as a new
-attempt with a fresh worker request id (late messages of the old attempt are then answered with
-``AbortRequest``); every holder of the old attempt, the failed worker included, gets ``AbortRequest``.
+Recovery (``_recover``): when a worker of the request fails it (``RequestFailed`` of kind ``worker``), is
+lost, or cannot be reached (``WorkerLost``), the request is routed again, leaving out every worker that
+failed it, as a new attempt with a fresh worker request id (late messages of the old attempt are then
+answered with ``AbortRequest``); every holder of the old attempt, the failed worker included, gets
+``AbortRequest``. A ``RequestFailed`` of kind ``structured_output`` (the request's grammar rejected the
+model's token) or a ``RequestRejected`` is the request's own and not recovered: ``GenerationFailed``
+with 400.
   * no output token counted yet: a retry of the same prompt (at most ``max_retries``, counted in
     ``pdserve_request_retries_total{cause}``);
   * ``k`` tokens counted: a migration (at most ``max_migrations``, ``pdserve_request_migrations_total``):
@@ -268,6 +271,16 @@ class Orchestrator:
             elif isinstance(msg, RequestFinished):
                 self._drop_holder(req, msg.worker_id)
                 return TokenOutput(None, None, msg.finish_reason)
+            elif isinstance(msg, RequestFailed) and msg.kind == "structured_output":
+                # the request's own grammar rejected the model's token: any worker would fail it alike
+                self._drop_holder(req, msg.worker_id)
+                req.phase = RequestPhase.FAILED
+                log_event(log, "request_not_recovered", logging.WARNING, request_id=req.request_id,
+                          worker_id=msg.worker_id, cause="failed", kind="structured_output",
+                          reason=msg.error)
+                raise GenerationFailed(f"worker {msg.worker_id}: {msg.error}", 400,
+                                       req.inp.structured_param or "structured_output",
+                                       "structured_output_failed")
             elif isinstance(msg, RequestFailed):
                 why = f"worker {msg.worker_id} failed: {msg.error}"
                 await self._recover(req, msg.worker_id, "failed", why)

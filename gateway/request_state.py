@@ -102,18 +102,21 @@ class TokenOutput:
 class GenerationFailed(RuntimeError):
     """A worker failed, vanished or aborted while serving the request and it could not be recovered, or
     the request timed out, or a worker rejected it. ``status``: the HTTP status it is answered with
-    before any output (400 a worker rejected the request, naming ``param``; 502 a worker failure, 503 no
-    other worker could take the request over, 504 the request timed out)."""
+    before any output (400 a worker rejected the request, naming ``param``, or its grammar rejected the
+    model's token, with ``code`` ``structured_output_failed``; 502 a worker failure, 503 no other worker
+    could take the request over, 504 the request timed out)."""
 
-    def __init__(self, message: str, status: int = 502, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 502, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
+        self.code = code
 
     def api_error(self) -> APIError:
         """The OpenAI error answered for this failure (with ``Retry-After`` on 503)."""
         if self.status == 400:
-            return bad_request(str(self), self.param)
+            return bad_request(str(self), self.param, self.code)
         if self.status == 504:
             return gateway_timeout(str(self))
         if self.status == 503:

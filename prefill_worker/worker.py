@@ -157,7 +157,7 @@ class PrefillWorker(WorkerLoop):
             num_blocks = len(handle_blocks(handle))
             num_tokens = num_blocks * bm.block_size
             seq = Sequence(cid, [0] * num_tokens, SamplingParams(max_tokens=1), time.monotonic(),
-                           self.core.eos_token_id)
+                           self.core.eos_token_ids)
             if not bm.can_allocate(seq, num_tokens):
                 self.emit(KVCanaryResult(canary_id=cid, worker_id=self.worker_id, ok=False, num_bytes=0,
                                          seconds=0.0, transport=transport, skipped=True,
@@ -324,7 +324,7 @@ class PrefillWorker(WorkerLoop):
             self.sending[rid] = seq  # ``fail`` → ``drop`` aborts the transfer; ``poll`` releases the blocks
         else:
             self.core.scheduler.release(seq)
-        self.fail(rid, f"the first token breaks the request's structured output: {exc}")
+        self.fail(rid, f"the first token breaks the request's structured output: {exc}", "structured_output")
 
     def poll(self) -> None:
         """Release the source blocks of every request whose transfer is terminal, then forget the transfer

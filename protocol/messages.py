@@ -37,6 +37,7 @@ from kvtransfer.compat import KVCompat
 
 Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort"]
+FailureKind = Literal["worker", "structured_output"]  # RequestFailed.kind
 BlockHash = Annotated[int, msgspec.Meta(ge=0)]  # engine/block_hash.py ``block_hash`` (msgpack: < 2**64)
 
 
@@ -321,11 +322,16 @@ class RequestFinished(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class RequestFailed(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Worker → gateway: the request failed on the worker (``error`` says why)."""
+    """Worker → gateway: the request failed on the worker (``error`` says why). ``kind``: ``"worker"``
+    (the worker's own failure: a KV transfer, a step error; another worker may serve the request, so the
+    gateway retries or migrates it) or ``"structured_output"`` (the request's grammar rejected the model's
+    token: it would fail the same way anywhere, so the gateway answers 400 naming the request's
+    structured-output field, or ends the stream with an error event, and retries nowhere)."""
 
     request_id: str
     worker_id: str
     error: str
+    kind: FailureKind = "worker"
 
 
 class RequestRejected(msgspec.Struct, frozen=True, kw_only=True, tag=True):

@@ -36,6 +36,7 @@ import msgspec
 from kvtransfer.compat import KVCompat
 from protocol.logging import log_event
 from protocol.messages import (
+    FailureKind,
     Heartbeat,
     KVCanaryReserve,
     KVCanarySend,
@@ -282,12 +283,13 @@ class WorkerLoop:
             log.error("%s: stopping the worker", self.fatal)
             self.request_stop()
 
-    def fail(self, request_id: str, error: str) -> None:
-        """Drop the request here and tell the gateway (``RequestFailed``); the worker keeps serving."""
-        log_event(log, "request_failed", logging.WARNING, request_id=request_id, error=error)
+    def fail(self, request_id: str, error: str, kind: FailureKind = "worker") -> None:
+        """Drop the request here and tell the gateway (``RequestFailed`` of ``kind``: ``"structured_output"``
+        when the request's grammar rejected its token, else ``"worker"``); the worker keeps serving."""
+        log_event(log, "request_failed", logging.WARNING, request_id=request_id, error=error, kind=kind)
         with contextlib.suppress(Exception):
             self.drop(request_id)
-        self.emit(RequestFailed(request_id=request_id, worker_id=self.worker_id, error=error))
+        self.emit(RequestFailed(request_id=request_id, worker_id=self.worker_id, error=error, kind=kind))
 
     def reject(self, request_id: str, error: str) -> None:
         """Drop the request here and tell the gateway it cannot be served as asked (``RequestRejected``:

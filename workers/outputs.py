@@ -68,7 +68,8 @@ def token_messages(worker_id: str, seq: Sequence, out: StepOutput, metrics: Work
     """
     rid, reason = out.request_id, finish_reason(out)
     if out.error is not None:  # the token is no output: the request ends here (its blocks are freed)
-        return [RequestFailed(request_id=rid, worker_id=worker_id, error=out.error)]
+        return [RequestFailed(request_id=rid, worker_id=worker_id, error=out.error,
+                              kind="structured_output")]
     msgs: list[Message] = []
     if seq.num_output_tokens == 1:
         msgs.append(FirstToken(request_id=rid, worker_id=worker_id, token_id=out.token_id,

@@ -45,7 +45,7 @@ def enter_decodes(core: object, batch: int, context: int, max_tokens: int, tag: 
     sched, vocab = core.scheduler, core.runner.vocab_size  # type: ignore[attr-defined]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, context, vocab, seed=context + batch)):
-        seq = Sequence(f"{tag}-{i}", prompt, params, time.monotonic(), core.eos_token_id)  # type: ignore[attr-defined]
+        seq = Sequence(f"{tag}-{i}", prompt, params, time.monotonic(), core.eos_token_ids)  # type: ignore[attr-defined]
         if not sched.add_waiting_for_kv(seq):
             raise RuntimeError(f"no KV blocks for batch {batch} x {context} tokens: raise --num-blocks")
         sched.kv_landed(seq.request_id, first_token=5)

@@ -95,7 +95,7 @@ def _measure(core: EngineCore, batch: int, args: argparse.Namespace) -> dict[str
     end.synchronize()
     replay_s = start.elapsed_time(end) / 1e3 / args.iters
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    rows = [SamplingRow(params, 0, 0, [1], [], None) for _ in range(batch)]
+    rows = [SamplingRow(params, 0, 0, [1], []) for _ in range(batch)]
     sample_s = _timed(functools.partial(runner.sampler, run(), rows), args.iters, device)
     core.async_scheduling = False  # synchronous steps first (the default is on)
     step_s = batch / decode_rate(core, batch, args.context, args.new_tokens)

@@ -2,8 +2,9 @@
 
 Built with the ``tokenizers`` library: a ``WordLevel`` model whose vocabulary maps every id
 ``0 .. vocab_size - 1`` to a distinct string (``t<id>``; the bos/eos/unk ids to ``<s>``, ``</s>``,
-``<unk>``), split on whitespace, so ANY generated id detokenizes and ``"t5 t17"`` encodes back to
-``[5, 17]``; unknown words encode to the unk id. ``tokenizer_config.json`` names the special tokens and
+``<unk>``, any further eos id of a config listing several to the special ``<eos{id}>``), split on
+whitespace, so ANY generated id detokenizes and ``"t5 t17"`` encodes back to ``[5, 17]``; unknown words
+encode to the unk id. ``tokenizer_config.json`` names the special tokens and
 holds a minimal chat template (``<s>role content</s>`` per message). The files are read by
 ``engine.text.load_tokenizer`` (and by ``transformers.AutoTokenizer``). No torch.
 """
@@ -22,32 +23,48 @@ CHAT_TEMPLATE = (
 )
 
 
-def word_of(token_id: int, bos_id: int, eos_id: int, unk_id: int) -> str:
-    """The vocabulary string of ``token_id`` (``t<id>`` unless it is the bos, eos or unk id)."""
-    return {bos_id: BOS, eos_id: EOS, unk_id: UNK}.get(token_id, f"t{token_id}")
+def extra_eos_word(token_id: int) -> str:
+    """The special vocabulary string of an eos id after the first (a config listing several eos ids)."""
+    return f"<eos{token_id}>"
 
 
-def _id_in(config: dict[str, Any], name: str, vocab: int) -> int:
-    """``config[name]`` when it is an int in ``[0, vocab)``. Raises ValueError naming ``name``."""
-    value = config.get(name)
-    if not isinstance(value, int) or not 0 <= value < vocab:
+def word_of(token_id: int, bos_id: int, eos_ids: tuple[int, ...], unk_id: int) -> str:
+    """The vocabulary string of ``token_id``: ``<s>`` for bos, ``</s>`` for the first eos id,
+    ``<eos{id}>`` for the other eos ids, ``<unk>`` for unk, else ``t<id>``."""
+    if token_id == bos_id:
+        return BOS
+    if token_id == unk_id:
+        return UNK
+    if token_id in eos_ids:
+        return EOS if token_id == eos_ids[0] else extra_eos_word(token_id)
+    return f"t{token_id}"
+
+
+def _id_in(value: object, name: str, vocab: int) -> int:
+    """``value`` (``config[name]``) when it is an int in ``[0, vocab)``. Raises ValueError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
         raise ValueError(f"dummy tokenizer needs {name} in [0, {vocab}), got {value!r}")
     return value
 
 
-def _special_ids(config: dict[str, Any]) -> tuple[int, int, int, int]:
-    """(vocab_size, bos id, eos id, unk id) of an HF ``config``; unk = the lowest id not bos/eos.
+def _special_ids(config: dict[str, Any]) -> tuple[int, int, tuple[int, ...], int]:
+    """(vocab_size, bos id, eos ids, unk id) of an HF ``config``; ``eos_token_id`` is an int or a non-empty
+    list of ints (the first is the tokenizer's eos token); unk = the lowest id not bos/eos.
 
     Raises:
-        ValueError: vocab_size < 3, or bos/eos missing, equal, or outside ``[0, vocab_size)``.
+        ValueError: vocab_size < 3, or bos/eos missing, an eos id equal to bos, or outside
+            ``[0, vocab_size)``.
     """
     vocab = config.get("vocab_size")
     if not isinstance(vocab, int) or vocab < 3:
         raise ValueError(f"dummy tokenizer needs an int vocab_size >= 3, got {vocab!r}")
-    bos, eos = _id_in(config, "bos_token_id", vocab), _id_in(config, "eos_token_id", vocab)
-    if bos == eos:
+    bos = _id_in(config.get("bos_token_id"), "bos_token_id", vocab)
+    raw_eos = config.get("eos_token_id")
+    listed = raw_eos if isinstance(raw_eos, list) and raw_eos else [raw_eos]
+    eos = tuple(dict.fromkeys(_id_in(t, "eos_token_id", vocab) for t in listed))
+    if bos in eos:
         raise ValueError(f"dummy tokenizer needs distinct bos and eos ids, got {bos} for both")
-    unk = next(i for i in range(3) if i not in (bos, eos))
+    unk = next(i for i in range(len(eos) + 2) if i != bos and i not in eos)
     return vocab, bos, eos, unk
 
 
@@ -63,7 +80,8 @@ def build_tokenizer_json(config: dict[str, Any]) -> str:
     vocab = {word_of(i, bos, eos, unk): i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (BOS, EOS, UNK)])
+    specials = (BOS, EOS, UNK, *(extra_eos_word(t) for t in eos[1:]))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return str(tok.to_str())
 
 

@@ -13,8 +13,6 @@ bf16 copy at a time. The GEMMs are ``engine.ops.fp8_gemm.fp8_linear`` (checkpoin
 
 from __future__ import annotations
 
-import logging
-import re
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +28,10 @@ from engine.models.fp8_moe import (
     init_dummy_experts,
     replace_experts,
 )
+from engine.models.mtp import is_mtp_key, log_skipped, mtp_layers
 from engine.models.quant_config import Fp8Scheme
 from engine.ops.fp8_gemm import fp8_linear
 from engine.ops.fp8_weight import FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel
-
-logger = logging.getLogger(__name__)
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 # names of the decoder projections made FP8 (the attention's and the dense MLP's)
 FP8_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
@@ -295,7 +291,7 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
             for key in list(handle.keys()):
                 if key.endswith("rotary_emb.inv_freq"):  # older checkpoints store the recomputed buffer
                     continue
-                if _mtp_key(key, mtp):
+                if is_mtp_key(key, mtp):
                     skipped += 1
                     continue
                 tensor = handle.get_tensor(key)
@@ -321,8 +317,7 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
                     raise ValueError(f"{f.name}: tensor {key} has no place in the model")
                 loaded.add(name)
     if skipped:
-        logger.info("skipped %d checkpoint tensors of the multi-token-prediction layers %s (not part of "
-                    "the decoder)", skipped, list(mtp))
+        log_skipped(skipped, mtp)
     tie = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     tied = {"lm_head.weight"} if tie else set()
     missing = sorted(expected - loaded - tied) + experts.missing()
@@ -330,21 +325,6 @@ def load_fp8_weights(model: torch.nn.Module, files: list[Path], scheme: Fp8Schem
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
     for mod in fp8_mods.values():
         mod.bind()
-
-
-def mtp_layers(hf_config: Any) -> range:
-    """Layer indices of the checkpoint's multi-token-prediction layers (``num_nextn_predict_layers``, as
-    GLM-4.5 and DeepSeek-V3 declare them): the ones stored after the ``num_hidden_layers`` decoder layers.
-    They draft tokens for speculative decoding, which pdserve does not run, so they are not built. Empty
-    when the config declares none."""
-    nextn = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
-    first = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
-    return range(first, first + nextn)
-
-
-def _mtp_key(key: str, mtp: range) -> bool:
-    match = _LAYER_KEY.match(key)
-    return match is not None and int(match.group(1)) in mtp
 
 
 def _load_fp8_tensor(mod: Fp8Linear, key: str, leaf: str, tensor: torch.Tensor, scheme: Fp8Scheme) -> None:

@@ -19,6 +19,7 @@ from transformers.initialization import no_init_weights
 
 from engine.config import ModelConfig
 from engine.models.fp8 import build_fp8_model, init_dummy_fp8, load_fp8_weights
+from engine.models.mtp import is_mtp_key, layer_index, log_skipped, mtp_layers
 from engine.models.quant_config import fp8_scheme
 from engine.models.registry import is_dummy_alias, read_model_config, resolve_model
 
@@ -109,8 +110,8 @@ def check_rope_scaling(hf_config: PretrainedConfig, max_model_len: int | None) -
             f"max_model_len <= {original}")
 
 
-def _check_safetensors(path: Path) -> list[Path]:
-    """Return the safetensors files of ``path`` after opening each header.
+def _check_safetensors(path: Path) -> dict[Path, list[str]]:
+    """The safetensors files of ``path`` (sorted), each with its tensor names, after opening each header.
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` file.
@@ -119,6 +120,7 @@ def _check_safetensors(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"model directory {path} has no *.safetensors weights")
+    names: dict[Path, list[str]] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as handle:
@@ -127,7 +129,58 @@ def _check_safetensors(path: Path) -> list[Path]:
                     handle.get_slice(keys[-1])[:]
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise ValueError(f"corrupt safetensors file {f}: {exc}") from exc
-    return files
+        names[f] = keys
+    return names
+
+
+def _load_checkpoint(path: Path, hf_config: PretrainedConfig, dtype: torch.dtype,
+                     device: torch.device) -> PreTrainedModel:
+    """A bf16/fp16/fp32 checkpoint through transformers' ``from_pretrained``, refusing what it would only
+    log: a checkpoint tensor the model has no place for, a parameter no file provides, a shape mismatch.
+    Tensors of the multi-token-prediction layers (``engine.models.mtp``) are skipped with one INFO line;
+    ``rotary_emb.inv_freq`` buffers of older checkpoints (recomputed from the config) are ignored.
+
+    Algorithm: transformers' loading report (``output_loading_info=True``: missing, unexpected and
+    mismatched keys after its own renaming and tied-weight handling), plus the tensor names of the
+    safetensors headers for what transformers' per-model ignore patterns hide (e.g. GLM-4.5's fixed
+    ``model.layers.46`` / ``model.layers.92``): any layer index at or past ``num_hidden_layers`` that is
+    not an MTP layer is refused.
+
+    Raises:
+        ValueError: naming the checkpoint directory and the first few offending tensor names.
+    """
+    names = [k for keys in _check_safetensors(path).values() for k in keys]
+    mtp = mtp_layers(hf_config)
+    num_layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    past_decoder = [k for k in names if (i := layer_index(k)) is not None and i >= num_layers
+                    and i not in mtp]
+    if past_decoder:
+        raise ValueError(f"checkpoint {path}: {len(past_decoder)} tensors have no place in the model, e.g. "
+                         f"{sorted(past_decoder)[:5]} (layers at or past num_hidden_layers={num_layers}, "
+                         f"not declared by num_nextn_predict_layers)")
+    loaded: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=str(device),
+                                                       output_loading_info=True)
+    model: PreTrainedModel = loaded[0]
+    report = loaded[1]  # transformers' LoadStateDictInfo.to_dict()
+    unexpected_keys: set[str] = report["unexpected_keys"]
+    missing_keys: set[str] = report["missing_keys"]
+    mismatched_keys: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = report["mismatched_keys"]
+    unexpected = sorted(k for k in unexpected_keys
+                        if not k.endswith("rotary_emb.inv_freq") and not is_mtp_key(k, mtp))
+    if unexpected:
+        raise ValueError(f"checkpoint {path}: {len(unexpected)} tensors have no place in the model, e.g. "
+                         f"{unexpected[:5]}")
+    missing = sorted(missing_keys)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors of the model, e.g. {missing[:5]}")
+    mismatched = sorted(mismatched_keys)
+    if mismatched:
+        shown = [f"{k}: checkpoint {list(a)}, model {list(b)}" for k, a, b in mismatched[:5]]
+        raise ValueError(f"checkpoint {path}: {len(mismatched)} tensors have the wrong shape, e.g. {shown}")
+    skipped = sum(1 for k in names if is_mtp_key(k, mtp))
+    if skipped:
+        log_skipped(skipped, mtp)
+    return model
 
 
 @torch.no_grad()
@@ -160,8 +213,9 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, PretrainedCo
         FileNotFoundError: unknown alias / path, missing config.json or weights.
         ValueError: unsupported architecture or quantization method, a sliding window shorter than
             ``max_model_len``, LongRoPE past its original context (``check_rope_scaling``), bad dtype or
-            load_format, corrupt safetensors, an FP8 checkpoint whose
-            tensors do not match the model (``engine.models.fp8.load_fp8_weights``).
+            load_format, corrupt safetensors, checkpoint tensors that do not match the model (a tensor
+            with no place in it, a parameter no file provides, a shape mismatch: ``_load_checkpoint``,
+            ``engine.models.fp8.load_fp8_weights``).
     """
     if model_config.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format {model_config.load_format!r} is not supported; use auto or dummy")
@@ -178,12 +232,11 @@ def load_model(model_config: ModelConfig) -> tuple[PreTrainedModel, PretrainedCo
         if dummy:
             init_dummy_fp8(model, model_config.seed)
         else:
-            load_fp8_weights(model, _check_safetensors(path), scheme)
+            load_fp8_weights(model, list(_check_safetensors(path)), scheme)
     elif dummy:
         model = _build_dummy(hf_config, dtype, device, model_config.seed)
     else:
-        _check_safetensors(path)
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=str(device))
+        model = _load_checkpoint(path, hf_config, dtype, device)
     model.eval()
     model.requires_grad_(False)
     return model, model.config

@@ -126,6 +126,7 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
     # GLM-4.5-Air (Z.ai's published config.json): 106B parameters, 12B active; 128 routed experts of width
     # 1408 (top-8, sigmoid scoring) plus one shared expert, the first layer dense, half-width rotary.
     # The multi-token-prediction layer (num_nextn_predict_layers) is not part of the decoder and not built.
+    # Its eos_token_id lists three ids, as the published config.json and generation_config.json do.
     # In bf16 it needs about 214 GB: more than one H200 holds; in FP8 (``--quantization fp8``) about 110 GB.
     "glm-4.5-air": {
         "architectures": ["Glm4MoeForCausalLM"],
@@ -154,7 +155,8 @@ DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 131072,
         "tie_word_embeddings": False,
         "bos_token_id": 151331,
-        "eos_token_id": 151329,
+        # <|endoftext|>, <|user|>, <|observation|>: generation ends at any of them
+        "eos_token_id": [151329, 151336, 151338],
         "dtype": "bfloat16",
     },
     # CPU-sized Llama for end-to-end tests of the dummy path (vocab >= 10000: the load harness draws

@@ -44,6 +44,7 @@ from engine.models.loader import (
     load_hf_config,
     resolve_dtype,
 )
+from engine.models.mtp import is_mtp_key, log_skipped, mtp_layers
 from engine.models.registry import LLAMA_LIKE_ARCHITECTURES, MOE_ARCHITECTURES, is_dummy_alias, resolve_model
 from engine.ops.fp8_weight import Fp8Weight
 
@@ -165,8 +166,8 @@ def load_sharded_model(model_config: ModelConfig, tp: TensorParallel,
         model's config.
 
     Raises:
-        ValueError: from ``check_tensor_parallel``, the loader's checks, or a checkpoint missing a tensor
-            the model needs (named).
+        ValueError: from ``check_tensor_parallel``, the loader's checks, or a checkpoint whose tensors do
+            not match the model (one with no place in it, one missing: ``_load_shards``, named).
         FileNotFoundError: unknown model or no weights.
     """
     path = resolve_model(model_config.model)
@@ -190,13 +191,32 @@ def load_sharded_model(model_config: ModelConfig, tp: TensorParallel,
 
 @torch.no_grad()
 def _load_shards(model: Any, cfg: PretrainedConfig, tp: TensorParallel, path: Path) -> None:
+    """Copy rank ``tp.rank``'s slice of every checkpoint tensor into ``model``. Tensors of the
+    multi-token-prediction layers (``engine.models.mtp``) are skipped with one INFO line, older
+    checkpoints' ``rotary_emb.inv_freq`` buffers ignored.
+
+    Raises:
+        ValueError: a checkpoint tensor with no place in the model (before any is read), a slice of the
+            wrong shape, or a parameter no file provides (each named).
+    """
     params = dict(model.named_parameters(remove_duplicate=False))
+    files = _check_safetensors(path)
+    mtp = mtp_layers(cfg)
+    names = [k for keys in files.values() for k in keys]
+    unexpected = sorted(k for k in names if k not in params and not k.endswith("rotary_emb.inv_freq")
+                        and not is_mtp_key(k, mtp))
+    if unexpected:
+        raise ValueError(f"checkpoint {path}: {len(unexpected)} tensors have no place in the model, e.g. "
+                         f"{unexpected[:5]}")
+    skipped = sum(1 for k in names if is_mtp_key(k, mtp))
+    if skipped:
+        log_skipped(skipped, mtp)
     filled: set[str] = set()
-    for f in _check_safetensors(path):
+    for f in files:
         with safe_open(str(f), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                 param = params.get(key)
-                if param is None:
+                if param is None:  # an MTP layer's tensor or an inv_freq buffer (checked above)
                     continue
                 part = _read_shard(handle, key, shard_spec(key, cfg, tp))
                 if tuple(part.shape) != tuple(param.shape):

@@ -272,8 +272,7 @@ def test_plain_greedy_batches_take_the_fast_path_and_others_do_not(tiny_path):
     logprobs or ``min_tokens`` not yet reached sends the whole batch through the full sampler (eos,
     the argmax of these fixed logits, is masked for the ``min_tokens`` row)."""
     core = _core(tiny_path, DEVICE, enforce_eager=True)
-    runner, eos = core.runner, core.eos_token_id
-    assert eos is not None
+    runner, [eos] = core.runner, core.eos_token_ids
     logits = torch.zeros(8, runner.vocab_size)
     logits[:, eos], logits[:, 7] = 10.0, 5.0
     runner.compute_logits = lambda out, hook=None, note=b"": logits[: len(out.scheduled)]  # type: ignore[method-assign]

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.config import ModelConfig
+from engine.engine_core import eos_ids
 from engine.models.dummy_tokenizer import build_tokenizer_json, tokenizer_config
-from engine.models.loader import load_model
+from engine.models.loader import load_hf_config, load_model
 from engine.models.registry import DUMMY_CONFIGS, is_dummy_alias, resolve_model
 from engine.text.chat_template import apply_chat_template
 from engine.text.tokenizer import load_tokenizer
@@ -56,6 +58,28 @@ def test_llama3_8b_special_ids_match_config(cache: Path) -> None:
     assert tok.decode([128255, 127999]) == "t128255 t127999"
 
 
+def test_glm_45_air_stops_at_its_three_published_eos_ids(cache: Path) -> None:
+    """zai-org/GLM-4.5-Air lists eos_token_id [151329, 151336, 151338] (<|endoftext|>, <|user|>,
+    <|observation|>): the alias keeps all three, the engine stops on each, and its synthetic tokenizer
+    makes each a special token (skipped when decoding)."""
+    glm = [151329, 151336, 151338]
+    assert DUMMY_CONFIGS["glm-4.5-air"]["eos_token_id"] == glm
+    path = resolve_model("glm-4.5-air")
+    assert eos_ids(load_hf_config(path)) == tuple(glm)
+    tok = load_tokenizer(path)
+    assert tok.eos_token_id == glm[0]
+    assert tok.decode([5, *glm, 6]) == "t5 t6"
+    assert tok.decode([151330, 151337]) == "t151330 t151337"  # neighbours stay plain words
+
+
+def test_eos_ids_of_a_config() -> None:
+    assert eos_ids(SimpleNamespace(eos_token_id=2)) == (2,)
+    assert eos_ids(SimpleNamespace(eos_token_id=[9, 4, 9])) == (9, 4)
+    assert eos_ids(SimpleNamespace(eos_token_id=None)) == eos_ids(SimpleNamespace()) == ()
+    with pytest.raises(ValueError, match="eos_token_id"):
+        eos_ids(SimpleNamespace(eos_token_id="2"))
+
+
 def test_stale_cached_config_is_rewritten_with_its_tokenizer(cache: Path) -> None:
     out = cache / "configs" / "tiny-llama"
     out.mkdir(parents=True)
@@ -70,7 +94,9 @@ def test_stale_cached_config_is_rewritten_with_its_tokenizer(cache: Path) -> Non
 @pytest.mark.parametrize(("change", "match"), [({"vocab_size": 2}, "vocab_size"),
                                                 ({"eos_token_id": 99999}, "eos_token_id"),
                                                 ({"bos_token_id": None}, "bos_token_id"),
-                                                ({"eos_token_id": 1}, "distinct")])
+                                                ({"eos_token_id": 1}, "distinct"),
+                                                ({"eos_token_id": [2, 99999]}, "eos_token_id"),
+                                                ({"eos_token_id": [2, 1]}, "distinct")])
 def test_bad_config_is_refused(change: dict[str, object], match: str) -> None:
     cfg = {**DUMMY_CONFIGS["tiny-llama"], **change}
     with pytest.raises(ValueError, match=match):

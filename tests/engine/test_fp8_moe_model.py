@@ -234,7 +234,7 @@ def test_fp8_checkpoint_mtp_layer_skipped_other_extra_layers_refused(tmp_path, c
             f"model.layers.{n}.shared_head.head.weight": torch.ones(256, 64)}
     save_file({**state, **mtp}, str(st_path), metadata={"format": "pt"})
     cfg_path.write_text(json.dumps({**raw, "num_nextn_predict_layers": 1}))
-    with caplog.at_level("INFO", logger="engine.models.fp8"):
+    with caplog.at_level("INFO", logger="engine.models"):
         fp8 = _llm(tmp_path / "fp8")
     lines = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
     assert lines == [f"skipped {len(mtp)} checkpoint tensors of the multi-token-prediction layers [{n}] "

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     Glm4Config,
@@ -308,6 +309,72 @@ def test_missing_config_weights_and_unknown_path(tmp_path):
     (tmp_path / "badjson" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_model(ModelConfig(str(tmp_path / "badjson"), device="cpu"))
+
+
+def _rewrite(path: Path, add: dict[str, torch.Tensor] | None = None, drop: tuple[str, ...] = (),
+             **config: object) -> dict[str, torch.Tensor]:
+    """Rewrite the tiny checkpoint at ``path`` with tensors added / dropped and config keys changed;
+    returns the tensors written."""
+    state = {k: v for k, v in load_file(str(path / "model.safetensors")).items() if k not in drop}
+    state |= add or {}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if config:
+        raw = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**raw, **config}))
+    return state
+
+
+def test_bf16_checkpoint_tensor_without_a_place_refused_naming_it(tmp_path):
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", dtype=torch.bfloat16)
+    _rewrite(path, {"model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4, dtype=torch.bfloat16)})
+    where = re.escape(str(path))
+    with pytest.raises(ValueError, match=rf"checkpoint {where}: 1 tensors have no place in the model, "
+                                         r"e\.g\. \['model\.layers\.0\.mlp\.extra_proj\.weight'\]"):
+        load_model(ModelConfig(str(path), device="cpu"))
+
+
+def test_checkpoint_missing_a_parameter_refused_naming_it(tmp_path):
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m")
+    _rewrite(path, drop=("model.layers.1.post_attention_layernorm.weight",))
+    where = re.escape(str(path))
+    with pytest.raises(ValueError, match=rf"checkpoint {where} lacks 1 tensors of the model, e\.g\. "
+                                         r"\['model\.layers\.1\.post_attention_layernorm\.weight'\]"):
+        load_model(ModelConfig(str(path), device="cpu"))
+
+
+def test_checkpoint_rotary_inv_freq_buffers_are_ignored(tmp_path):
+    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m")
+    saved = _rewrite(path, {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
+    model, _ = load_model(ModelConfig(str(path), dtype="float32", device="cpu"))
+    assert torch.equal(model.model.norm.weight, saved["model.norm.weight"])
+
+
+def test_bf16_checkpoint_mtp_layer_skipped_other_extra_layers_refused(tmp_path, caplog):
+    """GLM-4.5 stores its multi-token-prediction layer (``num_nextn_predict_layers: 1``) as
+    ``model.layers.{num_hidden_layers}``: its tensors are skipped with one INFO line counting them and
+    every decoder weight loads; a layer past it, or that layer when the config declares no MTP layer, is
+    refused (transformers' own GLM-4.5 ignore patterns hide neither)."""
+    path = save_tiny_model("Glm4MoeForCausalLM", tmp_path / "m", seed=3)
+    n = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    mtp = {f"model.layers.{n}.eh_proj.weight": torch.ones(64, 128), f"model.layers.{n}.enorm.weight":
+           torch.ones(64), f"model.layers.{n}.self_attn.q_proj.weight": torch.ones(64, 64)}
+    saved = _rewrite(path, mtp, num_nextn_predict_layers=1)
+    with caplog.at_level("INFO", logger="engine.models"):
+        model, _ = load_model(ModelConfig(str(path), dtype="float32", device="cpu"))
+    lines = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
+    assert lines == [f"skipped 3 checkpoint tensors of the multi-token-prediction layers [{n}] "
+                     "(not part of the decoder)"]
+    assert len(model.model.layers) == n
+    state = model.state_dict()
+    assert torch.equal(state[f"model.layers.{n - 1}.self_attn.q_proj.weight"],
+                       saved[f"model.layers.{n - 1}.self_attn.q_proj.weight"])
+    _rewrite(path, {f"model.layers.{n + 1}.enorm.weight": torch.ones(64)})
+    with pytest.raises(ValueError, match=rf"model\.layers\.{n + 1}\.enorm\.weight.*not declared by "
+                                         "num_nextn_predict_layers"):
+        load_model(ModelConfig(str(path), device="cpu"))
+    _rewrite(path, drop=(f"model.layers.{n + 1}.enorm.weight",), num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match=rf"3 tensors have no place in the model.*model\.layers\.{n}\."):
+        load_model(ModelConfig(str(path), device="cpu"))
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])

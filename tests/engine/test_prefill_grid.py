@@ -32,7 +32,8 @@ def _sched(grid: int = GRID, budget: int = 64, num_blocks: int = 64, prefill_onl
 
 
 def _seq(rid: str, tokens: list[int], max_tokens: int = 2, t: float = 0.0) -> Sequence:
-    return Sequence(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), t, eos_token_id=2)
+    return Sequence(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), t,
+                    eos_token_ids=(2,))
 
 
 def _step(s: Scheduler) -> SchedulerOutput:

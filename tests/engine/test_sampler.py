@@ -29,8 +29,8 @@ from engine.sampling_params import SamplingParams
 V = 64
 
 
-def _row(params: SamplingParams, seed: int = 0, pos: int = 0, prompt=(1, 2), output=(), eos=None):
-    return SamplingRow(params, seed, pos, list(prompt), list(output), eos)
+def _row(params: SamplingParams, seed: int = 0, pos: int = 0, prompt=(1, 2), output=(), eos=()):
+    return SamplingRow(params, seed, pos, list(prompt), list(output), tuple(eos))
 
 
 def _logits(b: int, seed: int = 0) -> torch.Tensor:
@@ -115,9 +115,18 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits[:, 7] = 10.0  # eos would win
     logits[:, 9] = 5.0  # stop token id next
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(9,), max_tokens=5)
-    out = Sampler()(logits, [_row(params, output=[1], eos=7), _row(params, output=[1, 2], eos=7)])
+    out = Sampler()(logits, [_row(params, output=[1], eos=[7]), _row(params, output=[1, 2], eos=[7])])
     assert out[0].token_id not in (7, 9)
     assert out[1].token_id == 7
+
+
+def test_min_tokens_masks_every_eos_id_of_a_model_listing_several():
+    logits = torch.zeros(2, V)
+    logits[:, 7], logits[:, 11], logits[:, 13], logits[:, 20] = 10.0, 9.0, 8.0, 1.0
+    params = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=5)
+    out = Sampler()(logits, [_row(params, output=[1], eos=[7, 11, 13]),
+                             _row(params, output=[1, 2], eos=[7, 11, 13])])
+    assert [o.token_id for o in out] == [20, 7]
 
 
 def test_seeded_sampling_is_deterministic_and_batch_independent():

@@ -24,7 +24,7 @@ def _sched(num_blocks: int = 32, budget: int = 64, max_seqs: int = 8, chunked: b
 
 
 def _seq(rid: str, n: int, t: float = 0.0, start: int = 10, **params: object) -> Sequence:
-    return Sequence(rid, list(range(start, start + n)), SamplingParams(**params), t, eos_token_id=EOS)  # type: ignore[arg-type]
+    return Sequence(rid, list(range(start, start + n)), SamplingParams(**params), t, eos_token_ids=(EOS,))  # type: ignore[arg-type]
 
 
 def _add(s: Scheduler, *seqs: Sequence) -> None:
@@ -133,6 +133,17 @@ def test_stop_conditions() -> None:
     done = s.update(out, {"ign": EOS, "min": EOS})
     assert {d.request_id: d.status for d in done} == {
         "ign": SequenceStatus.FINISHED_LENGTH, "min": SequenceStatus.FINISHED_STOPPED}
+    _drain(s)
+
+
+def test_any_of_several_eos_ids_stops() -> None:
+    s = _sched()
+    for rid in ("first", "second", "other"):
+        s.add(Sequence(rid, [10, 11, 12], SamplingParams(max_tokens=9), 0.0, eos_token_ids=(40, 41)))
+    out = s.schedule()
+    done = s.update(out, {"first": 40, "second": 41, "other": 42})
+    assert {d.request_id: d.status for d in done} == {
+        "first": SequenceStatus.FINISHED_STOPPED, "second": SequenceStatus.FINISHED_STOPPED}
     _drain(s)
 
 

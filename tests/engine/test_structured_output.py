@@ -122,7 +122,7 @@ def test_min_tokens_yields_to_a_grammar_that_allows_only_eos(temperature: float)
     params = SamplingParams(temperature=temperature, seed=3, min_tokens=4, stop_token_ids=(9,),
                             structured_output=so)
     rows = [SamplingRow(params=p, seed=3, output_position=0, prompt_token_ids=(), output_token_ids=(),
-                        eos_token_id=eos)
+                        eos_token_ids=(eos,))
             for p in (params, params, msgspec.structs.replace(params, min_tokens=0))]
     allowed = torch.zeros(3, vocab, dtype=torch.bool)
     allowed[0, eos] = True  # grammar complete: only its end
@@ -155,7 +155,7 @@ def smol() -> LLM:
 @pytest.mark.slow
 def test_compile_cache_is_keyed_by_spec_and_bounded(smol: LLM) -> None:
     core = smol.core
-    outs = StructuredOutputs(core.structured_outputs.model_dir, core.runner.vocab_size, core.eos_token_id,
+    outs = StructuredOutputs(core.structured_outputs.model_dir, core.runner.vocab_size, core.eos_token_ids,
                              max_cached=2)
     a, b, c = (StructuredOutput(kind="regex", spec=s) for s in ("a+", "b+", "c+"))
     first = outs.compile(a)
@@ -271,7 +271,7 @@ def test_regex_choice_object_and_grammar(smol: LLM) -> None:
     assert outs[1].text in ("Paris", "London", "Berlin")
     assert isinstance(json.loads(outs[2].text), dict)
     assert re.fullmatch(r"The answer is [0-9]\.", outs[3].text)
-    assert all(o.token_ids[-1] == smol.core.eos_token_id for o in outs)
+    assert all(o.token_ids[-1] in smol.core.eos_token_ids for o in outs)
     smol.core.check_no_leaks()
 
 
@@ -285,7 +285,7 @@ def test_min_tokens_with_a_grammar_complete_sooner_stops_there(smol: LLM) -> Non
                          [SamplingParams(max_tokens=12, temperature=0.0, min_tokens=8, structured_output=s)
                           for s in (choice, digits)])
     assert outs[0].text in ("Paris", "London") and outs[0].finish_reason == "stop"
-    assert outs[0].token_ids[-1] == smol.core.eos_token_id and 0 not in outs[0].token_ids
+    assert outs[0].token_ids[-1] in smol.core.eos_token_ids and 0 not in outs[0].token_ids
     assert re.fullmatch("[0-9]+", outs[1].text) and len(outs[1].token_ids) >= 8
     smol.core.check_no_leaks()
 
@@ -384,7 +384,7 @@ def dummy_outputs(tmp_path_factory: pytest.TempPathFactory) -> StructuredOutputs
     """Grammars over the dummy tokenizer of a 256-token vocabulary (token j spells ``t<j>``, eos 2)."""
     path = tmp_path_factory.mktemp("dummy-tok")
     write_dummy_tokenizer(path, {"vocab_size": 256, "bos_token_id": 1, "eos_token_id": 2})
-    return StructuredOutputs(path, 256, 2)
+    return StructuredOutputs(path, 256, (2,))
 
 
 def _one_row(state: GrammarState, vocab: int = 256) -> torch.Tensor:
@@ -437,12 +437,12 @@ def test_sync_accepts_pending_tokens_once(dummy_outputs: StructuredOutputs) -> N
 @pytest.mark.slow
 def test_preload_loads_off_thread_and_a_failed_load_is_reported(smol: LLM, tmp_path: Path) -> None:
     core = smol.core
-    outs = StructuredOutputs(core.structured_outputs.model_dir, core.runner.vocab_size, core.eos_token_id)
+    outs = StructuredOutputs(core.structured_outputs.model_dir, core.runner.vocab_size, core.eos_token_ids)
     assert not outs.loaded
     outs.preload().join(timeout=120)
     assert outs.loaded
     assert outs.compile(StructuredOutput(kind="regex", spec="[0-9]")) is not None
-    broken = StructuredOutputs(tmp_path, core.runner.vocab_size, core.eos_token_id)  # no tokenizer there
+    broken = StructuredOutputs(tmp_path, core.runner.vocab_size, core.eos_token_ids)  # no tokenizer there
     broken.preload().join(timeout=120)
     assert not broken.loaded
     with pytest.raises(StructuredOutputError, match="did not load"):

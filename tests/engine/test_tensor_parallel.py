@@ -6,11 +6,13 @@ the shard layout, the refusals and the step message."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -133,6 +135,33 @@ def test_rank_reads_its_slices_tied_embeddings_and_biases(tmp_path):
     assert local.lm_head.weight is emb
     torch.testing.assert_close(emb[:125], want["model.embed_tokens.weight"][126:])
     assert not emb[125].any()
+
+
+def test_rank_refuses_a_tensor_with_no_place_and_skips_mtp_layers(tmp_path, caplog):
+    """A sharded load refuses a checkpoint tensor the model has no place for (named, before any is read)
+    and skips a declared multi-token-prediction layer's tensors with one INFO line."""
+    _save("LlamaForCausalLM", tmp_path / "m", vocab=256, kv_heads=2)
+    weights, config = tmp_path / "m" / "model.safetensors", tmp_path / "m" / "config.json"
+    state = load_file(str(weights))
+    n = json.loads(config.read_text())["num_hidden_layers"]
+    save_file({**state, "model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)}, str(weights),
+              metadata={"format": "pt"})
+    cfg = ModelConfig(str(tmp_path / "m"), dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match=r"1 tensors have no place in the model, e\.g\. "
+                                         r"\['model\.layers\.0\.mlp\.extra_proj\.weight'\]"):
+        load_sharded_model(cfg, TensorParallel(rank=1, size=2), torch.device("cpu"))
+    mtp = {f"model.layers.{n}.enorm.weight": torch.ones(64), f"model.layers.{n}.eh_proj.weight":
+           torch.ones(64, 128)}
+    save_file({**state, **mtp}, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"model\.layers\.{n}\.eh_proj\.weight"):  # not declared
+        load_sharded_model(cfg, TensorParallel(rank=1, size=2), torch.device("cpu"))
+    config.write_text(json.dumps({**json.loads(config.read_text()), "num_nextn_predict_layers": 1}))
+    with caplog.at_level("INFO", logger="engine.models"):
+        local, _ = load_sharded_model(cfg, TensorParallel(rank=1, size=2), torch.device("cpu"))
+    lines = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
+    assert lines == [f"skipped 2 checkpoint tensors of the multi-token-prediction layers [{n}] "
+                     "(not part of the decoder)"]
+    torch.testing.assert_close(local.model.norm.weight, state["model.norm.weight"])
 
 
 def test_refusals_name_the_mismatch():

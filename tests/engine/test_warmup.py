@@ -71,7 +71,7 @@ def assert_clean(core: EngineCore, prompts: list[list[int]]) -> None:
     assert all(sched.get(f"warmup-{i}") is None for i in range(len(prompts)))
     assert bm.enable_prefix_caching
     for prompt in prompts:
-        probe = Sequence("probe", prompt + [0] * BLOCK, SamplingParams(), 0.0, None)
+        probe = Sequence("probe", prompt + [0] * BLOCK, SamplingParams(), 0.0)
         assert bm.allocate_prefix(probe) == 0
         bm.free(probe)
     core.check_no_leaks()
@@ -147,7 +147,8 @@ def test_decode_worker_engine_warms_up_then_continues_landed_kv(tiny_dummy_dir, 
     prompts = spy_prompts(core, monkeypatch)
     assert warmup(core, SMALL).completed
     assert_clean(core, prompts)
-    seq = Sequence("d1", list(range(20, 31)), SamplingParams(max_tokens=3, temperature=0.0, seed=1), 0.0, 2)
+    seq = Sequence("d1", list(range(20, 31)), SamplingParams(max_tokens=3, temperature=0.0, seed=1), 0.0,
+                   (2,))
     assert core.scheduler.add_waiting_for_kv(seq)
     core.scheduler.kv_landed("d1", 17)
     tokens = [o.token_id for _ in range(2) for o in core.step()]

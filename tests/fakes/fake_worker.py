@@ -14,9 +14,9 @@ The decode role "reserves" ``ceil(prompt / block_size) + 1`` blocks per request 
 and frees them on finish or abort, so heartbeats show leaks. Every received message is appended to
 ``--record`` (JSON lines: type, request_id, and ``sampling`` (a dict) when it carries sampling
 params, ``prompt_token_ids`` when it carries a prompt) for tests to inspect. Faults: ``--fail-at P``
-answers ``RequestFailed`` instead of output position P, ``--hang-at P`` stalls the whole worker there
-(no tokens, no heartbeats: the gateway declares it lost; it still records messages); P = -1 at
-``ReserveKV`` (before any token). KV canaries: the decode role answers ``KVCanaryReserve`` with a
+answers ``RequestFailed`` (of ``--fail-kind``) instead of output position P, ``--hang-at P`` stalls the
+whole worker there (no tokens, no heartbeats: the gateway declares it lost; it still records messages);
+P = -1 at ``ReserveKV`` (before any token). KV canaries: the decode role answers ``KVCanaryReserve`` with a
 fake handle, the prefill role ``KVCanarySend`` with a landed canary of ``--canary-bytes`` in
 ``--canary-seconds`` over transport ``fake``; ``--canary-wedged 1`` never answers (a wedged data path).
 ``--curve-keys DIR`` makes its socket a CURVE client with that key pair (a gateway with ``--curve-keys``
@@ -198,7 +198,7 @@ class FakeWorker:
             return True
         if pos == self.args.fail_at:
             self.emit(RequestFailed(request_id=rid, worker_id=self.args.worker_id,
-                                    error=f"injected failure at position {pos}"))
+                                    error=f"injected failure at position {pos}", kind=self.args.fail_kind))
             return True
         return False
 
@@ -414,6 +414,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat-interval", type=float, default=0.2)
     p.add_argument("--record", default="")
     p.add_argument("--fail-at", type=int, default=None, help="RequestFailed at this output position")
+    p.add_argument("--fail-kind", default="worker", choices=["worker", "structured_output"],
+                   help="RequestFailed.kind of --fail-at")
     p.add_argument("--hang-at", type=int, default=None, help="stall the worker at this output position")
     p.add_argument("--canary-bytes", type=int, default=1 << 20)
     p.add_argument("--canary-seconds", type=float, default=0.001)

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.text import TextProcessor
 from tests.gateway.conftest import MSGS, REPLY, Cluster, read_record, wait_until
 
 pytestmark = pytest.mark.slow  # starts processes
@@ -131,11 +132,10 @@ def test_no_migration_allowed_ends_with_an_error_event(make_cluster, reply_ids: 
 
 def test_structured_request_failed_mid_stream_continues_under_its_grammar(make_cluster,
                                                                           reply_ids: list[int]) -> None:
-    """A worker ends a request with ``RequestFailed`` after streaming tokens (what a decode worker sends
-    when the request's grammar rejects a sampled token: that token is never streamed). The gateway does
-    not start the request over: it migrates it, the streamed tokens become the end of the new attempt's
-    prompt (``output_offset``), the new attempt keeps the request's structured output, and the client's
-    stream holds every token once."""
+    """A worker fails a structured request (``RequestFailed`` of kind ``worker``: its own failure, not the
+    grammar's) after streaming tokens. The gateway does not start the request over: it migrates it, the
+    streamed tokens become the end of the new attempt's prompt (``output_offset``), the new attempt keeps
+    the request's structured output, and the client's stream holds every token once."""
     c = make_cluster()
     ids = ",".join(map(str, reply_ids))
     c.start_worker("prefill", "p1", output_ids=ids)
@@ -160,5 +160,64 @@ def test_structured_request_failed_mid_stream_continues_under_its_grammar(make_c
     assert s2["structured_output"] == s1["structured_output"]
     assert (s2["output_offset"], s2["max_tokens"]) == (3, len(reply_ids) - 3)
     wait_until(lambda: "AbortRequest" in types_for(c, "d1", "so-mig-1"), 5, "abort at the failed d1")
+    c.assert_no_leaks(("d2",))
+    c.assert_no_leaks(("d1",), total_blocks=128)
+
+
+def structured_stream(c: Cluster, rid: str, max_tokens: int) -> tuple[int, list[str]]:
+    """POST a streaming chat request with a JSON-schema ``response_format``; (status, the SSE ``data:``
+    payloads or the error body)."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    body = {"model": "fake-model", "messages": MSGS, "max_tokens": max_tokens, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    with httpx.stream("POST", c.base + "/v1/chat/completions", json=body, timeout=30,
+                      headers={"X-Request-Id": rid}) as resp:
+        if resp.status_code != 200:
+            return resp.status_code, [resp.read().decode()]
+        return 200, [line.removeprefix("data: ") for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+def test_grammar_rejection_before_first_token_is_a_400_not_retried(make_cluster,
+                                                                   reply_ids: list[int]) -> None:
+    """``RequestFailed`` of kind ``structured_output`` (the request's grammar rejected the model's token)
+    before any token: the client gets 400 with the OpenAI error body naming ``response_format``, and the
+    request runs nowhere else (any worker would fail it alike)."""
+    c = make_cluster()
+    ids = ",".join(map(str, reply_ids))
+    c.start_worker("prefill", "p1", output_ids=ids)
+    c.start_worker("decode", "d1", output_ids=ids, fail_at=-1, fail_kind="structured_output",
+                   total_blocks=128)  # more free: chosen first
+    c.start_worker("decode", "d2", output_ids=ids)
+    status, body = structured_stream(c, "so-rej-1", len(reply_ids))
+    assert status == 400, body
+    error = json.loads(body[0])["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "response_format"
+    assert error["code"] == "structured_output_failed"
+    assert error["message"] == "worker d1: injected failure at position -1"
+    assert c.metric("pdserve_request_retries_total", cause="failed") == 0
+    assert types_for(c, "d1", "so-rej-1") == ["ReserveKV"]
+    assert not types_for(c, "d2", "so-rej-1") and not types_for(c, "p1", "so-rej-1")
+    c.assert_no_leaks(("d2",))
+    c.assert_no_leaks(("d1",), total_blocks=128)
+
+
+def test_grammar_rejection_mid_stream_ends_with_an_error_event_not_migrated(
+        make_cluster, reply_ids: list[int], proc: TextProcessor) -> None:
+    """``RequestFailed`` of kind ``structured_output`` after 3 streamed tokens: the stream keeps those
+    tokens, ends with the error event and ``[DONE]``, and the request is not migrated."""
+    c = make_cluster()
+    ids = ",".join(map(str, reply_ids))
+    c.start_worker("prefill", "p1", output_ids=ids)
+    c.start_worker("decode", "d1", output_ids=ids, fail_at=3, fail_kind="structured_output",
+                   total_blocks=128)  # more free: chosen first
+    c.start_worker("decode", "d2", output_ids=ids)
+    status, events = structured_stream(c, "so-rej-2", len(reply_ids))
+    assert status == 200 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["message"] == "worker d1: injected failure at position 3"
+    assert error["code"] == "structured_output_failed" and error["param"] == "response_format"
+    assert text_of(events[:-2]) == proc.decode(reply_ids[:3])
+    assert c.metric("pdserve_request_migrations_total", cause="failed") == 0
+    assert not types_for(c, "d2", "so-rej-2")
     c.assert_no_leaks(("d2",))
     c.assert_no_leaks(("d1",), total_blocks=128)

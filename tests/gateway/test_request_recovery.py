@@ -232,3 +232,36 @@ async def test_a_retried_attempt_leaves_the_admission_queue() -> None:
     orch.release(req)
     await asyncio.sleep(0)
     assert orch.admission.queued_tokens("p1") == 0
+
+
+@pytest.mark.parametrize("emitted", [0, 2])
+async def test_grammar_rejection_is_not_recovered(emitted: int) -> None:
+    """``RequestFailed`` of kind ``structured_output`` (the request's grammar rejected the model's token)
+    before any token or after ``emitted`` tokens: ``GenerationFailed`` 400 naming the request's field, no
+    retry or migration, no other worker asked; the rest of the request's holders get ``AbortRequest``."""
+    orch, rec, registry, metrics = make()
+    req = await orch.submit(GenerationInput("r", PROMPT, SamplingParams(max_tokens=6),
+                                            structured_param="response_format"))
+    if emitted:
+        assert await decoding_on_d1(orch, rec, req, emitted) == REPLY[:emitted]
+    else:  # the prefill worker's first token is rejected
+        await orch.on_worker_message(b"d1", KVReserved(request_id="r", worker_id="d1", kv_handle=b"kv"))
+    failer = b"d1" if emitted else b"p1"
+    await orch.on_worker_message(failer, RequestFailed(request_id="r", worker_id=failer.decode(),
+                                                       error="grammar rejected token 9",
+                                                       kind="structured_output"))
+    with pytest.raises(GenerationFailed, match=f"worker {failer.decode()}: grammar rejected token 9") as err:
+        await orch.next_output(req)
+    assert (err.value.status, err.value.param, err.value.code) == (400, "response_format",
+                                                                    "structured_output_failed")
+    body = err.value.api_error().body()
+    assert (body.error.type, body.error.param, body.error.code) == (
+        "invalid_request_error", "response_format", "structured_output_failed")
+    assert req.request_id == "r" and req.retries == 0 and req.migrations == 0 and not req.failed_workers
+    assert counter(metrics, "retries", "failed") == 0 and counter(metrics, "migrations", "failed") == 0
+    assert rec.take() == ([] if emitted else [(b"d1", "ReserveKV"), (b"p1", "PrefillRequest")])
+    orch.release(req)
+    await asyncio.sleep(0.01)
+    # before the first token d1 still holds the reserved KV: it gets the abort; the failing worker does not
+    assert rec.take() == ([] if emitted else [(b"d1", "AbortRequest")])
+    assert_clean(orch, registry)

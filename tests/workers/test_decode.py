@@ -174,7 +174,8 @@ def test_transfer_deadline_fails_request(model_dir):
         _reserve(decode, "r", 5)
         msgs: list[Any] = []
         pump([decode], lambda: bool(of_type(msgs, RequestFailed)), sink=msgs)
-        assert "deadline" in of_type(msgs, RequestFailed, "r")[0].error
+        [failed] = of_type(msgs, RequestFailed, "r")
+        assert "deadline" in failed.error and failed.kind == "worker"  # another worker may serve it
         assert_clean(decode)
     finally:
         close(decode)

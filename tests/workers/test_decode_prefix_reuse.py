@@ -274,7 +274,7 @@ def _prompt_kv(decode: Any, prompt: list[int]) -> torch.Tensor:
     from engine.sequence import Sequence
 
     bm, kv = decode.core.block_manager, decode.core.runner.kv_cache.kv_buffer
-    probe = Sequence("probe", prompt, SamplingParams(max_tokens=1), 0.0, 2)
+    probe = Sequence("probe", prompt, SamplingParams(max_tokens=1), 0.0, (2,))
     num = bm.allocate_prefix(probe)
     try:
         return torch.cat([kv[:, :, b] for b in probe.block_table], dim=2)[:, :, :num]

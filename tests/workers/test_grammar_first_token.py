@@ -80,6 +80,7 @@ def _no_mask(monkeypatch: pytest.MonkeyPatch) -> None:
 def _assert_grammar_failure(msgs: list[Any], rid: str, token: int) -> None:
     [failed] = of_type(msgs, RequestFailed, rid)
     assert "choice grammar" in failed.error and f"token {token}" in failed.error, failed.error
+    assert failed.kind == "structured_output"  # the gateway retries it nowhere
     assert of_type(msgs, FirstToken, rid) == [] and of_type(msgs, NextToken, rid) == []
 
 
@@ -149,6 +150,7 @@ def test_decode_first_token_rejected_by_the_grammar_fails_that_request(tok_model
         pump([decode], lambda: bool(of_type(msgs, RequestFailed)), sink=msgs)
         [failed] = of_type(msgs, RequestFailed, "r")
         assert "choice grammar" in failed.error and f"token {token}" in failed.error, failed.error
+        assert failed.kind == "structured_output"
         assert of_type(msgs, NextToken) == []
         assert_clean(prefill, decode)
     finally:

@@ -199,7 +199,7 @@ def test_abort_while_transfer_in_flight_stops_sender_then_frees(prefill, fake):
 
 def test_first_token_eos_aborts_transfer_and_frees_blocks(prefill, fake, monkeypatch):
     [probe] = run(prefill, _req("probe", None, max_tokens=1, prompt=PROMPT[:3]))
-    prefill.core.eos_token_id = probe.token_id  # make the greedy first token the model's eos
+    prefill.core.eos_token_ids = (probe.token_id,)  # make the greedy first token the model's eos
     aborted: list[str] = []
     real_abort = prefill.sender.abort
 

@@ -159,7 +159,7 @@ def test_one_prefill_rank_writes_both_decode_ranks_which_then_decode(tmp_path):
         src = prefill.scheduler.get("a")
         assert src is not None
         first = [o.token_id for o in prefill.commit(output, prefill.runner.execute(output))]
-        seq = Sequence("a", list(PROMPT), greedy, time.monotonic(), core.eos_token_id)
+        seq = Sequence("a", list(PROMPT), greedy, time.monotonic(), core.eos_token_ids)
         assert core.scheduler.add_waiting_for_kv(seq)
         handles = recv.expect("a", list(seq.block_table), rank_kv_heads(2, 1))
         pairs = RankedSend([tx]).add_request(handles, list(src.block_table))
