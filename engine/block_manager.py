@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from engine.block_hash import ROOT_HASH, block_hash
+from engine.block_hash import ROOT_HASH
 from engine.kv_events import KVEventLog
 from engine.sequence import Sequence
 
@@ -189,28 +189,26 @@ class BlockManager:
             raise ValueError(f"allocate_prefix needs a fresh sequence, {seq.request_id!r} has state")
         if not self.enable_prefix_caching:
             return 0
-        parent = ROOT_HASH
-        grid = self.prefix_grid_blocks
-        num_blocks = (seq.num_tokens - 1) // self.block_size
-        for i in range(num_blocks - num_blocks % grid):
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            h = block_hash(parent, tokens)
-            block_id = self._hash_to_block.get(h)
-            if block_id is None or self._blocks[block_id].token_ids != tokens:
+        grid, bs = self.prefix_grid_blocks, self.block_size
+        num_blocks = (seq.num_tokens - 1) // bs
+        hashes = seq.full_block_hashes(bs, num_blocks - num_blocks % grid)
+        token_ids, blocks, cached = seq.token_ids, self._blocks, self._hash_to_block
+        for i, h in enumerate(hashes):
+            block_id = cached.get(h)
+            if block_id is None or blocks[block_id].token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
                 break
             seq.block_table.append(block_id)
-            parent = h
         if self.host_tier is not None:
-            self._host_prefix(seq, parent, num_blocks - num_blocks % grid)
+            self._host_prefix(seq, hashes)
             return len(seq.block_table) * self.block_size
         del seq.block_table[len(seq.block_table) - len(seq.block_table) % grid :]
         for block_id in seq.block_table:
             self._ref(block_id)
         return len(seq.block_table) * self.block_size
 
-    def _host_prefix(self, seq: Sequence, parent: int, limit: int) -> None:
+    def _host_prefix(self, seq: Sequence, hashes: list[int]) -> None:
         """``allocate_prefix`` with a host tier: ``seq.block_table`` holds the (unreferenced) device hits,
-        ``parent`` the last one's hash. Continue the chain in the tier up to ``limit`` blocks, as far as
+        ``hashes`` the chain of the blocks a hit may cover. Continue the chain in the tier, as far as
         the free device blocks allow once the device hits are referenced; round the whole hit down to the
         grid; reference the device hits, take a device block for each tier hit, register its hash and
         copy its KV back (after the KV of any block this evicts was saved)."""
@@ -218,13 +216,11 @@ class BlockManager:
         assert tier is not None
         bs, grid = self.block_size, self.prefix_grid_blocks
         found: list[tuple[int, tuple[int, ...]]] = []  # tier hits after the device ones
-        for i in range(len(seq.block_table), limit):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(parent, tokens)
+        for i in range(len(seq.block_table), len(hashes)):
+            tokens, h = tuple(seq.token_ids[i * bs : (i + 1) * bs]), hashes[i]
             if h in self._hash_to_block or not tier.holds(h, tokens):
                 break
             found.append((h, tokens))
-            parent = h
         num_device = len(seq.block_table)
         free_after = self.num_free_blocks - sum(self._blocks[b].ref_count == 0 for b in seq.block_table)
         total = num_device + min(len(found), free_after)
@@ -290,8 +286,9 @@ class BlockManager:
         """Register hashes of the blocks of ``seq`` whose tokens are all computed (call after a step).
 
         Incremental: ``seq.hashed_blocks`` remembers how many leading blocks were registered and the hash
-        of the last one, so a decode step costs O(1) unless a block just filled (each block's tokens are
-        hashed once). A remembered state that no longer matches ``seq.block_table`` (a table rebuilt
+        of the last one, so a decode step costs O(1) unless a block just filled; the hashes come from
+        ``seq.full_block_hashes`` (each block's tokens hashed once per sequence, ``allocate_prefix``'s
+        included). A remembered state that no longer matches ``seq.block_table`` (a table rebuilt
         without ``free``) restarts from block 0 when the next block fills. Only the leading
         ``seq.cacheable_tokens`` tokens are registered when that is set.
         """
@@ -306,13 +303,13 @@ class BlockManager:
         if start > num_full or (start and self._blocks[seq.block_table[start - 1]].block_hash != parent):
             start, parent = 0, ROOT_HASH
         bs, cached, events = self.block_size, self._hash_to_block, self.events
+        hashes = seq.full_block_hashes(bs, num_full)
         for i in range(start, num_full):
             block = self._blocks[seq.block_table[i]]
             h = block.block_hash
             if h is None:
-                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                h = block.block_hash = block_hash(parent, tokens)
-                block.token_ids = tokens
+                h = block.block_hash = hashes[i]
+                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 if h not in cached:
                     cached[h] = block.block_id
                     if events is not None:
