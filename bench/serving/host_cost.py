@@ -68,7 +68,7 @@ from gateway.text import TextProcessor
 from kvtransfer.compat import KVCompat
 from protocol.messages import KVEvents, PrefillRequest, RegisterWorker, ReserveKV, WorkerLoad, decode, encode
 
-PIECES = ("gw.parse", "gw.render", "gw.tokenize", "gw.route", "gw.encode",
+PIECES = ("gw.parse", "gw.render", "gw.tokenize", "gw.tokenize.cold", "gw.route", "gw.encode",
           "pf.decode", "pf.admit", "pf.schedule", "pf.inputs", "pf.update",
           "dw.decode", "dw.admit", "dw.reserve", "dw.landed")
 
@@ -161,7 +161,23 @@ def measure(text: TextProcessor, case: Case, block_size: int, repeats: int, warm
     messages = body.message_dicts()
     out["gw.render"] = timed(lambda: render_messages(text, body.message_dicts(), None))
     rendered = render_messages(text, messages, None)
-    out["gw.tokenize"] = timed(lambda: encode_text(text, rendered, False, "messages"))
+    previous = render_messages(text, messages[:-2], None) if len(messages) > 1 else ""
+    cold, warm = [], []
+    for i in range(warmup + repeats):
+        text.tokenizer.clear_encode_cache()
+        t0 = clock()
+        encode_text(text, rendered, False, "messages")
+        t1 = clock()
+        text.tokenizer.clear_encode_cache()
+        encode_text(text, previous, False, "messages")  # the session's previous turn, as served before
+        t2 = clock()
+        encode_text(text, rendered, False, "messages")
+        t3 = clock()
+        if i >= warmup:
+            cold.append(t1 - t0)
+            warm.append(t3 - t2)
+    out["gw.tokenize"] = statistics.median(warm) * 1e6
+    out["gw.tokenize.cold"] = statistics.median(cold) * 1e6
     prompt = encode_text(text, rendered, False, "messages")
     assert prompt == case.prompt
     registry = WorkerRegistry(heartbeat_timeout=1e9)
@@ -269,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| piece | " + " | ".join(f"{actual[n]} tok" for n in lengths) + " | growth |")
     print("|---|" + "---|" * (len(lengths) + 1))
     for piece in (*PIECES, "total"):
-        vals = [sum(results[n].values()) if piece == "total" else results[n][piece] for n in lengths]
+        vals = [sum(v for k, v in results[n].items() if k != "gw.tokenize.cold") if piece == "total"
+                else results[n][piece] for n in lengths]
         print(f"| {piece} | " + " | ".join(f"{v:.0f}" for v in vals) + f" | {vals[-1] - vals[0]:+.0f} |")
     if args.json:
         with open(args.json, "w") as f:
