@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from engine.block_hash import ROOT_HASH
+from engine.block_hash import ROOT_HASH, block_hash
 from engine.kv_events import KVEventLog
 from engine.sequence import Sequence
 
@@ -70,12 +70,13 @@ def first_run(mask: BoolArray, n: int, scratch: tuple[BoolArray, BoolArray]) -> 
 
 
 class _Block:
-    __slots__ = ("block_hash", "block_id", "ref_count", "token_ids")
+    __slots__ = ("block_hash", "block_id", "parent_hash", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
+        self.parent_hash = ROOT_HASH  # the hash block_hash chains on (kept while block_hash is set)
         self.token_ids: tuple[int, ...] = ()
 
 
@@ -114,6 +115,9 @@ class BlockManager:
         self._host_saves: list[tuple[int, tuple[int, ...], int]] = []  # evicted, not yet handed to the tier
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._hash_to_block: dict[int, int] = {}
+        # (parent hash, token ids) → block_hash(parent, token ids) of every key of _hash_to_block: a prefix
+        # lookup finds a cached block's hash with the built-in tuple hash instead of BLAKE2b
+        self._known_hash: dict[tuple[int, tuple[int, ...]], int] = {}
         self._free_uncached: set[int] = set(range(num_blocks))
         self._uncached_heap: list[int] = list(range(num_blocks))  # lazy: may hold ids no longer free
         self._in_heap = np.ones(num_blocks, dtype=np.bool_)  # id has an entry in _uncached_heap
@@ -191,15 +195,24 @@ class BlockManager:
             return 0
         grid, bs = self.prefix_grid_blocks, self.block_size
         num_blocks = (seq.num_tokens - 1) // bs
-        hashes = seq.full_block_hashes(bs, num_blocks - num_blocks % grid)
-        token_ids, blocks, cached = seq.token_ids, self._blocks, self._hash_to_block
-        for i, h in enumerate(hashes):
+        limit = num_blocks - num_blocks % grid
+        token_ids, blocks, cached, known = seq.token_ids, self._blocks, self._hash_to_block, self._known_hash
+        hits: list[int] = []
+        parent = ROOT_HASH
+        for i in range(limit):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = known.get((parent, tokens))
+            if h is None:  # not a cached block's key: hash it (a hash registered since can still hit)
+                h = block_hash(parent, tokens)
             block_id = cached.get(h)
-            if block_id is None or blocks[block_id].token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
+            if block_id is None or blocks[block_id].token_ids != tokens:
                 break
             seq.block_table.append(block_id)
+            hits.append(h)
+            parent = h
+        seq.keep_block_hashes(bs, hits)
         if self.host_tier is not None:
-            self._host_prefix(seq, hashes)
+            self._host_prefix(seq, seq.full_block_hashes(bs, limit))
             return len(seq.block_table) * self.block_size
         del seq.block_table[len(seq.block_table) - len(seq.block_table) % grid :]
         for block_id in seq.block_table:
@@ -236,8 +249,10 @@ class BlockManager:
         for h, tokens in found:
             block_id = self._take_free_block()
             block = self._blocks[block_id]
-            block.block_hash, block.token_ids = h, tokens
+            parent = hashes[len(seq.block_table) - 1] if seq.block_table else ROOT_HASH
+            block.block_hash, block.token_ids, block.parent_hash = h, tokens, parent
             self._hash_to_block[h] = block_id
+            self._known_hash[(parent, tokens)] = h
             seq.block_table.append(block_id)
             loads.append((h, block_id))
         self._host_transfer(loads)
@@ -310,8 +325,10 @@ class BlockManager:
             if h is None:
                 h = block.block_hash = hashes[i]
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                block.parent_hash = hashes[i - 1] if i else ROOT_HASH
                 if h not in cached:
                     cached[h] = block.block_id
+                    self._known_hash[(block.parent_hash, block.token_ids)] = h
                     if events is not None:
                         events.stored(h)
             parent = h
@@ -364,6 +381,9 @@ class BlockManager:
             raise AssertionError(f"free lists hold {self.num_free_blocks} of {self.num_blocks} blocks")
         if self._host_saves:
             raise AssertionError(f"{len(self._host_saves)} evicted blocks never handed to the host tier")
+        if sorted(self._known_hash.values()) != sorted(self._hash_to_block):
+            raise AssertionError(f"{len(self._known_hash)} prefix lookup keys for {len(self._hash_to_block)} "
+                                 "cached hashes")
         if self.host_tier is not None:
             self.host_tier.check()
 
@@ -416,6 +436,7 @@ class BlockManager:
         queued to be saved there (by the caller's ``_host_transfer``, before anything writes it)."""
         if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block.block_id:
             del self._hash_to_block[block.block_hash]
+            del self._known_hash[(block.parent_hash, block.token_ids)]
             if self.host_tier is not None:
                 self._host_saves.append((block.block_hash, block.token_ids, block.block_id))
             elif self.events is not None:

@@ -164,6 +164,24 @@ class Sequence:
                                   chain[-1] if chain else ROOT_HASH)
         return chain[:num_blocks]
 
+    def keep_block_hashes(self, block_size: int, hashes: list[int]) -> None:
+        """Keep ``hashes`` as the chain of the first ``len(hashes)`` full ``block_size``-token blocks, for
+        :meth:`full_block_hashes` to extend, unless the kept chain already covers them. The caller vouches
+        that they are those blocks' ``block_hashes`` (e.g. the hashes of prefix-cache hits, found by
+        their tokens and parent).
+
+        Raises:
+            ValueError: more hashes than full blocks in ``token_ids``, or ``block_size`` < 1.
+        """
+        if block_size < 1 or len(hashes) > len(self.token_ids) // block_size:
+            raise ValueError(f"request {self.request_id!r}: {len(hashes)} hashes of {block_size}-token "
+                             f"blocks given, {len(self.token_ids)} tokens known")
+        key = self._chain_key
+        if key is None or key[0] is not self.token_ids or key[1] != block_size:
+            self._chain, self._chain_key = [], (self.token_ids, block_size)
+        if len(hashes) > len(self._chain):
+            self._chain = list(hashes)
+
     def append_token(self, token_id: int) -> None:
         """Append one sampled output token (its KV is computed in the next step)."""
         self.token_ids.append(token_id)
