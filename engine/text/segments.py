@@ -19,7 +19,8 @@ The matching here reproduces leftmost-longest: one regular expression alternatin
 longest first, scanned left to right.
 
 Cost: the split is one regex scan of the text; a piece seen before costs a dict lookup and a list
-extend; ``max_cached_chars`` bounds the text held (least recently used pieces dropped first).
+extend; ``max_cached_chars`` bounds the text held (least recently used pieces dropped first), whose ids
+are kept as uint32 arrays (4 bytes a token; vocabularies are far below 2**32 ids).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +40,7 @@ _PIECEWISE_PRE_TOKENIZERS = frozenset({
     "ByteLevel", "BertPreTokenizer", "CharDelimiterSplit", "Digits", "Metaspace", "Punctuation", "Split",
     "UnicodeScripts", "Whitespace", "WhitespaceSplit", "FixedLength",
 })
-DEFAULT_MAX_CACHED_CHARS = 16 << 20  # text held per tokenizer (~16 MiB of str plus its ids)
+DEFAULT_MAX_CACHED_CHARS = 16 << 20  # text held per tokenizer: ~16 MiB of str, plus its ids at 4 bytes each
 
 
 def _pre_tokenizer_is_piecewise(spec: dict[str, Any] | None) -> bool:
@@ -75,7 +77,7 @@ class SegmentedEncoder:
         names = sorted(splitters, key=len, reverse=True)
         self._split: Callable[[str], list[str]] | None = (
             re.compile("(" + "|".join(map(re.escape, names)) + ")").split if names else None)
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, array[int]] = OrderedDict()  # ids as uint32: 4 bytes per token
         self._cached_chars = 0
         self._lock = threading.Lock()  # the cache's order and size change together
 
@@ -111,25 +113,25 @@ class SegmentedEncoder:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without a post-processor's special tokens (a new list)."""
         if self._split is None:
-            return list(self._piece(text))
+            return self._piece(text).tolist()
         out: list[int] = []
         pieces = self._split(text)
         for k, piece in enumerate(pieces):
             if k % 2:  # the split's captured groups: the added tokens
                 out.append(self._ids[piece])
             elif piece:
-                out += self._piece(piece)
+                out += self._piece(piece).tolist()
         return out
 
-    def _piece(self, piece: str) -> list[int]:
-        """``piece``'s ids: the cached list itself (callers copy it)."""
+    def _piece(self, piece: str) -> array[int]:
+        """``piece``'s ids: the cached array itself (callers copy it)."""
         cache = self._cache
         with self._lock:
             ids = cache.get(piece)
             if ids is not None:
                 cache.move_to_end(piece)
                 return ids
-        ids = self._tok.encode(piece, add_special_tokens=False).ids
+        ids = array("I", self._tok.encode(piece, add_special_tokens=False).ids)
         if len(piece) <= self.max_cached_chars:
             with self._lock:
                 if piece not in cache:
