@@ -89,7 +89,8 @@ class SegmentedEncoder:
                 return f"added token {t.content!r} has lstrip, rstrip or single_word set"
         if tokenizer.truncation is not None or tokenizer.padding is not None:
             return "the tokenizer truncates or pads"
-        spec = json.loads(tokenizer.to_str()).get("pre_tokenizer")
+        pre = tokenizer.pre_tokenizer  # its JSON alone: the whole tokenizer's holds the vocabulary
+        spec = None if pre is None else json.loads(pre.__getstate__())
         if not _pre_tokenizer_is_piecewise(spec):
             return f"pre-tokenizer {json.dumps(spec)[:200]} may look across pieces"
         return ""
