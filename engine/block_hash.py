@@ -11,8 +11,9 @@ is not a fixed contract across interpreter versions.
 
 Cost: about 1.5 µs per 16-token block against 0.2 µs for ``hash((parent, tuple(tokens)))`` on the
 project's 2-core CPU machine (``python -m bench.engine.block_hash`` prints both); ``block_hashes`` over
-many blocks costs about half that per block. A worker hashes each block of a sequence once
-(``Sequence.full_block_hashes`` keeps the chain).
+many blocks costs about half that per block. A worker hashes each block of a sequence at most once
+(``Sequence.full_block_hashes`` keeps the chain), and not the blocks a prefix lookup finds cached
+(``BlockManager.allocate_prefix`` looks those up by parent hash and token ids).
 """
 
 from __future__ import annotations
