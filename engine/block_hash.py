@@ -10,8 +10,10 @@ the same number. Python's built-in ``hash`` does not: ``hash(None)`` differs bet
 is not a fixed contract across interpreter versions.
 
 Cost: about 1.5 µs per 16-token block against 0.2 µs for ``hash((parent, tuple(tokens)))`` on the
-project's 2-core CPU machine (``python -m bench.engine.block_hash`` prints both); the block manager hashes
-each block once.
+project's 2-core CPU machine (``python -m bench.engine.block_hash`` prints both); ``block_hashes`` over
+many blocks costs about half that per block. A worker hashes each block of a sequence at most once
+(``Sequence.full_block_hashes`` keeps the chain), and not the blocks a prefix lookup finds cached
+(``BlockManager.allocate_prefix`` looks those up by parent hash and token ids).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from hashlib import blake2b
 
 ROOT_HASH = 0  # the parent hash of a sequence's first block
 
-if array("I").itemsize != 4:  # pragma: no cover - every platform CPython supports has a 4-byte unsigned int
-    raise ImportError("engine.block_hash needs array('I') of 4 bytes")
+if array("I").itemsize != 4 or array("Q").itemsize != 8:  # pragma: no cover - not on CPython's platforms
+    raise ImportError("engine.block_hash needs array('I') of 4 bytes and array('Q') of 8")
 _SWAP = sys.byteorder != "little"
 
 
@@ -47,13 +49,17 @@ def block_hash(parent: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(digest, "little")
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
     """Chained hashes of the full ``block_size``-token blocks of ``token_ids`` (a trailing partial block
-    has none), as ``block_hash`` gives them one by one from ``ROOT_HASH``.
+    has none), as ``block_hash`` gives them one by one from ``parent`` (``ROOT_HASH``: ``token_ids``
+    starts at block 0; else the hash of the block before ``token_ids[0]``, to extend a chain).
+
+    The chain is carried as the 8 digest bytes (the parent's little-endian bytes are its digest) and the
+    digests are read back as ints in one pass at the end, so a block costs one BLAKE2b call.
 
     Raises:
         ValueError: ``block_size`` < 1.
-        OverflowError: a token id outside ``[0, 2**32)``.
+        OverflowError: a token id outside ``[0, 2**32)`` or ``parent`` outside ``[0, 2**64)``.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -62,10 +68,13 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
         return []
     data = _token_bytes(token_ids[: num_full * block_size])
     step = 4 * block_size
-    out: list[int] = []
-    parent = ROOT_HASH
+    digests: list[bytes] = []
+    keep = digests.append
+    prev = parent.to_bytes(8, "little")
     for start in range(0, len(data), step):
-        digest = blake2b(parent.to_bytes(8, "little") + data[start : start + step], digest_size=8).digest()
-        parent = int.from_bytes(digest, "little")
-        out.append(parent)
-    return out
+        prev = blake2b(prev + data[start : start + step], digest_size=8).digest()
+        keep(prev)
+    out = array("Q", b"".join(digests))
+    if _SWAP:  # pragma: no cover - big-endian hosts only
+        out.byteswap()
+    return out.tolist()

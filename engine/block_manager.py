@@ -70,12 +70,13 @@ def first_run(mask: BoolArray, n: int, scratch: tuple[BoolArray, BoolArray]) -> 
 
 
 class _Block:
-    __slots__ = ("block_hash", "block_id", "ref_count", "token_ids")
+    __slots__ = ("block_hash", "block_id", "parent_hash", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
+        self.parent_hash = ROOT_HASH  # the hash block_hash chains on (kept while block_hash is set)
         self.token_ids: tuple[int, ...] = ()
 
 
@@ -114,6 +115,9 @@ class BlockManager:
         self._host_saves: list[tuple[int, tuple[int, ...], int]] = []  # evicted, not yet handed to the tier
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._hash_to_block: dict[int, int] = {}
+        # (parent hash, token ids) → block_hash(parent, token ids) of every key of _hash_to_block: a prefix
+        # lookup finds a cached block's hash with the built-in tuple hash instead of BLAKE2b
+        self._known_hash: dict[tuple[int, tuple[int, ...]], int] = {}
         self._free_uncached: set[int] = set(range(num_blocks))
         self._uncached_heap: list[int] = list(range(num_blocks))  # lazy: may hold ids no longer free
         self._in_heap = np.ones(num_blocks, dtype=np.bool_)  # id has an entry in _uncached_heap
@@ -189,28 +193,35 @@ class BlockManager:
             raise ValueError(f"allocate_prefix needs a fresh sequence, {seq.request_id!r} has state")
         if not self.enable_prefix_caching:
             return 0
+        grid, bs = self.prefix_grid_blocks, self.block_size
+        num_blocks = (seq.num_tokens - 1) // bs
+        limit = num_blocks - num_blocks % grid
+        token_ids, blocks, cached, known = seq.token_ids, self._blocks, self._hash_to_block, self._known_hash
+        hits: list[int] = []
         parent = ROOT_HASH
-        grid = self.prefix_grid_blocks
-        num_blocks = (seq.num_tokens - 1) // self.block_size
-        for i in range(num_blocks - num_blocks % grid):
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            h = block_hash(parent, tokens)
-            block_id = self._hash_to_block.get(h)
-            if block_id is None or self._blocks[block_id].token_ids != tokens:
+        for i in range(limit):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = known.get((parent, tokens))
+            if h is None:  # not a cached block's key: hash it (a hash registered since can still hit)
+                h = block_hash(parent, tokens)
+            block_id = cached.get(h)
+            if block_id is None or blocks[block_id].token_ids != tokens:
                 break
             seq.block_table.append(block_id)
+            hits.append(h)
             parent = h
+        seq.keep_block_hashes(bs, hits)
         if self.host_tier is not None:
-            self._host_prefix(seq, parent, num_blocks - num_blocks % grid)
+            self._host_prefix(seq, seq.full_block_hashes(bs, limit))
             return len(seq.block_table) * self.block_size
         del seq.block_table[len(seq.block_table) - len(seq.block_table) % grid :]
         for block_id in seq.block_table:
             self._ref(block_id)
         return len(seq.block_table) * self.block_size
 
-    def _host_prefix(self, seq: Sequence, parent: int, limit: int) -> None:
+    def _host_prefix(self, seq: Sequence, hashes: list[int]) -> None:
         """``allocate_prefix`` with a host tier: ``seq.block_table`` holds the (unreferenced) device hits,
-        ``parent`` the last one's hash. Continue the chain in the tier up to ``limit`` blocks, as far as
+        ``hashes`` the chain of the blocks a hit may cover. Continue the chain in the tier, as far as
         the free device blocks allow once the device hits are referenced; round the whole hit down to the
         grid; reference the device hits, take a device block for each tier hit, register its hash and
         copy its KV back (after the KV of any block this evicts was saved)."""
@@ -218,13 +229,11 @@ class BlockManager:
         assert tier is not None
         bs, grid = self.block_size, self.prefix_grid_blocks
         found: list[tuple[int, tuple[int, ...]]] = []  # tier hits after the device ones
-        for i in range(len(seq.block_table), limit):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = block_hash(parent, tokens)
+        for i in range(len(seq.block_table), len(hashes)):
+            tokens, h = tuple(seq.token_ids[i * bs : (i + 1) * bs]), hashes[i]
             if h in self._hash_to_block or not tier.holds(h, tokens):
                 break
             found.append((h, tokens))
-            parent = h
         num_device = len(seq.block_table)
         free_after = self.num_free_blocks - sum(self._blocks[b].ref_count == 0 for b in seq.block_table)
         total = num_device + min(len(found), free_after)
@@ -240,8 +249,10 @@ class BlockManager:
         for h, tokens in found:
             block_id = self._take_free_block()
             block = self._blocks[block_id]
-            block.block_hash, block.token_ids = h, tokens
+            parent = hashes[len(seq.block_table) - 1] if seq.block_table else ROOT_HASH
+            block.block_hash, block.token_ids, block.parent_hash = h, tokens, parent
             self._hash_to_block[h] = block_id
+            self._known_hash[(parent, tokens)] = h
             seq.block_table.append(block_id)
             loads.append((h, block_id))
         self._host_transfer(loads)
@@ -290,8 +301,9 @@ class BlockManager:
         """Register hashes of the blocks of ``seq`` whose tokens are all computed (call after a step).
 
         Incremental: ``seq.hashed_blocks`` remembers how many leading blocks were registered and the hash
-        of the last one, so a decode step costs O(1) unless a block just filled (each block's tokens are
-        hashed once). A remembered state that no longer matches ``seq.block_table`` (a table rebuilt
+        of the last one, so a decode step costs O(1) unless a block just filled; the hashes come from
+        ``seq.full_block_hashes`` (each block's tokens hashed once per sequence, ``allocate_prefix``'s
+        included). A remembered state that no longer matches ``seq.block_table`` (a table rebuilt
         without ``free``) restarts from block 0 when the next block fills. Only the leading
         ``seq.cacheable_tokens`` tokens are registered when that is set.
         """
@@ -306,15 +318,17 @@ class BlockManager:
         if start > num_full or (start and self._blocks[seq.block_table[start - 1]].block_hash != parent):
             start, parent = 0, ROOT_HASH
         bs, cached, events = self.block_size, self._hash_to_block, self.events
+        hashes = seq.full_block_hashes(bs, num_full)
         for i in range(start, num_full):
             block = self._blocks[seq.block_table[i]]
             h = block.block_hash
             if h is None:
-                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                h = block.block_hash = block_hash(parent, tokens)
-                block.token_ids = tokens
+                h = block.block_hash = hashes[i]
+                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                block.parent_hash = hashes[i - 1] if i else ROOT_HASH
                 if h not in cached:
                     cached[h] = block.block_id
+                    self._known_hash[(block.parent_hash, block.token_ids)] = h
                     if events is not None:
                         events.stored(h)
             parent = h
@@ -367,6 +381,9 @@ class BlockManager:
             raise AssertionError(f"free lists hold {self.num_free_blocks} of {self.num_blocks} blocks")
         if self._host_saves:
             raise AssertionError(f"{len(self._host_saves)} evicted blocks never handed to the host tier")
+        if sorted(self._known_hash.values()) != sorted(self._hash_to_block):
+            raise AssertionError(f"{len(self._known_hash)} prefix lookup keys for {len(self._hash_to_block)} "
+                                 "cached hashes")
         if self.host_tier is not None:
             self.host_tier.check()
 
@@ -419,6 +436,7 @@ class BlockManager:
         queued to be saved there (by the caller's ``_host_transfer``, before anything writes it)."""
         if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block.block_id:
             del self._hash_to_block[block.block_hash]
+            del self._known_hash[(block.parent_hash, block.token_ids)]
             if self.host_tier is not None:
                 self._host_saves.append((block.block_hash, block.token_ids, block.block_id))
             elif self.events is not None:

@@ -140,9 +140,13 @@ class EngineCore:
         ``[0, vocab_size)`` or a prompt of ``max_model_len`` tokens or more."""
         if not prompt_token_ids:
             raise ValueError("prompt is empty: it needs at least one token")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} outside [0, vocab_size={self.runner.vocab_size})")
+        vocab = self.runner.vocab_size
+        # C-level passes (the types present, then min and max) on the common all-valid prompt; the
+        # per-token scan only to name the bad ids
+        if (not all(issubclass(t, int) for t in set(map(type, prompt_token_ids)))
+                or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab):
+            bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            raise ValueError(f"prompt token ids {bad[:5]} outside [0, vocab_size={vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(prompt_token_ids)} tokens does not fit max_model_len="
                              f"{self.max_model_len} tokens (room for at least one output token needed)")

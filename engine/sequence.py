@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from engine.block_hash import ROOT_HASH, block_hashes
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -42,8 +43,8 @@ class Sequence:
     ``block_table`` only grows by appending while the sequence holds its blocks; freeing replaces it by a
     new empty list (the decode graphs' static inputs rely on this to re-send only changed rows).
     ``hashed_blocks``: ``(n, hash of block n-1)``: the leading ``n`` blocks whose prefix hashes
-    ``BlockManager.cache_full_blocks`` registered (kept so each block is hashed once); ``(0, 0)``: none
-    (0 is ``engine.block_hash.ROOT_HASH``).
+    ``BlockManager.cache_full_blocks`` registered; ``(0, 0)``: none (0 is ``engine.block_hash.ROOT_HASH``).
+    The hashes themselves come from :meth:`full_block_hashes`, which computes each block's once.
     ``cacheable_tokens``: the leading tokens whose KV may be registered in the prefix cache (None: every
     computed token); the scheduler's prefill grid (``SchedulerConfig.prefill_grid``) sets it to the end of
     the last whole grid chunk a prefill step computed.
@@ -70,7 +71,7 @@ class Sequence:
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
-        if any(t < 0 for t in prompt_token_ids):
+        if min(prompt_token_ids) < 0:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must be >= 0")
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -83,6 +84,8 @@ class Sequence:
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.hashed_blocks: tuple[int, int] = (0, 0)  # (0, engine.block_hash.ROOT_HASH)
+        self._chain: list[int] = []  # full_block_hashes' kept chain
+        self._chain_key: tuple[list[int], int] | None = None  # (the token list, block size) it hashes
         self.cacheable_tokens: int | None = None
         self.status = SequenceStatus.WAITING
         self.first_scheduled_time: float | None = None
@@ -135,6 +138,51 @@ class Sequence:
         """This generation's output so far: the prompt's last ``sampling_params.output_offset`` tokens
         (output of an earlier attempt continued here) then the output tokens sampled here (a copy)."""
         return self.token_ids[self.generation_start:]
+
+    def full_block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
+        """The chained prefix-cache hashes (``engine.block_hash.block_hashes``) of the first ``num_blocks``
+        full ``block_size``-token blocks of ``token_ids``, as a new list of ``num_blocks`` ints.
+
+        Each block is hashed once per sequence: the chain is kept and only extended (from its last hash)
+        when more blocks are asked for, which is exact because ``token_ids`` only grows
+        (:meth:`append_token`) and a full block's tokens never change. The kept chain is dropped and
+        recomputed when ``token_ids`` is a different list object or ``block_size`` differs from the last
+        call's.
+
+        Raises:
+            ValueError: ``num_blocks`` < 0 or more than the full blocks ``token_ids`` holds, or
+                ``block_size`` < 1.
+        """
+        if block_size < 1 or not 0 <= num_blocks <= len(self.token_ids) // block_size:
+            raise ValueError(f"request {self.request_id!r}: {num_blocks} full blocks of {block_size} tokens "
+                             f"asked, {len(self.token_ids)} tokens known")
+        key = self._chain_key
+        if key is None or key[0] is not self.token_ids or key[1] != block_size:
+            self._chain, self._chain_key = [], (self.token_ids, block_size)
+        chain = self._chain
+        have = len(chain)
+        if have < num_blocks:
+            chain += block_hashes(self.token_ids[have * block_size : num_blocks * block_size], block_size,
+                                  chain[-1] if chain else ROOT_HASH)
+        return chain[:num_blocks]
+
+    def keep_block_hashes(self, block_size: int, hashes: list[int]) -> None:
+        """Keep ``hashes`` as the chain of the first ``len(hashes)`` full ``block_size``-token blocks, for
+        :meth:`full_block_hashes` to extend, unless the kept chain already covers them. The caller vouches
+        that they are those blocks' ``block_hashes`` (e.g. the hashes of prefix-cache hits, found by
+        their tokens and parent).
+
+        Raises:
+            ValueError: more hashes than full blocks in ``token_ids``, or ``block_size`` < 1.
+        """
+        if block_size < 1 or len(hashes) > len(self.token_ids) // block_size:
+            raise ValueError(f"request {self.request_id!r}: {len(hashes)} hashes of {block_size}-token "
+                             f"blocks given, {len(self.token_ids)} tokens known")
+        key = self._chain_key
+        if key is None or key[0] is not self.token_ids or key[1] != block_size:
+            self._chain, self._chain_key = [], (self.token_ids, block_size)
+        if len(hashes) > len(self._chain):
+            self._chain = list(hashes)
 
     def append_token(self, token_id: int) -> None:
         """Append one sampled output token (its KV is computed in the next step)."""

@@ -2,10 +2,10 @@
 same block, the hash the block manager used before (its value differs between processes, so no gateway
 could share it).
 
-Times hashing ``--blocks`` consecutive blocks of ``--block-size`` token ids one by one, as
-``BlockManager.cache_full_blocks`` does (each chained on the previous), with ``block_hash`` and with
-``hash((parent, tuple(tokens)))``, the two interleaved (``bench.timing.interleaved``) after warm-up, and
-also ``block_hashes`` over the whole prompt at once (the gateway's path). Prints µs per block (median,
+Times hashing ``--blocks`` consecutive blocks of ``--block-size`` token ids one by one (each chained on
+the previous), with ``block_hash`` and with ``hash((parent, tuple(tokens)))``, the two interleaved
+(``bench.timing.interleaved``) after warm-up, and also ``block_hashes`` over the whole prompt at once (the
+path of the gateway and of the workers' ``Sequence.full_block_hashes``). Prints µs per block (median,
 min–max over ``--repeats``) and each one's ratio to the built-in hash.
 
     .venv/bin/python -m bench.engine.block_hash [--block-size 16] [--blocks 256] [--repeats 30]

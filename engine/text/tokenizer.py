@@ -20,6 +20,8 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer, processors
 from tokenizers.decoders import DecodeStream
 
+from engine.text.segments import SegmentedEncoder
+
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -49,6 +51,8 @@ class TextTokenizer:
         self.bos_token_id = self._id_of("bos_token")
         self.eos_token_id = self._id_of("eos_token")
         self.pad_token_id = self._id_of("pad_token")
+        # chat prompts re-encode a growing conversation: piecewise with cached pieces when that is exact
+        self._segments = SegmentedEncoder(tokenizer) if SegmentedEncoder.applicable(tokenizer) else None
 
     def _id_of(self, name: str) -> int | None:
         token = getattr(self.special, name)
@@ -75,8 +79,17 @@ class TextTokenizer:
         return self.special.eos_token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (e.g. a bos)."""
+        """Token ids of ``text``; ``add_special_tokens`` applies the post-processor (e.g. a bos). Without
+        it, the text is encoded piece by piece between special tokens with the pieces' ids cached
+        (engine/text/segments.py: the same ids) when the tokenizer allows that."""
+        if not add_special_tokens and self._segments is not None:
+            return self._segments.encode(text)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def clear_encode_cache(self) -> None:
+        """Forget the pieces ``encode`` cached (the next encode of a text tokenizes all of it)."""
+        if self._segments is not None:
+            self._segments.clear()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Byte-level BPE pieces of an incomplete UTF-8 character decode to U+FFFD."""

@@ -64,6 +64,91 @@ def test_block_hashes_chain_block_hash_and_depend_on_the_whole_prefix() -> None:
         block_hash(ROOT_HASH, [2**32])
 
 
+def test_block_hashes_extend_a_chain_from_a_parent() -> None:
+    """``block_hashes(rest, bs, parent)`` continues the chain ``parent`` ends: split anywhere on a block
+    boundary, the two parts give the whole prompt's chain, each hash the one-by-one ``block_hash``."""
+    tokens = [(7919 * i) % 2**32 for i in range(11 * BS + 2)]
+    whole = block_hashes(tokens, BS)
+    parent, one_by_one = ROOT_HASH, []
+    for i in range(11):
+        parent = block_hash(parent, tokens[i * BS : (i + 1) * BS])
+        one_by_one.append(parent)
+    assert whole == one_by_one
+    for cut in (1, 5, 10):
+        rest = block_hashes(tokens[cut * BS :], BS, whole[cut - 1])
+        assert block_hashes(tokens[: cut * BS], BS) + rest == whole
+    with pytest.raises(OverflowError):
+        block_hashes(tokens, BS, 2**64)
+
+
+def test_sequence_keeps_its_chain_and_recomputes_when_its_tokens_are_replaced() -> None:
+    """``Sequence.full_block_hashes`` equals a fresh ``block_hashes`` of its tokens after appends (the
+    kept chain extended), after its token list is replaced (chain dropped) and for another block size."""
+    seq = _seq(list(range(30, 30 + 2 * BS + 1)))
+    assert seq.full_block_hashes(BS, 1) == block_hashes(seq.token_ids, BS)[:1]
+    assert seq.full_block_hashes(BS, 2) == block_hashes(seq.token_ids, BS)
+    for t in range(500, 500 + BS):
+        seq.append_token(t)
+    assert seq.full_block_hashes(BS, 3) == block_hashes(seq.token_ids, BS)
+    assert seq.full_block_hashes(BS, 0) == []
+    seq.token_ids = [1] * len(seq.token_ids)  # not an API use: a replaced list must not keep stale hashes
+    assert seq.full_block_hashes(BS, 3) == block_hashes(seq.token_ids, BS)
+    assert seq.full_block_hashes(2 * BS, 1) == block_hashes(seq.token_ids, 2 * BS)[:1]
+    with pytest.raises(ValueError, match="4 full blocks of 4 tokens"):
+        seq.full_block_hashes(BS, 4)
+    # kept hashes (a prefix hit's) are extended, never shortened
+    kept = _seq(list(range(60, 60 + 3 * BS)), rid="kept")
+    chain = block_hashes(kept.token_ids, BS)
+    kept.keep_block_hashes(BS, chain[:2])
+    kept.keep_block_hashes(BS, chain[:1])
+    assert kept.full_block_hashes(BS, 3) == chain
+    with pytest.raises(ValueError, match="4 hashes of 4-token blocks given, 12 tokens"):
+        kept.keep_block_hashes(BS, [*chain, 1])
+
+
+def test_a_worker_hashes_each_block_of_a_sequence_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefix lookup finds the hashes of hit blocks without hashing (by parent hash and tokens) and
+    hashes only the block that misses; the prompt's step and decode steps then hash each other block
+    once, chained on the hits' hashes. The registered hashes are the whole token chain's."""
+    import engine.block_manager
+    import engine.sequence
+    hashed: list[int] = []
+
+    def counting_chain(tokens: list[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
+        hashed.append(len(tokens) // block_size)
+        return block_hashes(tokens, block_size, parent)
+
+    def counting_one(parent: int, tokens: tuple[int, ...]) -> int:
+        hashed.append(1)
+        return block_hash(parent, tokens)
+
+    monkeypatch.setattr(engine.sequence, "block_hashes", counting_chain)
+    monkeypatch.setattr(engine.block_manager, "block_hash", counting_one)
+    bm = BlockManager(num_blocks=32, block_size=BS)
+    first = _seq(list(range(200, 200 + 5 * BS + 1)), rid="first")
+    assert bm.allocate_prefix(first) == 0
+    assert sum(hashed) == 1  # block 0 missed
+    _computed(bm, first)
+    assert sum(hashed) == 1 + 5
+    bm.free(first)
+    hashed.clear()
+    second = _seq([*first.token_ids[: 5 * BS], *range(700, 700 + 2 * BS + 1)], rid="second")
+    assert bm.allocate_prefix(second) == 5 * BS
+    assert sum(hashed) == 1  # five hits found by their keys, block 5 missed
+    _computed(bm, second)
+    assert sum(hashed) == 1 + 2
+    for t in range(BS):
+        second.append_token(900 + t)
+        bm.allocate(second, 1)
+        second.num_computed_tokens += 1
+        bm.cache_full_blocks(second)
+    assert sum(hashed) == 1 + 2 + 1  # the eighth block filled during decode
+    assert set(block_hashes(second.token_ids, BS)) <= set(bm.cached_hashes())
+    assert second.full_block_hashes(BS, 8) == block_hashes(second.token_ids, BS)
+    bm.free(second)
+    bm.check_no_leaks()
+
+
 def test_block_manager_registers_the_shared_chain() -> None:
     """The block manager's hashes are ``block_hashes`` of the tokens: what the gateway computes."""
     bm = BlockManager(num_blocks=8, block_size=BS)
