@@ -206,7 +206,7 @@ def measure(text: TextProcessor, case: Case, block_size: int, repeats: int, warm
 
     def admit() -> Sequence:
         EngineCore.validate_prompt(core, msg.prompt_token_ids)
-        return Sequence(msg.request_id, list(msg.prompt_token_ids), params, 0.0, None)
+        return Sequence(msg.request_id, list(msg.prompt_token_ids), params, 0.0, ())
 
     out["pf.admit"] = timed(admit)
     runner = cast(ModelRunner, SimpleNamespace(kv_cache=SimpleNamespace(block_size=block_size),
@@ -239,7 +239,7 @@ def measure(text: TextProcessor, case: Case, block_size: int, repeats: int, warm
 
     def admit2() -> Sequence:
         EngineCore.validate_prompt(core, msg2.prompt_token_ids)
-        return Sequence(msg2.request_id, list(msg2.prompt_token_ids), params, 0.0, None)
+        return Sequence(msg2.request_id, list(msg2.prompt_token_ids), params, 0.0, ())
 
     out["dw.admit"] = timed(admit2)
     times = {"dw.reserve": [], "dw.landed": []}
