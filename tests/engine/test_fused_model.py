@@ -127,7 +127,8 @@ def test_one_token_router_logits_come_from_the_gemv(arch, tmp_path, monkeypatch)
     from engine.models import fused_model
 
     path = save_tiny_model(arch, tmp_path / "m", seed=15)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels read device tensors
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval().to(device)
     net = FusedCausalLM(model, use_triton=True, gemv_projections=("router",))
     weights: list[torch.Tensor] = []
     real = fused_model.gemv
@@ -139,7 +140,7 @@ def test_one_token_router_logits_come_from_the_gemv(arch, tmp_path, monkeypatch)
     for tokens in (1, 2):
         weights.clear()
         for lay in sparse:
-            x = torch.randn(tokens, model.config.hidden_size, generator=gen)
+            x = torch.randn(tokens, model.config.hidden_size, generator=gen).to(device)
             with torch.no_grad():
                 got = net._mlp(lay, x)
                 out = lay.mlp(x[None])
