@@ -52,7 +52,7 @@ from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
 from engine.ops.fp8_gemm import fp8_linear
 from engine.ops.fp8_weight import Fp8Weight
 from engine.ops.fused_moe import fused_moe, fused_moe_reference
-from engine.ops.gemv import gemv
+from engine.ops.gemv import ROUTER_GEMV_TILE, gemv
 from engine.ops.rms_norm import qk_rms_norm, rms_norm, rms_norm_reference
 from engine.ops.rotary import apply_rotary, apply_rotary_reference
 from engine.ops.silu_mul import silu_mul, silu_mul_reference
@@ -284,6 +284,9 @@ class FusedCausalLM(torch.nn.Module):
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias, use_kernels=self.use_triton or x.is_cuda)
         if x.shape[0] == 1 and self.use_triton and name in self.gemv_projections:
+            if name == "router":
+                block_n, block_k, warps = ROUTER_GEMV_TILE
+                return gemv(x, weight, bias, block_n=block_n, block_k=block_k, num_warps=warps)
             return gemv(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
 

@@ -303,19 +303,24 @@ def moe_path(num_tokens: int, top_k: int, num_experts: int) -> str:
 
 def gemv_moe_tile(num_tokens: int, down: bool) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)`` of the gate/up (``down`` False) or down matrix-vector MoE
-    kernel for ``num_tokens`` tokens: the best of ``bench.kernels.fused_moe --decode --tiles`` on an H200
-    (Qwen3-30B-A3B shape, docs/benchmarks/engine.md): one token 2 x 1024 with 4 warps for both (53 % of
-    the copy bandwidth; 4 x 1024: 42 %), more tokens 8 x 512 (gate/up) and 4 x 512 (down) with 4 warps
-    (2 / 4 tokens 67 / 73 %; 4 x 1024: 62 / 66 %)."""
+    kernel for ``num_tokens`` tokens: the best of ``bench.kernels.fused_moe_gemv_sweep`` on an H200
+    (Qwen3-30B-A3B shape, 2026-12-03, docs/benchmarks/README.md): one token 2 x 1024 with 4 warps for both
+    (gate/up and down together 58 % of the copy bandwidth; every other tile 46-58 %); more tokens 8 x 512
+    (gate/up) and 2 x 256 (down, with ``gemv_moe_slots`` 4) with 4 warps (2 / 4 / 8 tokens 78 / 85 / 89 %;
+    down 4 x 512 one slot at a time: 75 / 81 / 87 %)."""
     if num_tokens == 1:
         return 2, 1024, 4
-    return (4, 512, 4) if down else (8, 512, 4)
+    return (2, 256, 4) if down else (8, 512, 4)
 
 
 def gemv_moe_slots(num_tokens: int, top_k: int) -> int:
     """Slots of a token whose experts the down matrix-vector kernel reads at once (``SLOTS``; a power of
-    two, the rest of the ``top_k`` slots in further rounds): 1, one expert after the other."""
-    return 1
+    two, the rest of the ``top_k`` slots in further rounds): one token 1 (one expert after the other; the
+    sweep found no gain), more tokens 4 (or ``top_k`` rounded up to a power of two when smaller), the
+    sweep's best with ``gemv_moe_tile``'s 2 x 256 down tile."""
+    if num_tokens == 1:
+        return 1
+    return min(4, 1 << max(0, top_k - 1).bit_length())
 
 
 def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

@@ -33,6 +33,12 @@ def gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
     return 8, 512, 4
 
 
+# (block_n, block_k, num_warps) of a mixture-of-experts router's logits (N = experts <= 512, K = hidden):
+# 1.19 us for Qwen3-30B-A3B's 128 x 2048 on the H200 against 1.55 us for gemv_tile's 4 x 1024 and 4.66 us
+# for cuBLAS (bench.kernels.fused_moe_gemv_sweep, 2026-12-03)
+ROUTER_GEMV_TILE = (2, 2048, 8)
+
+
 @triton.jit
 def _gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
     x_ptr, w_ptr, b_ptr, y_ptr, n_out, k_in, stride_w,
