@@ -10,7 +10,9 @@ matter)::
 
 runs 8 sessions x 20 turns, each turn adding 100 words of user text and a 600-word tool result and
 asking for 64 output tokens (about 775 tokens per turn with the answer and the chat template; the
-context reaches ~15.5k tokens at turn 20), think time 1 s, on a system whose workers keep their prefix
+context reaches ~15.5k tokens at turn 20), think time 1 s, after ``--warmup-turns`` (default 2) turns
+of one unrelated session that are not reported (a fresh system's first requests compile and allocate),
+on a system whose workers keep their prefix
 cache (``reuse-on``: the default flags, plus ``--on-flags``), then on one started with ``--off-flags``
 (``reuse-off``, default ``--enable-prefix-caching false``). The systems run one after the other (each
 alone on the GPU). A decode-side reuse switch goes into ``--on-flags`` / ``--off-flags`` (e.g.
@@ -69,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with this limit (WORK/model)")
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--turns", type=int, default=20)
+    p.add_argument("--warmup-turns", type=int, default=2,
+                   help="turns of one unrelated session run on each system before the measured ones "
+                   "(0: none)")
     p.add_argument("--user-tokens", default="fixed:100")
     p.add_argument("--tool-tokens", default="fixed:600")
     p.add_argument("--output-len", default="fixed:64")
@@ -129,6 +134,10 @@ def target(label: str, system: LiveSystem) -> SystemTarget:
     return SystemTarget(label, system.url, (urls["prefill"],), (urls["decode"],))
 
 
+# the warm-up session's texts come from another seed, so it shares no prefix with the measured sessions
+WARMUP_SEED_OFFSET = 1_000_003
+
+
 def run_one(args: argparse.Namespace, cfg: AgentConfig, label: str, flags: list[str], work: Path,
             model: str) -> AgentSystemResult:
     """Start the ``label`` system of ``model`` with ``flags`` on every worker, run the workload, stop it."""
@@ -143,6 +152,12 @@ def run_one(args: argparse.Namespace, cfg: AgentConfig, label: str, flags: list[
         print(f"== {label} ready after {time.monotonic() - t0:.0f} s (worker flags: {flags})",
               flush=True)
         served = asyncio.run(first_model(system.url, None))
+        if args.warmup_turns > 0:  # first requests of a fresh system (compiles, allocations) are not timed
+            warm = dataclasses.replace(cfg, model=served, sessions=1, turns=args.warmup_turns,
+                                       think_time_s=0.0, seed=cfg.seed + WARMUP_SEED_OFFSET, progress=False)
+            asyncio.run(run_system(warm, target(f"{label}-warmup", system)))
+            print(f"== {label}: {args.warmup_turns} warm-up turns of another session done (not reported)",
+                  flush=True)
         return asyncio.run(run_system(dataclasses.replace(cfg, model=served), target(label, system)))
 
 
