@@ -334,6 +334,7 @@ def eos_ids(hf_config: object) -> tuple[int, ...]:
     if eos is None:
         return ()
     ids = [eos] if isinstance(eos, int) else eos
-    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and t >= 0 for t in ids):
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                     for t in ids):
         raise ValueError(f"config eos_token_id {eos!r} is not an int or a list of ints >= 0")
     return tuple(dict.fromkeys(int(t) for t in ids))

@@ -278,7 +278,7 @@ class Orchestrator:
                 log_event(log, "request_not_recovered", logging.WARNING, request_id=req.request_id,
                           worker_id=msg.worker_id, cause="failed", kind="structured_output",
                           reason=msg.error)
-                raise GenerationFailed(f"worker {msg.worker_id}: {msg.error}", 400,
+                raise GenerationFailed(msg.error, 400,
                                        req.inp.structured_param or "structured_output",
                                        "structured_output_failed")
             elif isinstance(msg, RequestFailed):

@@ -9,6 +9,7 @@ biases with 0 — fast enough for Llama-3-8B shapes on a GPU. FP8 models (an FP8
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -110,16 +111,40 @@ def check_rope_scaling(hf_config: PretrainedConfig, max_model_len: int | None) -
             f"max_model_len <= {original}")
 
 
-def _check_safetensors(path: Path) -> dict[Path, list[str]]:
-    """The safetensors files of ``path`` (sorted), each with its tensor names, after opening each header.
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of ``path`` that hold the transformers checkpoint, as transformers picks them:
+    the files of ``model.safetensors.index.json``'s ``weight_map`` when there is one, else
+    ``model.safetensors``, else every ``*.safetensors`` file except ``consolidated*.safetensors`` (the
+    original-format copy Mistral's repositories ship beside the transformers shards). Sorted.
 
     Raises:
-        FileNotFoundError: no ``*.safetensors`` file.
-        ValueError: a file is corrupt or truncated (named in the message).
+        FileNotFoundError: no such file, or a file the index names is absent.
     """
-    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index} names files that are absent: {absent[:5]}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
     if not files:
         raise FileNotFoundError(f"model directory {path} has no *.safetensors weights")
+    return files
+
+
+def _check_safetensors(path: Path) -> dict[Path, list[str]]:
+    """The checkpoint's safetensors files (``checkpoint_files``), each with its tensor names, after opening
+    each header.
+
+    Raises:
+        FileNotFoundError: no checkpoint file.
+        ValueError: a file is corrupt or truncated (named in the message).
+    """
+    files = checkpoint_files(path)
     names: dict[Path, list[str]] = {}
     for f in files:
         try:

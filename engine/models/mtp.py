@@ -2,9 +2,9 @@
 
 GLM-4.5 and DeepSeek-V3 declare ``num_nextn_predict_layers`` extra layers stored after the
 ``num_hidden_layers`` decoder layers (``model.layers.{num_hidden_layers + i}.*``). They draft tokens for
-speculative decoding, which pdserve does not run, so no loader builds them; both the FP8 loader
-(``engine.models.fp8``) and the bf16/fp32 loader (``engine.models.loader``) skip their tensors with one
-INFO line (``log_skipped``). No torch.
+speculative decoding, which pdserve does not run, so no loader builds them; the FP8 loader
+(``engine.models.fp8``), the bf16/fp32 loader (``engine.models.loader``) and the tensor-parallel loader
+(``engine.models.tensor_parallel``) skip their tensors with one INFO line (``log_skipped``). No torch.
 """
 
 from __future__ import annotations

@@ -306,8 +306,9 @@ def gemv_moe_tile(num_tokens: int, down: bool) -> tuple[int, int, int]:
     kernel for ``num_tokens`` tokens: the best of ``bench.kernels.fused_moe_gemv_sweep`` on an H200
     (Qwen3-30B-A3B shape, 2026-12-03, docs/benchmarks/README.md): one token 2 x 1024 with 4 warps for both
     (gate/up and down together 58 % of the copy bandwidth; every other tile 46-58 %); more tokens 8 x 512
-    (gate/up) and 2 x 256 (down, with ``gemv_moe_slots`` 4) with 4 warps (2 / 4 / 8 tokens 78 / 85 / 89 %;
-    down 4 x 512 one slot at a time: 75 / 81 / 87 %)."""
+    (gate/up) and 2 x 256 (down, with ``gemv_moe_slots`` 4) with 4 warps (kernel alone at 2 / 4 / 8 tokens
+    78 / 85 / 89 %; down 4 x 512 one slot at a time: 75 / 81 / 87 %; serving takes this path only up to
+    ``moe_path``'s pair limit). Swept with bf16 experts; FP8 experts take the same tiles, not re-measured."""
     if num_tokens == 1:
         return 2, 1024, 4
     return (2, 256, 4) if down else (8, 512, 4)

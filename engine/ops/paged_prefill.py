@@ -98,13 +98,14 @@ def prefill_tiles(head_dim: int, on_gpu: bool) -> tuple[int, int, int, int]:
     return 64, 64, 4, 3
 
 
-def prefill_pack_gqa(queries_per_kv: int, on_gpu: bool) -> bool:
+def prefill_pack_gqa(queries_per_kv: int, on_gpu: bool, block_m: int) -> bool:
     """Whether ``paged_prefill_attention`` packs the query heads of a KV head into one program when not
-    told: on a GPU with grouped-query attention. On the H200 (Llama-3-8B heads, 64x64 tiles, 4 warps,
-    3 stages) packing read each K/V tile once per group and ran 0.88 of SDPA flash's time (geomean over
-    ``bench.kernels.prefill_attention``'s cases) against 0.99 unpacked. The interpreter stays unpacked
-    (per-element cost, not loads, bounds it)."""
-    return on_gpu and queries_per_kv > 1
+    told: on a GPU with grouped-query attention whose packed group (``queries_per_kv`` rounded up to a
+    power of two) leaves at least 4 tokens in a ``block_m``-row tile. On the H200 (Llama-3-8B heads, 64x64
+    tiles, 4 warps, 3 stages) packing read each K/V tile once per group and ran 0.88 of SDPA flash's time
+    (geomean over ``bench.kernels.prefill_attention``'s cases) against 0.99 unpacked. The interpreter
+    stays unpacked (per-element cost, not loads, bounds it)."""
+    return on_gpu and queries_per_kv > 1 and triton.next_power_of_2(queries_per_kv) * 4 <= block_m
 
 
 def _check_tile(tile: tuple[int, int, int, int], group: int) -> None:
@@ -159,12 +160,12 @@ def paged_prefill_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads
+    block_m, block_n, warps, stages = tile or prefill_tiles(head_dim, q.is_cuda)
     if pack_gqa is None:
-        pack_gqa = prefill_pack_gqa(queries_per_kv, q.is_cuda)
+        pack_gqa = prefill_pack_gqa(queries_per_kv, q.is_cuda, block_m)
     group = triton.next_power_of_2(queries_per_kv) if pack_gqa else 1
     if tile is not None:
         _check_tile(tile, group)
-    block_m, block_n, warps, stages = tile or prefill_tiles(head_dim, q.is_cuda)
     if block_m < group:
         raise ValueError(f"pack_gqa needs BLOCK_M >= {group} (the packed query heads), got {block_m}")
     if out is None:

@@ -78,6 +78,9 @@ def test_eos_ids_of_a_config() -> None:
     assert eos_ids(SimpleNamespace(eos_token_id=None)) == eos_ids(SimpleNamespace()) == ()
     with pytest.raises(ValueError, match="eos_token_id"):
         eos_ids(SimpleNamespace(eos_token_id="2"))
+    for flag in (True, [2, False]):  # a bool is an int to Python, not a token id
+        with pytest.raises(ValueError, match="eos_token_id"):
+            eos_ids(SimpleNamespace(eos_token_id=flag))
 
 
 def test_stale_cached_config_is_rewritten_with_its_tokenizer(cache: Path) -> None:

@@ -324,22 +324,45 @@ def _rewrite(path: Path, add: dict[str, torch.Tensor] | None = None, drop: tuple
     return state
 
 
-def test_bf16_checkpoint_tensor_without_a_place_refused_naming_it(tmp_path):
+@pytest.mark.parametrize(("extra", "drop", "words"), [
+    ({"model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4, dtype=torch.bfloat16)}, (),
+     r": 1 tensors have no place in the model, e\.g\. \['model\.layers\.0\.mlp\.extra_proj\.weight'\]"),
+    ({}, ("model.layers.1.post_attention_layernorm.weight",),
+     r" lacks 1 tensors of the model, e\.g\. \['model\.layers\.1\.post_attention_layernorm\.weight'\]"),
+])
+def test_bf16_checkpoint_extra_or_missing_tensor_refused_naming_it(tmp_path, extra, drop, words):
     path = save_tiny_model("LlamaForCausalLM", tmp_path / "m", dtype=torch.bfloat16)
-    _rewrite(path, {"model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4, dtype=torch.bfloat16)})
-    where = re.escape(str(path))
-    with pytest.raises(ValueError, match=rf"checkpoint {where}: 1 tensors have no place in the model, "
-                                         r"e\.g\. \['model\.layers\.0\.mlp\.extra_proj\.weight'\]"):
+    _rewrite(path, extra, drop=drop)
+    with pytest.raises(ValueError, match=rf"checkpoint {re.escape(str(path))}{words}"):
         load_model(ModelConfig(str(path), device="cpu"))
 
 
-def test_checkpoint_missing_a_parameter_refused_naming_it(tmp_path):
-    path = save_tiny_model("LlamaForCausalLM", tmp_path / "m")
-    _rewrite(path, drop=("model.layers.1.post_attention_layernorm.weight",))
-    where = re.escape(str(path))
-    with pytest.raises(ValueError, match=rf"checkpoint {where} lacks 1 tensors of the model, e\.g\. "
-                                         r"\['model\.layers\.1\.post_attention_layernorm\.weight'\]"):
-        load_model(ModelConfig(str(path), device="cpu"))
+def test_mistral_original_format_copy_beside_the_shards_is_not_read(tmp_path):
+    """Mistral's repositories ship ``consolidated.safetensors`` (their own tensor names) beside the
+    transformers checkpoint: every loader reads only the checkpoint's files, as transformers does, so the
+    plain and the tensor-parallel loads both succeed; with an index, only the files it names are read."""
+    from engine.models.loader import checkpoint_files
+    from engine.models.tensor_parallel import TensorParallel, load_sharded_model
+
+    path = save_tiny_model("MistralForCausalLM", tmp_path / "m")
+    state = load_file(str(path / "model.safetensors"))
+    native = {"tok_embeddings.weight": state["model.embed_tokens.weight"],
+              "output.weight": state["lm_head.weight"]}
+    save_file(native, str(path / "consolidated.safetensors"), metadata={"format": "pt"})
+    assert checkpoint_files(path) == [path / "model.safetensors"]
+    model, _ = load_model(ModelConfig(str(path), dtype="float32", device="cpu"))
+    assert torch.equal(model.model.norm.weight, state["model.norm.weight"])
+    sharded, _ = load_sharded_model(ModelConfig(str(path), dtype="float32", device="cpu"),
+                                 TensorParallel(rank=0, size=2), torch.device("cpu"))
+    assert sharded.model.norm.weight.shape == state["model.norm.weight"].shape
+    (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")
+    assert checkpoint_files(path) == [path / "model-00001-of-00001.safetensors"]
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model-00001-of-00001.safetensors" for k in state}}))
+    assert checkpoint_files(path) == [path / "model-00001-of-00001.safetensors"]
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="absent"):
+        checkpoint_files(path)
 
 
 def test_checkpoint_rotary_inv_freq_buffers_are_ignored(tmp_path):

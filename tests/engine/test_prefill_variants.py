@@ -111,14 +111,16 @@ def test_prefill_variant_bf16_gpu(pack_gqa: bool, longest_first: bool,
 
 def test_default_packing_follows_the_device() -> None:
     """Not told, the kernel packs the query heads of a KV head on a GPU with grouped-query attention
-    (``prefill_pack_gqa``) and not in the interpreter or without GQA; on this device the default call
-    gives the very numbers of the explicit choice."""
+    (``prefill_pack_gqa``) and not in the interpreter, without GQA, or when the packed group would leave
+    fewer than 4 tokens in the tile (no query-head count can make the default call fail); on this device
+    the default call gives the very numbers of the explicit choice."""
     from engine.ops.paged_prefill import prefill_pack_gqa
 
-    assert [prefill_pack_gqa(g, gpu) for g, gpu in ((4, True), (1, True), (4, False))] == [True, False, False]
+    cases = ((4, True, 64), (1, True, 64), (4, False, 64), (16, True, 64), (17, True, 64), (128, True, 64))
+    assert [prefill_pack_gqa(*c) for c in cases] == [True, False, False, True, False, False]
     batch = make_batch([(3, 5), (0, 9)], 8, 2, 64, BS, F32)
     store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
-    explicit = _run(batch, pack_gqa=prefill_pack_gqa(4, batch.q.is_cuda))
+    explicit = _run(batch, pack_gqa=prefill_pack_gqa(4, batch.q.is_cuda, 16))
     assert torch.equal(_run(batch), explicit)
 
 

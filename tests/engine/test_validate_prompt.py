@@ -34,7 +34,7 @@ def test_bad_ids_are_named(prompt: list[Any], named: str) -> None:
 
 def test_valid_prompts_pass_and_length_is_checked() -> None:
     _validate([0, VOCAB - 1] * 50)
-    _validate([True, 3])  # bool is an int subclass: accepted as before (id 1)
+    _validate([True, 3])  # bool is an int subclass: accepted as id 1
     with pytest.raises(ValueError, match="prompt is empty"):
         _validate([])
     with pytest.raises(ValueError, match="prompt of 10 tokens does not fit max_model_len=10"):
