@@ -24,6 +24,7 @@ from gateway.responses_output import ResponseObject
 from gateway.routes import router
 from gateway.service import GatewayService
 from gateway.text import TextProcessor, resolve_tokenizer_dir
+from protocol.heap import freeze_start_up_heap
 from protocol.settings import GatewaySettings
 
 log = logging.getLogger("pdserve.gateway")
@@ -115,6 +116,7 @@ def create_app(settings: GatewaySettings, process: GatewayProcess | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await svc.start()
+        freeze_start_up_heap()
         log.info("gateway control socket bound", extra={"endpoint": svc.control.endpoint if svc.control
                                                          else ""})
         try:

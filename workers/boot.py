@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from protocol.heap import freeze_start_up_heap
 from workers.control_client import RegistrationError
 
 if TYPE_CHECKING:
@@ -88,6 +89,7 @@ def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_on
         core.structured_outputs.preload()  # the grammar engine's tokenizer, off the control loop
         worker = factory(settings, core, path)
         watch.serving()
+        freeze_start_up_heap()
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         log.error("pdserve %s: cannot start: %s", settings.role, exc)
         if core is not None:
