@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.argtypes import non_negative_int, positive_float, positive_int
 from engine.models.registry import is_dummy_alias, resolve_model
 from loadtest.agent_config import AgentConfig, SystemTarget
 from loadtest.agent_records import AgentResult, AgentSystemResult
@@ -64,30 +65,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--model", help="model alias or dir (default: llama3-8b on cuda, smollm2-135m on cpu)")
-    p.add_argument("--num-blocks", type=int, help="KV blocks per worker (default 12000 cuda, 512 cpu)")
-    p.add_argument("--max-model-len", type=int, help="passed to every worker when set")
-    p.add_argument("--position-limit", type=int, default=32768,
+    p.add_argument("--num-blocks", type=positive_int,
+                   help="KV blocks per worker (default 12000 cuda, 512 cpu)")
+    p.add_argument("--max-model-len", type=positive_int, help="passed to every worker when set")
+    p.add_argument("--position-limit", type=positive_int, default=32768,
                    help="a dummy alias whose max_position_embeddings is below --max-context runs as a copy "
                         "with this limit (WORK/model)")
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=20)
-    p.add_argument("--warmup-turns", type=int, default=2,
+    p.add_argument("--sessions", type=positive_int, default=8)
+    p.add_argument("--turns", type=positive_int, default=20)
+    p.add_argument("--warmup-turns", type=non_negative_int, default=2,
                    help="turns of one unrelated session run on each system before the measured ones "
                    "(0: none)")
     p.add_argument("--user-tokens", default="fixed:100")
     p.add_argument("--tool-tokens", default="fixed:600")
     p.add_argument("--output-len", default="fixed:64")
     p.add_argument("--think-time", default="1s")
-    p.add_argument("--max-context", type=int, default=16384)
-    p.add_argument("--slo-ttft-ms", type=float)
-    p.add_argument("--slo-tpot-ms", type=float)
+    p.add_argument("--max-context", type=positive_int, default=16384)
+    p.add_argument("--slo-ttft-ms", type=positive_float)
+    p.add_argument("--slo-tpot-ms", type=positive_float)
     p.add_argument("--request-timeout", default="300s")
     p.add_argument("--on-flags", default="", help="extra worker flags of the reuse-on system (shell words)")
     p.add_argument("--off-flags", default="--enable-prefix-caching false",
                    help="worker flags of the reuse-off system (shell words)")
     p.add_argument("--worker-flags", default="", help="worker flags of both systems (shell words)")
     p.add_argument("--work-dir", default="agent-turns", help="logs, report.md, results.json")
-    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--ready-timeout", type=positive_float, default=600.0)
     args = p.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key, None) is None:
