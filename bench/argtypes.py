@@ -1,12 +1,15 @@
 """``type=`` converters for the benchmarks' numeric flags: a value out of range is refused by argparse
 itself (``error: argument --turns: must be >= 1, got 0``, exit code 2), never clamped or read as a
-default. Torch-free, so the HTTP-only benches can use them without importing the engine."""
+default. Torch-free, so the HTTP-only benches can use them without importing the engine. Durations are
+read as ``protocol.durations.parse_duration`` reads them (``500ms``, ``5s``, ``5``, ``1m``)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from collections.abc import Callable
+
+from protocol.durations import parse_duration
 
 
 def _number(text: str, kind: Callable[[str], float]) -> float:
@@ -51,3 +54,20 @@ def positive_int_list(text: str) -> list[int]:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a comma-separated list of integers >= 1, got ''")
     return [positive_int(item.strip()) for item in items]
+
+
+def duration(text: str) -> float:
+    """A duration >= 0 (``"1s"``, ``"500ms"``, ``"0"``) in seconds. Raises ``argparse.ArgumentTypeError``
+    otherwise (negative values and unknown units included)."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_duration(text: str) -> float:
+    """A duration > 0 in seconds. Raises ``argparse.ArgumentTypeError`` otherwise."""
+    value = duration(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 s, got {text!r}")
+    return value

@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.argtypes import non_negative_int, positive_float, positive_int
+from bench.argtypes import duration, non_negative_int, positive_duration, positive_float, positive_int
 from engine.models.registry import is_dummy_alias, resolve_model
 from loadtest.agent_config import AgentConfig, SystemTarget
 from loadtest.agent_records import AgentResult, AgentSystemResult
@@ -53,7 +53,6 @@ from loadtest.kv_size import kv_bytes_per_token, load_model_config
 from loadtest.lengths import LengthDist
 from loadtest.models import first_model
 from pdserve.live_system import LiveSystem, live_system
-from protocol.durations import parse_duration
 
 DEFAULTS = {  # per --device: model, dtype (KV), blocks per worker, SLOs (ms)
     "cuda": dict(model="llama3-8b", dtype="bfloat16", num_blocks=12000, slo_ttft_ms=1000.0, slo_tpot_ms=50.0),
@@ -79,11 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--user-tokens", default="fixed:100")
     p.add_argument("--tool-tokens", default="fixed:600")
     p.add_argument("--output-len", default="fixed:64")
-    p.add_argument("--think-time", default="1s")
+    p.add_argument("--think-time", type=duration, default="1s", help="between a reply and the next turn")
     p.add_argument("--max-context", type=positive_int, default=16384)
     p.add_argument("--slo-ttft-ms", type=positive_float)
     p.add_argument("--slo-tpot-ms", type=positive_float)
-    p.add_argument("--request-timeout", default="300s")
+    p.add_argument("--request-timeout", type=positive_duration, default="300s")
     p.add_argument("--on-flags", default="", help="extra worker flags of the reuse-on system (shell words)")
     p.add_argument("--off-flags", default="--enable-prefix-caching false",
                    help="worker flags of the reuse-off system (shell words)")
@@ -124,8 +123,8 @@ def agent_config(args: argparse.Namespace, kv_per_token: int, words: tuple[str, 
         model=args.model, systems=(SystemTarget("placeholder", "http://127.0.0.1"),), endpoint="chat",
         sessions=args.sessions, turns=args.turns, user_tokens=LengthDist.parse(args.user_tokens),
         tool_tokens=LengthDist.parse(args.tool_tokens), output_len=LengthDist.parse(args.output_len),
-        think_time_s=parse_duration(args.think_time), max_context=args.max_context, ignore_eos=True,
-        request_timeout_s=parse_duration(args.request_timeout),
+        think_time_s=args.think_time, max_context=args.max_context, ignore_eos=True,
+        request_timeout_s=args.request_timeout,
         slo=SLOConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), kv_bytes_per_token=kv_per_token,
         words=words, leak_settle_s=10.0, progress=True)
 

@@ -8,7 +8,14 @@ from collections.abc import Callable
 
 import pytest
 
-from bench.argtypes import non_negative_int, positive_float, positive_int, positive_int_list
+from bench.argtypes import (
+    duration,
+    non_negative_int,
+    positive_duration,
+    positive_float,
+    positive_int,
+    positive_int_list,
+)
 from bench.serving import chaos, disagg_vs_colocated, host_cost, moe_parity, overload, pipeline, ttft
 
 
@@ -17,6 +24,7 @@ def test_converters_accept_their_range() -> None:
     assert non_negative_int("0") == 0 and non_negative_int("3") == 3
     assert positive_float("0.5") == 0.5 and positive_float("2") == 2.0
     assert positive_int_list("1,4") == [1, 4] and positive_int_list("8") == [8]
+    assert duration("0") == 0.0 and duration("500ms") == 0.5 and positive_duration("1m") == 60.0
 
 
 @pytest.mark.parametrize(("convert", "text", "message"), [
@@ -32,6 +40,9 @@ def test_converters_accept_their_range() -> None:
     (positive_int_list, "1,0", "must be >= 1, got 0"),
     (positive_int_list, "1,,2", "expected an integer, got ''"),
     (positive_int_list, "", "expected a comma-separated list of integers >= 1, got ''"),
+    (duration, "-1s", "bad duration '-1s': use a number with ms, s or m (e.g. 5s)"),
+    (duration, "2h", "bad duration '2h': use a number with ms, s or m (e.g. 5s)"),
+    (positive_duration, "0ms", "must be > 0 s, got '0ms'"),
 ])
 def test_converters_refuse_out_of_range(convert: Callable[[str], object], text: str, message: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError) as exc:
