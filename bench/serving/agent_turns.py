@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.argtypes import duration, non_negative_int, positive_duration, positive_float, positive_int
 from engine.models.registry import is_dummy_alias, resolve_model
 from loadtest.agent_config import AgentConfig, SystemTarget
 from loadtest.agent_records import AgentResult, AgentSystemResult
@@ -52,7 +53,6 @@ from loadtest.kv_size import kv_bytes_per_token, load_model_config
 from loadtest.lengths import LengthDist
 from loadtest.models import first_model
 from pdserve.live_system import LiveSystem, live_system
-from protocol.durations import parse_duration
 
 DEFAULTS = {  # per --device: model, dtype (KV), blocks per worker, SLOs (ms)
     "cuda": dict(model="llama3-8b", dtype="bfloat16", num_blocks=12000, slo_ttft_ms=1000.0, slo_tpot_ms=50.0),
@@ -64,30 +64,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--model", help="model alias or dir (default: llama3-8b on cuda, smollm2-135m on cpu)")
-    p.add_argument("--num-blocks", type=int, help="KV blocks per worker (default 12000 cuda, 512 cpu)")
-    p.add_argument("--max-model-len", type=int, help="passed to every worker when set")
-    p.add_argument("--position-limit", type=int, default=32768,
+    p.add_argument("--num-blocks", type=positive_int,
+                   help="KV blocks per worker (default 12000 cuda, 512 cpu)")
+    p.add_argument("--max-model-len", type=positive_int, help="passed to every worker when set")
+    p.add_argument("--position-limit", type=positive_int, default=32768,
                    help="a dummy alias whose max_position_embeddings is below --max-context runs as a copy "
                         "with this limit (WORK/model)")
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=20)
-    p.add_argument("--warmup-turns", type=int, default=2,
+    p.add_argument("--sessions", type=positive_int, default=8)
+    p.add_argument("--turns", type=positive_int, default=20)
+    p.add_argument("--warmup-turns", type=non_negative_int, default=2,
                    help="turns of one unrelated session run on each system before the measured ones "
                    "(0: none)")
     p.add_argument("--user-tokens", default="fixed:100")
     p.add_argument("--tool-tokens", default="fixed:600")
     p.add_argument("--output-len", default="fixed:64")
-    p.add_argument("--think-time", default="1s")
-    p.add_argument("--max-context", type=int, default=16384)
-    p.add_argument("--slo-ttft-ms", type=float)
-    p.add_argument("--slo-tpot-ms", type=float)
-    p.add_argument("--request-timeout", default="300s")
+    p.add_argument("--think-time", type=duration, default="1s", help="between a reply and the next turn")
+    p.add_argument("--max-context", type=positive_int, default=16384)
+    p.add_argument("--slo-ttft-ms", type=positive_float)
+    p.add_argument("--slo-tpot-ms", type=positive_float)
+    p.add_argument("--request-timeout", type=positive_duration, default="300s")
     p.add_argument("--on-flags", default="", help="extra worker flags of the reuse-on system (shell words)")
     p.add_argument("--off-flags", default="--enable-prefix-caching false",
                    help="worker flags of the reuse-off system (shell words)")
     p.add_argument("--worker-flags", default="", help="worker flags of both systems (shell words)")
     p.add_argument("--work-dir", default="agent-turns", help="logs, report.md, results.json")
-    p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--ready-timeout", type=positive_float, default=600.0)
     args = p.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key, None) is None:
@@ -122,8 +123,8 @@ def agent_config(args: argparse.Namespace, kv_per_token: int, words: tuple[str, 
         model=args.model, systems=(SystemTarget("placeholder", "http://127.0.0.1"),), endpoint="chat",
         sessions=args.sessions, turns=args.turns, user_tokens=LengthDist.parse(args.user_tokens),
         tool_tokens=LengthDist.parse(args.tool_tokens), output_len=LengthDist.parse(args.output_len),
-        think_time_s=parse_duration(args.think_time), max_context=args.max_context, ignore_eos=True,
-        request_timeout_s=parse_duration(args.request_timeout),
+        think_time_s=args.think_time, max_context=args.max_context, ignore_eos=True,
+        request_timeout_s=args.request_timeout,
         slo=SLOConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), kv_bytes_per_token=kv_per_token,
         words=words, leak_settle_s=10.0, progress=True)
 

@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
@@ -39,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from bench.argtypes import positive_int
 from pdserve.live_system import (
     LiveSystem,
     SystemSpec,
@@ -369,15 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the scenarios (all, or ``--scenarios``), print one row each, write ``--json``; returns 1 when a
     rule is broken (a bad 200, a request past its deadline, a leaked block), else 0."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scale", type=int, default=4, help="multiplies every scenario's request count")
+    p.add_argument("--scale", type=positive_int, default=4, help="multiplies every scenario's request count")
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/pdserve-chaos"))
     p.add_argument("--transfer-backend", default="nixl", choices=("nixl", "ucx"))
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    if args.scale < 1:
-        print("chaos: --scale must be >= 1", file=sys.stderr)
-        return 2
     results = []
     with live_systems([chaos_spec(args.work_dir / "logs", args.transfer_backend)]) as (system,):
         chaos = Chaos(system, args.scale)

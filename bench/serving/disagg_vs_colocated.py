@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.argtypes import non_negative_int, positive_float, positive_int
 from bench.machine import machine_info
 from bench.serving import disagg_report as rep
 from engine.models.registry import is_dummy_alias
@@ -231,20 +232,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixes", default="long", help="comma list of long (3000/150), short (1000/300), IN:OUT")
     p.add_argument("--rates", help="Poisson rates (req/s), comma-separated")
     p.add_argument("--duration", help="issuing time per rate, e.g. 30s")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each rate")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="unmeasured requests before each rate")
     p.add_argument("--request-timeout", help="per-request bound of the bench (default 30s cuda, 60s cpu)")
-    p.add_argument("--num-blocks", type=int, help="KV blocks per worker (default 12000 cuda, 1024 cpu)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="chunked-prefill token budget")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--colocated-workers", type=int, help="default 2 on cuda (one per GPU), 1 on cpu")
+    p.add_argument("--num-blocks", type=positive_int,
+                   help="KV blocks per worker (default 12000 cuda, 1024 cpu)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                   help="chunked-prefill token budget")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--colocated-workers", type=positive_int, help="default 2 on cuda (one per GPU), 1 on cpu")
     p.add_argument("--transfer-backend", default="nixl", choices=("nixl", "ucx", "loopback"))
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0, help="gateway flag (seconds)")
-    p.add_argument("--ready-timeout", type=float, default=240.0, help="start-up bound (seconds)")
-    p.add_argument("--time-budget", type=float, default=450.0,
+    p.add_argument("--heartbeat-timeout", type=positive_float, default=5.0, help="gateway flag (seconds)")
+    p.add_argument("--ready-timeout", type=positive_float, default=240.0, help="start-up bound (seconds)")
+    p.add_argument("--time-budget", type=positive_float, default=450.0,
                    help="seconds: skip a mix after the first when it would end later than this")
-    p.add_argument("--slo-ttft-ms", type=float)
-    p.add_argument("--slo-tpot-ms", type=float)
-    p.add_argument("--parity-max-tokens", type=int, default=32)
+    p.add_argument("--slo-ttft-ms", type=positive_float)
+    p.add_argument("--slo-tpot-ms", type=positive_float)
+    p.add_argument("--parity-max-tokens", type=positive_int, default=32)
     p.add_argument("--work-dir", default="/tmp/pdserve-disagg-vs-colocated", help="raw results and logs")
     p.add_argument("--doc", help="report path (default WORK/report.md)")
     p.add_argument("--note", action="append", default=[], help="a paragraph added to the report")
@@ -257,9 +260,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     try:
         for mix in args.mixes.split(","):
             parse_mix(mix)
-        if args.num_blocks < 1 or args.colocated_workers < 1 or args.warmup < 0:
-            raise ValueError("--num-blocks and --colocated-workers must be >= 1, --warmup >= 0")
-        [float(r) for r in args.rates.split(",")]
+        rates = [float(r) for r in args.rates.split(",")]
+        if not all(0 < r < float("inf") for r in rates):
+            raise ValueError(f"--rates must be finite and > 0 req/s, got {args.rates!r}")
     except ValueError as exc:
         p.error(str(exc))
     return args

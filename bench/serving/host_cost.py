@@ -50,6 +50,7 @@ from typing import cast
 
 import torch
 
+from bench.argtypes import non_negative_int, positive_int, positive_int_list
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
 from engine.engine_core import EngineCore
@@ -263,16 +264,16 @@ def measure(text: TextProcessor, case: Case, block_size: int, repeats: int, warm
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", default="700,4000,8000,15400")
-    p.add_argument("--turn-tokens", type=int, default=770)
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lengths", type=positive_int_list, default="700,4000,8000,15400")
+    p.add_argument("--turn-tokens", type=positive_int, default=770)
+    p.add_argument("--repeats", type=positive_int, default=30)
+    p.add_argument("--warmup", type=non_negative_int, default=3)
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     p.add_argument("--tokenizer", default="llama3-8b")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths: list[int] = args.lengths
     text = TextProcessor.from_dir(resolve_model(args.tokenizer))
     results: dict[int, dict[str, float]] = {}
     actual: dict[int, int] = {}

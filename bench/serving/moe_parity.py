@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.argtypes import positive_float, positive_int
 from bench.serving.parity import check_parity
 from pdserve.live_system import SystemSpec, live_systems, wait_all_free
 
@@ -72,13 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda:0", help="every worker's device (cpu, cuda:N)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--expert-width", type=int, default=512)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--hidden", type=positive_int, default=1024)
+    p.add_argument("--expert-width", type=positive_int, default=512)
+    p.add_argument("--experts", type=positive_int, default=64)
+    p.add_argument("--top-k", type=positive_int, default=8)
+    p.add_argument("--layers", type=positive_int, default=4)
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--ready-timeout", type=positive_float, default=300.0)
     return p
 
 

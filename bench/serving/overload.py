@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.argtypes import positive_float, positive_int
 from bench.serving.chaos import Outcome, prompts, stream
 from pdserve.live_system import live_system, metric_samples
 
@@ -53,24 +53,20 @@ def system(args: argparse.Namespace) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the waves (module docstring); returns 0, 1 (a request neither completed nor got a timely 429)
-    or 2 (bad arguments)."""
+    """Run the waves (module docstring); returns 0 or 1 (a request neither completed nor got a timely 429).
+    Bad arguments: argparse's error, ``SystemExit(2)``, before anything starts."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default=None, help="a running server (default: start one)")
     p.add_argument("--logs", default="/tmp/pdserve-overload", help="children's logs (a started system)")
-    p.add_argument("--num-blocks", type=int, default=1310,
+    p.add_argument("--num-blocks", type=positive_int, default=1310,
                    help="KV blocks per worker (1310: what `pdserve up` gives the embedded model on a CPU)")
     p.add_argument("--admission-budget", default=None, help="the gateway's --admission-budget")
-    p.add_argument("--concurrency", type=int, default=48)
-    p.add_argument("--prompt-tokens", type=int, default=300)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--waves", type=int, default=1)
-    p.add_argument("--max-429-s", type=float, default=1.0)
+    p.add_argument("--concurrency", type=positive_int, default=48)
+    p.add_argument("--prompt-tokens", type=positive_int, default=300)
+    p.add_argument("--max-tokens", type=positive_int, default=16)
+    p.add_argument("--waves", type=positive_int, default=1)
+    p.add_argument("--max-429-s", type=positive_float, default=1.0)
     args = p.parse_args(argv)
-    if min(args.concurrency, args.prompt_tokens, args.max_tokens, args.waves, args.num_blocks) < 1:
-        print("overload: --concurrency, --prompt-tokens, --max-tokens, --waves, --num-blocks must be >= 1",
-              file=sys.stderr)
-        return 2
     ok = True
     with system(args) as url:
         for i in range(args.waves):

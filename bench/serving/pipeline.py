@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.argtypes import positive_int, positive_int_list
 from pdserve.ports import free_port
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 2
@@ -99,9 +100,9 @@ def report(args: argparse.Namespace, rows: list[tuple[int, dict[str, float]]]) -
 def main(argv: list[str] | None = None) -> int:
     """Start the system, measure every concurrency level, write the report."""
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--requests", type=int, default=16)
-    p.add_argument("--concurrency", default="1,4")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--requests", type=positive_int, default=16)
+    p.add_argument("--concurrency", type=positive_int_list, default="1,4")
+    p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--transfer-backend", default="nixl", choices=["nixl", "ucx"])
     p.add_argument("--out", default="/tmp/pdserve-bench/pipeline-cpu.md", help="the Markdown report")
     args = p.parse_args(argv)
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_ready(url, proc)
         asyncio.run(level(url, 2, 1, 4))  # warm-up
         rows = [(c, asyncio.run(level(url, args.requests, c, args.max_tokens)))
-                for c in (int(x) for x in args.concurrency.split(","))]
+                for c in args.concurrency]
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import msgspec
 import torch
 
+from bench.argtypes import positive_int
 from bench.common import add_model_args, sync
 from bench.engine.prefill import BLOCK_SIZE, make_core, prompt
 from bench.timing import Spread
@@ -262,17 +263,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, run, write ``--json``; returns 0, 1 if a transfer failed, 2 on bad arguments."""
+    """Parse arguments, run, write ``--json``; returns 0, or 1 if a transfer failed. Bad arguments:
+    argparse's error, ``SystemExit(2)``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[1024, 8192, 32768])
     p.add_argument("--backend", default="nixl", choices=["nixl", "ucx", "loopback"])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--json", default=None, help="write the result here ('-' = stdout)")
     args = p.parse_args(argv)
-    if min(args.tokens) < 1 or args.repeats < 1:
-        print("ttft: --tokens and --repeats must be >= 1", file=sys.stderr)
-        return 2
     try:
         res = run(args)
     except RuntimeError as exc:

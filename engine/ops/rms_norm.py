@@ -47,6 +47,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
         raise ValueError(f"x must be [T, N] and weight [N]; got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.stride(1) != 1:
         raise ValueError("x must have a contiguous last dim")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} does not match x dtype {x.dtype}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                  or residual.stride(1) != 1):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
@@ -59,7 +61,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
     Args:
         x: ``[T, N]`` float32/float16/bfloat16, last dim contiguous.
-        weight: ``[N]``, same dtype as ``x``.
+        weight: ``[N]``, same dtype as ``x`` (a float32 weight with a bf16 ``x`` is refused: the kernel
+            would round the product to ``x``'s dtype while transformers' module, promoting, returns float32).
         eps: added to the mean square (``config.rms_norm_eps``).
         residual: optional ``[T, N]`` of ``x``'s dtype; updated in place to ``x + residual``, and the
             norm is taken of that sum (the decoder layer's "add, then normalise").
@@ -68,7 +71,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         ``[T, N]`` new tensor of ``x``'s dtype.
 
     Raises:
-        ValueError: shapes, dtypes or strides that do not fit.
+        ValueError: shapes, dtypes or strides that do not fit (a weight or residual dtype other than
+            ``x``'s included, naming both dtypes).
     """
     _check(x, weight, residual)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -136,6 +140,9 @@ def _check_qk(qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor, k_weight: 
     if q_weight.shape != (d,) or k_weight.shape != (d,):
         raise ValueError(f"q_weight and k_weight must be [{d}]; got {tuple(q_weight.shape)} and "
                          f"{tuple(k_weight.shape)}")
+    if q_weight.dtype != qk.dtype or k_weight.dtype != qk.dtype:
+        raise ValueError(f"q_weight dtype {q_weight.dtype} and k_weight dtype {k_weight.dtype} must both be "
+                         f"qk's dtype {qk.dtype}")
 
 
 def qk_rms_norm(qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor, q_eps: float, k_weight: torch.Tensor,
@@ -149,14 +156,14 @@ def qk_rms_norm(qk: torch.Tensor, q_heads: int, q_weight: torch.Tensor, q_eps: f
         qk: ``[T, q_heads + k_heads, D]``, float32/float16/bfloat16, last dim contiguous, other strides
             free (the query and key columns of a fused QKV projection's output, viewed per head).
         q_heads: how many leading heads are query heads.
-        q_weight, k_weight: ``[D]`` each, ``qk``'s dtype.
+        q_weight, k_weight: ``[D]`` each, ``qk``'s dtype (another dtype is refused, as in ``rms_norm``).
         q_eps, k_eps: the two norms' epsilons.
 
     Returns:
         ``[T, q_heads + k_heads, D]`` new contiguous tensor of ``qk``'s dtype.
 
     Raises:
-        ValueError: shapes or strides that do not fit.
+        ValueError: shapes or strides that do not fit, or a weight dtype other than ``qk``'s (naming both).
     """
     _check_qk(qk, q_heads, q_weight, k_weight)
     t, heads, d = qk.shape

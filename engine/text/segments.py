@@ -13,7 +13,10 @@ each piece alone gives the same ids, provided no step looks across a piece's edg
   around it);
 * a ``Metaspace`` pre-tokenizer prepends only to the first piece (``prepend_scheme: "first"``, decided
   by the piece's offset in the whole text), or a pre-tokenizer type not known here is used;
-* the tokenizer truncates or pads.
+* the tokenizer truncates or pads;
+* the tokenizer's ``encode_special_tokens`` is set: special added tokens are then not split out but
+  encoded as text like the rest (``encode`` also checks it on every call, as it can be set at any time,
+  and encodes the whole text while it is set).
 
 The matching here reproduces leftmost-longest: one regular expression alternating the token strings,
 longest first, scanned left to right.
@@ -89,6 +92,8 @@ class SegmentedEncoder:
                 return f"added token {t.content!r} has lstrip, rstrip or single_word set"
         if tokenizer.truncation is not None or tokenizer.padding is not None:
             return "the tokenizer truncates or pads"
+        if tokenizer.encode_special_tokens:
+            return "the tokenizer's encode_special_tokens is set (special tokens' text is not split out)"
         pre = tokenizer.pre_tokenizer  # its JSON alone: the whole tokenizer's holds the vocabulary
         spec = None if pre is None else json.loads(pre.__getstate__())
         if not _pre_tokenizer_is_piecewise(spec):
@@ -112,7 +117,10 @@ class SegmentedEncoder:
             self._cached_chars = 0
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without a post-processor's special tokens (a new list)."""
+        """Token ids of ``text`` without a post-processor's special tokens (a new list); the whole text at
+        once, uncached, while the tokenizer's ``encode_special_tokens`` is set."""
+        if self._tok.encode_special_tokens:
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
         if self._split is None:
             return self._piece(text).tolist()
         out: list[int] = []

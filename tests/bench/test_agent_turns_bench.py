@@ -3,6 +3,8 @@ the KV bytes per token of the H200 model, and the goal lines it prints from a re
 
 from __future__ import annotations
 
+import pytest
+
 from bench.serving import agent_turns
 from engine.models.registry import resolve_model
 from loadtest.agent_records import AgentResult, AgentSystemResult, TurnStats
@@ -57,3 +59,27 @@ def test_dummy_alias_gets_its_own_words_and_a_raised_position_limit(tmp_path) ->
     assert agent_turns.prepare_model(args, tmp_path / "b")[:2] == ("tiny-llama", [])  # fits: the alias
     args = agent_turns.parse_args(["--device", "cpu"])
     assert agent_turns.prepare_model(args, tmp_path / "c") == ("smollm2-135m", [], None)
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--warmup-turns", "-1"), ("--sessions", "0"), ("--turns", "0"), ("--turns", "-3"), ("--num-blocks", "0"),
+    ("--max-model-len", "0"), ("--position-limit", "0"), ("--max-context", "-5"), ("--slo-ttft-ms", "0"),
+    ("--slo-tpot-ms", "-1"), ("--ready-timeout", "0"), ("--ready-timeout", "nan"), ("--sessions", "2.5"),
+    ("--think-time", "-1s"), ("--think-time", "1h"), ("--request-timeout", "0s"),
+])
+def test_out_of_range_numbers_are_refused_by_argparse_naming_the_flag(
+        flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        agent_turns.parse_args(["--device", "cpu", flag, value])
+    assert exc.value.code == 2
+    assert f"argument {flag}:" in capsys.readouterr().err
+
+
+def test_zero_warmup_turns_and_think_time_are_allowed_and_durations_are_seconds() -> None:
+    args = agent_turns.parse_args(["--device", "cpu", "--warmup-turns", "0", "--think-time", "0s",
+                                   "--request-timeout", "90s"])
+    assert (args.warmup_turns, args.think_time, args.request_timeout) == (0, 0.0, 90.0)
+    cfg = agent_turns.agent_config(args, 46080)
+    assert (cfg.think_time_s, cfg.request_timeout_s) == (0.0, 90.0)
+    defaults = agent_turns.parse_args(["--device", "cpu"])
+    assert (defaults.think_time, defaults.request_timeout) == (1.0, 300.0)

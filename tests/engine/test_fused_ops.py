@@ -153,8 +153,9 @@ def test_gated_gemv_equals_silu_mul_then_gemv(dtype, n, k):
     weight = _rand(n, k, dtype=dtype, seed=9) * 0.05
     gate_up = _rand(1, 2 * k, dtype=dtype, seed=10) * 2
     got = gemv(gate_up, weight, gated=True)  # the gated tile (gemv_tile(n, gated=True))
-    tile = dict(zip(("block_n", "block_k", "num_warps"), gemv_tile(n, gated=True), strict=True))
-    assert torch.equal(got, gemv(silu_mul(gate_up), weight, **tile))  # same tile: same sums
+    block_n, block_k, num_warps = gemv_tile(n, gated=True)
+    same_tile = gemv(silu_mul(gate_up), weight, block_n=block_n, block_k=block_k, num_warps=num_warps)
+    assert torch.equal(got, same_tile)  # same tile: same sums
     torch.testing.assert_close(gemv_reference(gate_up, weight, gated=True),
                                gemv_reference(silu_mul_reference(gate_up), weight), atol=0, rtol=0)
     torch.testing.assert_close(got.float(), gemv_reference(gate_up, weight, gated=True).float(),
@@ -190,3 +191,29 @@ def test_qk_rms_norm_matches_qwen3_head_norms(dtype, tokens):
         qk_rms_norm(qk, q_heads + k_heads + 1, *args[1:])
     with pytest.raises(ValueError, match="k_weight"):
         qk_rms_norm(qk, q_heads, norms[0].weight, 1e-6, norms[1].weight[:-1], 1e-5)
+
+
+@pytest.mark.parametrize("fn", ["rms_norm", "rms_norm_reference"])
+def test_rms_norm_refuses_a_weight_of_another_dtype(fn):
+    """A float32 weight with a float16 input: the kernel would round the product to float16 while the
+    reference (like transformers' module) promotes to float32, so the pair is refused by both."""
+    import engine.ops.rms_norm as ops
+
+    x = _rand(2, 64, dtype=torch.float16)
+    message = r"weight dtype torch\.{} does not match x dtype torch\.{}"
+    with pytest.raises(ValueError, match=message.format("float32", "float16")):
+        getattr(ops, fn)(x, _rand(64, dtype=torch.float32), 1e-6)
+    with pytest.raises(ValueError, match=message.format("float16", "float32")):
+        getattr(ops, fn)(x.float(), _rand(64, dtype=torch.float16), 1e-6, residual=x.float().clone())
+
+
+@pytest.mark.parametrize("fn", ["qk_rms_norm", "qk_rms_norm_reference"])
+def test_qk_rms_norm_refuses_weights_of_another_dtype(fn):
+    import engine.ops.rms_norm as ops
+
+    qk = _rand(3, 6, 32, dtype=torch.float16)
+    good, bad = _rand(32, dtype=torch.float16), _rand(32, dtype=torch.float32)
+    for q_weight, k_weight in ((bad, good), (good, bad)):
+        with pytest.raises(ValueError, match=rf"q_weight dtype {q_weight.dtype} and k_weight dtype "
+                                             rf"{k_weight.dtype} must both be qk's dtype torch\.float16"):
+            getattr(ops, fn)(qk, 4, q_weight, 1e-6, k_weight, 1e-5)

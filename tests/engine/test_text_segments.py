@@ -12,7 +12,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from engine.text.chat_template import apply_chat_template
 from engine.text.segments import SegmentedEncoder
-from engine.text.tokenizer import load_tokenizer
+from engine.text.tokenizer import TextTokenizer, load_tokenizer
 
 PIECES = ["Hello", " world", "  ", "\n", "\n\n", "Ünïcödé", " 🎉", "t12", "<|im_start|>", "<|im_end|>",
           "<|endoftext|>", "<repo_name>", "<reponame>", "<|im_start", "im_end|>", " <", ">", "a\tb",
@@ -106,3 +106,27 @@ def test_cache_is_bounded_and_returned_lists_are_copies() -> None:
     assert grow.cached_chars == held + len("b a")
     with pytest.raises(ValueError, match="max_cached_chars"):
         SegmentedEncoder(tok, max_cached_chars=-1)
+
+
+def test_encode_special_tokens_falls_back_to_the_whole_text(smollm2_tokenizer_dir: Path) -> None:
+    """With ``encode_special_tokens`` set, ``<|im_start|>`` is encoded as its characters, not split out as
+    one id: the piecewise encoder is refused then, and one built before the flag was set encodes the whole
+    text while it is set."""
+    tok = Tokenizer.from_file(str(smollm2_tokenizer_dir / "tokenizer.json"))
+    text = "<|im_start|>user\nHello world<|im_end|>\n"
+    split = _whole(tok, text)
+    before = SegmentedEncoder(tok)
+    tok.encode_special_tokens = True
+    whole = _whole(tok, text)
+    assert len(whole) > len(split) and tok.token_to_id("<|im_start|>") not in whole  # the flag matters
+    assert SegmentedEncoder.refusal(tok) == ("the tokenizer's encode_special_tokens is set (special tokens' "
+                                             "text is not split out)")
+    with pytest.raises(ValueError, match="encode_special_tokens"):
+        SegmentedEncoder(tok)
+    assert before.encode(text) == whole
+    assert before.cached_chars == 0  # nothing cached from the whole-text encodes
+    # the engine's tokenizer built on it encodes the whole text
+    special = load_tokenizer(smollm2_tokenizer_dir).special
+    assert TextTokenizer(tok, special).encode(text, add_special_tokens=False) == whole
+    tok.encode_special_tokens = False  # back to splitting: the pieces again
+    assert before.encode(text) == split and before.cached_chars > 0
