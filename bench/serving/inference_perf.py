@@ -4,14 +4,16 @@ the embedded model; not a test).
 Starts a system (``pdserve.live_system``: ``--mode disagg``, one prefill and one decode worker with KV
 over NIXL, as ``pdserve up`` starts it; or ``colocated``, one worker), each worker serving ``/metrics``
 on its own port; a Prometheus server (the ``--prometheus`` binary, own config and a temporary storage
-directory) scraping every worker each ``--scrape-interval`` s, each target labelled ``role=<child>``
-(``prefill``, ``decode``, ``colocated``); and inference-perf (the ``--inference-perf`` entry point of a
-Python >= 3.12 venv with ``inference-perf`` 0.7.0) against the gateway's OpenAI API with server type
-``vllm`` and its Prometheus metrics client pointed at that server. The load: streaming
-``/v1/completions`` at ``--rate`` requests/s for ``--duration`` s, ``ignore_eos`` with ``--output-len``
-tokens each, prompts from inference-perf's ``shared_prefix`` generator (``--groups`` system prompts of
-``--system-prompt-len`` tokens, ``--prompts-per-group`` questions of ``--question-len`` tokens each, so
-the prefix cache has something to hit), tokenized with the model's own tokenizer.
+directory) scraping every worker each ``--scrape-interval`` s, each target labelled ``role`` and
+``instance`` with the worker's child name (``prefill``, ``decode``, ``colocated``); and inference-perf
+(the ``--inference-perf`` entry point of a Python >= 3.12 venv with ``inference-perf`` 0.7.0, e.g.
+``python3.12 -m venv /work/ipvenv && /work/ipvenv/bin/pip install inference-perf==0.7.0``) against the
+gateway's OpenAI API with server type ``vllm`` and its Prometheus metrics client pointed at that server.
+The load: streaming ``/v1/completions`` at ``--rate`` requests/s for ``--duration`` s, ``ignore_eos``
+with ``--output-len`` tokens each, prompts from inference-perf's ``shared_prefix`` generator
+(``--groups`` system prompts of ``--system-prompt-len`` tokens, ``--prompts-per-group`` questions of
+``--question-len`` tokens each, so the prefix cache has something to hit), tokenized with the model's own
+tokenizer.
 
 Printed (and saved with ``--json``): every value inference-perf's collector read (its
 ``summary_prometheus_metrics.json``) next to its client-side measurements
