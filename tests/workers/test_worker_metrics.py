@@ -196,7 +196,8 @@ def test_worker_serves_exactly_the_listed_metrics(model_dir: Any) -> None:
 # inference_perf/client/modelserver/vllm_client.py, get_prometheus_metric_metadata: each metric queried
 # with the filter model_name='<model>'; counters as <name>_total or <name>, histograms through _sum, _count
 # and _bucket, gauges as named: inference_perf/client/modelserver/metrics/{counter,histogram,gauge}/base.py).
-# inference-perf needs Python >= 3.12 and a Prometheus server, so its list is checked here, not run.
+# Run live (Python >= 3.12 venv with inference-perf, a Prometheus binary; not in CI):
+# bench/serving/inference_perf.py, figures in docs/benchmarks/serving.md.
 INFERENCE_PERF_VLLM = {
     "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
     "vllm:e2e_request_latency_seconds": "histogram", "vllm:num_requests_waiting": "gauge",
