@@ -4,8 +4,8 @@ Weight-only FP8: a stacked expert weight ``W [E, N, K]`` is stored as float8_e4m
 scales, ``W ~ Q * scale``, either one scale per output row (``block`` None: ``scale [E, N]``, what
 ``--quantization fp8`` makes) or one per ``(bn, bk)`` tile (``scale [E, ceil(N / bn), ceil(K / bk)]``, the
 ``weight_scale_inv`` tensors of block-scaled FP8 checkpoints such as Qwen3-30B-A3B-FP8 and
-GLM-4.5-Air-FP8). ``fused_moe``'s kernels read the FP8 weights and dequantize in registers, each weight
-tile under a single scale per output row, loaded once per tile (not per weight):
+GLM-4.5-Air-FP8). ``fused_moe``'s kernels read the FP8 weights and dequantize in registers, loading
+each scale once per weight tile (block scales: once per tile and chunk of inputs), never once per weight:
 
 - grouped kernels, block scales: per weight tile before the products (``float32(Q) * scale`` rounded to
   the activations' dtype, exactly what ``dequantize_experts`` computes; ``moe_tile`` keeps a tile's
