@@ -69,7 +69,8 @@ class Fp8Experts(torch.nn.Module):
 
     Raises:
         ValueError: block-scaled with ``I`` not a multiple of ``bn`` (gate and up are separate tensors in
-            checkpoints, so their scale tiles cannot be stacked).
+            checkpoints, so their scale tiles cannot be stacked), or ``bk`` not a multiple of 16 (the
+            kernels' weight tiles must each lie in one column of scale tiles).
     """
 
     def __init__(self, num_experts: int, hidden: int, inter: int, block: tuple[int, int] | None,
@@ -78,6 +79,8 @@ class Fp8Experts(torch.nn.Module):
         if block is not None and inter % block[0]:
             raise ValueError(f"block-scaled FP8 experts of width {inter}: not a multiple of the block height "
                              f"{block[0]}")
+        if block is not None and block[1] % 16:
+            raise ValueError(f"block-scaled FP8 experts: the block width {block[1]} is not a multiple of 16")
         self.num_experts, self.hidden, self.inter, self.block = num_experts, hidden, inter, block
 
         def param(shape: tuple[int, ...], dtype: torch.dtype) -> torch.nn.Parameter:

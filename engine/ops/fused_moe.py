@@ -35,7 +35,9 @@ kernels), the weighted sum kept in float32 and rounded once. A weight is read on
 routes to it, so the path pays off only while pairs rarely share an expert.
 
 Both paths also take FP8 (e4m3) expert weights with their scales (``scales``; layouts, and where the
-kernels apply them: ``engine.ops.fused_moe_fp8``): weight-only, the activations stay in their dtype.
+kernels apply them: ``engine.ops.fused_moe_fp8``): weight-only, the activations stay in their dtype; a
+weight tile takes one block scale per output row (``moe_tile`` and ``gemv_scale_tile`` align the tiles
+to the scale blocks), never one per weight.
 """
 
 from __future__ import annotations
@@ -87,9 +89,10 @@ def _gate_up_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
         wg = tl.load(gate_ptrs + k, mask=w_mask, other=0.0)
         wu = tl.load(up_ptrs + k, mask=w_mask, other=0.0)
         if SCALE == 2:  # FP8 weights, block scales: dequantized to the activations' dtype before the dot
-            s_cols = ((k + ks) // scale_cols)[:, None] * stride_sk  # [BLOCK_K, 1]
-            wg = (wg.to(tl.float32) * tl.load(gate_srows + s_cols, mask=w_mask, other=0.0)).to(dt)
-            wu = (wu.to(tl.float32) * tl.load(up_srows + s_cols, mask=w_mask, other=0.0)).to(dt)
+            # BLOCK_K divides the block width: the tile's inputs share one column of scale tiles
+            s_col = (k // scale_cols) * stride_sk
+            wg = (wg.to(tl.float32) * tl.load(gate_srows + s_col, mask=col_mask[None, :], other=0.0)).to(dt)
+            wu = (wu.to(tl.float32) * tl.load(up_srows + s_col, mask=col_mask[None, :], other=0.0)).to(dt)
         elif SCALE == 1:  # per-row scales: e4m3 values are exact in fp16/bf16; scaled after the sums
             wg = wg.to(dt)
             wu = wu.to(dt)
@@ -135,8 +138,8 @@ def _down_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments ar
         a = tl.load(a_ptrs + k, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & col_mask[None, :]
         w = tl.load(w_ptrs + k, mask=w_mask, other=0.0)
-        if SCALE == 2:
-            sc = tl.load(s_rows + ((k + ks) // scale_cols)[:, None] * stride_sk, mask=w_mask, other=0.0)
+        if SCALE == 2:  # BLOCK_K divides the block width: one column of scale tiles per weight tile
+            sc = tl.load(s_rows + (k // scale_cols) * stride_sk, mask=col_mask[None, :], other=0.0)
             w = (w.to(tl.float32) * sc).to(act_ptr.dtype.element_ty)
         elif SCALE == 1:
             w = w.to(act_ptr.dtype.element_ty)
@@ -167,6 +170,10 @@ def _check(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_
         if scales.block is not None and (two_i // 2) % scales.block[0]:
             raise ValueError(f"block-scaled w_gate_up: I={two_i // 2} is not a multiple of the block height "
                              f"{scales.block[0]} (the gate's last scale tile would hold up rows)")
+        if scales.block is not None and scales.block[1] % 16:
+            raise ValueError(f"block-scaled experts: the block width {scales.block[1]} is not a multiple of "
+                             f"16 (the grouped kernels' weight tiles, at least 16 inputs, must each lie in "
+                             f"one column of scale tiles)")
     elif x.dtype != w_gate_up.dtype or x.dtype != w_down.dtype:
         raise ValueError(f"x and the expert weights need one dtype; got {x.dtype}, {w_gate_up.dtype}, "
                          f"{w_down.dtype}")
@@ -186,14 +193,32 @@ def _scale_mode(scales: ExpertScales | None) -> int:
     return 0 if scales is None else 1 if scales.block is None else 2
 
 
-def moe_tile(num_pairs: int, num_experts: int, width: int, depth: int) -> tuple[int, int, int, int]:
+def moe_tile(num_pairs: int, num_experts: int, width: int, depth: int,
+             block: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
     """``(block_m, block_n, block_k, num_warps)`` for a grouped GEMM with ``num_pairs`` routed rows over
     ``num_experts``, ``width`` output columns and ``depth`` inputs: ``block_m`` 16 when an expert
-    averages at most 16 rows (decode), else 64; ``block_n``/``block_k`` 64, smaller for narrow shapes."""
+    averages at most 16 rows (decode), else 64; ``block_n``/``block_k`` 64, smaller for narrow shapes;
+    with block scales of ``block = (rows, cols)`` (cols a multiple of 16, ``_check``), ``block_k`` at most
+    the largest power of two dividing ``cols``, so that each weight tile takes one column of scales."""
     block_m = 16 if num_pairs <= 16 * num_experts else 64
     block_n = min(64, max(16, triton.next_power_of_2(width)))
     block_k = min(64, max(16, triton.next_power_of_2(depth)))
+    if block is not None:
+        block_k = min(block_k, block[1] & -block[1])
     return block_m, block_n, block_k, 4
+
+
+def gemv_scale_tile(block_n: int, block_k: int, block: tuple[int, int] | None) -> tuple[int, int]:
+    """``(block_n, scale_k)`` that the matrix-vector MoE kernels run a ``block_n x block_k`` tile (powers of
+    two) with: unscaled or per-row scales (``block`` None) ``(block_n, block_k)``; block scales of
+    ``block = (rows, cols)``: ``block_n`` halved until it divides ``rows`` (a program's outputs then lie in
+    one row of scale tiles) and ``scale_k`` the largest power of two dividing both ``block_k`` and ``cols``
+    (the inputs under one scale that the kernels multiply into the activations at once)."""
+    if block is None:
+        return block_n, block_k
+    while block[0] % block_n:
+        block_n //= 2
+    return block_n, min(block_k, block[1] & -block[1])
 
 
 @triton.jit
@@ -201,12 +226,12 @@ def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     x_ptr, w_ptr, ids_ptr, act_ptr, s_ptr,
     top_k, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr, SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, USE_GDC: tl.constexpr,
+    SCALE: tl.constexpr,
 ):
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < inter
-    ks = tl.arange(0, BLOCK_K)
     gdc_enter(USE_GDC)  # the routing comes from the kernels just before
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     token = (pair // top_k).to(tl.int64)
@@ -214,31 +239,56 @@ def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
     up_rows = gate_rows + inter * stride_wn
     x_row = x_ptr + token * stride_xt
     s_base = s_ptr + expert * stride_se
-    gate_srow = s_base + (cols // scale_rows).to(tl.int64) * stride_sn  # [BLOCK_N]
-    up_srow = s_base + ((inter + cols) // scale_rows).to(tl.int64) * stride_sn
-    gate_srows = gate_srow[:, None]
-    up_srows = up_srow[:, None]
     dt = act_ptr.dtype.element_ty
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, hidden, BLOCK_K):
-        kk = k + ks
-        k_mask = kk < hidden
-        xv = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        wg = tl.load(gate_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        if SCALE == 2:  # FP8 weights, block scales: dequantized and rounded to the activations' dtype
-            s_cols = (kk // scale_cols)[None, :] * stride_sk  # [1, BLOCK_K]
-            wg = (wg * tl.load(gate_srows + s_cols, mask=w_mask, other=0.0)).to(dt).to(tl.float32)
-            wu = (wu * tl.load(up_srows + s_cols, mask=w_mask, other=0.0)).to(dt).to(tl.float32)
-        acc_gate += wg * xv[None, :]
-        acc_up += wu * xv[None, :]
-    g = tl.sum(acc_gate, axis=1)
-    u = tl.sum(acc_up, axis=1)
-    if SCALE == 1:  # per-row scales times the float32 sums
-        g = g * tl.load(gate_srow, mask=col_mask, other=0.0)
-        u = u * tl.load(up_srow, mask=col_mask, other=0.0)
+    if SCALE == 2:
+        # block scales: the program's rows lie in one row of scale tiles (BLOCK_N divides the block height)
+        # and SCALE_K divides the block width, so the tile is [BLOCK_N, CHUNKS, SCALE_K] with one gate and
+        # one up scale per chunk of SCALE_K inputs, multiplied into x (fused_moe_fp8's module docstring)
+        chunks: tl.constexpr = BLOCK_K // SCALE_K
+        cs = tl.arange(0, chunks)
+        offs = cs[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [CHUNKS, SCALE_K]
+        first = tl.program_id(1) * BLOCK_N
+        gate_s = s_base + (first // scale_rows).to(tl.int64) * stride_sn
+        up_s = s_base + ((inter + first) // scale_rows).to(tl.int64) * stride_sn
+        gate_rows3 = gate_rows[:, :, None]  # [BLOCK_N, 1, 1]
+        up_rows3 = up_rows[:, :, None]
+        acc_gate3 = tl.zeros((BLOCK_N, chunks, SCALE_K), dtype=tl.float32)
+        acc_up3 = tl.zeros((BLOCK_N, chunks, SCALE_K), dtype=tl.float32)
+        for k in range(0, hidden, BLOCK_K):
+            kk = k + offs
+            k_mask = kk < hidden
+            starts = k + cs * SCALE_K  # [CHUNKS]
+            s_mask = starts < hidden
+            s_cols = (starts // scale_cols).to(tl.int64) * stride_sk
+            xv = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+            xg = xv * tl.load(gate_s + s_cols, mask=s_mask, other=0.0)[:, None]
+            xu = xv * tl.load(up_s + s_cols, mask=s_mask, other=0.0)[:, None]
+            w_mask = col_mask[:, None, None] & k_mask[None, :, :]
+            wg = tl.load(gate_rows3 + kk[None, :, :], mask=w_mask, other=0.0).to(tl.float32)
+            wu = tl.load(up_rows3 + kk[None, :, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_gate3 += wg * xg[None, :, :]
+            acc_up3 += wu * xu[None, :, :]
+        g = tl.sum(tl.sum(acc_gate3, axis=2), axis=1)
+        u = tl.sum(tl.sum(acc_up3, axis=2), axis=1)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, hidden, BLOCK_K):
+            kk = k + ks
+            k_mask = kk < hidden
+            xv = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            wg = tl.load(gate_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_gate += wg * xv[None, :]
+            acc_up += wu * xv[None, :]
+        g = tl.sum(acc_gate, axis=1)
+        u = tl.sum(acc_up, axis=1)
+        if SCALE == 1:  # per-row scales times the float32 sums
+            g = g * tl.load(s_base + (cols // scale_rows).to(tl.int64) * stride_sn, mask=col_mask, other=0.0)
+            u = u * tl.load(s_base + ((inter + cols) // scale_rows).to(tl.int64) * stride_sn, mask=col_mask,
+                            other=0.0)
     g = g.to(dt).to(tl.float32)
     u = u.to(dt).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
@@ -250,8 +300,8 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
     act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, s_ptr,
     top_k, inter, hidden,
     stride_at, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS: tl.constexpr, USE_GDC: tl.constexpr,
-    SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, SLOTS: tl.constexpr,
+    USE_GDC: tl.constexpr, SCALE: tl.constexpr,
 ):
     # tiles are [BLOCK_N output columns, SLOTS slots of the token, BLOCK_K inputs]: SLOTS experts' weights
     # are in flight at once instead of one expert after the other
@@ -259,37 +309,70 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < hidden
     cols3 = cols.to(tl.int64)[:, None, None]  # [BLOCK_N, 1, 1]
-    srows3 = (cols // scale_rows).to(tl.int64)[:, None, None] * stride_sn
-    ks = tl.arange(0, BLOCK_K)
     js = tl.arange(0, SLOTS)
     gdc_enter(USE_GDC)  # the activations come from the kernel just before
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dt = act_ptr.dtype.element_ty
-    for j0 in range(0, top_k, SLOTS):
-        slot_mask = (j0 + js) < top_k
-        pairs = token * top_k + j0 + js  # [SLOTS]
-        experts = tl.load(ids_ptr + pairs, mask=slot_mask, other=0).to(tl.int64)
-        rows = w_ptr + experts[None, :, None] * stride_we + cols3 * stride_wn  # [BLOCK_N, SLOTS, 1]
-        s_rows = s_ptr + experts[None, :, None] * stride_se + srows3  # [BLOCK_N, SLOTS, 1]
-        a_rows = act_ptr + pairs[None, :, None] * stride_at  # [1, SLOTS, 1]
-        row_mask = col_mask[:, None, None] & slot_mask[None, :, None]
-        acc = tl.zeros((BLOCK_N, SLOTS, BLOCK_K), dtype=tl.float32)
-        for k in range(0, inter, BLOCK_K):
-            kk = (k + ks)[None, None, :]  # [1, 1, BLOCK_K]
-            k_mask = kk < inter
-            av = tl.load(a_rows + kk, mask=slot_mask[None, :, None] & k_mask, other=0.0).to(tl.float32)
-            w_mask = row_mask & k_mask
-            w = tl.load(rows + kk, mask=w_mask, other=0.0).to(tl.float32)
-            if SCALE == 2:
-                sc = tl.load(s_rows + (kk // scale_cols) * stride_sk, mask=w_mask, other=0.0)
-                w = (w * sc).to(dt).to(tl.float32)
-            acc += w * av
-        y = tl.sum(acc, axis=2)  # [BLOCK_N, SLOTS]
-        if SCALE == 1:
-            y = y * tl.sum(tl.load(s_rows, mask=row_mask, other=0.0), axis=2)  # the sum drops the unit axis
-        y = y.to(dt).to(tl.float32)
-        route = tl.load(weights_ptr + pairs, mask=slot_mask, other=0.0).to(tl.float32)
-        total += tl.sum(y * route[None, :], axis=1)
+    if SCALE == 2:
+        # block scales: the program's rows lie in one row of scale tiles (BLOCK_N divides the block height)
+        # and SCALE_K divides the block width; the slots' inputs are cut into chunks of SCALE_K, chunk m
+        # of slot m // CHUNKS, each with one scale multiplied into the activations: [BLOCK_N, SLOTS *
+        # CHUNKS, SCALE_K] tiles (fused_moe_fp8's module docstring)
+        chunks: tl.constexpr = BLOCK_K // SCALE_K
+        ms = tl.arange(0, SLOTS * chunks)
+        m_slot = ms // chunks
+        m_offs = (ms % chunks) * SCALE_K  # [SLOTS * CHUNKS]
+        kc = tl.arange(0, SCALE_K)
+        srow = ((tl.program_id(1) * BLOCK_N) // scale_rows).to(tl.int64) * stride_sn
+        for j0 in range(0, top_k, SLOTS):
+            m_mask = (j0 + m_slot) < top_k
+            m_pairs = token * top_k + j0 + m_slot
+            m_experts = tl.load(ids_ptr + m_pairs, mask=m_mask, other=0).to(tl.int64)
+            rows = w_ptr + m_experts[None, :, None] * stride_we + cols3 * stride_wn  # [BLOCK_N, M, 1]
+            s_m = s_ptr + m_experts * stride_se + srow
+            a_m = act_ptr + m_pairs * stride_at
+            row_mask = col_mask[:, None, None] & m_mask[None, :, None]
+            acc3 = tl.zeros((BLOCK_N, SLOTS * chunks, SCALE_K), dtype=tl.float32)
+            for k in range(0, inter, BLOCK_K):
+                starts = k + m_offs
+                kk = starts[:, None] + kc[None, :]  # [M, SCALE_K]
+                k_mask = kk < inter
+                av = tl.load(a_m[:, None] + kk, mask=m_mask[:, None] & k_mask, other=0.0).to(tl.float32)
+                sc = tl.load(s_m + (starts // scale_cols).to(tl.int64) * stride_sk,
+                             mask=m_mask & (starts < inter), other=0.0)
+                av = av * sc[:, None]
+                w = tl.load(rows + kk[None, :, :], mask=row_mask & k_mask[None, :, :], other=0.0)
+                acc3 += w.to(tl.float32) * av[None, :, :]
+            # each slot's sum over its chunks: [BLOCK_N, SLOTS]
+            y = tl.sum(tl.reshape(tl.sum(acc3, axis=2), (BLOCK_N, SLOTS, chunks)), axis=2)
+            y = y.to(dt).to(tl.float32)
+            slot_mask = (j0 + js) < top_k
+            route = tl.load(weights_ptr + token * top_k + j0 + js, mask=slot_mask, other=0.0).to(tl.float32)
+            total += tl.sum(y * route[None, :], axis=1)
+    else:
+        srows3 = (cols // scale_rows).to(tl.int64)[:, None, None] * stride_sn
+        ks = tl.arange(0, BLOCK_K)
+        for j0 in range(0, top_k, SLOTS):
+            slot_mask = (j0 + js) < top_k
+            pairs = token * top_k + j0 + js  # [SLOTS]
+            experts = tl.load(ids_ptr + pairs, mask=slot_mask, other=0).to(tl.int64)
+            rows = w_ptr + experts[None, :, None] * stride_we + cols3 * stride_wn  # [BLOCK_N, SLOTS, 1]
+            a_rows = act_ptr + pairs[None, :, None] * stride_at  # [1, SLOTS, 1]
+            row_mask = col_mask[:, None, None] & slot_mask[None, :, None]
+            acc = tl.zeros((BLOCK_N, SLOTS, BLOCK_K), dtype=tl.float32)
+            for k in range(0, inter, BLOCK_K):
+                kk = (k + ks)[None, None, :]  # [1, 1, BLOCK_K]
+                k_mask = kk < inter
+                av = tl.load(a_rows + kk, mask=slot_mask[None, :, None] & k_mask, other=0.0).to(tl.float32)
+                w = tl.load(rows + kk, mask=row_mask & k_mask, other=0.0).to(tl.float32)
+                acc += w * av
+            y = tl.sum(acc, axis=2)  # [BLOCK_N, SLOTS]
+            if SCALE == 1:  # the sum drops the unit axis
+                s_rows = s_ptr + experts[None, :, None] * stride_se + srows3  # [BLOCK_N, SLOTS, 1]
+                y = y * tl.sum(tl.load(s_rows, mask=row_mask, other=0.0), axis=2)
+            y = y.to(dt).to(tl.float32)
+            route = tl.load(weights_ptr + pairs, mask=slot_mask, other=0.0).to(tl.float32)
+            total += tl.sum(y * route[None, :], axis=1)
     tl.store(out_ptr + token * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -308,7 +391,8 @@ def gemv_moe_tile(num_tokens: int, down: bool) -> tuple[int, int, int]:
     (gate/up and down together 58 % of the copy bandwidth; every other tile 46-58 %); more tokens 8 x 512
     (gate/up) and 2 x 256 (down, with ``gemv_moe_slots`` 4) with 4 warps (kernel alone at 2 / 4 / 8 tokens
     78 / 85 / 89 %; down 4 x 512 one slot at a time: 75 / 81 / 87 %; serving takes this path only up to
-    ``moe_path``'s pair limit). Swept with bf16 experts; FP8 experts take the same tiles, not re-measured."""
+    ``moe_path``'s pair limit). Swept with bf16 experts; FP8 experts take the same tiles (block-scaled ones
+    through ``gemv_scale_tile``), not re-measured."""
     if num_tokens == 1:
         return 2, 1024, 4
     return (2, 256, 4) if down else (8, 512, 4)
@@ -349,18 +433,22 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     if t == 0:
         return torch.zeros_like(x)
     bn, bk, warps = up_tile or gemv_moe_tile(t, down=False)
+    bn, scale_k = gemv_scale_tile(bn, bk, block)
     _gate_up_gemv_kernel[(t * top_k, triton.cdiv(inter, bn))](
         x, w_gate_up, ids, act, s_up[0], top_k, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), *s_up[1:],
-        BLOCK_N=bn, BLOCK_K=bk, SCALE=_scale_mode(scales), num_warps=warps, **pdl_kwargs(x),
+        BLOCK_N=bn, BLOCK_K=bk, SCALE_K=scale_k, SCALE=_scale_mode(scales), num_warps=warps,
+        **pdl_kwargs(x),
     )
     weights = _flat(topk_weights)  # the kernels widen each routing weight to float32 as they load it
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     bn, bk, warps = down_tile or gemv_moe_tile(t, down=True)
+    bn, scale_k = gemv_scale_tile(bn, bk, block)
     _down_gemv_kernel[(t, triton.cdiv(hidden, bn))](
         act, w_down, ids, weights, out, s_down[0], top_k, inter, hidden,
         act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), *s_down[1:],
-        BLOCK_N=bn, BLOCK_K=bk, SLOTS=slots, SCALE=_scale_mode(scales), num_warps=warps, **pdl_kwargs(x),
+        BLOCK_N=bn, BLOCK_K=bk, SCALE_K=scale_k, SLOTS=slots, SCALE=_scale_mode(scales), num_warps=warps,
+        **pdl_kwargs(x),
     )
     return out
 
@@ -381,8 +469,9 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         path: ``"grouped"`` (aligned grouped GEMMs) or ``"gemv"`` (one matrix-vector product per pair);
             default from ``moe_path``.
         scales: FP8 weights' scales (``engine.ops.fused_moe_fp8``), applied in the kernels (block scales
-            per weight tile, per-row scales to each output's sum); block-scaled ``w_gate_up`` needs ``I``
-            a multiple of ``bn``.
+            per weight tile in the grouped path and to the activations in the matrix-vector path, per-row
+            scales to each output's sum); block scales need ``I`` a multiple of ``bn`` and ``bk`` a
+            multiple of 16.
 
     Returns:
         ``[T, H]`` new tensor of x's dtype.
@@ -402,11 +491,11 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
         return torch.zeros_like(x)
     if (path or moe_path(t, top_k, num_experts)) == "gemv":
         return fused_moe_gemv(x, w_gate_up, w_down, topk_weights, topk_ids, scales=scales)
-    tile_m, bn_up, bk_up, warps = moe_tile(pairs, num_experts, inter, hidden)
-    _, bn_down, bk_down, _ = moe_tile(pairs, num_experts, hidden, inter)
+    block = scales.block if scales is not None else None
+    tile_m, bn_up, bk_up, warps = moe_tile(pairs, num_experts, inter, hidden, block)
+    _, bn_down, bk_down, _ = moe_tile(pairs, num_experts, hidden, inter, block)
     bm = block_m or tile_m
     align = moe_align(topk_ids, num_experts, bm)
-    block = scales.block if scales is not None else None
     s_up = kernel_scale_args(scales.gate_up if scales is not None else None, block, w_gate_up)
     s_down = kernel_scale_args(scales.down if scales is not None else None, block, w_down)
     blocks = align.block_expert.numel()

@@ -4,12 +4,25 @@ Weight-only FP8: a stacked expert weight ``W [E, N, K]`` is stored as float8_e4m
 scales, ``W ~ Q * scale``, either one scale per output row (``block`` None: ``scale [E, N]``, what
 ``--quantization fp8`` makes) or one per ``(bn, bk)`` tile (``scale [E, ceil(N / bn), ceil(K / bk)]``, the
 ``weight_scale_inv`` tensors of block-scaled FP8 checkpoints such as Qwen3-30B-A3B-FP8 and
-GLM-4.5-Air-FP8). ``fused_moe``'s kernels read the FP8 weights and dequantize in registers: block scales
-per weight tile before the products (``float32(Q) * scale`` rounded to the activations' dtype, exactly
-what ``dequantize_experts`` computes), per-row scales once per output after its float32 sum (e4m3 values
-are exact in fp16/bf16, so the products are exact and only the scale's placement differs from the
-dequantized weights: at most one rounding of each weight to the dtype). Either way the result is
-``fused_moe_reference`` of the dequantized weights within the dtype's rounding.
+GLM-4.5-Air-FP8). ``fused_moe``'s kernels read the FP8 weights and dequantize in registers, loading
+each scale once per weight tile (block scales: once per tile and chunk of inputs), never once per weight:
+
+- grouped kernels, block scales: per weight tile before the products (``float32(Q) * scale`` rounded to
+  the activations' dtype, exactly what ``dequantize_experts`` computes; ``moe_tile`` keeps a tile's
+  inputs inside one column of scale tiles);
+- matrix-vector kernels, block scales: multiplied into the activations, one scale per (row of scale
+  tiles, chunk of inputs under one scale) as ``engine.ops.fp8_gemv`` does, the products of the e4m3
+  values and the scaled float32 activations summed in float32 (``gemv_scale_tile`` keeps a program's
+  outputs in one row of scale tiles and its chunks in one column); a dequantized weight is never rounded
+  to the dtype;
+- per-row scales (both paths): once per output after its float32 sum (e4m3 values are exact in
+  fp16/bf16, so the products are exact).
+
+Where the scale is not applied to the weight, only its placement differs from the dequantized weights:
+at most one rounding of each weight to the dtype. Either way the result is ``fused_moe_reference`` of the
+dequantized weights within the dtype's rounding. Block scales need a block width that is a multiple of
+16 (the grouped kernels' smallest weight tile) and, for the stacked gate/up, ``I`` a multiple of the
+block height.
 """
 
 from __future__ import annotations

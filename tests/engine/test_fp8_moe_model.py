@@ -159,6 +159,10 @@ def test_fp8_moe_refusals_name_the_reason(tmp_path):
     with pytest.raises(UnsupportedModelError, match="expert width 32 is not a multiple of the "
                                                     "weight_block_size height 24"):
         load_model(ModelConfig(str(with_quant(weight_block_size=[24, 32])), device="cpu"))
+    with pytest.raises(ValueError, match="block width 24 is not a multiple of 16"):
+        Fp8Experts(4, 64, 32, (16, 24), "cpu")
+    with pytest.raises(ValueError, match="width 32: not a multiple of the block height 24"):
+        Fp8Experts(4, 64, 32, (24, 32), "cpu")
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.\d+\.\S+: per-expert tensors of unq"):
         load_model(ModelConfig(str(with_quant(modules_to_not_convert=["model.layers.0.mlp.experts"])),
                                device="cpu"))

@@ -183,7 +183,8 @@ def test_down_gemv_slots_read_at_once_match_the_reference(scale, top_k, tokens, 
                          scales=scales)
     one = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_tile=tile, down_slots=1, scales=scales)
     want = fused_moe_reference(x, w_gate_up, w_down, weights, ids, scales=scales)
-    atol = TOL[dtype] * (3 if scale == "channel" else 1)
+    # FP8 scales: the matrix-vector kernels never round a dequantized weight to the dtype, the reference does
+    atol = TOL[dtype] * (3 if scale is not None else 1)
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=TOL[dtype])
     torch.testing.assert_close(got.float(), one.float(), atol=TOL[dtype], rtol=TOL[dtype])
     with pytest.raises(ValueError, match="down_slots"):
