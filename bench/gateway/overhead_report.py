@@ -89,7 +89,7 @@ def render_scale(levels: list[ScaleLevel], max_tokens: int, plan: CorePlan | Non
     (CPU shares of one core), each gateway process's CPU and the cores it was allowed."""
     ref = levels[0]
     pinning = (f"- CPU pinning (`--pin-cpus`): {plan.describe()} (the pool's parent on "
-               f"{format_cpus(plan.gateway_union)})" if plan is not None
+               f"{format_cpus(plan.gateway_union)} when N > 1)" if plan is not None
                else "- CPU pinning: none (every process may run on every core)")
     load = (f"- offered load: {per_process} streams per gateway process (`--scale-concurrency-per-process`)"
             if per_process is not None else "- offered load: the same streams at every N")

@@ -201,7 +201,7 @@ def test_scale_report_gives_the_core_plan_and_each_process() -> None:
     text = "\n".join(render_scale([one, two], 128, assign_cores(list(range(16)), 4), 64))
     assert ("- CPU pinning (`--pin-cpus`): gateway process 0: cores 8-9; gateway process 1: cores 10-11; "
             "gateway process 2: cores 12-13; gateway process 3: cores 14-15; clients, fake workers and the "
-            "bench: cores 0-7 (the pool's parent on 8-15)") in text
+            "bench: cores 0-7 (the pool's parent on 8-15 when N > 1)") in text
     assert "- offered load: 64 streams per gateway process (`--scale-concurrency-per-process`)" in text
     assert "| 1/1 | ok | 1.17 | 8-9 |" in text
     assert "| 2/2 | ok | 0.93 / 0.95 | 8-9 / 10-11 |" in text
