@@ -79,7 +79,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.gateway.cpu_pinning import CorePlan, assign_cores, pin_process
+from bench.gateway.cpu_pinning import CorePlan, assign_cores, physical_cores, pin_process
 from bench.gateway.curve_cost import CurveCost, run_curve_rounds
 from bench.gateway.overhead_report import machine_info, render_markdown
 from bench.gateway.overhead_targets import (
@@ -149,7 +149,8 @@ def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS
         raise ValueError("--pin-cpus needs --gateway-processes")
     if pin_cpus and not hasattr(os, "sched_getaffinity"):
         raise ValueError("--pin-cpus needs Linux (os.sched_setaffinity)")
-    plan = assign_cores(sorted(os.sched_getaffinity(0)), max(gateway_processes)) if pin_cpus else None
+    cpus = sorted(os.sched_getaffinity(0)) if pin_cpus else []
+    plan = assign_cores(cpus, max(gateway_processes), physical_cores(cpus)) if pin_cpus else None
     tokenizer_dir = resolve_tokenizer_dir(cfg.tokenizer, None)  # TokenizerNotFoundError before any start
     machine = machine_info()
     levels, leaks = [], {}

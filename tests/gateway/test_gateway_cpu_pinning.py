@@ -6,10 +6,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from bench.gateway.cpu_pinning import assign_cores, format_cpus, pin_process, thread_ids
+from bench.gateway.cpu_pinning import (
+    assign_cores,
+    format_cpus,
+    parse_cpus,
+    physical_cores,
+    pin_process,
+    thread_ids,
+)
 
 
 def test_sixteen_cores_four_processes_get_two_cores_each() -> None:
@@ -34,6 +42,26 @@ def test_plan_follows_the_cpu_ids_given_not_their_count() -> None:
     plan = assign_cores([14, 0, 2, 4, 6, 8, 10, 12], 2)  # an affinity mask with holes, unsorted
     assert plan.gateway == (frozenset({8, 10}), frozenset({12, 14}))
     assert plan.load == frozenset({0, 2, 4, 6})
+
+
+def test_smt_siblings_stay_together() -> None:
+    # 8 physical cores, 2 threads each, Linux's usual numbering: CPU i and i + 8 share core i
+    core_of = {c: c % 8 for c in range(16)}
+    plan = assign_cores(list(range(16)), 4, core_of)
+    assert plan.gateway == (frozenset({4, 12}), frozenset({5, 13}), frozenset({6, 14}), frozenset({7, 15}))
+    assert plan.load == frozenset({0, 1, 2, 3, 8, 9, 10, 11})  # no physical core shared with a gateway
+    assert plan.smt and "SMT" in plan.describe()
+    assert not assign_cores(list(range(16)), 4).smt
+
+
+def test_physical_cores_reads_thread_siblings(tmp_path: Path) -> None:
+    for cpu, siblings in [(0, "0,2\n"), (1, "1,3\n"), (2, "0,2\n"), (3, "1,3\n"), (4, "4\n")]:
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(siblings)
+    assert physical_cores([0, 1, 2, 3, 4, 5], str(tmp_path)) == {0: 0, 1: 1, 2: 0, 3: 1, 4: 4, 5: 5}
+    assert parse_cpus("0-2,5,8-9\n") == frozenset({0, 1, 2, 5, 8, 9})
+    with pytest.raises(ValueError):
+        parse_cpus("a-b")
 
 
 @pytest.mark.parametrize("cores", [2, 3, 5, 8, 9, 16, 64])

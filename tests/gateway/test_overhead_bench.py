@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gateway.cpu_pinning import assign_cores, format_cpus
+from bench.gateway.cpu_pinning import assign_cores, format_cpus, physical_cores
 from bench.gateway.curve_cost import CurveCost, CurveRound
 from bench.gateway.overhead import main
 from bench.gateway.overhead_report import render_curve_cost, render_scale
@@ -221,7 +221,7 @@ def test_pinned_level_runs_on_its_cores(tokenizer_dir: Path, tmp_path: Path) -> 
     assert rc == 0
     assert os.sched_getaffinity(0) == before  # the bench's own set is given back
     res = json.loads(out.read_text())
-    plan = assign_cores(sorted(before), 1)
+    plan = assign_cores(sorted(before), 1, physical_cores(before))
     assert sorted(res["core_plan"]["gateway"][0]) == sorted(plan.gateway[0])
     assert sorted(res["core_plan"]["load"]) == sorted(plan.load)
     assert res["scale_per_process"] == 2
