@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.gateway.cpu_pinning import assign_cores, format_cpus, physical_cores
+from bench.gateway.cpu_pinning import CorePlan, assign_cores, format_cpus, physical_cores
 from bench.gateway.curve_cost import CurveCost, CurveRound
 from bench.gateway.overhead import main
 from bench.gateway.overhead_report import render_curve_cost, render_scale
 from bench.gateway.overhead_targets import OverheadConfig, summarize_level
-from bench.gateway.process_scaling import ScaleLevel
+from bench.gateway.process_scaling import ScaleLevel, run_scale_level
 from loadtest.records import RequestRecord
 
 
@@ -178,6 +178,8 @@ def test_gateway_processes_smoke_run(tokenizer_dir: Path, tmp_path: Path) -> Non
         assert (s["sent"], s["completed"], s["tokens"], s["leaks"]) == (16, 16, 64, "ok"), s["first_error"]
         assert s["tokens_s"] == pytest.approx(64 / s["wall_s"]) and s["req_s"] > 0
         assert 1 <= s["processes_used"] <= s["processes"]
+        assert len(s["process_cores"]) == len(s["gateway_cpus"]) == s["processes"]
+        assert sum(s["process_cores"]) <= s["gateway_cores"] + 0.05  # the pool's parent adds to the total
     assert "| 1 | 2 | 4 | 16/16 |" in md.read_text() and "**1.00**" in md.read_text()
 
 
@@ -230,3 +232,17 @@ def test_pinned_level_runs_on_its_cores(tokenizer_dir: Path, tmp_path: Path) -> 
     assert level["gateway_cpus"] == [format_cpus(plan.gateway[0])]  # read back from the process
     assert len(level["process_cores"]) == 1 and 0 < level["process_cores"][0] <= len(plan.gateway[0]) + 0.05
     assert "CPU pinning (`--pin-cpus`)" in md.read_text()
+
+
+@pytest.mark.slow  # starts a 2-process gateway with fake workers
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning needs Linux and 2 CPUs")
+def test_two_process_level_pins_each_process_to_its_own_set(tokenizer_dir: Path, tmp_path: Path) -> None:
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    # a hand-made plan (assign_cores would refuse 2 processes on 2 CPUs): process 0 on b, process 1 on a
+    plan = CorePlan(gateway=(frozenset({b}), frozenset({a})), load=frozenset({a, b}))
+    cfg = OverheadConfig(requests=8, warmup=1, max_tokens=4, concurrency=(2,), tokenizer=str(tokenizer_dir))
+    level = run_scale_level(cfg, tokenizer_dir, tmp_path, 2, 4, 2, 1, plan)
+    assert level.gateway_cpus == [str(b), str(a)]  # read back from each process, in index order
+    assert (level.completed, level.leaks) == (8, "ok"), level.first_error
+    assert len(level.process_cores) == 2
