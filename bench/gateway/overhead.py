@@ -3,7 +3,8 @@
 Run: ``.venv/bin/python -m bench.gateway.overhead [--requests 300] [--concurrency 1,8] [--max-tokens 16]
 [--token-delay 0] [--prefill-delay 0] [--tokenizer smollm2-135m] [--targets disagg,colocated,baseline]
 [--curve-cost [--curve-rounds 6] [--curve-concurrency 32]]
-[--gateway-processes 1,2,4 [--scale-concurrency 64] [--client-processes 8] [--fake-decode-workers 1]]
+[--gateway-processes 1,2,4 [--scale-concurrency 64 | --scale-concurrency-per-process 64]
+[--client-processes 8] [--fake-decode-workers 1] [--pin-cpus]]
 [--json out.json]
 [--out /tmp/gateway-overhead.md]``.
 
@@ -49,8 +50,18 @@ requests over the wall time from the first client's start to the last one's end)
 to N = 1 measured in the same run (the first N in the list is the reference). Beside them, whether the
 load side kept up: the CPU each client process and each fake worker used over the measured time, as a
 share of one core (near 1.0: that process, not the gateway, may be the limit) and the gateway's CPU in
-cores (all its processes), and how many of the N processes took requests (from the fake prefill
-worker's record of which control socket each request came through). Leak check after each N.
+cores (all its processes, and each process's own), and how many of the N processes took requests (from
+the fake prefill worker's record of which control socket each request came through). Leak check after
+each N.
+
+``--scale-concurrency-per-process S`` (instead of ``--scale-concurrency``) offers S streams per gateway
+process, S * N at level N, so that each level's gateway is loaded alike and its capacity, not the offered
+load, is what the ratios compare. ``--pin-cpus`` (Linux) gives each gateway process cores of its own and
+the clients, fake workers and the bench the rest, never overlapping (bench/gateway/cpu_pinning.py: 2
+cores per gateway process when the host has at least 4 per process of the largest N, else 1; refused
+with fewer than N + 1 cores), so that the scheduler does not move the gateway's threads among the load
+side's; the plan is printed in the report. Each gateway process's allowed cores and CPU are reported per
+level, so a saturated process shows.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import os
 import shlex
 import sys
 import tempfile
@@ -67,6 +79,7 @@ from pathlib import Path
 
 import msgspec
 
+from bench.gateway.cpu_pinning import CorePlan, assign_cores, physical_cores, pin_process
 from bench.gateway.curve_cost import CurveCost, run_curve_rounds
 from bench.gateway.overhead_report import machine_info, render_markdown
 from bench.gateway.overhead_targets import (
@@ -88,7 +101,8 @@ from pdserve.supervisor import Supervisor
 class OverheadResult(msgspec.Struct, kw_only=True):
     """The whole run: configuration, machine, date, every level, leak check per gateway target, and
     CURVE's CPU cost when asked (``--curve-cost``), the scaling over gateway processes when asked
-    (``--gateway-processes``)."""
+    (``--gateway-processes``), with its core plan (``--pin-cpus``) and streams per gateway process
+    (``--scale-concurrency-per-process``) when asked."""
 
     config: dict[str, object]
     machine: dict[str, object]
@@ -98,15 +112,21 @@ class OverheadResult(msgspec.Struct, kw_only=True):
     leaks: dict[str, str]
     curve_cost: CurveCost | None = None
     scale: list[ScaleLevel] | None = None
+    core_plan: CorePlan | None = None
+    scale_per_process: int | None = None
 
 
 def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS,
         curve_rounds: int = 0, curve_concurrency: int = 32, gateway_processes: Sequence[int] = (),
         scale_concurrency: int = 64, client_processes: int = 4,
-        fake_decode_workers: int = 1) -> OverheadResult:
+        fake_decode_workers: int = 1, scale_per_process: int | None = None,
+        pin_cpus: bool = False) -> OverheadResult:
     """Start each target, measure every concurrency level, stop it; then, with ``curve_rounds`` > 0,
-    CURVE's CPU cost (run_curve_rounds). Raises ValueError for an unknown target or tokenizer dir,
-    RuntimeError when a target does not start."""
+    CURVE's CPU cost (run_curve_rounds); then each of ``gateway_processes`` (run_scale_level) at
+    ``scale_concurrency`` streams, or ``scale_per_process`` * N when given, pinned with ``pin_cpus``
+    (assign_cores over this process's CPUs; the bench itself runs on the load side's cores meanwhile).
+    Raises ValueError for an unknown target or tokenizer dir, bad scale arguments or too few CPUs for
+    ``pin_cpus`` (before anything starts), RuntimeError when a target does not start."""
     unknown = [t for t in targets if t not in (*TARGETS, INSECURE)]
     if unknown:
         raise ValueError(f"unknown targets {unknown}; choose from {(*TARGETS, INSECURE)}")
@@ -115,10 +135,22 @@ def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS
                          f"{curve_concurrency}")
     if fake_decode_workers < 1:
         raise ValueError(f"fake decode workers must be >= 1, got {fake_decode_workers}")
-    if any(n < 1 for n in gateway_processes) or client_processes < 1 or scale_concurrency < client_processes:
+    if any(n < 1 for n in gateway_processes) or client_processes < 1 \
+            or (scale_per_process is None and scale_concurrency < client_processes):
         raise ValueError(f"gateway processes must be >= 1 (got {list(gateway_processes)}), client processes "
                          f">= 1 (got {client_processes}) and the scale concurrency >= the client processes "
                          f"(got {scale_concurrency})")
+    if scale_per_process is not None and gateway_processes \
+            and scale_per_process * min(gateway_processes) < client_processes:
+        raise ValueError(f"--scale-concurrency-per-process {scale_per_process} x {min(gateway_processes)} "
+                         f"gateway processes gives fewer streams than the {client_processes} client "
+                         "processes")
+    if pin_cpus and not gateway_processes:
+        raise ValueError("--pin-cpus needs --gateway-processes")
+    if pin_cpus and not hasattr(os, "sched_getaffinity"):
+        raise ValueError("--pin-cpus needs Linux (os.sched_setaffinity)")
+    cpus = sorted(os.sched_getaffinity(0)) if pin_cpus else []
+    plan = assign_cores(cpus, max(gateway_processes), physical_cores(cpus)) if pin_cpus else None
     tokenizer_dir = resolve_tokenizer_dir(cfg.tokenizer, None)  # TokenizerNotFoundError before any start
     machine = machine_info()
     levels, leaks = [], {}
@@ -138,14 +170,23 @@ def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS
         if curve_rounds:
             curve = run_curve_rounds(cfg, tokenizer_dir, Path(tmp), curve_concurrency, curve_rounds)
         scale: list[ScaleLevel] = []
-        for n in gateway_processes:
-            level_dir = Path(tmp) / f"processes-{n}-{len(scale)}"
-            level_dir.mkdir()
-            scale.append(run_scale_level(cfg, tokenizer_dir, level_dir, n, scale_concurrency,
-                                         client_processes, fake_decode_workers))
+        own = frozenset(os.sched_getaffinity(0)) if plan is not None else frozenset[int]()
+        try:
+            if plan is not None:  # the processes started from here inherit it, and are pinned again
+                pin_process(os.getpid(), plan.load)
+            for n in gateway_processes:
+                level_dir = Path(tmp) / f"processes-{n}-{len(scale)}"
+                level_dir.mkdir()
+                streams = scale_concurrency if scale_per_process is None else scale_per_process * n
+                scale.append(run_scale_level(cfg, tokenizer_dir, level_dir, n, streams,
+                                             client_processes, fake_decode_workers, plan))
+        finally:
+            if plan is not None:
+                pin_process(os.getpid(), own)
     return OverheadResult(config=asdict(cfg), machine=machine, levels=levels, leaks=leaks, command=command,
                           date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                          curve_cost=curve, scale=scale or None)
+                          curve_cost=curve, scale=scale or None, core_plan=plan,
+                          scale_per_process=scale_per_process if gateway_processes else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gateway-processes", default="",
                    help="then the gateway over N processes each (pdserve gateway --workers N), e.g. 1,2,4: "
                         "aggregate tokens/s and req/s, ratios to the first")
-    p.add_argument("--scale-concurrency", type=int, default=64, help="--gateway-processes: streams in all")
+    p.add_argument("--scale-concurrency", type=int, default=None,
+                   help="--gateway-processes: streams in all, the same at every N [64]")
+    p.add_argument("--scale-concurrency-per-process", type=int, default=None,
+                   help="--gateway-processes: streams per gateway process (S * N at level N); not with "
+                        "--scale-concurrency")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="--gateway-processes: each gateway process on cores of its own, the clients, fake "
+                        "workers and the bench on the others (Linux; refused with too few cores)")
     p.add_argument("--client-processes", type=int, default=4,
                    help="--gateway-processes: load-generating processes sharing the streams")
     p.add_argument("--fake-decode-workers", type=int, default=1,
@@ -195,10 +243,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.curve_cost and rounds < 1:
             raise ValueError(f"--curve-rounds must be >= 1, got {rounds}")
         processes = tuple(int(x) for x in args.gateway_processes.split(",") if x)
+        per_process = args.scale_concurrency_per_process
+        if per_process is not None and args.scale_concurrency is not None:
+            raise ValueError("--scale-concurrency and --scale-concurrency-per-process exclude each other")
+        if per_process is not None and per_process < 1:
+            raise ValueError(f"--scale-concurrency-per-process must be >= 1, got {per_process}")
+        if not processes and (per_process is not None or args.pin_cpus):
+            raise ValueError("--scale-concurrency-per-process and --pin-cpus need --gateway-processes")
         res = run(cfg, command, tuple(targets), curve_rounds=rounds if args.curve_cost else 0,
                   curve_concurrency=32 if args.curve_concurrency is None else args.curve_concurrency,
-                  gateway_processes=processes, scale_concurrency=args.scale_concurrency,
-                  client_processes=args.client_processes, fake_decode_workers=args.fake_decode_workers)
+                  gateway_processes=processes,
+                  scale_concurrency=64 if args.scale_concurrency is None else args.scale_concurrency,
+                  client_processes=args.client_processes, fake_decode_workers=args.fake_decode_workers,
+                  scale_per_process=per_process, pin_cpus=args.pin_cpus)
     except (ValueError, TokenizerNotFoundError) as exc:
         print(f"gateway_overhead: {exc}", file=sys.stderr)
         return 2

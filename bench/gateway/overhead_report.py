@@ -8,7 +8,10 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bench.gateway.cpu_pinning import format_cpus
+
 if TYPE_CHECKING:
+    from bench.gateway.cpu_pinning import CorePlan
     from bench.gateway.curve_cost import CurveCost
     from bench.gateway.overhead import OverheadResult
     from bench.gateway.process_scaling import ScaleLevel
@@ -73,22 +76,32 @@ def render_markdown(res: OverheadResult) -> str:
     if res.curve_cost is not None:
         lines += ["", *render_curve_cost(res.curve_cost, int(c["max_tokens"]))]  # type: ignore[call-overload]
     if res.scale:
-        lines += ["", *render_scale(res.scale, int(c["max_tokens"]))]  # type: ignore[call-overload]
+        lines += ["", *render_scale(res.scale, int(c["max_tokens"]),  # type: ignore[call-overload]
+                                    res.core_plan, res.scale_per_process)]
     return "\n".join(lines) + "\n"
 
 
-def render_scale(levels: list[ScaleLevel], max_tokens: int) -> list[str]:
-    """The ``--gateway-processes`` section: per N, aggregate tokens/s and req/s, their ratios to the first
-    N of the run, and whether the load side kept up (CPU shares of one core)."""
+def render_scale(levels: list[ScaleLevel], max_tokens: int, plan: CorePlan | None = None,
+                 per_process: int | None = None) -> list[str]:
+    """The ``--gateway-processes`` section: the CPU pinning (``plan``, None: not pinned) and offered load
+    (``per_process`` streams per gateway process, None: the same streams at every N), then per N:
+    aggregate tokens/s and req/s, their ratios to the first N of the run, whether the load side kept up
+    (CPU shares of one core), each gateway process's CPU and the cores it was allowed."""
     ref = levels[0]
+    pinning = (f"- CPU pinning (`--pin-cpus`): {plan.describe()} (the pool's parent on "
+               f"{format_cpus(plan.gateway_union)} when N > 1)" if plan is not None
+               else "- CPU pinning: none (every process may run on every core)")
+    load = (f"- offered load: {per_process} streams per gateway process (`--scale-concurrency-per-process`)"
+            if per_process is not None else "- offered load: the same streams at every N")
     lines = [f"## Gateway processes on one host (`pdserve gateway --workers N`), {max_tokens} tokens per "
-             "request", "",
+             "request", "", pinning, load, "",
              f"Ratios are to N = {ref.processes} in this run (goal on a 16-core host: 2 processes >= 1.8x, "
              "4 >= 3.2x tokens/s). CPU: share of one core over the measured time; a client or fake worker "
              "near 1.0 may be the limit rather than the gateway. `took`: processes that took requests.", "",
              "| processes | clients | streams | ok/sent | tokens/s | req/s | x tokens/s | x req/s "
-             "| gateway cores | busiest client | fake decode workers | busiest fake worker | took | leaks |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| gateway cores | busiest client | fake decode workers | busiest fake worker | took | leaks "
+             "| cores per gateway process | allowed cores per gateway process |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for lv in levels:
         tok = lv.tokens_s / ref.tokens_s if ref.tokens_s > 0 else 0.0
         req = lv.req_s / ref.req_s if ref.req_s > 0 else 0.0
@@ -96,7 +109,9 @@ def render_scale(levels: list[ScaleLevel], max_tokens: int) -> list[str]:
                      f"| {lv.tokens_s:.0f} | {lv.req_s:.1f} | **{tok:.2f}** | {req:.2f} "
                      f"| {lv.gateway_cores:.2f} "
                      f"| {lv.busiest_client_core:.2f} | {lv.decode_workers} | {lv.busiest_worker_core:.2f} "
-                     f"| {lv.processes_used}/{lv.processes} | {lv.leaks} |")
+                     f"| {lv.processes_used}/{lv.processes} | {lv.leaks} "
+                     f"| {' / '.join(f'{c:.2f}' for c in lv.process_cores) or '–'} "
+                     f"| {' / '.join(lv.gateway_cpus) or '–'} |")
     errors = [f"N={lv.processes}: {lv.first_error}" for lv in levels if lv.first_error]
     if errors:
         lines += ["", "First errors: " + "; ".join(errors)]

@@ -169,17 +169,27 @@ async def run_level(url: str, cfg: OverheadConfig, concurrency: int) -> tuple[li
 def wait_processes(url: str, processes: int, timeout_s: float) -> str | None:
     """Poll ``/v1/status`` over fresh connections until each of the gateway's ``processes`` processes
     has answered ready; None then, else why not."""
-    seen: set[int] = set()
+    seen = gateway_pids(url, processes, timeout_s)
+    if len(seen) == processes:
+        return None
+    return f"only gateway processes {sorted(seen)} of {processes} ready after {timeout_s:g} s"
+
+
+def gateway_pids(url: str, processes: int, timeout_s: float) -> dict[int, int]:
+    """Poll ``/v1/status`` over fresh connections (``SO_REUSEPORT`` spreads them over the processes) until
+    each of the gateway's ``processes`` processes has answered ready, or ``timeout_s`` seconds pass;
+    returns process index -> pid of those that did."""
+    seen: dict[int, int] = {}
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         with contextlib.suppress(httpx.HTTPError), httpx.Client(timeout=2.0) as client:
             body = client.get(url + "/v1/status").json()
             if body["ready"]:
-                seen.add(body["process"]["index"])
+                seen[body["process"]["index"]] = body["process"]["pid"]
         if len(seen) == processes:
-            return None
+            break
         time.sleep(0.05)
-    return f"only gateway processes {sorted(seen)} of {processes} ready after {timeout_s:g} s"
+    return seen
 
 
 def summarize_level(target: str, concurrency: int, records: Sequence[RequestRecord], wall_s: float,

@@ -1,7 +1,10 @@
 """The gateway over N processes on one host (``bench.gateway.overhead --gateway-processes``): the
 ``disagg`` target with an N-process gateway (``pdserve gateway --workers N``), driven by several
 load-generating processes that start measuring together; aggregate output tokens/s and req/s, the CPU of
-each client, fake worker and the gateway, and how many gateway processes took requests (``ScaleLevel``).
+each client, fake worker and the gateway (all its processes, and each one), and how many gateway processes
+took requests (``ScaleLevel``). With a ``CorePlan`` (``--pin-cpus``, bench/gateway/cpu_pinning.py) each
+gateway process is pinned to its own cores once all are ready, the pool's parent to their union, and the
+fake workers and client processes to the load side's cores.
 """
 
 from __future__ import annotations
@@ -10,16 +13,19 @@ import asyncio
 import dataclasses
 import json
 import multiprocessing
+import os
 import time
 from pathlib import Path
 
 import msgspec
 
+from bench.gateway.cpu_pinning import CorePlan, format_cpus, pin_process
 from bench.gateway.overhead_targets import (
     OverheadConfig,
     check_no_leaks,
     cpu_seconds,
     decode_worker_ids,
+    gateway_pids,
     run_level,
     start_target,
 )
@@ -44,7 +50,10 @@ class ScaleLevel(msgspec.Struct, kw_only=True):
     """``--gateway-processes``: one gateway of ``processes`` processes at ``concurrency`` streams from
     ``clients`` client processes. Rates over ``wall_s``; CPU as shares of one core over the measured
     time (``gateway_cores``: all the gateway's processes together); ``processes_used``: how many of the
-    gateway's processes took requests; ``leaks`` as ``check_no_leaks``."""
+    gateway's processes took requests; ``leaks`` as ``check_no_leaks``. ``process_cores``: each gateway
+    process's CPU (index order; with N > 1 the pool's parent is in ``gateway_cores`` only);
+    ``gateway_cpus``: the cores each gateway process's main thread was allowed at the start of the
+    measurement (``taskset -c`` form; every core of the host when not pinned)."""
 
     processes: int
     clients: int
@@ -62,6 +71,8 @@ class ScaleLevel(msgspec.Struct, kw_only=True):
     processes_used: int
     leaks: str
     decode_workers: int = 1
+    process_cores: list[float] = []
+    gateway_cpus: list[str] = []
 
 
 def _client_process(url: str, cfg: OverheadConfig, concurrency: int, barrier: object,
@@ -82,9 +93,15 @@ def _client_process(url: str, cfg: OverheadConfig, concurrency: int, barrier: ob
 
 
 def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, processes: int,
-                    concurrency: int, clients: int, decode_workers: int = 1) -> ScaleLevel:
-    """One N of ``--gateway-processes`` (see the module docstring). Raises RuntimeError when the target
-    does not start or a client process does not report within ``cfg.timeout_s`` + 120 s."""
+                    concurrency: int, clients: int, decode_workers: int = 1,
+                    plan: CorePlan | None = None) -> ScaleLevel:
+    """One N of ``--gateway-processes`` (see the module docstring), pinned by ``plan`` when given. Raises
+    RuntimeError when the target does not start, a gateway process does not answer ``/v1/status`` within
+    60 s, pinning fails, or a client process does not report within ``cfg.timeout_s`` + 120 s; ValueError
+    when ``plan`` has fewer gateway core sets than ``processes``."""
+    if plan is not None and len(plan.gateway) < processes:
+        raise ValueError(f"--pin-cpus: the core plan has {len(plan.gateway)} gateway sets, {processes} "
+                         "needed")
     sup = Supervisor(grace=5.0)
     ctx = multiprocessing.get_context("spawn")
     barrier = ctx.Barrier(clients + 1)
@@ -93,17 +110,33 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
     procs: list[multiprocessing.process.BaseProcess] = []
     try:
         url = start_target("disagg", cfg, tokenizer_dir, sup, log_dir, processes, decode_workers)
+        kids = sup.children
+        pids = gateway_pids(url, processes, 60.0)
+        if len(pids) != processes:
+            raise RuntimeError(f"only gateway processes {sorted(pids)} of {processes} answered /v1/status")
+        gateway = [pids[i] for i in range(processes)]
+        workers = [kids[n].pid for n in kids if n != "gateway"]
+        if plan is not None:
+            if processes > 1:  # the pool's parent (it only supervises) on the gateway cores
+                pin_process(kids["gateway"].pid, plan.gateway_union)
+            for i, pid in enumerate(gateway):
+                pin_process(pid, plan.gateway[i])
+            for pid in workers:
+                pin_process(pid, plan.load)
         procs = [ctx.Process(target=_client_process, args=(url, share, max(1, concurrency // clients),
                                                            barrier, results)) for _ in range(clients)]
         for p in procs:
             p.start()
-        kids = sup.children
-        workers = [kids[n].pid for n in kids if n != "gateway"]
+            if plan is not None and p.pid is not None:
+                pin_process(p.pid, plan.load)
+        allowed = [format_cpus(os.sched_getaffinity(pid)) for pid in gateway]
         barrier.wait(180.0)
         gw0, wk0, t0 = cpu_seconds(kids["gateway"].pid), [cpu_seconds(w) for w in workers], time.monotonic()
+        each0 = [cpu_seconds(pid) for pid in gateway]
         for p in procs:
             p.join(cfg.timeout_s * share.requests + 120.0)
         gw, wall_all = cpu_seconds(kids["gateway"].pid) - gw0, time.monotonic() - t0
+        each = [cpu_seconds(pid) - c0 for pid, c0 in zip(gateway, each0, strict=True)]
         wk = [cpu_seconds(w) - w0 for w, w0 in zip(workers, wk0, strict=True)]
         if any(p.exitcode != 0 for p in procs):
             raise RuntimeError(f"a client process failed: exit codes {[p.exitcode for p in procs]}")
@@ -127,4 +160,5 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
                       first_error=next((s.first_error for s in shares if s.first_error), ""), wall_s=wall,
                       tokens_s=tokens * rate, req_s=completed * rate, gateway_cores=gw / wall_all,
                       busiest_client_core=max(s.cpu_s / max(s.end - s.start, 1e-9) for s in shares),
-                      busiest_worker_core=max(wk) / wall_all, processes_used=len(used), leaks=leaks)
+                      busiest_worker_core=max(wk) / wall_all, processes_used=len(used), leaks=leaks,
+                      process_cores=[c / wall_all for c in each], gateway_cpus=allowed)

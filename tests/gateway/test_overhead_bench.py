@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 
+from bench.gateway.cpu_pinning import CorePlan, assign_cores, format_cpus, physical_cores
 from bench.gateway.curve_cost import CurveCost, CurveRound
 from bench.gateway.overhead import main
 from bench.gateway.overhead_report import render_curve_cost, render_scale
 from bench.gateway.overhead_targets import OverheadConfig, summarize_level
-from bench.gateway.process_scaling import ScaleLevel
+from bench.gateway.process_scaling import ScaleLevel, run_scale_level
 from loadtest.records import RequestRecord
 
 
@@ -61,7 +63,14 @@ def test_summarize_subtracts_configured_delays() -> None:
                                   ["--gateway-processes", "1", "--client-processes", "0"],
                                   ["--gateway-processes", "1", "--fake-decode-workers", "0"],
                                   ["--gateway-processes", "1", "--client-processes", "4",
-                                   "--scale-concurrency", "2"]])
+                                   "--scale-concurrency", "2"],
+                                  ["--gateway-processes", "1", "--scale-concurrency", "8",
+                                   "--scale-concurrency-per-process", "4"],
+                                  ["--gateway-processes", "1", "--scale-concurrency-per-process", "0"],
+                                  ["--gateway-processes", "1,2", "--client-processes", "4",
+                                   "--scale-concurrency-per-process", "2"],
+                                  ["--scale-concurrency-per-process", "4"], ["--pin-cpus"],
+                                  ["--gateway-processes", "1,4096", "--pin-cpus"]])
 def test_bad_arguments_exit_2_and_start_nothing(argv: list[str], tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "r.json"
@@ -169,4 +178,71 @@ def test_gateway_processes_smoke_run(tokenizer_dir: Path, tmp_path: Path) -> Non
         assert (s["sent"], s["completed"], s["tokens"], s["leaks"]) == (16, 16, 64, "ok"), s["first_error"]
         assert s["tokens_s"] == pytest.approx(64 / s["wall_s"]) and s["req_s"] > 0
         assert 1 <= s["processes_used"] <= s["processes"]
+        assert len(s["process_cores"]) == len(s["gateway_cpus"]) == s["processes"]
+        assert sum(s["process_cores"]) <= s["gateway_cores"] + 0.05  # the pool's parent adds to the total
     assert "| 1 | 2 | 4 | 16/16 |" in md.read_text() and "**1.00**" in md.read_text()
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["--gateway-processes", "1,4096", "--pin-cpus"], "--pin-cpus: .* too few for 4096 gateway processes"),
+    (["--gateway-processes", "1", "--scale-concurrency", "8", "--scale-concurrency-per-process", "4"],
+     "--scale-concurrency and --scale-concurrency-per-process exclude each other"),
+    (["--pin-cpus"], "--pin-cpus need --gateway-processes"),
+    (["--gateway-processes", "1,2", "--client-processes", "4", "--scale-concurrency-per-process", "2"],
+     "--scale-concurrency-per-process 2 x 1 gateway processes gives fewer streams than the 4 client")])
+def test_scale_flags_are_refused_with_their_names(argv: list[str], why: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert re.search(why, capsys.readouterr().err)
+
+
+def test_scale_report_gives_the_core_plan_and_each_process() -> None:
+    one, two = _scale(1, 6000, 50), _scale(2, 11400, 90)
+    one.process_cores, one.gateway_cpus = [1.17], ["8-9"]
+    two.process_cores, two.gateway_cpus = [0.93, 0.95], ["8-9", "10-11"]
+    text = "\n".join(render_scale([one, two], 128, assign_cores(list(range(16)), 4), 64))
+    assert ("- CPU pinning (`--pin-cpus`): gateway process 0: cores 8-9; gateway process 1: cores 10-11; "
+            "gateway process 2: cores 12-13; gateway process 3: cores 14-15; clients, fake workers and the "
+            "bench: cores 0-7 (the pool's parent on 8-15 when N > 1)") in text
+    assert "- offered load: 64 streams per gateway process (`--scale-concurrency-per-process`)" in text
+    assert "| 1/1 | ok | 1.17 | 8-9 |" in text
+    assert "| 2/2 | ok | 0.93 / 0.95 | 8-9 / 10-11 |" in text
+    plain = "\n".join(render_scale([one], 128))
+    assert "- CPU pinning: none" in plain and "- offered load: the same streams at every N" in plain
+
+
+@pytest.mark.slow  # starts a 1-process gateway with fake workers, pinned
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="--pin-cpus needs Linux and 2 CPUs")
+def test_pinned_level_runs_on_its_cores(tokenizer_dir: Path, tmp_path: Path) -> None:
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    before = os.sched_getaffinity(0)
+    rc = main(["--targets", "", "--gateway-processes", "1", "--pin-cpus", "--client-processes", "2",
+               "--scale-concurrency-per-process", "2", "--requests", "16", "--warmup", "1",
+               "--max-tokens", "4", "--tokenizer", str(tokenizer_dir), "--json", str(out), "--out", str(md)])
+    assert rc == 0
+    assert os.sched_getaffinity(0) == before  # the bench's own set is given back
+    res = json.loads(out.read_text())
+    plan = assign_cores(sorted(before), 1, physical_cores(before))
+    assert sorted(res["core_plan"]["gateway"][0]) == sorted(plan.gateway[0])
+    assert sorted(res["core_plan"]["load"]) == sorted(plan.load)
+    assert res["scale_per_process"] == 2
+    [level] = res["scale"]
+    assert (level["sent"], level["completed"], level["leaks"], level["concurrency"]) == (16, 16, "ok", 2)
+    assert level["gateway_cpus"] == [format_cpus(plan.gateway[0])]  # read back from the process
+    assert len(level["process_cores"]) == 1 and 0 < level["process_cores"][0] <= len(plan.gateway[0]) + 0.05
+    assert "CPU pinning (`--pin-cpus`)" in md.read_text()
+
+
+@pytest.mark.slow  # starts a 2-process gateway with fake workers
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning needs Linux and 2 CPUs")
+def test_two_process_level_pins_each_process_to_its_own_set(tokenizer_dir: Path, tmp_path: Path) -> None:
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    # a hand-made plan (assign_cores would refuse 2 processes on 2 CPUs): process 0 on b, process 1 on a
+    plan = CorePlan(gateway=(frozenset({b}), frozenset({a})), load=frozenset({a, b}))
+    cfg = OverheadConfig(requests=8, warmup=1, max_tokens=4, concurrency=(2,), tokenizer=str(tokenizer_dir))
+    level = run_scale_level(cfg, tokenizer_dir, tmp_path, 2, 4, 2, 1, plan)
+    assert level.gateway_cpus == [str(b), str(a)]  # read back from each process, in index order
+    assert (level.completed, level.leaks) == (8, "ok"), level.first_error
+    assert len(level.process_cores) == 2
