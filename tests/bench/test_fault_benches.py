@@ -3,13 +3,26 @@ suite, tests/chaos, runs the scenarios against a live system)."""
 
 from __future__ import annotations
 
+from typing import cast
+
+import pytest
+
 from bench.serving import chaos, overload
 from bench.serving.chaos import Outcome, ScenarioResult
+from pdserve.live_system import LiveSystem
 
 
 def test_bad_arguments_exit_2_before_anything_starts() -> None:
     assert overload.main(["--concurrency", "0"]) == 2
     assert chaos.main(["--scale", "0"]) == 2
+
+
+def test_chaos_refuses_a_count_below_one() -> None:
+    system = cast(LiveSystem, object())  # refused before the system is touched
+    for scale, aborts in ((0, 1000), (1, 0)):
+        with pytest.raises(ValueError, match="scale and aborts must be >= 1"):
+            chaos.Chaos(system, scale=scale, aborts=aborts)
+    assert chaos.Chaos(system, scale=2, aborts=3).aborts == 3
 
 
 def test_outcome_rules() -> None:
