@@ -227,10 +227,14 @@ def kill9(system: LiveSystem, name: str) -> None:
 
 
 class Chaos:
-    """The scenarios over one live system. ``scale`` multiplies every scenario's request count."""
+    """The scenarios over one live system. ``scale`` multiplies every scenario's request count;
+    ``aborts``: the streams of ``client_aborts`` at scale 1 (a multiple of 3 spreads them evenly over
+    its three ways of leaving). Raises ValueError when ``scale`` or ``aborts`` is below 1."""
 
-    def __init__(self, system: LiveSystem, scale: int = 1) -> None:
-        self.system, self.scale = system, scale
+    def __init__(self, system: LiveSystem, scale: int = 1, aborts: int = 1000) -> None:
+        if scale < 1 or aborts < 1:
+            raise ValueError(f"scale and aborts must be >= 1, got {scale} and {aborts}")
+        self.system, self.scale, self.aborts = system, scale, aborts
 
     async def _gather(self, coros: Sequence[Awaitable[Outcome]]) -> list[Outcome]:
         return list(await asyncio.gather(*coros))
@@ -338,9 +342,10 @@ class Chaos:
                                         prompts(10 * self.scale, 400, salt=7)]))
 
     async def client_aborts(self, res: ScenarioResult) -> None:
-        """Clients that leave: 1000 × ``scale`` streams closed at once (``LEAVE_S`` after sending: mostly
-        while their prefill runs) or after one or two tokens, in waves of 100."""
-        n = 1000 * self.scale
+        """Clients that leave: ``aborts`` × ``scale`` streams (1000 × ``scale`` by default) closed at once
+        (``LEAVE_S`` after sending: mostly while their prefill runs) or after one or two tokens, in turn,
+        in waves of 100."""
+        n = self.aborts * self.scale
         async with self._client() as c:
             for start in range(0, n, 100):
                 wave = [stream(c, p, max_tokens=4, abort_after_tokens=(start + i) % 3)

@@ -3,10 +3,13 @@ suite, tests/chaos, runs the scenarios against a live system)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
 from bench.serving import chaos, overload
 from bench.serving.chaos import Outcome, ScenarioResult
+from pdserve.live_system import LiveSystem
 
 
 def test_bad_arguments_exit_2_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
@@ -14,6 +17,14 @@ def test_bad_arguments_exit_2_before_anything_starts(capsys: pytest.CaptureFixtu
         with pytest.raises(SystemExit) as exc:
             main([flag, "0"])
         assert exc.value.code == 2 and f"argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_chaos_refuses_a_count_below_one() -> None:
+    system = cast(LiveSystem, object())  # refused before the system is touched
+    for scale, aborts in ((0, 1000), (1, 0)):
+        with pytest.raises(ValueError, match="scale and aborts must be >= 1"):
+            chaos.Chaos(system, scale=scale, aborts=aborts)
+    assert chaos.Chaos(system, scale=2, aborts=3).aborts == 3
 
 
 def test_outcome_rules() -> None:

@@ -28,25 +28,35 @@ def hf_tokenizer() -> Any:
 Quad = Callable[..., Outcome]
 
 
+# Logprobs of a request whose prompt was in the prefix cache against the same request computed from
+# scratch (nats): the cached path attends over the stored prefix in another summation order (the
+# deterministic mode, --prefill-grid, is off on the live systems, as by default), ~6e-6 seen in fp32.
+CACHE_HIT_TOL = 1e-4
+
+
 @pytest.fixture(scope="session")
 def quad(live_session: SystemPair) -> Quad:
     """``quad(endpoint, tol=0.0, **fields) -> Outcome``: the request four ways — disaggregated and
-    colocated, each non-streamed and streamed — asserting all four give the same outcome (text, finish
-    reasons, usage, tokens exactly; logprobs exactly unless ``tol`` is given: a lone sequence runs the
-    same engine code on both paths and NIXL copies KV bytes exactly, so single-choice requests allow no
-    tolerance); returns the outcome (the disaggregated non-streamed one)."""
+    colocated, each non-streamed then streamed — asserting all four give the same outcome (text, finish
+    reasons, usage, tokens exactly). Logprobs: exactly (unless ``tol`` is given) between the two systems'
+    first sends and between their second sends, which meet the same prefix-cache state on each system (a
+    lone sequence runs the same engine code on both paths and NIXL copies KV bytes exactly); within
+    ``CACHE_HIT_TOL`` between a system's first and second send, since the second may find the prompt
+    cached by the first. Returns the outcome (the disaggregated non-streamed one)."""
 
     def run(endpoint: Endpoint, tol: float = 0.0, **fields: Any) -> Outcome:
-        ref: Outcome | None = None
+        outs: dict[tuple[str, bool], Outcome] = {}
         for name, url in (("disagg", live_session.disagg_url), ("colo", live_session.colo_url)):
             for stream in (False, True):
-                out = call(client(url, live_session.api_key), endpoint, stream, **copy.deepcopy(fields))
-                if ref is None:
-                    ref = out
-                else:
-                    assert_same(ref, out, f"{endpoint} {name} stream={stream} vs disagg non-stream {fields}",
-                                tol)
-        assert ref is not None
+                outs[name, stream] = call(client(url, live_session.api_key), endpoint, stream,
+                                          **copy.deepcopy(fields))
+        ref = outs["disagg", False]
+        for stream in (False, True):
+            assert_same(outs["disagg", stream], outs["colo", stream],
+                        f"{endpoint} colo vs disagg, stream={stream} {fields}", tol)
+        for name in ("disagg", "colo"):
+            assert_same(outs[name, False], outs[name, True],
+                        f"{endpoint} {name} stream=True vs stream=False {fields}", max(tol, CACHE_HIT_TOL))
         return ref
 
     return run

@@ -94,8 +94,9 @@ def call(c: openai.OpenAI, endpoint: Endpoint, stream: bool, **kw: Any) -> Outco
 
 def assert_same(a: Outcome, b: Outcome, what: str, tol: float = 0.0) -> None:
     """Equality of two outcomes: text, finish reasons, usage and sampled tokens exactly; logprobs exactly
-    (with their top-N) when ``tol`` is 0, else the sampled tokens' logprobs within ``tol`` (nats) and the
-    top-N not compared (near-ties may swap). Raises AssertionError naming the first difference."""
+    (with their top-N) when ``tol`` is 0, else the sampled tokens' logprobs within ``tol`` (nats) and only
+    the number of top-N alternatives compared (near-ties may swap). Raises AssertionError naming the first
+    difference."""
     assert a.texts() == b.texts(), what
     assert [c.finish_reason for c in a.choices] == [c.finish_reason for c in b.choices], what
     assert a.usage == b.usage, what
@@ -104,6 +105,8 @@ def assert_same(a: Outcome, b: Outcome, what: str, tol: float = 0.0) -> None:
             assert ca.logprobs == cb.logprobs, f"{what}: choice {ca.index} logprobs differ"
             continue
         assert [e[0] for e in ca.logprobs] == [e[0] for e in cb.logprobs], f"{what}: choice {ca.index}"
+        assert [None if e[2] is None else len(e[2]) for e in ca.logprobs] == \
+            [None if e[2] is None else len(e[2]) for e in cb.logprobs], f"{what}: choice {ca.index} top-N"
         worst = max((abs(x[1] - y[1]) for x, y in zip(ca.logprobs, cb.logprobs, strict=True)), default=0.0)
         assert worst <= tol, f"{what}: choice {ca.index} logprobs differ by {worst} > {tol}"
 

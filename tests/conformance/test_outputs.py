@@ -48,7 +48,8 @@ def test_usage_exact_at_length(live: SystemPair, quad: Quad, hf_tokenizer: Any, 
     leak_check(live)
 
 
-def test_eos_counted_and_ignore_eos(live: SystemPair, quad: Quad, hf_tokenizer: Any) -> None:
+def test_eos_counted_ignore_eos_and_max_completion_tokens(live: SystemPair, quad: Quad, hf_tokenizer: Any
+                                                          ) -> None:
     plain = quad("chat", max_tokens=14, temperature=0, logprobs=True, top_logprobs=0)
     (c,) = plain.choices
     n = n_prompt_tokens(hf_tokenizer, "chat")
@@ -58,14 +59,11 @@ def test_eos_counted_and_ignore_eos(live: SystemPair, quad: Quad, hf_tokenizer: 
     forced = quad("chat", max_tokens=14, temperature=0, extra_body={"ignore_eos": True})
     assert forced.usage == (n, 14, n + 14) and forced.choices[0].finish_reason == "length"
     assert forced.choices[0].text.startswith(c.text)
-    leak_check(live)
-
-
-def test_max_completion_tokens_wins_over_max_tokens(live: SystemPair, quad: Quad) -> None:
-    ref = quad("chat", max_tokens=6, temperature=0, logprobs=True, top_logprobs=0)
+    # max_completion_tokens wins over max_tokens: cut at 3 tokens, well before the eos above
+    assert len(c.logprobs) > 3, "control: the greedy answer must run past 3 tokens"
     out = quad("chat", max_tokens=9, max_completion_tokens=3, temperature=0, logprobs=True, top_logprobs=0)
     assert out.usage is not None and out.usage[1] == 3 and out.choices[0].finish_reason == "length"
-    assert out.choices[0].logprobs == ref.choices[0].logprobs[:3]
+    assert out.choices[0].logprobs == c.logprobs[:3]
     leak_check(live)
 
 

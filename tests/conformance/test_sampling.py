@@ -6,8 +6,9 @@ tiny ``top_p``, ``min_p=1``) do, while plain seeded sampling of the same request
 reproduce and differ from each other; ``n`` seeded choices reproduce (not compared with single requests
 of seed ``seed + i``: batched bf16 logits differ from a lone sequence's, which can flip a sampled tail
 token — seen at token 5 of 6 at temperature 1.5); penalties change the greedy output of a repetitive
-prompt; stop strings cut the greedy text before their first occurrence. Every test ends with a KV leak
-check on both gateways.
+prompt; stop strings cut the greedy text before their first occurrence; ``user`` is accepted and changes
+nothing. Tests share requests where one serves several checks (the greedy story is the filters' target
+and ``user``'s baseline). Every test ends with a KV leak check on both gateways.
 """
 
 from __future__ import annotations
@@ -38,23 +39,22 @@ def story(quad: Quad, endpoint: Endpoint, **kw: Any) -> Outcome:
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_filters_reduce_sampling_to_greedy(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
-    greedy = story(quad, endpoint, temperature=0).texts()
+def test_filters_seeds_and_user(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
+    """Filters that must reduce sampling to greedy do; seeds reproduce (each request runs four ways) and
+    differ from each other; moderate filters with a seed produce text; ``user`` changes nothing."""
+    greedy = story(quad, endpoint, temperature=0)
     sampled = story(quad, endpoint, temperature=1.5, seed=7).texts()
-    assert sampled != greedy, "control: plain seeded sampling must differ from greedy here"
+    assert sampled != greedy.texts(), "control: plain seeded sampling must differ from greedy here"
     for name, extra in (("top_k", {"extra_body": {"top_k": 1}}), ("top_p", {"top_p": 1e-6}),
                         ("min_p", {"extra_body": {"min_p": 1.0}})):
-        assert story(quad, endpoint, temperature=1.5, seed=7, **extra).texts() == greedy, name
-    leak_check(live)
-
-
-@pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_moderate_filters_and_seed_reproduce(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
+        assert story(quad, endpoint, temperature=1.5, seed=7, **extra).texts() == greedy.texts(), name
+    assert story(quad, endpoint, temperature=1.5, seed=1).texts() != sampled, (
+        "different seeds must give different samples")
     combined = story(quad, endpoint, temperature=0.9, top_p=0.9, seed=3,
                      extra_body={"top_k": 20, "min_p": 0.05})
     assert combined.choices[0].text and combined.usage is not None and combined.usage[1] >= 1
-    seeds = {tuple(story(quad, endpoint, temperature=1.5, seed=s).texts()) for s in (1, 2, 3)}
-    assert len(seeds) > 1, "different seeds must give different samples"
+    tagged = story(quad, endpoint, temperature=0, user="conformance-user")
+    assert tagged.texts() == greedy.texts() and tagged.usage == greedy.usage
     leak_check(live)
 
 
@@ -73,22 +73,18 @@ def _lp(endpoint: Endpoint) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-@pytest.mark.parametrize("penalty", [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0},
-                                     {"extra_body": {"repetition_penalty": 1.8}}],
-                         ids=["presence", "frequency", "repetition"])
-def test_penalty_changes_greedy_output(live: SystemPair, quad: Quad, endpoint: Endpoint,
-                                       penalty: dict[str, Any]) -> None:
-    plain = quad(endpoint, **REPEAT[endpoint], max_tokens=8, temperature=0)
-    penalized = quad(endpoint, **REPEAT[endpoint], max_tokens=8, temperature=0, **penalty)
-    assert penalized.texts() != plain.texts(), f"{penalty} left the greedy output unchanged"
-    leak_check(live)
-
-
-def test_frequency_penalty_scales_with_count(live: SystemPair, quad: Quad) -> None:
-    """Presence penalises a repeated token once, frequency once per occurrence: on this prompt they part."""
-    kw: dict[str, Any] = {**REPEAT["completions"], "max_tokens": 8, "temperature": 0}
-    presence = quad("completions", presence_penalty=2.0, **kw)
-    assert quad("completions", frequency_penalty=2.0, **kw).texts() != presence.texts()
+def test_penalties_change_greedy_output(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
+    """Each penalty changes the greedy output of a repetitive prompt; on completions presence and
+    frequency part too (presence penalises a repeated token once, frequency once per occurrence)."""
+    kw: dict[str, Any] = {**REPEAT[endpoint], "max_tokens": 8, "temperature": 0}
+    plain = quad(endpoint, **kw).texts()
+    penalized = {name: quad(endpoint, **kw, **penalty).texts() for name, penalty in (
+        ("presence", {"presence_penalty": 2.0}), ("frequency", {"frequency_penalty": 2.0}),
+        ("repetition", {"extra_body": {"repetition_penalty": 1.8}}))}
+    for name, texts in penalized.items():
+        assert texts != plain, f"{name} penalty left the greedy output unchanged"
+    if endpoint == "completions":
+        assert penalized["frequency"] != penalized["presence"]
     leak_check(live)
 
 
@@ -110,12 +106,4 @@ def test_stop_string_and_list(live: SystemPair, quad: Quad, endpoint: Endpoint) 
     both = quad(endpoint, **prompt, max_tokens=10, temperature=0, stop=[words[2], words[1]],
                 extra_body={"ignore_eos": True})
     assert (both.choices[0].text, both.choices[0].finish_reason) == (ref[: ref.index(first)], "stop")
-    leak_check(live)
-
-
-@pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_user_is_accepted_and_changes_nothing(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
-    plain = story(quad, endpoint, temperature=0)
-    tagged = story(quad, endpoint, temperature=0, user="conformance-user")
-    assert tagged.texts() == plain.texts() and tagged.usage == plain.usage
     leak_check(live)

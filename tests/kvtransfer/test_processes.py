@@ -1,5 +1,8 @@
 """nixl and ucx between real processes (multiprocessing spawn) on 127.0.0.1: the parent is the decode
-side (receiver), a spawned child the prefill side (sender)."""
+side (receiver), a spawned child the prefill side (sender). The tests that leave their sender as they
+found it (every request released, no leak, nothing killed or dropped) share one sender child per
+backend (``shared_child``), each with a receiver of its own at a new address, as a prefill worker
+meets a restarted decode worker; the others spawn their own."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -56,6 +60,32 @@ def backend(request):
     return request.param
 
 
+@pytest.fixture(scope="module")
+def senders() -> Iterator[dict[str, Child]]:
+    """The shared sender child of each backend (spawned by ``shared_child`` at first use), closed after
+    the module."""
+    children: dict[str, Child] = {}
+    yield children
+    for child in children.values():
+        child.close()
+
+
+@pytest.fixture
+def shared_child(backend: str, senders: dict[str, Child]) -> Iterator[Child]:
+    """``backend``'s shared sender child (a new one if the last died); after the test it must hold no
+    request and nothing leaked, so the next test finds it as a fresh one (else it is killed, and the
+    next test spawns another)."""
+    if backend not in senders or not senders[backend].proc.is_alive():
+        senders[backend] = Child(backend)
+    child = senders[backend]
+    yield child
+    leaks = child("leaks") if child.proc.is_alive() else "the sender process died"
+    if leaks is not None:
+        child.kill()
+        del senders[backend]
+    assert leaks is None, leaks
+
+
 @pytest.fixture
 def rx(backend):
     dst = make_kv(None)
@@ -92,42 +122,36 @@ def release_in_both(child, rx, rid):
     assert child("release", rid) is None
 
 
-def test_concurrent_layerwise_bit_exact(backend, rx):
-    child = Child(backend)
-    try:
-        rng = random.Random(1)
-        free = list(range(20))  # a, b: shuffled blocks below 20; c: the contiguous run 20..27
-        rng.shuffle(free)
-        reqs = {"a": (free[:6], rng.sample(range(32), 6)), "b": (free[6:9], rng.sample(range(32), 3)),
-                "c": (list(range(20, 28)), list(range(8)))}  # c: one contiguous run
-        send_layerwise(child, rx, {rid: (src, dst) for rid, (dst, src) in reqs.items()})
-        assert child("leaks") is None
-        rx.check_no_leaks()
-    finally:
-        child.close()
+def test_concurrent_layerwise_bit_exact(rx, shared_child):
+    child = shared_child
+    rng = random.Random(1)
+    free = list(range(20))  # a, b: shuffled blocks below 20; c: the contiguous run 20..27
+    rng.shuffle(free)
+    reqs = {"a": (free[:6], rng.sample(range(32), 6)), "b": (free[6:9], rng.sample(range(32), 3)),
+            "c": (list(range(20, 28)), list(range(8)))}  # c: one contiguous run
+    send_layerwise(child, rx, {rid: (src, dst) for rid, (dst, src) in reqs.items()})
+    assert child("leaks") is None
+    rx.check_no_leaks()
 
 
 @pytest.mark.parametrize("side", ["sender", "receiver"])
-def test_abort_mid_transfer(backend, rx, side):
-    child = Child(backend)
-    try:
-        add_in_child(child, rx, "a", [3, 9, 4], [0, 1, 2])
-        assert child("layers", "a", [0]) is None
-        assert rx.wait_until(lambda: 0 in rx.snapshot("a").layers, WAIT)
-        if side == "sender":
-            assert child("abort", "a") is None
-        else:
-            rx.abort("a")
-        assert rx.wait("a", WAIT) is S.ABORTED
-        assert child("wait", "a", WAIT) == "ABORTED"
-        assert child("layers", "a", [1, 2, 3]) is None  # too late: must not be written
-        release_in_both(child, rx, "a")
-        time.sleep(0.2)
-        assert rx.kv_buffer[1:].abs().sum() == 0
-        assert child("leaks") is None
-        rx.check_no_leaks()
-    finally:
-        child.close()
+def test_abort_mid_transfer(rx, shared_child, side):
+    child = shared_child
+    add_in_child(child, rx, "a", [3, 9, 4], [0, 1, 2])
+    assert child("layers", "a", [0]) is None
+    assert rx.wait_until(lambda: 0 in rx.snapshot("a").layers, WAIT)
+    if side == "sender":
+        assert child("abort", "a") is None
+    else:
+        rx.abort("a")
+    assert rx.wait("a", WAIT) is S.ABORTED
+    assert child("wait", "a", WAIT) == "ABORTED"
+    assert child("layers", "a", [1, 2, 3]) is None  # too late: must not be written
+    release_in_both(child, rx, "a")
+    time.sleep(0.2)
+    assert rx.kv_buffer[1:].abs().sum() == 0
+    assert child("leaks") is None
+    rx.check_no_leaks()
 
 
 def test_killed_sender_fails_within_deadline_and_restart_rehandshakes(backend, rx):

@@ -5,10 +5,18 @@ CPU, KV over NIXL on 127.0.0.1), driven through ``loadtest.cli.main`` exactly as
   system (``live``, tests/live.py): every request completes with exactly ``max_tokens`` tokens, TTFT/TPOT
   are positive, the output files exist, and the KV gauge — seen above 0 during the run — is back to 0
   for every worker afterwards (leak check);
-* a fault run on a system of its own: the decode worker is SIGKILLed mid-run through ``--fault`` (at 5 s,
-  or later once a request has finished: wait_metric.py); the run ends on its own, requests before the
-  fault complete, those after it fail fast with the gateway's errors (none hangs to its timeout), and the
-  report carries the phases and the KV gauge before/after.
+* ``--workload agent`` on two disaggregated systems of their own (``own``: gateway, prefill and decode
+  worker each, every worker with its own /metrics), ``on`` with the workers' prefix cache on (the
+  default) and ``off`` with ``--enable-prefix-caching false``, measured in one bench run (2 sessions x 3
+  turns, short texts, greedy). Each turn's prompt carries the session so far, so it grows; with reuse on,
+  the prefill worker finds the earlier turns' full blocks (hit rate > 0), with reuse off it finds none
+  (== 0) while it still looks them up. The KV the decode worker received in a turn is read per turn: with
+  reuse off it is every prompt's whole blocks (block size 16) x the model's KV bytes per block. No KV
+  block is leaked;
+* then a fault run on ``on`` (its last use): the decode worker is SIGKILLed mid-run through ``--fault``
+  (at 5 s, or later once a request has finished: wait_metric.py); the run ends on its own, requests
+  before the fault complete, those after it fail fast with the gateway's errors (none hangs to its
+  timeout), and the report carries the phases and the KV gauge before/after.
 """
 
 from __future__ import annotations
@@ -17,17 +25,29 @@ import json
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
+from engine.models.registry import resolve_model
 from loadtest.cli import main
+from loadtest.kv_size import kv_bytes_per_token, load_model_config
 from loadtest.metrics import tpot_s
 from loadtest.records import RequestRecord
 from loadtest.report import load_json
-from pdserve.live_system import SystemPair, SystemSpec, children, kv_used, live_system, worker_id
+from pdserve.live_system import (
+    MODEL,
+    LiveSystem,
+    SystemPair,
+    SystemSpec,
+    children,
+    kv_used,
+    live_system,
+    live_systems,
+    worker_id,
+)
 from tests.live import API_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
@@ -36,6 +56,23 @@ INPUT_LEN, MAX_TOKENS, TIMEOUT_S = 32, 8, 30.0
 KILL_WAIT_S = 60.0  # the longest the fault waits for a finished request before it gives up (and fails)
 WAIT_METRIC = Path(__file__).with_name("wait_metric.py")
 PREFILL, DECODE = worker_id("prefill"), worker_id("decode")
+BLOCK_SIZE = 16  # the workers' default --block-size
+
+
+@pytest.fixture(scope="module")
+def own(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveSystem, LiveSystem]]:
+    """``(on, off)``: two disaggregated systems of this module's own, 256 KV blocks a worker, started at
+    once with every child logging at debug level (the prefill log then says why blocks are held); ``off``
+    runs its workers with ``--enable-prefix-caching false``. Stopped after the module."""
+    logs = tmp_path_factory.mktemp("own")
+    specs = [SystemSpec("disagg", logs / "on", MODEL, num_blocks=256),
+             SystemSpec("disagg", logs / "off", MODEL, num_blocks=256,
+                        worker_flags=("--enable-prefix-caching", "false"))]
+    with ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("PDSERVE_LOG_LEVEL", "debug")  # read by the children at start-up only
+            on, off = stack.enter_context(live_systems(specs))
+        yield on, off
 
 
 @contextmanager
@@ -103,25 +140,72 @@ def _phase_split(records: list[RequestRecord], fault_s: float) -> tuple[list[Req
     return before, [r for r in records if r.start_s >= fault_s]
 
 
-@pytest.mark.timeout(300)  # its own system: start-up alone takes minutes on a loaded 2-core machine
-def test_bench_live_decode_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _target(label: str, system: LiveSystem) -> str:
+    urls = system.metrics_urls
+    return f"label={label},url={system.url},prefill={urls['prefill']},decode={urls['decode']}"
+
+
+@pytest.mark.timeout(600)  # starts ``own``: two systems at once take minutes on a loaded 2-core machine
+def test_agent_bench_reuse_on_and_off(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      own: tuple[LiveSystem, LiveSystem]) -> None:
+    on, off = own
+    config = resolve_model(MODEL)
+    code = main(["--workload", "agent", "--endpoint", "chat", "--model", MODEL,
+                 "--system", _target("reuse-on", on), "--system", _target("reuse-off", off),
+                 "--sessions", "2", "--turns", "3", "--user-tokens", "12", "--tool-tokens", "24",
+                 "--output-len", "fixed:4", "--ignore-eos", "--think-time", "0s", "--request-timeout", "120s",
+                 "--model-config", str(config), "--kv-dtype", "float32", "--leak-settle", "10s",
+                 "--no-progress", "--output-dir", str(tmp_path / "out")])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err + printed.out
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    per_token = kv_bytes_per_token(load_model_config(config), "float32")
+    assert result["config"]["kv_bytes_per_token"] == per_token
+    systems = {s["label"]: s for s in result["systems"]}
+    assert list(systems) == ["reuse-on", "reuse-off"]
+    for label, system in systems.items():
+        assert [(t["turn"], t["sent"], t["completed"]) for t in system["turns"]] == [(0, 2, 2), (1, 2, 2),
+                                                                                  (2, 2, 2)], label
+        prompts = {(r["session_id"], r["turn"]): r["prompt_tokens"] for r in system["records"]}
+        for session in range(2):  # turn k carries turns 0..k-1 and their answers: the prompt grows
+            sizes = [prompts[(session, k)] for k in range(3)]
+            assert sizes[0] > 36 and sizes[0] < sizes[1] < sizes[2], (label, sizes)
+        assert system["kv"]["leaked"] == 0 and system["counters_error"] == "", label
+        for turn in system["turns"]:
+            blocks = sum(-(-prompts[(s, turn["turn"])] // BLOCK_SIZE) for s in range(2))
+            whole = blocks * BLOCK_SIZE * per_token
+            moved = turn["kv_bytes"]
+            # reuse off: every prompt's whole blocks cross; reuse on: at most that (decode-side reuse: less)
+            assert (moved == whole) if label == "reuse-off" else (0 < moved <= whole), (label, turn)
+            assert turn["suffix_kv_bytes"] == turn["suffix_tokens"] * per_token
+    run_on = systems["reuse-on"]["run_counters"]["prefill"]
+    run_off = systems["reuse-off"]["run_counters"]["prefill"]
+    assert run_on["hits"]["gpu"] > 0 and run_on["queries"]["gpu"] > 0
+    assert run_off["hits"]["gpu"] == 0 and run_off["queries"]["gpu"] > 0
+    on_turns, off_turns = systems["reuse-on"]["turns"], systems["reuse-off"]["turns"]
+    assert all(t["prefill_hit_rate"] > 0 for t in on_turns[1:])  # later turns find the earlier ones' blocks
+    assert all(t["prefill_hit_rate"] == 0 for t in off_turns)
+    assert "## Side by side" in printed.out
+
+
+@pytest.mark.timeout(300)  # ``own`` is already up (or starts here when this test runs alone)
+def test_bench_live_decode_killed(tmp_path: Path, own: tuple[LiveSystem, LiveSystem]) -> None:
     out = tmp_path / "out"
-    monkeypatch.setenv("PDSERVE_LOG_LEVEL", "debug")  # the prefill log then says why blocks are held
-    with live_system("disagg", tmp_path / "logs", num_blocks=256) as system:
-        decode = system.pids["decode"]
-        # the kill comes at 5 s, or later, once the gateway counts a finished request (a loaded machine
-        # decodes a token a second, and the first request then still streams at 5 s): a request sent
-        # after 5 s cannot finish before the earlier ones, so the phases below hold either way
-        gate = f"{sys.executable} {WAIT_METRIC} {system.url} pdserve_e2e_seconds_count 1 {KILL_WAIT_S:g}"
-        # blocks of a transfer bound to the dead decode worker come back by the transfer deadline at the
-        # latest (30 s): the settle window covers it, so only a real leak fails here
-        args = bench_args(system.url, out, "--request-rate", "1", "--num-requests", "10", "--fault",
-                          f"at=5s,timeout={KILL_WAIT_S + 10:g}s,cmd={gate} && kill -9 {decode}")
-        args[args.index("--leak-settle") + 1] = "40s"
-        rc = main(args)
-        assert system.sup.children["decode"].poll() == -9  # the fault really killed it
-        after = kv_used(system.url)
-        assert not [n for n, _ in system.sup.dead() if n != "decode"], "only the decode worker may die"
+    system = own[0]
+    decode = system.pids["decode"]
+    # the kill comes at 5 s, or later, once the gateway counts a finished request (a loaded machine
+    # decodes a token a second, and the first request then still streams at 5 s): a request sent
+    # after 5 s cannot finish before the earlier ones, so the phases below hold either way
+    gate = f"{sys.executable} {WAIT_METRIC} {system.url} pdserve_e2e_seconds_count 1 {KILL_WAIT_S:g}"
+    # blocks of a transfer bound to the dead decode worker come back by the transfer deadline at the
+    # latest (30 s): the settle window covers it, so only a real leak fails here
+    args = bench_args(system.url, out, "--request-rate", "1", "--num-requests", "10", "--fault",
+                      f"at=5s,timeout={KILL_WAIT_S + 10:g}s,cmd={gate} && kill -9 {decode}")
+    args[args.index("--leak-settle") + 1] = "40s"
+    rc = main(args)
+    assert system.sup.children["decode"].poll() == -9  # the fault really killed it
+    after = kv_used(system.url)
+    assert not [n for n, _ in system.sup.dead() if n != "decode"], "only the decode worker may die"
     held = [line for line in system.log("prefill").splitlines() if "release_deferred" in line]
     assert rc == 0, f"some requests completed, no leak; prefill's last deferrals: {held[-5:]}"
     (run,) = load_json(out / "results.json").runs
