@@ -197,9 +197,9 @@ def test_glm_4_5_air_fp8_fits_one_h200_without_a_float_expert_tensor(tmp_path, m
 
 def test_fp8_moe_triton_kernels_in_the_fused_forward(tmp_path, monkeypatch):
     """The block-scaled Qwen3-MoE checkpoint through the fused forward with the Triton kernels (Triton's
-    interpreter on a CPU; the triton attention backend): every sparse layer's ``fused_moe`` call gets the
-    FP8 weights with their scales, and the greedy tokens equal the plain-torch reference path's (logprobs
-    within 1e-4: the same dequantized values, summed in another order)."""
+    interpreter on a CPU, compiled on a GPU; the triton attention backend): every sparse layer's
+    ``fused_moe`` call gets the FP8 weights with their scales, and the greedy tokens equal the plain-torch
+    reference path's (logprobs within 1e-4: the same dequantized values, summed in another order)."""
     from engine.models import fused_model
 
     src = save_tiny_model("Qwen3MoeForCausalLM", tmp_path / "src", seed=9)
@@ -209,7 +209,8 @@ def test_fp8_moe_triton_kernels_in_the_fused_forward(tmp_path, monkeypatch):
     monkeypatch.setattr(fused_model, "fused_moe", lambda x, w_up, *a, scales=None, **kw: calls.append(
         w_up.dtype == FP8_DTYPE and scales is not None and scales.block == BLOCK) or real(x, w_up, *a,
                                                                                       scales=scales, **kw))
-    kernels = LLM(str(tmp_path / "fp8"), dtype="float32", device="cpu", attention_backend="triton",
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels read device tensors
+    kernels = LLM(str(tmp_path / "fp8"), dtype="float32", device=device, attention_backend="triton",
                   block_size=4, num_blocks=64, fused_ops="on", max_num_batched_tokens=24)
     params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=0)
     prompt = [make_prompts(seed=9)[3][:5]]  # a 5-token prefill, then a one-row step
