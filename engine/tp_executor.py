@@ -19,6 +19,7 @@ deadline, kills any still alive and destroys the process group.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import time
@@ -57,8 +58,9 @@ RankHookFactory = Callable[[ModelRunner, TensorParallel], RankHook]
 def run_follower(engine_config: EngineConfig, tp: TensorParallel,
                  rank_hook: RankHookFactory | None = None) -> int:
     """Rank ``tp.rank > 0``'s loop: build its ``ModelRunner`` shard (and ``rank_hook``'s hook over it),
-    then run each broadcast ``StepBatch``'s forward, with the hook's layer hook, until the stop message.
-    Returns the number of steps run.
+    then freeze the start-up heap (``gc.freeze``, as a worker's rank 0 does) and run each broadcast
+    ``StepBatch``'s forward, with the hook's layer hook, until the stop message. Returns the number of
+    steps run.
 
     Raises:
         RuntimeError / DistBackendError: rank 0 failed or went silent past the group's timeout.
@@ -66,6 +68,10 @@ def run_follower(engine_config: EngineConfig, tp: TensorParallel,
     """
     runner = ModelRunner(engine_config, tp)
     hook = rank_hook(runner, tp) if rank_hook is not None else None
+    # the shard and the hook live as long as the rank: out of full collections, which would stall this
+    # rank's next collective and with it every rank (as protocol/heap.py does for rank 0's worker)
+    gc.collect()
+    gc.freeze()
     steps = 0
     try:
         while True:

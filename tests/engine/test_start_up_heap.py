@@ -82,3 +82,26 @@ def test_gateway_freezes_once_started() -> None:
     with inprocess_gateway("served-model") as base:
         assert httpx.get(base + "/health", timeout=5).status_code == 200
         assert gc.get_freeze_count() > 0
+
+
+@pytest.mark.usefixtures("unfrozen")
+def test_tensor_parallel_follower_freezes_before_its_step_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks 1..N-1 do not go through ``serve_worker``: ``run_follower`` freezes its own heap once its
+    shard is built, before the first broadcast step is read."""
+    import engine.tp_executor as tp_executor
+    from engine.step_batch import StepBatch
+
+    frozen_at_first_read: list[int] = []
+
+    class _Runner:
+        def __init__(self, config: object, tp: object) -> None:
+            assert gc.get_freeze_count() == 0  # not frozen before the shard is built
+
+    class _Tp:
+        def broadcast_bytes(self, payload: None) -> bytes:
+            frozen_at_first_read.append(gc.get_freeze_count())
+            return StepBatch.stop_message().encode()
+
+    monkeypatch.setattr(tp_executor, "ModelRunner", _Runner)
+    assert tp_executor.run_follower(object(), _Tp()) == 0  # type: ignore[arg-type]
+    assert len(frozen_at_first_read) == 1 and frozen_at_first_read[0] > 0
