@@ -198,6 +198,30 @@ def _norm_of(norm: Any) -> tuple[torch.Tensor, float] | None:  # a transformers 
     return None if norm is None else (norm.weight, float(norm.variance_epsilon))
 
 
+def _check_norm_dtypes(layers: list[_FusedLayer], final_norm: torch.Tensor, dtype: torch.dtype) -> None:
+    """Every RMSNorm weight of the model in the activations' ``dtype`` (the embedding's), checked when the
+    model is built: ``rms_norm`` / ``qk_rms_norm`` refuse a weight of another dtype, so a model keeping a
+    norm in float32 would otherwise load and then fail its first request.
+
+    Raises:
+        ValueError: naming the first norm whose weight has another dtype.
+    """
+    named: list[tuple[str, torch.Tensor]] = [("model.norm", final_norm)]
+    for layer in layers:
+        pre = f"model.layers.{layer.index}"
+        named += [(f"{pre}.input_layernorm", layer.input_norm[0]),
+                  (f"{pre}.post_attention_layernorm", layer.post_norm[0])]
+        named += [(f"{pre}.self_attn.{n}", m.weight) for n, m in (("q_norm", layer.q_norm),
+                                                                  ("k_norm", layer.k_norm)) if m is not None]
+        named += [(f"{pre}.{n}", norm[0]) for n, norm in (("post_self_attn_layernorm", layer.attn_out_norm),
+                                                         ("post_mlp_layernorm", layer.mlp_out_norm))
+                  if norm is not None]
+    for name, weight in named:
+        if weight.dtype != dtype:
+            raise ValueError(f"{name}.weight is {weight.dtype}, the model's activations {dtype}: the fused "
+                             f"forward's RMSNorm needs one dtype")
+
+
 def rope_table(rotary_emb: Any, max_positions: int, like: torch.Tensor) -> torch.Tensor | None:
     """``[max_positions, 2 D]`` in ``like``'s dtype and device: RoPE's cos (first ``D``) and sin of every
     position, from the transformers ``rotary_emb`` module itself (its per-position arithmetic is elementwise,
@@ -258,6 +282,7 @@ class FusedCausalLM(torch.nn.Module):
         with torch.no_grad():
             self.fused_layers = [_FusedLayer(layer) for layer in inner.layers]
         self.final_norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
+        _check_norm_dtypes(self.fused_layers, self.final_norm[0], inner.embed_tokens.weight.dtype)
         self.rope_table = rope_table(inner.rotary_emb, max_positions, inner.embed_tokens.weight)
 
     def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float],

@@ -305,3 +305,16 @@ def test_longrope_table_within_original_context(tmp_path):
     cos, sin = rotary(like[:0], position_ids=positions)
     assert torch.equal(table[positions[0]], torch.cat((cos[0], sin[0]), dim=1))
     assert rope_table(rotary, 513, like) is None
+
+
+def test_norm_weight_of_another_dtype_refused_when_the_model_is_built(tmp_path):
+    """A norm weight kept in float32 under bfloat16 activations is refused when the fused model is built,
+    naming the norm (``rms_norm`` would refuse it at the first request otherwise); the model as loaded
+    (every norm in the activations' dtype) builds."""
+    path = save_tiny_model("Qwen3ForCausalLM", tmp_path / "m", seed=3)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    FusedCausalLM(model, use_triton=False)
+    model.model.layers[1].self_attn.k_norm.weight.data = model.model.layers[1].self_attn.k_norm.weight.float()
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight is torch\.float32, "
+                                         r"the model's activations torch\.bfloat16"):
+        FusedCausalLM(model, use_triton=False)
