@@ -450,8 +450,12 @@ class Orchestrator:
     async def _next_message(req: GatewayRequest, deadline: float) -> WorkerMessage | WorkerLost:
         if not req.inbox.empty():  # no timer, no suspension: the queue holds only what was received
             return req.inbox.get_nowait()
+        # asyncio.timeout, not asyncio.wait_for: on Python 3.11 wait_for returns the message when the
+        # caller is cancelled in the same loop iteration as the message arrives, swallowing the
+        # cancellation (a disconnected client's request then ran on to max_tokens with no abort).
         try:
-            return await asyncio.wait_for(req.inbox.get(), timeout=max(deadline - time.monotonic(), 0.001))
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                return await req.inbox.get()
         except TimeoutError as exc:
             req.phase = RequestPhase.FAILED
             raise GenerationFailed(f"request timed out after {deadline - req.arrival:.0f} s", 504) from exc

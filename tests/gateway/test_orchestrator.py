@@ -245,3 +245,25 @@ async def test_queue_full_and_duplicate_ids(setup) -> None:
         orch.release(r)
     await asyncio.sleep(0.01)
     assert_clean(orch, registry)
+
+
+@pytest.mark.parametrize("arriving", [1, 5])
+async def test_cancel_as_a_token_arrives_ends_the_wait(setup, arriving: int) -> None:
+    """The client disconnects (its handler task is cancelled) in the same loop iteration as tokens
+    arrive: the wait ends with the cancellation, not with a token, and release aborts the decode worker.
+    Swallowing the cancellation would let the request run on to max_tokens for nobody."""
+    orch, rec, registry, _ = setup
+    req = await orch.submit(generation(max_tokens=100))
+    await to_decoding(orch, rec, req)
+    waiter = asyncio.get_running_loop().create_task(orch.next_output(req))
+    await asyncio.sleep(0)  # the task now waits on the request's inbox
+    for tok in range(arriving):
+        await orch.on_worker_message(b"d1", NextToken(request_id="r", worker_id="d1", token_id=10 + tok))
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert req.inbox.qsize() == arriving  # nothing was taken by the cancelled wait
+    orch.release(req)
+    await asyncio.sleep(0)
+    assert rec.take() == [(b"d1", "AbortRequest")]
+    assert_clean(orch, registry)
