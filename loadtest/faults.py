@@ -67,7 +67,8 @@ async def run_fault(spec: FaultSpec, t0: float, clock: Callable[[], float]) -> F
     except OSError as exc:
         return FaultResult(at_s=spec.at_s, cmd=spec.cmd, status="error", started_s=started, output=str(exc))
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), spec.timeout_s)
+        async with asyncio.timeout(spec.timeout_s):
+            out, _ = await proc.communicate()
     except (TimeoutError, asyncio.CancelledError):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

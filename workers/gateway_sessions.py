@@ -292,7 +292,8 @@ class GatewaySessions:
         while True:
             await asyncio.sleep(interval)
             try:
-                found = await asyncio.wait_for(asyncio.to_thread(self.gateways.lookup), max(interval, 5.0))
+                async with asyncio.timeout(max(interval, 5.0)):
+                    found = await asyncio.to_thread(self.gateways.lookup)
             except TimeoutError:
                 log_event(log, "gateway_lookup_failed", logging.WARNING, error="no answer in time")
                 continue

@@ -421,7 +421,8 @@ class WorkerLoop:
                 self.flush()
             else:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 0.002 if self.busy() else self.idle_poll)
+                    async with asyncio.timeout(0.002 if self.busy() else self.idle_poll):
+                        await self._wake.wait()
 
     def request_stop(self) -> None:
         """Ask the loop to finish its current step and shut down (signal-handler safe)."""
