@@ -30,7 +30,7 @@ AGENT_FLAGS: dict[str, tuple[str, Any]] = {
 }
 # flags of the open/closed-loop workloads, which the agent workload does not read
 OTHER_FLAGS = ("--input-len", "--dataset-path", "--num-turns", "--arrival", "--request-rate", "--burstiness",
-               "--concurrency", "--num-requests", "--duration", "--warmup", "--fault")
+               "--concurrency", "--num-requests", "--duration", "--warmup", "--fault", "--decode-metrics")
 
 
 def add_agent_arguments(add: Callable[..., None]) -> None:

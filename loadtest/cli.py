@@ -66,6 +66,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--fault", action="append", default=[], help='repeatable: "at=5s[,timeout=30s],cmd=..."')
     _add(parser, "--metrics-path", default="/metrics", help="KV-gauge page on the server; '' = off")
     _add(parser, "--leak-settle", default="2s", help="how long to wait for KV blocks to come back")
+    _add(parser, "--decode-metrics",
+         help="URL[,URL...]: the decode-side (decode or colocated) workers' metrics servers, as `pdserve up` "
+              "prints them; report the share of the time per output token spent outside their engine loop")
     _add(parser, "--output-dir", help="write results.json, summary.md and PNG plots here")
     _add(parser, "--no-progress", action="store_true", help="no progress bar")
     add_agent_arguments(lambda flag, **kw: _add(parser, flag, **kw))
@@ -97,6 +100,7 @@ def config_from_args(args: argparse.Namespace, model: str) -> BenchConfig:
         slo=SLOConfig(ttft_ms=float(args.slo_ttft_ms), tpot_ms=float(args.slo_tpot_ms)),
         faults=tuple(FaultSpec.parse(f) for f in args.fault), metrics_path=args.metrics_path or None,
         leak_settle_s=parse_duration(args.leak_settle), progress=not args.no_progress,
+        decode_metrics=tuple(u for u in (args.decode_metrics or "").split(",") if u),
     )
 
 

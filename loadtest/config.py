@@ -69,6 +69,9 @@ class BenchConfig:
     Stopping: after ``num_requests`` measured requests or ``duration_s`` seconds of issuing, whichever
     comes first (at least one must be set); each request is bounded by ``request_timeout_s``.
     ``burstiness`` is the gamma shape (1 = Poisson, < 1 burstier). Traffic goes only to ``base_url``.
+    ``decode_metrics``: the decode-side workers' metrics servers (``http://host:port``), read around each
+    run for the gateway's share of the time per output token (``loadtest/gateway_share.py``); empty: not
+    measured.
     """
 
     base_url: str
@@ -92,6 +95,7 @@ class BenchConfig:
     metrics_path: str | None = "/metrics"
     leak_settle_s: float = 2.0
     progress: bool = True
+    decode_metrics: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -116,3 +120,6 @@ class BenchConfig:
             raise ValueError("num_requests must be >= 1 and duration_s > 0")
         if self.request_timeout_s <= 0 or self.warmup < 0 or self.leak_settle_s < 0:
             raise ValueError("request_timeout_s must be > 0; warmup and leak_settle_s >= 0")
+        for url in self.decode_metrics:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"--decode-metrics: URLs must start with http:// or https://, got {url!r}")

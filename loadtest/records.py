@@ -119,6 +119,21 @@ class KVScrape(msgspec.Struct, kw_only=True):
     error: str = ""
 
 
+class GatewayShare(msgspec.Struct, kw_only=True):
+    """The time per output token outside the engine loop (``loadtest/gateway_share.py``): the decode-side
+    workers' mean step interval per token over the run (``worker_itl_ms`` over ``worker_tokens``), the
+    client's mean interval after each request's second token (``client_itl_ms`` over ``client_tokens``),
+    and ``share = 1 - worker / client`` (None where a side counted no token); ``error`` names a page that
+    could not be read (then the rest is empty)."""
+
+    worker_itl_ms: float | None = None
+    worker_tokens: int = 0
+    client_itl_ms: float | None = None
+    client_tokens: int = 0
+    share: float | None = None
+    error: str = ""
+
+
 class RunResult(msgspec.Struct, kw_only=True):
     """One point of a sweep: its load (``rate`` requests/s, None = closed loop) and everything measured."""
 
@@ -130,6 +145,7 @@ class RunResult(msgspec.Struct, kw_only=True):
     faults: list[FaultResult] = msgspec.field(default_factory=list)
     phases: list[PhaseReport] = msgspec.field(default_factory=list)
     kv: KVScrape = msgspec.field(default_factory=KVScrape)
+    gateway_share: GatewayShare | None = None  # None: no --decode-metrics
 
 
 class BenchResult(msgspec.Struct, kw_only=True):

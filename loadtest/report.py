@@ -66,6 +66,13 @@ def _run_details(run: RunResult) -> list[str]:
         lines += table(["phase", "from s", "to s", "completed", "failed", "timed out"],
                         [[p.name, f"{p.start_s:.2f}", "end" if p.end_s is None else f"{p.end_s:.2f}",
                           str(p.completed), str(p.failed), str(p.timed_out)] for p in run.phases])
+    share = run.gateway_share
+    if share is not None:
+        lines += ["", f"Time per output token outside the engine loop ({run.label}): " + (
+            f"not measured: {share.error}" if share.error else
+            f"client {_fmt(share.client_itl_ms)} ms over {share.client_tokens} tokens, decode-side workers' "
+            f"step interval {_fmt(share.worker_itl_ms)} ms over {share.worker_tokens} tokens: share "
+            + ("-" if share.share is None else f"{share.share * 100:.1f} %"))]
     kv = run.kv
     if kv.error:
         lines += ["", f"KV blocks ({run.label}): not scraped: {kv.error}"]

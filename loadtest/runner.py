@@ -22,8 +22,9 @@ from loadtest.client import RequestIds, send_request
 from loadtest.config import BenchConfig
 from loadtest.conversation import PATHS, Conversation
 from loadtest.faults import FaultScheduler, phase_report
+from loadtest.gateway_share import IntervalReading, gateway_share, read_interval
 from loadtest.metrics import summarize
-from loadtest.records import BenchResult, KVScrape, RequestRecord, RunResult
+from loadtest.records import BenchResult, GatewayShare, KVScrape, RequestRecord, RunResult
 from loadtest.scrape import scrape_after, scrape_before
 from loadtest.workload import Session, make_sessions
 
@@ -160,22 +161,40 @@ async def run_once(cfg: BenchConfig, rate: float | None, clock: Callable[[], flo
     async with make_client(cfg) as client:
         before, kv_error = await _scrape_before(cfg, client)
         await _warmup(cfg, client)
+        share_before, share_error = await _read_interval(cfg, client)
         run, faults = _Run(cfg, client, clock), FaultScheduler(cfg.faults, clock)
         faults.start(run.t0)
         with tqdm(total=cfg.num_requests, desc=label, unit="req", disable=not cfg.progress) as bar:
             run.bar = bar
             await (_closed_loop(run, sessions) if rate is None else _open_loop(run, sessions, rate))
         elapsed = clock() - run.t0
+        share_after, after_error = await _read_interval(cfg, client)
         fault_results = await faults.finish(elapsed)
         kv = KVScrape(error=kv_error)
         if before is not None and cfg.metrics_path:
             kv = await scrape_after(client, cfg.metrics_path, before, cfg.leak_settle_s)
     records = sorted(run.records, key=lambda r: r.index)
+    share: GatewayShare | None = None
+    if cfg.decode_metrics:
+        share = (gateway_share(share_before, share_after, records)
+                 if share_before is not None and share_after is not None
+                 else GatewayShare(error=share_error or after_error))
     return RunResult(
         label=label, rate=rate, concurrency=cfg.concurrency if rate is None else None,
         summary=summarize(records, elapsed, cfg.slo), records=records, faults=fault_results,
-        phases=phase_report(records, fault_results), kv=kv,
+        phases=phase_report(records, fault_results), kv=kv, gateway_share=share,
     )
+
+
+async def _read_interval(cfg: BenchConfig, client: httpx.AsyncClient) -> tuple[IntervalReading | None, str]:
+    """The decode-side workers' step-interval reading (None and no error without ``--decode-metrics``;
+    None and the error when a page could not be read)."""
+    if not cfg.decode_metrics:
+        return None, ""
+    try:
+        return await read_interval(client, cfg.decode_metrics), ""
+    except RuntimeError as exc:
+        return None, str(exc)
 
 
 async def _scrape_before(cfg: BenchConfig, client: httpx.AsyncClient) -> tuple[float | None, str]:

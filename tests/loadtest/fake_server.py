@@ -11,6 +11,9 @@ the flag really failed, whenever the client sent them).
 ``GET /metrics`` exposes ``pdserve_kv_blocks_used`` for two workers: each request holds
 ceil(prompt_tokens / 16) + 1 blocks on ``decode-0`` while it streams; ``stale_blocks`` more are shown on
 ``prefill-0`` until ``stale_until`` (``time.monotonic()``), like a gauge a heartbeat behind earlier work.
+``GET /decode-worker/metrics`` is a decode worker's page: ``vllm:inter_token_latency_seconds`` with
+``engine_itl_s`` observed for every streamed token after a request's first (the engine's part of the
+``itl_s`` the client sees).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class FakeState:
     faulted: list[dict[str, Any]] = field(default_factory=list)
     stale_blocks: int = 0
     stale_until: float = 0.0
+    engine_itl_s: float = 0.008
+    engine_itl_sum_s: float = 0.0
+    engine_itl_count: int = 0
 
     def reset(self, **kw: Any) -> None:
         fresh = FakeState(**kw)
@@ -86,6 +92,9 @@ async def _stream(state: FakeState, body: dict[str, Any], behaviour: str, chat: 
                 return
             if i == 3 and behaviour == "drop":
                 raise RuntimeError("fake connection drop")
+            if i:
+                state.engine_itl_sum_s += state.engine_itl_s
+                state.engine_itl_count += 1
             yield _chunk(chat, f" t{i}")
         yield _chunk(chat, "", "length")
         if body.get("stream_options", {}).get("include_usage") and behaviour != "nousage":
@@ -134,6 +143,15 @@ def make_app(state: FakeState) -> FastAPI:
         lines += [f'pdserve_kv_blocks_used{{worker="{w}"}} {n}' for w, n in used.items()]
         lines += ["# TYPE other_gauge gauge", "other_gauge 7"]
         return PlainTextResponse("\n".join(lines) + "\n")
+
+    @app.get("/decode-worker/metrics")
+    async def decode_worker_metrics() -> PlainTextResponse:
+        name = "vllm:inter_token_latency_seconds"
+        return PlainTextResponse(
+            f"# TYPE {name} histogram\n"
+            f'{name}_bucket{{le="+Inf",model_name="fake-model"}} {state.engine_itl_count}\n'
+            f'{name}_count{{model_name="fake-model"}} {state.engine_itl_count}\n'
+            f'{name}_sum{{model_name="fake-model"}} {state.engine_itl_sum_s}\n')
 
     return app
 

@@ -173,6 +173,7 @@ def test_report_and_json_round_trip(fake: tuple[str, object], tmp_path: Path) ->
      "give one of them"),
     (["--workload", "agent", "--system", "label=a"], "needs label=NAME and url=URL"),
     (["--workload", "agent", "--sessions", "0"], "sessions and turns must be >= 1"),
+    (["--workload", "agent", "--decode-metrics", "http://x"], "--decode-metrics does not apply"),
 ])
 def test_flags_that_do_not_apply_are_refused(argv: list[str], message: str,
                                              capsys: pytest.CaptureFixture[str]) -> None:

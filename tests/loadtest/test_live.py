@@ -112,7 +112,7 @@ def test_bench_live_poisson(tmp_path: Path, live: SystemPair) -> None:
     system = live.disagg
     with gauge_watch(system.url) as peak:
         rc = main(bench_args(system.url, tmp_path / "out", "--request-rate", "2", "--num-requests", "8",
-                             "--api-key", API_KEY))
+                             "--api-key", API_KEY, "--decode-metrics", system.metrics_urls["decode"]))
     after = kv_used(system.url)
     assert system.sup.dead() == [], system.log("decode")[-2000:]
     assert rc == 0
@@ -132,8 +132,17 @@ def test_bench_live_poisson(tmp_path: Path, live: SystemPair) -> None:
     assert peak.get(DECODE, 0) > 0, peak
     assert after == {PREFILL: 0.0, DECODE: 0.0}
     assert (run.kv.before, run.kv.after, run.kv.leaked, run.kv.error) == (0.0, 0.0, 0.0, "")
+    # the decode worker's step interval over the run: every token it sampled (all but each request's
+    # first, which the prefill worker sampled); the client's after each request's second token
+    share = run.gateway_share
+    assert share is not None and share.error == "", share
+    assert share.worker_tokens == 8 * (MAX_TOKENS - 1) and share.client_tokens == 8 * (MAX_TOKENS - 2)
+    assert share.worker_itl_ms is not None and share.client_itl_ms is not None and share.share is not None
+    assert share.worker_itl_ms > 0
+    assert share.share == pytest.approx(1 - share.worker_itl_ms / share.client_itl_ms)
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| rate=2/s | 8/8 |" in summary and "before 0, after 0, leaked 0" in summary
+    assert "Time per output token outside the engine loop (rate=2/s): client " in summary
 
 
 def _phase_split(records: list[RequestRecord], fault_s: float) -> tuple[list[RequestRecord], ...]:

@@ -88,6 +88,7 @@ def test_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--fault", "at=1s"], "cmd="),
     (["--request-rate", "fast"], "--request-rate"),
     (["--endpoint", "chat"], "completions endpoint"),
+    (["--decode-metrics", "127.0.0.1:9000"], "--decode-metrics: URLs must start with http://"),
 ])
 def test_bad_input_sends_nothing(fake: tuple[str, FakeState], tmp_path: Path, bad: list[str], message: str,
                                  capsys: pytest.CaptureFixture[str]) -> None:

@@ -197,3 +197,27 @@ async def test_metrics_scrape_problems_do_not_stop_the_run(fake: tuple[str, Fake
     url, _ = fake
     run = await run_once(cfg(url, num_requests=2, metrics_path="/nope"), rate=None)
     assert run.summary.completed == 2 and "HTTP 404" in run.kv.error and run.kv.leaked is None
+
+
+async def test_gateway_share_against_the_decode_workers_step_interval(fake: tuple[str, FakeState]) -> None:
+    """The fake decode worker reports 8 ms per token of the 10 ms (or more) the client waits: the run's
+    worker interval is exactly 8 ms over every token after each request's first, the client's at least
+    10 ms over the tokens after each request's second, and the share outside the engine 1 - 8 / client."""
+    url, state = fake
+    state.engine_itl_sum_s, state.engine_itl_count = 5.0, 100  # earlier work: left out by the readings
+    run = await run_once(cfg(url, warmup=2, decode_metrics=(f"{url}/decode-worker",)), rate=None)
+    share = run.gateway_share
+    assert share is not None and share.error == ""
+    assert share.worker_tokens == 6 * 9 and share.worker_itl_ms == pytest.approx(8.0)
+    assert share.client_tokens == 6 * 8
+    assert share.client_itl_ms is not None and 10.0 - 1e-3 <= share.client_itl_ms <= 40.0
+    assert share.share == pytest.approx(1 - 8.0 / share.client_itl_ms)
+
+
+async def test_gateway_share_unreadable_page_is_reported_run_goes_on(fake: tuple[str, FakeState]) -> None:
+    url, _ = fake
+    run = await run_once(cfg(url, num_requests=2, decode_metrics=(url,)), rate=None)  # the gateway's page
+    share = run.gateway_share
+    assert run.summary.completed == 2 and share is not None
+    assert "no vllm:inter_token_latency_seconds histogram" in share.error and share.share is None
+    assert (await run_once(cfg(url, num_requests=2), rate=None)).gateway_share is None  # not asked for
