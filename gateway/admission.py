@@ -8,15 +8,21 @@ told of each ``FirstToken`` (``first_token``) and of each released request (``fo
 * **429** (``kv_blocks``): no compatible decode worker has the prompt's blocks free now: its last
   heartbeat's ``num_free_blocks`` minus the blocks of the requests routed to it since that heartbeat
   (the decode worker would otherwise queue the reservation, and fail it after 30 s);
-* **429** (``prefill_queue``): the prompt tokens routed to the chosen first-token worker (prefill, or
-  colocated) and not yet answered by a ``FirstToken``, divided by that worker's measured prefill rate,
-  exceed the budget (``--admission-budget`` seconds). Before the worker's first measurement, admit.
+* **429** (``prefill_queue``): the prompt tokens the chosen first-token worker (prefill, or colocated) is
+  expected to compute for the requests routed to it and not yet answered by a ``FirstToken``, divided by
+  that worker's measured prefill rate, exceed the budget (``--admission-budget`` seconds). Before the
+  worker's first measurement, admit.
 
 The prefill rate of a worker is measured from what the gateway sees: a request routed at ``t0`` whose
 ``FirstToken`` arrives at ``t1`` kept the worker busy from ``max(t0, the worker's previous FirstToken)``
-to ``t1`` (one server working through its queue); its prompt tokens (minus the prefix-cache hit) over
-that time, both summed with exponential decay over the last requests (``DECAY``), is the rate. Requests
-finishing in one batch add their tokens with little time each: the sums stay right.
+to ``t1`` (one server working through its queue); the prompt tokens it computed (the prompt minus the
+prefix-cache hit the ``FirstToken`` reports) over that time, both summed with exponential decay over the
+last requests (``DECAY``), is the rate. Requests finishing in one batch add their tokens with little
+time each: the sums stay right. The queue is counted in the same unit: a queued request is expected to
+compute its prompt minus the prefix the worker's KV events report cached (``Route.prefix_blocks``; a
+colocated route carries none, so its whole prompt counts). Counting whole prompts against a rate of
+computed tokens overstated the wait by the prompts' hit ratio: prompts served again from the prefix
+cache were refused as overload.
 
 Every 429 carries ``Retry-After`` (whole seconds, at least 1). Refusals are counted in
 ``pdserve_admission_refused_total{reason}``.
@@ -42,11 +48,13 @@ DECAY = 0.95
 
 @dataclass(slots=True)
 class _Routed:
-    """One admitted request not yet answered by a FirstToken: its first-token worker, prompt tokens and
+    """One admitted request not yet answered by a FirstToken: its first-token worker, prompt tokens, the
+    prompt tokens it is expected to compute (its prompt minus the prefix reported cached there) and
     routing time (monotonic seconds)."""
 
     worker_id: str
     tokens: int
+    expected_tokens: int
     routed_at: float
 
 
@@ -109,8 +117,10 @@ class Admission:
         if route.kind == "disaggregated":
             route = self._with_free_decode(route, num_prompt_tokens)
         if first is not None:
-            self._check_queue(first, num_prompt_tokens)
-            self._routed[request_id] = _Routed(first.worker_id, num_prompt_tokens, self._clock())
+            self._check_queue(first)
+            cached = route.prefix_blocks * first.info.compat.block_size if route.kind != "colocated" else 0
+            expected = max(1, num_prompt_tokens - cached)
+            self._routed[request_id] = _Routed(first.worker_id, num_prompt_tokens, expected, self._clock())
         if route.kind == "disaggregated" and route.decode is not None:
             self._reserve(route.decode, num_prompt_tokens)
         return route
@@ -147,7 +157,7 @@ class Admission:
         raise _too_many(f"no decode worker has the {_blocks(num_prompt_tokens, route.decode)} free KV blocks "
                         f"this prompt ({num_prompt_tokens} tokens) needs now; retry later", "kv_full", 1)
 
-    def _check_queue(self, worker: WorkerEntry, num_prompt_tokens: int) -> None:
+    def _check_queue(self, worker: WorkerEntry) -> None:
         if self.budget_s <= 0:
             return
         rate = self.rates.get(worker.worker_id)
@@ -191,9 +201,9 @@ class Admission:
         self.rates.setdefault(msg.worker_id, PrefillRate()).observe(computed, routed.routed_at, self._clock())
 
     def queued_tokens(self, worker_id: str) -> int:
-        """Prompt tokens of the admitted requests not yet answered by a FirstToken whose first-token
-        worker is ``worker_id``."""
-        return sum(r.tokens for r in self._routed.values() if r.worker_id == worker_id)
+        """Prompt tokens ``worker_id`` is expected to compute for the admitted requests not yet answered by
+        a FirstToken whose first-token worker it is."""
+        return sum(r.expected_tokens for r in self._routed.values() if r.worker_id == worker_id)
 
     def forget(self, request_id: str) -> None:
         """The request was released (finished, failed, aborted): it no longer queues anywhere."""

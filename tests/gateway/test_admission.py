@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from engine.block_hash import block_hashes
 from engine.sampling_params import SamplingParams
 from gateway.admission import Admission
 from gateway.errors import APIError
@@ -18,7 +19,7 @@ from gateway.registry import WorkerRegistry
 from gateway.request_state import GenerationInput
 from gateway.router import Router
 from kvtransfer.compat import KVCompat
-from protocol.messages import FirstToken, Message, RegisterWorker, ReserveKV, WorkerLoad
+from protocol.messages import FirstToken, KVEvents, Message, RegisterWorker, ReserveKV, WorkerLoad
 from protocol.settings import GatewaySettings
 
 COMPAT = KVCompat(dtype="float32", block_size=4, transfer_backend="loopback")
@@ -49,8 +50,9 @@ class Setup:
         self.sent: list[tuple[bytes, Message]] = []
         self.clock, self.metrics = Clock(), GatewayMetrics()
         self.admission = Admission(self.registry, budget_s, self.metrics, self.clock)
-        self.orch = Orchestrator(Router(self.registry, PrefixIndex()), self.metrics, self.send, max_queue=64,
-                                 request_timeout=5.0, admission=self.admission)
+        self.prefix_index = PrefixIndex()
+        self.orch = Orchestrator(Router(self.registry, self.prefix_index), self.metrics, self.send,
+                                 max_queue=64, request_timeout=5.0, admission=self.admission)
 
     async def send(self, identity: bytes, msg: Message) -> bool:
         self.sent.append((identity, msg))
@@ -90,6 +92,44 @@ async def test_prefill_queue_longer_than_the_budget_is_a_429_with_retry_after() 
         s.orch.release(s.orch.requests[rid])
     await s.orch.submit_all("later", [gen("later", 100)])  # the queue drained: admitted again
     s.orch.release(s.orch.requests["later"])
+    assert not s.orch.requests and not s.admission._routed
+
+
+async def test_the_queue_counts_the_tokens_a_prompt_will_compute_as_the_rate_does() -> None:
+    """The rate is measured in computed tokens (the prompt minus the prefix hit), so the queue ahead is
+    counted in the tokens each queued prompt is expected to compute: the prompt minus the prefix p1's KV
+    events report cached. Counting whole prompts refused a burst of prompts served from the cache as
+    overload (seen on an H200: 29 of 256 repeated 1000-token prompts refused, "31 s queued", while
+    their TTFT was 0.3 s)."""
+    s = Setup(budget_s=2.0, decode_free=(1000,), total=1000)
+    prompt = gen("a", 100).prompt_token_ids
+    (a,) = await s.orch.submit_all("a", [gen("a", 100)])
+    s.clock.now += 1.0  # 100 tokens computed in 1 s
+    await s.orch.on_worker_message(b"p1", FirstToken(request_id="a", worker_id="p1", token_id=7))
+    s.orch.release(a)
+    s.prefix_index.apply(KVEvents(worker_id="p1", epoch=1, seq_no=1, stored=block_hashes(prompt, 4),
+                                  snapshot=True))
+    for i in range(40):  # the prompt again and again: 4 tokens computed each (a hit of 96), 0.2 s each
+        (h,) = await s.orch.submit_all(f"h{i}", [gen(f"h{i}", 100)])
+        s.clock.now += 0.2
+        await s.orch.on_worker_message(b"p1", FirstToken(request_id=f"h{i}", worker_id="p1", token_id=7,
+                                                        num_cached_tokens=96))
+        s.orch.release(h)
+        s.heartbeat("d1", 1000, 1000)  # the decode worker freed the request's blocks
+    rate = s.admission.rates["p1"].tokens_per_s()
+    assert rate is not None and 20.0 < rate < 25.0  # computed tokens per busy second
+    burst = [(await s.orch.submit_all(f"b{i}", [gen(f"b{i}", 100)]))[0] for i in range(10)]
+    assert s.admission.queued_tokens("p1") == 40  # 10 hits: 1.6-2.0 s of work, all admitted
+    # a prompt p1 has not seen counts whole: admitted behind 40 tokens, then the next waits too long
+    other = [GenerationInput(f"n{i}", list(range(500 + 100 * i, 600 + 100 * i)), SamplingParams(max_tokens=4))
+             for i in range(2)]
+    burst += await s.orch.submit_all("n0", [other[0]])
+    assert s.admission.queued_tokens("p1") == 140
+    with pytest.raises(APIError) as refused:
+        await s.orch.submit_all("n1", [other[1]])
+    assert refused.value.status == 429 and s.refused("prefill_queue") == 1
+    for req in burst:
+        s.orch.release(req)
     assert not s.orch.requests and not s.admission._routed
 
 
