@@ -19,8 +19,8 @@ to ``t1`` (one server working through its queue); the prompt tokens it computed 
 prefix-cache hit the ``FirstToken`` reports) over that time, both summed with exponential decay over the
 last requests (``DECAY``), is the rate. Requests finishing in one batch add their tokens with little
 time each: the sums stay right. The queue is counted in the same unit: a queued request is expected to
-compute its prompt minus the prefix the worker's KV events report cached (``Route.prefix_blocks``; a
-colocated route carries none, so its whole prompt counts). Counting whole prompts against a rate of
+compute its prompt minus the prefix the worker's KV events report cached (``Route.prefix_blocks``).
+Counting whole prompts against a rate of
 computed tokens overstated the wait by the prompts' hit ratio: prompts served again from the prefix
 cache were refused as overload.
 
@@ -118,8 +118,7 @@ class Admission:
             route = self._with_free_decode(route, num_prompt_tokens)
         if first is not None:
             self._check_queue(first)
-            cached = route.prefix_blocks * first.info.compat.block_size if route.kind != "colocated" else 0
-            expected = max(1, num_prompt_tokens - cached)
+            expected = max(1, num_prompt_tokens - route.prefix_blocks * first.info.compat.block_size)
             self._routed[request_id] = _Routed(first.worker_id, num_prompt_tokens, expected, self._clock())
         if route.kind == "disaggregated" and route.decode is not None:
             self._reserve(route.decode, num_prompt_tokens)

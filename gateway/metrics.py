@@ -193,10 +193,10 @@ class GatewayMetrics:
         self.routes = Counter("pdserve_routed_requests", "requests by route kind "
                               "(disaggregated, prefill_only, colocated)", ["kind"], registry=r)
         self.prefix_prompt_blocks = Counter("pdserve_prefix_prompt_blocks", "full prompt blocks of the "
-                                            "requests routed to a prefill worker", registry=r)
+                                            "requests routed to a prefill or colocated worker", registry=r)
         self.prefix_cached_blocks = Counter("pdserve_prefix_cached_blocks", "leading prompt blocks the "
-                                            "chosen prefill worker had reported cached (KV events) when "
-                                            "routed",
+                                            "chosen prefill or colocated worker had reported cached (KV "
+                                            "events) when routed",
                                             registry=r)
         self.decode_prefix_cached_blocks = Counter("pdserve_decode_prefix_cached_blocks", "leading prompt "
                                                    "blocks the chosen decode worker had reported cached (KV "

@@ -14,7 +14,9 @@ Policy:
 * a deployment with no prefill and no decode workers serves everything colocated;
 * prefill or decode missing while colocated workers exist: colocated only with ``allow_local_prefill``
   (counted as a fallback), else ``NoWorkerError`` (→ 503);
-* ``exclude``: workers that already failed this request are left out (the orchestrator's retries).
+* ``exclude``: workers that already failed this request are left out (the orchestrator's retries);
+* a colocated worker is chosen as a prefill worker is: the longest cached prefix among the least loaded
+  (within ``prefill_slack``), the prompt's blocks then pending on it.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class NoWorkerError(RuntimeError):
 @dataclass(frozen=True)
 class Route:
     """Where one request goes. ``fallback`` marks colocated serving because prefill/decode were missing.
-    ``prefix_blocks``: leading blocks of the prompt the chosen prefill worker reported cached (its KV
-    events), of ``prompt_blocks`` full blocks (both 0 for colocated routes); ``decode_prefix_blocks``:
+    ``prefix_blocks``: leading blocks of the prompt the chosen prefill (or colocated) worker reported
+    cached (its KV events), of ``prompt_blocks`` full blocks; ``decode_prefix_blocks``:
     those the chosen decode worker reported cached, as many as it can reuse (0 but for disaggregated
     routes)."""
 
@@ -85,16 +87,22 @@ class Router:
         coloc = [w for w in self.registry.live("colocated") if w.worker_id not in exclude]
         prefills = [w for w in self.registry.live("prefill") if w.worker_id not in exclude]
         decodes = [w for w in self.registry.live("decode") if w.worker_id not in exclude]
-        if coloc and len(prompt_token_ids) < self.disagg_threshold:
-            return Route("colocated", colocated=_least_loaded(coloc))
-        if coloc and not prefills and not decodes:
-            return Route("colocated", colocated=_least_loaded(coloc))
+        if coloc and (len(prompt_token_ids) < self.disagg_threshold or (not prefills and not decodes)):
+            return self._colocated(prompt_token_ids, coloc, fallback=False)
         try:
             return self._disaggregated(prompt_token_ids, max_tokens, prefills, decodes)
         except NoWorkerError:
             if coloc and self.allow_local_prefill:
-                return Route("colocated", colocated=_least_loaded(coloc), fallback=True)
+                return self._colocated(prompt_token_ids, coloc, fallback=True)
             raise
+
+    def _colocated(self, prompt: list[int], coloc: list[WorkerEntry], fallback: bool) -> Route:
+        chains: dict[int, list[int]] = {}
+        best, hit = self._rank(prompt, coloc, chains, self.prefill_slack)[0]
+        chain = chains[best.info.compat.block_size]
+        self.prefix_index.expect(best.worker_id, chain)
+        return Route("colocated", colocated=best, fallback=fallback, prefix_blocks=hit.cached,
+                     prompt_blocks=len(chain))
 
     def _disaggregated(self, prompt: list[int], max_tokens: int, prefills: list[WorkerEntry],
                        decodes: list[WorkerEntry]) -> Route:
@@ -157,6 +165,3 @@ def _usable(hit: PrefixMatch, prompt_len: int, block_size: int, prefill_grid: in
     cached, pending = min(hit.cached, limit), min(hit.pending, limit)
     return PrefixMatch(cached - cached % step, pending - pending % step)
 
-
-def _least_loaded(workers: list[WorkerEntry]) -> WorkerEntry:
-    return min(workers, key=lambda w: (w.load_score(), -w.load.num_free_blocks))

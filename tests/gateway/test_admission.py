@@ -35,11 +35,14 @@ class Clock:
 
 class Setup:
     def __init__(self, budget_s: float = 2.0, decode_free: tuple[int, ...] = (100,),
-                 total: int = 100) -> None:
+                 total: int = 100, first: str = "prefill") -> None:
+        """``first``: the role of ``p1``, the first-token worker (``colocated``: no decode workers)."""
         self.registry = WorkerRegistry(heartbeat_timeout=60.0)
         pool = WorkerLoad(num_free_blocks=total, num_total_blocks=total)
-        self.registry.register(RegisterWorker(role="prefill", worker_id="p1", epoch=1, model="m",
+        self.registry.register(RegisterWorker(role=first, worker_id="p1", epoch=1, model="m",
                                               model_path="", compat=COMPAT, load=pool), b"p1")
+        if first == "colocated":
+            decode_free = ()
         for i, free in enumerate(decode_free):
             wid = f"d{i + 1}"
             self.registry.register(RegisterWorker(role="decode", worker_id=wid, epoch=1, model="m",
@@ -95,13 +98,14 @@ async def test_prefill_queue_longer_than_the_budget_is_a_429_with_retry_after() 
     assert not s.orch.requests and not s.admission._routed
 
 
-async def test_the_queue_counts_the_tokens_a_prompt_will_compute_as_the_rate_does() -> None:
+@pytest.mark.parametrize("first", ["prefill", "colocated"])
+async def test_the_queue_counts_the_tokens_a_prompt_will_compute_as_the_rate_does(first: str) -> None:
     """The rate is measured in computed tokens (the prompt minus the prefix hit), so the queue ahead is
     counted in the tokens each queued prompt is expected to compute: the prompt minus the prefix p1's KV
     events report cached. Counting whole prompts refused a burst of prompts served from the cache as
     overload (seen on an H200: 29 of 256 repeated 1000-token prompts refused, "31 s queued", while
     their TTFT was 0.3 s)."""
-    s = Setup(budget_s=2.0, decode_free=(1000,), total=1000)
+    s = Setup(budget_s=2.0, decode_free=(1000,), total=1000, first=first)
     prompt = gen("a", 100).prompt_token_ids
     (a,) = await s.orch.submit_all("a", [gen("a", 100)])
     s.clock.now += 1.0  # 100 tokens computed in 1 s
@@ -115,7 +119,8 @@ async def test_the_queue_counts_the_tokens_a_prompt_will_compute_as_the_rate_doe
         await s.orch.on_worker_message(b"p1", FirstToken(request_id=f"h{i}", worker_id="p1", token_id=7,
                                                         num_cached_tokens=96))
         s.orch.release(h)
-        s.heartbeat("d1", 1000, 1000)  # the decode worker freed the request's blocks
+        if first == "prefill":
+            s.heartbeat("d1", 1000, 1000)  # the decode worker freed the request's blocks
     rate = s.admission.rates["p1"].tokens_per_s()
     assert rate is not None and 20.0 < rate < 25.0  # computed tokens per busy second
     burst = [(await s.orch.submit_all(f"b{i}", [gen(f"b{i}", 100)]))[0] for i in range(10)]

@@ -142,6 +142,24 @@ def test_prefix_affinity_among_least_loaded() -> None:
     assert router.route(prompt, max_tokens=4).prefill.worker_id == "p1"  # type: ignore[union-attr]
 
 
+def test_colocated_workers_are_chosen_by_cached_prefix_among_least_loaded() -> None:
+    registry, router = make(reg("c1", "colocated"), reg("c2", "colocated"))
+    prompt = list(range(40))
+    router.prefix_index.apply(KVEvents(worker_id="c2", epoch=1, seq_no=1, snapshot=True,
+                                       stored=block_hashes(prompt[:32], 4)))
+    route = router.route(prompt, max_tokens=4)
+    assert route.kind == "colocated" and route.colocated.worker_id == "c2"  # type: ignore[union-attr]
+    assert (route.prefix_blocks, route.prompt_blocks) == (8, 10)
+    other = list(range(100, 140))  # cached nowhere: the less loaded worker, then pending on it
+    registry.touch("c2", 1, WorkerLoad(num_running=1))
+    first = router.route(other, max_tokens=4)
+    assert first.colocated.worker_id == "c1" and first.prefix_blocks == 0  # type: ignore[union-attr]
+    registry.touch("c1", 1, WorkerLoad(num_running=2))  # c1 busier now, within the slack: pending wins
+    assert router.route(other, max_tokens=4).colocated.worker_id == "c1"  # type: ignore[union-attr]
+    registry.touch("c2", 1, WorkerLoad(num_running=10))  # far more loaded: load wins over the prefix
+    assert router.route(prompt, max_tokens=4).colocated.worker_id == "c1"  # type: ignore[union-attr]
+
+
 def test_max_tokens_one_is_prefill_only() -> None:
     _, router = make(reg("p", "prefill"), reg("d", "decode"))
     route = router.route([1, 2, 3], max_tokens=1)
