@@ -162,6 +162,36 @@ async def test_tcp_speed_where_cuda_ipc_was_expected_is_a_warning(caplog: pytest
     assert (pair.path.gbps, pair.path.seconds, pair.path.wire_seconds) == (40.0, 0.01, 0.0004)
 
 
+async def test_periodic_canary_waits_for_idle_workers_and_a_loaded_warning_says_so() -> None:
+    """A due periodic canary waits while either worker reports requests (they share the path), at most one
+    further period; a slow reading taken under load is still a warning, naming the load."""
+    gpu = KVPlacement(host="boot-a", device="cuda")
+    s = Setup(period=30.0, prefill=gpu, decode=gpu)
+    for _ in range(2):  # the pairing canaries: measured while idle
+        await s.canaries.tick()
+        await s.land(seconds=0.001, num_bytes=40_000_000, transport="nixl")  # 40 GB/s
+    assert s.slow() == 0.0
+    busy, idle = WorkerLoad(num_running=3, num_total_blocks=64), WorkerLoad(num_total_blocks=64)
+    s.registry.touch("d1", 1, busy)
+    s.clock.now += 30  # due, but d1 runs 3 requests: postponed
+    await s.canaries.tick()
+    assert s.take(KVCanaryReserve) == []
+    s.registry.touch("d1", 1, idle)  # idle now: measured at once
+    await s.canaries.tick()
+    await s.land(seconds=0.001, num_bytes=40_000_000, transport="nixl")
+    s.registry.touch("d1", 1, busy)
+    s.registry.touch("p1", 1, WorkerLoad(num_waiting=2, num_total_blocks=64))
+    s.clock.now += 59.9  # due 29.9 s ago, busy all along: still waiting
+    await s.canaries.tick()
+    assert s.take(KVCanaryReserve) == []
+    s.clock.now += 0.2  # a further period has passed: measured under load
+    await s.canaries.tick()
+    await s.land(seconds=0.004, num_bytes=16_000_000, transport="nixl")  # 4 GB/s
+    [pair] = readiness(s.registry, s.canaries).pairs
+    assert pair.path is not None and s.slow() == 1.0
+    assert pair.path.warning.endswith("(measured under load: 5 requests on the two workers)")
+
+
 async def test_canary_skipped_by_the_prefill_worker_leaves_the_pair_usable() -> None:
     s = Setup()
     await s.canaries.tick()
