@@ -42,8 +42,9 @@ import torch
 
 from bench.ceilings import copy_bandwidth
 from bench.timing import Spread, ceiling_seconds, replay_seconds, time_calls
-from engine.ops.fused_moe import fused_moe, fused_moe_gemv, fused_moe_reference, moe_path
+from engine.ops.fused_moe import fused_moe, fused_moe_reference, moe_path
 from engine.ops.fused_moe_fp8 import ExpertScales, quantize_experts
+from engine.ops.fused_moe_gemv import fused_moe_gemv
 
 # (experts, top_k, hidden, expert width) of the published configs
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336),

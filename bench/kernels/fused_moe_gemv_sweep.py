@@ -39,7 +39,8 @@ import torch
 from bench.ceilings import copy_bandwidth
 from bench.kernels.fused_moe import SHAPES
 from bench.timing import replay_seconds
-from engine.ops.fused_moe import fused_moe_gemv, fused_moe_reference, gemv_moe_slots, gemv_moe_tile
+from engine.ops.fused_moe import fused_moe_reference
+from engine.ops.fused_moe_gemv import fused_moe_gemv, gemv_moe_slots, gemv_moe_tile
 from engine.ops.gemv import gemv
 
 UP_TILES = ["2x1024x4", "4x1024x4", "1x2048x4", "2x2048x8", "4x512x4", "8x512x4", "8x256x4", "16x256x8"]

@@ -12,9 +12,9 @@ each scale once per weight tile (block scales: once per tile and chunk of inputs
   inputs inside one column of scale tiles);
 - matrix-vector kernels, block scales: multiplied into the activations, one scale per (row of scale
   tiles, chunk of inputs under one scale) as ``engine.ops.fp8_gemv`` does, the products of the e4m3
-  values and the scaled float32 activations summed in float32 (``gemv_scale_tile`` keeps a program's
-  outputs in one row of scale tiles and its chunks in one column); a dequantized weight is never rounded
-  to the dtype;
+  values and the scaled float32 activations summed in float32 (``fused_moe_gemv.gemv_scale_tile`` keeps
+  a program's outputs in one row of scale tiles and its chunks in one column); a dequantized weight is
+  never rounded to the dtype;
 - per-row scales (both paths): once per output after its float32 sum (e4m3 values are exact in
   fp16/bf16, so the products are exact).
 

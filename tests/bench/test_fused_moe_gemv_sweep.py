@@ -10,7 +10,8 @@ import torch
 
 from bench.kernels.fused_moe import SHAPES, layer
 from bench.kernels.fused_moe_gemv_sweep import DOWN_TILES, ROUTER_TILES, UP_TILES, parse_tile, routings
-from engine.ops.fused_moe import fused_moe_gemv, fused_moe_reference
+from engine.ops.fused_moe import fused_moe_reference
+from engine.ops.fused_moe_gemv import fused_moe_gemv
 from engine.ops.gemv import gemv, gemv_reference
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.ops.fused_moe import fused_moe, fused_moe_gemv, fused_moe_reference, moe_path
+from engine.ops.fused_moe import fused_moe, fused_moe_reference, moe_path
+from engine.ops.fused_moe_gemv import fused_moe_gemv
 from tests.engine.grid import FULL_GRID, grid
 
 CUDA = torch.cuda.is_available()

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from engine.ops.fp8_weight import FP8_DTYPE
-from engine.ops.fused_moe import fused_moe, fused_moe_gemv, fused_moe_reference, gemv_scale_tile, moe_tile
+from engine.ops.fused_moe import fused_moe, fused_moe_reference, moe_tile
 from engine.ops.fused_moe_fp8 import ExpertScales, dequantize_experts, quantize_experts
+from engine.ops.fused_moe_gemv import fused_moe_gemv, gemv_scale_tile
 from tests.engine.grid import grid
 from tests.engine.test_fused_moe import DEVICE, DTYPES, TOL, moe_case
 

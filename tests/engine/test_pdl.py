@@ -150,7 +150,7 @@ def test_moe_chain_in_a_graph_with_pdl_equals_eager_without(slots: int) -> None:
     """A batch-1 MoE layer's launches (q/k head norms, router GEMV, top-k softmax, the matrix-vector
     experts with ``slots`` experts read at once) captured with PDL equal the eager chain without PDL, bit
     for bit, replay after replay."""
-    from engine.ops.fused_moe import fused_moe_gemv
+    from engine.ops.fused_moe_gemv import fused_moe_gemv
     from engine.ops.rms_norm import qk_rms_norm
     from engine.ops.topk_softmax import topk_softmax
 

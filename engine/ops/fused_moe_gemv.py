@@ -1,0 +1,260 @@
+"""Mixture-of-experts feed-forward for few routed pairs (decode at small batch): one matrix-vector
+product per (token, expert) pair, no alignment (Triton; the reference is
+``engine.ops.fused_moe.fused_moe_reference``).
+
+Few pairs (``engine.ops.fused_moe.moe_path``): the grouped GEMM's blocks are mostly padding and a
+step's cost is the alignment's dozen small launches plus too few programs streaming each expert's
+weights. The matrix-vector path skips the alignment: ``_gate_up_gemv_kernel`` runs one program per
+(pair, ``block_n`` columns of ``I``) and ``_down_gemv_kernel`` one per (token, ``block_n`` columns of
+``H``) that walks the token's ``k`` experts in slot order, ``SLOTS`` of them read at once
+(``gemv_moe_slots``: a program's loads for those experts in flight together), each a row-blocked GEMV as
+``engine.ops.gemv`` (float32 products summed along the row, the same roundings as the grouped
+kernels), the weighted sum kept in float32 and rounded once. A weight is read once per pair that
+routes to it, so the path pays off only while pairs rarely share an expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.ops.fused_moe_args import check_args, flat, scale_mode
+from engine.ops.fused_moe_fp8 import ExpertScales, kernel_scale_args
+from engine.ops.pdl import gdc_enter, pdl_kwargs
+
+
+def gemv_scale_tile(block_n: int, block_k: int, block: tuple[int, int] | None) -> tuple[int, int]:
+    """``(block_n, scale_k)`` that the matrix-vector MoE kernels run a ``block_n x block_k`` tile (powers of
+    two) with: unscaled or per-row scales (``block`` None) ``(block_n, block_k)``; block scales of
+    ``block = (rows, cols)``: ``block_n`` halved until it divides ``rows`` (a program's outputs then lie in
+    one row of scale tiles) and ``scale_k`` the largest power of two dividing both ``block_k`` and ``cols``
+    (the inputs under one scale that the kernels multiply into the activations at once)."""
+    if block is None:
+        return block_n, block_k
+    while block[0] % block_n:
+        block_n //= 2
+    return block_n, min(block_k, block[1] & -block[1])
+
+
+@triton.jit
+def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    x_ptr, w_ptr, ids_ptr, act_ptr, s_ptr,
+    top_k, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, USE_GDC: tl.constexpr,
+    SCALE: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < inter
+    gdc_enter(USE_GDC)  # the routing comes from the kernels just before
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token = (pair // top_k).to(tl.int64)
+    gate_rows = w_ptr + expert * stride_we + cols.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    up_rows = gate_rows + inter * stride_wn
+    x_row = x_ptr + token * stride_xt
+    s_base = s_ptr + expert * stride_se
+    dt = act_ptr.dtype.element_ty
+    if SCALE == 2:
+        # block scales: the program's rows lie in one row of scale tiles (BLOCK_N divides the block height)
+        # and SCALE_K divides the block width, so the tile is [BLOCK_N, CHUNKS, SCALE_K] with one gate and
+        # one up scale per chunk of SCALE_K inputs, multiplied into x (fused_moe_fp8's module docstring)
+        chunks: tl.constexpr = BLOCK_K // SCALE_K
+        cs = tl.arange(0, chunks)
+        offs = cs[:, None] * SCALE_K + tl.arange(0, SCALE_K)[None, :]  # [CHUNKS, SCALE_K]
+        first = tl.program_id(1) * BLOCK_N
+        gate_s = s_base + (first // scale_rows).to(tl.int64) * stride_sn
+        up_s = s_base + ((inter + first) // scale_rows).to(tl.int64) * stride_sn
+        gate_rows3 = gate_rows[:, :, None]  # [BLOCK_N, 1, 1]
+        up_rows3 = up_rows[:, :, None]
+        acc_gate3 = tl.zeros((BLOCK_N, chunks, SCALE_K), dtype=tl.float32)
+        acc_up3 = tl.zeros((BLOCK_N, chunks, SCALE_K), dtype=tl.float32)
+        for k in range(0, hidden, BLOCK_K):
+            kk = k + offs
+            k_mask = kk < hidden
+            starts = k + cs * SCALE_K  # [CHUNKS]
+            s_mask = starts < hidden
+            s_cols = (starts // scale_cols).to(tl.int64) * stride_sk
+            xv = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+            xg = xv * tl.load(gate_s + s_cols, mask=s_mask, other=0.0)[:, None]
+            xu = xv * tl.load(up_s + s_cols, mask=s_mask, other=0.0)[:, None]
+            w_mask = col_mask[:, None, None] & k_mask[None, :, :]
+            wg = tl.load(gate_rows3 + kk[None, :, :], mask=w_mask, other=0.0).to(tl.float32)
+            wu = tl.load(up_rows3 + kk[None, :, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_gate3 += wg * xg[None, :, :]
+            acc_up3 += wu * xu[None, :, :]
+        g = tl.sum(tl.sum(acc_gate3, axis=2), axis=1)
+        u = tl.sum(tl.sum(acc_up3, axis=2), axis=1)
+    else:
+        ks = tl.arange(0, BLOCK_K)
+        acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in range(0, hidden, BLOCK_K):
+            kk = k + ks
+            k_mask = kk < hidden
+            xv = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            wg = tl.load(gate_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_gate += wg * xv[None, :]
+            acc_up += wu * xv[None, :]
+        g = tl.sum(acc_gate, axis=1)
+        u = tl.sum(acc_up, axis=1)
+        if SCALE == 1:  # per-row scales times the float32 sums
+            g = g * tl.load(s_base + (cols // scale_rows).to(tl.int64) * stride_sn, mask=col_mask, other=0.0)
+            u = u * tl.load(s_base + ((inter + cols) // scale_rows).to(tl.int64) * stride_sn, mask=col_mask,
+                            other=0.0)
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_at + cols, (silu * u).to(dt), mask=col_mask)
+
+
+@triton.jit
+def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, s_ptr,
+    top_k, inter, hidden,
+    stride_at, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, SLOTS: tl.constexpr,
+    USE_GDC: tl.constexpr, SCALE: tl.constexpr,
+):
+    # tiles are [BLOCK_N output columns, SLOTS slots of the token, BLOCK_K inputs]: SLOTS experts' weights
+    # are in flight at once instead of one expert after the other
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    cols3 = cols.to(tl.int64)[:, None, None]  # [BLOCK_N, 1, 1]
+    js = tl.arange(0, SLOTS)
+    gdc_enter(USE_GDC)  # the activations come from the kernel just before
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dt = act_ptr.dtype.element_ty
+    if SCALE == 2:
+        # block scales: the program's rows lie in one row of scale tiles (BLOCK_N divides the block height)
+        # and SCALE_K divides the block width; the slots' inputs are cut into chunks of SCALE_K, chunk m
+        # of slot m // CHUNKS, each with one scale multiplied into the activations: [BLOCK_N, SLOTS *
+        # CHUNKS, SCALE_K] tiles (fused_moe_fp8's module docstring)
+        chunks: tl.constexpr = BLOCK_K // SCALE_K
+        ms = tl.arange(0, SLOTS * chunks)
+        m_slot = ms // chunks
+        m_offs = (ms % chunks) * SCALE_K  # [SLOTS * CHUNKS]
+        kc = tl.arange(0, SCALE_K)
+        srow = ((tl.program_id(1) * BLOCK_N) // scale_rows).to(tl.int64) * stride_sn
+        for j0 in range(0, top_k, SLOTS):
+            m_mask = (j0 + m_slot) < top_k
+            m_pairs = token * top_k + j0 + m_slot
+            m_experts = tl.load(ids_ptr + m_pairs, mask=m_mask, other=0).to(tl.int64)
+            rows = w_ptr + m_experts[None, :, None] * stride_we + cols3 * stride_wn  # [BLOCK_N, M, 1]
+            s_m = s_ptr + m_experts * stride_se + srow
+            a_m = act_ptr + m_pairs * stride_at
+            row_mask = col_mask[:, None, None] & m_mask[None, :, None]
+            acc3 = tl.zeros((BLOCK_N, SLOTS * chunks, SCALE_K), dtype=tl.float32)
+            for k in range(0, inter, BLOCK_K):
+                starts = k + m_offs
+                kk = starts[:, None] + kc[None, :]  # [M, SCALE_K]
+                k_mask = kk < inter
+                av = tl.load(a_m[:, None] + kk, mask=m_mask[:, None] & k_mask, other=0.0).to(tl.float32)
+                sc = tl.load(s_m + (starts // scale_cols).to(tl.int64) * stride_sk,
+                             mask=m_mask & (starts < inter), other=0.0)
+                av = av * sc[:, None]
+                w = tl.load(rows + kk[None, :, :], mask=row_mask & k_mask[None, :, :], other=0.0)
+                acc3 += w.to(tl.float32) * av[None, :, :]
+            # each slot's sum over its chunks: [BLOCK_N, SLOTS]
+            y = tl.sum(tl.reshape(tl.sum(acc3, axis=2), (BLOCK_N, SLOTS, chunks)), axis=2)
+            y = y.to(dt).to(tl.float32)
+            slot_mask = (j0 + js) < top_k
+            route = tl.load(weights_ptr + token * top_k + j0 + js, mask=slot_mask, other=0.0).to(tl.float32)
+            total += tl.sum(y * route[None, :], axis=1)
+    else:
+        srows3 = (cols // scale_rows).to(tl.int64)[:, None, None] * stride_sn
+        ks = tl.arange(0, BLOCK_K)
+        for j0 in range(0, top_k, SLOTS):
+            slot_mask = (j0 + js) < top_k
+            pairs = token * top_k + j0 + js  # [SLOTS]
+            experts = tl.load(ids_ptr + pairs, mask=slot_mask, other=0).to(tl.int64)
+            rows = w_ptr + experts[None, :, None] * stride_we + cols3 * stride_wn  # [BLOCK_N, SLOTS, 1]
+            a_rows = act_ptr + pairs[None, :, None] * stride_at  # [1, SLOTS, 1]
+            row_mask = col_mask[:, None, None] & slot_mask[None, :, None]
+            acc = tl.zeros((BLOCK_N, SLOTS, BLOCK_K), dtype=tl.float32)
+            for k in range(0, inter, BLOCK_K):
+                kk = (k + ks)[None, None, :]  # [1, 1, BLOCK_K]
+                k_mask = kk < inter
+                av = tl.load(a_rows + kk, mask=slot_mask[None, :, None] & k_mask, other=0.0).to(tl.float32)
+                w = tl.load(rows + kk, mask=row_mask & k_mask, other=0.0).to(tl.float32)
+                acc += w * av
+            y = tl.sum(acc, axis=2)  # [BLOCK_N, SLOTS]
+            if SCALE == 1:  # the sum drops the unit axis
+                s_rows = s_ptr + experts[None, :, None] * stride_se + srows3  # [BLOCK_N, SLOTS, 1]
+                y = y * tl.sum(tl.load(s_rows, mask=row_mask, other=0.0), axis=2)
+            y = y.to(dt).to(tl.float32)
+            route = tl.load(weights_ptr + pairs, mask=slot_mask, other=0.0).to(tl.float32)
+            total += tl.sum(y * route[None, :], axis=1)
+    tl.store(out_ptr + token * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+def gemv_moe_tile(num_tokens: int, down: bool) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)`` of the gate/up (``down`` False) or down matrix-vector MoE
+    kernel for ``num_tokens`` tokens: the best of ``bench.kernels.fused_moe_gemv_sweep`` on an H200
+    (Qwen3-30B-A3B shape, 2026-12-03, docs/benchmarks/README.md): one token 2 x 1024 with 4 warps for both
+    (gate/up and down together 58 % of the copy bandwidth; every other tile 46-58 %); more tokens 8 x 512
+    (gate/up) and 2 x 256 (down, with ``gemv_moe_slots`` 4) with 4 warps (kernel alone at 2 / 4 / 8 tokens
+    78 / 85 / 89 %; down 4 x 512 one slot at a time: 75 / 81 / 87 %; serving takes this path only up to
+    ``moe_path``'s pair limit). Swept with bf16 experts; FP8 experts take the same tiles (block-scaled ones
+    through ``gemv_scale_tile``), not re-measured."""
+    if num_tokens == 1:
+        return 2, 1024, 4
+    return (2, 256, 4) if down else (8, 512, 4)
+
+
+def gemv_moe_slots(num_tokens: int, top_k: int) -> int:
+    """Slots of a token whose experts the down matrix-vector kernel reads at once (``SLOTS``; a power of
+    two, the rest of the ``top_k`` slots in further rounds): one token 1 (one expert after the other; the
+    sweep found no gain), more tokens 4 (or ``top_k`` rounded up to a power of two when smaller), the
+    sweep's best with ``gemv_moe_tile``'s 2 x 256 down tile."""
+    if num_tokens == 1:
+        return 1
+    return min(4, 1 << max(0, top_k - 1).bit_length())
+
+
+def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                   up_tile: tuple[int, int, int] | None = None,
+                   down_tile: tuple[int, int, int] | None = None, down_slots: int | None = None,
+                   scales: ExpertScales | None = None) -> torch.Tensor:
+    """``fused_moe``'s matrix-vector path with its tiles given (``(block_n, block_k, num_warps)`` of the
+    gate/up and the down kernel; None: ``gemv_moe_tile``) and the down kernel's slots read at once
+    (``down_slots``, a power of two; None: ``gemv_moe_slots``; each program's down tile is then
+    ``block_n x down_slots x block_k``), for tile sweeps. Same arguments, result and errors as
+    ``fused_moe``, plus ValueError for a ``down_slots`` that is not a power of two."""
+    check_args(x, w_gate_up, w_down, topk_weights, topk_ids, scales)
+    slots = down_slots if down_slots is not None else gemv_moe_slots(x.shape[0], topk_ids.shape[1])
+    if slots < 1 or slots & (slots - 1):
+        raise ValueError(f"down_slots must be a power of two >= 1, got {slots}")
+    block = scales.block if scales is not None else None
+    s_up = kernel_scale_args(scales.gate_up if scales is not None else None, block, w_gate_up)
+    s_down = kernel_scale_args(scales.down if scales is not None else None, block, w_down)
+    t, hidden = x.shape
+    inter = w_gate_up.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    ids = flat(topk_ids)
+    act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return torch.zeros_like(x)
+    bn, bk, warps = up_tile or gemv_moe_tile(t, down=False)
+    bn, scale_k = gemv_scale_tile(bn, bk, block)
+    _gate_up_gemv_kernel[(t * top_k, triton.cdiv(inter, bn))](
+        x, w_gate_up, ids, act, s_up[0], top_k, hidden, inter,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), *s_up[1:],
+        BLOCK_N=bn, BLOCK_K=bk, SCALE_K=scale_k, SCALE=scale_mode(scales), num_warps=warps,
+        **pdl_kwargs(x),
+    )
+    weights = flat(topk_weights)  # the kernels widen each routing weight to float32 as they load it
+    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    bn, bk, warps = down_tile or gemv_moe_tile(t, down=True)
+    bn, scale_k = gemv_scale_tile(bn, bk, block)
+    _down_gemv_kernel[(t, triton.cdiv(hidden, bn))](
+        act, w_down, ids, weights, out, s_down[0], top_k, inter, hidden,
+        act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), *s_down[1:],
+        BLOCK_N=bn, BLOCK_K=bk, SCALE_K=scale_k, SLOTS=slots, SCALE=scale_mode(scales), num_warps=warps,
+        **pdl_kwargs(x),
+    )
+    return out
