@@ -38,7 +38,9 @@ def test_freeze_moves_what_is_alive_out_of_full_collections() -> None:
     gc.collect()
     before = time.perf_counter() - t0
     count = freeze_start_up_heap()
-    assert count == gc.get_freeze_count() and count >= len(kept)
+    # A frozen object that dies leaves the permanent generation (another test's thread may drop one
+    # between the freeze and this line), so the count can only be bounded, not matched.
+    assert len(kept) <= gc.get_freeze_count() <= count
     t0 = time.perf_counter()
     gc.collect()
     after = time.perf_counter() - t0
