@@ -85,8 +85,10 @@ def render_scale(levels: list[ScaleLevel], max_tokens: int, plan: CorePlan | Non
                  per_process: int | None = None) -> list[str]:
     """The ``--gateway-processes`` section: the CPU pinning (``plan``, None: not pinned) and offered load
     (``per_process`` streams per gateway process, None: the same streams at every N), then per N:
-    aggregate tokens/s and req/s, their ratios to the first N of the run, whether the load side kept up
-    (CPU shares of one core), each gateway process's CPU and the cores it was allowed."""
+    output tokens/s over the steady window (every stream streaming) and its ratio to the first N of the
+    run ("–" where a window was empty), tokens/s and req/s over the whole run and the req/s ratio,
+    whether the load side kept up (CPU shares of one core), each gateway process's CPU and the cores it
+    was allowed."""
     ref = levels[0]
     pinning = (f"- CPU pinning (`--pin-cpus`): {plan.describe()} (the pool's parent on "
                f"{format_cpus(plan.gateway_union)} when N > 1)" if plan is not None
@@ -96,17 +98,23 @@ def render_scale(levels: list[ScaleLevel], max_tokens: int, plan: CorePlan | Non
     lines = [f"## Gateway processes on one host (`pdserve gateway --workers N`), {max_tokens} tokens per "
              "request", "", pinning, load, "",
              f"Ratios are to N = {ref.processes} in this run (goal on a 16-core host: 2 processes >= 1.8x, "
-             "4 >= 3.2x tokens/s). CPU: share of one core over the measured time; a client or fake worker "
-             "near 1.0 may be the limit rather than the gateway. `took`: processes that took requests.", "",
-             "| processes | clients | streams | ok/sent | tokens/s | req/s | x tokens/s | x req/s "
+             "4 >= 3.2x tokens/s). Steady: output tokens/s while every stream of every client was "
+             "streaming (the run's ramp-up and drain left out; \"–\": no such window, too few requests "
+             "per stream); whole run: from the first client's start to the last one's end. CPU: share of "
+             "one core over the measured time; a client or fake worker near 1.0 may be the limit rather "
+             "than the gateway. `took`: processes that took requests.", "",
+             "| processes | clients | streams | ok/sent | steady tokens/s (s) | x steady tokens/s "
+             "| whole-run tokens/s | req/s | x req/s "
              "| gateway cores | busiest client | fake decode workers | busiest fake worker | took | leaks "
              "| cores per gateway process | allowed cores per gateway process |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for lv in levels:
-        tok = lv.tokens_s / ref.tokens_s if ref.tokens_s > 0 else 0.0
+        tok = (f"**{lv.steady_tokens_s / ref.steady_tokens_s:.2f}**"
+               if ref.steady_tokens_s > 0 and lv.steady_tokens_s > 0 else "–")
+        steady = f"{lv.steady_tokens_s:.0f} ({lv.steady_s:.2f})" if lv.steady_s > 0 else "–"
         req = lv.req_s / ref.req_s if ref.req_s > 0 else 0.0
         lines.append(f"| {lv.processes} | {lv.clients} | {lv.concurrency} | {lv.completed}/{lv.sent} "
-                     f"| {lv.tokens_s:.0f} | {lv.req_s:.1f} | **{tok:.2f}** | {req:.2f} "
+                     f"| {steady} | {tok} | {lv.tokens_s:.0f} | {lv.req_s:.1f} | {req:.2f} "
                      f"| {lv.gateway_cores:.2f} "
                      f"| {lv.busiest_client_core:.2f} | {lv.decode_workers} | {lv.busiest_worker_core:.2f} "
                      f"| {lv.processes_used}/{lv.processes} | {lv.leaks} "

@@ -145,9 +145,12 @@ def start_target(target: str, cfg: OverheadConfig, tokenizer_dir: Path, sup: Sup
     return url
 
 
-async def run_level(url: str, cfg: OverheadConfig, concurrency: int) -> tuple[list[RequestRecord], float]:
+async def run_level(url: str, cfg: OverheadConfig, concurrency: int,
+                    origin: list[float] | None = None) -> tuple[list[RequestRecord], float]:
     """``cfg.warmup`` then ``cfg.requests`` streamed completions, ``concurrency`` in flight (closed loop).
-    Returns the measured records and the wall seconds of the measured part."""
+    Returns the measured records and the wall seconds of the measured part. ``origin``, when given, gets
+    the measured part's start appended (``time.perf_counter()`` seconds: the records' ``start_s`` is
+    relative to it)."""
     body = {"model": "fake-model", "prompt": PROMPT, "max_tokens": cfg.max_tokens, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -162,6 +165,8 @@ async def run_level(url: str, cfg: OverheadConfig, concurrency: int) -> tuple[li
         await asyncio.gather(*[loop(todo, time.perf_counter(), warm) for _ in range(concurrency)])
         records: list[RequestRecord] = []
         t0, todo = time.perf_counter(), iter(range(cfg.requests))
+        if origin is not None:
+            origin.append(t0)
         await asyncio.gather(*[loop(todo, t0, records) for _ in range(concurrency)])
         return records, time.perf_counter() - t0
 

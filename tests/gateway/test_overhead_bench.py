@@ -17,7 +17,13 @@ from bench.gateway.curve_cost import CurveCost, CurveRound
 from bench.gateway.overhead import main
 from bench.gateway.overhead_report import render_curve_cost, render_scale
 from bench.gateway.overhead_targets import OverheadConfig, summarize_level
-from bench.gateway.process_scaling import ScaleLevel, run_scale_level
+from bench.gateway.process_scaling import (
+    ClientShare,
+    ScaleLevel,
+    client_timeline,
+    run_scale_level,
+    steady_window,
+)
 from loadtest.records import RequestRecord
 
 
@@ -148,26 +154,65 @@ def test_curve_cost_smoke_run(tokenizer_dir: Path, tmp_path: Path) -> None:
     assert sum(r["gateway_cpu_s"] for r in cost["rounds"]) > 0  # the gateways did work (10 ms ticks)
 
 
-def _scale(processes: int, tokens_s: float, req_s: float) -> ScaleLevel:
+def _scale(processes: int, tokens_s: float, req_s: float, steady_tokens_s: float = 0.0) -> ScaleLevel:
     return ScaleLevel(processes=processes, clients=4, concurrency=64, sent=100, completed=100, tokens=1600,
                       first_error="", wall_s=1.0, tokens_s=tokens_s, req_s=req_s,
                       gateway_cores=0.9 * processes, busiest_client_core=0.5, busiest_worker_core=0.3,
-                      processes_used=processes, leaks="ok")
+                      processes_used=processes, leaks="ok", steady_s=0.5 if steady_tokens_s else 0.0,
+                      steady_tokens_s=steady_tokens_s)
 
 
-def test_scale_report_gives_ratios_to_the_first() -> None:
-    text = "\n".join(render_scale([_scale(1, 6000, 50), _scale(2, 11400, 90), _scale(4, 20400, 170)], 128))
-    assert ("| 1 | 4 | 64 | 100/100 | 6000 | 50.0 | **1.00** | 1.00 | 0.90 | 0.50 | 1 | 0.30 | 1/1 | ok |"
-            in text)
-    assert "| 2 | 4 | 64 | 100/100 | 11400 | 90.0 | **1.90** | 1.80 | 1.80 |" in text
-    assert "| 4 | 4 | 64 | 100/100 | 20400 | 170.0 | **3.40** | 3.40 | 3.60 |" in text
+def test_scale_report_gives_steady_ratios_to_the_first() -> None:
+    text = "\n".join(render_scale([_scale(1, 6000, 50, 6500), _scale(2, 11400, 90, 13000),
+                                   _scale(4, 20400, 170, 23400)], 128))
+    assert ("| 1 | 4 | 64 | 100/100 | 6500 (0.50) | **1.00** | 6000 | 50.0 | 1.00 | 0.90 | 0.50 | 1 | 0.30 "
+            "| 1/1 | ok |" in text)
+    assert "| 2 | 4 | 64 | 100/100 | 13000 (0.50) | **2.00** | 11400 | 90.0 | 1.80 | 1.80 |" in text
+    assert "| 4 | 4 | 64 | 100/100 | 23400 (0.50) | **3.60** | 20400 | 170.0 | 3.40 | 3.60 |" in text
+    empty = "\n".join(render_scale([_scale(1, 6000, 50, 6500), _scale(2, 11400, 90)], 128))
+    assert "| 2 | 4 | 64 | 100/100 | – | – | 11400 | 90.0 | 1.80 |" in empty  # no window: no ratio
+
+
+def _record(index: int, start: float, ttft: float, itl: list[float], tokens: int,
+            success: bool = True) -> RequestRecord:
+    return RequestRecord(index=index, session_id=index, turn=0, start_s=start, success=success, ttft_s=ttft,
+                         itl_s=itl, output_tokens=tokens)
+
+
+def test_client_timeline_places_every_token_on_the_shared_clock() -> None:
+    records = [_record(0, 0.0, 0.5, [0.25, 0.25], 3), _record(1, 0.1, 1.0, [0.5], 4),
+               _record(2, 2.0, 0.1, [], 2), _record(3, 2.5, 0.2, [0.1], 2, success=False)]
+    streaming, last_send, arrivals, weights = client_timeline(records, 100.0, 2)
+    assert streaming == pytest.approx(101.1)  # the first wave (sent at 0.0 and 0.1): latest first token
+    assert last_send == pytest.approx(102.5)
+    assert arrivals == pytest.approx([100.5, 100.75, 101.0, 101.1, 101.6, 102.1])  # failed one left out
+    assert weights == pytest.approx([1, 1, 1, 2, 2, 2])  # 4 tokens in 2 chunks, 2 tokens in 1
+    with pytest.raises(ValueError, match="no request records"):
+        client_timeline([], 0.0, 1)
+
+
+def _share(streaming: float, last_send: float, arrivals: list[float]) -> ClientShare:
+    return ClientShare(sent=1, completed=1, tokens=len(arrivals), first_error="", start=0.0, end=10.0,
+                       cpu_s=0.0, all_streaming=streaming, last_send=last_send, arrivals=arrivals,
+                       weights=[1.0] * len(arrivals))
+
+
+def test_steady_window_is_where_every_client_streams() -> None:
+    a = _share(1.0, 5.0, [0.5, 1.0, 2.0, 3.0, 4.9, 5.0, 6.0])
+    b = _share(2.0, 6.0, [1.5, 2.0, 2.5, 5.5])
+    seconds, tokens = steady_window([a, b])
+    assert seconds == pytest.approx(3.0)  # from b's first wave streaming (2.0) to a's last send (5.0)
+    assert tokens == 5  # a: 2.0, 3.0, 4.9; b: 2.0, 2.5 (5.0 is the end, left out)
+    assert steady_window([a, _share(5.5, 9.0, [6.0])]) == (0.0, 0.0)  # a ran dry before it streamed
 
 
 @pytest.mark.slow  # starts a 1-process and a 2-process gateway (one after the other) with fake workers
 def test_gateway_processes_smoke_run(tokenizer_dir: Path, tmp_path: Path) -> None:
     out, md = tmp_path / "r.json", tmp_path / "r.md"
+    # 32 requests x 128 tokens per client: its share (every token's arrival time) is larger than a
+    # pipe's 64 KiB buffer, so the bench must read it before it joins the client process
     rc = main(["--targets", "", "--gateway-processes", "1,2", "--client-processes", "2",
-               "--scale-concurrency", "4", "--requests", "16", "--warmup", "1", "--max-tokens", "4",
+               "--scale-concurrency", "4", "--requests", "64", "--warmup", "1", "--max-tokens", "128",
                "--fake-decode-workers", "2",
                "--tokenizer", str(tokenizer_dir), "--json", str(out), "--out", str(md)])
     assert rc == 0
@@ -175,12 +220,13 @@ def test_gateway_processes_smoke_run(tokenizer_dir: Path, tmp_path: Path) -> Non
     assert [(s["processes"], s["clients"], s["concurrency"], s["decode_workers"]) for s in scale] == [
         (1, 2, 4, 2), (2, 2, 4, 2)]  # the leak check below covers both fake decode workers
     for s in scale:
-        assert (s["sent"], s["completed"], s["tokens"], s["leaks"]) == (16, 16, 64, "ok"), s["first_error"]
-        assert s["tokens_s"] == pytest.approx(64 / s["wall_s"]) and s["req_s"] > 0
+        assert (s["sent"], s["completed"], s["tokens"], s["leaks"]) == (64, 64, 8192, "ok"), s["first_error"]
+        assert s["tokens_s"] == pytest.approx(8192 / s["wall_s"]) and s["req_s"] > 0
+        assert 0 <= s["steady_tokens_s"] * s["steady_s"] <= 8192  # the window holds a part of the tokens
         assert 1 <= s["processes_used"] <= s["processes"]
         assert len(s["process_cores"]) == len(s["gateway_cpus"]) == s["processes"]
         assert sum(s["process_cores"]) <= s["gateway_cores"] + 0.05  # the pool's parent adds to the total
-    assert "| 1 | 2 | 4 | 16/16 |" in md.read_text() and "**1.00**" in md.read_text()
+    assert "| 1 | 2 | 4 | 64/64 |" in md.read_text() and "**1.00**" in md.read_text()
 
 
 @pytest.mark.parametrize(("argv", "why"), [
