@@ -203,6 +203,10 @@ def _add_worker(add: _Adder, role: str) -> None:
              "(0: no such server)")
     add("--engine-stall-timeout", type=parse_duration, default=60.0,
         help="/health and /live answer 503 once the engine loop has not ticked for this long")
+    add("--cpu-threads", type=int, default=0,
+        help="torch intra-op threads of each rank for its CPU work, all of a model's on a CPU device "
+             "(0: torch's default, one per core; pdserve up gives each CPU worker's rank an equal share "
+             "of its cores, as worker processes sharing cores with a thread per core slow each other down)")
     add("--tensor-parallel-size", type=int, default=1,
         help="processes (one GPU each: cuda:0..N-1 of the visible devices) sharing the model; on a "
              "prefill or decode worker every rank runs its own KV endpoint (the two sides may differ in N)")

@@ -72,7 +72,8 @@ def visible_gpu_ids(cuda_visible_devices: str | None, num_gpus: int) -> list[str
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one worker runs: ``flags`` (``--device`` and, on GPUs, ``--kv-memory-fraction``) and
+    """Where one worker runs: ``flags`` (``--device``; on GPUs ``--kv-memory-fraction``; on the CPU
+    ``--cpu-threads`` when the launcher shares its cores out) and
     ``gpus``, the indices (among this process's visible GPUs) of the GPUs its tensor parallel ranks own,
     rank r on ``gpus[r]``; empty when the worker is not given GPUs of its own (CPU, an explicit
     ``--device``, or one rank placed by ``--device cuda:i``)."""
@@ -81,9 +82,14 @@ class Placement:
     gpus: tuple[int, ...] = ()
 
 
-def placements(device: str, tensor_parallel_sizes: Sequence[int], num_gpus: int) -> list[Placement]:
+def placements(device: str, tensor_parallel_sizes: Sequence[int], num_gpus: int,
+               cpu_cores: int = 0) -> list[Placement]:
     """Where each worker runs, given each worker's tensor parallel size (one entry per worker, in start
-    order). With ``--device auto|cuda`` and GPUs present: when every worker has one rank, worker i gets
+    order). On the CPU (``--device cpu``, or ``auto`` without GPUs) with ``cpu_cores`` > 0 (the cores
+    this process may run on), every worker also gets ``--cpu-threads``: an equal share of the cores per
+    rank, at least 1, since ranks each with a thread per core would spin against each other (on 2 cores,
+    four SmolLM2 decodes at once: 19-24 s with two threads each, 4 s with one). With ``--device
+    auto|cuda`` and GPUs present: when every worker has one rank, worker i gets
     ``--device cuda:{i % num_gpus}`` (one worker per GPU when there are enough) and, where k workers
     share a GPU, a KV memory fraction of 0.85 / k of its free memory; when some worker has several ranks,
     every worker gets GPUs of its own, consecutive and never shared (``gpus``; the launcher lists them
@@ -102,7 +108,9 @@ def placements(device: str, tensor_parallel_sizes: Sequence[int], num_gpus: int)
         raise ValueError(f"--device {device} names one GPU but --tensor-parallel-size "
                          f"{max(sizes)} needs one per rank: use --device auto or cuda")
     if device not in ("auto", "cuda") or num_gpus == 0:
-        return [Placement(("--device", device))] * len(sizes)
+        threads = (("--cpu-threads", str(max(1, cpu_cores // sum(sizes))))
+                   if cpu_cores > 0 and sizes and (device == "cpu" or num_gpus == 0) else ())
+        return [Placement(("--device", device, *threads))] * len(sizes)
     if several:
         if sum(sizes) > num_gpus:
             raise ValueError(f"--tensor-parallel-size: {len(sizes)} workers need {sum(sizes)} GPUs "
@@ -138,7 +146,8 @@ def num_workers(settings: UpSettings) -> int:
 
 
 def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
-         keys_dir: str | None = None, metrics_ports: Sequence[int] = ()) -> list[tuple[str, list[str]]]:
+         keys_dir: str | None = None, metrics_ports: Sequence[int] = (),
+         cpu_cores: int = 0) -> list[tuple[str, list[str]]]:
     """The children to start, in order: (name, argv after ``python -m pdserve.cli``). Gateway first.
     ``control_port``: the first of ``settings.gateway_workers`` consecutive free ports, one per gateway
     process (every worker is given all of them). ``num_gpus``: visible GPUs, used to place workers (see
@@ -146,7 +155,8 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
     CURVE key directory every child gets (default ``settings.curve_keys``). The gateway's and the
     workers' settings given to ``up`` follow as flags (``changed_flags``); a worker's own flags come
     last, so an explicit ``--kv-memory-fraction`` wins over the share ``placements`` gives.
-    ``metrics_ports``: one ``--metrics-port`` per worker, in start order (empty: none).
+    ``metrics_ports``: one ``--metrics-port`` per worker, in start order (empty: none). ``cpu_cores``:
+    the cores the workers share when they run on the CPU (``placements``; 0: no ``--cpu-threads``).
 
     Raises:
         ValueError: no key directory and no ``--insecure-control-plane``, ``metrics_ports`` neither
@@ -180,7 +190,8 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
     roles = worker_roles(settings)
     if metrics_ports and len(metrics_ports) != len(roles):
         raise ValueError(f"plan: {len(metrics_ports)} metrics ports for {len(roles)} workers")
-    for k, ((role, name), place) in enumerate(zip(roles, worker_placements(settings, num_gpus), strict=True)):
+    places = worker_placements(settings, num_gpus, cpu_cores)
+    for k, ((role, name), place) in enumerate(zip(roles, places, strict=True)):
         extra = transfer if role != "colocated" else []
         metrics = ["--metrics-port", str(metrics_ports[k])] if metrics_ports else []
         children.append((name, [role, "--worker-id", f"up-{name}", *worker, *metrics, *place.flags, *extra,
@@ -196,15 +207,15 @@ def worker_roles(settings: UpSettings) -> list[tuple[str, str]]:
             for i in range(count)]
 
 
-def worker_placements(settings: UpSettings, num_gpus: int) -> list[Placement]:
+def worker_placements(settings: UpSettings, num_gpus: int, cpu_cores: int = 0) -> list[Placement]:
     """Each worker's ``Placement`` (in ``worker_roles`` order): every worker has ``--tensor-parallel-size``
-    ranks as given to ``up``.
+    ranks as given to ``up``; ``cpu_cores`` as ``placements``.
 
     Raises:
         ValueError: the ranks do not fit the visible GPUs (``placements``).
     """
     size = settings.worker.tensor_parallel_size
-    return placements(settings.device, [size] * num_workers(settings), num_gpus)
+    return placements(settings.device, [size] * num_workers(settings), num_gpus, cpu_cores)
 
 
 def worker_envs(settings: UpSettings, num_gpus: int,
@@ -316,7 +327,7 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     metrics_ports = free_ports(num_workers(settings), exclude=(settings.port,))
     control_port = free_port_range(settings.gateway_workers, exclude=(settings.port, *metrics_ports))
     try:  # a tensor parallel size the GPUs cannot hold is refused before any child starts
-        children = plan(settings, control_port, gpus, keys_dir, metrics_ports)
+        children = plan(settings, control_port, gpus, keys_dir, metrics_ports, len(os.sched_getaffinity(0)))
         envs = {"gateway": gateway_env, **worker_envs(settings, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))}
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)

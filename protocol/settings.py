@@ -185,6 +185,7 @@ class WorkerSettings:
     engine_warmup: str = "auto"
     metrics_port: int = 0  # /metrics, /health, /live on this TCP port (0: no such server)
     engine_stall_timeout: float = 60.0  # seconds without an engine-loop tick before /health is 503
+    cpu_threads: int = 0  # torch intra-op threads of each rank (0: torch's default, every core)
     tensor_parallel_size: int = 1
     curve_keys: str | None = None  # directory with the fleet's CURVE key pair (kvtransfer/curve.py)
     insecure_control_plane: bool = False  # no CURVE on the gateway and KV control sockets
@@ -231,6 +232,8 @@ class WorkerSettings:
                f"must be in [0, 65535] (0: no metrics server), got {self.metrics_port}")
         _check(self.metrics_port == 0 or self.metrics_port != self.port, "metrics-port",
                f"must differ from --port ({self.port})")
+        _check(self.cpu_threads >= 0, "cpu-threads",
+               f"must be >= 0 (0: torch's default), got {self.cpu_threads}")
         _check(0 < self.engine_stall_timeout < float("inf"), "engine-stall-timeout",
                f"must be > 0 seconds, got {self.engine_stall_timeout}")
         _check(self.transfer_backend in ("nixl", "ucx", "loopback"), "transfer-backend",

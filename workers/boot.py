@@ -29,7 +29,8 @@ WorkerFactory = Callable[["WorkerSettings", "EngineCore", str], "WorkerLoop"]
 
 
 def build_core(settings: WorkerSettings, *, prefill_only: bool = False) -> tuple[EngineCore, str]:
-    """Load the model and size the KV cache; returns the engine and the local model directory.
+    """Set torch's intra-op threads (``--cpu-threads``, when not 0), load the model and size the KV cache;
+    returns the engine and the local model directory.
 
     Raises:
         ValueError / FileNotFoundError: bad settings or a model that cannot be found or loaded.
@@ -38,6 +39,10 @@ def build_core(settings: WorkerSettings, *, prefill_only: bool = False) -> tuple
     from engine.models.registry import resolve_model
     from workers.setup import engine_config_from_settings
 
+    if settings.cpu_threads:  # before the model is built; the other tensor parallel ranks inherit it
+        import torch
+
+        torch.set_num_threads(settings.cpu_threads)
     path = str(resolve_model(settings.model))
     rank_hook = None
     if settings.role in ("prefill", "decode") and settings.tensor_parallel_size > 1:

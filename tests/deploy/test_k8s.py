@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,10 @@ def test_pods_wiring(overlay: str) -> None:
         env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
         tp = env.get("PDSERVE_TENSOR_PARALLEL_SIZE")
         assert tp == gpus, (overlay, name)  # one GPU per tensor parallel rank
+        if name in WORKERS:  # torch threads: the pod's CPU request, not one per core of the node
+            threads = {e["name"]: e.get("valueFrom") for e in c["env"]}["PDSERVE_CPU_THREADS"]
+            assert threads == {"resourceFieldRef": {"resource": "requests.cpu"}}, (overlay, name)
+            assert int(c["resources"]["requests"]["cpu"]) >= 1, (overlay, name)
     worker_cfg = _get(resources, "ConfigMap", "pdserve-worker-config")["data"]
     # workers register through a Service that lists the gateway before it is ready (its readiness, /ready,
     # needs registered workers); the API Service lists only ready gateways
@@ -150,7 +155,14 @@ def _container_env(resources: tuple[dict[str, Any], ...], c: dict[str, Any], tmp
     for src in c.get("envFrom", []):
         env.update(_get(resources, "ConfigMap", src["configMapRef"]["name"])["data"])
     for e in c.get("env", []):
-        # Downward-API values (pod IP, pod name) get a sample of the right shape.
+        ref = e.get("valueFrom", {}).get("resourceFieldRef")
+        if ref is not None:  # the kubelet gives the container's own resource, rounded up to whole units
+            kind, resource = ref["resource"].split(".", 1)
+            quantity = c["resources"][kind][resource]
+            cores = int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+            env[e["name"]] = str(math.ceil(cores))
+            continue
+        # Other Downward-API values (pod IP, pod name) get a sample of the right shape.
         env[e["name"]] = e.get("value", "10.0.0.7" if "podIP" in str(e) else "pdserve-decode-abc12")
     assert env["PDSERVE_CURVE_KEYS"] == "/etc/pdserve/curve"  # the Secret's mount (test_curve_keys_...)
     if "PDSERVE_API_KEY_FILE" in env:

@@ -257,6 +257,38 @@ def test_placements_refuse_ranks_the_gpus_cannot_hold() -> None:
         plan(up, 7777, num_gpus=3)
 
 
+def test_cpu_workers_share_the_cores_out_and_an_explicit_cpu_threads_wins() -> None:
+    """On the CPU each worker's ranks get an equal share of the launcher's cores (at least one thread
+    each); on GPUs, or without a core count, no ``--cpu-threads``; ``--cpu-threads`` given to ``up``
+    comes later in each worker's argv and reaches its settings."""
+    from pdserve.cli import build_parser
+    from pdserve.launcher import Placement, placements
+    from protocol.settings import settings_from_args
+
+    assert placements("cpu", [1, 1], 0, cpu_cores=16) == [
+        Placement(("--device", "cpu", "--cpu-threads", "8"))] * 2
+    assert placements("auto", [2, 2, 2], 0, cpu_cores=16) == [
+        Placement(("--device", "auto", "--cpu-threads", "2"))] * 3  # 6 ranks: 16 // 6
+    assert placements("auto", [1, 1, 1], 0, cpu_cores=2) == [
+        Placement(("--device", "auto", "--cpu-threads", "1"))] * 3
+    assert placements("auto", [1, 1], 2, cpu_cores=16) == [
+        Placement(("--device", f"cuda:{i}", "--kv-memory-fraction", "0.9")) for i in range(2)]  # GPUs
+    assert placements("cuda:1", [1], 2, cpu_cores=16) == [Placement(("--device", "cuda:1"))]
+    assert placements("cpu", [1, 1], 0) == [Placement(("--device", "cpu"))] * 2  # no core count given
+    up = UpSettings(num_prefill=1, num_decode=1, colocated=1, insecure_control_plane=True)
+    for _, argv in plan(up, 7777, 0, cpu_cores=4)[1:]:
+        child = settings_from_args(build_parser({}).parse_args(argv))
+        assert isinstance(child, WorkerSettings) and child.cpu_threads == 1  # 4 cores, 3 workers
+    given = settings_from_args(build_parser({}).parse_args(
+        ["up", "--cpu-threads", "3", "--insecure-control-plane"]))
+    assert isinstance(given, UpSettings)
+    for _, argv in plan(given, 7777, 0, cpu_cores=16)[1:]:
+        child = settings_from_args(build_parser({}).parse_args(argv))
+        assert isinstance(child, WorkerSettings) and child.cpu_threads == 3
+    with pytest.raises(ValueError, match="--cpu-threads"):
+        WorkerSettings(role="decode", cpu_threads=-1, insecure_control_plane=True)
+
+
 def test_up_gives_every_child_one_private_per_run_key_pair_or_the_insecure_flag(tmp_path: Path) -> None:
     """Without --curve-keys, ``pdserve up`` makes a key pair in a private (0700) temp dir for the run and
     removes it afterwards; --insecure-control-plane reaches every child instead of keys."""
