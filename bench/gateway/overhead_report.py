@@ -106,8 +106,9 @@ def render_scale(levels: list[ScaleLevel], max_tokens: int, plan: CorePlan | Non
              "| processes | clients | streams | ok/sent | steady tokens/s (s) | x steady tokens/s "
              "| whole-run tokens/s | req/s | x req/s "
              "| gateway cores | busiest client | fake decode workers | busiest fake worker | took | leaks "
-             "| cores per gateway process | allowed cores per gateway process |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+             "| cores per gateway process | allowed cores per gateway process "
+             "| requests per gateway process |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
     for lv in levels:
         tok = (f"**{lv.steady_tokens_s / ref.steady_tokens_s:.2f}**"
                if ref.steady_tokens_s > 0 and lv.steady_tokens_s > 0 else "–")
@@ -119,7 +120,8 @@ def render_scale(levels: list[ScaleLevel], max_tokens: int, plan: CorePlan | Non
                      f"| {lv.busiest_client_core:.2f} | {lv.decode_workers} | {lv.busiest_worker_core:.2f} "
                      f"| {lv.processes_used}/{lv.processes} | {lv.leaks} "
                      f"| {' / '.join(f'{c:.2f}' for c in lv.process_cores) or '–'} "
-                     f"| {' / '.join(lv.gateway_cpus) or '–'} |")
+                     f"| {' / '.join(lv.gateway_cpus) or '–'} "
+                     f"| {' / '.join(str(n) for n in lv.process_requests) or '–'} |")
     errors = [f"N={lv.processes}: {lv.first_error}" for lv in levels if lv.first_error]
     if errors:
         lines += ["", "First errors: " + "; ".join(errors)]

@@ -111,7 +111,8 @@ class ScaleLevel(msgspec.Struct, kw_only=True):
     ``gateway_cpus``: the cores each gateway process's main thread was allowed at the start of the
     measurement (``taskset -c`` form; every core of the host when not pinned). ``steady_s`` and
     ``steady_tokens_s``: the steady window's length and output tokens/s (``steady_window``; 0.0 when it
-    was empty)."""
+    was empty). ``process_requests``: the requests (warm-up included) each gateway process passed to the
+    fake prefill worker, in index order: how the kernel spread the connections over the processes."""
 
     processes: int
     clients: int
@@ -131,6 +132,7 @@ class ScaleLevel(msgspec.Struct, kw_only=True):
     decode_workers: int = 1
     steady_s: float = 0.0
     steady_tokens_s: float = 0.0
+    process_requests: list[int] = []
     process_cores: list[float] = []
     gateway_cpus: list[str] = []
 
@@ -220,7 +222,8 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
         leaks = check_no_leaks(url, decode_worker_ids(decode_workers))
         lines = (log_dir / "prefill.jsonl").read_text().splitlines()
         # the fake worker names the gateway a request came through only when it has several
-        used = {json.loads(line).get("gateway", 0) for line in lines if '"PrefillRequest"' in line}
+        through = [json.loads(line).get("gateway", 0) for line in lines if '"PrefillRequest"' in line]
+        per_process = [through.count(i) for i in range(processes)]
     finally:
         for p in procs:
             if p.is_alive():
@@ -237,6 +240,7 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
                       first_error=next((s.first_error for s in shares if s.first_error), ""), wall_s=wall,
                       tokens_s=tokens * rate, req_s=completed * rate, gateway_cores=gw / wall_all,
                       busiest_client_core=max(s.cpu_s / max(s.end - s.start, 1e-9) for s in shares),
-                      busiest_worker_core=max(wk) / wall_all, processes_used=len(used), leaks=leaks,
+                      busiest_worker_core=max(wk) / wall_all, processes_used=sum(1 for n in per_process if n),
+                      process_requests=per_process, leaks=leaks,
                       process_cores=[c / wall_all for c in each], gateway_cpus=allowed,
                       steady_s=steady_s, steady_tokens_s=steady_tokens / steady_s if steady_s > 0 else 0.0)

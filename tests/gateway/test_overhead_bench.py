@@ -224,6 +224,9 @@ def test_gateway_processes_smoke_run(tokenizer_dir: Path, tmp_path: Path) -> Non
         assert s["tokens_s"] == pytest.approx(8192 / s["wall_s"]) and s["req_s"] > 0
         assert 0 <= s["steady_tokens_s"] * s["steady_s"] <= 8192  # the window holds a part of the tokens
         assert 1 <= s["processes_used"] <= s["processes"]
+        assert len(s["process_requests"]) == s["processes"]
+        assert sum(s["process_requests"]) == 64 + 2  # the measured ones and each client's warm-up
+        assert s["processes_used"] == sum(1 for n in s["process_requests"] if n)
         assert len(s["process_cores"]) == len(s["gateway_cpus"]) == s["processes"]
         assert sum(s["process_cores"]) <= s["gateway_cores"] + 0.05  # the pool's parent adds to the total
     assert "| 1 | 2 | 4 | 64/64 |" in md.read_text() and "**1.00**" in md.read_text()
@@ -246,13 +249,14 @@ def test_scale_report_gives_the_core_plan_and_each_process() -> None:
     one, two = _scale(1, 6000, 50), _scale(2, 11400, 90)
     one.process_cores, one.gateway_cpus = [1.17], ["8-9"]
     two.process_cores, two.gateway_cpus = [0.93, 0.95], ["8-9", "10-11"]
+    one.process_requests, two.process_requests = [105], [61, 44]
     text = "\n".join(render_scale([one, two], 128, assign_cores(list(range(16)), 4), 64))
     assert ("- CPU pinning (`--pin-cpus`): gateway process 0: cores 8-9; gateway process 1: cores 10-11; "
             "gateway process 2: cores 12-13; gateway process 3: cores 14-15; clients, fake workers and the "
             "bench: cores 0-7 (the pool's parent on 8-15 when N > 1)") in text
     assert "- offered load: 64 streams per gateway process (`--scale-concurrency-per-process`)" in text
-    assert "| 1/1 | ok | 1.17 | 8-9 |" in text
-    assert "| 2/2 | ok | 0.93 / 0.95 | 8-9 / 10-11 |" in text
+    assert "| 1/1 | ok | 1.17 | 8-9 | 105 |" in text
+    assert "| 2/2 | ok | 0.93 / 0.95 | 8-9 / 10-11 | 61 / 44 |" in text
     plain = "\n".join(render_scale([one], 128))
     assert "- CPU pinning: none" in plain and "- offered load: the same streams at every N" in plain
 
