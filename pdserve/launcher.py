@@ -199,6 +199,13 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
     return children
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one, else every CPU)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def worker_roles(settings: UpSettings) -> list[tuple[str, str]]:
     """(role, child name) of each worker ``pdserve up`` starts, in start order: prefill, decode, colocated."""
     return [(role, f"{role}-{i}") for role, count in (("prefill", settings.num_prefill),
@@ -327,7 +334,7 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     metrics_ports = free_ports(num_workers(settings), exclude=(settings.port,))
     control_port = free_port_range(settings.gateway_workers, exclude=(settings.port, *metrics_ports))
     try:  # a tensor parallel size the GPUs cannot hold is refused before any child starts
-        children = plan(settings, control_port, gpus, keys_dir, metrics_ports, len(os.sched_getaffinity(0)))
+        children = plan(settings, control_port, gpus, keys_dir, metrics_ports, usable_cores())
         envs = {"gateway": gateway_env, **worker_envs(settings, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))}
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)

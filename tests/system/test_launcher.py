@@ -5,6 +5,7 @@ test_up_refusals.py; the supervisor: test_supervisor.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -287,6 +288,9 @@ def test_cpu_workers_share_the_cores_out_and_an_explicit_cpu_threads_wins() -> N
         assert isinstance(child, WorkerSettings) and child.cpu_threads == 3
     with pytest.raises(ValueError, match="--cpu-threads"):
         WorkerSettings(role="decode", cpu_threads=-1, insecure_control_plane=True)
+    from pdserve.launcher import usable_cores
+
+    assert usable_cores() == len(os.sched_getaffinity(0))  # what up shares out on this Linux host
 
 
 def test_up_gives_every_child_one_private_per_run_key_pair_or_the_insecure_flag(tmp_path: Path) -> None:
