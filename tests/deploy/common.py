@@ -15,7 +15,7 @@ import yaml
 from deploy.kustomize_lite import render
 from kvtransfer.curve import generate_keys
 from pdserve.cli import build_parser
-from protocol.settings import settings_from_args
+from protocol.settings import Settings, settings_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -66,18 +66,20 @@ def pdserve_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith("PDSERVE_")}
 
 
-def check_cli(args: list[str], env: dict[str, str], where: str) -> None:
+def check_cli(args: list[str], env: dict[str, str], where: str) -> Settings:
     """Assert ``pdserve <args>`` with ``env`` parses and builds valid settings, and that every
-    ``PDSERVE_X`` in ``env`` is a flag ``--x`` of that subcommand giving the same value as the env."""
+    ``PDSERVE_X`` in ``env`` is a flag ``--x`` of that subcommand giving the same value as the env.
+    Returns those settings."""
     env = {k: v for k, v in pdserve_env(env).items() if k not in NON_FLAG_ENV}
     ns = build_parser(env).parse_args(args)
     checked = argparse.Namespace(**vars(ns))
     if getattr(ns, "curve_keys", None):  # a path inside the container: a key pair of the test's stands in
         checked.curve_keys = str(stand_in_keys())
-    settings_from_args(checked)  # raises ValueError on out-of-range values
+    settings = settings_from_args(checked)  # raises ValueError on out-of-range values
     for name, value in env.items():
         dest = name.removeprefix("PDSERVE_").lower()
         flag = "--" + dest.replace("_", "-")
         assert dest in vars(ns), f"{where}: {name} is not a flag of `pdserve {args[0]}`"
         by_flag = build_parser({}).parse_args([*args, flag, value])
         assert getattr(by_flag, dest) == getattr(ns, dest), f"{where}: {name}={value!r} not read from env"
+    return settings

@@ -15,7 +15,7 @@ import yaml
 
 from deploy.healthcheck import ProbeTarget, probe_target
 from pdserve.cli import build_parser
-from protocol.settings import GatewaySettings, settings_from_args
+from protocol.settings import GatewaySettings, WorkerSettings, settings_from_args
 from tests.deploy.common import DEPLOY, NON_FLAG_ENV, check_cli, known_metrics, load_compose
 
 
@@ -86,6 +86,18 @@ def test_cpu_profile_runs_the_embedded_model_without_gpus() -> None:
         assert svc["environment"]["PDSERVE_DEVICE"] == "cpu"
         assert svc["environment"]["PDSERVE_MODEL"] == "smollm2-135m"
         assert svc["image"] == "pdserve:cpu"
+
+
+def test_cpu_profile_workers_share_the_host_cores_instead_of_a_thread_per_core_each() -> None:
+    """Both CPU workers run on one host: each gets CPU_THREADS torch threads (default 1), which the
+    worker's settings parse as --cpu-threads."""
+    for given, want in ((None, 1), ({"CPU_THREADS": "4"}, 4)):
+        for name, svc in _services("cpu", given).items():
+            if name in ("gateway", "keys"):
+                continue
+            env = {k: str(v) for k, v in svc["environment"].items()}
+            settings = check_cli(list(svc["command"]), env, name)
+            assert isinstance(settings, WorkerSettings) and settings.cpu_threads == want, (name, given)
 
 
 def test_every_service_health_checked_restarted_and_accepted_by_cli() -> None:
