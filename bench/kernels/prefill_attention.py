@@ -108,12 +108,14 @@ class Candidate:
     tile: tuple[int, int, int, int] | None = None
     pack_gqa: bool | None = None
     longest_first: bool = False
+    num_splits: int | None = None  # None: prefill_kv_splits' choice (the engine's default)
 
     @property
     def label(self) -> str:
         tile = "default tile" if self.tile is None else "{} x {}, {} warps, {} stages".format(*self.tile)
         packing = {None: "", True: ", GQA packed", False: ", not packed"}[self.pack_gqa]
-        return tile + packing + (", longest first" if self.longest_first else "")
+        splits = "" if self.num_splits is None else f", KV in {self.num_splits}"
+        return tile + packing + (", longest first" if self.longest_first else "") + splits
 
 
 # BLOCK_M counts rows: with GQA packing 4 query heads per token, so 128 rows are 32 tokens
@@ -121,12 +123,16 @@ _PLAIN_TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), 
                 (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 2), (128, 32, 4, 3), (128, 128, 8, 2))
 _PACKED_TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3),
                  (128, 64, 8, 2), (128, 32, 4, 3), (128, 128, 8, 2), (256, 64, 8, 2))
-CANDIDATES = (Candidate(), *(Candidate(t, pack_gqa=False) for t in _PLAIN_TILES),
-              *(Candidate(t, pack_gqa=True) for t in _PACKED_TILES),
-              Candidate(longest_first=True), Candidate((128, 64, 8, 3), pack_gqa=True, longest_first=True))
+_SMALL_PACKED_TILES = ((32, 64, 4, 3), (32, 64, 2, 3), (32, 128, 4, 2))  # 8 tokens x 4 heads: more programs
+CANDIDATES = (Candidate(), *(Candidate(num_splits=n) for n in (1, 2, 3, 4, 6)),
+              *(Candidate(t, pack_gqa=False) for t in _PLAIN_TILES),
+              *(Candidate(t, pack_gqa=True) for t in (*_PACKED_TILES, *_SMALL_PACKED_TILES)),
+              Candidate(longest_first=True), Candidate((128, 64, 8, 3), pack_gqa=True, longest_first=True),
+              Candidate((128, 64, 8, 3), pack_gqa=True, num_splits=2))
 CPU_CANDIDATES = (Candidate(), Candidate((32, 32, 1, 1), pack_gqa=False),
                   Candidate((16, 16, 1, 1), pack_gqa=True), Candidate((32, 16, 1, 1), pack_gqa=True,
-                                                                       longest_first=True))
+                                                                       longest_first=True),
+                  Candidate(num_splits=2))
 
 
 @dataclass
@@ -201,16 +207,33 @@ def sdpa_call(inp: Inputs, scale: float) -> Callable[[], torch.Tensor]:
     return flash
 
 
+def cudnn_call(inp: Inputs, scale: float) -> Callable[[], torch.Tensor]:
+    """SDPA through cuDNN's fused attention (Hopper kernels) with a top-left causal mask: the same work
+    as ``sdpa_call`` only where every sequence has no cached context (square causal). Information beside
+    the ceiling, not the ceiling: the paged kernel runs the bottom-right masks cuDNN is not asked for."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = inp.sdpa_q, inp.sdpa_k, inp.sdpa_v
+    if q.shape[2] != k.shape[2]:
+        raise ValueError("cuDNN is timed on cases without cached context only")
+
+    def cudnn() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return cudnn
+
+
 def kernel_call(inp: Inputs, scale: float, cand: Candidate) -> Callable[[], torch.Tensor]:
     """``paged_prefill_attention`` over the whole case with ``cand``'s options; returns ``[S N, H, D]``."""
     from engine.ops.paged_prefill import paged_prefill_attention
 
     out = torch.empty_like(inp.q)
     max_query_len = int(inp.q.shape[0] // inp.block_tables.shape[0])
+    max_seq_len = int(inp.sdpa_k.shape[2])
     return lambda: paged_prefill_attention(
         inp.q, inp.k_cache, inp.v_cache, inp.block_tables, inp.seq_lens, inp.query_start_loc,
         max_query_len, scale, out=out, tile=cand.tile, pack_gqa=cand.pack_gqa,
-        longest_first=cand.longest_first)
+        longest_first=cand.longest_first, max_seq_len=max_seq_len, num_splits=cand.num_splits)
 
 
 def rel_error(out: torch.Tensor, sdpa_out: torch.Tensor) -> float:
@@ -232,11 +255,22 @@ def measure_case(case: Case, shape: Shape, device: torch.device, cands: tuple[Ca
     ceiling_tflops = ceiling.per(flops / 1e12)
     res: dict[str, Any] = {"case": case.label, "flops": flops, "sdpa_seconds": ceiling.as_dict(),
                            "sdpa_tflops": ceiling_tflops.as_dict(), "rows": []}
+    if device.type == "cuda" and case.context == 0:
+        try:
+            cudnn = cudnn_call(inp, scale)
+            err = rel_error(cudnn().transpose(1, 2).reshape(inp.q.shape), ref)
+            best = ceiling_seconds(cudnn, device, max(repeats, MIN_CEILING_REPEATS))
+            res["cudnn"] = {"seconds": best.as_dict(), "tflops": flops / best.min / 1e12, "rel_err": err}
+            print(f"# {case.label}: cuDNN SDPA best {best.min * 1e3:.3f} ms, {flops / best.min / 1e12:.1f} "
+                  f"TFLOP/s (err {err:.1e}); SDPA flash best {ceiling.min * 1e3:.3f} ms", flush=True)
+        except Exception as exc:  # cuDNN attention absent or refusing these inputs: named, skipped
+            res["cudnn"] = {"failed": f"{type(exc).__name__}: {str(exc)[:160]}"}
+            print(f"# {case.label}: cuDNN SDPA failed: {res['cudnn']['failed']}", flush=True)
     for cand in cands:
         fn = kernel_call(inp, scale, cand)
         row: dict[str, Any] = {"candidate": cand.label, "pack_gqa": cand.pack_gqa,
                                "tile": None if cand.tile is None else list(cand.tile),
-                               "longest_first": cand.longest_first}
+                               "longest_first": cand.longest_first, "num_splits": cand.num_splits}
         try:
             err = rel_error(fn(), ref)
             t = Spread.of(time_calls(fn, device, warmup=3 if device.type == "cuda" else 0, repeats=repeats))

@@ -63,7 +63,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, kv_scale: KVScale) -> torch.Tensor:
-        """See ``AttentionBackend.attend``: split-K decode kernel, then the paged prefill kernel."""
+        """See ``AttentionBackend.attend``: split-K decode kernel, then the paged prefill kernel (KV cut into
+        slices when its programs would not fill the GPU: ``prefill_kv_splits``)."""
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -77,5 +78,6 @@ class TritonAttentionBackend(AttentionBackend):
             paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 meta.max_query_len, scale, seq_offset=nd, out=out, kv_scale=kv_scale,
+                max_seq_len=meta.max_seq_len,
             )
         return out

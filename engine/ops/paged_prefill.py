@@ -10,10 +10,16 @@ tiles wholly below the tile's diagonal run without masks; only the last ones are
 (``pack_gqa``) one program holds the query heads of one KV head as rows of its tile, so grouped-query
 attention (Ainslie et al., 2023) reads each K/V tile once per group instead of once per query head. An
 FP8 cache (engine/ops/store_kv.py) is dequantised on load: raw values into the dots, the K scale folded
-into the softmax scale, the output multiplied by the V scale.
+into the softmax scale, the output multiplied by the V scale. When a launch has too few programs to fill
+the GPU (one long sequence, a few hundred new tokens), each query tile's KV is cut into slices walked by
+programs of their own, whose float32 partials a second kernel combines by their log-sum-exps in a fixed
+order (Flash-Decoding's split-KV, Dao et al., 2023; ``prefill_kv_splits``).
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 import triton
@@ -30,16 +36,19 @@ from engine.ops.store_kv import UNIT_SCALE, KVScale, _check_scale, dequantize_kv
 @triton.jit(do_not_specialize=["seq_offset"])
 def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    scale_log2, v_scale, seq_offset,
+    part_ptr, lse_ptr, scale_log2, v_scale, seq_offset, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    USE_GDC: tl.constexpr, GROUP: tl.constexpr, LONGEST_FIRST: tl.constexpr,
+    USE_GDC: tl.constexpr, GROUP: tl.constexpr, LONGEST_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
     pid_m = tl.program_id(0)
+    if NUM_SPLITS > 1:  # axis 0 holds (query tile, KV split) pairs
+        split = pid_m % NUM_SPLITS
+        pid_m = pid_m // NUM_SPLITS
     # longest first: the last query tiles see the most KV, so they start first
-    tile_m = tl.num_programs(0) - 1 - pid_m if LONGEST_FIRST else pid_m
+    tile_m = tl.num_programs(0) // NUM_SPLITS - 1 - pid_m if LONGEST_FIRST else pid_m
     seq = tl.program_id(1) + seq_offset
     tokens_m: tl.constexpr = BLOCK_M // GROUP  # query tokens per program
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -70,19 +79,72 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # KV below every row's diagonal: no mask needed.
     full_end = ((context + tile_m * tokens_m) // BLOCK_N) * BLOCK_N
+    kv_end = tl.minimum(seq_len, context + (tile_m + 1) * tokens_m)
+    if NUM_SPLITS > 1:  # this program's slice of the tile's KV, whole BLOCK_N tiles
+        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(kv_end, lo + chunk)
+    else:
+        lo = 0
+        hi = kv_end
     acc, m_i, l_i = attend_paged_tiles(
-        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, 0, full_end, context,
-        scale_log2, stride_cb, stride_cs, stride_ch,
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, lo, tl.minimum(full_end, hi),
+        context, scale_log2, stride_cb, stride_cs, stride_ch,
         HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, False, PRECISION,
     )
-    kv_end = tl.minimum(seq_len, context + (tile_m + 1) * tokens_m)
     acc, m_i, l_i = attend_paged_tiles(
-        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, full_end, kv_end, context,
-        scale_log2, stride_cb, stride_cs, stride_ch,
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table, kv_head, rows, tl.maximum(lo, full_end), hi,
+        context, scale_log2, stride_cb, stride_cs, stride_ch,
         HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, True, PRECISION,
     )
-    out = (acc * v_scale) / l_i[:, None]
-    o_off = tokens * stride_ot + head * stride_oh
+    if NUM_SPLITS > 1:
+        # float32 partials: the slice's normalised output and its log2-sum-exp; a row that sees nothing
+        # of this slice writes 0 and -inf (weight 0 in _prefill_combine_kernel)
+        seen = l_i > 0.0
+        part = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        row_id = (split * num_tokens + tokens) * NUM_HEADS + head  # [BLOCK_M] rows of [splits, T, H]
+        tl.store(lse_ptr + row_id, lse, mask=row_ok)
+        tl.store(part_ptr + row_id[:, None] * HEAD_DIM + dims[None, :], part, mask=io_mask)
+    else:
+        out = (acc * v_scale) / l_i[:, None]
+        o_off = tokens * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _prefill_combine_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
+    part_ptr, lse_ptr, out_ptr, query_start_loc_ptr, v_scale, seq_offset, num_seqs, num_tokens, stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    gdc_enter(USE_GDC)
+    token = tl.program_id(0)
+    # a decode row (before the first computed sequence) or padding after the last: not this kernel's
+    first, end = tl.load(query_start_loc_ptr + seq_offset), tl.load(query_start_loc_ptr + num_seqs)
+    if (token < first) | (token >= end):
+        return
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    head_ok = heads < NUM_HEADS
+    io_mask = head_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for split in tl.static_range(NUM_SPLITS):
+        lse = tl.load(lse_ptr + (split * num_tokens + token) * NUM_HEADS + heads, mask=head_ok,
+                      other=float("-inf"))
+        top = tl.maximum(top, lse)
+    top = tl.where(head_ok, top, 0.0)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    weights = tl.zeros([BLOCK_H], tl.float32)
+    for split in tl.static_range(NUM_SPLITS):  # fixed order: deterministic
+        row_id = (split * num_tokens + token) * NUM_HEADS + heads
+        w = tl.exp2(tl.load(lse_ptr + row_id, mask=head_ok, other=float("-inf")) - top)
+        part = tl.load(part_ptr + row_id[:, None] * HEAD_DIM + dims[None, :], mask=io_mask, other=0.0)
+        acc += w[:, None] * part
+        weights += w
+    out = (acc * v_scale) / tl.where(head_ok, weights, 1.0)[:, None]
+    o_off = token.to(tl.int64) * stride_ot + heads * stride_oh
     tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
@@ -108,6 +170,38 @@ def prefill_pack_gqa(queries_per_kv: int, on_gpu: bool, block_m: int) -> bool:
     return on_gpu and queries_per_kv > 1 and triton.next_power_of_2(queries_per_kv) * 4 <= block_m
 
 
+# programs of the default Hopper tile resident per SM (64 x 64 tiles, 4 warps, 3 stages, head_dim 128: about
+# 112 KB of shared memory each)
+_PROGRAMS_PER_SM = 2
+_MIN_SPLIT_TOKENS = 1024  # KV positions a split walks at least (16 tiles of 64)
+_MAX_SPLITS = 8
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def prefill_kv_splits(programs: int, max_seq_len: int, num_sms: int,
+                      programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
+    """How many slices ``paged_prefill_attention`` cuts each query tile's KV into, from the launch's
+    ``programs`` (query tiles x sequences x heads) and the longest sequence: the count ``s`` in
+    ``1.._MAX_SPLITS`` that minimises the launch's time in waves of ``num_sms * programs_per_sm``
+    resident programs, ``ceil(programs * s / slots) / s`` (each program walks ``1 / s`` of the KV), taken
+    only when it is at most 0.8 of the unsplit launch's (the partials cost a second pass) and every slice
+    keeps ``_MIN_SPLIT_TOKENS`` positions. One long sequence with a few hundred new tokens is the case:
+    392 programs on 132 SMs run as two waves, the second half empty; two slices make three full ones.
+    Split-KV over the sequence as in Flash-Decoding (Dao et al., 2023), applied to prefill tiles."""
+    slots = max(1, num_sms * programs_per_sm)
+
+    def waves(s: int) -> float:
+        return math.ceil(programs * s / slots) / s
+
+    most = max(1, min(_MAX_SPLITS, max_seq_len // _MIN_SPLIT_TOKENS))
+    best = min(range(1, most + 1), key=lambda s: (waves(s), s))
+    return best if waves(best) <= 0.8 * waves(1) else 1
+
+
 def _check_tile(tile: tuple[int, int, int, int], group: int) -> None:
     block_m, block_n, warps, stages = tile
     for name, v in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", warps)):
@@ -125,6 +219,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
     seq_offset: int = 0, out: torch.Tensor | None = None, kv_scale: KVScale = UNIT_SCALE, *,
     tile: tuple[int, int, int, int] | None = None, pack_gqa: bool | None = None, longest_first: bool = False,
+    max_seq_len: int | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
     """Varlen attention over paged KV for sequences ``seq_offset .. S-1`` of a packed step (Triton).
 
@@ -148,13 +243,19 @@ def paged_prefill_attention(
             share a KV head (``prefill_pack_gqa``), else not.
         longest_first: launch the query tiles in reverse order (the last tiles, which see the most KV,
             first).
+        max_seq_len: python int >= every ``seq_lens`` entry, for choosing ``num_splits``; None: no split.
+        num_splits: cut each query tile's KV into this many slices of whole ``BLOCK_N`` tiles, one program
+            each, writing float32 partial outputs and log-sum-exps that a second kernel adds in split order
+            (deterministic; the bits differ from the unsplit kernel's). None: ``prefill_kv_splits`` on a
+            GPU when ``max_seq_len`` is given, else 1.
 
     Returns:
         ``out`` (``[T, H, D]``, ``q``'s dtype).
 
     Raises:
         ValueError: a scale that is not a finite float > 0; a ``tile`` whose block sizes or warps are not
-            powers of two, whose stages are < 1, or whose ``BLOCK_M`` is smaller than the packed group.
+            powers of two, whose stages are < 1, or whose ``BLOCK_M`` is smaller than the packed group;
+            ``num_splits < 1``.
     """
     _check_scale(kv_scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -173,17 +274,39 @@ def paged_prefill_attention(
     num_seqs = seq_lens.shape[0] - seq_offset
     if num_seqs <= 0 or max_query_len <= 0:
         return out
-    grid = (triton.cdiv(max_query_len, block_m // group), num_seqs, num_kv_heads if pack_gqa else num_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * LOG2E * kv_scale.k, float(kv_scale.v), seq_offset,
+    m_tiles = triton.cdiv(max_query_len, block_m // group)
+    heads_axis = num_kv_heads if pack_gqa else num_heads
+    if num_splits is None:
+        num_splits = 1
+        if q.is_cuda and max_seq_len is not None:
+            programs = m_tiles * num_seqs * heads_axis
+            num_splits = prefill_kv_splits(programs, max_seq_len, _num_sms(q.device.index or 0))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    num_tokens = q.shape[0]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
+        part = lse.new_empty((num_splits, num_tokens, num_heads, head_dim))
+    else:
+        part = lse = out  # not read
+    _prefill_kernel[(m_tiles * num_splits, num_seqs, heads_axis)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part, lse,
+        scale * LOG2E * kv_scale.k, float(kv_scale.v), seq_offset, num_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        NUM_HEADS=num_heads, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group, LONGEST_FIRST=longest_first,
-        num_warps=warps, num_stages=stages, **pdl_kwargs(q),
+        NUM_SPLITS=num_splits, num_warps=warps, num_stages=stages, **pdl_kwargs(q),
     )
+    if num_splits > 1:
+        _prefill_combine_kernel[(num_tokens,)](
+            part, lse, out, query_start_loc, float(kv_scale.v), seq_offset, seq_lens.shape[0], num_tokens,
+            out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            num_warps=4, **pdl_kwargs(q),
+        )
     return out
 
 

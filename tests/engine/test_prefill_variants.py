@@ -131,3 +131,80 @@ def test_default_prefill_is_packed_bf16_gpu() -> None:
     batch = make_batch([(0, 15), (37, 300), (2000, 770)], 32, 8, 128, 16, torch.bfloat16)
     store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
     assert torch.equal(_run(batch), _run(batch, pack_gqa=True))
+
+
+SPLITS_SPECS = [(5 * BS + 3, 2 * BS + 5), (0, 3), (9 * BS + 1, 4), (2 * BS, 2 * BS + 1)]
+
+
+@interpreter_only
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+@pytest.mark.parametrize(("pack_gqa", "longest_first", "tile"), [
+    (False, False, None), (True, True, (16, 8, 1, 1)), (True, False, (32, 16, 1, 1))])
+def test_split_kv_prefill_matches_reference_and_is_repeatable(
+    num_splits: int, pack_gqa: bool, longest_first: bool, tile: tuple[int, int, int, int] | None,
+) -> None:
+    """Each query tile's KV cut into slices (some rows see nothing of a slice, some slices are empty for
+    short sequences) and the partials combined: the reference's answer, the same bits on a second call,
+    and no write outside the computed rows."""
+    batch = make_batch(SPLITS_SPECS, 8, 2, 64, BS, F32)
+    store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
+    m = batch.meta
+    kw = dict(tile=tile, pack_gqa=pack_gqa, longest_first=longest_first, num_splits=num_splits)
+    got = _run(batch, **kw)
+    torch.testing.assert_close(got.double(), naive_attention(batch, 64 ** -0.5), atol=2e-5, rtol=2e-5)
+    ref = paged_prefill_attention_reference(batch.q, batch.pool.k_cache(0), batch.pool.v_cache(0),
+                                            m.block_tables, m.seq_lens, m.query_start_loc, m.max_query_len,
+                                            m.max_seq_len, 64 ** -0.5)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    assert torch.equal(got, _run(batch, **kw))
+    assert_no_stray_writes(batch)
+
+
+@interpreter_only
+def test_split_kv_prefill_seq_offset_leaves_earlier_rows() -> None:
+    """The combine kernel writes only the computed sequences' rows: a decode row before them keeps its
+    value."""
+    batch = make_batch([(4, 1), (3 * BS, 5), (2, 7)], 8, 2, 64, BS, F32)
+    store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
+    out = torch.full_like(batch.q, -3.0)
+    _run(batch, seq_offset=1, out=out, num_splits=2)
+    assert bool((out[0] == -3.0).all())
+    torch.testing.assert_close(out[1:].double(), naive_attention(batch, 64 ** -0.5)[1:], atol=2e-5, rtol=2e-5)
+
+
+def test_bad_split_count_is_refused() -> None:
+    batch = make_batch([(0, 3)], 8, 2, 64, BS, F32)
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        _run(batch, num_splits=0)
+
+
+def test_kv_splits_fill_the_waves_of_a_long_sequence_only() -> None:
+    """``prefill_kv_splits`` on an H200's 132 SMs (2 programs each): one 15k-token sequence with 770 new
+    tokens (49 packed query tiles x 8 KV heads = 392 programs, two waves the second half empty) gets 2
+    slices (three full waves); 8 such sequences, an 8k prompt (4096 programs) or a short context stay
+    whole; the count never leaves a slice shorter than 1024 positions."""
+    from engine.ops.paged_prefill import prefill_kv_splits
+
+    assert prefill_kv_splits(392, 15360, 132) == 2
+    assert prefill_kv_splits(392 * 8, 15360, 132) == 1
+    assert prefill_kv_splits(4096, 8192, 132) == 1
+    assert prefill_kv_splits(8, 1500, 132) == 1  # 1500 positions: no two slices of 1024
+    assert prefill_kv_splits(8, 100_000, 132) == 8  # 8 programs on 264 slots: as many slices as allowed
+    assert prefill_kv_splits(8, 3000, 132) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled bf16 Triton kernels need CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize(("pack_gqa", "num_splits"), [(True, 2), (True, 3), (False, 4), (True, None)])
+def test_split_kv_prefill_bf16_gpu(pack_gqa: bool, num_splits: int | None) -> None:
+    specs = [(15000, 770)] if num_splits is None else [(0, 15), (37, 300), (2000, 770), (15000, 100)]
+    batch = make_batch(specs, 32, 8, 128, 16, torch.bfloat16)
+    store_kv(batch.k_new, batch.v_new, batch.pool.k_cache(0), batch.pool.v_cache(0), batch.meta.slot_mapping)
+    m = batch.meta
+    got = _run(batch, pack_gqa=pack_gqa, num_splits=num_splits, max_seq_len=m.max_seq_len)
+    ref = paged_prefill_attention_reference(batch.q, batch.pool.k_cache(0), batch.pool.v_cache(0),
+                                            m.block_tables, m.seq_lens, m.query_start_loc, m.max_query_len,
+                                            m.max_seq_len, 128 ** -0.5)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    assert torch.equal(got, _run(batch, pack_gqa=pack_gqa, num_splits=num_splits, max_seq_len=m.max_seq_len))
+    assert_no_stray_writes(batch)
