@@ -191,6 +191,19 @@ def test_kv_splits_fill_the_waves_of_a_long_sequence_only() -> None:
     assert prefill_kv_splits(8, 1500, 132) == 1  # 1500 positions: no two slices of 1024
     assert prefill_kv_splits(8, 100_000, 132) == 8  # 8 programs on 264 slots: as many slices as allowed
     assert prefill_kv_splits(8, 3000, 132) == 2
+    # the packed 256-row tile holds one program per SM: 104 programs (13 tiles x 8 KV heads) already run
+    # as one wave, which slices would not shorten
+    assert prefill_kv_splits(104, 15360, 132, programs_per_sm=1) == 1
+
+
+def test_programs_per_sm_of_the_default_gpu_tiles() -> None:
+    from engine.ops.paged_prefill import prefill_tiles, programs_per_sm
+
+    packed, plain = prefill_tiles(128, True, 4), prefill_tiles(128, True, 1)
+    assert (packed, plain) == ((256, 64, 8, 2), (64, 64, 4, 3))
+    assert programs_per_sm(packed, 128, 2) == 1
+    assert programs_per_sm(plain, 128, 2) == 2
+    assert programs_per_sm((16, 16, 4, 1), 16, 2) == 16  # warps bound it: 64 per SM
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled bf16 Triton kernels need CUDA")
