@@ -12,12 +12,16 @@ driving greedy, ``ignore_eos`` requests with seeded random prompt token ids thro
 Waves (each drained before the next; every size capped by ``max_model_len``, ``max_num_seqs`` and the
 KV blocks): 1. one prompt of ``max_num_batched_tokens`` tokens (a pure prefill chunk at the budget);
 2. a prompt of 1.5x the budget (two chunks, the second attending to KV already cached), when chunked
-prefill is on and ``max_model_len`` allows; 3. for each size ``b`` of ``WarmupConfig.decode_batch_sizes``,
-``b`` short prompts then decode-only steps of batch ``b``; 4. mixed steps: short requests decoding while a
-budget-sized prompt is chunked beside them. A prefill-only engine (prefill worker) ends every request at
-its first token (FINISHED_PREFILLED, released here at once), so its waves give prefill steps of one or
-several prompts; a decode worker's engine (not prefill-only) accepts ordinary requests, and it runs
-prefill itself when it recomputes a preempted request, so the same waves suit it.
+prefill is on and ``max_model_len`` allows; 2b. a prompt whose last chunk is 16 tokens after at least
+``WarmupConfig.long_context_tokens`` cached ones (a launch of few programs over a long KV: the split-KV
+variant of the paged prefill attention, engine/ops/paged_prefill.py), when chunked prefill is on and the
+prompt fits ``max_model_len`` and the KV blocks; 3. for each size ``b`` of
+``WarmupConfig.decode_batch_sizes``, ``b`` short prompts then decode-only steps of batch ``b``; 4. mixed
+steps: short requests decoding while a budget-sized prompt is chunked beside them. A prefill-only engine
+(prefill worker) ends every request at its first token (FINISHED_PREFILLED, released here at once), so
+its waves give prefill steps of one or several prompts; a decode worker's engine (not prefill-only)
+accepts ordinary requests, and it runs prefill itself when it recomputes a preempted request, so the same
+waves suit it.
 
 Afterwards the engine is as before: no request held, every KV block free, and no warm-up block in the
 prefix cache (prefix caching is switched off on the ``BlockManager`` while warming and restored after).
@@ -45,6 +49,7 @@ log = logging.getLogger("pdserve.warmup")
 
 WARMUP_MODES = ("auto", "on", "off")
 SHORT_PROMPT_TOKENS = 24  # longest "short" prompt of the decode and mixed waves (tokens)
+SHORT_CHUNK_TOKENS = 16  # wave 2b's last chunk (tokens)
 
 
 class WarmupTimeout(RuntimeError):
@@ -64,6 +69,9 @@ class WarmupConfig:
             finishes); past it the remaining requests are aborted, the engine is left clean and
             ``WarmupReport.completed`` is False (logged at WARNING as ``warmup_cut``).
         seed: seed of the random prompt token ids.
+        long_context_tokens: cached tokens (at least; rounded up to whole budget chunks) before wave
+            2b's 16-token chunk; 2048 is where ``prefill_kv_splits`` may first cut the KV in two slices of
+            1024 positions. 0: no wave 2b.
 
     Raises:
         ValueError: a value out of range (the message names the field).
@@ -73,6 +81,7 @@ class WarmupConfig:
     num_output_tokens: int = 4
     max_seconds: float = 60.0
     seed: int = 0
+    long_context_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if not self.decode_batch_sizes or any(b < 1 for b in self.decode_batch_sizes):
@@ -81,6 +90,8 @@ class WarmupConfig:
             raise ValueError(f"num_output_tokens must be >= 2 (a decode step), got {self.num_output_tokens}")
         if not self.max_seconds > 0:
             raise ValueError(f"max_seconds must be > 0 seconds, got {self.max_seconds}")
+        if self.long_context_tokens < 0:
+            raise ValueError(f"long_context_tokens must be >= 0 (0: off), got {self.long_context_tokens}")
 
 
 @dataclass(frozen=True)
@@ -181,7 +192,7 @@ class _Run:
         self.short = max(1, min(SHORT_PROMPT_TOKENS, self.longest))
 
     def all_waves(self) -> None:
-        """Waves 1-4 of the module docstring, each drained before the next."""
+        """Waves 1-4 (and 2b) of the module docstring, each drained before the next."""
         if self.longest < 1:
             return
         self.add(min(self.budget, self.longest), 1)
@@ -189,6 +200,13 @@ class _Run:
         two_chunks = self.budget + self.budget // 2 + 1
         if self.chunked and two_chunks <= self.longest:
             self.add(two_chunks, 1)
+            self.drain()
+        context = -(-self.config.long_context_tokens // self.budget) * self.budget  # whole chunks
+        short_tail = context + SHORT_CHUNK_TOKENS
+        bm = self.core.block_manager
+        if (self.chunked and self.config.long_context_tokens and short_tail <= self.longest
+                and -(-(short_tail + 1) // bm.block_size) <= bm.num_blocks):
+            self.add(short_tail, 1)
             self.drain()
         sizes = sorted({self.fit_batch(b) for b in self.config.decode_batch_sizes})
         for b in sizes:  # prompts short enough that all b prefill in one step, then decode together

@@ -180,9 +180,9 @@ def test_bad_split_count_is_refused() -> None:
 
 def test_kv_splits_fill_the_waves_of_a_long_sequence_only() -> None:
     """``prefill_kv_splits`` on an H200's 132 SMs (2 programs each): one 15k-token sequence with 770 new
-    tokens (49 packed query tiles x 8 KV heads = 392 programs, two waves the second half empty) gets 2
-    slices (three full waves); 8 such sequences, an 8k prompt (4096 programs) or a short context stay
-    whole; the count never leaves a slice shorter than 1024 positions."""
+    tokens in 64-row tiles (49 packed query tiles x 8 KV heads = 392 programs, two waves the second half
+    empty) gets 2 slices (three full waves); 8 such sequences, an 8k prompt (4096 programs) or a short
+    context stay whole; the count never leaves a slice shorter than 1024 positions."""
     from engine.ops.paged_prefill import prefill_kv_splits
 
     assert prefill_kv_splits(392, 15360, 132) == 2
@@ -191,9 +191,12 @@ def test_kv_splits_fill_the_waves_of_a_long_sequence_only() -> None:
     assert prefill_kv_splits(8, 1500, 132) == 1  # 1500 positions: no two slices of 1024
     assert prefill_kv_splits(8, 100_000, 132) == 8  # 8 programs on 264 slots: as many slices as allowed
     assert prefill_kv_splits(8, 3000, 132) == 2
-    # the packed 256-row tile holds one program per SM: 104 programs (13 tiles x 8 KV heads) already run
-    # as one wave, which slices would not shorten
-    assert prefill_kv_splits(104, 15360, 132, programs_per_sm=1) == 1
+    # the packed 256-row tile, one program per SM: 104 programs (13 tiles x 8 KV heads) leave 28 SMs
+    # idle, 5 slices make 4 full waves of a fifth of the work (0.8); 8 sequences (832 programs) take 3
+    # slices (19 waves of a third against 7 whole: 0.9); an 8k prompt's 1024 programs stay whole
+    assert prefill_kv_splits(104, 15360, 132, programs_per_sm=1) == 5
+    assert prefill_kv_splits(832, 15360, 132, programs_per_sm=1) == 3
+    assert prefill_kv_splits(1024, 8192, 132, programs_per_sm=1) == 1
 
 
 def test_programs_per_sm_of_the_default_gpu_tiles() -> None:

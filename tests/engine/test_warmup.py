@@ -19,7 +19,7 @@ from tests.workers.helpers import make_core as worker_core
 BUDGET = 32  # max_num_batched_tokens of the test engines
 BLOCK = 4
 SIZES = (1, 2, 4, 8)
-CFG = WarmupConfig(decode_batch_sizes=SIZES, num_output_tokens=3)
+CFG = WarmupConfig(decode_batch_sizes=SIZES, num_output_tokens=3, long_context_tokens=48)
 SMALL = WarmupConfig(decode_batch_sizes=(1, 3), num_output_tokens=2)  # fewer steps where shapes don't matter
 
 
@@ -100,13 +100,16 @@ def test_colocated_warmup_covers_each_step_shape_and_leaves_engine_clean(tiny_du
     assert any(s.num_decodes == 0 and s.num_prefills == 1 and s.num_batched_tokens == BUDGET
                and not s.chunk_after_kv for s in steps)                        # prefill chunk at the budget
     assert any(s.num_decodes == 0 and s.chunk_after_kv for s in steps)          # second chunk over cached KV
+    assert any(s.num_decodes == 0 and s.num_prefills == 1 and s.num_batched_tokens == 16
+               and s.chunk_after_kv for s in steps)                             # 16 tokens after 64 cached
     decode_only = {s.num_decodes for s in steps if s.num_prefills == 0}
     assert set(SIZES) <= decode_only                                            # decode batches 1, 2, 4, 8
     mixed = [s for s in steps if s.num_decodes > 0 and s.num_prefills > 0]
     assert any(s.num_batched_tokens == BUDGET and s.chunk_after_kv is False for s in mixed)
     assert any(s.chunk_after_kv for s in mixed)                                 # chunk beside decodes
     assert {1, 7} <= {s.num_decodes for s in mixed}                             # smallest, largest (8 - 1)
-    assert max(len(p) for p in prompts) == BUDGET + BUDGET // 2 + 1
+    assert {BUDGET + BUDGET // 2 + 1, 2 * BUDGET + 16} <= {len(p) for p in prompts}
+    assert max(len(p) for p in prompts) == 2 * BUDGET + 16  # 48 cached tokens rounded up to whole chunks
     record = next(r for r in caplog.records if r.getMessage() == "warmup_done")
     assert record.levelno == logging.INFO and record.seconds == pytest.approx(report.seconds, abs=1e-3)
     assert record.steps == len(steps) and record.requests == report.num_requests
@@ -200,6 +203,7 @@ def test_busy_engine_is_refused_and_untouched(tiny_dummy_dir):
     ({"num_output_tokens": 1}, "num_output_tokens"),
     ({"max_seconds": 0.0}, "max_seconds"),
     ({"max_seconds": float("nan")}, "max_seconds"),
+    ({"long_context_tokens": -1}, "long_context_tokens"),
 ])
 def test_bad_warmup_config_is_refused(kwargs, field):
     with pytest.raises(ValueError, match=field):
