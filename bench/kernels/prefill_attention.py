@@ -103,11 +103,11 @@ CPU_CASES = tuple(Case.parse(c) for c in ("1x5x0", "1x7x20", "2x9x33"))
 @dataclass(frozen=True)
 class Candidate:
     """One way to run the kernel: ``tile`` None is ``prefill_tiles``' choice, ``pack_gqa`` None
-    ``prefill_pack_gqa``'s (the engine's defaults)."""
+    ``prefill_pack_gqa``'s, ``longest_first`` None the kernel's (the engine's defaults)."""
 
     tile: tuple[int, int, int, int] | None = None
     pack_gqa: bool | None = None
-    longest_first: bool = False
+    longest_first: bool | None = None
     num_splits: int | None = None  # None: prefill_kv_splits' choice (the engine's default)
 
     @property
@@ -115,7 +115,8 @@ class Candidate:
         tile = "default tile" if self.tile is None else "{} x {}, {} warps, {} stages".format(*self.tile)
         packing = {None: "", True: ", GQA packed", False: ", not packed"}[self.pack_gqa]
         splits = "" if self.num_splits is None else f", KV in {self.num_splits}"
-        return tile + packing + (", longest first" if self.longest_first else "") + splits
+        order = {None: "", True: ", longest first", False: ", in order"}[self.longest_first]
+        return tile + packing + order + splits
 
 
 # BLOCK_M counts rows: with GQA packing 4 query heads per token, so 128 rows are 32 tokens

@@ -148,19 +148,25 @@ def _prefill_combine_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: a
     tl.store(out_ptr + o_off[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def prefill_tiles(head_dim: int, on_gpu: bool, queries_per_kv: int = 1) -> tuple[int, int, int, int]:
+LONG_KV_TOKENS = 2048  # a step whose longest sequence reaches this many tokens takes the long-KV tile
+
+
+def prefill_tiles(head_dim: int, on_gpu: bool, queries_per_kv: int = 1,
+                  long_kv: bool = False) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``paged_prefill_attention`` when no tile is given.
-    Hopper: 128x64 tiles with 8 warps for ``head_dim <= 64``; larger heads with grouped-query attention
-    256x64 with 8 warps and 2 stages (packed: 64 tokens of 4 query heads, each K/V tile read once per 256
-    rows), without it 64x64 with 4 warps and 3 stages (register pressure), the stages overlapping the
-    paged loads; the interpreter uses 16x16 (it is slow per element). The sweep that chose them:
-    ``bench.kernels.prefill_attention --candidates`` on an H200 (Llama-3-8B heads, 2026-12-04: the
-    packed 256-row tile best over its seven cases, geomean 0.80 of SDPA flash's time against 0.90)."""
+    Hopper: 128x64 tiles with 8 warps for ``head_dim <= 64``, 64x64 with 4 warps and 3 stages for larger
+    heads (register pressure), the stages overlapping the paged loads; with grouped-query attention and
+    a long KV (``long_kv``: a sequence of ``LONG_KV_TOKENS`` or more) 256x64 with 8 warps and 2 stages
+    (packed: 64 tokens of 4 query heads share each K/V tile), which a short KV leaves with too few
+    programs. The interpreter uses 16x16 (it is slow per element). The H200 sweeps that chose them
+    (``bench.kernels.prefill_attention --candidates``, Llama-3-8B heads, 2026-12-04): the 256-row tile
+    against the 64-row one, both packed, 1.05-1.36x the TFLOP/s with 4k-15k cached tokens or an 8k
+    prompt, but 0.84-0.95x for 770-token prompts."""
     if not on_gpu:
         return 16, 16, 1, 1
     if head_dim <= 64:
         return 128, 64, 8, 3
-    if queries_per_kv > 1 and prefill_pack_gqa(queries_per_kv, on_gpu, 256):
+    if long_kv and queries_per_kv > 1 and prefill_pack_gqa(queries_per_kv, on_gpu, 256):
         return 256, 64, 8, 2
     return 64, 64, 4, 3
 
@@ -235,7 +241,8 @@ def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int, scale: float,
     seq_offset: int = 0, out: torch.Tensor | None = None, kv_scale: KVScale = UNIT_SCALE, *,
-    tile: tuple[int, int, int, int] | None = None, pack_gqa: bool | None = None, longest_first: bool = False,
+    tile: tuple[int, int, int, int] | None = None, pack_gqa: bool | None = None,
+    longest_first: bool | None = None,
     max_seq_len: int | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
     """Varlen attention over paged KV for sequences ``seq_offset .. S-1`` of a packed step (Triton).
@@ -259,8 +266,10 @@ def paged_prefill_attention(
             of ``BLOCK_N``) in the same order either way. None: packed on a GPU when several query heads
             share a KV head (``prefill_pack_gqa``), else not.
         longest_first: launch the query tiles in reverse order (the last tiles, which see the most KV,
-            first).
-        max_seq_len: python int >= every ``seq_lens`` entry, for choosing ``num_splits``; None: no split.
+            first). None: with the long-KV default tile (``prefill_tiles``), else not (H200, that tile:
+            1.04-1.05x the TFLOP/s with 8k-15k tokens of KV, 0.97x with 4k).
+        max_seq_len: python int >= every ``seq_lens`` entry, for choosing the default tile and
+            ``num_splits``; None: the short-KV tile, no split.
         num_splits: cut each query tile's KV into this many slices of whole ``BLOCK_N`` tiles, one program
             each, writing float32 partial outputs and log-sum-exps that a second kernel adds in split order
             (deterministic; the bits differ from the unsplit kernel's). None: ``prefill_kv_splits`` on a
@@ -279,7 +288,10 @@ def paged_prefill_attention(
     num_kv_heads = k_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads
     # the packed default tile only where packing may apply (an explicit pack_gqa=False gets the plain one)
-    chosen = tile or prefill_tiles(head_dim, q.is_cuda, 1 if pack_gqa is False else queries_per_kv)
+    long_kv = max_seq_len is not None and max_seq_len >= LONG_KV_TOKENS
+    chosen = tile or prefill_tiles(head_dim, q.is_cuda, 1 if pack_gqa is False else queries_per_kv, long_kv)
+    if longest_first is None:
+        longest_first = tile is None and chosen[0] == 256
     block_m, block_n, warps, stages = chosen
     if pack_gqa is None:
         pack_gqa = prefill_pack_gqa(queries_per_kv, q.is_cuda, block_m)

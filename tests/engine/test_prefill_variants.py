@@ -202,8 +202,8 @@ def test_kv_splits_fill_the_waves_of_a_long_sequence_only() -> None:
 def test_programs_per_sm_of_the_default_gpu_tiles() -> None:
     from engine.ops.paged_prefill import prefill_tiles, programs_per_sm
 
-    packed, plain = prefill_tiles(128, True, 4), prefill_tiles(128, True, 1)
-    assert (packed, plain) == ((256, 64, 8, 2), (64, 64, 4, 3))
+    packed, plain = prefill_tiles(128, True, 4, long_kv=True), prefill_tiles(128, True, 1, long_kv=True)
+    assert (packed, plain, prefill_tiles(128, True, 4)) == ((256, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 3))
     assert programs_per_sm(packed, 128, 2) == 1
     assert programs_per_sm(plain, 128, 2) == 2
     assert programs_per_sm((16, 16, 4, 1), 16, 2) == 16  # warps bound it: 64 per SM
