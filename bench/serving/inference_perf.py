@@ -19,7 +19,9 @@ Printed (and saved with ``--json``): every value inference-perf's collector read
 ``summary_prometheus_metrics.json``) next to its client-side measurements
 (``summary_lifecycle_metrics.json``), and each worker's counters and histogram means over the run, read
 straight from its ``/metrics`` before and after the load (exact, without Prometheus' ``increase``
-extrapolation). Checked (exit 1 when one fails, each named):
+extrapolation). The two summaries are read into typed structures (``read_collector``,
+``read_client``): a missing or mistyped field stops the run with a ValueError naming the file and the
+field. Checked (exit 1 when one fails, each named):
 
 * every metric pdserve serves was read non-zero by the collector, every one it does not serve (the
   ``NOT_SERVED`` list of ``tests/workers/test_worker_metrics.py``) read as 0;
@@ -59,9 +61,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Literal, TypedDict, TypeVar
 
 import httpx
+import msgspec
 
 from pdserve.live_system import MODEL, LiveSystem, Samples, live_system, metric_samples
 from pdserve.ports import free_ports
@@ -88,6 +91,267 @@ HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seco
               "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
               "vllm:request_decode_time_seconds")
 TOLERANCE_S = 1e-3  # clock reading granularity between a worker's and the client's timestamps
+
+
+class CollectorStats(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A non-counter field of inference-perf's Prometheus summary (``summarize_prometheus_metrics`` in
+    ``inference_perf/reportgen/base.py``): a histogram's or gauge's ``mean``, ``median``, ``p90``, ``p99``
+    (its unit: seconds for latencies, tokens, percent); ``prompt_len``/``output_len``: ``mean`` and
+    ``rate`` (per second); a tally or hit ratio: ``mean`` alone. The keys a field lacks are None (and
+    absent again in ``msgspec.to_builtins``)."""
+
+    mean: float
+    median: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    rate: float | None = None
+
+    def present(self) -> list[tuple[str, float]]:
+        """The keys this field carries with their values, in inference-perf's order."""
+        keys = (("mean", self.mean), ("median", self.median), ("p90", self.p90), ("p99", self.p99),
+                ("rate", self.rate))
+        return [(k, v) for k, v in keys if v is not None]
+
+
+# A collector field: a counter's windowed total (``count``, ``rate``, ``request_success_count``,
+# ``prompt_tokens_cached``, ``corrupted_requests``) or the statistics of any other metric.
+CollectorValue = float | CollectorStats
+# The collector's ``successes``: field name → value, in the order inference-perf writes them.
+CollectorSuccesses = dict[str, CollectorValue]
+
+
+class _PrometheusSummary(msgspec.Struct, frozen=True):
+    """``summary_prometheus_metrics.json``; only ``successes`` is read (``failures`` is always empty),
+    each of its values converted on its own (``read_collector``) so that an error names the field."""
+
+    successes: dict[str, object]
+
+
+class Percentiles(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The percentile keys of inference-perf's ``summarize`` (``reportgen/base.py``): ``median`` for 50,
+    ``p<p:g>`` for the others of the report config's ``percentiles`` (default 0.1, 1, 5, 10, 25, 50, 75,
+    90, 95, 99, 99.9, which this module's config keeps); one the config leaves out is None. Keyword-only
+    so a subclass's own fields come first, as inference-perf writes them."""
+
+    p0_1: float | None = msgspec.field(default=None, name="p0.1")
+    p1: float | None = None
+    p5: float | None = None
+    p10: float | None = None
+    p25: float | None = None
+    median: float | None = None
+    p75: float | None = None
+    p90: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+    p99_9: float | None = msgspec.field(default=None, name="p99.9")
+
+
+class Distribution(Percentiles, frozen=True):
+    """inference-perf's ``summarize`` of a non-empty sample (seconds for the latencies)."""
+
+    mean: float
+    min: float
+    max: float
+
+
+class Latency(msgspec.Struct, frozen=True):
+    """The client's ``latency`` (seconds per span; per output token for the two ``*_per_output_token``);
+    a span none of the successes measured (no streamed token timings, or no success) is None."""
+
+    request_latency: Distribution | None
+    normalized_time_per_output_token: Distribution | None
+    time_per_output_token: Distribution | None
+    time_to_first_token: Distribution | None
+    inter_token_latency: Distribution | None
+
+
+class Throughput(msgspec.Struct, frozen=True):
+    """The client's ``throughput`` over the run (per second; 0.0 when the run took no time)."""
+
+    input_tokens_per_sec: float
+    output_tokens_per_sec: float
+    total_tokens_per_sec: float
+    requests_per_sec: float
+    images_per_sec: float
+    videos_per_sec: float
+    audios_per_sec: float
+
+
+class PromptTokens(Percentiles, frozen=True):
+    """The client's ``prompt_tokens`` (``summarize_prompt_token_usage``): the successes' prompt tokens in
+    all, those the responses' ``usage`` reported cached and the rest, then the per-request distribution
+    (None without a success)."""
+
+    total: float
+    cached: float
+    uncached: float
+    mean: float | None = None
+    min: float | None = None
+    max: float | None = None
+
+
+class OutputTokens(Percentiles, frozen=True):
+    """The client's ``output_tokens`` (``summarize_output_token_usage``): the successes' output tokens in
+    all (the server's ``usage`` count where it gave one), then the per-request distribution (None without
+    a success)."""
+
+    total: float
+    mean: float | None = None
+    min: float | None = None
+    max: float | None = None
+
+
+class ClientSuccesses(msgspec.Struct, frozen=True):
+    """The part of the client's ``successes`` (``summarize_requests``) this module reads and saves:
+    ``count`` requests that succeeded, their latencies, throughput and token counts."""
+
+    count: int
+    latency: Latency
+    throughput: Throughput
+    prompt_tokens: PromptTokens
+    output_tokens: OutputTokens
+
+
+class _LifecycleSummary(msgspec.Struct, frozen=True):
+    """``summary_lifecycle_metrics.json``; only ``successes`` is read."""
+
+    successes: ClientSuccesses
+
+
+_Summary = TypeVar("_Summary", _PrometheusSummary, _LifecycleSummary)
+
+
+def _read_summary(path: Path, kind: type[_Summary]) -> _Summary:
+    """``path`` (an inference-perf JSON report) as ``kind``. Raises ValueError naming ``path`` and the
+    missing or mistyped field (e.g. ``Object missing required field `count` - at `$.successes```)."""
+    # inference-perf writes its reports with Python's json.dumps, which spells a non-finite float as
+    # NaN or Infinity (a Prometheus histogram_quantile landing in the +Inf bucket, or over no
+    # observations); msgspec's JSON decoder refuses those tokens, json.loads reads them, so msgspec
+    # validates the parsed document instead of decoding the text.
+    try:
+        return msgspec.convert(json.loads(path.read_text()), type=kind)
+    except (json.JSONDecodeError, msgspec.ValidationError) as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
+def read_collector(path: Path) -> CollectorSuccesses:
+    """The ``successes`` of inference-perf's ``summary_prometheus_metrics.json`` at ``path``. Raises
+    ValueError naming ``path`` and the field when one is mistyped, or when a field of ``SERVED_FIELDS``
+    or ``UNSERVED_FIELDS`` is absent."""
+    raw = _read_summary(path, _PrometheusSummary).successes
+    missing = [f for f in (*SERVED_FIELDS, *UNSERVED_FIELDS) if f not in raw]
+    if missing:
+        raise ValueError(f"{path}: successes lacks {', '.join(f'`{f}`' for f in missing)}")
+    successes: CollectorSuccesses = {}
+    for name, value in raw.items():
+        try:
+            successes[name] = msgspec.convert(value, type=CollectorValue)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"{path}: {e} (in `$.successes.{name}`)") from e
+    return successes
+
+
+def read_client(path: Path) -> ClientSuccesses:
+    """The ``successes`` of inference-perf's ``summary_lifecycle_metrics.json`` at ``path``. Raises
+    ValueError naming ``path`` and the field when one is missing or mistyped."""
+    return _read_summary(path, _LifecycleSummary).successes
+
+
+class _ApiSection(TypedDict):
+    type: Literal["completion"]
+    streaming: bool
+
+
+class _SharedPrefixSection(TypedDict):
+    num_groups: int
+    num_prompts_per_group: int
+    system_prompt_len: int  # tokens
+    question_len: int  # tokens
+    output_len: int  # tokens
+    seed: int
+
+
+class _DataSection(TypedDict):
+    type: Literal["shared_prefix"]
+    shared_prefix: _SharedPrefixSection
+
+
+class _StageSection(TypedDict):
+    rate: float  # requests/s
+    duration: int  # s
+
+
+class _LoadSection(TypedDict):
+    type: Literal["constant"]
+    stages: list[_StageSection]
+
+
+class _PrometheusClientSection(TypedDict):
+    url: str
+    scrape_interval: int  # s
+
+
+class _MetricsSection(TypedDict):
+    type: Literal["prometheus"]
+    prometheus: _PrometheusClientSection
+
+
+class _ServerSection(TypedDict):
+    type: Literal["vllm"]
+    model_name: str
+    base_url: str
+    ignore_eos: bool
+
+
+class _TokenizerSection(TypedDict):
+    pretrained_model_name_or_path: str
+
+
+class _LocalStorageSection(TypedDict):
+    path: str
+
+
+class _StorageSection(TypedDict):
+    local_storage: _LocalStorageSection
+
+
+class _ReportKindSection(TypedDict):
+    summary: bool
+    per_stage: bool
+
+
+class _ReportSection(TypedDict):
+    request_lifecycle: _ReportKindSection
+    prometheus: _ReportKindSection
+
+
+class InferencePerfConfig(TypedDict):
+    """The sections of inference-perf 0.7.0's config (``inference_perf/config/config.py`` and the
+    section models under ``inference_perf/config/``) this module sets; every other key keeps its
+    default. Written as JSON (which is YAML) for ``inference-perf -c``."""
+
+    api: _ApiSection
+    data: _DataSection
+    load: _LoadSection
+    metrics: _MetricsSection
+    server: _ServerSection
+    tokenizer: _TokenizerSection
+    storage: _StorageSection
+    report: _ReportSection
+
+
+class _Target(msgspec.Struct, frozen=True):
+    health: str  # "up", "down" or "unknown"
+
+
+class _ActiveTargets(msgspec.Struct, frozen=True):
+    active_targets: list[_Target] = msgspec.field(name="activeTargets")
+
+
+class _TargetsAnswer(msgspec.Struct, frozen=True):
+    """Prometheus' ``/api/v1/targets`` answer, the part read here."""
+
+    data: _ActiveTargets
 
 
 @dataclass(frozen=True)
@@ -157,7 +421,7 @@ def prometheus_config(system: LiveSystem, scrape_interval_s: int) -> str:
 
 
 def inference_perf_config(gateway: str, prometheus: str, scrape_interval_s: int, tokenizer: Path,
-                          load: Load, out: Path) -> dict[str, Any]:
+                          load: Load, out: Path) -> InferencePerfConfig:
     """inference-perf 0.7.0's config (``inference_perf/config/config.py``): streaming completions, the
     shared-prefix generator, a constant-rate stage, server type ``vllm`` with the served model name
     (the workers' ``model_name`` label), the Prometheus metrics client, reports to ``out``."""
@@ -188,70 +452,86 @@ def wait_targets_up(prometheus: str, want: int, timeout_s: float, proc: subproce
             raise RuntimeError(f"prometheus exited with {proc.returncode}")
         try:
             resp = httpx.get(f"{prometheus}/api/v1/targets", timeout=2, trust_env=False)
-            health = [t["health"] for t in resp.json()["data"]["activeTargets"]]
+            answer = msgspec.json.decode(resp.content, type=_TargetsAnswer)
+            health = [t.health for t in answer.data.active_targets]
             if len(health) == want and all(h == "up" for h in health):
                 return
-        except (httpx.HTTPError, ValueError, KeyError):
+        except (httpx.HTTPError, msgspec.DecodeError):
             pass
         time.sleep(0.5)
     raise RuntimeError(f"prometheus targets not all up after {timeout_s:.0f} s: {health}")
 
 
-def _field_value(v: Any) -> float:
+def _field_value(v: CollectorValue) -> float:
     """A collector summary field as one number: a plain value, else its ``mean``."""
-    return float(v["mean"]) if isinstance(v, dict) else float(v)
+    return v.mean if isinstance(v, CollectorStats) else v
 
 
-def checks(collector: dict[str, Any], client: dict[str, Any], workers: dict[str, WorkerDelta],
+def _shown(v: CollectorValue) -> str:
+    """A collector summary field as inference-perf wrote it: the number, or its object's keys."""
+    return str(msgspec.to_builtins(v))
+
+
+def checks(collector: CollectorSuccesses, client: ClientSuccesses, workers: dict[str, WorkerDelta],
            load: Load) -> list[Check]:
-    """The checks of the module docstring. ``collector``/``client``: the ``successes`` objects of
-    inference-perf's Prometheus and lifecycle summaries; ``workers``: child name → its deltas."""
-    out = [Check(f"collector read {f}", _field_value(collector[f]) > 0, f"{collector[f]}")
+    """The checks of the module docstring. ``collector``/``client``: the ``successes`` of inference-perf's
+    Prometheus and lifecycle summaries (``read_collector``, ``read_client``); ``workers``: child name →
+    its deltas. A latency span the client did not measure (None) fails its check. Raises KeyError when
+    ``collector`` lacks a field of ``SERVED_FIELDS`` or ``UNSERVED_FIELDS``."""
+    out = [Check(f"collector read {f}", _field_value(collector[f]) > 0, _shown(collector[f]))
            for f in SERVED_FIELDS]
-    out += [Check(f"collector read {f} as 0 (not served)", _field_value(collector[f]) == 0, f"{collector[f]}")
+    out += [Check(f"collector read {f} as 0 (not served)", _field_value(collector[f]) == 0,
+                  _shown(collector[f]))
             for f in UNSERVED_FIELDS]
-    successes = int(client["count"])
+    successes = client.count
     fleet = {c: sum(w.counters[c] for w in workers.values()) for c in COUNTERS}
     finishing = [name for name in workers if name.startswith(("decode", "colocated"))]
     finished = sum(workers[n].counters["vllm:request_success_total"] for n in finishing)
-    pairs = (("prompt tokens", fleet["vllm:prompt_tokens_total"], client["prompt_tokens"]["total"]),
+    pairs = (("prompt tokens", fleet["vllm:prompt_tokens_total"], client.prompt_tokens.total),
              ("generated tokens", fleet["vllm:generation_tokens_total"], successes * load.output_len),
              (f"requests finished by {'+'.join(finishing)}", finished, successes),
              ("prefix-cache hits vs usage cached tokens", fleet["vllm:prefix_cache_hits_total"],
-              client["prompt_tokens"].get("cached", 0.0)))
+              client.prompt_tokens.cached))
     out += [Check(f"workers' {what} = client's", w == c, f"workers {w:g}, client {c:g}")
             for what, w, c in pairs]
-    client_lat = client["latency"]
+    client_lat = client.latency
     for name, d in workers.items():
-        spans = [("vllm:e2e_request_latency_seconds", "request_latency")]
+        spans = [("vllm:e2e_request_latency_seconds", "request_latency", client_lat.request_latency)]
         if not name.startswith("decode"):
-            spans.append(("vllm:time_to_first_token_seconds", "time_to_first_token"))
-        for metric, key in spans:
+            spans.append(("vllm:time_to_first_token_seconds", "time_to_first_token",
+                          client_lat.time_to_first_token))
+        for metric, key, dist in spans:
             mean = d.means_s[metric]
-            c = float(client_lat[key]["mean"])
-            out.append(Check(f"{name} mean {key} <= client's", mean is not None and mean <= c + TOLERANCE_S,
+            check = f"{name} mean {key} <= client's"
+            if dist is None:
+                out.append(Check(check, False, f"{name} {mean}, client -"))
+                continue
+            c = dist.mean
+            out.append(Check(check, mean is not None and mean <= c + TOLERANCE_S,
                              f"{name} {mean}, client {c:.4f}"))
     return out
 
 
-def report(collector: dict[str, Any], client: dict[str, Any], workers: dict[str, WorkerDelta]) -> str:
+def report(collector: CollectorSuccesses, client: ClientSuccesses, workers: dict[str, WorkerDelta]) -> str:
     """The printed tables: the collector's reading, the client's, each worker's."""
     lines = ["inference-perf vLLM collector (Prometheus; histograms: mean / median / p90 / p99):"]
     for k, v in collector.items():
-        if isinstance(v, dict) and "median" in v:
-            lines.append(f"  {k:38s} {v['mean']:10.4f} {v['median']:10.4f} {v['p90']:10.4f} {v['p99']:10.4f}")
-        elif isinstance(v, dict):
-            lines.append(f"  {k:38s} " + "  ".join(f"{kk}={vv:.4f}" for kk, vv in v.items()))
+        if isinstance(v, CollectorStats) and v.median is not None and v.p90 is not None and v.p99 is not None:
+            lines.append(f"  {k:38s} {v.mean:10.4f} {v.median:10.4f} {v.p90:10.4f} {v.p99:10.4f}")
+        elif isinstance(v, CollectorStats):
+            lines.append(f"  {k:38s} " + "  ".join(f"{kk}={vv:.4f}" for kk, vv in v.present()))
         else:
             lines.append(f"  {k:38s} {v:10.4f}")
-    lat = client["latency"]
-    prompt = client["prompt_tokens"]
-    lines.append(f"inference-perf client: {client['count']} successes, prompt tokens "
-                 f"{prompt['total']:g} (cached {prompt.get('cached', 0):g}), "
-                 f"output tokens {client['output_tokens']['total']:g}; means (s): "
-                 + ", ".join(f"{k} {lat[k]['mean']:.4f}" for k in
-                             ("time_to_first_token", "inter_token_latency", "time_per_output_token",
-                              "request_latency")))
+    lat = client.latency
+    prompt = client.prompt_tokens
+    means = (("time_to_first_token", lat.time_to_first_token),
+             ("inter_token_latency", lat.inter_token_latency),
+             ("time_per_output_token", lat.time_per_output_token),
+             ("request_latency", lat.request_latency))
+    lines.append(f"inference-perf client: {client.count} successes, prompt tokens "
+                 f"{prompt.total:g} (cached {prompt.cached:g}), "
+                 f"output tokens {client.output_tokens.total:g}; means (s): "
+                 + ", ".join(f"{k} {'-' if m is None else f'{m.mean:.4f}'}" for k, m in means))
     for name, d in workers.items():
         lines.append(f"worker {name} over the run: "
                      + ", ".join(f"{c.removeprefix('vllm:')} {v:g}" for c, v in d.counters.items()))
@@ -303,8 +583,8 @@ def run(args: argparse.Namespace, load: Load) -> int:
             finally:
                 prom.terminate()
                 prom.wait(timeout=30)
-            collector = json.loads((out_dir / "summary_prometheus_metrics.json").read_text())["successes"]
-            client = json.loads((out_dir / "summary_lifecycle_metrics.json").read_text())["successes"]
+            collector = read_collector(out_dir / "summary_prometheus_metrics.json")
+            client = read_client(out_dir / "summary_lifecycle_metrics.json")
     workers = {n: worker_delta(before[n], after[n]) for n in sorted(before)}
     print(report(collector, client, workers))
     results = checks(collector, client, workers, load)
@@ -312,9 +592,7 @@ def run(args: argparse.Namespace, load: Load) -> int:
         print(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
     if args.json:
         doc = {"mode": args.mode, "load": asdict(load), "scrape_interval_s": args.scrape_interval,
-               "collector": collector, "client": {k: client[k] for k in
-                                                  ("count", "latency", "throughput", "prompt_tokens",
-                                                   "output_tokens")},
+               "collector": msgspec.to_builtins(collector), "client": msgspec.to_builtins(client),
                "workers": {n: asdict(w) for n, w in workers.items()}, "checks": [asdict(c) for c in results]}
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0 if all(c.ok for c in results) else 1

@@ -1,13 +1,15 @@
 """bench/serving/inference_perf.py without a live system: a worker's deltas between two readings of its
-/metrics, the checks on inference-perf's summaries (each failing when its figure is off), the Prometheus
-config's targets and labels, and the one-line refusal of a missing binary."""
+/metrics, inference-perf's summaries read into their types (a missing or mistyped field refused by name), the
+checks on them (each failing when its figure is off), the Prometheus config's targets and labels, and the
+one-line refusal of a missing binary."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+import msgspec
 import pytest
 
 from bench.serving import inference_perf as ip
@@ -50,18 +52,43 @@ def test_worker_delta_sums_label_sets_and_takes_histogram_means_over_the_run() -
     assert d.means_s["vllm:inter_token_latency_seconds"] is None  # nothing observed
 
 
-def summaries() -> tuple[dict[str, Any], dict[str, Any], dict[str, ip.WorkerDelta]]:
-    """A consistent disaggregated run of 2 requests: 160 prompt tokens of which 64 cached, 16 tokens
-    each, the prefill worker's first-token span inside the client's."""
+def dist(mean: float) -> dict[str, float]:
+    """A latency as inference-perf's ``summarize`` writes it, every sample equal to ``mean``."""
+    return {"mean": mean, "min": mean, "max": mean}
+
+
+def collector_literal() -> dict[str, object]:
+    """The collector's ``successes`` of a consistent disaggregated run of 2 requests (its counts twice the
+    client's), every served field non-zero and every unserved one 0."""
     hist = {"mean": 0.5, "median": 0.4, "p90": 0.9, "p99": 1.0}
-    collector: dict[str, Any] = {f: hist for f in ip.SERVED_FIELDS}
+    collector: dict[str, object] = {f: hist for f in ip.SERVED_FIELDS}
     collector.update(count=4.1, request_success_count=4.1, prompt_tokens_cached=65.0,
                      prefix_cache_hit_percent={"mean": 40.0}, num_requests_running={"mean": 1.5})
     collector.update({f: {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0} for f in ip.UNSERVED_FIELDS})
     collector.update(corrupted_requests=0.0, external_prefix_cache_hit_percent={"mean": 0.0},
                      mm_cache_hit_percent={"mean": 0.0})
-    client = {"count": 2, "prompt_tokens": {"total": 160.0, "cached": 64.0}, "output_tokens": {"total": 32.0},
-              "latency": {"time_to_first_token": {"mean": 0.6}, "request_latency": {"mean": 3.0}}}
+    return collector
+
+
+def client_literal() -> dict[str, object]:
+    """The client's ``successes`` of that run: 160 prompt tokens of which 64 cached, 16 tokens each."""
+    return {"count": 2,
+            "latency": {"request_latency": dist(3.0), "normalized_time_per_output_token": dist(0.19),
+                        "time_per_output_token": dist(0.16), "time_to_first_token": dist(0.6),
+                        "inter_token_latency": dist(0.16)},
+            "throughput": {"input_tokens_per_sec": 53.3, "output_tokens_per_sec": 10.7,
+                           "total_tokens_per_sec": 64.0, "requests_per_sec": 0.67, "images_per_sec": 0.0,
+                           "videos_per_sec": 0.0, "audios_per_sec": 0.0},
+            "prompt_tokens": {"total": 160.0, "cached": 64.0, "uncached": 96.0, "mean": 80.0, "min": 80.0,
+                              "max": 80.0},
+            "output_tokens": {"total": 32.0, "mean": 16.0, "min": 16.0, "max": 16.0}}
+
+
+def summaries() -> tuple[ip.CollectorSuccesses, ip.ClientSuccesses, dict[str, ip.WorkerDelta]]:
+    """That run's summaries through their types, and the workers' deltas: the prefill worker's
+    first-token span inside the client's."""
+    collector = msgspec.convert(collector_literal(), ip.CollectorSuccesses)
+    client = msgspec.convert(client_literal(), ip.ClientSuccesses)
     prefill = ip.WorkerDelta(
         {c: 0.0 for c in ip.COUNTERS} | {"vllm:prompt_tokens_total": 160, "vllm:generation_tokens_total": 2,
                                          "vllm:request_success_total": 2, "vllm:prefix_cache_hits_total": 64},
@@ -91,24 +118,33 @@ def test_checks_pass_on_a_consistent_run() -> None:
     assert "decode mean request_latency <= client's" in names
 
 
+Change = Callable[[ip.CollectorSuccesses, ip.ClientSuccesses],
+                  tuple[ip.CollectorSuccesses, ip.ClientSuccesses]]
+replace = msgspec.structs.replace
+
+
 @pytest.mark.parametrize(("change", "fails"), [
-    (lambda col, cli, w: col.update(kv_cache_usage_percentage={"mean": 0.0, "median": 0.0, "p90": 0.0,
-                                                               "p99": 0.0}),
+    (lambda col, cli: (col | {"kv_cache_usage_percentage": ip.CollectorStats(0.0, 0.0, 0.0, 0.0)}, cli),
      "collector read kv_cache_usage_percentage"),
-    (lambda col, cli, w: col.update(mm_cache_hit_percent={"mean": 3.0}),
+    (lambda col, cli: (col | {"mm_cache_hit_percent": ip.CollectorStats(3.0)}, cli),
      "collector read mm_cache_hit_percent as 0 (not served)"),
-    (lambda col, cli, w: cli["prompt_tokens"].update(total=161.0), "workers' prompt tokens = client's"),
-    (lambda col, cli, w: cli.update(count=3), "workers' generated tokens = client's"),
-    (lambda col, cli, w: cli["prompt_tokens"].update(cached=48.0),
+    (lambda col, cli: (col, replace(cli, prompt_tokens=replace(cli.prompt_tokens, total=161.0))),
+     "workers' prompt tokens = client's"),
+    (lambda col, cli: (col, replace(cli, count=3)), "workers' generated tokens = client's"),
+    (lambda col, cli: (col, replace(cli, prompt_tokens=replace(cli.prompt_tokens, cached=48.0))),
      "workers' prefix-cache hits vs usage cached tokens = client's"),
-    (lambda col, cli, w: cli["latency"]["time_to_first_token"].update(mean=0.3),
+    (lambda col, cli: (col, replace(cli, latency=replace(cli.latency, time_to_first_token=ip.Distribution(
+        0.3, 0.3, 0.3)))),
      "prefill mean time_to_first_token <= client's"),
-    (lambda col, cli, w: cli["latency"]["request_latency"].update(mean=2.0),
+    (lambda col, cli: (col, replace(cli, latency=replace(cli.latency, request_latency=ip.Distribution(
+        2.0, 2.0, 2.0)))),
      "decode mean request_latency <= client's"),
+    (lambda col, cli: (col, replace(cli, latency=replace(cli.latency, time_to_first_token=None))),
+     "prefill mean time_to_first_token <= client's"),
 ])
-def test_each_check_fails_when_its_figure_is_off(change: Any, fails: str) -> None:
+def test_each_check_fails_when_its_figure_is_off(change: Change, fails: str) -> None:
     collector, client, workers = summaries()
-    change(collector, client, workers)
+    collector, client = change(collector, client)
     assert fails in failing(ip.checks(collector, client, workers, LOAD))
 
 
@@ -119,6 +155,90 @@ def test_requests_are_counted_on_the_worker_that_returns_tokens() -> None:
                                        workers["decode"].means_s, workers["decode"].counts)
     assert "workers' requests finished by decode = client's" in failing(
         ip.checks(collector, client, workers, LOAD))
+
+
+def write_summaries(tmp_path: Path, collector: dict[str, object],
+                    client: dict[str, object]) -> tuple[Path, Path]:
+    """Both summaries as inference-perf writes them (``json.dumps``; ``failures`` and the keys this module
+    does not read included), in ``tmp_path``."""
+    prom = tmp_path / "summary_prometheus_metrics.json"
+    life = tmp_path / "summary_lifecycle_metrics.json"
+    prom.write_text(json.dumps({"benchmark_time_seconds": 0.0, "load_summary": {}, "successes": collector,
+                                "failures": {}}, indent=2))
+    life.write_text(json.dumps({"benchmark_time_seconds": 30.0, "load_summary": {"count": 2},
+                                "successes": client | {"request_size_bytes": dist(700.0),
+                                                       "token_count_mismatches": 0},
+                                "failures": {"count": 0}}, indent=2))
+    return prom, life
+
+
+def test_summaries_read_back_as_written_for_the_json_document(tmp_path: Path) -> None:
+    collector = collector_literal()
+    # a histogram quantile in Prometheus' +Inf bucket: json.dumps writes Infinity
+    collector["iteration_tokens"] = {"mean": 40.0, "median": 32.0, "p90": 64.0, "p99": float("inf")}
+    client = client_literal()
+    full = {"mean": 3.0, "min": 2.5, "max": 3.5, "p0.1": 2.5, "p1": 2.5, "p5": 2.6, "p10": 2.6, "p25": 2.8,
+            "median": 3.0, "p75": 3.2, "p90": 3.4, "p95": 3.4, "p99": 3.5, "p99.9": 3.5}
+    client["latency"] = {"request_latency": full, "normalized_time_per_output_token": dist(0.19),
+                         "time_per_output_token": None, "time_to_first_token": None,
+                         "inter_token_latency": None}
+    prom, life = write_summaries(tmp_path, collector, client)
+    read_collector = ip.read_collector(prom)
+    assert read_collector["count"] == 4.1
+    assert read_collector["iteration_tokens"] == ip.CollectorStats(40.0, 32.0, 64.0, float("inf"))
+    assert json.dumps(msgspec.to_builtins(read_collector)) == json.dumps(collector)
+    read_client = ip.read_client(life)
+    assert read_client.latency.request_latency is not None
+    assert read_client.latency.request_latency.p99_9 == 3.5
+    assert json.dumps(msgspec.to_builtins(read_client)) == json.dumps(client)
+
+
+def without(literal: dict[str, object], dotted: str) -> dict[str, object]:
+    """A copy of ``literal`` less the key at the ``dotted`` path."""
+    head, _, rest = dotted.partition(".")
+    if not rest:
+        return {k: v for k, v in literal.items() if k != head}
+    inner = literal[head]
+    assert isinstance(inner, dict)
+    return literal | {head: without(inner, rest)}
+
+
+@pytest.mark.parametrize(("which", "drop", "error"), [
+    ("client", "count", "Object missing required field `count` - at `$.successes`"),
+    ("client", "prompt_tokens.cached",
+     "Object missing required field `cached` - at `$.successes.prompt_tokens`"),
+    ("client", "latency.time_to_first_token.mean",
+     "Object missing required field `mean` - at `$.successes.latency.time_to_first_token`"),
+    ("client", "latency.inter_token_latency",
+     "Object missing required field `inter_token_latency` - at `$.successes.latency`"),
+    ("collector", "kv_cache_usage_percentage", "successes lacks `kv_cache_usage_percentage`"),
+    ("collector", "request_latency.mean",
+     "Object missing required field `mean` (in `$.successes.request_latency`)"),
+])
+def test_a_summary_missing_a_required_field_is_refused_naming_it(tmp_path: Path, which: str, drop: str,
+                                                                 error: str) -> None:
+    collector, client = collector_literal(), client_literal()
+    if which == "collector":
+        collector = without(collector, drop)
+    else:
+        client = without(client, drop)
+    prom, life = write_summaries(tmp_path, collector, client)
+    path = prom if which == "collector" else life
+    with pytest.raises(ValueError) as e:
+        ip.read_collector(path) if which == "collector" else ip.read_client(path)
+    assert str(e.value) == f"{path}: {error}"
+
+
+def test_a_mistyped_field_is_refused_naming_it(tmp_path: Path) -> None:
+    client = client_literal()
+    client["prompt_tokens"] = {"total": "160", "cached": 64.0, "uncached": 96.0}
+    prom, life = write_summaries(tmp_path, collector_literal() | {"count": "4.1"}, client)
+    with pytest.raises(ValueError) as e:
+        ip.read_client(life)
+    assert str(e.value) == f"{life}: Expected `float`, got `str` - at `$.successes.prompt_tokens.total`"
+    with pytest.raises(ValueError) as e:
+        ip.read_collector(prom)
+    assert str(e.value) == f"{prom}: Expected `float | object`, got `str` (in `$.successes.count`)"
 
 
 def test_prometheus_config_labels_each_worker_by_name(tmp_path: Path) -> None:
