@@ -39,6 +39,16 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """A converter for integers >= ``minimum``; it raises ``argparse.ArgumentTypeError`` otherwise."""
+    def convert(text: str) -> int:
+        value = int(_number(text, int))
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return convert
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0. Raises ``argparse.ArgumentTypeError`` otherwise (nan and inf included)."""
     value = _number(text, float)

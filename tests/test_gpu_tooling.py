@@ -161,8 +161,18 @@ def test_prefill_bench_cpu_smoke(tmp_path):
     assert a["triton_s"] > 0 and a["sdpa_s"] > 0
 
 
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--tokens", "0"], "--tokens"), (["--attn-tokens", "-1"], "--attn-tokens"),
+    (["--gemm-repeats", "3"], "--gemm-repeats"), (["--repeats", "x"], "--repeats")])
+def test_prefill_refuses_each_bad_flag_by_name(args: list[str], flag: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        prefill.main(args)
+    assert exc.value.code == 2
+    assert f"argument {flag}: " in capsys.readouterr().err
+
+
 def test_prefill_and_ttft_reject_bad_arguments():
-    assert prefill.main(["--tokens", "0"]) == 2
     with pytest.raises(SystemExit) as exc:
         ttft.main(["--tokens", "16", "0"])
     assert exc.value.code == 2

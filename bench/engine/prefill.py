@@ -47,6 +47,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any import of triton (engine.ops, lazily)
 
+from bench.argtypes import int_at_least, non_negative_int, positive_int
 from bench.ceilings import gemm_tflops
 from bench.common import add_model_args, random_prompts, sync
 from bench.timing import MIN_CEILING_REPEATS, Spread, time_calls
@@ -229,25 +230,21 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)
-    p.add_argument("--tokens", type=int, default=8000, help="prompt tokens")
-    p.add_argument("--attn-tokens", type=int, default=0, help="attention comparison tokens (0 = --tokens)")
-    p.add_argument("--gemm-size", type=int, default=8192)
-    p.add_argument("--gemm-repeats", type=int, default=MIN_CEILING_REPEATS,
+    p.add_argument("--tokens", type=positive_int, default=8000, help="prompt tokens")
+    p.add_argument("--attn-tokens", type=non_negative_int, default=0,
+                   help="attention comparison tokens (0 = --tokens)")
+    p.add_argument("--gemm-size", type=positive_int, default=8192)
+    p.add_argument("--gemm-repeats", type=int_at_least(MIN_CEILING_REPEATS), default=MIN_CEILING_REPEATS,
                    help=f"timed GEMMs for the ceiling (>= {MIN_CEILING_REPEATS}; the best counts)")
-    p.add_argument("--repeats", type=int, default=3, help="timed prefills after one warm-up")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed prefills after one warm-up")
     p.add_argument("--json", default=None, help="write the result here ('-' = stdout)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments, run, print a summary and write ``--json``; returns 0, or 2 on bad arguments."""
+    """Parse arguments, run, print a summary and write ``--json``; returns 0 (bad arguments: argparse
+    exits with 2, naming the flag)."""
     args = build_parser().parse_args(argv)
-    if args.tokens < 1 or args.gemm_size < 1 or args.repeats < 1 or args.attn_tokens < 0:
-        print("prefill: --tokens, --gemm-size and --repeats must be >= 1", file=sys.stderr)
-        return 2
-    if args.gemm_repeats < MIN_CEILING_REPEATS:
-        print(f"prefill: --gemm-repeats must be >= {MIN_CEILING_REPEATS}", file=sys.stderr)
-        return 2
     res = run(args)
     a, g = res["attention"], res["gemm"]
     achieved = Spread(**res["achieved_tflops_spread"])

@@ -66,6 +66,7 @@ from typing import Literal, TypedDict, TypeVar
 import httpx
 import msgspec
 
+from bench.argtypes import positive_float, positive_int
 from pdserve.live_system import MODEL, LiveSystem, Samples, live_system, metric_samples
 from pdserve.ports import free_ports
 
@@ -606,30 +607,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inference-perf", required=True,
                    help="the inference-perf entry point of a Python >= 3.12 venv with inference-perf 0.7.0")
     p.add_argument("--mode", choices=("disagg", "colocated"), default="disagg")
-    p.add_argument("--num-blocks", type=int, default=1310,
+    p.add_argument("--num-blocks", type=positive_int, default=1310,
                    help="KV blocks per worker (1310: what `pdserve up` gives the embedded model on a CPU)")
-    p.add_argument("--scrape-interval", type=int, default=1, help="Prometheus scrape interval, seconds")
-    p.add_argument("--rate", type=float, default=2.0, help="requests per second")
-    p.add_argument("--duration", type=int, default=20, help="seconds of load")
-    p.add_argument("--output-len", type=int, default=16, help="tokens generated per request")
-    p.add_argument("--groups", type=int, default=2, help="shared system prompts")
-    p.add_argument("--prompts-per-group", type=int, default=10)
-    p.add_argument("--system-prompt-len", type=int, default=64, help="tokens")
-    p.add_argument("--question-len", type=int, default=16, help="tokens")
+    p.add_argument("--scrape-interval", type=positive_int, default=1,
+                   help="Prometheus scrape interval, seconds")
+    p.add_argument("--rate", type=positive_float, default=2.0, help="requests per second")
+    p.add_argument("--duration", type=positive_int, default=20, help="seconds of load")
+    p.add_argument("--output-len", type=positive_int, default=16, help="tokens generated per request")
+    p.add_argument("--groups", type=positive_int, default=2, help="shared system prompts")
+    p.add_argument("--prompts-per-group", type=positive_int, default=10)
+    p.add_argument("--system-prompt-len", type=positive_int, default=64, help="tokens")
+    p.add_argument("--question-len", type=positive_int, default=16, help="tokens")
     p.add_argument("--json", default=None, help="write the summaries and checks to this file")
     args = p.parse_args(argv)
     for flag, path in (("--prometheus", args.prometheus), ("--inference-perf", args.inference_perf)):
         if not (os.path.isfile(path) and os.access(path, os.X_OK)):
             print(f"inference_perf: {flag} {path} is not an executable file", file=sys.stderr)
             return 2
-    if args.rate <= 0 or min(args.duration, args.output_len, args.groups, args.prompts_per_group,
-                             args.system_prompt_len, args.question_len, args.num_blocks,
-                             args.scrape_interval) < 1:
-        print("inference_perf: --rate must be > 0 and --duration, --output-len, --groups, "
-              "--prompts-per-group, --system-prompt-len, --question-len, --num-blocks, "
-              "--scrape-interval >= 1",
-              file=sys.stderr)
-        return 2
     load = Load(args.rate, args.duration, args.output_len, args.groups, args.prompts_per_group,
                 args.system_prompt_len, args.question_len)
     return run(args, load)

@@ -268,3 +268,15 @@ def test_missing_binary_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Ca
     assert ip.main(["--prometheus", absent, "--inference-perf", absent]) == 2
     err = capsys.readouterr().err
     assert err == f"inference_perf: --prometheus {absent} is not an executable file\n"
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--rate", "0"), ("--duration", "0"), ("--groups", "-2"),
+                                             ("--scrape-interval", "x"), ("--num-blocks", "0")])
+def test_bad_number_is_refused_by_name_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str,
+) -> None:
+    absent = str(tmp_path / "prometheus")
+    with pytest.raises(SystemExit) as exc:
+        ip.main(["--prometheus", absent, "--inference-perf", absent, flag, value])
+    assert exc.value.code == 2
+    assert f"argument {flag}: " in capsys.readouterr().err
