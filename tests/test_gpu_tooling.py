@@ -121,10 +121,11 @@ def test_sanitize_driver_tiny_runs_through_the_interpreter(tmp_path):
     res = json.loads(out.read_text())
     assert res["interpreter"] is True
     (case,) = sanitize_driver.shape_grid(tiny=True)
-    # store x2, rotary_store x2, prefill (per query head and GQA packed), split+reduce per num_splits, decode
-    # with RoPE inside (rotary_store + split+reduce of the reference, split+reduce fused), then 3 token
-    # counts x (rms_norm x2, rotary, silu_mul), then gemv plain and gated at 3 output sizes
-    assert res["kernel_launches"] == 2 + 2 + 2 + 2 * len(case.num_splits) + 5 + 3 * 4 + 3 * 2
+    # store x2, rotary_store x2, prefill (per query head, GQA packed, packed in KV slices + combine),
+    # split+reduce per num_splits, decode with RoPE inside (rotary_store + split+reduce of the reference,
+    # split+reduce fused), then 3 token counts x (rms_norm x2, rotary, silu_mul), then gemv plain and gated
+    # at 3 output sizes
+    assert res["kernel_launches"] == 2 + 2 + 4 + 2 * len(case.num_splits) + 5 + 3 * 4 + 3 * 2
 
 
 def test_sanitize_driver_reports_a_wrong_kernel(monkeypatch):

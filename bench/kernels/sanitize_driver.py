@@ -3,7 +3,8 @@
 Under NVIDIA compute-sanitizer (memcheck: out-of-bounds / misaligned accesses; racecheck: shared-memory
 hazards) each kernel launch is ~100x slower, so the grid is small: block-boundary lengths with
 ``block_size`` 16 (1, 15, 16, 17, 32, 33 tokens ...), GQA ratios 1 and 4, ``head_dim`` 64 and 128, bf16
-and fp16; ``store_kv``, ``rotary_store_kv``, ``paged_prefill_attention`` (cached prefixes included) and
+and fp16; ``store_kv``, ``rotary_store_kv``, ``paged_prefill_attention`` (cached prefixes included; whole
+and with the KV in slices) and
 ``paged_decode_attention`` at several ``num_splits``; the fused decoder-layer kernels ``rms_norm`` (with
 and without the residual add), ``apply_rotary`` (in place on views of a QKV row) and ``silu_mul``; the
 one-row ``gemv``, plain and gated, at an N of each tile class. Every output is also checked against the
@@ -147,10 +148,13 @@ def run_case(case: KernelCase, device: str, seed: int = 0) -> int:
         if kind == "prefill":
             args = (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.query_start_loc)
             want = paged_prefill_attention_reference(*args, p.max_query_len, p.max_seq_len, scale)
-            for pack_gqa in (False, True):  # the engine's path and the GQA-packed candidate
-                got = paged_prefill_attention(*args, p.max_query_len, scale, pack_gqa=pack_gqa)
-                _close(f"paged_prefill_attention pack_gqa={pack_gqa} {case}", got, want, dtype)
-                calls += 1
+            # unpacked, GQA-packed, and packed with the KV cut into 3 slices (partials + combine kernel)
+            for pack_gqa, splits in ((False, 1), (True, 1), (True, 3)):
+                got = paged_prefill_attention(*args, p.max_query_len, scale, pack_gqa=pack_gqa,
+                                              num_splits=splits)
+                _close(f"paged_prefill_attention pack_gqa={pack_gqa} num_splits={splits} {case}", got, want,
+                       dtype)
+                calls += 1 if splits == 1 else 2
         else:
             args2 = (p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, p.max_seq_len, scale)
             want = paged_decode_attention_reference(*args2)
