@@ -50,6 +50,7 @@ from pdserve.live_system import (
 
 DEADLINE_S = 240.0  # a client's bound on one request (the gateway's --request-timeout, 180 s, is below it)
 MAX_TOKENS = 24
+MIN_TOKENS = 4  # the fewest output tokens ``Chaos(output_scale=...)`` leaves a scenario's streams
 LEAVE_S = 0.05  # a client that leaves at once closes its connection this many seconds after sending
 
 
@@ -229,12 +230,20 @@ def kill9(system: LiveSystem, name: str) -> None:
 class Chaos:
     """The scenarios over one live system. ``scale`` multiplies every scenario's request count;
     ``aborts``: the streams of ``client_aborts`` at scale 1 (a multiple of 3 spreads them evenly over
-    its three ways of leaving). Raises ValueError when ``scale`` or ``aborts`` is below 1."""
+    its three ways of leaving); ``output_scale`` multiplies each scenario's ``max_tokens`` (at least
+    ``MIN_TOKENS`` kept: a stream cut by a fault still has tokens after it; ``client_aborts`` keeps its
+    4). Raises ValueError when ``scale`` or ``aborts`` is below 1 or ``output_scale`` is not positive."""
 
-    def __init__(self, system: LiveSystem, scale: int = 1, aborts: int = 1000) -> None:
+    def __init__(self, system: LiveSystem, scale: int = 1, aborts: int = 1000,
+                 output_scale: float = 1.0) -> None:
         if scale < 1 or aborts < 1:
             raise ValueError(f"scale and aborts must be >= 1, got {scale} and {aborts}")
-        self.system, self.scale, self.aborts = system, scale, aborts
+        if output_scale <= 0:
+            raise ValueError(f"output_scale must be > 0, got {output_scale}")
+        self.system, self.scale, self.aborts, self.output_scale = system, scale, aborts, output_scale
+
+    def _tokens(self, max_tokens: int) -> int:
+        return max(MIN_TOKENS, round(max_tokens * self.output_scale))
 
     async def _gather(self, coros: Sequence[Awaitable[Outcome]]) -> list[Outcome]:
         return list(await asyncio.gather(*coros))
@@ -274,10 +283,10 @@ class Chaos:
         ps = prompts(4 * self.scale, 40, salt=1)
         samplings = [None if i % 3 else {"temperature": 0.9, "seed": 11 + i} for i in range(len(ps))]
         async with self._client() as c:
-            reference = await self._gather([stream(c, p, max_tokens=48, sampling=sp)
+            reference = await self._gather([stream(c, p, max_tokens=self._tokens(48), sampling=sp)
                                             for p, sp in zip(ps, samplings, strict=True)])
             outs = [Outcome() for _ in ps]
-            tasks = [asyncio.create_task(stream(c, p, max_tokens=48, out=o, sampling=sp))
+            tasks = [asyncio.create_task(stream(c, p, max_tokens=self._tokens(48), out=o, sampling=sp))
                      for p, o, sp in zip(ps, outs, samplings, strict=True)]
             await until(lambda: all(o.tokens >= 2 or o.status not in (None, 200) for o in outs))
             kill9(self.system, "decode-0")
@@ -293,7 +302,7 @@ class Chaos:
         of them (``/v1/status``) while they run: its requests are retried on the other one."""
         async with self._client() as c:
             outs = [Outcome() for _ in range(6 * self.scale)]
-            tasks = [asyncio.create_task(stream(c, p, out=o))
+            tasks = [asyncio.create_task(stream(c, p, max_tokens=self._tokens(MAX_TOKENS), out=o))
                      for p, o in zip(prompts(len(outs), 300, salt=2), outs, strict=True)]
             await asyncio.sleep(0.5)
             status = (await c.get("/v1/status")).json()
@@ -310,14 +319,15 @@ class Chaos:
         self.system.restart("decode-1")
         await asyncio.to_thread(wait_registered, self.system)
         async with self._client() as c:
-            res.add(await self._gather([stream(c, p) for p in prompts(4 * self.scale, 30, salt=3)]))
+            res.add(await self._gather([stream(c, p, max_tokens=self._tokens(MAX_TOKENS))
+                                        for p in prompts(4 * self.scale, 30, salt=3)]))
 
     async def gateway_restart(self, res: ScenarioResult) -> None:
         """``kill -9`` the gateway mid-stream and start it again on the same ports: the cut streams are
         lost, the workers register again and free the old gateway's blocks, new requests succeed."""
         async with self._client() as c:
             cut = [Outcome() for _ in range(4 * self.scale)]
-            tasks = [asyncio.create_task(stream(c, p, max_tokens=64, out=o))
+            tasks = [asyncio.create_task(stream(c, p, max_tokens=self._tokens(64), out=o))
                      for p, o in zip(prompts(len(cut), 60, 4), cut, strict=True)]
             await until(lambda: any(o.tokens >= 2 for o in cut))
             kill9(self.system, "gateway")
@@ -326,19 +336,21 @@ class Chaos:
         await asyncio.to_thread(wait_registered, self.system)
         res.add(cut)
         async with self._client() as c:
-            res.add(await self._gather([stream(c, p) for p in prompts(4 * self.scale, 30, salt=5)]))
+            res.add(await self._gather([stream(c, p, max_tokens=self._tokens(MAX_TOKENS))
+                                        for p in prompts(4 * self.scale, 30, salt=5)]))
 
     async def burst_above_capacity(self, res: ScenarioResult) -> None:
         """Far more concurrent long prompts than the prefill workers can start within the gateway's
         admission budget: each completes or gets a 429 with Retry-After, none waits past its deadline."""
         async with self._client() as c:
-            res.add(await self._gather([stream(c, p) for p in prompts(16 * self.scale, 300, salt=6)]))
+            res.add(await self._gather([stream(c, p, max_tokens=self._tokens(MAX_TOKENS))
+                                        for p in prompts(16 * self.scale, 300, salt=6)]))
 
     async def decode_blocks_exhausted(self, res: ScenarioResult) -> None:
         """Requests whose KV cannot all fit in the decode workers' blocks at once (long prompts, long
         outputs): the ones that cannot start get a 429 with Retry-After at once, the rest complete."""
         async with self._client() as c:
-            res.add(await self._gather([stream(c, p, max_tokens=60) for p in
+            res.add(await self._gather([stream(c, p, max_tokens=self._tokens(60)) for p in
                                         prompts(10 * self.scale, 400, salt=7)]))
 
     async def client_aborts(self, res: ScenarioResult) -> None:

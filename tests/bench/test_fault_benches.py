@@ -25,6 +25,15 @@ def test_chaos_refuses_a_count_below_one() -> None:
         with pytest.raises(ValueError, match="scale and aborts must be >= 1"):
             chaos.Chaos(system, scale=scale, aborts=aborts)
     assert chaos.Chaos(system, scale=2, aborts=3).aborts == 3
+    with pytest.raises(ValueError, match="output_scale must be > 0"):
+        chaos.Chaos(system, output_scale=0)
+
+
+def test_chaos_output_scale_shortens_streams_down_to_a_floor() -> None:
+    system = cast(LiveSystem, object())
+    assert [chaos.Chaos(system)._tokens(n) for n in (48, 24, 4)] == [48, 24, 4]
+    assert [chaos.Chaos(system, output_scale=1 / 3)._tokens(n) for n in (48, 64, 60, 24, 6)] == [
+        16, 21, 20, 8, chaos.MIN_TOKENS]
 
 
 def test_outcome_rules() -> None:

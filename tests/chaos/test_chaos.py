@@ -4,7 +4,8 @@ honest failure: no HTTP 200 that carries an error before its first token, no 429
 Retry-After, no request past its deadline, no leaked KV block on any worker, and the scenario's own
 outcome (migrated streams equal to an unbroken run, retried requests invisible to their clients, 429s
 within the admission budget). A killed child is started again after its scenario (same worker id, a new
-epoch), so the scenarios share one start-up. ``python -m bench.serving.chaos`` runs them longer."""
+epoch), so the scenarios share one start-up. The streams are a third as long as the benchmark's (a stream
+cut by a fault still runs past it). ``python -m bench.serving.chaos`` runs them longer."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from pdserve.live_system import live_systems
 
 pytestmark = pytest.mark.slow
 ABORTS = 300  # client_aborts' streams: 100 of each way of leaving (at once, after one token, after two)
+OUTPUT_SCALE = 1 / 3  # kill_decode_mid_stream's streams: 16 tokens, killed once each has 2
 
 
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
     logs: Path = tmp_path_factory.mktemp("chaos") / "logs"
     with live_systems([chaos_spec(logs)], ready_timeout_s=300) as (system,):
-        yield Chaos(system, scale=1, aborts=ABORTS)
+        yield Chaos(system, scale=1, aborts=ABORTS, output_scale=OUTPUT_SCALE)
 
 
 def _honest(res: ScenarioResult) -> None:
