@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -42,14 +43,20 @@ def quad(live_session: SystemPair) -> Quad:
     first sends and between their second sends, which meet the same prefix-cache state on each system (a
     lone sequence runs the same engine code on both paths and NIXL copies KV bytes exactly); within
     ``CACHE_HIT_TOL`` between a system's first and second send, since the second may find the prompt
-    cached by the first. Returns the outcome (the disaggregated non-streamed one)."""
+    cached by the first. The two systems (their own processes) are sent to at once, each in its own
+    thread, non-streamed then streamed: each still serves one request at a time, in that order. Returns
+    the outcome (the disaggregated non-streamed one)."""
+
+    def both_ways(url: str, endpoint: Endpoint, fields: dict[str, Any]) -> list[Outcome]:
+        return [call(client(url, live_session.api_key), endpoint, stream, **copy.deepcopy(fields))
+                for stream in (False, True)]
 
     def run(endpoint: Endpoint, tol: float = 0.0, **fields: Any) -> Outcome:
-        outs: dict[tuple[str, bool], Outcome] = {}
-        for name, url in (("disagg", live_session.disagg_url), ("colo", live_session.colo_url)):
-            for stream in (False, True):
-                outs[name, stream] = call(client(url, live_session.api_key), endpoint, stream,
-                                          **copy.deepcopy(fields))
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            sent = {name: pool.submit(both_ways, url, endpoint, fields)
+                    for name, url in (("disagg", live_session.disagg_url), ("colo", live_session.colo_url))}
+            outs = {(name, stream): out for name, future in sent.items()
+                    for stream, out in zip((False, True), future.result(), strict=True)}
         ref = outs["disagg", False]
         for stream in (False, True):
             assert_same(outs["disagg", stream], outs["colo", stream],
