@@ -118,11 +118,14 @@ def live(live_session: SystemPair, request: pytest.FixtureRequest) -> Iterator[S
     """The shared live system (``tests/live.py``). After the module: no child died (but workers, once a
     ``kills_live_child`` test has run), every worker still running holds no KV block and no request is in
     flight on either gateway (polled with a deadline: heartbeats lag). Raises AssertionError."""
-    from pdserve.live_system import wait_all_free, worker_id
+    from pdserve.live_system import worker_id
+    from tests.live import wait_all_free_at_once
 
     yield live_session
     killed = request.config.stash.get(KILLED_ON_PURPOSE, False)
+    checks = []
     for system in (live_session.disagg, live_session.colo):
         dead = {name for name, _ in system.sup.dead()}
         assert not dead or (killed and "gateway" not in dead), f"{dead} died; logs in {system.logs}"
-        wait_all_free(system.url, system.worker_ids - {worker_id(name) for name in dead})
+        checks.append((system.url, system.worker_ids - {worker_id(name) for name in dead}))
+    wait_all_free_at_once(checks)

@@ -18,11 +18,12 @@ dead worker (a 502 mid-request).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from pdserve.live_system import SystemPair, live_pair
+from pdserve.live_system import SystemPair, live_pair, wait_all_free
 
 API_KEY = "k-123"
 BODY_CAP = 1 << 20
@@ -43,3 +44,14 @@ def start_live(logs: Path) -> Iterator[SystemPair]:
     with live_pair(logs, num_blocks=256, worker_flags=WORKER_FLAGS, gateway_flags=GATEWAY_FLAGS,
                    heartbeat_timeout_s=10.0, api_key=API_KEY) as pair:
         yield pair
+
+
+def wait_all_free_at_once(checks: Iterable[tuple[str, frozenset[str] | set[str]]]) -> None:
+    """``wait_all_free`` on each ``(gateway url, worker ids)`` of ``checks``, all at once (each in its own
+    thread: each gateway's view lags by its own workers' heartbeats). Raises the first AssertionError
+    (in the order given) once every wait has ended."""
+    checks = list(checks)
+    with ThreadPoolExecutor(max_workers=max(1, len(checks))) as pool:
+        waits = [pool.submit(wait_all_free, url, workers) for url, workers in checks]
+    for done in waits:
+        done.result()

@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 import openai
 
-from pdserve.live_system import MODEL, SystemPair, wait_all_free
+from pdserve.live_system import MODEL, SystemPair
+from tests.live import wait_all_free_at_once
 
 Endpoint = Literal["chat", "completions"]
 ENDPOINTS: list[Endpoint] = ["chat", "completions"]
@@ -117,5 +118,4 @@ def assert_same(a: Outcome, b: Outcome, what: str, tol: float = 0.0) -> None:
 def leak_check(live: SystemPair) -> None:
     """All KV blocks free on every worker and nothing in flight, on both gateways (polled: heartbeats lag).
     Raises AssertionError naming what is still held."""
-    for url, workers in live.pairs():
-        wait_all_free(url, workers)
+    wait_all_free_at_once(live.pairs())
