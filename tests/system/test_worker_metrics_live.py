@@ -103,7 +103,7 @@ def test_repeated_prompt_hits_the_prefix_cache_in_tokens(live: SystemPair) -> No
 
 def test_running_request_shows_on_the_decode_worker(live: SystemPair) -> None:
     url = live.disagg.metrics_urls["decode"]
-    body = {"model": MODEL, "prompt": prompt(8), "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": prompt(8), "max_tokens": 16, "temperature": 0, "ignore_eos": True,
             "stream": True}
     running_seen = 0.0
     with httpx.stream("POST", f"{live.disagg_url}/v1/completions", json=body, headers=HEADERS, timeout=120,
@@ -113,7 +113,7 @@ def test_running_request_shows_on_the_decode_worker(live: SystemPair) -> None:
         for line in resp.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks += 1
-                if chunks == 2:  # decoding on the decode worker now, 62 tokens to go
+                if chunks == 2:  # decoding on the decode worker now, 14 tokens to go
                     running_seen = total(metric_samples(url), "vllm:num_requests_running")
     assert running_seen == 1
     deadline = time.monotonic() + 10
