@@ -5,8 +5,8 @@
 * On a machine without CUDA, Triton kernels run through Triton's interpreter: ``TRITON_INTERPRET=1`` must
   be set before ``triton`` is first imported, so it is set here, at collection start.
 * ``live``: the live system shared by the system-level suites (``tests/live.py``), started once per
-  session; after each module that used it, a leak check (every KV block free, nothing in flight, no
-  child dead but those a test killed on purpose).
+  session and stopped after the last test that uses it; after each module that used it, a leak check
+  (every KV block free, nothing in flight, no child dead but those a test killed on purpose).
 * Under pytest-xdist every test of the suites that use the live system (``LIVE_SUITES``) runs in one
   worker, in order, so one process starts the system; a test marked ``kills_live_child`` runs after
   every other test that uses it. The modules with a ``slow`` test (they start processes) are handed out
@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 import pytest
@@ -49,7 +50,7 @@ def _module(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Refuse a test outside ``LIVE_SUITES`` that uses the shared live system; order the session as
     ``pytest_xdist_make_scheduler`` hands it out: the ``LIVE_SUITES`` first, then every module with a
     ``slow`` test (it starts processes or loads the real model: the costly ones), then the rest, each
@@ -69,6 +70,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return item.get_closest_marker("kills_live_child") is not None, group
 
     items.sort(key=rank)  # stable: each module stays whole and in order
+    users = [item.nodeid for item in items if "live_session" in getattr(item, "fixturenames", ())]
+    if users:
+        config.stash[LAST_LIVE_USER] = users[-1]
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
@@ -97,6 +101,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 
 KILLED_ON_PURPOSE = pytest.StashKey[bool]()
+LAST_LIVE_USER = pytest.StashKey[str]()  # node id of the last test, in run order, that uses the live system
+LIVE_STOPPER = pytest.StashKey[ExitStack]()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -104,13 +110,26 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         item.config.stash[KILLED_ON_PURPOSE] = True
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """Once the last test that uses the live system has been torn down (its module's leak check done),
+    stop the system: the tests after it (under xdist, the rest of that worker's share) do not pay for
+    its idle processes."""
+    yield
+    if item.nodeid == item.config.stash.get(LAST_LIVE_USER, None) and LIVE_STOPPER in item.config.stash:
+        item.config.stash[LIVE_STOPPER].close()
+
+
 @pytest.fixture(scope="session")
-def live_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemPair]:
-    """The shared live system, started at its first use and stopped at the end of the session."""
+def live_session(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+                 ) -> Iterator[SystemPair]:
+    """The shared live system, started at its first use and stopped after the last test that uses it
+    (``pytest_runtest_teardown``) or at the end of the session."""
     from tests.live import start_live
 
-    with start_live(tmp_path_factory.mktemp("live_logs")) as pair:
-        yield pair
+    with ExitStack() as stopper:
+        request.config.stash[LIVE_STOPPER] = stopper
+        yield stopper.enter_context(start_live(tmp_path_factory.mktemp("live_logs")))
 
 
 @pytest.fixture(scope="module")
