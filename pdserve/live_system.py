@@ -210,8 +210,8 @@ def launch(spec: SystemSpec) -> LiveSystem:
 
 @functools.cache
 def _tls() -> ssl.SSLContext:
-    """One TLS context for every ``/metrics`` read: a new client would load the CA bundle each time (~20 ms
-    of CPU; ``wait_all_free`` reads several times a second)."""
+    """One TLS context for every ``/metrics`` and ``/ready`` read: a new client would load the CA bundle
+    each time (~20 ms of CPU; ``wait_all_free`` and ``wait_ready`` read several times a second)."""
     return httpx.create_ssl_context()
 
 
@@ -268,7 +268,7 @@ def _ready(system: LiveSystem) -> bool:
     """``/ready`` answers 200 and every worker of ``system`` has registered (``/ready`` alone turns
     200 with the first colocated worker; a sweep must not start before the second one is up)."""
     with contextlib.suppress(httpx.HTTPError):
-        if httpx.get(f"{system.url}/ready", timeout=2, trust_env=False).status_code == 200:
+        if httpx.get(f"{system.url}/ready", timeout=2, trust_env=False, verify=_tls()).status_code == 200:
             return registered(system.url) >= system.worker_ids
     return False
 

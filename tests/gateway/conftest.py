@@ -23,6 +23,9 @@ from gateway.text import TextProcessor
 from kvtransfer.curve import generate_keys
 
 ROOT = Path(__file__).resolve().parents[2]
+# one TLS context for the clients of every cluster: a new httpx client loads the CA bundle (~20 ms of CPU),
+# and the readiness and /metrics polls build one every 50 ms
+TLS = httpx.create_ssl_context()
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +103,7 @@ class Cluster:
     def _healthy(self) -> bool:
         assert self.gateway.poll() is None, (self.tmp / "gateway.log").read_text()
         try:
-            return httpx.get(self.base + "/health", timeout=1).status_code == 200
+            return httpx.get(self.base + "/health", timeout=1, verify=TLS).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -120,7 +123,7 @@ class Cluster:
     def metrics(self) -> str:
         if self.gateway.poll() is not None:
             raise AssertionError("gateway exited:\n" + (self.tmp / "gateway.log").read_text()[-3000:])
-        return httpx.get(self.base + "/metrics", timeout=5).text
+        return httpx.get(self.base + "/metrics", timeout=5, verify=TLS).text
 
     def metric(self, name: str, **labels: str) -> float:
         want = ",".join(f'{k}="{v}"' for k, v in labels.items())
@@ -132,7 +135,8 @@ class Cluster:
         raise KeyError(f"{name}{{{want}}} not in /metrics")
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=20)
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=20,
+                             http_client=openai.DefaultHttpxClient(verify=TLS))
 
     def assert_no_leaks(self, decode_ids: tuple[str, ...] = (), total_blocks: int = 64) -> None:
         """Nothing in flight at the gateway; every fake decode worker reports all blocks free."""
