@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from bench.serving import inference_perf as ip
+from bench.serving import inference_perf_formats as fmt
 from pdserve.live_system import MODEL, LiveSystem, Samples
 from pdserve.supervisor import Supervisor
 
@@ -84,11 +85,11 @@ def client_literal() -> dict[str, object]:
             "output_tokens": {"total": 32.0, "mean": 16.0, "min": 16.0, "max": 16.0}}
 
 
-def summaries() -> tuple[ip.CollectorSuccesses, ip.ClientSuccesses, dict[str, ip.WorkerDelta]]:
+def summaries() -> tuple[fmt.CollectorSuccesses, fmt.ClientSuccesses, dict[str, ip.WorkerDelta]]:
     """That run's summaries through their types, and the workers' deltas: the prefill worker's
     first-token span inside the client's."""
-    collector = msgspec.convert(collector_literal(), ip.CollectorSuccesses)
-    client = msgspec.convert(client_literal(), ip.ClientSuccesses)
+    collector = msgspec.convert(collector_literal(), fmt.CollectorSuccesses)
+    client = msgspec.convert(client_literal(), fmt.ClientSuccesses)
     prefill = ip.WorkerDelta(
         {c: 0.0 for c in ip.COUNTERS} | {"vllm:prompt_tokens_total": 160, "vllm:generation_tokens_total": 2,
                                          "vllm:request_success_total": 2, "vllm:prefix_cache_hits_total": 64},
@@ -118,25 +119,25 @@ def test_checks_pass_on_a_consistent_run() -> None:
     assert "decode mean request_latency <= client's" in names
 
 
-Change = Callable[[ip.CollectorSuccesses, ip.ClientSuccesses],
-                  tuple[ip.CollectorSuccesses, ip.ClientSuccesses]]
+Change = Callable[[fmt.CollectorSuccesses, fmt.ClientSuccesses],
+                  tuple[fmt.CollectorSuccesses, fmt.ClientSuccesses]]
 replace = msgspec.structs.replace
 
 
 @pytest.mark.parametrize(("change", "fails"), [
-    (lambda col, cli: (col | {"kv_cache_usage_percentage": ip.CollectorStats(0.0, 0.0, 0.0, 0.0)}, cli),
+    (lambda col, cli: (col | {"kv_cache_usage_percentage": fmt.CollectorStats(0.0, 0.0, 0.0, 0.0)}, cli),
      "collector read kv_cache_usage_percentage"),
-    (lambda col, cli: (col | {"mm_cache_hit_percent": ip.CollectorStats(3.0)}, cli),
+    (lambda col, cli: (col | {"mm_cache_hit_percent": fmt.CollectorStats(3.0)}, cli),
      "collector read mm_cache_hit_percent as 0 (not served)"),
     (lambda col, cli: (col, replace(cli, prompt_tokens=replace(cli.prompt_tokens, total=161.0))),
      "workers' prompt tokens = client's"),
     (lambda col, cli: (col, replace(cli, count=3)), "workers' generated tokens = client's"),
     (lambda col, cli: (col, replace(cli, prompt_tokens=replace(cli.prompt_tokens, cached=48.0))),
      "workers' prefix-cache hits vs usage cached tokens = client's"),
-    (lambda col, cli: (col, replace(cli, latency=replace(cli.latency, time_to_first_token=ip.Distribution(
+    (lambda col, cli: (col, replace(cli, latency=replace(cli.latency, time_to_first_token=fmt.Distribution(
         0.3, 0.3, 0.3)))),
      "prefill mean time_to_first_token <= client's"),
-    (lambda col, cli: (col, replace(cli, latency=replace(cli.latency, request_latency=ip.Distribution(
+    (lambda col, cli: (col, replace(cli, latency=replace(cli.latency, request_latency=fmt.Distribution(
         2.0, 2.0, 2.0)))),
      "decode mean request_latency <= client's"),
     (lambda col, cli: (col, replace(cli, latency=replace(cli.latency, time_to_first_token=None))),
@@ -185,7 +186,7 @@ def test_summaries_read_back_as_written_for_the_json_document(tmp_path: Path) ->
     prom, life = write_summaries(tmp_path, collector, client)
     read_collector = ip.read_collector(prom)
     assert read_collector["count"] == 4.1
-    assert read_collector["iteration_tokens"] == ip.CollectorStats(40.0, 32.0, 64.0, float("inf"))
+    assert read_collector["iteration_tokens"] == fmt.CollectorStats(40.0, 32.0, 64.0, float("inf"))
     assert json.dumps(msgspec.to_builtins(read_collector)) == json.dumps(collector)
     read_client = ip.read_client(life)
     assert read_client.latency.request_latency is not None
