@@ -57,11 +57,12 @@ from bench.ceilings import copy_bandwidth
 from bench.timing import Spread, ceiling_seconds, replay_seconds
 from engine.ops.fp8_gemm import (
     block_gemm_tile,
+    fp8_linear,
     quantize_fp8_groups,
     scaled_fp8_linear_reference,
     w8a8_block_gemm,
 )
-from engine.ops.fp8_gemv import fp8_gemv, fp8_gemv_reference, fp8_gemv_splitk, fp8_gemv_tile
+from engine.ops.fp8_gemv import fp8_gemv, fp8_gemv_mma, fp8_gemv_reference, fp8_gemv_splitk, fp8_gemv_tile
 from engine.ops.fp8_weight import Fp8Weight
 from engine.ops.silu_mul import silu_mul_reference
 
@@ -74,9 +75,16 @@ TILES = ((1, 4096, 4), (2, 1024, 4), (2, 2048, 4), (2, 4096, 8), (4, 1024, 4), (
 # (block_m, block_n, num_warps, num_stages) of w8a8_block_gemm at prefill sizes (block_k: the weight's 128)
 # (block_n, block_k, num_warps, split_k) of fp8_gemv_splitk: 16-byte runs per thread (block_k >= 512 over
 # 32 lanes), 2-16 row blocks, K cut in 2-8 slices
-SPLITK_TILES = ((1, 1024, 4, 4), (2, 1024, 4, 4), (4, 512, 4, 2), (4, 512, 4, 4), (4, 1024, 4, 2),
-                (4, 1024, 8, 4), (8, 512, 4, 2), (8, 512, 4, 4), (8, 1024, 8, 2), (16, 512, 8, 2),
-                (4, 512, 4, 8), (2, 2048, 8, 4))
+SPLITK_TILES = ((4, 1024, 4, 2), (8, 512, 4, 2), (8, 512, 4, 4), (8, 1024, 8, 2), (16, 512, 8, 2),
+                (4, 512, 4, 4))
+# (block_n, block_k, num_warps) of fp8_gemv with the weights decoded by integer operations (decode=1)
+BITS_TILES = ((2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4),
+              (16, 1024, 8))
+# (block_n, block_k, num_warps, split_k, num_stages) of fp8_gemv_mma
+MMA_TILES = ((64, 256, 4, 1, 3), (64, 256, 4, 2, 3), (64, 256, 4, 4, 3), (64, 512, 4, 1, 3),
+             (64, 128, 4, 1, 4), (64, 128, 4, 2, 4), (128, 256, 8, 1, 3), (128, 128, 8, 1, 4),
+             (32, 256, 4, 1, 3), (32, 256, 4, 2, 3), (32, 256, 4, 4, 3), (16, 256, 4, 1, 3),
+             (16, 512, 4, 2, 3))
 CHECK_TOL = 1e-2  # max |out - ref| / max |ref|
 GEMM_TILES = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4),
               (64, 256, 8, 3), (256, 64, 8, 3))
@@ -197,21 +205,38 @@ def _scaled_mm_candidate(k: int, gated: bool, swap_ab: bool, device: str = "cuda
     return run
 
 
-def _splitk(tile: tuple[int, int, int, int], gated: bool) -> Candidate:
+def _splitk(tile: tuple[int, int, int, int], gated: bool, decode: int = 0) -> Candidate:
     def run(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-        return fp8_gemv_splitk(x, w, None, tile=tile, gated=gated)
+        return fp8_gemv_splitk(x, w, None, tile=tile, gated=gated, decode=decode)
+    return run
+
+
+def _bits(tile: tuple[int, int, int], gated: bool) -> Candidate:
+    def run(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+        return fp8_gemv(x, w, None, tile=tile, gated=gated, decode=1)
+    return run
+
+
+def _mma(tile: tuple[int, int, int, int, int], gated: bool) -> Candidate:
+    def run(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+        return fp8_gemv_mma(x, w, None, tile=tile, gated=gated)
     return run
 
 
 def _candidates(layout: str, n: int, k: int, gated: bool, device: str = "cuda"
                 ) -> list[tuple[str, Candidate, bool]]:
     """``(name, fn(x, w) -> [1, N], weight_only)`` of every candidate for this layout and shape."""
-    default = fp8_gemv_tile(n, gated)
-    out: list[tuple[str, Candidate, bool]] = [
-        (f"gemv {default[0]} x {default[1]}, {default[2]} (engine default)",
-         lambda x, w: fp8_gemv(x, w, None, gated=gated), True)]
-    for tile in SPLITK_TILES:
-        out.append((f"splitk {tile[0]} x {tile[1]}, {tile[2]}, {tile[3]}", _splitk(tile, gated), True))
+    out: list[tuple[str, Candidate, bool]] = []
+    if device == "cuda":  # fp8_linear runs the weight-only GEMVs for one row on CUDA only (w8a8 elsewhere)
+        out.append(("engine default (fp8_linear)", lambda x, w: fp8_linear(x, w, None, True, gated=gated),
+                    True))
+    for tile in BITS_TILES:
+        out.append((f"bits gemv {tile[0]} x {tile[1]}, {tile[2]}", _bits(tile, gated), True))
+    for st in SPLITK_TILES:
+        out.append((f"bits splitk {st[0]} x {st[1]}, {st[2]}, {st[3]}", _splitk(st, gated, 1), True))
+    for mt in MMA_TILES:
+        out.append((f"mma {mt[0]} x {mt[1]}, {mt[2]} warps, {mt[3]} splits, {mt[4]} stages", _mma(mt, gated),
+                    True))
     if layout == "channel":
         out.append(("scaled_mm pad16", _scaled_mm_candidate(k, gated, False, device), False))
         out.append(("scaled_mm swapAB", _scaled_mm_candidate(k, gated, True, device), False))
@@ -272,7 +297,7 @@ def candidate_sweep(layouts: list[str], shapes: list[str], json_path: Path | Non
                                         rel_err=err, ok=ok))
                 _row(layout, name, n, k, cand, t.scaled(1e6).fmt(".2f"), f"{nbytes / t.median / 1e9:.0f}",
                      f"{100 * share:.1f} %", f"{err:.1e}{'' if ok else ' MISMATCH'}")
-                if cand.startswith("gemv "):
+                if cand.startswith("engine default"):
                     baseline = share
                 if ok and (best is None or share > best[0]):
                     best = (share, cand)

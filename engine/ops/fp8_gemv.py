@@ -24,6 +24,34 @@ from engine.ops.silu_mul import load_silu_mul, silu_mul_reference
 _LAYOUT_CODE = {"tensor": 0, "channel": 1, "block": 2}
 
 
+# 2**100 and 2**20: ``_e4m3_bits`` decodes a weight as its value times 2**-120; the inputs are multiplied by
+# 2**100 and the sums by 2**20, powers of two that change no rounding (|x| < 2**28 stays finite)
+_X_SCALE = 1.2676506002282294e30
+_SUM_SCALE = 1048576.0
+
+
+@triton.jit
+def _e4m3_bits(w):  # type: ignore[no-untyped-def]  # Triton function: arguments are typed by @triton.jit
+    """float32 ``value * 2**-120`` of int8-viewed e4m3 weights ``w``, by integer operations alone: the
+    sign bit moved to bit 31 and the 7 exponent/mantissa bits to bits 20-26 make a float32 whose exponent
+    is the e4m3 exponent re-biased from 7 to 127 (subnormals land on float32 subnormals, which Triton's
+    float32 arithmetic keeps). The hardware conversion (e4m3 -> f16 -> f32, 16 results per clock per SM
+    for the second step on Hopper) caps a one-row product at about the HBM rate; these are ALU operations.
+    The two NaN codes decode as +-480 (quantized weights never hold them)."""
+    v = w.to(tl.int32)  # sign-extended: bits 27-31 copy the sign
+    return ((v << 20) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
+
+
+@triton.jit
+def _fp8_products(w, x, DECODE: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton function
+    """``w * x[None, :]`` in float32 for an FP8 tile ``w`` [BLOCK_N, BLOCK_K]: DECODE 0 converts the
+    weights (``w`` typed float8e4nv), DECODE 1 decodes their bits (``w`` typed int8, ``_e4m3_bits``) and
+    scales ``x`` by 2**100 (the caller multiplies the sums by ``_SUM_SCALE``)."""
+    if DECODE == 1:
+        return _e4m3_bits(w) * (x * _X_SCALE)[None, :]
+    return w.to(tl.float32) * x[None, :]
+
+
 @triton.jit
 def _gemv_inputs(  # type: ignore[no-untyped-def]  # Triton function: arguments are typed by @triton.jit
     x_ptr, s_row, kk, k_mask, k_in,
@@ -57,7 +85,8 @@ def _scale_bias_store(  # type: ignore[no-untyped-def]  # Triton function: argum
 def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, n_out, k_in, stride_w, stride_s,
     LAYOUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_out
@@ -77,9 +106,12 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by
         x = _gemv_inputs(x_ptr, s_row, kk, k_mask, k_in, LAYOUT, GROUP_K, GATED)
         nk = kk + BLOCK_K
         w_next = tl.load(w_rows + nk[None, :], mask=row_mask[:, None] & (nk < k_in)[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        acc += _fp8_products(w, x, DECODE)
         w = w_next
-    _scale_bias_store(tl.sum(acc, axis=1), rows, row_mask, s_ptr, b_ptr, y_ptr, LAYOUT, HAS_BIAS)
+    y = tl.sum(acc, axis=1)
+    if DECODE == 1:
+        y = y * _SUM_SCALE
+    _scale_bias_store(y, rows, row_mask, s_ptr, b_ptr, y_ptr, LAYOUT, HAS_BIAS)
 
 
 def fp8_gemv_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
@@ -109,6 +141,13 @@ def fp8_gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
     return 16, 512, 4
 
 
+def _weight_operand(w: Fp8Weight, decode: int) -> torch.Tensor:
+    """The weight as the kernels read it: e4m3 for DECODE 0, its bytes viewed as int8 for DECODE 1."""
+    if decode not in (0, 1):
+        raise ValueError(f"decode must be 0 (convert) or 1 (bits), got {decode}")
+    return w.weight.view(torch.int8) if decode == 1 else w.weight
+
+
 def _check_x(name: str, x: torch.Tensor, k: int, gated: bool) -> None:
     """Raise ValueError (naming ``name``) unless ``x`` is a contiguous ``[1, K]`` (``[1, 2 K]`` with
     ``gated``)."""
@@ -133,7 +172,7 @@ def _scale_groups(name: str, w: Fp8Weight, block_n: int) -> tuple[int, int, int]
 
 
 def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-             tile: tuple[int, int, int] | None = None, gated: bool = False) -> torch.Tensor:
+             tile: tuple[int, int, int] | None = None, gated: bool = False, decode: int = 0) -> torch.Tensor:
     """Triton version of ``fp8_gemv_reference`` for one-row decode steps, bound by reading the FP8 weight
     once (weight-only: the activation is not quantized, which only makes the step more exact than the
     w8a8 path of larger batches). Each program owns ``block_n`` features and walks ``K`` with float32
@@ -162,10 +201,10 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     group_n, group_k, block_n = _scale_groups("fp8_gemv", w, block_n)
     scale = w.scale
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w.weight, scale, bias if bias is not None else y, y, n, k, w.weight.stride(0),
+        x, _weight_operand(w, decode), scale, bias if bias is not None else y, y, n, k, w.weight.stride(0),
         scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
         GROUP_K=group_k, HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, **pdl_kwargs(x))
+        DECODE=decode, num_warps=warps, **pdl_kwargs(x))
     return y
 
 
@@ -173,7 +212,7 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
 def _fp8_gemv_splitk_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
     x_ptr, w_ptr, s_ptr, part_ptr, n_out, k_in, k_per_split, stride_w, stride_s,
     LAYOUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < n_out
@@ -191,8 +230,11 @@ def _fp8_gemv_splitk_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: t
         k_mask = kk < k_end
         x = _gemv_inputs(x_ptr, s_row, kk, k_mask, k_in, LAYOUT, GROUP_K, GATED)
         w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    tl.store(part_ptr + tl.program_id(1) * n_out + rows, tl.sum(acc, axis=1), mask=row_mask)
+        acc += _fp8_products(w, x, DECODE)
+    y = tl.sum(acc, axis=1)
+    if DECODE == 1:
+        y = y * _SUM_SCALE
+    tl.store(part_ptr + tl.program_id(1) * n_out + rows, y, mask=row_mask)
 
 
 @triton.jit
@@ -211,7 +253,8 @@ def _fp8_gemv_splitk_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton ke
 
 
 def fp8_gemv_splitk(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-                    tile: tuple[int, int, int, int] = (4, 512, 4, 4), gated: bool = False) -> torch.Tensor:
+                    tile: tuple[int, int, int, int] = (4, 512, 4, 4), gated: bool = False,
+                    decode: int = 0) -> torch.Tensor:
     """Split-K variant of ``fp8_gemv`` (same arguments and result, ``fp8_gemv_reference``); ``fp8_linear``
     runs it for one-row steps where ``fp8_gemv_splitk_tile`` names a tile.
 
@@ -240,9 +283,10 @@ def fp8_gemv_splitk(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     scale = w.scale
     _fp8_gemv_splitk_kernel[(triton.cdiv(n, block_n), split_k)](
-        x, w.weight, scale, part, n, k, k_per_split, w.weight.stride(0),
+        x, _weight_operand(w, decode), scale, part, n, k, k_per_split, w.weight.stride(0),
         scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
-        GROUP_K=group_k, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_kwargs(x))
+        GROUP_K=group_k, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, DECODE=decode, num_warps=warps,
+        **pdl_kwargs(x))
     reduce_block = 256
     _fp8_gemv_splitk_reduce_kernel[(triton.cdiv(n, reduce_block),)](
         part, scale, bias if bias is not None else y, y, n, SPLIT_K=split_k, LAYOUT=_LAYOUT_CODE[w.layout],
@@ -262,3 +306,78 @@ def fp8_gemv_splitk_tile(n: int, layout: str, gated: bool = False) -> tuple[int,
     if gated or 4096 < n < 16384:
         return None
     return 8, 512, 4, 4 if layout == "block" and n <= 4096 else 2
+
+
+@triton.jit
+def _fp8_gemv_mma_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, n_out, k_in, k_per_split, stride_w, stride_s,
+    LAYOUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_out
+    cols = tl.arange(0, BLOCK_K)
+    k_start = tl.multiple_of(tl.program_id(1) * k_per_split, 16)
+    k_end = tl.minimum(k_start + k_per_split, k_in)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    s_row = s_ptr + ((tl.program_id(0) * BLOCK_N) // GROUP_N) * stride_s
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    gdc_enter(USE_GDC)
+    for k in range(k_start, k_end, BLOCK_K):
+        kk = k + cols
+        k_mask = kk < k_end
+        x = load_silu_mul(x_ptr, kk, k_mask, k_in, GATED)
+        # this chunk's inputs scaled by a power of two that puts their largest magnitude in [2**14, 2**15)
+        # (float16 range), the products' sums scaled back: exact but for inputs 2**38 below the largest
+        e = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 255
+        e = tl.minimum(tl.maximum(e, 15), 254)
+        inv = ((268 - e) << 23).to(tl.float32, bitcast=True)
+        back = ((e - 14) << 23).to(tl.float32, bitcast=True)
+        if LAYOUT == 2:  # BLOCK_K <= GROUP_K (fp8_gemv_mma checks): one block scale for the chunk's rows
+            back = back * tl.load(s_row + k // GROUP_K)
+        x16 = tl.broadcast_to((x * inv).to(tl.float16)[:, None], (BLOCK_K, 16))
+        w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(w.to(tl.float16), x16) * back
+    # the 16 columns are equal (x broadcast): column 0
+    y = tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, acc, 0.0), axis=1)
+    if SPLIT:
+        tl.store(part_ptr + tl.program_id(1) * n_out + rows, y, mask=row_mask)
+    else:
+        _scale_bias_store(y, rows, row_mask, s_ptr, b_ptr, y_ptr, LAYOUT, HAS_BIAS)
+
+
+def fp8_gemv_mma(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+                 tile: tuple[int, int, int, int, int] = (64, 256, 4, 1, 3),
+                 gated: bool = False) -> torch.Tensor:
+    """``fp8_gemv`` on tensor cores: each program multiplies ``block_n`` float16-converted weight rows by
+    the token's inputs broadcast to 16 columns (the smallest MMA width), chunk by chunk of ``block_k``
+    inputs, each chunk's inputs scaled by a power of two into float16 range (the weights' e4m3 values are
+    exact in float16) and the float32 sums scaled back. ``tile = (block_n, block_k, num_warps, split_k,
+    num_stages)``; with ``split_k > 1`` the float32 partials are added in split order by the reduce kernel
+    of ``fp8_gemv_splitk``. Same arguments, result and errors as ``fp8_gemv_splitk``."""
+    n, k = w.weight.shape
+    _check_x("fp8_gemv_mma", x, k, gated)
+    block_n, block_k, warps, split_k, stages = tile
+    if block_k < 16 or block_k & (block_k - 1) or split_k < 1 or block_n < 16:
+        raise ValueError(f"fp8_gemv_mma needs block_n >= 16, block_k a power of two >= 16, split_k >= 1, "
+                         f"got {tile}")
+    group_n, group_k, block_n = _scale_groups("fp8_gemv_mma", w, block_n)
+    block_k = min(block_k, group_k) if w.layout == "block" else block_k
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split_k, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
+    scale = w.scale
+    _fp8_gemv_mma_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, w.weight, scale, bias if bias is not None else y, y, part, n, k, k_per_split, w.weight.stride(0),
+        scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
+        GROUP_K=group_k, HAS_BIAS=bias is not None, GATED=gated, SPLIT=split_k > 1, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_kwargs(x))
+    if split_k > 1:
+        reduce_block = 256
+        _fp8_gemv_splitk_reduce_kernel[(triton.cdiv(n, reduce_block),)](
+            part, scale, bias if bias is not None else y, y, n, SPLIT_K=split_k,
+            LAYOUT=_LAYOUT_CODE[w.layout], HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4,
+            **pdl_kwargs(x))
+    return y

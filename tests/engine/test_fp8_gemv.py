@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.ops.fp8_gemv import fp8_gemv, fp8_gemv_reference, fp8_gemv_splitk, fp8_gemv_splitk_tile
+from engine.ops.fp8_gemv import (
+    fp8_gemv,
+    fp8_gemv_mma,
+    fp8_gemv_reference,
+    fp8_gemv_splitk,
+    fp8_gemv_splitk_tile,
+)
 from engine.ops.fp8_weight import FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel
 from engine.ops.silu_mul import silu_mul
 from tests.engine.grid import grid
@@ -121,3 +127,66 @@ def test_one_row_steps_take_split_k_where_it_measured_faster() -> None:
     assert fp8_gemv_splitk_tile(28672, "block") == (8, 512, 4, 2)
     assert fp8_gemv_splitk_tile(6144, "channel") is None
     assert fp8_gemv_splitk_tile(4096, "channel", gated=True) is None
+
+
+def _every_code(n: int, k: int) -> torch.Tensor:
+    """``[n, k]`` e4m3 weights cycling through all 254 finite codes (subnormals and both zeros included)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes != 0x7F) & (codes != 0xFF)]
+    return codes.repeat(-(-n * k // codes.numel()))[:n * k].reshape(n, k).view(FP8_DTYPE)
+
+
+@pytest.mark.parametrize("layout", ["channel", "block"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_bits_decode_equals_the_conversion(layout: str, gated: bool) -> None:
+    """``decode=1`` (weights decoded by integer operations, inputs and sums scaled by powers of two) gives
+    the same bits as the e4m3 conversion for every finite code, subnormals included (compiled on a GPU:
+    float32 subnormals are kept by the kernel's arithmetic), in ``fp8_gemv`` and ``fp8_gemv_splitk``."""
+    gen = torch.Generator().manual_seed(9)
+    n, k = 64, 512
+    dev = torch.device(DEVICE)
+    q = _every_code(n, k).to(dev)
+    if layout == "block":
+        w = Fp8Weight(q, (torch.rand(1, 4, generator=gen) + 0.5).to(dev), "block", (128, 128))
+    else:
+        w = Fp8Weight(q, (torch.rand(n, generator=gen) + 0.5).to(dev), "channel")
+    x = torch.randn(1, 2 * k if gated else k, generator=gen).to(dev)
+    for tile in [(8, 128, 4), (4, 256, 4)]:
+        assert torch.equal(fp8_gemv(x, w, None, tile=tile, gated=gated, decode=1),
+                           fp8_gemv(x, w, None, tile=tile, gated=gated, decode=0))
+    split = (8, 128, 4, 2)
+    assert torch.equal(fp8_gemv_splitk(x, w, None, tile=split, gated=gated, decode=1),
+                       fp8_gemv_splitk(x, w, None, tile=split, gated=gated, decode=0))
+    ref = fp8_gemv_reference(x, w, None, gated=gated)
+    torch.testing.assert_close(fp8_gemv(x, w, None, tile=(8, 128, 4), gated=gated, decode=1), ref,
+                               rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    with pytest.raises(ValueError, match="decode"):
+        fp8_gemv(x, w, None, gated=gated, decode=2)
+
+
+@pytest.mark.parametrize("layout", ["channel", "block"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("tile", [(64, 128, 4, 1, 2), (32, 256, 4, 3, 2), (16, 64, 4, 2, 2)])
+def test_fp8_gemv_mma_matches_reference(layout: str, gated: bool,
+                                        tile: tuple[int, int, int, int, int]) -> None:
+    """The tensor-core GEMV (``fp8_gemv_mma``) on bf16 inputs (exact in float16 after its per-chunk power of
+    two) equals the reference within the output's rounding, over ragged rows, split K and block scales;
+    inputs spanning 2**20 in magnitude (the per-chunk scaling keeps the small ones)."""
+    gen = torch.Generator().manual_seed(10)
+    n, k = 200, 512
+    wt = torch.randn(n, k, generator=gen) * k ** -0.5
+    wt[:, 128:256] *= 20
+    w = quantized(wt, layout)
+    dev = torch.device(DEVICE)
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    x = torch.randn(1, 2 * k if gated else k, generator=gen)
+    x[0, :k // 2] *= 2.0 ** 10
+    x[0, k // 2:k] *= 2.0 ** -10
+    x = x.to(dev, dtype)
+    bias = torch.randn(n, generator=gen).to(dev, dtype)
+    out = fp8_gemv_mma(x, w, bias, tile=tile, gated=gated)
+    ref = fp8_gemv_reference(x, w, bias, gated=gated)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=ulp * ref.abs().max().item())
+    wrong = Fp8Weight(w.weight, w.scale * 1.5, w.layout, w.block)
+    assert (fp8_gemv_mma(x, wrong, bias, tile=tile, gated=gated).float() - ref.float()).abs().max() > 0.1
