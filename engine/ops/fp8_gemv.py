@@ -26,8 +26,8 @@ _LAYOUT_CODE = {"tensor": 0, "channel": 1, "block": 2}
 
 # 2**100 and 2**20: ``_e4m3_bits`` decodes a weight as its value times 2**-120; the inputs are multiplied by
 # 2**100 and the sums by 2**20, powers of two that change no rounding (|x| < 2**28 stays finite)
-_X_SCALE = 1.2676506002282294e30
-_SUM_SCALE = 1048576.0
+_X_SCALE = tl.constexpr(1.2676506002282294e30)
+_SUM_SCALE = tl.constexpr(1048576.0)
 
 
 @triton.jit
