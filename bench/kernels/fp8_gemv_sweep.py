@@ -55,6 +55,7 @@ import torch
 
 from bench.ceilings import copy_bandwidth
 from bench.timing import Spread, ceiling_seconds, replay_seconds
+from engine.models.fused_model import FOLD_SILU_ONE_ROW
 from engine.ops.fp8_gemm import (
     block_gemm_tile,
     fp8_linear,
@@ -62,9 +63,9 @@ from engine.ops.fp8_gemm import (
     scaled_fp8_linear_reference,
     w8a8_block_gemm,
 )
-from engine.ops.fp8_gemv import fp8_gemv, fp8_gemv_mma, fp8_gemv_reference, fp8_gemv_splitk, fp8_gemv_tile
+from engine.ops.fp8_gemv import fp8_gemv, fp8_gemv_reference, fp8_gemv_splitk, fp8_gemv_tile
 from engine.ops.fp8_weight import Fp8Weight
-from engine.ops.silu_mul import silu_mul_reference
+from engine.ops.silu_mul import silu_mul, silu_mul_reference
 
 # (name, N, K, gated) of Llama-3-8B's merged projections at batch 1
 SHAPES = (("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, False),
@@ -75,15 +76,12 @@ TILES = ((1, 4096, 4), (2, 1024, 4), (2, 2048, 4), (2, 4096, 8), (4, 1024, 4), (
 # (block_m, block_n, num_warps, num_stages) of w8a8_block_gemm at prefill sizes (block_k: the weight's 128)
 # (block_n, block_k, num_warps, split_k) of fp8_gemv_splitk: 16-byte runs per thread (block_k >= 512 over
 # 32 lanes), 2-16 row blocks, K cut in 2-8 slices
-SPLITK_TILES = ((4, 1024, 4, 2), (8, 512, 4, 2), (8, 512, 4, 4), (8, 1024, 8, 2), (16, 512, 8, 2),
-                (4, 512, 4, 4), (32, 512, 8, 2), (16, 1024, 8, 4), (32, 512, 8, 4))
-# (block_n, block_k, num_warps) of fp8_gemv with the weights decoded by integer operations (decode=1); the
-# wider row blocks share the gated form's SiLU over more rows
-BITS_TILES = ((2, 2048, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 4), (8, 1024, 8), (16, 512, 4),
-              (16, 1024, 8), (32, 512, 8), (32, 1024, 8), (16, 2048, 8))
-# (block_n, block_k, num_warps, split_k, num_stages) of fp8_gemv_mma: the best of a wider sweep on the H200
-# (2026-12-04; 64 / 128 x 128-512 tiles, 1-4 splits, 3-4 stages lost every shape but down by more)
-MMA_TILES = ((64, 256, 4, 2, 3), (64, 256, 4, 4, 3), (32, 256, 4, 4, 3))
+SPLITK_TILES = ((8, 512, 4, 2), (8, 512, 4, 4), (32, 512, 8, 2))
+# (block_n, block_k, num_warps) of fp8_gemv with the weights decoded by integer operations (decode=1) and,
+# marked "convert", with the e4m3 conversion (decode=0): the leaders of a wider sweep on the H200
+# (2026-12-04: 2-32 rows x 512-2048 inputs, 4-8 warps)
+BITS_TILES = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 1024, 8))
+CONVERT_TILES = ((8, 512, 4), (8, 1024, 4))
 CHECK_TOL = 1e-2  # max |out - ref| / max |ref|
 GEMM_TILES = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4),
               (64, 256, 8, 3), (256, 64, 8, 3))
@@ -216,9 +214,25 @@ def _bits(tile: tuple[int, int, int], gated: bool) -> Candidate:
     return run
 
 
-def _mma(tile: tuple[int, int, int, int, int], gated: bool) -> Candidate:
+def _convert(tile: tuple[int, int, int], gated: bool) -> Candidate:
     def run(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-        return fp8_gemv_mma(x, w, None, tile=tile, gated=gated)
+        return fp8_gemv(x, w, None, tile=tile, gated=gated, decode=0)
+    return run
+
+
+def _silu_then_bits(tile: tuple[int, int, int]) -> Candidate:
+    def run(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+        return fp8_gemv(silu_mul(x), w, None, tile=tile, decode=1)
+    return run
+
+
+def _engine(gated: bool) -> Candidate:
+    """What the model runs for a one-row projection: ``fp8_linear`` (the down projection: ``silu_mul``
+    first unless the model folds it in, ``FusedDecoder._dense``)."""
+    def run(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+        if gated and not FOLD_SILU_ONE_ROW:
+            return fp8_linear(silu_mul(x), w, None, True)
+        return fp8_linear(x, w, None, True, gated=gated)
     return run
 
 
@@ -227,15 +241,17 @@ def _candidates(layout: str, n: int, k: int, gated: bool, device: str = "cuda"
     """``(name, fn(x, w) -> [1, N], weight_only)`` of every candidate for this layout and shape."""
     out: list[tuple[str, Candidate, bool]] = []
     if device == "cuda":  # fp8_linear runs the weight-only GEMVs for one row on CUDA only (w8a8 elsewhere)
-        out.append(("engine default (fp8_linear)", lambda x, w: fp8_linear(x, w, None, True, gated=gated),
-                    True))
+        out.append(("engine default (fp8_linear)", _engine(gated), True))
     for tile in BITS_TILES:
         out.append((f"bits gemv {tile[0]} x {tile[1]}, {tile[2]}", _bits(tile, gated), True))
     for st in SPLITK_TILES:
         out.append((f"bits splitk {st[0]} x {st[1]}, {st[2]}, {st[3]}", _splitk(st, gated, 1), True))
-    for mt in MMA_TILES:
-        out.append((f"mma {mt[0]} x {mt[1]}, {mt[2]} warps, {mt[3]} splits, {mt[4]} stages", _mma(mt, gated),
-                    True))
+    for tile in CONVERT_TILES:
+        out.append((f"convert gemv {tile[0]} x {tile[1]}, {tile[2]}", _convert(tile, gated), True))
+    if gated:
+        for tile in BITS_TILES[1:3]:
+            out.append((f"silu_mul, then bits gemv {tile[0]} x {tile[1]}, {tile[2]}", _silu_then_bits(tile),
+                        True))
     if layout == "channel":
         out.append(("scaled_mm pad16", _scaled_mm_candidate(k, gated, False, device), False))
         out.append(("scaled_mm swapAB", _scaled_mm_candidate(k, gated, True, device), False))

@@ -132,13 +132,13 @@ def fp8_gemv_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
 # at most 64 float32 partial sums per thread (8 warps for the 16 KiB gated tile)
 def fp8_gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)`` of ``fp8_gemv`` for ``N`` output features: the winners of
-    ``bench/kernels/fp8_gemv_sweep.py`` on an H200 for the Llama-3-8B projections (2026-12-02): 4 x 2048
-    for the gated down projection, 8 x 512 for N <= 4096, 16 x 512 for wider matrices (4 warps)."""
-    if gated:
-        return 4, 2048, 4
-    if n <= 4096:
-        return 8, 512, 4
-    return 16, 512, 4
+    ``bench/kernels/fp8_gemv_sweep.py --candidates`` on an H200 for the Llama-3-8B projections with the
+    weights decoded by integer operations (2026-12-04, shares of the same-run copy bandwidth): 8 x 1024
+    for N <= 4096 and the gated form (o 61.2 %, gated down 69.5 %), 8 x 512 for wider matrices (QKV
+    61.4 %, gate/up 78.3 %), 4 warps."""
+    if gated or n <= 4096:
+        return 8, 1024, 4
+    return 8, 512, 4
 
 
 def _weight_operand(w: Fp8Weight, decode: int) -> torch.Tensor:
@@ -172,7 +172,7 @@ def _scale_groups(name: str, w: Fp8Weight, block_n: int) -> tuple[int, int, int]
 
 
 def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-             tile: tuple[int, int, int] | None = None, gated: bool = False, decode: int = 0) -> torch.Tensor:
+             tile: tuple[int, int, int] | None = None, gated: bool = False, decode: int = 1) -> torch.Tensor:
     """Triton version of ``fp8_gemv_reference`` for one-row decode steps, bound by reading the FP8 weight
     once (weight-only: the activation is not quantized, which only makes the step more exact than the
     w8a8 path of larger batches). Each program owns ``block_n`` features and walks ``K`` with float32
@@ -254,7 +254,7 @@ def _fp8_gemv_splitk_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton ke
 
 def fp8_gemv_splitk(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
                     tile: tuple[int, int, int, int] = (4, 512, 4, 4), gated: bool = False,
-                    decode: int = 0) -> torch.Tensor:
+                    decode: int = 1) -> torch.Tensor:
     """Split-K variant of ``fp8_gemv`` (same arguments and result, ``fp8_gemv_reference``); ``fp8_linear``
     runs it for one-row steps where ``fp8_gemv_splitk_tile`` names a tile.
 
@@ -303,81 +303,7 @@ def fp8_gemv_splitk_tile(n: int, layout: str, gated: bool = False) -> tuple[int,
     scales 4 slices: o 48.8 % against 45.4 %, down 59.2 % against 37.2 %) and N >= 16384 (2 slices: gate/up
     74.6 % against 65.8 % per channel, 76.5 % against 63.2 % block); QKV (N 6144) stays on ``fp8_gemv``
     (61.3 % / 58.2 %). The gated form (SiLU·mul folded in) keeps ``fp8_gemv``."""
-    if gated or 4096 < n < 16384:
+    if gated or 4096 < n < 16384 or layout != "block":
         return None
-    return 8, 512, 4, 4 if layout == "block" and n <= 4096 else 2
+    return 8, 512, 4, 4 if n <= 4096 else 2
 
-
-@triton.jit
-def _fp8_gemv_mma_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, n_out, k_in, k_per_split, stride_w, stride_s,
-    LAYOUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_GDC: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < n_out
-    cols = tl.arange(0, BLOCK_K)
-    k_start = tl.multiple_of(tl.program_id(1) * k_per_split, 16)
-    k_end = tl.minimum(k_start + k_per_split, k_in)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
-    s_row = s_ptr + ((tl.program_id(0) * BLOCK_N) // GROUP_N) * stride_s
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    gdc_enter(USE_GDC)
-    for k in range(k_start, k_end, BLOCK_K):
-        kk = k + cols
-        k_mask = kk < k_end
-        x = load_silu_mul(x_ptr, kk, k_mask, k_in, GATED)
-        # this chunk's inputs scaled by a power of two that puts their largest magnitude in [2**14, 2**15)
-        # (float16 range), the products' sums scaled back: exact but for inputs 2**38 below the largest
-        e = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 255
-        e = tl.minimum(tl.maximum(e, 15), 254)
-        inv = ((268 - e) << 23).to(tl.float32, bitcast=True)
-        back = ((e - 14) << 23).to(tl.float32, bitcast=True)
-        if LAYOUT == 2:  # BLOCK_K <= GROUP_K (fp8_gemv_mma checks): one block scale for the chunk's rows
-            back = back * tl.load(s_row + k // GROUP_K)
-        x16 = tl.broadcast_to((x * inv).to(tl.float16)[:, None], (BLOCK_K, 16))
-        w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.dot(w.to(tl.float16), x16) * back
-    # the 16 columns are equal (x broadcast): column 0
-    y = tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, acc, 0.0), axis=1)
-    if SPLIT:
-        tl.store(part_ptr + tl.program_id(1) * n_out + rows, y, mask=row_mask)
-    else:
-        _scale_bias_store(y, rows, row_mask, s_ptr, b_ptr, y_ptr, LAYOUT, HAS_BIAS)
-
-
-def fp8_gemv_mma(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-                 tile: tuple[int, int, int, int, int] = (64, 256, 4, 1, 3),
-                 gated: bool = False) -> torch.Tensor:
-    """``fp8_gemv`` on tensor cores: each program multiplies ``block_n`` float16-converted weight rows by
-    the token's inputs broadcast to 16 columns (the smallest MMA width), chunk by chunk of ``block_k``
-    inputs, each chunk's inputs scaled by a power of two into float16 range (the weights' e4m3 values are
-    exact in float16) and the float32 sums scaled back. ``tile = (block_n, block_k, num_warps, split_k,
-    num_stages)``; with ``split_k > 1`` the float32 partials are added in split order by the reduce kernel
-    of ``fp8_gemv_splitk``. Same arguments, result and errors as ``fp8_gemv_splitk``."""
-    n, k = w.weight.shape
-    _check_x("fp8_gemv_mma", x, k, gated)
-    block_n, block_k, warps, split_k, stages = tile
-    if block_k < 16 or block_k & (block_k - 1) or split_k < 1 or block_n < 16:
-        raise ValueError(f"fp8_gemv_mma needs block_n >= 16, block_k a power of two >= 16, split_k >= 1, "
-                         f"got {tile}")
-    group_n, group_k, block_n = _scale_groups("fp8_gemv_mma", w, block_n)
-    block_k = min(block_k, group_k) if w.layout == "block" else block_k
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    part = torch.empty((split_k, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
-    scale = w.scale
-    _fp8_gemv_mma_kernel[(triton.cdiv(n, block_n), split_k)](
-        x, w.weight, scale, bias if bias is not None else y, y, part, n, k, k_per_split, w.weight.stride(0),
-        scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
-        GROUP_K=group_k, HAS_BIAS=bias is not None, GATED=gated, SPLIT=split_k > 1, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_kwargs(x))
-    if split_k > 1:
-        reduce_block = 256
-        _fp8_gemv_splitk_reduce_kernel[(triton.cdiv(n, reduce_block),)](
-            part, scale, bias if bias is not None else y, y, n, SPLIT_K=split_k,
-            LAYOUT=_LAYOUT_CODE[w.layout], HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4,
-            **pdl_kwargs(x))
-    return y

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.kernels.fp8_gemv_sweep import BITS_TILES, CHECK_TOL, MMA_TILES, SPLITK_TILES, _candidates, _check
+from bench.kernels.fp8_gemv_sweep import (
+    BITS_TILES,
+    CHECK_TOL,
+    CONVERT_TILES,
+    SPLITK_TILES,
+    _candidates,
+    _check,
+)
 from engine.ops.fp8_weight import Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel
 
 
@@ -21,7 +28,7 @@ def test_every_candidate_passes_its_check_and_a_wrong_one_fails(layout: str, gat
     cands = _candidates(layout, n, k, gated, device="cpu")
     names = [name for name, _, _ in cands]
     scaled_mm = 2 if layout == "channel" else 0
-    assert len(cands) == len(BITS_TILES) + len(SPLITK_TILES) + len(MMA_TILES) + scaled_mm
+    assert len(cands) == len(BITS_TILES) + len(SPLITK_TILES) + len(CONVERT_TILES) + scaled_mm + 2 * gated
     assert ("scaled_mm swapAB" in names) == (layout == "channel")
     for name, fn, weight_only in cands:
         assert _check(fn, x, w, weight_only, gated) <= CHECK_TOL, name
