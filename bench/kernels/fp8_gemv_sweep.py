@@ -63,7 +63,7 @@ from engine.ops.fp8_gemm import (
     scaled_fp8_linear_reference,
     w8a8_block_gemm,
 )
-from engine.ops.fp8_gemv import fp8_gemv, fp8_gemv_reference, fp8_gemv_splitk, fp8_gemv_tile
+from engine.ops.fp8_gemv import fp8_gemv, fp8_gemv_mma, fp8_gemv_reference, fp8_gemv_splitk, fp8_gemv_tile
 from engine.ops.fp8_weight import Fp8Weight
 from engine.ops.silu_mul import silu_mul, silu_mul_reference
 
@@ -82,6 +82,11 @@ SPLITK_TILES = ((8, 512, 4, 2), (8, 512, 4, 4), (32, 512, 8, 2))
 # (2026-12-04: 2-32 rows x 512-2048 inputs, 4-8 warps)
 BITS_TILES = ((4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4), (16, 1024, 8))
 CONVERT_TILES = ((8, 512, 4), (8, 1024, 4))
+# (block_n, block_k, num_warps, split_k, num_stages) of fp8_gemv_mma (FP8 tensor cores, the input in three
+# e4m3 parts)
+MMA_TILES = ((64, 256, 4, 1, 3), (64, 256, 4, 2, 3), (64, 256, 4, 4, 3), (64, 512, 4, 1, 3), (64, 512, 4, 2, 3),
+             (128, 256, 4, 1, 3), (128, 256, 8, 1, 3), (128, 512, 8, 1, 3), (64, 128, 4, 2, 4),
+             (32, 256, 4, 2, 3), (128, 256, 4, 2, 4))
 CHECK_TOL = 1e-2  # max |out - ref| / max |ref|
 GEMM_TILES = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4),
               (64, 256, 8, 3), (256, 64, 8, 3))
@@ -220,6 +225,12 @@ def _convert(tile: tuple[int, int, int], gated: bool) -> Candidate:
     return run
 
 
+def _mma(tile: tuple[int, int, int, int, int], gated: bool) -> Candidate:
+    def run(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+        return fp8_gemv_mma(x, w, None, tile=tile, gated=gated)
+    return run
+
+
 def _silu_then_bits(tile: tuple[int, int, int]) -> Candidate:
     def run(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
         return fp8_gemv(silu_mul(x), w, None, tile=tile, decode=1)
@@ -248,6 +259,9 @@ def _candidates(layout: str, n: int, k: int, gated: bool, device: str = "cuda"
         out.append((f"bits splitk {st[0]} x {st[1]}, {st[2]}, {st[3]}", _splitk(st, gated, 1), True))
     for tile in CONVERT_TILES:
         out.append((f"convert gemv {tile[0]} x {tile[1]}, {tile[2]}", _convert(tile, gated), True))
+    for mt in MMA_TILES:
+        out.append((f"mma {mt[0]} x {mt[1]}, {mt[2]} warps, {mt[3]} splits, {mt[4]} stages", _mma(mt, gated),
+                    True))
     if gated:
         for tile in BITS_TILES[1:3]:
             out.append((f"silu_mul, then bits gemv {tile[0]} x {tile[1]}, {tile[2]}", _silu_then_bits(tile),
@@ -281,7 +295,8 @@ def _seconds(fn: Candidate, weights: list[Fp8Weight], x: torch.Tensor, iters: in
     return replay_seconds(chain, 8).scaled(1 / iters)
 
 
-def candidate_sweep(layouts: list[str], shapes: list[str], json_path: Path | None = None) -> dict[str, Any]:
+def candidate_sweep(layouts: list[str], shapes: list[str], json_path: Path | None = None,
+                    match: list[str] | None = None) -> dict[str, Any]:
     """Every candidate per (layout, shape): checked, timed, printed as markdown rows with its share of the
     same-run copy ceiling; returns the JSON-ready result (written to ``json_path`` after each shape)."""
     bandwidth = _copy_ceiling()
@@ -298,6 +313,8 @@ def candidate_sweep(layouts: list[str], shapes: list[str], json_path: Path | Non
             best: tuple[float, str] | None = None
             baseline = 0.0
             for cand, fn, weight_only in _candidates(layout, n, k, gated):
+                if match and not cand.startswith("engine default") and not any(m in cand for m in match):
+                    continue
                 try:
                     err = _check(fn, x, weights[0], weight_only, gated)
                     t = _seconds(fn, weights, x)
@@ -393,14 +410,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--candidates", action="store_true",
                    help="measure the GEMV candidates (split-K, _scaled_mm padded / swap-AB) instead of the "
                         "fp8_gemv tile sweep")
+    p.add_argument("--match", nargs="+", default=None, metavar="TEXT",
+                   help="with --candidates: only the candidates whose name contains one of these (and the "
+                        "engine default)")
     p.add_argument("--json", type=Path, default=None, help="write the rows and winners here")
     args = p.parse_args(argv)
+    if args.match and not args.candidates:
+        p.error("--match belongs to --candidates")
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
     if args.candidates and args.tiles:
         p.error("--tiles belongs to the tile sweep, not --candidates")
     if args.candidates:
-        result = candidate_sweep(args.layouts, args.shapes, args.json)
+        result = candidate_sweep(args.layouts, args.shapes, args.json, args.match)
     else:
         tiles = [_tile(t) for t in args.tiles] if args.tiles else list(TILES)
         result = sweep(args.layouts, args.shapes, tiles, args.json)

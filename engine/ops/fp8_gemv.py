@@ -307,3 +307,92 @@ def fp8_gemv_splitk_tile(n: int, layout: str, gated: bool = False) -> tuple[int,
         return None
     return 8, 512, 4, 4 if n <= 4096 else 2
 
+
+
+@triton.jit
+def _fp8_gemv_mma_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by @triton.jit
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, n_out, k_in, k_per_split, stride_w, stride_s,
+    LAYOUT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < n_out
+    cols = tl.arange(0, BLOCK_K)
+    part_col = tl.arange(0, 16)[None, :]
+    k_start = tl.multiple_of(tl.program_id(1) * k_per_split, 16)
+    k_end = tl.minimum(k_start + k_per_split, k_in)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    s_row = s_ptr + ((tl.program_id(0) * BLOCK_N) // GROUP_N) * stride_s
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    gdc_enter(USE_GDC)
+    for k in range(k_start, k_end, BLOCK_K):
+        kk = k + cols
+        k_mask = kk < k_end
+        x = load_silu_mul(x_ptr, kk, k_mask, k_in, GATED)
+        # the chunk scaled by a power of two that puts its largest magnitude in [128, 256), then cut into
+        # three e4m3 parts (each the rounding of what the parts before it left): columns 0-2 of the MMA's
+        # B operand, zeros in the rest
+        e = (tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True) >> 23) & 255
+        e = tl.minimum(tl.maximum(e, 8), 254)
+        xs = x * ((261 - e) << 23).to(tl.float32, bitcast=True)
+        back = ((e - 7) << 23).to(tl.float32, bitcast=True)
+        if LAYOUT == 2:  # BLOCK_K <= GROUP_K (fp8_gemv_mma checks): one block scale for the chunk's rows
+            back = back * tl.load(s_row + k // GROUP_K)
+        hi = xs.to(tl.float8e4nv).to(tl.float32)
+        mid = (xs - hi).to(tl.float8e4nv).to(tl.float32)
+        lo = (xs - hi - mid).to(tl.float8e4nv).to(tl.float32)
+        parts = tl.where(part_col == 0, hi[:, None],
+                         tl.where(part_col == 1, mid[:, None], tl.where(part_col == 2, lo[:, None], 0.0)))
+        w = tl.load(w_rows + kk[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.dot(w, parts.to(tl.float8e4nv)) * back
+    y = tl.sum(acc, axis=1)  # columns 3-15 are zero
+    if SPLIT:
+        tl.store(part_ptr + tl.program_id(1) * n_out + rows, y, mask=row_mask)
+    else:
+        _scale_bias_store(y, rows, row_mask, s_ptr, b_ptr, y_ptr, LAYOUT, HAS_BIAS)
+
+
+def fp8_gemv_mma(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
+                 tile: tuple[int, int, int, int, int] = (64, 256, 4, 1, 3),
+                 gated: bool = False) -> torch.Tensor:
+    """``fp8_gemv`` on FP8 tensor cores with no per-weight arithmetic: the weight tile goes to the MMA as
+    loaded; the token's inputs, chunk by chunk of ``block_k``, are scaled by a power of two and cut into
+    three e4m3 parts (``hi`` the rounding of the scaled input, ``mid`` of what ``hi`` left, ``lo`` of what
+    both left: about 12 significant bits for inputs within 2**10 of the chunk's largest, against bf16's
+    8), placed in columns 0-2 of a 16-column operand (the smallest MMA width); the float32 sums of the
+    three columns are scaled back. Not bit-exact to the weight-only product: the parts drop what lies
+    below e4m3's range in a chunk and Hopper's FP8 MMA accumulates with reduced precision inside each
+    chunk (about 14 bits, DeepSeek-V3 technical report, section 3.3.2), whose float32 sums are added.
+    ``tile = (block_n, block_k, num_warps, split_k, num_stages)``; with ``split_k > 1`` the float32
+    partials are added in split order by the reduce kernel of ``fp8_gemv_splitk``; block scales need
+    ``block_k`` within one scale group (lowered to it). Same arguments, result and errors as
+    ``fp8_gemv_splitk``."""
+    n, k = w.weight.shape
+    _check_x("fp8_gemv_mma", x, k, gated)
+    block_n, block_k, warps, split_k, stages = tile
+    if block_k < 32 or block_k & (block_k - 1) or split_k < 1 or block_n < 16:
+        raise ValueError(f"fp8_gemv_mma needs block_n >= 16, block_k a power of two >= 32, split_k >= 1, "
+                         f"got {tile}")
+    group_n, group_k, block_n = _scale_groups("fp8_gemv_mma", w, block_n)
+    if w.layout == "block":
+        block_k = min(block_k, group_k)
+        if block_n < 16 or block_k < 32:
+            raise ValueError(f"fp8_gemv_mma needs block scales of >= 16 x 32, got {w.block}")
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split_k, n), dtype=torch.float32, device=x.device) if split_k > 1 else y
+    scale = w.scale
+    _fp8_gemv_mma_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, w.weight, scale, bias if bias is not None else y, y, part, n, k, k_per_split, w.weight.stride(0),
+        scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
+        GROUP_K=group_k, HAS_BIAS=bias is not None, GATED=gated, SPLIT=split_k > 1, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_kwargs(x))
+    if split_k > 1:
+        reduce_block = 256
+        _fp8_gemv_splitk_reduce_kernel[(triton.cdiv(n, reduce_block),)](
+            part, scale, bias if bias is not None else y, y, n, SPLIT_K=split_k,
+            LAYOUT=_LAYOUT_CODE[w.layout], HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4,
+            **pdl_kwargs(x))
+    return y

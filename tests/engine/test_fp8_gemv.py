@@ -10,6 +10,7 @@ import torch
 
 from engine.ops.fp8_gemv import (
     fp8_gemv,
+    fp8_gemv_mma,
     fp8_gemv_reference,
     fp8_gemv_splitk,
     fp8_gemv_splitk_tile,
@@ -182,3 +183,30 @@ def test_subnormal_weights_decode_exactly() -> None:
     ref = fp8_gemv_reference(x, w, None)
     assert ref.abs().max() > 1e-3
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("layout", ["channel", "block"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("tile", [(64, 128, 4, 1, 2), (32, 256, 4, 3, 2), (16, 64, 4, 2, 2)])
+def test_fp8_gemv_mma_matches_reference(layout: str, gated: bool,
+                                        tile: tuple[int, int, int, int, int]) -> None:
+    """The FP8 tensor-core GEMV (``fp8_gemv_mma``: inputs in three e4m3 parts per chunk) equals the
+    reference within the half-precision output's rounding, over ragged rows, split K, block scales and
+    inputs spanning 2**20 in magnitude; a wrong scale is caught."""
+    gen = torch.Generator().manual_seed(10)
+    n, k = 200, 512
+    wt = torch.randn(n, k, generator=gen) * k ** -0.5
+    wt[:, 128:256] *= 20
+    w = quantized(wt, layout)
+    dev = torch.device(DEVICE)
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    x = torch.randn(1, 2 * k if gated else k, generator=gen)
+    x[0, :k // 2] *= 2.0 ** 10
+    x[0, k // 2:k] *= 2.0 ** -10
+    x = x.to(dev, dtype)
+    out = fp8_gemv_mma(x, w, None, tile=tile, gated=gated)
+    ref = fp8_gemv_reference(x.float(), w, None, gated=gated)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    torch.testing.assert_close(out.float(), ref, rtol=2 * ulp, atol=2 * ulp * ref.abs().max().item())
+    wrong = Fp8Weight(w.weight, w.scale * 1.5, w.layout, w.block)
+    assert (fp8_gemv_mma(x, wrong, None, tile=tile, gated=gated).float() - ref).abs().max() > 0.1
