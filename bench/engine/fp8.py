@@ -27,7 +27,9 @@ instead (the layout of the Qwen3-FP8 / DeepSeek checkpoints) and multi-row steps
    decoder projection shape ``[T, K] x [K, N]`` (merged QKV, O, merged gate/up, down) a
    ``torch._scaled_mm`` with row-wise scales, event-timed, best of ``--gemm-repeats`` (>= 20), times the
    layer count. Printed: ceiling seconds / prefill seconds (the share of the prefill's time the GEMMs at
-   their best would take; attention, norms and quantizing the activations are the rest).
+   their best would take; attention, norms and quantizing the activations are the rest). The prefill
+   runs as the engine does (one fresh long prompt: attention through cuDNN, engine/ops/cudnn_attention.py)
+   and again with the paged Triton attention kernel, both printed.
 
 On an H200 (the exact command)::
 
@@ -163,13 +165,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shapes = projection_shapes(core.runner.model)
     layers = len(core.runner.model.model.layers)
     times = Spread.of(time_prefill(core, args.prefill_tokens, args.repeats))
+    backend = core.runner.backend
+    paged: Spread | None = None
+    if getattr(backend, "cudnn_fresh_prefill", False):  # the same prefill with the paged kernel for attention
+        backend.cudnn_fresh_prefill = False  # type: ignore[attr-defined]
+        paged = Spread.of(time_prefill(core, args.prefill_tokens, args.repeats))
+        backend.cudnn_fresh_prefill = True  # type: ignore[attr-defined]
     gemms = scaled_mm_ceiling(shapes, args.prefill_tokens, device, args.gemm_repeats)
     ceiling = layers * sum(s.min for s in gemms.values())
     x = torch.randn(args.prefill_tokens, shapes[0][2], device=device, dtype=torch.bfloat16)
     quant = ceiling_seconds(lambda: quantize_fp8_groups(x, x.shape[1]), device, args.gemm_repeats)
     res["prefill"] = dict(tokens=args.prefill_tokens, seconds=times.as_dict(), gemm_ceiling_seconds=ceiling,
                           gemm_seconds={k: v.as_dict() for k, v in gemms.items()},
-                          share=ceiling / times.min, quantize_seconds=quant.min)
+                          share=ceiling / times.min, quantize_seconds=quant.min,
+                          paged_attention_seconds=paged.as_dict() if paged is not None else None)
     for name, n, k in shapes:
         tflops = 2 * args.prefill_tokens * n * k / gemms[name].min / 1e12
         print(f"  _scaled_mm {name:8s} [{args.prefill_tokens}, {k}] x [{k}, {n}]: "
@@ -178,6 +187,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"GEMMs alone ({layers} layers): {ceiling * 1e3:.1f} ms = {100 * ceiling / times.min:.1f} % of the "
           f"best prefill (one per-token activation quantization of [T, {shapes[0][2]}]: "
           f"{quant.min * 1e3:.3f} ms)", flush=True)
+    if paged is not None:
+        print(f"  the same prefill with the paged Triton attention instead of cuDNN: "
+              f"{paged.scaled(1e3).fmt('.1f', ' ms')} (GEMMs alone {100 * ceiling / paged.min:.1f} %)",
+              flush=True)
     return res
 
 

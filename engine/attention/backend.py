@@ -42,7 +42,8 @@ class AttentionBackend(ABC):
         """Store ``k``, ``v`` into layer ``layer`` of ``kv_cache`` and return the attention output.
 
         Checks the inputs, stores the new K/V (``store``; with ``rotary``, ``rotate_and_store``), calls
-        ``meta.layer_hook(layer)``, then attends (``attend``); backends implement those steps.
+        ``meta.layer_hook(layer)``, then attends (``attend_fresh`` where the backend takes the step, else
+        ``attend``); backends implement those steps.
 
         Args:
             layer: layer index into ``kv_cache``.
@@ -80,7 +81,17 @@ class AttentionBackend(ABC):
             self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
         if meta.layer_hook is not None:
             meta.layer_hook(layer)
+        out = self.attend_fresh(q, k, v, k_cache, meta, scale)
+        if out is not None:
+            return out
         return self.attend(q, k_cache, v_cache, meta, scale, kv_scale)
+
+    def attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
+        """Attention over the step's own ``k``/``v`` (after RoPE and the store) for a step the backend has
+        such a path for (the triton backend: one long prompt with no cached context, through cuDNN); None
+        (default) means "not here": ``forward`` then runs ``attend`` over the cache."""
+        return None
 
     def rotate_store_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

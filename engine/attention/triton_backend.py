@@ -2,8 +2,10 @@
 K/V (``rotary_store_kv`` when the model hands RoPE to the backend: rotation and store in one kernel; in a
 decode-only step both happen inside the decode kernel); the first ``num_decodes`` sequences go through
 the split-K paged decode kernel (Flash-Decoding), the rest through the paged prefill kernel
-(FlashAttention-2 with a cached prefix). Grid sizes come from the python ints of ``AttentionMetadata``:
-no host synchronisation. On CPU it runs only under Triton's interpreter (``TRITON_INTERPRET=1``: tests).
+(FlashAttention-2 with a cached prefix); a step of one long prompt with no cached context attends through
+cuDNN instead (engine/ops/cudnn_attention.py). Grid sizes come from the python ints of
+``AttentionMetadata``: no host synchronisation. On CPU it runs only under Triton's interpreter
+(``TRITON_INTERPRET=1``: tests).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.ops.cudnn_attention import cudnn_causal_attention, fresh_prefill_usable
 from engine.ops.paged_decode import RopeStore, paged_decode_attention, rope_fusable
 from engine.ops.paged_prefill import paged_prefill_attention
 from engine.ops.rotary import apply_rotary
@@ -27,6 +30,19 @@ class TritonAttentionBackend(AttentionBackend):
     # one launch per layer fewer; the switch exists for same-process benchmarks (the async-alt mode of
     # bench.engine.throughput)
     fuse_decode_rope = True
+    # one long prompt with no cached context through cuDNN (engine/ops/cudnn_attention.py); the switch exists
+    # for same-process benchmarks (bench.engine.fp8, bench.engine.prefill)
+    cudnn_fresh_prefill = True
+
+    def attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
+        """See ``AttentionBackend.attend_fresh``: ``cudnn_causal_attention`` where
+        ``fresh_prefill_usable`` (one sequence of >= ``CUDNN_MIN_TOKENS`` tokens, no cached context, no
+        decode rows, a cache of ``q``'s dtype, a Hopper GPU)."""
+        if not self.cudnn_fresh_prefill or not fresh_prefill_usable(
+                q, k_cache.dtype, meta.num_seqs, meta.num_decodes, meta.max_query_len, meta.max_seq_len):
+            return None
+        return cudnn_causal_attention(q, k, v, scale)
 
     def rotate_store_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,96 @@
+"""Causal self-attention of one sequence with no cached context through cuDNN's fused attention (torch
+SDPA, ``SDPBackend.CUDNN_ATTENTION``): the Hopper kernels (wgmma, TMA, warp specialisation) that the paged
+Triton prefill kernel (engine/ops/paged_prefill.py) does not have. On an H200 (Llama-3-8B heads, bf16) an
+8192-token prompt ran at 616 TFLOP/s here against 379 in the paged kernel (bench.kernels.prefill_attention,
+docs/benchmarks/engine.md). Only a step whose one sequence starts at position 0 fits: its K/V are the
+step's own (contiguous, no paged gather) and the mask is the square causal one SDPA implements. The
+triton backend takes it for such steps of at least ``CUDNN_MIN_TOKENS`` tokens (``fresh_prefill_usable``);
+a step with cached context, several sequences, an FP8 cache (whose dequantized values the paged kernel
+attends over) or shorter prompts stays on the paged kernel. Reference: ``causal_attention_reference``.
+
+Determinism: cuDNN's forward pass has no atomics, so a given shape gives the same bits run after run (a
+test checks it on the GPU); the bits differ from the paged kernel's, which is why the choice depends only on
+the step's shape: a prefill grid (``SchedulerConfig.prefill_grid``) computes chunk 0 of a prompt the same
+way whether or not the prompt's prefix was cached.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# shortest fresh prompt (tokens) taken through cuDNN: below it the paged kernel is as fast (H200 sweep,
+# bench.kernels.prefill_attention)
+CUDNN_MIN_TOKENS = 1024
+
+
+@functools.cache
+def _cudnn_on(device_index: int) -> bool:
+    """cuDNN's fused attention is built in and the GPU is Hopper or newer (compute capability >= 9.0)."""
+    hopper = torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return bool(torch.backends.cudnn.is_available()) and hopper
+
+
+def fresh_prefill_shape(num_seqs: int, num_decodes: int, max_query_len: int, max_seq_len: int) -> bool:
+    """The step's shape fits ``cudnn_causal_attention``: one sequence, no decode rows, no cached context
+    (its query is its whole length) and at least ``CUDNN_MIN_TOKENS`` tokens."""
+    return (num_seqs == 1 and num_decodes == 0 and max_query_len == max_seq_len
+            and max_seq_len >= CUDNN_MIN_TOKENS)
+
+
+def fresh_prefill_usable(q: torch.Tensor, k_cache_dtype: torch.dtype, num_seqs: int, num_decodes: int,
+                         max_query_len: int, max_seq_len: int) -> bool:
+    """Whether a step goes through ``cudnn_causal_attention``: ``fresh_prefill_shape``, a float16/bfloat16
+    ``q`` on a CUDA device with cuDNN attention (Hopper or newer), and a cache of ``q``'s dtype (not FP8).
+    Python ints only: no device read."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k_cache_dtype == q.dtype
+            and fresh_prefill_shape(num_seqs, num_decodes, max_query_len, max_seq_len)):
+        return False
+    return _cudnn_on(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
+def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one sequence over its own K/V through cuDNN (GQA: query head ``h`` uses KV head
+    ``h // (H // Hkv)``; K/V expanded to ``H`` heads where cuDNN does not take them grouped).
+
+    Args:
+        q: ``[T, H, D]``; k, v: ``[T, Hkv, D]``; float16 or bfloat16 on a CUDA device, last dims contiguous.
+        scale: softmax scale.
+
+    Returns:
+        ``[T, H, D]`` contiguous, ``q``'s dtype.
+
+    Raises:
+        RuntimeError: cuDNN cannot run these inputs (torch's SDPA names why).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kv_heads = q.shape[1], k.shape[1]
+    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, D]
+    params = torch.backends.cuda.SDPAParams(qt, kt, vt, None, 0.0, True, heads != kv_heads)
+    if heads != kv_heads and not torch.backends.cuda.can_use_cudnn_attention(params, debug=False):
+        group = heads // kv_heads
+        kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+        gqa = False
+    else:
+        gqa = heads != kv_heads
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                                               enable_gqa=gqa)
+    return out.squeeze(0).transpose(0, 1).contiguous()
+
+
+def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """Plain-torch ``cudnn_causal_attention`` (float32 softmax): same arguments, ``[T, H, D]`` in ``q``'s
+    dtype; any device."""
+    group = q.shape[1] // k.shape[1]
+    qf = q.float().transpose(0, 1)  # [H, T, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    s = (qf @ kf.transpose(1, 2)) * scale
+    t = q.shape[0]
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+    return (p @ vf).transpose(0, 1).to(q.dtype).contiguous()

@@ -1,0 +1,81 @@
+"""The cuDNN path for a long prompt with no cached context (engine/ops/cudnn_attention.py): which steps take
+it (CPU), and on a GPU its output against the plain-torch reference and the paged Triton kernel, its
+determinism, and the triton backend's dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.ops.cudnn_attention import (
+    CUDNN_MIN_TOKENS,
+    causal_attention_reference,
+    cudnn_causal_attention,
+    fresh_prefill_shape,
+    fresh_prefill_usable,
+)
+
+CUDA = torch.cuda.is_available()
+HOPPER = CUDA and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def test_only_one_fresh_long_prompt_takes_the_cudnn_path() -> None:
+    n = CUDNN_MIN_TOKENS
+    assert fresh_prefill_shape(1, 0, n, n)
+    assert fresh_prefill_shape(1, 0, 4 * n, 4 * n)
+    assert not fresh_prefill_shape(1, 0, n - 1, n - 1)  # short
+    assert not fresh_prefill_shape(1, 0, n, n + 16)  # cached context
+    assert not fresh_prefill_shape(2, 0, n, n)  # two sequences
+    assert not fresh_prefill_shape(2, 1, n, n)  # a decode row beside it
+    q = torch.zeros(n, 4, 64, dtype=torch.bfloat16)
+    assert not fresh_prefill_usable(q, torch.bfloat16, 1, 0, n, n)  # not on a GPU
+
+
+def test_reference_is_causal_and_grouped() -> None:
+    """The reference against a per-head loop of SDPA with each KV head repeated for its query heads."""
+    gen = torch.Generator().manual_seed(1)
+    t, h, hkv, d = 37, 8, 2, 16
+    q, k, v = (torch.randn(t, x, d, generator=gen) for x in (h, hkv, hkv))
+    got = causal_attention_reference(q, k, v, d ** -0.5)
+    for head in range(h):
+        kv = head // (h // hkv)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[:, head][None], k[:, kv][None], v[:, kv][None], is_causal=True, scale=d ** -0.5)[0]
+        torch.testing.assert_close(got[:, head], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HOPPER, reason="cuDNN fused attention on a Hopper GPU")
+@pytest.mark.parametrize("heads,kv_heads", [(32, 8), (16, 16)])
+def test_cudnn_matches_reference_and_repeats_its_bits(heads: int, kv_heads: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    t, d = 2048 + 17, 128
+    q, k, v = (torch.randn(t, x, d, generator=gen).to("cuda", torch.bfloat16)
+               for x in (heads, kv_heads, kv_heads))
+    out = cudnn_causal_attention(q, k, v, d ** -0.5)
+    ref = causal_attention_reference(q, k, v, d ** -0.5)
+    assert out.shape == q.shape and out.is_contiguous()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(out, cudnn_causal_attention(q, k, v, d ** -0.5))
+
+
+@pytest.mark.skipif(not HOPPER, reason="cuDNN fused attention on a Hopper GPU")
+def test_triton_backend_takes_cudnn_for_a_fresh_long_prompt() -> None:
+    """Backend ``forward`` of one fresh 2k-token prompt: with the switch on the output is cuDNN's (equal to
+    ``cudnn_causal_attention`` of the rotated q/k), with it off the paged kernel's; both close to each
+    other; the cache holds the same K/V either way."""
+    from engine.attention.metadata import build_attention_metadata
+    from engine.attention.triton_backend import TritonAttentionBackend
+    from engine.kv_cache import KVCachePool
+
+    gen = torch.Generator().manual_seed(3)
+    t, h, hkv, d, bs = 2048, 32, 8, 128, 16
+    pool = KVCachePool(num_layers=1, num_blocks=t // bs + 4, block_size=bs, num_kv_heads=hkv, head_dim=d,
+                       dtype=torch.bfloat16, device=torch.device("cuda"))
+    meta = build_attention_metadata([list(range(t // bs))], [0], [t], bs, "cuda")
+    q, k, v = (torch.randn(t, x, d, generator=gen).to("cuda", torch.bfloat16) for x in (h, hkv, hkv))
+    backend = TritonAttentionBackend()
+    fused = backend.forward(0, q.clone(), k.clone(), v.clone(), pool, meta, d ** -0.5)
+    torch.testing.assert_close(fused, cudnn_causal_attention(q, k, v, d ** -0.5), rtol=0, atol=0)
+    backend.cudnn_fresh_prefill = False
+    paged = backend.forward(0, q.clone(), k.clone(), v.clone(), pool, meta, d ** -0.5)
+    torch.testing.assert_close(fused.float(), paged.float(), rtol=2e-2, atol=2e-2)
