@@ -32,6 +32,7 @@ from engine.models.fused_model import PROJECTIONS, FusedCausalLM, unsupported_re
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
 from engine.models.loader import load_model, resolve_device
 from engine.models.tensor_parallel import TensorParallelCausalLM, load_sharded_model, local_config
+from engine.ops.cudnn_attention import warm_cudnn_plans
 from engine.ops.pdl import set_pdl
 from engine.prompt_logprobs import prompt_token_logprobs
 from engine.sampler import GrammarMask, Sampler, SampleResult, SamplingRow, is_plain_greedy
@@ -162,6 +163,19 @@ class ModelRunner:
             self.decode_graphs = DecodeCudaGraphs(self.net, self.kv_cache, self.backend,
                                                   engine_config.scheduler.max_num_seqs, self.max_model_len)
             self.decode_graphs.capture()
+
+    def warm_attention_plans(self, max_tokens: int) -> int:
+        """Build the attention plans a fresh prompt of up to ``max_tokens`` tokens needs on this worker
+        (``engine.ops.cudnn_attention.warm_cudnn_plans``: the triton backend's cuDNN path, this rank's
+        heads); returns how many (0 where the path is off: another backend, an FP8 cache, no Hopper GPU)."""
+        if not getattr(self.backend, "cudnn_fresh_prefill", False) or self.device.type != "cuda":
+            return 0
+        if self.kv_cache.k_cache(0).dtype != self.dtype:
+            return 0
+        cfg = self.hf_config
+        heads = int(cfg.num_attention_heads) // (self.tp.size if self.tp.distributed else 1)
+        _, _, kv_heads, head_dim = self.kv_cache.k_cache(0).shape
+        return warm_cudnn_plans(heads, int(kv_heads), int(head_dim), self.dtype, self.device, max_tokens)
 
     def _forward_model(self, fused_ops: str) -> torch.nn.Module:
         """``FusedCausalLM`` when ``fused_ops`` asks for it (``auto``: on CUDA and a supported model), with

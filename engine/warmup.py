@@ -10,7 +10,9 @@ driving greedy, ``ignore_eos`` requests with seeded random prompt token ids thro
 ``Scheduler.schedule`` → ``ModelRunner.execute`` → ``EngineCore.commit``, the very path serving uses.
 
 Waves (each drained before the next; every size capped by ``max_model_len``, ``max_num_seqs`` and the
-KV blocks): 1. one prompt of ``max_num_batched_tokens`` tokens (a pure prefill chunk at the budget);
+KV blocks): 0. the cuDNN attention plans of every length a fresh prompt can take
+(``ModelRunner.warm_attention_plans``: cuDNN builds one per length at its first use, 65-106 ms on an
+H200); 1. one prompt of ``max_num_batched_tokens`` tokens (a pure prefill chunk at the budget);
 2. a prompt of 1.5x the budget (two chunks, the second attending to KV already cached), when chunked
 prefill is on and ``max_model_len`` allows; 2b. a prompt whose last chunk is 16 tokens after at least
 ``WarmupConfig.long_context_tokens`` cached ones (a launch of few programs over a long KV: the split-KV
@@ -195,6 +197,7 @@ class _Run:
         """Waves 1-4 (and 2b) of the module docstring, each drained before the next."""
         if self.longest < 1:
             return
+        self.core.runner.warm_attention_plans(min(self.budget, self.longest))
         self.add(min(self.budget, self.longest), 1)
         self.drain()
         two_chunks = self.budget + self.budget // 2 + 1

@@ -55,7 +55,6 @@ import torch
 
 from bench.ceilings import copy_bandwidth
 from bench.timing import Spread, ceiling_seconds, replay_seconds
-from engine.models.fused_model import FOLD_SILU_ONE_ROW
 from engine.ops.fp8_gemm import (
     block_gemm_tile,
     fp8_linear,
@@ -239,11 +238,11 @@ def _silu_then_bits(tile: tuple[int, int, int]) -> Candidate:
 
 def _engine(gated: bool) -> Candidate:
     """What the model runs for a one-row projection: ``fp8_linear`` (the down projection: ``silu_mul``
-    first unless the model folds it in, ``FusedDecoder._dense``)."""
+    first, as ``FusedCausalLM``'s one-row FP8 steps do)."""
     def run(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-        if gated and not FOLD_SILU_ONE_ROW:
+        if gated:
             return fp8_linear(silu_mul(x), w, None, True)
-        return fp8_linear(x, w, None, True, gated=gated)
+        return fp8_linear(x, w, None, True)
     return run
 
 

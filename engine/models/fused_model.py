@@ -69,9 +69,6 @@ INTERLEAVED_ROTARY_MODEL_TYPES = frozenset({"glm4"})
 # logits (``E x H``, 0.5 MB for Qwen3-30B-A3B: cuBLAS's GEMV took 5.1 µs of an H200 step for it)
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head", "silu_down", "router")
 GEMV_OPTIONS = PROJECTIONS
-# a one-row step with FP8 weights folds SwiGLU's silu(gate) * up into the down projection's FP8 GEMV
-# (``fp8_linear(gated=True)``) instead of running ``silu_mul`` first
-FOLD_SILU_ONE_ROW = False
 
 
 @dataclass
@@ -368,9 +365,11 @@ class FusedCausalLM(torch.nn.Module):
         if (gate_up.shape[0] == 1 and self.use_triton and "silu_down" in self.gemv_projections
                 and isinstance(down_weight, torch.Tensor)):
             return gemv(gate_up, down_weight, down.bias, gated=True)
-        # FP8: SiLU·mul folded into the activation quantizer (prefill) or, where FOLD_SILU_ONE_ROW, into the
-        # one-row GEMV's loads
-        if isinstance(down_weight, Fp8Weight) and (gate_up.shape[0] > 1 or FOLD_SILU_ONE_ROW):
+        # FP8 prefill: SiLU·mul folded into the activation quantizer. A one-row FP8 step runs silu_mul, then
+        # the plain FP8 GEMV: on an H200 that decodes as fast as the GEMV with SiLU·mul folded in or faster
+        # (bench/engine/fp8.py, Llama-3-8B shape: 322.1 against 320.3 tok/s; kernels alone 70.4 % and
+        # 68.9 % of the copy bandwidth, bench/kernels/fp8_gemv_sweep.py, 2026-12-04)
+        if isinstance(down_weight, Fp8Weight) and gate_up.shape[0] > 1:
             return fp8_linear(gate_up, down_weight, down.bias, use_kernels=self.use_triton or gate_up.is_cuda,
                               gated=True)
         act = silu_mul(gate_up) if self.use_triton else silu_mul_reference(gate_up)

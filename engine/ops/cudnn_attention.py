@@ -20,9 +20,13 @@ import functools
 
 import torch
 
-# shortest fresh prompt (tokens) taken through cuDNN: below it the paged kernel is as fast (H200 sweep,
-# bench.kernels.prefill_attention)
+# fresh prompts of CUDNN_MIN_TOKENS to CUDNN_MAX_TOKENS tokens go through cuDNN, padded to a multiple of
+# CUDNN_BUCKET: cuDNN builds an execution plan per sequence length at its first use (65-106 ms on an H200,
+# 2026-12-04), so lengths are bucketed and ``warm_cudnn_plans`` builds every bucket's plan before a worker
+# reports ready (at most 61 plans, ~4 s; 5 for the default 2048-token budget)
 CUDNN_MIN_TOKENS = 1024
+CUDNN_MAX_TOKENS = 16384
+CUDNN_BUCKET = 256
 
 
 @functools.cache
@@ -34,9 +38,9 @@ def _cudnn_on(device_index: int) -> bool:
 
 def fresh_prefill_shape(num_seqs: int, num_decodes: int, max_query_len: int, max_seq_len: int) -> bool:
     """The step's shape fits ``cudnn_causal_attention``: one sequence, no decode rows, no cached context
-    (its query is its whole length) and at least ``CUDNN_MIN_TOKENS`` tokens."""
+    (its query is its whole length) and ``CUDNN_MIN_TOKENS`` to ``CUDNN_MAX_TOKENS`` tokens."""
     return (num_seqs == 1 and num_decodes == 0 and max_query_len == max_seq_len
-            and max_seq_len >= CUDNN_MIN_TOKENS)
+            and CUDNN_MIN_TOKENS <= max_seq_len <= CUDNN_MAX_TOKENS)
 
 
 def fresh_prefill_usable(q: torch.Tensor, k_cache_dtype: torch.dtype, num_seqs: int, num_decodes: int,
@@ -52,7 +56,9 @@ def fresh_prefill_usable(q: torch.Tensor, k_cache_dtype: torch.dtype, num_seqs: 
 
 def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of one sequence over its own K/V through cuDNN (GQA: query head ``h`` uses KV head
-    ``h // (H // Hkv)``; K/V expanded to ``H`` heads where cuDNN does not take them grouped).
+    ``h // (H // Hkv)``; K/V expanded to ``H`` heads where cuDNN does not take them grouped). ``T`` is
+    padded with zeros to a multiple of ``CUDNN_BUCKET`` (the causal mask keeps the padding out of the
+    real rows, whose outputs are returned).
 
     Args:
         q: ``[T, H, D]``; k, v: ``[T, Hkv, D]``; float16 or bfloat16 on a CUDA device, last dims contiguous.
@@ -67,7 +73,9 @@ def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     heads, kv_heads = q.shape[1], k.shape[1]
-    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, T, D]
+    t = q.shape[0]
+    padded = -(-t // CUDNN_BUCKET) * CUDNN_BUCKET
+    qt, kt, vt = (_padded(x, padded) for x in (q, k, v))  # [1, heads, padded, D]
     params = torch.backends.cuda.SDPAParams(qt, kt, vt, None, 0.0, True, heads != kv_heads)
     if heads != kv_heads and not torch.backends.cuda.can_use_cudnn_attention(params, debug=False):
         group = heads // kv_heads
@@ -78,7 +86,35 @@ def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
                                                                enable_gqa=gqa)
-    return out.squeeze(0).transpose(0, 1).contiguous()
+    return out[0, :, :t].transpose(0, 1).contiguous()
+
+
+def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x [T, heads, D]`` as ``[1, heads, length, D]`` (a view when ``length == T``, else zero-padded)."""
+    view = x.transpose(0, 1).unsqueeze(0)
+    if length == x.shape[0]:
+        return view
+    out = x.new_zeros((1, x.shape[1], length, x.shape[2]))
+    out[:, :, :x.shape[0]] = view
+    return out
+
+
+def warm_cudnn_plans(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                     max_tokens: int) -> int:
+    """Build cuDNN's plan for every bucket a fresh prompt of up to ``max_tokens`` tokens can take (zeros
+    through ``cudnn_causal_attention``), so no request pays the 65-106 ms of a first use. Returns the
+    number of buckets warmed (0 where ``fresh_prefill_usable`` would never take the path)."""
+    probe = torch.empty((1, heads, head_dim), dtype=dtype, device=device)
+    if not fresh_prefill_usable(probe, dtype, 1, 0, CUDNN_MIN_TOKENS, CUDNN_MIN_TOKENS):
+        return 0
+    top = min(max_tokens, CUDNN_MAX_TOKENS)
+    count = 0
+    for t in range(CUDNN_MIN_TOKENS, -(-top // CUDNN_BUCKET) * CUDNN_BUCKET + 1, CUDNN_BUCKET):
+        q = torch.zeros((t, heads, head_dim), dtype=dtype, device=device)
+        kv = torch.zeros((t, kv_heads, head_dim), dtype=dtype, device=device)
+        cudnn_causal_attention(q, kv, kv, head_dim ** -0.5)
+        count += 1
+    return count
 
 
 def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

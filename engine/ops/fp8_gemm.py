@@ -9,7 +9,8 @@ scale per token and group of ``block_k`` columns (``quantize_fp8_groups``), as i
 row-wise scales for per-token activations), the block layout the Triton kernel ``w8a8_block_gemm`` below
 (for each ``block_k`` slice of ``K``: an FP8 ``tl.dot`` into float32, times the token-group scale and
 the weight tile's scale; the block-scaled GEMM of DeepSeek-V3's ``fp8_gemm``). One-row steps on CUDA run
-the weight-only GEMVs of ``engine.ops.fp8_gemv`` instead. ``*_reference`` functions are the plain-torch
+the one-row products of ``engine.ops.fp8_gemv`` instead (weight-only, or on FP8 tensor cores with the
+input in three e4m3 parts for wide per-channel matrices). ``*_reference`` functions are the plain-torch
 equivalents: they dequantize both operands to float32 and multiply (what runs on a CPU, where no FP8
 matmul exists).
 """
@@ -22,7 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.fp8_gemv import fp8_gemv, fp8_gemv_splitk, fp8_gemv_splitk_tile
+from engine.ops.fp8_gemv import (
+    fp8_gemv,
+    fp8_gemv_mma,
+    fp8_gemv_mma_tile,
+    fp8_gemv_splitk,
+    fp8_gemv_splitk_tile,
+)
 from engine.ops.fp8_weight import (
     FP8_DTYPE,
     FP8_MAX,
@@ -254,16 +261,19 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_ker
                gated: bool = False) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T + bias`` as ``[M, N]`` in ``x.dtype``, activations quantized to FP8.
 
-    ``use_kernels``: on CUDA a one-row ``x`` runs the weight-only ``fp8_gemv`` (``fp8_gemv_splitk`` where
-    ``fp8_gemv_splitk_tile`` names a tile); otherwise the Triton block
-    kernel (CUDA or Triton's interpreter) and, on a GPU of compute capability >= 8.9,
-    ``torch._scaled_mm``; without ``use_kernels`` (or where ``_scaled_mm`` cannot run the shape) the
+    ``use_kernels``: on CUDA a one-row ``x`` runs the weight-only ``fp8_gemv`` (``fp8_gemv_mma`` where
+    ``fp8_gemv_mma_tile`` names a tile, ``fp8_gemv_splitk`` where ``fp8_gemv_splitk_tile`` does);
+    otherwise the Triton block kernel (CUDA or Triton's interpreter) and, on a GPU of compute capability
+    >= 8.9, ``torch._scaled_mm``; without ``use_kernels`` (or where ``_scaled_mm`` cannot run the shape) the
     plain-torch references. ``gated``: ``x`` is ``[M, 2 K]`` (gate | up, SwiGLU's down projection) and
     the product is taken with ``silu(gate) * up``: folded into the GEMV's loads or the dynamic activation
     quantizer where the kernels run (bit-identical to ``silu_mul`` first), ``silu_mul_reference`` first
     otherwise.
     """
     if use_kernels and x.is_cuda and x.shape[0] == 1:
+        mma = fp8_gemv_mma_tile(w.weight.shape[0], w.layout, gated)
+        if mma is not None:
+            return fp8_gemv_mma(x.contiguous(), w, bias, tile=mma)
         tile = fp8_gemv_splitk_tile(w.weight.shape[0], w.layout, gated)
         if tile is not None:
             return fp8_gemv_splitk(x.contiguous(), w, bias, tile=tile)

@@ -1,14 +1,19 @@
-"""Weight-only FP8 matrix-vector products for one-row (batch-1 decode) steps: ``y [1, N] = x [1, K] @
-dequant(W)^T + bias`` with the activation kept in its dtype (Triton + reference).
+"""FP8 matrix-vector products for one-row (batch-1 decode) steps: ``y [1, N] = x [1, K] @ dequant(W)^T +
+bias`` with the activation kept in its dtype (Triton + reference).
 
-Two kernels over the same inputs (``_gemv_inputs``: ``x``, with ``gated`` SiLU·mul of ``[gate | up]``
-folded into the loads, times the block scales where the weight has them), both bound by reading the FP8
-weight once: ``fp8_gemv``, one program per ``block_n`` output features walking all of ``K`` (the
-row-blocked GEMV of ``engine.ops.gemv``), and ``fp8_gemv_splitk``, which splits ``K`` into slices for
-more programs on narrow matrices and adds the float32 partials in a second kernel. ``fp8_gemv_tile`` and
-``fp8_gemv_splitk_tile`` hold the measured tiles; ``fp8_gemv_reference`` is the plain-torch product.
-Weights and their scale layouts: ``engine.ops.fp8_weight``; ``engine.ops.fp8_gemm.fp8_linear`` picks
-between these and the w8a8 GEMMs.
+Three kernels, each bound by reading the FP8 weight once. Two are weight-only over the same inputs
+(``_gemv_inputs``: ``x``, with ``gated`` SiLU·mul of ``[gate | up]`` folded into the loads, times the
+block scales where the weight has them): ``fp8_gemv``, one program per ``block_n`` output features
+walking all of ``K`` (the row-blocked GEMV of ``engine.ops.gemv``), and ``fp8_gemv_splitk``, which splits
+``K`` into slices for more programs on narrow matrices and adds the float32 partials in a second kernel.
+Both decode the e4m3 weights by integer operations (``_e4m3_bits``; ``decode=0`` keeps the hardware
+conversion, for comparison): a one-row product does one multiply-add per weight byte, and the conversion
+(e4m3 to float16 to float32) made it bound by instruction issue, not memory (H200, 2026-12-04: 40-64 % of
+the copy bandwidth converted against 60-77 % decoded, same tiles). The third, ``fp8_gemv_mma``, does no
+per-weight arithmetic at all: FP8 tensor cores with the input cut into three e4m3 parts (faster for wide
+per-channel matrices only). ``fp8_gemv_tile``, ``fp8_gemv_splitk_tile`` and ``fp8_gemv_mma_tile`` hold
+the measured choices; ``fp8_gemv_reference`` is the plain-torch product. Weights and their scale layouts:
+``engine.ops.fp8_weight``; ``engine.ops.fp8_gemm.fp8_linear`` picks between these and the w8a8 GEMMs.
 """
 
 from __future__ import annotations
@@ -35,9 +40,8 @@ def _e4m3_bits(w):  # type: ignore[no-untyped-def]  # Triton function: arguments
     """float32 ``value * 2**-120`` of int8-viewed e4m3 weights ``w``, by integer operations alone: the
     sign bit moved to bit 31 and the 7 exponent/mantissa bits to bits 20-26 make a float32 whose exponent
     is the e4m3 exponent re-biased from 7 to 127 (subnormals land on float32 subnormals, which Triton's
-    float32 arithmetic keeps). The hardware conversion (e4m3 -> f16 -> f32, 16 results per clock per SM
-    for the second step on Hopper) caps a one-row product at about the HBM rate; these are ALU operations.
-    The two NaN codes decode as +-480 (quantized weights never hold them)."""
+    float32 arithmetic keeps). Fewer issue slots than the hardware conversion (e4m3 -> f16 -> f32, module
+    docstring). The two NaN codes decode as +-480 (quantized weights never hold them)."""
     v = w.to(tl.int32)  # sign-extended: bits 27-31 copy the sign
     return ((v << 20) & -2014314496).to(tl.float32, bitcast=True)  # mask 0x87F00000
 
@@ -130,13 +134,14 @@ def fp8_gemv_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
 # bytes of FP8 weight one program reads per K step (block_n * block_k): the bf16 GEMV's measured best
 # tiles (engine.ops.gemv.gemv_tile) at the same bytes, i.e. twice the K width at one byte per weight, with
 # at most 64 float32 partial sums per thread (8 warps for the 16 KiB gated tile)
-def fp8_gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
-    """``(block_n, block_k, num_warps)`` of ``fp8_gemv`` for ``N`` output features: the winners of
-    ``bench/kernels/fp8_gemv_sweep.py --candidates`` on an H200 for the Llama-3-8B projections with the
-    weights decoded by integer operations (2026-12-04, shares of the same-run copy bandwidth): 8 x 1024
-    for N <= 4096 and the gated form (o 61.2 %, gated down 69.5 %), 8 x 512 for wider matrices (QKV
-    61.4 %, gate/up 78.3 %), 4 warps."""
-    if gated or n <= 4096:
+def fp8_gemv_tile(n: int, gated: bool = False, layout: str = "channel") -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)`` of ``fp8_gemv`` for ``N`` output features of a ``layout`` weight:
+    the winners of ``bench/kernels/fp8_gemv_sweep.py --candidates`` on an H200 for the Llama-3-8B
+    projections with the weights decoded by integer operations (2026-12-04, shares of the same-run copy
+    bandwidth): 8 x 1024 for N <= 4096 and the gated form (o 60.3 %, gated down 68.9 %) and for block
+    scales below N = 16384 (QKV 59.9 % against 42.9 % at 8 x 512: one scale load per 1024 inputs), else
+    8 x 512 (per-channel QKV 60.8 %, gate/up 77.3 %), 4 warps."""
+    if gated or n <= 4096 or (layout == "block" and n < 16384):
         return 8, 1024, 4
     return 8, 512, 4
 
@@ -197,7 +202,7 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     n, k = w.weight.shape
     _check_x("fp8_gemv", x, k, gated)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = tile or fp8_gemv_tile(n, gated)
+    block_n, block_k, warps = tile or fp8_gemv_tile(n, gated, w.layout)
     group_n, group_k, block_n = _scale_groups("fp8_gemv", w, block_n)
     scale = w.scale
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
@@ -292,6 +297,17 @@ def fp8_gemv_splitk(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
         part, scale, bias if bias is not None else y, y, n, SPLIT_K=split_k, LAYOUT=_LAYOUT_CODE[w.layout],
         HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4, **pdl_kwargs(x))
     return y
+
+
+def fp8_gemv_mma_tile(n: int, layout: str, gated: bool = False) -> tuple[int, int, int, int, int] | None:
+    """The ``fp8_gemv_mma`` tile of a one-row FP8 step, or None where the CUDA-core GEMVs are faster: the
+    H200 sweep (``bench/kernels/fp8_gemv_sweep.py --candidates``, 2026-12-04) found it ahead only for wide
+    per-channel/per-tensor matrices (N >= 16384: gate/up 84.0 % of the copy bandwidth in 128 x 256 tiles,
+    4 warps, 3 stages, one K slice, against 77.8 % for ``fp8_gemv``); QKV, o and down 38-54 %, and block
+    scales (chunks of at most one 128-wide scale group) 56 % against split-K's 72.8 %."""
+    if gated or layout == "block" or n < 16384:
+        return None
+    return 128, 256, 4, 1, 3
 
 
 def fp8_gemv_splitk_tile(n: int, layout: str, gated: bool = False) -> tuple[int, int, int, int] | None:

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from engine.ops.cudnn_attention import (
+    CUDNN_MAX_TOKENS,
     CUDNN_MIN_TOKENS,
     causal_attention_reference,
     cudnn_causal_attention,
     fresh_prefill_shape,
     fresh_prefill_usable,
+    warm_cudnn_plans,
 )
 
 CUDA = torch.cuda.is_available()
@@ -24,11 +26,14 @@ def test_only_one_fresh_long_prompt_takes_the_cudnn_path() -> None:
     assert fresh_prefill_shape(1, 0, n, n)
     assert fresh_prefill_shape(1, 0, 4 * n, 4 * n)
     assert not fresh_prefill_shape(1, 0, n - 1, n - 1)  # short
+    assert fresh_prefill_shape(1, 0, CUDNN_MAX_TOKENS, CUDNN_MAX_TOKENS)
+    assert not fresh_prefill_shape(1, 0, CUDNN_MAX_TOKENS + 1, CUDNN_MAX_TOKENS + 1)  # past the warmed plans
     assert not fresh_prefill_shape(1, 0, n, n + 16)  # cached context
     assert not fresh_prefill_shape(2, 0, n, n)  # two sequences
     assert not fresh_prefill_shape(2, 1, n, n)  # a decode row beside it
     q = torch.zeros(n, 4, 64, dtype=torch.bfloat16)
     assert not fresh_prefill_usable(q, torch.bfloat16, 1, 0, n, n)  # not on a GPU
+    assert warm_cudnn_plans(4, 4, 64, torch.bfloat16, torch.device("cpu"), 4 * n) == 0
 
 
 def test_reference_is_causal_and_grouped() -> None:
@@ -79,3 +84,10 @@ def test_triton_backend_takes_cudnn_for_a_fresh_long_prompt() -> None:
     backend.cudnn_fresh_prefill = False
     paged = backend.forward(0, q.clone(), k.clone(), v.clone(), pool, meta, d ** -0.5)
     torch.testing.assert_close(fused.float(), paged.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not HOPPER, reason="cuDNN fused attention on a Hopper GPU")
+def test_plans_are_warmed_per_bucket() -> None:
+    """Every 256-token bucket from 1024 up to the budget rounded up: 1300 tokens -> 1024, 1280, 1536."""
+    assert warm_cudnn_plans(8, 2, 128, torch.bfloat16, torch.device("cuda"), 1300) == 3
+    assert warm_cudnn_plans(8, 2, 128, torch.bfloat16, torch.device("cuda"), 1000) == 0

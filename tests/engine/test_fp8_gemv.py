@@ -11,9 +11,11 @@ import torch
 from engine.ops.fp8_gemv import (
     fp8_gemv,
     fp8_gemv_mma,
+    fp8_gemv_mma_tile,
     fp8_gemv_reference,
     fp8_gemv_splitk,
     fp8_gemv_splitk_tile,
+    fp8_gemv_tile,
 )
 from engine.ops.fp8_weight import FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel
 from engine.ops.silu_mul import silu_mul
@@ -129,6 +131,15 @@ def test_one_row_steps_take_split_k_where_it_measured_faster() -> None:
     assert fp8_gemv_splitk_tile(28672, "block") == (8, 512, 4, 2)
     assert fp8_gemv_splitk_tile(6144, "channel") is None
     assert fp8_gemv_splitk_tile(4096, "channel", gated=True) is None
+    # FP8 tensor cores for wide per-channel / per-tensor matrices only
+    assert fp8_gemv_mma_tile(28672, "channel") == (128, 256, 4, 1, 3)
+    assert fp8_gemv_mma_tile(28672, "tensor") == (128, 256, 4, 1, 3)
+    assert fp8_gemv_mma_tile(28672, "block") is None
+    assert fp8_gemv_mma_tile(6144, "channel") is None
+    assert fp8_gemv_mma_tile(28672, "channel", gated=True) is None
+    # block scales: 1024-wide K steps below N = 16384 (one scale load per 1024 inputs)
+    assert fp8_gemv_tile(6144, layout="block") == (8, 1024, 4)
+    assert fp8_gemv_tile(6144, layout="channel") == (8, 512, 4)
 
 
 def _every_code(n: int, k: int) -> torch.Tensor:
