@@ -90,12 +90,11 @@ def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 
 
 def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
-    """``x [T, heads, D]`` as ``[1, heads, length, D]`` (a view when ``length == T``, else zero-padded)."""
-    view = x.transpose(0, 1).unsqueeze(0)
-    if length == x.shape[0]:
-        return view
+    """``x [T, heads, D]`` copied into a zeroed contiguous ``[1, heads, length, D]``: every call of a
+    bucket then has the same strides, which cuDNN's plan cache keys on (a view of the step's QKV output
+    missed the plans the warm-up built, 50 ms a first prompt on an H200)."""
     out = x.new_zeros((1, x.shape[1], length, x.shape[2]))
-    out[:, :, :x.shape[0]] = view
+    out[0, :, :x.shape[0]] = x.transpose(0, 1)
     return out
 
 
@@ -108,6 +107,8 @@ def warm_cudnn_plans(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
     if not fresh_prefill_usable(probe, dtype, 1, 0, CUDNN_MIN_TOKENS, CUDNN_MIN_TOKENS):
         return 0
     top = min(max_tokens, CUDNN_MAX_TOKENS)
+    if top < CUDNN_MIN_TOKENS:
+        return 0
     count = 0
     for t in range(CUDNN_MIN_TOKENS, -(-top // CUDNN_BUCKET) * CUDNN_BUCKET + 1, CUDNN_BUCKET):
         q = torch.zeros((t, heads, head_dim), dtype=dtype, device=device)
