@@ -6,7 +6,7 @@ Three kernels, each bound by reading the FP8 weight once. Two are weight-only ov
 block scales where the weight has them): ``fp8_gemv``, one program per ``block_n`` output features
 walking all of ``K`` (the row-blocked GEMV of ``engine.ops.gemv``), and ``fp8_gemv_splitk``, which splits
 ``K`` into slices for more programs on narrow matrices and adds the float32 partials in a second kernel.
-Both decode the e4m3 weights by integer operations (``_e4m3_bits``; ``decode=0`` keeps the hardware
+Both decode the e4m3 weights by integer operations (``e4m3_bits``; ``decode=0`` keeps the hardware
 conversion, for comparison): a one-row product does one multiply-add per weight byte, and the conversion
 (e4m3 to float16 to float32) made it bound by instruction issue, not memory (H200, 2026-12-04: 40-64 % of
 the copy bandwidth converted against 60-77 % decoded, same tiles). The third, ``fp8_gemv_mma``, does no
@@ -29,14 +29,15 @@ from engine.ops.silu_mul import load_silu_mul, silu_mul_reference
 _LAYOUT_CODE = {"tensor": 0, "channel": 1, "block": 2}
 
 
-# 2**100 and 2**20: ``_e4m3_bits`` decodes a weight as its value times 2**-120; the inputs are multiplied by
-# 2**100 and the sums by 2**20, powers of two that change no rounding (|x| < 2**28 stays finite)
-_X_SCALE = tl.constexpr(1.2676506002282294e30)
-_SUM_SCALE = tl.constexpr(1048576.0)
+# ``e4m3_bits`` decodes a weight as its value times 2**-120; the inputs are multiplied by 2**64 and the sums
+# by 2**56, powers of two that change no rounding while every input stays below 2**64 in magnitude (no
+# overflow) and every product and partial sum above 2**-70 (no float32 subnormal)
+E4M3_X_SCALE = tl.constexpr(18446744073709551616.0)
+E4M3_SUM_SCALE = tl.constexpr(72057594037927936.0)
 
 
 @triton.jit
-def _e4m3_bits(w):  # type: ignore[no-untyped-def]  # Triton function: arguments are typed by @triton.jit
+def e4m3_bits(w):  # type: ignore[no-untyped-def]  # Triton function: arguments are typed by @triton.jit
     """float32 ``value * 2**-120`` of int8-viewed e4m3 weights ``w``, by integer operations alone: the
     sign bit moved to bit 31 and the 7 exponent/mantissa bits to bits 20-26 make a float32 whose exponent
     is the e4m3 exponent re-biased from 7 to 127 (subnormals land on float32 subnormals, which Triton's
@@ -49,10 +50,10 @@ def _e4m3_bits(w):  # type: ignore[no-untyped-def]  # Triton function: arguments
 @triton.jit
 def _fp8_products(w, x, DECODE: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton function
     """``w * x[None, :]`` in float32 for an FP8 tile ``w`` [BLOCK_N, BLOCK_K]: DECODE 0 converts the
-    weights (``w`` typed float8e4nv), DECODE 1 decodes their bits (``w`` typed int8, ``_e4m3_bits``) and
-    scales ``x`` by 2**100 (the caller multiplies the sums by ``_SUM_SCALE``)."""
+    weights (``w`` typed float8e4nv), DECODE 1 decodes their bits (``w`` typed int8, ``e4m3_bits``) and
+    scales ``x`` by 2**64 (the caller multiplies the sums by ``E4M3_SUM_SCALE``)."""
     if DECODE == 1:
-        return _e4m3_bits(w) * (x * _X_SCALE)[None, :]
+        return e4m3_bits(w) * (x * E4M3_X_SCALE)[None, :]
     return w.to(tl.float32) * x[None, :]
 
 
@@ -114,7 +115,7 @@ def _fp8_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: typed by
         w = w_next
     y = tl.sum(acc, axis=1)
     if DECODE == 1:
-        y = y * _SUM_SCALE
+        y = y * E4M3_SUM_SCALE
     _scale_bias_store(y, rows, row_mask, s_ptr, b_ptr, y_ptr, LAYOUT, HAS_BIAS)
 
 
@@ -238,7 +239,7 @@ def _fp8_gemv_splitk_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: t
         acc += _fp8_products(w, x, DECODE)
     y = tl.sum(acc, axis=1)
     if DECODE == 1:
-        y = y * _SUM_SCALE
+        y = y * E4M3_SUM_SCALE
     tl.store(part_ptr + tl.program_id(1) * n_out + rows, y, mask=row_mask)
 
 

@@ -150,11 +150,12 @@ def _every_code(n: int, k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", ["channel", "block"])
-@pytest.mark.parametrize("gated", [False, True])
-def test_bits_decode_equals_the_conversion(layout: str, gated: bool) -> None:
+@pytest.mark.parametrize("gated,magnitude", [(False, 1.0), (True, 1.0), (False, 1e9)])
+def test_bits_decode_equals_the_conversion(layout: str, gated: bool, magnitude: float) -> None:
     """``decode=1`` (weights decoded by integer operations, inputs and sums scaled by powers of two) gives
     the same bits as the e4m3 conversion for every finite code, subnormals included (compiled on a GPU:
-    float32 subnormals are kept by the kernel's arithmetic), in ``fp8_gemv`` and ``fp8_gemv_splitk``."""
+    float32 subnormals are kept by the kernel's arithmetic), in ``fp8_gemv`` and ``fp8_gemv_splitk``, for
+    ordinary inputs and inputs of 1e9 (the scaling keeps them finite)."""
     gen = torch.Generator().manual_seed(9)
     n, k = 64, 512
     dev = torch.device(DEVICE)
@@ -163,7 +164,7 @@ def test_bits_decode_equals_the_conversion(layout: str, gated: bool) -> None:
         w = Fp8Weight(q, (torch.rand(1, 4, generator=gen) + 0.5).to(dev), "block", (128, 128))
     else:
         w = Fp8Weight(q, (torch.rand(n, generator=gen) + 0.5).to(dev), "channel")
-    x = torch.randn(1, 2 * k if gated else k, generator=gen).to(dev)
+    x = (torch.randn(1, 2 * k if gated else k, generator=gen) * magnitude).to(dev)
     for tile in [(8, 128, 4), (4, 256, 4)]:
         assert torch.equal(fp8_gemv(x, w, None, tile=tile, gated=gated, decode=1),
                            fp8_gemv(x, w, None, tile=tile, gated=gated, decode=0))
