@@ -28,6 +28,8 @@ against the same-run copy bandwidth (``bench.ceilings.copy_bandwidth``, best of 
 
 ``--fp8 channel|block``: the experts as FP8 weights (``engine.ops.fused_moe_fp8``; per-row scales, or
 128 x 128 tiles), dequantized in the kernels; the bytes counted are the FP8 weights' (one per element).
+With FP8 the matrix-vector path is also timed with the weights decoded by integer operations
+(``fused_moe_gemv(decode_bits=True)``, as the dense one-row FP8 GEMVs do).
 """
 
 from __future__ import annotations
@@ -143,6 +145,15 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
             rate = replay_seconds(work, args.repeats).per(nbytes)
             row.setdefault("tiles", {})[tile] = dict(over_copy=rate.median / copy.max, max_abs_err=err)
             line.append(f"gemv {tile} {100 * rate.median / copy.max:.1f} %")
+        if scales is not None:  # the matrix-vector path with the e4m3 weights decoded by integer operations
+            work = functools.partial(fused_moe_gemv, x, w_gate_up, w_down, weights, ids, scales=scales,
+                                     decode_bits=True)
+            err = float((work().float() - want).abs().max())
+            torch.cuda.synchronize()
+            rate = replay_seconds(work, args.repeats).per(nbytes)
+            row["gemv_decode_bits"] = dict(over_copy=rate.median / copy.max, max_abs_err=err)
+            line.append(f"gemv, weights decoded by integer operations {100 * rate.median / copy.max:.1f} % "
+                        f"(err {err:.1e})")
         rows.append(row)
         print(f"{args.shape} decode tokens {tokens:3d} ({distinct} experts, {nbytes / 1e6:.1f} MB): "
               f"{'; '.join(line)}; moe_path picks {row['picked']}", flush=True)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.fp8_gemv import E4M3_SUM_SCALE, E4M3_X_SCALE, e4m3_bits
 from engine.ops.fused_moe_args import check_args, flat, scale_mode
 from engine.ops.fused_moe_fp8 import ExpertScales, kernel_scale_args
 from engine.ops.pdl import gdc_enter, pdl_kwargs
@@ -38,12 +39,39 @@ def gemv_scale_tile(block_n: int, block_k: int, block: tuple[int, int] | None) -
 
 
 @triton.jit
+def _weight_values(w, BITS: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton function
+    """A loaded weight tile in float32: converted (bf16/fp16 weights, or FP8 through the hardware
+    conversion), or with ``BITS`` the int8-viewed e4m3 bytes decoded by ``fp8_gemv.e4m3_bits`` (the value
+    times 2**-120)."""
+    if BITS:
+        return e4m3_bits(w)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _weight_inputs(x, BITS: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton function
+    """The float32 activations multiplied with ``_weight_values``: times ``E4M3_X_SCALE`` with ``BITS``."""
+    if BITS:
+        return x * E4M3_X_SCALE
+    return x
+
+
+@triton.jit
+def _sums(y, BITS: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton function
+    """Float32 sums of those products back to the weights' scale: times ``E4M3_SUM_SCALE`` with ``BITS``
+    (powers of two: the bits equal the converted path's)."""
+    if BITS:
+        return y * E4M3_SUM_SCALE
+    return y
+
+
+@triton.jit
 def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
     x_ptr, w_ptr, ids_ptr, act_ptr, s_ptr,
     top_k, hidden, inter,
     stride_xt, stride_we, stride_wn, stride_at, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, USE_GDC: tl.constexpr,
-    SCALE: tl.constexpr,
+    SCALE: tl.constexpr, BITS: tl.constexpr,
 ):
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -76,16 +104,16 @@ def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
             starts = k + cs * SCALE_K  # [CHUNKS]
             s_mask = starts < hidden
             s_cols = (starts // scale_cols).to(tl.int64) * stride_sk
-            xv = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+            xv = _weight_inputs(tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32), BITS)
             xg = xv * tl.load(gate_s + s_cols, mask=s_mask, other=0.0)[:, None]
             xu = xv * tl.load(up_s + s_cols, mask=s_mask, other=0.0)[:, None]
             w_mask = col_mask[:, None, None] & k_mask[None, :, :]
-            wg = tl.load(gate_rows3 + kk[None, :, :], mask=w_mask, other=0.0).to(tl.float32)
-            wu = tl.load(up_rows3 + kk[None, :, :], mask=w_mask, other=0.0).to(tl.float32)
+            wg = _weight_values(tl.load(gate_rows3 + kk[None, :, :], mask=w_mask, other=0.0), BITS)
+            wu = _weight_values(tl.load(up_rows3 + kk[None, :, :], mask=w_mask, other=0.0), BITS)
             acc_gate3 += wg * xg[None, :, :]
             acc_up3 += wu * xu[None, :, :]
-        g = tl.sum(tl.sum(acc_gate3, axis=2), axis=1)
-        u = tl.sum(tl.sum(acc_up3, axis=2), axis=1)
+        g = _sums(tl.sum(tl.sum(acc_gate3, axis=2), axis=1), BITS)
+        u = _sums(tl.sum(tl.sum(acc_up3, axis=2), axis=1), BITS)
     else:
         ks = tl.arange(0, BLOCK_K)
         acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -93,14 +121,14 @@ def _gate_up_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argu
         for k in range(0, hidden, BLOCK_K):
             kk = k + ks
             k_mask = kk < hidden
-            xv = tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32)
+            xv = _weight_inputs(tl.load(x_row + kk, mask=k_mask, other=0.0).to(tl.float32), BITS)
             w_mask = col_mask[:, None] & k_mask[None, :]
-            wg = tl.load(gate_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            wu = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            wg = _weight_values(tl.load(gate_rows + kk[None, :], mask=w_mask, other=0.0), BITS)
+            wu = _weight_values(tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0), BITS)
             acc_gate += wg * xv[None, :]
             acc_up += wu * xv[None, :]
-        g = tl.sum(acc_gate, axis=1)
-        u = tl.sum(acc_up, axis=1)
+        g = _sums(tl.sum(acc_gate, axis=1), BITS)
+        u = _sums(tl.sum(acc_up, axis=1), BITS)
         if SCALE == 1:  # per-row scales times the float32 sums
             g = g * tl.load(s_base + (cols // scale_rows).to(tl.int64) * stride_sn, mask=col_mask, other=0.0)
             u = u * tl.load(s_base + ((inter + cols) // scale_rows).to(tl.int64) * stride_sn, mask=col_mask,
@@ -117,7 +145,7 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
     top_k, inter, hidden,
     stride_at, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, SLOTS: tl.constexpr,
-    USE_GDC: tl.constexpr, SCALE: tl.constexpr,
+    USE_GDC: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr,
 ):
     # tiles are [BLOCK_N output columns, SLOTS slots of the token, BLOCK_K inputs]: SLOTS experts' weights
     # are in flight at once instead of one expert after the other
@@ -156,11 +184,11 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
                 av = tl.load(a_m[:, None] + kk, mask=m_mask[:, None] & k_mask, other=0.0).to(tl.float32)
                 sc = tl.load(s_m + (starts // scale_cols).to(tl.int64) * stride_sk,
                              mask=m_mask & (starts < inter), other=0.0)
-                av = av * sc[:, None]
+                av = _weight_inputs(av * sc[:, None], BITS)
                 w = tl.load(rows + kk[None, :, :], mask=row_mask & k_mask[None, :, :], other=0.0)
-                acc3 += w.to(tl.float32) * av[None, :, :]
+                acc3 += _weight_values(w, BITS) * av[None, :, :]
             # each slot's sum over its chunks: [BLOCK_N, SLOTS]
-            y = tl.sum(tl.reshape(tl.sum(acc3, axis=2), (BLOCK_N, SLOTS, chunks)), axis=2)
+            y = _sums(tl.sum(tl.reshape(tl.sum(acc3, axis=2), (BLOCK_N, SLOTS, chunks)), axis=2), BITS)
             y = y.to(dt).to(tl.float32)
             slot_mask = (j0 + js) < top_k
             route = tl.load(weights_ptr + token * top_k + j0 + js, mask=slot_mask, other=0.0).to(tl.float32)
@@ -180,9 +208,9 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
                 kk = (k + ks)[None, None, :]  # [1, 1, BLOCK_K]
                 k_mask = kk < inter
                 av = tl.load(a_rows + kk, mask=slot_mask[None, :, None] & k_mask, other=0.0).to(tl.float32)
-                w = tl.load(rows + kk, mask=row_mask & k_mask, other=0.0).to(tl.float32)
-                acc += w * av
-            y = tl.sum(acc, axis=2)  # [BLOCK_N, SLOTS]
+                w = _weight_values(tl.load(rows + kk, mask=row_mask & k_mask, other=0.0), BITS)
+                acc += w * _weight_inputs(av, BITS)
+            y = _sums(tl.sum(acc, axis=2), BITS)  # [BLOCK_N, SLOTS]
             if SCALE == 1:  # the sum drops the unit axis
                 s_rows = s_ptr + experts[None, :, None] * stride_se + srows3  # [BLOCK_N, SLOTS, 1]
                 y = y * tl.sum(tl.load(s_rows, mask=row_mask, other=0.0), axis=2)
@@ -219,12 +247,14 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                    up_tile: tuple[int, int, int] | None = None,
                    down_tile: tuple[int, int, int] | None = None, down_slots: int | None = None,
-                   scales: ExpertScales | None = None) -> torch.Tensor:
+                   scales: ExpertScales | None = None, decode_bits: bool = False) -> torch.Tensor:
     """``fused_moe``'s matrix-vector path with its tiles given (``(block_n, block_k, num_warps)`` of the
     gate/up and the down kernel; None: ``gemv_moe_tile``) and the down kernel's slots read at once
     (``down_slots``, a power of two; None: ``gemv_moe_slots``; each program's down tile is then
-    ``block_n x down_slots x block_k``), for tile sweeps. Same arguments, result and errors as
-    ``fused_moe``, plus ValueError for a ``down_slots`` that is not a power of two."""
+    ``block_n x down_slots x block_k``), for tile sweeps. ``decode_bits`` (FP8 experts only): decode the
+    e4m3 weights by integer operations as ``engine.ops.fp8_gemv`` does (the same bits as the hardware
+    conversion; not yet measured here, so ``fused_moe`` keeps the conversion). Same arguments, result and
+    errors as ``fused_moe``, plus ValueError for a ``down_slots`` that is not a power of two."""
     check_args(x, w_gate_up, w_down, topk_weights, topk_ids, scales)
     slots = down_slots if down_slots is not None else gemv_moe_slots(x.shape[0], topk_ids.shape[1])
     if slots < 1 or slots & (slots - 1):
@@ -239,12 +269,13 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     if t == 0:
         return torch.zeros_like(x)
+    bits = decode_bits and scales is not None
     bn, bk, warps = up_tile or gemv_moe_tile(t, down=False)
     bn, scale_k = gemv_scale_tile(bn, bk, block)
     _gate_up_gemv_kernel[(t * top_k, triton.cdiv(inter, bn))](
-        x, w_gate_up, ids, act, s_up[0], top_k, hidden, inter,
+        x, w_gate_up.view(torch.int8) if bits else w_gate_up, ids, act, s_up[0], top_k, hidden, inter,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), *s_up[1:],
-        BLOCK_N=bn, BLOCK_K=bk, SCALE_K=scale_k, SCALE=scale_mode(scales), num_warps=warps,
+        BLOCK_N=bn, BLOCK_K=bk, SCALE_K=scale_k, SCALE=scale_mode(scales), BITS=bits, num_warps=warps,
         **pdl_kwargs(x),
     )
     weights = flat(topk_weights)  # the kernels widen each routing weight to float32 as they load it
@@ -252,9 +283,9 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     bn, bk, warps = down_tile or gemv_moe_tile(t, down=True)
     bn, scale_k = gemv_scale_tile(bn, bk, block)
     _down_gemv_kernel[(t, triton.cdiv(hidden, bn))](
-        act, w_down, ids, weights, out, s_down[0], top_k, inter, hidden,
+        act, w_down.view(torch.int8) if bits else w_down, ids, weights, out, s_down[0], top_k, inter, hidden,
         act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), *s_down[1:],
-        BLOCK_N=bn, BLOCK_K=bk, SCALE_K=scale_k, SLOTS=slots, SCALE=scale_mode(scales), num_warps=warps,
-        **pdl_kwargs(x),
+        BLOCK_N=bn, BLOCK_K=bk, SCALE_K=scale_k, SLOTS=slots, SCALE=scale_mode(scales), BITS=bits,
+        num_warps=warps, **pdl_kwargs(x),
     )
     return out

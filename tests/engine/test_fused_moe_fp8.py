@@ -169,3 +169,35 @@ def test_fp8_scales_refused_when_they_do_not_fit():
         with pytest.raises(ValueError, match="block width 24 is not a multiple of 16"):
             fused_moe(x, narrow_up.to(DEVICE), down_q.to(DEVICE), weights, ids, path=path,
                       scales=ExpertScales(narrow_s.to(DEVICE), down_s.to(DEVICE), (16, 24)))
+
+
+@pytest.mark.parametrize("layout,tokens,slots", [("channel", 1, 1), ("channel", 3, 2), ("block", 1, 1),
+                                                 ("block", 3, 2)])
+def test_decoded_weights_give_the_converted_bits(layout, tokens, slots):
+    """``fused_moe_gemv(decode_bits=True)``: the e4m3 experts decoded by integer operations (every finite
+    code, subnormals included, in the weights) give the same bits as the hardware conversion, per-row and
+    block scales, one and several slots at once."""
+    gen = torch.Generator().manual_seed(4)
+    experts, top_k, hidden, inter = 8, 2, 64, 32
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes != 0x7F) & (codes != 0xFF)]
+
+    def every_code(*shape: int) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        picks = torch.randint(0, codes.numel(), (n,), generator=gen)
+        return codes[picks].reshape(shape).view(FP8_DTYPE).to(DEVICE)
+    block = BLOCK if layout == "block" else None
+    q_up, q_down = every_code(experts, 2 * inter, hidden), every_code(experts, hidden, inter)
+    _, s_up = quantize_experts(torch.randn(experts, 2 * inter, hidden, generator=gen), block)
+    _, s_down = quantize_experts(torch.randn(experts, hidden, inter, generator=gen), block)
+    scales = ExpertScales(s_up.to(DEVICE), s_down.to(DEVICE), block)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE)
+    converted = fused_moe_gemv(x, q_up, q_down, weights, ids, down_slots=slots, scales=scales)
+    decoded = fused_moe_gemv(x, q_up, q_down, weights, ids, down_slots=slots, scales=scales, decode_bits=True)
+    assert torch.equal(decoded, converted)
+    want = fused_moe_reference(x, q_up, q_down, weights, ids, scales=scales)
+    torch.testing.assert_close(decoded, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
