@@ -58,15 +58,17 @@ RankHookFactory = Callable[[ModelRunner, TensorParallel], RankHook]
 def run_follower(engine_config: EngineConfig, tp: TensorParallel,
                  rank_hook: RankHookFactory | None = None) -> int:
     """Rank ``tp.rank > 0``'s loop: build its ``ModelRunner`` shard (and ``rank_hook``'s hook over it),
-    then freeze the start-up heap (``gc.freeze``, as a worker's rank 0 does) and run each broadcast
-    ``StepBatch``'s forward, with the hook's layer hook, until the stop message. Returns the number of
-    steps run.
+    build its attention plans (``ModelRunner.warm_attention_plans``), then freeze the start-up heap
+    (``gc.freeze``, as a worker's rank 0 does) and run each broadcast ``StepBatch``'s forward, with the
+    hook's layer hook, until the stop message. Returns the number of steps run.
 
     Raises:
         RuntimeError / DistBackendError: rank 0 failed or went silent past the group's timeout.
         What the hook raises (the rank ends; rank 0's next collective fails).
     """
     runner = ModelRunner(engine_config, tp)
+    # the attention plans rank 0's warm-up builds for itself (engine/warmup.py), built here for this shard
+    runner.warm_attention_plans(min(engine_config.scheduler.max_num_batched_tokens, runner.max_model_len))
     hook = rank_hook(runner, tp) if rank_hook is not None else None
     # the shard and the hook live as long as the rank: out of full collections, which would stall this
     # rank's next collective and with it every rank (as protocol/heap.py does for rank 0's worker)

@@ -197,7 +197,7 @@ class _Run:
         """Waves 1-4 (and 2b) of the module docstring, each drained before the next."""
         if self.longest < 1:
             return
-        self.core.runner.warm_attention_plans(min(self.budget, self.longest))
+        self.core.runner.warm_attention_plans(min(self.budget, self.core.max_model_len))
         self.add(min(self.budget, self.longest), 1)
         self.drain()
         two_chunks = self.budget + self.budget // 2 + 1

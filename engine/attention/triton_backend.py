@@ -40,7 +40,8 @@ class TritonAttentionBackend(AttentionBackend):
         ``fresh_prefill_usable`` (one sequence of >= ``CUDNN_MIN_TOKENS`` tokens, no cached context, no
         decode rows, a cache of ``q``'s dtype, a Hopper GPU)."""
         if not self.cudnn_fresh_prefill or not fresh_prefill_usable(
-                q, k_cache.dtype, meta.num_seqs, meta.num_decodes, meta.max_query_len, meta.max_seq_len):
+                q, k.shape[1], k_cache.dtype, meta.num_seqs, meta.num_decodes, meta.max_query_len,
+                meta.max_seq_len):
             return None
         return cudnn_causal_attention(q, k, v, scale)
 

@@ -29,13 +29,6 @@ CUDNN_MAX_TOKENS = 16384
 CUDNN_BUCKET = 256
 
 
-@functools.cache
-def _cudnn_on(device_index: int) -> bool:
-    """cuDNN's fused attention is built in and the GPU is Hopper or newer (compute capability >= 9.0)."""
-    hopper = torch.cuda.get_device_capability(device_index) >= (9, 0)
-    return bool(torch.backends.cudnn.is_available()) and hopper
-
-
 def fresh_prefill_shape(num_seqs: int, num_decodes: int, max_query_len: int, max_seq_len: int) -> bool:
     """The step's shape fits ``cudnn_causal_attention``: one sequence, no decode rows, no cached context
     (its query is its whole length) and ``CUDNN_MIN_TOKENS`` to ``CUDNN_MAX_TOKENS`` tokens."""
@@ -43,15 +36,33 @@ def fresh_prefill_shape(num_seqs: int, num_decodes: int, max_query_len: int, max
             and CUDNN_MIN_TOKENS <= max_seq_len <= CUDNN_MAX_TOKENS)
 
 
-def fresh_prefill_usable(q: torch.Tensor, k_cache_dtype: torch.dtype, num_seqs: int, num_decodes: int,
-                         max_query_len: int, max_seq_len: int) -> bool:
+def fresh_prefill_usable(q: torch.Tensor, kv_heads: int, k_cache_dtype: torch.dtype, num_seqs: int,
+                         num_decodes: int, max_query_len: int, max_seq_len: int) -> bool:
     """Whether a step goes through ``cudnn_causal_attention``: ``fresh_prefill_shape``, a float16/bfloat16
-    ``q`` on a CUDA device with cuDNN attention (Hopper or newer), and a cache of ``q``'s dtype (not FP8).
-    Python ints only: no device read."""
+    ``q [T, H, D]`` on a CUDA device of compute capability >= 9.0, a cache of ``q``'s dtype (not FP8), and
+    cuDNN able to run ``H`` query heads over ``kv_heads`` (grouped or expanded) at head size ``D``
+    (torch's ``can_use_cudnn_attention``, asked once per shape). Python ints only: no device read."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k_cache_dtype == q.dtype
             and fresh_prefill_shape(num_seqs, num_decodes, max_query_len, max_seq_len)):
         return False
-    return _cudnn_on(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return _cudnn_runs(index, q.shape[1], kv_heads, q.shape[2], q.dtype)
+
+
+@functools.cache
+def _cudnn_runs(device_index: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """cuDNN's fused attention is built in, the GPU is Hopper or newer, and torch says cuDNN can run causal
+    attention of ``heads`` query heads over ``kv_heads`` (grouped, or expanded to ``heads``)."""
+    if not torch.backends.cudnn.is_available() or torch.cuda.get_device_capability(device_index) < (9, 0):
+        return False
+    dev = torch.device("cuda", device_index)
+
+    def runs(kv: int) -> bool:
+        q = torch.empty((1, heads, CUDNN_BUCKET, head_dim), dtype=dtype, device=dev)
+        k = torch.empty((1, kv, CUDNN_BUCKET, head_dim), dtype=dtype, device=dev)
+        params = torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, True, kv != heads)
+        return bool(torch.backends.cuda.can_use_cudnn_attention(params, debug=False))
+    return runs(kv_heads) or runs(heads)
 
 
 def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -91,8 +102,8 @@ def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 
 def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
     """``x [T, heads, D]`` copied into a zeroed contiguous ``[1, heads, length, D]``: every call of a
-    bucket then has the same strides, which cuDNN's plan cache keys on (a view of the step's QKV output
-    missed the plans the warm-up built, 50 ms a first prompt on an H200)."""
+    bucket then has the same strides, which cuDNN's plan cache keys on (the plans ``warm_cudnn_plans``
+    built would not serve views of the model's QKV output)."""
     out = x.new_zeros((1, x.shape[1], length, x.shape[2]))
     out[0, :, :x.shape[0]] = x.transpose(0, 1)
     return out
@@ -104,7 +115,7 @@ def warm_cudnn_plans(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
     through ``cudnn_causal_attention``), so no request pays the 65-106 ms of a first use. Returns the
     number of buckets warmed (0 where ``fresh_prefill_usable`` would never take the path)."""
     probe = torch.empty((1, heads, head_dim), dtype=dtype, device=device)
-    if not fresh_prefill_usable(probe, dtype, 1, 0, CUDNN_MIN_TOKENS, CUDNN_MIN_TOKENS):
+    if not fresh_prefill_usable(probe, kv_heads, dtype, 1, 0, CUDNN_MIN_TOKENS, CUDNN_MIN_TOKENS):
         return 0
     top = min(max_tokens, CUDNN_MAX_TOKENS)
     if top < CUDNN_MIN_TOKENS:

@@ -132,9 +132,6 @@ def fp8_gemv_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
     return y.to(x.dtype)
 
 
-# bytes of FP8 weight one program reads per K step (block_n * block_k): the bf16 GEMV's measured best
-# tiles (engine.ops.gemv.gemv_tile) at the same bytes, i.e. twice the K width at one byte per weight, with
-# at most 64 float32 partial sums per thread (8 warps for the 16 KiB gated tile)
 def fp8_gemv_tile(n: int, gated: bool = False, layout: str = "channel") -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)`` of ``fp8_gemv`` for ``N`` output features of a ``layout`` weight:
     the winners of ``bench/kernels/fp8_gemv_sweep.py --candidates`` on an H200 for the Llama-3-8B
@@ -191,14 +188,17 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
 
     Args:
         x: ``[1, K]`` (``[1, 2 K]`` with ``gated``), contiguous; w: ``Fp8Weight [N, K]``; bias ``[N]``
-            or None; tile: override ``fp8_gemv_tile(N, gated)`` (powers of two).
+            or None; tile: override ``fp8_gemv_tile(N, gated, w.layout)`` (powers of two).
+        decode: 1 (default) decodes the e4m3 bytes by integer operations (``e4m3_bits``; the inputs,
+            block scales applied, must stay below 2**64 in magnitude, and the bits equal the conversion's
+            while every product and partial sum is above 2**-70); 0 runs the hardware conversion.
 
     Returns:
         ``[1, N]`` in ``x.dtype``.
 
     Raises:
-        ValueError: ``x`` of the wrong width or stride, or a block layout whose ``block_k`` is not a
-            power of two.
+        ValueError: ``x`` of the wrong width or stride, a block layout whose ``block_k`` is not a power
+            of two, or ``decode`` not 0 or 1.
     """
     n, k = w.weight.shape
     _check_x("fp8_gemv", x, k, gated)
@@ -314,16 +314,15 @@ def fp8_gemv_mma_tile(n: int, layout: str, gated: bool = False) -> tuple[int, in
 def fp8_gemv_splitk_tile(n: int, layout: str, gated: bool = False) -> tuple[int, int, int, int] | None:
     """The split-K tile ``(block_n, block_k, num_warps, split_k)`` of a one-row FP8 step with ``n`` output
     features and weights of ``layout``, or None where ``fp8_gemv`` is faster: the winners of
-    ``bench/kernels/fp8_gemv_sweep.py --candidates`` on an H200 for the Llama-3-8B projections
-    (2026-12-02, shares of the same-run copy bandwidth, against ``fp8_gemv``'s tile): 8 x 512 with 4 warps
-    for N <= 4096 (per channel 2 slices: o 51.8 % against 48.2 %, down 62.7 % against 47.1 %; block
-    scales 4 slices: o 48.8 % against 45.4 %, down 59.2 % against 37.2 %) and N >= 16384 (2 slices: gate/up
-    74.6 % against 65.8 % per channel, 76.5 % against 63.2 % block); QKV (N 6144) stays on ``fp8_gemv``
-    (61.3 % / 58.2 %). The gated form (SiLU·mul folded in) keeps ``fp8_gemv``."""
+    ``bench/kernels/fp8_gemv_sweep.py --candidates`` on an H200 for the Llama-3-8B projections (shares of
+    the same-run copy bandwidth, 2026-12-04): block scales only, 8 x 512 with 4 warps, 4 slices for
+    N <= 4096 (o 47.2 % against 46.5 % for ``fp8_gemv``, 2 slices 48.6 %, within the spread; down after
+    ``silu_mul`` 62.5 % against 51.0 %) and 2 for N >= 16384 (gate/up 72.3 % against 67.0 %); QKV-like
+    widths, the gated form and every per-channel or per-tensor shape (``fp8_gemv`` 60-77 % there,
+    split-K 47-71 %) keep ``fp8_gemv``."""
     if gated or 4096 < n < 16384 or layout != "block":
         return None
     return 8, 512, 4, 4 if n <= 4096 else 2
-
 
 
 @triton.jit

@@ -32,7 +32,7 @@ def test_only_one_fresh_long_prompt_takes_the_cudnn_path() -> None:
     assert not fresh_prefill_shape(2, 0, n, n)  # two sequences
     assert not fresh_prefill_shape(2, 1, n, n)  # a decode row beside it
     q = torch.zeros(n, 4, 64, dtype=torch.bfloat16)
-    assert not fresh_prefill_usable(q, torch.bfloat16, 1, 0, n, n)  # not on a GPU
+    assert not fresh_prefill_usable(q, 4, torch.bfloat16, 1, 0, n, n)  # not on a GPU
     assert warm_cudnn_plans(4, 4, 64, torch.bfloat16, torch.device("cpu"), 4 * n) == 0
 
 
@@ -91,3 +91,13 @@ def test_plans_are_warmed_per_bucket() -> None:
     """Every 256-token bucket from 1024 up to the budget rounded up: 1300 tokens -> 1024, 1280, 1536."""
     assert warm_cudnn_plans(8, 2, 128, torch.bfloat16, torch.device("cuda"), 1300) == 3
     assert warm_cudnn_plans(8, 2, 128, torch.bfloat16, torch.device("cuda"), 1000) == 0
+
+
+@pytest.mark.skipif(not HOPPER, reason="cuDNN fused attention on a Hopper GPU")
+def test_usable_only_for_a_cache_of_the_model_dtype() -> None:
+    """An FP8 KV cache keeps the paged kernel (it attends over the dequantized cache); float32 too."""
+    n = CUDNN_MIN_TOKENS
+    q = torch.zeros(n, 32, 128, dtype=torch.bfloat16, device="cuda")
+    assert fresh_prefill_usable(q, 8, torch.bfloat16, 1, 0, n, n)
+    assert not fresh_prefill_usable(q, 8, torch.float8_e4m3fn, 1, 0, n, n)
+    assert not fresh_prefill_usable(q.float(), 8, torch.float32, 1, 0, n, n)

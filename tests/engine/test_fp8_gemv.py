@@ -178,7 +178,6 @@ def test_bits_decode_equals_the_conversion(layout: str, gated: bool, magnitude: 
         fp8_gemv(x, w, None, gated=gated, decode=2)
 
 
-
 def test_subnormal_weights_decode_exactly() -> None:
     """Weights holding only e4m3 subnormals (+-1..7 * 2**-9) and zeros: the product equals the float32
     reference to rounding and is not zero (a decoder or arithmetic that flushed subnormals would return
