@@ -293,11 +293,19 @@ def fp8_gemv_splitk(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
         scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
         GROUP_K=group_k, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, DECODE=decode, num_warps=warps,
         **pdl_kwargs(x))
+    _reduce_partials(part, w, bias, y, x)
+    return y
+
+
+def _reduce_partials(part: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, y: torch.Tensor,
+                     x: torch.Tensor) -> None:
+    """Write ``y [1, N]``: the float32 partials ``part [S, N]`` added in slice order, times the weight's
+    tensor/channel scales, plus ``bias`` (``_fp8_gemv_splitk_reduce_kernel``)."""
+    split_k, n = part.shape
     reduce_block = 256
     _fp8_gemv_splitk_reduce_kernel[(triton.cdiv(n, reduce_block),)](
-        part, scale, bias if bias is not None else y, y, n, SPLIT_K=split_k, LAYOUT=_LAYOUT_CODE[w.layout],
+        part, w.scale, bias if bias is not None else y, y, n, SPLIT_K=split_k, LAYOUT=_LAYOUT_CODE[w.layout],
         HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4, **pdl_kwargs(x))
-    return y
 
 
 def fp8_gemv_mma_tile(n: int, layout: str, gated: bool = False) -> tuple[int, int, int, int, int] | None:
@@ -406,9 +414,5 @@ def fp8_gemv_mma(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
         GROUP_K=group_k, HAS_BIAS=bias is not None, GATED=gated, SPLIT=split_k > 1, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_kwargs(x))
     if split_k > 1:
-        reduce_block = 256
-        _fp8_gemv_splitk_reduce_kernel[(triton.cdiv(n, reduce_block),)](
-            part, scale, bias if bias is not None else y, y, n, SPLIT_K=split_k,
-            LAYOUT=_LAYOUT_CODE[w.layout], HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4,
-            **pdl_kwargs(x))
+        _reduce_partials(part, w, bias, y, x)
     return y
