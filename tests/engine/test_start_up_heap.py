@@ -88,16 +88,26 @@ def test_gateway_freezes_once_started() -> None:
 
 @pytest.mark.usefixtures("unfrozen")
 def test_tensor_parallel_follower_freezes_before_its_step_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ranks 1..N-1 do not go through ``serve_worker``: ``run_follower`` freezes its own heap once its
-    shard is built, before the first broadcast step is read."""
+    """Ranks 1..N-1 do not go through ``serve_worker``: ``run_follower`` builds its shard's attention
+    plans (up to the token budget, capped by ``max_model_len``) and freezes its own heap once its shard is
+    built, before the first broadcast step is read."""
+    import types
+
     import engine.tp_executor as tp_executor
     from engine.step_batch import StepBatch
 
     frozen_at_first_read: list[int] = []
+    warmed: list[int] = []
 
     class _Runner:
+        max_model_len = 1500
+
         def __init__(self, config: object, tp: object) -> None:
             assert gc.get_freeze_count() == 0  # not frozen before the shard is built
+
+        def warm_attention_plans(self, max_tokens: int) -> int:
+            warmed.append(max_tokens)
+            return 0
 
     class _Tp:
         def broadcast_bytes(self, payload: None) -> bytes:
@@ -105,5 +115,7 @@ def test_tensor_parallel_follower_freezes_before_its_step_loop(monkeypatch: pyte
             return StepBatch.stop_message().encode()
 
     monkeypatch.setattr(tp_executor, "ModelRunner", _Runner)
-    assert tp_executor.run_follower(object(), _Tp()) == 0  # type: ignore[arg-type]
+    config = types.SimpleNamespace(scheduler=types.SimpleNamespace(max_num_batched_tokens=2048))
+    assert tp_executor.run_follower(config, _Tp()) == 0  # type: ignore[arg-type]
     assert len(frozen_at_first_read) == 1 and frozen_at_first_read[0] > 0
+    assert warmed == [1500]
