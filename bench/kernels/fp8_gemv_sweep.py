@@ -26,9 +26,14 @@ second over the same-run copy ceiling, after checking its output against its ref
 max |reference| <= 1e-2: the bf16 output's rounding plus summation order; a candidate that fails is
 marked MISMATCH and never named best):
 
-- ``gemv``: the engine's ``fp8_gemv`` with its default tile (the baseline; weight-only, reference
-  ``fp8_gemv_reference``);
-- ``splitk b_n x b_k, w, s``: ``fp8_gemv_splitk`` over ``SPLITK_TILES`` (weight-only, same reference);
+- ``engine default (fp8_linear)`` (on CUDA): what the model runs for the projection (the down projection:
+  ``silu_mul``, then ``fp8_linear``), the baseline;
+- ``bits gemv b_n x b_k, w``: ``fp8_gemv`` over ``BITS_TILES`` with the weights decoded by integer
+  operations, ``convert gemv ...`` over ``CONVERT_TILES`` with the hardware conversion (``decode=0``),
+  ``bits splitk b_n x b_k, w, s``: ``fp8_gemv_splitk`` over ``SPLITK_TILES`` (all weight-only, reference
+  ``fp8_gemv_reference``); for the gated shape also ``silu_mul, then bits gemv ...``;
+- ``mma b_n x b_k, ...``: ``fp8_gemv_mma`` over ``MMA_TILES`` (FP8 tensor cores, the input in three e4m3
+  parts; same reference);
 - ``scaled_mm pad16`` (per-channel weights only): the activation quantized per token to FP8
   (``quantize_fp8_groups``, SiLU·mul folded in for the down projection), written into row 0 of a
   zeroed ``[16, K]`` FP8 buffer, ``torch._scaled_mm(q [16, K] row-major, W^T [K, N] column-major,
@@ -41,6 +46,8 @@ marked MISMATCH and never named best):
   Hopper ("swap AB", 64 x 16 .. 64 x 64 tiles with a 128-256-wide K step).
 
     python -m bench.kernels.fp8_gemv_sweep --candidates --json fp8_gemv_candidates.json
+
+``--match TEXT ...`` keeps the candidates whose name contains one of the texts (and the engine default).
 """
 
 from __future__ import annotations
