@@ -85,8 +85,7 @@ def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 
     heads, kv_heads = q.shape[1], k.shape[1]
     t = q.shape[0]
-    padded = -(-t // CUDNN_BUCKET) * CUDNN_BUCKET
-    qt, kt, vt = (_padded(x, padded) for x in (q, k, v))  # [1, heads, padded, D]
+    qt, kt, vt = _packed(q, k, v, -(-t // CUDNN_BUCKET) * CUDNN_BUCKET)  # [1, heads, padded, D] views
     params = torch.backends.cuda.SDPAParams(qt, kt, vt, None, 0.0, True, heads != kv_heads)
     if heads != kv_heads and not torch.backends.cuda.can_use_cudnn_attention(params, debug=False):
         group = heads // kv_heads
@@ -100,13 +99,22 @@ def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out[0, :, :t].transpose(0, 1).contiguous()
 
 
-def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
-    """``x [T, heads, D]`` copied into a zeroed contiguous ``[1, heads, length, D]``: every call of a
-    bucket then has the same strides, which cuDNN's plan cache keys on (the plans ``warm_cudnn_plans``
-    built would not serve views of the model's QKV output)."""
-    out = x.new_zeros((1, x.shape[1], length, x.shape[2]))
-    out[0, :, :x.shape[0]] = x.transpose(0, 1)
-    return out
+def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q``, ``k``, ``v`` (``[T, heads, D]``) copied row by row into one zeroed-tail
+    ``[length, H + 2 Hkv, D]`` buffer and returned as ``[1, heads, length, D]`` views of it (cuDNN's
+    sequence-major layout, in which its output comes back ``[T, H, D]``-contiguous). Every call of a
+    bucket then has the same strides, which cuDNN's plan cache keys on: views of the model's QKV output
+    would miss the plans ``warm_cudnn_plans`` built (50 ms on a first prompt on an H200)."""
+    t, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    buf = q.new_empty((length, heads + 2 * kv_heads, dim))
+    buf[:t, :heads] = q
+    buf[:t, heads:heads + kv_heads] = k
+    buf[:t, heads + kv_heads:] = v
+    buf[t:].zero_()
+    views = buf.transpose(0, 1).unsqueeze(0)  # [1, H + 2 Hkv, length, D]
+    return views[:, :heads], views[:, heads:heads + kv_heads], views[:, heads + kv_heads:]
 
 
 def warm_cudnn_plans(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
