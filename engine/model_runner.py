@@ -19,6 +19,7 @@ import zlib
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
 
+import numpy as np
 import torch
 
 from engine.async_step import LaunchedStep, TokenBuffers, launch_decode
@@ -63,6 +64,12 @@ class PromptRows:
         self.spans.append((seq, len(self.rows), last - first))
         self.rows.extend(range(row + first - start, row + last - start))
         self.targets.extend(seq.token_ids[first + 1:last + 1])
+
+
+def _int64_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ``[len(values)]`` on ``device``, through numpy (``torch.tensor`` of a python list of 8192 ints
+    takes ~4x as long)."""
+    return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values))).to(device)
 
 
 def fallback_seed(request_id: str) -> int:
@@ -230,8 +237,8 @@ class ModelRunner:
         )
         dev = self.device
         return (
-            torch.tensor(ids, dtype=torch.int64, device=dev)[None, :],
-            torch.tensor(positions, dtype=torch.int64, device=dev)[None, :],
+            _int64_tensor(ids, dev)[None, :],
+            _int64_tensor(positions, dev)[None, :],
             torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             meta,
         )

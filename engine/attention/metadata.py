@@ -10,7 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+# a sequence with at least this many new tokens gets its slots by whole blocks in numpy; shorter ones
+# (decode rows) by a python loop, which costs less per sequence than numpy's per-call overhead
+_VECTOR_MIN_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -85,12 +90,28 @@ def _slot_mapping(
     num_computed_tokens: Sequence[int],
     query_lens: Sequence[int],
     block_size: int,
-) -> list[int]:
-    slots: list[int] = []
+) -> np.ndarray:
+    """int64 ``[sum(query_lens)]``: the cache slot ``table[pos // block_size] * block_size + pos %
+    block_size`` of each new token ``pos`` in ``[computed, computed + query_len)``, sequences in order.
+    Long queries are expanded a block at a time (an 8192-token prompt: ~0.6 ms of python otherwise)."""
+    offsets = np.arange(block_size, dtype=np.int64)
+    parts: list[np.ndarray] = []
+    short: list[int] = []
     for table, computed, qlen in zip(block_tables, num_computed_tokens, query_lens, strict=True):
-        for pos in range(computed, computed + qlen):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-    return slots
+        if qlen < _VECTOR_MIN_TOKENS:
+            for pos in range(computed, computed + qlen):
+                short.append(table[pos // block_size] * block_size + pos % block_size)
+            continue
+        if short:
+            parts.append(np.array(short, dtype=np.int64))
+            short = []
+        first, last = computed // block_size, (computed + qlen - 1) // block_size
+        blocks = np.asarray(table[first:last + 1], dtype=np.int64)
+        start = computed - first * block_size
+        parts.append((blocks[:, None] * block_size + offsets).reshape(-1)[start:start + qlen])
+    if short or not parts:
+        parts.append(np.array(short, dtype=np.int64))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def build_attention_metadata(
@@ -133,7 +154,7 @@ def build_attention_metadata(
     dev = torch.device(device)
     slots = _slot_mapping(block_tables, num_computed_tokens, query_lens, block_size)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev),
+        slot_mapping=torch.from_numpy(slots).to(dev),
         query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
         block_tables=torch.tensor(padded, dtype=torch.int32).to(dev),
