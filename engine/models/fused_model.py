@@ -49,11 +49,11 @@ import torch
 from engine.models.fp8 import Fp8Linear, fp8_mergeable, merge_fp8
 from engine.models.fp8_moe import Fp8Experts
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
-from engine.ops.fp8_gemm import fp8_linear
+from engine.ops.fp8_gemm import Fp8Activation, fp8_linear, fp8_linear_quantized, takes_fp8_activation
 from engine.ops.fp8_weight import Fp8Weight
 from engine.ops.fused_moe import fused_moe, fused_moe_reference
 from engine.ops.gemv import ROUTER_GEMV_TILE, gemv
-from engine.ops.rms_norm import qk_rms_norm, rms_norm, rms_norm_reference
+from engine.ops.rms_norm import qk_rms_norm, rms_norm, rms_norm_fp8, rms_norm_reference
 from engine.ops.rotary import apply_rotary, apply_rotary_reference
 from engine.ops.silu_mul import silu_mul, silu_mul_reference
 from engine.ops.topk_softmax import topk_softmax
@@ -290,6 +290,17 @@ class FusedCausalLM(torch.nn.Module):
         fn = rms_norm if self.use_triton else rms_norm_reference
         return fn(x, norm[0], norm[1], residual)
 
+    def _norm_into(self, x: torch.Tensor, norm: tuple[torch.Tensor, float], residual: torch.Tensor | None,
+                   weight: torch.Tensor | Fp8Weight | SplitFp8 | None) -> torch.Tensor | Fp8Activation:
+        """``_norm`` of a row block whose only reader is the projection ``weight``: where that projection
+        would quantize its input per token (FP8 weights, several rows, on a GPU: ``takes_fp8_activation``),
+        the norm quantizes as it normalises (``rms_norm_fp8``: one pass instead of two, the same arithmetic
+        up to the order of the row's sum of squares)."""
+        if self.use_triton and isinstance(weight, Fp8Weight) and takes_fp8_activation(x, weight):
+            q, scale = rms_norm_fp8(x, norm[0], norm[1], residual)
+            return Fp8Activation(q, scale, x.dtype)
+        return self._norm(x, norm, residual)
+
     def _head_norms(self, qk: torch.Tensor, q_heads: int, q_norm: Any, k_norm: Any
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head RMSNorm of the query heads ``qk[:, :q_heads]`` with the transformers module ``q_norm``
@@ -302,8 +313,11 @@ class FusedCausalLM(torch.nn.Module):
                           float(k_norm.variance_epsilon))
         return out[:, :q_heads], out[:, q_heads:]
 
-    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight | SplitFp8,
+    def _linear(self, name: str, x: torch.Tensor | Fp8Activation, weight: torch.Tensor | Fp8Weight | SplitFp8,
                 bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):  # from _norm_into, for this very weight
+            assert isinstance(weight, Fp8Weight)
+            return fp8_linear_quantized(x, weight, bias)
         if isinstance(weight, SplitFp8):
             return torch.cat([self._linear(name, x, part.fp8, part.bias) for part in weight.parts], dim=-1)
         if isinstance(weight, Fp8Weight):
@@ -315,10 +329,10 @@ class FusedCausalLM(torch.nn.Module):
             return gemv(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
 
-    def _attention(self, lay: _FusedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   kwargs: dict[str, Any]) -> torch.Tensor:
+    def _attention(self, lay: _FusedLayer, x: torch.Tensor | Fp8Activation, cos: torch.Tensor,
+                   sin: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
         qkv = self._linear("qkv", x, lay.qkv_weight, lay.qkv_bias)  # [T, (H + 2 Hkv) D]
-        t, d = x.shape[0], lay.head_dim
+        t, d = qkv.shape[0], lay.head_dim
         q = qkv[:, :lay.q_width].view(t, -1, d)
         k = qkv[:, lay.q_width:lay.q_width + lay.kv_width].view(t, -1, d)
         v = qkv[:, lay.q_width + lay.kv_width:].view(t, -1, d)
@@ -339,10 +353,11 @@ class FusedCausalLM(torch.nn.Module):
         o_proj = lay.attn.o_proj
         return self._linear("o", out.reshape(t, -1), _weight_of(o_proj), o_proj.bias)
 
-    def _mlp(self, lay: _FusedLayer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, lay: _FusedLayer, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         ffn = lay.ffn
         if isinstance(ffn, _DenseMLP):
             return self._dense(ffn, x)
+        assert isinstance(x, torch.Tensor)  # _norm_into quantizes for a dense MLP only: a router reads x
         if ffn.softmax_topk is not None and (self.use_triton or x.is_cuda):
             renormalize, dtype = ffn.softmax_topk
             logits = self._linear("router", x, ffn.router.weight, None)  # [T, E]
@@ -358,7 +373,7 @@ class FusedCausalLM(torch.nn.Module):
             out = out + self._dense(ffn.shared, x)
         return out
 
-    def _dense(self, ffn: _DenseMLP, x: torch.Tensor) -> torch.Tensor:
+    def _dense(self, ffn: _DenseMLP, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         gate_up = self._linear("gate_up", x, ffn.gate_up_weight, ffn.gate_up_bias)
         down = ffn.down
         down_weight = _weight_of(down)
@@ -393,17 +408,23 @@ class FusedCausalLM(torch.nn.Module):
         else:
             cos, sin = inner.rotary_emb(residual[None], position_ids=position_ids)
             cos, sin = cos[0], sin[0]  # [T, D]
-        x = self._norm(residual, self.fused_layers[0].input_norm) if self.fused_layers else residual
-        for i, lay in enumerate(self.fused_layers):
-            x = self._attention(lay, x, cos, sin, kwargs)
+        layers = self.fused_layers
+        # each norm is taken for the projection that reads it (_norm_into: FP8 prefill quantizes there)
+        h: torch.Tensor | Fp8Activation = (self._norm_into(residual, layers[0].input_norm, None,
+                                                           layers[0].qkv_weight) if layers else residual)
+        x = residual
+        for i, lay in enumerate(layers):
+            x = self._attention(lay, h, cos, sin, kwargs)
             if lay.attn_out_norm is not None:
                 x = self._norm(x, lay.attn_out_norm)
-            x = self._norm(x, lay.post_norm, residual)
-            nxt = self.fused_layers[i + 1].input_norm if i + 1 < len(self.fused_layers) else self.final_norm
-            x = self._mlp(lay, x)
+            gate_up = lay.ffn.gate_up_weight if isinstance(lay.ffn, _DenseMLP) else None
+            x = self._mlp(lay, self._norm_into(x, lay.post_norm, residual, gate_up))
             if lay.mlp_out_norm is not None:
                 x = self._norm(x, lay.mlp_out_norm)
-            x = self._norm(x, nxt, residual)
+            if i + 1 < len(layers):
+                h = self._norm_into(x, layers[i + 1].input_norm, residual, layers[i + 1].qkv_weight)
+            else:
+                x = self._norm(x, self.final_norm, residual)
         if isinstance(logits_to_keep, torch.Tensor):
             x = x[logits_to_keep]
         elif logits_to_keep:

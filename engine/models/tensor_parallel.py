@@ -46,6 +46,7 @@ from engine.models.loader import (
 )
 from engine.models.mtp import is_mtp_key, log_skipped, mtp_layers
 from engine.models.registry import LLAMA_LIKE_ARCHITECTURES, MOE_ARCHITECTURES, is_dummy_alias, resolve_model
+from engine.ops.fp8_gemm import Fp8Activation
 from engine.ops.fp8_weight import Fp8Weight
 
 
@@ -277,7 +278,7 @@ class TensorParallelCausalLM(FusedCausalLM):
         self.tp = tp
         self.vocab_size = vocab_size
 
-    def _linear(self, name: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight | SplitFp8,
+    def _linear(self, name: str, x: torch.Tensor | Fp8Activation, weight: torch.Tensor | Fp8Weight | SplitFp8,
                 bias: torch.Tensor | None) -> torch.Tensor:
         if name in ("o", "down"):
             out = self.tp.all_reduce(super()._linear(name, x, weight, None))

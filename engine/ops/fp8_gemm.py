@@ -18,6 +18,7 @@ matmul exists).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -54,7 +55,7 @@ def quantize_fp8_groups_reference(x: torch.Tensor, group: int) -> tuple[torch.Te
 
 
 @triton.jit
-def _round_to_e4m3(x):  # type: ignore[no-untyped-def]  # Triton helper: typed by @triton.jit
+def round_to_e4m3(x):  # type: ignore[no-untyped-def]  # Triton helper: typed by @triton.jit
     # float32 x (|x| <= 448) rounded to the nearest e4m3 value, ties to even, in float32 arithmetic: the
     # grid step is 2^(exponent - 3) for normal numbers and 2^-9 below 2^-6; adding and subtracting
     # 1.5 * 2^23 steps rounds to a multiple of the step. The cast to FP8 after it is then exact (Triton
@@ -84,7 +85,7 @@ def _quantize_groups_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: t
     else:
         x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_C, MIN_SCALE)
-    q = _round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C))
+    q = round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_C, FP8_MAX_C))
     tl.store(q_ptr + row.to(tl.int64) * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row * n_groups + g, scale)
 
@@ -255,6 +256,37 @@ def _scaled_mm_rowwise(q: torch.Tensor, s: torch.Tensor, w: Fp8Weight, bias: tor
                          out_dtype=torch.bfloat16)
     y = y.to(dtype)
     return y + bias if bias is not None else y
+
+
+@dataclass(frozen=True)
+class Fp8Activation:
+    """Activations already quantized the way ``fp8_linear`` would quantize them for a per-token-scaled
+    ``torch._scaled_mm`` (``engine.ops.rms_norm.rms_norm_fp8`` makes them).
+
+    Attributes:
+        q: float8_e4m3fn ``[M, K]``, row-major.
+        scale: float32 ``[M, 1]``, one scale per token.
+        dtype: the dtype of the activations they stand for, which the product is returned in.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def takes_fp8_activation(x: torch.Tensor, w: Fp8Weight) -> bool:
+    """Whether ``fp8_linear(x, w, ..., use_kernels=True)`` would quantize ``x`` per token for
+    ``torch._scaled_mm`` (more than one row on a GPU that runs it, a tensor- or channel-scaled weight with
+    no static ``input_scale``), so an ``Fp8Activation`` of ``x`` can be given to ``fp8_linear_quantized``
+    instead, with the same result."""
+    return (x.shape[0] > 1 and w.layout in ("tensor", "channel") and w.input_scale is None
+            and _scaled_mm_ok(x, w))
+
+
+def fp8_linear_quantized(a: Fp8Activation, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``fp8_linear`` of activations already quantized per token (``takes_fp8_activation``): one
+    ``torch._scaled_mm``; ``[M, N]`` in ``a.dtype``."""
+    return _scaled_mm_rowwise(a.q, a.scale, w, bias, a.dtype)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_kernels: bool,

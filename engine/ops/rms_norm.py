@@ -5,8 +5,11 @@ Normalization", NeurIPS 2019), with the rounding of transformers' ``LlamaRMSNorm
 normalisation in float32, the result rounded to the input dtype, then multiplied by the weight in that
 dtype. The fused form also does the decoder layer's residual add (``residual = x + residual``, rounded to
 the input dtype) in the same pass, in place, so one kernel replaces five or six elementwise launches.
-One Triton program normalises one row. ``qk_rms_norm`` normalises a step's query and key heads (Qwen3's
-per-head ``q_norm`` and ``k_norm``, two weights) in one launch, straight from the fused QKV output.
+One Triton program normalises one row. ``rms_norm_fp8`` also quantizes the normalised row to FP8 with one
+scale per token, the input an FP8 projection (``engine.ops.fp8_gemm``) would quantize to first: one pass
+instead of the norm writing bf16 and the quantizer reading it back. ``qk_rms_norm`` normalises a step's
+query and key heads (Qwen3's per-head ``q_norm`` and ``k_norm``, two weights) in one launch, straight from
+the fused QKV output.
 """
 
 from __future__ import annotations
@@ -15,15 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops.fp8_gemm import quantize_fp8_groups_reference, round_to_e4m3
+from engine.ops.fp8_weight import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from engine.ops.pdl import gdc_enter, pdl_kwargs
 
 
 @triton.jit
 def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arguments are typed by @triton.jit
-    x_ptr, res_ptr, w_ptr, out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr,
     stride_x, stride_r, stride_o,
     n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
     BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     gdc_enter(USE_GDC)
@@ -39,7 +44,14 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argument
     var = tl.sum(xf * xf, axis=0) / n_cols
     normed = (xf / tl.sqrt(var + eps)).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:  # the row as rms_norm stores it, then quantized as quantize_fp8_groups(y, n_cols) does
+        y = (normed * w).to(x.dtype).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX_C, MIN_SCALE_C)
+        q = round_to_e4m3(tl.clamp(y / scale, -FP8_MAX_C, FP8_MAX_C))
+        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -82,11 +94,54 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block = triton.next_power_of_2(n)
     res = residual if residual is not None else x
     _rms_norm_kernel[(x.shape[0],)](
-        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block, num_warps=min(16, max(1, block // 256)),
-        **pdl_kwargs(x),
+        x, res, weight, out, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
+        HAS_RESIDUAL=residual is not None, QUANT=False, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+        BLOCK_N=block, num_warps=min(16, max(1, block // 256)), **pdl_kwargs(x),
     )
     return out
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm`` quantized to FP8 per token in the same pass (Triton): the arithmetic of
+    ``quantize_fp8_groups(rms_norm(x, weight, eps, residual), N)`` (the normalised row rounded to ``x``'s
+    dtype, scale ``max(amax / 448, MIN_SCALE)``, values rounded to nearest e4m3), without writing the
+    ``[T, N]`` row in ``x``'s dtype and reading it back. What an FP8 projection with per-token activation
+    scales (``engine.ops.fp8_gemm``) takes. Not always the same bits as the two kernels: Triton lays the
+    two kernels out differently, so a row's sum of squares can be added in another order (on an H200 a
+    float32 row's scale differed in its last bit; the e4m3 values agreed).
+
+    Args:
+        x, weight, eps, residual: as ``rms_norm`` (``residual`` updated in place the same way).
+
+    Returns:
+        ``(q float8_e4m3fn [T, N], scale float32 [T, 1])``.
+
+    Raises:
+        ValueError: as ``rms_norm``.
+    """
+    _check(x, weight, residual)
+    t, n = x.shape
+    q = torch.empty((t, n), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    if t == 0:
+        return q, scale
+    block = triton.next_power_of_2(n)
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(t,)](
+        x, res, weight, q, scale, x.stride(0), res.stride(0), q.stride(0), n, eps,
+        HAS_RESIDUAL=residual is not None, QUANT=True, FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+        BLOCK_N=block, num_warps=min(16, max(1, block // 256)), **pdl_kwargs(x),
+    )
+    return q, scale
+
+
+def rms_norm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                           residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch ``rms_norm_fp8``: ``rms_norm_reference``, then ``quantize_fp8_groups_reference`` with
+    one group per row. Same arguments, result and errors."""
+    y = rms_norm_reference(x, weight, eps, residual)
+    return quantize_fp8_groups_reference(y, y.shape[1])
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,

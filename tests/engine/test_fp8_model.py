@@ -329,3 +329,52 @@ def test_fp8_triton_kernels_in_the_fused_forward(tmp_path, monkeypatch):
         torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs),
                                    atol=2e-2 if cuda else 1e-4, rtol=0)
     kernels.core.check_no_leaks()
+
+
+def test_fp8_prefill_takes_its_activations_quantized_by_the_norms(tmp_path, monkeypatch):
+    """A multi-row FP8 step with per-token activation scales gets the QKV and gate/up inputs quantized by
+    the RMSNorm before them (``rms_norm_fp8``) and generates the tokens of the two-pass path (norm, then
+    ``fp8_linear``'s own quantizer). On a GPU both run ``torch._scaled_mm``; the fused norm may add a row's
+    sum of squares in another order, which moves a rare activation by one e4m3 code (logprobs within the
+    2e-2 of the test above). On a CPU, where the tensor cores are absent, the pre-quantized activations
+    go through the plain-torch product (``(q * scale) @ dequant(W)^T``): logprobs within 1e-5."""
+    import engine.models.fused_model as fused_model
+    from engine.ops.fp8_gemm import Fp8Activation
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    calls: list[tuple[int, int]] = []
+    real_quantized = fused_model.fp8_linear_quantized
+
+    def counted(a: Fp8Activation, w, bias):
+        calls.append(tuple(a.q.shape))
+        if cuda:
+            return real_quantized(a, w, bias)
+        y = (a.q.float() * a.scale) @ dequantize_fp8(w).T
+        return (y + bias.float() if bias is not None else y).to(a.dtype)
+
+    monkeypatch.setattr(fused_model, "fp8_linear_quantized", counted)
+    if not cuda:  # what takes_fp8_activation says on a GPU that runs torch._scaled_mm
+        monkeypatch.setattr(fused_model, "takes_fp8_activation", lambda x, w: x.shape[0] > 1)
+    prompts = [make_prompts(seed=4)[5], make_prompts(seed=6)[1]]
+    src = _tiny_llama(tmp_path / "src", 384, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
+
+    def run() -> list:
+        llm = LLM(str(src), dtype="float32", device=device, attention_backend="triton", block_size=4,
+                  num_blocks=128, fused_ops="on", max_num_batched_tokens=64, quantization="fp8")
+        outs = llm.generate(prompts, params)
+        llm.core.check_no_leaks()
+        return outs
+
+    fused = run()
+    # 2 layers x (QKV + gate/up) per prefill step, with the prompt's rows
+    assert len(calls) >= 4 and all(rows > 1 for rows, _ in calls)
+    monkeypatch.setattr(fused_model, "takes_fp8_activation", lambda x, w: False)
+    n = len(calls)
+    two_pass = run()
+    assert len(calls) == n  # the norms no longer quantize
+    for a, b in zip(fused, two_pass, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   atol=2e-2 if cuda else 1e-5, rtol=0)

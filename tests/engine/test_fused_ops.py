@@ -8,7 +8,9 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from engine.ops.rms_norm import rms_norm, rms_norm_reference
+from engine.ops.fp8_gemm import quantize_fp8_groups
+from engine.ops.fp8_weight import FP8_DTYPE
+from engine.ops.rms_norm import rms_norm, rms_norm_fp8, rms_norm_fp8_reference, rms_norm_reference
 from engine.ops.rotary import apply_rotary, apply_rotary_reference
 from engine.ops.silu_mul import silu_mul, silu_mul_reference
 
@@ -217,3 +219,38 @@ def test_qk_rms_norm_refuses_weights_of_another_dtype(fn):
         with pytest.raises(ValueError, match=rf"q_weight dtype {q_weight.dtype} and k_weight dtype "
                                              rf"{k_weight.dtype} must both be qk's dtype torch\.float16"):
             getattr(ops, fn)(qk, 4, q_weight, 1e-6, k_weight, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,with_residual", [(64, False), (96, True), (256, True)])
+def test_rms_norm_fp8_equals_the_norm_then_the_per_token_quantizer(dtype, n, with_residual):
+    """``rms_norm_fp8`` (what an FP8 projection gets from the norm before it in a prefill) gives what
+    ``rms_norm`` followed by ``quantize_fp8_groups`` with one group per row gives: the residual updated
+    the same way, the same e4m3 values but where a value sits at a rounding boundary, scales equal to
+    float32 rounding (Triton may add the row's sum of squares in another order in the fused kernel: on an
+    H200 a float32 scale differed in its last bit); and it matches its plain-torch reference."""
+    x, w = _rand(7, n, dtype=dtype, seed=4) * 3, _rand(n, dtype=dtype, seed=5)
+    x[2, :5] *= 40  # a row with outliers: its scale differs from the others'
+    r = _rand(7, n, dtype=dtype, seed=6) if with_residual else None
+    res_two, res_one, res_ref = ((r.clone(), r.clone(), r.clone()) if r is not None else (None, None, None))
+    q_two, s_two = quantize_fp8_groups(rms_norm(x, w, 1e-6, residual=res_two), n)
+    q, s = rms_norm_fp8(x, w, 1e-6, residual=res_one)
+    assert q.dtype == FP8_DTYPE and q.shape == (7, n) and s.shape == (7, 1) and s.dtype == torch.float32
+    if r is not None:
+        assert torch.equal(res_one, res_two) and torch.equal(res_one, x + r)
+    torch.testing.assert_close(s, s_two, rtol=1e-6, atol=0)
+    # the e4m3 codes of the two agree but for a rare value on a boundary, which moves by one code
+    codes, codes_two = q.view(torch.uint8).int(), q_two.view(torch.uint8).int()
+    assert (codes - codes_two).abs().max().item() <= 1
+    assert (codes != codes_two).float().mean().item() <= 0.01
+    q_ref, s_ref = rms_norm_fp8_reference(x, w, 1e-6, residual=res_ref)
+    torch.testing.assert_close(s, s_ref, rtol=TOL[dtype], atol=0)
+    # each value within one e4m3 step (1/8 relative, or 2^-9 absolute below 2^-6) of the reference's
+    got, want = q.float() * s, q_ref.float() * s_ref
+    step = torch.maximum(want.abs() / 8, 2.0 ** -9 * s_ref)
+    assert ((got - want).abs() <= step * (1 + TOL[dtype]) + TOL[dtype] * want.abs()).all()
+
+
+def test_rms_norm_fp8_of_no_rows():
+    q, s = rms_norm_fp8(torch.empty(0, 64, device=DEVICE), torch.ones(64, device=DEVICE), 1e-6)
+    assert q.shape == (0, 64) and s.shape == (0, 1)
