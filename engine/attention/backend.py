@@ -38,6 +38,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        packed_qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store ``k``, ``v`` into layer ``layer`` of ``kv_cache`` and return the attention output.
 
@@ -58,6 +59,9 @@ class AttentionBackend(ABC):
                 before RoPE, and are rotated in place here (engine/ops/rotary.py) as part of the store,
                 except in a step ``rotate_store_attend`` takes (triton, decode-only, no ``layer_hook``),
                 which rotates them inside its kernel and leaves ``q`` and ``k`` as they were.
+            packed_qkv: None, or the ``[rows, H + 2 Hkv, D]`` buffer (``rows`` from ``fresh_qkv_rows``,
+                those past ``T`` zero) whose first ``T`` rows ``q``, ``k``, ``v`` are the head slices of:
+                ``attend_fresh`` then reads them in place.
 
         Returns:
             ``[T, H, D]`` in ``q``'s dtype. Calls ``meta.layer_hook(layer)`` after the store.
@@ -81,16 +85,26 @@ class AttentionBackend(ABC):
             self.store(k, v, k_cache, v_cache, meta.slot_mapping, kv_scale)
         if meta.layer_hook is not None:
             meta.layer_hook(layer)
-        out = self.attend_fresh(q, k, v, k_cache, meta, scale)
+        out = self.attend_fresh(q, k, v, k_cache, meta, scale, packed_qkv)
         if out is not None:
             return out
         return self.attend(q, k_cache, v_cache, meta, scale, kv_scale)
 
+    def fresh_qkv_rows(self, meta: AttentionMetadata, heads: int, kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device, k_cache_dtype: torch.dtype) -> int | None:
+        """For a step that ``attend_fresh`` will take and can read in place: the rows of the
+        ``[rows, heads + 2 kv_heads, head_dim]`` buffer a model may write the step's QKV projection into
+        (rows past the step's tokens zeroed) and hand to ``forward`` as ``packed_qkv``. None (default):
+        no such buffer."""
+        return None
+
     def attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
+                     meta: AttentionMetadata, scale: float,
+                     packed_qkv: torch.Tensor | None = None) -> torch.Tensor | None:
         """Attention over the step's own ``k``/``v`` (after RoPE and the store) for a step the backend has
         such a path for (the triton backend: one long prompt with no cached context, through cuDNN); None
-        (default) means "not here": ``forward`` then runs ``attend`` over the cache."""
+        (default) means "not here": ``forward`` then runs ``attend`` over the cache. ``packed_qkv``: as in
+        ``forward``."""
         return None
 
     def rotate_store_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,

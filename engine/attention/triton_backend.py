@@ -14,7 +14,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.ops.cudnn_attention import cudnn_causal_attention, fresh_prefill_usable
+from engine.ops.cudnn_attention import cudnn_causal_attention, fresh_prefill_rows, fresh_prefill_usable
 from engine.ops.paged_decode import RopeStore, paged_decode_attention, rope_fusable
 from engine.ops.paged_prefill import paged_prefill_attention
 from engine.ops.rotary import apply_rotary
@@ -34,16 +34,26 @@ class TritonAttentionBackend(AttentionBackend):
     # for same-process benchmarks (bench.engine.fp8, bench.engine.prefill)
     cudnn_fresh_prefill = True
 
+    def fresh_qkv_rows(self, meta: AttentionMetadata, heads: int, kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device, k_cache_dtype: torch.dtype) -> int | None:
+        """See ``AttentionBackend.fresh_qkv_rows``: ``fresh_prefill_rows`` where ``attend_fresh`` takes
+        the step (the step's tokens rounded up to cuDNN's bucket)."""
+        if not self.cudnn_fresh_prefill:
+            return None
+        return fresh_prefill_rows(device, dtype, heads, kv_heads, head_dim, k_cache_dtype, meta.num_seqs,
+                                  meta.num_decodes, meta.max_query_len, meta.max_seq_len)
+
     def attend_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
-        """See ``AttentionBackend.attend_fresh``: ``cudnn_causal_attention`` where
-        ``fresh_prefill_usable`` (one sequence of >= ``CUDNN_MIN_TOKENS`` tokens, no cached context, no
-        decode rows, a cache of ``q``'s dtype, a Hopper GPU)."""
+                     meta: AttentionMetadata, scale: float,
+                     packed_qkv: torch.Tensor | None = None) -> torch.Tensor | None:
+        """See ``AttentionBackend.attend_fresh``: ``cudnn_causal_attention`` (over ``packed_qkv`` in place
+        when given) where ``fresh_prefill_usable`` (one sequence of >= ``CUDNN_MIN_TOKENS`` tokens, no
+        cached context, no decode rows, a cache of ``q``'s dtype, a Hopper GPU)."""
         if not self.cudnn_fresh_prefill or not fresh_prefill_usable(
                 q, k.shape[1], k_cache.dtype, meta.num_seqs, meta.num_decodes, meta.max_query_len,
                 meta.max_seq_len):
             return None
-        return cudnn_causal_attention(q, k, v, scale)
+        return cudnn_causal_attention(q, k, v, scale, packed=packed_qkv)
 
     def rotate_store_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -46,6 +46,9 @@ from typing import Any
 
 import torch
 
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.kv_cache import KVCachePool
 from engine.models.fp8 import Fp8Linear, fp8_mergeable, merge_fp8
 from engine.models.fp8_moe import Fp8Experts
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
@@ -314,12 +317,24 @@ class FusedCausalLM(torch.nn.Module):
         return out[:, :q_heads], out[:, q_heads:]
 
     def _linear(self, name: str, x: torch.Tensor | Fp8Activation, weight: torch.Tensor | Fp8Weight | SplitFp8,
-                bias: torch.Tensor | None) -> torch.Tensor:
+                bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight^T + bias`` (``[T, N]``), written into ``out`` (contiguous ``[T, N]``) when given:
+        by the GEMM itself for pre-quantized FP8 activations and for multi-row float weights (the cuBLAS
+        call ``torch.nn.functional.linear`` makes), else copied there."""
         if isinstance(x, Fp8Activation):  # from _norm_into, for this very weight
             assert isinstance(weight, Fp8Weight)
-            return fp8_linear_quantized(x, weight, bias)
+            return fp8_linear_quantized(x, weight, bias, out=out)
+        if out is not None and isinstance(weight, torch.Tensor) and x.shape[0] > 1:
+            if bias is None:
+                return torch.mm(x, weight.t(), out=out)
+            return torch.addmm(bias, x, weight.t(), out=out)
+        y = self._product(name, x, weight, bias)
+        return out.copy_(y) if out is not None else y
+
+    def _product(self, name: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight | SplitFp8,
+                 bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, SplitFp8):
-            return torch.cat([self._linear(name, x, part.fp8, part.bias) for part in weight.parts], dim=-1)
+            return torch.cat([self._product(name, x, part.fp8, part.bias) for part in weight.parts], dim=-1)
         if isinstance(weight, Fp8Weight):
             return fp8_linear(x, weight, bias, use_kernels=self.use_triton or x.is_cuda)
         if x.shape[0] == 1 and self.use_triton and name in self.gemv_projections:
@@ -331,8 +346,11 @@ class FusedCausalLM(torch.nn.Module):
 
     def _attention(self, lay: _FusedLayer, x: torch.Tensor | Fp8Activation, cos: torch.Tensor,
                    sin: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
-        qkv = self._linear("qkv", x, lay.qkv_weight, lay.qkv_bias)  # [T, (H + 2 Hkv) D]
-        t, d = qkv.shape[0], lay.head_dim
+        backend, meta, d = kwargs[BACKEND_KWARG], kwargs[META_KWARG], lay.head_dim
+        t = x.q.shape[0] if isinstance(x, Fp8Activation) else x.shape[0]
+        packed = self._packed_qkv(lay, backend, meta, kwargs[CACHE_KWARG], t, x)
+        into = packed.view(packed.shape[0], -1)[:t] if packed is not None else None
+        qkv = self._linear("qkv", x, lay.qkv_weight, lay.qkv_bias, out=into)  # [T, (H + 2 Hkv) D]
         q = qkv[:, :lay.q_width].view(t, -1, d)
         k = qkv[:, lay.q_width:lay.q_width + lay.kv_width].view(t, -1, d)
         v = qkv[:, lay.q_width + lay.kv_width:].view(t, -1, d)
@@ -348,10 +366,30 @@ class FusedCausalLM(torch.nn.Module):
             rotary = (cos, sin)
         else:
             apply_rotary_reference(q, k, cos, sin)
-        out = kwargs[BACKEND_KWARG].forward(lay.index, q, k, v, kwargs[CACHE_KWARG], kwargs[META_KWARG],
-                                            lay.scale, rotary)  # [T, H, D]; meta.layer_hook after the store
+        out = backend.forward(lay.index, q, k, v, kwargs[CACHE_KWARG], meta, lay.scale, rotary,
+                              packed)  # [T, H, D]; meta.layer_hook after the store
         o_proj = lay.attn.o_proj
         return self._linear("o", out.reshape(t, -1), _weight_of(o_proj), o_proj.bias)
+
+    def _packed_qkv(self, lay: _FusedLayer, backend: AttentionBackend, meta: AttentionMetadata,
+                    kv_cache: KVCachePool, t: int, x: torch.Tensor | Fp8Activation) -> torch.Tensor | None:
+        """The zero-tailed ``[rows, H + 2 Hkv, D]`` buffer the QKV projection is written into where the
+        attention backend reads a step's q, k, v in place (``fresh_qkv_rows``: cuDNN for one fresh long
+        prompt, which would otherwise copy them into such a buffer); None otherwise, and for Qwen3's
+        per-head norms, whose q and k are a new tensor. ``backend``, ``meta``, ``kv_cache``: the pdserve
+        attention keyword arguments."""
+        if lay.q_norm is not None:
+            return None
+        d = lay.head_dim
+        heads, kv_heads = lay.q_width // d, lay.kv_width // d
+        device = x.q.device if isinstance(x, Fp8Activation) else x.device
+        rows = backend.fresh_qkv_rows(meta, heads, kv_heads, d, x.dtype, device,
+                                      kv_cache.k_cache(lay.index).dtype)
+        if rows is None:
+            return None
+        packed = torch.empty((rows, heads + 2 * kv_heads, d), dtype=x.dtype, device=device)
+        packed[t:].zero_()
+        return packed
 
     def _mlp(self, lay: _FusedLayer, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         ffn = lay.ffn

@@ -279,7 +279,9 @@ class TensorParallelCausalLM(FusedCausalLM):
         self.vocab_size = vocab_size
 
     def _linear(self, name: str, x: torch.Tensor | Fp8Activation, weight: torch.Tensor | Fp8Weight | SplitFp8,
-                bias: torch.Tensor | None) -> torch.Tensor:
+                bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None:  # a column-parallel projection (QKV) written into the attention's buffer
+            return super()._linear(name, x, weight, bias, out=out)
         if name in ("o", "down"):
             out = self.tp.all_reduce(super()._linear(name, x, weight, None))
             return out if bias is None else out + bias

@@ -8,6 +8,12 @@ triton backend takes it for such steps of at least ``CUDNN_MIN_TOKENS`` tokens (
 a step with cached context, several sequences, an FP8 cache (whose dequantized values the paged kernel
 attends over) or shorter prompts stays on the paged kernel. Reference: ``causal_attention_reference``.
 
+Layout: cuDNN attends over one ``[T_padded, H + 2 Hkv, D]`` buffer (sequence-major, rows past ``T`` zero),
+so that every call of a length bucket has the strides of the plan the warm-up built. The fused model
+writes its QKV projection straight into such a buffer (``fresh_prefill_rows`` says how many rows; the
+backend's ``fresh_qkv_rows``) and RoPE and the KV store work on its views; other callers' q, k, v are
+copied into one.
+
 Determinism: cuDNN's forward pass has no atomics, so a given shape gives the same bits run after run (a
 test checks it on the GPU); the bits differ from the paged kernel's, which is why the choice depends only on
 the step's shape: a prefill grid (``SchedulerConfig.prefill_grid``) computes chunk 0 of a prompt the same
@@ -42,11 +48,23 @@ def fresh_prefill_usable(q: torch.Tensor, kv_heads: int, k_cache_dtype: torch.dt
     ``q [T, H, D]`` on a CUDA device of compute capability >= 9.0, a cache of ``q``'s dtype (not FP8), and
     cuDNN able to run ``H`` query heads over ``kv_heads`` (grouped or expanded) at head size ``D``
     (torch's ``can_use_cudnn_attention``, asked once per shape). Python ints only: no device read."""
-    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k_cache_dtype == q.dtype
+    return fresh_prefill_rows(q.device, q.dtype, q.shape[1], kv_heads, q.shape[2], k_cache_dtype, num_seqs,
+                              num_decodes, max_query_len, max_seq_len) is not None
+
+
+def fresh_prefill_rows(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                       k_cache_dtype: torch.dtype, num_seqs: int, num_decodes: int, max_query_len: int,
+                       max_seq_len: int) -> int | None:
+    """``fresh_prefill_usable`` for a step's shape before its ``q`` exists: the rows of the packed
+    ``[rows, H + 2 Hkv, D]`` buffer ``cudnn_causal_attention`` attends over (the step's tokens rounded up
+    to ``CUDNN_BUCKET``), or None where the step stays on the paged kernel."""
+    if not (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and k_cache_dtype == dtype
             and fresh_prefill_shape(num_seqs, num_decodes, max_query_len, max_seq_len)):
-        return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return _cudnn_runs(index, q.shape[1], kv_heads, q.shape[2], q.dtype)
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not _cudnn_runs(index, heads, kv_heads, head_dim, dtype):
+        return None
+    return -(-max_seq_len // CUDNN_BUCKET) * CUDNN_BUCKET
 
 
 @functools.cache
@@ -65,27 +83,39 @@ def _cudnn_runs(device_index: int, heads: int, kv_heads: int, head_dim: int, dty
     return runs(kv_heads) or runs(heads)
 
 
-def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           packed: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence over its own K/V through cuDNN (GQA: query head ``h`` uses KV head
     ``h // (H // Hkv)``; K/V expanded to ``H`` heads where cuDNN does not take them grouped). ``T`` is
-    padded with zeros to a multiple of ``CUDNN_BUCKET`` (the causal mask keeps the padding out of the
+    padded with zero rows to a multiple of ``CUDNN_BUCKET`` (the causal mask keeps the padding out of the
     real rows, whose outputs are returned).
 
     Args:
         q: ``[T, H, D]``; k, v: ``[T, Hkv, D]``; float16 or bfloat16 on a CUDA device, last dims contiguous.
         scale: softmax scale.
+        packed: None, or the contiguous ``[T_padded, H + 2 Hkv, D]`` buffer (``T_padded`` = ``T`` rounded up
+            to ``CUDNN_BUCKET``, rows from ``T`` on zero) whose first ``T`` rows ``q``, ``k`` and ``v`` are
+            the head slices of, in that order (a QKV projection written into it: ``fresh_prefill_rows``):
+            attended in place. Without it the three are copied into such a buffer first.
 
     Returns:
         ``[T, H, D]`` contiguous, ``q``'s dtype.
 
     Raises:
+        ValueError: ``packed`` is not laid out as above, or ``q``/``k``/``v`` are not its views.
         RuntimeError: cuDNN cannot run these inputs (torch's SDPA names why).
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     heads, kv_heads = q.shape[1], k.shape[1]
     t = q.shape[0]
-    qt, kt, vt = _packed(q, k, v, -(-t // CUDNN_BUCKET) * CUDNN_BUCKET)  # [1, heads, padded, D] views
+    rows = -(-t // CUDNN_BUCKET) * CUDNN_BUCKET
+    if packed is None:
+        packed = _packed(q, k, v, rows)
+    else:
+        _check_packed(packed, q, k, v, rows)
+    views = packed.transpose(0, 1).unsqueeze(0)  # [1, H + 2 Hkv, rows, D]
+    qt, kt, vt = views[:, :heads], views[:, heads:heads + kv_heads], views[:, heads + kv_heads:]
     params = torch.backends.cuda.SDPAParams(qt, kt, vt, None, 0.0, True, heads != kv_heads)
     if heads != kv_heads and not torch.backends.cuda.can_use_cudnn_attention(params, debug=False):
         group = heads // kv_heads
@@ -99,22 +129,30 @@ def cudnn_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out[0, :, :t].transpose(0, 1).contiguous()
 
 
-def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``q``, ``k``, ``v`` (``[T, heads, D]``) copied row by row into one zeroed-tail
-    ``[length, H + 2 Hkv, D]`` buffer and returned as ``[1, heads, length, D]`` views of it (cuDNN's
-    sequence-major layout, in which its output comes back ``[T, H, D]``-contiguous). Every call of a
-    bucket then has the same strides, which cuDNN's plan cache keys on: views of the model's QKV output
-    would miss the plans ``warm_cudnn_plans`` built (50 ms on a first prompt on an H200)."""
+def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> torch.Tensor:
+    """``q``, ``k``, ``v`` (``[T, heads, D]``) copied row by row into one ``[rows, H + 2 Hkv, D]`` buffer,
+    rows from ``T`` on zero: cuDNN's sequence-major layout, in which its output comes back
+    ``[T, H, D]``-contiguous, and the same strides on every call of a bucket, which cuDNN's plan cache
+    keys on (views of differently strided inputs would miss the plans ``warm_cudnn_plans`` built: 50 ms
+    on a first prompt on an H200)."""
     t, heads, dim = q.shape
     kv_heads = k.shape[1]
-    buf = q.new_empty((length, heads + 2 * kv_heads, dim))
+    buf = q.new_empty((rows, heads + 2 * kv_heads, dim))
     buf[:t, :heads] = q
     buf[:t, heads:heads + kv_heads] = k
     buf[:t, heads + kv_heads:] = v
     buf[t:].zero_()
-    views = buf.transpose(0, 1).unsqueeze(0)  # [1, H + 2 Hkv, length, D]
-    return views[:, :heads], views[:, heads:heads + kv_heads], views[:, heads + kv_heads:]
+    return buf
+
+
+def _check_packed(packed: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> None:
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    if packed.shape != (rows, heads + 2 * kv_heads, dim) or not packed.is_contiguous():
+        raise ValueError(f"packed must be a contiguous [{rows}, {heads + 2 * kv_heads}, {dim}] buffer for "
+                         f"{q.shape[0]} tokens, got {tuple(packed.shape)}")
+    for name, x, head in (("q", q, 0), ("k", k, heads), ("v", v, heads + kv_heads)):
+        if x.data_ptr() != packed[0, head].data_ptr() or x.stride() != packed.stride():
+            raise ValueError(f"{name} is not the view of packed's heads from {head} on")
 
 
 def warm_cudnn_plans(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,

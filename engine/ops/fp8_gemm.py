@@ -249,13 +249,17 @@ def _scaled_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
 
 
 def _scaled_mm_rowwise(q: torch.Tensor, s: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-                       dtype: torch.dtype) -> torch.Tensor:
+                       dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     w_s = w.scale.expand(w.out_features) if w.layout == "tensor" else w.scale
+    scale_b = w_s.reshape(1, -1).contiguous()
     # row-wise scaling needs bf16 output; the bias is added after (in the output dtype)
-    y = torch._scaled_mm(q, w.weight.t(), scale_a=s, scale_b=w_s.reshape(1, -1).contiguous(),
-                         out_dtype=torch.bfloat16)
+    if out is not None and dtype == torch.bfloat16:
+        torch._scaled_mm(q, w.weight.t(), scale_a=s, scale_b=scale_b, out_dtype=torch.bfloat16, out=out)
+        return out.add_(bias) if bias is not None else out
+    y = torch._scaled_mm(q, w.weight.t(), scale_a=s, scale_b=scale_b, out_dtype=torch.bfloat16)
     y = y.to(dtype)
-    return y + bias if bias is not None else y
+    y = y + bias if bias is not None else y
+    return out.copy_(y) if out is not None else y
 
 
 @dataclass(frozen=True)
@@ -283,10 +287,12 @@ def takes_fp8_activation(x: torch.Tensor, w: Fp8Weight) -> bool:
             and _scaled_mm_ok(x, w))
 
 
-def fp8_linear_quantized(a: Fp8Activation, w: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def fp8_linear_quantized(a: Fp8Activation, w: Fp8Weight, bias: torch.Tensor | None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """``fp8_linear`` of activations already quantized per token (``takes_fp8_activation``): one
-    ``torch._scaled_mm``; ``[M, N]`` in ``a.dtype``."""
-    return _scaled_mm_rowwise(a.q, a.scale, w, bias, a.dtype)
+    ``torch._scaled_mm``; ``[M, N]`` in ``a.dtype``, written into ``out`` (contiguous ``[M, N]``) when
+    given."""
+    return _scaled_mm_rowwise(a.q, a.scale, w, bias, a.dtype, out)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_kernels: bool,

@@ -12,6 +12,7 @@ from engine.ops.cudnn_attention import (
     CUDNN_MIN_TOKENS,
     causal_attention_reference,
     cudnn_causal_attention,
+    fresh_prefill_rows,
     fresh_prefill_shape,
     fresh_prefill_usable,
     warm_cudnn_plans,
@@ -101,3 +102,67 @@ def test_usable_only_for_a_cache_of_the_model_dtype() -> None:
     assert fresh_prefill_usable(q, 8, torch.bfloat16, 1, 0, n, n)
     assert not fresh_prefill_usable(q, 8, torch.float8_e4m3fn, 1, 0, n, n)
     assert not fresh_prefill_usable(q.float(), 8, torch.float32, 1, 0, n, n)
+
+
+def test_packed_buffer_is_checked_before_cudnn_runs() -> None:
+    """``packed``: the zero-tailed [T_padded, H + 2 Hkv, D] buffer whose first T rows q, k, v view; other
+    tensors are refused by name before any kernel (so this runs on a CPU), and no step is offered one
+    where cuDNN does not run (``fresh_prefill_rows``)."""
+    t, h, hkv, d = 300, 4, 2, 16
+    packed = torch.zeros(512, h + 2 * hkv, d)
+    q, k, v = packed[:t, :h], packed[:t, h:h + hkv], packed[:t, h + hkv:]
+    with pytest.raises(ValueError, match="packed must be a contiguous"):
+        cudnn_causal_attention(q, k, v, 0.25, packed=torch.zeros(300, h + 2 * hkv, d))
+    with pytest.raises(ValueError, match="k is not the view"):
+        cudnn_causal_attention(q, k.clone(), v, 0.25, packed=packed)
+    with pytest.raises(ValueError, match="v is not the view"):
+        cudnn_causal_attention(q, k, packed[:t, h:h + hkv], 0.25, packed=packed)
+    n = CUDNN_MIN_TOKENS
+    cpu = torch.device("cpu")
+    assert fresh_prefill_rows(cpu, torch.bfloat16, 32, 8, 128, torch.bfloat16, 1, 0, n, n) is None
+
+
+@pytest.mark.skipif(not HOPPER, reason="cuDNN fused attention on a Hopper GPU")
+def test_cudnn_over_a_packed_buffer_in_place_equals_the_copying_path() -> None:
+    gen = torch.Generator().manual_seed(4)
+    t, h, hkv, d = 1500, 32, 8, 128
+    rows = fresh_prefill_rows(torch.device("cuda"), torch.bfloat16, h, hkv, d, torch.bfloat16, 1, 0, t, t)
+    assert rows == 1536
+    packed = torch.zeros(rows, h + 2 * hkv, d, dtype=torch.bfloat16, device="cuda")
+    packed[:t] = torch.randn(t, h + 2 * hkv, d, generator=gen).to("cuda", torch.bfloat16)
+    q, k, v = packed[:t, :h], packed[:t, h:h + hkv], packed[:t, h + hkv:]
+    copied = cudnn_causal_attention(q, k, v, d ** -0.5)
+    in_place = cudnn_causal_attention(q, k, v, d ** -0.5, packed=packed)
+    assert in_place.is_contiguous() and torch.equal(in_place, copied)
+
+
+@pytest.mark.skipif(not HOPPER, reason="cuDNN fused attention on a Hopper GPU")
+def test_engine_prefill_through_the_packed_qkv_buffer_is_bit_identical(tmp_path, monkeypatch) -> None:
+    """A fresh 1300-token prompt through the fused forward in bf16: the QKV projection written into
+    cuDNN's buffer gives the logprobs of the projection copied there, bit for bit."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.attention.triton_backend import TritonAttentionBackend
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=4096,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path / "m")
+    prompt = [int(x) for x in torch.randint(3, 512, (1300,), generator=torch.Generator().manual_seed(6))]
+    params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=1)
+
+    def run() -> list:
+        llm = LLM(str(tmp_path / "m"), dtype="bfloat16", device="cuda", attention_backend="triton",
+                  block_size=16, num_blocks=256, max_num_batched_tokens=2048, enable_prefix_caching=False)
+        out = llm.generate([prompt], params)
+        llm.core.check_no_leaks()
+        return out
+
+    in_place = run()
+    monkeypatch.setattr(TritonAttentionBackend, "fresh_qkv_rows", lambda self, *a: None)
+    copied = run()
+    assert in_place[0].token_ids == copied[0].token_ids
+    assert in_place[0].logprobs == copied[0].logprobs

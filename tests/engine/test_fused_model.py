@@ -21,9 +21,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)
 
 
-def _llm(path, fused_ops: str, backend: str = "torch", device: str = "cpu") -> LLM:
+def _llm(path, fused_ops: str, backend: str = "torch", device: str = "cpu",
+         quantization: str | None = None) -> LLM:
     return LLM(str(path), dtype="float32", device=device, attention_backend=backend, block_size=4,
-               num_blocks=256, fused_ops=fused_ops, max_num_batched_tokens=24)
+               num_blocks=256, fused_ops=fused_ops, max_num_batched_tokens=24, quantization=quantization)
 
 
 @pytest.mark.parametrize("arch", ARCHS + NEW_DENSE_ARCHS + MOE_ARCHS)
@@ -51,7 +52,8 @@ def test_fused_triton_kernels_match_transformers(tmp_path):
     llm.core.runner.decode_graphs = None  # (GPU) run decode steps eagerly so the change takes effect
     calls = []
     original = net._linear
-    net._linear = lambda name, x, w, b: calls.append((name, x.shape[0])) or original(name, x, w, b)
+    net._linear = lambda name, x, w, b, **kw: (calls.append((name, x.shape[0]))
+                                               or original(name, x, w, b, **kw))
     prompts = make_prompts(seed=8)[::5]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, logprobs=0))
     assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
@@ -220,6 +222,45 @@ def test_silu_down_gemv_matches_transformers(tmp_path, monkeypatch):
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, logprobs=0))
     assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
     assert True in gated and 1 not in silu  # one-token steps: gated GEMV, never silu_mul
+    llm.core.check_no_leaks()
+
+
+@pytest.mark.parametrize("arch,quantization", [("LlamaForCausalLM", None), ("Phi3ForCausalLM", None),
+                                               ("Glm4ForCausalLM", None), ("LlamaForCausalLM", "fp8")])
+def test_qkv_written_into_the_attention_buffer_changes_nothing(arch, quantization, tmp_path, monkeypatch):
+    """Where the attention backend reads a step's q, k, v in place (``fresh_qkv_rows``: on an H200 cuDNN
+    for one fresh long prompt), the QKV projection writes into the zero-tailed ``[rows, H + 2 Hkv, D]``
+    buffer itself (``torch.mm``/``addmm`` with ``out=``; QKV bias, merged Phi-3 QKV and GLM's pairwise
+    rotary included; FP8 weights: the product copied in) and RoPE, the KV store and the attention work on
+    its views: on a CPU, with the
+    buffer forced for every multi-row step (the paged kernel then attends over the views), the same
+    logprobs bit for bit as the usual projection output, and the buffer's tail stays zero."""
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    path = save_tiny_model(arch, tmp_path / "m", seed=9)
+    prompts = make_prompts(seed=9)[::4]
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2)
+    plain = _llm(path, "on", backend="triton", quantization=quantization).generate(prompts, params)
+    buffers: list[tuple[torch.Tensor, int]] = []
+
+    def rows(self, meta, heads, kv_heads, head_dim, dtype, device, k_cache_dtype):
+        return None if meta.num_decodes == meta.num_seqs else -(-meta.num_tokens // 16) * 16 + 16
+
+    real = FusedCausalLM._packed_qkv
+
+    def spy(self, lay, backend, meta, kv_cache, t, x):
+        packed = real(self, lay, backend, meta, kv_cache, t, x)
+        if packed is not None:
+            buffers.append((packed, t))
+        return packed
+
+    monkeypatch.setattr(TritonAttentionBackend, "fresh_qkv_rows", rows)
+    monkeypatch.setattr(FusedCausalLM, "_packed_qkv", spy)
+    llm = _llm(path, "on", backend="triton", quantization=quantization)
+    packed = llm.generate(prompts, params)
+    assert buffers and all(buf[:t].abs().sum() > 0 and not buf[t:].any() for buf, t in buffers)
+    for a, b in zip(packed, plain, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
     llm.core.check_no_leaks()
 
 
