@@ -234,13 +234,15 @@ def test_qkv_written_into_the_attention_buffer_changes_nothing(arch, quantizatio
     rotary included; FP8 weights: the product copied in) and RoPE, the KV store and the attention work on
     its views: on a CPU, with the
     buffer forced for every multi-row step (the paged kernel then attends over the views), the same
-    logprobs bit for bit as the usual projection output, and the buffer's tail stays zero."""
+    logprobs bit for bit as the usual projection output, and the buffer's tail stays zero. The same on a
+    GPU (float32: cuDNN does not take the step, the paged kernel attends over the views)."""
     from engine.attention.triton_backend import TritonAttentionBackend
 
     path = save_tiny_model(arch, tmp_path / "m", seed=9)
     prompts = make_prompts(seed=9)[::4]
     params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2)
-    plain = _llm(path, "on", backend="triton", quantization=quantization).generate(prompts, params)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # float32: the paged kernel attends on a GPU too
+    plain = _llm(path, "on", "triton", device, quantization).generate(prompts, params)
     buffers: list[tuple[torch.Tensor, int]] = []
 
     def rows(self, meta, heads, kv_heads, head_dim, dtype, device, k_cache_dtype):
@@ -256,7 +258,7 @@ def test_qkv_written_into_the_attention_buffer_changes_nothing(arch, quantizatio
 
     monkeypatch.setattr(TritonAttentionBackend, "fresh_qkv_rows", rows)
     monkeypatch.setattr(FusedCausalLM, "_packed_qkv", spy)
-    llm = _llm(path, "on", backend="triton", quantization=quantization)
+    llm = _llm(path, "on", "triton", device, quantization)
     packed = llm.generate(prompts, params)
     assert buffers and all(buf[:t].abs().sum() > 0 and not buf[t:].any() for buf, t in buffers)
     for a, b in zip(packed, plain, strict=True):
