@@ -96,9 +96,18 @@ def tiny_config(arch: str, vocab: int = 256) -> PretrainedConfig:
 
 
 def save_tiny_model(arch: str, path: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """Random-weight tiny model of ``arch`` saved as an HF directory (safetensors) at ``path``."""
+    """Random-weight tiny model of ``arch`` saved as an HF directory (safetensors) at ``path``. The
+    one-dimensional parameters (norm weights, biases), which transformers initialises to constants
+    (ones, zeros), are drawn at random too (norm weights ``1 + 0.25 N(0, 1)``, biases ``0.1 N(0, 1)``),
+    so that a norm applied with another layer's weight, or a bias left out, changes the output."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1 + 0.25 * torch.randn_like(p))
+            elif p.dim() == 1 and name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
     return path
 
