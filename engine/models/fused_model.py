@@ -345,10 +345,10 @@ class FusedCausalLM(torch.nn.Module):
         return torch.nn.functional.linear(x, weight, bias)
 
     def _attention(self, lay: _FusedLayer, x: torch.Tensor | Fp8Activation, cos: torch.Tensor,
-                   sin: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+                   sin: torch.Tensor, kwargs: dict[str, Any], packed_rows: int | None) -> torch.Tensor:
         backend, meta, d = kwargs[BACKEND_KWARG], kwargs[META_KWARG], lay.head_dim
         t = x.q.shape[0] if isinstance(x, Fp8Activation) else x.shape[0]
-        packed = self._packed_qkv(lay, backend, meta, kwargs[CACHE_KWARG], t, x)
+        packed = self._packed_qkv(lay, packed_rows, t, x)
         into = packed.view(packed.shape[0], -1)[:t] if packed is not None else None
         qkv = self._linear("qkv", x, lay.qkv_weight, lay.qkv_bias, out=into)  # [T, (H + 2 Hkv) D]
         q = qkv[:, :lay.q_width].view(t, -1, d)
@@ -371,23 +371,32 @@ class FusedCausalLM(torch.nn.Module):
         o_proj = lay.attn.o_proj
         return self._linear("o", out.reshape(t, -1), _weight_of(o_proj), o_proj.bias)
 
-    def _packed_qkv(self, lay: _FusedLayer, backend: AttentionBackend, meta: AttentionMetadata,
-                    kv_cache: KVCachePool, t: int, x: torch.Tensor | Fp8Activation) -> torch.Tensor | None:
-        """The zero-tailed ``[rows, H + 2 Hkv, D]`` buffer the QKV projection is written into where the
-        attention backend reads a step's q, k, v in place (``fresh_qkv_rows``: cuDNN for one fresh long
-        prompt, which would otherwise copy them into such a buffer); None otherwise, and for Qwen3's
-        per-head norms, whose q and k are a new tensor. ``backend``, ``meta``, ``kv_cache``: the pdserve
-        attention keyword arguments."""
-        if lay.q_norm is not None:
+    def _packed_rows(self, x: torch.Tensor, kwargs: dict[str, Any]) -> int | None:
+        """Once per step: the rows of the buffer the QKV projections are written into where the attention
+        backend reads a step's q, k, v in place (``fresh_qkv_rows``: cuDNN for one fresh long prompt,
+        which would otherwise copy them into such a buffer), or None. ``x``: the step's ``[T, hidden]``
+        embeddings (dtype, device); every layer has the first one's head shape and cache dtype."""
+        if not self.fused_layers:
+            return None
+        lay = self.fused_layers[0]
+        d = lay.head_dim
+        kv_cache: KVCachePool = kwargs[CACHE_KWARG]
+        backend: AttentionBackend = kwargs[BACKEND_KWARG]
+        meta: AttentionMetadata = kwargs[META_KWARG]
+        return backend.fresh_qkv_rows(meta, lay.q_width // d, lay.kv_width // d, d, x.dtype, x.device,
+                                      kv_cache.k_cache(lay.index).dtype)
+
+    def _packed_qkv(self, lay: _FusedLayer, rows: int | None, t: int,
+                    x: torch.Tensor | Fp8Activation) -> torch.Tensor | None:
+        """The zero-tailed ``[rows, H + 2 Hkv, D]`` buffer this layer's QKV projection is written into
+        (``_packed_rows``); None without ``rows``, and for Qwen3's per-head norms, whose q and k are a new
+        tensor."""
+        if rows is None or lay.q_norm is not None:
             return None
         d = lay.head_dim
-        heads, kv_heads = lay.q_width // d, lay.kv_width // d
         device = x.q.device if isinstance(x, Fp8Activation) else x.device
-        rows = backend.fresh_qkv_rows(meta, heads, kv_heads, d, x.dtype, device,
-                                      kv_cache.k_cache(lay.index).dtype)
-        if rows is None:
-            return None
-        packed = torch.empty((rows, heads + 2 * kv_heads, d), dtype=x.dtype, device=device)
+        packed = torch.empty((rows, lay.q_width // d + 2 * (lay.kv_width // d), d), dtype=x.dtype,
+                             device=device)
         packed[t:].zero_()
         return packed
 
@@ -451,8 +460,9 @@ class FusedCausalLM(torch.nn.Module):
         h: torch.Tensor | Fp8Activation = (self._norm_into(residual, layers[0].input_norm, None,
                                                            layers[0].qkv_weight) if layers else residual)
         x = residual
+        packed_rows = self._packed_rows(residual, kwargs)
         for i, lay in enumerate(layers):
-            x = self._attention(lay, h, cos, sin, kwargs)
+            x = self._attention(lay, h, cos, sin, kwargs, packed_rows)
             if lay.attn_out_norm is not None:
                 x = self._norm(x, lay.attn_out_norm)
             gate_up = lay.ffn.gate_up_weight if isinstance(lay.ffn, _DenseMLP) else None

@@ -75,10 +75,11 @@ def _cudnn_runs(device_index: int, heads: int, kv_heads: int, head_dim: int, dty
         return False
     dev = torch.device("cuda", device_index)
 
-    def runs(kv: int) -> bool:
-        q = torch.empty((1, heads, CUDNN_BUCKET, head_dim), dtype=dtype, device=dev)
-        k = torch.empty((1, kv, CUDNN_BUCKET, head_dim), dtype=dtype, device=dev)
-        params = torch.backends.cuda.SDPAParams(q, k, k, None, 0.0, True, kv != heads)
+    def runs(kv: int) -> bool:  # views of a packed buffer, the layout cudnn_causal_attention passes
+        buf = torch.empty((CUDNN_BUCKET, heads + 2 * kv, head_dim), dtype=dtype, device=dev)
+        views = buf.transpose(0, 1).unsqueeze(0)
+        q, k, v = views[:, :heads], views[:, heads:heads + kv], views[:, heads + kv:]
+        params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, kv != heads)
         return bool(torch.backends.cuda.can_use_cudnn_attention(params, debug=False))
     return runs(kv_heads) or runs(heads)
 
@@ -146,6 +147,9 @@ def _packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> tor
 
 
 def _check_packed(packed: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: int) -> None:
+    """Shape, contiguity and that ``q``/``k``/``v`` are ``packed``'s head slices (pointers and strides).
+    That rows from ``T`` on are zero is the caller's contract, not checked (it would read the device):
+    a real row near ``T`` weighs a padded V row by 0, and 0 x NaN would be NaN."""
     heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
     if packed.shape != (rows, heads + 2 * kv_heads, dim) or not packed.is_contiguous():
         raise ValueError(f"packed must be a contiguous [{rows}, {heads + 2 * kv_heads}, {dim}] buffer for "

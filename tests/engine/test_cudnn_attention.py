@@ -113,8 +113,12 @@ def test_packed_buffer_is_checked_before_cudnn_runs() -> None:
     q, k, v = packed[:t, :h], packed[:t, h:h + hkv], packed[:t, h + hkv:]
     with pytest.raises(ValueError, match="packed must be a contiguous"):
         cudnn_causal_attention(q, k, v, 0.25, packed=torch.zeros(300, h + 2 * hkv, d))
+    with pytest.raises(ValueError, match="q is not the view"):
+        cudnn_causal_attention(q.clone(), k, v, 0.25, packed=packed)
     with pytest.raises(ValueError, match="k is not the view"):
         cudnn_causal_attention(q, k.clone(), v, 0.25, packed=packed)
+    with pytest.raises(ValueError, match="q is not the view"):  # the right pointer, other strides
+        cudnn_causal_attention(packed.view(-1)[:t * h * d].view(t, h, d), k, v, 0.25, packed=packed)
     with pytest.raises(ValueError, match="v is not the view"):
         cudnn_causal_attention(q, k, packed[:t, h:h + hkv], 0.25, packed=packed)
     n = CUDNN_MIN_TOKENS
@@ -137,31 +141,47 @@ def test_cudnn_over_a_packed_buffer_in_place_equals_the_copying_path() -> None:
 
 
 @pytest.mark.skipif(not HOPPER, reason="cuDNN fused attention on a Hopper GPU")
-def test_engine_prefill_through_the_packed_qkv_buffer_is_bit_identical(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("arch,quantization", [("llama", None), ("qwen2", "fp8")])
+def test_engine_prefill_through_the_packed_qkv_buffer_is_bit_identical(arch, quantization, tmp_path,
+                                                                      monkeypatch) -> None:
     """A fresh 1300-token prompt through the fused forward in bf16: the QKV projection written into
-    cuDNN's buffer gives the logprobs of the projection copied there, bit for bit."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    cuDNN's buffer gives the logprobs of the projection copied there, bit for bit; bf16 weights
+    (``torch.mm`` into the buffer) and FP8 weights with a QKV bias (Qwen2: ``torch._scaled_mm`` into the
+    buffer, then the bias added in place)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     from engine.attention.triton_backend import TritonAttentionBackend
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    cfg = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=4096,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    shape = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, bos_token_id=1,
+                 eos_token_id=2, tie_word_embeddings=False)
+    cfg = LlamaConfig(head_dim=64, **shape) if arch == "llama" else Qwen2Config(**shape)
     torch.manual_seed(5)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path / "m")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():  # a bias transformers leaves at zero would not show
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "m")
     prompt = [int(x) for x in torch.randint(3, 512, (1300,), generator=torch.Generator().manual_seed(6))]
     params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=1)
 
     def run() -> list:
         llm = LLM(str(tmp_path / "m"), dtype="bfloat16", device="cuda", attention_backend="triton",
-                  block_size=16, num_blocks=256, max_num_batched_tokens=2048, enable_prefix_caching=False)
+                  block_size=16, num_blocks=256, max_num_batched_tokens=2048, enable_prefix_caching=False,
+                  quantization=quantization)
         out = llm.generate([prompt], params)
         llm.core.check_no_leaks()
         return out
 
+    rows: list[int | None] = []
+    real = TritonAttentionBackend.fresh_qkv_rows
+    monkeypatch.setattr(TritonAttentionBackend, "fresh_qkv_rows",
+                        lambda self, *a: rows.append(real(self, *a)) or rows[-1])
     in_place = run()
+    assert 1536 in rows  # the prompt's step took the buffer
     monkeypatch.setattr(TritonAttentionBackend, "fresh_qkv_rows", lambda self, *a: None)
     copied = run()
     assert in_place[0].token_ids == copied[0].token_ids

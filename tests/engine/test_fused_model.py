@@ -250,8 +250,8 @@ def test_qkv_written_into_the_attention_buffer_changes_nothing(arch, quantizatio
 
     real = FusedCausalLM._packed_qkv
 
-    def spy(self, lay, backend, meta, kv_cache, t, x):
-        packed = real(self, lay, backend, meta, kv_cache, t, x)
+    def spy(self, lay, rows, t, x):
+        packed = real(self, lay, rows, t, x)
         if packed is not None:
             buffers.append((packed, t))
         return packed
