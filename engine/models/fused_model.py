@@ -319,8 +319,8 @@ class FusedCausalLM(torch.nn.Module):
     def _linear(self, name: str, x: torch.Tensor | Fp8Activation, weight: torch.Tensor | Fp8Weight | SplitFp8,
                 bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ weight^T + bias`` (``[T, N]``), written into ``out`` (contiguous ``[T, N]``) when given:
-        by the GEMM itself for pre-quantized FP8 activations and for multi-row float weights (the cuBLAS
-        call ``torch.nn.functional.linear`` makes), else copied there."""
+        by the GEMM itself for multi-row float weights (the cuBLAS call ``torch.nn.functional.linear``
+        makes) and where ``fp8_linear`` can (FP8 tensor cores, the block kernel), else copied there."""
         if isinstance(x, Fp8Activation):  # from _norm_into, for this very weight
             assert isinstance(weight, Fp8Weight)
             return fp8_linear_quantized(x, weight, bias, out=out)
@@ -328,6 +328,8 @@ class FusedCausalLM(torch.nn.Module):
             if bias is None:
                 return torch.mm(x, weight.t(), out=out)
             return torch.addmm(bias, x, weight.t(), out=out)
+        if out is not None and isinstance(weight, Fp8Weight):
+            return fp8_linear(x, weight, bias, use_kernels=self.use_triton or x.is_cuda, out=out)
         y = self._product(name, x, weight, bias)
         return out.copy_(y) if out is not None else y
 

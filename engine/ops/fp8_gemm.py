@@ -175,22 +175,32 @@ def block_gemm_tile(m: int) -> tuple[int, int, int, int]:
 
 
 def w8a8_block_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype,
-                    tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                    tile: tuple[int, int, int, int] | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of ``w8a8_block_gemm_reference``.
 
     Args:
         a: ``float8_e4m3fn [M, K]`` (unit column stride); a_scale: float32 ``[M, ceil(K / bk)]``.
         w: a ``"block"`` ``Fp8Weight`` (``block_k`` a power of two >= 16).
         tile: override ``block_gemm_tile(M)``.
+        out: where to write the product (``[M, N]`` of ``out_dtype``, unit column stride); a new tensor
+            when None.
 
     Returns:
-        ``[M, N]`` in ``out_dtype``.
+        ``[M, N]`` in ``out_dtype`` (``out`` when given).
+
+    Raises:
+        ValueError: ``out`` of another shape or dtype, or with a column stride other than 1.
     """
     assert w.block is not None and w.layout == "block"
     bn, bk = w.block
     m, k = a.shape
     n = w.out_features
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    elif out.shape != (m, n) or out.dtype != out_dtype or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be [{m}, {n}] {out_dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     if m == 0:
         return out
     block_m, block_n, warps, stages = tile or block_gemm_tile(m)
@@ -229,23 +239,28 @@ def scaled_fp8_linear_reference(x: torch.Tensor, w: Fp8Weight, bias: torch.Tenso
 
 
 def _scaled_fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
-                       gated: bool = False) -> torch.Tensor:
+                       gated: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     m = x.shape[0]
     if gated and w.input_scale is None:  # SiLU·mul folded into the per-token quantizer
         q, s = quantize_fp8_groups(x, x.shape[1] // 2, gated=True)
-        return _scaled_mm_rowwise(q, s, w, bias, x.dtype)
+        return _scaled_mm_rowwise(q, s, w, bias, x.dtype, out)
     if gated:
         x = silu_mul(x)
     if w.input_scale is not None and w.layout == "tensor":  # both per-tensor: cuBLASLt tensor-wise mode
         q = (x.float() / w.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        out = torch._scaled_mm(q, w.weight.t(), scale_a=w.input_scale, scale_b=w.scale, out_dtype=x.dtype)
-        return out + bias if bias is not None else out
+        y = torch._scaled_mm(q, w.weight.t(), scale_a=w.input_scale, scale_b=w.scale, out_dtype=x.dtype)
+        return _into(y + bias if bias is not None else y, out)
     if w.input_scale is not None:
         q = (x.float() / w.input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         s = w.input_scale.expand(m, 1).contiguous()
     else:
         q, s = quantize_fp8_groups(x, x.shape[1])  # one scale per token
-    return _scaled_mm_rowwise(q, s, w, bias, x.dtype)
+    return _scaled_mm_rowwise(q, s, w, bias, x.dtype, out)
+
+
+def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``y``, copied into ``out`` when given (a product computed where it could not be written there)."""
+    return out.copy_(y) if out is not None else y
 
 
 def _scaled_mm_rowwise(q: torch.Tensor, s: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
@@ -258,8 +273,7 @@ def _scaled_mm_rowwise(q: torch.Tensor, s: torch.Tensor, w: Fp8Weight, bias: tor
         return out.add_(bias) if bias is not None else out
     y = torch._scaled_mm(q, w.weight.t(), scale_a=s, scale_b=scale_b, out_dtype=torch.bfloat16)
     y = y.to(dtype)
-    y = y + bias if bias is not None else y
-    return out.copy_(y) if out is not None else y
+    return _into(y + bias if bias is not None else y, out)
 
 
 @dataclass(frozen=True)
@@ -296,7 +310,7 @@ def fp8_linear_quantized(a: Fp8Activation, w: Fp8Weight, bias: torch.Tensor | No
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_kernels: bool,
-               gated: bool = False) -> torch.Tensor:
+               gated: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ dequant(w)^T + bias`` as ``[M, N]`` in ``x.dtype``, activations quantized to FP8.
 
     ``use_kernels``: on CUDA a one-row ``x`` runs the weight-only ``fp8_gemv`` (``fp8_gemv_mma`` where
@@ -306,25 +320,27 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_ker
     plain-torch references. ``gated``: ``x`` is ``[M, 2 K]`` (gate | up, SwiGLU's down projection) and
     the product is taken with ``silu(gate) * up``: folded into the GEMV's loads or the dynamic activation
     quantizer where the kernels run (bit-identical to ``silu_mul`` first), ``silu_mul_reference`` first
-    otherwise.
+    otherwise. ``out``: a contiguous ``[M, N]`` of ``x``'s dtype the product is written into (by the block
+    kernel and by row-scaled bf16 ``torch._scaled_mm`` themselves, copied there by the other paths);
+    returned.
     """
     if use_kernels and x.is_cuda and x.shape[0] == 1:
         mma = fp8_gemv_mma_tile(w.weight.shape[0], w.layout, gated)
         if mma is not None:
-            return fp8_gemv_mma(x.contiguous(), w, bias, tile=mma)
+            return _into(fp8_gemv_mma(x.contiguous(), w, bias, tile=mma), out)
         tile = fp8_gemv_splitk_tile(w.weight.shape[0], w.layout, gated)
         if tile is not None:
-            return fp8_gemv_splitk(x.contiguous(), w, bias, tile=tile)
-        return fp8_gemv(x.contiguous(), w, bias, gated=gated)
+            return _into(fp8_gemv_splitk(x.contiguous(), w, bias, tile=tile), out)
+        return _into(fp8_gemv(x.contiguous(), w, bias, gated=gated), out)
     if w.layout == "block":
         assert w.block is not None
         if use_kernels:
             q, s = quantize_fp8_groups(x, w.block[1], gated=gated)
-            y = w8a8_block_gemm(q, s, w, x.dtype)
-        else:
-            q, s = quantize_fp8_groups_reference(silu_mul_reference(x) if gated else x, w.block[1])
-            y = w8a8_block_gemm_reference(q, s, w, x.dtype)
-        return y + bias if bias is not None else y
+            y = w8a8_block_gemm(q, s, w, x.dtype, out=out)
+            return y.add_(bias) if bias is not None else y
+        q, s = quantize_fp8_groups_reference(silu_mul_reference(x) if gated else x, w.block[1])
+        y = w8a8_block_gemm_reference(q, s, w, x.dtype)
+        return _into(y + bias if bias is not None else y, out)
     if use_kernels and _scaled_mm_ok(x, w):
-        return _scaled_fp8_linear(x, w, bias, gated)
-    return scaled_fp8_linear_reference(silu_mul_reference(x) if gated else x, w, bias)
+        return _scaled_fp8_linear(x, w, bias, gated, out)
+    return _into(scaled_fp8_linear_reference(silu_mul_reference(x) if gated else x, w, bias), out)

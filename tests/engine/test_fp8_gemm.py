@@ -210,3 +210,24 @@ def test_scaled_mm_gated_equals_silu_mul_first() -> None:
     w = Fp8Weight(w.weight.cuda(), w.scale.cuda(), "channel")
     assert torch.equal(fp8_linear(x, w, None, use_kernels=True, gated=True),
                        fp8_linear(silu_mul(x), w, None, use_kernels=True))
+
+
+def test_block_gemm_and_fp8_linear_write_into_out() -> None:
+    """``out=``: the block kernel writes the product into a given ``[M, N]`` (here the left columns of a
+    wider buffer, the way the fused model hands a QKV projection cuDNN's buffer), the bias added in place
+    by ``fp8_linear``: the values of the fresh-tensor call; other shapes or dtypes are refused."""
+    m, n, k, block = 33, 256, 384, (128, 128)
+    x, w = _case(m, n, k, block, seed=3)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(x.device)
+    q, s = quantize_fp8_groups(x, block[1])
+    wide = torch.full((m, n + 64), float("nan"), device=x.device)
+    got = w8a8_block_gemm(q, s, w, torch.float32, out=wide[:, :n])
+    assert got.data_ptr() == wide.data_ptr() and torch.equal(got, w8a8_block_gemm(q, s, w, torch.float32))
+    assert wide[:, n:].isnan().all()  # nothing written past the product's columns
+    into = torch.empty(m, n, device=x.device)
+    assert fp8_linear(x, w, bias, use_kernels=True, out=into) is into
+    assert torch.equal(into, fp8_linear(x, w, bias, use_kernels=True))
+    with pytest.raises(ValueError, match="out must be"):
+        w8a8_block_gemm(q, s, w, torch.float32, out=torch.empty(m, n, dtype=torch.float16, device=x.device))
+    with pytest.raises(ValueError, match="out must be"):
+        w8a8_block_gemm(q, s, w, torch.float32, out=torch.empty(m + 1, n, device=x.device))
