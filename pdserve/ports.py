@@ -1,30 +1,61 @@
 """Local TCP ports for the processes ``pdserve up`` (and the tests and benches) start: free ports chosen
 without repeats, runs of consecutive free ports, whether a port is taken, and the address a server bound
 to a host is reached at.
+
+Ports are chosen below the kernel's ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``, where
+outgoing connections get their local ports): a port is chosen here, released, and bound by the child a
+moment later, and a port from the ephemeral range can be handed to any process's outgoing connection in
+between (a prefill worker's metrics port once was, in CI: ``Address already in use`` at start-up).
 """
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+# listening ports are drawn from [PORT_FLOOR, start of the ephemeral range) when that holds at least
+# MIN_SPAN ports; otherwise the kernel chooses (bind to port 0)
+PORT_FLOOR = 10000
+MIN_SPAN = 1000
+_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_DRAW = random.SystemRandom()  # not the global generator: a test seeding it would make processes agree
+
+
+def ephemeral_start() -> int | None:
+    """The first port of the kernel's ephemeral range, or None where it cannot be read (not Linux)."""
+    try:
+        return int(_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close). Two calls may
-    return the same port (the first was closed): use ``free_ports`` for several."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free on ``host`` a moment ago (``free_ports`` of one). Two calls may return
+    the same port (the first was released): use ``free_ports`` for several."""
+    return free_ports(1, host=host)[0]
 
 
 def free_ports(n: int, exclude: tuple[int, ...] = (), host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct TCP ports free on ``host`` a moment ago, none in ``exclude`` (e.g. an HTTP port
-    chosen but not bound yet): all are held open while choosing, so none repeats (sequential
-    ``free_port`` calls once gave a test system's gateway the same port for HTTP and its control socket)."""
+    chosen but not bound yet), drawn at random below the ephemeral range (module docstring): all are held
+    open while choosing, so none repeats (sequential ``free_port`` calls once gave a test system's
+    gateway the same port for HTTP and its control socket). Where the range below is too small or too
+    busy, the kernel chooses them (bind to port 0)."""
     held: list[socket.socket] = []
+    top = ephemeral_start()
+    draws = 0
     try:
         while len([s for s in held if s.getsockname()[1] not in exclude]) < n:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             held.append(s)
+            if top is not None and top - PORT_FLOOR >= MIN_SPAN and draws < 20 * n + 100:
+                draws += 1
+                try:
+                    s.bind((host, _DRAW.randrange(PORT_FLOOR, top)))
+                except OSError:  # taken: another draw
+                    held.pop().close()
+                continue
             s.bind((host, 0))
         return [int(s.getsockname()[1]) for s in held if s.getsockname()[1] not in exclude]
     finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 
 from gateway.text import TextProcessor
 from kvtransfer.curve import generate_keys
+from pdserve import ports
 
 ROOT = Path(__file__).resolve().parents[2]
 # one TLS context for the clients of every cluster: a new httpx client loads the CA bundle (~20 ms of CPU),
@@ -43,15 +43,8 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1 (all held open while choosing, so none repeats)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct free TCP ports on 127.0.0.1, below the ephemeral range (``pdserve.ports``)."""
+    return ports.free_ports(n)
 
 
 def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
