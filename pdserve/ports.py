@@ -5,7 +5,7 @@ to a host is reached at.
 Ports are chosen below the kernel's ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``, where
 outgoing connections get their local ports): a port is chosen here, released, and bound by the child a
 moment later, and a port from the ephemeral range can be handed to any process's outgoing connection in
-between (a prefill worker's metrics port once was, in CI: ``Address already in use`` at start-up).
+between, after which the child's bind fails with ``Address already in use``.
 """
 
 from __future__ import annotations
