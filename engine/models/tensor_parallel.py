@@ -283,8 +283,8 @@ class TensorParallelCausalLM(FusedCausalLM):
         if out is not None:  # a column-parallel projection (QKV) written into the attention's buffer
             return super()._linear(name, x, weight, bias, out=out)
         if name in ("o", "down"):
-            out = self.tp.all_reduce(super()._linear(name, x, weight, None))
-            return out if bias is None else out + bias
+            y = self.tp.all_reduce(super()._linear(name, x, weight, None))
+            return y if bias is None else y + bias
         if name == "lm_head":
             return self.tp.all_gather_last(super()._linear(name, x, weight, bias))[..., :self.vocab_size]
         return super()._linear(name, x, weight, bias)
