@@ -34,6 +34,7 @@ from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, i
 from engine.models.loader import load_model, resolve_device
 from engine.models.tensor_parallel import TensorParallelCausalLM, load_sharded_model, local_config
 from engine.ops.cudnn_attention import warm_cudnn_plans
+from engine.ops.cudnn_paged_prefill import warm_paged_prefill_graphs
 from engine.ops.pdl import set_pdl
 from engine.prompt_logprobs import prompt_token_logprobs
 from engine.sampler import GrammarMask, Sampler, SampleResult, SamplingRow, is_plain_greedy
@@ -136,6 +137,7 @@ class ModelRunner:
         if wanted is not None and wanted > limit:
             raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
         self.max_model_len = wanted or limit
+        self.backend.set_step_limits(engine_config.scheduler.max_num_batched_tokens, self.max_model_len)
         self.net = self._forward_model(engine_config.model.fused_ops)
         self.vocab_size = int(cfg.vocab_size)
         num_heads = int(cfg.num_attention_heads)
@@ -174,7 +176,9 @@ class ModelRunner:
     def warm_attention_plans(self, max_tokens: int) -> int:
         """Build the attention plans a fresh prompt of up to ``max_tokens`` tokens needs on this worker
         (``engine.ops.cudnn_attention.warm_cudnn_plans``: the triton backend's cuDNN path, this rank's
-        heads); returns how many (0 where the path is off: another backend, an FP8 cache, no Hopper GPU)."""
+        heads) and the cuDNN paged prefill graphs of every sequence-count bucket
+        (``engine.ops.cudnn_paged_prefill.warm_paged_prefill_graphs``); returns how many (0 where the paths
+        are off: another backend, an FP8 cache, no Hopper GPU or no cuDNN frontend)."""
         if not getattr(self.backend, "cudnn_fresh_prefill", False) or self.device.type != "cuda":
             return 0
         if self.kv_cache.k_cache(0).dtype != self.dtype:
@@ -182,7 +186,13 @@ class ModelRunner:
         cfg = self.hf_config
         heads = int(cfg.num_attention_heads) // (self.tp.size if self.tp.distributed else 1)
         _, _, kv_heads, head_dim = self.kv_cache.k_cache(0).shape
-        return warm_cudnn_plans(heads, int(kv_heads), int(head_dim), self.dtype, self.device, max_tokens)
+        fresh = warm_cudnn_plans(heads, int(kv_heads), int(head_dim), self.dtype, self.device, max_tokens)
+        if not getattr(self.backend, "cudnn_paged_prefill", False):
+            return fresh
+        probe = torch.empty((1, heads, int(head_dim)), dtype=self.dtype, device=self.device)
+        scheduler = self.config.scheduler
+        return fresh + warm_paged_prefill_graphs(probe, self.kv_cache.k_cache(0), scheduler.max_num_seqs,
+                                                 scheduler.max_num_batched_tokens, self.max_model_len)
 
     def _forward_model(self, fused_ops: str) -> torch.nn.Module:
         """``FusedCausalLM`` when ``fused_ops`` asks for it (``auto``: on CUDA and a supported model), with

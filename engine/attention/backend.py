@@ -28,6 +28,12 @@ class AttentionBackend(ABC):
 
     name: str = "base"
 
+    def set_step_limits(self, max_query_len: int, max_seq_len: int) -> None:
+        """The engine's limits: no step has more new tokens than ``max_query_len`` (the token budget) or a
+        sequence longer than ``max_seq_len`` (``max_model_len``). Backends that size kernels or plans by
+        them keep them; the default ignores them."""
+        return None
+
     def forward(
         self,
         layer: int,

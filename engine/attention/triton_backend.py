@@ -3,7 +3,9 @@ K/V (``rotary_store_kv`` when the model hands RoPE to the backend: rotation and 
 decode-only step both happen inside the decode kernel); the first ``num_decodes`` sequences go through
 the split-K paged decode kernel (Flash-Decoding), the rest through the paged prefill kernel
 (FlashAttention-2 with a cached prefix); a step of one long prompt with no cached context attends through
-cuDNN instead (engine/ops/cudnn_attention.py). Grid sizes come from the python ints of
+cuDNN instead (engine/ops/cudnn_attention.py), and on Hopper the prefill sequences of a step whose KV
+reaches ``CUDNN_PAGED_MIN_KV`` tokens through cuDNN's paged attention (engine/ops/cudnn_paged_prefill.py).
+Grid sizes come from the python ints of
 ``AttentionMetadata``: no host synchronisation. On CPU it runs only under Triton's interpreter
 (``TRITON_INTERPRET=1``: tests).
 """
@@ -15,6 +17,13 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.ops.cudnn_attention import cudnn_causal_attention, fresh_prefill_rows, fresh_prefill_usable
+from engine.ops.cudnn_paged_prefill import (
+    PagedPrefillInputs,
+    cudnn_paged_prefill,
+    paged_graph_key,
+    paged_prefill_inputs,
+    paged_prefill_usable,
+)
 from engine.ops.paged_decode import RopeStore, paged_decode_attention, rope_fusable
 from engine.ops.paged_prefill import paged_prefill_attention
 from engine.ops.rotary import apply_rotary
@@ -33,6 +42,20 @@ class TritonAttentionBackend(AttentionBackend):
     # one long prompt with no cached context through cuDNN (engine/ops/cudnn_attention.py); the switch exists
     # for same-process benchmarks (bench.engine.fp8, bench.engine.prefill)
     cudnn_fresh_prefill = True
+    # prefill sequences over a long KV through cuDNN's paged attention (engine/ops/cudnn_paged_prefill.py);
+    # the switch exists for same-process benchmarks (bench.kernels.prefill_attention, bench.engine.fp8)
+    cudnn_paged_prefill = True
+
+    def __init__(self) -> None:
+        # the last step's cuDNN inputs, built by its first layer and reused by the others (the step's
+        # metadata object, held so that its identity is not reused while cached)
+        self._paged_step: tuple[AttentionMetadata, PagedPrefillInputs] | None = None
+        self._step_limits: tuple[int, int] | None = None  # set_step_limits: cuDNN's bucket lengths
+
+    def set_step_limits(self, max_query_len: int, max_seq_len: int) -> None:
+        """See ``AttentionBackend.set_step_limits``: the query and KV lengths of the cuDNN paged graphs
+        (padding them is free, so one bucket covers every step)."""
+        self._step_limits = (max_query_len, max_seq_len)
 
     def fresh_qkv_rows(self, meta: AttentionMetadata, heads: int, kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device, k_cache_dtype: torch.dtype) -> int | None:
@@ -101,10 +124,31 @@ class TritonAttentionBackend(AttentionBackend):
                 q[:nd], k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale,
                 out=out[:nd], kv_scale=kv_scale,
             )
-        if meta.num_seqs > nd:
+        if meta.num_seqs > nd and not self._cudnn_prefill(q, k_cache, v_cache, meta, scale, out):
             paged_prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 meta.max_query_len, scale, seq_offset=nd, out=out, kv_scale=kv_scale,
                 max_seq_len=meta.max_seq_len,
             )
         return out
+
+    def _cudnn_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
+        """The step's prefill sequences through ``cudnn_paged_prefill`` where ``paged_prefill_usable``
+        (a KV of ``CUDNN_PAGED_MIN_KV`` tokens or more, a Hopper GPU, a cache of ``q``'s dtype); the
+        graph's inputs are built by the step's first layer. False where the step stays on the Triton
+        kernel (nothing written)."""
+        if not self.cudnn_paged_prefill or not paged_prefill_usable(q, k_cache, meta.max_seq_len):
+            return False
+        nd = meta.num_decodes
+        cached = self._paged_step
+        if cached is not None and cached[0] is meta:
+            inputs = cached[1]
+        else:
+            max_query_len, max_seq_len = self._step_limits or (0, 0)
+            key = paged_graph_key(q, k_cache, meta.num_seqs - nd, max(max_query_len, meta.max_query_len),
+                                  max(max_seq_len, meta.max_seq_len))
+            inputs = paged_prefill_inputs(key, meta.block_tables, meta.seq_lens, meta.query_start_loc, nd,
+                                          meta.num_decode_tokens, scale)
+            self._paged_step = (meta, inputs)
+        return cudnn_paged_prefill(q, k_cache, v_cache, inputs, out, meta.num_decode_tokens)

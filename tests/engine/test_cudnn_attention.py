@@ -82,7 +82,7 @@ def test_triton_backend_takes_cudnn_for_a_fresh_long_prompt() -> None:
     backend = TritonAttentionBackend()
     fused = backend.forward(0, q.clone(), k.clone(), v.clone(), pool, meta, d ** -0.5)
     torch.testing.assert_close(fused, cudnn_causal_attention(q, k, v, d ** -0.5), rtol=0, atol=0)
-    backend.cudnn_fresh_prefill = False
+    backend.cudnn_fresh_prefill = backend.cudnn_paged_prefill = False
     paged = backend.forward(0, q.clone(), k.clone(), v.clone(), pool, meta, d ** -0.5)
     torch.testing.assert_close(fused.float(), paged.float(), rtol=2e-2, atol=2e-2)
 
