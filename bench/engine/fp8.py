@@ -167,10 +167,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     times = Spread.of(time_prefill(core, args.prefill_tokens, args.repeats))
     backend = core.runner.backend
     paged: Spread | None = None
-    if getattr(backend, "cudnn_fresh_prefill", False):  # the same prefill with the paged kernel for attention
-        backend.cudnn_fresh_prefill = False  # type: ignore[attr-defined]
+    if getattr(backend, "cudnn_fresh_prefill", False):  # the same prefill with the paged Triton kernel
+        backend.cudnn_fresh_prefill = backend.cudnn_paged_prefill = False  # type: ignore[attr-defined]
         paged = Spread.of(time_prefill(core, args.prefill_tokens, args.repeats))
-        backend.cudnn_fresh_prefill = True  # type: ignore[attr-defined]
+        backend.cudnn_fresh_prefill = backend.cudnn_paged_prefill = True  # type: ignore[attr-defined]
     gemms = scaled_mm_ceiling(shapes, args.prefill_tokens, device, args.gemm_repeats)
     ceiling = layers * sum(s.min for s in gemms.values())
     x = torch.randn(args.prefill_tokens, shapes[0][2], device=device, dtype=torch.bfloat16)

@@ -237,6 +237,36 @@ def kernel_call(inp: Inputs, scale: float, cand: Candidate) -> Callable[[], torc
         longest_first=cand.longest_first, max_seq_len=max_seq_len, num_splits=cand.num_splits)
 
 
+def cudnn_paged_call(inp: Inputs, scale: float) -> Callable[[], torch.Tensor]:
+    """The same case through cuDNN's paged attention (``engine.ops.cudnn_paged_prefill``, the graph of the
+    case's own bucket, inputs built once as a step does); returns ``[S N, H, D]``.
+
+    Raises:
+        RuntimeError: no cuDNN frontend, or cuDNN refused the bucket.
+    """
+    from engine.ops.cudnn_paged_prefill import (
+        cudnn_paged_prefill,
+        frontend_available,
+        paged_graph_key,
+        paged_prefill_graph,
+        paged_prefill_inputs,
+    )
+
+    if not frontend_available():
+        raise RuntimeError("the cuDNN frontend (nvidia-cudnn-frontend) is not installed")
+    seqs = inp.block_tables.shape[0]
+    key = paged_graph_key(inp.q, inp.k_cache, seqs, inp.q.shape[0] // seqs, int(inp.sdpa_k.shape[2]))
+    if paged_prefill_graph(key) is None:
+        raise RuntimeError(f"cuDNN refused the bucket {key}")
+    inputs = paged_prefill_inputs(key, inp.block_tables, inp.seq_lens, inp.query_start_loc, 0, 0, scale)
+    out = torch.empty_like(inp.q)
+
+    def call() -> torch.Tensor:
+        cudnn_paged_prefill(inp.q, inp.k_cache, inp.v_cache, inputs, out, 0)
+        return out
+    return call
+
+
 def rel_error(out: torch.Tensor, sdpa_out: torch.Tensor) -> float:
     """max |out - SDPA| / max |SDPA| with ``out [S N, H, D]`` and ``sdpa_out [S, H, N, D]``."""
     s, h, n, d = sdpa_out.shape
@@ -267,6 +297,8 @@ def measure_case(case: Case, shape: Shape, device: torch.device, cands: tuple[Ca
         except Exception as exc:  # cuDNN attention absent or refusing these inputs: named, skipped
             res["cudnn"] = {"failed": f"{type(exc).__name__}: {str(exc)[:160]}"}
             print(f"# {case.label}: cuDNN SDPA failed: {res['cudnn']['failed']}", flush=True)
+    if device.type == "cuda":
+        res["cudnn_paged"] = _cudnn_paged_row(case, inp, scale, ref, flops, repeats)
     for cand in cands:
         fn = kernel_call(inp, scale, cand)
         row: dict[str, Any] = {"candidate": cand.label, "pack_gqa": cand.pack_gqa,
@@ -295,6 +327,28 @@ def measure_case(case: Case, shape: Shape, device: torch.device, cands: tuple[Ca
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return res
+
+
+def _cudnn_paged_row(case: Case, inp: Inputs, scale: float, ref: torch.Tensor, flops: float,
+                     repeats: int) -> dict[str, Any]:
+    """cuDNN's paged attention on the case beside the default kernel, both timed by ``time_calls`` (3
+    warm-up calls, then ``repeats``) in turn; prints one comment line with the ratio of their medians."""
+    device = inp.q.device
+    try:
+        cudnn = cudnn_paged_call(inp, scale)
+        err = rel_error(cudnn(), ref)
+    except Exception as exc:  # no frontend, or cuDNN refusing the bucket: named, skipped
+        print(f"# {case.label}: cuDNN paged failed: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        return {"failed": f"{type(exc).__name__}: {str(exc)[:160]}"}
+    triton = kernel_call(inp, scale, Candidate())
+    t_cudnn = Spread.of(time_calls(cudnn, device, warmup=3, repeats=repeats))
+    t_triton = Spread.of(time_calls(triton, device, warmup=3, repeats=repeats))
+    ratio = t_cudnn.median / t_triton.median
+    print(f"# {case.label}: cuDNN paged {t_cudnn.scaled(1e3).fmt('.3f', ' ms')}, "
+          f"{flops / t_cudnn.median / 1e12:.1f} TFLOP/s (err {err:.1e}); default kernel "
+          f"{t_triton.scaled(1e3).fmt('.3f', ' ms')}; cuDNN / kernel time (medians) {ratio:.2f}", flush=True)
+    return {"seconds": t_cudnn.as_dict(), "tflops": flops / t_cudnn.median / 1e12, "rel_err": err,
+            "kernel_seconds": t_triton.as_dict(), "over_kernel_time": ratio}
 
 
 def overall_best(cases: list[dict[str, Any]]) -> dict[str, Any] | None:
