@@ -179,14 +179,14 @@ class ModelRunner:
         heads) and the cuDNN paged prefill graphs of every sequence-count bucket
         (``engine.ops.cudnn_paged_prefill.warm_paged_prefill_graphs``); returns how many (0 where the paths
         are off: another backend, an FP8 cache, no Hopper GPU or no cuDNN frontend)."""
-        if not getattr(self.backend, "cudnn_fresh_prefill", False) or self.device.type != "cuda":
-            return 0
-        if self.kv_cache.k_cache(0).dtype != self.dtype:
+        if self.device.type != "cuda" or self.kv_cache.k_cache(0).dtype != self.dtype:
             return 0
         cfg = self.hf_config
         heads = int(cfg.num_attention_heads) // (self.tp.size if self.tp.distributed else 1)
         _, _, kv_heads, head_dim = self.kv_cache.k_cache(0).shape
-        fresh = warm_cudnn_plans(heads, int(kv_heads), int(head_dim), self.dtype, self.device, max_tokens)
+        fresh = 0
+        if getattr(self.backend, "cudnn_fresh_prefill", False):
+            fresh = warm_cudnn_plans(heads, int(kv_heads), int(head_dim), self.dtype, self.device, max_tokens)
         if not getattr(self.backend, "cudnn_paged_prefill", False):
             return fresh
         probe = torch.empty((1, heads, int(head_dim)), dtype=self.dtype, device=self.device)

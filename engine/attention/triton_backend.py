@@ -12,6 +12,8 @@ Grid sizes come from the python ints of
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from engine.attention.backend import AttentionBackend
@@ -47,9 +49,9 @@ class TritonAttentionBackend(AttentionBackend):
     cudnn_paged_prefill = True
 
     def __init__(self) -> None:
-        # the last step's cuDNN inputs, built by its first layer and reused by the others (the step's
-        # metadata object, held so that its identity is not reused while cached)
-        self._paged_step: tuple[AttentionMetadata, PagedPrefillInputs] | None = None
+        # the last step's cuDNN inputs, built by its first layer and reused by the others, keyed by a weak
+        # reference to the step's metadata (a dead reference never matches a new step)
+        self._paged_step: tuple[weakref.ref[AttentionMetadata], PagedPrefillInputs] | None = None
         self._step_limits: tuple[int, int] | None = None  # set_step_limits: cuDNN's bucket lengths
 
     def set_step_limits(self, max_query_len: int, max_seq_len: int) -> None:
@@ -135,14 +137,15 @@ class TritonAttentionBackend(AttentionBackend):
     def _cudnn_prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
         """The step's prefill sequences through ``cudnn_paged_prefill`` where ``paged_prefill_usable``
-        (a KV of ``CUDNN_PAGED_MIN_KV`` tokens or more, a Hopper GPU, a cache of ``q``'s dtype); the
+        (a step whose longest sequence has ``CUDNN_PAGED_MIN_KV`` tokens or more, a Hopper GPU, a cache
+        of ``q``'s dtype); the
         graph's inputs are built by the step's first layer. False where the step stays on the Triton
         kernel (nothing written)."""
-        if not self.cudnn_paged_prefill or not paged_prefill_usable(q, k_cache, meta.max_seq_len):
+        if not self.cudnn_paged_prefill or not paged_prefill_usable(q, k_cache, v_cache, meta.max_seq_len):
             return False
         nd = meta.num_decodes
         cached = self._paged_step
-        if cached is not None and cached[0] is meta:
+        if cached is not None and cached[0]() is meta:
             inputs = cached[1]
         else:
             max_query_len, max_seq_len = self._step_limits or (0, 0)
@@ -150,5 +153,5 @@ class TritonAttentionBackend(AttentionBackend):
                                   max(max_seq_len, meta.max_seq_len))
             inputs = paged_prefill_inputs(key, meta.block_tables, meta.seq_lens, meta.query_start_loc, nd,
                                           meta.num_decode_tokens, scale)
-            self._paged_step = (meta, inputs)
+            self._paged_step = (weakref.ref(meta), inputs)
         return cudnn_paged_prefill(q, k_cache, v_cache, inputs, out, meta.num_decode_tokens)

@@ -11,17 +11,15 @@ gather); the plain-torch reference is ``paged_prefill_attention_reference``. The
 are ragged (one offset per sequence), the lengths come from device tensors (``use_padding_mask`` with
 per-sequence query and KV lengths), so one built graph serves every step whose sequence count, longest
 query and longest KV fit its bucket (``PagedGraphKey``: powers of two); sequences past the step's count
-have length 0. Padding the lengths costs nothing measurable (H200: a 770-token query over 15k cached
-tokens took 0.518 ms in a (1024, 16384) bucket, 0.516-0.522 ms in (8192, 16384) and (1024, 131072)), so the
-backend sizes them to the engine's token budget and ``max_model_len``; padding the sequence count costs
-~35 us at 256 (0.555 ms), so counts are bucketed. cuDNN builds a graph in 45-60 ms on an H200, so
+have length 0. Padding the lengths costs nothing measurable on an H200, so the backend sizes them to
+the engine's token budget and ``max_model_len``; padding the sequence count to 256 costs tens of
+microseconds, so counts are bucketed. cuDNN builds a graph in ~50 ms on an H200, so
 ``warm_paged_prefill_graphs`` builds the buckets a worker can meet before it reports ready.
 
-Measured on an H200 (Llama-3-8B heads, bf16, block_size 16, 2026-12-04): 770 new tokens over 15k cached
-ones 0.565 ms against 0.693 ms in the Triton kernel, 8 such sequences 3.21 against 4.37 ms, 2048 over 14k
-1.07 against 1.49 ms; short KVs gain nothing (8 x 770 fresh tokens 1.08x the Triton time), hence
-``CUDNN_PAGED_MIN_KV``. A fresh long prompt keeps the dense cuDNN path (engine/ops/cudnn_attention.py),
-faster still.
+On an H200 (docs/benchmarks/engine.md) it takes 0.68-0.87x the Triton kernel's time on the benchmark's
+cases; the engine uses it from ``CUDNN_PAGED_MIN_KV`` tokens of KV on, where the gain was measured
+first (a step's longest sequence, decode rows included). A fresh long prompt keeps the dense cuDNN path
+(engine/ops/cudnn_attention.py), faster still.
 
 Determinism: cuDNN's forward has no atomics, so a given step shape gives the same bits run after run (a
 GPU test checks it); the bits differ from the Triton kernel's, so the choice depends only on the step's
@@ -46,6 +44,7 @@ log = logging.getLogger("pdserve.engine")
 # a step's prefill sequences go through cuDNN when the longest of them reaches this many tokens of KV
 CUDNN_PAGED_MIN_KV = 2048
 _MIN_QUERY_BUCKET = 128  # smallest query-length bucket (tokens)
+_MAX_OFFSET = 2 ** 31  # the ragged offsets are int32 element indices
 _UIDS = {"q": 1, "k": 2, "v": 3, "o": 4, "seq_len_q": 5, "seq_len_kv": 6, "page_table": 7, "q_offsets": 8,
          "o_offsets": 9, "scale": 10}
 
@@ -57,10 +56,9 @@ def _pow2(n: int) -> int:
 @dataclass(frozen=True)
 class PagedGraphKey:
     """What a built graph is specialised on: the device, dtype, heads and head size, the cache's pages
-    (count, tokens per page, strides), the query rows' token stride (elements), the softmax scale, and
-    the bucket: ``batch`` sequences, queries of up to ``max_query_len`` and KVs of up to ``max_seq_len``
-    tokens (each a power of two). Queries are given ``[T, H, D]``-contiguous and the softmax scale at run
-    time, so neither is part of the key."""
+    (count, tokens per page, strides), and the bucket: ``batch`` sequences, queries of up to
+    ``max_query_len`` and KVs of up to ``max_seq_len`` tokens (each a power of two). Queries are given
+    ``[T, H, D]``-contiguous and the softmax scale at run time, so neither is part of the key."""
 
     device_index: int
     dtype: torch.dtype
@@ -73,6 +71,11 @@ class PagedGraphKey:
     batch: int
     max_query_len: int
     max_seq_len: int
+
+    @property
+    def pages(self) -> int:
+        """Block-table width of the bucket: pages of ``block_size`` tokens covering ``max_seq_len``."""
+        return -(-self.max_seq_len // self.block_size)
 
 
 def paged_graph_key(q: torch.Tensor, k_cache: torch.Tensor, num_seqs: int, max_query_len: int,
@@ -103,13 +106,18 @@ def _hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def paged_prefill_usable(q: torch.Tensor, k_cache: torch.Tensor, max_seq_len: int) -> bool:
+def paged_prefill_usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         max_seq_len: int) -> bool:
     """Whether a step's prefill sequences may go through ``cudnn_paged_prefill``: a float16/bfloat16 ``q``
-    on a Hopper-or-newer CUDA device, a cache of the same dtype (an FP8 cache stays on the Triton kernel,
-    which dequantizes), unit last strides, a KV of at least ``CUDNN_PAGED_MIN_KV`` tokens, outside the
-    Triton interpreter, with the frontend installed. Python ints only: no device read."""
+    on a Hopper-or-newer CUDA device, K and V caches of the same dtype (an FP8 cache stays on the Triton
+    kernel, which dequantizes) and strides, unit last strides, fewer than 2**31 query elements (the
+    graph's offsets are int32), a step whose longest sequence has at least ``CUDNN_PAGED_MIN_KV`` tokens
+    (``max_seq_len``), outside the Triton interpreter, with the frontend installed. Python ints only: no
+    device read."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and k_cache.dtype == q.dtype
-            and max_seq_len >= CUDNN_PAGED_MIN_KV and q.stride(2) == 1 and k_cache.stride(3) == 1):
+            and max_seq_len >= CUDNN_PAGED_MIN_KV and q.stride(2) == 1 and k_cache.stride(3) == 1
+            and v_cache.dtype == k_cache.dtype and v_cache.stride() == k_cache.stride()
+            and q.numel() < _MAX_OFFSET):
         return False
     if os.environ.get("TRITON_INTERPRET") == "1" or not frontend_available():
         return False
@@ -131,7 +139,7 @@ class PagedPrefillGraph:
         self.handle = _handle(key.device_index)
         io = cudnn.data_type.BFLOAT16 if key.dtype == torch.bfloat16 else cudnn.data_type.HALF
         b, h, hkv, d = key.batch, key.heads, key.kv_heads, key.head_dim
-        sq, pages = key.max_query_len, key.max_seq_len // key.block_size
+        sq, pages = key.max_query_len, key.pages
         g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
 
@@ -205,7 +213,7 @@ def paged_prefill_graph(key: PagedGraphKey, warming: bool = False) -> PagedPrefi
     start = time.monotonic()
     try:
         graph: PagedPrefillGraph | None = PagedPrefillGraph(key)
-    except RuntimeError as exc:
+    except Exception as exc:  # the frontend's own error types (and a library that fails to load): fall back
         log.warning("cudnn_paged_prefill_unsupported error=%s", exc)
         graph = None
     _graphs[key] = graph
@@ -245,7 +253,7 @@ def paged_prefill_inputs(key: PagedGraphKey, block_tables: torch.Tensor, seq_len
     """
     starts = query_start_loc[seq_offset:].to(torch.int32) - first_token  # [n + 1]
     n = starts.shape[0] - 1
-    pages = key.max_seq_len // key.block_size
+    pages = key.pages
     if n > key.batch or block_tables.shape[1] > pages:
         raise ValueError(f"{n} sequences / {block_tables.shape[1]} pages do not fit the bucket {key}")
     dev = block_tables.device
@@ -289,10 +297,10 @@ def warm_paged_prefill_graphs(q_probe: torch.Tensor, k_cache: torch.Tensor, max_
     ``max_model_len``: one bucket each, the lengths being free to pad), for queries like ``q_probe``
     (``[1, H, D]``: device, dtype, heads). Returns the number of graphs built or found (0 where
     ``paged_prefill_usable`` would never take the path)."""
-    if max_seq_len < CUDNN_PAGED_MIN_KV or not paged_prefill_usable(q_probe, k_cache, max_seq_len):
+    if max_seq_len < CUDNN_PAGED_MIN_KV or not paged_prefill_usable(q_probe, k_cache, k_cache, max_seq_len):
         return 0
     count, seqs = 0, 1
-    while seqs <= _pow2(max_seqs):
+    while seqs <= _pow2(max_seqs):  # 1, 2, 4, .. the power of two at or above max_seqs
         key = paged_graph_key(q_probe, k_cache, seqs, max_query_len, max_seq_len)
         count += paged_prefill_graph(key, warming=True) is not None
         seqs *= 2

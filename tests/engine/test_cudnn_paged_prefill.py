@@ -62,11 +62,77 @@ def test_step_inputs_skip_the_decode_rows_and_pad_the_bucket() -> None:
                              1, 1, 0.125)
 
 
-def test_not_usable_off_a_gpu_or_on_a_short_kv() -> None:
+def test_bucket_pages_cover_the_kv_for_any_block_size() -> None:
+    """A block size that does not divide the bucket's KV length: the page table is rounded up, so a
+    step's block table (ceil(4096 / 24) = 171 pages) fits."""
+    q = torch.zeros(5, 8, 64, dtype=torch.bfloat16)
+    k_cache = torch.zeros(400, 24, 2, 64, dtype=torch.bfloat16)
+    key = paged_graph_key(q, k_cache, 1, 5, 4096)
+    assert key.pages == 171
+    tables = torch.arange(171, dtype=torch.int32).view(1, 171)
+    inputs = paged_prefill_inputs(key, tables, torch.tensor([4096], dtype=torch.int32),
+                                  torch.tensor([0, 5], dtype=torch.int32), 0, 0, 0.125)
+    assert torch.equal(inputs.page_table.view(1, 171), tables)
+
+
+def test_not_usable_off_a_gpu() -> None:
     q = torch.zeros(3, 8, 64, dtype=torch.bfloat16)
     k_cache = torch.zeros(40, 16, 2, 64, dtype=torch.bfloat16)
-    assert not paged_prefill_usable(q, k_cache, 4 * CUDNN_PAGED_MIN_KV)
+    assert not paged_prefill_usable(q, k_cache, k_cache, 4 * CUDNN_PAGED_MIN_KV)
     assert warm_paged_prefill_graphs(q[:1], k_cache, 8, 2048, 8192) == 0
+
+
+@pytest.mark.parametrize("cudnn_runs", [True, False])
+def test_backend_builds_the_inputs_once_per_step_and_falls_back(monkeypatch: pytest.MonkeyPatch,
+                                                                 cudnn_runs: bool) -> None:
+    """The triton backend's dispatch with the cuDNN call replaced (CPU, Triton interpreter): a decode row
+    then a prefill sequence, two layers of one step. The step's inputs are built once and handed to both
+    layers, the prefill rows start after the decode row; where cuDNN refuses (the call returns False)
+    the Triton kernel's output is returned, bit for bit the output with the path switched off."""
+    import engine.attention.triton_backend as tb
+    from engine.attention.metadata import build_attention_metadata
+    from engine.kv_cache import KVCachePool
+
+    built: list[object] = []
+    calls: list[tuple[int, int]] = []
+
+    def inputs(*args: object) -> object:
+        result = paged_prefill_inputs(*args)  # type: ignore[arg-type]
+        built.append(result)
+        return result
+
+    def fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step_inputs: object,
+             out: torch.Tensor, first_token: int) -> bool:
+        calls.append((id(step_inputs), first_token))
+        if cudnn_runs:
+            out[first_token:] = 7.0
+        return cudnn_runs
+
+    monkeypatch.setattr(tb, "paged_prefill_usable", lambda *args: True)
+    monkeypatch.setattr(tb, "paged_prefill_inputs", inputs)
+    monkeypatch.setattr(tb, "cudnn_paged_prefill", fake)
+    gen = torch.Generator().manual_seed(6)
+    h, hkv, d, bs = 4, 2, 16, 16
+    pool = KVCachePool(num_layers=2, num_blocks=12, block_size=bs, num_kv_heads=hkv, head_dim=d,
+                       dtype=torch.float32, device=torch.device("cpu"))
+    meta = build_attention_metadata([[0, 1], [2, 3, 4]], [20, 30], [1, 9], bs, "cpu")
+    q, k, v = (torch.randn(10, x, d, generator=gen) for x in (h, hkv, hkv))
+    backend = tb.TritonAttentionBackend()
+    scale = d ** -0.5
+    outs = [backend.forward(layer, q.clone(), k.clone(), v.clone(), pool, meta, scale) for layer in (0, 1)]
+    assert len(built) == 1 and calls == [(id(built[0]), 1)] * 2
+    backend.cudnn_paged_prefill = False
+    off = backend.forward(1, q.clone(), k.clone(), v.clone(), pool, meta, d ** -0.5)
+    assert len(calls) == 2  # switched off: not asked
+    assert torch.equal(outs[1][:1], off[:1])  # the decode row comes from the decode kernel either way
+    if cudnn_runs:
+        assert bool((outs[1][1:] == 7.0).all())
+    else:
+        assert torch.equal(outs[1], off)
+    backend.cudnn_paged_prefill = True
+    backend.forward(0, q.clone(), k.clone(), v.clone(), pool, build_attention_metadata(
+        [[0, 1], [2, 3, 4]], [20, 30], [1, 9], bs, "cpu"), d ** -0.5)
+    assert len(built) == 2  # a new step's metadata: its own inputs
 
 
 def _paged_case(lens: list[tuple[int, int]], heads: int = 32, kv_heads: int = 8, dim: int = 128, bs: int = 16,
@@ -125,9 +191,9 @@ def test_queries_that_are_a_view_of_a_packed_qkv_buffer() -> None:
     key = paged_graph_key(q, k_cache, 1, 500, 3100)
     inputs = paged_prefill_inputs(key, tables, seq_lens, starts, 0, 0, 128 ** -0.5)
     view_out, out = torch.zeros_like(q), torch.zeros_like(q)
-    cudnn_paged_prefill(packed[:, :32], k_cache, v_cache, inputs, view_out, 0)
-    cudnn_paged_prefill(q, k_cache, v_cache, inputs, out, 0)
-    assert torch.equal(view_out, out)
+    assert cudnn_paged_prefill(packed[:, :32], k_cache, v_cache, inputs, view_out, 0)
+    assert cudnn_paged_prefill(q, k_cache, v_cache, inputs, out, 0)
+    assert torch.equal(view_out, out) and bool(out.abs().sum() > 0)
 
 
 @gpu
