@@ -41,7 +41,8 @@ import torch
 
 log = logging.getLogger("pdserve.engine")
 
-# a step's prefill sequences go through cuDNN when the longest of them reaches this many tokens of KV
+# a step's prefill sequences go through cuDNN when its longest sequence (decode rows included) has this
+# many tokens of KV
 CUDNN_PAGED_MIN_KV = 2048
 _MIN_QUERY_BUCKET = 128  # smallest query-length bucket (tokens)
 _MAX_OFFSET = 2 ** 31  # the ragged offsets are int32 element indices
@@ -128,7 +129,9 @@ class PagedPrefillGraph:
     """One built cuDNN graph (``key``'s bucket) and its workspace.
 
     Raises (constructor):
-        RuntimeError: cuDNN cannot build or support the graph (the message says why).
+        RuntimeError: cuDNN cannot build or support the graph (the message says why). Errors the frontend
+            raises while the graph is described (a library that fails to load, an attribute it refuses)
+            propagate as raised; ``paged_prefill_graph`` catches any of them.
     """
 
     def __init__(self, key: PagedGraphKey) -> None:
