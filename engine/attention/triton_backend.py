@@ -5,9 +5,8 @@ the split-K paged decode kernel (Flash-Decoding), the rest through the paged pre
 (FlashAttention-2 with a cached prefix); a step of one long prompt with no cached context attends through
 cuDNN instead (engine/ops/cudnn_attention.py), and on Hopper the prefill sequences of a step whose KV
 reaches ``CUDNN_PAGED_MIN_KV`` tokens through cuDNN's paged attention (engine/ops/cudnn_paged_prefill.py).
-Grid sizes come from the python ints of
-``AttentionMetadata``: no host synchronisation. On CPU it runs only under Triton's interpreter
-(``TRITON_INTERPRET=1``: tests).
+Grid sizes come from the python ints of ``AttentionMetadata``: no host synchronisation. On CPU it runs
+only under Triton's interpreter (``TRITON_INTERPRET=1``: tests).
 """
 
 from __future__ import annotations
@@ -138,9 +137,8 @@ class TritonAttentionBackend(AttentionBackend):
                        meta: AttentionMetadata, scale: float, out: torch.Tensor) -> bool:
         """The step's prefill sequences through ``cudnn_paged_prefill`` where ``paged_prefill_usable``
         (a step whose longest sequence has ``CUDNN_PAGED_MIN_KV`` tokens or more, a Hopper GPU, a cache
-        of ``q``'s dtype); the
-        graph's inputs are built by the step's first layer. False where the step stays on the Triton
-        kernel (nothing written)."""
+        of ``q``'s dtype); the graph's inputs are built by the step's first layer. False where the step
+        stays on the Triton kernel (nothing written)."""
         if not self.cudnn_paged_prefill or not paged_prefill_usable(q, k_cache, v_cache, meta.max_seq_len):
             return False
         nd = meta.num_decodes
