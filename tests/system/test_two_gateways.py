@@ -36,6 +36,11 @@ pytestmark = pytest.mark.slow
 WORKERS = {"prefill": "twogw-prefill", "decode": "twogw-decode"}
 
 
+# the two ways a worker loses a gateway that stops reading (workers/gateway_sessions.py)
+HANG_REASONS = ("its control connection dropped",
+                "its control socket stopped taking messages (queue full or connection gone)")
+
+
 def _events(log: Path, msg: str) -> list[dict]:
     out = []
     for line in log.read_text(errors="replace").splitlines():
@@ -154,7 +159,8 @@ def test_two_gateways_share_the_workers_and_survive_one_killed_mid_stream(tmp_pa
         back = clients[0].completions.create(model=MODEL, prompt="Say hello:", max_tokens=3, temperature=0)
         assert back.choices[0].text
 
-        # a gateway that hangs (SIGSTOP: no FIN, no RST) is lost by the ZMTP heartbeats, within seconds
+        # a gateway that hangs (SIGSTOP: no FIN, no RST) is lost within seconds: by the ZMTP heartbeats, or
+        # by the send queue its stream fills first when the decode worker outpaces the heartbeat timeout
         stream = clients[0].completions.create(model=MODEL, prompt="Tell another long story:",
                                                max_tokens=1500, temperature=0, stream=True,
                                                extra_body={"ignore_eos": True})
@@ -172,7 +178,7 @@ def test_two_gateways_share_the_workers_and_survive_one_killed_mid_stream(tmp_pa
         try:
             _until(lost_since_stop, 20, "the decode worker losing the hung gateway a")
             [hang] = lost_since_stop()
-            assert hang["reason"] == "its control connection dropped" and hang["dropped"] == 1, hang
+            assert hang["reason"] in HANG_REASONS and hang["dropped"] == 1, hang
             assert hang["ts"] - stopped_at < 10  # ZMTP heartbeats: 1 s apart, 3 s to answer
             wait_all_free(url_b, set(WORKERS.values()), timeout=30)
             hung = clients[1].completions.create(model=MODEL, prompt="Name a fruit:", max_tokens=3,
