@@ -103,6 +103,7 @@ def build_engine(args: argparse.Namespace, num_blocks: int | None) -> EngineCore
                 fused_ops=getattr(args, "fused_ops", "auto"),
                 pdl=getattr(args, "pdl", "on") == "on",
                 quantization=getattr(args, "quantization", None),
+                max_model_len=getattr(args, "max_model_len", None),
             ),
             CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=False),
             SchedulerConfig(max_num_seqs=args.max_num_seqs,

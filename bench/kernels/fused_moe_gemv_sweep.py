@@ -8,7 +8,8 @@ experts, top-8, hidden 2048, expert width 768), in one process:
 - ``up``: ``engine.ops.fused_moe.fused_moe_gemv`` at each gate/up tile of ``--up-tiles`` (``BNxBKxW``:
   block_n, block_k, num_warps) with the down kernel at its default tile and slots;
 - ``down``: the same at each down tile of ``--down-tiles`` (``BNxBKxWxS``: block_n, block_k, num_warps,
-  slots read at once) with the gate/up kernel at its default tile;
+  slots read at once; a trailing ``p``: the routing and first weight tile loaded before the wait for the
+  gate/up kernel, ``fused_moe_gemv(down_prefetch=True)``) with the gate/up kernel at its default tile;
 - ``best``: the best gate/up tile with the best down tile (the defaults ``gemv_moe_tile`` /
   ``gemv_moe_slots`` should take);
 - ``router``: ``engine.ops.gemv.gemv`` of one token by the ``[E, H]`` router weight at each tile of
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,13 +42,39 @@ from bench.ceilings import copy_bandwidth
 from bench.kernels.fused_moe import SHAPES
 from bench.timing import replay_seconds
 from engine.ops.fused_moe import fused_moe_reference
-from engine.ops.fused_moe_gemv import fused_moe_gemv, gemv_moe_slots, gemv_moe_tile
+from engine.ops.fused_moe_gemv import fused_moe_gemv, gemv_moe_prefetch, gemv_moe_slots, gemv_moe_tile
 from engine.ops.gemv import gemv
 
 UP_TILES = ["2x1024x4", "4x1024x4", "1x2048x4", "2x2048x8", "4x512x4", "8x512x4", "8x256x4", "16x256x8"]
 DOWN_TILES = ["2x1024x4x1", "4x512x4x1", "1x256x4x8", "2x256x4x8", "4x256x4x8", "2x256x8x8", "4x256x8x8",
-              "8x256x8x8", "2x128x4x8", "4x128x4x8", "2x256x4x4", "4x256x4x2"]
+              "8x256x8x8", "2x128x4x8", "4x128x4x8", "2x256x4x4", "4x256x4x2",
+              "2x256x4x8p", "4x256x4x8p", "1x256x4x8p", "2x128x4x8p", "1x1024x4x8p", "2x512x8x8p", "1x512x4x8p"]
 ROUTER_TILES = ["4x1024x4", "2x1024x4", "1x1024x4", "1x2048x4", "2x2048x8", "8x512x4"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The ``fused_moe_gemv`` arguments one sweep row runs with (None: the kernel's default)."""
+
+    up_tile: tuple[int, int, int] | None = None
+    down_tile: tuple[int, int, int] | None = None
+    down_slots: int | None = None
+    down_prefetch: bool | None = None
+
+
+def candidate(up: str | None = None, down: str | None = None) -> Candidate:
+    """The candidate of a gate/up tile text (``BNxBKxW``) and a down tile text (``BNxBKxWxS``, with an
+    optional trailing ``p`` for ``down_prefetch``), either left at the defaults when None. Raises
+    ValueError for malformed text."""
+    up_tile = down_tile = slots = prefetch = None
+    if up is not None:
+        bn, bk, warps = parse_tile(up, 3)
+        up_tile = (bn, bk, warps)
+    if down is not None:
+        prefetch = down.endswith("p")
+        bn, bk, warps, slots = parse_tile(down.removesuffix("p"), 4)
+        down_tile = (bn, bk, warps)
+    return Candidate(up_tile, down_tile, slots, prefetch)
 
 
 def parse_tile(text: str, fields: int) -> tuple[int, ...]:
@@ -98,11 +126,10 @@ def sweep_tokens(args: argparse.Namespace, tokens: int, copy_best: float, w_gate
     nbytes = sum(distinct) / len(distinct) * 3 * inter * hidden * w_gate_up.element_size()
     want = fused_moe_reference(xs[0], w_gate_up, w_down, routes[0][0], routes[0][1]).float()
 
-    def measure(up: tuple[int, int, int] | None, down: tuple[int, int, int] | None,
-                slots: int | None) -> dict[str, Any]:
+    def measure(c: Candidate) -> dict[str, Any]:
         def call(i: int) -> torch.Tensor:
-            return fused_moe_gemv(xs[i], w_gate_up, w_down, routes[i][0], routes[i][1], up_tile=up,
-                                  down_tile=down, down_slots=slots)
+            return fused_moe_gemv(xs[i], w_gate_up, w_down, routes[i][0], routes[i][1], up_tile=c.up_tile,
+                                  down_tile=c.down_tile, down_slots=c.down_slots, down_prefetch=c.down_prefetch)
         try:
             err = float((call(0).float() - want).abs().max())
             secs = per_call_seconds(call, args.calls, args.replays)
@@ -112,18 +139,17 @@ def sweep_tokens(args: argparse.Namespace, tokens: int, copy_best: float, w_gate
                     ok=err <= args.atol)
 
     row: dict[str, Any] = dict(tokens=tokens, bytes_per_call=nbytes, up={}, down={})
-    default_up = gemv_moe_tile(tokens, down=False)
-    default_down = gemv_moe_tile(tokens, down=True)
-    default_slots = gemv_moe_slots(tokens, top_k)
+    default_up = gemv_moe_tile(tokens, False, inter)
+    default_down = gemv_moe_tile(tokens, True, inter)
+    default_slots = gemv_moe_slots(tokens, top_k, inter)
     row["default"] = dict(up="x".join(map(str, default_up)),
-                          down="x".join(map(str, (*default_down, default_slots))),
-                          **measure(None, None, None))
+                          down="x".join(map(str, (*default_down, default_slots)))
+                          + ("p" if gemv_moe_prefetch(tokens, top_k, default_slots, inter) else ""),
+                          **measure(candidate()))
     for text in args.up_tiles:
-        up = parse_tile(text, 3)
-        row["up"][text] = measure((up[0], up[1], up[2]), None, None)
+        row["up"][text] = measure(candidate(up=text))
     for text in args.down_tiles:
-        down = parse_tile(text, 4)
-        row["down"][text] = measure((down[0], down[1], down[2]), None, down[3])
+        row["down"][text] = measure(candidate(down=text))
 
     def best(rows: dict[str, dict[str, Any]]) -> str | None:
         good = [(r["us"], name) for name, r in rows.items() if r.get("ok")]
@@ -131,9 +157,7 @@ def sweep_tokens(args: argparse.Namespace, tokens: int, copy_best: float, w_gate
 
     best_up, best_down = best(row["up"]), best(row["down"])
     if best_up is not None and best_down is not None:
-        up, down = parse_tile(best_up, 3), parse_tile(best_down, 4)
-        row["best"] = dict(up=best_up, down=best_down,
-                           **measure((up[0], up[1], up[2]), (down[0], down[1], down[2]), down[3]))
+        row["best"] = dict(up=best_up, down=best_down, **measure(candidate(best_up, best_down)))
     return row
 
 

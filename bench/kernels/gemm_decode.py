@@ -25,9 +25,10 @@ import torch
 from bench.ceilings import copy_bandwidth
 from bench.timing import Spread, replay_seconds
 
-# (name, out_features N, in_features K) of Llama-3-8B with merged projections
+# (name, out_features N, in_features K) of Llama-3-8B with merged projections, then Qwen3-30B-A3B's dense
+# attention projections (its feed-forward is the mixture of experts: bench.kernels.fused_moe_gemv_sweep)
 SHAPES = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
-          ("lm_head", 128256, 4096))
+          ("lm_head", 128256, 4096), ("qwen3_moe_qkv", 5120, 2048), ("qwen3_moe_o", 2048, 4096))
 
 
 GEMV_TILES = ((8, 512, 4), (4, 512, 4), (16, 256, 4), (8, 1024, 8), (2, 1024, 4), (4, 256, 2), (16, 512, 8))

@@ -145,7 +145,7 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
     top_k, inter, hidden,
     stride_at, stride_we, stride_wn, stride_ot, stride_se, stride_sn, stride_sk, scale_rows, scale_cols,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, SLOTS: tl.constexpr,
-    USE_GDC: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr,
+    USE_GDC: tl.constexpr, SCALE: tl.constexpr, BITS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # tiles are [BLOCK_N output columns, SLOTS slots of the token, BLOCK_K inputs]: SLOTS experts' weights
     # are in flight at once instead of one expert after the other
@@ -154,10 +154,41 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
     col_mask = cols < hidden
     cols3 = cols.to(tl.int64)[:, None, None]  # [BLOCK_N, 1, 1]
     js = tl.arange(0, SLOTS)
-    gdc_enter(USE_GDC)  # the activations come from the kernel just before
+    if not PREFETCH:
+        gdc_enter(USE_GDC)  # the activations come from the kernel just before
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dt = act_ptr.dtype.element_ty
-    if SCALE == 2:
+    if PREFETCH:
+        # every slot in one round (SLOTS >= top_k, unscaled or per-row scales): the routing comes from the
+        # kernels before the gate/up kernel, complete before this one can launch, so it and the first
+        # weight tile are loaded before the wait (read through L2: engine/ops/pdl.py); each iteration then
+        # loads the next tile before its FMA
+        slot_mask = js < top_k
+        pairs = token * top_k + js  # [SLOTS]
+        experts = tl.load(ids_ptr + pairs, mask=slot_mask, other=0, cache_modifier=".cg").to(tl.int64)
+        rows = w_ptr + experts[None, :, None] * stride_we + cols3 * stride_wn  # [BLOCK_N, SLOTS, 1]
+        row_mask = col_mask[:, None, None] & slot_mask[None, :, None]
+        ks3 = tl.arange(0, BLOCK_K)[None, None, :]
+        w = tl.load(rows + ks3, mask=row_mask & (ks3 < inter), other=0.0)
+        gdc_enter(USE_GDC)  # the activations come from the kernel just before
+        a_rows = act_ptr + pairs[None, :, None] * stride_at  # [1, SLOTS, 1]
+        acc = tl.zeros((BLOCK_N, SLOTS, BLOCK_K), dtype=tl.float32)
+        for k in range(0, inter, BLOCK_K):
+            kk = k + ks3
+            av = tl.load(a_rows + kk, mask=slot_mask[None, :, None] & (kk < inter), other=0.0).to(tl.float32)
+            nk = kk + BLOCK_K
+            w_next = tl.load(rows + nk, mask=row_mask & (nk < inter), other=0.0)
+            acc += _weight_values(w, BITS) * _weight_inputs(av, BITS)
+            w = w_next
+        y = _sums(tl.sum(acc, axis=2), BITS)  # [BLOCK_N, SLOTS]
+        if SCALE == 1:
+            s_rows = (s_ptr + experts[None, :, None] * stride_se
+                      + (cols // scale_rows).to(tl.int64)[:, None, None] * stride_sn)
+            y = y * tl.sum(tl.load(s_rows, mask=row_mask, other=0.0), axis=2)
+        y = y.to(dt).to(tl.float32)
+        route = tl.load(weights_ptr + pairs, mask=slot_mask, other=0.0).to(tl.float32)
+        total += tl.sum(y * route[None, :], axis=1)
+    elif SCALE == 2:
         # block scales: the program's rows lie in one row of scale tiles (BLOCK_N divides the block height)
         # and SCALE_K divides the block width; the slots' inputs are cut into chunks of SCALE_K, chunk m
         # of slot m // CHUNKS, each with one scale multiplied into the activations: [BLOCK_N, SLOTS *
@@ -219,58 +250,92 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
             total += tl.sum(y * route[None, :], axis=1)
     tl.store(out_ptr + token * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
-def gemv_moe_tile(num_tokens: int, down: bool) -> tuple[int, int, int]:
+# expert widths up to this many inputs take the tiles swept on Qwen3-30B-A3B (I = 768); wider experts
+# (Mixtral's 14 336) keep the tiles of the first sweep, not re-measured
+GEMV_MOE_SWEPT_INTER = 2048
+
+
+def gemv_moe_tile(num_tokens: int, down: bool, inter: int) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)`` of the gate/up (``down`` False) or down matrix-vector MoE
-    kernel for ``num_tokens`` tokens: the best of ``bench.kernels.fused_moe_gemv_sweep`` on an H200
-    (Qwen3-30B-A3B shape, 2026-12-03, docs/benchmarks/README.md): one token 2 x 1024 with 4 warps for both
-    (gate/up and down together 58 % of the copy bandwidth; every other tile 46-58 %); more tokens 8 x 512
-    (gate/up) and 2 x 256 (down, with ``gemv_moe_slots`` 4) with 4 warps (kernel alone at 2 / 4 / 8 tokens
-    78 / 85 / 89 %; down 4 x 512 one slot at a time: 75 / 81 / 87 %; serving takes this path only up to
-    ``moe_path``'s pair limit). Swept with bf16 experts; FP8 experts take the same tiles (block-scaled ones
-    through ``gemv_scale_tile``), not re-measured."""
+    kernel for ``num_tokens`` tokens and experts of width ``inter``: the best of
+    ``bench.kernels.fused_moe_gemv_sweep`` on an H200 (Qwen3-30B-A3B shape, 2026-12-04,
+    docs/benchmarks/README.md), both kernels together as shares of the copy bandwidth: one token gate/up
+    1 x 1024 and down 2 x 128 over all 8 slots with ``gemv_moe_prefetch`` (73.6 %; the former 2 x 1024 /
+    2 x 1024 one slot at a time 58.1 %); 2 tokens 2 x 512 / 4 x 256 with 2 slots (81.7 %; former 76.7 %);
+    4 tokens 2 x 512 / 8 x 128 with 2 slots (90.1 %; former 83.6 %), all with 4 warps; 3 tokens (not
+    swept) as 4. Experts wider than ``GEMV_MOE_SWEPT_INTER``: one token 2 x 1024 for both, more tokens
+    8 x 512 (gate/up) and 2 x 256 (down)."""
+    if inter > GEMV_MOE_SWEPT_INTER:
+        if num_tokens == 1:
+            return 2, 1024, 4
+        return (2, 256, 4) if down else (8, 512, 4)
     if num_tokens == 1:
-        return 2, 1024, 4
-    return (2, 256, 4) if down else (8, 512, 4)
+        return (2, 128, 4) if down else (1, 1024, 4)
+    if not down:
+        return 2, 512, 4
+    return (4, 256, 4) if num_tokens == 2 else (8, 128, 4)
 
 
-def gemv_moe_slots(num_tokens: int, top_k: int) -> int:
+def gemv_moe_slots(num_tokens: int, top_k: int, inter: int) -> int:
     """Slots of a token whose experts the down matrix-vector kernel reads at once (``SLOTS``; a power of
-    two, the rest of the ``top_k`` slots in further rounds): one token 1 (one expert after the other; the
-    sweep found no gain), more tokens 4 (or ``top_k`` rounded up to a power of two when smaller), the
-    sweep's best with ``gemv_moe_tile``'s 2 x 256 down tile."""
-    if num_tokens == 1:
-        return 1
-    return min(4, 1 << max(0, top_k - 1).bit_length())
+    two, the rest of the ``top_k`` slots in further rounds), with ``gemv_moe_tile``'s down tile: one
+    token every slot in one round (``top_k`` rounded up to a power of two), more tokens 2; experts wider
+    than ``GEMV_MOE_SWEPT_INTER`` one slot at a time for one token and 4 for more (the first sweep)."""
+    every = 1 << max(0, top_k - 1).bit_length()
+    if inter > GEMV_MOE_SWEPT_INTER:
+        return 1 if num_tokens == 1 else min(4, every)
+    return every if num_tokens == 1 else min(2, every)
+
+
+def gemv_moe_prefetch(num_tokens: int, top_k: int, slots: int, inter: int) -> bool:
+    """Whether the down matrix-vector kernel loads the routing and its first weight tile before waiting for
+    the gate/up kernel (``PREFETCH``) by default: for one token with every slot in one round and experts
+    no wider than ``GEMV_MOE_SWEPT_INTER`` (down 2 x 128 x 8 slots 25.60 µs with, 26.24 µs without, in the
+    sweep above); not for more tokens, where it measured slower (2 tokens 47.45 vs 45.45 µs)."""
+    return num_tokens == 1 and slots >= top_k and inter <= GEMV_MOE_SWEPT_INTER
+
+
+def down_prefetches(num_tokens: int, top_k: int, slots: int, inter: int, scales: ExpertScales | None,
+                    requested: bool | None) -> bool:
+    """Whether the down kernel runs with ``PREFETCH``: ``requested`` (None: ``gemv_moe_prefetch``), and
+    only where every slot fits one round (``slots >= top_k``) and the experts are unscaled or per-row
+    scaled."""
+    wanted = gemv_moe_prefetch(num_tokens, top_k, slots, inter) if requested is None else requested
+    return wanted and slots >= top_k and scale_mode(scales) != 2
 
 
 def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                    up_tile: tuple[int, int, int] | None = None,
                    down_tile: tuple[int, int, int] | None = None, down_slots: int | None = None,
+                   down_prefetch: bool | None = None,
                    scales: ExpertScales | None = None, decode_bits: bool = False) -> torch.Tensor:
     """``fused_moe``'s matrix-vector path with its tiles given (``(block_n, block_k, num_warps)`` of the
     gate/up and the down kernel; None: ``gemv_moe_tile``) and the down kernel's slots read at once
     (``down_slots``, a power of two; None: ``gemv_moe_slots``; each program's down tile is then
-    ``block_n x down_slots x block_k``), for tile sweeps. ``decode_bits`` (FP8 experts only): decode the
+    ``block_n x down_slots x block_k``), for tile sweeps. ``down_prefetch``: the down kernel loads the
+    routing and its first weight tile before waiting for the gate/up kernel (``gemv_moe_prefetch``; None:
+    its default), taken only where every slot fits one round (``down_slots >= top_k``) and the experts are
+    unscaled or per-row scaled, else ignored. ``decode_bits`` (FP8 experts only): decode the
     e4m3 weights by integer operations as ``engine.ops.fp8_gemv`` does (the same bits as the hardware
     conversion; not yet measured here, so ``fused_moe`` keeps the conversion). Same arguments, result and
     errors as ``fused_moe``, plus ValueError for a ``down_slots`` that is not a power of two."""
     check_args(x, w_gate_up, w_down, topk_weights, topk_ids, scales)
-    slots = down_slots if down_slots is not None else gemv_moe_slots(x.shape[0], topk_ids.shape[1])
+    inter = w_gate_up.shape[1] // 2
+    slots = down_slots if down_slots is not None else gemv_moe_slots(x.shape[0], topk_ids.shape[1], inter)
     if slots < 1 or slots & (slots - 1):
         raise ValueError(f"down_slots must be a power of two >= 1, got {slots}")
     block = scales.block if scales is not None else None
     s_up = kernel_scale_args(scales.gate_up if scales is not None else None, block, w_gate_up)
     s_down = kernel_scale_args(scales.down if scales is not None else None, block, w_down)
     t, hidden = x.shape
-    inter = w_gate_up.shape[1] // 2
     top_k = topk_ids.shape[1]
     ids = flat(topk_ids)
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     if t == 0:
         return torch.zeros_like(x)
     bits = decode_bits and scales is not None
-    bn, bk, warps = up_tile or gemv_moe_tile(t, down=False)
+    bn, bk, warps = up_tile or gemv_moe_tile(t, False, inter)
     bn, scale_k = gemv_scale_tile(bn, bk, block)
     _gate_up_gemv_kernel[(t * top_k, triton.cdiv(inter, bn))](
         x, w_gate_up.view(torch.int8) if bits else w_gate_up, ids, act, s_up[0], top_k, hidden, inter,
@@ -280,12 +345,13 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     )
     weights = flat(topk_weights)  # the kernels widen each routing weight to float32 as they load it
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    bn, bk, warps = down_tile or gemv_moe_tile(t, down=True)
+    bn, bk, warps = down_tile or gemv_moe_tile(t, True, inter)
     bn, scale_k = gemv_scale_tile(bn, bk, block)
+    prefetch = down_prefetches(t, top_k, slots, inter, scales, down_prefetch)
     _down_gemv_kernel[(t, triton.cdiv(hidden, bn))](
         act, w_down.view(torch.int8) if bits else w_down, ids, weights, out, s_down[0], top_k, inter, hidden,
         act.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0), *s_down[1:],
         BLOCK_N=bn, BLOCK_K=bk, SCALE_K=scale_k, SLOTS=slots, SCALE=scale_mode(scales), BITS=bits,
-        num_warps=warps, **pdl_kwargs(x),
+        PREFETCH=prefetch, num_warps=warps, **pdl_kwargs(x),
     )
     return out

@@ -19,18 +19,23 @@ from engine.ops.pdl import gdc_enter, pdl_kwargs
 from engine.ops.silu_mul import load_silu_mul, silu_mul_reference
 
 
-def gemv_tile(n: int, gated: bool = False) -> tuple[int, int, int]:
+def gemv_tile(n: int, gated: bool = False, k: int | None = None) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)`` for a ``[N, K]`` weight (``gated``: the down projection with
-    SiLU·mul folded in): the best tiles of ``bench.kernels.gemm_decode --rows 1 --tiles ...`` on an H200
-    with programmatic dependent launch (docs/benchmarks/engine.md), as shares of the copy
-    bandwidth: wide matrices (gate/up, LM head) 2 x 1024 with 4 warps (~101-106 %); N <= 4096 4 x 1024 with 4
-    warps (O 83.9 %, down 97.8 %; 16 x 512 with 8 warps: 76.8 %, 88.1 %), gated 8 x 1024 with 4 warps
-    (89.8 %; 16 x 512 x 8: 84.9 %); in between (QKV) 8 x 512 with 4 warps (89.5 %; 8 x 1024 x 8: 86.8 %)."""
+    SiLU·mul folded in; ``k`` None: taken as more than 2048): the best tiles of
+    ``bench.kernels.gemm_decode --rows 1 --tiles ...`` on an H200 with programmatic dependent launch
+    (docs/benchmarks/engine.md, docs/benchmarks/README.md), as shares of the copy bandwidth. Llama-3-8B:
+    wide matrices (gate/up, LM head) 2 x 1024 with 4 warps (~101-106 %); N <= 4096 4 x 1024 with 4 warps
+    (O 83.9 %, down 97.8 %; 16 x 512 with 8 warps: 76.8 %, 88.1 %), gated 8 x 1024 with 4 warps (89.8 %;
+    16 x 512 x 8: 84.9 %); in between (QKV) 8 x 512 with 4 warps (89.5 %; 8 x 1024 x 8: 86.8 %).
+    Qwen3-30B-A3B's attention (2026-12-04): N <= 2048 (O, 2048 x 4096) 1 x 1024 with 4 warps (74.5 %;
+    4 x 1024: 64.5 %); in between with K <= 2048 (QKV, 5120 x 2048) 4 x 512 (81.7 %; 8 x 512: 78.2 %)."""
     if n >= 16384:
         return 2, 1024, 4
+    if n <= 2048 and not gated:
+        return 1, 1024, 4
     if n <= 4096:
         return (8, 1024, 4) if gated else (4, 1024, 4)
-    return 8, 512, 4
+    return (4, 512, 4) if k is not None and k <= 2048 else (8, 512, 4)
 
 
 # (block_n, block_k, num_warps) of a mixture-of-experts router's logits (N = experts <= 512, K = hidden):
@@ -93,7 +98,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             ``silu(x[:, :K]) * x[:, K:]`` computed while loading (SwiGLU's down projection without the
             ``silu_mul`` launch; bit-identical to ``gemv(silu_mul(x), ...)``).
         block_n, block_k, num_warps: tile (output features × inputs per step, powers of two) and warps
-            per program; each one left None comes from ``gemv_tile(N, gated)`` (measured best on an H200).
+            per program; each one left None comes from ``gemv_tile(N, gated, K)`` (measured best on an H200).
 
     Returns:
         ``[1, N]`` new tensor of ``x``'s dtype.
@@ -103,7 +108,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """
     _check(x, weight, bias, gated)
     n, k = weight.shape
-    tile = gemv_tile(n, gated)
+    tile = gemv_tile(n, gated, k)
     block_n, block_k, num_warps = block_n or tile[0], block_k or tile[1], num_warps or tile[2]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](

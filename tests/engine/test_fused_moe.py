@@ -159,13 +159,17 @@ def test_half_precision_routing_weights_are_not_cast_before_the_kernels(path):
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[torch.float16], rtol=TOL[torch.float16])
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("scale", [None, "channel", "block"])
-@pytest.mark.parametrize("top_k,tokens,slots", [(8, 1, 8), (8, 2, 4), (3, 1, 2), (2, 1, 4)])
-def test_down_gemv_slots_read_at_once_match_the_reference(scale, top_k, tokens, slots):
+@pytest.mark.parametrize("top_k,tokens,slots", [(8, 1, 8), (8, 2, 4), (3, 1, 2), (2, 1, 4), (3, 2, 4)])
+def test_down_gemv_slots_read_at_once_match_the_reference(scale, top_k, tokens, slots, prefetch):
     """The down matrix-vector kernel reading ``slots`` of a token's experts at once (all of them, a part of
     them over several rounds, or more slots than ``top_k`` with the rest masked) equals the reference and,
     up to float reassociation, the one-expert-at-a-time kernel; FP8 experts with per-row or block scales
-    too. A ``down_slots`` that is not a power of two is refused."""
+    too; with ``down_prefetch`` (taken where the slots fit one round and the scales are not block scales)
+    as well. A ``down_slots`` that is not a power of two is refused."""
+    from engine.ops.fused_moe_gemv import down_prefetches
+
     from engine.ops.fused_moe_fp8 import ExpertScales, quantize_experts
 
     dtype = torch.float16
@@ -181,7 +185,9 @@ def test_down_gemv_slots_read_at_once_match_the_reference(scale, top_k, tokens, 
     x = x.to(dtype)
     tile = (4, 16, 4)  # block_k 16 < inter 32: two rounds over the inputs
     got = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_tile=tile, down_slots=slots,
-                         scales=scales)
+                         scales=scales, down_prefetch=prefetch)
+    assert down_prefetches(tokens, top_k, slots, 32, scales, prefetch) == (prefetch and slots >= top_k
+                                                                       and scale != "block")
     one = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_tile=tile, down_slots=1, scales=scales)
     want = fused_moe_reference(x, w_gate_up, w_down, weights, ids, scales=scales)
     # FP8 scales: the matrix-vector kernels never round a dequantized weight to the dtype, the reference does
