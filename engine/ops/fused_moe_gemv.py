@@ -9,8 +9,11 @@ weights. The matrix-vector path skips the alignment: ``_gate_up_gemv_kernel`` ru
 ``H``) that walks the token's ``k`` experts in slot order, ``SLOTS`` of them read at once
 (``gemv_moe_slots``: a program's loads for those experts in flight together), each a row-blocked GEMV as
 ``engine.ops.gemv`` (float32 products summed along the row, the same roundings as the grouped
-kernels), the weighted sum kept in float32 and rounded once. A weight is read once per pair that
-routes to it, so the path pays off only while pairs rarely share an expert.
+kernels), the weighted sum kept in float32 and rounded once. With ``PREFETCH`` (one token by default,
+``gemv_moe_prefetch``) every slot is read in one round and the routing and the first weight tile are
+loaded before the wait for the gate/up kernel (programmatic dependent launch: the routing was written
+before that kernel, engine/ops/pdl.py). A weight is read once per pair that routes to it, so the path
+pays off only while pairs rarely share an expert.
 """
 
 from __future__ import annotations
@@ -255,7 +258,7 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
 GEMV_MOE_SWEPT_INTER = 2048
 
 
-def gemv_moe_tile(num_tokens: int, down: bool, inter: int) -> tuple[int, int, int]:
+def gemv_moe_tile(num_tokens: int, down: bool, inter: int, fp8: bool = False) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)`` of the gate/up (``down`` False) or down matrix-vector MoE
     kernel for ``num_tokens`` tokens and experts of width ``inter``: the best of
     ``bench.kernels.fused_moe_gemv_sweep`` on an H200 (Qwen3-30B-A3B shape, 2026-12-04,
@@ -263,9 +266,12 @@ def gemv_moe_tile(num_tokens: int, down: bool, inter: int) -> tuple[int, int, in
     1 x 1024 and down 2 x 128 over all 8 slots with ``gemv_moe_prefetch`` (73.6 %; the former 2 x 1024 /
     2 x 1024 one slot at a time 58.1 %); 2 tokens 2 x 512 / 4 x 256 with 2 slots (81.7 %; former 76.7 %);
     4 tokens 2 x 512 / 8 x 128 with 2 slots (90.1 %; former 83.6 %), all with 4 warps; 3 tokens (not
-    swept) as 4. Experts wider than ``GEMV_MOE_SWEPT_INTER``: one token 2 x 1024 for both, more tokens
-    8 x 512 (gate/up) and 2 x 256 (down)."""
-    if inter > GEMV_MOE_SWEPT_INTER:
+    swept) as 4. FP8 experts (``fp8``) take the one-token tiles (per-row scales 22.5 µs against 26.4) but
+    the former ones for more tokens, where the new ones measured slower (2 / 4 tokens 39.0 / 80.8 µs
+    against 35.0 / 66.8). Experts wider than ``GEMV_MOE_SWEPT_INTER``, and FP8 experts for more than one
+    token: the former tiles, one token 2 x 1024 for both, more tokens 8 x 512 (gate/up) and 2 x 256
+    (down)."""
+    if inter > GEMV_MOE_SWEPT_INTER or (fp8 and num_tokens > 1):
         if num_tokens == 1:
             return 2, 1024, 4
         return (2, 256, 4) if down else (8, 512, 4)
@@ -276,13 +282,13 @@ def gemv_moe_tile(num_tokens: int, down: bool, inter: int) -> tuple[int, int, in
     return (4, 256, 4) if num_tokens == 2 else (8, 128, 4)
 
 
-def gemv_moe_slots(num_tokens: int, top_k: int, inter: int) -> int:
+def gemv_moe_slots(num_tokens: int, top_k: int, inter: int, fp8: bool = False) -> int:
     """Slots of a token whose experts the down matrix-vector kernel reads at once (``SLOTS``; a power of
     two, the rest of the ``top_k`` slots in further rounds), with ``gemv_moe_tile``'s down tile: one
-    token every slot in one round (``top_k`` rounded up to a power of two), more tokens 2; experts wider
-    than ``GEMV_MOE_SWEPT_INTER`` one slot at a time for one token and 4 for more (the first sweep)."""
+    token every slot in one round (``top_k`` rounded up to a power of two), more tokens 2; where
+    ``gemv_moe_tile`` keeps the former tiles, one slot at a time for one token and 4 for more."""
     every = 1 << max(0, top_k - 1).bit_length()
-    if inter > GEMV_MOE_SWEPT_INTER:
+    if inter > GEMV_MOE_SWEPT_INTER or (fp8 and num_tokens > 1):
         return 1 if num_tokens == 1 else min(4, every)
     return every if num_tokens == 1 else min(2, every)
 
@@ -322,7 +328,8 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     errors as ``fused_moe``, plus ValueError for a ``down_slots`` that is not a power of two."""
     check_args(x, w_gate_up, w_down, topk_weights, topk_ids, scales)
     inter = w_gate_up.shape[1] // 2
-    slots = down_slots if down_slots is not None else gemv_moe_slots(x.shape[0], topk_ids.shape[1], inter)
+    fp8 = scales is not None
+    slots = down_slots if down_slots is not None else gemv_moe_slots(x.shape[0], topk_ids.shape[1], inter, fp8)
     if slots < 1 or slots & (slots - 1):
         raise ValueError(f"down_slots must be a power of two >= 1, got {slots}")
     block = scales.block if scales is not None else None
@@ -335,7 +342,7 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     if t == 0:
         return torch.zeros_like(x)
     bits = decode_bits and scales is not None
-    bn, bk, warps = up_tile or gemv_moe_tile(t, False, inter)
+    bn, bk, warps = up_tile or gemv_moe_tile(t, False, inter, fp8)
     bn, scale_k = gemv_scale_tile(bn, bk, block)
     _gate_up_gemv_kernel[(t * top_k, triton.cdiv(inter, bn))](
         x, w_gate_up.view(torch.int8) if bits else w_gate_up, ids, act, s_up[0], top_k, hidden, inter,
@@ -345,7 +352,7 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     )
     weights = flat(topk_weights)  # the kernels widen each routing weight to float32 as they load it
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    bn, bk, warps = down_tile or gemv_moe_tile(t, True, inter)
+    bn, bk, warps = down_tile or gemv_moe_tile(t, True, inter, fp8)
     bn, scale_k = gemv_scale_tile(bn, bk, block)
     prefetch = down_prefetches(t, top_k, slots, inter, scales, down_prefetch)
     _down_gemv_kernel[(t, triton.cdiv(hidden, bn))](

@@ -9,12 +9,17 @@ has executed ``griddepcontrol.launch_dependents``, and blocks in ``griddepcontro
 kernel has completed and its memory is visible. Its launch and prologue then overlap the tail of its
 predecessor.
 
-The rule every kernel here follows (``gdc_enter`` at its top): nothing that an earlier kernel may write is
-read, and nothing at all is written, before ``griddepcontrol.wait``; right after it the kernel lets its
-own successor launch. Only data no kernel writes during a step (weights) may be loaded before the wait
-(``engine.ops.gemv`` prefetches its first weight tile there). Because every PDL kernel waits for its
-predecessor before it can finish, a chain of them stays ordered like plain stream order; a kernel that is
-not PDL-aware (cuBLAS, torch) before or after one is ordered as usual.
+The rule every kernel here follows (``gdc_enter``): nothing that the kernel just before may write is read,
+and nothing at all is written, before ``griddepcontrol.wait``; right after it the kernel lets its own
+successor launch. Data no kernel writes during a step (weights) may be loaded before the wait
+(``engine.ops.gemv`` prefetches its first weight tile there). So may data written by a kernel further
+back: the predecessor executes ``launch_dependents`` only after its own wait has returned, i.e. after
+every kernel before it has completed and flushed its writes, and this kernel cannot launch before that;
+such data is loaded through L2 (``cache_modifier=".cg"``), never from an L1 line an earlier kernel left
+on the SM (the matrix-vector MoE down kernel reads the routing, written before the gate/up kernel, this
+way). Because every PDL kernel waits for its predecessor before it can finish, a chain of them stays
+ordered like plain stream order; a kernel that is not PDL-aware (cuBLAS, torch) before or after one is
+ordered as usual, and a PDL kernel after it is not launched early at all.
 
 ``pdl_kwargs(tensor)`` gives the launch arguments: ``USE_GDC`` (a ``tl.constexpr`` of each kernel) and
 Triton's ``launch_pdl`` compile option, both on only for a one-row launch (``tensor.shape[0] == 1``: every

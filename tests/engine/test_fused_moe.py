@@ -196,3 +196,23 @@ def test_down_gemv_slots_read_at_once_match_the_reference(scale, top_k, tokens, 
     torch.testing.assert_close(got.float(), one.float(), atol=TOL[dtype], rtol=TOL[dtype])
     with pytest.raises(ValueError, match="down_slots"):
         fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_slots=3, scales=scales)
+
+
+def test_gemv_tiles_per_token_count_expert_width_and_fp8():
+    """The matrix-vector path's defaults: Qwen3-30B-A3B-wide experts take the swept tiles (one token every
+    slot at once, with the prefetch), FP8 experts the former tiles past one token, and experts wider than
+    the sweep the former tiles throughout."""
+    from engine.ops.fused_moe_gemv import gemv_moe_prefetch, gemv_moe_slots, gemv_moe_tile
+
+    assert gemv_moe_tile(1, False, 768) == (1, 1024, 4) and gemv_moe_tile(1, True, 768) == (2, 128, 4)
+    assert gemv_moe_tile(1, True, 768, fp8=True) == (2, 128, 4)
+    assert gemv_moe_tile(2, True, 768) == (4, 256, 4) and gemv_moe_tile(4, True, 768) == (8, 128, 4)
+    assert gemv_moe_tile(2, False, 768) == (2, 512, 4)
+    assert gemv_moe_tile(2, False, 768, fp8=True) == (8, 512, 4)
+    assert gemv_moe_tile(2, True, 768, fp8=True) == (2, 256, 4)
+    assert gemv_moe_tile(1, True, 14336) == (2, 1024, 4)
+    assert gemv_moe_slots(1, 8, 768) == 8 and gemv_moe_slots(1, 2, 768) == 2 and gemv_moe_slots(1, 3, 768) == 4
+    assert gemv_moe_slots(2, 8, 768) == 2 and gemv_moe_slots(2, 8, 768, fp8=True) == 4
+    assert gemv_moe_slots(1, 2, 14336) == 1
+    assert gemv_moe_prefetch(1, 8, 8, 768) and not gemv_moe_prefetch(2, 8, 2, 768)
+    assert not gemv_moe_prefetch(1, 8, 4, 768) and not gemv_moe_prefetch(1, 2, 2, 14336)
