@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--num-blocks", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="ModelConfig.max_model_len (default: the model's); it pins the decode kernel's splits")
+                   help="ModelConfig.max_model_len (default: the model's; it pins the decode splits)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--prompt-len", type=int, default=1, help=argparse.SUPPRESS)

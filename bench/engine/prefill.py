@@ -27,6 +27,16 @@ causal, GQA), same shapes (one layer of the model at ``T`` tokens), same FLOP co
 CPU smoke mode (CI): ``--device cpu --model tiny --dtype float32 --attention-backend torch --tokens 64
 --gemm-size 256`` (tiny Llama config; the Triton kernel runs through the interpreter).
 
+``--chunked-ab CHUNK`` (instead of the above): the prompt prefilled in ``CHUNK``-token chunks (chunked
+prefill, token budget ``CHUNK``), with the triton backend's cuDNN paged prefill attention
+(engine/ops/cudnn_paged_prefill.py, taken once a chunk attends over ``CUDNN_PAGED_MIN_KV`` tokens) on and
+off in alternating rounds in one process (``--repeats`` rounds of two timed prefills each, after the
+graphs' warm-up); reports each side's best and median and the ratio of the medians (on / off). Where the
+cuDNN path cannot run (CPU, no Hopper GPU, no cuDNN frontend) both sides run the Triton kernel, and the
+report says how many cuDNN graphs the warm-up built (0).
+
+    python -m bench.engine.prefill --tokens 16384 --chunked-ab 2048
+
     python -m bench.engine.prefill [--tokens 8000] [--json out.json|-]
 """
 
@@ -51,6 +61,7 @@ from bench.argtypes import int_at_least, non_negative_int, positive_int
 from bench.ceilings import gemm_tflops
 from bench.common import add_model_args, random_prompts, sync
 from bench.timing import MIN_CEILING_REPEATS, Spread, time_calls
+from engine.attention.triton_backend import TritonAttentionBackend
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
 from engine.models.registry import DUMMY_CONFIGS, cache_dir
@@ -198,6 +209,36 @@ def attention_compare(tokens: int, heads: int, kv_heads: int, head_dim: int, dty
             "sdpa_tflops_spread": t_sdpa.per(flops / 1e12).as_dict(), "sdpa": how, "max_abs_diff": diff}
 
 
+def chunked_ab(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--chunked-ab`` comparison (module docstring); returns the JSON-ready result (seconds)."""
+    chunk = args.chunked_ab
+    path = dummy_model_dir(args.model, args.tokens + BLOCK_SIZE)
+    core = EngineCore(EngineConfig(
+        ModelConfig(str(path), dtype=args.dtype, load_format="dummy", device=args.device,
+                    attention_backend=args.attention_backend, max_model_len=args.tokens + BLOCK_SIZE,
+                    enforce_eager=True),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=2 * math.ceil((args.tokens + 1) / BLOCK_SIZE) + 4,
+                    enable_prefix_caching=False),
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=chunk, enable_chunked_prefill=True),
+    ))
+    backend = core.runner.backend
+    if not isinstance(backend, TritonAttentionBackend):
+        raise ValueError(f"--chunked-ab needs --attention-backend triton, got {backend.name}")
+    graphs = core.runner.warm_attention_plans(chunk)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(args.repeats):
+        for on in (True, False):
+            backend.cudnn_paged_prefill = on
+            times[on].extend(time_prefill(core, args.tokens, 2))
+    backend.cudnn_paged_prefill = True
+    with_cudnn, without = Spread.of(times[True]), Spread.of(times[False])
+    name = torch.cuda.get_device_name(core.runner.device) if core.runner.device.type == "cuda" else "cpu"
+    return {"device": name, "model": args.model, "dtype": str(core.runner.dtype).removeprefix("torch."),
+            "tokens": args.tokens, "chunk": chunk, "warmed_graphs": graphs, "cudnn_s": times[True],
+            "triton_s": times[False], "cudnn": with_cudnn.as_dict(), "triton": without.as_dict(),
+            "cudnn_over_triton_median": with_cudnn.median / without.median}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark (see the module docstring); returns the JSON-ready result."""
     core = make_core(args, args.tokens)
@@ -237,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gemm-repeats", type=int_at_least(MIN_CEILING_REPEATS), default=MIN_CEILING_REPEATS,
                    help=f"timed GEMMs for the ceiling (>= {MIN_CEILING_REPEATS}; the best counts)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed prefills after one warm-up")
+    p.add_argument("--chunked-ab", type=positive_int, default=None, metavar="CHUNK",
+                   help="instead: the prompt in CHUNK-token chunks, cuDNN paged prefill attention on vs off")
     p.add_argument("--json", default=None, help="write the result here ('-' = stdout)")
     return p
 
@@ -244,7 +287,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run, print a summary and write ``--json``; returns 0 (bad arguments: argparse
     exits with 2, naming the flag)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.chunked_ab is not None:
+        if args.attention_backend != "triton":
+            parser.error(f"--chunked-ab needs --attention-backend triton, got {args.attention_backend}")
+        ab = chunked_ab(args)
+        on, off = Spread(**ab["cudnn"]), Spread(**ab["triton"])
+        print(f"prefill {ab['tokens']} tokens in {ab['chunk']}-token chunks ({ab['model']}, {ab['dtype']}; "
+              f"{ab['warmed_graphs']} cuDNN graphs warmed): cuDNN paged {on.scaled(1e3).fmt('.1f', ' ms')}; "
+              f"Triton {off.scaled(1e3).fmt('.1f', ' ms')}; cuDNN / Triton (medians) "
+              f"{ab['cudnn_over_triton_median']:.3f}")
+        _write_json(args.json, ab)
+        return 0
     res = run(args)
     a, g = res["attention"], res["gemm"]
     achieved = Spread(**res["achieved_tflops_spread"])
@@ -261,11 +316,16 @@ def main(argv: list[str] | None = None) -> int:
           f"SDPA ({a['sdpa']}) {a['sdpa_tflops']:.1f} TFLOP/s (best of each), "
           f"triton speed / SDPA speed {a['triton_over_sdpa_speed']:.2f}, "
           f"max |diff| {a['max_abs_diff']:.3g}")
-    if args.json == "-":
-        print(json.dumps(res, indent=1))
-    elif args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    _write_json(args.json, res)
     return 0
+
+
+def _write_json(dest: str | None, result: dict[str, Any]) -> None:
+    """``--json``: ``-`` prints ``result``, a path gets it written, None nothing."""
+    if dest == "-":
+        print(json.dumps(result, indent=1))
+    elif dest:
+        Path(dest).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

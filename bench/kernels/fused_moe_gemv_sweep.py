@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,8 @@ from engine.ops.gemv import gemv
 UP_TILES = ["2x1024x4", "4x1024x4", "1x2048x4", "2x2048x8", "4x512x4", "8x512x4", "8x256x4", "16x256x8"]
 DOWN_TILES = ["2x1024x4x1", "4x512x4x1", "1x256x4x8", "2x256x4x8", "4x256x4x8", "2x256x8x8", "4x256x8x8",
               "8x256x8x8", "2x128x4x8", "4x128x4x8", "2x256x4x4", "4x256x4x2",
-              "2x256x4x8p", "4x256x4x8p", "1x256x4x8p", "2x128x4x8p", "1x1024x4x8p", "2x512x8x8p", "1x512x4x8p"]
+              "2x256x4x8p", "4x256x4x8p", "1x256x4x8p", "2x128x4x8p", "1x1024x4x8p", "2x512x8x8p",
+              "1x512x4x8p"]
 ROUTER_TILES = ["4x1024x4", "2x1024x4", "1x1024x4", "1x2048x4", "2x2048x8", "8x512x4"]
 
 
@@ -129,7 +130,8 @@ def sweep_tokens(args: argparse.Namespace, tokens: int, copy_best: float, w_gate
     def measure(c: Candidate) -> dict[str, Any]:
         def call(i: int) -> torch.Tensor:
             return fused_moe_gemv(xs[i], w_gate_up, w_down, routes[i][0], routes[i][1], up_tile=c.up_tile,
-                                  down_tile=c.down_tile, down_slots=c.down_slots, down_prefetch=c.down_prefetch)
+                                  down_tile=c.down_tile, down_slots=c.down_slots,
+                                  down_prefetch=c.down_prefetch)
         try:
             err = float((call(0).float() - want).abs().max())
             secs = per_call_seconds(call, args.calls, args.replays)

@@ -329,7 +329,8 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     check_args(x, w_gate_up, w_down, topk_weights, topk_ids, scales)
     inter = w_gate_up.shape[1] // 2
     fp8 = scales is not None
-    slots = down_slots if down_slots is not None else gemv_moe_slots(x.shape[0], topk_ids.shape[1], inter, fp8)
+    slots = down_slots if down_slots is not None else gemv_moe_slots(x.shape[0], topk_ids.shape[1], inter,
+                                                                     fp8)
     if slots < 1 or slots & (slots - 1):
         raise ValueError(f"down_slots must be a power of two >= 1, got {slots}")
     block = scales.block if scales is not None else None

@@ -61,8 +61,8 @@ def test_every_default_candidate_computes_the_layer() -> None:
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=text)
     for text in DOWN_TILES:
         c = candidate(down=text)
-        got = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_tile=c.down_tile, down_slots=c.down_slots,
-                             down_prefetch=c.down_prefetch)
+        got = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_tile=c.down_tile,
+                             down_slots=c.down_slots, down_prefetch=c.down_prefetch)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=text)
     router = torch.randn(experts, hidden, generator=torch.Generator().manual_seed(2))
     for text in ROUTER_TILES:

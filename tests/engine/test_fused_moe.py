@@ -168,9 +168,8 @@ def test_down_gemv_slots_read_at_once_match_the_reference(scale, top_k, tokens, 
     up to float reassociation, the one-expert-at-a-time kernel; FP8 experts with per-row or block scales
     too; with ``down_prefetch`` (taken where the slots fit one round and the scales are not block scales)
     as well. A ``down_slots`` that is not a power of two is refused."""
-    from engine.ops.fused_moe_gemv import down_prefetches
-
     from engine.ops.fused_moe_fp8 import ExpertScales, quantize_experts
+    from engine.ops.fused_moe_gemv import down_prefetches
 
     dtype = torch.float16
     x, w_gate_up, w_down, weights, ids = moe_case(16, top_k, tokens, "uniform", torch.float32, inter=32)
@@ -211,7 +210,8 @@ def test_gemv_tiles_per_token_count_expert_width_and_fp8():
     assert gemv_moe_tile(2, False, 768, fp8=True) == (8, 512, 4)
     assert gemv_moe_tile(2, True, 768, fp8=True) == (2, 256, 4)
     assert gemv_moe_tile(1, True, 14336) == (2, 1024, 4)
-    assert gemv_moe_slots(1, 8, 768) == 8 and gemv_moe_slots(1, 2, 768) == 2 and gemv_moe_slots(1, 3, 768) == 4
+    assert gemv_moe_slots(1, 8, 768) == 8 and gemv_moe_slots(1, 2, 768) == 2
+    assert gemv_moe_slots(1, 3, 768) == 4
     assert gemv_moe_slots(2, 8, 768) == 2 and gemv_moe_slots(2, 8, 768, fp8=True) == 4
     assert gemv_moe_slots(1, 2, 14336) == 1
     assert gemv_moe_prefetch(1, 8, 8, 768) and not gemv_moe_prefetch(2, 8, 2, 768)
