@@ -31,9 +31,10 @@ CPU smoke mode (CI): ``--device cpu --model tiny --dtype float32 --attention-bac
 prefill, token budget ``CHUNK``), with the triton backend's cuDNN paged prefill attention
 (engine/ops/cudnn_paged_prefill.py, taken once a chunk attends over ``CUDNN_PAGED_MIN_KV`` tokens) on and
 off in alternating rounds in one process (``--repeats`` rounds of two timed prefills each, after the
-graphs' warm-up); reports each side's best and median and the ratio of the medians (on / off). Where the
-cuDNN path cannot run (CPU, no Hopper GPU, no cuDNN frontend) both sides run the Triton kernel, and the
-report says how many cuDNN graphs the warm-up built (0).
+graphs' warm-up; each side goes first in every other round); reports each side's best and median and
+the ratio of the medians (on / off). Where the cuDNN path cannot run (CPU, no Hopper GPU, no cuDNN
+frontend) both sides run the Triton kernel, and the report says how many cuDNN graphs the warm-up built
+(0).
 
     python -m bench.engine.prefill --tokens 16384 --chunked-ab 2048
 
@@ -226,11 +227,13 @@ def chunked_ab(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--chunked-ab needs --attention-backend triton, got {backend.name}")
     graphs = core.runner.warm_attention_plans(chunk)
     times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(args.repeats):
-        for on in (True, False):
-            backend.cudnn_paged_prefill = on
-            times[on].extend(time_prefill(core, args.tokens, 2))
-    backend.cudnn_paged_prefill = True
+    try:
+        for r in range(args.repeats):
+            for on in (True, False) if r % 2 == 0 else (False, True):  # each side first in turn
+                backend.cudnn_paged_prefill = on
+                times[on].extend(time_prefill(core, args.tokens, 2))
+    finally:
+        backend.cudnn_paged_prefill = True
     with_cudnn, without = Spread.of(times[True]), Spread.of(times[False])
     name = torch.cuda.get_device_name(core.runner.device) if core.runner.device.type == "cuda" else "cpu"
     return {"device": name, "model": args.model, "dtype": str(core.runner.dtype).removeprefix("torch."),

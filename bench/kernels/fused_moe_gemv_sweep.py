@@ -8,7 +8,7 @@ experts, top-8, hidden 2048, expert width 768), in one process:
 - ``up``: ``engine.ops.fused_moe.fused_moe_gemv`` at each gate/up tile of ``--up-tiles`` (``BNxBKxW``:
   block_n, block_k, num_warps) with the down kernel at its default tile and slots;
 - ``down``: the same at each down tile of ``--down-tiles`` (``BNxBKxWxS``: block_n, block_k, num_warps,
-  slots read at once; a trailing ``p``: the routing and first weight tile loaded before the wait for the
+  slots read at once; a trailing ``p``: the expert ids and first weight tile loaded before the wait for the
   gate/up kernel, ``fused_moe_gemv(down_prefetch=True)``) with the gate/up kernel at its default tile;
 - ``best``: the best gate/up tile with the best down tile (the defaults ``gemv_moe_tile`` /
   ``gemv_moe_slots`` should take);
@@ -42,7 +42,13 @@ from bench.ceilings import copy_bandwidth
 from bench.kernels.fused_moe import SHAPES
 from bench.timing import replay_seconds
 from engine.ops.fused_moe import fused_moe_reference
-from engine.ops.fused_moe_gemv import fused_moe_gemv, gemv_moe_prefetch, gemv_moe_slots, gemv_moe_tile
+from engine.ops.fused_moe_gemv import (
+    down_prefetches,
+    fused_moe_gemv,
+    gemv_moe_prefetch,
+    gemv_moe_slots,
+    gemv_moe_tile,
+)
 from engine.ops.gemv import gemv
 
 UP_TILES = ["2x1024x4", "4x1024x4", "1x2048x4", "2x2048x8", "4x512x4", "8x512x4", "8x256x4", "16x256x8"]
@@ -128,6 +134,9 @@ def sweep_tokens(args: argparse.Namespace, tokens: int, copy_best: float, w_gate
     want = fused_moe_reference(xs[0], w_gate_up, w_down, routes[0][0], routes[0][1]).float()
 
     def measure(c: Candidate) -> dict[str, Any]:
+        slots = c.down_slots if c.down_slots is not None else gemv_moe_slots(tokens, top_k, inter)
+        if c.down_prefetch and not down_prefetches(tokens, top_k, slots, inter, None, True):
+            return dict(error=f"the prefetch needs every slot in one round: {slots} slots < top-k {top_k}")
         def call(i: int) -> torch.Tensor:
             return fused_moe_gemv(xs[i], w_gate_up, w_down, routes[i][0], routes[i][1], up_tile=c.up_tile,
                                   down_tile=c.down_tile, down_slots=c.down_slots,

@@ -10,10 +10,11 @@ weights. The matrix-vector path skips the alignment: ``_gate_up_gemv_kernel`` ru
 (``gemv_moe_slots``: a program's loads for those experts in flight together), each a row-blocked GEMV as
 ``engine.ops.gemv`` (float32 products summed along the row, the same roundings as the grouped
 kernels), the weighted sum kept in float32 and rounded once. With ``PREFETCH`` (one token by default,
-``gemv_moe_prefetch``) every slot is read in one round and the routing and the first weight tile are
-loaded before the wait for the gate/up kernel (programmatic dependent launch: the routing was written
-before that kernel, engine/ops/pdl.py). A weight is read once per pair that routes to it, so the path
-pays off only while pairs rarely share an expert.
+``gemv_moe_prefetch``) every slot is read in one round and the expert ids (``topk_ids``) and the first
+weight tile are loaded before the wait for the gate/up kernel (programmatic dependent launch: the ids
+were written before that kernel, engine/ops/pdl.py; the routing weights are read after the wait). A
+weight is read once per pair that routes to it, so the path pays off only while pairs rarely share an
+expert.
 """
 
 from __future__ import annotations
@@ -162,10 +163,11 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dt = act_ptr.dtype.element_ty
     if PREFETCH:
-        # every slot in one round (SLOTS >= top_k, unscaled or per-row scales): the routing comes from the
-        # kernels before the gate/up kernel, complete before this one can launch, so it and the first
-        # weight tile are loaded before the wait (read through L2: engine/ops/pdl.py); each iteration then
-        # loads the next tile before its FMA
+        # every slot in one round (SLOTS >= top_k, which down_prefetches ensures: slots past SLOTS would
+        # be dropped; unscaled or per-row scales): the expert ids come from the kernels before the gate/up
+        # kernel, complete before this one can launch, so they and the first weight tile are loaded before
+        # the wait (the ids through L2: engine/ops/pdl.py); the routing weights after it; each iteration
+        # then loads the next tile before its FMA
         slot_mask = js < top_k
         pairs = token * top_k + js  # [SLOTS]
         experts = tl.load(ids_ptr + pairs, mask=slot_mask, other=0, cache_modifier=".cg").to(tl.int64)
@@ -258,20 +260,28 @@ def _down_gemv_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: argumen
 GEMV_MOE_SWEPT_INTER = 2048
 
 
-def gemv_moe_tile(num_tokens: int, down: bool, inter: int, fp8: bool = False) -> tuple[int, int, int]:
+def _former_tiles(num_tokens: int, inter: int, layout: str) -> bool:
+    """Whether ``gemv_moe_tile`` keeps the first sweep's tiles: experts wider than
+    ``GEMV_MOE_SWEPT_INTER``, block-scaled FP8 experts (not re-measured) and per-row-scaled FP8 experts
+    past one token (the new tiles measured slower there)."""
+    return inter > GEMV_MOE_SWEPT_INTER or layout == "block" or (layout == "channel" and num_tokens > 1)
+
+
+def gemv_moe_tile(num_tokens: int, down: bool, inter: int, layout: str = "none") -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)`` of the gate/up (``down`` False) or down matrix-vector MoE
-    kernel for ``num_tokens`` tokens and experts of width ``inter``: the best of
-    ``bench.kernels.fused_moe_gemv_sweep`` on an H200 (Qwen3-30B-A3B shape, 2026-12-04,
+    kernel for ``num_tokens`` tokens and experts of width ``inter`` (``layout``: ``"none"`` for
+    bf16/fp16 experts, ``"channel"`` / ``"block"`` for FP8 experts with per-row / block scales): the best
+    of ``bench.kernels.fused_moe_gemv_sweep`` on an H200 (Qwen3-30B-A3B shape, 2026-12-04,
     docs/benchmarks/README.md), both kernels together as shares of the copy bandwidth: one token gate/up
     1 x 1024 and down 2 x 128 over all 8 slots with ``gemv_moe_prefetch`` (73.6 %; the former 2 x 1024 /
     2 x 1024 one slot at a time 58.1 %); 2 tokens 2 x 512 / 4 x 256 with 2 slots (81.7 %; former 76.7 %);
     4 tokens 2 x 512 / 8 x 128 with 2 slots (90.1 %; former 83.6 %), all with 4 warps; 3 tokens (not
-    swept) as 4. FP8 experts (``fp8``) take the one-token tiles (per-row scales 22.5 µs against 26.4) but
-    the former ones for more tokens, where the new ones measured slower (2 / 4 tokens 39.0 / 80.8 µs
-    against 35.0 / 66.8). Experts wider than ``GEMV_MOE_SWEPT_INTER``, and FP8 experts for more than one
-    token: the former tiles, one token 2 x 1024 for both, more tokens 8 x 512 (gate/up) and 2 x 256
+    swept) as 4. Per-row-scaled FP8 experts take the one-token tiles (22.3 µs, against 26.4 µs for the
+    former ones on 2026-12-03) but the former ones for more tokens, where the new ones measured slower
+    (2 / 4 tokens 39.0 / 80.8 µs against 34.9 / 60.5 µs with the former tiles, a later run the same day).
+    Where ``_former_tiles``: one token 2 x 1024 for both, more tokens 8 x 512 (gate/up) and 2 x 256
     (down)."""
-    if inter > GEMV_MOE_SWEPT_INTER or (fp8 and num_tokens > 1):
+    if _former_tiles(num_tokens, inter, layout):
         if num_tokens == 1:
             return 2, 1024, 4
         return (2, 256, 4) if down else (8, 512, 4)
@@ -282,22 +292,23 @@ def gemv_moe_tile(num_tokens: int, down: bool, inter: int, fp8: bool = False) ->
     return (4, 256, 4) if num_tokens == 2 else (8, 128, 4)
 
 
-def gemv_moe_slots(num_tokens: int, top_k: int, inter: int, fp8: bool = False) -> int:
+def gemv_moe_slots(num_tokens: int, top_k: int, inter: int, layout: str = "none") -> int:
     """Slots of a token whose experts the down matrix-vector kernel reads at once (``SLOTS``; a power of
     two, the rest of the ``top_k`` slots in further rounds), with ``gemv_moe_tile``'s down tile: one
     token every slot in one round (``top_k`` rounded up to a power of two), more tokens 2; where
-    ``gemv_moe_tile`` keeps the former tiles, one slot at a time for one token and 4 for more."""
+    ``_former_tiles``, one slot at a time for one token and 4 for more."""
     every = 1 << max(0, top_k - 1).bit_length()
-    if inter > GEMV_MOE_SWEPT_INTER or (fp8 and num_tokens > 1):
+    if _former_tiles(num_tokens, inter, layout):
         return 1 if num_tokens == 1 else min(4, every)
     return every if num_tokens == 1 else min(2, every)
 
 
 def gemv_moe_prefetch(num_tokens: int, top_k: int, slots: int, inter: int) -> bool:
-    """Whether the down matrix-vector kernel loads the routing and its first weight tile before waiting for
-    the gate/up kernel (``PREFETCH``) by default: for one token with every slot in one round and experts
-    no wider than ``GEMV_MOE_SWEPT_INTER`` (down 2 x 128 x 8 slots 25.60 µs with, 26.24 µs without, in the
-    sweep above); not for more tokens, where it measured slower (2 tokens 47.45 vs 45.45 µs)."""
+    """Whether the down matrix-vector kernel loads the expert ids and its first weight tile before waiting
+    for the gate/up kernel (``PREFETCH``) by default: for one token (the only launches with PDL) with every
+    slot in one round and experts no wider than ``GEMV_MOE_SWEPT_INTER`` (down 2 x 128 x 8 slots 25.60 µs
+    with, 26.24 µs without, in the sweep above); for more tokens, where no PDL runs and it only reorders
+    the loads, it measured slower (2 tokens 47.45 vs 45.45 µs)."""
     return num_tokens == 1 and slots >= top_k and inter <= GEMV_MOE_SWEPT_INTER
 
 
@@ -320,7 +331,7 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     gate/up and the down kernel; None: ``gemv_moe_tile``) and the down kernel's slots read at once
     (``down_slots``, a power of two; None: ``gemv_moe_slots``; each program's down tile is then
     ``block_n x down_slots x block_k``), for tile sweeps. ``down_prefetch``: the down kernel loads the
-    routing and its first weight tile before waiting for the gate/up kernel (``gemv_moe_prefetch``; None:
+    expert ids and its first weight tile before waiting for the gate/up kernel (``gemv_moe_prefetch``; None:
     its default), taken only where every slot fits one round (``down_slots >= top_k``) and the experts are
     unscaled or per-row scaled, else ignored. ``decode_bits`` (FP8 experts only): decode the
     e4m3 weights by integer operations as ``engine.ops.fp8_gemv`` does (the same bits as the hardware
@@ -328,9 +339,9 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     errors as ``fused_moe``, plus ValueError for a ``down_slots`` that is not a power of two."""
     check_args(x, w_gate_up, w_down, topk_weights, topk_ids, scales)
     inter = w_gate_up.shape[1] // 2
-    fp8 = scales is not None
+    layout = "none" if scales is None else ("block" if scales.block is not None else "channel")
     slots = down_slots if down_slots is not None else gemv_moe_slots(x.shape[0], topk_ids.shape[1], inter,
-                                                                     fp8)
+                                                                     layout)
     if slots < 1 or slots & (slots - 1):
         raise ValueError(f"down_slots must be a power of two >= 1, got {slots}")
     block = scales.block if scales is not None else None
@@ -339,11 +350,13 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     t, hidden = x.shape
     top_k = topk_ids.shape[1]
     ids = flat(topk_ids)
+    # before the gate/up launch: a copy kernel here must not come between it and the down kernel
+    weights = flat(topk_weights)  # the kernels widen each routing weight to float32 as they load it
     act = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)
     if t == 0:
         return torch.zeros_like(x)
     bits = decode_bits and scales is not None
-    bn, bk, warps = up_tile or gemv_moe_tile(t, False, inter, fp8)
+    bn, bk, warps = up_tile or gemv_moe_tile(t, False, inter, layout)
     bn, scale_k = gemv_scale_tile(bn, bk, block)
     _gate_up_gemv_kernel[(t * top_k, triton.cdiv(inter, bn))](
         x, w_gate_up.view(torch.int8) if bits else w_gate_up, ids, act, s_up[0], top_k, hidden, inter,
@@ -351,9 +364,8 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
         BLOCK_N=bn, BLOCK_K=bk, SCALE_K=scale_k, SCALE=scale_mode(scales), BITS=bits, num_warps=warps,
         **pdl_kwargs(x),
     )
-    weights = flat(topk_weights)  # the kernels widen each routing weight to float32 as they load it
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    bn, bk, warps = down_tile or gemv_moe_tile(t, True, inter, fp8)
+    bn, bk, warps = down_tile or gemv_moe_tile(t, True, inter, layout)
     bn, scale_k = gemv_scale_tile(bn, bk, block)
     prefetch = down_prefetches(t, top_k, slots, inter, scales, down_prefetch)
     _down_gemv_kernel[(t, triton.cdiv(hidden, bn))](

@@ -13,13 +13,15 @@ The rule every kernel here follows (``gdc_enter``): nothing that the kernel just
 and nothing at all is written, before ``griddepcontrol.wait``; right after it the kernel lets its own
 successor launch. Data no kernel writes during a step (weights) may be loaded before the wait
 (``engine.ops.gemv`` prefetches its first weight tile there). So may data written by a kernel further
-back: the predecessor executes ``launch_dependents`` only after its own wait has returned, i.e. after
-every kernel before it has completed and flushed its writes, and this kernel cannot launch before that;
-such data is loaded through L2 (``cache_modifier=".cg"``), never from an L1 line an earlier kernel left
-on the SM (the matrix-vector MoE down kernel reads the routing, written before the gate/up kernel, this
-way). Because every PDL kernel waits for its predecessor before it can finish, a chain of them stays
-ordered like plain stream order; a kernel that is not PDL-aware (cuBLAS, torch) before or after one is
-ordered as usual, and a PDL kernel after it is not launched early at all.
+back, provided the kernel just before is one of these (it executes ``launch_dependents`` only after its
+own wait has returned, i.e. after every kernel before it has completed) or was launched without PDL (then
+this kernel launches only after it has completed). The CUDA guide promises visibility only after
+``griddepcontrol.wait``; such data is therefore read through L2 (``cache_modifier=".cg"``), where a
+completed kernel's writes are, never from an L1 line an earlier kernel left on the SM (the matrix-vector
+MoE down kernel reads the expert ids, written before the gate/up kernel, this way). Because every PDL
+kernel waits for its predecessor before it can finish, a chain of them stays ordered like plain stream
+order; a kernel that is not PDL-aware (cuBLAS, torch) before or after one is ordered as usual, and a PDL
+kernel right after it is not launched early at all.
 
 ``pdl_kwargs(tensor)`` gives the launch arguments: ``USE_GDC`` (a ``tl.constexpr`` of each kernel) and
 Triton's ``launch_pdl`` compile option, both on only for a one-row launch (``tensor.shape[0] == 1``: every
@@ -80,7 +82,8 @@ def pdl_kwargs(t: torch.Tensor) -> dict[str, bool]:
 
 @triton.jit
 def gdc_enter(USE_GDC: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton helper
-    """A kernel's first statement: wait for its predecessor, then let its successor launch."""
+    """Wait for the predecessor, then let the successor launch; only loads the rule above allows come
+    before it in a kernel."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -10,9 +10,19 @@ from pathlib import Path
 import pytest
 
 from bench.engine.prefill import main
+from engine.attention.triton_backend import TritonAttentionBackend
 
 
-def test_chunked_ab_reports_both_sides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_chunked_ab_reports_both_sides(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bool] = []
+    original = TritonAttentionBackend._cudnn_prefill
+
+    def record(self: TritonAttentionBackend, *args: object) -> bool:
+        seen.append(self.cudnn_paged_prefill)
+        return original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TritonAttentionBackend, "_cudnn_prefill", record)
     out = tmp_path / "ab.json"
     assert main(["--device", "cpu", "--model", "tiny", "--dtype", "float32", "--attention-backend", "triton",
                  "--tokens", "40", "--chunked-ab", "16", "--repeats", "1", "--json", str(out)]) == 0
@@ -22,6 +32,8 @@ def test_chunked_ab_reports_both_sides(tmp_path: Path, capsys: pytest.CaptureFix
     assert min(res["cudnn_s"] + res["triton_s"]) > 0
     assert res["cudnn_over_triton_median"] == pytest.approx(res["cudnn"]["median"] / res["triton"]["median"])
     assert "40 tokens in 16-token chunks" in capsys.readouterr().out
+    # every layer of every chunk reached the backend with the switch on for one side, off for the other
+    assert seen.count(True) == seen.count(False) > 0
 
 
 def test_chunked_ab_refuses_another_backend(capsys: pytest.CaptureFixture[str]) -> None:

@@ -172,7 +172,9 @@ def test_down_gemv_slots_read_at_once_match_the_reference(scale, top_k, tokens, 
     from engine.ops.fused_moe_gemv import down_prefetches
 
     dtype = torch.float16
-    x, w_gate_up, w_down, weights, ids = moe_case(16, top_k, tokens, "uniform", torch.float32, inter=32)
+    # width 40: two full 16-input chunks and a ragged one (block scales need a width their blocks divide)
+    inter = 32 if scale == "block" else 40
+    x, w_gate_up, w_down, weights, ids = moe_case(16, top_k, tokens, "uniform", torch.float32, inter=inter)
     scales = None
     if scale is not None:
         block = (16, 16) if scale == "block" else None
@@ -182,10 +184,10 @@ def test_down_gemv_slots_read_at_once_match_the_reference(scale, top_k, tokens, 
     else:
         w_gate_up, w_down = w_gate_up.to(dtype), w_down.to(dtype)
     x = x.to(dtype)
-    tile = (4, 16, 4)  # block_k 16 < inter 32: two rounds over the inputs
+    tile = (4, 16, 4)  # block_k 16 < inter: several rounds over the inputs
     got = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_tile=tile, down_slots=slots,
                          scales=scales, down_prefetch=prefetch)
-    assert down_prefetches(tokens, top_k, slots, 32, scales, prefetch) == (prefetch and slots >= top_k
+    assert down_prefetches(tokens, top_k, slots, inter, scales, prefetch) == (prefetch and slots >= top_k
                                                                        and scale != "block")
     one = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_tile=tile, down_slots=1, scales=scales)
     want = fused_moe_reference(x, w_gate_up, w_down, weights, ids, scales=scales)
@@ -199,20 +201,21 @@ def test_down_gemv_slots_read_at_once_match_the_reference(scale, top_k, tokens, 
 
 def test_gemv_tiles_per_token_count_expert_width_and_fp8():
     """The matrix-vector path's defaults: Qwen3-30B-A3B-wide experts take the swept tiles (one token every
-    slot at once, with the prefetch), FP8 experts the former tiles past one token, and experts wider than
-    the sweep the former tiles throughout."""
+    slot at once, with the prefetch), per-row-scaled FP8 experts the former tiles past one token, and
+    block-scaled FP8 experts and experts wider than the sweep the former tiles throughout."""
     from engine.ops.fused_moe_gemv import gemv_moe_prefetch, gemv_moe_slots, gemv_moe_tile
 
     assert gemv_moe_tile(1, False, 768) == (1, 1024, 4) and gemv_moe_tile(1, True, 768) == (2, 128, 4)
-    assert gemv_moe_tile(1, True, 768, fp8=True) == (2, 128, 4)
+    assert gemv_moe_tile(1, True, 768, "channel") == (2, 128, 4)
+    assert gemv_moe_tile(1, True, 768, "block") == (2, 1024, 4)
     assert gemv_moe_tile(2, True, 768) == (4, 256, 4) and gemv_moe_tile(4, True, 768) == (8, 128, 4)
     assert gemv_moe_tile(2, False, 768) == (2, 512, 4)
-    assert gemv_moe_tile(2, False, 768, fp8=True) == (8, 512, 4)
-    assert gemv_moe_tile(2, True, 768, fp8=True) == (2, 256, 4)
+    assert gemv_moe_tile(2, False, 768, "channel") == (8, 512, 4)
+    assert gemv_moe_tile(2, True, 768, "channel") == (2, 256, 4)
     assert gemv_moe_tile(1, True, 14336) == (2, 1024, 4)
     assert gemv_moe_slots(1, 8, 768) == 8 and gemv_moe_slots(1, 2, 768) == 2
     assert gemv_moe_slots(1, 3, 768) == 4
-    assert gemv_moe_slots(2, 8, 768) == 2 and gemv_moe_slots(2, 8, 768, fp8=True) == 4
-    assert gemv_moe_slots(1, 2, 14336) == 1
+    assert gemv_moe_slots(2, 8, 768) == 2 and gemv_moe_slots(2, 8, 768, "channel") == 4
+    assert gemv_moe_slots(1, 2, 14336) == 1 and gemv_moe_slots(1, 8, 768, "block") == 1
     assert gemv_moe_prefetch(1, 8, 8, 768) and not gemv_moe_prefetch(2, 8, 2, 768)
     assert not gemv_moe_prefetch(1, 8, 4, 768) and not gemv_moe_prefetch(1, 2, 2, 14336)

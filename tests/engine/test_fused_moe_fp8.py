@@ -171,12 +171,12 @@ def test_fp8_scales_refused_when_they_do_not_fit():
                       scales=ExpertScales(narrow_s.to(DEVICE), down_s.to(DEVICE), (16, 24)))
 
 
-@pytest.mark.parametrize("layout,tokens,slots", [("channel", 1, 1), ("channel", 3, 2), ("block", 1, 1),
-                                                 ("block", 3, 2)])
+@pytest.mark.parametrize("layout,tokens,slots", [("channel", 1, 1), ("channel", 1, 2), ("channel", 3, 2),
+                                                 ("block", 1, 1), ("block", 3, 2)])
 def test_decoded_weights_give_the_converted_bits(layout, tokens, slots):
     """``fused_moe_gemv(decode_bits=True)``: the e4m3 experts decoded by integer operations (every finite
     code, subnormals included, in the weights) give the same bits as the hardware conversion, per-row and
-    block scales, one and several slots at once."""
+    block scales, one and several slots at once (two at one token: the down kernel's prefetching path)."""
     gen = torch.Generator().manual_seed(4)
     experts, top_k, hidden, inter = 8, 2, 64, 32
     codes = torch.arange(256, dtype=torch.uint8)

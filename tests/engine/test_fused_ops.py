@@ -254,3 +254,15 @@ def test_rms_norm_fp8_equals_the_norm_then_the_per_token_quantizer(dtype, n, wit
 def test_rms_norm_fp8_of_no_rows():
     q, s = rms_norm_fp8(torch.empty(0, 64, device=DEVICE), torch.ones(64, device=DEVICE), 1e-6)
     assert q.shape == (0, 64) and s.shape == (0, 1)
+
+
+def test_gemv_tile_classes():
+    """``gemv_tile``'s classes: Llama-3-8B's projections keep their tiles, Qwen3-30B-A3B's O (N <= 2048)
+    and QKV (K <= 2048 between 4096 and 16384 rows) take theirs, and the gated down tile is untouched."""
+    from engine.ops.gemv import gemv_tile
+
+    assert gemv_tile(6144, k=4096) == (8, 512, 4) and gemv_tile(6144) == (8, 512, 4)
+    assert gemv_tile(4096, k=4096) == (4, 1024, 4) and gemv_tile(4096, True, 14336) == (8, 1024, 4)
+    assert gemv_tile(28672, k=4096) == (2, 1024, 4)
+    assert gemv_tile(2048, k=4096) == (1, 1024, 4) and gemv_tile(2048, True, 768) == (8, 1024, 4)
+    assert gemv_tile(5120, k=2048) == (4, 512, 4)

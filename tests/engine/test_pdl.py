@@ -148,8 +148,9 @@ def test_engine_greedy_tokens_equal_with_and_without_pdl(tmp_path: Path) -> None
 @pytest.mark.parametrize("slots", [1, 4])
 def test_moe_chain_in_a_graph_with_pdl_equals_eager_without(slots: int) -> None:
     """A batch-1 MoE layer's launches (q/k head norms, router GEMV, top-k softmax, the matrix-vector
-    experts with ``slots`` experts read at once) captured with PDL equal the eager chain without PDL, bit
-    for bit, replay after replay."""
+    experts with ``slots`` experts read at once; with all of them, the down kernel reads the expert ids
+    before its wait) captured with PDL equal the eager chain without PDL, bit for bit, replay after replay,
+    each replay on new inputs (so ids left from the replay before would show)."""
     from engine.ops.fused_moe_gemv import fused_moe_gemv
     from engine.ops.rms_norm import qk_rms_norm
     from engine.ops.topk_softmax import topk_softmax
@@ -171,10 +172,8 @@ def test_moe_chain_in_a_graph_with_pdl_equals_eager_without(slots: int) -> None:
         weights, ids = topk_softmax(gemv(x, router), 4, True, dtype)
         return fused_moe_gemv(x, gate_up, down, weights, ids, down_slots=slots), qk
 
-    set_pdl(False)
-    want = chain(x0, qkv0)
-    set_pdl(True)
     x, qkv = x0.clone(), qkv0.clone()
+    set_pdl(True)
     chain(x, qkv)  # compile the PDL variants outside capture
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -182,7 +181,15 @@ def test_moe_chain_in_a_graph_with_pdl_equals_eager_without(slots: int) -> None:
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         got = chain(x, qkv)
     torch.cuda.current_stream().wait_stream(stream)
+    routed = set()
     for _ in range(20):
+        x.copy_(rand(1, hidden))
+        qkv.copy_(rand(1, 8 * d))
+        set_pdl(False)
+        want = chain(x.clone(), qkv.clone())
+        set_pdl(True)
+        routed.add(tuple(topk_softmax(gemv(x, router), 4, True, dtype)[1].flatten().tolist()))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert len(routed) > 1  # the replays were routed differently
