@@ -210,7 +210,7 @@ def fp8_gemv(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None,
         x, _weight_operand(w, decode), scale, bias if bias is not None else y, y, n, k, w.weight.stride(0),
         scale.stride(0) if scale.dim() == 2 else 0, LAYOUT=_LAYOUT_CODE[w.layout], GROUP_N=group_n,
         GROUP_K=group_k, HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
-        DECODE=decode, num_warps=warps, **pdl_kwargs(x))
+        DECODE=decode, num_warps=warps, **pdl_kwargs(x, "fp8_gemv"))
     return y
 
 

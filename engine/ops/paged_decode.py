@@ -21,7 +21,7 @@ import triton.language as tl
 
 from engine.ops.decode_rope import RopeStore, _rope_args, _rope_q_store_kv, rope_fusable
 from engine.ops.paged_tiles import attend_paged_tiles
-from engine.ops.pdl import gdc_enter, pdl_kwargs
+from engine.ops.pdl import GEMV_KERNELS, gdc_enter, pdl_kwargs
 from engine.ops.store_kv import UNIT_SCALE, KVScale, dequantize_kv_reference, inverse_scales, is_fp8
 
 LOG2E = 1.4426950408889634
@@ -220,7 +220,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
         BLOCK_N=block_n, PRECISION=_precision(q.dtype), ROPE=rope is not None, KV_FP8=is_fp8(k_cache),
         num_warps=num_warps,
         num_stages=2,
-        **pdl_kwargs(q),
+        **pdl_kwargs(q, "decode_split", late_after=GEMV_KERNELS),
     )
     _decode_reduce_kernel[(n, num_heads)](
         part_acc, part_m, part_l, out, out.stride(0), out.stride(1), num_splits,

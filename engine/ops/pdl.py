@@ -31,29 +31,55 @@ process switch (``set_pdl``; ``ModelConfig.pdl``) is on. Measured on an H200 (Ll
 docs/benchmarks/engine.md): batch-1 decode 80.0 -> 83.3 % of the HBM roofline with PDL, but batches
 8 and 32, where cuBLAS GEMMs sit between the Triton kernels, 1-2 points slower in three runs out of three;
 hence one-row launches only.
+
+One exception, by predecessor (``pdl_kwargs(..., late_after=)``): the decode attention's split kernel is
+launched *without* the early launch when the one-row launch just before it was a GEMV (Llama's and
+Mistral's QKV projection; Qwen3's per-head norm sits between the two). It then starts when the GEMV has
+completed; its ``griddepcontrol.wait`` returns at once and it still lets its own successor launch early.
+Measured on an H200 (batch-1 decode graph, 1k context, best of 5 x 50 replays, 3 alternated rounds,
+2026-12-04): Llama-3-8B shape 4 131 -> 4 087 us a step in bf16 and 2 836 -> 2 806 us with FP8 weights
+(1.01x, ~1.3 us a layer); after Qwen3's head norm the late launch was 1.3 % slower, and launching any other
+kernel of these models late was 0.6-5.6 % slower. Likely, not profiled: launched early, the split kernel's
+programs take SM slots while the GEMV's last programs still stream weights.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-_state = {"enabled": True}
+GEMV_KERNELS = frozenset({"gemv", "fp8_gemv"})
+"""The ``kernel`` names the one-row GEMVs give ``pdl_kwargs`` (``engine.ops.gemv.gemv``, the row-blocked
+``engine.ops.fp8_gemv.fp8_gemv``, which a one-row QKV projection runs): the predecessors after which the
+decode split kernel is launched late."""
+
+
+@dataclass
+class _Launches:
+    """The process switch and the name of the last launch ``pdl_kwargs`` was asked for ("" when that
+    launch was not a PDL one): host launch order is stream order within one captured graph."""
+
+    enabled: bool = True
+    last: str = ""
+
+
+_state = _Launches()
 
 
 def set_pdl(enabled: bool) -> None:
     """Turn programmatic dependent launch on or off for kernels launched from now on in this process
     (the model runner applies ``ModelConfig.pdl`` before it captures its CUDA graphs)."""
-    _state["enabled"] = bool(enabled)
+    _state.enabled = bool(enabled)
 
 
 def pdl_enabled() -> bool:
     """The process switch set by ``set_pdl`` (default on)."""
-    return _state["enabled"]
+    return _state.enabled
 
 
 @functools.cache
@@ -65,17 +91,24 @@ def pdl_active(t: torch.Tensor) -> bool:
     """Whether a kernel whose token-major input is ``t`` is launched with PDL: the switch is on, ``t`` has
     one row (a one-token step), is on a CUDA device of compute capability >= 9.0 (Hopper) and the Triton
     interpreter is off."""
-    if not (_state["enabled"] and t.is_cuda and t.dim() > 0 and t.shape[0] == 1):
+    if not (_state.enabled and t.is_cuda and t.dim() > 0 and t.shape[0] == 1):
         return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def pdl_kwargs(t: torch.Tensor) -> dict[str, bool]:
+def pdl_kwargs(t: torch.Tensor, kernel: str = "",
+               late_after: frozenset[str] = frozenset()) -> dict[str, bool]:
     """Extra keyword arguments for a Triton launch of a kernel taking ``USE_GDC: tl.constexpr``:
-    ``{"USE_GDC": True, "launch_pdl": True}`` when ``pdl_active(t)``, else ``{"USE_GDC": False}``."""
+    ``{"USE_GDC": True, "launch_pdl": True}`` when ``pdl_active(t)``, else ``{"USE_GDC": False}``; but
+    ``{"USE_GDC": True}`` (no early launch, module docstring) when the launch before this one was a PDL
+    launch named in ``late_after``. ``kernel``: this launch's name, remembered for the next call."""
+    previous, _state.last = _state.last, ""
     if pdl_active(t):
+        _state.last = kernel
+        if previous in late_after:
+            return {"USE_GDC": True}
         return {"USE_GDC": True, "launch_pdl": True}
     return {"USE_GDC": False}
 

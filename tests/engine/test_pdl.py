@@ -1,13 +1,14 @@
 """Programmatic dependent launch (engine/ops/pdl.py, ``ModelConfig.pdl``).
 
-CPU: the switch and its defaults (PDL never applies to CPU tensors or under the Triton interpreter) and
-that the model runner applies ``ModelConfig.pdl``; on a GPU also that only one-row launches use it. On a
-Hopper GPU (scripts/gpu_tests.sh): a chain of dependent kernels (RMSNorm with residual, GEMV, SiLU·mul,
-decode attention's split and reduce) captured in a CUDA graph with PDL gives bit-identical results to the
-same chain run eagerly without PDL (and a mixture-of-experts layer's: q/k head norms, router GEMV, top-k
-softmax, matrix-vector experts), replay after replay (a kernel reading before its predecessor finished
-would show here), and the engine's greedy tokens through captured decode graphs are the same with and
-without PDL.
+CPU: the switch and its defaults (PDL never applies to CPU tensors or under the Triton interpreter), the
+rule that launches the decode split kernel late right after a GEMV (PDL made active by hand), and that the
+model runner applies ``ModelConfig.pdl``; on a GPU also that only one-row launches use it. On a Hopper GPU
+(scripts/gpu_tests.sh): a chain of dependent kernels (RMSNorm with residual, GEMV, SiLU·mul, decode
+attention's split, launched late after its GEMV, and reduce) captured in a CUDA graph with PDL gives
+bit-identical results to the same chain run eagerly without PDL (and a mixture-of-experts layer's: q/k
+head norms, router GEMV, top-k softmax, matrix-vector experts), replay after replay (a kernel reading
+before its predecessor finished would show here), and the engine's greedy tokens through captured decode
+graphs are the same with and without PDL.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.engine_core import EngineCore
+from engine.ops import pdl
 from engine.ops.gemv import gemv
 from engine.ops.paged_decode import paged_decode_attention
 from engine.ops.pdl import pdl_active, pdl_enabled, pdl_kwargs, set_pdl
@@ -53,6 +55,36 @@ def test_off_for_cpu_tensors_and_when_switched_off() -> None:
         set_pdl(True)
         assert pdl_kwargs(one_row) == {"USE_GDC": True, "launch_pdl": True}
         assert pdl_kwargs(two_rows) == {"USE_GDC": False}  # one-token steps only (module docstring)
+
+
+def test_split_kernel_launched_late_after_a_gemv_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    active = {"now": True}
+    monkeypatch.setattr(pdl, "pdl_active", lambda t: active["now"])
+    t = torch.zeros(1, 8)
+    early, late = {"USE_GDC": True, "launch_pdl": True}, {"USE_GDC": True}
+
+    def split() -> dict[str, bool]:
+        return pdl.pdl_kwargs(t, "decode_split", late_after=pdl.GEMV_KERNELS)
+
+    for gemv_name in sorted(pdl.GEMV_KERNELS):
+        assert pdl.pdl_kwargs(t, gemv_name) == early  # the GEMV itself launches early
+        assert split() == late
+        assert pdl.pdl_kwargs(t, "reduce") == early  # the split's successor still may
+    assert pdl.pdl_kwargs(t, "qk_norm") == early and split() == early  # Qwen3: a head norm in between
+    assert pdl.pdl_kwargs(t) == early and split() == early  # an unnamed launch is no GEMV
+    pdl.pdl_kwargs(t, "gemv")
+    active["now"] = False
+    assert pdl.pdl_kwargs(t, "copy") == {"USE_GDC": False}  # a launch without PDL in between
+    active["now"] = True
+    assert split() == early
+
+
+def test_gemv_kernel_names_are_the_ones_the_gemv_launches_give() -> None:
+    ops = Path(pdl.__file__).parent
+    for name, module in (("gemv", "gemv.py"), ("fp8_gemv", "fp8_gemv.py")):
+        assert name in pdl.GEMV_KERNELS
+        assert f'**pdl_kwargs(x, "{name}")' in (ops / module).read_text()
+    assert len(pdl.GEMV_KERNELS) == 2
 
 
 def test_model_runner_applies_model_config_pdl(tmp_path: Path) -> None:
