@@ -33,14 +33,17 @@ docs/benchmarks/engine.md): batch-1 decode 80.0 -> 83.3 % of the HBM roofline wi
 hence one-row launches only.
 
 One exception, by predecessor (``pdl_kwargs(..., late_after=)``): the decode attention's split kernel is
-launched *without* the early launch when the one-row launch just before it was a GEMV (Llama's and
-Mistral's QKV projection; Qwen3's per-head norm sits between the two). It then starts when the GEMV has
-completed; its ``griddepcontrol.wait`` returns at once and it still lets its own successor launch early.
-Measured on an H200 (batch-1 decode graph, 1k context, best of 5 x 50 replays, 3 alternated rounds,
-2026-12-04): Llama-3-8B shape 4 131 -> 4 087 us a step in bf16 and 2 836 -> 2 806 us with FP8 weights
-(1.01x, ~1.3 us a layer); after Qwen3's head norm the late launch was 1.3 % slower, and launching any other
-kernel of these models late was 0.6-5.6 % slower. Likely, not profiled: launched early, the split kernel's
-programs take SM slots while the GEMV's last programs still stream weights.
+launched *without* the early launch when the previous ``pdl_kwargs`` call of the process was a one-row
+PDL launch of a GEMV (Llama's and Mistral's QKV projection; Qwen3's per-head norm sits between the two;
+within one captured graph host order is stream order, and a torch or cuBLAS kernel in between would
+already keep the split from launching early). It then starts when the GEMV has completed; its
+``griddepcontrol.wait`` returns at once and it still lets its own successor launch early. Measured on an
+H200 (batch-1 decode graph, 1k context, best of 5 x 50 replays, 3 alternated rounds, 2026-12-04):
+Llama-3-8B shape 4 131 -> 4 087 us a step in bf16 (~1.4 us a layer) and 2 836 -> 2 806 us with FP8
+weights (~0.9 us a layer), 1.01x both; after Qwen3's head norm the late launch was 1.3 % slower, and
+launching any other kernel of these models late was 0.4-5.6 % slower (the first input RMSNorm: no
+change). Likely, not profiled: launched early, the split kernel's programs take SM slots while the
+GEMV's last programs still stream weights.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ def pdl_kwargs(t: torch.Tensor, kernel: str = "",
                late_after: frozenset[str] = frozenset()) -> dict[str, bool]:
     """Extra keyword arguments for a Triton launch of a kernel taking ``USE_GDC: tl.constexpr``:
     ``{"USE_GDC": True, "launch_pdl": True}`` when ``pdl_active(t)``, else ``{"USE_GDC": False}``; but
-    ``{"USE_GDC": True}`` (no early launch, module docstring) when the launch before this one was a PDL
+    ``{"USE_GDC": True}`` (no early launch, module docstring) when the previous call was for a PDL
     launch named in ``late_after``. ``kernel``: this launch's name, remembered for the next call."""
     previous, _state.last = _state.last, ""
     if pdl_active(t):

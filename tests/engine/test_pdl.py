@@ -1,12 +1,13 @@
 """Programmatic dependent launch (engine/ops/pdl.py, ``ModelConfig.pdl``).
 
 CPU: the switch and its defaults (PDL never applies to CPU tensors or under the Triton interpreter), the
-rule that launches the decode split kernel late right after a GEMV (PDL made active by hand), and that the
-model runner applies ``ModelConfig.pdl``; on a GPU also that only one-row launches use it. On a Hopper GPU
+rule that launches the decode split kernel late right after a GEMV (PDL made active by hand) and the
+names the GEMV and split launches give it (their arguments recorded), and that the model runner applies
+``ModelConfig.pdl``; on a GPU also that only one-row launches use it. On a Hopper GPU
 (scripts/gpu_tests.sh): a chain of dependent kernels (RMSNorm with residual, GEMV, SiLU·mul, decode
-attention's split, launched late after its GEMV, and reduce) captured in a CUDA graph with PDL gives
-bit-identical results to the same chain run eagerly without PDL (and a mixture-of-experts layer's: q/k
-head norms, router GEMV, top-k softmax, matrix-vector experts), replay after replay (a kernel reading
+attention's split, launched late after its GEMV or early, and reduce) captured in a CUDA graph with PDL
+gives bit-identical results to the same chain run eagerly without PDL (and a mixture-of-experts layer's:
+q/k head norms, router GEMV, top-k softmax, matrix-vector experts), replay after replay (a kernel reading
 before its predecessor finished would show here), and the engine's greedy tokens through captured decode
 graphs are the same with and without PDL.
 """
@@ -79,12 +80,42 @@ def test_split_kernel_launched_late_after_a_gemv_only(monkeypatch: pytest.Monkey
     assert split() == early
 
 
-def test_gemv_kernel_names_are_the_ones_the_gemv_launches_give() -> None:
-    ops = Path(pdl.__file__).parent
-    for name, module in (("gemv", "gemv.py"), ("fp8_gemv", "fp8_gemv.py")):
-        assert name in pdl.GEMV_KERNELS
-        assert f'**pdl_kwargs(x, "{name}")' in (ops / module).read_text()
-    assert len(pdl.GEMV_KERNELS) == 2
+class _Spy:
+    """Stands in for a module's ``pdl_kwargs``: records each call's ``kernel`` and ``late_after`` and
+    answers as the real one does on a CPU (no PDL)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, frozenset[str]]] = []
+
+    def __call__(self, t: torch.Tensor, kernel: str = "",
+                 late_after: frozenset[str] = frozenset()) -> dict[str, bool]:
+        self.calls.append((kernel, late_after))
+        return {"USE_GDC": False}
+
+
+def test_the_launches_name_themselves_as_the_rule_expects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-row GEMVs give the names in ``GEMV_KERNELS``; the decode split kernel asks to be late
+    after them, its reduce kernel does not (Triton interpreter, PDL's arguments recorded)."""
+    import engine.ops.fp8_gemv as fp8_gemv_module
+    import engine.ops.gemv as gemv_module
+    import engine.ops.paged_decode as paged_decode_module
+    from engine.ops.fp8_weight import quantize_weight_per_channel
+
+    spies = {m: _Spy() for m in (gemv_module, fp8_gemv_module, paged_decode_module)}
+    for module, spy in spies.items():
+        monkeypatch.setattr(module, "pdl_kwargs", spy)
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    gemv_module.gemv(x, w)
+    fp8_gemv_module.fp8_gemv(x, quantize_weight_per_channel(w), None)
+    batch = make_batch([(40, 1)], 4, 2, 16, 8, torch.float32, device="cpu")
+    meta, pool = batch.meta, batch.pool
+    paged_decode_module.paged_decode_attention(torch.randn(1, 4, 16), pool.k_cache(0), pool.v_cache(0),
+                                               meta.block_tables, meta.seq_lens, meta.max_seq_len, 0.25,
+                                               num_splits=2)
+    named = {spies[gemv_module].calls[0][0], spies[fp8_gemv_module].calls[0][0]}
+    assert named == pdl.GEMV_KERNELS
+    split, reduce = spies[paged_decode_module].calls
+    assert split[1] == pdl.GEMV_KERNELS and reduce[1] == frozenset()
 
 
 def test_model_runner_applies_model_config_pdl(tmp_path: Path) -> None:
@@ -114,7 +145,15 @@ def _chain(x: torch.Tensor, residual: torch.Tensor, weights: list[torch.Tensor],
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason=NOT_HOPPER)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_chain_in_a_graph_with_pdl_equals_eager_without(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("split_late", [True, False])
+def test_kernel_chain_in_a_graph_with_pdl_equals_eager_without(dtype: torch.dtype, split_late: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``split_late``: the split kernel launched late after its GEMV (the rule), else early as after
+    Qwen3's head norm."""
+    import engine.ops.paged_decode as paged_decode_module
+
+    if not split_late:
+        monkeypatch.setattr(paged_decode_module, "GEMV_KERNELS", frozenset())
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
