@@ -24,6 +24,12 @@ copy bandwidth is printed per candidate with its maximum absolute error against
 ``fused_moe_reference`` (``ok`` within ``--atol``), and the best per kind. ``--json`` gets every row,
 written again after each token count (a run cut short keeps what it finished).
 
+``--fp8 channel|block``: the experts as FP8 weights (``engine.ops.fused_moe_fp8.quantize_experts``:
+per-row scales, or 128 x 128 tiles; the layout ``gemv_moe_tile`` is given), the bytes a call reads
+counted at one byte per element and the errors against the dequantizing ``fused_moe_reference``; a
+block-scaled down tile with the prefetch (``p``) is reported as an error (``down_prefetches`` refuses
+it). The router stays in ``--dtype``.
+
     python3 -m bench.kernels.fused_moe_gemv_sweep --tokens 1 2 4 8 --json /tmp/sweep.json
 """
 
@@ -42,10 +48,10 @@ from bench.ceilings import copy_bandwidth
 from bench.kernels.fused_moe import SHAPES
 from bench.timing import replay_seconds
 from engine.ops.fused_moe import fused_moe_reference
+from engine.ops.fused_moe_fp8 import ExpertScales, quantize_experts
 from engine.ops.fused_moe_gemv import (
     down_prefetches,
     fused_moe_gemv,
-    gemv_moe_prefetch,
     gemv_moe_slots,
     gemv_moe_tile,
 )
@@ -121,26 +127,56 @@ def per_call_seconds(fn: Callable[[int], object], calls: int, replays: int) -> f
     return spread.median / calls
 
 
+def layout_of(scales: ExpertScales | None) -> str:
+    """The ``layout`` argument of ``gemv_moe_tile`` / ``gemv_moe_slots`` for experts with ``scales``:
+    ``"none"`` (bf16/fp16 experts), ``"channel"`` (FP8, per-row scales) or ``"block"`` (FP8, block scales)."""
+    if scales is None:
+        return "none"
+    return "channel" if scales.block is None else "block"
+
+
+def experts_weights(shape: str, dtype: torch.dtype, fp8: str | None, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, ExpertScales | None]:
+    """``(w_gate_up [E, 2I, H], w_down [E, H, I], scales)`` of ``shape``: random weights in ``dtype``
+    (scaled by ``fan_in ** -0.5``), quantized to FP8 with per-row (``fp8="channel"``) or 128 x 128 block
+    scales (``"block"``; None: no quantization, scales None)."""
+    experts, _, hidden, inter = SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(0)
+    w_gate_up = (torch.randn(experts, 2 * inter, hidden, device=device, generator=gen)
+                 * hidden ** -0.5).to(dtype)
+    w_down = (torch.randn(experts, hidden, inter, device=device, generator=gen) * inter ** -0.5).to(dtype)
+    if fp8 is None:
+        return w_gate_up, w_down, None
+    block = (128, 128) if fp8 == "block" else None
+    q_up, s_up = quantize_experts(w_gate_up, block)
+    q_down, s_down = quantize_experts(w_down, block)
+    return q_up, q_down, ExpertScales(s_up, s_down, block)
+
+
 def sweep_tokens(args: argparse.Namespace, tokens: int, copy_best: float, w_gate_up: torch.Tensor,
-                 w_down: torch.Tensor, device: torch.device) -> dict[str, Any]:
-    """The ``up``/``down``/``best`` rows of one token count (module docstring)."""
+                 w_down: torch.Tensor, device: torch.device, scales: ExpertScales | None = None,
+                 dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The ``up``/``down``/``best`` rows of one token count (module docstring); ``scales``: the FP8
+    experts' (None: unquantized), ``dtype`` the activations' (None: the weights')."""
     experts, top_k, hidden, inter = SHAPES[args.shape]
-    dtype = w_gate_up.dtype
+    dtype = dtype or w_gate_up.dtype
+    layout = layout_of(scales)
     gen = torch.Generator().manual_seed(100 + tokens)
     xs = [torch.randn(tokens, hidden, generator=gen).to(dtype).to(device) for _ in range(args.calls)]
     routes = routings(args.calls, tokens, experts, top_k, device)
     distinct = [int(torch.unique(ids).numel()) for _, ids in routes]
     nbytes = sum(distinct) / len(distinct) * 3 * inter * hidden * w_gate_up.element_size()
-    want = fused_moe_reference(xs[0], w_gate_up, w_down, routes[0][0], routes[0][1]).float()
+    want = fused_moe_reference(xs[0], w_gate_up, w_down, routes[0][0], routes[0][1], scales=scales).float()
 
     def measure(c: Candidate) -> dict[str, Any]:
-        slots = c.down_slots if c.down_slots is not None else gemv_moe_slots(tokens, top_k, inter)
-        if c.down_prefetch and not down_prefetches(tokens, top_k, slots, inter, None, True):
-            return dict(error=f"the prefetch needs every slot in one round: {slots} slots < top-k {top_k}")
+        slots = c.down_slots if c.down_slots is not None else gemv_moe_slots(tokens, top_k, inter, layout)
+        if c.down_prefetch and not down_prefetches(tokens, top_k, slots, inter, scales, True):
+            return dict(error=f"no prefetch with {slots} slots for top-k {top_k} and {layout} scales "
+                              "(every slot in one round, unscaled or per-row scaled experts only)")
         def call(i: int) -> torch.Tensor:
             return fused_moe_gemv(xs[i], w_gate_up, w_down, routes[i][0], routes[i][1], up_tile=c.up_tile,
                                   down_tile=c.down_tile, down_slots=c.down_slots,
-                                  down_prefetch=c.down_prefetch)
+                                  down_prefetch=c.down_prefetch, scales=scales)
         try:
             err = float((call(0).float() - want).abs().max())
             secs = per_call_seconds(call, args.calls, args.replays)
@@ -150,12 +186,12 @@ def sweep_tokens(args: argparse.Namespace, tokens: int, copy_best: float, w_gate
                     ok=err <= args.atol)
 
     row: dict[str, Any] = dict(tokens=tokens, bytes_per_call=nbytes, up={}, down={})
-    default_up = gemv_moe_tile(tokens, False, inter)
-    default_down = gemv_moe_tile(tokens, True, inter)
-    default_slots = gemv_moe_slots(tokens, top_k, inter)
+    default_up = gemv_moe_tile(tokens, False, inter, layout)
+    default_down = gemv_moe_tile(tokens, True, inter, layout)
+    default_slots = gemv_moe_slots(tokens, top_k, inter, layout)
+    prefetch = down_prefetches(tokens, top_k, default_slots, inter, scales, None)
     row["default"] = dict(up="x".join(map(str, default_up)),
-                          down="x".join(map(str, (*default_down, default_slots)))
-                          + ("p" if gemv_moe_prefetch(tokens, top_k, default_slots, inter) else ""),
+                          down="x".join(map(str, (*default_down, default_slots))) + ("p" if prefetch else ""),
                           **measure(candidate()))
     for text in args.up_tiles:
         row["up"][text] = measure(candidate(up=text))
@@ -211,16 +247,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole sweep; prints the table as it goes and returns the JSON-ready result."""
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
-    experts, _, hidden, inter = SHAPES[args.shape]
     copy = copy_bandwidth(device)
-    result: dict[str, Any] = dict(shape=args.shape, dtype=args.dtype, calls=args.calls,
+    result: dict[str, Any] = dict(shape=args.shape, dtype=args.dtype, fp8=args.fp8, calls=args.calls,
                                   copy_bytes_per_s=copy.as_dict(), rows=[])
     print(f"copy bandwidth best {copy.max / 1e12:.2f} TB/s ({args.shape}, {args.dtype}, "
-          f"{args.calls} calls per graph)", flush=True)
-    gen = torch.Generator(device=device).manual_seed(0)
-    w_gate_up = (torch.randn(experts, 2 * inter, hidden, device=device, generator=gen)
-                 * hidden ** -0.5).to(dtype)
-    w_down = (torch.randn(experts, hidden, inter, device=device, generator=gen) * inter ** -0.5).to(dtype)
+          f"experts {'FP8 ' + args.fp8 if args.fp8 else args.dtype}, {args.calls} calls per graph)",
+          flush=True)
+    w_gate_up, w_down, scales = experts_weights(args.shape, dtype, args.fp8, device)
     if args.router_tiles:
         result["router"] = sweep_router(args, dtype, device)
         print("router logits, batch 1:")
@@ -228,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(_fmt(name, r))
         _write(args.json, result)
     for tokens in args.tokens:
-        row = sweep_tokens(args, tokens, copy.max, w_gate_up, w_down, device)
+        row = sweep_tokens(args, tokens, copy.max, w_gate_up, w_down, device, scales, dtype)
         result["rows"].append(row)
         print(f"tokens {tokens} ({row['bytes_per_call'] / 1e6:.1f} MB per call):")
         print(_fmt(f"default {row['default']['up']}/{row['default']['down']}", row["default"]))
@@ -252,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--fp8", choices=["channel", "block"], default=None,
+                   help="the experts in FP8 with per-row or 128 x 128 block scales")
     p.add_argument("--up-tiles", nargs="*", default=UP_TILES, help="gate/up tiles, BNxBKxW each")
     p.add_argument("--down-tiles", nargs="*", default=DOWN_TILES, help="down tiles, BNxBKxWxSLOTS each")
     p.add_argument("--router-tiles", nargs="*", default=ROUTER_TILES,
@@ -270,6 +305,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("the sweep times CUDA graph replays: it needs a CUDA device")
     if args.calls < 1:
         raise SystemExit(f"--calls must be >= 1, got {args.calls}")
+    inter = SHAPES[args.shape][3]
+    if args.fp8 == "block" and inter % 128:
+        raise SystemExit(f"--fp8 block needs an expert width that is a multiple of 128; {args.shape}'s is "
+                         f"{inter}")
     run(args)
 
 

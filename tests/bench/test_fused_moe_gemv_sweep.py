@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.kernels import fused_moe_gemv_sweep as sweep
 from bench.kernels.fused_moe import SHAPES, layer
 from bench.kernels.fused_moe_gemv_sweep import (
     DOWN_TILES,
@@ -19,7 +20,7 @@ from bench.kernels.fused_moe_gemv_sweep import (
     routings,
 )
 from engine.ops.fused_moe import fused_moe_reference
-from engine.ops.fused_moe_gemv import fused_moe_gemv
+from engine.ops.fused_moe_gemv import fused_moe_gemv, gemv_moe_slots, gemv_moe_tile
 from engine.ops.gemv import gemv, gemv_reference
 
 
@@ -69,3 +70,35 @@ def test_every_default_candidate_computes_the_layer() -> None:
         bn, bk, warps = parse_tile(text, 3)
         torch.testing.assert_close(gemv(x, router, block_n=bn, block_k=bk, num_warps=warps),
                                    gemv_reference(x, router), atol=2e-5, rtol=2e-5, msg=text)
+
+
+@pytest.mark.parametrize("layout", ["channel", "block"])
+def test_fp8_sweep_rows_run_the_fp8_experts(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--fp8``: every row runs the quantized experts with their scales (errors against the dequantizing
+    reference within ``--atol``), the default row names the tiles of the FP8 layout, and a prefetching down
+    tile is refused for block scales only. Timing is patched out (it replays CUDA graphs)."""
+    monkeypatch.setattr(sweep, "per_call_seconds", lambda fn, calls, replays: 1e-6)
+    monkeypatch.setitem(SHAPES, "tiny", (8, 2, 128, 128))  # one 128 x 128 scale block per expert width
+    args = sweep.build_parser().parse_args(["--shape", "tiny", "--fp8", layout, "--calls", "2",
+                                            "--router-tiles", "--up-tiles", "2x1024x4", "8x256x4",
+                                            "--down-tiles", "4x256x4x2", "2x128x4x8p"])
+    w_gate_up, w_down, scales = sweep.experts_weights("tiny", torch.float32, layout, torch.device("cpu"))
+    assert w_gate_up.dtype == w_down.dtype == torch.float8_e4m3fn and scales is not None
+    assert (scales.block is None) == (layout == "channel")
+    row = sweep.sweep_tokens(args, 1, 1e12, w_gate_up, w_down, torch.device("cpu"), scales, torch.float32)
+    _, top_k, hidden, inter = SHAPES["tiny"]
+    assert row["bytes_per_call"] == 2 * 3 * inter * hidden  # two distinct experts, one byte per weight
+    assert inter == hidden == 128
+    up, down = gemv_moe_tile(1, False, inter, layout), gemv_moe_tile(1, True, inter, layout)
+    slots = gemv_moe_slots(1, top_k, inter, layout)
+    assert row["default"]["up"] == "x".join(map(str, up))
+    assert row["default"]["down"].removesuffix("p") == "x".join(map(str, (*down, slots)))
+    assert row["default"]["down"].endswith("p") == (layout == "channel")  # one token: prefetch, per row
+    for kind in ("up", "down"):
+        for name, r in row[kind].items():
+            if layout == "block" and name.endswith("p"):
+                assert "error" in r and "block scales" in r["error"], name
+            else:
+                assert r["ok"] and r["max_abs_err"] <= args.atol, (name, r)
+    assert set(row["up"]) == {"2x1024x4", "8x256x4"} and set(row["down"]) == {"4x256x4x2", "2x128x4x8p"}
+    assert row["best"]["ok"]
