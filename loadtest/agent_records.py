@@ -18,8 +18,8 @@ class TurnStats(msgspec.Struct, kw_only=True):
     ``prompt_tokens_mean``: the server-reported prompt tokens of the completed requests (None: no usage).
     ``suffix_tokens``: the tokens each session's prompt grew by since its previous turn (the whole prompt
     at turn 0), summed over the sessions whose growth is known. ``counters``: the change of the worker
-    counters over this turn (None when not read). ``prefill_hit_rate``: prefix-cache
-    hits / queries (GPU tier, 0..1) on the prefill side in this turn; ``decode_hit_rate``: prompt KV blocks
+    counters over this turn (None when not read). ``prefill_hit_rate``: prefix-cache hits / queries (the
+    device tier, 0..1) on the prefill side in this turn; ``decode_hit_rate``: prompt KV blocks
     the decode side reused / (reused + received) in this turn (None: nothing looked up, or not read).
     ``kv_bytes``: KV bytes that moved from the prefill to the decode side in this turn (as the decode
     workers received them; the prefill workers' sent bytes when no decode page is read).

@@ -58,7 +58,8 @@ def _system_lines(system: AgentSystemResult) -> list[str]:
                   f"goodput {s.goodput:.2f} req/s ({sum(t.slo_met for t in system.turns)} within both SLOs); "
                   f"TTFT p50 last turn / turn 1: {_num(system.ttft_last_over_first, '{:.2f}')}x"]
     if run is not None:
-        lines += [f"Prefix-cache hit rate over the run (GPU tier): prefill {_pct(run.prefill.hit_rate())} %, "
+        lines += [f"Prefix-cache hit rate over the run (device tier): "
+                  f"prefill {_pct(run.prefill.hit_rate())} %, "
                   f"decode {_pct(run.decode.block_hit_rate())} % of prompt blocks; "
                   f"KV sent {_mib(run.prefill.kv_sent_bytes)} MiB, "
                   f"received {_mib(run.decode.kv_received_bytes)} MiB"]

@@ -4,7 +4,7 @@ The multi-turn benchmark reads them between its turns, so that the difference of
 one turn index. Names (vLLM's, beside pdserve's own; ``workers/metrics.py``):
 
 * ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``: prompt tokens looked up in /
-  found in the prefix cache (GPU tier) of the worker that computed the prompt;
+  found in the prefix cache (the device tier, the KV cache itself) of the worker that computed the prompt;
 * ``pdserve_worker_kv_sent_bytes_total`` (prefill side) and ``pdserve_worker_kv_received_bytes_total``
   (decode side): KV bytes moved between them;
 * ``pdserve_worker_kv_reused_blocks_total`` / ``pdserve_worker_kv_received_blocks_total`` (decode side):

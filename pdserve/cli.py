@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from protocol.durations import parse_duration
 from protocol.settings import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -37,6 +37,15 @@ def parse_bool(text: str | bool) -> bool:
     if low in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr, ``"<prog>: error: <message> (see
+    <prog> --help)"``, and exit status 2 (argparse prints the whole usage first: 47 lines for ``pdserve up``).
+    Subparsers are of this class too (``add_subparsers`` takes the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class _EnvAdder:
@@ -146,7 +155,8 @@ def _add_worker(add: _Adder, role: str) -> None:
         "kernels). An FP8 checkpoint (quantization_config fp8) is FP8 without it; any other "
         "quantization_config is refused")
     add("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
-    add("--attention-backend", default="auto", help="auto, torch, triton or flash_attn")
+    add("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"],
+        help="attention kernels (auto: flash_attn on a GPU when installed, else triton; torch on a CPU)")
     _bool_flag(add, "--enforce-eager", False, "never replay CUDA graphs for decode steps")
     _bool_flag(add, "--async-scheduling", True,
                "launch each decode graph step before the last one's tokens reach the host (rows without "
@@ -260,7 +270,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         SystemExit: an env value cannot be converted to the flag's type (the message names the variable).
     """
     env = os.environ if env is None else env
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode serving")
+    parser = _OneLineParser(prog="pdserve", description="Disaggregated prefill/decode serving")
     subs = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("up", "gateway + workers on this host"), ("gateway", "OpenAI API gateway"),
                             ("prefill", "prefill worker"), ("decode", "decode worker"),
@@ -306,6 +316,11 @@ def _run_gateway(settings: Any) -> int:
         from pdserve.gateway_pool import run_pool
 
         return run_pool(settings)
+    from pdserve.ports import bind_problem
+
+    if (why := bind_problem(settings.host, settings.port)) is not None:  # uvicorn would log it, exit 3
+        print(f"pdserve gateway: {why}", file=sys.stderr)
+        return 2
     from gateway.server import serve
 
     serve(settings)
@@ -329,8 +344,13 @@ def _keygen(directory: str, exist_ok: bool) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``pdserve``; returns the process exit status."""
-    args = build_parser().parse_args(argv)
+    """Entry point of ``pdserve``; returns the process exit status (2: a usage error or a value refused
+    before anything starts, in one line on stderr)."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # named with the subcommand, whose --help lists its flags
+        print(f"pdserve {args.command}: error: unrecognized arguments: {' '.join(unknown)} (see pdserve "
+              f"{args.command} --help)", file=sys.stderr)
+        return 2
     if args.command == "bench":
         if getattr(args, "bench_missing", False):
             print("pdserve: loadtest is not available", file=sys.stderr)

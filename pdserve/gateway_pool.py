@@ -27,7 +27,6 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from prometheus_client.multiprocess import mark_process_dead
 from gateway.process import GatewayProcess
 from gateway.server import serve_process
 from pdserve.launcher import STOP_SIGNALS
+from pdserve.ports import bind_problem
 from pdserve.supervisor import RestartPolicy
 from protocol.settings import GatewaySettings
 
@@ -187,32 +187,14 @@ class GatewayPool:
             self._forget(child)
 
 
-def port_in_use(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be the pool's HTTP port, or None: a bind without ``SO_REUSEPORT`` fails
-    while anything listens there, including another set of ``SO_REUSEPORT`` sockets (another gateway
-    pool, which the processes would otherwise silently join). The probe socket is closed at once."""
-    try:
-        first = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                     flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as exc:
-        return f"cannot resolve --host {host!r}: {exc}"
-    family, kind, proto, _, address = first
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            return f"cannot bind the HTTP socket at {host}:{port}: {exc.strerror or exc}"
-    return None
-
-
 def run_pool(settings: GatewaySettings, policy: RestartPolicy | None = None,
              start_timeout: float = START_TIMEOUT_S, grace: float = 10.0) -> int:
     """Run ``settings.workers`` gateway processes until a signal (returns 128 + its number) or a failure
-    (prints one line on stderr, returns 1; an HTTP port already in use is found before any starts)."""
-    if (busy := port_in_use(settings.host, settings.port)) is not None:
+    (prints one line on stderr, returns 1; an HTTP address that cannot be bound, e.g. a port in use, is
+    refused before any process starts, returning 2)."""
+    if (busy := bind_problem(settings.host, settings.port)) is not None:
         print(f"pdserve gateway: {busy}", file=sys.stderr, flush=True)
-        return 1
+        return 2
     stop: list[int] = []
 
     def on_signal(signum: int, _: FrameType | None) -> None:

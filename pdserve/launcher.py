@@ -38,7 +38,7 @@ from types import FrameType
 import httpx
 
 from kvtransfer.curve import generate_keys
-from pdserve.ports import free_port_range, free_ports, local_host, port_in_use
+from pdserve.ports import bind_problem, free_port_range, free_ports, local_host
 from pdserve.supervisor import RestartPolicy, Supervisor, supervise
 from protocol.settings import (
     DECODE_ONLY_WORKER_FIELDS,
@@ -57,6 +57,21 @@ def gpu_count() -> int:
     import torch
 
     return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def device_problem(device: str, num_gpus: int) -> str | None:
+    """Why the workers could not run on ``--device device`` with ``num_gpus`` CUDA devices visible (one
+    line naming the flag), or None: ``cuda`` or ``cuda:N`` without a CUDA device, or ``cuda:N`` beyond
+    the visible ones. ``auto`` and ``cpu`` always run."""
+    if not device.startswith("cuda"):
+        return None
+    if num_gpus == 0:
+        return (f"--device {device}: no CUDA device is visible to this process (torch.cuda.is_available() "
+                "is False); use --device cpu or auto")
+    index = int(device.partition(":")[2] or 0)
+    if index >= num_gpus:
+        return f"--device {device}: {num_gpus} CUDA device(s) visible, cuda:0..cuda:{num_gpus - 1}"
+    return None
 
 
 def visible_gpu_ids(cuda_visible_devices: str | None, num_gpus: int) -> list[str]:
@@ -285,8 +300,9 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
     until a signal or the gateway's exit.
 
     Returns 128 + the signal number after a stop by signal (130: Ctrl-C, 143: SIGTERM, 129: SIGHUP; also
-    when it comes during start-up or the model conversion), 1 when the gateway exited, a child died
-    during start-up or start-up failed.
+    when it comes during start-up or the model conversion); 2 when something is refused before any child
+    starts (a model, quantization, device, host, port or tensor parallel size that cannot be used: one
+    line on stderr); 1 when the gateway exited or a child died during start-up.
     """
     try:
         from engine.models.registry import read_model_config, resolve_model
@@ -296,7 +312,7 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
         read_model_config(resolve_model(settings.model), settings.worker.quantization)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:  # Ctrl-C before any child started (the conversion leaves no partial dir)
         print("pdserve up: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
@@ -324,11 +340,12 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
                keys_dir: str | None) -> int:
     reach = local_host(settings.host)
     url = f"http://{reach if ':' not in reach else f'[{reach}]'}:{settings.port}"
-    if port_in_use(settings.port, settings.host):  # fail now, not after the workers loaded the model
-        print(f"pdserve up: port {settings.port} on {settings.host} is in use; choose another with --port",
-              file=sys.stderr)
-        return 1
-    gpus = gpu_count() if settings.device in ("auto", "cuda") else 0
+    gpus = gpu_count() if settings.device != "cpu" else 0
+    # fail now, not after the workers loaded the model
+    refused = bind_problem(settings.host, settings.port) or device_problem(settings.device, gpus)
+    if refused is not None:
+        print(f"pdserve up: {refused}", file=sys.stderr)
+        return 2
     keys = settings.gateway.api_keys
     gateway_env = {"PDSERVE_API_KEY": ",".join(keys)} if keys else {}
     metrics_ports = free_ports(num_workers(settings), exclude=(settings.port,))
@@ -338,7 +355,7 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
         envs = {"gateway": gateway_env, **worker_envs(settings, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))}
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
-        return 1
+        return 2
     for name, args in children:
         if stop:
             return 0  # interrupted while starting: start no more children

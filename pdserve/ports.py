@@ -1,6 +1,6 @@
 """Local TCP ports for the processes ``pdserve up`` (and the tests and benches) start: free ports chosen
-without repeats, runs of consecutive free ports, whether a port is taken, and the address a server bound
-to a host is reached at.
+without repeats, runs of consecutive free ports, why a listener could not bind a host and port, and the
+address a server bound to a host is reached at.
 
 Ports are chosen below the kernel's ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``, where
 outgoing connections get their local ports): a port is chosen here, released, and bound by the child a
@@ -10,6 +10,7 @@ between, after which the child's bind fails with ``Address already in use``.
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 from pathlib import Path
@@ -91,18 +92,32 @@ def free_port_range(n: int, exclude: tuple[int, ...] = (), host: str = "127.0.0.
     raise RuntimeError(f"no {n} consecutive free ports on {host} in {attempts} tries")
 
 
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a TCP listener could not bind ``host:port`` now. Probes with ``SO_REUSEADDR``, as uvicorn
-    binds: a connection of a just-stopped server lingering in TIME_WAIT does not make the port busy
-    (it did, for up to a minute after a Ctrl-C during start-up), a live listener does."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+def bind_problem(host: str, port: int) -> str | None:
+    """Why a TCP listener could not bind ``host:port`` now (one line naming ``--host`` or ``--port``), or
+    None. ``host`` is resolved as a server resolves it (``getaddrinfo``, passive) and the first address
+    probed with ``SO_REUSEADDR``, as uvicorn binds: a connection of a just-stopped server lingering in
+    TIME_WAIT does not make the port busy (it did, for up to a minute after a Ctrl-C during start-up), a
+    live listener does, and so does another set of ``SO_REUSEPORT`` sockets (another gateway pool, which
+    a pool's processes would otherwise silently join). The probe socket is closed at once."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return f"--host {host!r} does not resolve to an address: {exc.strerror or exc}"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
+            probe.bind(address)
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is in use; choose another with --port"
+            if exc.errno == errno.EADDRNOTAVAIL:
+                return f"--host {host} is not an address of this machine ({why})"
+            if exc.errno == errno.EACCES:
+                return f"port {port} on {host} needs privileges ({why}); choose one above 1023 with --port"
+            return f"cannot bind {host}:{port} ({why})"
+    return None
 
 
 def local_host(host: str) -> str:

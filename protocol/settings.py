@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -17,6 +18,8 @@ from kvtransfer.curve import CurveKeys, load_keys
 from protocol.endpoints import parse_endpoints
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # --device: what the workers place a model on
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 MAX_GATEWAY_PROCESSES = 64  # ``pdserve gateway --workers``: processes on one host
 
 GIB = 1 << 30
@@ -30,6 +33,11 @@ def physical_memory_bytes() -> int:
 def _check(cond: bool, flag: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"--{flag}: {msg}")
+
+
+def _check_device(device: str) -> None:
+    _check(_DEVICE.fullmatch(device) is not None, "device",
+           f"must be auto, cpu, cuda or cuda:N, got {device!r}")
 
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
@@ -201,6 +209,9 @@ class WorkerSettings:
                f"must be fp8 (or unset), got {self.quantization!r}")
         _check(self.fused_ops in ("auto", "on", "off"), "fused-ops",
                f"must be auto, on or off, got {self.fused_ops!r}")
+        _check_device(self.device)
+        _check(self.attention_backend in ATTENTION_BACKENDS, "attention-backend",
+               f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         _check(self.block_size >= 1, "block-size", "must be >= 1")
         _check(self.num_blocks is None or self.num_blocks >= 1, "num-blocks", "must be >= 1")
         _check(0 < self.kv_memory_fraction <= 1, "kv-memory-fraction", "must be in (0, 1]")
@@ -294,6 +305,7 @@ class UpSettings:
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _check_device(self.device)
         _check(all("," not in key for key in self.gateway.api_keys), "api-key",
                "a key must not contain a comma (pdserve up hands keys to the gateway in PDSERVE_API_KEY)")
         _check(self.num_prefill >= 0, "num-prefill", "must be >= 0")

@@ -70,9 +70,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return item.get_closest_marker("kills_live_child") is not None, group
 
     items.sort(key=rank)  # stable: each module stays whole and in order
-    users = [item.nodeid for item in items if "live_session" in getattr(item, "fixturenames", ())]
-    if users:
-        config.stash[LAST_LIVE_USER] = users[-1]
+    users = [item for item in items if "live_session" in getattr(item, "fixturenames", ())]
+    if users:  # the module-scoped ``live`` fixture's leak check runs with its module's last test: wait for it
+        module = _module(users[-1])
+        config.stash[LAST_LIVE_USER] = [item.nodeid for item in items if _module(item) == module][-1]
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
@@ -101,7 +102,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 
 KILLED_ON_PURPOSE = pytest.StashKey[bool]()
-LAST_LIVE_USER = pytest.StashKey[str]()  # node id of the last test, in run order, that uses the live system
+# node id of the last test, in run order, of the module of the last test that uses the live system
+LAST_LIVE_USER = pytest.StashKey[str]()
 LIVE_STOPPER = pytest.StashKey[ExitStack]()
 
 
@@ -112,9 +114,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-    """Once the last test that uses the live system has been torn down (its module's leak check done),
-    stop the system: the tests after it (under xdist, the rest of that worker's share) do not pay for
-    its idle processes."""
+    """Once the last test of the last module that uses the live system has been torn down (its module's
+    leak check done: stopped after an earlier test of that module, the system's children looked dead to
+    that check), stop the system: the tests after it (under xdist, the rest of that worker's share) do not
+    pay for its idle processes."""
     yield
     if item.nodeid == item.config.stash.get(LAST_LIVE_USER, None) and LIVE_STOPPER in item.config.stash:
         item.config.stash[LIVE_STOPPER].close()

@@ -28,9 +28,24 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(device: str) -> torch.device:
-    """``"auto"`` → ``cuda`` when available else ``cpu``; any other string is passed to torch."""
+    """``"auto"`` → ``cuda`` when available else ``cpu``; ``"cpu"``, ``"cuda"`` and ``"cuda:N"`` as named.
+
+    Raises:
+        ValueError: another string, or a CUDA device that is not there (no CUDA device visible, or an index
+            past the visible ones), naming it.
+    """
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA device is visible (torch.cuda.is_available() is False)")
+    count = torch.cuda.device_count()
+    if index and int(index) >= count:
+        raise ValueError(f"device {device!r}: {count} CUDA device(s) visible, cuda:0..cuda:{count - 1}")
     return torch.device(device)
 
 

@@ -194,6 +194,32 @@ def test_up_with_a_bad_port_is_one_line_before_anything_starts(capsys: pytest.Ca
     assert err == "pdserve up: --port: must be in [0, 65535], got 99999\n"
 
 
+@pytest.mark.parametrize(("argv", "line"), [
+    (["up", "--dtype", "float64"], "pdserve up: error: argument --dtype: invalid choice: 'float64'"),
+    (["up", "--attention-backend", "xformers"],
+     "pdserve up: error: argument --attention-backend: invalid choice: 'xformers'"),
+    (["up", "--no-such-flag"], "pdserve up: error: unrecognized arguments: --no-such-flag (see pdserve up "
+                               "--help)"),
+    (["decode", "--model-name"], "pdserve decode: error: unrecognized arguments: --model-name"),
+    (["gateway", "--port"], "pdserve gateway: error: argument --port: expected one argument"),
+    (["up", "--device", "tpu"], "pdserve up: --device: must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["prefill", "--device", "cuda:x", "--insecure-control-plane"],
+     "pdserve prefill: --device: must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
+])
+def test_a_usage_error_is_one_line_and_exit_2(argv: list[str], line: str, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new-user trial: a bad choice printed the whole usage first (47 lines for ``pdserve up``), an unknown
+    flag the top-level usage, and ``--device tpu`` started every process before the workers failed."""
+    monkeypatch.setitem(sys.modules, "pdserve.launcher", None)  # nothing may be started
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors exit from inside parse_known_args
+        code = exc.code
+    assert code == 2
+    [got] = capsys.readouterr().err.strip().splitlines()
+    assert got.startswith(line), got
+
+
 def test_parser_flags(capsys: pytest.CaptureFixture[str]) -> None:
     """``--tool-call-parser`` and ``--reasoning-parser`` (default auto) on the gateway and ``up``; a value
     outside the choices is one line naming the flag, from the command line, the environment or a

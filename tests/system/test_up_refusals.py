@@ -1,6 +1,7 @@
-"""What ``pdserve up`` refuses before any child starts (tensor parallel ranks beyond the GPUs, a busy
-port, a model or quantization the workers cannot run), each in one line naming the flag or the
-setting, and the port probes behind the busy-port refusal (``pdserve.ports``)."""
+"""What ``pdserve up`` refuses before any child starts, each in one line naming the flag or the setting
+and with exit code 2 (tensor parallel ranks beyond the GPUs, a CUDA device that is not there, a busy
+port, a host it cannot bind, a model or quantization the workers cannot run), and the probes behind the
+port and host refusals (``pdserve.ports``)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_up_refuses_tensor_parallel_ranks_beyond_the_gpus_before_starting_anythi
     monkeypatch.setattr(Supervisor, "start", lambda self, name, *a, **k: started.append(name))
     tp2 = WorkerSettings(role="colocated", tensor_parallel_size=2, insecure_control_plane=True)
     up = UpSettings(port=free_port(), insecure_control_plane=True, worker=tp2)
-    assert launcher._supervise(up, Supervisor(), [], 1.0, None) == 1
+    assert launcher._supervise(up, Supervisor(), [], 1.0, None) == 2
     assert started == []
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["pdserve up: --tensor-parallel-size: 2 workers need 4 GPUs (2+2 ranks), 2 visible"]
@@ -39,7 +40,7 @@ def test_up_refuses_a_busy_port_at_once_and_names_the_flag() -> None:
         busy.listen(1)
         port = busy.getsockname()[1]
         start = time.monotonic()
-        assert run(UpSettings(port=port, device="cpu"), ready_timeout=5) == 1
+        assert run(UpSettings(port=port, device="cpu"), ready_timeout=5) == 2
         assert time.monotonic() - start < 5  # refused before any child (and model load) started
 
 
@@ -49,14 +50,15 @@ def test_port_in_use_ignores_time_wait_but_not_a_listener() -> None:
     Found by a new-user trial: `pdserve up` refused to restart for ~1 min after a Ctrl-C during start-up."""
     import socket
 
-    from pdserve.ports import free_port, port_in_use
+    from pdserve.ports import bind_problem, free_port
 
     port = free_port()
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     server.bind(("127.0.0.1", port))
     server.listen()
-    assert port_in_use(port)
+    in_use = f"port {port} on 127.0.0.1 is in use; choose another with --port"
+    assert bind_problem("127.0.0.1", port) == in_use
     client = socket.create_connection(("127.0.0.1", port))
     conn, _ = server.accept()
     server.close()
@@ -72,7 +74,7 @@ def test_port_in_use_ignores_time_wait_but_not_a_listener() -> None:
     finally:
         plain.close()
     assert time_wait, "no TIME_WAIT was produced: the test would prove nothing"
-    assert not port_in_use(port)
+    assert bind_problem("127.0.0.1", port) is None
 
 
 def test_free_ports_are_distinct_and_skip_excluded(monkeypatch) -> None:
@@ -130,7 +132,7 @@ def test_up_refuses_an_unsupported_model_before_any_child(edit, named, tmp_path,
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, **edit}
     (tmp_path / "config.json").write_text(json.dumps(config))
     start = time.monotonic()
-    assert run(UpSettings(model=str(tmp_path), port=free_port(), device="cpu"), ready_timeout=5) == 1
+    assert run(UpSettings(model=str(tmp_path), port=free_port(), device="cpu"), ready_timeout=5) == 2
     assert time.monotonic() - start < 5
     err = capsys.readouterr().err
     assert err.startswith("pdserve up: ") and len(err.strip().splitlines()) == 1
@@ -153,8 +155,71 @@ def test_up_refuses_static_fp8_for_a_mixture_of_experts_before_any_child(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(config))
     worker = WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True, quantization="fp8")
     assert run(UpSettings(model=str(tmp_path), port=free_port(), device="cpu", worker=worker),
-               ready_timeout=5) == 1
+               ready_timeout=5) == 2
     err = capsys.readouterr().err
     assert err.startswith("pdserve up: FP8 mixture of experts Qwen3MoeForCausalLM with activation_scheme "
                           "'static'")
     assert len(err.strip().splitlines()) == 1 and "supported: activation_scheme dynamic" in err
+
+
+def _refused_before_any_child(up: UpSettings, monkeypatch: pytest.MonkeyPatch, gpus: int) -> None:
+    """``launcher._supervise(up)`` with ``gpus`` CUDA devices visible: asserts exit code 2 and that nothing
+    was started."""
+    from pdserve import launcher
+
+    started: list[str] = []
+    monkeypatch.setattr(launcher, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(Supervisor, "start", lambda self, name, *a, **k: started.append(name))
+    assert launcher._supervise(up, Supervisor(), [], 1.0, None) == 2
+    assert started == []
+
+
+@pytest.mark.parametrize(("device", "gpus", "message"), [
+    ("cuda", 0, "--device cuda: no CUDA device is visible to this process (torch.cuda.is_available() is "
+                "False); use --device cpu or auto"),
+    ("cuda:0", 0, "--device cuda:0: no CUDA device is visible"),
+    ("cuda:1", 1, "--device cuda:1: 1 CUDA device(s) visible, cuda:0..cuda:0"),
+])
+def test_up_refuses_a_cuda_device_that_is_not_there(device: str, gpus: int, message: str,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A new-user trial: ``pdserve up --device cuda`` on a machine without CUDA started every process, and
+    each worker died with a traceback (``Torch not compiled with CUDA enabled``)."""
+    _refused_before_any_child(UpSettings(port=free_port(), device=device, insecure_control_plane=True),
+                              monkeypatch, gpus)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"pdserve up: {message}"), line
+
+
+def test_up_on_cuda_n_with_that_gpu_present_is_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.launcher import device_problem
+
+    assert device_problem("cuda:1", 2) is None and device_problem("cuda", 1) is None
+    assert device_problem("cpu", 0) is None and device_problem("auto", 0) is None
+
+
+@pytest.mark.parametrize(("host", "message"), [
+    ("192.0.2.1", "--host 192.0.2.1 is not an address of this machine"),  # TEST-NET-1: never local
+    ("no-such-host.invalid", "--host 'no-such-host.invalid' does not resolve to an address"),
+])
+def test_up_refuses_a_host_it_cannot_bind_naming_the_host(host: str, message: str,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A new-user trial: ``pdserve up --host 10.255.255.1`` (or a name that does not resolve) said the
+    port was in use. The name lookup is patched to fail at once (no DNS query from a test)."""
+    import socket
+
+    from pdserve import ports
+
+    real = socket.getaddrinfo
+
+    def lookup(name, *args, **kwargs):
+        if name.endswith(".invalid"):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(ports.socket, "getaddrinfo", lookup)
+    _refused_before_any_child(UpSettings(host=host, port=free_port(), device="cpu",
+                                         insecure_control_plane=True), monkeypatch, 0)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"pdserve up: {message}") and "in use" not in line, line
