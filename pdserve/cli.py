@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from protocol.durations import parse_duration
-from protocol.settings import REASONING_PARSERS, TOOL_CALL_PARSERS
+from protocol.settings import ATTENTION_BACKENDS, REASONING_PARSERS, TOOL_CALL_PARSERS
 
 _RUNNERS = {
     "prefill": "prefill_worker.main:run",
@@ -64,8 +64,9 @@ class _EnvAdder:
                     kw["default"] = [conv(x) for x in raw.split(",") if x]
                 else:
                     kw["default"] = conv(raw)
-            except (ValueError, argparse.ArgumentTypeError) as exc:
-                raise SystemExit(f"pdserve: bad value for {env_name}: {exc}") from exc
+            except (ValueError, argparse.ArgumentTypeError) as exc:  # one line, exit 2 as a bad flag
+                print(f"pdserve: bad value for {env_name}: {exc}", file=sys.stderr)
+                raise SystemExit(2) from exc
         shown = "" if kw.get("default") in (None, "", []) else " (default: %(default)s)"
         kw["help"] = (kw.get("help", "") + shown + f" [env {env_name}]").strip()
         self.parser.add_argument(flag, **kw)
@@ -155,7 +156,7 @@ def _add_worker(add: _Adder, role: str) -> None:
         "kernels). An FP8 checkpoint (quantization_config fp8) is FP8 without it; any other "
         "quantization_config is refused")
     add("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if present)")
-    add("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"],
+    add("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
         help="attention kernels (auto: flash_attn on a GPU when installed, else triton; torch on a CPU)")
     _bool_flag(add, "--enforce-eager", False, "never replay CUDA graphs for decode steps")
     _bool_flag(add, "--async-scheduling", True,
@@ -249,8 +250,9 @@ _UP_OWN_WORKER_FLAGS = {"--model", "--device", "--transfer-backend", "--gateway-
 def _add_up(add: _Adder) -> None:
     add("--model", default="smollm2-135m", help="HF model dir or alias for every worker")
     add("--device", default="auto",
-        help="cpu or cuda (auto: one worker per GPU when present; with --tensor-parallel-size N each worker "
-             "gets N GPUs of its own, refused when they do not fit)")
+        help="cpu, cuda or cuda:N (auto: one worker per GPU when present; with --tensor-parallel-size N each "
+             "worker gets N GPUs of its own, refused when they do not fit; a CUDA device that is not there "
+             "is refused before anything starts)")
     add("--transfer-backend", default="nixl", choices=["nixl", "ucx", "loopback"],
         help="KV transport between prefill and decode workers")
     add("--num-prefill", type=int, default=1, help="prefill workers to start")
@@ -267,7 +269,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     """The full ``pdserve`` parser; ``env`` (default ``os.environ``) supplies ``PDSERVE_*`` defaults.
 
     Raises:
-        SystemExit: an env value cannot be converted to the flag's type (the message names the variable).
+        SystemExit: code 2 after one line on stderr naming the variable, when an env value cannot be
+            converted to the flag's type.
     """
     env = os.environ if env is None else env
     parser = _OneLineParser(prog="pdserve", description="Disaggregated prefill/decode serving")

@@ -74,6 +74,14 @@ def device_problem(device: str, num_gpus: int) -> str | None:
     return None
 
 
+def up_refusal(settings: UpSettings) -> str | None:
+    """Why ``pdserve up`` cannot start with ``settings``, found before any child starts (one line naming the
+    flag), or None: an HTTP address it cannot bind (``bind_problem``) or a CUDA device that is not there
+    (``device_problem``; counting the GPUs imports torch unless ``--device cpu``)."""
+    gpus = gpu_count() if settings.device != "cpu" else 0
+    return bind_problem(settings.host, settings.port) or device_problem(settings.device, gpus)
+
+
 def visible_gpu_ids(cuda_visible_devices: str | None, num_gpus: int) -> list[str]:
     """The ids this process's GPUs 0..``num_gpus - 1`` have in a child's ``CUDA_VISIBLE_DEVICES``: the
     entries of this process's own ``cuda_visible_devices`` (indices or UUIDs, comma-separated) when it is
@@ -316,6 +324,10 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
     except KeyboardInterrupt:  # Ctrl-C before any child started (the conversion leaves no partial dir)
         print("pdserve up: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
+    refused = up_refusal(settings)  # now, not after the workers loaded the model
+    if refused is not None:
+        print(f"pdserve up: {refused}", file=sys.stderr)
+        return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per /ready poll
     stop: list[int] = []
 
@@ -341,11 +353,6 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     reach = local_host(settings.host)
     url = f"http://{reach if ':' not in reach else f'[{reach}]'}:{settings.port}"
     gpus = gpu_count() if settings.device != "cpu" else 0
-    # fail now, not after the workers loaded the model
-    refused = bind_problem(settings.host, settings.port) or device_problem(settings.device, gpus)
-    if refused is not None:
-        print(f"pdserve up: {refused}", file=sys.stderr)
-        return 2
     keys = settings.gateway.api_keys
     gateway_env = {"PDSERVE_API_KEY": ",".join(keys)} if keys else {}
     metrics_ports = free_ports(num_workers(settings), exclude=(settings.port,))

@@ -94,29 +94,32 @@ def free_port_range(n: int, exclude: tuple[int, ...] = (), host: str = "127.0.0.
 
 def bind_problem(host: str, port: int) -> str | None:
     """Why a TCP listener could not bind ``host:port`` now (one line naming ``--host`` or ``--port``), or
-    None. ``host`` is resolved as a server resolves it (``getaddrinfo``, passive) and the first address
-    probed with ``SO_REUSEADDR``, as uvicorn binds: a connection of a just-stopped server lingering in
-    TIME_WAIT does not make the port busy (it did, for up to a minute after a Ctrl-C during start-up), a
-    live listener does, and so does another set of ``SO_REUSEPORT`` sockets (another gateway pool, which
-    a pool's processes would otherwise silently join). The probe socket is closed at once."""
+    None. ``host`` is resolved as asyncio's ``create_server`` (uvicorn) resolves it, ``getaddrinfo`` with
+    ``AI_PASSIVE`` (``""``: every address), and each address it gives is probed, an IPv6 one IPv6-only as
+    asyncio binds it, with ``SO_REUSEADDR`` as uvicorn binds: a connection of a just-stopped server
+    lingering in TIME_WAIT does not make the port busy (it did, for up to a minute after a Ctrl-C during
+    start-up), a live listener does, and so does another set of ``SO_REUSEPORT`` sockets (another gateway
+    pool, which a pool's processes would otherwise silently join). Each probe socket is closed at once."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         return f"--host {host!r} does not resolve to an address: {exc.strerror or exc}"
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            why = exc.strerror or str(exc)
-            if exc.errno == errno.EADDRINUSE:
-                return f"port {port} on {host} is in use; choose another with --port"
-            if exc.errno == errno.EADDRNOTAVAIL:
-                return f"--host {host} is not an address of this machine ({why})"
-            if exc.errno == errno.EACCES:
-                return f"port {port} on {host} needs privileges ({why}); choose one above 1023 with --port"
-            return f"cannot bind {host}:{port} ({why})"
+    for family, kind, proto, _, address in dict.fromkeys(addresses):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                why, where = exc.strerror or str(exc), host or "every address"
+                if exc.errno == errno.EADDRINUSE:
+                    return f"port {port} on {where} is in use; choose another with --port"
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    return f"--host {host} is not an address of this machine ({why})"
+                if exc.errno == errno.EACCES:
+                    return f"port {port} on {where} needs privileges ({why}); choose one above 1023"
+                return f"cannot bind --host {host!r} --port {port} ({why})"
     return None
 
 

@@ -38,8 +38,8 @@ def resolve_device(device: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
         return torch.device("cpu")
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
+    kind, colon, index = device.partition(":")
+    if kind != "cuda" or (colon and not index.isdigit()):
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if not torch.cuda.is_available():
         raise ValueError(f"device {device!r}: no CUDA device is visible (torch.cuda.is_available() is False)")

@@ -336,8 +336,8 @@ def fused_moe_gemv(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     unscaled or per-row scaled, else ignored. ``decode_bits`` (FP8 experts only): decode the
     e4m3 weights by integer operations as ``engine.ops.fp8_gemv`` does (the same bits as the hardware
     conversion; 0.90-0.93x its speed on an H200 at 1-8 tokens, docs/benchmarks/README.md, so ``fused_moe``
-    keeps the conversion). Same arguments, result and
-    errors as ``fused_moe``, plus ValueError for a ``down_slots`` that is not a power of two."""
+    keeps the conversion). Same arguments, result and errors as ``fused_moe``, plus ValueError for a
+    ``down_slots`` that is not a power of two."""
     check_args(x, w_gate_up, w_down, topk_weights, topk_ids, scales)
     inter = w_gate_up.shape[1] // 2
     layout = "none" if scales is None else ("block" if scales.block is not None else "channel")

@@ -88,7 +88,6 @@ def test_fp8_sweep_rows_run_the_fp8_experts(layout: str, monkeypatch: pytest.Mon
     row = sweep.sweep_tokens(args, 1, 1e12, w_gate_up, w_down, torch.device("cpu"), scales, torch.float32)
     _, top_k, hidden, inter = SHAPES["tiny"]
     assert row["bytes_per_call"] == 2 * 3 * inter * hidden  # two distinct experts, one byte per weight
-    assert inter == hidden == 128
     up, down = gemv_moe_tile(1, False, inter, layout), gemv_moe_tile(1, True, inter, layout)
     slots = gemv_moe_slots(1, top_k, inter, layout)
     assert row["default"]["up"] == "x".join(map(str, up))

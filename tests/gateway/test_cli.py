@@ -49,9 +49,11 @@ def test_every_flag_reads_env(tmp_path: Path) -> None:
     assert settings_from_args(parser.parse_args(["gateway", "--port", "1"])).port == 1  # type: ignore[union-attr]
 
 
-def test_bad_env_value_names_the_variable() -> None:
-    with pytest.raises(SystemExit, match="PDSERVE_PORT"):
+def test_bad_env_value_names_the_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
         build_parser({"PDSERVE_PORT": "eighty"})
+    assert exc.value.code == 2  # as a bad flag value
+    assert capsys.readouterr().err.startswith("pdserve: bad value for PDSERVE_PORT: ")
 
 
 def test_settings_validation_names_the_flag() -> None:
@@ -142,7 +144,7 @@ def test_max_model_len_reaches_the_engine_config() -> None:
         assert engine_config_from_settings(s).model.max_model_len == want
 
 
-def test_seconds_flags_take_durations_like_pdserve_bench() -> None:
+def test_seconds_flags_take_durations_like_pdserve_bench(capsys: pytest.CaptureFixture[str]) -> None:
     """``PDSERVE_REQUEST_TIMEOUT=30s`` means 30 s to the gateway too (it was a float-only flag there, so
     a value set for ``pdserve bench`` stopped the gateway: "could not convert string to float")."""
     s = settings_from_args(build_parser({"PDSERVE_REQUEST_TIMEOUT": "30s", **OPEN}).parse_args(
@@ -150,8 +152,9 @@ def test_seconds_flags_take_durations_like_pdserve_bench() -> None:
     assert isinstance(s, GatewaySettings) and (s.request_timeout, s.heartbeat_timeout) == (30.0, 1.5)
     two = settings_from_args(build_parser(OPEN).parse_args(["gateway", "--request-timeout", "2m"]))
     assert isinstance(two, GatewaySettings) and two.request_timeout == 120.0
-    with pytest.raises(SystemExit, match="PDSERVE_REQUEST_TIMEOUT"):
+    with pytest.raises(SystemExit) as exc:
         build_parser({"PDSERVE_REQUEST_TIMEOUT": "soon"})
+    assert exc.value.code == 2 and "bad value for PDSERVE_REQUEST_TIMEOUT" in capsys.readouterr().err
 
 
 def test_admission_budget_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -165,8 +168,9 @@ def test_admission_budget_flag(capsys: pytest.CaptureFixture[str]) -> None:
         build_parser({}).parse_args(["gateway", "--admission-budget", "-1"])
     [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pdserve gateway: error")]
     assert "argument --admission-budget" in line
-    with pytest.raises(SystemExit, match="PDSERVE_ADMISSION_BUDGET"):
+    with pytest.raises(SystemExit) as exc:
         build_parser({"PDSERVE_ADMISSION_BUDGET": "soon"})
+    assert exc.value.code == 2 and "bad value for PDSERVE_ADMISSION_BUDGET" in capsys.readouterr().err
 
 
 def test_up_takes_the_gateway_and_worker_flags_and_checks_them_first() -> None:

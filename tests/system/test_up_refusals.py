@@ -30,7 +30,7 @@ def test_up_refuses_tensor_parallel_ranks_beyond_the_gpus_before_starting_anythi
     assert err == ["pdserve up: --tensor-parallel-size: 2 workers need 4 GPUs (2+2 ranks), 2 visible"]
 
 
-def test_up_refuses_a_busy_port_at_once_and_names_the_flag() -> None:
+def test_up_refuses_a_busy_port_at_once_and_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     import socket
 
     from pdserve.launcher import run
@@ -42,9 +42,11 @@ def test_up_refuses_a_busy_port_at_once_and_names_the_flag() -> None:
         start = time.monotonic()
         assert run(UpSettings(port=port, device="cpu"), ready_timeout=5) == 2
         assert time.monotonic() - start < 5  # refused before any child (and model load) started
+    want = f"pdserve up: port {port} on 127.0.0.1 is in use; choose another with --port\n"
+    assert capsys.readouterr().err == want
 
 
-def test_port_in_use_ignores_time_wait_but_not_a_listener() -> None:
+def test_bind_problem_ignores_time_wait_but_not_a_listener() -> None:
     """A port whose only socket is a closed connection in TIME_WAIT (the server closed first, as a stopped
     `pdserve up` gateway does) is free for a SO_REUSEADDR listener like uvicorn; a live listener is not.
     Found by a new-user trial: `pdserve up` refused to restart for ~1 min after a Ctrl-C during start-up."""
@@ -163,14 +165,17 @@ def test_up_refuses_static_fp8_for_a_mixture_of_experts_before_any_child(tmp_pat
 
 
 def _refused_before_any_child(up: UpSettings, monkeypatch: pytest.MonkeyPatch, gpus: int) -> None:
-    """``launcher._supervise(up)`` with ``gpus`` CUDA devices visible: asserts exit code 2 and that nothing
-    was started."""
+    """``launcher.run(up)`` with ``gpus`` CUDA devices visible (the model check passed): asserts exit code 2
+    and that no child was started."""
+    from engine.models import registry
     from pdserve import launcher
 
     started: list[str] = []
+    monkeypatch.setattr(registry, "resolve_model", lambda name: name)
+    monkeypatch.setattr(registry, "read_model_config", lambda path, quantization: None)
     monkeypatch.setattr(launcher, "gpu_count", lambda: gpus)
     monkeypatch.setattr(Supervisor, "start", lambda self, name, *a, **k: started.append(name))
-    assert launcher._supervise(up, Supervisor(), [], 1.0, None) == 2
+    assert launcher.run(up, ready_timeout=1.0) == 2
     assert started == []
 
 
@@ -191,11 +196,13 @@ def test_up_refuses_a_cuda_device_that_is_not_there(device: str, gpus: int, mess
     assert line.startswith(f"pdserve up: {message}"), line
 
 
-def test_up_on_cuda_n_with_that_gpu_present_is_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdserve.launcher import device_problem
+@pytest.mark.parametrize(("device", "gpus"), [("cuda:1", 2), ("cuda", 1), ("auto", 0), ("cpu", 0)])
+def test_up_takes_a_device_that_is_there(device: str, gpus: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve import launcher
 
-    assert device_problem("cuda:1", 2) is None and device_problem("cuda", 1) is None
-    assert device_problem("cpu", 0) is None and device_problem("auto", 0) is None
+    monkeypatch.setattr(launcher, "gpu_count", lambda: gpus)
+    up = UpSettings(port=free_port(), device=device, insecure_control_plane=True)
+    assert launcher.up_refusal(up) is None
 
 
 @pytest.mark.parametrize(("host", "message"), [
@@ -223,3 +230,32 @@ def test_up_refuses_a_host_it_cannot_bind_naming_the_host(host: str, message: st
                                          insecure_control_plane=True), monkeypatch, 0)
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"pdserve up: {message}") and "in use" not in line, line
+
+
+def test_bind_problem_probes_every_address_of_a_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``localhost`` may resolve to ::1 and 127.0.0.1 (in that order): a listener on either makes the port
+    busy, as asyncio binds both; ``""`` binds every address (0.0.0.0 and ::), and ``::`` alone is IPv6-only
+    as asyncio binds it, so an IPv4 listener does not make it busy."""
+    import socket
+
+    from pdserve import ports
+
+    real = socket.getaddrinfo
+    port = free_port()
+
+    def lookup(name, *args, **kwargs):
+        if name == "two-addresses.test":
+            return real("::1", *args, **kwargs) + real("127.0.0.1", *args, **kwargs)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(ports.socket, "getaddrinfo", lookup)
+    assert ports.bind_problem("two-addresses.test", port) is None
+    assert ports.bind_problem("", port) is None
+    with socket.socket() as held:  # IPv4 only
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        assert ports.bind_problem("two-addresses.test", port) == (
+            f"port {port} on two-addresses.test is in use; choose another with --port")
+        assert ports.bind_problem("", port) == (
+            f"port {port} on every address is in use; choose another with --port")
+        assert ports.bind_problem("::", port) is None
