@@ -124,5 +124,9 @@ def bind_problem(host: str, port: int) -> str | None:
 
 
 def local_host(host: str) -> str:
-    """The address this host reaches a server bound to ``host`` at (127.0.0.1 for a wildcard bind)."""
-    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+    """The address this host reaches a server bound to ``host`` at: 127.0.0.1 for the IPv4 wildcard and for
+    ``""`` (every address), ::1 for ``::`` (asyncio binds it IPv6-only, so 127.0.0.1 would be refused),
+    else ``host``."""
+    if host == "::":
+        return "::1"
+    return "127.0.0.1" if host in ("", "0.0.0.0") else host

@@ -259,3 +259,26 @@ def test_bind_problem_probes_every_address_of_a_host(monkeypatch: pytest.MonkeyP
         assert ports.bind_problem("", port) == (
             f"port {port} on every address is in use; choose another with --port")
         assert ports.bind_problem("::", port) is None
+
+
+@pytest.mark.parametrize("host", ["::", "0.0.0.0", "", "127.0.0.1"])
+def test_local_host_reaches_a_server_bound_as_uvicorn_binds(host: str) -> None:
+    """``pdserve up`` polls /ready at ``local_host(--host)``. asyncio's ``create_server`` (uvicorn) binds
+    ``::`` IPv6-only, so with ``--host ::`` polling 127.0.0.1 was refused and the launcher never saw the
+    system ready (every worker was)."""
+    import asyncio
+
+    from pdserve.ports import local_host
+
+    port = free_port()  # one port: with port 0 each address of "" would get its own
+
+    async def reach() -> None:
+        server = await asyncio.start_server(lambda r, w: w.close(), host=host or None, port=port)
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(local_host(host), port), 5)
+            writer.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(reach())
