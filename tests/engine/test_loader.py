@@ -32,7 +32,7 @@ from transformers import (
 
 from engine.config import ModelConfig
 from engine.models import gguf_convert, registry
-from engine.models.loader import load_model, resolve_device
+from engine.models.loader import load_model
 
 ARCHS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 MOE_ARCHS = ["Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM"]
@@ -489,22 +489,3 @@ def test_embedded_model_converted_bf16_with_tokenizer_and_template():
     assert (path / "tokenizer.json").is_file()
     assert "im_start" in (path / "chat_template.jinja").read_text()
 
-
-@pytest.mark.parametrize(("device", "visible", "want"), [
-    ("cpu", 0, "cpu"), ("auto", 0, "cpu"), ("auto", 1, "cuda"), ("cuda", 1, "cuda"), ("cuda:1", 2, "cuda:1"),
-    ("tpu", 1, "device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
-    ("cuda:x", 1, "device must be auto, cpu, cuda or cuda:N, got 'cuda:x'"),
-    ("cuda", 0, "device 'cuda': no CUDA device is visible"),
-    ("cuda:2", 2, r"device 'cuda:2': 2 CUDA device\(s\) visible, cuda:0..cuda:1"),
-])
-def test_resolve_device_names_a_device_that_is_not_there(device: str, visible: int, want: str,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker given ``--device cuda`` on a machine without CUDA died with a traceback (``Torch not
-    compiled with CUDA enabled``); now its start-up error is this one line (workers/boot.py)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
-    if want.startswith("device"):
-        with pytest.raises(ValueError, match=want):
-            resolve_device(device)
-    else:
-        assert resolve_device(device) == torch.device(want)
