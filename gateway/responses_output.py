@@ -5,7 +5,7 @@ Source: OpenAI API reference, "Responses" (the response object; streaming events
 Output items: a ``reasoning`` item (when the model's reasoning parser separated some), one ``message``
 item with one ``output_text`` part (when there is text), one ``function_call`` item per tool call.
 ``status``: ``completed``, or ``incomplete`` with ``incomplete_details.reason: "max_output_tokens"``
-when ``max_output_tokens`` ended it.
+when ``max_output_tokens`` ended it; then the last output item (the one cut) is ``incomplete`` too.
 
 Streaming event order: ``response.created``, ``response.in_progress``; per output item
 ``response.output_item.added``, then (message) ``response.content_part.added``, the
@@ -271,7 +271,7 @@ class ResponseBuilder:
 
     def finish(self, status: Literal["completed", "incomplete"], usage: ResponseUsage) -> list[bytes]:
         """Close the open item; ``response.completed`` (or ``.incomplete``) with the whole response."""
-        out = self._close()
+        out = self._close(status)
         self.status, self.usage = status, usage
         whole = msgspec.to_builtins(self.response(status, usage))
         return [*out, self._event(f"response.{status}", response=whole)]
@@ -282,12 +282,14 @@ class ResponseBuilder:
         return [self._event("response.output_item.added", output_index=len(self.items) - 1,
                             item=msgspec.to_builtins(item))]
 
-    def _close(self) -> list[bytes]:
+    def _close(self, status: Literal["completed", "incomplete"] = "completed") -> list[bytes]:
+        """Close the open item with ``status``: ``incomplete`` only for the item that
+        ``max_output_tokens`` cut (the last one); an item closed because another began is complete."""
         item, self._open = self._open, None
         if item is None:
             return []
         index = len(self.items) - 1
-        item.status = "completed"
+        item.status = status
         out: list[bytes] = []
         if isinstance(item, MessageItem):
             part = item.content[0]

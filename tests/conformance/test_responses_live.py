@@ -55,6 +55,7 @@ def test_text_input_and_message_list_with_instructions(live: SystemPair) -> None
     r, types = runs[1]
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.output_text and r.usage.output_tokens == 6 and r.output[0].type == "message"
+    assert r.output[-1].status == "incomplete"
     assert types[2:4] == ["response.output_item.added", "response.content_part.added"]
     assert types[-4:-1] == ["response.output_text.done", "response.content_part.done",
                             "response.output_item.done"]

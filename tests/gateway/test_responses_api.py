@@ -94,6 +94,20 @@ def test_builder_items_and_event_order() -> None:
     assert events[-1]["response"] == whole
 
 
+def test_incomplete_response_marks_only_the_cut_item_incomplete() -> None:
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", "max_output_tokens": 3})
+    b = ResponseBuilder(body, "resp_2", 5)
+    chunks = b.start() + b.feed([ReasoningText("hm"), ContentText("Hel")])
+    chunks += b.finish("incomplete", ResponseUsage(3, InputTokensDetails(0), 3, OutputTokensDetails(0), 6))
+    events = _events(chunks)
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["status"]) for i in done] == [("reasoning", "completed"), ("message", "incomplete")]
+    final = events[-1]
+    assert final["type"] == "response.incomplete" and final["response"]["status"] == "incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [i["status"] for i in final["response"]["output"]] == ["completed", "incomplete"]
+
+
 def _lp(token: str) -> ChatTokenLogprob:
     return ChatTokenLogprob(token, -0.5, list(token.encode()), [])
 
