@@ -5,21 +5,35 @@ The N processes serve one HTTP port together (each binds its own listening socke
 (``GatewaySettings.control_endpoints``); every worker registers with all of them. A request lives in the
 process whose connection took it. ``metrics_dir`` is the ``PROMETHEUS_MULTIPROC_DIR`` the processes
 share (gateway/metrics.py), None for a single process.
+
+A process started again after it died (``restarted``) takes no connection until the workers have
+registered with it: its socket listens once it is ready (a usable prefill/decode pair or a colocated
+worker) or ``RESTART_HOLD_HEARTBEATS`` heartbeat timeouts have passed, so the kernel does not hand new
+connections to a process that could only answer 503 while its siblings serve.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+RESTART_HOLD_HEARTBEATS = 2.0  # a restarted process listens at the latest after this many heartbeat timeouts
+
 
 @dataclass(frozen=True)
 class GatewayProcess:
     """Process ``index`` (0-based) of ``count`` gateway processes; ``metrics_dir``: the directory their
-    prometheus-client multiprocess files share (None: one process, metrics in memory)."""
+    prometheus-client multiprocess files share (None: one process, metrics in memory); ``restarted``:
+    started again after it died (it listens only once ready, or after the hold; module docstring)."""
 
     index: int = 0
     count: int = 1
     metrics_dir: str | None = None
+    restarted: bool = False
+
+    def listen_hold_s(self, heartbeat_timeout: float) -> float:
+        """Seconds this process may wait for its workers before its socket listens: 0 for a first start,
+        ``RESTART_HOLD_HEARTBEATS`` x ``heartbeat_timeout`` (seconds) for a restart."""
+        return RESTART_HOLD_HEARTBEATS * heartbeat_timeout if self.restarted else 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.index < self.count:

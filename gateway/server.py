@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.process import GatewayProcess
+from gateway.service import GatewayService
 from protocol.logging import configure_logging
 from protocol.settings import GatewaySettings
 
@@ -75,10 +76,13 @@ class _Report:
                 self._conn.send(message)
 
 
-def _reporting_lifespan(app: FastAPI, report: Callable[[str], None]) -> None:
+def _reporting_lifespan(app: FastAPI, report: Callable[[str], None], hold_s: float) -> None:
     """Wrap the app's lifespan so that a start-up failure (e.g. the control port taken) reaches the
-    parent as one line before uvicorn exits."""
+    parent as one line before uvicorn exits, and so that start-up ends (and the socket listens) only once
+    the process can serve or ``hold_s`` seconds have passed (0: at once; a restarted process,
+    gateway/process.py)."""
     inner = app.router.lifespan_context
+    svc: GatewayService = app.state.service
 
     @contextlib.asynccontextmanager
     async def lifespan(a: FastAPI) -> AsyncIterator[None]:
@@ -88,6 +92,12 @@ def _reporting_lifespan(app: FastAPI, report: Callable[[str], None]) -> None:
             except Exception as exc:
                 report(f"failed: {exc}")
                 raise
+            if hold_s > 0:
+                if await svc.wait_ready(hold_s):
+                    log.info("gateway process %d: workers registered; listening", svc.process.index)
+                else:
+                    log.warning("gateway process %d: no usable worker after %g s; listening anyway",
+                                svc.process.index, hold_s)
             yield
 
     app.router.lifespan_context = lifespan
@@ -131,7 +141,7 @@ def serve_process(settings: GatewaySettings, process: GatewayProcess, conn: Conn
     except Exception as exc:
         report(f"failed: {exc}")
         raise SystemExit(1) from exc
-    _reporting_lifespan(app, report)
+    _reporting_lifespan(app, report, process.listen_hold_s(settings.heartbeat_timeout))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=False, log_config=None)
     log.info("gateway process %d/%d (pid %d): http://%s:%d, control socket %s", process.index,

@@ -31,6 +31,7 @@ from gateway.process import GatewayProcess
 from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
 from gateway.request_state import WorkerMessage
 from gateway.router import Router
+from gateway.status import readiness
 from gateway.text import TextProcessor, resolve_tokenizer_dir
 from kvtransfer.curve import Refusals
 from protocol.logging import log_event
@@ -104,6 +105,18 @@ class GatewayService:
                 await task
         if self.control is not None:
             self.control.close()
+
+    async def wait_ready(self, timeout: float, poll: float = 0.05) -> bool:
+        """Wait until this process can serve (``gateway.status.readiness``: a usable prefill/decode pair or
+        a colocated worker registered), looking every ``poll`` s, at most ``timeout`` s. Returns whether
+        it can. Call with the control socket started (``start``), so workers can register meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not readiness(self.registry, self.canaries).ready:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(poll)
+        return True
 
     def process_status(self) -> GatewayProcessStatus:
         """This process's place among the gateway's processes, its pid and its bound control endpoint

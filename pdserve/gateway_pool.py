@@ -12,6 +12,8 @@ Supervision: each child reports ``ready`` (its socket listens) or why it could n
 does not start (reports a failure, exits, or is not ready within ``start_timeout`` s), at first or
 when restarted, stops everything: the parent prints one line naming the process and the reason and
 exits 1. A ready child that dies is restarted after ``RestartPolicy``'s backoff (1 s, doubling to 30 s);
+the restarted process listens only once the workers have registered with it (or after a hold of two
+heartbeat timeouts: gateway/process.py), so its siblings take every new connection meanwhile;
 its ``max_exits``-th exit within ``window_s`` s stops everything too (exit 1), so a crash loop is not
 hidden. SIGTERM, SIGINT and SIGHUP stop every child (SIGTERM, then SIGKILL after ``grace`` s) and the
 parent exits 128 + the signal number, as ``pdserve up`` does. Children run in process groups of their
@@ -53,7 +55,7 @@ TICK_S = 0.2  # longest the supervision loop sleeps between looks at signals and
 class _Child:
     """One gateway process slot: its current process (None while waiting to restart), the pipe it
     reports on, when it started, whether it reported ready, its recent exit times and its restart time
-    (``time.monotonic()`` seconds)."""
+    (``time.monotonic()`` seconds), how many times it was started."""
 
     index: int
     process: BaseProcess | None = None
@@ -62,6 +64,7 @@ class _Child:
     ready: bool = False
     exits: list[float] = field(default_factory=list)
     restart_at: float | None = None
+    starts: int = 0
 
 
 class PoolFailed(Exception):
@@ -83,7 +86,8 @@ class GatewayPool:
     def start(self, child: _Child) -> None:
         """Start (or restart) ``child``'s process."""
         reader, writer = self._ctx.Pipe(duplex=False)
-        process = GatewayProcess(child.index, self.settings.workers, self.metrics_dir)
+        process = GatewayProcess(child.index, self.settings.workers, self.metrics_dir, child.starts > 0)
+        child.starts += 1
         proc = self._ctx.Process(target=serve_process, args=(self.settings, process, writer),
                                  name=f"pdserve-gateway-{child.index}")
         proc.start()

@@ -4,8 +4,10 @@ Real processes: the gateway pool (``python -m pdserve.cli gateway --workers 2``)
 workers (tests/fakes/fake_worker.py) given both control addresses. Requests over the one port all
 succeed and both processes take some (the fake workers record which control socket each request came
 through); ``/metrics`` from either process counts every request; ``kill -9`` of one process: the parent
-restarts it (a new pid in ``/v1/status``), requests keep succeeding meanwhile, the workers register with
-the new one and no KV block leaks; SIGTERM stops the parent and every process. A process that cannot
+restarts it (a new pid in ``/v1/status``), requests over new connections keep succeeding all through the
+restart (the new process listens only once the workers have registered with it; one whose workers never
+come listens after the hold, two heartbeat timeouts), the workers register with the new one and no KV
+block leaks; SIGTERM stops the parent and every process. A process that cannot
 start (its control port taken) stops the pool with one line; a bad ``--workers`` is refused up front.
 """
 
@@ -18,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,7 +44,7 @@ class Pool:
     """The gateway pool process (its output in ``gateway.log``) and fake workers given every control
     endpoint; ``close`` stops them all."""
 
-    def __init__(self, tmp: Path, tokenizer: Path, workers: int = 2) -> None:
+    def __init__(self, tmp: Path, tokenizer: Path, workers: int = 2, heartbeat_timeout: float = 1.5) -> None:
         self.tmp = tmp
         [self.port] = free_ports(1)
         first = free_port_range(workers, exclude=(self.port,))
@@ -51,7 +54,8 @@ class Pool:
         self.log = open(self.log_path, "wb")  # noqa: SIM115
         argv = [sys.executable, "-m", "pdserve.cli", "gateway", "--workers", str(workers), "--port",
                 str(self.port), "--control-bind", self.controls[0], "--tokenizer", str(tokenizer),
-                "--insecure-control-plane", "--heartbeat-timeout", "1.5", "--log-level", "info"]
+                "--insecure-control-plane", "--heartbeat-timeout", str(heartbeat_timeout), "--log-level",
+                "info"]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.tmpdir = tmp / "pool-tmp"  # the pool's TMPDIR: where its metrics directory goes
         self.tmpdir.mkdir()
@@ -71,10 +75,13 @@ class Pool:
         assert self.gateway.poll() is None, f"gateway pool exited:\n{self.text()[-3000:]}"
         return True
 
-    def start_worker(self, role: str, worker_id: str, output_ids: list[int]) -> Path:
+    def start_worker(self, role: str, worker_id: str, output_ids: list[int],
+                     controls: list[str] | None = None) -> Path:
+        """A fake worker given ``controls`` (default: every process's control endpoint)."""
         record = self.tmp / f"{worker_id}.jsonl"
         self._spawn([sys.executable, "-m", "tests.fakes.fake_worker", "--role", role, "--worker-id",
-                     worker_id, "--gateway-control", ",".join(self.controls), "--record", str(record),
+                     worker_id, "--gateway-control", ",".join(controls or self.controls), "--record",
+                     str(record),
                      "--output-ids", ",".join(map(str, output_ids)), "--max-model-len", str(LONG * 2)],
                     subprocess.DEVNULL)
         return record
@@ -129,6 +136,30 @@ class Pool:
             assert resp.status_code == 200, resp.text
             texts.append(resp.json()["choices"][0]["message"]["content"])
         return texts
+
+    def chat_through_restart(self, index: int, old_pid: int, max_tokens: int,
+                             served: int = 4) -> tuple[int, int]:
+        """Chat completions, each over a new connection, until a new pid of process ``index`` has
+        answered ``served`` of them; asserts every one got 200 with the fake's reply. Returns the new pid
+        and the number of requests sent."""
+        by_new: list[int] = []
+        sent = 0
+        deadline = time.monotonic() + START_S
+        while len(by_new) < served:
+            assert time.monotonic() < deadline, f"process {index} not serving again within {START_S:g} s"
+            self.alive()
+            with httpx.Client(base_url=self.base, timeout=20,
+                              limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)) as client:
+                resp = client.post("/v1/chat/completions", json={"model": "fake-model", "messages": MSGS,
+                                                                 "max_tokens": max_tokens})
+                answered = client.get("/v1/status").json()["process"]  # the same connection's process
+            sent += 1
+            assert resp.status_code == 200, (answered, resp.text)
+            assert resp.json()["choices"][0]["message"]["content"] == REPLY
+            if answered["index"] == index and answered["pid"] != old_pid:
+                by_new.append(answered["pid"])
+        assert len(set(by_new)) == 1, by_new
+        return by_new[0], sent
 
     def metric(self, name: str, labels: str) -> float:
         with httpx.Client(timeout=5) as client:
@@ -200,8 +231,12 @@ def test_two_processes_share_one_port_and_survive_a_kill(pool: Pool, reply_ids: 
                 pass
     wait_until(lambda: gone(pids[1]), 10, "process 1 gone")
     assert pool.chat(4, len(reply_ids)) == [REPLY] * 4  # the other process serves at once
+    # requests over new connections all through the restart: the new process 1 takes connections only
+    # once the workers have registered with it, so none meets a process without workers (a 503)
+    new_pid, sent = pool.chat_through_restart(1, pids[1], len(reply_ids))
     restarted = pool.pids_serving(2)  # the parent restarted process 1; the workers registered again
-    assert restarted[0] == pids[0] and restarted[1] != pids[1]
+    assert restarted[0] == pids[0] and restarted[1] == new_pid != pids[1]
+    assert "gateway process 1: workers registered; listening" in pool.text()
     assert "gateway process 1 (pid" in pool.text() and "restarting it in" in pool.text()
     # the killed process's stream (100 s of tokens left) is dropped by d1 once the new process 1 is
     # there: its blocks come back long before the stream would have ended
@@ -211,8 +246,9 @@ def test_two_processes_share_one_port_and_survive_a_kill(pool: Pool, reply_ids: 
     before = len(read_record(prefill))
     assert pool.chat(16, len(reply_ids)) == [REPLY] * 16
     assert {m["gateway"] for m in read_record(prefill)[before:] if m["type"] == "PrefillRequest"} == {0, 1}
-    # the killed process's counts stay in the sum (its files outlive it): 16 + 4 + 16 from any process
-    wait_until(lambda: pool.metric("pdserve_requests_total", OK) == 36.0, 5, "36 requests counted")
+    # the killed process's counts stay in the sum (its files outlive it): 16 + 4 + sent + 16, any process
+    total = 36.0 + sent
+    wait_until(lambda: pool.metric("pdserve_requests_total", OK) == total, 5, f"{total} requests counted")
     assert pool.metric("pdserve_requests_in_flight", "") == 0.0  # the killed process's share left with it
     wait_until(lambda: pool.metric("pdserve_kv_blocks_free", 'role="decode",worker_id="d1"') == 64.0, 5,
                "every KV block of d1 free")
@@ -223,6 +259,51 @@ def test_two_processes_share_one_port_and_survive_a_kill(pool: Pool, reply_ids: 
     assert pool.gateway.wait(20) == 128 + signal.SIGTERM
     assert gone(restarted[0]) and gone(restarted[1])
     assert not metrics_dir.exists()  # removed by the parent on its way out
+
+
+@pytest.mark.slow
+def test_a_restarted_process_without_workers_listens_only_after_the_hold(tmp_path: Path, tokenizer_dir: Path,
+                                                                        reply_ids: list[int]) -> None:
+    hold = 8.0  # two heartbeat timeouts of 4 s: longer than a restart's start-up on a busy 2-core box
+    pool = Pool(tmp_path, tokenizer_dir, heartbeat_timeout=hold / 2)
+    try:
+        pool.start_worker("prefill", "p1", reply_ids, controls=pool.controls[:1])  # process 0's only
+        pool.start_worker("decode", "d1", reply_ids, controls=pool.controls[:1])
+        first: dict = {}
+
+        def answers(index: int) -> bool:
+            pool.alive()
+            try:
+                body = pool.status()
+            except httpx.HTTPError:
+                return False
+            first.update(body["process"])
+            return first["index"] == index and (index == 1 or body["ready"])
+
+        wait_until(lambda: answers(0), START_S, "process 0 serving")
+        wait_until(lambda: answers(1), START_S, "process 1 answering")
+        os.kill(first["pid"], signal.SIGKILL)
+        wait_until(lambda: gone(first["pid"]), 10, "process 1 gone")
+        started: float | None = None
+        deadline = time.monotonic() + START_S + hold
+        while True:  # new connections until the new process 1 answers; process 0 serves them meanwhile
+            assert time.monotonic() < deadline, pool.text()[-2000:]
+            if started is None and "gateway process 1 started (pid" in pool.text().rsplit(
+                    "restarting it in", 1)[-1]:
+                started = time.monotonic()
+            with httpx.Client(base_url=pool.base, timeout=20,
+                              limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)) as client:
+                resp = client.post("/v1/chat/completions", json={"model": "fake-model", "messages": MSGS,
+                                                                 "max_tokens": len(reply_ids)})
+                answered = client.get("/v1/status").json()["process"]
+            if answered["index"] == 1:
+                break
+            assert resp.status_code == 200, resp.text  # process 0 has the workers
+        assert started is not None and time.monotonic() - started >= hold - 0.5
+        assert f"gateway process 1: no usable worker after {hold:g} s; listening anyway" in pool.text()
+        assert resp.status_code == 503 and answered["pid"] != first["pid"]  # honest: no worker here
+    finally:
+        pool.close()
 
 
 @pytest.mark.slow
