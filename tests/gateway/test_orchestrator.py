@@ -95,7 +95,7 @@ async def to_decoding(orch: Orchestrator, rec: Recorder, req: GatewayRequest) ->
 
 def assert_clean(orch: Orchestrator, registry: WorkerRegistry) -> None:
     assert not orch.requests
-    assert all(not w.requests for w in registry.live())
+    assert all(not w.requests and not w.routed for w in registry.live())
 
 
 async def test_disaggregated_to_max_tokens_needs_no_abort(setup) -> None:
@@ -266,4 +266,30 @@ async def test_cancel_as_a_token_arrives_ends_the_wait(setup, arriving: int) -> 
     orch.release(req)
     await asyncio.sleep(0)
     assert rec.take() == [(b"d1", "AbortRequest")]
+    assert_clean(orch, registry)
+
+
+async def test_requests_arriving_together_spread_over_the_prefill_workers(setup) -> None:
+    """Each request counts against its prefill worker from routing on, not from the PrefillRequest sent
+    once the decode worker has reserved KV: while d1 reserves, the next prompt goes to the idle p2."""
+    orch, rec, registry, _ = setup
+    registry.register(RegisterWorker(role="prefill", worker_id="p2", epoch=1, model="m", model_path="",
+                                     compat=COMPAT), b"p2")
+    reqs = [await orch.submit(GenerationInput(f"r{i}", [10 * i + j for j in range(1, 6)],
+                                              SamplingParams(max_tokens=3))) for i in range(4)]
+    chosen = [m.prefill_worker_id for _, m in rec.sent if isinstance(m, ReserveKV)]
+    assert chosen == ["p1", "p2", "p1", "p2"]
+    p1, p2 = registry.get("p1"), registry.get("p2")
+    assert p1 is not None and p2 is not None
+    assert (p1.routed, p2.routed) == ({"r0", "r2"}, {"r1", "r3"}) and p1.load_score() == 2
+    rec.take()
+    await orch.on_worker_message(b"d1", KVReserved(request_id="r0", worker_id="d1", kv_handle=b"kv"))
+    task = asyncio.create_task(orch.next_output(reqs[0]))
+    await asyncio.sleep(0.01)
+    assert rec.take() == [(b"p1", "PrefillRequest")]  # r0 moves from routed to held on p1
+    assert p1.routed == {"r2"} and p1.requests == {"r0"} and p1.load_score() == 2
+    task.cancel()
+    for req in reqs:
+        orch.release(req)
+    await asyncio.sleep(0.01)
     assert_clean(orch, registry)

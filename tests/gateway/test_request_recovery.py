@@ -35,9 +35,10 @@ REPLY = [7, 8, 9, 10, 11, 12]
 
 
 def make(max_retries: int = 2, max_migrations: int = 1, decodes: tuple[str, ...] = ("d1", "d2"),
+         prefills: tuple[str, ...] = ("p1",),
          ) -> tuple[Orchestrator, Recorder, WorkerRegistry, GatewayMetrics]:
     registry = WorkerRegistry(heartbeat_timeout=5.0)
-    for role, wid in (("prefill", "p1"), *(("decode", d) for d in decodes)):
+    for role, wid in (*(("prefill", p) for p in prefills), *(("decode", d) for d in decodes)):
         registry.register(RegisterWorker(role=role, worker_id=wid, epoch=1, model="m", model_path="",
                                          compat=COMPAT), wid.encode())
     rec, metrics = Recorder(), GatewayMetrics()
@@ -264,4 +265,38 @@ async def test_grammar_rejection_is_not_recovered(emitted: int) -> None:
     await asyncio.sleep(0.01)
     # before the first token d1 still holds the reserved KV: it gets the abort; the failing worker does not
     assert rec.take() == ([] if emitted else [(b"d1", "AbortRequest")])
+    assert_clean(orch, registry)
+
+
+async def test_prefill_lost_while_the_decode_reserves_is_retried_at_once() -> None:
+    """A prefill worker lost before its PrefillRequest went out: the request is routed again at once
+    (not after d1's reservation, to a worker that is gone), d1's reservation for the old attempt is
+    aborted, and p1 gets no abort for a request it never received."""
+    orch, rec, registry, metrics = make(decodes=("d1",), prefills=("p1", "p2"))
+    req = await orch.submit(GenerationInput("r", PROMPT, SamplingParams(max_tokens=2)))
+    [(_, reserve)] = rec.sent
+    assert isinstance(reserve, ReserveKV) and reserve.prefill_worker_id == "p1"
+    rec.take()
+    p1 = registry.remove("p1")
+    assert p1 is not None and p1.routed == {"r"}
+    orch.worker_lost(p1, "heartbeat timeout")
+    task = asyncio.create_task(orch.next_output(req))
+    await asyncio.sleep(0.01)
+    sent = [(ident, m) for ident, m in rec.sent]
+    rec.take()
+    assert [(ident, type(m).__name__, m.request_id) for ident, m in sent] == [
+        (b"d1", "ReserveKV", req.request_id), (b"d1", "AbortRequest", "r")]
+    assert isinstance(sent[0][1], ReserveKV) and sent[0][1].prefill_worker_id == "p2"
+    assert counter(metrics, "retries", "lost") == 1.0
+    rid = req.request_id
+    await orch.on_worker_message(b"d1", KVReserved(request_id=rid, worker_id="d1", kv_handle=b"kv"))
+    await orch.on_worker_message(b"p2", FirstToken(request_id=rid, worker_id="p2", token_id=REPLY[0]))
+    await orch.on_worker_message(b"d1", NextToken(request_id=rid, worker_id="d1", token_id=REPLY[1]))
+    first = await task
+    second = await orch.next_output(req)
+    assert (first.token_id, second.token_id, second.finish_reason) == (REPLY[0], REPLY[1], "length")
+    assert rec.take() == [(b"p2", "PrefillRequest"), (b"d1", "DecodeRequest")]
+    orch.finish(req, "length")
+    orch.release(req)
+    await asyncio.sleep(0)
     assert_clean(orch, registry)
