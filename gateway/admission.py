@@ -11,7 +11,8 @@ told of each ``FirstToken`` (``first_token``) and of each released request (``fo
 * **429** (``prefill_queue``): the prompt tokens the chosen first-token worker (prefill, or colocated) is
   expected to compute for the requests routed to it and not yet answered by a ``FirstToken``, divided by
   that worker's measured prefill rate, exceed the budget (``--admission-budget`` seconds). Before the
-  worker's first measurement, admit.
+  worker's first measurement, admit; likewise while a queued request would compute more than
+  ``TRUSTED_SPAN`` times the largest prompt the rate was recently measured on (``PrefillRate.largest``).
 
 The prefill rate of a worker is measured from what the gateway sees: a request routed at ``t0`` whose
 ``FirstToken`` arrives at ``t1`` kept the worker busy from ``max(t0, the worker's previous FirstToken)``
@@ -23,6 +24,13 @@ compute its prompt minus the prefix the worker's KV events report cached (``Rout
 Counting whole prompts against a rate of
 computed tokens overstated the wait by the prompts' hit ratio: prompts served again from the prefix
 cache were refused as overload.
+
+Why the span: a request's time is a fixed cost (round trips, scheduling, one step's overhead) plus its
+tokens over the worker's throughput, and the rate above folds both into one number. Measured on short
+prompts it is mostly the fixed cost and says little about a long one: after four 4-token prompts an idle
+CPU worker's rate read ~80 tokens/s, and two 1208-token prompts it then computed in 2.4 s each were
+refused as "about 33 s queued". Once a long prompt has been measured it dominates the sums (they weigh
+each request by its tokens), so the rate is right for long prompts from then on.
 
 Every 429 carries ``Retry-After`` (whole seconds, at least 1). Refusals are counted in
 ``pdserve_admission_refused_total{reason}``.
@@ -44,6 +52,9 @@ from protocol.messages import FirstToken, WorkerLoad
 # weight of the history at each new measurement: about the last 20 requests count, several prefill steps
 # (the requests of one step report nearly together, the first with the whole step's time)
 DECAY = 0.95
+# a queue is judged by a rate measured on prompts computing at least 1 / TRUSTED_SPAN of its largest
+# request's tokens; past that it is admitted unjudged (module docstring)
+TRUSTED_SPAN = 4.0
 
 
 @dataclass(slots=True)
@@ -60,12 +71,14 @@ class _Routed:
 
 @dataclass(slots=True)
 class PrefillRate:
-    """One worker's measured prefill rate: decayed sums of prompt tokens computed and busy seconds, and
-    the time (monotonic seconds) of its last FirstToken."""
+    """One worker's measured prefill rate: decayed sums of prompt tokens computed and busy seconds, the
+    time (monotonic seconds) of its last FirstToken, and the largest computed-token count measured
+    (decayed by ``DECAY`` per measurement, so it follows the recent prompts)."""
 
     tokens: float = 0.0
     seconds: float = 0.0
     last_first_token: float = -math.inf
+    largest: float = 0.0
 
     def observe(self, tokens: int, routed_at: float, now: float) -> None:
         """A FirstToken at ``now`` for ``tokens`` computed prompt tokens of a request routed at
@@ -74,6 +87,12 @@ class PrefillRate:
         self.tokens = self.tokens * DECAY + tokens
         self.seconds = self.seconds * DECAY + busy
         self.last_first_token = now
+        self.largest = max(float(tokens), self.largest * DECAY)
+
+    def trusted_for(self, tokens: int) -> bool:
+        """Whether the rate may judge a request computing ``tokens`` prompt tokens (within
+        ``TRUSTED_SPAN`` times the largest recently measured)."""
+        return tokens <= TRUSTED_SPAN * self.largest
 
     def tokens_per_s(self) -> float | None:
         """Prompt tokens per second, or None before a measurement with busy time."""
@@ -161,9 +180,12 @@ class Admission:
             return
         rate = self.rates.get(worker.worker_id)
         tokens_per_s = rate.tokens_per_s() if rate is not None else None
-        if tokens_per_s is None:
+        if tokens_per_s is None or rate is None:
             return  # no measurement yet: admit
-        ahead = self.queued_tokens(worker.worker_id)
+        queued = [r.expected_tokens for r in self._routed.values() if r.worker_id == worker.worker_id]
+        if queued and not rate.trusted_for(max(queued)):
+            return  # a request longer than the rate was measured on: admit (module docstring)
+        ahead = sum(queued)
         wait = ahead / tokens_per_s
         if wait > self.budget_s:
             self._refuse("prefill_queue")

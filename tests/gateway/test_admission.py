@@ -125,15 +125,46 @@ async def test_the_queue_counts_the_tokens_a_prompt_will_compute_as_the_rate_doe
     assert rate is not None and 20.0 < rate < 25.0  # computed tokens per busy second
     burst = [(await s.orch.submit_all(f"b{i}", [gen(f"b{i}", 100)]))[0] for i in range(10)]
     assert s.admission.queued_tokens("p1") == 40  # 10 hits: 1.6-2.0 s of work, all admitted
-    # a prompt p1 has not seen counts whole: admitted behind 40 tokens, then the next waits too long
+    # a prompt p1 has not seen counts whole: admitted behind 40 tokens; the next is admitted unjudged (a
+    # rate measured on 4-token computations says little about a 100-token one) until p1 computed one
     other = [GenerationInput(f"n{i}", list(range(500 + 100 * i, 600 + 100 * i)), SamplingParams(max_tokens=4))
-             for i in range(2)]
+             for i in range(3)]
     burst += await s.orch.submit_all("n0", [other[0]])
     assert s.admission.queued_tokens("p1") == 140
+    burst += await s.orch.submit_all("n1", [other[1]])
+    s.clock.now += 1.0  # n0 computed in 1 s: now measured at this size
+    await s.orch.on_worker_message(b"p1", FirstToken(request_id="n0", worker_id="p1", token_id=7))
+    assert s.admission.queued_tokens("p1") == 140  # the 10 hits and n1
     with pytest.raises(APIError) as refused:
-        await s.orch.submit_all("n1", [other[1]])
+        await s.orch.submit_all("n2", [other[2]])
     assert refused.value.status == 429 and s.refused("prefill_queue") == 1
     for req in burst:
+        s.orch.release(req)
+    assert not s.orch.requests and not s.admission._routed
+
+
+async def test_a_rate_measured_on_short_prompts_does_not_refuse_long_ones() -> None:
+    """After a few 4-token prompts (fixed cost: 0.05 s each, a "rate" of 80 tokens/s), long prompts on
+    an idle worker are admitted, not refused as seconds of queue (the old estimate: 1208 tokens ahead
+    at 80 tokens/s, 15 s > 5 s); once one long prompt has been measured the queue is judged again."""
+    s = Setup(budget_s=5.0, decode_free=(2000,), total=2000)
+    for i in range(4):
+        (short,) = await s.orch.submit_all(f"s{i}", [gen(f"s{i}", 4)])
+        s.clock.now += 0.05
+        await s.orch.on_worker_message(b"p1", FirstToken(request_id=f"s{i}", worker_id="p1", token_id=7))
+        s.orch.release(short)
+        s.heartbeat("d1", 2000, 2000)
+    assert s.admission.rates["p1"].tokens_per_s() == pytest.approx(80.0)
+    long = [(await s.orch.submit_all(f"l{i}", [gen(f"l{i}", 1208)]))[0] for i in range(4)]
+    assert s.refused("prefill_queue") == 0 and s.admission.queued_tokens("p1") == 4 * 1208
+    s.clock.now += 2.4  # the first long prompt computed in 2.4 s
+    await s.orch.on_worker_message(b"p1", FirstToken(request_id="l0", worker_id="p1", token_id=7))
+    rate = s.admission.rates["p1"].tokens_per_s()
+    assert rate is not None and 450 < rate < 500
+    with pytest.raises(APIError) as refused:  # 3 x 1208 tokens ahead at ~470 tokens/s: ~7.7 s > 5 s
+        await s.orch.submit_all("l4", [gen("l4", 1208)])
+    assert refused.value.status == 429 and s.refused("prefill_queue") == 1
+    for req in long:
         s.orch.release(req)
     assert not s.orch.requests and not s.admission._routed
 
