@@ -3,7 +3,8 @@
 Steps: convert/locate the model once (so workers do not race on the cache), pick a free 127.0.0.1 port
 for the control socket, start the gateway, then the workers (each a ``python -m pdserve.cli <role>``
 child), wait until the gateway's ``/ready`` answers 200, print the URL and an example request, and
-supervise: on Ctrl-C / SIGTERM / SIGHUP every child gets SIGTERM (SIGKILL after ``grace`` seconds), one
+supervise: on Ctrl-C / SIGTERM / SIGHUP every child gets SIGTERM (SIGKILL after ``grace`` seconds; the
+workers first, the gateway once they have exited, so each worker still tells it that it leaves), one
 line is printed per child stopped, and the exit code is 128 + the signal number (130 for Ctrl-C). Once
 the system is ready, a worker that exits is restarted after a backoff (``RestartPolicy``: 1 s, doubling
 up to 30 s) as a new incarnation (a new epoch: the gateway replaces its old entry and pairs it again)

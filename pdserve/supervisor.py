@@ -93,16 +93,23 @@ class Supervisor:
         return [(n, p.returncode) for n, p in self.children.items() if p.poll() is not None]
 
     def stop_all(self) -> list[tuple[str, int, str]]:
-        """SIGTERM every live child (workers first, gateway last), wait, SIGKILL stragglers.
+        """Stop every live child in two rounds, each SIGTERM, a wait of up to ``grace`` seconds, SIGKILL
+        for stragglers: the workers first, then the gateway, so each worker can still tell the gateway
+        it is leaving (``WorkerShutdown``) and the gateway ends their requests with an error rather than
+        a dropped connection.
 
         Returns ``(name, pid, "stopped" | "killed")`` for each child that was still running (children
-        that had already exited are not listed); every child has been reaped on return."""
-        order = [n for n in self.children if n != "gateway"] + [n for n in self.children if n == "gateway"]
-        live = [n for n in order if self.children[n].poll() is None]
+        that had already exited are not listed), in stop order; every child has been reaped on return."""
+        workers = [n for n in self.children if n != "gateway"]
+        return self._stop(workers) + self._stop([n for n in self.children if n == "gateway"])
+
+    def _stop(self, names: list[str]) -> list[tuple[str, int, str]]:
+        """SIGTERM the live children among ``names``, wait up to ``grace`` s, SIGKILL the rest; reap all."""
+        live = [n for n in names if self.children[n].poll() is None]
         for name in live:
             self.children[name].send_signal(signal.SIGTERM)
         deadline, done = time.monotonic() + self.grace, []
-        for name in order:
+        for name in names:
             proc, how = self.children[name], "stopped"
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))

@@ -24,6 +24,34 @@ def test_stop_all_kills_a_child_that_ignores_sigterm() -> None:
     assert sup.dead() == [("stubborn", proc.returncode)]
 
 
+def test_stop_all_stops_the_workers_before_the_gateway(tmp_path) -> None:
+    """The gateway gets SIGTERM only once every worker has exited (each worker can still reach it to
+    say it leaves): the stand-in gateway records whether the worker was gone when its SIGTERM came."""
+    sup = Supervisor(grace=5.0)
+    worker_pid = tmp_path / "worker.pid"
+    seen = tmp_path / "seen"
+    worker = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), " \
+             "sys.exit(0))); print('up', flush=True); time.sleep(60)"
+    gateway = ("import os, pathlib, signal, sys, time\n"
+               f"pid = int(pathlib.Path({str(worker_pid)!r}).read_text())\n"
+               "def on_term(*a):\n"
+               "    try:\n"
+               "        os.kill(pid, 0); alive = 'worker alive'\n"
+               "    except ProcessLookupError:\n"
+               "        alive = 'worker gone'\n"
+               f"    pathlib.Path({str(seen)!r}).write_text(alive); sys.exit(0)\n"
+               "signal.signal(signal.SIGTERM, on_term)\n"
+               "print('up', flush=True); time.sleep(60)\n")
+    sup.children["decode-0"] = w = subprocess.Popen([sys.executable, "-c", worker], stdout=subprocess.PIPE)
+    worker_pid.write_text(str(w.pid))
+    sup.children["gateway"] = g = subprocess.Popen([sys.executable, "-c", gateway], stdout=subprocess.PIPE)
+    assert w.stdout is not None and g.stdout is not None
+    assert w.stdout.readline() == b"up\n" and g.stdout.readline() == b"up\n"
+    done = sup.stop_all()
+    assert [(name, how) for name, _, how in done] == [("decode-0", "stopped"), ("gateway", "stopped")]
+    assert seen.read_text() == "worker gone"
+
+
 # a stand-in child: `crash` exits with code 3 at once; `once:<file>` exits with 3 the first time (when
 # <file> is missing, creating it), then stays up; anything else stays up
 STAND_IN = '''import pathlib, sys, time
