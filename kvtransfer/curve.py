@@ -27,6 +27,17 @@ from the connection's I/O thread). The host is unknown when the descriptor was a
 monitor was read (a client that hangs up at once); such a refusal is logged only if none of its kind
 was logged before.
 
+The connecting side watches its own handshakes (``HandshakeWatch``, fed its socket monitor's events):
+libzmq reports a key mismatch to the client only as a failed handshake, so a worker with the wrong key
+pair would otherwise just see its connection drop again and again. What the client's monitor says
+(libzmq 4.3), by case: a server that refuses the client's key (ZAP) gives ``HANDSHAKE_FAILED_AUTH``, not
+retried by libzmq. A CURVE client and a plain peer (either way round) give ``HANDSHAKE_FAILED_PROTOCOL``
+(mechanism mismatch), not retried either, or ``HANDSHAKE_FAILED_NO_DETAIL`` when the server noticed first
+and hung up. A client that expects another server key (its own key pair, not the fleet's) gives
+``HANDSHAKE_FAILED_NO_DETAIL`` (the server cannot decrypt its HELLO and hangs up), retried every ~0.1 s;
+so does any peer that accepts a TCP connection and closes it, hence the hedged wording and the
+``FAILURES_TO_WARN`` failures in a row before that one is warned about.
+
 No torch; nothing of the project besides this package (the gateway and protocol import this module).
 """
 
@@ -262,3 +273,72 @@ class FleetAuthenticator:
     def stop(self) -> None:
         """Stop the handler's thread and close its socket."""
         self._auth.stop()
+
+
+# monitor events of a connecting socket whose handshake failed
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+# failed handshakes in a row, the peer having hung up without a reason (NO_DETAIL), before they are warned
+# about: a gateway process that closes its listening socket resets the connections it had not accepted yet,
+# once; a key mismatch fails every ~0.1 s
+FAILURES_TO_WARN = 3
+KEYS_FLAGS = "--curve-keys / PDSERVE_CURVE_KEYS"
+
+
+def handshake_failure(event: int, value: int, peer: str, address: str, secured: bool) -> str:
+    """What a failed handshake (a ``HANDSHAKE_FAILED`` monitor event of a connecting socket, ``value`` as
+    libzmq gives it) most likely means, as a sentence naming ``peer`` (its role: "gateway") at
+    ``address``; ``secured``: this side is a CURVE client."""
+    where = f"{peer} {address}"
+    not_retried = "libzmq does not retry this connection: restart this worker once the keys match"
+    if event & zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (f"{where}: the CURVE handshake failed: the {peer} does not accept this worker's key (its key "
+                f"pair is not the {peer}'s): check {KEYS_FLAGS} against the {peer}'s; {not_retried}")
+    if event & zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return (f"{where}: the handshake failed (ZMTP protocol error {value:#x}): is {address} a pdserve "
+                    f"{peer}'s control port?")
+        if secured:
+            return (f"{where}: the handshake failed: the {peer} does not use CURVE (it runs with "
+                    f"--insecure-control-plane) while this worker does ({KEYS_FLAGS}); {not_retried}")
+        return (f"{where}: the handshake failed: the {peer} requires CURVE and this worker runs without "
+                f"CURVE keys (--insecure-control-plane): start it with the fleet's {KEYS_FLAGS}; "
+                f"{not_retried}")
+    if secured:
+        return (f"{where}: the CURVE handshake failed (the {peer} does not accept this worker's key, or this "
+                f"worker has the wrong {peer} public key; or {address} is not a pdserve {peer}'s control "
+                f"port): check {KEYS_FLAGS} against the {peer}'s")
+    return (f"{where}: the handshake failed: the {peer} closed the connection during it: it may require "
+            f"CURVE while this worker runs without CURVE keys (--insecure-control-plane), or {address} is "
+            f"not a pdserve {peer}'s control port")
+
+
+class HandshakeWatch:
+    """The handshakes of one connecting control socket with the ``peer`` (its role: "gateway") at
+    ``address``, from the socket monitor's events; ``secured``: a CURVE client. A failed handshake is
+    counted (``failures``: in a row, since the last that succeeded) and warned about on ``logger`` once
+    (``handshake_failure``'s sentence) until a handshake succeeds: at the first failure, or at the
+    ``FAILURES_TO_WARN``-th in a row when the peer only hung up. ``cause``: that sentence while the last
+    handshake failed, else "". One thread."""
+
+    def __init__(self, peer: str, address: str, secured: bool, logger: logging.Logger) -> None:
+        self.peer, self.address, self.secured, self._log = peer, address, secured, logger
+        self.failures = 0
+        self.cause = ""
+        self.warned = False
+
+    def on_event(self, event: int, value: int = 0) -> bool:
+        """Take one monitor event: a failed handshake is counted (and warned about, see the class), a
+        ``HANDSHAKE_SUCCEEDED`` clears the count; True when ``event`` was a failed handshake."""
+        if event & zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.failures, self.cause, self.warned = 0, "", False
+            return False
+        if not event & HANDSHAKE_FAILED:
+            return False
+        self.failures += 1
+        self.cause = handshake_failure(event, value, self.peer, self.address, self.secured)
+        hung_up = bool(event & zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        if not self.warned and (not hung_up or self.failures >= FAILURES_TO_WARN):
+            self.warned = True
+            self._log.warning("%s; further failed handshakes with it are counted, not logged", self.cause)
+        return True

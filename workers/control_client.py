@@ -12,7 +12,8 @@ queued only on a completed connection (``ZMQ_IMMEDIATE``), and ``try_send`` says
 gateway is not connected or its queue (``SEND_HWM`` frames) is full. A dead gateway is noticed without
 waiting for TCP: ZMTP heartbeats (a PING every ``ZMTP_HEARTBEAT_IVL_MS``, the connection closed when
 nothing comes back for ``ZMTP_HEARTBEAT_TIMEOUT_MS``) and a socket monitor whose events ``next_event``
-returns (``EVENT_DISCONNECTED``, ``EVENT_HANDSHAKE_SUCCEEDED``).
+returns (``EVENT_DISCONNECTED``, ``EVENT_HANDSHAKE_SUCCEEDED``, and the ``EVENT_HANDSHAKE_FAILED_*`` of a
+key mismatch: ``kvtransfer.curve.HandshakeWatch`` says what each means).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvtransfer.curve import CurveKeys, secure_client
+from kvtransfer.curve import HANDSHAKE_FAILED, CurveKeys, secure_client
 from protocol.messages import Message, encode
 
 log = logging.getLogger("pdserve.worker.control")
@@ -33,7 +34,7 @@ log = logging.getLogger("pdserve.worker.control")
 ZMTP_HEARTBEAT_IVL_MS = 1000  # a ZMTP PING to the gateway this often
 ZMTP_HEARTBEAT_TIMEOUT_MS = 3000  # no traffic this long after a PING: the connection is closed
 SEND_HWM = 1000  # frames queued for one gateway before try_send says False (a gateway that stopped reading)
-EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED
 
 
 class RegistrationError(RuntimeError):
@@ -55,6 +56,7 @@ class ControlClient:
             raise ValueError(f"--gateway-control must be a zmq endpoint like tcp://host:port, "
                              f"got {endpoint!r}")
         self.endpoint = endpoint
+        self.secured = keys is not None  # a CURVE client
         self._own_ctx = ctx is None
         self._ctx = zmq.asyncio.Context() if ctx is None else ctx
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -89,12 +91,13 @@ class ControlClient:
         frame: bytes = await self._sock.recv()
         return frame
 
-    async def next_event(self) -> int:
-        """Wait for the next monitor event of the socket: ``zmq.EVENT_DISCONNECTED`` (the connection to
-        the gateway dropped: closed by the peer, or ZMTP heartbeats unanswered) or
-        ``zmq.EVENT_HANDSHAKE_SUCCEEDED`` (connected, CURVE included)."""
+    async def next_event(self) -> tuple[int, int]:
+        """Wait for the next monitor event of the socket, as (event, value): ``zmq.EVENT_DISCONNECTED``
+        (the connection to the gateway dropped: closed by the peer, ZMTP heartbeats unanswered, or a
+        failed handshake), ``zmq.EVENT_HANDSHAKE_SUCCEEDED`` (connected, CURVE included) or one of
+        ``HANDSHAKE_FAILED`` (``value``: libzmq's error or status code)."""
         event = parse_monitor_message(await self._monitor.recv_multipart())
-        return int(event["event"])
+        return int(event["event"]), int(event["value"])
 
     def close(self, shutdown: Message | None = None) -> None:
         """Send ``shutdown`` (if given and the gateway is connected), then close the socket (zmq flushes

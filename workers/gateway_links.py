@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import zmq.asyncio
 
-from kvtransfer.curve import CurveKeys
+from kvtransfer.curve import CurveKeys, HandshakeWatch
 from protocol.endpoints import ZmqEndpoint, parse_endpoints
 from protocol.logging import log_event
 from protocol.messages import Message
@@ -57,7 +57,7 @@ class GatewayLink:
     (0: none yet). ``connected``: the monitor saw the handshake and no disconnect since.
     ``registered_at``: ``time.monotonic()`` of the last ``RegisterWorker`` queued. ``tasks``: its receive and
     monitor tasks (cancelled when the link closes). ``missing``: consecutive DNS lookups that did not list
-    its address."""
+    its address. ``handshake``: its failed handshakes (a key mismatch), warned about once."""
 
     key: str
     client: ControlClient
@@ -68,6 +68,10 @@ class GatewayLink:
     registered_at: float = float("-inf")
     missing: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    handshake: HandshakeWatch = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.handshake = HandshakeWatch("gateway", self.key, self.client.secured, log)
 
 
 class GatewayLinks:

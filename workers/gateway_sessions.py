@@ -233,9 +233,13 @@ class GatewaySessions:
                 host.wake()
 
     async def _watch_link(self, link: GatewayLink) -> None:
-        """Follow ``link``'s connection: registered again once connected, lost when it drops."""
+        """Follow ``link``'s connection: registered again once connected, lost when it drops. A failed
+        handshake (wrong CURVE keys) is warned about once (``link.handshake``); the drops of connections
+        that never completed a handshake are logged at DEBUG (a key mismatch retries ~10 times a second)."""
         while True:
-            event = await link.client.next_event()
+            event, value = await link.client.next_event()
+            if link.handshake.on_event(event, value):
+                continue
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.connected = True
                 if not link.accepted and time.monotonic() - link.registered_at >= REGISTER_RETRY_S:
@@ -244,9 +248,11 @@ class GatewaySessions:
                             break
                         await asyncio.sleep(0.002)
             elif event == zmq.EVENT_DISCONNECTED:
+                handshaken = link.connected
                 link.connected, link.registered_at = False, float("-inf")
-                log_event(log, "gateway_disconnected", logging.WARNING, worker_id=self.host.worker_id,
-                          gateway=link.key)
+                log_event(log, "gateway_disconnected", logging.WARNING if handshaken else logging.DEBUG,
+                          worker_id=self.host.worker_id, gateway=link.key,
+                          failed_handshakes=link.handshake.failures)
                 if link.accepted:
                     self.lose(link, "its control connection dropped")
 
@@ -316,7 +322,8 @@ class GatewaySessions:
 
         Raises:
             RegistrationError: every gateway refused it (no DNS name that may bring others), or none
-                accepted it within ``timeout`` seconds.
+                accepted it within ``timeout`` seconds (the message names each gateway whose last
+                handshake failed, with what that most likely means: wrong CURVE keys).
         """
         deadline = time.monotonic() + timeout
         while not self.gateways.any_accepted():
@@ -326,7 +333,11 @@ class GatewaySessions:
                 raise RegistrationError(f"gateway refused worker {self.host.worker_id}: {reasons}")
             if time.monotonic() >= deadline:
                 where = ", ".join(self.gateways.links) or f"none resolved from {self.control}"
-                raise RegistrationError(f"no RegisterAck from any gateway ({where}) within {timeout:.0f} s")
+                failed = [f"{link.handshake.cause} (failed {link.handshake.failures} times in a row)"
+                          for link in links if link.handshake.cause]
+                likely = f"; likely cause: {'; '.join(failed)}" if failed else ""
+                raise RegistrationError(f"no RegisterAck from any gateway ({where}) within {timeout:.0f} s"
+                                        f"{likely}")
             await asyncio.sleep(0.02)
 
     def close(self) -> None:

@@ -8,6 +8,8 @@ transfers bit-exact as before, with nothing leaked."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import socket
 import threading
@@ -264,6 +266,44 @@ def test_refusal_logs_are_bounded(caplog: pytest.LogCaptureFixture, monkeypatch:
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("capped")]
     assert len(lines) == 4 and "counted, not logged" in lines[3] and "3 refused peers" in lines[3], lines
     assert refusals.counts()["unknown_key"] == 7
+
+
+def test_a_clients_failed_handshakes_are_warned_about_once_until_one_succeeds(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A peer that only hangs up (NO_DETAIL) is warned about at the FAILURES_TO_WARN-th failure in a row, a
+    refused key (AUTH) at once; never again until a handshake succeeded; ``cause`` holds the last failure
+    until then, naming the keys' flags."""
+    log = logging.getLogger("pdserve.test.handshake")
+    hung_up, refused = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    watch = curve.HandshakeWatch("gateway", "tcp://10.0.0.7:7100", True, log)
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == log.name]
+
+    with caplog.at_level("DEBUG", logger=log.name):
+        assert not watch.on_event(zmq.EVENT_DISCONNECTED) and watch.failures == 0
+        for n in range(1, curve.FAILURES_TO_WARN):
+            assert watch.on_event(hung_up, errno.EPIPE) and warned() == [] and watch.failures == n
+        assert "CURVE handshake failed" in watch.cause and "tcp://10.0.0.7:7100" in watch.cause
+        watch.on_event(hung_up, errno.ECONNRESET)
+        for _ in range(20):
+            watch.on_event(hung_up, errno.EPIPE)
+        assert len(warned()) == 1 and watch.failures == curve.FAILURES_TO_WARN + 20
+        assert warned()[0].startswith("gateway tcp://10.0.0.7:7100: the CURVE handshake failed (the gateway "
+                                      "does not accept this worker's key, or this worker has the wrong "
+                                      "gateway public key")
+        assert "check --curve-keys / PDSERVE_CURVE_KEYS against the gateway's" in warned()[0]
+        assert not watch.on_event(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        assert (watch.failures, watch.cause) == (0, "")
+        assert watch.on_event(refused, 400)  # after a success, a new failure is warned about, at once
+        assert len(warned()) == 2 and "does not accept this worker's key" in warned()[1]
+        assert "libzmq does not retry" in warned()[1]
+    mismatch = zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+    protocol = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    assert "does not use CURVE" in curve.handshake_failure(protocol, mismatch, "gateway", "x", True)
+    assert "requires CURVE" in curve.handshake_failure(protocol, mismatch, "gateway", "x", False)
+    assert "ZMTP protocol error 0x10000001" in curve.handshake_failure(protocol, 0x10000001, "gateway", "x",
+                                                                        True)
 
 
 def test_unusable_transport_metadata_is_refused_and_both_loops_live_on(tmp_path: Path) -> None:
