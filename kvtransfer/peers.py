@@ -8,7 +8,9 @@ on futures resolved by the answer.
 
 Liveness: a receiver is lost when silent (no message, KeepAlives included) for `peer_timeout_s`, or
 when it leaves a Hello unanswered for 2 × `peer_timeout_s` (e.g. a decode worker that died before we
-first reached it). `lost` only says which; the sender decides what that does to its requests
+first reached it, or one whose CURVE keys are not ours: each peer's socket monitor feeds a
+curve.HandshakeWatch, which warns once about a failed handshake, and the unanswered Hello's reason names
+it). `lost` only says which; the sender decides what that does to its requests
 (send_control.py) and then calls `forget` or `give_up_hello`. It must be called right after the
 sockets were drained (sender.py), so that a stall of the sender's own loop never counts as a peer's
 silence: their KeepAlives would be waiting unread. `beat` sends our KeepAlives.
@@ -26,14 +28,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvtransfer import wire
 from kvtransfer.compat import KVCompat
-from kvtransfer.curve import secure_client
+from kvtransfer.curve import HANDSHAKE_FAILED, HandshakeWatch, secure_client
 from kvtransfer.transports.base import SendTransport
 from kvtransfer.types import IncompatiblePeerError, TransferConfig, TransferError
 
 log = logging.getLogger(__name__)
+HANDSHAKE_EVENTS = HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED  # what a peer's socket monitor reports
 
 
 @dataclass(eq=False)
@@ -41,10 +45,12 @@ class ReceiverPeer:
     """The sender's view of one receiver (control endpoint `address`). epoch: the incarnation whose
     HelloReply we adopted (0: none yet, or forgotten); hello_at: when the unanswered Hello went out (0:
     none pending); hello_since: when the first of the unanswered Hellos went out; waiters: connect()
-    calls waiting for the answer."""
+    calls waiting for the answer; monitor: `sock`'s monitor (HANDSHAKE_EVENTS), read into `handshake`."""
 
     address: str
     sock: zmq.Socket
+    monitor: zmq.Socket
+    handshake: HandshakeWatch
     epoch: int = 0
     last_seen: float = 0.0
     hello_at: float = 0.0
@@ -77,8 +83,11 @@ class ReceiverPeers:
             sock.setsockopt(zmq.IDENTITY, f"{self.config.worker_id}:{self.epoch}".encode())
             if self.config.curve is not None:  # a receiver without the fleet's key pair: no handshake
                 secure_client(sock, self.config.curve)
+            monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
             sock.connect(address)
-            peer = self._by_address[address] = ReceiverPeer(address, sock, last_seen=time.monotonic())
+            watch = HandshakeWatch("decode worker", address, self.config.curve is not None, log)
+            peer = self._by_address[address] = ReceiverPeer(address, sock, monitor, watch,
+                                                            last_seen=time.monotonic())
             self._poller = None
         return peer
 
@@ -144,16 +153,27 @@ class ReceiverPeers:
         peer.epoch = 0
 
     def lost(self, now: float) -> list[tuple[ReceiverPeer, str, bool]]:
-        """(peer, why, handshake unanswered) of each peer lost at `now` (see the module docstring)."""
+        """(peer, why, handshake unanswered) of each peer lost at `now` (see the module docstring); the
+        why of an unanswered Hello names a failed handshake (wrong CURVE keys) when that is what the
+        peer's socket monitor saw last."""
         out = []
         timeout = self.config.peer_timeout_s
         for p in self:
+            self._read_monitor(p)
             if p.epoch and now - p.last_seen > timeout:
                 out.append((p, f"receiver at {p.address} lost (no heartbeat for {timeout}s)", False))
             elif p.hello_at and now - p.hello_since > 2 * timeout:
-                out.append((p, f"receiver at {p.address} did not answer the handshake for {2 * timeout}s",
-                            True))
+                cause = f" ({p.handshake.cause})" if p.handshake.cause else ""
+                out.append((p, f"receiver at {p.address} did not answer the handshake for {2 * timeout}s"
+                               f"{cause}", True))
         return out
+
+    @staticmethod
+    def _read_monitor(peer: ReceiverPeer) -> None:
+        """Feed every event waiting on `peer`'s socket monitor to its HandshakeWatch."""
+        while int(peer.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            event = parse_monitor_message(peer.monitor.recv_multipart())
+            peer.handshake.on_event(int(event["event"]), int(event["value"]))
 
     def give_up_hello(self, peer: ReceiverPeer, why: str) -> None:
         """Stop waiting for `peer`'s HelloReply: connect() callers get TransferError(`why`)."""
@@ -201,5 +221,7 @@ class ReceiverPeers:
     def close(self) -> None:
         """Close every socket and the context (loop thread, at teardown)."""
         for p in self:
+            p.sock.disable_monitor()
+            p.monitor.close(0)
             p.sock.close(0)
         self._ctx.term()

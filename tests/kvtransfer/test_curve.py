@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,31 @@ def test_kv_control_socket_refuses_peers_without_the_fleet_keys(tmp_path: Path) 
         for s in [*strangers, tx]:
             if s is not None:
                 s.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("keys", ["own key pair", "no CURVE"])
+def test_a_sender_names_a_failed_handshake_with_its_receiver(
+        keys: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A sender (prefill worker) whose Hello cannot reach a receiver for want of the fleet's keys warns once
+    that the handshake failed, naming the keys' flags, and its unanswered Hello's error says so too."""
+    fleet, other = generate_keys(tmp_path / "fleet"), generate_keys(tmp_path / "other")
+    backend = get_transfer_backend("loopback")
+    rx = backend.receiver(config("d0", "loopback", curve=fleet), make_kv(None))
+    tx_keys = other if keys == "own key pair" else None
+    tx = backend.sender(config("p-x", "loopback", curve=tx_keys), make_kv(5))
+    says = ("check --curve-keys / PDSERVE_CURVE_KEYS against the decode worker's" if keys == "own key pair"
+            else "this worker runs without CURVE keys (--insecure-control-plane)")
+    try:
+        with caplog.at_level("WARNING", logger="kvtransfer.peers"):
+            with pytest.raises(TransferError, match="did not answer the handshake") as err:
+                tx.connect(rx.address, timeout=WAIT)  # peer_timeout_s=1: given up after 2 s
+            time.sleep(0.5)  # (retries of the own-key case go on: not warned about again)
+        assert says in str(err.value) and rx.address in str(err.value)
+        warned = [r.getMessage() for r in caplog.records if r.name == "kvtransfer.peers"]
+        assert len(warned) == 1 and says in warned[0] and "handshake failed" in warned[0], warned
+    finally:
+        tx.close()
         rx.close()
 
 
