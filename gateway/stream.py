@@ -5,10 +5,15 @@ A stop string ends the request with ``finish_reason="stop"`` (the orchestrator's
 still running are aborted when the caller releases it); otherwise the finish reason is the one the
 orchestrator reports (the worker's, or ``length`` at ``max_tokens``). The last delta carries the finish
 reason and the detokenizer's held-back text.
+
+With stop strings, a token's logprob goes out with the first delta that releases some of its text (the
+detokenizer holds back a tail that could begin a stop string); a token whose text lies wholly in the stop
+string (or after it) has no logprob in the output, so the logprobs list the tokens of the text returned.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -45,15 +50,27 @@ async def text_deltas(orch: Orchestrator, text: TextProcessor, req: GatewayReque
         yield Delta("", 0, "length")
         return
     detok = text.detokenizer(req.inp.prompt_token_ids, req.inp.stop)
+    held: list[tuple[int, TokenLogprob]] = []  # (where its text starts, logprob) of tokens not released
+
+    def released(upto: int) -> tuple[TokenLogprob, ...]:
+        """The held logprobs of tokens whose text starts before character ``upto``; kept: the rest."""
+        nonlocal held
+        out = tuple(lp for start, lp in held if start < upto)
+        held = [(start, lp) for start, lp in held if start >= upto]
+        return out
+
     while True:
         out = await orch.next_output(req)
+        start = detok.decoded_length
         new, n = ("", 0) if out.token_id is None else (detok.add(out.token_id), 1)
-        logprobs = () if out.logprob is None else (out.logprob,)
+        if out.logprob is not None:
+            held.append((start, out.logprob))
         reason = "stop" if detok.stopped else out.finish_reason
-        if reason is None:
-            yield Delta(new, n, None, logprobs)
+        if reason is None:  # without stop strings no text is held back: every logprob goes out at once
+            yield Delta(new, n, None, released(len(detok.output_text) if req.inp.stop else sys.maxsize))
             continue
         orch.finish(req, reason)
         assert reason != "abort"  # finish raised
-        yield Delta(new + detok.finish(), n, reason, logprobs)
+        new += detok.finish()
+        yield Delta(new, n, reason, released(len(detok.output_text) if detok.stopped else sys.maxsize))
         return

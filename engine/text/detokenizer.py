@@ -77,6 +77,14 @@ class IncrementalDetokenizer:
             return "".join(self._pieces)
         return self._text[: self._emitted]
 
+    @property
+    def decoded_length(self) -> int:
+        """Characters decoded so far, the held-back tail included (with stop strings: up to the start of
+        the stop string that matched). A token's text starts at the value read before its ``add``."""
+        if not self._stops:
+            return sum(len(p) for p in self._pieces)
+        return len(self._text)
+
     def add(self, token_id: int) -> str:
         """Feed one output token; return the newly releasable text (may be ``""``).
 
