@@ -142,7 +142,8 @@ class DecodeWorker(WorkerLoop):
             self._reserve_canary(msg)
         elif isinstance(msg, AbortRequest):
             if msg.request_id in self.request_ids():
-                self.metrics.aborted()
+                seq = self.seqs.get(msg.request_id)
+                self.metrics.ended_by_gateway(seq, msg.stop_string, time.monotonic())
             self.drop(msg.request_id)
 
     def canary_blocks(self, num_bytes: int) -> int:

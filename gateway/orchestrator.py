@@ -406,8 +406,11 @@ class Orchestrator:
 
     async def _abort_holders(self, req: GatewayRequest) -> None:
         self.metrics.in_flight.set(len(self.requests))
+        # a finished request still held ended at a stop string ("length" and the workers' own ends drop
+        # their holders at ``finish`` / ``RequestFinished``)
+        stop_string = req.phase is RequestPhase.FINISHED
         for worker_id, identity in list(req.holders.items()):
-            await self._send(identity, AbortRequest(request_id=req.request_id))
+            await self._send(identity, AbortRequest(request_id=req.request_id, stop_string=stop_string))
             self._drop_holder(req, worker_id)
             log_event(log, "abort_sent", request_id=req.request_id, worker_id=worker_id)
         finished = req.phase is RequestPhase.FINISHED

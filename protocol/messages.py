@@ -390,10 +390,13 @@ class KVSnapshotRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class AbortRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Gateway → worker: drop the request and free its blocks (once no transfer can still write them)."""
+    """Gateway → worker: drop the request and free its blocks (once no transfer can still write them).
+    ``stop_string``: the request did not fail or go away: it ended at a stop string the gateway matched in
+    its text (the worker counts it finished with reason ``stop``, as vLLM would, not aborted)."""
 
     request_id: str
     reason: str = "abort"
+    stop_string: bool = False
 
 
 def _no_stop_strings(sampling: SamplingParams) -> None:

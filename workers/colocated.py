@@ -11,6 +11,7 @@ A request that cannot be served (bad params, prompt too long) gets ``RequestFail
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from protocol.messages import AbortRequest, ColocatedRequest, Message, Role
@@ -44,7 +45,7 @@ class ColocatedWorker(WorkerLoop):
                                                               msg.sampling)
         elif isinstance(msg, AbortRequest):
             if msg.request_id in self.seqs:
-                self.metrics.aborted()
+                self.metrics.ended_by_gateway(self.seqs[msg.request_id], msg.stop_string, time.monotonic())
             self.drop(msg.request_id)
 
     def drop(self, request_id: str) -> None:

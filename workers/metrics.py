@@ -42,8 +42,10 @@ What a worker counts is what it computed, so a sum over the fleet counts each to
 * ``vllm:num_requests_running`` / ``_waiting`` and ``vllm:kv_cache_usage_perc`` (a fraction, 1 = all
   blocks in use) are read from the worker's load at scrape time; ``vllm:num_preemptions`` from the
   scheduler's counter. A request the gateway aborts while this worker holds it counts in
-  ``vllm:request_success{finished_reason="abort"}`` (not in the latency histograms); a failed request
-  (``RequestFailed``) is not counted.
+  ``vllm:request_success{finished_reason="abort"}`` (not in the latency histograms), except one the
+  gateway ended at a stop string it matched (``AbortRequest.stop_string``): that one finished, with
+  reason ``stop`` and its latencies, as in vLLM, which matches stop strings in the engine; a failed
+  request (``RequestFailed``) is not counted.
 
 * ``vllm:iteration_tokens_total`` (vLLM's name, type, buckets and count: "tokens per engine step") is
   observed once per engine step that sampled a token, as vLLM's ``IterationStats`` counts it
@@ -365,6 +367,15 @@ class WorkerMetrics:
     def aborted(self) -> None:
         """The gateway aborted a request this worker held (before its part here ended)."""
         self.request_success["abort"].inc()
+
+    def ended_by_gateway(self, seq: Sequence | None, stop_string: bool, now: float) -> None:
+        """The gateway ended a request this worker held (``AbortRequest``): at a stop string it matched
+        (``stop_string``, ``seq`` running here) it finished with reason ``stop`` at ``now`` (``finished``),
+        otherwise it was aborted (``aborted``)."""
+        if stop_string and seq is not None:
+            self.finished(seq, "stop", now)
+        else:
+            self.aborted()
 
     def finished(self, seq: Sequence, reason: str, now: float) -> None:
         """``seq``'s part on this worker ended at ``now`` with ``reason`` (stop, length): request_success and

@@ -135,7 +135,9 @@ async def test_reserve_names_the_kv_sender_epoch_of_the_prefill_workers_latest_r
     rec.take()
     orch.release(req)  # the client went away: the decode worker's reservation is aborted
     await asyncio.sleep(0)
+    [(_, abort)] = rec.sent
     assert rec.take() == [(b"d1", "AbortRequest")]
+    assert isinstance(abort, AbortRequest) and not abort.stop_string  # an abort, not a stop
     assert_clean(orch, registry)
 
 
@@ -146,7 +148,9 @@ async def test_stop_string_aborts_the_decode_worker(setup) -> None:
     orch.finish(req, "stop")  # the stream matched a stop string
     orch.release(req)
     await asyncio.sleep(0)
+    [(_, abort)] = rec.sent
     assert rec.take() == [(b"d1", "AbortRequest")]
+    assert isinstance(abort, AbortRequest) and abort.stop_string  # d1 counts it finished (stop)
     assert_clean(orch, registry)
 
 

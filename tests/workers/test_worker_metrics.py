@@ -270,3 +270,24 @@ def test_abort_of_a_held_request_counts_once(model_dir: Any) -> None:
         assert_clean(w)
     finally:
         close(w)
+
+
+def test_a_request_the_gateway_ended_at_a_stop_string_counts_as_stop(model_dir: Any) -> None:
+    """The gateway matches stop strings and then aborts the request at the worker (``stop_string``): the
+    worker counts it finished with reason stop, latencies included, as vLLM does; not as an abort."""
+    from protocol.messages import AbortRequest, NextToken
+
+    w = colocated_worker(model_dir)
+    try:
+        msgs: list[Any] = run(w, ColocatedRequest(request_id="r", prompt_token_ids=PROMPTS[1],
+                                                  sampling=wire(50, ignore_eos=True)))
+        pump([w], lambda: bool(of_type(msgs, NextToken)), sink=msgs)  # decoding now
+        run(w, AbortRequest(request_id="r", stop_string=True))
+        run(w, AbortRequest(request_id="r", stop_string=True))  # no longer held: not counted again
+        found = samples(w.metrics.registry)
+        assert value(found, "vllm:request_success_total", finished_reason="stop") == 1
+        assert value(found, "vllm:request_success_total", finished_reason="abort") == 0
+        assert value(found, "vllm:e2e_request_latency_seconds_count") == 1
+        assert_clean(w)
+    finally:
+        close(w)
