@@ -335,6 +335,9 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
                           f"{svc.settings.max_queue}", "n")
     echo = isinstance(body, CompletionRequest) and body.echo
     many, choices = len(prompts) * body.n > 1, []
+    # stop strings cut message text; a required or named tool_choice makes the output all tool calls,
+    # which a stop string would leave unparseable (README: tool calls)
+    stops = () if plan is not None and plan.forced_schema is not None else tuple(body.stop_list())
     for j, (ids, prompt_text) in enumerate(prompts):
         max_tokens = _max_tokens(svc, body, len(ids))
         for i in range(body.n):
@@ -342,7 +345,7 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
             inp = GenerationInput(f"{request_id}-{index}" if many else request_id, ids,
                                   sampling_params(body, max_tokens, derived_seed(body.seed, i),
                                                   structured),
-                                  tuple(body.stop_list()), structured_param)
+                                  stops, structured_param)
             choices.append(ChoiceInput(index, inp, prompt_text if echo else "", body.max_tokens == 0))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     completion = isinstance(body, CompletionRequest)
