@@ -76,14 +76,16 @@ class MessageToolCall(BaseModel):
 class ChatMessage(BaseModel):
     """One chat message; content as a string or a list of text parts.
 
-    An assistant message may carry ``tool_calls`` (its content may then be null); a ``tool`` message is
+    An assistant message may carry ``tool_calls`` (its content may then be null) and
+    ``reasoning_content`` (its reasoning, as a response returned it: given to the chat template, which
+    may render or drop it, e.g. Qwen3's keeps only the latest turn's); a ``tool`` message is
     the result of one call and carries its ``tool_call_id``. The keys an assistant message of a response
     carries back into the history (``function_call``, ``refusal``, ``audio``, ``annotations``) are accepted
     only empty (null or ``[]``). Any other key is refused.
 
     Raises (validation, a 400 naming the message): content null outside an assistant message with tool
-    calls, ``tool_calls`` on another role, a ``tool`` message without ``tool_call_id``, ``tool_call_id``
-    on another role.
+    calls, ``tool_calls`` or ``reasoning_content`` on another role, a ``tool`` message without
+    ``tool_call_id``, ``tool_call_id`` on another role.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -93,6 +95,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
     function_call: Any = None
     refusal: Any = None
     audio: Any = None
@@ -104,6 +107,8 @@ class ChatMessage(BaseModel):
             raise ValueError(f"tool_calls is only allowed on an assistant message, not {self.role}")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content may be null only in an assistant message with tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError(f"reasoning_content is only allowed on an assistant message, not {self.role}")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("a tool message needs tool_call_id, and only a tool message may have one")
         return self
@@ -124,7 +129,7 @@ class ChatMessage(BaseModel):
         """The message for the chat template (transformers' shape): role and content (None kept for an
         assistant message with only tool calls), ``tool_calls`` with each call's arguments decoded into
         an object (templates write them with ``tojson``; arguments that are not a JSON object stay text),
-        ``tool_call_id`` and ``name`` when set."""
+        ``tool_call_id``, ``reasoning_content`` and ``name`` when set."""
         out: dict[str, Any] = {"role": self.role, "content": None if self.content is None else self.text()}
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
@@ -132,6 +137,8 @@ class ChatMessage(BaseModel):
                 for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         if self.name is not None:
             out["name"] = self.name
         return out

@@ -12,8 +12,10 @@ not summarize, so ``concise`` is a 400, as is a ``reasoning.effort``: nothing se
 ``truncation: "disabled"`` is the behaviour (a prompt over the context length is a 400); ``auto``
 (dropping input items to fit) is a 400. ``input`` is a string (one user message) or a list of items: messages
 (``role`` user / system / developer / assistant; ``content`` a string or ``input_text`` /
-``output_text`` parts), ``function_call`` items (an earlier call of the model) and
-``function_call_output`` items (its result). ``instructions`` becomes a leading system message.
+``output_text`` parts), ``function_call`` items (an earlier call of the model),
+``function_call_output`` items (its result) and ``reasoning`` items (earlier reasoning, given to the
+chat template as the next assistant turn's ``reasoning_content``): every item of a response's
+``output`` is valid input as it was returned. ``instructions`` becomes a leading system message.
 
 The ``response`` object and its streaming events: gateway/responses_output.py.
 """
@@ -29,13 +31,16 @@ from gateway.openai_requests import INT32_MAX, FunctionDefinition
 
 
 class InputText(BaseModel):
-    """A text part of an input message: ``input_text`` (or ``output_text`` in an assistant turn)."""
+    """A text part of an input message: ``input_text`` (or ``output_text`` in an assistant turn, as a
+    response's message item holds it: ``annotations`` and ``logprobs`` are accepted and not used, since
+    they describe the text rather than ask for anything)."""
 
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
 
 
 class InputMessage(BaseModel):
@@ -61,6 +66,35 @@ class FunctionCallItem(BaseModel):
     arguments: str
     id: str | None = None
     status: str | None = None
+
+
+class ReasoningPart(BaseModel):
+    """A ``reasoning_text`` part (``content``) or ``summary_text`` part (``summary``) of a reasoning item."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningInputItem(BaseModel):
+    """A ``reasoning`` item of ``input`` (an earlier response's reasoning, sent back): its text (the
+    ``content`` parts, else the ``summary`` parts) becomes the ``reasoning_content`` of the assistant
+    turn that follows it. ``encrypted_content`` (never produced by pdserve) is refused by
+    ``check_supported``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningPart] = Field(default_factory=list)
+    content: list[ReasoningPart] | None = None
+    encrypted_content: str | None = None
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        """The reasoning text: the ``content`` parts joined, else the ``summary`` parts joined."""
+        return "".join(p.text for p in (self.content or self.summary))
 
 
 class FunctionCallOutputItem(BaseModel):
@@ -129,7 +163,7 @@ class ReasoningConfig(BaseModel):
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem
+InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem
 
 
 class ResponsesRequest(BaseModel):
@@ -175,7 +209,7 @@ def check_supported(body: ResponsesRequest) -> None:
         APIError: 400 naming ``include`` (a value other than ``message.output_text.logprobs``),
             ``top_logprobs`` (without that value), ``reasoning.effort`` (set),
             ``reasoning.summary`` / ``reasoning.generate_summary`` (``concise``) or ``truncation``
-            (``auto``).
+            (``auto``), or ``input.N.encrypted_content`` (set).
     """
     for i, value in enumerate(body.include or ()):
         if value != LOGPROBS_INCLUDE:
@@ -191,9 +225,48 @@ def check_supported(body: ResponsesRequest) -> None:
         param = "reasoning.summary" if r.summary else "reasoning.generate_summary"
         raise bad_request(f"{param}: 'concise' is not supported: pdserve does not summarize (the summary "
                           "is the reasoning text; 'auto' or 'detailed')", param, "unsupported_parameter")
+    for i, item in enumerate(body.input if isinstance(body.input, list) else ()):
+        if isinstance(item, ReasoningInputItem) and item.encrypted_content is not None:
+            raise bad_request("encrypted_content of a reasoning item is not supported (pdserve never "
+                              "produces it; send the reasoning's content or summary)",
+                              f"input.{i}.encrypted_content", "unsupported_parameter")
     if body.truncation == "auto":
         raise bad_request("truncation: 'auto' is not supported (pdserve drops no input items; a prompt over "
                           "the context length is a 400)", "truncation", "unsupported_parameter")
+
+
+def _input_messages(items: list[InputItem]) -> list[dict[str, Any]]:
+    """The chat messages of ``input`` items: a message item as a message of its role (text parts
+    joined), ``function_call`` items as the ``tool_calls`` of the assistant turn they follow (one
+    of their own when none precedes them: a response's text and calls are one turn), a
+    ``function_call_output`` as a ``tool`` message, a ``reasoning`` item as the ``reasoning_content``
+    of the assistant turn that follows (an assistant turn of its own when none follows)."""
+    messages: list[dict[str, Any]] = []
+    reasoning: str | None = None
+    for item in items:
+        if isinstance(item, ReasoningInputItem):
+            reasoning = (reasoning or "") + item.text()
+            continue
+        if isinstance(item, InputMessage):
+            parts = item.content
+            text = parts if isinstance(parts, str) else "".join(p.text for p in parts)
+            messages.append({"role": item.role, "content": text})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if reasoning is None and last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # the text and calls of one turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        if reasoning is not None and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"] = reasoning
+            reasoning = None
+    if reasoning is not None:
+        messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+    return messages
 
 
 def chat_body(body: ResponsesRequest) -> dict[str, Any]:
@@ -205,21 +278,7 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
     if isinstance(body.input, str):
         messages.append({"role": "user", "content": body.input})
     else:
-        for item in body.input:
-            if isinstance(item, InputMessage):
-                parts = item.content
-                text = parts if isinstance(parts, str) else "".join(p.text for p in parts)
-                messages.append({"role": item.role, "content": text})
-            elif isinstance(item, FunctionCallItem):
-                call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                    last["tool_calls"].append(call)  # parallel calls: one assistant turn
-                else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            else:
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        messages += _input_messages(body.input)
     out: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
                            "top_p": body.top_p, "stream": body.stream}
     if body.stream:

@@ -182,3 +182,64 @@ def test_what_maps_onto_the_engine_is_accepted() -> None:
         {"reasoning": {"summary": "detailed", "effort": None}}, {"truncation": "disabled"}, {"include": []}]
     for fields in accepted:
         check_supported(ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields}))
+
+
+def _previous_output(summary: bool) -> list[Any]:
+    """A whole response's ``output`` as the builder returns it: reasoning, a message whose text part
+    carries logprobs and annotations, and two function calls."""
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", "include": [
+        "message.output_text.logprobs"], **({"reasoning": {"summary": "auto"}} if summary else {})})
+    b = ResponseBuilder(body, "resp_1", 5)
+    b.start()
+    b.feed([ReasoningText("think")], [_lp("think")])
+    b.feed([ContentText("Let me look.")], [_lp("Let me look.")])
+    b.feed([ToolCallStart(0, "call_1", "f"), ToolCallArguments(0, "{}"), ToolCallStart(1, "call_2", "f"),
+            ToolCallArguments(1, "{\"x\": 1}")])
+    b.finish("completed", ResponseUsage(3, InputTokensDetails(0), 5, OutputTokensDetails(0), 8))
+    output: list[Any] = json.loads(msgspec.json.encode(b.response("completed", b.usage)))["output"]
+    return output
+
+
+@pytest.mark.parametrize("summary", [False, True])
+def test_a_response_output_sent_back_as_input(summary: bool) -> None:
+    """OpenAI's multi-turn pattern ``input += response.output``: every item pdserve returned (with its
+    ids, statuses, the text part's logprobs and annotations, the reasoning item) is valid input and
+    maps to one assistant turn holding the reasoning, the text and the calls."""
+    output = _previous_output(summary)
+    assert output[1]["content"][0]["logprobs"] and "annotations" in output[1]["content"][0]
+    items = [{"role": "user", "content": "hi"}, *output,
+             {"type": "function_call_output", "call_id": "call_1", "output": "one"},
+             {"type": "function_call_output", "call_id": "call_2", "output": "two"},
+             {"role": "user", "content": "and then?"}]
+    chat = chat_body(ResponsesRequest.model_validate({"model": "m", "input": items}))
+    ChatCompletionRequest.model_validate(chat)  # a valid chat request
+    assert chat["messages"] == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "think", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "call_2", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "one"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "two"},
+        {"role": "user", "content": "and then?"}]
+
+
+def test_reasoning_input_alone_and_encrypted() -> None:
+    """A reasoning item with no assistant turn after it is an assistant turn of its own; a summary
+    stands for the text when there is no content; ``encrypted_content`` is refused by name."""
+    items = [{"role": "user", "content": "hi"},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "sum"}]}]
+    chat = chat_body(ResponsesRequest.model_validate({"model": "m", "input": items}))
+    assert chat["messages"][-1] == {"role": "assistant", "content": "", "reasoning_content": "sum"}
+    body = ResponsesRequest.model_validate({"model": "m", "input": [
+        {"type": "reasoning", "summary": [], "encrypted_content": "xyz"}]})
+    with pytest.raises(APIError) as info:
+        check_supported(body)
+    assert info.value.param == "input.0.encrypted_content"
+
+
+def test_chat_reasoning_content_reaches_the_template_on_assistant_messages_only() -> None:
+    m = {"role": "assistant", "content": "a", "reasoning_content": "r"}
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [m]})
+    assert req.message_dicts() == [m]
+    with pytest.raises(ValueError, match="reasoning_content is only allowed"):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{**m, "role": "user"}]})
