@@ -15,8 +15,9 @@ from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/status", "/tokenize",
-              "/detokenize"}
+# every API path of gateway/routes.py (each its own label), less the probes below and /v1/models/{id}
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/status",
+                       "/tokenize", "/detokenize"})
 MODEL_ENDPOINT = "/v1/models/{id}"  # one label for every model id asked (bounded label values)
 # Health/readiness probes and Prometheus scrapes are not user traffic: `pdserve up`, Kubernetes probes and
 # Prometheus poll them every few seconds, which would swamp the request rate and error-ratio panels. As
@@ -50,7 +51,7 @@ class GatewayMiddleware:
         rid = request_id_from(scope.get("headers", []))
         scope.setdefault("state", {})["request_id"] = rid
         path = scope.get("path", "")
-        endpoint = path if path in _ENDPOINTS else "other"
+        endpoint = path if path in ENDPOINTS else "other"
         if path.startswith("/v1/models/"):
             endpoint = MODEL_ENDPOINT
         status: dict[str, int] = {"code": 500}

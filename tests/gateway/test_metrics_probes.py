@@ -8,7 +8,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.middleware import PROBE_PATHS
+from gateway.middleware import ENDPOINTS, MODEL_ENDPOINT, PROBE_PATHS
+from gateway.routes import router
 from tests.gateway.inprocess import inprocess_gateway
 
 
@@ -30,7 +31,16 @@ def test_probes_are_not_counted_user_requests_are() -> None:
         assert c.get("/v1/models").status_code == 200
         bad = c.post("/v1/completions", json={"model": "nope", "prompt": "hi", "max_tokens": 2})
         assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+        assert c.post("/v1/responses", json={"model": "nope", "input": "hi"}).status_code == 404
         assert c.get("/no/such/path").status_code == 404
         counts = request_counts(base)
     # the middleware counts a response once it has ended: all of the above ended before the last scrape
-    assert counts == {("/v1/models", "200"): 1, ("/v1/completions", "404"): 1, ("other", "404"): 1}
+    assert counts == {("/v1/models", "200"): 1, ("/v1/completions", "404"): 1, ("/v1/responses", "404"): 1,
+                      ("other", "404"): 1}
+
+
+def test_every_route_has_its_own_endpoint_label() -> None:
+    """No API path of the router is counted as ``other`` (only unknown paths are)."""
+    paths = {getattr(r, "path", "") for r in router.routes}
+    assert paths - PROBE_PATHS - {"/v1/models/{model_id:path}"} == ENDPOINTS
+    assert MODEL_ENDPOINT == "/v1/models/{id}" and "/v1/models/{model_id:path}" in paths
