@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.errors import APIError, bad_request
+from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import GatewayMiddleware
 from gateway.openai_responses import openapi_components
@@ -24,11 +24,11 @@ from gateway.responses_output import ResponseObject
 from gateway.routes import router
 from gateway.service import GatewayService
 from gateway.text import TextProcessor, resolve_tokenizer_dir
+from gateway.validation_message import validation_error
 from protocol.heap import freeze_start_up_heap
 from protocol.settings import GatewaySettings
 
 log = logging.getLogger("pdserve.gateway")
-MAX_LISTED = 8  # validation errors of one field listed in a 400's message
 
 
 def _api_error(_: Request, exc: Exception) -> Response:
@@ -36,29 +36,14 @@ def _api_error(_: Request, exc: Exception) -> Response:
     return Response(exc.json(), status_code=exc.status, headers=exc.headers, media_type="application/json")
 
 
-def _where(error: Any) -> list[str]:
-    return [str(x) for x in error.get("loc", ()) if x != "body"]
-
-
 def _validation_error(_: Request, exc: Exception) -> Response:
-    """A pydantic validation failure → 400 naming the first bad field (``param``); the message lists
-    every error under that field's top-level key (e.g. each bad ``logit_bias`` key, at most
-    ``MAX_LISTED``), so a client fixes them all at once."""
+    """A pydantic validation failure → 400 naming the client's field (gateway/validation_message.py)."""
     assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = _where(first)
-    param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
-        err = bad_request("request body is not valid JSON")
-    elif first.get("type") == "extra_forbidden":
-        err = bad_request(f"unknown field '{param}': neither an OpenAI field nor one of pdserve's "
-                          "extensions (README.md, 'Request fields')", param, "unknown_field")
-    else:
-        same = [e for e in errors if loc and _where(e)[:1] == loc[:1]][:MAX_LISTED] or [first]
-        message = "; ".join(f"{'.'.join(_where(e)) or 'body'}: {e.get('msg', 'invalid value')}" for e in same)
-        err = bad_request(message, param)
-    return _api_error(_, err)
+    errors = []
+    for e in exc.errors():
+        loc = tuple(e.get("loc", ()))
+        errors.append({**e, "loc": loc[1:] if loc[:1] == ("body",) else loc})  # FastAPI's prefix
+    return _api_error(_, validation_error(errors, exc.body))
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 415: "unsupported_media_type"}

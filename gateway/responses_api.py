@@ -22,9 +22,9 @@ The ``response`` object and its streaming events: gateway/responses_output.py.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from gateway.errors import bad_request
 from gateway.openai_requests import INT32_MAX, FunctionDefinition
@@ -163,7 +163,21 @@ class ReasoningConfig(BaseModel):
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-InputItem = InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem
+
+
+def _item_type(item: Any) -> str:
+    """The ``type`` of an ``input`` item (a message item may leave it out)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+    return kind if isinstance(kind, str) else ""
+
+
+# tagged by ``type``, so a bad item's error names its own fields, not every kind's
+InputItem = Annotated[
+    Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningInputItem, Tag("reasoning")],
+    Discriminator(_item_type, custom_error_type="input_item_type", custom_error_message=(
+        "type must be one of 'message', 'function_call', 'function_call_output', 'reasoning'"))]
 
 
 class ResponsesRequest(BaseModel):

@@ -36,6 +36,7 @@ from gateway.service import GatewayService
 from gateway.serving import DISCONNECT_POLL_S, open_stream, submit_all
 from gateway.stream import text_deltas
 from gateway.tool_parsers.events import ContentText, Event
+from gateway.validation_message import validation_error
 
 
 def prepare_response(svc: GatewayService, body: ResponsesRequest, request_id: str) -> Prepared:
@@ -52,12 +53,11 @@ def prepare_response(svc: GatewayService, body: ResponsesRequest, request_id: st
         raise bad_request("previous_response_id is not supported: pdserve is stateless (send the whole "
                           "conversation as input)", "previous_response_id", "unsupported_parameter")
     check_supported(body)
+    chat_dict = chat_body(body)
     try:
-        chat = ChatCompletionRequest.model_validate(chat_body(body))
+        chat = ChatCompletionRequest.model_validate(chat_dict)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise bad_request(f"{loc}: {first.get('msg', 'invalid value')}", responses_param(loc)) from exc
+        raise validation_error(exc.errors(), chat_dict, _rename) from exc
     try:
         return prepare(svc, chat, f"resp_{request_id}")
     except APIError as exc:
@@ -65,6 +65,10 @@ def prepare_response(svc: GatewayService, body: ResponsesRequest, request_id: st
         if chat_param and exc.param and chat_param != exc.param:
             exc.message = exc.message.replace(chat_param, exc.param)
         raise
+
+
+def _rename(path: str) -> str:
+    return responses_param(path) or path
 
 
 def _usage(p: Prepared, n_out: int, cached: int | None) -> ResponseUsage:

@@ -12,15 +12,20 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 
-from gateway.app import MAX_LISTED, _validation_error
+from gateway.app import _validation_error
+from gateway.errors import APIError
 from gateway.openai_requests import ChatCompletionRequest
+from gateway.responses_api import ResponsesRequest
+from gateway.responses_serving import prepare_response
+from gateway.validation_message import MAX_LISTED
 
 
-def _answer(body: Mapping[str, object]) -> dict[str, str]:
+def _answer(body: Mapping[str, object], model: type[pydantic.BaseModel] = ChatCompletionRequest) -> \
+        dict[str, str]:
     with pytest.raises(pydantic.ValidationError) as info:
-        ChatCompletionRequest.model_validate(body)
+        model.model_validate(body)
     errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
-    response = _validation_error(Request({"type": "http"}), RequestValidationError(errors))
+    response = _validation_error(Request({"type": "http"}), RequestValidationError(errors, body=body))
     assert response.status_code == 400
     error: dict[str, str] = json.loads(bytes(response.body))["error"]
     return error
@@ -30,7 +35,7 @@ def test_every_bad_key_of_a_field_is_listed() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
             "logit_bias": {"bad1": 50.0, "bad2": 20.0}}
     error = _answer(body)
-    assert error["param"] == "logit_bias.bad1.[key]"
+    assert error["param"] == "logit_bias.bad1"
     assert "logit_bias.bad1" in error["message"] and "logit_bias.bad2" in error["message"], error
     error = _answer({**body, "n": 0})  # n comes first: named alone, logit_bias's errors not listed
     assert error["param"] == "n" and "logit_bias" not in error["message"], error
@@ -40,3 +45,51 @@ def test_the_list_is_bounded() -> None:
     bias = {f"bad{i}": 1.0 for i in range(3 * MAX_LISTED)}
     error = _answer({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logit_bias": bias})
     assert error["message"].count("logit_bias.bad") == MAX_LISTED
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tool_choice": "sometimes"}, "tool_choice"),  # was tool_choice.literal['none','auto','required']
+    ({"tool_choice": {"type": "function"}}, "tool_choice.function"),  # was tool_choice.NamedToolChoice....
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content.0.type"),  # was messages.0.content.str
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
+     "messages.0.content.0.x"),
+    ({"messages": [{"role": "user"}]}, "messages.0"),
+    ({"stop": 5}, "stop"),
+    ({"metadata": {"str": 5}}, "metadata.str"),  # a client's key named like a type stays
+    ({"model": None, "messages": None}, "model"),
+])
+def test_param_is_the_clients_field_path(fields: dict[str, object], param: str) -> None:
+    error = _answer({"model": "m", "messages": HI, **fields})
+    assert error["param"] == param, error
+    assert "literal[" not in error["message"] and "list[" not in error["message"], error
+
+
+def test_missing_field_is_named() -> None:
+    assert _answer({"model": "m"})["param"] == "messages"
+    error = _answer({"model": "m", "input": [{"type": "function_call", "call_id": "c"}]}, ResponsesRequest)
+    assert error["param"] == "input.0.name" and "input.0.arguments" in error["message"], error
+
+
+@pytest.mark.parametrize(("item", "param", "code"), [
+    ({"role": "assistant", "content": [{"type": "output_text", "text": "a", "bogus": []}]},
+     "input.0.content.0.bogus", "unknown_field"),  # was input.str
+    ({"type": "nonsense"}, "input.0", None),
+    ({"type": "function_call_output", "call_id": "c", "output": 5}, "input.0.output", None),
+])
+def test_responses_item_errors_name_the_item_field(item: dict[str, object], param: str,
+                                                   code: str | None) -> None:
+    error = _answer({"model": "m", "input": [item]}, ResponsesRequest)
+    assert (error["param"], error["code"]) == (param, code), error
+    assert "tagged-union" not in error["message"] and "InputMessage" not in error["message"], error
+
+
+def test_responses_chat_side_error_names_the_responses_field() -> None:
+    """An empty ``input`` fails as the chat request's empty ``messages``: the 400 names ``input``."""
+    with pytest.raises(APIError) as info:
+        prepare_response(None, ResponsesRequest.model_validate({"model": "m", "input": []}), "r1")  # type: ignore[arg-type]
+    assert info.value.param == "input" and info.value.message.startswith("input: "), info.value.message
+    assert "messages" not in info.value.message
