@@ -16,12 +16,19 @@ not summarize, so ``concise`` is a 400, as is a ``reasoning.effort``: nothing se
 ``function_call_output`` items (its result) and ``reasoning`` items (earlier reasoning, given to the
 chat template as the next assistant turn's ``reasoning_content``): every item of a response's
 ``output`` is valid input as it was returned. ``instructions`` becomes a leading system message.
+``user`` and ``safety_identifier`` are accepted and ignored by design, as on chat (end-user ids for a
+provider's abuse monitoring), as is ``service_tier`` ``auto`` / ``default`` (any other tier is a 400,
+as on chat). ``max_tool_calls`` limits calls to OpenAI's built-in tools; pdserve has none (function
+calls are not counted by it, on OpenAI either), so any value is met. ``background: true``,
+``conversation``, ``prompt``, ``prompt_cache_key``, ``prompt_cache_retention``, ``context_management``
+and ``stream_options.include_obfuscation: true`` are 400s naming the field (``UNSUPPORTED``).
 
 The ``response`` object and its streaming events: gateway/responses_output.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
@@ -162,7 +169,29 @@ class ReasoningConfig(BaseModel):
         return self.summary or self.generate_summary
 
 
+class ResponsesStreamOptions(BaseModel):
+    """``stream_options``: ``include_obfuscation`` (pdserve pads no events: false or absent)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_obfuscation: bool | None = None
+
+
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# field → (is this value harmless, why pdserve cannot honour another); chat's service_tier rule
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "background": (lambda v: not v, "pdserve answers every request in the foreground (stream it instead)"),
+    "conversation": (lambda v: v is None, "pdserve is stateless and stores no conversations (send the whole "
+                                          "conversation as input)"),
+    "prompt_cache_key": (lambda v: v is None, "pdserve's prefix cache needs no key (it matches prompts by "
+                                              "their tokens)"),
+    "prompt_cache_retention": (lambda v: v is None, "pdserve keeps cached prefixes while KV blocks last"),
+    "prompt": (lambda v: v is None, "pdserve stores no prompt templates"),
+    "context_management": (lambda v: v is None, "pdserve does not compact the context"),
+    "service_tier": (lambda v: v is None or v in ("auto", "default"),
+                     "pdserve has one service tier ('auto' or 'default')"),
+    "stream_options.include_obfuscation": (lambda v: not v, "pdserve pads no streaming events"),
+}
 
 
 def _item_type(item: Any) -> str:
@@ -204,6 +233,17 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning: ReasoningConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    max_tool_calls: int | None = Field(None, ge=0, le=INT32_MAX)
+    stream_options: ResponsesStreamOptions | None = None
+    # OpenAI fields pdserve cannot honour: declared only to be refused by name (UNSUPPORTED)
+    background: bool | None = None
+    conversation: Any = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Any = None
+    prompt: Any = None
+    context_management: Any = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -223,8 +263,17 @@ def check_supported(body: ResponsesRequest) -> None:
         APIError: 400 naming ``include`` (a value other than ``message.output_text.logprobs``),
             ``top_logprobs`` (without that value), ``reasoning.effort`` (set),
             ``reasoning.summary`` / ``reasoning.generate_summary`` (``concise``) or ``truncation``
-            (``auto``), or ``input.N.encrypted_content`` (set).
+            (``auto``), ``input.N.encrypted_content`` (set), an ``UNSUPPORTED`` field set to a value
+            that asks for something, or ``stream_options`` without ``stream``.
     """
+    for name, (harmless, why) in UNSUPPORTED.items():
+        head, _, key = name.partition(".")
+        value = getattr(body, head)
+        value = getattr(value, key) if key and value is not None else value
+        if not harmless(value):
+            raise bad_request(f"{name} is not supported: {why}", name, "unsupported_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     for i, value in enumerate(body.include or ()):
         if value != LOGPROBS_INCLUDE:
             raise bad_request(f"include: {value!r} is not supported (pdserve can include only "

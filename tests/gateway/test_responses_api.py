@@ -168,12 +168,34 @@ def test_reasoning_summary_is_the_reasoning_text() -> None:
     ({"reasoning": {"summary": "concise"}}, "reasoning.summary"),
     ({"reasoning": {"generate_summary": "concise"}}, "reasoning.generate_summary"),
     ({"truncation": "auto"}, "truncation"),
+    ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"conversation": {"id": "conv_1"}}, "conversation"),
+    ({"prompt_cache_key": "k"}, "prompt_cache_key"),
+    ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"context_management": [{"type": "compaction"}]}, "context_management"),
+    ({"service_tier": "flex"}, "service_tier"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+    ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(fields: dict[str, object], param: str) -> None:
     body = ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})
     with pytest.raises(APIError) as err:
         check_supported(body)
     assert err.value.status == 400 and err.value.param == param
+    assert err.value.code in ("unsupported_parameter", None) and "neither" not in err.value.message
+
+
+@pytest.mark.parametrize("fields", [
+    {"safety_identifier": "u1", "user": "u2"}, {"service_tier": "auto"}, {"service_tier": "default"},
+    {"max_tool_calls": 1}, {"background": False},
+    {"stream": True, "stream_options": {"include_obfuscation": False}},
+])
+def test_openai_fields_with_nothing_to_do_are_accepted(fields: dict[str, object]) -> None:
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})
+    check_supported(body)
+    ChatCompletionRequest.model_validate(chat_body(body))
 
 
 def test_what_maps_onto_the_engine_is_accepted() -> None:
