@@ -7,8 +7,8 @@ detokenize). Every field is always present in the
 JSON (``null`` when empty) except where a Struct says ``omit_defaults``: a chat chunk's ``delta`` holds
 only what is new (``role`` on a choice's first chunk, ``content``, ``reasoning_content`` or
 ``tool_calls`` when there is some), an assistant message has ``reasoning_content`` and ``tool_calls``
-only when there are some, and a chunk has ``usage`` only in the last one of a stream
-(``stream_options.include_usage``).
+only when there are some, and a chunk has ``usage`` only with ``stream_options.include_usage`` (null
+but in the last chunk).
 """
 
 from __future__ import annotations
@@ -184,15 +184,15 @@ class ChatChunkChoice(msgspec.Struct):
 
 
 class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
-    """``object: chat.completion.chunk``; the last chunk of a stream with ``include_usage`` has no
-    choices and the ``usage``."""
+    """``object: chat.completion.chunk``; with ``include_usage`` every chunk has ``usage``: null, but
+    the last, which has no choices and the usage (OpenAI's reference); without it no chunk has the key."""
 
     id: str
     object: Literal["chat.completion.chunk"]
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class CompletionChoice(msgspec.Struct, omit_defaults=True):
@@ -219,15 +219,14 @@ class Completion(msgspec.Struct):
 
 
 class CompletionChunk(msgspec.Struct, omit_defaults=True):
-    """A streamed ``text_completion``; the last chunk of a stream with ``include_usage`` has no choices
-    and the ``usage``."""
+    """A streamed ``text_completion``; ``usage`` as in ``ChatCompletionChunk``."""
 
     id: str
     object: Literal["text_completion"]
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
+    usage: Usage | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class ModelCard(msgspec.Struct):

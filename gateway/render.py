@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from gateway.chat_output import parse_whole
 from gateway.errors import upstream_failed
 from gateway.openai_responses import (
@@ -251,14 +253,16 @@ def chat_event_choice(p: Prepared, text: TextProcessor, index: int, delta: ChatD
 
 def sse_chunk(p: Prepared, created: int, choice: ChunkChoice | None,
               final_usage: Usage | None = None) -> bytes:
-    """One SSE event of a chunk holding ``choice`` (None: no choice, the final chunk with the usage)."""
+    """One SSE event of a chunk holding ``choice`` (None: no choice, the final chunk with the usage);
+    with ``include_usage`` a chunk with a choice has ``usage``: null, else no ``usage`` key."""
     chunk: ChatCompletionChunk | CompletionChunk
+    usage = final_usage if choice is None else None if p.include_usage else msgspec.UNSET
     if p.chat:
         assert choice is None or isinstance(choice, ChatChunkChoice)
         chunk = ChatCompletionChunk(response_id(p), "chat.completion.chunk", created, p.model,
-                                    [] if choice is None else [choice], final_usage)
+                                    [] if choice is None else [choice], usage)
     else:
         assert choice is None or isinstance(choice, CompletionChoice)
         chunk = CompletionChunk(response_id(p), "text_completion", created, p.model,
-                                [] if choice is None else [choice], final_usage)
+                                [] if choice is None else [choice], usage)
     return b"data: " + encode(chunk) + b"\n\n"

@@ -348,3 +348,26 @@ def test_structured_output_travels_to_prefill_and_decode(pd: Cluster, fields: di
     for worker in ("p1", "d1"):
         assert sampling_of(pd, worker, rid)["structured_output"] == {"kind": kind, "spec": spec}, worker
     pd.assert_no_leaks(("d1",))
+
+
+def _raw_chunks(pd: Cluster, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    r = httpx.post(pd.base + path, json={"model": "fake-model", "max_tokens": 3, "stream": True, **body},
+                   timeout=10)
+    assert r.status_code == 200, r.text
+    lines = [ln.removeprefix("data: ") for ln in r.text.split("\n") if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/chat/completions", {"messages": MSGS}),
+                                            ("/v1/completions", {"prompt": "one two"})])
+def test_include_usage_puts_null_usage_in_every_chunk_but_the_last(pd: Cluster, path: str,
+                                                                   body: dict[str, Any]) -> None:
+    """OpenAI: with ``include_usage`` every chunk before the last carries ``"usage": null``; without it
+    no chunk has the key."""
+    chunks = _raw_chunks(pd, path, {**body, "stream_options": {"include_usage": True}})
+    assert len(chunks) > 2 and all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    plain = _raw_chunks(pd, path, body)
+    assert plain and not any("usage" in c for c in plain), plain
+    pd.assert_no_leaks(("d1",))
