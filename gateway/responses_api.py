@@ -13,7 +13,8 @@ not summarize, so ``concise`` is a 400, as is a ``reasoning.effort``: nothing se
 (dropping input items to fit) is a 400. ``input`` is a string (one user message) or a list of items: messages
 (``role`` user / system / developer / assistant; ``content`` a string or ``input_text`` /
 ``output_text`` parts), ``function_call`` items (an earlier call of the model),
-``function_call_output`` items (its result) and ``reasoning`` items (earlier reasoning, given to the
+``function_call_output`` items (its result: a string or ``input_text`` parts, whose texts are joined;
+``input_image`` / ``input_file`` parts are a 400) and ``reasoning`` items (earlier reasoning, given to the
 chat template as the next assistant turn's ``reasoning_content``): every item of a response's
 ``output`` is valid input as it was returned. ``instructions`` becomes a leading system message.
 ``user`` and ``safety_identifier`` are accepted and ignored by design, as on chat (end-user ids for a
@@ -104,14 +105,33 @@ class ReasoningInputItem(BaseModel):
         return "".join(p.text for p in (self.content or self.summary))
 
 
+class OutputTextPart(BaseModel):
+    """An ``input_text`` part of a ``function_call_output``'s ``output``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputMediaPart(BaseModel):
+    """An ``input_image`` / ``input_file`` part of a ``function_call_output``'s ``output``: declared only
+    to be refused by name (``check_supported``; pdserve serves text models)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["input_image", "input_file"]
+
+
 class FunctionCallOutputItem(BaseModel):
-    """A ``function_call_output`` item of ``input``: the result of the call ``call_id``."""
+    """A ``function_call_output`` item of ``input``: the result of the call ``call_id``, a string or a
+    list of content parts (``input_text`` parts' texts joined; image and file parts refused)."""
 
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: str | list[Annotated[OutputTextPart | OutputMediaPart, Field(discriminator="type")]]
     id: str | None = None
     status: str | None = None
 
@@ -263,7 +283,8 @@ def check_supported(body: ResponsesRequest) -> None:
         APIError: 400 naming ``include`` (a value other than ``message.output_text.logprobs``),
             ``top_logprobs`` (without that value), ``reasoning.effort`` (set),
             ``reasoning.summary`` / ``reasoning.generate_summary`` (``concise``) or ``truncation``
-            (``auto``), ``input.N.encrypted_content`` (set), an ``UNSUPPORTED`` field set to a value
+            (``auto``), ``input.N.encrypted_content`` (set), ``input.N.output.M`` (an image or file
+            part of a function call's output), an ``UNSUPPORTED`` field set to a value
             that asks for something, or ``stream_options`` without ``stream``.
     """
     for name, (harmless, why) in UNSUPPORTED.items():
@@ -293,6 +314,12 @@ def check_supported(body: ResponsesRequest) -> None:
             raise bad_request("encrypted_content of a reasoning item is not supported (pdserve never "
                               "produces it; send the reasoning's content or summary)",
                               f"input.{i}.encrypted_content", "unsupported_parameter")
+        parts = item.output if isinstance(item, FunctionCallOutputItem) else None
+        for j, part in enumerate(parts if isinstance(parts, list) else ()):
+            if isinstance(part, OutputMediaPart):
+                raise bad_request(f"input.{i}.output.{j}: {part.type} parts are not supported (pdserve "
+                                  "serves text models; send the result as text)", f"input.{i}.output.{j}",
+                                  "unsupported_parameter")
     if body.truncation == "auto":
         raise bad_request("truncation: 'auto' is not supported (pdserve drops no input items; a prompt over "
                           "the context length is a 400)", "truncation", "unsupported_parameter")
@@ -323,7 +350,9 @@ def _input_messages(items: list[InputItem]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            output = item.output if isinstance(item.output, str) else "".join(
+                p.text for p in item.output if isinstance(p, OutputTextPart))
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         if reasoning is not None and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"] = reasoning
             reasoning = None

@@ -265,3 +265,19 @@ def test_chat_reasoning_content_reaches_the_template_on_assistant_messages_only(
     assert req.message_dicts() == [m]
     with pytest.raises(ValueError, match="reasoning_content is only allowed"):
         ChatCompletionRequest.model_validate({"model": "m", "messages": [{**m, "role": "user"}]})
+
+
+def test_function_call_output_as_content_parts() -> None:
+    """``output`` as ``input_text`` parts is the tool message's text (joined); an image or file part is
+    refused by its position."""
+    parts = [{"type": "input_text", "text": "4"}, {"type": "input_text", "text": "2"}]
+    items = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": parts}]
+    body = ResponsesRequest.model_validate({"model": "m", "input": items})
+    check_supported(body)
+    assert chat_body(body)["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "42"}
+    image = {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"}
+    items[1] = {**items[1], "output": [parts[0], image]}
+    with pytest.raises(APIError) as info:
+        check_supported(ResponsesRequest.model_validate({"model": "m", "input": items}))
+    assert info.value.param == "input.1.output.1" and "input_image" in info.value.message
