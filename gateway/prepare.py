@@ -151,7 +151,9 @@ def render_messages(text: TextProcessor, messages: list[dict[str, Any]], kwargs:
     """The chat template applied to ``messages`` with ``kwargs`` (``chat_template_kwargs``) as template
     variables and ``tools`` (OpenAI tool objects) as its ``tools``. A template that does not render
     tools gets pdserve's fallback instead (gateway/tool_prompt.py) when there are tools or the history
-    holds tool calls or tool results.
+    holds tool calls or tool results. A ``developer`` message is rendered as a ``system`` one when the
+    template never mentions ``developer`` (it would otherwise be a turn of a role the model does not know,
+    beside the template's default system prompt); a template that knows the role gets it as is.
 
     Raises:
         APIError: 400 naming ``chat_template_kwargs`` when it sets a reserved variable
@@ -161,6 +163,8 @@ def render_messages(text: TextProcessor, messages: list[dict[str, Any]], kwargs:
     reserved = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    if "developer" not in (text.chat_template or ""):  # OpenAI: developer messages are system messages
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if not template_renders_tools(text.chat_template):
         if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
             messages = fallback_messages(messages, tools)
