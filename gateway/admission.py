@@ -11,8 +11,10 @@ told of each ``FirstToken`` (``first_token``) and of each released request (``fo
 * **429** (``prefill_queue``): the prompt tokens the chosen first-token worker (prefill, or colocated) is
   expected to compute for the requests routed to it and not yet answered by a ``FirstToken``, divided by
   that worker's measured prefill rate, exceed the budget (``--admission-budget`` seconds). Before the
-  worker's first measurement, admit; likewise while a queued request would compute more than
-  ``TRUSTED_SPAN`` times the largest prompt the rate was recently measured on (``PrefillRate.largest``).
+  worker's first measurement, admit. A queued request computing more than ``TRUSTED_SPAN`` times the
+  largest prompt the rate was recently measured on (``PrefillRate.largest``) counts only that many
+  tokens: the wait is then a lower bound, so a long prompt is not refused on a short prompts' rate, and a
+  flood of prompts the rate knows still is.
 
 The prefill rate of a worker is measured from what the gateway sees: a request routed at ``t0`` whose
 ``FirstToken`` arrives at ``t1`` kept the worker busy from ``max(t0, the worker's previous FirstToken)``
@@ -27,10 +29,9 @@ cache were refused as overload.
 
 Why the span: a request's time is a fixed cost (round trips, scheduling, one step's overhead) plus its
 tokens over the worker's throughput, and the rate above folds both into one number. Measured on short
-prompts it is mostly the fixed cost and says little about a long one: after four 4-token prompts an idle
-CPU worker's rate read ~80 tokens/s, and two 1208-token prompts it then computed in 2.4 s each were
-refused as "about 33 s queued". Once a long prompt has been measured it dominates the sums (they weigh
-each request by its tokens), so the rate is right for long prompts from then on.
+prompts it is mostly the fixed cost and overstates a long prompt's time many times over. Once a long
+prompt has been measured it dominates the sums (they weigh each request by its tokens), so the rate is
+right for long prompts from then on.
 
 Every 429 carries ``Retry-After`` (whole seconds, at least 1). Refusals are counted in
 ``pdserve_admission_refused_total{reason}``.
@@ -52,8 +53,8 @@ from protocol.messages import FirstToken, WorkerLoad
 # weight of the history at each new measurement: about the last 20 requests count, several prefill steps
 # (the requests of one step report nearly together, the first with the whole step's time)
 DECAY = 0.95
-# a queue is judged by a rate measured on prompts computing at least 1 / TRUSTED_SPAN of its largest
-# request's tokens; past that it is admitted unjudged (module docstring)
+# a queued request counts at most TRUSTED_SPAN times the largest prompt the rate was measured on
+# (module docstring)
 TRUSTED_SPAN = 4.0
 
 
@@ -89,10 +90,10 @@ class PrefillRate:
         self.last_first_token = now
         self.largest = max(float(tokens), self.largest * DECAY)
 
-    def trusted_for(self, tokens: int) -> bool:
-        """Whether the rate may judge a request computing ``tokens`` prompt tokens (within
-        ``TRUSTED_SPAN`` times the largest recently measured)."""
-        return tokens <= TRUSTED_SPAN * self.largest
+    def judged_tokens(self, tokens: int) -> float:
+        """The part of a request computing ``tokens`` prompt tokens this rate can judge: at most
+        ``TRUSTED_SPAN`` times the largest recently measured."""
+        return min(float(tokens), TRUSTED_SPAN * self.largest)
 
     def tokens_per_s(self) -> float | None:
         """Prompt tokens per second, or None before a measurement with busy time."""
@@ -182,10 +183,8 @@ class Admission:
         tokens_per_s = rate.tokens_per_s() if rate is not None else None
         if tokens_per_s is None or rate is None:
             return  # no measurement yet: admit
-        queued = [r.expected_tokens for r in self._routed.values() if r.worker_id == worker.worker_id]
-        if queued and not rate.trusted_for(max(queued)):
-            return  # a request longer than the rate was measured on: admit (module docstring)
-        ahead = sum(queued)
+        ahead = sum(rate.judged_tokens(r.expected_tokens) for r in self._routed.values()
+                    if r.worker_id == worker.worker_id)
         wait = ahead / tokens_per_s
         if wait > self.budget_s:
             self._refuse("prefill_queue")

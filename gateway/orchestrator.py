@@ -195,7 +195,7 @@ class Orchestrator:
         if route.kind == "disaggregated":
             assert route.decode is not None and route.prefill is not None
             req.phase = RequestPhase.RESERVING_KV
-            route.prefill.routed.add(att.request_id)  # its load from now, not from the PrefillRequest
+            route.prefill.unsent.add(att.request_id)  # its load from now, not from the PrefillRequest
             await self._hold_and_send(req, route.decode, ReserveKV(
                 request_id=att.request_id, prompt_token_ids=att.prompt_token_ids, sampling=att.sampling,
                 prefill_worker_id=route.prefill.worker_id,
@@ -227,13 +227,13 @@ class Orchestrator:
     def worker_lost(self, entry: WorkerEntry, reason: str) -> None:
         """``entry``'s worker is gone (dead, left, replaced): each of its requests gets ``WorkerLost``, and
         the worker itself an ``AbortRequest`` for each (a stalled, not dead, worker frees them); a request
-        routed to it that it has not received yet (``routed``) gets ``WorkerLost`` only, and is routed
+        routed to it that it has not received yet (``unsent``) gets ``WorkerLost`` only, and is routed
         again at once instead of after its decode worker's reservation."""
-        for request_id in list(entry.routed):
+        for request_id in list(entry.unsent):
             req = self.requests.get(request_id)
             if req is not None:
                 req.inbox.put_nowait(WorkerLost(request_id, entry.worker_id, reason))
-        entry.routed.clear()
+        entry.unsent.clear()
         for request_id in list(entry.requests):
             req = self.requests.get(request_id)
             if req is not None:
@@ -271,7 +271,7 @@ class Orchestrator:
             if isinstance(msg, KVReserved):
                 prefill = req.route.prefill
                 assert prefill is not None
-                prefill.routed.discard(req.request_id)
+                prefill.unsent.discard(req.request_id)
                 req.phase = RequestPhase.PREFILLING
                 att = req.attempt
                 await self._hold_and_send(req, prefill, PrefillRequest(
@@ -397,7 +397,7 @@ class Orchestrator:
     def _unroute(req: GatewayRequest) -> None:
         """The current attempt no longer waits to reach its prefill worker (given up or released)."""
         if req.route.prefill is not None:
-            req.route.prefill.routed.discard(req.request_id)
+            req.route.prefill.unsent.discard(req.request_id)
 
     def _remember_released(self, request_id: str) -> None:
         self.released[request_id] = None

@@ -12,6 +12,7 @@ get ``stop_token_ids``. Every check raises ``APIError`` (400/404/503) before any
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -146,14 +147,19 @@ def check_ids(ids: Iterable[int], vocab: int, param: str) -> None:
         raise bad_request(f"{param}: token id {bad} is out of range [0, {vocab})", param, "invalid_token_id")
 
 
+# a chat template that handles the developer role compares a message's role with it
+_DEVELOPER_ROLE = re.compile(r"""['"]developer['"]""")
+
+
 def render_messages(text: TextProcessor, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None,
                     add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
     """The chat template applied to ``messages`` with ``kwargs`` (``chat_template_kwargs``) as template
     variables and ``tools`` (OpenAI tool objects) as its ``tools``. A template that does not render
     tools gets pdserve's fallback instead (gateway/tool_prompt.py) when there are tools or the history
     holds tool calls or tool results. A ``developer`` message is rendered as a ``system`` one when the
-    template never mentions ``developer`` (it would otherwise be a turn of a role the model does not know,
-    beside the template's default system prompt); a template that knows the role gets it as is.
+    template never names ``'developer'`` as a quoted string (it would otherwise be a turn of a role the
+    model does not know, beside the template's default system prompt); a template that knows the role
+    gets it as is.
 
     Raises:
         APIError: 400 naming ``chat_template_kwargs`` when it sets a reserved variable
@@ -163,7 +169,7 @@ def render_messages(text: TextProcessor, messages: list[dict[str, Any]], kwargs:
     reserved = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-    if "developer" not in (text.chat_template or ""):  # OpenAI: developer messages are system messages
+    if not _DEVELOPER_ROLE.search(text.chat_template or ""):  # OpenAI: developer messages are system messages
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if not template_renders_tools(text.chat_template):
         if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):

@@ -8,8 +8,9 @@ share (gateway/metrics.py), None for a single process.
 
 A process started again after it died (``restarted``) takes no connection until the workers have
 registered with it: its socket listens once it is ready (a usable prefill/decode pair or a colocated
-worker) or ``RESTART_HOLD_HEARTBEATS`` heartbeat timeouts have passed, so the kernel does not hand new
-connections to a process that could only answer 503 while its siblings serve.
+worker) or ``RESTART_HOLD_HEARTBEATS`` heartbeat timeouts (at most ``RESTART_HOLD_MAX_S``) have
+passed, so the kernel does not hand new connections to a process that could only answer 503 while its
+siblings serve.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 RESTART_HOLD_HEARTBEATS = 2.0  # a restarted process listens at the latest after this many heartbeat timeouts
+RESTART_HOLD_MAX_S = 10.0  # and at the latest after this many seconds (the pool waits 120 s for "ready")
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,11 @@ class GatewayProcess:
 
     def listen_hold_s(self, heartbeat_timeout: float) -> float:
         """Seconds this process may wait for its workers before its socket listens: 0 for a first start,
-        ``RESTART_HOLD_HEARTBEATS`` x ``heartbeat_timeout`` (seconds) for a restart."""
-        return RESTART_HOLD_HEARTBEATS * heartbeat_timeout if self.restarted else 0.0
+        ``RESTART_HOLD_HEARTBEATS`` x ``heartbeat_timeout`` (seconds), at most ``RESTART_HOLD_MAX_S``,
+        for a restart."""
+        if not self.restarted:
+            return 0.0
+        return min(RESTART_HOLD_HEARTBEATS * heartbeat_timeout, RESTART_HOLD_MAX_S)
 
     def __post_init__(self) -> None:
         if not 0 <= self.index < self.count:

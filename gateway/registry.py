@@ -32,7 +32,7 @@ class WorkerEntry:
     requests: set[str] = field(default_factory=set)  # request ids this worker holds state for
     # request ids routed to this worker whose first message to it waits on another worker: a disaggregated
     # request's prefill worker while its decode worker reserves the KV blocks
-    routed: set[str] = field(default_factory=set)
+    unsent: set[str] = field(default_factory=set)
 
     @property
     def worker_id(self) -> str:
@@ -46,9 +46,9 @@ class WorkerEntry:
 
     def load_score(self) -> int:
         """Sequences queued or running, including requests routed since the last heartbeat and those
-        routed here whose first message waits on another worker (``routed``): requests that arrive together
+        routed here whose first message waits on another worker (``unsent``): requests that arrive together
         count against the prefill worker they were routed to from the moment they are routed."""
-        return max(self.load.num_waiting + self.load.num_running, len(self.requests) + len(self.routed))
+        return max(self.load.num_waiting + self.load.num_running, len(self.requests) + len(self.unsent))
 
 
 MAX_REMEMBERED = 32  # dropped and refused workers kept for the status view, each

@@ -330,13 +330,19 @@ def _input_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     joined), ``function_call`` items as the ``tool_calls`` of the assistant turn they follow (one
     of their own when none precedes them: a response's text and calls are one turn), a
     ``function_call_output`` as a ``tool`` message, a ``reasoning`` item as the ``reasoning_content``
-    of the assistant turn that follows (an assistant turn of its own when none follows)."""
+    of the assistant turn that follows (an assistant turn of its own when another role's item or
+    nothing follows)."""
     messages: list[dict[str, Any]] = []
     reasoning: str | None = None
     for item in items:
         if isinstance(item, ReasoningInputItem):
             reasoning = (reasoning or "") + item.text()
             continue
+        if reasoning is not None and not (isinstance(item, FunctionCallItem) or (
+                isinstance(item, InputMessage) and item.role == "assistant")):
+            # reasoning followed by another role's item belongs to no later assistant turn: its own turn
+            messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+            reasoning = None
         if isinstance(item, InputMessage):
             parts = item.content
             text = parts if isinstance(parts, str) else "".join(p.text for p in parts)

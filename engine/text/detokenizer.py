@@ -64,6 +64,7 @@ class IncrementalDetokenizer:
         self._text = ""      # decoded output text so far (truncated at a stop match); with stop strings
         self._emitted = 0    # characters of _text already returned
         self._pieces: list[str] = []  # the text returned so far, without stop strings
+        self._pieces_len = 0  # characters in _pieces
         self.stopped = False
         self.stop_reason: str | None = None  # the stop string that matched
         self._step: Callable[[int], str | None] | None = None
@@ -82,7 +83,7 @@ class IncrementalDetokenizer:
         """Characters decoded so far, the held-back tail included (with stop strings: up to the start of
         the stop string that matched). A token's text starts at the value read before its ``add``."""
         if not self._stops:
-            return sum(len(p) for p in self._pieces)
+            return self._pieces_len
         return len(self._text)
 
     def add(self, token_id: int) -> str:
@@ -97,6 +98,7 @@ class IncrementalDetokenizer:
         if not self._stops:
             if new:
                 self._pieces.append(new)
+                self._pieces_len += len(new)
             return new
         before = len(self._text)
         self._text += new
@@ -110,6 +112,7 @@ class IncrementalDetokenizer:
             new = self._decode_delta(final=True)
             if new:
                 self._pieces.append(new)
+                self._pieces_len += len(new)
             return new
         before = len(self._text)
         self._text += self._decode_delta(final=True)

@@ -125,18 +125,14 @@ async def test_the_queue_counts_the_tokens_a_prompt_will_compute_as_the_rate_doe
     assert rate is not None and 20.0 < rate < 25.0  # computed tokens per busy second
     burst = [(await s.orch.submit_all(f"b{i}", [gen(f"b{i}", 100)]))[0] for i in range(10)]
     assert s.admission.queued_tokens("p1") == 40  # 10 hits: 1.6-2.0 s of work, all admitted
-    # a prompt p1 has not seen counts whole: admitted behind 40 tokens; the next is admitted unjudged (a
-    # rate measured on 4-token computations says little about a 100-token one) until p1 computed one
+    # a prompt p1 has not seen counts (up to 4x the largest measured, 51 tokens): admitted behind 40
+    # tokens, then the next waits too long
     other = [GenerationInput(f"n{i}", list(range(500 + 100 * i, 600 + 100 * i)), SamplingParams(max_tokens=4))
-             for i in range(3)]
+             for i in range(2)]
     burst += await s.orch.submit_all("n0", [other[0]])
     assert s.admission.queued_tokens("p1") == 140
-    burst += await s.orch.submit_all("n1", [other[1]])
-    s.clock.now += 1.0  # n0 computed in 1 s: now measured at this size
-    await s.orch.on_worker_message(b"p1", FirstToken(request_id="n0", worker_id="p1", token_id=7))
-    assert s.admission.queued_tokens("p1") == 140  # the 10 hits and n1
     with pytest.raises(APIError) as refused:
-        await s.orch.submit_all("n2", [other[2]])
+        await s.orch.submit_all("n1", [other[1]])
     assert refused.value.status == 429 and s.refused("prefill_queue") == 1
     for req in burst:
         s.orch.release(req)
@@ -145,8 +141,8 @@ async def test_the_queue_counts_the_tokens_a_prompt_will_compute_as_the_rate_doe
 
 async def test_a_rate_measured_on_short_prompts_does_not_refuse_long_ones() -> None:
     """After a few 4-token prompts (fixed cost: 0.05 s each, a "rate" of 80 tokens/s), long prompts on
-    an idle worker are admitted, not refused as seconds of queue (the old estimate: 1208 tokens ahead
-    at 80 tokens/s, 15 s > 5 s); once one long prompt has been measured the queue is judged again."""
+    an idle worker are admitted (each counts as at most 4x the 4 tokens measured, not as 1208 tokens at
+    80 tokens/s: 15 s > 5 s); once one long prompt has been measured the queue is judged in full."""
     s = Setup(budget_s=5.0, decode_free=(2000,), total=2000)
     for i in range(4):
         (short,) = await s.orch.submit_all(f"s{i}", [gen(f"s{i}", 4)])
@@ -165,6 +161,26 @@ async def test_a_rate_measured_on_short_prompts_does_not_refuse_long_ones() -> N
         await s.orch.submit_all("l4", [gen("l4", 1208)])
     assert refused.value.status == 429 and s.refused("prefill_queue") == 1
     for req in long:
+        s.orch.release(req)
+    assert not s.orch.requests and not s.admission._routed
+
+
+async def test_one_long_queued_prompt_does_not_switch_the_queue_check_off() -> None:
+    """A queued prompt longer than the rate was measured on counts 4x the largest measured; the prompts
+    behind it that the rate knows are judged in full, and refused past the budget."""
+    s = Setup(budget_s=5.0, decode_free=(4000,), total=4000)
+    for i in range(2):  # 400 tokens in 0.4 s: 1000 tokens/s
+        (r,) = await s.orch.submit_all(f"m{i}", [gen(f"m{i}", 400)])
+        s.clock.now += 0.4
+        await s.orch.on_worker_message(b"p1", FirstToken(request_id=f"m{i}", worker_id="p1", token_id=7))
+        s.orch.release(r)
+        s.heartbeat("d1", 4000, 4000)
+    admitted = [(await s.orch.submit_all("long", [gen("long", 2000)]))[0]]  # counts 1600 tokens
+    with pytest.raises(APIError) as refused:
+        for i in range(20):
+            admitted += await s.orch.submit_all(f"q{i}", [gen(f"q{i}", 400)])
+    assert refused.value.status == 429 and len(admitted) == 1 + 9  # 1600 + 9 x 400 = 5.2 s ahead of the 10th
+    for req in admitted:
         s.orch.release(req)
     assert not s.orch.requests and not s.admission._routed
 

@@ -478,3 +478,11 @@ def test_a_process_not_ready_in_time_stops_the_pool(tmp_path: Path) -> None:
         pool.step(5.5)
     writer.close()
     reader.close()
+
+
+def test_the_restart_hold_is_two_heartbeat_timeouts_at_most_ten_seconds() -> None:
+    from gateway.process import GatewayProcess
+
+    assert GatewayProcess(0, 2, "m").listen_hold_s(5.0) == 0.0  # a first start listens at once
+    assert GatewayProcess(0, 2, "m", restarted=True).listen_hold_s(1.5) == 3.0
+    assert GatewayProcess(0, 2, "m", restarted=True).listen_hold_s(60.0) == 10.0  # within the pool's 120 s

@@ -95,7 +95,7 @@ async def to_decoding(orch: Orchestrator, rec: Recorder, req: GatewayRequest) ->
 
 def assert_clean(orch: Orchestrator, registry: WorkerRegistry) -> None:
     assert not orch.requests
-    assert all(not w.requests and not w.routed for w in registry.live())
+    assert all(not w.requests and not w.unsent for w in registry.live())
 
 
 async def test_disaggregated_to_max_tokens_needs_no_abort(setup) -> None:
@@ -285,13 +285,13 @@ async def test_requests_arriving_together_spread_over_the_prefill_workers(setup)
     assert chosen == ["p1", "p2", "p1", "p2"]
     p1, p2 = registry.get("p1"), registry.get("p2")
     assert p1 is not None and p2 is not None
-    assert (p1.routed, p2.routed) == ({"r0", "r2"}, {"r1", "r3"}) and p1.load_score() == 2
+    assert (p1.unsent, p2.unsent) == ({"r0", "r2"}, {"r1", "r3"}) and p1.load_score() == 2
     rec.take()
     await orch.on_worker_message(b"d1", KVReserved(request_id="r0", worker_id="d1", kv_handle=b"kv"))
     task = asyncio.create_task(orch.next_output(reqs[0]))
     await asyncio.sleep(0.01)
     assert rec.take() == [(b"p1", "PrefillRequest")]  # r0 moves from routed to held on p1
-    assert p1.routed == {"r2"} and p1.requests == {"r0"} and p1.load_score() == 2
+    assert p1.unsent == {"r2"} and p1.requests == {"r0"} and p1.load_score() == 2
     task.cancel()
     for req in reqs:
         orch.release(req)

@@ -278,7 +278,7 @@ async def test_prefill_lost_while_the_decode_reserves_is_retried_at_once() -> No
     assert isinstance(reserve, ReserveKV) and reserve.prefill_worker_id == "p1"
     rec.take()
     p1 = registry.remove("p1")
-    assert p1 is not None and p1.routed == {"r"}
+    assert p1 is not None and p1.unsent == {"r"}
     orch.worker_lost(p1, "heartbeat timeout")
     task = asyncio.create_task(orch.next_output(req))
     await asyncio.sleep(0.01)

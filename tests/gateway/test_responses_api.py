@@ -252,6 +252,12 @@ def test_reasoning_input_alone_and_encrypted() -> None:
              {"type": "reasoning", "summary": [{"type": "summary_text", "text": "sum"}]}]
     chat = chat_body(ResponsesRequest.model_validate({"model": "m", "input": items}))
     assert chat["messages"][-1] == {"role": "assistant", "content": "", "reasoning_content": "sum"}
+    # followed by another role's message, it does not wander to a later assistant turn
+    items += [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    chat = chat_body(ResponsesRequest.model_validate({"model": "m", "input": items}))
+    assert chat["messages"] == [{"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "", "reasoning_content": "sum"},
+                                {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
     body = ResponsesRequest.model_validate({"model": "m", "input": [
         {"type": "reasoning", "summary": [], "encrypted_content": "xyz"}]})
     with pytest.raises(APIError) as info:
