@@ -5,6 +5,8 @@ Each config validates itself in ``__post_init__`` and raises ``ValueError`` nami
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -13,6 +15,26 @@ _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _FUSED_OPS = ("auto", "on", "off")
 _QUANTIZATION = (None, "fp8")
 _KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def flash_attn_available() -> bool:
+    """True when the ``flash_attn`` package can be imported (nothing is imported)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def attention_backend_problem(name: str, device: str) -> str | None:
+    """Why attention backend ``name`` cannot run on ``device`` (``cpu``, ``cuda``, ``cuda:N``), or None
+    (no torch: ``pdserve up`` asks before starting workers, ``engine.attention.get_backend`` when building
+    one). ``triton`` needs CUDA, or Triton's interpreter (``TRITON_INTERPRET=1`` in the environment);
+    ``flash_attn`` needs CUDA and the ``flash_attn`` package; ``auto`` and ``torch`` run anywhere."""
+    on_cuda = device.split(":")[0] == "cuda"
+    if name == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"triton backend needs CUDA (or TRITON_INTERPRET=1), got device {device}"
+    if name == "flash_attn" and not on_cuda:
+        return f"flash_attn backend needs CUDA, got device {device}"
+    if name == "flash_attn" and not flash_attn_available():
+        return "flash_attn backend requested but the flash_attn package is not installed"
+    return None
 
 
 @dataclass(frozen=True)

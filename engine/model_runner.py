@@ -32,6 +32,7 @@ from engine.kv_cache import KVCachePool, check_kv_cache_dtype, resolve_cache_dty
 from engine.models.fused_model import PROJECTIONS, FusedCausalLM, unsupported_reason
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
 from engine.models.loader import load_model, resolve_device
+from engine.models.registry import max_model_len_problem
 from engine.models.tensor_parallel import TensorParallelCausalLM, load_sharded_model, local_config
 from engine.ops.cudnn_attention import warm_cudnn_plans
 from engine.ops.cudnn_paged_prefill import warm_paged_prefill_graphs
@@ -134,8 +135,8 @@ class ModelRunner:
         cfg = self.hf_config
         limit = int(cfg.max_position_embeddings)
         wanted = engine_config.model.max_model_len
-        if wanted is not None and wanted > limit:
-            raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
+        if (too_long := max_model_len_problem(wanted, {"max_position_embeddings": limit})) is not None:
+            raise ValueError(too_long)
         self.max_model_len = wanted or limit
         self.backend.set_step_limits(engine_config.scheduler.max_num_batched_tokens, self.max_model_len)
         self.net = self._forward_model(engine_config.model.fused_ops)

@@ -1,14 +1,22 @@
 """Gateway text processing: a thin adapter over ``engine.text`` (tokenizer, chat template, incremental
 detokenization with stop strings), which imports no torch.
 
-Tokenizer dir resolution (``resolve_tokenizer_dir``): ``--tokenizer`` if given (a dir, or a model alias
-such as ``smollm2-135m`` whose converted dir already sits in the pdserve cache: the gateway never converts,
-that would import torch), else the ``model_path`` the first worker registered (workers and gateway on
-one host, or a shared volume). Only a dir with ``tokenizer.json`` is needed.
+Tokenizer dir resolution (``resolve_tokenizer_dir``): ``--tokenizer`` if given, else the ``model_path``
+the first worker registered (workers and gateway on one host, or a shared volume). ``--tokenizer`` is a
+model alias of ``engine.models.registry`` (``smollm2-135m`` or a shape-only one such as ``tiny-llama``)
+or a directory. An alias not in the pdserve cache yet is prepared there (``prepare_alias``): a shape-only
+one in this process (it writes a synthetic tokenizer, no torch), the embedded model by a child process
+(``python -m engine.models.prepare``) that converts it once (~20-30 s) under the conversion's file lock,
+so this process never imports torch and concurrent preparations (several gateways, a worker on a shared
+volume) leave one finished directory. Only a dir with ``tokenizer.json`` is needed.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,11 +25,20 @@ from engine.text.chat_template import ChatTemplateError, apply_chat_template
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.tokenizer import TextTokenizer, load_tokenizer
 
-__all__ = ["IncrementalDetokenizer", "TextProcessor", "TokenizerNotFoundError", "resolve_tokenizer_dir"]
+__all__ = ["IncrementalDetokenizer", "TextProcessor", "TokenizerNotFoundError", "TokenizerPrepareError",
+           "prepare_alias", "resolve_tokenizer_dir", "tokenizer_flag_problem"]
+
+log = logging.getLogger("pdserve.gateway")
+PREPARE_TIMEOUT_S = 240.0  # the embedded model's conversion takes ~20-30 s on a 2-core machine
 
 
 class TokenizerNotFoundError(RuntimeError):
     """The tokenizer dir lacks ``tokenizer.json`` (or does not exist), or none is known yet."""
+
+
+class TokenizerPrepareError(TokenizerNotFoundError):
+    """An alias's model directory could not be prepared in the cache (its conversion failed or ran past
+    its deadline)."""
 
 
 @dataclass(frozen=True)
@@ -97,21 +114,90 @@ class TextProcessor:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids, tuple(s for s in stop if s))
 
 
-def resolve_tokenizer_dir(flag: str | None, registered_model_path: str | None) -> Path:
-    """The tokenizer dir: ``--tokenizer`` if set, else a registered worker's ``model_path``.
+def tokenizer_flag_problem(flag: str) -> str | None:
+    """Why ``--tokenizer flag`` cannot be used (one line naming the flag), or None, without preparing
+    anything: a name that is neither a model alias nor an existing directory, or a directory without
+    ``tokenizer.json``. An alias is taken as one even when a directory of that name exists, as
+    ``engine.models.registry.resolve_model`` (the workers' ``--model``) takes it."""
+    from engine.models.registry import aliases  # torch-free
+
+    if flag in aliases():
+        return None
+    path = Path(flag).expanduser()
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            return None
+        return f"--tokenizer {flag}: directory {path} has no tokenizer.json"
+    what = "is not a directory" if path.exists() else "does not exist"
+    return (f"--tokenizer {flag!r} {what} and is not a model alias (aliases: {', '.join(aliases())}); "
+            "give a directory with tokenizer.json or an alias")
+
+
+def prepare_alias(alias: str, timeout: float = PREPARE_TIMEOUT_S) -> Path:
+    """The cache directory of model alias ``alias``, prepared if it is not there yet (module docstring):
+    a shape-only alias's in this process, the embedded model's by ``python -m engine.models.prepare``
+    in a child process given ``timeout`` seconds (killed after them). Logs one line when it converts.
 
     Raises:
-        TokenizerNotFoundError: neither is set, or the chosen dir has no ``tokenizer.json``.
+        TokenizerNotFoundError: ``alias`` is not a model alias.
+        TokenizerPrepareError: the child failed (its last stderr line is in the message) or ran past
+            ``timeout``, or the directory it gave has no ``tokenizer.json``.
     """
-    chosen = flag or registered_model_path
-    if not chosen:
-        raise TokenizerNotFoundError("no --tokenizer given and no worker has registered a model_path yet")
-    path = Path(chosen).expanduser()
-    if not path.exists() and flag and "/" not in flag:
-        from engine.models.registry import cache_dir  # torch-free; aliases live under models/<alias>
+    from engine.models import registry  # torch-free
 
-        path = cache_dir() / "models" / flag
+    names = registry.aliases()
+    if alias not in names:
+        raise TokenizerNotFoundError(f"{alias!r} is not a model alias (aliases: {', '.join(names)})")
+    if registry.is_dummy_alias(alias):  # config + synthetic tokenizer: no torch, milliseconds
+        try:
+            return registry.resolve_model(alias)
+        except OSError as exc:
+            raise TokenizerPrepareError(f"--tokenizer {alias}: cannot write it into the cache: {exc}") \
+                from exc
+    cached = registry.alias_dir(alias)
+    if (cached / "tokenizer.json").is_file():  # the conversion renames a finished directory into place
+        return cached
+    log.info("gateway: preparing the tokenizer of %s: converting the model into %s (once, ~20-30 s)", alias,
+             cached)
+    root = str(Path(registry.__file__).resolve().parents[2])  # so the child imports this same engine
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    try:
+        done = subprocess.run([sys.executable, "-m", "engine.models.prepare", alias], capture_output=True,
+                              text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        raise TokenizerPrepareError(f"--tokenizer {alias}: preparing the model in {cached} did not finish "
+                                    f"within {timeout:g} s") from exc
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    if done.returncode != 0 or not lines:
+        why = [line for line in done.stderr.splitlines() if line.strip()] or [f"exit code {done.returncode}"]
+        raise TokenizerPrepareError(f"--tokenizer {alias}: preparing the model failed: {why[-1].strip()}")
+    path = Path(lines[-1].strip())
     if not (path / "tokenizer.json").is_file():
-        raise TokenizerNotFoundError(f"tokenizer dir {path} has no tokenizer.json (for an alias, start a "
-                                     "worker first so it converts the model, or pass a directory)")
+        raise TokenizerPrepareError(f"--tokenizer {alias}: the prepared directory {path} has no "
+                                    "tokenizer.json")
+    return path
+
+
+def resolve_tokenizer_dir(flag: str | None, registered_model_path: str | None,
+                          timeout: float = PREPARE_TIMEOUT_S) -> Path:
+    """The tokenizer dir: ``--tokenizer`` if set (a model alias, prepared in the cache when not there yet:
+    ``prepare_alias`` with ``timeout``; else a directory), else a registered worker's ``model_path``.
+
+    Raises:
+        TokenizerNotFoundError: neither is set, the flag is unusable (``tokenizer_flag_problem``), or the
+            chosen dir has no ``tokenizer.json``.
+        TokenizerPrepareError: an alias could not be prepared (``prepare_alias``).
+    """
+    if flag:
+        if (why := tokenizer_flag_problem(flag)) is not None:
+            raise TokenizerNotFoundError(why)
+        from engine.models.registry import aliases
+
+        return prepare_alias(flag, timeout) if flag in aliases() else Path(flag).expanduser()
+    if not registered_model_path:
+        raise TokenizerNotFoundError("no --tokenizer given and no worker has registered a model_path yet")
+    path = Path(registered_model_path).expanduser()
+    if not (path / "tokenizer.json").is_file():
+        raise TokenizerNotFoundError(f"tokenizer dir {path} has no tokenizer.json (the model_path a worker "
+                                     "registered; give the gateway --tokenizer)")
     return path

@@ -10,6 +10,7 @@ Worker roles and ``up`` dispatch lazily to ``prefill_worker.main:run``, ``decode
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -111,7 +112,9 @@ def _add_gateway(add: _Adder) -> None:
         help="gateway processes serving --port together (SO_REUSEPORT), each with its own control "
              "socket; workers get every control address, comma-separated")
     add("--model-name", default=None, help="served model name (default: from workers)")
-    add("--tokenizer", default=None, help="tokenizer dir (default: the registered model_path)")
+    add("--tokenizer", default=None,
+        help="tokenizer dir, or a model alias (e.g. smollm2-135m: converted into the cache on first use, "
+             "~20-30 s) (default: the registered model_path)")
     add("--api-key", action="append", default=None, help="accepted bearer key (repeatable)")
     add("--api-key-file", default=None, help="file with one key per line")
     _bool_flag(add, "--public-health", True, "serve /health and /ready without a key")
@@ -315,15 +318,26 @@ def _load_runner(spec: str) -> Callable[[Any], int | None]:
 
 
 def _run_gateway(settings: Any) -> int:
+    """Refuse, in one line before uvicorn or any gateway process starts, an HTTP address or a control
+    socket that cannot be bound (2; uvicorn would print a traceback and exit 3) and an unusable
+    ``--tokenizer`` (2), or an alias whose model could not be prepared (1); then serve."""
+    from gateway.text import TokenizerNotFoundError, TokenizerPrepareError, resolve_tokenizer_dir
+    from pdserve.ports import gateway_bind_problem
+
+    if (why := gateway_bind_problem(settings.host, settings.port, settings.control_endpoints())) is not None:
+        print(f"pdserve gateway: {why}", file=sys.stderr)
+        return 2
+    if settings.tokenizer:  # an alias is prepared once here; the app (each --workers process) gets its dir
+        try:
+            tokenizer = resolve_tokenizer_dir(settings.tokenizer, None)
+        except TokenizerNotFoundError as exc:
+            print(f"pdserve gateway: {exc}", file=sys.stderr)
+            return 1 if isinstance(exc, TokenizerPrepareError) else 2
+        settings = dataclasses.replace(settings, tokenizer=str(tokenizer))
     if settings.workers > 1:
         from pdserve.gateway_pool import run_pool
 
         return run_pool(settings)
-    from pdserve.ports import bind_problem
-
-    if (why := bind_problem(settings.host, settings.port)) is not None:  # uvicorn would log it, exit 3
-        print(f"pdserve gateway: {why}", file=sys.stderr)
-        return 2
     from gateway.server import serve
 
     serve(settings)
@@ -348,7 +362,8 @@ def _keygen(directory: str, exist_ok: bool) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``pdserve``; returns the process exit status (2: a usage error or a value refused
-    before anything starts, in one line on stderr)."""
+    before anything starts, in one line on stderr; for ``gateway``, 1 also when the ``--tokenizer`` alias's
+    model could not be prepared)."""
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:  # named with the subcommand, whose --help lists its flags
         print(f"pdserve {args.command}: error: unrecognized arguments: {' '.join(unknown)} (see pdserve "

@@ -42,7 +42,7 @@ from prometheus_client.multiprocess import mark_process_dead
 from gateway.process import GatewayProcess
 from gateway.server import serve_process
 from pdserve.launcher import STOP_SIGNALS
-from pdserve.ports import bind_problem
+from pdserve.ports import gateway_bind_problem
 from pdserve.supervisor import RestartPolicy
 from protocol.settings import GatewaySettings
 
@@ -194,9 +194,9 @@ class GatewayPool:
 def run_pool(settings: GatewaySettings, policy: RestartPolicy | None = None,
              start_timeout: float = START_TIMEOUT_S, grace: float = 10.0) -> int:
     """Run ``settings.workers`` gateway processes until a signal (returns 128 + its number) or a failure
-    (prints one line on stderr, returns 1; an HTTP address that cannot be bound, e.g. a port in use, is
-    refused before any process starts, returning 2)."""
-    if (busy := bind_problem(settings.host, settings.port)) is not None:
+    (prints one line on stderr, returns 1; an HTTP address or a process's control socket that cannot be
+    bound, e.g. a port in use, is refused before any process starts, returning 2)."""
+    if (busy := gateway_bind_problem(settings.host, settings.port, settings.control_endpoints())) is not None:
         print(f"pdserve gateway: {busy}", file=sys.stderr, flush=True)
         return 2
     stop: list[int] = []

@@ -32,9 +32,10 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import FrameType
+from typing import Any
 
 import httpx
 
@@ -75,12 +76,30 @@ def device_problem(device: str, num_gpus: int) -> str | None:
     return None
 
 
-def up_refusal(settings: UpSettings) -> str | None:
+def up_refusal(settings: UpSettings, model_config: Mapping[str, Any] | None = None) -> str | None:
     """Why ``pdserve up`` cannot start with ``settings``, found before any child starts (one line naming the
-    flag), or None: an HTTP address it cannot bind (``bind_problem``) or a CUDA device that is not there
-    (``device_problem``; counting the GPUs imports torch unless ``--device cpu``)."""
+    flag), or None: an HTTP address it cannot bind (``bind_problem``), a CUDA device that is not there
+    (``device_problem``; counting the GPUs imports torch unless ``--device cpu``), a ``--tokenizer`` the
+    gateway could not use (``tokenizer_flag_problem``), a ``--max-model-len`` beyond the model's
+    ``max_position_embeddings`` in ``model_config`` (its ``config.json``; None: not checked), or an
+    ``--attention-backend`` the workers' device cannot run (``attention_backend_problem``)."""
+    from engine.config import attention_backend_problem
+    from engine.models.registry import max_model_len_problem
+    from gateway.text import tokenizer_flag_problem
+
     gpus = gpu_count() if settings.device != "cpu" else 0
-    return bind_problem(settings.host, settings.port) or device_problem(settings.device, gpus)
+    why = bind_problem(settings.host, settings.port) or device_problem(settings.device, gpus)
+    if why is not None:
+        return why
+    if settings.gateway.tokenizer and (why := tokenizer_flag_problem(settings.gateway.tokenizer)) is not None:
+        return why
+    worker = settings.worker
+    if model_config is not None and (why := max_model_len_problem(worker.max_model_len, dict(model_config))):
+        return f"--max-model-len {worker.max_model_len}: {why}"
+    device = "cpu" if settings.device == "auto" and gpus == 0 else settings.device.replace("auto", "cuda")
+    if (why := attention_backend_problem(worker.attention_backend, device)) is not None:
+        return f"--attention-backend {worker.attention_backend}: {why}"
+    return None
 
 
 def visible_gpu_ids(cuda_visible_devices: str | None, num_gpus: int) -> list[str]:
@@ -310,22 +329,23 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
 
     Returns 128 + the signal number after a stop by signal (130: Ctrl-C, 143: SIGTERM, 129: SIGHUP; also
     when it comes during start-up or the model conversion); 2 when something is refused before any child
-    starts (a model, quantization, device, host, port or tensor parallel size that cannot be used: one
-    line on stderr); 1 when the gateway exited or a child died during start-up.
+    starts (a model, quantization, device, host, port, tokenizer, max model length, attention backend
+    or tensor parallel size that cannot be used: one line on stderr); 1 when the gateway exited or a
+    child died during start-up.
     """
     try:
         from engine.models.registry import read_model_config, resolve_model
 
         # convert the embedded model once, before the workers race for it; refuse an architecture or a
         # quantization method the workers cannot run before any of them starts
-        read_model_config(resolve_model(settings.model), settings.worker.quantization)
+        model_config = read_model_config(resolve_model(settings.model), settings.worker.quantization)
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before any child started (the conversion leaves no partial dir)
         print("pdserve up: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
-    refused = up_refusal(settings)  # now, not after the workers loaded the model
+    refused = up_refusal(settings, model_config)  # now, not after the workers loaded the model
     if refused is not None:
         print(f"pdserve up: {refused}", file=sys.stderr)
         return 2

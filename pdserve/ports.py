@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import random
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 # listening ports are drawn from [PORT_FLOOR, start of the ephemeral range) when that holds at least
@@ -92,9 +93,9 @@ def free_port_range(n: int, exclude: tuple[int, ...] = (), host: str = "127.0.0.
     raise RuntimeError(f"no {n} consecutive free ports on {host} in {attempts} tries")
 
 
-def bind_problem(host: str, port: int) -> str | None:
-    """Why a TCP listener could not bind ``host:port`` now (one line naming ``--host`` or ``--port``), or
-    None. ``host`` is resolved as asyncio's ``create_server`` (uvicorn) resolves it, ``getaddrinfo`` with
+def bind_problem(host: str, port: int, port_flag: str = "--port", host_flag: str = "--host") -> str | None:
+    """Why a TCP listener could not bind ``host:port`` now (one line naming ``host_flag`` or ``port_flag``),
+    or None. ``host`` is resolved as asyncio's ``create_server`` (uvicorn) resolves it, ``getaddrinfo`` with
     ``AI_PASSIVE`` (``""``: every address), and each address it gives is probed, an IPv6 one IPv6-only as
     asyncio binds it, with ``SO_REUSEADDR`` as uvicorn binds: a connection of a just-stopped server
     lingering in TIME_WAIT does not make the port busy (it did, for up to a minute after a Ctrl-C during
@@ -103,7 +104,7 @@ def bind_problem(host: str, port: int) -> str | None:
     try:
         addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        return f"--host {host!r} does not resolve to an address: {exc.strerror or exc}"
+        return f"{host_flag} {host!r} does not resolve to an address: {exc.strerror or exc}"
     for family, kind, proto, _, address in dict.fromkeys(addresses):
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -114,13 +115,41 @@ def bind_problem(host: str, port: int) -> str | None:
             except OSError as exc:
                 why, where = exc.strerror or str(exc), host or "every address"
                 if exc.errno == errno.EADDRINUSE:
-                    return f"port {port} on {where} is in use; choose another with --port"
+                    return f"port {port} on {where} is in use; choose another with {port_flag}"
                 if exc.errno == errno.EADDRNOTAVAIL:
-                    return f"--host {host} is not an address of this machine ({why})"
+                    return f"{host_flag} {host} is not an address of this machine ({why})"
                 if exc.errno == errno.EACCES:
                     return f"port {port} on {where} needs privileges ({why}); choose one above 1023"
-                return f"cannot bind --host {host!r} --port {port} ({why})"
+                return f"cannot bind {host_flag} {host!r} {port_flag} {port} ({why})"
     return None
+
+
+def control_bind_problem(endpoint: str) -> str | None:
+    """Why the gateway's zmq control socket could not bind ``endpoint`` now (one line naming it and
+    ``--control-bind``), or None. Only a ``tcp://host:port`` endpoint with a fixed port is probed, as
+    ``bind_problem`` probes (zmq binds with ``SO_REUSEADDR`` too; ``*`` is every IPv4 address); an
+    ``ipc://`` or ``inproc://`` one, a wildcard port (``*`` or 0) and a host that does not resolve (zmq
+    also takes an interface name, e.g. ``eth0``) are left to zmq."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port_text = endpoint.removeprefix("tcp://").rpartition(":")
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        return None
+    host = "0.0.0.0" if host == "*" else host.removeprefix("[").removesuffix("]")
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError):
+        return None
+    why = bind_problem(host, int(port_text), port_flag="--control-bind", host_flag="--control-bind")
+    return None if why is None else f"control socket {endpoint}: {why}"
+
+
+def gateway_bind_problem(host: str, port: int, control_endpoints: Sequence[str]) -> str | None:
+    """Why ``pdserve gateway`` could not bind its HTTP address (``bind_problem``) or one of its processes'
+    control sockets (``control_bind_problem``, in order) now, or None: the first problem found."""
+    if (why := bind_problem(host, port)) is not None:
+        return why
+    return next((why for e in control_endpoints if (why := control_bind_problem(e)) is not None), None)
 
 
 def local_host(host: str) -> str:

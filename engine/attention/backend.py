@@ -9,13 +9,12 @@ come from the cache, the new ones are causal: new token ``j`` sees KV positions 
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from abc import ABC, abstractmethod
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.config import attention_backend_problem, flash_attn_available
 from engine.kv_cache import KVCachePool
 from engine.ops.rotary import apply_rotary_reference
 from engine.ops.store_kv import KVScale
@@ -181,11 +180,6 @@ def check_inputs(
         raise ValueError(f"layer {layer} out of range [0, {kv_cache.num_layers})")
 
 
-def flash_attn_available() -> bool:
-    """True when the ``flash_attn`` package can be imported (nothing is imported)."""
-    return importlib.util.find_spec("flash_attn") is not None
-
-
 def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """Return the backend ``name`` for ``device``.
 
@@ -202,20 +196,16 @@ def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
     if name == "auto":
         on_cuda = dev.type == "cuda"
         name = ("flash_attn" if flash_attn_available() else "triton") if on_cuda else "torch"
+    if (why := attention_backend_problem(name, str(dev))) is not None:
+        raise ValueError(why)
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
     if name == "triton":
-        if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"triton backend needs CUDA (or TRITON_INTERPRET=1), got device {dev}")
         from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    if dev.type != "cuda":
-        raise ValueError(f"flash_attn backend needs CUDA, got device {dev}")
-    if not flash_attn_available():
-        raise ValueError("flash_attn backend requested but the flash_attn package is not installed")
     from engine.attention.flash_attn_backend import FlashAttnBackend
 
     return FlashAttnBackend()

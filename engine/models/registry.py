@@ -257,6 +257,35 @@ def read_model_config(path: Path, quantization: str | None = None) -> dict[str, 
     return raw
 
 
+def aliases() -> tuple[str, ...]:
+    """Every model alias, sorted: the embedded model's and the shape-only ones (``DUMMY_CONFIGS``)."""
+    return tuple(sorted([EMBEDDED_ALIAS, *DUMMY_CONFIGS]))
+
+
+def alias_dir(alias: str) -> Path:
+    """Where ``resolve_model(alias)`` puts an alias's directory in the cache (it may not exist yet):
+    ``<cache>/models/<alias>`` for the embedded model, ``<cache>/configs/<alias>`` for a shape-only one.
+
+    Raises:
+        ValueError: ``alias`` is not an alias (``aliases()``).
+    """
+    if alias == EMBEDDED_ALIAS:
+        return cache_dir() / "models" / alias
+    if alias in DUMMY_CONFIGS:
+        return cache_dir() / "configs" / alias
+    raise ValueError(f"{alias!r} is not a model alias (aliases: {', '.join(aliases())})")
+
+
+def max_model_len_problem(max_model_len: int | None, config: dict[str, Any]) -> str | None:
+    """Why ``max_model_len`` tokens per sequence do not fit a model with HF config ``config`` (a
+    ``config.json`` dict, or a transformers config's ``to_dict()``), or None: it exceeds the config's
+    ``max_position_embeddings``. None also when either is unset."""
+    limit = config.get("max_position_embeddings")
+    if max_model_len is None or not isinstance(limit, int) or max_model_len <= limit:
+        return None
+    return f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}"
+
+
 def is_dummy_alias(name: str) -> bool:
     """Whether ``name`` is a shape-only alias (no weights: always loaded with dummy weights)."""
     return name in DUMMY_CONFIGS
@@ -279,7 +308,7 @@ def _dummy_config_dir(alias: str) -> Path:
     ``DUMMY_CONFIGS[alias]``. Returns the directory. Raises OSError when the cache is not writable."""
     from engine.models.dummy_tokenizer import write_dummy_tokenizer
 
-    out = cache_dir() / "configs" / alias
+    out = alias_dir(alias)
     target = out / "config.json"
     text = json.dumps(DUMMY_CONFIGS[alias], indent=2)
     stale = not target.exists() or target.read_text() != text
@@ -315,13 +344,12 @@ def resolve_model(name: str) -> Path:
     if name == EMBEDDED_ALIAS:
         from engine.models.gguf_convert import ensure_embedded_model
 
-        return ensure_embedded_model(cache_dir() / "models" / EMBEDDED_ALIAS)
+        return ensure_embedded_model(alias_dir(EMBEDDED_ALIAS))
     if name in DUMMY_CONFIGS:
         return _dummy_config_dir(name)
     path = Path(name).expanduser()
     if not path.is_dir():
-        aliases = ", ".join(sorted([EMBEDDED_ALIAS, *DUMMY_CONFIGS]))
         raise FileNotFoundError(
-            f"model {name!r} is not a directory and not a known alias (aliases: {aliases})"
+            f"model {name!r} is not a directory and not a known alias (aliases: {', '.join(aliases())})"
         )
     return path

@@ -8,7 +8,8 @@ restarts it (a new pid in ``/v1/status``), requests over new connections keep su
 restart (the new process listens only once the workers have registered with it; one whose workers never
 come listens after the hold, two heartbeat timeouts), the workers register with the new one and no KV
 block leaks; SIGTERM stops the parent and every process. A process that cannot
-start (its control port taken) stops the pool with one line; a bad ``--workers`` is refused up front.
+start stops the pool with one line; a bad ``--workers`` is refused up front (a busy control port and a
+bad ``--tokenizer`` too: test_gateway_refusals.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -307,24 +309,24 @@ def test_a_restarted_process_without_workers_listens_only_after_the_hold(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_process_that_cannot_start_stops_the_pool_with_one_line(tokenizer_dir: Path) -> None:
+def test_a_process_that_cannot_start_stops_the_pool_with_one_line(tmp_path: Path) -> None:
+    """A process whose app cannot be built (here its tokenizer dir has no tokenizer.json: ``pdserve
+    gateway`` refuses such a ``--tokenizer`` before any process starts, so the pool is run directly, as
+    a dir emptied after that check would be) stops the pool with one line naming the process."""
     first = free_port_range(2)
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", first + 1))  # process 1's control port
-    taken.listen()
-    try:
-        [port] = free_ports(1, exclude=(first, first + 1))
-        out = subprocess.run([sys.executable, "-m", "pdserve.cli", "gateway", "--workers", "2", "--port",
-                              str(port), "--control-bind", f"tcp://127.0.0.1:{first}", "--tokenizer",
-                              str(tokenizer_dir), "--insecure-control-plane", "--log-level", "warning"],
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                             text=True, timeout=START_S + 30)
-    finally:
-        taken.close()
+    [port] = free_ports(1, exclude=(first, first + 1))
+    settings = (f"GatewaySettings(port={port}, control_bind='tcp://127.0.0.1:{first}', workers=2, "
+                f"tokenizer={str(tmp_path)!r}, insecure_control_plane=True, log_level='warning')")
+    code = ("import sys; from pdserve.gateway_pool import run_pool; from protocol.settings import "
+            f"GatewaySettings; sys.exit(run_pool({settings}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=START_S + 30)
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"pdserve gateway: gateway process 1 (tcp://127.0.0.1:{first + 1}) could not "
-                           f"start: cannot bind control socket at tcp://127.0.0.1:{first + 1}"), out.stderr
+    where = re.escape(str(tmp_path))
+    assert re.fullmatch(rf"pdserve gateway: gateway process (0|1) \(tcp://127\.0\.0\.1:({first}|{first + 1})"
+                        rf"\) could not start: --tokenizer {where}: directory {where} has no tokenizer\.json",
+                        last), out.stderr
 
 
 def test_a_port_in_use_is_refused_before_any_process_starts(capsys: pytest.CaptureFixture[str]) -> None:

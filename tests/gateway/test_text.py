@@ -74,9 +74,11 @@ def test_tokenizer_dir_from_flag_or_registered_model(tokenizer_dir: Path, tmp_pa
 
 def test_tokenizer_alias_from_pdserve_cache(tokenizer_dir: Path, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An alias already converted in the cache is taken from there, with no child process."""
+    import subprocess
+
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    with pytest.raises(TokenizerNotFoundError, match="start a worker first"):
-        resolve_tokenizer_dir("smollm2-135m", None)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a child process was started"))
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "smollm2-135m").symlink_to(tokenizer_dir)
     assert resolve_tokenizer_dir("smollm2-135m", None) == tmp_path / "models" / "smollm2-135m"

@@ -1,7 +1,8 @@
 """What ``pdserve up`` refuses before any child starts, each in one line naming the flag or the setting
 and with exit code 2 (tensor parallel ranks beyond the GPUs, a CUDA device that is not there, a busy
-port, a host it cannot bind, a model or quantization the workers cannot run), and the probes behind the
-port and host refusals (``pdserve.ports``)."""
+port, a host it cannot bind, a model or quantization the workers cannot run, a tokenizer the gateway
+could not use, a max model length beyond the model's positions, an attention backend the device cannot
+run), and the probes behind the port and host refusals (``pdserve.ports``)."""
 
 from __future__ import annotations
 
@@ -282,3 +283,95 @@ def test_local_host_reaches_a_server_bound_as_uvicorn_binds(host: str) -> None:
             await server.wait_closed()
 
     asyncio.run(reach())
+
+
+def _refused_through_the_cli(argv: list[str], monkeypatch: pytest.MonkeyPatch, gpus: int = 0) -> None:
+    """``pdserve up ARGV`` (a free port, no CURVE keys made) with ``gpus`` CUDA devices visible: asserts
+    exit code 2 and that no child was started."""
+    from pdserve import launcher
+    from pdserve.cli import main
+
+    started: list[str] = []
+    monkeypatch.setattr(launcher, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(Supervisor, "start", lambda self, name, *a, **k: started.append(name))
+    monkeypatch.setattr(launcher, "wait_ready", lambda *a, **k: "not ready (stub: no child runs)")
+    assert main(["up", "--port", str(free_port()), "--insecure-control-plane", *argv]) == 2
+    assert started == []
+
+
+@pytest.mark.parametrize("bad", ["/nonexistent", "no-such-alias", "EMPTY_DIR"])
+def test_up_refuses_a_tokenizer_the_gateway_could_not_use(bad: str, tmp_path, monkeypatch, capsys) -> None:
+    """A new operator's trial: ``pdserve up --tokenizer /nonexistent`` started every process, the gateway
+    died with a traceback, exit 1."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    name = str(tmp_path) if bad == "EMPTY_DIR" else bad
+    _refused_through_the_cli(["--model", "tiny-llama", "--device", "cpu", "--tokenizer", name], monkeypatch)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    if bad == "EMPTY_DIR":
+        assert line == f"pdserve up: --tokenizer {name}: directory {name} has no tokenizer.json"
+    else:
+        assert line.startswith(f"pdserve up: --tokenizer {name!r} does not exist and is not a model alias "
+                               "(aliases: glm-4.5-air, llama3-8b, "), line
+
+
+def test_up_refuses_a_max_model_len_beyond_the_models_positions(tmp_path, monkeypatch, capsys) -> None:
+    """A new operator's trial: ``pdserve up --max-model-len 100000000`` started every process; each worker
+    then refused it. The launcher reads the limit from the model's config.json (tiny-llama: 4096); the
+    limit itself is accepted."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    _refused_through_the_cli(["--model", "tiny-llama", "--device", "cpu", "--max-model-len", "100000000"],
+                             monkeypatch)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == ("pdserve up: --max-model-len 100000000: max_model_len=100000000 exceeds the model's "
+                    "max_position_embeddings=4096")
+    from engine.models.registry import DUMMY_CONFIGS, read_model_config, resolve_model
+    from pdserve import launcher
+
+    config = read_model_config(resolve_model("tiny-llama"))
+    assert config["max_position_embeddings"] == DUMMY_CONFIGS["tiny-llama"]["max_position_embeddings"]
+    at_limit = WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True,
+                              max_model_len=4096)
+    up = UpSettings(port=free_port(), device="cpu", insecure_control_plane=True, worker=at_limit)
+    assert launcher.up_refusal(up, config) is None
+
+
+@pytest.mark.parametrize(("backend", "device", "gpus", "interpret", "message"), [
+    ("flash_attn", "cpu", 0, "1", "flash_attn backend needs CUDA, got device cpu"),
+    ("flash_attn", "auto", 0, "1", "flash_attn backend needs CUDA, got device cpu"),
+    ("triton", "cpu", 0, "0", "triton backend needs CUDA (or TRITON_INTERPRET=1), got device cpu"),
+    ("flash_attn", "cuda", 1, "0",
+     "flash_attn backend requested but the flash_attn package is not installed"),
+])
+def test_up_refuses_an_attention_backend_the_workers_device_cannot_run(
+        backend: str, device: str, gpus: int, interpret: str, message: str, tmp_path, monkeypatch,
+        capsys) -> None:
+    """A new operator's trial: ``pdserve up --attention-backend flash_attn`` on a CPU-only host started every
+    process; each worker then said ``flash_attn backend needs CUDA, got device cpu``. (The flash_attn
+    package is made absent for the last case.)"""
+    import engine.config
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(engine.config, "flash_attn_available", lambda: False)
+    _refused_through_the_cli(["--model", "tiny-llama", "--device", device, "--attention-backend", backend],
+                             monkeypatch, gpus)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == f"pdserve up: --attention-backend {backend}: {message}"
+
+
+@pytest.mark.parametrize(("backend", "device", "gpus", "interpret"), [
+    ("torch", "cpu", 0, "0"), ("auto", "auto", 0, "0"), ("triton", "cpu", 0, "1"), ("triton", "auto", 1, "0"),
+    ("flash_attn", "cuda:0", 1, "0"),
+])
+def test_up_takes_an_attention_backend_the_device_runs(backend: str, device: str, gpus: int, interpret: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.config
+    from pdserve import launcher
+
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    monkeypatch.setattr(engine.config, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(launcher, "gpu_count", lambda: gpus)
+    worker = WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True,
+                            attention_backend=backend)
+    up = UpSettings(port=free_port(), device=device, insecure_control_plane=True, worker=worker)
+    assert launcher.up_refusal(up) is None
