@@ -118,6 +118,43 @@ def test_every_service_health_checked_restarted_and_accepted_by_cli() -> None:
                 "http", "127.0.0.1", int(env["PDSERVE_METRICS_PORT"]), "/health")
 
 
+def test_worker_ports_are_the_kubernetes_ones_by_role() -> None:
+    """Prefill workers use 7200 (KV control) and 7210 (HTTP), decode workers 7201 and 7211, as the
+    Kubernetes manifests and docs/deploy.md ("Ports") say; the compose file once gave every worker
+    7200/7210."""
+    from tests.deploy.common import rendered
+
+    k8s = {}
+    for res in rendered("cpu"):
+        if res["kind"] == "Deployment" and res["metadata"]["name"] in ("pdserve-prefill", "pdserve-decode"):
+            (c,) = res["spec"]["template"]["spec"]["containers"]
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            k8s[res["metadata"]["name"].removeprefix("pdserve-")] = (env["PDSERVE_PORT"],
+                                                                     env["PDSERVE_METRICS_PORT"])
+    assert k8s == {"prefill": ("7200", "7210"), "decode": ("7201", "7211")}
+    for name, svc in load_compose()["services"].items():
+        role = svc["command"][0]
+        if role in k8s:
+            env = {k: str(v) for k, v in svc["environment"].items()}
+            assert (env["PDSERVE_PORT"], env["PDSERVE_METRICS_PORT"]) == k8s[role], name
+    for dockerfile in ("Dockerfile.cpu", "Dockerfile.gpu"):
+        exposed = set(dict(_instructions(dockerfile))["EXPOSE"].split())
+        assert {"8000", "7100", "7200", "7201", "7210", "7211"} <= exposed, dockerfile
+
+
+def test_gateway_health_start_period_covers_the_tokenizer_preparation() -> None:
+    """On an empty /cache the gateway converts its --tokenizer alias before /health answers; compose
+    must not mark it unhealthy (the workers wait for a healthy gateway) before the conversion's deadline,
+    nor must the image's own HEALTHCHECK."""
+    from gateway.text import PREPARE_TIMEOUT_S
+
+    check = load_compose()["services"]["gateway"]["healthcheck"]
+    assert int(check["start_period"].removesuffix("s")) > PREPARE_TIMEOUT_S
+    for dockerfile in ("Dockerfile.cpu", "Dockerfile.gpu"):
+        period = re.search(r"--start-period=(\d+)s", dict(_instructions(dockerfile))["HEALTHCHECK"])
+        assert period is not None and int(period.group(1)) > PREPARE_TIMEOUT_S, dockerfile
+
+
 def test_gateway_processes_and_worker_control_list_agree() -> None:
     """``GATEWAY_WORKERS=N`` runs N gateway processes (control ports 7100..7100+N-1) and
     ``GATEWAY_CONTROL`` gives the workers that list: the gateway's settings name the same endpoints

@@ -201,6 +201,12 @@ def test_probes_check_the_engine_loop_and_the_gateway_readiness(overlay: str, tm
     (g,) = _pod(resources, "pdserve-gateway")["containers"]
     assert g["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert g["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # on its empty cache the gateway converts its --tokenizer alias before it serves /health: the startup
+    # probe gives it longer than the conversion's deadline
+    from gateway.text import PREPARE_TIMEOUT_S
+
+    startup = g["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] > PREPARE_TIMEOUT_S
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
