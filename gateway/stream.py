@@ -67,10 +67,10 @@ async def text_deltas(orch: Orchestrator, text: TextProcessor, req: GatewayReque
             held.append((start, out.logprob))
         reason = "stop" if detok.stopped else out.finish_reason
         if reason is None:  # without stop strings no text is held back: every logprob goes out at once
-            yield Delta(new, n, None, released(len(detok.output_text) if req.inp.stop else sys.maxsize))
+            yield Delta(new, n, None, released(detok.released_length if req.inp.stop else sys.maxsize))
             continue
         orch.finish(req, reason)
         assert reason != "abort"  # finish raised
         new += detok.finish()
-        yield Delta(new, n, reason, released(len(detok.output_text) if detok.stopped else sys.maxsize))
+        yield Delta(new, n, reason, released(detok.released_length if detok.stopped else sys.maxsize))
         return

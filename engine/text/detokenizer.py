@@ -79,6 +79,11 @@ class IncrementalDetokenizer:
         return self._text[: self._emitted]
 
     @property
+    def released_length(self) -> int:
+        """``len(output_text)`` without building it (characters returned so far)."""
+        return self._pieces_len if not self._stops else self._emitted
+
+    @property
     def decoded_length(self) -> int:
         """Characters decoded so far, the held-back tail included (with stop strings: up to the start of
         the stop string that matched). A token's text starts at the value read before its ``add``."""

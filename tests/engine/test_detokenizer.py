@@ -65,6 +65,16 @@ def test_stop_string_across_two_tokens_is_not_emitted() -> None:
     assert detok.add(ord("z")) == "" and detok.finish() == ""
 
 
+def test_released_and_decoded_lengths_with_and_without_stop_strings() -> None:
+    tok = ByteTokenizer([b"Hello ST", b"OP tail"])
+    held = IncrementalDetokenizer(tok, [], stop=["STOP"])
+    held.add(256)  # "ST" held back
+    assert (held.released_length, held.decoded_length) == (len(held.output_text), 8) == (6, 8)
+    plain = IncrementalDetokenizer(tok, [])
+    plain.add(256)
+    assert (plain.released_length, plain.decoded_length) == (len(plain.output_text), 8) == (8, 8)
+
+
 def test_held_back_text_released_when_it_is_not_a_stop() -> None:
     tok = ByteTokenizer()
     detok = IncrementalDetokenizer(tok, [], stop=["</end>"])
