@@ -35,12 +35,14 @@ class CorePlan:
 
     ``gateway[i]``: gateway process i's cores (i < the largest N of the run); ``load``: the cores the
     client processes, fake workers and the bench share, disjoint from every ``gateway[i]``; ``smt``: some
-    CPUs given were SMT siblings of one physical core (kept together by the order).
+    CPUs given were SMT siblings of one physical core (kept together by the order); ``probe``: the core of
+    the clock probe (``--clock-probe``: one physical core taken from the load side; empty without it).
     """
 
     gateway: tuple[frozenset[int], ...]
     load: frozenset[int]
     smt: bool = False
+    probe: frozenset[int] = frozenset()
 
     @property
     def gateway_union(self) -> frozenset[int]:
@@ -52,7 +54,8 @@ class CorePlan:
         parts = [f"gateway process {i}: cores {format_cpus(c)}" for i, c in enumerate(self.gateway)]
         smt = " (SMT: a physical core's threads kept together)" if self.smt else ""
         load = f"clients, fake workers and the bench: cores {format_cpus(self.load)}{smt}"
-        return "; ".join([*parts, load])
+        probe = [f"clock probe: cores {format_cpus(self.probe)}"] if self.probe else []
+        return "; ".join([*parts, load, *probe])
 
 
 def format_cpus(cpus: Iterable[int]) -> str:
@@ -97,13 +100,15 @@ def physical_cores(cpus: Iterable[int], sysfs: str = "/sys/devices/system/cpu") 
 
 
 def assign_cores(cpus: Sequence[int], max_processes: int,
-                 core_of: Mapping[int, int] | None = None) -> CorePlan:
+                 core_of: Mapping[int, int] | None = None, probe: bool = False) -> CorePlan:
     """The plan for a run whose largest gateway level is ``max_processes`` on the CPUs ``cpus`` (this
     process's affinity, ``os.sched_getaffinity(0)``), ``core_of`` mapping a CPU to its physical core's key
-    (``physical_cores``; None or a missing CPU: its own core); see the module docstring for the rule.
+    (``physical_cores``; None or a missing CPU: its own core); see the module docstring for the rule. With
+    ``probe`` the load side's highest physical core (all its CPUs) becomes the clock probe's; the load
+    side keeps the rest and must keep at least one CPU.
 
     Raises ValueError naming ``--pin-cpus`` when ``max_processes`` < 1, ``cpus`` repeats an id, or there
-    are fewer than ``max_processes + 1`` CPUs.
+    are fewer than ``max_processes + 1`` CPUs, or the probe would leave the load side none.
     """
     if max_processes < 1:
         raise ValueError(f"{FLAG}: the largest gateway level must be >= 1, got {max_processes}")
@@ -119,7 +124,17 @@ def assign_cores(cpus: Sequence[int], max_processes: int,
     top = ordered[len(ordered) - per * max_processes:]
     gateway = tuple(frozenset(top[i * per:(i + 1) * per]) for i in range(max_processes))
     smt = len({core.get(c, c) for c in cpus}) < len(cpus)
-    return CorePlan(gateway=gateway, load=frozenset(ordered[:len(ordered) - per * max_processes]), smt=smt)
+    load = ordered[:len(ordered) - per * max_processes]
+    probe_cpus: list[int] = []
+    if probe:
+        last = core.get(load[-1], load[-1])
+        probe_cpus = [c for c in load if core.get(c, c) == last]
+        load = [c for c in load if c not in probe_cpus]
+        if not load:
+            raise ValueError(f"{FLAG} --clock-probe: {len(cpus)} CPUs ({format_cpus(cpus)}) leave no core "
+                             f"for the clients and fake workers once {max_processes} gateway processes and "
+                             "the probe have theirs")
+    return CorePlan(gateway=gateway, load=frozenset(load), smt=smt, probe=frozenset(probe_cpus))
 
 
 def thread_ids(pid: int) -> set[int]:

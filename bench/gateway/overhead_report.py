@@ -102,18 +102,22 @@ def render_scale(levels: list[ScaleLevel], max_tokens: int, plan: CorePlan | Non
              "streaming (the run's ramp-up and drain left out; \"–\": no such window, too few requests "
              "per stream); whole run: from the first client's start to the last one's end. CPU: share of "
              "one core over the measured time; a client or fake worker near 1.0 may be the limit rather "
-             "than the gateway. `took`: processes that took requests.", "",
+             "than the gateway. `took`: processes that took requests. Load side cores: the clients' and fake "
+             "workers' CPU together. Clock probe (`--clock-probe`): the rate of fixed Python work on a core "
+             "of its own, against the first N (below 1: the host's cores ran slower at that load).", "",
              "| processes | clients | streams | ok/sent | steady tokens/s (s) | x steady tokens/s "
              "| whole-run tokens/s | req/s | x req/s "
              "| gateway cores | busiest client | fake decode workers | busiest fake worker | took | leaks "
              "| cores per gateway process | allowed cores per gateway process "
-             "| requests per gateway process |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
+             "| requests per gateway process | load side cores | x clock probe |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|---:|---:|"]
     for lv in levels:
         tok = (f"**{lv.steady_tokens_s / ref.steady_tokens_s:.2f}**"
                if ref.steady_tokens_s > 0 and lv.steady_tokens_s > 0 else "–")
         steady = f"{lv.steady_tokens_s:.0f} ({lv.steady_s:.2f})" if lv.steady_s > 0 else "–"
         req = lv.req_s / ref.req_s if ref.req_s > 0 else 0.0
+        probe = (f"{lv.probe_units_s / ref.probe_units_s:.3f}"
+                 if ref.probe_units_s > 0 and lv.probe_units_s > 0 else "–")
         lines.append(f"| {lv.processes} | {lv.clients} | {lv.concurrency} | {lv.completed}/{lv.sent} "
                      f"| {steady} | {tok} | {lv.tokens_s:.0f} | {lv.req_s:.1f} | {req:.2f} "
                      f"| {lv.gateway_cores:.2f} "
@@ -121,7 +125,8 @@ def render_scale(levels: list[ScaleLevel], max_tokens: int, plan: CorePlan | Non
                      f"| {lv.processes_used}/{lv.processes} | {lv.leaks} "
                      f"| {' / '.join(f'{c:.2f}' for c in lv.process_cores) or '–'} "
                      f"| {' / '.join(lv.gateway_cpus) or '–'} "
-                     f"| {' / '.join(str(n) for n in lv.process_requests) or '–'} |")
+                     f"| {' / '.join(str(n) for n in lv.process_requests) or '–'} "
+                     f"| {lv.load_cores:.2f} | {probe} |")
     errors = [f"N={lv.processes}: {lv.first_error}" for lv in levels if lv.first_error]
     if errors:
         lines += ["", "First errors: " + "; ".join(errors)]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import msgspec
 
+from bench.gateway.clock_probe import ClockProbe, units_per_second
 from bench.gateway.cpu_pinning import CorePlan, format_cpus, pin_process
 from bench.gateway.overhead_targets import (
     OverheadConfig,
@@ -112,7 +113,10 @@ class ScaleLevel(msgspec.Struct, kw_only=True):
     measurement (``taskset -c`` form; every core of the host when not pinned). ``steady_s`` and
     ``steady_tokens_s``: the steady window's length and output tokens/s (``steady_window``; 0.0 when it
     was empty). ``process_requests``: the requests (warm-up included) each gateway process passed to the
-    fake prefill worker, in index order: how the kernel spread the connections over the processes."""
+    fake prefill worker, in index order: how the kernel spread the connections over the processes.
+    ``load_cores``: the client processes' and fake workers' CPU together (shares of one core; the load
+    side's cores bound it). ``probe_units_s``: the clock probe's rate over the measured time
+    (bench/gateway/clock_probe.py; 0.0 without ``--clock-probe``)."""
 
     processes: int
     clients: int
@@ -135,6 +139,8 @@ class ScaleLevel(msgspec.Struct, kw_only=True):
     process_requests: list[int] = []
     process_cores: list[float] = []
     gateway_cpus: list[str] = []
+    load_cores: float = 0.0
+    probe_units_s: float = 0.0
 
 
 def _client_process(url: str, cfg: OverheadConfig, concurrency: int, barrier: object,
@@ -175,7 +181,10 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
     results: multiprocessing.SimpleQueue[ClientShare] = ctx.SimpleQueue()
     share = dataclasses.replace(cfg, requests=max(1, -(-cfg.requests // clients)))
     procs: list[multiprocessing.process.BaseProcess] = []
+    probe = ClockProbe(plan.probe) if plan is not None and plan.probe else None
     try:
+        if probe is not None:
+            probe.start()
         url = start_target("disagg", cfg, tokenizer_dir, sup, log_dir, processes, decode_workers)
         kids = sup.children
         pids = gateway_pids(url, processes, 60.0)
@@ -200,6 +209,7 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
         barrier.wait(180.0)
         gw0, wk0, t0 = cpu_seconds(kids["gateway"].pid), [cpu_seconds(w) for w in workers], time.monotonic()
         each0 = [cpu_seconds(pid) for pid in gateway]
+        probe0 = probe.count() if probe is not None else None
         # read every share before joining: a share larger than the pipe's buffer (its token arrival
         # times) keeps its process in put() until it is read, so joining first would wait forever
         deadline = time.monotonic() + cfg.timeout_s * share.requests + 120.0
@@ -215,6 +225,9 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
         for p in procs:
             p.join(120.0)
         gw, wall_all = cpu_seconds(kids["gateway"].pid) - gw0, time.monotonic() - t0
+        probe_rate = 0.0
+        if probe is not None and probe0 is not None:
+            probe_rate = units_per_second(probe0, probe.count())
         each = [cpu_seconds(pid) - c0 for pid, c0 in zip(gateway, each0, strict=True)]
         wk = [cpu_seconds(w) - w0 for w, w0 in zip(workers, wk0, strict=True)]
         if any(p.exitcode != 0 for p in procs):
@@ -229,6 +242,8 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
             if p.is_alive():
                 p.kill()
                 p.join()
+        if probe is not None:
+            probe.stop()
         sup.stop_all()
     wall = max(s.end for s in shares) - min(s.start for s in shares)
     rate = 1 / wall if wall > 0 else 0.0
@@ -243,4 +258,7 @@ def run_scale_level(cfg: OverheadConfig, tokenizer_dir: Path, log_dir: Path, pro
                       busiest_worker_core=max(wk) / wall_all, processes_used=sum(1 for n in per_process if n),
                       process_requests=per_process, leaks=leaks,
                       process_cores=[c / wall_all for c in each], gateway_cpus=allowed,
-                      steady_s=steady_s, steady_tokens_s=steady_tokens / steady_s if steady_s > 0 else 0.0)
+                      steady_s=steady_s, steady_tokens_s=steady_tokens / steady_s if steady_s > 0 else 0.0,
+                      load_cores=sum(s.cpu_s / max(s.end - s.start, 1e-9) for s in shares)
+                      + sum(wk) / wall_all,
+                      probe_units_s=probe_rate)

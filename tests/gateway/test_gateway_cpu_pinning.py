@@ -54,6 +54,19 @@ def test_smt_siblings_stay_together() -> None:
     assert not assign_cores(list(range(16)), 4).smt
 
 
+def test_clock_probe_takes_the_load_sides_top_core() -> None:
+    plan = assign_cores(list(range(16)), 4, probe=True)
+    assert plan.gateway_union == frozenset(range(8, 16))
+    assert (plan.load, plan.probe) == (frozenset(range(7)), frozenset({7}))
+    assert plan.describe().endswith("clients, fake workers and the bench: cores 0-6; clock probe: cores 7")
+    smt = assign_cores(list(range(16)), 4, {c: c % 8 for c in range(16)}, probe=True)
+    assert smt.probe == frozenset({3, 11})  # both threads of one physical core
+    assert smt.load == frozenset({0, 1, 2, 8, 9, 10})
+    assert assign_cores(list(range(16)), 4).probe == frozenset()
+    with pytest.raises(ValueError, match=r"^--pin-cpus --clock-probe: 2 CPUs \(0-1\) leave no core"):
+        assign_cores([0, 1], 1, probe=True)
+
+
 def test_physical_cores_reads_thread_siblings(tmp_path: Path) -> None:
     for cpu, siblings in [(0, "0,2\n"), (1, "1,3\n"), (2, "0,2\n"), (3, "1,3\n"), (4, "4\n")]:
         (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)

@@ -237,6 +237,7 @@ def test_gateway_processes_smoke_run(tokenizer_dir: Path, tmp_path: Path) -> Non
     (["--gateway-processes", "1", "--scale-concurrency", "8", "--scale-concurrency-per-process", "4"],
      "--scale-concurrency and --scale-concurrency-per-process exclude each other"),
     (["--pin-cpus"], "--pin-cpus need --gateway-processes"),
+    (["--gateway-processes", "1", "--clock-probe"], "--clock-probe needs --pin-cpus"),
     (["--gateway-processes", "1,2", "--client-processes", "4", "--scale-concurrency-per-process", "2"],
      "--scale-concurrency-per-process 2 x 1 gateway processes gives fewer streams than the 4 client")])
 def test_scale_flags_are_refused_with_their_names(argv: list[str], why: str,
@@ -257,6 +258,7 @@ def test_scale_report_gives_the_core_plan_and_each_process() -> None:
     assert "- offered load: 64 streams per gateway process (`--scale-concurrency-per-process`)" in text
     assert "| 1/1 | ok | 1.17 | 8-9 | 105 |" in text
     assert "| 2/2 | ok | 0.93 / 0.95 | 8-9 / 10-11 | 61 / 44 |" in text
+    assert text.count("| 0.00 | – |") == 2  # no load side measured, no probe: nothing to compare
     plain = "\n".join(render_scale([one], 128))
     assert "- CPU pinning: none" in plain and "- offered load: the same streams at every N" in plain
 
@@ -290,9 +292,18 @@ def test_pinned_level_runs_on_its_cores(tokenizer_dir: Path, tmp_path: Path) -> 
 def test_two_process_level_pins_each_process_to_its_own_set(tokenizer_dir: Path, tmp_path: Path) -> None:
     a, b = sorted(os.sched_getaffinity(0))[:2]
     # a hand-made plan (assign_cores would refuse 2 processes on 2 CPUs): process 0 on b, process 1 on a
-    plan = CorePlan(gateway=(frozenset({b}), frozenset({a})), load=frozenset({a, b}))
+    plan = CorePlan(gateway=(frozenset({b}), frozenset({a})), load=frozenset({a, b}), probe=frozenset({a}))
     cfg = OverheadConfig(requests=8, warmup=1, max_tokens=4, concurrency=(2,), tokenizer=str(tokenizer_dir))
     level = run_scale_level(cfg, tokenizer_dir, tmp_path, 2, 4, 2, 1, plan)
     assert level.gateway_cpus == [str(b), str(a)]  # read back from each process, in index order
     assert (level.completed, level.leaks) == (8, "ok"), level.first_error
     assert len(level.process_cores) == 2
+    assert level.probe_units_s > 0 and level.load_cores > 0  # the clock probe ran through the level
+
+
+def test_scale_report_gives_load_side_cores_and_the_probe_against_the_first() -> None:
+    one, four = _scale(1, 6000, 50), _scale(4, 20400, 170)
+    one.load_cores, one.probe_units_s = 2.5, 400.0
+    four.load_cores, four.probe_units_s = 6.25, 340.0
+    text = "\n".join(render_scale([one, four], 128))
+    assert "| 2.50 | 1.000 |" in text and "| 6.25 | 0.850 |" in text
