@@ -81,9 +81,11 @@ def up_refusal(settings: UpSettings, model_config: Mapping[str, Any] | None = No
     flag), or None: an HTTP address it cannot bind (``bind_problem``), a CUDA device that is not there
     (``device_problem``; counting the GPUs imports torch unless ``--device cpu``), a ``--tokenizer`` the
     gateway could not use (``tokenizer_flag_problem``), a ``--max-model-len`` beyond the model's
-    ``max_position_embeddings`` in ``model_config`` (its ``config.json``; None: not checked), or an
+    ``max_position_embeddings`` in ``model_config`` (its ``config.json``; None: not checked) or beyond
+    its sliding window or LongRoPE's original context (``context_problem``), or an
     ``--attention-backend`` the workers' device cannot run (``attention_backend_problem``)."""
     from engine.config import attention_backend_problem
+    from engine.models.context_limits import context_problem
     from engine.models.registry import max_model_len_problem
     from gateway.text import tokenizer_flag_problem
 
@@ -96,6 +98,8 @@ def up_refusal(settings: UpSettings, model_config: Mapping[str, Any] | None = No
     worker = settings.worker
     if model_config is not None and (why := max_model_len_problem(worker.max_model_len, dict(model_config))):
         return f"--max-model-len {worker.max_model_len}: {why}"
+    if model_config is not None and (why := context_problem(dict(model_config), worker.max_model_len)):
+        return f"--model {settings.model}: {why} (--max-model-len)"
     device = "cpu" if settings.device == "auto" and gpus == 0 else settings.device.replace("auto", "cuda")
     if (why := attention_backend_problem(worker.attention_backend, device)) is not None:
         return f"--attention-backend {worker.attention_backend}: {why}"

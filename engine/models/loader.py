@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.initialization import no_init_weights
 
 from engine.config import ModelConfig
+from engine.models.context_limits import check_rope_scaling, check_sliding_window
 from engine.models.fp8 import build_fp8_model, init_dummy_fp8, load_fp8_weights
 from engine.models.mtp import is_mtp_key, layer_index, log_skipped, mtp_layers
 from engine.models.quant_config import fp8_scheme
@@ -80,50 +81,6 @@ def load_hf_config(path: Path, quantization: str | None = None) -> PretrainedCon
     """
     read_model_config(path, quantization)
     return AutoConfig.from_pretrained(str(path))
-
-
-def check_sliding_window(hf_config: PretrainedConfig, max_model_len: int | None) -> None:
-    """Refuse a model whose attention looks back only ``sliding_window`` tokens when a sequence may be
-    longer than that: the paged attention here always attends to the whole sequence, which would
-    silently change such a model's outputs past the window.
-
-    Raises:
-        ValueError: ``sliding_window`` is set and below ``max_model_len`` (default: the config's
-            ``max_position_embeddings``); the message names both and how to fit.
-    """
-    window = getattr(hf_config, "sliding_window", None)
-    length = max_model_len or int(hf_config.max_position_embeddings)
-    if window is not None and int(window) < length:
-        raise ValueError(
-            f"sliding_window={window} < max_model_len={length}: sliding-window attention is not supported "
-            f"(every token would attend to the whole sequence); set max_model_len <= {window}")
-
-
-def check_rope_scaling(hf_config: PretrainedConfig, max_model_len: int | None) -> None:
-    """Refuse LongRoPE (Phi-3's ``rope_scaling`` type ``longrope``, formerly ``su``) when a sequence may
-    outgrow ``original_max_position_embeddings``: transformers then switches every position to the long
-    factors by the longest sequence of the batch, so in a batch packing several sequences one sequence's
-    length would change the others' rotations (and the K/V already cached used the short factors). Within
-    the original context the short factors always apply, per sequence, as in transformers.
-
-    Raises:
-        ValueError: the RoPE type is ``longrope`` and ``max_model_len`` (default: the config's
-            ``max_position_embeddings``) exceeds ``original_max_position_embeddings``; the message names
-            both and how to fit.
-    """
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    if rope.get("rope_type") != "longrope":
-        return
-    original = int(rope.get("original_max_position_embeddings")
-                   or getattr(hf_config, "original_max_position_embeddings", None)
-                   or hf_config.max_position_embeddings)
-    length = max_model_len or int(hf_config.max_position_embeddings)
-    if length > original:
-        raise ValueError(
-            f"rope_scaling longrope with max_model_len={length} > "
-            f"original_max_position_embeddings={original}: "
-            f"LongRoPE's long factors are not supported (transformers picks them per batch); set "
-            f"max_model_len <= {original}")
 
 
 def checkpoint_files(path: Path) -> list[Path]:

@@ -35,11 +35,10 @@ from transformers.initialization import no_init_weights
 
 from engine.config import ModelConfig
 from engine.distributed import TensorParallel
+from engine.models.context_limits import check_rope_scaling, check_sliding_window
 from engine.models.fused_model import FusedCausalLM, SplitFp8
 from engine.models.loader import (
     _check_safetensors,
-    check_rope_scaling,
-    check_sliding_window,
     init_dummy_weights,
     load_hf_config,
     resolve_dtype,

@@ -1,8 +1,9 @@
 """What ``pdserve up`` refuses before any child starts, each in one line naming the flag or the setting
 and with exit code 2 (tensor parallel ranks beyond the GPUs, a CUDA device that is not there, a busy
 port, a host it cannot bind, a model or quantization the workers cannot run, a tokenizer the gateway
-could not use, a max model length beyond the model's positions, an attention backend the device cannot
-run), and the probes behind the port and host refusals (``pdserve.ports``)."""
+could not use, a max model length beyond the model's positions, its sliding window or LongRoPE's original
+context, an attention backend the device cannot run), and the probes behind the port and host refusals
+(``pdserve.ports``)."""
 
 from __future__ import annotations
 
@@ -375,3 +376,60 @@ def test_up_takes_an_attention_backend_the_device_runs(backend: str, device: str
                             attention_backend=backend)
     up = UpSettings(port=free_port(), device=device, insecure_control_plane=True, worker=worker)
     assert launcher.up_refusal(up) is None
+
+
+_PHI3_LONGROPE = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 64,
+                  "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "max_position_embeddings": 1024, "original_max_position_embeddings": 512,
+                  "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4,
+                                   "long_factor": [4.0] * 4},
+                  "partial_rotary_factor": 0.5}
+
+
+@pytest.mark.parametrize(("config", "max_model_len", "message"), [
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 64,
+      "max_position_embeddings": 512, "sliding_window": 64}, None,
+     "sliding_window=64 < max_model_len=512: sliding-window attention is not supported"),
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 64,
+      "max_position_embeddings": 512, "sliding_window": 64}, 65, "sliding_window=64 < max_model_len=65"),
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 64,
+      "max_position_embeddings": 512, "sliding_window": 64}, 64, None),
+    # Qwen2's window counts only with use_sliding_window, as transformers reads the config
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 64,
+      "max_position_embeddings": 512, "sliding_window": 64, "use_sliding_window": False}, None, None),
+    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 64,
+      "max_position_embeddings": 512, "sliding_window": 64, "use_sliding_window": True}, None,
+     "sliding_window=64 < max_model_len=512"),
+    (_PHI3_LONGROPE, None,
+     "rope_scaling longrope with max_model_len=1024 > original_max_position_embeddings=512"),
+    (_PHI3_LONGROPE, 512, None),
+])
+def test_up_refuses_a_context_beyond_the_models_window_or_longrope(config, max_model_len, message) -> None:
+    """A new operator's trial: ``pdserve up`` on a model whose sliding window (or LongRoPE's original
+    context) is shorter than its positions started every process; each worker then refused the model
+    after loading it. The launcher now refuses it from config.json, naming the model and the flag."""
+    from pdserve import launcher
+
+    worker = WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True,
+                            max_model_len=max_model_len)
+    up = UpSettings(model="m", port=free_port(), device="cpu", insecure_control_plane=True, worker=worker)
+    why = launcher.up_refusal(up, config)
+    if message is None:
+        assert why is None
+    else:
+        assert why is not None and why.startswith(f"--model m: {message}")
+        assert why.endswith("(--max-model-len)")
+
+
+def test_up_refuses_a_sliding_window_model_through_the_cli(tmp_path, monkeypatch, capsys) -> None:
+    """The same refusal as a user meets it: one line, exit 2, no child started."""
+    import json
+
+    config = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 64,
+              "max_position_embeddings": 512, "sliding_window": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _refused_through_the_cli(["--model", str(tmp_path), "--device", "cpu"], monkeypatch)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"pdserve up: --model {tmp_path}: sliding_window=64 < max_model_len=512: sliding-window "
+                    "attention is not supported (every token would attend to the whole sequence); set "
+                    "max_model_len <= 64 (--max-model-len)")
