@@ -23,6 +23,11 @@ unknown token, and every session's prompt the same tokens. CPU smoke (SmolLM2, ~
     python -m bench.serving.agent_turns --device cpu --sessions 2 --turns 3 --user-tokens 20 \
         --tool-tokens 40 --output-len 8 --think-time 0s
 
+``--repeats R`` runs the workload R times on the one started reuse-on system (each run's texts from
+another seed: no prefix shared with an earlier run), reported as systems ``reuse-on``, ``reuse-on-2``, ...
+with the median and range of their TTFT ratios (one run's p50 over 8 sessions moves by up to +-120 ms
+between neighbouring turns); ``--systems reuse-on`` leaves the reuse-off system out.
+
 Prints and writes (``WORK/report.md``, ``WORK/results.json``) the bench's per-turn tables and side by
 side view, then the two goal lines: TTFT p50 of the last turn / turn 1 per system (goal with reuse:
 <= 1.5x), and per system the KV moved / the new tokens' own KV over turns 2.. (median and max; goal
@@ -87,6 +92,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--off-flags", default="--enable-prefix-caching false",
                    help="worker flags of the reuse-off system (shell words)")
     p.add_argument("--worker-flags", default="", help="worker flags of both systems (shell words)")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="runs of the workload on the started reuse-on system, each with other texts")
+    p.add_argument("--systems", choices=("both", "reuse-on"), default="both",
+                   help="reuse-on alone skips the reuse-off system")
     p.add_argument("--work-dir", default="agent-turns", help="logs, report.md, results.json")
     p.add_argument("--ready-timeout", type=positive_float, default=600.0)
     args = p.parse_args(argv)
@@ -135,13 +144,17 @@ def target(label: str, system: LiveSystem) -> SystemTarget:
     return SystemTarget(label, system.url, (urls["prefill"],), (urls["decode"],))
 
 
-# the warm-up session's texts come from another seed, so it shares no prefix with the measured sessions
+# the warm-up session's texts come from another seed, so it shares no prefix with the measured sessions;
+# so do a repeat's (``--repeats``) with every earlier run's
 WARMUP_SEED_OFFSET = 1_000_003
+REPEAT_SEED_OFFSET = 2_000_029
 
 
 def run_one(args: argparse.Namespace, cfg: AgentConfig, label: str, flags: list[str], work: Path,
-            model: str) -> AgentSystemResult:
-    """Start the ``label`` system of ``model`` with ``flags`` on every worker, run the workload, stop it."""
+            model: str, repeats: int = 1) -> list[AgentSystemResult]:
+    """Start the ``label`` system of ``model`` with ``flags`` on every worker, run the workload ``repeats``
+    times (run r > 0 labelled ``label-<r+1>``, its texts from seed + r x ``REPEAT_SEED_OFFSET``: no prefix
+    shared with an earlier run), stop it."""
     device = "cuda:0" if args.device == "cuda" else "cpu"
     common = shlex.split(args.worker_flags) + (["--max-model-len", str(args.max_model_len)]
                                                 if args.max_model_len else [])
@@ -159,7 +172,12 @@ def run_one(args: argparse.Namespace, cfg: AgentConfig, label: str, flags: list[
             asyncio.run(run_system(warm, target(f"{label}-warmup", system)))
             print(f"== {label}: {args.warmup_turns} warm-up turns of another session done (not reported)",
                   flush=True)
-        return asyncio.run(run_system(dataclasses.replace(cfg, model=served), target(label, system)))
+        runs = []
+        for r in range(repeats):
+            name = label if r == 0 else f"{label}-{r + 1}"
+            run = dataclasses.replace(cfg, model=served, seed=cfg.seed + r * REPEAT_SEED_OFFSET)
+            runs.append(asyncio.run(run_system(run, target(name, system))))
+        return runs
 
 
 def goal_lines(result: AgentResult) -> list[str]:
@@ -174,6 +192,12 @@ def goal_lines(result: AgentResult) -> list[str]:
         context = f"{last.prompt_tokens_mean:.0f}" if last and last.prompt_tokens_mean else "-"
         lines.append(f"{s.label}: TTFT p50 turn {len(s.turns)} / turn 1 = {growth} (context {context} "
                      f"tokens; goal with reuse <= 1.5x); KV moved / new tokens' KV: {kv} (goal <= 1.2x)")
+    on = [s.ttft_last_over_first for s in result.systems
+          if s.label.startswith("reuse-on") and s.ttft_last_over_first is not None]
+    if len(on) > 1:
+        lines.append(f"reuse-on over {len(on)} runs on one system: TTFT p50 last turn / turn 1 median "
+                     f"{statistics.median(on):.2f}x (min {min(on):.2f}x, max {max(on):.2f}x; each: "
+                     f"{', '.join(f'{x:.2f}x' for x in on)})")
     return lines
 
 
@@ -188,8 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    plan = (("reuse-on", shlex.split(args.on_flags)), ("reuse-off", shlex.split(args.off_flags)))
-    systems = [run_one(args, cfg, label, [*model_flags, *flags], work, model) for label, flags in plan]
+    plan: list[tuple[str, list[str]]] = [("reuse-on", shlex.split(args.on_flags)),
+                                          ("reuse-off", shlex.split(args.off_flags))]
+    if args.systems == "reuse-on":
+        plan = plan[:1]
+    systems = [run for label, flags in plan
+               for run in run_one(args, cfg, label, [*model_flags, *flags], work, model,
+                                  args.repeats if label == "reuse-on" else 1)]
     data = config_dict(cfg)
     data["systems"] = [{"label": label, "worker_flags": [*model_flags, *flags]} for label, flags in plan]
     data["worker_model"] = model

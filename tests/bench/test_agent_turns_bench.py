@@ -3,6 +3,7 @@ the KV bytes per token of the H200 model, and the goal lines it prints from a re
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from bench.serving import agent_turns
@@ -11,6 +12,7 @@ from loadtest.agent_records import AgentResult, AgentSystemResult, TurnStats
 from loadtest.config import SLOConfig
 from loadtest.kv_size import kv_bytes_per_token, load_model_config
 from loadtest.metrics import latency_stats, summarize
+from loadtest.records import KVScrape
 
 
 def test_defaults_per_device_and_the_workload() -> None:
@@ -83,3 +85,54 @@ def test_zero_warmup_turns_and_think_time_are_allowed_and_durations_are_seconds(
     assert (cfg.think_time_s, cfg.request_timeout_s) == (0.0, 90.0)
     defaults = agent_turns.parse_args(["--device", "cpu"])
     assert (defaults.think_time, defaults.request_timeout) == (1.0, 300.0)
+
+
+def test_repeats_summary_line_gives_median_and_range_of_the_reuse_on_runs() -> None:
+    result = AgentResult(config={}, systems=[_system("reuse-on", [100.0, 150.0], [1.0, 1.0]),
+                                             _system("reuse-on-2", [100.0, 130.0], [1.0, 1.0]),
+                                             _system("reuse-on-3", [100.0, 170.0], [1.0, 1.0]),
+                                             _system("reuse-off", [100.0, 900.0], [None, None])])
+    lines = agent_turns.goal_lines(result)
+    assert len(lines) == 5 and lines[1].startswith("reuse-on-2: TTFT p50 turn 2 / turn 1 = 1.30x")
+    assert lines[-1] == ("reuse-on over 3 runs on one system: TTFT p50 last turn / turn 1 median 1.50x "
+                         "(min 1.30x, max 1.70x; each: 1.50x, 1.30x, 1.70x)")
+    one = agent_turns.goal_lines(AgentResult(config={}, systems=result.systems[:1]))
+    assert len(one) == 1  # no summary for a single run
+
+
+def test_repeats_run_on_one_system_with_fresh_texts_and_reuse_on_alone(monkeypatch, tmp_path) -> None:
+    import contextlib
+
+    started: list[str] = []
+    runs: list[tuple[str, int]] = []
+
+    @contextlib.contextmanager
+    def fake_live_system(kind, work, **kwargs):
+        started.append(work.name)
+        yield type("S", (), {"url": "http://x", "metrics_urls": {"prefill": "http://p", "decode": "http://d"}})()
+
+    async def fake_first_model(url, key):
+        return "served"
+
+    async def fake_run_system(cfg, target):
+        runs.append((target.label, cfg.seed))
+        assert cfg.model == "served"
+        done = _system(target.label, [100.0, 120.0], [1.0, 1.0])
+        done.kv = KVScrape(before=0.0, after=0.0, leaked=0.0)
+        done.summary = msgspec.structs.replace(done.summary, completed=1)  # main's exit code counts it
+        return done
+
+    monkeypatch.setattr(agent_turns, "live_system", fake_live_system)
+    monkeypatch.setattr(agent_turns, "first_model", fake_first_model)
+    monkeypatch.setattr(agent_turns, "run_system", fake_run_system)
+    monkeypatch.setattr(agent_turns, "kv_bytes_per_token", lambda config, dtype: 100)
+    assert agent_turns.main(["--device", "cpu", "--repeats", "3", "--systems", "reuse-on", "--warmup-turns",
+                             "0", "--work-dir", str(tmp_path)]) == 0
+    assert started == ["reuse-on"]  # one system, no reuse-off
+    step = agent_turns.REPEAT_SEED_OFFSET
+    assert runs == [("reuse-on", 0), ("reuse-on-2", step), ("reuse-on-3", 2 * step)]
+    assert "reuse-on over 3 runs on one system" in (tmp_path / "report.md").read_text()
+    runs.clear()
+    started.clear()
+    assert agent_turns.main(["--device", "cpu", "--warmup-turns", "0", "--work-dir", str(tmp_path)]) == 0
+    assert started == ["reuse-on", "reuse-off"] and [r[0] for r in runs] == ["reuse-on", "reuse-off"]
