@@ -29,8 +29,9 @@ def _require(ok: bool, field: str, allowed: str, value: object) -> None:
         raise SamplingParamsError(field, allowed, value)
 
 
-StructuredOutputKind = Literal["json", "json_object", "regex", "choice", "grammar"]
-STRUCTURED_OUTPUT_KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
+StructuredOutputKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+STRUCTURED_OUTPUT_KINDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar",
+                                            "structural_tag")
 
 
 class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -40,8 +41,11 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ``kind`` / ``spec``: ``json``: a JSON schema as a JSON string; ``json_object``: any JSON object
     (``spec`` ignored, "" by convention); ``regex``: a regular expression the whole output matches;
     ``choice``: a JSON list of strings, the output is exactly one of them; ``grammar``: an EBNF grammar
-    (xgrammar's dialect, GBNF-like, start rule ``root``). The sender validates ``spec`` (the gateway
-    refuses a bad one with a 400); a worker that still cannot compile it fails the request.
+    (xgrammar's dialect, GBNF-like, start rule ``root``); ``structural_tag``: an xgrammar structural tag
+    as a JSON string (``{"type": "structural_tag", "format": {...}}``: free text, tagged sections whose
+    content is a JSON schema, alternatives and sequences of them; the gateway builds one for strict
+    function tools under ``tool_choice`` ``auto``). The sender validates ``spec`` (the gateway refuses a
+    bad one with a 400); a worker that still cannot compile it fails the request.
 
     Raises:
         SamplingParamsError: an unknown ``kind`` or a ``spec`` that is not a string.

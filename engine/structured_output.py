@@ -16,7 +16,9 @@ leave the matcher where the sequence is. A step launched ahead (asynchronous sch
 engine/async_step.py) passes the previous step's tokens, sampled but not yet applied, as ``pending``.
 
 JSON schemas compile with compact separators (``", "`` and ``": "``, no other whitespace), so a small
-model cannot loop on whitespace; ``json_object`` is the schema ``{"type": "object"}``.
+model cannot loop on whitespace; ``json_object`` is the schema ``{"type": "object"}``. A
+``structural_tag`` spec is compiled as xgrammar reads it (its JSON-schema sections say their own
+whitespace limit, ``max_whitespace_cnt``).
 """
 
 from __future__ import annotations
@@ -196,6 +198,8 @@ class StructuredOutputs:
                 return compiler.compile_regex(spec.spec)
             if spec.kind == "choice":
                 return compiler.compile_grammar(choice_grammar(spec.spec))
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(spec.spec)
             return compiler.compile_grammar(spec.spec)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarRejected(f"structured_output {spec.kind} does not compile: "

@@ -1,0 +1,141 @@
+"""The ``structural_tag`` structured output on SmolLM2's tokenizer: the kind compiles, a bad tag is refused,
+the token bitmask of the gateway's tag for strict tools under ``tool_choice`` ``auto`` leaves free text
+free and holds a call's arguments to the tool's schema, and random walks through each parser's tag
+(random tokens among those the bitmask allows) decode to text whose parsed calls all name a tool with
+arguments that satisfy its schema, each walk that writes a call having it read back as one."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from engine.sampling_params import StructuredOutput
+from engine.structured_output import GrammarRejected, GrammarState, StructuredOutputs
+from gateway.chat_output import ChatOutputSpec, parse_whole
+from gateway.tool_grammar import ANY_OBJECT, ToolSchema, auto_tool_structural_tag
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB, EOS = 49152, 2
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"type": "string", "maxLength": 12},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 9}}}
+TOOLS = [ToolSchema("weather", WEATHER), ToolSchema("clock", ANY_OBJECT)]
+SCHEMAS = {t.name: t.arguments for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def outputs(smollm2_tokenizer_dir: Path) -> StructuredOutputs:
+    return StructuredOutputs(smollm2_tokenizer_dir, VOCAB, (EOS,))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_tokenizer_dir: Path) -> object:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+
+
+def _tag(parser: str, parallel: bool = True) -> StructuredOutput:
+    return StructuredOutput(kind="structural_tag",
+                            spec=json.dumps(auto_tool_structural_tag(parser, TOOLS, parallel)))
+
+
+def _allowed(state: GrammarState) -> torch.Tensor:
+    bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    state.matcher.fill_next_token_bitmask(bitmask, 0)
+    bits = torch.arange(32, dtype=torch.int32)
+    return ((bitmask[0].unsqueeze(1) >> bits) & 1).flatten()[:VOCAB].bool()
+
+
+def _ids(tokenizer: object, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+
+
+def test_structural_tag_kind_compiles_and_a_bad_one_is_refused(outputs: StructuredOutputs) -> None:
+    for parser in ("hermes", "llama3_json", "mistral"):
+        outputs.compile(_tag(parser))
+    with pytest.raises(GrammarRejected, match="structural_tag does not compile"):
+        outputs.compile(StructuredOutput(kind="structural_tag", spec='{"type": "structural_tag", "format": '
+                                                                     '{"type": "no_such_format"}}'))
+
+
+def test_hermes_tag_masks_only_inside_a_call(outputs: StructuredOutputs, tokenizer: object) -> None:
+    """Free text allows any token (eos too); after ``<tool_call>`` only the forced start of a call; in
+    the arguments only what the schema allows (a string for ``city``: no digit, no eos)."""
+    state = outputs.state(_tag("hermes"))
+    digit, quote = _ids(tokenizer, "7"), _ids(tokenizer, '"')
+    assert len(digit) == 1 and len(quote) == 1
+    state.sync(_ids(tokenizer, "Let me check."))
+    free = _allowed(state)
+    assert free[digit[0]] and free[quote[0]] and free[EOS]
+    prefix = _ids(tokenizer, 'Let me check. <tool_call>')
+    state = outputs.state(_tag("hermes"))
+    state.sync(prefix)
+    start = _allowed(state)
+    assert not start[digit[0]] and not start[EOS] and not start[quote[0]]  # "\n{" comes next
+    state.sync(prefix + _ids(tokenizer, '\n{"name": "weather", "arguments": {"city": '))
+    value = _allowed(state)
+    assert value[quote[0]] and not value[digit[0]] and not value[EOS]
+    with pytest.raises(Exception, match="not allowed"):
+        state.sync(prefix + _ids(tokenizer, '\n{"name": "weather", "arguments": {"city": 7'))
+
+
+# what a walk is given before its random part: a start that leads into a call, or plain text
+STARTS = {"hermes": ["Let me check. <tool_call>", "Sure"], "llama3_json": ["{", "<|python_tag|>", "The"],
+          "mistral": ["[TOOL_CALLS]", "[", "I will [TOOL_CALLS]", "Hi"]}
+CLOSERS = ('"', "}", "]", ",", ";", "1", " ", "\n")  # tokens a walk prefers, so that it ends
+
+
+def _walk(state: GrammarState, tokenizer: object, start: list[int], rng: random.Random,
+          steps: int = 160) -> list[int] | None:
+    """``start`` then random allowed tokens (short ones that close values preferred, eos at times) until
+    the grammar terminates: the output ids, or None when it did not end within ``steps``."""
+    out = list(start)
+    state.sync(out)
+    decode = tokenizer.convert_ids_to_tokens  # type: ignore[attr-defined]
+    for _ in range(steps):
+        allowed = _allowed(state).nonzero().flatten().tolist()
+        assert allowed, "the grammar allows no token"
+        if EOS in allowed and rng.random() < 0.5:
+            token = EOS
+        else:
+            short = [t for t in allowed if t != EOS and decode(t).replace("Ġ", " ").replace("Ċ", "\n")
+                     in CLOSERS]
+            pool = short if short and rng.random() < 0.7 else [t for t in allowed if t != EOS] or allowed
+            token = rng.choice(pool)
+        out.append(token)
+        state.sync(out)
+        if state.is_terminated():
+            return out[:-1]
+    return None
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_random_walks_parse_back_to_calls_that_satisfy_the_schemas(
+        outputs: StructuredOutputs, tokenizer: object, parser: str, parallel: bool) -> None:
+    rng = random.Random(f"{parser}-{parallel}")
+    spec = _tag(parser, parallel)
+    ended = calls = 0
+    for k in range(24):
+        start_text = STARTS[parser][k % len(STARTS[parser])]
+        ids = _walk(outputs.state(spec), tokenizer, _ids(tokenizer, start_text), rng)
+        if ids is None:
+            continue
+        ended += 1
+        text = tokenizer.decode(ids, skip_special_tokens=True)  # type: ignore[attr-defined]
+        out = parse_whole(ChatOutputSpec(None, parser, parallel), text)
+        for call in out.calls:
+            arguments = json.loads(call.arguments)
+            assert isinstance(arguments, dict), text
+            jsonschema.validate(arguments, SCHEMAS[call.name])  # KeyError: a name no tool has
+        if start_text.endswith(("<tool_call>", "[TOOL_CALLS]", "{", "<|python_tag|>")):
+            assert out.calls, f"the forced call was not read back as one: {text!r}"
+        calls += len(out.calls)
+    assert ended >= 12 and calls >= 3
