@@ -155,7 +155,9 @@ def _decoded(arguments: str) -> dict[str, Any] | str:
 class FunctionDefinition(BaseModel):
     """A function tool: ``name`` (OpenAI's rule: letters, digits, ``_``, ``-``, at most 64), an optional
     ``description``, ``parameters`` (a JSON Schema, checked in gateway/tool_request.py) and ``strict``
-    (accepted; pdserve's tool arguments are not constrained under ``auto``, see README)."""
+    (true: under ``tool_choice`` ``auto`` the calls the model writes are constrained to the tools, this
+    one's arguments to ``parameters``: gateway/tool_grammar.py; false or absent: not strict; ``required``
+    and a named choice constrain every tool's arguments regardless; README "Tools")."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -33,7 +33,7 @@ from gateway.structured_output import structured_output_of
 from gateway.text import TextProcessor, TokenizerNotFoundError
 from gateway.tool_parsers import select_tool_parser, template_renders_tools
 from gateway.tool_prompt import fallback_messages
-from gateway.tool_request import ToolPlan, plan_tools, tool_structured_output
+from gateway.tool_request import ToolPlan, auto_tool_structured_output, plan_tools, tool_structured_output
 
 Body = ChatCompletionRequest | CompletionRequest
 NO_PARSING = ChatOutputSpec()
@@ -195,7 +195,8 @@ def encode_text(text: TextProcessor, s: str, add_special_tokens: bool, param: st
 def chat_tools(svc: GatewayService, text: TextProcessor, body: ChatCompletionRequest) -> ToolPlan:
     """The request's tool plan with the served model's parsers (``--tool-call-parser`` and
     ``--reasoning-parser``, ``auto``: by its chat template). A ``required`` or named ``tool_choice``
-    gets its structured-output constraint in ``prepare`` (``tool_structured_output``).
+    gets its structured-output constraint in ``prepare`` (``tool_structured_output``), as does ``auto``
+    with a strict tool (``auto_tool_structured_output``).
 
     Raises:
         APIError: 400 naming the tool field at fault (gateway/tool_request.py).
@@ -336,9 +337,17 @@ def prepare(svc: GatewayService, body: Body, request_id: str) -> Prepared:
                               "calls; it cannot be combined with response_format or structured_outputs",
                               "tool_choice")
         structured = tool_structured_output(plan.forced_schema)
-    structured_param = None if structured is None else (
-        "tool_choice" if plan is not None and plan.forced_schema is not None
-        else "structured_outputs" if body.structured_outputs is not None else "response_format")
+        structured_param: str | None = "tool_choice"
+    elif plan is not None and plan.strict_tag is not None:
+        if structured is not None:
+            raise bad_request(f"{plan.strict_param}: a strict tool under tool_choice 'auto' constrains the "
+                              "output's tool calls; it cannot be combined with response_format or "
+                              "structured_outputs", plan.strict_param)
+        structured = auto_tool_structured_output(plan.strict_tag)
+        structured_param = plan.strict_param
+    else:
+        structured_param = None if structured is None else (
+            "structured_outputs" if body.structured_outputs is not None else "response_format")
     prompts = _prompts(text, body, plan)
     if len(prompts) * body.n > svc.settings.max_queue:
         raise bad_request(f"{len(prompts)} prompts x n={body.n} choices exceed --max-queue "

@@ -414,9 +414,13 @@ PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
 
 
 def responses_param(param: str | None) -> str | None:
-    """The Responses field of a chat request field named by a 400 (``PARAMS``; others unchanged)."""
+    """The Responses field of a chat request field named by a 400 (``PARAMS``; a tool's
+    ``tools.<i>.function.<field>`` is ``tools.<i>.<field>``; others unchanged)."""
     if param is None:
         return None
+    parts = param.split(".")
+    if parts[0] == "tools" and len(parts) > 2 and parts[2] == "function":  # Responses tools are flat
+        return ".".join(parts[:2] + parts[3:])
     head, _, rest = param.partition(".")
     mapped = PARAMS.get(head)
     if mapped is None:

@@ -14,6 +14,15 @@ Rules (OpenAI's, plus what pdserve cannot honour):
 * ``required`` / named: the output is constrained to ``forced_tool_schema`` (``tool_structured_output``:
   a structured output of kind json, which ``gateway/prepare.py`` attaches) and read by the
   ``forced_json`` parser; combined with ``response_format`` or ``structured_outputs`` → 400.
+* ``auto`` with at least one ``strict: true`` tool: the output is constrained by a structural tag
+  (``gateway/tool_grammar.py``; ``auto_tool_structured_output``): free text, but a call in the parser's
+  format must call one of the tools, a strict tool's arguments satisfying its ``parameters`` (each
+  checked like a ``response_format`` schema, ``gateway/structured_output.check_json_schema``), a
+  non-strict tool's being any JSON object. Refused (400 naming ``tools.<i>.function.strict``, the first
+  strict tool): with ``response_format`` or ``structured_outputs`` (``gateway/prepare.py``), and for the
+  ``llama3_json`` and ``mistral`` parsers with a reasoning parser (their calls are recognised at the
+  start of the answer, which the grammar cannot place after a reasoning block). ``strict`` false or
+  absent alone adds no constraint.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from engine.sampling_params import StructuredOutput
 from gateway.chat_output import ChatOutputSpec
 from gateway.errors import bad_request
 from gateway.openai_requests import ChatCompletionRequest, FunctionTool, NamedToolChoice
+from gateway.structured_output import check_json_schema
+from gateway.tool_grammar import ANY_OBJECT, CONSTRAINABLE, ToolSchema, auto_tool_structural_tag
 from gateway.tool_parsers import FORCED
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -38,12 +49,16 @@ NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additional
 @dataclass(frozen=True)
 class ToolPlan:
     """What a chat request's tools amount to: ``template_tools`` (OpenAI tool objects for the chat
-    template, None without tools), the output parsers, and ``forced_schema`` (the JSON schema of a
-    ``required`` or named choice's output; None otherwise)."""
+    template, None without tools), the output parsers, ``forced_schema`` (the JSON schema of a
+    ``required`` or named choice's output; None otherwise), and ``strict_tag`` (the structural tag of
+    ``auto`` with strict tools; None otherwise) with ``strict_param`` (``tools.<i>.function.strict`` of
+    the first strict tool, the field a refusal names)."""
 
     template_tools: list[dict[str, Any]] | None
     output: ChatOutputSpec
     forced_schema: dict[str, Any] | None = None
+    strict_tag: dict[str, Any] | None = None
+    strict_param: str | None = None
 
 
 def check_parameters(schema: dict[str, Any], param: str) -> None:
@@ -93,6 +108,45 @@ def tool_structured_output(schema: dict[str, Any]) -> StructuredOutput:
     return StructuredOutput(kind="json", spec=json.dumps(schema))
 
 
+def auto_tool_structured_output(tag: dict[str, Any]) -> StructuredOutput:
+    """The structured-output constraint of ``auto`` with strict tools: kind ``structural_tag``, spec the
+    tag's JSON text."""
+    return StructuredOutput(kind="structural_tag", spec=json.dumps(tag, ensure_ascii=False))
+
+
+def strict_tool_tag(tools: list[FunctionTool], tool_parser: str, reasoning: str | None,
+                    parallel: bool) -> tuple[dict[str, Any], str] | None:
+    """The structural tag of ``auto`` when a tool is ``strict`` (None when none is), and the
+    ``tools.<i>.function.strict`` field of the first strict tool.
+
+    Raises:
+        APIError: 400 naming ``tools.<i>.function.strict`` where the parser's format cannot be
+            constrained (module docstring), or ``tools.<i>.function.parameters`` for a strict tool's
+            schema the grammar engine would refuse.
+    """
+    strict = [i for i, t in enumerate(tools) if t.function.strict]
+    if not strict:
+        return None
+    param = f"tools.{strict[0]}.function.strict"
+    if tool_parser not in CONSTRAINABLE:
+        raise bad_request(f"{param}: strict tools are not supported with the tool-call parser "
+                          f"{tool_parser!r}", param, "unsupported_parameter")
+    if tool_parser != "hermes" and reasoning is not None:
+        raise bad_request(f"{param}: strict is not supported under tool_choice 'auto' with the "
+                          f"{tool_parser} tool-call format and the {reasoning} reasoning parser: its calls "
+                          f"are recognised at the start of the answer, which the grammar cannot place "
+                          f"after the reasoning block (use tool_choice 'required' or a named function, "
+                          f"which are constrained, or strict: false)", param, "unsupported_parameter")
+    schemas = []
+    for i, tool in enumerate(tools):
+        arguments = ANY_OBJECT
+        if tool.function.strict:
+            arguments = _parameters(tool)
+            check_json_schema(arguments, f"tools.{i}.function.parameters")
+        schemas.append(ToolSchema(tool.function.name, arguments))
+    return auto_tool_structural_tag(tool_parser, schemas, parallel), param
+
+
 def template_tools(tools: list[FunctionTool]) -> list[dict[str, Any]]:
     """``tools`` checked (no name twice, each ``parameters`` a valid JSON Schema of an object) and given
     as the OpenAI tool objects the chat template takes.
@@ -139,6 +193,8 @@ def plan_tools(body: ChatCompletionRequest, tool_parser: str, reasoning_parser: 
             raise bad_request("the served model's chat template has no tool-call format pdserve knows, so "
                               "its calls cannot be parsed: start the gateway with --tool-call-parser "
                               "(hermes, llama3_json or mistral)", "tools", "unsupported_parameter")
-        return ToolPlan(listed, ChatOutputSpec(reasoning, tool_parser, parallel))
+        strict = strict_tool_tag(tools, tool_parser, reasoning, parallel)
+        return ToolPlan(listed, ChatOutputSpec(reasoning, tool_parser, parallel),
+                        strict_tag=strict[0] if strict else None, strict_param=strict[1] if strict else None)
     return ToolPlan(listed, ChatOutputSpec(reasoning, FORCED, parallel),
                     forced_tool_schema(tools, choice, parallel))

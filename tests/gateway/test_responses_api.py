@@ -54,6 +54,19 @@ def test_responses_param_names_the_responses_field() -> None:
     assert responses_param("max_tokens") == "max_output_tokens"
     assert responses_param("response_format.json_schema.schema") == "text.format.schema"
     assert responses_param("tool_choice") == "tool_choice" and responses_param(None) is None
+    assert responses_param("tools.1.function.strict") == "tools.1.strict"  # Responses tools are flat
+    assert responses_param("tools.0.function.parameters") == "tools.0.parameters"
+
+
+def test_strict_reaches_the_chat_request_as_given() -> None:
+    """``strict`` true or false passes to the chat request (the same constraint under ``auto``); absent
+    stays absent: not strict, as in chat completions (OpenAI's Responses API would default it to true)."""
+    tool: dict[str, object] = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    for strict in (True, False, None):
+        given = tool if strict is None else {**tool, "strict": strict}
+        chat = chat_body(ResponsesRequest.model_validate({"model": "m", "input": "hi", "tools": [given]}))
+        function = chat["tools"][0]["function"]
+        assert function.get("strict") == strict and ("strict" in function) == (strict is not None)
 
 
 def _events(chunks: list[bytes]) -> list[dict[str, object]]:

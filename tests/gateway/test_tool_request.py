@@ -1,6 +1,8 @@
 """Tool fields of a chat request: validation (each refusal a 400 naming the field), the tool plan, the
 schema of a ``required`` / named ``tool_choice`` (checked with jsonschema on hand-written outputs), the
-forced-call parser, and the fallback rendering for a template without tools (SmolLM2's)."""
+forced-call parser, the structural tag of strict tools under ``auto`` (what it forces is what each parser
+reads; it reaches the workers' sampling params; its refusals), and the fallback rendering for a template
+without tools (SmolLM2's)."""
 
 from __future__ import annotations
 
@@ -9,17 +11,22 @@ import json
 from typing import Any
 
 import jsonschema
+import msgspec
 import pydantic
 import pytest
 
+from engine.sampling_params import SamplingParams
 from gateway.chat_output import ChatOutputSpec, parse_whole
 from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
 from gateway.openai_requests import ChatCompletionRequest, NamedToolChoice
-from gateway.prepare import render_messages
+from gateway.prepare import prepare, render_messages
+from gateway.service import GatewayService
 from gateway.text import TextProcessor
 from gateway.tool_parsers import FORCED
 from gateway.tool_prompt import FALLBACK_HEADER
 from gateway.tool_request import forced_tool_schema, plan_tools, tool_structured_output
+from protocol.settings import GatewaySettings
 
 WEATHER_PARAMETERS = {"type": "object", "additionalProperties": False, "required": ["city"],
                       "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}}}
@@ -178,3 +185,95 @@ def test_template_with_tools_gets_them(proc: TextProcessor) -> None:
         {"role": "tool", "tool_call_id": "c", "content": "22 C"}])
     text = render_messages(own, history.message_dicts(), None, tools=[WEATHER, CLOCK])
     assert text == "T:weather;T:clock;user:Weather in Paris?;assistant:Paris;tool:22 C;"
+
+
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+STRICT_CALL_TEXT = {"hermes": "{}", "llama3_json": "{}", "mistral": "[TOOL_CALLS][{}]"}
+
+
+def _call_tags(node: Any) -> list[dict[str, Any]]:
+    """The tags of a structural tag whose content is a call's arguments (any depth, in order, each once)."""
+    if isinstance(node, dict):
+        own = [node] if node.get("type") == "tag" and node["content"].get("type") == "json_schema" else []
+        return own + [t for v in node.values() for t in _call_tags(v)]
+    if isinstance(node, list):
+        return [t for v in node for t in _call_tags(v)]
+    return []
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_strict_auto_tag_forces_what_the_parser_reads(parser: str, parallel: bool) -> None:
+    """Under ``auto`` a strict tool gets a structural tag; each call it forces (the tag's begin, the
+    arguments, its end, inside the format's wrapper) is read by the parser as that call; a strict tool's
+    arguments are its ``parameters``, a non-strict one's any object."""
+    plan = plan_tools(req(tools=[STRICT_WEATHER, CLOCK], parallel_tool_calls=parallel), parser, "none")
+    assert plan.strict_tag is not None and plan.strict_param == "tools.0.function.strict"
+    assert plan.output == ChatOutputSpec(None, parser, parallel) and plan.forced_schema is None
+    tags = list({t["begin"]: t for t in _call_tags(plan.strict_tag)}.values())
+    assert [t["content"]["json_schema"] for t in tags] == [WEATHER_PARAMETERS, {"type": "object"}]
+    for tag, (name, arguments) in zip(tags, [("weather", {"city": "Paris", "days": 2}), ("clock", {})],
+                                      strict=True):
+        call = tag["begin"] + json.dumps(arguments) + tag["end"]
+        text = STRICT_CALL_TEXT[parser].format(call) if parser == "mistral" else call
+        out = parse_whole(ChatOutputSpec(None, parser, parallel), text)
+        assert out.content is None and [(c.name, json.loads(c.arguments)) for c in out.calls] == [
+            (name, arguments)]
+
+
+def test_strict_adds_no_constraint_outside_auto_or_when_false() -> None:
+    assert plan_tools(req(tools=[WEATHER, CLOCK]), "hermes", "none").strict_tag is None
+    unstrict = {"type": "function", "function": {**WEATHER["function"], "strict": False}}
+    assert plan_tools(req(tools=[unstrict]), "hermes", "none").strict_tag is None
+    none = plan_tools(req(tools=[STRICT_WEATHER], tool_choice="none"), "hermes", "none")
+    assert none.strict_tag is None and not none.output.active
+    forced = plan_tools(req(tools=[STRICT_WEATHER], tool_choice="required"), "hermes", "none")
+    assert forced.strict_tag is None and forced.forced_schema is not None
+
+
+@pytest.mark.parametrize(("tools", "parser", "reasoning", "param"), [
+    ([CLOCK, STRICT_WEATHER], "llama3_json", "qwen3", "tools.1.function.strict"),
+    ([STRICT_WEATHER], "mistral", "deepseek_r1", "tools.0.function.strict"),
+    ([{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)"}}}}}], "hermes", "none",
+     "tools.0.function.parameters"),
+])
+def test_strict_refusals_name_the_field(tools: list[Any], parser: str, reasoning: str, param: str) -> None:
+    with pytest.raises(APIError) as info:
+        plan_tools(req(tools=tools), parser, reasoning)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_strict_with_hermes_and_reasoning_is_constrained() -> None:
+    plan = plan_tools(req(tools=[STRICT_WEATHER]), "hermes", "qwen3")
+    assert plan.strict_tag is not None and plan.output == ChatOutputSpec("qwen3", "hermes", True)
+
+
+def _service(proc: TextProcessor) -> GatewayService:
+    settings = GatewaySettings(model_name="m", insecure_control_plane=True)
+    return GatewayService(settings, GatewayMetrics(), text=proc)
+
+
+def test_strict_auto_reaches_the_workers_as_a_structural_tag(proc: TextProcessor) -> None:
+    """``prepare`` puts the tag on every choice's sampling params (as they travel to the workers), names
+    the strict field for a worker's refusal, and keeps the stop strings."""
+    body = req(tools=[CLOCK, STRICT_WEATHER], n=2, stop=["END"])
+    prepared = prepare(_service(proc), body, "r1")
+    plan = plan_tools(body, "hermes", "none")  # SmolLM2's template renders no tools: hermes
+    for choice in prepared.choices:
+        params = msgspec.msgpack.decode(msgspec.msgpack.encode(choice.inp.sampling), type=SamplingParams)
+        assert params.structured_output is not None and params.structured_output.kind == "structural_tag"
+        assert json.loads(params.structured_output.spec) == plan.strict_tag
+        assert choice.inp.structured_param == "tools.1.function.strict" and choice.inp.stop == ("END",)
+    plain = prepare(_service(proc), req(tools=[CLOCK]), "r2")
+    assert plain.choices[0].inp.sampling.structured_output is None
+
+
+@pytest.mark.parametrize("fields", [{"response_format": {"type": "json_object"}},
+                                    {"structured_outputs": {"regex": "a"}}])
+def test_strict_auto_with_another_constraint_is_refused(proc: TextProcessor, fields: dict[str, Any]) -> None:
+    with pytest.raises(APIError) as info:
+        prepare(_service(proc), req(tools=[STRICT_WEATHER], **fields), "r1")
+    assert (info.value.status, info.value.param) == (400, "tools.0.function.strict")
+    text = prepare(_service(proc), req(tools=[STRICT_WEATHER], response_format={"type": "text"}), "r2")
+    assert text.choices[0].inp.sampling.structured_output is not None
