@@ -88,9 +88,18 @@ def forced_tool_schema(tools: list[FunctionTool], choice: str | NamedToolChoice,
     """The JSON schema of a ``required`` or named ``tool_choice``'s output: an array of calls
     ``{"name": <const>, "arguments": <that tool's parameters>}`` (one of the tools for ``required``, at
     least one call, at most one when ``parallel_tool_calls`` is false; exactly one call of the named tool
-    for a named choice). Source of the approach: vLLM constrains ``required`` to such an array."""
-    chosen = tools if choice == "required" else [
-        t for t in tools if isinstance(choice, NamedToolChoice) and t.function.name == choice.function.name]
+    for a named choice). Source of the approach: vLLM constrains ``required`` to such an array.
+
+    Raises:
+        APIError: 400 naming ``tools.<i>.function.parameters`` for a chosen tool's schema the grammar
+            engine would refuse (``check_json_schema``: e.g. a ``pattern`` with a lookahead).
+    """
+    chosen = []
+    for i, t in enumerate(tools):
+        if choice == "required" or (isinstance(choice, NamedToolChoice)
+                                    and t.function.name == choice.function.name):
+            check_json_schema(_parameters(t), f"tools.{i}.function.parameters")
+            chosen.append(t)
     items = [{"type": "object",
               "properties": {"name": {"type": "string", "const": t.function.name},
                              "arguments": _parameters(t)},

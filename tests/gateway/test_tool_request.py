@@ -244,6 +244,19 @@ def test_strict_refusals_name_the_field(tools: list[Any], parser: str, reasoning
     assert (info.value.status, info.value.param) == (400, param)
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_forced_choice_refuses_a_pattern_the_grammar_engine_cannot_compile(choice: Any) -> None:
+    """A forced call's schema with a lookahead ``pattern`` reached the workers, which failed the request;
+    now a 400 naming the tool's parameters, as for ``response_format`` and strict tools."""
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)"}}}}}
+    with pytest.raises(APIError) as info:
+        plan_tools(req(tools=[CLOCK, bad], tool_choice=choice), "hermes", "none")
+    assert (info.value.status, info.value.param) == (400, "tools.1.function.parameters")
+    named_other = {"type": "function", "function": {"name": CLOCK["function"]["name"]}}
+    assert plan_tools(req(tools=[CLOCK, bad], tool_choice=named_other), "hermes", "none").forced_schema
+
+
 def test_strict_with_hermes_and_reasoning_is_constrained() -> None:
     plan = plan_tools(req(tools=[STRICT_WEATHER]), "hermes", "qwen3")
     assert plan.strict_tag is not None and plan.output == ChatOutputSpec("qwen3", "hermes", True)
