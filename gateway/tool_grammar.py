@@ -43,7 +43,9 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 CONSTRAINABLE = ("hermes", "llama3_json", "mistral")
 
 _JSON_WS = r"[ \t\r\n]*"
-_PY_WHITESPACE = "".join(c for c in map(chr, range(0x110000)) if c.isspace())
+# every character str.isspace() accepts (the parsers strip these)
+_PY_WHITESPACE = ("\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005"
+                  "\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
 _REGEX_SPECIAL = frozenset("\\.[]{}()*+?|^$-")
 
 

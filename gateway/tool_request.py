@@ -83,27 +83,50 @@ def _parameters(tool: FunctionTool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else NO_PARAMETERS
 
 
+ROOT_COMBINATORS = ("anyOf", "oneOf", "allOf", "not", "if", "$ref", "$dynamicRef")
+
+
+def constrained_parameters(tool: FunctionTool, param: str) -> dict[str, Any]:
+    """The schema a constrained call's arguments are held to (a ``required`` or named choice, a strict
+    tool under ``auto``): the tool's ``parameters`` with ``"type": "object"`` made explicit (the grammar
+    engine reads a schema without ``type`` as any JSON value, where OpenAI and ``check_parameters``
+    read an object).
+
+    Raises:
+        APIError: 400 naming ``param`` when the grammar engine would refuse the schema
+            (``check_json_schema``: e.g. a ``pattern`` with a lookahead), or when its root combines
+            schemas (``ROOT_COMBINATORS``): the engine then lets non-object arguments through, which the
+            tool-call parsers do not read as a call (OpenAI's strict mode also wants an object root).
+    """
+    schema = _parameters(tool)
+    check_json_schema(schema, param)
+    combined = [k for k in ROOT_COMBINATORS if k in schema]
+    if combined:
+        raise bad_request(f"{param}: a constrained tool call's parameters must be an object schema at the "
+                          f"root, without {', '.join(combined)} there (move it into a property)", param)
+    return schema if "type" in schema else {"type": "object", **schema}
+
+
 def forced_tool_schema(tools: list[FunctionTool], choice: str | NamedToolChoice,
                        parallel_tool_calls: bool) -> dict[str, Any]:
     """The JSON schema of a ``required`` or named ``tool_choice``'s output: an array of calls
-    ``{"name": <const>, "arguments": <that tool's parameters>}`` (one of the tools for ``required``, at
-    least one call, at most one when ``parallel_tool_calls`` is false; exactly one call of the named tool
-    for a named choice). Source of the approach: vLLM constrains ``required`` to such an array.
+    ``{"name": <const>, "arguments": <that tool's constrained_parameters>}`` (one of the tools for
+    ``required``, at least one call, at most one when ``parallel_tool_calls`` is false; exactly one call of
+    the named tool for a named choice). Source of the approach: vLLM constrains ``required`` to such an array.
 
     Raises:
-        APIError: 400 naming ``tools.<i>.function.parameters`` for a chosen tool's schema the grammar
-            engine would refuse (``check_json_schema``: e.g. a ``pattern`` with a lookahead).
+        APIError: 400 naming ``tools.<i>.function.parameters`` for a chosen tool's schema that cannot
+            be constrained (``constrained_parameters``).
     """
-    chosen = []
+    chosen: list[tuple[FunctionTool, dict[str, Any]]] = []
     for i, t in enumerate(tools):
         if choice == "required" or (isinstance(choice, NamedToolChoice)
                                     and t.function.name == choice.function.name):
-            check_json_schema(_parameters(t), f"tools.{i}.function.parameters")
-            chosen.append(t)
+            chosen.append((t, constrained_parameters(t, f"tools.{i}.function.parameters")))
     items = [{"type": "object",
               "properties": {"name": {"type": "string", "const": t.function.name},
-                             "arguments": _parameters(t)},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in chosen]
+                             "arguments": arguments},
+              "required": ["name", "arguments"], "additionalProperties": False} for t, arguments in chosen]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if choice != "required" or not parallel_tool_calls:
@@ -150,10 +173,12 @@ def strict_tool_tag(tools: list[FunctionTool], tool_parser: str, reasoning: str 
     for i, tool in enumerate(tools):
         arguments = ANY_OBJECT
         if tool.function.strict:
-            arguments = _parameters(tool)
-            check_json_schema(arguments, f"tools.{i}.function.parameters")
+            arguments = constrained_parameters(tool, f"tools.{i}.function.parameters")
         schemas.append(ToolSchema(tool.function.name, arguments))
-    return auto_tool_structural_tag(tool_parser, schemas, parallel), param
+    # with a reasoning parser (hermes only, above) the grammar cannot tell a call drafted in the
+    # reasoning block from one in the answer, so it never ends the output after one call: the output
+    # parser keeps the answer's first call when parallel calls are off
+    return auto_tool_structural_tag(tool_parser, schemas, parallel or reasoning is not None), param
 
 
 def template_tools(tools: list[FunctionTool]) -> list[dict[str, Any]]:

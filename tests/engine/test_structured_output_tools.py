@@ -139,3 +139,76 @@ def test_random_walks_parse_back_to_calls_that_satisfy_the_schemas(
             assert out.calls, f"the forced call was not read back as one: {text!r}"
         calls += len(out.calls)
     assert ended >= 12 and calls >= 3
+
+
+def _accepts(tag: dict[str, object], text: str) -> bool:
+    """Whether the structural tag's grammar accepts the whole of ``text`` (string level, no tokenizer)."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return bool(_is_grammar_accept_string(xgrammar.Grammar.from_structural_tag(json.dumps(tag)), text))
+
+
+def test_whitespace_class_is_every_character_python_strips() -> None:
+    from gateway import tool_grammar
+
+    assert "".join(c for c in map(chr, range(0x110000)) if c.isspace()) == tool_grammar._PY_WHITESPACE
+
+
+@pytest.mark.parametrize(("parser", "parallel", "text", "accepted"), [
+    # hermes: one block when parallel calls are off, several when on; prose around blocks is free
+    ("hermes", False, 'A <tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>', True),
+    ("hermes", False, '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>'
+                      '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>', False),
+    ("hermes", True, '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call> and '
+                     '<tool_call>\n{"name": "clock", "arguments": {}}\n</tool_call>', True),
+    ("hermes", True, '<tool_call>\n{"name": "weather", "arguments": {"city": 7}}\n</tool_call>', False),
+    ("hermes", True, "Use <tool_callX> tags, or <b>bold</b>.", True),
+    # llama3_json: prose (also starting with "<" or containing braces) is free; calls are held to schemas
+    ("llama3_json", True, "<b>bold</b> text", True),
+    ("llama3_json", True, "Hello {x} and {y}", True),
+    ("llama3_json", True, '{"name": "weather", "parameters": {"city": "Oslo"}}', True),
+    ("llama3_json", True, '{"name": "weather", "parameters": {"city": 7}}', False),
+    ("llama3_json", True, '{"name": "nope", "parameters": {}}', False),
+    ("llama3_json", True, '{"name": "clock", "parameters": {}} trailing text', False),
+    # mistral: a bare array at the start is a held call; prose with brackets later is free
+    ("mistral", True, '[{"name": "weather", "arguments": {"city": 7}}]', False),
+    ("mistral", True, '[{"name": "nope", "arguments": {}}]', False),
+    ("mistral", True, '[{"name": "weather", "arguments": {"city": "Oslo"}}]', True),
+    ("mistral", True, 'Sure. [TOOL_CALLS][{"name": "clock", "arguments": {}}]', True),
+    ("mistral", True, 'Sure. [TOOL_CALLS][{"name": "clock", "arguments": {}}] more [TOOL_CALLS]'
+                      '[{"name": "clock", "arguments": {}}]', False),
+    ("mistral", True, "The list [1, 2] is short.", True),
+    ("mistral", True, "[TOP secret] notes", True),
+    ("mistral", True, "[1, 2] starts this answer", True),
+])
+def test_tag_accepts_prose_and_held_calls_only(parser: str, parallel: bool, text: str, accepted: bool) -> None:
+    """Fixed strings through each format's grammar: the guards that keep an unconstrained or second call
+    out, and ordinary prose let through (the random walks above cannot see a call-looking text that a
+    guard wrongly lets into content)."""
+    assert _accepts(auto_tool_structural_tag(parser, TOOLS, parallel), text) is accepted
+
+
+def test_arguments_of_a_schema_without_type_or_with_a_root_combinator_stay_objects() -> None:
+    """A strict tool whose ``parameters`` is ``{}``: the grammar engine reads a schema without ``type`` as
+    any JSON value, so a string for the arguments got through, which no parser reads as a call; the
+    gateway now makes the object type explicit, and refuses root combinators (``anyOf`` let a string
+    through even beside ``type: object``)."""
+    from gateway.errors import APIError
+    from gateway.openai_requests import FunctionTool
+    from gateway.tool_request import strict_tool_tag
+
+    def tool(parameters: dict[str, object]) -> FunctionTool:
+        return FunctionTool.model_validate({"type": "function", "function": {
+            "name": "f", "strict": True, "parameters": parameters}})
+
+    made = strict_tool_tag([tool({})], "hermes", None, True)
+    assert made is not None
+    tag = made[0]
+    assert not _accepts(tag, 'Sure. <tool_call>\n{"name": "f", "arguments": "oops"}\n</tool_call>')
+    assert not _accepts(tag, '<tool_call>\n{"name": "f", "arguments": 5}\n</tool_call>')
+    assert _accepts(tag, 'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
+    mixed = {"type": "object", "anyOf": [{"type": "string"}, {"type": "object"}]}
+    with pytest.raises(APIError) as info:
+        strict_tool_tag([tool(mixed)], "hermes", None, True)
+    assert info.value.param == "tools.0.function.parameters" and "anyOf" in info.value.message

@@ -290,3 +290,38 @@ def test_strict_auto_with_another_constraint_is_refused(proc: TextProcessor, fie
     assert (info.value.status, info.value.param) == (400, "tools.0.function.strict")
     text = prepare(_service(proc), req(tools=[STRICT_WEATHER], response_format={"type": "text"}), "r2")
     assert text.choices[0].inp.sampling.structured_output is not None
+
+
+def test_strict_hermes_with_reasoning_never_ends_the_output_after_one_call() -> None:
+    """With a reasoning parser the grammar cannot tell a call drafted in the reasoning block from the
+    answer's: ending the output after the first block (parallel calls off) ended it inside the reasoning,
+    with no answer and no call. The output parser keeps the answer's first call instead."""
+    reasoning = plan_tools(req(tools=[STRICT_WEATHER], parallel_tool_calls=False), "hermes", "qwen3")
+    plain = plan_tools(req(tools=[STRICT_WEATHER], parallel_tool_calls=False), "hermes", "none")
+    assert reasoning.strict_tag is not None and plain.strict_tag is not None
+    assert reasoning.strict_tag["format"]["stop_after_first"] is False
+    assert plain.strict_tag["format"]["stop_after_first"] is True
+    assert reasoning.output == ChatOutputSpec("qwen3", "hermes", False)  # the parser keeps one call
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_constrained_parameters_are_object_schemas(choice: str) -> None:
+    """The schema a constrained call is held to says ``type: object`` (the grammar engine reads a schema
+    without it as any value); a root ``anyOf`` / ``oneOf`` / ``$ref`` is refused naming the parameters."""
+    untyped = {"type": "function", "function": {"name": "f", "strict": True,
+                                                "parameters": {"properties": {"a": {"type": "integer"}}}}}
+    plan = plan_tools(req(tools=[untyped], tool_choice=choice), "hermes", "none")
+    if choice == "auto":
+        assert plan.strict_tag is not None
+        assert plan.strict_tag["format"]["tags"][0]["content"]["json_schema"]["type"] == "object"
+    else:
+        assert plan.forced_schema is not None
+        assert plan.forced_schema["items"]["properties"]["arguments"]["type"] == "object"
+    for key, value in [("anyOf", [{"type": "object"}]), ("oneOf", [{"type": "object"}]),
+                       ("$ref", "#/$defs/x")]:
+        combined = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+            "type": "object", key: value, "$defs": {"x": {"type": "object"}}}}}
+        with pytest.raises(APIError) as info:
+            plan_tools(req(tools=[combined], tool_choice=choice), "hermes", "none")
+        assert (info.value.status, info.value.param) == (400, "tools.0.function.parameters"), key
+        assert key in info.value.message
