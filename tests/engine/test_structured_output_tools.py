@@ -182,7 +182,8 @@ def test_whitespace_class_is_every_character_python_strips() -> None:
     ("mistral", True, "[TOP secret] notes", True),
     ("mistral", True, "[1, 2] starts this answer", True),
 ])
-def test_tag_accepts_prose_and_held_calls_only(parser: str, parallel: bool, text: str, accepted: bool) -> None:
+def test_tag_accepts_prose_and_held_calls_only(parser: str, parallel: bool, text: str,
+                                               accepted: bool) -> None:
     """Fixed strings through each format's grammar: the guards that keep an unconstrained or second call
     out, and ordinary prose let through (the random walks above cannot see a call-looking text that a
     guard wrongly lets into content)."""
