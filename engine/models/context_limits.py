@@ -1,4 +1,4 @@
-"""What context a model's attention supports here, from its transformers config alone (no torch): a
+"""What context a model's attention supports here, from its config alone: a
 sliding window (``check_sliding_window``) or LongRoPE's long factors (``check_rope_scaling``) shorter
 than the sequences allowed are refused rather than run as something else. The workers check the loaded
 config (``engine.models.loader``); ``pdserve up`` checks the model's ``config.json`` before starting any
@@ -7,9 +7,13 @@ process (``context_problem``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import AutoConfig, PretrainedConfig
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+# model types whose config keeps ``sliding_window`` only with ``use_sliding_window`` (transformers' rule)
+GATED_WINDOW_TYPES = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
 
 
 def check_sliding_window(hf_config: PretrainedConfig, max_model_len: int | None) -> None:
@@ -59,20 +63,29 @@ def check_rope_scaling(hf_config: PretrainedConfig, max_model_len: int | None) -
 def context_problem(config: dict[str, Any], max_model_len: int | None) -> str | None:
     """Why a model with HF config ``config`` (its ``config.json`` as a dict) cannot serve sequences of
     ``max_model_len`` tokens (None: the config's ``max_position_embeddings``) here, as the workers would
-    refuse it after loading (``check_sliding_window``, ``check_rope_scaling``), or None. The dict is read
-    through transformers' config class for its ``model_type``, which applies the model's own defaults (a
-    Qwen2 ``sliding_window`` counts only with ``use_sliding_window``); a ``model_type`` transformers does
-    not know gives None (the architecture check refuses such a model first)."""
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str):
+    refuse it after loading (``check_sliding_window``, ``check_rope_scaling``), or None. Read from the
+    dict alone, without transformers (``pdserve up`` stays light): ``sliding_window`` counts unless the
+    model type keeps it only with ``use_sliding_window`` (``GATED_WINDOW_TYPES``) and that is off;
+    LongRoPE is ``rope_parameters`` / ``rope_scaling`` of type ``longrope`` (or its old name ``su``). The
+    workers' check on the loaded config stays the authority."""
+    limit = config.get("max_position_embeddings")
+    if not isinstance(limit, int | float):
         return None
-    try:
-        hf_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
-    except (ValueError, KeyError, TypeError):
+    length = max_model_len or int(limit)
+    window = config.get("sliding_window")
+    if config.get("model_type") in GATED_WINDOW_TYPES and not config.get("use_sliding_window", False):
+        window = None
+    if isinstance(window, int | float) and int(window) < length:
+        return (f"sliding_window={int(window)} < max_model_len={length}: sliding-window attention is not "
+                "supported (every token would attend to the whole sequence); set max_model_len <= "
+                f"{int(window)}")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or (rope.get("rope_type") or rope.get("type")) not in ("longrope", "su"):
         return None
-    try:
-        check_sliding_window(hf_config, max_model_len)
-        check_rope_scaling(hf_config, max_model_len)
-    except ValueError as exc:
-        return str(exc)
+    original = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    original = int(original) if isinstance(original, int | float) else int(limit)
+    if length > original:
+        return (f"rope_scaling longrope with max_model_len={length} > original_max_position_embeddings="
+                f"{original}: LongRoPE's long factors are not supported (transformers picks them per "
+                f"batch); set max_model_len <= {original}")
     return None

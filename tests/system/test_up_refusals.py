@@ -433,3 +433,18 @@ def test_up_refuses_a_sliding_window_model_through_the_cli(tmp_path, monkeypatch
     assert line == (f"pdserve up: --model {tmp_path}: sliding_window=64 < max_model_len=512: sliding-window "
                     "attention is not supported (every token would attend to the whole sequence); set "
                     "max_model_len <= 64 (--max-model-len)")
+
+
+def test_the_context_check_imports_neither_transformers_nor_torch() -> None:
+    """The launcher's context check read the config through transformers, which loaded torch into
+    ``pdserve up`` itself (seconds on 2 cores, held for the supervisor's life); it reads the dict."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from engine.models.context_limits import context_problem; "
+            "print(context_problem({'max_position_embeddings': 512.0, 'sliding_window': 64}, None)); "
+            "print('transformers' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["sliding_window=64 < max_model_len=512: sliding-window attention is not "
+                                "supported (every token would attend to the whole sequence); set "
+                                "max_model_len <= 64", "False False"]
