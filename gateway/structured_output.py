@@ -9,18 +9,21 @@ Two ways to ask (OpenAI's and vLLM's), at most one per request:
   xgrammar's dialect, start rule ``root``).
 
 The grammar engine (xgrammar) needs torch, which the gateway never imports, so the gateway checks what it
-can without it: a schema must pass its JSON Schema meta-schema (``jsonschema``), every ``pattern`` in it
-and every ``regex`` must compile with Python's ``re`` and use no lookaround, backreference or inline
-flag such as ``(?i)`` (xgrammar refuses those), a choice list must hold non-empty strings, and a
-grammar must parse as EBNF (``check_ebnf``: balanced brackets, closed strings and classes, every rule
-it uses defined, a ``root`` rule). A spec that passes all this and still does not compile fails on the
+can without it: a schema must pass its JSON Schema meta-schema (``jsonschema``), every ``pattern``
+keyword of its schemas (not a ``pattern`` in data such as ``examples`` or ``const``) and every ``regex``
+must compile with Python's ``re`` and use no lookaround, backreference or inline flag such as ``(?i)``
+(xgrammar refuses those or does not enforce them), a choice list must hold non-empty strings, and a
+grammar must parse as EBNF (``check_ebnf``: balanced brackets, closed strings and classes, every rule it
+uses defined, a ``root`` rule). A spec that passes all this and still does not compile fails on the
 worker (the request then fails like any request a worker refuses).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -95,7 +98,7 @@ def _from_structured_outputs(so: StructuredOutputsParams) -> StructuredOutput:
 
 def check_json_schema(schema: Any, field: str) -> str:
     """``schema`` as a JSON string once it passes its meta-schema (``$schema``, else draft 2020-12) and
-    every ``pattern`` in it passes ``check_regex``.
+    every ``pattern`` keyword of its schema objects (``schema_objects``) passes ``check_regex``.
 
     Raises:
         APIError: 400 naming ``field``.
@@ -109,19 +112,62 @@ def check_json_schema(schema: Any, field: str) -> str:
         where = "/".join(str(p) for p in exc.path)
         raise bad_request(f"{field} is not a valid JSON Schema: {exc.message}"
                           + (f" (at {where})" if where else ""), field) from exc
-    for pattern in _patterns(schema):
-        check_regex(pattern, field)
+    for node in schema_objects(schema):
+        if isinstance(node.get("pattern"), str):
+            check_regex(node["pattern"], field)
     return json.dumps(schema, ensure_ascii=False)
 
 
-def _patterns(node: Any) -> list[str]:
-    """Every ``pattern`` string of a schema (any depth)."""
-    if isinstance(node, dict):
-        found = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
-        return found + [p for v in node.values() for p in _patterns(v)]
-    if isinstance(node, list):
-        return [p for v in node for p in _patterns(v)]
-    return []
+# keywords whose value is a schema or a list of schemas (drafts 4 to 2020-12; items took a list before
+# 2020-12)
+_SUBSCHEMA_KEYWORDS = frozenset((
+    "additionalProperties", "additionalItems", "items", "prefixItems", "contains", "not", "if", "then",
+    "else", "propertyNames", "unevaluatedItems", "unevaluatedProperties", "contentSchema", "allOf",
+    "anyOf", "oneOf"))
+# keywords whose value maps names to schemas (draft 7's dependencies: to a schema or a list of names)
+_SUBSCHEMA_MAP_KEYWORDS = frozenset((
+    "properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"))
+
+
+def schema_objects(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """``schema`` and every schema object under it, reached only through the keywords whose values are
+    subschemas (``properties``, ``items``, ``$defs``, ``anyOf``, ...): values such as ``examples``,
+    ``default``, ``const`` and ``enum`` are data, and the keys of ``properties`` are names, so a
+    ``pattern`` or ``$ref`` there is no keyword. Boolean schemas are skipped."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        yield node
+        for key, value in node.items():
+            if key in _SUBSCHEMA_MAP_KEYWORDS:
+                children = list(value.values()) if isinstance(value, dict) else []
+            elif key in _SUBSCHEMA_KEYWORDS:
+                children = value if isinstance(value, list) else [value]
+            else:
+                continue
+            stack.extend(child for child in reversed(children) if isinstance(child, dict))
+
+
+def is_local_ref(ref: str) -> bool:
+    """True for a ``$ref`` that is a JSON pointer into the same document (``#`` or ``#/...``), the only
+    refs the grammar engine resolves (an anchor such as ``#name`` or another document's URI it reads as
+    any value)."""
+    return ref == "#" or ref.startswith("#/")
+
+
+def relocated_schema(schema: dict[str, Any], pointer: str) -> dict[str, Any]:
+    """A copy of ``schema`` that means what ``schema`` means on its own once placed at ``pointer`` (a
+    local ref such as ``#/items/properties/arguments``) inside another document: each local ``$ref``
+    of its schema objects is resolved from the document's root, so ``pointer`` is put in front of it
+    (``#`` becomes ``pointer``, ``#/$defs/A`` becomes ``pointer + "/$defs/A"``), which keeps recursion
+    and keeps the ``$defs`` of two schemas placed side by side apart. Other refs are kept as they are.
+    ``schema`` itself is not changed."""
+    copied = copy.deepcopy(schema)
+    for node in list(schema_objects(copied)):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and is_local_ref(ref):
+            node["$ref"] = pointer + ref[1:]
+    return copied
 
 
 def check_regex(pattern: str, field: str) -> None:
@@ -232,4 +278,5 @@ def _scan_body(body: str, rule: str) -> set[str]:
     return refs
 
 
-__all__ = ["check_ebnf", "check_json_schema", "check_regex", "structured_output_of"]
+__all__ = ["check_ebnf", "check_json_schema", "check_regex", "is_local_ref", "relocated_schema",
+           "schema_objects", "structured_output_of"]

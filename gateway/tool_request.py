@@ -39,7 +39,7 @@ from engine.sampling_params import StructuredOutput
 from gateway.chat_output import ChatOutputSpec
 from gateway.errors import bad_request
 from gateway.openai_requests import ChatCompletionRequest, FunctionTool, NamedToolChoice
-from gateway.structured_output import check_json_schema
+from gateway.structured_output import check_json_schema, relocated_schema
 from gateway.tool_grammar import ANY_OBJECT, CONSTRAINABLE, ToolSchema, auto_tool_structural_tag
 from gateway.tool_parsers import FORCED
 
@@ -114,6 +114,12 @@ def forced_tool_schema(tools: list[FunctionTool], choice: str | NamedToolChoice,
     ``required``, at least one call, at most one when ``parallel_tool_calls`` is false; exactly one call of
     the named tool for a named choice). Source of the approach: vLLM constrains ``required`` to such an array.
 
+    A tool's parameters are nested at ``#/items/properties/arguments`` (one chosen tool) or
+    ``#/items/anyOf/<k>/properties/arguments``, and the local refs in them (``#``, ``#/$defs/...``,
+    any ``#/...`` pointer), which the grammar engine resolves from the root of the whole schema, are
+    moved there with them (``relocated_schema``): each tool's ``$defs`` stay its own, recursion through
+    ``#`` stays within the tool's arguments.
+
     Raises:
         APIError: 400 naming ``tools.<i>.function.parameters`` for a chosen tool's schema that cannot
             be constrained (``constrained_parameters``).
@@ -123,10 +129,13 @@ def forced_tool_schema(tools: list[FunctionTool], choice: str | NamedToolChoice,
         if choice == "required" or (isinstance(choice, NamedToolChoice)
                                     and t.function.name == choice.function.name):
             chosen.append((t, constrained_parameters(t, f"tools.{i}.function.parameters")))
-    items = [{"type": "object",
-              "properties": {"name": {"type": "string", "const": t.function.name},
-                             "arguments": arguments},
-              "required": ["name", "arguments"], "additionalProperties": False} for t, arguments in chosen]
+    items = []
+    for k, (t, arguments) in enumerate(chosen):
+        at = "#/items/properties/arguments" if len(chosen) == 1 else f"#/items/anyOf/{k}/properties/arguments"
+        items.append({"type": "object",
+                      "properties": {"name": {"type": "string", "const": t.function.name},
+                                     "arguments": relocated_schema(arguments, at)},
+                      "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if choice != "required" or not parallel_tool_calls:

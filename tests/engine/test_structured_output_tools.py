@@ -2,7 +2,9 @@
 the token bitmask of the gateway's tag for strict tools under ``tool_choice`` ``auto`` leaves free text
 free and holds a call's arguments to the tool's schema, and random walks through each parser's tag
 (random tokens among those the bitmask allows) decode to text whose parsed calls all name a tool with
-arguments that satisfy its schema, each walk that writes a call having it read back as one."""
+arguments that satisfy its schema, each walk that writes a call having it read back as one. The JSON
+schema of a forced choice (``required`` or a named function) and the strict tag keep what a tool's
+``$ref`` pointers (``$defs``, ``definitions``, ``#``, recursion) mean, through the grammar engine."""
 
 from __future__ import annotations
 
@@ -213,3 +215,179 @@ def test_arguments_of_a_schema_without_type_or_with_a_root_combinator_stay_objec
     with pytest.raises(APIError) as info:
         strict_tool_tag([tool(mixed)], "hermes", None, True)
     assert info.value.param == "tools.0.function.parameters" and "anyOf" in info.value.message
+
+
+def _forced_accepts(schema: dict[str, object], text: str) -> bool:
+    """Whether the grammar of a forced choice's schema, compiled from the spec the workers get with the
+    engine's options, accepts the whole of ``text``."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from gateway.tool_request import tool_structured_output
+
+    spec = tool_structured_output(schema).spec
+    grammar = xgrammar.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
+    return bool(_is_grammar_accept_string(grammar, text))
+
+
+def _function_tool(name: str, parameters: dict[str, object], strict: bool = False) -> object:
+    from gateway.openai_requests import FunctionTool
+
+    return FunctionTool.model_validate({"type": "function", "function": {
+        "name": name, "strict": strict, "parameters": parameters}})
+
+
+def _person_parameters() -> dict[str, object]:
+    """What pydantic writes for a model with nested models: ``$defs`` at the root, ``#/$defs/..`` refs."""
+    import pydantic
+
+    class Address(pydantic.BaseModel):
+        city: str
+        zip: int
+
+    class Person(pydantic.BaseModel):
+        name: str
+        home: Address
+        previous: list[Address] = []
+
+    schema = Person.model_json_schema()
+    assert schema["properties"]["home"] == {"$ref": "#/$defs/Address"} and "Address" in schema["$defs"]
+    return schema
+
+
+def _draft7_person() -> dict[str, object]:
+    """The same with draft-07's ``definitions``."""
+    address = {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "integer"}},
+               "required": ["city", "zip"]}
+    return {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+            "properties": {"name": {"type": "string"}, "home": {"$ref": "#/definitions/Address"},
+                           "previous": {"type": "array", "items": {"$ref": "#/definitions/Address"}}},
+            "required": ["name", "home"], "definitions": {"Address": address}}
+
+
+def _call(name: str, arguments: str) -> str:
+    return f'[{{"name": "{name}", "arguments": {arguments}}}]'
+
+
+PERSON_OK = '{"name": "Ann", "home": {"city": "Oslo", "zip": 150}, "previous": [{"city": "Rome", "zip": 1}]}'
+PERSON_BAD = ['{"name": "Ann", "home": {"city": "Oslo", "zip": "150"}}',  # zip: an integer
+              '{"name": "Ann", "home": {"zip": 150}}',  # city required
+              '{"name": "Ann", "home": {"city": "Oslo", "zip": 1}, "previous": [7]}']
+
+
+@pytest.mark.parametrize("parameters", [_person_parameters(), _draft7_person()], ids=["$defs", "definitions"])
+@pytest.mark.parametrize("choice", ["required", "person"])
+def test_forced_choice_keeps_a_tool_s_defs_refs(outputs: StructuredOutputs, parameters: dict[str, object],
+                                                choice: str) -> None:
+    """A forced choice nests each chosen tool's parameters in an array of calls: a ``#/$defs/..`` (or
+    ``#/definitions/..``) ref of the tool's schema pointed at the outer schema's root, where there is no
+    such entry, and the workers' grammar did not compile. Now the nested schema means what the tool's
+    did: its calls are held to the referenced definitions."""
+    from gateway.openai_requests import NamedToolChoice
+    from gateway.tool_request import forced_tool_schema, tool_structured_output
+
+    tools = [_function_tool("clock", {"type": "object"}), _function_tool("person", parameters)]
+    named = choice if choice == "required" else NamedToolChoice.model_validate(
+        {"type": "function", "function": {"name": choice}})
+    schema = forced_tool_schema(tools, named, True)  # type: ignore[arg-type]
+    outputs.compile(tool_structured_output(schema))  # the engine's own compile, with the tokenizer
+    assert _forced_accepts(schema, _call("person", PERSON_OK))
+    for bad in PERSON_BAD:
+        assert not _forced_accepts(schema, _call("person", bad)), bad
+    assert _forced_accepts(schema, _call("clock", "{}")) is (choice == "required")
+
+
+def test_forced_choice_keeps_same_named_defs_of_two_tools_apart() -> None:
+    """Two tools that both define ``$defs/Item``, differently: each tool's arguments are held to its own
+    ``Item``."""
+    from gateway.tool_request import forced_tool_schema
+
+    def parameters(item: dict[str, object]) -> dict[str, object]:
+        return {"type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"],
+                "additionalProperties": False, "$defs": {"Item": item}}
+
+    count = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+             "additionalProperties": False}
+    label = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+             "additionalProperties": False}
+    tools = [_function_tool("count", parameters(count)), _function_tool("label", parameters(label))]
+    schema = forced_tool_schema(tools, "required", True)  # type: ignore[arg-type]
+    assert _forced_accepts(schema, _call("count", '{"item": {"n": 3}}'))
+    assert _forced_accepts(schema, _call("label", '{"item": {"text": "x"}}'))
+    assert not _forced_accepts(schema, _call("count", '{"item": {"text": "x"}}'))
+    assert not _forced_accepts(schema, _call("label", '{"item": {"n": 3}}'))
+
+
+TREE_ROOT_REF = {"type": "object", "properties": {"value": {"type": "integer"},
+                                                  "children": {"type": "array", "items": {"$ref": "#"}}},
+                 "required": ["value"], "additionalProperties": False}
+TREE_DEFS_REF = {"type": "object", "properties": {"root": {"$ref": "#/$defs/Node"}}, "required": ["root"],
+                 "additionalProperties": False,
+                 "$defs": {"Node": {"type": "object", "required": ["value"], "additionalProperties": False,
+                                    "properties": {"value": {"type": "integer"},
+                                                   "children": {"type": "array",
+                                                                "items": {"$ref": "#/$defs/Node"}}}}}}
+# another JSON pointer into the tool's own schema (not under $defs)
+SAME_AS_PROPERTY = {"type": "object", "additionalProperties": False,
+                    "properties": {"a": {"type": "integer", "minimum": 0},
+                                   "b": {"$ref": "#/properties/a"}, "c": {"$ref": "#/$defs/on~1off"}},
+                    "$defs": {"on/off": {"type": "boolean"}}}
+
+
+@pytest.mark.parametrize(("parameters", "good", "bad"), [
+    (TREE_ROOT_REF, ['{"value": 1, "children": [{"value": 2, "children": [{"value": 3}]}]}'],
+     ['{"value": 1, "children": [{"value": "2"}]}', '{"value": 1, "children": [{"name": "leaf", '
+      '"arguments": {}}]}', '{"value": 1, "children": [[{"name": "leaf", "arguments": {}}]]}']),
+    (TREE_DEFS_REF, ['{"root": {"value": 1, "children": [{"value": 2, "children": []}]}}'],
+     ['{"root": {"value": 1, "children": [{"value": 2, "extra": 1}]}}', '{"root": {"value": "1"}}']),
+    (SAME_AS_PROPERTY, ['{"a": 1, "b": 2, "c": true}'],
+     ['{"a": 1, "b": "2"}', '{"a": 1, "b": -1}', '{"a": 1, "c": 1}']),
+], ids=["root-ref", "defs-recursion", "pointer"])
+@pytest.mark.parametrize("position", [0, 1])
+def test_forced_choice_keeps_recursive_and_pointer_refs(parameters: dict[str, object], good: list[str],
+                                                        bad: list[str], position: int) -> None:
+    """``#`` (the tool's own parameters, recursively), a recursive ``$defs`` entry, and another pointer
+    into the tool's schema mean the same nested in the forced schema (``#`` read as the outer array of
+    calls before, so a tree's children had to be call arrays); the tool's place among the tools is part
+    of the nested location."""
+    from gateway.tool_request import forced_tool_schema
+
+    tools = [_function_tool("leaf", {"type": "object", "additionalProperties": False})]
+    tools.insert(position, _function_tool("tree", parameters))
+    for choice in ("required", "tree"):
+        from gateway.openai_requests import NamedToolChoice
+
+        named = choice if choice == "required" else NamedToolChoice.model_validate(
+            {"type": "function", "function": {"name": choice}})
+        schema = forced_tool_schema(tools, named, True)  # type: ignore[arg-type]
+        for text in good:
+            assert _forced_accepts(schema, _call("tree", text)), (choice, text)
+        for text in bad:
+            assert not _forced_accepts(schema, _call("tree", text)), (choice, text)
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_strict_auto_tag_resolves_refs_in_each_tool_s_own_schema(parser: str) -> None:
+    """Under ``auto`` each strict tool's parameters are a json_schema section of their own, so ``$defs``
+    refs, ``#`` and same-named definitions of two tools resolve within the tool's schema as given."""
+    from gateway.tool_request import strict_tool_tag
+
+    tools = [_function_tool("person", _person_parameters(), strict=True),
+             _function_tool("tree", TREE_ROOT_REF, strict=True),
+             _function_tool("nodes", TREE_DEFS_REF, strict=True)]
+    made = strict_tool_tag(tools, parser, None, True)  # type: ignore[arg-type]
+    assert made is not None
+    formats = {"hermes": '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>',
+               "llama3_json": '{{"name": "{}", "parameters": {}}}',
+               "mistral": '[TOOL_CALLS][{{"name": "{}", "arguments": {}}}]'}
+
+    def call(name: str, arguments: str) -> str:
+        return formats[parser].format(name, arguments)
+
+    assert _accepts(made[0], call("person", PERSON_OK))
+    for bad in PERSON_BAD:
+        assert not _accepts(made[0], call("person", bad)), bad
+    assert _accepts(made[0], call("tree", '{"value": 1, "children": [{"value": 2}]}'))
+    assert not _accepts(made[0], call("tree", '{"value": 1, "children": [{"value": "2"}]}'))
+    assert _accepts(made[0], call("nodes", '{"root": {"value": 1, "children": [{"value": 2}]}}'))
+    assert not _accepts(made[0], call("nodes", '{"root": {"value": 1, "children": [{"v": 2}]}}'))

@@ -72,3 +72,49 @@ def test_mapping_of_each_form() -> None:
     params = StructuredOutputsParams.model_validate({"json": json.dumps(schema)})
     as_string = structured_output_of(None, params)
     assert as_string is not None and json.loads(as_string.spec) == schema
+
+
+LOOKAHEAD = "(?=x)x"
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "examples": [{"pattern": LOOKAHEAD}]},
+    {"type": "object", "default": {"pattern": LOOKAHEAD}},
+    {"type": "object", "properties": {"a": {"const": {"pattern": LOOKAHEAD}}}},
+    {"type": "object", "properties": {"a": {"enum": [{"pattern": LOOKAHEAD}, 1]}}},
+    {"type": "object", "properties": {"pattern": {"type": "string", "examples": [LOOKAHEAD]}}},
+    {"type": "object", "$defs": {"D": {"type": "object", "examples": [{"items": {"pattern": LOOKAHEAD}}]}}},
+    {"type": "object", "x-vendor": {"pattern": LOOKAHEAD}},
+], ids=["examples", "default", "const", "enum", "property-named-pattern", "examples-under-defs", "vendor"])
+def test_a_pattern_in_data_is_not_checked(schema: dict[str, object]) -> None:
+    """``pattern`` is read only as a keyword of a schema: a lookahead in an ``examples``, ``default``,
+    ``const`` or ``enum`` value (data, which the grammar engine does not compile) was a false 400."""
+    rf = ResponseFormat.model_validate({"type": "json_schema",
+                                        "json_schema": {"name": "n", "schema": schema}})
+    so = structured_output_of(rf, None)
+    assert so is not None and json.loads(so.spec) == schema
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"a": {"type": "string", "pattern": LOOKAHEAD}}},
+    {"type": "object", "properties": {"pattern": {"type": "string", "pattern": LOOKAHEAD}}},
+    {"type": "array", "items": {"type": "string", "pattern": LOOKAHEAD}},
+    {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "pattern": LOOKAHEAD}]},
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/S"}},
+     "$defs": {"S": {"type": "string", "pattern": LOOKAHEAD}}},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+     "definitions": {"S": {"type": "string", "pattern": LOOKAHEAD}}},
+    {"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"},
+                                                      {"type": "string", "pattern": LOOKAHEAD}]}}},
+    {"type": "object", "patternProperties": {"^a": {"type": "string", "pattern": LOOKAHEAD}}},
+    {"type": "object", "additionalProperties": {"type": "string", "pattern": LOOKAHEAD}},
+    {"type": "object", "propertyNames": {"pattern": LOOKAHEAD}},
+    {"type": "string", "pattern": LOOKAHEAD},
+], ids=["properties", "property-named-pattern", "items", "prefixItems", "$defs", "definitions", "anyOf",
+        "patternProperties", "additionalProperties", "propertyNames", "root"])
+def test_a_lookahead_pattern_of_a_schema_is_a_400(schema: dict[str, object]) -> None:
+    with pytest.raises(APIError) as info:
+        structured_output_of(None, StructuredOutputsParams.model_validate({"json": schema}))
+    assert info.value.status == 400 and info.value.param == "structured_outputs.json"
+    assert "lookaround" in info.value.message
+

@@ -325,3 +325,40 @@ def test_constrained_parameters_are_object_schemas(choice: str) -> None:
             plan_tools(req(tools=[combined], tool_choice=choice), "hermes", "none")
         assert (info.value.status, info.value.param) == (400, "tools.0.function.parameters"), key
         assert key in info.value.message
+
+
+NODE_PARAMETERS = {"type": "object", "additionalProperties": False, "required": ["value"],
+                   "properties": {"value": {"$ref": "#/$defs/a~1b"},
+                                  "children": {"type": "array", "items": {"$ref": "#"}},
+                                  "$ref": {"type": "string", "examples": [{"$ref": "#/x"}]},
+                                  "label": {"const": {"$ref": "#"}}},
+                   "$defs": {"a/b": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "node"}}])
+def test_forced_schema_nests_each_tool_s_refs_with_its_parameters(choice: Any) -> None:
+    """The forced schema's calls hold each tool's arguments to what its parameters mean on their own
+    (checked with jsonschema here; through the grammar engine in
+    tests/engine/test_structured_output_tools.py): local refs are moved with the parameters, a ``$ref``
+    in data (``examples``, ``const``) or a property named ``$ref`` is left alone, and the request's own
+    parameters, which the chat template renders, are not changed."""
+    node = {"type": "function", "function": {"name": "node", "parameters": copy.deepcopy(NODE_PARAMETERS)}}
+    body = req(tools=[CLOCK, node], tool_choice=choice)
+    plan = plan_tools(body, "hermes", "none")
+    assert plan.forced_schema is not None and plan.template_tools is not None
+    assert plan.template_tools[1]["function"]["parameters"] == NODE_PARAMETERS
+    assert body.tools is not None and body.tools[1].function.parameters == NODE_PARAMETERS
+    items = plan.forced_schema["items"]
+    at = "#/items/anyOf/1/properties/arguments" if choice == "required" else "#/items/properties/arguments"
+    arguments = (items["anyOf"][1] if choice == "required" else items)["properties"]["arguments"]
+    assert arguments["properties"]["value"] == {"$ref": at + "/$defs/a~1b"}
+    assert arguments["properties"]["children"]["items"] == {"$ref": at}
+    assert arguments["properties"]["$ref"] == NODE_PARAMETERS["properties"]["$ref"]  # type: ignore[index]
+    assert arguments["properties"]["label"] == {"const": {"$ref": "#"}}
+    standalone = jsonschema.Draft202012Validator(NODE_PARAMETERS)
+    forced = jsonschema.Draft202012Validator(plan.forced_schema)
+    for value in [{"value": 1}, {"value": 1, "children": [{"value": 2, "children": [{"value": 3}]}]},
+                  {"value": "1"}, {"value": 1, "children": [{"value": 2, "children": [{}]}]},
+                  {"value": 1, "children": [[{"name": "node", "arguments": {"value": 1}}]]},
+                  {"value": 1, "$ref": "x", "label": {"$ref": "#"}}, {"value": 1, "label": {"value": 1}}]:
+        assert forced.is_valid([{"name": "node", "arguments": value}]) == standalone.is_valid(value), value
