@@ -44,7 +44,10 @@ def add_agent_arguments(add: Callable[..., None]) -> None:
                                         "tokens (prompt + answer)")
     add("--system", action="append", default=[],
         help="agent, repeatable: label=NAME,url=GATEWAY[,prefill=METRICS_URL+...][,decode=METRICS_URL+...]; "
-             "each system runs the same workload in turn (default: --base-url, no worker counters)")
+             "each system runs the same workload in turn (default: --base-url, no worker counters). "
+             "METRICS_URL: a worker's metrics page as `pdserve up` prints it (http://host:port/metrics; "
+             "http://host:port reads the same page); one that cannot be read before the load ends the bench "
+             "(exit 2), during a run gives exit 1")
     add("--kv-bytes-per-token", type=int, help="agent: KV bytes of one token, for the new tokens' own KV")
     add("--model-config", help="agent: the model's config.json (or its directory): KV bytes per token "
                                "from it, with --kv-dtype")
@@ -137,16 +140,19 @@ def agent_config_from_args(args: argparse.Namespace, model: str) -> AgentConfig:
 def run_agent_bench(args: argparse.Namespace) -> int:
     """Run the agent workload of ``args``; print the report, write the outputs; return the exit code.
 
-    0: done; 1: a system completed no request or leaked KV blocks; 2: bad arguments.
+    0: done; 1: a system completed no request, leaked KV blocks, or lost its worker pages (``--system
+    ...,prefill=,decode=``) during its run; 2: bad arguments, or a worker page that cannot be read before
+    any load is sent.
     """
     from loadtest.agent_report import agent_markdown, save_agent_json
-    from loadtest.agent_runner import run_agent
+    from loadtest.agent_runner import check_worker_pages, run_agent
     from loadtest.models import first_model
 
     try:
         cfg = agent_config_from_args(args, args.model or "placeholder")  # validate before any traffic
         model = args.model or asyncio.run(first_model(cfg.systems[0].url, args.api_key))
         cfg = agent_config_from_args(args, model)
+        asyncio.run(check_worker_pages(cfg))
         result = asyncio.run(run_agent(cfg))
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -160,4 +166,9 @@ def run_agent_bench(args: argparse.Namespace) -> int:
         (out / "summary.md").write_text(text, encoding="utf-8")
         print(f"results written to {out}/ (results.json, summary.md)")
     bad = any(s.summary.completed == 0 or (s.kv.leaked or 0) > 0 for s in result.systems)
-    return 1 if bad else 0
+    asked = {t.label for t in cfg.systems if t.has_counters}
+    unread = [s for s in result.systems if s.label in asked and s.counters_error]
+    for system in unread:  # asked for and not read: not a finished benchmark
+        print(f"error: --system {system.label}: worker counters not read ({system.counters_error})",
+              file=sys.stderr)
+    return 1 if bad or unread else 0

@@ -17,8 +17,9 @@ from loadtest.lengths import LengthDist
 @dataclass(frozen=True)
 class SystemTarget:
     """One system under test: its ``label`` (e.g. ``reuse-on``), the gateway's ``url``, and the metrics
-    servers of its prefill-side (prefill or colocated) and decode-side workers (``http://host:port``;
-    empty: the per-side counters are not read).
+    servers of its prefill-side (prefill or colocated) and decode-side workers (``http://host:port``, or
+    their pages ``http://host:port/metrics`` as ``pdserve up`` prints them; empty: the per-side counters
+    are not read).
 
     Spec strings (``SystemTarget.parse``): ``label=NAME,url=URL[,prefill=URL+URL...][,decode=URL+...]``.
     """

@@ -28,7 +28,7 @@ from loadtest.conversation import PATHS, Conversation
 from loadtest.metrics import latency_stats, meets_slo, summarize, tpot_s
 from loadtest.records import KVScrape, RequestRecord
 from loadtest.scrape import scrape_after, scrape_before
-from loadtest.worker_counters import Counters, settled_counters
+from loadtest.worker_counters import Counters, read_counters, settled_counters
 from loadtest.workload import WORDS, Turn
 
 TEMPLATE_SLACK_TOKENS = 32  # chat-template tokens a turn may add around its text (max_context estimate)
@@ -218,6 +218,20 @@ def ttft_growth(turns: Sequence[TurnStats]) -> float | None:
         return None
     first = done[0].ttft_ms.median
     return None if first <= 0 else done[-1].ttft_ms.median / first
+
+
+async def check_worker_pages(cfg: AgentConfig) -> None:
+    """Read every system's worker pages (``--system ...,prefill=,decode=``) once, before any system's
+    traffic, so that a page that cannot be read ends the bench before its load rather than leaving the
+    counter columns empty after it. Raises RuntimeError naming the system, the page and the problem."""
+    async with httpx.AsyncClient(trust_env=False, follow_redirects=False) as client:
+        for target in cfg.systems:
+            if not target.has_counters:
+                continue
+            try:
+                await read_counters(client, target.prefill_metrics, target.decode_metrics)
+            except RuntimeError as exc:
+                raise RuntimeError(f"--system {target.label}: {exc} (no load was sent)") from None
 
 
 async def run_agent(cfg: AgentConfig) -> AgentResult:

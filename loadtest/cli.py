@@ -67,8 +67,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--metrics-path", default="/metrics", help="KV-gauge page on the server; '' = off")
     _add(parser, "--leak-settle", default="2s", help="how long to wait for KV blocks to come back")
     _add(parser, "--decode-metrics",
-         help="URL[,URL...]: the decode-side (decode or colocated) workers' metrics servers, as `pdserve up` "
-              "prints them; report the share of the time per output token spent outside their engine loop")
+         help="URL[,URL...]: the decode-side (decode or colocated) workers' metrics pages, as `pdserve up` "
+              "prints them (http://host:port/metrics; http://host:port reads the same page); report the "
+              "share of the time per output token spent outside their engine loop. A page that cannot be "
+              "read before the load ends the bench (exit 2), one unreadable after a run gives exit 1")
     _add(parser, "--output-dir", help="write results.json, summary.md and PNG plots here")
     _add(parser, "--no-progress", action="store_true", help="no progress bar")
     add_agent_arguments(lambda flag, **kw: _add(parser, flag, **kw))
@@ -121,7 +123,9 @@ def _compare(files: list[str]) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     """Run the ``bench`` action in ``args``; return the exit code.
 
-    0: done; 1: no request completed or KV blocks leaked; 2: bad arguments or input files.
+    0: done; 1: no request completed, KV blocks leaked, or a ``--decode-metrics`` page could not be read
+    around a run; 2: bad arguments or input files, or a ``--decode-metrics`` page that cannot be read
+    before any load is sent.
     """
     if args.bench_action == "compare":
         return _compare(args.bench_files)
@@ -131,6 +135,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.workload == "agent":
         return run_agent_bench(args)
     from loadtest.models import first_model
+    from loadtest.runner import check_decode_pages
     from loadtest.runner import run_bench as run_all
 
     try:
@@ -138,6 +143,7 @@ def run_bench(args: argparse.Namespace) -> int:
         config_from_args(args, args.model or "placeholder")  # validate before touching the network
         model = args.model or asyncio.run(first_model(args.base_url.rstrip("/"), args.api_key))
         cfg = config_from_args(args, model)
+        asyncio.run(check_decode_pages(cfg))
         result = asyncio.run(run_all(cfg))
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -160,7 +166,11 @@ def _write_outputs(result: Any, output_dir: str | None) -> int:
         print(f"results written to {out}/ (results.json, summary.md, *.png)")
     leaked = any((run.kv.leaked or 0) > 0 for run in result.runs)
     none_ok = any(run.summary.completed == 0 for run in result.runs)
-    return 1 if leaked or none_ok else 0
+    unread = [f"{run.label}: {run.gateway_share.error}" for run in result.runs
+              if run.gateway_share is not None and run.gateway_share.error]
+    for line in unread:  # asked for and not measured: not a finished benchmark
+        print(f"error: --decode-metrics not read ({line})", file=sys.stderr)
+    return 1 if leaked or none_ok or unread else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,7 +69,8 @@ class BenchConfig:
     Stopping: after ``num_requests`` measured requests or ``duration_s`` seconds of issuing, whichever
     comes first (at least one must be set); each request is bounded by ``request_timeout_s``.
     ``burstiness`` is the gamma shape (1 = Poisson, < 1 burstier). Traffic goes only to ``base_url``.
-    ``decode_metrics``: the decode-side workers' metrics servers (``http://host:port``), read around each
+    ``decode_metrics``: the decode-side workers' metrics servers (``http://host:port``, or their pages
+    ``http://host:port/metrics`` as ``pdserve up`` prints them), read around each
     run for the gateway's share of the time per output token (``loadtest/gateway_share.py``); empty: not
     measured.
     """

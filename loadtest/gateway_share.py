@@ -26,7 +26,7 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.records import GatewayShare, RequestRecord
-from loadtest.scrape import read_page
+from loadtest.scrape import metrics_page_url, read_page
 
 ITL = "vllm:inter_token_latency_seconds"
 
@@ -64,11 +64,12 @@ def page_interval(text: str) -> IntervalReading:
 
 async def read_interval(client: httpx.AsyncClient, urls: Sequence[str], timeout_s: float = 5.0
                         ) -> IntervalReading:
-    """One reading of every page in ``urls`` (each worker's metrics server, ``http://host:port``; its
-    ``/metrics`` is read), summed. Raises RuntimeError naming the page that could not be read."""
+    """One reading of every page in ``urls`` (each worker's metrics server, ``http://host:port`` or its
+    ``/metrics`` page: ``loadtest.scrape.metrics_page_url``), summed. Raises RuntimeError naming the page
+    that could not be read."""
     total = IntervalReading(0.0, 0.0)
     for url in urls:
-        page = await read_page(client, f"{url.rstrip('/')}/metrics", page_interval, timeout_s)
+        page = await read_page(client, metrics_page_url(url), page_interval, timeout_s)
         total = IntervalReading(total.sum_s + page.sum_s, total.count + page.count)
     return total
 

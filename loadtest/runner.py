@@ -207,6 +207,19 @@ async def _scrape_before(cfg: BenchConfig, client: httpx.AsyncClient) -> tuple[f
         return None, str(exc)
 
 
+async def check_decode_pages(cfg: BenchConfig) -> None:
+    """Read the ``--decode-metrics`` pages once, before any traffic, so that a page that cannot be read
+    (a wrong port, not a decode-side worker's page) ends the bench before its load rather than leaving
+    the measurement empty after it. Raises RuntimeError naming the page and the problem."""
+    if not cfg.decode_metrics:
+        return
+    async with httpx.AsyncClient(trust_env=False, follow_redirects=False) as client:
+        try:
+            await read_interval(client, cfg.decode_metrics)
+        except RuntimeError as exc:
+            raise RuntimeError(f"--decode-metrics: {exc} (no load was sent)") from None
+
+
 async def run_bench(cfg: BenchConfig) -> BenchResult:
     """Every sweep point in turn (one closed-loop run when ``cfg.arrival == "closed"``)."""
     rates: list[float | None] = [None] if cfg.arrival == "closed" else list(cfg.rates)

@@ -35,6 +35,15 @@ def kv_blocks_used(metrics_text: str, name: str = KV_GAUGE) -> float | None:
     return total
 
 
+def metrics_page_url(url: str) -> str:
+    """The Prometheus page of a worker's metrics server, given either as the server
+    (``http://host:port``) or as the page itself (``http://host:port/metrics``, as ``pdserve up`` prints
+    it): the URL with ``/metrics`` at its end exactly once. The one reading of a worker metrics URL the
+    bench takes (``--decode-metrics``, ``--system ...,prefill=,decode=``)."""
+    url = url.rstrip("/")
+    return url if url.endswith("/metrics") else url + "/metrics"
+
+
 async def read_page(client: httpx.AsyncClient, url: str, parse: Callable[[str], T], timeout_s: float) -> T:
     """GET ``url`` (or a path on the client's base URL), a Prometheus text page, and return ``parse`` of it.
 

@@ -27,7 +27,7 @@ import httpx
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.scrape import read_page
+from loadtest.scrape import metrics_page_url, read_page
 
 # tier → (hits counter, queries counter), in tokens, as exposed (with ``_total``)
 TIER_COUNTERS: dict[str, tuple[str, str]] = {
@@ -101,7 +101,7 @@ def page_totals(text: str) -> dict[str, float]:
 async def _side(client: httpx.AsyncClient, urls: Sequence[str], timeout_s: float) -> SideCounters:
     totals = dict.fromkeys(READ, 0.0)
     for url in urls:
-        page = await read_page(client, f"{url.rstrip('/')}/metrics", page_totals, timeout_s)
+        page = await read_page(client, metrics_page_url(url), page_totals, timeout_s)
         for name, value in page.items():
             totals[name] += value
     return SideCounters(hits={t: totals[h] for t, (h, _) in TIER_COUNTERS.items()},
@@ -113,7 +113,8 @@ async def _side(client: httpx.AsyncClient, urls: Sequence[str], timeout_s: float
 
 async def read_counters(client: httpx.AsyncClient, prefill: Sequence[str], decode: Sequence[str],
                         timeout_s: float = 5.0) -> Counters:
-    """One reading of every worker page (absolute URLs of the workers' metrics servers).
+    """One reading of every worker page (absolute URLs of the workers' metrics servers or of their
+    ``/metrics`` pages: ``loadtest.scrape.metrics_page_url``).
 
     Raises RuntimeError naming the page that could not be read.
     """

@@ -13,7 +13,8 @@ ceil(prompt_tokens / 16) + 1 blocks on ``decode-0`` while it streams; ``stale_bl
 ``prefill-0`` until ``stale_until`` (``time.monotonic()``), like a gauge a heartbeat behind earlier work.
 ``GET /decode-worker/metrics`` is a decode worker's page: ``vllm:inter_token_latency_seconds`` with
 ``engine_itl_s`` observed for every streamed token after a request's first (the engine's part of the
-``itl_s`` the client sees).
+``itl_s`` the client sees); after ``decode_page_ok_reads`` readings (None: never) it answers HTTP 500, a
+worker lost during the run.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class FakeState:
     engine_itl_s: float = 0.008
     engine_itl_sum_s: float = 0.0
     engine_itl_count: int = 0
+    decode_page_reads: int = 0
+    decode_page_ok_reads: int | None = None
 
     def reset(self, **kw: Any) -> None:
         fresh = FakeState(**kw)
@@ -146,6 +149,9 @@ def make_app(state: FakeState) -> FastAPI:
 
     @app.get("/decode-worker/metrics")
     async def decode_worker_metrics() -> PlainTextResponse:
+        state.decode_page_reads += 1
+        if state.decode_page_ok_reads is not None and state.decode_page_reads > state.decode_page_ok_reads:
+            return PlainTextResponse("worker gone\n", status_code=500)
         name = "vllm:inter_token_latency_seconds"
         return PlainTextResponse(
             f"# TYPE {name} histogram\n"

@@ -21,6 +21,7 @@ from loadtest.kv_size import kv_bytes_per_token, load_model_config
 from loadtest.lengths import LengthDist
 from loadtest.records import RequestRecord
 from loadtest.worker_counters import Counters, SideCounters, page_totals
+from tests.loadtest.fake_server import FakeState
 
 USER, TOOL, OUT = 5, 9, 3
 HEADER_WORDS = 2  # "[tool result]"
@@ -243,3 +244,49 @@ def test_decode_hit_rate_is_reused_over_reused_plus_received_blocks() -> None:
     turns = turn_stats(records, counters, cfg)
     assert [t.decode_hit_rate for t in turns] == [0.0, pytest.approx(0.75)]
     assert all(t.prefill_hit_rate is None for t in turns)
+
+
+def _agent_argv(url: str, system: str, out: Path) -> list[str]:
+    return ["--model", "m", "--workload", "agent", "--endpoint", "chat", "--system", system,
+            "--sessions", "2", "--turns", "2", "--user-tokens", "3", "--tool-tokens", "4",
+            "--output-len", "fixed:2", "--think-time", "10ms", "--no-progress", "--leak-settle", "500ms",
+            "--output-dir", str(out)]
+
+
+def test_worker_pages_as_pdserve_up_prints_them(fake: tuple[str, FakeState], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """prefill=/decode= take a worker's page as `pdserve up` prints it (http://host:port/metrics) as well as
+    the server's URL: the counters are read from that page (not .../metrics/metrics, a 404 that left every
+    counter column empty with exit 0)."""
+    url, _ = fake
+    for pages in (f"prefill={url}/metrics,decode={url}/metrics/", f"prefill={url},decode={url}"):
+        code = main(_agent_argv(url, f"label=x,url={url},{pages}", tmp_path))
+        assert code == 0, capsys.readouterr().err
+        [system] = json.loads((tmp_path / "results.json").read_text())["systems"]
+        assert system["counters_error"] == "" and system["run_counters"] is not None
+
+
+def test_worker_page_unreadable_before_the_load_sends_nothing(fake: tuple[str, FakeState], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Every system's pages are read before the first system's load: one that cannot be read (here the
+    second system's) ends the bench with exit 2 naming the system and the page; no request was sent."""
+    url, state = fake
+    argv = _agent_argv(url, f"label=a,url={url},prefill={url}/metrics", tmp_path)
+    argv += ["--system", f"label=b,url={url},decode={url}/nope/metrics"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--system b:" in err and "/nope/metrics answered HTTP 404" in err and "no load was sent" in err
+    assert state.counter == 0 and not list(tmp_path.iterdir())
+
+
+def test_worker_page_lost_during_the_run_fails_the_bench(fake: tuple[str, FakeState], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Read by the check before the load, then HTTP 500: the run goes on and its report says the counters
+    were not read, and the exit code is 1 (counters asked for and not read)."""
+    url, state = fake
+    state.decode_page_ok_reads = 1
+    assert main(_agent_argv(url, f"label=x,url={url},prefill={url}/decode-worker/metrics", tmp_path)) == 1
+    assert "--system x: worker counters not read" in capsys.readouterr().err
+    assert "Worker counters not read: GET" in (tmp_path / "summary.md").read_text()
+    [system] = json.loads((tmp_path / "results.json").read_text())["systems"]
+    assert [t["completed"] for t in system["turns"]] == [2, 2]

@@ -105,3 +105,41 @@ def test_compare_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "exactly two" in capsys.readouterr().err
     assert main(["compare", str(bogus), str(bogus)]) == 2
     assert "not a pdserve bench result" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("page", ["/decode-worker/metrics", "/decode-worker", "/decode-worker/metrics/"])
+def test_decode_metrics_as_pdserve_up_prints_it_or_as_the_server(fake: tuple[str, FakeState], tmp_path: Path,
+                                                                 page: str) -> None:
+    """`pdserve up` prints each worker's page (http://host:port/metrics): the bench reads that page, not
+    .../metrics/metrics (a 404, once reported as "not measured" with exit 0); the server's URL reads the
+    same page."""
+    url, _ = fake
+    assert main(_bench(url, tmp_path, "--arrival", "closed", "--decode-metrics", url + page)) == 0
+    [run] = load_json(tmp_path / "results.json").runs
+    assert run.gateway_share is not None and run.gateway_share.error == ""
+    assert run.gateway_share.worker_tokens > 0
+
+
+def test_decode_metrics_unreadable_before_the_load_sends_nothing(fake: tuple[str, FakeState], tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A page asked for that cannot be read (here a 404, and the gateway's page without the histogram)
+    ends the bench before its load: exit 2, the page named, no request sent, no output written."""
+    url, state = fake
+    for page, why in ((f"{url}/nope", "answered HTTP 404"), (url, "no vllm:inter_token_latency_seconds")):
+        assert main(_bench(url, tmp_path, "--model", "m", "--decode-metrics", page)) == 2
+        err = capsys.readouterr().err
+        assert "--decode-metrics:" in err and why in err and "no load was sent" in err, err
+    assert state.counter == 0 and not list(tmp_path.iterdir())
+
+
+def test_decode_metrics_lost_during_the_run_fails_the_bench(fake: tuple[str, FakeState], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Read before the load (the check) and before the run, then HTTP 500: the results are written, the
+    report says "not measured", and the exit code is 1 (a measurement asked for and not made)."""
+    url, state = fake
+    state.decode_page_ok_reads = 2
+    args = _bench(url, tmp_path, "--arrival", "closed", "--decode-metrics", f"{url}/decode-worker/metrics")
+    assert main(args) == 1
+    assert "--decode-metrics not read" in capsys.readouterr().err
+    assert "not measured: GET" in (tmp_path / "summary.md").read_text()
+    assert load_json(tmp_path / "results.json").runs[0].summary.completed == 6
