@@ -115,8 +115,14 @@ class CallReader:
         self.raw += text
         return out, None
 
-    def finish(self) -> list[Event]:
-        """The text ended inside the object: a committed call stands as read; else it is not a call."""
+    def finish(self, named_stands: bool = False) -> list[Event]:
+        """The text ended inside the object: a committed call stands as read; else it is not a call.
+        ``named_stands``: a call whose name was read whole but whose arguments had not opened yet stands
+        too (started now, its arguments the empty text: none were written)."""
+        if named_stands and not self.committed and self._name is not None and not self._args_bad:
+            events, self._index = self._parser.start_call(self._name)
+            self.outcome = "call"
+            return events
         self.outcome = "call" if self.committed else "not_call"
         return []
 
@@ -318,10 +324,13 @@ class CallArrayReader:
         (``not_call``: all of it; else the element that was not a call)."""
         return self.raw if self.outcome == "not_call" else self._given_back
 
-    def finish(self) -> list[Event]:
-        """The text ended inside the array: the calls committed so far stand (a cut element too)."""
-        committed = self._calls or (self._element is not None and self._element.committed)
+    def finish(self, named_stands: bool = False) -> list[Event]:
+        """The text ended inside the array: the calls committed so far stand (a cut element too; with
+        ``named_stands`` also one cut after its name, as ``CallReader.finish``)."""
+        out: list[Event] = []
         if self._element is not None:
-            self._element.finish()
-        self.outcome = "call" if committed else "not_call"
-        return []
+            out += self._element.finish(named_stands)
+            if self._element.outcome == "call":
+                self._calls += 1
+        self.outcome = "call" if self._calls else "not_call"
+        return out

@@ -1,9 +1,17 @@
 """The output of a ``required`` or named ``tool_choice``: whatever the model's own format, decoding is
 constrained (structured outputs) to a JSON array of ``{"name": ..., "arguments": {...}}`` objects
 (``gateway/tool_request.py`` builds its schema, ``name`` first), read here as the calls, each call's
-arguments streaming as they are written (``call_reader.CallArrayReader``). An output cut by
-``max_tokens`` before its first call started stays content, unchanged; a call cut short keeps the
-arguments written so far.
+arguments streaming as they are written (``call_reader.CallArrayReader``).
+
+The grammar lets the text end inside the array only when the output is cut (``max_tokens``, or the
+context's end). Such a text is never content (it would hand pdserve's internal array format to the
+client as the assistant's text): a call whose name was written whole is a call, with the arguments
+written so far (the empty text when they had not opened yet: the client sees ``finish_reason``
+``length``, as with OpenAI's calls cut by ``max_tokens``); a call cut before its name was complete, and
+an array cut before any call, are dropped (content null). The same events come streamed and not: a
+call cut after its name and before its arguments starts in the stream's last chunk. Text the reader
+cannot continue the array with (which the grammar does not produce) stays content as written, never a
+silent drop.
 """
 
 from __future__ import annotations
@@ -33,9 +41,9 @@ class ForcedJsonParser(ToolCallParser):
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
-        if self._array is not None:
+        if self._array is not None:  # cut inside the array (module docstring): no content from it
             array, self._array = self._array, None
-            out += array.finish()
-            if array.outcome == "not_call":
-                out += self.content.write(array.raw)
+            out += array.finish(named_stands=True)
+            if array.outcome == "call":
+                self.content.call_ends()
         return out + self.content.finish()

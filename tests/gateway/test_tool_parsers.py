@@ -79,7 +79,7 @@ CASES = [
     (ChatOutputSpec(tools="mistral"), "[TOOL_CALLS][1, 2]", "[TOOL_CALLS][1, 2]", None, []),
     (ChatOutputSpec(tools="forced_json"), f'[{{"name": "weather", "arguments": {WJ}}}, '
      '{"name": "t", "arguments": {}}]', None, None, [("weather", W), ("t", {})]),
-    (ChatOutputSpec(tools="forced_json"), '[{"name": "weath', '[{"name": "weath', None, []),
+    (ChatOutputSpec(tools="forced_json"), '[{"name": "weath', None, None, []),
     (ChatOutputSpec(reasoning="qwen3"), "<think>\nHmm, 2+2.\n</think>\n\nIt is 4.", "It is 4.",
      "\nHmm, 2+2.\n", []),
     (ChatOutputSpec(reasoning="qwen3"), "It is 4.", "It is 4.", None, []),
@@ -184,14 +184,90 @@ def test_arguments_stream_as_they_are_written(tools: str, text: str) -> None:
 
 def test_a_call_cut_short_keeps_the_arguments_written() -> None:
     """``max_tokens`` cut the call inside its arguments: the call stands with the text written (as
-    OpenAI's would, with finish reason ``length``); cut before the arguments opened, it is content."""
+    OpenAI's would, with finish reason ``length``); cut before the arguments opened, it is content in the
+    model's own formats (``auto``: it may not have been a call) and dropped in the forced one (below)."""
     for tools, text in TWO_CALLS:
         cut = text[:text.index('"Paris"')]
         out = parse_whole(ChatOutputSpec(tools=tools), cut)
         assert [(c.name, c.arguments) for c in out.calls] == [("weather", '{"city": ')], tools
         before = text[:text.index("weather") + 3]
         out = parse_whole(ChatOutputSpec(tools=tools), before)
-        assert (out.content, out.calls) == (before, []), tools
+        assert (out.content, out.calls) == ((None, []) if tools == "forced_json" else (before, [])), tools
+
+
+# a required / named tool_choice's output as the grammar lets it be written (whitespace as xgrammar may
+# put it, escapes and brackets inside strings), its calls as (name, arguments text)
+FORCED_CALLS = [("weather", ARGS_TEXT), ("time", "{}"), ("w", '{ "q" : "[{\"name\": \"x\"}]" , "n":1 }')]
+FORCED_TEXT = "[" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in FORCED_CALLS[:2]) \
+    + ',\n { "name" : "w" ,"arguments":' + FORCED_CALLS[2][1] + "}]"
+
+
+def _forced_expected(cut: str) -> list[tuple[str, str]]:
+    """The calls ``cut`` (a beginning of FORCED_TEXT) stands for: each call whose name's closing quote
+    was written, with its arguments' text written so far (empty before they opened)."""
+    expected: list[tuple[str, str]] = []
+    pos = 0
+    for name, args in FORCED_CALLS:
+        name_end = FORCED_TEXT.index(f'"{name}"', pos) + len(name) + 2
+        args_start = FORCED_TEXT.index(args, name_end)
+        pos = args_start + len(args)
+        if len(cut) < name_end:
+            break
+        expected.append((name, cut[args_start:pos]))
+    return expected
+
+
+def _no_content(events: list[Event]) -> None:
+    assert not [e for e in events if isinstance(e, ContentText | ReasoningText)], events
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_forced_output_cut_anywhere_is_never_content(parallel: bool) -> None:
+    """A required / named tool_choice's output cut by ``max_tokens`` after each of its characters: never
+    any content (pdserve's internal array format is not the assistant's text); every call whose name is
+    whole stands with the arguments written so far (empty before they opened), one cut inside its name
+    is dropped; streamed a character at a time, in two pieces, and whole give the same calls; with
+    ``parallel_tool_calls`` false the first call only."""
+    spec = ChatOutputSpec(tools="forced_json", parallel_tool_calls=parallel)
+    seen_empty_args = False
+    for n in range(len(FORCED_TEXT) + 1):
+        cut = FORCED_TEXT[:n]
+        expected = _forced_expected(cut)[:None if parallel else 1]
+        seen_empty_args |= any(args == "" for _, args in expected)
+        whole = parse_whole(spec, cut)
+        assert whole.content is None and whole.reasoning is None, (n, whole)
+        assert [(c.name, c.arguments) for c in whole.calls] == expected, (n, cut)
+        for pieces in (list(cut), [cut[:n // 2], cut[n // 2:]]):
+            events = _stream(spec, pieces)
+            _no_content(events)
+            assert [(c.name, c.arguments) for c in fold(events).calls] == expected, (n, pieces)
+    assert seen_empty_args
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, len(FORCED_TEXT)), cuts=st.lists(st.integers(0, 10_000), max_size=8))
+def test_forced_output_cut_and_chunked_anyhow(n: int, cuts: list[int]) -> None:
+    """Any cut of the forced output, streamed in any pieces: the same calls as non-streamed, no content,
+    each call's start before its arguments."""
+    cut = FORCED_TEXT[:n]
+    events = _stream(ChatOutputSpec(tools="forced_json"), _cut(cut, cuts))
+    _no_content(events)
+    assert [(c.name, c.arguments) for c in fold(events).calls] == _forced_expected(cut)
+    started: set[int] = set()
+    for e in events:
+        if isinstance(e, ToolCallStart):
+            started.add(e.index)
+        else:
+            assert isinstance(e, ToolCallArguments) and e.index in started and e.fragment
+
+
+def test_forced_output_the_grammar_does_not_make_stays_content() -> None:
+    """Text the array reader cannot continue with (not produced under the forced grammar) is still never
+    dropped: it stays content as written, after any calls read before it."""
+    out = parse_whole(ChatOutputSpec(tools="forced_json"), "Sure: [1]")
+    assert (out.content, out.calls) == ("Sure: [1]", [])
+    out = parse_whole(ChatOutputSpec(tools="forced_json"), '[{"name": "a", "arguments": {}} oops')
+    assert (out.content, [(c.name, c.arguments) for c in out.calls]) == ("oops", [("a", "{}")])
 
 
 def test_one_character_at_a_time_holds_back_only_marker_prefixes() -> None:

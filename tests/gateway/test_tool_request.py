@@ -145,9 +145,14 @@ def test_forced_schema(choice: str, parallel: bool, output: Any, valid: bool) ->
                                                                           for o in output]
 
 
-def test_forced_parser_keeps_an_unfinished_array_as_content() -> None:
+def test_forced_parser_never_gives_an_unfinished_array_as_content() -> None:
+    """A cut array is not the assistant's text: a call whose name is whole stands with the arguments
+    written (none here), one cut inside its name is dropped (tests/gateway/test_tool_parsers.py: every
+    cut)."""
     out = parse_whole(ChatOutputSpec(tools=FORCED), '[{"name": "weather", "argum')
-    assert (out.content, out.calls) == ('[{"name": "weather", "argum', [])
+    assert (out.content, [(c.name, c.arguments) for c in out.calls]) == (None, [("weather", "")])
+    out = parse_whole(ChatOutputSpec(tools=FORCED), '[{"name": "weat')
+    assert (out.content, out.calls) == (None, [])
 
 
 def test_fallback_rendering_on_smollm2(proc: TextProcessor) -> None:
