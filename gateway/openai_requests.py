@@ -197,12 +197,13 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class JSONSchemaFormat(BaseModel):
-    """``response_format.json_schema``: OpenAI's ``name`` (required), ``description``, ``schema`` and
-    ``strict`` (pdserve always enforces the schema, strict or not)."""
+    """``response_format.json_schema``: OpenAI's ``name`` (required; letters, digits, ``_`` and ``-``, at
+    most 64, OpenAI's rule for a function's name), ``description``, ``schema`` and ``strict`` (pdserve
+    always enforces the schema, strict or not)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None

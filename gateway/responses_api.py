@@ -35,7 +35,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from gateway.errors import bad_request
-from gateway.openai_requests import INT32_MAX, FunctionDefinition
+from gateway.openai_requests import FUNCTION_NAME, INT32_MAX, FunctionDefinition
 
 
 class InputText(BaseModel):
@@ -154,12 +154,13 @@ class ResponsesToolChoiceFunction(BaseModel):
 
 class TextFormat(BaseModel):
     """``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``, ``strict``,
-    ``description`` flat in it)."""
+    ``description`` flat in it; ``name`` as chat's ``response_format.json_schema.name``: letters, digits,
+    ``_`` and ``-``, at most 64)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
+    name: str | None = Field(None, pattern=FUNCTION_NAME)
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None

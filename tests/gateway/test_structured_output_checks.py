@@ -118,3 +118,34 @@ def test_a_lookahead_pattern_of_a_schema_is_a_400(schema: dict[str, object]) -> 
     assert info.value.status == 400 and info.value.param == "structured_outputs.json"
     assert "lookaround" in info.value.message
 
+
+
+BAD_SCHEMA_NAMES = ["bad name!", "", "x" * 65, "a.b", "naïve"]
+
+
+@pytest.mark.parametrize("name", BAD_SCHEMA_NAMES)
+def test_json_schema_name_follows_openais_rule(name: str) -> None:
+    """``response_format.json_schema.name`` (chat, completions) and ``text.format.name`` (Responses): 1-64
+    letters, digits, ``_`` or ``-`` (OpenAI's rule, the one tool names follow), else a 400 with the
+    OpenAI error body naming the field the client sent; a good name passes to the next check (503: no
+    worker)."""
+    import httpx
+
+    from tests.gateway.inprocess import inprocess_gateway
+
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": {"type": "object"}}}
+    text_fmt = {"type": "json_schema", "name": name, "schema": {"type": "object"}}
+    chat_param = "response_format.json_schema.name"
+    with inprocess_gateway("m") as base, httpx.Client(base_url=base, timeout=5) as c:
+        for path, body, param in (
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                          "response_format": fmt}, chat_param),
+                ("/v1/completions", {"prompt": "hi", "response_format": fmt}, chat_param),
+                ("/v1/responses", {"input": "hi", "text": {"format": text_fmt}}, "text.format.name")):
+            r = c.post(path, json={"model": "m", **body})
+            assert r.status_code == 400, (path, r.text)
+            error = r.json()["error"]
+            assert (error["param"], error["type"]) == (param, "invalid_request_error"), (path, error)
+            assert param in error["message"], error
+            good = json.loads(json.dumps(body).replace(json.dumps(name), '"ok_Name-1"'))
+            assert c.post(path, json={"model": "m", **good}).status_code == 503, path
