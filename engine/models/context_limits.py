@@ -28,9 +28,7 @@ def check_sliding_window(hf_config: PretrainedConfig, max_model_len: int | None)
     window = getattr(hf_config, "sliding_window", None)
     length = max_model_len or int(hf_config.max_position_embeddings)
     if window is not None and int(window) < length:
-        raise ValueError(
-            f"sliding_window={window} < max_model_len={length}: sliding-window attention is not supported "
-            f"(every token would attend to the whole sequence); set max_model_len <= {window}")
+        raise ValueError(window_message(int(window), length))
 
 
 def check_rope_scaling(hf_config: PretrainedConfig, max_model_len: int | None) -> None:
@@ -53,11 +51,7 @@ def check_rope_scaling(hf_config: PretrainedConfig, max_model_len: int | None) -
                    or hf_config.max_position_embeddings)
     length = max_model_len or int(hf_config.max_position_embeddings)
     if length > original:
-        raise ValueError(
-            f"rope_scaling longrope with max_model_len={length} > "
-            f"original_max_position_embeddings={original}: "
-            f"LongRoPE's long factors are not supported (transformers picks them per batch); set "
-            f"max_model_len <= {original}")
+        raise ValueError(longrope_message(length, original))
 
 
 def context_problem(config: dict[str, Any], max_model_len: int | None) -> str | None:
@@ -76,16 +70,25 @@ def context_problem(config: dict[str, Any], max_model_len: int | None) -> str | 
     if config.get("model_type") in GATED_WINDOW_TYPES and not config.get("use_sliding_window", False):
         window = None
     if isinstance(window, int | float) and int(window) < length:
-        return (f"sliding_window={int(window)} < max_model_len={length}: sliding-window attention is not "
-                "supported (every token would attend to the whole sequence); set max_model_len <= "
-                f"{int(window)}")
+        return window_message(int(window), length)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(rope, dict) or (rope.get("rope_type") or rope.get("type")) not in ("longrope", "su"):
         return None
     original = rope.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
     original = int(original) if isinstance(original, int | float) else int(limit)
     if length > original:
-        return (f"rope_scaling longrope with max_model_len={length} > original_max_position_embeddings="
-                f"{original}: LongRoPE's long factors are not supported (transformers picks them per "
-                f"batch); set max_model_len <= {original}")
+        return longrope_message(length, original)
     return None
+
+
+def window_message(window: int, max_model_len: int) -> str:
+    """The refusal of a ``sliding_window`` shorter than ``max_model_len`` (both in tokens)."""
+    return (f"sliding_window={window} < max_model_len={max_model_len}: sliding-window attention is not "
+            f"supported (every token would attend to the whole sequence); set max_model_len <= {window}")
+
+
+def longrope_message(max_model_len: int, original: int) -> str:
+    """The refusal of LongRoPE when ``max_model_len`` exceeds ``original_max_position_embeddings``."""
+    return (f"rope_scaling longrope with max_model_len={max_model_len} > original_max_position_embeddings="
+            f"{original}: LongRoPE's long factors are not supported (transformers picks them per batch); "
+            f"set max_model_len <= {original}")
