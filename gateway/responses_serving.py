@@ -61,10 +61,16 @@ def prepare_response(svc: GatewayService, body: ResponsesRequest, request_id: st
     try:
         return prepare(svc, chat, f"resp_{request_id}")
     except APIError as exc:
-        chat_param, exc.param = exc.param, responses_param(exc.param)
-        if chat_param and exc.param and chat_param != exc.param:
-            exc.message = exc.message.replace(chat_param, exc.param)
-        raise
+        raise responses_error(exc) from None
+
+
+def responses_error(exc: APIError) -> APIError:
+    """``exc`` (an error of the chat path: the gateway's checks or a worker's refusal) naming the
+    Responses field instead of the chat field (``responses_param``), in ``param`` and the message."""
+    chat_param, exc.param = exc.param, responses_param(exc.param)
+    if chat_param and exc.param and chat_param != exc.param:
+        exc.message = exc.message.replace(chat_param, exc.param)
+    return exc
 
 
 def _rename(path: str) -> str:
@@ -113,9 +119,9 @@ async def _events(svc: GatewayService, body: ResponsesRequest, p: Prepared, buil
             if out:
                 yield b"".join(out)
     except GenerationFailed as exc:
+        err = responses_error(exc.api_error())
         if head is not None or not streaming:
-            raise exc.api_error() from exc
-        err = exc.api_error()
+            raise err from exc
         yield builder.error_event(err.message, err.code)
     finally:
         svc.orchestrator.release(req)

@@ -127,3 +127,20 @@ def test_refused_fields_are_400_naming_them(live: SystemPair, fields: dict[str, 
         error = resp.json()["error"]
         assert error["param"] == param and error["type"] == "invalid_request_error", error
         assert "response_format" not in error["message"] and "messages" not in error["message"], error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_spec_the_worker_refuses_names_the_responses_field(live: SystemPair, stream: bool) -> None:
+    """A text.format schema that passes the gateway's checks but not the workers' grammar engine (``\\b``):
+    the worker's 400 (raised for the chat field ``response_format``) names ``text.format``, streamed or not,
+    on both paths, before any event."""
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 4, "stream": stream, "text": {"format": {
+        "type": "json_schema", "name": "w", "schema": {"type": "string", "pattern": r"\bfoo\b"}}}}
+    for url, _ in live.pairs():
+        resp = httpx.post(f"{url}/v1/responses", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {live.api_key}"})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "text.format" and "does not compile" in error["message"], error
+        assert "response_format" not in error["message"], error
+    leak_check(live)
