@@ -125,6 +125,11 @@ class BlockManager:
         self._free_mask = np.ones(num_blocks, dtype=np.bool_)  # ref_count == 0
         self._uncached_mask = np.ones(num_blocks, dtype=np.bool_)  # in _free_uncached
         self._scratch = (np.empty(num_blocks, dtype=np.bool_), np.empty(num_blocks, dtype=np.bool_))
+        # when each block last entered _free_cached (a counter: the LRU order as numbers), for the runs of
+        # allocate_contiguous; meaningful for free cached blocks only
+        self._freed_at = np.zeros(num_blocks, dtype=np.int64)
+        self._free_clock = 0
+        self._run_mask = np.empty(num_blocks, dtype=np.bool_)
 
     def record_events(self, max_pending: int | None = None) -> KVEventLog:
         """Start logging prefix-cache changes (idempotent); returns the log. ``max_pending`` bounds the
@@ -272,10 +277,15 @@ class BlockManager:
     def allocate_contiguous(self, num_blocks: int) -> list[int] | None:
         """Take a run of ``num_blocks`` consecutive free block ids (ref_count 1 each), or None.
 
-        First fit: the lowest-starting run of free *uncached* blocks; failing that, the lowest-starting
-        run of free blocks, whose cached ones are evicted (hashes dropped). The decode worker uses this
-        so each request-layer arrives as one transfer. Cost: ``ceil(log2 num_blocks)`` vectorised passes
-        over the block masks (:func:`first_run`; ~10-30 µs at 34k blocks) plus Python work per block taken.
+        First fit: the lowest-starting run of free *uncached* blocks; failing that, a run that evicts
+        only the least recently freed cached blocks it can (``_least_recent_run``): the cached blocks it
+        evicts (hashes dropped) were all freed before any cached block outside it that a run could have
+        used instead, so a live prefix (a session's, freed a turn ago) is evicted only when no run exists
+        without it; the lowest-starting such run. The decode worker uses this so each request-layer
+        arrives as one transfer. Cost: ``ceil(log2 num_blocks)`` vectorised passes over the block masks
+        (:func:`first_run`; ~10-30 µs at 34k blocks) plus Python work per block taken; when cached blocks
+        must be evicted, a sort of the free cached blocks' free times and a binary search over them
+        (``log2`` of their count more ``first_run`` calls).
 
         Raises:
             NoFreeBlocksError: ``num_blocks`` exceeds the number of blocks that exist.
@@ -289,13 +299,47 @@ class BlockManager:
         if len(self._free_uncached) >= num_blocks:
             start = first_run(self._uncached_mask, num_blocks, self._scratch)
         if start is None and self.num_free_blocks >= num_blocks:
-            start = first_run(self._free_mask, num_blocks, self._scratch)
+            start = self._least_recent_run(num_blocks)
         if start is None:
             return None
         run = self._take_run(start, num_blocks)
         if self._host_saves:
             self._host_transfer([])
         return run
+
+    def _least_recent_run(self, n: int) -> int | None:
+        """The lowest start of a run of ``n`` free blocks whose newest cached block was freed as early as
+        possible (the smallest free time ``t`` such that the free uncached blocks and the cached ones freed
+        at or before ``t`` hold a run: a binary search over the sorted free times, as the blocks allowed
+        only grow with ``t``; first among the ``4 n`` oldest, which usually hold one, then among all), or
+        None when the free blocks hold no run of ``n``."""
+        if first_run(self._free_mask, n, self._scratch) is None:
+            return None
+        times = self._freed_at[self._free_mask & ~self._uncached_mask]
+        if len(times) > 4 * n:
+            oldest = np.partition(times, 4 * n - 1)[: 4 * n]
+            oldest.sort()
+            if self._run_from(int(oldest[-1]), n) is not None:
+                return self._oldest_fit(oldest, n)
+        return self._oldest_fit(np.sort(times), n)
+
+    def _oldest_fit(self, times: npt.NDArray[np.int64], n: int) -> int | None:
+        """``_run_from`` at the smallest of the sorted free ``times`` that gives a run (the last one must)."""
+        lo, hi = 0, len(times) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._run_from(int(times[mid]), n) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        return self._run_from(int(times[lo]), n)
+
+    def _run_from(self, t: int, n: int) -> int | None:
+        """First fit of ``n`` over the free uncached blocks and the cached ones freed at or before ``t``."""
+        np.less_equal(self._freed_at, t, out=self._run_mask)
+        self._run_mask &= self._free_mask
+        self._run_mask |= self._uncached_mask
+        return first_run(self._run_mask, n, self._scratch)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register hashes of the blocks of ``seq`` whose tokens are all computed (call after a step).
@@ -449,6 +493,8 @@ class BlockManager:
         if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block.block_id:
             self._free_cached[block.block_id] = None
             self._free_cached.move_to_end(block.block_id)
+            self._freed_at[block.block_id] = self._free_clock
+            self._free_clock += 1
         else:
             block.block_hash = None
             block.token_ids = ()

@@ -169,6 +169,51 @@ def test_allocate_contiguous_evicts_cached_blocks_when_needed() -> None:
     bm.check_no_leaks()
 
 
+def test_allocate_contiguous_evicts_the_least_recently_freed_run() -> None:
+    """A decode worker's cache full of cached prefixes: the new request's run evicts an old session's
+    blocks, not the live session's freed a moment ago. Bug: the run was the lowest-starting one of free
+    blocks, whatever their age, so the live session (lower block ids) lost its prefix and its next turn's
+    whole prompt KV was sent again (an H200 agent run: 6.8x the new tokens' KV at one turn)."""
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    live = _seq([1] * 16, "live")
+    old = _seq([2] * 16, "old")
+    bm.allocate(live, 16)  # blocks 0-3
+    bm.allocate(old, 16)  # blocks 4-7
+    for seq in (live, old):
+        seq.num_computed_tokens = 16
+        bm.cache_full_blocks(seq)
+    bm.free(old)  # the old session's turn ended first ...
+    bm.free(live)  # ... the live one's just now
+    run = bm.allocate_contiguous(3)
+    # the old session's blocks, freed tail first (7 oldest): 5-7 (the live one's 0-2 before the fix)
+    assert run == [5, 6, 7]
+    next_turn = _seq([1] * 17, "next turn")
+    assert bm.allocate_prefix(next_turn) == 16  # the live prefix still hits, whole
+    bm.free(next_turn)
+    for block_id in run:
+        bm.free(_with_table(block_id))
+    bm.check_no_leaks()
+
+
+def test_allocate_contiguous_evicts_newer_blocks_only_when_no_older_run_exists() -> None:
+    """The old blocks are scattered (no run of 3 among them): the run takes the fewest-recent blocks it
+    must, the lowest-starting run whose newest block is oldest."""
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    seqs = [_seq([i] * 4, f"s{i}") for i in range(6)]
+    for seq in seqs:
+        bm.allocate(seq, 4)
+        seq.num_computed_tokens = 4
+        bm.cache_full_blocks(seq)
+    for i in (0, 3, 1, 4, 5, 2):  # free order: oldest first
+        bm.free(seqs[i])
+    # runs of 3, newest freed: [0,1,2] block 2 (6th); [1,2,3], [2,3,4] block 2; [3,4,5] block 5 (5th)
+    assert bm.allocate_contiguous(3) == [3, 4, 5]
+    assert bm.allocate_contiguous(3) == [0, 1, 2]
+    for block_id in range(6):
+        bm.free(_with_table(block_id))
+    bm.check_no_leaks()
+
+
 def test_allocate_contiguous_bad_sizes() -> None:
     bm = BlockManager(num_blocks=3, block_size=BS)
     with pytest.raises(NoFreeBlocksError, match="only 3 exist"):

@@ -37,11 +37,14 @@ def test_first_run_matches_brute_force_and_rejects_bad_lengths() -> None:
 
 
 def _reference_contiguous(bm: BlockManager, n: int) -> int | None:
-    """The former Python scan (first fit over uncached, then over all free blocks), from the sets."""
-    for is_free in (bm._free_uncached.__contains__, lambda b: bm._blocks[b].ref_count == 0):
+    """A Python scan from the sets: first fit over the uncached blocks, then over the uncached blocks and
+    the k least recently freed cached ones for k = 1, 2, ... (the LRU order of ``_free_cached``)."""
+    lru = list(bm._free_cached)
+    for k in range(len(lru) + 1):
+        allowed = bm._free_uncached | set(lru[:k])
         run = 0
         for block_id in range(bm.num_blocks):
-            run = run + 1 if is_free(block_id) else 0
+            run = run + 1 if block_id in allowed else 0
             if run == n:
                 return block_id - n + 1
     return None
