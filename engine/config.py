@@ -37,6 +37,27 @@ def attention_backend_problem(name: str, device: str) -> str | None:
     return None
 
 
+def kv_capacity_problem(max_model_len: int | None, num_blocks: int, block_size: int,
+                        memory_fraction: float | None = None) -> str | None:
+    """Why an explicit ``--max-model-len`` does not fit a KV cache of ``num_blocks`` blocks of
+    ``block_size`` tokens (one sequence's KV must fit one worker's cache), or None (also when
+    ``max_model_len`` is None: the engine then takes the capacity as its limit). ``memory_fraction``:
+    None when the block count was given (``--num-blocks``), else the ``--kv-memory-fraction`` it was
+    sized from. Shared by ``pdserve up`` (before any process starts, when ``--num-blocks`` is given) and
+    the model runner (once the KV cache is sized); imports no torch."""
+    capacity = num_blocks * block_size
+    if max_model_len is None or max_model_len <= capacity:
+        return None
+    if memory_fraction is None:
+        blocks, fix = f"--num-blocks {num_blocks}", "raise --num-blocks"
+    else:
+        blocks = f"{num_blocks} blocks sized from --kv-memory-fraction {memory_fraction:g}"
+        fix = "raise --kv-memory-fraction or give --num-blocks"
+    return (f"--max-model-len {max_model_len} exceeds the KV cache's capacity of {capacity} tokens "
+            f"({blocks} x --block-size {block_size}; one sequence's KV must fit a worker's cache): lower "
+            f"--max-model-len or {fix}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """KV cache shape and prefix caching.

@@ -15,6 +15,7 @@ the backend is ``triton`` and ``ModelConfig.enforce_eager`` is off; prefill and 
 from __future__ import annotations
 
 import contextlib
+import logging
 import zlib
 from collections.abc import Callable
 from collections.abc import Sequence as Sequence_
@@ -25,7 +26,7 @@ import torch
 from engine.async_step import LaunchedStep, TokenBuffers, launch_decode
 from engine.attention.backend import get_backend
 from engine.attention.metadata import AttentionMetadata, build_attention_metadata
-from engine.config import EngineConfig
+from engine.config import EngineConfig, kv_capacity_problem
 from engine.cuda_graphs import DecodeCudaGraphs, mask_placeholder
 from engine.distributed import TensorParallel, rank_device
 from engine.kv_cache import KVCachePool, check_kv_cache_dtype, resolve_cache_dtype
@@ -43,6 +44,8 @@ from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.step_batch import StepBatch
 from engine.structured_output import BitmaskBuffers, StructuredOutputError
+
+logger = logging.getLogger(__name__)
 
 
 class PromptRows:
@@ -88,7 +91,8 @@ class ModelRunner:
         net: what a step calls: ``model`` itself, or a ``FusedCausalLM`` over its weights
             (``ModelConfig.fused_ops``).
         kv_cache: ``KVCachePool`` sized from ``engine_config.cache``.
-        max_model_len: tokens per sequence (config value, else ``max_position_embeddings``).
+        max_model_len: tokens per sequence (config value, else ``max_position_embeddings`` cut to the KV
+            cache's capacity, ``num_blocks x block_size``: ``_fit_max_model_len``).
         vocab_size: rows of the LM head (logit width).
         decode_graphs: ``DecodeCudaGraphs`` captured at start-up, or None (CPU, ``enforce_eager``, or a
             backend other than ``triton``); setting it to None makes every step eager.
@@ -102,7 +106,8 @@ class ModelRunner:
 
     Raises:
         ValueError / FileNotFoundError: from loading, the backend choice or KV sizing; also when
-            ``max_model_len`` exceeds the model's ``max_position_embeddings``, or when
+            ``max_model_len`` exceeds the model's ``max_position_embeddings`` or the KV cache's capacity
+            (``engine.config.kv_capacity_problem``), or when
             ``tensor_parallel_size`` differs from ``tp.size``.
         RuntimeError: from CUDA when graph capture fails (set ``enforce_eager`` to run without graphs).
     """
@@ -138,7 +143,6 @@ class ModelRunner:
         if (too_long := max_model_len_problem(wanted, {"max_position_embeddings": limit})) is not None:
             raise ValueError(too_long)
         self.max_model_len = wanted or limit
-        self.backend.set_step_limits(engine_config.scheduler.max_num_batched_tokens, self.max_model_len)
         self.net = self._forward_model(engine_config.model.fused_ops)
         self.vocab_size = int(cfg.vocab_size)
         num_heads = int(cfg.num_attention_heads)
@@ -151,10 +155,14 @@ class ModelRunner:
         check_kv_cache_dtype(cache_dtype, self.dtype, self.backend.name, self.device)
         shape = (int(cfg.num_hidden_layers), cache.block_size, num_kv_heads, int(head_dim))
         num_blocks = cache.num_blocks
-        if num_blocks is None and self.tp.distributed:  # every rank must hold rank 0's block ids
-            num_blocks = self.tp.min_int(KVCachePool.fit_num_blocks(
-                *shape, cache_dtype, self.device, memory_fraction=cache.memory_fraction,
-                cpu_kv_bytes=cache.cpu_kv_bytes))
+        if num_blocks is None:  # sized from memory (on every rank the smallest: they share block ids)
+            num_blocks = KVCachePool.fit_num_blocks(*shape, cache_dtype, self.device,
+                                                    memory_fraction=cache.memory_fraction,
+                                                    cpu_kv_bytes=cache.cpu_kv_bytes)
+            if self.tp.distributed:
+                num_blocks = self.tp.min_int(num_blocks)
+        self._fit_max_model_len(wanted, num_blocks, limit)  # before the cache is allocated
+        self.backend.set_step_limits(engine_config.scheduler.max_num_batched_tokens, self.max_model_len)
         self.kv_cache = KVCachePool.from_memory(
             *shape, self.dtype, self.device,
             memory_fraction=cache.memory_fraction,
@@ -173,6 +181,29 @@ class ModelRunner:
             self.decode_graphs = DecodeCudaGraphs(self.net, self.kv_cache, self.backend,
                                                   engine_config.scheduler.max_num_seqs, self.max_model_len)
             self.decode_graphs.capture()
+
+    def _fit_max_model_len(self, wanted: int | None, num_blocks: int, limit: int) -> None:
+        """Hold ``max_model_len`` to the KV cache's capacity (``num_blocks`` x ``block_size`` tokens: one
+        sequence's KV must fit): an explicit ``max_model_len`` (``wanted``) beyond it is refused, naming the
+        flags (``kv_capacity_problem``); the model's own limit (``max_position_embeddings``, taken when
+        none was given) is cut to it, logged once at INFO (by rank 0).
+
+        Raises:
+            ValueError: ``wanted`` exceeds the capacity.
+        """
+        cache = self.config.cache
+        sized_from = None if cache.num_blocks is not None else cache.memory_fraction
+        if (why := kv_capacity_problem(wanted, num_blocks, cache.block_size, sized_from)) is not None:
+            raise ValueError(why)
+        capacity = num_blocks * cache.block_size
+        if self.max_model_len > capacity:
+            if self.tp.rank == 0:
+                source = (f"--num-blocks {num_blocks}" if sized_from is None
+                          else f"{num_blocks} blocks sized from --kv-memory-fraction {sized_from:g}")
+                logger.info("max_model_len capped to %d tokens, the KV cache's capacity (%s x "
+                            "--block-size %d), from the model's max_position_embeddings=%d: one sequence's "
+                            "KV must fit the cache", capacity, source, cache.block_size, limit)
+            self.max_model_len = capacity
 
     def warm_attention_plans(self, max_tokens: int) -> int:
         """Build the attention plans a fresh prompt of up to ``max_tokens`` tokens needs on this worker

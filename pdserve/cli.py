@@ -200,7 +200,8 @@ def _add_worker(add: _Adder, role: str) -> None:
                    "the prefill worker (false: no prefix cache on the decode worker, every request's whole "
                    "prompt KV is sent)")
     add("--max-model-len", type=int, default=None,
-        help="tokens per sequence, prompt and output (default: the model's context length)")
+        help="tokens per sequence, prompt and output, at most what the KV cache holds (--num-blocks x "
+             "--block-size; default: the model's context length, cut to that with one log line)")
     add("--gateway-control", default="tcp://127.0.0.1:7100",
         help="the gateways' --control-bind addresses, comma-separated (tcp://h1:7100,tcp://h2:7100); a host "
              "name stands for every address it resolves to (a Kubernetes headless Service): the worker "

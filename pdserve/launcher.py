@@ -82,9 +82,10 @@ def up_refusal(settings: UpSettings, model_config: Mapping[str, Any] | None = No
     (``device_problem``; counting the GPUs imports torch unless ``--device cpu``), a ``--tokenizer`` the
     gateway could not use (``tokenizer_flag_problem``), a ``--max-model-len`` beyond the model's
     ``max_position_embeddings`` in ``model_config`` (its ``config.json``; None: not checked) or beyond
-    its sliding window or LongRoPE's original context (``context_problem``), or an
+    its sliding window or LongRoPE's original context (``context_problem``), a ``--max-model-len`` beyond
+    the KV cache of an explicit ``--num-blocks`` (``kv_capacity_problem``), or an
     ``--attention-backend`` the workers' device cannot run (``attention_backend_problem``)."""
-    from engine.config import attention_backend_problem
+    from engine.config import attention_backend_problem, kv_capacity_problem
     from engine.models.context_limits import context_problem
     from engine.models.registry import max_model_len_problem
     from gateway.text import tokenizer_flag_problem
@@ -100,6 +101,9 @@ def up_refusal(settings: UpSettings, model_config: Mapping[str, Any] | None = No
         return f"--max-model-len {worker.max_model_len}: {why}"
     if model_config is not None and (why := context_problem(dict(model_config), worker.max_model_len)):
         return f"--model {settings.model}: {why} (--max-model-len)"
+    if worker.num_blocks is not None and (
+            why := kv_capacity_problem(worker.max_model_len, worker.num_blocks, worker.block_size)):
+        return why
     device = "cpu" if settings.device == "auto" and gpus == 0 else settings.device.replace("auto", "cuda")
     if (why := attention_backend_problem(worker.attention_backend, device)) is not None:
         return f"--attention-backend {worker.attention_backend}: {why}"

@@ -54,7 +54,7 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_core(path: Path, async_scheduling: bool, graphs: bool = True, num_blocks: int = 160) -> EngineCore:
     core = EngineCore(EngineConfig(
         ModelConfig(str(path), dtype="float32", device=DEVICE, attention_backend="triton",
-                    max_model_len=MAX_LEN, enforce_eager=True),
+                    max_model_len=min(MAX_LEN, 4 * num_blocks), enforce_eager=True),  # within the KV
         CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=True),
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, async_scheduling=async_scheduling),
     ))

@@ -2,8 +2,8 @@
 and with exit code 2 (tensor parallel ranks beyond the GPUs, a CUDA device that is not there, a busy
 port, a host it cannot bind, a model or quantization the workers cannot run, a tokenizer the gateway
 could not use, a max model length beyond the model's positions, its sliding window or LongRoPE's original
-context, an attention backend the device cannot run), and the probes behind the port and host refusals
-(``pdserve.ports``)."""
+context or the KV cache of an explicit --num-blocks, an attention backend the device cannot run), and the
+probes behind the port and host refusals (``pdserve.ports``)."""
 
 from __future__ import annotations
 
@@ -448,3 +448,33 @@ def test_the_context_check_imports_neither_transformers_nor_torch() -> None:
     assert out.splitlines() == ["sliding_window=64 < max_model_len=512: sliding-window attention is not "
                                 "supported (every token would attend to the whole sequence); set "
                                 "max_model_len <= 64", "False False"]
+
+
+_LLAMA_8K = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64,
+             "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 8192}
+
+
+def test_up_refuses_a_max_model_len_beyond_the_kv_cache_of_explicit_blocks(tmp_path, monkeypatch,
+                                                                           capsys) -> None:
+    """A new-user trial: ``pdserve up --max-model-len 4096 --num-blocks 64`` started with no message and
+    served 1024 tokens (64 blocks x 16): the engine cut the explicit length to the KV cache's capacity.
+    The launcher now refuses it (the workers do too, ``tests/engine/test_kv_capacity.py``); a length
+    at the capacity, or none (the workers cap it), is taken."""
+    import json
+
+    from pdserve import launcher
+
+    (tmp_path / "config.json").write_text(json.dumps(_LLAMA_8K))
+    _refused_through_the_cli(["--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu",
+                              "--max-model-len", "4096", "--num-blocks", "64"], monkeypatch)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == ("pdserve up: --max-model-len 4096 exceeds the KV cache's capacity of 1024 tokens "
+                    "(--num-blocks 64 x --block-size 16; one sequence's KV must fit a worker's cache): lower "
+                    "--max-model-len or raise --num-blocks")
+    for max_model_len, num_blocks, block_size in ((1024, 64, 16), (None, 64, 16), (4096, None, 16),
+                                                  (4096, 128, 32)):
+        worker = WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True,
+                                max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size)
+        up = UpSettings(port=free_port(), device="cpu", insecure_control_plane=True, worker=worker)
+        assert launcher.up_refusal(up, _LLAMA_8K) is None
