@@ -92,8 +92,9 @@ class CacheConfig:
         if self.host_kv_bytes < 0:
             raise ValueError(f"host_kv_bytes must be >= 0 bytes (0: no host tier), got {self.host_kv_bytes}")
         if self.host_kv_bytes and not self.enable_prefix_caching:
-            raise ValueError("host_kv_bytes needs enable_prefix_caching: the host tier holds evicted prefix "
-                             "cache blocks")
+            raise ValueError("host_kv_bytes (--kv-host-cache-gib) needs enable_prefix_caching "
+                             "(--enable-prefix-caching true; on a decode worker also --decode-prefix-reuse "
+                             "true): the host tier holds blocks evicted from the prefix cache")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 

@@ -222,6 +222,13 @@ class WorkerSettings:
                f"({physical_memory_bytes() / GIB:.1f} GiB)")
         _check(self.kv_host_cache_gib == 0 or self.tensor_parallel_size == 1, "kv-host-cache-gib",
                "the host KV tier runs with one rank only (--tensor-parallel-size 1)")
+        # the tier holds blocks evicted from the prefix cache: without one it would hold nothing
+        _check(self.kv_host_cache_gib == 0 or self.enable_prefix_caching, "kv-host-cache-gib",
+               "the host KV tier holds blocks evicted from the prefix cache: it needs "
+               "--enable-prefix-caching true (or --kv-host-cache-gib 0)")
+        _check(self.kv_host_cache_gib == 0 or self.decode_prefix_reuse, "kv-host-cache-gib",
+               "the host KV tier holds blocks evicted from the prefix cache, which a decode worker keeps "
+               "only with --decode-prefix-reuse true (or --kv-host-cache-gib 0)")
         _check(self.kv_cache_dtype in ("auto", "fp8"), "kv-cache-dtype",
                f"must be auto or fp8, got {self.kv_cache_dtype!r}")
         _check(self.kv_cache_dtype == "auto" or self.attention_backend in ("auto", "triton", "torch"),

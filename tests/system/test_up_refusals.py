@@ -478,3 +478,36 @@ def test_up_refuses_a_max_model_len_beyond_the_kv_cache_of_explicit_blocks(tmp_p
                                 max_model_len=max_model_len, num_blocks=num_blocks, block_size=block_size)
         up = UpSettings(port=free_port(), device="cpu", insecure_control_plane=True, worker=worker)
         assert launcher.up_refusal(up, _LLAMA_8K) is None
+
+
+@pytest.mark.parametrize("off", [["--enable-prefix-caching", "false"], ["--decode-prefix-reuse", "false"]])
+def test_up_refuses_a_host_kv_tier_without_the_prefix_cache(off: list[str], tmp_path, monkeypatch,
+                                                            capsys) -> None:
+    """A new-user trial: ``pdserve up --enable-prefix-caching false --kv-host-cache-gib 0.5`` started
+    everything, then the workers failed with ``host_kv_bytes needs enable_prefix_caching`` (the engine's
+    field names), exit 1 (``--decode-prefix-reuse false`` did the same to the decode workers). Now one line
+    naming both flags, exit 2, before any child; a worker refuses it the same way itself (and the engine's
+    own check names the flags too)."""
+    import sys
+
+    from engine.config import CacheConfig
+    from pdserve.cli import main
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    _refused_through_the_cli(["--model", "tiny-llama", "--device", "cpu", "--kv-host-cache-gib", "0.5", *off],
+                             monkeypatch)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("pdserve up: --kv-host-cache-gib: the host KV tier holds blocks evicted from the "
+                           "prefix cache") and f"{off[0]} true" in line, line
+    roles = ["prefill", "colocated", "decode"] if off[0] == "--enable-prefix-caching" else ["decode"]
+    for module in ("prefill_worker.main", "decode_worker.main", "workers.colocated"):
+        monkeypatch.setitem(sys.modules, module, None)  # no worker may start
+    for role in roles:
+        assert main([role, "--kv-host-cache-gib", "0.5", *off, "--insecure-control-plane"]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"pdserve {role}: --kv-host-cache-gib: ") and f"{off[0]} true" in line, line
+    with pytest.raises(ValueError, match=r"^host_kv_bytes \(--kv-host-cache-gib\) needs "
+                                         r"enable_prefix_caching \(--enable-prefix-caching true; on a decode "
+                                         r"worker also "
+                                         r"--decode-prefix-reuse true\)"):
+        CacheConfig(host_kv_bytes=1 << 20, enable_prefix_caching=False)
