@@ -33,6 +33,7 @@ from engine.config import EngineConfig
 from engine.distributed import TensorParallel, init_tensor_parallel, loopback_init_method, rank_device
 from engine.model_runner import ModelRunner
 from engine.models.loader import resolve_device
+from engine.models.registry import read_model_config, resolve_model, tensor_parallel_problem
 from engine.step_batch import StepBatch
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ class RankHook(Protocol):
 RankHookFactory = Callable[[ModelRunner, TensorParallel], RankHook]
 
 
+class RankRefused(Exception):
+    """A follower rank could not build its ``ModelRunner`` shard (the message says why)."""
+
+
 def run_follower(engine_config: EngineConfig, tp: TensorParallel,
                  rank_hook: RankHookFactory | None = None) -> int:
     """Rank ``tp.rank > 0``'s loop: build its ``ModelRunner`` shard (and ``rank_hook``'s hook over it),
@@ -63,10 +68,15 @@ def run_follower(engine_config: EngineConfig, tp: TensorParallel,
     hook's layer hook, until the stop message. Returns the number of steps run.
 
     Raises:
+        RankRefused: building the shard was refused (a ``ValueError`` or ``FileNotFoundError`` of
+            ``ModelRunner``: a model or setting rank 0 refuses as well).
         RuntimeError / DistBackendError: rank 0 failed or went silent past the group's timeout.
         What the hook raises (the rank ends; rank 0's next collective fails).
     """
-    runner = ModelRunner(engine_config, tp)
+    try:
+        runner = ModelRunner(engine_config, tp)
+    except (ValueError, FileNotFoundError) as exc:
+        raise RankRefused(str(exc)) from exc
     # the attention plans rank 0's warm-up builds for itself (engine/warmup.py), built here for this shard
     runner.warm_attention_plans(min(engine_config.scheduler.max_num_batched_tokens, runner.max_model_len))
     hook = rank_hook(runner, tp) if rank_hook is not None else None
@@ -90,13 +100,18 @@ def run_follower(engine_config: EngineConfig, tp: TensorParallel,
 
 def _follower_main(engine_config: EngineConfig, rank: int, init_method: str, threads: int,
                    rank_hook: RankHookFactory | None = None) -> None:
-    """Process entry of rank ``rank``: join the group, run ``run_follower``, leave the group."""
+    """Process entry of rank ``rank``: join the group, run ``run_follower``, leave the group. A refusal to
+    build the shard (``RankRefused``) is logged in one line and ends the process with exit code 1, without
+    a traceback."""
     torch.set_num_threads(threads)
     size = engine_config.parallel.tensor_parallel_size
     device = rank_device(resolve_device(engine_config.model.device), TensorParallel(rank=rank, size=size))
     tp = init_tensor_parallel(rank, size, init_method, device, engine_config.parallel.timeout_s)
     try:
         run_follower(engine_config, tp, rank_hook)
+    except RankRefused as exc:  # rank 0 refuses the same and says so: one line here, no traceback
+        logger.error("tensor parallel rank %d: cannot start: %s", rank, exc)
+        raise SystemExit(1) from None
     finally:
         tp.close()
 
@@ -113,8 +128,10 @@ class TensorParallelRanks:
         tp: rank 0's ``TensorParallel`` (give it to ``ModelRunner``).
 
     Raises:
-        ValueError: ``parallel.distributed`` is False, or ``torch.distributed`` is already initialised
-            in this process.
+        ValueError: ``parallel.distributed`` is False, a model the ranks cannot split
+            (``registry.tensor_parallel_problem``, before any rank starts) or one the loader refuses, or
+            ``torch.distributed`` is already initialised in this process.
+        FileNotFoundError: the model or its ``config.json`` is not there.
         RuntimeError / DistNetworkError: the ranks did not all join within ``parallel.timeout_s``
             (the started processes are killed first).
     """
@@ -124,6 +141,11 @@ class TensorParallelRanks:
         parallel = engine_config.parallel
         if not parallel.distributed:
             raise ValueError("TensorParallelRanks needs tensor_parallel_size > 1 or force_distributed")
+        # a model the ranks cannot split is refused here, from its config.json, before any rank starts
+        # (each would otherwise load the config and fail on its own)
+        raw = read_model_config(resolve_model(engine_config.model.model), engine_config.model.quantization)
+        if (why := tensor_parallel_problem(raw, parallel.tensor_parallel_size)) is not None:
+            raise ValueError(why)
         init_method = init_method or loopback_init_method()
         ctx = mp.get_context("spawn")
         self.followers: list[BaseProcess] = []

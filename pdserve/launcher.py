@@ -82,12 +82,13 @@ def up_refusal(settings: UpSettings, model_config: Mapping[str, Any] | None = No
     (``device_problem``; counting the GPUs imports torch unless ``--device cpu``), a ``--tokenizer`` the
     gateway could not use (``tokenizer_flag_problem``), a ``--max-model-len`` beyond the model's
     ``max_position_embeddings`` in ``model_config`` (its ``config.json``; None: not checked) or beyond
-    its sliding window or LongRoPE's original context (``context_problem``), a ``--max-model-len`` beyond
+    its sliding window or LongRoPE's original context (``context_problem``), a model
+    ``--tensor-parallel-size`` ranks cannot split (``tensor_parallel_problem``), a ``--max-model-len`` beyond
     the KV cache of an explicit ``--num-blocks`` (``kv_capacity_problem``), or an
     ``--attention-backend`` the workers' device cannot run (``attention_backend_problem``)."""
     from engine.config import attention_backend_problem, kv_capacity_problem
     from engine.models.context_limits import context_problem
-    from engine.models.registry import max_model_len_problem
+    from engine.models.registry import max_model_len_problem, tensor_parallel_problem
     from gateway.text import tokenizer_flag_problem
 
     gpus = gpu_count() if settings.device != "cpu" else 0
@@ -101,6 +102,10 @@ def up_refusal(settings: UpSettings, model_config: Mapping[str, Any] | None = No
         return f"--max-model-len {worker.max_model_len}: {why}"
     if model_config is not None and (why := context_problem(dict(model_config), worker.max_model_len)):
         return f"--model {settings.model}: {why} (--max-model-len)"
+    if model_config is not None and worker.tensor_parallel_size > 1 and (
+            why := tensor_parallel_problem(dict(model_config), worker.tensor_parallel_size,
+                                           "--tensor-parallel-size")):
+        return f"--model {settings.model}: {why}"
     if worker.num_blocks is not None and (
             why := kv_capacity_problem(worker.max_model_len, worker.num_blocks, worker.block_size)):
         return why

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from protocol.heap import freeze_start_up_heap
@@ -30,13 +31,14 @@ WorkerFactory = Callable[["WorkerSettings", "EngineCore", str], "WorkerLoop"]
 
 def build_core(settings: WorkerSettings, *, prefill_only: bool = False) -> tuple[EngineCore, str]:
     """Set torch's intra-op threads (``--cpu-threads``, when not 0), load the model and size the KV cache;
-    returns the engine and the local model directory.
+    returns the engine and the local model directory. A model ``--tensor-parallel-size`` ranks cannot split
+    is refused from its ``config.json`` first, naming the flag, before any rank process starts.
 
     Raises:
         ValueError / FileNotFoundError: bad settings or a model that cannot be found or loaded.
     """
     from engine.engine_core import EngineCore
-    from engine.models.registry import resolve_model
+    from engine.models.registry import read_model_config, resolve_model, tensor_parallel_problem
     from workers.setup import engine_config_from_settings
 
     if settings.cpu_threads:  # before the model is built; the other tensor parallel ranks inherit it
@@ -44,6 +46,11 @@ def build_core(settings: WorkerSettings, *, prefill_only: bool = False) -> tuple
 
         torch.set_num_threads(settings.cpu_threads)
     path = str(resolve_model(settings.model))
+    size = settings.tensor_parallel_size
+    if size > 1:
+        raw = read_model_config(Path(path), settings.quantization)
+        if (why := tensor_parallel_problem(raw, size, "--tensor-parallel-size")) is not None:
+            raise ValueError(why)
     rank_hook = None
     if settings.role in ("prefill", "decode") and settings.tensor_parallel_size > 1:
         from workers.rank_kv import rank_kv_hook

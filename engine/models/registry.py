@@ -286,6 +286,36 @@ def max_model_len_problem(max_model_len: int | None, config: dict[str, Any]) -> 
     return f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}"
 
 
+def tensor_parallel_problem(config: dict[str, Any], size: int,
+                            flag: str = "tensor_parallel_size") -> str | None:
+    """Why ``size`` tensor parallel ranks cannot split a model with HF config ``config`` (its
+    ``config.json`` as a dict, or the loaded config's fields), or None: a mixture of
+    experts or an architecture outside ``LLAMA_LIKE_ARCHITECTURES``, query heads or MLP width not divisible
+    by ``size``, or KV heads neither divisible by ``size`` nor dividing it (a count the dict lacks is not
+    checked). ``flag``: how the message names the setting (``--tensor-parallel-size`` for ``pdserve up``,
+    which asks before any process starts; the field name in the engine). Imports no torch."""
+    name = f"{flag} {size}" if flag.startswith("--") else f"{flag}={size}"
+    one = f"{flag} 1" if flag.startswith("--") else f"{flag}=1"
+    archs = config.get("architectures") or ["?"]
+    arch = archs[0]
+    if arch in MOE_ARCHITECTURES:
+        return (f"{name}: mixtures of experts ({arch}) are not supported with tensor parallelism yet; "
+                f"use {one}")
+    if arch not in LLAMA_LIKE_ARCHITECTURES:
+        return (f"{name}: {arch} is not supported with tensor parallelism (supported: "
+                f"{sorted(LLAMA_LIKE_ARCHITECTURES)}); use {one}")
+    heads, width = config.get("num_attention_heads"), config.get("intermediate_size")
+    kv = config.get("num_key_value_heads") or heads
+    if isinstance(heads, int) and heads % size:
+        return f"{name} does not divide num_attention_heads={heads}"
+    if isinstance(kv, int) and kv % size and size % kv:
+        return (f"{name} and num_key_value_heads={kv}: one must divide the other (KV heads are split, or "
+                "replicated when fewer than the ranks)")
+    if isinstance(width, int) and width % size:
+        return f"{name} does not divide intermediate_size={width}"
+    return None
+
+
 def is_dummy_alias(name: str) -> bool:
     """Whether ``name`` is a shape-only alias (no weights: always loaded with dummy weights)."""
     return name in DUMMY_CONFIGS

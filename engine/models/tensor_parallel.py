@@ -44,7 +44,7 @@ from engine.models.loader import (
     resolve_dtype,
 )
 from engine.models.mtp import is_mtp_key, log_skipped, mtp_layers
-from engine.models.registry import LLAMA_LIKE_ARCHITECTURES, MOE_ARCHITECTURES, is_dummy_alias, resolve_model
+from engine.models.registry import is_dummy_alias, resolve_model, tensor_parallel_problem
 from engine.ops.fp8_gemm import Fp8Activation
 from engine.ops.fp8_weight import Fp8Weight
 
@@ -60,28 +60,20 @@ def num_kv_heads_of(cfg: PretrainedConfig) -> int:
 
 
 def check_tensor_parallel(cfg: PretrainedConfig, size: int) -> None:
-    """Refuse a model ``size`` ranks cannot split.
+    """Refuse a model ``size`` ranks cannot split (``registry.tensor_parallel_problem``'s rules, on the
+    loaded config).
 
     Raises:
         ValueError: a mixture of experts or an architecture outside ``LLAMA_LIKE_ARCHITECTURES``, query
             heads or MLP width not divisible by ``size``, or KV heads
             neither divisible by ``size`` nor dividing it; the message names the numbers.
     """
-    arch = (getattr(cfg, "architectures", None) or ["?"])[0]
-    if arch in MOE_ARCHITECTURES:
-        raise ValueError(f"tensor_parallel_size={size}: mixtures of experts ({arch}) are not supported with "
-                         "tensor parallelism yet; use tensor_parallel_size=1")
-    if arch not in LLAMA_LIKE_ARCHITECTURES:
-        raise ValueError(f"tensor_parallel_size={size}: {arch} is not supported with tensor parallelism "
-                         f"(supported: {sorted(LLAMA_LIKE_ARCHITECTURES)}); use tensor_parallel_size=1")
-    heads, kv, width = int(cfg.num_attention_heads), num_kv_heads_of(cfg), int(cfg.intermediate_size)
-    if heads % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide num_attention_heads={heads}")
-    if kv % size and size % kv:
-        raise ValueError(f"tensor_parallel_size={size} and num_key_value_heads={kv}: one must divide the "
-                         "other (KV heads are split, or replicated when fewer than the ranks)")
-    if width % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size={width}")
+    fields = {"architectures": getattr(cfg, "architectures", None),
+              "num_attention_heads": int(cfg.num_attention_heads),
+              "num_key_value_heads": num_kv_heads_of(cfg),
+              "intermediate_size": getattr(cfg, "intermediate_size", None)}
+    if (why := tensor_parallel_problem(fields, size)) is not None:
+        raise ValueError(why)
 
 
 def local_config(cfg: PretrainedConfig, size: int) -> PretrainedConfig:

@@ -262,3 +262,48 @@ def test_rank_hook_streams_each_layer_on_the_other_rank(tmp_path):
     for layer, sums in step["calls"]:
         assert sums[:layer + 1] == final[:layer + 1]
         assert all(s != f for s, f in zip(sums[layer + 1:], final[layer + 1:], strict=True))
+
+
+def test_ranks_are_not_started_for_a_model_they_cannot_split(tmp_path, monkeypatch):
+    """A new-user trial: a Qwen3-MoE worker with --tensor-parallel-size 2 started its second rank, which
+    died with a multiprocessing traceback. ``TensorParallelRanks`` now refuses the model from its config.json
+    before starting any rank (the worker's own flag-named refusal: tests/system/test_up_refusals.py)."""
+    from engine import tp_executor
+
+    (tmp_path / "config.json").write_text(tiny_config("Qwen3MoeForCausalLM").to_json_string())
+    started: list[object] = []
+    monkeypatch.setattr(tp_executor.mp, "get_context", lambda kind: started.append(kind))
+    config = EngineConfig(ModelConfig(str(tmp_path), device="cpu", load_format="dummy"), CacheConfig(),
+                          SchedulerConfig(), ParallelConfig(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=2: mixtures of experts "
+                                         r"\(Qwen3MoeForCausalLM\) are not supported with tensor "
+                                         r"parallelism yet; use tensor_parallel_size=1$"):
+        tp_executor.TensorParallelRanks(config)
+    assert started == []
+
+
+def test_a_follower_rank_refusal_is_one_line_without_a_traceback(monkeypatch, caplog):
+    """A refusal while a follower builds its shard (one rank 0 meets too, e.g. an explicit max_model_len
+    beyond the KV cache) ends the rank with one ERROR line and exit code 1, not a traceback."""
+    from engine import tp_executor
+
+    class Group:
+        closed = False
+
+        def close(self) -> None:
+            Group.closed = True
+
+    def refuse(config, tp):
+        raise ValueError("--max-model-len 100 exceeds the KV cache's capacity of 64 tokens")
+
+    monkeypatch.setattr(tp_executor, "init_tensor_parallel", lambda *a: Group())
+    monkeypatch.setattr(tp_executor, "ModelRunner", refuse)
+    config = EngineConfig(ModelConfig("tiny-llama", device="cpu"), CacheConfig(), SchedulerConfig(),
+                          ParallelConfig(tensor_parallel_size=2))
+    threads = torch.get_num_threads()
+    with pytest.raises(SystemExit) as exit_info:
+        tp_executor._follower_main(config, 1, "tcp://127.0.0.1:1", threads)
+    assert exit_info.value.code == 1 and exit_info.value.__cause__ is None and Group.closed
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("ERROR", "tensor parallel rank 1: cannot start: --max-model-len 100 exceeds the KV cache's capacity "
+                  "of 64 tokens")]

@@ -2,8 +2,9 @@
 and with exit code 2 (tensor parallel ranks beyond the GPUs, a CUDA device that is not there, a busy
 port, a host it cannot bind, a model or quantization the workers cannot run, a tokenizer the gateway
 could not use, a max model length beyond the model's positions, its sliding window or LongRoPE's original
-context or the KV cache of an explicit --num-blocks, an attention backend the device cannot run), and the
-probes behind the port and host refusals (``pdserve.ports``)."""
+context or the KV cache of an explicit --num-blocks, a model the tensor parallel ranks cannot split, an
+attention backend the device cannot run), and the probes behind the port and host refusals
+(``pdserve.ports``)."""
 
 from __future__ import annotations
 
@@ -511,3 +512,61 @@ def test_up_refuses_a_host_kv_tier_without_the_prefix_cache(off: list[str], tmp_
                                          r"worker also "
                                          r"--decode-prefix-reuse true\)"):
         CacheConfig(host_kv_bytes=1 << 20, enable_prefix_caching=False)
+
+
+_QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 256,
+              "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+              "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+              "num_experts_per_tok": 2, "max_position_embeddings": 512}
+
+
+def test_up_refuses_a_model_the_tensor_parallel_ranks_cannot_split(tmp_path, monkeypatch, capsys) -> None:
+    """A new-user trial: ``pdserve up --model <qwen3-moe> --tensor-parallel-size 2 --colocated 1`` started
+    the worker, whose second rank printed a multiprocessing traceback (mixtures of experts are not
+    supported with tensor parallelism), exit 1. The launcher now refuses it from config.json; a dense model
+    whose heads the ranks cannot split too, and one they can is taken."""
+    import json
+
+    from pdserve import launcher
+
+    (tmp_path / "config.json").write_text(json.dumps(_QWEN3_MOE))
+    _refused_through_the_cli(["--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu",
+                              "--tensor-parallel-size", "2", "--num-prefill", "0", "--num-decode", "0",
+                              "--colocated", "1"], monkeypatch)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"pdserve up: --model {tmp_path}: --tensor-parallel-size 2: mixtures of experts "
+                    "(Qwen3MoeForCausalLM) are not supported with tensor parallelism yet; use "
+                    "--tensor-parallel-size 1")
+
+    def refusal(config: dict, size: int) -> str | None:
+        worker = WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True,
+                                tensor_parallel_size=size)
+        return launcher.up_refusal(UpSettings(model="m", port=free_port(), device="cpu",
+                                              insecure_control_plane=True, worker=worker), config)
+
+    assert refusal(_LLAMA_8K, 3) == ("--model m: --tensor-parallel-size 3 does not divide "
+                                     "num_attention_heads=4")
+    assert refusal({**_LLAMA_8K, "architectures": ["Phi3ForCausalLM"]}, 2).startswith(
+        "--model m: --tensor-parallel-size 2: Phi3ForCausalLM is not supported with tensor parallelism")
+    assert refusal(_LLAMA_8K, 2) is None and refusal(_QWEN3_MOE, 1) is None
+
+
+def test_a_worker_refuses_a_model_its_ranks_cannot_split_in_one_line(tmp_path) -> None:
+    """The same trial's worker, started on its own: one ERROR line naming the flag, exit 1, no rank started
+    (no multiprocessing traceback)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps(_QWEN3_MOE))
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "colocated", "--model", str(tmp_path),
+                           "--load-format", "dummy", "--device", "cpu", "--tensor-parallel-size", "2",
+                           "--insecure-control-plane"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 1
+    [line] = proc.stderr.strip().splitlines()
+    assert line.endswith("pdserve colocated: cannot start: --tensor-parallel-size 2: mixtures of experts "
+                         "(Qwen3MoeForCausalLM) are not supported with tensor parallelism yet; use "
+                         "--tensor-parallel-size 1"), proc.stderr
