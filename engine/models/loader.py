@@ -10,6 +10,7 @@ biases with 0 — fast enough for Llama-3-8B shapes on a GPU. FP8 models (an FP8
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,8 @@ from engine.models.fp8 import build_fp8_model, init_dummy_fp8, load_fp8_weights
 from engine.models.mtp import is_mtp_key, layer_index, log_skipped, mtp_layers
 from engine.models.quant_config import fp8_scheme
 from engine.models.registry import is_dummy_alias, read_model_config, resolve_model
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,7 +83,25 @@ def load_hf_config(path: Path, quantization: str | None = None) -> PretrainedCon
             architecture or the quantization method is not supported.
     """
     read_model_config(path, quantization)
-    return AutoConfig.from_pretrained(str(path))
+    return drop_pad_outside_vocab(AutoConfig.from_pretrained(str(path)))
+
+
+def drop_pad_outside_vocab(hf_config: PretrainedConfig) -> PretrainedConfig:
+    """``hf_config`` with a ``pad_token_id`` outside ``[0, vocab_size)`` set to None (in place; returned).
+
+    transformers' decoders pass ``pad_token_id`` to ``nn.Embedding`` as its ``padding_idx``, which asserts
+    that it lies in the vocabulary; a config without the key takes the architecture's default (GLM-4:
+    151329, Phi-3: 32000) whatever its vocabulary, so a GLM-4 config with 49152 tokens could not be built.
+    Serving needs no padding index: it only keeps that row's gradient at zero in training (and zeroes the row
+    at initialisation, which loaded or dummy weights overwrite); the lookup is the same. Nothing else here
+    reads ``pad_token_id`` (the gateway's padding, if any, is its tokenizer's). An id inside the vocabulary
+    is kept. Said once at INFO (transformers itself warns of such an id when it reads the config)."""
+    pad, vocab = getattr(hf_config, "pad_token_id", None), getattr(hf_config, "vocab_size", None)
+    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
+        logger.info("pad_token_id=%d is outside the vocabulary (vocab_size=%d): not used (serving needs no "
+                    "padding index)", pad, vocab)
+        hf_config.pad_token_id = None
+    return hf_config
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -155,8 +176,8 @@ def _load_checkpoint(path: Path, hf_config: PretrainedConfig, dtype: torch.dtype
         raise ValueError(f"checkpoint {path}: {len(past_decoder)} tensors have no place in the model, e.g. "
                          f"{sorted(past_decoder)[:5]} (layers at or past num_hidden_layers={num_layers}, "
                          f"not declared by num_nextn_predict_layers)")
-    loaded: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, device_map=str(device),
-                                                       output_loading_info=True)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(str(path), config=hf_config, dtype=dtype,
+                                                       device_map=str(device), output_loading_info=True)
     model: PreTrainedModel = loaded[0]
     report = loaded[1]  # transformers' LoadStateDictInfo.to_dict()
     unexpected_keys: set[str] = report["unexpected_keys"]

@@ -78,13 +78,16 @@ def check_tensor_parallel(cfg: PretrainedConfig, size: int) -> None:
 
 def local_config(cfg: PretrainedConfig, size: int) -> PretrainedConfig:
     """The config of one rank's share: ``H/size`` query heads, ``max(Hkv/size, 1)`` KV heads,
-    ``intermediate_size/size``, ``ceil(V/size)`` vocabulary rows, ``head_dim`` stated explicitly."""
+    ``intermediate_size/size``, ``ceil(V/size)`` vocabulary rows, ``head_dim`` stated explicitly, no
+    ``pad_token_id`` (transformers makes it the embedding's ``padding_idx``, which must lie in the rank's
+    rows; serving needs none: ``engine.models.loader.drop_pad_outside_vocab``)."""
     local = copy.deepcopy(cfg)
     local.head_dim = head_dim_of(cfg)
     local.num_attention_heads = int(cfg.num_attention_heads) // size
     local.num_key_value_heads = max(num_kv_heads_of(cfg) // size, 1)
     local.intermediate_size = int(cfg.intermediate_size) // size
     local.vocab_size = math.ceil(int(cfg.vocab_size) / size)
+    local.pad_token_id = None  # no padding index: the shard's rows are not the vocabulary's (and may lack it)
     return local
 
 

@@ -489,3 +489,33 @@ def test_embedded_model_converted_bf16_with_tokenizer_and_template():
     assert (path / "tokenizer.json").is_file()
     assert "im_start" in (path / "chat_template.jinja").read_text()
 
+
+
+@pytest.mark.parametrize("arch", ["Glm4ForCausalLM", "Phi3ForCausalLM"])
+def test_a_default_pad_token_id_outside_the_vocabulary_is_dropped(arch, tmp_path, caplog):
+    """A new-user trial: a GLM-4 config with 49152 tokens and no pad_token_id took transformers' default
+    151329 (Phi-3's: 32000), which transformers passes to nn.Embedding as padding_idx: "AssertionError:
+    Padding_idx must be within num_embeddings". Serving needs no padding index, so such an id is dropped
+    and the model loads, dummy or from a checkpoint (same weights); an id inside the vocabulary is kept."""
+    cfg = tiny_config(arch, vocab=300)
+    torch.manual_seed(0)
+    saved = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)  # pad_token_id=0 here
+    saved.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("pad_token_id")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    for load_format in ("dummy", "auto"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="engine.models.loader"):
+            model, hf_config = load_model(ModelConfig(str(tmp_path), dtype="float32", device="cpu",
+                                                      load_format=load_format))
+        assert hf_config.pad_token_id is None and model.model.embed_tokens.padding_idx is None
+        default = 151329 if arch == "Glm4ForCausalLM" else 32000
+        assert [r.getMessage() for r in caplog.records if r.name == "engine.models.loader"] == [
+            f"pad_token_id={default} is outside the vocabulary (vocab_size=300): not used (serving needs no "
+            "padding index)"]
+        assert model.model.embed_tokens.weight.shape[0] == 300
+    torch.testing.assert_close(model.model.embed_tokens.weight, saved.model.embed_tokens.weight)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "pad_token_id": 7}))
+    _, hf_config = load_model(ModelConfig(str(tmp_path), dtype="float32", device="cpu", load_format="dummy"))
+    assert hf_config.pad_token_id == 7

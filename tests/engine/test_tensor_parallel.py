@@ -307,3 +307,18 @@ def test_a_follower_rank_refusal_is_one_line_without_a_traceback(monkeypatch, ca
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("ERROR", "tensor parallel rank 1: cannot start: --max-model-len 100 exceeds the KV cache's capacity "
                   "of 64 tokens")]
+
+
+def test_a_pad_token_id_past_the_ranks_rows_does_not_stop_the_shard(tmp_path):
+    """transformers makes ``pad_token_id`` the embedding's padding_idx, which must lie in the rows it builds:
+    a rank holds ceil(V / tp) rows, so a Llama with pad_token_id 200 of 256 failed to build its shards
+    (rank 0 holds 128 rows). The ranks' configs carry no pad_token_id (serving needs no padding index)."""
+    cfg = tiny_config("LlamaForCausalLM")
+    cfg.pad_token_id = 200
+    (tmp_path / "config.json").write_text(cfg.to_json_string())
+    model_config = ModelConfig(str(tmp_path), dtype="float32", device="cpu", load_format="dummy")
+    for rank in (0, 1):
+        local, whole = load_sharded_model(model_config, TensorParallel(rank=rank, size=2),
+                                          torch.device("cpu"))
+        assert whole.pad_token_id == 200 and local.config.pad_token_id is None
+        assert local.model.embed_tokens.weight.shape[0] == 128
