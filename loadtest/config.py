@@ -58,8 +58,9 @@ class SLOConfig:
     tpot_ms: float = 100.0
 
     def __post_init__(self) -> None:
-        if self.ttft_ms <= 0 or self.tpot_ms <= 0:
-            raise ValueError(f"SLOs must be > 0 ms, got ttft {self.ttft_ms}, tpot {self.tpot_ms}")
+        if not all(math.isfinite(v) and v > 0 for v in (self.ttft_ms, self.tpot_ms)):
+            raise ValueError(f"SLOs (--slo-ttft-ms, --slo-tpot-ms) must be finite numbers of ms > 0, got "
+                             f"ttft {self.ttft_ms}, tpot {self.tpot_ms}")
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,11 @@ class BenchConfig:
             raise ValueError(f"rates must be > 0 requests/s, got {self.rates}")
         if self.arrival != "closed" and self.num_requests is None and any(math.isinf(r) for r in self.rates):
             raise ValueError("an infinite rate sends everything at once: set num_requests")
-        if self.burstiness <= 0 or self.concurrency < 1:
-            raise ValueError("burstiness must be > 0 and concurrency >= 1")
+        if not (math.isfinite(self.burstiness) and self.burstiness > 0) or self.concurrency < 1:
+            raise ValueError(f"burstiness (--burstiness) must be a finite number > 0 and concurrency >= 1, "
+                             f"got {self.burstiness} and {self.concurrency}")
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature (--temperature) must be a finite number, got {self.temperature}")
         if self.num_requests is None and self.duration_s is None:
             raise ValueError("set num_requests or duration_s so the run ends on its own")
         if (self.num_requests is not None and self.num_requests < 1) or (

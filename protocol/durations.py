@@ -6,6 +6,7 @@ as ``--request-timeout 30s`` to ``pdserve bench``.
 
 from __future__ import annotations
 
+import math
 import re
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
@@ -16,9 +17,13 @@ def parse_duration(text: str) -> float:
     """``"500ms"``, ``"5s"``, ``"5"`` (seconds) or ``"1m"`` → seconds (float).
 
     Raises:
-        ValueError: anything else (negative numbers and other units included).
+        ValueError: anything else (negative numbers, other units and a number too large to be finite, such
+            as 400 digits, included).
     """
     m = _DURATION.match(text)
     if not m:
         raise ValueError(f"bad duration {text!r}: use a number with ms, s or m (e.g. 5s)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if not math.isfinite(seconds):
+        raise ValueError(f"bad duration {text!r}: too large (not a finite number of seconds)")
+    return seconds

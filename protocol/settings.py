@@ -7,6 +7,7 @@ Every field mirrors a flag of ``pdserve.cli`` (flag ``--foo-bar`` → field ``fo
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import socket
@@ -33,6 +34,15 @@ def physical_memory_bytes() -> int:
 def _check(cond: bool, flag: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"--{flag}: {msg}")
+
+
+def _check_seconds(value: float, flag: str, zero: str | None = None) -> None:
+    """A duration flag: a finite number of seconds, > 0 (``zero`` None) or >= 0 (``zero``: what 0 means).
+    nan and inf are named as not finite (``nan`` fails every comparison: "must be >= 0, got nan" said
+    nothing; ``inf`` passed a bare ``> 0``)."""
+    ok = math.isfinite(value) and (value >= 0 if zero is not None else value > 0)
+    bound = f">= 0 ({zero})" if zero is not None else "> 0"
+    _check(ok, flag, f"must be a finite number of seconds {bound}, got {value}")
 
 
 def _check_device(device: str) -> None:
@@ -116,19 +126,18 @@ class GatewaySettings:
             self.control_endpoints()  # raises when the control ports do not fit
         _check(self.disagg_threshold >= 0, "disagg-threshold", "must be >= 0")
         _check(self.max_queue >= 1, "max-queue", "must be >= 1")
-        _check(self.request_timeout > 0, "request-timeout", "must be > 0 seconds")
+        _check_seconds(self.request_timeout, "request-timeout")
         _check(self.max_body_bytes > 0, "max-body-bytes", "must be > 0")
         _check(self.max_prompt_tokens is None or self.max_prompt_tokens > 0, "max-prompt-tokens",
                "must be > 0")
         _check(self.max_n >= 1, "max-n", "must be >= 1")
         _check(self.max_stop >= 0, "max-stop", "must be >= 0")
-        _check(self.heartbeat_timeout > 0, "heartbeat-timeout", "must be > 0 seconds")
+        _check_seconds(self.heartbeat_timeout, "heartbeat-timeout")
         _check(self.max_retries >= 0, "max-retries", f"must be >= 0, got {self.max_retries}")
         _check(self.max_migrations >= 0, "max-migrations", f"must be >= 0, got {self.max_migrations}")
-        _check(0 <= self.admission_budget < float("inf"), "admission-budget",
-               f"must be >= 0 seconds (0 turns the queue check off), got {self.admission_budget}")
-        _check(self.kv_canary_period >= 0, "kv-canary-period", "must be >= 0 seconds (0: only at pairing)")
-        _check(self.kv_canary_timeout > 0, "kv-canary-timeout", "must be > 0 seconds")
+        _check_seconds(self.admission_budget, "admission-budget", "0 turns the queue check off")
+        _check_seconds(self.kv_canary_period, "kv-canary-period", "0: only at pairing")
+        _check_seconds(self.kv_canary_timeout, "kv-canary-timeout")
         _check(0 <= self.kv_canary_mib <= 1024, "kv-canary-mib",
                f"must be in [0, 1024] MiB (0: one block), got {self.kv_canary_mib}")
         _check_control_plane(self.curve_keys, self.insecure_control_plane)
@@ -214,9 +223,10 @@ class WorkerSettings:
                f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         _check(self.block_size >= 1, "block-size", "must be >= 1")
         _check(self.num_blocks is None or self.num_blocks >= 1, "num-blocks", "must be >= 1")
-        _check(0 < self.kv_memory_fraction <= 1, "kv-memory-fraction", "must be in (0, 1]")
-        _check(0 <= self.kv_host_cache_gib < float("inf"), "kv-host-cache-gib",
-               f"must be >= 0 GiB (0: no host KV tier), got {self.kv_host_cache_gib}")
+        _check(0 < self.kv_memory_fraction <= 1, "kv-memory-fraction",
+               f"must be in (0, 1], got {self.kv_memory_fraction}")
+        _check(math.isfinite(self.kv_host_cache_gib) and self.kv_host_cache_gib >= 0, "kv-host-cache-gib",
+               f"must be a finite number of GiB >= 0 (0: no host KV tier), got {self.kv_host_cache_gib}")
         _check(self.kv_host_cache_gib * GIB < physical_memory_bytes(), "kv-host-cache-gib",
                f"{self.kv_host_cache_gib} GiB is not below this host's memory "
                f"({physical_memory_bytes() / GIB:.1f} GiB)")
@@ -252,8 +262,7 @@ class WorkerSettings:
                f"must differ from --port ({self.port})")
         _check(self.cpu_threads >= 0, "cpu-threads",
                f"must be >= 0 (0: torch's default), got {self.cpu_threads}")
-        _check(0 < self.engine_stall_timeout < float("inf"), "engine-stall-timeout",
-               f"must be > 0 seconds, got {self.engine_stall_timeout}")
+        _check_seconds(self.engine_stall_timeout, "engine-stall-timeout")
         _check(self.transfer_backend in ("nixl", "ucx", "loopback"), "transfer-backend",
                f"must be nixl, ucx or loopback, got {self.transfer_backend!r}")
         _check(self.engine_warmup in ("auto", "on", "off"), "engine-warmup",

@@ -96,12 +96,20 @@ def fp8_scheme(raw: dict[str, Any], quantization: str | None, where: str = "conf
                                       f"{', '.join(QUANTIZATION_METHODS)}")
     quant = raw.get("quantization_config")
     if quant is not None:
-        method = quant.get("quant_method", "<none>") if isinstance(quant, dict) else repr(quant)
+        supported = f"supported: quant_method {', '.join(QUANTIZATION_METHODS)}"
+        if not isinstance(quant, dict):
+            raise QuantizationConfigError(f"quantization_config in {where} is not an object with a "
+                                          f"quant_method (got {quant!r}); {supported}")
+        if "quant_method" not in quant:
+            bnb = " and ".join(k for k in ("load_in_4bit", "load_in_8bit") if k in quant)
+            like = f" ({bnb}: it looks like bitsandbytes, which is not supported)" if bnb else ""
+            raise QuantizationConfigError(f"quantization_config in {where} has no quant_method{like}; "
+                                          f"{supported}")
+        method = quant["quant_method"]
         if method not in QUANTIZATION_METHODS:
             raise QuantizationConfigError(
                 f"unsupported quantization method {method!r} (quantization_config in {where}); "
                 f"supported: {', '.join(QUANTIZATION_METHODS)}")
-        assert isinstance(quant, dict)
         return _parse_checkpoint(quant, where)
     if quantization == "fp8":
         return Fp8Scheme(from_checkpoint=False)

@@ -303,3 +303,53 @@ def test_kv_cache_dtype_reaches_every_worker_of_up_and_is_checked_first() -> Non
     with pytest.raises(ValueError, match=r"--kv-cache-dtype.*flash_attn"):
         settings_from_args(build_parser(OPEN).parse_args(
             ["up", "--kv-cache-dtype", "fp8", "--attention-backend", "flash_attn"]))
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    # a new-user trial: inf and nan said "must be >= 0 GiB ... got inf"
+    (["up", "--kv-host-cache-gib", "inf"],
+     "pdserve up: --kv-host-cache-gib: must be a finite number of GiB >= 0 (0: no host KV tier), got inf"),
+    (["up", "--kv-host-cache-gib", "nan"],
+     "pdserve up: --kv-host-cache-gib: must be a finite number of GiB >= 0 (0: no host KV tier), got nan"),
+    (["prefill", "--kv-host-cache-gib", "inf", "--insecure-control-plane"],
+     "pdserve prefill: --kv-host-cache-gib: must be a finite number of GiB >= 0"),
+    (["up", "--kv-memory-fraction", "nan"], "pdserve up: --kv-memory-fraction: must be in (0, 1], got nan"),
+    (["up", "--kv-canary-mib", "inf"],
+     "pdserve up: --kv-canary-mib: must be in [0, 1024] MiB (0: one block), got inf"),
+    (["up", "--request-timeout", "9" * 400], "pdserve up: error: argument --request-timeout: invalid "
+                                             "parse_duration value"),
+])
+def test_a_float_flag_that_is_not_finite_is_named_so(argv: list[str], line: str,
+                                                     capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pdserve.launcher", None)  # nothing may be started
+    for module in ("prefill_worker.main", "decode_worker.main", "workers.colocated"):
+        monkeypatch.setitem(sys.modules, module, None)
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors exit from inside parse_known_args
+        code = exc.code
+    assert code == 2
+    [got] = capsys.readouterr().err.strip().splitlines()
+    assert got.startswith(line), got
+
+
+def test_a_duration_that_is_not_finite_is_refused_by_the_parser_and_the_settings() -> None:
+    """``parse_duration`` of 400 digits was inf, which a bare ``> 0`` took (``--request-timeout``,
+    ``--heartbeat-timeout``, ``--kv-canary-timeout``) and ``>= 0`` checks named as "got inf"; a settings
+    object given nan said "must be > 0 seconds". Each duration field now says it wants a finite number."""
+    from protocol.durations import parse_duration
+
+    with pytest.raises(ValueError, match="too large"):
+        parse_duration("9" * 400)
+    gateway_fields = ("request_timeout", "heartbeat_timeout", "admission_budget", "kv_canary_period",
+                      "kv_canary_timeout")
+    for name in gateway_fields:
+        for bad in (float("inf"), float("nan")):
+            with pytest.raises(ValueError, match=rf"^--{name.replace('_', '-')}: must be a finite number of "
+                                                 rf"seconds [>]=? ?0.*, got {bad}$"):
+                GatewaySettings(insecure_control_plane=True, **{name: bad})  # type: ignore[arg-type]
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=rf"^--engine-stall-timeout: must be a finite number of seconds "
+                                             rf"> 0, got {bad}$"):
+            WorkerSettings(role="decode", insecure_control_plane=True, engine_stall_timeout=bad)

@@ -156,3 +156,18 @@ def test_config_validation_names_the_problem() -> None:
         WorkloadConfig(kind="multi-turn")
     with pytest.raises(ValueError, match="SLOs"):
         SLOConfig(ttft_ms=0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_bench_float_flags_that_are_not_finite_are_refused(bad: float) -> None:
+    """``--burstiness nan`` passed ``burstiness <= 0`` (nan fails every comparison) and was only refused by
+    the arrival generator mid-run; ``inf``, ``--temperature nan|inf`` and a nan SLO were taken as given."""
+    url = "http://127.0.0.1:1"
+    with pytest.raises(ValueError, match=rf"burstiness \(--burstiness\) must be a finite number > 0.*got "
+                                         rf"{bad}"):
+        BenchConfig(url, "m", burstiness=bad)
+    with pytest.raises(ValueError,
+                       match=rf"temperature \(--temperature\) must be a finite number, got {bad}"):
+        BenchConfig(url, "m", temperature=bad)
+    with pytest.raises(ValueError, match=r"SLOs \(--slo-ttft-ms, --slo-tpot-ms\) must be finite numbers"):
+        SLOConfig(tpot_ms=bad)

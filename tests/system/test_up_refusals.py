@@ -118,6 +118,14 @@ def test_free_ports_are_distinct_and_skip_excluded(monkeypatch) -> None:
     ({"quantization_config": {"quant_method": "gptq"}}, "unsupported quantization method 'gptq'"),
     ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
      "unsupported quantization method 'bitsandbytes'"),
+    # a new-user trial: these said "unsupported quantization method '<none>'"
+    ({"quantization_config": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}},
+     r"quantization_config in .*config.json has no quant_method \(load_in_4bit: it looks like bitsandbytes, "
+     r"which is not supported\); supported: quant_method fp8"),
+    ({"quantization_config": {"load_in_8bit": True}}, r"has no quant_method \(load_in_8bit: it looks like"),
+    ({"quantization_config": {"bits": 4}}, r"has no quant_method; supported: quant_method fp8"),
+    ({"quantization_config": "fp8"},
+     r"quantization_config in .*config.json is not an object with a quant_method \(got 'fp8'\)"),
     ({"architectures": ["GPT2LMHeadModel"]}, r"unsupported architecture \['GPT2LMHeadModel'\]"),
     ({"architectures": ["Gemma2ForCausalLM"]},
      r"architecture Gemma2ForCausalLM .* not supported: its sliding-window attention .* soft-capping"),
