@@ -198,6 +198,17 @@ def test_up_with_a_bad_port_is_one_line_before_anything_starts(capsys: pytest.Ca
     assert err == "pdserve up: --port: must be in [0, 65535], got 99999\n"
 
 
+def _assert_one_line_exit_2(argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``main(argv)`` exits 2 with one stderr line starting with ``line``."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors exit from inside parse_known_args
+        code = exc.code
+    assert code == 2
+    [got] = capsys.readouterr().err.strip().splitlines()
+    assert got.startswith(line), got
+
+
 @pytest.mark.parametrize(("argv", "line"), [
     (["up", "--dtype", "float64"], "pdserve up: error: argument --dtype: invalid choice: 'float64'"),
     (["up", "--attention-backend", "xformers"],
@@ -215,13 +226,7 @@ def test_a_usage_error_is_one_line_and_exit_2(argv: list[str], line: str, capsys
     """A new-user trial: a bad choice printed the whole usage first (47 lines for ``pdserve up``), an unknown
     flag the top-level usage, and ``--device tpu`` started every process before the workers failed."""
     monkeypatch.setitem(sys.modules, "pdserve.launcher", None)  # nothing may be started
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse's own errors exit from inside parse_known_args
-        code = exc.code
-    assert code == 2
-    [got] = capsys.readouterr().err.strip().splitlines()
-    assert got.startswith(line), got
+    _assert_one_line_exit_2(argv, line, capsys)
 
 
 def test_parser_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -325,13 +330,7 @@ def test_a_float_flag_that_is_not_finite_is_named_so(argv: list[str], line: str,
     monkeypatch.setitem(sys.modules, "pdserve.launcher", None)  # nothing may be started
     for module in ("prefill_worker.main", "decode_worker.main", "workers.colocated"):
         monkeypatch.setitem(sys.modules, module, None)
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse's own errors exit from inside parse_known_args
-        code = exc.code
-    assert code == 2
-    [got] = capsys.readouterr().err.strip().splitlines()
-    assert got.startswith(line), got
+    _assert_one_line_exit_2(argv, line, capsys)
 
 
 def test_a_duration_that_is_not_finite_is_refused_by_the_parser_and_the_settings() -> None:
