@@ -166,6 +166,11 @@ class GatewaySettings:
         return tuple(f"{head}:{first + i}" for i in range(self.workers))
 
 
+HOST_TIER_NEEDS_DECODE_REUSE = (
+    "the host KV tier holds blocks evicted from the prefix cache, which a decode worker keeps only with "
+    "--decode-prefix-reuse true (or --kv-host-cache-gib 0)")
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """``pdserve prefill|decode|colocated``: one engine process. ``block_size`` in tokens."""
@@ -236,9 +241,9 @@ class WorkerSettings:
         _check(self.kv_host_cache_gib == 0 or self.enable_prefix_caching, "kv-host-cache-gib",
                "the host KV tier holds blocks evicted from the prefix cache: it needs "
                "--enable-prefix-caching true (or --kv-host-cache-gib 0)")
-        _check(self.kv_host_cache_gib == 0 or self.decode_prefix_reuse, "kv-host-cache-gib",
-               "the host KV tier holds blocks evicted from the prefix cache, which a decode worker keeps "
-               "only with --decode-prefix-reuse true (or --kv-host-cache-gib 0)")
+        # --decode-prefix-reuse applies to decode workers only (workers/setup.py)
+        _check(self.role != "decode" or self.kv_host_cache_gib == 0 or self.decode_prefix_reuse,
+               "kv-host-cache-gib", HOST_TIER_NEEDS_DECODE_REUSE)
         _check(self.kv_cache_dtype in ("auto", "fp8"), "kv-cache-dtype",
                f"must be auto or fp8, got {self.kv_cache_dtype!r}")
         _check(self.kv_cache_dtype == "auto" or self.attention_backend in ("auto", "triton", "torch"),
@@ -333,6 +338,8 @@ class UpSettings:
                "several gateway processes need a fixed --port (not 0)")
         _check(self.colocated > 0 or (self.num_prefill > 0 and self.num_decode > 0), "num-prefill",
                "need at least one prefill and one decode worker, or --colocated >= 1")
+        _check(self.num_decode == 0 or self.worker.kv_host_cache_gib == 0 or self.worker.decode_prefix_reuse,
+               "kv-host-cache-gib", HOST_TIER_NEEDS_DECODE_REUSE)
         num_workers = self.num_prefill + self.num_decode + self.colocated
         host_tiers = num_workers * self.worker.kv_host_cache_gib
         _check(host_tiers * GIB < physical_memory_bytes(), "kv-host-cache-gib",

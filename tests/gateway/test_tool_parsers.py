@@ -197,7 +197,7 @@ def test_a_call_cut_short_keeps_the_arguments_written() -> None:
 
 # a required / named tool_choice's output as the grammar lets it be written (whitespace as xgrammar may
 # put it, escapes and brackets inside strings), its calls as (name, arguments text)
-FORCED_CALLS = [("weather", ARGS_TEXT), ("time", "{}"), ("w", '{ "q" : "[{\"name\": \"x\"}]" , "n":1 }')]
+FORCED_CALLS = [("weather", ARGS_TEXT), ("time", "{}"), ("w", r'{ "q" : "[{\"name\": \"x\"}]" , "n":1 }')]
 FORCED_TEXT = "[" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in FORCED_CALLS[:2]) \
     + ',\n { "name" : "w" ,"arguments":' + FORCED_CALLS[2][1] + "}]"
 
@@ -228,6 +228,7 @@ def test_forced_output_cut_anywhere_is_never_content(parallel: bool) -> None:
     whole stands with the arguments written so far (empty before they opened), one cut inside its name
     is dropped; streamed a character at a time, in two pieces, and whole give the same calls; with
     ``parallel_tool_calls`` false the first call only."""
+    assert json.loads(FORCED_TEXT)[2]["arguments"]["q"] == '[{"name": "x"}]'  # the escapes reach the text
     spec = ChatOutputSpec(tools="forced_json", parallel_tool_calls=parallel)
     seen_empty_args = False
     for n in range(len(FORCED_TEXT) + 1):

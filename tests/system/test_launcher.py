@@ -109,6 +109,28 @@ def test_decode_prefix_reuse_flag_reaches_decode_workers_only_and_other_roles_re
             build_parser({}).parse_args([role, "--decode-prefix-reuse", "false", "--insecure-control-plane"])
 
 
+def test_up_without_decode_workers_takes_a_host_kv_tier_beside_decode_prefix_reuse_false() -> None:
+    """``--decode-prefix-reuse`` applies to decode workers only, so ``up --num-prefill 0 --num-decode 0
+    --colocated 1 --decode-prefix-reuse false --kv-host-cache-gib 0.5`` (no decode worker) is taken and its colocated
+    worker gets the tier; with decode workers the pair is refused naming the flags (once refused for every
+    role)."""
+    from pdserve.cli import build_parser
+    from protocol.settings import WorkerSettings, settings_from_args
+    from workers.setup import engine_config_from_settings
+
+    flags = ["--decode-prefix-reuse", "false", "--kv-host-cache-gib", "0.5", "--insecure-control-plane"]
+    up = settings_from_args(build_parser({}).parse_args(["up", "--num-prefill", "0", "--num-decode", "0",
+                                                             "--colocated", "1", *flags]))
+    assert isinstance(up, UpSettings) and up.worker.kv_host_cache_gib == 0.5
+    [(name, args)] = plan(up, control_port=7777)[1:]
+    child = settings_from_args(build_parser({}).parse_args(args))
+    assert isinstance(child, WorkerSettings) and child.role == "colocated", name
+    assert engine_config_from_settings(child).cache.host_kv_bytes == 1 << 29
+    with pytest.raises(ValueError, match=r"^--kv-host-cache-gib: .*--decode-prefix-reuse true"):
+        settings_from_args(build_parser({}).parse_args(["up", "--num-prefill", "1", "--num-decode", "1",
+                                                        *flags]))
+
+
 def test_up_passes_the_host_kv_tier_and_refuses_more_than_the_host_holds() -> None:
     """``--kv-host-cache-gib`` given to ``up`` reaches every worker (as bytes in its engine config); a
     budget summed over up's workers at or above this host's memory, a negative one and one with tensor
