@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,8 +98,9 @@ def _from_structured_outputs(so: StructuredOutputsParams) -> StructuredOutput:
 
 
 def check_json_schema(schema: Any, field: str) -> str:
-    """``schema`` as a JSON string once it passes its meta-schema (``$schema``, else draft 2020-12) and
-    every ``pattern`` keyword of its schema objects (``schema_objects``) passes ``check_regex``.
+    """``schema`` as a JSON string once it passes its meta-schema (``$schema``, else draft 2020-12), each
+    local ``$ref`` points to something in it, and every ``pattern`` keyword of its schema objects
+    (``schema_objects``, local ref targets included) passes ``check_regex``.
 
     Raises:
         APIError: 400 naming ``field``.
@@ -112,6 +114,8 @@ def check_json_schema(schema: Any, field: str) -> str:
         where = "/".join(str(p) for p in exc.path)
         raise bad_request(f"{field} is not a valid JSON Schema: {exc.message}"
                           + (f" (at {where})" if where else ""), field) from exc
+    if (ref := dangling_local_ref(schema)) is not None:
+        raise bad_request(f"{field} has a $ref that points to nothing in the schema: {ref!r}", field)
     for node in schema_objects(schema):
         if isinstance(node.get("pattern"), str):
             check_regex(node["pattern"], field)
@@ -130,14 +134,26 @@ _SUBSCHEMA_MAP_KEYWORDS = frozenset((
 
 
 def schema_objects(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """``schema`` and every schema object under it, reached only through the keywords whose values are
-    subschemas (``properties``, ``items``, ``$defs``, ``anyOf``, ...): values such as ``examples``,
-    ``default``, ``const`` and ``enum`` are data, and the keys of ``properties`` are names, so a
-    ``pattern`` or ``$ref`` there is no keyword. Boolean schemas are skipped."""
+    """``schema`` and every schema object under it, each once, reached only through the keywords whose
+    values are subschemas (``properties``, ``items``, ``$defs``, ``anyOf``, ...) and through local
+    refs (``is_local_ref``, resolved from ``schema`` by ``resolve_local_ref``: a ref may point
+    anywhere in the document, e.g. ``#/components/A``, and its target is a schema wherever it lies).
+    Values such as ``examples``, ``default``, ``const`` and ``enum`` are data, and the keys of
+    ``properties`` are names, so a ``pattern`` or ``$ref`` there is no keyword. Boolean schemas and refs
+    that resolve to nothing are skipped."""
+    seen: set[int] = set()
     stack = [schema]
     while stack:
         node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
         yield node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and is_local_ref(ref):
+            target = resolve_local_ref(schema, ref)
+            if isinstance(target, dict):
+                stack.append(target)
         for key, value in node.items():
             if key in _SUBSCHEMA_MAP_KEYWORDS:
                 children = list(value.values()) if isinstance(value, dict) else []
@@ -155,13 +171,41 @@ def is_local_ref(ref: str) -> bool:
     return ref == "#" or ref.startswith("#/")
 
 
+_MISSING = object()
+
+
+def resolve_local_ref(schema: dict[str, Any], ref: str) -> Any:
+    """The value local ``ref`` (``#`` or ``#/a/b~1c/0``: a URI fragment holding a JSON pointer, RFC 6901,
+    percent-decoded) points to in ``schema``, or ``_MISSING`` where it points to nothing."""
+    node: Any = schema
+    for token in urllib.parse.unquote(ref[2:]).split("/") if ref != "#" else []:
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return _MISSING
+    return node
+
+
+def dangling_local_ref(schema: dict[str, Any]) -> str | None:
+    """The first local ``$ref`` of ``schema``'s schema objects that points to nothing, or None."""
+    for node in schema_objects(schema):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and is_local_ref(ref) and resolve_local_ref(schema, ref) is _MISSING:
+            return ref
+    return None
+
+
 def relocated_schema(schema: dict[str, Any], pointer: str) -> dict[str, Any]:
     """A copy of ``schema`` that means what ``schema`` means on its own once placed at ``pointer`` (a
     local ref such as ``#/items/properties/arguments``) inside another document: each local ``$ref``
     of its schema objects is resolved from the document's root, so ``pointer`` is put in front of it
     (``#`` becomes ``pointer``, ``#/$defs/A`` becomes ``pointer + "/$defs/A"``), which keeps recursion
-    and keeps the ``$defs`` of two schemas placed side by side apart. Other refs are kept as they are.
-    ``schema`` itself is not changed."""
+    and keeps the ``$defs`` of two schemas placed side by side apart; the schema objects reached
+    through a ref (``#/components/A``) are relocated too. Other refs are kept as they are. ``schema``
+    itself is not changed."""
     copied = copy.deepcopy(schema)
     for node in list(schema_objects(copied)):
         ref = node.get("$ref")
@@ -278,5 +322,5 @@ def _scan_body(body: str, rule: str) -> set[str]:
     return refs
 
 
-__all__ = ["check_ebnf", "check_json_schema", "check_regex", "is_local_ref", "relocated_schema",
-           "schema_objects", "structured_output_of"]
+__all__ = ["check_ebnf", "check_json_schema", "check_regex", "dangling_local_ref", "is_local_ref",
+           "relocated_schema", "resolve_local_ref", "schema_objects", "structured_output_of"]

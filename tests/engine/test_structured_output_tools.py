@@ -332,6 +332,13 @@ SAME_AS_PROPERTY = {"type": "object", "additionalProperties": False,
                     "properties": {"a": {"type": "integer", "minimum": 0},
                                    "b": {"$ref": "#/properties/a"}, "c": {"$ref": "#/$defs/on~1off"}},
                     "$defs": {"on/off": {"type": "boolean"}}}
+# refs into a place no keyword names (OpenAPI's components): the target's own refs move with it too
+COMPONENTS = {"type": "object", "additionalProperties": False,
+              "properties": {"a": {"$ref": "#/components/A"}},
+              "components": {"A": {"type": "object", "additionalProperties": False, "required": ["b"],
+                                   "properties": {"b": {"$ref": "#/components/B"},
+                                                  "next": {"$ref": "#/components/A"}}},
+                             "B": {"type": "integer", "minimum": 0}}}
 
 
 @pytest.mark.parametrize(("parameters", "good", "bad"), [
@@ -342,7 +349,9 @@ SAME_AS_PROPERTY = {"type": "object", "additionalProperties": False,
      ['{"root": {"value": 1, "children": [{"value": 2, "extra": 1}]}}', '{"root": {"value": "1"}}']),
     (SAME_AS_PROPERTY, ['{"a": 1, "b": 2, "c": true}'],
      ['{"a": 1, "b": "2"}', '{"a": 1, "b": -1}', '{"a": 1, "c": 1}']),
-], ids=["root-ref", "defs-recursion", "pointer"])
+    (COMPONENTS, ['{"a": {"b": 1, "next": {"b": 2}}}'],
+     ['{"a": {"b": -1}}', '{"a": {"b": 1, "next": {"b": "x"}}}', '{"a": {"next": {"b": 1}}}']),
+], ids=["root-ref", "defs-recursion", "pointer", "components"])
 @pytest.mark.parametrize("position", [0, 1])
 def test_forced_choice_keeps_recursive_and_pointer_refs(parameters: dict[str, object], good: list[str],
                                                         bad: list[str], position: int) -> None:

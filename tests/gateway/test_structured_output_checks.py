@@ -110,14 +110,34 @@ def test_a_pattern_in_data_is_not_checked(schema: dict[str, object]) -> None:
     {"type": "object", "additionalProperties": {"type": "string", "pattern": LOOKAHEAD}},
     {"type": "object", "propertyNames": {"pattern": LOOKAHEAD}},
     {"type": "string", "pattern": LOOKAHEAD},
+    {"type": "object", "properties": {"a": {"$ref": "#/components/S"}},
+     "components": {"S": {"type": "object", "properties": {"b": {"$ref": "#/components/T"}}},
+                    "T": {"type": "string", "pattern": LOOKAHEAD}}},
 ], ids=["properties", "property-named-pattern", "items", "prefixItems", "$defs", "definitions", "anyOf",
-        "patternProperties", "additionalProperties", "propertyNames", "root"])
+        "patternProperties", "additionalProperties", "propertyNames", "root", "ref-target-anywhere"])
 def test_a_lookahead_pattern_of_a_schema_is_a_400(schema: dict[str, object]) -> None:
     with pytest.raises(APIError) as info:
         structured_output_of(None, StructuredOutputsParams.model_validate({"json": schema}))
     assert info.value.status == 400 and info.value.param == "structured_outputs.json"
     assert "lookaround" in info.value.message
 
+
+
+@pytest.mark.parametrize("ref", ["#/$defs/Missing", "#/components/A/properties/x", "#/properties/a/0"])
+def test_a_local_ref_to_nothing_is_a_400_naming_it(ref: str) -> None:
+    """A ``$ref`` pointing nowhere in the schema (a typo'd definition name) was passed on and failed on
+    the worker; the gateway now refuses it naming the ref. Refs that resolve (escaped, percent-encoded,
+    into an array, to a place no keyword names) pass."""
+    schema = {"type": "object", "properties": {"a": {"$ref": ref}}, "components": {"A": {"type": "object"}}}
+    with pytest.raises(APIError) as info:
+        structured_output_of(None, StructuredOutputsParams.model_validate({"json": schema}))
+    assert (info.value.status, info.value.param) == (400, "structured_outputs.json")
+    assert "points to nothing" in info.value.message and repr(ref) in info.value.message
+    good = {"type": "object", "properties": {"a": {"$ref": "#/$defs/a~1b"}, "b": {"$ref": "#/$defs/c%20d"},
+                                             "c": {"$ref": "#/x/0"}, "d": {"$ref": "#/components/A"}},
+            "$defs": {"a/b": {"type": "integer"}, "c d": {"type": "string"}}, "x": [{"type": "null"}],
+            "components": {"A": {"type": "object"}}}
+    assert structured_output_of(None, StructuredOutputsParams.model_validate({"json": good})) is not None
 
 
 BAD_SCHEMA_NAMES = ["bad name!", "", "x" * 65, "a.b", "naïve"]

@@ -111,9 +111,9 @@ def test_decode_prefix_reuse_flag_reaches_decode_workers_only_and_other_roles_re
 
 def test_up_without_decode_workers_takes_a_host_kv_tier_beside_decode_prefix_reuse_false() -> None:
     """``--decode-prefix-reuse`` applies to decode workers only, so ``up --num-prefill 0 --num-decode 0
-    --colocated 1 --decode-prefix-reuse false --kv-host-cache-gib 0.5`` (no decode worker) is taken and its colocated
-    worker gets the tier; with decode workers the pair is refused naming the flags (once refused for every
-    role)."""
+    --colocated 1 --decode-prefix-reuse false --kv-host-cache-gib 0.5`` (no decode worker) is taken and
+    its colocated worker gets the tier; with decode workers the pair is refused naming the flags (once
+    refused for every role)."""
     from pdserve.cli import build_parser
     from protocol.settings import WorkerSettings, settings_from_args
     from workers.setup import engine_config_from_settings
