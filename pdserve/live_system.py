@@ -273,15 +273,28 @@ def _ready(system: LiveSystem) -> bool:
     return False
 
 
+def _log_tail(path: str | None, lines: int = 25) -> str:
+    """The last ``lines`` lines of a child's log file, as text to append to an error (a test run on CI
+    keeps only what the error says: the log directory is gone with the machine); empty without a log."""
+    if path is None:
+        return ""
+    try:
+        tail = Path(path).read_text(errors="replace").splitlines()[-lines:]
+    except OSError as exc:
+        return f"\n--- {path}: unreadable ({exc})"
+    return f"\n--- last {len(tail)} lines of {path}:\n" + "\n".join(tail)
+
+
 def wait_ready(systems: Sequence[LiveSystem], timeout_s: float) -> None:
-    """Wait until each system is ready (``_ready``). Raises RuntimeError naming the system if a child
-    exits or ``timeout_s`` seconds pass."""
+    """Wait until each system is ready (``_ready``). Raises RuntimeError naming the system, with the end
+    of each exited child's log, if a child exits or ``timeout_s`` seconds pass."""
     deadline = time.monotonic() + timeout_s
     pending = list(systems)
     while pending:
         for system in list(pending):
             if dead := system.sup.dead():
-                raise RuntimeError(f"child exited during start-up: {dead}; logs in {system.logs}")
+                raise RuntimeError(f"child exited during start-up: {dead}; logs in {system.logs}"
+                                   + "".join(_log_tail(system.sup.log_paths.get(name)) for name, _ in dead))
             if _ready(system):
                 pending.remove(system)
         if pending and time.monotonic() > deadline:

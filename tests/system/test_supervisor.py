@@ -129,3 +129,24 @@ def test_supervise_stops_when_the_gateway_exits(capfd) -> None:
     thread.join(20)
     sup.stop_all()
     assert result == [1] and "gateway exited with code 3; stopping the rest" in capfd.readouterr().err
+
+
+def test_a_child_that_exits_during_start_up_is_reported_with_the_end_of_its_log(tmp_path) -> None:
+    """A live test system whose worker exits while starting fails with the end of that worker's log in
+    the error: on CI the log directory is gone with the machine, and the error is all that is kept."""
+    import pytest
+
+    from pdserve.live_system import LiveSystem, wait_ready
+
+    sup = Supervisor(grace=1.0, command=(sys.executable, "-c"))
+    code = ("import sys; print('\\n'.join(f'line {i}' for i in range(40))); print('boom: port in use'); "
+            "sys.exit(3)")
+    sup.start("decode", [code], log_path=str(tmp_path / "decode.log"))
+    sup.children["decode"].wait(timeout=30)
+    system = LiveSystem(url="http://127.0.0.1:9", sup=sup, logs=tmp_path)
+    with pytest.raises(RuntimeError) as info:
+        wait_ready([system], timeout_s=30)
+    message = str(info.value)
+    assert message.startswith(f"child exited during start-up: [('decode', 3)]; logs in {tmp_path}")
+    assert message.endswith("line 39\nboom: port in use") and "\nline 16\n" in message
+    assert "\nline 15\n" not in message  # the last 25 lines only
