@@ -112,6 +112,8 @@ class AgentConfig:
             raise ValueError(f"endpoint must be completions|chat, got {self.endpoint!r}")
         if self.sessions < 1 or self.turns < 1:
             raise ValueError(f"sessions and turns must be >= 1, got {self.sessions} and {self.turns}")
+        if not 0.0 <= self.temperature <= 2.0:  # the OpenAI range the gateway holds requests to
+            raise ValueError(f"temperature (--temperature) must be in [0, 2], got {self.temperature}")
         if self.think_time_s < 0:
             raise ValueError(f"think time must be >= 0 s, got {self.think_time_s}")
         if self.max_context is not None and self.max_context < 2:

@@ -115,8 +115,8 @@ class BenchConfig:
         if not (math.isfinite(self.burstiness) and self.burstiness > 0) or self.concurrency < 1:
             raise ValueError(f"burstiness (--burstiness) must be a finite number > 0 and concurrency >= 1, "
                              f"got {self.burstiness} and {self.concurrency}")
-        if not math.isfinite(self.temperature):
-            raise ValueError(f"temperature (--temperature) must be a finite number, got {self.temperature}")
+        if not 0.0 <= self.temperature <= 2.0:  # the OpenAI range the gateway holds requests to
+            raise ValueError(f"temperature (--temperature) must be in [0, 2], got {self.temperature}")
         if self.num_requests is None and self.duration_s is None:
             raise ValueError("set num_requests or duration_s so the run ends on its own")
         if (self.num_requests is not None and self.num_requests < 1) or (

@@ -166,8 +166,25 @@ def test_bench_float_flags_that_are_not_finite_are_refused(bad: float) -> None:
     with pytest.raises(ValueError, match=rf"burstiness \(--burstiness\) must be a finite number > 0.*got "
                                          rf"{bad}"):
         BenchConfig(url, "m", burstiness=bad)
-    with pytest.raises(ValueError,
-                       match=rf"temperature \(--temperature\) must be a finite number, got {bad}"):
+    with pytest.raises(ValueError, match=rf"temperature \(--temperature\) must be in \[0, 2\], got {bad}"):
         BenchConfig(url, "m", temperature=bad)
     with pytest.raises(ValueError, match=r"SLOs \(--slo-ttft-ms, --slo-tpot-ms\) must be finite numbers"):
         SLOConfig(tpot_ms=bad)
+
+
+@pytest.mark.parametrize("temperature", [-1.0, 2.5])
+def test_a_temperature_the_gateway_refuses_is_refused_before_load(temperature: float) -> None:
+    """``pdserve bench --temperature -1`` was taken, and every request then got the gateway's 400 (the
+    OpenAI range is [0, 2]); the benchmark and the agent benchmark now refuse it before sending anything;
+    the range's ends are taken."""
+    from loadtest.agent_config import AgentConfig, SystemTarget
+
+    systems = (SystemTarget("a", "http://127.0.0.1:1"),)
+    with pytest.raises(ValueError,
+                       match=rf"temperature \(--temperature\) must be in \[0, 2\], got {temperature}"):
+        BenchConfig("http://127.0.0.1:1", "m", temperature=temperature, num_requests=1)
+    with pytest.raises(ValueError, match=r"temperature \(--temperature\) must be in \[0, 2\]"):
+        AgentConfig(model="m", systems=systems, temperature=temperature)
+    for ok in (0.0, 2.0):
+        assert BenchConfig("http://127.0.0.1:1", "m", temperature=ok, num_requests=1).temperature == ok
+        assert AgentConfig(model="m", systems=systems, temperature=ok).temperature == ok
