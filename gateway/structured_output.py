@@ -12,7 +12,8 @@ The grammar engine (xgrammar) needs torch, which the gateway never imports, so t
 can without it: a schema must pass its JSON Schema meta-schema (``jsonschema``), every ``pattern``
 keyword of its schemas (not a ``pattern`` in data such as ``examples`` or ``const``) and every ``regex``
 must compile with Python's ``re`` and use no lookaround, backreference or inline flag such as ``(?i)``
-(xgrammar refuses those or does not enforce them), a choice list must hold non-empty strings, and a
+(xgrammar refuses those or does not enforce them), every ``$ref`` must point into the schema itself
+(xgrammar reads anchors and other documents as any value), a choice list must hold non-empty strings, and a
 grammar must parse as EBNF (``check_ebnf``: balanced brackets, closed strings and classes, every rule it
 uses defined, a ``root`` rule). A spec that passes all this and still does not compile fails on the
 worker (the request then fails like any request a worker refuses).
@@ -99,7 +100,9 @@ def _from_structured_outputs(so: StructuredOutputsParams) -> StructuredOutput:
 
 def check_json_schema(schema: Any, field: str) -> str:
     """``schema`` as a JSON string once it passes its meta-schema (``$schema``, else draft 2020-12), each
-    local ``$ref`` points to something in it, and every ``pattern`` keyword of its schema objects
+    ``$ref`` is a local one (``is_local_ref``: the grammar engine reads an anchor or another document's
+    URI as any value, and has no ``$dynamicRef`` / ``$recursiveRef``) that points to something in it,
+    and every ``pattern`` keyword of its schema objects
     (``schema_objects``, local ref targets included) passes ``check_regex``.
 
     Raises:
@@ -114,6 +117,14 @@ def check_json_schema(schema: Any, field: str) -> str:
         where = "/".join(str(p) for p in exc.path)
         raise bad_request(f"{field} is not a valid JSON Schema: {exc.message}"
                           + (f" (at {where})" if where else ""), field) from exc
+    for node in schema_objects(schema):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not is_local_ref(ref):
+            raise bad_request(f"{field} has a $ref that is not a JSON pointer into the schema itself "
+                              f"(only '#' and '#/...' refs are supported): {ref!r}", field)
+        if dynamic := [key for key in ("$dynamicRef", "$recursiveRef") if key in node]:
+            raise bad_request(f"{field} uses {dynamic[0]}, which is not supported (use $ref with '#/...')",
+                              field)
     if (ref := dangling_local_ref(schema)) is not None:
         raise bad_request(f"{field} has a $ref that points to nothing in the schema: {ref!r}", field)
     for node in schema_objects(schema):

@@ -140,6 +140,24 @@ def test_a_local_ref_to_nothing_is_a_400_naming_it(ref: str) -> None:
     assert structured_output_of(None, StructuredOutputsParams.model_validate({"json": good})) is not None
 
 
+@pytest.mark.parametrize(("node", "named"), [
+    ({"$ref": "#node"}, "'#node'"), ({"$ref": "https://example.com/s.json"}, "'https://example.com/s.json'"),
+    ({"$ref": "other.json#/$defs/A"}, "'other.json#/$defs/A'"), ({"$dynamicRef": "#node"}, "$dynamicRef"),
+])
+def test_a_ref_the_grammar_engine_would_read_as_any_value_is_a_400(node: dict[str, str], named: str) -> None:
+    """An anchor, another document's URI or a ``$dynamicRef`` was passed on and the grammar engine held
+    the value to nothing (any JSON); the gateway now refuses it naming it. A property *named* ``$ref``
+    and a ``$ref`` in ``examples`` are not refs."""
+    schema = {"type": "object", "properties": {"a": node},
+              "$defs": {"A": {"$anchor": "node", "$dynamicAnchor": "node", "type": "string"}}}
+    with pytest.raises(APIError) as info:
+        structured_output_of(None, StructuredOutputsParams.model_validate({"json": schema}))
+    assert (info.value.status, info.value.param) == (400, "structured_outputs.json")
+    assert named in info.value.message
+    names = {"type": "object", "properties": {"$ref": {"type": "string", "examples": [{"$ref": "#x"}]}}}
+    assert structured_output_of(None, StructuredOutputsParams.model_validate({"json": names})) is not None
+
+
 BAD_SCHEMA_NAMES = ["bad name!", "", "x" * 65, "a.b", "naïve"]
 
 
