@@ -200,6 +200,7 @@ def test_up_with_a_bad_port_is_one_line_before_anything_starts(capsys: pytest.Ca
 
 def _assert_one_line_exit_2(argv: list[str], line: str, capsys: pytest.CaptureFixture[str]) -> None:
     """``main(argv)`` exits 2 with one stderr line starting with ``line``."""
+    code: int | str | None
     try:
         code = main(argv)
     except SystemExit as exc:  # argparse's own errors exit from inside parse_known_args
