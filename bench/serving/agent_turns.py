@@ -177,21 +177,25 @@ def run_one(args: argparse.Namespace, cfg: AgentConfig, label: str, flags: list[
             name = label if r == 0 else f"{label}-{r + 1}"
             run = dataclasses.replace(cfg, model=served, seed=cfg.seed + r * REPEAT_SEED_OFFSET)
             runs.append(asyncio.run(run_system(run, target(name, system))))
+            print(f"== {goal_line(runs[-1])}", flush=True)  # a run cut short later still shows this one
         return runs
 
 
+def goal_line(s: AgentSystemResult) -> str:
+    """The two figures the issue asks for, of one system's run."""
+    ratios = [t.kv_over_suffix for t in s.turns[1:] if t.kv_over_suffix is not None]
+    kv = (f"median {statistics.median(ratios):.2f}x, max {max(ratios):.2f}x over turns 2..{len(s.turns)}"
+          if ratios else "not measured")
+    growth = "-" if s.ttft_last_over_first is None else f"{s.ttft_last_over_first:.2f}x"
+    last = s.turns[-1] if s.turns else None
+    context = f"{last.prompt_tokens_mean:.0f}" if last and last.prompt_tokens_mean else "-"
+    return (f"{s.label}: TTFT p50 turn {len(s.turns)} / turn 1 = {growth} (context {context} "
+            f"tokens; goal with reuse <= 1.5x); KV moved / new tokens' KV: {kv} (goal <= 1.2x)")
+
+
 def goal_lines(result: AgentResult) -> list[str]:
-    """The two figures the issue asks for, per system."""
-    lines = []
-    for s in result.systems:
-        ratios = [t.kv_over_suffix for t in s.turns[1:] if t.kv_over_suffix is not None]
-        kv = (f"median {statistics.median(ratios):.2f}x, max {max(ratios):.2f}x over turns 2..{len(s.turns)}"
-              if ratios else "not measured")
-        growth = "-" if s.ttft_last_over_first is None else f"{s.ttft_last_over_first:.2f}x"
-        last = s.turns[-1] if s.turns else None
-        context = f"{last.prompt_tokens_mean:.0f}" if last and last.prompt_tokens_mean else "-"
-        lines.append(f"{s.label}: TTFT p50 turn {len(s.turns)} / turn 1 = {growth} (context {context} "
-                     f"tokens; goal with reuse <= 1.5x); KV moved / new tokens' KV: {kv} (goal <= 1.2x)")
+    """The two figures the issue asks for, per system, and the spread of the reuse-on repeats."""
+    lines = [goal_line(s) for s in result.systems]
     on = [s.ttft_last_over_first for s in result.systems
           if s.label.startswith("reuse-on") and s.ttft_last_over_first is not None]
     if len(on) > 1:
