@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from gateway.errors import bad_request
 from gateway.openai_requests import FUNCTION_NAME, INT32_MAX, FunctionDefinition
@@ -153,9 +153,9 @@ class ResponsesToolChoiceFunction(BaseModel):
 
 
 class TextFormat(BaseModel):
-    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``, ``strict``,
-    ``description`` flat in it; ``name`` as chat's ``response_format.json_schema.name``: letters, digits,
-    ``_`` and ``-``, at most 64)."""
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name`` and ``schema`` required,
+    ``strict``, ``description``, flat in it; ``name`` as chat's ``response_format.json_schema.name``:
+    letters, digits, ``_`` and ``-``, at most 64)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -164,6 +164,20 @@ class TextFormat(BaseModel):
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_keys(self) -> TextFormat:
+        """``json_schema`` needs ``name`` and ``schema`` (both required by OpenAI's Responses API); the
+        other types take none of the four keys (they would be ignored)."""
+        given = [key for key, attr in (("name", "name"), ("description", "description"),
+                                       ("schema", "json_schema"), ("strict", "strict"))
+                 if getattr(self, attr) is not None]
+        if self.type != "json_schema" and given:
+            raise ValueError(f"{', '.join(given)} only go with type json_schema, not {self.type}")
+        missing = [key for key in ("name", "schema") if key not in given]
+        if self.type == "json_schema" and missing:
+            raise ValueError(f"type json_schema needs {' and '.join(missing)}")
+        return self
 
 
 class TextConfig(BaseModel):
@@ -397,7 +411,7 @@ def chat_body(body: ResponsesRequest) -> dict[str, Any]:
         out["parallel_tool_calls"] = body.parallel_tool_calls
     fmt = body.text.format if body.text is not None else None
     if fmt is not None and fmt.type == "json_schema":
-        schema: dict[str, Any] = {"name": fmt.name or "response", "schema": fmt.json_schema or {}}
+        schema: dict[str, Any] = {"name": fmt.name, "schema": fmt.json_schema}
         if fmt.strict is not None:
             schema["strict"] = fmt.strict
         if fmt.description is not None:

@@ -187,3 +187,30 @@ def test_json_schema_name_follows_openais_rule(name: str) -> None:
             assert param in error["message"], error
             good = json.loads(json.dumps(body).replace(json.dumps(name), '"ok_Name-1"'))
             assert c.post(path, json={"model": "m", **good}).status_code == 503, path
+
+
+@pytest.mark.parametrize(("fmt", "message"), [
+    ({"type": "json_schema", "schema": {"type": "object"}}, "type json_schema needs name"),
+    ({"type": "json_schema", "name": "n"}, "type json_schema needs schema"),
+    ({"type": "json_schema"}, "type json_schema needs name and schema"),
+    ({"type": "json_object", "schema": {"type": "object"}}, "schema only go with type json_schema"),
+    ({"type": "text", "name": "n", "strict": True}, "name, strict only go with type json_schema"),
+])
+def test_responses_text_format_keys_are_the_ones_its_type_takes(fmt: dict[str, object], message: str) -> None:
+    """``text.format`` of type ``json_schema`` without ``name`` was named "response" and without
+    ``schema`` held the output to any JSON; a ``schema`` beside ``json_object`` or ``text`` was
+    ignored. Each is now a 400 naming ``text.format`` (OpenAI's Responses API requires ``name`` and
+    ``schema``); a complete format passes to the next check (503: no worker)."""
+    import httpx
+
+    from tests.gateway.inprocess import inprocess_gateway
+
+    with inprocess_gateway("m") as base, httpx.Client(base_url=base, timeout=5) as c:
+        r = c.post("/v1/responses", json={"model": "m", "input": "hi", "text": {"format": fmt}})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["param"], error["type"]) == ("text.format", "invalid_request_error"), error
+        assert message in error["message"], error
+        good = {"type": "json_schema", "name": "n", "schema": {"type": "object"}}
+        r = c.post("/v1/responses", json={"model": "m", "input": "hi", "text": {"format": good}})
+        assert r.status_code == 503, r.text
