@@ -122,12 +122,11 @@ def check_json_schema(schema: Any, field: str) -> str:
         if isinstance(ref, str) and not is_local_ref(ref):
             raise bad_request(f"{field} has a $ref that is not a JSON pointer into the schema itself "
                               f"(only '#' and '#/...' refs are supported): {ref!r}", field)
+        if isinstance(ref, str) and _resolve_local_ref(schema, ref) is _MISSING:
+            raise bad_request(f"{field} has a $ref that points to nothing in the schema: {ref!r}", field)
         if dynamic := [key for key in ("$dynamicRef", "$recursiveRef") if key in node]:
             raise bad_request(f"{field} uses {dynamic[0]}, which is not supported (use $ref with '#/...')",
                               field)
-    if (ref := dangling_local_ref(schema)) is not None:
-        raise bad_request(f"{field} has a $ref that points to nothing in the schema: {ref!r}", field)
-    for node in schema_objects(schema):
         if isinstance(node.get("pattern"), str):
             check_regex(node["pattern"], field)
     return json.dumps(schema, ensure_ascii=False)
@@ -147,7 +146,7 @@ _SUBSCHEMA_MAP_KEYWORDS = frozenset((
 def schema_objects(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """``schema`` and every schema object under it, each once, reached only through the keywords whose
     values are subschemas (``properties``, ``items``, ``$defs``, ``anyOf``, ...) and through local
-    refs (``is_local_ref``, resolved from ``schema`` by ``resolve_local_ref``: a ref may point
+    refs (``is_local_ref``, resolved from ``schema`` by ``_resolve_local_ref``: a ref may point
     anywhere in the document, e.g. ``#/components/A``, and its target is a schema wherever it lies).
     Values such as ``examples``, ``default``, ``const`` and ``enum`` are data, and the keys of
     ``properties`` are names, so a ``pattern`` or ``$ref`` there is no keyword. Boolean schemas and refs
@@ -162,7 +161,7 @@ def schema_objects(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield node
         ref = node.get("$ref")
         if isinstance(ref, str) and is_local_ref(ref):
-            target = resolve_local_ref(schema, ref)
+            target = _resolve_local_ref(schema, ref)
             if isinstance(target, dict):
                 stack.append(target)
         for key, value in node.items():
@@ -185,7 +184,7 @@ def is_local_ref(ref: str) -> bool:
 _MISSING = object()
 
 
-def resolve_local_ref(schema: dict[str, Any], ref: str) -> Any:
+def _resolve_local_ref(schema: dict[str, Any], ref: str) -> Any:
     """The value local ``ref`` (``#`` or ``#/a/b~1c/0``: a URI fragment holding a JSON pointer, RFC 6901,
     percent-decoded) points to in ``schema``, or ``_MISSING`` where it points to nothing."""
     node: Any = schema
@@ -198,15 +197,6 @@ def resolve_local_ref(schema: dict[str, Any], ref: str) -> Any:
         else:
             return _MISSING
     return node
-
-
-def dangling_local_ref(schema: dict[str, Any]) -> str | None:
-    """The first local ``$ref`` of ``schema``'s schema objects that points to nothing, or None."""
-    for node in schema_objects(schema):
-        ref = node.get("$ref")
-        if isinstance(ref, str) and is_local_ref(ref) and resolve_local_ref(schema, ref) is _MISSING:
-            return ref
-    return None
 
 
 def relocated_schema(schema: dict[str, Any], pointer: str) -> dict[str, Any]:
@@ -333,5 +323,5 @@ def _scan_body(body: str, rule: str) -> set[str]:
     return refs
 
 
-__all__ = ["check_ebnf", "check_json_schema", "check_regex", "dangling_local_ref", "is_local_ref",
-           "relocated_schema", "resolve_local_ref", "schema_objects", "structured_output_of"]
+__all__ = ["check_ebnf", "check_json_schema", "check_regex", "is_local_ref", "relocated_schema",
+           "schema_objects", "structured_output_of"]
