@@ -198,11 +198,23 @@ def gateways_used(record: Path) -> set[int]:
 
 
 def gone(pid: int) -> bool:
-    """The process has exited (no such process, or a zombie its parent has not reaped yet)."""
+    """The process has exited (no such process, or a zombie its parent has not reaped yet). A process
+    reaped between the open and the read of its stat file makes the read fail with ESRCH."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return True
+
+
+def test_gone_counts_a_process_reaped_while_its_stat_file_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI once failed here: the killed process was reaped between the open and the read of
+    ``/proc/<pid>/stat``, and the read raised ProcessLookupError out of ``gone``."""
+    def reaped(self: Path, *args: object, **kwargs: object) -> str:
+        raise ProcessLookupError(3, "No such process")
+
+    assert not gone(os.getpid())
+    monkeypatch.setattr(Path, "read_text", reaped)
+    assert gone(os.getpid())
 
 
 OK = 'endpoint="/v1/chat/completions",status="200"'
