@@ -32,6 +32,11 @@ def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**20:.2f}"
 
 
+def _split(turn: TurnStats) -> str:
+    split = None if turn.counters is None else turn.counters.prefill.mean_ms()
+    return "-" if split is None else f"{split[0]:.0f} + {split[1]:.0f}"
+
+
 _TURN_COLUMNS: list[tuple[str, Callable[[TurnStats], str]]] = [
     ("turn", lambda t: str(t.turn + 1)),
     ("ok/sent", lambda t: f"{t.completed}/{t.sent}"),
@@ -41,6 +46,7 @@ _TURN_COLUMNS: list[tuple[str, Callable[[TurnStats], str]]] = [
     ("TPOT p50/p90 ms", lambda t: f"{ms(t.tpot_ms, 'median')}/{ms(t.tpot_ms, 'p90')}"),
     ("prefill hit %", lambda t: _pct(t.prefill_hit_rate)),
     ("decode hit %", lambda t: _pct(t.decode_hit_rate)),
+    ("prefill worker queue + compute ms (mean)", lambda t: _split(t)),
     ("KV MiB moved", lambda t: _mib(t.kv_bytes)),
     ("new tokens' KV MiB", lambda t: _mib(t.suffix_kv_bytes)),
     ("moved / new", lambda t: _num(t.kv_over_suffix, "{:.2f}")),

@@ -11,6 +11,10 @@ one turn index. Names (vLLM's, beside pdserve's own; ``workers/metrics.py``):
   prompt KV blocks a decode worker found in its own prefix cache / received from the prefill side. The
   decode side's hit rate is ``reused / (reused + received)`` (``SideCounters.block_hit_rate``): a decode
   worker does not count prefix-cache queries in tokens.
+* ``vllm:request_queue_time_seconds`` and ``vllm:request_prefill_time_seconds`` (``_sum`` / ``_count``):
+  seconds a worker's requests waited before their first step / spent from it to their first token,
+  observed when the request's part on the worker ends (``workers/metrics.py``); on the prefill side they
+  split the server's share of a turn's TTFT into waiting and computing.
 
 A counter a page does not have counts as 0 (a vLLM pod has no pdserve counters; a decode worker that
 looks nothing up has no prefix-cache queries), so a side's hit rate is None when it made no query. A
@@ -37,14 +41,19 @@ KV_SENT = "pdserve_worker_kv_sent_bytes_total"
 KV_RECEIVED = "pdserve_worker_kv_received_bytes_total"
 KV_REUSED_BLOCKS = "pdserve_worker_kv_reused_blocks_total"
 KV_RECEIVED_BLOCKS = "pdserve_worker_kv_received_blocks_total"
-READ = (KV_SENT, KV_RECEIVED, KV_REUSED_BLOCKS, KV_RECEIVED_BLOCKS,
+QUEUE_S = "vllm:request_queue_time_seconds_sum"
+PREFILL_S = "vllm:request_prefill_time_seconds_sum"
+TIMED = "vllm:request_prefill_time_seconds_count"
+READ = (KV_SENT, KV_RECEIVED, KV_REUSED_BLOCKS, KV_RECEIVED_BLOCKS, QUEUE_S, PREFILL_S, TIMED,
         *(name for pair in TIER_COUNTERS.values() for name in pair))
 
 
 class SideCounters(msgspec.Struct, kw_only=True):
     """One side's (prefill or decode) counters summed over its workers: prefix-cache hits and queries per
     tier (tokens), KV bytes sent and received, prompt KV blocks reused from the own prefix cache and
-    received (decode side)."""
+    received (decode side), and over the requests whose part on the side ended (``timed``) the seconds
+    they waited in the queue (``queue_s``) and spent from their first step to their first token
+    (``prefill_s``)."""
 
     hits: dict[str, float] = msgspec.field(default_factory=dict)
     queries: dict[str, float] = msgspec.field(default_factory=dict)
@@ -52,6 +61,9 @@ class SideCounters(msgspec.Struct, kw_only=True):
     kv_received_bytes: float = 0.0
     kv_reused_blocks: float = 0.0
     kv_received_blocks: float = 0.0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    timed: float = 0.0
 
     def minus(self, other: SideCounters) -> SideCounters:
         """``self - other`` field by field (the change between two readings)."""
@@ -61,7 +73,15 @@ class SideCounters(msgspec.Struct, kw_only=True):
             kv_sent_bytes=self.kv_sent_bytes - other.kv_sent_bytes,
             kv_received_bytes=self.kv_received_bytes - other.kv_received_bytes,
             kv_reused_blocks=self.kv_reused_blocks - other.kv_reused_blocks,
-            kv_received_blocks=self.kv_received_blocks - other.kv_received_blocks)
+            kv_received_blocks=self.kv_received_blocks - other.kv_received_blocks,
+            queue_s=self.queue_s - other.queue_s, prefill_s=self.prefill_s - other.prefill_s,
+            timed=self.timed - other.timed)
+
+    def mean_ms(self) -> tuple[float, float] | None:
+        """(queue, first step to first token) per timed request, milliseconds; None when none ended."""
+        if self.timed <= 0:
+            return None
+        return 1000 * self.queue_s / self.timed, 1000 * self.prefill_s / self.timed
 
     def hit_rate(self, tier: str = "gpu") -> float | None:
         """hits / queries of ``tier`` (0..1), None when nothing was looked up."""
@@ -108,7 +128,8 @@ async def _side(client: httpx.AsyncClient, urls: Sequence[str], timeout_s: float
                         queries={t: totals[q] for t, (_, q) in TIER_COUNTERS.items()},
                         kv_sent_bytes=totals[KV_SENT], kv_received_bytes=totals[KV_RECEIVED],
                         kv_reused_blocks=totals[KV_REUSED_BLOCKS],
-                        kv_received_blocks=totals[KV_RECEIVED_BLOCKS])
+                        kv_received_blocks=totals[KV_RECEIVED_BLOCKS], queue_s=totals[QUEUE_S],
+                        prefill_s=totals[PREFILL_S], timed=totals[TIMED])
 
 
 async def read_counters(client: httpx.AsyncClient, prefill: Sequence[str], decode: Sequence[str],

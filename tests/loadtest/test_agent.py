@@ -11,10 +11,11 @@ import json
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from loadtest.agent_config import AgentConfig, SystemTarget
-from loadtest.agent_records import AgentResult
-from loadtest.agent_report import agent_markdown, load_agent_json, save_agent_json
+from loadtest.agent_records import AgentResult, TurnStats
+from loadtest.agent_report import _split, agent_markdown, load_agent_json, save_agent_json
 from loadtest.agent_runner import run_agent, suffix_tokens, ttft_growth, turn_stats
 from loadtest.cli import main
 from loadtest.kv_size import kv_bytes_per_token, load_model_config
@@ -128,6 +129,25 @@ def test_counters_parse_and_subtract() -> None:
     delta = later.minus(earlier)
     assert (delta.hits, delta.queries, delta.kv_sent_bytes) == ({"gpu": 16.0}, {"gpu": 20.0}, 3.0)
     assert delta.hit_rate() == pytest.approx(0.8) and SideCounters().hit_rate() is None
+
+
+def test_queue_and_prefill_seconds_from_histograms() -> None:
+    reg = CollectorRegistry()
+    queue = Histogram("vllm:request_queue_time_seconds", "q", ["model_name"], registry=reg).labels("m")
+    prefill = Histogram("vllm:request_prefill_time_seconds", "p", ["model_name"], registry=reg).labels("m")
+    for q, p in ((0.25, 0.5), (0.75, 1.5)):
+        queue.observe(q)
+        prefill.observe(p)
+    totals = page_totals(generate_latest(reg).decode())
+    side = SideCounters(queue_s=totals["vllm:request_queue_time_seconds_sum"],
+                        prefill_s=totals["vllm:request_prefill_time_seconds_sum"],
+                        timed=totals["vllm:request_prefill_time_seconds_count"])
+    assert (side.queue_s, side.prefill_s, side.timed) == (1.0, 2.0, 2.0)
+    delta = side.minus(SideCounters(queue_s=0.25, prefill_s=0.5, timed=1.0))
+    assert delta.mean_ms() == pytest.approx((750.0, 1500.0))
+    assert SideCounters().mean_ms() is None
+    turn = TurnStats(turn=0, sent=1, completed=1, counters=Counters(prefill=delta, decode=SideCounters()))
+    assert "750 + 1500" in _split(turn)
 
 
 def test_kv_bytes_per_token_from_a_model_config(tmp_path: Path) -> None:
