@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -118,6 +119,11 @@ class _CounterReader:
 async def run_system(cfg: AgentConfig, target: SystemTarget,
                      clock: Callable[[], float] = time.perf_counter) -> AgentSystemResult:
     """The whole workload against ``target``: every turn in lockstep, then the statistics."""
+    # as loadtest/runner.py: what is alive now (imports, a started system's handles, earlier runs'
+    # records) moves to the permanent generation, so that a full collection during the run does not
+    # stall the event loop and add to the TTFTs measured
+    gc.collect()
+    gc.freeze()
     records: list[RequestRecord] = []
     turn_counters: dict[int, Counters] = {}
     sessions = [_Session(cfg, i) for i in range(cfg.sessions)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 from pathlib import Path
 
@@ -40,7 +41,9 @@ def _cfg(url: str, **kw: object) -> AgentConfig:
 
 def test_sessions_grow_turn_by_turn_on_every_system(fake: tuple[str, object]) -> None:
     url, _ = fake
+    gc.unfreeze()
     result = asyncio.run(run_agent(_cfg(url, kv_bytes_per_token=10)))
+    assert gc.get_freeze_count() > 0  # the heap alive before the load is out of the collector's way
     assert [s.label for s in result.systems] == ["a", "b"]
     added = USER + TOOL + HEADER_WORDS
     for system in result.systems:
