@@ -2,7 +2,8 @@
 ``bench``.
 
 Every flag ``--foo-bar`` also reads the environment variable ``PDSERVE_FOO_BAR`` (the command line wins;
-repeatable flags take a comma-separated env value). Flags and defaults: docs/contracts.md.
+repeatable flags take a comma-separated env value, whose empty entries are kept for the settings to refuse:
+``PDSERVE_API_KEY=`` is an error, not "no key"). Flags and defaults: docs/contracts.md.
 Worker roles and ``up`` dispatch lazily to ``prefill_worker.main:run``, ``decode_worker.main:run``,
 ``workers.colocated:run`` and ``pdserve.launcher:run``; ``bench`` to ``loadtest.cli``.
 """
@@ -61,8 +62,8 @@ class _EnvAdder:
         if raw is not None:
             conv: Callable[[str], Any] = kw.get("type", str)
             try:
-                if kw.get("action") == "append":
-                    kw["default"] = [conv(x) for x in raw.split(",") if x]
+                if kw.get("action") == "append":  # empty entries kept: the settings refuse an empty key
+                    kw["default"] = [conv(x) for x in raw.split(",")]
                 else:
                     kw["default"] = conv(raw)
             except (ValueError, argparse.ArgumentTypeError) as exc:  # one line, exit 2 as a bad flag

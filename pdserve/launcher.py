@@ -302,6 +302,14 @@ def worker_envs(settings: UpSettings, num_gpus: int,
                                         strict=True)}
 
 
+def gateway_env(keys: Sequence[str]) -> dict[str, str]:
+    """The environment the gateway child gets on top of the launcher's: its API keys, comma-separated, in
+    ``PDSERVE_API_KEY`` (not on its command line, which any local user can read); nothing without keys
+    (never an empty value, which the gateway refuses). ``up`` reads that variable itself: without keys it
+    was unset (set but empty is refused before anything starts), so the gateway inherits none."""
+    return {"PDSERVE_API_KEY": ",".join(keys)} if keys else {}
+
+
 def wait_ready(sup: Supervisor, url: str, timeout: float, stop: list[int],
                api_key: str | None = None) -> str | None:
     """Poll ``url``/ready (with ``api_key`` as bearer token when given) until 200. Returns None when
@@ -388,12 +396,12 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     url = f"http://{reach if ':' not in reach else f'[{reach}]'}:{settings.port}"
     gpus = gpu_count() if settings.device != "cpu" else 0
     keys = settings.gateway.api_keys
-    gateway_env = {"PDSERVE_API_KEY": ",".join(keys)} if keys else {}
     metrics_ports = free_ports(num_workers(settings), exclude=(settings.port,))
     control_port = free_port_range(settings.gateway_workers, exclude=(settings.port, *metrics_ports))
     try:  # a tensor parallel size the GPUs cannot hold is refused before any child starts
         children = plan(settings, control_port, gpus, keys_dir, metrics_ports, usable_cores())
-        envs = {"gateway": gateway_env, **worker_envs(settings, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))}
+        envs = {"gateway": gateway_env(keys),
+                **worker_envs(settings, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))}
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2

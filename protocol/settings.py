@@ -78,6 +78,12 @@ def _check_control_plane(curve_keys: str | None, insecure: bool) -> None:
             raise ValueError(f"--curve-keys: {exc}") from exc
 
 
+# An empty key would mean "no key" to the gateway and silently serve without one: refused instead
+EMPTY_API_KEY = ("a key must not be empty (an --api-key '' or an --api-key \"$VAR\" with VAR unset, or "
+                 "PDSERVE_API_KEY set to '' or with an empty entry); to serve without a key, give no "
+                 "--api-key and unset PDSERVE_API_KEY")
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
     """``pdserve gateway``: HTTP front-end, worker registry and router. Times in seconds, sizes in bytes."""
@@ -115,6 +121,7 @@ class GatewaySettings:
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _check(all(key.strip() for key in self.api_keys), "api-key", EMPTY_API_KEY)
         _check_parsers(self.tool_call_parser, self.reasoning_parser)
         _check(self.control_bind.startswith(("tcp://", "ipc://", "inproc://")), "control-bind",
                f"must be a zmq endpoint like tcp://host:port, got {self.control_bind!r}")
@@ -362,17 +369,31 @@ def control_keys(settings: GatewaySettings | WorkerSettings) -> CurveKeys | None
 
 
 def _read_api_key_file(path: str | None) -> tuple[str, ...]:
-    if not path:
+    """The keys of ``--api-key-file`` (one per line; blank lines and lines starting with ``#`` skipped);
+    none without the flag (``path`` None).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: the path is empty (``--api-key-file "$VAR"`` with VAR unset) or the file holds no key:
+            either would serve without a key where one was meant (the message names the flag).
+    """
+    if path is None:
         return ()
+    _check(path != "", "api-key-file", "must not be empty (an --api-key-file \"$VAR\" with VAR unset, or "
+           "PDSERVE_API_KEY_FILE set to ''); to serve without a key, give no --api-key-file")
     lines = Path(path).read_text().splitlines()
-    return tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+    keys = tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+    _check(bool(keys), "api-key-file", f"{path} holds no key (only blank lines and # comments); give no "
+           "--api-key-file to serve without a key")
+    return keys
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Build the settings of ``args.command`` (``gateway``, ``prefill``, ``decode``, ``colocated``, ``up``).
 
     Raises:
-        ValueError: unknown command, or a flag value out of range (the message names the flag).
+        ValueError: unknown command, a flag value out of range (the message names the flag), e.g. an empty
+            API key, or an ``--api-key-file`` with no key.
         OSError: ``--api-key-file`` cannot be read.
     """
     values: dict[str, Any] = dict(vars(args))

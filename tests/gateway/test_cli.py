@@ -353,3 +353,58 @@ def test_a_duration_that_is_not_finite_is_refused_by_the_parser_and_the_settings
         with pytest.raises(ValueError, match=rf"^--engine-stall-timeout: must be a finite number of seconds "
                                              rf"> 0, got {bad}$"):
             WorkerSettings(role="decode", insecure_control_plane=True, engine_stall_timeout=bad)
+
+
+@pytest.mark.parametrize(("argv", "env", "line"), [
+    (["up", "--api-key", ""], {}, "pdserve up: --api-key: a key must not be empty"),
+    (["gateway", "--api-key", ""], {}, "pdserve gateway: --api-key: a key must not be empty"),
+    (["gateway", "--api-key", "  "], {}, "pdserve gateway: --api-key: a key must not be empty"),
+    (["up"], {"PDSERVE_API_KEY": ""}, "pdserve up: --api-key: a key must not be empty"),
+    (["gateway"], {"PDSERVE_API_KEY": ""}, "pdserve gateway: --api-key: a key must not be empty"),
+    (["gateway"], {"PDSERVE_API_KEY": "k1,"}, "pdserve gateway: --api-key: a key must not be empty"),
+    (["up", "--api-key", "k1"], {"PDSERVE_API_KEY": ""}, "pdserve up: --api-key: a key must not be empty"),
+    (["up", "--api-key-file", ""], {}, "pdserve up: --api-key-file: must not be empty"),
+    (["gateway"], {"PDSERVE_API_KEY_FILE": ""}, "pdserve gateway: --api-key-file: must not be empty"),
+])
+def test_an_empty_api_key_is_refused_not_an_open_server(argv: list[str], env: dict[str, str], line: str,
+                                                        capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new-user trial: ``pdserve up --api-key "$KEY"`` with KEY unset started a server that asked for no
+    key at all (an empty key meant "none"), while the ready banner still showed the Authorization header."""
+    monkeypatch.setitem(sys.modules, "pdserve.launcher", None)  # nothing may be started
+    monkeypatch.setattr("pdserve.cli._run_gateway", lambda settings: pytest.fail("the gateway started"))
+    for name in ("PDSERVE_API_KEY", "PDSERVE_API_KEY_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _assert_one_line_exit_2([*argv, "--insecure-control-plane"], line, capsys)
+
+
+def test_an_api_key_file_without_a_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key file of blank lines and comments (an emptied Secret) would serve without a key: refused."""
+    monkeypatch.setitem(sys.modules, "pdserve.launcher", None)
+    monkeypatch.setattr("pdserve.cli._run_gateway", lambda settings: pytest.fail("the gateway started"))
+    keys = tmp_path / "keys"
+    keys.write_text("# one key per line\n\n   \n")
+    for command in ("up", "gateway"):
+        _assert_one_line_exit_2([command, "--api-key-file", str(keys), "--insecure-control-plane"],
+                                f"pdserve {command}: --api-key-file: {keys} holds no key", capsys)
+    keys.write_text("# one key per line\n\n k1 \n")
+    s = settings_from_args(build_parser(OPEN).parse_args(["gateway", "--api-key-file", str(keys)]))
+    assert isinstance(s, GatewaySettings) and s.api_keys == ("k1",)
+
+
+def test_an_empty_api_key_in_the_environment_concerns_only_the_roles_that_read_it() -> None:
+    """``PDSERVE_API_KEY=`` reaches every child of ``pdserve up``: the workers, which have no such flag,
+    start as before; the gateway's settings refuse it (the launcher itself never passes an empty one:
+    tests/system/test_launcher.py)."""
+    env = {"PDSERVE_API_KEY": "", **OPEN}
+    worker = settings_from_args(build_parser(env).parse_args(["decode", "--worker-id", "d0"]))
+    assert isinstance(worker, WorkerSettings)
+    with pytest.raises(ValueError, match="--api-key: a key must not be empty"):
+        settings_from_args(build_parser(env).parse_args(["gateway"]))
+    with pytest.raises(ValueError, match="--api-key: a key must not be empty"):
+        GatewaySettings(api_keys=("k1", ""), insecure_control_plane=True)
+    # no variable: no key, as before
+    assert settings_from_args(build_parser(OPEN).parse_args(["gateway"])).api_keys == ()  # type: ignore[union-attr]

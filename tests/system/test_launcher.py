@@ -355,3 +355,33 @@ def test_up_starts_each_tensor_parallel_worker_with_its_own_gpus(monkeypatch: py
     assert launcher._supervise(up, Supervisor(), [], 1.0, None) == 0
     assert started == {"gateway": {}, "prefill-0": {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
                        "decode-0": {"CUDA_VISIBLE_DEVICES": "6,7,4,5"}}
+
+
+def test_up_hands_its_keys_to_the_gateway_in_its_environment_and_nothing_without(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway child gets ``PDSERVE_API_KEY`` with up's keys, which its parser reads back to the same
+    keys; without keys it gets no variable at all (an empty one is refused by the gateway, not read as "no
+    key"), and the workers never get one."""
+    from pdserve import launcher
+    from pdserve.cli import build_parser
+    from protocol.settings import settings_from_args
+
+    started: dict[str, dict[str, str]] = {}
+
+    def start(self: Supervisor, name: str, args: list[str], log_path: str | None = None,
+              env: dict[str, str] | None = None) -> None:
+        started[name] = dict(env or {})
+
+    monkeypatch.setattr(Supervisor, "start", start)
+    monkeypatch.setattr(launcher, "wait_ready", lambda *a, **k: "interrupted")
+    assert launcher.gateway_env(()) == {}
+    for keys in ((), ("k1",), ("k1", "k2")):
+        started.clear()
+        up = UpSettings(port=free_port(), device="cpu", insecure_control_plane=True,
+                        gateway=GatewaySettings(api_keys=keys, insecure_control_plane=True))
+        assert launcher._supervise(up, Supervisor(), [], 1.0, None) == 0
+        want = {"PDSERVE_API_KEY": ",".join(keys)} if keys else {}
+        assert started == {"gateway": want, "prefill-0": {}, "decode-0": {}}
+        child = settings_from_args(build_parser({**want, "PDSERVE_INSECURE_CONTROL_PLANE": "1"})
+                                   .parse_args(["gateway"]))
+        assert isinstance(child, GatewaySettings) and child.api_keys == keys
