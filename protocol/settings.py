@@ -83,6 +83,9 @@ EMPTY_API_KEY = ("a key must not be empty (an --api-key '' or an --api-key \"$VA
                  "PDSERVE_API_KEY set to '' or with an empty entry); to serve without a key, give no "
                  "--api-key and unset PDSERVE_API_KEY")
 
+# The key deploy/k8s/base/secret.yaml ships in place of a real one: public, so refused like an empty key
+PLACEHOLDER_API_KEY = "REPLACE-ME-WITH-A-REAL-KEY"
+
 
 @dataclass(frozen=True)
 class GatewaySettings:
@@ -122,6 +125,9 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         _check(all(key.strip() for key in self.api_keys), "api-key", EMPTY_API_KEY)
+        _check(PLACEHOLDER_API_KEY not in self.api_keys, "api-key",
+               f"{PLACEHOLDER_API_KEY} is the placeholder of deploy/k8s/base/secret.yaml, known to anyone: "
+               "replace it with a key of your own")
         _check_parsers(self.tool_call_parser, self.reasoning_parser)
         _check(self.control_bind.startswith(("tcp://", "ipc://", "inproc://")), "control-bind",
                f"must be a zmq endpoint like tcp://host:port, got {self.control_bind!r}")
@@ -375,7 +381,8 @@ def _read_api_key_file(path: str | None) -> tuple[str, ...]:
     Raises:
         OSError: the file cannot be read.
         ValueError: the path is empty (``--api-key-file "$VAR"`` with VAR unset) or the file holds no key:
-            either would serve without a key where one was meant (the message names the flag).
+            either would serve without a key where one was meant; or it holds ``PLACEHOLDER_API_KEY``
+            (the message names the flag and the file).
     """
     if path is None:
         return ()
@@ -385,6 +392,9 @@ def _read_api_key_file(path: str | None) -> tuple[str, ...]:
     keys = tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
     _check(bool(keys), "api-key-file", f"{path} holds no key (only blank lines and # comments); give no "
            "--api-key-file to serve without a key")
+    _check(PLACEHOLDER_API_KEY not in keys, "api-key-file",
+           f"{path} holds the placeholder key {PLACEHOLDER_API_KEY} (deploy/k8s/base/secret.yaml), known to "
+           "anyone: replace it with a key of your own")
     return keys
 
 
@@ -393,7 +403,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
     Raises:
         ValueError: unknown command, a flag value out of range (the message names the flag), e.g. an empty
-            API key, or an ``--api-key-file`` with no key.
+            API key or the Kubernetes placeholder key, or an ``--api-key-file`` with no key.
         OSError: ``--api-key-file`` cannot be read.
     """
     values: dict[str, Any] = dict(vars(args))

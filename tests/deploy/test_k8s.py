@@ -11,6 +11,8 @@ import pytest
 import yaml
 
 from deploy.kustomize_lite import render
+from pdserve.cli import build_parser
+from protocol.settings import PLACEHOLDER_API_KEY, settings_from_args
 from tests.deploy.common import DEPLOY, K8S_VERSION, OVERLAYS, check_cli, known_metrics, rendered
 
 WORKERS = ("pdserve-prefill", "pdserve-decode")
@@ -165,11 +167,31 @@ def _container_env(resources: tuple[dict[str, Any], ...], c: dict[str, Any], tmp
         # Other Downward-API values (pod IP, pod name) get a sample of the right shape.
         env[e["name"]] = e.get("value", "10.0.0.7" if "podIP" in str(e) else "pdserve-decode-abc12")
     assert env["PDSERVE_CURVE_KEYS"] == "/etc/pdserve/curve"  # the Secret's mount (test_curve_keys_...)
-    if "PDSERVE_API_KEY_FILE" in env:
+    if "PDSERVE_API_KEY_FILE" in env:  # the Secret's mount: its content, a test key for the placeholder
         keys = tmp / "api-keys"
-        keys.write_text(_get(resources, "Secret", "pdserve-api-keys")["stringData"]["api-keys"])
+        text = _get(resources, "Secret", "pdserve-api-keys")["stringData"]["api-keys"]
+        keys.write_text(text.replace(PLACEHOLDER_API_KEY, "stand-in-key"))
         env["PDSERVE_API_KEY_FILE"] = str(keys)
     return env
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_api_keys_secret_placeholder_is_refused_by_the_gateway(overlay: str, tmp_path: Path) -> None:
+    """The shipped pdserve-api-keys Secret holds a placeholder key, known to anyone: the gateway reading it
+    (PDSERVE_API_KEY_FILE, the Secret's mount) refuses to start, naming the file, as a pod given the
+    placeholder CURVE Secret does."""
+    resources = rendered(overlay)
+    (g,) = _pod(resources, "pdserve-gateway")["containers"]
+    env = _container_env(resources, g, tmp_path)
+    assert "stand-in-key" in Path(env["PDSERVE_API_KEY_FILE"]).read_text()
+    shipped = tmp_path / "shipped-api-keys"
+    text = _get(resources, "Secret", "pdserve-api-keys")["stringData"]["api-keys"]
+    assert PLACEHOLDER_API_KEY in text.splitlines()
+    shipped.write_text(text)
+    args = build_parser({**env, "PDSERVE_API_KEY_FILE": str(shipped)}).parse_args(list(g["args"]))
+    with pytest.raises(ValueError, match=f"--api-key-file: {shipped} holds the placeholder key "
+                                         f"{PLACEHOLDER_API_KEY} .*replace it"):
+        settings_from_args(args)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -408,3 +408,23 @@ def test_an_empty_api_key_in_the_environment_concerns_only_the_roles_that_read_i
         GatewaySettings(api_keys=("k1", ""), insecure_control_plane=True)
     # no variable: no key, as before
     assert settings_from_args(build_parser(OPEN).parse_args(["gateway"])).api_keys == ()  # type: ignore[union-attr]
+
+
+def test_the_kubernetes_placeholder_api_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/k8s/base/secret.yaml ships ``REPLACE-ME-WITH-A-REAL-KEY`` (a new-user trial served the API with
+    it): from a key file (the file named) or from --api-key, ``up`` and ``gateway`` refuse it."""
+    from protocol.settings import PLACEHOLDER_API_KEY
+
+    monkeypatch.setitem(sys.modules, "pdserve.launcher", None)
+    monkeypatch.setattr("pdserve.cli._run_gateway", lambda settings: pytest.fail("the gateway started"))
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"# one key per line\nreal-key\n{PLACEHOLDER_API_KEY}\n")
+    for command in ("up", "gateway"):
+        _assert_one_line_exit_2([command, "--api-key-file", str(keys), "--insecure-control-plane"],
+                                f"pdserve {command}: --api-key-file: {keys} holds the placeholder key "
+                                f"{PLACEHOLDER_API_KEY} (deploy/k8s/base/secret.yaml), known to anyone: "
+                                "replace it with a key of your own", capsys)
+        _assert_one_line_exit_2([command, "--api-key", PLACEHOLDER_API_KEY, "--insecure-control-plane"],
+                                f"pdserve {command}: --api-key: {PLACEHOLDER_API_KEY} is the placeholder",
+                                capsys)
