@@ -7,7 +7,7 @@ an eighth of its free ones, expected within ``--kv-canary-timeout`` s), forwards
 canary of a pair pays for the transport's handshake, so it only warms the path up; the next one, sent at
 once, measures it: its bytes over the writes' time on the transport (``wire_seconds``: first write
 posted → last seen complete; the end-to-end seconds, control round trips included, are shown beside it)
-give the pair's path (logged, in ``/ready`` and ``/v1/status``, and the gauge
+give the pair's path (logged, in ``/v1/status``, and the gauge
 ``pdserve_kv_path_gbps{prefill,decode,transport}``).
 
 The path the KV should take follows from where the two KV caches live (``KVPlacement`` of each

@@ -342,10 +342,18 @@ class GatewayProcessStatus(msgspec.Struct):
     control: str
 
 
+class ReadyVerdict(msgspec.Struct):
+    """``GET /ready`` (200 ready, 503 not, same body): whether requests can be served and why, nothing
+    more (the probe is served without a key by default; the full view is ``GET /v1/status``)."""
+
+    ready: bool
+    reason: str
+
+
 class Readiness(msgspec.Struct):
-    """``GET /ready`` (200 ready, 503 not, same body) and ``GET /v1/status``: whether requests can be
-    served and why, the registered workers, every prefill/decode pair, the workers dropped and refused,
-    and which gateway process answered."""
+    """``GET /v1/status`` (the status view): whether requests can be served and why (as ``/ready``), the
+    registered workers, every prefill/decode pair, the workers dropped and refused, and which gateway
+    process answered."""
 
     ready: bool
     reason: str
@@ -358,7 +366,7 @@ class Readiness(msgspec.Struct):
 
 # the types /openapi.json documents (chunks travel inside text/event-stream, documented as a string)
 DOCUMENTED = (ChatCompletion, Completion, ModelList, ModelCard, TokenizeResponse, DetokenizeResponse, Health,
-              Readiness, ErrorResponse)
+              ReadyVerdict, Readiness, ErrorResponse)
 REF_TEMPLATE = "#/components/schemas/{name}"
 
 

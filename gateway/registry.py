@@ -5,9 +5,9 @@ with a higher epoch for a known ``worker_id`` replaces the old entry (the caller
 requests); the same epoch again (a worker answering several ``ReRegister`` messages) only refreshes it;
 a lower epoch is refused as stale.
 
-The registry also remembers, for ``/ready`` and ``/v1/status``, the workers it lost (``dropped``: why
-and when, until they register again) and the registrations it refused (``refused``), the most recent
-``MAX_REMEMBERED`` of each.
+The registry also remembers, for ``/v1/status`` (and ``/ready``'s reason), the workers it lost
+(``dropped``: why and when, until they register again) and the registrations it refused (``refused``),
+the most recent ``MAX_REMEMBERED`` of each.
 """
 
 from __future__ import annotations

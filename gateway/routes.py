@@ -30,6 +30,7 @@ from gateway.openai_responses import (
     ModelCard,
     ModelList,
     Readiness,
+    ReadyVerdict,
     TokenizeResponse,
     encode,
     schema_ref,
@@ -179,18 +180,21 @@ async def health(request: Request) -> Response:
     return json_response(Health("ok"))
 
 
-_READY = {**ok(Readiness), 503: {"description": "not ready", "content": {"application/json": {
-    "schema": schema_ref(Readiness)}}}, **error_responses(401)}
+_READY = {**ok(ReadyVerdict), 503: {"description": "not ready", "content": {"application/json": {
+    "schema": schema_ref(ReadyVerdict)}}}, **error_responses(401)}
 
 
 @router.get("/ready", responses=_READY)
 async def ready(request: Request) -> Response:
-    """200 when requests can be served, else 503 with the reason; both with the status view."""
+    """200 when requests can be served, else 503; the body is the verdict and its reason only, whoever
+    asks (the probe is public by default: worker ids, addresses and the gateway process are in
+    ``/v1/status``, behind the API key). Raises 401 (``APIError``) with ``--public-health false`` and no
+    valid key."""
     svc = service(request)
     if not svc.settings.public_health:
         _check_key(request)
-    body = readiness(svc.registry, svc.canaries, svc.process_status())
-    return json_response(body, status_code=200 if body.ready else 503)
+    view = readiness(svc.registry, svc.canaries, svc.process_status())
+    return json_response(ReadyVerdict(view.ready, view.reason), status_code=200 if view.ready else 503)
 
 
 @router.get("/v1/status", dependencies=[Depends(require_key)],

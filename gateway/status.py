@@ -1,4 +1,5 @@
-"""The gateway's status view (``/ready``, ``/v1/status``), built from the registry (no torch)."""
+"""The gateway's status view (``/v1/status``; ``/ready`` shows its verdict and reason), built from the
+registry (no torch)."""
 
 from __future__ import annotations
 

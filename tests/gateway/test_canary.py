@@ -3,7 +3,7 @@ canary's round trip (reserve on decode, send on prefill, result), the path in th
 ``pdserve_kv_path_gbps``, the path the workers' placements allow and a canary far below its floor as a
 warning (``pdserve_kv_path_slow``), a wedged path out of routing by the deadline and back after a later
 canary lands, a canary the prefill worker skipped for want of blocks; with fake worker processes, a wedged
-pair named by /ready."""
+pair named by /v1/status."""
 
 from __future__ import annotations
 
@@ -299,7 +299,7 @@ def test_fake_workers_pairing_canary_and_a_wedged_pair(make_cluster) -> None:
     c.start_worker("decode", "d2", canary_wedged=1)
 
     def pairs() -> dict[tuple[str, str], dict]:
-        body = httpx.get(c.base + "/ready", timeout=5).json()
+        body = httpx.get(c.base + "/v1/status", timeout=5).json()
         return {(p["prefill"], p["decode"]): p for p in body["pairs"]}
 
     wait_until(lambda: "did not land" in pairs().get(("p1", "d2"), {}).get("reason", ""), 5,

@@ -89,13 +89,12 @@ def test_killed_prefill_worker_is_never_routed_to_after_its_first_failed_send(tm
 
         ready = httpx.get(f"{url}/ready", timeout=5)
         assert ready.status_code == 200  # the other prefill worker and the decode worker still pair
-        body = ready.json()
-        assert dead in body["reason"]
-        [dropped] = body["dropped"]
+        assert dead in ready.json()["reason"]
+        status = httpx.get(f"{url}/v1/status", timeout=5).json()
+        [dropped] = status["dropped"]
         assert (dropped["worker_id"], dropped["role"]) == (dead, "prefill")
         assert "unreachable" in dropped["reason"]
         assert abs(dropped["at"] - lost[0]["ts"]) < 1
-        status = httpx.get(f"{url}/v1/status", timeout=5).json()
         assert dead not in {w["worker_id"] for w in status["workers"]}
         [pair] = status["pairs"]
         assert pair["usable"] and pair["path"] is not None  # the pairing canary measured the data path
