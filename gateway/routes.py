@@ -77,17 +77,24 @@ def service(request: Request) -> GatewayService:
     return svc
 
 
+def bearer_token(authorization: str) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value; None for another scheme or none.
+    The scheme is case-insensitive and followed by one or more spaces (RFC 7235, section 2.1)."""
+    scheme, _, token = authorization.partition(" ")
+    return token.lstrip(" ") if scheme.lower() == "bearer" else None
+
+
 def _check_key(request: Request) -> None:
     keys = service(request).settings.api_keys
     if not keys:
         return
-    auth = request.headers.get("authorization", "")
-    if not auth.startswith("Bearer ") or auth[len("Bearer "):] not in keys:
+    if bearer_token(request.headers.get("authorization", "")) not in keys:
         raise APIError(401, "Invalid or missing API key", "invalid_request_error", None, "invalid_api_key")
 
 
 def require_key(request: Request) -> None:
-    """Dependency: a valid ``Authorization: Bearer <key>`` when ``--api-key`` is set. Raises 401."""
+    """Dependency: a valid ``Authorization: Bearer <key>`` (any case of ``Bearer``) when ``--api-key`` is
+    set. Raises ``APIError`` 401 (``invalid_api_key``) otherwise."""
     _check_key(request)
 
 
