@@ -85,3 +85,19 @@ def test_old_result_files_without_error_groups_still_load(tmp_path: Path) -> Non
     old.write_text(json.dumps(raw))
     assert load_json(old).runs[0].summary.error_groups == []
     assert main(["compare", str(old), str(tmp_path / "results.json")]) == 0
+
+
+def test_bench_against_a_keyed_gateway_without_the_key_says_pass_api_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new-user trial: without --api-key, asking a keyed server for its model said ``pass --model``, which
+    only let every request fail with 401; the hint is --api-key (a wrong key: pass one it accepts)."""
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    flags = ["--num-requests", "1", "--no-progress", "--metrics-path", "", "--output-dir", str(tmp_path)]
+    with inprocess_gateway("served-model", api_keys=("sekrit",)) as base:
+        assert main(["--base-url", base, *flags]) == 2
+        assert capsys.readouterr().err == (f"error: GET {base}/v1/models answered HTTP 401; the server asks "
+                                           "for an API key: pass --api-key (or PDSERVE_API_KEY)\n")
+        assert main(["--base-url", base, "--api-key", "wrong", *flags]) == 2
+        assert capsys.readouterr().err == (f"error: GET {base}/v1/models answered HTTP 401; it refused the "
+                                           "--api-key given: pass one the server accepts\n")
+    assert not (tmp_path / "results.json").exists()
