@@ -1,3 +1,3 @@
 """Deployment files for pdserve (Dockerfiles, docker-compose, Kubernetes, Grafana) and two small
-stdlib-only helpers: ``healthcheck`` (the container HEALTHCHECK probe) and ``kustomize_lite`` (an offline
-renderer for the kustomize overlays, used by the tests). See docs/deploy.md."""
+helpers: ``healthcheck`` (the container HEALTHCHECK probe, stdlib only) and ``kustomize_lite`` (an offline
+renderer for the kustomize overlays, used by the tests; PyYAML). See docs/deploy.md."""

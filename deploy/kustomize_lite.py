@@ -9,11 +9,16 @@ with ``kind`` / ``name``). Strategic merge, after the Kubernetes rules
 recursively, a ``null`` value deletes the key, lists of maps merge by their merge key (``mountPath`` for
 ``volumeMounts``, ``containerPort`` for ``ports``, ``name`` otherwise), other lists are replaced. Any other
 field raises, so the real kustomize and this renderer cannot silently disagree.
+
+``python deploy/kustomize_lite.py DIR`` (or ``python -m deploy.kustomize_lite DIR``) prints the rendered
+resources to stdout as YAML documents separated by ``---``, as ``kubectl kustomize DIR`` does.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +150,39 @@ def render(kdir: Path) -> list[Resource]:
             if r["kind"] not in CLUSTER_SCOPED:
                 r["metadata"]["namespace"] = spec["namespace"]
     return resources
+
+
+USAGE = "usage: python deploy/kustomize_lite.py DIR, a directory with a kustomization.yaml"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the resources of the kustomization in ``argv``'s one directory as YAML documents separated by
+    ``---`` (keys in the files' order). Returns 0; 2 after one line on stderr for a usage error (not
+    exactly one argument, or one that is not a directory with a kustomization.yaml; ``-h``/``--help``
+    prints the usage and returns 0); 1 after one line for a kustomization it cannot render
+    (``KustomizeError``, a file that cannot be read or parsed)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    if len(args) != 1 or args[0].startswith("-"):
+        got = f"{len(args)} arguments: {' '.join(args)}" if len(args) != 1 else f"the option {args[0]}"
+        print(f"kustomize_lite: error: expected one directory, got {got if args else 'none'} ({USAGE})",
+              file=sys.stderr)
+        return 2
+    kdir = Path(args[0])
+    if not (kdir / "kustomization.yaml").is_file():
+        print(f"kustomize_lite: error: {kdir} is not a directory with a kustomization.yaml ({USAGE})",
+              file=sys.stderr)
+        return 2
+    try:
+        resources = render(kdir)
+    except (KustomizeError, OSError, yaml.YAMLError) as exc:
+        print(f"kustomize_lite: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 1
+    sys.stdout.write(yaml.safe_dump_all(resources, sort_keys=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,12 +1,15 @@
-"""deploy/kustomize_lite.py: the strategic-merge subset and its refusals."""
+"""deploy/kustomize_lite.py: the strategic-merge subset and its refusals; its command line."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from deploy.kustomize_lite import KustomizeError, render, strategic_merge
+from deploy.kustomize_lite import KustomizeError, main, render, strategic_merge
 
 
 def test_merge_maps_lists_by_key_and_null_deletes() -> None:
@@ -72,3 +75,46 @@ def test_images_rewritten(tmp_path: Path) -> None:
     })
     (pod,) = render(tmp_path)
     assert [c["image"] for c in pod["spec"]["containers"]] == ["reg/app:v2", "other:1"]
+
+
+def test_main_prints_the_rendered_overlay_as_kubectl_kustomize_does(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A new-user trial: ``python deploy/kustomize_lite.py deploy/k8s/overlays/cpu`` printed nothing and
+    exited 0 (the module had no main)."""
+    overlay = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "overlays" / "cpu"
+    assert main([str(overlay)]) == 0
+    out = capsys.readouterr().out
+    assert list(yaml.safe_load_all(out)) == render(overlay)
+    assert out.count("\n---\n") == len(render(overlay)) - 1
+
+
+def test_main_as_a_script(tmp_path: Path) -> None:
+    """Run as ``python deploy/kustomize_lite.py DIR`` (the script's directory first on sys.path)."""
+    root = Path(__file__).resolve().parents[2]
+    _write(tmp_path, {"kustomization.yaml": "resources: [cm.yaml]\nnamespace: ns1\n", "cm.yaml": CM})
+    done = subprocess.run([sys.executable, str(root / "deploy" / "kustomize_lite.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (0, "")
+    want = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "a", "namespace": "ns1"},
+            "data": {"x": "1"}}
+    assert list(yaml.safe_load_all(done.stdout)) == [want]
+
+
+@pytest.mark.parametrize(("args", "line", "code"), [
+    ([], "kustomize_lite: error: expected one directory, got none (usage: ", 2),
+    (["a", "b"], "kustomize_lite: error: expected one directory, got 2 arguments: a b (usage: ", 2),
+    (["--out"], "kustomize_lite: error: expected one directory, got the option --out (usage: ", 2),
+    (["{tmp}/nope"], "kustomize_lite: error: {tmp}/nope is not a directory with a kustomization.yaml", 2),
+    (["{tmp}"], "kustomize_lite: error: {tmp} is not a directory with a kustomization.yaml", 2),
+    (["{tmp}/bad"], "kustomize_lite: error: {tmp}/bad/kustomization.yaml: unsupported fields ['generators']",
+     1),
+])
+def test_main_refuses_bad_arguments_in_one_line(args: list[str], line: str, code: int, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    _write(tmp_path, {"bad/kustomization.yaml": "resources: []\ngenerators: []\n"})
+    assert main([a.format(tmp=tmp_path) for a in args]) == code
+    captured = capsys.readouterr()
+    [got] = captured.err.splitlines()
+    assert got.startswith(line.format(tmp=tmp_path)) and captured.out == ""
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python deploy/kustomize_lite.py DIR")
