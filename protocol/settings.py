@@ -389,7 +389,7 @@ def _read_api_key_file(path: str | None) -> tuple[str, ...]:
     _check(path != "", "api-key-file", "must not be empty (an --api-key-file \"$VAR\" with VAR unset, or "
            "PDSERVE_API_KEY_FILE set to ''); to serve without a key, give no --api-key-file")
     lines = Path(path).read_text().splitlines()
-    keys = tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+    keys = tuple(key for key in (line.strip() for line in lines) if key and not key.startswith("#"))
     _check(bool(keys), "api-key-file", f"{path} holds no key (only blank lines and # comments); give no "
            "--api-key-file to serve without a key")
     _check(PLACEHOLDER_API_KEY not in keys, "api-key-file",

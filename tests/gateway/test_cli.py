@@ -386,7 +386,7 @@ def test_an_api_key_file_without_a_key_is_refused(tmp_path: Path, capsys: pytest
     monkeypatch.setitem(sys.modules, "pdserve.launcher", None)
     monkeypatch.setattr("pdserve.cli._run_gateway", lambda settings: pytest.fail("the gateway started"))
     keys = tmp_path / "keys"
-    keys.write_text("# one key per line\n\n   \n")
+    keys.write_text("# one key per line\n\n   \n  # an indented comment is no key either\n")
     for command in ("up", "gateway"):
         _assert_one_line_exit_2([command, "--api-key-file", str(keys), "--insecure-control-plane"],
                                 f"pdserve {command}: --api-key-file: {keys} holds no key", capsys)
