@@ -3,17 +3,18 @@ process gets and which the load side (client processes, fake workers, the bench 
 (``assign_cores``, pure; the host's SMT siblings from ``physical_cores``), and pinning every thread of a
 running process to a set (``pin_process``).
 
-Assignment (``assign_cores``): the CPUs are ordered by physical core (SMT siblings, as Linux lists them
-in ``/sys/devices/system/cpu/cpu<N>/topology/thread_siblings_list``, side by side, so that a gateway
-process's 2 CPUs are one core's two threads rather than a thread beside a load-side process), then the
-gateway processes of the largest N asked get CPUs of their own from the top of that order (the
-low-numbered cores, where the kernel tends to place interrupt work, stay with the load side); every other
-CPU is the load side's, shared by all its processes (the scheduler balances them). Each gateway process
-gets 2 CPUs (its event loop and zmq's I/O thread, which shares its process's set) when that leaves the
-load side at least half the CPUs (``4 * N <= CPUs``), else 1. The same plan serves every level of a run:
-at a smaller N the CPUs of the absent processes stay idle, so the load side has the same CPUs at every N
-and only the gateway's capacity changes. Fewer CPUs than N + 1 (one per gateway process and one for the
-load side) is refused: overlapping would measure the scheduler, not the gateway.
+Assignment (``assign_cores``): the CPUs are ordered by physical core (SMT siblings, as Linux lists them in
+``/sys/devices/system/cpu/cpu<N>/topology/thread_siblings_list``, side by side, so that a gateway process's
+2 CPUs are one core's two threads rather than a thread beside a load-side process), then the gateway
+processes of the largest N asked get CPUs of their own from the top of that order (the low-numbered cores,
+where the kernel tends to place interrupt work, stay with the load side); every other CPU is the load
+side's, shared by all its processes (the scheduler balances them). Each gateway process gets 2 CPUs (its
+event loop and zmq's I/O thread, which shares its process's set) when that leaves the load side at least
+half the CPUs (``4 * N <= CPUs``), else 1; ``cores_per_process`` (``--gateway-cores``) sets it instead (1:
+more CPUs left to a load side that would otherwise limit the largest N). The same plan serves every level of
+a run: at a smaller N the CPUs of the absent processes stay idle, so the load side has the same CPUs at
+every N and only the gateway's capacity changes. Fewer CPUs than N + 1 (one per gateway process and one for
+the load side) is refused: overlapping would measure the scheduler, not the gateway.
 
 Pinning (``pin_process``): Linux ``sched_setaffinity`` acts on one thread, so every thread of the
 process (``/proc/<pid>/task``) is pinned, repeated until no new thread appears; threads started later
@@ -100,16 +101,21 @@ def physical_cores(cpus: Iterable[int], sysfs: str = "/sys/devices/system/cpu") 
 
 
 def assign_cores(cpus: Sequence[int], max_processes: int,
-                 core_of: Mapping[int, int] | None = None, probe: bool = False) -> CorePlan:
+                 core_of: Mapping[int, int] | None = None, probe: bool = False,
+                 cores_per_process: int | None = None) -> CorePlan:
     """The plan for a run whose largest gateway level is ``max_processes`` on the CPUs ``cpus`` (this
     process's affinity, ``os.sched_getaffinity(0)``), ``core_of`` mapping a CPU to its physical core's key
     (``physical_cores``; None or a missing CPU: its own core); see the module docstring for the rule. With
     ``probe`` the load side's highest physical core (all its CPUs) becomes the clock probe's; the load
-    side keeps the rest and must keep at least one CPU.
+    side keeps the rest and must keep at least one CPU. ``cores_per_process`` (1 or 2; None: the rule of
+    the module docstring): CPUs per gateway process.
 
     Raises ValueError naming ``--pin-cpus`` when ``max_processes`` < 1, ``cpus`` repeats an id, or there
-    are fewer than ``max_processes + 1`` CPUs, or the probe would leave the load side none.
+    are fewer than ``max_processes + 1`` CPUs, or the probe would leave the load side none; naming
+    ``--gateway-cores`` when ``cores_per_process`` is not 1 or 2 or leaves the load side no CPU.
     """
+    if cores_per_process not in (None, 1, 2):
+        raise ValueError(f"--gateway-cores: must be 1 or 2, got {cores_per_process}")
     if max_processes < 1:
         raise ValueError(f"{FLAG}: the largest gateway level must be >= 1, got {max_processes}")
     if len(set(cpus)) != len(cpus):
@@ -120,7 +126,10 @@ def assign_cores(cpus: Sequence[int], max_processes: int,
                          f"workers; need >= {max_processes + 1} (or run without {FLAG})")
     core = dict(core_of or {})
     ordered = sorted(cpus, key=lambda c: (core.get(c, c), c))
-    per = 2 if 4 * max_processes <= len(ordered) else 1
+    per = cores_per_process or (2 if 4 * max_processes <= len(ordered) else 1)
+    if per * max_processes >= len(ordered):
+        raise ValueError(f"--gateway-cores {per}: {max_processes} gateway processes x {per} leave no CPU of "
+                         f"{len(ordered)} for the clients and fake workers")
     top = ordered[len(ordered) - per * max_processes:]
     gateway = tuple(frozenset(top[i * per:(i + 1) * per]) for i in range(max_processes))
     smt = len({core.get(c, c) for c in cpus}) < len(cpus)

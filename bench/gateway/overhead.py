@@ -120,12 +120,14 @@ def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS
         curve_rounds: int = 0, curve_concurrency: int = 32, gateway_processes: Sequence[int] = (),
         scale_concurrency: int = 64, client_processes: int = 4,
         fake_decode_workers: int = 1, scale_per_process: int | None = None,
-        pin_cpus: bool = False, clock_probe: bool = False) -> OverheadResult:
+        pin_cpus: bool = False, clock_probe: bool = False,
+        gateway_cores: int | None = None) -> OverheadResult:
     """Start each target, measure every concurrency level, stop it; then, with ``curve_rounds`` > 0,
     CURVE's CPU cost (run_curve_rounds); then each of ``gateway_processes`` (run_scale_level) at
     ``scale_concurrency`` streams, or ``scale_per_process`` * N when given, pinned with ``pin_cpus``
     (assign_cores over this process's CPUs; the bench itself runs on the load side's cores meanwhile),
-    with ``clock_probe`` a clock probe on a core taken from the load side (bench/gateway/clock_probe.py).
+    with ``clock_probe`` a clock probe on a core taken from the load side (bench/gateway/clock_probe.py),
+    ``gateway_cores`` CPUs per gateway process (None: assign_cores's rule).
     Raises ValueError for an unknown target or tokenizer dir, bad scale arguments or too few CPUs for
     ``pin_cpus`` (before anything starts), RuntimeError when a target does not start."""
     unknown = [t for t in targets if t not in (*TARGETS, INSECURE)]
@@ -150,10 +152,13 @@ def run(cfg: OverheadConfig, command: str = "", targets: Sequence[str] = TARGETS
         raise ValueError("--pin-cpus needs --gateway-processes")
     if clock_probe and not pin_cpus:
         raise ValueError("--clock-probe needs --pin-cpus (the probe needs a core of its own)")
+    if gateway_cores is not None and not pin_cpus:
+        raise ValueError("--gateway-cores needs --pin-cpus")
     if pin_cpus and not hasattr(os, "sched_getaffinity"):
         raise ValueError("--pin-cpus needs Linux (os.sched_setaffinity)")
     cpus = sorted(os.sched_getaffinity(0)) if pin_cpus else []
-    plan = assign_cores(cpus, max(gateway_processes), physical_cores(cpus), clock_probe) if pin_cpus else None
+    plan = assign_cores(cpus, max(gateway_processes), physical_cores(cpus), clock_probe,
+                        gateway_cores) if pin_cpus else None
     tokenizer_dir = resolve_tokenizer_dir(cfg.tokenizer, None)  # TokenizerNotFoundError before any start
     machine = machine_info()
     levels, leaks = [], {}
@@ -218,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pin-cpus", action="store_true",
                    help="--gateway-processes: each gateway process on cores of its own, the clients, fake "
                         "workers and the bench on the others (Linux; refused with too few cores)")
+    p.add_argument("--gateway-cores", type=int, choices=(1, 2), default=None,
+                   help="--pin-cpus: CPUs per gateway process (default 2 when that leaves the load side half "
+                        "the CPUs, else 1)")
     p.add_argument("--clock-probe", action="store_true",
                    help="--pin-cpus: a process on a core of its own repeating fixed Python work; its rate "
                         "per level shows whether the host's cores slow as load is added")
@@ -261,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                   gateway_processes=processes,
                   scale_concurrency=64 if args.scale_concurrency is None else args.scale_concurrency,
                   client_processes=args.client_processes, fake_decode_workers=args.fake_decode_workers,
-                  scale_per_process=per_process, pin_cpus=args.pin_cpus, clock_probe=args.clock_probe)
+                  scale_per_process=per_process, pin_cpus=args.pin_cpus, clock_probe=args.clock_probe,
+                  gateway_cores=args.gateway_cores)
     except (ValueError, TokenizerNotFoundError) as exc:
         print(f"gateway_overhead: {exc}", file=sys.stderr)
         return 2

@@ -38,6 +38,18 @@ def test_fewer_than_four_cores_per_process_gives_one_each() -> None:
     assert (two.gateway, two.load) == ((frozenset({1}),), frozenset({0}))
 
 
+def test_gateway_cores_sets_the_cpus_per_process() -> None:
+    one = assign_cores(range(16), 4, probe=True, cores_per_process=1)
+    assert one.gateway == (frozenset({12}), frozenset({13}), frozenset({14}), frozenset({15}))
+    assert one.probe == frozenset({11}) and one.load == frozenset(range(11))
+    two = assign_cores(range(12), 4, cores_per_process=2)  # the default rule would give 1 each here
+    assert two.gateway[0] == frozenset({4, 5}) and two.load == frozenset(range(4))
+    with pytest.raises(ValueError, match="--gateway-cores 2: 4 gateway processes x 2 leave no CPU of 8"):
+        assign_cores(range(8), 4, cores_per_process=2)
+    with pytest.raises(ValueError, match="--gateway-cores: must be 1 or 2, got 3"):
+        assign_cores(range(16), 4, cores_per_process=3)
+
+
 def test_plan_follows_the_cpu_ids_given_not_their_count() -> None:
     plan = assign_cores([14, 0, 2, 4, 6, 8, 10, 12], 2)  # an affinity mask with holes, unsorted
     assert plan.gateway == (frozenset({8, 10}), frozenset({12, 14}))

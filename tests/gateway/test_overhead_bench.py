@@ -238,6 +238,7 @@ def test_gateway_processes_smoke_run(tokenizer_dir: Path, tmp_path: Path) -> Non
      "--scale-concurrency and --scale-concurrency-per-process exclude each other"),
     (["--pin-cpus"], "--pin-cpus need --gateway-processes"),
     (["--gateway-processes", "1", "--clock-probe"], "--clock-probe needs --pin-cpus"),
+    (["--gateway-processes", "1", "--gateway-cores", "1"], "--gateway-cores needs --pin-cpus"),
     (["--gateway-processes", "1,2", "--client-processes", "4", "--scale-concurrency-per-process", "2"],
      "--scale-concurrency-per-process 2 x 1 gateway processes gives fewer streams than the 4 client")])
 def test_scale_flags_are_refused_with_their_names(argv: list[str], why: str,
