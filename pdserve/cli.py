@@ -50,6 +50,17 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _CommandLineAppend(argparse.Action):
+    """A repeatable flag (``action="append"``) whose first use on the command line replaces its default
+    (the list read from ``PDSERVE_<FLAG>``) rather than adding to it: the command line wins, as for every
+    other flag."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        items = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, [*([] if items is None or items is self.default else items), values])
+
+
 class _EnvAdder:
     """Adds flags to a parser, taking each default from ``PDSERVE_<FLAG>`` when set."""
 
@@ -69,6 +80,8 @@ class _EnvAdder:
             except (ValueError, argparse.ArgumentTypeError) as exc:  # one line, exit 2 as a bad flag
                 print(f"pdserve: bad value for {env_name}: {exc}", file=sys.stderr)
                 raise SystemExit(2) from exc
+        if kw.get("action") == "append":
+            kw["action"] = _CommandLineAppend
         shown = "" if kw.get("default") in (None, "", []) else " (default: %(default)s)"
         kw["help"] = (kw.get("help", "") + shown + f" [env {env_name}]").strip()
         self.parser.add_argument(flag, **kw)

@@ -362,7 +362,6 @@ def test_a_duration_that_is_not_finite_is_refused_by_the_parser_and_the_settings
     (["up"], {"PDSERVE_API_KEY": ""}, "pdserve up: --api-key: a key must not be empty"),
     (["gateway"], {"PDSERVE_API_KEY": ""}, "pdserve gateway: --api-key: a key must not be empty"),
     (["gateway"], {"PDSERVE_API_KEY": "k1,"}, "pdserve gateway: --api-key: a key must not be empty"),
-    (["up", "--api-key", "k1"], {"PDSERVE_API_KEY": ""}, "pdserve up: --api-key: a key must not be empty"),
     (["up", "--api-key-file", ""], {}, "pdserve up: --api-key-file: must not be empty"),
     (["gateway"], {"PDSERVE_API_KEY_FILE": ""}, "pdserve gateway: --api-key-file: must not be empty"),
 ])
@@ -408,6 +407,21 @@ def test_an_empty_api_key_in_the_environment_concerns_only_the_roles_that_read_i
         GatewaySettings(api_keys=("k1", ""), insecure_control_plane=True)
     # no variable: no key, as before
     assert settings_from_args(build_parser(OPEN).parse_args(["gateway"])).api_keys == ()  # type: ignore[union-attr]
+
+
+def test_api_keys_on_the_command_line_replace_those_of_the_environment() -> None:
+    """Every flag's command-line value wins over ``PDSERVE_<FLAG>``; the repeatable ``--api-key`` added the
+    two instead (``PDSERVE_API_KEY=a pdserve gateway --api-key b`` accepted ``a`` too)."""
+    env = {"PDSERVE_API_KEY": "a1,a2", **OPEN}
+    keys = settings_from_args(build_parser(env).parse_args(["gateway", "--api-key", "b", "--api-key", "c"]))
+    assert isinstance(keys, GatewaySettings) and keys.api_keys == ("b", "c")
+    from_env = settings_from_args(build_parser(env).parse_args(["gateway"]))
+    assert isinstance(from_env, GatewaySettings) and from_env.api_keys == ("a1", "a2")
+    up = settings_from_args(build_parser(env).parse_args(["up", "--api-key", "b"]))
+    assert "b" in str(up) and "a1" not in str(up)
+    empty_env = {"PDSERVE_API_KEY": "", **OPEN}  # an empty variable is replaced too, not an error
+    given = settings_from_args(build_parser(empty_env).parse_args(["gateway", "--api-key", "k1"]))
+    assert isinstance(given, GatewaySettings) and given.api_keys == ("k1",)
 
 
 def test_the_kubernetes_placeholder_api_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
