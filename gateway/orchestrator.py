@@ -11,9 +11,12 @@ protocol/messages.py.
      send on its own); disaggregated and not already finished: ``DecodeRequest`` → D (DECODING)
   4. ``NextToken`` from D (or C) → one output token each.
   5. The end: ``finish`` (called by the stream, gateway/stream.py, with the finish reason of the last
-     delta: a worker's eos/stop/length, ``max_tokens`` reached here, or a stop string)  (FINISHED);
-     ``RequestFinished`` ends it the same way. A worker's abort or ``--request-timeout`` raise
-     ``GenerationFailed``                                                              (FAILED)
+     delta: the worker's ``stop`` / ``length``, or a stop string)  (FINISHED). The worker's reason comes
+     with a ``FirstToken`` that ends the request or in the ``RequestFinished`` after the last
+     ``NextToken``; at ``max_tokens`` too, the gateway waits for it (the engine checks stop and eos tokens
+     before the length, so an eos that is the ``max_tokens``-th token is ``stop``). A worker failed or
+     lost once every token is counted ends the request with ``length``, unrecovered. A worker's abort
+     or ``--request-timeout`` raise ``GenerationFailed``                               (FAILED)
   6. ``release`` (always, by whoever submitted): ``AbortRequest`` to every worker still holding state,
      TTFT/ITL/TPOT/E2E metrics if FINISHED.
 
@@ -37,8 +40,8 @@ The request fails (``GenerationFailed``) when recovery is not allowed (502) or n
 it (503); a timeout fails it with 504.
 
 Holding rules: a worker holds a request from the message sent to it until it says it is done
-(``RequestFinished`` / ``RequestFailed``; P after ``FirstToken``), it is lost, or the request reaches
-``max_tokens`` (workers stop there too: no abort needed). A stop string ends the request early and its
+(``RequestFinished`` / ``RequestFailed``; P after ``FirstToken``; a ``FirstToken`` with ``length``), or
+it is lost (workers stop at ``max_tokens`` too: no abort needed). A stop string ends the request early and its
 holders get ``AbortRequest``. A message for a released or unknown request is answered with
 ``AbortRequest`` (``RequestFinished`` / ``RequestFailed`` need no answer). Tokens are counted here (at
 most ``max_tokens``; their arrival times feed the metrics); the text is made by the stream.
@@ -290,6 +293,11 @@ class Orchestrator:
                 raise GenerationFailed(msg.error, 400,
                                        req.inp.structured_param or "structured_output",
                                        "structured_output_failed")
+            elif isinstance(msg, (RequestFailed, WorkerLost)) and self._all_counted(req):
+                # every token is in, only the worker's verdict on the last one is missing: nothing to
+                # recover, and with no "stop" from the worker the request was cut at max_tokens
+                self._drop_holder(req, msg.worker_id)
+                return TokenOutput(None, None, "length")
             elif isinstance(msg, RequestFailed):
                 why = f"worker {msg.worker_id} failed: {msg.error}"
                 await self._recover(req, msg.worker_id, "failed", why)
@@ -452,14 +460,20 @@ class Orchestrator:
     @staticmethod
     def _count(req: GatewayRequest, token_id: int, logprob: float | None, top: list[TopLogprob] | None,
                worker_reason: FinishReason | None) -> TokenOutput:
-        """Count one output token (its arrival time); ``length`` once ``max_tokens`` are counted, else the
-        worker's finish reason."""
+        """Count one output token (its arrival time) with the worker's finish reason, if the token came
+        with one. The ``max_tokens``-th token ends the request, but its reason is the worker's, which checks
+        stop and eos tokens before the length: ``stop`` when that token is a stop token, else ``length``.
+        A ``NextToken`` carries no reason: the worker's ``RequestFinished`` that follows it brings it."""
         req.token_times.append(time.monotonic())
         req.output_ids.append(token_id)
         entry = None if logprob is None else TokenLogprob(
             token_id, logprob, () if top is None else tuple((t.token_id, t.logprob) for t in top))
-        reason = "length" if len(req.token_times) >= req.inp.sampling.max_tokens else worker_reason
-        return TokenOutput(token_id, entry, reason)
+        return TokenOutput(token_id, entry, worker_reason)
+
+    @staticmethod
+    def _all_counted(req: GatewayRequest) -> bool:
+        """``max_tokens`` output tokens are counted: the request ends with the next worker message."""
+        return len(req.output_ids) >= req.inp.sampling.max_tokens
 
     @staticmethod
     def has_message(req: GatewayRequest) -> bool:

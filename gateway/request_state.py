@@ -92,7 +92,7 @@ class TokenLogprob:
 class TokenOutput:
     """What a request produced next: one counted output token (``token_id``; ``logprob`` when the worker
     sent one), or the end without a token (``token_id`` None, from ``RequestFinished``). ``finish_reason``
-    is set when the workers or ``max_tokens`` end the request with it (a stop string may end it earlier)."""
+    is set when the workers end the request with it (a stop string may end it earlier)."""
 
     token_id: int | None
     logprob: TokenLogprob | None

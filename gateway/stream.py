@@ -3,8 +3,8 @@ detokenizer, with the stop strings, into ``Delta``s.
 
 A stop string ends the request with ``finish_reason="stop"`` (the orchestrator's ``finish``; holders
 still running are aborted when the caller releases it); otherwise the finish reason is the one the
-orchestrator reports (the worker's, or ``length`` at ``max_tokens``). The last delta carries the finish
-reason and the detokenizer's held-back text.
+orchestrator reports (the worker's: ``length`` only when ``max_tokens`` cut the output). The last delta
+carries the finish reason and the detokenizer's held-back text.
 
 With stop strings, a token's logprob goes out with the first delta that releases some of its text (the
 detokenizer holds back a tail that could begin a stop string); a token whose text lies wholly in the stop

@@ -107,8 +107,11 @@ async def test_disaggregated_to_max_tokens_needs_no_abort(setup) -> None:
     await to_decoding(orch, rec, req)
     for tok in (8, 9):
         await orch.on_worker_message(b"d1", NextToken(request_id="r", worker_id="d1", token_id=tok))
-    assert [(o.token_id, o.finish_reason) for o in [await orch.next_output(req) for _ in range(2)]] == [
-        (8, None), (9, "length")]
+    await orch.on_worker_message(b"d1", RequestFinished(request_id="r", worker_id="d1",
+                                                        finish_reason="length", num_prompt_tokens=5,
+                                                        num_output_tokens=3))
+    assert [(o.token_id, o.finish_reason) for o in [await orch.next_output(req) for _ in range(3)]] == [
+        (8, None), (9, None), (None, "length")]  # the reason of the max_tokens-th token is the worker's
     orch.finish(req, "length")
     assert req.phase is RequestPhase.FINISHED and req.holders == {}  # d1 stops at max_tokens by itself
     orch.release(req)
@@ -151,6 +154,63 @@ async def test_stop_string_aborts_the_decode_worker(setup) -> None:
     [(_, abort)] = rec.sent
     assert rec.take() == [(b"d1", "AbortRequest")]
     assert isinstance(abort, AbortRequest) and abort.stop_string  # d1 counts it finished (stop)
+    assert_clean(orch, registry)
+
+
+async def test_an_eos_that_is_the_max_tokens_th_token_is_a_stop(setup) -> None:
+    orch, rec, registry, _ = setup
+    req = await orch.submit(generation())  # max_tokens 3
+    await to_decoding(orch, rec, req)
+    await orch.on_worker_message(b"d1", NextToken(request_id="r", worker_id="d1", token_id=8))
+    await orch.on_worker_message(b"d1", NextToken(request_id="r", worker_id="d1", token_id=2))  # an eos
+    await orch.on_worker_message(b"d1", RequestFinished(request_id="r", worker_id="d1", finish_reason="stop",
+                                                        num_prompt_tokens=5, num_output_tokens=3))
+    outs = [await orch.next_output(req) for _ in range(3)]
+    assert [(o.token_id, o.finish_reason) for o in outs] == [(8, None), (2, None), (None, "stop")]
+    assert req.holders == {}  # d1 said it is done
+    orch.finish(req, "stop")
+    orch.release(req)
+    await asyncio.sleep(0)
+    assert rec.take() == [] and len(req.token_times) == 3
+    assert_clean(orch, registry)
+
+
+@pytest.mark.parametrize("reason", ["stop", "length"])
+async def test_max_tokens_one_takes_the_workers_reason(setup, reason: str) -> None:
+    orch, rec, registry, _ = setup
+    req = await orch.submit(generation(max_tokens=1))
+    rec.take()
+    await orch.on_worker_message(b"p1", FirstToken(request_id="r", worker_id="p1", token_id=2,
+                                                    finish_reason=reason))  # type: ignore[arg-type]
+    out = await orch.next_output(req)
+    assert (out.token_id, out.finish_reason) == (2, reason)
+    orch.finish(req, out.finish_reason)
+    orch.release(req)
+    await asyncio.sleep(0)
+    assert rec.take() == []
+    assert_clean(orch, registry)
+
+
+@pytest.mark.parametrize("failure", ["failed", "lost"])
+async def test_a_worker_gone_after_the_last_token_ends_the_request_at_length(setup, failure: str) -> None:
+    orch, rec, registry, _ = setup
+    req = await orch.submit(generation())  # max_tokens 3
+    await to_decoding(orch, rec, req)
+    for tok in (8, 9):
+        await orch.on_worker_message(b"d1", NextToken(request_id="r", worker_id="d1", token_id=tok))
+    if failure == "failed":
+        await orch.on_worker_message(b"d1", RequestFailed(request_id="r", worker_id="d1", error="boom"))
+    else:
+        entry = registry.remove("d1")
+        assert entry is not None
+        orch.worker_lost(entry, "gone")
+    outs = [await orch.next_output(req) for _ in range(3)]
+    assert [(o.token_id, o.finish_reason) for o in outs] == [(8, None), (9, None), (None, "length")]
+    assert req.migrations == 0 and req.holders == {}  # every token is in: nothing to migrate
+    orch.finish(req, "length")
+    orch.release(req)
+    await asyncio.sleep(0.01)
+    assert [name for _, name in rec.take()] == ([] if failure == "failed" else ["AbortRequest"])
     assert_clean(orch, registry)
 
 
