@@ -79,9 +79,10 @@ class ChatMessage(BaseModel):
     An assistant message may carry ``tool_calls`` (its content may then be null) and
     ``reasoning_content`` (its reasoning, as a response returned it: given to the chat template, which
     may render or drop it, e.g. Qwen3's keeps only the latest turn's); a ``tool`` message is
-    the result of one call and carries its ``tool_call_id``. The keys an assistant message of a response
-    carries back into the history (``function_call``, ``refusal``, ``audio``, ``annotations``) are accepted
-    only empty (null or ``[]``). Any other key is refused.
+    the result of one call and carries its ``tool_call_id``. ``name`` goes to the chat template, and is
+    refused where the template does not render it (gateway/prepare.py). The keys an assistant message of
+    a response carries back into the history (``function_call``, ``refusal``, ``audio``, ``annotations``)
+    are accepted only empty (null or ``[]``). Any other key is refused.
 
     Raises (validation, a 400 naming the message): content null outside an assistant message with tool
     calls, ``tool_calls`` or ``reasoning_content`` on another role, a ``tool`` message without

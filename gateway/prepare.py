@@ -159,16 +159,33 @@ def render_messages(text: TextProcessor, messages: list[dict[str, Any]], kwargs:
     holds tool calls or tool results. A ``developer`` message is rendered as a ``system`` one when the
     template never names ``'developer'`` as a quoted string (it would otherwise be a turn of a role the
     model does not know, beside the template's default system prompt); a template that knows the role
-    gets it as is.
+    gets it as is. A message's ``name`` goes to the template, which is honoured only where the template
+    uses it: when removing the names of every message of one role leaves the prompt unchanged, the first
+    such name is refused (the template renders none of them).
 
     Raises:
         APIError: 400 naming ``chat_template_kwargs`` when it sets a reserved variable
-            (``RESERVED_TEMPLATE_VARS``), or ``messages`` when the template fails or there is none.
+            (``RESERVED_TEMPLATE_VARS``), ``messages`` when the template fails or there is none, or
+            ``messages.<i>.name`` (``unsupported_parameter``) for a name the template does not render.
     """
     kwargs = kwargs or {}
     reserved = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
+    rendered = _render(text, messages, kwargs, add_generation_prompt, tools)
+    for role in dict.fromkeys(m["role"] for m in messages if "name" in m):  # each role once, in order
+        unnamed = [{k: v for k, v in m.items() if k != "name"} if m["role"] == role else m for m in messages]
+        if _render(text, unnamed, kwargs, add_generation_prompt, tools) == rendered:
+            i = next(i for i, m in enumerate(messages) if m["role"] == role and "name" in m)
+            raise bad_request(f"messages.{i}.name is not supported by this model: its chat template does "
+                              f"not use the name of a {role} message", f"messages.{i}.name",
+                              "unsupported_parameter")
+    return rendered
+
+
+def _render(text: TextProcessor, messages: list[dict[str, Any]], kwargs: dict[str, Any],
+            add_generation_prompt: bool, tools: list[dict[str, Any]] | None) -> str:
+    """``render_messages`` without its checks."""
     if not _DEVELOPER_ROLE.search(text.chat_template or ""):  # OpenAI: developer messages are system messages
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     if not template_renders_tools(text.chat_template):

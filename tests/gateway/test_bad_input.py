@@ -121,6 +121,10 @@ JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]), 400,
      "messages.0"),
     ("tool-message-without-id", CHAT, chat(messages=[{"role": "tool", "content": "x"}]), 400, "messages.0"),
+    ("message-name-not-in-template", CHAT, chat(messages=[{"role": "user", "name": "bob", "content": "hi"}]),
+     400, "messages.0.name"),  # SmolLM2's chat template never reads a message's name
+    ("tokenize-message-name", "/tokenize", {"messages": [{"role": "user", "name": "bob", "content": "hi"}]},
+     400, "messages.0.name"),
     ("message-content-null", CHAT, chat(messages=[{"role": "user", "content": None}]), 400, "messages.0"),
     ("unknown-stream_options-key", CHAT, chat(stream=True, stream_options={"include_usage": True, "x": 1}),
      400, "stream_options.x"),
