@@ -259,6 +259,10 @@ def _max_tokens(svc: GatewayService, body: Body, n_prompt: int) -> int:
                           "context_length_exceeded")
     asked = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        if asked is not None and asked != body.max_completion_tokens:
+            raise bad_request(f"max_tokens ({asked}) and max_completion_tokens "
+                              f"({body.max_completion_tokens}) differ: give one of them (max_tokens is the "
+                              "older name of max_completion_tokens)", "max_tokens")
         asked = body.max_completion_tokens
     wanted = asked if asked is not None else limit - n_prompt
     if wanted == 0 and isinstance(body, CompletionRequest):  # echo only (_check_completion): one token

@@ -59,11 +59,15 @@ def test_eos_counted_ignore_eos_and_max_completion_tokens(live: SystemPair, quad
     forced = quad("chat", max_tokens=14, temperature=0, extra_body={"ignore_eos": True})
     assert forced.usage == (n, 14, n + 14) and forced.choices[0].finish_reason == "length"
     assert forced.choices[0].text.startswith(c.text)
-    # max_completion_tokens wins over max_tokens: cut at 3 tokens, well before the eos above
+    # max_completion_tokens cuts at 3 tokens, well before the eos above (with max_tokens: the same value)
     assert len(c.logprobs) > 3, "control: the greedy answer must run past 3 tokens"
-    out = quad("chat", max_tokens=9, max_completion_tokens=3, temperature=0, logprobs=True, top_logprobs=0)
+    out = quad("chat", max_tokens=3, max_completion_tokens=3, temperature=0, logprobs=True, top_logprobs=0)
     assert out.usage is not None and out.usage[1] == 3 and out.choices[0].finish_reason == "length"
     assert out.choices[0].logprobs == c.logprobs[:3]
+    # the eos as the max_tokens-th token is still a stop: the worker checks eos before the length
+    at_eos = quad("chat", max_tokens=len(c.logprobs), temperature=0)
+    assert at_eos.choices[0].finish_reason == "stop" and at_eos.usage == plain.usage
+    assert at_eos.choices[0].text == c.text
     leak_check(live)
 
 

@@ -78,6 +78,8 @@ JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("max_tokens-over-context", CHAT, chat(max_tokens=127), 400, "max_tokens"),
     ("max_tokens-string", CHAT, chat(max_tokens="many"), 400, "max_tokens"),
     ("max_completion_tokens-zero", CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    ("max_tokens-and-max_completion_tokens-differ", CHAT, chat(max_tokens=5, max_completion_tokens=3), 400,
+     "max_tokens"),
     ("n-zero", CHAT, chat(n=0), 400, "n"),
     ("n-over-cap", CHAT, chat(n=5), 400, "n"),
     ("n-huge", CHAT, chat(n=10**20), 400, "n"),

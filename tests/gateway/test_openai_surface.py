@@ -179,7 +179,7 @@ def test_batched_prompts_in_index_order(pd: Cluster, proc: TextProcessor, reply_
 
 def test_max_completion_tokens_and_extras_reach_workers(pd: Cluster) -> None:
     r = pd.client().chat.completions.create(
-        model="fake-model", messages=MSGS, max_tokens=9, max_completion_tokens=3, user="u-1",  # type: ignore[arg-type]
+        model="fake-model", messages=MSGS, max_tokens=3, max_completion_tokens=3, user="u-1",  # type: ignore[arg-type]
         extra_body={"ignore_eos": True, "min_p": 0.25, "top_k": 7, "repetition_penalty": 1.5},
         extra_headers={"X-Request-Id": "extras"})
     assert r.usage is not None and r.usage.completion_tokens == 3
