@@ -13,9 +13,10 @@ protocol/messages.py.
   5. The end: ``finish`` (called by the stream, gateway/stream.py, with the finish reason of the last
      delta: the worker's ``stop`` / ``length``, or a stop string)  (FINISHED). The worker's reason comes
      with a ``FirstToken`` that ends the request or in the ``RequestFinished`` after the last
-     ``NextToken``; at ``max_tokens`` too, the gateway waits for it (the engine checks stop and eos tokens
-     before the length, so an eos that is the ``max_tokens``-th token is ``stop``). A worker failed or
-     lost once every token is counted ends the request with ``length``, unrecovered. A worker's abort
+     ``NextToken``; the ``max_tokens``-th ``NextToken`` waits for it and goes out with it (the engine
+     checks stop and eos tokens before the length, so an eos that is the ``max_tokens``-th token is
+     ``stop``). A worker failed or lost once every token is counted ends the request with ``length``,
+     unrecovered. A worker's abort
      or ``--request-timeout`` raise ``GenerationFailed``                               (FAILED)
   6. ``release`` (always, by whoever submitted): ``AbortRequest`` to every worker still holding state,
      TTFT/ITL/TPOT/E2E metrics if FINISHED.
@@ -259,18 +260,27 @@ class Orchestrator:
                 ``--request-timeout`` passed.
         """
         deadline = req.arrival + self.request_timeout
+        last: TokenOutput | None = None  # the max_tokens-th token, waiting for the worker's verdict on it
         while True:
             msg = await self._next_message(req, deadline)
             if msg.request_id != req.request_id:
                 continue  # an earlier attempt's message, queued before it was given up
             if isinstance(msg, NextToken):
-                return self._count(req, msg.token_id, msg.logprob, msg.top_logprobs, None)
+                out = self._count(req, msg.token_id, msg.logprob, msg.top_logprobs, None)
+                if not self._all_counted(req):
+                    return out
+                last = out  # its RequestFinished follows (in the same frame): stop or length
+                continue
             if isinstance(msg, FirstToken):
                 if req.num_cached_tokens is None:  # a migrated attempt's prompt is not the client's
                     req.num_cached_tokens = msg.num_cached_tokens
                     req.prompt_logprobs = msg.prompt_logprobs
                 await self._on_first_token(req, msg)
-                return self._count(req, msg.token_id, msg.logprob, msg.top_logprobs, msg.finish_reason)
+                out = self._count(req, msg.token_id, msg.logprob, msg.top_logprobs, msg.finish_reason)
+                if out.finish_reason is None and self._all_counted(req):
+                    # not from a pdserve worker: a first token that ends the request says why
+                    return replace(out, finish_reason="length")
+                return out
             if isinstance(msg, KVReserved):
                 prefill = req.route.prefill
                 assert prefill is not None
@@ -282,7 +292,7 @@ class Orchestrator:
                     sampling=att.sampling, kv_handle=msg.kv_handle, decode_worker_id=msg.worker_id))
             elif isinstance(msg, RequestFinished):
                 self._drop_holder(req, msg.worker_id)
-                return TokenOutput(None, None, msg.finish_reason)
+                return self._ended(last, msg.finish_reason)
             elif isinstance(msg, RequestFailed) and msg.kind == "structured_output":
                 # the request's own grammar rejected the model's token: any worker would fail it alike
                 self._drop_holder(req, msg.worker_id)
@@ -297,7 +307,7 @@ class Orchestrator:
                 # every token is in, only the worker's verdict on the last one is missing: nothing to
                 # recover, and with no "stop" from the worker the request was cut at max_tokens
                 self._drop_holder(req, msg.worker_id)
-                return TokenOutput(None, None, "length")
+                return self._ended(last, "length")
             elif isinstance(msg, RequestFailed):
                 why = f"worker {msg.worker_id} failed: {msg.error}"
                 await self._recover(req, msg.worker_id, "failed", why)
@@ -460,15 +470,22 @@ class Orchestrator:
     @staticmethod
     def _count(req: GatewayRequest, token_id: int, logprob: float | None, top: list[TopLogprob] | None,
                worker_reason: FinishReason | None) -> TokenOutput:
-        """Count one output token (its arrival time) with the worker's finish reason, if the token came
-        with one. The ``max_tokens``-th token ends the request, but its reason is the worker's, which checks
+        """Count one output token (its arrival time) with ``worker_reason``, the finish reason it comes
+        with. The ``max_tokens``-th token ends the request, but its reason is the worker's, which checks
         stop and eos tokens before the length: ``stop`` when that token is a stop token, else ``length``.
-        A ``NextToken`` carries no reason: the worker's ``RequestFinished`` that follows it brings it."""
+        A ``NextToken`` carries no reason: the worker's ``RequestFinished`` that follows it brings it
+        (``next_output`` waits for it before returning that token)."""
         req.token_times.append(time.monotonic())
         req.output_ids.append(token_id)
         entry = None if logprob is None else TokenLogprob(
             token_id, logprob, () if top is None else tuple((t.token_id, t.logprob) for t in top))
         return TokenOutput(token_id, entry, worker_reason)
+
+    @staticmethod
+    def _ended(last: TokenOutput | None, reason: FinishReason) -> TokenOutput:
+        """The end with ``reason``: on ``last`` (the ``max_tokens``-th token, when it waited for the
+        worker's verdict), else an end without a token."""
+        return TokenOutput(None, None, reason) if last is None else replace(last, finish_reason=reason)
 
     @staticmethod
     def _all_counted(req: GatewayRequest) -> bool:

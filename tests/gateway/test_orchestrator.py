@@ -110,8 +110,8 @@ async def test_disaggregated_to_max_tokens_needs_no_abort(setup) -> None:
     await orch.on_worker_message(b"d1", RequestFinished(request_id="r", worker_id="d1",
                                                         finish_reason="length", num_prompt_tokens=5,
                                                         num_output_tokens=3))
-    assert [(o.token_id, o.finish_reason) for o in [await orch.next_output(req) for _ in range(3)]] == [
-        (8, None), (9, None), (None, "length")]  # the reason of the max_tokens-th token is the worker's
+    assert [(o.token_id, o.finish_reason) for o in [await orch.next_output(req) for _ in range(2)]] == [
+        (8, None), (9, "length")]  # the reason of the max_tokens-th token is the worker's
     orch.finish(req, "length")
     assert req.phase is RequestPhase.FINISHED and req.holders == {}  # d1 stops at max_tokens by itself
     orch.release(req)
@@ -165,8 +165,8 @@ async def test_an_eos_that_is_the_max_tokens_th_token_is_a_stop(setup) -> None:
     await orch.on_worker_message(b"d1", NextToken(request_id="r", worker_id="d1", token_id=2))  # an eos
     await orch.on_worker_message(b"d1", RequestFinished(request_id="r", worker_id="d1", finish_reason="stop",
                                                         num_prompt_tokens=5, num_output_tokens=3))
-    outs = [await orch.next_output(req) for _ in range(3)]
-    assert [(o.token_id, o.finish_reason) for o in outs] == [(8, None), (2, None), (None, "stop")]
+    outs = [await orch.next_output(req) for _ in range(2)]
+    assert [(o.token_id, o.finish_reason) for o in outs] == [(8, None), (2, "stop")]
     assert req.holders == {}  # d1 said it is done
     orch.finish(req, "stop")
     orch.release(req)
@@ -175,15 +175,16 @@ async def test_an_eos_that_is_the_max_tokens_th_token_is_a_stop(setup) -> None:
     assert_clean(orch, registry)
 
 
-@pytest.mark.parametrize("reason", ["stop", "length"])
-async def test_max_tokens_one_takes_the_workers_reason(setup, reason: str) -> None:
+@pytest.mark.parametrize(("reason", "want"), [("stop", "stop"), ("length", "length"),
+                                              (None, "length")])  # None: no pdserve worker sends it
+async def test_max_tokens_one_takes_the_workers_reason(setup, reason: str | None, want: str) -> None:
     orch, rec, registry, _ = setup
     req = await orch.submit(generation(max_tokens=1))
     rec.take()
     await orch.on_worker_message(b"p1", FirstToken(request_id="r", worker_id="p1", token_id=2,
                                                     finish_reason=reason))  # type: ignore[arg-type]
     out = await orch.next_output(req)
-    assert (out.token_id, out.finish_reason) == (2, reason)
+    assert (out.token_id, out.finish_reason) == (2, want)
     orch.finish(req, out.finish_reason)
     orch.release(req)
     await asyncio.sleep(0)
@@ -204,8 +205,8 @@ async def test_a_worker_gone_after_the_last_token_ends_the_request_at_length(set
         entry = registry.remove("d1")
         assert entry is not None
         orch.worker_lost(entry, "gone")
-    outs = [await orch.next_output(req) for _ in range(3)]
-    assert [(o.token_id, o.finish_reason) for o in outs] == [(8, None), (9, None), (None, "length")]
+    outs = [await orch.next_output(req) for _ in range(2)]
+    assert [(o.token_id, o.finish_reason) for o in outs] == [(8, None), (9, "length")]
     assert req.migrations == 0 and req.holders == {}  # every token is in: nothing to migrate
     orch.finish(req, "length")
     orch.release(req)
