@@ -12,8 +12,12 @@ the model in gateway/tool_request.py; ``response_format`` and ``structured_outpu
 in gateway/structured_output.py.
 ``user``, ``safety_identifier``, ``metadata`` and ``store: false`` are accepted and ignored by design
 (end-user ids for abuse monitoring, and tags of stored completions, which pdserve never stores).
-Integers are bounded so that every accepted value fits the msgpack wire (int64) and floats must be
-finite (no NaN/Infinity): a bad value is a 400, never a 5xx.
+Types are strict (``strict=True``), as OpenAI's JSON Schema checks are: an integer field takes a JSON
+integer only (not ``"3"``, ``3.0`` or ``true``), a boolean a JSON boolean (not ``"true"`` or ``1``), a number
+field a JSON integer or number (not ``"1"``), a string a JSON string; a 400 names the field, the type
+expected and the JSON type sent (gateway/validation_message.py). ``logit_bias`` keys are token ids
+written as JSON object keys (strings). Integers are bounded so that every accepted value fits the
+msgpack wire (int64) and floats must be finite (no NaN/Infinity): a bad value is a 400, never a 5xx.
 Caps that depend on the deployment (``--max-n``, ``--max-stop``, the vocabulary, the context length) are
 checked later, in ``gateway/prepare.py``, which also maps a body into the engine's ``SamplingParams``
 (the one type the workers receive).
@@ -23,9 +27,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from engine.sampling_params import MAX_LOGPROBS
 
@@ -40,7 +44,7 @@ FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with usage and empty ``choices``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     include_usage: bool = False
 
@@ -48,7 +52,7 @@ class StreamOptions(BaseModel):
 class ContentPart(BaseModel):
     """One text part of a message's content (only ``type: text`` is supported)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["text"]
     text: str
@@ -57,7 +61,7 @@ class ContentPart(BaseModel):
 class ToolCallFunction(BaseModel):
     """The function of a tool call in an assistant message: name and arguments (a JSON text)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     name: str
     arguments: str
@@ -66,7 +70,7 @@ class ToolCallFunction(BaseModel):
 class MessageToolCall(BaseModel):
     """One tool call of an assistant message sent back with the history."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     id: str
     type: Literal["function"] = "function"
@@ -89,7 +93,7 @@ class ChatMessage(BaseModel):
     ``tool_call_id``, ``tool_call_id`` on another role.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
@@ -160,7 +164,7 @@ class FunctionDefinition(BaseModel):
     one's arguments to ``parameters``: gateway/tool_grammar.py; false or absent: not strict; ``required``
     and a named choice constrain every tool's arguments regardless; README "Tools")."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
@@ -171,7 +175,7 @@ class FunctionDefinition(BaseModel):
 class FunctionTool(BaseModel):
     """One entry of ``tools`` (only ``type: function``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["function"]
     function: FunctionDefinition
@@ -180,7 +184,7 @@ class FunctionTool(BaseModel):
 class NamedFunction(BaseModel):
     """The function a named ``tool_choice`` forces."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     name: str
 
@@ -188,7 +192,7 @@ class NamedFunction(BaseModel):
 class NamedToolChoice(BaseModel):
     """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["function"]
     function: NamedFunction
@@ -202,7 +206,7 @@ class JSONSchemaFormat(BaseModel):
     most 64, OpenAI's rule for a function's name), ``description``, ``schema`` and ``strict`` (pdserve
     always enforces the schema, strict or not)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
@@ -213,7 +217,7 @@ class JSONSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """``response_format``: ``text``, ``json_object`` or ``json_schema`` (with ``json_schema`` set)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
@@ -222,7 +226,7 @@ class ResponseFormat(BaseModel):
 class StructuredOutputsParams(BaseModel):
     """vLLM's ``structured_outputs``: exactly one constraint."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     json_object: bool | None = None
@@ -243,7 +247,7 @@ class GenerationRequestBase(BaseModel):
     ``unsupported_fields`` unless harmless.
     """
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     model: str
     n: int = Field(1, ge=1, le=INT32_MAX)
@@ -261,7 +265,7 @@ class GenerationRequestBase(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: list[int] | None = None
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[Annotated[int, Strict(False)], float] | None = None  # JSON keys are strings: "17"
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     user: str | None = None
@@ -371,7 +375,7 @@ class TokenizeRequest(BaseModel):
     them). ``model`` is optional; when given it must be the served one. ``return_token_strs`` adds each
     token's vocabulary string."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
@@ -391,7 +395,7 @@ class DetokenizeRequest(BaseModel):
     """POST /detokenize body (vLLM's shape): ``tokens`` (ids in the vocabulary) → their text, special
     tokens kept. ``model`` is optional; when given it must be the served one."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)

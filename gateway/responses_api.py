@@ -43,7 +43,7 @@ class InputText(BaseModel):
     response's message item holds it: ``annotations`` and ``logprobs`` are accepted and not used, since
     they describe the text rather than ask for anything)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["input_text", "output_text"]
     text: str
@@ -54,7 +54,7 @@ class InputText(BaseModel):
 class InputMessage(BaseModel):
     """A message item of ``input``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
@@ -66,7 +66,7 @@ class InputMessage(BaseModel):
 class FunctionCallItem(BaseModel):
     """A ``function_call`` item of ``input``: an earlier tool call of the model."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["function_call"]
     call_id: str
@@ -79,7 +79,7 @@ class FunctionCallItem(BaseModel):
 class ReasoningPart(BaseModel):
     """A ``reasoning_text`` part (``content``) or ``summary_text`` part (``summary``) of a reasoning item."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["reasoning_text", "summary_text"]
     text: str
@@ -91,7 +91,7 @@ class ReasoningInputItem(BaseModel):
     turn that follows it. ``encrypted_content`` (never produced by pdserve) is refused by
     ``check_supported``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["reasoning"]
     summary: list[ReasoningPart] = Field(default_factory=list)
@@ -108,7 +108,7 @@ class ReasoningInputItem(BaseModel):
 class OutputTextPart(BaseModel):
     """An ``input_text`` part of a ``function_call_output``'s ``output``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["input_text"]
     text: str
@@ -118,7 +118,7 @@ class OutputMediaPart(BaseModel):
     """An ``input_image`` / ``input_file`` part of a ``function_call_output``'s ``output``: declared only
     to be refused by name (``check_supported``; pdserve serves text models)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     type: Literal["input_image", "input_file"]
 
@@ -127,7 +127,7 @@ class FunctionCallOutputItem(BaseModel):
     """A ``function_call_output`` item of ``input``: the result of the call ``call_id``, a string or a
     list of content parts (``input_text`` parts' texts joined; image and file parts refused)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["function_call_output"]
     call_id: str
@@ -146,7 +146,7 @@ class ResponsesFunctionTool(FunctionDefinition):
 class ResponsesToolChoiceFunction(BaseModel):
     """``tool_choice: {"type": "function", "name": ...}``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["function"]
     name: str
@@ -157,7 +157,7 @@ class TextFormat(BaseModel):
     ``strict``, ``description``, flat in it; ``name`` as chat's ``response_format.json_schema.name``:
     letters, digits, ``_`` and ``-``, at most 64)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(None, pattern=FUNCTION_NAME)
@@ -183,7 +183,7 @@ class TextFormat(BaseModel):
 class TextConfig(BaseModel):
     """``text``: its ``format``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     format: TextFormat | None = None
 
@@ -192,7 +192,7 @@ class ReasoningConfig(BaseModel):
     """``reasoning``: ``summary`` (``auto``/``detailed``: the reasoning text as the summary; ``concise``
     a 400), ``effort`` (a 400 unless null), ``generate_summary`` (its deprecated name: as ``summary``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -207,7 +207,7 @@ class ReasoningConfig(BaseModel):
 class ResponsesStreamOptions(BaseModel):
     """``stream_options``: ``include_obfuscation`` (pdserve pads no events: false or absent)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     include_obfuscation: bool | None = None
 
@@ -247,7 +247,7 @@ InputItem = Annotated[
 class ResponsesRequest(BaseModel):
     """POST /v1/responses body (stateless subset; module docstring)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     model: str
     input: str | list[InputItem]

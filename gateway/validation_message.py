@@ -2,7 +2,8 @@
 the client sent (``messages.0.content.0.type``), never one of the segments pydantic adds to a location
 for the member of a union it tried (``str``, ``list[ContentPart]``, ``literal['none','auto']``, a model's
 class name, a tagged union's tag, ``[key]`` of a dict key), and the message lists the errors under that
-field (each bad ``logit_bias`` key, at most ``MAX_LISTED``) with their paths the same way.
+field (each bad ``logit_bias`` key, at most ``MAX_LISTED``) with their paths the same way. A type error
+(strict types: nothing is coerced) says the type expected and the JSON type sent.
 
 Of the union members pydantic tried, the error named is the deepest one under the first error's field
 (e.g. an image part in ``content``: ``messages.0.content.0.type``, not ``messages.0.content``, the
@@ -47,6 +48,37 @@ def client_path(loc: Sequence[Any], body: Any = _NO_BODY, missing: bool = False)
     return out
 
 
+# pydantic's type errors (strict types: no coercion) → the JSON type the field takes
+_EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+             "string_type": "a string", "list_type": "an array", "dict_type": "an object",
+             "model_type": "an object", "model_attributes_type": "an object"}
+
+
+def json_kind(value: Any) -> str:
+    """``value``'s JSON type as a 400 names it, with the value when it is a scalar (a string cut at 40
+    characters): ``a string ('3')``, ``a boolean (true)``, ``an array``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({'true' if value else 'false'})"
+    if isinstance(value, int):
+        return f"an integer ({value})"
+    if isinstance(value, float):
+        return f"a number ({value!r})"
+    if isinstance(value, str):
+        return f"a string ({value[:40]!r}{'...' if len(value) > 40 else ''})"
+    return "an array" if isinstance(value, list) else "an object" if isinstance(value, dict) else "a value"
+
+
+def _wording(error: Any) -> str:
+    """One error's text: a type error says the type expected and the JSON type sent (``must be an
+    integer, got a string ('3')``); any other is pydantic's message."""
+    expected = _EXPECTED.get(error.get("type", ""))
+    if expected is not None and "input" in error:
+        return f"must be {expected}, got {json_kind(error['input'])}"
+    return str(error.get("msg", "invalid value"))
+
+
 def _paths(errors: Sequence[Any], body: Any) -> list[Path]:
     return [client_path([x for x in e.get("loc", ())], body, e.get("type") == "missing") for e in errors]
 
@@ -75,7 +107,7 @@ def validation_error(errors: Sequence[Any], body: Any = _NO_BODY,
         if (where and p[:1] != where[:1]) or (len(p) < len(where) and where[:len(p)] == p):
             continue  # another field, or a shallower union member's error than the one named
         name = rename(".".join(str(x) for x in p)) if p else "body"
-        line = f"{name}: {errors[i].get('msg', 'invalid value')}"
+        line = f"{name}: {_wording(errors[i])}"
         if line not in listed:
             listed.append(line)
     return bad_request("; ".join(listed[:MAX_LISTED]), param)

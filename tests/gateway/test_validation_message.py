@@ -14,7 +14,12 @@ from starlette.requests import Request
 
 from gateway.app import _validation_error
 from gateway.errors import APIError
-from gateway.openai_requests import ChatCompletionRequest
+from gateway.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from gateway.responses_api import ResponsesRequest
 from gateway.responses_serving import prepare_response
 from gateway.validation_message import MAX_LISTED
@@ -93,3 +98,47 @@ def test_responses_chat_side_error_names_the_responses_field() -> None:
         prepare_response(None, ResponsesRequest.model_validate({"model": "m", "input": []}), "r1")  # type: ignore[arg-type]
     assert info.value.param == "input" and info.value.message.startswith("input: "), info.value.message
     assert "messages" not in info.value.message
+
+
+@pytest.mark.parametrize(("model", "fields", "param", "message"), [
+    (ChatCompletionRequest, {"max_tokens": "3"}, "max_tokens", "must be an integer, got a string ('3')"),
+    (ChatCompletionRequest, {"n": 2.0}, "n", "must be an integer, got a number (2.0)"),
+    (ChatCompletionRequest, {"seed": True}, "seed", "must be an integer, got a boolean (true)"),
+    (ChatCompletionRequest, {"stream": "true"}, "stream", "must be a boolean, got a string ('true')"),
+    (ChatCompletionRequest, {"logprobs": 1}, "logprobs", "must be a boolean, got an integer (1)"),
+    (ChatCompletionRequest, {"temperature": "0.5"}, "temperature", "must be a number, got a string ('0.5')"),
+    (ChatCompletionRequest, {"top_p": False}, "top_p", "must be a number, got a boolean (false)"),
+    (ChatCompletionRequest, {"stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage", "must be a boolean, got a string ('yes')"),
+    (ChatCompletionRequest, {"stop_token_ids": ["2"]}, "stop_token_ids.0",
+     "must be an integer, got a string"),
+    (ChatCompletionRequest, {"logit_bias": {"17": "1"}}, "logit_bias.17", "must be a number, got a string"),
+    (ChatCompletionRequest, {"user": 5}, "user", "must be a string, got an integer (5)"),
+    (CompletionRequest, {"logprobs": True}, "logprobs", "must be an integer, got a boolean (true)"),
+    (CompletionRequest, {"echo": "false"}, "echo", "must be a boolean, got a string ('false')"),
+    (CompletionRequest, {"max_tokens": "16"}, "max_tokens", "must be an integer, got a string ('16')"),
+    (ResponsesRequest, {"max_output_tokens": "3"}, "max_output_tokens", "must be an integer, got a string"),
+    (ResponsesRequest, {"stream": 1}, "stream", "must be a boolean, got an integer (1)"),
+    (TokenizeRequest, {"add_special_tokens": "yes"}, "add_special_tokens", "must be a boolean, got a string"),
+    (DetokenizeRequest, {"tokens": [1, "2"]}, "tokens.1", "must be an integer, got a string ('2')"),
+])
+def test_types_are_strict_and_the_400_says_which_type(model: type[pydantic.BaseModel],
+                                                      fields: dict[str, object], param: str,
+                                                      message: str) -> None:
+    """Nothing is coerced (OpenAI's JSON Schema checks refuse ``"3"`` for an integer too)."""
+    base: dict[str, object] = {ChatCompletionRequest: {"model": "m", "messages": HI},
+                               CompletionRequest: {"model": "m", "prompt": "x"},
+                               ResponsesRequest: {"model": "m", "input": "x"},
+                               TokenizeRequest: {"prompt": "x"}, DetokenizeRequest: {}}[model]
+    error = _answer({**base, **fields}, model)
+    assert error["param"] == param and f"{param}: {message}" in error["message"], error
+
+
+def test_numbers_take_json_integers_and_logit_bias_keys_are_strings() -> None:
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": HI, "temperature": 1, "top_p": 1,
+                                                 "presence_penalty": -1, "logit_bias": {"17": 100}})
+    assert (body.temperature, body.top_p, body.presence_penalty) == (1.0, 1.0, -1.0)
+    assert body.logit_bias == {17: 100.0}
+    resp = ResponsesRequest.model_validate({"model": "m", "input": "x", "temperature": 0})
+    assert resp.temperature == 0.0
+
