@@ -26,10 +26,11 @@ checked later, in ``gateway/prepare.py``, which also maps a body into the engine
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import MAX_LOGPROBS
 
@@ -41,6 +42,31 @@ MESSAGE_NOT_SUPPORTED = ("function_call", "refusal", "audio", "annotations")
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 
 
+# the error types of ``check_type``: gateway/validation_message.py names such an error alone, first
+UNSUPPORTED_TYPE, UNKNOWN_TYPE = "unsupported_parameter", "unknown_type"
+TEXT_MODELS = "pdserve serves text models (send the content as text)"
+# content part types of OpenAI's chat messages that pdserve cannot honour, and why
+CHAT_PARTS_NOT_SUPPORTED = {"image_url": TEXT_MODELS, "input_audio": TEXT_MODELS, "file": TEXT_MODELS,
+                            "refusal": "send the assistant's text as 'text' parts"}
+
+
+def check_type(value: Any, allowed: tuple[str, ...], what: str, not_supported: Mapping[str, str],
+               otherwise: str | None = None) -> Any:
+    """``value`` (the ``type`` of an item: a content part, a tool) when it is one of ``allowed`` (or no
+    string: the field's own type check answers); else a validation error of that ``type`` key in one
+    sentence, which the 400 names alone (the item's other keys' errors follow from its type): code
+    ``unsupported_parameter`` for an OpenAI type pdserve cannot honour (``not_supported``: type → why;
+    ``otherwise``: why, for every other type), ``unknown_type`` for any other value."""
+    if not isinstance(value, str) or value in allowed:
+        return value
+    why = not_supported.get(value, otherwise)
+    if why is not None:
+        raise PydanticCustomError(UNSUPPORTED_TYPE, "'{kind}' {what} are not supported: {why}",
+                                  {"kind": value, "what": what, "why": why})
+    raise PydanticCustomError(UNKNOWN_TYPE, "type must be {allowed}, not '{kind}'",
+                              {"kind": value, "allowed": " or ".join(map(repr, allowed))})
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with usage and empty ``choices``."""
 
@@ -50,12 +76,18 @@ class StreamOptions(BaseModel):
 
 
 class ContentPart(BaseModel):
-    """One text part of a message's content (only ``type: text`` is supported)."""
+    """One text part of a message's content (only ``type: text`` is supported: an image, audio, file or
+    refusal part is a 400 ``unsupported_parameter`` naming its ``type``)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["text"]
     text: str
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        return check_type(value, ("text",), "content parts", CHAT_PARTS_NOT_SUPPORTED)
 
 
 class ToolCallFunction(BaseModel):
@@ -173,12 +205,18 @@ class FunctionDefinition(BaseModel):
 
 
 class FunctionTool(BaseModel):
-    """One entry of ``tools`` (only ``type: function``)."""
+    """One entry of ``tools`` (only ``type: function``; any other, e.g. ``custom``, is a 400
+    ``unsupported_parameter`` naming ``tools.<i>.type``)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["function"]
     function: FunctionDefinition
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _functions_only(cls, value: Any) -> Any:
+        return check_type(value, ("function",), "tools", {}, "pdserve supports only function tools")
 
 
 class NamedFunction(BaseModel):

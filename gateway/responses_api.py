@@ -21,8 +21,10 @@ chat template as the next assistant turn's ``reasoning_content``): every item of
 provider's abuse monitoring), as is ``service_tier`` ``auto`` / ``default`` (any other tier is a 400,
 as on chat). ``max_tool_calls`` limits calls to OpenAI's built-in tools; pdserve has none (function
 calls are not counted by it, on OpenAI either), so any value is met. ``background: true``,
-``conversation``, ``prompt``, ``prompt_cache_key``, ``prompt_cache_retention``, ``context_management``
-and ``stream_options.include_obfuscation: true`` are 400s naming the field (``UNSUPPORTED``).
+``conversation``, ``prompt``, ``prompt_cache_key``, ``prompt_cache_retention``, ``context_management``,
+``stream_options.include_obfuscation: true`` and ``text.verbosity`` are 400s naming the field
+(``UNSUPPORTED``). A tool other than a function tool (OpenAI's built-in tools) and an image, file or
+audio part of a message are 400s naming their ``type`` (``openai_requests.check_type``).
 
 The ``response`` object and its streaming events: gateway/responses_output.py.
 """
@@ -32,10 +34,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from gateway.errors import bad_request
-from gateway.openai_requests import FUNCTION_NAME, INT32_MAX, FunctionDefinition
+from gateway.openai_requests import FUNCTION_NAME, INT32_MAX, TEXT_MODELS, FunctionDefinition, check_type
+
+# content part types of OpenAI's Responses input messages that pdserve cannot honour, and why
+PARTS_NOT_SUPPORTED = {"input_image": TEXT_MODELS, "input_file": TEXT_MODELS, "input_audio": TEXT_MODELS,
+                       "refusal": "send the assistant's text as 'output_text' parts"}
 
 
 class InputText(BaseModel):
@@ -49,6 +55,11 @@ class InputText(BaseModel):
     text: str
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        return check_type(value, ("input_text", "output_text"), "content parts", PARTS_NOT_SUPPORTED)
 
 
 class InputMessage(BaseModel):
@@ -138,9 +149,15 @@ class FunctionCallOutputItem(BaseModel):
 
 class ResponsesFunctionTool(FunctionDefinition):
     """A function tool of the Responses API (flat: ``type``, ``name``, ``description``,
-    ``parameters``, ``strict``)."""
+    ``parameters``, ``strict``). Any other tool type (OpenAI's built-in tools: ``web_search``,
+    ``file_search``, ...) is a 400 ``unsupported_parameter`` naming ``tools.<i>.type``."""
 
     type: Literal["function"]
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _functions_only(cls, value: Any) -> Any:
+        return check_type(value, ("function",), "tools", {}, "pdserve supports only function tools")
 
 
 class ResponsesToolChoiceFunction(BaseModel):
@@ -181,11 +198,12 @@ class TextFormat(BaseModel):
 
 
 class TextConfig(BaseModel):
-    """``text``: its ``format``."""
+    """``text``: its ``format``; ``verbosity`` is declared only to be refused by name (``UNSUPPORTED``)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     format: TextFormat | None = None
+    verbosity: Any = None
 
 
 class ReasoningConfig(BaseModel):
@@ -226,6 +244,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "service_tier": (lambda v: v is None or v in ("auto", "default"),
                      "pdserve has one service tier ('auto' or 'default')"),
     "stream_options.include_obfuscation": (lambda v: not v, "pdserve pads no streaming events"),
+    "text.verbosity": (lambda v: v is None, "pdserve cannot set a model's verbosity"),
 }
 
 

@@ -3,7 +3,9 @@ the client sent (``messages.0.content.0.type``), never one of the segments pydan
 for the member of a union it tried (``str``, ``list[ContentPart]``, ``literal['none','auto']``, a model's
 class name, a tagged union's tag, ``[key]`` of a dict key), and the message lists the errors under that
 field (each bad ``logit_bias`` key, at most ``MAX_LISTED``) with their paths the same way. A type error
-(strict types: nothing is coerced) says the type expected and the JSON type sent.
+(strict types: nothing is coerced) says the type expected and the JSON type sent. An item whose
+``type`` pdserve does not take (an image part, a built-in tool: ``openai_requests.check_type``) is named
+alone, at its ``type``, in one sentence: its other keys' errors only follow from that type.
 
 Of the union members pydantic tried, the error named is the deepest one under the first error's field
 (e.g. an image part in ``content``: ``messages.0.content.0.type``, not ``messages.0.content``, the
@@ -17,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.errors import APIError, bad_request
+from gateway.openai_requests import UNKNOWN_TYPE, UNSUPPORTED_TYPE
 
 MAX_LISTED = 8  # validation errors of one field listed in a 400's message
 _NO_BODY = object()
@@ -48,6 +51,7 @@ def client_path(loc: Sequence[Any], body: Any = _NO_BODY, missing: bool = False)
     return out
 
 
+_TYPE_TAG_ERRORS = (UNSUPPORTED_TYPE, UNKNOWN_TYPE)  # an item's ``type`` it does not take (check_type)
 # pydantic's type errors (strict types: no coercion) → the JSON type the field takes
 _EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
              "string_type": "a string", "list_type": "an array", "dict_type": "an object",
@@ -91,6 +95,12 @@ def validation_error(errors: Sequence[Any], body: Any = _NO_BODY,
     if not errors:
         return bad_request("invalid request")
     paths = _paths(errors, body)
+    tagged = next((i for i, e in enumerate(errors) if e.get("type") in _TYPE_TAG_ERRORS), None)
+    if tagged is not None:  # an item of a type pdserve does not take: its other keys' errors follow from it
+        where = paths[tagged]
+        param = rename(".".join(str(x) for x in where)) if where else None
+        code = UNSUPPORTED_TYPE if errors[tagged]["type"] == UNSUPPORTED_TYPE else None
+        return bad_request(f"{param}: {errors[tagged].get('msg')}", param, code)
     root = paths[0]
     under = [i for i, p in enumerate(paths) if p[:len(root)] == root]
     chosen = max(under, key=lambda i: (len(paths[i]), -i))

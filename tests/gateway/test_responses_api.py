@@ -191,6 +191,7 @@ def test_reasoning_summary_is_the_reasoning_text() -> None:
     ({"service_tier": "flex"}, "service_tier"),
     ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
     ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),  # an OpenAI field: not an unknown one
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(fields: dict[str, object], param: str) -> None:
     body = ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})

@@ -142,3 +142,43 @@ def test_numbers_take_json_integers_and_logit_bias_keys_are_strings() -> None:
     resp = ResponsesRequest.model_validate({"model": "m", "input": "x", "temperature": 0})
     assert resp.temperature == 0.0
 
+
+CHAT_PART = "messages.0.content.0.type"
+
+
+@pytest.mark.parametrize(("model", "fields", "param", "code", "message"), [
+    (ResponsesRequest, {"tools": [{"type": "web_search"}]}, "tools.0.type", "unsupported_parameter",
+     "tools.0.type: 'web_search' tools are not supported: pdserve supports only function tools"),
+    (ResponsesRequest, {"tools": [{"type": "function", "name": "f"}, {"type": "file_search",
+                                                                    "vector_store_ids": ["v"]}]},
+     "tools.1.type", "unsupported_parameter",
+     "tools.1.type: 'file_search' tools are not supported: pdserve supports only function tools"),
+    (ChatCompletionRequest, {"tools": [{"type": "custom", "custom": {"name": "c"}}]}, "tools.0.type",
+     "unsupported_parameter", "tools.0.type: 'custom' tools are not supported: pdserve supports only "
+                              "function tools"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]}, CHAT_PART,
+     "unsupported_parameter",
+     f"{CHAT_PART}: 'image_url' content parts are not supported: pdserve serves text models (send the "
+     "content as text)"),
+    (ChatCompletionRequest, {"messages": [{"role": "assistant", "content": [
+        {"type": "refusal", "refusal": "no"}]}]}, CHAT_PART, "unsupported_parameter",
+     f"{CHAT_PART}: 'refusal' content parts are not supported: send the assistant's text as 'text' parts"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "foo"}]}]}, CHAT_PART, None,
+     f"{CHAT_PART}: type must be 'text', not 'foo'"),
+    (ResponsesRequest, {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input.0.content.0.type", "unsupported_parameter",
+     "input.0.content.0.type: 'input_image' content parts are not supported: pdserve serves text models "
+     "(send the content as text)"),
+    (ResponsesRequest, {"input": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]},
+     "input.0.content.0.type", None, "input.0.content.0.type: type must be 'input_text' or 'output_text', "
+                                    "not 'text'"),
+])
+def test_an_item_of_a_type_not_taken_is_one_sentence_naming_its_type(
+        model: type[pydantic.BaseModel], fields: dict[str, object], param: str, code: str | None,
+        message: str) -> None:
+    """Named alone: not beside the errors of the item's other keys (a union dump), which follow from its
+    type."""
+    base = {"model": "m", "input": "x"} if model is ResponsesRequest else {"model": "m", "messages": HI}
+    error = _answer({**base, **fields}, model)
+    assert (error["param"], error["code"], error["message"]) == (param, code, message), error
