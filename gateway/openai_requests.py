@@ -67,6 +67,30 @@ def check_type(value: Any, allowed: tuple[str, ...], what: str, not_supported: M
                               {"kind": value, "allowed": " or ".join(map(repr, allowed))})
 
 
+# OpenAI's limits of ``metadata``: pairs, characters of a key, characters of a value
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """``metadata`` within OpenAI's limits (``MAX_METADATA_*``), else a validation error of the field
+    (a 400 naming ``metadata``) saying which limit."""
+    if value is None:
+        return None
+    limits = (f"at most {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY} characters and "
+              f"string values of at most {MAX_METADATA_VALUE}")
+    if len(value) > MAX_METADATA_PAIRS:
+        raise PydanticCustomError("metadata", "{limits}: {n} pairs given",
+                                  {"limits": limits, "n": len(value)})
+    for key, text in value.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise PydanticCustomError("metadata", "{limits}: key '{key}...' has {n} characters",
+                                      {"limits": limits, "key": key[:20], "n": len(key)})
+        if len(text) > MAX_METADATA_VALUE:
+            raise PydanticCustomError("metadata", "{limits}: the value of key '{key}' has {n} characters",
+                                      {"limits": limits, "key": key, "n": len(text)})
+    return value
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with usage and empty ``choices``."""
 
@@ -280,9 +304,9 @@ class GenerationRequestBase(BaseModel):
     ``seed`` is an int64; choice ``i`` of ``n`` samples with ``seed + i`` (wrapped into int64), so a
     seeded request is reproducible choice by choice. ``logit_bias`` maps token ids (JSON object keys) to
     an additive bias in [-100, 100] on the logits (ids checked against the vocabulary in prepare.py).
-    ``user``, ``safety_identifier``, ``metadata`` and ``store: false`` are accepted and ignored by design
-    (``store: true`` is refused in prepare.py); the ``NOT_SUPPORTED`` fields are refused by
-    ``unsupported_fields`` unless harmless.
+    ``user``, ``safety_identifier``, ``metadata`` (within OpenAI's limits: ``check_metadata``) and
+    ``store: false`` are accepted and ignored by design (``store: true`` is refused in prepare.py); the
+    ``NOT_SUPPORTED`` fields are refused by ``unsupported_fields`` unless harmless.
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -308,11 +332,16 @@ class GenerationRequestBase(BaseModel):
     structured_outputs: StructuredOutputsParams | None = None
     user: str | None = None
     safety_identifier: str | None = None
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[str, str] | None = None
     store: bool | None = None
     # OpenAI fields not implemented yet: declared only to be refused by name (unsupported_fields)
     service_tier: Any = None
     prompt_cache_key: Any = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(value)
 
     def stop_list(self) -> list[str]:
         """``stop`` as a list (OpenAI accepts a string or a list)."""

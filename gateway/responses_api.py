@@ -37,7 +37,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from gateway.errors import bad_request
-from gateway.openai_requests import FUNCTION_NAME, INT32_MAX, TEXT_MODELS, FunctionDefinition, check_type
+from gateway.openai_requests import (
+    FUNCTION_NAME,
+    INT32_MAX,
+    TEXT_MODELS,
+    FunctionDefinition,
+    check_metadata,
+    check_type,
+)
 
 # content part types of OpenAI's Responses input messages that pdserve cannot honour, and why
 PARTS_NOT_SUPPORTED = {"input_image": TEXT_MODELS, "input_file": TEXT_MODELS, "input_audio": TEXT_MODELS,
@@ -281,7 +288,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[str, str] | None = None
     user: str | None = None
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -298,6 +305,11 @@ class ResponsesRequest(BaseModel):
     prompt_cache_retention: Any = None
     prompt: Any = None
     context_management: Any = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(value)
 
     @property
     def wants_logprobs(self) -> bool:

@@ -182,3 +182,25 @@ def test_an_item_of_a_type_not_taken_is_one_sentence_naming_its_type(
     base = {"model": "m", "input": "x"} if model is ResponsesRequest else {"model": "m", "messages": HI}
     error = _answer({**base, **fields}, model)
     assert (error["param"], error["code"], error["message"]) == (param, code, message), error
+
+
+BASES: dict[type[pydantic.BaseModel], dict[str, object]] = {
+    ChatCompletionRequest: {"model": "m", "messages": HI}, CompletionRequest: {"model": "m", "prompt": "x"},
+    ResponsesRequest: {"model": "m", "input": "x"}}
+
+
+@pytest.mark.parametrize("model", list(BASES))
+@pytest.mark.parametrize(("metadata", "why"), [
+    ({str(i): "v" for i in range(17)}, "17 pairs given"),
+    ({"k" * 65: "v"}, "key 'kkkkkkkkkkkkkkkkkkkk...' has 65 characters"),
+    ({"k": "v" * 513}, "the value of key 'k' has 513 characters"),
+])
+def test_metadata_is_held_to_openais_limits(model: type[pydantic.BaseModel], metadata: dict[str, str],
+                                            why: str) -> None:
+    """Accepted and ignored, but only within OpenAI's limits (16 pairs, keys <= 64, values <= 512)."""
+    error = _answer({**BASES[model], "metadata": metadata}, model)
+    assert error["param"] == "metadata" and error["message"] == (
+        "metadata: at most 16 pairs, keys of at most 64 characters and string values of at most 512: "
+        f"{why}"), error
+    at_limits = {"k" * 64: "v" * 512, **{str(i): "v" for i in range(15)}}
+    assert model.model_validate({**BASES[model], "metadata": at_limits}).metadata == at_limits  # type: ignore[attr-defined]
