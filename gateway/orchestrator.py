@@ -16,8 +16,7 @@ protocol/messages.py.
      ``NextToken``; the ``max_tokens``-th ``NextToken`` waits for it and goes out with it (the engine
      checks stop and eos tokens before the length, so an eos that is the ``max_tokens``-th token is
      ``stop``). A worker failed or lost once every token is counted ends the request with ``length``,
-     unrecovered. A worker's abort
-     or ``--request-timeout`` raise ``GenerationFailed``                               (FAILED)
+     unrecovered. A worker's abort or ``--request-timeout`` raise ``GenerationFailed``    (FAILED)
   6. ``release`` (always, by whoever submitted): ``AbortRequest`` to every worker still holding state,
      TTFT/ITL/TPOT/E2E metrics if FINISHED.
 
@@ -41,9 +40,9 @@ The request fails (``GenerationFailed``) when recovery is not allowed (502) or n
 it (503); a timeout fails it with 504.
 
 Holding rules: a worker holds a request from the message sent to it until it says it is done
-(``RequestFinished`` / ``RequestFailed``; P after ``FirstToken``; a ``FirstToken`` with ``length``), or
-it is lost (workers stop at ``max_tokens`` too: no abort needed). A stop string ends the request early and its
-holders get ``AbortRequest``. A message for a released or unknown request is answered with
+(``RequestFinished`` / ``RequestFailed``; P after ``FirstToken``), it is lost, or the request ends with
+``length`` (workers stop at ``max_tokens`` too: no abort needed). A stop string ends the request early
+and its holders get ``AbortRequest``. A message for a released or unknown request is answered with
 ``AbortRequest`` (``RequestFinished`` / ``RequestFailed`` need no answer). Tokens are counted here (at
 most ``max_tokens``; their arrival times feed the metrics); the text is made by the stream.
 """

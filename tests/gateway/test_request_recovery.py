@@ -26,6 +26,7 @@ from protocol.messages import (
     PrefillRequest,
     RegisterWorker,
     RequestFailed,
+    RequestFinished,
     ReserveKV,
 )
 from tests.gateway.test_orchestrator import COMPAT, Recorder, assert_clean
@@ -55,7 +56,8 @@ def counter(metrics: GatewayMetrics, name: str, cause: str) -> float:
 
 async def serve_from(orch: Orchestrator, rec: Recorder, req: GatewayRequest, decode: str, pos: int,
                      max_tokens: int) -> list[int]:
-    """Play a healthy ``decode`` + p1 from output position ``pos`` to ``max_tokens``; the tokens counted."""
+    """Play a healthy ``decode`` + p1 from output position ``pos`` to ``max_tokens`` (ending, as a worker
+    does, with ``RequestFinished``); the tokens counted."""
     sent = dict((type(m).__name__, m) for _, m in rec.sent)
     rid = req.request_id
     assert isinstance(sent["ReserveKV"], ReserveKV) and sent["ReserveKV"].request_id == rid
@@ -64,6 +66,9 @@ async def serve_from(orch: Orchestrator, rec: Recorder, req: GatewayRequest, dec
     await orch.on_worker_message(b"p1", FirstToken(request_id=rid, worker_id="p1", token_id=REPLY[pos]))
     for tok in REPLY[pos + 1:max_tokens]:
         await orch.on_worker_message(wid, NextToken(request_id=rid, worker_id=decode, token_id=tok))
+    end = RequestFinished(request_id=rid, worker_id=decode, finish_reason="length",
+                          num_prompt_tokens=len(PROMPT) + pos, num_output_tokens=max_tokens - pos)
+    await orch.on_worker_message(wid, end)
     out = []
     while True:
         o = await orch.next_output(req)
@@ -292,6 +297,9 @@ async def test_prefill_lost_while_the_decode_reserves_is_retried_at_once() -> No
     await orch.on_worker_message(b"d1", KVReserved(request_id=rid, worker_id="d1", kv_handle=b"kv"))
     await orch.on_worker_message(b"p2", FirstToken(request_id=rid, worker_id="p2", token_id=REPLY[0]))
     await orch.on_worker_message(b"d1", NextToken(request_id=rid, worker_id="d1", token_id=REPLY[1]))
+    await orch.on_worker_message(b"d1", RequestFinished(request_id=rid, worker_id="d1",
+                                                        finish_reason="length", num_prompt_tokens=len(PROMPT),
+                                                        num_output_tokens=2))
     first = await task
     second = await orch.next_output(req)
     assert (first.token_id, second.token_id, second.finish_reason) == (REPLY[0], REPLY[1], "length")
