@@ -303,9 +303,11 @@ class Orchestrator:
                                        req.inp.structured_param or "structured_output",
                                        "structured_output_failed")
             elif isinstance(msg, (RequestFailed, WorkerLost)) and self._all_counted(req):
-                # every token is in, only the worker's verdict on the last one is missing: nothing to
-                # recover, and with no "stop" from the worker the request was cut at max_tokens
                 self._drop_holder(req, msg.worker_id)
+                if msg.worker_id != self._producer(req):
+                    continue  # a prefill worker's late KV-send failure: the verdict is not its to give
+                # every token is in, only the producing worker's verdict on the last one is missing:
+                # nothing to recover, and with no "stop" from it the request was cut at max_tokens
                 return self._ended(last, "length")
             elif isinstance(msg, RequestFailed):
                 why = f"worker {msg.worker_id} failed: {msg.error}"
@@ -487,13 +489,23 @@ class Orchestrator:
         return TokenOutput(None, None, reason) if last is None else replace(last, finish_reason=reason)
 
     @staticmethod
+    def _producer(req: GatewayRequest) -> str | None:
+        """The id of the worker whose tokens the request counts now: its decode worker, else its
+        colocated one, else its prefill worker (a one-token request); None before routing."""
+        route = req.route
+        entry = route.decode or route.colocated or route.prefill
+        return None if entry is None else entry.worker_id
+
+    @staticmethod
     def _all_counted(req: GatewayRequest) -> bool:
         """``max_tokens`` output tokens are counted: the request ends with the next worker message."""
         return len(req.output_ids) >= req.inp.sampling.max_tokens
 
     @staticmethod
     def has_message(req: GatewayRequest) -> bool:
-        """True when a worker message for ``req`` is queued: ``next_output`` starts without waiting."""
+        """True when a worker message for ``req`` is queued: ``next_output`` starts without waiting (when
+        that message is the ``max_tokens``-th token it then waits for the worker's verdict, which a worker
+        sends in the same frame)."""
         return not req.inbox.empty()
 
     @staticmethod

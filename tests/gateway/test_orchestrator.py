@@ -215,6 +215,27 @@ async def test_a_worker_gone_after_the_last_token_ends_the_request_at_length(set
     assert_clean(orch, registry)
 
 
+async def test_a_prefill_workers_late_failure_does_not_decide_the_last_tokens_reason(setup) -> None:
+    """The prefill worker reports a failed KV send after its first token: once every token is counted that
+    is not the decode worker's verdict, whose RequestFinished (stop) still decides."""
+    orch, rec, registry, _ = setup
+    req = await orch.submit(generation())  # max_tokens 3
+    await to_decoding(orch, rec, req)
+    for tok in (8, 2):
+        await orch.on_worker_message(b"d1", NextToken(request_id="r", worker_id="d1", token_id=tok))
+    await orch.on_worker_message(b"p1", RequestFailed(request_id="r", worker_id="p1", error="KV send failed"))
+    await orch.on_worker_message(b"d1", RequestFinished(request_id="r", worker_id="d1", finish_reason="stop",
+                                                        num_prompt_tokens=5, num_output_tokens=3))
+    outs = [await orch.next_output(req) for _ in range(2)]
+    assert [(o.token_id, o.finish_reason) for o in outs] == [(8, None), (2, "stop")]
+    assert req.holders == {}
+    orch.finish(req, "stop")
+    orch.release(req)
+    await asyncio.sleep(0)
+    assert rec.take() == []
+    assert_clean(orch, registry)
+
+
 async def test_max_tokens_one_is_prefill_only(setup) -> None:
     orch, rec, registry, _ = setup
     req = await orch.submit(generation(max_tokens=1))
