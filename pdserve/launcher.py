@@ -332,12 +332,22 @@ def wait_ready(sup: Supervisor, url: str, timeout: float, stop: list[int],
     return f"not ready after {timeout:.0f} s"
 
 
-def example(url: str, model: str, needs_key: bool = False) -> str:
+def keys_from_env(keys: tuple[str, ...], env: Mapping[str, str]) -> bool:
+    """True when ``keys`` (the gateway's) begin with the first key of ``env``'s ``PDSERVE_API_KEY``, so
+    that ``$PDSERVE_API_KEY`` in a shell holding that environment is a valid bearer token (a one-key
+    variable; the command line's ``--api-key`` replaces the variable's keys)."""
+    first = env.get("PDSERVE_API_KEY", "").split(",")[0]
+    return bool(keys) and first == keys[0] and "," not in env.get("PDSERVE_API_KEY", "")
+
+
+def example(url: str, model: str, needs_key: bool = False, key_in_env: bool = False) -> str:
     """The curl command printed once the system is ready (``model``: the served name; ``needs_key``: the
-    gateway wants an API key, read from $PDSERVE_API_KEY in the command)."""
+    gateway wants an API key: ``$PDSERVE_API_KEY`` in the command when ``key_in_env`` (the keys came from
+    that variable, so the user's shell has it), else a placeholder naming ``--api-key``)."""
     body = json.dumps({"model": model, "max_tokens": 32, "temperature": 0,
                        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-    auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if needs_key else ""
+    token = "$PDSERVE_API_KEY" if key_in_env else "<a key given to --api-key>"
+    auth = f' -H "Authorization: Bearer {token}"' if needs_key else ""
     return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
@@ -419,7 +429,7 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     scrape = "  ".join(f"{name} http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
                        for name, args in children if "--metrics-port" in args)
     print(f"pdserve is ready at {url}  (OpenAI API under {url}/v1)\nWorker metrics: {scrape}\nTry:\n"
-          f"  {example(url, served, bool(keys))}", flush=True)
+          f"  {example(url, served, bool(keys), keys_from_env(keys, os.environ))}", flush=True)
     return supervise(sup, stop, RestartPolicy())
 
 

@@ -125,6 +125,9 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
         _check(all(key.strip() for key in self.api_keys), "api-key", EMPTY_API_KEY)
+        spaced = [key for key in self.api_keys if key != key.strip() or any(c.isspace() for c in key)]
+        _check(not spaced, "api-key", "a key must not hold whitespace (no Authorization header can carry "
+               f"it; PDSERVE_API_KEY takes 'k1,k2' without spaces), got {spaced[0]!r}" if spaced else "")
         _check(PLACEHOLDER_API_KEY not in self.api_keys, "api-key",
                f"{PLACEHOLDER_API_KEY} is the placeholder of deploy/k8s/base/secret.yaml, known to anyone: "
                "replace it with a key of your own")

@@ -419,6 +419,10 @@ def test_api_keys_on_the_command_line_replace_those_of_the_environment() -> None
     assert isinstance(from_env, GatewaySettings) and from_env.api_keys == ("a1", "a2")
     up = settings_from_args(build_parser(env).parse_args(["up", "--api-key", "b"]))
     assert "b" in str(up) and "a1" not in str(up)
+    with pytest.raises(ValueError, match=r"--api-key: a key must not hold whitespace .* got ' k2'"):
+        settings_from_args(build_parser({"PDSERVE_API_KEY": "k1, k2", **OPEN}).parse_args(["gateway"]))
+    with pytest.raises(ValueError, match=r"--api-key: a key must not hold whitespace .* got 'a b'"):
+        GatewaySettings(api_keys=("a b",), insecure_control_plane=True)
     empty_env = {"PDSERVE_API_KEY": "", **OPEN}  # an empty variable is replaced too, not an error
     given = settings_from_args(build_parser(empty_env).parse_args(["gateway", "--api-key", "k1"]))
     assert isinstance(given, GatewaySettings) and given.api_keys == ("k1",)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtransfer.curve import generate_keys
-from pdserve.launcher import example, plan, run_keys
+from pdserve.launcher import example, keys_from_env, plan, run_keys
 from pdserve.ports import free_port
 from pdserve.supervisor import Supervisor
 from protocol.settings import GatewaySettings, UpSettings, WorkerSettings
@@ -211,9 +211,20 @@ def test_example_request_is_valid_json_body() -> None:
     body = json.loads(words[words.index("-d") + 1])
     assert body["model"] == "smollm2-135m" and body["messages"][0]["role"] == "user"
     assert not any(w.startswith("Authorization") for w in words)
-    words = shlex.split(example("http://127.0.0.1:8000", "mymodel", needs_key=True))
+    words = shlex.split(example("http://127.0.0.1:8000", "mymodel", needs_key=True, key_in_env=True))
     assert json.loads(words[words.index("-d") + 1])["model"] == "mymodel"
     assert "Authorization: Bearer $PDSERVE_API_KEY" in words  # the shell expands it when run
+    # a key from --api-key: the user's shell has no such variable (or another key in it)
+    words = shlex.split(example("http://127.0.0.1:8000", "mymodel", needs_key=True))
+    assert "Authorization: Bearer <a key given to --api-key>" in words
+
+
+def test_the_example_names_the_variable_only_when_it_holds_the_key() -> None:
+    assert keys_from_env(("k1",), {"PDSERVE_API_KEY": "k1"})
+    assert not keys_from_env(("b",), {"PDSERVE_API_KEY": "a"})  # --api-key b replaced the variable's a
+    assert not keys_from_env(("b",), {})
+    assert not keys_from_env(("a", "b"), {"PDSERVE_API_KEY": "a,b"})  # "$PDSERVE_API_KEY" would be "a,b"
+    assert not keys_from_env((), {"PDSERVE_API_KEY": ""})
 
 
 def test_plan_places_one_worker_per_gpu_and_shares_when_short() -> None:
