@@ -120,13 +120,24 @@ def render(kdir: Path) -> list[Resource]:
     """Render the kustomization in directory ``kdir`` to a list of resources (dicts).
 
     Raises:
-        KustomizeError: missing kustomization.yaml or resource file, unsupported field, a patch that
+        KustomizeError: missing kustomization.yaml or resource file, a field of the wrong shape (not a
+            list of paths / of mappings), unsupported field, a patch that
             matches no resource, or ``labels`` with ``includeSelectors: true``.
     """
     kfile = kdir / "kustomization.yaml"
     if not kfile.is_file():
         raise KustomizeError(f"{kdir}: no kustomization.yaml")
     spec = yaml.safe_load(kfile.read_text()) or {}
+    if not isinstance(spec, dict):
+        raise KustomizeError(f"{kfile}: not a mapping of fields")
+    for field in ("resources", "patches", "labels", "images"):
+        items = spec.get(field, [])
+        want = str if field == "resources" else dict
+        if not isinstance(items, list) or not all(isinstance(x, want) for x in items):
+            raise KustomizeError(f"{kfile}: {field} must be a list of "
+                                 f"{'paths' if want is str else 'mappings'}, got {items!r}")
+    if not isinstance(spec.get("namespace", ""), str):
+        raise KustomizeError(f"{kfile}: namespace must be a string, got {spec['namespace']!r}")
     unknown = set(spec) - SUPPORTED_FIELDS
     if unknown:
         raise KustomizeError(f"{kfile}: unsupported fields {sorted(unknown)}")

@@ -108,10 +108,17 @@ def test_main_as_a_script(tmp_path: Path) -> None:
     (["{tmp}"], "kustomize_lite: error: {tmp} is not a directory with a kustomization.yaml", 2),
     (["{tmp}/bad"], "kustomize_lite: error: {tmp}/bad/kustomization.yaml: unsupported fields ['generators']",
      1),
+    (["{tmp}/int"], "kustomize_lite: error: {tmp}/int/kustomization.yaml: resources must be a list of paths, "
+     "got 5", 1),
+    (["{tmp}/list"], "kustomize_lite: error: {tmp}/list/kustomization.yaml: not a mapping of fields", 1),
+    (["{tmp}/patch"], "kustomize_lite: error: {tmp}/patch/kustomization.yaml: patches must be a list of "
+     "mappings, got ['p.yaml']", 1),
 ])
 def test_main_refuses_bad_arguments_in_one_line(args: list[str], line: str, code: int, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    _write(tmp_path, {"bad/kustomization.yaml": "resources: []\ngenerators: []\n"})
+    _write(tmp_path, {"bad/kustomization.yaml": "resources: []\ngenerators: []\n",
+                      "int/kustomization.yaml": "resources: 5\n", "list/kustomization.yaml": "- a\n",
+                      "patch/kustomization.yaml": "patches: [p.yaml]\n"})
     assert main([a.format(tmp=tmp_path) for a in args]) == code
     captured = capsys.readouterr()
     [got] = captured.err.splitlines()
