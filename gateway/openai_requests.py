@@ -26,6 +26,7 @@ checked later, in ``gateway/prepare.py``, which also maps a body into the engine
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
@@ -342,6 +343,18 @@ class GenerationRequestBase(BaseModel):
     @classmethod
     def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
         return check_metadata(value)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, value: Any) -> Any:
+        """A key is a token id written in decimal digits ("17", "-1" for the vocabulary check to refuse):
+        not "17.0", " 17 " or "1_7", which int() would read as 17 and fold into another key."""
+        if isinstance(value, dict):
+            bad = [k for k in value if not (isinstance(k, str) and re.fullmatch(r"-?[0-9]+", k))]
+            if bad:
+                raise PydanticCustomError("logit_bias", "keys must be token ids in decimal digits, got {key}",
+                                          {"key": repr(bad[0])})
+        return value
 
     def stop_list(self) -> list[str]:
         """``stop`` as a list (OpenAI accepts a string or a list)."""
