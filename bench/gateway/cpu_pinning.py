@@ -11,7 +11,9 @@ where the kernel tends to place interrupt work, stay with the load side); every 
 side's, shared by all its processes (the scheduler balances them). Each gateway process gets 2 CPUs (its
 event loop and zmq's I/O thread, which shares its process's set) when that leaves the load side at least
 half the CPUs (``4 * N <= CPUs``), else 1; ``cores_per_process`` (``--gateway-cores``) sets it instead (1:
-more CPUs left to a load side that would otherwise limit the largest N). The same plan serves every level of
+more CPUs left to a load side that would otherwise limit the largest N). On a host with SMT each gateway
+process gets a physical core of its own, its first 1 or 2 threads; with 1, the sibling thread idles
+(a load-side process beside it would share the core). The same plan serves every level of
 a run: at a smaller N the CPUs of the absent processes stay idle, so the load side has the same CPUs at
 every N and only the gateway's capacity changes. Fewer CPUs than N + 1 (one per gateway process and one for
 the load side) is refused: overlapping would measure the scheduler, not the gateway.
@@ -127,13 +129,24 @@ def assign_cores(cpus: Sequence[int], max_processes: int,
     core = dict(core_of or {})
     ordered = sorted(cpus, key=lambda c: (core.get(c, c), c))
     per = cores_per_process or (2 if 4 * max_processes <= len(ordered) else 1)
-    if per * max_processes >= len(ordered):
-        raise ValueError(f"--gateway-cores {per}: {max_processes} gateway processes x {per} leave no CPU of "
-                         f"{len(ordered)} for the clients and fake workers")
-    top = ordered[len(ordered) - per * max_processes:]
-    gateway = tuple(frozenset(top[i * per:(i + 1) * per]) for i in range(max_processes))
     smt = len({core.get(c, c) for c in cpus}) < len(cpus)
-    load = ordered[:len(ordered) - per * max_processes]
+    if smt:  # a physical core per gateway process, its first ``per`` threads; a sibling left over idles
+        groups: dict[int, list[int]] = {}
+        for c in ordered:
+            groups.setdefault(core.get(c, c), []).append(c)
+        physical = list(groups.values())
+        if max_processes >= len(physical):
+            raise ValueError(f"{FLAG}: {max_processes} gateway processes on physical cores of their own "
+                             f"leave none of {len(physical)} for the clients and fake workers")
+        gateway = tuple(frozenset(g[:per]) for g in physical[len(physical) - max_processes:])
+        load = [c for g in physical[:len(physical) - max_processes] for c in g]
+    else:
+        if per * max_processes >= len(ordered):
+            raise ValueError(f"--gateway-cores {per}: {max_processes} gateway processes x {per} leave no CPU "
+                             f"of {len(ordered)} for the clients and fake workers")
+        top = ordered[len(ordered) - per * max_processes:]
+        gateway = tuple(frozenset(top[i * per:(i + 1) * per]) for i in range(max_processes))
+        load = ordered[:len(ordered) - per * max_processes]
     probe_cpus: list[int] = []
     if probe:
         last = core.get(load[-1], load[-1])

@@ -66,6 +66,17 @@ def test_smt_siblings_stay_together() -> None:
     assert not assign_cores(list(range(16)), 4).smt
 
 
+def test_one_cpu_per_process_on_smt_takes_a_physical_core_and_idles_its_sibling() -> None:
+    """With one CPU each, two gateway processes were put on one physical core's two threads."""
+    core_of = {c: c // 2 for c in range(16)}  # siblings (0, 1), (2, 3), ...
+    plan = assign_cores(range(16), 4, core_of, probe=True, cores_per_process=1)
+    assert plan.gateway == (frozenset({8}), frozenset({10}), frozenset({12}), frozenset({14}))
+    assert plan.probe == frozenset({6, 7}) and plan.load == frozenset(range(6))
+    assert {9, 11, 13, 15}.isdisjoint(plan.load | plan.probe | plan.gateway_union)  # the siblings idle
+    with pytest.raises(ValueError, match="8 gateway processes on physical cores of their own leave none"):
+        assign_cores(range(16), 8, core_of, cores_per_process=1)
+
+
 def test_clock_probe_takes_the_load_sides_top_core() -> None:
     plan = assign_cores(list(range(16)), 4, probe=True)
     assert plan.gateway_union == frozenset(range(8, 16))
