@@ -5,7 +5,8 @@ message). ``ROUTER_MANDATORY`` makes a send to a vanished identity fail (EHOSTUN
 vanishing silently: the ROUTER forgets an identity as soon as its peer's connection is gone, so such a
 failure is definite. A send that would block (the peer's queue is full: a slow, not a dead, worker) is a
 different outcome. A socket monitor reports each dropped connection (``disconnects``); it does not say
-whose, so the caller probes its workers to find out.
+whose, so the caller probes its workers to find out. Only connections that completed a handshake count:
+the end of one refused (a peer without the fleet's keys, a port scan) was never a worker's.
 
 With ``keys`` the socket is a CURVE server (kvtransfer/curve.py): only clients holding the fleet's key
 pair complete a handshake; every refused one is counted in ``refusals`` (the ZAP handler's thread counts
@@ -29,6 +30,11 @@ from kvtransfer.curve import MONITOR_EVENTS, CurveKeys, FleetAuthenticator, Refu
 from protocol.messages import Message, decode, encode
 
 log = logging.getLogger(__name__)
+
+# every way a connection's handshake fails (the monitor reports one of them, then the connection's
+# DISCONNECTED): ZAP denials (an unknown key) too, which Refusals leaves to the ZAP handler
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class SendOutcome(Enum):
@@ -59,7 +65,10 @@ class ControlSocket:
             self.close()
             raise OSError(f"cannot bind control socket at {bind}: {exc}") from exc
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._monitor = self._sock.get_monitor_socket(MONITOR_EVENTS)
+        self._monitor = self._sock.get_monitor_socket(MONITOR_EVENTS | HANDSHAKE_FAILED)
+        # failed handshakes whose connection's DISCONNECTED has not come yet (the events do not name the
+        # connection, but each failure precedes its own DISCONNECTED)
+        self._failed_open = 0
         self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)  # the same socket, read
         # without asyncio when frames are already there
 
@@ -105,11 +114,13 @@ class ControlSocket:
         return SendOutcome.SENT
 
     async def disconnects(self) -> None:
-        """Wait for the next dropped connection (a socket monitor event), then read every event queued
-        by then: the drops since the last call coalesce into one return (a client refused over and over,
-        e.g. one without the fleet's keys reconnecting every 100 ms, costs the caller one probe round,
-        not one per attempt, and never backs the queue up), and the failed handshakes among them are
-        counted in ``refusals`` at once. Never returns after ``close``; cancel the waiting task instead."""
+        """Wait for the next dropped connection that had completed its handshake (a socket monitor
+        event), then read every event queued by then: the drops since the last call coalesce into one
+        return (a burst of worker connections lost costs the caller one probe round, not one per
+        connection, and never backs the queue up). A refused connection's end (a failed handshake, then
+        its DISCONNECTED: a client without the fleet's keys reconnecting every 100 ms) is no drop: it
+        never carried a worker, so it never returns; its failed handshake is counted in ``refusals`` at
+        once. Never returns after ``close``; cancel the waiting task instead."""
         if self._monitor is None:
             await asyncio.Event().wait()
         assert self._monitor is not None
@@ -118,12 +129,26 @@ class ControlSocket:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             while True:
                 self.refusals.on_monitor(event["event"], event["value"])
-                dropped = dropped or event["event"] == zmq.EVENT_DISCONNECTED
+                dropped = self._was_a_drop(event["event"]) or dropped
                 if not int(self._monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     break
                 event = parse_monitor_message(await self._monitor.recv_multipart())
             if dropped:
                 return
+
+    def _was_a_drop(self, event: int) -> bool:
+        """Take one monitor event; True for the DISCONNECTED of a connection whose handshake had not
+        failed. A DISCONNECTED is matched to a failed handshake still open first (when a worker's drop
+        and a refusal's end interleave, the drop is reported at the later of the two: still once)."""
+        if event & HANDSHAKE_FAILED:
+            self._failed_open += 1
+            return False
+        if not event & zmq.EVENT_DISCONNECTED:
+            return False
+        if self._failed_open:
+            self._failed_open -= 1
+            return False
+        return True
 
     def close(self) -> None:
         """Close the socket, its monitor, the ZAP handler and the context."""

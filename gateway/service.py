@@ -8,8 +8,9 @@ a gap in their numbers → ``KVSnapshotRequest``); per-request messages go to th
 (gateway/orchestrator.py), after counting as a sign of life of their worker; an ``OutputBatch`` (a
 worker phase's per-request messages in one frame) is applied message by message, in order. A worker
 silent for ``--heartbeat-timeout`` s is declared lost; so is, at once, a worker a send fails to reach
-(its connection is gone: ``SendOutcome.UNREACHABLE``), and each dropped connection makes the gateway
-probe every worker (``Probe``) to find whose it was. A send that only would block (a slow worker) drops
+(its connection is gone: ``SendOutcome.UNREACHABLE``), and each dropped connection that had completed
+its handshake (not a refused peer's) makes the gateway probe every worker (``Probe``) to find whose it
+was. A send that only would block (a slow worker) drops
 nobody. A lost worker is back when it registers again.
 """
 
