@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
@@ -15,6 +17,9 @@ _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _FUSED_OPS = ("auto", "on", "off")
 _QUANTIZATION = (None, "fp8")
 _KV_CACHE_DTYPES = ("auto", "fp8")
+CPU_KV_BYTES = 1 << 30  # the memory a KV cache on the CPU is sized from (x --kv-memory-fraction)
+# bytes per K/V element of the cache on the CPU by --dtype (auto: float32 there, engine.models.loader)
+_CPU_ELEMENT_BYTES = {"auto": 4, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def flash_attn_available() -> bool:
@@ -58,6 +63,46 @@ def kv_capacity_problem(max_model_len: int | None, num_blocks: int, block_size: 
             f"--max-model-len or {fix}")
 
 
+def kv_block_problem(block_size: int, max_model_len: int | None, config: Mapping[str, Any], device: str, *,
+                     dtype: str = "auto", kv_cache_dtype: str = "auto", memory_fraction: float = 0.9,
+                     num_blocks: int | None = None, tensor_parallel_size: int = 1) -> str | None:
+    """Why KV blocks of ``--block-size`` ``block_size`` tokens cannot serve the model of HF config
+    ``config`` (its ``config.json`` as a dict) on ``device`` (``cpu``, ``cuda``, ``cuda:N``), known
+    before any weight is read, or None. A block longer than the longest sequence (``max_model_len``, else
+    the config's ``max_position_embeddings``) could never be filled: a block holds one sequence's tokens.
+    On the CPU, with the block count sized from memory (``num_blocks`` None), one block must fit the
+    cache's budget, ``CPU_KV_BYTES`` x ``memory_fraction`` (``KVCachePool.fit_num_blocks``; on CUDA the
+    budget is the free memory at start, unknown here). A count the dict lacks is not checked. Shared by
+    ``pdserve up`` (before any process starts) and the workers (before loading weights); imports no
+    torch."""
+    limit = max_model_len or config.get("max_position_embeddings")
+    if isinstance(limit, int) and block_size > limit:
+        longest = (f"--max-model-len {limit}" if max_model_len
+                   else f"the model's max_position_embeddings ({limit})")
+        return (f"--block-size {block_size} exceeds {longest}: a KV block holds one sequence's tokens, so "
+                f"it could never be filled; use at most {limit}")
+    if device != "cpu" or num_blocks is not None:
+        return None
+    layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
+    hidden = config.get("hidden_size")
+    head_dim = config.get("head_dim")
+    if not head_dim and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        head_dim = hidden // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    if not all(isinstance(n, int) and n > 0 for n in (layers, kv_heads, head_dim)):
+        return None
+    assert isinstance(layers, int) and isinstance(kv_heads, int) and isinstance(head_dim, int)
+    element = 1 if kv_cache_dtype == "fp8" else _CPU_ELEMENT_BYTES.get(dtype, 4)
+    per_token = layers * 2 * max(kv_heads // max(1, tensor_parallel_size), 1) * head_dim * element
+    budget = int(CPU_KV_BYTES * memory_fraction)
+    if block_size * per_token <= budget:
+        return None
+    return (f"--block-size {block_size}: one KV block takes {block_size * per_token} bytes ({per_token} per "
+            f"token), more than the KV cache budget on the CPU, {budget} bytes (--kv-memory-fraction "
+            f"{memory_fraction:g} of {CPU_KV_BYTES >> 30} GiB); at most {budget // per_token} tokens per "
+            "block fit")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """KV cache shape and prefix caching.
@@ -75,7 +120,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
     memory_fraction: float = 0.9
-    cpu_kv_bytes: int = 1 << 30
+    cpu_kv_bytes: int = CPU_KV_BYTES
     enable_prefix_caching: bool = True
     host_kv_bytes: int = 0
     kv_cache_dtype: str = "auto"

@@ -80,16 +80,16 @@ def up_refusal(settings: UpSettings, model_config: Mapping[str, Any] | None = No
     """Why ``pdserve up`` cannot start with ``settings``, found before any child starts (one line naming the
     flag), or None: an HTTP address it cannot bind (``bind_problem``), a CUDA device that is not there
     (``device_problem``; counting the GPUs imports torch unless ``--device cpu``), a ``--tokenizer`` the
-    gateway could not use (``tokenizer_flag_problem``), a ``--max-model-len`` beyond the model's
-    ``max_position_embeddings`` in ``model_config`` (its ``config.json``; None: not checked) or beyond
-    its sliding window or LongRoPE's original context (``context_problem``), a model
-    ``--tensor-parallel-size`` ranks cannot split (``tensor_parallel_problem``), a ``--max-model-len`` beyond
-    the KV cache of an explicit ``--num-blocks`` (``kv_capacity_problem``), or an
-    ``--attention-backend`` the workers' device cannot run (``attention_backend_problem``)."""
+    gateway could not use (``tokenizer_flag_problem``), what the workers would refuse from the model's
+    ``config.json`` (``model_config``; None: not checked) before loading weights
+    (``workers.setup.model_config_problem``: a ``--max-model-len`` beyond the model's positions, its
+    sliding window or LongRoPE's original context, or the KV cache of an explicit ``--num-blocks``, a model
+    ``--tensor-parallel-size`` ranks cannot split, a ``--block-size`` longer than a sequence or, on the
+    CPU, larger than the KV budget), or an ``--attention-backend`` the workers' device cannot run
+    (``attention_backend_problem``)."""
     from engine.config import attention_backend_problem, kv_capacity_problem
-    from engine.models.context_limits import context_problem
-    from engine.models.registry import max_model_len_problem, tensor_parallel_problem
     from gateway.text import tokenizer_flag_problem
+    from workers.setup import model_config_problem
 
     gpus = gpu_count() if settings.device != "cpu" else 0
     why = bind_problem(settings.host, settings.port) or device_problem(settings.device, gpus)
@@ -98,18 +98,13 @@ def up_refusal(settings: UpSettings, model_config: Mapping[str, Any] | None = No
     if settings.gateway.tokenizer and (why := tokenizer_flag_problem(settings.gateway.tokenizer)) is not None:
         return why
     worker = settings.worker
-    if model_config is not None and (why := max_model_len_problem(worker.max_model_len, dict(model_config))):
-        return f"--max-model-len {worker.max_model_len}: {why}"
-    if model_config is not None and (why := context_problem(dict(model_config), worker.max_model_len)):
-        return f"--model {settings.model}: {why} (--max-model-len)"
-    if model_config is not None and worker.tensor_parallel_size > 1 and (
-            why := tensor_parallel_problem(dict(model_config), worker.tensor_parallel_size,
-                                           "--tensor-parallel-size")):
-        return f"--model {settings.model}: {why}"
+    device = "cpu" if settings.device == "auto" and gpus == 0 else settings.device.replace("auto", "cuda")
+    if model_config is not None and (
+            why := model_config_problem(worker, model_config, device, settings.model)) is not None:
+        return why
     if worker.num_blocks is not None and (
             why := kv_capacity_problem(worker.max_model_len, worker.num_blocks, worker.block_size)):
         return why
-    device = "cpu" if settings.device == "auto" and gpus == 0 else settings.device.replace("auto", "cuda")
     if (why := attention_backend_problem(worker.attention_backend, device)) is not None:
         return f"--attention-backend {worker.attention_backend}: {why}"
     return None

@@ -1,7 +1,9 @@
 """Start a worker process: logging is already set by the CLI; build the engine, then run the loop.
 
 ``serve_worker(settings, factory)`` is what ``prefill_worker.main:run``, ``decode_worker.main:run`` and
-``workers.colocated:run`` call. Returns a process exit status (0 clean, 1 start-up or run failure).
+``workers.colocated:run`` call. Returns a process exit status (0 clean, 1 start-up or run failure, 2 a
+model or setting refused from the model's config.json before any weight is read: ``start_up_refusal``,
+one line on stderr, as ``pdserve up`` refuses the same before starting any process).
 Between building the engine and building the worker (so before it registers and logs ``worker_ready``)
 the engine is warmed up per ``--engine-warmup`` (``engine.warmup``).
 """
@@ -11,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from protocol.heap import freeze_start_up_heap
@@ -29,16 +31,39 @@ log = logging.getLogger("pdserve.worker")
 WorkerFactory = Callable[["WorkerSettings", "EngineCore", str], "WorkerLoop"]
 
 
+def start_up_refusal(settings: WorkerSettings) -> str | None:
+    """Why this worker cannot serve ``--model`` with ``settings``, found from the model's ``config.json``
+    before any weight is read or any rank process starts (one line naming the flag), or None: a model that
+    cannot be found or prepared, an architecture or quantization the engine cannot run
+    (``read_model_config``), or what ``workers.setup.model_config_problem`` refuses (a ``--max-model-len``
+    beyond the model's positions, a model ``--tensor-parallel-size`` ranks cannot split, a ``--block-size``
+    no block of which fits, ...). ``--device auto`` is resolved as the engine resolves it (imports
+    torch)."""
+    from engine.models.registry import read_model_config, resolve_model
+    from workers.setup import model_config_problem
+
+    try:
+        config = read_model_config(resolve_model(settings.model), settings.quantization)
+    except (ValueError, FileNotFoundError) as exc:
+        return str(exc)
+    device = settings.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return model_config_problem(settings, config, device, settings.model)
+
+
 def build_core(settings: WorkerSettings, *, prefill_only: bool = False) -> tuple[EngineCore, str]:
     """Set torch's intra-op threads (``--cpu-threads``, when not 0), load the model and size the KV cache;
-    returns the engine and the local model directory. A model ``--tensor-parallel-size`` ranks cannot split
-    is refused from its ``config.json`` first, naming the flag, before any rank process starts.
+    returns the engine and the local model directory. ``serve_worker`` has refused what the model's
+    ``config.json`` rules out (``start_up_refusal``) before.
 
     Raises:
         ValueError / FileNotFoundError: bad settings or a model that cannot be found or loaded.
     """
     from engine.engine_core import EngineCore
-    from engine.models.registry import read_model_config, resolve_model, tensor_parallel_problem
+    from engine.models.registry import resolve_model
     from workers.setup import engine_config_from_settings
 
     if settings.cpu_threads:  # before the model is built; the other tensor parallel ranks inherit it
@@ -46,11 +71,6 @@ def build_core(settings: WorkerSettings, *, prefill_only: bool = False) -> tuple
 
         torch.set_num_threads(settings.cpu_threads)
     path = str(resolve_model(settings.model))
-    size = settings.tensor_parallel_size
-    if size > 1:
-        raw = read_model_config(Path(path), settings.quantization)
-        if (why := tensor_parallel_problem(raw, size, "--tensor-parallel-size")) is not None:
-            raise ValueError(why)
     rank_hook = None
     if settings.role in ("prefill", "decode") and settings.tensor_parallel_size > 1:
         from workers.rank_kv import rank_kv_hook
@@ -88,10 +108,14 @@ def warm_up_core(settings: WorkerSettings, core: EngineCore) -> WarmupReport | N
 
 
 def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_only: bool = False) -> int:
-    """Build the engine and the worker (``factory``), serve until SIGTERM/SIGINT. Returns an exit code."""
+    """Refuse what the model's config rules out (``start_up_refusal``: one line on stderr, 2), build the
+    engine and the worker (``factory``), serve until SIGTERM/SIGINT. Returns an exit code."""
     from engine.compile_watch import CompileWatch
     from workers.setup import default_transport_env
 
+    if (refused := start_up_refusal(settings)) is not None:
+        print(f"pdserve {settings.role}: {refused}", file=sys.stderr)
+        return 2
     default_transport_env(settings.advertise_host or settings.host)
     watch = CompileWatch().install()  # a Triton compile after start-up is logged as a first-use stall
     core: EngineCore | None = None

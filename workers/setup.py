@@ -6,11 +6,22 @@ Kept free of torch at import time (``EngineCore`` is passed in, not built here).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    kv_block_problem,
+    kv_capacity_problem,
+)
+from engine.models.context_limits import context_problem
+from engine.models.registry import max_model_len_problem, tensor_parallel_problem
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
@@ -42,6 +53,34 @@ def engine_config_from_settings(settings: WorkerSettings) -> EngineConfig:
                         async_scheduling=settings.async_scheduling),
         ParallelConfig(tensor_parallel_size=settings.tensor_parallel_size),
     )
+
+
+def model_config_problem(settings: WorkerSettings, config: Mapping[str, Any], device: str,
+                         model: str) -> str | None:
+    """Why a worker with ``settings`` cannot serve the model named ``model`` whose ``config.json`` is
+    ``config`` on ``device`` (``cpu``, ``cuda``, ``cuda:N``), found from the config alone, before any
+    weight is read (one line naming the flag), or None: a ``--max-model-len`` beyond the model's
+    ``max_position_embeddings`` (``max_model_len_problem``) or its sliding window or LongRoPE's original
+    context (``context_problem``), a model ``--tensor-parallel-size`` ranks cannot split
+    (``tensor_parallel_problem``), a ``--max-model-len`` beyond the KV cache of an explicit
+    ``--num-blocks`` (``kv_capacity_problem``), or a ``--block-size`` no block of which could be filled or
+    fit the KV budget on the CPU (``kv_block_problem``). Shared by ``pdserve up`` (before any child
+    starts) and each worker (before loading weights)."""
+    raw = dict(config)
+    if (why := max_model_len_problem(settings.max_model_len, raw)) is not None:
+        return f"--max-model-len {settings.max_model_len}: {why}"
+    if (why := context_problem(raw, settings.max_model_len)) is not None:
+        return f"--model {model}: {why} (--max-model-len)"
+    size = settings.tensor_parallel_size
+    if size > 1 and (why := tensor_parallel_problem(raw, size, "--tensor-parallel-size")) is not None:
+        return f"--model {model}: {why}"
+    if settings.num_blocks is not None and (
+            why := kv_capacity_problem(settings.max_model_len, settings.num_blocks, settings.block_size)):
+        return why
+    return kv_block_problem(settings.block_size, settings.max_model_len, raw, device, dtype=settings.dtype,
+                            kv_cache_dtype=settings.kv_cache_dtype,
+                            memory_fraction=settings.kv_memory_fraction, num_blocks=settings.num_blocks,
+                            tensor_parallel_size=size)
 
 
 def compat_of(core: EngineCore, model: str, transfer_backend: str) -> KVCompat:

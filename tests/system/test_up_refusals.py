@@ -561,8 +561,8 @@ def test_up_refuses_a_model_the_tensor_parallel_ranks_cannot_split(tmp_path, mon
 
 
 def test_a_worker_refuses_a_model_its_ranks_cannot_split_in_one_line(tmp_path) -> None:
-    """The same trial's worker, started on its own: one ERROR line naming the flag, exit 1, no rank started
-    (no multiprocessing traceback)."""
+    """The same trial's worker, started on its own: one line naming the flag, exit 2, no rank started (no
+    multiprocessing traceback), the model's weights never read."""
     import json
     import os
     import subprocess
@@ -573,8 +573,86 @@ def test_a_worker_refuses_a_model_its_ranks_cannot_split_in_one_line(tmp_path) -
                            "--load-format", "dummy", "--device", "cpu", "--tensor-parallel-size", "2",
                            "--insecure-control-plane"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache")})
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
-    assert line.endswith("pdserve colocated: cannot start: --tensor-parallel-size 2: mixtures of experts "
-                         "(Qwen3MoeForCausalLM) are not supported with tensor parallelism yet; use "
-                         "--tensor-parallel-size 1"), proc.stderr
+    assert line == (f"pdserve colocated: --model {tmp_path}: --tensor-parallel-size 2: mixtures of experts "
+                    "(Qwen3MoeForCausalLM) are not supported with tensor parallelism yet; use "
+                    "--tensor-parallel-size 1"), proc.stderr
+
+
+# 64 layers x K,V x 8 KV heads x 128 x 4 bytes (float32 on the CPU): 524288 bytes a token; the KV budget on
+# the CPU, 0.9 x 1 GiB = 966367641 bytes, holds 1843 tokens of it
+_LLAMA_WIDE_KV = {**_LLAMA_8K, "num_hidden_layers": 64, "hidden_size": 1024, "num_attention_heads": 8,
+                  "num_key_value_heads": 8, "head_dim": 128}
+
+
+def test_up_refuses_a_block_size_no_block_of_which_fits_before_any_child(tmp_path, monkeypatch,
+                                                                          capsys) -> None:
+    """A new-user trial: ``pdserve up --device cpu --block-size 100000`` started every process, then both
+    workers failed ``KV cache budget of 966367641 bytes holds no block``, exit 1. The launcher now refuses
+    a block longer than any sequence (the model's positions, or --max-model-len), and on the CPU a block
+    larger than the KV budget, in one line, exit 2."""
+    import json
+
+    from pdserve import launcher
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    _refused_through_the_cli(["--model", "tiny-llama", "--device", "cpu", "--block-size", "100000"],
+                             monkeypatch)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == ("pdserve up: --block-size 100000 exceeds the model's max_position_embeddings (4096): a "
+                    "KV block holds one sequence's tokens, so it could never be filled; use at most 4096")
+    _refused_through_the_cli(["--model", "tiny-llama", "--device", "cpu", "--block-size", "1024",
+                              "--max-model-len", "512"], monkeypatch)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("pdserve up: --block-size 1024 exceeds --max-model-len 512: "), line
+    (tmp_path / "config.json").write_text(json.dumps(_LLAMA_WIDE_KV))
+    _refused_through_the_cli(["--model", str(tmp_path), "--load-format", "dummy", "--device", "cpu",
+                              "--block-size", "2048"], monkeypatch)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == ("pdserve up: --block-size 2048: one KV block takes 1073741824 bytes (524288 per token), "
+                    "more than the KV cache budget on the CPU, 966367641 bytes (--kv-memory-fraction 0.9 of "
+                    "1 GiB); at most 1843 tokens per block fit")
+
+    def refusal(device: str, gpus: int, **worker_flags: object) -> str | None:
+        monkeypatch.setattr(launcher, "gpu_count", lambda: gpus)
+        worker = WorkerSettings(role="colocated", worker_id="up", insecure_control_plane=True,
+                                **worker_flags)  # type: ignore[arg-type]
+        return launcher.up_refusal(UpSettings(model="m", port=free_port(), device=device,
+                                              insecure_control_plane=True, worker=worker), _LLAMA_WIDE_KV)
+
+    assert refusal("cpu", 0, block_size=1843) is None  # the largest block that fits
+    assert refusal("cpu", 0, block_size=1844) is not None
+    assert refusal("auto", 0, block_size=2048) is not None  # auto without a GPU is the CPU
+    assert refusal("cpu", 0, block_size=2048, dtype="bfloat16") is None  # 2 bytes an element
+    assert refusal("cpu", 0, block_size=2048, kv_memory_fraction=0.5) is not None
+    assert refusal("cpu", 0, block_size=4096, num_blocks=2) is None  # an explicit count: no budget
+    # on CUDA the budget is the free memory when the worker starts: only the sequence bound is known
+    assert refusal("auto", 1, block_size=8192) is None
+    assert refusal("cuda", 1, block_size=8193) is not None
+    assert refusal("cpu", 0, block_size=16, max_model_len=8) is not None
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max-model-len", "100000"],
+     "--max-model-len 100000: max_model_len=100000 exceeds the model's max_position_embeddings=4096"),
+    (["--block-size", "100000"],
+     "--block-size 100000 exceeds the model's max_position_embeddings (4096): a KV block holds one "
+     "sequence's tokens, so it could never be filled; use at most 4096"),
+])
+def test_a_worker_refuses_what_the_models_config_rules_out_before_loading_weights(
+        role: str, flags: list[str], message: str, tmp_path, monkeypatch, capsys) -> None:
+    """A new-user trial: ``pdserve prefill --device cpu --max-model-len 100000`` loaded the weights, then
+    failed with exit 1; ``pdserve up`` refuses it before starting anything, exit 2. Each worker role now
+    refuses it from the model's config.json before building its engine: one line, exit 2."""
+    import workers.boot
+    from pdserve.cli import main
+
+    def no_engine(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the engine was built (weights loaded) before the refusal")
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(workers.boot, "build_core", no_engine)
+    assert main([role, "--model", "tiny-llama", "--device", "cpu", *flags, "--insecure-control-plane"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"pdserve {role}: {message}"]
