@@ -41,7 +41,8 @@ def add_agent_arguments(add: Callable[..., None]) -> None:
     add("--tool-tokens", help="agent: tool-result words per turn (default fixed:600)")
     add("--think-time", help="agent: wait between a session's turns, e.g. 2s (default 1s)")
     add("--max-context", type=int, help="agent: end a session before a turn that could pass this many "
-                                        "tokens (prompt + answer)")
+                                        "tokens (prompt + answer); a limit no session's first turn fits "
+                                        "is refused (exit 2)")
     add("--system", action="append", default=[],
         help="agent, repeatable: label=NAME,url=GATEWAY[,prefill=METRICS_URL+...][,decode=METRICS_URL+...]; "
              "each system runs the same workload in turn (default: --base-url, no worker counters). "
@@ -116,13 +117,14 @@ def _get(args: argparse.Namespace, flag: str) -> Any:
 
 
 def agent_config_from_args(args: argparse.Namespace, model: str) -> AgentConfig:
-    """Build and validate the agent config. Raises ValueError naming the bad flag value, OSError for an
-    unreadable --model-config."""
+    """Build and validate the agent config. Raises ValueError naming the bad flag value (a
+    ``--max-context`` below what every session's first turn could reach: the run would send nothing),
+    OSError for an unreadable --model-config."""
     check_flags(args)
     systems = tuple(SystemTarget.parse(s) for s in args.system) or (
         SystemTarget("server", args.base_url.rstrip("/")),)
     max_context = _get(args, "--max-context")
-    return AgentConfig(
+    cfg = AgentConfig(
         model=model, systems=systems, endpoint=args.endpoint, api_key=args.api_key,
         sessions=int(_get(args, "--sessions")), turns=int(_get(args, "--turns")),
         user_tokens=LengthDist.parse(_get(args, "--user-tokens")),
@@ -135,6 +137,22 @@ def agent_config_from_args(args: argparse.Namespace, model: str) -> AgentConfig:
         kv_bytes_per_token=_kv_bytes(args), words=_words(args.word_list),
         metrics_path=args.metrics_path or None, leak_settle_s=parse_duration(args.leak_settle),
         progress=not args.no_progress)
+    _check_first_turn(cfg)
+    return cfg
+
+
+def _check_first_turn(cfg: AgentConfig) -> None:
+    """Refuse a ``--max-context`` that no session's first turn fits (every session would end before it)."""
+    from loadtest.agent_runner import TEMPLATE_SLACK_TOKENS, first_turn_tokens
+
+    if cfg.max_context is None:
+        return
+    least = min(first_turn_tokens(cfg))
+    if least > cfg.max_context:
+        raise ValueError(f"--max-context {cfg.max_context}: no session's first turn fits (the smallest could "
+                         f"reach {least} tokens: its user words and tool result (--user-tokens, "
+                         f"--tool-tokens), {TEMPLATE_SLACK_TOKENS} of chat template and its max tokens "
+                         f"(--output-len)); give at least {least}")
 
 
 def run_agent_bench(args: argparse.Namespace) -> int:
@@ -166,6 +184,14 @@ def run_agent_bench(args: argparse.Namespace) -> int:
         (out / "summary.md").write_text(text, encoding="utf-8")
         print(f"results written to {out}/ (results.json, summary.md)")
     bad = any(s.summary.completed == 0 or (s.kv.leaked or 0) > 0 for s in result.systems)
+    for s in result.systems:  # say why the exit code is 1
+        if s.summary.completed == 0:
+            by_context = (f"; {s.sessions_ended_by_context} sessions ended by --max-context"
+                          if s.sessions_ended_by_context else "")
+            print(f"error: system {s.label}: no request completed{by_context}", file=sys.stderr)
+        if (s.kv.leaked or 0) > 0:
+            print(f"error: system {s.label}: {s.kv.leaked:g} KV blocks still used after the run",
+                  file=sys.stderr)
     asked = {t.label for t in cfg.systems if t.has_counters}
     unread = [s for s in result.systems if s.label in asked and s.counters_error]
     for system in unread:  # asked for and not read: not a finished benchmark

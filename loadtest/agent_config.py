@@ -110,16 +110,18 @@ class AgentConfig:
             raise ValueError(f"system labels must differ, got {labels}")
         if self.endpoint not in ("completions", "chat"):
             raise ValueError(f"endpoint must be completions|chat, got {self.endpoint!r}")
-        if self.sessions < 1 or self.turns < 1:
-            raise ValueError(f"sessions and turns must be >= 1, got {self.sessions} and {self.turns}")
+        if self.sessions < 1:
+            raise ValueError(f"--sessions must be >= 1, got {self.sessions}")
+        if self.turns < 1:
+            raise ValueError(f"--turns must be >= 1, got {self.turns}")
         if not 0.0 <= self.temperature <= 2.0:  # the OpenAI range the gateway holds requests to
-            raise ValueError(f"temperature (--temperature) must be in [0, 2], got {self.temperature}")
+            raise ValueError(f"--temperature must be in [0, 2], got {self.temperature}")
         if self.think_time_s < 0:
-            raise ValueError(f"think time must be >= 0 s, got {self.think_time_s}")
+            raise ValueError(f"--think-time must be >= 0 s, got {self.think_time_s}")
         if self.max_context is not None and self.max_context < 2:
-            raise ValueError(f"max context must be >= 2 tokens, got {self.max_context}")
+            raise ValueError(f"--max-context must be >= 2 tokens, got {self.max_context}")
         if self.kv_bytes_per_token is not None and self.kv_bytes_per_token < 1:
-            raise ValueError(f"KV bytes per token must be >= 1, got {self.kv_bytes_per_token}")
+            raise ValueError(f"--kv-bytes-per-token must be >= 1, got {self.kv_bytes_per_token}")
         if self.words is not None and (not self.words or any(not w or w != w.strip() or " " in w
                                                              for w in self.words)):
             raise ValueError("words must be a non-empty list of words without whitespace")

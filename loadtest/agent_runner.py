@@ -61,17 +61,24 @@ class _Session:
         self.alive = True
         self.ended_by_context = False
 
-    def next_turn(self, turn: int) -> Turn | None:
-        """Turn ``turn``'s request, or None (the session ends) when it could pass ``max_context``."""
+    def plan(self, turn: int) -> tuple[Turn, int]:
+        """Turn ``turn``'s request and the context it could reach (tokens, estimated: the last turn's
+        prompt and answer, the new words, ``TEMPLATE_SLACK_TOKENS`` and its max_tokens). Draws the
+        session's next max_tokens."""
         text, words = turn_text(self.cfg.seed, self.session_id, turn, self.cfg)
         max_tokens = self.cfg.output_len.sample(self.rng)
-        limit = self.cfg.max_context
         estimate = (self.last_prompt_tokens + self.last_output_tokens + words + TEMPLATE_SLACK_TOKENS
                     + max_tokens)
+        return Turn(text, max_tokens), estimate
+
+    def next_turn(self, turn: int) -> Turn | None:
+        """Turn ``turn``'s request, or None (the session ends) when it could pass ``max_context``."""
+        planned, estimate = self.plan(turn)
+        limit = self.cfg.max_context
         if limit is not None and estimate > limit:
             self.alive, self.ended_by_context = False, True
             return None
-        return Turn(text, max_tokens)
+        return planned
 
     async def send(self, turn_no: int, turn: Turn, client: httpx.AsyncClient, t0: float,
                    clock: Callable[[], float]) -> RequestRecord:
@@ -86,6 +93,13 @@ class _Session:
         self.last_prompt_tokens = rec.prompt_tokens or self.last_prompt_tokens
         self.last_output_tokens = rec.output_tokens
         return rec
+
+
+def first_turn_tokens(cfg: AgentConfig) -> list[int]:
+    """The context each session's first turn could reach (``_Session.plan``: its words, the template
+    slack and its max_tokens; no history yet), as the run estimates it against ``max_context``: known
+    before any request, the same on every system."""
+    return [_Session(cfg, session).plan(0)[1] for session in range(cfg.sessions)]
 
 
 def _client(cfg: AgentConfig, target: SystemTarget) -> httpx.AsyncClient:

@@ -84,7 +84,11 @@ def _rates(text: str) -> tuple[float, ...]:
 
 
 def config_from_args(args: argparse.Namespace, model: str) -> BenchConfig:
-    """Build and validate the frozen config. Raises ValueError naming the bad flag value."""
+    """Build and validate the frozen config. Raises ValueError naming the bad flag value (a
+    ``--dataset-path`` that is not a file included; its content is read when the run starts)."""
+    if args.dataset_path and not Path(args.dataset_path).is_file():
+        why = "a directory, not a file" if Path(args.dataset_path).is_dir() else "no such file"
+        raise ValueError(f"--dataset-path {args.dataset_path}: {why}")
     workload = WorkloadConfig(
         kind=args.workload, prompt_format=args.prompt_format,
         input_len=LengthDist.parse(args.input_len), output_len=LengthDist.parse(args.output_len),
@@ -166,6 +170,12 @@ def _write_outputs(result: Any, output_dir: str | None) -> int:
         print(f"results written to {out}/ (results.json, summary.md, *.png)")
     leaked = any((run.kv.leaked or 0) > 0 for run in result.runs)
     none_ok = any(run.summary.completed == 0 for run in result.runs)
+    for run in result.runs:  # say why the exit code is 1
+        if run.summary.completed == 0:
+            print(f"error: run {run.label}: no request completed", file=sys.stderr)
+        if (run.kv.leaked or 0) > 0:
+            print(f"error: run {run.label}: {run.kv.leaked:g} KV blocks still used after the run",
+                  file=sys.stderr)
     unread = [f"{run.label}: {run.gateway_share.error}" for run in result.runs
               if run.gateway_share is not None and run.gateway_share.error]
     for line in unread:  # asked for and not measured: not a finished benchmark

@@ -37,15 +37,15 @@ class WorkloadConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in ("random", "sharegpt", "multi-turn"):
-            raise ValueError(f"workload must be random|sharegpt|multi-turn, got {self.kind!r}")
+            raise ValueError(f"--workload must be random|sharegpt|multi-turn, got {self.kind!r}")
         if self.prompt_format not in ("tokens", "text"):
-            raise ValueError(f"prompt_format must be tokens|text, got {self.prompt_format!r}")
+            raise ValueError(f"--prompt-format must be tokens|text, got {self.prompt_format!r}")
         if self.kind == "sharegpt" and not self.dataset_path:
-            raise ValueError("workload sharegpt needs dataset_path (--dataset-path)")
+            raise ValueError("--workload sharegpt needs --dataset-path")
         if self.kind != "random" and self.prompt_format == "tokens":
-            raise ValueError(f"workload {self.kind} sends text: use --prompt-format text")
+            raise ValueError(f"--workload {self.kind} sends text: use --prompt-format text")
         if self.num_turns < 1:
-            raise ValueError(f"num_turns must be >= 1, got {self.num_turns}")
+            raise ValueError(f"--num-turns must be >= 1, got {self.num_turns}")
         if not 0 <= self.vocab_low < self.vocab_high:
             raise ValueError(f"need 0 <= vocab_low < vocab_high, got {self.vocab_low}, {self.vocab_high}")
 
@@ -101,30 +101,35 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+            raise ValueError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
         if self.endpoint not in ("completions", "chat"):
-            raise ValueError(f"endpoint must be completions|chat, got {self.endpoint!r}")
+            raise ValueError(f"--endpoint must be completions|chat, got {self.endpoint!r}")
         if self.endpoint == "chat" and self.workload.prompt_format == "tokens":
             raise ValueError("token-id prompts need the completions endpoint; use --prompt-format text")
         if self.arrival not in ("poisson", "gamma", "constant", "closed"):
-            raise ValueError(f"arrival must be poisson|gamma|constant|closed, got {self.arrival!r}")
+            raise ValueError(f"--arrival must be poisson|gamma|constant|closed, got {self.arrival!r}")
         if not self.rates or any(not r > 0 for r in self.rates):
-            raise ValueError(f"rates must be > 0 requests/s, got {self.rates}")
+            raise ValueError(f"--request-rate values must be > 0 requests/s, got {self.rates}")
         if self.arrival != "closed" and self.num_requests is None and any(math.isinf(r) for r in self.rates):
-            raise ValueError("an infinite rate sends everything at once: set num_requests")
-        if not (math.isfinite(self.burstiness) and self.burstiness > 0) or self.concurrency < 1:
-            raise ValueError(f"burstiness (--burstiness) must be a finite number > 0 and concurrency >= 1, "
-                             f"got {self.burstiness} and {self.concurrency}")
+            raise ValueError("--request-rate inf sends everything at once: set --num-requests")
+        if not (math.isfinite(self.burstiness) and self.burstiness > 0):
+            raise ValueError(f"--burstiness must be a finite number > 0, got {self.burstiness}")
+        if self.concurrency < 1:
+            raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
         if not 0.0 <= self.temperature <= 2.0:  # the OpenAI range the gateway holds requests to
-            raise ValueError(f"temperature (--temperature) must be in [0, 2], got {self.temperature}")
+            raise ValueError(f"--temperature must be in [0, 2], got {self.temperature}")
         if self.num_requests is None and self.duration_s is None:
-            raise ValueError("set num_requests or duration_s so the run ends on its own")
-        if (self.num_requests is not None and self.num_requests < 1) or (
-            self.duration_s is not None and self.duration_s <= 0
-        ):
-            raise ValueError("num_requests must be >= 1 and duration_s > 0")
-        if self.request_timeout_s <= 0 or self.warmup < 0 or self.leak_settle_s < 0:
-            raise ValueError("request_timeout_s must be > 0; warmup and leak_settle_s >= 0")
+            raise ValueError("set --num-requests or --duration so the run ends on its own")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ValueError(f"--duration must be > 0 s, got {self.duration_s}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"--request-timeout must be > 0 s, got {self.request_timeout_s}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.leak_settle_s < 0:
+            raise ValueError(f"--leak-settle must be >= 0 s, got {self.leak_settle_s}")
         for url in self.decode_metrics:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"--decode-metrics: URLs must start with http:// or https://, got {url!r}")

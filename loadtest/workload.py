@@ -64,11 +64,21 @@ def load_sharegpt(path: str | Path, max_turns: int) -> list[list[tuple[str, int 
     """Read a ShareGPT JSON file into conversations of (human text, reference reply length in tokens).
 
     The reply length is None when a human turn has no following reply. Raises ValueError naming the
-    file when it is not a JSON list or holds no conversation with a human turn; OSError if unreadable.
+    flag (``--dataset-path``) and the file when it is not JSON, not a JSON list or holds no conversation
+    with a human turn; OSError naming them if unreadable.
     """
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise OSError(f"--dataset-path {path}: cannot read it ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--dataset-path {path}: not UTF-8 text ({exc.reason})") from exc
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--dataset-path {path}: not JSON ({exc})") from exc
     if not isinstance(data, list):
-        raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
+        raise ValueError(f"--dataset-path {path}: a ShareGPT file is a JSON list of conversations")
     out: list[list[tuple[str, int | None]]] = []
     for item in data:
         msgs = item.get("conversations") if isinstance(item, dict) else None
@@ -87,7 +97,7 @@ def load_sharegpt(path: str | Path, max_turns: int) -> list[list[tuple[str, int 
         if turns:
             out.append(turns)
     if not out:
-        raise ValueError(f"{path}: no ShareGPT conversation with a human turn found")
+        raise ValueError(f"--dataset-path {path}: no ShareGPT conversation with a human turn found")
     return out
 
 

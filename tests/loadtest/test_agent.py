@@ -196,7 +196,8 @@ def test_report_and_json_round_trip(fake: tuple[str, object], tmp_path: Path) ->
     (["--workload", "agent", "--kv-bytes-per-token", "4", "--model-config", "c", "--kv-dtype", "float32"],
      "give one of them"),
     (["--workload", "agent", "--system", "label=a"], "needs label=NAME and url=URL"),
-    (["--workload", "agent", "--sessions", "0"], "sessions and turns must be >= 1"),
+    (["--workload", "agent", "--sessions", "0"], "--sessions must be >= 1, got 0"),
+    (["--workload", "agent", "--turns", "-1"], "--turns must be >= 1, got -1"),
     (["--workload", "agent", "--decode-metrics", "http://x"], "--decode-metrics does not apply"),
 ])
 def test_flags_that_do_not_apply_are_refused(argv: list[str], message: str,
@@ -218,6 +219,74 @@ def test_cli_run_writes_outputs(fake: tuple[str, object], tmp_path: Path,
     assert [t["completed"] for t in data["systems"][0]["turns"]] == [2, 2]
     assert data["config"]["kv_bytes_per_token"] == 8
     assert "multi-turn agent sessions" in (tmp_path / "summary.md").read_text()
+
+
+def _agent_args(*argv: str) -> argparse.Namespace:
+    from loadtest.cli import add_bench_arguments
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    return parser.parse_args(["--workload", "agent", *argv])
+
+
+def test_a_max_context_no_first_turn_fits_is_refused_before_any_request(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A new-user trial: ``pdserve bench --workload agent --max-context 10`` printed a header, an empty
+    table and ``Run: 0/0 completed``, exit 1, nothing saying why: every session ended before its first
+    turn. The first turn's size is known before any request (100 user + 600 tool words, 32 of chat
+    template, 64 max tokens by default: 796); a limit below it is one line naming --max-context, exit 2
+    (the base URL is never reached)."""
+    from loadtest.agent_cli import agent_config_from_args
+    from loadtest.agent_runner import first_turn_tokens
+
+    assert main(["--model", "m", "--workload", "agent", "--base-url", "http://127.0.0.1:1",
+                 "--max-context", "10"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --max-context 10: no session's first turn fits (the smallest could reach 796 tokens: its "
+        "user words and tool result (--user-tokens, --tool-tokens), 32 of chat template and its max tokens "
+        "(--output-len)); give at least 796"]
+    assert agent_config_from_args(_agent_args("--max-context", "796"), "m").max_context == 796
+    # lengths drawn per session: refused only when even the smallest first turn does not fit
+    drawn = ("--user-tokens", "uniform:1,50", "--tool-tokens", "uniform:1,50", "--sessions", "8")
+    sizes = first_turn_tokens(agent_config_from_args(_agent_args(*drawn), "m"))
+    assert len(set(sizes)) > 1
+    with pytest.raises(ValueError, match=f"the smallest could reach {min(sizes)} tokens"):
+        agent_config_from_args(_agent_args(*drawn, "--max-context", str(min(sizes) - 1)), "m")
+    assert agent_config_from_args(_agent_args(*drawn, "--max-context", str(min(sizes))), "m")
+
+
+def test_first_turn_sizes_are_what_the_run_compares_with_max_context(fake: tuple[str, object]) -> None:
+    """``first_turn_tokens`` is the estimate the sessions use: a limit at a session's size lets its first
+    turn run, one token below ends it before the turn."""
+    from loadtest.agent_runner import first_turn_tokens
+
+    url, _ = fake
+    cfg = _cfg(url, systems=(SystemTarget("a", url),), turns=1, sessions=3,
+               user_tokens=LengthDist("uniform", 1, 20))
+    sizes = first_turn_tokens(cfg)
+    assert sizes == [USER_WORDS + TOOL + 32 + OUT for USER_WORDS in _first_user_words(cfg)]
+    limit = sorted(sizes)[1]
+    [system] = asyncio.run(run_agent(_cfg(url, systems=(SystemTarget("a", url),), turns=1, sessions=3,
+                                          user_tokens=LengthDist("uniform", 1, 20),
+                                          max_context=limit))).systems
+    assert system.summary.completed == sum(n <= limit for n in sizes)
+    assert system.sessions_ended_by_context == sum(n > limit for n in sizes)
+
+
+def _first_user_words(cfg: AgentConfig) -> list[int]:
+    from loadtest.agent_runner import TOOL_HEADER, turn_text
+
+    return [len(turn_text(cfg.seed, s, 0, cfg)[0].split(TOOL_HEADER)[0].split()) for s in range(cfg.sessions)]
+
+
+def test_an_exit_code_of_1_says_why(fake: tuple[str, object], capsys: pytest.CaptureFixture[str]) -> None:
+    url, state = fake
+    state.plan = ["500"]  # type: ignore[attr-defined]
+    code = main(["--model", "m", "--workload", "agent", "--endpoint", "chat",
+                 "--system", f"label=x,url={url}", "--sessions", "1", "--turns", "1", "--user-tokens", "3",
+                 "--tool-tokens", "4", "--output-len", "fixed:2", "--no-progress", "--leak-settle", "0s"])
+    assert code == 1
+    assert capsys.readouterr().err.splitlines() == ["error: system x: no request completed"]
 
 
 def test_texts_come_from_the_word_list_the_same_on_every_call(tmp_path: Path) -> None:

@@ -59,16 +59,21 @@ def test_sweep_outputs_and_compare(fake: tuple[str, FakeState], tmp_path: Path,
     assert "## run 1: A rate=60/s vs B rate=60/s" in out
 
 
-def test_closed_loop_multi_turn_cli_and_leak_exit_code(fake: tuple[str, FakeState], tmp_path: Path) -> None:
+def test_closed_loop_multi_turn_cli_and_leak_exit_code(fake: tuple[str, FakeState], tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     url, state = fake
     args = _bench(url, tmp_path, "--arrival", "closed", "--concurrency", "2", "--workload", "multi-turn",
                   "--prompt-format", "text", "--endpoint", "chat", "--num-turns", "3", "--model", "m")
     assert main(args) == 0
     assert not (tmp_path / "throughput_vs_rate.png").exists()  # no offered rate in a closed loop
     assert (tmp_path / "latency_cdf.png").read_bytes().startswith(PNG_MAGIC)
+    capsys.readouterr()
     state.reset(plan=["leak"])
-    assert main(args) == 1  # leaked KV blocks fail the run
+    assert main(args) == 1  # leaked KV blocks fail the run, and stderr says so
     assert "**LEAK**" in (tmp_path / "summary.md").read_text()
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: run concurrency=2: ")
+    assert line.endswith(" KV blocks still used after the run")
 
 
 def test_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
