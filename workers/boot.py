@@ -113,7 +113,12 @@ def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_on
     from engine.compile_watch import CompileWatch
     from workers.setup import default_transport_env
 
-    if (refused := start_up_refusal(settings)) is not None:
+    try:
+        refused = start_up_refusal(settings)
+    except (RuntimeError, OSError) as exc:  # e.g. the embedded model's conversion failed
+        log.error("pdserve %s: cannot start: %s", settings.role, exc)
+        return 1
+    if refused is not None:
         print(f"pdserve {settings.role}: {refused}", file=sys.stderr)
         return 2
     default_transport_env(settings.advertise_host or settings.host)
