@@ -197,9 +197,8 @@ class Admission:
                 self._refuse("prefill_queue")
                 raise _too_many(f"overloaded: {ahead:.0f} prompt tokens are queued ahead of this one on "
                                 f"{worker.role} worker {worker.worker_id}, whose prefill rate this gateway "
-                                f"has not measured yet (until then at most "
-                                f"{self.budget_s * PRIOR_TOKENS_PER_S:.0f} may be: admission budget "
-                                f"{self.budget_s:g} s x {PRIOR_TOKENS_PER_S:g} tokens/s); retry later",
+                                f"has not measured yet (until then it admits at most admission budget "
+                                f"{self.budget_s:g} s x {PRIOR_TOKENS_PER_S:g} tokens/s queued); retry later",
                                 "overloaded", 1)
             return
         wait = sum(rate.judged_tokens(t) for t in queued) / tokens_per_s

@@ -116,8 +116,7 @@ async def test_a_burst_at_a_cold_gateway_is_refused_until_the_first_measurement(
     assert all(r.status == 429 and r.code == "overloaded" and r.headers["Retry-After"] == "1"
                for r in refusals)
     assert "3500 prompt tokens are queued ahead" in refusals[0].message
-    assert "not measured yet (until then at most 200 may be: admission budget 2 s x 100 tokens/s)" in (
-        refusals[0].message)
+    assert "not measured yet" in refusals[0].message
     assert s.refused("prefill_queue") == 99 and list(s.orch.requests) == ["a"]
     assert [type(m).__name__ for _, m in s.sent] == ["ReserveKV"]  # only "a" went out
     s.clock.now += 16.0  # the first prompt took 16 s: about 219 tokens/s
