@@ -10,16 +10,11 @@ told of each ``FirstToken`` (``first_token``) and of each released request (``fo
   (the decode worker would otherwise queue the reservation, and fail it after 30 s);
 * **429** (``prefill_queue``): the prompt tokens the chosen first-token worker (prefill, or colocated) is
   expected to compute for the requests routed to it and not yet answered by a ``FirstToken``, divided by
-  that worker's measured prefill rate, exceed the budget (``--admission-budget`` seconds). A queued
-  request computing more than ``TRUSTED_SPAN`` times the largest prompt the rate was recently measured
-  on (``PrefillRate.largest``) counts only that many tokens: the wait is then a lower bound, so a long
-  prompt is not refused on a short prompts' rate, and a flood of prompts the rate knows still is.
-  Before this gateway process has measured the worker (its first ``FirstToken`` from there), the rate is
-  taken as ``PRIOR_TOKENS_PER_S``, deliberately low, and every queued token counts: a request with
-  nothing queued ahead is admitted, and behind it at most ``budget × PRIOR_TOKENS_PER_S`` prompt tokens
-  (3000 at the default 30 s). So a burst at a fresh gateway process (a restart, ``--workers N``, a new
-  replica) is refused with 429 and ``Retry-After: 1`` (the measurement is about one prefill away)
-  instead of being admitted unbounded and waiting minutes; the first measurement takes over from it.
+  that worker's measured prefill rate, exceed the budget (``--admission-budget`` seconds). Before the
+  worker's first measurement, admit. A queued request computing more than ``TRUSTED_SPAN`` times the
+  largest prompt the rate was recently measured on (``PrefillRate.largest``) counts only that many
+  tokens: the wait is then a lower bound, so a long prompt is not refused on a short prompts' rate, and a
+  flood of prompts the rate knows still is.
 
 The prefill rate of a worker is measured from what the gateway sees: a request routed at ``t0`` whose
 ``FirstToken`` arrives at ``t1`` kept the worker busy from ``max(t0, the worker's previous FirstToken)``
@@ -61,10 +56,6 @@ DECAY = 0.95
 # a queued request counts at most TRUSTED_SPAN times the largest prompt the rate was measured on
 # (module docstring)
 TRUSTED_SPAN = 4.0
-# the prefill rate (prompt tokens per second) assumed for a worker this gateway has not measured yet:
-# below a small model's on a few CPU cores, so a cold burst is refused rather than left waiting; a GPU
-# worker is measured after its first prefill (module docstring)
-PRIOR_TOKENS_PER_S = 100.0
 
 
 @dataclass(slots=True)
@@ -190,18 +181,11 @@ class Admission:
             return
         rate = self.rates.get(worker.worker_id)
         tokens_per_s = rate.tokens_per_s() if rate is not None else None
-        queued = [r.expected_tokens for r in self._routed.values() if r.worker_id == worker.worker_id]
-        if tokens_per_s is None or rate is None:  # not measured yet: the prior, every token counted
-            ahead = float(sum(queued))
-            if ahead / PRIOR_TOKENS_PER_S > self.budget_s:
-                self._refuse("prefill_queue")
-                raise _too_many(f"overloaded: {ahead:.0f} prompt tokens are queued ahead of this one on "
-                                f"{worker.role} worker {worker.worker_id}, whose prefill rate this gateway "
-                                f"has not measured yet (until then it admits at most admission budget "
-                                f"{self.budget_s:g} s x {PRIOR_TOKENS_PER_S:g} tokens/s queued); retry later",
-                                "overloaded", 1)
-            return
-        wait = sum(rate.judged_tokens(t) for t in queued) / tokens_per_s
+        if tokens_per_s is None or rate is None:
+            return  # no measurement yet: admit
+        ahead = sum(rate.judged_tokens(r.expected_tokens) for r in self._routed.values()
+                    if r.worker_id == worker.worker_id)
+        wait = ahead / tokens_per_s
         if wait > self.budget_s:
             self._refuse("prefill_queue")
             raise _too_many(f"overloaded: about {wait:.0f} s of prompts are queued ahead of this one on "

@@ -75,8 +75,7 @@ def gen(rid: str, num_tokens: int) -> GenerationInput:
 async def test_prefill_queue_longer_than_the_budget_is_a_429_with_retry_after() -> None:
     s = Setup(budget_s=3.3, decode_free=(1000,), total=1000)
     first = await s.orch.submit_all("a", [gen("a", 100)])
-    # not measured yet: the prior of 100 tokens/s admits up to 330 tokens queued ahead
-    many = [await s.orch.submit_all(f"q{i}", [gen(f"q{i}", 100)]) for i in range(3)]
+    many = [await s.orch.submit_all(f"q{i}", [gen(f"q{i}", 100)]) for i in range(5)]  # no rate yet: admitted
     s.clock.now += 1.0  # "a" took 1 s: 100 tokens/s
     await s.orch.on_worker_message(b"p1", FirstToken(request_id="a", worker_id="p1", token_id=7))
     assert s.admission.rates["p1"].tokens_per_s() == pytest.approx(100.0)
@@ -85,9 +84,7 @@ async def test_prefill_queue_longer_than_the_budget_is_a_429_with_retry_after() 
     await s.orch.on_worker_message(b"p1", FirstToken(request_id="q0", worker_id="p1", token_id=7))
     assert s.admission.rates["p1"].tokens_per_s() == pytest.approx(195 / 1.45)  # (.95·100+100) / (.95·1+.5)
     s.orch.release(many[0][0])
-    for i in range(3):  # 200, 300, 400 tokens ahead at 134.5 tokens/s: 1.5, 2.2, 3.0 s
-        await s.orch.submit_all(f"ok{i}", [gen(f"ok{i}", 100)])
-    assert s.refused("prefill_queue") == 0
+    await s.orch.submit_all("ok", [gen("ok", 100)])  # 400 tokens ahead at 134.5 tokens/s: 3.0 s
     with pytest.raises(APIError) as refused:
         await s.orch.submit_all("late", [gen("late", 100)])  # 500 ahead: 3.7 s > 3.3 s
     assert refused.value.status == 429 and refused.value.code == "overloaded"
@@ -99,62 +96,6 @@ async def test_prefill_queue_longer_than_the_budget_is_a_429_with_retry_after() 
     await s.orch.submit_all("later", [gen("later", 100)])  # the queue drained: admitted again
     s.orch.release(s.orch.requests["later"])
     assert not s.orch.requests and not s.admission._routed
-
-
-async def test_a_burst_at_a_cold_gateway_is_refused_until_the_first_measurement() -> None:
-    """A fresh gateway process has no measured prefill rate: 100 concurrent 3500-token prompts with a 2 s
-    budget were all admitted (behind the decode KV check only) and waited up to 147 s. Now the first is
-    admitted (nothing ahead) and the other 99 get a 429 with Retry-After 1 at once; from the first
-    FirstToken on, the measured rate judges."""
-    s = Setup(budget_s=2.0, decode_free=(100_000,), total=100_000)
-    (a,) = await s.orch.submit_all("a", [gen("a", 3500)])
-    refusals = []
-    for i in range(99):
-        with pytest.raises(APIError) as refused:
-            await s.orch.submit_all(f"b{i}", [gen(f"b{i}", 3500)])
-        refusals.append(refused.value)
-    assert all(r.status == 429 and r.code == "overloaded" and r.headers["Retry-After"] == "1"
-               for r in refusals)
-    assert "3500 prompt tokens are queued ahead" in refusals[0].message
-    assert "not measured yet" in refusals[0].message
-    assert s.refused("prefill_queue") == 99 and list(s.orch.requests) == ["a"]
-    assert [type(m).__name__ for _, m in s.sent] == ["ReserveKV"]  # only "a" went out
-    s.clock.now += 16.0  # the first prompt took 16 s: about 219 tokens/s
-    await s.orch.on_worker_message(b"p1", FirstToken(request_id="a", worker_id="p1", token_id=7))
-    s.orch.release(a)
-    (c,) = await s.orch.submit_all("c", [gen("c", 3500)])  # nothing ahead
-    with pytest.raises(APIError) as measured:  # 3500 tokens ahead at 219 tokens/s: 16 s > 2 s
-        await s.orch.submit_all("d", [gen("d", 3500)])
-    assert measured.value.status == 429 and measured.value.headers["Retry-After"] == "14"
-    assert "about 16 s of prompts" in measured.value.message
-    s.orch.release(c)
-    assert not s.orch.requests and not s.admission._routed
-
-
-@pytest.mark.parametrize("first", ["prefill", "colocated"])
-async def test_a_cold_gateway_admits_budget_times_the_prior_rate_of_queued_tokens(first: str) -> None:
-    """Before the first measurement the rate is taken as 100 tokens/s: with a 2 s budget, 200 tokens may
-    be queued ahead of an admitted request (every token counted), here 4 prompts of 50 tokens."""
-    s = Setup(budget_s=2.0, decode_free=(1000,), total=1000, first=first)
-    admitted = [(await s.orch.submit_all(f"a{i}", [gen(f"a{i}", 50)]))[0] for i in range(5)]  # 0..200 ahead
-    assert s.admission.queued_tokens("p1") == 250
-    with pytest.raises(APIError) as refused:
-        await s.orch.submit_all("f", [gen("f", 50)])  # 250 ahead: 2.5 s at 100 tokens/s
-    assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "1"
-    assert s.refused("prefill_queue") == 1 and len(s.orch.requests) == 5
-    s.orch.release(admitted[0])  # a request released before its FirstToken no longer queues
-    admitted += await s.orch.submit_all("g", [gen("g", 50)])  # 200 ahead
-    for req in admitted:
-        s.orch.release(req)
-    assert not s.orch.requests and not s.admission._routed
-
-
-async def test_a_zero_budget_admits_a_cold_burst() -> None:
-    s = Setup(budget_s=0.0, decode_free=(100_000,), total=100_000)
-    admitted = [(await s.orch.submit_all(f"a{i}", [gen(f"a{i}", 3500)]))[0] for i in range(10)]
-    assert s.refused("prefill_queue") == 0
-    for req in admitted:
-        s.orch.release(req)
 
 
 @pytest.mark.parametrize("first", ["prefill", "colocated"])
