@@ -33,7 +33,8 @@ WorkerFactory = Callable[["WorkerSettings", "EngineCore", str], "WorkerLoop"]
 
 def start_up_refusal(settings: WorkerSettings) -> str | None:
     """Why this worker cannot serve ``--model`` with ``settings``, found from the model's ``config.json``
-    before any weight is read or any rank process starts (one line naming the flag), or None: a model that
+    before any weight is loaded or any rank process starts (the embedded alias is first converted from its
+    GGUF file, once per machine: ``resolve_model``), as one line naming the flag, or None: a model that
     cannot be found or prepared, an architecture or quantization the engine cannot run
     (``read_model_config``), or what ``workers.setup.model_config_problem`` refuses (a ``--max-model-len``
     beyond the model's positions, a model ``--tensor-parallel-size`` ranks cannot split, a ``--block-size``
