@@ -68,6 +68,15 @@ def check_type(value: Any, allowed: tuple[str, ...], what: str, not_supported: M
                               {"kind": value, "allowed": " or ".join(map(repr, allowed))})
 
 
+def _is_number(text: str) -> bool:
+    """``text`` reads as a number to Python (``int`` or ``float``: " 17 ", "1_7", "17.0", "1e3")."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 # OpenAI's limits of ``metadata``: pairs, characters of a key, characters of a value
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
@@ -349,8 +358,9 @@ class GenerationRequestBase(BaseModel):
     def _token_id_keys(cls, value: Any) -> Any:
         """A key is a token id written in decimal digits ("17", "-1" for the vocabulary check to refuse):
         not "17.0", " 17 " or "1_7", which int() would read as 17 and fold into another key."""
-        if isinstance(value, dict):
-            bad = [k for k in value if not (isinstance(k, str) and re.fullmatch(r"-?[0-9]+", k))]
+        if isinstance(value, dict):  # a key that is no number at all gets pydantic's error, one per key
+            bad = [k for k in value
+                   if isinstance(k, str) and not re.fullmatch(r"-?[0-9]+", k) and _is_number(k)]
             if bad:
                 raise PydanticCustomError("logit_bias", "keys must be token ids in decimal digits, got {key}",
                                           {"key": repr(bad[0])})
