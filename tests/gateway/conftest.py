@@ -165,6 +165,29 @@ def make_cluster(tmp_path: Path, tokenizer_dir: Path) -> Iterator:
         c.close()
 
 
+def disaggregated_and_colocated(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, ids: str,
+                                eos_id: int, **flags: object) -> Iterator[dict[str, Cluster]]:
+    """Two gateways with fake workers generating ``ids`` (comma-separated token ids) then ``eos_id``:
+    ``"disagg"`` (prefill p1 + decode d1) and ``"colo"`` (colocated c1), each gateway with ``flags``;
+    yields them by name and closes both (a module fixture's body: ``yield from``)."""
+    out: dict[str, Cluster] = {}
+    try:
+        out["disagg"] = Cluster(tmp_path_factory.mktemp("pd"), tokenizer_dir, **flags)
+        out["disagg"].start_worker("prefill", "p1", output_ids=ids, eos_id=eos_id)
+        out["disagg"].start_worker("decode", "d1", output_ids=ids, eos_id=eos_id)
+        out["colo"] = Cluster(tmp_path_factory.mktemp("colo"), tokenizer_dir, **flags)
+        out["colo"].start_worker("colocated", "c1", output_ids=ids, eos_id=eos_id)
+        yield out
+    finally:
+        for c in out.values():
+            c.close()
+
+
+def assert_no_leaks_by_name(c: Cluster, name: str) -> None:
+    """``c.assert_no_leaks`` with the decode worker of a ``disaggregated_and_colocated`` cluster named."""
+    c.assert_no_leaks(("d1",) if name == "disagg" else ())
+
+
 REPLY = "Hello world, this is a fake reply. The end."  # what the fake workers generate (as token ids)
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from gateway.text import TextProcessor
-from tests.gateway.conftest import MSGS, Cluster
+from tests.gateway.conftest import MSGS, Cluster, assert_no_leaks_by_name, disaggregated_and_colocated
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -26,21 +26,7 @@ def clusters(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, proc
              reply_ids: list[int]) -> Iterator[dict[str, Cluster]]:
     eos = proc.eos_token_id
     ids = ",".join(map(str, [*reply_ids[:WORDS], eos]))
-    out = {}
-    try:
-        out["disagg"] = Cluster(tmp_path_factory.mktemp("pd"), tokenizer_dir, max_n=4)
-        out["disagg"].start_worker("prefill", "p1", output_ids=ids, eos_id=eos)
-        out["disagg"].start_worker("decode", "d1", output_ids=ids, eos_id=eos)
-        out["colo"] = Cluster(tmp_path_factory.mktemp("colo"), tokenizer_dir, max_n=4)
-        out["colo"].start_worker("colocated", "c1", output_ids=ids, eos_id=eos)
-        yield out
-    finally:
-        for c in out.values():
-            c.close()
-
-
-def _leak_check(c: Cluster, name: str) -> None:
-    c.assert_no_leaks(("d1",) if name == "disagg" else ())
+    yield from disaggregated_and_colocated(tmp_path_factory, tokenizer_dir, ids, eos, max_n=4)
 
 
 # max_tokens → (finish_reason, completion tokens): the eos is token WORDS + 1
@@ -68,7 +54,7 @@ def test_chat_and_completions_streamed_and_not(clusters: dict[str, Cluster], nam
                 finishes[ch.index].append(ch.finish_reason)
         for got in finishes.values():  # one finish_reason per choice, on its last chunk
             assert got[-1] == reason and got[:-1] == [None] * (len(got) - 1), got
-    _leak_check(c, name)
+    assert_no_leaks_by_name(c, name)
 
 
 @pytest.mark.parametrize("name", ["disagg", "colo"])
@@ -84,7 +70,7 @@ def test_responses_status(clusters: dict[str, Cluster], name: str, max_tokens: i
     assert (r.incomplete_details is None) == (reason == "stop")
     events = [e.type for e in c.client().responses.create(stream=True, **kw)]
     assert events[-1] == f"response.{want}"
-    _leak_check(c, name)
+    assert_no_leaks_by_name(c, name)
 
 
 @pytest.mark.parametrize("name", ["disagg", "colo"])
@@ -94,7 +80,7 @@ def test_an_eos_first_token_at_max_tokens_one_is_a_stop(clusters: dict[str, Clus
     r = c.client().chat.completions.create(model="fake-model", messages=MSGS, max_tokens=1,  # type: ignore[arg-type]
                                            seed=WORDS)
     assert r.choices[0].finish_reason == "stop" and r.usage is not None and r.usage.completion_tokens == 1
-    _leak_check(c, name)
+    assert_no_leaks_by_name(c, name)
 
 
 @pytest.mark.parametrize("name", ["disagg", "colo"])
@@ -114,4 +100,4 @@ def test_a_stop_string_in_the_last_allowed_token_is_a_stop(clusters: dict[str, C
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "stop"
         assert choice["message"]["content"] == proc.decode(reply_ids[:WORDS - 1])
-    _leak_check(c, name)
+    assert_no_leaks_by_name(c, name)

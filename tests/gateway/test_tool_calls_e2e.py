@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 
 from gateway.text import TextProcessor
-from tests.gateway.conftest import MSGS, Cluster, read_record
+from tests.gateway.conftest import (
+    MSGS,
+    Cluster,
+    assert_no_leaks_by_name,
+    disaggregated_and_colocated,
+    read_record,
+)
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -29,21 +35,8 @@ TOOLS: Any = [{"type": "function", "function": {"name": "weather", "parameters":
 def clusters(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path,
              proc: TextProcessor) -> Iterator[dict[str, Cluster]]:
     ids = ",".join(map(str, [*proc.encode(REPLY), proc.eos_token_id]))
-    out = {}
-    try:
-        out["disagg"] = Cluster(tmp_path_factory.mktemp("pd"), tokenizer_dir, reasoning_parser="qwen3")
-        out["disagg"].start_worker("prefill", "p1", output_ids=ids, eos_id=proc.eos_token_id)
-        out["disagg"].start_worker("decode", "d1", output_ids=ids, eos_id=proc.eos_token_id)
-        out["colo"] = Cluster(tmp_path_factory.mktemp("colo"), tokenizer_dir, reasoning_parser="qwen3")
-        out["colo"].start_worker("colocated", "c1", output_ids=ids, eos_id=proc.eos_token_id)
-        yield out
-    finally:
-        for c in out.values():
-            c.close()
-
-
-def _leak_check(c: Cluster, name: str) -> None:
-    c.assert_no_leaks(("d1",) if name == "disagg" else ())
+    yield from disaggregated_and_colocated(tmp_path_factory, tokenizer_dir, ids, proc.eos_token_id,
+                                           reasoning_parser="qwen3")
 
 
 def _whole(c: Cluster, **kw: Any) -> dict[str, Any]:
@@ -90,7 +83,7 @@ def test_tool_call_with_reasoning(clusters: dict[str, Cluster], name: str) -> No
     assert whole == {"content": "Let me check.", "reasoning": f"\n{THINK}\n",
                      "calls": [("weather", json.dumps(CALL["arguments"]))], "finish": "tool_calls"}
     assert _streamed(c, tools=TOOLS) == whole
-    _leak_check(c, name)
+    assert_no_leaks_by_name(c, name)
 
 
 @pytest.mark.parametrize("name", ["disagg", "colo"])
@@ -101,7 +94,7 @@ def test_tool_choice_none_and_no_tools_parse_no_calls(clusters: dict[str, Cluste
     for kw in ({"tools": TOOLS, "tool_choice": "none"}, {}):
         assert _whole(c, **kw) == expected
         assert _streamed(c, **kw) == expected
-    _leak_check(c, name)
+    assert_no_leaks_by_name(c, name)
 
 
 def test_disaggregated_equals_colocated(clusters: dict[str, Cluster]) -> None:
@@ -109,7 +102,7 @@ def test_disaggregated_equals_colocated(clusters: dict[str, Cluster]) -> None:
             for name, c in clusters.items()}
     assert runs["disagg"] == runs["colo"]
     for name, c in clusters.items():
-        _leak_check(c, name)
+        assert_no_leaks_by_name(c, name)
 
 
 def test_replayed_call_and_result_reach_the_template(clusters: dict[str, Cluster],
@@ -188,4 +181,4 @@ def test_responses_logprobs_and_reasoning_summary(clusters: dict[str, Cluster], 
         x.model_dump() for x in streamed.output[1].content[0].logprobs or []]
     summary = "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta")
     assert summary == f"\n{THINK}\n"
-    _leak_check(c, name)
+    assert_no_leaks_by_name(c, name)
