@@ -262,12 +262,18 @@ class NamedFunction(BaseModel):
 
 
 class NamedToolChoice(BaseModel):
-    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+    """``tool_choice: {"type": "function", "function": {"name": ...}}`` (another type, e.g. ``custom``, is a
+    400 ``unsupported_parameter`` naming ``tool_choice.type``)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["function"]
     function: NamedFunction
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _functions_only(cls, value: Any) -> Any:
+        return check_type(value, ("function",), "tool choices", {}, "pdserve supports only function tools")
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice

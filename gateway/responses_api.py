@@ -168,12 +168,18 @@ class ResponsesFunctionTool(FunctionDefinition):
 
 
 class ResponsesToolChoiceFunction(BaseModel):
-    """``tool_choice: {"type": "function", "name": ...}``."""
+    """``tool_choice: {"type": "function", "name": ...}`` (another type, e.g. a built-in tool's, is a 400
+    ``unsupported_parameter`` naming ``tool_choice.type``)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["function"]
     name: str
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _functions_only(cls, value: Any) -> Any:
+        return check_type(value, ("function",), "tool choices", {}, "pdserve supports only function tools")
 
 
 class TextFormat(BaseModel):

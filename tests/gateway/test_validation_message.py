@@ -153,6 +153,11 @@ CHAT_PART = "messages.0.content.0.type"
                                                                     "vector_store_ids": ["v"]}]},
      "tools.1.type", "unsupported_parameter",
      "tools.1.type: 'file_search' tools are not supported: pdserve supports only function tools"),
+    (ResponsesRequest, {"tool_choice": {"type": "web_search"}}, "tool_choice.type", "unsupported_parameter",
+     "tool_choice.type: 'web_search' tool choices are not supported: pdserve supports only function tools"),
+    (ChatCompletionRequest, {"tool_choice": {"type": "custom", "custom": {"name": "c"}}}, "tool_choice.type",
+     "unsupported_parameter", "tool_choice.type: 'custom' tool choices are not supported: pdserve supports "
+                              "only function tools"),
     (ChatCompletionRequest, {"tools": [{"type": "custom", "custom": {"name": "c"}}]}, "tools.0.type",
      "unsupported_parameter", "tools.0.type: 'custom' tools are not supported: pdserve supports only "
                               "function tools"),
