@@ -102,7 +102,7 @@ def up_refusal(settings: UpSettings, model_config: Mapping[str, Any] | None = No
     if model_config is not None and (
             why := model_config_problem(worker, model_config, device, settings.model)) is not None:
         return why
-    if worker.num_blocks is not None and (
+    if model_config is None and worker.num_blocks is not None and (  # else model_config_problem's
             why := kv_capacity_problem(worker.max_model_len, worker.num_blocks, worker.block_size)):
         return why
     if (why := attention_backend_problem(worker.attention_backend, device)) is not None:
