@@ -3,7 +3,9 @@
 
 Every flag ``--foo-bar`` also reads the environment variable ``PDSERVE_FOO_BAR`` (the command line wins;
 repeatable flags take a comma-separated env value, whose empty entries are kept for the settings to refuse:
-``PDSERVE_API_KEY=`` is an error, not "no key"). Flags and defaults: docs/contracts.md.
+``PDSERVE_API_KEY=`` is an error, not "no key"). A subcommand reads, and refuses bad values of, only the
+variables of its own flags (``up`` also those of the gateway's and the workers' flags it sets itself, as
+its children inherit its environment). Flags and defaults: docs/contracts.md.
 Worker roles and ``up`` dispatch lazily to ``prefill_worker.main:run``, ``decode_worker.main:run``,
 ``workers.colocated:run`` and ``pdserve.launcher:run``; ``bench`` to ``loadtest.cli``.
 """
@@ -44,10 +46,28 @@ def parse_bool(text: str | bool) -> bool:
 class _OneLineParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors are one line on stderr, ``"<prog>: error: <message> (see
     <prog> --help)"``, and exit status 2 (argparse prints the whole usage first: 47 lines for ``pdserve up``).
-    Subparsers are of this class too (``add_subparsers`` takes the parent's class)."""
+    Subparsers are of this class too (``add_subparsers`` takes the parent's class).
+
+    ``env_problems``: the ``PDSERVE_*`` values this parser's command reads that could not be converted
+    (variable → (flag, why), filled by ``_EnvAdder``); the first is refused when this parser parses, in one
+    line naming the variable and the flag with exit status 2, before ``--help`` or any other flag. A
+    subcommand's parser parses only when that subcommand is chosen, so the variables of another's flags stop
+    nothing.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.env_problems: dict[str, tuple[str, str]] = {}
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        if self.env_problems:
+            variable, (flag, why) = next(iter(self.env_problems.items()))
+            self.exit(2, f"{self.prog}: bad value for {variable} ({flag}): {why}\n")
+        return super().parse_known_args(args, namespace)
 
 
 class _CommandLineAppend(argparse.Action):
@@ -62,9 +82,11 @@ class _CommandLineAppend(argparse.Action):
 
 
 class _EnvAdder:
-    """Adds flags to a parser, taking each default from ``PDSERVE_<FLAG>`` when set."""
+    """Adds flags to a parser, taking each default from ``PDSERVE_<FLAG>`` when set; a value that cannot be
+    converted to the flag's type leaves the flag's own default and is noted in the parser's
+    ``env_problems`` (refused when that parser parses: ``_OneLineParser``)."""
 
-    def __init__(self, parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    def __init__(self, parser: _OneLineParser, env: Mapping[str, str]) -> None:
         self.parser, self.env = parser, env
 
     def __call__(self, flag: str, **kw: Any) -> None:
@@ -77,9 +99,8 @@ class _EnvAdder:
                     kw["default"] = [conv(x) for x in raw.split(",")]
                 else:
                     kw["default"] = conv(raw)
-            except (ValueError, argparse.ArgumentTypeError) as exc:  # one line, exit 2 as a bad flag
-                print(f"pdserve: bad value for {env_name}: {exc}", file=sys.stderr)
-                raise SystemExit(2) from exc
+            except (ValueError, argparse.ArgumentTypeError) as exc:  # refused if this command is chosen
+                self.parser.env_problems[env_name] = (flag, str(exc))
         if kw.get("action") == "append":
             kw["action"] = _CommandLineAppend
         shown = "" if kw.get("default") in (None, "", []) else " (default: %(default)s)"
@@ -283,23 +304,33 @@ def _add_up(add: _Adder) -> None:
     _add_worker(_Skipping(add, _UP_OWN_WORKER_FLAGS), "up")
 
 
+def _add_parser(subs: Any, name: str, **kw: Any) -> _OneLineParser:
+    """``subs.add_parser(name, **kw)``: a subcommand's parser, of the top-level parser's class."""
+    sub = subs.add_parser(name, **kw)
+    assert isinstance(sub, _OneLineParser)
+    return sub
+
+
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The full ``pdserve`` parser; ``env`` (default ``os.environ``) supplies ``PDSERVE_*`` defaults.
 
-    Raises:
-        SystemExit: code 2 after one line on stderr naming the variable, when an env value cannot be
-            converted to the flag's type.
+    A value that cannot be converted to its flag's type is refused only when the subcommand that reads it
+    parses (``SystemExit`` code 2 after one line on stderr naming the variable and the flag): its own
+    flags', and for ``up`` also those of its children (gateway and workers), which inherit its
+    environment. Another subcommand's variables neither stop nor change a command.
     """
     env = os.environ if env is None else env
     parser = _OneLineParser(prog="pdserve", description="Disaggregated prefill/decode serving")
     subs = parser.add_subparsers(dest="command", required=True)
+    roles: dict[str, _OneLineParser] = {}
     for name, help_text in (("up", "gateway + workers on this host"), ("gateway", "OpenAI API gateway"),
                             ("prefill", "prefill worker"), ("decode", "decode worker"),
                             ("colocated", "prefill+decode worker")):
         epilog = None if name != "up" else (
             "--host and --port are the gateway's HTTP address; the gateway's other flags and the workers' "
             "pass through to them (each worker gets the same), as do PDSERVE_* environment variables.")
-        add = _EnvAdder(subs.add_parser(name, help=help_text, epilog=epilog), env)
+        roles[name] = _add_parser(subs, name, help=help_text, epilog=epilog)
+        add = _EnvAdder(roles[name], env)
         _add_common(add)
         _add_control_plane(add, up=name == "up")
         if name == "gateway":
@@ -308,7 +339,11 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
             _add_up(add)
         else:
             _add_worker(add, name)
-    keygen = subs.add_parser("keygen", help="make the fleet's CURVE key pair (for --curve-keys)")
+    for name, role in roles.items():  # up's children read the flags it sets itself from its environment
+        for variable, (flag, why) in role.env_problems.items():
+            if name != "up" and variable not in roles["up"].env_problems:
+                roles["up"].env_problems[variable] = (f"{flag} of the {name} process pdserve up starts", why)
+    keygen = _add_parser(subs, "keygen", help="make the fleet's CURVE key pair (for --curve-keys)")
     keygen.add_argument("directory", help="where to write fleet.key_secret and fleet.key (made 0700)")
     _bool_flag(_EnvAdder(keygen, env), "--exist-ok", False,
                "a valid key pair already there is kept (exit 0) instead of an error")

@@ -51,9 +51,59 @@ def test_every_flag_reads_env(tmp_path: Path) -> None:
 
 def test_bad_env_value_names_the_variable(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        build_parser({"PDSERVE_PORT": "eighty"})
+        build_parser({"PDSERVE_PORT": "eighty"}).parse_args(["gateway"])
     assert exc.value.code == 2  # as a bad flag value
-    assert capsys.readouterr().err.startswith("pdserve: bad value for PDSERVE_PORT: ")
+    assert capsys.readouterr().err.startswith("pdserve gateway: bad value for PDSERVE_PORT (--port): ")
+
+
+# (variable, its flag, the commands that read it): each of these refuses a bad value, every other command
+# neither checks nor applies it. `up` also checks the flags it sets itself for its children (--workers,
+# --metrics-port), as they inherit its environment.
+_ENV_READERS = [
+    ("PDSERVE_ADMISSION_BUDGET", "--admission-budget", {"gateway", "up"}),
+    ("PDSERVE_WORKERS", "--workers", {"gateway", "up"}),
+    ("PDSERVE_DECODE_PREFIX_REUSE", "--decode-prefix-reuse", {"decode", "up"}),
+    ("PDSERVE_BLOCK_SIZE", "--block-size", {"prefill", "decode", "colocated", "up"}),
+    ("PDSERVE_METRICS_PORT", "--metrics-port", {"prefill", "decode", "colocated", "up"}),
+    ("PDSERVE_NUM_PREFILL", "--num-prefill", {"up"}),
+    ("PDSERVE_EXIST_OK", "--exist-ok", {"keygen"}),
+]
+_COMMANDS = {"up": ["up"], "gateway": ["gateway"], "prefill": ["prefill"], "decode": ["decode"],
+             "colocated": ["colocated"], "keygen": ["keygen", "some-dir"], "bench": ["bench"]}
+
+
+@pytest.mark.parametrize(("variable", "flag", "readers"), _ENV_READERS)
+def test_a_bad_env_value_concerns_only_the_commands_that_take_its_flag(
+        variable: str, flag: str, readers: set[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``PDSERVE_ADMISSION_BUDGET=banana pdserve prefill`` exited 2: every subcommand's env defaults were
+    read and converted up front. Now a command refuses (one line naming the variable and the flag, exit
+    2, before ``--help`` or anything else) only a value it would read; another command ignores it."""
+    dest = flag.lstrip("-").replace("-", "_")
+    for command, argv in _COMMANDS.items():
+        if command in readers:
+            with pytest.raises(SystemExit) as exc:
+                build_parser({variable: "banana"}).parse_known_args([*argv, "--help"])
+            assert exc.value.code == 2, command
+            [line] = capsys.readouterr().err.splitlines()
+            assert line.startswith(f"pdserve {command}: bad value for {variable} ({flag}"), line
+        else:
+            args, unknown = build_parser({variable: "banana"}).parse_known_args(argv)
+            assert args.command == command and unknown == [] and not hasattr(args, dest), command
+            assert capsys.readouterr().err == ""
+
+
+def test_a_bad_env_value_of_another_commands_flag_stops_nothing(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ``main``: ``keygen`` and a worker run with a bad decode-only and gateway-only variable set."""
+    monkeypatch.setenv("PDSERVE_DECODE_PREFIX_REUSE", "maybe")
+    monkeypatch.setenv("PDSERVE_ADMISSION_BUDGET", "banana")
+    assert main(["keygen", str(tmp_path / "keys")]) == 0
+    seen: list[object] = []
+    fake = types.ModuleType("prefill_worker.main")
+    fake.run = seen.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "prefill_worker.main", fake)
+    assert main(["prefill", "--worker-id", "p0", "--insecure-control-plane"]) == 0
+    assert isinstance(seen[0], WorkerSettings) and seen[0].decode_prefix_reuse is True
 
 
 def test_settings_validation_names_the_flag() -> None:
@@ -153,8 +203,9 @@ def test_seconds_flags_take_durations_like_pdserve_bench(capsys: pytest.CaptureF
     two = settings_from_args(build_parser(OPEN).parse_args(["gateway", "--request-timeout", "2m"]))
     assert isinstance(two, GatewaySettings) and two.request_timeout == 120.0
     with pytest.raises(SystemExit) as exc:
-        build_parser({"PDSERVE_REQUEST_TIMEOUT": "soon"})
-    assert exc.value.code == 2 and "bad value for PDSERVE_REQUEST_TIMEOUT" in capsys.readouterr().err
+        build_parser({"PDSERVE_REQUEST_TIMEOUT": "soon"}).parse_args(["gateway"])
+    assert exc.value.code == 2
+    assert "bad value for PDSERVE_REQUEST_TIMEOUT (--request-timeout)" in capsys.readouterr().err
 
 
 def test_admission_budget_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -169,8 +220,9 @@ def test_admission_budget_flag(capsys: pytest.CaptureFixture[str]) -> None:
     [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("pdserve gateway: error")]
     assert "argument --admission-budget" in line
     with pytest.raises(SystemExit) as exc:
-        build_parser({"PDSERVE_ADMISSION_BUDGET": "soon"})
-    assert exc.value.code == 2 and "bad value for PDSERVE_ADMISSION_BUDGET" in capsys.readouterr().err
+        build_parser({"PDSERVE_ADMISSION_BUDGET": "soon"}).parse_args(["gateway"])
+    assert exc.value.code == 2
+    assert "bad value for PDSERVE_ADMISSION_BUDGET (--admission-budget)" in capsys.readouterr().err
 
 
 def test_up_takes_the_gateway_and_worker_flags_and_checks_them_first() -> None:
