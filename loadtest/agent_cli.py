@@ -66,10 +66,16 @@ def _defaults() -> dict[str, Any]:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Refuse flags that do not apply: another workload's with ``agent``, the agent's with another.
+    """Refuse flags that do not apply: another workload's with ``agent``, the agent's with another, and
+    ``--dataset-path`` with any workload but ``sharegpt`` (the only one that reads it). For ``--dataset-path``
+    and the other workloads' flags with ``agent``, a value equal to the default (``PDSERVE_<FLAG>`` when
+    set) is not refused: the workload ignores it.
 
     Raises ValueError naming the flag.
     """
+    if (args.workload != "sharegpt" and args.dataset_path
+            and args.dataset_path != _defaults()["dataset_path"]):
+        raise ValueError(f"--dataset-path: only read by --workload sharegpt (got --workload {args.workload})")
     if args.workload != "agent":
         for flag, (dest, _) in AGENT_FLAGS.items():
             if getattr(args, dest) not in (None, []):

@@ -48,7 +48,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--prompt-format", default="tokens", choices=("tokens", "text"))
     _add(parser, "--input-len", default="fixed:128", help="fixed:N | uniform:LO,HI | normal:MEAN,STD")
     _add(parser, "--output-len", default="fixed:64", help="max_tokens distribution (same syntax)")
-    _add(parser, "--dataset-path", help="ShareGPT JSON file (workload sharegpt)")
+    _add(parser, "--dataset-path", help="ShareGPT JSON file (read by workload sharegpt only; refused with "
+                                        "another)")
     _add(parser, "--num-turns", type=int, default=1, help="turns per conversation (multi-turn, sharegpt)")
     _add(parser, "--ignore-eos", action="store_true", help="pin output lengths to max_tokens")
     _add(parser, "--temperature", type=float, default=0.0)
@@ -84,15 +85,18 @@ def _rates(text: str) -> tuple[float, ...]:
 
 
 def config_from_args(args: argparse.Namespace, model: str) -> BenchConfig:
-    """Build and validate the frozen config. Raises ValueError naming the bad flag value (a
-    ``--dataset-path`` that is not a file included; its content is read when the run starts)."""
-    if args.dataset_path and not Path(args.dataset_path).is_file():
-        why = "a directory, not a file" if Path(args.dataset_path).is_dir() else "no such file"
-        raise ValueError(f"--dataset-path {args.dataset_path}: {why}")
+    """Build and validate the frozen config. Raises ValueError naming the bad flag value (with ``--workload
+    sharegpt``, a ``--dataset-path`` that is not a file included; its content is read when the run starts).
+    Another workload does not read the dataset: its ``dataset_path`` is None (a ``--dataset-path`` given
+    with it is refused by ``check_flags``, which runs first)."""
+    dataset_path = args.dataset_path if args.workload == "sharegpt" else None
+    if dataset_path and not Path(dataset_path).is_file():
+        why = "a directory, not a file" if Path(dataset_path).is_dir() else "no such file"
+        raise ValueError(f"--dataset-path {dataset_path}: {why}")
     workload = WorkloadConfig(
         kind=args.workload, prompt_format=args.prompt_format,
         input_len=LengthDist.parse(args.input_len), output_len=LengthDist.parse(args.output_len),
-        dataset_path=args.dataset_path, num_turns=int(args.num_turns),
+        dataset_path=dataset_path, num_turns=int(args.num_turns),
     )
     duration = parse_duration(args.duration) if args.duration else None
     num = int(args.num_requests) if args.num_requests is not None else (None if duration else 100)

@@ -20,10 +20,11 @@ class WorkloadConfig:
     """What to send.
 
     ``kind``: ``random`` (synthetic prompts), ``sharegpt`` (a ShareGPT-format JSON file at
-    ``dataset_path``), ``multi-turn`` (synthetic conversations of ``num_turns`` turns that share a growing
-    prefix). ``prompt_format``: ``tokens`` sends token-id prompts (exact lengths, completions endpoint
-    only) and ``text`` sends words (about one token each). ``num_turns`` caps turns per ShareGPT
-    conversation too. Token ids are drawn uniformly from ``[vocab_low, vocab_high)``.
+    ``dataset_path``, which only this kind reads: None for the others), ``multi-turn`` (synthetic
+    conversations of ``num_turns`` turns that share a growing prefix). ``prompt_format``: ``tokens`` sends
+    token-id prompts (exact lengths, completions endpoint only) and ``text`` sends words (about one token
+    each). ``num_turns`` caps turns per ShareGPT conversation too. Token ids are drawn uniformly from
+    ``[vocab_low, vocab_high)``.
     """
 
     kind: WorkloadKind = "random"
@@ -42,6 +43,8 @@ class WorkloadConfig:
             raise ValueError(f"--prompt-format must be tokens|text, got {self.prompt_format!r}")
         if self.kind == "sharegpt" and not self.dataset_path:
             raise ValueError("--workload sharegpt needs --dataset-path")
+        if self.kind != "sharegpt" and self.dataset_path:
+            raise ValueError(f"--dataset-path: only read by --workload sharegpt (got --workload {self.kind})")
         if self.kind != "random" and self.prompt_format == "tokens":
             raise ValueError(f"--workload {self.kind} sends text: use --prompt-format text")
         if self.num_turns < 1:

@@ -192,6 +192,9 @@ def test_config_validation_names_the_problem() -> None:
         BenchConfig(url, "m", rates=(0.0,))
     with pytest.raises(ValueError, match="--workload sharegpt needs --dataset-path"):
         WorkloadConfig(kind="sharegpt", prompt_format="text")
+    with pytest.raises(ValueError, match=r"^--dataset-path: only read by --workload sharegpt \(got "
+                                         r"--workload multi-turn\)$"):
+        WorkloadConfig(kind="multi-turn", prompt_format="text", dataset_path="sg.json")
     with pytest.raises(ValueError, match="prompt-format text"):
         WorkloadConfig(kind="multi-turn")
     with pytest.raises(ValueError, match="SLOs"):
@@ -226,3 +229,44 @@ def test_a_temperature_the_gateway_refuses_is_refused_before_load(temperature: f
     for ok in (0.0, 2.0):
         assert BenchConfig("http://127.0.0.1:1", "m", temperature=ok, num_requests=1).temperature == ok
         assert AgentConfig(model="m", systems=systems, temperature=ok).temperature == ok
+
+
+@pytest.mark.parametrize(("workload", "exists"), [
+    ("random", False), ("random", True), ("multi-turn", True), ("agent", True)])
+def test_a_dataset_path_that_the_workload_does_not_read_is_refused(
+        workload: str, exists: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only ``--workload sharegpt`` reads ``--dataset-path``: with another workload it was checked for
+    existence (``--workload random --dataset-path /nonexistent``: "no such file") or silently unused. It is
+    refused in one line naming both flags, exit 2, before any request (the base URL is never reached)."""
+    from loadtest.cli import main
+
+    path = tmp_path / "sg.json"
+    if exists:
+        path.write_text('[{"conversations": [{"from": "human", "value": "hi"}]}]')
+    text = [] if workload == "random" else ["--prompt-format", "text"]
+    argv = ["--model", "m", "--base-url", "http://127.0.0.1:1", "--workload", workload, *text,
+            "--dataset-path", str(path)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --dataset-path: only read by --workload sharegpt (got --workload {workload})"]
+
+
+def test_a_dataset_path_from_the_environment_is_a_default_only_sharegpt_reads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PDSERVE_DATASET_PATH``, like every ``PDSERVE_*`` value, is a default: a workload that does not read
+    the dataset neither checks nor keeps it (as the agent workload's flags that do not apply)."""
+    import argparse
+
+    from loadtest.agent_cli import check_flags
+    from loadtest.cli import add_bench_arguments, config_from_args
+
+    monkeypatch.setenv("PDSERVE_DATASET_PATH", "/nonexistent")
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    args = parser.parse_args(["--workload", "random"])
+    check_flags(args)
+    assert config_from_args(args, "m").workload.dataset_path is None
+    sharegpt = parser.parse_args(["--workload", "sharegpt", "--prompt-format", "text"])
+    check_flags(sharegpt)
+    with pytest.raises(ValueError, match=r"^--dataset-path /nonexistent: no such file$"):
+        config_from_args(sharegpt, "m")
