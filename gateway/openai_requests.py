@@ -152,7 +152,8 @@ class ChatMessage(BaseModel):
     the result of one call and carries its ``tool_call_id``. ``name`` goes to the chat template, and is
     refused where the template does not render it (gateway/prepare.py). The keys an assistant message of
     a response carries back into the history (``function_call``, ``refusal``, ``audio``, ``annotations``)
-    are accepted only empty (null or ``[]``). Any other key is refused.
+    are accepted only empty (null or ``[]``): another value is a 400 naming the key, on every endpoint
+    that takes messages (``prepare.check_message_keys``). Any other key is refused.
 
     Raises (validation, a 400 naming the message): content null outside an assistant message with tool
     calls, ``tool_calls`` or ``reasoning_content`` on another role, a ``tool`` message without

@@ -13,7 +13,7 @@ get ``stop_token_ids``. Every check raises ``APIError`` (400/404/503) before any
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from gateway.openai_requests import (
     INT64_MAX,
     MAX_STOP_CHARS,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
 )
 from gateway.reasoning import select_reasoning_parser
@@ -108,10 +109,7 @@ def _check_caps(svc: GatewayService, body: Body) -> None:
     if unsupported:
         raise bad_request(f"{unsupported[0]} is not supported yet", unsupported[0], "unsupported_parameter")
     if isinstance(body, ChatCompletionRequest):
-        found = next((f"messages.{i}.{key}" for i, m in enumerate(body.messages)
-                      for key in m.unsupported_keys()), None)
-        if found is not None:
-            raise bad_request(f"{found} is not supported yet", found, "unsupported_parameter")
+        check_message_keys(body.messages)
     if body.store:
         raise bad_request("store: true is not supported: pdserve stores no completions", "store",
                           "unsupported_parameter")
@@ -125,6 +123,20 @@ def _check_caps(svc: GatewayService, body: Body) -> None:
         if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise bad_request(f"logit_bias of token {token_id} is {bias}, outside [-{MAX_LOGIT_BIAS:g}, "
                               f"{MAX_LOGIT_BIAS:g}]", "logit_bias")
+
+
+def check_message_keys(messages: Sequence[ChatMessage]) -> None:
+    """Refuse the first key a message sets that pdserve cannot honour (``ChatMessage.unsupported_keys``:
+    what an assistant message of a response carries back, e.g. ``refusal``), for every endpoint that takes
+    chat messages (chat completions, ``/tokenize``).
+
+    Raises:
+        APIError: 400 ``unsupported_parameter`` naming ``messages.<i>.<key>``.
+    """
+    found = next((f"messages.{i}.{key}" for i, m in enumerate(messages) for key in m.unsupported_keys()),
+                 None)
+    if found is not None:
+        raise bad_request(f"{found} is not supported yet", found, "unsupported_parameter")
 
 
 def _check_completion(body: CompletionRequest) -> None:

@@ -8,6 +8,7 @@ from gateway.openai_requests import DetokenizeRequest, TokenizeRequest
 from gateway.openai_responses import DetokenizeResponse, TokenizeResponse
 from gateway.prepare import (
     check_ids,
+    check_message_keys,
     check_model,
     encode_text,
     max_model_len,
@@ -24,13 +25,16 @@ def tokenize(svc: GatewayService, body: TokenizeRequest) -> TokenizeResponse:
 
     Raises:
         APIError: 400 when neither or both of ``prompt`` and ``messages`` are given, ``tools`` or
-            ``chat_template_kwargs`` come without ``messages``, a tool is invalid (as on chat), the text
-            is not valid Unicode or the template fails; 404 for another ``model``; 503 without a worker
-            or tokenizer.
+            ``chat_template_kwargs`` come without ``messages``, a message sets a key chat refuses
+            (``unsupported_parameter`` naming ``messages.<i>.<key>``), a tool is invalid (as on chat),
+            the text is not valid Unicode or the template fails; 404 for another ``model``; 503 without
+            a worker or tokenizer.
     """
     check_model(svc, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
+    if body.messages is not None:
+        check_message_keys(body.messages)
     text = text_processor(svc)
     if body.messages is not None:
         tools = template_tools(body.tools) if body.tools else None

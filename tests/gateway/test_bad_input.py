@@ -321,6 +321,26 @@ def test_duplicate_request_id_in_flight_is_400(gw: Cluster) -> None:
     gw.assert_no_leaks(("d1",))
 
 
+@pytest.mark.parametrize(("key", "value"), [
+    ("refusal", "I cannot help with that."), ("audio", {"id": "audio_1"}),
+    ("function_call", {"name": "f", "arguments": "{}"}),
+    ("annotations", [{"type": "url_citation", "url_citation": {"url": "https://x", "title": "x",
+                                                               "start_index": 0, "end_index": 1}}]),
+])
+def test_tokenize_refuses_the_message_keys_chat_refuses(gw: Cluster, key: str, value: Any) -> None:
+    """An assistant message's key that a chat completion refuses is refused by ``/tokenize`` alike: the
+    same 400 (code, param, message), not tokenized as if it were not there; empty, it is accepted by both."""
+    messages = [*MSGS, {"role": "assistant", "content": "hello", key: value}, *MSGS]
+    param = f"messages.1.{key}"
+    errors = [check_error(httpx.post(gw.base + path, json=body, headers=AUTH, timeout=10), 400, param)
+              for path, body in ((CHAT, chat(messages=messages)), ("/tokenize", {"messages": messages}))]
+    assert errors[0]["code"] == "unsupported_parameter" and param in errors[0]["message"], errors[0]
+    assert errors[1] == errors[0]
+    messages[1][key] = [] if key == "annotations" else None
+    for path, body in ((CHAT, chat(messages=messages)), ("/tokenize", {"messages": messages})):
+        assert httpx.post(gw.base + path, json=body, headers=AUTH, timeout=10).status_code == 200
+
+
 def test_healthy_after_bad_input(gw: Cluster) -> None:
     """Runs last in the module: no 5xx was ever answered, the workers live, nothing leaked, still serving."""
     text = gw.metrics()
