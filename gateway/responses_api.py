@@ -13,10 +13,10 @@ not summarize, so ``concise`` is a 400, as is a ``reasoning.effort``: nothing se
 (dropping input items to fit) is a 400. ``input`` is a string (one user message) or a list of items: messages
 (``role`` user / system / developer / assistant; ``content`` a string or ``input_text`` /
 ``output_text`` parts), ``function_call`` items (an earlier call of the model),
-``function_call_output`` items (its result: a string or ``input_text`` parts, whose texts are joined;
-``input_image`` / ``input_file`` parts are a 400) and ``reasoning`` items (earlier reasoning, given to the
-chat template as the next assistant turn's ``reasoning_content``): every item of a response's
-``output`` is valid input as it was returned. ``instructions`` becomes a leading system message.
+``function_call_output`` items (its result: a string or ``input_text`` parts, whose texts are joined)
+and ``reasoning`` items (earlier reasoning, given to the chat template as the next assistant turn's
+``reasoning_content``): every item of a response's ``output`` is valid input as it was returned.
+``instructions`` becomes a leading system message.
 ``user`` and ``safety_identifier`` are accepted and ignored by design, as on chat (end-user ids for a
 provider's abuse monitoring), as is ``service_tier`` ``auto`` / ``default`` (any other tier is a 400,
 as on chat). ``max_tool_calls`` limits calls to OpenAI's built-in tools; pdserve has none (function
@@ -24,7 +24,8 @@ calls are not counted by it, on OpenAI either), so any value is met. ``backgroun
 ``conversation``, ``prompt``, ``prompt_cache_key``, ``prompt_cache_retention``, ``context_management``,
 ``stream_options.include_obfuscation: true`` and ``text.verbosity`` are 400s naming the field
 (``UNSUPPORTED``). A tool other than a function tool (OpenAI's built-in tools) and an image, file or
-audio part of a message are 400s naming their ``type`` (``openai_requests.check_type``).
+audio part of a message or of a ``function_call_output``'s ``output`` are 400s naming their ``type``
+(``openai_requests.check_type``).
 
 The ``response`` object and its streaming events: gateway/responses_output.py.
 """
@@ -49,6 +50,9 @@ from gateway.openai_requests import (
 # content part types of OpenAI's Responses input messages that pdserve cannot honour, and why
 PARTS_NOT_SUPPORTED = {"input_image": TEXT_MODELS, "input_file": TEXT_MODELS, "input_audio": TEXT_MODELS,
                        "refusal": "send the assistant's text as 'output_text' parts"}
+# part types of a function_call_output's output that pdserve cannot honour, and why
+OUTPUT_PARTS_NOT_SUPPORTED = {"input_image": TEXT_MODELS, "input_file": TEXT_MODELS,
+                              "input_audio": TEXT_MODELS}
 
 
 class InputText(BaseModel):
@@ -124,32 +128,29 @@ class ReasoningInputItem(BaseModel):
 
 
 class OutputTextPart(BaseModel):
-    """An ``input_text`` part of a ``function_call_output``'s ``output``."""
+    """An ``input_text`` part of a ``function_call_output``'s ``output`` (an image, file or audio part is
+    a 400 ``unsupported_parameter`` naming its ``type``, as a message's is)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["input_text"]
     text: str
 
-
-class OutputMediaPart(BaseModel):
-    """An ``input_image`` / ``input_file`` part of a ``function_call_output``'s ``output``: declared only
-    to be refused by name (``check_supported``; pdserve serves text models)."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    type: Literal["input_image", "input_file"]
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        return check_type(value, ("input_text",), "content parts", OUTPUT_PARTS_NOT_SUPPORTED)
 
 
 class FunctionCallOutputItem(BaseModel):
     """A ``function_call_output`` item of ``input``: the result of the call ``call_id``, a string or a
-    list of content parts (``input_text`` parts' texts joined; image and file parts refused)."""
+    list of ``input_text`` parts (their texts joined)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[Annotated[OutputTextPart | OutputMediaPart, Field(discriminator="type")]]
+    output: str | list[OutputTextPart]
     id: str | None = None
     status: str | None = None
 
@@ -335,8 +336,7 @@ def check_supported(body: ResponsesRequest) -> None:
         APIError: 400 naming ``include`` (a value other than ``message.output_text.logprobs``),
             ``top_logprobs`` (without that value), ``reasoning.effort`` (set),
             ``reasoning.summary`` / ``reasoning.generate_summary`` (``concise``) or ``truncation``
-            (``auto``), ``input.N.encrypted_content`` (set), ``input.N.output.M`` (an image or file
-            part of a function call's output), an ``UNSUPPORTED`` field set to a value
+            (``auto``), ``input.N.encrypted_content`` (set), an ``UNSUPPORTED`` field set to a value
             that asks for something, or ``stream_options`` without ``stream``.
     """
     for name, (harmless, why) in UNSUPPORTED.items():
@@ -366,12 +366,6 @@ def check_supported(body: ResponsesRequest) -> None:
             raise bad_request("encrypted_content of a reasoning item is not supported (pdserve never "
                               "produces it; send the reasoning's content or summary)",
                               f"input.{i}.encrypted_content", "unsupported_parameter")
-        parts = item.output if isinstance(item, FunctionCallOutputItem) else None
-        for j, part in enumerate(parts if isinstance(parts, list) else ()):
-            if isinstance(part, OutputMediaPart):
-                raise bad_request(f"input.{i}.output.{j}: {part.type} parts are not supported (pdserve "
-                                  "serves text models; send the result as text)", f"input.{i}.output.{j}",
-                                  "unsupported_parameter")
     if body.truncation == "auto":
         raise bad_request("truncation: 'auto' is not supported (pdserve drops no input items; a prompt over "
                           "the context length is a 400)", "truncation", "unsupported_parameter")
@@ -408,8 +402,7 @@ def _input_messages(items: list[InputItem]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
-            output = item.output if isinstance(item.output, str) else "".join(
-                p.text for p in item.output if isinstance(p, OutputTextPart))
+            output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         if reasoning is not None and messages[-1]["role"] == "assistant":
             messages[-1]["reasoning_content"] = reasoning

@@ -341,6 +341,25 @@ def test_tokenize_refuses_the_message_keys_chat_refuses(gw: Cluster, key: str, v
         assert httpx.post(gw.base + path, json=body, headers=AUTH, timeout=10).status_code == 200
 
 
+@pytest.mark.parametrize("part", [
+    {"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}},
+    {"type": "input_file", "file_id": "file_1"},
+])
+def test_responses_function_call_output_part_not_taken_is_one_sentence(gw: Cluster, part: Any) -> None:
+    """A part of a ``function_call_output``'s ``output`` that pdserve cannot take is refused at its
+    ``type`` in one sentence (``unsupported_parameter``), as a message's content part is, not with the
+    parts' union errors."""
+    items = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": [
+                 {"type": "input_text", "text": "4"}, part]}]
+    resp = httpx.post(gw.base + "/v1/responses", json={"model": "fake-model", "input": items}, headers=AUTH,
+                      timeout=10)
+    err = check_error(resp, 400, "input.1.output.1.type")
+    assert err["code"] == "unsupported_parameter", err
+    assert err["message"].startswith(f"input.1.output.1.type: '{part['type']}' content parts are not "
+                                     "supported"), err
+
+
 def test_healthy_after_bad_input(gw: Cluster) -> None:
     """Runs last in the module: no 5xx was ever answered, the workers live, nothing leaked, still serving."""
     text = gw.metrics()

@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import msgspec
+import pydantic
 import pytest
 
 from gateway.errors import APIError
@@ -17,6 +18,7 @@ from gateway.openai_responses import ChatTokenLogprob
 from gateway.responses_api import ResponsesRequest, chat_body, check_supported, responses_param
 from gateway.responses_output import InputTokensDetails, OutputTokensDetails, ResponseBuilder, ResponseUsage
 from gateway.tool_parsers.events import ContentText, ReasoningText, ToolCallArguments, ToolCallStart
+from gateway.validation_message import validation_error
 
 
 def test_chat_body_of_items_instructions_tools_and_format() -> None:
@@ -287,17 +289,24 @@ def test_chat_reasoning_content_reaches_the_template_on_assistant_messages_only(
         ChatCompletionRequest.model_validate({"model": "m", "messages": [{**m, "role": "user"}]})
 
 
-def test_function_call_output_as_content_parts() -> None:
-    """``output`` as ``input_text`` parts is the tool message's text (joined); an image or file part is
-    refused by its position."""
+@pytest.mark.parametrize("part", [
+    {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"},
+    {"type": "input_file", "file_id": "file_1"},
+    {"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}},
+])
+def test_function_call_output_as_content_parts(part: dict[str, Any]) -> None:
+    """``output`` as ``input_text`` parts is the tool message's text (joined); an image, file or audio part
+    is refused at its ``type`` (``unsupported_parameter``, one sentence naming the type)."""
     parts = [{"type": "input_text", "text": "4"}, {"type": "input_text", "text": "2"}]
     items = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
              {"type": "function_call_output", "call_id": "c1", "output": parts}]
     body = ResponsesRequest.model_validate({"model": "m", "input": items})
     check_supported(body)
     assert chat_body(body)["messages"][-1] == {"role": "tool", "tool_call_id": "c1", "content": "42"}
-    image = {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "auto"}
-    items[1] = {**items[1], "output": [parts[0], image]}
-    with pytest.raises(APIError) as info:
-        check_supported(ResponsesRequest.model_validate({"model": "m", "input": items}))
-    assert info.value.param == "input.1.output.1" and "input_image" in info.value.message
+    items[1] = {**items[1], "output": [parts[0], part]}
+    with pytest.raises(pydantic.ValidationError) as info:
+        ResponsesRequest.model_validate({"model": "m", "input": items})
+    err = validation_error(info.value.errors(), {"model": "m", "input": items})
+    assert (err.status, err.param, err.code) == (400, "input.1.output.1.type", "unsupported_parameter")
+    assert err.message == (f"input.1.output.1.type: '{part['type']}' content parts are not supported: "
+                           "pdserve serves text models (send the content as text)")

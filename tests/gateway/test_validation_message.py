@@ -144,6 +144,10 @@ def test_numbers_take_json_integers_and_logit_bias_keys_are_strings() -> None:
 
 
 CHAT_PART = "messages.0.content.0.type"
+# a function call and its output (a Responses input item), whose second output part is the one at fault
+CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+CALL_OUTPUT = {"type": "function_call_output", "call_id": "c1"}
+CALL_PART = "input.1.output.1.type"
 
 
 @pytest.mark.parametrize(("model", "fields", "param", "code", "message"), [
@@ -178,6 +182,20 @@ CHAT_PART = "messages.0.content.0.type"
     (ResponsesRequest, {"input": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]},
      "input.0.content.0.type", None, "input.0.content.0.type: type must be 'input_text' or 'output_text', "
                                     "not 'text'"),
+    (ResponsesRequest, {"input": [CALL, {**CALL_OUTPUT, "output": [
+        {"type": "input_text", "text": "a"}, {"type": "input_audio", "input_audio": {"data": "AA==",
+                                                                                     "format": "wav"}}]}]},
+     CALL_PART, "unsupported_parameter",
+     f"{CALL_PART}: 'input_audio' content parts are not supported: pdserve serves text models (send the "
+     "content as text)"),
+    (ResponsesRequest, {"input": [CALL, {**CALL_OUTPUT, "output": [
+        {"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "u", "detail": "auto"}]}]},
+     CALL_PART, "unsupported_parameter",
+     f"{CALL_PART}: 'input_image' content parts are not supported: pdserve serves text models (send the "
+     "content as text)"),
+    (ResponsesRequest, {"input": [CALL, {**CALL_OUTPUT, "output": [{"type": "input_text", "text": "a"},
+                                                                   {"type": "foo"}]}]},
+     CALL_PART, None, f"{CALL_PART}: type must be 'input_text', not 'foo'"),
 ])
 def test_an_item_of_a_type_not_taken_is_one_sentence_naming_its_type(
         model: type[pydantic.BaseModel], fields: dict[str, object], param: str, code: str | None,
