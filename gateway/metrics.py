@@ -269,7 +269,8 @@ class GatewayMetrics:
 
     def set_worker_load(self, worker_id: str, role: str, load: WorkerLoad) -> None:
         """Update one worker's series from a heartbeat or registration (counts in requests / blocks;
-        the transfer totals are cumulative bytes and seconds, exposed for prefill workers)."""
+        the transfer totals are cumulative bytes and seconds, exposed for prefill workers). This and
+        ``render`` run on the event loop, so a scrape shows all of one heartbeat's values or none."""
         self.running.labels(worker_id, role).set(load.num_running)
         self.waiting.labels(worker_id, role).set(load.num_waiting)
         self.kv_used.labels(worker_id, role).set(load.num_total_blocks - load.num_free_blocks)

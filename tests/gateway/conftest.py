@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,21 @@ def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def metric_in(text: str, name: str, **labels: str) -> float:
+    """The value of the sample ``name`` with these labels (a subset of its labels) in a ``/metrics`` text.
+
+    Raises:
+        KeyError: no such sample.
+    """
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(name + ("{" + want + "}" if want else " ")) or (
+                want and line.startswith(name + "{") and all(f'{k}="{v}"' in line
+                                                            for k, v in labels.items())):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name}{{{want}}} not in /metrics")
 
 
 def read_record(path: Path) -> list[dict[str, str]]:
@@ -119,13 +134,24 @@ class Cluster:
         return httpx.get(self.base + "/metrics", timeout=5, verify=TLS).text
 
     def metric(self, name: str, **labels: str) -> float:
-        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        for line in self.metrics().splitlines():
-            if line.startswith(name + ("{" + want + "}" if want else " ")) or (
-                    want and line.startswith(name + "{") and all(f'{k}="{v}"' in line
-                                                                for k, v in labels.items())):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(f"{name}{{{want}}} not in /metrics")
+        """One sample of a fresh scrape (``metric_in``). Each call scrapes again: read series that must
+        agree with each other from one ``metrics()`` text."""
+        return metric_in(self.metrics(), name, **labels)
+
+    def wait_metrics(self, cond: Callable[[str], bool], timeout: float, what: str) -> str:
+        """Scrape ``/metrics`` until ``cond`` holds for one scrape's text (at most ``timeout`` s); that text.
+
+        Raises:
+            AssertionError: ``cond`` never held in time.
+        """
+        scrapes: list[str] = []
+
+        def holds() -> bool:
+            scrapes.append(self.metrics())
+            return cond(scrapes[-1])
+
+        wait_until(holds, timeout, what)
+        return scrapes[-1]
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=20,

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from gateway.text import TextProcessor
-from tests.gateway.conftest import MSGS, REPLY, Cluster, read_record, wait_until
+from tests.gateway.conftest import MSGS, REPLY, Cluster, metric_in, read_record, wait_until
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -31,6 +31,13 @@ def pd(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path,
 
 def chat_prompt_len(proc: TextProcessor) -> int:
     return len(proc.encode(proc.render_chat(MSGS)))
+
+
+def kv_blocks(text: str, worker_id: str) -> tuple[float, float, float]:
+    """A worker's ``pdserve_kv_blocks_used``, ``_free`` and ``_capacity`` in one ``/metrics`` text."""
+    used, free, capacity = (metric_in(text, f"pdserve_kv_blocks_{s}", worker_id=worker_id)
+                            for s in ("used", "free", "capacity"))
+    return used, free, capacity
 
 
 def test_chat_non_streaming(pd: Cluster, proc: TextProcessor, reply_ids: list[int]) -> None:
@@ -218,8 +225,12 @@ def test_metrics_after_known_workload(make_cluster, reply_ids: list[int]) -> Non
     assert c.metric("pdserve_itl_seconds_count") == 6
     assert c.metric("pdserve_routed_requests_total", kind="disaggregated") == 2
     assert c.metric("pdserve_routed_requests_total", kind="prefill_only") == 1
-    assert c.metric("pdserve_kv_blocks_used", worker_id="d1") + c.metric(
-        "pdserve_kv_blocks_free", worker_id="d1") == 64
+    # d1's KV series come from its heartbeats: one scrape holds one heartbeat's account (used + free is the
+    # capacity), and the chat requests' blocks show free from the first heartbeat after they ended
+    used, free, capacity = kv_blocks(c.metrics(), "d1")
+    assert (used + free, capacity) == (64, 64)
+    text = c.wait_metrics(lambda t: kv_blocks(t, "d1")[0] == 0, 5, "d1's heartbeat with every block free")
+    assert kv_blocks(text, "d1") == (0, 64, 64)
     c.assert_no_leaks(("d1",))
 
 
