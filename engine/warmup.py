@@ -25,6 +25,10 @@ its waves give prefill steps of one or several prompts; a decode worker's engine
 accepts ordinary requests, and it runs prefill itself when it recomputes a preempted request, so the same
 waves suit it.
 
+``probe_prefill`` (run after the warm-up, or alone when it is off) times a few throw-away prompts of one
+size through the same path and returns the fastest: the prefill rate a worker reports before it has
+served (protocol/prefill_rate.py), so a gateway judges its queue from the first request on.
+
 Afterwards the engine is as before: no request held, every KV block free, and no warm-up block in the
 prefix cache (prefix caching is switched off on the ``BlockManager`` while warming and restored after).
 The worker's counters and heartbeat load are built after warm-up, so nothing reports warm-up traffic.
@@ -52,6 +56,10 @@ log = logging.getLogger("pdserve.warmup")
 WARMUP_MODES = ("auto", "on", "off")
 SHORT_PROMPT_TOKENS = 24  # longest "short" prompt of the decode and mixed waves (tokens)
 SHORT_CHUNK_TOKENS = 16  # wave 2b's last chunk (tokens)
+# prompt tokens of a probe on a CPU: 128 tokens of the embedded model take ~0.2 s on 2 cores, within 1.4x
+# of a 2048-token prompt's rate there (0.6k tokens/s both); on CUDA the probe is a budget-sized prompt
+CPU_PROBE_TOKENS = 128
+PROBE_REPEATS = 2  # the first may pay one-time costs (a kernel compiled, an attention plan built)
 
 
 class WarmupTimeout(RuntimeError):
@@ -161,6 +169,50 @@ def warmup(core: EngineCore, config: WarmupConfig | None = None) -> WarmupReport
     log.log(logging.INFO if completed else logging.WARNING, "warmup_done" if completed else "warmup_cut",
             extra={"seconds": round(seconds, 3), "steps": len(run.steps), "requests": run.num_added})
     return WarmupReport(seconds, completed, run.num_added, tuple(run.steps))
+
+
+@dataclass(frozen=True)
+class PrefillProbe:
+    """The fastest of ``probe_prefill``'s prompts: ``tokens`` prompt tokens computed in ``seconds``, ending
+    at ``ended`` (``time.monotonic()`` seconds)."""
+
+    tokens: int
+    seconds: float
+    ended: float
+
+
+def probe_prefill(core: EngineCore, repeats: int = PROBE_REPEATS) -> PrefillProbe | None:
+    """Time ``repeats`` greedy one-token requests of one random prompt size through ``core`` (each drained
+    before the next; prefix caching off) and return the fastest, or None when no prompt fits
+    ``max_model_len``. The size: ``max_num_batched_tokens`` on CUDA (one full prefill chunk, the shape
+    the warm-up compiled), at most ``CPU_PROBE_TOKENS`` elsewhere; capped by ``max_model_len`` and the KV
+    blocks.
+
+    Raises:
+        RuntimeError: ``core`` is not idle (nothing is run), or a step made no progress. Any error from a
+            step propagates; the probe's requests are aborted first, so the engine holds nothing.
+    """
+    bm = core.block_manager
+    if core.has_unfinished() or bm.num_free_blocks != bm.num_blocks:
+        raise RuntimeError("the prefill probe needs an idle engine")
+    run = _Run(core, WarmupConfig())
+    size = run.budget if core.runner.device.type == "cuda" else min(CPU_PROBE_TOKENS, run.budget)
+    size = min(size, run.longest, bm.num_blocks * bm.block_size - 1)
+    if size < 1:
+        return None
+    best: PrefillProbe | None = None
+    with _prefix_caching_off(core):
+        try:
+            for _ in range(repeats):
+                start = time.monotonic()
+                run.add(size, 1)
+                run.drain()
+                ended = time.monotonic()
+                if best is None or ended - start < best.seconds:
+                    best = PrefillProbe(size, ended - start, ended)
+        finally:
+            run.abort_all()
+    return best
 
 
 @contextmanager

@@ -10,22 +10,22 @@ told of each ``FirstToken`` (``first_token``) and of each released request (``fo
   (the decode worker would otherwise queue the reservation, and fail it after 30 s);
 * **429** (``prefill_queue``): the prompt tokens the chosen first-token worker (prefill, or colocated) is
   expected to compute for the requests routed to it and not yet answered by a ``FirstToken``, divided by
-  that worker's measured prefill rate, exceed the budget (``--admission-budget`` seconds). Before the
-  worker's first measurement, admit. A queued request computing more than ``TRUSTED_SPAN`` times the
-  largest prompt the rate was recently measured on (``PrefillRate.largest``) counts only that many
-  tokens: the wait is then a lower bound, so a long prompt is not refused on a short prompts' rate, and a
-  flood of prompts the rate knows still is.
+  that worker's prefill rate (``rate``), exceed the budget (``--admission-budget`` seconds). A queued
+  request computing more than ``TRUSTED_SPAN`` times the largest prompt the rate was recently measured on
+  counts only that many tokens: the wait is then a lower bound, so a long prompt is not refused on a short
+  prompts' rate, and a flood of prompts the rate knows still is.
 
-The prefill rate of a worker is measured from what the gateway sees: a request routed at ``t0`` whose
-``FirstToken`` arrives at ``t1`` kept the worker busy from ``max(t0, the worker's previous FirstToken)``
-to ``t1`` (one server working through its queue); the prompt tokens it computed (the prompt minus the
-prefix-cache hit the ``FirstToken`` reports) over that time, both summed with exponential decay over the
-last requests (``DECAY``), is the rate. Requests finishing in one batch add their tokens with little
-time each: the sums stay right. The queue is counted in the same unit: a queued request is expected to
-compute its prompt minus the prefix the worker's KV events report cached (``Route.prefix_blocks``).
-Counting whole prompts against a rate of
-computed tokens overstated the wait by the prompts' hit ratio: prompts served again from the prefix
-cache were refused as overload.
+The prefill rate (protocol/prefill_rate.py) is this gateway's own measurement once it has one: a request
+routed at ``t0`` whose ``FirstToken`` arrives at ``t1`` kept the worker busy from ``max(t0, the worker's
+previous FirstToken)`` to ``t1``, with the prompt tokens it computed (the prompt minus the prefix-cache
+hit the ``FirstToken`` reports). Before that (a gateway process just started, restarted, or added beside
+others) it is the rate the worker reports in its heartbeats: measured the same way over every request it
+computed, whichever gateway sent it, and from its start-up probe (``engine.warmup.probe_prefill``) before
+its first. A worker reporting none (an older worker) is not judged: admit. The queue is counted in the
+same unit: a queued request is expected to compute its prompt minus the prefix the worker's KV events
+report cached (``Route.prefix_blocks``). Counting whole prompts against a rate of computed tokens
+overstated the wait by the prompts' hit ratio: prompts served again from the prefix cache were refused as
+overload.
 
 Why the span: a request's time is a fixed cost (round trips, scheduling, one step's overhead) plus its
 tokens over the worker's throughput, and the rate above folds both into one number. Measured on short
@@ -49,10 +49,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
 from gateway.router import Route
 from protocol.messages import FirstToken, WorkerLoad
+from protocol.prefill_rate import PrefillRate
 
-# weight of the history at each new measurement: about the last 20 requests count, several prefill steps
-# (the requests of one step report nearly together, the first with the whole step's time)
-DECAY = 0.95
 # a queued request counts at most TRUSTED_SPAN times the largest prompt the rate was measured on
 # (module docstring)
 TRUSTED_SPAN = 4.0
@@ -68,36 +66,6 @@ class _Routed:
     tokens: int
     expected_tokens: int
     routed_at: float
-
-
-@dataclass(slots=True)
-class PrefillRate:
-    """One worker's measured prefill rate: decayed sums of prompt tokens computed and busy seconds, the
-    time (monotonic seconds) of its last FirstToken, and the largest computed-token count measured
-    (decayed by ``DECAY`` per measurement, so it follows the recent prompts)."""
-
-    tokens: float = 0.0
-    seconds: float = 0.0
-    last_first_token: float = -math.inf
-    largest: float = 0.0
-
-    def observe(self, tokens: int, routed_at: float, now: float) -> None:
-        """A FirstToken at ``now`` for ``tokens`` computed prompt tokens of a request routed at
-        ``routed_at``."""
-        busy = max(0.0, now - max(routed_at, self.last_first_token))
-        self.tokens = self.tokens * DECAY + tokens
-        self.seconds = self.seconds * DECAY + busy
-        self.last_first_token = now
-        self.largest = max(float(tokens), self.largest * DECAY)
-
-    def judged_tokens(self, tokens: int) -> float:
-        """The part of a request computing ``tokens`` prompt tokens this rate can judge: at most
-        ``TRUSTED_SPAN`` times the largest recently measured."""
-        return min(float(tokens), TRUSTED_SPAN * self.largest)
-
-    def tokens_per_s(self) -> float | None:
-        """Prompt tokens per second, or None before a measurement with busy time."""
-        return self.tokens / self.seconds if self.seconds > 1e-6 and self.tokens > 0 else None
 
 
 @dataclass(slots=True)
@@ -179,11 +147,12 @@ class Admission:
     def _check_queue(self, worker: WorkerEntry) -> None:
         if self.budget_s <= 0:
             return
-        rate = self.rates.get(worker.worker_id)
-        tokens_per_s = rate.tokens_per_s() if rate is not None else None
-        if tokens_per_s is None or rate is None:
+        measured = self.rate(worker)
+        if measured is None:
             return  # no measurement yet: admit
-        ahead = sum(rate.judged_tokens(r.expected_tokens) for r in self._routed.values()
+        tokens_per_s, largest = measured
+        span = TRUSTED_SPAN * largest
+        ahead = sum(min(float(r.expected_tokens), span) for r in self._routed.values()
                     if r.worker_id == worker.worker_id)
         wait = ahead / tokens_per_s
         if wait > self.budget_s:
@@ -192,6 +161,20 @@ class Admission:
                             f"{worker.role} worker {worker.worker_id} (admission budget "
                             f"{self.budget_s:g} s); retry later", "overloaded",
                             max(1, math.ceil(wait - self.budget_s)))
+
+    def rate(self, worker: WorkerEntry) -> tuple[float, float] | None:
+        """``worker``'s prefill rate (prompt tokens per second) and the largest computed-token count it
+        was recently measured on: this gateway's own measurement when it has one, else the one the worker
+        reports in its heartbeats (``WorkerLoad.prefill_tokens_per_s``; from its start-up probe until it
+        has served), else None."""
+        own = self.rates.get(worker.worker_id)
+        tokens_per_s = own.tokens_per_s() if own is not None else None
+        if own is not None and tokens_per_s is not None:
+            return tokens_per_s, own.largest
+        load = worker.load
+        if load.prefill_tokens_per_s > 0 and load.prefill_largest_tokens > 0:
+            return load.prefill_tokens_per_s, float(load.prefill_largest_tokens)
+        return None
 
     # ---- decode blocks ---------------------------------------------------------------------------
     def free_blocks(self, decode: WorkerEntry) -> int:

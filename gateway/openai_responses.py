@@ -274,7 +274,8 @@ class Health(msgspec.Struct):
 class WorkerStatus(msgspec.Struct):
     """One registered worker: ``address`` is its KV transfer address ("" for none), ``last_seen_s`` the
     seconds since its last message, then its last reported load (sequences waiting and running, KV
-    blocks free and in all) and ``requests``, the requests the gateway routed to it that are not done."""
+    blocks free and in all, and the prefill rate it measured, prompt tokens per second, 0 when it reports
+    none) and ``requests``, the requests the gateway routed to it that are not done."""
 
     worker_id: str
     role: Literal["prefill", "decode", "colocated"]
@@ -285,6 +286,7 @@ class WorkerStatus(msgspec.Struct):
     num_running: int
     num_free_blocks: int
     num_total_blocks: int
+    prefill_tokens_per_s: float
     requests: int
 
 

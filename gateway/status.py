@@ -62,7 +62,8 @@ def readiness(registry: WorkerRegistry, canaries: CanaryTracker | None = None,
 def _worker(registry: WorkerRegistry, e: WorkerEntry) -> WorkerStatus:
     return WorkerStatus(e.worker_id, e.role, e.info.epoch, e.info.transfer_address,
                         round(registry.age(e), 3), e.load.num_waiting, e.load.num_running,
-                        e.load.num_free_blocks, e.load.num_total_blocks, len(e.requests) + len(e.unsent))
+                        e.load.num_free_blocks, e.load.num_total_blocks,
+                        round(e.load.prefill_tokens_per_s, 1), len(e.requests) + len(e.unsent))
 
 
 def _lost(w: LostWorker, now: float) -> LostWorkerStatus:

@@ -51,6 +51,10 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     seconds from the first layer handed to the sender to DONE). 0 on workers that send no KV.
     ``kv_control_refused``: cumulative peers the worker's KV control socket refused (handshakes without
     the fleet's CURVE keys, Hellos of senders the gateway never named to it); 0 on workers without one.
+    ``prefill_tokens_per_s``: a prefill or colocated worker's measured prefill rate (prompt tokens computed
+    per busy second, protocol/prefill_rate.py; from its start-up probe until it has served), and
+    ``prefill_largest_tokens`` the largest computed prompt that rate was recently measured on; 0 when not
+    measured (decode workers). Gateways judge their queues by it before measuring the worker themselves.
     """
 
     num_waiting: int = 0
@@ -60,6 +64,8 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     kv_control_refused: int = 0
+    prefill_tokens_per_s: float = 0.0
+    prefill_largest_tokens: int = 0
 
 
 class KVPlacement(msgspec.Struct, frozen=True, kw_only=True):

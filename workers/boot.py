@@ -5,7 +5,9 @@
 model or setting refused from the model's config.json before any weight is read: ``start_up_refusal``,
 one line on stderr, as ``pdserve up`` refuses the same before starting any process).
 Between building the engine and building the worker (so before it registers and logs ``worker_ready``)
-the engine is warmed up per ``--engine-warmup`` (``engine.warmup``).
+the engine is warmed up per ``--engine-warmup`` (``engine.warmup``), and a prefill or colocated worker's
+prefill rate is probed (``probe_core``): its first heartbeat already carries a rate gateways judge their
+queues by.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from workers.control_client import RegistrationError
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore
-    from engine.warmup import WarmupReport
+    from engine.warmup import PrefillProbe, WarmupReport
     from protocol.settings import WorkerSettings
     from workers.loop import WorkerLoop
 
@@ -108,6 +110,34 @@ def warm_up_core(settings: WorkerSettings, core: EngineCore) -> WarmupReport | N
         return None
 
 
+def probe_core(settings: WorkerSettings, core: EngineCore) -> PrefillProbe | None:
+    """Time a few throw-away prompts on ``core`` (``engine.warmup.probe_prefill``) when this worker
+    computes prompts (``prefill``, ``colocated``); logs ``prefill_probe``. Returns None for a decode worker,
+    or when the probe did not run or failed and left the engine clean (logged as a warning: the worker
+    then reports no rate until it has served, and gateways admit without judging its queue).
+
+    Raises:
+        RuntimeError: the probe failed and left the engine holding something.
+    """
+    from engine.warmup import probe_prefill
+
+    if settings.role not in ("prefill", "colocated"):
+        return None
+    try:
+        probe = probe_prefill(core)
+    except Exception as exc:  # like the warm-up, an optional measurement never stops the worker
+        try:
+            core.check_no_leaks()
+        except AssertionError as leak:
+            raise RuntimeError(f"prefill probe failed ({exc!r}) and left the engine unclean: {leak}") from exc
+        log.warning("prefill_probe_failed error=%r: no prefill rate until the first request", exc)
+        return None
+    if probe is not None:
+        log.info("prefill_probe", extra={"tokens": probe.tokens, "seconds": round(probe.seconds, 4),
+                                         "tokens_per_s": round(probe.tokens / max(probe.seconds, 1e-9))})
+    return probe
+
+
 def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_only: bool = False) -> int:
     """Refuse what the model's config rules out (``start_up_refusal``: one line on stderr, 2), build the
     engine and the worker (``factory``), serve until SIGTERM/SIGINT. Returns an exit code."""
@@ -128,8 +158,11 @@ def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_on
     try:
         core, path = build_core(settings, prefill_only=prefill_only)
         warm_up_core(settings, core)
+        probe = probe_core(settings, core)
         core.structured_outputs.preload()  # the grammar engine's tokenizer, off the control loop
         worker = factory(settings, core, path)
+        if probe is not None:
+            worker.seed_prefill_rate(probe.tokens, probe.seconds, probe.ended)
         watch.serving()
         freeze_start_up_heap()
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

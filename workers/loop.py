@@ -304,13 +304,22 @@ class WorkerLoop:
         cumulative KV transfer bytes/seconds (``transfer_totals``)."""
         return self._load
 
+    def seed_prefill_rate(self, tokens: int, seconds: float, ended: float) -> None:
+        """Start the reported prefill rate from the start-up probe (``workers.boot.probe_core``):
+        ``tokens`` prompt tokens computed in ``seconds``, ending at ``ended`` (monotonic seconds)."""
+        self.metrics.prefill_rate.observe(tokens, ended - seconds, ended)
+        self._refresh_load()
+
     def _refresh_load(self) -> None:
         bm = self.core.block_manager
         sent_bytes, sent_seconds = self.transfer_totals()
+        rate = self.metrics.prefill_rate
         self._load = WorkerLoad(num_waiting=self.num_waiting(), num_running=len(self.core.scheduler.running),
                                 num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
                                 kv_transfer_bytes=sent_bytes, kv_transfer_seconds=sent_seconds,
-                                kv_control_refused=self.control_refusals())
+                                kv_control_refused=self.control_refusals(),
+                                prefill_tokens_per_s=rate.tokens_per_s() or 0.0,
+                                prefill_largest_tokens=round(rate.largest))
 
     def registration(self) -> RegisterWorker:
         """The ``RegisterWorker`` message of this process."""

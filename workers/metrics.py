@@ -52,6 +52,10 @@ What a worker counts is what it computed, so a sum over the fleet counts each to
   (``num_prompt_tokens + num_generation_tokens``): the prompt tokens of the requests whose first token
   this worker sampled in the step (their whole prompts, cached tokens included; a decode worker samples
   no first token) plus the tokens the step sampled. A step that only ran prompt chunks is not observed.
+* ``pdserve_worker_prefill_tokens_per_second`` (prefill and colocated workers; 0 on decode workers): the
+  prefill rate this worker reports in its heartbeats (``prefill_rate``, protocol/prefill_rate.py: prompt
+  tokens computed per busy second from each request's arrival to its first token, seeded by the
+  start-up probe), read at scrape time.
 * ``pdserve_worker_kv_sent_bytes`` (prefill workers) counts the KV of each transfer that completed, as
   blocks x ``KVCachePool.bytes_per_block`` (whole blocks: a prompt's last block counts in full; only the
   blocks sent, not those the decode worker had cached). Canary transfers are not counted.
@@ -72,6 +76,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from protocol.prefill_rate import PrefillRate
 
 if TYPE_CHECKING:
     from engine.kv_host_tier import HostTierStats
@@ -180,6 +186,9 @@ class _ScrapeTime(Collector):
         age = self.loop_age()
         yield gauge("pdserve_worker_engine_loop_age_seconds", "Seconds since the engine loop last ticked "
                     "(-1 before it started).", -1.0 if age is None else age)
+        yield gauge("pdserve_worker_prefill_tokens_per_second", "Prefill rate this worker reports to "
+                    "gateways: prompt tokens computed per busy second (0: not measured).",
+                    load.prefill_tokens_per_s)
         yield gauge("pdserve_worker_registered", "1 while some gateway accepts this worker.",
                     float(self.registered()))
 
@@ -238,6 +247,7 @@ class WorkerMetrics:
         self._last_token_at: float | None = None
         self._firsts_in_step = 0  # first tokens sampled in the step being reported (see ``step``)
         self._prompts_in_step = 0  # their prompt tokens (``vllm:iteration_tokens_total``)
+        self.prefill_rate = PrefillRate()  # over the prompts computed here (first_token)
         reg, lv = self.registry, self.label_values
 
         def counter(name: str, doc: str) -> Counter:
@@ -322,6 +332,7 @@ class WorkerMetrics:
         self._timelines[seq] = _Timeline(scheduled, now)
         self.ttft.observe(max(now - seq.arrival_time, 0.0))
         if computed_prompt:
+            self.prefill_rate.observe(seq.num_prompt_tokens - seq.num_cached_tokens, seq.arrival_time, now)
             self._firsts_in_step += 1
             self._prompts_in_step += seq.num_prompt_tokens
             self.prompt_tokens.inc(seq.num_prompt_tokens)

@@ -1,6 +1,7 @@
 """Engine warm-up (``engine.warmup``): the step shapes it covers, the engine left exactly as before (no
 request, every KV block free, no prefix-cache entry), greedy outputs unchanged, every worker role's engine,
-the time bound, failures mid-way, and refused settings. Tiny fp32 CPU Llama with dummy weights (seed 0)."""
+the time bound, failures mid-way, and refused settings; the prefill probe (``probe_prefill``) likewise.
+Tiny fp32 CPU Llama with dummy weights (seed 0)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, SequenceStatus
-from engine.warmup import WarmupConfig, should_warm_up, warmup
+from engine.warmup import CPU_PROBE_TOKENS, WarmupConfig, probe_prefill, should_warm_up, warmup
 from protocol.settings import WorkerSettings
 from tests.workers.helpers import make_core as worker_core
 
@@ -217,3 +218,49 @@ def test_mode_auto_warms_only_on_cuda_and_bad_modes_are_refused():
         should_warm_up("yes", "cuda")
     with pytest.raises(ValueError, match="--engine-warmup"):
         WorkerSettings(role="colocated", engine_warmup="always", insecure_control_plane=True)
+
+
+@pytest.mark.parametrize("prefill_only", [True, False])
+def test_probe_times_prompts_of_one_size_and_leaves_the_engine_clean(tiny_dummy_dir, monkeypatch,
+                                                                      prefill_only):
+    import time
+
+    core = make_core(tiny_dummy_dir, prefill_only=prefill_only)
+    prompts = spy_prompts(core, monkeypatch)
+    before = time.monotonic()
+    probe = probe_prefill(core)
+    assert probe is not None
+    assert probe.tokens == min(CPU_PROBE_TOKENS, BUDGET) == BUDGET  # a CPU engine: at most 128, the budget
+    assert [len(p) for p in prompts] == [BUDGET, BUDGET]  # PROBE_REPEATS prompts of that size
+    assert 0 < probe.seconds <= probe.ended - before <= time.monotonic() - before
+    assert_clean(core, prompts)
+    if not prefill_only:  # the probe changes no later output
+        assert generate(core, [[5, 9, 33]]) == generate(make_core(tiny_dummy_dir), [[5, 9, 33]])
+
+
+def test_probe_prompt_fits_a_small_engine(tiny_dummy_dir, monkeypatch):
+    core = make_core(tiny_dummy_dir, num_blocks=3)  # 12 tokens of KV: below the 32-token budget
+    prompts = spy_prompts(core, monkeypatch)
+    probe = probe_prefill(core, repeats=1)
+    assert probe is not None and [len(p) for p in prompts] == [probe.tokens]
+    assert 1 <= probe.tokens < core.max_model_len <= 12
+    assert_clean(core, prompts)
+
+
+def test_probe_failure_propagates_and_leaves_nothing_held(tiny_dummy_dir, monkeypatch):
+    core = make_core(tiny_dummy_dir)
+    prompts = spy_prompts(core, monkeypatch)
+    fail_at_step(core, monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="boom in step 2"):
+        probe_prefill(core)
+    assert_clean(core, prompts)
+
+
+def test_probe_refuses_a_busy_engine(tiny_dummy_dir):
+    core = make_core(tiny_dummy_dir)
+    seq = core.add_request("real", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        probe_prefill(core)
+    assert list(core.scheduler.waiting) == [seq]
+    core.abort_request("real")
+    core.check_no_leaks()

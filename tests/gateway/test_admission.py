@@ -243,3 +243,62 @@ async def test_reserve_kv_names_the_prefill_workers_tensor_parallel_size() -> No
     assert isinstance(reserve, ReserveKV)
     assert (reserve.prefill_worker_id, reserve.prefill_sender_epoch, reserve.prefill_tp_size) == ("p1", 77, 2)
     s.orch.release(req)
+
+
+def reported_rate(tokens_per_s: float, largest: int, free: int = 1000) -> WorkerLoad:
+    """A first-token worker's heartbeat load carrying its own prefill rate."""
+    return WorkerLoad(num_free_blocks=free, num_total_blocks=1000, prefill_tokens_per_s=tokens_per_s,
+                      prefill_largest_tokens=largest)
+
+
+@pytest.mark.parametrize("first", ["prefill", "colocated"])
+async def test_a_fresh_gateway_judges_the_queue_by_the_rate_the_worker_reports(first: str) -> None:
+    """A gateway process that has not seen a first token from p1 (just started, restarted, one of several)
+    takes p1's heartbeat rate: a burst past the budget gets 429s from the first request on, with a
+    Retry-After from the estimate; no rate reported at all still admits."""
+    s = Setup(budget_s=2.0, decode_free=(1000,), total=1000, first=first)
+    assert s.registry.touch("p1", 1, reported_rate(100.0, 100))
+    for i in range(3):
+        await s.orch.submit_all(f"b{i}", [gen(f"b{i}", 100)])
+    assert s.admission.queued_tokens("p1") == 300  # 0, 1.0 and 2.0 s ahead: each within the budget
+    with pytest.raises(APIError) as refused:
+        await s.orch.submit_all("late", [gen("late", 100)])  # 300 tokens ahead at 100/s: 3 s > 2 s
+    assert refused.value.status == 429 and refused.value.code == "overloaded"
+    assert "about 3 s of prompts" in refused.value.message and refused.value.headers["Retry-After"] == "1"
+    # a prompt 8x longer than the rate knows counts 4x the largest measured (400 tokens): 10 s queued
+    for rid in ("b1", "b2"):
+        s.orch.release(s.orch.requests[rid])
+    def long_prompt(rid: str) -> GenerationInput:
+        return GenerationInput(rid, list(range(3, 803)), SamplingParams(max_tokens=4))
+
+    await s.orch.submit_all("big", [long_prompt("big")])  # behind b0's 100 tokens: 1 s
+    with pytest.raises(APIError) as far:
+        await s.orch.submit_all("big2", [long_prompt("big2")])
+    assert far.value.headers["Retry-After"] == "3"  # 100 + 400 tokens ahead = 5 s, 3 s past the budget
+    assert s.refused("prefill_queue") == 2
+    for rid in list(s.orch.requests):
+        s.orch.release(s.orch.requests[rid])
+    assert s.registry.touch("p1", 1, WorkerLoad(num_free_blocks=1000, num_total_blocks=1000))  # no rate
+    many = [(await s.orch.submit_all(f"n{i}", [gen(f"n{i}", 100)]))[0] for i in range(10)]
+    assert len(many) == 10 and s.refused("prefill_queue") == 2
+    for req in many:
+        s.orch.release(req)
+    assert not s.orch.requests and not s.admission._routed
+
+
+async def test_the_gateways_own_measurement_comes_before_the_reported_rate() -> None:
+    """Once this gateway has measured p1 itself (routing to first token, hops included), that rate judges,
+    not the heartbeat's."""
+    s = Setup(budget_s=2.0, decode_free=(1000,), total=1000)
+    assert s.registry.touch("p1", 1, reported_rate(1000.0, 100))  # 10x faster than measured below
+    (a,) = await s.orch.submit_all("a", [gen("a", 100)])
+    s.clock.now += 1.0  # 100 tokens in 1 s, as seen from here
+    await s.orch.on_worker_message(b"p1", FirstToken(request_id="a", worker_id="p1", token_id=7))
+    s.orch.release(a)
+    assert s.admission.rate(s.registry.get("p1")) == (pytest.approx(100.0), pytest.approx(100.0))
+    burst = [(await s.orch.submit_all(f"b{i}", [gen(f"b{i}", 100)]))[0] for i in range(3)]
+    with pytest.raises(APIError):  # at the reported 1000 tokens/s this would be 0.3 s: admitted
+        await s.orch.submit_all("late", [gen("late", 100)])
+    for req in burst:
+        s.orch.release(req)
+    assert not s.orch.requests and not s.admission._routed

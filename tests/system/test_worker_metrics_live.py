@@ -169,3 +169,18 @@ def test_iteration_tokens_and_kv_bytes_follow_requests(live: SystemPair) -> None
     buckets = {float(dict(ls)["le"]) for (n, ls) in metric_samples(urls["prefill"])
                if n == "vllm:iteration_tokens_total_bucket"}
     assert buckets == {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, float("inf")}
+
+
+def test_each_gateway_knows_the_prefill_rate_its_first_token_workers_report(live: SystemPair) -> None:
+    """The prefill and colocated workers time a probe at start-up and report their prefill rate in every
+    heartbeat (the rate a gateway judges its queue by before measuring the worker itself): the worker's
+    gauge and the gateway's ``/v1/status`` show it; a decode worker reports none."""
+    for system in (live.disagg, live.colo):
+        status = httpx.get(f"{system.url}/v1/status", headers=HEADERS, timeout=10, trust_env=False).json()
+        reported = {w["role"]: w["prefill_tokens_per_s"] for w in status["workers"]}
+        for role, url in system.metrics_urls.items():
+            gauge = total(metric_samples(url), "pdserve_worker_prefill_tokens_per_second")
+            if role == "decode":
+                assert gauge == 0 and reported[role] == 0
+            else:  # the embedded model on a CPU: hundreds to thousands of prompt tokens per second
+                assert 10 < gauge < 1e6 and 10 < reported[role] < 1e6, (role, gauge, reported)

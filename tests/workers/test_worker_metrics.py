@@ -291,3 +291,42 @@ def test_a_request_the_gateway_ended_at_a_stop_string_counts_as_stop(model_dir: 
         assert_clean(w)
     finally:
         close(w)
+
+
+def test_the_prefill_rate_a_worker_reports_starts_at_its_probe_and_follows_prompts(model_dir: Any) -> None:
+    """``probe_core`` times throw-away prompts on a prefill or colocated worker's engine (none on a decode
+    worker's); the rate seeds the load its registration and heartbeats carry, and each prompt computed
+    afterwards moves it (protocol/prefill_rate.py); the gauge shows the reported value."""
+    from tests.workers.helpers import decode_worker, settings
+    from workers.boot import probe_core
+
+    w = colocated_worker(model_dir)
+    d = decode_worker(model_dir)
+    try:
+        assert w.registration().load.prefill_tokens_per_s == 0  # not measured yet
+        assert probe_core(settings("decode", "d0", model_dir), d.core) is None
+        assert d.load().prefill_tokens_per_s == 0
+        probe = probe_core(settings("colocated", "c0", model_dir), w.core)
+        assert probe is not None and probe.tokens > 0 and probe.seconds > 0
+        w.core.check_no_leaks()
+        w.seed_prefill_rate(probe.tokens, probe.seconds, probe.ended)
+        seeded = w.registration().load
+        assert seeded.prefill_tokens_per_s == pytest.approx(probe.tokens / probe.seconds)
+        assert seeded.prefill_largest_tokens == probe.tokens
+        assert value(samples(w.metrics.registry), "pdserve_worker_prefill_tokens_per_second") \
+            == pytest.approx(seeded.prefill_tokens_per_s)
+        prompt = list(range(50, 50 + probe.tokens + 20))  # longer than the probe's prompt
+        msgs: list[Any] = run(w, ColocatedRequest(request_id="r", prompt_token_ids=prompt,
+                                                  sampling=wire(2, ignore_eos=True)))
+        pump([w], lambda: len(of_type(msgs, RequestFinished)) == 1, sink=msgs)
+        served = w.load()
+        assert served.prefill_largest_tokens == len(prompt)  # the longest computed prompt since
+        rate = w.metrics.prefill_rate
+        assert served.prefill_tokens_per_s == pytest.approx(rate.tokens / rate.seconds)
+        assert rate.tokens == pytest.approx(probe.tokens * 0.95 + len(prompt))  # the probe decays, DECAY
+        assert value(samples(w.metrics.registry), "pdserve_worker_prefill_tokens_per_second") \
+            == pytest.approx(served.prefill_tokens_per_s)
+        assert_clean(w)
+    finally:
+        close(w)
+        close(d)

@@ -1,0 +1,48 @@
+"""A first-token worker's prefill rate, measured from first tokens: prompt tokens computed per busy second.
+
+One server working through its queue: a request that arrived (or was routed) at ``t0`` and got its first
+token at ``t1`` kept the worker busy from ``max(t0, the previous first token)`` to ``t1``; the prompt
+tokens it computed (its prompt minus its prefix-cache hit) over that time, both summed with exponential
+decay over the last requests (``DECAY``), is the rate. Requests finishing in one batch add their tokens
+with little time each: the sums stay right.
+
+Measured in two places with the same arithmetic: by each prefill or colocated worker over the requests
+it computed (from their arrival there; seeded at start-up by ``engine.warmup.probe_prefill``), reported in
+every heartbeat (``WorkerLoad.prefill_tokens_per_s``, ``prefill_largest_tokens``); and by each gateway over
+the requests it routed (from routing, so it also counts the hops), which gateway/admission.py prefers once
+it has one. No torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# weight of the history at each new measurement: about the last 20 requests count, several prefill steps
+# (the requests of one step report nearly together, the first with the whole step's time)
+DECAY = 0.95
+
+
+@dataclass(slots=True)
+class PrefillRate:
+    """Decayed sums of prompt tokens computed and busy seconds, the time (monotonic seconds) of the last
+    first token, and the largest computed-token count measured (decayed by ``DECAY`` per measurement, so it
+    follows the recent prompts)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    last_first_token: float = -math.inf
+    largest: float = 0.0
+
+    def observe(self, tokens: int, started: float, now: float) -> None:
+        """A first token at ``now`` for ``tokens`` computed prompt tokens of a request that arrived or was
+        routed at ``started`` (monotonic seconds)."""
+        busy = max(0.0, now - max(started, self.last_first_token))
+        self.tokens = self.tokens * DECAY + tokens
+        self.seconds = self.seconds * DECAY + busy
+        self.last_first_token = now
+        self.largest = max(float(tokens), self.largest * DECAY)
+
+    def tokens_per_s(self) -> float | None:
+        """Prompt tokens per second, or None before a measurement with busy time."""
+        return self.tokens / self.seconds if self.seconds > 1e-6 and self.tokens > 0 else None
