@@ -4,8 +4,11 @@
 Every flag ``--foo-bar`` also reads the environment variable ``PDSERVE_FOO_BAR`` (the command line wins;
 repeatable flags take a comma-separated env value, whose empty entries are kept for the settings to refuse:
 ``PDSERVE_API_KEY=`` is an error, not "no key"). A subcommand reads, and refuses bad values of, only the
-variables of its own flags (``up`` also those of the gateway's and the workers' flags it sets itself, as
-its children inherit its environment). Flags and defaults: docs/contracts.md.
+variables of its own flags. ``up`` has the gateway's and the workers' flags too and passes their values on
+its children's command lines (its children inherit no variable of a pdserve flag: pdserve/launcher.py);
+a variable of a child's flag that ``up`` sets itself (``UP_SET_VARIABLES``: ``PDSERVE_WORKERS``,
+``PDSERVE_METRICS_PORT``, ...) is refused by ``up`` whatever its value. Flags and defaults:
+docs/contracts.md.
 Worker roles and ``up`` dispatch lazily to ``prefill_worker.main:run``, ``decode_worker.main:run``,
 ``workers.colocated:run`` and ``pdserve.launcher:run``; ``bench`` to ``loadtest.cli``.
 """
@@ -49,21 +52,26 @@ class _OneLineParser(argparse.ArgumentParser):
     Subparsers are of this class too (``add_subparsers`` takes the parent's class).
 
     ``env_problems``: the ``PDSERVE_*`` values this parser's command reads that could not be converted
-    (variable → (flag, why), filled by ``_EnvAdder``); the first is refused when this parser parses, in one
-    line naming the variable and the flag with exit status 2, before ``--help`` or any other flag. A
-    subcommand's parser parses only when that subcommand is chosen, so the variables of another's flags stop
-    nothing.
+    (variable → (flag, why), filled by ``_EnvAdder``); ``env_refused``: variables set in the environment
+    that this parser's command refuses whatever their value (variable → the line saying why and what to do
+    instead: ``up``'s ``UP_SET_VARIABLES``). The first refused variable, else the first problem, is refused
+    when this parser parses, in one line naming the variable and the flag with exit status 2, before
+    ``--help`` or any other flag. A subcommand's parser parses only when that subcommand is chosen, so the
+    variables of another's flags stop nothing.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.env_problems: dict[str, tuple[str, str]] = {}
+        self.env_refused: dict[str, str] = {}
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        if self.env_refused:
+            self.exit(2, f"{self.prog}: {next(iter(self.env_refused.values()))}\n")
         if self.env_problems:
             variable, (flag, why) = next(iter(self.env_problems.items()))
             self.exit(2, f"{self.prog}: bad value for {variable} ({flag}): {why}\n")
@@ -81,6 +89,11 @@ class _CommandLineAppend(argparse.Action):
         setattr(namespace, self.dest, [*([] if items is None or items is self.default else items), values])
 
 
+def env_variable(flag: str) -> str:
+    """The environment variable of ``flag``: ``--foo-bar`` → ``PDSERVE_FOO_BAR``."""
+    return "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+
+
 class _EnvAdder:
     """Adds flags to a parser, taking each default from ``PDSERVE_<FLAG>`` when set; a value that cannot be
     converted to the flag's type leaves the flag's own default and is noted in the parser's
@@ -90,7 +103,7 @@ class _EnvAdder:
         self.parser, self.env = parser, env
 
     def __call__(self, flag: str, **kw: Any) -> None:
-        env_name = "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
+        env_name = env_variable(flag)
         raw = self.env.get(env_name)
         if raw is not None:
             conv: Callable[[str], Any] = kw.get("type", str)
@@ -304,6 +317,58 @@ def _add_up(add: _Adder) -> None:
     _add_worker(_Skipping(add, _UP_OWN_WORKER_FLAGS), "up")
 
 
+SETTINGS_COMMANDS = ("up", "gateway", "prefill", "decode", "colocated")  # the commands with settings flags
+
+
+def _add_command(add: _Adder, name: str) -> None:
+    """Adds the flags of ``pdserve <name>`` (one of ``SETTINGS_COMMANDS``)."""
+    _add_common(add)
+    _add_control_plane(add, up=name == "up")
+    if name == "gateway":
+        _add_gateway(add)
+    elif name == "up":
+        _add_up(add)
+    else:
+        _add_worker(add, name)
+
+
+def flag_variables(command: str) -> frozenset[str]:
+    """The ``PDSERVE_*`` variables ``pdserve <command>`` reads, one per flag (``command``: up, gateway,
+    prefill, decode or colocated)."""
+    names: list[str] = []
+    _add_command(lambda flag, **kw: names.append(env_variable(flag)), command)
+    return frozenset(names)
+
+
+# The variables of the gateway's and the workers' flags that `pdserve up` sets itself, none of which is a
+# flag of up's → the end of the line refusing it: what up does instead, and what to do. `pdserve up`
+# refuses each (whatever its value) rather than ignore a value meant for its children (build_parser).
+UP_SET_VARIABLES: dict[str, str] = {
+    "PDSERVE_WORKERS": ": unset it and use --gateway-workers (PDSERVE_GATEWAY_WORKERS)",
+    "PDSERVE_CONTROL_BIND": " (a free 127.0.0.1 port per gateway process): unset it",
+    "PDSERVE_GATEWAY_CONTROL": " (its gateway's control addresses): unset it",
+    "PDSERVE_GATEWAY_RESOLVE_INTERVAL": " (its gateway's addresses are 127.0.0.1: no name to look up): "
+                                        "unset it",
+    "PDSERVE_ADVERTISE_HOST": " (its workers bind and advertise 127.0.0.1): unset it",
+    "PDSERVE_METRICS_PORT": " (a free port per worker, listed once ready): unset it",
+    "PDSERVE_WORKER_ID": " (up-prefill-0, up-decode-0, ...): unset it",
+}
+
+
+def _up_set_variables() -> dict[str, str]:
+    """Each variable of a child's flag that ``pdserve up`` does not read (a flag it sets itself) → the line
+    refusing it, e.g. ``PDSERVE_WORKERS is the gateway's --workers, which pdserve up sets itself: ...``."""
+    gateway = flag_variables("gateway")
+    workers = flag_variables("prefill") | flag_variables("decode") | flag_variables("colocated")
+    lines = {}
+    for variable in sorted((gateway | workers) - flag_variables("up")):
+        flag = "--" + variable.removeprefix("PDSERVE_").lower().replace("_", "-")
+        whose = "the gateway's" if variable in gateway else "the workers'"
+        lines[variable] = (f"{variable} is {whose} {flag}, which pdserve up sets itself"
+                           + UP_SET_VARIABLES.get(variable, ": unset it"))
+    return lines
+
+
 def _add_parser(subs: Any, name: str, **kw: Any) -> _OneLineParser:
     """``subs.add_parser(name, **kw)``: a subcommand's parser, of the top-level parser's class."""
     sub = subs.add_parser(name, **kw)
@@ -316,8 +381,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
 
     A value that cannot be converted to its flag's type is refused only when the subcommand that reads it
     parses (``SystemExit`` code 2 after one line on stderr naming the variable and the flag): its own
-    flags', and for ``up`` also those of its children (gateway and workers), which inherit its
-    environment. Another subcommand's variables neither stop nor change a command.
+    flags' (``up`` has the gateway's and the workers' flags too). ``up`` also refuses, whatever its value,
+    a variable of a child's flag it sets itself (``UP_SET_VARIABLES``; one line naming the variable, the
+    child's flag and up's flag to use where it has one). Another subcommand's variables neither stop nor
+    change a command.
     """
     env = os.environ if env is None else env
     parser = _OneLineParser(prog="pdserve", description="Disaggregated prefill/decode serving")
@@ -328,21 +395,13 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
                             ("colocated", "prefill+decode worker")):
         epilog = None if name != "up" else (
             "--host and --port are the gateway's HTTP address; the gateway's other flags and the workers' "
-            "pass through to them (each worker gets the same), as do PDSERVE_* environment variables.")
+            "pass through to them (each worker gets the same), given here or in their PDSERVE_* variables "
+            "(the children inherit none of these); a variable of a flag pdserve up sets itself "
+            "(PDSERVE_WORKERS, PDSERVE_METRICS_PORT, ...) is refused.")
         roles[name] = _add_parser(subs, name, help=help_text, epilog=epilog)
-        add = _EnvAdder(roles[name], env)
-        _add_common(add)
-        _add_control_plane(add, up=name == "up")
-        if name == "gateway":
-            _add_gateway(add)
-        elif name == "up":
-            _add_up(add)
-        else:
-            _add_worker(add, name)
-    for name, role in roles.items():  # up's children read the flags it sets itself from its environment
-        for variable, (flag, why) in role.env_problems.items():
-            if name != "up" and variable not in roles["up"].env_problems:
-                roles["up"].env_problems[variable] = (f"{flag} of the {name} process pdserve up starts", why)
+        _add_command(_EnvAdder(roles[name], env), name)
+    roles["up"].env_refused = {variable: line for variable, line in _up_set_variables().items()
+                               if variable in env}
     keygen = _add_parser(subs, "keygen", help="make the fleet's CURVE key pair (for --curve-keys)")
     keygen.add_argument("directory", help="where to write fleet.key_secret and fleet.key (made 0700)")
     _bool_flag(_EnvAdder(keygen, env), "--exist-ok", False,

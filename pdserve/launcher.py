@@ -19,6 +19,16 @@ temporary directory (0700, removed at exit): another local user's process cannot
 On CPU the KV transport is ``nixl`` (measured working on the 2-core machines; ``ucx`` also works).
 Ports come from pdserve/ports.py; the children are started, stopped and restarted by
 pdserve/supervisor.py.
+
+Every child runs with the settings ``up`` decided: each of the gateway's and the workers' flags given to
+``up``, on its command line or in its ``PDSERVE_*`` variable, is passed on the child's command line
+(``plan``; a value equal to the flag's default is left out), and no child inherits a ``PDSERVE_*``
+variable of a pdserve flag (``CHILD_UNSET_VARIABLES``), so none can put back a value ``up``'s command line
+replaced or a flag ``up`` sets itself. A child's environment is this process's without those, plus what
+``up`` gives it: the gateway's ``PDSERVE_API_KEY`` (``gateway_env``) and a worker's
+``CUDA_VISIBLE_DEVICES`` (``worker_envs``); other variables (``PDSERVE_CACHE_DIR``, ``CUDA_*``, ``NCCL_*``)
+pass through. The ``pdserve up`` command refuses a variable of a child's flag that ``up`` sets itself
+(``PDSERVE_WORKERS``: use ``--gateway-workers``; ``PDSERVE_METRICS_PORT``, ...: ``pdserve.cli``).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from typing import Any
 import httpx
 
 from kvtransfer.curve import generate_keys
+from pdserve.cli import SETTINGS_COMMANDS, flag_variables
 from pdserve.ports import bind_problem, free_port_range, free_ports, local_host
 from pdserve.supervisor import RestartPolicy, Supervisor, supervise
 from protocol.settings import (
@@ -52,6 +63,9 @@ from protocol.settings import (
 )
 
 log = logging.getLogger("pdserve.up")
+# the PDSERVE_* variables of every flag of up, the gateway and the workers: no child inherits them (each
+# child's settings are on its command line)
+CHILD_UNSET_VARIABLES = frozenset().union(*(flag_variables(command) for command in SETTINGS_COMMANDS))
 
 
 def gpu_count() -> int:
@@ -230,8 +244,7 @@ def plan(settings: UpSettings, control_port: int, num_gpus: int = 0,
     children = [("gateway", ["gateway", "--host", settings.host, "--port", str(settings.port),
                              "--control-bind", control, *workers_flag, *common,
                              *changed_flags(settings.gateway, UP_MANAGED_GATEWAY_FIELDS)])]
-    # --port 0: a worker's --port is its KV control port, and a PDSERVE_PORT meant for `up` (the HTTP port)
-    # reaches the children's environment too
+    # --port 0: a worker's --port is its KV control port (up's --port is the gateway's HTTP port)
     worker = ["--model", settings.model, "--gateway-control", gateway_controls, "--host", "127.0.0.1",
               "--port", "0",
               *common]
@@ -298,10 +311,10 @@ def worker_envs(settings: UpSettings, num_gpus: int,
 
 
 def gateway_env(keys: Sequence[str]) -> dict[str, str]:
-    """The environment the gateway child gets on top of the launcher's: its API keys, comma-separated, in
-    ``PDSERVE_API_KEY`` (not on its command line, which any local user can read); nothing without keys
-    (never an empty value, which the gateway refuses). ``up`` reads that variable itself: without keys it
-    was unset (set but empty is refused before anything starts), so the gateway inherits none."""
+    """The environment the gateway child gets on top of the launcher's (which lacks every ``PDSERVE_*``
+    variable of a flag: ``CHILD_UNSET_VARIABLES``): its API keys, comma-separated, in ``PDSERVE_API_KEY``
+    (not on its command line, which any local user can read); nothing without keys (never an empty value,
+    which the gateway refuses)."""
     return {"PDSERVE_API_KEY": ",".join(keys)} if keys else {}
 
 
@@ -382,7 +395,7 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
         stop.append(signum)
 
     old = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
-    sup = Supervisor()
+    sup = Supervisor(unset_env=CHILD_UNSET_VARIABLES)
     with run_keys(settings) as keys_dir:
         try:
             code = _supervise(settings, sup, stop, ready_timeout, keys_dir)

@@ -52,10 +52,12 @@ class _ChildRestarts:
 @dataclass
 class Supervisor:
     """Starts children and stops them all; ``grace`` is seconds between SIGTERM and SIGKILL. A child is
-    ``command`` + its args; ``args`` and ``log_paths`` remember how each was started (``restart``)."""
+    ``command`` + its args; ``args`` and ``log_paths`` remember how each was started (``restart``).
+    ``unset_env``: variables of this process's environment that no child inherits."""
 
     grace: float = 10.0
     command: tuple[str, ...] = (sys.executable, "-m", "pdserve.cli")
+    unset_env: frozenset[str] = frozenset()
     children: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     args: dict[str, list[str]] = field(default_factory=dict)
     log_paths: dict[str, str | None] = field(default_factory=dict)
@@ -66,10 +68,10 @@ class Supervisor:
         """Start ``command`` (``python -m pdserve.cli``) ``*args`` as child ``name`` in a new process group
         (signals sent to the terminal's foreground group do not reach it: only ``stop_all`` stops it); its
         output goes to ``log_path`` (a file, appended) or, by default, to this process's stdout/stderr.
-        Its environment is this process's with ``env`` added."""
+        Its environment is this process's without ``unset_env``, with ``env`` added."""
         cmd = [*self.command, *args]
         self.args[name], self.log_paths[name], self.envs[name] = list(args), log_path, dict(env or {})
-        child_env = {**os.environ, **self.envs[name]}
+        child_env = {**{k: v for k, v in os.environ.items() if k not in self.unset_env}, **self.envs[name]}
         if log_path is None:
             self.children[name] = subprocess.Popen(cmd, env=child_env, process_group=0)
         else:

@@ -57,8 +57,8 @@ def test_bad_env_value_names_the_variable(capsys: pytest.CaptureFixture[str]) ->
 
 
 # (variable, its flag, the commands that read it): each of these refuses a bad value, every other command
-# neither checks nor applies it. `up` also checks the flags it sets itself for its children (--workers,
-# --metrics-port), as they inherit its environment.
+# neither checks nor applies it. `up` refuses the variables of the flags it sets itself for its children
+# (--workers, --metrics-port) whatever their value (tests/system/test_up_environment.py).
 _ENV_READERS = [
     ("PDSERVE_ADMISSION_BUDGET", "--admission-budget", {"gateway", "up"}),
     ("PDSERVE_WORKERS", "--workers", {"gateway", "up"}),
@@ -85,7 +85,9 @@ def test_a_bad_env_value_concerns_only_the_commands_that_take_its_flag(
                 build_parser({variable: "banana"}).parse_known_args([*argv, "--help"])
             assert exc.value.code == 2, command
             [line] = capsys.readouterr().err.splitlines()
-            assert line.startswith(f"pdserve {command}: bad value for {variable} ({flag}"), line
+            refused = command == "up" and variable in ("PDSERVE_WORKERS", "PDSERVE_METRICS_PORT")
+            want = f"{variable} is the " if refused else f"bad value for {variable} ({flag}"
+            assert line.startswith(f"pdserve {command}: {want}"), line
         else:
             args, unknown = build_parser({variable: "banana"}).parse_known_args(argv)
             assert args.command == command and unknown == [] and not hasattr(args, dest), command

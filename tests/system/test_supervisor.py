@@ -1,5 +1,6 @@
 """``pdserve up``'s supervisor over stand-in children: a clean stop that kills a child ignoring SIGTERM,
-restarts with backoff, giving up on a crash loop, and stopping everything when the gateway exits."""
+restarts with backoff, giving up on a crash loop, stopping everything when the gateway exits, and the
+environment each child gets (``unset_env``)."""
 
 from __future__ import annotations
 
@@ -150,3 +151,18 @@ def test_a_child_that_exits_during_start_up_is_reported_with_the_end_of_its_log(
     assert message.startswith(f"child exited during start-up: [('decode', 3)]; logs in {tmp_path}")
     assert message.endswith("line 39\nboom: port in use") and "\nline 16\n" in message
     assert "\nline 15\n" not in message  # the last 25 lines only
+
+
+def test_a_child_inherits_no_unset_variable_when_started_or_restarted(tmp_path, monkeypatch) -> None:
+    """``unset_env`` (``pdserve up``: the ``PDSERVE_*`` variables of pdserve's flags) leaves the child's
+    environment at its start and at each restart; other variables and the child's ``env`` reach it."""
+    monkeypatch.setenv("PDSERVE_MAX_QUEUE", "5")
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    sup = Supervisor(grace=1.0, command=(sys.executable, "-c"), unset_env=frozenset({"PDSERVE_MAX_QUEUE"}))
+    code = ("import os, sys; names = ('PDSERVE_MAX_QUEUE', 'PDSERVE_CACHE_DIR', 'PDSERVE_API_KEY'); "
+            "open(sys.argv[1], 'a').write(repr([os.environ.get(n) for n in names]) + '\\n')")
+    sup.start("gateway", [code, str(tmp_path / "seen")], env={"PDSERVE_API_KEY": "k"})
+    sup.children["gateway"].wait(timeout=30)
+    sup.restart("gateway")
+    sup.children["gateway"].wait(timeout=30)
+    assert (tmp_path / "seen").read_text().splitlines() == [repr([None, str(tmp_path), "k"])] * 2
