@@ -59,7 +59,9 @@ SHORT_CHUNK_TOKENS = 16  # wave 2b's last chunk (tokens)
 # prompt tokens of a probe on a CPU: 128 tokens of the embedded model take ~0.2 s on 2 cores, within 1.4x
 # of a 2048-token prompt's rate there (0.6k tokens/s both); on CUDA the probe is a budget-sized prompt
 CPU_PROBE_TOKENS = 128
-PROBE_REPEATS = 2  # the first may pay one-time costs (a kernel compiled, an attention plan built)
+# prompts a probe times on CUDA, keeping the fastest: the first may pay one-time costs (a kernel compiled,
+# an attention plan built) when the warm-up is off; a CPU has none of those and times one
+CUDA_PROBE_REPEATS = 2
 
 
 class WarmupTimeout(RuntimeError):
@@ -181,35 +183,37 @@ class PrefillProbe:
     ended: float
 
 
-def probe_prefill(core: EngineCore, repeats: int = PROBE_REPEATS) -> PrefillProbe | None:
+def probe_prefill(core: EngineCore, repeats: int | None = None) -> PrefillProbe | None:
     """Time ``repeats`` greedy one-token requests of one random prompt size through ``core`` (each drained
-    before the next; prefix caching off) and return the fastest, or None when no prompt fits
-    ``max_model_len``. The size: ``max_num_batched_tokens`` on CUDA (one full prefill chunk, the shape
-    the warm-up compiled), at most ``CPU_PROBE_TOKENS`` elsewhere; capped by ``max_model_len`` and the KV
-    blocks.
+    before the next, timed from its ``add_request``; prefix caching off) and return the fastest, or None
+    when no prompt fits ``max_model_len``. ``repeats`` defaults to ``CUDA_PROBE_REPEATS`` on CUDA, 1
+    elsewhere. The size: ``max_num_batched_tokens`` on CUDA (one full prefill chunk, the shape the warm-up
+    compiled), at most ``CPU_PROBE_TOKENS`` elsewhere; capped by ``max_model_len`` and the KV blocks.
 
     Raises:
-        RuntimeError: ``core`` is not idle (nothing is run), or a step made no progress. Any error from a
-            step propagates; the probe's requests are aborted first, so the engine holds nothing.
+        RuntimeError: ``core`` is not idle (nothing is run), a step made no progress, or the probe ran past
+            ``WarmupConfig.max_seconds`` (``WarmupTimeout``). Any error from a step propagates; the
+            probe's requests are aborted first, so the engine holds nothing.
     """
     bm = core.block_manager
     if core.has_unfinished() or bm.num_free_blocks != bm.num_blocks:
         raise RuntimeError("the prefill probe needs an idle engine")
+    cuda = core.runner.device.type == "cuda"
     run = _Run(core, WarmupConfig())
-    size = run.budget if core.runner.device.type == "cuda" else min(CPU_PROBE_TOKENS, run.budget)
+    size = run.budget if cuda else min(CPU_PROBE_TOKENS, run.budget)
     size = min(size, run.longest, bm.num_blocks * bm.block_size - 1)
     if size < 1:
         return None
     best: PrefillProbe | None = None
     with _prefix_caching_off(core):
         try:
-            for _ in range(repeats):
-                start = time.monotonic()
+            for _ in range(repeats if repeats is not None else CUDA_PROBE_REPEATS if cuda else 1):
                 run.add(size, 1)
+                (seq,) = run.live.values()
                 run.drain()
                 ended = time.monotonic()
-                if best is None or ended - start < best.seconds:
-                    best = PrefillProbe(size, ended - start, ended)
+                if best is None or ended - seq.arrival_time < best.seconds:
+                    best = PrefillProbe(size, ended - seq.arrival_time, ended)
         finally:
             run.abort_all()
     return best

@@ -15,17 +15,17 @@ told of each ``FirstToken`` (``first_token``) and of each released request (``fo
   counts only that many tokens: the wait is then a lower bound, so a long prompt is not refused on a short
   prompts' rate, and a flood of prompts the rate knows still is.
 
-The prefill rate (protocol/prefill_rate.py) is this gateway's own measurement once it has one: a request
-routed at ``t0`` whose ``FirstToken`` arrives at ``t1`` kept the worker busy from ``max(t0, the worker's
-previous FirstToken)`` to ``t1``, with the prompt tokens it computed (the prompt minus the prefix-cache
-hit the ``FirstToken`` reports). Before that (a gateway process just started, restarted, or added beside
-others) it is the rate the worker reports in its heartbeats: measured the same way over every request it
-computed, whichever gateway sent it, and from its start-up probe (``engine.warmup.probe_prefill``) before
-its first. A worker reporting none (an older worker) is not judged: admit. The queue is counted in the
-same unit: a queued request is expected to compute its prompt minus the prefix the worker's KV events
-report cached (``Route.prefix_blocks``). Counting whole prompts against a rate of computed tokens
-overstated the wait by the prompts' hit ratio: prompts served again from the prefix cache were refused as
-overload.
+The prefill rate (protocol/prefill_rate.py) is the one the worker reports in its heartbeats: a request
+that reached it at ``t0`` and got its first token at ``t1`` kept it busy from ``max(t0, its previous first
+token)`` to ``t1``, with the prompt tokens it computed (the prompt minus its prefix-cache hit), over every
+request it computed, whichever gateway sent it, and from its start-up probe (``engine.warmup.probe_prefill``)
+before its first. So a gateway process just started, restarted or added beside others judges the queue
+like the others from its first request on. A worker that reports none (an older worker) is judged by this
+gateway's own measurement, the same arithmetic from routing to ``FirstToken`` (hops included), and not
+judged before that: admit. The queue is counted in the same unit: a queued request is expected to compute
+its prompt minus the prefix the worker's KV events report cached (``Route.prefix_blocks``). Counting whole
+prompts against a rate of computed tokens overstated the wait by the prompts' hit ratio: prompts served
+again from the prefix cache were refused as overload.
 
 Why the span: a request's time is a fixed cost (round trips, scheduling, one step's overhead) plus its
 tokens over the worker's throughput, and the rate above folds both into one number. Measured on short
@@ -164,16 +164,17 @@ class Admission:
 
     def rate(self, worker: WorkerEntry) -> tuple[float, float] | None:
         """``worker``'s prefill rate (prompt tokens per second) and the largest computed-token count it
-        was recently measured on: this gateway's own measurement when it has one, else the one the worker
-        reports in its heartbeats (``WorkerLoad.prefill_tokens_per_s``; from its start-up probe until it
-        has served), else None."""
+        was recently measured on: the one the worker reports in its heartbeats
+        (``WorkerLoad.prefill_tokens_per_s``: over every prompt it computed, whichever gateway sent it,
+        and from its start-up probe before its first), else this gateway's own measurement (a worker that
+        reports none), else None."""
+        load = worker.load
+        if load.prefill_tokens_per_s > 0 and load.prefill_largest_tokens > 0:
+            return load.prefill_tokens_per_s, float(load.prefill_largest_tokens)
         own = self.rates.get(worker.worker_id)
         tokens_per_s = own.tokens_per_s() if own is not None else None
         if own is not None and tokens_per_s is not None:
             return tokens_per_s, own.largest
-        load = worker.load
-        if load.prefill_tokens_per_s > 0 and load.prefill_largest_tokens > 0:
-            return load.prefill_tokens_per_s, float(load.prefill_largest_tokens)
         return None
 
     # ---- decode blocks ---------------------------------------------------------------------------

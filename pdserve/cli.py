@@ -274,7 +274,8 @@ def _add_worker(add: _Adder, role: str) -> None:
         help="processes (one GPU each: cuda:0..N-1 of the visible devices) sharing the model; on a "
              "prefill or decode worker every rank runs its own KV endpoint (the two sides may differ in N)")
     add("--engine-warmup", default="auto", choices=["auto", "on", "off"],
-        help="run throw-away requests before registering, so kernels compile first (auto: on CUDA only)")
+        help="run throw-away requests before registering, so kernels compile first (auto: on CUDA only; "
+             "the prefill-rate probe of prefill and colocated workers runs either way)")
     if role != "colocated":
         add("--transfer-backend", default="nixl", choices=["nixl", "ucx", "loopback"],
             help="KV transport between prefill and decode workers")

@@ -9,8 +9,8 @@ with little time each: the sums stay right.
 Measured in two places with the same arithmetic: by each prefill or colocated worker over the requests
 it computed (from their arrival there; seeded at start-up by ``engine.warmup.probe_prefill``), reported in
 every heartbeat (``WorkerLoad.prefill_tokens_per_s``, ``prefill_largest_tokens``); and by each gateway over
-the requests it routed (from routing, so it also counts the hops), which gateway/admission.py prefers once
-it has one. No torch.
+the requests it routed (from routing, so it also counts the hops), which gateway/admission.py falls back on
+for a worker that reports none. No torch.
 """
 
 from __future__ import annotations

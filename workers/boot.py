@@ -132,7 +132,10 @@ def probe_core(settings: WorkerSettings, core: EngineCore) -> PrefillProbe | Non
             raise RuntimeError(f"prefill probe failed ({exc!r}) and left the engine unclean: {leak}") from exc
         log.warning("prefill_probe_failed error=%r: no prefill rate until the first request", exc)
         return None
-    if probe is not None:
+    if probe is None:
+        log.warning("prefill_probe_skipped: no prompt fits --max-model-len; no prefill rate until the first "
+                    "request")
+    else:
         log.info("prefill_probe", extra={"tokens": probe.tokens, "seconds": round(probe.seconds, 4),
                                          "tokens_per_s": round(probe.tokens / max(probe.seconds, 1e-9))})
     return probe

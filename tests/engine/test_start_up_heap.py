@@ -56,6 +56,9 @@ class _Worker:
     def __init__(self) -> None:
         self.frozen_at_run = -1
 
+    def seed_prefill_rate(self, tokens: int, seconds: float, ended: float) -> None:
+        """The start-up probe's result (a colocated worker's): not what this test looks at."""
+
     async def run(self) -> None:
         self.frozen_at_run = gc.get_freeze_count()
 

@@ -6,6 +6,7 @@ Tiny fp32 CPU Llama with dummy weights (seed 0)."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -223,15 +224,13 @@ def test_mode_auto_warms_only_on_cuda_and_bad_modes_are_refused():
 @pytest.mark.parametrize("prefill_only", [True, False])
 def test_probe_times_prompts_of_one_size_and_leaves_the_engine_clean(tiny_dummy_dir, monkeypatch,
                                                                       prefill_only):
-    import time
-
     core = make_core(tiny_dummy_dir, prefill_only=prefill_only)
     prompts = spy_prompts(core, monkeypatch)
     before = time.monotonic()
     probe = probe_prefill(core)
     assert probe is not None
     assert probe.tokens == min(CPU_PROBE_TOKENS, BUDGET) == BUDGET  # a CPU engine: at most 128, the budget
-    assert [len(p) for p in prompts] == [BUDGET, BUDGET]  # PROBE_REPEATS prompts of that size
+    assert [len(p) for p in prompts] == [BUDGET]  # one prompt of that size on a CPU
     assert 0 < probe.seconds <= probe.ended - before <= time.monotonic() - before
     assert_clean(core, prompts)
     if not prefill_only:  # the probe changes no later output
@@ -247,12 +246,27 @@ def test_probe_prompt_fits_a_small_engine(tiny_dummy_dir, monkeypatch):
     assert_clean(core, prompts)
 
 
+def test_probe_keeps_the_fastest_of_its_prompts(tiny_dummy_dir, monkeypatch):
+    core = make_core(tiny_dummy_dir)
+    prompts = spy_prompts(core, monkeypatch)
+    real, slow = core.runner.execute, [0.05]
+
+    def execute(output, layer_hook=None):  # type: ignore[no-untyped-def]
+        time.sleep(slow.pop() if slow else 0.0)  # the first prompt pays a one-time 50 ms
+        return real(output, layer_hook)
+
+    monkeypatch.setattr(core.runner, "execute", execute)
+    probe = probe_prefill(core, repeats=3)
+    assert probe is not None and len(prompts) == 3 and probe.seconds < 0.05
+    assert_clean(core, prompts)
+
+
 def test_probe_failure_propagates_and_leaves_nothing_held(tiny_dummy_dir, monkeypatch):
     core = make_core(tiny_dummy_dir)
     prompts = spy_prompts(core, monkeypatch)
     fail_at_step(core, monkeypatch, 2)
     with pytest.raises(RuntimeError, match="boom in step 2"):
-        probe_prefill(core)
+        probe_prefill(core, repeats=2)
     assert_clean(core, prompts)
 
 

@@ -11,7 +11,7 @@ from engine.warmup import WarmupConfig, WarmupReport, warmup
 from pdserve.cli import build_parser
 from protocol.settings import WorkerSettings, settings_from_args
 from tests.engine.test_warmup import SMALL, fail_at_step, make_core
-from workers.boot import warm_up_core
+from workers.boot import probe_core, warm_up_core
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -83,3 +83,29 @@ def test_boot_refuses_to_start_when_a_failed_warmup_leaves_the_engine_unclean(ti
                         insecure_control_plane=True)
     with pytest.raises(RuntimeError, match="left the engine unclean"):
         warm_up_core(on, core)
+
+
+def test_boot_serves_without_a_prefill_rate_when_the_probe_fails_cleanly(tiny_dummy_dir, monkeypatch, caplog):
+    core = make_core(tiny_dummy_dir)
+    calls = fail_at_step(core, monkeypatch, 1)
+    colocated = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), worker_id="w",
+                               insecure_control_plane=True)
+    with caplog.at_level("WARNING", logger="pdserve.worker"):
+        assert probe_core(colocated, core) is None
+    assert len(calls) == 1 and "prefill_probe_failed" in caplog.text and "boom in step 1" in caplog.text
+    core.check_no_leaks()
+
+
+def test_boot_refuses_to_start_when_a_failed_probe_leaves_the_engine_unclean(tiny_dummy_dir, monkeypatch):
+    core = make_core(tiny_dummy_dir)
+    import engine.warmup
+
+    def leaky(c: EngineCore, repeats: int | None = None) -> None:
+        c.add_request("stuck", [5, 6, 7], SamplingParams(max_tokens=2))
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.warmup, "probe_prefill", leaky)
+    prefill = WorkerSettings(role="prefill", model=str(tiny_dummy_dir), worker_id="w",
+                             insecure_control_plane=True)
+    with pytest.raises(RuntimeError, match=r"prefill probe failed .* left the engine unclean"):
+        probe_core(prefill, core)

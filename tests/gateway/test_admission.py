@@ -286,19 +286,27 @@ async def test_a_fresh_gateway_judges_the_queue_by_the_rate_the_worker_reports(f
     assert not s.orch.requests and not s.admission._routed
 
 
-async def test_the_gateways_own_measurement_comes_before_the_reported_rate() -> None:
-    """Once this gateway has measured p1 itself (routing to first token, hops included), that rate judges,
-    not the heartbeat's."""
+async def test_the_rate_the_worker_reports_comes_before_the_gateways_own_measurement() -> None:
+    """The worker's rate (every prompt it computed, whichever gateway sent it) judges even after this
+    gateway measured p1 itself: one slow first answer (hops, a first transfer) does not replace it. This
+    gateway's own measurement judges a worker that reports none."""
     s = Setup(budget_s=2.0, decode_free=(1000,), total=1000)
-    assert s.registry.touch("p1", 1, reported_rate(1000.0, 100))  # 10x faster than measured below
     (a,) = await s.orch.submit_all("a", [gen("a", 100)])
     s.clock.now += 1.0  # 100 tokens in 1 s, as seen from here
     await s.orch.on_worker_message(b"p1", FirstToken(request_id="a", worker_id="p1", token_id=7))
     s.orch.release(a)
-    assert s.admission.rate(s.registry.get("p1")) == (pytest.approx(100.0), pytest.approx(100.0))
+    p1 = s.registry.get("p1")
+    assert p1 is not None and s.admission.rate(p1) == (pytest.approx(100.0), pytest.approx(100.0))
     burst = [(await s.orch.submit_all(f"b{i}", [gen(f"b{i}", 100)]))[0] for i in range(3)]
-    with pytest.raises(APIError):  # at the reported 1000 tokens/s this would be 0.3 s: admitted
+    with pytest.raises(APIError):  # 300 tokens ahead at 100 tokens/s
         await s.orch.submit_all("late", [gen("late", 100)])
+    assert s.registry.touch("p1", 1, reported_rate(1000.0, 100))  # the worker's own: 10x faster
+    assert s.admission.rate(p1) == (1000.0, 100.0)
+    # at 1000 tokens/s the next 18 wait 0.3 .. 2.0 s behind b0-b2 and each other: admitted; then 2.1 s
+    burst += [(await s.orch.submit_all(f"c{i}", [gen(f"c{i}", 100)]))[0] for i in range(18)]
+    with pytest.raises(APIError) as refused:
+        await s.orch.submit_all("c18", [gen("c18", 100)])
+    assert "about 2 s of prompts" in refused.value.message and s.refused("prefill_queue") == 2
     for req in burst:
         s.orch.release(req)
     assert not s.orch.requests and not s.admission._routed
