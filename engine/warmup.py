@@ -56,9 +56,11 @@ log = logging.getLogger("pdserve.warmup")
 WARMUP_MODES = ("auto", "on", "off")
 SHORT_PROMPT_TOKENS = 24  # longest "short" prompt of the decode and mixed waves (tokens)
 SHORT_CHUNK_TOKENS = 16  # wave 2b's last chunk (tokens)
-# prompt tokens of a probe on a CPU: 128 tokens of the embedded model take ~0.2 s on 2 cores, within 1.4x
-# of a 2048-token prompt's rate there (0.6k tokens/s both); on CUDA the probe is a budget-sized prompt
-CPU_PROBE_TOKENS = 128
+# prompt tokens of a probe on a CPU. The embedded model on 2 quiet cores: 128 tokens 0.6k tokens/s (0.2 s),
+# 512 tokens 0.8k (0.6 s), 2048 tokens 0.6k (3.4 s): 512 is near the rate of a step of batched short
+# prompts and lets a prompt of up to 4x that count in full (gateway/admission.py TRUSTED_SPAN) at a
+# start-up cost below a second. On CUDA the probe is a budget-sized prompt
+CPU_PROBE_TOKENS = 512
 # prompts a probe times on CUDA, keeping the fastest: the first may pay one-time costs (a kernel compiled,
 # an attention plan built) when the warm-up is off; a CPU has none of those and times one
 CUDA_PROBE_REPEATS = 2
