@@ -8,12 +8,15 @@ told of each ``FirstToken`` (``first_token``) and of each released request (``fo
 * **429** (``kv_blocks``): no compatible decode worker has the prompt's blocks free now: its last
   heartbeat's ``num_free_blocks`` minus the blocks of the requests routed to it since that heartbeat
   (the decode worker would otherwise queue the reservation, and fail it after 30 s);
-* **429** (``prefill_queue``): the prompt tokens the chosen first-token worker (prefill, or colocated) is
-  expected to compute for the requests routed to it and not yet answered by a ``FirstToken``, divided by
-  that worker's prefill rate (``rate``), exceed the budget (``--admission-budget`` seconds). A queued
-  request computing more than ``TRUSTED_SPAN`` times the largest prompt the rate was recently measured on
-  counts only that many tokens: the wait is then a lower bound, so a long prompt is not refused on a short
-  prompts' rate, and a flood of prompts the rate knows still is.
+* **429** (``prefill_queue``): the prompt tokens queued ahead on the chosen first-token worker (prefill,
+  or colocated), divided by that worker's prefill rate (``rate``), exceed the budget
+  (``--admission-budget`` seconds). Queued ahead: the larger of what this gateway routed there and has no
+  ``FirstToken`` for, and the backlog the worker reported in its last heartbeat
+  (``WorkerLoad.prefill_backlog_tokens``: every gateway's requests it holds) plus what this gateway routed
+  there since that heartbeat; so the gateway processes and replicas of one fleet judge one queue, a
+  heartbeat (0.5 s) late. A queued request computing more than ``TRUSTED_SPAN`` times the largest prompt
+  the rate was recently measured on counts only that many tokens: the wait is then a lower bound, so a
+  long prompt is not refused on a short prompts' rate, and a flood of prompts the rate knows still is.
 
 The prefill rate (protocol/prefill_rate.py) is the one the worker reports in its heartbeats: a request
 that reached it at ``t0`` and got its first token at ``t1`` kept it busy from ``max(t0, its previous first
@@ -49,23 +52,21 @@ from gateway.metrics import GatewayMetrics
 from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
 from gateway.router import Route
 from protocol.messages import FirstToken, WorkerLoad
-from protocol.prefill_rate import PrefillRate
-
-# a queued request counts at most TRUSTED_SPAN times the largest prompt the rate was measured on
-# (module docstring)
-TRUSTED_SPAN = 4.0
+from protocol.prefill_rate import TRUSTED_SPAN, PrefillRate
 
 
 @dataclass(slots=True)
 class _Routed:
     """One admitted request not yet answered by a FirstToken: its first-token worker, prompt tokens, the
-    prompt tokens it is expected to compute (its prompt minus the prefix reported cached there) and
-    routing time (monotonic seconds)."""
+    prompt tokens it is expected to compute (its prompt minus the prefix reported cached there), routing
+    time (monotonic seconds) and the worker's load when routed (the heartbeat object: a newer one may
+    count the request in its backlog)."""
 
     worker_id: str
     tokens: int
     expected_tokens: int
     routed_at: float
+    load: WorkerLoad
 
 
 @dataclass(slots=True)
@@ -107,7 +108,8 @@ class Admission:
         if first is not None:
             self._check_queue(first)
             expected = max(1, num_prompt_tokens - route.prefix_blocks * first.info.compat.block_size)
-            self._routed[request_id] = _Routed(first.worker_id, num_prompt_tokens, expected, self._clock())
+            self._routed[request_id] = _Routed(first.worker_id, num_prompt_tokens, expected, self._clock(),
+                                               first.load)
         if route.kind == "disaggregated" and route.decode is not None:
             self._reserve(route.decode, num_prompt_tokens)
         return route
@@ -152,8 +154,11 @@ class Admission:
             return  # no measurement yet: admit
         tokens_per_s, largest = measured
         span = TRUSTED_SPAN * largest
-        ahead = sum(min(float(r.expected_tokens), span) for r in self._routed.values()
-                    if r.worker_id == worker.worker_id)
+        mine = [r for r in self._routed.values() if r.worker_id == worker.worker_id]
+        ahead = sum(min(float(r.expected_tokens), span) for r in mine)
+        if worker.load.prefill_backlog_tokens:  # the worker's queue, every gateway's requests in it
+            since = sum(min(float(r.expected_tokens), span) for r in mine if r.load is worker.load)
+            ahead = max(ahead, worker.load.prefill_backlog_tokens + since)
         wait = ahead / tokens_per_s
         if wait > self.budget_s:
             self._refuse("prefill_queue")

@@ -208,12 +208,14 @@ class Orchestrator:
             assert route.prefill is not None
             req.phase = RequestPhase.PREFILLING
             await self._hold_and_send(req, route.prefill, PrefillRequest(
-                request_id=att.request_id, prompt_token_ids=att.prompt_token_ids, sampling=att.sampling))
+                request_id=att.request_id, prompt_token_ids=att.prompt_token_ids, sampling=att.sampling,
+                expected_cached_tokens=route.prefix_tokens()))
         else:
             assert route.colocated is not None
             req.phase = RequestPhase.PREFILLING
             await self._hold_and_send(req, route.colocated, ColocatedRequest(
-                request_id=att.request_id, prompt_token_ids=att.prompt_token_ids, sampling=att.sampling))
+                request_id=att.request_id, prompt_token_ids=att.prompt_token_ids, sampling=att.sampling,
+                expected_cached_tokens=route.prefix_tokens()))
 
     # ---- messages from workers --------------------------------------------------------------------
     async def on_worker_message(self, identity: bytes, msg: WorkerMessage) -> None:
@@ -288,7 +290,8 @@ class Orchestrator:
                 att = req.attempt
                 await self._hold_and_send(req, prefill, PrefillRequest(
                     request_id=att.request_id, prompt_token_ids=att.prompt_token_ids,
-                    sampling=att.sampling, kv_handle=msg.kv_handle, decode_worker_id=msg.worker_id))
+                    sampling=att.sampling, kv_handle=msg.kv_handle, decode_worker_id=msg.worker_id,
+                    expected_cached_tokens=req.route.prefix_tokens()))
             elif isinstance(msg, RequestFinished):
                 self._drop_holder(req, msg.worker_id)
                 return self._ended(last, msg.finish_reason)

@@ -52,6 +52,11 @@ class Route:
     prompt_blocks: int = 0
     decode_prefix_blocks: int = 0
 
+    def prefix_tokens(self) -> int:
+        """``prefix_blocks`` in tokens (the first-token worker's block size; 0 without one)."""
+        first = self.prefill if self.kind != "colocated" else self.colocated
+        return self.prefix_blocks * first.info.compat.block_size if first is not None else 0
+
 
 class Router:
     """Chooses workers from ``registry`` and the prefix-cache state in ``prefix_index`` (where it also

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -218,6 +219,11 @@ class PrefillWorker(WorkerLoop):
                                  f"{self.settings.transfer_backend!r}")
         seq = self.core.add_request(msg.request_id, msg.prompt_token_ids, params)
         self.seqs[msg.request_id], self.kv_handles[msg.request_id] = seq, kv_handle
+        self.expect_cached(seq, msg.expected_cached_tokens)
+
+    def awaiting_first_token(self) -> Iterable[Sequence]:
+        """Requests accepted whose first token is not sampled yet (``seqs``)."""
+        return self.seqs.values()
 
     def drop(self, request_id: str) -> None:
         """Abort in the engine, and abort the request's transfer if one was started (its source blocks

@@ -54,7 +54,12 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     ``prefill_tokens_per_s``: a prefill or colocated worker's measured prefill rate (prompt tokens computed
     per busy second, protocol/prefill_rate.py; from its start-up probe until it has served), and
     ``prefill_largest_tokens`` the largest computed prompt that rate was recently measured on; 0 when not
-    measured (decode workers). Gateways judge their queues by it before measuring the worker themselves.
+    measured (decode workers). Gateways judge their queues by it. ``prefill_backlog_tokens``: the prompt
+    tokens it expects to compute for the requests it holds that have no first token yet, each its prompt
+    minus what is already computed or (before it is scheduled) the prefix the gateway expected cached
+    (``PrefillRequest.expected_cached_tokens``), and at most ``TRUSTED_SPAN`` x ``prefill_largest_tokens``
+    (protocol/prefill_rate.py); 0 on decode workers. Every gateway adds it to what it routed since, so
+    several gateways judge one queue.
     """
 
     num_waiting: int = 0
@@ -66,6 +71,7 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     kv_control_refused: int = 0
     prefill_tokens_per_s: float = 0.0
     prefill_largest_tokens: int = 0
+    prefill_backlog_tokens: int = 0
 
 
 class KVPlacement(msgspec.Struct, frozen=True, kw_only=True):
@@ -187,13 +193,17 @@ class KVReserved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class PrefillRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Gateway → prefill: compute the prompt, sample the first token; send KV to ``kv_handle`` if set."""
+    """Gateway → prefill: compute the prompt, sample the first token; send KV to ``kv_handle`` if set.
+    ``expected_cached_tokens``: the prompt's prefix the gateway expects this worker's prefix cache to hold
+    (its KV events), counted in the worker's reported backlog until the request is scheduled
+    (``WorkerLoad.prefill_backlog_tokens``); never used for scheduling."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     kv_handle: bytes | None = None
     decode_worker_id: str | None = None
+    expected_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         _no_stop_strings(self.sampling)
@@ -208,11 +218,13 @@ class DecodeRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class ColocatedRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """Gateway → colocated worker: prefill and decode in one place."""
+    """Gateway → colocated worker: prefill and decode in one place. ``expected_cached_tokens``: as in
+    ``PrefillRequest``."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    expected_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         _no_stop_strings(self.sampling)

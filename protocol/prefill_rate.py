@@ -8,7 +8,8 @@ with little time each: the sums stay right.
 
 Measured in two places with the same arithmetic: by each prefill or colocated worker over the requests
 it computed (from their arrival there; seeded at start-up by ``engine.warmup.probe_prefill``), reported in
-every heartbeat (``WorkerLoad.prefill_tokens_per_s``, ``prefill_largest_tokens``); and by each gateway over
+every heartbeat (``WorkerLoad.prefill_tokens_per_s``, ``prefill_largest_tokens``, beside the backlog it
+judges, ``prefill_backlog_tokens``); and by each gateway over
 the requests it routed (from routing, so it also counts the hops), which gateway/admission.py falls back on
 for a worker that reports none. No torch.
 """
@@ -21,6 +22,10 @@ from dataclasses import dataclass
 # weight of the history at each new measurement: about the last 20 requests count, several prefill steps
 # (the requests of one step report nearly together, the first with the whole step's time)
 DECAY = 0.95
+# a queued request counts at most TRUSTED_SPAN times the largest prompt the rate was measured on: a
+# request's time is a fixed cost plus its tokens over the throughput, and a rate measured on short prompts
+# is mostly the fixed cost, so it overstates a long prompt's time many times over (gateway/admission.py)
+TRUSTED_SPAN = 4.0
 
 
 @dataclass(slots=True)
@@ -42,6 +47,11 @@ class PrefillRate:
         self.seconds = self.seconds * DECAY + busy
         self.last_first_token = now
         self.largest = max(float(tokens), self.largest * DECAY)
+
+    def judged(self, tokens: int) -> float:
+        """The part of a queued request computing ``tokens`` prompt tokens this rate judges: at most
+        ``TRUSTED_SPAN`` times the largest recently measured (all of it before any measurement)."""
+        return min(float(tokens), TRUSTED_SPAN * self.largest) if self.largest > 0 else float(tokens)
 
     def tokens_per_s(self) -> float | None:
         """Prompt tokens per second, or None before a measurement with busy time."""

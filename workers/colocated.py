@@ -12,6 +12,7 @@ A request that cannot be served (bad params, prompt too long) gets ``RequestFail
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from protocol.messages import AbortRequest, ColocatedRequest, Message, Role
@@ -41,8 +42,9 @@ class ColocatedWorker(WorkerLoop):
             ValueError: bad prompt or duplicate id (the loop fails that request).
         """
         if isinstance(msg, ColocatedRequest):
-            self.seqs[msg.request_id] = self.core.add_request(msg.request_id, msg.prompt_token_ids,
-                                                              msg.sampling)
+            seq = self.seqs[msg.request_id] = self.core.add_request(msg.request_id, msg.prompt_token_ids,
+                                                                    msg.sampling)
+            self.expect_cached(seq, msg.expected_cached_tokens)
         elif isinstance(msg, AbortRequest):
             if msg.request_id in self.seqs:
                 self.metrics.ended_by_gateway(self.seqs[msg.request_id], msg.stop_string, time.monotonic())
@@ -56,6 +58,10 @@ class ColocatedWorker(WorkerLoop):
     def request_ids(self) -> list[str]:
         """Requests queued or running."""
         return list(self.seqs)
+
+    def awaiting_first_token(self) -> Iterable[Sequence]:
+        """Requests held that have sampled no token yet (one pass over ``seqs`` per phase)."""
+        return (seq for seq in self.seqs.values() if not seq.num_output_tokens)
 
     def step(self) -> list[StepOutput]:
         """One continuous-batching step (step thread)."""

@@ -27,7 +27,9 @@ import contextlib
 import logging
 import signal
 import time
+import weakref
 from collections import Counter, deque
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -62,6 +64,7 @@ from workers.step import StepFailed
 
 if TYPE_CHECKING:
     from engine.engine_core import EngineCore, StepOutput
+    from engine.sequence import Sequence
     from protocol.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.worker")
@@ -94,6 +97,8 @@ class WorkerLoop:
         self._pruned_at = 0.0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-step")
         self._load = WorkerLoad()
+        # per request, the prefix its gateway expected cached here (``expect_cached``); gone with the request
+        self._expected_cached: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
         self._wake: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
         self.fatal: str | None = None  # why the worker stopped itself (it then exits 1), None otherwise
@@ -168,6 +173,29 @@ class WorkerLoop:
     def num_waiting(self) -> int:
         """Requests not yet running (the load reported in heartbeats)."""
         return len(self.core.scheduler.waiting)
+
+    def awaiting_first_token(self) -> Iterable[Sequence]:
+        """The requests this worker holds whose first token it will compute and has not yet (the backlog
+        it reports, ``prefill_backlog``); none on roles that compute no prompts."""
+        return ()
+
+    def expect_cached(self, seq: Sequence, tokens: int) -> None:
+        """Note the prompt prefix (tokens) the gateway expected this worker's cache to hold for ``seq``
+        (``expected_cached_tokens`` of its request): its backlog counts the rest until it is scheduled."""
+        if tokens > 0:
+            self._expected_cached[seq] = tokens
+
+    def prefill_backlog(self) -> int:
+        """Prompt tokens this worker expects to compute for ``awaiting_first_token``: each its prompt minus
+        the tokens computed so far (cache hits included) once it holds blocks, else minus the prefix the
+        gateway expected cached; at least 1, and at most what the prefill rate judges
+        (``PrefillRate.judged``) — the ``WorkerLoad.prefill_backlog_tokens`` of its heartbeats."""
+        rate, expected = self.metrics.prefill_rate, self._expected_cached
+        total = 0.0
+        for seq in self.awaiting_first_token():
+            done = seq.num_computed_tokens if seq.block_table else expected.get(seq, 0)
+            total += rate.judged(max(1, seq.num_prompt_tokens - done))
+        return round(total)
 
     def transfer_totals(self) -> tuple[int, float]:
         """Cumulative (bytes, seconds) of this worker's completed KV transfers, reported in heartbeats
@@ -319,7 +347,8 @@ class WorkerLoop:
                                 kv_transfer_bytes=sent_bytes, kv_transfer_seconds=sent_seconds,
                                 kv_control_refused=self.control_refusals(),
                                 prefill_tokens_per_s=rate.tokens_per_s() or 0.0,
-                                prefill_largest_tokens=round(rate.largest))
+                                prefill_largest_tokens=round(rate.largest),
+                                prefill_backlog_tokens=self.prefill_backlog())
 
     def registration(self) -> RegisterWorker:
         """The ``RegisterWorker`` message of this process."""

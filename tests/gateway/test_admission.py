@@ -5,6 +5,8 @@ with nothing in flight."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 
@@ -19,7 +21,7 @@ from gateway.registry import WorkerRegistry
 from gateway.request_state import GenerationInput
 from gateway.router import Router
 from kvtransfer.compat import KVCompat
-from protocol.messages import FirstToken, KVEvents, Message, RegisterWorker, ReserveKV, WorkerLoad
+from protocol.messages import FirstToken, KVEvents, KVReserved, Message, RegisterWorker, ReserveKV, WorkerLoad
 from protocol.settings import GatewaySettings
 
 COMPAT = KVCompat(dtype="float32", block_size=4, transfer_backend="loopback")
@@ -310,3 +312,56 @@ async def test_the_rate_the_worker_reports_comes_before_the_gateways_own_measure
     for req in burst:
         s.orch.release(req)
     assert not s.orch.requests and not s.admission._routed
+
+
+@pytest.mark.parametrize("first", ["prefill", "colocated"])
+async def test_the_backlog_the_worker_reports_counts_other_gateways_requests(first: str) -> None:
+    """p1's heartbeat backlog holds requests other gateways sent it: this gateway adds what it routed
+    since that heartbeat and judges the larger of that and its own queue, so gateways of one fleet judge
+    one queue; a later heartbeat that counts this gateway's requests itself does not count them twice."""
+    s = Setup(budget_s=2.0, decode_free=(1000,), total=1000, first=first)
+
+    def heartbeat(backlog: int) -> None:
+        assert s.registry.touch("p1", 1, WorkerLoad(num_free_blocks=1000, num_total_blocks=1000,
+                                                    prefill_tokens_per_s=100.0, prefill_largest_tokens=100,
+                                                    prefill_backlog_tokens=backlog))
+
+    heartbeat(150)  # 1.5 s of another gateway's prompts
+    (a,) = await s.orch.submit_all("a", [gen("a", 100)])  # 150 ahead: 1.5 s
+    with pytest.raises(APIError) as refused:
+        await s.orch.submit_all("b", [gen("b", 100)])  # 150 + a's 100 routed since: 2.5 s
+    assert "about 2 s of prompts" in refused.value.message and refused.value.headers["Retry-After"] == "1"
+    heartbeat(250)  # p1 now holds a too: counted once
+    with pytest.raises(APIError):
+        await s.orch.submit_all("c", [gen("c", 100)])  # max(100 own, 250 + 0): 2.5 s
+    heartbeat(100)  # the other gateway's requests got their first tokens; a is still queued
+    (d,) = await s.orch.submit_all("d", [gen("d", 100)])  # max(100, 100 + 0): 1 s
+    (e,) = await s.orch.submit_all("e", [gen("e", 100)])  # max(200 own, 100 + d's 100): 2 s
+    with pytest.raises(APIError):
+        await s.orch.submit_all("f", [gen("f", 100)])  # max(300 own, 100 + 200 since): 3 s
+    assert s.refused("prefill_queue") == 3
+    for req in (a, d, e):
+        s.orch.release(req)
+    assert not s.orch.requests and not s.admission._routed
+
+
+@pytest.mark.parametrize("first", ["prefill", "colocated"])
+async def test_the_request_carries_the_prefix_the_gateway_expects_cached(first: str) -> None:
+    """``expected_cached_tokens`` of the first message to p1 is the prefix its KV events report cached
+    (in tokens), which p1 counts in its backlog until it schedules the request."""
+    s = Setup(budget_s=0.0, decode_free=(1000,), total=1000, first=first)
+    prompt = gen("a", 100).prompt_token_ids
+    s.prefix_index.apply(KVEvents(worker_id="p1", epoch=1, seq_no=1, stored=block_hashes(prompt, 4)[:10],
+                                  snapshot=True))
+    (a,) = await s.orch.submit_all("a", [gen("a", 100)])
+    waiting = asyncio.create_task(s.orch.next_output(a))
+    if first == "prefill":  # the decode worker reserves first; the PrefillRequest follows its KVReserved
+        await s.orch.on_worker_message(b"d1", KVReserved(request_id="a", worker_id="d1", kv_handle=b"h"))
+    for _ in range(100):
+        sent = [m for identity, m in s.sent if identity == b"p1" and getattr(m, "request_id", None) == "a"]
+        if sent:
+            break
+        await asyncio.sleep(0.01)
+    assert [m.expected_cached_tokens for m in sent] == [40]  # 10 blocks of 4 tokens
+    waiting.cancel()
+    s.orch.release(a)

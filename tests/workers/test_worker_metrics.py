@@ -330,3 +330,36 @@ def test_the_prefill_rate_a_worker_reports_starts_at_its_probe_and_follows_promp
     finally:
         close(w)
         close(d)
+
+
+def test_the_backlog_a_worker_reports_is_the_prompt_tokens_it_still_has_to_compute(model_dir: Any) -> None:
+    """``prefill_backlog`` (the heartbeat's ``prefill_backlog_tokens``): per request without a first
+    token, its prompt minus the prefix its gateway expected cached until it is scheduled, then minus what
+    is computed; 0 once every first token is out; a decode worker has none."""
+    from protocol.messages import FirstToken, PrefillRequest
+    from tests.workers.helpers import decode_worker, prefill_worker
+
+    p = prefill_worker(model_dir, max_num_batched_tokens=8)  # one 8-token chunk per step
+    c = colocated_worker(model_dir, max_num_batched_tokens=8)
+    d = decode_worker(model_dir)
+    try:
+        assert p.prefill_backlog() == c.prefill_backlog() == d.prefill_backlog() == 0
+        prompts = [list(range(50, 70)), list(range(80, 92))]  # 20 and 12 tokens
+        for i, prompt in enumerate(prompts):  # applied as the loop applies them, no step yet
+            p.on_message(PrefillRequest(request_id=f"p{i}", prompt_token_ids=prompt, sampling=wire(1),
+                                        expected_cached_tokens=4 * i))
+            c.on_message(ColocatedRequest(request_id=f"c{i}", prompt_token_ids=prompt,
+                                          sampling=wire(3, ignore_eos=True), expected_cached_tokens=4 * i))
+        assert p.prefill_backlog() == c.prefill_backlog() == 20 + (12 - 4)
+        msgs: list[Any] = run(p)  # first step: p0's first 8 tokens (nothing cached: the hint was 0)
+        assert p.prefill_backlog() == p.load().prefill_backlog_tokens == (20 - 8) + (12 - 4)
+        pump([p], lambda: len(of_type(msgs, FirstToken)) == 2, sink=msgs)
+        assert p.prefill_backlog() == p.load().prefill_backlog_tokens == 0
+        out: list[Any] = []
+        pump([c], lambda: len(of_type(out, FirstToken)) == 2, sink=out)
+        assert c.prefill_backlog() == c.load().prefill_backlog_tokens == 0  # decoding: no backlog
+        pump([c], lambda: len(of_type(out, RequestFinished)) == 2, sink=out)
+        assert_clean(p, c)
+    finally:
+        for w in (p, c, d):
+            close(w)
