@@ -7,6 +7,9 @@
 * ``live``: the live system shared by the system-level suites (``tests/live.py``), started once per
   session and stopped after the last test that uses it; after each module that used it, a leak check
   (every KV block free, nothing in flight, no child dead but those a test killed on purpose).
+* Each test gets the root logger back as it found it (handlers and level): ``pdserve`` commands run in
+  process (``main([...])``) point it at the ``sys.stderr`` of their test, which a later test's log line
+  would otherwise hit once that capture is closed ("--- Logging error ---" in its own stderr).
 * Under pytest-xdist every test of the suites that use the live system (``LIVE_SUITES``) runs in one
   worker, in order, so one process starts the system; a test marked ``kills_live_child`` runs after
   every other test that uses it. The modules with a ``slow`` test (they start processes) are handed out
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -121,6 +125,16 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     yield
     if item.nodeid == item.config.stash.get(LAST_LIVE_USER, None) and LIVE_STOPPER in item.config.stash:
         item.config.stash[LIVE_STOPPER].close()
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored() -> Iterator[None]:
+    """The root logger's handlers and level as before the test (module docstring)."""
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
 
 
 @pytest.fixture(scope="session")
