@@ -7,8 +7,8 @@ Starts a disaggregated system (``pdserve.live_system``: one prefill, one decode 
 ``--max-tokens`` each; ``bench.serving.chaos.stream``). Per wave it prints how many completed, got a
 429 (and the slowest 429's status line, seconds after sending), failed any other way (with the reasons),
 and the completed requests' time to first token; then the gateway's admission refusals by reason. The
-first wave meets a gateway that has measured no prefill rate yet, so it admits everything; later waves
-are judged against the rate the first one measured (``gateway/admission.py``).
+first wave is judged against the prefill rate the prefill worker measured at start-up (its probe), later
+waves against the rate it measured over the earlier ones (``gateway/admission.py``).
 
     python -m bench.serving.overload --concurrency 48 --prompt-tokens 300 --waves 2
 
