@@ -107,6 +107,7 @@ class WorkerLoop:
         self.metrics.watch(self.load, lambda: core.scheduler.num_preemptions, self.health.loop_age,
                            lambda: self.health.registered)
         self.metrics.watch_host_tier(core.host_tier_stats)
+        self.metrics.watch_queue(lambda: bool(core.scheduler.waiting))
         self.health_server: HealthServer | None = None
         self.kv_feed = KVEventFeed(self.worker_id, self.epoch, core.block_manager)
 

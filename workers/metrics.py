@@ -54,8 +54,8 @@ What a worker counts is what it computed, so a sum over the fleet counts each to
   no first token) plus the tokens the step sampled. A step that only ran prompt chunks is not observed.
 * ``pdserve_worker_prefill_tokens_per_second`` (prefill and colocated workers; 0 on decode workers): the
   prefill rate this worker reports in its heartbeats (``prefill_rate``, protocol/prefill_rate.py: prompt
-  tokens computed per busy second from each request's arrival to its first token, seeded by the
-  start-up probe), read at scrape time.
+  tokens computed per busy second from each request's arrival to its first token, over the first tokens
+  sampled while other requests waited, seeded by the start-up probe), read at scrape time.
 * ``pdserve_worker_kv_sent_bytes`` (prefill workers) counts the KV of each transfer that completed, as
   blocks x ``KVCachePool.bytes_per_block`` (whole blocks: a prompt's last block counts in full; only the
   blocks sent, not those the decode worker had cached). Canary transfers are not counted.
@@ -248,6 +248,7 @@ class WorkerMetrics:
         self._firsts_in_step = 0  # first tokens sampled in the step being reported (see ``step``)
         self._prompts_in_step = 0  # their prompt tokens (``vllm:iteration_tokens_total``)
         self.prefill_rate = PrefillRate()  # over the prompts computed here (first_token)
+        self._queue_waiting: Callable[[], bool] = lambda: True  # watch_queue
         reg, lv = self.registry, self.label_values
 
         def counter(name: str, doc: str) -> Counter:
@@ -319,6 +320,11 @@ class WorkerMetrics:
         the worker. Call once."""
         self.registry.register(_ScrapeTime(self.label_values, load, preemptions, loop_age, registered))
 
+    def watch_queue(self, waiting: Callable[[], bool]) -> None:
+        """``waiting()``: whether requests wait to be scheduled now; ``prefill_rate`` counts only the
+        first tokens sampled while some did (protocol/prefill_rate.py). Unwatched: every first token."""
+        self._queue_waiting = waiting
+
     def watch_host_tier(self, stats: Callable[[], HostTierStats | None]) -> None:
         """Register the host KV tier's series, read from ``stats`` at scrape time (None: no tier, zeros).
         Call once."""
@@ -332,7 +338,8 @@ class WorkerMetrics:
         self._timelines[seq] = _Timeline(scheduled, now)
         self.ttft.observe(max(now - seq.arrival_time, 0.0))
         if computed_prompt:
-            self.prefill_rate.observe(seq.num_prompt_tokens - seq.num_cached_tokens, seq.arrival_time, now)
+            self.prefill_rate.observe(seq.num_prompt_tokens - seq.num_cached_tokens, seq.arrival_time, now,
+                                      count=self._queue_waiting())
             self._firsts_in_step += 1
             self._prompts_in_step += seq.num_prompt_tokens
             self.prompt_tokens.inc(seq.num_prompt_tokens)

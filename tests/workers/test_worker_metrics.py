@@ -296,11 +296,12 @@ def test_a_request_the_gateway_ended_at_a_stop_string_counts_as_stop(model_dir: 
 def test_the_prefill_rate_a_worker_reports_starts_at_its_probe_and_follows_prompts(model_dir: Any) -> None:
     """``probe_core`` times throw-away prompts on a prefill or colocated worker's engine (none on a decode
     worker's); the rate seeds the load its registration and heartbeats carry, and each prompt computed
-    afterwards moves it (protocol/prefill_rate.py); the gauge shows the reported value."""
+    afterwards while others waited moves it, one that found no queue does not (protocol/prefill_rate.py);
+    the gauge shows the reported value."""
     from tests.workers.helpers import decode_worker, settings
     from workers.boot import probe_core
 
-    w = colocated_worker(model_dir)
+    w = colocated_worker(model_dir, max_num_seqs=1)  # one request at a time: the others wait
     d = decode_worker(model_dir)
     try:
         assert w.registration().load.prefill_tokens_per_s == 0  # not measured yet
@@ -315,15 +316,20 @@ def test_the_prefill_rate_a_worker_reports_starts_at_its_probe_and_follows_promp
         assert seeded.prefill_largest_tokens == probe.tokens
         assert value(samples(w.metrics.registry), "pdserve_worker_prefill_tokens_per_second") \
             == pytest.approx(seeded.prefill_tokens_per_s)
-        prompt = list(range(50, 50 + probe.tokens + 20))  # longer than the probe's prompt
-        msgs: list[Any] = run(w, ColocatedRequest(request_id="r", prompt_token_ids=prompt,
+        rate = w.metrics.prefill_rate
+        msgs: list[Any] = run(w, ColocatedRequest(request_id="alone", prompt_token_ids=list(range(50, 70)),
                                                   sampling=wire(2, ignore_eos=True)))
         pump([w], lambda: len(of_type(msgs, RequestFinished)) == 1, sink=msgs)
+        assert rate.tokens == probe.tokens and rate.last_first_token > probe.ended  # no queue: not counted
+        prompts = [list(range(start, start + n)) for start, n in ((10, 30), (40, 40), (80, 50))]  # no hits
+        msgs = run(w, *(ColocatedRequest(request_id=f"q{i}", prompt_token_ids=p,
+                                         sampling=wire(2, ignore_eos=True)) for i, p in enumerate(prompts)))
+        pump([w], lambda: len(of_type(msgs, RequestFinished)) == 3, sink=msgs)
+        # q0 and q1 got their first tokens while others waited; q2 found no queue
+        assert rate.tokens == pytest.approx(probe.tokens * 0.95 ** 2 + 30 * 0.95 + 40)  # DECAY
         served = w.load()
-        assert served.prefill_largest_tokens == len(prompt)  # the longest computed prompt since
-        rate = w.metrics.prefill_rate
         assert served.prefill_tokens_per_s == pytest.approx(rate.tokens / rate.seconds)
-        assert rate.tokens == pytest.approx(probe.tokens * 0.95 + len(prompt))  # the probe decays, DECAY
+        assert served.prefill_largest_tokens == round(max(probe.tokens * 0.95 ** 2, 40))
         assert value(samples(w.metrics.registry), "pdserve_worker_prefill_tokens_per_second") \
             == pytest.approx(served.prefill_tokens_per_s)
         assert_clean(w)
