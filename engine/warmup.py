@@ -188,9 +188,10 @@ class PrefillProbe:
 def probe_prefill(core: EngineCore, repeats: int | None = None) -> PrefillProbe | None:
     """Time ``repeats`` greedy one-token requests of one random prompt size through ``core`` (each drained
     before the next, timed from its ``add_request``; prefix caching off) and return the fastest, or None
-    when no prompt fits ``max_model_len``. ``repeats`` defaults to ``CUDA_PROBE_REPEATS`` on CUDA, 1
-    elsewhere. The size: ``max_num_batched_tokens`` on CUDA (one full prefill chunk, the shape the warm-up
-    compiled), at most ``CPU_PROBE_TOKENS`` elsewhere; capped by ``max_model_len`` and the KV blocks.
+    when no prompt fits ``max_model_len`` (a warning, ``prefill_probe_skipped``). ``repeats`` defaults to
+    ``CUDA_PROBE_REPEATS`` on CUDA, 1 elsewhere. The size: ``max_num_batched_tokens`` on CUDA (one full
+    prefill chunk, the shape the warm-up compiled), at most ``CPU_PROBE_TOKENS`` elsewhere; capped by
+    ``max_model_len`` and the KV blocks.
 
     Raises:
         RuntimeError: ``core`` is not idle (nothing is run), a step made no progress, or the probe ran past
@@ -205,6 +206,8 @@ def probe_prefill(core: EngineCore, repeats: int | None = None) -> PrefillProbe 
     size = run.budget if cuda else min(CPU_PROBE_TOKENS, run.budget)
     size = min(size, run.longest, bm.num_blocks * bm.block_size - 1)
     if size < 1:
+        log.warning("prefill_probe_skipped: no prompt fits max_model_len; no prefill rate until the first "
+                    "request")
         return None
     best: PrefillProbe | None = None
     with _prefix_caching_off(core):

@@ -17,7 +17,7 @@ import functools
 import logging
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from protocol.heap import freeze_start_up_heap
 from workers.control_client import RegistrationError
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.worker")
 
 WorkerFactory = Callable[["WorkerSettings", "EngineCore", str], "WorkerLoop"]
+_T = TypeVar("_T")
 
 
 def start_up_refusal(settings: WorkerSettings) -> str | None:
@@ -99,14 +100,24 @@ def warm_up_core(settings: WorkerSettings, core: EngineCore) -> WarmupReport | N
 
     if not should_warm_up(settings.engine_warmup, core.runner.device.type):
         return None
+    return _optional_run(core, lambda: warmup(core), "warm-up", "warmup_failed", "serving without warm-up")
+
+
+def _optional_run(core: EngineCore, run: Callable[[], _T], what: str, event: str, then: str) -> _T | None:
+    """``run()``'s result; when it raises, None after a warning (``event``, the error, ``then``) if
+    ``core`` holds nothing (an optional start-up step never stops the worker).
+
+    Raises:
+        RuntimeError: ``run`` failed and left ``core`` holding a request or KV blocks.
+    """
     try:
-        return warmup(core)
-    except Exception as exc:  # any failure of the optional warm-up is handled the same way
+        return run()
+    except Exception as exc:  # any failure of an optional step is handled the same way
         try:
             core.check_no_leaks()
         except AssertionError as leak:
-            raise RuntimeError(f"warm-up failed ({exc!r}) and left the engine unclean: {leak}") from exc
-        log.warning("warmup_failed error=%r: serving without warm-up", exc)
+            raise RuntimeError(f"{what} failed ({exc!r}) and left the engine unclean: {leak}") from exc
+        log.warning("%s error=%r: %s", event, exc, then)
         return None
 
 
@@ -123,19 +134,9 @@ def probe_core(settings: WorkerSettings, core: EngineCore) -> PrefillProbe | Non
 
     if settings.role not in ("prefill", "colocated"):
         return None
-    try:
-        probe = probe_prefill(core)
-    except Exception as exc:  # like the warm-up, an optional measurement never stops the worker
-        try:
-            core.check_no_leaks()
-        except AssertionError as leak:
-            raise RuntimeError(f"prefill probe failed ({exc!r}) and left the engine unclean: {leak}") from exc
-        log.warning("prefill_probe_failed error=%r: no prefill rate until the first request", exc)
-        return None
-    if probe is None:
-        log.warning("prefill_probe_skipped: no prompt fits --max-model-len; no prefill rate until the first "
-                    "request")
-    else:
+    probe = _optional_run(core, lambda: probe_prefill(core), "prefill probe", "prefill_probe_failed",
+                          "no prefill rate until the first request")
+    if probe is not None:
         log.info("prefill_probe", extra={"tokens": probe.tokens, "seconds": round(probe.seconds, 4),
                                          "tokens_per_s": round(probe.tokens / max(probe.seconds, 1e-9))})
     return probe
