@@ -56,56 +56,40 @@ def test_boot_warms_up_per_setting(tiny_dummy_dir, monkeypatch):
     core.check_no_leaks()
 
 
-def test_boot_serves_without_warmup_when_it_fails_cleanly(tiny_dummy_dir, monkeypatch, caplog):
+# (boot step, the engine.warmup function it calls, what the step is called in its errors, its warning)
+OPTIONAL_STEPS = [(warm_up_core, "warmup", "warm-up", "warmup_failed"),
+                  (probe_core, "probe_prefill", "prefill probe", "prefill_probe_failed")]
+
+
+@pytest.mark.parametrize(("step", "function", "what", "event"), OPTIONAL_STEPS)
+def test_boot_serves_without_an_optional_step_that_fails_cleanly(tiny_dummy_dir, monkeypatch, caplog, step,
+                                                                 function, what, event):
     core = make_core(tiny_dummy_dir)
-    calls = fail_at_step(core, monkeypatch, 3)
+    calls = fail_at_step(core, monkeypatch, 3 if step is warm_up_core else 1)
     on = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w",
                         insecure_control_plane=True)
     import engine.warmup
 
     monkeypatch.setattr(engine.warmup, "warmup", lambda c, config=None: warmup(c, SMALL))
     with caplog.at_level("WARNING", logger="pdserve.worker"):
-        assert warm_up_core(on, core) is None
-    assert len(calls) == 3 and "warmup_failed" in caplog.text and "boom in step 3" in caplog.text
+        assert step(on, core) is None
+    assert len(calls) == (3 if step is warm_up_core else 1) and event in caplog.text
+    assert f"boom in step {len(calls)}" in caplog.text
     core.check_no_leaks()
 
 
-def test_boot_refuses_to_start_when_a_failed_warmup_leaves_the_engine_unclean(tiny_dummy_dir, monkeypatch):
+@pytest.mark.parametrize(("step", "function", "what", "event"), OPTIONAL_STEPS)
+def test_boot_refuses_to_start_when_an_optional_step_leaves_the_engine_unclean(tiny_dummy_dir, monkeypatch,
+                                                                                step, function, what, event):
     core = make_core(tiny_dummy_dir)
     import engine.warmup
 
-    def leaky(c: EngineCore, config: WarmupConfig | None = None) -> WarmupReport:
+    def leaky(c: EngineCore, *args: object) -> None:
         c.add_request("stuck", [5, 6, 7], SamplingParams(max_tokens=2))
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine.warmup, "warmup", leaky)
-    on = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w",
+    monkeypatch.setattr(engine.warmup, function, leaky)
+    on = WorkerSettings(role="prefill", model=str(tiny_dummy_dir), engine_warmup="on", worker_id="w",
                         insecure_control_plane=True)
-    with pytest.raises(RuntimeError, match="left the engine unclean"):
-        warm_up_core(on, core)
-
-
-def test_boot_serves_without_a_prefill_rate_when_the_probe_fails_cleanly(tiny_dummy_dir, monkeypatch, caplog):
-    core = make_core(tiny_dummy_dir)
-    calls = fail_at_step(core, monkeypatch, 1)
-    colocated = WorkerSettings(role="colocated", model=str(tiny_dummy_dir), worker_id="w",
-                               insecure_control_plane=True)
-    with caplog.at_level("WARNING", logger="pdserve.worker"):
-        assert probe_core(colocated, core) is None
-    assert len(calls) == 1 and "prefill_probe_failed" in caplog.text and "boom in step 1" in caplog.text
-    core.check_no_leaks()
-
-
-def test_boot_refuses_to_start_when_a_failed_probe_leaves_the_engine_unclean(tiny_dummy_dir, monkeypatch):
-    core = make_core(tiny_dummy_dir)
-    import engine.warmup
-
-    def leaky(c: EngineCore, repeats: int | None = None) -> None:
-        c.add_request("stuck", [5, 6, 7], SamplingParams(max_tokens=2))
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(engine.warmup, "probe_prefill", leaky)
-    prefill = WorkerSettings(role="prefill", model=str(tiny_dummy_dir), worker_id="w",
-                             insecure_control_plane=True)
-    with pytest.raises(RuntimeError, match=r"prefill probe failed .* left the engine unclean"):
-        probe_core(prefill, core)
+    with pytest.raises(RuntimeError, match=f"{what} failed .* left the engine unclean"):
+        step(on, core)
