@@ -16,6 +16,10 @@ still importing torch is stopped by the launcher's SIGTERM, not interrupted mid-
 KeyboardInterrupt traceback. Internal ports bind 127.0.0.1 only, and the control plane is CURVE
 (kvtransfer/curve.py) with ``--curve-keys`` or, by default, a key pair made for this run in a private
 temporary directory (0700, removed at exit): another local user's process cannot join the fleet.
+On Linux the children stop also when the launcher is killed with SIGKILL (each gets SIGTERM from the
+kernel: ``pdserve.supervisor``), but nothing removes that key directory then: a ``pdserve-keys-*``
+directory of the dead run stays in the temporary directory (its key pair serves no fleet any more;
+delete it by hand). Elsewhere the children of a launcher killed with SIGKILL keep running.
 On CPU the KV transport is ``nixl`` (measured working on the 2-core machines; ``ucx`` also works).
 Ports come from pdserve/ports.py; the children are started, stopped and restarted by
 pdserve/supervisor.py.
@@ -445,7 +449,8 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
 def run_keys(settings: UpSettings) -> Iterator[str | None]:
     """The CURVE key directory of this run: ``--curve-keys`` as given, None with
     ``--insecure-control-plane`` (a warning is logged), else a fresh key pair in a private temporary
-    directory (``mkdtemp``: 0700), removed when the block ends (the children have stopped by then)."""
+    directory (``mkdtemp``: 0700), removed when the block ends (the children have stopped by then); a
+    SIGKILL of this process leaves it behind."""
     if settings.insecure_control_plane:
         log.warning("--insecure-control-plane: the control sockets accept any process that reaches them")
         yield None

@@ -3,19 +3,59 @@
 (SIGTERM, SIGKILL after a grace period); ``supervise`` watches them, restarting a worker that exits per a
 ``RestartPolicy`` (backoff doubling up to a ceiling, given up on after ``max_exits`` exits within a window)
 and returning when the gateway exits or a stop signal came.
+
+A child stops when its parent is gone, even one killed with SIGKILL (an OOM kill, a process manager's kill
+after its stop timeout): on Linux each child asks the kernel, between fork and exec, for SIGTERM when the
+thread that started it ends (``prctl(PR_SET_PDEATHSIG)``), and exits at once if its parent was already
+gone by then. The signal follows the starting *thread*, not the process, so a ``Supervisor`` must start
+and restart its children from a thread that lives as long as the children should (``pdserve up`` does
+all of it from its main thread). The request is a ``preexec_fn``, which Python warns may deadlock in a
+process with threads: it only calls ``prctl`` (looked up before the fork), ``os.getppid`` and
+``os._exit``. Elsewhere (macOS, ...) no such request exists: the children of a
+``Supervisor`` killed with SIGKILL keep running until stopped by hand.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger("pdserve.up")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def parent_death_hook(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen`` (it runs in the child between fork and exec) that makes the
+    kernel send the child ``signum`` when the thread of this process that started it ends
+    (``prctl(PR_SET_PDEATHSIG)``); should this process have ended before the request took effect (the
+    child's parent is no longer this process), the child exits (code 128 + ``signum``) instead of
+    starting. None where there is no such request (not Linux, or no ``prctl`` in the C library).
+
+    The function is looked up here, in the parent, so that the child only calls it: no import or lookup
+    between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request: no signal will come
+            os._exit(128 + signum)
+
+    return hook
 
 
 @dataclass(frozen=True)
@@ -53,11 +93,13 @@ class _ChildRestarts:
 class Supervisor:
     """Starts children and stops them all; ``grace`` is seconds between SIGTERM and SIGKILL. A child is
     ``command`` + its args; ``args`` and ``log_paths`` remember how each was started (``restart``).
-    ``unset_env``: variables of this process's environment that no child inherits."""
+    ``unset_env``: variables of this process's environment that no child inherits. ``parent_death_signal``:
+    what each child gets when the thread that started it ends (the module docstring; None: nothing)."""
 
     grace: float = 10.0
     command: tuple[str, ...] = (sys.executable, "-m", "pdserve.cli")
     unset_env: frozenset[str] = frozenset()
+    parent_death_signal: int | None = signal.SIGTERM
     children: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     args: dict[str, list[str]] = field(default_factory=dict)
     log_paths: dict[str, str | None] = field(default_factory=dict)
@@ -68,15 +110,17 @@ class Supervisor:
         """Start ``command`` (``python -m pdserve.cli``) ``*args`` as child ``name`` in a new process group
         (signals sent to the terminal's foreground group do not reach it: only ``stop_all`` stops it); its
         output goes to ``log_path`` (a file, appended) or, by default, to this process's stdout/stderr.
-        Its environment is this process's without ``unset_env``, with ``env`` added."""
+        Its environment is this process's without ``unset_env``, with ``env`` added. On Linux it gets
+        ``parent_death_signal`` when the calling thread ends (``parent_death_hook``)."""
         cmd = [*self.command, *args]
         self.args[name], self.log_paths[name], self.envs[name] = list(args), log_path, dict(env or {})
         child_env = {**{k: v for k, v in os.environ.items() if k not in self.unset_env}, **self.envs[name]}
+        hook = parent_death_hook(self.parent_death_signal) if self.parent_death_signal is not None else None
         if log_path is None:
-            self.children[name] = subprocess.Popen(cmd, env=child_env, process_group=0)
+            self.children[name] = subprocess.Popen(cmd, env=child_env, process_group=0, preexec_fn=hook)
         else:
             with open(log_path, "ab") as out:
-                self.children[name] = subprocess.Popen(cmd, env=child_env, stdout=out,
+                self.children[name] = subprocess.Popen(cmd, env=child_env, stdout=out, preexec_fn=hook,
                                                        stderr=subprocess.STDOUT, process_group=0)
         log.info("started %s (pid %d)", name, self.children[name].pid)
 

@@ -1,15 +1,23 @@
 """``pdserve up``'s supervisor over stand-in children: a clean stop that kills a child ignoring SIGTERM,
-restarts with backoff, giving up on a crash loop, stopping everything when the gateway exits, and the
-environment each child gets (``unset_env``)."""
+restarts with backoff, giving up on a crash loop, stopping everything when the gateway exits, the
+environment each child gets (``unset_env``), and children that stop when their parent is killed with
+SIGKILL (Linux)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
-from pdserve.supervisor import RestartPolicy, Supervisor, supervise
+import pytest
+
+from pdserve.supervisor import RestartPolicy, Supervisor, parent_death_hook, supervise
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_stop_all_kills_a_child_that_ignores_sigterm() -> None:
@@ -166,3 +174,82 @@ def test_a_child_inherits_no_unset_variable_when_started_or_restarted(tmp_path, 
     sup.restart("gateway")
     sup.children["gateway"].wait(timeout=30)
     assert (tmp_path / "seen").read_text().splitlines() == [repr([None, str(tmp_path), "k"])] * 2
+
+
+# a supervisor-like parent: starts one child through ``Supervisor`` (the child writes its pid to argv[1]
+# and sleeps), says so, and sleeps
+PARENT = '''import sys, time
+from pdserve.supervisor import Supervisor
+sup = Supervisor(command=(sys.executable, "-c"))
+child = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+sup.start("gateway", [child, sys.argv[1]])
+print("started", flush=True)
+time.sleep(120)
+'''
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (an orphan that exited is reaped by whatever
+    adopted it, which in a container may never happen)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(60)
+def test_a_child_stops_when_its_parent_is_killed_with_sigkill(tmp_path: Path) -> None:
+    """``kill -9`` of the supervising process (an OOM kill, a process manager's kill after its stop
+    timeout) leaves no child serving on: the child gets SIGTERM from the kernel and exits."""
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(pid_file)], stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = None
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == b"started\n"
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.02)
+        child = int(pid_file.read_text())
+        assert _running(child)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(child), "the child outlived its parent's SIGKILL"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if child is not None and _running(child):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_whose_parent_died_before_the_request_does_not_start(tmp_path: Path) -> None:
+    """The parent may die between fork and the child's ``prctl``: no signal would come then, so the child
+    checks that its parent is still the process that made the hook and exits (128 + SIGTERM) if not. Here
+    the hook is made in one process and run in a grandchild of it, whose parent is another process."""
+    script = ("import os, sys\n"
+              "from pdserve.supervisor import parent_death_hook\n"
+              "hook = parent_death_hook()\n"
+              "if os.fork() == 0:\n"
+              "    if os.fork() == 0:\n"
+              "        hook()\n"
+              "        os._exit(0)\n"
+              "    _, status = os.wait()\n"
+              "    os._exit(os.waitstatus_to_exitcode(status))\n"
+              "_, status = os.wait()\n"
+              "print(os.waitstatus_to_exitcode(status))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == str(128 + signal.SIGTERM), out.stderr
+    hook = parent_death_hook()
+    assert hook is not None
+    ran = subprocess.run([sys.executable, "-c", "print('ran')"], preexec_fn=hook, capture_output=True,
+                         text=True, timeout=30)  # the parent alive: the child starts
+    assert ran.stdout == "ran\n" and ran.returncode == 0
