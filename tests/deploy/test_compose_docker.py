@@ -190,6 +190,52 @@ def test_every_service_gets_the_fleet_keys() -> None:
         assert "PDSERVE_INSECURE_CONTROL_PLANE" not in svc["environment"], name
 
 
+def _image_dirs(dockerfile: str) -> tuple[str, dict[str, str]]:
+    """The image's user (its last ``USER``) and the directories its ``RUN`` lines make (``mkdir``), each
+    with the user its ``chown`` gives it ("root" without one)."""
+    ins = _instructions(dockerfile)
+    made: dict[str, str] = {}
+    for kind, arg in ins:
+        if kind != "RUN":
+            continue
+        for command in re.split(r"&&|;", arg):
+            words = shlex.split(command)
+            if not words or words[0] not in ("mkdir", "chown"):
+                continue
+            operands = [w for w in words[1:] if not w.startswith("-")]
+            if words[0] == "mkdir":
+                made.update({path: made.get(path, "root") for path in operands})
+            else:
+                owner, *paths = operands
+                made.update({path: owner.split(":")[0] for path in paths if path in made})
+    users = [arg for kind, arg in ins if kind == "USER"]
+    return (users[-1] if users else "root"), made
+
+
+def test_every_named_volume_mount_point_is_owned_by_the_image_user() -> None:
+    """A fresh named volume takes the ownership of the image's directory it is mounted on; with no such
+    directory Docker makes the mount point root's, and a service running as the image's non-root user
+    cannot write there (``keygen /keys`` fails with EACCES, and every service waits for ``keys``). So
+    each path a service mounts from a named volume is made in the service's image and given to its
+    user."""
+    compose = load_compose()
+    named = set(compose["volumes"])
+    checked = set()
+    for name, svc in compose["services"].items():
+        dockerfile = Path(svc["build"]["dockerfile"]).name
+        user, made = _image_dirs(dockerfile)
+        assert user != "root", dockerfile
+        for volume in svc.get("volumes", []):
+            source, target = volume.split(":")[:2]
+            if source in named:
+                assert made.get(target) == user, (
+                    f"{name} mounts the volume {source} at {target}: {dockerfile} must make {target} "
+                    f"owned by {user} (it is {made.get(target, 'not made')})")
+                checked.add((dockerfile, target))
+    assert {("Dockerfile.cpu", "/keys"), ("Dockerfile.gpu", "/keys"), ("Dockerfile.cpu", "/cache"),
+            ("Dockerfile.gpu", "/cache")} <= checked
+
+
 def test_keygen_exist_ok_keeps_the_pair(tmp_path: Path) -> None:
     from kvtransfer.curve import load_keys
     from pdserve.cli import main
