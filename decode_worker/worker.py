@@ -19,7 +19,8 @@ Transfer FAILED/ABORTED by the peer → ``RequestFailed``; so does a token the r
 (the first one, replayed into this worker's matcher when the KV lands, or a later one). ``AbortRequest``
 works in every state.
 
-A canary (``KVCanaryReserve``, a test of the data path): ``canary_blocks`` blocks reserved like a
+A canary (``KVCanaryReserve``, a test of the data path): ``canary_blocks`` blocks (at most an eighth of
+the free ones, and no more than a prompt of ``max_model_len`` - 1 tokens fills) reserved like a
 request's (``Scheduler.add_waiting_for_kv``) and ``KVReceiver.expect``-ed with the gateway's deadline,
 answered by ``KVCanaryReserved``; it never joins the batch: ``canaries`` holds it until the receiver says
 the blocks are releasable (DONE, or the sender's fence after a failure or an abort), then they are freed.
@@ -148,9 +149,16 @@ class DecodeWorker(WorkerLoop):
 
     def canary_blocks(self, num_bytes: int) -> int:
         """Blocks for a canary of ``num_bytes``: ceil(num_bytes / bytes per block), at least 1 and at most
-        an eighth of the free blocks (at least 1)."""
+        an eighth of the free blocks and the blocks ``max_model_len`` - 1 tokens fill (the longest prompt the
+        scheduler takes)."""
         want = -(-num_bytes // self.core.runner.kv_cache.bytes_per_block)
-        return max(1, min(want, self.core.block_manager.num_free_blocks // 8))
+        longest = -(-(self.core.max_model_len - 1) // self.core.block_manager.block_size)
+        return max(1, min(want, longest, self.core.block_manager.num_free_blocks // 8))
+
+    def canary_tokens(self, num_blocks: int) -> int:
+        """Tokens of a canary's ``Sequence`` of ``num_blocks`` blocks: all of theirs, but fewer than
+        ``max_model_len`` (so the last block may be partly filled; the transfer sends whole blocks)."""
+        return max(1, min(num_blocks * self.core.block_manager.block_size, self.core.max_model_len - 1))
 
     def _reserve_canary(self, msg: KVCanaryReserve) -> None:
         """Blocks for a canary transfer (``canary_blocks``), freed by ``poll`` once releasable;
@@ -161,7 +169,7 @@ class DecodeWorker(WorkerLoop):
         if cid in self.canaries or self._knows(cid):
             error = f"canary id {cid!r} is already on this worker"
         else:
-            num_tokens = self.canary_blocks(msg.num_bytes) * self.core.block_manager.block_size
+            num_tokens = self.canary_tokens(self.canary_blocks(msg.num_bytes))
             seq = Sequence(cid, [0] * num_tokens, SamplingParams(max_tokens=1),
                            time.monotonic(), self.core.eos_token_ids)
             try:

@@ -2,13 +2,13 @@
 
 When a prefill and a decode worker first become a compatible pair (either registers), the gateway sends
 the decode worker ``KVCanaryReserve`` (``--kv-canary-mib`` of blocks from its ``BlockManager``, at most
-an eighth of its free ones, expected within ``--kv-canary-timeout`` s), forwards the handle of
-``KVCanaryReserved`` to the prefill worker in ``KVCanarySend``, and reads ``KVCanaryResult``. The first
-canary of a pair pays for the transport's handshake, so it only warms the path up; the next one, sent at
-once, measures it: its bytes over the writes' time on the transport (``wire_seconds``: first write
-posted → last seen complete; the end-to-end seconds, control round trips included, are shown beside it)
-give the pair's path (logged, in ``/v1/status``, and the gauge
-``pdserve_kv_path_gbps{prefill,decode,transport}``).
+an eighth of its free ones and the blocks its ``max_model_len`` - 1 tokens fill, expected within
+``--kv-canary-timeout`` s), forwards the handle of ``KVCanaryReserved`` to the prefill worker in
+``KVCanarySend``, and reads ``KVCanaryResult``. The first canary of a pair pays for the transport's
+handshake, so it only warms the path up; the next one, sent at once, measures it: its bytes over the
+writes' time on the transport (``wire_seconds``: first write posted → last seen complete; the end-to-end
+seconds, control round trips included, are shown beside it) give the pair's path (logged, in
+``/v1/status``, and the gauge ``pdserve_kv_path_gbps{prefill,decode,transport}``).
 
 The path the KV should take follows from where the two KV caches live (``KVPlacement`` of each
 registration; ``expected_path``): GPU memory on one host → CUDA IPC (NVLink or PCIe peer copies); GPU
@@ -122,7 +122,8 @@ class CanaryTracker:
     """The pairs' canaries. ``send`` delivers a control message to a worker identity; ``timeout_s`` is each
     canary's deadline and ``period_s`` the re-measure period (0 = never), both in seconds; ``num_bytes``
     the size of a canary (the decode worker takes at least one block, at most an eighth of its free
-    ones); ``clock`` returns monotonic seconds (injectable for tests)."""
+    ones and the blocks its ``max_model_len`` - 1 tokens fill); ``clock`` returns monotonic seconds
+    (injectable for tests)."""
 
     def __init__(self, registry: WorkerRegistry, metrics: GatewayMetrics, send: Send, timeout_s: float,
                  period_s: float, num_bytes: int = 64 << 20,

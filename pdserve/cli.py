@@ -188,8 +188,8 @@ def _add_gateway(add: _Adder) -> None:
     add("--kv-canary-timeout", type=parse_duration, default=10.0,
         help="a canary not landed in this time takes its pair out of routing")
     add("--kv-canary-mib", type=float, default=64.0,
-        help="size of a canary transfer in MiB (at least one KV block, at most 1/8 of the decode "
-             "worker's free blocks; 0: one block)")
+        help="size of a canary transfer in MiB (at least one KV block; capped at 1/8 of the decode "
+             "worker's free blocks and at the blocks of max_model_len - 1 tokens; 0: one block)")
     _add_parsers(add)
 
 

@@ -235,7 +235,8 @@ class KVCanaryReserve(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     epoch ``prefill_sender_epoch`` (fenced as in ``ReserveKV``; a test of the data path, no request); the
     KV must land within ``timeout_s`` s. Answered by ``KVCanaryReserved``.
     ``num_bytes``: the size wanted (every layer, K and V): ceil(num_bytes / bytes per block) blocks, at
-    least one, at most an eighth of the free blocks (so a canary never crowds out requests).
+    least one, at most an eighth of the free blocks (so a canary never crowds out requests) and no more
+    than ``max_model_len`` - 1 tokens fill (the longest prompt the decode worker takes).
     ``AbortRequest`` with ``canary_id`` as request id ends it early. ``prefill_tp_size``: as in
     ``ReserveKV``."""
 

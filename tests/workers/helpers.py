@@ -41,11 +41,11 @@ def write_model_dir(path: Path) -> Path:
 
 def make_core(model_dir: Path, *, prefill_only: bool = False, num_blocks: int = 32,
               max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
-              block_size: int = BLOCK_SIZE) -> EngineCore:
+              block_size: int = BLOCK_SIZE, max_model_len: int | None = None) -> EngineCore:
     """fp32 CPU engine with dummy weights (seed 0, so every core has the same weights)."""
     return EngineCore(EngineConfig(
         ModelConfig(str(model_dir), load_format="dummy", dtype="float32", device="cpu",
-                    attention_backend="torch"),
+                    attention_backend="torch", max_model_len=max_model_len),
         CacheConfig(block_size=block_size, num_blocks=num_blocks),
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)),
         prefill_only=prefill_only)

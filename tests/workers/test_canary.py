@@ -1,8 +1,9 @@
 """KV canaries between a real prefill and decode worker over the loopback transport: blocks from each
-worker's BlockManager (one, or as many as the canary's size asks within an eighth of the free ones),
-every layer sent, the result with its transport and speed, both blocks free
-afterwards (leak check); a wedged path (loopback writes held back) ends by the gateway's abort at the
-deadline, and its blocks come back only once no write can land in them."""
+worker's BlockManager (one, or as many as the canary's size asks within an eighth of the free ones and
+the blocks of the decode worker's max_model_len - 1 tokens), every layer sent, the result with its
+transport and speed, both blocks free afterwards (leak check); a wedged path (loopback writes held back)
+ends by the gateway's abort at the deadline, and its blocks come back only once no write can land in
+them."""
 
 from __future__ import annotations
 
@@ -92,6 +93,34 @@ def test_canary_of_several_blocks_within_an_eighth_of_the_free_ones(model_dir: P
         [result] = of_type(msgs, KVCanaryResult)
         assert result.ok and result.num_bytes == 3 * per_block and not result.skipped
         assert torch.equal(kv_p[:, :, src], kv_d[:, :, dst])
+        assert_clean(prefill, decode)
+    finally:
+        close(prefill)
+        close(decode)
+
+
+@pytest.mark.parametrize("max_model_len", [10, 12, 13])
+def test_canary_stays_below_the_decode_workers_max_model_len(model_dir: Path, max_model_len: int) -> None:
+    """A canary of more tokens than ``max_model_len`` allows is cut to the blocks of max_model_len - 1
+    tokens (the scheduler's limit), and it lands; its bytes are those of the blocks sent. The prefill
+    worker sends the blocks of the handle whatever its own max_model_len."""
+    prefill = prefill_worker(model_dir, num_blocks=64, max_model_len=4)
+    decode = decode_worker(model_dir, num_blocks=64, max_model_len=max_model_len)
+    try:
+        per_block = decode.core.runner.kv_cache.bytes_per_block
+        assert decode.core.max_model_len == max_model_len
+        want = -(-(max_model_len - 1) // 4)  # blocks of max_model_len - 1 tokens (block size 4)
+        assert decode.canary_blocks(100 * per_block) == want < 64 // 8
+        [res] = of_type(run(decode, KVCanaryReserve(canary_id="c1", prefill_worker_id="p0", timeout_s=5.0,
+                                                    prefill_sender_epoch=prefill.sender.epoch,
+                                                    num_bytes=100 * per_block)), KVCanaryReserved)
+        assert res.kv_handle is not None and res.error == ""
+        assert len(decode.canaries["c1"].block_table) == want
+        prefill.on_message(KVCanarySend(canary_id="c1", kv_handle=res.kv_handle))
+        msgs: list[Any] = []
+        pump([prefill, decode], lambda: bool(of_type(msgs, KVCanaryResult)), sink=msgs)
+        [result] = of_type(msgs, KVCanaryResult)
+        assert result.ok and not result.skipped and result.num_bytes == want * per_block
         assert_clean(prefill, decode)
     finally:
         close(prefill)
