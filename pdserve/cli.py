@@ -51,13 +51,13 @@ class _OneLineParser(argparse.ArgumentParser):
     <prog> --help)"``, and exit status 2 (argparse prints the whole usage first: 47 lines for ``pdserve up``).
     Subparsers are of this class too (``add_subparsers`` takes the parent's class).
 
-    ``env_problems``: the ``PDSERVE_*`` values this parser's command reads that could not be converted
-    (variable → (flag, why), filled by ``_EnvAdder``); ``env_refused``: variables set in the environment
-    that this parser's command refuses whatever their value (variable → the line saying why and what to do
-    instead: ``up``'s ``UP_SET_VARIABLES``). The first refused variable, else the first problem, is refused
-    when this parser parses, in one line naming the variable and the flag with exit status 2, before
-    ``--help`` or any other flag. A subcommand's parser parses only when that subcommand is chosen, so the
-    variables of another's flags stop nothing.
+    ``env_problems``: the ``PDSERVE_*`` values this parser's command reads that could not be converted or are
+    not among the flag's choices (variable → (flag, why), filled by ``_EnvAdder``); ``env_refused``: variables
+    set in the environment that this parser's command refuses whatever their value (variable → the line saying
+    why and what to do instead: ``up``'s ``UP_SET_VARIABLES``). The first refused variable, else the first
+    problem, is refused when this parser parses, in one line naming the variable and the flag with exit status
+    2, before ``--help`` or any other flag. A subcommand's parser parses only when that subcommand is chosen,
+    so the variables of another's flags stop nothing.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -96,8 +96,10 @@ def env_variable(flag: str) -> str:
 
 class _EnvAdder:
     """Adds flags to a parser, taking each default from ``PDSERVE_<FLAG>`` when set; a value that cannot be
-    converted to the flag's type leaves the flag's own default and is noted in the parser's
-    ``env_problems`` (refused when that parser parses: ``_OneLineParser``)."""
+    converted to the flag's type, or whose converted value is not among the flag's ``choices`` (each entry
+    of a repeatable flag's comma-separated list), leaves the flag's own default and is noted in the
+    parser's ``env_problems`` (refused when that parser parses: ``_OneLineParser``). argparse itself checks
+    ``choices`` against command-line values only, never against a default."""
 
     def __init__(self, parser: _OneLineParser, env: Mapping[str, str]) -> None:
         self.parser, self.env = parser, env
@@ -107,11 +109,15 @@ class _EnvAdder:
         raw = self.env.get(env_name)
         if raw is not None:
             conv: Callable[[str], Any] = kw.get("type", str)
-            try:
-                if kw.get("action") == "append":  # empty entries kept: the settings refuse an empty key
-                    kw["default"] = [conv(x) for x in raw.split(",")]
-                else:
-                    kw["default"] = conv(raw)
+            repeatable = kw.get("action") == "append"
+            try:  # empty entries of a repeatable flag kept: the settings refuse an empty key
+                values = [conv(x) for x in raw.split(",")] if repeatable else [conv(raw)]
+                choices = kw.get("choices")
+                for value in values:
+                    if choices is not None and value not in choices:
+                        raise ValueError(f"invalid choice: {value!r} (choose from "
+                                         f"{', '.join(map(repr, choices))})")
+                kw["default"] = values if repeatable else values[0]
             except (ValueError, argparse.ArgumentTypeError) as exc:  # refused if this command is chosen
                 self.parser.env_problems[env_name] = (flag, str(exc))
         if kw.get("action") == "append":
@@ -380,12 +386,12 @@ def _add_parser(subs: Any, name: str, **kw: Any) -> _OneLineParser:
 def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The full ``pdserve`` parser; ``env`` (default ``os.environ``) supplies ``PDSERVE_*`` defaults.
 
-    A value that cannot be converted to its flag's type is refused only when the subcommand that reads it
-    parses (``SystemExit`` code 2 after one line on stderr naming the variable and the flag): its own
-    flags' (``up`` has the gateway's and the workers' flags too). ``up`` also refuses, whatever its value,
-    a variable of a child's flag it sets itself (``UP_SET_VARIABLES``; one line naming the variable, the
-    child's flag and up's flag to use where it has one). Another subcommand's variables neither stop nor
-    change a command.
+    A value that cannot be converted to its flag's type, or is not one of its choices, is refused only when
+    the subcommand that reads it parses (``SystemExit`` code 2 after one line on stderr naming the variable
+    and the flag): its own flags' (``up`` has the gateway's and the workers' flags too). ``up`` also refuses,
+    whatever its value, a variable of a child's flag it sets itself (``UP_SET_VARIABLES``; one line naming the
+    variable, the child's flag and up's flag to use where it has one). Another subcommand's variables neither
+    stop nor change a command.
     """
     env = os.environ if env is None else env
     parser = _OneLineParser(prog="pdserve", description="Disaggregated prefill/decode serving")

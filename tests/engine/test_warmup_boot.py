@@ -23,14 +23,20 @@ def worker_settings(env: dict[str, str], argv: list[str]) -> WorkerSettings:
     return settings
 
 
-def test_engine_warmup_flag_and_env_reach_worker_settings():
+def test_engine_warmup_flag_and_env_reach_worker_settings(capsys):
     assert worker_settings({"PDSERVE_ENGINE_WARMUP": "on"}, ["prefill"]).engine_warmup == "on"
     assert worker_settings({}, ["colocated", "--engine-warmup", "off"]).engine_warmup == "off"
     assert worker_settings({"PDSERVE_ENGINE_WARMUP": "on"}, ["decode", "--engine-warmup", "off"]
                            ).engine_warmup == "off"  # the command line wins
     assert worker_settings({}, ["decode"]).engine_warmup == "auto"
-    with pytest.raises(ValueError, match="--engine-warmup"):
+    with pytest.raises(SystemExit) as exc:  # not one of the flag's choices: refused as the parser parses
         worker_settings({"PDSERVE_ENGINE_WARMUP": "maybe"}, ["decode"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == ("pdserve decode: bad value for PDSERVE_ENGINE_WARMUP "
+                                       "(--engine-warmup): invalid choice: 'maybe' (choose from 'auto', "
+                                       "'on', 'off')\n")
+    with pytest.raises(ValueError, match="--engine-warmup"):  # the settings check it too
+        WorkerSettings(role="decode", engine_warmup="maybe", insecure_control_plane=True)
     with pytest.raises(SystemExit):
         build_parser({}).parse_args(["decode", "--engine-warmup", "maybe"])
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli import build_parser, main
+from pdserve.cli import SETTINGS_COMMANDS, _EnvAdder, _OneLineParser, build_parser, main
 from protocol.settings import GatewaySettings, UpSettings, WorkerSettings, settings_from_args
 
 OPEN = {"PDSERVE_INSECURE_CONTROL_PLANE": "1"}  # settings tests about other flags: no key directory
@@ -67,6 +67,8 @@ _ENV_READERS = [
     ("PDSERVE_METRICS_PORT", "--metrics-port", {"prefill", "decode", "colocated", "up"}),
     ("PDSERVE_NUM_PREFILL", "--num-prefill", {"up"}),
     ("PDSERVE_EXIST_OK", "--exist-ok", {"keygen"}),
+    ("PDSERVE_LOG_LEVEL", "--log-level", {"up", "gateway", "prefill", "decode", "colocated"}),
+    ("PDSERVE_TRANSFER_BACKEND", "--transfer-backend", {"up", "prefill", "decode"}),
 ]
 _COMMANDS = {"up": ["up"], "gateway": ["gateway"], "prefill": ["prefill"], "decode": ["decode"],
              "colocated": ["colocated"], "keygen": ["keygen", "some-dir"], "bench": ["bench"]}
@@ -106,6 +108,59 @@ def test_a_bad_env_value_of_another_commands_flag_stops_nothing(tmp_path: Path,
     monkeypatch.setitem(sys.modules, "prefill_worker.main", fake)
     assert main(["prefill", "--worker-id", "p0", "--insecure-control-plane"]) == 0
     assert isinstance(seen[0], WorkerSettings) and seen[0].decode_prefix_reuse is True
+
+
+_LEVELS = "'debug', 'info', 'warning', 'error', 'critical'"
+
+
+@pytest.mark.parametrize(("variable", "value", "flag", "choices", "commands"), [
+    ("PDSERVE_LOG_LEVEL", "verbose", "--log-level", _LEVELS, SETTINGS_COMMANDS),
+    ("PDSERVE_LOG_LEVEL", "INFO", "--log-level", _LEVELS, ("gateway",)),  # as `--log-level INFO`
+    ("PDSERVE_LOG_FORMAT", "xml", "--log-format", "'text', 'json'", SETTINGS_COMMANDS),
+    ("PDSERVE_TRANSFER_BACKEND", "foo", "--transfer-backend", "'nixl', 'ucx', 'loopback'",
+     ("up", "prefill", "decode")),
+    ("PDSERVE_DTYPE", "int8", "--dtype", "'auto', 'float32', 'bfloat16', 'float16'", ("up", "decode")),
+    ("PDSERVE_KV_CACHE_DTYPE", "fp4", "--kv-cache-dtype", "'auto', 'fp8'", ("colocated",)),
+])
+def test_an_env_value_outside_the_flags_choices_is_refused_in_one_line(
+        variable: str, value: str, flag: str, choices: str, commands: tuple[str, ...],
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse checks ``choices`` against a command-line value only, never against a default (where a
+    variable's value goes), so ``_EnvAdder`` checks them: through ``main``, before ``configure_logging``
+    or any process starts, one line naming the variable and the flag, exit 2 (an upper-case log level is
+    refused as ``--log-level INFO`` is)."""
+    monkeypatch.setenv(variable, value)
+    for command in commands:
+        with pytest.raises(SystemExit) as exc:
+            main([command, "--insecure-control-plane"])
+        assert exc.value.code == 2, command
+        assert capsys.readouterr().err == (f"pdserve {command}: bad value for {variable} ({flag}): invalid "
+                                           f"choice: {value!r} (choose from {choices})\n")
+
+
+def test_env_values_among_the_choices_are_taken() -> None:
+    env = {"PDSERVE_LOG_LEVEL": "debug", "PDSERVE_LOG_FORMAT": "json", "PDSERVE_TRANSFER_BACKEND": "loopback",
+           "PDSERVE_QUANTIZATION": "fp8", **OPEN}
+    args = build_parser(env).parse_args(["decode"])
+    assert (args.log_level, args.log_format, args.transfer_backend, args.quantization) == (
+        "debug", "json", "loopback", "fp8")
+
+
+def test_choices_are_checked_after_the_type_and_per_entry_of_a_repeatable_flag() -> None:
+    """``_EnvAdder``: a value is converted first, then checked against ``choices``; each entry of a
+    repeatable flag's comma-separated list is checked."""
+    env = {"PDSERVE_N": "3", "PDSERVE_ITEM": "a,c", "PDSERVE_OK": "2", "PDSERVE_OK_ITEM": "b,a"}
+    parser = _OneLineParser(prog="t")
+    add = _EnvAdder(parser, env)
+    add("--n", type=int, default=1, choices=[1, 2])
+    add("--item", action="append", default=None, choices=["a", "b"])
+    add("--ok", type=int, default=1, choices=[1, 2])
+    add("--ok-item", action="append", default=None, choices=["a", "b"])
+    assert parser.env_problems == {"PDSERVE_N": ("--n", "invalid choice: 3 (choose from 1, 2)"),
+                                   "PDSERVE_ITEM": ("--item", "invalid choice: 'c' (choose from 'a', 'b')")}
+    parser.env_problems.clear()
+    args = parser.parse_args([])
+    assert (args.n, args.item, args.ok, args.ok_item) == (1, None, 2, ["b", "a"])
 
 
 def test_settings_validation_names_the_flag() -> None:
