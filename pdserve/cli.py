@@ -135,7 +135,8 @@ def _bool_flag(add: _Adder, flag: str, default: bool, help: str) -> None:
 
 
 def _add_common(add: _Adder) -> None:
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    add("--log-level", default="info", type=str.lower,
+        choices=["debug", "info", "warning", "error", "critical"], help="any case (INFO = info)")
     add("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
 
 

@@ -115,7 +115,6 @@ _LEVELS = "'debug', 'info', 'warning', 'error', 'critical'"
 
 @pytest.mark.parametrize(("variable", "value", "flag", "choices", "commands"), [
     ("PDSERVE_LOG_LEVEL", "verbose", "--log-level", _LEVELS, SETTINGS_COMMANDS),
-    ("PDSERVE_LOG_LEVEL", "INFO", "--log-level", _LEVELS, ("gateway",)),  # as `--log-level INFO`
     ("PDSERVE_LOG_FORMAT", "xml", "--log-format", "'text', 'json'", SETTINGS_COMMANDS),
     ("PDSERVE_TRANSFER_BACKEND", "foo", "--transfer-backend", "'nixl', 'ucx', 'loopback'",
      ("up", "prefill", "decode")),
@@ -555,3 +554,10 @@ def test_the_kubernetes_placeholder_api_key_is_refused(tmp_path: Path, capsys: p
         _assert_one_line_exit_2([command, "--api-key", PLACEHOLDER_API_KEY, "--insecure-control-plane"],
                                 f"pdserve {command}: --api-key: {PLACEHOLDER_API_KEY} is the placeholder",
                                 capsys)
+
+
+def test_log_level_takes_any_case_on_the_command_line_and_from_the_environment() -> None:
+    cases = (({}, ["gateway", "--log-level", "WARNING"], "warning"),
+             ({"PDSERVE_LOG_LEVEL": "Debug"}, ["decode"], "debug"))
+    for env, argv, level in cases:
+        assert build_parser(env).parse_args(argv).log_level == level
