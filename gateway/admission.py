@@ -12,11 +12,13 @@ told of each ``FirstToken`` (``first_token``) and of each released request (``fo
   or colocated), divided by that worker's prefill rate (``rate``), exceed the budget
   (``--admission-budget`` seconds). Queued ahead: the larger of what this gateway routed there and has no
   ``FirstToken`` for, and the backlog the worker reported in its last heartbeat
-  (``WorkerLoad.prefill_backlog_tokens``: every gateway's requests it holds) plus what this gateway routed
-  there since that heartbeat; so the gateway processes and replicas of one fleet judge one queue, a
-  heartbeat (0.5 s) late. A queued request computing more than ``TRUSTED_SPAN`` times the largest prompt
-  the rate was recently measured on counts only that many tokens: the wait is then a lower bound, so a
-  long prompt is not refused on a short prompts' rate, and a flood of prompts the rate knows still is.
+  (``WorkerLoad.prefill_backlog_tokens``: every gateway's requests it holds or received during a step)
+  plus what this gateway routed there since that heartbeat or has not sent yet (a disaggregated request's
+  ``PrefillRequest`` follows its decode worker's ``KVReserved``); so the gateway processes and replicas of
+  one fleet judge one queue, a heartbeat (0.5 s) late. A queued request computing more than
+  ``TRUSTED_SPAN`` times the largest prompt the rate was recently measured on counts only that many
+  tokens: the wait is then a lower bound, so a long prompt is not refused on a short prompts' rate, and a
+  flood of prompts the rate knows still is.
 
 The prefill rate (protocol/prefill_rate.py) is the one the worker reports in its heartbeats: a request
 that reached it at ``t0`` and got its first token at ``t1`` kept it busy from ``max(t0, its previous first
@@ -157,7 +159,9 @@ class Admission:
         mine = [r for r in self._routed.values() if r.worker_id == worker.worker_id]
         ahead = sum(min(float(r.expected_tokens), span) for r in mine)
         if worker.load.prefill_backlog_tokens:  # the worker's queue, every gateway's requests in it
-            since = sum(min(float(r.expected_tokens), span) for r in mine if r.load is worker.load)
+            since = sum(min(float(r.expected_tokens), span) for rid, r in self._routed.items()
+                        if r.worker_id == worker.worker_id
+                        and (r.load is worker.load or rid in worker.unsent))
             ahead = max(ahead, worker.load.prefill_backlog_tokens + since)
         wait = ahead / tokens_per_s
         if wait > self.budget_s:

@@ -55,8 +55,9 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     per busy second, protocol/prefill_rate.py; from its start-up probe until it has served), and
     ``prefill_largest_tokens`` the largest computed prompt that rate was recently measured on; 0 when not
     measured (decode workers). Gateways judge their queues by it. ``prefill_backlog_tokens``: the prompt
-    tokens it expects to compute for the requests it holds that have no first token yet, each its prompt
-    minus what is already computed or (before it is scheduled) the prefix the gateway expected cached
+    tokens it expects to compute for the requests it holds that have no first token yet and those it
+    received during a step, each its prompt minus what is already computed or (before it is scheduled) the
+    prefix the gateway expected cached
     (``PrefillRequest.expected_cached_tokens``), and at most ``TRUSTED_SPAN`` x ``prefill_largest_tokens``
     (protocol/prefill_rate.py); 0 on decode workers. Every gateway adds it to what it routed since, so
     several gateways judge one queue.

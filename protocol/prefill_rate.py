@@ -6,12 +6,12 @@ tokens it computed (its prompt minus its prefix-cache hit) over that time, both 
 decay over the last requests (``DECAY``), is the rate. Requests finishing in one batch add their tokens
 with little time each: the sums stay right.
 
-A worker counts only the first tokens it sampled while other requests waited for it (``observe``'s
-``count``): the rate that matters is how fast it drains a queue, where one step's fixed cost is shared by
-the prompts batched in it. Requests that each find it idle pay that cost alone: counted, a light stream of
-short prompts pulled the rate to a quarter of what the next burst met (112-183 against 420-580 prompt
-tokens/s, embedded model on 2 CPU cores), and half of that burst was refused while the admitted ones
-waited 13 s of a 30 s budget.
+A worker counts only the first tokens of a step that batched several prompts or after which other
+requests still waited (``observe``'s ``count``): the rate that matters is how fast it drains a queue,
+where one step's fixed cost is shared by the prompts batched in it. Requests that each find it idle pay
+that cost alone: counted, a light stream of short prompts pulled the rate to a quarter of what the next
+burst met (112-183 against 420-580 prompt tokens/s, embedded model on 2 CPU cores), and half of that
+burst was refused while the admitted ones waited 13 s of a 30 s budget.
 
 Measured in two places with the same arithmetic: by each prefill or colocated worker over the requests
 it computed (from their arrival there; seeded at start-up by ``engine.warmup.probe_prefill``), reported in

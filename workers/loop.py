@@ -38,12 +38,14 @@ import msgspec
 from kvtransfer.compat import KVCompat
 from protocol.logging import log_event
 from protocol.messages import (
+    ColocatedRequest,
     FailureKind,
     Heartbeat,
     KVCanaryReserve,
     KVCanarySend,
     KVEvents,
     Message,
+    PrefillRequest,
     RegisterWorker,
     RequestFailed,
     RequestRejected,
@@ -107,7 +109,8 @@ class WorkerLoop:
         self.metrics.watch(self.load, lambda: core.scheduler.num_preemptions, self.health.loop_age,
                            lambda: self.health.registered)
         self.metrics.watch_host_tier(core.host_tier_stats)
-        self.metrics.watch_queue(lambda: bool(core.scheduler.waiting))
+        self.metrics.watch_queue(lambda: bool(core.scheduler.waiting) or any(
+            isinstance(msg, PrefillRequest | ColocatedRequest) for msg, _ in self._inbox))
         self.health_server: HealthServer | None = None
         self.kv_feed = KVEventFeed(self.worker_id, self.epoch, core.block_manager)
 
@@ -348,8 +351,7 @@ class WorkerLoop:
                                 kv_transfer_bytes=sent_bytes, kv_transfer_seconds=sent_seconds,
                                 kv_control_refused=self.control_refusals(),
                                 prefill_tokens_per_s=rate.tokens_per_s() or 0.0,
-                                prefill_largest_tokens=round(rate.largest),
-                                prefill_backlog_tokens=self.prefill_backlog())
+                                prefill_largest_tokens=round(rate.largest))
 
     def registration(self) -> RegisterWorker:
         """The ``RegisterWorker`` message of this process."""
@@ -439,7 +441,21 @@ class WorkerLoop:
             await asyncio.sleep(self.heartbeat_interval)
             self._stop_if_ranks_lost()
             self._stop_if_kv_endpoint_dead()
-            self.sessions.beat(Heartbeat(worker_id=self.worker_id, epoch=self.epoch, load=self._load))
+            load = self.heartbeat_load()
+            self.sessions.beat(Heartbeat(worker_id=self.worker_id, epoch=self.epoch, load=load))
+
+    def heartbeat_load(self) -> WorkerLoad:
+        """The load a heartbeat carries: the last phase boundary's, with the backlog counted now
+        (``prefill_backlog``, while a step may run) plus the prompts of the requests received and not yet
+        applied (a long step holds them in the inbox), each its prompt minus the prefix its gateway
+        expected cached, as the rate judges it."""
+        if self.role not in ("prefill", "colocated"):
+            return self._load
+        rate = self.metrics.prefill_rate
+        received = sum(rate.judged(max(1, len(msg.prompt_token_ids) - msg.expected_cached_tokens))
+                       for msg, _ in list(self._inbox) if isinstance(msg, PrefillRequest | ColocatedRequest))
+        backlog = self.prefill_backlog() + round(received)
+        return msgspec.structs.replace(self._load, prefill_backlog_tokens=backlog)
 
     async def _engine_loop(self) -> None:
         assert self._wake is not None and self._stop is not None

@@ -247,7 +247,8 @@ class WorkerMetrics:
         self._last_token_at: float | None = None
         self._firsts_in_step = 0  # first tokens sampled in the step being reported (see ``step``)
         self._prompts_in_step = 0  # their prompt tokens (``vllm:iteration_tokens_total``)
-        self.prefill_rate = PrefillRate()  # over the prompts computed here (first_token)
+        self.prefill_rate = PrefillRate()  # over the prompts computed here (first_token, then step)
+        self._computed_in_step: list[tuple[int, float]] = []  # (computed prompt tokens, arrival) this step
         self._queue_waiting: Callable[[], bool] = lambda: True  # watch_queue
         reg, lv = self.registry, self.label_values
 
@@ -321,8 +322,9 @@ class WorkerMetrics:
         self.registry.register(_ScrapeTime(self.label_values, load, preemptions, loop_age, registered))
 
     def watch_queue(self, waiting: Callable[[], bool]) -> None:
-        """``waiting()``: whether requests wait to be scheduled now; ``prefill_rate`` counts only the
-        first tokens sampled while some did (protocol/prefill_rate.py). Unwatched: every first token."""
+        """``waiting()``: whether requests wait to be scheduled now (read after a step); ``prefill_rate``
+        counts the first tokens of a step that batched several prompts or after which some waited
+        (protocol/prefill_rate.py). Unwatched: every first token."""
         self._queue_waiting = waiting
 
     def watch_host_tier(self, stats: Callable[[], HostTierStats | None]) -> None:
@@ -338,8 +340,7 @@ class WorkerMetrics:
         self._timelines[seq] = _Timeline(scheduled, now)
         self.ttft.observe(max(now - seq.arrival_time, 0.0))
         if computed_prompt:
-            self.prefill_rate.observe(seq.num_prompt_tokens - seq.num_cached_tokens, seq.arrival_time, now,
-                                      count=self._queue_waiting())
+            self._computed_in_step.append((seq.num_prompt_tokens - seq.num_cached_tokens, seq.arrival_time))
             self._firsts_in_step += 1
             self._prompts_in_step += seq.num_prompt_tokens
             self.prompt_tokens.inc(seq.num_prompt_tokens)
@@ -372,6 +373,11 @@ class WorkerMetrics:
         counts them (``vllm:iteration_tokens_total``: its first tokens' prompts + the tokens sampled)."""
         num_later, self._firsts_in_step = num_sampled - self._firsts_in_step, 0
         prompts, self._prompts_in_step = self._prompts_in_step, 0
+        computed, self._computed_in_step = self._computed_in_step, []
+        if computed:  # one verdict for the step: others waited, or it batched several prompts
+            count = len(computed) > 1 or self._queue_waiting()
+            for tokens, arrival in computed:
+                self.prefill_rate.observe(tokens, arrival, now, count=count)
         if num_sampled <= 0:
             return
         self.iteration_tokens.observe(prompts + num_sampled)

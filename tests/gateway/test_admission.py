@@ -18,7 +18,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
 from gateway.prefix_index import PrefixIndex
 from gateway.registry import WorkerRegistry
-from gateway.request_state import GenerationInput
+from gateway.request_state import GatewayRequest, GenerationInput
 from gateway.router import Router
 from kvtransfer.compat import KVCompat
 from protocol.messages import FirstToken, KVEvents, KVReserved, Message, RegisterWorker, ReserveKV, WorkerLoad
@@ -331,6 +331,7 @@ async def test_the_backlog_the_worker_reports_counts_other_gateways_requests(fir
     with pytest.raises(APIError) as refused:
         await s.orch.submit_all("b", [gen("b", 100)])  # 150 + a's 100 routed since: 2.5 s
     assert "about 2 s of prompts" in refused.value.message and refused.value.headers["Retry-After"] == "1"
+    waiting = await sent_to_p1(s, a)
     heartbeat(250)  # p1 now holds a too: counted once
     with pytest.raises(APIError):
         await s.orch.submit_all("c", [gen("c", 100)])  # max(100 own, 250 + 0): 2.5 s
@@ -340,9 +341,24 @@ async def test_the_backlog_the_worker_reports_counts_other_gateways_requests(fir
     with pytest.raises(APIError):
         await s.orch.submit_all("f", [gen("f", 100)])  # max(300 own, 100 + 200 since): 3 s
     assert s.refused("prefill_queue") == 3
+    waiting.cancel()
     for req in (a, d, e):
         s.orch.release(req)
     assert not s.orch.requests and not s.admission._routed
+
+
+async def sent_to_p1(s: Setup, req: GatewayRequest) -> asyncio.Task[object]:
+    """Drive ``req`` until its first message to p1 went out (a disaggregated request: after d1's
+    ``KVReserved``); returns the task reading its outputs (cancel it when done)."""
+    reading: asyncio.Task[object] = asyncio.create_task(s.orch.next_output(req))
+    if req.route.kind == "disaggregated":
+        await s.orch.on_worker_message(b"d1", KVReserved(request_id=req.request_id, worker_id="d1",
+                                                         kv_handle=b"h"))
+    for _ in range(100):
+        if any(i == b"p1" and getattr(m, "request_id", None) == req.request_id for i, m in s.sent):
+            return reading
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{req.request_id} never went to p1")
 
 
 @pytest.mark.parametrize("first", ["prefill", "colocated"])
@@ -354,14 +370,43 @@ async def test_the_request_carries_the_prefix_the_gateway_expects_cached(first: 
     s.prefix_index.apply(KVEvents(worker_id="p1", epoch=1, seq_no=1, stored=block_hashes(prompt, 4)[:10],
                                   snapshot=True))
     (a,) = await s.orch.submit_all("a", [gen("a", 100)])
-    waiting = asyncio.create_task(s.orch.next_output(a))
-    if first == "prefill":  # the decode worker reserves first; the PrefillRequest follows its KVReserved
-        await s.orch.on_worker_message(b"d1", KVReserved(request_id="a", worker_id="d1", kv_handle=b"h"))
-    for _ in range(100):
-        sent = [m for identity, m in s.sent if identity == b"p1" and getattr(m, "request_id", None) == "a"]
-        if sent:
-            break
-        await asyncio.sleep(0.01)
+    waiting = await sent_to_p1(s, a)  # disaggregated: the PrefillRequest follows d1's KVReserved
+    sent = [m for identity, m in s.sent if identity == b"p1" and getattr(m, "request_id", None) == "a"]
     assert [m.expected_cached_tokens for m in sent] == [40]  # 10 blocks of 4 tokens
     waiting.cancel()
     s.orch.release(a)
+
+
+def test_a_rate_observation_not_counted_moves_only_the_last_first_token() -> None:
+    """``PrefillRate.observe(count=False)``: the busy time of the next request starts at this first token,
+    the sums and the largest prompt stay; the very first observation counts whatever ``count`` says."""
+    from protocol.prefill_rate import PrefillRate
+
+    rate = PrefillRate()
+    rate.observe(100, 0.0, 1.0, count=False)  # nothing measured yet: counted
+    assert (rate.tokens, rate.seconds, rate.largest, rate.tokens_per_s()) == (100, 1.0, 100, 100.0)
+    rate.observe(500, 5.0, 10.0, count=False)  # a lone request: not counted
+    assert (rate.tokens, rate.seconds, rate.largest, rate.last_first_token) == (100, 1.0, 100, 10.0)
+    rate.observe(50, 9.0, 10.5)  # queued behind the last one: busy from 10.0, not from its arrival
+    assert rate.tokens == pytest.approx(95 + 50) and rate.seconds == pytest.approx(0.95 + 0.5)
+
+
+async def test_a_request_not_yet_sent_to_the_worker_counts_beside_its_backlog() -> None:
+    """A disaggregated request waits for its decode worker's KVReserved before its PrefillRequest goes
+    out: a p1 heartbeat meanwhile cannot hold it, so this gateway still adds it to p1's backlog."""
+    s = Setup(budget_s=2.0, decode_free=(1000,), total=1000)
+
+    def heartbeat(backlog: int) -> None:
+        assert s.registry.touch("p1", 1, WorkerLoad(num_free_blocks=1000, num_total_blocks=1000,
+                                                    prefill_tokens_per_s=100.0, prefill_largest_tokens=100,
+                                                    prefill_backlog_tokens=backlog))
+
+    heartbeat(50)
+    await s.orch.submit_all("a", [gen("a", 100)])  # ReserveKV to d1; PrefillRequest not sent yet
+    heartbeat(50)  # a newer heartbeat: a is not in p1's backlog
+    await s.orch.submit_all("b", [gen("b", 100)])  # max(100 own, 50 + a's 100 unsent): 1.5 s
+    with pytest.raises(APIError):
+        await s.orch.submit_all("c", [gen("c", 100)])  # max(200, 50 + 200): 2.5 s
+    for rid in list(s.orch.requests):
+        s.orch.release(s.orch.requests[rid])
+    assert not s.orch.requests and not s.admission._routed

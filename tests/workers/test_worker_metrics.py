@@ -358,14 +358,48 @@ def test_the_backlog_a_worker_reports_is_the_prompt_tokens_it_still_has_to_compu
                                           sampling=wire(3, ignore_eos=True), expected_cached_tokens=4 * i))
         assert p.prefill_backlog() == c.prefill_backlog() == 20 + (12 - 4)
         msgs: list[Any] = run(p)  # first step: p0's first 8 tokens (nothing cached: the hint was 0)
-        assert p.prefill_backlog() == p.load().prefill_backlog_tokens == (20 - 8) + (12 - 4)
+        assert p.prefill_backlog() == p.heartbeat_load().prefill_backlog_tokens == (20 - 8) + (12 - 4)
         pump([p], lambda: len(of_type(msgs, FirstToken)) == 2, sink=msgs)
-        assert p.prefill_backlog() == p.load().prefill_backlog_tokens == 0
+        assert p.prefill_backlog() == p.heartbeat_load().prefill_backlog_tokens == 0
         out: list[Any] = []
         pump([c], lambda: len(of_type(out, FirstToken)) == 2, sink=out)
-        assert c.prefill_backlog() == c.load().prefill_backlog_tokens == 0  # decoding: no backlog
+        assert c.prefill_backlog() == c.heartbeat_load().prefill_backlog_tokens == 0  # decoding: no backlog
         pump([c], lambda: len(of_type(out, RequestFinished)) == 2, sink=out)
         assert_clean(p, c)
     finally:
         for w in (p, c, d):
             close(w)
+
+
+def test_a_heartbeat_counts_the_requests_received_during_a_step(model_dir: Any) -> None:
+    """Requests that arrive while a step runs wait in the inbox until it ends; the heartbeat sent meanwhile
+    counts their prompts (minus the prefix expected cached) in ``prefill_backlog_tokens``."""
+    from protocol.messages import PrefillRequest
+    from tests.workers.helpers import prefill_worker
+
+    p = prefill_worker(model_dir)
+    try:
+        p.deliver(PrefillRequest(request_id="r0", prompt_token_ids=list(range(50, 70)), sampling=wire(1),
+                                 expected_cached_tokens=8))
+        assert p.load().prefill_backlog_tokens == 0 and p.heartbeat_load().prefill_backlog_tokens == 20 - 8
+        p.run_once()
+        p.take_outbox()
+        assert p.heartbeat_load().prefill_backlog_tokens == 0  # r0 prefilled
+    finally:
+        close(p)
+
+
+def test_a_step_that_batched_several_prompts_counts_in_the_rate(model_dir: Any) -> None:
+    """Prompts batched in one step share its fixed cost: their first tokens count even when nothing waits
+    after the step (a lone prompt's does not)."""
+    w = colocated_worker(model_dir)
+    try:
+        reqs = [ColocatedRequest(request_id=f"b{i}", prompt_token_ids=list(range(s, s + 10)),
+                                 sampling=wire(1)) for i, s in ((0, 10), (1, 40))]
+        msgs: list[Any] = run(w, *reqs)
+        pump([w], lambda: len(of_type(msgs, RequestFinished)) == 2, sink=msgs)
+        rate = w.metrics.prefill_rate
+        assert rate.tokens == pytest.approx(10 * 0.95 + 10) and rate.largest == 10  # both counted (DECAY)
+        assert_clean(w)
+    finally:
+        close(w)
