@@ -54,7 +54,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
 from gateway.router import Route
 from protocol.messages import FirstToken, WorkerLoad
-from protocol.prefill_rate import TRUSTED_SPAN, PrefillRate
+from protocol.prefill_rate import PrefillRate, judged
 
 
 @dataclass(slots=True)
@@ -155,13 +155,11 @@ class Admission:
         if measured is None:
             return  # no measurement yet: admit
         tokens_per_s, largest = measured
-        span = TRUSTED_SPAN * largest
-        mine = [r for r in self._routed.values() if r.worker_id == worker.worker_id]
-        ahead = sum(min(float(r.expected_tokens), span) for r in mine)
+        mine = [(rid, r) for rid, r in self._routed.items() if r.worker_id == worker.worker_id]
+        ahead = sum(judged(r.expected_tokens, largest) for _, r in mine)
         if worker.load.prefill_backlog_tokens:  # the worker's queue, every gateway's requests in it
-            since = sum(min(float(r.expected_tokens), span) for rid, r in self._routed.items()
-                        if r.worker_id == worker.worker_id
-                        and (r.load is worker.load or rid in worker.unsent))
+            since = sum(judged(r.expected_tokens, largest) for rid, r in mine
+                        if r.load is worker.load or rid in worker.unsent)
             ahead = max(ahead, worker.load.prefill_backlog_tokens + since)
         wait = ahead / tokens_per_s
         if wait > self.budget_s:

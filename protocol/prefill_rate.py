@@ -35,6 +35,13 @@ DECAY = 0.95
 TRUSTED_SPAN = 4.0
 
 
+def judged(tokens: int, largest: float) -> float:
+    """The part of a queued request computing ``tokens`` prompt tokens that a rate measured on prompts of
+    at most ``largest`` computed tokens judges: at most ``TRUSTED_SPAN`` times ``largest`` (all of it
+    before any measurement, ``largest`` 0)."""
+    return min(float(tokens), TRUSTED_SPAN * largest) if largest > 0 else float(tokens)
+
+
 @dataclass(slots=True)
 class PrefillRate:
     """Decayed sums of prompt tokens computed and busy seconds, the time (monotonic seconds) of the last
@@ -60,9 +67,8 @@ class PrefillRate:
         self.largest = max(float(tokens), self.largest * DECAY)
 
     def judged(self, tokens: int) -> float:
-        """The part of a queued request computing ``tokens`` prompt tokens this rate judges: at most
-        ``TRUSTED_SPAN`` times the largest recently measured (all of it before any measurement)."""
-        return min(float(tokens), TRUSTED_SPAN * self.largest) if self.largest > 0 else float(tokens)
+        """``judged(tokens, self.largest)``."""
+        return judged(tokens, self.largest)
 
     def tokens_per_s(self) -> float | None:
         """Prompt tokens per second, or None before a measurement with busy time."""
