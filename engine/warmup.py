@@ -206,8 +206,9 @@ def probe_prefill(core: EngineCore, repeats: int | None = None) -> PrefillProbe 
     size = run.budget if cuda else min(CPU_PROBE_TOKENS, run.budget)
     size = min(size, run.longest, bm.num_blocks * bm.block_size - 1)
     if size < 1:
-        log.warning("prefill_probe_skipped: no prompt fits max_model_len; no prefill rate until the first "
-                    "request")
+        log.warning("prefill_probe_skipped: no prompt fits (max_model_len %d, KV pool %d blocks of %d "
+                    "tokens); no prefill rate until the first request", core.max_model_len, bm.num_blocks,
+                    bm.block_size)
         return None
     best: PrefillProbe | None = None
     with _prefix_caching_off(core):

@@ -1,7 +1,9 @@
 """Admission control: refuse, at once, work the workers could not start in time (no torch).
 
 Called by the orchestrator for each routed request before its first message goes out (``admit``), and
-told of each ``FirstToken`` (``first_token``) and of each released request (``forget``). Three answers:
+told of each new attempt of an admitted request (``record``: a retry or migration queues like the
+attempt it replaces, and is not refused), of each ``FirstToken`` (``first_token``) and of each released
+request or given-up attempt (``forget``). Three answers:
 
 * **400** (``prompt_too_long``): the prompt needs more KV blocks than the whole pool of the prefill
   worker, or of every compatible decode worker (it could never run, retrying does not help);
@@ -109,12 +111,21 @@ class Admission:
             route = self._with_free_decode(route, num_prompt_tokens)
         if first is not None:
             self._check_queue(first)
-            expected = max(1, num_prompt_tokens - route.prefix_blocks * first.info.compat.block_size)
+        self.record(request_id, num_prompt_tokens, route)
+        return route
+
+    def record(self, request_id: str, num_prompt_tokens: int, route: Route) -> None:
+        """Count a request routed without the checks (``admit`` records each one it admits; the
+        orchestrator records an already-admitted request's new attempt, routed again after a worker
+        failed it): it queues on its first-token worker until its ``FirstToken`` or ``forget``, and its
+        blocks count against its decode worker until that worker's next heartbeat."""
+        first = route.prefill if route.kind != "colocated" else route.colocated
+        if first is not None:
+            expected = max(1, num_prompt_tokens - route.prefix_tokens())
             self._routed[request_id] = _Routed(first.worker_id, num_prompt_tokens, expected, self._clock(),
                                                first.load)
         if route.kind == "disaggregated" and route.decode is not None:
             self._reserve(route.decode, num_prompt_tokens)
-        return route
 
     def _check_fits(self, worker: WorkerEntry, num_prompt_tokens: int) -> None:
         total = worker.load.num_total_blocks

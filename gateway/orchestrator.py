@@ -59,6 +59,7 @@ from typing import Any
 
 import msgspec
 
+from engine.sampling_params import SamplingParams
 from gateway.admission import Admission
 from gateway.errors import bad_request, queue_full, unavailable
 from gateway.metrics import GatewayMetrics
@@ -75,7 +76,7 @@ from gateway.request_state import (
     WorkerLost,
     WorkerMessage,
 )
-from gateway.router import NoWorkerError, Router
+from gateway.router import NoWorkerError, Route, Router
 from protocol.logging import log_event
 from protocol.messages import (
     AbortRequest,
@@ -174,6 +175,7 @@ class Orchestrator:
         if len(self.requests) >= self.max_queue:
             raise queue_full()
         route = self.router.route(inp.prompt_token_ids, inp.sampling.max_tokens)
+        route = _computed_prefix(route, inp.sampling)
         if self.admission is not None:
             route = self.admission.admit(inp.request_id, len(inp.prompt_token_ids), route)
         req = GatewayRequest(inp, route)
@@ -352,7 +354,8 @@ class Orchestrator:
                                                prompt_logprobs=None)  # received with the first token
         prompt = req.inp.prompt_token_ids + req.output_ids
         try:
-            route = self.router.route(prompt, sampling.max_tokens, frozenset(req.failed_workers))
+            route = _computed_prefix(self.router.route(prompt, sampling.max_tokens,
+                                                       frozenset(req.failed_workers)), sampling)
         except NoWorkerError as exc:
             req.phase = RequestPhase.FAILED
             log_event(log, "request_not_recovered", logging.WARNING, request_id=req.request_id,
@@ -364,6 +367,8 @@ class Orchestrator:
         new_id = self.worker_request_id(self.client_request_id(old_id))
         req.attempt, req.route = Attempt(new_id, prompt, sampling), route
         self.requests[new_id] = req
+        if self.admission is not None:  # admitted once: the new attempt queues, and is not judged again
+            self.admission.record(new_id, len(prompt), route)
         if emitted:
             req.migrations += 1
             self.metrics.migrations.labels(cause).inc()
@@ -530,3 +535,12 @@ class Orchestrator:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _computed_prefix(route: Route, sampling: SamplingParams) -> Route:
+    """``route`` with no prefix counted cached on its first-token worker when ``sampling`` asks for prompt
+    logprobs: that worker then computes every prompt token (the scheduler does not reuse a prefix for
+    them), so its queue, its backlog (``expected_cached_tokens``) and the prefix metrics count none."""
+    if sampling.prompt_logprobs is None or not route.prefix_blocks:
+        return route
+    return replace(route, prefix_blocks=0)

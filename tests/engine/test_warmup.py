@@ -246,6 +246,18 @@ def test_probe_prompt_fits_a_small_engine(tiny_dummy_dir, monkeypatch):
     assert_clean(core, prompts)
 
 
+def test_a_probe_that_cannot_fit_names_both_limits(tiny_dummy_dir, caplog):
+    """One 4-token block: no probe prompt leaves room for the warm-up's output tokens. The warning names
+    max_model_len and the KV pool, either of which may be the cause."""
+    core = make_core(tiny_dummy_dir, num_blocks=1)
+    with caplog.at_level(logging.WARNING, logger="pdserve.warmup"):
+        assert probe_prefill(core, repeats=1) is None
+    (record,) = [r for r in caplog.records if "prefill_probe_skipped" in r.getMessage()]
+    assert (f"max_model_len {core.max_model_len}, KV pool 1 blocks of {BLOCK} tokens"
+            in record.getMessage())
+    core.check_no_leaks()
+
+
 def test_probe_keeps_the_fastest_of_its_prompts(tiny_dummy_dir, monkeypatch):
     core = make_core(tiny_dummy_dir)
     prompts = spy_prompts(core, monkeypatch)

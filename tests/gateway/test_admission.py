@@ -377,6 +377,29 @@ async def test_the_request_carries_the_prefix_the_gateway_expects_cached(first: 
     s.orch.release(a)
 
 
+@pytest.mark.parametrize("first", ["prefill", "colocated"])
+async def test_a_request_for_prompt_logprobs_counts_its_whole_prompt(first: str) -> None:
+    """A worker computes every prompt token of a request that asks for prompt logprobs (its scheduler
+    reuses no prefix for it): such a request queues, and is announced to the worker, with nothing
+    expected cached, though p1's KV events report a prefix."""
+    s = Setup(budget_s=0.0, decode_free=(1000,), total=1000, first=first)
+    prompt = gen("a", 100).prompt_token_ids
+    s.prefix_index.apply(KVEvents(worker_id="p1", epoch=1, seq_no=1, stored=block_hashes(prompt, 4)[:10],
+                                  snapshot=True))
+    (a,) = await s.orch.submit_all("a", [GenerationInput("a", prompt, SamplingParams(max_tokens=4,
+                                                                                      prompt_logprobs=0))])
+    assert s.admission.queued_tokens("p1") == 100 and a.route.prefix_blocks == 0
+    waiting = await sent_to_p1(s, a)
+    sent = [m for identity, m in s.sent if identity == b"p1" and getattr(m, "request_id", None) == "a"]
+    assert [m.expected_cached_tokens for m in sent] == [0]
+    (b,) = await s.orch.submit_all("b", [gen("b", 100)])  # the same prompt without: 40 tokens cached
+    assert s.admission.queued_tokens("p1") == 100 + 60
+    waiting.cancel()
+    s.orch.release(a)
+    s.orch.release(b)
+    assert not s.admission._routed
+
+
 def test_a_rate_observation_not_counted_moves_only_the_last_first_token() -> None:
     """``PrefillRate.observe(count=False)``: the busy time of the next request starts at this first token,
     the sums and the largest prompt stay; the very first observation counts whatever ``count`` says."""

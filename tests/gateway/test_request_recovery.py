@@ -221,23 +221,32 @@ async def test_unreachable_decode_is_retried() -> None:
     assert_clean(orch, registry)
 
 
-async def test_a_retried_attempt_leaves_the_admission_queue() -> None:
-    """The attempt a worker failed no longer counts as queued on its prefill worker: the admission
-    queue estimate would otherwise grow with every retry until it refused everything."""
+async def test_a_retried_attempt_queues_once_in_admission() -> None:
+    """The attempt a worker failed leaves the admission queue (else the estimate grew with every retry
+    until it refused everything) and the new attempt takes its place: it queues on its prefill worker,
+    its blocks count against its new decode worker, and its FirstToken measures the prefill rate (a
+    retry not counted made the queue look shorter than it was)."""
     from gateway.admission import Admission
 
     orch, rec, registry, metrics = make()
     orch.admission = Admission(registry, 30.0, metrics)
     req = await orch.submit(GenerationInput("r", PROMPT, SamplingParams(max_tokens=4)))
     assert orch.admission.queued_tokens("p1") == len(PROMPT)
+    d2 = registry.get("d2")
+    assert d2 is not None and orch.admission.free_blocks(d2) == 0
     rec.take()
     await orch.on_worker_message(b"d1", RequestFailed(request_id="r", worker_id="d1", error="gone"))
     with pytest.raises(asyncio.TimeoutError):  # the retry went out; no worker answers it here
         await asyncio.wait_for(orch.next_output(req), 0.2)
-    assert req.request_id != "r" and orch.admission.queued_tokens("p1") == 0
+    assert req.request_id == "r~1" and req.route.decode is d2
+    assert orch.admission.queued_tokens("p1") == len(PROMPT)  # the new attempt only
+    blocks = -(-len(PROMPT) // COMPAT.block_size)
+    assert orch.admission.free_blocks(d2) == -blocks  # routed to d2 since its last heartbeat
+    await orch.on_worker_message(b"p1", FirstToken(request_id="r~1", worker_id="p1", token_id=7))
+    assert orch.admission.queued_tokens("p1") == 0 and "p1" in orch.admission.rates
     orch.release(req)
     await asyncio.sleep(0)
-    assert orch.admission.queued_tokens("p1") == 0
+    assert orch.admission.queued_tokens("p1") == 0 and not orch.admission._routed
 
 
 @pytest.mark.parametrize("emitted", [0, 2])
