@@ -119,6 +119,12 @@ class DecodeWorker(WorkerLoop):
         """Peers the KV receiver's control socket refused (no fleet keys, or not named by the gateway)."""
         return self.kv.refused_handshakes()
 
+    def fenced_blocks(self) -> int:
+        """Blocks of the requests in ``draining`` (dropped while their KV was in flight, held until the
+        receiver says no write can land in them)."""
+        held = (self.core.scheduler.get(rid) for rid in self.draining)
+        return sum(len(seq.block_table) for seq in held if seq is not None)
+
     def transfer_address(self) -> str:
         """The receiver's control endpoint."""
         return self.receiver.address

@@ -275,7 +275,10 @@ class WorkerStatus(msgspec.Struct):
     """One registered worker: ``address`` is its KV transfer address ("" for none), ``last_seen_s`` the
     seconds since its last message, then its last reported load (sequences waiting and running, KV
     blocks free and in all, and the prefill rate it measured, prompt tokens per second, 0 when it reports
-    none) and ``requests``, the requests the gateway routed to it that are not done."""
+    none), ``requests``, the requests the gateway routed to it that are not done, and
+    ``kv_fenced_blocks``: a decode worker's blocks still held for requests already dropped, until no
+    write of their KV can land (why blocks are in use while nothing runs, for up to the KV deadline
+    after a prefill worker died)."""
 
     worker_id: str
     role: Literal["prefill", "decode", "colocated"]
@@ -288,6 +291,7 @@ class WorkerStatus(msgspec.Struct):
     num_total_blocks: int
     prefill_tokens_per_s: float
     requests: int
+    kv_fenced_blocks: int
 
 
 class LostWorkerStatus(msgspec.Struct):

@@ -63,7 +63,8 @@ def _worker(registry: WorkerRegistry, e: WorkerEntry) -> WorkerStatus:
     return WorkerStatus(e.worker_id, e.role, e.info.epoch, e.info.transfer_address,
                         round(registry.age(e), 3), e.load.num_waiting, e.load.num_running,
                         e.load.num_free_blocks, e.load.num_total_blocks,
-                        round(e.load.prefill_tokens_per_s, 1), len(e.requests) + len(e.unsent))
+                        round(e.load.prefill_tokens_per_s, 1), len(e.requests) + len(e.unsent),
+                        e.load.kv_fenced_blocks)
 
 
 def _lost(w: LostWorker, now: float) -> LostWorkerStatus:

@@ -60,7 +60,11 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     prefix the gateway expected cached
     (``PrefillRequest.expected_cached_tokens``), and at most ``TRUSTED_SPAN`` x ``prefill_largest_tokens``
     (protocol/prefill_rate.py); 0 on decode workers. Every gateway adds it to what it routed since, so
-    several gateways judge one queue.
+    several gateways judge one queue. ``kv_fenced_blocks``: blocks a decode worker still holds for
+    requests already dropped (aborted or failed while their KV was in flight), until no write of their
+    sender can land in them (the receiver's fence: the sender said it stopped, or it is gone and the
+    request's deadline passed, kvtransfer/receiver.py); 0 on other workers. They count as used in
+    ``num_free_blocks``.
     """
 
     num_waiting: int = 0
@@ -73,6 +77,7 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     prefill_tokens_per_s: float = 0.0
     prefill_largest_tokens: int = 0
     prefill_backlog_tokens: int = 0
+    kv_fenced_blocks: int = 0
 
 
 class KVPlacement(msgspec.Struct, frozen=True, kw_only=True):

@@ -211,6 +211,11 @@ class WorkerLoop:
         roles without one."""
         return 0
 
+    def fenced_blocks(self) -> int:
+        """KV blocks held for dropped requests until no write can land in them
+        (``WorkerLoad.kv_fenced_blocks``); 0 for roles that receive no KV."""
+        return 0
+
     # ---- shared machinery ---------------------------------------------------------------------------
     def emit(self, msg: Message) -> None:
         """Queue a message (sent at the end of the current phase): one naming a request to the gateway
@@ -350,6 +355,7 @@ class WorkerLoop:
                                 num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
                                 kv_transfer_bytes=sent_bytes, kv_transfer_seconds=sent_seconds,
                                 kv_control_refused=self.control_refusals(),
+                                kv_fenced_blocks=self.fenced_blocks(),
                                 prefill_tokens_per_s=rate.tokens_per_s() or 0.0,
                                 prefill_largest_tokens=round(rate.largest))
 

@@ -213,3 +213,17 @@ def test_tensor_parallel_pairs_by_head_mapping(make_cluster) -> None:
     assert usable == {("p2", "d2")}
     r = c.client().chat.completions.create(model="fake-model", messages=MSGS, max_tokens=3)  # type: ignore[arg-type]
     assert r.choices[0].message.content
+
+
+async def test_status_shows_the_blocks_a_decode_worker_holds_for_dropped_requests() -> None:
+    """A heartbeat's ``kv_fenced_blocks`` reaches ``/v1/status``: blocks in use while nothing runs (the
+    requests of a dead prefill worker, held until their KV deadline) are explained there."""
+    svc, _ = _service()
+    for wid, role in (("p1", "prefill"), ("d1", "decode")):
+        await svc.on_control_message(f"{wid}-a".encode(), _register(wid, role))
+    load = WorkerLoad(num_total_blocks=64, num_free_blocks=50, kv_fenced_blocks=14)
+    assert svc.registry.touch("d1", 1, load)
+    workers = {w.worker_id: w for w in readiness(svc.registry).workers}
+    d1 = workers["d1"]
+    assert (d1.kv_fenced_blocks, d1.num_free_blocks, d1.num_running) == (14, 50, 0)
+    assert workers["p1"].kv_fenced_blocks == 0
