@@ -18,6 +18,7 @@ from loadtest.agent_config import AgentConfig, SystemTarget
 from loadtest.config import SLOConfig
 from loadtest.kv_size import kv_bytes_per_token, load_model_config
 from loadtest.lengths import LengthDist
+from protocol.cli_env import OneLineParser
 from protocol.durations import parse_duration
 
 # flag → (dest, default when not given)
@@ -34,7 +35,7 @@ OTHER_FLAGS = ("--input-len", "--dataset-path", "--num-turns", "--arrival", "--r
 
 
 def add_agent_arguments(add: Callable[..., None]) -> None:
-    """Add the agent workload's flags through ``add`` (``loadtest.cli._add`` bound to a parser)."""
+    """Add the agent workload's flags through ``add`` (the bench parser's ``protocol.cli_env.EnvAdder``)."""
     add("--sessions", type=int, help="agent: concurrent sessions (default 8)")
     add("--turns", type=int, help="agent: turns per session (default 20)")
     add("--user-tokens", help="agent: user-text words per turn, ~1 token each (default fixed:100)")
@@ -43,12 +44,12 @@ def add_agent_arguments(add: Callable[..., None]) -> None:
     add("--max-context", type=int, help="agent: end a session before a turn that could pass this many "
                                         "tokens (prompt + answer); a limit no session's first turn fits "
                                         "is refused (exit 2)")
-    add("--system", action="append", default=[],
+    add("--system", action="append", default=[], env_one_value=True,
         help="agent, repeatable: label=NAME,url=GATEWAY[,prefill=METRICS_URL+...][,decode=METRICS_URL+...]; "
              "each system runs the same workload in turn (default: --base-url, no worker counters). "
              "METRICS_URL: a worker's metrics page as `pdserve up` prints it (http://host:port/metrics; "
              "http://host:port reads the same page); one that cannot be read before the load ends the bench "
-             "(exit 2), during a run gives exit 1")
+             "(exit 2), during a run gives exit 1 (PDSERVE_SYSTEM holds one)")
     add("--kv-bytes-per-token", type=int, help="agent: KV bytes of one token, for the new tokens' own KV")
     add("--model-config", help="agent: the model's config.json (or its directory): KV bytes per token "
                                "from it, with --kv-dtype")
@@ -60,7 +61,7 @@ def add_agent_arguments(add: Callable[..., None]) -> None:
 def _defaults() -> dict[str, Any]:
     from loadtest.cli import add_bench_arguments
 
-    parser = argparse.ArgumentParser()
+    parser = OneLineParser()
     add_bench_arguments(parser)
     return vars(parser.parse_args([]))
 

@@ -2,7 +2,7 @@
 
 ``pdserve bench --base-url URL [flags]`` runs the load and writes the outputs; ``pdserve bench compare
 A.json B.json`` prints two result files side by side. Every flag ``--foo-bar`` also reads the
-environment variable ``PDSERVE_FOO_BAR`` (the project's convention).
+environment variable ``PDSERVE_FOO_BAR``, checked as for every pdserve command (protocol/cli_env.py).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,63 +19,56 @@ from loadtest.agent_cli import add_agent_arguments, check_flags, run_agent_bench
 from loadtest.config import BenchConfig, SLOConfig, WorkloadConfig
 from loadtest.faults import FaultSpec
 from loadtest.lengths import LengthDist
+from protocol.cli_env import EnvAdder, OneLineParser
 from protocol.durations import parse_duration
 
 
-def _add(parser: argparse.ArgumentParser, flag: str, **kw: Any) -> None:
-    """``add_argument`` whose default comes from ``PDSERVE_<FLAG>`` when that is set."""
-    env = os.environ.get("PDSERVE_" + flag.lstrip("-").replace("-", "_").upper())
-    if env is not None:
-        if kw.get("action") == "store_true":
-            kw["default"] = env.lower() in ("1", "true", "yes", "on")
-        elif kw.get("action") == "append":
-            kw["default"] = [env]
-        else:
-            kw["default"] = env
-    parser.add_argument(flag, **kw)
-
-
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``bench`` flags and positionals (``[run|compare] [FILES...]``) to ``parser``."""
+def add_bench_arguments(parser: OneLineParser, env: Mapping[str, str] | None = None) -> None:
+    """Add the ``bench`` flags and positionals (``[run|compare] [FILES...]``) to ``parser``; each flag's
+    default comes from its ``PDSERVE_*`` variable in ``env`` (default ``os.environ``), read and checked as
+    for the other commands (protocol/cli_env.py: a bad value is refused when ``parser`` parses, in one line
+    naming the variable and the flag, exit 2)."""
+    add = EnvAdder(parser, os.environ if env is None else env)
     parser.add_argument("bench_action", metavar="action", nargs="?", default="run",
                         choices=("run", "compare"), help="run the load (default) or compare two results")
     parser.add_argument("bench_files", metavar="files", nargs="*", help="compare: A.json B.json")
-    _add(parser, "--base-url", default="http://127.0.0.1:8000", help="server URL; no other host is used")
-    _add(parser, "--model", help="model name to send (default: the first of GET /v1/models)")
-    _add(parser, "--endpoint", default="completions", choices=("completions", "chat"))
-    _add(parser, "--api-key", help="sent as 'Authorization: Bearer KEY'")
-    _add(parser, "--workload", default="random", choices=("random", "sharegpt", "multi-turn", "agent"),
+    add("--base-url", default="http://127.0.0.1:8000", help="server URL; no other host is used")
+    add("--model", help="model name to send (default: the first of GET /v1/models)")
+    add("--endpoint", default="completions", choices=("completions", "chat"))
+    add("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    add("--workload", default="random", choices=("random", "sharegpt", "multi-turn", "agent"),
          help="agent: concurrent multi-turn sessions in lockstep, reported per turn (loadtest/agent_cli.py)")
-    _add(parser, "--prompt-format", default="tokens", choices=("tokens", "text"))
-    _add(parser, "--input-len", default="fixed:128", help="fixed:N | uniform:LO,HI | normal:MEAN,STD")
-    _add(parser, "--output-len", default="fixed:64", help="max_tokens distribution (same syntax)")
-    _add(parser, "--dataset-path", help="ShareGPT JSON file (read by workload sharegpt only; refused with "
+    add("--prompt-format", default="tokens", choices=("tokens", "text"))
+    add("--input-len", default="fixed:128", help="fixed:N | uniform:LO,HI | normal:MEAN,STD")
+    add("--output-len", default="fixed:64", help="max_tokens distribution (same syntax)")
+    add("--dataset-path", help="ShareGPT JSON file (read by workload sharegpt only; refused with "
                                         "another)")
-    _add(parser, "--num-turns", type=int, default=1, help="turns per conversation (multi-turn, sharegpt)")
-    _add(parser, "--ignore-eos", action="store_true", help="pin output lengths to max_tokens")
-    _add(parser, "--temperature", type=float, default=0.0)
-    _add(parser, "--arrival", default="poisson", choices=("poisson", "gamma", "constant", "closed"))
-    _add(parser, "--request-rate", default="inf", help="req/s; comma list = sweep (e.g. 1,2,4)")
-    _add(parser, "--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
-    _add(parser, "--concurrency", type=int, default=1, help="sessions in flight (arrival closed)")
-    _add(parser, "--num-requests", type=int, help="measured requests per run (default 100 w/o duration)")
-    _add(parser, "--duration", help="stop issuing after this long, e.g. 30s")
-    _add(parser, "--warmup", type=int, default=0, help="uncounted requests sent first")
-    _add(parser, "--seed", type=int, default=0)
-    _add(parser, "--request-timeout", default="60s", help="per-request bound, e.g. 60s")
-    _add(parser, "--slo-ttft-ms", type=float, default=1000.0, help="goodput TTFT SLO (ms)")
-    _add(parser, "--slo-tpot-ms", type=float, default=100.0, help="goodput TPOT SLO (ms)")
-    _add(parser, "--fault", action="append", default=[], help='repeatable: "at=5s[,timeout=30s],cmd=..."')
-    _add(parser, "--metrics-path", default="/metrics", help="KV-gauge page on the server; '' = off")
-    _add(parser, "--leak-settle", default="2s", help="how long to wait for KV blocks to come back")
-    _add(parser, "--decode-metrics",
+    add("--num-turns", type=int, default=1, help="turns per conversation (multi-turn, sharegpt)")
+    add("--ignore-eos", action="store_true", help="pin output lengths to max_tokens")
+    add("--temperature", type=float, default=0.0)
+    add("--arrival", default="poisson", choices=("poisson", "gamma", "constant", "closed"))
+    add("--request-rate", default="inf", help="req/s; comma list = sweep (e.g. 1,2,4)")
+    add("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
+    add("--concurrency", type=int, default=1, help="sessions in flight (arrival closed)")
+    add("--num-requests", type=int, help="measured requests per run (default 100 w/o duration)")
+    add("--duration", help="stop issuing after this long, e.g. 30s")
+    add("--warmup", type=int, default=0, help="uncounted requests sent first")
+    add("--seed", type=int, default=0)
+    add("--request-timeout", default="60s", help="per-request bound, e.g. 60s")
+    add("--slo-ttft-ms", type=float, default=1000.0, help="goodput TTFT SLO (ms)")
+    add("--slo-tpot-ms", type=float, default=100.0, help="goodput TPOT SLO (ms)")
+    add("--fault", action="append", default=[], env_one_value=True,
+        help='repeatable: "at=5s[,timeout=30s],cmd=..." (PDSERVE_FAULT holds one)')
+    add("--metrics-path", default="/metrics", help="KV-gauge page on the server; '' = off")
+    add("--leak-settle", default="2s", help="how long to wait for KV blocks to come back")
+    add("--decode-metrics",
          help="URL[,URL...]: the decode-side (decode or colocated) workers' metrics pages, as `pdserve up` "
               "prints them (http://host:port/metrics; http://host:port reads the same page); report the "
               "share of the time per output token spent outside their engine loop. A page that cannot be "
               "read before the load ends the bench (exit 2), one unreadable after a run gives exit 1")
-    _add(parser, "--output-dir", help="write results.json, summary.md and PNG plots here")
-    _add(parser, "--no-progress", action="store_true", help="no progress bar")
-    add_agent_arguments(lambda flag, **kw: _add(parser, flag, **kw))
+    add("--output-dir", help="write results.json, summary.md and PNG plots here")
+    add("--no-progress", action="store_true", help="no progress bar")
+    add_agent_arguments(add)
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -189,7 +183,7 @@ def _write_outputs(result: Any, output_dir: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m loadtest``: parse ``argv`` and run."""
-    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__)
+    parser = OneLineParser(prog="python -m loadtest", description=__doc__)
     add_bench_arguments(parser)
     return run_bench(parser.parse_args(argv))
 

@@ -7,8 +7,8 @@ repeatable flags take a comma-separated env value, whose empty entries are kept 
 variables of its own flags. ``up`` has the gateway's and the workers' flags too and passes their values on
 its children's command lines (its children inherit no variable of a pdserve flag: pdserve/launcher.py);
 a variable of a child's flag that ``up`` sets itself (``UP_SET_VARIABLES``: ``PDSERVE_WORKERS``,
-``PDSERVE_METRICS_PORT``, ...) is refused by ``up`` whatever its value. Flags and defaults:
-docs/contracts.md.
+``PDSERVE_METRICS_PORT``, ...) is refused by ``up`` whatever its value. The variables are read and checked
+by protocol/cli_env.py, for ``bench`` too. Flags and defaults: docs/contracts.md.
 Worker roles and ``up`` dispatch lazily to ``prefill_worker.main:run``, ``decode_worker.main:run``,
 ``workers.colocated:run`` and ``pdserve.launcher:run``; ``bench`` to ``loadtest.cli``.
 """
@@ -21,8 +21,11 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
+from protocol.cli_env import EnvAdder as _EnvAdder
+from protocol.cli_env import OneLineParser as _OneLineParser
+from protocol.cli_env import env_variable, parse_bool
 from protocol.durations import parse_duration
 from protocol.settings import ATTENTION_BACKENDS, REASONING_PARSERS, TOOL_CALL_PARSERS
 
@@ -32,99 +35,6 @@ _RUNNERS = {
     "colocated": "workers.colocated:run",
     "up": "pdserve.launcher:run",
 }
-
-
-def parse_bool(text: str | bool) -> bool:
-    """``true/false/1/0/yes/no/on/off`` (any case) → bool. Raises ``argparse.ArgumentTypeError``."""
-    if isinstance(text, bool):
-        return text
-    low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors are one line on stderr, ``"<prog>: error: <message> (see
-    <prog> --help)"``, and exit status 2 (argparse prints the whole usage first: 47 lines for ``pdserve up``).
-    Subparsers are of this class too (``add_subparsers`` takes the parent's class).
-
-    ``env_problems``: the ``PDSERVE_*`` values this parser's command reads that could not be converted or are
-    not among the flag's choices (variable → (flag, why), filled by ``_EnvAdder``); ``env_refused``: variables
-    set in the environment that this parser's command refuses whatever their value (variable → the line saying
-    why and what to do instead: ``up``'s ``UP_SET_VARIABLES``). The first refused variable, else the first
-    problem, is refused when this parser parses, in one line naming the variable and the flag with exit status
-    2, before ``--help`` or any other flag. A subcommand's parser parses only when that subcommand is chosen,
-    so the variables of another's flags stop nothing.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.env_problems: dict[str, tuple[str, str]] = {}
-        self.env_refused: dict[str, str] = {}
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
-        if self.env_refused:
-            self.exit(2, f"{self.prog}: {next(iter(self.env_refused.values()))}\n")
-        if self.env_problems:
-            variable, (flag, why) = next(iter(self.env_problems.items()))
-            self.exit(2, f"{self.prog}: bad value for {variable} ({flag}): {why}\n")
-        return super().parse_known_args(args, namespace)
-
-
-class _CommandLineAppend(argparse.Action):
-    """A repeatable flag (``action="append"``) whose first use on the command line replaces its default
-    (the list read from ``PDSERVE_<FLAG>``) rather than adding to it: the command line wins, as for every
-    other flag."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        items = getattr(namespace, self.dest, None)
-        setattr(namespace, self.dest, [*([] if items is None or items is self.default else items), values])
-
-
-def env_variable(flag: str) -> str:
-    """The environment variable of ``flag``: ``--foo-bar`` → ``PDSERVE_FOO_BAR``."""
-    return "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-class _EnvAdder:
-    """Adds flags to a parser, taking each default from ``PDSERVE_<FLAG>`` when set; a value that cannot be
-    converted to the flag's type, or whose converted value is not among the flag's ``choices`` (each entry
-    of a repeatable flag's comma-separated list), leaves the flag's own default and is noted in the
-    parser's ``env_problems`` (refused when that parser parses: ``_OneLineParser``). argparse itself checks
-    ``choices`` against command-line values only, never against a default."""
-
-    def __init__(self, parser: _OneLineParser, env: Mapping[str, str]) -> None:
-        self.parser, self.env = parser, env
-
-    def __call__(self, flag: str, **kw: Any) -> None:
-        env_name = env_variable(flag)
-        raw = self.env.get(env_name)
-        if raw is not None:
-            conv: Callable[[str], Any] = kw.get("type", str)
-            repeatable = kw.get("action") == "append"
-            try:  # empty entries of a repeatable flag kept: the settings refuse an empty key
-                values = [conv(x) for x in raw.split(",")] if repeatable else [conv(raw)]
-                choices = kw.get("choices")
-                for value in values:
-                    if choices is not None and value not in choices:
-                        raise ValueError(f"invalid choice: {value!r} (choose from "
-                                         f"{', '.join(map(repr, choices))})")
-                kw["default"] = values if repeatable else values[0]
-            except (ValueError, argparse.ArgumentTypeError) as exc:  # refused if this command is chosen
-                self.parser.env_problems[env_name] = (flag, str(exc))
-        if kw.get("action") == "append":
-            kw["action"] = _CommandLineAppend
-        shown = "" if kw.get("default") in (None, "", []) else " (default: %(default)s)"
-        kw["help"] = (kw.get("help", "") + shown + f" [env {env_name}]").strip()
-        self.parser.add_argument(flag, **kw)
 
 
 _Adder = Callable[..., None]  # adds one flag: (flag, **argparse keywords)
@@ -414,13 +324,13 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     keygen.add_argument("directory", help="where to write fleet.key_secret and fleet.key (made 0700)")
     _bool_flag(_EnvAdder(keygen, env), "--exist-ok", False,
                "a valid key pair already there is kept (exit 0) instead of an error")
-    bench = subs.add_parser("bench", help="load test a running server")
+    bench = _add_parser(subs, "bench", help="load test a running server")
     try:
         from loadtest.cli import add_bench_arguments
     except ImportError:
         bench.set_defaults(bench_missing=True)
     else:
-        add_bench_arguments(bench)
+        add_bench_arguments(bench, env)
     return parser
 
 

@@ -69,6 +69,8 @@ _ENV_READERS = [
     ("PDSERVE_EXIST_OK", "--exist-ok", {"keygen"}),
     ("PDSERVE_LOG_LEVEL", "--log-level", {"up", "gateway", "prefill", "decode", "colocated"}),
     ("PDSERVE_TRANSFER_BACKEND", "--transfer-backend", {"up", "prefill", "decode"}),
+    ("PDSERVE_NUM_REQUESTS", "--num-requests", {"bench"}),
+    ("PDSERVE_IGNORE_EOS", "--ignore-eos", {"bench"}),
 ]
 _COMMANDS = {"up": ["up"], "gateway": ["gateway"], "prefill": ["prefill"], "decode": ["decode"],
              "colocated": ["colocated"], "keygen": ["keygen", "some-dir"], "bench": ["bench"]}
@@ -222,6 +224,42 @@ def test_bench_wired_to_loadtest(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loadtest.cli, "run_bench", run_bench)
     assert main(["bench", "--base-url", "http://127.0.0.1:9"]) == 3
     assert calls and calls[0].base_url == "http://127.0.0.1:9"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("variable", "value", "line"), [
+    ("PDSERVE_NUM_REQUESTS", "abc", "bad value for PDSERVE_NUM_REQUESTS (--num-requests): invalid int value: "
+                                    "'abc'"),
+    ("PDSERVE_IGNORE_EOS", "maybe", "bad value for PDSERVE_IGNORE_EOS (--ignore-eos): expected true or "
+                                    "false, got 'maybe'"),
+    ("PDSERVE_WORKLOAD", "foo", "bad value for PDSERVE_WORKLOAD (--workload): invalid choice: 'foo' (choose "
+                                "from 'random', 'sharegpt', 'multi-turn', 'agent')"),
+    ("PDSERVE_KV_DTYPE", "int4", "bad value for PDSERVE_KV_DTYPE (--kv-dtype): invalid choice: 'int4' "
+                                 "(choose from 'float32', 'bfloat16', 'float16')"),
+])
+@pytest.mark.parametrize("argv", [["bench"], ["bench", "--help"], ["bench", "--base-url", "http://127.0.0.1:1"]])
+def test_bench_refuses_a_bad_variable_as_the_other_commands_do(
+        variable: str, value: str, line: str, argv: list[str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A new-user trial (D6): ``pdserve bench`` read its variables itself: ``PDSERVE_NUM_REQUESTS=abc`` was
+    reported as ``argument --num-requests: invalid int value`` (no variable named) and ``--help`` exited 0,
+    ``PDSERVE_IGNORE_EOS=maybe`` silently meant false, ``PDSERVE_WORKLOAD=foo`` listed the choices without
+    ``agent``. Now one line naming the variable and the flag, exit 2, before ``--help`` or any request."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert capsys.readouterr() == ("", f"pdserve bench: {line}\n")
+
+
+def test_bench_variables_are_converted_as_the_other_commands_do() -> None:
+    """A store_true flag's variable is a bool (``parse_bool``); the variable of ``--fault`` or ``--system``
+    holds one entry, commas included; the command line replaces a repeatable flag's variable."""
+    env = {"PDSERVE_IGNORE_EOS": "yes", "PDSERVE_NO_PROGRESS": "off", "PDSERVE_FAULT": "at=1s,cmd=true",
+           "PDSERVE_SYSTEM": "label=a,url=http://h:1", "PDSERVE_NUM_REQUESTS": "7"}
+    args = build_parser(env).parse_args(["bench"])
+    got = (args.ignore_eos, args.no_progress, args.fault, args.system, args.num_requests)
+    assert got == (True, False, ["at=1s,cmd=true"], ["label=a,url=http://h:1"], 7)
+    assert build_parser(env).parse_args(["bench", "--fault", "at=2s,cmd=x"]).fault == ["at=2s,cmd=x"]
 
 
 def test_async_scheduling_and_pdl_reach_the_engine_config() -> None:

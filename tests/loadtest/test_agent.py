@@ -23,6 +23,7 @@ from loadtest.kv_size import kv_bytes_per_token, load_model_config
 from loadtest.lengths import LengthDist
 from loadtest.records import RequestRecord
 from loadtest.worker_counters import Counters, SideCounters, page_totals
+from protocol.cli_env import OneLineParser
 from tests.loadtest.fake_server import FakeState
 
 USER, TOOL, OUT = 5, 9, 3
@@ -224,7 +225,7 @@ def test_cli_run_writes_outputs(fake: tuple[str, object], tmp_path: Path,
 def _agent_args(*argv: str) -> argparse.Namespace:
     from loadtest.cli import add_bench_arguments
 
-    parser = argparse.ArgumentParser()
+    parser = OneLineParser()
     add_bench_arguments(parser)
     return parser.parse_args(["--workload", "agent", *argv])
 
@@ -296,7 +297,7 @@ def test_texts_come_from_the_word_list_the_same_on_every_call(tmp_path: Path) ->
     from loadtest.cli import add_bench_arguments
 
     (tmp_path / "words").write_text("t101 t102\nt103\n")
-    parser = argparse.ArgumentParser()
+    parser = OneLineParser()
     add_bench_arguments(parser)
     args = parser.parse_args(["--workload", "agent", "--word-list", str(tmp_path / "words"),
                               "--user-tokens", "4", "--tool-tokens", "6"])

@@ -18,6 +18,7 @@ from loadtest.lengths import LengthDist
 from loadtest.records import FaultResult, RequestRecord
 from loadtest.scrape import kv_blocks_used
 from loadtest.workload import Turn, load_sharegpt, make_sessions
+from protocol.cli_env import OneLineParser
 from protocol.durations import parse_duration
 
 
@@ -255,13 +256,11 @@ def test_a_dataset_path_from_the_environment_is_a_default_only_sharegpt_reads(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``PDSERVE_DATASET_PATH``, like every ``PDSERVE_*`` value, is a default: a workload that does not read
     the dataset neither checks nor keeps it (as the agent workload's flags that do not apply)."""
-    import argparse
-
     from loadtest.agent_cli import check_flags
     from loadtest.cli import add_bench_arguments, config_from_args
 
     monkeypatch.setenv("PDSERVE_DATASET_PATH", "/nonexistent")
-    parser = argparse.ArgumentParser()
+    parser = OneLineParser()
     add_bench_arguments(parser)
     args = parser.parse_args(["--workload", "random"])
     check_flags(args)

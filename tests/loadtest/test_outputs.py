@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from loadtest.cli import add_bench_arguments, main
 from loadtest.report import load_json
+from protocol.cli_env import OneLineParser
 from tests.loadtest.fake_server import FakeState
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -80,7 +80,7 @@ def test_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_NUM_REQUESTS", "7")
     monkeypatch.setenv("PDSERVE_NO_PROGRESS", "true")
     monkeypatch.setenv("PDSERVE_FAULT", "at=1s,cmd=true")
-    parser = argparse.ArgumentParser()
+    parser = OneLineParser()
     add_bench_arguments(parser)
     args = parser.parse_args([])
     got = (args.num_requests, args.no_progress, args.fault, args.bench_action)
