@@ -9,7 +9,8 @@ import argparse
 import math
 from collections.abc import Callable
 
-from protocol.durations import parse_duration
+# a duration >= 0 in seconds, as every pdserve command reads it
+from protocol.cli_env import duration as duration
 
 
 def _number(text: str, kind: Callable[[str], float]) -> float:
@@ -64,15 +65,6 @@ def positive_int_list(text: str) -> list[int]:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a comma-separated list of integers >= 1, got ''")
     return [positive_int(item.strip()) for item in items]
-
-
-def duration(text: str) -> float:
-    """A duration >= 0 (``"1s"``, ``"500ms"``, ``"0"``) in seconds. Raises ``argparse.ArgumentTypeError``
-    otherwise (negative values and unknown units included)."""
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_duration(text: str) -> float:

@@ -19,7 +19,7 @@ from loadtest.config import SLOConfig
 from loadtest.kv_size import kv_bytes_per_token, load_model_config
 from loadtest.lengths import LengthDist
 from protocol.cli_env import OneLineParser
-from protocol.durations import parse_duration
+from protocol.durations import flag_duration
 
 # flag → (dest, default when not given)
 AGENT_FLAGS: dict[str, tuple[str, Any]] = {
@@ -103,6 +103,9 @@ def _kv_bytes(args: argparse.Namespace) -> int | None:
     if args.model_config:
         try:
             return kv_bytes_per_token(load_model_config(args.model_config), args.kv_dtype)
+        except OSError as exc:  # not "[Errno 2] No such file or directory: '...'"
+            raise ValueError(f"--model-config {args.model_config}: cannot read {exc.filename or 'it'} "
+                             f"({exc.strerror or exc})") from None
         except ValueError as exc:
             raise ValueError(f"--model-config {args.model_config}: {exc}") from exc
     return None if args.kv_bytes_per_token is None else int(args.kv_bytes_per_token)
@@ -111,7 +114,12 @@ def _kv_bytes(args: argparse.Namespace) -> int | None:
 def _words(path: str | None) -> tuple[str, ...] | None:
     if path is None:
         return None
-    words = tuple(Path(path).read_text(encoding="utf-8").split())
+    try:
+        words = tuple(Path(path).read_text(encoding="utf-8").split())
+    except OSError as exc:  # not "[Errno 2] No such file or directory: '...'"
+        raise ValueError(f"--word-list {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--word-list {path}: not UTF-8 text") from None
     if not words:
         raise ValueError(f"--word-list {path}: no word in the file")
     return words
@@ -134,15 +142,17 @@ def agent_config_from_args(args: argparse.Namespace, model: str) -> AgentConfig:
     cfg = AgentConfig(
         model=model, systems=systems, endpoint=args.endpoint, api_key=args.api_key,
         sessions=int(_get(args, "--sessions")), turns=int(_get(args, "--turns")),
-        user_tokens=LengthDist.parse(_get(args, "--user-tokens")),
-        tool_tokens=LengthDist.parse(_get(args, "--tool-tokens")),
-        output_len=LengthDist.parse(args.output_len), think_time_s=parse_duration(_get(args, "--think-time")),
+        user_tokens=LengthDist.parse_flag("--user-tokens", _get(args, "--user-tokens")),
+        tool_tokens=LengthDist.parse_flag("--tool-tokens", _get(args, "--tool-tokens")),
+        output_len=LengthDist.parse_flag("--output-len", args.output_len),
+        think_time_s=flag_duration("--think-time", _get(args, "--think-time")),
         max_context=None if max_context is None else int(max_context), ignore_eos=bool(args.ignore_eos),
         temperature=float(args.temperature), seed=int(args.seed),
-        request_timeout_s=parse_duration(args.request_timeout),
+        request_timeout_s=flag_duration("--request-timeout", args.request_timeout),
         slo=SLOConfig(ttft_ms=float(args.slo_ttft_ms), tpot_ms=float(args.slo_tpot_ms)),
         kv_bytes_per_token=_kv_bytes(args), words=_words(args.word_list),
-        metrics_path=args.metrics_path or None, leak_settle_s=parse_duration(args.leak_settle),
+        metrics_path=args.metrics_path or None,
+        leak_settle_s=flag_duration("--leak-settle", args.leak_settle),
         progress=not args.no_progress)
     _check_first_turn(cfg)
     return cfg

@@ -20,7 +20,7 @@ from loadtest.config import BenchConfig, SLOConfig, WorkloadConfig
 from loadtest.faults import FaultSpec
 from loadtest.lengths import LengthDist
 from protocol.cli_env import EnvAdder, OneLineParser
-from protocol.durations import parse_duration
+from protocol.durations import flag_duration
 
 
 def add_bench_arguments(parser: OneLineParser, env: Mapping[str, str] | None = None) -> None:
@@ -89,21 +89,23 @@ def config_from_args(args: argparse.Namespace, model: str) -> BenchConfig:
         raise ValueError(f"--dataset-path {dataset_path}: {why}")
     workload = WorkloadConfig(
         kind=args.workload, prompt_format=args.prompt_format,
-        input_len=LengthDist.parse(args.input_len), output_len=LengthDist.parse(args.output_len),
+        input_len=LengthDist.parse_flag("--input-len", args.input_len),
+        output_len=LengthDist.parse_flag("--output-len", args.output_len),
         dataset_path=dataset_path, num_turns=int(args.num_turns),
     )
-    duration = parse_duration(args.duration) if args.duration else None
+    duration = flag_duration("--duration", args.duration) if args.duration else None
     num = int(args.num_requests) if args.num_requests is not None else (None if duration else 100)
     return BenchConfig(
         base_url=args.base_url.rstrip("/"), model=model, endpoint=args.endpoint, api_key=args.api_key,
         workload=workload, arrival=args.arrival, rates=_rates(args.request_rate),
         burstiness=float(args.burstiness), concurrency=int(args.concurrency), num_requests=num,
         duration_s=duration, warmup=int(args.warmup), seed=int(args.seed),
-        request_timeout_s=parse_duration(args.request_timeout), ignore_eos=bool(args.ignore_eos),
+        request_timeout_s=flag_duration("--request-timeout", args.request_timeout),
+        ignore_eos=bool(args.ignore_eos),
         temperature=float(args.temperature),
         slo=SLOConfig(ttft_ms=float(args.slo_ttft_ms), tpot_ms=float(args.slo_tpot_ms)),
         faults=tuple(FaultSpec.parse(f) for f in args.fault), metrics_path=args.metrics_path or None,
-        leak_settle_s=parse_duration(args.leak_settle), progress=not args.no_progress,
+        leak_settle_s=flag_duration("--leak-settle", args.leak_settle), progress=not args.no_progress,
         decode_metrics=tuple(u for u in (args.decode_metrics or "").split(",") if u),
     )
 

@@ -111,8 +111,10 @@ class BenchConfig:
             raise ValueError("token-id prompts need the completions endpoint; use --prompt-format text")
         if self.arrival not in ("poisson", "gamma", "constant", "closed"):
             raise ValueError(f"--arrival must be poisson|gamma|constant|closed, got {self.arrival!r}")
-        if not self.rates or any(not r > 0 for r in self.rates):
-            raise ValueError(f"--request-rate values must be > 0 requests/s, got {self.rates}")
+        if not self.rates:
+            raise ValueError("--request-rate: give at least one rate")
+        if bad := [r for r in self.rates if not r > 0]:
+            raise ValueError(f"--request-rate values must be > 0 requests/s, got {bad[0]:g}")
         if self.arrival != "closed" and self.num_requests is None and any(math.isinf(r) for r in self.rates):
             raise ValueError("--request-rate inf sends everything at once: set --num-requests")
         if not (math.isfinite(self.burstiness) and self.burstiness > 0):

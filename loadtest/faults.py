@@ -49,8 +49,11 @@ class FaultSpec:
             fields[key] = value
         if "at" not in fields:
             raise ValueError(f"bad fault {spec!r}: needs at=TIME (e.g. at=5s)")
-        timeout = parse_duration(fields["timeout"]) if "timeout" in fields else 30.0
-        return cls(parse_duration(fields["at"]), cmd.strip(), timeout)
+        try:
+            timeout = parse_duration(fields["timeout"]) if "timeout" in fields else 30.0
+            return cls(parse_duration(fields["at"]), cmd.strip(), timeout)
+        except ValueError as exc:
+            raise ValueError(f"bad --fault {spec!r}: {exc}") from None
 
 
 async def run_fault(spec: FaultSpec, t0: float, clock: Callable[[], float]) -> FaultResult:

@@ -25,11 +25,11 @@ class LengthDist:
         if self.kind not in ("fixed", "uniform", "normal"):
             raise ValueError(f"length distribution kind must be fixed|uniform|normal, got {self.kind!r}")
         if self.kind == "fixed" and (self.a < 1 or self.a != int(self.a)):
-            raise ValueError(f"fixed length must be an integer >= 1, got {self.a}")
+            raise ValueError(f"fixed length must be an integer >= 1, got {self.a:g}")
         if self.kind == "uniform" and not 1 <= self.a <= self.b:
-            raise ValueError(f"uniform length bounds need 1 <= low <= high, got {self.a}, {self.b}")
+            raise ValueError(f"uniform length bounds need 1 <= low <= high, got {self.a:g}, {self.b:g}")
         if self.kind == "normal" and (self.a < 1 or self.b < 0):
-            raise ValueError(f"normal length needs mean >= 1 and std >= 0, got {self.a}, {self.b}")
+            raise ValueError(f"normal length needs mean >= 1 and std >= 0, got {self.a:g}, {self.b:g}")
 
     @classmethod
     def parse(cls, spec: str) -> LengthDist:
@@ -45,6 +45,15 @@ class LengthDist:
                 f"bad length spec {spec!r}: use fixed:N, uniform:LOW,HIGH or normal:MEAN,STD"
             )
         return cls(kind, values[0], values[1] if wanted == 2 else 0.0)  # type: ignore[arg-type]
+
+    @classmethod
+    def parse_flag(cls, flag: str, spec: str) -> LengthDist:
+        """``parse(spec)`` for ``flag``: the error names the flag (``--input-len: fixed length must be an
+        integer >= 1, got 0``). Raises ValueError."""
+        try:
+            return cls.parse(spec)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
 
     def sample(self, rng: random.Random) -> int:
         """Draw one length (int >= 1) from ``rng``."""

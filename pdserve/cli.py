@@ -25,8 +25,7 @@ from typing import Any
 
 from protocol.cli_env import EnvAdder as _EnvAdder
 from protocol.cli_env import OneLineParser as _OneLineParser
-from protocol.cli_env import env_variable, parse_bool
-from protocol.durations import parse_duration
+from protocol.cli_env import duration, env_variable, parse_bool
 from protocol.settings import ATTENTION_BACKENDS, REASONING_PARSERS, TOOL_CALL_PARSERS
 
 _RUNNERS = {
@@ -87,22 +86,22 @@ def _add_gateway(add: _Adder) -> None:
     add("--disagg-threshold", type=int, default=0, help="prompts shorter (tokens) go colocated")
     _bool_flag(add, "--allow-local-prefill", False, "no prefill worker → colocated instead of 503")
     add("--max-queue", type=int, default=1024, help="requests in flight before 429")
-    add("--request-timeout", type=parse_duration, default=600.0, help="seconds, or e.g. 30s, 500ms, 10m")
+    add("--request-timeout", type=duration, default=600.0, help="seconds, or e.g. 30s, 500ms, 10m")
     add("--max-body-bytes", type=int, default=4 << 20)
     add("--max-prompt-tokens", type=int, default=None)
     add("--max-n", type=int, default=16)
     add("--max-stop", type=int, default=16)
-    add("--heartbeat-timeout", type=parse_duration, default=5.0,
+    add("--heartbeat-timeout", type=duration, default=5.0,
         help="silence (seconds, or e.g. 1500ms) → worker dead")
     add("--max-retries", type=int, default=2,
         help="times a request is routed again to other workers when one fails it before its first token")
     add("--max-migrations", type=int, default=1,
         help="times a stream continues on other workers when its worker fails it mid-stream (0: off)")
-    add("--admission-budget", type=parse_duration, default=30.0,
+    add("--admission-budget", type=duration, default=30.0,
         help="429 when a request's prefill would wait longer (estimated; seconds, or e.g. 10s; 0: off)")
-    add("--kv-canary-period", type=parse_duration, default=60.0,
+    add("--kv-canary-period", type=duration, default=60.0,
         help="re-measure each pair's KV path with a canary transfer this often (0: only at pairing)")
-    add("--kv-canary-timeout", type=parse_duration, default=10.0,
+    add("--kv-canary-timeout", type=duration, default=10.0,
         help="a canary not landed in this time takes its pair out of routing")
     add("--kv-canary-mib", type=float, default=64.0,
         help="size of a canary transfer in MiB (at least one KV block; capped at 1/8 of the decode "
@@ -171,7 +170,7 @@ def _add_worker(add: _Adder, role: str) -> None:
         help="the gateways' --control-bind addresses, comma-separated (tcp://h1:7100,tcp://h2:7100); a host "
              "name stands for every address it resolves to (a Kubernetes headless Service): the worker "
              "registers with, heartbeats to and streams to each")
-    add("--gateway-resolve-interval", type=parse_duration, default=5.0,
+    add("--gateway-resolve-interval", type=duration, default=5.0,
         help="how often --gateway-control's host names are looked up again: a new address is a new "
              "gateway, one gone from DNS a dead one")
     add("--host", default="127.0.0.1", help="address this worker binds its sockets to")
@@ -181,7 +180,7 @@ def _add_worker(add: _Adder, role: str) -> None:
     add("--metrics-port", type=int, default=0,
         help="serve GET /metrics (vLLM-compatible names), /health and /live on this TCP port at --host "
              "(0: no such server)")
-    add("--engine-stall-timeout", type=parse_duration, default=60.0,
+    add("--engine-stall-timeout", type=duration, default=60.0,
         help="/health and /live answer 503 once the engine loop has not ticked for this long")
     add("--cpu-threads", type=int, default=0,
         help="torch intra-op threads of each rank for its CPU work, all of a model's on a CPU device "
@@ -372,16 +371,23 @@ def _run_gateway(settings: Any) -> int:
 
 
 def _keygen(directory: str, exist_ok: bool) -> int:
+    """Make (or with ``exist_ok`` keep) the key pair in ``directory``; 2 after one line on stderr when it
+    cannot: ``directory`` is not a directory, cannot be made or written (the path and why, not an
+    ``[Errno 13]``), or already holds a key pair (without ``exist_ok``) or, with it, an invalid one."""
     from kvtransfer.curve import KEY_FILE, generate_keys, load_keys
 
     try:
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise ValueError(f"{directory} is not a directory (give a directory to write the key pair in)")
         if exist_ok and os.path.exists(os.path.join(directory, KEY_FILE)):
             keys = load_keys(directory)
             print(f"kept {directory}/{KEY_FILE} (public key {keys.public.decode()})")
             return 0
         keys = generate_keys(directory)
     except (OSError, ValueError) as exc:
-        print(f"pdserve keygen: {exc}", file=sys.stderr)
+        why = str(exc) if not isinstance(exc, OSError) or exc.strerror is None else \
+            f"cannot write {exc.filename or directory}: {exc.strerror}"
+        print(f"pdserve keygen: {why}", file=sys.stderr)
         return 2
     print(f"wrote {directory}/fleet.key_secret (public key {keys.public.decode()})")
     return 0

@@ -13,6 +13,8 @@ import argparse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from protocol.durations import parse_duration
+
 
 def parse_bool(text: str | bool) -> bool:
     """``true/false/1/0/yes/no/on/off`` (any case) → bool. Raises ``argparse.ArgumentTypeError``."""
@@ -128,3 +130,12 @@ class EnvAdder:
             raise ValueError(f"invalid choice: {value!r} (choose from {', '.join(map(repr, choices))})")
         return value
 
+
+
+def duration(text: str) -> float:
+    """A duration flag's argparse ``type``: ``parse_duration`` whose error argparse prints as it is
+    (``argument --request-timeout: bad duration 'abc': ...``), not as ``invalid parse_duration value``."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

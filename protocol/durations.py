@@ -21,9 +21,20 @@ def parse_duration(text: str) -> float:
             as 400 digits, included).
     """
     m = _DURATION.match(text)
+    if not m and text.strip().startswith("-"):
+        raise ValueError(f"bad duration {text!r}: must not be negative")
     if not m:
         raise ValueError(f"bad duration {text!r}: use a number with ms, s or m (e.g. 5s)")
     seconds = float(m.group(1)) * _UNITS[m.group(2)]
     if not math.isfinite(seconds):
         raise ValueError(f"bad duration {text!r}: too large (not a finite number of seconds)")
     return seconds
+
+
+def flag_duration(flag: str, text: str) -> float:
+    """``parse_duration(text)`` for ``flag``: the error names the flag (``--duration: bad duration '5x':
+    ...``). Raises ValueError."""
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None

@@ -352,8 +352,10 @@ class UpSettings:
                f"must be in [1, {MAX_GATEWAY_PROCESSES}], got {self.gateway_workers}")
         _check(self.gateway_workers == 1 or self.port != 0, "gateway-workers",
                "several gateway processes need a fixed --port (not 0)")
-        _check(self.colocated > 0 or (self.num_prefill > 0 and self.num_decode > 0), "num-prefill",
-               "need at least one prefill and one decode worker, or --colocated >= 1")
+        _check(self.colocated > 0 or (self.num_prefill > 0 and self.num_decode > 0),
+               "num-prefill" if self.num_prefill == 0 else "num-decode",
+               f"need at least one prefill and one decode worker, or --colocated >= 1 (got --num-prefill "
+               f"{self.num_prefill}, --num-decode {self.num_decode}, --colocated {self.colocated})")
         _check(self.num_decode == 0 or self.worker.kv_host_cache_gib == 0 or self.worker.decode_prefix_reuse,
                "kv-host-cache-gib", HOST_TIER_NEEDS_DECODE_REUSE)
         num_workers = self.num_prefill + self.num_decode + self.colocated
@@ -382,16 +384,18 @@ def _read_api_key_file(path: str | None) -> tuple[str, ...]:
     none without the flag (``path`` None).
 
     Raises:
-        OSError: the file cannot be read.
-        ValueError: the path is empty (``--api-key-file "$VAR"`` with VAR unset) or the file holds no key:
-            either would serve without a key where one was meant; or it holds ``PLACEHOLDER_API_KEY``
-            (the message names the flag and the file).
+        ValueError: the file cannot be read; the path is empty (``--api-key-file "$VAR"`` with VAR unset)
+            or the file holds no key: either would serve without a key where one was meant; or it holds
+            ``PLACEHOLDER_API_KEY`` (the message names the flag and the file).
     """
     if path is None:
         return ()
     _check(path != "", "api-key-file", "must not be empty (an --api-key-file \"$VAR\" with VAR unset, or "
            "PDSERVE_API_KEY_FILE set to ''); to serve without a key, give no --api-key-file")
-    lines = Path(path).read_text().splitlines()
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:  # one line naming the flag, not "[Errno 2] No such file or directory: '...'"
+        raise ValueError(f"--api-key-file {path}: cannot read it ({exc.strerror or exc})") from None
     keys = tuple(key for key in (line.strip() for line in lines) if key and not key.startswith("#"))
     _check(bool(keys), "api-key-file", f"{path} holds no key (only blank lines and # comments); give no "
            "--api-key-file to serve without a key")
@@ -406,8 +410,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
     Raises:
         ValueError: unknown command, a flag value out of range (the message names the flag), e.g. an empty
-            API key or the Kubernetes placeholder key, or an ``--api-key-file`` with no key.
-        OSError: ``--api-key-file`` cannot be read.
+            API key or the Kubernetes placeholder key, or an ``--api-key-file`` that cannot be read or holds
+            no key.
     """
     values: dict[str, Any] = dict(vars(args))
     command = values.pop("command", None)

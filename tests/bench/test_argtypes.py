@@ -40,7 +40,7 @@ def test_converters_accept_their_range() -> None:
     (positive_int_list, "1,0", "must be >= 1, got 0"),
     (positive_int_list, "1,,2", "expected an integer, got ''"),
     (positive_int_list, "", "expected a comma-separated list of integers >= 1, got ''"),
-    (duration, "-1s", "bad duration '-1s': use a number with ms, s or m (e.g. 5s)"),
+    (duration, "-1s", "bad duration '-1s': must not be negative"),
     (duration, "2h", "bad duration '2h': use a number with ms, s or m (e.g. 5s)"),
     (positive_duration, "0ms", "must be > 0 s, got '0ms'"),
 ])

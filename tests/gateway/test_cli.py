@@ -468,8 +468,8 @@ def test_kv_cache_dtype_reaches_every_worker_of_up_and_is_checked_first() -> Non
     (["up", "--kv-memory-fraction", "nan"], "pdserve up: --kv-memory-fraction: must be in (0, 1], got nan"),
     (["up", "--kv-canary-mib", "inf"],
      "pdserve up: --kv-canary-mib: must be in [0, 1024] MiB (0: one block), got inf"),
-    (["up", "--request-timeout", "9" * 400], "pdserve up: error: argument --request-timeout: invalid "
-                                             "parse_duration value"),
+    (["up", "--request-timeout", "9" * 400], "pdserve up: error: argument --request-timeout: bad duration "
+                                             f"'{'9' * 400}': too large (not a finite number of seconds)"),
 ])
 def test_a_float_flag_that_is_not_finite_is_named_so(argv: list[str], line: str,
                                                      capsys: pytest.CaptureFixture[str],
@@ -599,3 +599,63 @@ def test_log_level_takes_any_case_on_the_command_line_and_from_the_environment()
              ({"PDSERVE_LOG_LEVEL": "Debug"}, ["decode"], "debug"))
     for env, argv, level in cases:
         assert build_parser(env).parse_args(argv).log_level == level
+
+
+@pytest.mark.parametrize(("argv", "env", "line"), [
+    (["gateway", "--api-key-file", "/nonexistent"], {},
+     "pdserve gateway: --api-key-file /nonexistent: cannot read it (No such file or directory)"),
+    (["up", "--api-key-file", "/nonexistent"], {},
+     "pdserve up: --api-key-file /nonexistent: cannot read it (No such file or directory)"),
+    (["up", "--api-key-file", "/"], {}, "pdserve up: --api-key-file /: cannot read it (Is a directory)"),
+    (["up", "--request-timeout", "abc"], {}, "pdserve up: error: argument --request-timeout: bad duration "
+     "'abc': use a number with ms, s or m (e.g. 5s) (see pdserve up --help)"),
+    (["gateway", "--admission-budget", "-1"], {}, "pdserve gateway: error: argument --admission-budget: bad "
+     "duration '-1': must not be negative (see pdserve gateway --help)"),
+    (["up"], {"PDSERVE_ADMISSION_BUDGET": "-1"}, "pdserve up: bad value for PDSERVE_ADMISSION_BUDGET "
+     "(--admission-budget): bad duration '-1': must not be negative"),
+    (["up"], {"PDSERVE_NUM_DECODE": "0"}, "pdserve up: --num-decode: need at least one prefill and one "
+     "decode worker, or --colocated >= 1 (got --num-prefill 1, --num-decode 0, --colocated 0)"),
+    (["up", "--num-prefill", "0"], {}, "pdserve up: --num-prefill: need at least one prefill and one decode "
+     "worker, or --colocated >= 1 (got --num-prefill 0, --num-decode 1, --colocated 0)"),
+])
+def test_a_refused_value_names_its_flag_without_internals(argv: list[str], env: dict[str, str], line: str,
+                                                           capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new-user trial (D8): ``--api-key-file /nonexistent`` said ``[Errno 2] No such file or directory:
+    '/nonexistent'``, ``--request-timeout abc`` ``invalid parse_duration value: 'abc'``,
+    ``PDSERVE_NUM_DECODE=0`` named ``--num-prefill``. One line naming the flag, exit 2, nothing started."""
+    monkeypatch.setitem(sys.modules, "pdserve.launcher", None)  # nothing may be started
+    monkeypatch.setattr("pdserve.cli._run_gateway", lambda settings: pytest.fail("the gateway started"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code: int | str | None
+    try:
+        code = main([*argv, "--insecure-control-plane"])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_keygen_says_which_path_it_cannot_use(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new-user trial (D8): ``pdserve keygen FILE`` said ``[Errno 17] File exists: 'FILE'``, a directory it
+    cannot write ``[Errno 13] Permission denied``. One line naming the path and why, exit 2."""
+    import kvtransfer.curve
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for argv in ([str(afile)], [str(afile), "--exist-ok"]):
+        assert main(["keygen", *argv]) == 2
+        assert capsys.readouterr().err == (f"pdserve keygen: {afile} is not a directory (give a directory to "
+                                           "write the key pair in)\n")
+    assert main(["keygen", str(afile / "keys")]) == 2
+    assert capsys.readouterr().err == f"pdserve keygen: cannot write {afile / 'keys'}: Not a directory\n"
+
+    def denied(directory: str) -> None:  # as mkdir in a directory this user may not write (tests run as root)
+        raise PermissionError(13, "Permission denied", directory)
+
+    monkeypatch.setattr(kvtransfer.curve, "generate_keys", denied)
+    assert main(["keygen", str(tmp_path / "ro" / "keys")]) == 2
+    denied_dir = tmp_path / "ro" / "keys"
+    assert capsys.readouterr().err == f"pdserve keygen: cannot write {denied_dir}: Permission denied\n"

@@ -230,6 +230,27 @@ def _agent_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["--workload", "agent", *argv])
 
 
+@pytest.mark.parametrize(("argv", "line"), [
+    (["--word-list", "/nonexistent"], "error: --word-list /nonexistent: cannot read it (No such file or "
+                                      "directory)"),
+    (["--word-list", "/"], "error: --word-list /: cannot read it (Is a directory)"),
+    (["--model-config", "/nonexistent", "--kv-dtype", "float16"],
+     "error: --model-config /nonexistent: cannot read /nonexistent (No such file or directory)"),
+    (["--think-time", "1x"], "error: --think-time: bad duration '1x': use a number with ms, s or m (e.g. "
+                             "5s)"),
+    (["--user-tokens", "fixed:1.5"], "error: --user-tokens: fixed length must be an integer >= 1, got 1.5"),
+    (["--tool-tokens", "normal:0,1"], "error: --tool-tokens: normal length needs mean >= 1 and std >= 0, got "
+                                      "0, 1"),
+])
+def test_a_bad_agent_flag_is_one_line_naming_it(argv: list[str], line: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A new-user trial (D8): ``--word-list /nonexistent`` and ``--model-config /nonexistent`` said
+    ``error: [Errno 2] No such file or directory: '/nonexistent'``; a bad duration or length did not name
+    its flag. One line naming the flag, exit 2, before any request (the base URL is never reached)."""
+    assert main(["--model", "m", "--workload", "agent", "--base-url", "http://127.0.0.1:1", *argv]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
 def test_a_max_context_no_first_turn_fits_is_refused_before_any_request(
         capsys: pytest.CaptureFixture[str]) -> None:
     """A new-user trial: ``pdserve bench --workload agent --max-context 10`` printed a header, an empty

@@ -112,6 +112,17 @@ def test_a_dataset_that_cannot_be_used_is_named_by_its_flag(content: str | None,
      "error: --dataset-path /nonexistent: no such file"),
     (["--workload", "sharegpt", "--prompt-format", "text", "--dataset-path", "/"],
      "error: --dataset-path /: a directory, not a file"),
+    (["--request-rate", "-1"], "error: --request-rate values must be > 0 requests/s, got -1"),
+    (["--request-rate", "2,0"], "error: --request-rate values must be > 0 requests/s, got 0"),
+    (["--input-len", "fixed:0"], "error: --input-len: fixed length must be an integer >= 1, got 0"),
+    (["--output-len", "uniform:0,3"], "error: --output-len: uniform length bounds need 1 <= low <= high, got "
+                                      "0, 3"),
+    (["--duration", "5x"], "error: --duration: bad duration '5x': use a number with ms, s or m (e.g. 5s)"),
+    (["--leak-settle", "abc"], "error: --leak-settle: bad duration 'abc': use a number with ms, s or m (e.g. "
+                               "5s)"),
+    (["--request-timeout=-1s"], "error: --request-timeout: bad duration '-1s': must not be negative"),
+    (["--fault", "at=5x,cmd=true"], "error: bad --fault 'at=5x,cmd=true': bad duration '5x': use a number "
+                                    "with ms, s or m (e.g. 5s)"),
 ])
 def test_each_bad_bench_flag_is_named_alone(argv: list[str], line: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:
