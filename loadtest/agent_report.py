@@ -32,6 +32,21 @@ def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**20:.2f}"
 
 
+def _growth(system: AgentSystemResult, suffix: str = "") -> str:
+    """``ttft_last_over_first`` (``1.84x``), or why there is none: ``n/a (one turn)`` with ``--turns 1``
+    (was ``-x``), ``n/a (no TTFT on turn 1)``, ``n/a (no TTFT after turn 1)``."""
+    if system.ttft_last_over_first is not None:
+        return f"{system.ttft_last_over_first:.2f}{suffix}"
+    measured = [t.turn for t in system.turns if t.ttft_ms is not None]
+    if len(system.turns) <= 1:
+        return "n/a (one turn)"
+    if 0 not in measured:
+        return "n/a (no TTFT on turn 1)"
+    if len(measured) < 2:
+        return "n/a (no TTFT after turn 1)"
+    return "n/a (turn 1's TTFT p50 is 0)"
+
+
 def _split(turn: TurnStats) -> str:
     split = None if turn.counters is None else turn.counters.prefill.mean_ms()
     return "-" if split is None else f"{split[0]:.0f} + {split[1]:.0f}"
@@ -62,7 +77,7 @@ def _system_lines(system: AgentSystemResult) -> list[str]:
     lines += ["", f"Run: {s.completed}/{s.num_requests} completed in {s.duration_s:.1f} s (think time "
                   "included), "
                   f"goodput {s.goodput:.2f} req/s ({sum(t.slo_met for t in system.turns)} within both SLOs); "
-                  f"TTFT p50 last turn / turn 1: {_num(system.ttft_last_over_first, '{:.2f}')}x"]
+                  f"TTFT p50 last turn / turn 1: {_growth(system, 'x')}"]
     if run is not None:
         lines += [f"Prefix-cache hit rate over the run (device tier): "
                   f"prefill {_pct(run.prefill.hit_rate())} %, "
@@ -103,7 +118,7 @@ def _comparison_lines(systems: list[AgentSystemResult]) -> list[str]:
         rows.append(row)
     lines = ["", "## Side by side", "", *table(header, rows)]
     lines += ["", *table(["system", "TTFT p50 last turn / turn 1", "goodput req/s", "completed"],
-                         [[s.label, _num(s.ttft_last_over_first, "{:.2f}"), f"{s.summary.goodput:.2f}",
+                         [[s.label, _growth(s), f"{s.summary.goodput:.2f}",
                            f"{s.summary.completed}/{s.summary.num_requests}"] for s in systems])]
     return lines
 

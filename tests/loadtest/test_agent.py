@@ -187,6 +187,21 @@ def test_report_and_json_round_trip(fake: tuple[str, object], tmp_path: Path) ->
     assert isinstance(back, AgentResult) and back.systems[1].turns == result.systems[1].turns
 
 
+def test_one_turn_reports_no_ttft_growth_rather_than_dash_x(fake: tuple[str, object]) -> None:
+    """A new-user trial (D10): ``--turns 1`` printed ``TTFT p50 last turn / turn 1: -x``. With one turn
+    there is no growth to report, and the report says so, in the run line and the side-by-side table."""
+    url, _ = fake
+    result = asyncio.run(run_agent(_cfg(url, turns=1)))
+    text = agent_markdown(result)
+    assert all(s.ttft_last_over_first is None for s in result.systems)
+    assert text.count("; TTFT p50 last turn / turn 1: n/a (one turn)\n") == 2
+    assert "| a | n/a (one turn) |" in text and "| b | n/a (one turn) |" in text
+    assert "-x" not in text
+    two = asyncio.run(run_agent(_cfg(url, turns=2)))
+    assert all(s.ttft_last_over_first is not None for s in two.systems)
+    assert "n/a" not in agent_markdown(two)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--workload", "agent", "--arrival", "closed"], "--arrival does not apply to --workload agent"),
     (["--workload", "agent", "--num-requests", "5"], "--num-requests does not apply"),
