@@ -36,14 +36,31 @@ def _api_error(_: Request, exc: Exception) -> Response:
     return Response(exc.json(), status_code=exc.status, headers=exc.headers, media_type="application/json")
 
 
-def _validation_error(_: Request, exc: Exception) -> Response:
-    """A pydantic validation failure → 400 naming the client's field (gateway/validation_message.py)."""
+def _content_type_problem(content_type: str | None) -> str | None:
+    """Why FastAPI did not read a request body as JSON, or None when it did: a Content-Type other than
+    ``application/json`` or ``application/*+json``, or none at all (FastAPI's ``strict_content_type``)."""
+    if not content_type:
+        return "the request body must be JSON sent with Content-Type: application/json, got no Content-Type"
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return None
+    return ("the request body must be JSON sent with Content-Type: application/json, got Content-Type: "
+            f"{content_type[:100]}")
+
+
+def _validation_error(request: Request, exc: Exception) -> Response:
+    """A pydantic validation failure → 400 naming the client's field (gateway/validation_message.py); a
+    body sent with a Content-Type other than JSON (curl's default ``-d`` form type, ``text/plain``) or
+    without one → 400 saying so, as FastAPI hands such a body over unparsed (vLLM refuses these too: its
+    ``validate_json_request``); ``body: must be an object, got a value`` said nothing of the cause."""
     assert isinstance(exc, RequestValidationError)
+    if (why := _content_type_problem(request.headers.get("content-type"))) is not None:
+        return _api_error(request, APIError(400, why, code="unsupported_media_type"))
     errors = []
     for e in exc.errors():
         loc = tuple(e.get("loc", ()))
         errors.append({**e, "loc": loc[1:] if loc[:1] == ("body",) else loc})  # FastAPI's prefix
-    return _api_error(_, validation_error(errors, exc.body))
+    return _api_error(request, validation_error(errors, exc.body))
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 415: "unsupported_media_type"}

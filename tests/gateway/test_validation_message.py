@@ -30,7 +30,8 @@ def _answer(body: Mapping[str, object], model: type[pydantic.BaseModel] = ChatCo
     with pytest.raises(pydantic.ValidationError) as info:
         model.model_validate(body)
     errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
-    response = _validation_error(Request({"type": "http"}), RequestValidationError(errors, body=body))
+    request = Request({"type": "http", "headers": [(b"content-type", b"application/json")]})  # a JSON body
+    response = _validation_error(request, RequestValidationError(errors, body=body))
     assert response.status_code == 400
     error: dict[str, str] = json.loads(bytes(response.body))["error"]
     return error
