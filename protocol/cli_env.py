@@ -131,7 +131,6 @@ class EnvAdder:
         return value
 
 
-
 def duration(text: str) -> float:
     """A duration flag's argparse ``type``: ``parse_duration`` whose error argparse prints as it is
     (``argument --request-timeout: bad duration 'abc': ...``), not as ``invalid parse_duration value``."""
