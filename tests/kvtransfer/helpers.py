@@ -73,6 +73,26 @@ def patient_config(worker_id: str, backend: str = "loopback", **kw: object) -> T
     return dataclasses.replace(config(worker_id, backend, **kw), peer_timeout_s=30.0)
 
 
+def stop_child(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP the child process `pid` and return once all of its threads are stopped. os.kill only
+    queues the signal: each thread stops when it next passes the kernel's signal check, and on a loaded
+    host some go on running for milliseconds after os.kill returned (long enough to take part in a KV
+    write and acknowledge it). The parent learns of the whole group's stop from waitpid(WUNTRACED).
+    Raises AssertionError if the child exits instead, or is not stopped within `timeout` seconds."""
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        got, status = os.waitpid(pid, os.WUNTRACED | os.WNOHANG)
+        if got == pid:
+            assert os.WIFSTOPPED(status), f"process {pid} ended while being stopped (status {status})"
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped {timeout}s after SIGSTOP"
+        time.sleep(0.001)
+
+
 def stall_once(obj: object, name: str, seconds: float) -> list[float]:
     """Make ``obj.name`` sleep ``seconds`` on its first call; returns a list that receives the stall's
     end time (``time.monotonic()``) once it happened."""

@@ -6,13 +6,15 @@ Commands (tuples): ("connect", address) → None or error text; ("add", handle_b
 timeout) → status name; ("reason", request_id) → reason text; ("release", request_id) → None;
 ("leaks",) → None or error text; ("posted",) → request-layers posted by path {"staged": n, "direct": n};
 ("close",) → exits. A command that raises answers "<ExceptionName>: <message>".
-kv_kwargs may hold "direct_max_pieces" (a TransferConfig field).
+kv_kwargs may hold "direct_max_pieces" (a TransferConfig field). receiver_main: a KV receiver driven
+the same way; busy_main: a process of busy threads (for helpers.stop_child's test).
 """
 
 from __future__ import annotations
 
 import os
 from multiprocessing.connection import Connection
+from typing import Any
 
 import msgspec
 
@@ -82,3 +84,22 @@ def receiver_main(conn: Connection, backend: str, worker_id: str, num_blocks: in
             conn.send(msgspec.msgpack.encode(rx.expect(cmd[1], cmd[2], timeout_s=cmd[3])))
         except Exception as exc:  # reported to the test, which asserts on it
             conn.send(f"{type(exc).__name__}: {exc}")
+
+
+def busy_main(counts: Any, started: Any) -> None:
+    """`len(counts)` threads (this one included), each adding 1 to its own slot of `counts` (a
+    multiprocessing RawArray) without pause; `started` (an Event) is set once every slot moved."""
+    import threading
+    import time
+
+    def spin(i: int) -> None:
+        while True:
+            counts[i] += 1
+
+    for i in range(1, len(counts)):
+        threading.Thread(target=spin, args=(i,), daemon=True).start()
+    while not all(counts[i] for i in range(1, len(counts))):
+        counts[0] += 1
+        time.sleep(0)
+    started.set()
+    spin(0)

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from kvtransfer import TransferStatus, get_transfer_backend
-from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv
+from tests.kvtransfer.helpers import LAYERS, assert_landed, config, make_kv, stop_child
 from tests.kvtransfer.peer import sender_main
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -225,6 +225,33 @@ def test_receiver_drops_live_sender_which_rehandshakes(backend, rx):
         child.close()
 
 
+def test_stop_child_returns_once_every_thread_of_it_is_stopped():
+    """stop_child (which the next test relies on) returns only when no thread of the child runs any
+    more: os.kill(SIGSTOP) alone returns while threads of a busy child still run, for milliseconds
+    on a loaded host (long enough to complete the write the next test needs held)."""
+    from tests.kvtransfer.peer import busy_main
+
+    ctx = mp.get_context("spawn")
+    counts, started = ctx.RawArray("q", 4), ctx.Event()
+    child = ctx.Process(target=busy_main, args=(counts, started), daemon=True)
+    child.start()
+    try:
+        assert started.wait(60), "busy process did not start"
+        stop_child(child.pid)
+        states = {}
+        for tid in os.listdir(f"/proc/{child.pid}/task"):
+            with open(f"/proc/{child.pid}/task/{tid}/stat") as f:
+                states[tid] = f.read().rsplit(")", 1)[1].split()[0]
+        assert len(states) >= len(counts) and set(states.values()) == {"T"}, states
+        before = list(counts)
+        time.sleep(0.2)
+        assert list(counts) == before
+        assert child.is_alive()
+    finally:
+        child.kill()
+        child.join(WAIT)
+
+
 def test_receiver_killed_mid_write_fails_only_its_requests(backend, rx):
     """A decode worker SIGKILLed while a write to it is posted: the sender fails that request (a
     transfer error, not a crash of its loop) and goes on serving every other receiver. Before, NIXL's
@@ -246,11 +273,14 @@ def test_receiver_killed_mid_write_fails_only_its_requests(backend, rx):
         assert conn.poll(WAIT)
         tx.add_request(msgspec.msgpack.decode(conn.recv(), type=KVHandle), list(range(big)))
         assert tx.wait_until(lambda: tx.snapshot("big").begun, WAIT)
-        os.kill(dying.pid, signal.SIGSTOP)  # it can no longer take part in (or acknowledge) the write
+        # every thread stopped, not merely signalled (under load a thread of it can run on for ms after
+        # os.kill and complete the write): it can no longer take part in (or acknowledge) the write
+        stop_child(dying.pid)
         tx.send_layers("big", None)
-        assert tx.wait_until(lambda: tx.stats().writes > 0, WAIT)  # posted, and cannot complete
+        posted = tx.wait_until(lambda: tx.stats().writes > 0, WAIT)  # posted, and cannot complete
+        assert posted, (tx.status("big"), tx.reason("big"), tx.stats())
         time.sleep(0.2)
-        assert tx.status("big") is S.TRANSFERRING
+        assert tx.status("big") is S.TRANSFERRING, tx.reason("big")
         os.kill(dying.pid, signal.SIGKILL)
         dying.join(WAIT)
         assert tx.wait("big", WAIT) is S.FAILED
