@@ -120,10 +120,15 @@ class DecodeWorker(WorkerLoop):
         return self.kv.refused_handshakes()
 
     def fenced_blocks(self) -> int:
-        """Blocks of the requests in ``draining`` (dropped while their KV was in flight, held until the
-        receiver says no write can land in them)."""
-        held = (self.core.scheduler.get(rid) for rid in self.draining)
-        return sum(len(seq.block_table) for seq in held if seq is not None)
+        """Distinct blocks awaiting KV of the requests in ``draining`` (dropped while their KV was in
+        flight, held until the receiver says no write can land in them): the blocks past each one's
+        reused prefix (shared, never written; ``expect`` is given the same tail)."""
+        size = self.core.block_manager.block_size
+        fenced: set[int] = set()
+        for rid in self.draining:
+            if (seq := self.core.scheduler.get(rid)) is not None:
+                fenced.update(seq.block_table[seq.num_cached_tokens // size:])
+        return len(fenced)
 
     def transfer_address(self) -> str:
         """The receiver's control endpoint."""

@@ -52,7 +52,7 @@ def _validation_error(request: Request, exc: Exception) -> Response:
     """A pydantic validation failure → 400 naming the client's field (gateway/validation_message.py); a
     body sent with a Content-Type other than JSON (curl's default ``-d`` form type, ``text/plain``) or
     without one → 400 saying so, as FastAPI hands such a body over unparsed (vLLM refuses these too: its
-    ``validate_json_request``); ``body: must be an object, got a value`` said nothing of the cause."""
+    ``validate_json_request``)."""
     assert isinstance(exc, RequestValidationError)
     if (why := _content_type_problem(request.headers.get("content-type"))) is not None:
         return _api_error(request, APIError(400, why, code="unsupported_media_type"))

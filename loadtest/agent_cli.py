@@ -133,8 +133,8 @@ def _get(args: argparse.Namespace, flag: str) -> Any:
 
 def agent_config_from_args(args: argparse.Namespace, model: str) -> AgentConfig:
     """Build and validate the agent config. Raises ValueError naming the bad flag value (a
-    ``--max-context`` below what every session's first turn could reach: the run would send nothing),
-    OSError for an unreadable --model-config."""
+    ``--max-context`` below what every session's first turn could reach: the run would send nothing; an
+    unreadable ``--model-config`` or ``--word-list``)."""
     check_flags(args)
     systems = tuple(SystemTarget.parse(s) for s in args.system) or (
         SystemTarget("server", args.base_url.rstrip("/")),)

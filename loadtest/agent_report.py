@@ -33,8 +33,8 @@ def _mib(value: float | None) -> str:
 
 
 def _growth(system: AgentSystemResult, suffix: str = "") -> str:
-    """``ttft_last_over_first`` (``1.84x``), or why there is none: ``n/a (one turn)`` with ``--turns 1``
-    (was ``-x``), ``n/a (no TTFT on turn 1)``, ``n/a (no TTFT after turn 1)``."""
+    """``ttft_last_over_first`` (``1.84x``), or why there is none: ``n/a (one turn)`` with ``--turns 1``,
+    ``n/a (no TTFT on turn 1)``, ``n/a (no TTFT after turn 1)``."""
     if system.ttft_last_over_first is not None:
         return f"{system.ttft_last_over_first:.2f}{suffix}"
     measured = [t.turn for t in system.turns if t.ttft_ms is not None]

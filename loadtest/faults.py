@@ -30,7 +30,8 @@ class FaultSpec:
 
     def __post_init__(self) -> None:
         if self.at_s < 0 or self.timeout_s <= 0 or not self.cmd.strip():
-            raise ValueError(f"fault needs at >= 0, timeout > 0 and a command, got {self}")
+            raise ValueError(f"bad --fault: needs at >= 0 s, timeout > 0 s and a command, got "
+                             f"at={self.at_s:g}s, timeout={self.timeout_s:g}s, cmd={self.cmd!r}")
 
     @classmethod
     def parse(cls, spec: str) -> FaultSpec:
@@ -40,20 +41,23 @@ class FaultSpec:
         """
         head, sep, cmd = spec.partition("cmd=")
         if not sep or not cmd.strip():
-            raise ValueError(f"bad fault {spec!r}: needs cmd=... as its last field")
+            raise ValueError(f"bad --fault {spec!r}: needs cmd=... as its last field")
         fields: dict[str, str] = {}
         for part in filter(None, (p.strip() for p in head.split(","))):
             key, eq, value = part.partition("=")
             if not eq or key not in ("at", "timeout"):
-                raise ValueError(f"bad fault {spec!r}: unknown field {part!r} (use at=, timeout=, cmd=)")
+                raise ValueError(f"bad --fault {spec!r}: unknown field {part!r} (use at=, timeout=, cmd=)")
             fields[key] = value
         if "at" not in fields:
-            raise ValueError(f"bad fault {spec!r}: needs at=TIME (e.g. at=5s)")
+            raise ValueError(f"bad --fault {spec!r}: needs at=TIME (e.g. at=5s)")
         try:
             timeout = parse_duration(fields["timeout"]) if "timeout" in fields else 30.0
-            return cls(parse_duration(fields["at"]), cmd.strip(), timeout)
+            at = parse_duration(fields["at"])
         except ValueError as exc:
             raise ValueError(f"bad --fault {spec!r}: {exc}") from None
+        if timeout <= 0:
+            raise ValueError(f"bad --fault {spec!r}: timeout must be > 0 s")
+        return cls(at, cmd.strip(), timeout)
 
 
 async def run_fault(spec: FaultSpec, t0: float, clock: Callable[[], float]) -> FaultResult:

@@ -2,7 +2,8 @@
 ``bench``.
 
 Every flag ``--foo-bar`` also reads the environment variable ``PDSERVE_FOO_BAR`` (the command line wins;
-repeatable flags take a comma-separated env value, whose empty entries are kept for the settings to refuse:
+repeatable flags take a comma-separated env value, except ``bench``'s ``--fault`` and ``--system``, one
+entry each; empty entries are kept for the settings to refuse:
 ``PDSERVE_API_KEY=`` is an error, not "no key"). A subcommand reads, and refuses bad values of, only the
 variables of its own flags. ``up`` has the gateway's and the workers' flags too and passes their values on
 its children's command lines (its children inherit no variable of a pdserve flag: pdserve/launcher.py);

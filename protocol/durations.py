@@ -21,7 +21,7 @@ def parse_duration(text: str) -> float:
             as 400 digits, included).
     """
     m = _DURATION.match(text)
-    if not m and text.strip().startswith("-"):
+    if not m and text.strip().startswith("-") and _DURATION.match(text.strip()[1:]):
         raise ValueError(f"bad duration {text!r}: must not be negative")
     if not m:
         raise ValueError(f"bad duration {text!r}: use a number with ms, s or m (e.g. 5s)")

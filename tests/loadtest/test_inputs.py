@@ -165,6 +165,22 @@ def test_fault_spec_parse() -> None:
                      ("when=1,cmd=x", "unknown field")]:
         with pytest.raises(ValueError, match=msg):
             FaultSpec.parse(bad)
+    # one wording, no internals: the flag and the spec as given
+    with pytest.raises(ValueError) as zero:
+        FaultSpec.parse("at=1s,timeout=0,cmd=true")
+    assert str(zero.value) == "bad --fault 'at=1s,timeout=0,cmd=true': timeout must be > 0 s"
+    with pytest.raises(ValueError) as unknown:
+        FaultSpec.parse("when=1,cmd=x")
+    assert str(unknown.value).startswith("bad --fault 'when=1,cmd=x': unknown field")
+
+
+@pytest.mark.parametrize(("text", "why"), [("-5s", "must not be negative"), ("-1", "must not be negative"),
+                                           ("-abc", "use a number with ms, s or m"),
+                                           ("-5h", "use a number with ms, s or m")])
+def test_a_leading_minus_is_called_negative_only_before_a_duration(text: str, why: str) -> None:
+    with pytest.raises(ValueError) as bad:
+        parse_duration(text)
+    assert str(bad.value).startswith(f"bad duration {text!r}: {why}")
 
 
 def test_phase_report_splits_at_faults() -> None:

@@ -225,8 +225,10 @@ def test_abort_while_the_suffix_is_in_flight_fences_only_its_own_blocks(model_di
         assert "a" in decode.draining and not decode.receiver.releasable("a")
         blocks = decode.core.block_manager._blocks
         assert [blocks[i].ref_count for i in cached + suffix] == [1] * (3 + len(suffix))  # all held: fenced
+        assert decode.fenced_blocks() == len(suffix)  # reported: the blocks awaiting KV, not the prefix
         sender.send(km.Stopped("a", True))
         pump([decode], lambda: not decode.draining)
+        assert decode.fenced_blocks() == 0
         assert all(blocks[i].ref_count == 0 for i in cached + suffix)
         assert all(blocks[i].block_hash is not None for i in cached)  # still cached
         assert all(blocks[i].block_hash is None for i in suffix)  # never landed: never cached
