@@ -22,6 +22,8 @@ port, so any of them must give the same account. Two kinds of series:
 
 from __future__ import annotations
 
+import bisect
+import collections
 import contextlib
 import itertools
 import os
@@ -161,6 +163,25 @@ class WorkerCountCollector(Collector):
         for worker_id, count in sorted(self._counts.items()):
             family.add_metric([worker_id], count)
         yield family
+
+
+def observe_many(histogram: Histogram, amounts: list[float]) -> None:
+    """``histogram.observe(a)`` for every ``a`` in ``amounts`` (seconds), as one increment per touched
+    bucket and one of the sum: with N gateway processes each increment is a locked write to the
+    process's multiprocess file, and a 128-token request has 127 ITL gaps. The buckets are
+    prometheus-client's own (``_upper_bounds``, ``_buckets``, ``_sum`` of the pinned version; a test
+    holds this equal to one ``observe`` per amount). An amount goes to the first bucket whose upper
+    bound is ≥ it, as ``observe`` does.
+
+    Raises:
+        ValueError: ``histogram`` has labels and is not a labelled child (as ``observe`` raises).
+    """
+    histogram._raise_if_not_observable()
+    bounds = histogram._upper_bounds
+    counts = collections.Counter(bisect.bisect_left(bounds, amount) for amount in amounts)
+    histogram._sum.inc(sum(amounts))
+    for index, count in counts.items():
+        histogram._buckets[index].inc(count)
 
 
 class GatewayMetrics:
@@ -305,9 +326,8 @@ class GatewayMetrics:
         self.ttft.observe(token_times[0] - arrival)
         self.e2e.observe(token_times[-1] - arrival)
         gaps = [b - a for a, b in itertools.pairwise(token_times)]
-        for gap in gaps:
-            self.itl.observe(gap)
         if gaps:
+            observe_many(self.itl, gaps)
             self.tpot.observe(sum(gaps) / len(gaps))
 
     def render(self) -> bytes:
