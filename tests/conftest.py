@@ -9,7 +9,9 @@
   (every KV block free, nothing in flight, no child dead but those a test killed on purpose).
 * Each test gets the root logger back as it found it (handlers and level): ``pdserve`` commands run in
   process (``main([...])``) point it at the ``sys.stderr`` of their test, which a later test's log line
-  would otherwise hit once that capture is closed ("--- Logging error ---" in its own stderr).
+  would otherwise hit once that capture is closed ("--- Logging error ---" in its own stderr). What
+  ``--log-format json`` sets beside (warnings captured by logging, ``HF_HUB_DISABLE_PROGRESS_BARS``) is
+  undone too.
 * Under pytest-xdist every test of the suites that use the live system (``LIVE_SUITES``) runs in one
   worker, in order, so one process starts the system; a test marked ``kills_live_child`` runs after
   every other test that uses it. The modules with a ``slow`` test (they start processes) are handed out
@@ -129,12 +131,19 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
 
 @pytest.fixture(autouse=True)
 def _root_logger_restored() -> Iterator[None]:
-    """The root logger's handlers and level as before the test (module docstring)."""
+    """The root logger's handlers and level as before the test (module docstring); Python's warnings
+    not captured by logging and ``HF_HUB_DISABLE_PROGRESS_BARS`` as before, which ``configure_logging``
+    in the JSON format changes."""
     root = logging.getLogger()
-    saved = (root.handlers[:], root.level)
+    saved = (root.handlers[:], root.level, os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"))
     yield
     root.handlers[:] = saved[0]
     root.setLevel(saved[1])
+    logging.captureWarnings(False)
+    if saved[2] is None:
+        os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+    else:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = saved[2]
 
 
 @pytest.fixture(scope="session")
