@@ -56,7 +56,8 @@ import httpx
 from kvtransfer.curve import generate_keys
 from pdserve.cli import SETTINGS_COMMANDS, flag_variables
 from pdserve.ports import bind_problem, free_port_range, free_ports, local_host
-from pdserve.supervisor import RestartPolicy, Supervisor, supervise
+from pdserve.supervisor import RestartPolicy, Supervisor, say_up, supervise
+from protocol.logging import say
 from protocol.settings import (
     DECODE_ONLY_WORKER_FIELDS,
     UP_MANAGED_GATEWAY_FIELDS,
@@ -375,6 +376,11 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
     starts (a model, quantization, device, host, port, tokenizer, max model length, attention backend
     or tensor parallel size that cannot be used: one line on stderr); 1 when the gateway exited or a
     child died during start-up.
+
+    What it tells the user (a child stopped, why it stops, the ready block, the supervisor's restarts)
+    goes through ``protocol.logging.say``: text as printed lines, ``--log-format json`` as one JSON log
+    event each. A refusal (exit 2) is one plain ``pdserve up: ...`` line in either format, as the CLI's
+    usage errors are.
     """
     try:
         from engine.models.registry import read_model_config, resolve_model
@@ -386,7 +392,7 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before any child started (the conversion leaves no partial dir)
-        print("pdserve up: interrupted", file=sys.stderr)
+        say_up("interrupted", logging.WARNING)
         return 128 + signal.SIGINT
     refused = up_refusal(settings, model_config)  # now, not after the workers loaded the model
     if refused is not None:
@@ -408,7 +414,7 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
     for name, pid, how in stopped:
-        print(f"pdserve up: {how} {name} (pid {pid})", file=sys.stderr, flush=True)
+        say_up(f"{how} {name} (pid {pid})")
     return 128 + stop[0] if stop else code
 
 
@@ -435,13 +441,16 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     if why == "interrupted":
         return 0
     if why is not None:
-        print(f"pdserve up: {why}; stopping everything", file=sys.stderr)
+        say_up(f"{why}; stopping everything", logging.ERROR)
         return 1
     served = settings.gateway.model_name or settings.model
-    scrape = "  ".join(f"{name} http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
-                       for name, args in children if "--metrics-port" in args)
-    print(f"pdserve is ready at {url}  (OpenAI API under {url}/v1)\nWorker metrics: {scrape}\nTry:\n"
-          f"  {example(url, served, bool(keys), keys_from_env(keys, os.environ))}", flush=True)
+    metrics = {name: f"http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
+               for name, args in children if "--metrics-port" in args}
+    scrape = "  ".join(f"{name} {address}" for name, address in metrics.items())
+    curl = example(url, served, bool(keys), keys_from_env(keys, os.environ))
+    say(log, "ready", f"pdserve is ready at {url}  (OpenAI API under {url}/v1)\nWorker metrics: {scrape}\n"
+        f"Try:\n  {curl}", stream=sys.stdout, url=url, openai_api=f"{url}/v1", worker_metrics=metrics,
+        example=curl)
     return supervise(sup, stop, RestartPolicy())
 
 

@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from protocol.logging import say
+
 log = logging.getLogger("pdserve.up")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -171,14 +173,14 @@ class Supervisor:
 
 def supervise(sup: Supervisor, stop: list[int], policy: RestartPolicy, tick_s: float = 0.2) -> int:
     """Watch the children every ``tick_s`` seconds until ``stop`` is non-empty (returns 0) or the child
-    ``gateway`` exits (returns 1): a worker that exits is restarted per ``policy`` (one line on stderr
-    for each exit, restart and give-up), the rest keep running."""
+    ``gateway`` exits (returns 1): a worker that exits is restarted per ``policy`` (one line for each
+    exit, restart and give-up: ``say_up``), the rest keep running."""
     state: dict[str, _ChildRestarts] = {}
     while not stop:
         now = time.monotonic()
         for name, code in sup.dead():
             if name == "gateway":
-                _say(f"gateway exited with code {code}; stopping the rest")
+                say_up(f"gateway exited with code {code}; stopping the rest", logging.ERROR)
                 return 1
             st = state.setdefault(name, _ChildRestarts())
             if st.given_up or st.restart_at is not None:
@@ -186,20 +188,22 @@ def supervise(sup: Supervisor, stop: list[int], policy: RestartPolicy, tick_s: f
             st.exits = [t for t in st.exits if now - t < policy.window_s] + [now]
             if len(st.exits) >= policy.max_exits:
                 st.given_up = True
-                _say(f"{name} exited {len(st.exits)} times within {policy.window_s:g} s (last exit code "
-                     f"{code}); giving up on it, the rest keep serving")
+                say_up(f"{name} exited {len(st.exits)} times within {policy.window_s:g} s (last exit code "
+                       f"{code}); giving up on it, the rest keep serving", logging.ERROR)
                 continue
             delay = policy.delay(len(st.exits))
             st.restart_at = now + delay
-            _say(f"{name} exited with code {code}; restarting it in {delay:g} s")
+            say_up(f"{name} exited with code {code}; restarting it in {delay:g} s", logging.WARNING)
         for name, st in state.items():
             if st.restart_at is not None and now >= st.restart_at and not stop:
                 st.restart_at = None
                 sup.restart(name)
-                _say(f"restarted {name} (pid {sup.children[name].pid})")
+                say_up(f"restarted {name} (pid {sup.children[name].pid})")
         time.sleep(tick_s)
     return 0
 
 
-def _say(line: str) -> None:
-    print(f"pdserve up: {line}", file=sys.stderr, flush=True)
+def say_up(line: str, level: int = logging.INFO) -> None:
+    """``line`` for the user of ``pdserve up``: ``pdserve up: line`` on stderr, or with ``--log-format
+    json`` a log event of logger ``pdserve.up`` at ``level`` (``protocol.logging.say``)."""
+    say(log, line, f"pdserve up: {line}", level)
