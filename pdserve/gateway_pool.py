@@ -44,6 +44,7 @@ from gateway.server import serve_process
 from pdserve.launcher import STOP_SIGNALS
 from pdserve.ports import gateway_bind_problem
 from pdserve.supervisor import RestartPolicy
+from protocol.logging import say
 from protocol.settings import GatewaySettings
 
 log = logging.getLogger("pdserve.gateway")
@@ -229,6 +230,6 @@ def run_pool(settings: GatewaySettings, policy: RestartPolicy | None = None,
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = previous_env
         shutil.rmtree(metrics_dir, ignore_errors=True)
     if failure:  # after the children stopped, so the line is the last one on the terminal
-        print(f"pdserve gateway: {failure}", file=sys.stderr, flush=True)
+        say(log, failure, f"pdserve gateway: {failure}", logging.ERROR)  # a JSON event with --log-format json
         return 1
     return 128 + stop[0]

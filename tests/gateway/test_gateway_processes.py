@@ -15,6 +15,7 @@ bad ``--tokenizer`` too: test_gateway_refusals.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import re
@@ -321,20 +322,27 @@ def test_a_restarted_process_without_workers_listens_only_after_the_hold(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_process_that_cannot_start_stops_the_pool_with_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_process_that_cannot_start_stops_the_pool_with_one_line(tmp_path: Path, log_format: str) -> None:
     """A process whose app cannot be built (here its tokenizer dir has no tokenizer.json: ``pdserve
     gateway`` refuses such a ``--tokenizer`` before any process starts, so the pool is run directly, as
-    a dir emptied after that check would be) stops the pool with one line naming the process."""
+    a dir emptied after that check would be) stops the pool with one line naming the process: with
+    ``--log-format json`` one JSON event at level error."""
     first = free_port_range(2)
     [port] = free_ports(1, exclude=(first, first + 1))
     settings = (f"GatewaySettings(port={port}, control_bind='tcp://127.0.0.1:{first}', workers=2, "
                 f"tokenizer={str(tmp_path)!r}, insecure_control_plane=True, log_level='warning')")
     code = ("import sys; from pdserve.gateway_pool import run_pool; from protocol.settings import "
-            f"GatewaySettings; sys.exit(run_pool({settings}))")
+            "GatewaySettings; from protocol.logging import configure_logging; "
+            f"configure_logging('warning', {log_format!r}); sys.exit(run_pool({settings}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, timeout=START_S + 30)
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
+    if log_format == "json":
+        event = json.loads(last)
+        assert (event["level"], event["logger"]) == ("error", "pdserve.gateway"), last
+        last = "pdserve gateway: " + event["msg"]
     where = re.escape(str(tmp_path))
     assert re.fullmatch(rf"pdserve gateway: gateway process (0|1) \(tcp://127\.0\.0\.1:({first}|{first + 1})"
                         rf"\) could not start: --tokenizer {where}: directory {where} has no tokenizer\.json",
