@@ -25,7 +25,7 @@ import torch
 
 from engine.async_step import LaunchedStep, TokenBuffers, launch_decode
 from engine.attention.backend import get_backend
-from engine.attention.metadata import AttentionMetadata, host_attention_inputs
+from engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from engine.config import EngineConfig, kv_capacity_problem
 from engine.cuda_graphs import DecodeCudaGraphs, mask_placeholder
 from engine.distributed import TensorParallel, rank_device
@@ -43,7 +43,6 @@ from engine.sampler import GrammarMask, Sampler, SampleResult, SamplingRow, is_p
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.step_batch import StepBatch
-from engine.step_upload import StepUpload
 from engine.structured_output import BitmaskBuffers, StructuredOutputError
 
 logger = logging.getLogger(__name__)
@@ -72,10 +71,10 @@ class PromptRows:
         self.targets.extend(seq.token_ids[first + 1:last + 1])
 
 
-def _int64_array(values: list[int]) -> np.ndarray:
-    """int64 ``[len(values)]`` (``np.fromiter``: ``torch.tensor`` of a python list of 8192 ints takes ~4x
-    as long)."""
-    return np.fromiter(values, dtype=np.int64, count=len(values))
+def _int64_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 ``[len(values)]`` on ``device``, through numpy (``torch.tensor`` of a python list of 8192 ints
+    takes ~4x as long)."""
+    return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values))).to(device)
 
 
 def fallback_seed(request_id: str) -> int:
@@ -137,7 +136,6 @@ class ModelRunner:
         if fp8_kv and backend_name == "auto" and self.device.type == "cuda":
             backend_name = "triton"  # auto's other CUDA choice, flash_attn, has no FP8 KV cache
         self.backend = get_backend(backend_name, self.device)
-        self._upload = StepUpload(self.device)  # an eager step's integer inputs, one copy
         install_paged_attention(self.model)
         cfg = self.hf_config
         limit = int(cfg.max_position_embeddings)
@@ -271,11 +269,21 @@ class ModelRunner:
             if samples:
                 sample_rows.append(len(ids) - 1)
         sample_rows.extend(batch.prompt_rows)  # their logits follow the sampling rows'
-        host = host_attention_inputs(batch.block_tables, batch.starts,
-                                     [len(tokens) for tokens in batch.token_ids], self.kv_cache.block_size)
-        input_ids, position_ids, rows, *attention = self._upload(
-            [_int64_array(ids), _int64_array(positions), _int64_array(sample_rows), *host.arrays])
-        return input_ids[None, :], position_ids[None, :], rows, host.metadata(attention, layer_hook)
+        meta = build_attention_metadata(
+            batch.block_tables,
+            batch.starts,
+            [len(tokens) for tokens in batch.token_ids],
+            self.kv_cache.block_size,
+            device=self.device,
+            layer_hook=layer_hook,
+        )
+        dev = self.device
+        return (
+            _int64_tensor(ids, dev)[None, :],
+            _int64_tensor(positions, dev)[None, :],
+            torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            meta,
+        )
 
     @torch.inference_mode()
     def compute_logits(

@@ -114,64 +114,6 @@ def _slot_mapping(
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-@dataclass(frozen=True)
-class HostAttentionInputs:
-    """``AttentionMetadata``'s arrays on the host (numpy), before they go to the device.
-
-    Attributes:
-        arrays: ``slot_mapping`` int64 ``[T]``, ``query_start_loc`` int32 ``[S+1]``, ``seq_lens`` int32
-            ``[S]``, ``block_tables`` int32 ``[S, max_blocks]``, in this order (``AttentionMetadata``).
-        num_decodes, max_query_len, max_seq_len: as in ``AttentionMetadata``.
-    """
-
-    arrays: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-    num_decodes: int
-    max_query_len: int
-    max_seq_len: int
-
-    def metadata(self, tensors: Sequence[torch.Tensor],
-                 layer_hook: Callable[[int], None] | None = None) -> AttentionMetadata:
-        """The metadata over ``tensors``: ``arrays`` as tensors (on the step's device), same order."""
-        slot_mapping, query_start_loc, seq_lens, block_tables = tensors
-        return AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            num_decodes=self.num_decodes,
-            num_decode_tokens=self.num_decodes,
-            max_query_len=self.max_query_len,
-            max_seq_len=self.max_seq_len,
-            layer_hook=layer_hook,
-        )
-
-
-def host_attention_inputs(
-    block_tables: Sequence[Sequence[int]],
-    num_computed_tokens: Sequence[int],
-    query_lens: Sequence[int],
-    block_size: int,
-) -> HostAttentionInputs:
-    """The host arrays of one packed step's ``AttentionMetadata`` (arguments and errors as in
-    ``build_attention_metadata``)."""
-    _validate(block_tables, num_computed_tokens, query_lens, block_size)
-    num_decodes = 0
-    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-        num_decodes += 1
-    computed = np.asarray(num_computed_tokens, dtype=np.int32)
-    qlens = np.asarray(query_lens, dtype=np.int32)
-    seq_lens = computed + qlens
-    starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
-    np.cumsum(qlens, out=starts[1:])
-    max_blocks = max(1, max(len(t) for t in block_tables))
-    padded = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
-    for row, table in zip(padded, block_tables, strict=True):
-        row[:len(table)] = table
-    slots = _slot_mapping(block_tables, num_computed_tokens, query_lens, block_size)
-    return HostAttentionInputs((slots, starts, seq_lens, padded), num_decodes=num_decodes,
-                               max_query_len=int(qlens.max()), max_seq_len=int(seq_lens.max()))
-
-
 def build_attention_metadata(
     block_tables: Sequence[Sequence[int]],
     num_computed_tokens: Sequence[int],
@@ -189,8 +131,7 @@ def build_attention_metadata(
         query_lens: per sequence, new tokens this step (>= 1). Sequences must come decodes first; the
             leading run of query length 1 is counted as ``num_decodes``.
         block_size: tokens per block.
-        device: where the tensors go (built on CPU, then copied once each; a step's inputs go in one
-            copy through ``engine.step_upload.StepUpload`` instead).
+        device: where the tensors go (built on CPU, then copied once each).
         layer_hook: passed through.
 
     Returns:
@@ -200,6 +141,26 @@ def build_attention_metadata(
         ValueError: empty batch, mismatched list lengths, a query length < 1, a negative
             ``num_computed_tokens`` or block id, or a block table too short for its tokens.
     """
-    host = host_attention_inputs(block_tables, num_computed_tokens, query_lens, block_size)
+    _validate(block_tables, num_computed_tokens, query_lens, block_size)
+    seq_lens = [c + q for c, q in zip(num_computed_tokens, query_lens, strict=True)]
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    max_blocks = max(1, max(len(t) for t in block_tables))
+    padded = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
     dev = torch.device(device)
-    return host.metadata([torch.from_numpy(a).to(dev) for a in host.arrays], layer_hook)
+    slots = _slot_mapping(block_tables, num_computed_tokens, query_lens, block_size)
+    return AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(dev),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+        block_tables=torch.tensor(padded, dtype=torch.int32).to(dev),
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        layer_hook=layer_hook,
+    )
