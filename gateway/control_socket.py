@@ -105,11 +105,12 @@ class ControlSocket:
 
     async def send_outcome(self, identity: bytes, msg: Message) -> SendOutcome:
         """Send to one worker without blocking: SENT, UNREACHABLE (no connection with that identity)
-        or BUSY (its queue is full, or another zmq error)."""
+        or BUSY (its queue is full, or another zmq error). Logs nothing: the caller knows the worker
+        behind ``identity`` and reports a failure in its terms (``GatewayService.send``)."""
         try:
             await self._sock.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            log.warning("send to %r failed: %s", identity, exc)
+            log.debug("send to %s failed: %s", identity.hex(), exc)
             return SendOutcome.UNREACHABLE if exc.errno == errno.EHOSTUNREACH else SendOutcome.BUSY
         return SendOutcome.SENT
 

@@ -99,6 +99,8 @@ def _check_caps(svc: GatewayService, body: Body) -> None:
     stops = body.stop_list()
     if len(stops) > s.max_stop:
         raise bad_request(f"at most {s.max_stop} stop strings, got {len(stops)}", "stop")
+    if any(not x for x in stops):  # it would match before any text: refused rather than dropped
+        raise bad_request("stop strings must not be empty", "stop")
     if any(len(x) > MAX_STOP_CHARS for x in stops):
         raise bad_request(f"stop strings must be at most {MAX_STOP_CHARS} characters", "stop")
     if len(body.stop_token_ids or ()) > s.max_stop:

@@ -111,10 +111,14 @@ class WorkerRegistry:
         _remember(self.dropped, LostWorker(entry.worker_id, entry.role, entry.info.epoch,
                                            entry.info.transfer_address, reason, time.time()))
 
+    def by_identity(self, identity: bytes) -> WorkerEntry | None:
+        """The registered worker whose zmq routing identity is ``identity``, None if none has it."""
+        return next((e for e in self._workers.values() if e.identity == identity), None)
+
     def remove_identity(self, identity: bytes) -> WorkerEntry | None:
         """Drop the worker whose zmq routing identity is ``identity`` (its connection is gone); returns
         the dropped entry, None if no registered worker has it."""
-        entry = next((e for e in self._workers.values() if e.identity == identity), None)
+        entry = self.by_identity(identity)
         if entry is None:
             return None
         return self._workers.pop(entry.worker_id)

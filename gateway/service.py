@@ -148,6 +148,10 @@ class GatewayService:
             if entry is not None:
                 self.worker_gone(entry, f"unreachable: its control connection is gone "
                                         f"(a {type(msg).__name__} could not be sent)")
+        elif outcome is SendOutcome.BUSY:
+            entry = self.registry.by_identity(identity)
+            log_event(log, "control_send_busy", logging.WARNING, msg_type=type(msg).__name__,
+                      worker_id=entry.worker_id if entry is not None else None)
         return outcome is SendOutcome.SENT
 
     # ---- control plane -------------------------------------------------------------------------

@@ -88,10 +88,12 @@ def _add_gateway(add: _Adder) -> None:
     _bool_flag(add, "--allow-local-prefill", False, "no prefill worker → colocated instead of 503")
     add("--max-queue", type=int, default=1024, help="requests in flight before 429")
     add("--request-timeout", type=duration, default=600.0, help="seconds, or e.g. 30s, 500ms, 10m")
-    add("--max-body-bytes", type=int, default=4 << 20)
-    add("--max-prompt-tokens", type=int, default=None)
-    add("--max-n", type=int, default=16)
-    add("--max-stop", type=int, default=16)
+    add("--max-body-bytes", type=int, default=4 << 20, help="request body bytes before 413")
+    add("--max-prompt-tokens", type=int, default=None,
+        help="prompt tokens per request before 400 (default: only the context length limits)")
+    add("--max-n", type=int, default=16, help="choices per request (n) before 400")
+    add("--max-stop", type=int, default=16,
+        help="stop strings, and stop_token_ids, per request before 400 (OpenAI allows 4)")
     add("--heartbeat-timeout", type=duration, default=5.0,
         help="silence (seconds, or e.g. 1500ms) → worker dead")
     add("--max-retries", type=int, default=2,

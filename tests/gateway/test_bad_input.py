@@ -93,6 +93,8 @@ JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("stop-over-cap", CHAT, chat(stop=["a", "b", "c", "d"]), 400, "stop"),
     ("stop-int", CHAT, chat(stop=5), 400, None),
     ("stop-too-long", CHAT, chat(stop="x" * 5000), 400, "stop"),
+    ("stop-empty", CHAT, chat(stop=""), 400, "stop"),
+    ("stop-empty-in-list", CHAT, chat(stop=["a", ""]), 400, "stop"),
     ("stop_token_ids-negative", CHAT, chat(stop_token_ids=[-1]), 400, "stop_token_ids"),
     ("stop_token_ids-over-vocab", CHAT, chat(stop_token_ids=[10**9]), 400, "stop_token_ids"),
     ("top_logprobs-21", CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),

@@ -77,12 +77,17 @@ async def test_failed_send_drops_the_worker_at_once_and_reregistration_brings_it
         ("d1", 1), ("p1", 2)]
 
 
-async def test_a_slow_worker_is_not_dropped() -> None:
+async def test_a_slow_worker_is_not_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    """A send that would block leaves the worker in routing and is logged naming the worker and the
+    message (not the zmq routing identity's raw bytes)."""
     svc, control = _service()
     await svc.on_control_message(b"d1-a", _register("d1", "decode"))
     control.outcome[b"d1-a"] = SendOutcome.BUSY
-    assert not await svc.send(b"d1-a", AbortRequest(request_id="r1"))
+    with caplog.at_level(logging.WARNING, logger="pdserve.gateway"):
+        assert not await svc.send(b"d1-a", AbortRequest(request_id="r1"))
     assert svc.registry.get("d1") is not None and readiness(svc.registry).dropped == []
+    [busy] = [r for r in caplog.records if r.getMessage() == "control_send_busy"]
+    assert (busy.worker_id, busy.msg_type) == ("d1", "AbortRequest")  # type: ignore[attr-defined]
 
 
 async def test_a_failed_send_of_a_request_fails_it_and_routes_the_next_elsewhere() -> None:
@@ -227,3 +232,20 @@ async def test_status_shows_the_blocks_a_decode_worker_holds_for_dropped_request
     d1 = workers["d1"]
     assert (d1.kv_fenced_blocks, d1.num_free_blocks, d1.num_running) == (14, 50, 0)
     assert workers["p1"].kv_fenced_blocks == 0
+
+
+async def test_a_send_to_a_gone_connection_logs_no_raw_identity(caplog: pytest.LogCaptureFixture) -> None:
+    """The real control socket: a send to an identity with no connection is UNREACHABLE and leaves the
+    report to its caller (which names the worker: ``worker_gone``); no warning shows zmq's identity
+    bytes."""
+    from gateway.control_socket import ControlSocket
+
+    control = ControlSocket("tcp://127.0.0.1:0")
+    try:
+        with caplog.at_level(logging.DEBUG):
+            outcome = await control.send_outcome(b"\x00k\x8bEg", AbortRequest(request_id="r1"))
+    finally:
+        control.close()
+    assert outcome is SendOutcome.UNREACHABLE
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in caplog.records if "\\x" in r.getMessage()]
