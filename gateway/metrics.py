@@ -29,13 +29,23 @@ import itertools
 import os
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    values,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from kvtransfer.curve import REFUSAL_KINDS
 from protocol.messages import WorkerLoad
+
+disable_created_metrics()  # no ``<name>_created`` series (as in workers/metrics.py)
 
 _LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 FAILURE_CAUSES = ("failed", "lost", "unreachable")  # the ``cause`` label of retries and migrations

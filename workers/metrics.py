@@ -73,11 +73,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from protocol.prefill_rate import PrefillRate
+
+# no ``<name>_created`` series beside each counter and histogram (as vLLM's server turns them off): they
+# would double the series count, and no dashboard or scheduler reads them
+disable_created_metrics()
 
 if TYPE_CHECKING:
     from engine.kv_host_tier import HostTierStats

@@ -59,12 +59,9 @@ def _fed_metrics() -> GatewayMetrics:
 def _served(m: GatewayMetrics) -> dict[str, tuple[str, set[str]]]:
     """Exposed name (counters with ``_total``, histograms by base name) → (type, label names)."""
     fams = list(text_string_to_metric_families(m.render().decode()))
-    typed = {f.name: f.type for f in fams}
     out: dict[str, tuple[str, set[str]]] = {}
     for f in fams:
-        base = f.name.removesuffix("_created")
-        if f.name != base and typed.get(base) in ("counter", "histogram"):
-            continue  # the client's _created series belong to their counter / histogram
+        assert not f.name.endswith("_created"), f.name  # prometheus-client's _created series are off
         labels = {k for s in f.samples for k in s.labels} - {"le"}
         out[f.name + ("_total" if f.type == "counter" else "")] = (f.type, labels)
         assert f.samples, f"{f.name} has no series although every family was fed"
