@@ -8,9 +8,11 @@ workers first, the gateway once they have exited, so each worker still tells it 
 line is printed per child stopped, and the exit code is 128 + the signal number (130 for Ctrl-C). Once
 the system is ready, a worker that exits is restarted after a backoff (``RestartPolicy``: 1 s, doubling
 up to 30 s) as a new incarnation (a new epoch: the gateway replaces its old entry and pairs it again)
-while the rest keep serving; a worker that exits ``max_exits`` times within ``window_s`` is reported in
-one line and given up on. Only the gateway's exit stops everything (exit code 1), as does a child that
-dies during start-up. Each child runs in a process group of
+while the rest keep serving; a worker that exits ``max_exits`` times within ``window_s`` is given up on,
+in one line: the rest keep serving while the workers left can (a prefill and a decode worker, or a
+colocated worker, among those ``up`` still runs: ``supervisor.serving_problem``), else everything stops
+(exit code 1, so a process manager's restart policy takes over). The gateway's exit stops everything
+(exit code 1), as does a child that dies during start-up. Each child runs in a process group of
 its own, so a terminal's Ctrl-C (sent to the whole foreground group) reaches only the launcher: a child
 still importing torch is stopped by the launcher's SIGTERM, not interrupted mid-import with a
 KeyboardInterrupt traceback. Internal ports bind 127.0.0.1 only, and the control plane is CURVE
@@ -369,13 +371,13 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
     """Entry point of ``pdserve up``: start, wait for /ready, supervise (restarting workers that exit)
-    until a signal or the gateway's exit.
+    until a signal, the gateway's exit, or no worker left that can serve.
 
     Returns 128 + the signal number after a stop by signal (130: Ctrl-C, 143: SIGTERM, 129: SIGHUP; also
     when it comes during start-up or the model conversion); 2 when something is refused before any child
     starts (a model, quantization, device, host, port, tokenizer, max model length, attention backend
     or tensor parallel size that cannot be used: one line on stderr); 1 when the gateway exited or a
-    child died during start-up.
+    child died during start-up, or a worker was given up on and the workers left cannot serve.
 
     What it tells the user (a child stopped, why it stops, the ready block, the supervisor's restarts)
     goes through ``protocol.logging.say``: text as printed lines, ``--log-format json`` as one JSON log
@@ -451,7 +453,7 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     say(log, "ready", f"pdserve is ready at {url}  (OpenAI API under {url}/v1)\nWorker metrics: {scrape}\n"
         f"Try:\n  {curl}", stream=sys.stdout, url=url, openai_api=f"{url}/v1", worker_metrics=metrics,
         example=curl)
-    return supervise(sup, stop, RestartPolicy())
+    return supervise(sup, stop, RestartPolicy(), {name: role for role, name in worker_roles(settings)})
 
 
 @contextlib.contextmanager

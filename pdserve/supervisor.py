@@ -2,7 +2,8 @@
 ``Supervisor`` starts each ``python -m pdserve.cli`` child in a process group of its own and stops them all
 (SIGTERM, SIGKILL after a grace period); ``supervise`` watches them, restarting a worker that exits per a
 ``RestartPolicy`` (backoff doubling up to a ceiling, given up on after ``max_exits`` exits within a window)
-and returning when the gateway exits or a stop signal came.
+and returning when the gateway exits, a stop signal came, or a worker was given up on and the workers
+left can no longer serve (no prefill and decode worker, and no colocated worker).
 
 A child stops when its parent is gone, even one killed with SIGKILL (an OOM kill, a process manager's kill
 after its stop timeout): on Linux each child asks the kernel, between fork and exec, for SIGTERM when the
@@ -24,7 +25,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from protocol.logging import say
@@ -171,10 +173,34 @@ class Supervisor:
         return done
 
 
-def supervise(sup: Supervisor, stop: list[int], policy: RestartPolicy, tick_s: float = 0.2) -> int:
-    """Watch the children every ``tick_s`` seconds until ``stop`` is non-empty (returns 0) or the child
-    ``gateway`` exits (returns 1): a worker that exits is restarted per ``policy`` (one line for each
-    exit, restart and give-up: ``say_up``), the rest keep running."""
+ROLES = ("prefill", "decode", "colocated")
+
+
+def serving_problem(roles: Mapping[str, str], given_up: Collection[str]) -> str | None:
+    """Why the workers of ``roles`` (child name -> ``prefill``, ``decode`` or ``colocated``) not in
+    ``given_up`` can no longer serve, or None: they can while a prefill and a decode worker, or a
+    colocated worker, are left. The reason names each role that ``roles`` has but none of whose workers
+    is left (``no decode worker left``, ``no decode or colocated worker left``)."""
+    left = Counter(role for name, role in roles.items() if name not in given_up)
+    if left["colocated"] or (left["prefill"] and left["decode"]):
+        return None
+    started = set(roles.values())
+    missing = [role for role in ROLES if role in started and not left[role]]
+    if not missing:  # roles names no worker that serves
+        return "no prefill and decode pair or colocated worker left"
+    return f"no {' or '.join(missing)} worker left"
+
+
+def supervise(sup: Supervisor, stop: list[int], policy: RestartPolicy, roles: Mapping[str, str],
+              tick_s: float = 0.2) -> int:
+    """Watch the children every ``tick_s`` seconds until ``stop`` is non-empty (returns 0), the child
+    ``gateway`` exits (returns 1), or a worker is given up on and the workers left cannot serve
+    (``serving_problem`` over ``roles``, child name -> role of each worker; returns 1). A worker that
+    exits is restarted per ``policy``; one that exits ``policy.max_exits`` times within
+    ``policy.window_s`` seconds is given up on while the rest keep running, as long as the workers left
+    can serve. One line for each exit, restart and give-up (``say_up``): a give-up line names the worker,
+    its exits and last exit code, and either how many workers of its role are left or why the rest
+    stop. A worker not in ``roles`` counts for no role."""
     state: dict[str, _ChildRestarts] = {}
     while not stop:
         now = time.monotonic()
@@ -188,8 +214,20 @@ def supervise(sup: Supervisor, stop: list[int], policy: RestartPolicy, tick_s: f
             st.exits = [t for t in st.exits if now - t < policy.window_s] + [now]
             if len(st.exits) >= policy.max_exits:
                 st.given_up = True
-                say_up(f"{name} exited {len(st.exits)} times within {policy.window_s:g} s (last exit code "
-                       f"{code}); giving up on it, the rest keep serving", logging.ERROR)
+                given_up = [n for n, s in state.items() if s.given_up]
+                why = (f"{name} given up (exited {len(st.exits)} times within {policy.window_s:g} s, last "
+                       f"exit code {code})")
+                problem = serving_problem(roles, given_up)
+                if problem is not None:
+                    say_up(f"{why}; {problem}: stopping everything", logging.ERROR)
+                    return 1
+                role = roles.get(name)
+                if role is None:
+                    say_up(f"{why}: the rest keep serving", logging.ERROR)
+                else:
+                    left = sum(1 for n, r in roles.items() if r == role and n not in given_up)
+                    say_up(f"{why}; {left} {role} worker{'' if left == 1 else 's'} left: the rest keep "
+                           "serving", logging.ERROR)
                 continue
             delay = policy.delay(len(st.exits))
             st.restart_at = now + delay

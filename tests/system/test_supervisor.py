@@ -1,5 +1,6 @@
 """``pdserve up``'s supervisor over stand-in children: a clean stop that kills a child ignoring SIGTERM,
-restarts with backoff, giving up on a crash loop, stopping everything when the gateway exits, the
+restarts with backoff, giving up on a crash loop (the rest keep serving while the workers left can, else
+everything stops), stopping everything when the gateway exits, the
 environment each child gets (``unset_env``), and children that stop when their parent is killed with
 SIGKILL (Linux)."""
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.supervisor import RestartPolicy, Supervisor, parent_death_hook, supervise
+from pdserve.supervisor import RestartPolicy, Supervisor, parent_death_hook, serving_problem, supervise
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,11 +77,11 @@ time.sleep(60)
 '''
 
 
-def _supervise_in_thread(sup: Supervisor,
-                         policy: RestartPolicy) -> tuple[list[int], list[int], threading.Thread]:
+def _supervise_in_thread(sup: Supervisor, policy: RestartPolicy,
+                         roles: dict[str, str]) -> tuple[list[int], list[int], threading.Thread]:
     stop: list[int] = []
     result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(supervise(sup, stop, policy, tick_s=0.02)))
+    thread = threading.Thread(target=lambda: result.append(supervise(sup, stop, policy, roles, tick_s=0.02)))
     thread.start()
     return stop, result, thread
 
@@ -94,21 +95,24 @@ def _until(cond: object, timeout: float = 20.0) -> None:
 
 def test_supervise_restarts_an_exited_worker_and_gives_up_on_a_crash_loop(tmp_path, capfd) -> None:
     """A worker that exits is restarted (after its backoff) while the others keep running; one that keeps
-    crashing is given up on after max_exits exits within the window, in one line; the gateway never
-    stops; only the stop signal ends supervision (0)."""
+    crashing is given up on after max_exits exits within the window, in one line saying how many of its
+    role are left; with a prefill and a decode worker left, the rest keep serving and only the stop signal
+    ends supervision (0)."""
     sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN))
     policy = RestartPolicy(backoff_s=0.05, max_backoff_s=0.2, max_exits=3, window_s=60.0)
     sup.start("gateway", ["serve"])
+    sup.start("prefill-0", ["serve"])
     sup.start("decode-0", [f"once:{tmp_path / 'mark'}"])
     sup.start("decode-1", ["crash"])
     first = sup.children["decode-0"].pid
-    stop, result, thread = _supervise_in_thread(sup, policy)
+    roles = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    stop, result, thread = _supervise_in_thread(sup, policy, roles)
     err = ""
 
     def gave_up() -> bool:
         nonlocal err
         err += capfd.readouterr().err
-        return "giving up on it" in err
+        return "given up" in err
 
     try:
         _until(lambda: sup.children["decode-0"].pid != first and sup.children["decode-0"].poll() is None)
@@ -124,17 +128,60 @@ def test_supervise_restarts_an_exited_worker_and_gives_up_on_a_crash_loop(tmp_pa
     assert result == [0]
     assert "pdserve up: decode-0 exited with code 3; restarting it in 0.05 s" in err
     assert "pdserve up: restarted decode-0 (pid" in err
-    assert [line for line in err.splitlines() if "giving up" in line] == [
-        "pdserve up: decode-1 exited 3 times within 60 s (last exit code 3); giving up on it, the rest keep "
-        "serving"]
+    assert [line for line in err.splitlines() if "given up" in line] == [
+        "pdserve up: decode-1 given up (exited 3 times within 60 s, last exit code 3); 1 decode worker "
+        "left: the rest keep serving"]
+    assert "stopping" not in err
     assert err.count("restarted decode-1") == 2  # after its first and second exit, not its third
+
+
+def test_supervise_stops_everything_when_the_last_worker_of_a_role_is_given_up(capfd) -> None:
+    """The only decode worker keeps crashing: once it is given up on, no prefill/decode pair and no
+    colocated worker is left, so supervision ends (1: ``pdserve up`` stops every child and exits 1, for a
+    process manager to restart it) with one line naming the worker and why; the others were not stopped
+    by ``supervise`` itself."""
+    sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN))
+    policy = RestartPolicy(backoff_s=0.05, max_backoff_s=0.2, max_exits=3, window_s=60.0)
+    sup.start("gateway", ["serve"])
+    sup.start("prefill-0", ["serve"])
+    sup.start("decode-0", ["crash"])
+    stop, result, thread = _supervise_in_thread(sup, policy, {"prefill-0": "prefill", "decode-0": "decode"})
+    try:
+        thread.join(20)
+        assert result == [1]
+        assert sup.children["gateway"].poll() is None and sup.children["prefill-0"].poll() is None
+    finally:
+        stop.append(15)
+        thread.join(10)
+        sup.stop_all()
+    err = capfd.readouterr().err
+    assert err.count("restarted decode-0") == 2
+    assert [line for line in err.splitlines() if "given up" in line] == [
+        "pdserve up: decode-0 given up (exited 3 times within 60 s, last exit code 3); no decode worker "
+        "left: stopping everything"]
+
+
+def test_serving_problem_needs_a_prefill_and_decode_pair_or_a_colocated_worker() -> None:
+    """Whether the workers ``pdserve up`` still runs can serve, and the reason naming each role of those
+    it started that has no worker left."""
+    pd = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
+    assert serving_problem(pd, []) is None
+    assert serving_problem(pd, ["decode-0"]) is None
+    assert serving_problem(pd, ["decode-0", "decode-1"]) == "no decode worker left"
+    assert serving_problem(pd, ["prefill-0"]) == "no prefill worker left"
+    mixed = {**pd, "colocated-0": "colocated"}
+    assert serving_problem(mixed, ["prefill-0"]) is None  # the colocated worker serves alone
+    assert serving_problem(mixed, ["colocated-0"]) is None  # so does the pair
+    assert serving_problem(mixed, ["colocated-0", "prefill-0"]) == "no prefill or colocated worker left"
+    assert serving_problem({"colocated-0": "colocated"}, ["colocated-0"]) == "no colocated worker left"
+    assert serving_problem({}, []) == "no prefill and decode pair or colocated worker left"
 
 
 def test_supervise_stops_when_the_gateway_exits(capfd) -> None:
     sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN))
     sup.start("decode-0", ["serve"])
     sup.start("gateway", ["crash"])
-    _, result, thread = _supervise_in_thread(sup, RestartPolicy(backoff_s=0.05))
+    _, result, thread = _supervise_in_thread(sup, RestartPolicy(backoff_s=0.05), {"decode-0": "decode"})
     thread.join(20)
     sup.stop_all()
     assert result == [1] and "gateway exited with code 3; stopping the rest" in capfd.readouterr().err
