@@ -407,7 +407,7 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
         stop.append(signum)
 
     old = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
-    sup = Supervisor(unset_env=CHILD_UNSET_VARIABLES)
+    sup = Supervisor(unset_env=CHILD_UNSET_VARIABLES, announce=say_up)
     with run_keys(settings) as keys_dir:
         try:
             code = _supervise(settings, sup, stop, ready_timeout, keys_dir)
@@ -416,7 +416,7 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
     for name, pid, how in stopped:
-        say_up(f"{how} {name} (pid {pid})")
+        say_up(f"{how} {name} (pid {pid})", child=name, pid=pid, how=how)
     return 128 + stop[0] if stop else code
 
 

@@ -28,8 +28,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from protocol.logging import say
+from protocol.logging import log_event, say
 
 log = logging.getLogger("pdserve.up")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -98,7 +99,9 @@ class Supervisor:
     """Starts children and stops them all; ``grace`` is seconds between SIGTERM and SIGKILL. A child is
     ``command`` + its args; ``args`` and ``log_paths`` remember how each was started (``restart``).
     ``unset_env``: variables of this process's environment that no child inherits. ``parent_death_signal``:
-    what each child gets when the thread that started it ends (the module docstring; None: nothing)."""
+    what each child gets when the thread that started it ends (the module docstring; None: nothing).
+    ``announce``: called with a line and its fields for each child started (``say_up`` under ``pdserve
+    up``); None: an info log event ``child_started``."""
 
     grace: float = 10.0
     command: tuple[str, ...] = (sys.executable, "-m", "pdserve.cli")
@@ -108,6 +111,7 @@ class Supervisor:
     args: dict[str, list[str]] = field(default_factory=dict)
     log_paths: dict[str, str | None] = field(default_factory=dict)
     envs: dict[str, dict[str, str]] = field(default_factory=dict)
+    announce: Callable[..., None] | None = None
 
     def start(self, name: str, args: list[str], log_path: str | None = None,
               env: dict[str, str] | None = None) -> None:
@@ -126,7 +130,11 @@ class Supervisor:
             with open(log_path, "ab") as out:
                 self.children[name] = subprocess.Popen(cmd, env=child_env, stdout=out, preexec_fn=hook,
                                                        stderr=subprocess.STDOUT, process_group=0)
-        log.info("started %s (pid %d)", name, self.children[name].pid)
+        pid = self.children[name].pid
+        if self.announce is not None:
+            self.announce(f"started {name} (pid {pid})", child=name, pid=pid)
+        else:
+            log_event(log, "child_started", child=name, pid=pid)
 
     def restart(self, name: str) -> None:
         """Start child ``name`` again, as it was started (its earlier process has exited).
@@ -206,7 +214,8 @@ def supervise(sup: Supervisor, stop: list[int], policy: RestartPolicy, roles: Ma
         now = time.monotonic()
         for name, code in sup.dead():
             if name == "gateway":
-                say_up(f"gateway exited with code {code}; stopping the rest", logging.ERROR)
+                say_up(f"gateway exited with code {code}; stopping the rest", logging.ERROR, child=name,
+                       exit_code=code)
                 return 1
             st = state.setdefault(name, _ChildRestarts())
             if st.given_up or st.restart_at is not None:
@@ -219,29 +228,36 @@ def supervise(sup: Supervisor, stop: list[int], policy: RestartPolicy, roles: Ma
                        f"exit code {code})")
                 problem = serving_problem(roles, given_up)
                 if problem is not None:
-                    say_up(f"{why}; {problem}: stopping everything", logging.ERROR)
+                    say_up(f"{why}; {problem}: stopping everything", logging.ERROR, child=name,
+                           exits=len(st.exits), exit_code=code)
                     return 1
                 role = roles.get(name)
                 if role is None:
-                    say_up(f"{why}: the rest keep serving", logging.ERROR)
+                    say_up(f"{why}: the rest keep serving", logging.ERROR, child=name, exits=len(st.exits),
+                           exit_code=code)
                 else:
                     left = sum(1 for n, r in roles.items() if r == role and n not in given_up)
                     say_up(f"{why}; {left} {role} worker{'' if left == 1 else 's'} left: the rest keep "
-                           "serving", logging.ERROR)
+                           "serving", logging.ERROR, child=name, exits=len(st.exits), exit_code=code,
+                           role=role, left=left)
                 continue
             delay = policy.delay(len(st.exits))
             st.restart_at = now + delay
-            say_up(f"{name} exited with code {code}; restarting it in {delay:g} s", logging.WARNING)
+            say_up(f"{name} exited with code {code}; restarting it in {delay:g} s", logging.WARNING,
+                   child=name, exit_code=code, restart_in_s=delay)
         for name, st in state.items():
             if st.restart_at is not None and now >= st.restart_at and not stop:
                 st.restart_at = None
                 sup.restart(name)
-                say_up(f"restarted {name} (pid {sup.children[name].pid})")
+                say_up(f"restarted {name} (pid {sup.children[name].pid})", child=name,
+                       pid=sup.children[name].pid)
         time.sleep(tick_s)
     return 0
 
 
-def say_up(line: str, level: int = logging.INFO) -> None:
+def say_up(line: str, level: int = logging.INFO, **fields: Any) -> None:
     """``line`` for the user of ``pdserve up``: ``pdserve up: line`` on stderr, or with ``--log-format
-    json`` a log event of logger ``pdserve.up`` at ``level`` (``protocol.logging.say``)."""
-    say(log, line, f"pdserve up: {line}", level)
+    json`` a log event of logger ``pdserve.up`` at ``level`` whose message is ``line`` and whose fields
+    are ``fields`` (``child``, ``pid``, ``exit_code``...: what the line says, as keys a log pipeline
+    reads; ``protocol.logging.say``)."""
+    say(log, line, f"pdserve up: {line}", level, **fields)

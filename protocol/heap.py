@@ -15,6 +15,8 @@ from __future__ import annotations
 import gc
 import logging
 
+from protocol.logging import log_event
+
 log = logging.getLogger("pdserve")
 
 
@@ -24,5 +26,5 @@ def freeze_start_up_heap() -> int:
     gc.collect()
     gc.freeze()
     count = gc.get_freeze_count()
-    log.info("start_up_heap_frozen objects=%d", count)
+    log_event(log, "start_up_heap_frozen", objects=count)
     return count

@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.supervisor import RestartPolicy, Supervisor, parent_death_hook, serving_problem, supervise
+from pdserve.supervisor import (
+    RestartPolicy,
+    Supervisor,
+    parent_death_hook,
+    say_up,
+    serving_problem,
+    supervise,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -300,3 +307,33 @@ def test_a_child_whose_parent_died_before_the_request_does_not_start(tmp_path: P
     ran = subprocess.run([sys.executable, "-c", "print('ran')"], preexec_fn=hook, capture_output=True,
                          text=True, timeout=30)  # the parent alive: the child starts
     assert ran.stdout == "ran\n" and ran.returncode == 0
+
+
+def test_up_lines_carry_their_numbers_as_json_fields(capfd) -> None:
+    """With ``--log-format json`` each line of ``pdserve up`` about a child is one event of logger
+    ``pdserve.up`` whose fields hold what the message says (child, pid, exit code, restart delay), so a
+    log pipeline need not parse the message."""
+    import json
+
+    from protocol.logging import configure_logging
+
+    configure_logging("info", "json")
+    sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN), announce=say_up)
+    sup.start("decode-0", ["crash"])
+    _, result, thread = _supervise_in_thread(sup, RestartPolicy(max_exits=2, backoff_s=0.05),
+                                             {"decode-0": "decode"})
+    thread.join(20)
+    sup.stop_all()
+    assert result == [1]  # the only decode worker given up: nothing left can serve
+    events = [json.loads(line) for line in capfd.readouterr().err.splitlines() if line.startswith("{")]
+    up = [e for e in events if e["logger"] == "pdserve.up"]
+    first_pid = up[0]["pid"]
+    assert up[0] == {**up[0], "msg": f"started decode-0 (pid {first_pid})", "child": "decode-0"}
+    exited = next(e for e in up if e["msg"].startswith("decode-0 exited with code 3"))
+    assert (exited["level"], exited["child"], exited["exit_code"], exited["restart_in_s"]) == (
+        "warning", "decode-0", 3, 0.05)
+    restarted = next(e for e in up if e["msg"].startswith("restarted decode-0"))
+    assert restarted["pid"] != first_pid and restarted["child"] == "decode-0"
+    given_up = next(e for e in up if "given up" in e["msg"])
+    assert (given_up["level"], given_up["child"], given_up["exits"], given_up["exit_code"]) == (
+        "error", "decode-0", 2, 3)
