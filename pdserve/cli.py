@@ -26,7 +26,7 @@ from typing import Any
 
 from protocol.cli_env import EnvAdder as _EnvAdder
 from protocol.cli_env import OneLineParser as _OneLineParser
-from protocol.cli_env import duration, env_variable, parse_bool
+from protocol.cli_env import duration, env_variable, name_the_variable, parse_bool
 from protocol.settings import ATTENTION_BACKENDS, REASONING_PARSERS, TOOL_CALL_PARSERS
 
 _RUNNERS = {
@@ -421,7 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
     except (ValueError, OSError) as exc:
-        print(f"pdserve {args.command}: {exc}", file=sys.stderr)
+        line = name_the_variable(str(exc), sys.argv[1:] if argv is None else list(argv), os.environ)
+        print(f"pdserve {args.command}: {line}", file=sys.stderr)
         return 2
     if args.command == "gateway":
         return _run_gateway(settings)

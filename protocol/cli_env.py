@@ -76,6 +76,20 @@ def env_variable(flag: str) -> str:
     return "PDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+def name_the_variable(message: str, argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """A settings check's ``--flag: problem`` message, said of ``PDSERVE_<FLAG>`` when the value came from
+    that variable (set, and the flag not on the command line ``argv``): ``bad value for PDSERVE_FLAG
+    (--flag): problem``, the wording of a variable refused at parse time. Any other message as it is."""
+    flag, sep, problem = message.partition(": ")
+    if not sep or not flag.startswith("--") or " " in flag:
+        return message
+    name = env_variable(flag)
+    given = any(a == flag or a.startswith(flag + "=") for a in argv)
+    if given or name not in env:
+        return message
+    return f"bad value for {name} ({flag}): {problem}"
+
+
 class EnvAdder:
     """Adds flags to a parser, taking each default from ``PDSERVE_<FLAG>`` when set; a value that cannot be
     converted to the flag's type (``parse_bool`` for a ``store_true`` flag: ``PDSERVE_IGNORE_EOS=maybe`` is

@@ -56,6 +56,26 @@ def test_bad_env_value_names_the_variable(capsys: pytest.CaptureFixture[str]) ->
     assert capsys.readouterr().err.startswith("pdserve gateway: bad value for PDSERVE_PORT (--port): ")
 
 
+@pytest.mark.parametrize(("env", "argv", "line"), [
+    ({"PDSERVE_PORT": "99999"}, ["gateway"],
+     "pdserve gateway: bad value for PDSERVE_PORT (--port): must be in [0, 65535], got 99999"),
+    ({"PDSERVE_MAX_NUM_SEQS": "-1"}, ["up"],
+     "pdserve up: bad value for PDSERVE_MAX_NUM_SEQS (--max-num-seqs): must be >= 1"),
+    ({}, ["gateway", "--port", "99999"], "pdserve gateway: --port: must be in [0, 65535], got 99999"),
+    ({"PDSERVE_PORT": "80"}, ["gateway", "--port=99999"],  # the command line's value was refused
+     "pdserve gateway: --port: must be in [0, 65535], got 99999"),
+])
+def test_a_variable_out_of_range_is_named(env: dict[str, str], argv: list[str], line: str,
+                                          monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A value in range of its type but refused by the settings' checks names the variable it came from
+    (as a value of the wrong type does), and only the flag when the command line gave it."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == line
+
+
 # (variable, its flag, the commands that read it): each of these refuses a bad value, every other command
 # neither checks nor applies it. `up` refuses the variables of the flags it sets itself for its children
 # (--workers, --metrics-port) whatever their value (tests/system/test_up_environment.py).
@@ -505,11 +525,15 @@ def test_a_duration_that_is_not_finite_is_refused_by_the_parser_and_the_settings
     (["up", "--api-key", ""], {}, "pdserve up: --api-key: a key must not be empty"),
     (["gateway", "--api-key", ""], {}, "pdserve gateway: --api-key: a key must not be empty"),
     (["gateway", "--api-key", "  "], {}, "pdserve gateway: --api-key: a key must not be empty"),
-    (["up"], {"PDSERVE_API_KEY": ""}, "pdserve up: --api-key: a key must not be empty"),
-    (["gateway"], {"PDSERVE_API_KEY": ""}, "pdserve gateway: --api-key: a key must not be empty"),
-    (["gateway"], {"PDSERVE_API_KEY": "k1,"}, "pdserve gateway: --api-key: a key must not be empty"),
+    (["up"], {"PDSERVE_API_KEY": ""},
+     "pdserve up: bad value for PDSERVE_API_KEY (--api-key): a key must not be empty"),
+    (["gateway"], {"PDSERVE_API_KEY": ""},
+     "pdserve gateway: bad value for PDSERVE_API_KEY (--api-key): a key must not be empty"),
+    (["gateway"], {"PDSERVE_API_KEY": "k1,"},
+     "pdserve gateway: bad value for PDSERVE_API_KEY (--api-key): a key must not be empty"),
     (["up", "--api-key-file", ""], {}, "pdserve up: --api-key-file: must not be empty"),
-    (["gateway"], {"PDSERVE_API_KEY_FILE": ""}, "pdserve gateway: --api-key-file: must not be empty"),
+    (["gateway"], {"PDSERVE_API_KEY_FILE": ""},
+     "pdserve gateway: bad value for PDSERVE_API_KEY_FILE (--api-key-file): must not be empty"),
 ])
 def test_an_empty_api_key_is_refused_not_an_open_server(argv: list[str], env: dict[str, str], line: str,
                                                         capsys: pytest.CaptureFixture[str],
@@ -613,8 +637,9 @@ def test_log_level_takes_any_case_on_the_command_line_and_from_the_environment()
      "duration '-1': must not be negative (see pdserve gateway --help)"),
     (["up"], {"PDSERVE_ADMISSION_BUDGET": "-1"}, "pdserve up: bad value for PDSERVE_ADMISSION_BUDGET "
      "(--admission-budget): bad duration '-1': must not be negative"),
-    (["up"], {"PDSERVE_NUM_DECODE": "0"}, "pdserve up: --num-decode: need at least one prefill and one "
-     "decode worker, or --colocated >= 1 (got --num-prefill 1, --num-decode 0, --colocated 0)"),
+    (["up"], {"PDSERVE_NUM_DECODE": "0"}, "pdserve up: bad value for PDSERVE_NUM_DECODE (--num-decode): need "
+     "at least one prefill and one decode worker, or --colocated >= 1 (got --num-prefill 1, --num-decode 0, "
+     "--colocated 0)"),
     (["up", "--num-prefill", "0"], {}, "pdserve up: --num-prefill: need at least one prefill and one decode "
      "worker, or --colocated >= 1 (got --num-prefill 0, --num-decode 1, --colocated 0)"),
 ])
