@@ -38,7 +38,9 @@ def add_bench_arguments(parser: OneLineParser, env: Mapping[str, str] | None = N
     add("--api-key", help="sent as 'Authorization: Bearer KEY'")
     add("--workload", default="random", choices=("random", "sharegpt", "multi-turn", "agent"),
          help="agent: concurrent multi-turn sessions in lockstep, reported per turn (loadtest/agent_cli.py)")
-    add("--prompt-format", default="tokens", choices=("tokens", "text"))
+    add("--prompt-format", choices=("tokens", "text"),
+        help="tokens: token-id prompts (completions only); text: words (default: tokens for completions, "
+             "text for chat)")
     add("--input-len", default="fixed:128", help="fixed:N | uniform:LO,HI | normal:MEAN,STD")
     add("--output-len", default="fixed:64", help="max_tokens distribution (same syntax)")
     add("--dataset-path", help="ShareGPT JSON file (read by workload sharegpt only; refused with "
@@ -88,7 +90,8 @@ def config_from_args(args: argparse.Namespace, model: str) -> BenchConfig:
         why = "a directory, not a file" if Path(dataset_path).is_dir() else "no such file"
         raise ValueError(f"--dataset-path {dataset_path}: {why}")
     workload = WorkloadConfig(
-        kind=args.workload, prompt_format=args.prompt_format,
+        kind=args.workload,
+        prompt_format=args.prompt_format or ("text" if args.endpoint == "chat" else "tokens"),
         input_len=LengthDist.parse_flag("--input-len", args.input_len),
         output_len=LengthDist.parse_flag("--output-len", args.output_len),
         dataset_path=dataset_path, num_turns=int(args.num_turns),

@@ -62,8 +62,9 @@ def _run_details(run: RunResult) -> list[str]:
         lines += table(["at s", "started s", "status", "rc", "cmd"],
                         [[f"{f.at_s:g}", "-" if f.started_s is None else f"{f.started_s:.2f}", f.status,
                           str(f.returncode), f.cmd.replace("|", "\\|")] for f in run.faults])
-        lines += ["", f"## Phases ({run.label})", ""]
-        lines += table(["phase", "from s", "to s", "completed", "failed", "timed out"],
+        lines += ["", f"## Phases ({run.label})", "",
+                  "Requests by the phase they were sent in (one sent before a fault may fail at it).", ""]
+        lines += table(["phase", "sent from s", "sent to s", "completed", "failed", "timed out"],
                         [[p.name, f"{p.start_s:.2f}", "end" if p.end_s is None else f"{p.end_s:.2f}",
                           str(p.completed), str(p.failed), str(p.timed_out)] for p in run.phases])
     share = run.gateway_share

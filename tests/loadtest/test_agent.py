@@ -420,3 +420,26 @@ def test_worker_page_lost_during_the_run_fails_the_bench(fake: tuple[str, FakeSt
     assert "Worker counters not read: GET" in (tmp_path / "summary.md").read_text()
     [system] = json.loads((tmp_path / "results.json").read_text())["systems"]
     assert [t["completed"] for t in system["turns"]] == [2, 2]
+
+
+@pytest.mark.parametrize(("argv", "want"), [
+    ([], "tokens"),                                   # completions: token-id prompts
+    (["--endpoint", "chat"], "text"),                 # chat cannot send token ids: text by default
+    (["--endpoint", "chat", "--prompt-format", "text"], "text"),
+    (["--prompt-format", "text"], "text"),
+])
+def test_the_prompt_format_follows_the_endpoint_unless_given(argv: list[str], want: str) -> None:
+    from loadtest.cli import add_bench_arguments, config_from_args
+
+    parser = OneLineParser()
+    add_bench_arguments(parser, env={})
+    assert config_from_args(parser.parse_args(argv), "m").workload.prompt_format == want
+
+
+def test_token_prompts_to_chat_are_still_refused() -> None:
+    from loadtest.cli import add_bench_arguments, config_from_args
+
+    parser = OneLineParser()
+    add_bench_arguments(parser, env={})
+    with pytest.raises(ValueError, match="token-id prompts need the completions endpoint"):
+        config_from_args(parser.parse_args(["--endpoint", "chat", "--prompt-format", "tokens"]), "m")

@@ -92,7 +92,7 @@ def test_env_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--input-len", "zipf:3"], "bad length spec"),
     (["--fault", "at=1s"], "cmd="),
     (["--request-rate", "fast"], "--request-rate"),
-    (["--endpoint", "chat"], "completions endpoint"),
+    (["--endpoint", "chat", "--prompt-format", "tokens"], "completions endpoint"),
     (["--decode-metrics", "127.0.0.1:9000"], "--decode-metrics: URLs must start with http://"),
 ])
 def test_bad_input_sends_nothing(fake: tuple[str, FakeState], tmp_path: Path, bad: list[str], message: str,
