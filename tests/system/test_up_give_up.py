@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from pdserve.ports import free_ports
-from tests.system.test_up_restart import _child_pid, _until
+from tests.system.test_up_restart import _child_pid, _until, stop_up
 
 pytestmark = pytest.mark.slow
 
@@ -79,10 +79,4 @@ def test_up_stops_everything_and_exits_1_once_its_only_decode_worker_is_given_up
             httpx.get(f"{url}/ready", timeout=2, trust_env=False)
         print(f"given up and stopped {took:.1f} s after the first kill")
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
+        stop_up(up)

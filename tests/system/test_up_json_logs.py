@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from pdserve.ports import free_ports
+from tests.system.test_up_restart import stop_up
 
 pytestmark = pytest.mark.slow
 
@@ -63,13 +64,7 @@ def test_every_line_of_up_with_json_logs_is_a_json_object(tmp_path: Path) -> Non
             assert time.monotonic() < deadline
             time.sleep(0.1)
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
+        stop_up(up)
     assert up.returncode == 128 + signal.SIGTERM
     lines = {"stdout": out_path.read_text().splitlines(), "stderr": err_path.read_text().splitlines()}
     objs = []

@@ -44,6 +44,18 @@ def _child_pid(parent: int, worker_id: str) -> int:
     raise AssertionError(f"no child of {parent} runs {worker_id}")
 
 
+def stop_up(up: subprocess.Popen[bytes] | subprocess.Popen[str]) -> None:
+    """SIGTERM a ``pdserve up`` still running, as a terminal's user would stop it; its process group is
+    killed if it has not exited within 60 s."""
+    if up.poll() is None:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+
+
 def _until(cond: object, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():  # type: ignore[operator]
@@ -120,11 +132,5 @@ def test_kill_9_of_a_decode_worker_is_restarted_while_the_server_keeps_answering
         sending.clear()
         if thread.is_alive():
             thread.join(90)
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            try:
-                up.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
+        stop_up(up)
     assert up.returncode == 128 + signal.SIGTERM
