@@ -2,7 +2,8 @@
 
 The N processes serve one HTTP port together (each binds its own listening socket with
 ``SO_REUSEPORT``: the kernel spreads new connections over them) and each has its own control socket
-(``GatewaySettings.control_endpoints``); every worker registers with all of them. A request lives in the
+(``GatewaySettings.control_endpoints``); every worker registers with all of them: a worker given one of
+them learns the others' ports from its ``RegisterAck`` (``sibling_ports``). A request lives in the
 process whose connection took it. ``metrics_dir`` is the ``PROMETHEUS_MULTIPROC_DIR`` the processes
 share (gateway/metrics.py), None for a single process.
 
@@ -25,12 +26,20 @@ RESTART_HOLD_MAX_S = 10.0  # and at the latest after this many seconds (the pool
 class GatewayProcess:
     """Process ``index`` (0-based) of ``count`` gateway processes; ``metrics_dir``: the directory their
     prometheus-client multiprocess files share (None: one process, metrics in memory); ``restarted``:
-    started again after it died (it listens only once ready, or after the hold; module docstring)."""
+    started again after it died (it listens only once ready, or after the hold; module docstring);
+    ``control_ports``: the control port of each process, by index (empty: unknown, or one process)."""
 
     index: int = 0
     count: int = 1
     metrics_dir: str | None = None
     restarted: bool = False
+    control_ports: tuple[int, ...] = ()
+
+    def sibling_ports(self) -> tuple[int, ...]:
+        """The control ports of the other processes of the pool, in index order (empty for one process
+        or unknown ports): what this process's ``RegisterAck`` names, so that a worker given only this
+        process's address registers with every process."""
+        return tuple(port for i, port in enumerate(self.control_ports) if i != self.index)
 
     def listen_hold_s(self, heartbeat_timeout: float) -> float:
         """Seconds this process may wait for its workers before its socket listens: 0 for a first start,
@@ -45,3 +54,5 @@ class GatewayProcess:
             raise ValueError(f"gateway process index {self.index} not in [0, {self.count})")
         if self.count > 1 and not self.metrics_dir:
             raise ValueError("several gateway processes need a shared metrics directory")
+        if self.control_ports and len(self.control_ports) != self.count:
+            raise ValueError(f"{len(self.control_ports)} control ports for {self.count} gateway processes")

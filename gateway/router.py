@@ -92,6 +92,9 @@ class Router:
         coloc = [w for w in self.registry.live("colocated") if w.worker_id not in exclude]
         prefills = [w for w in self.registry.live("prefill") if w.worker_id not in exclude]
         decodes = [w for w in self.registry.live("decode") if w.worker_id not in exclude]
+        if not coloc and not prefills and not decodes:
+            besides = f" besides {', '.join(sorted(exclude))}" if exclude else ""
+            raise NoWorkerError(f"no live worker{besides}")
         if coloc and (len(prompt_token_ids) < self.disagg_threshold or (not prefills and not decodes)):
             return self._colocated(prompt_token_ids, coloc, fallback=False)
         try:

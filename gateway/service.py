@@ -1,8 +1,9 @@
 """The gateway process's control plane: the control socket, worker registration, heartbeats and
 liveness (the reaper), the tokenizer, and the ``Orchestrator`` that owns the live requests.
 
-Control messages from workers: ``RegisterWorker`` (→ ``RegisterAck``; a higher epoch replaces the old
-incarnation, whose requests fail), ``Heartbeat`` (load; an unknown worker is asked to ``ReRegister``),
+Control messages from workers: ``RegisterWorker`` (→ ``RegisterAck``, naming the control ports of this
+process's siblings in a ``--workers N`` pool; a higher epoch replaces the old incarnation, whose requests
+fail), ``Heartbeat`` (load; an unknown worker is asked to ``ReRegister``),
 ``WorkerShutdown``, ``KVEvents`` (the worker's prefix-cache changes, fed to the router's ``PrefixIndex``;
 a gap in their numbers → ``KVSnapshotRequest``); per-request messages go to the orchestrator
 (gateway/orchestrator.py), after counting as a sign of life of their worker; an ``OutputBatch`` (a
@@ -258,7 +259,8 @@ class GatewayService:
         assert self.control is not None
         await self.control.send(identity, RegisterAck(worker_id=msg.worker_id, epoch=msg.epoch,
                                                       accepted=not reason, reason=reason,
-                                                      gateway_epoch=self.epoch))
+                                                      gateway_epoch=self.epoch,
+                                                      sibling_ports=self.process.sibling_ports()))
         log_event(log, "worker_registered" if not reason else "worker_refused", worker_id=msg.worker_id,
                   role=msg.role, epoch=msg.epoch, reason=reason)
         if not reason:

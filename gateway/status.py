@@ -36,8 +36,9 @@ def pair_statuses(registry: WorkerRegistry, canaries: CanaryTracker | None = Non
 def readiness(registry: WorkerRegistry, canaries: CanaryTracker | None = None,
               process: GatewayProcessStatus | None = None) -> Readiness:
     """Ready when a colocated worker is live, or a live prefill worker has a usable decode worker (KV
-    compatible, data path not failed); the reason names what is missing (each unusable pair's fields or
-    path failure, each dropped worker). ``process``: the answering gateway process, shown as is."""
+    compatible, data path not failed); the reason names what is missing (no live worker at all; or the
+    pair, with each unusable pair's fields or path failure), then each dropped worker. ``process``: the
+    answering gateway process, shown as is."""
     pairs = pair_statuses(registry, canaries)
     prefills, decodes = registry.live("prefill"), registry.live("decode")
     if registry.live("colocated"):
@@ -46,7 +47,10 @@ def readiness(registry: WorkerRegistry, canaries: CanaryTracker | None = None,
         ok, reason = True, "prefill/decode pair live"
     else:
         ok = False
-        reason = f"no compatible prefill+decode pair ({len(prefills)} prefill, {len(decodes)} decode)"
+        if not prefills and not decodes:
+            reason = "no live worker (neither a colocated worker nor a prefill and a decode worker)"
+        else:
+            reason = f"no compatible prefill+decode pair ({len(prefills)} prefill, {len(decodes)} decode)"
         refused = [p.reason for p in pairs if not p.usable]
         if refused:
             reason += ": " + "; ".join(refused)

@@ -75,7 +75,7 @@ def _add_gateway(add: _Adder) -> None:
         help="zmq ROUTER endpoint for workers (with --workers N: tcp://host:P, process i binds P + i)")
     add("--workers", type=int, default=1,
         help="gateway processes serving --port together (SO_REUSEPORT), each with its own control "
-             "socket; workers get every control address, comma-separated")
+             "socket; a worker given any one control address registers with all (each names the others)")
     add("--model-name", default=None, help="served model name (default: from workers)")
     add("--tokenizer", default=None,
         help="tokenizer dir, or a model alias (e.g. smollm2-135m: converted into the cache on first use, "

@@ -2,11 +2,12 @@
 
 The parent starts N children (multiprocessing ``spawn``: the settings, API keys included, travel through
 a pipe, not the command line), each running ``gateway.server.serve_process``: process i binds the HTTP
-port with ``SO_REUSEPORT`` and its own control socket at ``--control-bind`` port P + i. Every worker must
-be given all N control endpoints, comma-separated (logged once all are ready). The parent owns the
-prometheus-client multiprocess directory (a fresh private temporary directory, ``PROMETHEUS_MULTIPROC_DIR``
-in the children's environment, removed at exit) through which any child's ``/metrics`` serves the
-per-process series summed over all (gateway/metrics.py).
+port with ``SO_REUSEPORT`` and its own control socket at ``--control-bind`` port P + i. A worker may be
+given any one of the N control endpoints: each process's ``RegisterAck`` names the others' ports, and the
+worker registers with every one of them (all N, comma-separated, are logged once all are ready). The
+parent owns the prometheus-client multiprocess directory (a fresh private temporary directory,
+``PROMETHEUS_MULTIPROC_DIR`` in the children's environment, removed at exit) through which any child's
+``/metrics`` serves the per-process series summed over all (gateway/metrics.py).
 
 Supervision: each child reports ``ready`` (its socket listens) or why it could not start. A child that
 does not start (reports a failure, exits, or is not ready within ``start_timeout`` s), at first or
@@ -80,6 +81,7 @@ class GatewayPool:
         self.settings, self.metrics_dir, self.policy = settings, metrics_dir, policy
         self.start_timeout, self.grace = start_timeout, grace
         self.endpoints = settings.control_endpoints()
+        self.control_ports = tuple(int(e.rpartition(":")[2]) for e in self.endpoints)
         self.children = [_Child(i) for i in range(settings.workers)]
         self._ctx = multiprocessing.get_context("spawn")
         self._announced = False
@@ -87,7 +89,8 @@ class GatewayPool:
     def start(self, child: _Child) -> None:
         """Start (or restart) ``child``'s process."""
         reader, writer = self._ctx.Pipe(duplex=False)
-        process = GatewayProcess(child.index, self.settings.workers, self.metrics_dir, child.starts > 0)
+        process = GatewayProcess(child.index, self.settings.workers, self.metrics_dir, child.starts > 0,
+                                 self.control_ports)
         child.starts += 1
         proc = self._ctx.Process(target=serve_process, args=(self.settings, process, writer),
                                  name=f"pdserve-gateway-{child.index}")
@@ -115,8 +118,9 @@ class GatewayPool:
                 self._on_exit(child, now)
         if not self._announced and all(c.ready for c in self.children):
             self._announced = True
-            log.info("gateway: %d processes serving http://%s:%d; give every worker --gateway-control %s",
-                     len(self.children), self.settings.host, self.settings.port, ",".join(self.endpoints))
+            log.info("gateway: %d processes serving http://%s:%d; give workers --gateway-control %s (or any "
+                     "one of these: a worker learns the others from it)", len(self.children),
+                     self.settings.host, self.settings.port, ",".join(self.endpoints))
 
     def _check_start(self, child: _Child, now: float) -> None:
         assert child.process is not None and child.conn is not None

@@ -32,6 +32,17 @@ class ZmqEndpoint:
         host = f"[{address}]" if ":" in address else address
         return f"tcp://{host}:{self.port}"
 
+    def with_port(self, port: int) -> str:
+        """The ``tcp://`` endpoint at this entry's host and ``port`` (IPv6 bracketed).
+
+        Raises:
+            ValueError: not a ``tcp://`` entry, or ``port`` not in [1, 65535].
+        """
+        if self.scheme != "tcp" or not 0 < port < 65536:
+            raise ValueError(f"no tcp endpoint at port {port} for {self.raw!r}")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{port}"
+
 
 def is_ip_literal(host: str) -> bool:
     """True when ``host`` is an IPv4 or IPv6 address (not a DNS name)."""

@@ -129,13 +129,18 @@ class RegisterAck(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Gateway → worker: registration accepted or refused (``reason`` says why). ``gateway_epoch``: the
     gateway process's incarnation (``new_epoch`` at its start; 0 from a gateway that sends none). A worker
     whose gateway epoch changes drops every request it holds for the previous incarnation: nobody is
-    left to stream them to or to abort them."""
+    left to stream them to or to abort them. ``sibling_ports``: the control ports of the other processes
+    of this gateway's pool (``pdserve gateway --workers N``), on the host the worker reached this one at;
+    an accepted worker registers with each it does not serve yet (workers/gateway_links.py). Empty for a
+    gateway of one process. Ports, not endpoints: a process binds e.g. ``tcp://0.0.0.0:P``, which no
+    worker can connect to, and the pool's processes share one host."""
 
     worker_id: str
     epoch: int
     accepted: bool
     reason: str = ""
     gateway_epoch: int = 0
+    sibling_ports: tuple[int, ...] = ()
 
 
 class ReRegister(msgspec.Struct, frozen=True, kw_only=True, tag=True):

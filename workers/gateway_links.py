@@ -8,6 +8,13 @@ again: an address new to DNS gets a link, a link whose address left DNS is retur
 treats it as a dead gateway). A lookup that fails for a moment (``EAI_AGAIN``) keeps the entry's previous
 addresses; a name that does not resolve (``EAI_NONAME``: no gateway pod ready) has none.
 
+A gateway of several processes (``pdserve gateway --workers N``) names the control ports of the other
+processes in its ``RegisterAck`` (``sibling_ports``): ``GatewayLinks.discover`` adds a link for each, on the
+host the worker reached the naming process at. A discovered link is kept like a resolved one: while the
+address it was discovered through is given (or still resolves), it stays, and a process that dies and comes
+back at its address is reconnected to and registered with again; once that address is gone, the next
+``refresh`` drops its discovered links as it drops addresses gone from DNS.
+
 A link's key is its resolved endpoint (``tcp://10.0.0.7:7100``): the worker records, per request, the key
 of the gateway that sent it (workers/loop.py); workers/gateway_sessions.py runs the worker's sessions
 over these links.
@@ -24,7 +31,7 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 
 from kvtransfer.curve import CurveKeys, HandshakeWatch
-from protocol.endpoints import ZmqEndpoint, parse_endpoints
+from protocol.endpoints import ZmqEndpoint, parse_endpoint, parse_endpoints
 from protocol.logging import log_event
 from protocol.messages import Message
 from workers.control_client import ControlClient
@@ -75,7 +82,8 @@ class GatewayLink:
 
 
 class GatewayLinks:
-    """The links of one worker, by key, in the order of ``--gateway-control`` (then of DNS).
+    """The links of one worker, by key, in the order of ``--gateway-control`` (then of DNS, then of
+    discovery).
 
     ``value``: the flag's text; ``keys``: CURVE key pair or None; ``resolve``: DNS lookup (injectable for
     tests). The first resolution happens here, synchronously.
@@ -89,6 +97,8 @@ class GatewayLinks:
         self._keys, self._resolve = keys, resolve
         self._ctx = zmq.asyncio.Context()
         self._addresses: dict[str, list[str]] = {}  # entry (raw) → its endpoints as last resolved
+        # a given (resolved) endpoint → its gateway pool's other processes' endpoints (``discover``)
+        self.pools: dict[str, list[str]] = {}
         self.links: dict[str, GatewayLink] = {}
         self.refresh(self.lookup())
 
@@ -125,12 +135,15 @@ class GatewayLinks:
     def refresh(self, found: dict[str, list[str]]) -> tuple[list[GatewayLink], list[GatewayLink]]:
         """Apply a ``lookup`` result: a link for each new endpoint (connecting; not registered yet), and
         out of ``links`` each link whose endpoint is gone. Returns (added, removed); the caller closes
-        the removed ones (``close_link``). An endpoint gone from the lookup is removed at once when its
-        connection is down; one still connected only once ``DNS_MISSES_TO_DROP`` lookups in a row missed
-        it, so one empty or partial answer (a Service's endpoints flapping) does not drop a live gateway
-        and its requests."""
+        the removed ones (``close_link``). The endpoints discovered through a given endpoint (``discover``)
+        are wanted while that endpoint is, or while its link is kept. An endpoint gone is removed at once
+        when its connection is down; one still connected only once ``DNS_MISSES_TO_DROP`` lookups in a
+        row missed it, so one empty or partial answer (a Service's endpoints flapping) does not drop a
+        live gateway and its requests."""
         self._addresses = found
-        wanted = list(dict.fromkeys(ep for eps in found.values() for ep in eps))
+        given = self.given()
+        self.pools = {key: eps for key, eps in self.pools.items() if key in given or key in self.links}
+        wanted = list(dict.fromkeys([*given, *(ep for eps in self.pools.values() for ep in eps)]))
         removed = []
         for key, link in self.links.items():
             if key in wanted:
@@ -141,15 +154,37 @@ class GatewayLinks:
                 removed.append(link)
         for link in removed:
             del self.links[link.key]
-        added = []
-        for key in wanted:
-            if key not in self.links:
-                self.links[key] = GatewayLink(key, ControlClient(key, self._keys, self._ctx))
-                added.append(self.links[key])
+        added = [self._add(key) for key in wanted if key not in self.links]
         if added or removed:
             log_event(log, "gateways_resolved", gateways=",".join(self.links) or "none",
                       added=len(added), removed=len(removed))
         return added, removed
+
+    def given(self) -> list[str]:
+        """The endpoints ``--gateway-control`` stands for as last resolved, in order (no discovered ones)."""
+        return list(dict.fromkeys(ep for eps in self._addresses.values() for ep in eps))
+
+    def discover(self, key: str, ports: tuple[int, ...]) -> list[GatewayLink]:
+        """The gateway of link ``key`` accepted this worker and named its pool's other processes' control
+        ``ports``: a link for each endpoint at ``key``'s host and such a port that has none yet (connecting;
+        not registered yet). Returns the links added (the caller starts them). Only a given endpoint's
+        pool is recorded (a discovered process names the same pool); a port out of [1, 65535] or a
+        non-tcp ``key`` is skipped. Siblings no longer named leave at the next ``refresh``."""
+        if key not in self.given():
+            return []
+        entry = parse_endpoint(key, "gateway-control")
+        if entry.scheme != "tcp":
+            return []
+        self.pools[key] = list(dict.fromkeys(entry.with_port(p) for p in ports if 0 < p < 65536))
+        added = [self._add(ep) for ep in self.pools[key] if ep not in self.links]
+        if added:
+            log_event(log, "gateways_discovered", gateway=key, added=",".join(link.key for link in added))
+        return added
+
+    def _add(self, key: str) -> GatewayLink:
+        """A new link to endpoint ``key`` (connecting), in ``links``."""
+        link = self.links[key] = GatewayLink(key, ControlClient(key, self._keys, self._ctx))
+        return link
 
     def get(self, key: str) -> GatewayLink | None:
         """The link with ``key``, or None (never had one, or it left DNS)."""

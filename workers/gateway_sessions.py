@@ -4,6 +4,9 @@ of ``--gateway-control``, re-resolving its DNS names, and dropping a dead gatewa
 The link table itself (one ``GatewayLink`` per resolved address, DNS lookups) is workers/gateway_links.py;
 this module runs the protocol over it for one worker (``GatewayHost``: the worker loop, workers/loop.py).
 
+A gateway of several processes names the others in its ``RegisterAck``; each is served as a gateway of
+``--gateway-control`` is (``GatewayLinks.discover``).
+
 A gateway is lost when its connection drops (ZMTP heartbeats and a socket monitor), when it answers a
 registration with another ``gateway_epoch`` (restarted at the same address), when it stops taking messages,
 or when its address leaves DNS: a ``GatewayLost`` marker, queued in the worker's inbox behind what that
@@ -102,7 +105,10 @@ class GatewaySessions:
         """The gateway with key ``gateway`` (None: the first one) accepted this worker. When
         ``ack.gateway_epoch`` differs from the last one that gateway sent (it restarted at the same
         address), a ``GatewayLost`` marker is queued behind every message already received from it:
-        applying it drops each request that gateway owns then, all of them its old incarnation's."""
+        applying it drops each request that gateway owns then, all of them its old incarnation's. Each
+        process of the gateway's pool that ``ack.sibling_ports`` names and this worker does not serve yet
+        gets a link, registered with as soon as it connects (``GatewayLinks.discover``; call with the
+        event loop running when the ack names any)."""
         link = self.gateways.get(self.gateways.default_key if gateway is None else gateway)
         if link is None:
             return
@@ -114,6 +120,8 @@ class GatewaySessions:
         self._answer_dropped(link.key, link.gateway_epoch)
         self.host.health.registered = True
         self.host.want_kv_snapshot()
+        for sibling in self.gateways.discover(link.key, ack.sibling_ports):
+            self.start_link(sibling)
 
     def lose(self, link: GatewayLink, reason: str) -> None:
         """The gateway of ``link`` is gone (``reason``): it no longer accepts this worker, and a

@@ -22,7 +22,7 @@ def test_ready_gives_the_verdict_only_and_the_status_view_needs_the_key() -> Non
             ready = c.get("/ready", headers=headers)
             assert ready.status_code == 503
             assert ready.json() == {"ready": False, "reason": status.json()["reason"]}
-            assert ready.json()["reason"].startswith("no compatible prefill+decode pair")
+            assert ready.json()["reason"].startswith("no live worker (neither a colocated worker nor")
         assert c.get("/v1/status").status_code == 401
         assert c.get("/health").status_code == 200
 

@@ -508,3 +508,85 @@ def test_the_restart_hold_is_two_heartbeat_timeouts_at_most_ten_seconds() -> Non
     assert GatewayProcess(0, 2, "m").listen_hold_s(5.0) == 0.0  # a first start listens at once
     assert GatewayProcess(0, 2, "m", restarted=True).listen_hold_s(1.5) == 3.0
     assert GatewayProcess(0, 2, "m", restarted=True).listen_hold_s(60.0) == 10.0  # within the pool's 120 s
+
+
+async def test_the_register_ack_names_the_other_processes_control_ports() -> None:
+    """Process 1 of 3 answers a registration naming processes 0 and 2's control ports, so a worker given
+    one address finds the pool (tests/workers/test_several_gateways.py); a lone gateway names none. The
+    pool hands each process every port, by index."""
+    from gateway.process import GatewayProcess
+    from gateway.service import GatewayService
+    from kvtransfer.compat import KVCompat
+    from protocol.messages import RegisterAck, RegisterWorker, WorkerLoad
+    from tests.gateway.test_metric_names import _FakeControl
+
+    register = RegisterWorker(role="colocated", worker_id="c0", epoch=1, model="m", model_path="",
+                              compat=KVCompat(dtype="float32", block_size=16, transfer_backend="loopback"),
+                              load=WorkerLoad())
+    acks = []
+    for process in (GatewayProcess(1, 3, "m", control_ports=(46200, 46201, 46202)), None):
+        svc = GatewayService(GatewaySettings(insecure_control_plane=True), GatewayMetrics(), text=object(),  # type: ignore[arg-type]
+                             process=process)
+        control = _FakeControl()
+        svc.control = control  # type: ignore[assignment]
+        await svc.on_control_message(b"c0", register)
+        [ack] = [m for _, m in control.sent if isinstance(m, RegisterAck)]
+        acks.append(ack)
+    assert [(a.accepted, a.sibling_ports) for a in acks] == [(True, (46200, 46202)), (True, ())]
+    with pytest.raises(ValueError, match="2 control ports for 3 gateway processes"):
+        GatewayProcess(0, 3, "m", control_ports=(1, 2))
+    settings = GatewaySettings(port=46203, control_bind="tcp://127.0.0.1:46204", workers=2,
+                               insecure_control_plane=True)
+    pool = GatewayPool(settings, "m", RestartPolicy(), 5.0, 1.0)
+    assert pool.control_ports == (46204, 46205)
+
+
+@pytest.mark.slow
+def test_a_worker_given_one_process_serves_them_all(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """A real colocated worker given only process 0's control address (as an operator who copied the first
+    address would): process 0's ``RegisterAck`` names process 1's port, the worker registers with it too,
+    ``/ready`` is 200 from both processes and every request over a fresh connection succeeds, whichever
+    process takes it (a partial outage: every other one was a 503 "no live worker")."""
+    from engine.models.registry import resolve_model
+
+    resolve_model("smollm2-135m")
+    pool = Pool(tmp_path, tokenizer_dir)
+    try:
+        taken = (pool.port, *(int(c.rpartition(":")[2]) for c in pool.controls))
+        [worker_port] = free_ports(1, exclude=taken)
+        worker_log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115
+        pool._spawn([sys.executable, "-m", "pdserve.cli", "colocated", "--gateway-control", pool.controls[0],
+                     "--worker-id", "solo", "--model", "smollm2-135m", "--num-blocks", "64", "--port",
+                     str(worker_port), "--insecure-control-plane", "--cpu-threads", "2"], worker_log)
+        ready: set[int] = set()
+
+        def both_ready() -> bool:
+            pool.alive()
+            with httpx.Client(base_url=pool.base, timeout=5) as client:
+                try:
+                    resp = client.get("/ready")
+                    index = client.get("/v1/status").json()["process"]["index"]  # the same connection
+                except httpx.HTTPError:
+                    return False
+            if resp.status_code == 200:
+                ready.add(index)
+            return ready == {0, 1}
+
+        wait_until(both_ready, 240, f"/ready 200 from both processes (worker log: {tmp_path / 'worker.log'})")
+        for index in (0, 1):
+            with pool.connection_to(index) as client:
+                assert client.get("/ready").status_code == 200
+                assert [w["worker_id"] for w in client.get("/v1/status").json()["workers"]] == ["solo"]
+        answered: set[int] = set()
+        for _ in range(16):
+            with httpx.Client(base_url=pool.base, timeout=60,
+                              limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)) as client:
+                resp = client.post("/v1/completions", json={"model": "smollm2-135m", "prompt": "Paris is",
+                                                            "max_tokens": 2, "temperature": 0})
+                answered.add(client.get("/v1/status").json()["process"]["index"])
+            assert resp.status_code == 200, resp.text
+        assert answered == {0, 1}, answered  # both processes took some: all 16 succeeded through both
+        worker_log.close()
+        assert "gateways_discovered" in (tmp_path / "worker.log").read_text()
+    finally:
+        pool.close()

@@ -7,6 +7,7 @@ import pytest
 from gateway.prefix_index import PrefixIndex, block_hashes
 from gateway.registry import WorkerRegistry, pairing_mismatch
 from gateway.router import NoWorkerError, Router
+from gateway.status import readiness
 from kvtransfer.compat import KVCompat
 from protocol.messages import KVEvents, RegisterWorker, WorkerLoad
 
@@ -183,8 +184,29 @@ def test_conditional_disaggregation_and_fallback() -> None:
 
 def test_no_workers_raises() -> None:
     _, router = make()
-    with pytest.raises(NoWorkerError):
+    with pytest.raises(NoWorkerError, match=r"^no live worker$"):
         router.route([1], 4)
+    _, router = make(reg("c", "colocated"))
+    with pytest.raises(NoWorkerError, match=r"^no live worker besides c$"):
+        router.route([1], 4, exclude=frozenset({"c"}))
+
+
+def test_readiness_names_an_empty_fleet_without_speaking_of_pairs() -> None:
+    """An empty fleet (or one whose colocated worker was dropped) is "no live worker"; the pair wording
+    is kept for a fleet with prefill or decode workers."""
+    registry, _ = make()
+    assert readiness(registry).reason == ("no live worker (neither a colocated worker nor a prefill and a "
+                                          "decode worker)")
+    registry, _ = make(reg("c", "colocated"))
+    assert readiness(registry).reason == "colocated worker live"
+    dropped = registry.remove("c", 1)
+    assert dropped is not None
+    registry.record_dropped(dropped, "worker shut down")
+    view = readiness(registry)
+    assert not view.ready and view.reason.startswith("no live worker (neither")
+    assert "dropped: c (colocated) worker shut down" in view.reason
+    registry, _ = make(reg("p", "prefill"))
+    assert readiness(registry).reason == "no compatible prefill+decode pair (1 prefill, 0 decode)"
 
 
 def test_block_hashes_chain_and_validation() -> None:

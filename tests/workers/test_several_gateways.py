@@ -401,3 +401,68 @@ def test_a_gateway_that_stops_taking_messages_is_lost(model_dir) -> None:
         assert_clean(colo)
     finally:
         close(colo)
+
+
+def test_a_pool_named_in_the_ack_is_served_as_given_gateways_are(model_dir) -> None:
+    """A worker given one process of a ``pdserve gateway --workers 3`` pool: its ``RegisterAck`` names the
+    other processes' control ports, and the worker adds a link for each, on the host it reached the first
+    at, starts it (receive and monitor tasks, registered once connected) and serves it as any gateway. A
+    discovered process naming the pool again adds nothing; a DNS refresh keeps them."""
+    first = "tcp://127.0.0.1:46100"
+    colo = colocated_worker(model_dir, gateway_control=first)
+    siblings = ["tcp://127.0.0.1:46101", "tcp://127.0.0.1:46102"]
+
+    async def scenario() -> None:
+        colo.sessions.accepted_by(RegisterAck(worker_id=colo.worker_id, epoch=colo.epoch, accepted=True,
+                                              gateway_epoch=7, sibling_ports=(46101, 46102)), first)
+        links = colo.sessions.gateways.links
+        assert list(links) == [first, *siblings]
+        assert all(len(links[key].tasks) == 2 for key in siblings)
+        assert not any(links[key].accepted for key in siblings)  # registered with, not yet accepted
+        colo.sessions.accepted_by(RegisterAck(worker_id=colo.worker_id, epoch=colo.epoch, accepted=True,
+                                              gateway_epoch=8, sibling_ports=(46100, 46102, 46103)),
+                                  siblings[0])
+        assert list(links) == [first, *siblings]  # a discovered process's list is not followed
+        _accept(colo, siblings[1], gateway_epoch=9)
+        sent = _capture(colo)
+        colo.deliver(_colo_req("s1", 2), siblings[1])
+        for _ in range(3):
+            _phase(colo)
+        assert [m.request_id for m in of_type(_items(sent[siblings[1]]), RequestFinished)] == ["s1"]
+        assert of_type(_items(sent[first]), RequestFinished) == []
+        colo.sessions.update_gateways(colo.sessions.gateways.lookup())
+        assert list(links) == [first, *siblings]
+        for link in links.values():
+            for task in link.tasks:
+                task.cancel()
+
+    try:
+        asyncio.run(scenario())
+        assert_clean(colo)
+    finally:
+        close(colo)
+
+
+def test_a_pool_leaves_with_the_address_it_was_found_through() -> None:
+    """Discovered processes are kept like resolved addresses: while the address they were found through
+    resolves they stay (a dead process's link waits for it to come back), and once that address left DNS
+    the next lookup drops them too. An IPv6 address keeps its brackets; a port out of range is skipped."""
+    answers = {"gw.svc": ["10.0.0.1", "fd00::2"]}
+    links = GatewayLinks("tcp://gw.svc:7100", None, resolve=lambda host: answers[host])
+    try:
+        v4, v6 = "tcp://10.0.0.1:7100", "tcp://[fd00::2]:7100"
+        assert [link.key for link in links.discover(v4, (7101, 0))] == ["tcp://10.0.0.1:7101"]
+        assert [link.key for link in links.discover(v6, (7101,))] == ["tcp://[fd00::2]:7101"]
+        assert links.discover("tcp://10.0.0.1:7101", (7100, 7102)) == []  # not a given address
+        assert list(links.links) == [v4, v6, "tcp://10.0.0.1:7101", "tcp://[fd00::2]:7101"]
+        assert links.refresh(links.lookup()) == ([], [])
+        answers["gw.svc"] = ["fd00::2"]
+        _, removed = links.refresh(links.lookup())  # v4 not connected: gone at once
+        assert [link.key for link in removed] == [v4]
+        links.close_link(removed[0])
+        _, removed = links.refresh(links.lookup())  # its pool with it
+        assert [link.key for link in removed] == ["tcp://10.0.0.1:7101"]
+        links.close_link(removed[0])
+        assert list(links.links) == [v6, "tcp://[fd00::2]:7101"]
+    finally:
+        links.close()
