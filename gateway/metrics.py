@@ -188,7 +188,8 @@ def observe_many(histogram: Histogram, amounts: list[float]) -> None:
     """
     histogram._raise_if_not_observable()
     bounds = histogram._upper_bounds
-    counts = collections.Counter(bisect.bisect_left(bounds, amount) for amount in amounts)
+    # a NaN goes to the sum and no bucket, as ``observe`` does (it is ≤ no bound)
+    counts = collections.Counter(bisect.bisect_left(bounds, a) for a in amounts if a == a)
     histogram._sum.inc(sum(amounts))
     for index, count in counts.items():
         histogram._buckets[index].inc(count)

@@ -41,6 +41,10 @@ class GatewayProcess:
         process's address registers with every process."""
         return tuple(port for i, port in enumerate(self.control_ports) if i != self.index)
 
+    def own_port(self) -> int:
+        """This process's control port (0 when the pool's ports are unknown, or for one process)."""
+        return self.control_ports[self.index] if self.control_ports else 0
+
     def listen_hold_s(self, heartbeat_timeout: float) -> float:
         """Seconds this process may wait for its workers before its socket listens: 0 for a first start,
         ``RESTART_HOLD_HEARTBEATS`` x ``heartbeat_timeout`` (seconds), at most ``RESTART_HOLD_MAX_S``,

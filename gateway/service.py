@@ -260,7 +260,8 @@ class GatewayService:
         await self.control.send(identity, RegisterAck(worker_id=msg.worker_id, epoch=msg.epoch,
                                                       accepted=not reason, reason=reason,
                                                       gateway_epoch=self.epoch,
-                                                      sibling_ports=self.process.sibling_ports()))
+                                                      sibling_ports=self.process.sibling_ports(),
+                                                      control_port=self.process.own_port()))
         log_event(log, "worker_registered" if not reason else "worker_refused", worker_id=msg.worker_id,
                   role=msg.role, epoch=msg.epoch, reason=reason)
         if not reason:

@@ -39,8 +39,8 @@ def add_bench_arguments(parser: OneLineParser, env: Mapping[str, str] | None = N
     add("--workload", default="random", choices=("random", "sharegpt", "multi-turn", "agent"),
          help="agent: concurrent multi-turn sessions in lockstep, reported per turn (loadtest/agent_cli.py)")
     add("--prompt-format", choices=("tokens", "text"),
-        help="tokens: token-id prompts (completions only); text: words (default: tokens for completions, "
-             "text for chat)")
+        help="tokens: token-id prompts (completions, random workload only); text: words (default: tokens "
+             "where they can go, else text)")
     add("--input-len", default="fixed:128", help="fixed:N | uniform:LO,HI | normal:MEAN,STD")
     add("--output-len", default="fixed:64", help="max_tokens distribution (same syntax)")
     add("--dataset-path", help="ShareGPT JSON file (read by workload sharegpt only; refused with "
@@ -91,7 +91,8 @@ def config_from_args(args: argparse.Namespace, model: str) -> BenchConfig:
         raise ValueError(f"--dataset-path {dataset_path}: {why}")
     workload = WorkloadConfig(
         kind=args.workload,
-        prompt_format=args.prompt_format or ("text" if args.endpoint == "chat" else "tokens"),
+        prompt_format=args.prompt_format or (
+            "tokens" if args.endpoint == "completions" and args.workload == "random" else "text"),
         input_len=LengthDist.parse_flag("--input-len", args.input_len),
         output_len=LengthDist.parse_flag("--output-len", args.output_len),
         dataset_path=dataset_path, num_turns=int(args.num_turns),

@@ -114,12 +114,13 @@ class Supervisor:
     announce: Callable[..., None] | None = None
 
     def start(self, name: str, args: list[str], log_path: str | None = None,
-              env: dict[str, str] | None = None) -> None:
+              env: dict[str, str] | None = None, verb: str = "started") -> None:
         """Start ``command`` (``python -m pdserve.cli``) ``*args`` as child ``name`` in a new process group
         (signals sent to the terminal's foreground group do not reach it: only ``stop_all`` stops it); its
         output goes to ``log_path`` (a file, appended) or, by default, to this process's stdout/stderr.
         Its environment is this process's without ``unset_env``, with ``env`` added. On Linux it gets
-        ``parent_death_signal`` when the calling thread ends (``parent_death_hook``)."""
+        ``parent_death_signal`` when the calling thread ends (``parent_death_hook``). ``announce`` is told
+        ``"<verb> <name> (pid N)"``."""
         cmd = [*self.command, *args]
         self.args[name], self.log_paths[name], self.envs[name] = list(args), log_path, dict(env or {})
         child_env = {**{k: v for k, v in os.environ.items() if k not in self.unset_env}, **self.envs[name]}
@@ -132,9 +133,9 @@ class Supervisor:
                                                        stderr=subprocess.STDOUT, process_group=0)
         pid = self.children[name].pid
         if self.announce is not None:
-            self.announce(f"started {name} (pid {pid})", child=name, pid=pid)
+            self.announce(f"{verb} {name} (pid {pid})", child=name, pid=pid)
         else:
-            log_event(log, "child_started", child=name, pid=pid)
+            log_event(log, f"child_{verb}", child=name, pid=pid)
 
     def restart(self, name: str) -> None:
         """Start child ``name`` again, as it was started (its earlier process has exited).
@@ -144,7 +145,7 @@ class Supervisor:
         """
         if self.children[name].poll() is None:
             raise RuntimeError(f"{name} is still running")
-        self.start(name, self.args[name], self.log_paths[name], self.envs[name])
+        self.start(name, self.args[name], self.log_paths[name], self.envs[name], verb="restarted")
 
     def dead(self) -> list[tuple[str, int]]:
         """(name, exit code) of every child that has exited."""
@@ -248,9 +249,7 @@ def supervise(sup: Supervisor, stop: list[int], policy: RestartPolicy, roles: Ma
         for name, st in state.items():
             if st.restart_at is not None and now >= st.restart_at and not stop:
                 st.restart_at = None
-                sup.restart(name)
-                say_up(f"restarted {name} (pid {sup.children[name].pid})", child=name,
-                       pid=sup.children[name].pid)
+                sup.restart(name)  # said by the supervisor's ``announce``
         time.sleep(tick_s)
     return 0
 

@@ -116,25 +116,32 @@ def rehome_library_loggers(names: Sequence[str] = LIBRARY_LOGGERS) -> None:
         logger.propagate = True
 
 
+_FINDING: set[str] = set()  # HANDLER_MODULES names being looked up by a _RehomeAfterImport now
+
+
 class _RehomeAfterImport(importlib.abc.MetaPathFinder):
     """First on ``sys.meta_path``: the import of a module in ``HANDLER_MODULES`` is found and run by the
     other finders and loaders as usual, then ``rehome_library_loggers`` runs."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in HANDLER_MODULES:
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if finder is not self and find is not None else None
-            if spec is not None:
-                break
-        else:
-            return None
+        if fullname not in HANDLER_MODULES or fullname in _FINDING:
+            return None  # in _FINDING: asked again from within this search (another such finder)
+        _FINDING.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                find = getattr(finder, "find_spec", None)
+                spec = find(fullname, path, target) if finder is not self and find is not None else None
+                if spec is not None:
+                    break
+            else:
+                return None
+        finally:
+            _FINDING.discard(fullname)
         loader = spec.loader
         exec_module = getattr(loader, "exec_module", None)
-        if exec_module is None:
-            return spec
+        if exec_module is None or getattr(exec_module, "rehomes", False):
+            return spec  # a namespace package (no loader), or a shared loader already wrapped
 
         def exec_then_rehome(module: ModuleType) -> None:
             try:
@@ -142,6 +149,7 @@ class _RehomeAfterImport(importlib.abc.MetaPathFinder):
             finally:
                 rehome_library_loggers()
 
+        exec_then_rehome.rehomes = True  # type: ignore[attr-defined]
         loader.exec_module = exec_then_rehome  # type: ignore[method-assign]  # this module's loader only
         return spec
 
@@ -156,9 +164,10 @@ def say(logger: logging.Logger, msg: str, text: str | None = None, level: int = 
     """Tell the person running a command ``msg``. In the JSON format (``json_format``) it is a log event
     of ``logger`` (``msg`` and ``fields``: one JSON line through the root handler, on stderr); in the text
     format ``text`` (default ``msg``; may span lines) is printed as is on ``stream`` (default stderr) and
-    flushed, without ``fields``."""
+    flushed, without ``fields``. Either way whatever ``--log-level`` is: the text is printed regardless,
+    and so the event is written regardless of the loggers' levels."""
     if json_format():
-        log_event(logger, msg, level, **fields)
+        logger.handle(logger.makeRecord(logger.name, level, "", 0, msg, (), None, extra=fields))
     else:
         print(msg if text is None else text, file=stream if stream is not None else sys.stderr, flush=True)
 

@@ -133,7 +133,9 @@ class RegisterAck(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     of this gateway's pool (``pdserve gateway --workers N``), on the host the worker reached this one at;
     an accepted worker registers with each it does not serve yet (workers/gateway_links.py). Empty for a
     gateway of one process. Ports, not endpoints: a process binds e.g. ``tcp://0.0.0.0:P``, which no
-    worker can connect to, and the pool's processes share one host."""
+    worker can connect to, and the pool's processes share one host. ``control_port``: the port this process's
+    control socket is bound to (0: not said); a worker that reached it at another port (a port mapping:
+    docker ``-p``, a Service's port) cannot reach the siblings at theirs and does not follow them."""
 
     worker_id: str
     epoch: int
@@ -141,6 +143,7 @@ class RegisterAck(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     reason: str = ""
     gateway_epoch: int = 0
     sibling_ports: tuple[int, ...] = ()
+    control_port: int = 0
 
 
 class ReRegister(msgspec.Struct, frozen=True, kw_only=True, tag=True):

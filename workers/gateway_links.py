@@ -164,16 +164,25 @@ class GatewayLinks:
         """The endpoints ``--gateway-control`` stands for as last resolved, in order (no discovered ones)."""
         return list(dict.fromkeys(ep for eps in self._addresses.values() for ep in eps))
 
-    def discover(self, key: str, ports: tuple[int, ...]) -> list[GatewayLink]:
+    def discover(self, key: str, ports: tuple[int, ...], own_port: int = 0) -> list[GatewayLink]:
         """The gateway of link ``key`` accepted this worker and named its pool's other processes' control
         ``ports``: a link for each endpoint at ``key``'s host and such a port that has none yet (connecting;
         not registered yet). Returns the links added (the caller starts them). Only a given endpoint's
         pool is recorded (a discovered process names the same pool); a port out of [1, 65535] or a
-        non-tcp ``key`` is skipped. Siblings no longer named leave at the next ``refresh``."""
+        non-tcp ``key`` is skipped. When the gateway says it is bound to ``own_port`` (not 0) and ``key``
+        has another port, the worker reached it through a port mapping, behind which the siblings' ports
+        mean nothing: none is followed, and a warning says to give every process's address. Siblings no
+        longer named leave at the next ``refresh`` (run only when an entry is a DNS name: with addresses
+        alone they stay until the worker restarts; nothing accepts the worker there)."""
         if key not in self.given():
             return []
         entry = parse_endpoint(key, "gateway-control")
         if entry.scheme != "tcp":
+            return []
+        if own_port and entry.port != own_port and ports:
+            log_event(log, "gateway_pool_not_followed", logging.WARNING, gateway=key, bound_port=own_port,
+                      reason="reached at another port than the gateway is bound to (a port mapping); give "
+                             "--gateway-control every process's address")
             return []
         self.pools[key] = list(dict.fromkeys(entry.with_port(p) for p in ports if 0 < p < 65536))
         added = [self._add(ep) for ep in self.pools[key] if ep not in self.links]

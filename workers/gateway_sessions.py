@@ -120,7 +120,7 @@ class GatewaySessions:
         self._answer_dropped(link.key, link.gateway_epoch)
         self.host.health.registered = True
         self.host.want_kv_snapshot()
-        for sibling in self.gateways.discover(link.key, ack.sibling_ports):
+        for sibling in self.gateways.discover(link.key, ack.sibling_ports, ack.control_port):
             self.start_link(sibling)
 
     def lose(self, link: GatewayLink, reason: str) -> None:

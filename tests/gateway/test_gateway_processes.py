@@ -532,7 +532,8 @@ async def test_the_register_ack_names_the_other_processes_control_ports() -> Non
         await svc.on_control_message(b"c0", register)
         [ack] = [m for _, m in control.sent if isinstance(m, RegisterAck)]
         acks.append(ack)
-    assert [(a.accepted, a.sibling_ports) for a in acks] == [(True, (46200, 46202)), (True, ())]
+    assert [(a.accepted, a.sibling_ports, a.control_port) for a in acks] == [(True, (46200, 46202), 46201),
+                                                                             (True, (), 0)]
     with pytest.raises(ValueError, match="2 control ports for 3 gateway processes"):
         GatewayProcess(0, 3, "m", control_ports=(1, 2))
     settings = GatewaySettings(port=46203, control_bind="tcp://127.0.0.1:46204", workers=2,

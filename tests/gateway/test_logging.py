@@ -101,6 +101,21 @@ def test_a_library_imported_after_configure_logging_logs_through_the_root_handle
         assert line.endswith("INFO    nixl.nixl_cu13._api Initialized NIXL agent: up-decode-0-recv")
 
 
+def test_two_rehoming_finders_do_not_recurse(nixl_stand_in: None, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second re-homing finder on ``sys.meta_path`` (as after a reload of protocol.logging) does not make
+    the two ask each other forever: the import works, and the library still logs through the root."""
+    from protocol.logging import _RehomeAfterImport
+
+    configure_logging("info", "json")
+    monkeypatch.setattr(sys, "meta_path", [_RehomeAfterImport(), *sys.meta_path])
+    import nixl  # noqa: F401  # the stand-in
+
+    logging.getLogger("nixl").info("up")
+    out, err = capsys.readouterr()
+    assert out == "" and json.loads(err)["msg"] == "up"
+
+
 def test_a_library_imported_before_configure_logging_is_rehomed_too(
         nixl_stand_in: None, capsys: pytest.CaptureFixture[str]) -> None:
     import nixl  # noqa: F401  # the stand-in
@@ -165,6 +180,11 @@ def test_say_prints_text_or_logs_one_json_event(capsys: pytest.CaptureFixture[st
     assert out == "" and [(o["logger"], o["level"], o["msg"]) for o in objs] == [
         ("pdserve.up", "info", "ready"), ("pdserve.up", "error", "gateway exited with code 1")]
     assert objs[0]["url"] == "http://h:1"
+    # --log-level warning hides log events below it, not what the command tells its user (text prints it)
+    configure_logging("warning", "json")
+    say(up, "ready", "pdserve is ready at http://h:1", url="http://h:1")
+    [line] = capsys.readouterr().err.splitlines()
+    assert (json.loads(line)["msg"], json.loads(line)["level"]) == ("ready", "info")
 
 
 async def test_clean_worker_shutdown_is_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:

@@ -75,3 +75,17 @@ def test_multiprocess_itl_histogram_counts_every_gap(tmp_path: Path) -> None:
     assert got["2.5"] == 6
     assert got["+Inf"] == len(gaps)
     assert abs(got["pdserve_itl_seconds_sum"] - sum(gaps)) < 1e-9
+
+
+def test_a_nan_goes_to_no_bucket_as_with_observe() -> None:
+    reg_one, reg_many = CollectorRegistry(), CollectorRegistry()
+    one = Histogram("gap_seconds", "g", buckets=_GAP_BUCKETS, registry=reg_one)
+    many = Histogram("gap_seconds", "g", buckets=_GAP_BUCKETS, registry=reg_many)
+    for gap in (0.002, float("nan")):
+        one.observe(gap)
+    observe_many(many, [0.002, float("nan")])
+    def buckets(reg: CollectorRegistry) -> dict[tuple[str, str], float]:
+        return {k: v for k, v in _samples(reg, "gap_seconds").items() if k[0] == "gap_seconds_bucket"}
+
+    assert buckets(reg_many) == buckets(reg_one)
+    assert buckets(reg_one)[("gap_seconds_bucket", "+Inf")] == 1

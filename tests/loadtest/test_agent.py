@@ -427,6 +427,7 @@ def test_worker_page_lost_during_the_run_fails_the_bench(fake: tuple[str, FakeSt
     (["--endpoint", "chat"], "text"),                 # chat cannot send token ids: text by default
     (["--endpoint", "chat", "--prompt-format", "text"], "text"),
     (["--prompt-format", "text"], "text"),
+    (["--workload", "multi-turn", "--num-turns", "2"], "text"),  # its turns are text
 ])
 def test_the_prompt_format_follows_the_endpoint_unless_given(argv: list[str], want: str) -> None:
     from loadtest.cli import add_bench_arguments, config_from_args

@@ -105,7 +105,7 @@ def test_supervise_restarts_an_exited_worker_and_gives_up_on_a_crash_loop(tmp_pa
     crashing is given up on after max_exits exits within the window, in one line saying how many of its
     role are left; with a prefill and a decode worker left, the rest keep serving and only the stop signal
     ends supervision (0)."""
-    sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN))
+    sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN), announce=say_up)  # as up makes it
     policy = RestartPolicy(backoff_s=0.05, max_backoff_s=0.2, max_exits=3, window_s=60.0)
     sup.start("gateway", ["serve"])
     sup.start("prefill-0", ["serve"])
@@ -147,7 +147,7 @@ def test_supervise_stops_everything_when_the_last_worker_of_a_role_is_given_up(c
     colocated worker is left, so supervision ends (1: ``pdserve up`` stops every child and exits 1, for a
     process manager to restart it) with one line naming the worker and why; the others were not stopped
     by ``supervise`` itself."""
-    sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN))
+    sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN), announce=say_up)  # as up makes it
     policy = RestartPolicy(backoff_s=0.05, max_backoff_s=0.2, max_exits=3, window_s=60.0)
     sup.start("gateway", ["serve"])
     sup.start("prefill-0", ["serve"])
@@ -185,7 +185,7 @@ def test_serving_problem_needs_a_prefill_and_decode_pair_or_a_colocated_worker()
 
 
 def test_supervise_stops_when_the_gateway_exits(capfd) -> None:
-    sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN))
+    sup = Supervisor(grace=2.0, command=(sys.executable, "-c", STAND_IN), announce=say_up)  # as up makes it
     sup.start("decode-0", ["serve"])
     sup.start("gateway", ["crash"])
     _, result, thread = _supervise_in_thread(sup, RestartPolicy(backoff_s=0.05), {"decode-0": "decode"})
@@ -332,8 +332,9 @@ def test_up_lines_carry_their_numbers_as_json_fields(capfd) -> None:
     exited = next(e for e in up if e["msg"].startswith("decode-0 exited with code 3"))
     assert (exited["level"], exited["child"], exited["exit_code"], exited["restart_in_s"]) == (
         "warning", "decode-0", 3, 0.05)
-    restarted = next(e for e in up if e["msg"].startswith("restarted decode-0"))
+    [restarted] = [e for e in up if e["msg"].startswith("restarted decode-0")]  # one line per restart
     assert restarted["pid"] != first_pid and restarted["child"] == "decode-0"
+    assert sum(e["msg"].startswith("started decode-0") for e in up) == 1
     given_up = next(e for e in up if "given up" in e["msg"])
     assert (given_up["level"], given_up["child"], given_up["exits"], given_up["exit_code"]) == (
         "error", "decode-0", 2, 3)

@@ -6,6 +6,7 @@ the other gateway's go on. Ends with the leak check."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -464,5 +465,22 @@ def test_a_pool_leaves_with_the_address_it_was_found_through() -> None:
         assert [link.key for link in removed] == ["tcp://10.0.0.1:7101"]
         links.close_link(removed[0])
         assert list(links.links) == [v6, "tcp://[fd00::2]:7101"]
+    finally:
+        links.close()
+
+
+def test_a_pool_behind_a_port_mapping_is_not_followed(caplog: pytest.LogCaptureFixture) -> None:
+    """The gateway says it is bound to 7100 but the worker reached it at 17100 (docker ``-p 17100:7100``,
+    a Service's port): the siblings' bind ports mean nothing at that host, so none is dialled, and a
+    warning names the gateway; reached at its own port, the siblings are followed."""
+    links = GatewayLinks("tcp://10.0.0.1:17100,tcp://10.0.0.2:7100", None)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pdserve.worker.control"):
+            assert links.discover("tcp://10.0.0.1:17100", (7101,), own_port=7100) == []
+        [warning] = [r for r in caplog.records if r.getMessage() == "gateway_pool_not_followed"]
+        assert warning.gateway == "tcp://10.0.0.1:17100"  # type: ignore[attr-defined]
+        assert [link.key for link in links.discover("tcp://10.0.0.2:7100", (7101,), own_port=7100)] == [
+            "tcp://10.0.0.2:7101"]
+        assert list(links.links) == ["tcp://10.0.0.1:17100", "tcp://10.0.0.2:7100", "tcp://10.0.0.2:7101"]
     finally:
         links.close()
