@@ -162,8 +162,8 @@ class GatewaySettings:
 
     def control_endpoints(self) -> tuple[str, ...]:
         """The control socket of each gateway process: ``--control-bind`` itself for one process; for
-        ``--workers N`` > 1, ``tcp://host:P`` gives process i the port P + i (P .. P + N - 1), the list
-        every worker's ``--gateway-control`` must hold.
+        ``--workers N`` > 1, ``tcp://host:P`` gives process i the port P + i (P .. P + N - 1); a worker
+        given any one of them learns the others from its ``RegisterAck`` (``sibling_ports``).
 
         Raises:
             ValueError: N > 1 with a control endpoint that is not ``tcp://host:port`` with a fixed port,
