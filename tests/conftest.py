@@ -3,7 +3,8 @@
 * Every process of the session (the xdist workers and the processes tests start) uses one intra-op
   thread (``OMP_NUM_THREADS=1`` unless set): the CPU is shared.
 * On a machine without CUDA, Triton kernels run through Triton's interpreter: ``TRITON_INTERPRET=1`` must
-  be set before ``triton`` is first imported, so it is set here, at collection start.
+  be set before ``triton`` is first imported, so it is set here, at collection start; its ``tl.dot`` is
+  then an ``np.einsum`` (``tests/interpreter_dot.py``: BLAS gave a row other bits by the tile's row count).
 * ``live``: the live system shared by the system-level suites (``tests/live.py``), started once per
   session and stopped after the last test that uses it; after each module that used it, a leak check
   (every KV block free, nothing in flight, no child dead but those a test killed on purpose).
@@ -50,6 +51,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.interpreter_dot import use_einsum_dot
+
+    use_einsum_dot()  # tl.dot's bits independent of the tile's row count, as on a GPU (its docstring)
 
 
 def _module(item: pytest.Item) -> str:
