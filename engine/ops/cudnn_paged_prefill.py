@@ -107,6 +107,17 @@ def _hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+def frontend_missing_on(device: torch.device, q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether the paged cuDNN path would serve a worker with these dtypes on ``device`` (a Hopper-or-newer
+    CUDA device, a float16/bfloat16 cache of the queries' dtype, outside the Triton interpreter) but for
+    the cuDNN frontend package, which is not installed."""
+    if device.type != "cuda" or q_dtype not in (torch.float16, torch.bfloat16) or cache_dtype != q_dtype:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1" or frontend_available():
+        return False
+    return _hopper(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def paged_prefill_usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          max_seq_len: int) -> bool:
     """Whether a step's prefill sequences may go through ``cudnn_paged_prefill``: a float16/bfloat16 ``q``
@@ -299,8 +310,16 @@ def warm_paged_prefill_graphs(q_probe: torch.Tensor, k_cache: torch.Tensor, max_
     to ``max_query_len`` and KVs of up to ``max_seq_len`` tokens (the engine's token budget and
     ``max_model_len``: one bucket each, the lengths being free to pad), for queries like ``q_probe``
     (``[1, H, D]``: device, dtype, heads). Returns the number of graphs built or found (0 where
-    ``paged_prefill_usable`` would never take the path)."""
-    if max_seq_len < CUDNN_PAGED_MIN_KV or not paged_prefill_usable(q_probe, k_cache, k_cache, max_seq_len):
+    ``paged_prefill_usable`` would never take the path; logs a warning where only the frontend package is
+    missing for it)."""
+    if max_seq_len < CUDNN_PAGED_MIN_KV:
+        return 0
+    if frontend_missing_on(q_probe.device, q_probe.dtype, k_cache.dtype):
+        log.warning("cudnn_frontend_missing: the cuDNN frontend (package nvidia-cudnn-frontend, in the gpu "
+                    "extra: pip install 'pdserve[gpu]') is not installed, so prefill over a KV of %d tokens "
+                    "or more runs on the slower Triton kernel", CUDNN_PAGED_MIN_KV)
+        return 0
+    if not paged_prefill_usable(q_probe, k_cache, k_cache, max_seq_len):
         return 0
     count, seqs = 0, 1
     while seqs <= _pow2(max_seqs):  # 1, 2, 4, .. the power of two at or above max_seqs

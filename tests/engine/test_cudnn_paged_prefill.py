@@ -4,8 +4,11 @@ the triton backend's dispatch and the warm-up."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import logging
 import math
+import types
 
 import pytest
 import torch
@@ -231,3 +234,36 @@ def test_warm_up_builds_one_graph_per_sequence_count_bucket() -> None:
     k_cache = torch.zeros(600, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
     assert warm_paged_prefill_graphs(q, k_cache, 5, 2048, 8192) == 4  # 1, 2, 4, 8 sequences
     assert warm_paged_prefill_graphs(q, k_cache, 5, 2048, CUDNN_PAGED_MIN_KV - 1) == 0  # no KV that long
+
+
+def test_a_hopper_worker_without_the_frontend_is_told(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Where only the frontend package keeps the paged cuDNN path off (a Hopper GPU, a bf16 cache), the
+    warm-up builds nothing and says so once, naming the package; off a GPU, with an FP8 cache or under the
+    Triton interpreter nothing is said."""
+    module = importlib.import_module("engine.ops.cudnn_paged_prefill")
+    monkeypatch.setattr(module, "frontend_available", lambda: False)
+    monkeypatch.setattr(module, "_hopper", lambda index: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gpu = torch.device("cuda", 0)
+    assert module.frontend_missing_on(gpu, torch.bfloat16, torch.bfloat16)
+    assert not module.frontend_missing_on(torch.device("cpu"), torch.bfloat16, torch.bfloat16)
+    assert not module.frontend_missing_on(gpu, torch.bfloat16, torch.float8_e4m3fn)
+    monkeypatch.setattr(module, "_hopper", lambda index: False)
+    assert not module.frontend_missing_on(gpu, torch.bfloat16, torch.bfloat16)
+    monkeypatch.setattr(module, "_hopper", lambda index: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not module.frontend_missing_on(gpu, torch.bfloat16, torch.bfloat16)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(module, "frontend_available", lambda: True)
+    assert not module.frontend_missing_on(gpu, torch.bfloat16, torch.bfloat16)
+
+    monkeypatch.setattr(module, "frontend_available", lambda: False)
+    # what the warm-up reads of its probes before this branch returns: device and dtype
+    probe = types.SimpleNamespace(device=gpu, dtype=torch.bfloat16)
+    k_cache = types.SimpleNamespace(dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine"):
+        assert warm_paged_prefill_graphs(probe, k_cache, 8, 2048, 8192) == 0
+        assert warm_paged_prefill_graphs(probe, k_cache, 8, 2048, CUDNN_PAGED_MIN_KV - 1) == 0
+    warnings = [r.getMessage() for r in caplog.records if "cudnn_frontend_missing" in r.getMessage()]
+    assert len(warnings) == 1 and "nvidia-cudnn-frontend" in warnings[0] and "pdserve[gpu]" in warnings[0]
