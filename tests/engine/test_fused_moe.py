@@ -159,15 +159,40 @@ def test_half_precision_routing_weights_are_not_cast_before_the_kernels(path):
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[torch.float16], rtol=TOL[torch.float16])
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+DOWN_SLOT_CASES = [(8, 1, 8), (8, 2, 4), (3, 1, 2), (2, 1, 4), (3, 2, 4)]  # (top_k, tokens, slots)
+
+
+def _prefetch_taken(top_k: int, slots: int, scale: str | None) -> bool:
+    return slots >= top_k and scale != "block"
+
+
 @pytest.mark.parametrize("scale", [None, "channel", "block"])
-@pytest.mark.parametrize("top_k,tokens,slots", [(8, 1, 8), (8, 2, 4), (3, 1, 2), (2, 1, 4), (3, 2, 4)])
+@pytest.mark.parametrize("top_k,tokens,slots", DOWN_SLOT_CASES)
+def test_down_prefetch_is_taken_only_where_the_slots_fit_one_round_without_block_scales(scale, top_k, tokens,
+                                                                                        slots):
+    """``down_prefetch=True`` runs the down kernel with ``PREFETCH`` only where every slot fits one round and
+    the experts are not block-scaled; elsewhere it is the kernel without (so the kernel test below runs
+    prefetch only where it is taken)."""
+    from engine.ops.fused_moe_fp8 import ExpertScales
+    from engine.ops.fused_moe_gemv import down_prefetches
+
+    one = torch.ones(1)
+    scales = None if scale is None else ExpertScales(one, one, (16, 16) if scale == "block" else None)
+    inter = 32 if scale == "block" else 40
+    assert down_prefetches(tokens, top_k, slots, inter, scales, True) == _prefetch_taken(top_k, slots, scale)
+    assert not down_prefetches(tokens, top_k, slots, inter, scales, False)
+
+
+@pytest.mark.parametrize("top_k,tokens,slots,scale,prefetch", [
+    (*case, scale, prefetch) for prefetch in (False, True) for scale in (None, "channel", "block")
+    for case in DOWN_SLOT_CASES if not prefetch or _prefetch_taken(case[0], case[2], scale)])
 def test_down_gemv_slots_read_at_once_match_the_reference(scale, top_k, tokens, slots, prefetch):
     """The down matrix-vector kernel reading ``slots`` of a token's experts at once (all of them, a part of
     them over several rounds, or more slots than ``top_k`` with the rest masked) equals the reference and,
     up to float reassociation, the one-expert-at-a-time kernel; FP8 experts with per-row or block scales
-    too; with ``down_prefetch`` (taken where the slots fit one round and the scales are not block scales)
-    as well. A ``down_slots`` that is not a power of two is refused."""
+    too; with ``down_prefetch`` where it is taken (the slots fit one round and the scales are not block
+    scales; elsewhere it runs the kernel without, which the cases without cover). A ``down_slots`` that is
+    not a power of two is refused."""
     from engine.ops.fused_moe_fp8 import ExpertScales, quantize_experts
     from engine.ops.fused_moe_gemv import down_prefetches
 
