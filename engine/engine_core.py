@@ -27,7 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.structured_output import StructuredOutputs
-from engine.tp_executor import RankHookFactory, TensorParallelRanks
+from engine.tp_executor import RankHookFactory, RankSetup, TensorParallelRanks
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ class EngineCore:
         engine_config: model, cache and scheduler configs.
         prefill_only: prefill-worker mode (sequences end FINISHED_PREFILLED and keep their blocks).
         rank_hook: built on each other tensor parallel rank (``engine.tp_executor.RankHook``).
+        rank_setup: called first on each other tensor parallel rank (``engine.tp_executor.RankSetup``).
 
     With ``engine_config.parallel.distributed`` this process is tensor parallel rank 0 and the other ranks
     run in processes of ``engine.tp_executor.TensorParallelRanks`` (``ranks``) until ``close``; steps then
@@ -89,10 +90,11 @@ class EngineCore:
     """
 
     def __init__(self, engine_config: EngineConfig, *, prefill_only: bool = False,
-                 rank_hook: RankHookFactory | None = None) -> None:
+                 rank_hook: RankHookFactory | None = None, rank_setup: RankSetup | None = None) -> None:
         self.config = engine_config
         distributed = engine_config.parallel.distributed
-        self.ranks = TensorParallelRanks(engine_config, rank_hook=rank_hook) if distributed else None
+        self.ranks = (TensorParallelRanks(engine_config, rank_hook=rank_hook, rank_setup=rank_setup)
+                      if distributed else None)
         try:
             self.runner = ModelRunner(engine_config, self.ranks.tp if self.ranks is not None else None)
         except BaseException:

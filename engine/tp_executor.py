@@ -9,7 +9,9 @@ A caller that needs per-rank work (a KV endpoint over each rank's own ``kv_buffe
 ``RankHookFactory``: a picklable callable (a module-level function, or a ``functools.partial`` of one) that
 each rank ``1..N-1`` calls once with its ``ModelRunner`` and ``TensorParallel``; the ``RankHook`` it builds
 gives each step's layer hook (called after each layer's K/V is stored on that rank, as rank 0's), reading
-the step's ``StepBatch.rank_note``, and is closed when the rank's loop ends.
+the step's ``StepBatch.rank_note``, and is closed when the rank's loop ends. ``RankSetup``: a picklable
+callable each rank ``1..N-1`` calls first, with no arguments (a spawned process inherits none of rank 0's
+set-up: the worker passes its log configuration, so the ranks' lines have the worker's format).
 
 Failure: a rank that dies makes the others' next collective fail (at the latest after
 ``ParallelConfig.timeout_s``), so rank 0's step raises and the engine ends; a follower whose rank 0 is
@@ -54,6 +56,7 @@ class RankHook(Protocol):
 
 
 RankHookFactory = Callable[[ModelRunner, TensorParallel], RankHook]
+RankSetup = Callable[[], None]
 
 
 class RankRefused(Exception):
@@ -99,10 +102,12 @@ def run_follower(engine_config: EngineConfig, tp: TensorParallel,
 
 
 def _follower_main(engine_config: EngineConfig, rank: int, init_method: str, threads: int,
-                   rank_hook: RankHookFactory | None = None) -> None:
-    """Process entry of rank ``rank``: join the group, run ``run_follower``, leave the group. A refusal to
-    build the shard (``RankRefused``) is logged in one line and ends the process with exit code 1, without
-    a traceback."""
+                   rank_hook: RankHookFactory | None = None, rank_setup: RankSetup | None = None) -> None:
+    """Process entry of rank ``rank``: ``rank_setup``, join the group, run ``run_follower``, leave the
+    group. A refusal to build the shard (``RankRefused``) is logged in one line and ends the process with
+    exit code 1, without a traceback."""
+    if rank_setup is not None:
+        rank_setup()
     torch.set_num_threads(threads)
     size = engine_config.parallel.tensor_parallel_size
     device = rank_device(resolve_device(engine_config.model.device), TensorParallel(rank=rank, size=size))
@@ -123,6 +128,7 @@ class TensorParallelRanks:
         engine_config: the engine's config (``parallel.distributed`` must be True).
         init_method: rank 0's store address; default a free loopback port (all ranks on this host).
         rank_hook: built on every rank ``1..N-1`` (``RankHookFactory``; module docstring).
+        rank_setup: called first on every rank ``1..N-1`` (``RankSetup``; module docstring).
 
     Attributes:
         tp: rank 0's ``TensorParallel`` (give it to ``ModelRunner``).
@@ -137,7 +143,7 @@ class TensorParallelRanks:
     """
 
     def __init__(self, engine_config: EngineConfig, init_method: str | None = None,
-                 rank_hook: RankHookFactory | None = None) -> None:
+                 rank_hook: RankHookFactory | None = None, rank_setup: RankSetup | None = None) -> None:
         parallel = engine_config.parallel
         if not parallel.distributed:
             raise ValueError("TensorParallelRanks needs tensor_parallel_size > 1 or force_distributed")
@@ -153,7 +159,7 @@ class TensorParallelRanks:
         try:
             for rank in range(1, parallel.tensor_parallel_size):
                 proc = ctx.Process(target=_follower_main,
-                                   args=(engine_config, rank, init_method, threads, rank_hook),
+                                   args=(engine_config, rank, init_method, threads, rank_hook, rank_setup),
                                    name=f"pdserve-tp-rank{rank}", daemon=True)
                 proc.start()
                 self.followers.append(proc)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from protocol.heap import freeze_start_up_heap
+from protocol.logging import configure_logging
 from workers.control_client import RegistrationError
 
 if TYPE_CHECKING:
@@ -82,7 +83,10 @@ def build_core(settings: WorkerSettings, *, prefill_only: bool = False) -> tuple
 
         # every other rank runs its own KV endpoint, driven by the worker's RankSender / RankReceiver
         rank_hook = functools.partial(rank_kv_hook, rank_kv_spec(settings))
-    core = EngineCore(engine_config_from_settings(settings), prefill_only=prefill_only, rank_hook=rank_hook)
+    # the other ranks are spawned: they log in the worker's format from their first line
+    rank_setup = functools.partial(configure_logging, settings.log_level, settings.log_format)
+    core = EngineCore(engine_config_from_settings(settings), prefill_only=prefill_only, rank_hook=rank_hook,
+                      rank_setup=rank_setup)
     return core, path
 
 

@@ -309,6 +309,34 @@ def test_a_follower_rank_refusal_is_one_line_without_a_traceback(monkeypatch, ca
                   "of 64 tokens")]
 
 
+def test_a_follower_rank_runs_its_setup_first(monkeypatch, capsys):
+    """``rank_setup`` runs before anything else of the rank: with the worker's ``configure_logging`` for
+    JSON, the rank's refusal line is one JSON object on stderr (spawned ranks inherit no log set-up)."""
+    import functools
+    import json
+
+    from engine import tp_executor
+    from protocol.logging import configure_logging
+
+    def refuse(config, tp):
+        raise ValueError("no room")
+
+    class Group:
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(tp_executor, "init_tensor_parallel", lambda *a: Group())
+    monkeypatch.setattr(tp_executor, "ModelRunner", refuse)
+    config = EngineConfig(ModelConfig("tiny-llama", device="cpu"), CacheConfig(), SchedulerConfig(),
+                          ParallelConfig(tensor_parallel_size=2))
+    with pytest.raises(SystemExit):
+        tp_executor._follower_main(config, 1, "tcp://127.0.0.1:1", torch.get_num_threads(),
+                                   rank_setup=functools.partial(configure_logging, "info", "json"))
+    (line,) = capsys.readouterr().err.splitlines()
+    event = json.loads(line)
+    assert (event["level"], event["msg"]) == ("error", "tensor parallel rank 1: cannot start: no room")
+
+
 def test_a_pad_token_id_past_the_ranks_rows_does_not_stop_the_shard(tmp_path):
     """transformers makes ``pad_token_id`` the embedding's padding_idx, which must lie in the rows it builds:
     a rank holds ceil(V / tp) rows, so a Llama with pad_token_id 200 of 256 failed to build its shards
