@@ -57,6 +57,7 @@ import httpx
 
 from kvtransfer.curve import generate_keys
 from pdserve.cli import SETTINGS_COMMANDS, flag_variables
+from pdserve.cuda_mps import mps_problem, private_mps
 from pdserve.ports import bind_problem, free_port_range, free_ports, local_host
 from pdserve.supervisor import RestartPolicy, Supervisor, say_up, supervise
 from protocol.logging import say
@@ -106,8 +107,9 @@ def up_refusal(settings: UpSettings, model_config: Mapping[str, Any] | None = No
     (``workers.setup.model_config_problem``: a ``--max-model-len`` beyond the model's positions, its
     sliding window or LongRoPE's original context, or the KV cache of an explicit ``--num-blocks``, a model
     ``--tensor-parallel-size`` ranks cannot split, a ``--block-size`` longer than a sequence or, on the
-    CPU, larger than the KV budget), or an ``--attention-backend`` the workers' device cannot run
-    (``attention_backend_problem``)."""
+    CPU, larger than the KV budget), an ``--attention-backend`` the workers' device cannot run
+    (``attention_backend_problem``), or a ``--cuda-mps`` without GPUs or its control program
+    (``pdserve.cuda_mps.mps_problem``)."""
     from engine.config import attention_backend_problem, kv_capacity_problem
     from gateway.text import tokenizer_flag_problem
     from workers.setup import model_config_problem
@@ -128,6 +130,11 @@ def up_refusal(settings: UpSettings, model_config: Mapping[str, Any] | None = No
         return why
     if (why := attention_backend_problem(worker.attention_backend, device)) is not None:
         return f"--attention-backend {worker.attention_backend}: {why}"
+    if settings.cuda_mps:
+        if device == "cpu":
+            return "--cuda-mps: needs CUDA devices, and --device auto found no GPU"
+        if (why := mps_problem(os.environ)) is not None:
+            return why
     return None
 
 
@@ -377,7 +384,8 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
     when it comes during start-up or the model conversion); 2 when something is refused before any child
     starts (a model, quantization, device, host, port, tokenizer, max model length, attention backend
     or tensor parallel size that cannot be used: one line on stderr); 1 when the gateway exited or a
-    child died during start-up, or a worker was given up on and the workers left cannot serve.
+    child died during start-up, or a worker was given up on and the workers left cannot serve, or the
+    MPS daemon of ``--cuda-mps`` did not start (before any child; one line).
 
     What it tells the user (a child stopped, why it stops, the ready block, the supervisor's restarts)
     goes through ``protocol.logging.say``: text as printed lines, ``--log-format json`` as one JSON log
@@ -408,9 +416,17 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
 
     old = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     sup = Supervisor(unset_env=CHILD_UNSET_VARIABLES, announce=say_up)
-    with run_keys(settings) as keys_dir:
+    with run_keys(settings) as keys_dir, contextlib.ExitStack() as daemons:
         try:
-            code = _supervise(settings, sup, stop, ready_timeout, keys_dir)
+            # the MPS daemon outlives every child: it is told to quit after stop_all
+            mps_env = daemons.enter_context(private_mps()) if settings.cuda_mps else {}
+        except RuntimeError as exc:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+            print(f"pdserve up: {exc}", file=sys.stderr)
+            return 1
+        try:
+            code = _supervise(settings, sup, stop, ready_timeout, keys_dir, mps_env)
         finally:
             stopped = sup.stop_all()
             for sig, handler in old.items():
@@ -421,7 +437,7 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
 
 
 def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_timeout: float,
-               keys_dir: str | None) -> int:
+               keys_dir: str | None, mps_env: Mapping[str, str] | None = None) -> int:
     reach = local_host(settings.host)
     url = f"http://{reach if ':' not in reach else f'[{reach}]'}:{settings.port}"
     gpus = gpu_count() if settings.device != "cpu" else 0
@@ -430,8 +446,9 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     control_port = free_port_range(settings.gateway_workers, exclude=(settings.port, *metrics_ports))
     try:  # a tensor parallel size the GPUs cannot hold is refused before any child starts
         children = plan(settings, control_port, gpus, keys_dir, metrics_ports, usable_cores())
+        workers = worker_envs(settings, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
         envs = {"gateway": gateway_env(keys),
-                **worker_envs(settings, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))}
+                **{name: {**env, **(mps_env or {})} for name, env in workers.items()}}
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2

@@ -333,6 +333,7 @@ class UpSettings:
     num_decode: int = 1
     colocated: int = 0
     gateway_workers: int = 1  # gateway processes on the one HTTP port (``pdserve gateway --workers``)
+    cuda_mps: bool = False  # the workers under a CUDA MPS daemon of up's own (pdserve/cuda_mps.py)
     curve_keys: str | None = None  # default: a fresh key pair in a private temp dir, for this run only
     insecure_control_plane: bool = False
     log_level: str = "info"
@@ -350,6 +351,8 @@ class UpSettings:
         _check(self.colocated >= 0, "colocated", "must be >= 0")
         _check(1 <= self.gateway_workers <= MAX_GATEWAY_PROCESSES, "gateway-workers",
                f"must be in [1, {MAX_GATEWAY_PROCESSES}], got {self.gateway_workers}")
+        _check(not self.cuda_mps or self.device != "cpu", "cuda-mps",
+               "needs CUDA devices (--device cuda, cuda:N or auto on a host with GPUs), got --device cpu")
         _check(self.gateway_workers == 1 or self.port != 0, "gateway-workers",
                "several gateway processes need a fixed --port (not 0)")
         _check(self.colocated > 0 or (self.num_prefill > 0 and self.num_decode > 0),
