@@ -303,6 +303,21 @@ def worker_placements(settings: UpSettings, num_gpus: int, cpu_cores: int = 0) -
     return placements(settings.device, [size] * num_workers(settings), num_gpus, cpu_cores)
 
 
+def shared_gpus(settings: UpSettings, num_gpus: int) -> dict[str, list[str]]:
+    """The CUDA devices (``--device`` values) that two or more single-rank workers are placed on, each with
+    those workers' names (``worker_roles`` order); empty on the CPU or with a GPU per worker.
+
+    Raises:
+        ValueError: the ranks do not fit the visible GPUs (``placements``).
+    """
+    on: dict[str, list[str]] = {}
+    for (_, name), place in zip(worker_roles(settings), worker_placements(settings, num_gpus), strict=True):
+        device = place.flags[place.flags.index("--device") + 1] if "--device" in place.flags else "cpu"
+        if device.startswith("cuda") and not place.gpus:
+            on.setdefault("cuda:0" if device == "cuda" else device, []).append(name)
+    return {device: names for device, names in on.items() if len(names) > 1}
+
+
 def worker_envs(settings: UpSettings, num_gpus: int,
                 cuda_visible_devices: str | None = None) -> dict[str, dict[str, str]]:
     """The environment each worker child gets on top of the launcher's, by child name: a worker with GPUs
@@ -452,6 +467,10 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
+    if gpus and not settings.cuda_mps:
+        for device, names in shared_gpus(settings, gpus).items():
+            say_up(f"{' and '.join(names)} share {device}: --cuda-mps would run their kernels side by side "
+                   "instead of taking turns (docs/gpu.md)", device=device, workers=names)
     for name, args in children:
         if stop:
             return 0  # interrupted while starting: start no more children

@@ -2,7 +2,8 @@
 ``nvidia-cuda-mps-control`` on ``PATH`` that records how it was called: started with ``-d`` in a private
 directory before the workers, its two variables in every worker's environment (not the gateway's), told
 to ``quit`` after them, the directory removed; a daemon that does not start stops ``up`` before any child
-with one line; what cannot work is refused before anything starts."""
+with one line; what cannot work is refused before anything starts. Without the flag, workers placed on one
+GPU are named in a hint line."""
 
 from __future__ import annotations
 
@@ -152,3 +153,29 @@ def test_every_worker_gets_the_daemons_variables_and_the_gateway_does_not(
     for name in ("prefill-0", "decode-0"):
         assert started[name][PIPE_VARIABLE] == "/p" and started[name][LOG_VARIABLE] == "/l"
         assert started[name]["CUDA_VISIBLE_DEVICES"] == own[name]["CUDA_VISIBLE_DEVICES"]  # its own kept
+
+
+def test_workers_sharing_a_gpu_are_named_with_the_hint_unless_mps_is_on(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from protocol.settings import UpSettings
+
+    one_gpu = UpSettings(device="auto", insecure_control_plane=True)
+    assert launcher.shared_gpus(one_gpu, 1) == {"cuda:0": ["prefill-0", "decode-0"]}
+    assert launcher.shared_gpus(one_gpu, 2) == {}  # a GPU each
+    assert launcher.shared_gpus(UpSettings(device="cuda:1", num_decode=2), 4) == {
+        "cuda:1": ["prefill-0", "decode-0", "decode-1"]}
+    assert launcher.shared_gpus(UpSettings(device="cpu"), 0) == {}
+
+    class Sup:
+        def start(self, name: str, args: list[str], env: dict[str, str]) -> None:
+            pass
+
+    monkeypatch.setattr(launcher, "wait_ready", lambda *a: "interrupted")
+    monkeypatch.setattr(launcher, "gpu_count", lambda: 1)
+    assert launcher._supervise(one_gpu, Sup(), [], 1.0, None) == 0  # type: ignore[arg-type]
+    assert capsys.readouterr().err.splitlines() == [
+        "pdserve up: prefill-0 and decode-0 share cuda:0: --cuda-mps would run their kernels side by side "
+        "instead of taking turns (docs/gpu.md)"]
+    with_mps = UpSettings(device="auto", insecure_control_plane=True, cuda_mps=True)
+    assert launcher._supervise(with_mps, Sup(), [], 1.0, None, {}) == 0  # type: ignore[arg-type]
+    assert capsys.readouterr().err == ""
