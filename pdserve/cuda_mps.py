@@ -50,38 +50,77 @@ def _last_line(output: bytes) -> str:
     return lines[-1] if lines else "no output"
 
 
+def _command(env: Mapping[str, str], line: str, timeout_s: float) -> str | None:
+    """Send ``line`` to the control daemon of ``env``; None when it took it (exit code 0), else why not."""
+    try:
+        done = subprocess.run([CONTROL], input=f"{line}\n".encode(), env=dict(env), capture_output=True,
+                              timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    if done.returncode == 0:
+        return None
+    return f"exit code {done.returncode}: {_last_line(done.stderr + done.stdout)}"
+
+
+def _control_log(directory: str) -> str:
+    """The last line of the daemon's own log (where it writes why it did not start), or ''."""
+    try:
+        with open(os.path.join(directory, "log", "control.log"), "rb") as f:
+            return _last_line(f.read())
+    except OSError:
+        return ""
+
+
 @contextlib.contextmanager
 def private_mps(timeout_s: float = TIMEOUT_S) -> Iterator[dict[str, str]]:
-    """Start a control daemon of this run's own; yields the variables of its clients.
+    """Start a control daemon of this run's own; yields the variables of its clients. The daemon sees every
+    GPU of the host (started without ``CUDA_VISIBLE_DEVICES``: an MPS server renumbers the devices it is
+    started with, so a worker's own device ids would not match it); each worker still uses only its own.
+
+    On exit the daemon is told to ``quit`` and the directory removed; where ``quit`` is not taken (a client
+    still attached, the daemon gone) the directory is kept and its path logged (``cuda_mps_quit_failed``),
+    so that the daemon can still be reached: ``CUDA_MPS_PIPE_DIRECTORY=<dir>/pipe nvidia-cuda-mps-control``.
 
     Raises:
-        RuntimeError: the daemon did not start (exit code, or ``timeout_s`` passed, or the program could
-            not be run); the message names ``--cuda-mps`` and the program's last line of output. Nothing
-            is left behind.
+        RuntimeError: the daemon did not start (the directory could not be made, ``-d`` failed or passed
+            ``timeout_s``, or the started daemon does not answer a ``get_server_list``); the message names
+            ``--cuda-mps`` and the last line the program or its log wrote. Nothing is left behind.
     """
-    directory = tempfile.mkdtemp(prefix="pdserve-mps-")
-    variables = {PIPE_VARIABLE: os.path.join(directory, "pipe"), LOG_VARIABLE: os.path.join(directory, "log")}
-    for path in variables.values():
-        os.mkdir(path, 0o700)
-    env = {**os.environ, **variables}
     try:
-        done = subprocess.run([CONTROL, "-d"], env=env, capture_output=True, timeout=timeout_s, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        directory = tempfile.mkdtemp(prefix="pdserve-mps-")
+    except OSError as exc:
+        raise RuntimeError(f"--cuda-mps: no directory for the MPS daemon: {exc}") from None
+    variables = {PIPE_VARIABLE: os.path.join(directory, "pipe"), LOG_VARIABLE: os.path.join(directory, "log")}
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | variables
+    try:
+        try:
+            for path in variables.values():
+                os.mkdir(path, 0o700)
+            done = subprocess.run([CONTROL, "-d"], env=env, capture_output=True, timeout=timeout_s,
+                                  check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(f"--cuda-mps: {CONTROL} -d did not start: {exc}") from None
+        if done.returncode != 0:
+            raise RuntimeError(f"--cuda-mps: {CONTROL} -d exited with code {done.returncode}: "
+                               f"{_last_line(done.stderr + done.stdout)}")
+        if (why := _command(env, "get_server_list", timeout_s)) is not None:
+            said = _control_log(directory)
+            raise RuntimeError(f"--cuda-mps: the MPS daemon does not answer ({why})"
+                               + (f"; its log: {said}" if said else ""))
+    except BaseException:
+        if os.path.exists(os.path.join(variables[PIPE_VARIABLE], "control")):  # some daemon made its socket
+            _command(env, "quit", timeout_s)
         shutil.rmtree(directory, ignore_errors=True)
-        raise RuntimeError(f"--cuda-mps: {CONTROL} -d did not start: {exc}") from None
-    if done.returncode != 0:
-        shutil.rmtree(directory, ignore_errors=True)
-        raise RuntimeError(f"--cuda-mps: {CONTROL} -d exited with code {done.returncode}: "
-                           f"{_last_line(done.stderr + done.stdout)}")
+        raise
+    kept = False
     try:
         yield variables
     finally:
         try:
-            done = subprocess.run([CONTROL], input=b"quit\n", env=env, capture_output=True, timeout=timeout_s,
-                                  check=False)
-            if done.returncode != 0:
-                log.warning("cuda_mps_quit_failed exit_code=%d: %s", done.returncode,
-                            _last_line(done.stderr + done.stdout))
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            log.warning("cuda_mps_quit_failed: %s", exc)
-        shutil.rmtree(directory, ignore_errors=True)
+            if (why := _command(env, "quit", timeout_s)) is not None:
+                kept = True
+                log.warning("cuda_mps_quit_failed: %s; the daemon may still run, reachable through %s=%s",
+                            why, PIPE_VARIABLE, variables[PIPE_VARIABLE])
+        finally:
+            if not kept:
+                shutil.rmtree(directory, ignore_errors=True)

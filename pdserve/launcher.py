@@ -431,21 +431,20 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
 
     old = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     sup = Supervisor(unset_env=CHILD_UNSET_VARIABLES, announce=say_up)
-    with run_keys(settings) as keys_dir, contextlib.ExitStack() as daemons:
-        try:
-            # the MPS daemon outlives every child: it is told to quit after stop_all
-            mps_env = daemons.enter_context(private_mps()) if settings.cuda_mps else {}
-        except RuntimeError as exc:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-            print(f"pdserve up: {exc}", file=sys.stderr)
-            return 1
-        try:
-            code = _supervise(settings, sup, stop, ready_timeout, keys_dir, mps_env)
-        finally:
-            stopped = sup.stop_all()
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
+    try:  # the signal handlers stay until the MPS daemon, which outlives every child, was told to quit
+        with run_keys(settings) as keys_dir, contextlib.ExitStack() as daemons:
+            try:
+                mps_env = daemons.enter_context(private_mps()) if settings.cuda_mps else {}
+            except RuntimeError as exc:
+                print(f"pdserve up: {exc}", file=sys.stderr)
+                return 1
+            try:
+                code = _supervise(settings, sup, stop, ready_timeout, keys_dir, mps_env)
+            finally:
+                stopped = sup.stop_all()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     for name, pid, how in stopped:
         say_up(f"{how} {name} (pid {pid})", child=name, pid=pid, how=how)
     return 128 + stop[0] if stop else code
@@ -467,10 +466,14 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
-    if gpus and not settings.cuda_mps:
-        for device, names in shared_gpus(settings, gpus).items():
-            say_up(f"{' and '.join(names)} share {device}: --cuda-mps would run their kernels side by side "
-                   "instead of taking turns (docs/gpu.md)", device=device, workers=names)
+    if gpus:
+        shared = shared_gpus(settings, gpus)
+        if settings.cuda_mps and not shared:
+            say_up("--cuda-mps: no two workers share a GPU here, so MPS has nothing to run side by side")
+        elif not settings.cuda_mps and mps_problem(os.environ) is None:
+            for device, names in shared.items():
+                say_up(f"{' and '.join(names)} share {device}: --cuda-mps would run their kernels side by "
+                       "side instead of taking turns (docs/gpu.md)", device=device, workers=names)
     for name, args in children:
         if stop:
             return 0  # interrupted while starting: start no more children

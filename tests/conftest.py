@@ -4,7 +4,8 @@
   thread (``OMP_NUM_THREADS=1`` unless set): the CPU is shared.
 * On a machine without CUDA, Triton kernels run through Triton's interpreter: ``TRITON_INTERPRET=1`` must
   be set before ``triton`` is first imported, so it is set here, at collection start; its ``tl.dot`` is
-  then an ``np.einsum`` (``tests/interpreter_dot.py``: BLAS gave a row other bits by the tile's row count).
+  then an ``np.einsum`` in the pytest processes (``tests/interpreter_dot.py``: BLAS gave a row other bits
+  by the tile's row count).
 * ``live``: the live system shared by the system-level suites (``tests/live.py``), started once per
   session and stopped after the last test that uses it; after each module that used it, a leak check
   (every KV block free, nothing in flight, no child dead but those a test killed on purpose).

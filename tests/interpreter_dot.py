@@ -3,12 +3,14 @@
 The interpreter computes ``tl.dot`` with ``np.matmul``, and numpy's BLAS (OpenBLAS, which picks its
 kernels by CPU) may give one row of a product other bits depending on how many rows the product has: on
 an AMD EPYC with OpenBLAS's Haswell kernels, rows 0..M-1 of a ``[64, K] x [K, N]`` float32 product differ
-from the same rows computed alone for 20 of 24 (K, N, M) cases tried, and not on the machine the suite ran
-on before. A GPU's MMA sums each output's K products in an order set by the tile's K loop, not by its row
-count; the tests that compare kernel variants bit for bit (tiles of other row counts, packed GQA heads, a
-prefix-cache hit's chunks against a fresh prompt's) rely on that, and the GPU tests check it on the device.
-``use_einsum_dot`` makes the interpreter's ``tl.dot`` an ``np.einsum``, which sums each output over K in
-one fixed order: no BLAS, the same bits for a row in a product of any row count.
+from the same rows computed alone for 20 of 24 (K, N, M) cases tried. A GPU's MMA sums each output's K
+products in an order set by the tile's K loop, not by its row count; the tests that compare kernel
+variants bit for bit on the CPU (tiles of other row counts, packed GQA heads, a prefix-cache hit's chunks
+against a fresh prompt's) rely on that. ``use_einsum_dot`` makes the interpreter's ``tl.dot`` an
+``np.einsum`` over C-contiguous copies of its operands, which sums each output over K in one order
+whatever the row count (the order can depend on the operands' memory layout, hence the copies): no BLAS.
+Only the pytest processes get it; a process a test starts that runs Triton's interpreter keeps
+``np.matmul``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ def use_einsum_dot() -> None:
            (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):
             a_data = convert(a_data, a.dtype, fp16, None).view(np.float16)
             b_data = convert(b_data, b.dtype, fp16, None).view(np.float16)
-        product = np.einsum("...mk,...kn->...mn", a_data, b_data, dtype=d.data.dtype)
+        product = np.einsum("...mk,...kn->...mn", np.ascontiguousarray(a_data), np.ascontiguousarray(b_data),
+                            dtype=d.data.dtype, casting="same_kind")
         return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 
     builder.create_dot = create_dot

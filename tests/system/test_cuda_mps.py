@@ -8,6 +8,7 @@ GPU are named in a hint line."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,19 @@ from pdserve.cuda_mps import LOG_VARIABLE, PIPE_VARIABLE, mps_problem, private_m
 
 FAKE = """#!/bin/sh
 if [ "$1" = "-d" ]; then
-  echo "start pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY" >> "$FAKE_MPS_RECORD"
+  echo "start pipe=$CUDA_MPS_PIPE_DIRECTORY log=$CUDA_MPS_LOG_DIRECTORY visible=$CUDA_VISIBLE_DEVICES" \
+    >> "$FAKE_MPS_RECORD"
   [ -d "$CUDA_MPS_PIPE_DIRECTORY" ] && [ -d "$CUDA_MPS_LOG_DIRECTORY" ] || exit 7
   if [ -n "$FAKE_MPS_FAIL" ]; then echo "An instance of this daemon is already running" >&2; exit 1; fi
+  touch "$CUDA_MPS_PIPE_DIRECTORY/control"
 else
-  echo "command $(cat) pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_RECORD"
+  line=$(cat)
+  echo "command $line pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_RECORD"
+  [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ] || { echo "Cannot find MPS control daemon process"; exit 1; }
+  if [ "$line" = get_server_list ] && [ -n "$FAKE_MPS_MUTE" ]; then
+    echo "No CUDA-capable device is detected" >> "$CUDA_MPS_LOG_DIRECTORY/control.log"; exit 1
+  fi
+  if [ "$line" = quit ] && [ -n "$FAKE_MPS_STAY" ]; then echo "a client is still attached"; exit 1; fi
 fi
 """
 
@@ -42,14 +51,52 @@ def fake_control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return record
 
 
-def test_the_daemon_starts_in_a_private_directory_and_quits_on_exit(fake_control: Path) -> None:
+def test_the_daemon_starts_in_a_private_directory_and_quits_on_exit(fake_control: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started with -d (seeing every GPU: without the launcher's CUDA_VISIBLE_DEVICES, which an MPS server
+    would renumber), asked for its server list before any client, told to quit on exit."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     with private_mps() as variables:
         pipe, log = Path(variables[PIPE_VARIABLE]), Path(variables[LOG_VARIABLE])
         assert pipe.parent == log.parent and pipe.parent.name.startswith("pdserve-mps-")
         assert oct(pipe.stat().st_mode & 0o777) == "0o700" and log.is_dir()
-        assert fake_control.read_text().splitlines() == [f"start pipe={pipe} log={log}"]
-    assert fake_control.read_text().splitlines()[1:] == [f"command quit pipe={pipe}"]
+        assert fake_control.read_text().splitlines() == [f"start pipe={pipe} log={log} visible=",
+                                                         f"command get_server_list pipe={pipe}"]
+    assert fake_control.read_text().splitlines()[2:] == [f"command quit pipe={pipe}"]
     assert not pipe.parent.exists()
+
+
+def test_a_daemon_that_does_not_answer_is_stopped_and_named_with_its_log(
+        fake_control: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_MPS_MUTE", "1")
+    with pytest.raises(RuntimeError) as info, private_mps():
+        pytest.fail("entered without a daemon that answers")
+    assert str(info.value) == ("--cuda-mps: the MPS daemon does not answer (exit code 1: no output); its "
+                               "log: No CUDA-capable device is detected")
+    lines = fake_control.read_text().splitlines()
+    assert [line.split()[:2] for line in lines[1:]] == [["command", "get_server_list"], ["command", "quit"]]
+    assert not Path(lines[0].split("pipe=")[1].split()[0]).parent.exists()
+
+
+def test_a_daemon_that_does_not_quit_keeps_its_directory_and_says_where(
+        fake_control: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("FAKE_MPS_STAY", "1")
+    with caplog.at_level("WARNING", logger="pdserve.up"), private_mps() as variables:
+        pipe = Path(variables[PIPE_VARIABLE])
+    assert pipe.is_dir()  # still the way to reach the daemon
+    (warning,) = [r.getMessage() for r in caplog.records if "cuda_mps_quit_failed" in r.getMessage()]
+    assert "a client is still attached" in warning and f"{PIPE_VARIABLE}={pipe}" in warning
+    shutil.rmtree(pipe.parent)
+
+
+def test_no_directory_for_the_daemon_is_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(**kwargs: object) -> str:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cuda_mps.tempfile, "mkdtemp", full)
+    with pytest.raises(RuntimeError, match=r"^--cuda-mps: no directory for the MPS daemon: \[Errno 28\] No "
+                                           r"space left on device$"), private_mps():
+        pytest.fail("entered without a directory")
 
 
 def test_a_daemon_that_does_not_start_is_one_error_naming_the_flag(fake_control: Path,
@@ -109,8 +156,8 @@ def test_up_runs_its_children_between_the_daemons_start_and_quit(fake_control: P
     assert launcher.run(UpSettings(device="cuda", cuda_mps=True)) == 0
     (env,) = handed
     assert set(env) == {PIPE_VARIABLE, LOG_VARIABLE}
-    assert [line.split()[0] for line in fake_control.read_text().splitlines()] == ["start", "children",
-                                                                                   "command"]
+    assert [line.split()[0] for line in fake_control.read_text().splitlines()] == ["start", "command",
+                                                                                   "children", "command"]
     assert not Path(env[PIPE_VARIABLE]).parent.exists()
     handed.clear()
     assert launcher.run(UpSettings(device="cuda")) == 0 and handed == [{}]  # no flag: no daemon, no variables
@@ -156,7 +203,9 @@ def test_every_worker_gets_the_daemons_variables_and_the_gateway_does_not(
 
 
 def test_workers_sharing_a_gpu_are_named_with_the_hint_unless_mps_is_on(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        fake_control: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The hint where the flag would be taken (the control program on PATH); with the flag and no GPU
+    shared, a line saying MPS has nothing to do."""
     from protocol.settings import UpSettings
 
     one_gpu = UpSettings(device="auto", insecure_control_plane=True)
@@ -178,4 +227,12 @@ def test_workers_sharing_a_gpu_are_named_with_the_hint_unless_mps_is_on(
         "instead of taking turns (docs/gpu.md)"]
     with_mps = UpSettings(device="auto", insecure_control_plane=True, cuda_mps=True)
     assert launcher._supervise(with_mps, Sup(), [], 1.0, None, {}) == 0  # type: ignore[arg-type]
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(launcher, "gpu_count", lambda: 2)  # a GPU each
+    assert launcher._supervise(with_mps, Sup(), [], 1.0, None, {}) == 0  # type: ignore[arg-type]
+    assert capsys.readouterr().err.splitlines() == [
+        "pdserve up: --cuda-mps: no two workers share a GPU here, so MPS has nothing to run side by side"]
+    monkeypatch.setattr(launcher, "gpu_count", lambda: 1)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no control program: no hint to take a flag that is refused
+    assert launcher._supervise(one_gpu, Sup(), [], 1.0, None) == 0  # type: ignore[arg-type]
     assert capsys.readouterr().err == ""
