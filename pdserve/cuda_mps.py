@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -83,7 +84,8 @@ def private_mps(timeout_s: float = TIMEOUT_S) -> Iterator[dict[str, str]]:
 
     Raises:
         RuntimeError: the daemon did not start (the directory could not be made, ``-d`` failed or passed
-            ``timeout_s``, or the started daemon does not answer a ``get_server_list``); the message names
+            ``timeout_s``, or the started daemon does not answer a ``get_server_list`` within
+            ``timeout_s``); the message names
             ``--cuda-mps`` and the last line the program or its log wrote. Nothing is left behind.
     """
     try:
@@ -103,10 +105,13 @@ def private_mps(timeout_s: float = TIMEOUT_S) -> Iterator[dict[str, str]]:
         if done.returncode != 0:
             raise RuntimeError(f"--cuda-mps: {CONTROL} -d exited with code {done.returncode}: "
                                f"{_last_line(done.stderr + done.stdout)}")
-        if (why := _command(env, "get_server_list", timeout_s)) is not None:
-            said = _control_log(directory)
-            raise RuntimeError(f"--cuda-mps: the MPS daemon does not answer ({why})"
-                               + (f"; its log: {said}" if said else ""))
+        deadline = time.monotonic() + timeout_s  # the daemon -d forked may not listen yet
+        while (why := _command(env, "get_server_list", timeout_s)) is not None:
+            if time.monotonic() >= deadline:
+                said = _control_log(directory)
+                raise RuntimeError(f"--cuda-mps: the MPS daemon does not answer ({why})"
+                                   + (f"; its log: {said}" if said else ""))
+            time.sleep(0.1)
     except BaseException:
         if os.path.exists(os.path.join(variables[PIPE_VARIABLE], "control")):  # some daemon made its socket
             _command(env, "quit", timeout_s)

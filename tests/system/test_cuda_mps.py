@@ -23,7 +23,8 @@ if [ "$1" = "-d" ]; then
     >> "$FAKE_MPS_RECORD"
   [ -d "$CUDA_MPS_PIPE_DIRECTORY" ] && [ -d "$CUDA_MPS_LOG_DIRECTORY" ] || exit 7
   if [ -n "$FAKE_MPS_FAIL" ]; then echo "An instance of this daemon is already running" >&2; exit 1; fi
-  touch "$CUDA_MPS_PIPE_DIRECTORY/control"
+  if [ -n "$FAKE_MPS_SLOW" ]; then (sleep 0.3; touch "$CUDA_MPS_PIPE_DIRECTORY/control") >/dev/null 2>&1 &
+  else touch "$CUDA_MPS_PIPE_DIRECTORY/control"; fi
 else
   line=$(cat)
   echo "command $line pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_RECORD"
@@ -66,15 +67,24 @@ def test_the_daemon_starts_in_a_private_directory_and_quits_on_exit(fake_control
     assert not pipe.parent.exists()
 
 
+def test_a_daemon_that_listens_a_moment_after_its_start_is_waited_for(
+        fake_control: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_MPS_SLOW", "1")
+    with private_mps():
+        asked = [line.split()[1] for line in fake_control.read_text().splitlines()[1:]]
+    assert len(asked) > 1 and set(asked) == {"get_server_list"}  # refused until it listened
+
+
 def test_a_daemon_that_does_not_answer_is_stopped_and_named_with_its_log(
         fake_control: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_MPS_MUTE", "1")
-    with pytest.raises(RuntimeError) as info, private_mps():
+    with pytest.raises(RuntimeError) as info, private_mps(timeout_s=0.5):
         pytest.fail("entered without a daemon that answers")
     assert str(info.value) == ("--cuda-mps: the MPS daemon does not answer (exit code 1: no output); its "
                                "log: No CUDA-capable device is detected")
-    lines = fake_control.read_text().splitlines()
-    assert [line.split()[:2] for line in lines[1:]] == [["command", "get_server_list"], ["command", "quit"]]
+    lines = fake_control.read_text().splitlines()  # asked again until the deadline, then told to quit
+    asked = [line.split()[1] for line in lines[1:]]
+    assert asked[-1] == "quit" and len(asked) > 2 and set(asked[:-1]) == {"get_server_list"}
     assert not Path(lines[0].split("pipe=")[1].split()[0]).parent.exists()
 
 
