@@ -30,17 +30,22 @@ CONTROL = "nvidia-cuda-mps-control"
 PIPE_VARIABLE = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_VARIABLE = "CUDA_MPS_LOG_DIRECTORY"
 TIMEOUT_S = 10.0  # how long the daemon may take to start or to take the quit command
+DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where CUDA looks for a daemon when the variable is unset
 
 log = logging.getLogger("pdserve.up")
 
 
-def mps_problem(env: Mapping[str, str]) -> str | None:
+def mps_problem(env: Mapping[str, str], default_pipe: str = DEFAULT_PIPE_DIRECTORY) -> str | None:
     """Why ``--cuda-mps`` cannot be used in a launcher whose environment is ``env`` (one line naming the
-    flag), or None: the control program is not on ``PATH``, or ``CUDA_MPS_PIPE_DIRECTORY`` is set (a daemon
-    of the user's own already serves this environment)."""
+    flag), or None: the control program is not on ``PATH``, ``CUDA_MPS_PIPE_DIRECTORY`` is set, or a daemon
+    listens in the default pipe directory ``default_pipe`` (either way a daemon of the user's own already
+    serves these processes: CUDA connects every process of the host to the default one)."""
     if env.get(PIPE_VARIABLE):
         return (f"--cuda-mps: {PIPE_VARIABLE} is set, so an MPS daemon of your own already serves these "
                 "processes: unset it or drop --cuda-mps")
+    if os.path.exists(os.path.join(default_pipe, "control")):
+        return (f"--cuda-mps: an MPS daemon already runs on this host ({default_pipe}/control), and these "
+                "processes are its clients already: drop --cuda-mps")
     if shutil.which(CONTROL, path=env.get("PATH")) is None:
         return f"--cuda-mps: {CONTROL} is not on PATH (it comes with the NVIDIA driver)"
     return None

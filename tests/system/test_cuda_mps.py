@@ -120,8 +120,14 @@ def test_a_daemon_that_does_not_start_is_one_error_naming_the_flag(fake_control:
     assert not Path(start.split("pipe=")[1].split()[0]).parent.exists()
 
 
-def test_mps_problem_names_what_is_missing(fake_control: Path) -> None:
-    assert mps_problem(os.environ) is None
+def test_mps_problem_names_what_is_missing(fake_control: Path, tmp_path: Path) -> None:
+    default_pipe = tmp_path / "nvidia-mps"
+    assert mps_problem(os.environ, str(default_pipe)) is None
+    default_pipe.mkdir()
+    (default_pipe / "control").touch()  # a daemon of the host's own, in CUDA's default pipe directory
+    assert mps_problem(os.environ, str(default_pipe)) == (
+        f"--cuda-mps: an MPS daemon already runs on this host ({default_pipe}/control), and these processes "
+        "are its clients already: drop --cuda-mps")
     assert mps_problem({**os.environ, PIPE_VARIABLE: "/tmp/theirs"}) == (
         f"--cuda-mps: {PIPE_VARIABLE} is set, so an MPS daemon of your own already serves these processes: "
         "unset it or drop --cuda-mps")
