@@ -90,8 +90,8 @@ def private_mps(timeout_s: float = TIMEOUT_S) -> Iterator[dict[str, str]]:
     Raises:
         RuntimeError: the daemon did not start (the directory could not be made, ``-d`` failed or passed
             ``timeout_s``, or the started daemon does not answer a ``get_server_list`` within
-            ``timeout_s``); the message names
-            ``--cuda-mps`` and the last line the program or its log wrote. Nothing is left behind.
+            ``timeout_s``); the message names ``--cuda-mps`` and the last line the program or its log
+            wrote. Nothing is left behind.
     """
     try:
         directory = tempfile.mkdtemp(prefix="pdserve-mps-")
@@ -122,15 +122,11 @@ def private_mps(timeout_s: float = TIMEOUT_S) -> Iterator[dict[str, str]]:
             _command(env, "quit", timeout_s)
         shutil.rmtree(directory, ignore_errors=True)
         raise
-    kept = False
     try:
         yield variables
     finally:
-        try:
-            if (why := _command(env, "quit", timeout_s)) is not None:
-                kept = True
-                log.warning("cuda_mps_quit_failed: %s; the daemon may still run, reachable through %s=%s",
-                            why, PIPE_VARIABLE, variables[PIPE_VARIABLE])
-        finally:
-            if not kept:
-                shutil.rmtree(directory, ignore_errors=True)
+        if (why := _command(env, "quit", timeout_s)) is None:
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            log.warning("cuda_mps_quit_failed: %s; the daemon may still run, reachable through %s=%s",
+                        why, PIPE_VARIABLE, variables[PIPE_VARIABLE])
