@@ -224,7 +224,8 @@ class ModelRunner:
         probe = torch.empty((1, heads, int(head_dim)), dtype=self.dtype, device=self.device)
         scheduler = self.config.scheduler
         return fresh + warm_paged_prefill_graphs(probe, self.kv_cache.k_cache(0), scheduler.max_num_seqs,
-                                                 scheduler.max_num_batched_tokens, self.max_model_len)
+                                                 scheduler.max_num_batched_tokens, self.max_model_len,
+                                                 warn_missing=self.tp.rank == 0)
 
     def _forward_model(self, fused_ops: str) -> torch.nn.Module:
         """``FusedCausalLM`` when ``fused_ops`` asks for it (``auto``: on CUDA and a supported model), with

@@ -305,16 +305,19 @@ def cudnn_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def warm_paged_prefill_graphs(q_probe: torch.Tensor, k_cache: torch.Tensor, max_seqs: int,
-                              max_query_len: int, max_seq_len: int) -> int:
+                              max_query_len: int, max_seq_len: int, warn_missing: bool = True) -> int:
     """Build the graphs of every sequence-count bucket (1, 2, 4, .. up to ``max_seqs``) for queries of up
     to ``max_query_len`` and KVs of up to ``max_seq_len`` tokens (the engine's token budget and
     ``max_model_len``: one bucket each, the lengths being free to pad), for queries like ``q_probe``
     (``[1, H, D]``: device, dtype, heads). Returns the number of graphs built or found (0 where
     ``paged_prefill_usable`` would never take the path; logs a warning where only the frontend package is
-    missing for it)."""
+    missing for it, unless ``warn_missing`` is False: the tensor parallel ranks past the first, so a worker
+    says it once)."""
     if max_seq_len < CUDNN_PAGED_MIN_KV:
         return 0
     if frontend_missing_on(q_probe.device, q_probe.dtype, k_cache.dtype):
+        if not warn_missing:
+            return 0
         log.warning("cudnn_frontend_missing: the cuDNN frontend (package nvidia-cudnn-frontend, in the gpu "
                     "extra: pip install 'pdserve[gpu]') is not installed, so prefill over a KV of %d tokens "
                     "or more runs on the slower Triton kernel", CUDNN_PAGED_MIN_KV)
