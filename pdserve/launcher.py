@@ -57,7 +57,7 @@ import httpx
 
 from kvtransfer.curve import generate_keys
 from pdserve.cli import SETTINGS_COMMANDS, flag_variables
-from pdserve.cuda_mps import mps_problem, private_mps
+from pdserve.cuda_mps import PIPE_VARIABLE, mps_problem, private_mps
 from pdserve.ports import bind_problem, free_port_range, free_ports, local_host
 from pdserve.supervisor import RestartPolicy, Supervisor, say_up, supervise
 from protocol.logging import say
@@ -470,6 +470,11 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
         shared = shared_gpus(settings, gpus)
         if settings.cuda_mps and not shared:
             say_up("--cuda-mps: no two workers share a GPU here, so MPS has nothing to run side by side")
+        elif settings.cuda_mps:
+            pipe = (mps_env or {}).get(PIPE_VARIABLE, "")
+            for device, names in shared.items():
+                say_up(f"--cuda-mps: {' and '.join(names)} share {device} through this run's MPS daemon "
+                       f"({PIPE_VARIABLE}={pipe})", device=device, workers=names, pipe_directory=pipe)
         elif not settings.cuda_mps and mps_problem(os.environ) is None:
             for device, names in shared.items():
                 say_up(f"{' and '.join(names)} share {device}: --cuda-mps would run their kernels side by "

@@ -220,8 +220,9 @@ def test_every_worker_gets_the_daemons_variables_and_the_gateway_does_not(
 
 def test_workers_sharing_a_gpu_are_named_with_the_hint_unless_mps_is_on(
         fake_control: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """The hint where the flag would be taken (the control program on PATH); with the flag and no GPU
-    shared, a line saying MPS has nothing to do."""
+    """The hint where the flag would be taken (the control program on PATH); with the flag, a line naming
+    the workers MPS runs side by side and the daemon's pipe directory, or, no GPU shared, a line saying
+    MPS has nothing to do."""
     from protocol.settings import UpSettings
 
     one_gpu = UpSettings(device="auto", insecure_control_plane=True)
@@ -242,8 +243,11 @@ def test_workers_sharing_a_gpu_are_named_with_the_hint_unless_mps_is_on(
         "pdserve up: prefill-0 and decode-0 share cuda:0: --cuda-mps would run their kernels side by side "
         "instead of taking turns (docs/gpu.md)"]
     with_mps = UpSettings(device="auto", insecure_control_plane=True, cuda_mps=True)
-    assert launcher._supervise(with_mps, Sup(), [], 1.0, None, {}) == 0  # type: ignore[arg-type]
-    assert capsys.readouterr().err == ""
+    mps_env = {PIPE_VARIABLE: "/tmp/pdserve-mps-x/pipe", LOG_VARIABLE: "/tmp/pdserve-mps-x/log"}
+    assert launcher._supervise(with_mps, Sup(), [], 1.0, None, mps_env) == 0  # type: ignore[arg-type]
+    assert capsys.readouterr().err.splitlines() == [
+        "pdserve up: --cuda-mps: prefill-0 and decode-0 share cuda:0 through this run's MPS daemon "
+        "(CUDA_MPS_PIPE_DIRECTORY=/tmp/pdserve-mps-x/pipe)"]
     monkeypatch.setattr(launcher, "gpu_count", lambda: 2)  # a GPU each
     assert launcher._supervise(with_mps, Sup(), [], 1.0, None, {}) == 0  # type: ignore[arg-type]
     assert capsys.readouterr().err.splitlines() == [
