@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cuda_graphs import DecodeCudaGraphs
+from engine.ops.argmax import argmax_rows
 from engine.sampler import GrammarMask, Sampler, SamplingRow
 from engine.scheduler_output import SchedulerOutput
 
@@ -119,7 +120,7 @@ def launch_decode(graphs: DecodeCudaGraphs, output: SchedulerOutput, feed: Launc
         logits = graphs.run([0] * len(seqs), [seq.num_computed_tokens + 1 for seq in seqs], tables,
                             device_token_ids=feed.tokens)
     if rows is None:
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
     else:
         mask = grammar() if grammar is not None else None
         tokens = Sampler.sample_tokens(logits, rows, grammar_mask=mask)

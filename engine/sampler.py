@@ -19,6 +19,8 @@ Order of operations per row (all rows at once, no per-request loop over the voca
    ``g = -log(-log(u))``, where ``u`` in (0, 1) comes from a counter-based integer hash of
    ``(seed, output position, token id)``. No RNG state: the same seed gives the same token on any worker,
    CPU or GPU, batched or alone (up to float rounding of the logits themselves).
+Every argmax is ``engine.ops.argmax.argmax_rows``: ``torch.argmax``'s answer (lowest index among equal
+maxima, NaN first), by a two-pass Triton kernel on a GPU (torch's reduces a row on one thread block).
 
 Logprobs are those of the model's raw distribution: ``log_softmax`` of the logits before penalties,
 temperature and filters (vLLM's "raw_logprobs" mode), in float32.
@@ -34,6 +36,7 @@ from typing import Any
 import msgspec
 import torch
 
+from engine.ops.argmax import argmax_rows
 from engine.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -279,7 +282,7 @@ class Sampler:
         """
         if logits.dim() != 2:
             raise ValueError(f"logits {tuple(logits.shape)} must be [batch, vocab]")
-        tokens: list[int] = logits.argmax(dim=-1).tolist()
+        tokens: list[int] = argmax_rows(logits).tolist()
         return tokens
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
@@ -322,7 +325,7 @@ class Sampler:
                 free = raw.clone() if free is raw or free is logits else free
                 apply_grammar_mask(free, grammar_mask)
                 processed = torch.where(torch.isneginf(processed).all(dim=-1, keepdim=True), free, processed)
-        tokens = processed.argmax(dim=-1)
+        tokens = argmax_rows(processed)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             sub = [rows[i] for i in random_rows]
@@ -333,7 +336,7 @@ class Sampler:
             pos = _to_device([r.output_position for r in sub], torch.int64, dev)
             u = seeded_uniform(seeds, pos, raw.shape[1])
             gumbel = -torch.log(-torch.log(u))
-            tokens.index_copy_(0, index, (filtered + gumbel).argmax(dim=-1))
+            tokens.index_copy_(0, index, argmax_rows(filtered + gumbel))
         return tokens
 
     @staticmethod
