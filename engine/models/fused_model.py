@@ -53,6 +53,7 @@ from engine.models.fp8 import Fp8Linear, fp8_mergeable, merge_fp8
 from engine.models.fp8_moe import Fp8Experts
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG
 from engine.ops.fp8_gemm import Fp8Activation, fp8_linear, fp8_linear_quantized, takes_fp8_activation
+from engine.ops.fp8_gemv import fp8_gemv_folds_silu, measured_gpu
 from engine.ops.fp8_weight import Fp8Weight
 from engine.ops.fused_moe import fused_moe, fused_moe_reference
 from engine.ops.gemv import ROUTER_GEMV_TILE, gemv
@@ -430,10 +431,10 @@ class FusedCausalLM(torch.nn.Module):
                 and isinstance(down_weight, torch.Tensor)):
             return gemv(gate_up, down_weight, down.bias, gated=True)
         # FP8 prefill: SiLU·mul folded into the activation quantizer. A one-row FP8 step runs silu_mul, then
-        # the plain FP8 GEMV: on an H200 that decodes as fast as the GEMV with SiLU·mul folded in or faster
-        # (bench/engine/fp8.py, Llama-3-8B shape: 322.1 against 320.3 tok/s; kernels alone 70.4 % and
-        # 68.9 % of the copy bandwidth, bench/kernels/fp8_gemv_sweep.py, 2026-12-04)
-        if isinstance(down_weight, Fp8Weight) and gate_up.shape[0] > 1:
+        # the plain FP8 GEMV, except where fp8_gemv_folds_silu measured the GEMV with SiLU·mul folded in
+        # faster (an H100)
+        if isinstance(down_weight, Fp8Weight) and (gate_up.shape[0] > 1 or (
+                gate_up.is_cuda and fp8_gemv_folds_silu(measured_gpu(gate_up.device), down_weight.layout))):
             return fp8_linear(gate_up, down_weight, down.bias, use_kernels=self.use_triton or gate_up.is_cuda,
                               gated=True)
         act = silu_mul(gate_up) if self.use_triton else silu_mul_reference(gate_up)

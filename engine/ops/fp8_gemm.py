@@ -30,6 +30,7 @@ from engine.ops.fp8_gemv import (
     fp8_gemv_mma_tile,
     fp8_gemv_splitk,
     fp8_gemv_splitk_tile,
+    measured_gpu,
 )
 from engine.ops.fp8_weight import (
     FP8_DTYPE,
@@ -325,7 +326,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None, use_ker
     returned.
     """
     if use_kernels and x.is_cuda and x.shape[0] == 1:
-        mma = fp8_gemv_mma_tile(w.weight.shape[0], w.layout, gated)
+        mma = fp8_gemv_mma_tile(w.weight.shape[0], w.layout, gated, measured_gpu(x.device))
         if mma is not None:
             return _into(fp8_gemv_mma(x.contiguous(), w, bias, tile=mma), out)
         tile = fp8_gemv_splitk_tile(w.weight.shape[0], w.layout, gated)

@@ -18,6 +18,8 @@ the measured choices; ``fp8_gemv_reference`` is the plain-torch product. Weights
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +29,31 @@ from engine.ops.pdl import gdc_enter, pdl_kwargs
 from engine.ops.silu_mul import load_silu_mul, silu_mul_reference
 
 _LAYOUT_CODE = {"tensor": 0, "channel": 1, "block": 2}
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def measured_gpu(device: torch.device) -> str:
+    """Whose one-row measurements a CUDA ``device`` takes: ``"h100"`` where its name says H100, else
+    ``"h200"`` (where the tiles below were first measured; also what GPUs not measured get). The two
+    differ where an H100's lower memory bandwidth (3.35 against 4.8 TB/s, the same 132 SMs) leaves the
+    decoded GEMV memory-bound rather than bound by instruction issue (``fp8_gemv_mma_tile``,
+    ``fp8_gemv_folds_silu``)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return "h100" if "H100" in _device_name(index) else "h200"
+
+
+def fp8_gemv_folds_silu(gpu: str, layout: str) -> bool:
+    """Whether a one-row FP8 down projection takes ``[gate | up]`` and folds SiLU·mul into the GEMV's
+    loads (``fp8_gemv(gated=True)``, one kernel) rather than ``silu_mul`` first and the plain GEMV: on an
+    H100 for per-channel and per-tensor weights (``bench/kernels/fp8_gemv_sweep.py --candidates``,
+    Llama-3-8B down, 2026-12-06: 86.5 % of the copy bandwidth folded against 83.7 % for the two kernels);
+    not on an H200 (322.1 against 320.3 tok/s for the two kernels, 2026-12-04) nor for block scales (the
+    H100 not measured)."""
+    return gpu == "h100" and layout != "block"
 
 
 # ``e4m3_bits`` decodes a weight as its value times 2**-120; the inputs are multiplied by 2**64 and the sums
@@ -308,13 +335,16 @@ def _reduce_partials(part: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None
         HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4, **pdl_kwargs(x))
 
 
-def fp8_gemv_mma_tile(n: int, layout: str, gated: bool = False) -> tuple[int, int, int, int, int] | None:
-    """The ``fp8_gemv_mma`` tile of a one-row FP8 step, or None where the CUDA-core GEMVs are faster: the
-    H200 sweep (``bench/kernels/fp8_gemv_sweep.py --candidates``, 2026-12-04) found it ahead only for wide
-    per-channel/per-tensor matrices (N >= 16384: gate/up 84.0 % of the copy bandwidth in 128 x 256 tiles,
-    4 warps, 3 stages, one K slice, against 77.8 % for ``fp8_gemv``); QKV, o and down 38-54 %, and block
-    scales (chunks of at most one 128-wide scale group) 56 % against split-K's 72.8 %."""
-    if gated or layout == "block" or n < 16384:
+def fp8_gemv_mma_tile(n: int, layout: str, gated: bool = False,
+                      gpu: str = "h200") -> tuple[int, int, int, int, int] | None:
+    """The ``fp8_gemv_mma`` tile of a one-row FP8 step on ``gpu`` (``measured_gpu``), or None where the
+    CUDA-core GEMVs are faster: the H200 sweep (``bench/kernels/fp8_gemv_sweep.py --candidates``,
+    2026-12-04) found it ahead only for wide per-channel/per-tensor matrices (N >= 16384: gate/up 84.0 % of
+    the copy bandwidth in 128 x 256 tiles, 4 warps, 3 stages, one K slice, against 77.8 % for
+    ``fp8_gemv``); QKV, o and down 38-54 %, and block scales (chunks of at most one 128-wide scale group)
+    56 % against split-K's 72.8 %. On an H100 (2026-12-06) ``fp8_gemv`` wins the wide case too: gate/up
+    94.0 % in 8 x 512 tiles against 88.2 %."""
+    if gated or layout == "block" or n < 16384 or gpu == "h100":
         return None
     return 128, 256, 4, 1, 3
 

@@ -8,14 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engine.ops.fp8_gemv as fp8_gemv_module
 from engine.ops.fp8_gemv import (
     fp8_gemv,
+    fp8_gemv_folds_silu,
     fp8_gemv_mma,
     fp8_gemv_mma_tile,
     fp8_gemv_reference,
     fp8_gemv_splitk,
     fp8_gemv_splitk_tile,
     fp8_gemv_tile,
+    measured_gpu,
 )
 from engine.ops.fp8_weight import FP8_DTYPE, Fp8Weight, quantize_weight_blocks, quantize_weight_per_channel
 from engine.ops.silu_mul import silu_mul
@@ -140,6 +143,20 @@ def test_one_row_steps_take_split_k_where_it_measured_faster() -> None:
     # block scales: 1024-wide K steps below N = 16384 (one scale load per 1024 inputs)
     assert fp8_gemv_tile(6144, layout="block") == (8, 1024, 4)
     assert fp8_gemv_tile(6144, layout="channel") == (8, 512, 4)
+
+
+def test_an_h100_takes_its_own_measured_one_row_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An H100 (by device name) runs wide per-channel matrices on the decoded GEMV, not the MMA, and folds
+    SiLU·mul into the one-row down GEMV (not for block scales); an H200 and any other GPU keep the H200's
+    choices."""
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200", 2: "NVIDIA A100-SXM4-80GB"}
+    monkeypatch.setattr(fp8_gemv_module, "_device_name", lambda index: names[index])
+    gpus = [measured_gpu(torch.device("cuda", i)) for i in range(3)]
+    assert gpus == ["h100", "h200", "h200"]
+    assert fp8_gemv_mma_tile(28672, "channel", gpu="h100") is None
+    assert fp8_gemv_mma_tile(28672, "channel", gpu="h200") == (128, 256, 4, 1, 3)
+    assert fp8_gemv_folds_silu("h100", "channel") and fp8_gemv_folds_silu("h100", "tensor")
+    assert not fp8_gemv_folds_silu("h100", "block") and not fp8_gemv_folds_silu("h200", "channel")
 
 
 def _every_code(n: int, k: int) -> torch.Tensor:
