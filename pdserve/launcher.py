@@ -339,6 +339,13 @@ def worker_envs(settings: UpSettings, num_gpus: int,
                                         strict=True)}
 
 
+def progress_bar_envs(names: Sequence[str]) -> dict[str, dict[str, str]]:
+    """The environment that leaves one weight-loading progress bar on the shared terminal: the first
+    worker of ``names`` draws transformers' "Loading weights" bar, every other one gets
+    ``HF_HUB_DISABLE_PROGRESS_BARS=1`` (bars of several processes on one line overwrite each other)."""
+    return {name: {} if i == 0 else {"HF_HUB_DISABLE_PROGRESS_BARS": "1"} for i, name in enumerate(names)}
+
+
 def gateway_env(keys: Sequence[str]) -> dict[str, str]:
     """The environment the gateway child gets on top of the launcher's (which lacks every ``PDSERVE_*``
     variable of a flag: ``CHILD_UNSET_VARIABLES``): its API keys, comma-separated, in ``PDSERVE_API_KEY``
@@ -391,6 +398,19 @@ def example(url: str, model: str, needs_key: bool = False, key_in_env: bool = Fa
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+class _Stopped(BaseException):
+    """A stop signal (SIGTERM, SIGHUP) that arrived while ``up`` converted the model, raised like
+    ``KeyboardInterrupt`` so the conversion unwinds and removes what it wrote."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stopped(signum)
+
+
 def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
     """Entry point of ``pdserve up``: start, wait for /ready, supervise (restarting workers that exit)
     until a signal, the gateway's exit, or no worker left that can serve.
@@ -407,6 +427,9 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
     event each. A refusal (exit 2) is one plain ``pdserve up: ...`` line in either format, as the CLI's
     usage errors are.
     """
+    # SIGTERM / SIGHUP during the conversion end it as Ctrl-C does (the conversion removes its partial
+    # directory on any exception), not by the signal's default action
+    during = {sig: signal.signal(sig, _raise_stop) for sig in STOP_SIGNALS if sig != signal.SIGINT}
     try:
         from engine.models.registry import read_model_config, resolve_model
 
@@ -416,9 +439,12 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C before any child started (the conversion leaves no partial dir)
+    except (KeyboardInterrupt, _Stopped) as exc:  # before any child started
         say_up("interrupted", logging.WARNING)
-        return 128 + signal.SIGINT
+        return 128 + (exc.signum if isinstance(exc, _Stopped) else signal.SIGINT)
+    finally:
+        for sig, handler in during.items():
+            signal.signal(sig, handler)
     refused = up_refusal(settings, model_config)  # now, not after the workers loaded the model
     if refused is not None:
         print(f"pdserve up: {refused}", file=sys.stderr)
@@ -461,8 +487,9 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
     try:  # a tensor parallel size the GPUs cannot hold is refused before any child starts
         children = plan(settings, control_port, gpus, keys_dir, metrics_ports, usable_cores())
         workers = worker_envs(settings, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        bars = progress_bar_envs(list(workers))
         envs = {"gateway": gateway_env(keys),
-                **{name: {**env, **(mps_env or {})} for name, env in workers.items()}}
+                **{name: {**env, **(mps_env or {}), **bars[name]} for name, env in workers.items()}}
     except ValueError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2

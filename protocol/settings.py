@@ -342,7 +342,8 @@ class UpSettings:
     worker: WorkerSettings = field(default_factory=_template_worker)
 
     def __post_init__(self) -> None:
-        _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _check(1 <= self.port < 65536, "port", f"must be in [1, 65535], got {self.port} (up waits for /ready "
+               "on it and prints its URL: 0 would let the gateway pick a port up cannot learn)")
         _check_device(self.device)
         _check(all("," not in key for key in self.gateway.api_keys), "api-key",
                "a key must not contain a comma (pdserve up hands keys to the gateway in PDSERVE_API_KEY)")
@@ -353,8 +354,6 @@ class UpSettings:
                f"must be in [1, {MAX_GATEWAY_PROCESSES}], got {self.gateway_workers}")
         _check(not self.cuda_mps or self.device != "cpu", "cuda-mps",
                "needs CUDA devices (--device cuda, cuda:N or auto on a host with GPUs), got --device cpu")
-        _check(self.gateway_workers == 1 or self.port != 0, "gateway-workers",
-               "several gateway processes need a fixed --port (not 0)")
         _check(self.colocated > 0 or (self.num_prefill > 0 and self.num_decode > 0),
                "num-prefill" if self.num_prefill == 0 else "num-decode",
                f"need at least one prefill and one decode worker, or --colocated >= 1 (got --num-prefill "

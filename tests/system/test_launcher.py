@@ -49,7 +49,7 @@ def test_plan_with_several_gateway_processes_gives_every_worker_each_control_por
 
 @pytest.mark.parametrize(("kw", "flag"), [({"gateway_workers": 0}, "gateway-workers"),
                                           ({"gateway_workers": 65}, "gateway-workers"),
-                                          ({"gateway_workers": 2, "port": 0}, "gateway-workers")])
+                                          ({"gateway_workers": 2, "port": 0}, "port")])
 def test_up_refuses_bad_gateway_workers(kw: dict[str, int], flag: str) -> None:
     with pytest.raises(ValueError, match=f"--{flag}"):
         UpSettings(**kw)  # type: ignore[arg-type]
@@ -273,6 +273,16 @@ def test_plan_gives_each_tensor_parallel_worker_gpus_of_its_own() -> None:
     assert all(args[args.index("--device") + 1] == "auto" for _, args in plan(up, 7777, 0)[1:])
 
 
+def test_one_worker_draws_the_weight_loading_progress_bar() -> None:
+    """Found by a new-user trial: two workers' "Loading weights" bars overwrote each other on one line."""
+    from pdserve.launcher import progress_bar_envs
+
+    quiet = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    assert progress_bar_envs(["prefill-0", "decode-0", "decode-1"]) == {
+        "prefill-0": {}, "decode-0": quiet, "decode-1": quiet}
+    assert progress_bar_envs(["colocated-0"]) == {"colocated-0": {}}
+
+
 def test_placements_refuse_ranks_the_gpus_cannot_hold() -> None:
     from pdserve.launcher import Placement, placements
 
@@ -365,7 +375,7 @@ def test_up_starts_each_tensor_parallel_worker_with_its_own_gpus(monkeypatch: py
     up = UpSettings(port=free_port(), insecure_control_plane=True, worker=tp2)
     assert launcher._supervise(up, Supervisor(), [], 1.0, None) == 0
     assert started == {"gateway": {}, "prefill-0": {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
-                       "decode-0": {"CUDA_VISIBLE_DEVICES": "6,7,4,5"}}
+                       "decode-0": {"CUDA_VISIBLE_DEVICES": "6,7,4,5", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
 
 
 def test_up_hands_its_keys_to_the_gateway_in_its_environment_and_nothing_without(
@@ -392,7 +402,8 @@ def test_up_hands_its_keys_to_the_gateway_in_its_environment_and_nothing_without
                         gateway=GatewaySettings(api_keys=keys, insecure_control_plane=True))
         assert launcher._supervise(up, Supervisor(), [], 1.0, None) == 0
         want = {"PDSERVE_API_KEY": ",".join(keys)} if keys else {}
-        assert started == {"gateway": want, "prefill-0": {}, "decode-0": {}}
+        assert started == {"gateway": want, "prefill-0": {},
+                           "decode-0": {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}}  # one progress bar
         child = settings_from_args(build_parser({**want, "PDSERVE_INSECURE_CONTROL_PLANE": "1"})
                                    .parse_args(["gateway"]))
         assert isinstance(child, GatewaySettings) and child.api_keys == keys

@@ -104,3 +104,37 @@ def test_stop_signal_during_worker_import_stops_children_quietly(tmp_path: Path,
     for role in ("prefill", "decode"):  # the stand-ins that were mid-import are the ones reported
         assert int((marks / role).read_text()) == pids[f"{role}-0"]
     assert all(_gone(pid) for pid in pids.values())  # leak check: no child or grandchild outlives `up`
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_during_the_model_conversion_ends_up_as_ctrl_c_does(
+        sig: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    """SIGTERM or SIGHUP while ``up`` converts the embedded model (before any child): the conversion
+    unwinds and removes its partial directory, ``up`` says "interrupted" and returns 128 + the signal,
+    and its own handlers are back. Found by a new-user trial: the signal's default action killed the
+    launcher silently and left the conversion's temporary directory behind."""
+    import engine.models.registry as registry
+    from pdserve import launcher
+    from protocol.settings import UpSettings
+
+    partial = tmp_path / ".smollm2-135m.partial"
+
+    def converting(model: str) -> Path:  # stands in for the GGUF conversion (engine/models/gguf_convert.py)
+        partial.mkdir()
+        try:
+            os.kill(os.getpid(), sig)
+            time.sleep(10)  # the handler raises before this returns
+        except BaseException:
+            partial.rmdir()
+            raise
+        raise AssertionError("the signal did not stop the conversion")
+
+    monkeypatch.setattr(registry, "resolve_model", converting)
+    before = signal.getsignal(sig)
+    started = time.monotonic()
+    assert launcher.run(UpSettings(device="cpu")) == 128 + sig
+    assert time.monotonic() - started < 5
+    assert not partial.exists()
+    assert capsys.readouterr().err.splitlines() == ["pdserve up: interrupted"]
+    assert signal.getsignal(sig) is before
