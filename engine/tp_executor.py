@@ -24,6 +24,8 @@ from __future__ import annotations
 import gc
 import logging
 import multiprocessing as mp
+import os
+import sys
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -101,6 +103,15 @@ def run_follower(engine_config: EngineConfig, tp: TensorParallel,
             hook.close()
 
 
+def _quiet_progress_bars() -> None:
+    """No Hugging Face progress bar in this process: ``HF_HUB_DISABLE_PROGRESS_BARS=1`` for one imported
+    later, ``disable_progress_bar`` for transformers if imported already (its weight-loading bar follows
+    huggingface_hub's setting as it was when transformers was imported)."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "transformers.utils.logging" in sys.modules:
+        sys.modules["transformers.utils.logging"].disable_progress_bar()
+
+
 def _follower_main(engine_config: EngineConfig, rank: int, init_method: str, threads: int,
                    rank_hook: RankHookFactory | None = None, rank_setup: RankSetup | None = None) -> None:
     """Process entry of rank ``rank``: ``rank_setup``, join the group, run ``run_follower``, leave the
@@ -108,6 +119,7 @@ def _follower_main(engine_config: EngineConfig, rank: int, init_method: str, thr
     exit code 1, without a traceback."""
     if rank_setup is not None:
         rank_setup()
+    _quiet_progress_bars()  # rank 0 draws the worker's one "Loading weights" bar
     torch.set_num_threads(threads)
     size = engine_config.parallel.tensor_parallel_size
     device = rank_device(resolve_device(engine_config.model.device), TensorParallel(rank=rank, size=size))

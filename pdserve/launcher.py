@@ -399,16 +399,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class _Stopped(BaseException):
-    """A stop signal (SIGTERM, SIGHUP) that arrived while ``up`` converted the model, raised like
-    ``KeyboardInterrupt`` so the conversion unwinds and removes what it wrote."""
+    """The first stop signal while ``up`` converts the model, raised like ``KeyboardInterrupt`` (once) so
+    the conversion unwinds and removes what it wrote."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
-
-
-def _raise_stop(signum: int, frame: FrameType | None) -> None:
-    raise _Stopped(signum)
 
 
 def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
@@ -422,14 +418,42 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
     child died during start-up, or a worker was given up on and the workers left cannot serve, or the
     MPS daemon of ``--cuda-mps`` did not start (before any child; one line).
 
+    Signals: from the start every stop signal is recorded (SIGHUP not where it is ignored, as under
+    ``nohup``); the first one during the model conversion also unwinds it (``_Stopped``: the conversion
+    removes its partial directory on any exception); one before any child started ends ``up`` with
+    "interrupted". The handlers stay until the MPS daemon, which outlives every child, was told to quit.
+
     What it tells the user (a child stopped, why it stops, the ready block, the supervisor's restarts)
     goes through ``protocol.logging.say``: text as printed lines, ``--log-format json`` as one JSON log
     event each. A refusal (exit 2) is one plain ``pdserve up: ...`` line in either format, as the CLI's
     usage errors are.
     """
-    # SIGTERM / SIGHUP during the conversion end it as Ctrl-C does (the conversion removes its partial
-    # directory on any exception), not by the signal's default action
-    during = {sig: signal.signal(sig, _raise_stop) for sig in STOP_SIGNALS if sig != signal.SIGINT}
+    stop: list[int] = []
+    converting = [True]
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.append(signum)
+        if converting[0]:
+            converting[0] = False
+            raise _Stopped(signum)
+
+    handled: dict[signal.Signals, Any] = {}
+    for stop_signal in STOP_SIGNALS:
+        if stop_signal == signal.SIGHUP and signal.getsignal(stop_signal) is signal.SIG_IGN:
+            continue  # nohup: closing the terminal is not a stop
+        handled[stop_signal] = signal.signal(stop_signal, on_signal)
+    try:
+        return _start(settings, ready_timeout, stop, converting)
+    except _Stopped:  # before any child started
+        say_up("interrupted", logging.WARNING)
+        return 128 + stop[0]
+    finally:
+        for stop_signal, handler in handled.items():
+            signal.signal(stop_signal, handler)
+
+
+def _start(settings: UpSettings, ready_timeout: float, stop: list[int], converting: list[bool]) -> int:
+    """``run`` once its signal handlers are on: convert and check the model, then start and supervise."""
     try:
         from engine.models.registry import read_model_config, resolve_model
 
@@ -437,40 +461,29 @@ def run(settings: UpSettings, ready_timeout: float = 600.0) -> int:
         # quantization method the workers cannot run before any of them starts
         model_config = read_model_config(resolve_model(settings.model), settings.worker.quantization)
     except (ValueError, FileNotFoundError) as exc:
+        converting[0] = False
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, _Stopped) as exc:  # before any child started
-        say_up("interrupted", logging.WARNING)
-        return 128 + (exc.signum if isinstance(exc, _Stopped) else signal.SIGINT)
-    finally:
-        for sig, handler in during.items():
-            signal.signal(sig, handler)
+    converting[0] = False  # from here a signal is only recorded
     refused = up_refusal(settings, model_config)  # now, not after the workers loaded the model
     if refused is not None:
         print(f"pdserve up: {refused}", file=sys.stderr)
         return 2
+    if stop:  # during the checks
+        say_up("interrupted", logging.WARNING)
+        return 128 + stop[0]
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per /ready poll
-    stop: list[int] = []
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.append(signum)
-
-    old = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     sup = Supervisor(unset_env=CHILD_UNSET_VARIABLES, announce=say_up)
-    try:  # the signal handlers stay until the MPS daemon, which outlives every child, was told to quit
-        with run_keys(settings) as keys_dir, contextlib.ExitStack() as daemons:
-            try:
-                mps_env = daemons.enter_context(private_mps()) if settings.cuda_mps else {}
-            except RuntimeError as exc:
-                print(f"pdserve up: {exc}", file=sys.stderr)
-                return 1
-            try:
-                code = _supervise(settings, sup, stop, ready_timeout, keys_dir, mps_env)
-            finally:
-                stopped = sup.stop_all()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    with run_keys(settings) as keys_dir, contextlib.ExitStack() as daemons:
+        try:
+            mps_env = daemons.enter_context(private_mps()) if settings.cuda_mps else {}
+        except RuntimeError as exc:
+            print(f"pdserve up: {exc}", file=sys.stderr)
+            return 1
+        try:
+            code = _supervise(settings, sup, stop, ready_timeout, keys_dir, mps_env)
+        finally:
+            stopped = sup.stop_all()
     for name, pid, how in stopped:
         say_up(f"{how} {name} (pid {pid})", child=name, pid=pid, how=how)
     return 128 + stop[0] if stop else code
@@ -495,10 +508,11 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
         return 2
     if gpus:
         shared = shared_gpus(settings, gpus)
+        pipe = (mps_env or {}).get(PIPE_VARIABLE, "")
         if settings.cuda_mps and not shared:
-            say_up("--cuda-mps: no two workers share a GPU here, so MPS has nothing to run side by side")
+            say_up(f"--cuda-mps: no two workers share a GPU here, so MPS has nothing to run side by side "
+                   f"({PIPE_VARIABLE}={pipe})", pipe_directory=pipe)
         elif settings.cuda_mps:
-            pipe = (mps_env or {}).get(PIPE_VARIABLE, "")
             for device, names in shared.items():
                 say_up(f"--cuda-mps: {' and '.join(names)} share {device} through this run's MPS daemon "
                        f"({PIPE_VARIABLE}={pipe})", device=device, workers=names, pipe_directory=pipe)

@@ -342,8 +342,9 @@ class UpSettings:
     worker: WorkerSettings = field(default_factory=_template_worker)
 
     def __post_init__(self) -> None:
-        _check(1 <= self.port < 65536, "port", f"must be in [1, 65535], got {self.port} (up waits for /ready "
-               "on it and prints its URL: 0 would let the gateway pick a port up cannot learn)")
+        _check(self.port != 0, "port", "must be a fixed port (up waits for /ready on it and prints its URL; "
+               "0 would let the gateway pick one up cannot learn)")
+        _check(0 < self.port < 65536, "port", f"must be in [1, 65535], got {self.port}")
         _check_device(self.device)
         _check(all("," not in key for key in self.gateway.api_keys), "api-key",
                "a key must not contain a comma (pdserve up hands keys to the gateway in PDSERVE_API_KEY)")

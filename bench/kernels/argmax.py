@@ -6,6 +6,9 @@ Every greedy decode step ends with the argmax of its ``[B, V]`` logits. For each
 one CUDA graph, as the step's sampling follows its forward; each figure is the median over
 ``--replays`` replays (microseconds per call, with the min–max), the outputs are checked equal, and the
 line gives torch / kernel. The read bandwidth (``B x V x 2`` bytes per call) is printed beside it.
+Programmatic dependent launch is off while timing (``engine.ops.pdl.set_pdl(False)``): back to back, a
+one-row call would launch early behind the one before, which the engine's argmax, after a graph replay,
+does not.
 
     python3 -m bench.kernels.argmax --batches 1 8 32 256 --vocab 128256 151936
 """
@@ -19,6 +22,7 @@ import torch
 
 from bench.timing import Spread, replay_seconds
 from engine.ops.argmax import argmax_rows_kernel
+from engine.ops.pdl import set_pdl
 
 
 def call_seconds(fn: Callable[[torch.Tensor], torch.Tensor], logits: torch.Tensor, calls: int,
@@ -47,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {torch.cuda.get_device_name()}; bf16 logits; medians of {args.replays} replays of "
           f"{args.calls} captured calls", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
+    set_pdl(False)
     for vocab in args.vocab:
         for batch in args.batches:
             logits = torch.randn(batch, vocab, device="cuda", generator=gen).to(torch.bfloat16)

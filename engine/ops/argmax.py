@@ -1,16 +1,16 @@
 """Row-wise argmax of logits, the greedy token of each row (Triton kernels + plain-torch reference).
 
-``torch.argmax(logits, dim=-1)`` reduces a row on one thread block: for one row of a 128k-token vocabulary
-(Llama 3; 152k for Qwen) that is ~38 µs on an H100, about the time of a Llama-3-8B layer's FP8 gate/up
-projection at batch 1, in every greedy decode step. Here each row is cut into chunks of ``BLOCK``
-entries: the first kernel runs one program per (row, chunk) and writes the chunk's largest value and its
-index, the second one program per row picks among its chunks (the standard two-pass split reduction).
+``torch.argmax(logits, dim=-1)`` reduces a one-row batch on one thread block: for Llama 3's 128k-token
+vocabulary that took 26 µs on an H100 (9 µs for Qwen's 152k, where torch splits the row), in every greedy
+decode step (bench/kernels/argmax.py). Here each row is cut into chunks of ``CHUNK`` entries: the first
+kernel runs one program per (chunk, row) and writes the chunk's largest value and its index, the second
+one program per row picks among its chunks (the standard two-pass split reduction).
 
-Same answer as ``torch.argmax`` bit for bit: values compared in float32 (exact for bf16 and fp16 inputs),
-the lowest index among equal maxima, and a NaN larger than any number (a row holding NaN gives its first
-NaN's index, as torch's argmax does). ``argmax_rows`` takes the kernels for CUDA tensors and
-``torch.argmax`` (``argmax_rows_reference``) elsewhere; the CPU suite checks the kernels through the
-Triton interpreter.
+Same answer as ``torch.argmax``: values compared in float32 (exact for the bf16, fp16 and fp32 inputs it
+takes), the lowest index among equal maxima, and a NaN larger than any number (a row holding NaN gives its
+first NaN's index, as torch's argmax does). ``argmax_rows`` takes the kernels where ``takes_kernel`` says
+so (a CUDA tensor it can run) and ``torch.argmax`` (``argmax_rows_reference``) elsewhere; the CPU suite
+checks the kernels through the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from engine.ops.pdl import gdc_enter, pdl_kwargs
 
 CHUNK = 2048  # entries per program of the first kernel: a 128k vocabulary is 63 programs per row
 _NO_INDEX = 2 ** 31 - 1  # larger than any vocabulary index (int32)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # compared exactly in float32
+_MAX_ROWS = 65535  # rows are the launch grid's second axis (CUDA's limit there)
 
 
 @triton.jit
@@ -45,8 +47,8 @@ def _argmax_chunks_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: arg
     x_ptr, value_ptr, index_ptr, vocab, stride_x, num_chunks,
     BLOCK: tl.constexpr, NO_INDEX: tl.constexpr, USE_GDC: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    chunk = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     valid = cols < vocab
     gdc_enter(USE_GDC)  # the logits come from the kernel just before
@@ -77,21 +79,25 @@ def _check(logits: torch.Tensor) -> None:
                          f"strides {tuple(logits.stride())}")
     if logits.shape[1] < 1 or logits.shape[1] >= _NO_INDEX:
         raise ValueError(f"logits need 1 <= V < 2**31 entries per row, got V={logits.shape[1]}")
-    if not logits.is_floating_point():
-        raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
+    if logits.shape[0] > _MAX_ROWS:
+        raise ValueError(f"logits need at most {_MAX_ROWS} rows, got {logits.shape[0]}")
+    if logits.dtype not in _DTYPES:
+        raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
 
 
 def argmax_rows_kernel(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest entry, by the two Triton kernels (module docstring).
 
     Args:
-        logits: ``[B, V]`` float (bf16, fp16 or fp32), last dim contiguous, any device Triton runs on.
+        logits: ``[B, V]`` float32, bfloat16 or float16, last dim contiguous, ``B <= 65535``, any device
+            Triton runs on.
 
     Returns:
         int64 ``[B]`` on ``logits``' device, equal to ``torch.argmax(logits, dim=-1)``.
 
     Raises:
-        ValueError: not ``[B, V]`` with a contiguous last dim, ``V`` < 1 or >= 2**31, or not float.
+        ValueError: not ``[B, V]`` with a contiguous last dim, ``V`` < 1 or >= 2**31, more than 65535
+            rows, or another dtype.
     """
     _check(logits)
     b, v = logits.shape
@@ -102,7 +108,7 @@ def argmax_rows_kernel(logits: torch.Tensor) -> torch.Tensor:
     values = torch.empty((b, chunks), dtype=torch.float32, device=logits.device)
     index = torch.empty((b, chunks), dtype=torch.int32, device=logits.device)
     pdl = pdl_kwargs(logits)
-    _argmax_chunks_kernel[(b, chunks)](logits, values, index, v, logits.stride(0), chunks, BLOCK=CHUNK,
+    _argmax_chunks_kernel[(chunks, b)](logits, values, index, v, logits.stride(0), chunks, BLOCK=CHUNK,
                                        NO_INDEX=_NO_INDEX, num_warps=4, **pdl)
     _argmax_rows_kernel[(b,)](values, index, out, chunks, BLOCK_C=triton.next_power_of_2(chunks),
                               NO_INDEX=_NO_INDEX, num_warps=1, **pdl)
@@ -115,11 +121,18 @@ def argmax_rows_reference(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def takes_kernel(logits: torch.Tensor) -> bool:
+    """Whether ``argmax_rows`` runs the kernels on ``logits``: a CUDA tensor ``[B, V]`` with a contiguous
+    last dim, ``1 <= V < 2**31``, ``B <= 65535``, float32 / bfloat16 / float16, outside the Triton
+    interpreter (whose CPU tensors take torch)."""
+    return (logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1 and logits.dtype in _DTYPES
+            and 1 <= logits.shape[1] < _NO_INDEX and logits.shape[0] <= _MAX_ROWS
+            and os.environ.get("TRITON_INTERPRET") != "1")
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """The greedy token of each row of ``logits [B, V]``: ``argmax_rows_kernel`` for a CUDA tensor whose
-    last dim is contiguous (outside the Triton interpreter), else ``torch.argmax``; int64 ``[B]``, the
-    same values either way."""
-    if (logits.is_cuda and logits.dim() == 2 and logits.stride(1) == 1 and logits.is_floating_point()
-            and os.environ.get("TRITON_INTERPRET") != "1"):
+    """The greedy token of each row of ``logits [B, V]``: ``argmax_rows_kernel`` where ``takes_kernel``,
+    else ``torch.argmax``; int64 ``[B]``, the same values either way."""
+    if takes_kernel(logits):
         return argmax_rows_kernel(logits)
     return logits.argmax(dim=-1)

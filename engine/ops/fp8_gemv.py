@@ -19,6 +19,7 @@ the measured choices; ``fp8_gemv_reference`` is the plain-torch product. Weights
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import torch
 import triton
@@ -36,17 +37,20 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def measured_gpu(device: torch.device) -> str:
-    """Whose one-row measurements a CUDA ``device`` takes: ``"h100"`` where its name says H100, else
-    ``"h200"`` (where the tiles below were first measured; also what GPUs not measured get). The two
-    differ where an H100's lower memory bandwidth (3.35 against 4.8 TB/s, the same 132 SMs) leaves the
-    decoded GEMV memory-bound rather than bound by instruction issue (``fp8_gemv_mma_tile``,
-    ``fp8_gemv_folds_silu``)."""
+MeasuredGpu = Literal["h100", "h200"]
+
+
+def measured_gpu(device: torch.device) -> MeasuredGpu:
+    """Whose one-row measurements a CUDA ``device`` takes: ``"h100"`` for the H100 SXM ("H100 80GB HBM3",
+    the one measured), else ``"h200"`` (where the tiles below were first measured; also what GPUs not
+    measured get, the H100 PCIe and NVL included). The two differ where the H100's lower memory bandwidth
+    (3.35 against 4.8 TB/s, the same 132 SMs) leaves the decoded GEMV memory-bound rather than bound by
+    instruction issue (``fp8_gemv_mma_tile``, ``fp8_gemv_folds_silu``)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return "h100" if "H100" in _device_name(index) else "h200"
+    return "h100" if "H100 80GB HBM3" in _device_name(index) else "h200"
 
 
-def fp8_gemv_folds_silu(gpu: str, layout: str) -> bool:
+def fp8_gemv_folds_silu(gpu: MeasuredGpu, layout: str) -> bool:
     """Whether a one-row FP8 down projection takes ``[gate | up]`` and folds SiLU·mul into the GEMV's
     loads (``fp8_gemv(gated=True)``, one kernel) rather than ``silu_mul`` first and the plain GEMV: on an
     H100 for per-channel and per-tensor weights (``bench/kernels/fp8_gemv_sweep.py --candidates``,
@@ -336,14 +340,14 @@ def _reduce_partials(part: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None
 
 
 def fp8_gemv_mma_tile(n: int, layout: str, gated: bool = False,
-                      gpu: str = "h200") -> tuple[int, int, int, int, int] | None:
+                      gpu: MeasuredGpu = "h200") -> tuple[int, int, int, int, int] | None:
     """The ``fp8_gemv_mma`` tile of a one-row FP8 step on ``gpu`` (``measured_gpu``), or None where the
     CUDA-core GEMVs are faster: the H200 sweep (``bench/kernels/fp8_gemv_sweep.py --candidates``,
     2026-12-04) found it ahead only for wide per-channel/per-tensor matrices (N >= 16384: gate/up 84.0 % of
     the copy bandwidth in 128 x 256 tiles, 4 warps, 3 stages, one K slice, against 77.8 % for
     ``fp8_gemv``); QKV, o and down 38-54 %, and block scales (chunks of at most one 128-wide scale group)
     56 % against split-K's 72.8 %. On an H100 (2026-12-06) ``fp8_gemv`` wins the wide case too: gate/up
-    94.0 % in 8 x 512 tiles against 88.2 %."""
+    94.0 % in 8 x 512 tiles against 88.4 % for this tile."""
     if gated or layout == "block" or n < 16384 or gpu == "h100":
         return None
     return 128, 256, 4, 1, 3

@@ -146,13 +146,14 @@ def test_one_row_steps_take_split_k_where_it_measured_faster() -> None:
 
 
 def test_an_h100_takes_its_own_measured_one_row_choices(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An H100 (by device name) runs wide per-channel matrices on the decoded GEMV, not the MMA, and folds
-    SiLU·mul into the one-row down GEMV (not for block scales); an H200 and any other GPU keep the H200's
-    choices."""
-    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200", 2: "NVIDIA A100-SXM4-80GB"}
+    """An H100 SXM (by device name) runs wide per-channel matrices on the decoded GEMV, not the MMA, and
+    folds SiLU·mul into the one-row down GEMV (not for block scales); an H200 and any other GPU (other H100
+    variants too: not measured) keep the H200's choices."""
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200", 2: "NVIDIA A100-SXM4-80GB", 3: "NVIDIA H100 PCIe",
+             4: "NVIDIA H100 NVL"}
     monkeypatch.setattr(fp8_gemv_module, "_device_name", lambda index: names[index])
-    gpus = [measured_gpu(torch.device("cuda", i)) for i in range(3)]
-    assert gpus == ["h100", "h200", "h200"]
+    gpus = [measured_gpu(torch.device("cuda", i)) for i in range(5)]
+    assert gpus == ["h100", "h200", "h200", "h200", "h200"]  # only the H100 measured (SXM) takes its own
     assert fp8_gemv_mma_tile(28672, "channel", gpu="h100") is None
     assert fp8_gemv_mma_tile(28672, "channel", gpu="h200") == (128, 256, 4, 1, 3)
     assert fp8_gemv_folds_silu("h100", "channel") and fp8_gemv_folds_silu("h100", "tensor")

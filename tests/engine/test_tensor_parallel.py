@@ -7,6 +7,7 @@ the shard layout, the refusals and the step message."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -350,3 +351,20 @@ def test_a_pad_token_id_past_the_ranks_rows_does_not_stop_the_shard(tmp_path):
                                           torch.device("cpu"))
         assert whole.pad_token_id == 200 and local.config.pad_token_id is None
         assert local.model.embed_tokens.weight.shape[0] == 128
+
+
+def test_a_follower_rank_draws_no_progress_bar(monkeypatch):
+    """Each tensor parallel rank loads its shard through transformers; only rank 0 draws the worker's
+    "Loading weights" bar (followers' bars overwrote it on one line)."""
+    import transformers.utils.logging as hf_logging
+
+    from engine.tp_executor import _quiet_progress_bars
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    hf_logging.enable_progress_bar()
+    try:
+        _quiet_progress_bars()
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()

@@ -249,9 +249,10 @@ def test_workers_sharing_a_gpu_are_named_with_the_hint_unless_mps_is_on(
         "pdserve up: --cuda-mps: prefill-0 and decode-0 share cuda:0 through this run's MPS daemon "
         "(CUDA_MPS_PIPE_DIRECTORY=/tmp/pdserve-mps-x/pipe)"]
     monkeypatch.setattr(launcher, "gpu_count", lambda: 2)  # a GPU each
-    assert launcher._supervise(with_mps, Sup(), [], 1.0, None, {}) == 0  # type: ignore[arg-type]
+    assert launcher._supervise(with_mps, Sup(), [], 1.0, None, mps_env) == 0  # type: ignore[arg-type]
     assert capsys.readouterr().err.splitlines() == [
-        "pdserve up: --cuda-mps: no two workers share a GPU here, so MPS has nothing to run side by side"]
+        "pdserve up: --cuda-mps: no two workers share a GPU here, so MPS has nothing to run side by side "
+        "(CUDA_MPS_PIPE_DIRECTORY=/tmp/pdserve-mps-x/pipe)"]
     monkeypatch.setattr(launcher, "gpu_count", lambda: 1)
     monkeypatch.setenv("PATH", "/nonexistent")  # no control program: no hint to take a flag that is refused
     assert launcher._supervise(one_gpu, Sup(), [], 1.0, None) == 0  # type: ignore[arg-type]

@@ -111,9 +111,10 @@ def test_a_stop_signal_during_the_model_conversion_ends_up_as_ctrl_c_does(
         sig: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         tmp_path: Path) -> None:
     """SIGTERM or SIGHUP while ``up`` converts the embedded model (before any child): the conversion
-    unwinds and removes its partial directory, ``up`` says "interrupted" and returns 128 + the signal,
-    and its own handlers are back. Found by a new-user trial: the signal's default action killed the
-    launcher silently and left the conversion's temporary directory behind."""
+    unwinds and removes its partial directory (a second signal during its clean-up does not break it),
+    ``up`` says "interrupted" and returns 128 + the signal, and the previous handlers are back. Found by
+    a new-user trial: the signal's default action killed the launcher silently and left the conversion's
+    temporary directory behind."""
     import engine.models.registry as registry
     from pdserve import launcher
     from protocol.settings import UpSettings
@@ -126,6 +127,7 @@ def test_a_stop_signal_during_the_model_conversion_ends_up_as_ctrl_c_does(
             os.kill(os.getpid(), sig)
             time.sleep(10)  # the handler raises before this returns
         except BaseException:
+            os.kill(os.getpid(), sig)  # a second signal while it cleans up: only recorded
             partial.rmdir()
             raise
         raise AssertionError("the signal did not stop the conversion")
@@ -138,3 +140,29 @@ def test_a_stop_signal_during_the_model_conversion_ends_up_as_ctrl_c_does(
     assert not partial.exists()
     assert capsys.readouterr().err.splitlines() == ["pdserve up: interrupted"]
     assert signal.getsignal(sig) is before
+
+
+def test_a_stop_signal_during_the_checks_after_the_conversion_ends_up_before_any_child(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Between the conversion and the first child (``up_refusal`` imports torch, counts GPUs, loads the
+    tokenizer: seconds) a SIGTERM is recorded and ends ``up`` with "interrupted" and 143 before any child
+    starts, not by the signal's default action."""
+    import engine.models.registry as registry
+    from pdserve import launcher
+    from pdserve.supervisor import Supervisor
+    from protocol.settings import UpSettings
+
+    monkeypatch.setattr(registry, "resolve_model", lambda model: Path("/nonexistent"))
+    monkeypatch.setattr(registry, "read_model_config", lambda path, quantization: object())
+
+    def checking(settings: UpSettings, config: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return None
+
+    def no_child(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a child was started after the stop signal")
+
+    monkeypatch.setattr(launcher, "up_refusal", checking)
+    monkeypatch.setattr(Supervisor, "start", no_child)
+    assert launcher.run(UpSettings(device="cpu")) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines() == ["pdserve up: interrupted"]
