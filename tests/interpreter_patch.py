@@ -1,0 +1,48 @@
+"""Triton's interpreter patching ``triton.language`` without a full ``inspect.getmembers`` scan per call.
+
+Under the interpreter every kernel launch, and every call of a ``@triton.jit`` helper from inside a kernel
+(once per program and per loop iteration that calls it), runs ``_patch_lang``, which runs
+``_patch_builtin`` on ``triton.language``, its ``tensor`` class and ``math`` module (and ``core``'s where
+a kernel's module names it): an ``inspect.getmembers`` over each (a ``getattr`` of every name, then a
+sort), to patch those members that are Triton builtins. In a kernel whose helpers run per program (the
+MoE matrix-vector kernels' weight decoding, the PDL wait) that scan took about 40% of the interpreted
+kernel's time. ``cache_builtin_names`` gives ``_patch_builtin`` each of those namespaces' builtin names,
+listed once before any kernel runs (in ``getmembers``' order): every call patches the same members as
+before, in the same order; a namespace not listed falls back to the scan. Only the pytest processes get
+it; a process a test starts keeps Triton's own.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+
+def cache_builtin_names() -> None:
+    """Replace the interpreter's ``_patch_builtin`` (call before kernels run, while nothing is patched):
+    for ``triton.language``, ``triton.language.core``, ``tensor``, ``math`` and ``tensor_descriptor_base``,
+    the names whose member is a builtin are listed now; a call patches each of those whose current
+    member is a builtin (a member already patched is not a builtin: the same test as the scan's). Raises
+    AttributeError where this Triton has no such function."""
+    from triton.runtime import interpreter
+
+    tl = interpreter.tl
+    is_builtin = tl.core.is_builtin
+    patch_attr = interpreter._patch_attr
+    interpreter._patch_builtin  # noqa: B018 - fail loudly if Triton renamed what is replaced
+    names: dict[int, tuple[Any, tuple[str, ...]]] = {}
+    for pkg in (tl, tl.core, tl.tensor, tl.math, tl.core.tensor_descriptor_base):
+        names[id(pkg)] = (pkg, tuple(name for name, member in inspect.getmembers(pkg) if is_builtin(member)))
+    scan = interpreter._patch_builtin
+
+    def _patch_builtin(pkg: Any, builder: Any, scope: Any) -> None:
+        listed = names.get(id(pkg))
+        if listed is None or listed[0] is not pkg:
+            scan(pkg, builder, scope)
+            return
+        for name in listed[1]:
+            member = getattr(pkg, name)
+            if is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = _patch_builtin
