@@ -56,10 +56,11 @@ if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
     from tests.interpreter_dot import use_einsum_dot
-    from tests.interpreter_patch import cache_builtin_names
+    from tests.interpreter_patch import cache_builtin_names, lazy_tuple_type_names
 
     use_einsum_dot()  # tl.dot's bits independent of the tile's row count, as on a GPU (its docstring)
     cache_builtin_names()  # the same patching of triton.language per helper call, without a scan each
+    lazy_tuple_type_names()  # a tensor's shape type formats its name only when read
 
 
 def _module(item: pytest.Item) -> str:

@@ -46,3 +46,27 @@ def cache_builtin_names() -> None:
                 patch_attr(pkg, name, member, builder, scope)
 
     interpreter._patch_builtin = _patch_builtin
+
+
+def lazy_tuple_type_names() -> None:
+    """Make ``triton.language.core.tuple_type.name`` computed when read instead of built in ``__init__``.
+
+    The interpreter makes a ``tuple_type`` for every tensor it creates (a tensor's shape is a Triton
+    ``tuple`` of ``constexpr``), and its ``__init__`` formats ``name`` (``"[:constexpr_type[16],...]"``)
+    from the types, about a tenth of an interpreted kernel's time; the name is only read by ``__str__``
+    (the type's equality compares ``types`` and ``fields``, and it has no hash). Read, it is the same
+    string, from the same ``fields`` and ``types``. Raises AttributeError where this Triton has no
+    ``tuple_type``."""
+    from triton.language import core
+
+    cls = core.tuple_type
+
+    def __init__(self: Any, types: Any, fields: Any = None) -> None:
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def name(self: Any) -> str:
+        return "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types, strict=False)]) + "]"
+
+    cls.__init__ = __init__
+    cls.name = property(name)
