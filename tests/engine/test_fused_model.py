@@ -239,7 +239,9 @@ def test_qkv_written_into_the_attention_buffer_changes_nothing(arch, quantizatio
     from engine.attention.triton_backend import TritonAttentionBackend
 
     path = save_tiny_model(arch, tmp_path / "m", seed=9)
-    prompts = make_prompts(seed=9)[::4]
+    # 1, 15 and 17 tokens over the 24-token budget: a step of a decode row and two fresh prompts, one of
+    # decode rows and a chunk continued over its cached context, then decode-only steps
+    prompts = [make_prompts(seed=9)[i] for i in (0, 8, 16)]
     params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # float32: the paged kernel attends on a GPU too
     plain = _llm(path, "on", "triton", device, quantization).generate(prompts, params)
