@@ -211,7 +211,9 @@ def test_silu_down_gemv_matches_transformers(tmp_path, monkeypatch):
     reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     llm = _llm(path, "on", backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
     net = llm.core.runner.net
-    net.gemv_projections = frozenset((*PROJECTIONS, "silu_down"))
+    # the gated GEMV alone: the plain projections' GEMVs at batch 1 are test_fused_triton_kernels_match_
+    # transformers' (under the interpreter each is one program per output row)
+    net.gemv_projections = frozenset(("silu_down",))
     llm.core.runner.decode_graphs = None
     gated, silu = [], []
     real_gemv, real_silu = fused_model.gemv, fused_model.silu_mul
