@@ -263,15 +263,16 @@ def run_gemv(case: KernelCase, device: str, seed: int) -> int:
     """The one-row ``gemv``, plain and gated (SiLU·mul folded in), with the tiles of each class of
     ``gemv_tile`` (N <= 2048, <= 4096, in between, >= 16384) and a K that is no multiple of the tile,
     against ``gemv_reference``. On a GPU N is of the class (1000, 3000, 6000, 17000); on the CPU every
-    class runs at N = 1000 with its tiles passed explicitly (the interpreter runs each program as Python:
-    N = 17000 is 8,500 programs, minutes). Returns the number of kernel launches. Raises AssertionError on a
-    mismatch."""
+    class runs at N = 61 with its tiles passed explicitly (the interpreter runs each program as Python:
+    N = 17000 is 8,500 programs, minutes; 61 is no multiple of any ``block_n`` above 1, so the 2-, 4- and
+    8-row tiles end in a masked row tail). Returns the number of kernel launches. Raises AssertionError on
+    a mismatch."""
     from engine.ops.gemv import gemv, gemv_reference, gemv_tile
 
     dtype, gen = DTYPES[case.dtype], torch.Generator().manual_seed(seed + 7)
     k = case.num_kv_heads * case.gqa * case.head_dim + 7
     for n in (1000, 3000, 6000, 17000):
-        rows = n if device != "cpu" else 1000
+        rows = n if device != "cpu" else 61
         (pn, pk, pw), (gn, gk, gw) = gemv_tile(n, False, k), gemv_tile(n, True, k)
         w = (torch.randn(rows, k, generator=gen) * 0.05).to(dtype).to(device)
         x, gate_up = (torch.randn(1, m, generator=gen).to(dtype).to(device) for m in (k, 2 * k))
