@@ -133,13 +133,38 @@ def test_a_stop_signal_during_the_model_conversion_ends_up_as_ctrl_c_does(
         raise AssertionError("the signal did not stop the conversion")
 
     monkeypatch.setattr(registry, "resolve_model", converting)
-    before = signal.getsignal(sig)
-    started = time.monotonic()
-    assert launcher.run(UpSettings(device="cpu")) == 128 + sig
-    assert time.monotonic() - started < 5
-    assert not partial.exists()
-    assert capsys.readouterr().err.splitlines() == ["pdserve up: interrupted"]
-    assert signal.getsignal(sig) is before
+    inherited = signal.signal(sig, signal.SIG_DFL)  # as in a terminal (under nohup SIGHUP is ignored)
+    try:
+        started = time.monotonic()
+        assert launcher.run(UpSettings(device="cpu")) == 128 + sig
+        assert time.monotonic() - started < 5
+        assert not partial.exists()
+        assert capsys.readouterr().err.splitlines() == ["pdserve up: interrupted"]
+        assert signal.getsignal(sig) is signal.SIG_DFL  # put back
+    finally:
+        signal.signal(sig, inherited)
+
+
+def test_under_nohup_sighup_stays_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGHUP ``up`` inherits as ignored (``nohup pdserve up``) stays ignored: closing the terminal is
+    not a stop, during the conversion or after."""
+    import engine.models.registry as registry
+    from pdserve import launcher
+    from protocol.settings import UpSettings
+
+    seen = []
+
+    def converting(model: str) -> Path:
+        seen.append(signal.getsignal(signal.SIGHUP))
+        raise FileNotFoundError("no such model")  # ends up with a refusal: nothing more to start
+
+    monkeypatch.setattr(registry, "resolve_model", converting)
+    inherited = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert launcher.run(UpSettings(device="cpu")) == 2
+        assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, inherited)
 
 
 def test_a_stop_signal_during_the_checks_after_the_conversion_ends_up_before_any_child(
