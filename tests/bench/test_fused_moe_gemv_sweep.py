@@ -56,13 +56,17 @@ def test_every_default_candidate_computes_the_layer() -> None:
     x, w_gate_up, w_down, weights, ids = layer(experts, top_k, hidden, inter, 1, torch.float32,
                                                torch.device("cpu"))
     want = fused_moe_reference(x, w_gate_up, w_down, weights, ids)
+    # the kernel a candidate does not tile runs one program per pair or token (its one-token default
+    # tiles run one per output column or two: under the interpreter, most of each candidate's time)
+    whole_up, whole_down = (inter, hidden, 4), (hidden, inter, 4)
     for text in UP_TILES:
         bn, bk, warps = parse_tile(text, 3)
-        got = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, up_tile=(bn, bk, warps))
+        got = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, up_tile=(bn, bk, warps),
+                             down_tile=whole_down)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=text)
     for text in DOWN_TILES:
         c = candidate(down=text)
-        got = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, down_tile=c.down_tile,
+        got = fused_moe_gemv(x, w_gate_up, w_down, weights, ids, up_tile=whole_up, down_tile=c.down_tile,
                              down_slots=c.down_slots, down_prefetch=c.down_prefetch)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=text)
     router = torch.randn(experts, hidden, generator=torch.Generator().manual_seed(2))
