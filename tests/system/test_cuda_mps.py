@@ -223,14 +223,15 @@ def test_workers_sharing_a_gpu_are_named_with_the_hint_unless_mps_is_on(
     """The hint where the flag would be taken (the control program on PATH); with the flag, a line naming
     the workers MPS runs side by side and the daemon's pipe directory, or, no GPU shared, a line saying
     MPS has nothing to do."""
+    from pdserve.placement import shared_gpus
     from protocol.settings import UpSettings
 
     one_gpu = UpSettings(device="auto", insecure_control_plane=True)
-    assert launcher.shared_gpus(one_gpu, 1) == {"cuda:0": ["prefill-0", "decode-0"]}
-    assert launcher.shared_gpus(one_gpu, 2) == {}  # a GPU each
-    assert launcher.shared_gpus(UpSettings(device="cuda:1", num_decode=2), 4) == {
+    assert shared_gpus(one_gpu, 1) == {"cuda:0": ["prefill-0", "decode-0"]}
+    assert shared_gpus(one_gpu, 2) == {}  # a GPU each
+    assert shared_gpus(UpSettings(device="cuda:1", num_decode=2), 4) == {
         "cuda:1": ["prefill-0", "decode-0", "decode-1"]}
-    assert launcher.shared_gpus(UpSettings(device="cpu"), 0) == {}
+    assert shared_gpus(UpSettings(device="cpu"), 0) == {}
 
     class Sup:
         def start(self, name: str, args: list[str], env: dict[str, str]) -> None:

@@ -243,7 +243,7 @@ def test_plan_places_one_worker_per_gpu_and_shares_when_short() -> None:
 
 def test_plan_gives_each_tensor_parallel_worker_gpus_of_its_own() -> None:
     from pdserve.cli import build_parser
-    from pdserve.launcher import worker_envs
+    from pdserve.placement import worker_envs
     from protocol.settings import settings_from_args
 
     up = settings_from_args(build_parser({}).parse_args(
@@ -284,7 +284,7 @@ def test_one_worker_draws_the_weight_loading_progress_bar() -> None:
 
 
 def test_placements_refuse_ranks_the_gpus_cannot_hold() -> None:
-    from pdserve.launcher import Placement, placements
+    from pdserve.placement import Placement, placements
 
     assert placements("auto", [2, 1, 3], 6) == [
         Placement(("--device", "cuda", "--kv-memory-fraction", "0.9"), (0, 1)),
@@ -306,7 +306,7 @@ def test_cpu_workers_share_the_cores_out_and_an_explicit_cpu_threads_wins() -> N
     each); on GPUs, or without a core count, no ``--cpu-threads``; ``--cpu-threads`` given to ``up``
     comes later in each worker's argv and reaches its settings."""
     from pdserve.cli import build_parser
-    from pdserve.launcher import Placement, placements
+    from pdserve.placement import Placement, placements
     from protocol.settings import settings_from_args
 
     assert placements("cpu", [1, 1], 0, cpu_cores=16) == [
@@ -331,7 +331,7 @@ def test_cpu_workers_share_the_cores_out_and_an_explicit_cpu_threads_wins() -> N
         assert isinstance(child, WorkerSettings) and child.cpu_threads == 3
     with pytest.raises(ValueError, match="--cpu-threads"):
         WorkerSettings(role="decode", cpu_threads=-1, insecure_control_plane=True)
-    from pdserve.launcher import usable_cores
+    from pdserve.placement import usable_cores
 
     assert usable_cores() == len(os.sched_getaffinity(0))  # what up shares out on this Linux host
 
