@@ -27,6 +27,7 @@ from typing import Any
 from protocol.cli_env import EnvAdder as _EnvAdder
 from protocol.cli_env import OneLineParser as _OneLineParser
 from protocol.cli_env import duration, env_variable, name_the_variable, parse_bool
+from protocol.logging import say_refused
 from protocol.settings import ATTENTION_BACKENDS, REASONING_PARSERS, TOOL_CALL_PARSERS
 
 _RUNNERS = {
@@ -359,13 +360,13 @@ def _run_gateway(settings: Any) -> int:
     from pdserve.ports import gateway_bind_problem
 
     if (why := gateway_bind_problem(settings.host, settings.port, settings.control_endpoints())) is not None:
-        print(f"pdserve gateway: {why}", file=sys.stderr)
+        say_refused("gateway", why)
         return 2
     if settings.tokenizer:  # an alias is prepared once here; the app (each --workers process) gets its dir
         try:
             tokenizer = resolve_tokenizer_dir(settings.tokenizer, None)
         except TokenizerNotFoundError as exc:
-            print(f"pdserve gateway: {exc}", file=sys.stderr)
+            say_refused("gateway", str(exc))
             return 1 if isinstance(exc, TokenizerPrepareError) else 2
         settings = dataclasses.replace(settings, tokenizer=str(tokenizer))
     if settings.workers > 1:
@@ -427,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from_args(args)
     except (ValueError, OSError) as exc:
         line = name_the_variable(str(exc), sys.argv[1:] if argv is None else list(argv), os.environ)
-        print(f"pdserve {args.command}: {line}", file=sys.stderr)
+        say_refused(args.command, line)
         return 2
     if args.command == "gateway":
         return _run_gateway(settings)

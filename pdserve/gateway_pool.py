@@ -30,7 +30,6 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ from gateway.server import serve_process
 from pdserve.launcher import STOP_SIGNALS
 from pdserve.ports import gateway_bind_problem
 from pdserve.supervisor import RestartPolicy
-from protocol.logging import say
+from protocol.logging import say, say_refused
 from protocol.settings import GatewaySettings
 
 log = logging.getLogger("pdserve.gateway")
@@ -202,7 +201,7 @@ def run_pool(settings: GatewaySettings, policy: RestartPolicy | None = None,
     (prints one line on stderr, returns 1; an HTTP address or a process's control socket that cannot be
     bound, e.g. a port in use, is refused before any process starts, returning 2)."""
     if (busy := gateway_bind_problem(settings.host, settings.port, settings.control_endpoints())) is not None:
-        print(f"pdserve gateway: {busy}", file=sys.stderr, flush=True)
+        say_refused("gateway", busy)
         return 2
     stop: list[int] = []
 

@@ -332,12 +332,12 @@ def _start(settings: UpSettings, ready_timeout: float, stop: list[int], converti
         model_config = read_model_config(resolve_model(settings.model), settings.worker.quantization)
     except (ValueError, FileNotFoundError) as exc:
         converting[0] = False
-        print(f"pdserve up: {exc}", file=sys.stderr)
+        say_up(str(exc), logging.ERROR, refused="up")
         return 2
     converting[0] = False  # from here a signal is only recorded
     refused = up_refusal(settings, model_config)  # now, not after the workers loaded the model
     if refused is not None:
-        print(f"pdserve up: {refused}", file=sys.stderr)
+        say_up(refused, logging.ERROR, refused="up")
         return 2
     if stop:  # during the checks
         say_up("interrupted", logging.WARNING)
@@ -348,7 +348,7 @@ def _start(settings: UpSettings, ready_timeout: float, stop: list[int], converti
         try:
             mps_env = daemons.enter_context(private_mps()) if settings.cuda_mps else {}
         except RuntimeError as exc:
-            print(f"pdserve up: {exc}", file=sys.stderr)
+            say_up(str(exc), logging.ERROR, refused="up")
             return 1
         try:
             code = _supervise(settings, sup, stop, ready_timeout, keys_dir, mps_env)
@@ -374,7 +374,7 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
         envs = {"gateway": gateway_env(keys),
                 **{name: {**env, **(mps_env or {}), **bars[name]} for name, env in workers.items()}}
     except ValueError as exc:
-        print(f"pdserve up: {exc}", file=sys.stderr)
+        say_up(str(exc), logging.ERROR, refused="up")
         return 2
     if gpus:
         shared = shared_gpus(settings, gpus)

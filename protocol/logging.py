@@ -172,6 +172,15 @@ def say(logger: logging.Logger, msg: str, text: str | None = None, level: int = 
         print(msg if text is None else text, file=stream if stream is not None else sys.stderr, flush=True)
 
 
+def say_refused(command: str, why: str) -> None:
+    """Why ``pdserve command`` does not start, or stops before serving: ``pdserve <command>: <why>`` on
+    stderr, or with ``--log-format json`` one log event of logger ``pdserve.<command>`` at ERROR whose
+    message is ``why`` and whose field ``refused`` is ``command`` (``say``), so a JSON log pipeline (the
+    Kubernetes and docker-compose default) reads it like every other line."""
+    say(logging.getLogger(f"pdserve.{command}"), why, f"pdserve {command}: {why}", logging.ERROR,
+        refused=command)
+
+
 def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: Any) -> None:
     """Log ``event`` with structured ``fields`` (e.g. ``request_id=...``) as one line."""
     logger.log(level, event, extra=fields)

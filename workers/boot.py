@@ -15,12 +15,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from protocol.heap import freeze_start_up_heap
-from protocol.logging import configure_logging
+from protocol.logging import configure_logging, say_refused
 from workers.control_client import RegistrationError
 
 if TYPE_CHECKING:
@@ -158,7 +157,7 @@ def serve_worker(settings: WorkerSettings, factory: WorkerFactory, *, prefill_on
         log.error("pdserve %s: cannot start: %s", settings.role, exc)
         return 1
     if refused is not None:
-        print(f"pdserve {settings.role}: {refused}", file=sys.stderr)
+        say_refused(settings.role, refused)
         return 2
     default_transport_env(settings.advertise_host or settings.host)
     watch = CompileWatch().install()  # a Triton compile after start-up is logged as a first-use stall

@@ -402,6 +402,34 @@ def test_a_usage_error_is_one_line_and_exit_2(argv: list[str], line: str, capsys
     _assert_one_line_exit_2(argv, line, capsys)
 
 
+@pytest.mark.parametrize("variable", [False, True])
+def test_a_refused_value_is_one_json_line_with_json_logs(variable: bool, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``--log-format json`` (or ``PDSERVE_LOG_FORMAT=json``, the Kubernetes and docker-compose
+    default) a value refused before anything starts is one JSON log line, like every other line of the
+    process, carrying the same words as the text line."""
+    import json
+
+    from pdserve.cli import main
+
+    monkeypatch.setitem(sys.modules, "pdserve.launcher", None)  # nothing may be started
+    argv = ["prefill", "--device", "cuda:x", "--insecure-control-plane"]
+    if variable:
+        monkeypatch.setenv("PDSERVE_LOG_FORMAT", "json")
+    else:
+        argv += ["--log-format", "json"]
+    try:
+        assert main(argv) == 2
+    finally:
+        from protocol.logging import configure_logging
+
+        configure_logging("info", "text")
+    [line] = capsys.readouterr().err.strip().splitlines()
+    event = json.loads(line)
+    assert (event["logger"], event["level"], event["msg"], event["refused"]) == (
+        "pdserve.prefill", "error", "--device: must be auto, cpu, cuda or cuda:N, got 'cuda:x'", "prefill")
+
+
 def test_parser_flags(capsys: pytest.CaptureFixture[str]) -> None:
     """``--tool-call-parser`` and ``--reasoning-parser`` (default auto) on the gateway and ``up``; a value
     outside the choices is one line naming the flag, from the command line, the environment or a

@@ -560,9 +560,12 @@ def test_up_refuses_a_model_the_tensor_parallel_ranks_cannot_split(tmp_path, mon
     assert refusal(_LLAMA_8K, 2) is None and refusal(_QWEN3_MOE, 1) is None
 
 
-def test_a_worker_refuses_a_model_its_ranks_cannot_split_in_one_line(tmp_path) -> None:
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_worker_refuses_a_model_its_ranks_cannot_split_in_one_line(tmp_path, log_format: str) -> None:
     """The same trial's worker, started on its own: one line naming the flag, exit 2, no rank started (no
-    multiprocessing traceback), the model's weights never read."""
+    multiprocessing traceback), the model's weights never read. With ``--log-format json`` (what a
+    Kubernetes or docker-compose deployment runs workers with) that line is a JSON log event with the
+    same words."""
     import json
     import os
     import subprocess
@@ -571,13 +574,19 @@ def test_a_worker_refuses_a_model_its_ranks_cannot_split_in_one_line(tmp_path) -
     (tmp_path / "config.json").write_text(json.dumps(_QWEN3_MOE))
     proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "colocated", "--model", str(tmp_path),
                            "--load-format", "dummy", "--device", "cpu", "--tensor-parallel-size", "2",
-                           "--insecure-control-plane"], capture_output=True, text=True, timeout=120,
+                           "--insecure-control-plane", "--log-format", log_format], capture_output=True,
+                          text=True, timeout=120,
                           env={**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode == 2
     [line] = proc.stderr.strip().splitlines()
-    assert line == (f"pdserve colocated: --model {tmp_path}: --tensor-parallel-size 2: mixtures of experts "
-                    "(Qwen3MoeForCausalLM) are not supported with tensor parallelism yet; use "
-                    "--tensor-parallel-size 1"), proc.stderr
+    why = (f"--model {tmp_path}: --tensor-parallel-size 2: mixtures of experts (Qwen3MoeForCausalLM) are not "
+           "supported with tensor parallelism yet; use --tensor-parallel-size 1")
+    if log_format == "text":
+        assert line == f"pdserve colocated: {why}", proc.stderr
+    else:
+        event = json.loads(line)
+        assert (event["logger"], event["level"], event["msg"], event["refused"]) == (
+            "pdserve.colocated", "error", why, "colocated"), proc.stderr
 
 
 # 64 layers x K,V x 8 KV heads x 128 x 4 bytes (float32 on the CPU): 524288 bytes a token; the KV budget on
