@@ -49,6 +49,30 @@ def test_up_refuses_a_busy_port_at_once_and_names_the_flag(capsys: pytest.Captur
     assert capsys.readouterr().err == want
 
 
+def test_up_refuses_in_one_json_event_with_json_logs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The same refusal under ``--log-format json``: one JSON log event of ``pdserve.up`` at level error,
+    with the same words and ``refused: up``, nothing else on stderr."""
+    import json
+    import socket
+
+    from pdserve.launcher import run
+    from protocol.logging import configure_logging
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        configure_logging("info", "json")
+        try:
+            assert run(UpSettings(port=port, device="cpu", log_format="json"), ready_timeout=5) == 2
+        finally:
+            configure_logging("info", "text")
+    [line] = capsys.readouterr().err.strip().splitlines()
+    event = json.loads(line)
+    assert (event["logger"], event["level"], event["msg"], event["refused"]) == (
+        "pdserve.up", "error", f"port {port} on 127.0.0.1 is in use; choose another with --port", "up")
+
+
 def test_bind_problem_ignores_time_wait_but_not_a_listener() -> None:
     """A port whose only socket is a closed connection in TIME_WAIT (the server closed first, as a stopped
     `pdserve up` gateway does) is free for a SO_REUSEADDR listener like uvicorn; a live listener is not.
