@@ -13,7 +13,8 @@ Order of operations per row (all rows at once, no per-request loop over the voca
    host; the plain-torch reference is ``masked_by_bitmask``). The grammar wins over ``min_tokens``: a row
    whose grammar allows only the banned eos/stop tokens (its output is complete) is sampled without the ban.
 2. Greedy rows (``temperature == 0``) take the argmax. Other rows: divide by temperature, then top-k,
-   top-p (smallest set of tokens whose probability mass reaches ``top_p``), then min-p (drop tokens with
+   top-p (smallest set of tokens whose probability mass reaches ``top_p``; the most probable token
+   always stays, the only one at ``top_p`` 0), then min-p (drop tokens with
    probability below ``min_p`` × the largest), as in transformers' warpers.
 3. Sampling by the Gumbel-max trick (equivalently an exponential race): ``argmax(logit + g)`` with
    ``g = -log(-log(u))``, where ``u`` in (0, 1) comes from a counter-based integer hash of
@@ -237,7 +238,10 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
         srt = srt.masked_fill(ranks >= top_k[:, None], float("-inf"))
         probs = srt.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        srt = srt.masked_fill(mass_before >= _column([p.top_p for p in ps], dev), float("-inf"))
+        # the most probable token always stays: with top_p 0 (the limit of an ever smaller nucleus, which
+        # OpenAI's range [0, 1] allows) it is the only one
+        outside = (mass_before >= _column([p.top_p for p in ps], dev)) & (ranks > 0)
+        srt = srt.masked_fill(outside, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, idx, srt)
     if any(p.min_p > 0.0 for p in ps):
         probs = logits.softmax(dim=-1)

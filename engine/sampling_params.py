@@ -125,7 +125,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                  f"an int in [0, max_tokens={self.max_tokens}]", self.min_tokens)
         _require(_is_num(self.temperature) and self.temperature >= 0.0, "temperature",
                  "a finite number >= 0 (0 = greedy)", self.temperature)
-        _require(_is_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "a number in (0, 1]", self.top_p)
+        _require(_is_num(self.top_p) and 0.0 <= self.top_p <= 1.0, "top_p",
+                 "a number in [0, 1] (0: the most probable token only)", self.top_p)
         _require(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
                  "-1 (off) or an int >= 1", self.top_k)
         _require(_is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "a number in [0, 1]", self.min_p)

@@ -335,7 +335,7 @@ class GenerationRequestBase(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

@@ -146,7 +146,7 @@ def test_bad_options_raise():
     with pytest.raises(ValueError, match="unknown LLM option 'num_gpus'"):
         build_engine_config("m", num_gpus=2)
     with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0.0)
+        SamplingParams(top_p=-0.1)
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
 

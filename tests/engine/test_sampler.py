@@ -89,6 +89,24 @@ def test_filters_match_transformers_warpers():
         torch.testing.assert_close(ours[kept], ref[kept])
 
 
+def test_top_p_zero_keeps_only_the_most_probable_token():
+    """``top_p`` 0 (OpenAI's range is [0, 1]): the nucleus shrinks to the most probable token, so every seed
+    samples the argmax; a row beside it with another ``top_p`` is filtered as transformers' warper does."""
+    logits = _logits(4, seed=5)
+    zero = SamplingParams(temperature=1.5, top_p=0.0)
+    rows = [_row(zero), _row(SamplingParams(temperature=1.3, top_p=0.6)), _row(zero), _row(zero)]
+    ours = apply_filters(logits, rows)
+    for i in (0, 2, 3):
+        assert torch.isfinite(ours[i]).sum() == 1 and int(ours[i].argmax()) == int(logits[i].argmax())
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    ref = TopPLogitsWarper(0.6)(ids, TemperatureLogitsWarper(1.3)(ids, logits[1:2].clone()))
+    assert torch.equal(torch.isinf(ours[1:2]), torch.isinf(ref))
+    for seed in range(8):
+        params = SamplingParams(temperature=2.0, top_p=0.0, seed=seed)
+        out = Sampler()(logits, [_row(params)] * 4)
+        assert [r.token_id for r in out] == logits.argmax(-1).tolist(), seed
+
+
 def test_repetition_penalty_matches_transformers_over_prompt_and_output():
     logits = _logits(2, seed=4)
     params = SamplingParams(repetition_penalty=1.7)
