@@ -346,7 +346,8 @@ def _start(settings: UpSettings, ready_timeout: float, stop: list[int], converti
     sup = Supervisor(unset_env=CHILD_UNSET_VARIABLES, announce=say_up)
     with run_keys(settings) as keys_dir, contextlib.ExitStack() as daemons:
         try:
-            mps_env = daemons.enter_context(private_mps()) if settings.cuda_mps else {}
+            wanted = settings.cuda_mps and _mps_has_work(settings)
+            mps_env = daemons.enter_context(private_mps()) if wanted else {}
         except RuntimeError as exc:
             say_up(str(exc), logging.ERROR, refused="up")
             return 1
@@ -357,6 +358,15 @@ def _start(settings: UpSettings, ready_timeout: float, stop: list[int], converti
     for name, pid, how in stopped:
         say_up(f"{how} {name} (pid {pid})", child=name, pid=pid, how=how)
     return 128 + stop[0] if stop else code
+
+
+def _mps_has_work(settings: UpSettings) -> bool:
+    """Whether ``--cuda-mps`` has work: two or more workers placed on one GPU (``shared_gpus``). False also
+    for ranks the GPUs cannot hold, which ``_supervise`` refuses before any child starts."""
+    try:
+        return bool(shared_gpus(settings, gpu_count()))
+    except ValueError:
+        return False
 
 
 def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_timeout: float,
@@ -380,8 +390,8 @@ def _supervise(settings: UpSettings, sup: Supervisor, stop: list[int], ready_tim
         shared = shared_gpus(settings, gpus)
         pipe = (mps_env or {}).get(PIPE_VARIABLE, "")
         if settings.cuda_mps and not shared:
-            say_up(f"--cuda-mps: no two workers share a GPU here, so MPS has nothing to run side by side "
-                   f"({PIPE_VARIABLE}={pipe})", pipe_directory=pipe)
+            say_up("--cuda-mps: no two workers share a GPU here, so MPS has nothing to run side by side; no "
+                   "daemon started")
         elif settings.cuda_mps:
             for device, names in shared.items():
                 say_up(f"--cuda-mps: {' and '.join(names)} share {device} through this run's MPS daemon "

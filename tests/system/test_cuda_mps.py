@@ -161,6 +161,7 @@ def _up_without_children(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]
     monkeypatch.setattr(registry, "read_model_config", lambda *a: {})
     monkeypatch.setattr(launcher, "up_refusal", lambda *a: None)
     monkeypatch.setattr(launcher, "_supervise", supervise)
+    monkeypatch.setattr(launcher, "gpu_count", lambda: 1)  # prefill and decode share it
     return handed
 
 
@@ -177,6 +178,11 @@ def test_up_runs_its_children_between_the_daemons_start_and_quit(fake_control: P
     assert not Path(env[PIPE_VARIABLE]).parent.exists()
     handed.clear()
     assert launcher.run(UpSettings(device="cuda")) == 0 and handed == [{}]  # no flag: no daemon, no variables
+    handed.clear()
+    fake_control.write_text("")
+    monkeypatch.setattr(launcher, "gpu_count", lambda: 2)  # a GPU each: nothing for MPS to share
+    assert launcher.run(UpSettings(device="cuda", cuda_mps=True)) == 0 and handed == [{}]
+    assert fake_control.read_text().split() == ["children"]  # the control program never ran
 
 
 def test_up_stops_before_any_child_when_the_daemon_does_not_start(fake_control: Path,
@@ -252,8 +258,8 @@ def test_workers_sharing_a_gpu_are_named_with_the_hint_unless_mps_is_on(
     monkeypatch.setattr(launcher, "gpu_count", lambda: 2)  # a GPU each
     assert launcher._supervise(with_mps, Sup(), [], 1.0, None, mps_env) == 0  # type: ignore[arg-type]
     assert capsys.readouterr().err.splitlines() == [
-        "pdserve up: --cuda-mps: no two workers share a GPU here, so MPS has nothing to run side by side "
-        "(CUDA_MPS_PIPE_DIRECTORY=/tmp/pdserve-mps-x/pipe)"]
+        "pdserve up: --cuda-mps: no two workers share a GPU here, so MPS has nothing to run side by side; "
+        "no daemon started"]
     monkeypatch.setattr(launcher, "gpu_count", lambda: 1)
     monkeypatch.setenv("PATH", "/nonexistent")  # no control program: no hint to take a flag that is refused
     assert launcher._supervise(one_gpu, Sup(), [], 1.0, None) == 0  # type: ignore[arg-type]
