@@ -101,7 +101,25 @@ def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
     return value
 
 
-class StreamOptions(BaseModel):
+class NullIsDefault(BaseModel):
+    """Base of the request bodies (and ``stream_options``): JSON ``null`` given for a field that has a
+    default other than None means that default, as OpenAI's reference makes its optional fields nullable
+    (the ``openai`` client sends ``temperature=None`` as ``null``; vLLM takes it). A required field's
+    ``null`` is still refused with pydantic's error naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted: set[str] = set()
+        for name, f in cls.model_fields.items():
+            if not f.is_required() and f.default is not None:
+                defaulted |= {name, f.alias} if f.alias else {name}
+        return {k: v for k, v in data.items() if not (v is None and k in defaulted)}
+
+
+class StreamOptions(NullIsDefault):
     """``stream_options``: ``include_usage`` adds a final chunk with usage and empty ``choices``."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -314,7 +332,7 @@ class StructuredOutputsParams(BaseModel):
     grammar: str | None = None
 
 
-class GenerationRequestBase(BaseModel):
+class GenerationRequestBase(NullIsDefault):
     """Fields shared by both endpoints (model, choices, streaming, stops, sampling); ranges as in the
     OpenAI reference.
 
@@ -464,7 +482,7 @@ NOT_SUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(NullIsDefault):
     """POST /tokenize body (vLLM's shape): exactly one of ``prompt`` (text; ``add_special_tokens``
     defaults to true) or ``messages`` (rendered with the chat template like a chat completion, with
     ``add_generation_prompt`` (default true) and ``chat_template_kwargs``; ``add_special_tokens``

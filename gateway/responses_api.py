@@ -43,6 +43,7 @@ from gateway.openai_requests import (
     INT32_MAX,
     TEXT_MODELS,
     FunctionDefinition,
+    NullIsDefault,
     check_metadata,
     check_type,
 )
@@ -277,7 +278,7 @@ InputItem = Annotated[
         "type must be one of 'message', 'function_call', 'function_call_output', 'reasoning'"))]
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(NullIsDefault):
     """POST /v1/responses body (stateless subset; module docstring)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)

@@ -144,6 +144,30 @@ def test_numbers_take_json_integers_and_logit_bias_keys_are_strings() -> None:
     assert resp.temperature == 0.0
 
 
+def test_null_for_an_optional_field_means_its_default() -> None:
+    """OpenAI's optional fields are nullable and the ``openai`` client sends ``temperature=None`` as
+    ``null``: every field with a default takes it for ``null`` (a new-user trial got a 400 ``must be a
+    number, got null`` for ``temperature``, ``n``, ``top_p``, the penalties, ``logprobs`` and ``stream``);
+    a required field's ``null`` is still a 400 naming it."""
+    nulls = {name: None for name, f in ChatCompletionRequest.model_fields.items()
+             if not f.is_required() and f.default is not None}
+    nullable = {"temperature", "top_p", "n", "stream", "logprobs", "presence_penalty", "frequency_penalty"}
+    assert nullable <= set(nulls)
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": HI, **nulls,
+                                                 "stream_options": {"include_usage": None}})
+    assert body == ChatCompletionRequest.model_validate({"model": "m", "messages": HI, "stream_options": {}})
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": None,
+                                                   "echo": None, "temperature": None})
+    assert (completion.max_tokens, completion.echo, completion.temperature) == (16, False, 1.0)
+    resp = ResponsesRequest.model_validate({"model": "m", "input": "x", "temperature": None, "top_p": None,
+                                            "stream": None})
+    assert (resp.temperature, resp.top_p, resp.stream) == (1.0, 1.0, False)
+    tokenize = TokenizeRequest.model_validate({"prompt": "x", "return_token_strs": None})
+    assert tokenize.return_token_strs is False
+    error = _answer({"model": None, "messages": HI}, ChatCompletionRequest)
+    assert error["param"] == "model", error
+
+
 CHAT_PART = "messages.0.content.0.type"
 # a function call and its output (a Responses input item), whose second output part is the one at fault
 CALL = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
