@@ -70,8 +70,9 @@ def _add_control_plane(add: _Adder, up: bool) -> None:
 
 
 def _add_gateway(add: _Adder) -> None:
-    add("--host", default="127.0.0.1")
-    add("--port", type=int, default=8000)
+    add("--host", default="127.0.0.1",
+        help="address the OpenAI HTTP API listens on (0.0.0.0 or :: for every interface)")
+    add("--port", type=int, default=8000, help="TCP port of the OpenAI HTTP API")
     add("--control-bind", default="tcp://127.0.0.1:7100",
         help="zmq ROUTER endpoint for workers (with --workers N: tcp://host:P, process i binds P + i)")
     add("--workers", type=int, default=1,
