@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.reasoning import ReasoningParser
-from gateway.tool_parsers import PARSERS, ToolCallParser
+from gateway.tool_parsers import FORCED, PARSERS, ToolCallParser
 from gateway.tool_parsers.events import (
     ContentText,
     Event,
@@ -32,6 +32,11 @@ class ChatOutputSpec:
     reasoning: str | None = None
     tools: str | None = None
     parallel_tool_calls: bool = True
+
+    @property
+    def only_tool_calls(self) -> bool:
+        """Whether the output is tool calls alone (a ``required`` or named ``tool_choice``): no content."""
+        return self.tools == FORCED
 
     @property
     def active(self) -> bool:

@@ -164,12 +164,13 @@ class ChunkToolCall(msgspec.Struct, omit_defaults=True):
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
-    """What a chat chunk adds: ``role`` on a choice's first chunk, ``content`` when there is text,
-    ``reasoning_content`` when there is reasoning text, ``tool_calls`` when a call starts or its
-    arguments grow."""
+    """What a chat chunk adds: ``role`` on a choice's first chunk, ``content`` when there is text (on the
+    first chunk ``""``, or null where the output is tool calls alone, as OpenAI streams them; left out of
+    the other chunks without text), ``reasoning_content`` when there is reasoning text, ``tool_calls`` when
+    a call starts or its arguments grow."""
 
     role: Literal["assistant"] | None = None
-    content: str | None = None
+    content: str | msgspec.UnsetType | None = msgspec.UNSET
     reasoning_content: str | None = None
     tool_calls: list[ChunkToolCall] | None = None
 

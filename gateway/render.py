@@ -215,12 +215,16 @@ def completion_body(p: Prepared, text: TextProcessor, states: Sequence[ChoiceSta
 def chunk_choice(p: Prepared, text: TextProcessor, index: int, content: str | None,
                  finish: FinishReason | None, entries: Sequence[TokenLogprob], offset: int,
                  role: bool = False, echo: CompletionLogprobs | None = None) -> ChunkChoice:
-    """One choice of a streaming chunk. Chat: ``delta`` with ``role`` (first chunk only) and ``content``;
+    """One choice of a streaming chunk. Chat: ``delta`` with ``role`` (first chunk only; its ``content`` is
+    null where a ``required`` or named ``tool_choice`` makes the output tool calls alone) and ``content``;
     completions: ``text``. ``offset`` (chars) feeds the completions ``text_offset``; ``echo``: the
     echoed prompt's logprobs, put before ``entries``' (the choice's first chunk)."""
     if p.chat:
         lp = chat_logprobs(text, entries) if p.logprobs is not None and entries else None
-        delta = ChatDelta("assistant", content or "") if role else ChatDelta(content=content or None)
+        if role:  # OpenAI's first chunk: content "" unless the output is tool calls alone (then null)
+            delta = ChatDelta("assistant", None if p.output.only_tool_calls else content or "")
+        else:
+            delta = ChatDelta(content=content or msgspec.UNSET)
         return ChatChunkChoice(index, delta, lp, finish)
     clp = completion_logprobs(text, entries, offset) if p.logprobs is not None and (entries or echo) else None
     if echo is not None and clp is not None:

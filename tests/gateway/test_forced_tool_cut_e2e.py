@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from gateway.text import TextProcessor
@@ -97,4 +98,25 @@ def test_cut_forced_output_is_never_content(forced: tuple[Cluster, list[int]], p
         status = "incomplete" if k <= len(ids) else "completed"
         assert _responses(c, k, False) == (calls, status), (k, text)
         assert _responses(c, k, True) == (calls, status), (k, text)
+    c.assert_no_leaks()
+
+
+def test_a_forced_calls_first_streamed_chunk_has_null_content(forced: tuple[Cluster, list[int]]) -> None:
+    """OpenAI's first chunk of a reply that is tool calls alone carries ``"content": null`` (a client
+    that rebuilds the message from the stream then has null, as the non-streamed reply says); a reply
+    that may have text starts with ``"content": ""``. A new-user trial saw ``""`` for a forced call."""
+    c, _ = forced
+
+    def first_delta(**extra: Any) -> Any:
+        body = {"model": "fake-model", "messages": MSGS, "max_tokens": 4, "stream": True, **extra}
+        with httpx.stream("POST", c.base + "/v1/chat/completions", json=body, timeout=20) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    return json.loads(line[6:])["choices"][0]["delta"]
+        raise AssertionError("no chunk")
+
+    for choice in ("required", NAMED):
+        assert first_delta(tools=TOOLS, tool_choice=choice) == {"role": "assistant", "content": None}
+    assert first_delta(tools=TOOLS, tool_choice="none") == {"role": "assistant", "content": ""}
+    assert first_delta() == {"role": "assistant", "content": ""}
     c.assert_no_leaks()
