@@ -31,12 +31,20 @@ SEED = 7
 class Child:
     """The sender process and its command pipe."""
 
-    def __init__(self, backend: str, worker_id: str = "p0", **kv_kwargs: object) -> None:
+    def __init__(self, backend: str, worker_id: str = "p0", *, wait: bool = True,
+                 **kv_kwargs: object) -> None:
+        """Spawn the sender; with ``wait=False`` return at once (``ready`` waits for it), so that other
+        work (another child's start, a deadline) overlaps its start-up."""
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(target=sender_main, args=(child_conn, backend, SEED, worker_id, kv_kwargs),
                                 daemon=True)
         self.proc.start()
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait for the spawned sender to have made its sender (60 s deadline)."""
         assert self.conn.poll(60), "sender process did not start"
         assert self.conn.recv() == "ready"
 
@@ -164,10 +172,11 @@ def test_killed_sender_fails_within_deadline_and_restart_rehandshakes(backend, r
     assert rx.wait("a", 4.0) is S.FAILED
     assert time.monotonic() - start < 4.0 and "lost" in rx.reason("a")
     assert not rx.releasable("a")  # deadline not passed yet: a late write is still conceivable
-    assert rx.wait_until(lambda: rx.releasable("a"), WAIT)
-    rx.release("a")
-    child = Child(backend)  # restarted prefill worker: same id, new epoch
+    child = Child(backend, wait=False)  # restarted prefill worker: same id, new epoch; starts meanwhile
     try:
+        assert rx.wait_until(lambda: rx.releasable("a"), WAIT)
+        rx.release("a")
+        child.ready()
         add_in_child(child, rx, "b", [5, 6], [2, 3])
         assert child("layers", "b", list(range(LAYERS))) is None
         assert rx.wait("b", WAIT) is S.DONE, rx.reason("b")
@@ -180,9 +189,11 @@ def test_killed_sender_fails_within_deadline_and_restart_rehandshakes(backend, r
 
 
 def test_incompatible_layout_refused_at_connect(backend, rx):
-    child = Child(backend, num_blocks=16)  # fine: block count may differ
-    bad = Child(backend, worker_id="p1", dtype=__import__("torch").float16)
-    try:
+    child = Child(backend, num_blocks=16, wait=False)  # fine: block count may differ
+    bad = Child(backend, worker_id="p1", wait=False, dtype=__import__("torch").float16)
+    try:  # both start at once
+        child.ready()
+        bad.ready()
         assert child("connect", rx.address) is None
         err = bad("connect", rx.address)
         assert isinstance(err, str) and err.startswith("IncompatiblePeerError") and "dtype" in err
