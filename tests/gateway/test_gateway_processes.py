@@ -579,14 +579,16 @@ def test_a_worker_given_one_process_serves_them_all(tmp_path: Path, tokenizer_di
                 assert client.get("/ready").status_code == 200
                 assert [w["worker_id"] for w in client.get("/v1/status").json()["workers"]] == ["solo"]
         answered: set[int] = set()
-        for _ in range(16):
+        for _ in range(16):  # until both processes took one (16 at most): every one must succeed
             with httpx.Client(base_url=pool.base, timeout=60,
                               limits=httpx.Limits(max_connections=1, max_keepalive_connections=1)) as client:
                 resp = client.post("/v1/completions", json={"model": "smollm2-135m", "prompt": "Paris is",
                                                             "max_tokens": 2, "temperature": 0})
                 answered.add(client.get("/v1/status").json()["process"]["index"])
             assert resp.status_code == 200, resp.text
-        assert answered == {0, 1}, answered  # both processes took some: all 16 succeeded through both
+            if answered == {0, 1}:
+                break
+        assert answered == {0, 1}, answered  # both processes took some: each succeeded through both
         worker_log.close()
         assert "gateways_discovered" in (tmp_path / "worker.log").read_text()
     finally:
