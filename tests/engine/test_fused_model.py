@@ -57,8 +57,9 @@ def test_fused_triton_kernels_match_transformers(tmp_path):
     prompts = make_prompts(seed=8)[::5]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, logprobs=0))
     assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
-    solo = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=3, logprobs=0))  # batch 1
-    assert_matches_hf(reference, prompts[:1], solo, eos=2, max_tokens=3)
+    # batch 1 (a 1-token prompt): its prefill and one decode step, each one row through the GEMVs
+    solo = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, logprobs=0))
+    assert_matches_hf(reference, prompts[:1], solo, eos=2, max_tokens=2)
     assert {name for name, rows in calls if rows == 1} == plain_gemv  # batch-1 steps ran, LM head included
     llm.core.check_no_leaks()
     with pytest.raises(ValueError, match="unknown projections"):
@@ -88,8 +89,9 @@ def test_fused_moe_kernels_match_transformers(arch, tmp_path, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
     outs = llm.generate(prompts, params)
     assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
-    again = llm.generate(prompts[:1], params)  # its full blocks now hit the prefix cache
-    assert again[0].num_cached_tokens > 0 and again[0].token_ids == outs[0].token_ids
+    # its full blocks now hit the prefix cache: the first two tokens (prefill, one decode step) the same
+    again = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, logprobs=0))
+    assert again[0].num_cached_tokens > 0 and again[0].token_ids == outs[0].token_ids[:2]
     assert calls and len(calls) % len(sparse) == 0
     llm.core.check_no_leaks()
 
@@ -176,9 +178,10 @@ def test_fused_new_dense_kernels_match_transformers(arch, tmp_path, monkeypatch)
     params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=0)
     outs = llm.generate(prompts, params)
     assert_matches_hf(reference, prompts, outs, eos=2, max_tokens=3)
-    again = llm.generate(prompts[:1], params)  # its full blocks now hit the prefix cache
-    assert again[0].num_cached_tokens > 0 and again[0].token_ids == outs[0].token_ids
-    torch.testing.assert_close(torch.tensor(again[0].logprobs), torch.tensor(outs[0].logprobs),
+    # its full blocks now hit the prefix cache: the first two tokens (prefill, one decode step) the same
+    again = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, logprobs=0))
+    assert again[0].num_cached_tokens > 0 and again[0].token_ids == outs[0].token_ids[:2]
+    torch.testing.assert_close(torch.tensor(again[0].logprobs), torch.tensor(outs[0].logprobs[:2]),
                                atol=1e-4, rtol=0)
     assert set(layouts) == {arch == "Glm4ForCausalLM"}
     llm.core.check_no_leaks()
