@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 S = TransferStatus
 WAIT = 10.0
 SEED = 7
+BACKENDS = ("nixl", "ucx")
 
 
 class Child:
@@ -40,13 +41,16 @@ class Child:
         self.proc = ctx.Process(target=sender_main, args=(child_conn, backend, SEED, worker_id, kv_kwargs),
                                 daemon=True)
         self.proc.start()
+        self.started = False
         if wait:
             self.ready()
 
     def ready(self) -> None:
-        """Wait for the spawned sender to have made its sender (60 s deadline)."""
-        assert self.conn.poll(60), "sender process did not start"
-        assert self.conn.recv() == "ready"
+        """Wait for the spawned sender to have made its sender (60 s deadline); at once if it has."""
+        if not self.started:
+            assert self.conn.poll(60), "sender process did not start"
+            assert self.conn.recv() == "ready"
+            self.started = True
 
     def __call__(self, *cmd: object, timeout: float = WAIT + 5) -> object:
         self.conn.send(cmd)
@@ -63,15 +67,15 @@ class Child:
             self.proc.join(10)
 
 
-@pytest.fixture(params=["nixl", "ucx"])
+@pytest.fixture(params=BACKENDS)
 def backend(request):
     return request.param
 
 
 @pytest.fixture(scope="module")
 def senders() -> Iterator[dict[str, Child]]:
-    """The shared sender child of each backend (spawned by ``shared_child`` at first use), closed after
-    the module."""
+    """The shared sender child of each backend (spawned by ``shared_child``: every backend's at once at
+    its first use, so that their start-ups overlap), closed after the module."""
     children: dict[str, Child] = {}
     yield children
     for child in children.values():
@@ -83,9 +87,12 @@ def shared_child(backend: str, senders: dict[str, Child]) -> Iterator[Child]:
     """``backend``'s shared sender child (a new one if the last died); after the test it must hold no
     request and nothing leaked, so the next test finds it as a fresh one (else it is killed, and the
     next test spawns another)."""
+    if not senders:
+        senders.update({name: Child(name, wait=False) for name in BACKENDS})
     if backend not in senders or not senders[backend].proc.is_alive():
         senders[backend] = Child(backend)
     child = senders[backend]
+    child.ready()
     yield child
     leaks = child("leaks") if child.proc.is_alive() else "the sender process died"
     if leaks is not None:
