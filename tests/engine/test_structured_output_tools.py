@@ -94,21 +94,34 @@ STARTS = {"hermes": ["Let me check. <tool_call>", "Sure"], "llama3_json": ["{", 
 CLOSERS = ('"', "}", "]", ",", ";", "1", " ", "\n")  # tokens a walk prefers, so that it ends
 
 
+_CLOSER_IDS: dict[int, frozenset[int]] = {}
+
+
+def _closer_ids(tokenizer: object) -> frozenset[int]:
+    """The ids of the vocabulary whose token is one of ``CLOSERS`` (its byte-level spelling read back),
+    looked up once per tokenizer rather than per allowed token of every step of a walk."""
+    if id(tokenizer) not in _CLOSER_IDS:
+        tokens = tokenizer.convert_ids_to_tokens(list(range(VOCAB)))  # type: ignore[attr-defined]
+        _CLOSER_IDS[id(tokenizer)] = frozenset(
+            t for t, tok in enumerate(tokens) if tok is not None
+            and tok.replace("Ġ", " ").replace("Ċ", "\n") in CLOSERS)
+    return _CLOSER_IDS[id(tokenizer)]
+
+
 def _walk(state: GrammarState, tokenizer: object, start: list[int], rng: random.Random,
           steps: int = 160) -> list[int] | None:
     """``start`` then random allowed tokens (short ones that close values preferred, eos at times) until
     the grammar terminates: the output ids, or None when it did not end within ``steps``."""
     out = list(start)
     state.sync(out)
-    decode = tokenizer.convert_ids_to_tokens  # type: ignore[attr-defined]
+    closers = _closer_ids(tokenizer)
     for _ in range(steps):
         allowed = _allowed(state).nonzero().flatten().tolist()
         assert allowed, "the grammar allows no token"
         if EOS in allowed and rng.random() < 0.5:
             token = EOS
         else:
-            short = [t for t in allowed if t != EOS and decode(t).replace("Ġ", " ").replace("Ċ", "\n")
-                     in CLOSERS]
+            short = [t for t in allowed if t != EOS and t in closers]
             pool = short if short and rng.random() < 0.7 else [t for t in allowed if t != EOS] or allowed
             token = rng.choice(pool)
         out.append(token)
