@@ -41,19 +41,21 @@ def story(quad: Quad, endpoint: Endpoint, **kw: Any) -> Outcome:
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_filters_seeds_and_user(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
     """Filters that must reduce sampling to greedy do; seeds reproduce (each request runs four ways) and
-    differ from each other; moderate filters with a seed produce text; ``user`` changes nothing."""
+    differ from each other; moderate filters with a seed produce text; ``user`` and nulls (defaults) change
+    nothing."""
     greedy = story(quad, endpoint, temperature=0)
     sampled = story(quad, endpoint, temperature=1.5, seed=7).texts()
     assert sampled != greedy.texts(), "control: plain seeded sampling must differ from greedy here"
     for name, extra in (("top_k", {"extra_body": {"top_k": 1}}), ("top_p", {"top_p": 1e-6}),
-                        ("min_p", {"extra_body": {"min_p": 1.0}})):
+                        ("top_p 0", {"top_p": 0}), ("min_p", {"extra_body": {"min_p": 1.0}})):
         assert story(quad, endpoint, temperature=1.5, seed=7, **extra).texts() == greedy.texts(), name
     assert story(quad, endpoint, temperature=1.5, seed=1).texts() != sampled, (
         "different seeds must give different samples")
     combined = story(quad, endpoint, temperature=0.9, top_p=0.9, seed=3,
                      extra_body={"top_k": 20, "min_p": 0.05})
     assert combined.choices[0].text and combined.usage is not None and combined.usage[1] >= 1
-    tagged = story(quad, endpoint, temperature=0, user="conformance-user")
+    # null (the client sends None as null) for an optional field is its default
+    tagged = story(quad, endpoint, temperature=0, user="conformance-user", top_p=None, presence_penalty=None)
     assert tagged.texts() == greedy.texts() and tagged.usage == greedy.usage
     leak_check(live)
 
