@@ -232,7 +232,8 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     ps = [r.params for r in rows]
     logits = logits / _column([p.temperature if p.temperature > 0 else 1.0 for p in ps], dev)
     if any(p.top_k != -1 or p.top_p < 1.0 for p in ps):
-        srt, idx = logits.sort(dim=-1, descending=True)
+        # stable: among equal logits the lowest id ranks first, as the greedy argmax picks it
+        srt, idx = logits.sort(dim=-1, descending=True, stable=True)
         top_k = _to_device([p.top_k if p.top_k > 0 else vocab for p in ps], torch.int64, dev)
         ranks = torch.arange(vocab, device=dev)[None, :]
         srt = srt.masked_fill(ranks >= top_k[:, None], float("-inf"))

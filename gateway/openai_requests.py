@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -102,10 +102,12 @@ def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
 
 
 class NullIsDefault(BaseModel):
-    """Base of the request bodies (and ``stream_options``): JSON ``null`` given for a field that has a
-    default other than None means that default, as OpenAI's reference makes its optional fields nullable
-    (the ``openai`` client sends ``temperature=None`` as ``null``; vLLM takes it). A required field's
-    ``null`` is still refused with pydantic's error naming the field."""
+    """Base of the request bodies (and ``stream_options``): JSON ``null`` given for a field whose type
+    does not take None and whose default is not None means that default, as OpenAI's reference makes its
+    optional fields nullable (the ``openai`` client sends ``temperature=None`` as ``null``; vLLM takes
+    it). A field whose type takes None keeps its null (completions ``max_tokens: null``: up to the
+    context length, as on vLLM); a required field's ``null`` is still refused with pydantic's error
+    naming the field."""
 
     @model_validator(mode="before")
     @classmethod
@@ -114,7 +116,7 @@ class NullIsDefault(BaseModel):
             return data
         defaulted: set[str] = set()
         for name, f in cls.model_fields.items():
-            if not f.is_required() and f.default is not None:
+            if not f.is_required() and f.default is not None and type(None) not in get_args(f.annotation):
                 defaulted |= {name, f.alias} if f.alias else {name}
         return {k: v for k, v in data.items() if not (v is None and k in defaulted)}
 

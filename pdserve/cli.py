@@ -236,8 +236,9 @@ def _add_up(add: _Adder) -> None:
         help="gateway processes on the one HTTP port (pdserve gateway --workers); every worker registers "
              "with each")
     _bool_flag(add, "--cuda-mps", False,
-               help="run the workers under a CUDA MPS daemon of this run's own (started before them, told to "
-                    "quit after them): workers sharing a GPU run their kernels side by side instead of "
+               help="run the workers under a CUDA MPS daemon of this run's own (started before them where "
+                    "two of them share a GPU, told to quit after them): workers sharing a GPU run their "
+                    "kernels side by side instead of "
                     "taking turns (a prefill and a decode worker on one H100, 8 streams: 1.15x the "
                     "requests/s, TTFT 0.55-0.69x, TPOT 0.91-0.94x; docs/gpu.md)")
     _add_gateway(_Skipping(add, _UP_OWN_GATEWAY_FLAGS))

@@ -1,14 +1,15 @@
 """Sampling parameters against the live system, on chat and completions, each request run four ways
 (disaggregated/colocated × streamed/not, all exactly equal — see the ``quad`` fixture).
 
-Each parameter is shown to take effect: filters that must reduce sampling to greedy (``top_k=1``, a
-tiny ``top_p``, ``min_p=1``) do, while plain seeded sampling of the same request does not; seeds
-reproduce and differ from each other; ``n`` seeded choices reproduce (not compared with single requests
-of seed ``seed + i``: batched bf16 logits differ from a lone sequence's, which can flip a sampled tail
-token — seen at token 5 of 6 at temperature 1.5); penalties change the greedy output of a repetitive
-prompt; stop strings cut the greedy text before their first occurrence; ``user`` is accepted and changes
-nothing. Tests share requests where one serves several checks (the greedy story is the filters' target
-and ``user``'s baseline). Every test ends with a KV leak check on both gateways.
+Each parameter is shown to take effect: filters that must reduce sampling to greedy (``top_k=1``, a tiny
+``top_p``, ``top_p`` 0, ``min_p=1``) do, while plain seeded sampling of the same request does not; seeds
+reproduce and differ from each other; ``n`` seeded choices reproduce (not compared with single requests of
+seed ``seed + i``: batched bf16 logits differ from a lone sequence's, which can flip a sampled tail token —
+seen at token 5 of 6 at temperature 1.5); penalties change the greedy output of a repetitive prompt; stop
+strings cut the greedy text before their first occurrence; ``user`` is accepted and changes nothing, as do
+nulls for optional fields (their defaults). Tests share requests where one serves several checks (the greedy
+story is the filters' target and ``user``'s baseline). Every test ends with a KV leak check on both
+gateways.
 """
 
 from __future__ import annotations

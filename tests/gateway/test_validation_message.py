@@ -156,9 +156,10 @@ def test_null_for_an_optional_field_means_its_default() -> None:
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": HI, **nulls,
                                                  "stream_options": {"include_usage": None}})
     assert body == ChatCompletionRequest.model_validate({"model": "m", "messages": HI, "stream_options": {}})
+    # a field whose type takes None keeps its null: completions max_tokens null is up to the context
     completion = CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": None,
                                                    "echo": None, "temperature": None})
-    assert (completion.max_tokens, completion.echo, completion.temperature) == (16, False, 1.0)
+    assert (completion.max_tokens, completion.echo, completion.temperature) == (None, False, 1.0)
     resp = ResponsesRequest.model_validate({"model": "m", "input": "x", "temperature": None, "top_p": None,
                                             "stream": None})
     assert (resp.temperature, resp.top_p, resp.stream) == (1.0, 1.0, False)

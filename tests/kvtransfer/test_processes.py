@@ -63,6 +63,7 @@ class Child:
 
     def close(self) -> None:
         if self.proc.is_alive():
+            self.ready()  # a child started without waiting first answers "ready"
             self("close")
             self.proc.join(10)
 
