@@ -102,8 +102,8 @@ def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
 
 
 class NullIsDefault(BaseModel):
-    """Base of the request bodies (and ``stream_options``): JSON ``null`` given for a field whose type
-    does not take None and whose default is not None means that default, as OpenAI's reference makes its
+    """Base of the request bodies and of their parts: JSON ``null`` given for a field whose type does not
+    take None and whose default is not None means that default, as OpenAI's reference makes its
     optional fields nullable (the ``openai`` client sends ``temperature=None`` as ``null``; vLLM takes
     it). A field whose type takes None keeps its null (completions ``max_tokens: null``: up to the
     context length, as on vLLM); a required field's ``null`` is still refused with pydantic's error
@@ -114,10 +114,13 @@ class NullIsDefault(BaseModel):
     def _null_is_default(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        config = cls.model_config
+        alias_only = not config.get("populate_by_name") and not config.get("validate_by_name")
         defaulted: set[str] = set()
         for name, f in cls.model_fields.items():
             if not f.is_required() and f.default is not None and type(None) not in get_args(f.annotation):
-                defaulted |= {name, f.alias} if f.alias else {name}
+                # the keys the model takes: its alias (and its name only where names are taken too)
+                defaulted |= {name} if not f.alias else {f.alias} if alias_only else {f.alias, name}
         return {k: v for k, v in data.items() if not (v is None and k in defaulted)}
 
 
@@ -153,7 +156,7 @@ class ToolCallFunction(BaseModel):
     arguments: str
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(NullIsDefault):
     """One tool call of an assistant message sent back with the history."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -300,7 +303,7 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class JSONSchemaFormat(BaseModel):
+class JSONSchemaFormat(NullIsDefault):
     """``response_format.json_schema``: OpenAI's ``name`` (required; letters, digits, ``_`` and ``-``, at
     most 64, OpenAI's rule for a function's name), ``description``, ``schema`` and ``strict`` (pdserve
     always enforces the schema, strict or not)."""

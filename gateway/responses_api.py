@@ -74,7 +74,7 @@ class InputText(BaseModel):
         return check_type(value, ("input_text", "output_text"), "content parts", PARTS_NOT_SUPPORTED)
 
 
-class InputMessage(BaseModel):
+class InputMessage(NullIsDefault):
     """A message item of ``input``."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
@@ -108,7 +108,7 @@ class ReasoningPart(BaseModel):
     text: str
 
 
-class ReasoningInputItem(BaseModel):
+class ReasoningInputItem(NullIsDefault):
     """A ``reasoning`` item of ``input`` (an earlier response's reasoning, sent back): its text (the
     ``content`` parts, else the ``summary`` parts) becomes the ``reasoning_content`` of the assistant
     turn that follows it. ``encrypted_content`` (never produced by pdserve) is refused by

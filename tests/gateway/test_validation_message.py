@@ -20,7 +20,7 @@ from gateway.openai_requests import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from gateway.responses_api import ResponsesRequest
+from gateway.responses_api import ReasoningInputItem, ResponsesRequest
 from gateway.responses_serving import prepare_response
 from gateway.validation_message import MAX_LISTED
 
@@ -165,6 +165,19 @@ def test_null_for_an_optional_field_means_its_default() -> None:
     assert (resp.temperature, resp.top_p, resp.stream) == (1.0, 1.0, False)
     tokenize = TokenizeRequest.model_validate({"prompt": "x", "return_token_strs": None})
     assert tokenize.return_token_strs is False
+    # inside the body's parts too: a tool call's type, a JSON schema, a reasoning item's summary
+    history = [*HI, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": None, "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+    nested = ChatCompletionRequest.model_validate({"model": "m", "messages": history, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": None}}})
+    assert nested.messages[1].tool_calls is not None and nested.messages[1].tool_calls[0].type == "function"
+    assert nested.response_format is not None and nested.response_format.json_schema is not None
+    assert nested.response_format.json_schema.json_schema == {}
+    item = ResponsesRequest.model_validate({"model": "m", "input": [{"type": "reasoning", "id": "r",
+                                                                    "summary": None}]})
+    assert not isinstance(item.input, str) and isinstance(item.input[0], ReasoningInputItem)
+    assert item.input[0].summary == []
     error = _answer({"model": None, "messages": HI}, ChatCompletionRequest)
     assert error["param"] == "model", error
 
