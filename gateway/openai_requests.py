@@ -25,6 +25,7 @@ checked later, in ``gateway/prepare.py``, which also maps a body into the engine
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -114,14 +115,21 @@ class NullIsDefault(BaseModel):
     def _null_is_default(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        config = cls.model_config
-        alias_only = not config.get("populate_by_name") and not config.get("validate_by_name")
-        defaulted: set[str] = set()
-        for name, f in cls.model_fields.items():
-            if not f.is_required() and f.default is not None and type(None) not in get_args(f.annotation):
-                # the keys the model takes: its alias (and its name only where names are taken too)
-                defaulted |= {name} if not f.alias else {f.alias} if alias_only else {f.alias, name}
+        defaulted = _defaulted_keys(cls)
         return {k: v for k, v in data.items() if not (v is None and k in defaulted)}
+
+
+@functools.cache
+def _defaulted_keys(model: type[BaseModel]) -> frozenset[str]:
+    """The keys of ``model``'s fields whose null means their default (``NullIsDefault``): its alias, and
+    its name only where the model takes names beside aliases."""
+    config = model.model_config
+    alias_only = not config.get("populate_by_name") and not config.get("validate_by_name")
+    keys: set[str] = set()
+    for name, f in model.model_fields.items():
+        if not f.is_required() and f.default is not None and type(None) not in get_args(f.annotation):
+            keys |= {name} if not f.alias else {f.alias} if alias_only else {f.alias, name}
+    return frozenset(keys)
 
 
 class StreamOptions(NullIsDefault):
