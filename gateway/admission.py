@@ -141,7 +141,7 @@ class Admission:
         if self._free_for(route.decode, num_prompt_tokens):
             return route
         prefill = route.prefill
-        others = [d for d in self.registry.live("decode")
+        others = [d for d in self.registry.routable("decode")
                   if d is not route.decode and pairing_mismatch(prefill.info, d.info) is None]
         fitting = [d for d in others if self._free_for(d, num_prompt_tokens)]
         if fitting:

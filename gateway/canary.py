@@ -158,12 +158,15 @@ class CanaryTracker:
             self._forget(key)
         for key, (p, d) in live.items():
             pair = self.pairs.get(key)
+            draining = p.load.draining or d.load.draining  # no new canary holds up a worker's stop
             if pair is None:
                 pair = self.pairs[key] = PairHealth(p.worker_id, p.info.epoch, d.worker_id, d.info.epoch)
-                await self._start(pair, p, d, now)
+                if not draining:
+                    await self._start(pair, p, d, now)
             elif pair.canary is not None and now > pair.deadline:
                 await self._expire(pair, p, d)
-            elif pair.canary is None and now >= pair.next_at and not self._postponed(pair, p, d, now):
+            elif (pair.canary is None and now >= pair.next_at and not draining
+                  and not self._postponed(pair, p, d, now)):
                 await self._start(pair, p, d, now)
 
     def _postponed(self, pair: PairHealth, p: WorkerEntry, d: WorkerEntry, now: float) -> bool:

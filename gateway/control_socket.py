@@ -151,13 +151,14 @@ class ControlSocket:
             return False
         return True
 
-    def close(self) -> None:
-        """Close the socket, its monitor, the ZAP handler and the context."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket, its monitor, the ZAP handler and the context; messages still queued get up to
+        ``linger_ms`` milliseconds to go out (0: dropped)."""
         if self._monitor is not None:
             self._sock.disable_monitor()
             self._monitor.close(linger=0)
             self._monitor = None
-        self._sock.close(linger=0)
+        self._sock.close(linger=linger_ms)
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

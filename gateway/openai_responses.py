@@ -279,7 +279,8 @@ class WorkerStatus(msgspec.Struct):
     none), ``requests``, the requests the gateway routed to it that are not done, and
     ``kv_fenced_blocks``: a decode worker's blocks still held for requests already dropped, until no
     write of their KV can land (why blocks are in use while nothing runs, for up to the KV deadline
-    after a prefill worker died)."""
+    after a prefill worker died); ``draining``: it was asked to stop and finishes what it holds, routed
+    no new request."""
 
     worker_id: str
     role: Literal["prefill", "decode", "colocated"]
@@ -293,6 +294,7 @@ class WorkerStatus(msgspec.Struct):
     prefill_tokens_per_s: float
     requests: int
     kv_fenced_blocks: int
+    draining: bool = False
 
 
 class LostWorkerStatus(msgspec.Struct):

@@ -1,6 +1,7 @@
 """Worker registry: registration with epochs, heartbeats, liveness, pairing compatibility (no torch).
 
-A worker is live while its last message is younger than ``heartbeat_timeout`` seconds. A registration
+A worker is live while its last message is younger than ``heartbeat_timeout`` seconds; a live worker is
+routable unless its load says it is draining (it was asked to stop and finishes what it holds). A registration
 with a higher epoch for a known ``worker_id`` replaces the old entry (the caller fails the old entry's
 requests); the same epoch again (a worker answering several ``ReRegister`` messages) only refreshes it;
 a lower epoch is refused as stale.
@@ -158,8 +159,13 @@ class WorkerRegistry:
         return self._workers.get(worker_id)
 
     def live(self, role: Role | None = None) -> list[WorkerEntry]:
-        """Registered workers (of ``role``), in registration order."""
+        """Registered workers (of ``role``), in registration order, draining ones included."""
         return [e for e in self._workers.values() if role is None or e.role == role]
+
+    def routable(self, role: Role | None = None) -> list[WorkerEntry]:
+        """The registered workers (of ``role``) a new request may be routed to: those not draining
+        (``WorkerLoad.draining``: asked to stop, finishing what they hold), in registration order."""
+        return [e for e in self.live(role) if not e.load.draining]
 
     def age(self, entry: WorkerEntry) -> float:
         """Seconds since ``entry``'s last message."""

@@ -89,12 +89,14 @@ class Router:
         Raises:
             NoWorkerError: nothing can serve it (message names the missing role or the mismatch).
         """
-        coloc = [w for w in self.registry.live("colocated") if w.worker_id not in exclude]
-        prefills = [w for w in self.registry.live("prefill") if w.worker_id not in exclude]
-        decodes = [w for w in self.registry.live("decode") if w.worker_id not in exclude]
+        coloc = [w for w in self.registry.routable("colocated") if w.worker_id not in exclude]
+        prefills = [w for w in self.registry.routable("prefill") if w.worker_id not in exclude]
+        decodes = [w for w in self.registry.routable("decode") if w.worker_id not in exclude]
         if not coloc and not prefills and not decodes:
             besides = f" besides {', '.join(sorted(exclude))}" if exclude else ""
-            raise NoWorkerError(f"no live worker{besides}")
+            draining = sorted(w.worker_id for w in self.registry.live() if w.load.draining)
+            also = f" ({', '.join(draining)} draining: stopping)" if draining else ""
+            raise NoWorkerError(f"no live worker{besides}{also}")
         if coloc and (len(prompt_token_ids) < self.disagg_threshold or (not prefills and not decodes)):
             return self._colocated(prompt_token_ids, coloc, fallback=False)
         try:

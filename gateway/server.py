@@ -6,7 +6,8 @@ One process (``--workers 1``): ``serve``, uvicorn binding ``--host:--port`` itse
 uvicorn (``Server.serve(sockets=...)``); the socket starts listening only once the app's start-up is done
 (asyncio's ``create_server`` calls ``listen``), so no connection waits on a process that is not ready.
 The process tells its parent ``ready`` or ``failed: <reason>`` over a pipe, stops when the parent is gone,
-and binds control port P + i (``GatewaySettings.control_endpoints``).
+and binds control port P + i (``GatewaySettings.control_endpoints``). Either way a stop signal drains
+(``DrainingServer``): no new connection, the requests in flight finish within ``--drain-timeout``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
@@ -26,7 +29,7 @@ from fastapi import FastAPI
 from gateway.app import create_app
 from gateway.process import GatewayProcess
 from gateway.service import GatewayService
-from protocol.logging import configure_logging
+from protocol.logging import configure_logging, log_event
 from protocol.settings import GatewaySettings
 
 log = logging.getLogger("pdserve.gateway")
@@ -34,10 +37,37 @@ PARENT_CHECK_S = 0.5  # how often a gateway process checks that its parent is st
 
 
 def serve(settings: GatewaySettings) -> None:
-    """Serve until interrupted. Raises OSError when the HTTP or control address cannot be bound."""
+    """Serve until stopped (``DrainingServer``). Raises OSError when the HTTP or control address cannot be
+    bound."""
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False, log_config=None)
+    DrainingServer(_config(app, settings)).run()
+
+
+def _config(app: FastAPI, settings: GatewaySettings) -> uvicorn.Config:
+    """uvicorn's configuration of this gateway: no access log, pdserve's logging, and the requests in flight
+    given ``--drain-timeout`` seconds (rounded up to whole seconds: uvicorn's unit) to finish after a stop
+    signal (then cancelled)."""
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                          access_log=False, log_config=None,
+                          timeout_graceful_shutdown=math.ceil(settings.drain_timeout))
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, stopped by a drain: at the first SIGTERM or SIGINT it stops listening and closes
+    idle connections at once (uvicorn's graceful shutdown) while the responses in flight, streams
+    included, go on for up to ``timeout_graceful_shutdown`` seconds (``--drain-timeout``) before they are
+    cancelled; a second signal of either kind stops at once (uvicorn alone takes only a second SIGINT).
+    One log event, ``gateway_draining``, says how many requests the drain waits for."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:  # a second stop signal
+            if not self.force_exit:
+                log_event(log, "drain_cut_short", logging.WARNING, requests=len(self.server_state.tasks))
+            self.force_exit = True
+        elif self.server_state.tasks:
+            log_event(log, "gateway_draining", requests=len(self.server_state.tasks),
+                      drain_timeout_s=self.config.timeout_graceful_shutdown)
+        super().handle_exit(sig, frame)
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -103,8 +133,8 @@ def _reporting_lifespan(app: FastAPI, report: Callable[[str], None], hold_s: flo
     app.router.lifespan_context = lifespan
 
 
-class _ProcessServer(uvicorn.Server):
-    """uvicorn's server that reports ``ready`` once its socket listens and exits when its parent dies."""
+class _ProcessServer(DrainingServer):
+    """The draining server that reports ``ready`` once its socket listens and exits when its parent dies."""
 
     def __init__(self, config: uvicorn.Config, report: Callable[[str], None]) -> None:
         super().__init__(config)
@@ -142,8 +172,7 @@ def serve_process(settings: GatewaySettings, process: GatewayProcess, conn: Conn
         report(f"failed: {exc}")
         raise SystemExit(1) from exc
     _reporting_lifespan(app, report, process.listen_hold_s(settings.heartbeat_timeout))
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=False, log_config=None)
+    config = _config(app, settings)
     log.info("gateway process %d/%d (pid %d): http://%s:%d, control socket %s", process.index,
              process.count, os.getpid(), settings.host, settings.port, control)
     _ProcessServer(config, report).run(sockets=[sock])

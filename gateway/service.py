@@ -38,6 +38,7 @@ from gateway.text import TextProcessor, resolve_tokenizer_dir
 from kvtransfer.curve import Refusals
 from protocol.logging import log_event
 from protocol.messages import (
+    GatewayShutdown,
     Heartbeat,
     KVCanaryReserved,
     KVCanaryResult,
@@ -59,6 +60,7 @@ log = logging.getLogger("pdserve.gateway")
 # after a dropped connection, probe the workers at these delays (seconds): the ROUTER forgets a peer's
 # identity once it has processed the connection's end, which may come a little after the event
 PROBE_DELAYS = (0.0, 0.05, 0.25, 1.0)
+SHUTDOWN_LINGER_MS = 500  # how long a stopping gateway's GatewayShutdown notices get to go out
 
 
 class GatewayService:
@@ -99,14 +101,19 @@ class GatewayService:
                        asyncio.create_task(self._probe_loop()), asyncio.create_task(self._canary_loop())]
 
     async def stop(self) -> None:
-        """Stop loops and close the socket."""
+        """Stop loops, tell every registered worker this gateway leaves (``GatewayShutdown``: each then
+        drops what this gateway still owns, and its connection's drop is no failure) and close the socket
+        (``SHUTDOWN_LINGER_MS`` for those messages to go out)."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self.control is not None:
-            self.control.close()
+            notice = GatewayShutdown(gateway_epoch=self.epoch)
+            for entry in self.registry.live():
+                await self.control.send_outcome(entry.identity, notice)
+            self.control.close(SHUTDOWN_LINGER_MS if self.registry.live() else 0)
 
     async def wait_ready(self, timeout: float, poll: float = 0.05) -> bool:
         """Wait until this process can serve (``gateway.status.readiness``: a usable prefill/decode pair or
@@ -185,9 +192,14 @@ class GatewayService:
         if isinstance(msg, RegisterWorker):
             await self._on_register(identity, msg)
         elif isinstance(msg, Heartbeat):
+            before = self.registry.get(msg.worker_id)
+            was_draining = before is not None and before.load.draining
             entry = self.registry.touch(msg.worker_id, msg.epoch, msg.load)
             if entry is not None:
                 self.metrics.set_worker_load(entry.worker_id, entry.role, msg.load)
+                if msg.load.draining and not was_draining:  # out of routing; its requests go on
+                    log_event(log, "worker_draining", worker_id=entry.worker_id, role=entry.role,
+                              requests=len(entry.requests) + len(entry.unsent))
             else:  # restarted gateway, or a worker reaped after a stall: ask it to register again
                 await self._ask_reregister(identity, msg)
         elif isinstance(msg, WorkerShutdown):

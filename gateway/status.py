@@ -29,25 +29,32 @@ def pair_statuses(registry: WorkerRegistry, canaries: CanaryTracker | None = Non
                 if problem is None and blocked:
                     problem = f"{p.worker_id} / {d.worker_id}: {blocked}"
                 path = canaries.path(p.worker_id, d.worker_id)
+            draining = [w.worker_id for w in (p, d) if w.load.draining]
+            if problem is None and draining:
+                problem = f"{p.worker_id} / {d.worker_id}: {' and '.join(draining)} draining (stopping)"
             out.append(PairStatus(p.worker_id, d.worker_id, problem is None, problem or "", path))
     return out
 
 
 def readiness(registry: WorkerRegistry, canaries: CanaryTracker | None = None,
               process: GatewayProcessStatus | None = None) -> Readiness:
-    """Ready when a colocated worker is live, or a live prefill worker has a usable decode worker (KV
-    compatible, data path not failed); the reason names what is missing (no live worker at all; or the
-    pair, with each unusable pair's fields or path failure), then each dropped worker. ``process``: the
+    """Ready when a colocated worker is routable (live, not draining), or a routable prefill worker has a
+    usable decode worker (KV compatible, data path not failed, not draining); the reason names what is
+    missing (no live worker at all, or none but draining ones; or the pair, with each unusable pair's
+    fields, path failure or draining worker), then each dropped worker. ``process``: the
     answering gateway process, shown as is."""
     pairs = pair_statuses(registry, canaries)
-    prefills, decodes = registry.live("prefill"), registry.live("decode")
-    if registry.live("colocated"):
+    prefills, decodes = registry.routable("prefill"), registry.routable("decode")
+    if registry.routable("colocated"):
         ok, reason = True, "colocated worker live"
     elif any(p.usable for p in pairs):
         ok, reason = True, "prefill/decode pair live"
     else:
         ok = False
-        if not prefills and not decodes:
+        draining = [e.worker_id for e in registry.live() if e.load.draining]
+        if not prefills and not decodes and draining:
+            reason = f"no worker takes requests: {', '.join(draining)} draining (stopping)"
+        elif not prefills and not decodes:
             reason = "no live worker (neither a colocated worker nor a prefill and a decode worker)"
         else:
             reason = f"no compatible prefill+decode pair ({len(prefills)} prefill, {len(decodes)} decode)"
@@ -68,7 +75,7 @@ def _worker(registry: WorkerRegistry, e: WorkerEntry) -> WorkerStatus:
                         round(registry.age(e), 3), e.load.num_waiting, e.load.num_running,
                         e.load.num_free_blocks, e.load.num_total_blocks,
                         round(e.load.prefill_tokens_per_s, 1), len(e.requests) + len(e.unsent),
-                        e.load.kv_fenced_blocks)
+                        e.load.kv_fenced_blocks, e.load.draining)
 
 
 def _lost(w: LostWorker, now: float) -> LostWorkerStatus:

@@ -49,6 +49,9 @@ def _add_common(add: _Adder) -> None:
     add("--log-level", default="info", type=str.lower,
         choices=["debug", "info", "warning", "error", "critical"], help="any case (INFO = info)")
     add("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
+    add("--drain-timeout", type=duration, default=30.0,
+        help="on SIGTERM or Ctrl-C, stop taking requests and let those in flight finish for up to this "
+             "long (seconds, or e.g. 2m), then stop; a second signal stops at once (0: stop at once)")
 
 
 def _add_parsers(add: _Adder) -> None:

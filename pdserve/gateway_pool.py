@@ -16,8 +16,9 @@ exits 1. A ready child that dies is restarted after ``RestartPolicy``'s backoff 
 the restarted process listens only once the workers have registered with it (or after a hold of two
 heartbeat timeouts: gateway/process.py), so its siblings take every new connection meanwhile;
 its ``max_exits``-th exit within ``window_s`` s stops everything too (exit 1), so a crash loop is not
-hidden. SIGTERM, SIGINT and SIGHUP stop every child (SIGTERM, then SIGKILL after ``grace`` s) and the
-parent exits 128 + the signal number, as ``pdserve up`` does. Children run in process groups of their
+hidden. SIGTERM, SIGINT and SIGHUP stop every child (SIGTERM: each drains its requests in flight for up
+to ``--drain-timeout``; a second signal is passed on and stops them at once; SIGKILL after ``grace`` s)
+and the parent exits 128 + the signal number, as ``pdserve up`` does. Children run in process groups of their
 own (a terminal's Ctrl-C reaches only the parent) and stop by themselves if the parent disappears.
 """
 
@@ -43,7 +44,7 @@ from gateway.process import GatewayProcess
 from gateway.server import serve_process
 from pdserve.launcher import STOP_SIGNALS
 from pdserve.ports import gateway_bind_problem
-from pdserve.supervisor import RestartPolicy
+from pdserve.supervisor import STOP_MARGIN_S, RestartPolicy
 from protocol.logging import say, say_refused
 from protocol.settings import GatewaySettings
 
@@ -162,6 +163,14 @@ class GatewayPool:
             child.conn.close()
         child.process, child.conn, child.ready = None, None, False
 
+    @staticmethod
+    def _signal(children: list[_Child]) -> None:
+        """SIGTERM each of ``children`` still running."""
+        for child in children:
+            if child.process is not None and child.process.exitcode is None and child.process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.process.pid, signal.SIGTERM)
+
     def wait(self, timeout: float) -> None:
         """Sleep until a child reports or exits, or ``timeout`` s pass."""
         objects: list[Connection | int] = []
@@ -175,17 +184,25 @@ class GatewayPool:
         else:
             time.sleep(timeout)
 
-    def stop_all(self) -> None:
-        """SIGTERM every live child, wait up to ``grace`` s, SIGKILL the rest; all are reaped on return."""
+    def stop_all(self, signals: list[int] | None = None) -> None:
+        """SIGTERM every live child (each drains: gateway/server.py), wait up to ``grace`` s, SIGKILL the
+        rest; all are reaped on return. A signal added to ``signals`` meanwhile (a second Ctrl-C or
+        SIGTERM) is passed on as another SIGTERM, which stops each child at once."""
         live = [c for c in self.children if c.process is not None and c.process.exitcode is None]
-        for child in live:
-            assert child.process is not None and child.process.pid is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.process.pid, signal.SIGTERM)
+        seen = len(signals) if signals is not None else 0
+        self._signal(live)
         deadline = time.monotonic() + self.grace
+        while (running := [c.process for c in live if c.process is not None and c.process.exitcode is None]):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if signals is not None and len(signals) > seen:
+                seen = len(signals)
+                self._signal(live)
+            multiprocessing.connection.wait([p.sentinel for p in running], min(left, TICK_S))
         for child in live:
             assert child.process is not None
-            child.process.join(max(0.0, deadline - time.monotonic()))
+            child.process.join(0)
             if child.process.exitcode is None:
                 log.warning("gateway process %d did not stop within %g s: killing it", child.index,
                             self.grace)
@@ -196,10 +213,11 @@ class GatewayPool:
 
 
 def run_pool(settings: GatewaySettings, policy: RestartPolicy | None = None,
-             start_timeout: float = START_TIMEOUT_S, grace: float = 10.0) -> int:
+             start_timeout: float = START_TIMEOUT_S, grace: float | None = None) -> int:
     """Run ``settings.workers`` gateway processes until a signal (returns 128 + its number) or a failure
     (prints one line on stderr, returns 1; an HTTP address or a process's control socket that cannot be
-    bound, e.g. a port in use, is refused before any process starts, returning 2)."""
+    bound, e.g. a port in use, is refused before any process starts, returning 2). ``grace``: seconds
+    between the children's SIGTERM and SIGKILL (default: ``--drain-timeout`` + ``STOP_MARGIN_S``)."""
     if (busy := gateway_bind_problem(settings.host, settings.port, settings.control_endpoints())) is not None:
         say_refused("gateway", busy)
         return 2
@@ -212,6 +230,7 @@ def run_pool(settings: GatewaySettings, policy: RestartPolicy | None = None,
     previous_env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # the spawned children inherit it
     previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+    grace = settings.drain_timeout + STOP_MARGIN_S if grace is None else grace
     pool = GatewayPool(settings, metrics_dir, policy or RestartPolicy(), start_timeout, grace)
     failure = ""
     try:
@@ -224,7 +243,7 @@ def run_pool(settings: GatewaySettings, policy: RestartPolicy | None = None,
     except PoolFailed as exc:
         failure = str(exc)
     finally:
-        pool.stop_all()
+        pool.stop_all(stop)
         for s, handler in previous.items():
             signal.signal(s, handler)
         if previous_env is None:

@@ -3,9 +3,10 @@
 Steps: convert/locate the model once (so workers do not race on the cache), pick a free 127.0.0.1 port
 for the control socket, start the gateway, then the workers (each a ``python -m pdserve.cli <role>``
 child), wait until the gateway's ``/ready`` answers 200, print the URL and an example request, and
-supervise: on Ctrl-C / SIGTERM / SIGHUP every child gets SIGTERM (SIGKILL after ``grace`` seconds; the
-workers first, the gateway once they have exited, so each worker still tells it that it leaves), one
-line is printed per child stopped, and the exit code is 128 + the signal number (130 for Ctrl-C). Once
+supervise: on Ctrl-C / SIGTERM / SIGHUP the gateway gets SIGTERM first and drains (no new request; those
+in flight finish on the workers for up to ``--drain-timeout`` seconds), then the workers get SIGTERM
+(SIGKILL after ``grace`` seconds); a second signal stops everything at once. One line is printed per
+child stopped, and the exit code is 128 + the signal number (130 for Ctrl-C). Once
 the system is ready, a worker that exits is restarted after a backoff (``RestartPolicy``: 1 s, doubling
 up to 30 s) as a new incarnation (a new epoch: the gateway replaces its old entry and pairs it again)
 while the rest keep serving; a worker that exits ``max_exits`` times within ``window_s`` is given up on,
@@ -68,7 +69,7 @@ from pdserve.placement import (
     worker_roles,
 )
 from pdserve.ports import bind_problem, free_port_range, free_ports, local_host
-from pdserve.supervisor import RestartPolicy, Supervisor, say_up, supervise
+from pdserve.supervisor import STOP_MARGIN_S, RestartPolicy, Supervisor, say_up, supervise
 from protocol.logging import say
 from protocol.settings import (
     DECODE_ONLY_WORKER_FIELDS,
@@ -354,7 +355,12 @@ def _start(settings: UpSettings, ready_timeout: float, stop: list[int], converti
         try:
             code = _supervise(settings, sup, stop, ready_timeout, keys_dir, mps_env)
         finally:
-            stopped = sup.stop_all()
+            drain = settings.gateway.drain_timeout
+            if stop and drain > 0 and sup.children.get("gateway") is not None:
+                say_up(f"stopping: the gateway takes no new request and lets those in flight finish (up to "
+                       f"{drain:g} s, --drain-timeout); a second Ctrl-C or SIGTERM stops at once",
+                       drain_timeout_s=drain)
+            stopped = sup.stop_all(gateway_grace=drain + 2 * STOP_MARGIN_S, signals=stop)
     for name, pid, how in stopped:
         say_up(f"{how} {name} (pid {pid})", child=name, pid=pid, how=how)
     return 128 + stop[0] if stop else code

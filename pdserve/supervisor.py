@@ -34,6 +34,8 @@ from protocol.logging import log_event, say
 
 log = logging.getLogger("pdserve.up")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STOP_MARGIN_S = 10.0  # beyond --drain-timeout, seconds a draining process gets before SIGKILL
+STOP_TICK_S = 0.05  # seconds between looks at children being stopped (and at further stop signals)
 
 
 def parent_death_hook(signum: int = signal.SIGTERM) -> Callable[[], None] | None:
@@ -151,29 +153,43 @@ class Supervisor:
         """(name, exit code) of every child that has exited."""
         return [(n, p.returncode) for n, p in self.children.items() if p.poll() is not None]
 
-    def stop_all(self) -> list[tuple[str, int, str]]:
-        """Stop every live child in two rounds, each SIGTERM, a wait of up to ``grace`` seconds, SIGKILL
-        for stragglers: the workers first, then the gateway, so each worker can still tell the gateway
-        it is leaving (``WorkerShutdown``) and the gateway ends their requests with an error rather than
-        a dropped connection.
+    def stop_all(self, gateway_grace: float | None = None,
+                 signals: list[int] | None = None) -> list[tuple[str, int, str]]:
+        """Stop every live child in two rounds, each SIGTERM, a wait, SIGKILL for stragglers: the gateway
+        first, which drains (it takes no new request and lets those in flight finish on the workers, which
+        still run, for up to its ``--drain-timeout``: gateway/server.py) within ``gateway_grace`` seconds
+        (default ``grace``), then the workers, which by then hold no request of it, within ``grace``.
+        A signal added to ``signals`` meanwhile (a second Ctrl-C or SIGTERM) is passed on to the children
+        being stopped as another SIGTERM, which stops each at once.
 
         Returns ``(name, pid, "stopped" | "killed")`` for each child that was still running (children
         that had already exited are not listed), in stop order; every child has been reaped on return."""
+        gateway = [n for n in self.children if n == "gateway"]
         workers = [n for n in self.children if n != "gateway"]
-        return self._stop(workers) + self._stop([n for n in self.children if n == "gateway"])
+        first = self._stop(gateway, self.grace if gateway_grace is None else gateway_grace, signals)
+        return first + self._stop(workers, self.grace, signals)
 
-    def _stop(self, names: list[str]) -> list[tuple[str, int, str]]:
-        """SIGTERM the live children among ``names``, wait up to ``grace`` s, SIGKILL the rest; reap all."""
+    def _stop(self, names: list[str], grace: float, signals: list[int] | None) -> list[tuple[str, int, str]]:
+        """SIGTERM the live children among ``names`` (again for each signal added to ``signals``), wait up
+        to ``grace`` s, SIGKILL the rest; reap all."""
         live = [n for n in names if self.children[n].poll() is None]
+        seen = len(signals) if signals is not None else 0
         for name in live:
             self.children[name].send_signal(signal.SIGTERM)
-        deadline, done = time.monotonic() + self.grace, []
+        deadline, done = time.monotonic() + grace, []
+        while any(self.children[n].poll() is None for n in live) and time.monotonic() < deadline:
+            if signals is not None and len(signals) > seen:
+                seen = len(signals)
+                for name in live:
+                    if self.children[name].poll() is None:
+                        self.children[name].send_signal(signal.SIGTERM)
+            time.sleep(STOP_TICK_S)
         for name in names:
             proc, how = self.children[name], "stopped"
             try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
+                proc.wait(0)
             except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s: killing it", name, self.grace)
+                log.warning("%s did not stop within %.0f s: killing it", name, grace)
                 proc.kill()
                 proc.wait()
                 how = "killed"

@@ -39,6 +39,8 @@ Role = Literal["prefill", "decode", "colocated"]
 FinishReason = Literal["stop", "length", "abort"]
 FailureKind = Literal["worker", "structured_output"]  # RequestFailed.kind
 BlockHash = Annotated[int, msgspec.Meta(ge=0)]  # engine/block_hash.py ``block_hash`` (msgpack: < 2**64)
+MAX_TENSOR_PARALLEL_SIZE = 64  # ranks of one worker, one GPU each, all on one host
+TensorParallelSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSOR_PARALLEL_SIZE)]
 
 
 
@@ -64,7 +66,8 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     requests already dropped (aborted or failed while their KV was in flight), until no write of their
     sender can land in them (the receiver's fence: the sender said it stopped, or it is gone and the
     request's deadline passed, kvtransfer/receiver.py); 0 on other workers. They count as used in
-    ``num_free_blocks``.
+    ``num_free_blocks``. ``draining``: the worker was asked to stop (SIGTERM) and finishes what it holds
+    before it leaves (``--drain-timeout``): gateways route no new request to it.
     """
 
     num_waiting: int = 0
@@ -78,6 +81,7 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     prefill_largest_tokens: int = 0
     prefill_backlog_tokens: int = 0
     kv_fenced_blocks: int = 0
+    draining: bool = False
 
 
 class KVPlacement(msgspec.Struct, frozen=True, kw_only=True):
@@ -164,6 +168,15 @@ class Probe(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     epoch: int
 
 
+class GatewayShutdown(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Gateway → every registered worker: this gateway process is leaving cleanly (its drain is over), so
+    the connection that drops next is an announced stop, not a failure; the worker drops the requests that
+    gateway still owns, as for a lost gateway. ``gateway_epoch``: the leaving incarnation
+    (``RegisterAck.gateway_epoch``)."""
+
+    gateway_epoch: int
+
+
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Worker → gateway, periodically; silence longer than ``--heartbeat-timeout`` s marks it dead."""
 
@@ -192,7 +205,7 @@ class ReserveKV(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     sampling: SamplingParams
     prefill_worker_id: str
     prefill_sender_epoch: int
-    prefill_tp_size: int = 1
+    prefill_tp_size: TensorParallelSize = 1
 
     def __post_init__(self) -> None:
         _no_stop_strings(self.sampling)
@@ -259,7 +272,7 @@ class KVCanaryReserve(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     prefill_sender_epoch: int
     timeout_s: float
     num_bytes: int = 0
-    prefill_tp_size: int = 1
+    prefill_tp_size: TensorParallelSize = 1
 
 
 class KVCanaryReserved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -439,10 +452,10 @@ def _no_stop_strings(sampling: SamplingParams) -> None:
 
 
 Message = (
-    RegisterWorker | RegisterAck | ReRegister | Probe | Heartbeat | WorkerShutdown | ReserveKV | KVReserved
-    | PrefillRequest | DecodeRequest | ColocatedRequest | FirstToken | NextToken | RequestFinished
-    | RequestFailed | RequestRejected | OutputBatch | AbortRequest | KVCanaryReserve | KVCanaryReserved
-    | KVCanarySend | KVCanaryResult | KVEvents | KVSnapshotRequest
+    RegisterWorker | RegisterAck | ReRegister | Probe | GatewayShutdown | Heartbeat | WorkerShutdown
+    | ReserveKV | KVReserved | PrefillRequest | DecodeRequest | ColocatedRequest | FirstToken | NextToken
+    | RequestFinished | RequestFailed | RequestRejected | OutputBatch | AbortRequest | KVCanaryReserve
+    | KVCanaryReserved | KVCanarySend | KVCanaryResult | KVEvents | KVSnapshotRequest
 )
 
 _ENCODER = msgspec.msgpack.Encoder()

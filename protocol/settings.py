@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtransfer.curve import CurveKeys, load_keys
 from protocol.endpoints import parse_endpoints
+from protocol.messages import MAX_TENSOR_PARALLEL_SIZE
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")  # --device: what the workers place a model on
@@ -119,6 +120,7 @@ class GatewaySettings:
     curve_keys: str | None = None  # directory with the fleet's CURVE key pair (kvtransfer/curve.py)
     insecure_control_plane: bool = False  # no CURVE: any peer that reaches the control socket may join
     workers: int = 1  # gateway processes sharing the HTTP port, each with its own control socket
+    drain_timeout: float = 30.0  # seconds a stop signal lets the requests in flight finish (0: none)
     log_level: str = "info"
     log_format: str = "text"
 
@@ -149,6 +151,7 @@ class GatewaySettings:
         _check(self.max_n >= 1, "max-n", "must be >= 1")
         _check(self.max_stop >= 0, "max-stop", "must be >= 0")
         _check_seconds(self.heartbeat_timeout, "heartbeat-timeout")
+        _check_seconds(self.drain_timeout, "drain-timeout", "0: stop at once")
         _check(self.max_retries >= 0, "max-retries", f"must be >= 0, got {self.max_retries}")
         _check(self.max_migrations >= 0, "max-migrations", f"must be >= 0, got {self.max_migrations}")
         _check_seconds(self.admission_budget, "admission-budget", "0 turns the queue check off")
@@ -227,6 +230,7 @@ class WorkerSettings:
     tensor_parallel_size: int = 1
     curve_keys: str | None = None  # directory with the fleet's CURVE key pair (kvtransfer/curve.py)
     insecure_control_plane: bool = False  # no CURVE on the gateway and KV control sockets
+    drain_timeout: float = 30.0  # seconds a stop signal lets the requests this worker holds finish (0: none)
     log_level: str = "info"
     log_format: str = "text"
 
@@ -284,12 +288,13 @@ class WorkerSettings:
         _check(self.cpu_threads >= 0, "cpu-threads",
                f"must be >= 0 (0: torch's default), got {self.cpu_threads}")
         _check_seconds(self.engine_stall_timeout, "engine-stall-timeout")
+        _check_seconds(self.drain_timeout, "drain-timeout", "0: stop at once")
         _check(self.transfer_backend in ("nixl", "ucx", "loopback"), "transfer-backend",
                f"must be nixl, ucx or loopback, got {self.transfer_backend!r}")
         _check(self.engine_warmup in ("auto", "on", "off"), "engine-warmup",
                f"must be auto, on or off, got {self.engine_warmup!r}")
-        _check(self.tensor_parallel_size >= 1, "tensor-parallel-size",
-               f"must be >= 1, got {self.tensor_parallel_size}")
+        _check(1 <= self.tensor_parallel_size <= MAX_TENSOR_PARALLEL_SIZE, "tensor-parallel-size",
+               f"must be in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {self.tensor_parallel_size}")
         _check_control_plane(self.curve_keys, self.insecure_control_plane)
         _check(self.log_level in _LOG_LEVELS, "log-level", f"must be one of {_LOG_LEVELS}")
         _check(self.log_format in ("text", "json"), "log-format", "must be text or json")

@@ -62,6 +62,7 @@ class GatewayLink:
     """One gateway connection. ``accepted``: its current ``RegisterAck`` accepted this worker;
     ``refused``: the reason of a refusal (""). ``gateway_epoch``: the incarnation that last accepted it
     (0: none yet). ``connected``: the monitor saw the handshake and no disconnect since.
+    ``left``: the gateway said it leaves (``GatewayShutdown``), so its connection's drop is no failure.
     ``registered_at``: ``time.monotonic()`` of the last ``RegisterWorker`` queued. ``tasks``: its receive and
     monitor tasks (cancelled when the link closes). ``missing``: consecutive DNS lookups that did not list
     its address. ``handshake``: its failed handshakes (a key mismatch), warned about once."""
@@ -72,6 +73,7 @@ class GatewayLink:
     refused: str = ""
     gateway_epoch: int = 0
     connected: bool = False
+    left: bool = False
     registered_at: float = float("-inf")
     missing: int = 0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)

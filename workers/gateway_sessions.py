@@ -32,6 +32,7 @@ import zmq
 from kvtransfer.curve import CurveKeys
 from protocol.logging import log_event
 from protocol.messages import (
+    GatewayShutdown,
     Heartbeat,
     KVSnapshotRequest,
     Message,
@@ -65,6 +66,7 @@ class GatewayLost:
     gateway: str
     reason: str
     gateway_epoch: int = 0  # the incarnation of that gateway when it was lost
+    announced: bool = False  # the gateway said it leaves (``GatewayShutdown``): no failure
 
 
 class GatewayHost(Protocol):
@@ -116,19 +118,20 @@ class GatewaySessions:
         if restarted and link.accepted:  # (a link no longer accepted was lost already: nothing to add)
             self.lose(link, f"gateway restarted (epoch {link.gateway_epoch} -> {ack.gateway_epoch})")
         link.gateway_epoch = ack.gateway_epoch or link.gateway_epoch
-        link.accepted, link.refused = True, ""
+        link.accepted, link.refused, link.left = True, "", False
         self._answer_dropped(link.key, link.gateway_epoch)
         self.host.health.registered = True
         self.host.want_kv_snapshot()
         for sibling in self.gateways.discover(link.key, ack.sibling_ports, ack.control_port):
             self.start_link(sibling)
 
-    def lose(self, link: GatewayLink, reason: str) -> None:
-        """The gateway of ``link`` is gone (``reason``): it no longer accepts this worker, and a
-        ``GatewayLost`` marker queued behind its messages drops the requests it owns."""
+    def lose(self, link: GatewayLink, reason: str, announced: bool = False) -> None:
+        """The gateway of ``link`` is gone (``reason``; ``announced``: it said so, ``GatewayShutdown``): it
+        no longer accepts this worker, and a ``GatewayLost`` marker queued behind its messages drops the
+        requests it owns."""
         link.accepted = False
         self.host.health.registered = self.gateways.any_accepted()
-        self.host.deliver(GatewayLost(link.key, reason, link.gateway_epoch), link.key)
+        self.host.deliver(GatewayLost(link.key, reason, link.gateway_epoch, announced), link.key)
         self.host.wake()
 
     def drop_requests_of(self, lost: GatewayLost) -> None:
@@ -149,8 +152,10 @@ class GatewaySessions:
             link = self.gateways.get(lost.gateway)
             if link is not None and link.accepted:  # accepted again before this marker was applied
                 self._answer_dropped(lost.gateway, link.gateway_epoch)
-        log_event(log, "gateway_lost", logging.WARNING, worker_id=self.host.worker_id, gateway=lost.gateway,
-                  reason=lost.reason, dropped=len(dropped))
+        level = logging.INFO if lost.announced and not dropped else logging.WARNING
+        log_event(log, "gateway_left" if lost.announced else "gateway_lost", level,
+                  worker_id=self.host.worker_id, gateway=lost.gateway, reason=lost.reason,
+                  dropped=len(dropped))
 
     def _answer_dropped(self, gateway: str, gateway_epoch: int) -> None:
         """``gateway`` (incarnation ``gateway_epoch``) accepts this worker again: when it is the incarnation
@@ -205,6 +210,10 @@ class GatewaySessions:
                 self._register(link)
             elif isinstance(msg, Probe):  # the gateway checking which connection dropped: nothing to do
                 pass
+            elif isinstance(msg, GatewayShutdown):  # its drain is over; the connection drops next
+                if link.accepted and msg.gateway_epoch == link.gateway_epoch:
+                    link.left = True
+                    self.lose(link, "it shut down", announced=True)
             elif isinstance(msg, KVSnapshotRequest):  # the gateway missed a KVEvents: resend the whole set
                 host.want_kv_snapshot()
                 host.wake()
@@ -258,7 +267,8 @@ class GatewaySessions:
             elif event == zmq.EVENT_DISCONNECTED:
                 handshaken = link.connected
                 link.connected, link.registered_at = False, float("-inf")
-                log_event(log, "gateway_disconnected", logging.WARNING if handshaken else logging.DEBUG,
+                level = logging.WARNING if handshaken and not link.left else logging.DEBUG
+                log_event(log, "gateway_disconnected", level,
                           worker_id=self.host.worker_id, gateway=link.key,
                           failed_handshakes=link.handshake.failures)
                 if link.accepted:

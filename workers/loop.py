@@ -104,6 +104,8 @@ class WorkerLoop:
         self._wake: asyncio.Event | None = None
         self._stop: asyncio.Event | None = None
         self.fatal: str | None = None  # why the worker stopped itself (it then exits 1), None otherwise
+        self._stop_signals = 0  # SIGTERM / SIGINT received (``on_stop_signal``)
+        self._drain_deadline: float | None = None  # monotonic seconds; set while draining
         self.metrics = WorkerMetrics(settings.model, core.max_model_len)
         self.health = EngineHealth(settings.engine_stall_timeout)
         self.metrics.watch(self.load, lambda: core.scheduler.num_preemptions, self.health.loop_age,
@@ -357,7 +359,8 @@ class WorkerLoop:
                                 kv_control_refused=self.control_refusals(),
                                 kv_fenced_blocks=self.fenced_blocks(),
                                 prefill_tokens_per_s=rate.tokens_per_s() or 0.0,
-                                prefill_largest_tokens=round(rate.largest))
+                                prefill_largest_tokens=round(rate.largest),
+                                draining=self._drain_deadline is not None)
 
     def registration(self) -> RegisterWorker:
         """The ``RegisterWorker`` message of this process."""
@@ -470,6 +473,7 @@ class WorkerLoop:
             self.health.tick()
             self._wake.clear()
             self._between_steps()
+            self._drain_step()
             self.flush()
             if self.has_work():
                 try:
@@ -484,6 +488,58 @@ class WorkerLoop:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(0.002 if self.busy() else self.idle_poll):
                         await self._wake.wait()
+
+    def on_stop_signal(self) -> None:
+        """SIGTERM / SIGINT (event loop thread): the first one drains, noted here and started at the next
+        phase boundary (``_drain_step``; with ``--drain-timeout 0`` it stops at once); a second one stops
+        at once."""
+        self._stop_signals += 1
+        if self._stop_signals > 1 or self.settings.drain_timeout <= 0:
+            if self._drain_deadline is not None:
+                log_event(log, "drain_cut_short", logging.WARNING, worker_id=self.worker_id,
+                          requests=len(self.request_ids()))
+            self.request_stop()
+        else:
+            self.wake()
+
+    def _drain_step(self) -> None:
+        """At a phase boundary of a worker asked to stop (``on_stop_signal``): start draining (every gateway
+        is told at once by a heartbeat whose load says ``draining``, so none routes a new request here; what
+        a gateway sent before it knew is still served), and stop once this worker holds no request or KV
+        canary, or when ``--drain-timeout`` has passed (the requests still held then fail as on any stop:
+        ``WorkerShutdown``, the gateway ends or moves them)."""
+        if not self._stop_signals or self._stop is None or self._stop.is_set():
+            return
+        held = self.held_ids()
+        now = time.monotonic()
+        if self._drain_deadline is None:
+            if not held:
+                self.request_stop()
+                return
+            self._drain_deadline = now + self.settings.drain_timeout
+            self._refresh_load()
+            log_event(log, "worker_draining", worker_id=self.worker_id, requests=len(held),
+                      drain_timeout_s=self.settings.drain_timeout)
+            self.sessions.beat(Heartbeat(worker_id=self.worker_id, epoch=self.epoch,
+                                         load=self.heartbeat_load()))
+        elif not held:
+            log_event(log, "worker_drained", worker_id=self.worker_id)
+            self.request_stop()
+        elif now >= self._drain_deadline:
+            log_event(log, "drain_timeout", logging.WARNING, worker_id=self.worker_id, requests=len(held),
+                      drain_timeout_s=self.settings.drain_timeout)
+            self.request_stop()
+
+    def _drop_held(self) -> None:
+        """On the way out: drop every request still held (a drain cut short, or a stop without one), so
+        their KV blocks are freed and their transfers aborted before the transports close."""
+        held = self.request_ids()
+        for rid in held:
+            with contextlib.suppress(Exception):
+                self.drop(rid)
+        if held:
+            log_event(log, "requests_dropped_at_stop", logging.WARNING, worker_id=self.worker_id,
+                      requests=len(held))
 
     def request_stop(self) -> None:
         """Ask the loop to finish its current step and shut down (signal-handler safe)."""
@@ -521,7 +577,7 @@ class WorkerLoop:
         self._wake, self._stop = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(sig, self.on_stop_signal)
         self._refresh_load()
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -543,6 +599,7 @@ class WorkerLoop:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            self._drop_held()
             self.close()
             if self.health_server is not None:
                 self.health_server.stop()

@@ -20,6 +20,7 @@ socket (what a KV receiver answers). Targets of ``bench.fuzz.control_plane`` (me
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -34,11 +35,13 @@ from kvtransfer.curve import CurveKeys, load_keys, secure_server
 from protocol import messages as pm
 
 GATEWAY_TO_WORKER: tuple[type[msgspec.Struct], ...] = (
-    pm.RegisterAck, pm.ReRegister, pm.Probe, pm.ReserveKV, pm.PrefillRequest, pm.DecodeRequest,
-    pm.ColocatedRequest, pm.KVCanaryReserve, pm.KVCanarySend, pm.AbortRequest, pm.KVSnapshotRequest)
+    pm.RegisterAck, pm.ReRegister, pm.Probe, pm.GatewayShutdown, pm.ReserveKV, pm.PrefillRequest,
+    pm.DecodeRequest, pm.ColocatedRequest, pm.KVCanaryReserve, pm.KVCanarySend, pm.AbortRequest,
+    pm.KVSnapshotRequest)
 RECEIVER_TO_SENDER: tuple[type[msgspec.Struct], ...] = (
     wire.HelloReply, wire.BeginReply, wire.Rehandshake, wire.Done, wire.Fail, wire.Abort, wire.KeepAlive)
 HANG_S = 5.0  # a send not taken, or an answer not given, within this: a hang
+GATEWAY_EPOCH = 1  # the fake gateway's incarnation, in its RegisterAck
 VOCAB = 256
 
 
@@ -113,6 +116,7 @@ class _FakeGateway:
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.identity = b""
         self.load: pm.WorkerLoad | None = None
+        self.registered = False  # the worker's first registration was answered
 
     def read(self, timeout_s: float, until: Callable[[pm.Message], bool]) -> pm.Message:
         """Read the worker's messages (unpacking OutputBatch) until one satisfies ``until``; returns it.
@@ -128,8 +132,7 @@ class _FakeGateway:
             self.identity = ident
             msg = pm.decode(data)
             for m in (msg.messages if isinstance(msg, pm.OutputBatch) else [msg]):
-                if isinstance(m, pm.Heartbeat):
-                    self.load = m.load
+                self._note(m)
                 if until(m):
                     return m
         raise TimeoutError(f"no awaited message from the worker within {timeout_s} s")
@@ -153,10 +156,19 @@ class _FakeGateway:
                     self._drain_one()
 
     def _drain_one(self) -> None:
-        data = self.sock.recv_multipart()[1]
-        msg = pm.decode(data)
+        self._note(pm.decode(self.sock.recv_multipart()[1]))
+
+    def _note(self, msg: pm.Message) -> None:
+        """Keep the last heartbeat's load; accept every registration after the first (``read``'s caller
+        answers that one): a worker that let this gateway go (a fuzzed frame that is a valid
+        ``GatewayShutdown`` of its epoch) registers again, as it would with a gateway back at the address."""
         if isinstance(msg, pm.Heartbeat):
             self.load = msg.load
+        elif isinstance(msg, pm.RegisterWorker) and self.registered:
+            ack = pm.RegisterAck(worker_id=msg.worker_id, epoch=msg.epoch, accepted=True,
+                                 gateway_epoch=GATEWAY_EPOCH)
+            with contextlib.suppress(zmq.Again):  # never blocks (the worker registers again if it is full)
+                self.sock.send_multipart([self.identity, pm.encode(ack)], zmq.NOBLOCK)
 
     def close(self) -> None:
         self.sock.close(0)
@@ -171,6 +183,8 @@ def _valid_frames(role: str) -> list[bytes]:
     out = []
     for t in GATEWAY_TO_WORKER:
         msg = example(t)
+        if isinstance(msg, pm.GatewayShutdown):  # another incarnation's: ignored (its mutants may not be)
+            msg = pm.GatewayShutdown(gateway_epoch=GATEWAY_EPOCH + 1)
         if hasattr(msg, "prompt_token_ids"):
             msg = msgspec.structs.replace(msg, prompt_token_ids=[5, 6, 7], sampling=sampling)
         out.append(pm.encode(msg))  # type: ignore[arg-type]
@@ -219,7 +233,8 @@ def fuzz_worker(role: str, n: int, seed: int, keys_dir: Path, work_dir: Path) ->
             reg = gw.read(60, lambda m: isinstance(m, pm.RegisterWorker))
             assert isinstance(reg, pm.RegisterWorker)
             gw.send([pm.encode(pm.RegisterAck(worker_id=reg.worker_id, epoch=reg.epoch, accepted=True,
-                                              gateway_epoch=1))])
+                                              gateway_epoch=GATEWAY_EPOCH))])
+            gw.registered = True
             t0 = time.perf_counter()
             ids: set[str] = set()
             for parts in fuzz_frames(_valid_frames(role), n, seed):
@@ -235,6 +250,8 @@ def fuzz_worker(role: str, n: int, seed: int, keys_dir: Path, work_dir: Path) ->
                 result.append(TargetResult(role, sent, time.perf_counter() - t0,
                                            f"the worker loop ended: {task!r}"))
                 return
+            for _ in range(2):  # heartbeats go to an accepting gateway only: registered again if it left
+                gw.read(30, lambda m: isinstance(m, pm.Heartbeat))
             after = _after(role, gw, reg.worker_id)
             seconds = time.perf_counter() - t0  # every frame handled: the request after them answered
             if after != "ok":

@@ -306,3 +306,20 @@ def test_fake_workers_pairing_canary_and_a_wedged_pair(make_cluster) -> None:
                "the wedged pair named")
     assert pairs()[("p1", "d1")]["usable"] and not pairs()[("p1", "d2")]["usable"]
     assert httpx.get(c.base + "/ready", timeout=5).status_code == 200  # p1/d1 still serves
+
+
+async def test_no_canary_starts_on_a_draining_worker() -> None:
+    """A worker that drains (asked to stop) is sent no new canary, pairing or periodic, that would hold
+    up its stop; the canary of a pair whose workers drain no more starts again."""
+    s = Setup(period=60.0)
+    assert s.registry.touch("d1", 1, WorkerLoad(num_total_blocks=64, num_free_blocks=64, draining=True))
+    await s.canaries.tick()
+    assert s.take(KVCanaryReserve) == []  # the pairing canary waits
+    assert s.registry.touch("d1", 1, WorkerLoad(num_total_blocks=64, num_free_blocks=64))
+    s.canaries.pairs[("p1", "d1")].next_at = 0.0
+    await s.canaries.tick()
+    await s.land()
+    s.clock.now += 1000  # the periodic canary is due
+    assert s.registry.touch("p1", 1, WorkerLoad(num_total_blocks=64, num_free_blocks=64, draining=True))
+    await s.canaries.tick()
+    assert s.take(KVCanaryReserve) == []

@@ -252,3 +252,39 @@ def test_decode_routed_prefix_counts_as_pending_and_grid_rounds_the_hit() -> Non
     route = router.route(prompt, max_tokens=4)  # d2's 7 reported blocks beat d1's pending ones
     assert route.decode.worker_id == "d2"  # type: ignore[union-attr]
     assert route.decode_prefix_blocks == 4  # 7 reported, whole 4-block grid chunks only
+
+
+def _drain(registry: WorkerRegistry, wid: str) -> None:
+    entry = registry.get(wid)
+    assert entry is not None
+    assert registry.touch(wid, entry.info.epoch, WorkerLoad(num_total_blocks=100, num_free_blocks=100,
+                                                             draining=True)) is entry
+
+
+def test_a_draining_worker_gets_no_new_request_and_stops_counting_for_ready() -> None:
+    """A worker whose heartbeat says ``draining`` (asked to stop, finishing what it holds) stays
+    registered, with its requests, but is routed nothing new; ``/ready`` and ``/v1/status`` say so."""
+    registry, router = make(reg("p", "prefill"), reg("d1", "decode", running=0),
+                            reg("d2", "decode", running=9))
+    assert router.route([1, 2, 3], 8).decode.worker_id == "d1"  # type: ignore[union-attr]
+    registry.get("d1").requests.add("held")  # type: ignore[union-attr]
+    _drain(registry, "d1")
+    for _ in range(3):  # the busier one, the only one left
+        assert router.route([1, 2, 3], 8).decode.worker_id == "d2"  # type: ignore[union-attr]
+    assert [e.worker_id for e in registry.live("decode")] == ["d1", "d2"]  # still registered
+    assert [e.worker_id for e in registry.routable("decode")] == ["d2"]
+    assert registry.get("d1").requests == {"held"}  # type: ignore[union-attr]
+    status = readiness(registry)
+    assert status.ready and [w.draining for w in status.workers] == [False, True, False]
+    [pair_d1] = [p for p in status.pairs if p.decode == "d1"]
+    assert not pair_d1.usable and "d1 draining" in pair_d1.reason
+    _drain(registry, "d2")
+    with pytest.raises(NoWorkerError, match=r"no live decode worker"):
+        router.route([1, 2, 3], 8)
+    status = readiness(registry)
+    assert not status.ready and "d1 / d2" not in status.reason and "d1 draining" in status.reason
+    _drain(registry, "p")
+    with pytest.raises(NoWorkerError, match=r"no live worker \(d1, d2, p draining: stopping\)"):
+        router.route([1, 2, 3], 8)
+    status = readiness(registry)
+    assert not status.ready and status.reason.startswith("no worker takes requests: p, d1, d2 draining")

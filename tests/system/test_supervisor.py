@@ -41,32 +41,70 @@ def test_stop_all_kills_a_child_that_ignores_sigterm() -> None:
     assert sup.dead() == [("stubborn", proc.returncode)]
 
 
-def test_stop_all_stops_the_workers_before_the_gateway(tmp_path) -> None:
-    """The gateway gets SIGTERM only once every worker has exited (each worker can still reach it to
-    say it leaves): the stand-in gateway records whether the worker was gone when its SIGTERM came."""
+def test_stop_all_stops_the_gateway_before_the_workers(tmp_path) -> None:
+    """The gateway gets SIGTERM first and the workers keep running while it drains (the requests in
+    flight finish on them); each worker gets SIGTERM only once the gateway has exited: the stand-in
+    gateway records whether the worker was alive when its SIGTERM came, the worker whether the gateway
+    was gone when its own came."""
     sup = Supervisor(grace=5.0)
-    worker_pid = tmp_path / "worker.pid"
-    seen = tmp_path / "seen"
-    worker = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (time.sleep(0.5), " \
-             "sys.exit(0))); print('up', flush=True); time.sleep(60)"
-    gateway = ("import os, pathlib, signal, sys, time\n"
-               f"pid = int(pathlib.Path({str(worker_pid)!r}).read_text())\n"
-               "def on_term(*a):\n"
-               "    try:\n"
-               "        os.kill(pid, 0); alive = 'worker alive'\n"
-               "    except ProcessLookupError:\n"
-               "        alive = 'worker gone'\n"
-               f"    pathlib.Path({str(seen)!r}).write_text(alive); sys.exit(0)\n"
-               "signal.signal(signal.SIGTERM, on_term)\n"
-               "print('up', flush=True); time.sleep(60)\n")
-    sup.children["decode-0"] = w = subprocess.Popen([sys.executable, "-c", worker], stdout=subprocess.PIPE)
+    worker_pid, gateway_pid = tmp_path / "worker.pid", tmp_path / "gateway.pid"
+    seen_by_gateway, seen_by_worker = tmp_path / "seen-gateway", tmp_path / "seen-worker"
+    child = ("import os, pathlib, signal, sys, time\n"
+             "other, seen = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])\n"
+             "def on_term(*a):\n"
+             "    time.sleep(0.5)  # a drain\n"
+             "    try:\n"
+             "        os.kill(int(other.read_text()), 0); alive = 'other alive'\n"
+             "    except ProcessLookupError:\n"
+             "        alive = 'other gone'\n"
+             "    seen.write_text(alive); sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, on_term)\n"
+             "print('up', flush=True); time.sleep(60)\n")
+    sup.children["decode-0"] = w = subprocess.Popen(
+        [sys.executable, "-c", child, str(gateway_pid), str(seen_by_worker)], stdout=subprocess.PIPE)
+    sup.children["gateway"] = g = subprocess.Popen(
+        [sys.executable, "-c", child, str(worker_pid), str(seen_by_gateway)], stdout=subprocess.PIPE)
     worker_pid.write_text(str(w.pid))
-    sup.children["gateway"] = g = subprocess.Popen([sys.executable, "-c", gateway], stdout=subprocess.PIPE)
+    gateway_pid.write_text(str(g.pid))
     assert w.stdout is not None and g.stdout is not None
     assert w.stdout.readline() == b"up\n" and g.stdout.readline() == b"up\n"
     done = sup.stop_all()
-    assert [(name, how) for name, _, how in done] == [("decode-0", "stopped"), ("gateway", "stopped")]
-    assert seen.read_text() == "worker gone"
+    assert [(name, how) for name, _, how in done] == [("gateway", "stopped"), ("decode-0", "stopped")]
+    assert seen_by_gateway.read_text() == "other alive"
+    assert seen_by_worker.read_text() == "other gone"
+
+
+def test_a_second_signal_during_the_gateway_drain_is_passed_on(tmp_path) -> None:
+    """The stand-in gateway drains (keeps running) at its first SIGTERM and exits at its second: a stop
+    signal added to ``signals`` while ``stop_all`` waits reaches it as that second SIGTERM, long before
+    ``gateway_grace`` runs out; without one it is killed at the end of the grace."""
+    gateway = ("import signal, sys, time\n"
+               "terms = []\n"
+               "def on_term(*a):\n"
+               "    terms.append(1)\n"
+               "    if len(terms) > 1:\n"
+               "        sys.exit(0)\n"
+               "signal.signal(signal.SIGTERM, on_term)\n"
+               "print('up', flush=True)\n"
+               "while True:\n"
+               "    time.sleep(0.05)\n")
+    for second in (True, False):
+        sup = Supervisor(grace=5.0)
+        g = subprocess.Popen([sys.executable, "-c", gateway], stdout=subprocess.PIPE)
+        sup.children["gateway"] = g
+        assert g.stdout is not None and g.stdout.readline() == b"up\n"
+        signals: list[int] = [signal.SIGTERM]
+        if second:
+            threading.Timer(0.5, signals.append, (signal.SIGINT,)).start()
+        start = time.monotonic()
+        done = sup.stop_all(gateway_grace=2.0 if not second else 30.0, signals=signals)
+        took = time.monotonic() - start
+        if second:
+            assert [(name, how) for name, _, how in done] == [("gateway", "stopped")]
+            assert g.returncode == 0 and 0.4 < took < 5
+        else:
+            assert [(name, how) for name, _, how in done] == [("gateway", "killed")]
+            assert g.returncode == -signal.SIGKILL and 1.9 < took < 5
 
 
 # a stand-in child: `crash` exits with code 3 at once; `once:<file>` exits with 3 the first time (when

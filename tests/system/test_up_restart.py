@@ -1,12 +1,17 @@
-"""``pdserve up`` supervises its workers: ``kill -9`` of one of two decode workers (embedded model, CPU)
-no longer stops the whole server. The launcher restarts the worker after its backoff; it registers with
-a new epoch, the gateway replaces the old entry, and requests are answered throughout (the other decode
-worker serves them meanwhile). Before, the launcher printed "decode-1 exited with code -9; stopping the
-rest" and stopped the gateway and every worker.
+"""``pdserve up`` (embedded model, CPU, two decode workers; one system for the module's tests, in order):
+
+* it supervises its workers: ``kill -9`` of one decode worker no longer stops the whole server. The
+  launcher restarts the worker after its backoff; it registers with a new epoch, the gateway replaces the
+  old entry, and requests are answered throughout (the other decode worker serves them meanwhile).
+* a stop drains: SIGTERM to the decode worker streaming a request takes it out of routing (other requests
+  are answered meanwhile by the other one) and the stream runs to its end before the worker stops; SIGTERM
+  to ``up`` closes the HTTP port to new connections while a stream in flight runs to its end, then
+  everything stops (the gateway first), exit 143. Before, the stream got "worker lost: worker shut down".
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,7 +20,10 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -63,17 +71,42 @@ def _until(cond: object, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(420)
-def test_kill_9_of_a_decode_worker_is_restarted_while_the_server_keeps_answering(tmp_path: Path) -> None:
+@dataclass
+class UpSystem:
+    up: subprocess.Popen[bytes]
+    url: str
+    err_path: Path
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpSystem]:
+    """``pdserve up`` with two decode workers, ready (its stderr in ``err_path``); stopped at the end."""
     port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
-    err_path = tmp_path / "up.err"
+    err_path = tmp_path_factory.mktemp("up") / "up.err"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PDSERVE_NUM_BLOCKS": "128"}
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--port", str(port), "--device", "cpu",
            "--num-decode", "2"]
     with open(err_path, "wb") as err:
         up = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err,
                               start_new_session=True)
+    try:
+        def ready() -> bool:
+            assert up.poll() is None, err_path.read_text()
+            try:
+                return httpx.get(f"{url}/ready", timeout=2, trust_env=False).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _until(ready, 300, "pdserve up ready")
+        yield UpSystem(up, url, err_path)
+    finally:
+        stop_up(up)
+
+
+@pytest.mark.timeout(420)
+def test_kill_9_of_a_decode_worker_is_restarted_while_the_server_keeps_answering(system: UpSystem) -> None:
+    up, url, err_path = system.up, system.url, system.err_path
     statuses: Counter[str] = Counter()
     sending = threading.Event()
     sending.set()
@@ -92,14 +125,6 @@ def test_kill_9_of_a_decode_worker_is_restarted_while_the_server_keeps_answering
 
     thread = threading.Thread(target=client)
     try:
-        def ready() -> bool:
-            assert up.poll() is None, err_path.read_text()
-            try:
-                return httpx.get(f"{url}/ready", timeout=2, trust_env=False).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        _until(ready, 300, "pdserve up ready")
         _until(lambda: len(REGISTERED.findall(err_path.read_text())) >= 1, 30, "decode-1 registered")
         # kill decode-1 once the gateway's KV canaries to it finished: a kill during a canary's transfer
         # can leave the prefill worker's KV sender unable to send to anyone (a known, separate bug)
@@ -132,5 +157,105 @@ def test_kill_9_of_a_decode_worker_is_restarted_while_the_server_keeps_answering
         sending.clear()
         if thread.is_alive():
             thread.join(90)
-        stop_up(up)
+
+
+class Stream(threading.Thread):
+    """One streamed completion of ``max_tokens`` tokens (``ignore_eos``): its text chunks, its finish
+    reason, and the error that ended it, if one did."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        super().__init__()
+        self.url, self.max_tokens = url, max_tokens
+        self.chunks: list[str] = []
+        self.finish_reason: str | None = None
+        self.error = ""
+        self.done = False
+
+    def run(self) -> None:
+        body = {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": self.max_tokens,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120,
+                              trust_env=False) as r:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            self.error = str(event["error"])
+                            continue
+                        choice = event["choices"][0]
+                        self.chunks.append(choice["text"])
+                        self.finish_reason = choice["finish_reason"] or self.finish_reason
+        except httpx.HTTPError as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+
+def _status(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/v1/status", timeout=5, trust_env=False).json()  # type: ignore[no-any-return]
+
+
+def _decodes(url: str, draining: bool = False) -> list[dict[str, Any]]:
+    """The decode workers of ``/v1/status`` that are (``draining``) or are not draining."""
+    return [w for w in _status(url)["workers"] if w["role"] == "decode" and w["draining"] == draining]
+
+
+@pytest.mark.timeout(420)
+def test_a_stopped_worker_and_a_stopped_up_let_the_streams_in_flight_finish(system: UpSystem) -> None:
+    up, url, err_path = system.up, system.url, system.err_path
+    # every worker back and taking requests (after the previous test's restart)
+    _until(lambda: len(_decodes(url)) == 2, 180, "two decode workers")
+    # 1. SIGTERM to the decode worker streaming a request
+    stream = Stream(url, 60)
+    stream.start()
+    holder: list[str] = []
+
+    def streaming_on_one() -> bool:
+        holder[:] = [w["worker_id"] for w in _decodes(url) if w["requests"]]
+        return len(holder) == 1 and len(stream.chunks) >= 2
+
+    _until(streaming_on_one, 60, "the stream on a decode worker")
+    worker_id = holder[0]
+    os.kill(_child_pid(up.pid, worker_id), signal.SIGTERM)
+    _until(lambda: any(w["worker_id"] == worker_id and w["draining"] for w in _status(url)["workers"])
+           or stream.done, 10, f"{worker_id} draining")
+    with httpx.Client(timeout=60, trust_env=False) as http:  # meanwhile the other decode worker answers
+        for _ in range(3):
+            r = http.post(f"{url}/v1/completions", json={"model": "smollm2-135m", "prompt": "Hello",
+                                                         "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200, r.text
+    stream.join(120)
+    assert (stream.error, stream.done, len(stream.chunks), stream.finish_reason) == ("", True, 60, "length")
+    name = worker_id.removeprefix("up-")
+    _until(lambda: f"pdserve up: {name} exited with code 0; restarting it" in err_path.read_text(), 30,
+           f"{worker_id} stopped after its drain")
+    text = err_path.read_text()
+    assert f"worker_drained worker_id={worker_id}" in text
+    assert f"requests_dropped_at_stop worker_id={worker_id}" not in text
+
+    # 2. SIGTERM to up while a stream is in flight
+    _until(lambda: len(_decodes(url)) == 2, 180, "the worker back")
+    stream = Stream(url, 60)
+    stream.start()
+    _until(lambda: len(stream.chunks) >= 2, 60, "the second stream")
+    up.send_signal(signal.SIGTERM)
+
+    def refused() -> bool:
+        try:
+            httpx.get(f"{url}/health", timeout=2, trust_env=False)
+        except httpx.ConnectError:
+            return True
+        return False
+
+    _until(refused, 10, "new connections refused")
+    assert not stream.done  # the port closed while the stream was still running
+    stream.join(120)
+    assert (stream.error, stream.done, len(stream.chunks), stream.finish_reason) == ("", True, 60, "length")
+    up.wait(60)
     assert up.returncode == 128 + signal.SIGTERM
+    text = err_path.read_text()
+    assert "gateway_draining requests=1" in text
+    stops = re.findall(r"pdserve up: stopped (\S+) ", text)
+    assert stops[0] == "gateway" and sorted(stops[1:]) == ["decode-0", "decode-1", "prefill-0"], stops
+    assert "gateway_lost" not in text.split("stopping: the gateway")[1]  # the workers saw it leave cleanly

@@ -23,7 +23,7 @@ FRAMES = 300  # per socket: a few seconds on a loaded 2-core machine
 
 def test_fuzzed_types_are_every_type_sent_to_a_worker_and_to_a_sender() -> None:
     to_worker = {t for t in message_types(messages.Message) if (t.__doc__ or "").startswith("Gateway →")}
-    assert set(GATEWAY_TO_WORKER) == to_worker and len(to_worker) == 11
+    assert set(GATEWAY_TO_WORKER) == to_worker and len(to_worker) == 12
     # the KV plane: the receiver sends these; the sender sends the rest (Hello, Begin, notices, ...)
     from_sender = {wire.Hello, wire.Begin, wire.LayerNotice, wire.LayerNotices, wire.Stopped, wire.Withdraw}
     assert set(RECEIVER_TO_SENDER) == set(message_types(wire.Message)) - from_sender

@@ -282,3 +282,24 @@ def test_kv_deadline_grows_with_the_prompt(decode):
     assert long.timeout_s == pytest.approx(base + 20 * decode.kv_deadline_per_token_s)
     assert decode.kv_deadline_s(5000) >= base + 100  # a 5000-token prompt gets minutes, not 30 s
     _abort_all(decode, "s", "l")
+
+
+@pytest.mark.parametrize("tp_size", [2**63 - 1, 65, 0])
+def test_a_reservation_naming_an_impossible_prefill_tp_size_fails_it_at_once(decode, tp_size: int) -> None:
+    """A ``ReserveKV`` whose ``prefill_tp_size`` no worker can have (at most 64 ranks, at least 1) is
+    refused as it is decoded and its request failed; 2**63 - 1 used to have the decode worker admit that
+    many sender ids, its loop stuck (found by the control-plane fuzz)."""
+    import msgspec
+
+    from protocol.messages import encode
+
+    raw = msgspec.msgpack.decode(encode(ReserveKV(
+        request_id="huge", prompt_token_ids=[3, 4, 5], sampling=wire(4), prefill_worker_id="p0",
+        prefill_sender_epoch=NO_SENDER)))
+    raw["prefill_tp_size"] = tp_size
+    assert decode.decode_frame(msgspec.msgpack.encode(raw)) is None
+    start = time.monotonic()
+    decode.run_once()
+    [failed] = of_type(decode.take_outbox(), RequestFailed, "huge")
+    assert time.monotonic() - start < 5 and "prefill_tp_size" in failed.error
+    assert_clean(decode)

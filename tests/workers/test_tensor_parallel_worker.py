@@ -28,8 +28,9 @@ def test_every_role_takes_more_than_one_rank(role):
 def test_settings_reach_the_engine_config():
     s = WorkerSettings(role="colocated", tensor_parallel_size=4, insecure_control_plane=True)
     assert engine_config_from_settings(s).parallel.tensor_parallel_size == 4
-    with pytest.raises(ValueError, match="--tensor-parallel-size: must be >= 1"):
-        WorkerSettings(role="colocated", tensor_parallel_size=0, insecure_control_plane=True)
+    for bad in (0, 65):  # at most 64 ranks: the most a KV reservation may name (protocol/messages.py)
+        with pytest.raises(ValueError, match=rf"--tensor-parallel-size: must be in \[1, 64\], got {bad}"):
+            WorkerSettings(role="colocated", tensor_parallel_size=bad, insecure_control_plane=True)
 
 
 def test_colocated_two_ranks_serve_then_a_lost_rank_stops_the_worker(model_dir):
