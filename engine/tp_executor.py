@@ -25,6 +25,7 @@ import gc
 import logging
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -116,7 +117,9 @@ def _follower_main(engine_config: EngineConfig, rank: int, init_method: str, thr
                    rank_hook: RankHookFactory | None = None, rank_setup: RankSetup | None = None) -> None:
     """Process entry of rank ``rank``: ``rank_setup``, join the group, run ``run_follower``, leave the
     group. A refusal to build the shard (``RankRefused``) is logged in one line and ends the process with
-    exit code 1, without a traceback."""
+    exit code 1, without a traceback. SIGINT is ignored: a terminal's Ctrl-C reaches the whole process
+    group, and rank 0 decides when its followers stop (its worker drains first)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if rank_setup is not None:
         rank_setup()
     _quiet_progress_bars()  # rank 0 draws the worker's one "Loading weights" bar

@@ -57,17 +57,37 @@ class DrainingServer(uvicorn.Server):
     idle connections at once (uvicorn's graceful shutdown) while the responses in flight, streams
     included, go on for up to ``timeout_graceful_shutdown`` seconds (``--drain-timeout``) before they are
     cancelled; a second signal of either kind stops at once (uvicorn alone takes only a second SIGINT).
-    One log event, ``gateway_draining``, says how many requests the drain waits for."""
+    One log event, ``gateway_draining``, says how many requests the drain waits for. A stop at once cuts
+    the responses in flight (their connections closed) and skips the app's shutdown, so no worker is told
+    the gateway leaves (each sees its connection drop)."""
+
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:  # a second stop signal
             if not self.force_exit:
                 log_event(log, "drain_cut_short", logging.WARNING, requests=len(self.server_state.tasks))
+                if self._loop is not None:  # the handler may run inside the loop's own code: no call here
+                    self._loop.call_soon_threadsafe(self._cut_connections)
             self.force_exit = True
         elif self.server_state.tasks:
             log_event(log, "gateway_draining", requests=len(self.server_state.tasks),
                       drain_timeout_s=self.config.timeout_graceful_shutdown)
         super().handle_exit(sig, frame)
+
+    def _cut_connections(self) -> None:
+        """Close every open connection and cancel the requests in flight (a stop at once: uvicorn's
+        ``force_exit`` alone still waits for open connections on Python 3.12+)."""
+        for connection in list(self.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.close()
+        for task in list(self.server_state.tasks):
+            task.cancel()
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:

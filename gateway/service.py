@@ -275,7 +275,7 @@ class GatewayService:
                                                       sibling_ports=self.process.sibling_ports(),
                                                       control_port=self.process.own_port()))
         log_event(log, "worker_registered" if not reason else "worker_refused", worker_id=msg.worker_id,
-                  role=msg.role, epoch=msg.epoch, reason=reason)
+                  role=msg.role, epoch=msg.epoch, reason=reason, draining=msg.load.draining)
         if not reason:
             self.metrics.set_worker_load(msg.worker_id, msg.role, msg.load)
             self._update_worker_counts()

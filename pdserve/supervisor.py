@@ -166,20 +166,26 @@ class Supervisor:
         that had already exited are not listed), in stop order; every child has been reaped on return."""
         gateway = [n for n in self.children if n == "gateway"]
         workers = [n for n in self.children if n != "gateway"]
-        first = self._stop(gateway, self.grace if gateway_grace is None else gateway_grace, signals)
-        return first + self._stop(workers, self.grace, signals)
+        signals = [] if signals is None else signals
+        seen = [len(signals)]  # the signals passed on so far, over both rounds
+        first = self._stop(gateway, self.grace if gateway_grace is None else gateway_grace, signals, seen)
+        return first + self._stop(workers, self.grace, signals, seen)
 
-    def _stop(self, names: list[str], grace: float, signals: list[int] | None) -> list[tuple[str, int, str]]:
-        """SIGTERM the live children among ``names`` (again for each signal added to ``signals``), wait up
-        to ``grace`` s, SIGKILL the rest; reap all."""
+    def _stop(self, names: list[str], grace: float, signals: list[int],
+              seen: list[int]) -> list[tuple[str, int, str]]:
+        """SIGTERM the live children among ``names``, and again when ``signals`` holds more than ``seen[0]``
+        (a further stop signal, also one that came during an earlier round: passed on at once, a child
+        stops at its second SIGTERM), wait up to ``grace`` s, SIGKILL the rest; reap all."""
         live = [n for n in names if self.children[n].poll() is None]
-        seen = len(signals) if signals is not None else 0
         for name in live:
             self.children[name].send_signal(signal.SIGTERM)
+        if len(signals) > 1:  # a second stop signal came before this round: its children stop at once
+            time.sleep(STOP_TICK_S)  # two SIGTERMs at once may reach a child as one
+            seen[0] = 0
         deadline, done = time.monotonic() + grace, []
         while any(self.children[n].poll() is None for n in live) and time.monotonic() < deadline:
-            if signals is not None and len(signals) > seen:
-                seen = len(signals)
+            if len(signals) > seen[0]:
+                seen[0] = len(signals)
                 for name in live:
                     if self.children[name].poll() is None:
                         self.children[name].send_signal(signal.SIGTERM)

@@ -335,8 +335,8 @@ class GatewaySessions:
         for link in added:
             self.start_link(link)
 
-    async def wait_registered(self, timeout: float) -> None:
-        """Return once some gateway accepted the worker.
+    async def wait_registered(self, timeout: float, stop: asyncio.Event | None = None) -> None:
+        """Return once some gateway accepted the worker, or ``stop`` is set (the worker was asked to stop).
 
         Raises:
             RegistrationError: every gateway refused it (no DNS name that may bring others), or none
@@ -344,7 +344,7 @@ class GatewaySessions:
                 handshake failed, with what that most likely means: wrong CURVE keys).
         """
         deadline = time.monotonic() + timeout
-        while not self.gateways.any_accepted():
+        while not self.gateways.any_accepted() and not (stop is not None and stop.is_set()):
             links = list(self.gateways.links.values())
             if links and not self.gateways.has_names and all(link.refused for link in links):
                 reasons = "; ".join(f"{link.key}: {link.refused}" for link in links)

@@ -106,6 +106,7 @@ class WorkerLoop:
         self.fatal: str | None = None  # why the worker stopped itself (it then exits 1), None otherwise
         self._stop_signals = 0  # SIGTERM / SIGINT received (``on_stop_signal``)
         self._drain_deadline: float | None = None  # monotonic seconds; set while draining
+        self._serving = False  # the engine loop runs (registered with a gateway)
         self.metrics = WorkerMetrics(settings.model, core.max_model_len)
         self.health = EngineHealth(settings.engine_stall_timeout)
         self.metrics.watch(self.load, lambda: core.scheduler.num_preemptions, self.health.loop_age,
@@ -469,11 +470,14 @@ class WorkerLoop:
     async def _engine_loop(self) -> None:
         assert self._wake is not None and self._stop is not None
         loop = asyncio.get_running_loop()
+        self._serving = True
         while not self._stop.is_set():
             self.health.tick()
             self._wake.clear()
             self._between_steps()
             self._drain_step()
+            if self._stop.is_set():  # drained, or the drain's deadline passed: no further step
+                break
             self.flush()
             if self.has_work():
                 try:
@@ -491,10 +495,10 @@ class WorkerLoop:
 
     def on_stop_signal(self) -> None:
         """SIGTERM / SIGINT (event loop thread): the first one drains, noted here and started at the next
-        phase boundary (``_drain_step``; with ``--drain-timeout 0`` it stops at once); a second one stops
-        at once."""
+        phase boundary (``_drain_step``; with ``--drain-timeout 0``, or before the worker serves, e.g.
+        while it registers, it stops at once); a second one stops at once."""
         self._stop_signals += 1
-        if self._stop_signals > 1 or self.settings.drain_timeout <= 0:
+        if self._stop_signals > 1 or self.settings.drain_timeout <= 0 or not self._serving:
             if self._drain_deadline is not None:
                 log_event(log, "drain_cut_short", logging.WARNING, worker_id=self.worker_id,
                           requests=len(self.request_ids()))
@@ -587,7 +591,9 @@ class WorkerLoop:
             if self.sessions.gateways.has_names:
                 tasks.append(asyncio.create_task(
                     self.sessions.resolve_loop(self.settings.gateway_resolve_interval)))
-            await self.sessions.wait_registered(REGISTER_TIMEOUT_S)
+            await self.sessions.wait_registered(REGISTER_TIMEOUT_S, self._stop)
+            if self._stop.is_set():  # asked to stop while registering
+                return
             log_event(log, "worker_ready", role=self.role, worker_id=self.worker_id, epoch=self.epoch,
                       gateways=len(self.sessions.gateways.links),
                       kv_cache_dtype=str(self.core.runner.kv_cache.cache_dtype).removeprefix("torch."))

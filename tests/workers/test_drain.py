@@ -35,7 +35,8 @@ def _worker(model_dir: Path, tmp_path: Path, drain_timeout: float) -> tuple[Colo
     generate_keys(tmp_path / "keys")
     [port] = free_ports(1)
     ep = f"tcp://127.0.0.1:{port}"
-    colo = colocated_worker(model_dir, gateway_control=ep, num_blocks=64)
+    # 1024 blocks of 4 tokens: a 4000-token request runs for seconds, past every deadline tested here
+    colo = colocated_worker(model_dir, gateway_control=ep, num_blocks=1024)
     colo.settings = dataclasses.replace(colo.settings, curve_keys=str(tmp_path / "keys"),
                                         insecure_control_plane=False, drain_timeout=drain_timeout)
     old = colo.sessions.gateways
@@ -146,6 +147,25 @@ def test_an_idle_worker_stops_at_the_first_signal(model_dir: Path, tmp_path: Pat
         assert not _draining_beats(gw)  # nothing to drain: it never said draining
 
     _serve(colo, ep, tmp_path, scenario)
+
+
+def test_a_worker_asked_to_stop_while_it_registers_stops_at_once(model_dir: Path, tmp_path: Path) -> None:
+    """No gateway answers (nothing listens at its address): the first signal ends the wait for a
+    registration at once, instead of after the 60 s registration timeout."""
+    colo, _ = _worker(model_dir, tmp_path, drain_timeout=60.0)
+
+    async def main() -> None:
+        task = asyncio.create_task(colo.run())
+        await asyncio.sleep(0.5)
+        assert not task.done()  # waiting for a registration
+        start = time.monotonic()
+        colo.on_stop_signal()
+        async with asyncio.timeout(10):
+            await task
+        assert time.monotonic() - start < 2
+
+    asyncio.run(main())
+    assert_clean(colo)
 
 
 def test_a_gateway_that_says_it_leaves_is_let_go_without_a_failure(model_dir: Path, tmp_path: Path,
