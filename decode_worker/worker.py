@@ -12,7 +12,7 @@ Queues and states of a request:
      prefix cache (published as KV events) and the request joins the running batch;
   3. RUNNING: one token per step → ``NextToken``; FINISHED_STOPPED / FINISHED_LENGTH → ``RequestFinished``
      (references dropped: blocks nobody else holds stay cached until evicted);
-  4. ``draining``: aborted or failed while KV was in flight; the blocks are freed only once the receiver
+  4. ``fenced``: aborted or failed while KV was in flight; the blocks are freed only once the receiver
      says no write can still land in them (``KVReceiver.releasable``: the fence). Cached prefix blocks are
      never written by a transfer; an abort drops this request's references to them only.
 Transfer FAILED/ABORTED by the peer → ``RequestFailed``; so does a token the request's grammar rejects
@@ -83,7 +83,7 @@ def _total_kv_heads(core: EngineCore) -> int:
 
 
 class DecodeWorker(WorkerLoop):
-    """Decode role; see the module docstring for ``pending`` / ``in_flight`` / ``draining``."""
+    """Decode role; see the module docstring for ``pending`` / ``in_flight`` / ``fenced``."""
 
     role: Role = "decode"
     reserve_timeout = 30.0  # seconds a ReserveKV may wait for free blocks
@@ -106,7 +106,7 @@ class DecodeWorker(WorkerLoop):
         self.pending: deque[tuple[Sequence, float]] = deque()
         self.in_flight: dict[str, Sequence] = {}
         self.first_tokens: dict[str, int] = {}
-        self.draining: set[str] = set()
+        self.fenced: set[str] = set()
         self.seqs: dict[str, Sequence] = {}
         self.canaries: dict[str, Sequence] = {}  # canary id → its reserved block, until releasable
         self.prefill_tp: dict[str, int] = {}  # tensor parallel size of each pending request's prefill worker
@@ -120,12 +120,12 @@ class DecodeWorker(WorkerLoop):
         return self.kv.refused_handshakes()
 
     def fenced_blocks(self) -> int:
-        """Distinct blocks awaiting KV of the requests in ``draining`` (dropped while their KV was in
+        """Distinct blocks awaiting KV of the requests in ``fenced`` (dropped while their KV was in
         flight, held until the receiver says no write can land in them): the blocks past each one's
         reused prefix (shared, never written; ``expect`` is given the same tail)."""
         size = self.core.block_manager.block_size
         fenced: set[int] = set()
-        for rid in self.draining:
+        for rid in self.fenced:
             if (seq := self.core.scheduler.get(rid)) is not None:
                 fenced.update(seq.block_table[seq.num_cached_tokens // size:])
         return len(fenced)
@@ -244,7 +244,7 @@ class DecodeWorker(WorkerLoop):
         return self.receiver.config.timeout_s + num_prompt_tokens * self.kv_deadline_per_token_s
 
     def drop(self, request_id: str) -> None:
-        """Abort in any state; blocks with KV possibly still in flight go to ``draining`` (a canary's
+        """Abort in any state; blocks with KV possibly still in flight go to ``fenced`` (a canary's
         stay in ``canaries`` until releasable)."""
         if request_id in self.canaries:
             if not self.kv.status(request_id).is_terminal:
@@ -255,12 +255,12 @@ class DecodeWorker(WorkerLoop):
         self.pending = deque(p for p in self.pending if p[0].request_id != request_id)
         if self.in_flight.pop(request_id, None) is not None:
             self.kv.abort(request_id)
-            self.draining.add(request_id)
+            self.fenced.add(request_id)
         elif self.seqs.pop(request_id, None) is not None:
             self.core.abort_request(request_id)
 
     def request_ids(self) -> list[str]:
-        """Requests waiting for blocks, for their KV, or decoding (not those draining: already dropped)."""
+        """Requests waiting for blocks, for their KV, or decoding (not those fenced: already dropped)."""
         return [*(seq.request_id for seq, _ in self.pending), *self.in_flight, *self.seqs]
 
     def canary_ids(self) -> list[str]:
@@ -276,11 +276,11 @@ class DecodeWorker(WorkerLoop):
                 self._join_batch(rid)
             elif status in (TransferStatus.FAILED, TransferStatus.ABORTED):
                 self.fail(rid, f"KV transfer {status.value}: {self.kv.reason(rid)}")
-        for rid in list(self.draining):
+        for rid in list(self.fenced):
             if self.kv.releasable(rid):
                 self.kv.release(rid)
                 self.core.scheduler.abort(rid)
-                self.draining.discard(rid)
+                self.fenced.discard(rid)
         for cid in list(self.canaries):
             if self.kv.status(cid).is_terminal and self.kv.releasable(cid):
                 self.kv.release(cid)
@@ -341,7 +341,7 @@ class DecodeWorker(WorkerLoop):
 
     def busy(self) -> bool:
         """Reservations or transfers to watch."""
-        return bool(self.pending or self.in_flight or self.draining or self.canaries)
+        return bool(self.pending or self.in_flight or self.fenced or self.canaries)
 
     def close(self) -> None:
         """Stop the receiver thread and its transport (and the command sockets to the other ranks)."""

@@ -135,7 +135,7 @@ def assert_clean(*workers: WorkerLoop, timeout: float = 10.0) -> None:
         assert w.core.block_manager.num_free_blocks == w.core.block_manager.num_blocks
         assert not w.core.scheduler.has_unfinished()
         tables = {name: getattr(w, name) for name in ("seqs", "kv_handles", "sending", "pending", "in_flight",
-                                                    "first_tokens", "draining", "_aborted", "_hook_errors",
+                                                    "first_tokens", "fenced", "_aborted", "_hook_errors",
                                                     "canaries")
                   if hasattr(w, name)}
         assert not any(tables.values()), f"{type(w).__name__} still holds {tables}"

@@ -139,7 +139,7 @@ def test_abort_while_kv_in_flight_frees_blocks_only_after_sender_stopped(decode)
         for _ in range(3):
             assert run(decode) == []
         # the sender has not confirmed it stopped: a write may still land, the blocks stay reserved
-        assert "r" in decode.draining and not decode.receiver.releasable("r")
+        assert "r" in decode.fenced and not decode.receiver.releasable("r")
         assert decode.core.block_manager.num_free_blocks == 5
         # heartbeats say why the blocks are in use with nothing waiting or running (/v1/status shows it)
         load = decode.load()
@@ -148,7 +148,7 @@ def test_abort_while_kv_in_flight_frees_blocks_only_after_sender_stopped(decode)
         other = _handle(_reserve(decode, "s", 20), "s")  # takes all 5 free blocks, none of r's
         assert not set(other.block_ids) & set(h.block_ids)
         sender.send(km.Stopped("r", True))
-        pump([decode], lambda: not decode.draining)
+        pump([decode], lambda: not decode.fenced)
         assert decode.core.block_manager.num_free_blocks == 3
         assert run(decode) == [] and decode.load().kv_fenced_blocks == 0
         _abort_all(decode, "s")

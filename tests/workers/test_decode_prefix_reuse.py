@@ -180,7 +180,7 @@ def test_abort_of_a_request_sharing_cached_blocks_leaves_them_to_the_other(model
         shared = decode.in_flight["a"].block_table[:3]
         assert decode.in_flight["b"].block_table[:3] == shared
         assert run(decode, AbortRequest(request_id="a")) == []  # no sender claimed it: freed at once
-        assert "a" not in decode.in_flight and "a" not in decode.draining
+        assert "a" not in decode.in_flight and "a" not in decode.fenced
         blocks = decode.core.block_manager._blocks
         assert [blocks[i].ref_count for i in shared] == [1, 1, 1]  # b's references only
         req = PrefillRequest(request_id="b", prompt_token_ids=second, sampling=SAMPLING,
@@ -222,12 +222,12 @@ def test_abort_while_the_suffix_is_in_flight_fences_only_its_own_blocks(model_di
         assert decode.receiver.status("a") is TransferStatus.TRANSFERRING
         assert run(decode, AbortRequest(request_id="a")) == []
         pump([decode], lambda: bool([m for m in sender.drain() if isinstance(m, km.Abort)]))
-        assert "a" in decode.draining and not decode.receiver.releasable("a")
+        assert "a" in decode.fenced and not decode.receiver.releasable("a")
         blocks = decode.core.block_manager._blocks
         assert [blocks[i].ref_count for i in cached + suffix] == [1] * (3 + len(suffix))  # all held: fenced
         assert decode.fenced_blocks() == len(suffix)  # reported: the blocks awaiting KV, not the prefix
         sender.send(km.Stopped("a", True))
-        pump([decode], lambda: not decode.draining)
+        pump([decode], lambda: not decode.fenced)
         assert decode.fenced_blocks() == 0
         assert all(blocks[i].ref_count == 0 for i in cached + suffix)
         assert all(blocks[i].block_hash is not None for i in cached)  # still cached
