@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -68,16 +69,23 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # a signal handler may run inside the loop's or logging's own code: its work is handed to the loop
         if self.should_exit:  # a second stop signal
             if not self.force_exit:
-                log_event(log, "drain_cut_short", logging.WARNING, requests=len(self.server_state.tasks))
-                if self._loop is not None:  # the handler may run inside the loop's own code: no call here
-                    self._loop.call_soon_threadsafe(self._cut_connections)
+                self._later(functools.partial(log_event, log, "drain_cut_short", logging.WARNING,
+                                              requests=len(self.server_state.tasks)))
+                self._later(self._cut_connections)
             self.force_exit = True
         elif self.server_state.tasks:
-            log_event(log, "gateway_draining", requests=len(self.server_state.tasks),
-                      drain_timeout_s=self.config.timeout_graceful_shutdown)
+            self._later(functools.partial(log_event, log, "gateway_draining",
+                                          requests=len(self.server_state.tasks),
+                                          drain_timeout_s=self.config.timeout_graceful_shutdown))
         super().handle_exit(sig, frame)
+
+    def _later(self, call: Callable[[], object]) -> None:
+        """Run ``call`` on the event loop soon (a no-op before the server started)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(call)
 
     def _cut_connections(self) -> None:
         """Close every open connection and cancel the requests in flight (a stop at once: uvicorn's
