@@ -22,13 +22,19 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.curve import generate_keys, load_keys
+from kvtransfer.curve import generate_keys
 from pdserve.ports import free_ports
-from protocol.messages import GatewayShutdown, Heartbeat, NextToken, RequestFinished, WorkerShutdown
-from tests.workers.helpers import assert_clean, colocated_worker
-from tests.workers.test_gateway_sockets import FakeGateway, _req
+from protocol.messages import (
+    ColocatedRequest,
+    GatewayShutdown,
+    Heartbeat,
+    NextToken,
+    RequestFinished,
+    WorkerShutdown,
+)
+from tests.workers.fake_gateway import FakeGateway, secure
+from tests.workers.helpers import assert_clean, colocated_worker, wire
 from workers.colocated import ColocatedWorker
-from workers.gateway_links import GatewayLinks
 
 
 def _worker(model_dir: Path, tmp_path: Path, drain_timeout: float) -> tuple[ColocatedWorker, str]:
@@ -37,12 +43,8 @@ def _worker(model_dir: Path, tmp_path: Path, drain_timeout: float) -> tuple[Colo
     ep = f"tcp://127.0.0.1:{port}"
     # 1024 blocks of 4 tokens: a 4000-token request runs for seconds, past every deadline tested here
     colo = colocated_worker(model_dir, gateway_control=ep, num_blocks=1024)
-    colo.settings = dataclasses.replace(colo.settings, curve_keys=str(tmp_path / "keys"),
-                                        insecure_control_plane=False, drain_timeout=drain_timeout)
-    old = colo.sessions.gateways
-    colo.keys = load_keys(tmp_path / "keys")
-    colo.sessions.gateways = GatewayLinks(colo.settings.gateway_control, colo.keys)
-    old.close()
+    colo.settings = dataclasses.replace(colo.settings, drain_timeout=drain_timeout)
+    secure(colo, tmp_path / "keys")
     return colo, ep
 
 
@@ -69,6 +71,11 @@ def _serve(colo: ColocatedWorker, ep: str, tmp_path: Path,
     asyncio.run(main())
     assert_clean(colo)
     gc.collect()
+
+
+def _req(rid: str, max_tokens: int) -> ColocatedRequest:
+    return ColocatedRequest(request_id=rid, prompt_token_ids=list(range(50, 63)),
+                            sampling=wire(max_tokens, ignore_eos=True))
 
 
 def _tokens(gw: FakeGateway, rid: str) -> int:

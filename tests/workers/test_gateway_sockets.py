@@ -7,74 +7,25 @@ Every wait has a deadline; ends with the leak check."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
-from kvtransfer.curve import generate_keys, load_keys, secure_server
+from kvtransfer.curve import generate_keys
 from pdserve.ports import free_ports
 from protocol.messages import (
     ColocatedRequest,
-    Message,
-    OutputBatch,
-    RegisterAck,
-    RegisterWorker,
     RequestFinished,
     WorkerShutdown,
     decode,
-    encode,
 )
+from tests.workers.fake_gateway import FakeGateway, secure
 from tests.workers.helpers import assert_clean, colocated_worker, prefill_worker, wire
-from workers.gateway_links import GatewayLinks
 
 PROMPT = list(range(50, 63))
-
-
-class FakeGateway:
-    """A ROUTER at ``endpoint`` answering like a gateway's control socket, recording what it receives."""
-
-    def __init__(self, endpoint: str, keys_dir: Path, epoch: int) -> None:
-        self.endpoint, self.epoch = endpoint, epoch
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        secure_server(self.sock, load_keys(keys_dir))
-        self.sock.bind(endpoint)
-        self.identity = b""
-        self.got: list[Message] = []
-
-    async def pump(self, until: Callable[[], bool], timeout: float = 20.0) -> None:
-        """Receive (answering each ``RegisterWorker``) until ``until()`` holds.
-        Raises TimeoutError after ``timeout`` s."""
-        async with asyncio.timeout(timeout):
-            while not until():
-                if not await self.sock.poll(50):
-                    continue
-                identity, frame = await self.sock.recv_multipart()
-                msg = decode(frame)
-                if isinstance(msg, OutputBatch):
-                    self.got.extend(msg.messages)
-                else:
-                    self.got.append(msg)
-                if isinstance(msg, RegisterWorker):
-                    self.identity = identity
-                    await self.sock.send_multipart([identity, encode(RegisterAck(
-                        worker_id=msg.worker_id, epoch=msg.epoch, accepted=True, gateway_epoch=self.epoch))])
-
-    async def send(self, msg: Message) -> None:
-        await self.sock.send_multipart([self.identity, encode(msg)])
-
-    def ids(self) -> set[str]:
-        return {m.request_id for m in self.got if hasattr(m, "request_id")}
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 def _req(rid: str, max_tokens: int) -> ColocatedRequest:
@@ -87,12 +38,7 @@ def test_run_serves_two_gateways_and_survives_one_dropping(model_dir: Path, tmp_
     port_a, port_b = free_ports(2)
     ep_a, ep_b = f"tcp://127.0.0.1:{port_a}", f"tcp://127.0.0.1:{port_b}"
     colo = colocated_worker(model_dir, gateway_control=f"{ep_a},{ep_b}", num_blocks=64)
-    colo.settings = dataclasses.replace(colo.settings, curve_keys=str(tmp_path / "keys"),
-                                        insecure_control_plane=False)
-    old = colo.sessions.gateways
-    colo.keys = load_keys(tmp_path / "keys")
-    colo.sessions.gateways = GatewayLinks(colo.settings.gateway_control, colo.keys)
-    old.close()
+    secure(colo, tmp_path / "keys")
 
     async def scenario() -> None:
         gw_a, gw_b = FakeGateway(ep_a, tmp_path / "keys", 1), FakeGateway(ep_b, tmp_path / "keys", 2)
@@ -181,12 +127,7 @@ def test_worker_stops_when_its_kv_loop_dies(model_dir: Path, tmp_path: Path) -> 
     [port] = free_ports(1)
     ep = f"tcp://127.0.0.1:{port}"
     worker = prefill_worker(model_dir, gateway_control=ep)
-    worker.settings = dataclasses.replace(worker.settings, curve_keys=str(tmp_path / "keys"),
-                                          insecure_control_plane=False)
-    old = worker.sessions.gateways
-    worker.keys = load_keys(tmp_path / "keys")
-    worker.sessions.gateways = GatewayLinks(worker.settings.gateway_control, worker.keys)
-    old.close()
+    secure(worker, tmp_path / "keys")
 
     def boom() -> None:
         raise RuntimeError("injected by the test")
