@@ -27,6 +27,7 @@ from typing import Literal
 
 from gateway.prefix_index import PrefixIndex, PrefixMatch, block_hashes
 from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
+from protocol.messages import Role
 
 RouteKind = Literal["disaggregated", "prefill_only", "colocated"]
 
@@ -94,9 +95,7 @@ class Router:
         decodes = [w for w in self.registry.routable("decode") if w.worker_id not in exclude]
         if not coloc and not prefills and not decodes:
             besides = f" besides {', '.join(sorted(exclude))}" if exclude else ""
-            draining = sorted(w.worker_id for w in self.registry.live() if w.load.draining)
-            also = f" ({', '.join(draining)} draining: stopping)" if draining else ""
-            raise NoWorkerError(f"no live worker{besides}{also}")
+            raise NoWorkerError(f"no live worker{besides}{self._draining()}")
         if coloc and (len(prompt_token_ids) < self.disagg_threshold or (not prefills and not decodes)):
             return self._colocated(prompt_token_ids, coloc, fallback=False)
         try:
@@ -105,6 +104,11 @@ class Router:
             if coloc and self.allow_local_prefill:
                 return self._colocated(prompt_token_ids, coloc, fallback=True)
             raise
+
+    def _draining(self, role: Role | None = None) -> str:
+        """`` (<ids> draining: stopping)`` naming the workers (of ``role``) that drain, "" when none does."""
+        draining = sorted(w.worker_id for w in self.registry.live(role) if w.load.draining)
+        return f" ({', '.join(draining)} draining: stopping)" if draining else ""
 
     def _colocated(self, prompt: list[int], coloc: list[WorkerEntry], fallback: bool) -> Route:
         chains: dict[int, list[int]] = {}
@@ -117,15 +121,15 @@ class Router:
     def _disaggregated(self, prompt: list[int], max_tokens: int, prefills: list[WorkerEntry],
                        decodes: list[WorkerEntry]) -> Route:
         if not prefills:
-            raise NoWorkerError("no live prefill worker (start one, or run the gateway with "
-                                "--allow-local-prefill and a colocated worker)")
+            raise NoWorkerError(f"no live prefill worker{self._draining('prefill')} (start one, or run the "
+                                "gateway with --allow-local-prefill and a colocated worker)")
         chains: dict[int, list[int]] = {}  # block size → the prompt's block hashes
         ranked = self._rank(prompt, prefills, chains, self.prefill_slack)
         if max_tokens <= 1:
             best, hit = ranked[0]
             return self._chosen(Route("prefill_only", prefill=best), hit, chains)
         if not decodes:
-            raise NoWorkerError("no live decode worker")
+            raise NoWorkerError(f"no live decode worker{self._draining('decode')}")
         reasons = []
         for prefill, hit in ranked:
             ok = [d for d in decodes if self.pair_problem(prefill, d) is None]

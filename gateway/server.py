@@ -26,6 +26,7 @@ from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.app import create_app
 from gateway.process import GatewayProcess
@@ -40,29 +41,41 @@ PARENT_CHECK_S = 0.5  # how often a gateway process checks that its parent is st
 def serve(settings: GatewaySettings) -> None:
     """Serve until stopped (``DrainingServer``). Raises OSError when the HTTP or control address cannot be
     bound."""
-    app = create_app(settings)
-    DrainingServer(_config(app, settings)).run()
+    DrainingServer(create_app(settings), settings).run()
 
 
-def _config(app: FastAPI, settings: GatewaySettings) -> uvicorn.Config:
-    """uvicorn's configuration of this gateway: no access log, pdserve's logging, and the requests in flight
-    given ``--drain-timeout`` seconds (rounded up to whole seconds: uvicorn's unit) to finish after a stop
-    signal (then cancelled)."""
-    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                          access_log=False, log_config=None,
-                          timeout_graceful_shutdown=math.ceil(settings.drain_timeout))
+DRAIN_BACKSTOP_S = 5  # uvicorn's own cut, in case a request outlives the drain's cut (whole seconds)
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, stopped by a drain: at the first SIGTERM or SIGINT it stops listening and closes
-    idle connections at once (uvicorn's graceful shutdown) while the responses in flight, streams
-    included, go on for up to ``timeout_graceful_shutdown`` seconds (``--drain-timeout``) before they are
-    cancelled; a second signal of either kind stops at once (uvicorn alone takes only a second SIGINT).
-    One log event, ``gateway_draining``, says how many requests the drain waits for. A stop at once cuts
-    the responses in flight (their connections closed) and skips the app's shutdown, so no worker is told
-    the gateway leaves (each sees its connection drop)."""
+    """uvicorn serving ``app`` for ``settings`` (no access log, pdserve's logging), stopped by a drain: at
+    the first SIGTERM or SIGINT it stops listening and closes idle connections at once (uvicorn's graceful
+    shutdown) while the responses in flight, streams included, go on for up to ``--drain-timeout`` seconds
+    (log event ``gateway_draining``); then, or at a second signal of either kind, or at once with
+    ``--drain-timeout 0``, those still running are cut: their connections aborted, their handlers
+    cancelled (which ends their requests on the workers), one warning ``requests_cut`` naming how many and
+    why, no traceback. The app's shutdown runs either way (the workers are told the gateway leaves). A
+    third signal stops without it (uvicorn's forced exit)."""
 
-    _loop: asyncio.AbstractEventLoop | None = None
+    def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
+        super().__init__(uvicorn.Config(self._serve_request, host=settings.host, port=settings.port,
+                                        log_level=settings.log_level, access_log=False, log_config=None,
+                                        interface="asgi3",
+                                        timeout_graceful_shutdown=math.ceil(settings.drain_timeout)
+                                        + DRAIN_BACKSTOP_S))
+        self._app, self.drain_timeout = app, settings.drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._signals = 0
+        self._cut = False  # the requests still in flight were cut (their cancellation is expected)
+
+    async def _serve_request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI app uvicorn runs: ``app``, with a cancellation by ``_cut_requests`` ending the request
+        quietly (its connection is gone already) instead of as an "Exception in ASGI application"."""
+        try:
+            await self._app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self._cut:
+                raise
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -70,32 +83,46 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # a signal handler may run inside the loop's or logging's own code: its work is handed to the loop
-        if self.should_exit:  # a second stop signal
-            if not self.force_exit:
-                self._later(functools.partial(log_event, log, "drain_cut_short", logging.WARNING,
-                                              requests=len(self.server_state.tasks)))
-                self._later(self._cut_connections)
+        self._signals += 1
+        if self._signals == 1:
+            self._later(self._start_drain)
+            super().handle_exit(sig, frame)
+        elif self._signals == 2:
+            self._later(functools.partial(self._cut_requests, "a second stop signal"))
+        else:
             self.force_exit = True
-        elif self.server_state.tasks:
-            self._later(functools.partial(log_event, log, "gateway_draining",
-                                          requests=len(self.server_state.tasks),
-                                          drain_timeout_s=self.config.timeout_graceful_shutdown))
-        super().handle_exit(sig, frame)
+            super().handle_exit(sig, frame)
 
     def _later(self, call: Callable[[], object]) -> None:
         """Run ``call`` on the event loop soon (a no-op before the server started)."""
         if self._loop is not None:
             self._loop.call_soon_threadsafe(call)
 
-    def _cut_connections(self) -> None:
-        """Close every open connection and cancel the requests in flight (a stop at once: uvicorn's
-        ``force_exit`` alone still waits for open connections on Python 3.12+)."""
+    def _start_drain(self) -> None:
+        if self.drain_timeout <= 0:
+            self._cut_requests("--drain-timeout 0")
+            return
+        if self.server_state.tasks:
+            log_event(log, "gateway_draining", requests=len(self.server_state.tasks),
+                      drain_timeout_s=self.drain_timeout)
+        assert self._loop is not None
+        self._loop.call_later(self.drain_timeout, self._cut_requests, "the drain's deadline")
+
+    def _cut_requests(self, why: str) -> None:
+        """Abort the connections of the responses still in flight, then cancel their handlers (after each
+        connection is marked gone, so uvicorn reports no unfinished response)."""
+        tasks = [task for task in self.server_state.tasks if not task.done()]
+        if not tasks:
+            return
+        self._cut = True
+        log_event(log, "requests_cut", logging.WARNING, requests=len(tasks), why=why)
         for connection in list(self.server_state.connections):
             transport = getattr(connection, "transport", None)
             if transport is not None:
-                transport.close()
-        for task in list(self.server_state.tasks):
-            task.cancel()
+                transport.abort()
+        assert self._loop is not None
+        for task in tasks:
+            self._loop.call_soon(task.cancel)
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -164,8 +191,8 @@ def _reporting_lifespan(app: FastAPI, report: Callable[[str], None], hold_s: flo
 class _ProcessServer(DrainingServer):
     """The draining server that reports ``ready`` once its socket listens and exits when its parent dies."""
 
-    def __init__(self, config: uvicorn.Config, report: Callable[[str], None]) -> None:
-        super().__init__(config)
+    def __init__(self, app: ASGIApp, settings: GatewaySettings, report: Callable[[str], None]) -> None:
+        super().__init__(app, settings)
         self._report = report
         self._parent = os.getppid()
         self._watch: asyncio.Task[None] | None = None
@@ -200,7 +227,6 @@ def serve_process(settings: GatewaySettings, process: GatewayProcess, conn: Conn
         report(f"failed: {exc}")
         raise SystemExit(1) from exc
     _reporting_lifespan(app, report, process.listen_hold_s(settings.heartbeat_timeout))
-    config = _config(app, settings)
     log.info("gateway process %d/%d (pid %d): http://%s:%d, control socket %s", process.index,
              process.count, os.getpid(), settings.host, settings.port, control)
-    _ProcessServer(config, report).run(sockets=[sock])
+    _ProcessServer(app, settings, report).run(sockets=[sock])

@@ -61,6 +61,7 @@ log = logging.getLogger("pdserve.gateway")
 # identity once it has processed the connection's end, which may come a little after the event
 PROBE_DELAYS = (0.0, 0.05, 0.25, 1.0)
 SHUTDOWN_LINGER_MS = 500  # how long a stopping gateway's GatewayShutdown notices get to go out
+SHUTDOWN_NOTICE_S = 0.2  # between the notices and closing the socket: read before the connection drops
 
 
 class GatewayService:
@@ -113,6 +114,8 @@ class GatewayService:
             notice = GatewayShutdown(gateway_epoch=self.epoch)
             for entry in self.registry.live():
                 await self.control.send_outcome(entry.identity, notice)
+            if self.registry.live():  # each worker reads the notice before its connection drops
+                await asyncio.sleep(SHUTDOWN_NOTICE_S)
             self.control.close(SHUTDOWN_LINGER_MS if self.registry.live() else 0)
 
     async def wait_ready(self, timeout: float, poll: float = 0.05) -> bool:

@@ -51,8 +51,7 @@ def _add_common(add: _Adder) -> None:
     add("--log-format", default="text", choices=["text", "json"], help="json: one JSON object per line")
     add("--drain-timeout", type=duration, default=30.0,
         help="on SIGTERM or Ctrl-C, stop taking requests and let those in flight finish for up to this "
-             "long (seconds, or e.g. 2m; a gateway rounds it up to whole seconds), then stop; a second "
-             "signal stops at once (0: stop at once)")
+             "long (seconds, or e.g. 2m; 0: no wait), then stop; a second signal stops at once")
 
 
 def _add_parsers(add: _Adder) -> None:

@@ -356,9 +356,10 @@ def _start(settings: UpSettings, ready_timeout: float, stop: list[int], converti
             code = _supervise(settings, sup, stop, ready_timeout, keys_dir, mps_env)
         finally:
             drain = settings.gateway.drain_timeout
-            if stop and drain > 0 and sup.children.get("gateway") is not None:
+            if stop and sup.children.get("gateway") is not None:
                 say_up(f"stopping: the gateway takes no new request and lets those in flight finish (up to "
-                       f"{drain:g} s, --drain-timeout); a second Ctrl-C or SIGTERM stops at once",
+                       f"{drain:g} s, --drain-timeout); a second Ctrl-C or SIGTERM stops at once" if drain > 0
+                       else "stopping at once (--drain-timeout 0): the requests in flight are cut",
                        drain_timeout_s=drain)
             stopped = sup.stop_all(gateway_grace=drain + 2 * STOP_MARGIN_S, signals=stop)
     for name, pid, how in stopped:

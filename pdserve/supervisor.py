@@ -139,6 +139,13 @@ class Supervisor:
         else:
             log_event(log, f"child_{verb}", child=name, pid=pid)
 
+    def _say(self, line: str) -> None:
+        """``line`` through ``announce`` (a log event ``supervisor`` without one)."""
+        if self.announce is not None:
+            self.announce(line)
+        else:
+            log_event(log, "supervisor", message=line)
+
     def restart(self, name: str) -> None:
         """Start child ``name`` again, as it was started (its earlier process has exited).
 
@@ -185,6 +192,8 @@ class Supervisor:
         deadline, done = time.monotonic() + grace, []
         while any(self.children[n].poll() is None for n in live) and time.monotonic() < deadline:
             if len(signals) > seen[0]:
+                if seen[0]:  # a new signal, not the one this round started with
+                    self._say("another stop signal: stopping at once (the requests in flight are cut)")
                 seen[0] = len(signals)
                 for name in live:
                     if self.children[name].poll() is None:

@@ -213,8 +213,9 @@ class GatewayLinks:
         link.client.close(shutdown)
 
     def close(self, shutdown: Message | None = None) -> None:
-        """Close every link (``shutdown`` to each connected gateway first) and the zmq context."""
+        """Close every link (``shutdown`` to each connected gateway first, none to one that said it left)
+        and the zmq context."""
         for link in list(self.links.values()):
-            self.close_link(link, shutdown)
+            self.close_link(link, None if link.left else shutdown)
         self.links.clear()
         self._ctx.term()

@@ -21,10 +21,11 @@ from pdserve.ports import free_ports
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = """
 import asyncio, sys
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from gateway.server import DrainingServer
+from protocol.logging import configure_logging
+from protocol.settings import GatewaySettings
 
 app = FastAPI()
 
@@ -40,9 +41,10 @@ async def stream(n: int):
 async def ping():
     return "pong"
 
-port, drain = int(sys.argv[1]), int(sys.argv[2])
-DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                              timeout_graceful_shutdown=drain)).run()
+port, drain = int(sys.argv[1]), float(sys.argv[2])
+configure_logging("info", "text")
+DrainingServer(app, GatewaySettings(host="127.0.0.1", port=port, log_level="warning", drain_timeout=drain,
+                                    insecure_control_plane=True)).run()
 """
 
 
@@ -63,10 +65,11 @@ class Reader(threading.Thread):
             self.error = type(exc).__name__
 
 
-def _serve(drain_s: int) -> tuple[subprocess.Popen[bytes], str]:
+def _serve(drain_s: float, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     [port] = free_ports(1)
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(drain_s)], cwd=ROOT,
-                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), str(drain_s)], cwd=ROOT,
+                                env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, stderr=err)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -86,9 +89,12 @@ def _refused(url: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("how", ["drained", "deadline", "second signal"])
-def test_a_stop_drains_the_streams_in_flight_within_its_deadline(how: str) -> None:
-    proc, url = _serve(drain_s=1 if how == "deadline" else 30)
+@pytest.mark.parametrize("how", ["drained", "deadline", "second signal", "no drain"])
+def test_a_stop_drains_the_streams_in_flight_within_its_deadline(how: str, tmp_path: Path) -> None:
+    """Whichever way the stream ends, the server says it in one line (``requests_cut``: how many and
+    why) and logs no error or traceback."""
+    log = tmp_path / "server.log"
+    proc, url = _serve({"deadline": 1.0, "no drain": 0.0}.get(how, 30.0), log)
     try:
         n = 40 if how == "drained" else 400  # 2 s, or 20 s of chunks
         reader = Reader(f"{url}/stream/{n}")
@@ -100,18 +106,25 @@ def test_a_stop_drains_the_streams_in_flight_within_its_deadline(how: str) -> No
         signalled = time.monotonic()
         time.sleep(0.3)
         assert _refused(url)  # no new connection during the drain
-        assert reader.is_alive()  # ... while the stream goes on
+        assert reader.is_alive() or how == "no drain"  # ... while the stream goes on
         if how == "second signal":
             proc.send_signal(signal.SIGTERM)
         reader.join(30)
         took = time.monotonic() - signalled
         proc.wait(30)
+        text = log.read_text()
+        assert "ERROR" not in text and "Traceback" not in text, text
         if how == "drained":
             assert (reader.clean, reader.lines) == (True, n) and took < 10
-        elif how == "deadline":
-            assert not (reader.clean and reader.lines == n) and 0.9 < took < 5, (reader.lines, took)
+            assert "requests_cut" not in text
         else:
-            assert not (reader.clean and reader.lines == n) and took < 3, (reader.lines, took)
+            assert not (reader.clean and reader.lines == n) and took < (5 if how == "deadline" else 3), (
+                reader.lines, took)
+            why = {"deadline": "the drain's deadline", "second signal": "a second stop signal",
+                   "no drain": "--drain-timeout 0"}[how]
+            assert f"requests_cut requests=1 why={why}" in text, text
+        if how == "deadline":
+            assert took > 0.9
     finally:
         if proc.poll() is None:
             proc.kill()

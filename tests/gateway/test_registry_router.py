@@ -279,7 +279,7 @@ def test_a_draining_worker_gets_no_new_request_and_stops_counting_for_ready() ->
     [pair_d1] = [p for p in status.pairs if p.decode == "d1"]
     assert not pair_d1.usable and "d1 draining" in pair_d1.reason
     _drain(registry, "d2")
-    with pytest.raises(NoWorkerError, match=r"no live decode worker"):
+    with pytest.raises(NoWorkerError, match=r"no live decode worker \(d1, d2 draining: stopping\)"):
         router.route([1, 2, 3], 8)
     status = readiness(registry)
     assert not status.ready and "d1 / d2" not in status.reason and "d1 draining" in status.reason
