@@ -19,6 +19,7 @@ import functools
 import logging
 import math
 import os
+import signal
 import socket
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
@@ -207,7 +208,7 @@ class _ProcessServer(DrainingServer):
         while os.getppid() == self._parent:
             await asyncio.sleep(PARENT_CHECK_S)
         log.warning("gateway process: its parent %d is gone; stopping", self._parent)
-        self.should_exit = True
+        self.handle_exit(signal.SIGTERM, None)  # a drain, as a stop signal would
 
 
 def serve_process(settings: GatewaySettings, process: GatewayProcess, conn: Connection) -> None:

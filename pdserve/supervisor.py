@@ -174,7 +174,7 @@ class Supervisor:
         gateway = [n for n in self.children if n == "gateway"]
         workers = [n for n in self.children if n != "gateway"]
         signals = [] if signals is None else signals
-        seen = [len(signals)]  # the signals passed on so far, over both rounds
+        seen = [max(len(signals), 1)]  # signals passed on, both rounds (the first one: the stop itself)
         first = self._stop(gateway, self.grace if gateway_grace is None else gateway_grace, signals, seen)
         return first + self._stop(workers, self.grace, signals, seen)
 

@@ -88,13 +88,15 @@ def test_a_second_signal_during_the_gateway_drain_is_passed_on(tmp_path) -> None
                "print('up', flush=True)\n"
                "while True:\n"
                "    time.sleep(0.05)\n")
-    for second in (True, False):
+    # (a second signal comes, the stop began with a signal): a stop begun without one (a child died) takes
+    # the first signal that comes as that stop's, not as a second one
+    for second, first in ((True, True), (False, True), (False, False)):
         sup = Supervisor(grace=5.0)
         g = subprocess.Popen([sys.executable, "-c", gateway], stdout=subprocess.PIPE)
         sup.children["gateway"] = g
         assert g.stdout is not None and g.stdout.readline() == b"up\n"
-        signals: list[int] = [signal.SIGTERM]
-        if second:
+        signals: list[int] = [signal.SIGTERM] if first else []
+        if second or not first:
             threading.Timer(0.5, signals.append, (signal.SIGINT,)).start()
         start = time.monotonic()
         done = sup.stop_all(gateway_grace=2.0 if not second else 30.0, signals=signals)
