@@ -66,6 +66,7 @@ class DrainingServer(uvicorn.Server):
                                         + DRAIN_BACKSTOP_S))
         self._app, self.drain_timeout = app, settings.drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.stopping = asyncio.Event()  # set at the first stop signal (on the event loop)
         self._signals = 0
         self._cut = False  # the requests still in flight were cut (their cancellation is expected)
 
@@ -80,12 +81,15 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        if self._signals:  # a stop signal came before the loop was known
+            self.stopping.set()
         await super().startup(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # a signal handler may run inside the loop's or logging's own code: its work is handed to the loop
         self._signals += 1
         if self._signals == 1:
+            self._later(self.stopping.set)
             self._later(self._start_drain)
             super().handle_exit(sig, frame)
         elif self._signals == 2:
@@ -162,11 +166,13 @@ class _Report:
                 self._conn.send(message)
 
 
-def _reporting_lifespan(app: FastAPI, report: Callable[[str], None], hold_s: float) -> None:
+def _reporting_lifespan(app: FastAPI, report: Callable[[str], None], hold_s: float,
+                        stopping: asyncio.Event) -> None:
     """Wrap the app's lifespan so that a start-up failure (e.g. the control port taken) reaches the
     parent as one line before uvicorn exits, and so that start-up ends (and the socket listens) only once
     the process can serve or ``hold_s`` seconds have passed (0: at once; a restarted process,
-    gateway/process.py)."""
+    gateway/process.py), or at once when ``stopping`` is set (a stop signal during the hold: the process
+    then stops, telling its workers it leaves, without waiting out the hold)."""
     inner = app.router.lifespan_context
     svc: GatewayService = app.state.service
 
@@ -179,8 +185,12 @@ def _reporting_lifespan(app: FastAPI, report: Callable[[str], None], hold_s: flo
                 report(f"failed: {exc}")
                 raise
             if hold_s > 0:
-                if await svc.wait_ready(hold_s):
+                log.info("gateway process %d: restarted; waiting up to %g s for workers before listening",
+                         svc.process.index, hold_s)
+                if await svc.wait_ready(hold_s, stop=stopping):
                     log.info("gateway process %d: workers registered; listening", svc.process.index)
+                elif stopping.is_set():
+                    log.info("gateway process %d: asked to stop while waiting for workers", svc.process.index)
                 else:
                     log.warning("gateway process %d: no usable worker after %g s; listening anyway",
                                 svc.process.index, hold_s)
@@ -227,7 +237,8 @@ def serve_process(settings: GatewaySettings, process: GatewayProcess, conn: Conn
     except Exception as exc:
         report(f"failed: {exc}")
         raise SystemExit(1) from exc
-    _reporting_lifespan(app, report, process.listen_hold_s(settings.heartbeat_timeout))
+    server = _ProcessServer(app, settings, report)
+    _reporting_lifespan(app, report, process.listen_hold_s(settings.heartbeat_timeout), server.stopping)
     log.info("gateway process %d/%d (pid %d): http://%s:%d, control socket %s", process.index,
              process.count, os.getpid(), settings.host, settings.port, control)
-    _ProcessServer(app, settings, report).run(sockets=[sock])
+    server.run(sockets=[sock])

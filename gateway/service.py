@@ -118,14 +118,15 @@ class GatewayService:
                 await asyncio.sleep(SHUTDOWN_NOTICE_S)
             self.control.close(SHUTDOWN_LINGER_MS if self.registry.live() else 0)
 
-    async def wait_ready(self, timeout: float, poll: float = 0.05) -> bool:
+    async def wait_ready(self, timeout: float, poll: float = 0.05, stop: asyncio.Event | None = None) -> bool:
         """Wait until this process can serve (``gateway.status.readiness``: a usable prefill/decode pair or
-        a colocated worker registered), looking every ``poll`` s, at most ``timeout`` s. Returns whether
-        it can. Call with the control socket started (``start``), so workers can register meanwhile."""
+        a colocated worker registered), looking every ``poll`` s, at most ``timeout`` s, and no longer once
+        ``stop`` is set. Returns whether it can. Call with the control socket started (``start``), so
+        workers can register meanwhile."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while not readiness(self.registry, self.canaries).ready:
-            if loop.time() >= deadline:
+            if loop.time() >= deadline or (stop is not None and stop.is_set()):
                 return False
             await asyncio.sleep(poll)
         return True

@@ -321,6 +321,43 @@ def test_a_restarted_process_without_workers_listens_only_after_the_hold(tmp_pat
         pool.close()
 
 
+def test_a_stop_signal_ends_a_restarted_process_hold_at_once(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """SIGTERM to the pool while its restarted process waits for workers (the hold, 10 s here): that
+    process stops at once, as a process that listens does, instead of finishing the hold first."""
+    pool = Pool(tmp_path, tokenizer_dir, heartbeat_timeout=5.0)  # hold: min(2 x 5, 10) = 10 s
+    try:
+        def pid_of(index: int) -> int | None:
+            pool.alive()
+            with contextlib.suppress(httpx.HTTPError):
+                process = pool.status()["process"]
+                if process["index"] == index:
+                    return int(process["pid"])
+            return None
+
+        pids: list[int] = []
+
+        def found() -> bool:
+            pid = pid_of(1)
+            if pid is not None:
+                pids.append(pid)
+            return bool(pids)
+
+        wait_until(found, START_S, "process 1 answering")
+        os.kill(pids[0], signal.SIGKILL)
+        wait_until(lambda: "gateway process 1: restarted; waiting up to 10 s" in pool.text(), START_S,
+                   "the new process 1 holding")
+        stopped_at = time.monotonic()
+        pool.gateway.send_signal(signal.SIGTERM)
+        pool.gateway.wait(30)
+        took = time.monotonic() - stopped_at
+        text = pool.text()
+        assert "gateway process 1: asked to stop while waiting for workers" in text, text[-2000:]
+        assert "listening anyway" not in text
+        assert took < 8.0, f"the pool took {took:.1f} s to stop (the hold is 10 s)\n{text[-2000:]}"
+    finally:
+        pool.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("log_format", ["text", "json"])
 def test_a_process_that_cannot_start_stops_the_pool_with_one_line(tmp_path: Path, log_format: str) -> None:
