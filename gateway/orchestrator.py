@@ -37,7 +37,8 @@ with 400.
     continuing token sequence; a greedy or seeded stream the same tokens as an unbroken run (up to
     float rounding of the logits).
 The request fails (``GenerationFailed``) when recovery is not allowed (502) or no other worker can take
-it (503); a timeout fails it with 504.
+it (503); a timeout fails it with 504; a gateway that stops serving what it has in flight (the end of
+its drain, ``stop_requests``) fails each with 503, code ``gateway_stopping``.
 
 Holding rules: a worker holds a request from the message sent to it until it says it is done
 (``RequestFinished`` / ``RequestFailed``; P after ``FirstToken``), it is lost, or the request ends with
@@ -68,8 +69,10 @@ from gateway.request_state import (
     Attempt,
     FailureCause,
     GatewayRequest,
+    GatewayStopping,
     GenerationFailed,
     GenerationInput,
+    InboxItem,
     RequestPhase,
     TokenLogprob,
     TokenOutput,
@@ -259,13 +262,16 @@ class Orchestrator:
         output tokens continue.
 
         Raises:
-            GenerationFailed: a worker failed or was lost and the request could not be routed again, or
-                ``--request-timeout`` passed.
+            GenerationFailed: a worker failed or was lost and the request could not be routed again,
+                ``--request-timeout`` passed, or the gateway stops serving it (``stop_requests``, 503).
         """
         deadline = req.arrival + self.request_timeout
         last: TokenOutput | None = None  # the max_tokens-th token, waiting for the worker's verdict on it
         while True:
             msg = await self._next_message(req, deadline)
+            if isinstance(msg, GatewayStopping):
+                req.phase = RequestPhase.FAILED
+                raise GenerationFailed(msg.reason, 503, code="gateway_stopping")
             if msg.request_id != req.request_id:
                 continue  # an earlier attempt's message, queued before it was given up
             if isinstance(msg, NextToken):
@@ -409,6 +415,14 @@ class Orchestrator:
                 self._drop_holder(req, worker_id)
 
     # ---- 6. release --------------------------------------------------------------------------------
+    def stop_requests(self, reason: str) -> int:
+        """Fail every request in flight with ``reason`` (``GatewayStopping``: 503 before any output, an
+        error event after it; the workers are told to drop each as its handler releases it). Returns how
+        many there were."""
+        for req in self.requests.values():
+            req.inbox.put_nowait(GatewayStopping(reason))
+        return len(self.requests)
+
     def release(self, req: GatewayRequest) -> None:
         """End the request now (idempotent); aborts go out in a background task, so this is safe inside
         a cancelled scope."""
@@ -517,7 +531,7 @@ class Orchestrator:
         return not req.inbox.empty()
 
     @staticmethod
-    async def _next_message(req: GatewayRequest, deadline: float) -> WorkerMessage | WorkerLost:
+    async def _next_message(req: GatewayRequest, deadline: float) -> InboxItem:
         if not req.inbox.empty():  # no timer, no suspension: the queue holds only what was received
             return req.inbox.get_nowait()
         # asyncio.timeout, not asyncio.wait_for: on Python 3.11 wait_for returns the message when the

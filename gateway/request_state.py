@@ -1,10 +1,10 @@
 """One live request at the gateway, as the orchestrator (gateway/orchestrator.py) keeps it: the client's
 input (``GenerationInput``), the current ``Attempt`` and its route, the ``RequestPhase``, the inbox of
-worker messages (``WorkerMessage`` or ``WorkerLost``), the workers holding it and the counted output tokens
-(``GatewayRequest``); what ``Orchestrator.next_output`` yields (``TokenOutput`` with its ``TokenLogprob``)
-and raises (``GenerationFailed``, with the HTTP status it is answered with).
+worker messages (``WorkerMessage``, ``WorkerLost``, or the gateway's own ``GatewayStopping``), the workers
+holding it and the counted output tokens (``GatewayRequest``); what ``Orchestrator.next_output`` yields
+(``TokenOutput`` with its ``TokenLogprob``) and raises (``GenerationFailed``, with the HTTP status it is
+answered with).
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -69,6 +69,19 @@ class WorkerLost:
 
 
 @dataclass(frozen=True)
+class GatewayStopping:
+    """Put into every live request's inbox when this gateway process stops serving what it still has in
+    flight (its drain's deadline passed, a second stop signal came, or ``--drain-timeout 0``): the request
+    fails with ``reason`` (503 before any output, an error event after it), and its workers are told to
+    drop it as for any failed request."""
+
+    reason: str
+
+
+InboxItem = WorkerMessage | WorkerLost | GatewayStopping
+
+
+@dataclass(frozen=True)
 class Attempt:
     """What the workers of one routing of a request are sent: the worker request id, the prompt (the
     client's prompt, plus the tokens already streamed after a migration) and the sampling parameters
@@ -120,7 +133,7 @@ class GenerationFailed(RuntimeError):
         if self.status == 504:
             return gateway_timeout(str(self))
         if self.status == 503:
-            return unavailable(str(self), code="no_worker_for_retry")
+            return unavailable(str(self), code=self.code or "no_worker_for_retry")
         return upstream_failed(str(self))
 
 
@@ -138,7 +151,7 @@ class GatewayRequest:
     route: Route
     phase: RequestPhase = RequestPhase.PREFILLING
     arrival: float = field(default_factory=time.monotonic)
-    inbox: asyncio.Queue[WorkerMessage | WorkerLost] = field(default_factory=asyncio.Queue)
+    inbox: asyncio.Queue[InboxItem] = field(default_factory=asyncio.Queue)
     holders: dict[str, bytes] = field(default_factory=dict)
     token_times: list[float] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)

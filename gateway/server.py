@@ -42,10 +42,12 @@ PARENT_CHECK_S = 0.5  # how often a gateway process checks that its parent is st
 def serve(settings: GatewaySettings) -> None:
     """Serve until stopped (``DrainingServer``). Raises OSError when the HTTP or control address cannot be
     bound."""
-    DrainingServer(create_app(settings), settings).run()
+    app = create_app(settings)
+    DrainingServer(app, settings, app.state.service.orchestrator.stop_requests).run()
 
 
 DRAIN_BACKSTOP_S = 5  # uvicorn's own cut, in case a request outlives the drain's cut (whole seconds)
+CUT_GRACE_S = 1.0  # after the requests in flight were told they end: their connections' last chance to close
 
 
 class DrainingServer(uvicorn.Server):
@@ -53,18 +55,23 @@ class DrainingServer(uvicorn.Server):
     the first SIGTERM or SIGINT it stops listening and closes idle connections at once (uvicorn's graceful
     shutdown) while the responses in flight, streams included, go on for up to ``--drain-timeout`` seconds
     (log event ``gateway_draining``); then, or at a second signal of either kind, or at once with
-    ``--drain-timeout 0``, those still running are cut: their connections aborted, their handlers
-    cancelled (which ends their requests on the workers), one warning ``requests_cut`` naming how many and
-    why, no traceback. The app's shutdown runs either way (the workers are told the gateway leaves). A
-    third signal stops without it (uvicorn's forced exit)."""
+    ``--drain-timeout 0``, those still running are cut, with one warning ``requests_cut`` naming how many
+    and why, no traceback: first each is answered with why (``stop_requests``, the orchestrator's: a 503
+    before any output, an error event and ``[DONE]`` on a stream that has begun; its workers are told to
+    drop it), then ``CUT_GRACE_S`` later, or at once at a further signal, the connections still open are
+    aborted and their handlers cancelled (which ends their requests on the workers). The app's shutdown
+    runs either way (the workers are told the gateway leaves). A third signal stops without it (uvicorn's
+    forced exit)."""
 
-    def __init__(self, app: ASGIApp, settings: GatewaySettings) -> None:
+    def __init__(self, app: ASGIApp, settings: GatewaySettings,
+                 stop_requests: Callable[[str], int] | None = None) -> None:
         super().__init__(uvicorn.Config(self._serve_request, host=settings.host, port=settings.port,
                                         log_level=settings.log_level, access_log=False, log_config=None,
                                         interface="asgi3",
                                         timeout_graceful_shutdown=math.ceil(settings.drain_timeout)
                                         + DRAIN_BACKSTOP_S))
-        self._app, self.drain_timeout = app, settings.drain_timeout
+        self._app, self.drain_timeout, self._stop_requests = app, settings.drain_timeout, stop_requests
+        self._told = False  # the requests in flight were told they end (``stop_requests``)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stopping = asyncio.Event()  # set at the first stop signal (on the event loop)
         self._signals = 0
@@ -114,13 +121,30 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_later(self.drain_timeout, self._cut_requests, "the drain's deadline")
 
     def _cut_requests(self, why: str) -> None:
+        """End the responses still in flight: the first time (with ``stop_requests``) by answering each
+        with why, the connections still open aborted ``CUT_GRACE_S`` later; otherwise at once
+        (``_abort_connections``)."""
+        tasks = [task for task in self.server_state.tasks if not task.done()]
+        if not tasks:
+            return
+        if not self._told:
+            log_event(log, "requests_cut", logging.WARNING, requests=len(tasks), why=why)
+        if self._stop_requests is not None and not self._told:
+            self._told = True
+            self._stop_requests(f"the gateway is shutting down ({why})")
+            assert self._loop is not None
+            self._loop.call_later(CUT_GRACE_S, self._abort_connections)
+            return
+        self._told = True
+        self._abort_connections()
+
+    def _abort_connections(self) -> None:
         """Abort the connections of the responses still in flight, then cancel their handlers (after each
         connection is marked gone, so uvicorn reports no unfinished response)."""
         tasks = [task for task in self.server_state.tasks if not task.done()]
         if not tasks:
             return
         self._cut = True
-        log_event(log, "requests_cut", logging.WARNING, requests=len(tasks), why=why)
         for connection in list(self.server_state.connections):
             transport = getattr(connection, "transport", None)
             if transport is not None:
@@ -202,8 +226,9 @@ def _reporting_lifespan(app: FastAPI, report: Callable[[str], None], hold_s: flo
 class _ProcessServer(DrainingServer):
     """The draining server that reports ``ready`` once its socket listens and exits when its parent dies."""
 
-    def __init__(self, app: ASGIApp, settings: GatewaySettings, report: Callable[[str], None]) -> None:
-        super().__init__(app, settings)
+    def __init__(self, app: ASGIApp, settings: GatewaySettings, report: Callable[[str], None],
+                 stop_requests: Callable[[str], int] | None = None) -> None:
+        super().__init__(app, settings, stop_requests)
         self._report = report
         self._parent = os.getppid()
         self._watch: asyncio.Task[None] | None = None
@@ -237,7 +262,7 @@ def serve_process(settings: GatewaySettings, process: GatewayProcess, conn: Conn
     except Exception as exc:
         report(f"failed: {exc}")
         raise SystemExit(1) from exc
-    server = _ProcessServer(app, settings, report)
+    server = _ProcessServer(app, settings, report, app.state.service.orchestrator.stop_requests)
     _reporting_lifespan(app, report, process.listen_hold_s(settings.heartbeat_timeout), server.stopping)
     log.info("gateway process %d/%d (pid %d): http://%s:%d, control socket %s", process.index,
              process.count, os.getpid(), settings.host, settings.port, control)
