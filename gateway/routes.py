@@ -49,7 +49,8 @@ SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 _ERRORS = {400: "invalid request", 401: "missing or invalid API key", 404: "unknown model",
            413: "body too large", 429: "queue full (Retry-After)",
            502: "a worker failed the request (a stream: before its first token)",
-           503: "no worker available (Retry-After)", 504: "request timed out before an answer"}
+           503: "no worker available, or the gateway is stopping (Retry-After)",
+           504: "request timed out before an answer"}
 
 
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
