@@ -4,6 +4,10 @@ for ``tool_choice`` ``required`` or a named function, the JSON schema decoding m
 
 Rules (OpenAI's, plus what pdserve cannot honour):
 
+* The history pairs calls and results as OpenAI requires (``check_tool_history``): a ``tool`` message
+  answers, by ``tool_call_id``, a call of the assistant message before its run of tool messages, and
+  every call of an assistant message is answered before the next message of another role (or the end)
+  → else 400 naming ``messages`` and the id.
 * ``tool_choice`` or ``parallel_tool_calls`` without ``tools`` (absent or ``[]``) → 400 naming it.
 * Tool names are unique; each ``parameters`` is a valid JSON Schema (checked with ``jsonschema``, the
   metaschema it declares, else Draft 2020-12) of an object → else 400 naming ``tools.<i>...``.
@@ -38,7 +42,7 @@ import jsonschema.validators
 from engine.sampling_params import StructuredOutput
 from gateway.chat_output import ChatOutputSpec
 from gateway.errors import bad_request
-from gateway.openai_requests import ChatCompletionRequest, FunctionTool, NamedToolChoice
+from gateway.openai_requests import ChatCompletionRequest, ChatMessage, FunctionTool, NamedToolChoice
 from gateway.structured_output import check_json_schema, relocated_schema
 from gateway.tool_grammar import ANY_OBJECT, CONSTRAINABLE, ToolSchema, auto_tool_structural_tag
 from gateway.tool_parsers import FORCED
@@ -208,6 +212,33 @@ def template_tools(tools: list[FunctionTool]) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in tools]
 
 
+def check_tool_history(messages: list[ChatMessage]) -> None:
+    """Check that the history pairs tool calls with results as OpenAI does (module docstring): each tool
+    message's ``tool_call_id`` is a call of the assistant message before its run of tool messages, and
+    each such call has a tool message before the next message of another role or the end.
+
+    Raises:
+        APIError: 400 naming ``messages`` and the ``tool_call_id`` at fault.
+    """
+    calls: set[str] = set()  # call ids of the assistant message the current run of tool messages follows
+    unanswered: list[str] = []
+    for msg in messages:
+        if msg.role == "tool":
+            if msg.tool_call_id not in calls:
+                raise bad_request(f"a tool message answers tool_call_id {msg.tool_call_id!r}, which is not a "
+                                  "tool call of the assistant message before it", "messages")
+            if msg.tool_call_id in unanswered:
+                unanswered.remove(msg.tool_call_id)
+            continue
+        if unanswered:
+            break
+        calls = {c.id for c in msg.tool_calls or ()}
+        unanswered = [c.id for c in msg.tool_calls or ()]
+    if unanswered:
+        raise bad_request("an assistant message with tool_calls must be followed by a tool message answering "
+                          f"each call; none answers {', '.join(map(repr, unanswered))}", "messages")
+
+
 def plan_tools(body: ChatCompletionRequest, tool_parser: str, reasoning_parser: str) -> ToolPlan:
     """Check the request's tool fields and decide how its output is parsed. ``tool_parser``: the model's
     (``gateway.tool_parsers.select_tool_parser``, possibly ``none``); ``reasoning_parser`` likewise.
@@ -215,6 +246,7 @@ def plan_tools(body: ChatCompletionRequest, tool_parser: str, reasoning_parser: 
     Raises:
         APIError: 400 naming the field (see the module docstring).
     """
+    check_tool_history(body.messages)
     reasoning = None if reasoning_parser == "none" else reasoning_parser
     tools = body.tools or []
     if not tools:

@@ -152,6 +152,15 @@ JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
         "type": "object", "properties": {"a": {"type": 5}}}}}]), 400, "tools.0.function.parameters"),
     ("tools-bad-name", CHAT, chat(tools=[{"type": "function", "function": {"name": "a b"}}]), 400,
      "tools.0.function.name"),
+    ("tool-result-for-no-call", CHAT, chat(messages=[
+        {"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_nope", "content": "1"}]),
+     400, "messages"),
+    ("tool-call-without-result", CHAT, chat(messages=[{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "f", "arguments": "{}"}}]}]), 400, "messages"),
+    ("responses-function_call_output-for-no-call", "/v1/responses", {"model": "fake-model", "input": [
+        {"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c9", "output": "1"}]},
+     400, "input"),
     ("tool_choice-without-tools", CHAT, chat(tool_choice="auto"), 400, "tool_choice"),
     ("tool_choice-none-without-tools", CHAT, chat(tools=[], tool_choice="none"), 400, "tool_choice"),
     ("tool_choice-unknown-function", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],

@@ -367,3 +367,42 @@ def test_forced_schema_nests_each_tool_s_refs_with_its_parameters(choice: Any) -
                   {"value": 1, "children": [[{"name": "node", "arguments": {"value": 1}}]]},
                   {"value": 1, "$ref": "x", "label": {"$ref": "#"}}, {"value": 1, "label": {"value": 1}}]:
         assert forced.is_valid([{"name": "node", "arguments": value}]) == standalone.is_valid(value), value
+
+
+def _call(call_id: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+
+
+CALLS = {"role": "assistant", "content": None, "tool_calls": [_call("c1"), _call("c2")]}
+
+
+def _tool(call_id: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": "sunny"}
+
+
+@pytest.mark.parametrize(("messages", "says"), [
+    ([*USER, CALLS, _tool("c1"), _tool("nope")], "answers tool_call_id 'nope', which is not a tool call"),
+    ([*USER, _tool("c1")], "answers tool_call_id 'c1', which is not a tool call"),
+    ([*USER, CALLS, _tool("c1"), _tool("c2"), {"role": "assistant", "content": "ok"}, _tool("c1")],
+     "answers tool_call_id 'c1', which is not a tool call"),
+    ([*USER, CALLS], "none answers 'c1', 'c2'"),
+    ([*USER, CALLS, _tool("c2")], "none answers 'c1'"),
+    ([*USER, CALLS, _tool("c1"), *USER], "none answers 'c2'"),
+])
+def test_a_history_whose_tool_calls_and_results_do_not_pair_is_refused(messages: list[dict[str, Any]],
+                                                                       says: str) -> None:
+    """As OpenAI: a tool result for no call of the assistant message before it, or a call left without
+    a result, is a 400 naming ``messages`` (it reached the template before, which rendered it)."""
+    with pytest.raises(APIError) as info:
+        plan_tools(req(messages=messages, tools=[WEATHER]), "hermes", "none")
+    assert (info.value.status, info.value.param) == (400, "messages")
+    assert says in info.value.message
+
+
+def test_a_history_whose_tool_calls_are_all_answered_passes() -> None:
+    """Results in any order, several rounds, and a history with calls but no tools in this request."""
+    messages = [*USER, CALLS, _tool("c2"), _tool("c1"), {"role": "assistant", "content": "Sunny."}, *USER,
+                {"role": "assistant", "content": "Let me look.", "tool_calls": [_call("c3")]}, _tool("c3")]
+    assert plan_tools(req(messages=messages, tools=[WEATHER]), "hermes", "none").template_tools is not None
+    assert plan_tools(req(messages=messages), "hermes", "none").template_tools is None
