@@ -133,11 +133,14 @@ def _defaulted_keys(model: type[BaseModel]) -> frozenset[str]:
 
 
 class StreamOptions(NullIsDefault):
-    """``stream_options``: ``include_usage`` adds a final chunk with usage and empty ``choices``."""
+    """``stream_options``: ``include_usage`` adds a final chunk with usage and empty ``choices``;
+    ``include_obfuscation`` is accepted false or null (pdserve pads no chunks; true is refused in
+    gateway/prepare.py)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     include_usage: bool = False
+    include_obfuscation: bool | None = None
 
 
 class ContentPart(BaseModel):

@@ -117,6 +117,9 @@ def _check_caps(svc: GatewayService, body: Body) -> None:
                           "unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if body.stream_options is not None and body.stream_options.include_obfuscation:
+        raise bad_request("stream_options.include_obfuscation: true is not supported: pdserve pads no "
+                          "streaming chunks", "stream_options.include_obfuscation", "unsupported_parameter")
     if isinstance(body, CompletionRequest):
         _check_completion(body)
     if body.prompt_logprobs is not None and body.stream:

@@ -146,6 +146,8 @@ JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("tokenize-message-name", "/tokenize", {"messages": [{"role": "user", "name": "bob", "content": "hi"}]},
      400, "messages.0.name"),
     ("message-content-null", CHAT, chat(messages=[{"role": "user", "content": None}]), 400, "messages.0"),
+    ("stream_options-include_obfuscation-true", CHAT, chat(stream=True, stream_options={
+        "include_obfuscation": True}), 400, "stream_options.include_obfuscation"),
     ("unknown-stream_options-key", CHAT, chat(stream=True, stream_options={"include_usage": True, "x": 1}),
      400, "stream_options.x"),
     ("tools-bad-schema", CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {

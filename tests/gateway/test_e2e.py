@@ -54,10 +54,12 @@ def test_chat_non_streaming(pd: Cluster, proc: TextProcessor, reply_ids: list[in
     pd.assert_no_leaks(("d1",))
 
 
-def test_chat_streaming_with_usage(pd: Cluster, proc: TextProcessor) -> None:
+@pytest.mark.parametrize("obfuscation", [{}, {"include_obfuscation": False}])
+def test_chat_streaming_with_usage(pd: Cluster, proc: TextProcessor, obfuscation: dict[str, bool]) -> None:
+    """``include_obfuscation`` false asks for nothing (true is a 400: test_bad_input.py)."""
     stream = pd.client().chat.completions.create(
         model="fake-model", messages=MSGS, max_tokens=5, stream=True,  # type: ignore[call-overload]
-        stream_options={"include_usage": True})
+        stream_options={"include_usage": True, **obfuscation})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == proc.decode(proc.encode(REPLY)[:5])
