@@ -115,8 +115,12 @@ def check_json_schema(schema: Any, field: str) -> str:
         validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
-        raise bad_request(f"{field} is not a valid JSON Schema: {exc.message}"
-                          + (f" (at {where})" if where else ""), field) from exc
+        at = f" (at {where})" if where else ""
+        if exc.validator == "format" and exc.validator_value == "regex" and isinstance(exc.instance, str):
+            # the metaschema's regex format is checked with Python's re: a pattern it cannot compile may
+            # still be valid ECMA-262 (e.g. \p{L}), so say what is refused rather than blame the schema
+            check_regex(exc.instance, field, at)
+        raise bad_request(f"{field} is not a valid JSON Schema: {exc.message}{at}", field) from exc
     for node in schema_objects(schema):
         ref = node.get("$ref")
         if isinstance(ref, str) and not is_local_ref(ref):
@@ -215,13 +219,16 @@ def relocated_schema(schema: dict[str, Any], pointer: str) -> dict[str, Any]:
     return copied
 
 
-def check_regex(pattern: str, field: str) -> None:
-    """Raises ``APIError`` (400 naming ``field``) when ``pattern`` does not compile or uses lookaround, a
-    backreference or an inline flag group (the grammar engine has none of them)."""
+def check_regex(pattern: str, field: str, at: str = "") -> None:
+    """Raises ``APIError`` (400 naming ``field``; ``at``: where in it, for the message) when ``pattern``
+    does not compile with Python's ``re`` or uses lookaround, a backreference or an inline flag group
+    (the grammar engine has none of them)."""
     try:
         re.compile(pattern)
     except re.error as exc:
-        raise bad_request(f"{field} is not a valid regular expression: {exc}", field) from exc
+        raise bad_request(f"{field}{at}: the regular expression {pattern!r} is not one pdserve takes ({exc}; "
+                          "it takes Python's re syntax, without lookaround, backreferences or inline flags)",
+                          field) from exc
     if _LOOKAROUND.search(pattern) or _BACKREF.search(pattern) or _INLINE_FLAGS.search(pattern):
         raise bad_request(f"{field}: lookaround, backreferences and inline flags are not supported in "
                           f"regular expressions", field)

@@ -214,3 +214,18 @@ def test_responses_text_format_keys_are_the_ones_its_type_takes(fmt: dict[str, o
         good = {"type": "json_schema", "name": "n", "schema": {"type": "object"}}
         r = c.post("/v1/responses", json={"model": "m", "input": "hi", "text": {"format": good}})
         assert r.status_code == 503, r.text
+
+
+def test_a_pattern_python_cannot_compile_is_refused_as_such_not_as_a_bad_schema() -> None:
+    """``\\p{L}`` is valid ECMA-262 (JSON Schema's regex dialect) that Python's ``re`` does not take: the
+    400 says the pattern is not one pdserve takes, and where it is, rather than calling the schema
+    invalid (the metaschema's regex format is checked with ``re``)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^\\p{L}+$"}}}
+    rf = ResponseFormat.model_validate({"type": "json_schema",
+                                        "json_schema": {"name": "n", "schema": schema}})
+    with pytest.raises(APIError) as info:
+        structured_output_of(rf, None)
+    assert info.value.status == 400 and info.value.param == "response_format.json_schema.schema"
+    assert "not a valid JSON Schema" not in info.value.message
+    assert "(at properties/name/pattern): the regular expression '^\\\\p{L}+$' is not one pdserve takes" in (
+        info.value.message), info.value.message
