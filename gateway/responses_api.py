@@ -15,7 +15,9 @@ not summarize, so ``concise`` is a 400, as is a ``reasoning.effort``: nothing se
 ``output_text`` parts), ``function_call`` items (an earlier call of the model),
 ``function_call_output`` items (its result: a string or ``input_text`` parts, whose texts are joined)
 and ``reasoning`` items (earlier reasoning, given to the chat template as the next assistant turn's
-``reasoning_content``): every item of a response's ``output`` is valid input as it was returned.
+``reasoning_content``): every item of a response's ``output`` is valid input as it was returned. Each
+``function_call_output`` answers a ``function_call`` earlier in ``input`` and each ``function_call`` has
+an output later in it (``check_call_outputs``; a 400 naming ``input.N`` otherwise).
 ``instructions`` becomes a leading system message.
 ``user`` and ``safety_identifier`` are accepted and ignored by design, as on chat (end-user ids for a
 provider's abuse monitoring), as is ``service_tier`` ``auto`` / ``default`` (any other tier is a 400,
@@ -330,12 +332,38 @@ class ResponsesRequest(NullIsDefault):
         return self.reasoning is not None and self.reasoning.wanted_summary is not None
 
 
+def check_call_outputs(items: list[InputItem]) -> None:
+    """OpenAI's pairing of ``function_call`` and ``function_call_output`` items in an input: each output
+    answers a call earlier in the input (by ``call_id``) and each call has an output later in it;
+    anything may come between (a response's own output, e.g. a call, a message, another call, is
+    valid input as it was returned).
+
+    Raises:
+        APIError: 400 naming ``input.N`` (the output for no earlier call, or the call without an output).
+    """
+    calls: dict[str, int] = {}  # call_id -> position of its function_call item
+    answered: set[str] = set()
+    for i, item in enumerate(items):
+        if isinstance(item, FunctionCallItem):
+            calls.setdefault(item.call_id, i)
+        elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in calls:
+                raise bad_request(f"input.{i}: a function_call_output for call_id {item.call_id!r}, which no "
+                                  "function_call before it has", f"input.{i}")
+            answered.add(item.call_id)
+    for call_id, i in calls.items():
+        if call_id not in answered:
+            raise bad_request(f"input.{i}: the function_call {call_id!r} has no function_call_output "
+                              "after it", f"input.{i}")
+
+
 def check_supported(body: ResponsesRequest) -> None:
     """Refuse what pdserve cannot honour of ``include``, ``top_logprobs``, ``reasoning`` and ``truncation``.
 
     Raises:
         APIError: 400 naming ``include`` (a value other than ``message.output_text.logprobs``),
-            ``top_logprobs`` (without that value), ``reasoning.effort`` (set),
+            ``top_logprobs`` (without that value), ``input.N`` (a function call and its output that do not
+            pair: ``check_call_outputs``), ``reasoning.effort`` (set),
             ``reasoning.summary`` / ``reasoning.generate_summary`` (``concise``) or ``truncation``
             (``auto``), ``input.N.encrypted_content`` (set), an ``UNSUPPORTED`` field set to a value
             that asks for something, or ``stream_options`` without ``stream``.
@@ -348,6 +376,8 @@ def check_supported(body: ResponsesRequest) -> None:
             raise bad_request(f"{name} is not supported: {why}", name, "unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(body.input, str):
+        check_call_outputs(body.input)
     for i, value in enumerate(body.include or ()):
         if value != LOGPROBS_INCLUDE:
             raise bad_request(f"include: {value!r} is not supported (pdserve can include only "

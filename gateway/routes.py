@@ -43,6 +43,7 @@ from gateway.service import GatewayService
 from gateway.serving import complete, open_stream, sse_events, submit_all
 from gateway.status import readiness
 from gateway.tokenization import detokenize, tokenize
+from gateway.tool_request import check_tool_history
 
 router = APIRouter()
 SSE = {"text/event-stream": {"schema": {"type": "string"}}}
@@ -102,6 +103,8 @@ def require_key(request: Request) -> None:
 async def _generate(request: Request, body: ChatCompletionRequest | CompletionRequest) -> Response:
     svc = service(request)
     rid: str = request.state.request_id
+    if isinstance(body, ChatCompletionRequest):
+        check_tool_history(body.messages)
     prepared = prepare(svc, body, rid)
     reqs = await submit_all(svc, prepared)
     if body.stream:  # the status line waits for the first event: a failure before it is an HTTP error

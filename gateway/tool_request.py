@@ -4,10 +4,11 @@ for ``tool_choice`` ``required`` or a named function, the JSON schema decoding m
 
 Rules (OpenAI's, plus what pdserve cannot honour):
 
-* The history pairs calls and results as OpenAI requires (``check_tool_history``): a ``tool`` message
-  answers, by ``tool_call_id``, a call of the assistant message before its run of tool messages, and
-  every call of an assistant message is answered before the next message of another role (or the end)
-  → else 400 naming ``messages`` and the id.
+* A chat history pairs calls and results as OpenAI's chat API requires (``check_tool_history``, called
+  by the chat route: a ``/v1/responses`` input has its own rule, gateway/responses_api.py): a ``tool``
+  message answers, by ``tool_call_id``, a call of the assistant message before its run of tool
+  messages, and every call of an assistant message is answered before the next message of another role
+  (or the end) → else 400 naming ``messages`` and the id.
 * ``tool_choice`` or ``parallel_tool_calls`` without ``tools`` (absent or ``[]``) → 400 naming it.
 * Tool names are unique; each ``parameters`` is a valid JSON Schema (checked with ``jsonschema``, the
   metaschema it declares, else Draft 2020-12) of an object → else 400 naming ``tools.<i>...``.
@@ -246,7 +247,6 @@ def plan_tools(body: ChatCompletionRequest, tool_parser: str, reasoning_parser: 
     Raises:
         APIError: 400 naming the field (see the module docstring).
     """
-    check_tool_history(body.messages)
     reasoning = None if reasoning_parser == "none" else reasoning_parser
     tools = body.tools or []
     if not tools:

@@ -162,7 +162,7 @@ JSON_CASES: list[tuple[str, str, Any, int, str | None]] = [
             "name": "f", "arguments": "{}"}}]}]), 400, "messages"),
     ("responses-function_call_output-for-no-call", "/v1/responses", {"model": "fake-model", "input": [
         {"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c9", "output": "1"}]},
-     400, "input"),
+     400, "input.1"),
     ("tool_choice-without-tools", CHAT, chat(tool_choice="auto"), 400, "tool_choice"),
     ("tool_choice-none-without-tools", CHAT, chat(tools=[], tool_choice="none"), 400, "tool_choice"),
     ("tool_choice-unknown-function", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],

@@ -310,3 +310,42 @@ def test_function_call_output_as_content_parts(part: dict[str, Any]) -> None:
     assert (err.status, err.param, err.code) == (400, "input.1.output.1.type", "unsupported_parameter")
     assert err.message == (f"input.1.output.1.type: '{part['type']}' content parts are not supported: "
                            "pdserve serves text models (send the content as text)")
+
+
+def _fc(call_id: str) -> dict[str, Any]:
+    return {"type": "function_call", "call_id": call_id, "name": "f", "arguments": "{}"}
+
+
+def _fco(call_id: str) -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": call_id, "output": "1"}
+
+
+_MSG = {"role": "assistant", "content": [{"type": "output_text", "text": "done"}]}
+_RS = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]}
+_HI = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("items", [
+    [_HI, _fc("c1"), _MSG, _fco("c1")],
+    [_HI, _fc("c1"), _MSG, _fc("c2"), _fco("c1"), _fco("c2")],  # a response's own output, sent back
+    [_HI, _RS, _fc("c1"), _RS, _fc("c2"), _fco("c2"), _fco("c1")],
+], ids=["message-between", "call-message-call", "reasoning-between"])
+def test_calls_and_outputs_pair_anywhere_later_in_the_input(items: list[dict[str, Any]]) -> None:
+    """A function_call's output may come anywhere after it: what a response returned (a call, a message,
+    another call) is valid input as it was, whatever chat turns it becomes."""
+    body = ResponsesRequest.model_validate({"model": "m", "input": items})
+    check_supported(body)
+    ChatCompletionRequest.model_validate(chat_body(body))
+
+
+@pytest.mark.parametrize(("items", "param", "says"), [
+    ([_HI, _fco("c1"), _fc("c1")], "input.1", "a function_call_output for call_id 'c1', which no"),
+    ([_HI, _fc("c1"), _fc("c2"), _fco("c2")], "input.1",
+     "the function_call 'c1' has no function_call_output"),
+])
+def test_a_call_and_output_that_do_not_pair_are_refused(items: list[dict[str, Any]], param: str,
+                                                       says: str) -> None:
+    body = ResponsesRequest.model_validate({"model": "m", "input": items})
+    with pytest.raises(APIError) as info:
+        check_supported(body)
+    assert (info.value.status, info.value.param) == (400, param) and says in info.value.message

@@ -25,7 +25,7 @@ from gateway.service import GatewayService
 from gateway.text import TextProcessor
 from gateway.tool_parsers import FORCED
 from gateway.tool_prompt import FALLBACK_HEADER
-from gateway.tool_request import forced_tool_schema, plan_tools, tool_structured_output
+from gateway.tool_request import check_tool_history, forced_tool_schema, plan_tools, tool_structured_output
 from protocol.settings import GatewaySettings
 
 WEATHER_PARAMETERS = {"type": "object", "additionalProperties": False, "required": ["city"],
@@ -392,10 +392,10 @@ def _tool(call_id: str) -> dict[str, Any]:
 ])
 def test_a_history_whose_tool_calls_and_results_do_not_pair_is_refused(messages: list[dict[str, Any]],
                                                                        says: str) -> None:
-    """As OpenAI: a tool result for no call of the assistant message before it, or a call left without
-    a result, is a 400 naming ``messages`` (it reached the template before, which rendered it)."""
+    """As on OpenAI's chat API: a tool result for no call of the assistant message before it, or a call
+    left without a result, is a 400 naming ``messages``."""
     with pytest.raises(APIError) as info:
-        plan_tools(req(messages=messages, tools=[WEATHER]), "hermes", "none")
+        check_tool_history(req(messages=messages, tools=[WEATHER]).messages)
     assert (info.value.status, info.value.param) == (400, "messages")
     assert says in info.value.message
 
@@ -404,5 +404,5 @@ def test_a_history_whose_tool_calls_are_all_answered_passes() -> None:
     """Results in any order, several rounds, and a history with calls but no tools in this request."""
     messages = [*USER, CALLS, _tool("c2"), _tool("c1"), {"role": "assistant", "content": "Sunny."}, *USER,
                 {"role": "assistant", "content": "Let me look.", "tool_calls": [_call("c3")]}, _tool("c3")]
-    assert plan_tools(req(messages=messages, tools=[WEATHER]), "hermes", "none").template_tools is not None
-    assert plan_tools(req(messages=messages), "hermes", "none").template_tools is None
+    check_tool_history(req(messages=messages, tools=[WEATHER]).messages)
+    check_tool_history(req(messages=messages).messages)
