@@ -117,6 +117,7 @@ class Orchestrator:
         self.admission = admission  # None: every routed request is admitted (gateway/admission.py)
         self.max_retries, self.max_migrations = max_retries, max_migrations
         self.requests: dict[str, GatewayRequest] = {}
+        self.stopping: str | None = None  # why this gateway serves nothing more (``stop_requests``)
         self.released: OrderedDict[str, None] = OrderedDict()  # worker ids that workers may still hold
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -145,8 +146,11 @@ class Orchestrator:
         Raises:
             APIError: 400 (a request with the same X-Request-Id is still in flight, or a prompt no worker
                 can hold), 429 (queue full, counting all choices, or refused by admission control) or 503
-                (no worker can serve).
+                (no worker can serve, or the gateway stops: ``stop_requests`` ran, code
+                ``gateway_stopping``).
         """
+        if self.stopping is not None:
+            raise unavailable(self.stopping, code="gateway_stopping")
         wanted = {inp.request_id for inp in inputs}
         if any(self.client_request_id(rid) in wanted for rid in self.requests):
             raise bad_request(f"request id {request_id!r} is already in flight (X-Request-Id must be unique)",
@@ -417,8 +421,10 @@ class Orchestrator:
     # ---- 6. release --------------------------------------------------------------------------------
     def stop_requests(self, reason: str) -> int:
         """Fail every request in flight with ``reason`` (``GatewayStopping``: 503 before any output, an
-        error event after it; the workers are told to drop each as its handler releases it). Returns how
-        many there were."""
+        error event after it; the workers are told to drop each as its handler releases it), and every
+        request submitted from now on (``submit_all``: 503, code ``gateway_stopping``). Returns how many
+        were in flight."""
+        self.stopping = reason
         for req in self.requests.values():
             req.inbox.put_nowait(GatewayStopping(reason))
         return len(self.requests)

@@ -117,7 +117,8 @@ class GenerationFailed(RuntimeError):
     the request timed out, or a worker rejected it. ``status``: the HTTP status it is answered with
     before any output (400 a worker rejected the request, naming ``param``, or its grammar rejected the
     model's token, with ``code`` ``structured_output_failed``; 502 a worker failure, 503 no other worker
-    could take the request over, 504 the request timed out)."""
+    could take the request over, or the gateway stops serving it with ``code`` ``gateway_stopping``,
+    504 the request timed out)."""
 
     def __init__(self, message: str, status: int = 502, param: str | None = None,
                  code: str | None = None) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import functools
 import logging
 import math
@@ -50,6 +51,17 @@ DRAIN_BACKSTOP_S = 5  # uvicorn's own cut, in case a request outlives the drain'
 CUT_GRACE_S = 1.0  # after the requests in flight were told they end: their connections' last chance to close
 
 
+class StopPhase(enum.Enum):
+    """Where a ``DrainingServer`` is in its stop: serving; draining (a stop signal came: no new
+    connection, the responses in flight go on); told (the responses still in flight were answered with
+    why, ``stop_requests``); cut (their connections aborted and handlers cancelled)."""
+
+    SERVING = "serving"
+    DRAINING = "draining"
+    TOLD = "told"
+    CUT = "cut"
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn serving ``app`` for ``settings`` (no access log, pdserve's logging), stopped by a drain: at
     the first SIGTERM or SIGINT it stops listening and closes idle connections at once (uvicorn's graceful
@@ -71,11 +83,11 @@ class DrainingServer(uvicorn.Server):
                                         timeout_graceful_shutdown=math.ceil(settings.drain_timeout)
                                         + DRAIN_BACKSTOP_S))
         self._app, self.drain_timeout, self._stop_requests = app, settings.drain_timeout, stop_requests
-        self._told = False  # the requests in flight were told they end (``stop_requests``)
+        self._phase = StopPhase.SERVING
+        self._deadline: asyncio.TimerHandle | None = None  # the drain's deadline, while it may still come
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stopping = asyncio.Event()  # set at the first stop signal (on the event loop)
         self._signals = 0
-        self._cut = False  # the requests still in flight were cut (their cancellation is expected)
 
     async def _serve_request(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app uvicorn runs: ``app``, with a cancellation by ``_cut_requests`` ending the request
@@ -83,7 +95,7 @@ class DrainingServer(uvicorn.Server):
         try:
             await self._app(scope, receive, send)
         except asyncio.CancelledError:
-            if not self._cut:
+            if self._phase is not StopPhase.CUT:
                 raise
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -111,6 +123,7 @@ class DrainingServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(call)
 
     def _start_drain(self) -> None:
+        self._phase = StopPhase.DRAINING
         if self.drain_timeout <= 0:
             self._cut_requests("--drain-timeout 0")
             return
@@ -118,25 +131,29 @@ class DrainingServer(uvicorn.Server):
             log_event(log, "gateway_draining", requests=len(self.server_state.tasks),
                       drain_timeout_s=self.drain_timeout)
         assert self._loop is not None
-        self._loop.call_later(self.drain_timeout, self._cut_requests, "the drain's deadline")
+        self._deadline = self._loop.call_later(self.drain_timeout, self._cut_requests, "the drain's deadline")
 
     def _cut_requests(self, why: str) -> None:
         """End the responses still in flight: the first time (with ``stop_requests``) by answering each
-        with why, the connections still open aborted ``CUT_GRACE_S`` later; otherwise at once
-        (``_abort_connections``)."""
+        with why, the connections still open aborted ``CUT_GRACE_S`` later; otherwise, or once they were
+        told, at once (``_abort_connections``)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         tasks = [task for task in self.server_state.tasks if not task.done()]
         if not tasks:
             return
-        if not self._told:
-            log_event(log, "requests_cut", logging.WARNING, requests=len(tasks), why=why)
-        if self._stop_requests is not None and not self._told:
-            self._told = True
-            self._stop_requests(f"the gateway is shutting down ({why})")
-            assert self._loop is not None
-            self._loop.call_later(CUT_GRACE_S, self._abort_connections)
+        if self._phase is StopPhase.TOLD:
+            self._abort_connections()
             return
-        self._told = True
-        self._abort_connections()
+        log_event(log, "requests_cut", logging.WARNING, requests=len(tasks), why=why)
+        if self._stop_requests is None:
+            self._abort_connections()
+            return
+        self._phase = StopPhase.TOLD
+        self._stop_requests(f"the gateway is shutting down ({why})")
+        assert self._loop is not None
+        self._loop.call_later(CUT_GRACE_S, self._abort_connections)
 
     def _abort_connections(self) -> None:
         """Abort the connections of the responses still in flight, then cancel their handlers (after each
@@ -144,7 +161,7 @@ class DrainingServer(uvicorn.Server):
         tasks = [task for task in self.server_state.tasks if not task.done()]
         if not tasks:
             return
-        self._cut = True
+        self._phase = StopPhase.CUT
         for connection in list(self.server_state.connections):
             transport = getattr(connection, "transport", None)
             if transport is not None:
@@ -191,12 +208,14 @@ class _Report:
 
 
 def _reporting_lifespan(app: FastAPI, report: Callable[[str], None], hold_s: float,
-                        stopping: asyncio.Event) -> None:
+                        stopping: asyncio.Event, sockets: list[socket.socket]) -> None:
     """Wrap the app's lifespan so that a start-up failure (e.g. the control port taken) reaches the
     parent as one line before uvicorn exits, and so that start-up ends (and the socket listens) only once
     the process can serve or ``hold_s`` seconds have passed (0: at once; a restarted process,
     gateway/process.py), or at once when ``stopping`` is set (a stop signal during the hold: the process
-    then stops, telling its workers it leaves, without waiting out the hold)."""
+    then stops, telling its workers it leaves, without waiting out the hold). ``sockets``: the list
+    uvicorn is given, from which it starts listening once the start-up is done; a process stopped during
+    its hold empties it (and closes its socket), so it never listens."""
     inner = app.router.lifespan_context
     svc: GatewayService = app.state.service
 
@@ -215,6 +234,9 @@ def _reporting_lifespan(app: FastAPI, report: Callable[[str], None], hold_s: flo
                     log.info("gateway process %d: workers registered; listening", svc.process.index)
                 elif stopping.is_set():
                     log.info("gateway process %d: asked to stop while waiting for workers", svc.process.index)
+                    for sock in sockets:
+                        sock.close()
+                    sockets.clear()
                 else:
                     log.warning("gateway process %d: no usable worker after %g s; listening anyway",
                                 svc.process.index, hold_s)
@@ -235,7 +257,7 @@ class _ProcessServer(DrainingServer):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
-        if self.started:
+        if self.started and not self.stopping.is_set():
             self._watch = asyncio.create_task(self._watch_parent())
             self._report("ready")
 
@@ -263,7 +285,9 @@ def serve_process(settings: GatewaySettings, process: GatewayProcess, conn: Conn
         report(f"failed: {exc}")
         raise SystemExit(1) from exc
     server = _ProcessServer(app, settings, report, app.state.service.orchestrator.stop_requests)
-    _reporting_lifespan(app, report, process.listen_hold_s(settings.heartbeat_timeout), server.stopping)
+    sockets = [sock]
+    _reporting_lifespan(app, report, process.listen_hold_s(settings.heartbeat_timeout), server.stopping,
+                        sockets)
     log.info("gateway process %d/%d (pid %d): http://%s:%d, control socket %s", process.index,
              process.count, os.getpid(), settings.host, settings.port, control)
-    server.run(sockets=[sock])
+    server.run(sockets=sockets)

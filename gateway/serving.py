@@ -9,11 +9,11 @@ logprobs), so no empty chunks repeat and ``finish_reason`` is in each choice's l
 
 Status line: a streaming response starts (HTTP 200 and its headers) only with its first event that carries
 text or a finish reason (``open_stream``; the chat role chunks go out with it), so a request that fails
-before any output gets a real HTTP error (502 worker failure, 503 no worker could take it over, 504
-timeout) with the OpenAI error body. A failure after the first event ends the stream with an error event
-and ``data: [DONE]``. A request whose client went away, before its first event or (non-streaming) before
-its body, is aborted on the workers. Retries and migrations after a worker failure happen below, in the
-orchestrator: here they only look like a continuing token sequence.
+before any output gets a real HTTP error (502 worker failure, 503 no worker could take it over or the
+gateway stops serving it, 504 timeout) with the OpenAI error body. A failure after the first event ends
+the stream with an error event and ``data: [DONE]``. A request whose client went away, before its first
+event or (non-streaming) before its body, is aborted on the workers. Retries and migrations after a
+worker failure happen below, in the orchestrator: here they only look like a continuing token sequence.
 
 Per token, the stream does little: the deltas already received for a request are turned into events
 together and sent in one write (``_groups``; each token keeps its own event), and a chunk with text only

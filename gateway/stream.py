@@ -41,7 +41,8 @@ async def text_deltas(orch: Orchestrator, text: TextProcessor, req: GatewayReque
     ends the request with ``length``.
 
     Raises:
-        GenerationFailed: a worker failed, vanished or aborted, or ``--request-timeout`` passed.
+        GenerationFailed: a worker failed, vanished or aborted, ``--request-timeout`` passed, or the
+            gateway stops serving the request (the end of its drain).
     """
     if prompt_only:
         while (await orch.next_output(req)).finish_reason is None:

@@ -14,6 +14,7 @@ bad ``--tokenizer`` too: test_gateway_refusals.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import multiprocessing
@@ -26,12 +27,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from prometheus_client import Gauge
 
 from gateway.metrics import GatewayMetrics
+from gateway.server import _reporting_lifespan
 from pdserve.cli import main
 from pdserve.gateway_pool import GatewayPool, PoolFailed
 from pdserve.ports import free_port_range, free_ports
@@ -323,7 +327,8 @@ def test_a_restarted_process_without_workers_listens_only_after_the_hold(tmp_pat
 
 def test_a_stop_signal_ends_a_restarted_process_hold_at_once(tmp_path: Path, tokenizer_dir: Path) -> None:
     """SIGTERM to the pool while its restarted process waits for workers (the hold, 10 s here): that
-    process stops at once, as a process that listens does, instead of finishing the hold first."""
+    process stops at once instead of finishing the hold first (that it never listens:
+    test_a_process_stopped_during_its_hold_never_listens)."""
     pool = Pool(tmp_path, tokenizer_dir, heartbeat_timeout=5.0)  # hold: min(2 x 5, 10) = 10 s
     try:
         def pid_of(index: int) -> int | None:
@@ -353,9 +358,35 @@ def test_a_stop_signal_ends_a_restarted_process_hold_at_once(tmp_path: Path, tok
         text = pool.text()
         assert "gateway process 1: asked to stop while waiting for workers" in text, text[-2000:]
         assert "listening anyway" not in text
+        restarted = text.rsplit("restarting it in", 1)[1]
+        assert pool.gateway.returncode == 128 + signal.SIGTERM, restarted
         assert took < 8.0, f"the pool took {took:.1f} s to stop (the hold is 10 s)\n{text[-2000:]}"
     finally:
         pool.close()
+
+
+async def test_a_process_stopped_during_its_hold_never_listens() -> None:
+    """The lifespan wrapper of a gateway process (gateway/server.py): a stop during the listen hold ends
+    the hold at once and empties the socket list uvicorn listens on afterwards, closing the socket, so
+    the kernel hands no connection to a process that is going away."""
+    stopping = asyncio.Event()
+
+    async def wait_ready(timeout: float, stop: asyncio.Event | None = None) -> bool:
+        assert stop is stopping
+        await stop.wait()
+        return False
+
+    app = FastAPI()
+    app.state.service = SimpleNamespace(process=SimpleNamespace(index=1), wait_ready=wait_ready)
+    sock = socket.socket()
+    sockets = [sock]
+    reported: list[str] = []
+    _reporting_lifespan(app, reported.append, 10.0, stopping, sockets)
+    asyncio.get_running_loop().call_later(0.1, stopping.set)
+    started = time.monotonic()
+    async with app.router.lifespan_context(app):
+        assert sockets == [] and sock.fileno() == -1  # closed
+    assert time.monotonic() - started < 5 and reported == []
 
 
 @pytest.mark.slow

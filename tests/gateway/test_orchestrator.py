@@ -379,3 +379,31 @@ async def test_requests_arriving_together_spread_over_the_prefill_workers(setup)
         orch.release(req)
     await asyncio.sleep(0.01)
     assert_clean(orch, registry)
+
+
+async def test_stop_requests_fails_those_in_flight_and_refuses_new_ones(setup) -> None:
+    """The end of a drain (gateway/server.py): a decoding request and one still reserving KV each fail
+    with the reason (503, code ``gateway_stopping``) and their workers are told to drop them; a request
+    submitted afterwards (its handler was still reading its body) is refused the same way, not run."""
+    orch, rec, registry, _ = setup
+    req = await orch.submit(generation())
+    await to_decoding(orch, rec, req)
+    waiting = await orch.submit(generation("w"))
+    assert rec.take() == [(b"d1", "ReserveKV")]
+    assert orch.stop_requests("the gateway is shutting down (test)") == 2
+    for r in (req, waiting):
+        with pytest.raises(GenerationFailed) as info:
+            await orch.next_output(r)
+        err = info.value.api_error()
+        assert (err.status, err.code) == (503, "gateway_stopping")
+        assert err.message == "the gateway is shutting down (test)"
+        assert r.phase is RequestPhase.FAILED
+        orch.release(r)
+    await asyncio.sleep(0)
+    assert sorted(rec.take()) == [(b"d1", "AbortRequest"), (b"d1", "AbortRequest")]
+    with pytest.raises(APIError) as refused:
+        await orch.submit_all("late", [generation("late")])
+    assert (refused.value.status, refused.value.code) == (503, "gateway_stopping")
+    assert int(refused.value.headers["Retry-After"]) >= 1
+    assert rec.take() == []
+    assert_clean(orch, registry)
