@@ -89,6 +89,15 @@ class DrainingServer(uvicorn.Server):
         self.stopping = asyncio.Event()  # set at the first stop signal (on the event loop)
         self._signals = 0
 
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serve until stopped. A stop by SIGINT (Ctrl-C) exits with status 130 (128 + the signal, as
+        SIGTERM's 143), without the ``KeyboardInterrupt`` traceback asyncio raises once uvicorn passes
+        the signal on."""
+        try:
+            super().run(sockets=sockets)
+        except KeyboardInterrupt:
+            raise SystemExit(128 + signal.SIGINT) from None
+
     async def _serve_request(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app uvicorn runs: ``app``, with a cancellation by ``_cut_requests`` ending the request
         quietly (its connection is gone already) instead of as an "Exception in ASGI application"."""

@@ -89,20 +89,20 @@ def _refused(url: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("how", ["drained", "deadline", "second signal", "no drain"])
+@pytest.mark.parametrize("how", ["drained", "ctrl-c", "deadline", "second signal", "no drain"])
 def test_a_stop_drains_the_streams_in_flight_within_its_deadline(how: str, tmp_path: Path) -> None:
     """Whichever way the stream ends, the server says it in one line (``requests_cut``: how many and
     why) and logs no error or traceback."""
     log = tmp_path / "server.log"
     proc, url = _serve({"deadline": 1.0, "no drain": 0.0}.get(how, 30.0), log)
     try:
-        n = 40 if how == "drained" else 400  # 2 s, or 20 s of chunks
+        n = 40 if how in ("drained", "ctrl-c") else 400  # 2 s, or 20 s of chunks
         reader = Reader(f"{url}/stream/{n}")
         reader.start()
         while reader.lines < 2:
             assert reader.is_alive(), reader.error
             time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGTERM)
         signalled = time.monotonic()
         time.sleep(0.3)
         assert _refused(url)  # no new connection during the drain
@@ -114,7 +114,10 @@ def test_a_stop_drains_the_streams_in_flight_within_its_deadline(how: str, tmp_p
         proc.wait(30)
         text = log.read_text()
         assert "ERROR" not in text and "Traceback" not in text, text
-        if how == "drained":
+        # 128 + the signal, as the process's own (a Ctrl-C raised KeyboardInterrupt with a traceback)
+        assert proc.returncode == (130 if how == "ctrl-c" else -signal.SIGTERM), (
+            proc.returncode)
+        if how in ("drained", "ctrl-c"):
             assert (reader.clean, reader.lines) == (True, n) and took < 10
             assert "requests_cut" not in text
         else:
