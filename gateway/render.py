@@ -75,8 +75,17 @@ def completion_logprobs(text: TextProcessor, entries: Sequence[TokenLogprob],
     for s in tokens:
         offsets.append(offset)
         offset += len(s)
-    tops: list[dict[str, float] | None] = [{text.token_text(t): lp for t, lp in e.top} for e in entries]
+    tops: list[dict[str, float] | None] = [
+        _with_chosen({text.token_text(t): lp for t, lp in e.top}, s, e.logprob)
+        for e, s in zip(entries, tokens, strict=True)]
     return CompletionLogprobs(tokens, [e.logprob for e in entries], tops, offsets)
+
+
+def _with_chosen(top: dict[str, float], token: str, logprob: float) -> dict[str, float]:
+    """A completions ``top_logprobs`` entry: the ``logprobs`` best alternatives and the chosen (or prompt)
+    token itself, as OpenAI's legacy API always returns it (up to ``logprobs`` + 1 entries)."""
+    top.setdefault(token, logprob)
+    return top
 
 
 def echo_logprobs(text: TextProcessor, prompt_ids: Sequence[int], entries: Sequence[PromptLogprob],
@@ -97,7 +106,8 @@ def echo_logprobs(text: TextProcessor, prompt_ids: Sequence[int], entries: Seque
         offset += len(s)
     values: list[float | None] = [None, *(e.logprob for e in entries)]
     tops: list[dict[str, float] | None] = [None, *(
-        {text.token_text(t.token_id): t.logprob for t in e.top_logprobs[:top]} for e in entries)]
+        _with_chosen({text.token_text(t.token_id): t.logprob for t in e.top_logprobs[:top]}, s, e.logprob)
+        for e, s in zip(entries, tokens[1:], strict=True))]
     return CompletionLogprobs(tokens, values, tops, offsets)
 
 

@@ -71,9 +71,16 @@ def test_eos_counted_ignore_eos_and_max_completion_tokens(live: SystemPair, quad
     leak_check(live)
 
 
-def _check_top(entries: list[LogprobEntry], top: int, greedy: bool) -> None:
+def _check_top(entries: list[LogprobEntry], top: int, greedy: bool, endpoint: Endpoint) -> None:
+    """Chat: the ``top`` best alternatives. Completions (OpenAI's legacy API): those, and the sampled
+    token itself when it is not among them (up to ``top`` + 1 entries)."""
     assert entries
     for token, logprob, tops in entries:
+        if endpoint == "completions":
+            assert (token, logprob) in tops, (token, tops)
+            extra = tops[top:]
+            assert len(tops) == top + (token not in dict(tops[:top])) and extra in ((), ((token, logprob),))
+            tops = tops[:top]
         assert len(tops) == top, (token, tops)
         assert [v for _, v in tops] == sorted((v for _, v in tops), reverse=True)
         assert all(v <= 0 for _, v in tops) and logprob <= 0
@@ -87,13 +94,14 @@ def _check_top(entries: list[LogprobEntry], top: int, greedy: bool) -> None:
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_logprobs_top_n(live: SystemPair, quad: Quad, endpoint: Endpoint) -> None:
     greedy = quad(endpoint, **prompt_of(endpoint), max_tokens=5, temperature=0, **lp(endpoint, 3))
-    _check_top(greedy.choices[0].logprobs, 3, greedy=True)
+    _check_top(greedy.choices[0].logprobs, 3, greedy=True, endpoint=endpoint)
     sampled = quad(endpoint, **prompt_of(endpoint), max_tokens=5, temperature=1.0, seed=5, **lp(endpoint, 4))
-    _check_top(sampled.choices[0].logprobs, 4, greedy=False)
+    _check_top(sampled.choices[0].logprobs, 4, greedy=False, endpoint=endpoint)
     bare = quad(endpoint, **prompt_of(endpoint), max_tokens=5, temperature=0, **lp(endpoint, 0))
     pairs = [(t, v) for t, v, _ in greedy.choices[0].logprobs]
     assert [(t, v) for t, v, _ in bare.choices[0].logprobs] == pairs
-    assert all(tops == () for _, _, tops in bare.choices[0].logprobs)
+    # no alternatives: chat lists none, completions the sampled token alone
+    assert all(tops == (() if endpoint == "chat" else ((t, v),)) for t, v, tops in bare.choices[0].logprobs)
     off = quad(endpoint, **prompt_of(endpoint), max_tokens=5, temperature=0)
     assert off.choices[0].logprobs == [] and off.texts() == greedy.texts()
     leak_check(live)

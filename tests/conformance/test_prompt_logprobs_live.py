@@ -40,9 +40,11 @@ def test_echo_with_logprobs_leads_with_the_prompt(live: SystemPair, quad: Quad, 
     assert c.logprobs[0][1:] == (None, None)  # the first prompt token has no prefix
     assert "".join(e[0] for e in c.logprobs[:n]) == PROMPT
     for token, logprob, tops in c.logprobs[1:n]:
-        assert logprob is not None and logprob <= 0 and tops is not None and len(tops) == 2
+        # the 2 best, then the prompt token itself when it is not among them (OpenAI's logprobs + 1)
+        assert logprob is not None and logprob <= 0 and tops is not None and (token, logprob) in tops
+        assert len(tops) == 2 + (token not in {t for t, _ in tops[:2]})
         assert tops[0][1] >= tops[1][1]
-        if token not in {t for t, _ in tops}:
+        if token not in {t for t, _ in tops[:2]}:
             assert logprob <= tops[1][1]
     # the last prompt token's logprob is what the model gives it as the output after the same prefix
     ids = hf_tokenizer(PROMPT)["input_ids"]
@@ -69,7 +71,7 @@ def test_max_tokens_zero_with_echo_returns_the_prompt_alone(live: SystemPair, qu
     out = quad("completions", prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
     (c,) = out.choices
     assert c.text == PROMPT and c.finish_reason == "length" and out.usage == (n, 0, n)
-    assert len(c.logprobs) == n and all(tops == () for _, _, tops in c.logprobs[1:])
+    assert len(c.logprobs) == n and all(tops == ((t, v),) for t, v, tops in c.logprobs[1:])
     bare = quad("completions", prompt=PROMPT, max_tokens=0, echo=True)
     assert bare.texts() == [PROMPT] and bare.choices[0].logprobs == [] and bare.usage == (n, 0, n)
     leak_check(live)
@@ -89,9 +91,9 @@ def test_vllm_prompt_logprobs_equal_on_both_paths(live: SystemPair, quad: Quad) 
     for entry, (token, logprob, tops) in zip(shaped[1:], entries[1:-1], strict=True):
         own = entry[next(iter(entry))]  # the prompt token comes first
         assert own["decoded_token"] == token and own["logprob"] == logprob and own["rank"] >= 1
-        assert tops is not None and len(entry) == (3 if own["rank"] <= 3 else 4)
+        assert tops is not None and len(entry) == (3 if own["rank"] <= 3 else 4) == len(tops)
         ranked = sorted((v for v in entry.values() if v["rank"] <= 3), key=lambda v: v["rank"])
-        assert [(v["decoded_token"], v["logprob"]) for v in ranked] == list(tops)
+        assert [(v["decoded_token"], v["logprob"]) for v in ranked] == list(tops[:3])
     leak_check(live)
 
 

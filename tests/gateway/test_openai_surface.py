@@ -130,7 +130,8 @@ def test_completion_logprobs(pd: Cluster, proc: TextProcessor, reply_ids: list[i
 @pytest.mark.parametrize("stream", [False, True])
 def test_completion_logprobs_zero_has_an_entry_per_token(pd: Cluster, proc: TextProcessor,
                                                          reply_ids: list[int], stream: bool) -> None:
-    """``logprobs: 0``: each generated token with its own logprob and no alternatives."""
+    """``logprobs: 0``: each generated token with its own logprob, and in ``top_logprobs`` only itself
+    (OpenAI's legacy API always lists the chosen token: up to ``logprobs`` + 1 entries)."""
     kw: dict[str, Any] = {"model": "fake-model", "prompt": "The capital of France is", "max_tokens": 3,
                           "logprobs": 0}
     if stream:
@@ -145,7 +146,7 @@ def test_completion_logprobs_zero_has_an_entry_per_token(pd: Cluster, proc: Text
         tokens, values, tops = lp.tokens or [], lp.token_logprobs or [], lp.top_logprobs or []
     assert tokens == [proc.token_text(t) for t in reply_ids[:3]]
     assert values == [fake_logprob(i) for i in range(3)]
-    assert tops == [{}, {}, {}]
+    assert tops == [{t: v} for t, v in zip(tokens, values, strict=True)]
     pd.assert_no_leaks(("d1",))
 
 

@@ -55,7 +55,9 @@ def test_echo_logprobs_lead_with_the_prompt_and_offsets_follow_the_echoed_text(t
     assert len(both["tokens"]) == len(ids) + len(out_ids)
     assert both["token_logprobs"][0] is None and both["top_logprobs"][0] is None
     assert both["token_logprobs"][1:len(ids)] == [-1.0 - i for i in range(len(ids) - 1)]
-    assert both["top_logprobs"][1] == {text.token_text(7): -0.25}  # top=1: the best alternative only
+    # top=1: the best alternative, then the prompt token itself (OpenAI's up to logprobs + 1 entries)
+    assert both["top_logprobs"][1] == {text.token_text(7): -0.25, text.token_text(ids[1]): -1.0}
+    assert both["top_logprobs"][len(ids)] == {text.token_text(out_ids[0]): -0.5}  # no alternatives sent
     for token, offset in zip(both["tokens"], both["text_offset"], strict=True):
         assert full[offset:offset + len(token)] == token  # every offset points at its token in the text
     with pytest.raises(ValueError, match="entries"):

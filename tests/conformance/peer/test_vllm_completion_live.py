@@ -226,11 +226,9 @@ def test_echo_logprob_completion(live: SystemPair, hf_tokenizer: Any, logprobs: 
         n_prompt = len(hf_tokenizer(text)["input_ids"]) if isinstance(prompt, str) else len(prompt)
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + 2
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        if logprobs:
-            assert all(max(logprobs, 1) <= len(top) <= logprobs + 1 for top in lp.top_logprobs[1:])
-        else:  # vLLM lists the token itself; pdserve's documented 0 is "the token's logprob, no alternatives"
-            assert all(top == {} for top in lp.top_logprobs[1:n_prompt]), lp.top_logprobs
-            assert all(len(top) <= 1 for top in lp.top_logprobs[n_prompt:]), lp.top_logprobs
+        assert all(max(logprobs, 1) <= len(top) <= logprobs + 1 for top in lp.top_logprobs[1:])
+        for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+            assert top[token] == value  # the token itself is listed, as vLLM and OpenAI list it
 
 
 # from vllm completion/test_completion.py::test_invalid_json_schema
