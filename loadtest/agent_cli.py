@@ -67,8 +67,9 @@ def _defaults() -> dict[str, Any]:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Refuse flags that do not apply: another workload's with ``agent``, the agent's with another, and
-    ``--dataset-path`` with any workload but ``sharegpt`` (the only one that reads it). For ``--dataset-path``
+    """Refuse flags that do not apply: another workload's with ``agent``, the agent's with another,
+    ``--dataset-path`` with any workload but ``sharegpt`` (the only one that reads it), and an arrival
+    flag the chosen ``--arrival`` does not read (``_check_arrival_flags``). For ``--dataset-path``
     and the other workloads' flags with ``agent``, a value equal to the default (``PDSERVE_<FLAG>`` when
     set) is not refused: the workload ignores it.
 
@@ -81,6 +82,7 @@ def check_flags(args: argparse.Namespace) -> None:
         for flag, (dest, _) in AGENT_FLAGS.items():
             if getattr(args, dest) not in (None, []):
                 raise ValueError(f"{flag} applies to --workload agent only (got --workload {args.workload})")
+        _check_arrival_flags(args)
         return
     defaults = _defaults()
     for flag in OTHER_FLAGS:
@@ -92,6 +94,21 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--prompt-format tokens: the agent workload sends text")
     if args.system and args.base_url != defaults["base_url"]:
         raise ValueError("--base-url and --system: give the gateway as url= of each --system")
+
+
+def _check_arrival_flags(args: argparse.Namespace) -> None:
+    """Refuse an arrival flag the chosen ``--arrival`` does not read, set to another value than its
+    default (``PDSERVE_<FLAG>`` when set): ``--concurrency`` (closed only), ``--request-rate`` (not
+    closed) and ``--burstiness`` (gamma only). Raises ValueError naming the flag."""
+    defaults = _defaults()
+    if args.arrival != "closed" and args.concurrency != defaults["concurrency"]:
+        raise ValueError(f"--concurrency applies to --arrival closed only (got --arrival {args.arrival}: "
+                         "requests are sent at --request-rate)")
+    if args.arrival == "closed" and args.request_rate != defaults["request_rate"]:
+        raise ValueError("--request-rate does not apply to --arrival closed (its --concurrency sessions send "
+                         "back to back)")
+    if args.arrival != "gamma" and args.burstiness != defaults["burstiness"]:
+        raise ValueError(f"--burstiness applies to --arrival gamma only (got --arrival {args.arrival})")
 
 
 def _kv_bytes(args: argparse.Namespace) -> int | None:

@@ -106,7 +106,14 @@ def test_a_dataset_that_cannot_be_used_is_named_by_its_flag(content: str | None,
     (["--num-requests", "-3"], "error: --num-requests must be >= 1, got -3"),
     (["--num-requests", "0"], "error: --num-requests must be >= 1, got 0"),
     (["--arrival", "closed", "--concurrency", "0"], "error: --concurrency must be >= 1, got 0"),
-    (["--burstiness", "0"], "error: --burstiness must be a finite number > 0, got 0.0"),
+    (["--arrival", "gamma", "--burstiness", "0"], "error: --burstiness must be a finite number > 0, got 0.0"),
+    (["--concurrency", "4"], "error: --concurrency applies to --arrival closed only (got --arrival poisson: "
+                             "requests are sent at --request-rate)"),
+    (["--arrival", "closed", "--request-rate", "5"],
+     "error: --request-rate does not apply to --arrival closed (its --concurrency sessions send back to "
+     "back)"),
+    (["--arrival", "constant", "--burstiness", "0.5"], "error: --burstiness applies to --arrival gamma only "
+                                                       "(got --arrival constant)"),
     (["--warmup", "-1"], "error: --warmup must be >= 0, got -1"),
     (["--workload", "sharegpt", "--prompt-format", "text", "--dataset-path", "/nonexistent"],
      "error: --dataset-path /nonexistent: no such file"),
