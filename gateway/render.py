@@ -76,15 +76,20 @@ def completion_logprobs(text: TextProcessor, entries: Sequence[TokenLogprob],
         offsets.append(offset)
         offset += len(s)
     tops: list[dict[str, float] | None] = [
-        _with_chosen({text.token_text(t): lp for t, lp in e.top}, s, e.logprob)
+        _with_chosen([(text.token_text(t), lp) for t, lp in e.top], s, e.logprob)
         for e, s in zip(entries, tokens, strict=True)]
     return CompletionLogprobs(tokens, [e.logprob for e in entries], tops, offsets)
 
 
-def _with_chosen(top: dict[str, float], token: str, logprob: float) -> dict[str, float]:
-    """A completions ``top_logprobs`` entry: the ``logprobs`` best alternatives and the chosen (or prompt)
-    token itself, as OpenAI's legacy API always returns it (up to ``logprobs`` + 1 entries)."""
-    top.setdefault(token, logprob)
+def _with_chosen(best: list[tuple[str, float]], token: str, logprob: float) -> dict[str, float]:
+    """A completions ``top_logprobs`` entry, keyed by token text: the ``logprobs`` best alternatives
+    (``best``, best first; of two with the same text the better one's value) and the chosen (or prompt)
+    token itself, as OpenAI's legacy API always returns it (up to ``logprobs`` + 1 entries); under its
+    own text the chosen token's logprob, also where an alternative of another id has that text."""
+    top: dict[str, float] = {}
+    for text, value in best:
+        top.setdefault(text, value)
+    top[token] = logprob
     return top
 
 
@@ -106,7 +111,7 @@ def echo_logprobs(text: TextProcessor, prompt_ids: Sequence[int], entries: Seque
         offset += len(s)
     values: list[float | None] = [None, *(e.logprob for e in entries)]
     tops: list[dict[str, float] | None] = [None, *(
-        _with_chosen({text.token_text(t.token_id): t.logprob for t in e.top_logprobs[:top]}, s, e.logprob)
+        _with_chosen([(text.token_text(t.token_id), t.logprob) for t in e.top_logprobs[:top]], s, e.logprob)
         for e, s in zip(entries, tokens[1:], strict=True))]
     return CompletionLogprobs(tokens, values, tops, offsets)
 

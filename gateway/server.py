@@ -88,15 +88,19 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stopping = asyncio.Event()  # set at the first stop signal (on the event loop)
         self._signals = 0
+        self._first_signal = 0  # its number (0: none)
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serve until stopped. A stop by SIGINT (Ctrl-C) exits with status 130 (128 + the signal, as
-        SIGTERM's 143), without the ``KeyboardInterrupt`` traceback asyncio raises once uvicorn passes
-        the signal on."""
+        """Serve until stopped; a stop by a signal exits with status 128 + the first signal (130 Ctrl-C,
+        143 SIGTERM), without the ``KeyboardInterrupt`` traceback asyncio raises once uvicorn passes
+        SIGINT on, and also where uvicorn's passing it on ends nothing (a signal the process inherited as
+        ignored)."""
         try:
             super().run(sockets=sockets)
         except KeyboardInterrupt:
             raise SystemExit(128 + signal.SIGINT) from None
+        if self._first_signal:
+            raise SystemExit(128 + self._first_signal)
 
     async def _serve_request(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app uvicorn runs: ``app``, with a cancellation by ``_cut_requests`` ending the request
@@ -117,6 +121,7 @@ class DrainingServer(uvicorn.Server):
         # a signal handler may run inside the loop's or logging's own code: its work is handed to the loop
         self._signals += 1
         if self._signals == 1:
+            self._first_signal = sig
             self._later(self.stopping.set)
             self._later(self._start_drain)
             super().handle_exit(sig, frame)

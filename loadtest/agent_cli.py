@@ -98,12 +98,13 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def _check_arrival_flags(args: argparse.Namespace) -> None:
     """Refuse an arrival flag the chosen ``--arrival`` does not read, set to another value than its
-    default (``PDSERVE_<FLAG>`` when set): ``--concurrency`` (closed only), ``--request-rate`` (not
+    default (``PDSERVE_<FLAG>`` when set): ``--concurrency`` (the sessions of closed arrivals, and the
+    warm-up's parallelism whatever the arrival: refused only without either), ``--request-rate`` (not
     closed) and ``--burstiness`` (gamma only). Raises ValueError naming the flag."""
     defaults = _defaults()
-    if args.arrival != "closed" and args.concurrency != defaults["concurrency"]:
-        raise ValueError(f"--concurrency applies to --arrival closed only (got --arrival {args.arrival}: "
-                         "requests are sent at --request-rate)")
+    if args.arrival != "closed" and not args.warmup and args.concurrency != defaults["concurrency"]:
+        raise ValueError(f"--concurrency applies to --arrival closed and to the --warmup requests only (got "
+                         f"--arrival {args.arrival} and no warm-up: requests are sent at --request-rate)")
     if args.arrival == "closed" and args.request_rate != defaults["request_rate"]:
         raise ValueError("--request-rate does not apply to --arrival closed (its --concurrency sessions send "
                          "back to back)")

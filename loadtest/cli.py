@@ -51,7 +51,8 @@ def add_bench_arguments(parser: OneLineParser, env: Mapping[str, str] | None = N
     add("--arrival", default="poisson", choices=("poisson", "gamma", "constant", "closed"))
     add("--request-rate", default="inf", help="req/s; comma list = sweep (e.g. 1,2,4)")
     add("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
-    add("--concurrency", type=int, default=1, help="sessions in flight (arrival closed)")
+    add("--concurrency", type=int, default=1,
+        help="sessions in flight (arrival closed), and warm-up requests in flight (any arrival)")
     add("--num-requests", type=int, help="measured requests per run (default 100 w/o duration)")
     add("--duration", help="stop issuing after this long, e.g. 30s")
     add("--warmup", type=int, default=0, help="uncounted requests sent first")

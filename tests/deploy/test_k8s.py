@@ -266,7 +266,8 @@ def test_network_policies_fence_control_and_transfer_ports(overlay: str) -> None
     nothing from a pod of another kind (e.g. the gateway to a worker)."""
     resources = rendered(overlay)
     policies = [r for r in resources if r["kind"] == "NetworkPolicy"]
-    assert {p["metadata"]["name"] for p in policies} == {"pdserve-gateway", "pdserve-workers"}
+    assert {p["metadata"]["name"] for p in policies} == {"pdserve-gateway", "pdserve-workers"} | (
+        {"pdserve-gateway-control-rdma"} if overlay == "rdma" else set())
     for p in policies:
         kubernetes_validate.validate(p, K8S_VERSION, strict=True)
         assert p["spec"]["policyTypes"] == ["Ingress"]
@@ -301,7 +302,7 @@ def test_network_policies_fence_control_and_transfer_ports(overlay: str) -> None
         (c,) = _pod(resources, w)["containers"]
         metrics_port = {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"]
         assert allowed(w, stranger, metrics_port), w
-    assert not allowed("pdserve-gateway", labels["pdserve-prefill"], 7164) or overlay == "rdma"
+    assert not allowed("pdserve-gateway", labels["pdserve-prefill"], 7164)
     for src in WORKERS:
         assert all(allowed("pdserve-gateway", labels[src], port) for port in gateway_controls)
         for w in WORKERS:

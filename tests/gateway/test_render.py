@@ -56,7 +56,8 @@ def test_echo_logprobs_lead_with_the_prompt_and_offsets_follow_the_echoed_text(t
     assert both["token_logprobs"][0] is None and both["top_logprobs"][0] is None
     assert both["token_logprobs"][1:len(ids)] == [-1.0 - i for i in range(len(ids) - 1)]
     # top=1: the best alternative, then the prompt token itself (OpenAI's up to logprobs + 1 entries)
-    assert both["top_logprobs"][1] == {text.token_text(7): -0.25, text.token_text(ids[1]): -1.0}
+    assert list(both["top_logprobs"][1].items()) == [(text.token_text(7), -0.25),
+                                                     (text.token_text(ids[1]), -1.0)]
     assert both["top_logprobs"][len(ids)] == {text.token_text(out_ids[0]): -0.5}  # no alternatives sent
     for token, offset in zip(both["tokens"], both["text_offset"], strict=True):
         assert full[offset:offset + len(token)] == token  # every offset points at its token in the text
@@ -75,3 +76,17 @@ def test_vllm_prompt_logprobs_shape(tokenizer_dir: Path) -> None:
     assert first["7"] == {"logprob": -0.25, "rank": 1, "decoded_token": text.token_text(7)}
     one = msgspec.to_builtins(vllm_prompt_logprobs(text, ids, _prompt_entries(ids), top=0))
     assert all(len(e) == 1 for e in one[1:])
+
+
+def test_completion_top_logprobs_keep_the_best_of_a_text_and_the_chosen_tokens_own(
+        tokenizer_dir: Path) -> None:
+    """``top_logprobs`` is keyed by token text: of two alternatives with one text the better one's value
+    stays, and the chosen token's own logprob stands under its text even where an alternative of another
+    id has that text (it is what a client looks up by ``tokens[i]``)."""
+    text = TextProcessor.from_dir(tokenizer_dir)
+    a, b = 111, 112  # two of SmolLM2's byte tokens: alone, each decodes to U+FFFD
+    assert text.token_text(a) == text.token_text(b) != text.token_text(7), "control: one text, two ids"
+    out = completion_logprobs(text, [TokenLogprob(a, -2.0, ((b, -0.5), (7, -1.0), (a, -2.0)))], offset=0)
+    assert out.top_logprobs == [{text.token_text(a): -2.0, text.token_text(7): -1.0}]
+    lower = completion_logprobs(text, [TokenLogprob(7, -1.0, ((b, -0.5), (a, -0.75), (7, -1.0)))], offset=0)
+    assert lower.top_logprobs == [{text.token_text(b): -0.5, text.token_text(7): -1.0}]

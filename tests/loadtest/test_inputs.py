@@ -107,8 +107,9 @@ def test_a_dataset_that_cannot_be_used_is_named_by_its_flag(content: str | None,
     (["--num-requests", "0"], "error: --num-requests must be >= 1, got 0"),
     (["--arrival", "closed", "--concurrency", "0"], "error: --concurrency must be >= 1, got 0"),
     (["--arrival", "gamma", "--burstiness", "0"], "error: --burstiness must be a finite number > 0, got 0.0"),
-    (["--concurrency", "4"], "error: --concurrency applies to --arrival closed only (got --arrival poisson: "
-                             "requests are sent at --request-rate)"),
+    (["--concurrency", "4"], "error: --concurrency applies to --arrival closed and to the --warmup requests "
+                             "only (got --arrival poisson and no warm-up: requests are sent at "
+                             "--request-rate)"),
     (["--arrival", "closed", "--request-rate", "5"],
      "error: --request-rate does not apply to --arrival closed (its --concurrency sessions send back to "
      "back)"),
