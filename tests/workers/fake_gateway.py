@@ -1,11 +1,13 @@
-"""A fake gateway control socket for tests that run a worker's ``run()`` over real TCP with CURVE, and
-``secure``, which gives a test worker the fleet's keys."""
+"""A fake gateway control socket for tests that run a worker's ``run()`` over real TCP with CURVE,
+``serving``, which runs a worker against one, and ``secure``, which gives a test worker the fleet's
+keys."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import zmq
@@ -26,6 +28,24 @@ def secure(worker: WorkerLoop, keys_dir: Path) -> None:
     worker.keys = load_keys(keys_dir)
     worker.sessions.gateways = GatewayLinks(worker.settings.gateway_control, worker.keys)
     old.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(worker: WorkerLoop, endpoint: str,
+                  keys_dir: Path) -> AsyncIterator[tuple[FakeGateway, asyncio.Task[None]]]:
+    """A ``FakeGateway`` at ``endpoint`` and ``worker.run()`` as a task, both yielded; on exit the worker is
+    asked to stop if it still runs, its task awaited (at most 10 s; its exception raised) and the gateway
+    closed."""
+    gw = FakeGateway(endpoint, keys_dir, 1)
+    task = asyncio.create_task(worker.run())
+    try:
+        yield gw, task
+    finally:
+        if not task.done():
+            worker.request_stop()
+        async with asyncio.timeout(10):
+            await task
+        gw.close()
 
 
 class FakeGateway:

@@ -32,7 +32,7 @@ from protocol.messages import (
     RequestFinished,
     WorkerShutdown,
 )
-from tests.workers.fake_gateway import FakeGateway, secure
+from tests.workers.fake_gateway import FakeGateway, secure, serving
 from tests.workers.helpers import assert_clean, colocated_worker, wire
 from workers.colocated import ColocatedWorker
 
@@ -53,20 +53,12 @@ def _serve(colo: ColocatedWorker, ep: str, tmp_path: Path,
     """Run ``colo`` against a fake gateway at ``ep`` through ``scenario(gateway, run task)``; the worker is
     stopped afterwards if the scenario left it running, and checked for leaks."""
     async def main() -> None:
-        gw = FakeGateway(ep, tmp_path / "keys", 1)
-        task = asyncio.create_task(colo.run())
-        try:
+        async with serving(colo, ep, tmp_path / "keys") as (gw, task):
             await gw.pump(lambda: bool(gw.identity))
             async with asyncio.timeout(10):
                 while not colo.sessions.gateways.links[ep].accepted:
                     await asyncio.sleep(0.02)
             await scenario(gw, task)
-        finally:
-            if not task.done():
-                colo.request_stop()
-            async with asyncio.timeout(10):
-                await task
-            gw.close()
 
     asyncio.run(main())
     assert_clean(colo)

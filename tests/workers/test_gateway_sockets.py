@@ -22,7 +22,7 @@ from protocol.messages import (
     WorkerShutdown,
     decode,
 )
-from tests.workers.fake_gateway import FakeGateway, secure
+from tests.workers.fake_gateway import FakeGateway, secure, serving
 from tests.workers.helpers import assert_clean, colocated_worker, prefill_worker, wire
 
 PROMPT = list(range(50, 63))
@@ -133,21 +133,13 @@ def test_worker_stops_when_its_kv_loop_dies(model_dir: Path, tmp_path: Path) -> 
         raise RuntimeError("injected by the test")
 
     async def scenario() -> None:
-        gw = FakeGateway(ep, tmp_path / "keys", 1)
-        task = asyncio.create_task(worker.run())
-        try:
+        async with serving(worker, ep, tmp_path / "keys") as (gw, task):
             await gw.pump(lambda: bool(gw.identity))
             assert worker.kv_endpoint_error() is None
             worker.sender.run_in_loop(boom)
             await gw.pump(lambda: any(isinstance(m, WorkerShutdown) for m in gw.got), timeout=10)
             async with asyncio.timeout(10):
                 await task
-        finally:
-            if not task.done():
-                worker.request_stop()
-                async with asyncio.timeout(10):
-                    await task
-            gw.close()
 
     asyncio.run(scenario())
     assert worker.fatal is not None and "injected by the test" in worker.fatal
