@@ -88,10 +88,11 @@ def test_not_usable_off_a_gpu() -> None:
 @pytest.mark.parametrize("cudnn_runs", [True, False])
 def test_backend_builds_the_inputs_once_per_step_and_falls_back(monkeypatch: pytest.MonkeyPatch,
                                                                  cudnn_runs: bool) -> None:
-    """The triton backend's dispatch with the cuDNN call replaced (CPU, Triton interpreter): a decode row
-    then a prefill sequence, two layers of one step. The step's inputs are built once and handed to both
-    layers, the prefill rows start after the decode row; where cuDNN refuses (the call returns False)
-    the Triton kernel's output is returned, bit for bit the output with the path switched off."""
+    """The triton backend's dispatch with the cuDNN call replaced (on the GPU where there is one, else on
+    the CPU through the Triton interpreter): a decode row then a prefill sequence, two layers of one step.
+    The step's inputs are built once and handed to both layers, the prefill rows start after the decode
+    row; where cuDNN refuses (the call returns False) the Triton kernel's output is returned, bit for bit
+    the output with the path switched off."""
     import engine.attention.triton_backend as tb
     from engine.attention.metadata import build_attention_metadata
     from engine.kv_cache import KVCachePool
@@ -115,11 +116,12 @@ def test_backend_builds_the_inputs_once_per_step_and_falls_back(monkeypatch: pyt
     monkeypatch.setattr(tb, "paged_prefill_inputs", inputs)
     monkeypatch.setattr(tb, "cudnn_paged_prefill", fake)
     gen = torch.Generator().manual_seed(6)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     h, hkv, d, bs = 4, 2, 16, 16
     pool = KVCachePool(num_layers=2, num_blocks=12, block_size=bs, num_kv_heads=hkv, head_dim=d,
-                       dtype=torch.float32, device=torch.device("cpu"))
-    meta = build_attention_metadata([[0, 1], [2, 3, 4]], [20, 30], [1, 9], bs, "cpu")
-    q, k, v = (torch.randn(10, x, d, generator=gen) for x in (h, hkv, hkv))
+                       dtype=torch.float32, device=device)
+    meta = build_attention_metadata([[0, 1], [2, 3, 4]], [20, 30], [1, 9], bs, device)
+    q, k, v = (torch.randn(10, x, d, generator=gen).to(device) for x in (h, hkv, hkv))
     backend = tb.TritonAttentionBackend()
     scale = d ** -0.5
     outs = [backend.forward(layer, q.clone(), k.clone(), v.clone(), pool, meta, scale) for layer in (0, 1)]
@@ -134,7 +136,7 @@ def test_backend_builds_the_inputs_once_per_step_and_falls_back(monkeypatch: pyt
         assert torch.equal(outs[1], off)
     backend.cudnn_paged_prefill = True
     backend.forward(0, q.clone(), k.clone(), v.clone(), pool, build_attention_metadata(
-        [[0, 1], [2, 3, 4]], [20, 30], [1, 9], bs, "cpu"), d ** -0.5)
+        [[0, 1], [2, 3, 4]], [20, 30], [1, 9], bs, device), d ** -0.5)
     assert len(built) == 2  # a new step's metadata: its own inputs
 
 
