@@ -23,14 +23,48 @@ from protocol.cli_env import EnvAdder, OneLineParser
 from protocol.durations import flag_duration
 
 
+def compare_parser(bench_prog: str) -> OneLineParser:
+    """The parser of ``<bench_prog> compare A.json B.json``, whose ``--help`` is compare's own."""
+    parser = OneLineParser(prog=f"{bench_prog} compare",
+                           description="print two result files (results.json of two runs) side by side: "
+                                       "Markdown tables of A and B with the ratio B/A, runs paired in order")
+    parser.add_argument("a", metavar="A.json", help="the baseline's results.json")
+    parser.add_argument("b", metavar="B.json", help="the results.json compared with it")
+    return parser
+
+
+class _BenchHelp(argparse.Action):
+    """``-h``/``--help`` of ``bench``: after ``compare``, compare's usage and flags (``compare_parser``);
+    otherwise, ``run`` given or not, bench's own (the load run's flags). Exits 0."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: Any = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if getattr(namespace, "bench_action", None) == "compare":
+            compare_parser(parser.prog).print_help()
+        else:
+            parser.print_help()
+        parser.exit()
+
+
 def add_bench_arguments(parser: OneLineParser, env: Mapping[str, str] | None = None) -> None:
     """Add the ``bench`` flags and positionals (``[run|compare] [FILES...]``) to ``parser``; each flag's
     default comes from its ``PDSERVE_*`` variable in ``env`` (default ``os.environ``), read and checked as
     for the other commands (protocol/cli_env.py: a bad value is refused when ``parser`` parses, in one line
-    naming the variable and the flag, exit 2)."""
+    naming the variable and the flag, exit 2). A ``parser`` made with ``add_help=False`` (as ``pdserve
+    bench`` and ``python -m loadtest`` are) gets a ``-h``/``--help`` that prints compare's help after
+    ``compare`` (``_BenchHelp``); one with argparse's own help keeps it (bench's help, after ``compare``
+    too)."""
     add = EnvAdder(parser, os.environ if env is None else env)
+    if not parser.add_help:
+        parser.add_argument("-h", "--help", action=_BenchHelp, default=argparse.SUPPRESS,
+                            help="show this help message and exit (after compare: compare's)")
     parser.add_argument("bench_action", metavar="action", nargs="?", default="run",
-                        choices=("run", "compare"), help="run the load (default) or compare two results")
+                        choices=("run", "compare"),
+                        help="run the load (default) or compare two results (compare --help: its usage)")
     parser.add_argument("bench_files", metavar="files", nargs="*", help="compare: A.json B.json")
     add("--base-url", default="http://127.0.0.1:8000", help="server URL; no other host is used")
     add("--model", help="model name to send (default: the first of GET /v1/models)")
@@ -190,9 +224,9 @@ def _write_outputs(result: Any, output_dir: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m loadtest``: parse ``argv`` and run."""
-    parser = OneLineParser(prog="python -m loadtest", description=__doc__)
+    parser = OneLineParser(prog="python -m loadtest", description=__doc__, add_help=False)
     add_bench_arguments(parser)
     return run_bench(parser.parse_args(argv))
 
 
-__all__ = ["add_bench_arguments", "config_from_args", "main", "run_bench"]
+__all__ = ["add_bench_arguments", "compare_parser", "config_from_args", "main", "run_bench"]

@@ -337,10 +337,12 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     keygen.add_argument("directory", help="where to write fleet.key_secret and fleet.key (made 0700)")
     _bool_flag(_EnvAdder(keygen, env), "--exist-ok", False,
                "a valid key pair already there is kept (exit 0) instead of an error")
-    bench = _add_parser(subs, "bench", help="load test a running server")
+    # no argparse help: add_bench_arguments adds one that is compare's after `bench compare`
+    bench = _add_parser(subs, "bench", help="load test a running server", add_help=False)
     try:
         from loadtest.cli import add_bench_arguments
     except ImportError:
+        bench.add_argument("-h", "--help", action="help", help="show this help message and exit")
         bench.set_defaults(bench_missing=True)
     else:
         add_bench_arguments(bench, env)

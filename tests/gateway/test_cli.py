@@ -718,3 +718,33 @@ def test_keygen_says_which_path_it_cannot_use(tmp_path: Path, capsys: pytest.Cap
     assert main(["keygen", str(tmp_path / "ro" / "keys")]) == 2
     denied_dir = tmp_path / "ro" / "keys"
     assert capsys.readouterr().err == f"pdserve keygen: cannot write {denied_dir}: Permission denied\n"
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["bench", "compare", "--help"], "usage: pdserve bench compare [-h] A.json B.json\n"),
+    (["bench", "compare", "-h"], "usage: pdserve bench compare [-h] A.json B.json\n"),
+    (["bench", "compare", "a.json", "--help"], "usage: pdserve bench compare [-h] A.json B.json\n"),
+    (["bench", "--help"], "usage: pdserve bench [-h] [--base-url BASE_URL]"),
+    (["bench", "run", "--help"], "usage: pdserve bench [-h] [--base-url BASE_URL]"),  # run: bench's flags
+    *[([name, "--help"], f"usage: pdserve {name} [-h]") for name in (*SETTINGS_COMMANDS, "keygen")],
+])
+def test_help_after_a_subcommand_is_that_subcommands(argv: list[str], usage: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` (``-h``) prints the usage of the innermost command before it and exits 0: after
+    ``bench compare``, compare's (two result files, none of the load run's flags), not the load run's."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr().out
+    assert exc.value.code == 0
+    assert out.startswith(usage)
+    assert ("--base-url" in out) == (argv[:2] in (["bench", "--help"], ["bench", "run"]))
+
+
+def test_python_m_loadtest_compare_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m loadtest compare --help``: compare's usage, as ``pdserve bench compare --help``."""
+    from loadtest.cli import main as loadtest_main
+
+    with pytest.raises(SystemExit) as exc:
+        loadtest_main(["compare", "--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m loadtest compare [-h] A.json B.json\n")
