@@ -40,7 +40,11 @@ prompts it is mostly the fixed cost and overstates a long prompt's time many tim
 prompt has been measured it dominates the sums (they weigh each request by its tokens), so the rate is
 right for long prompts from then on.
 
-Every 429 carries ``Retry-After`` (whole seconds, at least 1). Refusals are counted in
+Every 429 carries ``Retry-After`` (whole seconds, at least 1). ``overloaded`` (``prefill_queue``): the
+estimated wait past the budget, rounded up, capped at ``RETRY_AFTER_CAP_S`` (60): by then the queue ahead
+would be within the budget, were nothing else to arrive. ``kv_full`` (``kv_blocks``): 1, since the gateway
+has no estimate of when a decode worker's blocks free (that depends on when its requests finish); a
+heartbeat (0.5 s) brings the next free-block count within it. Refusals are counted in
 ``pdserve_admission_refused_total{reason}``.
 """
 
@@ -57,6 +61,12 @@ from gateway.registry import WorkerEntry, WorkerRegistry, pairing_mismatch
 from gateway.router import Route
 from protocol.messages import FirstToken, WorkerLoad
 from protocol.prefill_rate import PrefillRate, judged
+
+# The longest Retry-After (seconds) an ``overloaded`` 429 gives. The openai Python client waits a
+# Retry-After only up to a limit (120 s in the release locked here, 60 s in its 1.x releases) and falls
+# back to its own backoff (at most 8 s) above it; and a wait that far ahead depends mostly on arrivals and
+# rate changes still to come.
+RETRY_AFTER_CAP_S = 60
 
 
 @dataclass(slots=True)
@@ -178,7 +188,7 @@ class Admission:
             raise _too_many(f"overloaded: about {wait:.0f} s of prompts are queued ahead of this one on "
                             f"{worker.role} worker {worker.worker_id} (admission budget "
                             f"{self.budget_s:g} s); retry later", "overloaded",
-                            max(1, math.ceil(wait - self.budget_s)))
+                            min(RETRY_AFTER_CAP_S, max(1, math.ceil(wait - self.budget_s))))
 
     def rate(self, worker: WorkerEntry) -> tuple[float, float] | None:
         """``worker``'s prefill rate (prompt tokens per second) and the largest computed-token count it
@@ -241,5 +251,6 @@ def _blocks(num_tokens: int, worker: WorkerEntry) -> int:
 
 
 def _too_many(message: str, code: str, retry_after_s: int) -> APIError:
-    """429 with ``Retry-After`` (whole seconds)."""
+    """429 with ``Retry-After: retry_after_s`` (whole seconds, at least 1: the caller's estimate, or 1
+    where it has none)."""
     return APIError(429, message, "rate_limit_error", None, code, {"Retry-After": str(retry_after_s)})

@@ -44,7 +44,8 @@ def unavailable(message: str, retry_after_s: int = 1, code: str = "no_worker") -
 
 
 def queue_full(retry_after_s: int = 1) -> APIError:
-    """429 with ``Retry-After`` (seconds)."""
+    """429 ``queue_full`` (``--max-queue`` requests in flight on this gateway process) with ``Retry-After``
+    (whole seconds). 1 by default: the gateway has no estimate of when a request in flight finishes."""
     return APIError(429, "Too many requests in flight; retry later", "rate_limit_error", None,
                     "queue_full", {"Retry-After": str(retry_after_s)})
 

@@ -433,3 +433,23 @@ async def test_a_request_not_yet_sent_to_the_worker_counts_beside_its_backlog() 
     for rid in list(s.orch.requests):
         s.orch.release(s.orch.requests[rid])
     assert not s.orch.requests and not s.admission._routed
+
+
+async def test_retry_after_is_the_wait_past_the_budget_capped() -> None:
+    """An ``overloaded`` 429's Retry-After is the estimated wait past the budget, in whole seconds, at
+    least 1 and at most ``RETRY_AFTER_CAP_S`` (a backlog of 1000 s at the reported rate is not a
+    Retry-After of 998 s)."""
+    from gateway.admission import RETRY_AFTER_CAP_S
+
+    s = Setup(budget_s=2.0, decode_free=(1000,), total=1000)
+    backlog = msgspec.structs.replace(reported_rate(100.0, 100), prefill_backlog_tokens=100_000)
+    assert s.registry.touch("p1", 1, backlog)
+    with pytest.raises(APIError) as refused:
+        await s.orch.submit_all("late", [gen("late", 100)])  # 100000 tokens ahead at 100/s: 1000 s
+    assert refused.value.code == "overloaded" and "about 1000 s of prompts" in refused.value.message
+    assert refused.value.headers["Retry-After"] == str(RETRY_AFTER_CAP_S) == "60"
+    assert s.registry.touch("p1", 1, msgspec.structs.replace(backlog, prefill_backlog_tokens=350))
+    with pytest.raises(APIError) as soon:
+        await s.orch.submit_all("soon", [gen("soon", 100)])  # 3.5 s ahead: 1.5 s past the budget
+    assert soon.value.headers["Retry-After"] == "2"
+    assert s.refused("prefill_queue") == 2 and not s.orch.requests
