@@ -15,7 +15,7 @@ import yaml
 
 from deploy.healthcheck import ProbeTarget, probe_target
 from pdserve.cli import build_parser
-from protocol.settings import GatewaySettings, WorkerSettings, settings_from_args
+from protocol.settings import GatewaySettings, UpSettings, WorkerSettings, settings_from_args
 from tests.deploy.common import DEPLOY, NON_FLAG_ENV, check_cli, known_metrics, load_compose
 
 
@@ -283,10 +283,13 @@ def test_dockerfile_installs_with_setup_sh_as_non_root(name: str, base: str) -> 
     entry, cmd = json.loads(dict(ins)["ENTRYPOINT"]), json.loads(dict(ins)["CMD"])
     assert entry == ["pdserve"]
     image_env = {k: v for k, v in env.items() if k.startswith("PDSERVE_")}
-    # the image's default command needs the fleet's keys (or the explicit insecure flag) like any other
-    with pytest.raises(ValueError, match="--curve-keys: required"):
-        check_cli(cmd, image_env, f"{name} CMD")
-    check_cli(cmd, {**image_env, "PDSERVE_CURVE_KEYS": "/keys"}, f"{name} CMD")
+    # the image's default command is the whole server on the embedded model, reachable from outside the
+    # container, needing no keys (up makes a key pair for its internal planes); the deployments name a role
+    assert cmd == ["up", "--host", "0.0.0.0"]
+    assert isinstance(check_cli(cmd, image_env, f"{name} CMD"), UpSettings)
+    # and the image's HEALTHCHECK asks that server's gateway
+    assert probe_target(["/app/.venv/bin/python", "/app/.venv/bin/pdserve", *cmd], image_env) == ProbeTarget(
+        "http", "127.0.0.1", 8000)
 
 
 def test_cache_dir_variable_is_read_by_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
