@@ -15,6 +15,7 @@ the backend is ``triton`` and ``ModelConfig.enforce_eager`` is off; prefill and 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import zlib
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from engine.attention.metadata import AttentionMetadata, build_attention_metadat
 from engine.config import EngineConfig, kv_capacity_problem
 from engine.cuda_graphs import DecodeCudaGraphs, mask_placeholder
 from engine.distributed import TensorParallel, rank_device
+from engine.host_copy import host_to_device
 from engine.kv_cache import KVCachePool, check_kv_cache_dtype, resolve_cache_dtype
 from engine.models.fused_model import PROJECTIONS, FusedCausalLM, unsupported_reason
 from engine.models.hf_attention import BACKEND_KWARG, CACHE_KWARG, META_KWARG, install_paged_attention
@@ -69,12 +71,6 @@ class PromptRows:
         self.spans.append((seq, len(self.rows), last - first))
         self.rows.extend(range(row + first - start, row + last - start))
         self.targets.extend(seq.token_ids[first + 1:last + 1])
-
-
-def _int64_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 ``[len(values)]`` on ``device``, through numpy (``torch.tensor`` of a python list of 8192 ints
-    takes ~4x as long)."""
-    return torch.from_numpy(np.fromiter(values, dtype=np.int64, count=len(values))).to(device)
 
 
 def fallback_seed(request_id: str) -> int:
@@ -261,14 +257,14 @@ class ModelRunner:
         """Packed ``input_ids [1, T]``, ``position_ids [1, T]`` (int64), the indices ``[S_sample (+ P)]``
         of the rows to compute logits for (the sampling rows, then ``batch.prompt_rows``), and the step's
         ``AttentionMetadata``."""
-        ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        for tokens, start, samples in zip(batch.token_ids, batch.starts, batch.samples, strict=True):
-            ids.extend(tokens)
-            positions.extend(range(start, start + len(tokens)))
-            if samples:
-                sample_rows.append(len(ids) - 1)
+        lens = np.fromiter((len(t) for t in batch.token_ids), dtype=np.int64, count=len(batch.token_ids))
+        ends = np.cumsum(lens)
+        total = int(ends[-1]) if len(ends) else 0
+        ids = np.fromiter(itertools.chain.from_iterable(batch.token_ids), dtype=np.int64, count=total)
+        # row r of sequence i sits at position starts[i] + r - (ends[i] - lens[i])
+        shift = np.asarray(batch.starts, dtype=np.int64) - (ends - lens)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(shift, lens)
+        sample_rows = [int(end) - 1 for end, samples in zip(ends, batch.samples, strict=True) if samples]
         sample_rows.extend(batch.prompt_rows)  # their logits follow the sampling rows'
         meta = build_attention_metadata(
             batch.block_tables,
@@ -280,9 +276,9 @@ class ModelRunner:
         )
         dev = self.device
         return (
-            _int64_tensor(ids, dev)[None, :],
-            _int64_tensor(positions, dev)[None, :],
-            torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            host_to_device(ids, torch.int64, dev)[None, :],
+            host_to_device(positions, torch.int64, dev)[None, :],
+            host_to_device(sample_rows, torch.int64, dev),
             meta,
         )
 
@@ -349,8 +345,7 @@ class ModelRunner:
         rows = [i for i, samples in enumerate(batch.samples) if samples]
         if len(rows) == len(batch.samples):
             return logits
-        return logits[torch.tensor(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-                      .to(self.device, non_blocking=True)]
+        return logits[host_to_device(rows, torch.int64, self.device)]
 
     def execute(
         self, output: SchedulerOutput, layer_hook: Callable[[int], None] | None = None, rank_note: bytes = b""
@@ -500,12 +495,12 @@ def _record_prompt_logprobs(logits: torch.Tensor, prompt_rows: PromptRows) -> No
         num_top = seq.sampling_params.prompt_logprobs
         assert num_top is not None
         by_top.setdefault(num_top, []).append((seq, first, count))
-    targets = torch.tensor(prompt_rows.targets, dtype=torch.int64, device=logits.device)
+    targets = host_to_device(prompt_rows.targets, torch.int64, logits.device)
     for num_top, spans in by_top.items():
         rows, wanted = logits, targets
         if len(by_top) > 1:  # this N's rows only (one N, the usual case: every row, no copy)
-            index = torch.tensor([r for _, first, count in spans for r in range(first, first + count)],
-                                 dtype=torch.int64, device=logits.device)
+            index = host_to_device([r for _, first, count in spans for r in range(first, first + count)],
+                                   torch.int64, logits.device)
             rows, wanted = logits[index], targets[index]
         entries = prompt_token_logprobs(rows, wanted, min(num_top, logits.shape[1]))
         at = 0

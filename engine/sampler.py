@@ -32,11 +32,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import torch
 
+from engine.host_copy import host_to_device
 from engine.ops.argmax import argmax_rows
 from engine.sampling_params import SamplingParams
 
@@ -145,19 +145,11 @@ def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
     return u.clamp_(max=_BELOW_ONE)
 
 
-def _to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.tensor(values)`` on ``device``; on CUDA through pinned memory with an asynchronous copy, so
-    building the sampler's per-row tensors never waits for the forward pass (no host synchronisation)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
 def _token_counts(ids: list[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """``[B, V]`` float32 counts of each token id per row (one flat index tensor, no per-row tensor)."""
-    flat = _to_device(list(itertools.chain.from_iterable(ids)), torch.int64, device)
+    flat = host_to_device(list(itertools.chain.from_iterable(ids)), torch.int64, device)
     row = torch.repeat_interleave(torch.arange(len(ids), device=device),
-                                  _to_device([len(r) for r in ids], torch.int64, device),
+                                  host_to_device([len(r) for r in ids], torch.int64, device),
                                   output_size=int(flat.shape[0]))
     counts = torch.zeros(len(ids), vocab_size, dtype=torch.float32, device=device)
     counts.index_put_((row, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
@@ -171,7 +163,7 @@ def _as_int64(seed: int) -> int:
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return _to_device(values, torch.float32, device)[:, None]
+    return host_to_device(values, torch.float32, device)[:, None]
 
 
 def _bias(ps: Sequence[SamplingParams], vocab: int, device: torch.device) -> torch.Tensor:
@@ -180,8 +172,9 @@ def _bias(ps: Sequence[SamplingParams], vocab: int, device: torch.device) -> tor
     bias = torch.zeros(len(ps), vocab, dtype=torch.float32, device=device)
     if pairs:
         rows, ids, values = zip(*pairs, strict=True)
-        index = (_to_device(list(rows), torch.int64, device), _to_device(list(ids), torch.int64, device))
-        bias.index_put_(index, _to_device(list(values), torch.float32, device))
+        index = (host_to_device(list(rows), torch.int64, device),
+                 host_to_device(list(ids), torch.int64, device))
+        bias.index_put_(index, host_to_device(list(values), torch.float32, device))
     return bias
 
 
@@ -234,7 +227,7 @@ def apply_filters(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     if any(p.top_k != -1 or p.top_p < 1.0 for p in ps):
         # stable: among equal logits the lowest id ranks first, as the greedy argmax picks it
         srt, idx = logits.sort(dim=-1, descending=True, stable=True)
-        top_k = _to_device([p.top_k if p.top_k > 0 else vocab for p in ps], torch.int64, dev)
+        top_k = host_to_device([p.top_k if p.top_k > 0 else vocab for p in ps], torch.int64, dev)
         ranks = torch.arange(vocab, device=dev)[None, :]
         srt = srt.masked_fill(ranks >= top_k[:, None], float("-inf"))
         probs = srt.softmax(dim=-1)
@@ -335,10 +328,10 @@ class Sampler:
         if random_rows:
             sub = [rows[i] for i in random_rows]
             dev = raw.device
-            index = _to_device(random_rows, torch.int64, dev)
+            index = host_to_device(random_rows, torch.int64, dev)
             filtered = apply_filters(processed.index_select(0, index), sub)
-            seeds = _to_device([_as_int64(r.seed) for r in sub], torch.int64, dev)
-            pos = _to_device([r.output_position for r in sub], torch.int64, dev)
+            seeds = host_to_device([_as_int64(r.seed) for r in sub], torch.int64, dev)
+            pos = host_to_device([r.output_position for r in sub], torch.int64, dev)
             u = seeded_uniform(seeds, pos, raw.shape[1])
             gumbel = -torch.log(-torch.log(u))
             tokens.index_copy_(0, index, argmax_rows(filtered + gumbel))

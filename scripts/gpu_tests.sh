@@ -25,6 +25,6 @@ exec "$PYTHON" -m pytest -q -p no:cacheprovider -rs \
     tests/engine/test_pdl.py tests/engine/test_decode_rope.py tests/engine/test_fused_moe.py \
     tests/engine/test_moe_align.py tests/engine/test_argmax.py \
     tests/engine/test_fp8_gemm.py tests/engine/test_fp8_gemv.py tests/engine/test_fp8_model.py \
-    tests/engine/test_kv_host_tier.py \
+    tests/engine/test_kv_host_tier.py tests/engine/test_host_copy.py \
     tests/engine/test_fp8_kv.py tests/engine/test_topk_softmax.py tests/engine/test_prefill_variants.py \
     tests/engine/test_cudnn_attention.py tests/engine/test_cudnn_paged_prefill.py "$@"

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.host_copy import host_to_device
+
 # a sequence with at least this many new tokens gets its slots by whole blocks in numpy; shorter ones
 # (decode rows) by a python loop, which costs less per sequence than numpy's per-call overhead
 _VECTOR_MIN_TOKENS = 32
@@ -131,7 +133,8 @@ def build_attention_metadata(
         query_lens: per sequence, new tokens this step (>= 1). Sequences must come decodes first; the
             leading run of query length 1 is counted as ``num_decodes``.
         block_size: tokens per block.
-        device: where the tensors go (built on CPU, then copied once each).
+        device: where the tensors go (built on the host, then copied once each: ``host_to_device``,
+            asynchronous on CUDA).
         layer_hook: passed through.
 
     Returns:
@@ -154,10 +157,10 @@ def build_attention_metadata(
     dev = torch.device(device)
     slots = _slot_mapping(block_tables, num_computed_tokens, query_lens, block_size)
     return AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(dev),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-        block_tables=torch.tensor(padded, dtype=torch.int32).to(dev),
+        slot_mapping=host_to_device(slots, torch.int64, dev),
+        query_start_loc=host_to_device(starts, torch.int32, dev),
+        seq_lens=host_to_device(seq_lens, torch.int32, dev),
+        block_tables=host_to_device(padded, torch.int32, dev),
         num_decodes=num_decodes,
         num_decode_tokens=num_decodes,
         max_query_len=max(query_lens),
