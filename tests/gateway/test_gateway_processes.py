@@ -619,7 +619,9 @@ def test_a_worker_given_one_process_serves_them_all(tmp_path: Path, tokenizer_di
     from engine.models.registry import resolve_model
 
     resolve_model("smollm2-135m")
-    pool = Pool(tmp_path, tokenizer_dir)
+    # nothing here waits on a worker's loss: a timeout a busy 2-core box cannot miss (1.5 s lost the
+    # worker there between two requests, a 503)
+    pool = Pool(tmp_path, tokenizer_dir, heartbeat_timeout=5.0)
     try:
         taken = (pool.port, *(int(c.rpartition(":")[2]) for c in pool.controls))
         [worker_port] = free_ports(1, exclude=taken)
