@@ -13,6 +13,7 @@ references multiply by the same float32 number and store the same bits.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -47,8 +48,14 @@ def _check_scale(kv_scale: KVScale) -> None:
             raise ValueError(f"kv_scale.{name} must be a finite float > 0, got {value!r}")
 
 
+@functools.lru_cache(maxsize=256)
 def inverse_scales(kv_scale: KVScale) -> tuple[float, float]:
-    """``(1 / k, 1 / v)`` rounded to float32 (the multipliers of the quantising store)."""
+    """``(1 / k, 1 / v)`` rounded to float32 (the multipliers of the quantising store). Cached: every
+    layer of every eager step asks, with the few scales a model has.
+
+    Raises:
+        ValueError: a scale that is not a finite float > 0 (not cached).
+    """
     _check_scale(kv_scale)
     inv = torch.tensor([1.0 / kv_scale.k, 1.0 / kv_scale.v], dtype=torch.float64).float().tolist()
     return float(inv[0]), float(inv[1])
