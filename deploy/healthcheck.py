@@ -4,7 +4,9 @@ The role and its flags are read from the container's main process (``/proc/1/cmd
 ``pdserve <role> [flags]``) and its ``PDSERVE_*`` environment:
 
 - ``gateway`` and ``up``: HTTP ``GET /health`` on the gateway port (``--port`` / ``PDSERVE_PORT``,
-  default 8000) must answer 200.
+  default 8000) must answer 200. With ``--public-health false`` (or ``PDSERVE_PUBLIC_HEALTH``) the gateway
+  asks ``/health`` for a key: the probe sends the first of its keys (``--api-key`` / ``PDSERVE_API_KEY``,
+  else the first of ``--api-key-file`` / ``PDSERVE_API_KEY_FILE``) as ``Authorization: Bearer``.
 - ``prefill``, ``decode``, ``colocated`` with a metrics port (``--metrics-port`` /
   ``PDSERVE_METRICS_PORT``, not 0): HTTP ``GET /health`` on it must answer 200, which the worker does
   while its engine loop ticks and the gateway has accepted it (``workers/health_server.py``).
@@ -40,6 +42,7 @@ class ProbeTarget:
     host: str
     port: int
     path: str = "/health"
+    bearer: str | None = None  # the API key sent with the request (--public-health false), else none
 
 
 def _flag(argv: Sequence[str], name: str) -> str | None:
@@ -53,12 +56,48 @@ def _flag(argv: Sequence[str], name: str) -> str | None:
     return value
 
 
+def _public_health(argv: Sequence[str], env: Mapping[str, str]) -> bool:
+    """The gateway's ``--public-health`` (``nargs="?"``: the bare flag is true; the last one wins, then
+    ``PDSERVE_PUBLIC_HEALTH``, then true), read as pdserve reads it (``true/false/1/0/yes/no/on/off``)."""
+    value: str | None = None
+    for i, arg in enumerate(argv):
+        if arg == "--public-health":
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            value = "true" if nxt is None or nxt.startswith("-") else nxt
+        elif arg.startswith("--public-health="):
+            value = arg.split("=", 1)[1]
+    if value is None:
+        value = env.get("PDSERVE_PUBLIC_HEALTH", "true")
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _api_key(argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """The first API key the gateway takes: ``--api-key`` (else ``PDSERVE_API_KEY``, comma-separated),
+    else the first key line of ``--api-key-file`` (else ``PDSERVE_API_KEY_FILE``); None when there is none
+    or the file cannot be read (the probe then goes without, and the 401 says why)."""
+    keys = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--api-key"]
+    keys += [a.split("=", 1)[1] for a in argv if a.startswith("--api-key=")]
+    if not keys and env.get("PDSERVE_API_KEY"):
+        keys = env["PDSERVE_API_KEY"].split(",")
+    if keys:
+        return keys[0].strip()
+    path = _flag(argv, "--api-key-file") or env.get("PDSERVE_API_KEY_FILE")
+    if not path:
+        return None
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.strip() for line in lines if line.strip() and not line.strip().startswith("#")), None)
+
+
 def probe_target(argv: Sequence[str], env: Mapping[str, str]) -> ProbeTarget:
     """Decide what to probe from the main process's command line and environment.
 
     Args:
         argv: the command line, e.g. ``["/app/.venv/bin/python", "/app/.venv/bin/pdserve", "decode"]``.
-        env: the environment (``PDSERVE_PORT``, ``PDSERVE_METRICS_PORT``, ``PDSERVE_HOST`` are read).
+        env: the environment (``PDSERVE_PORT``, ``PDSERVE_METRICS_PORT``, ``PDSERVE_HOST``, and for a gateway
+            ``PDSERVE_PUBLIC_HEALTH``, ``PDSERVE_API_KEY``, ``PDSERVE_API_KEY_FILE`` are read).
 
     Raises:
         ValueError: no pdserve role in ``argv``, a port that is not an integer in 1..65535, or a
@@ -84,7 +123,8 @@ def probe_target(argv: Sequence[str], env: Mapping[str, str]) -> ProbeTarget:
     host = _flag(argv, "--host") or env.get("PDSERVE_HOST", "127.0.0.1")
     if host in WILDCARD_HOSTS:
         host = "127.0.0.1"
-    return ProbeTarget("http" if http else "tcp", host, port)
+    bearer = _api_key(argv, env) if role in GATEWAY_ROLES and not _public_health(argv, env) else None
+    return ProbeTarget("http" if http else "tcp", host, port, bearer=bearer)
 
 
 def probe(target: ProbeTarget, timeout_s: float = 3.0) -> None:
@@ -99,7 +139,8 @@ def probe(target: ProbeTarget, timeout_s: float = 3.0) -> None:
             return
     conn = http.client.HTTPConnection(target.host, target.port, timeout=timeout_s)
     try:
-        conn.request("GET", target.path)
+        headers = {"Authorization": f"Bearer {target.bearer}"} if target.bearer else {}
+        conn.request("GET", target.path, headers=headers)
         status = conn.getresponse().status
     finally:
         conn.close()

@@ -105,3 +105,47 @@ def test_main_with_role_argument_and_cmdline_file(
     monkeypatch.setenv("PDSERVE_PORT", str(_free_port()))
     assert main(["decode"]) == 1
     assert main([], cmdline_file=str(tmp_path / "missing")) == 1
+
+
+@pytest.mark.parametrize(("argv", "env", "key"), [
+    (["pdserve", "up", "--public-health", "false", "--api-key", "k1", "--api-key", "k2"], {}, "k1"),
+    (["pdserve", "gateway", "--public-health=no"], {"PDSERVE_API_KEY": "k1,k2"}, "k1"),
+    (["pdserve", "gateway"], {"PDSERVE_PUBLIC_HEALTH": "off", "PDSERVE_API_KEY_FILE": "FILE"}, "from-file"),
+    (["pdserve", "gateway", "--public-health", "--api-key", "k1"], {}, None),  # bare flag: true
+    (["pdserve", "gateway", "--api-key", "k1"], {"PDSERVE_PUBLIC_HEALTH": "true"}, None),
+    (["pdserve", "decode"],
+     {"PDSERVE_PORT": "7201", "PDSERVE_PUBLIC_HEALTH": "false", "PDSERVE_API_KEY": "k"}, None),
+])
+def test_a_gateway_with_a_private_health_endpoint_is_probed_with_its_first_key(
+        argv: list[str], env: dict[str, str], key: str | None, tmp_path: Path) -> None:
+    """``--public-health false`` makes the gateway ask ``/health`` for a key: the probe sends the first one
+    the gateway takes (flag, else environment, else key file); with a public endpoint, or for a worker,
+    none."""
+    keys = tmp_path / "keys"
+    keys.write_text("# the fleet's keys\n\nfrom-file\nsecond\n")
+    env = {k: str(keys) if v == "FILE" else v for k, v in env.items()}
+    assert probe_target(argv, env).bearer == key
+
+
+def test_probe_sends_the_key_a_private_health_endpoint_asks_for() -> None:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.headers.get("Authorization") == "Bearer sekrit" else 401)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        argv = ["pdserve", "up", "--port", str(port), "--public-health", "false"]
+        probe(probe_target(argv, {"PDSERVE_API_KEY": "sekrit"}))
+        with pytest.raises(RuntimeError, match="401"):
+            probe(probe_target(argv, {}))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
