@@ -53,30 +53,51 @@ ChunkChoice = ChatChunkChoice | CompletionChoice
 
 
 def _top(text: TextProcessor, token_id: int, logprob: float) -> ChatTopLogprob:
-    s = text.token_text(token_id)
-    return ChatTopLogprob(s, logprob, list(s.encode("utf-8")))
+    s, raw = text.logprob_token(token_id)
+    return ChatTopLogprob(s, logprob, list(raw))
 
 
 def chat_logprobs(text: TextProcessor, entries: Sequence[TokenLogprob]) -> ChatLogprobs:
-    """``choices[i].logprobs`` of a chat completion (or chunk)."""
+    """``choices[i].logprobs`` of a chat completion (or chunk): each token's text and bytes as
+    ``TextProcessor.logprob_token`` gives them (the bytes of a completion's tokens, joined, are its text)."""
     content = []
     for e in entries:
-        s = text.token_text(e.token_id)
-        content.append(ChatTokenLogprob(s, e.logprob, list(s.encode("utf-8")),
-                                        [_top(text, t, lp) for t, lp in e.top]))
+        s, raw = text.logprob_token(e.token_id)
+        content.append(ChatTokenLogprob(s, e.logprob, list(raw), [_top(text, t, lp) for t, lp in e.top]))
     return ChatLogprobs(content, None)
+
+
+def text_offsets(pieces: Sequence[bytes], offset: int) -> tuple[list[int], int]:
+    """The text offset (characters) of each of ``pieces`` (consecutive tokens' bytes) in the text they
+    decode to, the first at ``offset``, and the offset after the last. A token that ends inside a UTF-8
+    character adds none of it; the token completing it adds the whole character (so every token of a
+    character split over several starts at that character, as in OpenAI's legacy ``text_offset``)."""
+    offsets, pending = [], b""
+    for raw in pieces:
+        offsets.append(offset)
+        pending += raw
+        try:
+            offset += len(pending.decode("utf-8"))
+            pending = b""
+        except UnicodeDecodeError as exc:
+            if exc.reason != "unexpected end of data":  # not a character cut short: counted as U+FFFD
+                offset += len(pending.decode("utf-8", errors="replace"))
+                pending = b""
+            else:  # the whole characters before the cut one
+                offset += len(pending[:exc.start].decode("utf-8"))
+                pending = pending[exc.start:]
+    return offsets, offset
 
 
 def completion_logprobs(text: TextProcessor, entries: Sequence[TokenLogprob],
                         offset: int) -> CompletionLogprobs:
-    """``choices[i].logprobs`` of a text completion; ``offset`` is the text offset (chars) of the first."""
-    tokens = [text.token_text(e.token_id) for e in entries]
-    offsets = []
-    for s in tokens:
-        offsets.append(offset)
-        offset += len(s)
+    """``choices[i].logprobs`` of a text completion; ``offset`` is the text offset (chars) of the first.
+    Tokens as ``TextProcessor.logprob_token`` writes them, offsets by ``text_offsets``."""
+    shown = [text.logprob_token(e.token_id) for e in entries]
+    tokens = [s for s, _ in shown]
+    offsets, _ = text_offsets([raw for _, raw in shown], offset)
     tops: list[dict[str, float] | None] = [
-        _with_chosen([(text.token_text(t), lp) for t, lp in e.top], s, e.logprob)
+        _with_chosen([(text.logprob_token(t)[0], lp) for t, lp in e.top], s, e.logprob)
         for e, s in zip(entries, tokens, strict=True)]
     return CompletionLogprobs(tokens, [e.logprob for e in entries], tops, offsets)
 
@@ -104,14 +125,13 @@ def echo_logprobs(text: TextProcessor, prompt_ids: Sequence[int], entries: Seque
     """
     if len(entries) != len(prompt_ids) - 1:
         raise ValueError(f"{len(entries)} prompt logprob entries for a prompt of {len(prompt_ids)} tokens")
-    tokens = [text.token_text(t) for t in prompt_ids]
-    offsets, offset = [], 0
-    for s in tokens:
-        offsets.append(offset)
-        offset += len(s)
+    shown = [text.logprob_token(t) for t in prompt_ids]
+    tokens = [s for s, _ in shown]
+    offsets, _ = text_offsets([raw for _, raw in shown], 0)
     values: list[float | None] = [None, *(e.logprob for e in entries)]
     tops: list[dict[str, float] | None] = [None, *(
-        _with_chosen([(text.token_text(t.token_id), t.logprob) for t in e.top_logprobs[:top]], s, e.logprob)
+        _with_chosen([(text.logprob_token(t.token_id)[0], t.logprob) for t in e.top_logprobs[:top]], s,
+                     e.logprob)
         for e, s in zip(entries, tokens[1:], strict=True))]
     return CompletionLogprobs(tokens, values, tops, offsets)
 

@@ -43,6 +43,7 @@ from gateway.render import (
     event_delta,
     prompt_entries,
     sse_chunk,
+    text_offsets,
     usage,
     with_calls,
 )
@@ -229,7 +230,9 @@ class _ChunkWriter:
         entries, self.held[pos] = self.held[pos], []
         choice = chunk_choice(self.p, self.svc.text(), c.index, content, d.finish_reason,
                               entries, self.offset[pos] + len(c.echo_text), echo=echo)
-        self.offset[pos] += sum(len(self.svc.text().token_text(e.token_id)) for e in entries)
+        text = self.svc.text()
+        self.offset[pos] = text_offsets([text.logprob_token(e.token_id)[1] for e in entries],
+                                        self.offset[pos])[1]
         return sse_chunk(self.p, self.created, choice)
 
     def usage(self, reqs: list[GatewayRequest]) -> bytes:

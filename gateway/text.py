@@ -87,6 +87,25 @@ class TextProcessor:
         """One token's own text (special tokens kept; a partial UTF-8 piece decodes to U+FFFD)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def logprob_token(self, token_id: int) -> tuple[str, bytes]:
+        r"""One token as logprobs show it: ``(token, bytes)``. ``bytes`` is what the token stands for
+        (``engine.text.token_bytes``), so that a completion's tokens' bytes joined are its UTF-8 text.
+        ``token`` is ``token_text`` where those bytes are whole UTF-8 characters; else the bytes with each
+        one outside a whole character written as ``\xHH`` (``" \xf0\x9f\x98"`` for the first three
+        bytes of an emoji, where ``token_text`` gives ``" \ufffd"``; DeepSeek's OpenAI-compatible
+        API writes them so).
+
+        Raises:
+            ValueError: ``token_id`` is not in the vocabulary.
+        """
+        raw = self.tokenizer.token_bytes(token_id)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return raw.decode("utf-8", errors="backslashreplace"), raw
+        text = self.token_text(token_id)
+        return text, text.encode("utf-8")
+
     def vocab_token(self, token_id: int) -> str:
         """One token's vocabulary string (what transformers' ``convert_ids_to_tokens`` gives: ``"Ġis"``
         where ``token_text`` gives ``" is"``). Raises ValueError for an id outside the vocabulary."""

@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Tokenizer, processors
 from tokenizers.decoders import DecodeStream
 
 from engine.text.segments import SegmentedEncoder
+from engine.text.token_bytes import TokenBytes
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -53,6 +54,7 @@ class TextTokenizer:
         self.pad_token_id = self._id_of("pad_token")
         # chat prompts re-encode a growing conversation: piecewise with cached pieces when that is exact
         self._segments = SegmentedEncoder(tokenizer) if SegmentedEncoder.applicable(tokenizer) else None
+        self._token_bytes: TokenBytes | None = None  # built at the first logprobs request
 
     def _id_of(self, name: str) -> int | None:
         token = getattr(self.special, name)
@@ -111,6 +113,17 @@ class TextTokenizer:
             return None if piece is None else str(piece)
 
         return step
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for (``engine.text.token_bytes``: a partial UTF-8 character's
+        bytes where ``decode([token_id])`` gives U+FFFD).
+
+        Raises:
+            ValueError: ``token_id`` is not in the vocabulary.
+        """
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self._tok)
+        return self._token_bytes.of(token_id)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id (None if out of range)."""

@@ -83,10 +83,46 @@ def test_completion_top_logprobs_keep_the_best_of_a_text_and_the_chosen_tokens_o
     """``top_logprobs`` is keyed by token text: of two alternatives with one text the better one's value
     stays, and the chosen token's own logprob stands under its text even where an alternative of another
     id has that text (it is what a client looks up by ``tokens[i]``)."""
+    real = TextProcessor.from_dir(tokenizer_dir)
+    a, b = 111, 112
+
+    class OneText:  # ids a and b shown alike, as a SentencePiece "▁Paris" and "Paris" are by token_text
+        def logprob_token(self, token_id: int) -> tuple[str, bytes]:
+            return real.logprob_token(a if token_id == b else token_id)
+
+    text = OneText()
+    assert text.logprob_token(a) == text.logprob_token(b) != text.logprob_token(7), "control"
+    shown = text.logprob_token(a)[0]
+    out = completion_logprobs(text, [TokenLogprob(a, -2.0, ((b, -0.5), (7, -1.0), (a, -2.0)))],  # type: ignore[arg-type]
+                              offset=0)
+    assert out.top_logprobs == [{shown: -2.0, real.token_text(7): -1.0}]
+    lower = completion_logprobs(text, [TokenLogprob(7, -1.0, ((b, -0.5), (a, -0.75), (7, -1.0)))],  # type: ignore[arg-type]
+                                offset=0)
+    assert lower.top_logprobs == [{shown: -0.5, real.token_text(7): -1.0}]
+
+
+def test_tokens_inside_a_character_show_their_own_bytes(tokenizer_dir: Path) -> None:
+    """An emoji is several byte tokens in SmolLM2's vocabulary. Each token's ``bytes`` are its own (not
+    U+FFFD's), so a completion's bytes joined are its UTF-8 text; a token that is not whole characters
+    shows its bytes as ``\\xHH``; completions' ``text_offset`` counts characters of the text, every token
+    of a split character starting at that character; whole tokens are shown as before."""
     text = TextProcessor.from_dir(tokenizer_dir)
-    a, b = 111, 112  # two of SmolLM2's byte tokens: alone, each decodes to U+FFFD
-    assert text.token_text(a) == text.token_text(b) != text.token_text(7), "control: one text, two ids"
-    out = completion_logprobs(text, [TokenLogprob(a, -2.0, ((b, -0.5), (7, -1.0), (a, -2.0)))], offset=0)
-    assert out.top_logprobs == [{text.token_text(a): -2.0, text.token_text(7): -1.0}]
-    lower = completion_logprobs(text, [TokenLogprob(7, -1.0, ((b, -0.5), (a, -0.75), (7, -1.0)))], offset=0)
-    assert lower.top_logprobs == [{text.token_text(b): -0.5, text.token_text(7): -1.0}]
+    words = "Emoji: \U0001F600 é 中文"
+    ids = text.encode(words)
+    assert any("\ufffd" in text.token_text(t) for t in ids), "control: some token alone decodes to U+FFFD"
+    entries = [TokenLogprob(t, -0.5, ((t, -0.5),)) for t in ids]
+    chat = chat_logprobs(text, entries).content
+    assert b"".join(bytes(e.bytes) for e in chat).decode("utf-8") == words
+    assert b"".join(bytes(e.top_logprobs[0].bytes) for e in chat).decode("utf-8") == words
+    assert all("\ufffd" not in e.token for e in chat)
+    split = [e for e in chat if "\\x" in e.token]
+    assert split and all(e.token == bytes(e.bytes).decode("utf-8", "backslashreplace") for e in split)
+    assert [e.token for e in chat if e not in split] == [text.token_text(t) for t in ids
+                                                          if "\ufffd" not in text.token_text(t)]
+    out = completion_logprobs(text, entries, offset=3)
+    assert out.tokens == [e.token for e in chat]
+    emoji_at = 3 + words.index("\U0001F600")
+    starts = [o for tok, o in zip(out.tokens, out.text_offset, strict=True) if "\\x" in tok]
+    # the emoji's first token carries the space before it, so it starts there; the next ones at the emoji
+    assert starts == [emoji_at - 1] + [emoji_at] * (len(starts) - 1) and len(starts) > 1
+    assert out.text_offset[-1] == 3 + words.index("文")
