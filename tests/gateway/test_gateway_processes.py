@@ -619,16 +619,16 @@ def test_a_worker_given_one_process_serves_them_all(tmp_path: Path, tokenizer_di
     from engine.models.registry import resolve_model
 
     resolve_model("smollm2-135m")
-    # nothing here waits on a worker's loss: a timeout a busy 2-core box cannot miss (1.5 s lost the
-    # worker there between two requests, a 503)
-    pool = Pool(tmp_path, tokenizer_dir, heartbeat_timeout=5.0)
+    # a real worker, one torch thread (as every process of the session): behind the fake workers' 1.5 s
+    # heartbeat timeout, its heartbeats held up by a busy machine dropped it (a 503) mid-check
+    pool = Pool(tmp_path, tokenizer_dir, heartbeat_timeout=10.0)
     try:
         taken = (pool.port, *(int(c.rpartition(":")[2]) for c in pool.controls))
         [worker_port] = free_ports(1, exclude=taken)
         worker_log = open(tmp_path / "worker.log", "wb")  # noqa: SIM115
         pool._spawn([sys.executable, "-m", "pdserve.cli", "colocated", "--gateway-control", pool.controls[0],
                      "--worker-id", "solo", "--model", "smollm2-135m", "--num-blocks", "64", "--port",
-                     str(worker_port), "--insecure-control-plane", "--cpu-threads", "2"], worker_log)
+                     str(worker_port), "--insecure-control-plane", "--cpu-threads", "1"], worker_log)
         ready: set[int] = set()
 
         def both_ready() -> bool:
