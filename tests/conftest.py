@@ -7,7 +7,8 @@
   then an ``np.einsum`` in the pytest processes (``tests/interpreter_dot.py``: BLAS gave a row other bits
   by the tile's row count), and the interpreter's patching of ``triton.language`` on each kernel and
   helper call looks up a list of builtin names made once instead of scanning each namespace, and its
-  numpy dtype of each Triton dtype comes from a table made once (``tests/interpreter_patch.py``).
+  numpy dtype of each Triton dtype comes from a table made once, and a tensor's shape from parts made once
+  per block shape (``tests/interpreter_patch.py``).
 * ``live``: the live system shared by the system-level suites (``tests/live.py``), started once per
   session and stopped after the last test that uses it; after each module that used it, a leak check
   (every KV block free, nothing in flight, no child dead but those a test killed on purpose).
@@ -58,12 +59,18 @@ if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
     from tests.interpreter_dot import use_einsum_dot
-    from tests.interpreter_patch import cache_builtin_names, lazy_tuple_type_names, np_dtypes_listed_once
+    from tests.interpreter_patch import (
+        cache_builtin_names,
+        lazy_tuple_type_names,
+        np_dtypes_listed_once,
+        tensor_shapes_made_once,
+    )
 
     use_einsum_dot()  # tl.dot's bits independent of the tile's row count, as on a GPU (its docstring)
     cache_builtin_names()  # the same patching of triton.language per helper call, without a scan each
     lazy_tuple_type_names()  # a tensor's shape type formats its name only when read
     np_dtypes_listed_once()  # the numpy dtype of each Triton dtype from a table made once, not per call
+    tensor_shapes_made_once()  # a tensor's shape from parts made once per block shape
 
 
 def _module(item: pytest.Item) -> str:

@@ -100,3 +100,36 @@ def np_dtypes_listed_once() -> None:
         return table[tt_dtype]
 
     interpreter._get_np_dtype = _get_np_dtype
+
+
+def tensor_shapes_made_once() -> None:
+    """Make ``triton.language.core.tensor.__init__`` take a tensor's ``shape`` (a Triton ``tuple`` of
+    ``constexpr``) from parts made once per block shape instead of anew for every tensor the interpreter
+    creates (about a tenth of an interpreted kernel's time): each tensor still gets a ``tuple`` and a
+    ``values`` list of its own, holding ``constexpr`` objects of that shape's dimensions and that shape's
+    ``tuple_type``, equal to what ``tuple([constexpr(s) for s in shape])`` makes (a ``constexpr`` and a
+    ``tuple_type`` are not changed after they are made). The other attributes as before. Raises
+    AttributeError where this Triton's tensor has none of these."""
+    import math
+
+    from triton.language import core
+
+    cls, constexpr, triton_tuple = core.tensor, core.constexpr, core.tuple
+    made: dict[Any, tuple[list[Any], Any]] = {}
+
+    def __init__(self: Any, handle: Any, type: Any) -> None:
+        self.handle = handle
+        shape = type.shape if type.is_block() else ()
+        self.numel = constexpr(math.prod(shape))
+        self.type = type
+        self.dtype = type.scalar
+        parts = made.get(shape)
+        if parts is None:
+            values = [constexpr(s) for s in shape]
+            parts = made[shape] = (values, triton_tuple(values).type)
+        dims = triton_tuple.__new__(triton_tuple)
+        dims.values = list(parts[0])
+        dims.type = parts[1]
+        self.shape = dims
+
+    cls.__init__ = __init__
