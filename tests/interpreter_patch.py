@@ -114,7 +114,7 @@ def tensor_shapes_made_once() -> None:
 
     from triton.language import core
 
-    cls, constexpr, triton_tuple = core.tensor, core.constexpr, core.tuple
+    cls, constexpr, triton_tuple, plain_tuple = core.tensor, core.constexpr, core.tuple, tuple
     made: dict[Any, tuple[list[Any], Any]] = {}
 
     def __init__(self: Any, handle: Any, type: Any) -> None:
@@ -123,10 +123,12 @@ def tensor_shapes_made_once() -> None:
         self.numel = constexpr(math.prod(shape))
         self.type = type
         self.dtype = type.scalar
-        parts = made.get(shape)
+        # a block type's shape is a Triton tuple of ints (hashed and compared in Python): keyed by its ints
+        key = plain_tuple(shape.values) if isinstance(shape, triton_tuple) else shape
+        parts = made.get(key)
         if parts is None:
             values = [constexpr(s) for s in shape]
-            parts = made[shape] = (values, triton_tuple(values).type)
+            parts = made[key] = (values, triton_tuple(values).type)
         dims = triton_tuple.__new__(triton_tuple)
         dims.values = list(parts[0])
         dims.type = parts[1]
