@@ -256,7 +256,15 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Packed ``input_ids [1, T]``, ``position_ids [1, T]`` (int64), the indices ``[S_sample (+ P)]``
         of the rows to compute logits for (the sampling rows, then ``batch.prompt_rows``), and the step's
-        ``AttentionMetadata``."""
+        ``AttentionMetadata``.
+
+        Raises:
+            ValueError: ``batch``'s per-sequence lists differ in length, or ``build_attention_metadata``
+                refuses the step.
+        """
+        if not len(batch.token_ids) == len(batch.starts) == len(batch.samples):
+            raise ValueError(f"step batch of {len(batch.token_ids)} token lists, {len(batch.starts)} starts, "
+                             f"{len(batch.samples)} sample flags")
         lens = np.fromiter((len(t) for t in batch.token_ids), dtype=np.int64, count=len(batch.token_ids))
         ends = np.cumsum(lens)
         total = int(ends[-1]) if len(ends) else 0

@@ -62,10 +62,9 @@ from gateway.router import Route
 from protocol.messages import FirstToken, WorkerLoad
 from protocol.prefill_rate import PrefillRate, judged
 
-# The longest Retry-After (seconds) an ``overloaded`` 429 gives. The openai Python client waits a
-# Retry-After only up to a limit (120 s in the release locked here) and falls
-# back to its own backoff (at most 8 s) above it; and a wait that far ahead depends mostly on arrivals and
-# rate changes still to come.
+# The longest Retry-After (seconds) an ``overloaded`` 429 gives: the openai Python client (the release
+# locked here) does not retry at all on a Retry-After over 120 s, and a wait that far ahead depends mostly
+# on arrivals and rate changes still to come.
 RETRY_AFTER_CAP_S = 60
 
 

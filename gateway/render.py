@@ -12,6 +12,7 @@ tokens (``echo`` with ``logprobs``) at 0. vLLM's ``prompt_logprobs`` keep its sh
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -59,7 +60,7 @@ def _top(text: TextProcessor, token_id: int, logprob: float) -> ChatTopLogprob:
 
 def chat_logprobs(text: TextProcessor, entries: Sequence[TokenLogprob]) -> ChatLogprobs:
     """``choices[i].logprobs`` of a chat completion (or chunk): each token's text and bytes as
-    ``TextProcessor.logprob_token`` gives them (the bytes of a completion's tokens, joined, are its text)."""
+    ``TextProcessor.logprob_token`` gives them."""
     content = []
     for e in entries:
         s, raw = text.logprob_token(e.token_id)
@@ -69,23 +70,16 @@ def chat_logprobs(text: TextProcessor, entries: Sequence[TokenLogprob]) -> ChatL
 
 def text_offsets(pieces: Sequence[bytes], offset: int) -> tuple[list[int], int]:
     """The text offset (characters) of each of ``pieces`` (consecutive tokens' bytes) in the text they
-    decode to, the first at ``offset``, and the offset after the last. A token that ends inside a UTF-8
-    character adds none of it; the token completing it adds the whole character (so every token of a
-    character split over several starts at that character, as in OpenAI's legacy ``text_offset``)."""
-    offsets, pending = [], b""
+    decode to, the first at ``offset``, and the offset after the last, by an incremental UTF-8 decoder:
+    a token that ends inside a character adds none of it and the token completing it the whole character
+    (every token of a split character starts at it, as in OpenAI's legacy ``text_offset``); a byte that
+    can start no character counts as one U+FFFD. A character still cut short after the last piece is
+    not counted (a stream's chunk never ends inside one: the detokenizer holds such tokens back)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets = []
     for raw in pieces:
         offsets.append(offset)
-        pending += raw
-        try:
-            offset += len(pending.decode("utf-8"))
-            pending = b""
-        except UnicodeDecodeError as exc:
-            if exc.reason != "unexpected end of data":  # not a character cut short: counted as U+FFFD
-                offset += len(pending.decode("utf-8", errors="replace"))
-                pending = b""
-            else:  # the whole characters before the cut one
-                offset += len(pending[:exc.start].decode("utf-8"))
-                pending = pending[exc.start:]
+        offset += len(decoder.decode(raw))
     return offsets, offset
 
 

@@ -156,11 +156,14 @@ class ResponseObject(msgspec.Struct):
 
 
 def _covering(entries: list[ChatTokenLogprob], length: int) -> list[ChatTokenLogprob]:
-    """The shortest tail of ``entries`` whose tokens' texts are at least ``length`` characters long."""
+    """The shortest tail of ``entries`` whose tokens' bytes decode to at least ``length`` characters (a
+    token inside a character shows as ``\\xHH`` escapes, so its ``token`` text's length is not its share
+    of the text; bytes of a character the tail starts inside count for nothing)."""
     take, size = 0, 0
     while take < len(entries) and size < length:
         take += 1
-        size += len(entries[-take].token)
+        tail = b"".join(bytes(e.bytes or b"") for e in entries[len(entries) - take:])
+        size = len(tail.decode("utf-8", errors="ignore"))
     return entries[len(entries) - take:]
 
 

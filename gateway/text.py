@@ -89,20 +89,24 @@ class TextProcessor:
 
     def logprob_token(self, token_id: int) -> tuple[str, bytes]:
         r"""One token as logprobs show it: ``(token, bytes)``. ``bytes`` is what the token stands for
-        (``engine.text.token_bytes``), so that a completion's tokens' bytes joined are its UTF-8 text.
-        ``token`` is ``token_text`` where those bytes are whole UTF-8 characters; else the bytes with each
-        one outside a whole character written as ``\xHH`` (``" \xf0\x9f\x98"`` for the first three
-        bytes of an emoji, where ``token_text`` gives ``" \ufffd"``; DeepSeek's OpenAI-compatible
-        API writes them so).
-
-        Raises:
-            ValueError: ``token_id`` is not in the vocabulary.
+        (``engine.text.token_bytes``; in a byte-level vocabulary a completion's tokens' bytes joined are its
+        UTF-8 text, also where one character spans several tokens). ``token`` is ``token_text`` where those
+        bytes are whole UTF-8 characters; else the bytes, each one outside a whole character written as
+        ``\xHH`` (``" \xf0\x9f\x98"`` for the first three bytes of an emoji, where ``token_text`` gives
+        ``" \ufffd"``; DeepSeek's OpenAI-compatible API writes them so). Where the bytes are whole
+        characters, ``bytes`` is ``token``'s UTF-8, as before. An id outside the tokenizer's vocabulary
+        (a model's padded logits can rank one: Qwen's 151936 rows against ~151665 tokens) shows as
+        ``token_text`` shows it, ``("", b"")``.
         """
-        raw = self.tokenizer.token_bytes(token_id)
         try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return raw.decode("utf-8", errors="backslashreplace"), raw
+            raw: bytes | None = self.tokenizer.token_bytes(token_id)
+        except ValueError:  # past the tokenizer's vocabulary
+            raw = None
+        if raw is not None:
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return raw.decode("utf-8", errors="backslashreplace"), raw
         text = self.token_text(token_id)
         return text, text.encode("utf-8")
 

@@ -75,7 +75,7 @@ def lazy_tuple_type_names() -> None:
 def np_dtypes_listed_once() -> None:
     """Make the interpreter's ``_get_np_dtype`` (the numpy dtype that holds a Triton dtype's values: every
     op the interpreter runs asks it, often several times) look its answer up in a table made once: it
-    built the same 19-entry table, each entry a ``np.dtype(...)`` call, on every call (about 5 % of an
+    built the same 18-entry table, each entry a ``np.dtype(...)`` call, on every call (about 5 % of an
     interpreted kernel's time). Same answers for every input, the same KeyError for a dtype not in the
     table. Raises AttributeError where this Triton has no such function."""
     import numpy as np

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import pytest
@@ -90,14 +91,12 @@ def test_completion_top_logprobs_keep_the_best_of_a_text_and_the_chosen_tokens_o
         def logprob_token(self, token_id: int) -> tuple[str, bytes]:
             return real.logprob_token(a if token_id == b else token_id)
 
-    text = OneText()
+    text = cast(TextProcessor, OneText())
     assert text.logprob_token(a) == text.logprob_token(b) != text.logprob_token(7), "control"
     shown = text.logprob_token(a)[0]
-    out = completion_logprobs(text, [TokenLogprob(a, -2.0, ((b, -0.5), (7, -1.0), (a, -2.0)))],  # type: ignore[arg-type]
-                              offset=0)
+    out = completion_logprobs(text, [TokenLogprob(a, -2.0, ((b, -0.5), (7, -1.0), (a, -2.0)))], offset=0)
     assert out.top_logprobs == [{shown: -2.0, real.token_text(7): -1.0}]
-    lower = completion_logprobs(text, [TokenLogprob(7, -1.0, ((b, -0.5), (a, -0.75), (7, -1.0)))],  # type: ignore[arg-type]
-                                offset=0)
+    lower = completion_logprobs(text, [TokenLogprob(7, -1.0, ((b, -0.5), (a, -0.75), (7, -1.0)))], offset=0)
     assert lower.top_logprobs == [{shown: -0.5, real.token_text(7): -1.0}]
 
 
@@ -126,3 +125,24 @@ def test_tokens_inside_a_character_show_their_own_bytes(tokenizer_dir: Path) -> 
     # the emoji's first token carries the space before it, so it starts there; the next ones at the emoji
     assert starts == [emoji_at - 1] + [emoji_at] * (len(starts) - 1) and len(starts) > 1
     assert out.text_offset[-1] == 3 + words.index("文")
+
+
+def test_text_offsets_decode_incrementally() -> None:
+    """Offsets by an incremental UTF-8 decoder: a stray continuation byte is one U+FFFD, a character cut
+    over two tokens counts once, at the token completing it."""
+    from gateway.render import text_offsets
+
+    assert text_offsets([b"\x80\xf0\x9f", b"\x98\x80", b"a"], 0) == ([0, 1, 2], 3)  # "\ufffd\U0001F600a"
+    assert text_offsets([b"ab", "é".encode(), b"\xe4", b"\xb8\xad"], 5) == ([5, 7, 8, 8], 9)
+
+
+def test_an_id_past_the_tokenizers_vocabulary_shows_as_empty(tokenizer_dir: Path) -> None:
+    """A model's padded logits can rank an id the tokenizer does not have: it shows as ``token_text``
+    shows it (empty), in chat and completions logprobs alike, instead of failing the response."""
+    text = TextProcessor.from_dir(tokenizer_dir)
+    past = text.vocab_size + 3
+    assert text.token_text(past) == "", "control: the tokenizer decodes it to nothing"
+    chat = chat_logprobs(text, [TokenLogprob(7, -0.5, ((past, -0.5), (7, -0.6)))]).content
+    assert (chat[0].top_logprobs[0].token, chat[0].top_logprobs[0].bytes) == ("", [])
+    out = completion_logprobs(text, [TokenLogprob(past, -0.5, ((past, -0.5),))], offset=0)
+    assert out.tokens == [""] and out.text_offset == [0]

@@ -349,3 +349,22 @@ def test_a_call_and_output_that_do_not_pair_are_refused(items: list[dict[str, An
     with pytest.raises(APIError) as info:
         check_supported(body)
     assert (info.value.status, info.value.param) == (400, param) and says in info.value.message
+
+
+def test_a_character_split_over_tokens_keeps_every_tokens_logprob() -> None:
+    """An emoji made of two tokens (the first with no text of its own: held back, then released with the
+    second): both tokens' logprobs go with the text, though each shows as ``\\xHH`` escapes longer than
+    the one character they make."""
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", "include": [
+        "message.output_text.logprobs"]})
+    b = ResponseBuilder(body, "resp_3", 5)
+    first = ChatTokenLogprob(" \\xf0\\x9f\\x98", -0.5, list(b" \xf0\x9f\x98"), [])
+    second = ChatTokenLogprob("\\x80", -0.25, [0x80], [])
+    b.start()
+    b.feed([], [first])
+    b.feed([ContentText(" \U0001F600")], [second])
+    whole = msgspec.to_builtins(b.response("completed", ResponseUsage(
+        1, InputTokensDetails(0), 2, OutputTokensDetails(0), 3)))
+    placed = whole["output"][0]["content"][0]["logprobs"]
+    assert [e["token"] for e in placed] == [first.token, second.token]
+    assert b"".join(bytes(e["bytes"]) for e in placed).decode() == " \U0001F600"
