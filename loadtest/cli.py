@@ -149,6 +149,17 @@ def config_from_args(args: argparse.Namespace, model: str) -> BenchConfig:
     )
 
 
+def _load_flags_given(args: argparse.Namespace) -> list[str]:
+    """The ``bench`` flags whose value in ``args`` differs from their default (the environment's, as the
+    parse read it): flags of the load run, which ``compare`` would otherwise ignore."""
+    blank = OneLineParser(prog="bench", add_help=False)
+    add_bench_arguments(blank)
+    defaults = vars(blank.parse_args([]))
+    return sorted("--" + name.replace("_", "-") for name, value in vars(args).items()
+                  if name in defaults and name not in ("bench_action", "bench_files")
+                  and value != defaults[name])
+
+
 def _compare(files: list[str]) -> int:
     from loadtest.report import compare, load_json
 
@@ -171,6 +182,11 @@ def run_bench(args: argparse.Namespace) -> int:
     before any load is sent.
     """
     if args.bench_action == "compare":
+        given = _load_flags_given(args)
+        if given:
+            print(f"error: compare reads only A.json B.json, not the load run's {', '.join(given)}",
+                  file=sys.stderr)
+            return 2
         return _compare(args.bench_files)
     if args.bench_files:
         print(f"error: unexpected arguments {args.bench_files}", file=sys.stderr)

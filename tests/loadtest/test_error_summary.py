@@ -101,3 +101,12 @@ def test_bench_against_a_keyed_gateway_without_the_key_says_pass_api_key(
         assert capsys.readouterr().err == (f"error: GET {base}/v1/models answered HTTP 401; it refused the "
                                            "--api-key given: pass one the server accepts\n")
     assert not (tmp_path / "results.json").exists()
+
+
+def test_compare_refuses_the_load_runs_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``compare`` reads two result files only: a load-run flag given with it is refused in one line
+    naming it (exit 2), not ignored; the same flags left at their defaults are fine."""
+    old = tmp_path / "old.json"
+    old.write_text("{}")
+    assert main(["compare", str(old), str(old), "--concurrency", "4", "--seed", "3"]) == 2
+    assert "not the load run's --concurrency, --seed" in capsys.readouterr().err
