@@ -49,13 +49,19 @@ def test_bad_targets_raise_naming_the_problem(argv: list[str], env: dict[str, st
         probe_target(argv, env)
 
 
+SECRET_HEADER = "Bearer sekrit"
+
+
 @pytest.fixture
 def http_server() -> Iterator[tuple[int, list[int]]]:
-    status = [200]
+    """A /health endpoint on 127.0.0.1: (port, [status it answers]). ``SECRET_HEADER`` as the status list's
+    second item makes it answer 401 to a request without that Authorization header."""
+    status: list[int] = [200]
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            self.send_response(status[0] if self.path == "/health" else 404)
+            unauthorized = len(status) > 1 and self.headers.get("Authorization") != SECRET_HEADER
+            self.send_response(404 if self.path != "/health" else 401 if unauthorized else status[0])
             self.end_headers()
 
         def log_message(self, *args: object) -> None:
@@ -127,25 +133,10 @@ def test_a_gateway_with_a_private_health_endpoint_is_probed_with_its_first_key(
     assert probe_target(argv, env).bearer == key
 
 
-def test_probe_sends_the_key_a_private_health_endpoint_asks_for() -> None:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200 if self.headers.get("Authorization") == "Bearer sekrit" else 401)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        port = server.server_address[1]
-        argv = ["pdserve", "up", "--port", str(port), "--public-health", "false"]
-        probe(probe_target(argv, {"PDSERVE_API_KEY": "sekrit"}))
-        with pytest.raises(RuntimeError, match="401"):
-            probe(probe_target(argv, {}))
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+def test_probe_sends_the_key_a_private_health_endpoint_asks_for(http_server: tuple[int, list[int]]) -> None:
+    port, status = http_server
+    status.append(401)  # the endpoint asks for the key
+    argv = ["pdserve", "up", "--port", str(port), "--public-health", "false"]
+    probe(probe_target(argv, {"PDSERVE_API_KEY": "sekrit"}))
+    with pytest.raises(RuntimeError, match="401"):
+        probe(probe_target(argv, {}))
