@@ -57,7 +57,8 @@ class TokenBytes:
     """Token id → the bytes it stands for (module docstring), cached per id."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        types = _decoder_types(json.loads(tokenizer.to_str()).get("decoder"))
+        decoder = tokenizer.decoder  # its own JSON only: the whole tokenizer's can run to megabytes
+        types = _decoder_types(json.loads(decoder.__getstate__()) if decoder is not None else None)
         self._tok = tokenizer
         self.byte_level = "ByteLevel" in types
         self.byte_fallback = "ByteFallback" in types
